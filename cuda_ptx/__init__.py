@@ -1,0 +1,1 @@
+"""helios.cuda_ptx."""

@@ -1,0 +1,1 @@
+"""helios.kernels_spirv."""

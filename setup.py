@@ -27,9 +27,11 @@ class BuildExtAndKernels(build_ext):
     """build_ext that compiles the SPIR-V kernels before the C++ addon."""
 
     def run(self):
-        builder = _load_kernel_builder()
         src_spv = os.path.join(HERE, "kernels_spirv", "spv")
-        builder.compile_all(src_spv)
+        # HELIOS_SKIP_KERNEL_BUILD=1 rebuilds only the addon (the registry compiles stale kernels at run time).
+        if os.environ.get("HELIOS_SKIP_KERNEL_BUILD") != "1":
+            _load_kernel_builder().compile_all(src_spv)
+        os.makedirs(src_spv, exist_ok=True)
         if not self.inplace:
             dst = os.path.join(self.build_lib, "helios", "kernels_spirv", "spv")
             os.makedirs(dst, exist_ok=True)

@@ -10,7 +10,7 @@ import os
 import shutil
 
 from pybind11.setup_helpers import Pybind11Extension, build_ext
-from setuptools import setup
+from setuptools import Extension, setup
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -53,5 +53,8 @@ ext_modules = [
         extra_compile_args=["-O2", "-Wall", "-Wno-missing-field-initializers"],
     )
 ] if native_sources else []
+
+# helios.comm._shm: atomics and futex waits of the shared-memory transport (plain C, no pybind11).
+ext_modules.append(Extension("helios.comm._shm", [os.path.join("comm", "native", "shm.c")], extra_compile_args=["-O2"]))
 
 setup(ext_modules=ext_modules, cmdclass={"build_ext": BuildExtAndKernels})

@@ -1,0 +1,32 @@
+#version 450
+// Embedding rows of a table W[V, C] (rows contiguous).
+// MODE 0 gather:   out[n, c] = W[idx[n], c]  (indices clamped into [0, V) for memory safety;
+//                  the caller validates indices).
+// MODE 1 backward: dW[v, c] = sum over j in [rowptr[v], rowptr[v+1]) of g[pos[j], c] — the
+//                  positions of each row are grouped (CSR) and in order, so the sum is
+//                  deterministic: no atomics, bit-identical between runs.
+#define NEED_I64
+#include "common.glsl"
+layout(local_size_x = 64, local_size_y = 4) in;
+layout(constant_id = 0) const int MODE = 0;
+
+layout(std430, binding = 0) readonly buffer BW { HL_ST(TA) w[]; };
+layout(std430, binding = 1) readonly buffer BI { int64_t idx[]; };
+layout(std430, binding = 2) readonly buffer BR { int rowptr[]; };
+layout(std430, binding = 3) writeonly buffer BO { HL_ST(TA) o[]; };
+layout(push_constant) uniform P { uint C; uint rows; uint V; uint off_w; uint off_i; } p;
+
+void main() {
+    uint c = gl_GlobalInvocationID.x;
+    uint r = gl_WorkGroupID.z * (gl_NumWorkGroups.y * gl_WorkGroupSize.y) + gl_GlobalInvocationID.y;
+    if (c >= p.C || r >= p.rows) return;
+    if (MODE == 0) {
+        int64_t v = clamp(idx[p.off_i + r], int64_t(0), int64_t(p.V) - 1);
+        o[r * p.C + c] = w[p.off_w + uint(v) * p.C + c];
+    } else {
+        float acc = 0.0;
+        for (int j = rowptr[r]; j < rowptr[r + 1]; ++j)
+            acc += HL_LDF(TA, w[p.off_w + uint(idx[j]) * p.C + c]);
+        o[r * p.C + c] = HL_STF(TA, acc);
+    }
+}

@@ -1,0 +1,96 @@
+#version 450
+// out[i] = f(a[idx_a(i)], b[idx_b(i)]) with broadcasting through strides (0 = broadcast),
+// up to 6-D, contiguous output.  OP (specialization constant 0) selects f.  With
+// COMPARE the output is bool (u8) and OP selects the comparison.
+#include "common.glsl"
+layout(local_size_x = 256) in;
+layout(constant_id = 0) const int OP = 0;
+layout(constant_id = 1) const bool CONTIG = false;  // a and b contiguous with the output's shape
+
+layout(std430, binding = 0) readonly buffer BA { HL_ST(TA) a[]; };
+layout(std430, binding = 1) readonly buffer BB { HL_ST(TA) b[]; };
+layout(std430, binding = 2) writeonly buffer BO { HL_ST(TO) o[]; };
+layout(push_constant) uniform P {
+    uint n; uint ndim; uint off_a; uint off_b;
+    uint off_o; float alpha; uint pad0; uint pad1;
+    int shape[6]; int sa[6]; int sb[6];
+} p;
+
+#if TA == T_I32
+#define CT int
+#define LD(v) int(v)
+#elif TA == T_I64
+#define CT int64_t
+#define LD(v) int64_t(v)
+#elif TA == T_U8
+#define CT uint
+#define LD(v) uint(v)
+#else
+#define CT float
+#define LD(v) HL_LDF(TA, v)
+#endif
+
+void main() {
+    uint i = flat_invocation();
+    if (i >= p.n) return;
+    uint ia = p.off_a, ib = p.off_b;
+    if (CONTIG) {
+        ia += i; ib += i;
+    } else {
+        uint rem = i;
+        for (int d = int(p.ndim) - 1; d >= 0; --d) {
+            uint q = rem / uint(p.shape[d]);
+            uint c = rem - q * uint(p.shape[d]);
+            ia += c * uint(p.sa[d]);
+            ib += c * uint(p.sb[d]);
+            rem = q;
+        }
+    }
+    CT x = LD(a[ia]);
+    CT y = LD(b[ib]);
+#ifdef COMPARE
+    bool r = false;
+    if (OP == 0) r = x == y;
+    else if (OP == 1) r = x != y;
+    else if (OP == 2) r = x < y;
+    else if (OP == 3) r = x <= y;
+    else if (OP == 4) r = x > y;
+    else if (OP == 5) r = x >= y;
+    o[p.off_o + i] = uint8_t(r ? 1u : 0u);
+#elif TA == T_U8
+    uint r = 0u;
+    if (OP == 12 || OP == 2) r = x & y;        // and (mul of bools)
+    else if (OP == 13 || OP == 0) r = x | y;   // or (add of bools)
+    else if (OP == 14 || OP == 1) r = x ^ y;   // xor
+    else if (OP == 5) r = max(x, y);
+    else if (OP == 6) r = min(x, y);
+    o[p.off_o + i] = uint8_t(r);
+#elif TA == T_I32 || TA == T_I64
+    CT r = x;
+    if (OP == 0) r = x + y;
+    else if (OP == 1) r = x - y;
+    else if (OP == 2) r = x * y;
+    else if (OP == 3) r = (y == CT(0)) ? CT(0) : x / y;  // only reached by floor-div callers
+    else if (OP == 5) r = max(x, y);
+    else if (OP == 6) r = min(x, y);
+    else if (OP == 12) r = x & y;
+    else if (OP == 13) r = x | y;
+    else if (OP == 14) r = x ^ y;
+    o[p.off_o + i] = HL_ST(TO)(r);
+#else
+    float r = x;
+    if (OP == 0) r = x + p.alpha * y;
+    else if (OP == 1) r = x - p.alpha * y;
+    else if (OP == 2) r = x * y;
+    else if (OP == 3) r = x / y;
+    else if (OP == 4) r = (y == 2.0) ? x * x : pow(abs(x), y) * ((x < 0.0 && mod(y, 2.0) == 1.0) ? -1.0 : 1.0);
+    else if (OP == 5) r = (x != x || y != y) ? x + y : max(x, y);   // NaN propagates, as in torch.maximum
+    else if (OP == 6) r = (x != x || y != y) ? x + y : min(x, y);
+    else if (OP == 7) r = y * gelu_tanh_grad(x);       // (x, grad) -> grad * gelu'(x)
+    else if (OP == 8) r = y * gelu_erf_grad(x);
+    else if (OP == 9) r = y * x * (1.0 - x);           // (sigmoid output, grad)
+    else if (OP == 10) r = y * (1.0 - x * x);          // (tanh output, grad)
+    else if (OP == 11) r = x > 0.0 ? y : 0.0;          // (relu input, grad)
+    o[p.off_o + i] = HL_STF(TO, r);
+#endif
+}

@@ -1,0 +1,59 @@
+#version 450
+// LayerNorm over contiguous rows of length C.
+// MODE 0 forward:  y = (x - mean) * rstd * w + b; also writes mean and rstd (float) per row.
+// MODE 1 backward: dx = rstd * (gw - mean(gw) - xhat * mean(gw * xhat)), gw = g * w.
+// (dw and db are column sums done by the caller with the reduce kernel.)
+#include "common.glsl"
+layout(local_size_x_id = 2) in;
+layout(constant_id = 0) const int MODE = 0;
+layout(constant_id = 1) const bool AFFINE = true;
+layout(constant_id = 2) const int WG = 256;
+
+layout(std430, binding = 0) readonly buffer BX { HL_ST(TA) x[]; };
+layout(std430, binding = 1) readonly buffer BW { HL_ST(TA) w[]; };
+layout(std430, binding = 2) readonly buffer BB { HL_ST(TA) b[]; };
+layout(std430, binding = 3) buffer BO { HL_ST(TA) o[]; };
+layout(std430, binding = 4) buffer BM { float mean_[]; };
+layout(std430, binding = 5) buffer BR { float rstd_[]; };
+layout(std430, binding = 6) readonly buffer BG { HL_ST(TA) g[]; };
+layout(push_constant) uniform P { uint C; uint rows; uint off_x; uint off_g; float eps; } p;
+
+#include "rowblock.glsl"
+
+void main() {
+    uint row = gl_WorkGroupID.y * gl_NumWorkGroups.x + gl_WorkGroupID.x;
+    if (row >= p.rows) return;
+    uint tid = gl_LocalInvocationID.x;
+    uint bx = p.off_x + row * p.C, bo = row * p.C;
+    float invC = 1.0 / float(p.C);
+    if (MODE == 0) {
+        float s = 0.0;
+        for (uint k = tid; k < p.C; k += uint(WG)) s += HL_LDF(TA, x[bx + k]);
+        float mu = block_sum(s) * invC;
+        float v = 0.0;
+        for (uint k = tid; k < p.C; k += uint(WG)) { float d = HL_LDF(TA, x[bx + k]) - mu; v += d * d; }
+        float rs = inversesqrt(block_sum(v) * invC + p.eps);
+        for (uint k = tid; k < p.C; k += uint(WG)) {
+            float y = (HL_LDF(TA, x[bx + k]) - mu) * rs;
+            if (AFFINE) y = y * HL_LDF(TA, w[k]) + HL_LDF(TA, b[k]);
+            o[bo + k] = HL_STF(TA, y);
+        }
+        if (tid == 0u) { mean_[row] = mu; rstd_[row] = rs; }
+    } else {
+        uint bg = p.off_g + row * p.C;
+        float mu = mean_[row], rs = rstd_[row];
+        float s1 = 0.0, s2 = 0.0;
+        for (uint k = tid; k < p.C; k += uint(WG)) {
+            float gw = HL_LDF(TA, g[bg + k]) * (AFFINE ? HL_LDF(TA, w[k]) : 1.0);
+            float xh = (HL_LDF(TA, x[bx + k]) - mu) * rs;
+            s1 += gw; s2 += gw * xh;
+        }
+        s1 = block_sum(s1) * invC;
+        s2 = block_sum(s2) * invC;
+        for (uint k = tid; k < p.C; k += uint(WG)) {
+            float gw = HL_LDF(TA, g[bg + k]) * (AFFINE ? HL_LDF(TA, w[k]) : 1.0);
+            float xh = (HL_LDF(TA, x[bx + k]) - mu) * rs;
+            o[bo + k] = HL_STF(TA, rs * (gw - s1 - xh * s2));
+        }
+    }
+}

@@ -1,0 +1,118 @@
+#version 450
+// Reductions: sum, max, min, argmax, argmin over one axis of a strided view.
+//
+// MODE 0 (rows): element (r, k) of row r lives at off + r*s_row + k*s_k.  Workgroup w
+//   reduces chunk (w % nchunks) of row (w / nchunks) cooperatively (shared-memory tree)
+//   and writes out[w].  Several chunks per row spread a long row over many workgroups;
+//   the caller reduces the partials with a second pass (HAS_IDX_IN carries arg indices).
+// MODE 1 (columns): element (o, k, i) lives at off + o*s_row + k*s_k + i*s_in.  Each
+//   invocation owns one output (o, i) and walks k: coalesced when i is the fast axis.
+// Values accumulate in float for float inputs and in int64 for integer/bool inputs.
+#define NEED_I64
+#include "common.glsl"
+layout(local_size_x_id = 2) in;
+layout(constant_id = 0) const int OP = 0;        // 0 sum, 1 max, 2 min, 3 argmax, 4 argmin
+layout(constant_id = 1) const int MODE = 0;
+layout(constant_id = 2) const int WG = 256;
+layout(constant_id = 3) const bool HAS_IDX_IN = false;
+
+#if TA == T_F32 || TA == T_F16 || TA == T_BF16
+#define VT float
+#define LD(v) HL_LDF(TA, v)
+#define VT_ST float
+#define LOWEST (-1.0 / 0.0)
+#define HIGHEST (1.0 / 0.0)
+#define IS_NAN(v) isnan(v)
+#else
+#define VT int64_t
+#define LD(v) int64_t(v)
+#define VT_ST int64_t
+#define LOWEST int64_t(0x8000000000000000ul)
+#define HIGHEST int64_t(0x7FFFFFFFFFFFFFFFul)
+#define IS_NAN(v) false
+#endif
+
+layout(std430, binding = 0) readonly buffer BA { HL_ST(TA) a[]; };
+layout(std430, binding = 1) readonly buffer BI { int64_t idx_in[]; };
+layout(std430, binding = 2) writeonly buffer BO { VT_ST o[]; };
+layout(std430, binding = 3) writeonly buffer BX { int64_t idx_out[]; };
+layout(push_constant) uniform P {
+    uint R; uint rows; uint inner; uint nchunks;
+    uint chunk; uint off; uint s_row; uint s_k;
+    uint s_in; float scale; uint off_idx; uint pad;
+} p;
+
+shared VT s_val[WG];
+shared int64_t s_idx[WG];
+
+// Does candidate (v, i) beat the current best (b, bi)?  NaN wins (as in torch.max);
+// ties go to the lower index (first occurrence).
+bool better(VT v, int64_t i, VT b, int64_t bi) {
+    if (IS_NAN(v)) return !IS_NAN(b) || i < bi;
+    if (IS_NAN(b)) return false;
+    bool want_max = (OP == 1 || OP == 3);
+    if (v == b) return i < bi;
+    return want_max ? v > b : v < b;
+}
+
+VT init_val() { return (OP == 0) ? VT(0) : ((OP == 1 || OP == 3) ? LOWEST : HIGHEST); }
+
+void main() {
+    uint tid = gl_LocalInvocationID.x;
+    uint wg = gl_WorkGroupID.y * gl_NumWorkGroups.x + gl_WorkGroupID.x;
+    if (MODE == 1) {
+        uint gidx = wg * uint(WG) + tid;
+        if (gidx >= p.rows * p.inner) return;
+        uint or_ = gidx / p.inner, ii = gidx - or_ * p.inner;
+        uint base = p.off + or_ * p.s_row + ii * p.s_in;
+        VT acc = init_val();
+        int64_t bi = int64_t(0x7FFFFFFFFFFFFFFFul);
+        for (uint k = 0; k < p.R; ++k) {
+            VT v = LD(a[base + k * p.s_k]);
+            if (OP == 0) acc += v;
+            else if (better(v, int64_t(k), acc, bi)) { acc = v; bi = int64_t(k); }
+        }
+#if TA == T_F32 || TA == T_F16 || TA == T_BF16
+        if (OP == 0) acc *= p.scale;
+#endif
+        o[gidx] = acc;
+        if (OP >= 3) idx_out[gidx] = bi;
+        return;
+    }
+    if (wg >= p.rows * p.nchunks) return;
+    uint r = wg / p.nchunks, c = wg - r * p.nchunks;
+    uint k0 = c * p.chunk;
+    uint k1 = min(k0 + p.chunk, p.R);
+    uint base = p.off + r * p.s_row;
+    VT acc = init_val();
+    int64_t bi = int64_t(0x7FFFFFFFFFFFFFFFul);
+    for (uint k = k0 + tid; k < k1; k += uint(WG)) {
+        VT v = LD(a[base + k * p.s_k]);
+        if (OP == 0) acc += v;
+        else {
+            int64_t ki = HAS_IDX_IN ? idx_in[p.off_idx + r * p.s_row + k * p.s_k] : int64_t(k);
+            if (better(v, ki, acc, bi)) { acc = v; bi = ki; }
+        }
+    }
+    s_val[tid] = acc;
+    s_idx[tid] = bi;
+    barrier();
+    for (uint s = uint(WG) / 2u; s > 0u; s >>= 1) {
+        if (tid < s) {
+            if (OP == 0) s_val[tid] += s_val[tid + s];
+            else if (better(s_val[tid + s], s_idx[tid + s], s_val[tid], s_idx[tid])) {
+                s_val[tid] = s_val[tid + s];
+                s_idx[tid] = s_idx[tid + s];
+            }
+        }
+        barrier();
+    }
+    if (tid == 0u) {
+        VT v = s_val[0];
+#if TA == T_F32 || TA == T_F16 || TA == T_BF16
+        if (OP == 0) v *= p.scale;
+#endif
+        o[wg] = v;
+        if (OP >= 3) idx_out[wg] = s_idx[0];
+    }
+}

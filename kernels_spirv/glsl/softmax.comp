@@ -1,0 +1,50 @@
+#version 450
+// Row-wise softmax family over contiguous rows of length R (row r at off + r*R).
+// MODE 0: softmax(x)   MODE 1: log_softmax(x)
+// MODE 2: softmax backward  (y, g) -> y * (g - sum(g*y))
+// MODE 3: log_softmax backward (y, g) -> g - exp(y) * sum(g)
+// One workgroup per row; partial results combine through shared memory.
+#include "common.glsl"
+layout(local_size_x_id = 1) in;
+layout(constant_id = 0) const int MODE = 0;
+layout(constant_id = 1) const int WG = 256;
+
+layout(std430, binding = 0) readonly buffer BX { HL_ST(TA) x[]; };
+layout(std430, binding = 1) readonly buffer BG { HL_ST(TA) g[]; };
+layout(std430, binding = 2) writeonly buffer BO { HL_ST(TA) o[]; };
+layout(push_constant) uniform P { uint R; uint rows; uint off_x; uint off_g; } p;
+
+#include "rowblock.glsl"
+
+void main() {
+    uint row = gl_WorkGroupID.y * gl_NumWorkGroups.x + gl_WorkGroupID.x;
+    if (row >= p.rows) return;
+    uint tid = gl_LocalInvocationID.x;
+    uint bx = p.off_x + row * p.R, bg = p.off_g + row * p.R, bo = row * p.R;
+    if (MODE <= 1) {
+        float m = -1.0 / 0.0;
+        for (uint k = tid; k < p.R; k += uint(WG)) m = max(m, HL_LDF(TA, x[bx + k]));
+        m = block_max(m);
+        float s = 0.0;
+        for (uint k = tid; k < p.R; k += uint(WG)) s += exp(HL_LDF(TA, x[bx + k]) - m);
+        s = block_sum(s);
+        if (MODE == 0) {
+            float inv = 1.0 / s;
+            for (uint k = tid; k < p.R; k += uint(WG)) o[bo + k] = HL_STF(TA, exp(HL_LDF(TA, x[bx + k]) - m) * inv);
+        } else {
+            float lse = m + log(s);
+            for (uint k = tid; k < p.R; k += uint(WG)) o[bo + k] = HL_STF(TA, HL_LDF(TA, x[bx + k]) - lse);
+        }
+    } else {
+        float s = 0.0;
+        for (uint k = tid; k < p.R; k += uint(WG)) {
+            float gv = HL_LDF(TA, g[bg + k]);
+            s += (MODE == 2) ? gv * HL_LDF(TA, x[bx + k]) : gv;
+        }
+        s = block_sum(s);
+        for (uint k = tid; k < p.R; k += uint(WG)) {
+            float y = HL_LDF(TA, x[bx + k]), gv = HL_LDF(TA, g[bg + k]);
+            o[bo + k] = HL_STF(TA, (MODE == 2) ? y * (gv - s) : gv - exp(y) * s);
+        }
+    }
+}

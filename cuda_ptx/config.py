@@ -1,0 +1,154 @@
+"""GEMM kernel configurations and the ladder of named variants.
+
+A :class:`GemmConfig` fully determines one kernel: the algorithm (``kind``), the
+input/output dtypes, the layout of B, and the tile/pipeline shape.  The kernel
+computes ``C[M,N] = A[M,K] @ B[K,N]`` with A row-major (K contiguous) and fp32
+accumulation.  ``b_major`` says how B is stored:
+
+* ``"n"`` -- B is ``K x N`` row-major (N contiguous, "N-major"), the numpy default;
+* ``"k"`` -- B is stored transposed, ``N x K`` with K contiguous ("K-major"), as a
+  ``torch.nn.Linear`` weight is.
+
+Kernels assume ``M % bm == N % bn == K % bk == 0``; :func:`helios.cuda_ptx.gemm`
+pads with zeros to get there (zero rows/columns do not change the product).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from helios.errors import DTypeError, ShapeError
+
+# dtype name -> (bytes per element, PTX type name)
+IN_DTYPES = {"bf16": (2, "bf16"), "fp16": (2, "f16"), "e4m3": (1, "e4m3")}
+OUT_DTYPES = {"f32": 4, "bf16": 2}
+KINDS = ("simt", "mma_sync", "wgmma")
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """One GEMM kernel: algorithm, dtypes, B layout, tiles and pipeline.
+
+    ``kind``: ``simt`` (CUDA cores), ``mma_sync`` (sm_80 tensor cores, ldmatrix,
+    cp.async) or ``wgmma`` (sm_90a warpgroup MMA fed by TMA).  For ``wgmma``,
+    ``consumers`` is the number of math warpgroups (each owns ``bm/consumers`` rows
+    of the tile); ``producer`` adds a warpgroup that only issues TMA loads (warp
+    specialisation) and ``maxnreg`` = (producer, consumer) register budgets applied
+    with ``setmaxnreg``.
+    """
+
+    name: str
+    kind: str
+    in_dtype: str = "bf16"
+    out_dtype: str = "f32"
+    b_major: str = "n"
+    bm: int = 64
+    bn: int = 64
+    bk: int = 16
+    stages: int = 1
+    warps_m: int = 1
+    warps_n: int = 1
+    consumers: int = 1
+    producer: bool = False
+    maxnreg: tuple[int, int] | None = None
+
+    # -- derived --------------------------------------------------------------------
+    @property
+    def in_bytes(self) -> int:
+        """Bytes per input element."""
+        return IN_DTYPES[self.in_dtype][0]
+
+    @property
+    def target(self) -> str:
+        """PTX ``.target``: wgmma and setmaxnreg exist only on the arch-specific sm_90a."""
+        return "sm_90a" if self.kind == "wgmma" else "sm_80"
+
+    @property
+    def version(self) -> str:
+        """PTX ISA version: 8.0 is the first with wgmma; 7.0 covers sm_80."""
+        return "8.0" if self.kind == "wgmma" else "7.0"
+
+    @property
+    def threads(self) -> int:
+        """Threads per CTA."""
+        if self.kind == "simt":
+            return 256
+        if self.kind == "mma_sync":
+            return 32 * self.warps_m * self.warps_n
+        return 128 * (self.consumers + (1 if self.producer else 0))
+
+    @property
+    def kernel_name(self) -> str:
+        """The ``.entry`` name: encodes everything that changes the code."""
+        return (
+            f"helios_gemm_{self.kind}_{self.in_dtype}_{self.out_dtype}_b{self.b_major}"
+            f"_{self.bm}x{self.bn}x{self.bk}_s{self.stages}_c{self.consumers}{'_ws' if self.producer else ''}"
+        )
+
+    def flops(self, m: int, n: int, k: int) -> int:
+        """Multiply-adds counted as two FLOPs."""
+        return 2 * m * n * k
+
+    def validate(self) -> None:
+        """Raise if the configuration cannot be generated (says which field and why)."""
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
+        if self.in_dtype not in IN_DTYPES:
+            raise DTypeError(f"in_dtype must be one of {sorted(IN_DTYPES)}, got {self.in_dtype!r}")
+        if self.out_dtype not in OUT_DTYPES:
+            raise DTypeError(f"out_dtype must be one of {sorted(OUT_DTYPES)}, got {self.out_dtype!r}")
+        if self.b_major not in ("k", "n"):
+            raise ValueError(f"b_major must be 'k' or 'n', got {self.b_major!r}")
+        if self.in_dtype == "e4m3" and (self.kind != "wgmma" or self.b_major != "k"):
+            raise DTypeError(
+                "fp8 e4m3 is generated only for kind='wgmma' with b_major='k' "
+                "(wgmma takes fp8 operands K-major only); pass B as N x K"
+            )
+        if self.kind == "simt" and (self.bm, self.bn) != (64, 64):
+            raise ShapeError(f"simt kernel is 64x64 per CTA, got {self.bm}x{self.bn}")
+        if self.kind == "mma_sync":
+            if self.bm % (16 * self.warps_m) or self.bn % (16 * self.warps_n) or self.bk % 16:
+                raise ShapeError(
+                    f"mma_sync tile {self.bm}x{self.bn}x{self.bk} must split into "
+                    f"{self.warps_m}x{self.warps_n} warps of multiples of 16 and bk % 16 == 0"
+                )
+        if self.kind == "wgmma":
+            row_elems = 128 // self.in_bytes  # one 128-byte swizzle row
+            if self.bk != row_elems:
+                raise ShapeError(f"wgmma bk must be one 128-byte swizzle row = {row_elems} elements")
+            if self.bm % (64 * self.consumers):
+                raise ShapeError(f"bm={self.bm} must be a multiple of 64 * consumers={self.consumers}")
+            if not (8 <= self.bn <= 256 and self.bn % 64 == 0):
+                raise ShapeError(f"wgmma bn must be 64, 128, 192 or 256, got {self.bn}")
+            if self.maxnreg is not None and not self.producer:
+                raise ValueError("setmaxnreg budgets need the warp-specialised producer layout")
+
+    def with_(self, **kw: object) -> "GemmConfig":
+        """A copy with fields replaced (the name is kept unless given)."""
+        return replace(self, **kw)
+
+
+def _ladder() -> dict[str, GemmConfig]:
+    v = [
+        GemmConfig("simt", "simt", bm=64, bn=64, bk=16, stages=1),
+        GemmConfig("mma_sync", "mma_sync", bm=128, bn=128, bk=32, stages=3, warps_m=2, warps_n=2),
+        GemmConfig("wgmma_tma", "wgmma", b_major="k", bm=64, bn=128, bk=64, stages=1, consumers=1),
+        GemmConfig("wgmma_pipe", "wgmma", b_major="k", bm=128, bn=128, bk=64, stages=4, consumers=1),
+        GemmConfig(
+            "wgmma_ws", "wgmma", b_major="k", bm=128, bn=256, bk=64, stages=4, consumers=2,
+            producer=True, maxnreg=(40, 232),
+        ),
+        GemmConfig(
+            "wgmma_fp8", "wgmma", in_dtype="e4m3", b_major="k", bm=128, bn=256, bk=128, stages=4,
+            consumers=2, producer=True, maxnreg=(40, 232),
+        ),
+    ]
+    return {c.name: c for c in v}
+
+
+LADDER = _ladder()
+
+
+def variants() -> dict[str, GemmConfig]:
+    """The ladder of selectable GEMM variants, by name, in increasing sophistication."""
+    return dict(LADDER)

@@ -1,0 +1,87 @@
+"""Instruction helpers shared by the generators: parameters, addresses, barriers, stores.
+
+Each helper emits a few IR instructions through a :class:`Builder`; they exist so
+the generators read as the algorithm, not as PTX spelling.
+"""
+
+from __future__ import annotations
+
+from .config import GemmConfig
+from .ir import Builder, Param, Reg
+
+
+def ld_param(b: Builder, p: Param, typ: str) -> Reg:
+    """Load a scalar kernel parameter."""
+    r = b.reg(typ)
+    b.emit(f"ld.param.{typ}", r, f"[{p}]")
+    return r
+
+
+def ld_param_ptr(b: Builder, p: Param) -> Reg:
+    """Load a pointer parameter and convert it to a global-space address."""
+    r = ld_param(b, p, "u64")
+    g = b.reg("u64")
+    b.emit("cvta.to.global.u64", g, r)
+    return g
+
+
+def smem_base(b: Builder) -> Reg:
+    """The shared-space address of the dynamic shared block (32-bit: shared addresses fit)."""
+    return b.mov("u32", "smem")
+
+
+def addr(b: Builder, base: Reg, off_elems: Reg, esz: int) -> Reg:
+    """``base + off_elems * esz`` as a 64-bit address (the offset is widened first)."""
+    t = b.reg("u64")
+    b.emit("mul.wide.u32", t, off_elems, esz)
+    r = b.reg("u64")
+    b.emit("add.u64", r, base, t)
+    return r
+
+
+def load_in_f32(b: Builder, cfg: GemmConfig, dst: Reg, ptr: Reg) -> None:
+    """Load one input element from global memory and widen it to f32.
+
+    bf16 is the top half of an f32, so a shift widens it on any arch (``cvt.f32.bf16``
+    needs sm_90); fp16 goes through ``cvt.f32.f16``.
+    """
+    if cfg.in_dtype == "bf16":
+        u = b.reg("u32")
+        b.emit("ld.global.u16", u, f"[{ptr}]")
+        b.emit("shl.b32", u, u, 16)
+        b.emit("mov.b32", dst, u)
+    elif cfg.in_dtype == "fp16":
+        h = b.reg("b16")
+        b.emit("ld.global.b16", h, f"[{ptr}]")
+        b.emit("cvt.f32.f16", dst, h)
+    else:
+        raise ValueError(f"no scalar widening for {cfg.in_dtype}")
+
+
+def store_c(b: Builder, cfg: GemmConfig, c_g: Reg, off_elems: Reg, vals: list[Reg]) -> None:
+    """Store 1 or 2 consecutive fp32 results at ``C + off_elems`` in the output dtype."""
+    osz = 4 if cfg.out_dtype == "f32" else 2
+    p = addr(b, c_g, off_elems, osz)
+    if cfg.out_dtype == "f32":
+        if len(vals) == 1:
+            b.emit("st.global.f32", f"[{p}]", vals[0])
+        else:
+            b.emit("st.global.v2.f32", f"[{p}]", "{" + f"{vals[0]}, {vals[1]}" + "}")
+    else:
+        if len(vals) == 1:
+            h = b.reg("b16")
+            b.emit("cvt.rn.bf16.f32", h, vals[0])
+            b.emit("st.global.b16", f"[{p}]", h)
+        else:
+            # cvt.rn.bf16x2.f32 d, hi, lo: the first source lands in the upper half.
+            r = b.reg("b32")
+            b.emit("cvt.rn.bf16x2.f32", r, vals[1], vals[0])
+            b.emit("st.global.b32", f"[{p}]", r)
+
+
+def bar_sync(b: Builder, barrier: int = 0, count: int | None = None) -> None:
+    """Named CTA barrier ``bar.sync id[, count]`` (count: threads taking part)."""
+    if count is None:
+        b.emit("bar.sync", barrier)
+    else:
+        b.emit("bar.sync", barrier, count)

@@ -47,6 +47,7 @@ __all__ = [
     "save_checkpoint",
     "load_checkpoint",
     "LOGICAL_DTYPES",
+    "cache_dir",
 ]
 
 _MAGIC = b"HELIOSCK"
@@ -336,3 +337,20 @@ def load_checkpoint(path: str | os.PathLike[str], *, return_dtypes: bool = False
     if return_dtypes:
         return arrays, meta, logical
     return arrays, meta
+
+
+def cache_dir(kind: str, override: str | os.PathLike[str] | None = None) -> Path:
+    """The directory for cached ``kind`` files (``"tokens"``, ``"tokenizers"``), created if needed.
+
+    ``override`` wins; else ``$HELIOS_CACHE_DIR/<kind>``; else
+    ``$XDG_CACHE_HOME/helios/<kind>``; else ``~/.cache/helios/<kind>``.
+    """
+    if override is not None:
+        d = Path(override)
+    elif os.environ.get("HELIOS_CACHE_DIR"):
+        d = Path(os.environ["HELIOS_CACHE_DIR"]) / kind
+    else:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        d = Path(base) / "helios" / kind
+    d.mkdir(parents=True, exist_ok=True)
+    return d

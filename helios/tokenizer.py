@@ -328,7 +328,7 @@ class BPETokenizer:
         pos = 0
         split = self._split
         while pos < n:
-            end = min(n, pos + _BLOCK)
+            end = min(n, pos + max(_BLOCK, 2 * _LOOKAHEAD))  # a block always holds a whole chunk
             if end == n:
                 chunks = split.findall(data, pos)
                 nxt = n
@@ -340,7 +340,7 @@ class BPETokenizer:
                         break  # this and later chunks may differ from whole-input chunking
                     chunks.append(m.group())
                     nxt = m.end()
-                if nxt == pos:  # cannot happen with _BLOCK >> _LOOKAHEAD; guard against an endless loop
+                if nxt == pos:  # cannot happen: chunks are <= 66 bytes; guard against an endless loop
                     raise AssertionError("BPETokenizer.encode: no progress in block split")
             parts.append(self._encode_chunks(chunks))
             pos = nxt
@@ -426,7 +426,7 @@ def training_sample(data: bytes, max_bytes: int = 4 << 20, windows: int = 64) ->
     out = []
     for i in range(windows):
         start = i * (len(data) - w) // (windows - 1)
-        nl = data.find(b"\n", start, start + w)
+        nl = data.find(b"\n", start, start + w) if start > 0 else -1
         s = nl + 1 if nl >= 0 else start
         out.append(data[s:start + w])
     return b"\n".join(out)

@@ -79,7 +79,7 @@ class Param:
         """The parameter's declaration in the ``.entry`` signature."""
         if self.kind == "tmap":
             # A CUtensorMap is 128 opaque bytes, 64-byte aligned; TMA reads it in param space.
-            return f".param .align 64 .b8 {self.name}[128]"
+            return f".param .align 128 .b8 {self.name}[128]"
         return f".param .{self.kind} {self.name}"
 
 
@@ -135,6 +135,13 @@ class Comment:
 
 
 @dataclass
+class Label:
+    """A branch target (for spin loops such as an mbarrier wait)."""
+
+    name: str
+
+
+@dataclass
 class Loop:
     """``for (counter = start; counter < end; counter += step) body`` over a u32 register.
 
@@ -161,7 +168,7 @@ class If:
     label: str = ""
 
 
-Stmt = Union[Instr, Comment, Loop, If]
+Stmt = Union[Instr, Comment, Label, Loop, If]
 
 
 @dataclass
@@ -247,6 +254,10 @@ class Builder:
     def emit(self, op: str, *operands: Operand, pred: Reg | None = None, negate: bool = False) -> None:
         """Append one instruction to the current block."""
         self._blocks[-1].append(Instr(op, tuple(operands), pred, negate))
+
+    def place(self, label: str) -> None:
+        """Put ``label`` at the current point."""
+        self._blocks[-1].append(Label(label))
 
     def comment(self, text: str) -> None:
         """Append a comment line."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .ir import REG_PREFIX, Comment, If, Instr, Kernel, Loop, fmt_operand
+from .ir import REG_PREFIX, Comment, If, Instr, Kernel, Label, Loop, fmt_operand
 
 _DECL_TYPE = {"pred": "pred", "b16": "b16", "b32": "b32", "b64": "b64", "f32": "f32", "f64": "f64"}
 
@@ -18,6 +18,8 @@ def _render_block(stmts: list, out: list[str], depth: int) -> None:
             out.append(f"{pad}{guard}{s.op}{(' ' + ops) if ops else ''};")
         elif isinstance(s, Comment):
             out.append(f"{pad}// {s.text}")
+        elif isinstance(s, Label):
+            out.append(f"{s.name}:")
         elif isinstance(s, Loop):
             out.append(f"{pad}mov.u32 {s.counter}, {fmt_operand(s.start)};")
             out.append(f"{s.label}:")

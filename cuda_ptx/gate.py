@@ -1,0 +1,114 @@
+"""The gate every generated kernel passes without a GPU.
+
+For one :class:`GemmConfig`: ptxas accepts the PTX for the config's target; ``-v``
+reports 0 bytes of spill and no stack frame; none of the informational notes that
+mean a silent slowdown appear (C7508 setmaxnreg ignored, C7510 wgmma across a call,
+C7511 wgmma serialised, C7517/C7519 injected waits/arrives -- ptxas prints these as
+``info``, so ``-Werror`` does not catch them); and the SASS holds the instructions
+the rung is about (HMMA, HGMMA, QGMMA, UTMALDG, USETMAXREG...).
+
+``python -m helios.cuda_ptx.gate`` runs it over :func:`variants` and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass, field
+
+from . import toolchain
+from .config import GemmConfig, variants
+from .emit import emit_gemm
+
+FORBIDDEN_NOTES = ("C7508", "C7510", "C7511", "C7517", "C7519")
+
+
+def expected_opcodes(cfg: GemmConfig) -> dict[str, str]:
+    """SASS opcodes (prefix match on the full instruction) the kernel must contain, with why."""
+    if cfg.kind == "simt":
+        return {"FFMA": "fp32 FMA main loop"}
+    if cfg.kind == "mma_sync":
+        trans = "LDSM.16.MT88" if cfg.b_major == "n" else "LDSM.16.M88"
+        return {
+            "HMMA.16816.F32": "mma.sync m16n8k16",
+            "LDSM.16.M88.4": "ldmatrix.x4 of A",
+            trans: "ldmatrix of B",
+            "LDGSTS": "cp.async",
+        }
+    exp = {
+        ("QGMMA" if cfg.in_dtype == "e4m3" else "HGMMA") + f".64x{cfg.bn}x": "wgmma m64nN",
+        "UTMALDG": "TMA load (cp.async.bulk.tensor)",
+        "SYNCS": "mbarrier",
+        "WARPGROUP.ARRIVE": "wgmma.fence",
+    }
+    if cfg.maxnreg:
+        exp["USETMAXREG"] = "setmaxnreg"
+    return exp
+
+
+@dataclass
+class GateReport:
+    """Outcome of the gate for one variant."""
+
+    name: str
+    arch: str
+    ok: bool
+    registers: int
+    spill_bytes: int
+    notes: list[str]
+    found: dict[str, int]
+    failures: list[str] = field(default_factory=list)
+
+
+def count_prefixed(sass_text: str, prefix: str) -> int:
+    """How many SASS instructions start with ``prefix`` (e.g. ``HGMMA.64x256x``)."""
+    n = 0
+    for line in sass_text.splitlines():
+        s = line.split("*/", 1)[-1].strip() if line.lstrip().startswith("/*") else ""
+        if s.startswith("@"):
+            s = s.split(None, 1)[-1]
+        if s.startswith(prefix):
+            n += 1
+    return n
+
+
+def run_gate(cfg: GemmConfig) -> GateReport:
+    """Compile ``cfg`` (cached), read ptxas -v and the SASS, and judge them."""
+    ptx = emit_gemm(cfg)
+    comp = toolchain.compile_ptx(ptx, cfg.target)
+    text = toolchain.sass(comp.cubin)
+    info = comp.info
+    failures = []
+    spill = info.spill_stores + info.spill_loads
+    if spill or info.stack_frame:
+        failures.append(f"spills: {info.spill_stores} B stores, {info.spill_loads} B loads, stack {info.stack_frame} B")
+    bad = [n for n in info.notes if n in FORBIDDEN_NOTES]
+    if bad:
+        lines = [ln for ln in info.log.splitlines() if any(n in ln for n in bad)]
+        failures.append("ptxas notes " + ", ".join(bad) + ": " + " | ".join(lines))
+    found = {}
+    for prefix, why in expected_opcodes(cfg).items():
+        found[prefix] = count_prefixed(text, prefix)
+        if not found[prefix]:
+            failures.append(f"SASS lacks {prefix} ({why})")
+    return GateReport(cfg.name, cfg.target, not failures, info.registers, spill, info.notes, found, failures)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI: gate every variant (or those named), print one JSON line each; exit 1 on any failure."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("names", nargs="*", help="variants to gate (default: all)")
+    args = ap.parse_args(argv)
+    vs = variants()
+    names = args.names or list(vs)
+    ok = True
+    for n in names:
+        rep = run_gate(vs[n])
+        ok &= rep.ok
+        print(json.dumps(asdict(rep)))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,323 @@
+"""Rungs 3-6: ``wgmma.mma_async`` fed by TMA through an mbarrier ring (``sm_90a``).
+
+One generator covers the Hopper rungs; the config picks the shape:
+
+* one consumer warpgroup, thread 0 issuing TMA between tiles (``wgmma_tma``,
+  ``wgmma_pipe`` with a deeper ring and two m64 blocks);
+* warp specialisation (``producer=True``): warpgroup 0 only issues TMA and gives
+  registers back with ``setmaxnreg.dec``; the consumer warpgroups take them with
+  ``setmaxnreg.inc`` and each owns ``bm / consumers`` rows (``wgmma_ws``);
+* fp8 e4m3 (``wgmma_fp8``): same pipeline, ``k32`` instructions (QGMMA).
+
+Shared memory per ring slot: the A tile (``bm`` rows x 128 bytes) then the B tile
+(``bn`` rows x 128 bytes), both K-major, written by TMA with the 128-byte swizzle and
+read by wgmma through descriptors (:func:`layout.encode_desc`; LBO 16, SBO 1024).
+``full[s]`` (TMA bytes landed) and ``empty[s]`` (consumers done) mbarriers order it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import layout as L
+from . import ops
+from .config import IN_DTYPES, GemmConfig
+from .ir import Builder, Kernel
+
+SWIZZLE = 128
+SBO = 1024  # bytes between 8-row atoms of a K-major 128B-swizzled tile
+LBO = 16  # unused by swizzled K-major layouts; 1 (encoded) by convention
+K_STEP_BYTES = 32  # one wgmma consumes 32 bytes of K: k16 bf16/fp16, k32 fp8
+
+
+@dataclass(frozen=True)
+class WgmmaPlan:
+    """Geometry of a wgmma kernel: slot layout, per-consumer m blocks, descriptor constants."""
+
+    cfg: GemmConfig
+
+    @property
+    def a_bytes(self) -> int:
+        return self.cfg.bm * 128
+
+    @property
+    def b_bytes(self) -> int:
+        return self.cfg.bn * 128
+
+    @property
+    def stage_bytes(self) -> int:
+        return self.a_bytes + self.b_bytes  # multiple of 1024: bm, bn are multiples of 8
+
+    @property
+    def rows_per_consumer(self) -> int:
+        return self.cfg.bm // self.cfg.consumers
+
+    @property
+    def mblocks(self) -> int:
+        return self.rows_per_consumer // 64
+
+    @property
+    def ksteps(self) -> int:
+        return 128 // K_STEP_BYTES
+
+    @property
+    def k_inst(self) -> int:
+        return K_STEP_BYTES // self.cfg.in_bytes
+
+    @property
+    def desc_const(self) -> int:
+        """The descriptor with a zero start address; the kernel ORs in ``addr >> 4``."""
+        return L.encode_desc(0, LBO, SBO, SWIZZLE)
+
+    def a_offset(self, consumer: int, mb: int, kk: int) -> int:
+        """Byte offset in a slot where consumer ``consumer``'s m-block ``mb`` k-step ``kk`` starts."""
+        return (consumer * self.rows_per_consumer + mb * 64) * 128 + kk * K_STEP_BYTES
+
+    def b_offset(self, kk: int) -> int:
+        return self.a_bytes + kk * K_STEP_BYTES
+
+
+def _vec(regs) -> str:
+    return "{" + ", ".join(str(r) for r in regs) + "}"
+
+
+def generate(cfg: GemmConfig) -> Kernel:
+    """Build the wgmma kernel for ``cfg``."""
+    cfg.validate()
+    if cfg.b_major != "k":
+        raise NotImplementedError("wgmma generator takes B K-major (N x K); gemm() transposes N-major B")
+    plan = WgmmaPlan(cfg)
+    T = cfg.threads
+    S = cfg.stages
+    ptx_in = IN_DTYPES[cfg.in_dtype][1]
+    b = Builder(cfg.kernel_name, cfg.target, cfg.version, T)
+    # .maxntid + .minnctapersm 1 are what lets ptxas honour setmaxnreg (else note C7508).
+    b.kernel.maxntid = (T, 1, 1)
+    b.kernel.minnctapersm = 1
+    tma_a, tma_b = b.param("tmap_a", "tmap"), b.param("tmap_b", "tmap")
+    pc = b.param("c", "u64")
+    b.param("M", "u32")
+    pn, pk = b.param("N", "u32"), b.param("K", "u32")
+    b.shared("ring", plan.stage_bytes * S, align=1024, shape=(S, plan.stage_bytes), dtype=cfg.in_dtype,
+             swizzle=SWIZZLE)
+    bars = b.shared("bars", 16 * S, align=8, shape=(2, S), dtype="b64")
+
+    c_g = ops.ld_param_ptr(b, pc)
+    n_r, k_r = ops.ld_param(b, pn, "u32"), ops.ld_param(b, pk, "u32")
+    tmaps = []
+    for p in (tma_a, tma_b):
+        g = b.reg("u64")
+        b.emit("mov.b64", g, p)
+        b.emit("cvta.param.u64", g, g)
+        tmaps.append(g)
+    tid = b.sreg("%tid.x")
+    m0 = b.binop("mul.lo", "u32", b.sreg("%ctaid.y"), cfg.bm)
+    n0 = b.binop("mul.lo", "u32", b.sreg("%ctaid.x"), cfg.bn)
+    ring = ops.smem_base(b)
+    full0 = b.binop("add", "u32", ring, bars.offset)
+    empty0 = b.binop("add", "u32", full0, 8 * S)
+    kt_n = b.binop("shr", "u32", k_r, cfg.bk.bit_length() - 1)
+    is_t0 = b.setp("eq", "u32", tid, 0)
+    n_consumer_threads = 128 * cfg.consumers
+
+    b.comment("thread 0 initialises the barriers; the fences publish them to the async (TMA) proxy")
+    with b.if_(is_t0):
+        for s in range(S):
+            b.emit("mbarrier.init.shared::cta.b64", f"[{full0}+{8 * s}]", 1)
+            b.emit("mbarrier.init.shared::cta.b64", f"[{empty0}+{8 * s}]", n_consumer_threads)
+        b.emit("fence.mbarrier_init.release.cluster")
+        b.emit("fence.proxy.async.shared::cta")
+    ops.bar_sync(b, 0)
+
+    def load_tile(kt, slot) -> None:
+        """Arm ``full[slot]`` with the tile's byte count and start both TMA copies into it."""
+        fb = b.mad("u32", slot, 8, full0)
+        b.emit("mbarrier.arrive.expect_tx.shared::cta.b64", "_", f"[{fb}]", plan.stage_bytes)
+        dst = b.mad("u32", slot, plan.stage_bytes, ring)
+        k0 = b.binop("mul.lo", "u32", kt, cfg.bk)
+        b.emit("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes",
+               f"[{dst}]", f"[{tmaps[0]}, {{{k0}, {m0}}}]", f"[{fb}]")
+        b.emit("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes",
+               f"[{dst}+{plan.a_bytes}]", f"[{tmaps[1]}, {{{k0}, {n0}}}]", f"[{fb}]")
+
+    def wait(bar_addr, parity) -> None:
+        """Spin on ``mbarrier.try_wait.parity`` until the phase with ``parity`` completed."""
+        lbl = b.label("wait")
+        done = b.reg("pred")
+        b.place(lbl)
+        b.emit("mbarrier.try_wait.parity.shared::cta.b64", done, f"[{bar_addr}]", parity)
+        b.emit("bra", lbl, pred=done, negate=True)
+
+    def advance(slot, phase) -> None:
+        """slot += 1; on wrap slot = 0 and the expected parity flips."""
+        wrap = b.reg("pred")
+        b.emit("add.u32", slot, slot, 1)
+        b.emit("setp.eq.u32", wrap, slot, S)
+        b.emit("mov.u32", slot, 0, pred=wrap)
+        b.emit("xor.b32", phase, phase, 1, pred=wrap)
+
+    def consumer(cidx, wtid, release) -> None:
+        """Math warpgroup ``cidx`` (a register or int), thread ``wtid`` within it: the main loop + epilogue."""
+        n_acc = cfg.bn // 2
+        acc = [[b.mov("f32", 0.0) for _ in range(n_acc)] for _ in range(plan.mblocks)]
+        one = b.mov("u32", 1)
+        scale_d = b.setp("ne", "u32", one, 0)
+        slot, phase = b.mov("u32", 0), b.mov("u32", 0)
+        cons_a = b.binop("mul.lo", "u32", cidx, plan.rows_per_consumer * 128)
+        kt = b.reg("u32")
+        da, db = b.reg("b64"), b.reg("b64")
+        dak, dbk = b.reg("b64"), b.reg("b64")
+        addr = b.reg("u32")
+        with b.loop(kt, 0, kt_n, 1):
+            wait(b.mad("u32", slot, 8, full0), phase)
+            b.emit("mad.lo.u32", addr, slot, plan.stage_bytes, ring)
+            b.emit("add.u32", addr, addr, cons_a)
+            _desc(b, da, addr, plan.desc_const)
+            b.emit("mad.lo.u32", addr, slot, plan.stage_bytes, ring)
+            b.emit("add.u32", addr, addr, plan.a_bytes)
+            _desc(b, db, addr, plan.desc_const)
+            b.emit("wgmma.fence.sync.aligned")
+            for kk in range(plan.ksteps):
+                b.emit("add.s64", dbk, db, (kk * K_STEP_BYTES) >> 4)
+                for mb in range(plan.mblocks):
+                    b.emit("add.s64", dak, da, (mb * 64 * 128 + kk * K_STEP_BYTES) >> 4)
+                    shape = f"m64n{cfg.bn}k{plan.k_inst}"
+                    if cfg.in_dtype == "e4m3":
+                        b.emit(f"wgmma.mma_async.sync.aligned.{shape}.f32.{ptx_in}.{ptx_in}",
+                               _vec(acc[mb]), dak, dbk, scale_d, 1, 1)
+                    else:
+                        # imm-trans-a/b = 0: both operands K-major.
+                        b.emit(f"wgmma.mma_async.sync.aligned.{shape}.f32.{ptx_in}.{ptx_in}",
+                               _vec(acc[mb]), dak, dbk, scale_d, 1, 1, 0, 0)
+            b.emit("wgmma.commit_group.sync.aligned")
+            b.emit("wgmma.wait_group.sync.aligned", 0)
+            release(kt, slot)
+            advance(slot, phase)
+        _epilogue(b, cfg, plan, c_g, n_r, m0, n0, cidx, wtid, acc)
+
+    if cfg.producer:
+        wg = b.binop("shr", "u32", tid, 7)
+        is_prod = b.setp("eq", "u32", wg, 0)
+        with b.if_(is_prod):
+            b.comment("producer warpgroup: hand registers to the consumers, thread 0 streams tiles")
+            b.emit("setmaxnreg.dec.sync.aligned.u32", cfg.maxnreg[0])
+            with b.if_(is_t0):
+                slot, phase = b.mov("u32", 0), b.mov("u32", 0)
+                kt = b.reg("u32")
+                par = b.reg("u32")
+                with b.loop(kt, 0, kt_n, 1):
+                    # A fresh barrier counts as having completed the phase before phase 0,
+                    # so the first lap's wait on parity 1 passes at once.
+                    b.emit("xor.b32", par, phase, 1)
+                    wait(b.mad("u32", slot, 8, empty0), par)
+                    load_tile(kt, slot)
+                    advance(slot, phase)
+        with b.if_(is_prod, negate=True):
+            b.emit("setmaxnreg.inc.sync.aligned.u32", cfg.maxnreg[1])
+            cidx = b.binop("sub", "u32", wg, 1)
+            wtid = b.binop("and", "b32", tid, 127)
+
+            def release_ws(kt, slot) -> None:
+                b.emit("mbarrier.arrive.shared::cta.b64", "_", f"[{b.mad('u32', slot, 8, empty0)}]")
+
+            consumer(cidx, wtid, release_ws)
+    else:
+        with b.if_(is_t0):
+            for s in range(S):
+                g = b.setp("lt", "u32", s, kt_n)
+                with b.if_(g):
+                    load_tile(b.mov("u32", s), b.mov("u32", s))
+        nxt = b.reg("u32")
+
+        def release_single(kt, slot) -> None:
+            # All consumer threads are done with the slot before thread 0 refills it.
+            ops.bar_sync(b, 1, n_consumer_threads)
+            b.emit("add.u32", nxt, kt, S)
+            more = b.setp("lt", "u32", nxt, kt_n)
+            refill = b.reg("pred")
+            b.emit("and.pred", refill, more, is_t0)
+            with b.if_(refill):
+                load_tile(nxt, slot)
+
+        consumer(b.mov("u32", 0), tid, release_single)
+    return b.build()
+
+
+def _desc(b: Builder, out, addr, const: int) -> None:
+    """``out = const | ((addr & 0x3FFFF) >> 4)``: a descriptor for the tile at shared ``addr``."""
+    t = b.reg("u32")
+    b.emit("and.b32", t, addr, 0x3FFFF)
+    b.emit("shr.u32", t, t, 4)
+    b.emit("cvt.u64.u32", out, t)
+    b.emit("or.b64", out, out, const)
+
+
+def _epilogue(b: Builder, cfg: GemmConfig, plan: WgmmaPlan, c_g, n_r, m0, n0, cidx, wtid, acc) -> None:
+    """Write each consumer's accumulators: pairs (i, i+1) are adjacent columns (layout.wgmma_d_map)."""
+    osz = 4 if cfg.out_dtype == "f32" else 2
+    warp = b.binop("shr", "u32", wtid, 5)
+    lane = b.binop("and", "b32", wtid, 31)
+    row = b.mad("u32", cidx, plan.rows_per_consumer, m0)
+    row = b.mad("u32", warp, 16, row)
+    row = b.binop("add", "u32", row, L.GROUP.emit(b, lane))
+    col = b.binop("add", "u32", n0, L.QUAD2.emit(b, lane))
+    base = b.mad("u32", row, n_r, col)
+    n8 = b.binop("shl", "b32", n_r, 3)
+    for mb in range(plan.mblocks):
+        for half in range(2):
+            off = b.mad("u32", n8, 8 * mb + half, base)
+            ptr = ops.addr(b, c_g, off, osz)
+            for j in range(cfg.bn // 8):
+                lo, hi = acc[mb][4 * j + 2 * half], acc[mb][4 * j + 2 * half + 1]
+                if cfg.out_dtype == "f32":
+                    b.emit("st.global.v2.f32", f"[{ptr}+{j * 8 * osz}]", f"{{{lo}, {hi}}}")
+                else:
+                    r = b.reg("b32")
+                    b.emit("cvt.rn.bf16x2.f32", r, hi, lo)
+                    b.emit("st.global.b32", f"[{ptr}+{j * 8 * osz}]", r)
+
+
+# ---------------------------------------------------------------------------------------
+# numpy simulation of one CTA tile through TMA, descriptors and the accumulator map
+
+
+def simulate_tile(cfg: GemmConfig, A: np.ndarray, B: np.ndarray) -> np.ndarray:
+    """One ``bm x bk`` @ ``bk x bn`` tile through the kernel's data path, in numpy.
+
+    TMA writes A (``bm x bk``) and B^T (``bn x bk``) into a slot with the 128-byte
+    swizzle (:func:`layout.tma_store_box`); each consumer builds its descriptors with
+    the same constants and offsets as the generator, :func:`layout.wgmma_gather`
+    reads the operands those descriptors name, products accumulate into the
+    per-thread registers of :func:`layout.wgmma_d_map`, and the epilogue's (row, col)
+    arithmetic scatters them to C.  Inputs are exchanged as float16 bytes (bf16 and
+    fp16 are both 2 bytes; fp8 configs use a 1-byte stand-in), so integer-valued
+    inputs compare exactly.
+    """
+    plan = WgmmaPlan(cfg)
+    dt = np.float16 if cfg.in_bytes == 2 else np.int8
+    smem = np.zeros(plan.stage_bytes, np.uint8)
+    smem[: plan.a_bytes] = L.tma_store_box(A.astype(dt), SWIZZLE)
+    smem[plan.a_bytes:] = L.tma_store_box(np.ascontiguousarray(B.T.astype(dt)), SWIZZLE)
+    C = np.full((cfg.bm, cfg.bn), np.nan)
+    rmap, cmap = L.wgmma_d_map(cfg.bn)
+    for c in range(cfg.consumers):
+        acc = np.zeros((plan.mblocks, 128, cfg.bn // 2))
+        for kk in range(plan.ksteps):
+            db = plan.desc_const | (plan.b_offset(kk) >> 4)
+            bt = L.wgmma_gather(smem, db, cfg.bn, K_STEP_BYTES, dt).astype(np.float64)  # bn x k
+            for mb in range(plan.mblocks):
+                da = plan.desc_const | (plan.a_offset(c, mb, kk) >> 4)
+                a = L.wgmma_gather(smem, da, 64, K_STEP_BYTES, dt).astype(np.float64)  # 64 x k
+                d = a @ bt.T
+                acc[mb] += d[rmap, cmap]
+        wt = np.arange(128)[:, None]
+        for mb in range(plan.mblocks):
+            for i in range(cfg.bn // 2):
+                # the epilogue: row = c*rows + 16*warp + g + 8*mb*8/8 + 8*half, col = 8*j + q + e
+                j, half, e = i // 4, (i // 2) % 2, i % 2
+                row = c * plan.rows_per_consumer + mb * 64 + 16 * (wt[:, 0] // 32) + L.GROUP(wt[:, 0] % 32) + 8 * half
+                col = 8 * j + L.QUAD2(wt[:, 0] % 32) + e
+                C[row, col] = acc[mb, :, i]
+    return C

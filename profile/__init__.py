@@ -1,1 +1,44 @@
-"""helios.profile."""
+"""helios.profile: step timers, MFU/HFU, Chrome traces, the SQLite run database, the HTML report.
+
+Nothing here imports the device runtime: the runtime calls in (see
+:mod:`helios.profile.profiler` for the contract).
+"""
+
+from helios.profile.debug import debug_level, format_kernel_line, log_kernel
+from helios.profile.errors import ProfileError
+from helios.profile.events import DeviceEvent, HostOpRecord, MemorySample, SubmitRecord
+from helios.profile.mfu import (
+    PEAK_TABLE,
+    PeakFlops,
+    cpu_peak_estimate,
+    format_mfu,
+    gpt_flops_per_token,
+    gpt_hardware_flops_per_token,
+    compute_mfu,
+    peak_flops,
+)
+from helios.profile.profiler import (
+    Collector,
+    KeyAverages,
+    OpAverage,
+    Profiler,
+    current_collector,
+    key_averages,
+    parse_profile_steps,
+    profile,
+    register_runtime_hooks,
+    unregister_runtime_hooks,
+)
+from helios.profile.rundb import DB_FILENAME, RunDB, read_run
+from helios.profile.timers import ALL_PHASES, IDLE, PHASES, PhaseSpan, StepRecord, StepTimer
+from helios.profile.trace import build_trace, validate_trace, write_trace
+
+__all__ = [
+    "ALL_PHASES", "DB_FILENAME", "IDLE", "PEAK_TABLE", "PHASES",
+    "Collector", "DeviceEvent", "HostOpRecord", "KeyAverages", "MemorySample", "OpAverage", "PeakFlops",
+    "PhaseSpan", "ProfileError", "Profiler", "RunDB", "StepRecord", "StepTimer", "SubmitRecord",
+    "build_trace", "cpu_peak_estimate", "current_collector", "debug_level", "format_kernel_line", "format_mfu",
+    "gpt_flops_per_token", "gpt_hardware_flops_per_token", "key_averages", "log_kernel", "compute_mfu",
+    "parse_profile_steps", "peak_flops", "profile", "read_run", "register_runtime_hooks",
+    "unregister_runtime_hooks", "validate_trace", "write_trace",
+]

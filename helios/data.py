@@ -62,7 +62,9 @@ __all__ = [
 ]
 
 SEPARATOR = b"\n\n"
-_EXCLUDED_STDLIB_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
+_EXCLUDED_STDLIB_DIRS = frozenset(
+    {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+)
 _BINARY_PROBE = 8000
 
 
@@ -156,7 +158,9 @@ def open_corpus(data: str | os.PathLike[str] | None = None) -> Corpus:
         return Corpus(root, files, f"Python {sysconfig.get_python_version()} standard library ({root})")
     p = Path(data).expanduser()
     if not p.exists():
-        raise FileNotFoundError(f"--data {str(p)!r}: no such file or folder; pass a text file or a folder of text files")
+        raise FileNotFoundError(
+            f"--data {str(p)!r}: no such file or folder; pass a text file or a folder of text files"
+        )
     if p.is_file():
         if p.stat().st_size == 0:
             raise ValueError(f"--data {str(p)!r}: the file is empty; pass a file with text in it")
@@ -204,7 +208,9 @@ def _tokenize(corpus: Corpus, tokenizer: Any, progress: bool) -> np.ndarray:
         if bar is not None:
             bar.close()
     if not parts:
-        raise ValueError(f"corpus {corpus.description}: no text found ({len(corpus.skipped)} files skipped as binary)")
+        raise ValueError(
+            f"corpus {corpus.description}: no text found ({len(corpus.skipped)} files skipped as binary)"
+        )
     return np.concatenate(parts)
 
 
@@ -294,7 +300,9 @@ class BatchLoader:
 
     def __init__(self, tokens: np.ndarray, batch_size: int, block_size: int, seed: int = 0) -> None:
         if not isinstance(tokens, np.ndarray) or tokens.ndim != 1 or tokens.dtype.kind not in "iu":
-            what = f"{type(tokens).__name__}" + (f" {tokens.dtype} of shape {tokens.shape}" if isinstance(tokens, np.ndarray) else "")
+            what = type(tokens).__name__
+            if isinstance(tokens, np.ndarray):
+                what += f" {tokens.dtype} of shape {tokens.shape}"
             raise ValueError(f"BatchLoader: tokens must be a 1-D integer numpy array, got {what}")
         if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
             raise ValueError(f"BatchLoader: batch_size must be an int >= 1, got {batch_size!r}")
@@ -366,11 +374,12 @@ class BatchLoader:
         diff = {k: (state.get(k), v) for k, v in mine.items() if state.get(k) != v}
         if diff:
             detail = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in diff.items())
-            raise ValueError(f"BatchLoader.load_state_dict: the saved loader differs ({detail}); resume with the "
-                             "same data, tokenizer, batch size and block size, or start a new run")
+            raise ValueError(f"BatchLoader.load_state_dict: the saved loader differs ({detail}); resume "
+                             "with the same data, tokenizer, batch size and block size, or start a new run")
         rng_state = state["rng"]
         if rng_state.get("bit_generator") != "PCG64":
-            raise ValueError(f"BatchLoader.load_state_dict: expected a PCG64 state, got {rng_state.get('bit_generator')!r}")
+            raise ValueError("BatchLoader.load_state_dict: expected a PCG64 state, got "
+                             f"{rng_state.get('bit_generator')!r}")
         bg = np.random.PCG64()
         bg.state = rng_state
         self.rng = np.random.Generator(bg)
@@ -393,7 +402,9 @@ def unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:
     if t.dtype.kind not in "iu":
         raise ValueError(f"unigram_entropy: tokens must be integers, got {t.dtype}")
     if int(t.min()) < 0 or int(t.max()) >= vocab_size:
-        raise ValueError(f"unigram_entropy: tokens must lie in [0, {vocab_size}), got [{int(t.min())}, {int(t.max())}]")
+        raise ValueError(
+            f"unigram_entropy: tokens must lie in [0, {vocab_size}), got [{int(t.min())}, {int(t.max())}]"
+        )
     counts = np.bincount(t, minlength=vocab_size).astype(np.float64)
     p = counts[counts > 0] / t.size
     return float(-(p * np.log(p)).sum())
@@ -435,7 +446,8 @@ def prepare_dataset(
     val_fraction: float = 0.1,
     progress: bool = False,
 ) -> Dataset:
-    """Open the corpus (``--data``), build the tokenizer (``--tokenizer``), load or make the token cache, split.
+    """Open the corpus (``--data``), build the tokenizer (``--tokenizer``), load or make the token
+    cache, and split it.
 
     ``cache_root`` replaces the cache folder: tokens go to ``cache_root/tokens``
     and trained tokenizers to ``cache_root/tokenizers``.

@@ -98,7 +98,10 @@ def atomic_open(path: str | os.PathLike[str], mode: str = "wb", encoding: str = 
         raise ValueError(f"atomic_open: mode must be 'wb' or 'w', got {mode!r}")
     target = Path(path)
     if not target.parent.is_dir():
-        raise FileNotFoundError(f"atomic_open: directory {str(target.parent)!r} of {str(target)!r} does not exist; create it first")
+        raise FileNotFoundError(
+            f"atomic_open: directory {str(target.parent)!r} of {str(target)!r} does not exist; "
+            "create it first"
+        )
     tmp = _temp_path(target)
     # 0o666 & ~umask, like open(); O_EXCL so that we never write into someone else's file.
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
@@ -253,9 +256,13 @@ def _read_exact_into(f: IO[bytes], buf: np.ndarray | bytearray, path: Path, what
 
 
 @overload
-def load_checkpoint(path: str | os.PathLike[str], *, return_dtypes: Literal[False] = False) -> tuple[dict[str, np.ndarray], dict[str, Any]]: ...
+def load_checkpoint(
+    path: str | os.PathLike[str], *, return_dtypes: Literal[False] = False
+) -> tuple[dict[str, np.ndarray], dict[str, Any]]: ...
 @overload
-def load_checkpoint(path: str | os.PathLike[str], *, return_dtypes: Literal[True]) -> tuple[dict[str, np.ndarray], dict[str, Any], dict[str, str]]: ...
+def load_checkpoint(
+    path: str | os.PathLike[str], *, return_dtypes: Literal[True]
+) -> tuple[dict[str, np.ndarray], dict[str, Any], dict[str, str]]: ...
 
 
 def load_checkpoint(path: str | os.PathLike[str], *, return_dtypes: bool = False) -> Any:
@@ -282,7 +289,8 @@ def load_checkpoint(path: str | os.PathLike[str], *, return_dtypes: bool = False
             raise _ckpt_error(p, f"not a Helios checkpoint (magic {raw[:8]!r}, expected {_MAGIC!r})",
                               "pass a file written by helios.fileio.save_checkpoint")
         if len(raw) < _PREFIX.size:
-            raise _ckpt_error(p, f"file is {size} bytes, shorter than the {_PREFIX.size}-byte prefix (truncated)")
+            raise _ckpt_error(p, f"file is {size} bytes, shorter than the {_PREFIX.size}-byte prefix "
+                                 "(truncated)")
         _, version, reserved, header_len, data_len, digest = _PREFIX.unpack(raw)
         if version != _VERSION:
             raise _ckpt_error(p, f"format version {version}, this Helios reads version {_VERSION}",

@@ -187,10 +187,11 @@ class BPETokenizer:
 
     @classmethod
     def train(cls, data: bytes | str, vocab_size: int, progress: bool = False) -> BPETokenizer:
-        """Learn ``vocab_size - 256`` merges on ``data``; stops early if no pair occurs twice... or at all.
+        """Learn up to ``vocab_size - 256`` merges on ``data``, deterministically.
 
-        Training stops when no adjacent pair is left (tiny inputs), so the result
-        may have fewer tokens than asked; read ``vocab_size`` of the result.
+        Training stops early when no adjacent pair is left inside any chunk
+        (tiny inputs), so the result may have fewer tokens than asked: read
+        ``vocab_size`` of the result.  ``progress`` shows a tqdm bar.
         """
         if not isinstance(vocab_size, int) or vocab_size < 256:
             raise ValueError(f"BPETokenizer.train: vocab_size must be an int >= 256, got {vocab_size!r}")
@@ -391,7 +392,9 @@ class BPETokenizer:
         except FileNotFoundError:
             raise
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ValueError(f"BPETokenizer.load: {str(p)!r} is not valid JSON ({e}); delete it to retrain") from e
+            raise ValueError(
+                f"BPETokenizer.load: {str(p)!r} is not valid JSON ({e}); delete it to retrain"
+            ) from e
         if not isinstance(doc, dict) or doc.get("format") != _FORMAT:
             raise ValueError(f"BPETokenizer.load: {str(p)!r} is not a {_FORMAT} file; delete it to retrain")
         if doc.get("version") != _FORMAT_VERSION:
@@ -401,8 +404,8 @@ class BPETokenizer:
             )
         tok = cls([tuple(m) for m in doc["merges"]], doc["pattern"].encode("latin-1"))
         if doc.get("identity") not in (None, tok.identity):
-            raise ValueError(f"BPETokenizer.load: {str(p)!r} is damaged (identity does not match its merges); "
-                             "delete it to retrain")
+            raise ValueError(f"BPETokenizer.load: {str(p)!r} is damaged (identity does not match its "
+                             "merges); delete it to retrain")
         return tok
 
     def __repr__(self) -> str:
@@ -411,7 +414,10 @@ class BPETokenizer:
 
 # ---------------------------------------------------------------------- spec -> tokenizer
 
-_SPEC_HELP = "'byte', 'bpe:N' (train or reuse a byte-level BPE with vocabulary N >= 256), or a path to a saved BPE .json"
+_SPEC_HELP = (
+    "'byte', 'bpe:N' (train or reuse a byte-level BPE with vocabulary N >= 256), "
+    "or a path to a saved BPE .json"
+)
 
 
 def training_sample(data: bytes, max_bytes: int = 4 << 20, windows: int = 64) -> bytes:
@@ -458,7 +464,9 @@ def get_tokenizer(
     if spec.startswith("bpe:"):
         arg = spec[4:]
         if not arg.isdigit() or int(arg) < 256:
-            raise ValueError(f"bad tokenizer spec {spec!r}: N must be an integer >= 256; accepted forms: {_SPEC_HELP}")
+            raise ValueError(
+                f"bad tokenizer spec {spec!r}: N must be an integer >= 256; accepted forms: {_SPEC_HELP}"
+            )
         n = int(arg)
         if corpus_bytes_fn is None:
             raise ValueError(f"tokenizer spec {spec!r} needs a corpus to train on (corpus_bytes_fn)")

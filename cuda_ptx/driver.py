@@ -1,0 +1,230 @@
+"""The CUDA driver API through ``cuda-bindings``: context, modules, memory, tensor maps, launch.
+
+Every call is checked; a failure raises :class:`helios.errors.DeviceError` naming the
+call, the driver's error name and string, and (for module loads) the JIT log.
+``cuda.bindings`` imports without a driver; :func:`driver_status` says whether one
+can actually be initialised, and why not.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+
+from helios.errors import DeviceError, OutOfMemoryError
+
+MAX_DYN_SMEM = 227 * 1024  # Hopper's opt-in dynamic shared memory per block
+
+
+def _cu():
+    try:
+        from cuda.bindings import driver as cu
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise DeviceError("cuda-bindings is not installed; `pip install cuda-bindings` (the `cuda` extra)") from e
+    return cu
+
+
+def _err_text(cu, err) -> str:
+    name = cu.cuGetErrorName(err)
+    text = cu.cuGetErrorString(err)
+    n = name[1].decode() if name[0] == cu.CUresult.CUDA_SUCCESS and name[1] else str(err)
+    t = text[1].decode() if text[0] == cu.CUresult.CUDA_SUCCESS and text[1] else ""
+    return f"{n}: {t}" if t else n
+
+
+def check(call: str, result, log: str = ""):
+    """Unpack a cuda-bindings result tuple; raise DeviceError on anything but CUDA_SUCCESS."""
+    cu = _cu()
+    err, *rest = result if isinstance(result, tuple) else (result,)
+    if err != cu.CUresult.CUDA_SUCCESS:
+        msg = f"{call} failed: {_err_text(cu, err)}"
+        if log:
+            msg += f"\nJIT log:\n{log}"
+        if err == cu.CUresult.CUDA_ERROR_OUT_OF_MEMORY:
+            raise OutOfMemoryError(msg)
+        raise DeviceError(msg)
+    if not rest:
+        return None
+    return rest[0] if len(rest) == 1 else tuple(rest)
+
+
+@functools.lru_cache(maxsize=1)
+def driver_status() -> tuple[bool, str]:
+    """(usable, reason): whether cuInit succeeds and a device exists here."""
+    try:
+        cu = _cu()
+    except DeviceError as e:
+        return False, str(e)
+    try:
+        r = cu.cuInit(0)
+    except Exception as e:  # no libcuda: the binding raises at first call
+        return False, f"no CUDA driver on this machine ({type(e).__name__}: {e})"
+    if r[0] != cu.CUresult.CUDA_SUCCESS:
+        return False, f"cuInit failed: {_err_text(cu, r[0])}"
+    n = cu.cuDeviceGetCount()
+    if n[0] != cu.CUresult.CUDA_SUCCESS or n[1] == 0:
+        return False, "the CUDA driver reports no device"
+    return True, "ok"
+
+
+@dataclass
+class Function:
+    """A loaded kernel with the dynamic shared memory it was enabled for."""
+
+    handle: object
+    name: str
+    shared_bytes: int
+
+
+class Context:
+    """The primary context of one device, made current on this thread."""
+
+    def __init__(self, ordinal: int = 0) -> None:
+        ok, why = driver_status()
+        if not ok:
+            raise DeviceError(f"cannot use the CUDA driver: {why}")
+        cu = self.cu = _cu()
+        self.device = check("cuDeviceGet", cu.cuDeviceGet(ordinal))
+        self.ctx = check("cuDevicePrimaryCtxRetain", cu.cuDevicePrimaryCtxRetain(self.device))
+        check("cuCtxSetCurrent", cu.cuCtxSetCurrent(self.ctx))
+        a = cu.CUdevice_attribute
+        self.cc = (
+            check("cuDeviceGetAttribute", cu.cuDeviceGetAttribute(a.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, self.device)),
+            check("cuDeviceGetAttribute", cu.cuDeviceGetAttribute(a.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, self.device)),
+        )
+        self.name = check("cuDeviceGetName", cu.cuDeviceGetName(128, self.device)).split(b"\0")[0].decode()
+        self._modules: list = []
+
+    @property
+    def arch(self) -> str:
+        """ptxas arch for this device: sm_90a on Hopper (wgmma needs the 'a' target)."""
+        major, minor = self.cc
+        return f"sm_{major}{minor}{'a' if (major, minor) == (9, 0) else ''}"
+
+    # -- modules ---------------------------------------------------------------------
+    def load(self, image: bytes, name: str, shared_bytes: int, ptxas_log: str = "") -> Function:
+        """Load a cubin (or PTX) image, fetch ``name``, and allow ``shared_bytes`` of dynamic smem."""
+        cu = self.cu
+        log = ctypes.create_string_buffer(1 << 14)
+        try:
+            opts = [cu.CUjit_option.CU_JIT_ERROR_LOG_BUFFER, cu.CUjit_option.CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES]
+            res = cu.cuModuleLoadDataEx(image, len(opts), opts, [ctypes.addressof(log), len(log)])
+        except TypeError:
+            # Older bindings take option values differently: load without the log buffer.
+            res = cu.cuModuleLoadData(image)
+        jit = log.value.decode(errors="replace")
+        mod = check("cuModuleLoadDataEx", res, log="\n".join(x for x in (jit, ptxas_log) if x))
+        self._modules.append(mod)
+        fn = check(f"cuModuleGetFunction({name})", cu.cuModuleGetFunction(mod, name.encode()))
+        if shared_bytes > MAX_DYN_SMEM:
+            raise DeviceError(f"{name} asks {shared_bytes} B of shared memory; the device allows {MAX_DYN_SMEM}")
+        if shared_bytes > 48 * 1024:
+            # Above 48 KiB dynamic shared memory must be opted into per function.
+            attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            check("cuFuncSetAttribute", cu.cuFuncSetAttribute(fn, attr, shared_bytes))
+        return Function(fn, name, shared_bytes)
+
+    # -- memory ----------------------------------------------------------------------
+    def alloc(self, nbytes: int) -> int:
+        """Device allocation; returns the address as an int."""
+        return int(check(f"cuMemAlloc({nbytes})", self.cu.cuMemAlloc(max(nbytes, 1))))
+
+    def free(self, ptr: int) -> None:
+        """Free an allocation from :meth:`alloc`."""
+        check("cuMemFree", self.cu.cuMemFree(ptr))
+
+    def upload(self, ptr: int, host) -> None:
+        """Copy a contiguous numpy array to device address ``ptr``."""
+        check("cuMemcpyHtoD", self.cu.cuMemcpyHtoD(ptr, host.ctypes.data, host.nbytes))
+
+    def download(self, host, ptr: int) -> None:
+        """Copy ``host.nbytes`` from device address ``ptr`` into a contiguous numpy array."""
+        check("cuMemcpyDtoH", self.cu.cuMemcpyDtoH(host.ctypes.data, ptr, host.nbytes))
+
+    def memset0(self, ptr: int, nbytes: int) -> None:
+        """Zero ``nbytes`` at ``ptr``."""
+        check("cuMemsetD8", self.cu.cuMemsetD8(ptr, 0, nbytes))
+
+    def synchronize(self) -> None:
+        """Wait for all work on the context; surfaces asynchronous launch errors."""
+        check("cuCtxSynchronize", self.cu.cuCtxSynchronize())
+
+    # -- tensor maps -----------------------------------------------------------------
+    def tensor_map(self, ptr: int, dtype: str, rows: int, cols: int, box_rows: int, box_cols: int) -> bytes:
+        """A 2-D TMA descriptor (128 bytes) over a row-major ``rows x cols`` matrix, 128B swizzle.
+
+        ``cols`` is the contiguous dimension; the box is ``box_rows x box_cols`` and its
+        inner extent must be the 128-byte swizzle width.
+        """
+        cu = self.cu
+        esz, dt = {
+            "bf16": (2, cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16),
+            "fp16": (2, cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16),
+            "e4m3": (1, cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8),
+        }[dtype]
+        if ptr % 16 or (cols * esz) % 16:
+            raise DeviceError(f"TMA needs 16-byte aligned base and row pitch; got base {ptr:#x}, pitch {cols * esz}")
+        if box_cols * esz != 128 or box_rows > 256:
+            raise DeviceError(f"TMA box {box_rows}x{box_cols} must be <=256 rows of exactly 128 bytes")
+        tmap = check(
+            "cuTensorMapEncodeTiled",
+            cu.cuTensorMapEncodeTiled(
+                dt, 2, ptr,
+                [cols, rows],  # dims, innermost first
+                [cols * esz],  # strides of dims 1.. in bytes
+                [box_cols, box_rows],
+                [1, 1],
+                cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+                cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+                cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+            ),
+        )
+        return ctypes.string_at(tmap.getPtr(), 128)
+
+    # -- launch ----------------------------------------------------------------------
+    def launch(self, fn: Function, grid: tuple[int, int, int], block: tuple[int, int, int], args: list) -> None:
+        """Launch ``fn``; ``args`` are ("u64"|"u32", int) pairs or 128-byte tensor maps (bytes)."""
+        store = []
+        for a in args:
+            if isinstance(a, (bytes, bytearray)):
+                buf = (ctypes.c_uint8 * len(a)).from_buffer_copy(a)
+                # CUtensorMap params are 64-byte aligned; copy into an aligned buffer.
+                raw = ctypes.create_string_buffer(len(a) + 128)
+                base = (ctypes.addressof(raw) + 127) // 128 * 128
+                ctypes.memmove(base, ctypes.addressof(buf), len(a))
+                store.append((raw, base))
+            else:
+                kind, v = a
+                c = ctypes.c_uint64(v) if kind == "u64" else ctypes.c_uint32(v)
+                store.append((c, ctypes.addressof(c)))
+        ptrs = (ctypes.c_void_p * len(store))(*[p for _, p in store])
+        check(
+            f"cuLaunchKernel({fn.name})",
+            self.cu.cuLaunchKernel(fn.handle, *grid, *block, fn.shared_bytes, 0, ctypes.addressof(ptrs), 0),
+        )
+
+    # -- timing ----------------------------------------------------------------------
+    def time_ms(self, body, iters: int) -> float:
+        """Mean milliseconds of ``body()`` over ``iters`` runs, bracketed by CUDA events."""
+        cu = self.cu
+        start = check("cuEventCreate", cu.cuEventCreate(0))
+        stop = check("cuEventCreate", cu.cuEventCreate(0))
+        check("cuEventRecord", cu.cuEventRecord(start, 0))
+        for _ in range(iters):
+            body()
+        check("cuEventRecord", cu.cuEventRecord(stop, 0))
+        check("cuEventSynchronize", cu.cuEventSynchronize(stop))
+        ms = check("cuEventElapsedTime", cu.cuEventElapsedTime(start, stop))
+        cu.cuEventDestroy(start)
+        cu.cuEventDestroy(stop)
+        return float(ms) / iters
+
+
+@functools.lru_cache(maxsize=1)
+def context() -> Context:
+    """The process-wide context on device 0 (``HELIOS_CUDA_DEVICE`` picks another)."""
+    import os
+
+    return Context(int(os.environ.get("HELIOS_CUDA_DEVICE", "0")))

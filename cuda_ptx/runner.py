@@ -1,0 +1,156 @@
+"""Run generated GEMMs on a GPU: ``gemm(a, b)`` on numpy arrays, and a reusable launch for benchmarks.
+
+Shapes are padded with zeros to the variant's tile multiples (zero rows/columns do
+not change the product) and cut back afterwards.  N-major B is transposed on the
+host for the wgmma variants, which read both operands K-major.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+from helios.errors import DeviceError, DTypeError, ShapeError
+
+from . import dtypes, toolchain
+from .config import GemmConfig, variants
+from .driver import Context, context
+from .emit import build_kernel, resolve
+from .render import render
+
+OUT_ALIASES = {"float32": "f32", "f32": "f32", "bfloat16": "bf16", "bf16": "bf16"}
+
+
+def default_variant(ctx: Context, in_dtype: str) -> str:
+    """The best landed variant for this device and input dtype."""
+    if ctx.cc >= (9, 0) and ctx.cc < (10, 0):
+        return "wgmma_fp8" if in_dtype == "e4m3" else "wgmma_ws"
+    if in_dtype == "e4m3":
+        raise DTypeError(f"fp8 e4m3 GEMM needs a Hopper GPU (sm_90); this one is sm_{ctx.cc[0]}{ctx.cc[1]}")
+    return "mma_sync"
+
+
+def _pad_to(x: np.ndarray, rows: int, cols: int) -> np.ndarray:
+    if x.shape == (rows, cols):
+        return np.ascontiguousarray(x)
+    out = np.zeros((rows, cols), x.dtype)
+    out[: x.shape[0], : x.shape[1]] = x
+    return out
+
+
+def _round_up(v: int, m: int) -> int:
+    return max(m, (v + m - 1) // m * m)
+
+
+class GemmLaunch:
+    """A compiled, loaded kernel with device buffers for one (M, N, K): run it, time it, read C."""
+
+    def __init__(self, cfg: GemmConfig, m: int, n: int, k: int, ctx: Context | None = None) -> None:
+        cfg.validate()
+        self.cfg, self.ctx = cfg, ctx or context()
+        self.m, self.n, self.k = m, n, k
+        self.mp, self.np_, self.kp = _round_up(m, cfg.bm), _round_up(n, cfg.bn), _round_up(k, cfg.bk)
+        kern = build_kernel(cfg)
+        ptx = render(kern)
+        comp = toolchain.compile_ptx(ptx, cfg.target)
+        self.fn = self.ctx.load(comp.cubin.read_bytes(), kern.name, kern.shared_bytes, comp.info.log)
+        self.threads = kern.threads
+        esz, osz = cfg.in_bytes, 4 if cfg.out_dtype == "f32" else 2
+        self.a_ptr = self.ctx.alloc(self.mp * self.kp * esz)
+        self.b_ptr = self.ctx.alloc(self.kp * self.np_ * esz)
+        self.c_ptr = self.ctx.alloc(self.mp * self.np_ * osz)
+        self._args: list | None = None
+
+    def upload(self, a: np.ndarray, b: np.ndarray) -> None:
+        """Encode, pad and copy A (M x K) and B (K x N, float) to the device."""
+        cfg = self.cfg
+        ra = _pad_to(dtypes.encode(a, cfg.in_dtype), self.mp, self.kp)
+        rb = dtypes.encode(b, cfg.in_dtype)
+        rb = _pad_to(rb, self.kp, self.np_) if cfg.b_major == "n" else _pad_to(np.ascontiguousarray(rb.T), self.np_, self.kp)
+        self.ctx.upload(self.a_ptr, ra)
+        self.ctx.upload(self.b_ptr, rb)
+        dims = [("u32", self.mp), ("u32", self.np_), ("u32", self.kp)]
+        if cfg.kind == "wgmma":
+            ta = self.ctx.tensor_map(self.a_ptr, cfg.in_dtype, self.mp, self.kp, cfg.bm, cfg.bk)
+            tb = self.ctx.tensor_map(self.b_ptr, cfg.in_dtype, self.np_, self.kp, cfg.bn, cfg.bk)
+            self._args = [ta, tb, ("u64", self.c_ptr), *dims]
+        else:
+            self._args = [("u64", self.a_ptr), ("u64", self.b_ptr), ("u64", self.c_ptr), *dims]
+
+    def run(self) -> None:
+        """Launch once (asynchronously)."""
+        if self._args is None:
+            raise DeviceError("GemmLaunch.run() before upload(): no operands on the device")
+        grid = (self.np_ // self.cfg.bn, self.mp // self.cfg.bm, 1)
+        self.ctx.launch(self.fn, grid, (self.threads, 1, 1), self._args)
+
+    def result(self) -> np.ndarray:
+        """Synchronise and return C (M x N) as float32 (bf16 outputs widened exactly)."""
+        self.ctx.synchronize()
+        if self.cfg.out_dtype == "f32":
+            c = np.empty((self.mp, self.np_), np.float32)
+            self.ctx.download(c, self.c_ptr)
+        else:
+            raw = np.empty((self.mp, self.np_), np.uint16)
+            self.ctx.download(raw, self.c_ptr)
+            c = dtypes.bf16_bits_to_f32(raw)
+        return c[: self.m, : self.n]
+
+    def close(self) -> None:
+        """Free the device buffers."""
+        for p in (self.a_ptr, self.b_ptr, self.c_ptr):
+            self.ctx.free(p)
+
+
+def gemm(a: np.ndarray, b: np.ndarray, out_dtype: str = "float32", variant: str | GemmConfig | None = None,
+         in_dtype: str | None = None) -> np.ndarray:
+    """``a @ b`` through a generated kernel: inputs rounded to ``in_dtype`` (bf16, fp16, e4m3),
+    fp32 accumulation, output ``float32`` or ``bfloat16`` (returned as float32 holding bf16 values).
+
+    ``variant`` is a name from :func:`variants` or a config; by default the best one for
+    the device.  ``in_dtype`` defaults to the variant's (bf16, or e4m3 for ``wgmma_fp8``).
+    """
+    a, b = np.asarray(a), np.asarray(b)
+    if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0]:
+        raise ShapeError(f"gemm expects (M, K) @ (K, N); got {a.shape} @ {b.shape}")
+    if out_dtype not in OUT_ALIASES:
+        raise DTypeError(f"out_dtype must be one of {sorted(OUT_ALIASES)}, got {out_dtype!r}")
+    ctx = context()
+    cfg = resolve(variant or default_variant(ctx, in_dtype or "bf16"))
+    if in_dtype is not None and in_dtype != cfg.in_dtype:
+        cfg = cfg.with_(in_dtype=in_dtype)
+    cfg = cfg.with_(out_dtype=OUT_ALIASES[out_dtype])
+    cfg.validate()
+    m, k = a.shape
+    n = b.shape[1]
+    if 0 in (m, n, k):
+        return np.zeros((m, n), np.float32)
+    launch = GemmLaunch(cfg, m, n, k, ctx)
+    try:
+        launch.upload(a, b)
+        launch.run()
+        return launch.result()
+    finally:
+        launch.close()
+
+
+def run_isolated(code: str, timeout: float = 120.0) -> subprocess.CompletedProcess:
+    """Run Python ``code`` in a fresh interpreter with a deadline.
+
+    GPU checks go through this: a wrong mbarrier phase hangs the kernel forever and an
+    illegal address poisons the CUDA context for the rest of the process.
+    """
+    env = dict(os.environ)
+    try:
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired as e:
+        raise DeviceError(
+            f"GPU check did not finish in {timeout:.0f} s (a kernel waiting on an mbarrier that never "
+            f"completes hangs like this); output so far:\n{e.stdout or ''}{e.stderr or ''}"
+        ) from e
+
+
+__all__ = ["GemmLaunch", "default_variant", "gemm", "run_isolated", "variants"]

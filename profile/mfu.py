@@ -107,6 +107,9 @@ def gpt_hardware_flops_per_token(
     return base + 2 * int(n_params) + attn_fwd
 
 
+_WARNED: set[tuple[float, float, int]] = set()
+
+
 def compute_mfu(flops_per_token: float, tokens_per_s: float | None, peak: "PeakFlops | float | None", n_devices: int = 1) -> float | None:
     """Utilisation = flops_per_token * tokens_per_s / (peak * n_devices), or None when it cannot be known.
 
@@ -122,6 +125,10 @@ def compute_mfu(flops_per_token: float, tokens_per_s: float | None, peak: "PeakF
         return None
     u = float(flops_per_token) * float(tokens_per_s) / (float(peak_v) * n_devices)
     if not (0.0 <= u <= 1.0):
+        key = (float(peak_v), float(flops_per_token), n_devices)
+        if key in _WARNED:  # once per (peak, FLOPs) pair, not once per step
+            return None
+        _WARNED.add(key)
         warnings.warn(
             f"utilisation {u:.3g} is outside [0, 1]: the peak ({peak_v:.4g} FLOP/s x {n_devices}) or the FLOPs per "
             f"token ({flops_per_token:.4g}) is wrong; reporting n/a",

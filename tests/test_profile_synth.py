@@ -79,8 +79,8 @@ class FakeRuntime:
         for d in self.pending:
             dur = max(1_000, int(max(d["flops"] / self.DEVICE_GFLOPS, d["bytes"] / self.DEVICE_GBPS)))
             ev = dict(d, start_ns=t, end_ns=t + dur, submit=self.n_submit)
-            if ev["dispatch_seq"] is None:
-                del ev["dispatch_seq"]
+            if ev.get("dispatch_seq") is None:
+                ev.pop("dispatch_seq", None)
             self.events.append(ev)
             t += dur + 300  # barrier gap
         self.device_free_ns = t

@@ -73,9 +73,10 @@ def count_prefixed(sass_text: str, prefix: str) -> int:
     return n
 
 
-def run_gate(cfg: GemmConfig) -> GateReport:
-    """Compile ``cfg`` (cached), read ptxas -v and the SASS, and judge them."""
-    ptx = emit_gemm(cfg)
+def run_gate(cfg: GemmConfig, ptx: str | None = None) -> GateReport:
+    """Compile ``cfg``'s kernel (or the given ``ptx`` for it; cached), read ptxas -v and the SASS, judge them."""
+    if ptx is None:
+        ptx = emit_gemm(cfg)
     comp = toolchain.compile_ptx(ptx, cfg.target)
     text = toolchain.sass(comp.cubin)
     info = comp.info

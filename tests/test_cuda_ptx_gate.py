@@ -1,0 +1,119 @@
+"""The no-GPU gate over every variant: ptxas accepts, 0 spill, no C75xx notes, expected SASS.
+
+Skips (saying why) where ptxas or cuobjdump/nvdisasm is missing; the cubin cache
+keeps reruns fast.
+"""
+
+import os
+
+import pytest
+
+import helios.cuda_ptx as cp
+from helios.cuda_ptx import gate, render, toolchain
+
+needs_ptxas = pytest.mark.skipif(toolchain.find_tool("ptxas") is None,
+                                 reason="ptxas not found (CUDA toolkit or `pip install nvidia-cuda-nvcc`)")
+needs_sass = pytest.mark.skipif(
+    toolchain.find_tool("cuobjdump") is None and toolchain.find_tool("nvdisasm") is None,
+    reason="no SASS disassembler (`pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm`)")
+
+V = cp.variants()
+
+
+@needs_ptxas
+@needs_sass
+@pytest.mark.parametrize("name", list(V))
+def test_gate_passes_for_every_variant(name):
+    rep = gate.run_gate(V[name])
+    assert rep.ok, rep.failures
+    assert rep.spill_bytes == 0
+    assert not set(rep.notes) & set(gate.FORBIDDEN_NOTES)
+    assert all(n > 0 for n in rep.found.values()), rep.found
+
+
+EXTRA = {
+    "mma_sync_kmajor": V["mma_sync"].with_(b_major="k"),
+    "mma_sync_fp16_bf16out": V["mma_sync"].with_(in_dtype="fp16", out_dtype="bf16"),
+    "simt_kmajor_bf16out": V["simt"].with_(b_major="k", out_dtype="bf16"),
+    "wgmma_ws_bf16out": V["wgmma_ws"].with_(out_dtype="bf16"),
+    "wgmma_pipe_fp16": V["wgmma_pipe"].with_(in_dtype="fp16"),
+    "wgmma_fp8_bf16out": V["wgmma_fp8"].with_(out_dtype="bf16"),
+}
+
+
+@needs_ptxas
+@needs_sass
+@pytest.mark.parametrize("name", list(EXTRA))
+def test_gate_passes_for_other_dtypes_and_layouts(name):
+    rep = gate.run_gate(EXTRA[name])
+    assert rep.ok, rep.failures
+
+
+@needs_ptxas
+@needs_sass
+def test_gate_catches_setmaxnreg_dropped_without_launch_bounds():
+    cfg = V["wgmma_ws"]
+    k = cp.build_kernel(cfg)
+    k.maxntid, k.minnctapersm = None, None
+    rep = gate.run_gate(cfg, render.render(k))
+    assert not rep.ok
+    assert "C7508" in rep.notes
+    assert any("C7508" in f for f in rep.failures)
+
+
+@needs_ptxas
+@needs_sass
+def test_gate_catches_missing_tensor_core_instructions():
+    # the SIMT kernel under the mma_sync expectations: no HMMA/LDSM/LDGSTS
+    rep = gate.run_gate(V["mma_sync"], cp.emit_gemm("simt"))
+    assert not rep.ok
+    assert any("HMMA" in f for f in rep.failures)
+
+
+@needs_ptxas
+def test_ptxas_rejects_wgmma_on_plain_sm90():
+    with pytest.raises(toolchain.PtxasError, match="sm_90"):
+        toolchain.compile_ptx(cp.emit_gemm("wgmma_tma").replace(".target sm_90a", ".target sm_90"), "sm_90")
+
+
+@needs_ptxas
+def test_cubin_cache_key_and_atomic_files(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    ptx = cp.emit_gemm("simt")
+    first = toolchain.compile_ptx(ptx, "sm_80")
+    assert not first.cached and first.cubin.parent == tmp_path / "helios" / "cubin"
+    again = toolchain.compile_ptx(ptx, "sm_80")
+    assert again.cached and again.cubin == first.cubin and again.info.registers == first.info.registers
+    other_arch = toolchain.compile_ptx(ptx, "sm_90")
+    assert other_arch.cubin != first.cubin
+    assert not [p for p in os.listdir(first.cubin.parent) if p.endswith(".tmp")]
+    assert first.cubin.read_bytes()[:4] == b"\x7fELF"
+
+
+def test_parse_ptxas_log():
+    log = ("ptxas info    : (C7508) Potential Performance Loss: 'setmaxnreg' ignored\n"
+           "    8 bytes stack frame, 12 bytes spill stores, 4 bytes spill loads\n"
+           "ptxas info    : Used 168 registers, used 1 barriers\n")
+    info = toolchain.parse_ptxas_log(log)
+    assert (info.registers, info.spill_stores, info.spill_loads, info.stack_frame) == (168, 12, 4, 8)
+    assert info.notes == ["C7508"]
+
+
+def test_count_prefixed_handles_predicates():
+    sass = ("        /*0100*/                   HGMMA.64x256x16.F32.BF16 R24, gdesc[UR4], R24 ;\n"
+            "        /*0110*/              @P0 UTMALDG.2D [UR8], [UR10] ;\n"
+            "        /*0120*/                   NOP ;\n")
+    assert gate.count_prefixed(sass, "HGMMA.64x256x") == 1
+    assert gate.count_prefixed(sass, "UTMALDG") == 1
+    assert gate.count_prefixed(sass, "QGMMA") == 0
+
+
+def test_missing_tool_message(monkeypatch):
+    toolchain.find_tool.cache_clear()
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.setattr(toolchain, "_wheel_bins", lambda: [])
+    try:
+        with pytest.raises(toolchain.ToolMissing, match="nvidia-cuda-nvdisasm"):
+            toolchain.require_tool("nvdisasm")
+    finally:
+        toolchain.find_tool.cache_clear()

@@ -1,0 +1,111 @@
+"""GEMM TFLOP/s of every helios.cuda_ptx variant against torch.matmul (cuBLAS), same GPU, same run.
+
+    python bench/ptx_gemm.py [--sizes 4096 8192] [--variants wgmma_ws wgmma_fp8] [--iters 20]
+
+One JSON line per (variant, size): {"bench", "helios", "peer", "ratio", "unit", "rel_err",
+"peer_rel_err", ...}; errors are max |C - ref| / max |ref| against an fp32 reference from
+the inputs as rounded to the kernel's input dtype.  Without a GPU it prints one line
+saying it skipped and why, and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _skip(reason: str) -> int:
+    print(json.dumps({"bench": "ptx_gemm", "skipped": True, "reason": reason}))
+    return 0
+
+
+def _torch_time_ms(torch, fn, iters: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(iters):
+        fn()
+    e.record()
+    torch.cuda.synchronize()
+    return s.elapsed_time(e) / iters
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="helios.cuda_ptx GEMM vs cuBLAS")
+    ap.add_argument("--sizes", type=int, nargs="+", default=[4096, 8192])
+    ap.add_argument("--variants", nargs="+", default=None)
+    ap.add_argument("--iters", type=int, default=20)
+    args = ap.parse_args(argv)
+
+    from helios.cuda_ptx import dtypes, driver, variants
+    from helios.cuda_ptx.runner import GemmLaunch
+
+    ok, why = driver.driver_status()
+    if not ok:
+        return _skip(f"no usable CUDA driver: {why}")
+    try:
+        import torch
+    except ImportError:
+        return _skip("torch is not installed (the cuBLAS peer)")
+    if not torch.cuda.is_available():
+        return _skip("torch has no CUDA device (the cuBLAS peer needs one)")
+    import numpy as np
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ctx = driver.context()
+    vs = variants()
+    names = args.variants or list(vs)
+    for size in args.sizes:
+        m = n = k = size
+        rng = np.random.default_rng(0)
+        a = rng.standard_normal((m, k), dtype=np.float32)
+        b = rng.standard_normal((k, n), dtype=np.float32)
+        for name in names:
+            cfg = vs[name]
+            if cfg.target == "sm_90a" and ctx.cc != (9, 0):
+                print(json.dumps({"bench": f"gemm_{name}_{size}", "skipped": True,
+                                  "reason": f"{name} needs sm_90a, device is sm_{ctx.cc[0]}{ctx.cc[1]}"}))
+                continue
+            launch = GemmLaunch(cfg, m, n, k, ctx)
+            launch.upload(a, b)
+            launch.run()
+            c = launch.result()
+            ms = ctx.time_ms(launch.run, args.iters)
+            launch.close()
+            ra = torch.from_numpy(dtypes.decode(dtypes.encode(a, cfg.in_dtype), cfg.in_dtype)).cuda()
+            rb = torch.from_numpy(dtypes.decode(dtypes.encode(b, cfg.in_dtype), cfg.in_dtype)).cuda()
+            ref = ra @ rb  # fp32, TF32 off
+            scale = ref.abs().max().item()
+            err = (torch.from_numpy(c).cuda() - ref).abs().max().item() / scale
+            # peer: cuBLAS on the same rounded inputs
+            if cfg.in_dtype == "e4m3":
+                pa = ra.to(torch.float8_e4m3fn)
+                pb = rb.t().contiguous().to(torch.float8_e4m3fn).t()  # column-major B for _scaled_mm
+                one = torch.ones((), device="cuda")
+                out_t = torch.float32 if cfg.out_dtype == "f32" else torch.bfloat16
+
+                def peer():
+                    return torch._scaled_mm(pa, pb, scale_a=one, scale_b=one, out_dtype=out_t)
+            else:
+                tdt = torch.bfloat16 if cfg.in_dtype == "bf16" else torch.float16
+                pa, pb = ra.to(tdt), rb.to(tdt)
+
+                def peer():
+                    return torch.matmul(pa, pb)
+            pms = _torch_time_ms(torch, peer, args.iters)
+            perr = (peer().float() - ref).abs().max().item() / scale
+            flops = 2.0 * m * n * k
+            h, p = flops / ms / 1e9, flops / pms / 1e9
+            print(json.dumps({
+                "bench": f"gemm_{name}_{cfg.in_dtype}_{size}", "helios": round(h, 1), "peer": round(p, 1),
+                "ratio": round(h / p, 3), "unit": "TFLOP/s", "rel_err": err, "peer_rel_err": perr,
+                "peer_name": "torch._scaled_mm" if cfg.in_dtype == "e4m3" else "torch.matmul (cuBLAS)",
+                "device": ctx.name,
+            }), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

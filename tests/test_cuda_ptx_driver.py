@@ -1,0 +1,77 @@
+"""Loader/runner of helios.cuda_ptx: behaviour without a driver, and GPU numerics in a subprocess."""
+
+import json
+import textwrap
+
+import numpy as np
+import pytest
+
+import helios.cuda_ptx as cp
+from helios.cuda_ptx import driver, runner
+from helios.errors import DeviceError, DTypeError, ShapeError
+
+HAVE_DRIVER, WHY = driver.driver_status()
+
+
+def test_bad_shapes_and_dtypes_fail_before_the_device():
+    with pytest.raises(ShapeError, match=r"\(M, K\) @ \(K, N\)"):
+        cp.gemm(np.ones((4, 3)), np.ones((4, 5)))
+    with pytest.raises(DTypeError, match="out_dtype"):
+        cp.gemm(np.ones((4, 4)), np.ones((4, 4)), out_dtype="float64")
+
+
+@pytest.mark.skipif(HAVE_DRIVER, reason="a CUDA driver is present")
+def test_without_a_driver_gemm_says_why():
+    assert WHY and WHY != "ok"
+    with pytest.raises(DeviceError, match="cannot use the CUDA driver"):
+        cp.gemm(np.ones((4, 4)), np.ones((4, 4)))
+
+
+def test_isolated_run_times_out_with_a_hang_message():
+    with pytest.raises(DeviceError, match="mbarrier"):
+        runner.run_isolated("import time; time.sleep(30)", timeout=0.5)
+
+
+def test_isolated_run_returns_output():
+    r = runner.run_isolated("print(6 * 7)", timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "42"
+
+
+# ---------------------------------------------------------------------------- GPU tier
+
+GPU_CHECK = textwrap.dedent("""
+    import json, numpy as np
+    import helios.cuda_ptx as cp
+    from helios.cuda_ptx import dtypes
+    name, out_dtype, m, n, k = {args!r}
+    cfg = cp.variants()[name]
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((m, k)).astype(np.float32)
+    b = rng.standard_normal((k, n)).astype(np.float32)
+    c = cp.gemm(a, b, out_dtype=out_dtype, variant=name)
+    # reference from the inputs as the kernel sees them (rounded to its input dtype)
+    ra = dtypes.decode(dtypes.encode(a, cfg.in_dtype), cfg.in_dtype).astype(np.float64)
+    rb = dtypes.decode(dtypes.encode(b, cfg.in_dtype), cfg.in_dtype).astype(np.float64)
+    ref = ra @ rb
+    err = float(np.abs(c - ref).max() / np.abs(ref).max())
+    print(json.dumps({{"shape": list(c.shape), "rel_err": err}}))
+""")
+
+
+def _gpu_ready():
+    if not HAVE_DRIVER:
+        pytest.skip(f"no usable CUDA driver: {WHY}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(cp.variants()))
+@pytest.mark.parametrize("out_dtype", ["float32", "bfloat16"])
+def test_gemm_matches_numpy_on_gpu(name, out_dtype):
+    _gpu_ready()
+    # odd sizes exercise the zero padding to tile multiples
+    r = runner.run_isolated(GPU_CHECK.format(args=(name, out_dtype, 300, 520, 200)), timeout=180)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert res["shape"] == [300, 520]
+    tol = 1e-5 if out_dtype == "float32" else 1e-2
+    assert res["rel_err"] < tol, res

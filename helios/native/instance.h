@@ -1,0 +1,76 @@
+// The Vulkan instance, physical-device enumeration and what we learn about
+// each device (limits, features, memory, the compute queue family).
+#pragma once
+
+#include <vulkan/vulkan.h>
+
+#include <array>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace helios_vk {
+
+// Everything the rest of the addon (and Python, via info dicts) needs to know
+// about one physical device.  Filled once per instance.
+struct PhysicalDeviceInfo {
+  VkPhysicalDevice handle = VK_NULL_HANDLE;
+  int index = 0;  // position in the sorted list (what Device(index) takes)
+  std::string name;
+  std::string type;  // "discrete" | "integrated" | "virtual" | "cpu" | "other"
+  int type_rank = 4;
+  uint32_t vendor_id = 0, device_id = 0, driver_version = 0, api_version = 0;
+  std::array<uint8_t, VK_UUID_SIZE> pipeline_cache_uuid{};
+
+  // Limits exposed to Python.
+  uint64_t max_storage_buffer_range = 0;
+  uint32_t max_shared_memory = 0;
+  uint32_t max_workgroup_invocations = 0;
+  uint32_t max_workgroup_size[3] = {0, 0, 0};
+  uint32_t max_workgroup_count[3] = {0, 0, 0};
+  uint32_t max_push_constants = 0;
+  uint64_t min_storage_buffer_offset_alignment = 0;
+  float timestamp_period = 0.f;
+  uint32_t timestamp_valid_bits = 0;  // of the chosen queue family
+  uint32_t subgroup_size = 0;
+  uint64_t max_memory_allocation_size = 0;
+  // Limits used internally only.
+  uint64_t max_buffer_size = 0;  // 0 = unknown (pre-1.3 device)
+  uint64_t non_coherent_atom_size = 1;
+  uint32_t max_push_descriptors = 0;
+
+  // Features exposed to Python.
+  bool float16 = false, storage16 = false, storage8 = false, int64 = false, int16 = false;
+  bool push_descriptor = false, calibrated_timestamps = false, unified_memory = false;
+  uint64_t device_local_bytes = 0;
+
+  // How to enable them: core (api >= 1.2) or via the KHR extension names.
+  bool has_ext_16bit_storage = false, has_ext_8bit_storage = false, has_ext_float16_int8 = false;
+
+  uint32_t queue_family = 0;
+  VkPhysicalDeviceMemoryProperties memory{};
+};
+
+// The process-wide instance.  Devices hold a shared_ptr so the instance
+// outlives every logical device made from it.
+struct Instance {
+  VkInstance handle = VK_NULL_HANDLE;
+  uint32_t api_version = 0;
+  std::vector<PhysicalDeviceInfo> devices;  // sorted discrete, integrated, virtual, cpu, other
+  ~Instance();
+};
+
+// The instance, created on first use.  nullptr if there is no loader, no
+// instance or no device; last_error() then says why.
+std::shared_ptr<Instance> get_instance();
+
+// Why the last get_instance() failed ("" if it did not).
+const std::string& last_error();
+
+// Drops the module's reference (at interpreter exit); live Devices keep theirs.
+void release_instance();
+
+// "1.3.239" from a packed Vulkan version.
+std::string version_string(uint32_t v);
+
+}  // namespace helios_vk

@@ -1,0 +1,495 @@
+// pybind11 bindings of helios._vulkan.
+//
+// The hot calls (dispatch above all) take raw py::handle arguments and parse
+// them with the CPython API: pybind11's generic list/tuple casters allocate
+// std::vectors and are several times slower, and the dispatch-overhead budget
+// is a few hundred nanoseconds of host time per op.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <unordered_map>
+#include <unordered_set>
+
+#include "device.h"
+#include "instance.h"
+#include "vk_util.h"
+
+namespace py = pybind11;
+using namespace helios_vk;
+
+namespace {
+
+// Devices alive in this process, closed at interpreter exit (before the
+// driver's own teardown can run) so destruction order is always safe.
+std::unordered_set<Device*>& live_devices() {
+  static auto* s = new std::unordered_set<Device*>();
+  return *s;
+}
+
+// The Python object behind a Device: the C++ device plus the interning cache
+// from Python string objects to name ids (a pointer lookup per dispatch).
+struct PyDevice {
+  std::unique_ptr<Device> dev;
+  std::unordered_map<PyObject*, uint32_t> name_cache;  // holds a reference to each key
+  py::dict info_dict;
+
+  ~PyDevice() {
+    live_devices().erase(dev.get());
+    clear_name_cache();
+  }
+  void clear_name_cache() {
+    // Reference drops are only safe while the interpreter is alive.
+    if (Py_IsInitialized())
+      for (auto& kv : name_cache) Py_DECREF(kv.first);
+    name_cache.clear();
+  }
+  Device& d() {
+    if (!dev || dev->closed()) throw std::runtime_error("this Device is closed; create a new helios._vulkan.Device");
+    return *dev;
+  }
+  uint32_t name_id(PyObject* name) {
+    if (name == Py_None) return 0;
+    auto it = name_cache.find(name);
+    if (it != name_cache.end()) return it->second;
+    if (!PyUnicode_Check(name)) throw py::type_error("name must be a str");
+    Py_ssize_t n = 0;
+    const char* s = PyUnicode_AsUTF8AndSize(name, &n);
+    if (!s) throw py::error_already_set();
+    uint32_t id = d().intern(std::string(s, size_t(n)));
+    // Names built on the fly (f-strings) would grow the cache without bound.
+    if (name_cache.size() >= 4096) clear_name_cache();
+    Py_INCREF(name);
+    name_cache.emplace(name, id);
+    return id;
+  }
+};
+
+std::string hex(const uint8_t* p, size_t n) {
+  static const char* digits = "0123456789abcdef";
+  std::string s;
+  for (size_t i = 0; i < n; ++i) s += digits[p[i] >> 4], s += digits[p[i] & 15];
+  return s;
+}
+
+py::dict info_dict(const PhysicalDeviceInfo& d) {
+  py::dict limits;
+  limits["max_storage_buffer_range"] = d.max_storage_buffer_range;
+  limits["max_shared_memory"] = d.max_shared_memory;
+  limits["max_workgroup_invocations"] = d.max_workgroup_invocations;
+  limits["max_workgroup_size"] = py::make_tuple(d.max_workgroup_size[0], d.max_workgroup_size[1], d.max_workgroup_size[2]);
+  limits["max_workgroup_count"] =
+      py::make_tuple(d.max_workgroup_count[0], d.max_workgroup_count[1], d.max_workgroup_count[2]);
+  limits["max_push_constants"] = d.max_push_constants;
+  limits["min_storage_buffer_offset_alignment"] = d.min_storage_buffer_offset_alignment;
+  limits["timestamp_period"] = d.timestamp_period;
+  limits["timestamp_valid_bits"] = d.timestamp_valid_bits;
+  limits["subgroup_size"] = d.subgroup_size;
+  limits["max_memory_allocation_size"] = d.max_memory_allocation_size;
+  py::dict features;
+  features["float16"] = d.float16;
+  features["storage16"] = d.storage16;
+  features["storage8"] = d.storage8;
+  features["int64"] = d.int64;
+  features["int16"] = d.int16;
+  features["push_descriptor"] = d.push_descriptor;
+  features["calibrated_timestamps"] = d.calibrated_timestamps;
+  features["unified_memory"] = d.unified_memory;
+  py::dict out;
+  out["index"] = d.index;
+  out["name"] = d.name;
+  out["type"] = d.type;
+  out["vendor_id"] = d.vendor_id;
+  out["device_id"] = d.device_id;
+  out["driver_version"] = d.driver_version;
+  out["api_version"] = version_string(d.api_version);
+  out["pipeline_cache_uuid"] = hex(d.pipeline_cache_uuid.data(), d.pipeline_cache_uuid.size());
+  out["limits"] = limits;
+  out["features"] = features;
+  out["device_local_bytes"] = d.device_local_bytes;
+  return out;
+}
+
+int pool_arg(const std::string& name) {
+  int p = pool_from_name(name.data(), name.size());
+  if (p < 0) throw ArgError("pool must be 'weights', 'activations' or 'staging', got '" + name + "'");
+  return p;
+}
+
+// A non-negative Python int as uint64 (ValueError naming the argument otherwise).
+inline uint64_t as_u64(PyObject* o, const char* what, const char* op) {
+  if (!PyLong_Check(o)) throw py::type_error(strf("%s: %s must be an int", op, what));
+  unsigned long long v = PyLong_AsUnsignedLongLong(o);
+  if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+    PyErr_Clear();
+    throw ArgError(strf("%s: %s must be a non-negative int below 2**64", op, what));
+  }
+  return v;
+}
+
+// Read-only bytes of bytes/bytearray/memoryview/numpy; `view` is released by the caller.
+struct Bytes {
+  Py_buffer view{};
+  bool held = false;
+  const char* data = nullptr;
+  Py_ssize_t size = 0;
+  Bytes(PyObject* o, int flags, const char* op, const char* what) {
+    if (o == Py_None) return;
+    if (PyBytes_CheckExact(o) && !(flags & PyBUF_WRITABLE)) {
+      data = PyBytes_AS_STRING(o);
+      size = PyBytes_GET_SIZE(o);
+      return;
+    }
+    if (PyObject_GetBuffer(o, &view, flags | PyBUF_C_CONTIGUOUS) != 0) {
+      PyErr_Clear();
+      throw ArgError(strf("%s: %s must be a C-contiguous%s buffer (bytes, bytearray, numpy array)", op, what,
+                          (flags & PyBUF_WRITABLE) ? " writable" : ""));
+    }
+    held = true;
+    data = static_cast<const char*>(view.buf);
+    size = view.len;
+  }
+  ~Bytes() {
+    if (held) PyBuffer_Release(&view);
+  }
+};
+
+void parse_groups(PyObject* g, uint32_t out[3], const char* op) {
+  PyObject* seq = PySequence_Fast(g, "groups must be a 3-tuple of ints");
+  if (!seq) {
+    PyErr_Clear();
+    throw py::type_error(strf("%s: groups must be a 3-tuple of ints", op));
+  }
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  if (n != 3) {
+    Py_DECREF(seq);
+    throw ArgError(strf("%s: groups must have 3 entries, got %zd", op, n));
+  }
+  PyObject** items = PySequence_Fast_ITEMS(seq);
+  for (int i = 0; i < 3; ++i) {
+    uint64_t v;
+    try {
+      v = as_u64(items[i], "groups", op);
+    } catch (...) {
+      Py_DECREF(seq);
+      throw;
+    }
+    if (v > 0xffffffffull) {
+      Py_DECREF(seq);
+      throw ArgError(strf("%s: groups[%d] = %llu does not fit in 32 bits", op, i, (unsigned long long)v));
+    }
+    out[i] = uint32_t(v);
+  }
+  Py_DECREF(seq);
+}
+
+// buffers: a list/tuple of (handle, offset, nbytes, writes) tuples.
+size_t parse_buffers(PyObject* bufs, BufArg* out, size_t cap, const char* op) {
+  PyObject* seq = PySequence_Fast(bufs, "buffers must be a list of tuples");
+  if (!seq) {
+    PyErr_Clear();
+    throw py::type_error(strf("%s: buffers must be a list of (handle, offset, nbytes, writes) tuples", op));
+  }
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  PyObject** items = PySequence_Fast_ITEMS(seq);
+  try {
+    if (size_t(n) > cap) throw ArgError(strf("%s: %zd buffers, at most %zu are supported", op, n, cap));
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      PyObject* t = items[i];
+      PyObject* f[4];
+      if (PyTuple_Check(t) && PyTuple_GET_SIZE(t) == 4) {
+        for (int k = 0; k < 4; ++k) f[k] = PyTuple_GET_ITEM(t, k);
+      } else if (PyList_Check(t) && PyList_GET_SIZE(t) == 4) {
+        for (int k = 0; k < 4; ++k) f[k] = PyList_GET_ITEM(t, k);
+      } else {
+        throw ArgError(strf("%s: buffers[%zd] must be a (handle, offset, nbytes, writes) tuple", op, i));
+      }
+      out[i].handle = as_u64(f[0], "buffer handle", op);
+      out[i].offset = as_u64(f[1], "buffer offset", op);
+      out[i].nbytes = as_u64(f[2], "buffer nbytes", op);
+      int w = PyObject_IsTrue(f[3]);
+      if (w < 0) throw py::error_already_set();
+      out[i].write = w != 0;
+    }
+  } catch (...) {
+    Py_DECREF(seq);
+    throw;
+  }
+  Py_DECREF(seq);
+  return size_t(n);
+}
+
+// "dispatch 'name'" for messages raised while parsing.
+std::string op_label(PyObject* name) {
+  if (name && PyUnicode_Check(name)) {
+    const char* s = PyUnicode_AsUTF8(name);
+    if (s) return std::string("dispatch '") + s + "'";
+    PyErr_Clear();
+  }
+  return "dispatch";
+}
+
+void shutdown() {
+  // atexit: close every live device while the driver is certainly loaded,
+  // then drop the module's instance reference.
+  std::vector<Device*> devs(live_devices().begin(), live_devices().end());
+  for (Device* d : devs) {
+    try {
+      d->close();
+    } catch (...) {
+    }
+  }
+  release_instance();
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_vulkan, m) {
+  m.doc() = "Helios Vulkan backend: devices, pooled memory, pipelines and a deferred command stream.";
+
+  static py::exception<OutOfMemory> oom(m, "OutOfMemoryError", PyExc_MemoryError);
+  oom.doc() = "Device memory exhausted or a request above a device limit; says bytes asked and pool state.";
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const OutOfMemory& e) {
+      PyErr_SetString(oom.ptr(), e.what());
+    }
+  });
+
+  m.def(
+      "enumerate_devices",
+      []() {
+        py::list out;
+        auto inst = get_instance();
+        if (!inst) return out;
+        for (const auto& d : inst->devices) out.append(info_dict(d));
+        return out;
+      },
+      "Every Vulkan physical device, discrete GPUs first, then integrated, virtual, CPU, other.");
+  m.def("last_error", []() { return last_error(); }, "Why enumerate_devices() returned [] ('' if it did not).");
+  m.def("_shutdown", &shutdown, "Close every Device and release the instance (registered with atexit).");
+
+  py::class_<PyDevice>(m, "Device", "A Vulkan logical device with one compute queue, pooled memory and a command stream.")
+      .def(py::init([](int index, const std::string& cache_dir) {
+             auto p = std::make_unique<PyDevice>();
+             p->dev = std::make_unique<Device>(index, cache_dir);
+             live_devices().insert(p->dev.get());
+             p->info_dict = info_dict(p->dev->info());
+             return p;
+           }),
+           py::arg("index") = 0, py::arg("pipeline_cache_dir") = "")
+      .def_property_readonly(
+          "info", [](PyDevice& s) { s.d(); return s.info_dict.attr("copy")(); }, "The enumerate_devices() dict of this device.")
+      .def_property_readonly("closed", [](PyDevice& s) { return !s.dev || s.dev->closed(); })
+      .def_property_readonly("block_size", [](PyDevice& s) { return s.d().block_size(); })
+      .def_property_readonly("pipeline_cache_path", [](PyDevice& s) { return s.d().pipeline_cache_path(); })
+      .def_property(
+          "auto_submit_dispatches", [](PyDevice& s) { return s.d().auto_submit(); },
+          [](PyDevice& s, int64_t n) {
+            if (n < 1 || n > 1000000) throw ArgError("auto_submit_dispatches must be in 1..1000000");
+            s.d().set_auto_submit(uint32_t(n));
+          })
+      // ---- memory
+      .def(
+          "alloc", [](PyDevice& s, int64_t nbytes, const std::string& pool) {
+            if (nbytes < 0) throw ArgError(strf("alloc: nbytes must be >= 0, got %lld", (long long)nbytes));
+            return s.d().alloc(uint64_t(nbytes), pool_arg(pool));
+          },
+          py::arg("nbytes"), py::arg("pool") = "activations")
+      .def("free", [](PyDevice& s, uint64_t h) { s.d().free(h); }, py::arg("handle"))
+      .def("size_of", [](PyDevice& s, uint64_t h) { return s.d().size_of(h); }, py::arg("handle"))
+      .def(
+          "location",
+          [](PyDevice& s, uint64_t h) {
+            uint32_t block;
+            uint64_t off;
+            s.d().location(h, block, off);
+            return py::make_tuple(block, off);
+          },
+          py::arg("handle"), "(block id, byte offset in the block's VkBuffer) of an allocation.")
+      .def("pool_stats",
+           [](PyDevice& s) {
+             Device& d = s.d();
+             py::dict out;
+             for (int p = 0; p < kNumPools; ++p) {
+               const PoolStats& st = d.pool_stats(p);
+               py::dict e;
+               e["blocks"] = st.blocks + st.dedicated;
+               e["dedicated"] = st.dedicated;
+               e["reserved_bytes"] = st.reserved_bytes;
+               e["in_use_bytes"] = st.in_use_bytes;
+               e["peak_in_use_bytes"] = st.peak_in_use_bytes;
+               e["pending_free_bytes"] = st.pending_free_bytes;
+               e["allocs"] = st.allocs;
+               e["frees"] = st.frees;
+               out[pool_name(p)] = e;
+             }
+             return out;
+           })
+      // ---- host transfers
+      .def(
+          "write",
+          [](PyDevice& s, uint64_t h, int64_t offset, py::handle data) {
+            if (offset < 0) throw ArgError("write: offset must be >= 0");
+            Bytes b(data.ptr(), PyBUF_SIMPLE, "write", "data");
+            s.d().write(h, uint64_t(offset), b.data, uint64_t(b.size));
+          },
+          py::arg("handle"), py::arg("offset"), py::arg("data"))
+      .def(
+          "read",
+          [](PyDevice& s, uint64_t h, int64_t offset, py::handle out) {
+            if (offset < 0) throw ArgError("read: offset must be >= 0");
+            Bytes b(out.ptr(), PyBUF_WRITABLE, "read", "out");
+            s.d().read(h, uint64_t(offset), const_cast<char*>(b.data), uint64_t(b.size));
+          },
+          py::arg("handle"), py::arg("offset"), py::arg("out"))
+      .def(
+          "copy",
+          [](PyDevice& s, uint64_t src, int64_t so, uint64_t dst, int64_t dof, int64_t n) {
+            if (so < 0 || dof < 0 || n < 0) throw ArgError("copy: offsets and nbytes must be >= 0");
+            s.d().copy(src, uint64_t(so), dst, uint64_t(dof), uint64_t(n));
+          },
+          py::arg("src"), py::arg("src_offset"), py::arg("dst"), py::arg("dst_offset"), py::arg("nbytes"))
+      .def(
+          "fill",
+          [](PyDevice& s, uint64_t h, int64_t off, int64_t n, int64_t value) {
+            if (off < 0 || n < 0) throw ArgError("fill: offset and nbytes must be >= 0");
+            if (value < -(1ll << 31) || value >= (1ll << 32)) throw ArgError("fill: value must fit in 32 bits");
+            s.d().fill(h, uint64_t(off), uint64_t(n), uint32_t(value));
+          },
+          py::arg("handle"), py::arg("offset"), py::arg("nbytes"), py::arg("value"))
+      // ---- pipelines
+      .def(
+          "pipeline",
+          [](PyDevice& s, py::handle spirv, int64_t num_buffers, int64_t push_size, py::handle spec, const std::string& name) {
+            if (num_buffers < 0 || push_size < 0) throw ArgError("pipeline: num_buffers and push_size must be >= 0");
+            Bytes code(spirv.ptr(), PyBUF_SIMPLE, "pipeline", "spirv");
+            std::vector<uint32_t> sc;
+            if (!spec.is_none()) {
+              for (auto item : py::reinterpret_borrow<py::sequence>(spec)) {
+                long long v = item.cast<long long>();
+                if (v < -(1ll << 31) || v >= (1ll << 32))
+                  throw ArgError(strf("pipeline '%s': specialization constant %zu = %lld does not fit in 32 bits",
+                                      name.c_str(), sc.size(), v));
+                sc.push_back(uint32_t(v));
+              }
+            }
+            return s.d().pipeline(reinterpret_cast<const uint8_t*>(code.data), size_t(code.size), uint32_t(num_buffers),
+                                  uint32_t(push_size), sc, name);
+          },
+          py::arg("spirv"), py::arg("num_buffers"), py::arg("push_size"), py::arg("spec") = py::list(),
+          py::arg("name") = "")
+      .def("save_pipeline_cache", [](PyDevice& s) { s.d().save_pipeline_cache(); })
+      // ---- dispatch (hot path)
+      .def(
+          "dispatch",
+          [](PyDevice& s, py::handle pipeline, py::handle buffers, py::handle push, py::handle groups, py::handle name,
+             py::handle flops, py::handle nbytes) {
+            Device& d = s.d();
+            uint32_t name_id = s.name_id(name.ptr());
+            const char* op = "dispatch";
+            std::string label;
+            BufArg bufs[Pipelines::kMaxBuffers];
+            size_t nb;
+            uint32_t g[3];
+            uint64_t pid, fl, by;
+            try {
+              pid = as_u64(pipeline.ptr(), "pipeline", op);
+              nb = parse_buffers(buffers.ptr(), bufs, Pipelines::kMaxBuffers, op);
+              parse_groups(groups.ptr(), g, op);
+              fl = as_u64(flops.ptr(), "flops", op);
+              by = as_u64(nbytes.ptr(), "nbytes", op);
+            } catch (const ArgError& e) {
+              // Re-raise with the op name (kept off the fast path).
+              label = op_label(name.ptr());
+              throw ArgError(label + std::string(e.what()).substr(8));
+            }
+            Bytes pc(push.ptr(), PyBUF_SIMPLE, op_label(name.ptr()).c_str(), "push");
+            d.dispatch(pid, bufs, nb, pc.data, size_t(pc.size), g, name_id, fl, by);
+          },
+          py::arg("pipeline"), py::arg("buffers"), py::arg("push"), py::arg("groups"), py::arg("name") = "",
+          py::arg("flops") = 0, py::arg("nbytes") = 0)
+      .def(
+          "bench_raw_dispatch",
+          [](PyDevice& s, uint64_t pipeline, py::handle buffers, py::bytes push, py::handle groups, int64_t n) {
+            if (n < 0) throw ArgError("bench_raw_dispatch: n must be >= 0");
+            BufArg bufs[Pipelines::kMaxBuffers];
+            size_t nb = parse_buffers(buffers.ptr(), bufs, Pipelines::kMaxBuffers, "bench_raw_dispatch");
+            uint32_t g[3];
+            parse_groups(groups.ptr(), g, "bench_raw_dispatch");
+            std::vector<BufArg> v(bufs, bufs + nb);
+            return s.d().bench_raw_dispatch(pipeline, v, std::string(push), g, uint64_t(n));
+          },
+          py::arg("pipeline"), py::arg("buffers"), py::arg("push"), py::arg("groups"), py::arg("n"),
+          "Records n identical dispatches in C++ through the same stream path, synchronizes, returns wall seconds.")
+      // ---- stream
+      .def("flush", [](PyDevice& s) { s.d().flush(); }, "Submit what is recorded; do not wait.")
+      .def("synchronize", [](PyDevice& s) { s.d().synchronize(); }, "Submit and wait for all work; reclaim frees.")
+      .def("stats",
+           [](PyDevice& s) {
+             Device& d = s.d();
+             StreamStats st = d.stats();
+             py::dict out;
+             out["submits"] = st.submits;
+             out["dispatches"] = st.dispatches;
+             out["barriers"] = st.barriers;
+             out["fence_waits"] = st.fence_waits;
+             out["copies"] = st.copies;
+             out["pending_dispatches"] = d.pending_ops();
+             return out;
+           })
+      .def("reset_stats", [](PyDevice& s) { s.d().reset_stats(); })
+      // ---- profiling
+      .def("set_profiling", [](PyDevice& s, bool on) { s.d().set_profiling(on); }, py::arg("on"))
+      .def_property_readonly("profiling", [](PyDevice& s) { return s.d().profiling(); })
+      .def("take_events",
+           [](PyDevice& s) {
+             Device& d = s.d();
+             std::vector<Event> evs;
+             std::vector<SubmitRecord> subs;
+             d.take_events(evs, subs);
+             py::list el, sl;
+             std::vector<py::str> names;  // one Python str per distinct name id
+             std::unordered_map<uint32_t, py::str> cache;
+             for (const Event& e : evs) {
+               auto it = cache.find(e.name_id);
+               if (it == cache.end()) it = cache.emplace(e.name_id, py::str(d.name_of(e.name_id))).first;
+               py::dict x;
+               x["name"] = it->second;
+               x["flops"] = e.flops;
+               x["bytes"] = e.bytes;
+               x["start_ns"] = e.start_ns;
+               x["end_ns"] = e.end_ns;
+               x["submit"] = e.submit;
+               x["host_record_ns"] = e.host_record_ns;
+               el.append(x);
+             }
+             for (const SubmitRecord& r : subs) {
+               py::dict x;
+               x["submit"] = r.submit;
+               x["host_submit_ns"] = r.host_submit_ns;
+               x["host_done_ns"] = r.host_done_ns;
+               x["dispatches"] = r.dispatches;
+               sl.append(x);
+             }
+             py::dict out;
+             out["events"] = el;
+             out["submits"] = sl;
+             return out;
+           })
+      .def("close", [](PyDevice& s) {
+        if (!s.dev) return;
+        live_devices().erase(s.dev.get());
+        s.clear_name_cache();
+        s.dev->close();
+      }, "Wait idle, save the pipeline cache, destroy everything; the Device is unusable afterwards.")
+      .def("__enter__", [](py::object self) { return self; })
+      .def("__exit__", [](PyDevice& s, py::args) {
+        if (!s.dev) return;
+        live_devices().erase(s.dev.get());
+        s.dev->close();
+      });
+
+  // Close devices before interpreter teardown (module globals die in arbitrary order).
+  py::module_::import("atexit").attr("register")(m.attr("_shutdown"));
+}

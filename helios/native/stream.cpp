@@ -1,0 +1,342 @@
+// Command stream: ring of command buffers, hazard barriers, submits, timestamps.
+//
+// Submission model: ops record into the open command buffer and return; the
+// buffer is submitted when it holds auto_submit ops, on flush/synchronize, or
+// when the host needs a result.  A ring of kRing buffers lets the host record
+// the next batch while the device runs earlier ones; the host waits on a fence
+// only when the ring is full or when it needs data.
+#include "stream.h"
+
+#include <algorithm>
+
+#include "vk_util.h"
+
+namespace helios_vk {
+
+namespace {
+constexpr VkPipelineStageFlags kWorkStages = VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT | VK_PIPELINE_STAGE_TRANSFER_BIT;
+constexpr VkAccessFlags kWrites = VK_ACCESS_SHADER_WRITE_BIT | VK_ACCESS_TRANSFER_WRITE_BIT;
+constexpr VkAccessFlags kAll = VK_ACCESS_SHADER_READ_BIT | VK_ACCESS_SHADER_WRITE_BIT | VK_ACCESS_TRANSFER_READ_BIT |
+                               VK_ACCESS_TRANSFER_WRITE_BIT;
+constexpr uint32_t kDescSetsPerPool = 256;
+}  // namespace
+
+Stream::Stream(VkDevice dev, VkQueue queue, const PhysicalDeviceInfo& info, bool calibrated,
+               std::function<void(uint64_t)> on_complete)
+    : dev_(dev), queue_(queue), info_(info), calibrated_(calibrated), on_complete_(std::move(on_complete)) {
+  ts_mask_ = info.timestamp_valid_bits >= 64 ? ~0ull : ((1ull << info.timestamp_valid_bits) - 1);
+  if (calibrated_) {
+    get_calibrated_ =
+        reinterpret_cast<PFN_vkGetCalibratedTimestampsEXT>(vkGetDeviceProcAddr(dev_, "vkGetCalibratedTimestampsEXT"));
+    calibrated_ = get_calibrated_ != nullptr;
+  }
+  for (auto& s : slots_) {
+    VkCommandPoolCreateInfo pci{VK_STRUCTURE_TYPE_COMMAND_POOL_CREATE_INFO};
+    // One pool per slot: resetting the whole pool is cheaper than per-buffer resets.
+    pci.flags = VK_COMMAND_POOL_CREATE_TRANSIENT_BIT;
+    pci.queueFamilyIndex = info.queue_family;
+    check(vkCreateCommandPool(dev_, &pci, nullptr, &s.pool), "vkCreateCommandPool");
+    VkCommandBufferAllocateInfo ai{VK_STRUCTURE_TYPE_COMMAND_BUFFER_ALLOCATE_INFO};
+    ai.commandPool = s.pool;
+    ai.level = VK_COMMAND_BUFFER_LEVEL_PRIMARY;
+    ai.commandBufferCount = 1;
+    check(vkAllocateCommandBuffers(dev_, &ai, &s.cmd), "vkAllocateCommandBuffers");
+    VkFenceCreateInfo fci{VK_STRUCTURE_TYPE_FENCE_CREATE_INFO};
+    check(vkCreateFence(dev_, &fci, nullptr, &s.fence), "vkCreateFence");
+  }
+}
+
+Stream::~Stream() {
+  // The owner waits for the device to be idle before destroying the stream.
+  for (auto& s : slots_) {
+    for (auto p : s.desc_pools) vkDestroyDescriptorPool(dev_, p, nullptr);
+    if (s.queries) vkDestroyQueryPool(dev_, s.queries, nullptr);
+    if (s.fence) vkDestroyFence(dev_, s.fence, nullptr);
+    if (s.pool) vkDestroyCommandPool(dev_, s.pool, nullptr);
+  }
+}
+
+void Stream::record_barrier(VkCommandBuffer cmd) {
+  // One global memory barrier: cheaper than per-buffer barriers on every driver
+  // we know of, and a full pipeline barrier costs twice as much (ggml #8943).
+  VkMemoryBarrier mb{VK_STRUCTURE_TYPE_MEMORY_BARRIER};
+  mb.srcAccessMask = kWrites;
+  mb.dstAccessMask = kAll;
+  vkCmdPipelineBarrier(cmd, kWorkStages, kWorkStages, 0, 1, &mb, 0, nullptr, 0, nullptr);
+}
+
+void Stream::open_slot() {
+  Slot& s = slots_[next_];
+  if (s.state == Slot::kInFlight) {
+    // Ring full: the oldest submission must finish before its buffer is reused.
+    wait_serial(s.serial);
+  }
+  check(vkResetCommandPool(dev_, s.pool, 0), "vkResetCommandPool");
+  for (auto p : s.desc_pools) check(vkResetDescriptorPool(dev_, p, 0), "vkResetDescriptorPool");
+  s.desc_cur = 0;
+  VkCommandBufferBeginInfo bi{VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO};
+  bi.flags = VK_COMMAND_BUFFER_USAGE_ONE_TIME_SUBMIT_BIT;
+  check(vkBeginCommandBuffer(s.cmd, &bi), "vkBeginCommandBuffer");
+  s.state = Slot::kRecording;
+  s.serial = next_serial_++;
+  last_serial_ = s.serial;
+  s.ops = s.dispatches = 0;
+  s.wrote = false;
+  s.bound = VK_NULL_HANDLE;
+  s.accesses.clear();
+  s.events.clear();
+  s.queries_used = 0;
+  s.queries_reset = false;
+  s.calibrated = false;
+  open_ = next_;
+  next_ = (next_ + 1) % kRing;
+  if (entry_barrier_) {
+    // Hazard sets were dropped at the last full wait; a fence wait makes earlier
+    // writes available but not visible to later commands, so order once here.
+    record_barrier(s.cmd);
+    entry_barrier_ = false;
+  }
+}
+
+VkCommandBuffer Stream::begin_op(const Use* uses, size_t n) {
+  if (open_ < 0) open_slot();
+  Slot* s = &slots_[open_];
+  if (profiling_ && s->queries_used + 2 > s->query_capacity && s->queries_used > 0) {
+    // The query pool is full: start a new buffer rather than lose timestamps.
+    submit_open();
+    open_slot();
+    s = &slots_[open_];
+  }
+  bool need = false;
+  for (size_t i = 0; i < n && !need; ++i)
+    need = hazards_.conflicts(uses[i].block->hazards, uses[i].begin, uses[i].end, uses[i].write);
+  if (need) {
+    record_barrier(s->cmd);
+    hazards_.clear();
+    stats_.barriers += 1;
+  }
+  for (size_t i = 0; i < n; ++i) {
+    const Use& u = uses[i];
+    if (u.begin >= u.end) continue;
+    hazards_.record(u.block->hazards, u.begin, u.end, u.write);
+    u.block->last_serial = s->serial;
+    s->accesses.push_back(u);
+    s->wrote |= u.write;
+  }
+  return s->cmd;
+}
+
+void Stream::ensure_queries(Slot& s) {
+  uint32_t want = 2 * std::max<uint32_t>(auto_submit_, 16) + 2;
+  want = std::min<uint32_t>(want, 1u << 17);
+  if (s.query_capacity < want && s.queries_used == 0) {
+    if (s.queries) vkDestroyQueryPool(dev_, s.queries, nullptr);
+    s.queries = VK_NULL_HANDLE;
+    VkQueryPoolCreateInfo qi{VK_STRUCTURE_TYPE_QUERY_POOL_CREATE_INFO};
+    qi.queryType = VK_QUERY_TYPE_TIMESTAMP;
+    qi.queryCount = want;
+    check(vkCreateQueryPool(dev_, &qi, nullptr, &s.queries), "vkCreateQueryPool");
+    s.query_capacity = want;
+  }
+  if (!s.queries_reset) {
+    // Queries must be reset before they are written; once per command buffer.
+    vkCmdResetQueryPool(s.cmd, s.queries, 0, s.query_capacity);
+    s.queries_reset = true;
+  }
+}
+
+uint32_t Stream::ts_begin(uint32_t name_id, uint64_t flops, uint64_t bytes, uint64_t host_record_ns) {
+  if (!profiling_) return kNoQuery;
+  Slot& s = slots_[open_];
+  ensure_queries(s);
+  if (s.queries_used + 2 > s.query_capacity) return kNoQuery;
+  uint32_t q = s.queries_used;
+  s.queries_used += 2;
+  vkCmdWriteTimestamp(s.cmd, VK_PIPELINE_STAGE_TOP_OF_PIPE_BIT, s.queries, q);
+  s.events.push_back({name_id, q, flops, bytes, host_record_ns});
+  return q;
+}
+
+void Stream::end_op(uint32_t query, bool is_dispatch, bool is_copy) {
+  Slot& s = slots_[open_];
+  if (query != kNoQuery) vkCmdWriteTimestamp(s.cmd, VK_PIPELINE_STAGE_BOTTOM_OF_PIPE_BIT, s.queries, query + 1);
+  s.ops += 1;
+  if (is_dispatch) {
+    s.dispatches += 1;
+    stats_.dispatches += 1;
+  }
+  if (is_copy) stats_.copies += 1;
+  if (s.ops >= auto_submit_) submit_open();
+}
+
+VkDescriptorSet Stream::alloc_descriptor_set(VkDescriptorSetLayout layout) {
+  Slot& s = slots_[open_];
+  for (;;) {
+    if (s.desc_cur == s.desc_pools.size()) {
+      VkDescriptorPoolSize size{VK_DESCRIPTOR_TYPE_STORAGE_BUFFER, kDescSetsPerPool * 8};
+      VkDescriptorPoolCreateInfo ci{VK_STRUCTURE_TYPE_DESCRIPTOR_POOL_CREATE_INFO};
+      ci.maxSets = kDescSetsPerPool;
+      ci.poolSizeCount = 1;
+      ci.pPoolSizes = &size;
+      VkDescriptorPool pool;
+      check(vkCreateDescriptorPool(dev_, &ci, nullptr, &pool), "vkCreateDescriptorPool");
+      s.desc_pools.push_back(pool);
+    }
+    VkDescriptorSetAllocateInfo ai{VK_STRUCTURE_TYPE_DESCRIPTOR_SET_ALLOCATE_INFO};
+    ai.descriptorPool = s.desc_pools[s.desc_cur];
+    ai.descriptorSetCount = 1;
+    ai.pSetLayouts = &layout;
+    VkDescriptorSet set;
+    VkResult r = vkAllocateDescriptorSets(dev_, &ai, &set);
+    if (r == VK_SUCCESS) return set;
+    if (r != VK_ERROR_OUT_OF_POOL_MEMORY && r != VK_ERROR_FRAGMENTED_POOL) check(r, "vkAllocateDescriptorSets");
+    s.desc_cur += 1;  // this pool is full: move to the next (made on demand)
+  }
+}
+
+void Stream::submit_open() {
+  if (open_ < 0) return;
+  Slot& s = slots_[open_];
+  if (s.wrote) {
+    // Make device writes visible to host reads after the fence wait.
+    VkMemoryBarrier mb{VK_STRUCTURE_TYPE_MEMORY_BARRIER};
+    mb.srcAccessMask = kWrites;
+    mb.dstAccessMask = VK_ACCESS_HOST_READ_BIT;
+    vkCmdPipelineBarrier(s.cmd, kWorkStages, VK_PIPELINE_STAGE_HOST_BIT, 0, 1, &mb, 0, nullptr, 0, nullptr);
+  }
+  check(vkEndCommandBuffer(s.cmd), "vkEndCommandBuffer");
+  if (!s.events.empty() && calibrated_) {
+    // Pair a device tick with CLOCK_MONOTONIC once per submission.
+    VkCalibratedTimestampInfoEXT ci[2] = {{VK_STRUCTURE_TYPE_CALIBRATED_TIMESTAMP_INFO_EXT, nullptr, VK_TIME_DOMAIN_DEVICE_EXT},
+                                          {VK_STRUCTURE_TYPE_CALIBRATED_TIMESTAMP_INFO_EXT, nullptr,
+                                           VK_TIME_DOMAIN_CLOCK_MONOTONIC_EXT}};
+    uint64_t ts[2], dev;
+    if (get_calibrated_(dev_, 2, ci, ts, &dev) == VK_SUCCESS) {
+      s.calibrated = true;
+      s.calib_ticks = ts[0] & ts_mask_;
+      s.calib_host_ns = int64_t(ts[1]);
+    }
+  }
+  VkSubmitInfo si{VK_STRUCTURE_TYPE_SUBMIT_INFO};
+  si.commandBufferCount = 1;
+  si.pCommandBuffers = &s.cmd;
+  s.host_submit_ns = monotonic_ns();
+  check(vkResetFences(dev_, 1, &s.fence), "vkResetFences");
+  check(vkQueueSubmit(queue_, 1, &si, s.fence), "vkQueueSubmit");
+  s.state = Slot::kInFlight;
+  inflight_.push_back(open_);
+  open_ = -1;
+  stats_.submits += 1;
+  poll();  // cheap: lets deferred frees of finished work go back to the pools
+}
+
+void Stream::retire_front() {
+  int idx = inflight_.front();
+  inflight_.pop_front();
+  Slot& s = slots_[idx];
+  uint64_t done_ns = monotonic_ns();
+  if (!s.events.empty()) {
+    std::vector<uint64_t> ticks(s.queries_used);
+    VkResult r = vkGetQueryPoolResults(dev_, s.queries, 0, s.queries_used, ticks.size() * 8, ticks.data(), 8,
+                                       VK_QUERY_RESULT_64_BIT | VK_QUERY_RESULT_WAIT_BIT);
+    check(r, "vkGetQueryPoolResults");
+    // Ticks -> ns relative to a reference pair, so doubles never hold huge tick counts.
+    uint64_t ref_ticks;
+    int64_t ref_ns;
+    if (s.calibrated) {
+      ref_ticks = s.calib_ticks, ref_ns = s.calib_host_ns;
+    } else {
+      // Without calibration, the first op is taken to start when the buffer was submitted.
+      ref_ticks = ticks[s.events.front().query] & ts_mask_;
+      for (const auto& e : s.events) ref_ticks = std::min(ref_ticks, ticks[e.query] & ts_mask_);
+      ref_ns = int64_t(s.host_submit_ns);
+    }
+    const double period = info_.timestamp_period;
+    auto to_ns = [&](uint64_t t) { return ref_ns + int64_t(double(int64_t((t & ts_mask_) - ref_ticks)) * period); };
+    for (const auto& e : s.events) {
+      int64_t a = to_ns(ticks[e.query]), b = to_ns(ticks[e.query + 1]);
+      done_events_.push_back({e.name_id, e.flops, e.bytes, a, std::max(a, b), s.serial, e.host_record_ns});
+    }
+    done_submits_.push_back({s.serial, s.host_submit_ns, done_ns, s.dispatches});
+    s.events.clear();
+  }
+  s.accesses.clear();
+  s.state = Slot::kIdle;
+  completed_ = s.serial;
+  if (on_complete_) on_complete_(completed_);
+}
+
+void Stream::poll() {
+  while (!inflight_.empty()) {
+    VkResult r = vkGetFenceStatus(dev_, slots_[inflight_.front()].fence);
+    if (r == VK_NOT_READY) return;
+    check(r, "vkGetFenceStatus");
+    retire_front();
+  }
+}
+
+void Stream::wait_serial(uint64_t serial) {
+  if (open_ >= 0 && slots_[open_].serial <= serial) submit_open();
+  while (!inflight_.empty() && slots_[inflight_.front()].serial <= serial) {
+    Slot& s = slots_[inflight_.front()];
+    VkResult r = vkGetFenceStatus(dev_, s.fence);
+    if (r == VK_NOT_READY) {
+      stats_.fence_waits += 1;
+      r = vkWaitForFences(dev_, 1, &s.fence, VK_TRUE, UINT64_MAX);
+    }
+    check(r, "vkWaitForFences");
+    retire_front();
+  }
+}
+
+void Stream::flush() { submit_open(); }
+
+void Stream::synchronize() {
+  submit_open();
+  wait_serial(UINT64_MAX);
+  if (last_serial_ > 0 && completed_ == last_serial_) {
+    // Nothing is pending any more: start the hazard sets afresh.
+    hazards_.clear();
+    entry_barrier_ = true;
+  }
+  if (on_complete_) on_complete_(completed_);
+}
+
+uint64_t Stream::unfinished_access(Block* b, uint64_t begin, uint64_t end, bool writes_only) {
+  if (b->last_serial <= completed_ || begin >= end) return 0;
+  poll();
+  if (b->last_serial <= completed_) return 0;
+  uint64_t newest = 0;
+  auto scan = [&](const Slot& s) {
+    for (const Use& u : s.accesses)
+      if (u.block == b && (u.write || !writes_only) && u.begin < end && begin < u.end) {
+        newest = std::max(newest, s.serial);
+        return;
+      }
+  };
+  for (int idx : inflight_) scan(slots_[idx]);
+  if (open_ >= 0) scan(slots_[open_]);
+  return newest;
+}
+
+void Stream::set_profiling(bool on) {
+  if (on && info_.timestamp_valid_bits == 0)
+    throw std::runtime_error("profiling needs timestamps, but the compute queue of '" + info_.name +
+                             "' has timestampValidBits = 0");
+  profiling_ = on;
+}
+
+std::vector<Event> Stream::take_events() {
+  poll();
+  std::vector<Event> out;
+  out.swap(done_events_);
+  return out;
+}
+
+std::vector<SubmitRecord> Stream::take_submits() {
+  std::vector<SubmitRecord> out;
+  out.swap(done_submits_);
+  return out;
+}
+
+}  // namespace helios_vk

@@ -1,0 +1,164 @@
+// The command stream: a ring of command buffers with fences, lazy begin,
+// hazard barriers, batched submits, completion tracking and timestamps.
+//
+// Every op (dispatch, copy, fill) goes through the same four steps:
+//   VkCommandBuffer cmd = stream.begin_op(uses, n);   // open + barrier if needed
+//   uint32_t q = stream.ts_begin(name, flops, bytes);  // profiling only
+//   ... vkCmd* into cmd ...
+//   stream.end_op(q, is_dispatch);                      // auto-submit
+#pragma once
+
+#include <vulkan/vulkan.h>
+
+#include <array>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <vector>
+
+#include "hazards.h"
+#include "instance.h"
+#include "memory.h"
+
+namespace helios_vk {
+
+// One buffer range an op touches.
+struct Use {
+  Block* block;
+  uint64_t begin, end;  // absolute byte range in block->buffer
+  bool write;
+};
+
+struct StreamStats {
+  uint64_t submits = 0, dispatches = 0, barriers = 0, fence_waits = 0, copies = 0;
+};
+
+// A completed, timed op.
+struct Event {
+  uint32_t name_id;
+  uint64_t flops, bytes;
+  int64_t start_ns, end_ns;
+  uint64_t submit;
+  uint64_t host_record_ns;
+};
+
+struct SubmitRecord {
+  uint64_t submit, host_submit_ns, host_done_ns, dispatches;
+};
+
+class Stream {
+ public:
+  static constexpr int kRing = 4;
+  static constexpr uint32_t kNoQuery = UINT32_MAX;
+
+  // on_complete(serial) runs whenever every submission up to `serial` has finished.
+  Stream(VkDevice dev, VkQueue queue, const PhysicalDeviceInfo& info, bool calibrated,
+         std::function<void(uint64_t)> on_complete);
+  ~Stream();
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+
+  // Opens the command buffer if needed and records a barrier if any use
+  // conflicts with an access since the last barrier.  Returns the buffer to record into.
+  VkCommandBuffer begin_op(const Use* uses, size_t n);
+  // Timestamp before the op (profiling on); returns the query index or kNoQuery.
+  uint32_t ts_begin(uint32_t name_id, uint64_t flops, uint64_t bytes, uint64_t host_record_ns);
+  // Timestamp after the op, counts it, submits when the buffer holds enough work.
+  void end_op(uint32_t query, bool is_dispatch, bool is_copy);
+
+  // A descriptor set for the fallback path (no push descriptors), from a pool
+  // that is reset when this command buffer's submission completes.
+  VkDescriptorSet alloc_descriptor_set(VkDescriptorSetLayout layout);
+  // vkCmdBindPipeline only when it changes within the command buffer.
+  void bind_pipeline(VkCommandBuffer cmd, VkPipeline p) {
+    if (slots_[open_].bound != p) {
+      vkCmdBindPipeline(cmd, VK_PIPELINE_BIND_POINT_COMPUTE, p);
+      slots_[open_].bound = p;
+    }
+  }
+
+  void flush();          // submit what is recorded, do not wait
+  void synchronize();    // submit and wait for everything
+  void poll();           // retire submissions whose fence signalled (no waiting)
+  void wait_serial(uint64_t serial);  // submit if needed and wait until `serial` completed
+
+  // Serial of the newest unfinished op touching [begin, end) of the block (only
+  // writes if writes_only), or 0 if no unfinished op does.
+  uint64_t unfinished_access(Block* b, uint64_t begin, uint64_t end, bool writes_only);
+
+  // The serial a free() must wait for: the open buffer's, else the last submitted.
+  uint64_t current_serial() const { return last_serial_; }
+  uint64_t completed_serial() const { return completed_; }
+  bool idle() const { return open_ < 0 && inflight_.empty(); }
+
+  void set_profiling(bool on);
+  bool profiling() const { return profiling_; }
+  std::vector<Event> take_events();
+  std::vector<SubmitRecord> take_submits();
+
+  uint32_t auto_submit() const { return auto_submit_; }
+  void set_auto_submit(uint32_t n) { auto_submit_ = n; }
+  const StreamStats& stats() const { return stats_; }
+  uint64_t pending_ops() const { return open_ >= 0 ? slots_[open_].ops : 0; }
+  void reset_stats() { stats_ = StreamStats{}; }
+
+ private:
+  struct PendingEvent {
+    uint32_t name_id;
+    uint32_t query;
+    uint64_t flops, bytes, host_record_ns;
+  };
+  struct Slot {
+    VkCommandPool pool = VK_NULL_HANDLE;
+    VkCommandBuffer cmd = VK_NULL_HANDLE;
+    VkFence fence = VK_NULL_HANDLE;
+    enum { kIdle, kRecording, kInFlight } state = kIdle;
+    uint64_t serial = 0;
+    uint32_t ops = 0, dispatches = 0;
+    bool wrote = false;
+    VkPipeline bound = VK_NULL_HANDLE;
+    std::vector<Use> accesses;  // what this submission touches (host read/write hazards)
+    // Profiling.
+    VkQueryPool queries = VK_NULL_HANDLE;
+    uint32_t query_capacity = 0, queries_used = 0;
+    bool queries_reset = false;
+    std::vector<PendingEvent> events;
+    uint64_t host_submit_ns = 0;
+    bool calibrated = false;
+    uint64_t calib_ticks = 0;
+    int64_t calib_host_ns = 0;
+    // Descriptor fallback.
+    std::vector<VkDescriptorPool> desc_pools;
+    size_t desc_cur = 0;
+  };
+
+  void open_slot();
+  void submit_open();
+  void retire_front();
+  void record_barrier(VkCommandBuffer cmd);
+  void ensure_queries(Slot& s);
+
+  VkDevice dev_;
+  VkQueue queue_;
+  const PhysicalDeviceInfo& info_;
+  bool calibrated_;
+  PFN_vkGetCalibratedTimestampsEXT get_calibrated_ = nullptr;
+  std::function<void(uint64_t)> on_complete_;
+
+  std::array<Slot, kRing> slots_;
+  int open_ = -1;          // slot being recorded, -1 if none
+  int next_ = 0;           // ring position of the next slot to open
+  std::deque<int> inflight_;  // submitted slots, oldest first
+  uint64_t next_serial_ = 1, last_serial_ = 0, completed_ = 0;
+  bool entry_barrier_ = false;  // after a full wait, order the next buffer against all earlier work
+
+  HazardTracker hazards_;
+  uint32_t auto_submit_ = 256;
+  bool profiling_ = false;
+  uint64_t ts_mask_;
+  StreamStats stats_;
+  std::vector<Event> done_events_;
+  std::vector<SubmitRecord> done_submits_;
+};
+
+}  // namespace helios_vk

@@ -62,7 +62,7 @@ class DeviceEvent:
         return self.bytes / self.device_ns if self.device_ns > 0 else None
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any], dispatch_seq: int) -> "DeviceEvent":
+    def from_dict(cls, d: dict[str, Any], dispatch_seq: int) -> DeviceEvent:
         """Build from the addon's event dict; ``dispatch_seq`` is used when the dict has none."""
         return cls(
             name=str(d["name"]),
@@ -88,7 +88,7 @@ class SubmitRecord:
     queue: int = 0
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "SubmitRecord":
+    def from_dict(cls, d: dict[str, Any]) -> SubmitRecord:
         """Build from the addon's submit dict."""
         return cls(int(d["submit"]), int(d["host_submit_ns"]), int(d["host_done_ns"]), int(d.get("dispatches", 0)),
                    int(d.get("queue", 0)))

@@ -110,7 +110,7 @@ def gpt_hardware_flops_per_token(
 _WARNED: set[tuple[float, float, int]] = set()
 
 
-def compute_mfu(flops_per_token: float, tokens_per_s: float | None, peak: "PeakFlops | float | None", n_devices: int = 1) -> float | None:
+def compute_mfu(flops_per_token: float, tokens_per_s: float | None, peak: PeakFlops | float | None, n_devices: int = 1) -> float | None:
     """Utilisation = flops_per_token * tokens_per_s / (peak * n_devices), or None when it cannot be known.
 
     Use model FLOPs for MFU and hardware FLOPs for HFU. Returns None (shown as
@@ -236,7 +236,8 @@ def _lscpu_max_mhz() -> float | None:
     if exe is None:
         return None
     try:
-        out = subprocess.run([exe], capture_output=True, text=True, timeout=5, env={**os.environ, "LC_ALL": "C"}).stdout
+        out = subprocess.run([exe], capture_output=True, text=True, timeout=5, check=False,
+                             env={**os.environ, "LC_ALL": "C"}).stdout
     except (OSError, subprocess.SubprocessError):
         return None
     m = re.search(r"^CPU max MHz:\s*([\d.]+)", out, re.MULTILINE)

@@ -49,18 +49,18 @@ from helios.profile.events import DeviceEvent, HostOpRecord, MemorySample, Submi
 if TYPE_CHECKING:
     from helios.profile.timers import StepRecord
 
-_ACTIVE: "Collector | None" = None
-_START_HOOKS: list[Callable[["Collector"], None]] = []
-_STOP_HOOKS: list[Callable[["Collector"], None]] = []
+_ACTIVE: Collector | None = None
+_START_HOOKS: list[Callable[[Collector], None]] = []
+_STOP_HOOKS: list[Callable[[Collector], None]] = []
 
 
-def current_collector() -> "Collector | None":
+def current_collector() -> Collector | None:
     """The collector of the open profiling session, or None when profiling is off (cheap: a global read)."""
     return _ACTIVE
 
 
-def register_runtime_hooks(on_start: Callable[["Collector"], None] | None = None,
-                           on_stop: Callable[["Collector"], None] | None = None) -> None:
+def register_runtime_hooks(on_start: Callable[[Collector], None] | None = None,
+                           on_stop: Callable[[Collector], None] | None = None) -> None:
     """Register backend callbacks run when a profiling session opens / is about to close."""
     if on_start is not None and on_start not in _START_HOOKS:
         _START_HOOKS.append(on_start)
@@ -68,8 +68,8 @@ def register_runtime_hooks(on_start: Callable[["Collector"], None] | None = None
         _STOP_HOOKS.append(on_stop)
 
 
-def unregister_runtime_hooks(on_start: Callable[["Collector"], None] | None = None,
-                             on_stop: Callable[["Collector"], None] | None = None) -> None:
+def unregister_runtime_hooks(on_start: Callable[[Collector], None] | None = None,
+                             on_stop: Callable[[Collector], None] | None = None) -> None:
     """Remove callbacks added by :func:`register_runtime_hooks`."""
     if on_start in _START_HOOKS:
         _START_HOOKS.remove(on_start)
@@ -128,7 +128,7 @@ class Collector:
         """Record one memory-in-use sample of ``pool``."""
         self.memory.append(MemorySample(int(time_ns), str(pool), int(in_use_bytes)))
 
-    def record_step(self, rec: "StepRecord") -> None:
+    def record_step(self, rec: StepRecord) -> None:
         """Record a finished step (StepTimer calls this)."""
         self.steps.append(rec)
 
@@ -306,12 +306,12 @@ def profile(clock: Callable[[], int] = time.monotonic_ns) -> Iterator[Profiler]:
     col = Collector(clock)
     _ACTIVE = col
     try:
-        for hook in list(_START_HOOKS):
+        for hook in _START_HOOKS:
             hook(col)
         yield Profiler(col)
     finally:
         try:
-            for hook in list(_STOP_HOOKS):
+            for hook in _STOP_HOOKS:
                 hook(col)
         finally:
             col.end_ns = clock()

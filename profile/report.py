@@ -191,8 +191,8 @@ def top_ops(data: dict[str, Any]) -> str:
         return _empty("No profiled window in this run (train with --profile-steps START:STOP).")
     total = sum(r["device_ns"] for r in _op_rows(data)[0]) or 1
     bars = [(r["name"], r["device_ns"] / 1e6, "#2b8cbe",
-             f"{r['name']}: {fmt_ns(r['device_ns'])} device, {r['dispatches']} launches, "
-             f"{100 * r['device_ns'] / total:.1f}% of device time") for r in rows]
+             (f"{r['name']}: {fmt_ns(r['device_ns'])} device, {r['dispatches']} launches, "
+              f"{100 * r['device_ns'] / total:.1f}% of device time")) for r in rows]
     body = []
     for r in rows:
         gf, gb = _rate(r["flops"], r["device_ns"]), _rate(r["bytes"], r["device_ns"])
@@ -247,8 +247,8 @@ def bandwidth(data: dict[str, Any]) -> str:
     bars = []
     for name, (ns, by, fl, n) in rows:
         gb = by / ns
-        bars.append((name, gb, "#31a354", f"{name}: {gb:.2f} GB/s, {fl / ns:.2f} GFLOP/s over {n} launches "
-                                          f"({fmt_ns(ns)} device)"))
+        tip = f"{name}: {gb:.2f} GB/s, {fl / ns:.2f} GFLOP/s over {n} launches ({fmt_ns(ns)} device)"
+        bars.append((name, gb, "#31a354", tip))
     return hbars(bars, "achieved GB/s (bytes moved / device time)", "achieved bandwidth")
 
 

@@ -158,7 +158,7 @@ class RunDB:
         self.run_id: int = int(cur.lastrowid)
         self.session = 0  # profiling sessions logged so far; tags gpu_timeline rows
 
-    def _tx(self) -> "_Tx":
+    def _tx(self) -> _Tx:
         return _Tx(self.con)
 
     def log_step(self, rec: StepRecord, mfu: float | None = None, hfu: float | None = None) -> None:
@@ -171,7 +171,7 @@ class RunDB:
             self.con.execute(f"INSERT OR REPLACE INTO step_timing ({', '.join(cols)}) "
                              f"VALUES ({', '.join('?' * len(cols))})", vals)
 
-    def log_ops(self, step: int, averages: "KeyAverages") -> None:
+    def log_ops(self, step: int, averages: KeyAverages) -> None:
         """Store per-op totals of a profiled window ending at ``step`` (commits)."""
         with self._tx():
             self.con.executemany(
@@ -180,7 +180,7 @@ class RunDB:
                 [(self.run_id, step, r.name, r.shape, r.calls, r.dispatches, r.host_time_ns, r.device_time_ns,
                   r.flops, r.bytes) for r in averages])
 
-    def log_gpu_events(self, events: Iterable["DeviceEvent"], step: int | None = None,
+    def log_gpu_events(self, events: Iterable[DeviceEvent], step: int | None = None,
                        op_names: dict[int, str] | None = None, session: int | None = None) -> None:
         """Store device dispatches (commits). ``op_names`` maps dispatch_seq -> recording op."""
         op_names = op_names or {}
@@ -192,7 +192,7 @@ class RunDB:
                 [(self.run_id, session, e.dispatch_seq, step, e.name, op_names.get(e.dispatch_seq), e.queue, e.submit,
                   e.start_ns, e.end_ns, e.host_record_ns, e.flops, e.bytes) for e in events])
 
-    def log_profile(self, col: "Collector", step: int) -> None:
+    def log_profile(self, col: Collector, step: int) -> None:
         """Store a whole profiling session: its op totals and its dispatches, each step-tagged where known."""
         from helios.profile.profiler import key_averages
 
@@ -221,7 +221,8 @@ class RunDB:
         """Close the connection (folds the WAL back into the main file when we are the last user)."""
         self.con.close()
 
-    def __enter__(self) -> "RunDB":
+    def __enter__(self) -> RunDB:  # noqa: PYI034 (typing.Self needs Python 3.11; we support 3.10)
+        """Use as ``with RunDB(dir) as db:``; the run is finished (or marked failed) on exit."""
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -266,7 +267,7 @@ def read_run(run_dir: str | os.PathLike[str], run_id: int | None = None) -> dict
         if row is None:
             raise ProfileError(f"{path} holds no run" + (f" with run_id {run_id}" if run_id is not None else ""))
         rid = row["run_id"]
-        q = lambda sql: [dict(r) for r in con.execute(sql, (rid,)).fetchall()]  # noqa: E731
+        q = lambda sql: [dict(r) for r in con.execute(sql, (rid,)).fetchall()]
         return {
             "run": dict(row),
             "steps": q("SELECT * FROM step_timing WHERE run_id = ? ORDER BY step"),

@@ -51,8 +51,8 @@ def fmt_num(v: float) -> str:
 
 
 def _svg_open(title: str, h: int = H) -> list[str]:
-    return [f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {W} {h}" role="img" '
-            f'aria-label="{escape(title)}" class="chart-svg">']
+    return [(f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {W} {h}" role="img" '
+             f'aria-label="{escape(title)}" class="chart-svg">')]
 
 
 def _y_axis(parts: list[str], ticks: list[float], y_of, unit: str, h: int = H) -> None:
@@ -83,7 +83,7 @@ def stacked_bars(xs: Sequence[str], series: Sequence[tuple[str, str, Sequence[fl
     ticks = nice_ticks(0.0, max(totals) if totals else 1.0)
     top = ticks[-1]
     ph = H - PAD_T - PAD_B
-    y_of = lambda v: PAD_T + ph * (1 - v / top)  # noqa: E731
+    y_of = lambda v: PAD_T + ph * (1 - v / top)
     pw = W - PAD_L - PAD_R
     slot = pw / max(1, n)
     bw = max(1.0, slot * 0.8) if n < pw else slot
@@ -134,8 +134,8 @@ def line_chart(series: Sequence[tuple[str, str, Sequence[tuple[float, float]]]],
     ticks = nice_ticks(lo, hi)
     ph = H - PAD_T - PAD_B
     pw = W - PAD_L - PAD_R
-    y_of = lambda v: PAD_T + ph * (1 - (v - ticks[0]) / (ticks[-1] - ticks[0]))  # noqa: E731
-    x_of = lambda v: PAD_L + pw * (v - x_lo) / (x_hi - x_lo)  # noqa: E731
+    y_of = lambda v: PAD_T + ph * (1 - (v - ticks[0]) / (ticks[-1] - ticks[0]))
+    x_of = lambda v: PAD_L + pw * (v - x_lo) / (x_hi - x_lo)
     parts = _svg_open(title)
     _y_axis(parts, ticks, y_of, unit)
     _x_axis_steps(parts, x_lo, x_hi, x_of, x_label)
@@ -163,7 +163,7 @@ def hbars(rows: Sequence[tuple[str, float, str, str]], unit: str, title: str = "
     vmax = max((r[1] for r in rows), default=1.0) or 1.0
     ticks = nice_ticks(0.0, vmax, 5)
     x0, x1 = label_w, W - PAD_R - 70
-    x_of = lambda v: x0 + (x1 - x0) * v / ticks[-1]  # noqa: E731
+    x_of = lambda v: x0 + (x1 - x0) * v / ticks[-1]
     parts = _svg_open(title, h)
     axis_y = PAD_T + len(rows) * (bar_h + gap)
     for t in ticks:

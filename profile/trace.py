@@ -63,7 +63,7 @@ def _rate(num: int, ns: int) -> float | None:
     return round(num / ns, 3) if ns > 0 else None  # per ns == G per s
 
 
-def build_trace(col: "Collector", process_name: str = "helios") -> dict[str, Any]:
+def build_trace(col: Collector, process_name: str = "helios") -> dict[str, Any]:
     """Build the Trace Event Format object of a collector's session (see the module docstring)."""
     times = [col.start_ns]
     times += [op.host_start_ns for op in col.ops]

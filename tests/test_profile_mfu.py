@@ -5,8 +5,14 @@ from __future__ import annotations
 import math
 
 import pytest
-
-from helios.profile import compute_mfu, cpu_peak_estimate, format_mfu, gpt_flops_per_token, gpt_hardware_flops_per_token, peak_flops
+from helios.profile import (
+    compute_mfu,
+    cpu_peak_estimate,
+    format_mfu,
+    gpt_flops_per_token,
+    gpt_hardware_flops_per_token,
+    peak_flops,
+)
 from helios.profile.mfu import cpu_clock_ghz, cpu_flops_per_cycle
 
 # GPT-2 small: 12 layers, width 768, context 1024; N from nanoGPT's non-embedding count.

@@ -10,11 +10,10 @@ import subprocess
 import sys
 
 import pytest
-from test_profile_synth import FakeClock, FakeRuntime, gpt_step
-
 from helios.profile import RunDB, StepTimer, compute_mfu, peak_flops, profile
 from helios.profile.report import MAX_BARS, main, render
 from helios.profile.rundb import read_run
+from test_profile_synth import FakeClock, FakeRuntime, gpt_step
 
 CHARTS = ("chart-waterfall", "chart-mfu", "chart-loss", "chart-top-ops", "chart-launches", "chart-bandwidth")
 
@@ -60,18 +59,18 @@ def test_page_holds_each_chart_and_needs_no_network(run_dir, capsys) -> None:
     assert out == str(run_dir / "report.html")
     html = (run_dir / "report.html").read_text()
     for cid in CHARTS:
-        m = re.search(rf'<section class="chart" id="{cid}">(.*?)</section>', html, re.S)
+        m = re.search(rf'<section class="chart" id="{cid}">(.*?)</section>', html, re.DOTALL)
         assert m, cid
         assert "<svg" in m.group(1) and 'class="empty"' not in m.group(1), cid
     # No fetches: no src/href to anything, no @import, no external script.
     assert not re.search(r'(src|href)\s*=\s*"(https?:)?//', html)
     assert "@import" not in html and "<link" not in html
     # Waterfall: one bar group per step, each phase colour present in its legend.
-    wf = re.search(r'id="chart-waterfall">(.*?)</section>', html, re.S).group(1)
+    wf = re.search(r'id="chart-waterfall">(.*?)</section>', html, re.DOTALL).group(1)
     assert wf.count('<g class="bar">') == 30
     for phase in ("forward", "backward", "comm", "idle"):
         assert f"</i>{phase}</span>" in wf
-    top = re.search(r'id="chart-top-ops">(.*?)</section>', html, re.S).group(1)
+    top = re.search(r'id="chart-top-ops">(.*?)</section>', html, re.DOTALL).group(1)
     assert top.count('class="bar-label"') == 10 and ">matmul<" in top
     assert not [f for f in os.listdir(run_dir) if f.endswith(".tmp")]
 
@@ -79,7 +78,7 @@ def test_page_holds_each_chart_and_needs_no_network(run_dir, capsys) -> None:
 def test_sparse_and_unknown_runs_explain_missing_charts(tmp_path) -> None:
     make_run(tmp_path, steps=5, window=range(1, 3), device="Mystery GPU 9000", log_profile=False)
     html = render(read_run(tmp_path))
-    assert "MFU is n/a" in html and "n/a" in re.search(r'MFU \(median\).*?class="v">(.*?)<', html, re.S).group(1)
+    assert "MFU is n/a" in html and "n/a" in re.search(r'MFU \(median\).*?class="v">(.*?)<', html, re.DOTALL).group(1)
     assert "No profiled window" in html
     for cid in CHARTS:
         assert f'id="{cid}"' in html
@@ -88,7 +87,7 @@ def test_sparse_and_unknown_runs_explain_missing_charts(tmp_path) -> None:
 def test_long_runs_are_bucketed(tmp_path) -> None:
     make_run(tmp_path, steps=300, window=range(5, 7))
     html = render(read_run(tmp_path))
-    wf = re.search(r'id="chart-waterfall">(.*?)</section>', html, re.S).group(1)
+    wf = re.search(r'id="chart-waterfall">(.*?)</section>', html, re.DOTALL).group(1)
     assert 0 < wf.count('<g class="bar">') <= MAX_BARS and "mean of 3 per bar" in wf
 
 
@@ -97,7 +96,7 @@ def test_cli_errors(tmp_path, capsys) -> None:
     assert "no run database" in capsys.readouterr().err
     # The installed entry point works the same way.
     r = subprocess.run([sys.executable, "-m", "helios.profile.report", str(tmp_path / "nope")], capture_output=True,
-                       text=True, timeout=60)
+                       text=True, timeout=60, check=False)
     assert r.returncode == 2 and "helios-train --out" in r.stderr
 
 
@@ -109,7 +108,7 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 def _chromium(args: list[str], tmp_path) -> subprocess.CompletedProcess:
     base = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--no-first-run",
             f"--user-data-dir={tmp_path / 'chromium-profile'}", "--enable-logging=stderr", "--v=0"]
-    return subprocess.run(base + args, capture_output=True, text=True, timeout=90)
+    return subprocess.run(base + args, capture_output=True, text=True, timeout=90, check=False)
 
 
 def _console_errors(stderr: str) -> list[str]:

@@ -11,10 +11,9 @@ import textwrap
 import time
 
 import pytest
-from test_profile_synth import FakeClock, simulate_training
-
 from helios.profile import ALL_PHASES, ProfileError, RunDB, profile, read_run
 from helios.profile.rundb import SCHEMA_VERSION, db_path
+from test_profile_synth import FakeClock, simulate_training
 
 
 def test_steps_profile_and_run_roundtrip(tmp_path) -> None:
@@ -56,9 +55,8 @@ def test_steps_profile_and_run_roundtrip(tmp_path) -> None:
 
 def test_two_runs_in_one_folder_and_failure_status(tmp_path) -> None:
     RunDB(tmp_path, name="first").finish("interrupted")
-    with pytest.raises(RuntimeError):
-        with RunDB(tmp_path, name="second"):
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError), RunDB(tmp_path, name="second"):
+        raise RuntimeError("boom")
     assert read_run(tmp_path)["run"]["name"] == "second"
     assert read_run(tmp_path)["run"]["status"] == "failed"
     assert read_run(tmp_path, run_id=1)["run"]["status"] == "interrupted"

@@ -5,9 +5,8 @@ from __future__ import annotations
 import time
 
 import pytest
-from test_profile_synth import FakeClock, simulate_training
-
 from helios.profile import ALL_PHASES, PHASES, ProfileError, StepTimer, profile
+from test_profile_synth import FakeClock, simulate_training
 
 
 def test_real_clock_phases_add_up_to_wall_within_5_percent() -> None:
@@ -83,20 +82,17 @@ def test_aliases_and_counted_dispatches() -> None:
 
 def test_misuse_is_reported() -> None:
     t = StepTimer(FakeClock())
-    with pytest.raises(ProfileError, match="outside a step"):
-        with t.phase("forward"):
-            pass
+    with pytest.raises(ProfileError, match="outside a step"), t.phase("forward"):
+        pass
     with pytest.raises(ProfileError, match="without start_step"):
         t.end_step(0, 1)
     t.start_step()
     with pytest.raises(ProfileError, match="called twice"):
         t.start_step()
-    with pytest.raises(ProfileError, match="unknown step phase 'idle'"):
-        with t.phase("idle"):
-            pass
-    with pytest.raises(ValueError, match="unknown step phase 'fwd'"):  # ProfileError is a ValueError
-        with t.phase("fwd"):
-            pass
+    with pytest.raises(ProfileError, match="unknown step phase 'idle'"), t.phase("idle"):
+        pass
+    with pytest.raises(ValueError, match="unknown step phase 'fwd'"), t.phase("fwd"):  # a ValueError too
+        pass
     cm = t.phase("forward")
     cm.__enter__()
     with pytest.raises(ProfileError, match=r"still open: \['forward'\]"):

@@ -6,10 +6,9 @@ import json
 import os
 
 import pytest
-from test_profile_synth import FakeClock, FakeRuntime, simulate_training
-
 from helios.profile import Collector, build_trace, profile, validate_trace, write_trace
 from helios.profile.trace import _assign_lanes
+from test_profile_synth import FakeClock, FakeRuntime, simulate_training
 
 NEEDS = {"X": {"name", "ts", "dur", "pid", "tid"}, "C": {"name", "ts", "pid", "args"}, "M": {"name", "pid", "args"},
          "s": {"name", "cat", "id", "ts", "pid", "tid"}, "f": {"name", "cat", "id", "ts", "pid", "tid", "bp"}}

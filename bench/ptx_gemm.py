@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=20)
     args = ap.parse_args(argv)
 
-    from helios.cuda_ptx import dtypes, driver, variants
+    from helios.cuda_ptx import driver, dtypes, variants
     from helios.cuda_ptx.runner import GemmLaunch
 
     ok, why = driver.driver_status()
@@ -86,13 +86,13 @@ def main(argv: list[str] | None = None) -> int:
                 one = torch.ones((), device="cuda")
                 out_t = torch.float32 if cfg.out_dtype == "f32" else torch.bfloat16
 
-                def peer():
+                def peer(pa=pa, pb=pb, one=one, out_t=out_t):
                     return torch._scaled_mm(pa, pb, scale_a=one, scale_b=one, out_dtype=out_t)
             else:
                 tdt = torch.bfloat16 if cfg.in_dtype == "bf16" else torch.float16
                 pa, pb = ra.to(tdt), rb.to(tdt)
 
-                def peer():
+                def peer(pa=pa, pb=pb):
                     return torch.matmul(pa, pb)
             pms = _torch_time_ms(torch, peer, args.iters)
             perr = (peer().float() - ref).abs().max().item() / scale

@@ -104,14 +104,15 @@ class GemmConfig:
                 "fp8 e4m3 is generated only for kind='wgmma' with b_major='k' "
                 "(wgmma takes fp8 operands K-major only); pass B as N x K"
             )
-        if self.kind == "simt" and (self.bm, self.bn) != (64, 64):
-            raise ShapeError(f"simt kernel is 64x64 per CTA, got {self.bm}x{self.bn}")
-        if self.kind == "mma_sync":
-            if self.bm % (16 * self.warps_m) or self.bn % (16 * self.warps_n) or self.bk % 16:
-                raise ShapeError(
-                    f"mma_sync tile {self.bm}x{self.bn}x{self.bk} must split into "
-                    f"{self.warps_m}x{self.warps_n} warps of multiples of 16 and bk % 16 == 0"
-                )
+        if self.kind == "simt" and (self.bm, self.bn, self.bk) != (64, 64, 16):
+            raise ShapeError(f"simt kernel is 64x64x16 per CTA, got {self.bm}x{self.bn}x{self.bk}")
+        if self.kind == "mma_sync" and (
+            self.bm % (16 * self.warps_m) or self.bn % (16 * self.warps_n) or self.bk % 16 or self.bk & (self.bk - 1)
+        ):
+            raise ShapeError(
+                f"mma_sync tile {self.bm}x{self.bn}x{self.bk} must split into {self.warps_m}x{self.warps_n} "
+                "warps of multiples of 16, with bk a power of two >= 16"
+            )
         if self.kind == "wgmma":
             row_elems = 128 // self.in_bytes  # one 128-byte swizzle row
             if self.bk != row_elems:
@@ -123,7 +124,7 @@ class GemmConfig:
             if self.maxnreg is not None and not self.producer:
                 raise ValueError("setmaxnreg budgets need the warp-specialised producer layout")
 
-    def with_(self, **kw: object) -> "GemmConfig":
+    def with_(self, **kw: object) -> GemmConfig:
         """A copy with fields replaced (the name is kept unless given)."""
         return replace(self, **kw)
 

@@ -20,8 +20,9 @@ Generators build a :class:`Kernel` with :class:`Builder`; nothing here knows GEM
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator, Union
+from typing import Union
 
 # PTX register classes: the prefix each type gets in the declaration.
 REG_PREFIX = {
@@ -101,7 +102,7 @@ class SharedTile:
     pad: int = 0
 
 
-Operand = Union[Reg, Param, int, float, str]
+Operand = Union[Reg, Param, int, float, str]  # noqa: UP007 (a runtime alias, 3.10-safe)
 
 
 def fmt_operand(op: Operand) -> str:
@@ -113,7 +114,7 @@ def fmt_operand(op: Operand) -> str:
     if isinstance(op, float):
         import struct
 
-        return "0f%08X" % struct.unpack("<I", struct.pack("<f", op))[0]
+        return f"0f{struct.unpack('<I', struct.pack('<f', op))[0]:08X}"
     return str(op)
 
 
@@ -168,7 +169,7 @@ class If:
     label: str = ""
 
 
-Stmt = Union[Instr, Comment, Label, Loop, If]
+Stmt = Union[Instr, Comment, Label, Loop, If]  # noqa: UP007
 
 
 @dataclass

@@ -145,7 +145,9 @@ def run_isolated(code: str, timeout: float = 120.0) -> subprocess.CompletedProce
     """
     env = dict(os.environ)
     try:
-        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env)
+        return subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env, check=False
+        )
     except subprocess.TimeoutExpired as e:
         raise DeviceError(
             f"GPU check did not finish in {timeout:.0f} s (a kernel waiting on an mbarrier that never "

@@ -3,11 +3,11 @@
 import json
 import textwrap
 
+import helios.cuda_ptx as cp
 import numpy as np
 import pytest
-
-import helios.cuda_ptx as cp
 from helios.cuda_ptx import driver, runner
+
 from helios.errors import DeviceError, DTypeError, ShapeError
 
 HAVE_DRIVER, WHY = driver.driver_status()
@@ -73,5 +73,6 @@ def test_gemm_matches_numpy_on_gpu(name, out_dtype):
     assert r.returncode == 0, r.stderr
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert res["shape"] == [300, 520]
-    tol = 1e-5 if out_dtype == "float32" else 1e-2
+    # bf16 output rounds to 8 bits; Hopper's fp8 wgmma accumulates with fewer than fp32's bits
+    tol = 1e-2 if out_dtype == "bfloat16" else (2e-3 if name == "wgmma_fp8" else 1e-5)
     assert res["rel_err"] < tol, res

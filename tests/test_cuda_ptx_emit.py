@@ -2,10 +2,10 @@
 
 import re
 
-import pytest
-
 import helios.cuda_ptx as cp
+import pytest
 from helios.cuda_ptx import ir, render
+
 from helios.errors import DTypeError, ShapeError
 
 

@@ -6,9 +6,8 @@ keeps reruns fast.
 
 import os
 
-import pytest
-
 import helios.cuda_ptx as cp
+import pytest
 from helios.cuda_ptx import gate, render, toolchain
 
 needs_ptxas = pytest.mark.skipif(toolchain.find_tool("ptxas") is None,
@@ -111,7 +110,7 @@ def test_count_prefixed_handles_predicates():
 def test_missing_tool_message(monkeypatch):
     toolchain.find_tool.cache_clear()
     monkeypatch.setenv("PATH", "/nonexistent")
-    monkeypatch.setattr(toolchain, "_wheel_bins", lambda: [])
+    monkeypatch.setattr(toolchain, "_wheel_bins", list)
     try:
         with pytest.raises(toolchain.ToolMissing, match="nvidia-cuda-nvdisasm"):
             toolchain.require_tool("nvdisasm")

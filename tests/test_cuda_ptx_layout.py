@@ -4,7 +4,6 @@ import dataclasses
 
 import numpy as np
 import pytest
-
 from helios.cuda_ptx import config, dtypes, gen_mma, gen_wgmma
 from helios.cuda_ptx import layout as L
 

@@ -65,7 +65,8 @@ def _y_axis(parts: list[str], ticks: list[float], y_of, unit: str, h: int = H) -
 
 
 def _x_axis_steps(parts: list[str], lo: float, hi: float, x_of, label: str = "step", h: int = H) -> None:
-    ticks = [t for t in nice_ticks(lo, hi, 8) if lo <= t <= hi] or [lo]
+    # Steps are integers: no 2.5 on a step axis.
+    ticks = [t for t in nice_ticks(lo, hi, 8) if lo <= t <= hi and float(t).is_integer()] or [lo]
     for t in ticks:
         x = x_of(t)
         parts.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{h - PAD_B}" y2="{h - PAD_B + 5}" class="axis"/>')

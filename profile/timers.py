@@ -42,6 +42,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from helios.profile.errors import ProfileError
+from helios.profile.profiler import current_collector
 
 #: Timed phases of a step, in display order. ``idle`` is the remainder and is never opened.
 PHASES: tuple[str, ...] = (
@@ -225,8 +226,6 @@ class StepTimer:
         self._step_start = None
         self.records.append(rec)
         # The active profiler (if any) gets the step so its trace can show the phases.
-        from helios.profile.profiler import current_collector
-
         col = current_collector()
         if col is not None:
             col.record_step(rec)

@@ -1,0 +1,424 @@
+"""The public functions of helios.comm (``import helios.comm as dist``).
+
+Naming follows torch.distributed: ``src``/``dst`` are global ranks even inside a group,
+``get_rank(group)`` is the rank inside the group, and ``new_group`` must be called by every
+rank in the same order (ranks outside the group get a handle they cannot run ops on).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import socket
+from typing import Any
+
+
+from helios.comm import algorithms as A
+from helios.comm import env as envmod
+from helios.comm import shm as shmmod
+from helios.comm.buffers import Buffer, as_buffer
+from helios.comm.group import ProcessGroup, Work
+from helios.comm.reduce_ops import check_op
+from helios.comm.store import PrefixStore, TCPStore
+from helios.comm.tcp import TcpTransport, pick_address
+from helios.errors import CommError, DTypeError, ShapeError
+
+BACKENDS = ("auto", "shm", "tcp", "ibverbs")
+
+
+class _NonMember:
+    """What ``new_group`` returns on a rank outside the group."""
+
+    def __init__(self, ranks: list[int], name: str) -> None:
+        self.ranks, self.name = ranks, name
+
+
+class _State:
+    def __init__(self) -> None:
+        self.world: ProcessGroup | None = None
+        self.store: TCPStore | None = None
+        self.pstore: PrefixStore | None = None
+        self.groups: list[ProcessGroup] = []
+        self.ngroups = 0
+        self.inits = 0
+        self.rank = -1
+        self.infos: list[dict[str, Any]] = []
+        self.token = ""
+        self.local_addr = "127.0.0.1"
+        self.backend = ""
+        self.timeout = 300.0
+
+
+_S = _State()
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _ibverbs_ok() -> bool:
+    try:
+        from helios.comm import ibverbs
+
+        return ibverbs.available() is None
+    except ImportError:
+        return False
+
+
+def init_process_group(backend: str = "auto", timeout: float = 300.0, *, rank: int | None = None,
+                       world_size: int | None = None, master_addr: str | None = None,
+                       master_port: int | None = None) -> None:
+    """Join the job: rendezvous through the store, pick a backend, connect the world group.
+
+    ``backend``: ``"shm"`` (one host), ``"tcp"``, ``"ibverbs"`` or ``"auto"`` (shm when every
+    rank is on this host, else ibverbs when every rank has an RDMA device, else tcp).
+    ``timeout`` (seconds) bounds every wait, in rendezvous and in every operation.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"helios.comm: backend {backend!r} is not one of {', '.join(BACKENDS)}.")
+    if _S.world is not None:
+        raise CommError("helios.comm: init_process_group() was already called; destroy_process_group() first.")
+    if rank is not None and world_size is not None:
+        cfg = envmod.LaunchConfig(rank, world_size, 0, master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                                  int(master_port or os.environ.get("MASTER_PORT", envmod.DEFAULT_PORT)), "arguments",
+                                  os.environ.get("HELIOS_JOB_ID", ""))
+    else:
+        cfg = envmod.resolve()
+        if master_addr or master_port:
+            cfg = envmod.LaunchConfig(cfg.rank, cfg.world_size, cfg.local_rank, master_addr or cfg.master_addr,
+                                      int(master_port or cfg.master_port), cfg.source, cfg.job_id)
+    store = TCPStore(cfg.master_addr, cfg.master_port, cfg.world_size, is_server=cfg.rank == 0, timeout=timeout,
+                     job_id=cfg.job_id)
+    try:
+        ps = PrefixStore(f"init{_S.inits}", store)
+        _S.inits += 1
+        if cfg.rank == 0:
+            ps.set("token", shmmod.new_token().encode())
+        token = ps.get("token", timeout).decode()
+        local_addr = pick_address(os.environ.get("HELIOS_SOCKET_IFNAME"), store._sock.getsockname()[0])
+        info = {"host": socket.gethostname(), "boot": _boot_id(), "pid": os.getpid(),
+                "shm": shmmod.available() is None, "ib": backend in ("auto", "ibverbs") and _ibverbs_ok()}
+        ps.set(f"info/{cfg.rank}", json.dumps(info).encode())
+        infos = [json.loads(ps.get(f"info/{r}", timeout)) for r in range(cfg.world_size)]
+        one_host = len({(i["host"], i["boot"]) for i in infos}) == 1
+        if backend == "auto":
+            backend = "shm" if one_host and all(i["shm"] for i in infos) else (
+                "ibverbs" if all(i["ib"] for i in infos) else "tcp")
+        elif backend == "shm" and not one_host:
+            hosts = sorted({i["host"] for i in infos})
+            raise CommError(f"helios.comm: backend='shm' needs every rank on one host; the ranks run on {hosts}. "
+                            "Use backend='tcp' or 'auto'.")
+        _S.store, _S.pstore, _S.rank, _S.infos = store, ps, cfg.rank, infos
+        _S.token, _S.local_addr, _S.backend, _S.timeout = token, local_addr, backend, timeout
+        _S.world = _make_group(ps, "world", list(range(cfg.world_size)), backend, timeout)
+    except BaseException:
+        _S.world = None
+        store.close()
+        _S.store = None
+        raise
+
+
+def _make_group(store: PrefixStore, name: str, ranks: list[int], backend: str, timeout: float) -> ProcessGroup:
+    me = ranks.index(_S.rank)
+    gstore = PrefixStore(name, store)
+    if backend == "shm":
+        pids = [int(_S.infos[r]["pid"]) for r in ranks]
+        t = shmmod.ShmTransport(gstore, me, len(ranks), pids, _S.token, name, timeout)
+    elif backend == "tcp":
+        t = TcpTransport(gstore, me, len(ranks), _S.local_addr, _S.token.encode(), timeout)
+    else:
+        from helios.comm import ibverbs
+
+        t = ibverbs.IbvTransport(gstore, me, len(ranks), _S.token, timeout)
+    return ProcessGroup(t, ranks, name, timeout)
+
+
+def destroy_process_group(group: ProcessGroup | None = None) -> None:
+    """Release a group, or (no argument) every group, the world and the store."""
+    if group is not None and group is not _S.world:
+        if isinstance(group, ProcessGroup):
+            group.close()
+            if group in _S.groups:
+                _S.groups.remove(group)
+        return
+    for g in _S.groups:
+        g.close()
+    _S.groups = []
+    if _S.world is not None:
+        _S.world.close()
+        _S.world = None
+    if _S.store is not None:
+        _S.store.close()
+        _S.store = None
+    _S.ngroups = 0
+
+
+atexit.register(destroy_process_group)
+
+
+def is_initialized() -> bool:
+    """Whether init_process_group() has run (and destroy_process_group() has not)."""
+    return _S.world is not None
+
+
+def _group(group: Any) -> ProcessGroup:
+    if _S.world is None:
+        raise CommError("helios.comm: the process group is not initialised; call init_process_group() first.")
+    if group is None:
+        return _S.world
+    if isinstance(group, _NonMember):
+        raise ValueError(f"helios.comm: rank {_S.rank} is not a member of group {group.name} {group.ranks}; "
+                         "only members may call collectives on it.")
+    return group
+
+
+def get_rank(group: Any = None) -> int:
+    """This process's rank in ``group`` (the world by default); -1 outside the group."""
+    if isinstance(group, _NonMember):
+        return -1
+    return _group(group).rank
+
+
+def get_world_size(group: Any = None) -> int:
+    """Number of ranks in ``group`` (the world by default)."""
+    if isinstance(group, _NonMember):
+        return len(group.ranks)
+    return _group(group).size
+
+
+def get_backend(group: Any = None) -> str:
+    """Transport of ``group``: shm, tcp or ibverbs."""
+    return _group(group).backend
+
+
+def new_group(ranks: list[int] | None = None, timeout: float | None = None) -> ProcessGroup | _NonMember:
+    """A sub-communicator over global ``ranks``; every rank must call it, in the same order."""
+    world = _group(None)
+    ranks = sorted(set(range(world.size) if ranks is None else ranks))
+    if not ranks or ranks[0] < 0 or ranks[-1] >= world.size:
+        raise ValueError(f"helios.comm: new_group ranks {ranks} must be a non-empty subset of 0..{world.size - 1}.")
+    gid = _S.ngroups
+    _S.ngroups += 1
+    name = f"g{gid}"
+    if _S.rank not in ranks:
+        return _NonMember(ranks, name)
+    assert _S.pstore is not None
+    g = _make_group(_S.pstore, name, ranks, _S.backend, timeout or _S.timeout)
+    _S.groups.append(g)
+    return g
+
+
+# --------------------------------------------------------------------------- collectives
+def _desc(name: str, *parts: Any) -> str:
+    return " ".join([name] + [str(p) for p in parts])
+
+
+def _finish(g: ProcessGroup, name: str, nbytes: int, body, desc: str, bufs: list[Buffer], async_op: bool,
+            p2p: bool = False) -> Work | None:
+    def run() -> None:
+        g.run_op(name, nbytes, body, desc, p2p)
+        for b in bufs:
+            b.commit()
+
+    return g.submit(name, run, async_op)
+
+
+def all_reduce(x: Any, op: str = "sum", group: Any = None, async_op: bool = False, algorithm: str = "auto",
+               dtype: str | None = None) -> Work | None:
+    """In-place all-reduce of ``x`` with ``op`` in sum | avg | max | min | prod."""
+    g = _group(group)
+    b = as_buffer(x, dtype)
+    check_op(op, b.dtype)
+    alg = g.pick("all_reduce", b.nbytes, algorithm)
+    flat = b.flat
+
+    def body(c: A.Ctx) -> None:
+        if alg == "direct":
+            g.direct.all_reduce(flat, op, b.dtype)
+        elif alg == "ring":
+            A.ring_all_reduce(c, flat, op, b.dtype)
+        elif alg == "tree":
+            A.tree_all_reduce(c, flat, op, b.dtype)
+        else:
+            A.hd_all_reduce(c, flat, op, b.dtype)
+
+    return _finish(g, "all_reduce", b.nbytes, body, _desc("all_reduce", b.nbytes, b.dtype, op), [b], async_op)
+
+
+def _same_dtype(a: Buffer, b: Buffer, name: str) -> None:
+    if a.dtype != b.dtype:
+        raise DTypeError(f"helios.comm: {name}: output dtype {a.dtype} differs from input dtype {b.dtype}.")
+
+
+def all_gather(out: Any, x: Any, group: Any = None, async_op: bool = False, algorithm: str = "auto",
+               dtype: str | None = None) -> Work | None:
+    """``out`` (world copies of x's size) receives every rank's ``x`` in rank order."""
+    g = _group(group)
+    bx, bo = as_buffer(x, dtype, what="input"), as_buffer(out, dtype, what="output")
+    _same_dtype(bo, bx, "all_gather")
+    if bo.count != bx.count * g.size:
+        raise ShapeError(f"helios.comm: all_gather: output has {bo.count} elements, expected {g.size} x {bx.count} "
+                         f"= {g.size * bx.count} (world size times the input).")
+    alg = g.pick("all_gather", bo.nbytes, algorithm)
+
+    def body(c: A.Ctx) -> None:
+        if alg == "direct":
+            g.direct.all_gather(bo.flat, bx.flat)
+        elif alg == "ring":
+            A.ring_all_gather(c, bo.flat, bx.flat)
+        else:
+            A.hd_all_gather(c, bo.flat, bx.flat)
+
+    return _finish(g, "all_gather", bo.nbytes, body, _desc("all_gather", bx.nbytes, bx.dtype), [bo], async_op)
+
+
+def reduce_scatter(out: Any, x: Any, op: str = "sum", group: Any = None, async_op: bool = False,
+                   algorithm: str = "auto", dtype: str | None = None) -> Work | None:
+    """``x`` holds world chunks; ``out`` receives the reduction of chunk ``rank`` over ranks."""
+    g = _group(group)
+    bx, bo = as_buffer(x, dtype, what="input"), as_buffer(out, dtype, what="output")
+    _same_dtype(bo, bx, "reduce_scatter")
+    check_op(op, bx.dtype)
+    if bx.count != bo.count * g.size:
+        raise ShapeError(f"helios.comm: reduce_scatter: input has {bx.count} elements, expected {g.size} x {bo.count} "
+                         f"= {g.size * bo.count} (world size times the output).")
+    alg = g.pick("reduce_scatter", bx.nbytes, algorithm)
+
+    def body(c: A.Ctx) -> None:
+        if alg == "direct":
+            g.direct.reduce_scatter(bo.flat, bx.flat, op, bx.dtype)
+        elif alg == "ring":
+            A.ring_reduce_scatter(c, bo.flat, bx.flat, op, bx.dtype)
+        else:
+            A.hd_reduce_scatter(c, bo.flat, bx.flat, op, bx.dtype)
+
+    return _finish(g, "reduce_scatter", bx.nbytes, body, _desc("reduce_scatter", bx.nbytes, bx.dtype, op), [bo],
+                   async_op)
+
+
+def broadcast(x: Any, src: int = 0, group: Any = None, async_op: bool = False, algorithm: str = "auto",
+              dtype: str | None = None) -> Work | None:
+    """Copy global rank ``src``'s ``x`` into every rank's ``x``."""
+    g = _group(group)
+    b = as_buffer(x, dtype)
+    root = g.group_rank(src, "src")
+    alg = g.pick("broadcast", b.nbytes, algorithm)
+
+    def body(c: A.Ctx) -> None:
+        if alg == "direct":
+            g.direct.broadcast(b.flat, root)
+        elif alg == "ring":
+            A.tree_broadcast(c, b.flat, root, A.chain)
+        else:
+            A.tree_broadcast(c, b.flat, root, A.binomial)
+
+    return _finish(g, "broadcast", b.nbytes, body, _desc("broadcast", b.nbytes, b.dtype, "src", src), [b], async_op)
+
+
+def reduce(x: Any, dst: int = 0, op: str = "sum", group: Any = None, async_op: bool = False,
+           algorithm: str = "auto", dtype: str | None = None) -> Work | None:
+    """Reduce every rank's ``x`` into global rank ``dst``'s ``x`` (the others keep theirs)."""
+    g = _group(group)
+    b = as_buffer(x, dtype)
+    check_op(op, b.dtype)
+    root = g.group_rank(dst, "dst")
+    alg = g.pick("reduce", b.nbytes, algorithm)
+
+    def body(c: A.Ctx) -> None:
+        if alg == "direct":
+            g.direct.reduce(b.flat, root, op, b.dtype)
+        elif alg == "ring":
+            A.tree_reduce(c, b.flat, root, op, b.dtype, A.chain)
+        else:
+            A.tree_reduce(c, b.flat, root, op, b.dtype, A.binomial)
+
+    bufs = [b] if g.rank == root else []
+    return _finish(g, "reduce", b.nbytes, body, _desc("reduce", b.nbytes, b.dtype, op, "dst", dst), bufs, async_op)
+
+
+def all_to_all(out: Any, x: Any, group: Any = None, async_op: bool = False, dtype: str | None = None) -> Work | None:
+    """Chunk j of ``x`` goes to rank j; chunk j of ``out`` came from rank j."""
+    g = _group(group)
+    bx, bo = as_buffer(x, dtype, what="input"), as_buffer(out, dtype, what="output")
+    _same_dtype(bo, bx, "all_to_all")
+    if bx.count != bo.count or bx.count % g.size:
+        raise ShapeError(f"helios.comm: all_to_all: input ({bx.count}) and output ({bo.count}) must have the same "
+                         f"number of elements, divisible by the world size {g.size}.")
+    direct = g.direct is not None
+
+    def body(c: A.Ctx) -> None:
+        if direct:
+            g.direct.all_to_all(bo.flat, bx.flat)
+        else:
+            A.all_to_all(c, bo.flat, bx.flat)
+
+    return _finish(g, "all_to_all", bx.nbytes, body, _desc("all_to_all", bx.nbytes, bx.dtype), [bo], async_op)
+
+
+def barrier(group: Any = None, async_op: bool = False) -> Work | None:
+    """Return once every rank of ``group`` has called barrier()."""
+    g = _group(group)
+
+    def body(c: A.Ctx) -> None:
+        if g.direct is not None:
+            g.direct.barrier()
+        else:
+            A.barrier(c)
+
+    return _finish(g, "barrier", 0, body, "barrier", [], async_op)
+
+
+# ---------------------------------------------------------------------- point to point
+_P2P = 1 << 62
+
+
+def _p2p(kind: str, x: Any, peer: int, group: Any, dtype: str | None, async_op: bool) -> Work | None:
+    g = _group(group)
+    b = as_buffer(x, dtype)
+    p = g.group_rank(peer, "dst" if kind == "send" else "src")
+    if p == g.rank:
+        raise ValueError(f"helios.comm: {kind} to or from this same rank ({peer}); use a copy instead.")
+    counters = g._p2p_send if kind == "send" else g._p2p_recv
+    tag = _P2P | counters[p]  # per pair, in issue order: the n-th send matches the n-th recv
+    counters[p] += 1
+    raw = b.bytes_view()
+
+    def body(c: A.Ctx) -> None:
+        if kind == "send":
+            c.e.post_send(p, tag, raw)
+        else:
+            c.e.post_recv(p, tag, raw)
+        c.run()
+
+    bufs = [b] if kind == "recv" else []
+    return _finish(g, kind, b.nbytes, body, kind, bufs, async_op, p2p=True)
+
+
+def send(x: Any, dst: int, group: Any = None, dtype: str | None = None) -> None:
+    """Send ``x`` to global rank ``dst`` (returns once handed to the transport)."""
+    _p2p("send", x, dst, group, dtype, False)
+
+
+def recv(x: Any, src: int, group: Any = None, dtype: str | None = None) -> None:
+    """Receive into ``x`` the next message from global rank ``src``."""
+    _p2p("recv", x, src, group, dtype, False)
+
+
+def isend(x: Any, dst: int, group: Any = None, dtype: str | None = None) -> Work:
+    """Asynchronous send; ``wait()`` the handle before touching ``x``."""
+    w = _p2p("send", x, dst, group, dtype, True)
+    assert w is not None
+    return w
+
+
+def irecv(x: Any, src: int, group: Any = None, dtype: str | None = None) -> Work:
+    """Asynchronous receive; ``x`` holds the message after ``wait()``."""
+    w = _p2p("recv", x, src, group, dtype, True)
+    assert w is not None
+    return w
+

@@ -1,0 +1,233 @@
+"""A communicator: one transport, ordered execution, sequence numbers, poisoning, debug checks.
+
+Operations run in the order they were issued.  A blocking call with nothing queued runs
+on the caller's thread (no hand-off latency); otherwise, and for ``async_op=True``, it
+goes to the communicator's worker thread and a :class:`Work` handle tracks it.  Any
+failure inside an operation aborts the transport (peers' waits end at once instead of at
+their deadline) and poisons the communicator: every later call raises CommError until
+the process group is re-created.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import deque
+from typing import Callable
+
+import numpy as np
+
+from helios.comm import algorithms as A
+from helios.comm import cost
+from helios.comm.engine import Engine, OpInfo, PeerLost
+from helios.errors import CommError
+
+ALGORITHMS = ("auto", "ring", "tree", "halving_doubling")
+_DEBUG_STEP = 0x8000
+_DESC = 160
+
+
+class Work:
+    """Handle of an asynchronous operation: ``wait()`` blocks until done and re-raises its error."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._ev = threading.Event()
+        self._exc: BaseException | None = None
+
+    def _finish(self, exc: BaseException | None) -> None:
+        self._exc = exc
+        self._ev.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the operation is done (True), or ``timeout`` passes (False); raise its error."""
+        if not self._ev.wait(timeout):
+            return False
+        if self._exc is not None:
+            raise self._exc
+        return True
+
+    def is_completed(self) -> bool:
+        """Whether the operation has finished (successfully or not)."""
+        return self._ev.is_set()
+
+
+class ProcessGroup:
+    """A communicator over ``ranks`` (global ranks, in group-rank order)."""
+
+    def __init__(self, transport, ranks: list[int], name: str, timeout: float) -> None:
+        self.t = transport
+        self.ranks = ranks
+        self.rank = transport.rank
+        self.size = transport.world
+        self.name = name
+        self.timeout = timeout
+        self.backend = transport.name
+        self.engine = Engine(transport)
+        self.direct = None
+        if transport.name == "shm":
+            from helios.comm.shm_direct import ShmDirect
+
+            self.direct = ShmDirect(transport)
+        self.seg_bytes = int(os.environ.get("HELIOS_COMM_SEGMENT_BYTES", 1 << 20))
+        self.debug = os.environ.get("HELIOS_COMM_DEBUG", "") not in ("", "0")
+        self.seq = 0
+        self._p2p_send = [0] * self.size
+        self._p2p_recv = [0] * self.size
+        self.broken: str | None = None
+        self._cv = threading.Condition()
+        self._queue: deque[tuple[Callable[[], None], Work]] = deque()
+        self._running = False
+        self._worker: threading.Thread | None = None
+        self._closing = False
+
+    # ---- ranks -------------------------------------------------------------------------
+    def group_rank(self, global_rank: int, what: str = "rank") -> int:
+        """Group rank of a global rank (ValueError when it is not a member)."""
+        try:
+            return self.ranks.index(global_rank)
+        except ValueError:
+            raise ValueError(f"helios.comm: {what} {global_rank} is not in group {self.name} {self.ranks}.") from None
+
+    # ---- execution -----------------------------------------------------------------------
+    def submit(self, name: str, fn: Callable[[], None], async_op: bool) -> Work | None:
+        """Run ``fn`` in issue order; return a Work when ``async_op``."""
+        with self._cv:
+            self._check_usable()
+            inline = not async_op and not self._queue and not self._running
+            if inline:
+                self._running = True
+            else:
+                work = Work(name)
+                self._queue.append((fn, work))
+                if self._worker is None:
+                    self._worker = threading.Thread(target=self._work_loop, name=f"helios-comm-{self.name}", daemon=True)
+                    self._worker.start()
+                self._cv.notify_all()
+        if inline:
+            try:
+                fn()
+            finally:
+                with self._cv:
+                    self._running = False
+                    self._cv.notify_all()
+            return None
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+    def _work_loop(self) -> None:
+        while True:
+            with self._cv:
+                while (not self._queue or self._running) and not self._closing:
+                    self._cv.wait()
+                if self._closing and not self._queue:
+                    return
+                fn, work = self._queue.popleft()
+                self._running = True
+            try:
+                fn()
+                work._finish(None)
+            except BaseException as e:  # handed to the waiter
+                work._finish(e)
+            finally:
+                with self._cv:
+                    self._running = False
+                    self._cv.notify_all()
+
+    def _check_usable(self) -> None:
+        if self.broken is not None:
+            raise CommError(
+                f"helios.comm: group {self.name} is unusable after an earlier failure ({self.broken}). "
+                "Call destroy_process_group() and init_process_group() to re-create it."
+            )
+
+    def run_op(self, name: str, nbytes: int, body: Callable[[A.Ctx], None], desc: str, p2p: bool = False) -> None:
+        """Execute one operation with a fresh deadline, sequence number and error handling."""
+        self._check_usable()
+        seq = self.seq
+        if not p2p:
+            self.seq += 1
+        info = OpInfo(name, seq, nbytes, self.name)
+        self.engine.info = info
+        if self.direct is not None:
+            self.direct.info = info
+        deadline = time.monotonic() + self.timeout
+        if self.direct is not None:
+            self.direct.deadline = deadline
+        ctx = A.Ctx(self.engine, self.rank, self.size, seq, self.seg_bytes, deadline)
+        try:
+            if self.debug and not p2p:
+                self._debug_check(ctx, desc)
+            body(ctx)
+        except _Mismatch as e:
+            raise CommError(str(e)) from None
+        except BaseException as e:
+            reason = str(e) if isinstance(e, CommError) else f"{type(e).__name__}: {e}"
+            self.poison(f"{name} #{seq}: {reason[:300]}")
+            if isinstance(e, CommError):
+                raise
+            if isinstance(e, PeerLost):
+                raise CommError(self.engine._describe(str(e), e.peer)) from None
+            raise
+
+    def poison(self, reason: str) -> None:
+        """Mark the communicator unusable and tell the peers (they stop waiting on us)."""
+        if self.broken is None:
+            self.broken = reason
+            try:
+                self.t.abort(reason)
+            except Exception:
+                pass
+            self.engine.reset()
+
+    # ---- debug checks --------------------------------------------------------------------
+    def _debug_check(self, ctx: A.Ctx, desc: str) -> None:
+        mine = np.frombuffer(desc.encode()[:_DESC].ljust(_DESC, b" "), dtype=np.uint8).copy()
+        out = np.empty(_DESC * self.size, dtype=np.uint8)
+        if self.direct is not None:
+            self.direct.all_gather(out, mine)
+        else:
+            c2 = A.Ctx(ctx.e, ctx.rank, ctx.n, ctx.seq, 1 << 20, ctx.deadline)
+            base = ctx.tag
+            c2.tag = lambda step, seg=0: base(step + _DEBUG_STEP, seg)  # type: ignore[method-assign]
+            A.ring_all_gather(c2, out, mine)
+        descs = [bytes(out[i * _DESC:(i + 1) * _DESC]).decode(errors="replace").rstrip() for i in range(self.size)]
+        if len(set(descs)) > 1:
+            lines = "; ".join(f"rank {self.ranks[i]}: {d}" for i, d in enumerate(descs))
+            raise _Mismatch(
+                f"helios.comm: HELIOS_COMM_DEBUG: call #{ctx.seq} on group {self.name} differs between ranks "
+                f"({lines}). Every rank must call the same collective with the same sizes, dtype, op and root; "
+                "nothing was transferred and the communicator is still usable."
+            )
+
+    # ---- algorithm choice -------------------------------------------------------------
+    def pick(self, op: str, nbytes: int, algorithm: str) -> str:
+        """The algorithm to run: forced, or direct on shm, or the cost model's choice."""
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"helios.comm: algorithm {algorithm!r} is not one of {', '.join(ALGORITHMS)}.")
+        if algorithm != "auto":
+            return algorithm
+        if self.direct is not None:
+            return "direct"
+        return cost.choose(op, nbytes, self.size, self.backend, self.seg_bytes)
+
+    # ---- teardown -------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the worker and release the transport."""
+        with self._cv:
+            self._closing = True
+            self._cv.notify_all()
+        w = self._worker
+        if w is not None and w is not threading.current_thread():
+            w.join(timeout=max(1.0, self.timeout))
+        if self.direct is not None:
+            self.direct.release()
+        self.engine.reset()
+        self.t.close()
+
+
+class _Mismatch(Exception):
+    pass

@@ -1,0 +1,257 @@
+"""Rendezvous store: a small key-value server over TCP, hosted by rank 0.
+
+Operations: ``set``, ``get`` (waits for the key up to a deadline), ``add`` (atomic counter),
+``wait`` (several keys), ``check`` and ``delete``.  Every call has a deadline and raises
+:class:`helios.errors.CommError` naming the key and the store's address when it passes.
+The wire format is a fixed binary frame (never pickle: the port is reachable from the
+network).  A handshake carries the world size and job id, so a rank that reached another
+job's store fails at once instead of waiting on keys that never come.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+import struct
+import threading
+import time
+
+from helios.errors import CommError
+
+_SET, _GET, _ADD, _CHECK, _DELETE, _HELLO = range(1, 7)
+_OK, _MISSING, _BAD = 0, 1, 2
+_REQ = struct.Struct("!BIIq")  # op, key length, value length, integer argument
+_RESP = struct.Struct("!BIq")  # status, payload length, integer result
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise ConnectionError("connection closed")
+        got += k
+    return bytes(buf)
+
+
+class StoreServer:
+    """The store's server: one thread per connected rank, a condition variable for waits."""
+
+    def __init__(self, host: str, port: int, world_size: int, job_id: str = "", bind_retry_s: float = 5.0) -> None:
+        self.world_size = world_size
+        self.job_id = job_id
+        self._data: dict[bytes, bytes] = {}
+        self._cond = threading.Condition()
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        deadline = time.monotonic() + bind_retry_s
+        while True:
+            try:
+                self._sock.bind((host, port))
+                break
+            except OSError as e:
+                # A port held by a socket in TIME_WAIT or by a job that is just exiting frees
+                # itself within seconds; a port held by a live server does not.
+                if e.errno != errno.EADDRINUSE or time.monotonic() > deadline:
+                    self._sock.close()
+                    raise CommError(
+                        f"helios.comm: the store cannot listen on {host}:{port}: {e.strerror}. Another job holds "
+                        "the port: pick a free one with MASTER_PORT (helios-run picks one when --master-port is 0)."
+                    ) from None
+                time.sleep(0.2)
+        self._sock.listen(256)
+        self.port = self._sock.getsockname()[1]
+        self._closed = False
+        self._thread = threading.Thread(target=self._accept_loop, name="helios-store", daemon=True)
+        self._thread.start()
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            while True:
+                op, klen, vlen, arg = _REQ.unpack(_recv_exact(conn, _REQ.size))
+                key = _recv_exact(conn, klen) if klen else b""
+                val = _recv_exact(conn, vlen) if vlen else b""
+                status, payload, result = self._handle(op, key, val, arg)
+                conn.sendall(_RESP.pack(status, len(payload), result) + payload)
+        except (ConnectionError, OSError, struct.error):
+            pass
+        finally:
+            conn.close()
+
+    def _handle(self, op: int, key: bytes, val: bytes, arg: int) -> tuple[int, bytes, int]:
+        with self._cond:
+            if op == _HELLO:
+                ok = arg == self.world_size and val.decode() == self.job_id
+                return (_OK if ok else _BAD), f"{self.world_size}|{self.job_id}".encode(), 0
+            if op == _SET:
+                self._data[key] = val
+                self._cond.notify_all()
+                return _OK, b"", 0
+            if op == _ADD:
+                cur = int(self._data.get(key, b"0")) + arg
+                self._data[key] = str(cur).encode()
+                self._cond.notify_all()
+                return _OK, b"", cur
+            if op == _CHECK:
+                return (_OK if key in self._data else _MISSING), b"", 0
+            if op == _DELETE:
+                existed = self._data.pop(key, None) is not None
+                return (_OK if existed else _MISSING), b"", 0
+            if op == _GET:
+                deadline = time.monotonic() + arg / 1000.0
+                while key not in self._data:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return _MISSING, b"", 0
+                    self._cond.wait(min(left, 1.0))
+                return _OK, self._data[key], 0
+        return _BAD, b"unknown op", 0
+
+    def close(self) -> None:
+        """Stop accepting connections."""
+        self._closed = True
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+
+
+class TCPStore:
+    """Client of a :class:`StoreServer`; rank 0 also starts the server (``is_server=True``)."""
+
+    def __init__(self, host: str, port: int, world_size: int, *, is_server: bool = False, timeout: float = 300.0,
+                 job_id: str = "") -> None:
+        self.host, self.timeout = host, timeout
+        self.server = StoreServer("0.0.0.0", port, world_size, job_id) if is_server else None
+        self.port = self.server.port if self.server else port
+        self._lock = threading.Lock()
+        self._sock = self._connect(timeout)
+        status, payload, _ = self._call(_HELLO, b"", job_id.encode(), world_size, timeout)
+        if status != _OK:
+            their_world, their_job = payload.decode().split("|", 1)
+            self.close()
+            raise CommError(
+                f"helios.comm: the store at {host}:{self.port} serves a job with world size {their_world} and job id "
+                f"{their_job!r}, this rank expects world size {world_size} and job id {job_id!r}. Two jobs share "
+                "MASTER_PORT, or WORLD_SIZE differs between ranks: fix the launch line."
+            )
+
+    def _connect(self, timeout: float) -> socket.socket:
+        deadline = time.monotonic() + timeout
+        delay, last = 0.05, None
+        while True:
+            try:
+                s = socket.create_connection((self.host, self.port), timeout=max(0.1, min(5.0, deadline - time.monotonic())))
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                return s
+            except OSError as e:
+                last = e
+            if time.monotonic() + delay > deadline:
+                raise CommError(
+                    f"helios.comm: could not reach the store at {self.host}:{self.port} within {timeout:.0f} s "
+                    f"(last error: {last}). Is rank 0 running, and are MASTER_ADDR/MASTER_PORT the same on every rank?"
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+    def _call(self, op: int, key: bytes, val: bytes, arg: int, timeout: float) -> tuple[int, bytes, int]:
+        with self._lock:
+            try:
+                self._sock.settimeout(timeout + 5.0)
+                self._sock.sendall(_REQ.pack(op, len(key), len(val), arg) + key + val)
+                status, plen, result = _RESP.unpack(_recv_exact(self._sock, _RESP.size))
+                payload = _recv_exact(self._sock, plen) if plen else b""
+                return status, payload, result
+            except (OSError, ConnectionError) as e:
+                raise CommError(
+                    f"helios.comm: lost the store at {self.host}:{self.port} ({e}); rank 0, which hosts it, "
+                    "has probably exited."
+                ) from None
+
+    def set(self, key: str, value: bytes) -> None:
+        """Set ``key`` to ``value``."""
+        self._call(_SET, key.encode(), bytes(value), 0, self.timeout)
+
+    def get(self, key: str, timeout: float | None = None) -> bytes:
+        """Value of ``key``, waiting until it is set or ``timeout`` passes (CommError)."""
+        t = self.timeout if timeout is None else timeout
+        status, payload, _ = self._call(_GET, key.encode(), b"", int(t * 1000), t)
+        if status != _OK:
+            raise CommError(
+                f"helios.comm: store key {key!r} was not set within {t:.1f} s (store {self.host}:{self.port}); "
+                "a rank did not arrive or is stuck before this point."
+            )
+        return payload
+
+    def add(self, key: str, delta: int) -> int:
+        """Add ``delta`` to the integer at ``key`` (0 when unset) and return the new value."""
+        return self._call(_ADD, key.encode(), b"", delta, self.timeout)[2]
+
+    def check(self, key: str) -> bool:
+        """Whether ``key`` is set."""
+        return self._call(_CHECK, key.encode(), b"", 0, self.timeout)[0] == _OK
+
+    def delete(self, key: str) -> bool:
+        """Remove ``key``; whether it existed."""
+        return self._call(_DELETE, key.encode(), b"", 0, self.timeout)[0] == _OK
+
+    def wait(self, keys: list[str], timeout: float | None = None) -> None:
+        """Wait until every key is set (one shared deadline)."""
+        t = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + t
+        for k in keys:
+            self.get(k, max(0.0, deadline - time.monotonic()))
+
+    def close(self) -> None:
+        """Close the connection (and the server, on rank 0)."""
+        try:
+            self._sock.close()
+        finally:
+            if self.server is not None:
+                self.server.close()
+
+
+class PrefixStore:
+    """A view of a store whose keys are scoped as ``prefix/key``."""
+
+    def __init__(self, prefix: str, store: "TCPStore | PrefixStore") -> None:
+        self.prefix, self.store = prefix, store
+
+    def _k(self, key: str) -> str:
+        return f"{self.prefix}/{key}"
+
+    def set(self, key: str, value: bytes) -> None:
+        """Set ``prefix/key``."""
+        self.store.set(self._k(key), value)
+
+    def get(self, key: str, timeout: float | None = None) -> bytes:
+        """Get ``prefix/key`` (waits)."""
+        return self.store.get(self._k(key), timeout)
+
+    def add(self, key: str, delta: int) -> int:
+        """Atomic add on ``prefix/key``."""
+        return self.store.add(self._k(key), delta)
+
+    def check(self, key: str) -> bool:
+        """Whether ``prefix/key`` is set."""
+        return self.store.check(self._k(key))
+
+    def delete(self, key: str) -> bool:
+        """Remove ``prefix/key``."""
+        return self.store.delete(self._k(key))
+
+    def wait(self, keys: list[str], timeout: float | None = None) -> None:
+        """Wait for several keys under the prefix."""
+        self.store.wait([self._k(k) for k in keys], timeout)

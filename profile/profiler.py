@@ -94,14 +94,16 @@ class Collector:
         self.clock = clock
         self.start_ns: int = clock()
         self.end_ns: int | None = None
-        self.ops: list[HostOpRecord] = []
+        # Ops are kept raw while recording (an append of a tuple: the per-op cost while profiling)
+        # and turned into HostOpRecords when first read.
+        self._raw_ops: list[tuple] = []
+        self._ops: list[HostOpRecord] = []
         self.events: list[DeviceEvent] = []
         self.submits: list[SubmitRecord] = []
         self.memory: list[MemorySample] = []
         self.steps: list[StepRecord] = []
         # itertools.count's next() is atomic under the GIL: safe from several recording threads.
         self._dispatch_counter = itertools.count()
-        self._op_counter = itertools.count()
         self._events_seen = 0
 
     def next_dispatch_seq(self) -> int:
@@ -109,12 +111,22 @@ class Collector:
         return next(self._dispatch_counter)
 
     def record_op(self, name: str, shape: Any, dtype: Any, host_start_ns: int, host_end_ns: int,
-                  dispatch_ids: Iterable[int] = ()) -> HostOpRecord:
-        """Record one host op; ``shape`` may be a tuple, a list of tuples (operands) or text."""
-        rec = HostOpRecord(str(name), _shape_text(shape), str(dtype), int(host_start_ns), int(host_end_ns),
-                           [int(i) for i in dispatch_ids], next(self._op_counter))
-        self.ops.append(rec)
-        return rec
+                  dispatch_ids: Iterable[int] = ()) -> None:
+        """Record one host op; ``shape`` may be a tuple, a list of tuples (operands) or text.
+
+        Kept as given until read (about 0.2 us per call), so pass ``dispatch_ids`` and
+        ``shape`` objects the caller will not mutate afterwards.
+        """
+        self._raw_ops.append((name, shape, dtype, host_start_ns, host_end_ns, dispatch_ids))
+
+    @property
+    def ops(self) -> list[HostOpRecord]:
+        """The host ops recorded so far, in recording order."""
+        if len(self._ops) < len(self._raw_ops):
+            for name, shape, dtype, t0, t1, ids in self._raw_ops[len(self._ops):]:
+                self._ops.append(HostOpRecord(str(name), _shape_text(shape), str(dtype), int(t0), int(t1),
+                                              [int(i) for i in ids], len(self._ops)))
+        return self._ops
 
     def add_device_events(self, payload: dict[str, Any]) -> None:
         """Take the addon's ``{"events": [...], "submits": [...]}``; events lacking a seq are numbered by arrival."""

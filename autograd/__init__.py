@@ -1,1 +1,3 @@
-"""helios.autograd."""
+"""helios.autograd: the tape (Function, Node, backward), grad modes and activation checkpointing."""
+
+from helios.autograd.tape import Context, Function, Node, backward, enable_grad, is_grad_enabled, no_grad  # noqa: F401

@@ -1,4 +1,11 @@
-"""Helios: a deep-learning compute stack written from scratch."""
+"""Helios: a deep-learning compute stack written from scratch.
+
+    import helios as hl
+    print(hl.devices())
+    a = hl.randn(512, 256, seed=0)
+    c = (a @ hl.ones(256, 128)).gelu().softmax(dim=-1)
+    c.numpy()
+"""
 
 from helios.errors import (  # noqa: F401
     CheckpointError,
@@ -9,5 +16,22 @@ from helios.errors import (  # noqa: F401
     OutOfMemoryError,
     ShapeError,
 )
+from helios.dtypes import DType, bfloat16, float16, float32, int32, int64  # noqa: F401
+from helios.dtypes import bool_ as bool  # noqa: F401,A001
+from helios.runtime import current_device, devices, set_device, synchronize  # noqa: F401
+from helios.tensor import Tensor  # noqa: F401
+from helios import functional  # noqa: F401  (attaches Tensor methods)
+from helios.functional import (  # noqa: F401
+    abs, add, argmax, argmin, cat, chunk, clamp, clone, contiguous, cos, cross_entropy, div, dropout, embedding, eq, exp,
+    expand, flatten, full_like, ge, gelu, gt, index_select, layer_norm, le, log, log_softmax, logical_and,
+    logical_not, logical_or, lt, masked_fill, matmul, max, maximum, mean, min, minimum, mul, ne, neg, ones_like,
+    permute, pow, relu, reshape, rsqrt, sigmoid, sin, softmax, split, sqrt, square, squeeze, stack, std, sub, sum,
+    tanh, transpose, tril, triu, unsqueeze, var, where, zeros_like,
+)
+from helios.creation import (  # noqa: F401
+    arange, empty, from_numpy, full, normal, ones, rand, rand_like, randn, randn_like, tensor, uniform, zeros,
+)
+from helios.random import get_rng_state, manual_seed, set_rng_state  # noqa: F401
+from helios.autograd.tape import enable_grad, is_grad_enabled, no_grad  # noqa: F401
 
 __version__ = "0.1.0"

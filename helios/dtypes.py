@@ -114,6 +114,7 @@ def bf16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
 
 def float32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
     """float32 values -> bfloat16 bit patterns, rounded to nearest even (NaN stays NaN)."""
-    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    x = np.array(x, dtype=np.float32, order="C")
+    u = x.view(np.uint32)
     rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
     return np.where(np.isnan(x), np.uint16(0x7FC0), rounded)

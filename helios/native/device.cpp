@@ -38,6 +38,8 @@ Device::Device(int index, const std::string& pipeline_cache_dir) {
   const bool force_staging = env_flag("HELIOS_VK_FORCE_STAGING");
   uint64_t block_size = 64ull << 20;
   if (const char* mb = std::getenv("HELIOS_VK_BLOCK_MB")) block_size = std::max(1ull, std::strtoull(mb, nullptr, 10)) << 20;
+  uint64_t budget = 0;  // HELIOS_VK_MEMORY_LIMIT_MB: cap what this Device reserves (shared GPUs, OOM tests)
+  if (const char* mb = std::getenv("HELIOS_VK_MEMORY_LIMIT_MB")) budget = std::strtoull(mb, nullptr, 10) << 20;
 
   const bool v12 = std::min(info_.api_version, instance_->api_version) >= VK_API_VERSION_1_2;
   std::vector<const char*> exts;
@@ -80,7 +82,7 @@ Device::Device(int index, const std::string& pipeline_cache_dir) {
   }
 
   try {
-    alloc_ = std::make_unique<Allocator>(dev_, info_, force_staging, block_size);
+    alloc_ = std::make_unique<Allocator>(dev_, info_, force_staging, block_size, budget);
     pipelines_ = std::make_unique<Pipelines>(dev_, info_, info_.push_descriptor, pipeline_cache_dir);
     stream_ = std::make_unique<Stream>(dev_, queue_, info_, info_.calibrated_timestamps,
                                        [this](uint64_t done) { alloc_->reclaim(done); });

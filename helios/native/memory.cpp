@@ -46,8 +46,9 @@ int Allocator::class_index(uint64_t rounded) {
   return std::min(idx, kClasses - 1);
 }
 
-Allocator::Allocator(VkDevice dev, const PhysicalDeviceInfo& info, bool force_staging, uint64_t block_size)
-    : dev_(dev), info_(info) {
+Allocator::Allocator(VkDevice dev, const PhysicalDeviceInfo& info, bool force_staging, uint64_t block_size,
+                     uint64_t budget)
+    : dev_(dev), info_(info), budget_(budget) {
   // Offsets must satisfy storage-buffer binding (minStorageBufferOffsetAlignment,
   // <= 256 by the spec) and we keep 256 so typed views of any element size align.
   align_ = std::max<uint64_t>(256, info.min_storage_buffer_offset_alignment);
@@ -117,6 +118,7 @@ uint32_t Allocator::pick_memory_type(int pool, bool& host_visible, bool& coheren
 }
 
 Block* Allocator::create_block(int pool, uint64_t size, bool dedicated) {
+  if (budget_ && reserved_total_ + size > budget_) return nullptr;
   auto b = std::make_unique<Block>();
   b->size = size;
   b->pool = uint8_t(pool);
@@ -174,12 +176,14 @@ Block* Allocator::create_block(int pool, uint64_t size, bool dedicated) {
   blocks_[raw->id] = std::move(b);
   auto& st = stats_[pool];
   st.reserved_bytes += size;
+  reserved_total_ += size;
   (dedicated ? st.dedicated : st.blocks) += 1;
   if (!dedicated) pools_[pool].blocks.push_back(raw);
   return raw;
 }
 
 void Allocator::destroy_block(Block* b) {
+  reserved_total_ -= b->size;
   if (b->mapped) vkUnmapMemory(dev_, b->memory);
   vkDestroyBuffer(dev_, b->buffer, nullptr);
   vkFreeMemory(dev_, b->memory, nullptr);

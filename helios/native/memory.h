@@ -57,7 +57,9 @@ class Allocator {
  public:
   static constexpr int kClasses = 4 * 48;
 
-  Allocator(VkDevice dev, const PhysicalDeviceInfo& info, bool force_staging, uint64_t block_size);
+  // budget: cap on reserved bytes over all pools (0 = none); beyond it block
+  // creation fails as vkAllocateMemory would, so the out-of-memory path runs.
+  Allocator(VkDevice dev, const PhysicalDeviceInfo& info, bool force_staging, uint64_t block_size, uint64_t budget = 0);
   ~Allocator();
   Allocator(const Allocator&) = delete;
   Allocator& operator=(const Allocator&) = delete;
@@ -126,6 +128,8 @@ class Allocator {
   VkDevice dev_;
   const PhysicalDeviceInfo& info_;
   uint64_t block_size_;
+  uint64_t budget_;
+  uint64_t reserved_total_ = 0;
   uint64_t align_;
   VkBufferUsageFlags usage_;
   std::array<PoolState, kNumPools> pools_;

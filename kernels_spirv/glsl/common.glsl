@@ -60,9 +60,9 @@ uint f_to_bf16(float f) {
 #define HL_STF(t, v) HL_STF2(t, v)
 
 // 1-D index of this invocation over a 2-D grid of workgroups (x is capped at 65535).
-uint flat_invocation() {
-    return (gl_WorkGroupID.y * gl_NumWorkGroups.x + gl_WorkGroupID.x) * gl_WorkGroupSize.x + gl_LocalInvocationID.x;
-}
+// A macro, not a function: gl_WorkGroupSize is only known after the kernel's own
+// local_size layout, which comes after this include.
+#define flat_invocation() ((gl_WorkGroupID.y * gl_NumWorkGroups.x + gl_WorkGroupID.x) * gl_WorkGroupSize.x + gl_LocalInvocationID.x)
 
 // gelu's tanh approximation and exact form; erf by Abramowitz-Stegun 7.1.26 (|err| < 1.5e-7).
 const float SQRT_2_OVER_PI = 0.7978845608028654;

@@ -67,7 +67,7 @@ void main() {
     else if (OP == 19) r = x * x;
     else if (OP == 20) r = 1.0 / x;
     else if (OP == 21) r = x * p.p0 + p.p1;
-    else if (OP == 22) r = (x != x) ? x : ((p.p0 < p.p1) ? max(x, p.p0) : min(x, p.p1)); // reserved
+    else if (OP == 22) r = x / p.p0;
     o[p.off_o + i] = HL_STF(TO, r);
 #endif
 }

@@ -1,6 +1,6 @@
 #version 450
 // Counter-based random numbers: Philox4x32-10 (Salmon et al., SC'11).  Invocation i
-// encrypts the counter (i, 0, offset_lo, offset_hi) with key (seed_lo, seed_hi) and
+// encrypts the counter (i, window, offset_lo, offset_hi) with key (seed_lo, seed_hi) and
 // produces outputs 4i..4i+3, so a (seed, offset) pair fixes the stream on any device.
 // MODE 0: uniform in [p0, p1)   MODE 1: normal(mean p0, std p1) by Box-Muller
 // MODE 2: keep mask (u8) = uniform >= p0   (dropout with drop probability p0)
@@ -9,7 +9,7 @@ layout(local_size_x = 256) in;
 layout(constant_id = 0) const int MODE = 0;
 
 layout(std430, binding = 0) writeonly buffer BO { HL_ST(TO) o[]; };
-layout(push_constant) uniform P { uint n; uint seed_lo; uint seed_hi; uint off_lo; uint off_hi; float p0; float p1; } p;
+layout(push_constant) uniform P { uint n; uint seed_lo; uint seed_hi; uint off_lo; uint off_hi; float p0; float p1; uint window; uint off_o; } p;
 
 uvec4 philox(uvec4 ctr, uvec2 key) {
     for (int r = 0; r < 10; ++r) {
@@ -28,7 +28,7 @@ void main() {
     uint i = flat_invocation();
     uint base = 4u * i;
     if (base >= p.n) return;
-    uvec4 r = philox(uvec4(i, 0u, p.off_lo, p.off_hi), uvec2(p.seed_lo, p.seed_hi));
+    uvec4 r = philox(uvec4(i, p.window, p.off_lo, p.off_hi), uvec2(p.seed_lo, p.seed_hi));
     float v[4];
     if (MODE == 1) {
         for (int k = 0; k < 4; k += 2) {
@@ -44,5 +44,5 @@ void main() {
             v[k] = (MODE == 0) ? p.p0 + (p.p1 - p.p0) * u : ((u >= p.p0) ? 1.0 : 0.0);
         }
     }
-    for (uint k = 0u; k < 4u && base + k < p.n; ++k) o[base + k] = HL_STF(TO, v[k]);
+    for (uint k = 0u; k < 4u && base + k < p.n; ++k) o[p.off_o + base + k] = HL_STF(TO, v[k]);
 }

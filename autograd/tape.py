@@ -1,0 +1,222 @@
+"""The autograd tape.
+
+Every differentiable op is a :class:`Function`.  When any input requires grad (and
+grad mode is on), ``Function.apply`` records a :class:`Node` on the output: the
+function, its context (saved tensors, constants) and its inputs.  ``backward()``
+orders the nodes reachable from the root topologically and runs each node's
+``backward`` in reverse order.  Backward formulas are written in Helios ops, so they
+run on the device like the forward pass.
+
+Saved tensors remember the version counter of their storage; an in-place op on a
+tensor that a node saved makes backward fail with a clear error instead of silently
+using the modified values.
+"""
+
+from __future__ import annotations
+
+import threading
+
+_state = threading.local()
+
+
+def is_grad_enabled() -> bool:
+    """Whether ops record onto the tape."""
+    return getattr(_state, "enabled", True)
+
+
+class _GradMode:
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+
+    def __enter__(self):
+        self.prev = is_grad_enabled()
+        _state.enabled = self.enabled
+
+    def __exit__(self, *exc):
+        _state.enabled = self.prev
+        return False
+
+    def __call__(self, fn):
+        import functools
+
+        @functools.wraps(fn)
+        def wrapper(*a, **k):
+            with _GradMode(self.enabled):
+                return fn(*a, **k)
+
+        return wrapper
+
+
+def no_grad() -> _GradMode:
+    """Context manager (and decorator) that stops recording: ops make no nodes."""
+    return _GradMode(False)
+
+
+def enable_grad() -> _GradMode:
+    """Context manager (and decorator) that turns recording back on."""
+    return _GradMode(True)
+
+
+class Context:
+    """What a Function's forward keeps for its backward."""
+
+    __slots__ = ("saved", "versions", "needs_input_grad", "__dict__")
+
+    def __init__(self):
+        self.saved = ()
+        self.versions = ()
+
+    def save_for_backward(self, *tensors) -> None:
+        self.saved = tensors
+        self.versions = tuple(t._st.version if t is not None else 0 for t in tensors)
+
+    @property
+    def saved_tensors(self) -> tuple:
+        if self.saved is None:
+            raise RuntimeError(
+                "trying to backward through the graph a second time (its saved tensors were freed); "
+                "pass retain_graph=True to the first backward() if you need to")
+        for t, v in zip(self.saved, self.versions):
+            if t is not None and t._st.version != v:
+                raise RuntimeError(
+                    f"a tensor of shape {t.shape} saved for backward was modified by an in-place op "
+                    f"(version {v} -> {t._st.version}); use the out-of-place op or clone() before modifying it")
+        return self.saved
+
+
+class _NoContext:
+    """Stand-in context when nothing will be recorded: saving is free."""
+
+    __slots__ = ()
+
+    def save_for_backward(self, *tensors) -> None:
+        pass
+
+    def __setattr__(self, name, value):
+        pass
+
+
+NO_CONTEXT = _NoContext()
+
+
+class Node:
+    """One recorded op: the function, its context, and the inputs it differentiates."""
+
+    __slots__ = ("fn", "ctx", "inputs", "name")
+
+    def __init__(self, fn, ctx, inputs):
+        self.fn = fn
+        self.ctx = ctx
+        self.inputs = inputs  # tuple of Tensor-or-None, aligned with backward's outputs
+        self.name = fn.__name__
+
+
+class Function:
+    """Base class of differentiable ops: subclass and define static forward/backward.
+
+    ``forward(ctx, *args)`` computes the output from Tensor (and other) args without
+    recording; ``backward(ctx, grad)`` returns one gradient (or None) per forward arg.
+    """
+
+    @staticmethod
+    def forward(ctx, *args):  # pragma: no cover - interface
+        raise NotImplementedError
+
+    @staticmethod
+    def backward(ctx, grad):  # pragma: no cover - interface
+        raise NotImplementedError
+
+    @classmethod
+    def apply(cls, *args):
+        from helios.tensor import Tensor
+
+        if is_grad_enabled():
+            needs = tuple(isinstance(a, Tensor) and a.requires_grad for a in args)
+            if True in needs:
+                ctx = Context()
+                ctx.needs_input_grad = needs
+                out = cls.forward(ctx, *args)
+                out.requires_grad = True
+                out._node = Node(cls, ctx, tuple(a if n else None for a, n in zip(args, needs)))
+                return out
+        return cls.forward(NO_CONTEXT, *args)
+
+
+def _topo_order(root) -> list:
+    """Nodes reachable from ``root`` in topological order (inputs before users)."""
+    order = []
+    seen = set()
+    stack = [(root._node, False)]
+    while stack:
+        node, done = stack.pop()
+        if done:
+            order.append(node)
+            continue
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        stack.append((node, True))
+        for inp in node.inputs:
+            if inp is not None and inp._node is not None and id(inp._node) not in seen:
+                stack.append((inp._node, False))
+    return order
+
+
+def backward(root, grad=None, retain_graph: bool = False) -> None:
+    """Accumulate d(root)/d(leaf) into ``leaf.grad`` for every leaf that requires grad."""
+    from helios.tensor import Tensor
+    import helios.functional as F
+
+    if not root.requires_grad:
+        raise RuntimeError("backward(): the tensor does not require grad and has no grad_fn "
+                           "(did you compute it under no_grad(), or from tensors without requires_grad=True?)")
+    if grad is None:
+        if root.numel() != 1:
+            raise RuntimeError(f"backward(): grad can be implicitly created only for scalar outputs, got shape {root.shape}; "
+                               "pass a gradient tensor of the same shape")
+        grad = F.full_like(root, 1.0)
+    elif not isinstance(grad, Tensor):
+        raise TypeError("backward(): gradient must be a helios.Tensor")
+    elif grad.shape != root.shape:
+        raise RuntimeError(f"backward(): gradient shape {grad.shape} does not match the tensor's shape {root.shape}")
+    # Storages already handed to a leaf in this pass: a second leaf gets a copy, so an
+    # in-place update of one .grad (clipping, scaling) never changes another.
+    given: set = {id(grad._st)}
+    with no_grad():
+        if root._node is None:
+            _accumulate_leaf(root, grad, given)
+            return
+        pending: dict[int, Tensor] = {id(root._node): grad}
+        for node in reversed(_topo_order(root)):
+            g = pending.pop(id(node), None)
+            if g is None:
+                continue
+            in_grads = node.fn.backward(node.ctx, g)
+            if not isinstance(in_grads, tuple):
+                in_grads = (in_grads,)
+            for inp, ig in zip(node.inputs, in_grads):
+                if inp is None or ig is None:
+                    continue
+                if ig.shape != inp.shape:
+                    ig = F.sum_to_shape(ig, inp.shape)
+                if inp._node is None:
+                    _accumulate_leaf(inp, ig, given)
+                else:
+                    key = id(inp._node)
+                    prev = pending.get(key)
+                    pending[key] = ig if prev is None else prev + ig
+            if not retain_graph:
+                node.ctx.saved = None
+
+
+def _accumulate_leaf(t, g, given: set) -> None:
+    if g.dtype != t.dtype:
+        g = g.to(t.dtype)
+    if t.grad is None:
+        if id(g._st) in given or g._st is t._st:
+            g = g.clone()
+        given.add(id(g._st))
+        t.grad = g.detach()
+    else:
+        t.grad = t.grad + g
+        given.add(id(t.grad._st))

@@ -1,0 +1,639 @@
+"""Raw device ops: each function records one or a few dispatches and returns new tensors.
+
+No autograd here (helios.functional builds the differentiable ops on top).  Outputs
+are fresh contiguous tensors; inputs may be any strided view: shapes and strides
+travel as push constants, dims are collapsed first so most ops index 1-3 dims.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+
+from helios import dtypes as dt
+from helios._shape import broadcast_strides, collapse, contiguous_strides, numel
+from helios.errors import DTypeError, ShapeError
+from helios.runtime import get_runtime
+from helios.tensor import Storage, Tensor
+
+MAX_DIMS = 6  # elementwise kernels; copy takes 8
+WG = 256
+
+# Op codes (must match the GLSL).
+UNARY = {"neg": 0, "exp": 1, "log": 2, "sqrt": 3, "rsqrt": 4, "tanh": 5, "sigmoid": 6, "relu": 7, "gelu_tanh": 8,
+         "gelu": 9, "abs": 10, "add_s": 11, "mul_s": 12, "pow_s": 13, "rsub_s": 14, "rdiv_s": 15, "clamp": 16,
+         "sin": 17, "cos": 18, "square": 19, "reciprocal": 20, "affine": 21, "div_s": 22}
+INT_UNARY = {"neg", "abs", "add_s", "mul_s", "rsub_s", "clamp"}
+BINARY = {"add": 0, "sub": 1, "mul": 2, "div": 3, "pow": 4, "maximum": 5, "minimum": 6, "gelu_tanh_bwd": 7,
+          "gelu_bwd": 8, "sigmoid_bwd": 9, "tanh_bwd": 10, "relu_bwd": 11, "and": 12, "or": 13, "xor": 14}
+COMPARE = {"eq": 0, "ne": 1, "lt": 2, "le": 3, "gt": 4, "ge": 5}
+REDUCE = {"sum": 0, "max": 1, "min": 2, "argmax": 3, "argmin": 4}
+
+_P_UNARY = struct.Struct("<4I2f2I6i6i")
+_P_BINARY = struct.Struct("<5If2I6i6i6i")
+_P_WHERE = struct.Struct("<6I6i6i6i6i")
+_P_COPY = struct.Struct("<4I8i8i8i")
+_P_REDUCE = struct.Struct("<9If2I")
+_P_ROWS = struct.Struct("<4I")
+_P_LN = struct.Struct("<4If")
+_P_EMB = struct.Struct("<5I")
+_P_RNG = struct.Struct("<5I2f2I")
+_P_IOTA = struct.Struct("<I2fIqq")
+_P_MATMUL = struct.Struct("<16I")
+
+_PAD6 = (0,) * 6
+
+
+def empty(shape: tuple, dtype: dt.DType, rt=None, pool: str = "activations") -> Tensor:
+    """A new contiguous tensor with uninitialised contents."""
+    rt = rt or get_runtime()
+    _check_dtype_supported(rt, dtype)
+    n = numel(shape)
+    return Tensor(Storage(rt, n * dtype.itemsize, pool), tuple(shape), contiguous_strides(shape), 0, dtype)
+
+
+def _check_dtype_supported(rt, dtype: dt.DType) -> None:
+    f = rt.features
+    if dtype.itemsize == 2 and not f.get("storage16", False):
+        raise DTypeError(f"{dtype.name} needs 16-bit storage buffers, which {rt.name} ({rt.info['name']}) lacks; use float32")
+    if dtype.itemsize == 1 and not f.get("storage8", False):
+        raise DTypeError(f"bool needs 8-bit storage buffers, which {rt.name} ({rt.info['name']}) lacks")
+    if dtype is dt.int64 and not f.get("int64", False):
+        raise DTypeError(f"int64 needs shaderInt64, which {rt.name} ({rt.info['name']}) lacks; use int32")
+
+
+def grid(n: int) -> tuple:
+    """Workgroup counts covering ``n`` invocations at WG per group (x is capped at 65535)."""
+    g = (n + WG - 1) // WG
+    if g <= 65535:
+        return (g, 1, 1)
+    return (65535, (g + 65534) // 65535, 1)
+
+
+def groups_for(count: int) -> tuple:
+    """Workgroup counts for ``count`` workgroups (one per row, say), 2-D past 65535."""
+    if count <= 65535:
+        return (count, 1, 1)
+    return (65535, (count + 65534) // 65535, 1)
+
+
+def bind(t: Tensor, writes: bool = False, span: int | None = None):
+    """(binding tuple, element offset inside the bound range) for tensor ``t``.
+
+    Small storages are bound whole.  A storage above the device's maxStorageBufferRange
+    (128 MiB on lavapipe) is bound as an aligned window around the elements the op
+    touches: ``span`` elements from the tensor's offset (default: its extent).
+    """
+    st = t._st
+    rt = st.rt
+    if st.nbytes <= rt.max_range:
+        return (st.handle, 0, max(st.nbytes, 4), writes), t._off
+    isz = t.dtype.itemsize
+    if span is None:
+        span = 1 + sum((s - 1) * abs(x) for s, x in zip(t.shape, t._strides)) if t.numel() else 1
+    lo = t._off * isz
+    hi = (t._off + span) * isz
+    start = lo - lo % rt.align
+    size = (hi - start + 3) & ~3
+    if size > rt.max_range:
+        raise ShapeError(f"an op touches {hi - lo} bytes of one tensor at once, more than the device's "
+                         f"maxStorageBufferRange ({rt.max_range}); split the tensor (e.g. with chunk()) first")
+    return (st.handle, start, min(size, st.nbytes - start), writes), t._off - start // isz
+
+
+def _tag(t: Tensor) -> str:
+    return t.dtype.tag
+
+
+def _pad(seq, n=6) -> tuple:
+    return tuple(seq) + (0,) * (n - len(seq))
+
+
+def _elems_per_dispatch(t: Tensor) -> int:
+    """How many contiguous elements of ``t`` one dispatch may touch (window limit)."""
+    return max(1, (t._st.rt.max_range - t._st.rt.align) // t.dtype.itemsize)
+
+
+# -- elementwise -----------------------------------------------------------------------------
+def unary(op: str, x: Tensor, p0: float = 0.0, p1: float = 0.0, out_dtype: dt.DType | None = None) -> Tensor:
+    """out = op(x) elementwise (``p0``/``p1`` are scalar parameters of add_s, clamp...)."""
+    if x.dtype.kind != "float" and op not in INT_UNARY:
+        x = copy(x, dt.float32)
+    if x.dtype is dt.bool_:
+        x = copy(x, dt.int64)
+    out = empty(x.shape, out_dtype or x.dtype, x._st.rt)
+    n = out.numel()
+    if n == 0:
+        return out
+    rt = x._st.rt
+    code = UNARY[op]
+    if x.is_contiguous():
+        step = min(_elems_per_dispatch(x), _elems_per_dispatch(out))
+        pid = rt.pipeline("ew_unary", x.dtype.tag, (code, 1))
+        for s in range(0, n, step):
+            m = min(step, n - s)
+            xv = _flat_window(x, s)
+            ov = _flat_window(out, s)
+            bx, ox = bind(xv, span=m)
+            bo, oo = bind(ov, True, span=m)
+            rt.dispatch(pid, [bx, bo], _P_UNARY.pack(m, 1, ox, oo, p0, p1, 0, 0, *_PAD6, *_PAD6), grid(m), op, m, 2 * m * x.dtype.itemsize)
+        return out
+    shape, (sa,) = collapse(x.shape, x._strides)
+    if len(shape) > MAX_DIMS:
+        return unary(op, copy(x), p0, p1, out_dtype)
+    bx, ox = bind(x)
+    bo, oo = bind(out, True)
+    pid = rt.pipeline("ew_unary", x.dtype.tag, (code, 0))
+    rt.dispatch(pid, [bx, bo], _P_UNARY.pack(n, len(shape), ox, oo, p0, p1, 0, 0, *_pad(shape), *_pad(sa)),
+                grid(n), op, n, 2 * n * x.dtype.itemsize)
+    return out
+
+
+def _flat_window(t: Tensor, start: int) -> Tensor:
+    """The contiguous tensor ``t`` seen as 1-D from element ``start`` (no copy)."""
+    return Tensor(t._st, (t.numel() - start,), (1,), t._off + start, t.dtype)
+
+
+def binary(op: str, a: Tensor, b: Tensor, alpha: float = 1.0) -> Tensor:
+    """out = op(a, b) elementwise with broadcasting; a and b must share a dtype."""
+    compare = op in COMPARE
+    if a.dtype is not b.dtype:
+        raise DTypeError(f"{op}: dtypes {a.dtype.name} and {b.dtype.name} differ (promote first)")
+    shape = a.shape if a.shape == b.shape else _broadcast(op, a.shape, b.shape)
+    out_dtype = dt.bool_ if compare else a.dtype
+    rt = a._st.rt
+    out = empty(shape, out_dtype, rt)
+    n = out.numel()
+    if n == 0:
+        return out
+    code = COMPARE[op] if compare else BINARY[op]
+    variant = a.dtype.tag + ("_cmp" if compare else "")
+    nbytes = n * (2 * a.dtype.itemsize + out_dtype.itemsize)
+    if a.shape == b.shape and a.is_contiguous() and b.is_contiguous():
+        pid = rt.pipeline("ew_binary", variant, (code, 1))
+        step = min(_elems_per_dispatch(a), _elems_per_dispatch(b), _elems_per_dispatch(out))
+        for s in range(0, n, step):
+            m = min(step, n - s)
+            ba, oa = bind(_flat_window(a, s), span=m)
+            bb, ob = bind(_flat_window(b, s), span=m)
+            bo, oo = bind(_flat_window(out, s), True, span=m)
+            rt.dispatch(pid, [ba, bb, bo], _P_BINARY.pack(m, 1, oa, ob, oo, alpha, 0, 0, *_PAD6, *_PAD6, *_PAD6),
+                        grid(m), op, m, nbytes)
+        return out
+    sa = broadcast_strides(a.shape, a._strides, shape)
+    sb = broadcast_strides(b.shape, b._strides, shape)
+    cshape, (ca, cb) = collapse(shape, sa, sb)
+    if len(cshape) > MAX_DIMS:
+        return binary(op, copy(a.expand(shape)), copy(b.expand(shape)), alpha)
+    ba, oa = bind(a)
+    bb, ob = bind(b)
+    bo, oo = bind(out, True)
+    pid = rt.pipeline("ew_binary", variant, (code, 0))
+    rt.dispatch(pid, [ba, bb, bo], _P_BINARY.pack(n, len(cshape), oa, ob, oo, alpha, 0, 0, *_pad(cshape), *_pad(ca), *_pad(cb)),
+                grid(n), op, n, nbytes)
+    return out
+
+
+def _broadcast(op, s1, s2):
+    from helios._shape import broadcast_shapes
+
+    return broadcast_shapes(op, s1, s2)
+
+
+def where(cond: Tensor, a: Tensor, b: Tensor) -> Tensor:
+    """out = cond ? a : b with broadcasting (a and b share a dtype; cond is bool)."""
+    from helios._shape import broadcast_shapes
+
+    shape = broadcast_shapes("where", cond.shape, a.shape, b.shape)
+    rt = a._st.rt
+    out = empty(shape, a.dtype, rt)
+    n = out.numel()
+    if n == 0:
+        return out
+    strides = [broadcast_strides(t.shape, t._strides, shape) for t in (cond, a, b)]
+    cshape, (sc, sa, sb) = collapse(shape, *strides)
+    if len(cshape) > MAX_DIMS:
+        return where(copy(cond.expand(shape)), copy(a.expand(shape)), copy(b.expand(shape)))
+    (bc, oc), (ba, oa), (bb, ob), (bo, oo) = bind(cond), bind(a), bind(b), bind(out, True)
+    pid = rt.pipeline("ew_where", a.dtype.tag)
+    rt.dispatch(pid, [bc, ba, bb, bo], _P_WHERE.pack(n, len(cshape), oc, oa, ob, oo, *_pad(cshape), *_pad(sc), *_pad(sa), *_pad(sb)),
+                grid(n), "where", 0, n * (3 * a.dtype.itemsize + 1))
+    return out
+
+
+def copy(x: Tensor, dtype: dt.DType | None = None) -> Tensor:
+    """A contiguous copy of ``x``, converted to ``dtype`` if given."""
+    out = empty(x.shape, dtype or x.dtype, x._st.rt)
+    copy_into(out, x)
+    return out
+
+
+def copy_into(dst: Tensor, src: Tensor) -> None:
+    """dst[...] = src (src broadcast to dst's shape; any strides on both sides)."""
+    n = dst.numel()
+    if n == 0:
+        return
+    rt = dst._st.rt
+    ss = broadcast_strides(src.shape, src._strides, dst.shape)
+    cshape, (cs, cd) = collapse(dst.shape, ss, dst._strides)
+    if len(cshape) > 8:
+        raise ShapeError(f"copy: a {len(cshape)}-dim strided copy (after merging dims) exceeds the kernel's 8 dims; "
+                         f"shape {dst.shape}")
+    pid = rt.pipeline("copy", f"{src.dtype.tag}_{dst.dtype.tag}")
+    if not cshape:  # a single element
+        cshape, cs, cd = [1], [0], [0]
+    if len(cshape) == 1 and cs[0] == 1 and cd[0] == 1 and (src._st.nbytes > rt.max_range or dst._st.nbytes > rt.max_range):
+        step = min(_elems_per_dispatch(src), _elems_per_dispatch(dst))
+        for s in range(0, n, step):
+            m = min(step, n - s)
+            bs, os_ = bind(Tensor(src._st, (m,), (1,), src._off + s, src.dtype), span=m)
+            bd, od = bind(Tensor(dst._st, (m,), (1,), dst._off + s, dst.dtype), True, span=m)
+            rt.dispatch(pid, [bs, bd], _P_COPY.pack(m, 1, os_, od, m, *(0,) * 7, 1, *(0,) * 7, 1, *(0,) * 7),
+                        grid(m), "copy", 0, m * (src.dtype.itemsize + dst.dtype.itemsize))
+        return
+    bs, os_ = bind(src)
+    bd, od = bind(dst, True)
+    rt.dispatch(pid, [bs, bd], _P_COPY.pack(n, len(cshape), os_, od, *_pad(cshape, 8), *_pad(cs, 8), *_pad(cd, 8)),
+                grid(n), "copy", 0, n * (src.dtype.itemsize + dst.dtype.itemsize))
+    dst._st.version += 1
+
+
+def fill(t: Tensor, value) -> Tensor:
+    """Fill the contiguous tensor ``t`` with ``value`` (recorded, no host wait)."""
+    import numpy as np
+
+    n = t.numel()
+    if n == 0:
+        return t
+    if t.dtype is dt.bfloat16:
+        bits = int(dt.float32_to_bf16_bits(np.array([value], np.float32))[0])
+    else:
+        bits = int(np.array([value]).astype(t.dtype.np_storage).view(np.uint8 if t.dtype.itemsize == 1 else
+                                                                    {2: np.uint16, 4: np.uint32, 8: np.uint64}[t.dtype.itemsize])[0])
+    isz = t.dtype.itemsize
+    if isz == 8:
+        lo, hi = bits & 0xFFFFFFFF, bits >> 32
+        if lo != hi:  # a fill word repeats 4 bytes: 64-bit patterns go through the copy kernel
+            src = _scalar_host(value, t.dtype, t._st.rt)
+            copy_into(t, src)
+            return t
+        word = lo
+    elif isz == 4:
+        word = bits
+    elif isz == 2:
+        word = bits | (bits << 16)
+    else:
+        word = bits * 0x01010101
+    nbytes = n * isz
+    start = t._off * isz
+    if start % 4 == 0 and nbytes % 4 == 0:
+        t._st.rt.dev.fill(t._st.handle, start, nbytes, word)
+    else:
+        copy_into(t, _scalar_host(value, t.dtype, t._st.rt))
+    t._st.version += 1
+    return t
+
+
+def _scalar_host(value, dtype: dt.DType, rt) -> Tensor:
+    import numpy as np
+
+    arr = np.array(value, dtype=np.float32 if dtype is dt.bfloat16 else dtype.np_storage).reshape(())
+    return from_numpy(arr, dtype, rt)
+
+
+def from_numpy(arr, dtype: dt.DType, rt, pool: str = "activations") -> Tensor:
+    """Upload a numpy array as a new tensor of ``dtype`` (writes at once; no wait on the device)."""
+    import numpy as np
+
+    if dtype is dt.bfloat16:
+        host = dt.float32_to_bf16_bits(np.asarray(arr, dtype=np.float32))
+    else:
+        host = np.array(arr, dtype=dtype.np_storage, order="C", copy=True)  # ascontiguousarray makes 0-d 1-d
+    t = empty(host.shape, dtype, rt, pool)
+    if host.size:
+        rt.dev.write(t._st.handle, 0, host.reshape(-1).view(np.uint8))
+    t._host = (t._st.version, host)
+    return t
+
+
+# -- reductions ------------------------------------------------------------------------------
+def _value_dtype(x: Tensor) -> dt.DType:
+    return dt.float32 if x.dtype.kind == "float" else dt.int64
+
+
+def reduce(op: str, x: Tensor, dims: tuple, scale: float = 1.0):
+    """Reduce ``x`` over ``dims`` (sorted, unique).  Returns (values, indices or None) with
+    the kept dims in order (no keepdim).  Values are float32 for float inputs (sums of
+    16-bit floats accumulate in float32) and int64 for integer/bool inputs; indices int64."""
+    rt = x._st.rt
+    kept = [d for d in range(x.ndim) if d not in dims]
+    out_shape = tuple(x.shape[d] for d in kept)
+    R = numel(tuple(x.shape[d] for d in dims))
+    vdt = _value_dtype(x)
+    arg = op in ("argmax", "argmin")
+    n_out = numel(out_shape)
+    if R == 0 or n_out == 0:
+        if R == 0 and op != "sum" and n_out:
+            raise ShapeError(f"{op}: cannot reduce over a dimension of size 0 (shape {x.shape}, dims {dims})")
+        vals = fill(empty(out_shape, vdt, rt), 0)
+        return vals, (fill(empty(out_shape, dt.int64, rt), 0) if arg else None)
+    if x._st.nbytes > rt.max_range and len(kept) == 0 and x.is_contiguous():
+        return _reduce_all_windows(op, x, scale)
+    # Describe the reduced dims as one axis (R, s_k) and the kept dims as <= 2 axes.
+    kshape, (kstr,) = collapse(tuple(x.shape[d] for d in kept), tuple(x._strides[d] for d in kept))
+    rshape, (rstr,) = collapse(tuple(x.shape[d] for d in dims), tuple(x._strides[d] for d in dims))
+    if len(rshape) == 1 and (rstr[0] == 1 and len(kshape) <= 1):
+        rows = kshape[0] if kshape else 1
+        s_row = kstr[0] if kshape else 0
+        return _reduce_rows(op, x, rows, R, s_row, rstr[0], x._off, out_shape, scale)
+    if len(rshape) == 1 and len(kshape) <= 2 and (not kshape or rstr[0] != 1):
+        outer, inner = (1, kshape[0]) if len(kshape) == 1 else ((kshape[0], kshape[1]) if kshape else (1, 1))
+        s_row = kstr[0] if len(kshape) == 2 else 0
+        s_in = kstr[-1] if kshape else 0
+        return _reduce_cols(op, x, outer, R, inner, s_row, rstr[0], s_in, out_shape, scale)
+    # General case: gather the reduced dims last in a contiguous copy, then reduce rows.
+    xc = copy(x.permute(*kept, *dims))
+    return _reduce_rows(op, xc, n_out, R, R, 1, 0, out_shape, scale)
+
+
+def _reduce_rows(op, x, rows, R, s_row, s_k, off, out_shape, scale, idx_in=None):
+    rt = x._st.rt
+    vdt = _value_dtype(x)
+    arg = op in ("argmax", "argmin")
+    nchunks = 1
+    if R > 8192 and rows < 64:
+        nchunks = min((R + 4095) // 4096, 1024)
+    chunk = (R + nchunks - 1) // nchunks
+    total = rows * nchunks
+    vals = empty((total,), vdt, rt)
+    idx = empty((total,), dt.int64, rt) if arg else vals
+    wg = 256 if R >= 256 else 64 if R >= 64 else 16
+    pid = rt.pipeline("reduce", x.dtype.tag, (REDUCE[op], 0, wg, idx_in is not None))
+    bx, ox = bind(x)
+    bi, oi = bind(idx_in) if idx_in is not None else (bx, 0)
+    final_scale = scale if nchunks == 1 else 1.0
+    rt.dispatch(pid, [bx, bi, bind(vals, True)[0], bind(idx, True)[0]],
+                _P_REDUCE.pack(R, rows, 1, nchunks, chunk, ox + off - x._off, s_row, s_k, 0, final_scale, oi, 0),
+                groups_for(total), op, rows * R, rows * R * x.dtype.itemsize)
+    if nchunks > 1:
+        second = {"argmax": "argmax", "argmin": "argmin"}.get(op, op)
+        v2, i2 = _reduce_rows(second, vals, rows, nchunks, nchunks, 1, 0, out_shape, scale, idx if arg else None)
+        return v2, i2
+    return vals.reshape(out_shape), (idx.reshape(out_shape) if arg else None)
+
+
+def _reduce_cols(op, x, outer, R, inner, s_row, s_k, s_in, out_shape, scale):
+    rt = x._st.rt
+    vdt = _value_dtype(x)
+    arg = op in ("argmax", "argmin")
+    n = outer * inner
+    vals = empty((n,), vdt, rt)
+    idx = empty((n,), dt.int64, rt) if arg else vals
+    pid = rt.pipeline("reduce", x.dtype.tag, (REDUCE[op], 1, 256, False))
+    bx, ox = bind(x)
+    rt.dispatch(pid, [bx, bx, bind(vals, True)[0], bind(idx, True)[0]],
+                _P_REDUCE.pack(R, outer, inner, 1, R, ox, s_row, s_k, s_in, scale, 0, 0),
+                grid(n), op, n * R, n * R * x.dtype.itemsize)
+    return vals.reshape(out_shape), (idx.reshape(out_shape) if arg else None)
+
+
+def _reduce_all_windows(op, x, scale):
+    """Full reduction of a contiguous tensor larger than one binding window."""
+    rt = x._st.rt
+    n = x.numel()
+    step = _elems_per_dispatch(x)
+    parts_v, parts_i = [], []
+    for s in range(0, n, step):
+        m = min(step, n - s)
+        w = Tensor(x._st, (m,), (1,), x._off + s, x.dtype)
+        bx, ox = bind(w, span=m)
+        v, i = _reduce_rows(op, Tensor(x._st, (m,), (1,), x._off + s, x.dtype), 1, m, m, 1, x._off + s, (), 1.0)
+        parts_v.append(v.reshape((1,)))
+        if i is not None:
+            parts_i.append(i.reshape((1,)) + s)
+    vals = cat_raw(parts_v, 0)
+    if op in ("argmax", "argmin"):
+        idx_all = cat_raw(parts_i, 0)
+        v, j = _reduce_rows(op, vals, 1, len(parts_v), len(parts_v), 1, 0, (), 1.0)
+        return v, gather_1d(idx_all, j)
+    v, _ = _reduce_rows(op, vals, 1, len(parts_v), len(parts_v), 1, 0, (), scale)
+    return v, None
+
+
+def gather_1d(src: Tensor, index: Tensor) -> Tensor:
+    """src[index] for a 1-D src and a 0-d int64 index (host read; used on tiny partials)."""
+    i = int(index.item())
+    return Tensor(src._st, (), (), src._off + i, src.dtype).contiguous()
+
+
+def cat_raw(parts: list, dim: int) -> Tensor:
+    """Concatenate same-dtype tensors along ``dim`` into a new tensor."""
+    shape = list(parts[0].shape)
+    shape[dim] = sum(p.shape[dim] for p in parts)
+    out = empty(tuple(shape), parts[0].dtype, parts[0]._st.rt)
+    pos = 0
+    for p in parts:
+        k = p.shape[dim]
+        if k:
+            copy_into(out.narrow(dim, pos, k), p)
+        pos += k
+    return out
+
+
+# -- matmul ----------------------------------------------------------------------------------
+def matmul(a: Tensor, b: Tensor) -> Tensor:
+    """Batched a @ b with broadcast batch dims; both >= 2-D and of the same float dtype."""
+    from helios._shape import broadcast_shapes
+
+    M, K = a.shape[-2], a.shape[-1]
+    K2, N = b.shape[-2], b.shape[-1]
+    if K != K2:
+        raise ShapeError(f"matmul: shapes {a.shape} and {b.shape} are not aligned (inner dims {K} != {K2})")
+    batch = broadcast_shapes("matmul", a.shape[:-2], b.shape[:-2])
+    rt = a._st.rt
+    out = empty(batch + (M, N), a.dtype, rt)
+    nb = numel(batch)
+    if out.numel() == 0:
+        return out
+    if K == 0:
+        return fill(out, 0)
+    sa = broadcast_strides(a.shape[:-2], a._strides[:-2], batch)
+    sb = broadcast_strides(b.shape[:-2], b._strides[:-2], batch)
+    cshape, (ca, cb) = collapse(batch, sa, sb)
+    if len(cshape) > 2:  # three or more unmergeable batch dims: make the operands contiguous
+        return matmul(copy(a.expand(batch + (M, K))), copy(b.expand(batch + (K, N))))
+    while len(cshape) < 2:
+        cshape, ca, cb = [1] + cshape, [0] + ca, [0] + cb
+    (ba, oa), (bb, ob), (bc, oc) = bind(a), bind(b), bind(out, True)
+    pid = rt.pipeline("matmul", a.dtype.tag, (64, 64, 16, 16, 16))
+    flops = 2 * nb * M * N * K
+    nbytes = (nb * (M * K + K * N + M * N)) * a.dtype.itemsize
+    zmax = 65535
+    for z0 in range(0, nb, zmax):
+        zc = min(zmax, nb - z0)
+        if nb > zmax:
+            raise ShapeError(f"matmul: {nb} batch matrices exceed the 65535 the kernel dispatches at once; reshape the batch")
+        rt.dispatch(pid, [ba, bb, bc],
+                    _P_MATMUL.pack(M, N, K, cshape[1], oa, ob, oc, 0, ca[0], ca[1], a._strides[-2], a._strides[-1],
+                                   cb[0], cb[1], b._strides[-2], b._strides[-1]),
+                    ((N + 63) // 64, (M + 63) // 64, zc), "matmul", flops, nbytes)
+    return out
+
+
+# -- row ops ---------------------------------------------------------------------------------
+def _row_wg(R: int) -> int:
+    return 256 if R >= 1024 else 128 if R >= 256 else 64 if R >= 64 else 32
+
+
+def softmax_rows(mode: int, x: Tensor, g: Tensor | None = None) -> Tensor:
+    """Softmax family over the last dim of contiguous ``x`` (see softmax.comp for modes)."""
+    rt = x._st.rt
+    R = x.shape[-1]
+    rows = x.numel() // R if R else 0
+    out = empty(x.shape, x.dtype, rt)
+    if out.numel() == 0:
+        return out
+    wg = _row_wg(R)
+    pid = rt.pipeline("softmax", x.dtype.tag, (mode, wg))
+    bx, ox = bind(x)
+    bg, og = bind(g) if g is not None else (bx, 0)
+    name = ("softmax", "log_softmax", "softmax_bwd", "log_softmax_bwd")[mode]
+    rt.dispatch(pid, [bx, bg, bind(out, True)[0]], _P_ROWS.pack(R, rows, ox, og), groups_for(rows), name,
+                5 * x.numel(), 3 * x.numel() * x.dtype.itemsize)
+    return out
+
+
+def layer_norm_fwd(x: Tensor, w: Tensor | None, b: Tensor | None, eps: float):
+    """y, mean, rstd of LayerNorm over the last dim of contiguous ``x``."""
+    rt = x._st.rt
+    C = x.shape[-1]
+    rows = x.numel() // C if C else 0
+    y = empty(x.shape, x.dtype, rt)
+    mean = empty((rows,), dt.float32, rt)
+    rstd = empty((rows,), dt.float32, rt)
+    if rows == 0:
+        return y, mean, rstd
+    wg = _row_wg(C)
+    pid = rt.pipeline("layernorm", x.dtype.tag, (0, w is not None, wg))
+    bx, ox = bind(x)
+    bw = bind(w)[0] if w is not None else bx
+    bb = bind(b)[0] if b is not None else bx
+    if w is not None and w._off:
+        raise ShapeError("layer_norm: weight must be a contiguous tensor starting at its storage")
+    rt.dispatch(pid, [bx, bw, bb, bind(y, True)[0], bind(mean, True)[0], bind(rstd, True)[0], bx],
+                _P_LN.pack(C, rows, ox, 0, eps), groups_for(rows), "layer_norm", 8 * x.numel(), 3 * x.numel() * x.dtype.itemsize)
+    return y, mean, rstd
+
+
+def layer_norm_bwd_input(x: Tensor, w: Tensor | None, g: Tensor, mean: Tensor, rstd: Tensor) -> Tensor:
+    """dL/dx of LayerNorm (contiguous x and g)."""
+    rt = x._st.rt
+    C = x.shape[-1]
+    rows = x.numel() // C
+    dx = empty(x.shape, x.dtype, rt)
+    wg = _row_wg(C)
+    pid = rt.pipeline("layernorm", x.dtype.tag, (1, w is not None, wg))
+    bx, ox = bind(x)
+    bg, og = bind(g)
+    bw = bind(w)[0] if w is not None else bx
+    rt.dispatch(pid, [bx, bw, bx, bind(dx, True)[0], bind(mean)[0], bind(rstd)[0], bg],
+                _P_LN.pack(C, rows, ox, og, 0.0), groups_for(rows), "layer_norm_bwd", 10 * x.numel(), 4 * x.numel() * x.dtype.itemsize)
+    return dx
+
+
+def cross_entropy_fwd(x: Tensor, t: Tensor):
+    """Per-row loss and logsumexp for contiguous logits x[N, V] and int64 targets t[N]."""
+    rt = x._st.rt
+    N, V = x.shape
+    loss = empty((N,), dt.float32, rt)
+    lse = empty((N,), dt.float32, rt)
+    if N == 0:
+        return loss, lse
+    pid = rt.pipeline("cross_entropy", x.dtype.tag, (0, _row_wg(V)))
+    bx, ox = bind(x)
+    bt, ot = bind(t)
+    rt.dispatch(pid, [bx, bt, bind(lse, True)[0], bind(loss, True)[0], bx, bx], _P_ROWS.pack(V, N, ox, ot),
+                groups_for(N), "cross_entropy", 4 * x.numel(), x.numel() * x.dtype.itemsize)
+    return loss, lse
+
+
+def cross_entropy_bwd(x: Tensor, t: Tensor, lse: Tensor, gl: Tensor) -> Tensor:
+    """d loss / d logits given the per-row upstream gradient ``gl`` (float32 [N])."""
+    rt = x._st.rt
+    N, V = x.shape
+    dx = empty(x.shape, x.dtype, rt)
+    pid = rt.pipeline("cross_entropy", x.dtype.tag, (1, _row_wg(V)))
+    bx, ox = bind(x)
+    bt, ot = bind(t)
+    rt.dispatch(pid, [bx, bt, bind(lse)[0], bind(lse)[0], bind(gl)[0], bind(dx, True)[0]], _P_ROWS.pack(V, N, ox, ot),
+                groups_for(N), "cross_entropy_bwd", 4 * x.numel(), 2 * x.numel() * x.dtype.itemsize)
+    return dx
+
+
+def embedding_fwd(w: Tensor, idx: Tensor) -> Tensor:
+    """out[..., :] = w[idx[...], :] for contiguous w [V, C] and contiguous int64 idx."""
+    rt = w._st.rt
+    V, C = w.shape
+    rows = idx.numel()
+    out = empty(idx.shape + (C,), w.dtype, rt)
+    if out.numel() == 0:
+        return out
+    pid = rt.pipeline("embedding", w.dtype.tag, (0,))
+    bw, ow = bind(w)
+    bi, oi = bind(idx)
+    gy = (rows + 3) // 4
+    gz = (gy + 65534) // 65535
+    gy = min(gy, 65535)
+    rt.dispatch(pid, [bw, bi, bi, bind(out, True)[0]], _P_EMB.pack(C, rows, V, ow, oi), ((C + 63) // 64, gy, gz),
+                "embedding", 0, 2 * out.numel() * w.dtype.itemsize)
+    return out
+
+
+def embedding_bwd(g: Tensor, pos: Tensor, rowptr: Tensor, V: int) -> Tensor:
+    """dW[V, C] from the upstream g[rows, C] and the CSR grouping (pos int64, rowptr int32)."""
+    rt = g._st.rt
+    C = g.shape[-1]
+    out = empty((V, C), g.dtype, rt)
+    pid = rt.pipeline("embedding", g.dtype.tag, (1,))
+    bg, og = bind(g)
+    gy = (V + 3) // 4
+    gz = (gy + 65534) // 65535
+    gy = min(gy, 65535)
+    rt.dispatch(pid, [bg, bind(pos)[0], bind(rowptr)[0], bind(out, True)[0]], _P_EMB.pack(C, V, V, og, 0),
+                ((C + 63) // 64, gy, gz), "embedding_bwd", g.numel(), 2 * g.numel() * g.dtype.itemsize)
+    return out
+
+
+# -- creation on the device ------------------------------------------------------------------
+def rng(shape: tuple, dtype: dt.DType, mode: int, seed: int, offset: int, p0: float, p1: float, rt=None) -> Tensor:
+    """Philox random tensor: mode 0 uniform [p0, p1), 1 normal(p0, p1), 2 keep-mask (bool) with drop prob p0."""
+    rt = rt or get_runtime()
+    out = empty(shape, dtype, rt)
+    n = out.numel()
+    if n == 0:
+        return out
+    variant = dtype.tag if dtype.kind == "float" else "u8"
+    pid = rt.pipeline("rng", variant, (mode,))
+    step = (_elems_per_dispatch(out) // 4) * 4
+    # The counter is (i, window, offset): each window of a tensor larger than one binding
+    # range gets its own stream, and a (seed, offset) pair fixes the whole tensor.
+    for w, s in enumerate(range(0, n, step)):
+        m = min(step, n - s)
+        bo, oo = bind(_flat_window(out, s), True, span=m)
+        rt.dispatch(pid, [bo], _P_RNG.pack(m, seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, offset & 0xFFFFFFFF,
+                                            (offset >> 32) & 0xFFFFFFFF, p0, p1, w, oo),
+                    grid((m + 3) // 4), "rng", 0, m * dtype.itemsize)
+    return out
+
+
+def arange(n: int, start, step, dtype: dt.DType, rt=None) -> Tensor:
+    rt = rt or get_runtime()
+    out = empty((n,), dtype, rt)
+    if n == 0:
+        return out
+    pid = rt.pipeline("iota", dtype.tag)
+    isint = dtype.kind == "int"
+    rt.dispatch(pid, [bind(out, True)[0]],
+                _P_IOTA.pack(n, float(start), float(step), 0, int(start) if isint else 0, int(step) if isint else 0),
+                grid(n), "arange", 0, n * dtype.itemsize)
+    return out

@@ -1,0 +1,126 @@
+"""Tensor creation: from host data, constants, ranges and random streams."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from helios import _kernels as K
+from helios import dtypes as dt
+from helios.errors import ShapeError
+from helios.random import default_generator
+from helios.runtime import get_runtime
+from helios.tensor import Tensor
+
+
+def _shape(args) -> tuple:
+    if len(args) == 1 and isinstance(args[0], (tuple, list)):
+        args = tuple(args[0])
+    shape = tuple(int(s) for s in args)
+    if any(s < 0 for s in shape):
+        raise ShapeError(f"negative dimension in shape {shape}")
+    return shape
+
+
+def _finish(t: Tensor, requires_grad: bool) -> Tensor:
+    if requires_grad:
+        t.requires_grad_(True)
+    return t
+
+
+def tensor(data, dtype=None, device: str | None = None, requires_grad: bool = False) -> Tensor:
+    """A new tensor holding a copy of ``data`` (numpy array, nested lists, number or Tensor)."""
+    rt = get_runtime(device)
+    if isinstance(data, Tensor):
+        arr = data.numpy()
+    else:
+        arr = np.asarray(data)
+    if dtype is None:
+        if arr.dtype == np.float64:
+            d = dt.float32
+        elif arr.dtype.kind in "iu":
+            d = dt.int64 if not isinstance(data, np.ndarray) else dt.from_numpy_dtype(arr.dtype)
+        else:
+            d = dt.from_numpy_dtype(arr.dtype)
+    else:
+        d = dt.as_dtype(dtype)
+    return _finish(K.from_numpy(arr, d, rt), requires_grad)
+
+
+def from_numpy(arr: np.ndarray) -> Tensor:
+    """A tensor copy of a numpy array (dtype kept where Helios has it)."""
+    return tensor(arr, dtype=dt.from_numpy_dtype(arr.dtype))
+
+
+def empty(*shape, dtype=dt.float32, device: str | None = None, requires_grad: bool = False) -> Tensor:
+    """A tensor with uninitialised contents."""
+    return _finish(K.empty(_shape(shape), dt.as_dtype(dtype), get_runtime(device)), requires_grad)
+
+
+def full(shape, fill_value, dtype=None, device: str | None = None, requires_grad: bool = False) -> Tensor:
+    """A tensor filled with ``fill_value``."""
+    if dtype is None:
+        dtype = dt.float32 if isinstance(fill_value, float) else dt.bool_ if isinstance(fill_value, bool) else dt.int64
+    t = K.empty(_shape((shape,) if isinstance(shape, int) else (shape,)), dt.as_dtype(dtype), get_runtime(device))
+    return _finish(K.fill(t, fill_value), requires_grad)
+
+
+def zeros(*shape, dtype=dt.float32, device: str | None = None, requires_grad: bool = False) -> Tensor:
+    """A tensor of zeros."""
+    return _finish(K.fill(K.empty(_shape(shape), dt.as_dtype(dtype), get_runtime(device)), 0), requires_grad)
+
+
+def ones(*shape, dtype=dt.float32, device: str | None = None, requires_grad: bool = False) -> Tensor:
+    """A tensor of ones."""
+    return _finish(K.fill(K.empty(_shape(shape), dt.as_dtype(dtype), get_runtime(device)), 1), requires_grad)
+
+
+def arange(start, end=None, step=1, dtype=None, device: str | None = None) -> Tensor:
+    """Values from ``start`` up to (not including) ``end`` by ``step``."""
+    if end is None:
+        start, end = 0, start
+    if step == 0:
+        raise ValueError("arange: step must be non-zero")
+    if dtype is None:
+        dtype = dt.float32 if any(isinstance(v, float) for v in (start, end, step)) else dt.int64
+    n = max(0, int(np.ceil((end - start) / step)))
+    return K.arange(n, start, step, dt.as_dtype(dtype), get_runtime(device))
+
+
+def _random(shape, mode, p0, p1, dtype, seed, device, requires_grad) -> Tensor:
+    d = dt.as_dtype(dtype)
+    if d.kind != "float":
+        raise ShapeError(f"random tensors are floating point; got dtype {d.name}")
+    if seed is None:
+        s, off = default_generator().next_offset()
+    else:
+        s, off = int(seed), 0
+    t = K.rng(_shape(shape), d, mode, s, off, p0, p1, get_runtime(device))
+    return _finish(t, requires_grad)
+
+
+def randn(*shape, seed: int | None = None, dtype=dt.float32, device: str | None = None, requires_grad: bool = False) -> Tensor:
+    """Standard normal samples (Philox on the device; deterministic for a ``seed``)."""
+    return _random(shape, 1, 0.0, 1.0, dtype, seed, device, requires_grad)
+
+
+def rand(*shape, seed: int | None = None, dtype=dt.float32, device: str | None = None, requires_grad: bool = False) -> Tensor:
+    """Uniform samples in [0, 1) (Philox on the device; deterministic for a ``seed``)."""
+    return _random(shape, 0, 0.0, 1.0, dtype, seed, device, requires_grad)
+
+
+def normal(mean: float, std: float, shape, seed: int | None = None, dtype=dt.float32, device: str | None = None) -> Tensor:
+    """Samples of N(mean, std^2)."""
+    return _random(shape, 1, float(mean), float(std), dtype, seed, device, False)
+
+
+def uniform(low: float, high: float, shape, seed: int | None = None, dtype=dt.float32, device: str | None = None) -> Tensor:
+    """Samples of U[low, high)."""
+    return _random(shape, 0, float(low), float(high), dtype, seed, device, False)
+
+
+def randn_like(x: Tensor, seed: int | None = None) -> Tensor:
+    return randn(*x.shape, seed=seed, dtype=x.dtype, device=x.device)
+
+
+def rand_like(x: Tensor, seed: int | None = None) -> Tensor:
+    return rand(*x.shape, seed=seed, dtype=x.dtype, device=x.device)

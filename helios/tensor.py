@@ -1,0 +1,255 @@
+"""helios.Tensor: a strided view of device memory, with autograd metadata.
+
+A tensor is (storage, shape, strides, offset, dtype).  Views (reshape, transpose,
+permute, slicing, expand, squeeze) share the storage and only change the last three,
+so they cost no device work.  Ops record dispatches and return at once; ``numpy()``
+and ``item()`` read back, which submits the recorded work and waits for it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from helios import dtypes as dt
+from helios._shape import contiguous_strides, norm_dim, numel
+from helios.errors import DTypeError
+
+# Submodules import each other lazily (functional needs Tensor and Tensor's operators need
+# functional); this module-level handle is set at the end of helios/functional.py.
+F = None
+
+
+class Storage:
+    """One device allocation; freed (deferred by the addon) when no tensor uses it."""
+
+    __slots__ = ("rt", "handle", "nbytes", "version", "__weakref__")
+
+    def __init__(self, rt, nbytes: int, pool: str = "activations"):
+        self.rt = rt
+        self.nbytes = nbytes
+        self.handle = rt.alloc(nbytes, pool)
+        self.version = 0
+
+    def __del__(self):
+        try:
+            self.rt.free(self.handle)
+        except Exception:  # interpreter exit: the device may already be closed
+            pass
+
+
+class Tensor:
+    """A multi-dimensional array on a Vulkan device (PyTorch naming)."""
+
+    __slots__ = ("_st", "shape", "_strides", "_off", "dtype", "requires_grad", "grad", "_node", "_host", "_retains_grad", "__weakref__")
+    __array_priority__ = 1000  # numpy scalars/arrays on the left defer to our operators
+
+    def __init__(self, st: Storage, shape: tuple, strides: tuple, off: int, dtype: dt.DType):
+        self._st = st
+        self.shape = shape
+        self._strides = strides
+        self._off = off
+        self.dtype = dtype
+        self.requires_grad = False
+        self.grad = None
+        self._node = None
+        self._host = None  # (storage version, numpy copy) when the data came from the host
+        self._retains_grad = False
+
+    # -- metadata -----------------------------------------------------------------------
+    @property
+    def device(self) -> str:
+        return self._st.rt.name
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def numel(self) -> int:
+        return numel(self.shape)
+
+    def size(self, dim: int | None = None):
+        """The shape, or the size of one dim."""
+        if dim is None:
+            return self.shape
+        return self.shape[norm_dim(dim, self.ndim, "size")]
+
+    def stride(self, dim: int | None = None):
+        if dim is None:
+            return self._strides
+        return self._strides[norm_dim(dim, self.ndim, "stride")]
+
+    def element_size(self) -> int:
+        return self.dtype.itemsize
+
+    def is_contiguous(self) -> bool:
+        expected = 1
+        for s, st in zip(reversed(self.shape), reversed(self._strides)):
+            if s != 1 and st != expected:
+                return False
+            expected *= s
+        return True
+
+    @property
+    def is_leaf(self) -> bool:
+        return self._node is None
+
+    @property
+    def grad_fn(self):
+        return self._node
+
+    def __len__(self) -> int:
+        if not self.shape:
+            raise TypeError("len() of a 0-d tensor")
+        return self.shape[0]
+
+    def __repr__(self) -> str:
+        try:
+            body = np.array2string(self.numpy(), precision=4, separator=", ", threshold=64)
+        except Exception as e:  # never let repr raise
+            body = f"<unreadable: {e}>"
+        extra = f", dtype={self.dtype.name}" if self.dtype is not dt.float32 else ""
+        if self.requires_grad:
+            extra += ", requires_grad=True"
+        return f"tensor({body}{extra}, device='{self.device}')"
+
+    # -- host transfer ------------------------------------------------------------------
+    def numpy(self) -> np.ndarray:
+        """A host copy as a numpy array (bfloat16 comes back as float32).
+
+        Submits the recorded work that writes this tensor and waits for it.
+        """
+        src = self if self.is_contiguous() else self.contiguous()
+        out = np.empty(self.shape, dtype=self.dtype.np_storage)
+        if out.size:
+            src._st.rt.dev.read(src._st.handle, src._off * self.dtype.itemsize, out.reshape(-1).view(np.uint8))
+        if self.dtype is dt.bfloat16:
+            return dt.bf16_bits_to_float32(out)
+        return out
+
+    def tolist(self):
+        return self.numpy().tolist()
+
+    def item(self):
+        """The value of a one-element tensor as a Python number."""
+        if self.numel() != 1:
+            raise ValueError(f"item(): only one-element tensors can be converted to a Python scalar, got shape {self.shape}")
+        return self.numpy().reshape(()).item()
+
+    def __float__(self):
+        return float(self.item())
+
+    def __int__(self):
+        return int(self.item())
+
+    def __bool__(self):
+        if self.numel() != 1:
+            raise RuntimeError(f"the truth value of a tensor with {self.numel()} elements is ambiguous")
+        return bool(self.item())
+
+    def __array__(self, dtype=None, copy=None):
+        a = self.numpy()
+        return a.astype(dtype) if dtype is not None else a
+
+    # -- autograd -----------------------------------------------------------------------
+    def backward(self, gradient: Tensor | None = None, retain_graph: bool = False) -> None:
+        """Accumulate gradients of this tensor into the ``.grad`` of the leaves."""
+        from helios.autograd.tape import backward
+
+        backward(self, gradient, retain_graph=retain_graph)
+
+    def detach(self) -> Tensor:
+        """The same data, cut from the tape."""
+        t = Tensor(self._st, self.shape, self._strides, self._off, self.dtype)
+        t._host = self._host
+        return t
+
+    def requires_grad_(self, flag: bool = True) -> Tensor:
+        if flag and not self.dtype.is_floating_point:
+            raise DTypeError(f"only floating-point tensors can require gradients, this one is {self.dtype.name}")
+        if not self.is_leaf and not flag:
+            raise RuntimeError("requires_grad_(False) on a non-leaf tensor: use detach() instead")
+        self.requires_grad = flag
+        return self
+
+    def retain_grad(self) -> None:
+        self._retains_grad = True
+
+    # -- the op surface: thin forwards to helios.functional -----------------------------
+    def __add__(self, o):
+        return F.add(self, o)
+
+    def __radd__(self, o):
+        return F.add(self, o)
+
+    def __sub__(self, o):
+        return F.sub(self, o)
+
+    def __rsub__(self, o):
+        return F.rsub(self, o)
+
+    def __mul__(self, o):
+        return F.mul(self, o)
+
+    def __rmul__(self, o):
+        return F.mul(self, o)
+
+    def __truediv__(self, o):
+        return F.div(self, o)
+
+    def __rtruediv__(self, o):
+        return F.rdiv(self, o)
+
+    def __pow__(self, o):
+        return F.pow(self, o)
+
+    def __rpow__(self, o):
+        return F.rpow(self, o)
+
+    def __neg__(self):
+        return F.neg(self)
+
+    def __matmul__(self, o):
+        return F.matmul(self, o)
+
+    def __rmatmul__(self, o):
+        return F.matmul(o, self)
+
+    def __lt__(self, o):
+        return F.lt(self, o)
+
+    def __le__(self, o):
+        return F.le(self, o)
+
+    def __gt__(self, o):
+        return F.gt(self, o)
+
+    def __ge__(self, o):
+        return F.ge(self, o)
+
+    def __eq__(self, o):  # elementwise, as in PyTorch
+        return F.eq(self, o)
+
+    def __ne__(self, o):
+        return F.ne(self, o)
+
+    def __and__(self, o):
+        return F.logical_and(self, o)
+
+    def __or__(self, o):
+        return F.logical_or(self, o)
+
+    def __invert__(self):
+        return F.logical_not(self)
+
+    __hash__ = object.__hash__
+
+    def __getitem__(self, idx):
+        return F.getitem(self, idx)
+
+    def __setitem__(self, idx, value):
+        F.setitem(self, idx, value)
+
+    # Named methods are attached by helios.functional (one list, no duplication).

@@ -1,0 +1,93 @@
+"""The kernel registry: (kernel, variant) -> SPIR-V words and binding layout.
+
+SPIR-V comes from the package's ``spv/`` folder, compiled at build time.  When a
+variant is missing there, or its GLSL source is newer (an editable checkout being
+edited), it is compiled with glslc into the user cache (``$XDG_CACHE_HOME/helios/spv``)
+through the same build step, so generated or edited kernels take the same path.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+PACKAGED_SPV = os.path.join(_HERE, "spv")
+
+
+def cache_dir() -> str:
+    """Helios' user cache folder (kernels, pipeline caches, token caches)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "helios")
+
+
+@dataclass(frozen=True)
+class KernelInfo:
+    """What the runtime needs to make a pipeline for a kernel."""
+
+    name: str
+    num_buffers: int
+    push_size: int
+
+
+# Binding count and push-constant size of each kernel (must match the GLSL).
+KERNELS: dict[str, KernelInfo] = {
+    k.name: k
+    for k in (
+        KernelInfo("ew_unary", 2, 80),
+        KernelInfo("ew_binary", 3, 104),
+        KernelInfo("ew_where", 4, 120),
+        KernelInfo("copy", 2, 112),
+        KernelInfo("reduce", 4, 48),
+        KernelInfo("softmax", 3, 16),
+        KernelInfo("layernorm", 7, 20),
+        KernelInfo("cross_entropy", 6, 16),
+        KernelInfo("embedding", 4, 20),
+        KernelInfo("rng", 1, 36),
+        KernelInfo("iota", 1, 32),
+        KernelInfo("matmul", 3, 64),
+        KernelInfo("adamw", 4, 48),
+    )
+}
+
+_builder = None
+_spirv_cache: dict[tuple[str, str], bytes] = {}
+
+
+def _load_builder():
+    global _builder
+    if _builder is None:
+        spec = importlib.util.spec_from_file_location("helios_kernel_build", os.path.join(_HERE, "build.py"))
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        _builder = mod
+    return _builder
+
+
+def spirv(name: str, variant: str) -> bytes:
+    """SPIR-V bytes of ``name``'s ``variant``, compiling it first if it is missing or stale."""
+    key = (name, variant)
+    code = _spirv_cache.get(key)
+    if code is not None:
+        return code
+    fname = f"{name}.{variant}.spv"
+    path = os.path.join(PACKAGED_SPV, fname)
+    src = os.path.join(_HERE, "glsl", name + ".comp")
+    builder = None
+    if os.path.exists(src):
+        builder = _load_builder()
+        if variant not in builder.kernel_variants(name):
+            raise KeyError(f"kernel {name!r} has no variant {variant!r}: known {sorted(builder.kernel_variants(name))}")
+        stale = not os.path.exists(path) or os.path.getmtime(path) < builder.source_mtime(name)
+        if stale:
+            path = os.path.join(cache_dir(), "spv", fname)
+            if not os.path.exists(path) or os.path.getmtime(path) < builder.source_mtime(name):
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                builder.compile_variant(name, variant, builder.kernel_variants(name)[variant], path)
+    elif not os.path.exists(path):
+        raise KeyError(f"no SPIR-V for kernel {name!r} variant {variant!r} (and no GLSL source to build it)")
+    with open(path, "rb") as f:
+        code = f.read()
+    _spirv_cache[key] = code
+    return code

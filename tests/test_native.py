@@ -655,3 +655,34 @@ def test_fallback_paths(monkeypatch, shaders, env):
     events = _check_events(d, 600 + extra)
     assert sum(e["name"] == "fb" for e in events) == 600
     d.close()
+
+
+def test_out_of_memory_retry_reclaims_and_trims(monkeypatch, shaders):
+    """vkAllocateMemory failure path: synchronize, reclaim deferred frees, release empty blocks, retry."""
+    monkeypatch.setenv("HELIOS_VK_MEMORY_LIMIT_MB", "160")
+    d = v.Device(0, "")
+    assert d.block_size == 64 << 20
+    p = d.pipeline(shaders["add"], 2, 8, [1], "add")
+    mib = 1 << 20
+    a1, a2, a3 = (d.alloc(30 * mib) for _ in range(3))  # two 64 MiB blocks
+    assert d.pool_stats()["activations"]["reserved_bytes"] == 128 * mib
+    out = d.alloc(4096)
+    d.dispatch(p, [(a1, 0, 4096, False), (out, 0, 4096, True)], add_push(1024, 1.0), groups_for(1024), "pending")
+    d.free(a1)
+    d.free(a2)  # both frees wait for the recorded dispatch
+    assert d.stats()["submits"] == 0
+    big = d.alloc(40 * mib)  # dedicated; fits only after the first block is released
+    st = d.pool_stats()["activations"]
+    assert d.stats()["submits"] == 1  # the retry synchronized
+    assert st["reserved_bytes"] == 64 * mib + 40 * mib and st["dedicated"] == 1
+    with pytest.raises(v.OutOfMemoryError) as ei:
+        d.alloc(100 * mib, "weights")
+    msg = str(ei.value)
+    assert str(100 * mib) in msg and "weights: reserved 0 B" in msg and f"activations: reserved {104 * mib} B" in msg
+    d.write(big, 40 * mib - 4, b"\x01\x02\x03\x04")  # still usable
+    got = bytearray(4)
+    d.read(big, 40 * mib - 4, got)
+    assert bytes(got) == b"\x01\x02\x03\x04"
+    for h in (a3, out, big):
+        d.free(h)
+    d.close()

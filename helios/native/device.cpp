@@ -157,10 +157,13 @@ uint64_t Device::alloc(uint64_t nbytes, int pool) {
   alloc_->trim();
   h = alloc_->try_alloc(nbytes, pool);
   if (h) return h;
-  throw OutOfMemory(strf("out of device memory: asked %llu bytes in pool '%s' on '%s' (vkAllocateMemory failed after "
-                         "synchronizing and releasing free blocks). Pools: %s. Free tensors you no longer need or use "
+  std::string cap = alloc_->budget() ? strf(" (HELIOS_VK_MEMORY_LIMIT_MB caps this Device at %llu bytes)",
+                                            (unsigned long long)alloc_->budget())
+                                     : std::string();
+  throw OutOfMemory(strf("out of device memory: asked %llu bytes in pool '%s' on '%s'%s; the allocation failed after "
+                         "synchronizing and releasing free blocks. Pools: %s. Free tensors you no longer need or use "
                          "smaller batches.",
-                         (unsigned long long)nbytes, pool_name(pool), info_.name.c_str(),
+                         (unsigned long long)nbytes, pool_name(pool), info_.name.c_str(), cap.c_str(),
                          alloc_->pools_summary().c_str()));
 }
 

@@ -90,6 +90,7 @@ class Allocator {
   const PoolStats& stats(int pool) const { return stats_[pool]; }
   std::string pools_summary() const;  // "weights: reserved X B, in use Y B; ..."
   uint64_t block_size() const { return block_size_; }
+  uint64_t budget() const { return budget_; }
   uint64_t alignment() const { return align_; }
   bool pool_is_mapped(int pool) const { return pools_[pool].map; }
 

@@ -33,5 +33,6 @@ from helios.creation import (  # noqa: F401
 )
 from helios.random import get_rng_state, manual_seed, set_rng_state  # noqa: F401
 from helios.autograd.tape import enable_grad, is_grad_enabled, no_grad  # noqa: F401
+from helios import profile  # noqa: F401,E402
 
 __version__ = "0.1.0"

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Install what Helios needs, idempotently: system packages (Vulkan loader, lavapipe,
+# glslc, a C++ compiler), a virtual environment in .venv, and the package itself
+# (which builds the Vulkan addon and compiles the SPIR-V kernels).  Quick when nothing
+# is missing.  `--test` also installs what the test suite needs.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+want_tests=0
+[ "${1:-}" = "--test" ] && want_tests=1
+
+missing=()
+have_pkg() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
+for pkg in libvulkan1 libvulkan-dev mesa-vulkan-drivers glslc vulkan-tools g++ python3-venv python3-dev; do
+  have_pkg "$pkg" || missing+=("$pkg")
+done
+if [ "$want_tests" = 1 ]; then
+  for pkg in chromium iproute2; do have_pkg "$pkg" || missing+=("$pkg"); done
+fi
+# python3-venv/-dev only matter for the system python; skip them when another python3 is first on PATH.
+if ! python3 -c 'import sys; sys.exit(0 if sys.prefix.startswith("/usr") else 1)' 2>/dev/null; then
+  missing=("${missing[@]/python3-venv/}"); missing=("${missing[@]/python3-dev/}")
+fi
+pkgs=()
+for p in "${missing[@]}"; do [ -n "$p" ] && pkgs+=("$p"); done
+if [ ${#pkgs[@]} -gt 0 ]; then
+  sudo=""
+  [ "$(id -u)" -ne 0 ] && sudo="sudo"
+  echo "installing system packages: ${pkgs[*]}"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${pkgs[@]}" >/dev/null
+fi
+
+[ -x .venv/bin/python ] || python3 -m venv .venv
+# Reinstall only when the build inputs changed (a stamp of their hash).
+extra=""
+[ "$want_tests" = 1 ] && extra="[test]"
+stamp=".venv/.helios-install${want_tests}"
+hash=$(cat pyproject.toml setup.py helios/native/*.cpp helios/native/*.h comm/native/* kernels_spirv/glsl/* 2>/dev/null | sha256sum | cut -c1-32)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$hash" ] || ! .venv/bin/python -c "import helios._vulkan" 2>/dev/null; then
+  echo "installing helios${extra} into .venv (builds the Vulkan addon and the SPIR-V kernels)"
+  .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+  .venv/bin/python -m pip install -q -e ".${extra}"
+  echo "$hash" > "$stamp"
+fi

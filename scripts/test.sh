@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Quickstart command 2: install what is missing, then run the test suite.
+# Extra arguments go to pytest (e.g. ./scripts/test.sh -m "not slow").
+set -euo pipefail
+cd "$(dirname "$0")/.."
+./scripts/setup.sh --test
+exec .venv/bin/python -m pytest -q "$@"

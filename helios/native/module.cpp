@@ -31,7 +31,6 @@ std::unordered_set<Device*>& live_devices() {
 struct PyDevice {
   std::unique_ptr<Device> dev;
   std::unordered_map<PyObject*, uint32_t> name_cache;  // holds a reference to each key
-  py::dict info_dict;
 
   ~PyDevice() {
     live_devices().erase(dev.get());
@@ -246,15 +245,10 @@ void shutdown() {
 PYBIND11_MODULE(_vulkan, m) {
   m.doc() = "Helios Vulkan backend: devices, pooled memory, pipelines and a deferred command stream.";
 
-  static py::exception<OutOfMemory> oom(m, "OutOfMemoryError", PyExc_MemoryError);
-  oom.doc() = "Device memory exhausted or a request above a device limit; says bytes asked and pool state.";
-  py::register_exception_translator([](std::exception_ptr p) {
-    try {
-      if (p) std::rethrow_exception(p);
-    } catch (const OutOfMemory& e) {
-      PyErr_SetString(oom.ptr(), e.what());
-    }
-  });
+  // register_exception keeps the type alive safely past interpreter teardown.
+  py::register_exception<OutOfMemory>(m, "OutOfMemoryError", PyExc_MemoryError);
+  m.attr("OutOfMemoryError").attr("__doc__") =
+      "Device memory exhausted or a request above a device limit; says bytes asked and pool state.";
 
   m.def(
       "enumerate_devices",
@@ -274,12 +268,11 @@ PYBIND11_MODULE(_vulkan, m) {
              auto p = std::make_unique<PyDevice>();
              p->dev = std::make_unique<Device>(index, cache_dir);
              live_devices().insert(p->dev.get());
-             p->info_dict = info_dict(p->dev->info());
              return p;
            }),
            py::arg("index") = 0, py::arg("pipeline_cache_dir") = "")
       .def_property_readonly(
-          "info", [](PyDevice& s) { s.d(); return s.info_dict.attr("copy")(); }, "The enumerate_devices() dict of this device.")
+          "info", [](PyDevice& s) { return info_dict(s.d().info()); }, "The enumerate_devices() dict of this device.")
       .def_property_readonly("closed", [](PyDevice& s) { return !s.dev || s.dev->closed(); })
       .def_property_readonly("block_size", [](PyDevice& s) { return s.d().block_size(); })
       .def_property_readonly("pipeline_cache_path", [](PyDevice& s) { return s.d().pipeline_cache_path(); })
@@ -449,7 +442,6 @@ PYBIND11_MODULE(_vulkan, m) {
              std::vector<SubmitRecord> subs;
              d.take_events(evs, subs);
              py::list el, sl;
-             std::vector<py::str> names;  // one Python str per distinct name id
              std::unordered_map<uint32_t, py::str> cache;
              for (const Event& e : evs) {
                auto it = cache.find(e.name_id);

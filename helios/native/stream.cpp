@@ -129,7 +129,8 @@ VkCommandBuffer Stream::begin_op(const Use* uses, size_t n) {
 void Stream::ensure_queries(Slot& s) {
   uint32_t want = 2 * std::max<uint32_t>(auto_submit_, 16) + 2;
   want = std::min<uint32_t>(want, 1u << 17);
-  if (s.query_capacity < want && s.queries_used == 0) {
+  // Grow only before this buffer references the pool (no reset recorded yet).
+  if (s.query_capacity < want && !s.queries_reset) {
     if (s.queries) vkDestroyQueryPool(dev_, s.queries, nullptr);
     s.queries = VK_NULL_HANDLE;
     VkQueryPoolCreateInfo qi{VK_STRUCTURE_TYPE_QUERY_POOL_CREATE_INFO};

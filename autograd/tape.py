@@ -210,8 +210,19 @@ def backward(root, grad=None, retain_graph: bool = False) -> None:
 
 
 def _accumulate_leaf(t, g, given: set) -> None:
+    from helios import _kernels as K
+
     if g.dtype != t.dtype:
         g = g.to(t.dtype)
+    slot = getattr(t, "_grad_slot", None)
+    if slot is not None:
+        # The optimizer packed this parameter: its gradient lives in a flat buffer.
+        if t.grad is None or t.grad._st is not slot._st:
+            K.copy_into(slot, g if t.grad is None else t.grad + g)
+        else:
+            K.copy_into(slot, slot + g)
+        t.grad = slot
+        return
     if t.grad is None:
         if id(g._st) in given or g._st is t._st:
             g = g.clone()

@@ -35,7 +35,7 @@ _P_WHERE = struct.Struct("<6I6i6i6i6i")
 _P_COPY = struct.Struct("<4I8i8i8i")
 _P_REDUCE = struct.Struct("<9If2I")
 _P_ROWS = struct.Struct("<4I")
-_P_LN = struct.Struct("<4If")
+_P_LN = struct.Struct("<4If2I")
 _P_EMB = struct.Struct("<5I")
 _P_RNG = struct.Struct("<5I2f2I")
 _P_IOTA = struct.Struct("<I2fIqq")
@@ -514,14 +514,12 @@ def layer_norm_fwd(x: Tensor, w: Tensor | None, b: Tensor | None, eps: float):
     if rows == 0:
         return y, mean, rstd
     wg = _row_wg(C)
-    pid = rt.pipeline("layernorm", x.dtype.tag, (0, w is not None, wg))
+    pid = rt.pipeline("layernorm", x.dtype.tag, (0, w is not None, wg, b is not None))
     bx, ox = bind(x)
-    bw = bind(w)[0] if w is not None else bx
-    bb = bind(b)[0] if b is not None else bx
-    if w is not None and w._off:
-        raise ShapeError("layer_norm: weight must be a contiguous tensor starting at its storage")
+    bw, ow = bind(w) if w is not None else (bx, 0)
+    bb, ob = bind(b) if b is not None else (bx, 0)
     rt.dispatch(pid, [bx, bw, bb, bind(y, True)[0], bind(mean, True)[0], bind(rstd, True)[0], bx],
-                _P_LN.pack(C, rows, ox, 0, eps), groups_for(rows), "layer_norm", 8 * x.numel(), 3 * x.numel() * x.dtype.itemsize)
+                _P_LN.pack(C, rows, ox, 0, eps, ow, ob), groups_for(rows), "layer_norm", 8 * x.numel(), 3 * x.numel() * x.dtype.itemsize)
     return y, mean, rstd
 
 
@@ -532,12 +530,12 @@ def layer_norm_bwd_input(x: Tensor, w: Tensor | None, g: Tensor, mean: Tensor, r
     rows = x.numel() // C
     dx = empty(x.shape, x.dtype, rt)
     wg = _row_wg(C)
-    pid = rt.pipeline("layernorm", x.dtype.tag, (1, w is not None, wg))
+    pid = rt.pipeline("layernorm", x.dtype.tag, (1, w is not None, wg, False))
     bx, ox = bind(x)
     bg, og = bind(g)
-    bw = bind(w)[0] if w is not None else bx
+    bw, ow = bind(w) if w is not None else (bx, 0)
     rt.dispatch(pid, [bx, bw, bx, bind(dx, True)[0], bind(mean)[0], bind(rstd)[0], bg],
-                _P_LN.pack(C, rows, ox, og, 0.0), groups_for(rows), "layer_norm_bwd", 10 * x.numel(), 4 * x.numel() * x.dtype.itemsize)
+                _P_LN.pack(C, rows, ox, og, 0.0, ow, 0), groups_for(rows), "layer_norm_bwd", 10 * x.numel(), 4 * x.numel() * x.dtype.itemsize)
     return dx
 
 

@@ -8,6 +8,7 @@ layout(local_size_x_id = 2) in;
 layout(constant_id = 0) const int MODE = 0;
 layout(constant_id = 1) const bool AFFINE = true;
 layout(constant_id = 2) const int WG = 256;
+layout(constant_id = 3) const bool HAS_BIAS = true;
 
 layout(std430, binding = 0) readonly buffer BX { HL_ST(TA) x[]; };
 layout(std430, binding = 1) readonly buffer BW { HL_ST(TA) w[]; };
@@ -16,7 +17,7 @@ layout(std430, binding = 3) buffer BO { HL_ST(TA) o[]; };
 layout(std430, binding = 4) buffer BM { float mean_[]; };
 layout(std430, binding = 5) buffer BR { float rstd_[]; };
 layout(std430, binding = 6) readonly buffer BG { HL_ST(TA) g[]; };
-layout(push_constant) uniform P { uint C; uint rows; uint off_x; uint off_g; float eps; } p;
+layout(push_constant) uniform P { uint C; uint rows; uint off_x; uint off_g; float eps; uint off_w; uint off_b; } p;
 
 #include "rowblock.glsl"
 
@@ -35,7 +36,8 @@ void main() {
         float rs = inversesqrt(block_sum(v) * invC + p.eps);
         for (uint k = tid; k < p.C; k += uint(WG)) {
             float y = (HL_LDF(TA, x[bx + k]) - mu) * rs;
-            if (AFFINE) y = y * HL_LDF(TA, w[k]) + HL_LDF(TA, b[k]);
+            if (AFFINE) y *= HL_LDF(TA, w[p.off_w + k]);
+            if (HAS_BIAS) y += HL_LDF(TA, b[p.off_b + k]);
             o[bo + k] = HL_STF(TA, y);
         }
         if (tid == 0u) { mean_[row] = mu; rstd_[row] = rs; }
@@ -44,14 +46,14 @@ void main() {
         float mu = mean_[row], rs = rstd_[row];
         float s1 = 0.0, s2 = 0.0;
         for (uint k = tid; k < p.C; k += uint(WG)) {
-            float gw = HL_LDF(TA, g[bg + k]) * (AFFINE ? HL_LDF(TA, w[k]) : 1.0);
+            float gw = HL_LDF(TA, g[bg + k]) * (AFFINE ? HL_LDF(TA, w[p.off_w + k]) : 1.0);
             float xh = (HL_LDF(TA, x[bx + k]) - mu) * rs;
             s1 += gw; s2 += gw * xh;
         }
         s1 = block_sum(s1) * invC;
         s2 = block_sum(s2) * invC;
         for (uint k = tid; k < p.C; k += uint(WG)) {
-            float gw = HL_LDF(TA, g[bg + k]) * (AFFINE ? HL_LDF(TA, w[k]) : 1.0);
+            float gw = HL_LDF(TA, g[bg + k]) * (AFFINE ? HL_LDF(TA, w[p.off_w + k]) : 1.0);
             float xh = (HL_LDF(TA, x[bx + k]) - mu) * rs;
             o[bo + k] = HL_STF(TA, rs * (gw - s1 - xh * s2));
         }

@@ -214,8 +214,8 @@ def new_group(ranks: list[int] | None = None, timeout: float | None = None) -> P
 
 
 # --------------------------------------------------------------------------- collectives
-def _desc(name: str, *parts: Any) -> str:
-    return " ".join([name] + [str(p) for p in parts])
+def _desc(name: str, nbytes: int, *parts: Any) -> str:
+    return " ".join([name, f"{nbytes} bytes"] + [str(p) for p in parts])
 
 
 def _finish(g: ProcessGroup, name: str, nbytes: int, body, desc: str, bufs: list[Buffer], async_op: bool,

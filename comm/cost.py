@@ -13,8 +13,11 @@ broadcast tree       ceil(log2 n)·(alpha + S·beta)
 broadcast ring       (n-2+k)·(alpha + S/k·beta), k segments         (pipelined chain)
 ===================  =====================================================================
 
-So small messages go to the tree or halving-doubling (few latency terms) and large ones
-to the pipelined ring (least bytes per link).  alpha and beta are per transport and can be
+plus a reduction term gamma per reduced byte: the pipelined ring overlaps it with the
+transfer of the next segment (its per-byte cost is max(beta, gamma)), while the tree and
+halving-doubling reduce whole blocks between steps and pay it on top.  So small messages
+go to the tree or halving-doubling (few latency terms) and large ones to the pipelined
+ring (least bytes per link, reduction hidden).  alpha and beta are per transport and can be
 overridden with ``HELIOS_COMM_ALPHA_US`` and ``HELIOS_COMM_GBPS`` after measuring.
 """
 
@@ -26,6 +29,7 @@ import os
 # Measured orders of magnitude on loopback with this implementation (per message: a
 # Python-level send/receive and a system call or two; bandwidth of one stream).
 _DEFAULTS = {"tcp": (60e-6, 1 / 2.0e9), "shm": (15e-6, 1 / 5.0e9), "ibverbs": (20e-6, 1 / 10e9)}
+GAMMA = 1 / 2.0e9  # seconds per byte of a numpy reduction (one core)
 
 
 def params(transport: str) -> tuple[float, float]:
@@ -49,15 +53,17 @@ def estimate(op: str, algorithm: str, nbytes: int, n: int, transport: str, seg_b
     fix = n != p
     lg = math.ceil(math.log2(n))
     if op == "all_reduce":
+        g = GAMMA
         if algorithm == "ring":
-            return 2 * (n - 1) * a + 2 * (n - 1) / n * S * b
+            return 2 * (n - 1) * a + (n - 1) / n * S * (max(b, g) + b)
         if algorithm == "tree":
-            return 2 * lg * (a + S * b)
-        return 2 * L * a + 2 * (p - 1) / p * S * b + (2 * (a + S * b) if fix else 0.0)
+            return 2 * lg * (a + S * b) + lg * S * g
+        return 2 * L * a + 2 * (p - 1) / p * S * b + (p - 1) / p * S * g + (2 * (a + S * b) + S * g if fix else 0.0)
     if op in ("all_gather", "reduce_scatter"):
+        red = GAMMA if op == "reduce_scatter" else 0.0
         if algorithm == "ring":
-            return (n - 1) * a + (n - 1) / n * S * b
-        return L * a + (p - 1) / p * S * b + ((2 * a + S / n * b + S * b) if fix else 0.0)
+            return (n - 1) * a + (n - 1) / n * S * max(b, red)
+        return L * a + (p - 1) / p * S * (b + red) + ((2 * a + S / n * b + S * b) if fix else 0.0)
     if op in ("broadcast", "reduce"):
         if algorithm == "tree":
             return lg * (a + S * b)

@@ -145,10 +145,11 @@ class Engine:
         return [p for p, q in enumerate(self._sendq) if q]
 
     def _wanted_recv(self) -> list[int]:
-        # Read from every peer we wait on, and from every peer we are sending to: draining
-        # its messages into the stash lets two ranks that both send first make progress.
-        return [p for p in range(self.t.world)
-                if self._posted[p] or self._cur[p] is not None or self._sendq[p] or self._hdr_got[p]]
+        # While a send is pending, read from every peer: parking their messages in the stash
+        # lets a cycle of ranks that all send first (isend around a ring) make progress.
+        if self._pending_sends:
+            return [p for p in range(self.t.world) if p != self.t.rank]
+        return [p for p in range(self.t.world) if self._posted[p] or self._cur[p] is not None or self._hdr_got[p]]
 
     def _progress(self) -> bool:
         moved = False

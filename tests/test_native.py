@@ -10,6 +10,7 @@ import re
 import shutil
 import struct
 import subprocess
+import sys
 import time
 
 import numpy as np
@@ -144,6 +145,15 @@ def test_device_info_matches_enumeration(dev):
     assert dev.info == v.enumerate_devices()[0]
     with pytest.raises(ValueError, match="index out of range"):
         v.Device(len(v.enumerate_devices()), "")
+
+
+def test_no_driver_gives_empty_list_and_reason():
+    env = dict(os.environ, VK_ICD_FILENAMES="/nonexistent/icd.json", VK_DRIVER_FILES="/nonexistent/icd.json")
+    code = "import helios._vulkan as v; print(len(v.enumerate_devices())); print(v.last_error())"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    count, reason = out.stdout.splitlines()[:2]
+    assert count == "0" and reason  # e.g. "vkCreateInstance failed: VK_ERROR_INCOMPATIBLE_DRIVER"
 
 
 def test_out_of_memory_error_type():
@@ -405,6 +415,21 @@ def test_auto_submit_threshold(fresh, shaders):
         d.free(h)
 
 
+def test_numpy_integer_arguments(fresh, shaders):
+    d = fresh
+    p = d.pipeline(shaders["add"], 2, 8, [np.uint32(2)], "np")
+    n = np.int64(64)
+    a = upload(d, np.ones(64, np.float32))
+    b = d.alloc(int(n) * 4)
+    d.dispatch(np.int32(p), [(np.uint64(a), np.int64(0), n * 4, np.bool_(False)), (b, 0, n * 4, True)],
+               add_push(64, 1.0), (np.int64(1), 1, 1), "np", flops=np.int64(64), nbytes=np.int64(512))
+    np.testing.assert_array_equal(download(d, b, 64), np.full(64, 3, np.float32))
+    with pytest.raises(TypeError):
+        d.dispatch(p, [(a, 0.5, 16, False), (b, 0, 16, True)], add_push(64, 1.0), (1, 1, 1), "float")
+    d.free(a)
+    d.free(b)
+
+
 def test_zero_groups_skipped(fresh, shaders):
     d = fresh
     p = d.pipeline(shaders["add"], 2, 8, [1], "add")
@@ -440,7 +465,9 @@ def test_copy_and_fill(fresh):
     expect = np.zeros(n, np.float32)
     expect[100:200] = 2.5
     np.testing.assert_array_equal(out, expect)
-    assert d.stats()["copies"] == 1
+    st = d.stats()
+    assert st["copies"] == 1
+    assert st["barriers"] == 1  # the copy reads what the first fill wrote (RAW); the fills are independent
     with pytest.raises(ValueError, match="multiples of 4"):
         d.fill(a, 2, 8, 0)
     with pytest.raises(ValueError, match="multiples of 4"):
@@ -523,8 +550,9 @@ def test_take_events_does_not_wait(fresh, shaders):
 
 
 def test_pipeline_cache_file_written_atomically(tmp_path, shaders):
-    cache_dir = tmp_path / "pc"
+    cache_dir = tmp_path / "pc" / "nested"  # created on save, parents included
     d = v.Device(0, str(cache_dir))
+    assert not d.pipeline_cache_loaded
     d.pipeline(shaders["add"], 2, 8, [1], "add")
     d.save_pipeline_cache()
     uuid = d.info["pipeline_cache_uuid"]
@@ -539,6 +567,9 @@ def test_pipeline_cache_file_written_atomically(tmp_path, shaders):
     os.remove(path)
     d.close()  # close saves again
     assert path.exists()
+    d1 = v.Device(0, str(cache_dir))
+    assert d1.pipeline_cache_loaded  # header matches this device
+    d1.close()
     # A corrupt cache file is ignored, not fatal.
     path.write_bytes(b"\x00" * 64)
     d2 = v.Device(0, str(cache_dir))

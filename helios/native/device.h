@@ -56,6 +56,7 @@ class Device {
                     const std::vector<uint32_t>& spec, const std::string& name);
   void save_pipeline_cache();
   std::string pipeline_cache_path() const { return pipelines_ ? pipelines_->cache_path() : ""; }
+  bool pipeline_cache_loaded() const { return pipelines_ && pipelines_->cache_loaded(); }
   void dispatch(uint64_t pipeline, const BufArg* bufs, size_t nbufs, const void* push, size_t push_n,
                 const uint32_t groups[3], uint32_t name_id, uint64_t flops, uint64_t nbytes);
   double bench_raw_dispatch(uint64_t pipeline, const std::vector<BufArg>& bufs, const std::string& push,

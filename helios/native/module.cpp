@@ -116,7 +116,23 @@ int pool_arg(const std::string& name) {
 
 // A non-negative Python int as uint64 (ValueError naming the argument otherwise).
 inline uint64_t as_u64(PyObject* o, const char* what, const char* op) {
-  if (!PyLong_Check(o)) throw py::type_error(strf("%s: %s must be an int", op, what));
+  if (!PyLong_Check(o)) {
+    // numpy integers and other __index__ types: rarer, so off the fast path.
+    PyObject* idx = PyNumber_Index(o);
+    if (!idx) {
+      PyErr_Clear();
+      throw py::type_error(strf("%s: %s must be an int, got %s", op, what, Py_TYPE(o)->tp_name));
+    }
+    uint64_t v;
+    try {
+      v = as_u64(idx, what, op);
+    } catch (...) {
+      Py_DECREF(idx);
+      throw;
+    }
+    Py_DECREF(idx);
+    return v;
+  }
   unsigned long long v = PyLong_AsUnsignedLongLong(o);
   if (v == (unsigned long long)-1 && PyErr_Occurred()) {
     PyErr_Clear();
@@ -276,6 +292,9 @@ PYBIND11_MODULE(_vulkan, m) {
       .def_property_readonly("closed", [](PyDevice& s) { return !s.dev || s.dev->closed(); })
       .def_property_readonly("block_size", [](PyDevice& s) { return s.d().block_size(); })
       .def_property_readonly("pipeline_cache_path", [](PyDevice& s) { return s.d().pipeline_cache_path(); })
+      .def_property_readonly(
+          "pipeline_cache_loaded", [](PyDevice& s) { return s.d().pipeline_cache_loaded(); },
+          "True if a matching pipeline cache file was loaded at creation.")
       .def_property(
           "auto_submit_dispatches", [](PyDevice& s) { return s.d().auto_submit(); },
           [](PyDevice& s, int64_t n) {

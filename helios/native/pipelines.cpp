@@ -68,10 +68,18 @@ std::string hex(const uint8_t* p, size_t n) {
   return s;
 }
 
+void make_dirs(const std::string& dir) {
+  // mkdir -p: every missing component, tolerating ones that already exist.
+  for (size_t i = 1; i <= dir.size(); ++i) {
+    if (i < dir.size() && dir[i] != '/') continue;
+    std::string part = dir.substr(0, i);
+    if (mkdir(part.c_str(), 0755) != 0 && errno != EEXIST)
+      throw std::runtime_error(strf("cannot create pipeline cache dir %s: %s", part.c_str(), std::strerror(errno)));
+  }
+}
+
 void write_file_atomic(const std::string& dir, const std::string& path, const void* data, size_t n) {
-  // mkdir -p for the last component only; the parent is the caller's business.
-  if (mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST)
-    throw std::runtime_error(strf("cannot create pipeline cache dir %s: %s", dir.c_str(), std::strerror(errno)));
+  make_dirs(dir);
   std::string tmp = strf("%s.tmp.%d", path.c_str(), int(getpid()));
   int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) throw std::runtime_error(strf("cannot write %s: %s", tmp.c_str(), std::strerror(errno)));

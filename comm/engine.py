@@ -92,6 +92,7 @@ class Engine:
         self._cur: list[_Recv | None] = [None] * n
         self._pending_recvs = 0
         self._pending_sends = 0
+        self._gone: dict[int, str] = {}
         self.info = OpInfo("?", 0, 0)
 
     # ---- posting -------------------------------------------------------------------
@@ -122,6 +123,8 @@ class Engine:
             cur.dst, cur.stash, cur.on_done = mv, False, on_done
             self._pending_recvs += 1
             return
+        if peer in self._gone:
+            raise CommError(self._describe(f"rank {peer} {self._gone[peer]}", peer))
         if tag in self._posted[peer]:
             raise CommError(f"helios.comm: internal: two receives posted for tag {tag:#x} from rank {peer}.")
         self._posted[peer][tag] = _Recv(peer, tag, mv, on_done)
@@ -148,7 +151,7 @@ class Engine:
         # While a send is pending, read from every peer: parking their messages in the stash
         # lets a cycle of ranks that all send first (isend around a ring) make progress.
         if self._pending_sends:
-            return [p for p in range(self.t.world) if p != self.t.rank]
+            return [p for p in range(self.t.world) if p != self.t.rank and p not in self._gone]
         return [p for p in range(self.t.world) if self._posted[p] or self._cur[p] is not None or self._hdr_got[p]]
 
     def _progress(self) -> bool:
@@ -176,6 +179,17 @@ class Engine:
         return moved
 
     def _recv_from(self, p: int) -> bool:
+        try:
+            return self._recv_frame(p)
+        except PeerLost as e:
+            if self._posted[p] or self._cur[p] is not None or self._hdr_got[p]:
+                raise
+            # Drained only to avoid a deadlock, and nothing is expected from it: a peer that
+            # finished and left is no error until someone waits on it.
+            self._gone[p] = e.reason
+            return False
+
+    def _recv_frame(self, p: int) -> bool:
         link = self.t.links[p]
         cur = self._cur[p]
         if cur is None:

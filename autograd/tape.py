@@ -128,18 +128,33 @@ class Function:
 
     @classmethod
     def apply(cls, *args):
+        # The hot path of every op: a plain loop finds out whether anything records
+        # before building the needs tuple (most calls record nothing).
+        if getattr(_state, "enabled", True):
+            Tensor = _Tensor or _tensor_class()
+            for a in args:
+                if isinstance(a, Tensor) and a.requires_grad:
+                    needs = tuple(isinstance(a, Tensor) and a.requires_grad for a in args)
+                    ctx = Context()
+                    ctx.needs_input_grad = needs
+                    out = cls.forward(ctx, *args)
+                    out.requires_grad = True
+                    out._node = Node(cls, ctx, tuple(a if n else None for a, n in zip(args, needs)))
+                    return out
+        return cls.forward(NO_CONTEXT, *args)
+
+
+_Tensor = None
+
+
+def _tensor_class():
+    """helios.tensor.Tensor, imported on first use (helios.tensor imports this module's users)."""
+    global _Tensor
+    if _Tensor is None:
         from helios.tensor import Tensor
 
-        if is_grad_enabled():
-            needs = tuple(isinstance(a, Tensor) and a.requires_grad for a in args)
-            if True in needs:
-                ctx = Context()
-                ctx.needs_input_grad = needs
-                out = cls.forward(ctx, *args)
-                out.requires_grad = True
-                out._node = Node(cls, ctx, tuple(a if n else None for a, n in zip(args, needs)))
-                return out
-        return cls.forward(NO_CONTEXT, *args)
+        _Tensor = Tensor
+    return _Tensor
 
 
 def _topo_order(root) -> list:

@@ -42,6 +42,7 @@ _P_IOTA = struct.Struct("<I2fIqq")
 _P_MATMUL = struct.Struct("<16I")
 
 _PAD6 = (0,) * 6
+_ZERO14 = (0,) * 14  # the unused tail of a contiguous ew_unary push block
 
 
 def empty(shape: tuple, dtype: dt.DType, rt=None, pool: str = "activations") -> Tensor:
@@ -128,15 +129,16 @@ def unary(op: str, x: Tensor, p0: float = 0.0, p1: float = 0.0, out_dtype: dt.DT
     rt = x._st.rt
     code = UNARY[op]
     if x.is_contiguous():
-        step = min(_elems_per_dispatch(x), _elems_per_dispatch(out))
+        mr = rt.max_range
+        # Storages within one binding range are bound whole: one dispatch, no window math.
+        step = n if x._st.nbytes <= mr and out._st.nbytes <= mr else min(_elems_per_dispatch(x), _elems_per_dispatch(out))
         pid = rt.pipeline("ew_unary", x.dtype.tag, (code, 1))
         for s in range(0, n, step):
             m = min(step, n - s)
-            xv = _flat_window(x, s)
-            ov = _flat_window(out, s)
-            bx, ox = bind(xv, span=m)
-            bo, oo = bind(ov, True, span=m)
-            rt.dispatch(pid, [bx, bo], _P_UNARY.pack(m, 1, ox, oo, p0, p1, 0, 0, *_PAD6, *_PAD6), grid(m), op, m, 2 * m * x.dtype.itemsize)
+            # The first window starts at the tensor itself: no view object on the hot path.
+            bx, ox = bind(x if s == 0 else _flat_window(x, s), span=m)
+            bo, oo = bind(out if s == 0 else _flat_window(out, s), True, span=m)
+            rt.dispatch(pid, [bx, bo], _P_UNARY.pack(m, 1, ox, oo, p0, p1, *_ZERO14), grid(m), op, m, 2 * m * x.dtype.itemsize)
         return out
     shape, (sa,) = collapse(x.shape, x._strides)
     if len(shape) > MAX_DIMS:
@@ -171,12 +173,16 @@ def binary(op: str, a: Tensor, b: Tensor, alpha: float = 1.0) -> Tensor:
     nbytes = n * (2 * a.dtype.itemsize + out_dtype.itemsize)
     if a.shape == b.shape and a.is_contiguous() and b.is_contiguous():
         pid = rt.pipeline("ew_binary", variant, (code, 1))
-        step = min(_elems_per_dispatch(a), _elems_per_dispatch(b), _elems_per_dispatch(out))
+        mr = rt.max_range
+        if a._st.nbytes <= mr and b._st.nbytes <= mr and out._st.nbytes <= mr:
+            step = n  # every storage is bound whole: one dispatch
+        else:
+            step = min(_elems_per_dispatch(a), _elems_per_dispatch(b), _elems_per_dispatch(out))
         for s in range(0, n, step):
             m = min(step, n - s)
-            ba, oa = bind(_flat_window(a, s), span=m)
-            bb, ob = bind(_flat_window(b, s), span=m)
-            bo, oo = bind(_flat_window(out, s), True, span=m)
+            ba, oa = bind(a if s == 0 else _flat_window(a, s), span=m)
+            bb, ob = bind(b if s == 0 else _flat_window(b, s), span=m)
+            bo, oo = bind(out if s == 0 else _flat_window(out, s), True, span=m)
             rt.dispatch(pid, [ba, bb, bo], _P_BINARY.pack(m, 1, oa, ob, oo, alpha, 0, 0, *_PAD6, *_PAD6, *_PAD6),
                         grid(m), op, m, nbytes)
         return out

@@ -147,7 +147,10 @@ uint32_t Device::intern(const std::string& name) {
 uint64_t Device::alloc(uint64_t nbytes, int pool) {
   ensure_open();
   if (pool < 0 || pool >= kNumPools) throw ArgError("alloc: pool must be 'weights', 'activations' or 'staging'");
-  if (alloc_->has_pending()) stream_->poll();  // retiring finished work reclaims its frees
+  // Retiring finished work reclaims its frees; only worth a fence query when the
+  // oldest deferred free waits on a submission that is already on the queue.
+  uint64_t oldest = alloc_->oldest_pending_serial();
+  if (oldest > stream_->completed_serial() && oldest <= stream_->submitted_serial()) stream_->poll();
   uint64_t h = alloc_->try_alloc(nbytes, pool);
   if (h) return h;
   // Out of memory: wait for everything, take back every deferred free, release

@@ -84,6 +84,7 @@ class Allocator {
   // Returns every deferred range whose serial <= completed to its free list.
   void reclaim(uint64_t completed);
   bool has_pending() const { return !pending_.empty(); }
+  uint64_t oldest_pending_serial() const { return pending_.empty() ? UINT64_MAX : pending_.front().serial; }
   // Releases blocks that hold no live range (used before retrying a failed allocation).
   void trim();
 

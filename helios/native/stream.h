@@ -89,6 +89,8 @@ class Stream {
   // The serial a free() must wait for: the open buffer's, else the last submitted.
   uint64_t current_serial() const { return last_serial_; }
   uint64_t completed_serial() const { return completed_; }
+  // Serial of the newest submitted (not merely recorded) command buffer.
+  uint64_t submitted_serial() const { return open_ >= 0 ? last_serial_ - 1 : last_serial_; }
   bool idle() const { return open_ < 0 && inflight_.empty(); }
 
   void set_profiling(bool on);

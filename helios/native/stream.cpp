@@ -237,25 +237,36 @@ void Stream::retire_front() {
   Slot& s = slots_[idx];
   uint64_t done_ns = monotonic_ns();
   if (!s.events.empty()) {
-    std::vector<uint64_t> ticks(s.queries_used);
-    VkResult r = vkGetQueryPoolResults(dev_, s.queries, 0, s.queries_used, ticks.size() * 8, ticks.data(), 8,
-                                       VK_QUERY_RESULT_64_BIT | VK_QUERY_RESULT_WAIT_BIT);
-    check(r, "vkGetQueryPoolResults");
+    // (value, availability) pairs.  No WAIT flag: the fence has signalled, and an
+    // op whose recording threw half-way never wrote its end query -- waiting on
+    // it would hang, so such events are dropped instead.
+    std::vector<uint64_t> res(2 * size_t(s.queries_used));
+    VkResult r = vkGetQueryPoolResults(dev_, s.queries, 0, s.queries_used, res.size() * 8, res.data(), 16,
+                                       VK_QUERY_RESULT_64_BIT | VK_QUERY_RESULT_WITH_AVAILABILITY_BIT);
+    check(r, "vkGetQueryPoolResults");  // VK_NOT_READY (some unavailable) is not an error
+    auto ok = [&](uint32_t q) { return res[2 * q + 1] != 0 && res[2 * q + 3] != 0; };
+    auto tick = [&](uint32_t q) { return res[2 * q] & ts_mask_; };
     // Ticks -> ns relative to a reference pair, so doubles never hold huge tick counts.
-    uint64_t ref_ticks;
+    uint64_t ref_ticks = UINT64_MAX;
     int64_t ref_ns;
     if (s.calibrated) {
       ref_ticks = s.calib_ticks, ref_ns = s.calib_host_ns;
     } else {
       // Without calibration, the first op is taken to start when the buffer was submitted.
-      ref_ticks = ticks[s.events.front().query] & ts_mask_;
-      for (const auto& e : s.events) ref_ticks = std::min(ref_ticks, ticks[e.query] & ts_mask_);
+      for (const auto& e : s.events)
+        if (ok(e.query)) ref_ticks = std::min(ref_ticks, tick(e.query));
       ref_ns = int64_t(s.host_submit_ns);
     }
     const double period = info_.timestamp_period;
-    auto to_ns = [&](uint64_t t) { return ref_ns + int64_t(double(int64_t((t & ts_mask_) - ref_ticks)) * period); };
+    auto to_ns = [&](uint64_t t) {
+      // Signed tick difference modulo the counter width (counters narrower than 64 bits wrap).
+      uint64_t d = (t - ref_ticks) & ts_mask_;
+      int64_t sd = (ts_mask_ != ~0ull && d > (ts_mask_ >> 1)) ? int64_t(d) - int64_t(ts_mask_ + 1) : int64_t(d);
+      return ref_ns + int64_t(double(sd) * period);
+    };
     for (const auto& e : s.events) {
-      int64_t a = to_ns(ticks[e.query]), b = to_ns(ticks[e.query + 1]);
+      if (!ok(e.query)) continue;
+      int64_t a = to_ns(tick(e.query)), b = to_ns(tick(e.query + 1));
       done_events_.push_back({e.name_id, e.flops, e.bytes, a, std::max(a, b), s.serial, e.host_record_ns});
     }
     done_submits_.push_back({s.serial, s.host_submit_ns, done_ns, s.dispatches});

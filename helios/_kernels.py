@@ -143,12 +143,49 @@ def unary(op: str, x: Tensor, p0: float = 0.0, p1: float = 0.0, out_dtype: dt.DT
     shape, (sa,) = collapse(x.shape, x._strides)
     if len(shape) > MAX_DIMS:
         return unary(op, copy(x), p0, p1, out_dtype)
+    _unary_into(op, code, x, out, p0, p1)
+    return out
+
+
+def _unary_into(op: str, code: int, x: Tensor, out: Tensor, p0: float, p1: float) -> None:
+    """Record out = op(x) for a strided ``x`` and a contiguous ``out`` of its shape, in halves
+    while either spans more than one binding window."""
+    if _too_wide(x) or _too_wide(out):
+        lo, hi = _split_outer(x.shape, x, out)
+        _unary_into(op, code, *lo, p0, p1)
+        _unary_into(op, code, *hi, p0, p1)
+        return
+    rt = x._st.rt
+    n = out.numel()
+    shape, (sa,) = collapse(x.shape, x._strides)
     bx, ox = bind(x)
     bo, oo = bind(out, True)
     pid = rt.pipeline("ew_unary", x.dtype.tag, (code, 0))
     rt.dispatch(pid, [bx, bo], _P_UNARY.pack(n, len(shape), ox, oo, p0, p1, 0, 0, *_pad(shape), *_pad(sa)),
                 grid(n), op, n, 2 * n * x.dtype.itemsize)
-    return out
+
+
+def _too_wide(t: Tensor) -> bool:
+    """Whether the elements ``t`` spans do not fit one binding window (maxStorageBufferRange)."""
+    rt = t._st.rt
+    if t._st.nbytes <= rt.max_range:
+        return False
+    span = 1 + sum((s - 1) * abs(x) for s, x in zip(t.shape, t._strides)) if t.numel() else 1
+    return span * t.dtype.itemsize + rt.align > rt.max_range
+
+
+def _split_outer(shape: tuple, *views: Tensor) -> tuple[list, list]:
+    """Halve the outermost dim of size > 1 of ``shape`` in each view (each of that shape).
+
+    Splitting the outermost dim keeps parts of a contiguous tensor contiguous, and every
+    halving shrinks each part's span, so recursion ends with parts that fit a window."""
+    d = next(i for i, s in enumerate(shape) if s > 1)
+    h = shape[d] // 2
+
+    def part(t: Tensor, start: int, length: int) -> Tensor:
+        return Tensor(t._st, t.shape[:d] + (length,) + t.shape[d + 1:], t._strides, t._off + start * t._strides[d], t.dtype)
+
+    return [part(v, 0, h) for v in views], [part(v, h, shape[d] - h) for v in views]
 
 
 def _flat_window(t: Tensor, start: int) -> Tensor:
@@ -191,13 +228,29 @@ def binary(op: str, a: Tensor, b: Tensor, alpha: float = 1.0) -> Tensor:
     cshape, (ca, cb) = collapse(shape, sa, sb)
     if len(cshape) > MAX_DIMS:
         return binary(op, copy(a.expand(shape)), copy(b.expand(shape)), alpha)
+    ae = Tensor(a._st, shape, sa, a._off, a.dtype)
+    be = Tensor(b._st, shape, sb, b._off, b.dtype)
+    _binary_into(op, rt.pipeline("ew_binary", variant, (code, 0)), ae, be, out, alpha)
+    return out
+
+
+def _binary_into(op: str, pid: int, a: Tensor, b: Tensor, out: Tensor, alpha: float) -> None:
+    """Record out = op(a, b) for strided a, b and a contiguous out, all of one shape, in
+    halves while any spans more than one binding window."""
+    if _too_wide(a) or _too_wide(b) or _too_wide(out):
+        lo, hi = _split_outer(out.shape, a, b, out)
+        _binary_into(op, pid, *lo, alpha)
+        _binary_into(op, pid, *hi, alpha)
+        return
+    n = out.numel()
+    cshape, (ca, cb) = collapse(out.shape, a._strides, b._strides)
     ba, oa = bind(a)
     bb, ob = bind(b)
     bo, oo = bind(out, True)
-    pid = rt.pipeline("ew_binary", variant, (code, 0))
-    rt.dispatch(pid, [ba, bb, bo], _P_BINARY.pack(n, len(cshape), oa, ob, oo, alpha, 0, 0, *_pad(cshape), *_pad(ca), *_pad(cb)),
-                grid(n), op, n, nbytes)
-    return out
+    nbytes = n * (a.dtype.itemsize + b.dtype.itemsize + out.dtype.itemsize)
+    out._st.rt.dispatch(pid, [ba, bb, bo],
+                        _P_BINARY.pack(n, len(cshape), oa, ob, oo, alpha, 0, 0, *_pad(cshape), *_pad(ca), *_pad(cb)),
+                        grid(n), op, n, nbytes)
 
 
 def _broadcast(op, s1, s2):
@@ -256,7 +309,15 @@ def copy_into(dst: Tensor, src: Tensor) -> None:
             bd, od = bind(Tensor(dst._st, (m,), (1,), dst._off + s, dst.dtype), True, span=m)
             rt.dispatch(pid, [bs, bd], _P_COPY.pack(m, 1, os_, od, m, *(0,) * 7, 1, *(0,) * 7, 1, *(0,) * 7),
                         grid(m), "copy", 0, m * (src.dtype.itemsize + dst.dtype.itemsize))
+        dst._st.version += 1
         return
+    if src._st.nbytes > rt.max_range or dst._st.nbytes > rt.max_range:
+        se = Tensor(src._st, dst.shape, ss, src._off, src.dtype)
+        if _too_wide(se) or _too_wide(dst):  # strided and wider than a window: copy in halves
+            for d_part, s_part in zip(*_split_outer(dst.shape, dst, se)):
+                copy_into(d_part, s_part)
+            dst._st.version += 1
+            return
     bs, os_ = bind(src)
     bd, od = bind(dst, True)
     rt.dispatch(pid, [bs, bd], _P_COPY.pack(n, len(cshape), os_, od, *_pad(cshape, 8), *_pad(cs, 8), *_pad(cd, 8)),
@@ -345,6 +406,8 @@ def reduce(op: str, x: Tensor, dims: tuple, scale: float = 1.0):
         return vals, (fill(empty(out_shape, dt.int64, rt), 0) if arg else None)
     if x._st.nbytes > rt.max_range and len(kept) == 0 and x.is_contiguous():
         return _reduce_all_windows(op, x, scale)
+    if _too_wide(x):
+        return _reduce_wide(op, x, dims, kept, out_shape, scale)
     # Describe the reduced dims as one axis (R, s_k) and the kept dims as <= 2 axes.
     kshape, (kstr,) = collapse(tuple(x.shape[d] for d in kept), tuple(x._strides[d] for d in kept))
     rshape, (rstr,) = collapse(tuple(x.shape[d] for d in dims), tuple(x._strides[d] for d in dims))
@@ -401,6 +464,21 @@ def _reduce_cols(op, x, outer, R, inner, s_row, s_k, s_in, out_shape, scale):
                 _P_REDUCE.pack(R, outer, inner, 1, R, ox, s_row, s_k, s_in, scale, 0, 0),
                 grid(n), op, n * R, n * R * x.dtype.itemsize)
     return vals.reshape(out_shape), (idx.reshape(out_shape) if arg else None)
+
+
+def _reduce_wide(op, x, dims, kept, out_shape, scale):
+    """Reduce a tensor that spans more than one binding window: a full reduction goes by
+    windows over a contiguous copy; otherwise the kept dim that spans the most is halved,
+    the halves reduced, and the results joined."""
+    if all(x.shape[k] == 1 for k in kept):
+        v, i = _reduce_all_windows(op, x if x.is_contiguous() else copy(x), scale)
+        return v.reshape(out_shape), (i.reshape(out_shape) if i is not None else None)
+    d = max((k for k in kept if x.shape[k] > 1), key=lambda k: (x.shape[k] - 1) * abs(x._strides[k]))
+    h = x.shape[d] // 2
+    res = [reduce(op, Tensor(x._st, x.shape[:d] + (n,) + x.shape[d + 1:], x._strides, x._off + s * x._strides[d], x.dtype),
+                  dims, scale) for s, n in ((0, h), (h, x.shape[d] - h))]
+    j = kept.index(d)
+    return cat_raw([r[0] for r in res], j), (cat_raw([r[1] for r in res], j) if res[0][1] is not None else None)
 
 
 def _reduce_all_windows(op, x, scale):
@@ -491,6 +569,16 @@ def _row_wg(R: int) -> int:
     return 256 if R >= 1024 else 128 if R >= 256 else 64 if R >= 64 else 32
 
 
+def _row_plan(rt, rows: int, R: int):
+    """(workgroup size, one-row-per-invocation?, workgroup counts) for a row kernel.
+
+    On CPU devices (lavapipe) workgroup barriers are expensive and many rows give enough
+    parallelism, so short rows go one per invocation; elsewhere a workgroup shares a row."""
+    if (rt.info["type"] == "cpu" and R <= 4096 and rows >= 16) or (R <= 128 and rows >= 4096):
+        return 64, True, groups_for((rows + 63) // 64)
+    return _row_wg(R), False, groups_for(rows)
+
+
 def softmax_rows(mode: int, x: Tensor, g: Tensor | None = None) -> Tensor:
     """Softmax family over the last dim of contiguous ``x`` (see softmax.comp for modes)."""
     rt = x._st.rt
@@ -499,12 +587,12 @@ def softmax_rows(mode: int, x: Tensor, g: Tensor | None = None) -> Tensor:
     out = empty(x.shape, x.dtype, rt)
     if out.numel() == 0:
         return out
-    wg = _row_wg(R)
-    pid = rt.pipeline("softmax", x.dtype.tag, (mode, wg))
+    wg, per_thread, groups = _row_plan(rt, rows, R)
+    pid = rt.pipeline("softmax", x.dtype.tag, (mode, wg, per_thread))
     bx, ox = bind(x)
     bg, og = bind(g) if g is not None else (bx, 0)
     name = ("softmax", "log_softmax", "softmax_bwd", "log_softmax_bwd")[mode]
-    rt.dispatch(pid, [bx, bg, bind(out, True)[0]], _P_ROWS.pack(R, rows, ox, og), groups_for(rows), name,
+    rt.dispatch(pid, [bx, bg, bind(out, True)[0]], _P_ROWS.pack(R, rows, ox, og), groups, name,
                 5 * x.numel(), 3 * x.numel() * x.dtype.itemsize)
     return out
 
@@ -519,13 +607,13 @@ def layer_norm_fwd(x: Tensor, w: Tensor | None, b: Tensor | None, eps: float):
     rstd = empty((rows,), dt.float32, rt)
     if rows == 0:
         return y, mean, rstd
-    wg = _row_wg(C)
-    pid = rt.pipeline("layernorm", x.dtype.tag, (0, w is not None, wg, b is not None))
+    wg, per_thread, groups = _row_plan(rt, rows, C)
+    pid = rt.pipeline("layernorm", x.dtype.tag, (0, w is not None, wg, b is not None, per_thread))
     bx, ox = bind(x)
     bw, ow = bind(w) if w is not None else (bx, 0)
     bb, ob = bind(b) if b is not None else (bx, 0)
     rt.dispatch(pid, [bx, bw, bb, bind(y, True)[0], bind(mean, True)[0], bind(rstd, True)[0], bx],
-                _P_LN.pack(C, rows, ox, 0, eps, ow, ob), groups_for(rows), "layer_norm", 8 * x.numel(), 3 * x.numel() * x.dtype.itemsize)
+                _P_LN.pack(C, rows, ox, 0, eps, ow, ob), groups, "layer_norm", 8 * x.numel(), 3 * x.numel() * x.dtype.itemsize)
     return y, mean, rstd
 
 
@@ -535,13 +623,13 @@ def layer_norm_bwd_input(x: Tensor, w: Tensor | None, g: Tensor, mean: Tensor, r
     C = x.shape[-1]
     rows = x.numel() // C
     dx = empty(x.shape, x.dtype, rt)
-    wg = _row_wg(C)
-    pid = rt.pipeline("layernorm", x.dtype.tag, (1, w is not None, wg, False))
+    wg, per_thread, groups = _row_plan(rt, rows, C)
+    pid = rt.pipeline("layernorm", x.dtype.tag, (1, w is not None, wg, False, per_thread))
     bx, ox = bind(x)
     bg, og = bind(g)
     bw, ow = bind(w) if w is not None else (bx, 0)
     rt.dispatch(pid, [bx, bw, bx, bind(dx, True)[0], bind(mean)[0], bind(rstd)[0], bg],
-                _P_LN.pack(C, rows, ox, og, 0.0, ow, 0), groups_for(rows), "layer_norm_bwd", 10 * x.numel(), 4 * x.numel() * x.dtype.itemsize)
+                _P_LN.pack(C, rows, ox, og, 0.0, ow, 0), groups, "layer_norm_bwd", 10 * x.numel(), 4 * x.numel() * x.dtype.itemsize)
     return dx
 
 
@@ -553,11 +641,12 @@ def cross_entropy_fwd(x: Tensor, t: Tensor):
     lse = empty((N,), dt.float32, rt)
     if N == 0:
         return loss, lse
-    pid = rt.pipeline("cross_entropy", x.dtype.tag, (0, _row_wg(V)))
+    wg, per_thread, groups = _row_plan(rt, N, V)
+    pid = rt.pipeline("cross_entropy", x.dtype.tag, (0, wg, per_thread))
     bx, ox = bind(x)
     bt, ot = bind(t)
     rt.dispatch(pid, [bx, bt, bind(lse, True)[0], bind(loss, True)[0], bx, bx], _P_ROWS.pack(V, N, ox, ot),
-                groups_for(N), "cross_entropy", 4 * x.numel(), x.numel() * x.dtype.itemsize)
+                groups, "cross_entropy", 4 * x.numel(), x.numel() * x.dtype.itemsize)
     return loss, lse
 
 
@@ -566,11 +655,12 @@ def cross_entropy_bwd(x: Tensor, t: Tensor, lse: Tensor, gl: Tensor) -> Tensor:
     rt = x._st.rt
     N, V = x.shape
     dx = empty(x.shape, x.dtype, rt)
-    pid = rt.pipeline("cross_entropy", x.dtype.tag, (1, _row_wg(V)))
+    wg, per_thread, groups = _row_plan(rt, N, V)
+    pid = rt.pipeline("cross_entropy", x.dtype.tag, (1, wg, per_thread))
     bx, ox = bind(x)
     bt, ot = bind(t)
     rt.dispatch(pid, [bx, bt, bind(lse)[0], bind(lse)[0], bind(gl)[0], bind(dx, True)[0]], _P_ROWS.pack(V, N, ox, ot),
-                groups_for(N), "cross_entropy_bwd", 4 * x.numel(), 2 * x.numel() * x.dtype.itemsize)
+                groups, "cross_entropy_bwd", 4 * x.numel(), 2 * x.numel() * x.dtype.itemsize)
     return dx
 
 

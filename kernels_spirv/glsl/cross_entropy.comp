@@ -9,6 +9,8 @@
 layout(local_size_x_id = 1) in;
 layout(constant_id = 0) const int MODE = 0;
 layout(constant_id = 1) const int WG = 256;
+// Short rows: one invocation owns a whole row (no shared memory, no barriers: cheap on CPUs).
+layout(constant_id = 2) const bool ROW_PER_THREAD = false;
 
 layout(std430, binding = 0) readonly buffer BX { HL_ST(TA) x[]; };
 layout(std430, binding = 1) readonly buffer BT { int64_t t[]; };
@@ -20,7 +22,35 @@ layout(push_constant) uniform P { uint V; uint rows; uint off_x; uint off_t; } p
 
 #include "rowblock.glsl"
 
+void row_serial(uint row) {
+    uint bx = p.off_x + row * p.V;
+    int64_t tg = t[p.off_t + row];
+    bool valid = tg >= 0 && tg < int64_t(p.V);
+    if (MODE == 0) {
+        float m = -1.0 / 0.0;
+        for (uint k = 0u; k < p.V; ++k) m = max(m, HL_LDF(TA, x[bx + k]));
+        float s = 0.0;
+        for (uint k = 0u; k < p.V; ++k) s += exp(HL_LDF(TA, x[bx + k]) - m);
+        float l = m + log(s);
+        lse[row] = l;
+        loss[row] = valid ? l - HL_LDF(TA, x[bx + uint(tg)]) : 0.0;
+    } else {
+        float l = lse[row];
+        float gv = valid ? gl[row] : 0.0;
+        for (uint k = 0u; k < p.V; ++k) {
+            float pr = exp(HL_LDF(TA, x[bx + k]) - l);
+            float onehot = (valid && int64_t(k) == tg) ? 1.0 : 0.0;
+            dx[row * p.V + k] = HL_STF(TA, (pr - onehot) * gv);
+        }
+    }
+}
+
 void main() {
+    if (ROW_PER_THREAD) {
+        uint r = flat_invocation();
+        if (r < p.rows) row_serial(r);
+        return;
+    }
     uint row = gl_WorkGroupID.y * gl_NumWorkGroups.x + gl_WorkGroupID.x;
     if (row >= p.rows) return;
     uint tid = gl_LocalInvocationID.x;

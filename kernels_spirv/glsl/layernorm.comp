@@ -9,6 +9,8 @@ layout(constant_id = 0) const int MODE = 0;
 layout(constant_id = 1) const bool AFFINE = true;
 layout(constant_id = 2) const int WG = 256;
 layout(constant_id = 3) const bool HAS_BIAS = true;
+// Short rows: one invocation owns a whole row (no shared memory, no barriers: cheap on CPUs).
+layout(constant_id = 4) const bool ROW_PER_THREAD = false;
 
 layout(std430, binding = 0) readonly buffer BX { HL_ST(TA) x[]; };
 layout(std430, binding = 1) readonly buffer BW { HL_ST(TA) w[]; };
@@ -21,7 +23,47 @@ layout(push_constant) uniform P { uint C; uint rows; uint off_x; uint off_g; flo
 
 #include "rowblock.glsl"
 
+void row_serial(uint row) {
+    uint bx = p.off_x + row * p.C, bo = row * p.C;
+    float invC = 1.0 / float(p.C);
+    if (MODE == 0) {
+        float s = 0.0;
+        for (uint k = 0u; k < p.C; ++k) s += HL_LDF(TA, x[bx + k]);
+        float mu = s * invC;
+        float v = 0.0;
+        for (uint k = 0u; k < p.C; ++k) { float d = HL_LDF(TA, x[bx + k]) - mu; v += d * d; }
+        float rs = inversesqrt(v * invC + p.eps);
+        for (uint k = 0u; k < p.C; ++k) {
+            float y = (HL_LDF(TA, x[bx + k]) - mu) * rs;
+            if (AFFINE) y *= HL_LDF(TA, w[p.off_w + k]);
+            if (HAS_BIAS) y += HL_LDF(TA, b[p.off_b + k]);
+            o[bo + k] = HL_STF(TA, y);
+        }
+        mean_[row] = mu; rstd_[row] = rs;
+    } else {
+        uint bg = p.off_g + row * p.C;
+        float mu = mean_[row], rs = rstd_[row];
+        float s1 = 0.0, s2 = 0.0;
+        for (uint k = 0u; k < p.C; ++k) {
+            float gw = HL_LDF(TA, g[bg + k]) * (AFFINE ? HL_LDF(TA, w[p.off_w + k]) : 1.0);
+            float xh = (HL_LDF(TA, x[bx + k]) - mu) * rs;
+            s1 += gw; s2 += gw * xh;
+        }
+        s1 *= invC; s2 *= invC;
+        for (uint k = 0u; k < p.C; ++k) {
+            float gw = HL_LDF(TA, g[bg + k]) * (AFFINE ? HL_LDF(TA, w[p.off_w + k]) : 1.0);
+            float xh = (HL_LDF(TA, x[bx + k]) - mu) * rs;
+            o[bo + k] = HL_STF(TA, rs * (gw - s1 - xh * s2));
+        }
+    }
+}
+
 void main() {
+    if (ROW_PER_THREAD) {
+        uint r = flat_invocation();
+        if (r < p.rows) row_serial(r);
+        return;
+    }
     uint row = gl_WorkGroupID.y * gl_NumWorkGroups.x + gl_WorkGroupID.x;
     if (row >= p.rows) return;
     uint tid = gl_LocalInvocationID.x;

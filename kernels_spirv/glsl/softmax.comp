@@ -8,6 +8,8 @@
 layout(local_size_x_id = 1) in;
 layout(constant_id = 0) const int MODE = 0;
 layout(constant_id = 1) const int WG = 256;
+// Short rows: one invocation owns a whole row (no shared memory, no barriers: cheap on CPUs).
+layout(constant_id = 2) const bool ROW_PER_THREAD = false;
 
 layout(std430, binding = 0) readonly buffer BX { HL_ST(TA) x[]; };
 layout(std430, binding = 1) readonly buffer BG { HL_ST(TA) g[]; };
@@ -16,7 +18,39 @@ layout(push_constant) uniform P { uint R; uint rows; uint off_x; uint off_g; } p
 
 #include "rowblock.glsl"
 
+void row_serial(uint row) {
+    uint bx = p.off_x + row * p.R, bg = p.off_g + row * p.R, bo = row * p.R;
+    if (MODE <= 1) {
+        float m = -1.0 / 0.0;
+        for (uint k = 0u; k < p.R; ++k) m = max(m, HL_LDF(TA, x[bx + k]));
+        float s = 0.0;
+        for (uint k = 0u; k < p.R; ++k) s += exp(HL_LDF(TA, x[bx + k]) - m);
+        if (MODE == 0) {
+            float inv = 1.0 / s;
+            for (uint k = 0u; k < p.R; ++k) o[bo + k] = HL_STF(TA, exp(HL_LDF(TA, x[bx + k]) - m) * inv);
+        } else {
+            float lse = m + log(s);
+            for (uint k = 0u; k < p.R; ++k) o[bo + k] = HL_STF(TA, HL_LDF(TA, x[bx + k]) - lse);
+        }
+    } else {
+        float s = 0.0;
+        for (uint k = 0u; k < p.R; ++k) {
+            float gv = HL_LDF(TA, g[bg + k]);
+            s += (MODE == 2) ? gv * HL_LDF(TA, x[bx + k]) : gv;
+        }
+        for (uint k = 0u; k < p.R; ++k) {
+            float y = HL_LDF(TA, x[bx + k]), gv = HL_LDF(TA, g[bg + k]);
+            o[bo + k] = HL_STF(TA, (MODE == 2) ? y * (gv - s) : gv - exp(y) * s);
+        }
+    }
+}
+
 void main() {
+    if (ROW_PER_THREAD) {
+        uint r = flat_invocation();
+        if (r < p.rows) row_serial(r);
+        return;
+    }
     uint row = gl_WorkGroupID.y * gl_NumWorkGroups.x + gl_WorkGroupID.x;
     if (row >= p.rows) return;
     uint tid = gl_LocalInvocationID.x;

@@ -1,0 +1,53 @@
+"""Training checkpoints: the whole state of a run in one checksummed file.
+
+A checkpoint holds the model parameters, the optimizer moments, the RNG state, the
+data loader position, the step and the run's configuration.  It is written through
+``helios.fileio.save_checkpoint`` (temp file, fsync, rename; SHA-256 over the payload),
+so a crash never leaves a torn file and a corrupt one raises ``CheckpointError``.
+"""
+
+from __future__ import annotations
+
+import os
+
+from helios import random as hrandom
+from helios.errors import CheckpointError
+from helios.fileio import load_checkpoint, save_checkpoint
+
+CKPT_NAME = "ckpt.helios"
+
+
+def checkpoint_path(run_dir: str) -> str:
+    return os.path.join(run_dir, CKPT_NAME)
+
+
+def save_training_state(run_dir: str, model, optimizer, loader, step: int, meta: dict) -> str:
+    """Write model + optimizer + RNG + loader state at ``step``; returns the path."""
+    arrays = {f"model.{k}": v.numpy() for k, v in model.state_dict().items()}
+    opt = optimizer.state_dict()
+    arrays.update({f"optim.{k}": v for k, v in opt["state"].items()})
+    full_meta = dict(meta)
+    full_meta.update({
+        "step": step,
+        "optimizer": {"step": opt["step"], "groups": opt["groups"]},
+        "rng": hrandom.get_rng_state(),
+        "loader": loader.state_dict(),
+    })
+    path = checkpoint_path(run_dir)
+    save_checkpoint(path, arrays, full_meta)
+    return path
+
+
+def load_training_state(run_dir: str, model, optimizer, loader) -> dict:
+    """Restore a run saved by :func:`save_training_state`; returns its meta (with ``step``)."""
+    path = checkpoint_path(run_dir)
+    if not os.path.exists(path):
+        raise CheckpointError(f"--resume: no checkpoint at {path}; start without --resume or point --out at an earlier run")
+    arrays, meta = load_checkpoint(path)
+    model.load_state_dict({k[len("model."):]: v for k, v in arrays.items() if k.startswith("model.")})
+    optimizer.load_state_dict({"step": meta["optimizer"]["step"], "groups": meta["optimizer"]["groups"],
+                               "state": {k[len("optim."):]: v for k, v in arrays.items() if k.startswith("optim.")}})
+    hrandom.set_rng_state(meta["rng"])
+    loader.load_state_dict(meta["loader"])
+    return meta
+

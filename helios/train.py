@@ -1,0 +1,322 @@
+"""helios-train: train a GPT from scratch on the default device.
+
+    helios-train                          # the `tiny` config on the Python standard library's source
+    helios-train --steps 50 --out runs/a --trace runs/a/trace.json --profile-steps 10:20
+    helios-train --out runs/a --resume    # continue bit-exactly from runs/a's checkpoint
+
+Each step is split into timed phases (forward, backward, grad_clip, optimizer,
+data_load, host->device, device->host, checkpoint, sample_gen; idle is the rest).
+Execution is deferred, so each phase ends with a device synchronisation: the phase
+then owns the device time of the work it recorded.  Ctrl-C finishes the step, saves a
+checkpoint and exits with status 130.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+
+CONFIGS = {
+    # name: (n_layer, n_head, n_embd, block_size, batch_size, steps, lr)
+    "tiny": dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=16, steps=600, lr=2e-3),
+    "small": dict(n_layer=6, n_head=6, n_embd=192, block_size=128, batch_size=16, steps=2000, lr=1e-3),
+    "gpt2": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, batch_size=8, steps=20000, lr=6e-4),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="helios-train", description="Train a GPT from scratch with Helios.")
+    p.add_argument("--config", default="tiny", choices=sorted(CONFIGS), help="named model/training size (default tiny)")
+    p.add_argument("--steps", type=int, help="optimizer steps (default: the config's)")
+    p.add_argument("--batch-size", type=int, help="sequences per micro-batch")
+    p.add_argument("--block-size", type=int, help="context length in tokens")
+    p.add_argument("--lr", type=float, help="peak learning rate (cosine schedule with linear warmup)")
+    p.add_argument("--warmup", type=int, default=None, help="warmup steps (default: 5%% of steps)")
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--grad-clip", type=float, default=1.0, help="clip the global gradient norm (0: off)")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--device", default=None, help="vulkan:N (default: HELIOS_DEVICE or the best device)")
+    p.add_argument("--data", default=None, help="a text file or folder (default: this Python's standard library source)")
+    p.add_argument("--tokenizer", default="byte", help="byte | bpe:N")
+    p.add_argument("--out", default="runs/default", help="run directory: checkpoint, run database, trace")
+    p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--eval-every", type=int, default=100, help="validation loss every N steps (0: only at the end)")
+    p.add_argument("--eval-batches", type=int, default=8)
+    p.add_argument("--sample-every", type=int, default=0, help="print a text sample every N steps (0: only at the end)")
+    p.add_argument("--sample-tokens", type=int, default=120)
+    p.add_argument("--ckpt-every", type=int, default=200, help="checkpoint every N steps (and at the end)")
+    p.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU (default: from the device table)")
+    p.add_argument("--trace", default=None, help="write a Chrome trace of the profiled steps to this path")
+    p.add_argument("--profile-steps", default=None, help="steps to profile per dispatch, e.g. 10:20")
+    p.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
+    return p
+
+
+class _StopFlag:
+    """Ctrl-C sets the flag; the loop finishes the step, saves and exits 130."""
+
+    def __init__(self):
+        self.stop = False
+        self._prev = signal.signal(signal.SIGINT, self._handler)
+
+    def _handler(self, signum, frame):
+        if self.stop:  # a second Ctrl-C: give up at once
+            signal.signal(signal.SIGINT, self._prev)
+            raise KeyboardInterrupt
+        self.stop = True
+        print("\ninterrupt: finishing the step, saving a checkpoint, then exiting (Ctrl-C again to abort)", file=sys.stderr)
+
+    def restore(self):
+        signal.signal(signal.SIGINT, self._prev)
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    import helios as hl
+    from helios import checkpoint as ckpt
+    from helios.data import BatchLoader, prepare_dataset
+    from helios.nn import GPT, GPTConfig
+    from helios.optim import AdamW, clip_grad_norm_, cosine_lr
+    from helios.profile.mfu import compute_mfu, format_mfu, peak_flops
+    from helios.profile.rundb import RunDB
+    from helios.profile.timers import StepTimer
+    from helios.runtime import get_runtime
+
+    cfgd = dict(CONFIGS[args.config])
+    steps = args.steps if args.steps is not None else cfgd["steps"]
+    bs = args.batch_size or cfgd["batch_size"]
+    T = args.block_size or cfgd["block_size"]
+    lr_max = args.lr if args.lr is not None else cfgd["lr"]
+    warmup = args.warmup if args.warmup is not None else max(1, steps // 20)
+    if steps <= 0 or bs <= 0 or T <= 1 or args.grad_accum <= 0:
+        raise SystemExit("helios-train: --steps, --batch-size and --grad-accum must be positive and --block-size > 1")
+
+    if args.device:
+        hl.set_device(args.device)
+    rt = get_runtime()
+    os.makedirs(args.out, exist_ok=True)
+    t_start = time.monotonic()
+
+    ds = prepare_dataset(args.data, args.tokenizer, progress=not args.no_progress)
+    summ = ds.summary()
+    V = ds.tokenizer.vocab_size
+    cfg = GPTConfig(vocab_size=V, block_size=T, n_layer=cfgd["n_layer"], n_head=cfgd["n_head"], n_embd=cfgd["n_embd"])
+    hl.manual_seed(args.seed)
+    model = GPT(cfg, seed=args.seed)
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    opt = AdamW([{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+                lr=lr_max, betas=(0.9, 0.95))
+    loader = BatchLoader(ds.train, bs, T, seed=args.seed)
+    val_loader = BatchLoader(ds.val, bs, T, seed=args.seed + 1)
+
+    run_meta = {"config": cfg.to_dict(), "train": {"steps": steps, "batch_size": bs, "lr": lr_max, "warmup": warmup,
+                "grad_accum": args.grad_accum, "seed": args.seed, "tokenizer": ds.tokenizer.identity,
+                "weight_decay": args.weight_decay, "grad_clip": args.grad_clip},
+                "data": ds.corpus.fingerprint}
+    start_step = 0
+    if args.resume:
+        meta = ckpt.load_training_state(args.out, model, opt, loader)
+        if meta["config"] != run_meta["config"] or meta["train"] != run_meta["train"]:
+            raise SystemExit(f"helios-train: --resume with different settings than the checkpoint in {args.out}:\n"
+                             f"  checkpoint: {json.dumps(meta['config'])} {json.dumps(meta['train'])}\n"
+                             f"  now:        {json.dumps(run_meta['config'])} {json.dumps(run_meta['train'])}")
+        start_step = int(meta["step"])
+        print(f"resumed from {ckpt.checkpoint_path(args.out)} at step {start_step}")
+
+    n_params = model.num_parameters()
+    fpt = model.flops_per_token()
+    dev = rt.info
+    if args.peak_tflops:
+        peak = args.peak_tflops * 1e12
+        peak_label = f"{args.peak_tflops} TFLOP/s (--peak-tflops)"
+    else:
+        pk = peak_flops(dev["name"], "fp32", dev["type"])
+        peak, peak_label = (pk.flops, pk.label) if pk else (None, "n/a (unknown device: pass --peak-tflops)")
+    print(f"device: {rt.name} {dev['name']} ({dev['type']}); peak for MFU: {peak_label}")
+    print(f"model: {n_params / 1e6:.2f}M parameters, {cfg}")
+    print(f"data: {summ['corpus']}, {summ['train_tokens']:,} train / {summ['val_tokens']:,} val tokens, "
+          f"tokenizer {summ['tokenizer']}; unigram entropy {summ['unigram_entropy_nats']:.3f} nats "
+          f"(uniform {summ['uniform_loss_nats']:.3f})")
+
+    db = RunDB(args.out, device=dev["name"], dtype="fp32", peak_flops=peak, peak_label=peak_label,
+               flops_per_token=fpt, n_params=n_params, config={**run_meta, "steps": steps})
+    timer = StepTimer()
+    stopper = _StopFlag()
+    profile_window = _parse_window(args.profile_steps)
+    prof = None
+    tokens_per_step = bs * T * args.grad_accum
+
+    def evaluate() -> float:
+        model.eval()
+        with hl.no_grad():
+            losses = [model(x, y)[1].item() for x, y in val_loader.iter_eval(args.eval_batches)]
+        model.train()
+        return float(np.mean(losses))
+
+    from tqdm import tqdm
+
+    bar = tqdm(total=steps, initial=start_step, disable=args.no_progress, dynamic_ncols=True, unit="step")
+    val_loss = None
+    last = {}
+    step = start_step
+    exit_code = 0
+    try:
+        while step < steps:
+            if profile_window and step == profile_window[0]:
+                prof = hl.profile.profile()
+                prof.__enter__()
+            timer.start_step()
+            lr = cosine_lr(step, lr_max, warmup, steps)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            d0 = rt.dev.stats()["dispatches"]
+            loss_dev = None
+            for micro in range(args.grad_accum):
+                with timer.phase("data_load"):
+                    x, y = loader.next_batch()
+                with timer.phase("host_to_device"):
+                    xt = hl.tensor(x, dtype=hl.int64)
+                    yt = hl.tensor(y, dtype=hl.int64)
+                with timer.phase("forward"):
+                    _, loss = model(xt, yt)
+                    if args.grad_accum > 1:
+                        loss = loss * (1.0 / args.grad_accum)
+                    rt.synchronize()
+                with timer.phase("backward"):
+                    loss.backward()
+                    rt.synchronize()
+                loss_dev = loss if loss_dev is None else loss_dev + loss.detach()
+            with timer.phase("grad_clip"):
+                norm = clip_grad_norm_(model.parameters(), args.grad_clip) if args.grad_clip > 0 else None
+                rt.synchronize()
+            with timer.phase("optimizer"):
+                opt.step()
+                opt.zero_grad()
+                rt.synchronize()
+            with timer.phase("device_to_host"):
+                loss_val = loss_dev.item()
+            step += 1
+            if not math.isfinite(loss_val):
+                raise FloatingPointError(f"loss became {loss_val} at step {step}; lower --lr or check the data")
+            if args.eval_every and step % args.eval_every == 0 and step < steps:
+                with timer.phase("sample_gen"):
+                    val_loss = evaluate()
+            if args.sample_every and step % args.sample_every == 0 and step < steps:
+                with timer.phase("sample_gen"):
+                    bar.write(f"--- sample at step {step} ---\n{_sample(model, ds.tokenizer, T, args.sample_tokens, step)}\n---")
+            if (args.ckpt_every and step % args.ckpt_every == 0) or stopper.stop:
+                with timer.phase("checkpoint"):
+                    ckpt.save_training_state(args.out, model, opt, loader, step, run_meta)
+            rec = timer.end_step(step, tokens_per_step, loss=loss_val, lr=lr, dispatches=rt.dev.stats()["dispatches"] - d0)
+            mfu = compute_mfu(fpt, rec.tokens_per_s, peak)
+            db.log_step(rec, mfu=mfu)
+            last = {"loss": loss_val, "lr": lr, "tok_s": rec.tokens_per_s, "mfu": mfu,
+                    "norm": norm.item() if norm is not None and step % 10 == 0 else last.get("norm")}
+            post = {"loss": f"{loss_val:.4f}", "lr": f"{lr:.2e}", "tok/s": f"{rec.tokens_per_s:,.0f}", "MFU": format_mfu(mfu)}
+            if val_loss is not None:
+                post["val"] = f"{val_loss:.4f}"
+            bar.set_postfix(post, refresh=False)
+            bar.update(1)
+            if args.no_progress and (step % 10 == 0 or step == steps):
+                print(f"step {step}/{steps} " + " ".join(f"{k} {v}" for k, v in post.items()), flush=True)
+            if prof is not None and profile_window and step >= profile_window[1]:
+                _finish_profile(prof, args, db, step)
+                prof = None
+            if stopper.stop:
+                exit_code = 130
+                break
+    finally:
+        bar.close()
+        stopper.restore()
+        if prof is not None:
+            _finish_profile(prof, args, db, step)
+    if exit_code == 130:
+        print(f"stopped at step {step}; checkpoint saved in {ckpt.checkpoint_path(args.out)} (continue with --resume)")
+        return 130
+    with timer.phase("checkpoint") if False else _null():
+        ckpt.save_training_state(args.out, model, opt, loader, step, run_meta)
+    val_loss = evaluate()
+    sample = _sample(model, ds.tokenizer, T, args.sample_tokens, step)
+    wall = time.monotonic() - t_start
+    print(_breakdown(timer.records))
+    print(f"--- sample ---\n{sample}\n---")
+    summary = {"steps": step, "wall_s": round(wall, 1), "final_train_loss": round(last.get("loss", float('nan')), 4),
+               "final_val_loss": round(val_loss, 4), "unigram_entropy": round(summ["unigram_entropy_nats"], 4),
+               "tok_per_s": round(last.get("tok_s") or 0, 1), "mfu": format_mfu(last.get("mfu")),
+               "checkpoint": ckpt.checkpoint_path(args.out), "run_db": db.path}
+    print(json.dumps(summary))
+    db.finish(status="finished") if hasattr(db, "finish") else None
+    return 0
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def _parse_window(spec):
+    if not spec:
+        return None
+    from helios.profile.profiler import parse_profile_steps
+
+    r = parse_profile_steps(spec)
+    return (r.start, r.stop)
+
+
+def _finish_profile(prof, args, db, step) -> None:
+    prof.__exit__(None, None, None)
+    db.log_profile(prof.collector if hasattr(prof, "collector") else prof, step)
+    if args.trace:
+        prof.export_chrome_trace(args.trace)
+        print(f"trace written to {args.trace}")
+
+
+def _sample(model, tok, T: int, n: int, step: int) -> str:
+    """Text continued from a fixed prompt with temperature 0.8 (numpy RNG seeded by step: deterministic)."""
+    import helios as hl
+
+    rng = np.random.default_rng(step)
+    ids = list(tok.encode(b"def "))
+    model.eval()
+    with hl.no_grad():
+        for _ in range(n):
+            ctx = np.array([ids[-T:]], np.int64)
+            logits, _ = model(ctx)
+            last = logits[0, -1].numpy().astype(np.float64) / 0.8
+            p = np.exp(last - last.max())
+            p /= p.sum()
+            ids.append(int(rng.choice(len(p), p=p)))
+    model.train()
+    return tok.decode(np.array(ids)).decode("utf-8", errors="replace")
+
+
+def _breakdown(records) -> str:
+    """A table of the mean time per phase over the run's steps."""
+    from helios.profile.timers import ALL_PHASES
+
+    if not records:
+        return "no steps timed"
+    n = len(records)
+    wall = sum(r.wall_ns for r in records) / n
+    lines = [f"step time breakdown (mean over {n} steps, {wall / 1e6:.1f} ms/step):"]
+    for ph in ALL_PHASES:
+        v = sum(r.phases_ns.get(ph, 0) for r in records) / n
+        if v:
+            lines.append(f"  {ph:<16} {v / 1e6:9.2f} ms  {100 * v / wall:5.1f}%")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

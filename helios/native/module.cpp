@@ -286,12 +286,16 @@ PYBIND11_MODULE(_vulkan, m) {
              live_devices().insert(p->dev.get());
              return p;
            }),
-           py::arg("index") = 0, py::arg("pipeline_cache_dir") = "")
+           py::arg("index") = 0, py::arg("pipeline_cache_dir") = "",
+           "Open device `index` of enumerate_devices(); the pipeline cache lives in pipeline_cache_dir ('' = none).")
       .def_property_readonly(
           "info", [](PyDevice& s) { return info_dict(s.d().info()); }, "The enumerate_devices() dict of this device.")
-      .def_property_readonly("closed", [](PyDevice& s) { return !s.dev || s.dev->closed(); })
-      .def_property_readonly("block_size", [](PyDevice& s) { return s.d().block_size(); })
-      .def_property_readonly("pipeline_cache_path", [](PyDevice& s) { return s.d().pipeline_cache_path(); })
+      .def_property_readonly("closed", [](PyDevice& s) { return !s.dev || s.dev->closed(); }, "True after close().")
+      .def_property_readonly(
+          "block_size", [](PyDevice& s) { return s.d().block_size(); }, "Bytes per sub-allocated pool block.")
+      .def_property_readonly(
+          "pipeline_cache_path", [](PyDevice& s) { return s.d().pipeline_cache_path(); },
+          "File the VkPipelineCache is saved to ('' without a cache dir).")
       .def_property_readonly(
           "pipeline_cache_loaded", [](PyDevice& s) { return s.d().pipeline_cache_loaded(); },
           "True if a matching pipeline cache file was loaded at creation.")
@@ -300,16 +304,20 @@ PYBIND11_MODULE(_vulkan, m) {
           [](PyDevice& s, int64_t n) {
             if (n < 1 || n > 1000000) throw ArgError("auto_submit_dispatches must be in 1..1000000");
             s.d().set_auto_submit(uint32_t(n));
-          })
+          },
+          "Recorded ops after which the open command buffer is submitted (default 256).")
       // ---- memory
       .def(
           "alloc", [](PyDevice& s, int64_t nbytes, const std::string& pool) {
             if (nbytes < 0) throw ArgError(strf("alloc: nbytes must be >= 0, got %lld", (long long)nbytes));
             return s.d().alloc(uint64_t(nbytes), pool_arg(pool));
           },
-          py::arg("nbytes"), py::arg("pool") = "activations")
-      .def("free", [](PyDevice& s, uint64_t h) { s.d().free(h); }, py::arg("handle"))
-      .def("size_of", [](PyDevice& s, uint64_t h) { return s.d().size_of(h); }, py::arg("handle"))
+          py::arg("nbytes"), py::arg("pool") = "activations",
+          "Allocate nbytes in pool 'weights' | 'activations' | 'staging'; returns a handle. OutOfMemoryError when full.")
+      .def("free", [](PyDevice& s, uint64_t h) { s.d().free(h); }, py::arg("handle"),
+           "Free a handle; its range is reused only after all work recorded so far completes.")
+      .def("size_of", [](PyDevice& s, uint64_t h) { return s.d().size_of(h); }, py::arg("handle"),
+           "Requested size in bytes of an allocation.")
       .def(
           "location",
           [](PyDevice& s, uint64_t h) {
@@ -321,6 +329,7 @@ PYBIND11_MODULE(_vulkan, m) {
           py::arg("handle"), "(block id, byte offset in the block's VkBuffer) of an allocation.")
       .def("pool_stats",
            [](PyDevice& s) {
+             // "blocks" counts every VkDeviceMemory of the pool (dedicated ones too).
              Device& d = s.d();
              py::dict out;
              for (int p = 0; p < kNumPools; ++p) {
@@ -337,7 +346,9 @@ PYBIND11_MODULE(_vulkan, m) {
                out[pool_name(p)] = e;
              }
              return out;
-           })
+           },
+           "Per pool: blocks, dedicated, reserved_bytes, in_use_bytes, peak_in_use_bytes, pending_free_bytes, allocs, "
+           "frees.")
       // ---- host transfers
       .def(
           "write",
@@ -346,7 +357,8 @@ PYBIND11_MODULE(_vulkan, m) {
             Bytes b(data.ptr(), PyBUF_SIMPLE, "write", "data");
             s.d().write(h, uint64_t(offset), b.data, uint64_t(b.size));
           },
-          py::arg("handle"), py::arg("offset"), py::arg("data"))
+          py::arg("handle"), py::arg("offset"), py::arg("data"),
+          "Copy len(data) bytes into the allocation at offset; waits only for unfinished work on that range.")
       .def(
           "read",
           [](PyDevice& s, uint64_t h, int64_t offset, py::handle out) {
@@ -354,14 +366,16 @@ PYBIND11_MODULE(_vulkan, m) {
             Bytes b(out.ptr(), PyBUF_WRITABLE, "read", "out");
             s.d().read(h, uint64_t(offset), const_cast<char*>(b.data), uint64_t(b.size));
           },
-          py::arg("handle"), py::arg("offset"), py::arg("out"))
+          py::arg("handle"), py::arg("offset"), py::arg("out"),
+          "Fill the writable buffer out from the allocation at offset; submits and waits only for pending writes.")
       .def(
           "copy",
           [](PyDevice& s, uint64_t src, int64_t so, uint64_t dst, int64_t dof, int64_t n) {
             if (so < 0 || dof < 0 || n < 0) throw ArgError("copy: offsets and nbytes must be >= 0");
             s.d().copy(src, uint64_t(so), dst, uint64_t(dof), uint64_t(n));
           },
-          py::arg("src"), py::arg("src_offset"), py::arg("dst"), py::arg("dst_offset"), py::arg("nbytes"))
+          py::arg("src"), py::arg("src_offset"), py::arg("dst"), py::arg("dst_offset"), py::arg("nbytes"),
+          "Record a buffer-to-buffer copy (hazard-tracked; returns at once).")
       .def(
           "fill",
           [](PyDevice& s, uint64_t h, int64_t off, int64_t n, int64_t value) {
@@ -369,7 +383,8 @@ PYBIND11_MODULE(_vulkan, m) {
             if (value < -(1ll << 31) || value >= (1ll << 32)) throw ArgError("fill: value must fit in 32 bits");
             s.d().fill(h, uint64_t(off), uint64_t(n), uint32_t(value));
           },
-          py::arg("handle"), py::arg("offset"), py::arg("nbytes"), py::arg("value"))
+          py::arg("handle"), py::arg("offset"), py::arg("nbytes"), py::arg("value"),
+          "Record a fill of nbytes at offset with the 32-bit value (both multiples of 4).")
       // ---- pipelines
       .def(
           "pipeline",
@@ -390,8 +405,11 @@ PYBIND11_MODULE(_vulkan, m) {
                                   uint32_t(push_size), sc, name);
           },
           py::arg("spirv"), py::arg("num_buffers"), py::arg("push_size"), py::arg("spec") = py::list(),
-          py::arg("name") = "")
-      .def("save_pipeline_cache", [](PyDevice& s) { s.d().save_pipeline_cache(); })
+          py::arg("name") = "",
+          "Pipeline id for SPIR-V with num_buffers storage buffers, push_size bytes of push constants and "
+          "specialization constants spec[i] (constant_id i); cached.")
+      .def("save_pipeline_cache", [](PyDevice& s) { s.d().save_pipeline_cache(); },
+           "Write the pipeline cache file (temp file, fsync, rename).")
       // ---- dispatch (hot path)
       .def(
           "dispatch",
@@ -420,7 +438,8 @@ PYBIND11_MODULE(_vulkan, m) {
             d.dispatch(pid, bufs, nb, pc.data, size_t(pc.size), g, name_id, fl, by);
           },
           py::arg("pipeline"), py::arg("buffers"), py::arg("push"), py::arg("groups"), py::arg("name") = "",
-          py::arg("flops") = 0, py::arg("nbytes") = 0)
+          py::arg("flops") = 0, py::arg("nbytes") = 0,
+          "Record a dispatch; buffers are (handle, offset, nbytes, writes) for bindings 0..n-1. Returns at once.")
       .def(
           "bench_raw_dispatch",
           [](PyDevice& s, uint64_t pipeline, py::handle buffers, py::bytes push, py::handle groups, int64_t n) {
@@ -449,11 +468,14 @@ PYBIND11_MODULE(_vulkan, m) {
              out["copies"] = st.copies;
              out["pending_dispatches"] = d.pending_ops();
              return out;
-           })
-      .def("reset_stats", [](PyDevice& s) { s.d().reset_stats(); })
+           },
+           "Counters: submits, dispatches, barriers, fence_waits, copies, pending_dispatches (recorded ops not yet "
+           "submitted).")
+      .def("reset_stats", [](PyDevice& s) { s.d().reset_stats(); }, "Zero the stats() counters.")
       // ---- profiling
-      .def("set_profiling", [](PyDevice& s, bool on) { s.d().set_profiling(on); }, py::arg("on"))
-      .def_property_readonly("profiling", [](PyDevice& s) { return s.d().profiling(); })
+      .def("set_profiling", [](PyDevice& s, bool on) { s.d().set_profiling(on); }, py::arg("on"),
+           "Bracket every dispatch/copy/fill with device timestamps while on.")
+      .def_property_readonly("profiling", [](PyDevice& s) { return s.d().profiling(); }, "Whether profiling is on.")
       .def("take_events",
            [](PyDevice& s) {
              Device& d = s.d();
@@ -487,19 +509,21 @@ PYBIND11_MODULE(_vulkan, m) {
              out["events"] = el;
              out["submits"] = sl;
              return out;
-           })
+           },
+           "Completed timed ops and submissions since the last take (never waits).")
       .def("close", [](PyDevice& s) {
         if (!s.dev) return;
         live_devices().erase(s.dev.get());
         s.clear_name_cache();
         s.dev->close();
       }, "Wait idle, save the pipeline cache, destroy everything; the Device is unusable afterwards.")
-      .def("__enter__", [](py::object self) { return self; })
+      .def("__enter__", [](py::object self) { return self; }, "Context manager: close() on exit.")
       .def("__exit__", [](PyDevice& s, py::args) {
         if (!s.dev) return;
         live_devices().erase(s.dev.get());
+        s.clear_name_cache();
         s.dev->close();
-      });
+      }, "Close the device.");
 
   // Close devices before interpreter teardown (module globals die in arbitrary order).
   py::module_::import("atexit").attr("register")(m.attr("_shutdown"));

@@ -24,7 +24,7 @@ import time
 import numpy as np
 
 CONFIGS = {
-    # name: (n_layer, n_head, n_embd, block_size, batch_size, steps, lr)
+    "nano": dict(n_layer=2, n_head=2, n_embd=32, block_size=32, batch_size=8, steps=200, lr=3e-3),
     "tiny": dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=16, steps=600, lr=2e-3),
     "small": dict(n_layer=6, n_head=6, n_embd=192, block_size=128, batch_size=16, steps=2000, lr=1e-3),
     "gpt2": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, batch_size=8, steps=20000, lr=6e-4),
@@ -57,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", default=None, help="write a Chrome trace of the profiled steps to this path")
     p.add_argument("--profile-steps", default=None, help="steps to profile per dispatch, e.g. 10:20")
     p.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
+    p.add_argument("--stop-after", type=int, default=None,
+                   help="leave after this many steps of this invocation (checkpoint saved; continue with --resume)")
     return p
 
 
@@ -79,7 +81,17 @@ class _StopFlag:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    """Entry point of helios-train; returns the exit status."""
+    from helios.errors import CheckpointError, DeviceError
+
+    try:
+        return _train(build_parser().parse_args(argv))
+    except (CheckpointError, DeviceError) as e:
+        print(f"helios-train: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+
+
+def _train(args) -> int:
     import helios as hl
     from helios import checkpoint as ckpt
     from helios.data import BatchLoader, prepare_dataset
@@ -213,7 +225,8 @@ def main(argv=None) -> int:
             if args.sample_every and step % args.sample_every == 0 and step < steps:
                 with timer.phase("sample_gen"):
                     bar.write(f"--- sample at step {step} ---\n{_sample(model, ds.tokenizer, T, args.sample_tokens, step)}\n---")
-            if (args.ckpt_every and step % args.ckpt_every == 0) or stopper.stop:
+            leaving = stopper.stop or (args.stop_after is not None and step - start_step >= args.stop_after and step < steps)
+            if (args.ckpt_every and step % args.ckpt_every == 0) or leaving:
                 with timer.phase("checkpoint"):
                     ckpt.save_training_state(args.out, model, opt, loader, step, run_meta)
             rec = timer.end_step(step, tokens_per_step, loss=loss_val, lr=lr, dispatches=rt.dev.stats()["dispatches"] - d0)
@@ -231,19 +244,19 @@ def main(argv=None) -> int:
             if prof is not None and profile_window and step >= profile_window[1]:
                 _finish_profile(prof, args, db, step)
                 prof = None
-            if stopper.stop:
-                exit_code = 130
+            if leaving:
+                exit_code = 130 if stopper.stop else 3
                 break
     finally:
         bar.close()
         stopper.restore()
         if prof is not None:
             _finish_profile(prof, args, db, step)
-    if exit_code == 130:
+    if exit_code:
         print(f"stopped at step {step}; checkpoint saved in {ckpt.checkpoint_path(args.out)} (continue with --resume)")
-        return 130
-    with timer.phase("checkpoint") if False else _null():
-        ckpt.save_training_state(args.out, model, opt, loader, step, run_meta)
+        db.finish(status="interrupted")
+        return 130 if exit_code == 130 else 0
+    ckpt.save_training_state(args.out, model, opt, loader, step, run_meta)
     val_loss = evaluate()
     sample = _sample(model, ds.tokenizer, T, args.sample_tokens, step)
     wall = time.monotonic() - t_start
@@ -254,16 +267,8 @@ def main(argv=None) -> int:
                "tok_per_s": round(last.get("tok_s") or 0, 1), "mfu": format_mfu(last.get("mfu")),
                "checkpoint": ckpt.checkpoint_path(args.out), "run_db": db.path}
     print(json.dumps(summary))
-    db.finish(status="finished") if hasattr(db, "finish") else None
+    db.finish(status="finished")
     return 0
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
 
 
 def _parse_window(spec):

@@ -1,0 +1,105 @@
+"""helios-train end to end: learning, bit-exact resume, Ctrl-C, corrupt checkpoints."""
+
+import hashlib
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.vulkan
+
+TRAIN = [sys.executable, "-m", "helios.train"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A small deterministic corpus with learnable structure (words from a fixed list)."""
+    rng = np.random.default_rng(0)
+    words = ["alpha", "beta", "gamma", "delta", "def", "return", "class", "self", "value", "print"]
+    lines = [" ".join(rng.choice(words, size=rng.integers(3, 10))) for _ in range(3000)]
+    path = tmp_path_factory.mktemp("corpus") / "words.txt"
+    path.write_text("\n".join(lines))
+    return str(path)
+
+
+def run(args, cache, **kw):
+    env = dict(os.environ, HELIOS_CACHE_DIR=str(cache))
+    return subprocess.run(TRAIN + args, capture_output=True, text=True, env=env, timeout=600, **kw)
+
+
+def losses(run_dir):
+    con = sqlite3.connect(os.path.join(run_dir, "run.db"))
+    rows = con.execute("SELECT step, loss FROM step_timing ORDER BY run_id, step").fetchall()
+    con.close()
+    return dict(rows)  # a resumed run's steps replace nothing: steps are unique across its runs
+
+
+BASE = ["--config", "nano", "--eval-every", "0", "--sample-tokens", "0", "--no-progress", "--ckpt-every", "0"]
+
+
+def test_short_run_learns(corpus, tmp_path):
+    # Measured on this corpus: the unigram entropy is 2.74 nats and 60 steps of the nano
+    # model reach a validation loss of about 2.44; 2.6 leaves room for noise while still
+    # proving the model learned more than letter frequencies.
+    r = run(BASE + ["--steps", "60", "--data", corpus, "--out", str(tmp_path / "a")], tmp_path)
+    assert r.returncode == 0, r.stderr
+    import json
+
+    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    assert summary["final_val_loss"] < 2.6 < summary["unigram_entropy"], summary
+    assert "step time breakdown" in r.stdout
+
+
+def test_resume_is_bit_exact(corpus, tmp_path):
+    args = BASE + ["--steps", "8", "--data", corpus, "--seed", "5"]
+    full = run(args + ["--out", str(tmp_path / "full")], tmp_path)
+    assert full.returncode == 0, full.stderr
+    first = run(args + ["--out", str(tmp_path / "split"), "--stop-after", "3"], tmp_path)
+    assert first.returncode == 0, first.stderr
+    assert "stopped at step 3" in first.stdout
+    second = run(args + ["--out", str(tmp_path / "split"), "--resume"], tmp_path)
+    assert second.returncode == 0, second.stderr
+    a, b = losses(tmp_path / "full"), losses(tmp_path / "split")
+    assert sorted(a) == sorted(b) == list(range(1, 9))
+    assert [a[s] for s in range(1, 9)] == [b[s] for s in range(1, 9)]  # exact float equality
+
+
+def test_corrupt_checkpoint_is_refused_and_left_untouched(corpus, tmp_path):
+    out = tmp_path / "c"
+    r = run(BASE + ["--steps", "2", "--data", corpus, "--out", str(out)], tmp_path)
+    assert r.returncode == 0, r.stderr
+    ck = out / "ckpt.helios"
+    data = bytearray(ck.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    ck.write_bytes(bytes(data))
+    before = hashlib.sha256(ck.read_bytes()).hexdigest()
+    r = run(BASE + ["--steps", "4", "--data", corpus, "--out", str(out), "--resume"], tmp_path)
+    assert r.returncode == 1
+    assert "CheckpointError" in r.stderr and "ckpt.helios" in r.stderr
+    assert hashlib.sha256(ck.read_bytes()).hexdigest() == before
+
+
+def test_ctrl_c_finishes_step_saves_and_exits_130(corpus, tmp_path):
+    out = tmp_path / "i"
+    env = dict(os.environ, HELIOS_CACHE_DIR=str(tmp_path))
+    p = subprocess.Popen(TRAIN + BASE + ["--steps", "100000", "--data", corpus, "--out", str(out)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            if (out / "run.db").exists() and len(losses(out)) >= 2:
+                break
+            time.sleep(0.2)
+        p.send_signal(signal.SIGINT)
+        stdout, stderr = p.communicate(timeout=120)
+    finally:
+        p.kill()
+    assert p.returncode == 130, stderr
+    assert (out / "ckpt.helios").exists()
+    saved_step = int(stdout.split("stopped at step ")[1].split(";")[0])
+    assert saved_step == max(losses(out))

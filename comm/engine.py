@@ -27,6 +27,7 @@ from helios.errors import CommError
 HEADER = struct.Struct("<IIQQ")  # magic, reserved, tag, nbytes
 MAGIC = 0x48434F4D  # "HCOM"
 _INLINE = 64 * 1024  # payloads below this travel in the same write as their header
+_DRAIN_AFTER = 0.05  # seconds of stuck sends before reading from peers nothing is expected from
 
 
 class PeerLost(Exception):
@@ -86,7 +87,7 @@ class Engine:
         n = transport.world
         self._sendq: list[deque[_Send]] = [deque() for _ in range(n)]
         self._posted: list[dict[int, _Recv]] = [{} for _ in range(n)]
-        self._stash: list[dict[int, bytearray]] = [{} for _ in range(n)]
+        self._stash: list[dict[int, memoryview]] = [{} for _ in range(n)]
         self._hdr = [bytearray(HEADER.size) for _ in range(n)]
         self._hdr_got = [0] * n
         self._cur: list[_Recv | None] = [None] * n
@@ -133,28 +134,38 @@ class Engine:
     # ---- driving -------------------------------------------------------------------
     def wait_all(self, deadline: float) -> None:
         """Drive every link until all posted sends and receives are done, or raise at the deadline."""
+        stuck = 0.0
         try:
             while self._pending_sends or self._pending_recvs:
-                if self._progress():
+                # Draining peers we expect nothing from is only for cycles of ranks that all
+                # send first: do it once sends have been stuck a few milliseconds, not by
+                # default (it would park the next operation's early data in the stash).
+                drain = bool(stuck) and time.monotonic() - stuck > _DRAIN_AFTER
+                if self._progress(drain):
+                    stuck = 0.0
                     continue
-                left = deadline - time.monotonic()
+                now = time.monotonic()
+                if self._pending_sends and not stuck:
+                    stuck = now
+                left = deadline - now
                 if left <= 0:
                     self._raise_timeout()
-                self.t.wait_activity(self._wanted_send(), self._wanted_recv(), min(left, 0.1))
+                wait = min(left, 0.1 if drain or not self._pending_sends else _DRAIN_AFTER)
+                self.t.wait_activity(self._wanted_send(), self._wanted_recv(drain), wait)
         except PeerLost as e:
             raise CommError(self._describe(f"rank {e.peer} {e.reason}", e.peer)) from None
 
     def _wanted_send(self) -> list[int]:
         return [p for p, q in enumerate(self._sendq) if q]
 
-    def _wanted_recv(self) -> list[int]:
-        # While a send is pending, read from every peer: parking their messages in the stash
-        # lets a cycle of ranks that all send first (isend around a ring) make progress.
-        if self._pending_sends:
+    def _wanted_recv(self, drain: bool = False) -> list[int]:
+        # When draining, read from every peer: parking their messages in the stash lets a
+        # cycle of ranks that all send first (isend around a ring) make progress.
+        if drain:
             return [p for p in range(self.t.world) if p != self.t.rank and p not in self._gone]
         return [p for p in range(self.t.world) if self._posted[p] or self._cur[p] is not None or self._hdr_got[p]]
 
-    def _progress(self) -> bool:
+    def _progress(self, drain: bool = False) -> bool:
         moved = False
         for p, q in enumerate(self._sendq):
             while q:
@@ -173,12 +184,14 @@ class Engine:
                     break
                 q.popleft()
                 self._pending_sends -= 1
-        for p in self._wanted_recv():
-            while self._recv_from(p):
+        for p in self._wanted_recv(drain):
+            while self._recv_from(p, drain):
                 moved = True
         return moved
 
-    def _recv_from(self, p: int) -> bool:
+    def _recv_from(self, p: int, drain: bool) -> bool:
+        if not drain and self._cur[p] is None and not self._hdr_got[p] and not self._posted[p]:
+            return False  # the next frame belongs to a later operation: leave it in the socket
         try:
             return self._recv_frame(p)
         except PeerLost as e:
@@ -208,7 +221,7 @@ class Engine:
                 raise CommError(self._describe(f"rank {p} sent a corrupt frame header (magic {magic:#x})", p))
             cur = self._posted[p].pop(tag, None)
             if cur is None:
-                cur = _Recv(p, tag, memoryview(bytearray(nbytes)), None)
+                cur = _Recv(p, tag, memoryview(np.empty(nbytes, np.uint8)), None)
                 cur.stash = True
             else:
                 self._check_size(p, tag, nbytes, cur.nbytes)
@@ -227,7 +240,7 @@ class Engine:
     def _complete(self, p: int, r: _Recv) -> None:
         self._cur[p] = None
         if r.stash:
-            self._stash[p][r.tag] = r.dst.obj  # type: ignore[assignment]
+            self._stash[p][r.tag] = r.dst  # type: ignore[assignment]
             return
         self._pending_recvs -= 1
         if r.on_done is not None:

@@ -19,6 +19,7 @@ the number of ranks.  Every wait has the operation's deadline and checks peer li
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -31,6 +32,8 @@ from helios.errors import CommError
 # All-reduces up to this size use one phase (each rank reduces every buffer): one
 # synchronisation instead of two, which wins while the reduction is cheap.
 ONE_PHASE_MAX = 64 * 1024
+# Bytes of each rank's chunk per piece of a large all-reduce (HELIOS_SHM_PIECE_BYTES).
+PIECE_PER_RANK = int(os.environ.get("HELIOS_SHM_PIECE_BYTES", 512 * 1024))
 
 
 class ShmDirect:
@@ -103,29 +106,44 @@ class ShmDirect:
         self._sync()
 
     def all_reduce(self, buf: np.ndarray, op: str, dtype: str) -> None:
-        """In-place all-reduce of the flat array ``buf``."""
+        """In-place all-reduce of the flat array ``buf``.
+
+        Small pieces: one phase (copy in, publish, every rank reduces every slot).  Large
+        pieces: each rank publishes only the chunks its peers reduce (its own chunk never
+        leaves its buffer), reduces its own chunk from its buffer and the peers' slots into
+        its slot, publishes again, and everyone copies the reduced chunks out.  Pieces are
+        sized so one rank's chunk stays in its L2 cache between the reduction and the
+        copies.
+        """
         raw = buf.view(np.uint8)
-        isz = buf.itemsize
-        for off, nb in self._pieces(raw.nbytes, isz, self.t.slot_bytes):
-            idx = self._step()
-            mine = self._slots[self.rank][idx]
-            mine[:nb] = raw[off: off + nb]
-            if nb <= ONE_PHASE_MAX or self.n == 1:
+        isz, n, me = buf.itemsize, self.n, self.rank
+        if raw.nbytes <= ONE_PHASE_MAX or n == 1:
+            for off, nb in self._pieces(raw.nbytes, isz, self.t.slot_bytes):
+                idx = self._step()
+                self._slots[me][idx][:nb] = raw[off: off + nb]
                 self._sync()
-                srcs = [self._slots[r][idx][:nb].view(buf.dtype) for r in range(self.n)]
+                srcs = [self._slots[r][idx][:nb].view(buf.dtype) for r in range(n)]
                 out = buf[off // isz: (off + nb) // isz]
                 R.reduce_many(out, srcs, op, dtype)
-                R.finish_avg(out, self.n, op, dtype)
-                continue
+                R.finish_avg(out, n, op, dtype)
+            return
+        for off, nb in self._pieces(raw.nbytes, isz, min(self.t.slot_bytes, n * PIECE_PER_RANK)):
+            idx = self._step()
+            mine = self._slots[me][idx]
+            bounds = _bounds(nb // isz, n)
+            for r in range(n):
+                if r != me:
+                    a, b = bounds[r] * isz, bounds[r + 1] * isz
+                    mine[a:b] = raw[off + a: off + b]
             self._sync()
-            bounds = _bounds(nb // isz, self.n)
-            lo, hi = bounds[self.rank] * isz, bounds[self.rank + 1] * isz
+            lo, hi = bounds[me] * isz, bounds[me + 1] * isz
+            own = raw[off + lo: off + hi].view(buf.dtype)
             target = mine[lo:hi].view(buf.dtype)
-            srcs = [self._slots[r][idx][lo:hi].view(buf.dtype) for r in range(self.n)]
+            srcs = [own if r == me else self._slots[r][idx][lo:hi].view(buf.dtype) for r in range(n)]
             R.reduce_many(target, srcs, op, dtype)
-            R.finish_avg(target, self.n, op, dtype)
+            R.finish_avg(target, n, op, dtype)
             self._sync()
-            for r in range(self.n):
+            for r in range(n):
                 a, b = bounds[r] * isz, bounds[r + 1] * isz
                 raw[off + a: off + b] = self._slots[r][idx][a:b]
 

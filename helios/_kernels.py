@@ -314,7 +314,7 @@ def copy_into(dst: Tensor, src: Tensor) -> None:
     if src._st.nbytes > rt.max_range or dst._st.nbytes > rt.max_range:
         se = Tensor(src._st, dst.shape, ss, src._off, src.dtype)
         if _too_wide(se) or _too_wide(dst):  # strided and wider than a window: copy in halves
-            for d_part, s_part in zip(*_split_outer(dst.shape, dst, se)):
+            for d_part, s_part in _split_outer(dst.shape, dst, se):
                 copy_into(d_part, s_part)
             dst._st.version += 1
             return

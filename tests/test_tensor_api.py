@@ -65,6 +65,25 @@ def test_big_tensor_from_numpy_reduces_and_maps(big_host):
     assert abs(tail.sum().item() - big_host[BIG - 1000:].astype(np.float64).sum()) < 1e-2
 
 
+def test_big_tensor_dim_reductions_and_strided_views(big_host):
+    """Ops whose operands span more than one window are split into parts that fit."""
+    x = hl.tensor(big_host)
+    a = big_host
+    rows = x.reshape(4, BIG // 4)
+    np.testing.assert_allclose(rows.sum(dim=1).numpy(), a.reshape(4, -1).astype(np.float64).sum(1), rtol=1e-5, atol=1e-2)
+    np.testing.assert_array_equal(rows.argmax(dim=1).numpy(), a.reshape(4, -1).argmax(1))
+    np.testing.assert_allclose(x.reshape(2, BIG // 2).mean(dim=1, keepdim=True).numpy(),
+                               a.reshape(2, -1).astype(np.float64).mean(1, keepdims=True), atol=1e-6)
+    cols = x.reshape(BIG // 4, 4).sum(dim=0)
+    np.testing.assert_allclose(cols.numpy(), a.reshape(-1, 4).astype(np.float64).sum(0), rtol=1e-5, atol=1e-2)
+    ev = x[::2]  # a strided view wider than a window
+    assert abs(ev.sum().item() - a[::2].astype(np.float64).sum()) < 1e-2
+    np.testing.assert_array_equal((ev * 3).numpy(), a[::2] * 3)
+    bias = hl.tensor(np.array([1.0, -2.0, 3.0, -4.0], np.float32))
+    np.testing.assert_array_equal((x.reshape(BIG // 4, 4) + bias).numpy(), a.reshape(-1, 4) + bias.numpy())
+    np.testing.assert_array_equal(x.numpy(), a, err_msg="the source must be untouched")
+
+
 def test_big_tensor_ones():
     x = hl.ones(BIG)
     assert x.sum().item() == pytest.approx(BIG, rel=1e-6)

@@ -717,3 +717,65 @@ def test_out_of_memory_retry_reclaims_and_trims(monkeypatch, shaders):
     for h in (a3, out, big):
         d.free(h)
     d.close()
+
+
+VALIDATION_SCENARIO = r"""
+import struct, sys
+import numpy as np
+import helios._vulkan as v
+add, total = open(sys.argv[1], "rb").read(), open(sys.argv[2], "rb").read()
+d = v.Device(0, "")
+p = d.pipeline(add, 2, 8, [1], "add")
+s = d.pipeline(total, 3, 0, [], "sum")
+n = 1024
+nb = n * 4
+push = struct.pack("<If", n, 1.0)
+a, b, c = (d.alloc(nb) for _ in range(3))
+wide = d.alloc(4 * nb)
+d.write(a, 0, np.zeros(n, np.float32))
+d.set_profiling(True)
+for i in range(300):                                   # RAW chain across several submits
+    src, dst = (a, b) if i % 2 == 0 else (b, a)
+    d.dispatch(p, [(src, 0, nb, False), (dst, 0, nb, True)], push, (16, 1, 1), "chain")
+for k in range(4):                                     # independent windows of one allocation
+    d.dispatch(p, [(a, 0, nb, False), (wide, k * nb, nb, True)], push, (16, 1, 1), "win")
+d.dispatch(p, [(a, 0, nb, False), (c, 0, nb, True)], push, (16, 1, 1), "readA")
+d.dispatch(p, [(b, 0, nb, False), (a, 0, nb, True)], push, (16, 1, 1), "WAR")
+d.dispatch(s, [(a, 0, nb, False), (c, 0, nb, False), (a, 0, nb, True)], b"", (16, 1, 1), "inplace")
+d.fill(c, 0, nb, 0)
+d.copy(wide, 0, c, 0, nb)
+d.dispatch(p, [(c, 0, nb, False), (b, 0, nb, True)], push, (16, 1, 1), "afterCopy")
+out = np.empty(n, np.float32)
+d.read(b, 0, out)
+d.write(a, 0, out)                                     # host write over a range the stream read
+d.free(c)
+e = d.alloc(nb)                                        # deferred free: a fresh range
+d.dispatch(p, [(a, 0, nb, False), (e, 0, nb, True)], push, (16, 1, 1), "fresh")
+d.synchronize()
+d.free(e)
+f = d.alloc(nb)                                        # reused range after completion
+d.dispatch(p, [(b, 0, nb, False), (f, 0, nb, True)], push, (16, 1, 1), "reuse")
+d.read(f, 0, out)
+d.take_events()
+d.close()
+print("SCENARIO-OK")
+"""
+
+
+@pytest.mark.parametrize("env", [{}, {"HELIOS_VK_NO_PUSH_DESCRIPTOR": "1", "HELIOS_VK_FORCE_STAGING": "1"}])
+def test_clean_under_validation_layers(tmp_path, shaders, env):
+    """The stream's barriers satisfy Khronos synchronization validation (skipped without the layer)."""
+    add, total = tmp_path / "add.spv", tmp_path / "sum.spv"
+    add.write_bytes(shaders["add"])
+    total.write_bytes(shaders["sum"])
+    run_env = dict(os.environ, VK_INSTANCE_LAYERS="VK_LAYER_KHRONOS_validation", VK_LOADER_DEBUG="layer",
+                   VK_LAYER_ENABLES="VK_VALIDATION_FEATURE_ENABLE_SYNCHRONIZATION_VALIDATION_EXT",
+                   VK_LAYER_REPORT_FLAGS="error,warn", VK_LAYER_DEBUG_ACTION="VK_DBG_LAYER_ACTION_LOG_MSG", **env)
+    out = subprocess.run([sys.executable, "-c", VALIDATION_SCENARIO, str(add), str(total)], env=run_env,
+                         capture_output=True, text=True, timeout=120)
+    text = out.stdout + out.stderr
+    if 'Insert instance layer "VK_LAYER_KHRONOS_validation"' not in text:
+        pytest.skip("the Khronos validation layer is not installed (Debian: vulkan-validationlayers)")
+    assert out.returncode == 0 and "SCENARIO-OK" in out.stdout, text[-3000:]
+    problems = [ln for ln in text.splitlines() if re.search(r"VUID-|SYNC-|Validation (Error|Warning)", ln)]
+    assert not problems, "\n".join(problems[:10])

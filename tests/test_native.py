@@ -779,3 +779,47 @@ def test_clean_under_validation_layers(tmp_path, shaders, env):
     assert out.returncode == 0 and "SCENARIO-OK" in out.stdout, text[-3000:]
     problems = [ln for ln in text.splitlines() if re.search(r"VUID-|SYNC-|Validation (Error|Warning)", ln)]
     assert not problems, "\n".join(problems[:10])
+
+
+def test_garbage_collection_closes_and_saves(tmp_path, shaders):
+    import gc
+
+    d = v.Device(0, str(tmp_path))
+    d.pipeline(shaders["add"], 2, 8, [1], "add")
+    path = d.pipeline_cache_path
+    h = d.alloc(1024)
+    d.write(h, 0, b"\1" * 1024)
+    del d
+    gc.collect()
+    assert os.path.exists(path)  # closing (which saves the cache) ran on collection
+
+
+EXIT_SCENARIO = r"""
+import struct, sys
+import helios._vulkan as v
+add = open(sys.argv[1], "rb").read()
+d = v.Device(0, sys.argv[2])
+p = d.pipeline(add, 2, 8, [1], "add")
+a, b = d.alloc(4096), d.alloc(4096)
+d.set_profiling(True)
+for i in range(300):  # leaves recorded and in-flight work behind
+    d.dispatch(p, [(a, 0, 4096, False), (b, 0, 4096, True)], struct.pack("<If", 1024, 1.0), (16, 1, 1), "x")
+class Cycle:
+    pass
+c = Cycle()
+c.me = c
+c.dev = v.Device(0, "")
+c.h = c.dev.alloc(100)
+print("exiting")
+"""
+
+
+def test_interpreter_exit_with_live_devices_is_clean(tmp_path, shaders):
+    spv = tmp_path / "add.spv"
+    spv.write_bytes(shaders["add"])
+    cache = tmp_path / "cache"
+    out = subprocess.run([sys.executable, "-c", EXIT_SCENARIO, str(spv), str(cache)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "exiting" and out.stderr == ""
+    assert [p.name for p in cache.iterdir()] == [f"pipeline_cache_{v.enumerate_devices()[0]['pipeline_cache_uuid']}.bin"]

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import threading
 
+from helios.profile import profiler as _prof
+
 _state = threading.local()
 
 
@@ -157,6 +159,50 @@ def _tensor_class():
     return _Tensor
 
 
+_in_profiled_op = [False]
+
+
+def _apply_profiled(cls, args):
+    """Function.apply while profiling: record the op, its shape and the kernels it launched."""
+    import time
+
+    from helios import runtime
+
+    ids: list = []
+    prev = runtime._op_dispatches
+    runtime._op_dispatches = ids
+    _in_profiled_op[0] = True
+    t0 = time.monotonic_ns()
+    try:
+        out = cls.apply(*args)
+    finally:
+        _in_profiled_op[0] = False
+        runtime._op_dispatches = prev
+    _prof._ACTIVE.record_op(cls.__name__.lstrip("_").lower(), out.shape, out.dtype.name, t0, time.monotonic_ns(), ids)
+    return out
+
+
+def _backward_profiled(node, g):
+    import time
+
+    from helios import runtime
+
+    col = _prof._ACTIVE
+    if col is None:
+        return node.fn.backward(node.ctx, g)
+    ids: list = []
+    prev = runtime._op_dispatches
+    runtime._op_dispatches = ids
+    _in_profiled_op[0] = True
+    t0 = time.monotonic_ns()
+    try:
+        return node.fn.backward(node.ctx, g)
+    finally:
+        _in_profiled_op[0] = False
+        runtime._op_dispatches = prev
+        col.record_op(node.name.lstrip("_").lower() + "_backward", g.shape, g.dtype.name, t0, time.monotonic_ns(), ids)
+
+
 def _topo_order(root) -> list:
     """Nodes reachable from ``root`` in topological order (inputs before users)."""
     order = []
@@ -206,7 +252,7 @@ def backward(root, grad=None, retain_graph: bool = False) -> None:
             g = pending.pop(id(node), None)
             if g is None:
                 continue
-            in_grads = node.fn.backward(node.ctx, g)
+            in_grads = _backward_profiled(node, g)
             if not isinstance(in_grads, tuple):
                 in_grads = (in_grads,)
             for inp, ig in zip(node.inputs, in_grads):

@@ -354,7 +354,7 @@ def fill(t: Tensor, value) -> Tensor:
     nbytes = n * isz
     start = t._off * isz
     if start % 4 == 0 and nbytes % 4 == 0:
-        t._st.rt.dev.fill(t._st.handle, start, nbytes, word)
+        t._st.rt.fill(t._st.handle, start, nbytes, word)
     else:
         copy_into(t, _scalar_host(value, t.dtype, t._st.rt))
     t._st.version += 1

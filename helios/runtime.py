@@ -15,6 +15,12 @@ from dataclasses import dataclass
 
 from helios.errors import DeviceError, OutOfMemoryError
 from helios.kernels_spirv import registry
+from helios.profile import debug as _debug
+from helios.profile import profiler as _prof
+
+# Dispatch ids of the host op being recorded (set by autograd's Function.apply while a
+# profiling session is open), so the trace links each op to the kernels it launched.
+_op_dispatches: list | None = None
 
 INSTALL_HINT = (
     "Helios needs a Vulkan 1.2 device. On Debian/Ubuntu install the loader and the CPU driver "
@@ -87,8 +93,10 @@ class Runtime:
         self.align = max(256, int(self.info["limits"]["min_storage_buffer_offset_alignment"]))
         self.features = self.info["features"]
         self._pipelines: dict[tuple, int] = {}
-        # Hooks the profiler installs; None keeps the dispatch path free of profiling work.
-        self.on_dispatch = None
+        # HELIOS_DEBUG >= 1 prints one line per kernel with its device time: timestamps stay on.
+        self.debug = _debug.debug_level()
+        if self.debug:
+            self.dev.set_profiling(True)
 
     # -- memory -------------------------------------------------------------------------
     def alloc(self, nbytes: int, pool: str = "activations") -> int:
@@ -115,15 +123,49 @@ class Runtime:
 
     def dispatch(self, pid: int, buffers: list, push: bytes, groups: tuple, name: str, flops: int = 0, nbytes: int = 0):
         """Record one dispatch (returns at once)."""
+        col = _prof._ACTIVE
+        if col is None:
+            self.dev.dispatch(pid, buffers, push, groups, name, flops, nbytes)
+            return
+        t0 = time.monotonic_ns()
         self.dev.dispatch(pid, buffers, push, groups, name, flops, nbytes)
-        if self.on_dispatch is not None:
-            self.on_dispatch(name, flops, nbytes)
+        self._traced(col, name, t0)
+
+    def fill(self, handle: int, offset: int, nbytes: int, word: int) -> None:
+        """Record a fill of ``nbytes`` at ``offset`` with a repeated 32-bit ``word``."""
+        col = _prof._ACTIVE
+        t0 = time.monotonic_ns() if col is not None else 0
+        self.dev.fill(handle, offset, nbytes, word)
+        if col is not None:
+            self._traced(col, "fill", t0)
+
+    def _traced(self, col, name: str, t0: int) -> None:
+        # Every timestamped command gets a sequence number in recording order, which is
+        # also the order of the addon's events: the collector pairs them up by it.
+        seq = col.next_dispatch_seq()
+        if _op_dispatches is not None:
+            _op_dispatches.append(seq)
+        else:
+            col.record_op(name, "", "", t0, time.monotonic_ns(), (seq,))
 
     def synchronize(self) -> None:
-        """Submit everything recorded and wait for it."""
+        """Submit everything recorded and wait for it (and hand timestamps to the profiler)."""
         t0 = time.monotonic_ns()
         self.dev.synchronize()
         self.last_wait_ns = time.monotonic_ns() - t0
+        col = _prof._ACTIVE
+        if col is not None or self.debug:
+            self._drain_events(col)
+
+    def _drain_events(self, col) -> None:
+        payload = self.dev.take_events()
+        if col is not None:
+            col.add_device_events(payload)
+            for pool, st in self.dev.pool_stats().items():
+                col.record_memory(time.monotonic_ns(), pool, st["in_use_bytes"])
+        if self.debug:
+            for e in payload["events"]:
+                _debug.log_kernel(e["name"], "", e["end_ns"] - e["start_ns"], e["flops"], e["bytes"], level=self.debug)
 
 
 _current: Runtime | None = None
@@ -161,3 +203,20 @@ def synchronize() -> None:
     """Wait until every recorded op on every open device has finished."""
     for rt in _runtimes.values():
         rt.synchronize()
+
+
+def _profiling_started(col) -> None:
+    # Nothing recorded before the session may land in it: drain, then timestamp every dispatch.
+    for rt in _runtimes.values():
+        rt.dev.synchronize()
+        rt.dev.take_events()
+        rt.dev.set_profiling(True)
+
+
+def _profiling_stopping(col) -> None:
+    for rt in _runtimes.values():
+        rt.synchronize()
+        rt.dev.set_profiling(bool(rt.debug))
+
+
+_prof.register_runtime_hooks(_profiling_started, _profiling_stopping)

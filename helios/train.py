@@ -282,7 +282,7 @@ def _parse_window(spec):
 
 def _finish_profile(prof, args, db, step) -> None:
     prof.__exit__(None, None, None)
-    db.log_profile(prof.collector if hasattr(prof, "collector") else prof, step)
+    db.log_profile(prof.collector, step)
     if args.trace:
         prof.export_chrome_trace(args.trace)
         print(f"trace written to {args.trace}")

@@ -17,7 +17,7 @@ from helios import _kernels as K
 from helios import dtypes as dt
 from helios._shape import (broadcast_shapes, contiguous_strides, infer_reshape, norm_dim, norm_dims, numel,
                            view_strides)
-from helios.autograd.tape import Function, is_grad_enabled, no_grad
+from helios.autograd.tape import NO_CONTEXT, Function, is_grad_enabled, no_grad
 from helios.errors import DTypeError, ShapeError
 from helios.runtime import get_runtime
 from helios.tensor import Tensor
@@ -190,9 +190,10 @@ class _UnaryScalar(Function):
 
     @staticmethod
     def forward(ctx, x, op, p0, p1):
-        ctx.op, ctx.p0, ctx.p1 = op, p0, p1
-        if op in ("rdiv_s", "pow_s", "clamp"):
-            ctx.save_for_backward(x)
+        if ctx is not NO_CONTEXT:  # the hot path of `x + 1.0` keeps nothing when nothing records
+            ctx.op, ctx.p0, ctx.p1 = op, p0, p1
+            if op in ("rdiv_s", "pow_s", "clamp"):
+                ctx.save_for_backward(x)
         return K.unary(op, x, p0, p1)
 
     @staticmethod

@@ -46,7 +46,8 @@ Device::Device(int index, const std::string& pipeline_cache_dir) {
   if (info_.push_descriptor) exts.push_back(VK_KHR_PUSH_DESCRIPTOR_EXTENSION_NAME);
   if (info_.calibrated_timestamps) exts.push_back(VK_EXT_CALIBRATED_TIMESTAMPS_EXTENSION_NAME);
   if (!v12 && info_.storage8 && info_.has_ext_8bit_storage) exts.push_back(VK_KHR_8BIT_STORAGE_EXTENSION_NAME);
-  if (!v12 && info_.float16 && info_.has_ext_float16_int8) exts.push_back(VK_KHR_SHADER_FLOAT16_INT8_EXTENSION_NAME);
+  if (!v12 && (info_.float16 || info_.int8) && info_.has_ext_float16_int8)
+    exts.push_back(VK_KHR_SHADER_FLOAT16_INT8_EXTENSION_NAME);
 
   // Enable exactly the features the device has (enabling a missing one fails creation).
   VkPhysicalDeviceFeatures2 f2{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2};
@@ -58,10 +59,11 @@ Device::Device(int index, const std::string& pipeline_cache_dir) {
   s16.storageBuffer16BitAccess = info_.storage16;
   s8.storageBuffer8BitAccess = info_.storage8;
   f16.shaderFloat16 = info_.float16;
+  f16.shaderInt8 = info_.int8;
   void** tail = &f2.pNext;
   *tail = &s16, tail = &s16.pNext;
   if (info_.storage8) *tail = &s8, tail = &s8.pNext;
-  if (info_.float16) *tail = &f16, tail = &f16.pNext;
+  if (info_.float16 || info_.int8) *tail = &f16, tail = &f16.pNext;
 
   float priority = 1.0f;
   VkDeviceQueueCreateInfo qci{VK_STRUCTURE_TYPE_DEVICE_QUEUE_CREATE_INFO};

@@ -135,6 +135,7 @@ PhysicalDeviceInfo describe(VkPhysicalDevice pd, uint32_t instance_api) {
   d.storage16 = s16.storageBuffer16BitAccess;
   d.storage8 = s8.storageBuffer8BitAccess;
   d.float16 = f16.shaderFloat16;
+  d.int8 = f16.shaderInt8;
 
   // Calibrated timestamps count only if both the device and CLOCK_MONOTONIC domains exist.
   if (has_calibrated) {

@@ -46,6 +46,9 @@ struct PhysicalDeviceInfo {
 
   // How to enable them: core (api >= 1.2) or via the KHR extension names.
   bool has_ext_16bit_storage = false, has_ext_8bit_storage = false, has_ext_float16_int8 = false;
+  // Enabled where present but not listed in the Python dict (the brief fixes its keys):
+  // 8-bit integer arithmetic, which shaders using uint8_t values beyond load/store need.
+  bool int8 = false;
 
   uint32_t queue_family = 0;
   VkPhysicalDeviceMemoryProperties memory{};

@@ -184,8 +184,8 @@ def _train(args) -> int:
     try:
         while step < steps:
             if profile_window and step == profile_window[0]:
-                prof = hl.profile.profile()
-                prof.__enter__()
+                session = hl.profile.profile()
+                prof = (session, session.__enter__())
             timer.start_step()
             lr = cosine_lr(step, lr_max, warmup, steps)
             for g in opt.param_groups:
@@ -281,10 +281,11 @@ def _parse_window(spec):
 
 
 def _finish_profile(prof, args, db, step) -> None:
-    prof.__exit__(None, None, None)
-    db.log_profile(prof.collector, step)
+    session, profiler = prof
+    session.__exit__(None, None, None)
+    db.log_profile(profiler.collector, step)
     if args.trace:
-        prof.export_chrome_trace(args.trace)
+        profiler.export_chrome_trace(args.trace)
         print(f"trace written to {args.trace}")
 
 

@@ -400,6 +400,31 @@ def test_launcher_stops_job_when_a_rank_exits_3(tmp_path):
     assert re.search(r"rank 1 \(pid \d+\) exited with code 3; stopped the other ranks", p.stderr), p.stderr
 
 
+def _ibverbs_reason() -> str | None:
+    try:
+        from helios.comm import ibverbs
+    except ImportError as e:  # pragma: no cover
+        return str(e)
+    return ibverbs.available()
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("n", [2, 3])
+def test_collectives_exact_ibverbs(n):
+    reason = _ibverbs_reason()
+    if reason:
+        pytest.skip(f"ibverbs: {reason}")
+    assert _run_matrix("ibverbs", n, full=False) > 300
+
+
+@pytest.mark.multiproc
+def test_peer_killed_ibverbs_raises_commerror():
+    reason = _ibverbs_reason()
+    if reason:
+        pytest.skip(f"ibverbs: {reason}")
+    _fault("ibverbs", signal.SIGKILL)
+
+
 def _sh(cmd: str) -> None:
     subprocess.run(cmd, shell=True, check=True, capture_output=True, timeout=20)
 

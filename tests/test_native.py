@@ -823,3 +823,17 @@ def test_interpreter_exit_with_live_devices_is_clean(tmp_path, shaders):
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "exiting" and out.stderr == ""
     assert [p.name for p in cache.iterdir()] == [f"pipeline_cache_{v.enumerate_devices()[0]['pipeline_cache_uuid']}.bin"]
+
+
+def test_size_classes_and_exact_reuse(fresh):
+    d = fresh
+    base = d.pool_stats()["weights"]["in_use_bytes"]
+    expect = {1: 256, 256: 256, 257: 512, 1000: 1024, 1025: 1280, 5000: 5120, 70_000: 81_920}
+    for asked, cls in expect.items():
+        h = d.alloc(asked, "weights")
+        assert d.pool_stats()["weights"]["in_use_bytes"] - base == cls, asked
+        loc = d.location(h)
+        d.free(h)  # nothing pending: reusable at once
+        h2 = d.alloc(cls - 1 if cls > 256 else 1, "weights")  # same class, same range
+        assert d.location(h2) == loc
+        d.free(h2)

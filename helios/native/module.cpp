@@ -434,7 +434,12 @@ PYBIND11_MODULE(_vulkan, m) {
               label = op_label(name.ptr());
               throw ArgError(label + std::string(e.what()).substr(8));
             }
-            Bytes pc(push.ptr(), PyBUF_SIMPLE, op_label(name.ptr()).c_str(), "push");
+            PyObject* po = push.ptr();
+            if (PyBytes_CheckExact(po)) {  // the common case: struct.pack output, no buffer protocol
+              d.dispatch(pid, bufs, nb, PyBytes_AS_STRING(po), size_t(PyBytes_GET_SIZE(po)), g, name_id, fl, by);
+              return;
+            }
+            Bytes pc(po, PyBUF_SIMPLE, op_label(name.ptr()).c_str(), "push");
             d.dispatch(pid, bufs, nb, pc.data, size_t(pc.size), g, name_id, fl, by);
           },
           py::arg("pipeline"), py::arg("buffers"), py::arg("push"), py::arg("groups"), py::arg("name") = "",

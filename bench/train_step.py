@@ -1,0 +1,123 @@
+"""Training-step throughput: the same GPT in PyTorch (CPU) and in Helios (default device).
+
+Prints one JSON line per config: tokens/s of each, their ratio, and MFU of each against
+the device peak of helios.profile.mfu (a labelled estimate on CPUs; lavapipe runs on the
+same CPU cores, so both use the CPU's fp32 peak).
+
+    python bench/train_step.py [--config tiny] [--steps 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+
+import numpy as np
+
+
+def torch_step_fn(cfg, B, T, params, opt):
+    import torch
+    import torch.nn.functional as TF
+
+    C, H = cfg.n_embd, cfg.n_head
+    mask = torch.tril(torch.ones(T, T, dtype=torch.bool))
+
+    def lin(t, name):
+        return t @ params[name + ".weight"].T + params[name + ".bias"]
+
+    def loss_fn(x, y):
+        h = params["wte.weight"][x] + params["wpe.weight"][torch.arange(T)]
+        for i in range(cfg.n_layer):
+            p = f"h.{i}."
+            a = TF.layer_norm(h, (C,), params[p + "ln_1.weight"], params[p + "ln_1.bias"])
+            q, k, v = lin(a, p + "attn.c_attn").split(C, dim=2)
+            q, k, v = (t.reshape(B, T, H, C // H).transpose(1, 2) for t in (q, k, v))
+            att = ((q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(C // H))).masked_fill(~mask, float("-inf")).softmax(-1)
+            h = h + lin((att @ v).transpose(1, 2).reshape(B, T, C), p + "attn.c_proj")
+            m = TF.layer_norm(h, (C,), params[p + "ln_2.weight"], params[p + "ln_2.bias"])
+            h = h + lin(TF.gelu(lin(m, p + "mlp.c_fc"), approximate="tanh"), p + "mlp.c_proj")
+        h = TF.layer_norm(h, (C,), params["ln_f.weight"], params["ln_f.bias"])
+        return TF.cross_entropy((h @ params["wte.weight"].T).reshape(B * T, -1), y.reshape(-1))
+
+    def step(x, y):
+        loss = loss_fn(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(list(params.values()), 1.0)
+        opt.step()
+        opt.zero_grad()
+        return loss.item()
+
+    return step
+
+
+def time_steps(step, batches, warmup: int) -> float:
+    for x, y in batches[:warmup]:
+        step(x, y)
+    t0 = time.perf_counter()
+    for x, y in batches[warmup:]:
+        step(x, y)
+    return (time.perf_counter() - t0) / (len(batches) - warmup)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", default="tiny")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    args = ap.parse_args()
+
+    import torch
+
+    import helios as hl
+    from helios.nn import GPT, GPTConfig
+    from helios.optim import AdamW, clip_grad_norm_
+    from helios.profile.mfu import compute_mfu, peak_flops
+    from helios.runtime import get_runtime
+    from helios.train import CONFIGS
+
+    c = CONFIGS[args.config]
+    B, T = c["batch_size"], c["block_size"]
+    cfg = GPTConfig(vocab_size=256, block_size=T, n_layer=c["n_layer"], n_head=c["n_head"], n_embd=c["n_embd"])
+    rng = np.random.default_rng(0)
+    batches = [(rng.integers(0, 256, (B, T)), rng.integers(0, 256, (B, T))) for _ in range(args.steps + args.warmup)]
+
+    model = GPT(cfg, seed=0)
+    opt = AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+
+    def helios_step(x, y):
+        _, loss = model(hl.tensor(x), hl.tensor(y))
+        loss.backward()
+        clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        return loss.item()
+
+    tparams = {n: torch.tensor(p.numpy(), requires_grad=True) for n, p in model.named_parameters()}
+    topt = torch.optim.AdamW(list(tparams.values()), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    tstep = torch_step_fn(cfg, B, T, tparams, topt)
+    tbatches = [(torch.tensor(x), torch.tensor(y)) for x, y in batches]
+
+    # Interleave to share the machine's noise: helios, torch, helios, torch; keep the best of each.
+    h_times, t_times = [], []
+    for _ in range(2):
+        h_times.append(time_steps(helios_step, batches, args.warmup))
+        t_times.append(time_steps(tstep, tbatches, args.warmup))
+    h, t = min(h_times), min(t_times)
+    tokens = B * T
+    fpt = model.flops_per_token()
+    rt = get_runtime()
+    peak = peak_flops(rt.info["name"], "fp32", rt.info["type"])
+    h_tps, t_tps = tokens / h, tokens / t
+    print(json.dumps({
+        "bench": "train_step", "config": args.config, "params": model.num_parameters(), "tokens_per_step": tokens,
+        "device": rt.info["name"], "helios_tok_s": round(h_tps, 1), "peer": "torch_cpu", "peer_tok_s": round(t_tps, 1),
+        "ratio": round(h_tps / t_tps, 4), "helios_ms_per_step": round(h * 1e3, 1), "peer_ms_per_step": round(t * 1e3, 1),
+        "helios_mfu": compute_mfu(fpt, h_tps, peak), "peer_mfu": compute_mfu(fpt, t_tps, peak),
+        "peak": peak.label if peak else None, "torch_threads": torch.get_num_threads(),
+    }))
+
+
+if __name__ == "__main__":
+    main()

@@ -140,7 +140,7 @@ def unary(op: str, x: Tensor, p0: float = 0.0, p1: float = 0.0, out_dtype: dt.DT
             bo, oo = bind(out if s == 0 else _flat_window(out, s), True, span=m)
             rt.dispatch(pid, [bx, bo], _P_UNARY.pack(m, 1, ox, oo, p0, p1, *_ZERO14), grid(m), op, m, 2 * m * x.dtype.itemsize)
         return out
-    shape, (sa,) = collapse(x.shape, x._strides)
+    shape, _ = collapse(x.shape, x._strides)
     if len(shape) > MAX_DIMS:
         return unary(op, copy(x), p0, p1, out_dtype)
     _unary_into(op, code, x, out, p0, p1)
@@ -225,7 +225,7 @@ def binary(op: str, a: Tensor, b: Tensor, alpha: float = 1.0) -> Tensor:
         return out
     sa = broadcast_strides(a.shape, a._strides, shape)
     sb = broadcast_strides(b.shape, b._strides, shape)
-    cshape, (ca, cb) = collapse(shape, sa, sb)
+    cshape, _ = collapse(shape, sa, sb)
     if len(cshape) > MAX_DIMS:
         return binary(op, copy(a.expand(shape)), copy(b.expand(shape)), alpha)
     ae = Tensor(a._st, shape, sa, a._off, a.dtype)
@@ -483,14 +483,11 @@ def _reduce_wide(op, x, dims, kept, out_shape, scale):
 
 def _reduce_all_windows(op, x, scale):
     """Full reduction of a contiguous tensor larger than one binding window."""
-    rt = x._st.rt
     n = x.numel()
     step = _elems_per_dispatch(x)
     parts_v, parts_i = [], []
     for s in range(0, n, step):
         m = min(step, n - s)
-        w = Tensor(x._st, (m,), (1,), x._off + s, x.dtype)
-        bx, ox = bind(w, span=m)
         v, i = _reduce_rows(op, Tensor(x._st, (m,), (1,), x._off + s, x.dtype), 1, m, m, 1, x._off + s, (), 1.0)
         parts_v.append(v.reshape((1,)))
         if i is not None:

@@ -27,7 +27,7 @@ def _run_python(code: str, **env_over) -> subprocess.CompletedProcess:
     env.pop("HELIOS_DEVICE", None)
     env.update(env_over)
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, cwd=REPO, capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=120, check=False)
 
 
 # -- ShapeError ---------------------------------------------------------------------------------

@@ -128,7 +128,6 @@ def test_deferred_chain_of_1000_ops_does_not_wait():
 
 
 def test_synchronize_submits_everything():
-    rt = get_runtime()
     hl.synchronize()
     y = hl.ones(16) * 3
     assert _stats()["pending_dispatches"] > 0

@@ -522,8 +522,52 @@ def cat_raw(parts: list, dim: int) -> Tensor:
 
 
 # -- matmul ----------------------------------------------------------------------------------
+# matmul kernel configurations (see kernels_spirv/glsl/matmul.comp).
+# GPUs: shared-memory tiles BM x BN x BK with WX x WY invocations (4x4 register blocks).
+_MM_GPU_SPEC = (64, 64, 16, 16, 16)
+# CPU drivers (lavapipe): subgroup register blocks of TM x TN per lane (variant suffix),
+# MM_CPU_WY subgroups per workgroup.  8x8 measured best on a 2-core AVX2 host (bench/matmul.py).
+_MM_CPU_TILE = (8, 8)
+_MM_CPU_WY = 4
+_MM_SG = 8  # the subgroup size the CPU kernel is written for
+
+
+def _mm_cpu_config(M: int, N: int, oa: int, ob: int, oc: int, ca, cb, sam: int, sak: int, sbk: int, sbn: int,
+                   wide_ok: bool) -> tuple:
+    """Specialization constants (WY, AMODE, BMODE, CVEC, AWIDE, BWIDE) of the CPU kernel.
+
+    A K-contiguous A (row-major) or N-contiguous B is read in vectors along that dim, an
+    M-contiguous A (a transposed view) or K-contiguous B (B^T) along the other; 8-wide
+    when 8-aligned (and int64 exists), 4-wide when 4-aligned, else with scalar loads.
+    """
+    tm, tn = _MM_CPU_TILE
+
+    def fits(inner, outer, offs, run, e):
+        return inner == 1 and outer % e == 0 and all(o % e == 0 for o in offs) and run % e == 0 and run >= (e if run else 0)
+
+    def pick(k_inner, k_outer, t_inner, t_outer, offs, t_run, t_tile):
+        # -> (mode, wide): mode 1 = K-contiguous, 2 = the M/N dim contiguous
+        for e in ((8, 4) if wide_ok else (4,)):
+            if fits(k_inner, k_outer, offs, 0, e):
+                return 1, int(e == 8)
+            if t_tile % e == 0 and fits(t_inner, t_outer, offs, t_run, e):
+                return 2, int(e == 8)
+        return 0, 0
+
+    amode, awide = pick(sak, sam, sam, sak, (oa, *ca), M, tm)
+    # B: mode 1 is N-contiguous, 2 K-contiguous in the kernel; pick() returns 1 for the K-run
+    bk, bwide = pick(sbk, sbn, sbn, sbk, (ob, *cb), N, tn)
+    bmode = {0: 0, 1: 2, 2: 1}[bk]
+    cvec = int(N % 4 == 0 and oc % 4 == 0)
+    return (_MM_CPU_WY, amode, bmode, cvec, awide, bwide)
+
+
 def matmul(a: Tensor, b: Tensor) -> Tensor:
-    """Batched a @ b with broadcast batch dims; both >= 2-D and of the same float dtype."""
+    """Batched a @ b with broadcast batch dims; both >= 2-D and of the same float dtype.
+
+    Operands may be any strided views (transposes, broadcast batches): the kernel variant
+    and its load paths are chosen here from strides and alignment.
+    """
     from helios._shape import broadcast_shapes
 
     M, K = a.shape[-2], a.shape[-1]
@@ -545,19 +589,24 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
         return matmul(copy(a.expand(batch + (M, K))), copy(b.expand(batch + (K, N))))
     while len(cshape) < 2:
         cshape, ca, cb = [1] + cshape, [0] + ca, [0] + cb
+    if nb > 65535:
+        raise ShapeError(f"matmul: {nb} batch matrices exceed the 65535 the kernel dispatches at once; reshape the batch")
     (ba, oa), (bb, ob), (bc, oc) = bind(a), bind(b), bind(out, True)
-    pid = rt.pipeline("matmul", a.dtype.tag, (64, 64, 16, 16, 16))
+    sam, sak = a._strides[-2], a._strides[-1]
+    sbk, sbn = b._strides[-2], b._strides[-1]
+    if rt.info.get("type") == "cpu" and int(rt.info["limits"].get("subgroup_size", 0)) == _MM_SG:
+        tm, tn = _MM_CPU_TILE
+        spec = _mm_cpu_config(M, N, oa, ob, oc, ca, cb, sam, sak, sbk, sbn, bool(rt.features.get("int64")))
+        pid = rt.pipeline("matmul", f"{a.dtype.tag}_sg{tm}x{tn}", spec)
+        groups = ((N + _MM_SG * tn - 1) // (_MM_SG * tn), (M + tm * spec[0] - 1) // (tm * spec[0]), nb)
+    else:
+        pid = rt.pipeline("matmul", a.dtype.tag, _MM_GPU_SPEC)
+        groups = ((N + _MM_GPU_SPEC[1] - 1) // _MM_GPU_SPEC[1], (M + _MM_GPU_SPEC[0] - 1) // _MM_GPU_SPEC[0], nb)
     flops = 2 * nb * M * N * K
     nbytes = (nb * (M * K + K * N + M * N)) * a.dtype.itemsize
-    zmax = 65535
-    for z0 in range(0, nb, zmax):
-        zc = min(zmax, nb - z0)
-        if nb > zmax:
-            raise ShapeError(f"matmul: {nb} batch matrices exceed the 65535 the kernel dispatches at once; reshape the batch")
-        rt.dispatch(pid, [ba, bb, bc],
-                    _P_MATMUL.pack(M, N, K, cshape[1], oa, ob, oc, 0, ca[0], ca[1], a._strides[-2], a._strides[-1],
-                                   cb[0], cb[1], b._strides[-2], b._strides[-1]),
-                    ((N + 63) // 64, (M + 63) // 64, zc), "matmul", flops, nbytes)
+    rt.dispatch(pid, [ba, bb, bc],
+                _P_MATMUL.pack(M, N, K, cshape[1], oa, ob, oc, 0, ca[0], ca[1], sam, sak, cb[0], cb[1], sbk, sbn),
+                groups, "matmul", flops, nbytes)
     return out
 
 

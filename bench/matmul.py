@@ -1,0 +1,142 @@
+"""Helios matmul GFLOP/s against numpy (its BLAS) on the same shapes, in the same process.
+
+    python bench/matmul.py [--sizes 256 512 1024 2048] [--gpt 8 256 768] [--rounds 7]
+                           [--layouts nn tn nt] [--dtype float32] [--tiles 8x8 16x8 --wy 4]
+
+Shapes: fp32 squares and a GPT MLP projection (B*T x C) @ (C x 4C).  Layouts: ``nn``
+row-major operands (the forward), ``nt`` A @ B^T and ``tn`` A^T @ B as transposed views
+(the two backward products, g @ W^T and X^T @ g).
+
+Method: both sides are warmed up first (a new pipeline JITs for ~300 ms on lavapipe).
+Each round times Helios (``reps`` products recorded back to back, then
+``helios.synchronize()`` and one element read back) and then numpy on the same shape,
+so the two see the same machine load; a shape's figure is the median over rounds of the
+per-product time.  One JSON line per shape: {"bench": "matmul", "shape", "layout",
+"helios_gflops", "numpy_gflops", "ratio", "numpy_threads", "lp_num_threads", "device"};
+``ratio`` = helios / numpy.  ``--tiles`` (CPU devices only) repeats the square shapes for
+each TM x TN register block listed, to re-tune ``_MM_CPU_TILE`` on a new host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+import helios as hl
+from helios import _kernels as K
+from helios.runtime import get_runtime
+
+
+def numpy_threads() -> int | str:
+    """Threads numpy's BLAS uses: asked of the loaded OpenBLAS, else what the env says."""
+    try:
+        with open("/proc/self/maps") as f:
+            libs = sorted({ln.split()[-1] for ln in f if "openblas" in ln.lower() and ".so" in ln})
+        for path in libs:
+            lib = ctypes.CDLL(path)
+            for name in ("scipy_openblas_get_num_threads64_", "openblas_get_num_threads64_", "openblas_get_num_threads"):
+                fn = getattr(lib, name, None)
+                if fn is not None:
+                    return int(fn())
+    except OSError:
+        pass
+    return os.environ.get("OPENBLAS_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS") or "unknown"
+
+
+def operands(M: int, Kd: int, N: int, layout: str, dtype: str, rng):
+    """numpy (a, b) and Helios (A, B) with A @ B = a @ b; 't' operands are transposed views."""
+    a = rng.standard_normal((M, Kd), dtype=np.float32)
+    b = rng.standard_normal((Kd, N), dtype=np.float32)
+    A = hl.tensor(np.ascontiguousarray(a.T), dtype=dtype).mT if layout[0] == "t" else hl.tensor(a, dtype=dtype)
+    B = hl.tensor(np.ascontiguousarray(b.T), dtype=dtype).mT if layout[1] == "t" else hl.tensor(b, dtype=dtype)
+    # numpy gets the same memory layouts (its BLAS takes transposed operands natively)
+    na = np.ascontiguousarray(a.T).T if layout[0] == "t" else a
+    nb = np.ascontiguousarray(b.T).T if layout[1] == "t" else b
+    return na, nb, A, B
+
+
+def bench_shape(M: int, Kd: int, N: int, layout: str, dtype: str, rounds: int, rng) -> dict:
+    na, nb, A, B = operands(M, Kd, N, layout, dtype, rng)
+    flop = 2.0 * M * N * Kd
+    # warm-up (pipeline JIT, first-touch of memory) and a correctness guard
+    C = A @ B
+    got = C.numpy().astype(np.float32)
+    ref = na @ nb
+    err = float(np.abs(got - ref).max() / max(1e-30, np.abs(ref).max()))
+    na @ nb
+    # enough products per timed block that a block lasts ~0.2 s (dispatch overhead amortised)
+    t0 = time.perf_counter()
+    (A @ B)[0, 0].item()
+    one = time.perf_counter() - t0
+    reps = max(1, min(50, int(0.2 / max(one, 1e-6))))
+    th, tn = [], []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            C = A @ B
+        hl.synchronize()
+        C[0, 0].item()
+        th.append((time.perf_counter() - t0) / reps)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            na @ nb
+        tn.append((time.perf_counter() - t0) / reps)
+    gh, gn = flop / statistics.median(th) / 1e9, flop / statistics.median(tn) / 1e9
+    return {"helios_gflops": round(gh, 3), "numpy_gflops": round(gn, 3), "ratio": round(gh / gn, 4),
+            "rel_err": float(f"{err:.2e}"), "reps": reps, "rounds": rounds}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Helios matmul vs numpy, same process")
+    ap.add_argument("--sizes", type=int, nargs="*", default=[256, 512, 1024, 2048])
+    ap.add_argument("--gpt", type=int, nargs=3, default=[8, 256, 768], metavar=("B", "T", "C"),
+                    help="GPT MLP shape (B*T x C) @ (C x 4C); --gpt 0 0 0 skips it")
+    ap.add_argument("--layouts", nargs="+", default=["nn"], choices=["nn", "nt", "tn", "tt"])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--tiles", nargs="*", default=None, help="CPU register blocks to compare, e.g. 8x8 16x8")
+    ap.add_argument("--wy", type=int, nargs="*", default=None, help="CPU subgroups per workgroup to compare")
+    args = ap.parse_args(argv)
+
+    rt = get_runtime()
+    common = {"bench": "matmul", "dtype": args.dtype, "device": rt.info["name"], "device_type": rt.info["type"],
+              "numpy_threads": numpy_threads(), "lp_num_threads": os.environ.get("LP_NUM_THREADS", f"default ({os.cpu_count()})")}
+    rng = np.random.default_rng(0)
+    shapes = [(f"{n}x{n}x{n}", n, n, n) for n in args.sizes]
+    if args.gpt and all(args.gpt):
+        Bsz, T, C = args.gpt
+        shapes.append((f"gpt_mlp({Bsz}*{T}x{C})@({C}x{4 * C})", Bsz * T, C, 4 * C))
+    configs = [(None, None)]
+    if args.tiles is not None or args.wy is not None:
+        if rt.info["type"] != "cpu":
+            print(json.dumps({**common, "skipped": "--tiles/--wy tune the CPU kernel; this device is not a CPU"}))
+            return 0
+        tiles = [tuple(int(x) for x in t.split("x")) for t in (args.tiles or [f"{K._MM_CPU_TILE[0]}x{K._MM_CPU_TILE[1]}"])]
+        configs = [(t, w) for t in tiles for w in (args.wy or [K._MM_CPU_WY])]
+    default_tile, default_wy = K._MM_CPU_TILE, K._MM_CPU_WY
+    try:
+        for tile, wy in configs:
+            extra = {}
+            if tile is not None:
+                K._MM_CPU_TILE, K._MM_CPU_WY = tile, wy
+                extra = {"tile": f"{tile[0]}x{tile[1]}", "wy": wy}
+            for name, M, Kd, N in shapes:
+                for layout in args.layouts:
+                    res = bench_shape(M, Kd, N, layout, args.dtype, args.rounds, rng)
+                    load = round(os.getloadavg()[0], 2)  # other work on the host skews both sides
+                    print(json.dumps({**common, "shape": name, "layout": layout, **extra, **res, "loadavg_1m": load}),
+                          flush=True)
+    finally:
+        K._MM_CPU_TILE, K._MM_CPU_WY = default_tile, default_wy
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -104,7 +104,7 @@ def _ring(c: Ctx, buf: np.ndarray, bnd: list[int], op: str, dtype: str, rs_shift
         c.run()
         return
 
-    tmp = [np.empty(longest, dtype=buf.dtype), np.empty(longest, dtype=buf.dtype)]
+    tmp = [e.scratch(longest, buf.dtype), e.scratch(longest, buf.dtype)]
 
     def rs_chunk(s: int) -> int:
         return (r - s - 1 + rs_shift) % n
@@ -163,7 +163,8 @@ def ring_all_gather(c: Ctx, out: np.ndarray, x: np.ndarray) -> None:
 def ring_reduce_scatter(c: Ctx, out: np.ndarray, x: np.ndarray, op: str, dtype: str) -> None:
     """Ring reduce-scatter: ``out`` = reduced chunk ``rank`` of ``x``."""
     m = out.size
-    work = x.copy()
+    work = c.e.scratch(x.size, x.dtype)
+    work[...] = x
     if c.n > 1:
         _ring(c, work, [j * m for j in range(c.n + 1)], op, dtype, rs_shift=-1, ag_own=None, avg=op == "avg")
     else:
@@ -204,7 +205,7 @@ def _hd_rs(c: Ctx, hd: _HD, work: np.ndarray, vb: list[int], op: str, dtype: str
     """Recursive halving over virtual element bounds ``vb``; returns the owned element range."""
     nr, lo, hi = hd.nr, 0, hd.p2
     mask, step = hd.p2 >> 1, 1
-    tmp = np.empty(max(vb[i + 1] - vb[i] for i in range(hd.p2)) * max(1, hd.p2 // 2), dtype=work.dtype)
+    tmp = c.e.scratch(max(vb[i + 1] - vb[i] for i in range(hd.p2)) * max(1, hd.p2 // 2), work.dtype)
     while mask:
         partner = hd.real(nr ^ mask)
         mid = (lo + hi) // 2
@@ -249,7 +250,7 @@ def hd_all_reduce(c: Ctx, buf: np.ndarray, op: str, dtype: str) -> None:
             c.e.post_recv(partner, c.tag(LAST_STEP), buf)
             c.run()
             return
-        tmp = np.empty_like(buf)
+        tmp = c.e.scratch(buf.size, buf.dtype)
         c.e.post_recv(partner, c.tag(0), tmp)
         c.run()
         R.reduce_many(buf, (tmp, buf), op, dtype)
@@ -288,7 +289,8 @@ def hd_all_gather(c: Ctx, out: np.ndarray, x: np.ndarray) -> None:
 def hd_reduce_scatter(c: Ctx, out: np.ndarray, x: np.ndarray, op: str, dtype: str) -> None:
     """Recursive halving reduce-scatter (any n, with the fix-up)."""
     n, r, m = c.n, c.rank, out.size
-    work = x.copy()
+    work = c.e.scratch(x.size, x.dtype)
+    work[...] = x
     if n == 1:
         R.finish_avg(work, 1, op, dtype)
         out[...] = work
@@ -301,7 +303,7 @@ def hd_reduce_scatter(c: Ctx, out: np.ndarray, x: np.ndarray, op: str, dtype: st
             c.e.post_recv(partner, c.tag(LAST_STEP), out)
             c.run()
             return
-        tmp = np.empty_like(work)
+        tmp = c.e.scratch(work.size, work.dtype)
         c.e.post_recv(partner, c.tag(0), tmp)
         c.run()
         R.reduce_many(work, (tmp, work), op, dtype)
@@ -372,9 +374,13 @@ def tree_reduce(c: Ctx, buf: np.ndarray, root: int, op: str, dtype: str, topo: T
     v = (c.rank - root) % n
     parent, children = topo(n, v)
     kids = [(k + root) % n for k in children]
-    work = buf if parent is None else buf.copy()
+    if parent is None:
+        work = buf
+    else:
+        work = c.e.scratch(buf.size, buf.dtype)
+        work[...] = buf
     segs = c.segments(0, buf.size, buf.itemsize) or [(0, 0)]
-    tmps = {k: np.empty_like(work) for k in kids}
+    tmps = {k: c.e.scratch(work.size, work.dtype) for k in kids}
     arrived = [0] * len(segs)
     for i, (a, b) in enumerate(segs):
         def done(i=i, a=a, b=b) -> None:

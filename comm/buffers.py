@@ -63,9 +63,14 @@ class Buffer:
             self._writeback(self.flat)
 
 
+_NAME_OF = {dt: name for name, dt in _STORAGE.items() if name != "bfloat16"}
+
+
 def _dtype_name(obj: Any, arr: np.ndarray, dtype: str | None) -> str:
     if dtype is not None:
         name = str(dtype)
+    elif obj is arr and arr.dtype in _NAME_OF:
+        return _NAME_OF[arr.dtype]  # the hot path: a numpy array names its own dtype
     else:
         attr = getattr(obj, "dtype", None)
         name = str(attr) if attr is not None and str(attr) == "bfloat16" else arr.dtype.name

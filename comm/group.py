@@ -157,6 +157,7 @@ class ProcessGroup:
         deadline = time.monotonic() + self.timeout
         if self.direct is not None:
             self.direct.deadline = deadline
+        self.engine.reset_scratch()
         ctx = A.Ctx(self.engine, self.rank, self.size, seq, self.seg_bytes, deadline)
         try:
             if self.debug and not p2p:
@@ -222,7 +223,15 @@ class ProcessGroup:
             self._cv.notify_all()
         w = self._worker
         if w is not None and w is not threading.current_thread():
-            w.join(timeout=max(1.0, self.timeout))
+            w.join(timeout=1.0)
+            if w.is_alive():
+                # An operation is still running (a peer is stuck): make it fail now, and
+                # if it still runs, leave the mappings to process exit rather than unmap
+                # memory under it.
+                self.poison("the process group was destroyed while an operation was running")
+                w.join(timeout=1.0)
+                if w.is_alive():
+                    return
         if self.direct is not None:
             self.direct.release()
         self.engine.reset()

@@ -94,6 +94,7 @@ class TcpTransport(Transport):
         self.rank, self.world = rank, world
         self.links: list[Link] = [None] * world  # type: ignore[list-item]
         lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        _size_buffers(lsock)  # inherited by accepted sockets, before the window scale is negotiated
         lsock.bind((local_addr, 0))
         lsock.listen(world)
         store.set(f"tcp/{rank}", f"{local_addr}:{lsock.getsockname()[1]}".encode())
@@ -134,8 +135,6 @@ class TcpTransport(Transport):
             lsock.close()
         for peer, s in socks.items():
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _BUF)
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _BUF)
             s.setblocking(False)
             self.links[peer] = TcpLink(s, peer)
         self._poll = select.poll()
@@ -145,9 +144,14 @@ class TcpTransport(Transport):
     def _connect(host: str, port: int, deadline: float, peer: int) -> socket.socket:
         delay = 0.02
         while True:
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            _size_buffers(s)
+            s.settimeout(max(0.5, deadline - time.monotonic()))
             try:
-                return socket.create_connection((host, port), timeout=max(0.5, deadline - time.monotonic()))
+                s.connect((host, port))
+                return s
             except OSError as e:
+                s.close()
                 if time.monotonic() + delay > deadline:
                     raise CommError(f"helios.comm: tcp mesh: cannot connect to rank {peer} at {host}:{port}: {e}. "
                                     "Check HELIOS_SOCKET_IFNAME and that the address is reachable.") from None
@@ -189,6 +193,14 @@ class TcpTransport(Transport):
                     pass
                 link.sock.close()
         self.links = [None] * self.world  # type: ignore[list-item]
+
+
+def _size_buffers(s: socket.socket) -> None:
+    # Large buffers let a whole pipeline segment sit in the kernel, so a rank blocks (and
+    # waits to be scheduled again) less often.  They must be set before connect/listen for
+    # the TCP window scale to allow them.
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _BUF)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _BUF)
 
 
 def _recv_all(sock: socket.socket, n: int) -> bytes:

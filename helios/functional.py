@@ -18,7 +18,7 @@ from helios import dtypes as dt
 from helios._shape import (broadcast_shapes, contiguous_strides, infer_reshape, norm_dim, norm_dims, numel,
                            view_strides)
 from helios.autograd.tape import NO_CONTEXT, Function, is_grad_enabled, no_grad
-from helios.errors import DTypeError, ShapeError
+from helios.errors import DeviceError, DTypeError, ShapeError
 from helios.runtime import get_runtime
 from helios.tensor import Tensor
 
@@ -98,13 +98,13 @@ def to(x: Tensor, dtype=None, *args, **kw) -> Tensor:
     """``x`` as ``dtype`` (a copy; the same tensor if it already is).  Devices: only "vulkan:N"."""
     if isinstance(dtype, str) and dtype.startswith("vulkan"):
         if get_runtime(dtype) is not x._st.rt:
-            raise ShapeError(f"to({dtype!r}): moving tensors between devices is not supported; create it there")
+            raise DeviceError(f"to({dtype!r}): moving tensors between devices is not supported; create the tensor there")
         return x
     d = dt.as_dtype(dtype)
     if d is x.dtype:
         return x
     if d.kind != "float" and x.requires_grad:
-        return _Cast.forward(None, x.detach(), d) if False else K.copy(x, d)
+        return K.copy(x, d)  # integer results carry no gradient
     return _Cast.apply(x, d)
 
 
@@ -626,7 +626,7 @@ class _Reshape(Function):
         ctx.shape = x.shape
         st = view_strides(x.shape, x._strides, shape)
         if st is None:
-            return K.copy(x).reshape(shape) if False else _view(K.copy(x), shape, contiguous_strides(shape), 0)
+            return _view(K.copy(x), shape, contiguous_strides(shape), 0)
         return _view(x, shape, st, x._off)
 
     @staticmethod
@@ -827,8 +827,9 @@ def setitem(x: Tensor, idx, value) -> None:
     shape, strides, off = _basic_index(x, idx)
     target = Tensor(x._st, shape, strides, off, x.dtype)
     if isinstance(value, Tensor):
-        broadcast_shapes("setitem", value.shape, shape) if value.shape != shape else None
-        K.copy_into(target, value if value.dtype is x.dtype or True else value)
+        if value.shape != shape:
+            broadcast_shapes("setitem", value.shape, shape)
+        K.copy_into(target, value)  # the copy kernel converts dtypes
     else:
         K.copy_into(target, scalar_tensor(value, x.dtype, x._st.rt))
     x._st.version += 1
@@ -1174,7 +1175,7 @@ class _Dropout(Function):
     def forward(ctx, x, mask, scale):
         ctx.save_for_backward(mask)
         ctx.scale = scale
-        return K.binary("mul", x, K.copy(mask, x.dtype)) * scale if False else _mask_scale(x, mask, scale)
+        return _mask_scale(x, mask, scale)
 
     @staticmethod
     def backward(ctx, g):

@@ -3,10 +3,11 @@
     .venv/bin/python bench/collectives.py                      # 2 and 4 ranks, 4 KiB .. 64 MiB
     .venv/bin/python bench/collectives.py --ranks 2 --sizes 4096,33554432 --ops all_reduce
 
-For each (op, ranks, size) the helios backends and gloo run the same float32 buffers in
-the same run, one after the other, each rank pinned to nothing (the OS schedules them).
-Time is the median over iterations of the slowest rank's time per call (every rank times
-its own loop after a barrier; rank 0 takes the maximum), and the bandwidths follow
+For each (ranks, backend) one set of processes initialises both helios.comm and
+torch.distributed (gloo) and, for each (op, size), alternates short bursts of the two on
+the same float32 sizes, so both see the same machine load.  Time is the median over
+iterations of the slowest rank's time per call (a barrier before each call; the ranks'
+times are max-reduced), and the bandwidths follow
 nccl-tests: algbw = S / t (GB = 1e9 bytes), busbw = algbw * 2(n-1)/n for all_reduce and
 (n-1)/n for all_gather / reduce_scatter, with S the all-reduce buffer or the gathered
 (all-gather output, reduce-scatter input) size.  A single-core memcpy of the same sizes
@@ -42,56 +43,37 @@ def _busbw_factor(op: str, n: int) -> float:
 
 
 # ------------------------------------------------------------------------------- worker
-def worker(impl: str, ops: list[str], sizes: list[int]) -> None:
-    """One rank: run every (op, size), print rank 0's JSON results."""
+def worker(backend: str, ops: list[str], sizes: list[int], rounds: int) -> None:
+    """One rank: both helios.comm (``backend``) and gloo in this process, measured in alternation."""
+    import torch
+    import torch.distributed as td
+
+    import helios.comm as dist
+
     rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if impl == "gloo":
-        import torch
-        import torch.distributed as td
+    td.init_process_group("gloo", rank=rank, world_size=n)
+    dist.init_process_group(backend=backend, timeout=300, master_port=int(os.environ["HELIOS_BENCH_PORT"]))
 
-        td.init_process_group("gloo", rank=rank, world_size=n)
+    def run_helios(op: str, a, b) -> None:
+        if op == "all_reduce":
+            dist.all_reduce(a)
+        elif op == "all_gather":
+            dist.all_gather(b, a)
+        else:
+            dist.reduce_scatter(a, b)
 
-        def mk(count: int):
-            return torch.ones(count, dtype=torch.float32)
+    def run_gloo(op: str, a, b) -> None:
+        if op == "all_reduce":
+            td.all_reduce(a)
+        elif op == "all_gather":
+            td.all_gather_into_tensor(b, a)
+        else:
+            td.reduce_scatter_tensor(a, b)
 
-        def run(op: str, a, b) -> None:
-            if op == "all_reduce":
-                td.all_reduce(a)
-            elif op == "all_gather":
-                td.all_gather_into_tensor(b, a)
-            else:
-                td.reduce_scatter_tensor(a, b)
-
-        def barrier() -> None:
-            td.barrier()
-
-        def gather_max(v: float) -> float:
-            t = torch.tensor([v], dtype=torch.float64)
-            td.all_reduce(t, op=td.ReduceOp.MAX)
-            return float(t[0])
-    else:
-        import helios.comm as dist
-
-        dist.init_process_group(backend=impl.split("-")[1], timeout=300)
-
-        def mk(count: int):
-            return np.ones(count, dtype=np.float32)
-
-        def run(op: str, a, b) -> None:
-            if op == "all_reduce":
-                dist.all_reduce(a)
-            elif op == "all_gather":
-                dist.all_gather(b, a)
-            else:
-                dist.reduce_scatter(a, b)
-
-        def barrier() -> None:
-            dist.barrier()
-
-        def gather_max(v: float) -> float:
-            t = np.array([v], dtype=np.float64)
-            dist.all_reduce(t, op="max")
-            return float(t[0])
+    def slowest(v: float) -> float:
+        t = np.array([v], dtype=np.float64)
+        dist.all_reduce(t, op="max")
+        return float(t[0])
 
     results = []
     for op in ops:
@@ -99,20 +81,30 @@ def worker(impl: str, ops: list[str], sizes: list[int]) -> None:
             # S: the all-reduce buffer, or the gathered size (all-gather output, reduce-scatter input).
             count = nbytes // 4
             small = count if op == "all_reduce" else max(1, count // n)
-            a, b = mk(small), mk(small * n)
-            it = _iters(nbytes)
+            ha, hb = np.ones(small, np.float32), np.ones(small * n, np.float32)
+            ga, gb = torch.ones(small), torch.ones(small * n)
+            it = max(2, _iters(nbytes) // rounds)
+            times: dict[str, list[float]] = {"helios": [], "gloo": []}
             for _ in range(2):
-                run(op, a, b)
-            times = []
-            for _ in range(it):
-                barrier()
-                t0 = time.perf_counter()
-                run(op, a, b)
-                times.append(gather_max(time.perf_counter() - t0))
-            results.append({"op": op, "bytes": small * 4 * (1 if op == "all_reduce" else n),
-                            "t": statistics.median(times), "p99": sorted(times)[int(0.99 * (len(times) - 1))]})
+                run_helios(op, ha, hb)
+                run_gloo(op, ga, gb)
+            # Alternate short bursts so both see the same machine load over the run.
+            for _ in range(rounds):
+                for name, fn, a, b in (("helios", run_helios, ha, hb), ("gloo", run_gloo, ga, gb)):
+                    for _ in range(it):
+                        dist.barrier()
+                        t0 = time.perf_counter()
+                        fn(op, a, b)
+                        times[name].append(slowest(time.perf_counter() - t0))
+            res = {"op": op, "bytes": small * 4 * (1 if op == "all_reduce" else n)}
+            for name, ts in times.items():
+                ts.sort()
+                res[name] = {"t": statistics.median(ts), "p99": ts[int(0.99 * (len(ts) - 1))]}
+            results.append(res)
     if rank == 0:
         print("RESULT " + json.dumps(results), flush=True)
+    dist.destroy_process_group()
+    td.destroy_process_group()
 
 
 # ------------------------------------------------------------------------------- parent
@@ -124,31 +116,30 @@ def _free_port() -> int:
     return p
 
 
-def launch(impl: str, n: int, ops: list[str], sizes: list[int]) -> list[dict]:
-    """Run ``n`` ranks of ``impl`` and return rank 0's results."""
-    port = _free_port()
+def launch(backend: str, n: int, ops: list[str], sizes: list[int], rounds: int) -> list[dict]:
+    """Run ``n`` ranks measuring helios ``backend`` and gloo; rank 0's results."""
+    port, hport = _free_port(), _free_port()
     procs = []
     for r in range(n):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        procs.append(subprocess.Popen([sys.executable, HERE, "--worker", impl, "--ops", ",".join(ops),
-                                       "--sizes", ",".join(map(str, sizes))], env=env,
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   HELIOS_BENCH_PORT=str(hport))
+        procs.append(subprocess.Popen([sys.executable, HERE, "--worker", backend, "--ops", ",".join(ops),
+                                       "--sizes", ",".join(map(str, sizes)), "--rounds", str(rounds)], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     out = []
     try:
         for p in procs:
-            o, e = p.communicate(timeout=1800)
-            if p.returncode != 0:
-                raise RuntimeError(f"{impl} rank failed: {e[-2000:]}")
-            out.append(o)
+            o, e = p.communicate(timeout=3600)
+            out.append((p.returncode, o, e))
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    for o in out:
+    for rc, o, e in out:
         for line in o.splitlines():
             if line.startswith("RESULT "):
                 return json.loads(line[7:])
-    raise RuntimeError(f"{impl}: no result")
+    raise RuntimeError(f"{backend}: no result: {out[0][2][-2000:]}")
 
 
 def memcpy_bw(nbytes: int) -> float:
@@ -174,31 +165,30 @@ def main() -> int:
     p.add_argument("--ranks", default="2,4")
     p.add_argument("--backends", default="shm,tcp")
     p.add_argument("--gate", action="store_true", help="exit 1 when a target is missed")
+    p.add_argument("--rounds", type=int, default=4, help="alternating helios / gloo bursts per size")
     a = p.parse_args()
     ops, sizes = a.ops.split(","), [int(s) for s in a.sizes.split(",")]
     if a.worker:
-        worker(a.worker, ops, sizes)
+        worker(a.worker, ops, sizes, a.rounds)
         return 0
     mem = {s: memcpy_bw(s) for s in sizes}
     for s in sizes:
         print(json.dumps({"bench": "memcpy_1core", "bytes": s, "GBps": round(mem[s], 3)}), flush=True)
     table: dict[tuple, dict] = {}
     for n in [int(x) for x in a.ranks.split(",")]:
-        gloo = {(r["op"], r["bytes"]): r for r in launch("gloo", n, ops, sizes)}
         for backend in a.backends.split(","):
-            mine = launch(f"helios-{backend}", n, ops, sizes)
-            for r in mine:
-                g = gloo[(r["op"], r["bytes"])]
+            for r in launch(backend, n, ops, sizes, a.rounds):
                 f = _busbw_factor(r["op"], n)
-                algbw, galgbw = r["bytes"] / r["t"] / 1e9, g["bytes"] / g["t"] / 1e9
-                row = {"bench": f"{r['op']}", "backend": backend, "ranks": n, "bytes": r["bytes"],
-                       "helios": {"time_us": round(r["t"] * 1e6, 1), "p99_us": round(r["p99"] * 1e6, 1),
+                h, g = r["helios"], r["gloo"]
+                algbw, galgbw = r["bytes"] / h["t"] / 1e9, r["bytes"] / g["t"] / 1e9
+                row = {"bench": r["op"], "backend": backend, "ranks": n, "bytes": r["bytes"],
+                       "helios": {"time_us": round(h["t"] * 1e6, 1), "p99_us": round(h["p99"] * 1e6, 1),
                                   "algbw_GBps": round(algbw, 3), "busbw_GBps": round(algbw * f, 3)},
                        "peer": {"name": "torch.distributed gloo", "time_us": round(g["t"] * 1e6, 1),
                                 "p99_us": round(g["p99"] * 1e6, 1), "algbw_GBps": round(galgbw, 3),
                                 "busbw_GBps": round(galgbw * f, 3)},
                        "ratio": round(algbw / galgbw, 3),
-                       "memcpy_1core_GBps": round(mem.get(r["bytes"], mem[max(mem)]), 3)}
+                       "memcpy_1core_GBps": round(mem[r["bytes"]] if r["bytes"] in mem else mem[max(mem)], 3)}
                 table[(r["op"], backend, n, r["bytes"])] = row
                 print(json.dumps(row), flush=True)
     ok = True

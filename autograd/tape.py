@@ -104,13 +104,14 @@ NO_CONTEXT = _NoContext()
 class Node:
     """One recorded op: the function, its context, and the inputs it differentiates."""
 
-    __slots__ = ("fn", "ctx", "inputs", "name")
+    __slots__ = ("fn", "ctx", "inputs", "name", "n_out")
 
     def __init__(self, fn, ctx, inputs):
         self.fn = fn
         self.ctx = ctx
         self.inputs = inputs  # tuple of Tensor-or-None, aligned with backward's outputs
         self.name = fn.__name__
+        self.n_out = 1  # > 1: forward returned a tuple and backward takes a tuple of grads (None if unused)
 
 
 class Function:
@@ -140,8 +141,16 @@ class Function:
                     ctx = Context()
                     ctx.needs_input_grad = needs
                     out = cls.forward(ctx, *args)
-                    out.requires_grad = True
-                    out._node = Node(cls, ctx, tuple(a if n else None for a, n in zip(args, needs)))
+                    node = Node(cls, ctx, tuple(a if n else None for a, n in zip(args, needs)))
+                    if type(out) is tuple:  # several outputs share one node; each knows its slot
+                        node.n_out = len(out)
+                        for i, o in enumerate(out):
+                            o.requires_grad = True
+                            o._node = node
+                            o._out_index = i
+                    else:
+                        out.requires_grad = True
+                        out._node = node
                     return out
         return cls.forward(NO_CONTEXT, *args)
 
@@ -178,7 +187,8 @@ def _apply_profiled(cls, args):
     finally:
         _in_profiled_op[0] = False
         runtime._op_dispatches = prev
-    _prof._ACTIVE.record_op(cls.__name__.lstrip("_").lower(), out.shape, out.dtype.name, t0, time.monotonic_ns(), ids)
+    first = out[0] if type(out) is tuple else out
+    _prof._ACTIVE.record_op(cls.__name__.lstrip("_").lower(), first.shape, first.dtype.name, t0, time.monotonic_ns(), ids)
     return out
 
 
@@ -200,7 +210,9 @@ def _backward_profiled(node, g):
     finally:
         _in_profiled_op[0] = False
         runtime._op_dispatches = prev
-        col.record_op(node.name.lstrip("_").lower() + "_backward", g.shape, g.dtype.name, t0, time.monotonic_ns(), ids)
+        ref = next((x for x in g if x is not None), None) if type(g) is tuple else g
+        col.record_op(node.name.lstrip("_").lower() + "_backward", ref.shape if ref is not None else (),
+                      ref.dtype.name if ref is not None else "", t0, time.monotonic_ns(), ids)
 
 
 def _topo_order(root) -> list:
@@ -247,11 +259,15 @@ def backward(root, grad=None, retain_graph: bool = False) -> None:
         if root._node is None:
             _accumulate_leaf(root, grad, given)
             return
-        pending: dict[int, Tensor] = {id(root._node): grad}
+        # node id -> gradient of its output (a list of per-output gradients for multi-output nodes)
+        pending: dict[int, object] = {}
+        _add_pending(pending, root, grad)
         for node in reversed(_topo_order(root)):
             g = pending.pop(id(node), None)
             if g is None:
                 continue
+            if node.n_out > 1:
+                g = tuple(g)
             in_grads = _backward_profiled(node, g)
             if not isinstance(in_grads, tuple):
                 in_grads = (in_grads,)
@@ -263,11 +279,22 @@ def backward(root, grad=None, retain_graph: bool = False) -> None:
                 if inp._node is None:
                     _accumulate_leaf(inp, ig, given)
                 else:
-                    key = id(inp._node)
-                    prev = pending.get(key)
-                    pending[key] = ig if prev is None else prev + ig
+                    _add_pending(pending, inp, ig)
             if not retain_graph:
                 node.ctx.saved = None
+
+
+def _add_pending(pending: dict, t, g) -> None:
+    """Add gradient ``g`` of the non-leaf ``t`` to what its node will receive."""
+    node = t._node
+    key = id(node)
+    if node.n_out == 1:
+        prev = pending.get(key)
+        pending[key] = g if prev is None else prev + g
+    else:
+        slots = pending.setdefault(key, [None] * node.n_out)
+        i = t._out_index
+        slots[i] = g if slots[i] is None else slots[i] + g
 
 
 def _accumulate_leaf(t, g, given: set) -> None:

@@ -912,6 +912,34 @@ def stack(tensors, dim: int = 0) -> Tensor:
     return cat([unsqueeze(x, d) for x in tensors], d)
 
 
+class _Split(Function):
+    """Views of consecutive pieces of ``dim``; backward concatenates the pieces' gradients
+    (one buffer, zeros for pieces that got none) instead of padding each piece to full size."""
+
+    @staticmethod
+    def forward(ctx, x, sizes, d):
+        ctx.sizes, ctx.dim, ctx.shape = sizes, d, x.shape
+        out, pos = [], 0
+        for s in sizes:
+            shape, strides, off = _basic_index(x, (slice(None),) * d + (slice(pos, pos + s),))
+            out.append(_view(x, shape, strides, off))
+            pos += s
+        return tuple(out)
+
+    @staticmethod
+    def backward(ctx, grads):
+        rt = next(g for g in grads if g is not None)._st.rt
+        dtype = next(g for g in grads if g is not None).dtype
+        parts = []
+        for g, s in zip(grads, ctx.sizes):
+            if g is None:
+                shape = list(ctx.shape)
+                shape[ctx.dim] = s
+                g = K.fill(K.empty(tuple(shape), dtype, rt), 0)
+            parts.append(g)
+        return K.cat_raw(parts, ctx.dim), None, None
+
+
 def split(x: Tensor, split_size_or_sections, dim: int = 0) -> tuple:
     """Split into chunks of a size (the last may be smaller) or of the given sizes (views)."""
     d = norm_dim(dim, x.ndim, "split")
@@ -925,11 +953,9 @@ def split(x: Tensor, split_size_or_sections, dim: int = 0) -> tuple:
         sizes = list(split_size_or_sections)
         if builtins.sum(sizes) != n:
             raise ShapeError(f"split: sections {sizes} sum to {builtins.sum(sizes)}, but dim {d} has size {n}")
-    out, pos = [], 0
-    for s in sizes:
-        out.append(narrow(x, d, pos, s))
-        pos += s
-    return tuple(out)
+    if len(sizes) == 1:
+        return (x,)
+    return _Split.apply(x, tuple(sizes), d)
 
 
 def chunk(x: Tensor, chunks: int, dim: int = 0) -> tuple:

@@ -40,7 +40,8 @@ class Storage:
 class Tensor:
     """A multi-dimensional array on a Vulkan device (PyTorch naming)."""
 
-    __slots__ = ("_st", "shape", "_strides", "_off", "dtype", "requires_grad", "grad", "_node", "_host", "_retains_grad", "__weakref__")
+    __slots__ = ("_st", "shape", "_strides", "_off", "dtype", "requires_grad", "grad", "_node", "_host", "_retains_grad",
+                 "_out_index", "__weakref__")
     __array_priority__ = 1000  # numpy scalars/arrays on the left defer to our operators
 
     def __init__(self, st: Storage, shape: tuple, strides: tuple, off: int, dtype: dt.DType):
@@ -54,6 +55,7 @@ class Tensor:
         self._node = None
         self._host = None  # (storage version, numpy copy) when the data came from the host
         self._retains_grad = False
+        self._out_index = 0  # which output of its node (ops with several outputs, like split)
 
     # -- metadata -----------------------------------------------------------------------
     @property

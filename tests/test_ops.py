@@ -207,3 +207,8 @@ def test_casts(src, dst):
     t = torch.tensor(x).to(TORCH_DTYPE[src]).to(TORCH_DTYPE[dst])
     tv = t.float().numpy() if dst == "bfloat16" else t.numpy()
     np.testing.assert_array_equal(h.numpy(), tv)
+
+
+def test_split_with_unused_pieces_and_reuse():
+    check(lambda L, a: L.split(a, 2, dim=1)[1] * 3.0, rn(3, 6))
+    check(lambda L, a: L.split(a, 2, dim=0)[0] * L.split(a, 2, dim=0)[2] + L.split(a, 2, dim=0)[0], rn(6, 4))

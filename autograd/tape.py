@@ -171,48 +171,58 @@ def _tensor_class():
 _in_profiled_op = [False]
 
 
+class _OpScope:
+    """While open, the runtime files each dispatch's sequence number under this host op;
+    on close the op is recorded with them (name, shape and dtype of ``ref``)."""
+
+    def __init__(self, col, name: str):
+        self.col, self.name, self.ids = col, name, []
+
+    def __enter__(self):
+        import time
+
+        from helios import runtime
+
+        self.prev = runtime._op_dispatches
+        runtime._op_dispatches = self.ids
+        _in_profiled_op[0] = True
+        self.t0 = time.monotonic_ns()
+        return self
+
+    def close(self, ref) -> None:
+        import time
+
+        from helios import runtime
+
+        _in_profiled_op[0] = False
+        runtime._op_dispatches = self.prev
+        if type(ref) is tuple:
+            ref = next((x for x in ref if x is not None), None)
+        self.col.record_op(self.name, ref.shape if ref is not None else (), ref.dtype.name if ref is not None else "",
+                           self.t0, time.monotonic_ns(), self.ids)
+
+
 def _apply_profiled(cls, args):
     """Function.apply while profiling: record the op, its shape and the kernels it launched."""
-    import time
-
-    from helios import runtime
-
-    ids: list = []
-    prev = runtime._op_dispatches
-    runtime._op_dispatches = ids
-    _in_profiled_op[0] = True
-    t0 = time.monotonic_ns()
+    scope = _OpScope(_prof._ACTIVE, cls.__name__.lstrip("_").lower()).__enter__()
+    out = None
     try:
         out = cls.apply(*args)
     finally:
-        _in_profiled_op[0] = False
-        runtime._op_dispatches = prev
-    first = out[0] if type(out) is tuple else out
-    _prof._ACTIVE.record_op(cls.__name__.lstrip("_").lower(), first.shape, first.dtype.name, t0, time.monotonic_ns(), ids)
+        scope.close(out)
     return out
 
 
 def _backward_profiled(node, g):
-    import time
-
-    from helios import runtime
-
+    """node.fn.backward, recorded as a host op ``<name>_backward`` while profiling."""
     col = _prof._ACTIVE
     if col is None:
         return node.fn.backward(node.ctx, g)
-    ids: list = []
-    prev = runtime._op_dispatches
-    runtime._op_dispatches = ids
-    _in_profiled_op[0] = True
-    t0 = time.monotonic_ns()
+    scope = _OpScope(col, node.name.lstrip("_").lower() + "_backward").__enter__()
     try:
         return node.fn.backward(node.ctx, g)
     finally:
-        _in_profiled_op[0] = False
-        runtime._op_dispatches = prev
-        ref = next((x for x in g if x is not None), None) if type(g) is tuple else g
-        col.record_op(node.name.lstrip("_").lower() + "_backward", ref.shape if ref is not None else (),
-                      ref.dtype.name if ref is not None else "", t0, time.monotonic_ns(), ids)
+        scope.close(g)
 
 
 def _topo_order(root) -> list:

@@ -615,6 +615,13 @@ def argmin(x: Tensor, dim=None, keepdim: bool = False) -> Tensor:
 
 
 # -- views ---------------------------------------------------------------------------------------
+def _shape_arg(shape: tuple) -> tuple:
+    """Accept both f(x, 2, 3) and f(x, (2, 3))."""
+    if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+        return tuple(shape[0])
+    return shape
+
+
 def _view(x: Tensor, shape, strides, off) -> Tensor:
     t = Tensor(x._st, tuple(shape), tuple(strides), off, x.dtype)
     return t
@@ -636,8 +643,7 @@ class _Reshape(Function):
 
 def reshape(x: Tensor, *shape) -> Tensor:
     """``x`` with a new shape (a view when the strides allow, else a copy); one dim may be -1."""
-    if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
-        shape = tuple(shape[0])
+    shape = _shape_arg(shape)
     shape = infer_reshape("reshape", x.shape, tuple(int(s) for s in shape))
     if shape == x.shape:
         return x
@@ -646,8 +652,7 @@ def reshape(x: Tensor, *shape) -> Tensor:
 
 def view(x: Tensor, *shape) -> Tensor:
     """Like reshape, but never copies: a ShapeError if the strides do not allow a view."""
-    if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
-        shape = tuple(shape[0])
+    shape = _shape_arg(shape)
     shape = infer_reshape("view", x.shape, tuple(int(s) for s in shape))
     if view_strides(x.shape, x._strides, shape) is None:
         raise ShapeError(f"view: a tensor of shape {x.shape} with strides {x._strides} cannot be viewed as {shape} "
@@ -671,8 +676,7 @@ class _Permute(Function):
 
 def permute(x: Tensor, *dims) -> Tensor:
     """Reorder dims (a view)."""
-    if len(dims) == 1 and isinstance(dims[0], (tuple, list)):
-        dims = tuple(dims[0])
+    dims = _shape_arg(dims)
     perm = tuple(norm_dim(d, x.ndim, "permute") for d in dims)
     if sorted(perm) != list(range(x.ndim)):
         raise ShapeError(f"permute: {dims} is not a permutation of the {x.ndim} dims of a tensor of shape {x.shape}")
@@ -706,8 +710,7 @@ class _Expand(Function):
 
 def expand(x: Tensor, *shape) -> Tensor:
     """Broadcast size-1 dims to ``shape`` without copying (-1 keeps a dim)."""
-    if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
-        shape = tuple(shape[0])
+    shape = _shape_arg(shape)
     pad = len(shape) - x.ndim
     if pad < 0:
         raise ShapeError(f"expand: target {shape} has fewer dims than the tensor's shape {x.shape}")

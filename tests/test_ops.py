@@ -212,3 +212,11 @@ def test_casts(src, dst):
 def test_split_with_unused_pieces_and_reuse():
     check(lambda L, a: L.split(a, 2, dim=1)[1] * 3.0, rn(3, 6))
     check(lambda L, a: L.split(a, 2, dim=0)[0] * L.split(a, 2, dim=0)[2] + L.split(a, 2, dim=0)[0], rn(6, 4))
+
+
+def test_index_select_and_cast_gradients():
+    idx = np.array([2, 0, 2, 1], np.int64)
+    check(lambda L, x, i: L.index_select(x, 1, i) * 2.0, rn(3, 4), idx)
+    check(lambda L, x, i: x[i] * 1.5, rn(3, 5), idx)
+    check(lambda L, x: (x.to(L.float16) * 2).to(L.float32), rn(4, 5))
+    check(lambda L, x: (x.to(L.bfloat16) + 1).to(L.float32).sum(dim=0), rn(4, 5))

@@ -118,16 +118,17 @@ def main(argv: list[str] | None = None) -> int:
         if rt.info["type"] != "cpu":
             print(json.dumps({**common, "skipped": "--tiles/--wy tune the CPU kernel; this device is not a CPU"}))
             return 0
-        tiles = [tuple(int(x) for x in t.split("x")) for t in (args.tiles or [f"{K._MM_CPU_TILE[0]}x{K._MM_CPU_TILE[1]}"])]
-        configs = [(t, w) for t in tiles for w in (args.wy or [K._MM_CPU_WY])]
+        tiles = [tuple(int(x) for x in t.split("x")) for t in args.tiles] if args.tiles else [None]
+        configs = [(t, w) for t in tiles for w in (args.wy or [None])]
     default_tile, default_wy = K._MM_CPU_TILE, K._MM_CPU_WY
     try:
         for tile, wy in configs:
-            extra = {}
-            if tile is not None:
-                K._MM_CPU_TILE, K._MM_CPU_WY = tile, wy
-                extra = {"tile": f"{tile[0]}x{tile[1]}", "wy": wy}
+            K._MM_CPU_TILE, K._MM_CPU_WY = tile, wy
             for name, M, Kd, N in shapes:
+                extra = {}
+                if rt.info["type"] == "cpu":
+                    tm, tn, w = K._mm_cpu_tile(M, N)
+                    extra = {"tile": f"{tm}x{tn}", "wy": w}
                 for layout in args.layouts:
                     res = bench_shape(M, Kd, N, layout, args.dtype, args.rounds, rng)
                     load = round(os.getloadavg()[0], 2)  # other work on the host skews both sides

@@ -525,22 +525,37 @@ def cat_raw(parts: list, dim: int) -> Tensor:
 # matmul kernel configurations (see kernels_spirv/glsl/matmul.comp).
 # GPUs: shared-memory tiles BM x BN x BK with WX x WY invocations (4x4 register blocks).
 _MM_GPU_SPEC = (64, 64, 16, 16, 16)
-# CPU drivers (lavapipe): subgroup register blocks of TM x TN per lane (variant suffix),
-# MM_CPU_WY subgroups per workgroup.  8x8 measured best on a 2-core AVX2 host (bench/matmul.py).
-_MM_CPU_TILE = (8, 8)
-_MM_CPU_WY = 4
+# CPU drivers (lavapipe): subgroup register blocks of TM x TN per lane (the variant suffix)
+# and WY subgroups per workgroup, picked per shape by _mm_cpu_tile(); None = automatic, a
+# (TM, TN) / WY here forces them (bench/matmul.py --tiles / --wy sweeps them).
+_MM_CPU_TILE: tuple | None = None
+_MM_CPU_WY: int | None = None
 _MM_SG = 8  # the subgroup size the CPU kernel is written for
 
 
+def _mm_cpu_tile(M: int, N: int) -> tuple:
+    """(TM, TN, WY) of the CPU kernel for an M x N output.
+
+    Measured on a 2-core AVX2 host with lavapipe at 1024^2 (single-thread best-of runs, fp32):
+    8x16 with 16 subgroups a workgroup ~17 GFLOP/s, 16x16 ~16, 8x8 ~15, 16x8 ~15 (+-20%
+    noise).  Wide blocks amortise the A broadcasts over more columns and tall workgroups
+    reuse one B panel from cache; narrow outputs get 8 columns a lane so fewer lanes idle
+    on clamped columns, short ones fewer subgroups so both threads get workgroups.
+    """
+    tm, tn = _MM_CPU_TILE or (8, 16 if N >= 512 else 8)
+    wy = _MM_CPU_WY or (16 if M >= 512 else 8 if M >= 128 else 2)
+    return tm, tn, wy
+
+
 def _mm_cpu_config(M: int, N: int, oa: int, ob: int, oc: int, ca, cb, sam: int, sak: int, sbk: int, sbn: int,
-                   wide_ok: bool) -> tuple:
+                   wide_ok: bool, tile: tuple = (8, 8, 4)) -> tuple:
     """Specialization constants (WY, AMODE, BMODE, CVEC, AWIDE, BWIDE) of the CPU kernel.
 
     A K-contiguous A (row-major) or N-contiguous B is read in vectors along that dim, an
     M-contiguous A (a transposed view) or K-contiguous B (B^T) along the other; 8-wide
     when 8-aligned (and int64 exists), 4-wide when 4-aligned, else with scalar loads.
     """
-    tm, tn = _MM_CPU_TILE
+    tm, tn, wy = tile
 
     def fits(inner, outer, offs, run, e):
         return inner == 1 and outer % e == 0 and all(o % e == 0 for o in offs) and run % e == 0 and run >= (e if run else 0)
@@ -559,7 +574,7 @@ def _mm_cpu_config(M: int, N: int, oa: int, ob: int, oc: int, ca, cb, sam: int, 
     bk, bwide = pick(sbk, sbn, sbn, sbk, (ob, *cb), N, tn)
     bmode = {0: 0, 1: 2, 2: 1}[bk]
     cvec = int(N % 4 == 0 and oc % 4 == 0)
-    return (_MM_CPU_WY, amode, bmode, cvec, awide, bwide)
+    return (wy, amode, bmode, cvec, awide, bwide)
 
 
 def matmul(a: Tensor, b: Tensor) -> Tensor:
@@ -595,8 +610,8 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
     sam, sak = a._strides[-2], a._strides[-1]
     sbk, sbn = b._strides[-2], b._strides[-1]
     if rt.info.get("type") == "cpu" and int(rt.info["limits"].get("subgroup_size", 0)) == _MM_SG:
-        tm, tn = _MM_CPU_TILE
-        spec = _mm_cpu_config(M, N, oa, ob, oc, ca, cb, sam, sak, sbk, sbn, bool(rt.features.get("int64")))
+        tm, tn, wy = _mm_cpu_tile(M, N)
+        spec = _mm_cpu_config(M, N, oa, ob, oc, ca, cb, sam, sak, sbk, sbn, bool(rt.features.get("int64")), (tm, tn, wy))
         pid = rt.pipeline("matmul", f"{a.dtype.tag}_sg{tm}x{tn}", spec)
         groups = ((N + _MM_SG * tn - 1) // (_MM_SG * tn), (M + tm * spec[0] - 1) // (tm * spec[0]), nb)
     else:

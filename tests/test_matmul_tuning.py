@@ -7,7 +7,6 @@ picker), so a change in the picker cannot silently leave a path untested."""
 
 import numpy as np
 import pytest
-
 from parity import check
 
 import helios as hl
@@ -32,7 +31,7 @@ def _config(a, b):
     """The CPU kernel's (WY, AMODE, BMODE, CVEC, AWIDE, BWIDE) for helios views a, b (2-D)."""
     M, N = a.shape[-2], b.shape[-1]
     return K._mm_cpu_config(M, N, a._off, b._off, 0, [0, 0], [0, 0], a._strides[-2], a._strides[-1],
-                            b._strides[-2], b._strides[-1], True)
+                            b._strides[-2], b._strides[-1], True, K._mm_cpu_tile(M, N))
 
 
 # (name, A view, B view, M, K, N, expected (AMODE, AWIDE), (BMODE, BWIDE))
@@ -50,6 +49,9 @@ CASES = [
     ("aT_ragged", "t", "rm", 13, 16, 8, (0, 0), (1, 1)),
     ("offset_views", "off1", "off1", 8, 16, 24, (0, 0), (0, 0)),
     ("gpt_like", "rm", "rm", 40, 64, 256, (1, 1), (1, 1)),
+    # N >= 512 takes the 16-column block (8x16 variant) with ragged subgroup columns
+    ("wide_tile", "rm", "rm", 20, 24, 520, (1, 1), (1, 1)),
+    ("wide_tile_T", "t", "t", 16, 24, 516, (2, 1), (2, 1)),
 ]
 
 
@@ -107,6 +109,16 @@ def test_matmul_vector_operands():
     check(lambda L, a, b: a @ b, rn(16, 33), rn(33), scale=8)
 
 
+def test_tile_picker():
+    assert K._mm_cpu_tile(1024, 1024) == (8, 16, 16)
+    assert K._mm_cpu_tile(64, 100) == (8, 8, 2)
+    K._MM_CPU_TILE, K._MM_CPU_WY = (16, 8), 4
+    try:
+        assert K._mm_cpu_tile(1024, 1024) == (16, 8, 4)
+    finally:
+        K._MM_CPU_TILE = K._MM_CPU_WY = None
+
+
 @pytest.mark.parametrize("wide", [True, False])
 def test_mode_picker(wide):
     # row-major A and B, 8-aligned: K-contiguous A, N-contiguous B
@@ -126,3 +138,15 @@ def test_mode_picker(wide):
     assert K._mm_cpu_config(66, 8, 0, 0, 0, [0, 0], [0, 0], 1, 64, 8, 1, wide)[1] == 0
     # C written as vec4 only when N % 4 == 0
     assert K._mm_cpu_config(8, 6, 0, 0, 0, [0, 0], [0, 0], 8, 1, 6, 1, wide)[3] == 0
+
+
+@pytest.mark.parametrize("tile", [(8, 8), (8, 16), (16, 8), (16, 16)])
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_forced_tiles(tile, dtype):
+    # every compiled register block (bench/matmul.py --tiles sweeps them), 4 subgroups a workgroup
+    K._MM_CPU_TILE, K._MM_CPU_WY = tile, 4
+    try:
+        check(lambda L, a, b: a @ b, rn(37, 24), rn(24, 70), dtype=dtype, scale=_scale(dtype, 24))
+        check(lambda L, a, b: a.mT @ b, rn(20, 32), rn(20, 16), dtype=dtype, scale=_scale(dtype, 20))
+    finally:
+        K._MM_CPU_TILE = K._MM_CPU_WY = None

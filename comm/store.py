@@ -132,9 +132,9 @@ class TCPStore:
     """Client of a :class:`StoreServer`; rank 0 also starts the server (``is_server=True``)."""
 
     def __init__(self, host: str, port: int, world_size: int, *, is_server: bool = False, timeout: float = 300.0,
-                 job_id: str = "") -> None:
+                 job_id: str = "", bind_retry_s: float = 5.0) -> None:
         self.host, self.timeout = host, timeout
-        self.server = StoreServer("0.0.0.0", port, world_size, job_id) if is_server else None
+        self.server = StoreServer("0.0.0.0", port, world_size, job_id, bind_retry_s) if is_server else None
         self.port = self.server.port if self.server else port
         self._lock = threading.Lock()
         self._sock = self._connect(timeout)

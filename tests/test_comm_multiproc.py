@@ -108,13 +108,22 @@ class Checker:
         self.d.all_gather(out, x, algorithm=alg, dtype=dtype)
         self.eq(out, exp, f"all_gather {alg} {dtype} n={count} inplace={inplace}")
 
-    def reduce_scatter(self, count: int, dtype: str, op: str, alg: str) -> None:
+    def reduce_scatter(self, count: int, dtype: str, op: str, alg: str, inplace: bool = False) -> None:
         n, r = self.n, self.r
         x = _encode(_inputs(r, count * n, op), dtype)
-        out = np.zeros(count, dtype=_storage(dtype))
+        out = x[r * count:(r + 1) * count] if inplace else np.zeros(count, dtype=_storage(dtype))
         self.d.reduce_scatter(out, x, op=op, algorithm=alg, dtype=dtype)
         full = _expected(n, count * n, op, dtype)
-        self.eq(out, full[r * count:(r + 1) * count], f"reduce_scatter {alg} {dtype} {op} n={count}")
+        self.eq(out, full[r * count:(r + 1) * count], f"reduce_scatter {alg} {dtype} {op} n={count} inplace={inplace}")
+
+    def misaligned_all_reduce(self, count: int, dtype: str, alg: str) -> None:
+        # An operand that starts one element into a larger array: not 64-byte aligned.
+        big = np.zeros(count + 3, dtype=_storage(dtype))
+        x = big[1:1 + count]
+        x[...] = _encode(_inputs(self.r, count, "sum"), dtype)
+        self.d.all_reduce(x, algorithm=alg, dtype=dtype)
+        self.eq(x, _expected(self.n, count, "sum", dtype), f"misaligned all_reduce {alg} {dtype} n={count}")
+        self.eq(big[[0, -2, -1]], np.zeros(3, dtype=big.dtype), "bytes around a misaligned operand")
 
     def broadcast(self, count: int, dtype: str, alg: str, src: int) -> None:
         x = _encode(_inputs(self.r, count, "sum", src), dtype)
@@ -153,12 +162,14 @@ def rank_matrix(full: bool) -> None:
             for count in sizes:
                 c.all_reduce(count, dt, "sum", alg)
                 c.all_gather(count, dt, alg, inplace=count % 2 == 1)
-                c.reduce_scatter(count, dt, "sum", alg)
+                c.reduce_scatter(count, dt, "sum", alg, inplace=count % 2 == 1)
                 c.broadcast(count, dt, alg, src=count % n)
                 c.reduce(count, dt, "max" if count % 2 else "sum", alg, dst=(count + 1) % n)
             for op in OPS:
                 c.all_reduce(29, dt, op, alg)
                 c.reduce_scatter(5, dt, op, alg)
+        c.misaligned_all_reduce(301, "float32", alg)
+        c.misaligned_all_reduce(37, "float16", alg)
         for root in range(n):
             c.broadcast(33, "int32", alg, src=root)
             c.reduce(33, "int32", "sum", alg, dst=root)
@@ -319,8 +330,8 @@ def test_collectives_exact_full_matrix(backend, n):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("backend,n", [("shm", 1), ("shm", 2), ("shm", 5), ("shm", 8), ("tcp", 1), ("tcp", 2),
-                                       ("tcp", 5), ("tcp", 8)])
+@pytest.mark.parametrize("backend,n", [("shm", 1), ("shm", 2), ("shm", 5), ("shm", 7), ("shm", 8), ("tcp", 1),
+                                       ("tcp", 2), ("tcp", 5), ("tcp", 6), ("tcp", 8)])
 def test_collectives_exact_world_sizes(backend, n):
     assert _run_matrix(backend, n, full=False) > 300
 
@@ -423,6 +434,36 @@ def test_peer_killed_ibverbs_raises_commerror():
     if reason:
         pytest.skip(f"ibverbs: {reason}")
     _fault("ibverbs", signal.SIGKILL)
+
+
+@pytest.mark.multiproc
+def test_launcher_forwards_sigterm_to_every_rank(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import os, signal, sys, time\n"
+        "def bye(sig, frame):\n"
+        "    print('got SIGTERM', os.environ['RANK'], flush=True)\n"
+        "    sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, bye)\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    p = subprocess.Popen([PY, "-m", "helios.comm.launcher", "--nproc-per-node", "2", str(script)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        seen = 0
+        while seen < 2:
+            line = p.stdout.readline()
+            assert line, p.stderr.read()
+            seen += "ready" in line
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 128 + signal.SIGTERM, (out, err)
+    assert "[rank 0] got SIGTERM 0" in out and "[rank 1] got SIGTERM 1" in out, out
 
 
 def _sh(cmd: str) -> None:

@@ -59,7 +59,7 @@ def test_store_set_get_add_wait_and_deadlines():
     with pytest.raises(CommError, match="job id"):
         TCPStore("127.0.0.1", server.port, 3, timeout=2, job_id="other")
     with pytest.raises(CommError, match="cannot listen"):
-        TCPStore("127.0.0.1", server.port, 3, is_server=True, timeout=1, job_id="j").close()
+        TCPStore("127.0.0.1", server.port, 3, is_server=True, timeout=1, job_id="j", bind_retry_s=0.5).close()
     for c in clients:
         c.close()
     server.close()

@@ -45,10 +45,9 @@ def _busbw_factor(op: str, n: int) -> float:
 # ------------------------------------------------------------------------------- worker
 def worker(backend: str, ops: list[str], sizes: list[int], rounds: int) -> None:
     """One rank: both helios.comm (``backend``) and gloo in this process, measured in alternation."""
+    import helios.comm as dist
     import torch
     import torch.distributed as td
-
-    import helios.comm as dist
 
     rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     td.init_process_group("gloo", rank=rank, world_size=n)

@@ -32,6 +32,7 @@ from helios.comm.api import (
     send,
 )
 from helios.comm.group import ProcessGroup, Work
+
 from helios.errors import CommError
 
 __all__ = [

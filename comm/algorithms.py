@@ -15,10 +15,9 @@ matched by the step it was sent for.  Inputs are flat numpy arrays (storage dtyp
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
-
 from helios.comm import reduce_ops as R
 from helios.comm.engine import Engine
 

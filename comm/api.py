@@ -13,7 +13,6 @@ import os
 import socket
 from typing import Any
 
-
 from helios.comm import algorithms as A
 from helios.comm import env as envmod
 from helios.comm import shm as shmmod
@@ -22,6 +21,7 @@ from helios.comm.group import ProcessGroup, Work
 from helios.comm.reduce_ops import check_op
 from helios.comm.store import PrefixStore, TCPStore
 from helios.comm.tcp import TcpTransport, pick_address
+
 from helios.errors import CommError, DTypeError, ShapeError
 
 BACKENDS = ("auto", "shm", "tcp", "ibverbs")
@@ -172,7 +172,7 @@ def _group(group: Any) -> ProcessGroup:
     if group is None:
         return _S.world
     if isinstance(group, _NonMember):
-        raise ValueError(f"helios.comm: rank {_S.rank} is not a member of group {group.name} {group.ranks}; "
+        raise ValueError(f"helios.comm: rank {_S.rank} is not a member of group {group.name} {group.ranks}; "  # noqa: TRY004 - a group object of the wrong kind is a bad value, as in torch
                          "only members may call collectives on it.")
     return group
 

@@ -9,8 +9,9 @@ a result back).  bfloat16 travels as uint16 bit patterns; it is named either by 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 import struct
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
@@ -61,7 +61,7 @@ class OpInfo:
 
 
 class _Send:
-    __slots__ = ("peer", "tag", "parts", "idx", "off", "nbytes")
+    __slots__ = ("idx", "nbytes", "off", "parts", "peer", "tag")
 
     def __init__(self, peer: int, tag: int, payload: memoryview) -> None:
         self.peer, self.tag, self.nbytes = peer, tag, payload.nbytes
@@ -72,7 +72,7 @@ class _Send:
 
 
 class _Recv:
-    __slots__ = ("peer", "tag", "dst", "nbytes", "got", "on_done", "stash")
+    __slots__ = ("dst", "got", "nbytes", "on_done", "peer", "stash", "tag")
 
     def __init__(self, peer: int, tag: int, dst: memoryview, on_done: Callable[[], None] | None) -> None:
         self.peer, self.tag, self.dst, self.nbytes = peer, tag, dst, dst.nbytes
@@ -82,7 +82,7 @@ class _Recv:
 class Engine:
     """Matches, sends and receives framed messages over a transport's links."""
 
-    def __init__(self, transport: "Transport") -> None:
+    def __init__(self, transport: Transport) -> None:
         self.t = transport
         n = transport.world
         self._sendq: list[deque[_Send]] = [deque() for _ in range(n)]

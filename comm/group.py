@@ -14,13 +14,13 @@ import os
 import threading
 import time
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
-
 from helios.comm import algorithms as A
 from helios.comm import cost
 from helios.comm.engine import Engine, OpInfo, PeerLost
+
 from helios.errors import CommError
 
 ALGORITHMS = ("auto", "ring", "tree", "halving_doubling")
@@ -70,7 +70,7 @@ class ProcessGroup:
             from helios.comm.shm_direct import ShmDirect
 
             self.direct = ShmDirect(transport)
-        self.seg_bytes = int(os.environ.get("HELIOS_COMM_SEGMENT_BYTES", 1 << 20))
+        self.seg_bytes = int(os.environ.get("HELIOS_COMM_SEGMENT_BYTES") or 1 << 20)
         self.debug = os.environ.get("HELIOS_COMM_DEBUG", "") not in ("", "0")
         self.seq = 0
         self._p2p_send = [0] * self.size
@@ -130,7 +130,7 @@ class ProcessGroup:
             try:
                 fn()
                 work._finish(None)
-            except BaseException as e:  # handed to the waiter
+            except BaseException as e:  # noqa: BLE001 - handed to the waiter, which re-raises it
                 work._finish(e)
             finally:
                 with self._cv:
@@ -180,7 +180,7 @@ class ProcessGroup:
             self.broken = reason
             try:
                 self.t.abort(reason)
-            except Exception:
+            except Exception:  # noqa: BLE001, S110 - best effort: the peers still time out on their own
                 pass
             self.engine.reset()
 

@@ -33,8 +33,8 @@ import struct
 import time
 
 import numpy as np
-
 from helios.comm.engine import Link, PeerLost, Transport
+
 from helios.errors import CommError
 
 _CDEF = """
@@ -252,7 +252,7 @@ class _Device:
 class IbvLink(Link):
     """Byte stream to one peer over an RC queue pair."""
 
-    def __init__(self, t: "IbvTransport", peer: int) -> None:
+    def __init__(self, t: IbvTransport, peer: int) -> None:
         self.t, self.peer = t, peer
         self.cap = t.ring_bytes
         self.tail = 0           # bytes written to the peer
@@ -325,7 +325,7 @@ class IbvTransport(Transport):
         if reason:
             raise CommError(f"helios.comm: the ibverbs backend is unavailable: {reason}. Use backend='tcp'.")
         self.rank, self.world = rank, world
-        self.ring_bytes = int(os.environ.get("HELIOS_IB_RING_BYTES", 4 << 20))
+        self.ring_bytes = int(os.environ.get("HELIOS_IB_RING_BYTES") or 4 << 20)
         self.max_write = min(self.ring_bytes // 4, 1 << 20)
         d = self.dev = _Device()
         ffi, lib = d.ffi, d.lib

@@ -6,7 +6,7 @@ once, so same-exponent inputs give exact results whatever the order.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

@@ -32,8 +32,8 @@ import secrets
 import time
 
 import numpy as np
-
 from helios.comm.engine import Link, PeerLost, Transport
+
 from helios.errors import CommError
 
 try:
@@ -107,7 +107,7 @@ class Segment:
 class ShmLink(Link):
     """Byte ring ``me -> peer`` in my segment, ring ``peer -> me`` in the peer's segment."""
 
-    def __init__(self, t: "ShmTransport", peer: int) -> None:
+    def __init__(self, t: ShmTransport, peer: int) -> None:
         me = t.rank
         self.t, self.peer, self.cap = t, peer, t.ring_bytes
         mine, theirs = t.segs[me], t.segs[peer]

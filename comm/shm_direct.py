@@ -23,17 +23,17 @@ import os
 import time
 
 import numpy as np
-
 from helios.comm import reduce_ops as R
 from helios.comm.engine import OpInfo, PeerLost
 from helios.comm.shm import ShmTransport, _shm
+
 from helios.errors import CommError
 
 # All-reduces up to this size use one phase (each rank reduces every buffer): one
 # synchronisation instead of two, which wins while the reduction is cheap.
 ONE_PHASE_MAX = 64 * 1024
 # Bytes of each rank's chunk per piece of a large all-reduce (HELIOS_SHM_PIECE_BYTES).
-PIECE_PER_RANK = int(os.environ.get("HELIOS_SHM_PIECE_BYTES", 512 * 1024))
+PIECE_PER_RANK = int(os.environ.get("HELIOS_SHM_PIECE_BYTES") or 512 * 1024)
 
 
 class ShmDirect:

@@ -226,7 +226,7 @@ class TCPStore:
 class PrefixStore:
     """A view of a store whose keys are scoped as ``prefix/key``."""
 
-    def __init__(self, prefix: str, store: "TCPStore | PrefixStore") -> None:
+    def __init__(self, prefix: str, store: TCPStore | PrefixStore) -> None:
         self.prefix, self.store = prefix, store
 
     def _k(self, key: str) -> str:

@@ -17,6 +17,7 @@ import struct
 import time
 
 from helios.comm.engine import Link, PeerLost, Transport
+
 from helios.errors import CommError
 
 _HELLO = struct.Struct("<II16s")  # magic, rank, job token
@@ -115,7 +116,7 @@ class TcpTransport(Transport):
                                     f"within {timeout:.0f} s; check HELIOS_SOCKET_IFNAME and firewalls.")
                 try:
                     conn, _ = lsock.accept()
-                except socket.timeout:
+                except TimeoutError:
                     continue
                 conn.settimeout(max(1.0, deadline - time.monotonic()))
                 try:

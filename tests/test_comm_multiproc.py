@@ -229,6 +229,7 @@ def rank_matrix(full: bool) -> None:
 def rank_fault() -> None:
     """Loop all-reduces until the parent kills or stops the victim; report the error."""
     import helios.comm as dist
+
     from helios.errors import CommError
 
     dist.init_process_group(backend=os.environ["TEST_BACKEND"], timeout=float(os.environ["TEST_TIMEOUT"]))
@@ -253,6 +254,7 @@ def rank_fault() -> None:
 def rank_debug() -> None:
     """Rank 1 calls all_reduce with another size: every rank must get a clear CommError."""
     import helios.comm as dist
+
     from helios.errors import CommError
 
     dist.init_process_group(backend=os.environ["TEST_BACKEND"], timeout=10)
@@ -403,7 +405,7 @@ def test_launcher_stops_job_when_a_rank_exits_3(tmp_path):
     )
     t0 = time.monotonic()
     p = subprocess.run([PY, "-m", "helios.comm.launcher", "--nproc-per-node", "3", "--grace", "2", str(script)],
-                       capture_output=True, text=True, timeout=60, cwd=ROOT)
+                       capture_output=True, text=True, timeout=60, cwd=ROOT, check=False)
     assert p.returncode == 3, (p.stdout, p.stderr)
     assert time.monotonic() - t0 < 30
     for r in range(3):
@@ -474,7 +476,7 @@ def _sh(cmd: str) -> None:
 def test_two_hosts_tcp_in_network_namespaces():
     if os.geteuid() != 0:
         pytest.skip("needs root to create network namespaces (ip netns + veth)")
-    if subprocess.run("command -v ip", shell=True, capture_output=True).returncode != 0:
+    if subprocess.run("command -v ip", shell=True, capture_output=True, check=False).returncode != 0:
         pytest.skip("the ip tool (iproute2) is not installed")
     tag = f"hx{os.getpid() % 100000}"
     ns = [f"{tag}a", f"{tag}b"]
@@ -497,7 +499,7 @@ def test_two_hosts_tcp_in_network_namespaces():
             assert rc == 0 and "OK" in o, f"{o}\n{e[-3000:]}"
     finally:
         for n in ns:
-            subprocess.run(["ip", "netns", "del", n], capture_output=True)
+            subprocess.run(["ip", "netns", "del", n], capture_output=True, check=False)
 
 
 if __name__ == "__main__":

@@ -6,12 +6,12 @@ import threading
 
 import numpy as np
 import pytest
-
 from helios.comm import cost, env
 from helios.comm import reduce_ops as R
 from helios.comm.algorithms import binomial, bounds
 from helios.comm.buffers import as_buffer
 from helios.comm.store import PrefixStore, TCPStore
+
 from helios.errors import CommError, DTypeError
 
 

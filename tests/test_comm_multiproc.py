@@ -181,6 +181,23 @@ def rank_matrix(full: bool) -> None:
     for dt in dtypes:
         for count in (0, 1, 3, 70):
             c.all_to_all(count, dt)
+    # A Helios tensor (duck-typed: .numpy() and .copy_()) that hands bfloat16 out widened to float32.
+    class FakeTensor:
+        dtype = "bfloat16"
+
+        def __init__(self, data: np.ndarray) -> None:
+            self.data = data
+
+        def numpy(self) -> np.ndarray:
+            return self.data.copy()
+
+        def copy_(self, arr: np.ndarray) -> None:
+            self.data[...] = arr
+
+    t = FakeTensor((_inputs(r, 41, "sum") + 0.5).astype(np.float32))
+    dist.all_reduce(t)
+    exp = (sum(_inputs(q, 41, "sum") for q in range(n)) + 0.5 * n).astype(np.float32)
+    c.eq(t.data, exp, "tensor all_reduce (bfloat16)")
     # Large enough for several shm slot pieces and the two-phase direct path.
     c.all_reduce(40_000, "float32", "sum", "auto")
     c.all_reduce(40_000, "bfloat16", "avg", "ring")

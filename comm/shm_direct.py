@@ -94,6 +94,14 @@ class ShmDirect:
         self._publish(self.gen)
         self._wait(self.gen)
 
+    def _cap(self, per_piece: int) -> int:
+        """Bytes per rank of one piece when each rank writes ``per_piece`` blocks of it to its slot.
+
+        Small enough that a piece is still in cache when the peers read it (PIECE_PER_RANK),
+        and never more than the slot holds.
+        """
+        return max(1, min(self.t.slot_bytes // per_piece, PIECE_PER_RANK))
+
     def _pieces(self, nbytes: int, unit: int, cap: int) -> list[tuple[int, int]]:
         """Split ``nbytes`` into pieces of at most ``cap`` bytes, multiples of ``unit``."""
         step = max(unit, cap // unit * unit)
@@ -151,7 +159,7 @@ class ShmDirect:
         """``out`` (n * x.nbytes) receives every rank's ``x`` in rank order."""
         xr, orr = x.view(np.uint8), out.view(np.uint8)
         m = xr.nbytes
-        for off, nb in self._pieces(m, 1, self.t.slot_bytes):
+        for off, nb in self._pieces(m, 1, self._cap(1)):
             idx = self._step()
             self._slots[self.rank][idx][:nb] = xr[off: off + nb]
             self._sync()
@@ -162,7 +170,7 @@ class ShmDirect:
         """``out`` = reduction over ranks of chunk ``rank`` of ``x`` (x holds n chunks of out's size)."""
         xr = x.view(np.uint8)
         m, isz, n = out.nbytes, out.itemsize, self.n
-        for off, nb in self._pieces(m, isz, self.t.slot_bytes // n):
+        for off, nb in self._pieces(m, isz, self._cap(n)):
             idx = self._step()
             mine = self._slots[self.rank][idx]
             for j in range(n):
@@ -177,7 +185,7 @@ class ShmDirect:
     def broadcast(self, buf: np.ndarray, src: int) -> None:
         """Copy ``src``'s ``buf`` to every rank."""
         raw = buf.view(np.uint8)
-        for off, nb in self._pieces(raw.nbytes, 1, self.t.slot_bytes):
+        for off, nb in self._pieces(raw.nbytes, 1, self._cap(1)):
             idx = self._step()
             if self.rank == src:
                 self._slots[src][idx][:nb] = raw[off: off + nb]
@@ -189,7 +197,7 @@ class ShmDirect:
         """``dst``'s ``buf`` receives the reduction over ranks; the others' are unchanged."""
         raw = buf.view(np.uint8)
         isz = buf.itemsize
-        for off, nb in self._pieces(raw.nbytes, isz, self.t.slot_bytes):
+        for off, nb in self._pieces(raw.nbytes, isz, self._cap(1)):
             idx = self._step()
             self._slots[self.rank][idx][:nb] = raw[off: off + nb]
             self._sync()
@@ -204,7 +212,7 @@ class ShmDirect:
         xr, orr = x.view(np.uint8), out.view(np.uint8)
         n = self.n
         m = xr.nbytes // n
-        for off, nb in self._pieces(m, 1, self.t.slot_bytes // n):
+        for off, nb in self._pieces(m, 1, self._cap(n)):
             idx = self._step()
             mine = self._slots[self.rank][idx]
             for j in range(n):

@@ -13,7 +13,9 @@ Each round times Helios (``reps`` products recorded back to back, then
 so the two see the same machine load; a shape's figure is the median over rounds of the
 per-product time.  One JSON line per shape: {"bench": "matmul", "shape", "layout",
 "helios_gflops", "numpy_gflops", "ratio", "numpy_threads", "lp_num_threads", "device"};
-``ratio`` = helios / numpy.  ``--tiles`` (CPU devices only) repeats the square shapes for
+``ratio`` = helios / numpy.  With ``--dtype float16/bfloat16`` Helios stores 16-bit
+operands (computing in fp32) while numpy still runs fp32 BLAS: numpy has no bf16 and its
+float16 matmul does not use BLAS, so fp32 is the fair peer.  ``--tiles`` (CPU devices only) repeats the square shapes for
 each TM x TN register block listed, to re-tune ``_MM_CPU_TILE`` on a new host.
 """
 

@@ -7,7 +7,6 @@ travel as push constants, dims are collapsed first so most ops index 1-3 dims.
 
 from __future__ import annotations
 
-import math
 import struct
 
 from helios import dtypes as dt

@@ -17,7 +17,7 @@ from helios import _kernels as K
 from helios import dtypes as dt
 from helios._shape import (broadcast_shapes, contiguous_strides, infer_reshape, norm_dim, norm_dims, numel,
                            view_strides)
-from helios.autograd.tape import NO_CONTEXT, Function, is_grad_enabled, no_grad
+from helios.autograd.tape import NO_CONTEXT, Function, is_grad_enabled
 from helios.errors import DeviceError, DTypeError, ShapeError
 from helios.runtime import get_runtime
 from helios.tensor import Tensor

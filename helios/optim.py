@@ -13,14 +13,13 @@ import math
 import struct
 import weakref
 
-import numpy as np
 
 import helios.functional as F
 from helios import _kernels as K
 from helios import dtypes as dt
 from helios.autograd.tape import no_grad
 from helios.errors import CheckpointError
-from helios.tensor import Storage, Tensor
+from helios.tensor import Tensor
 
 _P_ADAMW = struct.Struct("<4I8f")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from helios import dtypes as dt
-from helios._shape import contiguous_strides, norm_dim, numel
+from helios._shape import norm_dim, numel
 from helios.errors import DTypeError
 
 # Submodules import each other lazily (functional needs Tensor and Tensor's operators need

@@ -4,4 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh --test
+.venv/bin/ruff check .   # lint first: pyflakes + pycodestyle (config in pyproject.toml)
 exec .venv/bin/python -m pytest -q "$@"

@@ -20,6 +20,7 @@
 #include <errno.h>
 #include <limits.h>
 #include <linux/futex.h>
+#include <sched.h>
 #include <stdint.h>
 #include <sys/syscall.h>
 #include <time.h>
@@ -96,6 +97,13 @@ static PyObject *py_ring(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* One step of the spin phase: pause, and every few steps yield the core, so a peer that
+ * the scheduler put on this same core runs now instead of after our spin budget. */
+static inline void spin_pause(unsigned *spins) {
+    for (int k = 0; k < 64; k++) CPU_RELAX();
+    if ((++*spins & 7u) == 0) sched_yield();
+}
+
 /* Sleep on flag `addr` while its value equals `seen`, at most `ns`. */
 static void sleep_on(uintptr_t addr, uint64_t seen, uint64_t ns) {
     uint32_t *sleepers = (uint32_t *)(addr + 8);
@@ -121,6 +129,7 @@ static PyObject *py_wait_all_ge(PyObject *self, PyObject *args) {
     Py_ssize_t lag = -1;
     Py_BEGIN_ALLOW_THREADS
     uint64_t start = now_ns(), spin_end = start + spin_ns, end = start + timeout_ns;
+    unsigned spins = 0;
     Py_ssize_t i = 0;
     for (;;) {
         uint64_t bell = __atomic_load_n((uint64_t *)(uintptr_t)doorbell, __ATOMIC_SEQ_CST);
@@ -129,7 +138,7 @@ static PyObject *py_wait_all_ge(PyObject *self, PyObject *args) {
         uint64_t t = now_ns();
         if (t >= end) { lag = i; break; }
         if (t < spin_end) {
-            for (int k = 0; k < 64; k++) CPU_RELAX();
+            spin_pause(&spins);
             continue;
         }
         uint64_t left = end - t;
@@ -147,13 +156,14 @@ static PyObject *py_wait_change(PyObject *self, PyObject *args) {
     uint64_t v;
     Py_BEGIN_ALLOW_THREADS
     uint64_t start = now_ns(), spin_end = start + spin_ns, end = start + timeout_ns;
+    unsigned spins = 0;
     for (;;) {
         v = ld_acq((uintptr_t)addr);
         if (v != seen) break;
         uint64_t t = now_ns();
         if (t >= end) break;
         if (t < spin_end) {
-            for (int k = 0; k < 64; k++) CPU_RELAX();
+            spin_pause(&spins);
             continue;
         }
         uint64_t left = end - t;

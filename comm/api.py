@@ -259,7 +259,7 @@ def all_gather(out: Any, x: Any, group: Any = None, async_op: bool = False, algo
                dtype: str | None = None) -> Work | None:
     """``out`` (world copies of x's size) receives every rank's ``x`` in rank order."""
     g = _group(group)
-    bx, bo = as_buffer(x, dtype, what="input"), as_buffer(out, dtype, what="output")
+    bx, bo = as_buffer(x, dtype, what="input", writable=False), as_buffer(out, dtype, what="output")
     _same_dtype(bo, bx, "all_gather")
     if bo.count != bx.count * g.size:
         raise ShapeError(f"helios.comm: all_gather: output has {bo.count} elements, expected {g.size} x {bx.count} "
@@ -281,7 +281,7 @@ def reduce_scatter(out: Any, x: Any, op: str = "sum", group: Any = None, async_o
                    algorithm: str = "auto", dtype: str | None = None) -> Work | None:
     """``x`` holds world chunks; ``out`` receives the reduction of chunk ``rank`` over ranks."""
     g = _group(group)
-    bx, bo = as_buffer(x, dtype, what="input"), as_buffer(out, dtype, what="output")
+    bx, bo = as_buffer(x, dtype, what="input", writable=False), as_buffer(out, dtype, what="output")
     _same_dtype(bo, bx, "reduce_scatter")
     check_op(op, bx.dtype)
     if bx.count != bo.count * g.size:
@@ -344,7 +344,7 @@ def reduce(x: Any, dst: int = 0, op: str = "sum", group: Any = None, async_op: b
 def all_to_all(out: Any, x: Any, group: Any = None, async_op: bool = False, dtype: str | None = None) -> Work | None:
     """Chunk j of ``x`` goes to rank j; chunk j of ``out`` came from rank j."""
     g = _group(group)
-    bx, bo = as_buffer(x, dtype, what="input"), as_buffer(out, dtype, what="output")
+    bx, bo = as_buffer(x, dtype, what="input", writable=False), as_buffer(out, dtype, what="output")
     _same_dtype(bo, bx, "all_to_all")
     if bx.count != bo.count or bx.count % g.size:
         raise ShapeError(f"helios.comm: all_to_all: input ({bx.count}) and output ({bo.count}) must have the same "
@@ -379,7 +379,7 @@ _P2P = 1 << 62
 
 def _p2p(kind: str, x: Any, peer: int, group: Any, dtype: str | None, async_op: bool) -> Work | None:
     g = _group(group)
-    b = as_buffer(x, dtype)
+    b = as_buffer(x, dtype, writable=kind == "recv")
     p = g.group_rank(peer, "dst" if kind == "send" else "src")
     if p == g.rank:
         raise ValueError(f"helios.comm: {kind} to or from this same rank ({peer}); use a copy instead.")

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from helios.errors import DTypeError, ShapeError
+from helios.errors import DTypeError
 
 # Storage dtype of each dtype name the collectives accept.
 _STORAGE: dict[str, np.dtype] = {
@@ -90,9 +90,16 @@ def _to_bf16_bits(a: np.ndarray) -> np.ndarray:
     return f32_to_bf16(np.ascontiguousarray(a, dtype=np.float32).reshape(-1))
 
 
-def as_buffer(obj: Any, dtype: str | None = None, *, what: str = "tensor") -> Buffer:
-    """Wrap a numpy array or a Helios tensor as a :class:`Buffer` (in place where possible)."""
+def as_buffer(obj: Any, dtype: str | None = None, *, what: str = "tensor", writable: bool = True) -> Buffer:
+    """Wrap a numpy array or a Helios tensor as a :class:`Buffer` (in place where possible).
+
+    ``writable``: the operation writes into it, so a read-only array is refused here, before
+    any peer is involved (failing inside the operation would poison the communicator).
+    """
     if isinstance(obj, np.ndarray):
+        if writable and not obj.flags.writeable:
+            raise ValueError(f"helios.comm: {what} is a read-only array but this operation writes into it; "
+                             "pass a writable array (e.g. a copy).")
         name = _dtype_name(obj, obj, dtype)
         storage = _STORAGE[name]
         if obj.dtype != storage:
@@ -102,8 +109,6 @@ def as_buffer(obj: Any, dtype: str | None = None, *, what: str = "tensor") -> Bu
             )
         if obj.flags.c_contiguous:
             return Buffer(obj.reshape(-1), name)
-        if not obj.flags.writeable:
-            raise ShapeError(f"helios.comm: {what} is a read-only strided array; pass a writable array.")
         copy = np.ascontiguousarray(obj).reshape(-1)
 
         def write_strided(flat: np.ndarray, target: np.ndarray = obj) -> None:

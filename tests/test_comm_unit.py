@@ -135,6 +135,11 @@ def test_buffers_numpy_tensor_and_errors():
         as_buffer(np.zeros(2, np.float32), "bfloat16")
     with pytest.raises(DTypeError):
         as_buffer([1, 2])
+    ro = np.zeros(4, np.float32)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        as_buffer(ro)
+    assert as_buffer(ro, writable=False).count == 4
 
 
 def test_cost_model_prefers_latency_algorithms_small_and_ring_large():

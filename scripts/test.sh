@@ -5,4 +5,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh --test
 .venv/bin/ruff check .   # lint first: pyflakes + pycodestyle (config in pyproject.toml)
-exec .venv/bin/python -m pytest -q "$@"
+# .venv/bin/pytest, not `python -m pytest`: -m would put the checkout root on sys.path,
+# where the folder profile/ would shadow the standard library module of that name.
+exec .venv/bin/pytest -q "$@"

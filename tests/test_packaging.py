@@ -1,0 +1,33 @@
+"""Packaging: the import root, the standard library's profile module, built kernels."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("name", ["autograd", "kernels_spirv", "comm", "profile", "schedule", "cuda_ptx"])
+def test_top_level_folders_import_under_helios(name):
+    mod = __import__(f"helios.{name}", fromlist=["_"])
+    assert os.path.dirname(mod.__file__) == os.path.join(ROOT, name)
+
+
+def test_checkout_root_on_sys_path_does_not_shadow_stdlib_profile():
+    # `python -m ...` from the checkout puts its root on sys.path, where profile/ lives.
+    code = ("import sys; sys.path.insert(0, %r); import cProfile, profile; "
+            "assert callable(profile.run), profile.__file__; import helios.profile as hp; assert hp.profile") % ROOT
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 0, r.stderr
+
+
+def test_every_kernel_variant_has_spirv():
+    from helios.kernels_spirv import build, registry
+
+    for name in build.kernel_names():
+        assert name in registry.KERNELS, f"{name}.comp has no KernelInfo in the registry"
+        for variant in build.kernel_variants(name):
+            code = registry.spirv(name, variant)
+            assert code[:4] == b"\x03\x02\x23\x07", f"{name}.{variant} is not SPIR-V"

@@ -211,6 +211,7 @@ class ShmTransport(Transport):
         self.links: list[Link] = [ShmLink(self, p) if p != rank else None for p in range(world)]  # type: ignore[misc]
         self.my_bell = self.segs[rank].base + LINE
         self._last_check = 0.0
+        self._suspects: set[int] = set()
 
     # ---- layout ------------------------------------------------------------------
     def tail_line(self, peer: int) -> int:
@@ -231,22 +232,32 @@ class ShmTransport(Transport):
         return self.segs[rank].arr[off: off + self.slot_bytes]
 
     # ---- liveness ------------------------------------------------------------------
-    def check_peers(self, force: bool = False) -> None:
-        """Raise PeerLost when a peer's process is gone or it has aborted (rate-limited)."""
+    def check_peers(self, peers, force: bool = False) -> None:
+        """Raise PeerLost when one of ``peers`` has aborted, or its process is gone (rate-limited).
+
+        Only the peers this rank is waiting on count: a peer that finished its part and
+        exited is no error.  A dead peer is reported on the second look, so bytes it wrote
+        just before it exited are still consumed by one more progress pass.
+        """
         now = time.monotonic()
         if not force and now - self._last_check < 0.05:
             return
         self._last_check = now
-        for r in range(self.world):
+        for r in peers:
             if r == self.rank:
                 continue
             if int(self.segs[r].u64[3]) != 0:
                 raise PeerLost(r, "aborted the communicator after its own failure")
             if not peer_alive(self.pids[r]):
-                raise PeerLost(r, f"is dead (process {self.pids[r]} exited or was killed)")
+                if r in self._suspects:
+                    raise PeerLost(r, f"is dead (process {self.pids[r]} exited or was killed)")
+                self._suspects.add(r)
+                self._last_check = 0.0  # look again right after the next progress pass
 
     def wait_activity(self, send_peers: list[int], recv_peers: list[int], timeout: float) -> None:
-        self.check_peers()
+        self.check_peers(set(send_peers) | set(recv_peers))
+        if self._last_check == 0.0:
+            return  # a peer looked dead: let the engine drain what it left before deciding
         bell = _shm.load(self.my_bell)
         # A spurious return is fine: the engine re-checks every link.  The rings ring our
         # bell after every move, so sleeping on it cannot miss one.

@@ -46,7 +46,8 @@ class ShmDirect:
         self.my_prog = me.base + 2 * LINE_
         peers = [r for r in range(self.n) if r != self.rank]
         self.peers = peers
-        self.peer_prog = np.array([t.segs[r].base + 2 * LINE_ for r in peers], dtype=np.uint64).tobytes()
+        self.peer_addrs = [t.segs[r].base + 2 * LINE_ for r in peers]
+        self.peer_prog = np.array(self.peer_addrs, dtype=np.uint64).tobytes()
         self.peer_bells = [t.segs[r].base + LINE_ for r in peers]
         self.gen = 0
         self.piece = 0
@@ -69,8 +70,15 @@ class ShmDirect:
             lag = _shm.wait_all_ge(self.peer_prog, target, self.t.my_bell, self.t.spin_ns, slice_ns)
             if lag < 0:
                 return
+            # Only peers that have not reached the target matter (one that published and
+            # then exited is done, not dead to us).
             try:
-                self.t.check_peers(force=True)
+                behind = [r for r, a in zip(self.peers, self.peer_addrs) if _shm.load(a) < target]
+                self.t.check_peers(behind, force=True)  # a dead one becomes a suspect
+                # Re-read the flags after the liveness check: a suspect still behind now
+                # died without publishing.
+                behind = [r for r, a in zip(self.peers, self.peer_addrs) if _shm.load(a) < target]
+                self.t.check_peers(behind, force=True)
             except PeerLost as e:
                 raise CommError(self._describe(f"rank {e.peer} {e.reason}")) from None
             if time.monotonic() >= self.deadline:

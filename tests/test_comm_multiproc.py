@@ -313,7 +313,7 @@ def _spawn(n: int, mode: str, env: dict[str, str], prefix: list[str] | None = No
         e.update(env)
         cmd = (prefix[r] if prefix else []) + [PY, HERE, mode]
         procs.append(subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                      cwd=ROOT))
+                                      cwd=os.path.dirname(HERE)))
     return procs
 
 
@@ -422,7 +422,7 @@ def test_launcher_stops_job_when_a_rank_exits_3(tmp_path):
     )
     t0 = time.monotonic()
     p = subprocess.run([PY, "-m", "helios.comm.launcher", "--nproc-per-node", "3", "--grace", "2", str(script)],
-                       capture_output=True, text=True, timeout=60, cwd=ROOT, check=False)
+                       capture_output=True, text=True, timeout=60, cwd=tmp_path, check=False)
     assert p.returncode == 3, (p.stdout, p.stderr)
     assert time.monotonic() - t0 < 30
     for r in range(3):
@@ -468,7 +468,7 @@ def test_launcher_forwards_sigterm_to_every_rank(tmp_path):
         "time.sleep(60)\n"
     )
     p = subprocess.Popen([PY, "-m", "helios.comm.launcher", "--nproc-per-node", "2", str(script)],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
     try:
         seen = 0
         while seen < 2:

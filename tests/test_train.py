@@ -103,3 +103,23 @@ def test_ctrl_c_finishes_step_saves_and_exits_130(corpus, tmp_path):
     assert (out / "ckpt.helios").exists()
     saved_step = int(stdout.split("stopped at step ")[1].split(";")[0])
     assert saved_step == max(losses(out))
+
+
+def test_run_database_survives_sigkill_of_training(corpus, tmp_path):
+    out = tmp_path / "k"
+    env = dict(os.environ, HELIOS_CACHE_DIR=str(tmp_path))
+    p = subprocess.Popen(TRAIN + BASE + ["--steps", "100000", "--data", corpus, "--out", str(out)],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and not ((out / "run.db").exists() and len(losses(out)) >= 3):
+            time.sleep(0.2)
+        p.send_signal(signal.SIGKILL)
+        p.wait(timeout=60)
+    finally:
+        p.kill()
+    con = sqlite3.connect(out / "run.db")
+    assert con.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    steps = [s for (s,) in con.execute("SELECT step FROM step_timing ORDER BY step")]
+    assert len(steps) >= 3 and steps == list(range(1, len(steps) + 1))
+    assert con.execute("SELECT status FROM runs").fetchone()[0] == "running"

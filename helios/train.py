@@ -25,7 +25,7 @@ import numpy as np
 
 CONFIGS = {
     "nano": dict(n_layer=2, n_head=2, n_embd=32, block_size=32, batch_size=8, steps=200, lr=3e-3),
-    "tiny": dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=16, steps=600, lr=2e-3),
+    "tiny": dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=16, steps=1200, lr=2e-3),
     "small": dict(n_layer=6, n_head=6, n_embd=192, block_size=128, batch_size=16, steps=2000, lr=1e-3),
     "gpt2": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, batch_size=8, steps=20000, lr=6e-4),
 }

@@ -361,8 +361,7 @@ std::string Allocator::pools_summary() const {
   return s;
 }
 
-void Allocator::flush(Block* b, uint64_t offset, uint64_t n) {
-  if (b->coherent || n == 0) return;
+VkMappedMemoryRange Allocator::atom_range(Block* b, uint64_t offset, uint64_t n) const {
   // Non-coherent ranges must be aligned to nonCoherentAtomSize (clamped to the allocation).
   uint64_t atom = info_.non_coherent_atom_size;
   VkMappedMemoryRange r{VK_STRUCTURE_TYPE_MAPPED_MEMORY_RANGE};
@@ -370,17 +369,18 @@ void Allocator::flush(Block* b, uint64_t offset, uint64_t n) {
   r.offset = offset / atom * atom;
   uint64_t end = std::min(align_up(offset + n, atom), b->size);
   r.size = end == b->size ? VK_WHOLE_SIZE : end - r.offset;
+  return r;
+}
+
+void Allocator::flush(Block* b, uint64_t offset, uint64_t n) {
+  if (b->coherent || n == 0) return;
+  VkMappedMemoryRange r = atom_range(b, offset, n);
   check(vkFlushMappedMemoryRanges(dev_, 1, &r), "vkFlushMappedMemoryRanges");
 }
 
 void Allocator::invalidate(Block* b, uint64_t offset, uint64_t n) {
   if (b->coherent || n == 0) return;
-  uint64_t atom = info_.non_coherent_atom_size;
-  VkMappedMemoryRange r{VK_STRUCTURE_TYPE_MAPPED_MEMORY_RANGE};
-  r.memory = b->memory;
-  r.offset = offset / atom * atom;
-  uint64_t end = std::min(align_up(offset + n, atom), b->size);
-  r.size = end == b->size ? VK_WHOLE_SIZE : end - r.offset;
+  VkMappedMemoryRange r = atom_range(b, offset, n);
   check(vkInvalidateMappedMemoryRanges(dev_, 1, &r), "vkInvalidateMappedMemoryRanges");
 }
 

@@ -98,6 +98,8 @@ class Allocator {
   // Host-visible access helpers: flush/invalidate for non-coherent memory.
   void flush(Block* b, uint64_t offset, uint64_t n);
   void invalidate(Block* b, uint64_t offset, uint64_t n);
+  // The nonCoherentAtomSize-aligned range covering [offset, offset + n) of ``b``.
+  VkMappedMemoryRange atom_range(Block* b, uint64_t offset, uint64_t n) const;
 
   // Size class of a request (bytes actually reserved) and its index.
   static uint64_t class_size(uint64_t n, uint64_t align);

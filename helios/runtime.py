@@ -152,8 +152,11 @@ class Runtime:
         """Submit everything recorded and wait for it (and hand timestamps to the profiler)."""
         t0 = time.monotonic_ns()
         self.dev.synchronize()
-        self.last_wait_ns = time.monotonic_ns() - t0
+        t1 = time.monotonic_ns()
+        self.last_wait_ns = t1 - t0
         col = _prof._ACTIVE
+        if col is not None:
+            col.record_op("fence_wait", "", "", t0, t1, ())  # host time blocked on the device
         if col is not None or self.debug:
             self._drain_events(col)
 

@@ -8,9 +8,12 @@ and ``item()`` read back, which submits the recorded work and waits for it.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from helios import dtypes as dt
+from helios.profile import profiler as _prof
 from helios._shape import norm_dim, numel
 from helios.errors import DTypeError
 
@@ -126,7 +129,12 @@ class Tensor:
         src = self if self.is_contiguous() else self.contiguous()
         out = np.empty(self.shape, dtype=self.dtype.np_storage)
         if out.size:
+            col = _prof._ACTIVE
+            t0 = time.monotonic_ns() if col is not None else 0
+            # Waits (inside the addon) only for recorded work that writes these bytes.
             src._st.rt.dev.read(src._st.handle, src._off * self.dtype.itemsize, out.reshape(-1).view(np.uint8))
+            if col is not None:
+                col.record_op("device_to_host", self.shape, self.dtype.name, t0, time.monotonic_ns(), ())
         if self.dtype is dt.bfloat16:
             return dt.bf16_bits_to_float32(out)
         return out

@@ -996,7 +996,15 @@ class _Matmul(Function):
     def backward(ctx, g):
         a, b = ctx.saved_tensors
         ga = matmul(g, transpose(b, -1, -2)) if ctx.needs_input_grad[0] else None
-        gb = matmul(transpose(a, -1, -2), g) if ctx.needs_input_grad[1] else None
+        gb = None
+        if ctx.needs_input_grad[1]:
+            if b.ndim == 2 and a.ndim > 2:
+                # B was shared by every batch matrix (a Linear weight): its gradient is one
+                # [K, B*M] @ [B*M, N] product instead of B products summed afterwards, so
+                # no [B, K, N] intermediate is written and no batch reduction runs.
+                gb = matmul(transpose(reshape(a, (-1, a.shape[-1])), 0, 1), reshape(g, (-1, g.shape[-1])))
+            else:
+                gb = matmul(transpose(a, -1, -2), g)
         return ga, gb
 
 

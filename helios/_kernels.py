@@ -530,6 +530,7 @@ _MM_GPU_SPEC = (64, 64, 16, 16, 16)
 _MM_CPU_TILE: tuple | None = None
 _MM_CPU_WY: int | None = None
 _MM_SG = 8  # the subgroup size the CPU kernel is written for
+_MM_FOLD_BATCH = True  # fold a batch that shares B into M (see matmul)
 
 
 def _mm_cpu_tile(M: int, N: int) -> tuple:
@@ -576,8 +577,10 @@ def _mm_cpu_config(M: int, N: int, oa: int, ob: int, oc: int, ca, cb, sam: int, 
     return (wy, amode, bmode, cvec, awide, bwide)
 
 
-def matmul(a: Tensor, b: Tensor) -> Tensor:
-    """Batched a @ b with broadcast batch dims; both >= 2-D and of the same float dtype.
+def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None) -> Tensor:
+    """Batched a @ b (+ ``bias`` over the last dim) with broadcast batch dims; both >= 2-D
+    and of the same float dtype; ``bias`` 1-D of size N with unit stride, added in the
+    kernel's epilogue.
 
     Operands may be any strided views (transposes, broadcast batches): the kernel variant
     and its load paths are chosen here from strides and alignment.
@@ -594,32 +597,45 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
     nb = numel(batch)
     if out.numel() == 0:
         return out
+    if bias is not None and (bias.shape != (N,) or bias.dtype is not a.dtype or (N > 1 and bias._strides[0] != 1)):
+        raise ShapeError(f"matmul: bias must be a unit-stride {a.dtype.name} vector of shape ({N},), "
+                         f"got {bias.dtype.name} {bias.shape} with strides {bias._strides}")
     if K == 0:
-        return fill(out, 0)
+        out = fill(out, 0)
+        return out if bias is None else binary("add", out, bias)
     sa = broadcast_strides(a.shape[:-2], a._strides[:-2], batch)
     sb = broadcast_strides(b.shape[:-2], b._strides[:-2], batch)
     cshape, (ca, cb) = collapse(batch, sa, sb)
     if len(cshape) > 2:  # three or more unmergeable batch dims: make the operands contiguous
-        return matmul(copy(a.expand(batch + (M, K))), copy(b.expand(batch + (K, N))))
+        return matmul(copy(a.expand(batch + (M, K))), copy(b.expand(batch + (K, N))), bias)
+    if _MM_FOLD_BATCH and len(cshape) == 1 and cb[0] == 0 and ca[0] == M * a._strides[-2]:
+        # B is shared by every batch matrix and A's batches follow each other along M (a
+        # Linear layer on [B, T, C]): one [nb*M, K] @ [K, N] product.  Each output is the
+        # same K-loop as before, so results are bit-identical; the taller grid lets the
+        # tile choice use tall workgroups that reuse each B panel from cache.
+        M, nb, cshape, ca, cb = M * nb, 1, [], [], []
     while len(cshape) < 2:
         cshape, ca, cb = [1] + cshape, [0] + ca, [0] + cb
     if nb > 65535:
         raise ShapeError(f"matmul: {nb} batch matrices exceed the 65535 the kernel dispatches at once; reshape the batch")
     (ba, oa), (bb, ob), (bc, oc) = bind(a), bind(b), bind(out, True)
+    # Without a bias, binding 3 repeats A (read-only, never read: HAS_BIAS = 0).
+    bz, oz = bind(bias) if bias is not None else (ba, 0)
+    has_bias = int(bias is not None)
     sam, sak = a._strides[-2], a._strides[-1]
     sbk, sbn = b._strides[-2], b._strides[-1]
     if rt.info.get("type") == "cpu" and int(rt.info["limits"].get("subgroup_size", 0)) == _MM_SG:
         tm, tn, wy = _mm_cpu_tile(M, N)
         spec = _mm_cpu_config(M, N, oa, ob, oc, ca, cb, sam, sak, sbk, sbn, bool(rt.features.get("int64")), (tm, tn, wy))
-        pid = rt.pipeline("matmul", f"{a.dtype.tag}_sg{tm}x{tn}", spec)
+        pid = rt.pipeline("matmul", f"{a.dtype.tag}_sg{tm}x{tn}", spec + (has_bias,))
         groups = ((N + _MM_SG * tn - 1) // (_MM_SG * tn), (M + tm * spec[0] - 1) // (tm * spec[0]), nb)
     else:
-        pid = rt.pipeline("matmul", a.dtype.tag, _MM_GPU_SPEC)
+        pid = rt.pipeline("matmul", a.dtype.tag, _MM_GPU_SPEC + (has_bias,))
         groups = ((N + _MM_GPU_SPEC[1] - 1) // _MM_GPU_SPEC[1], (M + _MM_GPU_SPEC[0] - 1) // _MM_GPU_SPEC[0], nb)
     flops = 2 * nb * M * N * K
     nbytes = (nb * (M * K + K * N + M * N)) * a.dtype.itemsize
-    rt.dispatch(pid, [ba, bb, bc],
-                _P_MATMUL.pack(M, N, K, cshape[1], oa, ob, oc, 0, ca[0], ca[1], sam, sak, cb[0], cb[1], sbk, sbn),
+    rt.dispatch(pid, [ba, bb, bc, bz],
+                _P_MATMUL.pack(M, N, K, cshape[1], oa, ob, oc, oz, ca[0], ca[1], sam, sak, cb[0], cb[1], sbk, sbn),
                 groups, "matmul", flops, nbytes)
     return out
 

@@ -1032,6 +1032,38 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
     return out
 
 
+class _Linear(Function):
+    @staticmethod
+    def forward(ctx, x, w, b):
+        ctx.save_for_backward(x, w)
+        return K.matmul(x, transpose(w, 0, 1), b)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        n = ctx.needs_input_grad
+        gx = matmul(g, w) if n[0] else None
+        # [out, B*M] @ [B*M, in]: the same sums as (x^T g)^T, landing in W's own layout.
+        gw = matmul(transpose(reshape(g, (-1, g.shape[-1])), 0, 1), reshape(x, (-1, x.shape[-1]))) if n[1] else None
+        gb = sum_to_shape(g, (g.shape[-1],)) if n[2] else None
+        return gx, gw, gb
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x @ weight^T + bias (PyTorch's F.linear); the bias is added in the matmul's epilogue."""
+    _check_tensor(x, "linear"), _check_tensor(weight, "linear")
+    if weight.ndim != 2 or x.ndim < 1 or x.shape[-1] != weight.shape[1]:
+        raise ShapeError(f"linear: expected input [..., {weight.shape[-1]}] and a 2-D weight, got {x.shape} and {weight.shape}")
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise ShapeError(f"linear: expected a bias of shape ({weight.shape[0]},), got {bias.shape}")
+    # Mixed dtypes and 1-D inputs take the general path (promotion, vector matmul).
+    if (x.ndim < 2 or x.dtype is not weight.dtype or x.dtype.kind != "float"
+            or (bias is not None and bias.dtype is not x.dtype)):
+        y = matmul(x, transpose(weight, 0, 1))
+        return y if bias is None else y + bias
+    return _Linear.apply(x, weight, bias)
+
+
 class _Softmax(Function):
     @staticmethod
     def forward(ctx, x, log_):

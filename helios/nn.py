@@ -146,8 +146,7 @@ class Linear(Module):
         self.bias = Parameter(zeros(out_features)) if bias else None
 
     def forward(self, x: Tensor) -> Tensor:
-        y = F.matmul(x, self.weight.mT)
-        return y + self.bias if self.bias is not None else y
+        return F.linear(x, self.weight, self.bias)
 
 
 class Embedding(Module):

@@ -46,7 +46,7 @@ KERNELS: dict[str, KernelInfo] = {
         KernelInfo("embedding", 4, 20),
         KernelInfo("rng", 1, 36),
         KernelInfo("iota", 1, 32),
-        KernelInfo("matmul", 3, 64),
+        KernelInfo("matmul", 4, 64),
         KernelInfo("adamw", 4, 48),
     )
 }

@@ -2,7 +2,9 @@
 // Batched matmul C[z] = A[z] @ B[z] on strided operands (so transposed views and
 // broadcast batch dims need no copies).  z runs over two batch dims (z = z0 * nb1 + z1),
 // each with its own stride per operand (0 = broadcast).  C is contiguous [batch, M, N].
-// Every dtype is stored as itself and computed in fp32.
+// Every dtype is stored as itself and computed in fp32.  With HAS_BIAS (a specialization
+// constant of both kernels) C[.., m, n] = A@B + bias[off_bias + n]: a Linear layer's bias
+// added in registers before the store instead of by a separate broadcast add.
 //
 // Two kernels live here, picked by the variant (see matmul.variants and matmul() in
 // helios/_kernels.py):
@@ -28,9 +30,10 @@
 layout(std430, binding = 0) readonly buffer BA { HL_ST(TA) a[]; };
 layout(std430, binding = 1) readonly buffer BB { HL_ST(TA) b[]; };
 layout(std430, binding = 2) writeonly buffer BC { HL_ST(TA) c[]; };
+layout(std430, binding = 3) readonly buffer BBias { HL_ST(TA) bias[]; };
 layout(push_constant) uniform P {
     uint M; uint N; uint K; uint nb1;
-    uint off_a; uint off_b; uint off_c; uint pad;
+    uint off_a; uint off_b; uint off_c; uint off_bias;
     uint sa0; uint sa1; uint sam; uint sak;
     uint sb0; uint sb1; uint sbk; uint sbn;
 } p;
@@ -43,6 +46,7 @@ layout(constant_id = 1) const int BN = 64;
 layout(constant_id = 2) const int BK = 16;
 layout(constant_id = 3) const int WX = 16;   // = BN / TN
 layout(constant_id = 4) const int WY = 16;   // = BM / TM
+layout(constant_id = 5) const int HAS_BIAS = 0;
 const int TM = BM / WY;
 const int TN = BN / WX;
 
@@ -90,7 +94,7 @@ void main() {
         if (gm >= p.M) continue;
         for (int j = 0; j < TN; ++j) {
             uint gn = n0 + tx + uint(j * WX);
-            if (gn < p.N) c[cbase + gm * p.N + gn] = HL_STF(TA, acc[i][j]);
+            if (gn < p.N) c[cbase + gm * p.N + gn] = HL_STF(TA, acc[i][j] + (HAS_BIAS == 1 ? HL_LDF(TA, bias[p.off_bias + gn]) : 0.0));
         }
     }
 }
@@ -127,6 +131,7 @@ layout(constant_id = 2) const int BMODE = 0;
 layout(constant_id = 3) const int CVEC = 0;
 layout(constant_id = 4) const int AWIDE = 0;
 layout(constant_id = 5) const int BWIDE = 0;
+layout(constant_id = 6) const int HAS_BIAS = 0;
 
 // Vector views of the same bindings (matmul() checks offsets and strides for alignment).
 #if TA == T_F32
@@ -281,6 +286,12 @@ void main() {
         }
     }
 
+    if (HAS_BIAS == 1) {  // this lane's TN bias values, loaded once for all TM rows
+        [[unroll]] for (int j = 0; j < TN; ++j) {
+            float bj = HL_LDF(TA, bias[p.off_bias + min(n0 + uint(j), p.N - 1u)]);
+            [[unroll]] for (int i = 0; i < TM; ++i) acc[i][j] += bj;
+        }
+    }
     uint cbase = p.off_c + z * p.M * p.N;
     [[unroll]] for (int i = 0; i < TM; ++i) {
         uint m = m0 + uint(i);

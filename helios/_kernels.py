@@ -34,6 +34,7 @@ _P_WHERE = struct.Struct("<6I6i6i6i6i")
 _P_COPY = struct.Struct("<4I8i8i8i")
 _P_REDUCE = struct.Struct("<9If2I")
 _P_ROWS = struct.Struct("<4I")
+_P_SOFTMAX = struct.Struct("<4IfI")
 _P_LN = struct.Struct("<4If2I")
 _P_EMB = struct.Struct("<5I")
 _P_RNG = struct.Struct("<5I2f2I")
@@ -655,8 +656,11 @@ def _row_plan(rt, rows: int, R: int):
     return _row_wg(R), False, groups_for(rows)
 
 
-def softmax_rows(mode: int, x: Tensor, g: Tensor | None = None) -> Tensor:
-    """Softmax family over the last dim of contiguous ``x`` (see softmax.comp for modes)."""
+def softmax_rows(mode: int, x: Tensor, g: Tensor | None = None, scale: float = 1.0, causal: bool = False) -> Tensor:
+    """Softmax family over the last dim of contiguous ``x`` (see softmax.comp for modes).
+
+    ``scale`` multiplies the inputs (forward modes) or the result (backward modes);
+    ``causal`` masks column k of query row q (the second-to-last dim) where k > q."""
     rt = x._st.rt
     R = x.shape[-1]
     rows = x.numel() // R if R else 0
@@ -668,7 +672,7 @@ def softmax_rows(mode: int, x: Tensor, g: Tensor | None = None) -> Tensor:
     bx, ox = bind(x)
     bg, og = bind(g) if g is not None else (bx, 0)
     name = ("softmax", "log_softmax", "softmax_bwd", "log_softmax_bwd")[mode]
-    rt.dispatch(pid, [bx, bg, bind(out, True)[0]], _P_ROWS.pack(R, rows, ox, og), groups, name,
+    rt.dispatch(pid, [bx, bg, bind(out, True)[0]], _P_SOFTMAX.pack(R, rows, ox, og, scale, x.shape[-2] if causal else 0), groups, name,
                 5 * x.numel(), 3 * x.numel() * x.dtype.itemsize)
     return out
 

@@ -1100,6 +1100,34 @@ def log_softmax(x: Tensor, dim: int = -1) -> Tensor:
     return _softmax_impl(x, dim, True)
 
 
+class _AttentionSoftmax(Function):
+    @staticmethod
+    def forward(ctx, x, scale, causal):
+        y = K.softmax_rows(0, x, scale=scale, causal=causal)
+        ctx.scale, ctx.causal = scale, causal
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        # Masked entries have y = 0, so the mask needs no separate backward: the kernel
+        # writes their gradient as 0 and scales the rest.
+        return K.softmax_rows(2, y, contiguous(g), scale=ctx.scale, causal=ctx.causal), None, None
+
+
+def attention_softmax(scores: Tensor, scale: float = 1.0, causal: bool = False) -> Tensor:
+    """softmax(scores * scale) over the last dim, with a causal mask over the last two dims
+    (query i sees keys 0..i) when ``causal``: one kernel for what is otherwise a scale, a
+    where and a softmax (the same arithmetic, so the same values)."""
+    _check_tensor(scores, "attention_softmax")
+    if scores.dtype.kind != "float":
+        raise DTypeError(f"attention_softmax: expected floating-point scores, got {scores.dtype.name}")
+    if causal and (scores.ndim < 2 or scores.shape[-1] != scores.shape[-2]):
+        raise ShapeError(f"attention_softmax: a causal mask needs square [..., T, T] scores, got {scores.shape}")
+    return _AttentionSoftmax.apply(contiguous(scores), float(scale), bool(causal))
+
+
 class _LayerNorm(Function):
     @staticmethod
     def forward(ctx, x, w, b, eps):

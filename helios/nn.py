@@ -229,10 +229,8 @@ class CausalSelfAttention(Module):
         q = q.reshape(B, T, H, D).transpose(1, 2)
         k = k.reshape(B, T, H, D).transpose(1, 2)
         v = v.reshape(B, T, H, D).transpose(1, 2)
-        att = F.matmul(q, k.mT) * (1.0 / math.sqrt(D))
-        mask = self.mask[:T, :T]
-        att = F.where(mask, att, -math.inf)
-        att = self.attn_dropout(F.softmax(att, dim=-1))
+        # scale, causal mask (the `mask` buffer's lower triangle) and softmax in one kernel
+        att = self.attn_dropout(F.attention_softmax(F.matmul(q, k.mT), 1.0 / math.sqrt(D), causal=True))
         y = F.matmul(att, v)
         y = y.transpose(1, 2).reshape(B, T, C)
         return self.resid_dropout(self.c_proj(y))

@@ -40,7 +40,7 @@ KERNELS: dict[str, KernelInfo] = {
         KernelInfo("ew_where", 4, 120),
         KernelInfo("copy", 2, 112),
         KernelInfo("reduce", 4, 48),
-        KernelInfo("softmax", 3, 16),
+        KernelInfo("softmax", 3, 24),
         KernelInfo("layernorm", 7, 28),
         KernelInfo("cross_entropy", 6, 16),
         KernelInfo("embedding", 4, 20),

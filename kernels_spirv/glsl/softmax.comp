@@ -4,6 +4,11 @@
 // MODE 2: softmax backward  (y, g) -> y * (g - sum(g*y))
 // MODE 3: log_softmax backward (y, g) -> g - exp(y) * sum(g)
 // One workgroup per row; partial results combine through shared memory.
+// Attention: every input is first multiplied by `scale` (forward modes; the backward
+// modes multiply their result by it), and with causal_q > 0 row r sees only columns
+// k <= r % causal_q (a causal mask over [.., Tq, Tk] scores): the others come out as
+// softmax 0 / log_softmax -inf / gradient 0 and are never loaded.  This is the same
+// arithmetic as x * scale, then where(mask, ., -inf), then softmax (exp(-inf) adds 0).
 #include "common.glsl"
 layout(local_size_x_id = 1) in;
 layout(constant_id = 0) const int MODE = 0;
@@ -14,35 +19,41 @@ layout(constant_id = 2) const bool ROW_PER_THREAD = false;
 layout(std430, binding = 0) readonly buffer BX { HL_ST(TA) x[]; };
 layout(std430, binding = 1) readonly buffer BG { HL_ST(TA) g[]; };
 layout(std430, binding = 2) writeonly buffer BO { HL_ST(TA) o[]; };
-layout(push_constant) uniform P { uint R; uint rows; uint off_x; uint off_g; } p;
+layout(push_constant) uniform P { uint R; uint rows; uint off_x; uint off_g; float scale; uint causal_q; } p;
+
+// Columns [0, live_cols(row)) are unmasked.
+uint live_cols(uint row) { return p.causal_q == 0u ? p.R : min(p.R, row % p.causal_q + 1u); }
+float masked_out() { return MODE == 1 ? -1.0 / 0.0 : 0.0; }
 
 #include "rowblock.glsl"
 
 void row_serial(uint row) {
     uint bx = p.off_x + row * p.R, bg = p.off_g + row * p.R, bo = row * p.R;
+    uint L = live_cols(row);
     if (MODE <= 1) {
         float m = -1.0 / 0.0;
-        for (uint k = 0u; k < p.R; ++k) m = max(m, HL_LDF(TA, x[bx + k]));
+        for (uint k = 0u; k < L; ++k) m = max(m, HL_LDF(TA, x[bx + k]) * p.scale);
         float s = 0.0;
-        for (uint k = 0u; k < p.R; ++k) s += exp(HL_LDF(TA, x[bx + k]) - m);
+        for (uint k = 0u; k < L; ++k) s += exp(HL_LDF(TA, x[bx + k]) * p.scale - m);
         if (MODE == 0) {
             float inv = 1.0 / s;
-            for (uint k = 0u; k < p.R; ++k) o[bo + k] = HL_STF(TA, exp(HL_LDF(TA, x[bx + k]) - m) * inv);
+            for (uint k = 0u; k < L; ++k) o[bo + k] = HL_STF(TA, exp(HL_LDF(TA, x[bx + k]) * p.scale - m) * inv);
         } else {
             float lse = m + log(s);
-            for (uint k = 0u; k < p.R; ++k) o[bo + k] = HL_STF(TA, HL_LDF(TA, x[bx + k]) - lse);
+            for (uint k = 0u; k < L; ++k) o[bo + k] = HL_STF(TA, HL_LDF(TA, x[bx + k]) * p.scale - lse);
         }
     } else {
         float s = 0.0;
-        for (uint k = 0u; k < p.R; ++k) {
+        for (uint k = 0u; k < L; ++k) {
             float gv = HL_LDF(TA, g[bg + k]);
             s += (MODE == 2) ? gv * HL_LDF(TA, x[bx + k]) : gv;
         }
-        for (uint k = 0u; k < p.R; ++k) {
+        for (uint k = 0u; k < L; ++k) {
             float y = HL_LDF(TA, x[bx + k]), gv = HL_LDF(TA, g[bg + k]);
-            o[bo + k] = HL_STF(TA, (MODE == 2) ? y * (gv - s) : gv - exp(y) * s);
+            o[bo + k] = HL_STF(TA, ((MODE == 2) ? y * (gv - s) : gv - exp(y) * s) * p.scale);
         }
     }
+    for (uint k = L; k < p.R; ++k) o[bo + k] = HL_STF(TA, MODE <= 1 ? masked_out() : 0.0);
 }
 
 void main() {
@@ -55,30 +66,32 @@ void main() {
     if (row >= p.rows) return;
     uint tid = gl_LocalInvocationID.x;
     uint bx = p.off_x + row * p.R, bg = p.off_g + row * p.R, bo = row * p.R;
+    uint L = live_cols(row);
     if (MODE <= 1) {
         float m = -1.0 / 0.0;
-        for (uint k = tid; k < p.R; k += uint(WG)) m = max(m, HL_LDF(TA, x[bx + k]));
+        for (uint k = tid; k < L; k += uint(WG)) m = max(m, HL_LDF(TA, x[bx + k]) * p.scale);
         m = block_max(m);
         float s = 0.0;
-        for (uint k = tid; k < p.R; k += uint(WG)) s += exp(HL_LDF(TA, x[bx + k]) - m);
+        for (uint k = tid; k < L; k += uint(WG)) s += exp(HL_LDF(TA, x[bx + k]) * p.scale - m);
         s = block_sum(s);
         if (MODE == 0) {
             float inv = 1.0 / s;
-            for (uint k = tid; k < p.R; k += uint(WG)) o[bo + k] = HL_STF(TA, exp(HL_LDF(TA, x[bx + k]) - m) * inv);
+            for (uint k = tid; k < L; k += uint(WG)) o[bo + k] = HL_STF(TA, exp(HL_LDF(TA, x[bx + k]) * p.scale - m) * inv);
         } else {
             float lse = m + log(s);
-            for (uint k = tid; k < p.R; k += uint(WG)) o[bo + k] = HL_STF(TA, HL_LDF(TA, x[bx + k]) - lse);
+            for (uint k = tid; k < L; k += uint(WG)) o[bo + k] = HL_STF(TA, HL_LDF(TA, x[bx + k]) * p.scale - lse);
         }
     } else {
         float s = 0.0;
-        for (uint k = tid; k < p.R; k += uint(WG)) {
+        for (uint k = tid; k < L; k += uint(WG)) {
             float gv = HL_LDF(TA, g[bg + k]);
             s += (MODE == 2) ? gv * HL_LDF(TA, x[bx + k]) : gv;
         }
         s = block_sum(s);
-        for (uint k = tid; k < p.R; k += uint(WG)) {
+        for (uint k = tid; k < L; k += uint(WG)) {
             float y = HL_LDF(TA, x[bx + k]), gv = HL_LDF(TA, g[bg + k]);
-            o[bo + k] = HL_STF(TA, (MODE == 2) ? y * (gv - s) : gv - exp(y) * s);
+            o[bo + k] = HL_STF(TA, ((MODE == 2) ? y * (gv - s) : gv - exp(y) * s) * p.scale);
         }
     }
+    for (uint k = L + tid; k < p.R; k += uint(WG)) o[bo + k] = HL_STF(TA, MODE <= 1 ? masked_out() : 0.0);
 }

@@ -713,6 +713,28 @@ def layer_norm_bwd_input(x: Tensor, w: Tensor | None, g: Tensor, mean: Tensor, r
     return dx
 
 
+def layer_norm_bwd_params(x: Tensor, g: Tensor, mean: Tensor, rstd: Tensor, need_w: bool, need_b: bool):
+    """(dw, db) of LayerNorm (contiguous x and g; None where not needed): per-column sums
+    over the rows of g * xhat and of g, in one pass."""
+    rt = x._st.rt
+    C = x.shape[-1]
+    rows = x.numel() // C if C else 0
+    out = empty((2, C), x.dtype, rt)
+    if rows == 0 or C == 0:
+        fill(out, 0)
+    else:
+        pid = rt.pipeline("layernorm", x.dtype.tag, (2, need_w, 64, need_b, False))
+        bx, ox = bind(x)
+        bg, og = bind(g)
+        bo = bind(out, True)[0]
+        rt.dispatch(pid, [bx, bx, bx, bo, bind(mean)[0], bind(rstd)[0], bg],
+                    _P_LN.pack(C, rows, ox, og, 0.0, 0, 0), groups_for((C + 63) // 64), "layer_norm_bwd_params",
+                    5 * x.numel(), 2 * x.numel() * x.dtype.itemsize)
+    dw = Tensor(out._st, (C,), (1,), out._off, x.dtype) if need_w else None
+    db = Tensor(out._st, (C,), (1,), out._off + C, x.dtype) if need_b else None
+    return dw, db
+
+
 def cross_entropy_fwd(x: Tensor, t: Tensor):
     """Per-row loss and logsumexp for contiguous logits x[N, V] and int64 targets t[N]."""
     rt = x._st.rt

@@ -1141,14 +1141,11 @@ class _LayerNorm(Function):
         x, w, mean_, rstd = ctx.saved_tensors
         g = contiguous(g)
         dx = K.layer_norm_bwd_input(x, w, g, mean_, rstd) if ctx.needs_input_grad[0] else None
+        need_w = w is not None and ctx.needs_input_grad[1]
+        need_b = ctx.has_b and ctx.needs_input_grad[2]
         dw = db = None
-        C = x.shape[-1]
-        g2 = reshape(g, (-1, C))
-        if w is not None and ctx.needs_input_grad[1]:
-            xhat = (reshape(x, (-1, C)) - reshape(mean_, (-1, 1))) * reshape(rstd, (-1, 1))
-            dw = sum(g2 * xhat, dim=0)
-        if ctx.has_b and ctx.needs_input_grad[2]:
-            db = sum(g2, dim=0)
+        if need_w or need_b:
+            dw, db = K.layer_norm_bwd_params(x, g, mean_, rstd, need_w, need_b)
         return dx, dw, db, None
 
 

@@ -2,7 +2,9 @@
 // LayerNorm over contiguous rows of length C.
 // MODE 0 forward:  y = (x - mean) * rstd * w + b; also writes mean and rstd (float) per row.
 // MODE 1 backward: dx = rstd * (gw - mean(gw) - xhat * mean(gw * xhat)), gw = g * w.
-// (dw and db are column sums done by the caller with the reduce kernel.)
+// MODE 2 parameter grads: one invocation per column c sums over the rows in order:
+//   o[c] = dw[c] = sum_r g[r, c] * xhat[r, c] (AFFINE),  o[C + c] = db[c] = sum_r g[r, c] (HAS_BIAS),
+//   one pass instead of xhat, a product and two column reductions.
 #include "common.glsl"
 layout(local_size_x_id = 2) in;
 layout(constant_id = 0) const int MODE = 0;
@@ -58,7 +60,24 @@ void row_serial(uint row) {
     }
 }
 
+void column_grads(uint c) {
+    float sw = 0.0, sb = 0.0;
+    uint bx = p.off_x + c, bg = p.off_g + c;
+    for (uint r = 0u; r < p.rows; ++r) {
+        float gv = HL_LDF(TA, g[bg + r * p.C]);
+        if (AFFINE) sw += gv * ((HL_LDF(TA, x[bx + r * p.C]) - mean_[r]) * rstd_[r]);
+        if (HAS_BIAS) sb += gv;
+    }
+    if (AFFINE) o[c] = HL_STF(TA, sw);
+    if (HAS_BIAS) o[p.C + c] = HL_STF(TA, sb);
+}
+
 void main() {
+    if (MODE == 2) {
+        uint c = flat_invocation();
+        if (c < p.C) column_grads(c);
+        return;
+    }
     if (ROW_PER_THREAD) {
         uint r = flat_invocation();
         if (r < p.rows) row_serial(r);

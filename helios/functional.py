@@ -1100,6 +1100,44 @@ def log_softmax(x: Tensor, dim: int = -1) -> Tensor:
     return _softmax_impl(x, dim, True)
 
 
+class _SplitHeads(Function):
+    """[B, T, 3C] -> q, k, v as [B, H, T, C/H] views; backward writes each head-major
+    gradient straight into its slot of one [B, T, 3C] buffer (one strided copy each,
+    where reshape + split would copy twice)."""
+
+    @staticmethod
+    def forward(ctx, x, n_head):
+        B, T, C3 = x.shape
+        C = C3 // 3
+        D = C // n_head
+        sb, st, sc = x._strides
+        ctx.shape = x.shape
+        return tuple(_view(x, (B, n_head, T, D), (sb, D * sc, st, sc), x._off + i * C * sc) for i in range(3))
+
+    @staticmethod
+    def backward(ctx, grads):
+        ref = next(g for g in grads if g is not None)
+        B, T, C3 = ctx.shape
+        out = K.empty(ctx.shape, ref.dtype, ref._st.rt)
+        _, H, _, D = ref.shape
+        for i, g in enumerate(grads):
+            dst = Tensor(out._st, (B, H, T, D), (T * C3, D, C3, 1), out._off + i * (C3 // 3), ref.dtype)
+            if g is None:
+                K.copy_into(dst, scalar_tensor(0.0, ref.dtype, ref._st.rt))
+            else:
+                K.copy_into(dst, g)
+        return out, None
+
+
+def split_heads(qkv: Tensor, n_head: int) -> tuple:
+    """q, k, v of shape [B, n_head, T, C/n_head] from a fused [B, T, 3C] projection
+    (the same views as split(qkv, C, 2) then reshape and transpose(1, 2))."""
+    _check_tensor(qkv, "split_heads")
+    if qkv.ndim != 3 or qkv.shape[-1] % (3 * n_head):
+        raise ShapeError(f"split_heads: expected [B, T, 3C] with 3C divisible by 3 * {n_head}, got {qkv.shape}")
+    return _SplitHeads.apply(qkv, n_head)
+
+
 class _AttentionSoftmax(Function):
     @staticmethod
     def forward(ctx, x, scale, causal):

@@ -225,10 +225,7 @@ class CausalSelfAttention(Module):
     def forward(self, x: Tensor) -> Tensor:
         B, T, C = x.shape
         H, D = self.n_head, C // self.n_head
-        q, k, v = F.split(self.c_attn(x), C, dim=2)
-        q = q.reshape(B, T, H, D).transpose(1, 2)
-        k = k.reshape(B, T, H, D).transpose(1, 2)
-        v = v.reshape(B, T, H, D).transpose(1, 2)
+        q, k, v = F.split_heads(self.c_attn(x), H)  # [B, H, T, D] views
         # scale, causal mask (the `mask` buffer's lower triangle) and softmax in one kernel
         att = self.attn_dropout(F.attention_softmax(F.matmul(q, k.mT), 1.0 / math.sqrt(D), causal=True))
         y = F.matmul(att, v)

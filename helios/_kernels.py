@@ -220,8 +220,12 @@ def binary(op: str, a: Tensor, b: Tensor, alpha: float = 1.0) -> Tensor:
             ba, oa = bind(a if s == 0 else _flat_window(a, s), span=m)
             bb, ob = bind(b if s == 0 else _flat_window(b, s), span=m)
             bo, oo = bind(out if s == 0 else _flat_window(out, s), True, span=m)
-            rt.dispatch(pid, [ba, bb, bo], _P_BINARY.pack(m, 1, oa, ob, oo, alpha, 0, 0, *_PAD6, *_PAD6, *_PAD6),
-                        grid(m), op, m, nbytes)
+            # vec4 path (see ew_binary.comp): 4 aligned elements an invocation
+            vec = 4 if (a.dtype is dt.float32 and not compare and m % 4 == 0 and oa % 4 == 0 and ob % 4 == 0
+                        and oo % 4 == 0) else 1
+            rt.dispatch(pid if vec == 1 else rt.pipeline("ew_binary", variant, (code, 1, 4)), [ba, bb, bo],
+                        _P_BINARY.pack(m, 1, oa, ob, oo, alpha, 0, 0, *_PAD6, *_PAD6, *_PAD6),
+                        grid(m // vec), op, m, nbytes)
         return out
     sa = broadcast_strides(a.shape, a._strides, shape)
     sb = broadcast_strides(b.shape, b._strides, shape)

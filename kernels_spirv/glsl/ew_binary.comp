@@ -30,7 +30,45 @@ layout(push_constant) uniform P {
 #define LD(v) HL_LDF(TA, v)
 #endif
 
+#if !defined(COMPARE) && TA != T_I32 && TA != T_I64 && TA != T_U8
+float fop(float x, float y) {
+    float r = x;
+    if (OP == 0) r = x + p.alpha * y;
+    else if (OP == 1) r = x - p.alpha * y;
+    else if (OP == 2) r = x * y;
+    else if (OP == 3) r = x / y;
+    else if (OP == 4) r = (y == 2.0) ? x * x : pow(abs(x), y) * ((x < 0.0 && mod(y, 2.0) == 1.0) ? -1.0 : 1.0);
+    else if (OP == 5) r = (x != x || y != y) ? x + y : max(x, y);   // NaN propagates, as in torch.maximum
+    else if (OP == 6) r = (x != x || y != y) ? x + y : min(x, y);
+    else if (OP == 7) r = y * gelu_tanh_grad(x);       // (x, grad) -> grad * gelu'(x)
+    else if (OP == 8) r = y * gelu_erf_grad(x);
+    else if (OP == 9) r = y * x * (1.0 - x);           // (sigmoid output, grad)
+    else if (OP == 10) r = y * (1.0 - x * x);          // (tanh output, grad)
+    else if (OP == 11) r = x > 0.0 ? y : 0.0;          // (relu input, grad)
+    return r;
+}
+#endif
+
+// VEC 4 (f32, CONTIG only): each invocation does 4 consecutive elements with vec4 loads and
+// a vec4 store (binary() checks n and the offsets are multiples of 4); the op runs per
+// component, so results are the same as the scalar path.
+layout(constant_id = 2) const int VEC = 1;
+#if TA == T_F32 && TO == T_F32 && !defined(COMPARE)
+layout(std430, binding = 0) readonly buffer BA4 { vec4 a4[]; };
+layout(std430, binding = 1) readonly buffer BB4 { vec4 b4[]; };
+layout(std430, binding = 2) writeonly buffer BO4 { vec4 o4[]; };
+#endif
+
 void main() {
+#if TA == T_F32 && TO == T_F32 && !defined(COMPARE)
+    if (VEC == 4) {
+        uint j = flat_invocation() * 4u;
+        if (j >= p.n) return;
+        vec4 x4 = a4[(p.off_a + j) >> 2], y4 = b4[(p.off_b + j) >> 2];
+        o4[(p.off_o + j) >> 2] = vec4(fop(x4.x, y4.x), fop(x4.y, y4.y), fop(x4.z, y4.z), fop(x4.w, y4.w));
+        return;
+    }
+#endif
     uint i = flat_invocation();
     if (i >= p.n) return;
     uint ia = p.off_a, ib = p.off_b;
@@ -78,19 +116,6 @@ void main() {
     else if (OP == 14) r = x ^ y;
     o[p.off_o + i] = HL_ST(TO)(r);
 #else
-    float r = x;
-    if (OP == 0) r = x + p.alpha * y;
-    else if (OP == 1) r = x - p.alpha * y;
-    else if (OP == 2) r = x * y;
-    else if (OP == 3) r = x / y;
-    else if (OP == 4) r = (y == 2.0) ? x * x : pow(abs(x), y) * ((x < 0.0 && mod(y, 2.0) == 1.0) ? -1.0 : 1.0);
-    else if (OP == 5) r = (x != x || y != y) ? x + y : max(x, y);   // NaN propagates, as in torch.maximum
-    else if (OP == 6) r = (x != x || y != y) ? x + y : min(x, y);
-    else if (OP == 7) r = y * gelu_tanh_grad(x);       // (x, grad) -> grad * gelu'(x)
-    else if (OP == 8) r = y * gelu_erf_grad(x);
-    else if (OP == 9) r = y * x * (1.0 - x);           // (sigmoid output, grad)
-    else if (OP == 10) r = y * (1.0 - x * x);          // (tanh output, grad)
-    else if (OP == 11) r = x > 0.0 ? y : 0.0;          // (relu input, grad)
-    o[p.off_o + i] = HL_STF(TO, r);
+    o[p.off_o + i] = HL_STF(TO, fop(x, y));
 #endif
 }

@@ -138,7 +138,11 @@ def unary(op: str, x: Tensor, p0: float = 0.0, p1: float = 0.0, out_dtype: dt.DT
             # The first window starts at the tensor itself: no view object on the hot path.
             bx, ox = bind(x if s == 0 else _flat_window(x, s), span=m)
             bo, oo = bind(out if s == 0 else _flat_window(out, s), True, span=m)
-            rt.dispatch(pid, [bx, bo], _P_UNARY.pack(m, 1, ox, oo, p0, p1, *_ZERO14), grid(m), op, m, 2 * m * x.dtype.itemsize)
+            # vec4 path (see ew_unary.comp): 4 aligned elements an invocation
+            vec = 4 if (x.dtype is dt.float32 and out.dtype is dt.float32 and m % 4 == 0 and ox % 4 == 0
+                        and oo % 4 == 0) else 1
+            rt.dispatch(pid if vec == 1 else rt.pipeline("ew_unary", "f32", (code, 1, 4)), [bx, bo],
+                        _P_UNARY.pack(m, 1, ox, oo, p0, p1, *_ZERO14), grid(m // vec), op, m, 2 * m * x.dtype.itemsize)
         return out
     shape, _ = collapse(x.shape, x._strides)
     if len(shape) > MAX_DIMS:

@@ -14,7 +14,54 @@ layout(push_constant) uniform P {
     int shape[6]; int sa[6];
 } p;
 
+#if TA != T_I32 && TA != T_I64
+float fop(float x) {
+    float r = x;
+    if (OP == 0) r = -x;
+    else if (OP == 1) r = exp(x);
+    else if (OP == 2) r = log(x);
+    else if (OP == 3) r = sqrt(x);
+    else if (OP == 4) r = inversesqrt(x);
+    else if (OP == 5) r = tanh_safe(x);
+    else if (OP == 6) r = sigmoid_f(x);
+    else if (OP == 7) r = max(x, 0.0);
+    else if (OP == 8) r = gelu_tanh(x);
+    else if (OP == 9) r = gelu_erf(x);
+    else if (OP == 10) r = abs(x);
+    else if (OP == 11) r = x + p.p0;
+    else if (OP == 12) r = x * p.p0;
+    else if (OP == 13) r = (p.p0 == 2.0) ? x * x : pow(abs(x), p.p0) * ((x < 0.0 && mod(p.p0, 2.0) == 1.0) ? -1.0 : 1.0);
+    else if (OP == 14) r = p.p0 - x;
+    else if (OP == 15) r = p.p0 / x;
+    else if (OP == 16) r = clamp(x, p.p0, p.p1);
+    else if (OP == 17) r = sin(x);
+    else if (OP == 18) r = cos(x);
+    else if (OP == 19) r = x * x;
+    else if (OP == 20) r = 1.0 / x;
+    else if (OP == 21) r = x * p.p0 + p.p1;
+    else if (OP == 22) r = x / p.p0;
+    return r;
+}
+#endif
+
+// VEC 4 (f32 -> f32, contiguous only): 4 aligned elements an invocation through vec4
+// views; the op runs per component, so results equal the scalar path.
+layout(constant_id = 2) const int VEC = 1;
+#if TA == T_F32 && TO == T_F32
+layout(std430, binding = 0) readonly buffer BA4 { vec4 a4[]; };
+layout(std430, binding = 1) writeonly buffer BO4 { vec4 o4[]; };
+#endif
+
 void main() {
+#if TA == T_F32 && TO == T_F32
+    if (VEC == 4) {
+        uint j = flat_invocation() * 4u;
+        if (j >= p.n) return;
+        vec4 x4 = a4[(p.off_a + j) >> 2];
+        o4[(p.off_o + j) >> 2] = vec4(fop(x4.x), fop(x4.y), fop(x4.z), fop(x4.w));
+        return;
+    }
+#endif
     uint i = flat_invocation();
     if (i >= p.n) return;
     uint ia = p.off_a;
@@ -43,31 +90,6 @@ void main() {
     else if (OP == 16) r = clamp(x, s0, int(p.p1));
     o[p.off_o + i] = HL_ST(TO)(r);
 #else
-    float x = HL_LDF(TA, a[ia]);
-    float r = x;
-    if (OP == 0) r = -x;
-    else if (OP == 1) r = exp(x);
-    else if (OP == 2) r = log(x);
-    else if (OP == 3) r = sqrt(x);
-    else if (OP == 4) r = inversesqrt(x);
-    else if (OP == 5) r = tanh_safe(x);
-    else if (OP == 6) r = sigmoid_f(x);
-    else if (OP == 7) r = max(x, 0.0);
-    else if (OP == 8) r = gelu_tanh(x);
-    else if (OP == 9) r = gelu_erf(x);
-    else if (OP == 10) r = abs(x);
-    else if (OP == 11) r = x + p.p0;
-    else if (OP == 12) r = x * p.p0;
-    else if (OP == 13) r = (p.p0 == 2.0) ? x * x : pow(abs(x), p.p0) * ((x < 0.0 && mod(p.p0, 2.0) == 1.0) ? -1.0 : 1.0);
-    else if (OP == 14) r = p.p0 - x;
-    else if (OP == 15) r = p.p0 / x;
-    else if (OP == 16) r = clamp(x, p.p0, p.p1);
-    else if (OP == 17) r = sin(x);
-    else if (OP == 18) r = cos(x);
-    else if (OP == 19) r = x * x;
-    else if (OP == 20) r = 1.0 / x;
-    else if (OP == 21) r = x * p.p0 + p.p1;
-    else if (OP == 22) r = x / p.p0;
-    o[p.off_o + i] = HL_STF(TO, r);
+    o[p.off_o + i] = HL_STF(TO, fop(HL_LDF(TA, a[ia])));
 #endif
 }

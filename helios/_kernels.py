@@ -242,6 +242,21 @@ def binary(op: str, a: Tensor, b: Tensor, alpha: float = 1.0) -> Tensor:
     return out
 
 
+def binary_(op: str, a: Tensor, b: Tensor) -> Tensor:
+    """a = op(a, b) in place, ``b`` broadcast to a's shape; ``a`` contiguous.  Each element
+    is read and written by the same invocation, so the aliasing is safe; it saves the
+    temporary and the copy back of ``a.copy_(op(a, b))``."""
+    if not a.is_contiguous():
+        raise ShapeError(f"{op}_: the in-place target must be contiguous, got strides {a._strides} for shape {a.shape}")
+    if a.dtype is not b.dtype:
+        raise DTypeError(f"{op}_: dtypes {a.dtype.name} and {b.dtype.name} differ (promote first)")
+    if a.numel():
+        be = Tensor(b._st, a.shape, broadcast_strides(b.shape, b._strides, a.shape), b._off, b.dtype)
+        _binary_into(op, a._st.rt.pipeline("ew_binary", a.dtype.tag, (BINARY[op], 0)), a, be, a, 1.0)
+        a._st.version += 1
+    return a
+
+
 def _binary_into(op: str, pid: int, a: Tensor, b: Tensor, out: Tensor, alpha: float) -> None:
     """Record out = op(a, b) for strided a, b and a contiguous out, all of one shape, in
     halves while any spans more than one binding window."""

@@ -236,7 +236,10 @@ def clip_grad_norm_(params, max_norm: float) -> Tensor:
     norm = F.sqrt(total)
     coef = F.clamp(F.rdiv(norm + 1e-6, float(max_norm)), max=1.0)
     for gview in flat_views:
-        F.copy_(gview, gview * F.to(coef, gview.dtype))
+        if gview.is_contiguous():
+            K.binary_("mul", gview, F.to(coef, gview.dtype))  # in place: no temporary, no copy back
+        else:
+            F.copy_(gview, gview * F.to(coef, gview.dtype))
     return norm
 
 

@@ -990,7 +990,9 @@ class _Matmul(Function):
     @staticmethod
     def forward(ctx, a, b):
         ctx.save_for_backward(a, b)
-        return K.matmul(a, b)
+        # Batched products (attention) may come back as a transposed view (see
+        # K.matmul_any_layout); their users take any strides.
+        return K.matmul_any_layout(a, b) if a.ndim > 2 and b.ndim > 2 else K.matmul(a, b)
 
     @staticmethod
     def backward(ctx, g):

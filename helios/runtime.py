@@ -217,8 +217,10 @@ def _profiling_started(col) -> None:
 
 
 def _profiling_stopping(col) -> None:
+    # The closing wait is the session's own, not the user's: it is not recorded as a fence_wait.
     for rt in _runtimes.values():
-        rt.synchronize()
+        rt.dev.synchronize()
+        rt._drain_events(col)
         rt.dev.set_profiling(bool(rt.debug))
 
 

@@ -33,9 +33,14 @@ def run(args, cache, **kw):
 
 
 def losses(run_dir):
+    """step -> loss from the run database ({} while the trainer is still creating it)."""
     con = sqlite3.connect(os.path.join(run_dir, "run.db"))
-    rows = con.execute("SELECT step, loss FROM step_timing ORDER BY run_id, step").fetchall()
-    con.close()
+    try:
+        rows = con.execute("SELECT step, loss FROM step_timing ORDER BY run_id, step").fetchall()
+    except sqlite3.OperationalError:  # schema not created yet
+        rows = []
+    finally:
+        con.close()
     return dict(rows)  # a resumed run's steps replace nothing: steps are unique across its runs
 
 

@@ -219,14 +219,12 @@ class CausalSelfAttention(Module):
         self.c_proj = Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias, std=0.02 / math.sqrt(2 * cfg.n_layer), seed=seed + 1)
         self.attn_dropout = Dropout(cfg.dropout)
         self.resid_dropout = Dropout(cfg.dropout)
-        T = cfg.block_size
-        self.register_buffer("mask", F.tril(K.fill(K.empty((T, T), dt.bool_), 1)))
 
     def forward(self, x: Tensor) -> Tensor:
         B, T, C = x.shape
         H, D = self.n_head, C // self.n_head
         q, k, v = F.split_heads(self.c_attn(x), H)  # [B, H, T, D] views
-        # scale, causal mask (the `mask` buffer's lower triangle) and softmax in one kernel
+        # scale, causal mask (query i sees keys 0..i) and softmax in one kernel
         att = self.attn_dropout(F.attention_softmax(F.matmul(q, k.mT), 1.0 / math.sqrt(D), causal=True))
         y = F.matmul(att, v)
         y = y.transpose(1, 2).reshape(B, T, C)

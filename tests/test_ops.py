@@ -220,3 +220,36 @@ def test_index_select_and_cast_gradients():
     check(lambda L, x, i: x[i] * 1.5, rn(3, 5), idx)
     check(lambda L, x: (x.to(L.float16) * 2).to(L.float32), rn(4, 5))
     check(lambda L, x: (x.to(L.bfloat16) + 1).to(L.float32).sum(dim=0), rn(4, 5))
+
+
+def test_linear_attention_softmax_split_heads():
+    import torch
+
+    def lin(L, x, w, b):
+        return torch.nn.functional.linear(x, w, b) if L.__name__ == "torch" else L.functional.linear(x, w, b)
+
+    check(lin, rn(3, 5, 7), rn(4, 7), rn(4))
+    check(lin, rn(9, 7), rn(6, 7), rn(6))
+    check(lambda L, x, w: (x @ w.mT) if L.__name__ == "torch" else L.functional.linear(x, w), rn(2, 3, 8), rn(5, 8))
+
+    def att(L, s):
+        if L.__name__ == "torch":
+            T = s.shape[-1]
+            mask = torch.tril(torch.ones(T, T, dtype=torch.bool))
+            return (s * 0.3).masked_fill(~mask, float("-inf")).softmax(-1)
+        return L.functional.attention_softmax(s, 0.3, causal=True)
+
+    check(att, rn(2, 3, 7, 7, lo=-4, hi=4))
+    check(lambda L, s: (s * 0.5).softmax(-1) if L.__name__ == "torch" else L.functional.attention_softmax(s, 0.5),
+          rn(4, 6, 9))
+
+    def heads(L, qkv):
+        B, T, C3 = qkv.shape
+        C = C3 // 3
+        if L.__name__ == "torch":
+            q, k, v = (t.reshape(B, T, 2, C // 2).transpose(1, 2) for t in qkv.split(C, dim=2))
+        else:
+            q, k, v = L.functional.split_heads(qkv, 2)
+        return q * 1.0 + k * 2.0 - v * 0.5
+
+    check(heads, rn(2, 5, 12))

@@ -9,6 +9,7 @@ waits: work is recorded and submitted by the addon's command stream.
 
 from __future__ import annotations
 
+import collections
 import os
 import time
 from dataclasses import dataclass
@@ -97,6 +98,10 @@ class Runtime:
         self.debug = _debug.debug_level()
         if self.debug:
             self.dev.set_profiling(True)
+        # HELIOS_DEBUG >= 2 names each kernel's GLSL source and SPIR-V file: the (kernel,
+        # variant) of every timestamped command, in recording order (= the events' order).
+        self._kernel_of_pipeline: dict[int, tuple] = {}
+        self._debug_kernels: collections.deque = collections.deque()
 
     # -- memory -------------------------------------------------------------------------
     def alloc(self, nbytes: int, pool: str = "activations") -> int:
@@ -119,11 +124,14 @@ class Runtime:
             code = registry.spirv(kernel, variant)
             pid = self.dev.pipeline(code, info.num_buffers, info.push_size, [int(s) for s in spec], f"{kernel}.{variant}")
             self._pipelines[key] = pid
+            self._kernel_of_pipeline[pid] = (kernel, variant)
         return pid
 
     def dispatch(self, pid: int, buffers: list, push: bytes, groups: tuple, name: str, flops: int = 0, nbytes: int = 0):
         """Record one dispatch (returns at once)."""
         col = _prof._ACTIVE
+        if self.debug >= 2:
+            self._debug_kernels.append(self._kernel_of_pipeline.get(pid))
         if col is None:
             self.dev.dispatch(pid, buffers, push, groups, name, flops, nbytes)
             return
@@ -135,6 +143,8 @@ class Runtime:
         """Record a fill of ``nbytes`` at ``offset`` with a repeated 32-bit ``word``."""
         col = _prof._ACTIVE
         t0 = time.monotonic_ns() if col is not None else 0
+        if self.debug >= 2:
+            self._debug_kernels.append(None)  # a buffer fill: no shader
         self.dev.fill(handle, offset, nbytes, word)
         if col is not None:
             self._traced(col, "fill", t0)
@@ -168,7 +178,13 @@ class Runtime:
                 col.record_memory(time.monotonic_ns(), pool, st["in_use_bytes"])
         if self.debug:
             for e in payload["events"]:
-                _debug.log_kernel(e["name"], "", e["end_ns"] - e["start_ns"], e["flops"], e["bytes"], level=self.debug)
+                src = spv = None
+                if self.debug >= 2 and self._debug_kernels:
+                    kv = self._debug_kernels.popleft()
+                    if kv is not None:
+                        src, spv = registry.source_path(kv[0]), registry.spirv_path(*kv)
+                _debug.log_kernel(e["name"], "", e["end_ns"] - e["start_ns"], e["flops"], e["bytes"], level=self.debug,
+                                  source=src, binary=spv)
 
 
 _current: Runtime | None = None
@@ -213,6 +229,7 @@ def _profiling_started(col) -> None:
     for rt in _runtimes.values():
         rt.dev.synchronize()
         rt.dev.take_events()
+        rt._debug_kernels.clear()  # their events were just dropped
         rt.dev.set_profiling(True)
 
 

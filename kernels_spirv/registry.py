@@ -65,6 +65,21 @@ def _load_builder():
     return _builder
 
 
+def source_path(name: str) -> str:
+    """The GLSL source of kernel ``name``."""
+    return os.path.join(_HERE, "glsl", name + ".comp")
+
+
+def spirv_path(name: str, variant: str) -> str:
+    """Where the SPIR-V of ``name``'s ``variant`` is read from (packaged, or the user cache when rebuilt)."""
+    fname = f"{name}.{variant}.spv"
+    cached = os.path.join(cache_dir(), "spv", fname)
+    packaged = os.path.join(PACKAGED_SPV, fname)
+    if os.path.exists(cached) and (not os.path.exists(packaged) or os.path.getmtime(cached) > os.path.getmtime(packaged)):
+        return cached
+    return packaged
+
+
 def spirv(name: str, variant: str) -> bytes:
     """SPIR-V bytes of ``name``'s ``variant``, compiling it first if it is missing or stale."""
     key = (name, variant)

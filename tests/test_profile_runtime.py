@@ -51,3 +51,23 @@ def test_profiling_off_again_after_the_session():
     (hl.ones(10) * 3).numpy()
     hl.synchronize()
     assert dev.take_events()["events"] == []
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_helios_debug_prints_one_line_per_kernel(level):
+    import os
+    import subprocess
+    import sys
+
+    code = "import helios as hl; a = hl.randn(32, 32, seed=0); (a @ a).relu(); hl.synchronize()"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, HELIOS_DEBUG=str(level)))
+    assert r.returncode == 0, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("helios: ")]
+    assert [ln.split()[1] for ln in lines] == ["rng", "matmul", "relu"]
+    assert all("GFLOP/s" in ln and "GB/s" in ln for ln in lines)
+    if level == 2:
+        assert "src=" in lines[1] and lines[1].split("src=")[1].split()[0].endswith("matmul.comp")
+        assert lines[1].split("spv=")[1].strip().endswith(".spv")
+    else:
+        assert "src=" not in lines[1]

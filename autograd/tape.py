@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 
+from helios import runtime as _runtime
 from helios.profile import profiler as _prof
 
 _state = threading.local()
@@ -131,6 +132,10 @@ class Function:
 
     @classmethod
     def apply(cls, *args):
+        if _runtime._debug_on[0]:  # HELIOS_DEBUG: note the operands for the kernel lines
+            _runtime._debug_operand[0] = _operands_text(args)
+        if _prof._ACTIVE is not None and not _in_profiled_op[0]:
+            return _apply_profiled(cls, args)  # records the op with the kernels it launches
         # The hot path of every op: a plain loop finds out whether anything records
         # before building the needs tuple (most calls record nothing).
         if getattr(_state, "enabled", True):
@@ -171,6 +176,20 @@ def _tensor_class():
 _in_profiled_op = [False]
 
 
+def _op_name(class_name: str) -> str:
+    """The profiler's name for a Function class: _CrossEntropy -> cross_entropy."""
+    import re
+
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", class_name.lstrip("_")).lower()
+
+
+def _operands_text(args) -> tuple:
+    """("(2, 3)x(3, 4)", "float32") for an op's tensor arguments (HELIOS_DEBUG lines)."""
+    shapes = [a.shape for a in args if hasattr(a, "_st")]
+    first = next((a for a in args if hasattr(a, "_st")), None)
+    return "x".join(str(s) for s in shapes), first.dtype.name if first is not None else ""
+
+
 class _OpScope:
     """While open, the runtime files each dispatch's sequence number under this host op;
     on close the op is recorded with them (name, shape and dtype of ``ref``)."""
@@ -204,7 +223,7 @@ class _OpScope:
 
 def _apply_profiled(cls, args):
     """Function.apply while profiling: record the op, its shape and the kernels it launched."""
-    scope = _OpScope(_prof._ACTIVE, cls.__name__.lstrip("_").lower()).__enter__()
+    scope = _OpScope(_prof._ACTIVE, _op_name(cls.__name__)).__enter__()
     out = None
     try:
         out = cls.apply(*args)
@@ -218,7 +237,7 @@ def _backward_profiled(node, g):
     col = _prof._ACTIVE
     if col is None:
         return node.fn.backward(node.ctx, g)
-    scope = _OpScope(col, node.name.lstrip("_").lower() + "_backward").__enter__()
+    scope = _OpScope(col, _op_name(node.name) + "_backward").__enter__()
     try:
         return node.fn.backward(node.ctx, g)
     finally:

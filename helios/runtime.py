@@ -19,6 +19,11 @@ from helios.kernels_spirv import registry
 from helios.profile import debug as _debug
 from helios.profile import profiler as _prof
 
+# HELIOS_DEBUG: set when a runtime logs kernels; autograd's Function.apply then notes the
+# operands of each op here, so each kernel line can show the shapes it worked on.
+_debug_on = [False]
+_debug_operand = [("", "")]  # (shapes text, dtype name) of the op being recorded
+
 # Dispatch ids of the host op being recorded (set by autograd's Function.apply while a
 # profiling session is open), so the trace links each op to the kernels it launched.
 _op_dispatches: list | None = None
@@ -98,10 +103,12 @@ class Runtime:
         self.debug = _debug.debug_level()
         if self.debug:
             self.dev.set_profiling(True)
-        # HELIOS_DEBUG >= 2 names each kernel's GLSL source and SPIR-V file: the (kernel,
-        # variant) of every timestamped command, in recording order (= the events' order).
+        # For the HELIOS_DEBUG lines: ((kernel, variant) or None, (shapes, dtype)) of every
+        # timestamped command, in recording order (= the order of the device events).
         self._kernel_of_pipeline: dict[int, tuple] = {}
         self._debug_kernels: collections.deque = collections.deque()
+        if self.debug:
+            _debug_on[0] = True
 
     # -- memory -------------------------------------------------------------------------
     def alloc(self, nbytes: int, pool: str = "activations") -> int:
@@ -130,8 +137,8 @@ class Runtime:
     def dispatch(self, pid: int, buffers: list, push: bytes, groups: tuple, name: str, flops: int = 0, nbytes: int = 0):
         """Record one dispatch (returns at once)."""
         col = _prof._ACTIVE
-        if self.debug >= 2:
-            self._debug_kernels.append(self._kernel_of_pipeline.get(pid))
+        if self.debug:
+            self._debug_kernels.append((self._kernel_of_pipeline.get(pid), _debug_operand[0]))
         if col is None:
             self.dev.dispatch(pid, buffers, push, groups, name, flops, nbytes)
             return
@@ -143,8 +150,8 @@ class Runtime:
         """Record a fill of ``nbytes`` at ``offset`` with a repeated 32-bit ``word``."""
         col = _prof._ACTIVE
         t0 = time.monotonic_ns() if col is not None else 0
-        if self.debug >= 2:
-            self._debug_kernels.append(None)  # a buffer fill: no shader
+        if self.debug:
+            self._debug_kernels.append((None, (f"{nbytes} B", "")))  # a buffer fill: no shader
         self.dev.fill(handle, offset, nbytes, word)
         if col is not None:
             self._traced(col, "fill", t0)
@@ -178,13 +185,12 @@ class Runtime:
                 col.record_memory(time.monotonic_ns(), pool, st["in_use_bytes"])
         if self.debug:
             for e in payload["events"]:
+                kv, (shape, dtype) = self._debug_kernels.popleft() if self._debug_kernels else (None, ("", ""))
                 src = spv = None
-                if self.debug >= 2 and self._debug_kernels:
-                    kv = self._debug_kernels.popleft()
-                    if kv is not None:
-                        src, spv = registry.source_path(kv[0]), registry.spirv_path(*kv)
-                _debug.log_kernel(e["name"], "", e["end_ns"] - e["start_ns"], e["flops"], e["bytes"], level=self.debug,
-                                  source=src, binary=spv)
+                if self.debug >= 2 and kv is not None:
+                    src, spv = registry.source_path(kv[0]), registry.spirv_path(*kv)
+                _debug.log_kernel(e["name"], shape, e["end_ns"] - e["start_ns"], e["flops"], e["bytes"], dtype,
+                                  level=self.debug, source=src, binary=spv)
 
 
 _current: Runtime | None = None

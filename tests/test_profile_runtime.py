@@ -33,7 +33,9 @@ def test_profile_a_training_step_gives_a_valid_trace(tmp_path):
     owners = col.op_of_dispatch()
     assert len(owners) == launched  # every kernel is linked to the host op that recorded it
     names = {op.name for op in col.ops}
-    assert {"matmul", "matmul_backward", "cross_entropy"} <= names
+    assert {"linear", "linear_backward", "matmul", "matmul_backward", "cross_entropy", "layer_norm"} <= names
+    linear = next(op for op in col.ops if op.name == "linear")
+    assert linear.dispatch_ids and linear.shape  # forward ops carry their kernels and operand shapes
     path = tmp_path / "trace.json"
     prof.export_chrome_trace(str(path))
     trace = json.loads(path.read_text())
@@ -66,6 +68,7 @@ def test_helios_debug_prints_one_line_per_kernel(level):
     lines = [ln for ln in r.stderr.splitlines() if ln.startswith("helios: ")]
     assert [ln.split()[1] for ln in lines] == ["rng", "matmul", "relu"]
     assert all("GFLOP/s" in ln and "GB/s" in ln for ln in lines)
+    assert "(32, 32)x(32, 32)" in lines[1] and "float32" in lines[1]  # the matmul's operands
     if level == 2:
         assert "src=" in lines[1] and lines[1].split("src=")[1].split()[0].endswith("matmul.comp")
         assert lines[1].split("spv=")[1].strip().endswith(".spv")

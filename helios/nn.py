@@ -95,9 +95,11 @@ class Module:
         return self.train(False)
 
     def to(self, device=None) -> "Module":
-        """Helios opens one device per process; a different device is an error, the same is a no-op."""
-        for p in self.parameters():
-            F.to(p, device) if isinstance(device, str) else None
+        """The same module: parameters live on the device they were made on; naming another
+        device is a DeviceError (``F.to`` checks it), a dtype or None is a no-op."""
+        if isinstance(device, str):
+            for p in self.parameters():
+                F.to(p, device)
         return self
 
     def zero_grad(self, set_to_none: bool = True) -> None:

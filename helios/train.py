@@ -208,7 +208,8 @@ def _train(args) -> int:
                     rt.synchronize()
                 loss_dev = loss if loss_dev is None else loss_dev + loss.detach()
             with timer.phase("grad_clip"):
-                norm = clip_grad_norm_(model.parameters(), args.grad_clip) if args.grad_clip > 0 else None
+                if args.grad_clip > 0:
+                    clip_grad_norm_(model.parameters(), args.grad_clip)
                 rt.synchronize()
             with timer.phase("optimizer"):
                 opt.step()
@@ -232,8 +233,7 @@ def _train(args) -> int:
             rec = timer.end_step(step, tokens_per_step, loss=loss_val, lr=lr, dispatches=rt.dev.stats()["dispatches"] - d0)
             mfu = compute_mfu(fpt, rec.tokens_per_s, peak)
             db.log_step(rec, mfu=mfu)
-            last = {"loss": loss_val, "lr": lr, "tok_s": rec.tokens_per_s, "mfu": mfu,
-                    "norm": norm.item() if norm is not None and step % 10 == 0 else last.get("norm")}
+            last = {"loss": loss_val, "lr": lr, "tok_s": rec.tokens_per_s, "mfu": mfu}
             post = {"loss": f"{loss_val:.4f}", "lr": f"{lr:.2e}", "tok/s": f"{rec.tokens_per_s:,.0f}", "MFU": format_mfu(mfu)}
             if val_loss is not None:
                 post["val"] = f"{val_loss:.4f}"

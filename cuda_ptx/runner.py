@@ -15,7 +15,7 @@ import numpy as np
 
 from helios.errors import DeviceError, DTypeError, ShapeError
 
-from . import dtypes, toolchain
+from . import dtypes, operands, toolchain
 from .config import GemmConfig, variants
 from .driver import Context, context
 from .emit import build_kernel, resolve
@@ -33,18 +33,6 @@ def default_variant(ctx: Context, in_dtype: str) -> str:
     return "mma_sync"
 
 
-def _pad_to(x: np.ndarray, rows: int, cols: int) -> np.ndarray:
-    if x.shape == (rows, cols):
-        return np.ascontiguousarray(x)
-    out = np.zeros((rows, cols), x.dtype)
-    out[: x.shape[0], : x.shape[1]] = x
-    return out
-
-
-def _round_up(v: int, m: int) -> int:
-    return max(m, (v + m - 1) // m * m)
-
-
 class GemmLaunch:
     """A compiled, loaded kernel with device buffers for one (M, N, K): run it, time it, read C."""
 
@@ -52,7 +40,8 @@ class GemmLaunch:
         cfg.validate()
         self.cfg, self.ctx = cfg, ctx or context()
         self.m, self.n, self.k = m, n, k
-        self.mp, self.np_, self.kp = _round_up(m, cfg.bm), _round_up(n, cfg.bn), _round_up(k, cfg.bk)
+        self.padded = operands.padded(cfg, m, n, k)
+        self.mp, self.np_, self.kp = self.padded.m, self.padded.n, self.padded.k
         kern = build_kernel(cfg)
         ptx = render(kern)
         comp = toolchain.compile_ptx(ptx, cfg.target)
@@ -66,17 +55,16 @@ class GemmLaunch:
 
     def upload(self, a: np.ndarray, b: np.ndarray) -> None:
         """Encode, pad and copy A (M x K) and B (K x N, float) to the device."""
-        cfg = self.cfg
-        ra = _pad_to(dtypes.encode(a, cfg.in_dtype), self.mp, self.kp)
-        rb = dtypes.encode(b, cfg.in_dtype)
-        rb = _pad_to(rb, self.kp, self.np_) if cfg.b_major == "n" else _pad_to(np.ascontiguousarray(rb.T), self.np_, self.kp)
+        ra, rb = operands.encode_operands(self.cfg, a, b, self.padded)
         self.ctx.upload(self.a_ptr, ra)
         self.ctx.upload(self.b_ptr, rb)
         dims = [("u32", self.mp), ("u32", self.np_), ("u32", self.kp)]
-        if cfg.kind == "wgmma":
-            ta = self.ctx.tensor_map(self.a_ptr, cfg.in_dtype, self.mp, self.kp, cfg.bm, cfg.bk)
-            tb = self.ctx.tensor_map(self.b_ptr, cfg.in_dtype, self.np_, self.kp, cfg.bn, cfg.bk)
-            self._args = [ta, tb, ("u64", self.c_ptr), *dims]
+        ptrs = {"a": self.a_ptr, "b": self.b_ptr}
+        boxes = operands.tma_boxes(self.cfg, self.padded)
+        if boxes:
+            tmaps = [self.ctx.tensor_map(ptrs[t.operand], self.cfg.in_dtype, t.rows, t.cols, t.box_rows, t.box_cols)
+                     for t in boxes]
+            self._args = [*tmaps, ("u64", self.c_ptr), *dims]
         else:
             self._args = [("u64", self.a_ptr), ("u64", self.b_ptr), ("u64", self.c_ptr), *dims]
 

@@ -1,0 +1,84 @@
+"""How a GEMM's operands are laid out for a kernel: padding, B's storage order, TMA boxes.
+
+Shared by the GPU runner and the CPU emulator so both hand a kernel exactly the
+same bytes and tensor maps.  Nothing here needs a driver.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import dtypes
+from .config import GemmConfig
+
+
+@dataclass(frozen=True)
+class Padded:
+    """Problem extents rounded up to the kernel's tile multiples."""
+
+    m: int
+    n: int
+    k: int
+
+
+@dataclass(frozen=True)
+class TmaBox:
+    """A 2-D TMA tensor map over a row-major ``rows x cols`` matrix (``cols`` contiguous).
+
+    ``operand`` is ``"a"`` or ``"b"``; the box copied per TMA instruction is
+    ``box_rows x box_cols`` elements, 128-byte swizzled (``box_cols * itemsize == 128``).
+    """
+
+    operand: str
+    rows: int
+    cols: int
+    box_rows: int
+    box_cols: int
+
+
+def round_up(v: int, m: int) -> int:
+    """``v`` rounded up to a multiple of ``m`` (at least ``m``)."""
+    return max(m, (v + m - 1) // m * m)
+
+
+def padded(cfg: GemmConfig, m: int, n: int, k: int) -> Padded:
+    """The extents the kernel runs on: each a multiple of its tile."""
+    return Padded(round_up(m, cfg.bm), round_up(n, cfg.bn), round_up(k, cfg.bk))
+
+
+def pad_to(x: np.ndarray, rows: int, cols: int) -> np.ndarray:
+    """``x`` zero-padded to ``rows x cols`` (zero rows/columns leave the product unchanged)."""
+    if x.shape == (rows, cols):
+        return np.ascontiguousarray(x)
+    out = np.zeros((rows, cols), x.dtype)
+    out[: x.shape[0], : x.shape[1]] = x
+    return out
+
+
+def encode_operands(cfg: GemmConfig, a: np.ndarray, b: np.ndarray, p: Padded) -> tuple[np.ndarray, np.ndarray]:
+    """A (``M x K``) and B (``K x N``, as floats) encoded to the input dtype's bits and padded.
+
+    A is row-major ``M x K``; B is ``K x N`` row-major for ``b_major="n"`` and stored
+    transposed (``N x K``) for ``b_major="k"``.
+    """
+    ra = pad_to(dtypes.encode(a, cfg.in_dtype), p.m, p.k)
+    rb = dtypes.encode(b, cfg.in_dtype)
+    if cfg.b_major == "n":
+        rb = pad_to(rb, p.k, p.n)
+    else:
+        rb = pad_to(np.ascontiguousarray(rb.T), p.n, p.k)
+    return ra, rb
+
+
+def tma_boxes(cfg: GemmConfig, p: Padded) -> list[TmaBox]:
+    """The tensor maps a wgmma kernel takes, in parameter order (empty for other kinds)."""
+    if cfg.kind != "wgmma":
+        return []
+    a = TmaBox("a", p.m, p.k, cfg.bm, cfg.bk)
+    if cfg.b_major == "k":
+        b = TmaBox("b", p.n, p.k, cfg.bn, cfg.bk)
+    else:
+        raise NotImplementedError("wgmma kernels take B K-major (N x K)")
+    return [a, b]

@@ -1,11 +1,15 @@
 """GEMM TFLOP/s of every helios.cuda_ptx variant against torch.matmul (cuBLAS), same GPU, same run.
 
-    python bench/ptx_gemm.py [--sizes 4096 8192] [--variants wgmma_ws wgmma_fp8] [--iters 20]
+    python bench/ptx_gemm.py [--sizes 4096 8192] [--variants wgmma_ws wgmma_fp8] [--iters 20] [--b-major k|n]
 
 One JSON line per (variant, size): {"bench", "helios", "peer", "ratio", "unit", "rel_err",
-"peer_rel_err", ...}; errors are max |C - ref| / max |ref| against an fp32 reference from
-the inputs as rounded to the kernel's input dtype.  Without a GPU it prints one line
-saying it skipped and why, and exits 0.
+"peer_rel_err", "b_major", ...}; errors are max |C - ref| / max |ref| against an fp32
+reference from the inputs as rounded to the kernel's input dtype.  ``--b-major`` picks
+how B is stored on the device for every variant: ``k`` (default) ``N x K`` as a Linear
+weight, ``n`` ``K x N`` (the wgmma rungs then read it through ``imm-trans-b``); fp8 has
+no N-major form and is reported as skipped under ``n``.  The peer multiplies the same
+storage (a transposed view for ``k``).  Without a GPU it prints one line saying it
+skipped and why, and exits 0.
 """
 
 from __future__ import annotations
@@ -15,8 +19,8 @@ import json
 import sys
 
 
-def _skip(reason: str) -> int:
-    print(json.dumps({"bench": "ptx_gemm", "skipped": True, "reason": reason}))
+def _skip(reason: str, b_major: str) -> int:
+    print(json.dumps({"bench": "ptx_gemm", "skipped": True, "b_major": b_major, "reason": reason}))
     return 0
 
 
@@ -37,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", type=int, nargs="+", default=[4096, 8192])
     ap.add_argument("--variants", nargs="+", default=None)
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--b-major", choices=("k", "n"), default="k",
+                    help="B stored N x K (k, as a Linear weight) or K x N (n) on the device")
     args = ap.parse_args(argv)
 
     from helios.cuda_ptx import driver, dtypes, variants
@@ -44,19 +50,20 @@ def main(argv: list[str] | None = None) -> int:
 
     ok, why = driver.driver_status()
     if not ok:
-        return _skip(f"no usable CUDA driver: {why}")
+        return _skip(f"no usable CUDA driver: {why}", args.b_major)
     try:
         import torch
     except ImportError:
-        return _skip("torch is not installed (the cuBLAS peer)")
+        return _skip("torch is not installed (the cuBLAS peer)", args.b_major)
     if not torch.cuda.is_available():
-        return _skip("torch has no CUDA device (the cuBLAS peer needs one)")
+        return _skip("torch has no CUDA device (the cuBLAS peer needs one)", args.b_major)
     import numpy as np
 
     torch.backends.cuda.matmul.allow_tf32 = False
     ctx = driver.context()
     vs = variants()
     names = args.variants or list(vs)
+    bmaj = args.b_major
     for size in args.sizes:
         m = n = k = size
         rng = np.random.default_rng(0)
@@ -64,8 +71,13 @@ def main(argv: list[str] | None = None) -> int:
         b = rng.standard_normal((k, n), dtype=np.float32)
         for name in names:
             cfg = vs[name]
+            if cfg.in_dtype == "e4m3" and bmaj == "n":
+                print(json.dumps({"bench": f"gemm_{name}_{size}", "skipped": True, "b_major": bmaj,
+                                  "reason": "fp8 wgmma reads B K-major only; run it with --b-major k"}))
+                continue
+            cfg = cfg.with_(b_major=bmaj)
             if cfg.target == "sm_90a" and ctx.cc != (9, 0):
-                print(json.dumps({"bench": f"gemm_{name}_{size}", "skipped": True,
+                print(json.dumps({"bench": f"gemm_{name}_{size}", "skipped": True, "b_major": bmaj,
                                   "reason": f"{name} needs sm_90a, device is sm_{ctx.cc[0]}{ctx.cc[1]}"}))
                 continue
             launch = GemmLaunch(cfg, m, n, k, ctx)
@@ -91,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 tdt = torch.bfloat16 if cfg.in_dtype == "bf16" else torch.float16
                 pa, pb = ra.to(tdt), rb.to(tdt)
+                if bmaj == "k":  # the same storage as the kernel's: N x K, multiplied transposed
+                    pb = pb.t().contiguous().t()
 
                 def peer(pa=pa, pb=pb):
                     return torch.matmul(pa, pb)
@@ -102,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                 "bench": f"gemm_{name}_{cfg.in_dtype}_{size}", "helios": round(h, 1), "peer": round(p, 1),
                 "ratio": round(h / p, 3), "unit": "TFLOP/s", "rel_err": err, "peer_rel_err": perr,
                 "peer_name": "torch._scaled_mm" if cfg.in_dtype == "e4m3" else "torch.matmul (cuBLAS)",
-                "device": ctx.name,
+                "b_major": bmaj, "device": ctx.name,
             }), flush=True)
     return 0
 

@@ -9,6 +9,11 @@ accumulation.  ``b_major`` says how B is stored:
 * ``"k"`` -- B is stored transposed, ``N x K`` with K contiguous ("K-major"), as a
   ``torch.nn.Linear`` weight is.
 
+Every kind reads either layout directly, except fp8: ``wgmma`` has no transpose for
+8-bit types, so ``wgmma_fp8`` takes B K-major only.  The ladder's wgmma rungs are
+K-major (a Linear weight); ``cfg.with_(b_major="n")`` gives the N-major twin
+(``imm-trans-b = 1``, see ``gen_wgmma``).
+
 Kernels assume ``M % bm == N % bn == K % bk == 0``; :func:`helios.cuda_ptx.gemm`
 pads with zeros to get there (zero rows/columns do not change the product).
 """
@@ -99,10 +104,15 @@ class GemmConfig:
             raise DTypeError(f"out_dtype must be one of {sorted(OUT_DTYPES)}, got {self.out_dtype!r}")
         if self.b_major not in ("k", "n"):
             raise ValueError(f"b_major must be 'k' or 'n', got {self.b_major!r}")
-        if self.in_dtype == "e4m3" and (self.kind != "wgmma" or self.b_major != "k"):
+        if self.in_dtype == "e4m3" and self.kind != "wgmma":
             raise DTypeError(
-                "fp8 e4m3 is generated only for kind='wgmma' with b_major='k' "
-                "(wgmma takes fp8 operands K-major only); pass B as N x K"
+                f"fp8 e4m3 is generated only for kind='wgmma' (K-major operands), got kind={self.kind!r}; "
+                "use a wgmma config such as variants()['wgmma_fp8']"
+            )
+        if self.in_dtype == "e4m3" and self.b_major != "k":
+            raise DTypeError(
+                "fp8 e4m3 wgmma reads B K-major only (imm-trans-b exists for 16-bit types alone); "
+                "use b_major='k' and pass B stored N x K (gemm() transposes a K x N B on the host for fp8)"
             )
         if self.kind == "simt" and (self.bm, self.bn, self.bk) != (64, 64, 16):
             raise ShapeError(f"simt kernel is 64x64x16 per CTA, got {self.bm}x{self.bn}x{self.bk}")

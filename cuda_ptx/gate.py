@@ -5,9 +5,14 @@ reports 0 bytes of spill and no stack frame; none of the informational notes tha
 mean a silent slowdown appear (C7508 setmaxnreg ignored, C7510 wgmma across a call,
 C7511 wgmma serialised, C7517/C7519 injected waits/arrives -- ptxas prints these as
 ``info``, so ``-Werror`` does not catch them); and the SASS holds the instructions
-the rung is about (HMMA, HGMMA, QGMMA, UTMALDG, USETMAXREG...).
+the rung is about (HMMA, HGMMA, QGMMA, UTMALDG, USETMAXREG...).  For 16-bit wgmma
+kernels the SASS must also say how B is read: every HGMMA carries ``.tnspB`` when B is
+N-major (``imm-trans-b = 1``) and none does when B is K-major.
 
-``python -m helios.cuda_ptx.gate`` runs it over :func:`variants` and prints a table.
+:func:`gate_configs` is what the gate covers: the ladder of :func:`variants` plus the
+N-major-B twin of each 16-bit wgmma rung (``wgmma_tma_nmajor``...), the form
+``gemm()`` runs them in.  ``python -m helios.cuda_ptx.gate`` gates those and prints
+one JSON line each.
 """
 
 from __future__ import annotations
@@ -22,6 +27,17 @@ from .config import GemmConfig, variants
 from .emit import emit_gemm
 
 FORBIDDEN_NOTES = ("C7508", "C7510", "C7511", "C7517", "C7519")
+TNSP_B = ".tnspB"  # SASS marks an HGMMA that reads B MN-major (imm-trans-b = 1)
+
+
+def gate_configs() -> dict[str, GemmConfig]:
+    """Everything the gate checks, by name: the ladder, then N-major-B twins of the 16-bit wgmma rungs."""
+    out = variants()
+    for name, cfg in list(out.items()):
+        if cfg.kind == "wgmma" and cfg.in_bytes == 2 and cfg.b_major == "k":
+            twin = f"{name}_nmajor"
+            out[twin] = cfg.with_(name=twin, b_major="n")
+    return out
 
 
 def expected_opcodes(cfg: GemmConfig) -> dict[str, str]:
@@ -61,14 +77,16 @@ class GateReport:
     failures: list[str] = field(default_factory=list)
 
 
-def count_prefixed(sass_text: str, prefix: str) -> int:
-    """How many SASS instructions start with ``prefix`` (e.g. ``HGMMA.64x256x``)."""
+def count_prefixed(sass_text: str, prefix: str, contains: str | None = None) -> int:
+    """How many SASS instructions start with ``prefix`` (e.g. ``HGMMA.64x256x``) and, if
+    given, hold ``contains`` in their operands (e.g. ``.tnspB``)."""
     n = 0
     for line in sass_text.splitlines():
         s = line.split("*/", 1)[-1].strip() if line.lstrip().startswith("/*") else ""
         if s.startswith("@"):
             s = s.split(None, 1)[-1]
-        if s.startswith(prefix):
+        # the encoding comment after ';' is hex only; match within the instruction
+        if s.startswith(prefix) and (contains is None or contains in s.split(";", 1)[0]):
             n += 1
     return n
 
@@ -93,15 +111,26 @@ def run_gate(cfg: GemmConfig, ptx: str | None = None) -> GateReport:
         found[prefix] = count_prefixed(text, prefix)
         if not found[prefix]:
             failures.append(f"SASS lacks {prefix} ({why})")
+    if cfg.kind == "wgmma" and cfg.in_bytes == 2:
+        hgmma, tnsp = count_prefixed(text, "HGMMA"), count_prefixed(text, "HGMMA", TNSP_B)
+        if cfg.b_major == "n":
+            found["HGMMA " + TNSP_B] = tnsp
+            if tnsp != hgmma:
+                failures.append(f"{hgmma - tnsp} of {hgmma} HGMMA lack {TNSP_B} (B is N-major: imm-trans-b = 1)")
+        elif tnsp:
+            failures.append(f"{tnsp} HGMMA carry {TNSP_B} but B is K-major (imm-trans-b must be 0)")
     return GateReport(cfg.name, cfg.target, not failures, info.registers, spill, info.notes, found, failures)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI: gate every variant (or those named), print one JSON line each; exit 1 on any failure."""
+    """CLI: gate every config of :func:`gate_configs` (or those named), one JSON line each; exit 1 on any failure."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("names", nargs="*", help="variants to gate (default: all)")
+    ap.add_argument("names", nargs="*", help="configs to gate (default: all of gate_configs())")
     args = ap.parse_args(argv)
-    vs = variants()
+    vs = gate_configs()
+    unknown = [n for n in args.names if n not in vs]
+    if unknown:
+        ap.error(f"unknown config(s) {unknown}; choose from {list(vs)}")
     names = args.names or list(vs)
     ok = True
     for n in names:

@@ -9,9 +9,18 @@ One generator covers the Hopper rungs; the config picks the shape:
   ``setmaxnreg.inc`` and each owns ``bm / consumers`` rows (``wgmma_ws``);
 * fp8 e4m3 (``wgmma_fp8``): same pipeline, ``k32`` instructions (QGMMA).
 
-Shared memory per ring slot: the A tile (``bm`` rows x 128 bytes) then the B tile
-(``bn`` rows x 128 bytes), both K-major, written by TMA with the 128-byte swizzle and
-read by wgmma through descriptors (:func:`layout.encode_desc`; LBO 16, SBO 1024).
+Shared memory per ring slot: the A tile (``bm`` rows x 128 bytes, K-major) then the
+B tile, both written by TMA with the 128-byte swizzle and read by wgmma through
+descriptors (:func:`layout.encode_desc`):
+
+* ``b_major="k"`` (B stored ``N x K``): ``bn`` rows x 128 bytes, one TMA copy; K-major
+  descriptor (LBO 16, unused; SBO 1024 between 8-row N groups), ``imm-trans-b = 0``,
+  +32 bytes per k16 step.
+* ``b_major="n"`` (B stored ``K x N``, bf16/fp16 only): ``bn / 64`` boxes of ``bk``
+  K-rows x 64 N-columns (8 KiB each), one TMA copy per box at ``{n0 + 64 j, k0}``;
+  MN-major descriptor (LBO 8192 between 64-column boxes, SBO 1024 between 8-row K
+  groups), ``imm-trans-b = 1``, +2048 bytes (16 K-rows) per k16 step.
+
 ``full[s]`` (TMA bytes landed) and ``empty[s]`` (consumers done) mbarriers order it.
 """
 
@@ -30,6 +39,10 @@ SWIZZLE = 128
 SBO = 1024  # bytes between 8-row atoms of a K-major 128B-swizzled tile
 LBO = 16  # unused by swizzled K-major layouts; 1 (encoded) by convention
 K_STEP_BYTES = 32  # one wgmma consumes 32 bytes of K: k16 bf16/fp16, k32 fp8
+# MN-major (N-major B) 128B-swizzled tile, as TMA writes a bk x 64 box of B (K x N):
+ATOM_BYTES = 128  # one swizzle row: 64 N-elements of a 16-bit type
+LBO_MN = 8192  # bytes between 64-column boxes along N (one box: bk=64 K-rows x 128 B)
+SBO_MN = 1024  # bytes between 8-row groups along K (8 K-rows x 128 B)
 
 
 @dataclass(frozen=True)
@@ -43,8 +56,28 @@ class WgmmaPlan:
         return self.cfg.bm * 128
 
     @property
+    def n_major(self) -> bool:
+        """B is read N-major (``imm-trans-b = 1``) from ``bk x 64`` TMA boxes."""
+        return self.cfg.b_major == "n"
+
+    @property
+    def b_box_cols(self) -> int:
+        """N-columns per TMA box of N-major B: one 128-byte swizzle row."""
+        return ATOM_BYTES // self.cfg.in_bytes
+
+    @property
+    def b_boxes(self) -> int:
+        """TMA copies of B per k-tile: ``bn / 64`` for N-major, 1 for K-major."""
+        return self.cfg.bn // self.b_box_cols if self.n_major else 1
+
+    @property
+    def b_box_bytes(self) -> int:
+        """Bytes one TMA copy of B writes."""
+        return self.cfg.bk * ATOM_BYTES if self.n_major else self.cfg.bn * 128
+
+    @property
     def b_bytes(self) -> int:
-        return self.cfg.bn * 128
+        return self.b_boxes * self.b_box_bytes
 
     @property
     def stage_bytes(self) -> int:
@@ -68,15 +101,37 @@ class WgmmaPlan:
 
     @property
     def desc_const(self) -> int:
-        """The descriptor with a zero start address; the kernel ORs in ``addr >> 4``."""
+        """The K-major descriptor (A, and B when K-major) with a zero start; the kernel ORs in ``addr >> 4``."""
         return L.encode_desc(0, LBO, SBO, SWIZZLE)
+
+    @property
+    def desc_b_const(self) -> int:
+        """B's descriptor with a zero start: MN-major (LBO between boxes, SBO between K groups) or K-major."""
+        if self.n_major:
+            return L.encode_desc(0, LBO_MN, SBO_MN, SWIZZLE)
+        return self.desc_const
+
+    @property
+    def b_step_bytes(self) -> int:
+        """How far B's descriptor start moves per wgmma: 32 bytes of K (K-major) or 16 K-rows (N-major)."""
+        return self.k_inst * ATOM_BYTES if self.n_major else K_STEP_BYTES
+
+    @property
+    def trans_b(self) -> int:
+        """``imm-trans-b``: 1 reads B N-major (transposed), 0 K-major."""
+        return 1 if self.n_major else 0
 
     def a_offset(self, consumer: int, mb: int, kk: int) -> int:
         """Byte offset in a slot where consumer ``consumer``'s m-block ``mb`` k-step ``kk`` starts."""
         return (consumer * self.rows_per_consumer + mb * 64) * 128 + kk * K_STEP_BYTES
 
     def b_offset(self, kk: int) -> int:
-        return self.a_bytes + kk * K_STEP_BYTES
+        """Byte offset in a slot where B's operand for k-step ``kk`` starts."""
+        return self.a_bytes + kk * self.b_step_bytes
+
+    def b_box_offset(self, j: int) -> int:
+        """Byte offset in a slot of B's TMA box ``j`` (N-columns ``64 j ..``)."""
+        return self.a_bytes + j * self.b_box_bytes
 
 
 def _vec(regs) -> str:
@@ -85,9 +140,7 @@ def _vec(regs) -> str:
 
 def generate(cfg: GemmConfig) -> Kernel:
     """Build the wgmma kernel for ``cfg``."""
-    cfg.validate()
-    if cfg.b_major != "k":
-        raise NotImplementedError("wgmma generator takes B K-major (N x K); gemm() transposes N-major B")
+    cfg.validate()  # refuses fp8 with N-major B: wgmma has no transpose for 8-bit types
     plan = WgmmaPlan(cfg)
     T = cfg.threads
     S = cfg.stages
@@ -131,16 +184,23 @@ def generate(cfg: GemmConfig) -> Kernel:
         b.emit("fence.proxy.async.shared::cta")
     ops.bar_sync(b, 0)
 
+    tma = "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+
     def load_tile(kt, slot) -> None:
-        """Arm ``full[slot]`` with the tile's byte count and start both TMA copies into it."""
+        """Arm ``full[slot]`` with the slot's byte count and start its TMA copies (A, then B's boxes)."""
         fb = b.mad("u32", slot, 8, full0)
+        # expect_tx = every byte the copies below write: A + all of B's boxes.
         b.emit("mbarrier.arrive.expect_tx.shared::cta.b64", "_", f"[{fb}]", plan.stage_bytes)
         dst = b.mad("u32", slot, plan.stage_bytes, ring)
         k0 = b.binop("mul.lo", "u32", kt, cfg.bk)
-        b.emit("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes",
-               f"[{dst}]", f"[{tmaps[0]}, {{{k0}, {m0}}}]", f"[{fb}]")
-        b.emit("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes",
-               f"[{dst}+{plan.a_bytes}]", f"[{tmaps[1]}, {{{k0}, {n0}}}]", f"[{fb}]")
+        # tensor coordinates are innermost first: A is M x K (K contiguous)
+        b.emit(tma, f"[{dst}]", f"[{tmaps[0]}, {{{k0}, {m0}}}]", f"[{fb}]")
+        if not plan.n_major:  # B stored N x K: one bn x bk box
+            b.emit(tma, f"[{dst}+{plan.a_bytes}]", f"[{tmaps[1]}, {{{k0}, {n0}}}]", f"[{fb}]")
+            return
+        for j in range(plan.b_boxes):  # B stored K x N: bk x 64 boxes side by side along N
+            nj = b.binop("add", "u32", n0, j * plan.b_box_cols) if j else n0
+            b.emit(tma, f"[{dst}+{plan.b_box_offset(j)}]", f"[{tmaps[1]}, {{{nj}, {k0}}}]", f"[{fb}]")
 
     def wait(bar_addr, parity) -> None:
         """Spin on ``mbarrier.try_wait.parity`` until the phase with ``parity`` completed."""
@@ -177,10 +237,10 @@ def generate(cfg: GemmConfig) -> Kernel:
             _desc(b, da, addr, plan.desc_const)
             b.emit("mad.lo.u32", addr, slot, plan.stage_bytes, ring)
             b.emit("add.u32", addr, addr, plan.a_bytes)
-            _desc(b, db, addr, plan.desc_const)
+            _desc(b, db, addr, plan.desc_b_const)
             b.emit("wgmma.fence.sync.aligned")
             for kk in range(plan.ksteps):
-                b.emit("add.s64", dbk, db, (kk * K_STEP_BYTES) >> 4)
+                b.emit("add.s64", dbk, db, (kk * plan.b_step_bytes) >> 4)
                 for mb in range(plan.mblocks):
                     b.emit("add.s64", dak, da, (mb * 64 * 128 + kk * K_STEP_BYTES) >> 4)
                     shape = f"m64n{cfg.bn}k{plan.k_inst}"
@@ -188,9 +248,9 @@ def generate(cfg: GemmConfig) -> Kernel:
                         b.emit(f"wgmma.mma_async.sync.aligned.{shape}.f32.{ptx_in}.{ptx_in}",
                                _vec(acc[mb]), dak, dbk, scale_d, 1, 1)
                     else:
-                        # imm-trans-a/b = 0: both operands K-major.
+                        # imm-trans-a = 0: A K-major; imm-trans-b = 1 reads B N-major.
                         b.emit(f"wgmma.mma_async.sync.aligned.{shape}.f32.{ptx_in}.{ptx_in}",
-                               _vec(acc[mb]), dak, dbk, scale_d, 1, 1, 0, 0)
+                               _vec(acc[mb]), dak, dbk, scale_d, 1, 1, 0, plan.trans_b)
             b.emit("wgmma.commit_group.sync.aligned")
             b.emit("wgmma.wait_group.sync.aligned", 0)
             release(kt, slot)
@@ -286,27 +346,39 @@ def _epilogue(b: Builder, cfg: GemmConfig, plan: WgmmaPlan, c_g, n_r, m0, n0, ci
 def simulate_tile(cfg: GemmConfig, A: np.ndarray, B: np.ndarray) -> np.ndarray:
     """One ``bm x bk`` @ ``bk x bn`` tile through the kernel's data path, in numpy.
 
-    TMA writes A (``bm x bk``) and B^T (``bn x bk``) into a slot with the 128-byte
-    swizzle (:func:`layout.tma_store_box`); each consumer builds its descriptors with
-    the same constants and offsets as the generator, :func:`layout.wgmma_gather`
-    reads the operands those descriptors name, products accumulate into the
+    TMA writes A (``bm x bk``) and B into a slot with the 128-byte swizzle
+    (:func:`layout.tma_store_box`): B^T (``bn x bk``) as one box for ``b_major="k"``,
+    B (``bk x bn``) as ``bn / 64`` boxes of 64 columns for ``b_major="n"``.  Each
+    consumer builds its descriptors with the same constants and offsets as the
+    generator, :func:`layout.wgmma_gather` (K-major) / :func:`layout.wgmma_gather_mn`
+    (N-major B) read the operands those descriptors name, products accumulate into the
     per-thread registers of :func:`layout.wgmma_d_map`, and the epilogue's (row, col)
     arithmetic scatters them to C.  Inputs are exchanged as float16 bytes (bf16 and
     fp16 are both 2 bytes; fp8 configs use a 1-byte stand-in), so integer-valued
     inputs compare exactly.
     """
+    cfg.validate()
     plan = WgmmaPlan(cfg)
     dt = np.float16 if cfg.in_bytes == 2 else np.int8
     smem = np.zeros(plan.stage_bytes, np.uint8)
     smem[: plan.a_bytes] = L.tma_store_box(A.astype(dt), SWIZZLE)
-    smem[plan.a_bytes:] = L.tma_store_box(np.ascontiguousarray(B.T.astype(dt)), SWIZZLE)
+    if plan.n_major:
+        for j in range(plan.b_boxes):  # the TMA copy at {n0 + 64 j, k0}
+            box = np.ascontiguousarray(B[:, j * plan.b_box_cols: (j + 1) * plan.b_box_cols].astype(dt))
+            o = plan.b_box_offset(j)
+            smem[o: o + plan.b_box_bytes] = L.tma_store_box(box, SWIZZLE)
+    else:
+        smem[plan.a_bytes:] = L.tma_store_box(np.ascontiguousarray(B.T.astype(dt)), SWIZZLE)
     C = np.full((cfg.bm, cfg.bn), np.nan)
     rmap, cmap = L.wgmma_d_map(cfg.bn)
     for c in range(cfg.consumers):
         acc = np.zeros((plan.mblocks, 128, cfg.bn // 2))
         for kk in range(plan.ksteps):
-            db = plan.desc_const | (plan.b_offset(kk) >> 4)
-            bt = L.wgmma_gather(smem, db, cfg.bn, K_STEP_BYTES, dt).astype(np.float64)  # bn x k
+            db = plan.desc_b_const | (plan.b_offset(kk) >> 4)
+            if plan.n_major:
+                bt = L.wgmma_gather_mn(smem, db, cfg.bn, plan.k_inst, dt).astype(np.float64)  # bn x k
+            else:
+                bt = L.wgmma_gather(smem, db, cfg.bn, K_STEP_BYTES, dt).astype(np.float64)  # bn x k
             for mb in range(plan.mblocks):
                 da = plan.desc_const | (plan.a_offset(c, mb, kk) >> 4)
                 a = L.wgmma_gather(smem, da, 64, K_STEP_BYTES, dt).astype(np.float64)  # 64 x k

@@ -6,8 +6,8 @@
 * swizzles: the XOR swizzle TMA writes and wgmma reads (``Swizzle<B,M,S>`` on byte
   addresses; 128B = ``Swizzle<3,4,3>``).
 * the 64-bit shared-memory matrix descriptor of wgmma: :func:`encode_desc` /
-  :func:`decode_desc`, and :func:`wgmma_gather` -- which bytes a descriptor names for
-  a K-major operand.
+  :func:`decode_desc`, :func:`wgmma_gather` -- which bytes a descriptor names for a
+  K-major operand -- and :func:`wgmma_gather_mn`, the same for an MN-major one.
 * fragment maps: ``mma.sync.m16n8k16`` A/B/C, ``ldmatrix`` (plain and ``.trans``),
   and the wgmma ``m64nNk16`` accumulator.
 """
@@ -122,6 +122,37 @@ def wgmma_gather(smem: np.ndarray, desc: int, rows: int, k_bytes: int, dtype) ->
     j = np.arange(k_bytes)[None, :]
     lin = d["start"] + (r // 8) * d["sbo"] + (r % 8) * 128 + j
     return smem[swizzle(lin, 3)].copy().view(dtype).reshape(rows, -1)
+
+
+def wgmma_gather_mn(smem: np.ndarray, desc: int, mn: int, k: int, dtype) -> np.ndarray:
+    """The ``mn x k`` operand an MN-major 128B-swizzled descriptor names in ``smem`` (uint8).
+
+    This is what ``wgmma`` reads for B when ``imm-trans-b = 1`` (or A with
+    ``imm-trans-a = 1``).  The canonical layout (CUTLASS ``Swizzle<3,4,3> o
+    ((T,8,m),(8,k)):((1,T,LBO),(8T,SBO))`` in 16-byte units) is a grid of swizzle
+    atoms, each ``128 / itemsize`` MN-elements (one 128-byte row) x 8 K-rows = 1024
+    bytes:
+
+    * element ``(n, kk)`` sits at ``start + (n // W) * LBO + (kk // 8) * SBO +
+      (kk % 8) * 128 + (n % W) * itemsize`` with ``W = 128 // itemsize`` (64 for
+      16-bit types), then swizzled on the absolute address;
+    * so for MN-major layouts **LBO** is the byte distance between atoms along MN
+      and **SBO** the distance between 8-row groups along K (the reverse of what
+      the names suggest for K-major, where SBO steps between 8-row MN groups).
+
+    Returns the operand as rows ``n``, columns ``kk`` (i.e. B^T for B, so callers can
+    use it like :func:`wgmma_gather`'s result).  ``k`` is in elements (16 for k16).
+    """
+    d = decode_desc(desc)
+    if d["swizzle"] != 128:
+        raise NotImplementedError("model covers the 128-byte swizzle the generators use")
+    itemsize = np.dtype(dtype).itemsize
+    w = 128 // itemsize  # MN-elements per swizzle atom row
+    n = np.arange(mn)[:, None, None]
+    kk = np.arange(k)[None, :, None]
+    byte = np.arange(itemsize)[None, None, :]
+    lin = d["start"] + (n // w) * d["lbo"] + (kk // 8) * d["sbo"] + (kk % 8) * 128 + (n % w) * itemsize + byte
+    return smem[swizzle(lin, 3)].copy().view(dtype).reshape(mn, k)
 
 
 # --------------------------------------------------------------------------------------

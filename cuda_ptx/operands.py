@@ -73,12 +73,18 @@ def encode_operands(cfg: GemmConfig, a: np.ndarray, b: np.ndarray, p: Padded) ->
 
 
 def tma_boxes(cfg: GemmConfig, p: Padded) -> list[TmaBox]:
-    """The tensor maps a wgmma kernel takes, in parameter order (empty for other kinds)."""
+    """The tensor maps a wgmma kernel takes, in parameter order (empty for other kinds).
+
+    A is ``M x K`` with a ``bm x bk`` box.  B stored ``N x K`` (``b_major="k"``) has one
+    ``bn x bk`` box per k-tile; B stored ``K x N`` (``b_major="n"``, 16-bit types) has
+    ``bk x 64`` boxes (64 N-columns = the 128-byte swizzle width), ``bn / 64`` of them
+    per k-tile, which the kernel copies side by side and reads N-major.
+    """
     if cfg.kind != "wgmma":
         return []
     a = TmaBox("a", p.m, p.k, cfg.bm, cfg.bk)
     if cfg.b_major == "k":
         b = TmaBox("b", p.n, p.k, cfg.bn, cfg.bk)
     else:
-        raise NotImplementedError("wgmma kernels take B K-major (N x K)")
+        b = TmaBox("b", p.k, p.n, cfg.bk, 128 // cfg.in_bytes)
     return [a, b]

@@ -1,8 +1,11 @@
 """Run generated GEMMs on a GPU: ``gemm(a, b)`` on numpy arrays, and a reusable launch for benchmarks.
 
 Shapes are padded with zeros to the variant's tile multiples (zero rows/columns do
-not change the product) and cut back afterwards.  N-major B is transposed on the
-host for the wgmma variants, which read both operands K-major.
+not change the product) and cut back afterwards.  ``gemm()`` takes B as numpy's
+``K x N`` and picks the kernel's B layout to match: N-major (``b_major="n"``), so B
+goes to the device untouched -- the wgmma rungs read it through the descriptor's
+transpose bit -- except for fp8, which wgmma reads K-major only, so there B is
+transposed on the host.  :class:`GemmLaunch` runs a config exactly as given.
 """
 
 from __future__ import annotations
@@ -24,6 +27,15 @@ from .render import render
 OUT_ALIASES = {"float32": "f32", "f32": "f32", "bfloat16": "bf16", "bf16": "bf16"}
 
 
+def native_b_major(cfg: GemmConfig) -> str:
+    """The B layout ``gemm()`` runs ``cfg`` with for a numpy ``K x N`` B.
+
+    ``"n"`` (no host transpose) wherever the kernel can read it, i.e. every kind with
+    16-bit inputs; ``"k"`` for fp8 e4m3, which wgmma takes K-major only.
+    """
+    return "k" if cfg.in_dtype == "e4m3" else "n"
+
+
 def default_variant(ctx: Context, in_dtype: str) -> str:
     """The best landed variant for this device and input dtype."""
     if ctx.cc >= (9, 0) and ctx.cc < (10, 0):
@@ -34,7 +46,11 @@ def default_variant(ctx: Context, in_dtype: str) -> str:
 
 
 class GemmLaunch:
-    """A compiled, loaded kernel with device buffers for one (M, N, K): run it, time it, read C."""
+    """A compiled, loaded kernel with device buffers for one (M, N, K): run it, time it, read C.
+
+    The config runs as given: :meth:`upload` takes B as ``K x N`` and stores it that way
+    for ``b_major="n"``, transposed to ``N x K`` for ``b_major="k"``.
+    """
 
     def __init__(self, cfg: GemmConfig, m: int, n: int, k: int, ctx: Context | None = None) -> None:
         cfg.validate()
@@ -93,6 +109,28 @@ class GemmLaunch:
             self.ctx.free(p)
 
 
+def gemm_config(variant: str | GemmConfig | None = None, in_dtype: str | None = None,
+                out_dtype: str = "float32", ctx: Context | None = None) -> GemmConfig:
+    """The config :func:`gemm` runs for these arguments (validated).
+
+    The variant (by default the best for ``ctx``'s device, which then must be given)
+    with ``in_dtype`` and ``out_dtype`` applied and ``b_major`` set by
+    :func:`native_b_major` for a numpy ``K x N`` B.  Needs no driver when ``variant``
+    is given.
+    """
+    if out_dtype not in OUT_ALIASES:
+        raise DTypeError(f"out_dtype must be one of {sorted(OUT_ALIASES)}, got {out_dtype!r}")
+    if variant is None:
+        variant = default_variant(ctx or context(), in_dtype or "bf16")
+    cfg = resolve(variant)
+    if in_dtype is not None and in_dtype != cfg.in_dtype:
+        cfg = cfg.with_(in_dtype=in_dtype)
+    cfg = cfg.with_(out_dtype=OUT_ALIASES[out_dtype])
+    cfg = cfg.with_(b_major=native_b_major(cfg))
+    cfg.validate()
+    return cfg
+
+
 def gemm(a: np.ndarray, b: np.ndarray, out_dtype: str = "float32", variant: str | GemmConfig | None = None,
          in_dtype: str | None = None) -> np.ndarray:
     """``a @ b`` through a generated kernel: inputs rounded to ``in_dtype`` (bf16, fp16, e4m3),
@@ -100,6 +138,10 @@ def gemm(a: np.ndarray, b: np.ndarray, out_dtype: str = "float32", variant: str 
 
     ``variant`` is a name from :func:`variants` or a config; by default the best one for
     the device.  ``in_dtype`` defaults to the variant's (bf16, or e4m3 for ``wgmma_fp8``).
+    The variant's ``b_major`` is replaced by :func:`native_b_major`: for 16-bit inputs the
+    kernel reads this ``K x N`` B as it is (the wgmma rungs with ``imm-trans-b = 1``);
+    only fp8 B is transposed on the host.  Use :class:`GemmLaunch` to run a config's
+    own B layout.
     """
     a, b = np.asarray(a), np.asarray(b)
     if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0]:
@@ -107,11 +149,7 @@ def gemm(a: np.ndarray, b: np.ndarray, out_dtype: str = "float32", variant: str 
     if out_dtype not in OUT_ALIASES:
         raise DTypeError(f"out_dtype must be one of {sorted(OUT_ALIASES)}, got {out_dtype!r}")
     ctx = context()
-    cfg = resolve(variant or default_variant(ctx, in_dtype or "bf16"))
-    if in_dtype is not None and in_dtype != cfg.in_dtype:
-        cfg = cfg.with_(in_dtype=in_dtype)
-    cfg = cfg.with_(out_dtype=OUT_ALIASES[out_dtype])
-    cfg.validate()
+    cfg = gemm_config(variant, in_dtype, out_dtype, ctx)
     m, k = a.shape
     n = b.shape[1]
     if 0 in (m, n, k):
@@ -143,4 +181,4 @@ def run_isolated(code: str, timeout: float = 120.0) -> subprocess.CompletedProce
         ) from e
 
 
-__all__ = ["GemmLaunch", "default_variant", "gemm", "run_isolated", "variants"]
+__all__ = ["GemmLaunch", "default_variant", "gemm", "gemm_config", "native_b_major", "run_isolated", "variants"]

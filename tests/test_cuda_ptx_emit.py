@@ -90,6 +90,108 @@ def test_invalid_configs_say_why():
         cp.emit_gemm("nope")
 
 
-def test_wgmma_n_major_b_is_not_generated():
-    with pytest.raises(NotImplementedError, match="K-major"):
-        cp.emit_gemm(cp.variants()["wgmma_tma"].with_(b_major="n"))
+TMA_RE = re.compile(r"cp\.async\.bulk\.tensor\.2d\S* \[%r(\d+)(?:\+(\d+))?\], \[%rd(\d+), \{%r(\d+), %r(\d+)\}\]")
+
+
+def _defs(ptx: str) -> dict[str, str]:
+    """Register -> the instruction that last wrote it (the kernels assign most registers once)."""
+    out = {}
+    for ln in ptx.splitlines():
+        m = re.match(r"\s*(\S+) (%\w+), (.*);", ln)
+        if m:
+            out[m.group(2)] = f"{m.group(1)} {m.group(3)}"
+    return out
+
+
+@pytest.mark.parametrize("name", ["wgmma_tma", "wgmma_pipe", "wgmma_ws"])
+@pytest.mark.parametrize("in_dtype", ["bf16", "fp16"])
+def test_wgmma_n_major_b_reads_through_the_transpose_bit(name, in_dtype):
+    from helios.cuda_ptx import gen_wgmma
+    from helios.cuda_ptx import layout as L
+
+    cfg = cp.variants()[name].with_(b_major="n", in_dtype=in_dtype)
+    plan = gen_wgmma.WgmmaPlan(cfg)
+    ptx = cp.emit_gemm(cfg)
+    assert f"_bn_{cfg.bm}x{cfg.bn}" in cfg.kernel_name and f".entry {cfg.kernel_name}(" in ptx
+    mmas = [ln for ln in ptx.splitlines() if "wgmma.mma_async" in ln]
+    assert mmas and all(ln.rstrip().endswith(", 1, 1, 0, 1;") for ln in mmas)  # imm-trans-a 0, imm-trans-b 1
+    # every expect_tx arms the slot's full byte count: A + bn/64 boxes of 8 KiB
+    tx = re.findall(r"expect_tx\S* _, \[%r\d+\], (\d+);", ptx)
+    assert tx and {int(t) for t in tx} == {cfg.bm * 128 + (cfg.bn // 64) * 8192}
+    # per load site: one A copy {k0, m0}, then bn/64 B copies {n0 + 64 j, k0} at +a_bytes + 8192 j
+    defs = _defs(ptx)
+    copies = TMA_RE.findall(ptx)
+    per_tile = 1 + cfg.bn // 64
+    assert copies and len(copies) % per_tile == 0
+    for t in range(0, len(copies), per_tile):
+        a_dst, a_off, a_map, k0, m0 = copies[t]
+        assert a_off == ""
+        n0 = None
+        for j, (dst, off, bmap, nj, kj) in enumerate(copies[t + 1: t + per_tile]):
+            assert (dst, int(off), kj) == (a_dst, plan.a_bytes + 8192 * j, k0) and bmap != a_map
+            if j == 0:
+                n0 = nj
+            else:
+                assert defs[f"%r{nj}"] == f"add.u32 %r{n0}, {64 * j}"
+    # B's descriptor: MN-major constants, +2048 B (128 encoded) per k16 step; A's stays K-major
+    ors = re.findall(r"or\.b64 %rd\d+, %rd\d+, (\d+);", ptx)
+    assert {int(x) for x in ors} == {plan.desc_const, L.encode_desc(0, 8192, 1024, 128)}
+    steps = sorted({int(x) for x in re.findall(r"add\.s64 %rd\d+, %rd\d+, (\d+);", ptx)})
+    assert {128 * kk for kk in range(4)} <= set(steps)
+
+
+def test_wgmma_k_major_b_keeps_one_copy_and_no_transpose():
+    ptx = cp.emit_gemm("wgmma_ws")
+    assert all(ln.rstrip().endswith(", 1, 1, 0, 0;") for ln in ptx.splitlines() if "wgmma.mma_async" in ln)
+    copies = TMA_RE.findall(ptx)
+    # A {k0, m0} then B {k0, n0}: both K innermost
+    for t in range(0, len(copies), 2):
+        assert copies[t + 1][3] == copies[t][3] and copies[t + 1][1] == str(128 * 128)
+
+
+def test_fp8_with_n_major_b_is_refused_with_the_reason():
+    with pytest.raises(DTypeError, match="K-major only"):
+        cp.emit_gemm(cp.variants()["wgmma_fp8"].with_(b_major="n"))
+
+
+def test_user_picks_b_major_on_any_16_bit_wgmma_config():
+    cfg = cp.variants()["wgmma_ws"].with_(b_major="n", out_dtype="bf16")
+    cfg.validate()
+    assert cfg.kernel_name != cp.variants()["wgmma_ws"].kernel_name
+    assert [c.b_major for c in cp.variants().values() if c.kind == "wgmma"] == ["k"] * 4  # ladder unchanged
+
+
+def test_tma_boxes_follow_b_major():
+    from helios.cuda_ptx import operands
+
+    v = cp.variants()
+    p = operands.Padded(256, 512, 128)
+    assert operands.tma_boxes(v["wgmma_ws"], p) == [
+        operands.TmaBox("a", 256, 128, 128, 64), operands.TmaBox("b", 512, 128, 256, 64)]
+    assert operands.tma_boxes(v["wgmma_ws"].with_(b_major="n"), p) == [
+        operands.TmaBox("a", 256, 128, 128, 64), operands.TmaBox("b", 128, 512, 64, 64)]
+    assert operands.tma_boxes(v["mma_sync"], p) == []
+
+
+def test_encode_operands_stores_b_as_the_kernel_reads_it():
+    import numpy as np
+    from helios.cuda_ptx import dtypes, operands
+
+    cfg = cp.variants()["wgmma_tma"]
+    a, b = np.ones((3, 5), np.float32), np.arange(5 * 7, dtype=np.float32).reshape(5, 7)
+    p = operands.padded(cfg, 3, 7, 5)
+    _, rn = operands.encode_operands(cfg.with_(b_major="n"), a, b, p)
+    _, rk = operands.encode_operands(cfg, a, b, p)
+    assert rn.shape == (p.k, p.n) and rk.shape == (p.n, p.k)
+    assert np.array_equal(rn[:5, :7], dtypes.encode(b, "bf16")) and np.array_equal(rk[:7, :5], rn[:5, :7].T)
+
+
+def test_gemm_reads_16_bit_b_n_major_and_transposes_only_fp8():
+    from helios.cuda_ptx import runner
+
+    for name, cfg in cp.variants().items():
+        got = runner.gemm_config(name, out_dtype="bfloat16")
+        assert got.b_major == ("k" if cfg.in_dtype == "e4m3" else "n"), name
+        assert got.out_dtype == "bf16" and got.in_dtype == cfg.in_dtype
+    # a config given with K-major B is still run N-major by gemm() (its B is numpy's K x N)
+    assert runner.gemm_config(cp.variants()["wgmma_pipe"], in_dtype="fp16").b_major == "n"

@@ -17,17 +17,31 @@ needs_sass = pytest.mark.skipif(
     reason="no SASS disassembler (`pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm`)")
 
 V = cp.variants()
+G = gate.gate_configs()
+
+
+def test_gate_covers_the_ladder_and_n_major_twins_of_16_bit_wgmma():
+    assert list(G) == [*V, "wgmma_tma_nmajor", "wgmma_pipe_nmajor", "wgmma_ws_nmajor"]
+    for name in ("wgmma_tma", "wgmma_pipe", "wgmma_ws"):
+        twin = G[f"{name}_nmajor"]
+        assert twin == V[name].with_(name=f"{name}_nmajor", b_major="n")
+    assert all(G[n] == V[n] for n in V)  # the ladder itself is gated unchanged (K-major wgmma B)
 
 
 @needs_ptxas
 @needs_sass
-@pytest.mark.parametrize("name", list(V))
+@pytest.mark.parametrize("name", list(G))
 def test_gate_passes_for_every_variant(name):
-    rep = gate.run_gate(V[name])
+    rep = gate.run_gate(G[name])
     assert rep.ok, rep.failures
     assert rep.spill_bytes == 0
     assert not set(rep.notes) & set(gate.FORBIDDEN_NOTES)
     assert all(n > 0 for n in rep.found.values()), rep.found
+    if G[name].b_major == "n" and G[name].kind == "wgmma":
+        # every HGMMA reads B transposed, and B arrives as 1 + bn/64 TMA copies per tile
+        hg = next(v for k, v in rep.found.items() if k.startswith("HGMMA.64x"))
+        assert rep.found["HGMMA " + gate.TNSP_B] == hg
+        assert rep.found["UTMALDG"] > gate.run_gate(V[name.removesuffix("_nmajor")]).found["UTMALDG"]
 
 
 EXTRA = {
@@ -37,6 +51,8 @@ EXTRA = {
     "wgmma_ws_bf16out": V["wgmma_ws"].with_(out_dtype="bf16"),
     "wgmma_pipe_fp16": V["wgmma_pipe"].with_(in_dtype="fp16"),
     "wgmma_fp8_bf16out": V["wgmma_fp8"].with_(out_dtype="bf16"),
+    "wgmma_ws_nmajor_fp16_bf16out": V["wgmma_ws"].with_(b_major="n", in_dtype="fp16", out_dtype="bf16"),
+    "wgmma_tma_nmajor_bn256": V["wgmma_tma"].with_(b_major="n", bn=256),
 }
 
 
@@ -67,6 +83,31 @@ def test_gate_catches_missing_tensor_core_instructions():
     rep = gate.run_gate(V["mma_sync"], cp.emit_gemm("simt"))
     assert not rep.ok
     assert any("HMMA" in f for f in rep.failures)
+
+
+@needs_ptxas
+@needs_sass
+@pytest.mark.parametrize("name", ["wgmma_tma", "wgmma_ws"])
+def test_gate_catches_b_read_in_the_wrong_layout(name):
+    k_cfg, n_cfg = V[name], G[f"{name}_nmajor"]
+    # N-major PTX judged as the K-major kernel: its HGMMAs carry .tnspB
+    rep = gate.run_gate(k_cfg, cp.emit_gemm(n_cfg))
+    assert not rep.ok and any("carry .tnspB" in f for f in rep.failures)
+    # K-major PTX judged as the N-major kernel: no HGMMA reads B transposed
+    rep = gate.run_gate(n_cfg, cp.emit_gemm(k_cfg))
+    assert not rep.ok and any("lack .tnspB" in f for f in rep.failures)
+
+
+@needs_ptxas
+@needs_sass
+def test_gate_cli_runs_named_configs(capsys):
+    import json
+
+    assert gate.main(["wgmma_tma_nmajor"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 1 and json.loads(lines[0])["name"] == "wgmma_tma_nmajor" and json.loads(lines[0])["ok"]
+    with pytest.raises(SystemExit):
+        gate.main(["nope"])
 
 
 @needs_ptxas
@@ -105,6 +146,11 @@ def test_count_prefixed_handles_predicates():
     assert gate.count_prefixed(sass, "HGMMA.64x256x") == 1
     assert gate.count_prefixed(sass, "UTMALDG") == 1
     assert gate.count_prefixed(sass, "QGMMA") == 0
+    tn = ("        /*0200*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR12].tnspB, R24 ;\n"
+          "        /*0210*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR28], R24, gsb0 ;\n")
+    assert gate.count_prefixed(tn, "HGMMA") == 2
+    assert gate.count_prefixed(tn, "HGMMA", gate.TNSP_B) == 1
+    assert gate.count_prefixed(sass, "HGMMA", gate.TNSP_B) == 0
 
 
 def test_missing_tool_message(monkeypatch):

@@ -62,6 +62,61 @@ def test_tma_write_then_descriptor_read_recovers_tile():
         assert (got == tile[:, 16 * kk: 16 * kk + 16]).all()
 
 
+def _n_major_smem(B, base=0, box_cols=64):
+    """B (K x N) as the N-major kernel's TMA copies leave it: 64-column boxes at +j*8192 from ``base``."""
+    k, n = B.shape
+    box_bytes = k * 128
+    smem = np.zeros(base + (n // box_cols) * box_bytes, np.uint8)
+    for j in range(n // box_cols):
+        o = base + j * box_bytes
+        smem[o: o + box_bytes] = L.tma_store_box(np.ascontiguousarray(B[:, j * box_cols: (j + 1) * box_cols]), 128)
+    return smem
+
+
+@pytest.mark.parametrize("n", [64, 128, 256])
+@pytest.mark.parametrize("base", [0, 3072])  # a B tile after a 3 KiB A region: absolute-address swizzle
+def test_tma_boxes_then_mn_major_descriptor_read_recovers_b(n, base):
+    rng = np.random.default_rng(9)
+    B = rng.integers(-1000, 1000, (64, n)).astype(np.float16)  # K x N
+    smem = _n_major_smem(B, base)
+    for kk in range(4):  # +16 K-rows = 2048 B per k16 step
+        d = L.encode_desc(base + kk * 2048, 8192, 1024, 128)
+        got = L.wgmma_gather_mn(smem, d, n, 16, np.float16)
+        assert got.shape == (n, 16)
+        assert (got == B[16 * kk: 16 * kk + 16, :].T).all()
+
+
+@pytest.mark.parametrize("lbo, sbo", [(4096, 1024), (1024, 8192), (8192, 512), (8192, 2048)])
+def test_mn_major_read_with_a_wrong_lbo_or_sbo_differs(lbo, sbo):
+    rng = np.random.default_rng(10)
+    B = rng.integers(-1000, 1000, (64, 256)).astype(np.float16)
+    smem = _n_major_smem(B)
+    d = L.encode_desc(0, lbo, sbo, 128)
+    assert not (L.wgmma_gather_mn(smem, d, 256, 16, np.float16) == B[:16].T).all()
+
+
+def test_mn_major_model_is_not_the_k_major_model():
+    # the same bytes read K-major name other elements: the two models are not interchangeable
+    B = np.arange(64 * 64).reshape(64, 64).astype(np.float16)
+    smem = _n_major_smem(B)
+    d = L.encode_desc(0, 8192, 1024, 128)
+    mn = L.wgmma_gather_mn(smem, d, 64, 16, np.float16)
+    km = L.wgmma_gather(smem, L.encode_desc(0, 16, 1024, 128), 64, 32, np.float16)
+    assert (mn == B[:16].T).all() and not (km == B[:16].T).all()
+
+
+def test_wgmma_gather_mn_signature_and_swizzle_modes():
+    # another module calls it by these names; only the 128-byte swizzle is modelled
+    import inspect
+
+    assert list(inspect.signature(L.wgmma_gather_mn).parameters) == ["smem", "desc", "mn", "k", "dtype"]
+    smem = np.zeros(8192, np.uint8)
+    out = L.wgmma_gather_mn(smem=smem, desc=L.encode_desc(0, 8192, 1024, 128), mn=64, k=16, dtype=np.float16)
+    assert out.shape == (64, 16) and out.dtype == np.float16
+    with pytest.raises(NotImplementedError, match="128-byte"):
+        L.wgmma_gather_mn(smem, L.encode_desc(0, 8192, 1024, 64), 64, 16, np.float16)
+
+
 def test_ldmatrix_model_plain_and_trans():
     m = np.arange(32 * 8).reshape(32, 8)
     regs = L.ldmatrix(list(m))
@@ -103,6 +158,41 @@ def test_wgmma_tile_simulation_reproduces_matmul(name):
     rng = np.random.default_rng(5)
     A, B = _ints(rng, (cfg.bm, cfg.bk)), _ints(rng, (cfg.bk, cfg.bn))
     assert np.array_equal(gen_wgmma.simulate_tile(cfg, A, B), A @ B)
+
+
+@pytest.mark.parametrize("in_dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("name", ["wgmma_tma", "wgmma_pipe", "wgmma_ws"])
+def test_wgmma_n_major_tile_simulation_reproduces_matmul(name, in_dtype):
+    cfg = V[name].with_(b_major="n", in_dtype=in_dtype)
+    rng = np.random.default_rng(11)
+    A, B = _ints(rng, (cfg.bm, cfg.bk)), _ints(rng, (cfg.bk, cfg.bn))
+    assert np.array_equal(gen_wgmma.simulate_tile(cfg, A, B), A @ B)
+
+
+@pytest.mark.parametrize("const, bad", [("LBO_MN", 4096), ("LBO_MN", 1024), ("SBO_MN", 512), ("SBO_MN", 2048)])
+def test_wgmma_n_major_simulation_catches_a_wrong_lbo_or_sbo(monkeypatch, const, bad):
+    cfg = V["wgmma_ws"].with_(b_major="n")  # bn = 256: four 64-column boxes, so LBO matters
+    rng = np.random.default_rng(12)
+    A, B = _ints(rng, (cfg.bm, cfg.bk)), _ints(rng, (cfg.bk, cfg.bn))
+    monkeypatch.setattr(gen_wgmma, const, bad)
+    try:
+        C = gen_wgmma.simulate_tile(cfg, A, B)
+    except IndexError:
+        return  # the descriptor names bytes past the slot: wrong as well
+    assert not np.array_equal(C, A @ B)
+
+
+def test_wgmma_n_major_plan_constants():
+    plan = gen_wgmma.WgmmaPlan(V["wgmma_ws"].with_(b_major="n"))
+    d = L.decode_desc(plan.desc_b_const)
+    assert (d["lbo"], d["sbo"], d["swizzle"], d["start"]) == (8192, 1024, 128, 0)
+    assert plan.b_boxes == 4 and plan.b_box_cols == 64 and plan.b_box_bytes == 8192
+    assert plan.b_step_bytes == 2048 and plan.trans_b == 1
+    assert [plan.b_box_offset(j) - plan.a_bytes for j in range(4)] == [0, 8192, 16384, 24576]
+    # same slot size as the K-major form: expect_tx counts every byte of A and of all boxes
+    k_plan = gen_wgmma.WgmmaPlan(V["wgmma_ws"])
+    assert plan.stage_bytes == k_plan.stage_bytes == 128 * 128 + 256 * 128
+    assert k_plan.desc_b_const == k_plan.desc_const and k_plan.b_step_bytes == 32 and k_plan.trans_b == 0
 
 
 def test_wgmma_simulation_catches_a_wrong_sbo(monkeypatch):

@@ -1,0 +1,147 @@
+"""State the PTX emulator keeps: global memory, tensor maps, mbarriers, and the error it raises.
+
+Kept apart from the scheduler (:mod:`emulator`) and the instruction semantics
+(:mod:`emu_ops`) so each file has one job.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+import numpy as np
+
+from helios.errors import HeliosError
+
+# Where things live in the emulated address spaces.  The shared window starts above 0
+# (and 1024-aligned, as the 128-byte swizzle needs) so code that assumes a zero base
+# is caught; global allocations are spread out with unmapped gaps between them.
+SMEM_BASE = 0x400
+GLOBAL_BASE = 0x7F00_0000_0000
+GLOBAL_GAP = 1 << 20
+PARAM_BASE = 0x0000_7E00_0000_0000  # generic address of kernel parameter i: PARAM_BASE + 256 * i
+
+
+class EmulationError(HeliosError, RuntimeError):
+    """The kernel did something a GPU would hang, fault or compute garbage on.
+
+    The message names the CTA, warp, PTX line and instruction, and what went wrong.
+    """
+
+
+@dataclass(frozen=True)
+class TensorMap:
+    """What ``cuTensorMapEncodeTiled`` would encode: a row-major 2-D matrix and a box, 128B swizzle."""
+
+    base: int
+    rows: int
+    cols: int
+    box_rows: int
+    box_cols: int
+    itemsize: int
+    swizzle: int = 128
+
+    @property
+    def box_bytes(self) -> int:
+        return self.box_rows * self.box_cols * self.itemsize
+
+
+class GlobalMemory:
+    """Device global memory as separate numpy byte buffers at spread-out addresses.
+
+    Every access is bounds-checked against one allocation: an address outside all of
+    them raises :class:`EmulationError` (on a GPU: an illegal address that kills the context).
+    """
+
+    def __init__(self) -> None:
+        self._bases: list[int] = []
+        self._bufs: list[np.ndarray] = []
+        self._next = GLOBAL_BASE
+
+    def alloc(self, nbytes: int, fill: int = 0) -> int:
+        """A fresh zero- (or ``fill``-) initialised allocation; returns its address."""
+        addr = self._next
+        self._bases.append(addr)
+        self._bufs.append(np.full(max(nbytes, 1), fill, np.uint8))
+        self._next += (nbytes + GLOBAL_GAP + 255) // 256 * 256
+        return addr
+
+    def alloc_array(self, arr: np.ndarray) -> int:
+        """Allocate and copy ``arr``'s bytes in."""
+        raw = np.ascontiguousarray(arr).view(np.uint8).reshape(-1)
+        addr = self.alloc(raw.size)
+        self._bufs[-1][:] = raw
+        return addr
+
+    def view(self, addr: int, nbytes: int) -> np.ndarray:
+        """The bytes ``[addr, addr + nbytes)`` of one allocation (a writable view)."""
+        i = bisect.bisect_right(self._bases, addr) - 1
+        if i < 0 or addr + nbytes > self._bases[i] + self._bufs[i].size:
+            raise EmulationError(f"illegal global address {addr:#x} (+{nbytes} bytes): outside every allocation")
+        off = addr - self._bases[i]
+        return self._bufs[i][off: off + nbytes]
+
+    def _locate(self, addrs: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
+        """Allocation buffer and byte offsets for per-lane ``addrs`` (all in one allocation)."""
+        lo, hi = int(addrs.min()), int(addrs.max())
+        i = bisect.bisect_right(self._bases, lo) - 1
+        if i < 0 or hi + size > self._bases[i] + self._bufs[i].size:
+            bad = [int(a) for a in addrs if not self._inside(int(a), size)]
+            if bad:
+                raise EmulationError(f"illegal global address {bad[0]:#x} (+{size} bytes): outside every allocation")
+            raise EmulationError("one warp's accesses span two allocations; the emulator does not model that")
+        if lo % size or hi % size or np.any(addrs % size):
+            raise EmulationError(f"misaligned global access of {size} bytes at {int(addrs[addrs % size != 0][0]):#x}")
+        return self._bufs[i], (addrs - self._bases[i]).astype(np.int64)
+
+    def _inside(self, addr: int, size: int) -> bool:
+        i = bisect.bisect_right(self._bases, addr) - 1
+        return i >= 0 and addr + size <= self._bases[i] + self._bufs[i].size
+
+    def load(self, addrs: np.ndarray, size: int) -> np.ndarray:
+        """Per-lane loads of ``size`` bytes: returns uint8 ``[lanes, size]``."""
+        buf, off = self._locate(addrs, size)
+        return buf[off[:, None] + np.arange(size)]
+
+    def store(self, addrs: np.ndarray, data: np.ndarray) -> None:
+        """Per-lane stores: ``data`` is uint8 ``[lanes, size]``."""
+        size = data.shape[1]
+        buf, off = self._locate(addrs, size)
+        buf[off[:, None] + np.arange(size)] = data
+
+
+@dataclass
+class MBarrier:
+    """An ``mbarrier`` object: expected arrivals per phase, pending arrivals, transaction bytes, phase."""
+
+    count: int
+    pending: int
+    tx: int = 0
+    phase: int = 0
+
+    def arrive(self, n: int, where: str) -> bool:
+        """``n`` arrivals; returns True when they complete the phase."""
+        self.pending -= n
+        if self.pending < 0:
+            raise EmulationError(
+                f"{where}: {-self.pending} more arrivals than the barrier's count {self.count} in phase {self.phase}"
+            )
+        return self._maybe_complete()
+
+    def expect_tx(self, nbytes: int) -> None:
+        self.tx += nbytes
+
+    def complete_tx(self, nbytes: int) -> bool:
+        self.tx -= nbytes
+        return self._maybe_complete()
+
+    def _maybe_complete(self) -> bool:
+        if self.pending == 0 and self.tx == 0:
+            self.phase += 1
+            self.pending = self.count
+            return True
+        return False
+
+    def test_parity(self, parity: int) -> bool:
+        """``try_wait.parity``: has the phase with this parity completed (i.e. is the current one the other)?"""
+        return (self.phase & 1) != (parity & 1)

@@ -1,0 +1,463 @@
+"""A CPU emulator for the PTX our generators emit: one CTA at a time, every thread modelled.
+
+Why: no GPU is needed to find the bugs that cost GPU time -- a wrong mbarrier parity
+(hangs), a missing wait (garbage), a divergent ``.aligned`` instruction, a wgmma
+accumulator touched while in flight, an address off the end of a buffer.  The
+emulator runs the *PTX text* (see :mod:`ptx_parse`), so the renderer is checked too.
+
+Model
+-----
+* Each thread has its own program counter (Volta-style independent scheduling).
+  Warps take turns; within a warp the lanes at the lowest PC run together, which
+  reconverges structured code.  ``.aligned`` warp instructions (``ldmatrix``,
+  ``mma.sync``, ``bar.sync``) must be reached by every live lane of the warp;
+  warpgroup instructions (``wgmma.*``, ``setmaxnreg``) by every lane of all four
+  warps, at the same instruction -- else :class:`EmulationError`.
+* Asynchronous work completes late on purpose: TMA copies land a random number of
+  scheduler rounds after issue (seeded), ``cp.async`` copies land only at the
+  ``cp.async.wait_group`` that must cover them, and ``wgmma.mma_async`` reads shared
+  memory and its accumulators only at the ``wgmma.wait_group`` that retires it.  A
+  kernel missing a wait therefore reads stale data and computes a wrong product.
+* Registers carry a per-thread "written" bit: reading one never written is an error,
+  as is touching an accumulator of an in-flight wgmma, or feeding wgmma accumulators
+  written by ordinary instructions without a ``wgmma.fence`` in between.
+* Deadlock (every warp blocked or spinning, nothing in flight) raises with what
+  each warp waits on: the emulator's version of a GPU hang.
+
+Instruction semantics live in :mod:`emu_ops`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .emu_state import PARAM_BASE, SMEM_BASE, EmulationError, GlobalMemory, MBarrier, TensorMap
+from .ptx_parse import FloatArg, ImmArg, MemArg, PtxProgram, RegArg, SpecialArg, SymArg
+
+STORE_DTYPE = {"pred": np.bool_, "b16": np.uint16, "b32": np.uint32, "u32": np.uint32, "s32": np.uint32,
+               "f32": np.uint32, "b64": np.uint64, "u64": np.uint64, "s64": np.uint64, "f64": np.uint64}
+VIEW = {"pred": np.bool_, "b16": np.uint16, "u16": np.uint16, "f16": np.uint16, "bf16": np.uint16,
+        "b32": np.uint32, "u32": np.uint32, "s32": np.int32, "f32": np.float32, "bf16x2": np.uint32,
+        "b64": np.uint64, "u64": np.uint64, "s64": np.int64, "f64": np.float64}
+
+KIND_PLAIN, KIND_WARP, KIND_WARPGROUP, KIND_BAR = 0, 1, 2, 3
+TMA_MAX_DELAY = 48  # rounds; a quarter of the copies land at once, all whenever nothing else can move
+TURN_BUDGET = 64  # instructions a warp runs per turn before the next warp gets one
+MAX_ROUNDS = 2_000_000
+
+
+def instr_kind(op: str) -> int:
+    """How an instruction synchronises: plain, whole warp, whole warpgroup, or a CTA barrier."""
+    if op.startswith(("wgmma.mma_async", "setmaxnreg.")):
+        return KIND_WARPGROUP
+    if op.startswith("bar.sync") or op.startswith("barrier.sync"):
+        return KIND_BAR
+    if op.startswith(("ldmatrix.", "mma.sync", "wgmma.")):
+        return KIND_WARP
+    return KIND_PLAIN
+
+
+@dataclass
+class WgmmaOp:
+    """One ``wgmma.mma_async`` waiting to be retired."""
+
+    acc: list[str]
+    desc_a: int
+    desc_b: int
+    scale_d: bool
+    n: int
+    k_bytes: int
+    in_dtype: str
+    trans_b: bool
+    line: int
+
+
+@dataclass
+class WarpWgmma:
+    """One warp's share of the wgmma pipeline: its open and committed groups, locked registers.
+
+    A ``wgmma.mma_async`` is issued by the four warps together, but each warp commits,
+    waits and retires its own share (its 16 rows of the accumulator), so a warp that
+    passes ``wgmma.wait_group`` says nothing about the other three -- as on the GPU.
+    """
+
+    open_ops: list[WgmmaOp] = field(default_factory=list)
+    groups: list[list[WgmmaOp]] = field(default_factory=list)
+    locked: set[str] = field(default_factory=set)  # accumulators of in-flight wgmmas
+    dirty: set[str] = field(default_factory=set)  # written by ordinary instructions since the last fence
+
+
+@dataclass
+class CpAsyncOp:
+    """One warp-instruction's ``cp.async`` copies: per-lane shared destinations and global sources."""
+
+    dst: np.ndarray
+    src: np.ndarray
+    size: int
+
+
+class Cta:
+    """One CTA of a kernel: registers, shared memory, barriers, async queues, and the scheduler."""
+
+    def __init__(self, prog: PtxProgram, threads: int, shared_bytes: int, params: dict[str, object],
+                 memory: GlobalMemory, ctaid: tuple[int, int, int], nctaid: tuple[int, int, int],
+                 seed: int = 0, max_tma_delay: int = TMA_MAX_DELAY) -> None:
+        from . import emu_ops  # the handler table; imported here to keep the modules acyclic
+
+        if threads % 32:
+            raise EmulationError(f"CTA of {threads} threads is not a whole number of warps")
+        self.prog, self.T, self.mem = prog, threads, memory
+        self.params = params
+        self.param_names = [p.name for p in prog.params]
+        self.ctaid, self.nctaid = ctaid, nctaid
+        self.smem = np.zeros(SMEM_BASE + shared_bytes, np.uint8)
+        self.rng = np.random.default_rng(seed)
+        self.max_tma_delay = max_tma_delay
+        self.regs: dict[str, np.ndarray] = {}
+        self.written: dict[str, np.ndarray] = {}
+        self.pc = np.zeros(threads, np.int64)
+        self.alive = np.ones(threads, bool)
+        self.nwarps = threads // 32
+        self.blocked: list[tuple | None] = [None] * self.nwarps
+        self.bars: dict[int, dict] = {}
+        self.mbars: dict[int, MBarrier] = {}
+        self.tma_queue: list[tuple[int, object]] = []
+        self.cp_open: dict[int, list[CpAsyncOp]] = {}
+        self.cp_groups: dict[int, list[list[CpAsyncOp]]] = {}
+        initial = min(255, (65536 // max(threads, 1)) // 8 * 8)
+        self.nreg = [initial] * ((threads + 127) // 128)  # per-warpgroup register budget (setmaxnreg)
+        self.wgmma = [WarpWgmma() for _ in range(self.nwarps)]
+        self.round = 0
+        self.step = 0  # warp turns so far: the clock asynchronous copies land by
+        self.kinds = [instr_kind(i.op) for i in prog.instrs]
+        self.handlers = [emu_ops.handler_for(i) for i in prog.instrs]
+        self.current = None  # (warp, instr) being executed, for messages
+
+    # -- messages ----------------------------------------------------------------------
+    def where(self) -> str:
+        """'CTA (x,y) warp w, line L: <instr>' for the instruction being executed."""
+        w, ins = self.current if self.current else (None, None)
+        loc = f"CTA {self.ctaid[:2]}"
+        if w is not None:
+            loc += f" warp {w}"
+        if ins is not None:
+            loc += f", PTX line {ins.line}: {ins.text}"
+        return loc
+
+    def fail(self, what: str) -> EmulationError:
+        return EmulationError(f"{self.where()}: {what}")
+
+    # -- registers -----------------------------------------------------------------------
+    def _reg(self, name: str) -> np.ndarray:
+        r = self.regs.get(name)
+        if r is None:
+            r = np.zeros(self.T, STORE_DTYPE[self.prog.reg_type(name)])
+            self.regs[name] = r
+            self.written[name] = np.zeros(self.T, bool)
+        return r
+
+    def wgmma_state(self, lanes: np.ndarray) -> WarpWgmma:
+        """The wgmma bookkeeping of the warp ``lanes`` belong to."""
+        return self.wgmma[int(lanes[0]) // 32]
+
+    def read(self, arg, lanes: np.ndarray, typ: str) -> np.ndarray:
+        """Operand ``arg`` for ``lanes`` as a numpy array of PTX type ``typ``."""
+        view = VIEW[typ]
+        if isinstance(arg, RegArg):
+            r = self._reg(arg.name)
+            if not self.written[arg.name][lanes].all():
+                bad = lanes[~self.written[arg.name][lanes]]
+                raise self.fail(f"register {arg.name} read by thread {int(bad[0])} before anything wrote it")
+            if arg.name in self.wgmma_state(lanes).locked:
+                raise self.fail(f"register {arg.name} read while a wgmma writing it is in flight (no wgmma.wait_group)")
+            v = r[lanes]
+            if v.dtype.itemsize != np.dtype(view).itemsize:
+                raise self.fail(f"register {arg.name} ({v.dtype.itemsize * 8}-bit) used as .{typ}")
+            return v.view(view) if view is not np.bool_ else v
+        n = lanes.size
+        if isinstance(arg, ImmArg):
+            if np.issubdtype(view, np.floating):
+                return np.full(n, arg.value, view)
+            bits = np.dtype(view).itemsize * 8
+            return np.full(n, arg.value & ((1 << bits) - 1), VIEW["u64"] if bits == 64 else np.uint32).astype(view)
+        if isinstance(arg, FloatArg):
+            return np.full(n, arg.bits, np.uint32).view(np.float32)
+        if isinstance(arg, SpecialArg):
+            return self._special(arg.name, lanes).astype(view)
+        if isinstance(arg, SymArg):
+            return np.full(n, self.symbol(arg.name), np.uint64).astype(view)
+        raise self.fail(f"operand {arg} cannot be read as a value")
+
+    def write(self, arg, lanes: np.ndarray, value: np.ndarray, from_wgmma: bool = False) -> None:
+        """Store ``value`` (one per lane) into register operand ``arg``; ``_`` discards."""
+        if isinstance(arg, SymArg) and arg.name == "_":
+            return
+        if not isinstance(arg, RegArg):
+            raise self.fail(f"destination {arg} is not a register")
+        r = self._reg(arg.name)
+        if lanes.size == 0:
+            return
+        st = self.wgmma_state(lanes)
+        if not from_wgmma:
+            if arg.name in st.locked:
+                raise self.fail(f"register {arg.name} written while a wgmma accumulating into it is in flight")
+            st.dirty.add(arg.name)
+        value = np.asarray(value)
+        if r.dtype == np.bool_:
+            r[lanes] = value.astype(bool)
+        else:
+            if value.dtype.itemsize != r.dtype.itemsize:
+                raise self.fail(f"writing {value.dtype.itemsize * 8}-bit value into {arg.name}")
+            r[lanes] = value.view(r.dtype)
+        self.written[arg.name][lanes] = True
+
+    def _special(self, name: str, lanes: np.ndarray) -> np.ndarray:
+        axis = "xyz".index(name[-1]) if name[-2] == "." else 0
+        if name.startswith("%tid"):
+            return lanes if axis == 0 else np.zeros(lanes.size, np.int64)
+        if name.startswith("%ntid"):
+            return np.full(lanes.size, self.T if axis == 0 else 1)
+        if name.startswith("%ctaid"):
+            return np.full(lanes.size, self.ctaid[axis])
+        if name.startswith("%nctaid"):
+            return np.full(lanes.size, self.nctaid[axis])
+        if name == "%laneid":
+            return lanes % 32
+        if name == "%warpid":
+            return lanes // 32
+        raise self.fail(f"special register {name} is not modelled")
+
+    def symbol(self, name: str) -> int:
+        """Address of a symbol: ``smem`` or a kernel parameter (in the parameter window)."""
+        if name == "smem":
+            return SMEM_BASE
+        if name in self.param_names:
+            return PARAM_BASE + 256 * self.param_names.index(name)
+        raise self.fail(f"unknown symbol {name}")
+
+    def param_value(self, name: str):
+        if name not in self.params:
+            raise self.fail(f"kernel parameter {name} was not supplied")
+        return self.params[name]
+
+    def tensor_map_at(self, addr: int) -> TensorMap:
+        """The tensor map parameter whose address is ``addr``."""
+        i, rem = divmod(addr - PARAM_BASE, 256)
+        if rem or not 0 <= i < len(self.param_names):
+            raise self.fail(f"{addr:#x} is not the address of a kernel parameter (TMA needs a CUtensorMap)")
+        tm = self.params.get(self.param_names[i])
+        if not isinstance(tm, TensorMap):
+            raise self.fail(f"parameter {self.param_names[i]} is not a tensor map")
+        return tm
+
+    def address(self, arg: MemArg, lanes: np.ndarray) -> np.ndarray:
+        """Per-lane byte address of a memory operand ``[base+off]`` (as int64)."""
+        if not isinstance(arg, MemArg):
+            raise self.fail(f"expected a memory operand, got {arg}")
+        if isinstance(arg.base, SymArg):
+            base = np.full(lanes.size, self.symbol(arg.base.name), np.int64)
+        else:
+            typ = self.prog.reg_type(arg.base.name)
+            base = self.read(arg.base, lanes, "u64" if typ == "b64" else "u32").astype(np.int64)
+        return base + arg.offset
+
+    # -- shared memory -------------------------------------------------------------------
+    def smem_index(self, addrs: np.ndarray, size: int) -> np.ndarray:
+        """Byte indices into the shared array for per-lane accesses of ``size`` bytes (checked)."""
+        addrs = np.asarray(addrs, np.int64)
+        if addrs.size and (addrs.min() < SMEM_BASE or addrs.max() + size > self.smem.size):
+            bad = addrs[(addrs < SMEM_BASE) | (addrs + size > self.smem.size)][0]
+            raise self.fail(f"shared address {int(bad):#x} (+{size}) outside the "
+                            f"{self.smem.size - SMEM_BASE}-byte dynamic shared block at {SMEM_BASE:#x}")
+        if np.any(addrs % size):
+            raise self.fail(f"misaligned shared access of {size} bytes at {int(addrs[addrs % size != 0][0]):#x}")
+        return addrs[:, None] + np.arange(size)
+
+    def smem_write(self, start: int, data: np.ndarray) -> None:
+        """Write bytes at shared address ``start``; refuses to overwrite a live mbarrier."""
+        end = start + data.size
+        for a in self.mbars:
+            if start < a + 8 and a < end:
+                raise self.fail(f"write of shared [{start:#x}, {end:#x}) overwrites the mbarrier at {a:#x}")
+        self.smem[start:end] = data
+
+    def mbar(self, addr: int) -> MBarrier:
+        b = self.mbars.get(addr)
+        if b is None:
+            raise self.fail(f"mbarrier at shared {addr:#x} used before mbarrier.init")
+        return b
+
+    # -- scheduling ----------------------------------------------------------------------
+    def run(self) -> None:
+        """Run the CTA to completion (every thread executed ``ret``)."""
+        order = np.arange(self.nwarps)
+        while self.alive.any():
+            self.round += 1
+            if self.round > MAX_ROUNDS:
+                raise EmulationError(f"CTA {self.ctaid[:2]}: no end after {MAX_ROUNDS} scheduler rounds")
+            self.rng.shuffle(order)
+            progress = 0
+            for w in order:
+                progress += self._turn(int(w))
+                self.step += 1
+                progress += self._tick_async(force=False)  # copies land between warps' turns too
+            progress += self._tick_async(force=progress == 0)
+            if progress == 0:
+                raise EmulationError(f"CTA {self.ctaid[:2]}: deadlock -- no thread can make progress\n" + self.describe())
+        self._check_idle_at_exit()
+
+    def describe(self) -> str:
+        """One line per warp: where it is and what it waits for (for deadlock reports)."""
+        lines = []
+        for w in range(self.nwarps):
+            lanes = np.arange(32 * w, 32 * w + 32)
+            live = lanes[self.alive[lanes]]
+            if live.size == 0:
+                lines.append(f"  warp {w}: exited")
+                continue
+            p = int(self.pc[live].min())
+            ins = self.prog.instrs[p] if p < len(self.prog.instrs) else None
+            what = f"blocked at {self.blocked[w][0]}" if self.blocked[w] else "spinning"
+            text = f"line {ins.line}: {ins.text}" if ins else "end"
+            lines.append(f"  warp {w}: {live.size} live lanes, {what}, {text}")
+        for a, b in sorted(self.mbars.items()):
+            lines.append(f"  mbarrier {a:#x}: phase {b.phase}, {b.pending}/{b.count} arrivals pending, tx {b.tx}")
+        return "\n".join(lines)
+
+    def _turn(self, w: int) -> int:
+        """Run warp ``w`` for up to TURN_BUDGET instructions; returns how many made progress."""
+        useful = 0
+        lanes_all = np.arange(32 * w, 32 * w + 32)
+        for _ in range(TURN_BUDGET):
+            if self.blocked[w] is not None:
+                break
+            lanes = lanes_all[self.alive[lanes_all]]
+            if lanes.size == 0:
+                break
+            pcs = self.pc[lanes]
+            p = int(pcs.min())
+            if p >= len(self.prog.instrs):
+                raise EmulationError(f"CTA {self.ctaid[:2]} warp {w}: ran off the end of the kernel without ret")
+            grp = lanes[pcs == p]
+            ins = self.prog.instrs[p]
+            self.current = (w, ins)
+            kind = self.kinds[p]
+            if kind != KIND_PLAIN:
+                if grp.size != lanes.size:
+                    raise self.fail(f"only lanes {_ranges(grp)} of the warp reached this .aligned/collective "
+                                    f"instruction; lanes {_ranges(np.setdiff1d(lanes, grp))} are elsewhere")
+                if ins.pred is not None:
+                    raise self.fail("a guarded collective instruction is not modelled")
+                if kind == KIND_WARPGROUP:
+                    self.blocked[w] = ("warpgroup instruction", p)
+                    useful += self._release_warpgroup(w // 4)
+                    break
+                if kind == KIND_BAR:
+                    useful += self._arrive_bar(w, ins, lanes)
+                    break
+            act = grp
+            if ins.pred is not None:
+                g = self.read(RegArg(ins.pred), grp, "pred")
+                act = grp[~g] if ins.negate else grp[g]
+                if ins.op == "bra.uni" and 0 < act.size < grp.size:
+                    raise self.fail("bra.uni with lanes that disagree on the guard (a divergent branch marked uniform)")
+            self.pc[grp] += 1
+            if act.size == 0:
+                continue  # guarded off for every lane: nothing happens, not even progress
+            result = self.handlers[p](self, ins, act)
+            if result == "spin":
+                break
+            if not ins.op.startswith("bra"):
+                useful += 1
+        self.current = None
+        return useful
+
+    def _release_warpgroup(self, g: int) -> int:
+        """If all four warps of warpgroup ``g`` wait at the same instruction, run it for 128 lanes."""
+        warps = range(4 * g, min(4 * g + 4, self.nwarps))
+        states = [self.blocked[w] for w in warps]
+        if any(s is None or s[0] != "warpgroup instruction" for s in states):
+            return 0
+        pcs = {s[1] for s in states}
+        if len(pcs) != 1:
+            lines = sorted(self.prog.instrs[p].line for p in pcs)
+            raise EmulationError(f"CTA {self.ctaid[:2]} warpgroup {g}: its warps wait at different warpgroup "
+                                 f"instructions (PTX lines {lines})")
+        p = pcs.pop()
+        lanes = np.arange(128 * g, 128 * g + 128)
+        if not self.alive[lanes].all():
+            raise EmulationError(f"CTA {self.ctaid[:2]} warpgroup {g}: some threads exited before a warpgroup instruction")
+        ins = self.prog.instrs[p]
+        self.current = (4 * g, ins)
+        self.pc[lanes] += 1
+        for w in warps:
+            self.blocked[w] = None
+        self.handlers[p](self, ins, lanes)
+        return 1
+
+    def _arrive_bar(self, w: int, ins, lanes: np.ndarray) -> int:
+        """``bar.sync id[, count]``: the warp waits until ``count`` threads (default: all) arrived."""
+        bid = int(self.read(ins.args[0], lanes[:1], "u32")[0])
+        expected = int(self.read(ins.args[1], lanes[:1], "u32")[0]) if len(ins.args) > 1 else self.T
+        st = self.bars.setdefault(bid, {"expected": expected, "arrived": 0, "warps": []})
+        if st["expected"] != expected:
+            raise self.fail(f"bar.sync {bid} used with thread counts {st['expected']} and {expected} at once")
+        st["arrived"] += lanes.size
+        st["warps"].append(w)
+        self.blocked[w] = (f"bar.sync {bid} ({st['arrived']}/{expected} arrived)", int(self.pc[lanes[0]]))
+        if st["arrived"] > expected:
+            raise self.fail(f"bar.sync {bid}: {st['arrived']} threads arrived for a count of {expected}")
+        if st["arrived"] == expected:
+            for v in st["warps"]:
+                vl = np.arange(32 * v, 32 * v + 32)
+                vl = vl[self.alive[vl]]
+                self.pc[vl] += 1
+                self.blocked[v] = None
+            del self.bars[bid]
+        return 1
+
+    def _tick_async(self, force: bool) -> int:
+        """Land TMA copies whose delay has passed (all of the oldest ones when ``force``)."""
+        if not self.tma_queue:
+            return 0
+        ready = [op for op in self.tma_queue if op[0] <= self.step]
+        if not ready and force:
+            # Nothing else can move: some copy lands (any one -- they may complete out of order).
+            ready = [self.tma_queue[int(self.rng.integers(len(self.tma_queue)))]]
+        for op in ready:
+            self.tma_queue.remove(op)
+            op[1]()
+        return len(ready)
+
+    def schedule_tma(self, complete) -> None:
+        """Queue an asynchronous copy: a quarter land right after this warp's turn (before the
+        other warps move: exposes missing "slot is free" barriers), the rest up to
+        ``max_tma_delay`` rounds later (exposes missing "data has landed" waits)."""
+        late = self.rng.random() >= 0.25
+        delay = int(self.rng.integers(1, self.max_tma_delay * self.nwarps + 1)) if late else 0
+        self.tma_queue.append((self.step + delay, complete))
+
+    def _check_idle_at_exit(self) -> None:
+        for w, st in enumerate(self.wgmma):
+            if st.open_ops or st.groups:
+                raise EmulationError(f"CTA {self.ctaid[:2]} warp {w}: exited with wgmma operations in flight")
+        for w, groups in self.cp_groups.items():
+            if groups or self.cp_open.get(w):
+                raise EmulationError(f"CTA {self.ctaid[:2]} warp {w}: exited with cp.async copies never waited for")
+        if self.tma_queue:
+            raise EmulationError(f"CTA {self.ctaid[:2]}: exited with {len(self.tma_queue)} TMA copies in flight")
+
+
+def _ranges(lanes: np.ndarray) -> str:
+    """Compact text for a set of lane ids (``0-3,8``)."""
+    ids = sorted(int(x) % 32 for x in lanes)
+    out, start = [], None
+    for i, v in enumerate(ids):
+        if start is None:
+            start = v
+        if i + 1 == len(ids) or ids[i + 1] != v + 1:
+            out.append(f"{start}" if start == v else f"{start}-{v}")
+            start = None
+    return ",".join(out)

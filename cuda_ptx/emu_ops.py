@@ -475,7 +475,6 @@ def _setmaxnreg(cta, ins, lanes):
     cta.nreg[g] = n
     total = 128 * sum(cta.nreg)
     if total > 65536:
-        # On a GPU the .inc blocks until registers are free; with every budget fixed that never happens.
         raise cta.fail(f"setmaxnreg budgets need {total} registers per CTA; an SM has 65536")
 
 

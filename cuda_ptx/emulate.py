@@ -23,6 +23,24 @@ from .render import render
 OUT_ALIASES = {"float32": "f32", "f32": "f32", "bfloat16": "bf16", "bf16": "bf16"}
 
 
+def emulate_kernel(ptx: str, threads: int, shared_bytes: int, params: dict[str, object], memory: GlobalMemory,
+                   grid: tuple[int, int] = (1, 1), seed: int = 0) -> None:
+    """Run any kernel in the emulated subset over a ``grid`` of CTAs, one after another.
+
+    ``params`` maps parameter names to ints (pointers from ``memory.alloc``, scalars)
+    or :class:`TensorMap` objects.  Results are read back from ``memory``.
+    """
+    prog = parse(ptx)
+    missing = [p.name for p in prog.params if p.name not in params]
+    if missing:
+        raise EmulationError(f"kernel {prog.name} needs parameters {missing}")
+    if prog.maxntid is not None and threads > prog.maxntid:
+        raise EmulationError(f"{threads} threads per CTA exceed the kernel's .maxntid {prog.maxntid}")
+    full = (grid[0], grid[1], 1)
+    for i, (y, x) in enumerate((y, x) for y in range(grid[1]) for x in range(grid[0])):
+        Cta(prog, threads, shared_bytes, params, memory, (x, y, 0), full, seed=seed + i).run()
+
+
 def emulate_gemm(a: np.ndarray, b: np.ndarray, variant: str | GemmConfig = "wgmma_ws", out_dtype: str = "float32",
                  in_dtype: str | None = None, seed: int = 0, ptx: str | None = None,
                  ctas: list[tuple[int, int]] | None = None) -> np.ndarray:
@@ -74,4 +92,4 @@ def emulate_gemm(a: np.ndarray, b: np.ndarray, variant: str | GemmConfig = "wgmm
     return np.array(c[:m, :n], np.float32)
 
 
-__all__ = ["EmulationError", "emulate_gemm"]
+__all__ = ["EmulationError", "GlobalMemory", "TensorMap", "emulate_gemm", "emulate_kernel"]

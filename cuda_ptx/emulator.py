@@ -330,6 +330,9 @@ class Cta:
         """Run warp ``w`` for up to TURN_BUDGET instructions; returns how many made progress."""
         useful = 0
         lanes_all = np.arange(32 * w, 32 * w + 32)
+        blk = self.blocked[w]
+        if blk is not None and self.kinds[blk[1]] == KIND_WARPGROUP:
+            useful += self._release_warpgroup(w // 4)  # e.g. setmaxnreg.inc once registers were freed
         for _ in range(TURN_BUDGET):
             if self.blocked[w] is not None:
                 break
@@ -378,7 +381,7 @@ class Cta:
         """If all four warps of warpgroup ``g`` wait at the same instruction, run it for 128 lanes."""
         warps = range(4 * g, min(4 * g + 4, self.nwarps))
         states = [self.blocked[w] for w in warps]
-        if any(s is None or s[0] != "warpgroup instruction" for s in states):
+        if any(s is None or not isinstance(s[1], int) or self.kinds[s[1]] != KIND_WARPGROUP for s in states):
             return 0
         pcs = {s[1] for s in states}
         if len(pcs) != 1:
@@ -391,6 +394,13 @@ class Cta:
             raise EmulationError(f"CTA {self.ctaid[:2]} warpgroup {g}: some threads exited before a warpgroup instruction")
         ins = self.prog.instrs[p]
         self.current = (4 * g, ins)
+        if ins.op.startswith("setmaxnreg.inc"):
+            # .inc waits until the other warpgroups have released enough registers (.dec).
+            want = int(ins.args[0].value)
+            if 128 * (sum(self.nreg) - self.nreg[g] + want) > 65536:
+                for w in warps:
+                    self.blocked[w] = (f"setmaxnreg.inc {want} (waiting for free registers)", p)
+                return 0
         self.pc[lanes] += 1
         for w in warps:
             self.blocked[w] = None

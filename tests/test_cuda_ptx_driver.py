@@ -76,3 +76,35 @@ def test_gemm_matches_numpy_on_gpu(name, out_dtype):
     # bf16 output rounds to 8 bits; Hopper's fp8 wgmma accumulates with fewer than fp32's bits
     tol = 1e-2 if out_dtype == "bfloat16" else (2e-3 if name == "wgmma_fp8" else 1e-5)
     assert res["rel_err"] < tol, res
+
+
+LAUNCH_CHECK = textwrap.dedent("""
+    import json, numpy as np
+    import helios.cuda_ptx as cp
+    from helios.cuda_ptx import dtypes
+    from helios.cuda_ptx.runner import GemmLaunch
+    name, b_major = {args!r}
+    cfg = cp.variants()[name].with_(b_major=b_major)
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((300, 200)).astype(np.float32)
+    b = rng.standard_normal((200, 520)).astype(np.float32)
+    launch = GemmLaunch(cfg, 300, 520, 200)
+    launch.upload(a, b)
+    launch.run()
+    c = launch.result()
+    launch.close()
+    r = lambda x: dtypes.decode(dtypes.encode(x, "bf16"), "bf16").astype(np.float64)
+    ref = r(a) @ r(b)
+    print(json.dumps({{"rel_err": float(np.abs(c - ref).max() / np.abs(ref).max())}}))
+""")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["wgmma_tma", "wgmma_pipe", "wgmma_ws"])
+@pytest.mark.parametrize("b_major", ["k", "n"])
+def test_wgmma_both_b_layouts_on_gpu(name, b_major):
+    """gemm() runs 16-bit wgmma N-major; this keeps the K-major (Linear weight) form covered too."""
+    _gpu_ready()
+    r = runner.run_isolated(LAUNCH_CHECK.format(args=(name, b_major)), timeout=180)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout.strip().splitlines()[-1])["rel_err"] < 1e-5

@@ -1,0 +1,271 @@
+"""The CPU emulator of the generated PTX: every variant computes A @ B, and injected bugs are caught.
+
+The bug tests edit the PTX text the way a generator bug would (a dropped wait, a
+wrong parity, a missing barrier) and check that the emulator reports a hang, a
+fault or a wrong product -- the failures a GPU would show only at run time.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+import helios.cuda_ptx as cp
+from helios.cuda_ptx import dtypes, ops
+from helios.cuda_ptx.emu_state import EmulationError, GlobalMemory
+from helios.cuda_ptx.emulate import emulate_gemm, emulate_kernel
+from helios.cuda_ptx.ir import Builder
+from helios.cuda_ptx.ptx_parse import PtxParseError, parse
+from helios.cuda_ptx.render import render
+
+# Small problems that still run several k-tiles (so the rings wrap) for each rung.
+SHAPES = {
+    "simt": (64, 128, 48),
+    "mma_sync": (128, 128, 160),
+    "wgmma_tma": (64, 256, 192),
+    "wgmma_pipe": (128, 128, 384),
+    "wgmma_ws": (128, 256, 384),
+    "wgmma_fp8": (128, 256, 640),
+}
+
+
+def _ints(rng, shape, lo=-3, hi=4):
+    return rng.integers(lo, hi, shape).astype(np.float32)
+
+
+def _operands(variant, seed=0):
+    m, n, k = SHAPES[variant]
+    rng = np.random.default_rng(seed)
+    return _ints(rng, (m, k)), _ints(rng, (k, n))
+
+
+@pytest.mark.parametrize("variant", sorted(SHAPES))
+def test_every_variant_computes_the_exact_product(variant):
+    a, b = _operands(variant)
+    c = emulate_gemm(a, b, variant)
+    np.testing.assert_array_equal(c, a @ b)
+
+
+@pytest.mark.parametrize("variant", ["simt", "mma_sync", "wgmma_tma"])
+def test_grid_of_ctas_and_ragged_shapes(variant):
+    """Several CTAs in both grid dimensions, and M/N/K off the tile multiples (padding)."""
+    cfg = cp.variants()[variant]
+    m, n, k = 2 * cfg.bm - 24, 2 * cfg.bn - 8, 3 * cfg.bk - 5
+    rng = np.random.default_rng(1)
+    a, b = _ints(rng, (m, k)), _ints(rng, (k, n))
+    np.testing.assert_array_equal(emulate_gemm(a, b, variant), a @ b)
+
+
+def test_real_valued_inputs_match_an_fp32_reference_on_rounded_operands():
+    rng = np.random.default_rng(2)
+    a = rng.standard_normal((128, 192)).astype(np.float32)
+    b = rng.standard_normal((192, 256)).astype(np.float32)
+    ref = dtypes.decode(dtypes.encode(a, "bf16"), "bf16") @ dtypes.decode(dtypes.encode(b, "bf16"), "bf16")
+    for variant in ("mma_sync", "wgmma_ws"):
+        c = emulate_gemm(a, b, variant)
+        np.testing.assert_allclose(c, ref, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("variant", ["wgmma_tma", "wgmma_pipe", "wgmma_ws"])
+@pytest.mark.parametrize("in_dtype", ["bf16", "fp16"])
+def test_n_major_b_through_the_transpose_bit(variant, in_dtype):
+    a, b = _operands(variant, seed=8)
+    cfg = cp.variants()[variant].with_(b_major="n", in_dtype=in_dtype)
+    np.testing.assert_array_equal(emulate_gemm(a, b, cfg), a @ b)
+
+
+def test_bf16_output_and_fp16_input():
+    a, b = _operands("wgmma_pipe", seed=3)
+    c = emulate_gemm(a, b, "wgmma_pipe", out_dtype="bfloat16")
+    np.testing.assert_array_equal(c, dtypes.decode(dtypes.encode(a @ b, "bf16"), "bf16"))
+    c16 = emulate_gemm(a, b, "mma_sync", in_dtype="fp16")
+    np.testing.assert_array_equal(c16, a @ b)
+
+
+def test_schedules_differ_but_results_do_not():
+    a, b = _operands("wgmma_ws", seed=4)
+    for seed in (1, 7):
+        np.testing.assert_array_equal(emulate_gemm(a, b, "wgmma_ws", seed=seed), a @ b)
+
+
+# -- injected bugs ------------------------------------------------------------------------
+
+
+def _edit(variant, pattern, repl, count=1):
+    ptx = cp.emit_gemm(variant)
+    new, n = re.subn(pattern, repl, ptx, count=count)
+    assert n, f"pattern {pattern!r} not found in {variant}"
+    return new
+
+
+def _drop_wait(variant, which):
+    """Remove the ``which``-th mbarrier spin loop (label, try_wait, branch) from the PTX."""
+    ptx = cp.emit_gemm(variant)
+    loops = list(re.finditer(r"\$wait_\d+:\n\s*mbarrier\.try_wait[^\n]*\n\s*@!%p\d+ bra \$wait_\d+;\n", ptx))
+    m = loops[which]
+    return ptx[: m.start()] + ptx[m.end():]
+
+
+def _outcome(variant, ptx, seeds=(0, 1, 2, 3)):
+    """'error: ...' for the first seed the emulator refuses, 'wrong' for a wrong product, else 'ok'."""
+    a, b = _operands(variant, seed=5)
+    for seed in seeds:
+        try:
+            c = emulate_gemm(a, b, variant, ptx=ptx, seed=seed)
+        except EmulationError as e:
+            return f"error: {e}"
+        if not np.array_equal(c, a @ b):
+            return "wrong"
+    return "ok"
+
+
+def test_wrong_mbarrier_parity_is_reported_as_a_deadlock():
+    # The producer's first wait on a fresh "empty" barrier must use parity 1 (xor phase, 1).
+    ptx = _edit("wgmma_ws", r"xor\.b32 (%r\d+), (%r\d+), 1;\n(\s*)mad", r"mov.u32 \1, \2;\n\3mad")
+    out = _outcome("wgmma_ws", ptx, seeds=(0,))
+    assert out.startswith("error") and "deadlock" in out and "mbarrier" in out, out
+
+
+def test_missing_full_barrier_wait_is_caught():
+    assert _outcome("wgmma_ws", _drop_wait("wgmma_ws", 1)) != "ok"
+    assert _outcome("wgmma_pipe", _drop_wait("wgmma_pipe", 0)) != "ok"
+
+
+def test_missing_slot_release_barrier_is_caught():
+    # wgmma_pipe: thread 0 must not refill a slot before all four warps retired their wgmma on it.
+    assert _outcome("wgmma_pipe", _edit("wgmma_pipe", r"bar\.sync 1, 128;", "")) == "wrong"
+
+
+def test_missing_expect_tx_is_caught():
+    ptx = _edit("wgmma_pipe", r"mbarrier\.arrive\.expect_tx\.shared::cta\.b64 _, (\[%r\d+\]), \d+;",
+                r"mbarrier.arrive.shared::cta.b64 _, \1;")
+    assert _outcome("wgmma_pipe", ptx) != "ok"
+
+
+def test_reading_accumulators_before_wgmma_wait_is_refused():
+    out = _outcome("wgmma_ws", _edit("wgmma_ws", r"wgmma\.wait_group\.sync\.aligned 0;", ""), seeds=(0,))
+    assert out.startswith("error") and "in flight" in out, out
+
+
+def test_missing_wgmma_fence_is_refused():
+    out = _outcome("wgmma_tma", _edit("wgmma_tma", r"wgmma\.fence\.sync\.aligned;", ""), seeds=(0,))
+    assert out.startswith("error") and "wgmma.fence" in out, out
+
+
+def test_register_budget_over_the_sm_never_gets_its_registers():
+    # 40 * 128 + 2 * 248 * 128 > 65536: the consumers' setmaxnreg.inc waits for ever.
+    ptx = _edit("wgmma_ws", r"setmaxnreg\.inc\.sync\.aligned\.u32 232", "setmaxnreg.inc.sync.aligned.u32 248")
+    out = _outcome("wgmma_ws", ptx, seeds=(0,))
+    assert out.startswith("error") and "deadlock" in out and "waiting for free registers" in out, out
+
+
+def test_cp_async_waiting_for_too_little_is_caught():
+    assert _outcome("mma_sync", _edit("mma_sync", r"cp\.async\.wait_group 1;", "cp.async.wait_group 2;")) == "wrong"
+
+
+def test_missing_cta_barrier_in_simt_is_caught():
+    assert _outcome("simt", _edit("simt", r"bar\.sync 0;", "", count=0)) == "wrong"
+
+
+def test_wrong_ldmatrix_layout_is_caught():
+    ptx = _edit("mma_sync", r"ldmatrix\.sync\.aligned\.m8n8\.x4\.trans", "ldmatrix.sync.aligned.m8n8.x4", count=0)
+    assert _outcome("mma_sync", ptx) == "wrong"
+
+
+def test_a_dropped_store_leaves_nan_in_c():
+    ptx = _edit("wgmma_tma", r"\n\s*st\.global\.v2\.f32 \[%rd\d+\+0\], \{%f\d+, %f\d+\};", "")
+    a, b = _operands("wgmma_tma", seed=6)
+    c = emulate_gemm(a, b, "wgmma_tma", ptx=ptx)
+    ctas = (64 // 64) * (256 // 128)
+    assert np.isnan(c).sum() == ctas * 128 * 2  # one 2-wide store per thread per CTA
+
+
+# -- the machine on small hand-built kernels --------------------------------------------------
+
+
+def _kernel(threads, body, params=("out",)):
+    """Build a tiny sm_80 kernel: ``body(b, ps, tid)`` emits instructions; returns PTX text."""
+    b = Builder("t", "sm_80", "7.0", threads)
+    ps = [b.param(p, "u64") for p in params]
+    tid = b.sreg("%tid.x")
+    body(b, ps, tid)
+    return render(b.build())
+
+
+def _store_u32(b, out_param, tid, value):
+    base = ops.ld_param_ptr(b, out_param)
+    b.emit("st.global.u32", f"[{ops.addr(b, base, tid, 4)}]", value)
+
+
+def test_integer_semantics_match_ptx():
+    def body(b, ps, tid):
+        x = b.binop("shl", "b32", tid, 28)  # wraps past 32 bits
+        y = b.binop("shr", "u32", x, 40)  # shift counts >= width give 0
+        z = b.mad("u32", tid, 0xFFFFFFFF, 7)  # wraps: 7 - tid
+        w = b.binop("rem", "u32", z, 5)
+        s = b.binop("add", "u32", b.binop("add", "u32", x, y), w)
+        _store_u32(b, ps[0], tid, s)
+
+    mem = GlobalMemory()
+    out = mem.alloc(4 * 64)
+    emulate_kernel(_kernel(64, body), 64, 0, {"out": out}, mem)
+    t = np.arange(64, dtype=np.uint64)
+    want = ((t << 28) & 0xFFFFFFFF) + ((7 - t) & 0xFFFFFFFF) % 5
+    np.testing.assert_array_equal(mem.view(out, 256).view(np.uint32), (want & 0xFFFFFFFF).astype(np.uint32))
+
+
+def test_reading_an_unwritten_register_is_refused():
+    def body(b, ps, tid):
+        r = b.reg("u32")
+        p = b.setp("lt", "u32", tid, 16)
+        b.emit("mov.u32", r, 1, pred=p)  # only lanes < 16 write it
+        _store_u32(b, ps[0], tid, r)
+
+    mem = GlobalMemory()
+    with pytest.raises(EmulationError, match=r"read by thread 16 before anything wrote it"):
+        emulate_kernel(_kernel(32, body), 32, 0, {"out": mem.alloc(128)}, mem)
+
+
+def test_out_of_bounds_store_is_an_illegal_address():
+    mem = GlobalMemory()
+    with pytest.raises(EmulationError, match="illegal global address"):
+        emulate_kernel(_kernel(64, lambda b, ps, tid: _store_u32(b, ps[0], tid, tid)), 64, 0,
+                       {"out": mem.alloc(4 * 63)}, mem)
+
+
+def test_divergent_aligned_instruction_is_refused():
+    def body(b, ps, tid):
+        smem = ops.smem_base(b)
+        lane0 = b.setp("eq", "u32", tid, 0)
+        regs = b.regs("b32", 4)
+        with b.if_(lane0):
+            b.emit("ldmatrix.sync.aligned.m8n8.x4.shared.b16", "{" + ", ".join(map(str, regs)) + "}", f"[{smem}]")
+        b.shared("tile", 512)
+
+    mem = GlobalMemory()
+    with pytest.raises(EmulationError, match=r"only lanes 0 of the warp reached"):
+        emulate_kernel(_kernel(32, body), 32, 512, {"out": mem.alloc(4)}, mem)
+
+
+def test_barrier_never_reached_by_all_threads_deadlocks():
+    def body(b, ps, tid):
+        low = b.setp("lt", "u32", tid, 32)
+        with b.if_(low):
+            ops.bar_sync(b, 0)  # warps 1.. never arrive
+
+    mem = GlobalMemory()
+    with pytest.raises(EmulationError, match=r"deadlock(.|\n)*bar\.sync 0 \(32/64 arrived\)"):
+        emulate_kernel(_kernel(64, body), 64, 0, {"out": mem.alloc(4)}, mem)
+
+
+def test_parser_rejects_what_it_does_not_know():
+    with pytest.raises(PtxParseError, match="unknown label"):
+        parse(".target sm_80\n.visible .entry k(\n)\n{\n\tbra $nowhere;\n}\n")
+    with pytest.raises(PtxParseError, match="not declared"):
+        parse(".target sm_80\n.visible .entry k(\n)\n{\n\tmov.u32 %r0, 1;\n}\n").reg_type("%r0")
+    bad = _kernel(32, lambda b, ps, tid: b.emit("popc.b32", b.reg("u32"), tid))
+    mem = GlobalMemory()
+    with pytest.raises(EmulationError, match="popc.b32 is not modelled"):
+        emulate_kernel(bad, 32, 0, {"out": mem.alloc(4)}, mem)

@@ -3,12 +3,16 @@
 * :func:`emit_gemm` -- PTX text for a GEMM configuration (see :func:`variants`).
 * :func:`variants` -- the ladder: simt, mma_sync, wgmma_tma, wgmma_pipe, wgmma_ws, wgmma_fp8.
 * :func:`gemm` -- ``a @ b`` on numpy arrays through a generated kernel (needs a GPU).
+* :func:`emulate_gemm` -- the same kernel run thread by thread on the CPU emulator
+  (no GPU): exact numerics, and hangs/races/faults reported as :class:`EmulationError`.
 """
 
 from .config import GemmConfig, variants
 from .emit import build_kernel, emit_gemm
+from .emu_state import EmulationError
+from .emulate import emulate_gemm
 
-__all__ = ["GemmConfig", "build_kernel", "emit_gemm", "gemm", "variants"]
+__all__ = ["EmulationError", "GemmConfig", "build_kernel", "emit_gemm", "emulate_gemm", "gemm", "variants"]
 
 
 def __getattr__(name: str):

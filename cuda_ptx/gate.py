@@ -7,7 +7,10 @@ C7511 wgmma serialised, C7517/C7519 injected waits/arrives -- ptxas prints these
 ``info``, so ``-Werror`` does not catch them); and the SASS holds the instructions
 the rung is about (HMMA, HGMMA, QGMMA, UTMALDG, USETMAXREG...).  For 16-bit wgmma
 kernels the SASS must also say how B is read: every HGMMA carries ``.tnspB`` when B is
-N-major (``imm-trans-b = 1``) and none does when B is K-major.
+N-major (``imm-trans-b = 1``) and none does when B is K-major.  Last, the same PTX
+runs on the CPU emulator (:mod:`emulate`) over a problem two CTAs wide whose K wraps
+the stage ring, and must give the exact product of integer-valued inputs with no
+hang, fault or misuse reported.
 
 :func:`gate_configs` is what the gate covers: the ladder of :func:`variants` plus the
 N-major-B twin of each 16-bit wgmma rung (``wgmma_tma_nmajor``...), the form
@@ -20,11 +23,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from dataclasses import asdict, dataclass, field
+
+import numpy as np
 
 from . import toolchain
 from .config import GemmConfig, variants
 from .emit import emit_gemm
+from .emu_state import EmulationError
+from .emulate import emulate_gemm
 
 FORBIDDEN_NOTES = ("C7508", "C7510", "C7511", "C7517", "C7519")
 TNSP_B = ".tnspB"  # SASS marks an HGMMA that reads B MN-major (imm-trans-b = 1)
@@ -75,6 +83,34 @@ class GateReport:
     notes: list[str]
     found: dict[str, int]
     failures: list[str] = field(default_factory=list)
+    emulated: dict = field(default_factory=dict)
+
+
+def emulation_check(cfg: GemmConfig, ptx: str, seed: int = 0) -> tuple[dict, str | None]:
+    """Run ``ptx`` on the CPU emulator: (what ran, failure text or None).
+
+    The problem is ``bm x 2bn x (stages + 2) bk``: two CTAs, and enough k-tiles that
+    every ring slot is refilled; inputs are small integers, so the product is exact.
+    """
+    m, n, k = cfg.bm, 2 * cfg.bn, (cfg.stages + 2) * cfg.bk
+    rng = np.random.default_rng(seed)
+    a = rng.integers(-3, 4, (m, k)).astype(np.float32)
+    b = rng.integers(-3, 4, (k, n)).astype(np.float32)
+    t0 = time.perf_counter()
+    ran = {"shape": [m, n, k], "seed": seed}
+    try:
+        c = emulate_gemm(a, b, cfg, out_dtype={"f32": "float32", "bf16": "bfloat16"}[cfg.out_dtype], ptx=ptx,
+                         seed=seed)
+    except EmulationError as e:
+        return ran, f"emulator: {e}"
+    ran["seconds"] = round(time.perf_counter() - t0, 2)
+    want = a @ b
+    if cfg.out_dtype == "bf16":
+        from .dtypes import decode, encode
+
+        want = decode(encode(want, "bf16"), "bf16")
+    bad = int(np.sum(~(c == want)))
+    return ran, (f"emulator: {bad} of {c.size} elements of C differ from A @ B" if bad else None)
 
 
 def count_prefixed(sass_text: str, prefix: str, contains: str | None = None) -> int:
@@ -91,8 +127,9 @@ def count_prefixed(sass_text: str, prefix: str, contains: str | None = None) -> 
     return n
 
 
-def run_gate(cfg: GemmConfig, ptx: str | None = None) -> GateReport:
-    """Compile ``cfg``'s kernel (or the given ``ptx`` for it; cached), read ptxas -v and the SASS, judge them."""
+def run_gate(cfg: GemmConfig, ptx: str | None = None, emulate: bool = True) -> GateReport:
+    """Compile ``cfg``'s kernel (or the given ``ptx`` for it; cached), read ptxas -v and the SASS, judge
+    them, and (``emulate``) run the PTX on the CPU emulator."""
     if ptx is None:
         ptx = emit_gemm(cfg)
     comp = toolchain.compile_ptx(ptx, cfg.target)
@@ -119,13 +156,19 @@ def run_gate(cfg: GemmConfig, ptx: str | None = None) -> GateReport:
                 failures.append(f"{hgmma - tnsp} of {hgmma} HGMMA lack {TNSP_B} (B is N-major: imm-trans-b = 1)")
         elif tnsp:
             failures.append(f"{tnsp} HGMMA carry {TNSP_B} but B is K-major (imm-trans-b must be 0)")
-    return GateReport(cfg.name, cfg.target, not failures, info.registers, spill, info.notes, found, failures)
+    emulated = {}
+    if emulate:
+        emulated, why = emulation_check(cfg, ptx)
+        if why:
+            failures.append(why)
+    return GateReport(cfg.name, cfg.target, not failures, info.registers, spill, info.notes, found, failures, emulated)
 
 
 def main(argv: list[str] | None = None) -> int:
     """CLI: gate every config of :func:`gate_configs` (or those named), one JSON line each; exit 1 on any failure."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("names", nargs="*", help="configs to gate (default: all of gate_configs())")
+    ap.add_argument("--no-emulate", action="store_true", help="skip running each kernel on the CPU emulator")
     args = ap.parse_args(argv)
     vs = gate_configs()
     unknown = [n for n in args.names if n not in vs]
@@ -134,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     names = args.names or list(vs)
     ok = True
     for n in names:
-        rep = run_gate(vs[n])
+        rep = run_gate(vs[n], emulate=not args.no_emulate)
         ok &= rep.ok
         print(json.dumps(asdict(rep)))
     return 0 if ok else 1

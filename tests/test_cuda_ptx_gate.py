@@ -162,3 +162,20 @@ def test_missing_tool_message(monkeypatch):
             toolchain.require_tool("nvdisasm")
     finally:
         toolchain.find_tool.cache_clear()
+
+
+@needs_ptxas
+@needs_sass
+def test_gate_runs_each_kernel_on_the_emulator_and_catches_what_ptxas_cannot():
+    import re
+
+    rep = gate.run_gate(V["wgmma_ws"])
+    assert rep.emulated["shape"] == [128, 512, 384] and rep.emulated["seconds"] >= 0
+    # A producer waiting on the wrong parity assembles fine and hangs on the GPU.
+    ptx = re.sub(r"xor\.b32 (%r\d+), (%r\d+), 1;\n(\s*)mad", r"mov.u32 \1, \2;\n\3mad", cp.emit_gemm("wgmma_ws"), count=1)
+    rep = gate.run_gate(V["wgmma_ws"], ptx)
+    assert not rep.ok and any("deadlock" in f for f in rep.failures), rep.failures
+    # Refilling a slot before every warp retired its wgmma on it: a race, so a wrong product.
+    ptx = cp.emit_gemm("wgmma_pipe").replace("bar.sync 1, 128;", "", 1)
+    rep = gate.run_gate(V["wgmma_pipe"], ptx)
+    assert not rep.ok and any("differ from A @ B" in f for f in rep.failures), rep.failures

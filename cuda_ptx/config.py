@@ -39,7 +39,10 @@ class GemmConfig:
     ``consumers`` is the number of math warpgroups (each owns ``bm/consumers`` rows
     of the tile); ``producer`` adds a warpgroup that only issues TMA loads (warp
     specialisation) and ``maxnreg`` = (producer, consumer) register budgets applied
-    with ``setmaxnreg``.
+    with ``setmaxnreg``.  ``inflight`` (wgmma, 0 or 1) is how many k-tiles of wgmma a
+    consumer leaves running while it hands the previous tile's ring slot back
+    (``wgmma.wait_group 1`` instead of 0): the tensor cores then never wait for the
+    release, at the cost of holding one more slot.
     """
 
     name: str
@@ -56,6 +59,7 @@ class GemmConfig:
     consumers: int = 1
     producer: bool = False
     maxnreg: tuple[int, int] | None = None
+    inflight: int = 0
 
     # -- derived --------------------------------------------------------------------
     @property
@@ -88,6 +92,7 @@ class GemmConfig:
         return (
             f"helios_gemm_{self.kind}_{self.in_dtype}_{self.out_dtype}_b{self.b_major}"
             f"_{self.bm}x{self.bn}x{self.bk}_s{self.stages}_c{self.consumers}{'_ws' if self.producer else ''}"
+            f"{f'_f{self.inflight}' if self.inflight else ''}"
         )
 
     def flops(self, m: int, n: int, k: int) -> int:
@@ -123,6 +128,8 @@ class GemmConfig:
                 f"mma_sync tile {self.bm}x{self.bn}x{self.bk} must split into {self.warps_m}x{self.warps_n} "
                 "warps of multiples of 16, with bk a power of two >= 16"
             )
+        if self.inflight and self.kind != "wgmma":
+            raise ValueError("inflight applies to the wgmma kinds only")
         if self.kind == "wgmma":
             row_elems = 128 // self.in_bytes  # one 128-byte swizzle row
             if self.bk != row_elems:
@@ -131,6 +138,8 @@ class GemmConfig:
                 raise ShapeError(f"bm={self.bm} must be a multiple of 64 * consumers={self.consumers}")
             if not (8 <= self.bn <= 256 and self.bn % 64 == 0):
                 raise ShapeError(f"wgmma bn must be 64, 128, 192 or 256, got {self.bn}")
+            if self.inflight not in (0, 1) or self.inflight >= self.stages:
+                raise ValueError(f"inflight must be 0 or 1 and below stages={self.stages}, got {self.inflight}")
             if self.maxnreg is not None and not self.producer:
                 raise ValueError("setmaxnreg budgets need the warp-specialised producer layout")
 
@@ -144,14 +153,14 @@ def _ladder() -> dict[str, GemmConfig]:
         GemmConfig("simt", "simt", bm=64, bn=64, bk=16, stages=1),
         GemmConfig("mma_sync", "mma_sync", bm=128, bn=128, bk=32, stages=3, warps_m=2, warps_n=2),
         GemmConfig("wgmma_tma", "wgmma", b_major="k", bm=64, bn=128, bk=64, stages=1, consumers=1),
-        GemmConfig("wgmma_pipe", "wgmma", b_major="k", bm=128, bn=128, bk=64, stages=4, consumers=1),
+        GemmConfig("wgmma_pipe", "wgmma", b_major="k", bm=128, bn=128, bk=64, stages=4, consumers=1, inflight=1),
         GemmConfig(
             "wgmma_ws", "wgmma", b_major="k", bm=128, bn=256, bk=64, stages=4, consumers=2,
-            producer=True, maxnreg=(40, 232),
+            producer=True, maxnreg=(40, 232), inflight=1,
         ),
         GemmConfig(
             "wgmma_fp8", "wgmma", in_dtype="e4m3", b_major="k", bm=128, bn=256, bk=128, stages=4,
-            consumers=2, producer=True, maxnreg=(40, 232),
+            consumers=2, producer=True, maxnreg=(40, 232), inflight=1,
         ),
     ]
     return {c.name: c for c in v}

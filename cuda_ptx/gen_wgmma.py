@@ -230,6 +230,7 @@ def generate(cfg: GemmConfig) -> Kernel:
         da, db = b.reg("b64"), b.reg("b64")
         dak, dbk = b.reg("b64"), b.reg("b64")
         addr = b.reg("u32")
+        prev = b.mov("u32", 0)  # slot of the previous k-tile, released one tile late when inflight
         with b.loop(kt, 0, kt_n, 1):
             wait(b.mad("u32", slot, 8, full0), phase)
             b.emit("mad.lo.u32", addr, slot, plan.stage_bytes, ring)
@@ -252,9 +253,20 @@ def generate(cfg: GemmConfig) -> Kernel:
                         b.emit(f"wgmma.mma_async.sync.aligned.{shape}.f32.{ptx_in}.{ptx_in}",
                                _vec(acc[mb]), dak, dbk, scale_d, 1, 1, 0, plan.trans_b)
             b.emit("wgmma.commit_group.sync.aligned")
-            b.emit("wgmma.wait_group.sync.aligned", 0)
-            release(kt, slot)
+            if cfg.inflight == 0:
+                b.emit("wgmma.wait_group.sync.aligned", 0)
+                release(kt, slot)
+            else:
+                # Keep this tile's wgmmas running while the previous tile's slot is handed
+                # back: wait_group 1 retires everything but the newest group.
+                b.emit("wgmma.wait_group.sync.aligned", 1)
+                has_prev = b.setp("ne", "u32", kt, 0)
+                with b.if_(has_prev):
+                    release(b.binop("sub", "u32", kt, 1), prev)
+                b.emit("mov.u32", prev, slot)
             advance(slot, phase)
+        if cfg.inflight:
+            b.emit("wgmma.wait_group.sync.aligned", 0)
         _epilogue(b, cfg, plan, c_g, n_r, m0, n0, cidx, wtid, acc)
 
     if cfg.producer:

@@ -138,6 +138,22 @@ def test_missing_slot_release_barrier_is_caught():
     assert _outcome("wgmma_pipe", _edit("wgmma_pipe", r"bar\.sync 1, 128;", "")) == "wrong"
 
 
+@pytest.mark.parametrize("variant", ["wgmma_pipe", "wgmma_ws"])
+def test_releasing_a_slot_whose_wgmma_may_still_run_is_caught(variant):
+    # inflight=1 keeps one k-tile of wgmma running and releases the previous tile's slot;
+    # waiting only down to 2 groups hands back a slot the tensor cores still read.
+    assert cp.variants()[variant].inflight == 1
+    ptx = _edit(variant, r"wgmma\.wait_group\.sync\.aligned 1;", "wgmma.wait_group.sync.aligned 2;")
+    assert _outcome(variant, ptx) == "wrong"
+
+
+def test_serial_and_overlapped_wgmma_give_the_same_product():
+    a, b = _operands("wgmma_ws", seed=9)
+    for inflight in (0, 1):
+        cfg = cp.variants()["wgmma_ws"].with_(inflight=inflight)
+        np.testing.assert_array_equal(emulate_gemm(a, b, cfg), a @ b)
+
+
 def test_missing_expect_tx_is_caught():
     ptx = _edit("wgmma_pipe", r"mbarrier\.arrive\.expect_tx\.shared::cta\.b64 _, (\[%r\d+\]), \d+;",
                 r"mbarrier.arrive.shared::cta.b64 _, \1;")

@@ -53,6 +53,8 @@ EXTRA = {
     "wgmma_fp8_bf16out": V["wgmma_fp8"].with_(out_dtype="bf16"),
     "wgmma_ws_nmajor_fp16_bf16out": V["wgmma_ws"].with_(b_major="n", in_dtype="fp16", out_dtype="bf16"),
     "wgmma_tma_nmajor_bn256": V["wgmma_tma"].with_(b_major="n", bn=256),
+    "wgmma_ws_serial": V["wgmma_ws"].with_(inflight=0),
+    "wgmma_pipe_serial_nmajor": V["wgmma_pipe"].with_(inflight=0, b_major="n"),
 }
 
 

@@ -43,7 +43,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--b-major", choices=("k", "n"), default="k",
                     help="B stored N x K (k, as a Linear weight) or K x N (n) on the device")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=INT",
+                    help="override an integer GemmConfig field on every wgmma variant, e.g. "
+                         "--set inflight=0 --set group_m=0 (A/B of the pipeline choices)")
     args = ap.parse_args(argv)
+    overrides = {}
+    for item in args.overrides:
+        field, _, value = item.partition("=")
+        if field not in ("inflight", "group_m", "stages") or not value.lstrip("-").isdigit():
+            ap.error(f"--set takes inflight=, group_m= or stages= with an integer, got {item!r}")
+        overrides[field] = int(value)
 
     from helios.cuda_ptx import driver, dtypes, variants
     from helios.cuda_ptx.runner import GemmLaunch
@@ -75,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps({"bench": f"gemm_{name}_{size}", "skipped": True, "b_major": bmaj,
                                   "reason": "fp8 wgmma reads B K-major only; run it with --b-major k"}))
                 continue
-            cfg = cfg.with_(b_major=bmaj)
+            cfg = cfg.with_(b_major=bmaj, **(overrides if cfg.kind == "wgmma" else {}))
             if cfg.target == "sm_90a" and ctx.cc != (9, 0):
                 print(json.dumps({"bench": f"gemm_{name}_{size}", "skipped": True, "b_major": bmaj,
                                   "reason": f"{name} needs sm_90a, device is sm_{ctx.cc[0]}{ctx.cc[1]}"}))
@@ -116,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
                 "bench": f"gemm_{name}_{cfg.in_dtype}_{size}", "helios": round(h, 1), "peer": round(p, 1),
                 "ratio": round(h / p, 3), "unit": "TFLOP/s", "rel_err": err, "peer_rel_err": perr,
                 "peer_name": "torch._scaled_mm" if cfg.in_dtype == "e4m3" else "torch.matmul (cuBLAS)",
-                "b_major": bmaj, "device": ctx.name,
+                "b_major": bmaj, "inflight": cfg.inflight, "group_m": cfg.group_m, "stages": cfg.stages,
+                "device": ctx.name,
             }), flush=True)
     return 0
 

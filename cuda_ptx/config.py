@@ -42,7 +42,8 @@ class GemmConfig:
     with ``setmaxnreg``.  ``inflight`` (wgmma, 0 or 1) is how many k-tiles of wgmma a
     consumer leaves running while it hands the previous tile's ring slot back
     (``wgmma.wait_group 1`` instead of 0): the tensor cores then never wait for the
-    release, at the cost of holding one more slot.
+    release, at the cost of holding one more slot.  ``group_m`` > 0 hands tiles to CTAs in
+    groups of that many tile-rows (:func:`ops.tile_origin`) for L2 reuse; 0 = row by row.
     """
 
     name: str
@@ -60,6 +61,7 @@ class GemmConfig:
     producer: bool = False
     maxnreg: tuple[int, int] | None = None
     inflight: int = 0
+    group_m: int = 0
 
     # -- derived --------------------------------------------------------------------
     @property
@@ -92,7 +94,7 @@ class GemmConfig:
         return (
             f"helios_gemm_{self.kind}_{self.in_dtype}_{self.out_dtype}_b{self.b_major}"
             f"_{self.bm}x{self.bn}x{self.bk}_s{self.stages}_c{self.consumers}{'_ws' if self.producer else ''}"
-            f"{f'_f{self.inflight}' if self.inflight else ''}"
+            f"{f'_f{self.inflight}' if self.inflight else ''}{f'_g{self.group_m}' if self.group_m else ''}"
         )
 
     def flops(self, m: int, n: int, k: int) -> int:
@@ -128,6 +130,8 @@ class GemmConfig:
                 f"mma_sync tile {self.bm}x{self.bn}x{self.bk} must split into {self.warps_m}x{self.warps_n} "
                 "warps of multiples of 16, with bk a power of two >= 16"
             )
+        if not 0 <= self.group_m <= 64:
+            raise ValueError(f"group_m must be in [0, 64] (0 = no grouping), got {self.group_m}")
         if self.inflight and self.kind != "wgmma":
             raise ValueError("inflight applies to the wgmma kinds only")
         if self.kind == "wgmma":
@@ -153,14 +157,15 @@ def _ladder() -> dict[str, GemmConfig]:
         GemmConfig("simt", "simt", bm=64, bn=64, bk=16, stages=1),
         GemmConfig("mma_sync", "mma_sync", bm=128, bn=128, bk=32, stages=3, warps_m=2, warps_n=2),
         GemmConfig("wgmma_tma", "wgmma", b_major="k", bm=64, bn=128, bk=64, stages=1, consumers=1),
-        GemmConfig("wgmma_pipe", "wgmma", b_major="k", bm=128, bn=128, bk=64, stages=4, consumers=1, inflight=1),
+        GemmConfig("wgmma_pipe", "wgmma", b_major="k", bm=128, bn=128, bk=64, stages=4, consumers=1, inflight=1,
+                   group_m=8),
         GemmConfig(
             "wgmma_ws", "wgmma", b_major="k", bm=128, bn=256, bk=64, stages=4, consumers=2,
-            producer=True, maxnreg=(40, 232), inflight=1,
+            producer=True, maxnreg=(40, 232), inflight=1, group_m=8,
         ),
         GemmConfig(
             "wgmma_fp8", "wgmma", in_dtype="e4m3", b_major="k", bm=128, bn=256, bk=128, stages=4,
-            consumers=2, producer=True, maxnreg=(40, 232), inflight=1,
+            consumers=2, producer=True, maxnreg=(40, 232), inflight=1, group_m=8,
         ),
     ]
     return {c.name: c for c in v}

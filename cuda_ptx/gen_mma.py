@@ -88,8 +88,7 @@ def generate(cfg: GemmConfig) -> Kernel:
     warp = b.binop("shr", "u32", tid, 5)
     wm = b.binop("div", "u32", warp, cfg.warps_n)
     wn = b.binop("rem", "u32", warp, cfg.warps_n)
-    m0 = b.binop("mul.lo", "u32", b.sreg("%ctaid.y"), cfg.bm)
-    n0 = b.binop("mul.lo", "u32", b.sreg("%ctaid.x"), cfg.bn)
+    m0, n0 = ops.tile_origin(b, cfg)
     ring = ops.smem_base(b)
     kt_n = b.binop("shr", "u32", k_r, cfg.bk.bit_length() - 1)  # K / bk (bk is a power of two)
 

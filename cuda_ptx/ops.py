@@ -25,6 +25,30 @@ def ld_param_ptr(b: Builder, p: Param) -> Reg:
     return g
 
 
+def tile_origin(b: Builder, cfg: GemmConfig) -> tuple[Reg, Reg]:
+    """Row and column where this CTA's tile of C starts.
+
+    ``cfg.group_m == 0``: CTA (x, y) takes tile (y, x).  Otherwise the CTAs, taken in
+    launch order (x fastest), walk the tiles in groups of ``group_m`` tile-rows: down a
+    column of the group, then to the next column.  CTAs resident at the same time then
+    share a few A row-panels and B column-panels, which stay in L2, instead of all of
+    B streaming through it.  The last group is shorter when the tile-rows run out.
+    """
+    if not cfg.group_m:
+        m0 = b.binop("mul.lo", "u32", b.sreg("%ctaid.y"), cfg.bm)
+        n0 = b.binop("mul.lo", "u32", b.sreg("%ctaid.x"), cfg.bn)
+        return m0, n0
+    tiles_n, tiles_m = b.sreg("%nctaid.x"), b.sreg("%nctaid.y")
+    lin = b.mad("u32", b.sreg("%ctaid.y"), tiles_n, b.sreg("%ctaid.x"))
+    per_group = b.binop("mul.lo", "u32", tiles_n, cfg.group_m)
+    first_m = b.binop("mul.lo", "u32", b.binop("div", "u32", lin, per_group), cfg.group_m)
+    group_rows = b.binop("min", "u32", b.binop("sub", "u32", tiles_m, first_m), cfg.group_m)
+    within = b.binop("rem", "u32", lin, per_group)
+    tile_m = b.binop("add", "u32", first_m, b.binop("rem", "u32", within, group_rows))
+    tile_n = b.binop("div", "u32", within, group_rows)
+    return b.binop("mul.lo", "u32", tile_m, cfg.bm), b.binop("mul.lo", "u32", tile_n, cfg.bn)
+
+
 def smem_base(b: Builder) -> Reg:
     """The shared-space address of the dynamic shared block (32-bit: shared addresses fit)."""
     return b.mov("u32", "smem")

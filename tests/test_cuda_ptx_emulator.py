@@ -58,6 +58,19 @@ def test_grid_of_ctas_and_ragged_shapes(variant):
     np.testing.assert_array_equal(emulate_gemm(a, b, variant), a @ b)
 
 
+@pytest.mark.parametrize("variant", ["mma_sync", "wgmma_pipe"])
+def test_grouped_tile_order_covers_every_tile_once(variant):
+    """group_m=2 over 5 tile-rows: the last group is one row short; C starts NaN, so a hole shows."""
+    cfg = cp.variants()[variant].with_(group_m=2)
+    rng = np.random.default_rng(10)
+    a, b = _ints(rng, (5 * cfg.bm - 3, 2 * cfg.bk)), _ints(rng, (2 * cfg.bk, 3 * cfg.bn - 5))
+    np.testing.assert_array_equal(emulate_gemm(a, b, cfg), a @ b)
+    # Without the clamp of the last group to the rows left, CTAs land on tiles past M.
+    ptx = re.sub(r"min\.u32 (%r\d+), %r\d+, 2;", r"mov.u32 \1, 2;", cp.emit_gemm(cfg), count=1)
+    with pytest.raises(EmulationError, match="illegal global address"):
+        emulate_gemm(a, b, cfg, ptx=ptx)
+
+
 def test_real_valued_inputs_match_an_fp32_reference_on_rounded_operands():
     rng = np.random.default_rng(2)
     a = rng.standard_normal((128, 192)).astype(np.float32)

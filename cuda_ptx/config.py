@@ -27,6 +27,8 @@ from helios.errors import DTypeError, ShapeError
 # dtype name -> (bytes per element, PTX type name)
 IN_DTYPES = {"bf16": (2, "bf16"), "fp16": (2, "f16"), "e4m3": (1, "e4m3")}
 OUT_DTYPES = {"f32": 4, "bf16": 2}
+# The names gemm()/emulate_gemm() accept for out_dtype -> the config's name.
+OUT_ALIASES = {"float32": "f32", "f32": "f32", "bfloat16": "bf16", "bf16": "bf16"}
 KINDS = ("simt", "mma_sync", "wgmma")
 
 

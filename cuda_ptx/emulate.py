@@ -13,15 +13,12 @@ import numpy as np
 from helios.errors import DTypeError, ShapeError
 
 from . import dtypes, operands
-from .config import GemmConfig
+from .config import OUT_ALIASES, GemmConfig
 from .emit import build_kernel, resolve
 from .emu_state import EmulationError, GlobalMemory, TensorMap
 from .emulator import Cta
 from .ptx_parse import parse
 from .render import render
-
-OUT_ALIASES = {"float32": "f32", "f32": "f32", "bfloat16": "bf16", "bf16": "bf16"}
-
 
 def emulate_kernel(ptx: str, threads: int, shared_bytes: int, params: dict[str, object], memory: GlobalMemory,
                    grid: tuple[int, int] = (1, 1), seed: int = 0) -> None:

@@ -99,8 +99,7 @@ def emulation_check(cfg: GemmConfig, ptx: str, seed: int = 0) -> tuple[dict, str
     t0 = time.perf_counter()
     ran = {"shape": [m, n, k], "seed": seed}
     try:
-        c = emulate_gemm(a, b, cfg, out_dtype={"f32": "float32", "bf16": "bfloat16"}[cfg.out_dtype], ptx=ptx,
-                         seed=seed)
+        c = emulate_gemm(a, b, cfg, out_dtype=cfg.out_dtype, ptx=ptx, seed=seed)
     except EmulationError as e:
         return ran, f"emulator: {e}"
     ran["seconds"] = round(time.perf_counter() - t0, 2)

@@ -19,13 +19,10 @@ import numpy as np
 from helios.errors import DeviceError, DTypeError, ShapeError
 
 from . import dtypes, operands, toolchain
-from .config import GemmConfig, variants
+from .config import OUT_ALIASES, GemmConfig, variants
 from .driver import Context, context
 from .emit import build_kernel, resolve
 from .render import render
-
-OUT_ALIASES = {"float32": "f32", "f32": "f32", "bfloat16": "bf16", "bf16": "bf16"}
-
 
 def native_b_major(cfg: GemmConfig) -> str:
     """The B layout ``gemm()`` runs ``cfg`` with for a numpy ``K x N`` B.

@@ -13,7 +13,7 @@ import numpy as np
 
 from . import dtypes as D
 from . import layout as L
-from .emu_state import SMEM_BASE, EmulationError
+from .emu_state import SMEM_BASE, CpAsyncOp, EmulationError, MBarrier, WgmmaOp
 from .ptx_parse import PtxInstr, RegArg, TensorArg, VecArg
 
 # -- integer and float arithmetic --------------------------------------------------------
@@ -144,11 +144,9 @@ _LD_TYPES = {"u16": 2, "b16": 2, "u32": 4, "b32": 4, "f32": 4, "u64": 8, "b64": 
 
 
 def _ld_param(cta, ins, lanes):
-    t = ins.parts[-1]
-    name = ins.args[1].base.name
-    v = cta.param_value(name)
-    cta.write(ins.args[0], lanes, np.full(lanes.size, int(v), np.uint64 if _width(t) == 64 else np.uint32).view(
-        {64: np.uint64, 32: np.uint32}[_width(t)]))
+    bits = _width(ins.parts[-1])
+    v = int(cta.param_value(ins.args[1].base.name)) & ((1 << bits) - 1)
+    cta.write(ins.args[0], lanes, np.full(lanes.size, v, np.uint64 if bits == 64 else np.uint32))
 
 
 def _vec_regs(arg) -> list:
@@ -203,8 +201,6 @@ def _st(cta, ins, lanes):
 
 
 def _cp_async(cta, ins, lanes):
-    from .emulator import CpAsyncOp
-
     w = int(lanes[0]) // 32 if lanes.size else None
     if w is None:
         return
@@ -291,8 +287,6 @@ def _mbarrier(cta, ins, lanes):
     if verb == "init":
         addr, uniq, _ = _per_address(cta, ins, lanes, ins.args[0])
         count = int(cta.read(ins.args[1], lanes[:1], "u32")[0])
-        from .emu_state import MBarrier
-
         for a in uniq.tolist():
             if a % 8:
                 raise cta.fail(f"mbarrier at {a:#x} is not 8-byte aligned")
@@ -419,8 +413,6 @@ def _wgmma_issue(cta, ins, lanes) -> None:
     for r in acc:
         if not cta.written[r][lanes].all() and scale_d:
             raise cta.fail(f"accumulator {r} read (scale-d=1) before anything wrote it")
-    from .emulator import WgmmaOp
-
     op = WgmmaOp(acc, da, db, scale_d, n, k * itemsize, in_dtype, bool(trans_b), ins.line)
     for st in warps:
         st.open_ops.append(op)

@@ -1,4 +1,4 @@
-"""State the PTX emulator keeps: global memory, tensor maps, mbarriers, and the error it raises.
+"""State the PTX emulator keeps: global memory, tensor maps, mbarriers, in-flight async work, and its error.
 
 Kept apart from the scheduler (:mod:`emulator`) and the instruction semantics
 (:mod:`emu_ops`) so each file has one job.
@@ -7,7 +7,7 @@ Kept apart from the scheduler (:mod:`emulator`) and the instruction semantics
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -145,3 +145,42 @@ class MBarrier:
     def test_parity(self, parity: int) -> bool:
         """``try_wait.parity``: has the phase with this parity completed (i.e. is the current one the other)?"""
         return (self.phase & 1) != (parity & 1)
+
+
+@dataclass
+class WgmmaOp:
+    """One ``wgmma.mma_async`` waiting to be retired."""
+
+    acc: list[str]
+    desc_a: int
+    desc_b: int
+    scale_d: bool
+    n: int
+    k_bytes: int
+    in_dtype: str
+    trans_b: bool
+    line: int
+
+
+@dataclass
+class WarpWgmma:
+    """One warp's share of the wgmma pipeline: its open and committed groups, locked registers.
+
+    A ``wgmma.mma_async`` is issued by the four warps together, but each warp commits,
+    waits and retires its own share (its 16 rows of the accumulator), so a warp that
+    passes ``wgmma.wait_group`` says nothing about the other three -- as on the GPU.
+    """
+
+    open_ops: list[WgmmaOp] = field(default_factory=list)
+    groups: list[list[WgmmaOp]] = field(default_factory=list)
+    locked: set[str] = field(default_factory=set)  # accumulators of in-flight wgmmas
+    dirty: set[str] = field(default_factory=set)  # written by ordinary instructions since the last fence
+
+
+@dataclass
+class CpAsyncOp:
+    """One warp-instruction's ``cp.async`` copies: per-lane shared destinations and global sources."""
+
+    dst: np.ndarray
+    src: np.ndarray
+    size: int

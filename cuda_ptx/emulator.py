@@ -29,11 +29,11 @@ Instruction semantics live in :mod:`emu_ops`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
 
-from .emu_state import PARAM_BASE, SMEM_BASE, EmulationError, GlobalMemory, MBarrier, TensorMap
+from . import emu_ops
+from .emu_state import (PARAM_BASE, SMEM_BASE, CpAsyncOp, EmulationError, GlobalMemory, MBarrier, TensorMap,
+                        WarpWgmma)
 from .ptx_parse import FloatArg, ImmArg, MemArg, PtxProgram, RegArg, SpecialArg, SymArg
 
 STORE_DTYPE = {"pred": np.bool_, "b16": np.uint16, "b32": np.uint32, "u32": np.uint32, "s32": np.uint32,
@@ -59,53 +59,12 @@ def instr_kind(op: str) -> int:
     return KIND_PLAIN
 
 
-@dataclass
-class WgmmaOp:
-    """One ``wgmma.mma_async`` waiting to be retired."""
-
-    acc: list[str]
-    desc_a: int
-    desc_b: int
-    scale_d: bool
-    n: int
-    k_bytes: int
-    in_dtype: str
-    trans_b: bool
-    line: int
-
-
-@dataclass
-class WarpWgmma:
-    """One warp's share of the wgmma pipeline: its open and committed groups, locked registers.
-
-    A ``wgmma.mma_async`` is issued by the four warps together, but each warp commits,
-    waits and retires its own share (its 16 rows of the accumulator), so a warp that
-    passes ``wgmma.wait_group`` says nothing about the other three -- as on the GPU.
-    """
-
-    open_ops: list[WgmmaOp] = field(default_factory=list)
-    groups: list[list[WgmmaOp]] = field(default_factory=list)
-    locked: set[str] = field(default_factory=set)  # accumulators of in-flight wgmmas
-    dirty: set[str] = field(default_factory=set)  # written by ordinary instructions since the last fence
-
-
-@dataclass
-class CpAsyncOp:
-    """One warp-instruction's ``cp.async`` copies: per-lane shared destinations and global sources."""
-
-    dst: np.ndarray
-    src: np.ndarray
-    size: int
-
-
 class Cta:
     """One CTA of a kernel: registers, shared memory, barriers, async queues, and the scheduler."""
 
     def __init__(self, prog: PtxProgram, threads: int, shared_bytes: int, params: dict[str, object],
                  memory: GlobalMemory, ctaid: tuple[int, int, int], nctaid: tuple[int, int, int],
                  seed: int = 0, max_tma_delay: int = TMA_MAX_DELAY) -> None:
-        from . import emu_ops  # the handler table; imported here to keep the modules acyclic
-
         if threads % 32:
             raise EmulationError(f"CTA of {threads} threads is not a whole number of warps")
         self.prog, self.T, self.mem = prog, threads, memory

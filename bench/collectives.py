@@ -21,13 +21,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import time
 
 import numpy as np
+
+from helios.comm.launcher import free_port
 
 HERE = os.path.abspath(__file__)
 SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 32 << 20, 64 << 20]
@@ -107,17 +108,9 @@ def worker(backend: str, ops: list[str], sizes: list[int], rounds: int) -> None:
 
 
 # ------------------------------------------------------------------------------- parent
-def _free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
-
-
 def launch(backend: str, n: int, ops: list[str], sizes: list[int], rounds: int) -> list[dict]:
     """Run ``n`` ranks measuring helios ``backend`` and gloo; rank 0's results."""
-    port, hport = _free_port(), _free_port()
+    port, hport = free_port("127.0.0.1"), free_port("127.0.0.1")
     procs = []
     for r in range(n):
         env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),

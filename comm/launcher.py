@@ -26,9 +26,10 @@ import threading
 import time
 
 
-def _free_port() -> int:
+def free_port(host: str = "") -> int:
+    """A TCP port the OS says is free on ``host`` ("" = every interface) right now."""
     s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    s.bind(("", 0))
+    s.bind((host, 0))
     port = s.getsockname()[1]
     s.close()
     return port
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     world = a.nproc_per_node * a.nnodes
     addr = a.master_addr or "127.0.0.1"
-    port = a.master_port if a.master_port is not None else (29500 if a.nnodes > 1 else _free_port())
+    port = a.master_port if a.master_port is not None else (29500 if a.nnodes > 1 else free_port())
     job = os.environ.get("HELIOS_JOB_ID") or os.environ.get("SLURM_JOB_ID") or (
         secrets.token_hex(4) if a.nnodes == 1 else f"{addr}:{port}")
     target = ["-m", a.script] if a.module else [a.script]

@@ -176,6 +176,21 @@ def _ladder() -> dict[str, GemmConfig]:
 LADDER = _ladder()
 
 
+def out_dtype_name(out_dtype: str) -> str:
+    """The config's name for an ``out_dtype`` accepted by the public calls (``float32``/``f32``,
+    ``bfloat16``/``bf16``); :class:`DTypeError` for anything else."""
+    if out_dtype not in OUT_ALIASES:
+        raise DTypeError(f"out_dtype must be one of {sorted(OUT_ALIASES)}, got {out_dtype!r}")
+    return OUT_ALIASES[out_dtype]
+
+
+def with_dtypes(cfg: GemmConfig, in_dtype: str | None, out_dtype: str) -> GemmConfig:
+    """``cfg`` with the caller's input dtype (None keeps the variant's) and output dtype."""
+    if in_dtype is not None and in_dtype != cfg.in_dtype:
+        cfg = cfg.with_(in_dtype=in_dtype)
+    return cfg.with_(out_dtype=out_dtype_name(out_dtype))
+
+
 def variants() -> dict[str, GemmConfig]:
     """The ladder of selectable GEMM variants, by name, in increasing sophistication."""
     return dict(LADDER)

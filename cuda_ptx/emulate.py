@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from helios.errors import DTypeError, ShapeError
+from helios.errors import ShapeError
 
 from . import dtypes, operands
-from .config import OUT_ALIASES, GemmConfig
+from .config import GemmConfig, with_dtypes
 from .emit import build_kernel, resolve
 from .emu_state import EmulationError, GlobalMemory, TensorMap
 from .emulator import Cta
@@ -21,8 +21,10 @@ from .ptx_parse import parse
 from .render import render
 
 def emulate_kernel(ptx: str, threads: int, shared_bytes: int, params: dict[str, object], memory: GlobalMemory,
-                   grid: tuple[int, int] = (1, 1), seed: int = 0) -> None:
-    """Run any kernel in the emulated subset over a ``grid`` of CTAs, one after another.
+                   grid: tuple[int, int] = (1, 1), seed: int = 0,
+                   ctas: list[tuple[int, int]] | None = None) -> None:
+    """Run any kernel in the emulated subset over a ``grid`` of CTAs (or only the ``(x, y)``
+    in ``ctas``), one after another.
 
     ``params`` maps parameter names to ints (pointers from ``memory.alloc``, scalars)
     or :class:`TensorMap` objects.  Results are read back from ``memory``.
@@ -34,7 +36,10 @@ def emulate_kernel(ptx: str, threads: int, shared_bytes: int, params: dict[str, 
     if prog.maxntid is not None and threads > prog.maxntid:
         raise EmulationError(f"{threads} threads per CTA exceed the kernel's .maxntid {prog.maxntid}")
     full = (grid[0], grid[1], 1)
-    for i, (y, x) in enumerate((y, x) for y in range(grid[1]) for x in range(grid[0])):
+    todo = ctas if ctas is not None else [(x, y) for y in range(grid[1]) for x in range(grid[0])]
+    for i, (x, y) in enumerate(todo):
+        if not (0 <= x < grid[0] and 0 <= y < grid[1]):
+            raise ShapeError(f"CTA {(x, y)} is outside the grid {grid}")
         Cta(prog, threads, shared_bytes, params, memory, (x, y, 0), full, seed=seed + i).run()
 
 
@@ -49,19 +54,10 @@ def emulate_gemm(a: np.ndarray, b: np.ndarray, variant: str | GemmConfig = "wgmm
     Raises :class:`EmulationError` for hangs, faults and misuse the GPU would not report.
     """
     a, b = np.asarray(a), np.asarray(b)
-    if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0]:
-        raise ShapeError(f"gemm expects (M, K) @ (K, N); got {a.shape} @ {b.shape}")
-    if out_dtype not in OUT_ALIASES:
-        raise DTypeError(f"out_dtype must be one of {sorted(OUT_ALIASES)}, got {out_dtype!r}")
-    cfg = resolve(variant)
-    if in_dtype is not None:
-        cfg = cfg.with_(in_dtype=in_dtype)
-    cfg = cfg.with_(out_dtype=OUT_ALIASES[out_dtype])
+    m, n, k = operands.matmul_shape(a, b)
+    cfg = with_dtypes(resolve(variant), in_dtype, out_dtype)
     cfg.validate()
     kern = build_kernel(cfg)
-    prog = parse(ptx if ptx is not None else render(kern))
-    m, k = a.shape
-    n = b.shape[1]
     p = operands.padded(cfg, m, n, k)
     ra, rb = operands.encode_operands(cfg, a, b, p)
     mem = GlobalMemory()
@@ -75,12 +71,8 @@ def emulate_gemm(a: np.ndarray, b: np.ndarray, variant: str | GemmConfig = "wgmm
             params[name] = TensorMap(ptrs[box.operand], box.rows, box.cols, box.box_rows, box.box_cols, cfg.in_bytes)
     else:
         params["a"], params["b"] = ptrs["a"], ptrs["b"]
-    grid = (p.n // cfg.bn, p.m // cfg.bm, 1)
-    todo = ctas if ctas is not None else [(x, y) for y in range(grid[1]) for x in range(grid[0])]
-    for i, (x, y) in enumerate(todo):
-        if not (0 <= x < grid[0] and 0 <= y < grid[1]):
-            raise ShapeError(f"CTA {(x, y)} is outside the grid {grid[:2]}")
-        Cta(prog, kern.threads, kern.shared_bytes, params, mem, (x, y, 0), grid, seed=seed + i).run()
+    emulate_kernel(ptx if ptx is not None else render(kern), kern.threads, kern.shared_bytes, params, mem,
+                   (p.n // cfg.bn, p.m // cfg.bm), seed, ctas)
     raw = mem.view(c_ptr, p.m * p.n * osz)
     if cfg.out_dtype == "f32":
         c = raw.view(np.float32).reshape(p.m, p.n)

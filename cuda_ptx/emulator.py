@@ -10,9 +10,9 @@ Model
 * Each thread has its own program counter (Volta-style independent scheduling).
   Warps take turns; within a warp the lanes at the lowest PC run together, which
   reconverges structured code.  ``.aligned`` warp instructions (``ldmatrix``,
-  ``mma.sync``, ``bar.sync``) must be reached by every live lane of the warp;
-  warpgroup instructions (``wgmma.*``, ``setmaxnreg``) by every lane of all four
-  warps, at the same instruction -- else :class:`EmulationError`.
+  ``mma.sync``, ``bar.sync``, ``wgmma.fence/commit_group/wait_group``) must be reached
+  by every live lane of the warp; ``wgmma.mma_async`` and ``setmaxnreg`` by every lane
+  of all four warps, at the same instruction -- else :class:`EmulationError`.
 * Asynchronous work completes late on purpose: TMA copies land a random number of
   scheduler rounds after issue (seeded), ``cp.async`` copies land only at the
   ``cp.async.wait_group`` that must cover them, and ``wgmma.mma_async`` reads shared
@@ -233,14 +233,6 @@ class Cta:
         if np.any(addrs % size):
             raise self.fail(f"misaligned shared access of {size} bytes at {int(addrs[addrs % size != 0][0]):#x}")
         return addrs[:, None] + np.arange(size)
-
-    def smem_write(self, start: int, data: np.ndarray) -> None:
-        """Write bytes at shared address ``start``; refuses to overwrite a live mbarrier."""
-        end = start + data.size
-        for a in self.mbars:
-            if start < a + 8 and a < end:
-                raise self.fail(f"write of shared [{start:#x}, {end:#x}) overwrites the mbarrier at {a:#x}")
-        self.smem[start:end] = data
 
     def mbar(self, addr: int) -> MBarrier:
         b = self.mbars.get(addr)

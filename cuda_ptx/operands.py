@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from helios.errors import ShapeError
+
 from . import dtypes
 from .config import GemmConfig
 
@@ -36,6 +38,13 @@ class TmaBox:
     cols: int
     box_rows: int
     box_cols: int
+
+
+def matmul_shape(a: np.ndarray, b: np.ndarray) -> tuple[int, int, int]:
+    """``(M, N, K)`` of ``a @ b`` for 2-D ``a`` (M x K) and ``b`` (K x N); :class:`ShapeError` otherwise."""
+    if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0]:
+        raise ShapeError(f"gemm expects (M, K) @ (K, N); got {a.shape} @ {b.shape}")
+    return a.shape[0], b.shape[1], a.shape[1]
 
 
 def round_up(v: int, m: int) -> int:

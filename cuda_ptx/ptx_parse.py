@@ -94,10 +94,11 @@ class PtxInstr:
     negate: bool = False
     line: int = 0
     text: str = ""
+    parts: list[str] = field(init=False, repr=False)
 
-    @property
-    def parts(self) -> list[str]:
-        return self.op.split(".")
+    def __post_init__(self) -> None:
+        # split once here: the handlers look at the parts on every execution
+        self.parts = self.op.split(".")
 
 
 @dataclass

@@ -16,10 +16,10 @@ import sys
 
 import numpy as np
 
-from helios.errors import DeviceError, DTypeError, ShapeError
+from helios.errors import DeviceError, DTypeError
 
 from . import dtypes, operands, toolchain
-from .config import OUT_ALIASES, GemmConfig, variants
+from .config import GemmConfig, out_dtype_name, variants, with_dtypes
 from .driver import Context, context
 from .emit import build_kernel, resolve
 from .render import render
@@ -115,14 +115,10 @@ def gemm_config(variant: str | GemmConfig | None = None, in_dtype: str | None = 
     :func:`native_b_major` for a numpy ``K x N`` B.  Needs no driver when ``variant``
     is given.
     """
-    if out_dtype not in OUT_ALIASES:
-        raise DTypeError(f"out_dtype must be one of {sorted(OUT_ALIASES)}, got {out_dtype!r}")
+    out_dtype_name(out_dtype)  # refuse a bad name before touching the device
     if variant is None:
         variant = default_variant(ctx or context(), in_dtype or "bf16")
-    cfg = resolve(variant)
-    if in_dtype is not None and in_dtype != cfg.in_dtype:
-        cfg = cfg.with_(in_dtype=in_dtype)
-    cfg = cfg.with_(out_dtype=OUT_ALIASES[out_dtype])
+    cfg = with_dtypes(resolve(variant), in_dtype, out_dtype)
     cfg = cfg.with_(b_major=native_b_major(cfg))
     cfg.validate()
     return cfg
@@ -141,14 +137,10 @@ def gemm(a: np.ndarray, b: np.ndarray, out_dtype: str = "float32", variant: str 
     own B layout.
     """
     a, b = np.asarray(a), np.asarray(b)
-    if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0]:
-        raise ShapeError(f"gemm expects (M, K) @ (K, N); got {a.shape} @ {b.shape}")
-    if out_dtype not in OUT_ALIASES:
-        raise DTypeError(f"out_dtype must be one of {sorted(OUT_ALIASES)}, got {out_dtype!r}")
+    m, n, k = operands.matmul_shape(a, b)
+    out_dtype_name(out_dtype)  # before the device: a bad name fails the same without a driver
     ctx = context()
     cfg = gemm_config(variant, in_dtype, out_dtype, ctx)
-    m, k = a.shape
-    n = b.shape[1]
     if 0 in (m, n, k):
         return np.zeros((m, n), np.float32)
     launch = GemmLaunch(cfg, m, n, k, ctx)

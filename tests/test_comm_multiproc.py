@@ -12,13 +12,14 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import numpy as np
 import pytest
+
+from helios.comm.launcher import free_port
 
 HERE = os.path.abspath(__file__)
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -289,21 +290,13 @@ def rank_debug() -> None:
 
 
 # ================================================================================ test side
-def _free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
-
-
 def _segments() -> set[str]:
     return {f for f in os.listdir("/dev/shm") if f.startswith(f"helios-{os.getuid()}-")}
 
 
 def _spawn(n: int, mode: str, env: dict[str, str], prefix: list[str] | None = None,
            addr: str = "127.0.0.1") -> list[subprocess.Popen]:
-    port = _free_port()
+    port = free_port("127.0.0.1")
     procs = []
     for r in range(n):
         e = dict(os.environ)

@@ -13,6 +13,9 @@ from pybind11.setup_helpers import Pybind11Extension, build_ext
 from setuptools import Extension, setup
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# HELIOS_NO_NATIVE=1 installs the pure-Python parts only (no Vulkan addon, no SPIR-V, no shm
+# transport): enough for helios.cuda_ptx on a GPU machine that has neither Vulkan nor glslc.
+NO_NATIVE = os.environ.get("HELIOS_NO_NATIVE") == "1"
 
 
 def _load_kernel_builder():
@@ -29,7 +32,7 @@ class BuildExtAndKernels(build_ext):
     def run(self):
         src_spv = os.path.join(HERE, "kernels_spirv", "spv")
         # HELIOS_SKIP_KERNEL_BUILD=1 rebuilds only the addon (the registry compiles stale kernels at run time).
-        if os.environ.get("HELIOS_SKIP_KERNEL_BUILD") != "1":
+        if os.environ.get("HELIOS_SKIP_KERNEL_BUILD") != "1" and not NO_NATIVE:
             _load_kernel_builder().compile_all(src_spv)
         os.makedirs(src_spv, exist_ok=True)
         if not self.inplace:
@@ -56,5 +59,8 @@ ext_modules = [
 
 # helios.comm._shm: atomics and futex waits of the shared-memory transport (plain C, no pybind11).
 ext_modules.append(Extension("helios.comm._shm", [os.path.join("comm", "native", "shm.c")], extra_compile_args=["-O2"]))
+
+if NO_NATIVE:
+    ext_modules = []
 
 setup(ext_modules=ext_modules, cmdclass={"build_ext": BuildExtAndKernels})

@@ -1,5 +1,6 @@
 """Packaging: the import root, the standard library's profile module, built kernels."""
 
+import json
 import os
 import subprocess
 import sys
@@ -31,3 +32,21 @@ def test_every_kernel_variant_has_spirv():
         for variant in build.kernel_variants(name):
             code = registry.spirv(name, variant)
             assert code[:4] == b"\x03\x02\x23\x07", f"{name}.{variant} is not SPIR-V"
+
+
+def test_gpu_check_script_installs_without_native_parts_and_runs_the_gate(tmp_path):
+    from helios.cuda_ptx import driver, gate
+
+    if driver.driver_status()[0]:
+        pytest.skip("a CUDA driver is present: the script would run the whole GPU benchmark")
+    out = tmp_path / "results"
+    env = dict(os.environ, PYTHON=sys.executable)
+    r = subprocess.run([os.path.join(ROOT, "scripts", "gpu_check.sh"), str(out)], capture_output=True, text=True,
+                       env=env, timeout=600)
+    # 2: the gate passed and there is no driver to go further
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "no usable CUDA driver" in r.stderr
+    lines = [json.loads(x) for x in (out / "gate.log").read_text().splitlines() if x.startswith("{")]
+    assert [x["name"] for x in lines] == list(gate.gate_configs())
+    assert all(x["ok"] for x in lines), lines
+    assert "ptxas" in (out / "env.txt").read_text()

@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# Every GPU check of helios.cuda_ptx in one command, for a machine with an NVIDIA GPU:
+#
+#   ./scripts/gpu_check.sh [RESULTS_DIR]      (default RESULTS_DIR: ./gpu-results)
+#
+# It downloads nothing: the machine needs its driver, ptxas (the CUDA toolkit or the
+# nvidia-cuda-nvcc wheel), and a Python ($PYTHON, default python3) with numpy,
+# cuda-bindings, pytest, setuptools, pybind11 and a CUDA build of torch (the cuBLAS
+# peer).  The package is installed without its native Vulkan parts into a temporary
+# folder, so neither Vulkan nor glslc is needed.
+#
+# Steps, each run even when an earlier one failed (exit status 0: all passed, 1: a step failed,
+# 2: no usable CUDA driver, so only the gate ran):
+#   1. the no-GPU gate with this machine's ptxas (python -m helios.cuda_ptx.gate);
+#   2. numerics of every variant on the GPU (pytest -m gpu tests/test_cuda_ptx_driver.py);
+#   3. bench/ptx_gemm.py at 4096 and 8192, B K-major, then N-major, one process per variant
+#      so that a hung kernel costs only its own line;
+#   4. the A/B of the pipeline choices at 8192: inflight=0 group_m=0 on the wgmma rungs.
+# RESULTS_DIR gets env.txt, gate.log, gpu_tests.log, bench.log and ptx_gemm.jsonl.
+set -uo pipefail
+repo=$(cd "$(dirname "$0")/.." && pwd)
+out=$(mkdir -p "${1:-$repo/gpu-results}" && cd "${1:-$repo/gpu-results}" && pwd)
+py=${PYTHON:-python3}
+bench_timeout=${HELIOS_GPU_BENCH_TIMEOUT:-240}
+[ -d /usr/local/cuda/bin ] && export PATH=$PATH:/usr/local/cuda/bin
+failed=()
+
+site=$(mktemp -d)
+trap 'rm -rf "$site"' EXIT
+if ! HELIOS_NO_NATIVE=1 "$py" -m pip install -q --no-deps --no-build-isolation --no-index \
+        --target "$site/lib" "$repo" >"$out/install.log" 2>&1; then
+    cat "$out/install.log"
+    echo "gpu_check: installing the package failed (see above)" >&2
+    exit 1
+fi
+export PYTHONPATH=$site/lib${PYTHONPATH:+:$PYTHONPATH}
+# Run from outside the checkout: its root on sys.path would shadow the installed package.
+cd "$site"
+
+{
+    date -u +%Y-%m-%dT%H:%M:%SZ
+    nvidia-smi -L 2>&1 || echo "nvidia-smi: not found"
+    nvidia-smi --query-gpu=driver_version,clocks.max.sm,clocks.max.mem --format=csv,noheader 2>&1 || true
+    "$py" -c "from helios.cuda_ptx import toolchain as t; print('ptxas', t.require_tool('ptxas'), t.ptxas_version())" 2>&1
+    "$py" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" 2>&1
+} | tee "$out/env.txt"
+
+step() {  # step NAME LOG CMD...: run CMD, tee its output to LOG, remember a failure
+    local name=$1 log=$2
+    shift 2
+    echo "== $name"
+    if ! "$@" 2>&1 | tee -a "$log"; then
+        failed+=("$name")
+    fi
+}
+
+step gate "$out/gate.log" "$py" -m helios.cuda_ptx.gate
+if ! why=$("$py" -c "from helios.cuda_ptx import driver; ok, why = driver.driver_status(); print(why); raise SystemExit(0 if ok else 1)"); then
+    echo "gpu_check: no usable CUDA driver ($why); only the gate ran${failed:+, and it failed}" >&2
+    [ ${#failed[@]} -ne 0 ] && exit 1
+    exit 2
+fi
+step gpu-tests "$out/gpu_tests.log" "$py" -m pytest -q -p no:cacheprovider -m gpu "$repo/tests/test_cuda_ptx_driver.py"
+
+variants=$("$py" -c "from helios.cuda_ptx import variants; print(' '.join(variants()))")
+bench() {  # bench NAME ARGS...: one bench process, its JSON lines appended to ptx_gemm.jsonl
+    local name=$1
+    shift
+    step "$name" "$out/bench.log" timeout "$bench_timeout" "$py" -u "$repo/bench/ptx_gemm.py" "$@"
+}
+for v in $variants; do
+    bench "bench-$v-k" --variants "$v" --sizes 4096 8192 --b-major k
+done
+for v in $variants; do
+    case $v in wgmma_tma|wgmma_pipe|wgmma_ws) bench "bench-$v-n" --variants "$v" --sizes 4096 8192 --b-major n ;; esac
+done
+for v in wgmma_pipe wgmma_ws wgmma_fp8; do
+    bench "bench-$v-ab" --variants "$v" --sizes 8192 --set inflight=0 --set group_m=0
+done
+grep '^{' "$out/bench.log" >"$out/ptx_gemm.jsonl" || true
+
+if [ ${#failed[@]} -ne 0 ]; then
+    echo "gpu_check: failed: ${failed[*]}" >&2
+    exit 1
+fi
+echo "gpu_check: all steps passed; bench lines in $out/ptx_gemm.jsonl"

@@ -1,7 +1,8 @@
 """helios.cuda_ptx: a PTX code generator for NVIDIA tensor cores, its gate, and a driver-API runner.
 
 * :func:`emit_gemm` -- PTX text for a GEMM configuration (see :func:`variants`).
-* :func:`variants` -- the ladder: simt, mma_sync, wgmma_tma, wgmma_pipe, wgmma_ws, wgmma_fp8.
+* :func:`variants` -- the ladder: simt, mma_sync, wgmma_tma, wgmma_pipe, wgmma_ws, wgmma_fp8,
+  wgmma_persistent.
 * :func:`gemm` -- ``a @ b`` on numpy arrays through a generated kernel (needs a GPU).
 * :func:`emulate_gemm` -- the same kernel run thread by thread on the CPU emulator
   (no GPU): exact numerics, and hangs/races/faults reported as :class:`EmulationError`.

@@ -46,6 +46,10 @@ class GemmConfig:
     (``wgmma.wait_group 1`` instead of 0): the tensor cores then never wait for the
     release, at the cost of holding one more slot.  ``group_m`` > 0 hands tiles to CTAs in
     groups of that many tile-rows (:func:`ops.tile_origin`) for L2 reuse; 0 = row by row.
+    ``persistent`` (warp-specialised wgmma only) launches one CTA per SM, each walking
+    the tiles ``ctaid, ctaid + nctaid, ...`` with its ring running on from tile to tile:
+    the producer loads the next tile while the consumers store this one, and no CTA
+    launch or pipeline fill is paid per tile.
     """
 
     name: str
@@ -64,6 +68,7 @@ class GemmConfig:
     maxnreg: tuple[int, int] | None = None
     inflight: int = 0
     group_m: int = 0
+    persistent: bool = False
 
     # -- derived --------------------------------------------------------------------
     @property
@@ -97,6 +102,7 @@ class GemmConfig:
             f"helios_gemm_{self.kind}_{self.in_dtype}_{self.out_dtype}_b{self.b_major}"
             f"_{self.bm}x{self.bn}x{self.bk}_s{self.stages}_c{self.consumers}{'_ws' if self.producer else ''}"
             f"{f'_f{self.inflight}' if self.inflight else ''}{f'_g{self.group_m}' if self.group_m else ''}"
+            f"{'_p' if self.persistent else ''}"
         )
 
     def flops(self, m: int, n: int, k: int) -> int:
@@ -148,6 +154,8 @@ class GemmConfig:
                 raise ValueError(f"inflight must be 0 or 1 and below stages={self.stages}, got {self.inflight}")
             if self.maxnreg is not None and not self.producer:
                 raise ValueError("setmaxnreg budgets need the warp-specialised producer layout")
+        if self.persistent and not (self.kind == "wgmma" and self.producer):
+            raise ValueError("persistent needs the warp-specialised wgmma layout (kind='wgmma', producer=True)")
 
     def with_(self, **kw: object) -> GemmConfig:
         """A copy with fields replaced (the name is kept unless given)."""
@@ -168,6 +176,10 @@ def _ladder() -> dict[str, GemmConfig]:
         GemmConfig(
             "wgmma_fp8", "wgmma", in_dtype="e4m3", b_major="k", bm=128, bn=256, bk=128, stages=4,
             consumers=2, producer=True, maxnreg=(40, 232), inflight=1, group_m=8,
+        ),
+        GemmConfig(
+            "wgmma_persistent", "wgmma", b_major="k", bm=128, bn=256, bk=64, stages=4, consumers=2,
+            producer=True, maxnreg=(40, 232), inflight=1, group_m=8, persistent=True,
         ),
     ]
     return {c.name: c for c in v}

@@ -89,10 +89,12 @@ class Context:
         self.ctx = check("cuDevicePrimaryCtxRetain", cu.cuDevicePrimaryCtxRetain(self.device))
         check("cuCtxSetCurrent", cu.cuCtxSetCurrent(self.ctx))
         a = cu.CUdevice_attribute
-        self.cc = (
-            check("cuDeviceGetAttribute", cu.cuDeviceGetAttribute(a.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, self.device)),
-            check("cuDeviceGetAttribute", cu.cuDeviceGetAttribute(a.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, self.device)),
-        )
+
+        def attr(which) -> int:
+            return check("cuDeviceGetAttribute", cu.cuDeviceGetAttribute(which, self.device))
+
+        self.cc = (attr(a.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR), attr(a.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR))
+        self.sm_count = attr(a.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)  # CTAs of a persistent kernel
         self.name = check("cuDeviceGetName", cu.cuDeviceGetName(128, self.device)).split(b"\0")[0].decode()
         self._modules: list = []
 

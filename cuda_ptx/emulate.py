@@ -45,12 +45,15 @@ def emulate_kernel(ptx: str, threads: int, shared_bytes: int, params: dict[str, 
 
 def emulate_gemm(a: np.ndarray, b: np.ndarray, variant: str | GemmConfig = "wgmma_ws", out_dtype: str = "float32",
                  in_dtype: str | None = None, seed: int = 0, ptx: str | None = None,
-                 ctas: list[tuple[int, int]] | None = None) -> np.ndarray:
+                 ctas: list[tuple[int, int]] | None = None, sm_count: int = 1) -> np.ndarray:
     """``a @ b`` computed by emulating the generated kernel for ``variant`` thread by thread.
 
     Arguments mirror :func:`helios.cuda_ptx.gemm`; ``seed`` varies the warp order and
     TMA latencies; ``ptx`` replaces the generated text (to check an edited kernel);
-    ``ctas`` limits the run to some ``(x, y)`` CTAs (the rest of C stays NaN).
+    ``ctas`` limits the run to some ``(x, y)`` CTAs (the rest of C stays NaN);
+    ``sm_count`` is the emulated device's SM count, which sets how many CTAs a
+    persistent kernel gets (default 1: one CTA walks every tile, so its ring runs on
+    from tile to tile).
     Raises :class:`EmulationError` for hangs, faults and misuse the GPU would not report.
     """
     a, b = np.asarray(a), np.asarray(b)
@@ -72,7 +75,7 @@ def emulate_gemm(a: np.ndarray, b: np.ndarray, variant: str | GemmConfig = "wgmm
     else:
         params["a"], params["b"] = ptrs["a"], ptrs["b"]
     emulate_kernel(ptx if ptx is not None else render(kern), kern.threads, kern.shared_bytes, params, mem,
-                   (p.n // cfg.bn, p.m // cfg.bm), seed, ctas)
+                   operands.grid(cfg, p, sm_count), seed, ctas)
     raw = mem.view(c_ptr, p.m * p.n * osz)
     if cfg.out_dtype == "f32":
         c = raw.view(np.float32).reshape(p.m, p.n)

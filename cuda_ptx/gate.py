@@ -8,7 +8,7 @@ C7511 wgmma serialised, C7517/C7519 injected waits/arrives -- ptxas prints these
 the rung is about (HMMA, HGMMA, QGMMA, UTMALDG, USETMAXREG...).  For 16-bit wgmma
 kernels the SASS must also say how B is read: every HGMMA carries ``.tnspB`` when B is
 N-major (``imm-trans-b = 1``) and none does when B is K-major.  Last, the same PTX
-runs on the CPU emulator (:mod:`emulate`) over a problem two CTAs wide whose K wraps
+runs on the CPU emulator (:mod:`emulate`) over a problem two tiles wide whose K wraps
 the stage ring, and must give the exact product of integer-valued inputs with no
 hang, fault or misuse reported.
 
@@ -89,8 +89,9 @@ class GateReport:
 def emulation_check(cfg: GemmConfig, ptx: str, seed: int = 0) -> tuple[dict, str | None]:
     """Run ``ptx`` on the CPU emulator: (what ran, failure text or None).
 
-    The problem is ``bm x 2bn x (stages + 2) bk``: two CTAs, and enough k-tiles that
-    every ring slot is refilled; inputs are small integers, so the product is exact.
+    The problem is ``bm x 2bn x (stages + 2) bk``: two tiles (two CTAs, or one persistent
+    CTA that walks both), and enough k-tiles that every ring slot is refilled; inputs are
+    small integers, so the product is exact.
     """
     m, n, k = cfg.bm, 2 * cfg.bn, (cfg.stages + 2) * cfg.bk
     rng = np.random.default_rng(seed)

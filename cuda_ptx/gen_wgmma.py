@@ -7,7 +7,10 @@ One generator covers the Hopper rungs; the config picks the shape:
 * warp specialisation (``producer=True``): warpgroup 0 only issues TMA and gives
   registers back with ``setmaxnreg.dec``; the consumer warpgroups take them with
   ``setmaxnreg.inc`` and each owns ``bm / consumers`` rows (``wgmma_ws``);
-* fp8 e4m3 (``wgmma_fp8``): same pipeline, ``k32`` instructions (QGMMA).
+* fp8 e4m3 (``wgmma_fp8``): same pipeline, ``k32`` instructions (QGMMA);
+* persistent (``persistent=True``, ``wgmma_persistent``): the warp-specialised kernel
+  with one CTA per SM, each role looping over the CTA's tiles with the ring position
+  carried across them (:func:`_persistent_walk`).
 
 Shared memory per ring slot: the A tile (``bm`` rows x 128 bytes, K-major) then the
 B tile, both written by TMA with the 128-byte swizzle and read by wgmma through
@@ -151,8 +154,7 @@ def generate(cfg: GemmConfig) -> Kernel:
     b.kernel.minnctapersm = 1
     tma_a, tma_b = b.param("tmap_a", "tmap"), b.param("tmap_b", "tmap")
     pc = b.param("c", "u64")
-    b.param("M", "u32")
-    pn, pk = b.param("N", "u32"), b.param("K", "u32")
+    pm, pn, pk = b.param("M", "u32"), b.param("N", "u32"), b.param("K", "u32")
     b.shared("ring", plan.stage_bytes * S, align=1024, shape=(S, plan.stage_bytes), dtype=cfg.in_dtype,
              swizzle=SWIZZLE)
     bars = b.shared("bars", 16 * S, align=8, shape=(2, S), dtype="b64")
@@ -166,26 +168,31 @@ def generate(cfg: GemmConfig) -> Kernel:
         b.emit("cvta.param.u64", g, g)
         tmaps.append(g)
     tid = b.sreg("%tid.x")
-    m0, n0 = ops.tile_origin(b, cfg)
+    # Where this CTA's tile starts (one tile per CTA), or a loop over its tiles (persistent).
+    origin = None if cfg.persistent else ops.tile_origin(b, cfg)
+    for_each_tile = _persistent_walk(b, cfg, pm, n_r) if cfg.persistent else (lambda body: body(*origin))
     ring = ops.smem_base(b)
     full0 = b.binop("add", "u32", ring, bars.offset)
     empty0 = b.binop("add", "u32", full0, 8 * S)
     kt_n = b.binop("shr", "u32", k_r, cfg.bk.bit_length() - 1)
     is_t0 = b.setp("eq", "u32", tid, 0)
     n_consumer_threads = 128 * cfg.consumers
+    # A persistent kernel's consumers release a slot once per warp (lane 0, after the warp's
+    # own wgmma.wait_group) instead of once per thread: 8 arrivals a slot instead of 256.
+    release_arrivals = 4 * cfg.consumers if cfg.persistent else n_consumer_threads
 
     b.comment("thread 0 initialises the barriers; the fences publish them to the async (TMA) proxy")
     with b.if_(is_t0):
         for s in range(S):
             b.emit("mbarrier.init.shared::cta.b64", f"[{full0}+{8 * s}]", 1)
-            b.emit("mbarrier.init.shared::cta.b64", f"[{empty0}+{8 * s}]", n_consumer_threads)
+            b.emit("mbarrier.init.shared::cta.b64", f"[{empty0}+{8 * s}]", release_arrivals)
         b.emit("fence.mbarrier_init.release.cluster")
         b.emit("fence.proxy.async.shared::cta")
     ops.bar_sync(b, 0)
 
     tma = "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
 
-    def load_tile(kt, slot) -> None:
+    def load_tile(kt, slot, m0, n0) -> None:
         """Arm ``full[slot]`` with the slot's byte count and start its TMA copies (A, then B's boxes)."""
         fb = b.mad("u32", slot, 8, full0)
         # expect_tx = every byte the copies below write: A + all of B's boxes.
@@ -218,11 +225,17 @@ def generate(cfg: GemmConfig) -> Kernel:
         b.emit("xor.b32", phase, phase, 1, pred=wrap)
 
     def consumer(cidx, wtid, release) -> None:
-        """Math warpgroup ``cidx`` (a register or int), thread ``wtid`` within it: the main loop + epilogue."""
+        """Math warpgroup ``cidx`` (a register or int), thread ``wtid`` within it: main loop + epilogue per tile.
+
+        The ring position (``slot``, ``phase``) runs on across the tiles of a persistent
+        kernel.  There the first k-step of each tile's wgmmas passes ``scale-d = 0``
+        (D = A B, not D + A B), which clears the previous tile's accumulators for free.
+        """
         n_acc = cfg.bn // 2
         acc = [[b.mov("f32", 0.0) for _ in range(n_acc)] for _ in range(plan.mblocks)]
         one = b.mov("u32", 1)
         scale_d = b.setp("ne", "u32", one, 0)
+        keep = b.reg("pred") if cfg.persistent else None  # scale-d of a tile's first k-step: false on k-tile 0
         slot, phase = b.mov("u32", 0), b.mov("u32", 0)
         cons_a = b.binop("mul.lo", "u32", cidx, plan.rows_per_consumer * 128)
         kt = b.reg("u32")
@@ -230,43 +243,52 @@ def generate(cfg: GemmConfig) -> Kernel:
         dak, dbk = b.reg("b64"), b.reg("b64")
         addr = b.reg("u32")
         prev = b.mov("u32", 0)  # slot of the previous k-tile, released one tile late when inflight
-        with b.loop(kt, 0, kt_n, 1):
-            wait(b.mad("u32", slot, 8, full0), phase)
-            b.emit("mad.lo.u32", addr, slot, plan.stage_bytes, ring)
-            b.emit("add.u32", addr, addr, cons_a)
-            _desc(b, da, addr, plan.desc_const)
-            b.emit("mad.lo.u32", addr, slot, plan.stage_bytes, ring)
-            b.emit("add.u32", addr, addr, plan.a_bytes)
-            _desc(b, db, addr, plan.desc_b_const)
-            b.emit("wgmma.fence.sync.aligned")
-            for kk in range(plan.ksteps):
-                b.emit("add.s64", dbk, db, (kk * plan.b_step_bytes) >> 4)
-                for mb in range(plan.mblocks):
-                    b.emit("add.s64", dak, da, (mb * 64 * 128 + kk * K_STEP_BYTES) >> 4)
-                    shape = f"m64n{cfg.bn}k{plan.k_inst}"
-                    if cfg.in_dtype == "e4m3":
-                        b.emit(f"wgmma.mma_async.sync.aligned.{shape}.f32.{ptx_in}.{ptx_in}",
-                               _vec(acc[mb]), dak, dbk, scale_d, 1, 1)
-                    else:
-                        # imm-trans-a = 0: A K-major; imm-trans-b = 1 reads B N-major.
-                        b.emit(f"wgmma.mma_async.sync.aligned.{shape}.f32.{ptx_in}.{ptx_in}",
-                               _vec(acc[mb]), dak, dbk, scale_d, 1, 1, 0, plan.trans_b)
-            b.emit("wgmma.commit_group.sync.aligned")
-            if cfg.inflight == 0:
+
+        def tile(m0, n0) -> None:
+            with b.loop(kt, 0, kt_n, 1):
+                wait(b.mad("u32", slot, 8, full0), phase)
+                b.emit("mad.lo.u32", addr, slot, plan.stage_bytes, ring)
+                b.emit("add.u32", addr, addr, cons_a)
+                _desc(b, da, addr, plan.desc_const)
+                b.emit("mad.lo.u32", addr, slot, plan.stage_bytes, ring)
+                b.emit("add.u32", addr, addr, plan.a_bytes)
+                _desc(b, db, addr, plan.desc_b_const)
+                if cfg.persistent:
+                    b.emit("setp.ne.u32", keep, kt, 0)
+                b.emit("wgmma.fence.sync.aligned")
+                for kk in range(plan.ksteps):
+                    b.emit("add.s64", dbk, db, (kk * plan.b_step_bytes) >> 4)
+                    sd = keep if cfg.persistent and kk == 0 else scale_d
+                    for mb in range(plan.mblocks):
+                        b.emit("add.s64", dak, da, (mb * 64 * 128 + kk * K_STEP_BYTES) >> 4)
+                        shape = f"m64n{cfg.bn}k{plan.k_inst}"
+                        if cfg.in_dtype == "e4m3":
+                            b.emit(f"wgmma.mma_async.sync.aligned.{shape}.f32.{ptx_in}.{ptx_in}",
+                                   _vec(acc[mb]), dak, dbk, sd, 1, 1)
+                        else:
+                            # imm-trans-a = 0: A K-major; imm-trans-b = 1 reads B N-major.
+                            b.emit(f"wgmma.mma_async.sync.aligned.{shape}.f32.{ptx_in}.{ptx_in}",
+                                   _vec(acc[mb]), dak, dbk, sd, 1, 1, 0, plan.trans_b)
+                b.emit("wgmma.commit_group.sync.aligned")
+                if cfg.inflight == 0:
+                    b.emit("wgmma.wait_group.sync.aligned", 0)
+                    release(kt, slot)
+                else:
+                    # Keep this tile's wgmmas running while the previous tile's slot is handed
+                    # back: wait_group 1 retires everything but the newest group.
+                    b.emit("wgmma.wait_group.sync.aligned", 1)
+                    has_prev = b.setp("ne", "u32", kt, 0)
+                    with b.if_(has_prev):
+                        release(b.binop("sub", "u32", kt, 1), prev)
+                    b.emit("mov.u32", prev, slot)
+                advance(slot, phase)
+            if cfg.inflight:
                 b.emit("wgmma.wait_group.sync.aligned", 0)
-                release(kt, slot)
-            else:
-                # Keep this tile's wgmmas running while the previous tile's slot is handed
-                # back: wait_group 1 retires everything but the newest group.
-                b.emit("wgmma.wait_group.sync.aligned", 1)
-                has_prev = b.setp("ne", "u32", kt, 0)
-                with b.if_(has_prev):
-                    release(b.binop("sub", "u32", kt, 1), prev)
-                b.emit("mov.u32", prev, slot)
-            advance(slot, phase)
-        if cfg.inflight:
-            b.emit("wgmma.wait_group.sync.aligned", 0)
-        _epilogue(b, cfg, plan, c_g, n_r, m0, n0, cidx, wtid, acc)
+                if cfg.persistent:  # the next tile's loads need the last k-tile's slot back
+                    release(b.binop("sub", "u32", kt_n, 1), prev)
+            _epilogue(b, cfg, plan, c_g, n_r, m0, n0, cidx, wtid, acc)
+
+        for_each_tile(tile)
 
     if cfg.producer:
         wg = b.binop("shr", "u32", tid, 7)
@@ -278,28 +300,35 @@ def generate(cfg: GemmConfig) -> Kernel:
                 slot, phase = b.mov("u32", 0), b.mov("u32", 0)
                 kt = b.reg("u32")
                 par = b.reg("u32")
-                with b.loop(kt, 0, kt_n, 1):
-                    # A fresh barrier counts as having completed the phase before phase 0,
-                    # so the first lap's wait on parity 1 passes at once.
-                    b.emit("xor.b32", par, phase, 1)
-                    wait(b.mad("u32", slot, 8, empty0), par)
-                    load_tile(kt, slot)
-                    advance(slot, phase)
+
+                def produce(m0, n0) -> None:
+                    with b.loop(kt, 0, kt_n, 1):
+                        # A fresh barrier counts as having completed the phase before phase 0,
+                        # so the first lap's wait on parity 1 passes at once.
+                        b.emit("xor.b32", par, phase, 1)
+                        wait(b.mad("u32", slot, 8, empty0), par)
+                        load_tile(kt, slot, m0, n0)
+                        advance(slot, phase)
+
+                for_each_tile(produce)
         with b.if_(is_prod, negate=True):
             b.emit("setmaxnreg.inc.sync.aligned.u32", cfg.maxnreg[1])
             cidx = b.binop("sub", "u32", wg, 1)
             wtid = b.binop("and", "b32", tid, 127)
+            lane0 = b.setp("eq", "u32", b.binop("and", "b32", tid, 31), 0) if cfg.persistent else None
 
             def release_ws(kt, slot) -> None:
-                b.emit("mbarrier.arrive.shared::cta.b64", "_", f"[{b.mad('u32', slot, 8, empty0)}]")
+                bar = b.mad("u32", slot, 8, empty0)
+                b.emit("mbarrier.arrive.shared::cta.b64", "_", f"[{bar}]", pred=lane0)
 
             consumer(cidx, wtid, release_ws)
     else:
+        m0, n0 = origin
         with b.if_(is_t0):
             for s in range(S):
                 g = b.setp("lt", "u32", s, kt_n)
                 with b.if_(g):
-                    load_tile(b.mov("u32", s), b.mov("u32", s))
+                    load_tile(b.mov("u32", s), b.mov("u32", s), m0, n0)
         nxt = b.reg("u32")
 
         def release_single(kt, slot) -> None:
@@ -310,10 +339,30 @@ def generate(cfg: GemmConfig) -> Kernel:
             refill = b.reg("pred")
             b.emit("and.pred", refill, more, is_t0)
             with b.if_(refill):
-                load_tile(nxt, slot)
+                load_tile(nxt, slot, m0, n0)
 
         consumer(b.mov("u32", 0), tid, release_single)
     return b.build()
+
+
+def _persistent_walk(b: Builder, cfg: GemmConfig, pm, n_r):
+    """``for_each_tile(body)`` of a persistent kernel: emit a loop over tiles ``ctaid.x,
+    ctaid.x + nctaid.x, ...`` (in the order of :func:`ops.tile_at`) around ``body(m0, n0)``.
+
+    Each role (producer, consumers) runs its own copy of the loop, so all see the same
+    tiles in the same order.
+    """
+    m_r = ops.ld_param(b, pm, "u32")
+    tiles_n = b.binop("div", "u32", n_r, cfg.bn)
+    tiles_m = b.binop("div", "u32", m_r, cfg.bm)
+    n_tiles = b.binop("mul.lo", "u32", tiles_n, tiles_m)
+
+    def walk(body) -> None:
+        t = b.reg("u32")
+        with b.loop(t, b.sreg("%ctaid.x"), n_tiles, b.sreg("%nctaid.x")):
+            body(*ops.tile_at(b, cfg, t, tiles_n, tiles_m))
+
+    return walk
 
 
 def _desc(b: Builder, out, addr, const: int) -> None:

@@ -146,14 +146,15 @@ class Label:
 class Loop:
     """``for (counter = start; counter < end; counter += step) body`` over a u32 register.
 
-    ``end`` is a register or an int; the loop is bottom-tested and assumes at least
-    one trip (the generators guarantee it: K is a positive multiple of the tile).
+    ``start``, ``end`` and ``step`` are registers or ints; the loop is bottom-tested and
+    assumes at least one trip (the generators guarantee it: K is a positive multiple
+    of the tile, and a persistent kernel is launched with no more CTAs than tiles).
     """
 
     counter: Reg
     start: Operand
     end: Operand
-    step: int
+    step: Operand
     body: list = field(default_factory=list)
     label: str = ""
     test: Reg | None = None  # the predicate the back-edge tests
@@ -265,7 +266,7 @@ class Builder:
         self._blocks[-1].append(Comment(text))
 
     @contextlib.contextmanager
-    def loop(self, counter: Reg, start: Operand, end: Operand, step: int) -> Iterator[Loop]:
+    def loop(self, counter: Reg, start: Operand, end: Operand, step: Operand) -> Iterator[Loop]:
         """Open a counted loop; statements emitted inside form its body."""
         lp = Loop(counter, start, end, step, [], self.label("loop"), self.reg("pred"))
         self._blocks[-1].append(lp)

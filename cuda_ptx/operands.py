@@ -57,6 +57,17 @@ def padded(cfg: GemmConfig, m: int, n: int, k: int) -> Padded:
     return Padded(round_up(m, cfg.bm), round_up(n, cfg.bn), round_up(k, cfg.bk))
 
 
+def grid(cfg: GemmConfig, p: Padded, sm_count: int) -> tuple[int, int]:
+    """CTAs to launch, ``(x, y)``: one per tile of C (x along N), or for a persistent
+    kernel one per SM, never more than there are tiles (each CTA takes at least one)."""
+    tiles_n, tiles_m = p.n // cfg.bn, p.m // cfg.bm
+    if cfg.persistent:
+        if sm_count < 1:
+            raise ValueError(f"a persistent kernel needs sm_count >= 1, got {sm_count}")
+        return min(tiles_n * tiles_m, sm_count), 1
+    return tiles_n, tiles_m
+
+
 def pad_to(x: np.ndarray, rows: int, cols: int) -> np.ndarray:
     """``x`` zero-padded to ``rows x cols`` (zero rows/columns leave the product unchanged)."""
     if x.shape == (rows, cols):

@@ -26,13 +26,10 @@ def ld_param_ptr(b: Builder, p: Param) -> Reg:
 
 
 def tile_origin(b: Builder, cfg: GemmConfig) -> tuple[Reg, Reg]:
-    """Row and column where this CTA's tile of C starts.
+    """Row and column where this CTA's tile of C starts (one tile per CTA).
 
     ``cfg.group_m == 0``: CTA (x, y) takes tile (y, x).  Otherwise the CTAs, taken in
-    launch order (x fastest), walk the tiles in groups of ``group_m`` tile-rows: down a
-    column of the group, then to the next column.  CTAs resident at the same time then
-    share a few A row-panels and B column-panels, which stay in L2, instead of all of
-    B streaming through it.  The last group is shorter when the tile-rows run out.
+    launch order (x fastest), walk the tiles in the grouped order of :func:`tile_at`.
     """
     if not cfg.group_m:
         m0 = b.binop("mul.lo", "u32", b.sreg("%ctaid.y"), cfg.bm)
@@ -40,6 +37,21 @@ def tile_origin(b: Builder, cfg: GemmConfig) -> tuple[Reg, Reg]:
         return m0, n0
     tiles_n, tiles_m = b.sreg("%nctaid.x"), b.sreg("%nctaid.y")
     lin = b.mad("u32", b.sreg("%ctaid.y"), tiles_n, b.sreg("%ctaid.x"))
+    return tile_at(b, cfg, lin, tiles_n, tiles_m)
+
+
+def tile_at(b: Builder, cfg: GemmConfig, lin: Reg, tiles_n: Reg, tiles_m: Reg) -> tuple[Reg, Reg]:
+    """Row and column where tile number ``lin`` of a ``tiles_m x tiles_n`` grid of tiles starts.
+
+    ``cfg.group_m == 0``: row by row.  Otherwise the tiles are walked in groups of
+    ``group_m`` tile-rows: down a column of the group, then to the next column.  CTAs
+    resident at the same time then share a few A row-panels and B column-panels, which
+    stay in L2, instead of all of B streaming through it.  The last group is shorter
+    when the tile-rows run out.
+    """
+    if not cfg.group_m:
+        tile_m, tile_n = b.binop("div", "u32", lin, tiles_n), b.binop("rem", "u32", lin, tiles_n)
+        return b.binop("mul.lo", "u32", tile_m, cfg.bm), b.binop("mul.lo", "u32", tile_n, cfg.bn)
     per_group = b.binop("mul.lo", "u32", tiles_n, cfg.group_m)
     first_m = b.binop("mul.lo", "u32", b.binop("div", "u32", lin, per_group), cfg.group_m)
     group_rows = b.binop("min", "u32", b.binop("sub", "u32", tiles_m, first_m), cfg.group_m)

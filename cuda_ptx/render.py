@@ -24,7 +24,7 @@ def _render_block(stmts: list, out: list[str], depth: int) -> None:
             out.append(f"{pad}mov.u32 {s.counter}, {fmt_operand(s.start)};")
             out.append(f"{s.label}:")
             _render_block(s.body, out, depth + 1)
-            out.append(f"{pad}add.u32 {s.counter}, {s.counter}, {s.step};")
+            out.append(f"{pad}add.u32 {s.counter}, {s.counter}, {fmt_operand(s.step)};")
             out.append(f"{pad}setp.lt.u32 {s.test}, {s.counter}, {fmt_operand(s.end)};")
             out.append(f"{pad}@{s.test} bra.uni {s.label};")
         elif isinstance(s, If):

@@ -85,8 +85,8 @@ class GemmLaunch:
         """Launch once (asynchronously)."""
         if self._args is None:
             raise DeviceError("GemmLaunch.run() before upload(): no operands on the device")
-        grid = (self.np_ // self.cfg.bn, self.mp // self.cfg.bm, 1)
-        self.ctx.launch(self.fn, grid, (self.threads, 1, 1), self._args)
+        gx, gy = operands.grid(self.cfg, self.padded, self.ctx.sm_count)
+        self.ctx.launch(self.fn, (gx, gy, 1), (self.threads, 1, 1), self._args)
 
     def result(self) -> np.ndarray:
         """Synchronise and return C (M x N) as float32 (bf16 outputs widened exactly)."""

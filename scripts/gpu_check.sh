@@ -72,9 +72,9 @@ for v in $variants; do
     bench "bench-$v-k" --variants "$v" --sizes 4096 8192 --b-major k
 done
 for v in $variants; do
-    case $v in wgmma_tma|wgmma_pipe|wgmma_ws) bench "bench-$v-n" --variants "$v" --sizes 4096 8192 --b-major n ;; esac
+    case $v in wgmma_tma|wgmma_pipe|wgmma_ws|wgmma_persistent) bench "bench-$v-n" --variants "$v" --sizes 4096 8192 --b-major n ;; esac
 done
-for v in wgmma_pipe wgmma_ws wgmma_fp8; do
+for v in wgmma_pipe wgmma_ws wgmma_fp8 wgmma_persistent; do
     bench "bench-$v-ab" --variants "$v" --sizes 8192 --set inflight=0 --set group_m=0
 done
 grep '^{' "$out/bench.log" >"$out/ptx_gemm.jsonl" || true

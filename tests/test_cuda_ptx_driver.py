@@ -83,28 +83,42 @@ LAUNCH_CHECK = textwrap.dedent("""
     import helios.cuda_ptx as cp
     from helios.cuda_ptx import dtypes
     from helios.cuda_ptx.runner import GemmLaunch
-    name, b_major = {args!r}
+    name, b_major, m, n, k = {args!r}
     cfg = cp.variants()[name].with_(b_major=b_major)
     rng = np.random.default_rng(0)
-    a = rng.standard_normal((300, 200)).astype(np.float32)
-    b = rng.standard_normal((200, 520)).astype(np.float32)
-    launch = GemmLaunch(cfg, 300, 520, 200)
+    a = rng.standard_normal((m, k)).astype(np.float32)
+    b = rng.standard_normal((k, n)).astype(np.float32)
+    launch = GemmLaunch(cfg, m, n, k)
     launch.upload(a, b)
     launch.run()
     c = launch.result()
     launch.close()
     r = lambda x: dtypes.decode(dtypes.encode(x, "bf16"), "bf16").astype(np.float64)
     ref = r(a) @ r(b)
-    print(json.dumps({{"rel_err": float(np.abs(c - ref).max() / np.abs(ref).max())}}))
+    tiles = -(-m // cfg.bm) * -(-n // cfg.bn)
+    print(json.dumps({{"rel_err": float(np.abs(c - ref).max() / np.abs(ref).max()), "tiles": tiles,
+                      "sm_count": launch.ctx.sm_count}}))
 """)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["wgmma_tma", "wgmma_pipe", "wgmma_ws"])
+@pytest.mark.parametrize("name", ["wgmma_tma", "wgmma_pipe", "wgmma_ws", "wgmma_persistent"])
 @pytest.mark.parametrize("b_major", ["k", "n"])
 def test_wgmma_both_b_layouts_on_gpu(name, b_major):
     """gemm() runs 16-bit wgmma N-major; this keeps the K-major (Linear weight) form covered too."""
     _gpu_ready()
-    r = runner.run_isolated(LAUNCH_CHECK.format(args=(name, b_major)), timeout=180)
+    r = runner.run_isolated(LAUNCH_CHECK.format(args=(name, b_major, 300, 520, 200)), timeout=180)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout.strip().splitlines()[-1])["rel_err"] < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b_major", ["k", "n"])
+def test_persistent_ctas_take_several_tiles_on_gpu(b_major):
+    """More tiles than SMs (ragged 4000 x 2000: 32 x 8 tiles), so each CTA walks several."""
+    _gpu_ready()
+    r = runner.run_isolated(LAUNCH_CHECK.format(args=("wgmma_persistent", b_major, 4000, 2000, 264)), timeout=300)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert res["tiles"] > res["sm_count"], res
+    assert res["rel_err"] < 1e-5, res

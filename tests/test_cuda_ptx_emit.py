@@ -10,7 +10,8 @@ from helios.errors import DTypeError, ShapeError
 
 
 def test_variants_are_the_ladder():
-    assert list(cp.variants()) == ["simt", "mma_sync", "wgmma_tma", "wgmma_pipe", "wgmma_ws", "wgmma_fp8"]
+    assert list(cp.variants()) == ["simt", "mma_sync", "wgmma_tma", "wgmma_pipe", "wgmma_ws", "wgmma_fp8",
+                                   "wgmma_persistent"]
     for name, cfg in cp.variants().items():
         assert cfg.name == name
         cfg.validate()
@@ -36,6 +37,28 @@ def test_emit_gemm_headers_and_entry(name):
     if cfg.kind == "mma_sync":
         assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx
         assert "ldmatrix.sync.aligned.m8n8.x4.trans" in ptx and "cp.async.cg.shared.global" in ptx
+
+
+def test_persistent_needs_the_warp_specialised_layout():
+    with pytest.raises(ValueError, match="persistent needs"):
+        cp.variants()["wgmma_pipe"].with_(persistent=True).validate()
+    with pytest.raises(ValueError, match="persistent needs"):
+        cp.variants()["mma_sync"].with_(persistent=True).validate()
+    ptx = cp.emit_gemm("wgmma_persistent")
+    # the tile loop strides by the grid; slots are released by lane 0 of each consumer warp
+    assert "%nctaid.x" in ptx and re.search(r"@%p\d+ mbarrier\.arrive\.shared::cta\.b64", ptx)
+    assert re.search(r"mbarrier\.init[^\n]*, 8;", ptx)
+
+
+def test_persistent_grid_is_one_cta_per_sm_up_to_the_tiles():
+    from helios.cuda_ptx import operands
+
+    cfg = cp.variants()["wgmma_persistent"]
+    assert operands.grid(cfg, operands.padded(cfg, 8192, 8192, 64), 132) == (132, 1)
+    assert operands.grid(cfg, operands.padded(cfg, 200, 300, 64), 132) == (4, 1)  # 2 x 2 tiles
+    assert operands.grid(cp.variants()["wgmma_ws"], operands.padded(cfg, 8192, 4096, 64), 132) == (16, 64)
+    with pytest.raises(ValueError, match="sm_count"):
+        operands.grid(cfg, operands.padded(cfg, 128, 256, 64), 0)
 
 
 def test_fp8_uses_k32_e4m3():
@@ -158,7 +181,7 @@ def test_user_picks_b_major_on_any_16_bit_wgmma_config():
     cfg = cp.variants()["wgmma_ws"].with_(b_major="n", out_dtype="bf16")
     cfg.validate()
     assert cfg.kernel_name != cp.variants()["wgmma_ws"].kernel_name
-    assert [c.b_major for c in cp.variants().values() if c.kind == "wgmma"] == ["k"] * 4  # ladder unchanged
+    assert [c.b_major for c in cp.variants().values() if c.kind == "wgmma"] == ["k"] * 5  # ladder unchanged
 
 
 def test_tma_boxes_follow_b_major():

@@ -28,6 +28,7 @@ SHAPES = {
     "wgmma_pipe": (128, 128, 384),
     "wgmma_ws": (128, 256, 384),
     "wgmma_fp8": (128, 256, 640),
+    "wgmma_persistent": (128, 512, 384),  # two tiles: one CTA walks both (sm_count=1)
 }
 
 
@@ -69,6 +70,16 @@ def test_grouped_tile_order_covers_every_tile_once(variant):
     ptx = re.sub(r"min\.u32 (%r\d+), %r\d+, 2;", r"mov.u32 \1, 2;", cp.emit_gemm(cfg), count=1)
     with pytest.raises(EmulationError, match="illegal global address"):
         emulate_gemm(a, b, cfg, ptx=ptx)
+
+
+@pytest.mark.parametrize("sm_count,group_m,b_major", [(1, 8, "k"), (3, 8, "n"), (3, 0, "k"), (4, 2, "k")])
+def test_persistent_ctas_walk_every_tile_once(sm_count, group_m, b_major):
+    """10 tiles (5 x 2, ragged M and N) over fewer CTAs than tiles, so CTAs take 2-4 tiles
+    each with the ring running on across them; C starts NaN, so a skipped tile shows."""
+    cfg = cp.variants()["wgmma_persistent"].with_(group_m=group_m, b_major=b_major)
+    rng = np.random.default_rng(11)
+    a, b = _ints(rng, (5 * cfg.bm - 3, 3 * cfg.bk)), _ints(rng, (3 * cfg.bk, 2 * cfg.bn - 5))
+    np.testing.assert_array_equal(emulate_gemm(a, b, cfg, sm_count=sm_count), a @ b)
 
 
 def test_real_valued_inputs_match_an_fp32_reference_on_rounded_operands():
@@ -165,6 +176,20 @@ def test_serial_and_overlapped_wgmma_give_the_same_product():
     for inflight in (0, 1):
         cfg = cp.variants()["wgmma_ws"].with_(inflight=inflight)
         np.testing.assert_array_equal(emulate_gemm(a, b, cfg), a @ b)
+
+
+def test_persistent_kernel_bugs_are_caught():
+    v = "wgmma_persistent"
+    # The last k-tile's slot must be handed back after each tile (wait_group 0), or the
+    # producer waits forever for it during the next tile.
+    tail = r"(wgmma\.wait_group\.sync\.aligned 0;\n(?:[^\n]*\n){2}?)\s*@%p\d+ mbarrier\.arrive[^\n]*\n"
+    out = _outcome(v, _edit(v, tail, r"\1"), seeds=(0,))
+    assert out.startswith("error") and "deadlock" in out, out
+    # scale-d must be 0 on each tile's first k-step, or a CTA's second tile adds onto its first.
+    assert _outcome(v, _edit(v, r"setp\.ne\.u32 (%p\d+), (%r\d+), 0;(\n\s*wgmma\.fence)",
+                             r"setp.eq.u32 \1, \2, \2;\3")) == "wrong"
+    # Slots are released once per warp (count 8): every lane arriving completes the phase early.
+    assert _outcome(v, re.sub(r"@%p\d+ (mbarrier\.arrive\.shared)", r"\1", cp.emit_gemm(v))) != "ok"
 
 
 def test_missing_expect_tx_is_caught():

@@ -21,8 +21,9 @@ G = gate.gate_configs()
 
 
 def test_gate_covers_the_ladder_and_n_major_twins_of_16_bit_wgmma():
-    assert list(G) == [*V, "wgmma_tma_nmajor", "wgmma_pipe_nmajor", "wgmma_ws_nmajor"]
-    for name in ("wgmma_tma", "wgmma_pipe", "wgmma_ws"):
+    twins = ("wgmma_tma", "wgmma_pipe", "wgmma_ws", "wgmma_persistent")
+    assert list(G) == [*V, *(f"{n}_nmajor" for n in twins)]
+    for name in twins:
         twin = G[f"{name}_nmajor"]
         assert twin == V[name].with_(name=f"{name}_nmajor", b_major="n")
     assert all(G[n] == V[n] for n in V)  # the ladder itself is gated unchanged (K-major wgmma B)
@@ -55,6 +56,8 @@ EXTRA = {
     "wgmma_tma_nmajor_bn256": V["wgmma_tma"].with_(b_major="n", bn=256),
     "wgmma_ws_serial": V["wgmma_ws"].with_(inflight=0),
     "wgmma_pipe_serial_nmajor": V["wgmma_pipe"].with_(inflight=0, b_major="n"),
+    "wgmma_persistent_fp8": V["wgmma_fp8"].with_(persistent=True),
+    "wgmma_persistent_serial_rowwise_bf16out": V["wgmma_persistent"].with_(inflight=0, group_m=0, out_dtype="bf16"),
 }
 
 

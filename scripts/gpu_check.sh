@@ -12,11 +12,13 @@
 # Steps, each run even when an earlier one failed (exit status 0: all passed, 1: a step failed,
 # 2: no usable CUDA driver, so only the gate ran):
 #   1. the no-GPU gate with this machine's ptxas (python -m helios.cuda_ptx.gate);
-#   2. numerics of every variant on the GPU (pytest -m gpu tests/test_cuda_ptx_driver.py);
-#   3. bench/ptx_gemm.py at 4096 and 8192, B K-major, then N-major, one process per variant
-#      so that a hung kernel costs only its own line;
-#   4. the A/B of the pipeline choices at 8192: inflight=0 group_m=0 on the wgmma rungs.
-# RESULTS_DIR gets env.txt, gate.log, gpu_tests.log, bench.log and ptx_gemm.jsonl.
+#   2. a smoke run: each variant and B layout once, small, 60 s deadline
+#      (python -m helios.cuda_ptx.smoke); pairs that hang are left out of what follows;
+#   3. numerics of every variant on the GPU (pytest -m gpu tests/test_cuda_ptx_driver.py);
+#   4. bench/ptx_gemm.py at 4096 and 8192, B K-major, then N-major, one process per variant
+#      so that a kernel that hangs at size costs only its own line;
+#   5. the A/B of the pipeline choices at 8192: inflight=0 group_m=0 on the wgmma rungs.
+# RESULTS_DIR gets env.txt, gate.log, smoke.jsonl, gpu_tests.log, bench.log and ptx_gemm.jsonl.
 set -uo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 out=$(mkdir -p "${1:-$repo/gpu-results}" && cd "${1:-$repo/gpu-results}" && pwd)
@@ -33,6 +35,7 @@ if ! HELIOS_NO_NATIVE=1 "$py" -m pip install -q --no-deps --no-build-isolation -
     echo "gpu_check: installing the package failed (see above)" >&2
     exit 1
 fi
+rm -f "$out/install.log"
 export PYTHONPATH=$site/lib${PYTHONPATH:+:$PYTHONPATH}
 # Run from outside the checkout: its root on sys.path would shadow the installed package.
 cd "$site"
@@ -60,22 +63,32 @@ if ! why=$("$py" -c "from helios.cuda_ptx import driver; ok, why = driver.driver
     [ ${#failed[@]} -ne 0 ] && exit 1
     exit 2
 fi
+# Smoke first: a hung kernel is reported once here instead of holding every later
+# test and benchmark of its variant for their whole deadlines.
+step smoke "$out/smoke.jsonl" "$py" -m helios.cuda_ptx.smoke --timeout 60
+HELIOS_GPU_SKIP=$(grep '^{' "$out/smoke.jsonl" | "$py" -c "import json, sys
+print(','.join(d['name'] + ':' + d['b_major'] for d in map(json.loads, sys.stdin) if d['status'] == 'hang'))")
+export HELIOS_GPU_SKIP
+[ -n "$HELIOS_GPU_SKIP" ] && echo "gpu_check: hung in the smoke run, left out below: $HELIOS_GPU_SKIP"
+
 step gpu-tests "$out/gpu_tests.log" "$py" -m pytest -q -p no:cacheprovider -m gpu "$repo/tests/test_cuda_ptx_driver.py"
 
 variants=$("$py" -c "from helios.cuda_ptx import variants; print(' '.join(variants()))")
-bench() {  # bench NAME ARGS...: one bench process, its JSON lines appended to ptx_gemm.jsonl
-    local name=$1
-    shift
-    step "$name" "$out/bench.log" timeout "$bench_timeout" "$py" -u "$repo/bench/ptx_gemm.py" "$@"
+bench() {  # bench VARIANT B_MAJOR ARGS...: one bench process, unless the pair hung in the smoke run
+    local v=$1 bmaj=$2
+    shift 2
+    case ",$HELIOS_GPU_SKIP," in *",$v:$bmaj,"*) echo "== bench $v $bmaj: skipped (hung in the smoke run)"; return ;; esac
+    step "bench-$v-$bmaj${1:+ $*}" "$out/bench.log" timeout "$bench_timeout" "$py" -u "$repo/bench/ptx_gemm.py" \
+        --variants "$v" --b-major "$bmaj" "$@"
 }
 for v in $variants; do
-    bench "bench-$v-k" --variants "$v" --sizes 4096 8192 --b-major k
+    bench "$v" k --sizes 4096 8192
 done
 for v in $variants; do
-    case $v in wgmma_tma|wgmma_pipe|wgmma_ws|wgmma_persistent) bench "bench-$v-n" --variants "$v" --sizes 4096 8192 --b-major n ;; esac
+    case $v in wgmma_tma|wgmma_pipe|wgmma_ws|wgmma_persistent) bench "$v" n --sizes 4096 8192 ;; esac
 done
 for v in wgmma_pipe wgmma_ws wgmma_fp8 wgmma_persistent; do
-    bench "bench-$v-ab" --variants "$v" --sizes 8192 --set inflight=0 --set group_m=0
+    bench "$v" k --sizes 8192 --set inflight=0 --set group_m=0
 done
 grep '^{' "$out/bench.log" >"$out/ptx_gemm.jsonl" || true
 

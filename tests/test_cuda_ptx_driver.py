@@ -6,7 +6,7 @@ import textwrap
 import helios.cuda_ptx as cp
 import numpy as np
 import pytest
-from helios.cuda_ptx import driver, runner
+from helios.cuda_ptx import driver, runner, smoke
 
 from helios.errors import DeviceError, DTypeError, ShapeError
 
@@ -58,47 +58,28 @@ GPU_CHECK = textwrap.dedent("""
 """)
 
 
-def _gpu_ready():
+def _gpu_ready(name: str | None = None, b_major: str | None = None):
     if not HAVE_DRIVER:
         pytest.skip(f"no usable CUDA driver: {WHY}")
+    if (name, b_major) in smoke.skipped_on_gpu():
+        pytest.skip(f"{name} with B {b_major}-major hung in the smoke run (HELIOS_GPU_SKIP)")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(cp.variants()))
 @pytest.mark.parametrize("out_dtype", ["float32", "bfloat16"])
 def test_gemm_matches_numpy_on_gpu(name, out_dtype):
-    _gpu_ready()
+    _gpu_ready(name, runner.native_b_major(cp.variants()[name]))
     # odd sizes exercise the zero padding to tile multiples
     r = runner.run_isolated(GPU_CHECK.format(args=(name, out_dtype, 300, 520, 200)), timeout=180)
     assert r.returncode == 0, r.stderr
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert res["shape"] == [300, 520]
     # bf16 output rounds to 8 bits; Hopper's fp8 wgmma accumulates with fewer than fp32's bits
-    tol = 1e-2 if out_dtype == "bfloat16" else (2e-3 if name == "wgmma_fp8" else 1e-5)
+    tol = 1e-2 if out_dtype == "bfloat16" else smoke.tolerance(cp.variants()[name].in_dtype)
     assert res["rel_err"] < tol, res
 
 
-LAUNCH_CHECK = textwrap.dedent("""
-    import json, numpy as np
-    import helios.cuda_ptx as cp
-    from helios.cuda_ptx import dtypes
-    from helios.cuda_ptx.runner import GemmLaunch
-    name, b_major, m, n, k = {args!r}
-    cfg = cp.variants()[name].with_(b_major=b_major)
-    rng = np.random.default_rng(0)
-    a = rng.standard_normal((m, k)).astype(np.float32)
-    b = rng.standard_normal((k, n)).astype(np.float32)
-    launch = GemmLaunch(cfg, m, n, k)
-    launch.upload(a, b)
-    launch.run()
-    c = launch.result()
-    launch.close()
-    r = lambda x: dtypes.decode(dtypes.encode(x, "bf16"), "bf16").astype(np.float64)
-    ref = r(a) @ r(b)
-    tiles = -(-m // cfg.bm) * -(-n // cfg.bn)
-    print(json.dumps({{"rel_err": float(np.abs(c - ref).max() / np.abs(ref).max()), "tiles": tiles,
-                      "sm_count": launch.ctx.sm_count}}))
-""")
 
 
 @pytest.mark.gpu
@@ -106,8 +87,8 @@ LAUNCH_CHECK = textwrap.dedent("""
 @pytest.mark.parametrize("b_major", ["k", "n"])
 def test_wgmma_both_b_layouts_on_gpu(name, b_major):
     """gemm() runs 16-bit wgmma N-major; this keeps the K-major (Linear weight) form covered too."""
-    _gpu_ready()
-    r = runner.run_isolated(LAUNCH_CHECK.format(args=(name, b_major, 300, 520, 200)), timeout=180)
+    _gpu_ready(name, b_major)
+    r = runner.run_isolated(smoke.launch_check(name, b_major, 300, 520, 200), timeout=180)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout.strip().splitlines()[-1])["rel_err"] < 1e-5
 
@@ -116,9 +97,36 @@ def test_wgmma_both_b_layouts_on_gpu(name, b_major):
 @pytest.mark.parametrize("b_major", ["k", "n"])
 def test_persistent_ctas_take_several_tiles_on_gpu(b_major):
     """More tiles than SMs (ragged 4000 x 2000: 32 x 8 tiles), so each CTA walks several."""
-    _gpu_ready()
-    r = runner.run_isolated(LAUNCH_CHECK.format(args=("wgmma_persistent", b_major, 4000, 2000, 264)), timeout=300)
+    _gpu_ready("wgmma_persistent", b_major)
+    r = runner.run_isolated(smoke.launch_check("wgmma_persistent", b_major, 4000, 2000, 264), timeout=300)
     assert r.returncode == 0, r.stderr
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert res["tiles"] > res["sm_count"], res
     assert res["rel_err"] < 1e-5, res
+
+
+# ---------------------------------------------------------------------------- smoke run
+
+
+def test_smoke_layouts_and_skip_list(monkeypatch):
+    assert smoke.layouts("wgmma_ws") == ["k", "n"] and smoke.layouts("simt") == ["n", "k"]
+    assert smoke.layouts("wgmma_fp8") == ["k"]  # wgmma reads 8-bit B K-major only
+    monkeypatch.setenv("HELIOS_GPU_SKIP", "wgmma_ws:k, simt:n,,junk")
+    assert smoke.skipped_on_gpu() == {("wgmma_ws", "k"), ("simt", "n")}
+
+
+def test_smoke_calls_a_deadline_overrun_a_hang(monkeypatch):
+    def hang(code, timeout):
+        raise DeviceError(f"GPU check did not finish in {timeout:.0f} s (...)\nmore")
+
+    monkeypatch.setattr(smoke, "run_isolated", hang)
+    res = smoke.smoke_one("wgmma_ws", "k", timeout=5)
+    assert res["status"] == "hang" and res["detail"].startswith("GPU check did not finish in 5 s")
+
+
+@pytest.mark.skipif(HAVE_DRIVER, reason="a CUDA driver is present")
+def test_smoke_without_a_driver_reports_each_run_as_an_error(capsys):
+    assert smoke.main(["simt", "--timeout", "60"]) == 1
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [(x["name"], x["b_major"], x["status"]) for x in lines] == [("simt", "n", "error"), ("simt", "k", "error")]
+    assert "CUDA driver" in lines[0]["detail"]

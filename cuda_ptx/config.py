@@ -49,7 +49,9 @@ class GemmConfig:
     ``persistent`` (warp-specialised wgmma only) launches one CTA per SM, each walking
     the tiles ``ctaid, ctaid + nctaid, ...`` with its ring running on from tile to tile:
     the producer loads the next tile while the consumers store this one, and no CTA
-    launch or pipeline fill is paid per tile.
+    launch or pipeline fill is paid per tile.  ``tma_store`` (wgmma only) writes C through
+    shared memory and TMA bulk stores instead of ``st.global`` from registers, so the
+    consumers go back to their next tile while the copy engine writes this one.
     """
 
     name: str
@@ -69,6 +71,7 @@ class GemmConfig:
     inflight: int = 0
     group_m: int = 0
     persistent: bool = False
+    tma_store: bool = False
 
     # -- derived --------------------------------------------------------------------
     @property
@@ -102,7 +105,7 @@ class GemmConfig:
             f"helios_gemm_{self.kind}_{self.in_dtype}_{self.out_dtype}_b{self.b_major}"
             f"_{self.bm}x{self.bn}x{self.bk}_s{self.stages}_c{self.consumers}{'_ws' if self.producer else ''}"
             f"{f'_f{self.inflight}' if self.inflight else ''}{f'_g{self.group_m}' if self.group_m else ''}"
-            f"{'_p' if self.persistent else ''}"
+            f"{'_p' if self.persistent else ''}{'_ts' if self.tma_store else ''}"
         )
 
     def flops(self, m: int, n: int, k: int) -> int:
@@ -154,6 +157,8 @@ class GemmConfig:
                 raise ValueError(f"inflight must be 0 or 1 and below stages={self.stages}, got {self.inflight}")
             if self.maxnreg is not None and not self.producer:
                 raise ValueError("setmaxnreg budgets need the warp-specialised producer layout")
+        if self.tma_store and self.kind != "wgmma":
+            raise ValueError("tma_store applies to the wgmma kinds only")
         if self.persistent and not (self.kind == "wgmma" and self.producer):
             raise ValueError("persistent needs the warp-specialised wgmma layout (kind='wgmma', producer=True)")
 
@@ -179,7 +184,7 @@ def _ladder() -> dict[str, GemmConfig]:
         ),
         GemmConfig(
             "wgmma_persistent", "wgmma", b_major="k", bm=128, bn=256, bk=64, stages=4, consumers=2,
-            producer=True, maxnreg=(40, 232), inflight=1, group_m=8, persistent=True,
+            producer=True, maxnreg=(40, 232), inflight=1, group_m=8, persistent=True, tma_store=True,
         ),
     ]
     return {c.name: c for c in v}

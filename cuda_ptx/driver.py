@@ -164,6 +164,7 @@ class Context:
             "bf16": (2, cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16),
             "fp16": (2, cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16),
             "e4m3": (1, cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8),
+            "f32": (4, cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT32),
         }[dtype]
         if ptr % 16 or (cols * esz) % 16:
             raise DeviceError(f"TMA needs 16-byte aligned base and row pitch; got base {ptr:#x}, pitch {cols * esz}")

@@ -13,7 +13,7 @@ import numpy as np
 
 from . import dtypes as D
 from . import layout as L
-from .emu_state import SMEM_BASE, CpAsyncOp, EmulationError, MBarrier, WgmmaOp
+from .emu_state import SMEM_BASE, BulkStore, CpAsyncOp, EmulationError, MBarrier, WgmmaOp
 from .ptx_parse import PtxInstr, RegArg, TensorArg, VecArg
 
 # -- integer and float arithmetic --------------------------------------------------------
@@ -192,7 +192,14 @@ def _st(cta, ins, lanes):
         for a in cta.mbars:
             if np.any((idx >= a) & (idx < a + 8)):
                 raise cta.fail(f"store overwrites the mbarrier at {a:#x}")
+        for op in cta.bulk_pending:
+            if np.any((idx >= op.src) & (idx < op.src + op.tmap.box_bytes)):
+                raise cta.fail(f"st.shared overwrites the box at {op.src:#x} that a bulk (TMA) store still reads "
+                               "(wait for it with cp.async.bulk.wait_group.read first)")
         cta.smem[idx] = data
+        cta.write_seq += 1
+        cta.smem_writer[idx] = lanes[:, None]
+        cta.smem_seq[idx] = cta.write_seq
     else:
         raise cta.fail(f"st.{space} is not modelled")
 
@@ -354,6 +361,74 @@ def _tma_load(cta, ins, lanes):
         cta.schedule_tma(land)
 
 
+def _fence(cta, ins, lanes):
+    """``fence.proxy.async``: this thread's shared-memory writes so far become visible to
+    the async proxy (TMA).  Other fences order nothing the emulator models."""
+    if ins.parts[1] == "proxy" and ins.parts[2].startswith("async"):
+        cta.fenced_upto[lanes] = cta.write_seq
+
+
+def _tma_store(cta, ins, lanes):
+    """``cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [tmap, {c0, c1}], [smem]``."""
+    dst_arg, src_arg = ins.args
+    if not isinstance(dst_arg, TensorArg):
+        raise cta.fail("TMA store destination must be [tensormap, {coords}]")
+    for t in lanes.tolist():
+        one = np.array([t])
+        src = int(cta.address(src_arg, one)[0])
+        tm = cta.tensor_map_at(int(cta.read(dst_arg.tmap, one, "u64")[0]))
+        c0, c1 = (int(cta.read(c, one, "s32")[0]) for c in dst_arg.coords)
+        if (src - SMEM_BASE) % 1024:
+            raise cta.fail(f"TMA store source {src:#x} is not 1024-byte aligned (the 128B swizzle atom)")
+        cta.smem_index(np.array([src, src + tm.box_bytes - 1]), 1)
+        span = slice(src, src + tm.box_bytes)
+        writers, seqs = cta.smem_writer[span], cta.smem_seq[span]
+        unseen = (writers >= 0) & (seqs > cta.fenced_upto[np.maximum(writers, 0)])
+        if unseen.any():
+            who = sorted(set(writers[unseen].tolist()))
+            raise cta.fail(f"TMA store reads shared memory that threads {who[:4]}{'...' if len(who) > 4 else ''} "
+                           "wrote without a fence.proxy.async since: the async proxy may not see it")
+        op = BulkStore(src, tm, c0, c1)
+        cta.bulk_open.setdefault(t, []).append(op)
+        cta.bulk_pending.append(op)
+        op.queued = cta.schedule_tma(lambda op=op: _land_store(cta, op))
+
+
+def _land_store(cta, op: BulkStore) -> None:
+    """The store reads its box from shared memory (unswizzling it) and writes the in-bounds part to the tensor."""
+    if op.landed:
+        return
+    tm = op.tmap
+    idx = L.swizzle(np.arange(tm.box_bytes) + op.src, L.SWIZZLE_BITS[tm.swizzle])
+    box = cta.smem[idx].reshape(tm.box_rows, tm.box_cols * tm.itemsize)
+    r0, r1 = max(op.c1, 0), min(op.c1 + tm.box_rows, tm.rows)
+    k0, k1 = max(op.c0, 0), min(op.c0 + tm.box_cols, tm.cols)
+    if r1 > r0 and k1 > k0:  # TMA stores clip the box to the tensor
+        pitch = tm.cols * tm.itemsize
+        dst = cta.mem.view(tm.base, tm.rows * pitch).reshape(tm.rows, pitch)
+        dst[r0:r1, k0 * tm.itemsize: k1 * tm.itemsize] = \
+            box[r0 - op.c1: r1 - op.c1, (k0 - op.c0) * tm.itemsize: (k1 - op.c0) * tm.itemsize]
+    op.landed = True
+    cta.bulk_pending.remove(op)
+    if op.queued in cta.tma_queue:  # landed early, at a wait: nothing left to do at its queued time
+        cta.tma_queue.remove(op.queued)
+
+
+def _bulk_commit(cta, ins, lanes):
+    for t in lanes.tolist():
+        cta.bulk_groups.setdefault(t, []).append(cta.bulk_open.pop(t, []))
+
+
+def _bulk_wait(cta, ins, lanes):
+    """``cp.async.bulk.wait_group[.read] N``: every group but this thread's newest N has landed."""
+    keep = int(ins.args[0].value)
+    for t in lanes.tolist():
+        groups = cta.bulk_groups.get(t, [])
+        while len(groups) > keep:
+            for op in groups.pop(0):
+                _land_store(cta, op)
+
+
 def _wgmma(cta, ins, lanes):
     verb = ins.parts[1]
     if verb == "mma_async":  # the four warps together
@@ -495,7 +570,7 @@ _TABLE = {
     "ret": _ret,
     "ld": _ld,
     "st": _st,
-    "fence": _nop,
+    "fence": _fence,
     "bar": _nop,  # handled by the scheduler (a CTA barrier)
     "ldmatrix": _ldmatrix,
     "mma": _mma_sync,
@@ -513,7 +588,11 @@ def handler_for(ins: PtxInstr):
         return _pred_logic
     if head == "cp" and p[1] == "async":
         if p[2] == "bulk":
-            return _tma_load
+            if p[3] == "commit_group":
+                return _bulk_commit
+            if p[3] == "wait_group":
+                return _bulk_wait
+            return _tma_store if p[5] == "global" else _tma_load
         if p[2] == "commit_group":
             return _cp_commit
         if p[2] == "wait_group":

@@ -184,3 +184,20 @@ class CpAsyncOp:
     dst: np.ndarray
     src: np.ndarray
     size: int
+
+
+@dataclass
+class BulkStore:
+    """One thread's ``cp.async.bulk.tensor`` store: a box read from shared memory at
+    ``src`` (swizzled as the tensor map says) and written to the tensor at ``(c0, c1)``.
+
+    It reads shared memory when it lands, which happens at some later scheduler step or
+    at the ``cp.async.bulk.wait_group`` that covers it, whichever comes first.
+    """
+
+    src: int
+    tmap: TensorMap
+    c0: int
+    c1: int
+    landed: bool = False
+    queued: tuple | None = None  # its entry in the CTA's async queue, until it lands

@@ -32,7 +32,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import emu_ops
-from .emu_state import (PARAM_BASE, SMEM_BASE, CpAsyncOp, EmulationError, GlobalMemory, MBarrier, TensorMap,
+from .emu_state import (PARAM_BASE, BulkStore, SMEM_BASE, CpAsyncOp, EmulationError, GlobalMemory, MBarrier, TensorMap,
                         WarpWgmma)
 from .ptx_parse import FloatArg, ImmArg, MemArg, PtxProgram, RegArg, SpecialArg, SymArg
 
@@ -85,6 +85,18 @@ class Cta:
         self.tma_queue: list[tuple[int, object]] = []
         self.cp_open: dict[int, list[CpAsyncOp]] = {}
         self.cp_groups: dict[int, list[list[CpAsyncOp]]] = {}
+        # Bulk (TMA) stores, tracked per thread: not yet committed, and committed groups.
+        self.bulk_open: dict[int, list[BulkStore]] = {}
+        self.bulk_groups: dict[int, list[list[BulkStore]]] = {}
+        self.bulk_pending: list[BulkStore] = []  # issued, not yet landed (their boxes must not change)
+        # The proxy model: ordinary st.shared writes are seen by the async proxy (a TMA
+        # store reading shared memory) only after the writing thread's fence.proxy.async.
+        # Each written byte remembers its writer and the write's sequence number; a thread's
+        # fence makes everything it wrote up to then visible.
+        self.smem_writer = np.full(self.smem.size, -1, np.int32)
+        self.smem_seq = np.zeros(self.smem.size, np.int64)
+        self.fenced_upto = np.zeros(threads, np.int64)
+        self.write_seq = 0
         initial = min(255, (65536 // max(threads, 1)) // 8 * 8)
         self.nreg = [initial] * ((threads + 127) // 128)  # per-warpgroup register budget (setmaxnreg)
         self.wgmma = [WarpWgmma() for _ in range(self.nwarps)]
@@ -392,13 +404,15 @@ class Cta:
             op[1]()
         return len(ready)
 
-    def schedule_tma(self, complete) -> None:
+    def schedule_tma(self, complete) -> tuple:
         """Queue an asynchronous copy: a quarter land right after this warp's turn (before the
         other warps move: exposes missing "slot is free" barriers), the rest up to
         ``max_tma_delay`` rounds later (exposes missing "data has landed" waits)."""
         late = self.rng.random() >= 0.25
         delay = int(self.rng.integers(1, self.max_tma_delay * self.nwarps + 1)) if late else 0
-        self.tma_queue.append((self.step + delay, complete))
+        entry = (self.step + delay, complete)
+        self.tma_queue.append(entry)
+        return entry
 
     def _check_idle_at_exit(self) -> None:
         for w, st in enumerate(self.wgmma):
@@ -407,6 +421,10 @@ class Cta:
         for w, groups in self.cp_groups.items():
             if groups or self.cp_open.get(w):
                 raise EmulationError(f"CTA {self.ctaid[:2]} warp {w}: exited with cp.async copies never waited for")
+        for t, groups in self.bulk_groups.items():
+            if groups or self.bulk_open.get(t):
+                raise EmulationError(f"CTA {self.ctaid[:2]} thread {t}: exited with bulk (TMA) stores never waited for "
+                                     "(cp.async.bulk.wait_group): the CTA's shared memory may go before they read it")
         if self.tma_queue:
             raise EmulationError(f"CTA {self.ctaid[:2]}: exited with {len(self.tma_queue)} TMA copies in flight")
 

@@ -68,6 +68,8 @@ def expected_opcodes(cfg: GemmConfig) -> dict[str, str]:
     }
     if cfg.maxnreg:
         exp["USETMAXREG"] = "setmaxnreg"
+    if cfg.tma_store:
+        exp["UTMASTG"] = "TMA store of C (cp.async.bulk.tensor global.shared::cta)"
     return exp
 
 

@@ -33,9 +33,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from helios.errors import ShapeError
+
 from . import layout as L
 from . import ops
-from .config import IN_DTYPES, GemmConfig
+from .config import IN_DTYPES, OUT_DTYPES, GemmConfig
 from .ir import Builder, Kernel
 
 SWIZZLE = 128
@@ -44,6 +46,9 @@ LBO = 16  # unused by swizzled K-major layouts; 1 (encoded) by convention
 K_STEP_BYTES = 32  # one wgmma consumes 32 bytes of K: k16 bf16/fp16, k32 fp8
 # MN-major (N-major B) 128B-swizzled tile, as TMA writes a bk x 64 box of B (K x N):
 ATOM_BYTES = 128  # one swizzle row: 64 N-elements of a 16-bit type
+C_BOX_ROW = 128  # tma_store: bytes per row of a C box (the 128-byte swizzle width)
+C_BOX_BYTES = 64 * C_BOX_ROW  # a C box: 64 rows (one wgmma m-block)
+MAX_SHARED = 232448  # dynamic shared memory an sm_90 CTA may opt into (227 KiB)
 LBO_MN = 8192  # bytes between 64-column boxes along N (one box: bk=64 K-rows x 128 B)
 SBO_MN = 1024  # bytes between 8-row groups along K (8 K-rows x 128 B)
 
@@ -153,16 +158,22 @@ def generate(cfg: GemmConfig) -> Kernel:
     b.kernel.maxntid = (T, 1, 1)
     b.kernel.minnctapersm = 1
     tma_a, tma_b = b.param("tmap_a", "tmap"), b.param("tmap_b", "tmap")
+    tma_c = b.param("tmap_c", "tmap") if cfg.tma_store else None
     pc = b.param("c", "u64")
     pm, pn, pk = b.param("M", "u32"), b.param("N", "u32"), b.param("K", "u32")
     b.shared("ring", plan.stage_bytes * S, align=1024, shape=(S, plan.stage_bytes), dtype=cfg.in_dtype,
              swizzle=SWIZZLE)
     bars = b.shared("bars", 16 * S, align=8, shape=(2, S), dtype="b64")
+    # tma_store: per consumer warpgroup, two C boxes (64 rows x 128 B) filled in turn
+    cstage = b.shared("cstage", cfg.consumers * 2 * C_BOX_BYTES, align=1024) if cfg.tma_store else None
+    if b.kernel.shared_bytes > MAX_SHARED:
+        raise ShapeError(f"{cfg.name}: {b.kernel.shared_bytes} B of shared memory exceed the {MAX_SHARED} B "
+                         "an sm_90 CTA can have; use fewer stages or a smaller tile")
 
     c_g = ops.ld_param_ptr(b, pc)
     n_r, k_r = ops.ld_param(b, pn, "u32"), ops.ld_param(b, pk, "u32")
     tmaps = []
-    for p in (tma_a, tma_b):
+    for p in (tma_a, tma_b, tma_c) if cfg.tma_store else (tma_a, tma_b):
         g = b.reg("u64")
         b.emit("mov.b64", g, p)
         b.emit("cvta.param.u64", g, g)
@@ -286,9 +297,16 @@ def generate(cfg: GemmConfig) -> Kernel:
                 b.emit("wgmma.wait_group.sync.aligned", 0)
                 if cfg.persistent:  # the next tile's loads need the last k-tile's slot back
                     release(b.binop("sub", "u32", kt_n, 1), prev)
-            _epilogue(b, cfg, plan, c_g, n_r, m0, n0, cidx, wtid, acc)
+            if cfg.tma_store:
+                _epilogue_tma(b, cfg, plan, tmaps[2], ring, cstage, m0, n0, cidx, wtid, acc)
+            else:
+                _epilogue(b, cfg, plan, c_g, n_r, m0, n0, cidx, wtid, acc)
 
         for_each_tile(tile)
+        if cfg.tma_store:
+            # The stores read this CTA's shared memory: it must outlive them.
+            with b.if_(b.setp("eq", "u32", wtid, 0)):
+                b.emit("cp.async.bulk.wait_group", 0)
 
     if cfg.producer:
         wg = b.binop("shr", "u32", tid, 7)
@@ -372,6 +390,70 @@ def _desc(b: Builder, out, addr, const: int) -> None:
     b.emit("shr.u32", t, t, 4)
     b.emit("cvt.u64.u32", out, t)
     b.emit("or.b64", out, out, const)
+
+
+def _epilogue_tma(b: Builder, cfg: GemmConfig, plan: WgmmaPlan, tmap_c, smem, cstage, m0, n0, cidx, wtid,
+                  acc) -> None:
+    """Write a consumer's accumulators through shared memory and TMA bulk stores.
+
+    C goes out in boxes of 64 rows x 128 bytes (32 fp32 or 64 bf16 columns), through two
+    staging buffers per consumer warpgroup used in turn.  For each box: thread 0 waits
+    until the store issued from this buffer two boxes ago has read it
+    (``cp.async.bulk.wait_group.read 1``), a warpgroup barrier tells the others, every
+    thread writes its pairs into the 128B-swizzled box and fences them to the async proxy
+    (``fence.proxy.async``), a second barrier, and thread 0 issues the store and commits it.
+    The swizzle (16-byte chunk ``c`` of row ``r`` at chunk ``c ^ (r % 8)``) spreads a
+    warp's eight rows over all banks; a thread's rows are ``16 warp + g (+8)``, so
+    ``r % 8 = g``.
+    """
+    osz = OUT_DTYPES[cfg.out_dtype]
+    box_cols = C_BOX_ROW // osz
+    warp = b.binop("shr", "u32", wtid, 5)
+    lane = b.binop("and", "b32", wtid, 31)
+    g = L.GROUP.emit(b, lane)
+    qb = b.binop("mul.lo", "u32", L.QUAD2.emit(b, lane), osz)  # byte of a thread's pair within 8 columns
+    q_chunk = b.binop("shr", "u32", qb, 4)
+    q_byte = b.binop("and", "b32", qb, 15)
+    # this thread's row (r = 16 warp + g) in a box, plus its byte within a 16-byte chunk
+    row_base = b.binop("shl", "b32", b.mad("u32", warp, 16, g), 7)
+    row_base = b.binop("add", "u32", row_base, q_byte)
+    buf0 = b.mad("u32", cidx, 2 * C_BOX_BYTES, b.binop("add", "u32", smem, cstage.offset))
+    bar_id = b.binop("add", "u32", cidx, 2)  # named barriers 2, 3: one per consumer warpgroup
+    is_w0 = b.setp("eq", "u32", wtid, 0)
+    row0 = b.mad("u32", cidx, plan.rows_per_consumer, m0)
+    chunk, t = b.reg("u32"), b.reg("u32")
+    store = "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group"
+    i = 0
+    for mb in range(plan.mblocks):
+        for box in range(cfg.bn // box_cols):
+            buf = b.binop("add", "u32", buf0, (i % 2) * C_BOX_BYTES)
+            with b.if_(is_w0):
+                b.emit("cp.async.bulk.wait_group.read", 1)
+            ops.bar_sync(b, bar_id, 128)
+            for jj in range(box_cols // 8):
+                j = box * (box_cols // 8) + jj
+                b.emit("add.u32", chunk, q_chunk, jj * 8 * osz // 16)
+                b.emit("xor.b32", chunk, chunk, g)
+                b.emit("shl.b32", chunk, chunk, 4)
+                b.emit("add.u32", t, row_base, chunk)
+                b.emit("add.u32", t, t, buf)
+                for half in range(2):
+                    lo, hi = acc[mb][4 * j + 2 * half], acc[mb][4 * j + 2 * half + 1]
+                    dst = f"[{t}+{half * 8 * C_BOX_ROW}]"  # row + 8: same chunk order (r % 8 unchanged)
+                    if cfg.out_dtype == "f32":
+                        b.emit("st.shared.v2.f32", dst, f"{{{lo}, {hi}}}")
+                    else:
+                        r = b.reg("b32")
+                        b.emit("cvt.rn.bf16x2.f32", r, hi, lo)
+                        b.emit("st.shared.b32", dst, r)
+            b.emit("fence.proxy.async.shared::cta")
+            ops.bar_sync(b, bar_id, 128)
+            with b.if_(is_w0):
+                col = b.binop("add", "u32", n0, box * box_cols)
+                row = b.binop("add", "u32", row0, mb * 64)
+                b.emit(store, f"[{tmap_c}, {{{col}, {row}}}]", f"[{buf}]")
+                b.emit("cp.async.bulk.commit_group")
+            i += 1
 
 
 def _epilogue(b: Builder, cfg: GemmConfig, plan: WgmmaPlan, c_g, n_r, m0, n0, cidx, wtid, acc) -> None:

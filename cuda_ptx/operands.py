@@ -13,7 +13,7 @@ import numpy as np
 from helios.errors import ShapeError
 
 from . import dtypes
-from .config import GemmConfig
+from .config import OUT_DTYPES, GemmConfig
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,7 @@ class TmaBox:
     cols: int
     box_rows: int
     box_cols: int
+    dtype: str = "bf16"  # element type: an input dtype, or "f32"/"bf16" for C
 
 
 def matmul_shape(a: np.ndarray, b: np.ndarray) -> tuple[int, int, int]:
@@ -98,13 +99,18 @@ def tma_boxes(cfg: GemmConfig, p: Padded) -> list[TmaBox]:
     A is ``M x K`` with a ``bm x bk`` box.  B stored ``N x K`` (``b_major="k"``) has one
     ``bn x bk`` box per k-tile; B stored ``K x N`` (``b_major="n"``, 16-bit types) has
     ``bk x 64`` boxes (64 N-columns = the 128-byte swizzle width), ``bn / 64`` of them
-    per k-tile, which the kernel copies side by side and reads N-major.
+    per k-tile, which the kernel copies side by side and reads N-major.  With
+    ``tma_store``, C (``M x N``, the output dtype) follows, stored in boxes of 64 rows x
+    128 bytes.
     """
     if cfg.kind != "wgmma":
         return []
-    a = TmaBox("a", p.m, p.k, cfg.bm, cfg.bk)
+    d = cfg.in_dtype
+    a = TmaBox("a", p.m, p.k, cfg.bm, cfg.bk, d)
     if cfg.b_major == "k":
-        b = TmaBox("b", p.n, p.k, cfg.bn, cfg.bk)
+        b = TmaBox("b", p.n, p.k, cfg.bn, cfg.bk, d)
     else:
-        b = TmaBox("b", p.k, p.n, cfg.bk, 128 // cfg.in_bytes)
-    return [a, b]
+        b = TmaBox("b", p.k, p.n, cfg.bk, 128 // cfg.in_bytes, d)
+    if not cfg.tma_store:
+        return [a, b]
+    return [a, b, TmaBox("c", p.m, p.n, 64, 128 // OUT_DTYPES[cfg.out_dtype], cfg.out_dtype)]

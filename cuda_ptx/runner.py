@@ -72,10 +72,10 @@ class GemmLaunch:
         self.ctx.upload(self.a_ptr, ra)
         self.ctx.upload(self.b_ptr, rb)
         dims = [("u32", self.mp), ("u32", self.np_), ("u32", self.kp)]
-        ptrs = {"a": self.a_ptr, "b": self.b_ptr}
+        ptrs = {"a": self.a_ptr, "b": self.b_ptr, "c": self.c_ptr}
         boxes = operands.tma_boxes(self.cfg, self.padded)
         if boxes:
-            tmaps = [self.ctx.tensor_map(ptrs[t.operand], self.cfg.in_dtype, t.rows, t.cols, t.box_rows, t.box_cols)
+            tmaps = [self.ctx.tensor_map(ptrs[t.operand], t.dtype, t.rows, t.cols, t.box_rows, t.box_cols)
                      for t in boxes]
             self._args = [*tmaps, ("u64", self.c_ptr), *dims]
         else:

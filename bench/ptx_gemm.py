@@ -45,14 +45,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="B stored N x K (k, as a Linear weight) or K x N (n) on the device")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=INT",
                     help="override an integer GemmConfig field on every wgmma variant, e.g. "
-                         "--set inflight=0 --set group_m=0 (A/B of the pipeline choices)")
+                         "--set inflight=0 --set group_m=0 --set tma_store=0 (A/B of the pipeline choices)")
     args = ap.parse_args(argv)
     overrides = {}
     for item in args.overrides:
         field, _, value = item.partition("=")
-        if field not in ("inflight", "group_m", "stages") or not value.lstrip("-").isdigit():
-            ap.error(f"--set takes inflight=, group_m= or stages= with an integer, got {item!r}")
-        overrides[field] = int(value)
+        if field not in ("inflight", "group_m", "stages", "tma_store") or not value.lstrip("-").isdigit():
+            ap.error(f"--set takes inflight=, group_m=, stages= or tma_store= with an integer, got {item!r}")
+        overrides[field] = bool(int(value)) if field == "tma_store" else int(value)
 
     from helios.cuda_ptx import driver, dtypes, variants
     from helios.cuda_ptx.runner import GemmLaunch
@@ -126,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
                 "ratio": round(h / p, 3), "unit": "TFLOP/s", "rel_err": err, "peer_rel_err": perr,
                 "peer_name": "torch._scaled_mm" if cfg.in_dtype == "e4m3" else "torch.matmul (cuBLAS)",
                 "b_major": bmaj, "inflight": cfg.inflight, "group_m": cfg.group_m, "stages": cfg.stages,
+                "persistent": cfg.persistent, "tma_store": cfg.tma_store,
                 "device": ctx.name,
             }), flush=True)
     return 0

@@ -17,7 +17,8 @@
 #   3. numerics of every variant on the GPU (pytest -m gpu tests/test_cuda_ptx_driver.py);
 #   4. bench/ptx_gemm.py at 4096 and 8192, B K-major, then N-major, one process per variant
 #      so that a kernel that hangs at size costs only its own line;
-#   5. the A/B of the pipeline choices at 8192: inflight=0 group_m=0 on the wgmma rungs.
+#   5. the A/B of the pipeline choices: inflight=0 group_m=0 on the wgmma rungs at 8192, and
+#      wgmma_persistent with st.global instead of TMA stores (tma_store=0) at 4096 and 8192.
 # RESULTS_DIR gets env.txt, gate.log, smoke.jsonl, gpu_tests.log, bench.log and ptx_gemm.jsonl.
 set -uo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -90,6 +91,7 @@ done
 for v in wgmma_pipe wgmma_ws wgmma_fp8 wgmma_persistent; do
     bench "$v" k --sizes 8192 --set inflight=0 --set group_m=0
 done
+bench wgmma_persistent k --sizes 4096 8192 --set tma_store=0
 grep '^{' "$out/bench.log" >"$out/ptx_gemm.jsonl" || true
 
 if [ ${#failed[@]} -ne 0 ]; then

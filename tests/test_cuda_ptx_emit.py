@@ -50,6 +50,17 @@ def test_persistent_needs_the_warp_specialised_layout():
     assert re.search(r"mbarrier\.init[^\n]*, 8;", ptx)
 
 
+def test_tma_store_is_wgmma_only_and_shared_memory_is_bounded():
+    with pytest.raises(ValueError, match="tma_store applies"):
+        cp.variants()["mma_sync"].with_(tma_store=True).validate()
+    # 5 stages of 48 KiB exceed the 227 KiB a CTA can have
+    with pytest.raises(ShapeError, match="shared memory"):
+        cp.emit_gemm(cp.variants()["wgmma_ws"].with_(stages=5))
+    ptx = cp.emit_gemm("wgmma_persistent")
+    assert ".param .align 128 .b8 tmap_c[128]" in ptx
+    assert "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group" in ptx and "fence.proxy.async.shared::cta" in ptx
+
+
 def test_persistent_grid_is_one_cta_per_sm_up_to_the_tiles():
     from helios.cuda_ptx import operands
 

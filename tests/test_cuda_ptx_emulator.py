@@ -192,6 +192,35 @@ def test_persistent_kernel_bugs_are_caught():
     assert _outcome(v, re.sub(r"@%p\d+ (mbarrier\.arrive\.shared)", r"\1", cp.emit_gemm(v))) != "ok"
 
 
+@pytest.mark.parametrize("variant,out_dtype,b_major", [("wgmma_tma", "float32", "n"), ("wgmma_pipe", "bfloat16", "k"),
+                                                       ("wgmma_persistent", "bfloat16", "n")])
+def test_tma_store_epilogue_writes_every_box(variant, out_dtype, b_major):
+    cfg = cp.variants()[variant].with_(tma_store=True, b_major=b_major)
+    a, b = _operands("wgmma_pipe", seed=12)
+    want = a @ b if out_dtype == "float32" else dtypes.decode(dtypes.encode(a @ b, "bf16"), "bf16")
+    np.testing.assert_array_equal(emulate_gemm(a, b, cfg, out_dtype=out_dtype), want)
+
+
+def test_tma_store_bugs_are_caught():
+    v = "wgmma_persistent"
+    assert cp.variants()[v].tma_store
+    ptx = cp.emit_gemm(v)
+    # Every thread must fence its st.shared to the async proxy before the store reads them.
+    first = ptx.index("fence.proxy.async.shared::cta;") + 1  # keep the one after mbarrier.init
+    no_fence = ptx[:first] + ptx[first:].replace("fence.proxy.async.shared::cta;", "")
+    out = _outcome(v, no_fence, seeds=(0,))
+    assert out.startswith("error") and "fence.proxy.async" in out, out
+    # A staging buffer may be refilled only after the store issued from it has read it.
+    out = _outcome(v, ptx.replace("cp.async.bulk.wait_group.read 1;", "cp.async.bulk.wait_group.read 2;"))
+    assert out.startswith("error") and "still reads" in out, out
+    # The CTA must not end while its stores still read its shared memory.
+    out = _outcome(v, _edit(v, r"cp\.async\.bulk\.wait_group 0;", ""), seeds=(0,))
+    assert out.startswith("error") and "never waited for" in out, out
+    # Thread 0 must not issue the store before the others have written the box.
+    out = _outcome(v, re.sub(r"(fence\.proxy\.async\.shared::cta;)\n\s*bar\.sync %r\d+, 128;", r"\1", ptx))
+    assert out != "ok", out
+
+
 def test_missing_expect_tx_is_caught():
     ptx = _edit("wgmma_pipe", r"mbarrier\.arrive\.expect_tx\.shared::cta\.b64 _, (\[%r\d+\]), \d+;",
                 r"mbarrier.arrive.shared::cta.b64 _, \1;")

@@ -56,7 +56,9 @@ EXTRA = {
     "wgmma_tma_nmajor_bn256": V["wgmma_tma"].with_(b_major="n", bn=256),
     "wgmma_ws_serial": V["wgmma_ws"].with_(inflight=0),
     "wgmma_pipe_serial_nmajor": V["wgmma_pipe"].with_(inflight=0, b_major="n"),
-    "wgmma_persistent_fp8": V["wgmma_fp8"].with_(persistent=True),
+    "wgmma_persistent_fp8": V["wgmma_fp8"].with_(persistent=True, tma_store=True),
+    "wgmma_persistent_st_global": V["wgmma_persistent"].with_(tma_store=False),
+    "wgmma_pipe_tma_store_bf16out": V["wgmma_pipe"].with_(tma_store=True, out_dtype="bf16"),
     "wgmma_persistent_serial_rowwise_bf16out": V["wgmma_persistent"].with_(inflight=0, group_m=0, out_dtype="bf16"),
 }
 

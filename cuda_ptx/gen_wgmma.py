@@ -170,7 +170,8 @@ def generate(cfg: GemmConfig) -> Kernel:
         raise ShapeError(f"{cfg.name}: {b.kernel.shared_bytes} B of shared memory exceed the {MAX_SHARED} B "
                          "an sm_90 CTA can have; use fewer stages or a smaller tile")
 
-    c_g = ops.ld_param_ptr(b, pc)
+    # C's pointer stays a parameter either way (the runner passes the same list); TMA stores use tmap_c.
+    c_g = None if cfg.tma_store else ops.ld_param_ptr(b, pc)
     n_r, k_r = ops.ld_param(b, pn, "u32"), ops.ld_param(b, pk, "u32")
     tmaps = []
     for p in (tma_a, tma_b, tma_c) if cfg.tma_store else (tma_a, tma_b):

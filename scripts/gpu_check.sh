@@ -5,7 +5,7 @@
 #
 # It downloads nothing: the machine needs its driver, ptxas (the CUDA toolkit or the
 # nvidia-cuda-nvcc wheel), and a Python ($PYTHON, default python3) with numpy,
-# cuda-bindings, pytest, setuptools, pybind11 and a CUDA build of torch (the cuBLAS
+# cuda-bindings, pytest, setuptools and a CUDA build of torch (the cuBLAS
 # peer).  The package is installed without its native Vulkan parts into a temporary
 # folder, so neither Vulkan nor glslc is needed.
 #

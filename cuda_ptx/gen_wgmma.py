@@ -416,7 +416,7 @@ def _epilogue_tma(b: Builder, cfg: GemmConfig, plan: WgmmaPlan, tmap_c, smem, cs
     q_chunk = b.binop("shr", "u32", qb, 4)
     q_byte = b.binop("and", "b32", qb, 15)
     # this thread's row (r = 16 warp + g) in a box, plus its byte within a 16-byte chunk
-    row_base = b.binop("shl", "b32", b.mad("u32", warp, 16, g), 7)
+    row_base = b.binop("shl", "b32", b.mad("u32", warp, 16, g), C_BOX_ROW.bit_length() - 1)  # r * 128
     row_base = b.binop("add", "u32", row_base, q_byte)
     buf0 = b.mad("u32", cidx, 2 * C_BOX_BYTES, b.binop("add", "u32", smem, cstage.offset))
     bar_id = b.binop("add", "u32", cidx, 2)  # named barriers 2, 3: one per consumer warpgroup

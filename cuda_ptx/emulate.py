@@ -13,7 +13,7 @@ import numpy as np
 from helios.errors import ShapeError
 
 from . import dtypes, operands
-from .config import IN_DTYPES, OUT_DTYPES, GemmConfig, with_dtypes
+from .config import GemmConfig, with_dtypes
 from .emit import build_kernel, resolve
 from .emu_state import EmulationError, GlobalMemory, TensorMap
 from .emulator import Cta
@@ -72,9 +72,8 @@ def emulate_gemm(a: np.ndarray, b: np.ndarray, variant: str | GemmConfig = "wgmm
     if boxes:
         ptrs["c"] = c_ptr
         for box in boxes:
-            itemsize = IN_DTYPES[box.dtype][0] if box.dtype in IN_DTYPES else OUT_DTYPES[box.dtype]
             params[f"tmap_{box.operand}"] = TensorMap(ptrs[box.operand], box.rows, box.cols, box.box_rows,
-                                                      box.box_cols, itemsize)
+                                                      box.box_cols, box.itemsize)
     else:
         params["a"], params["b"] = ptrs["a"], ptrs["b"]
     emulate_kernel(ptx if ptx is not None else render(kern), kern.threads, kern.shared_bytes, params, mem,

@@ -174,7 +174,7 @@ def generate(cfg: GemmConfig) -> Kernel:
     c_g = None if cfg.tma_store else ops.ld_param_ptr(b, pc)
     n_r, k_r = ops.ld_param(b, pn, "u32"), ops.ld_param(b, pk, "u32")
     tmaps = []
-    for p in (tma_a, tma_b, tma_c) if cfg.tma_store else (tma_a, tma_b):
+    for p in (t for t in (tma_a, tma_b, tma_c) if t is not None):
         g = b.reg("u64")
         b.emit("mov.b64", g, p)
         b.emit("cvta.param.u64", g, g)
@@ -297,7 +297,7 @@ def generate(cfg: GemmConfig) -> Kernel:
             if cfg.inflight:
                 b.emit("wgmma.wait_group.sync.aligned", 0)
                 if cfg.persistent:  # the next tile's loads need the last k-tile's slot back
-                    release(b.binop("sub", "u32", kt_n, 1), prev)
+                    release(None, prev)  # persistent is warp-specialised: release_ws needs no k-tile
             if cfg.tma_store:
                 _epilogue_tma(b, cfg, plan, tmaps[2], ring, cstage, m0, n0, cidx, wtid, acc)
             else:

@@ -13,7 +13,7 @@ import numpy as np
 from helios.errors import ShapeError
 
 from . import dtypes
-from .config import OUT_DTYPES, GemmConfig
+from .config import IN_DTYPES, OUT_DTYPES, GemmConfig
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,11 @@ class TmaBox:
     box_rows: int
     box_cols: int
     dtype: str = "bf16"  # element type: an input dtype, or "f32"/"bf16" for C
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element."""
+        return OUT_DTYPES[self.dtype] if self.dtype in OUT_DTYPES else IN_DTYPES[self.dtype][0]
 
 
 def matmul_shape(a: np.ndarray, b: np.ndarray) -> tuple[int, int, int]:

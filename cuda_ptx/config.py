@@ -52,6 +52,10 @@ class GemmConfig:
     launch or pipeline fill is paid per tile.  ``tma_store`` (wgmma only) writes C through
     shared memory and TMA bulk stores instead of ``st.global`` from registers, so the
     consumers go back to their next tile while the copy engine writes this one.
+    ``cluster`` = 2 (warp-specialised wgmma only) launches CTAs in clusters of two that
+    take vertically adjacent tiles (rows ``m0`` and ``m0 + bm``, same columns): they need
+    the same B tile, so each CTA's producer loads half of it and multicasts that half into
+    both CTAs' shared memory (``.multicast::cluster``), halving B's traffic from L2.
     """
 
     name: str
@@ -72,6 +76,7 @@ class GemmConfig:
     group_m: int = 0
     persistent: bool = False
     tma_store: bool = False
+    cluster: int = 1
 
     # -- derived --------------------------------------------------------------------
     @property
@@ -106,6 +111,7 @@ class GemmConfig:
             f"_{self.bm}x{self.bn}x{self.bk}_s{self.stages}_c{self.consumers}{'_ws' if self.producer else ''}"
             f"{f'_f{self.inflight}' if self.inflight else ''}{f'_g{self.group_m}' if self.group_m else ''}"
             f"{'_p' if self.persistent else ''}{'_ts' if self.tma_store else ''}"
+            f"{f'_x{self.cluster}' if self.cluster > 1 else ''}"
         )
 
     def flops(self, m: int, n: int, k: int) -> int:
@@ -161,6 +167,13 @@ class GemmConfig:
             raise ValueError("tma_store applies to the wgmma kinds only")
         if self.persistent and not (self.kind == "wgmma" and self.producer):
             raise ValueError("persistent needs the warp-specialised wgmma layout (kind='wgmma', producer=True)")
+        if self.cluster not in (1, 2):
+            raise ValueError(f"cluster must be 1 or 2 (CTAs sharing one B tile), got {self.cluster}")
+        if self.cluster > 1 and not (self.kind == "wgmma" and self.producer):
+            raise ValueError("cluster multicast needs the warp-specialised wgmma layout (kind='wgmma', producer=True)")
+        if self.cluster > 1 and self.b_major == "n" and self.bn % (64 * self.cluster):
+            raise ShapeError(f"N-major B is multicast in 64-column boxes split between the {self.cluster} CTAs "
+                             f"of a cluster: bn={self.bn} must be a multiple of {64 * self.cluster}")
 
     def with_(self, **kw: object) -> GemmConfig:
         """A copy with fields replaced (the name is kept unless given)."""
@@ -185,6 +198,10 @@ def _ladder() -> dict[str, GemmConfig]:
         GemmConfig(
             "wgmma_persistent", "wgmma", b_major="k", bm=128, bn=256, bk=64, stages=4, consumers=2,
             producer=True, maxnreg=(40, 232), inflight=1, group_m=8, persistent=True, tma_store=True,
+        ),
+        GemmConfig(
+            "wgmma_cluster", "wgmma", b_major="k", bm=128, bn=256, bk=64, stages=4, consumers=2,
+            producer=True, maxnreg=(40, 232), inflight=1, group_m=8, persistent=True, tma_store=True, cluster=2,
         ),
     ]
     return {c.name: c for c in v}

@@ -13,7 +13,8 @@ import numpy as np
 
 from . import dtypes as D
 from . import layout as L
-from .emu_state import SMEM_BASE, BulkStore, CpAsyncOp, EmulationError, MBarrier, WgmmaOp
+from .emu_state import (SMEM_BASE, SMEM_CLUSTER_BASE, SMEM_CLUSTER_STRIDE, BulkStore, CpAsyncOp, EmulationError,
+                        MBarrier, WgmmaOp)
 from .ptx_parse import PtxInstr, RegArg, TensorArg, VecArg
 
 # -- integer and float arithmetic --------------------------------------------------------
@@ -303,8 +304,9 @@ def _mbarrier(cta, ins, lanes):
     if verb == "arrive":
         addr, uniq, counts = _per_address(cta, ins, lanes, ins.args[1])
         tx = int(cta.read(ins.args[2], lanes[:1], "u32")[0]) if "expect_tx" in ins.parts else 0
+        remote = "shared::cluster" in ins.parts  # the address may name a peer CTA's barrier (mapa)
         for a, n in zip(uniq.tolist(), counts.tolist()):
-            b = cta.mbar(a)
+            b = cta.cluster_mbar(a) if remote else cta.mbar(a)
             if tx:
                 b.expect_tx(tx * n)
             b.arrive(n, cta.where())
@@ -321,44 +323,72 @@ def _mbarrier(cta, ins, lanes):
 
 
 def _tma_load(cta, ins, lanes):
+    """``cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes
+    [dst], [tmap, {c0, c1}], [mbar]{, ctaMask}``.
+
+    Without ``.multicast::cluster`` the box lands at ``dst`` and completes its bytes on
+    ``mbar``, in the CTA those shared::cluster addresses name (the executing one for plain
+    shared addresses).  With it, the box lands at the same CTA-relative offset in every
+    CTA of ``ctaMask`` and completes on the barrier at ``mbar``'s offset in each, each
+    landing at its own time.
+    """
     p = ins.parts
     if "2d" not in p or "tile" not in p:
         raise cta.fail(f"{ins.op} is not modelled (only 2-D tile loads)")
-    dst_arg, src_arg, bar_arg = ins.args
+    multicast = "multicast::cluster" in p
+    if len(ins.args) != (4 if multicast else 3):
+        raise cta.fail("TMA load operands: [dst], [tensormap, {coords}], [mbar]" + (", ctaMask" if multicast else ""))
+    dst_arg, src_arg, bar_arg = ins.args[:3]
     if not isinstance(src_arg, TensorArg):
         raise cta.fail("TMA source must be [tensormap, {coords}]")
     for t in lanes.tolist():
         one = np.array([t])
-        dst = int(cta.address(dst_arg, one)[0])
-        bar = int(cta.address(bar_arg, one)[0])
+        dst_owner, dst = cta.resolve_shared(int(cta.address(dst_arg, one)[0]))
+        bar_owner, bar = cta.resolve_shared(int(cta.address(bar_arg, one)[0]))
+        if dst_owner is not bar_owner:
+            raise cta.fail("TMA destination and its mbarrier are in different CTAs")
         tm = cta.tensor_map_at(int(cta.read(src_arg.tmap, one, "u64")[0]))
         c0, c1 = (int(cta.read(c, one, "s32")[0]) for c in src_arg.coords)
         if (dst - SMEM_BASE) % 128:
             raise cta.fail(f"TMA destination {dst:#x} is not 128-byte aligned")
-        cta.smem_index(np.array([dst]), 1)
-        cta.smem_index(np.array([dst + tm.box_bytes - 1]), 1)
-        cta.mbar(bar)  # must exist when the copy is issued
+        targets = [dst_owner]
+        if multicast:
+            mask = int(cta.read(ins.args[3], one, "u16")[0])
+            if mask == 0 or mask >> len(cta.peers):
+                raise cta.fail(f"ctaMask {mask:#x} is empty or names CTAs outside the cluster of {len(cta.peers)}")
+            targets = [cta.peers[r] for r in range(len(cta.peers)) if mask >> r & 1]
+        for tgt in targets:
+            tgt.smem_index(np.array([dst]), 1)
+            tgt.smem_index(np.array([dst + tm.box_bytes - 1]), 1)
+            if bar not in tgt.mbars:  # must exist when the copy is issued
+                raise cta.fail(f"TMA completes on the mbarrier at {bar:#x} of CTA rank {tgt.rank} before its "
+                               "mbarrier.init" + (" (a barrier.cluster after the init orders a peer's)"
+                                                  if tgt is not cta else ""))
+            cta.schedule_tma(lambda tgt=tgt, dst=dst, bar=bar, tm=tm, c0=c0, c1=c1: _land_box(tgt, dst, bar, tm, c0, c1))
 
-        def land(dst=dst, bar=bar, tm=tm, c0=c0, c1=c1):
-            box = np.zeros((tm.box_rows, tm.box_cols * tm.itemsize), np.uint8)
-            r0, r1 = max(c1, 0), min(c1 + tm.box_rows, tm.rows)
-            k0, k1 = max(c0, 0), min(c0 + tm.box_cols, tm.cols)
-            if r1 > r0 and k1 > k0:  # out-of-bounds parts of the box stay zero, as TMA fills them
-                pitch = tm.cols * tm.itemsize
-                src = cta.mem.view(tm.base, tm.rows * pitch).reshape(tm.rows, pitch)
-                box[r0 - c1: r1 - c1, (k0 - c0) * tm.itemsize: (k1 - c0) * tm.itemsize] = \
-                    src[r0:r1, k0 * tm.itemsize: k1 * tm.itemsize]
-            lin = np.arange(tm.box_bytes) + dst
-            bits = L.SWIZZLE_BITS[tm.swizzle]
-            # The swizzle is a function of the absolute shared address, as in hardware.
-            idx = L.swizzle(lin, bits)
-            for a in cta.mbars:
-                if dst <= a < dst + tm.box_bytes:
-                    raise EmulationError(f"TMA box written at {dst:#x} overwrites the mbarrier at {a:#x}")
-            cta.smem[idx] = box.reshape(-1)
-            cta.mbar(bar).complete_tx(tm.box_bytes)
 
-        cta.schedule_tma(land)
+def _land_box(tgt, dst: int, bar: int, tm, c0: int, c1: int) -> None:
+    """A TMA box arrives in CTA ``tgt``: read the tensor now, write it swizzled at ``dst``, complete its bytes on ``bar``."""
+    if tgt.exited:
+        raise EmulationError(f"a TMA copy landed in CTA {tgt.ctaid[:2]} after it exited: a CTA must not leave "
+                             "while copies into its shared memory are in flight")
+    box = np.zeros((tm.box_rows, tm.box_cols * tm.itemsize), np.uint8)
+    r0, r1 = max(c1, 0), min(c1 + tm.box_rows, tm.rows)
+    k0, k1 = max(c0, 0), min(c0 + tm.box_cols, tm.cols)
+    if r1 > r0 and k1 > k0:  # out-of-bounds parts of the box stay zero, as TMA fills them
+        pitch = tm.cols * tm.itemsize
+        src = tgt.mem.view(tm.base, tm.rows * pitch).reshape(tm.rows, pitch)
+        box[r0 - c1: r1 - c1, (k0 - c0) * tm.itemsize: (k1 - c0) * tm.itemsize] = \
+            src[r0:r1, k0 * tm.itemsize: k1 * tm.itemsize]
+    lin = np.arange(tm.box_bytes) + dst
+    bits = L.SWIZZLE_BITS[tm.swizzle]
+    # The swizzle is a function of the absolute shared address, as in hardware.
+    idx = L.swizzle(lin, bits)
+    for a in tgt.mbars:
+        if dst <= a < dst + tm.box_bytes:
+            raise EmulationError(f"TMA box written at {dst:#x} overwrites the mbarrier at {a:#x}")
+    tgt.smem[idx] = box.reshape(-1)
+    tgt.mbar(bar).complete_tx(tm.box_bytes)
 
 
 def _fence(cta, ins, lanes):
@@ -366,6 +396,47 @@ def _fence(cta, ins, lanes):
     the async proxy (TMA).  Other fences order nothing the emulator models."""
     if ins.parts[1] == "proxy" and ins.parts[2].startswith("async"):
         cta.fenced_upto[lanes] = cta.write_seq
+
+
+def _mapa(cta, ins, lanes):
+    """``mapa.shared::cluster.u32 d, a, rank``: the shared::cluster address of shared address
+    ``a`` (this CTA's) in the cluster's CTA ``rank``."""
+    if "shared::cluster" not in ins.parts:
+        raise cta.fail(f"{ins.op} is not modelled (only mapa.shared::cluster)")
+    a = cta.read(ins.args[1], lanes, "u32").astype(np.int64)
+    rank = cta.read(ins.args[2], lanes, "u32").astype(np.int64)
+    if (rank >= len(cta.peers)).any():
+        raise cta.fail(f"mapa to CTA rank {int(rank.max())} of a cluster of {len(cta.peers)}")
+    cta.smem_index(a, 1)  # a must be in this CTA's own shared window
+    cta.write(ins.args[0], lanes, (SMEM_CLUSTER_BASE + rank * SMEM_CLUSTER_STRIDE + a - SMEM_BASE).astype(np.uint32))
+
+
+def _barrier(cta, ins, lanes):
+    """``barrier.cluster.arrive`` / ``barrier.cluster.wait`` (``bar.sync``/``barrier.sync`` are the scheduler's).
+
+    Each thread arrives once, then waits until every thread of the cluster has arrived;
+    a wait that cannot pass yet leaves the warp where it is (``"spin"``).
+    """
+    p = ins.parts
+    if p[1] != "cluster":
+        return None
+    cb = cta.cluster_barrier
+    if p[2] == "arrive":
+        if cta.cb_arrived[lanes].any():
+            raise cta.fail("barrier.cluster.arrive twice without a barrier.cluster.wait in between")
+        cta.cb_arrived[lanes] = True
+        cta.cb_generation[lanes] = cb.generation
+        cb.arrive(lanes.size)
+        return None
+    if p[2] == "wait":
+        if not cta.cb_arrived[lanes].all():
+            raise cta.fail("barrier.cluster.wait without a barrier.cluster.arrive before it")
+        if (cta.cb_generation[lanes] < cb.generation).all():
+            cta.cb_arrived[lanes] = False
+            return None
+        cta.pc[lanes] -= 1  # stay on the wait
+        return "spin"
+    raise cta.fail(f"{ins.op} is not modelled")
 
 
 def _tma_store(cta, ins, lanes):
@@ -572,6 +643,8 @@ _TABLE = {
     "st": _st,
     "fence": _fence,
     "bar": _nop,  # handled by the scheduler (a CTA barrier)
+    "barrier": _barrier,
+    "mapa": _mapa,
     "ldmatrix": _ldmatrix,
     "mma": _mma_sync,
     "mbarrier": _mbarrier,

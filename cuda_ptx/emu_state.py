@@ -17,6 +17,11 @@ from helios.errors import HeliosError
 # (and 1024-aligned, as the 128-byte swizzle needs) so code that assumes a zero base
 # is caught; global allocations are spread out with unmapped gaps between them.
 SMEM_BASE = 0x400
+# The shared::cluster window: CTA ``r`` of a cluster sees the shared block of CTA ``r'`` at
+# SMEM_CLUSTER_BASE + r' * SMEM_CLUSTER_STRIDE + (shared::cta address - SMEM_BASE)
+# (what ``mapa`` returns); a plain shared::cta address names the executing CTA's own block.
+SMEM_CLUSTER_BASE = 0x0100_0000
+SMEM_CLUSTER_STRIDE = 0x0010_0000
 GLOBAL_BASE = 0x7F00_0000_0000
 GLOBAL_GAP = 1 << 20
 PARAM_BASE = 0x0000_7E00_0000_0000  # generic address of kernel parameter i: PARAM_BASE + 256 * i
@@ -201,3 +206,22 @@ class BulkStore:
     c1: int
     landed: bool = False
     queued: tuple | None = None  # its entry in the CTA's async queue, until it lands
+
+
+@dataclass
+class ClusterBarrier:
+    """``barrier.cluster``: every thread of the cluster arrives, then waits for the others.
+
+    ``generation`` counts completed barriers; a thread that arrived during generation ``g``
+    may pass its wait once ``generation > g``.
+    """
+
+    expected: int
+    arrived: int = 0
+    generation: int = 0
+
+    def arrive(self, n: int) -> None:
+        self.arrived += n
+        if self.arrived == self.expected:
+            self.generation += 1
+            self.arrived = 0

@@ -16,7 +16,7 @@ from . import dtypes, operands
 from .config import GemmConfig, with_dtypes
 from .emit import build_kernel, resolve
 from .emu_state import EmulationError, GlobalMemory, TensorMap
-from .emulator import Cta
+from .emulator import Cluster, Cta
 from .ptx_parse import parse
 from .render import render
 
@@ -24,7 +24,9 @@ def emulate_kernel(ptx: str, threads: int, shared_bytes: int, params: dict[str, 
                    grid: tuple[int, int] = (1, 1), seed: int = 0,
                    ctas: list[tuple[int, int]] | None = None) -> None:
     """Run any kernel in the emulated subset over a ``grid`` of CTAs (or only the ``(x, y)``
-    in ``ctas``), one after another.
+    in ``ctas``), one after another -- or, for a kernel with ``.reqnctapercluster``, one
+    cluster after another, the CTAs of each running together (a CTA in ``ctas`` brings
+    its whole cluster).
 
     ``params`` maps parameter names to ints (pointers from ``memory.alloc``, scalars)
     or :class:`TensorMap` objects.  Results are read back from ``memory``.
@@ -37,10 +39,24 @@ def emulate_kernel(ptx: str, threads: int, shared_bytes: int, params: dict[str, 
         raise EmulationError(f"{threads} threads per CTA exceed the kernel's .maxntid {prog.maxntid}")
     full = (grid[0], grid[1], 1)
     todo = ctas if ctas is not None else [(x, y) for y in range(grid[1]) for x in range(grid[0])]
-    for i, (x, y) in enumerate(todo):
+    for x, y in todo:
         if not (0 <= x < grid[0] and 0 <= y < grid[1]):
             raise ShapeError(f"CTA {(x, y)} is outside the grid {grid}")
-        Cta(prog, threads, shared_bytes, params, memory, (x, y, 0), full, seed=seed + i).run()
+    dims = prog.cluster or (1, 1, 1)
+    if dims == (1, 1, 1):
+        for i, (x, y) in enumerate(todo):
+            Cta(prog, threads, shared_bytes, params, memory, (x, y, 0), full, seed=seed + i).run()
+        return
+    size = dims[0]
+    if dims[1:] != (1, 1):
+        raise EmulationError(f"clusters of {dims} are not modelled (only n x 1 x 1)")
+    if grid[0] % size:
+        raise EmulationError(f"grid {grid} is not a whole number of clusters of {size} CTAs along x: "
+                             "the launch would fail (CUDA_ERROR_INVALID_CLUSTER_SIZE)")
+    for i, (cx, y) in enumerate(dict.fromkeys((x // size, y) for x, y in todo)):
+        members = [Cta(prog, threads, shared_bytes, params, memory, (cx * size + r, y, 0), full,
+                       seed=seed + i * size + r) for r in range(size)]
+        Cluster(members, dims, seed=seed + i).run()
 
 
 def emulate_gemm(a: np.ndarray, b: np.ndarray, variant: str | GemmConfig = "wgmma_ws", out_dtype: str = "float32",
@@ -52,8 +68,8 @@ def emulate_gemm(a: np.ndarray, b: np.ndarray, variant: str | GemmConfig = "wgmm
     TMA latencies; ``ptx`` replaces the generated text (to check an edited kernel);
     ``ctas`` limits the run to some ``(x, y)`` CTAs (the rest of C stays NaN);
     ``sm_count`` is the emulated device's SM count, which sets how many CTAs a
-    persistent kernel gets (default 1: one CTA walks every tile, so its ring runs on
-    from tile to tile).
+    persistent kernel gets (default 1: one CTA -- or one cluster -- walks every tile, so
+    its ring runs on from tile to tile).
     Raises :class:`EmulationError` for hangs, faults and misuse the GPU would not report.
     """
     a, b = np.asarray(a), np.asarray(b)
@@ -77,7 +93,7 @@ def emulate_gemm(a: np.ndarray, b: np.ndarray, variant: str | GemmConfig = "wgmm
     else:
         params["a"], params["b"] = ptrs["a"], ptrs["b"]
     emulate_kernel(ptx if ptx is not None else render(kern), kern.threads, kern.shared_bytes, params, mem,
-                   operands.grid(cfg, p, sm_count), seed, ctas)
+                   operands.grid(cfg, p, sm_count, clusters=max(1, sm_count // cfg.cluster)), seed, ctas)
     raw = mem.view(c_ptr, p.m * p.n * osz)
     if cfg.out_dtype == "f32":
         c = raw.view(np.float32).reshape(p.m, p.n)

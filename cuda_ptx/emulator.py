@@ -23,6 +23,13 @@ Model
   written by ordinary instructions without a ``wgmma.fence`` in between.
 * Deadlock (every warp blocked or spinning, nothing in flight) raises with what
   each warp waits on: the emulator's version of a GPU hang.
+* Clusters (``.reqnctapercluster``): the CTAs of a cluster run together, their warps'
+  turns interleaved (:class:`Cluster`).  ``mapa`` gives shared::cluster addresses of a
+  peer's shared memory (``emu_state.SMEM_CLUSTER_BASE``); ``mbarrier.arrive`` may target
+  a peer's barrier; a multicast TMA copy lands in each CTA of its mask separately, each
+  at its own random time; ``barrier.cluster.arrive/wait`` is the cluster-wide barrier.
+  Touching a peer's barrier before it was initialised, or a peer that has exited, is an
+  error -- the missing ``barrier.cluster`` after init or before exit.
 
 Instruction semantics live in :mod:`emu_ops`.
 """
@@ -32,8 +39,8 @@ from __future__ import annotations
 import numpy as np
 
 from . import emu_ops
-from .emu_state import (PARAM_BASE, BulkStore, SMEM_BASE, CpAsyncOp, EmulationError, GlobalMemory, MBarrier, TensorMap,
-                        WarpWgmma)
+from .emu_state import (PARAM_BASE, SMEM_BASE, SMEM_CLUSTER_BASE, SMEM_CLUSTER_STRIDE, BulkStore, ClusterBarrier,
+                        CpAsyncOp, EmulationError, GlobalMemory, MBarrier, TensorMap, WarpWgmma)
 from .ptx_parse import FloatArg, ImmArg, MemArg, PtxProgram, RegArg, SpecialArg, SymArg
 
 STORE_DTYPE = {"pred": np.bool_, "b16": np.uint16, "b32": np.uint32, "u32": np.uint32, "s32": np.uint32,
@@ -52,6 +59,8 @@ def instr_kind(op: str) -> int:
     """How an instruction synchronises: plain, whole warp, whole warpgroup, or a CTA barrier."""
     if op.startswith(("wgmma.mma_async", "setmaxnreg.")):
         return KIND_WARPGROUP
+    if op.startswith("barrier.cluster"):
+        return KIND_WARP if op.endswith(".aligned") else KIND_PLAIN
     if op.startswith("bar.sync") or op.startswith("barrier.sync"):
         return KIND_BAR
     if op.startswith(("ldmatrix.", "mma.sync", "wgmma.")):
@@ -105,6 +114,14 @@ class Cta:
         self.kinds = [instr_kind(i.op) for i in prog.instrs]
         self.handlers = [emu_ops.handler_for(i) for i in prog.instrs]
         self.current = None  # (warp, instr) being executed, for messages
+        # Cluster membership; a CTA launched without a cluster is a cluster of one.
+        self.peers: list[Cta] = [self]
+        self.rank = 0
+        self.cluster_dims = (1, 1, 1)
+        self.cluster_barrier = ClusterBarrier(threads)
+        self.cb_arrived = np.zeros(threads, bool)  # arrived at barrier.cluster, not yet past its wait
+        self.cb_generation = np.zeros(threads, np.int64)  # the barrier generation each thread arrived in
+        self.exited = False
 
     # -- messages ----------------------------------------------------------------------
     def where(self) -> str:
@@ -186,6 +203,18 @@ class Cta:
 
     def _special(self, name: str, lanes: np.ndarray) -> np.ndarray:
         axis = "xyz".index(name[-1]) if name[-2] == "." else 0
+        if name == "%cluster_ctarank":
+            return np.full(lanes.size, self.rank)
+        if name == "%cluster_nctarank":
+            return np.full(lanes.size, len(self.peers))
+        if name.startswith("%clusterid"):
+            return np.full(lanes.size, self.ctaid[axis] // self.cluster_dims[axis])
+        if name.startswith("%nclusterid"):
+            return np.full(lanes.size, self.nctaid[axis] // self.cluster_dims[axis])
+        if name.startswith("%cluster_ctaid"):
+            return np.full(lanes.size, self.ctaid[axis] % self.cluster_dims[axis])
+        if name.startswith("%cluster_nctaid"):
+            return np.full(lanes.size, self.cluster_dims[axis])
         if name.startswith("%tid"):
             return lanes if axis == 0 else np.zeros(lanes.size, np.int64)
         if name.startswith("%ntid"):
@@ -246,6 +275,31 @@ class Cta:
             raise self.fail(f"misaligned shared access of {size} bytes at {int(addrs[addrs % size != 0][0]):#x}")
         return addrs[:, None] + np.arange(size)
 
+    def resolve_shared(self, addr: int) -> tuple[Cta, int]:
+        """The CTA and shared::cta address a shared::cluster address names (a shared::cta
+        address names the executing CTA); raises for a rank outside the cluster or a peer
+        that has exited (its shared memory is gone)."""
+        if addr < SMEM_CLUSTER_BASE:
+            return self, addr
+        rank, off = divmod(addr - SMEM_CLUSTER_BASE, SMEM_CLUSTER_STRIDE)
+        if rank >= len(self.peers):
+            raise self.fail(f"shared::cluster address {addr:#x} names CTA rank {rank} of a cluster of {len(self.peers)}")
+        peer = self.peers[rank]
+        if peer.exited:
+            raise self.fail(f"shared::cluster access to CTA rank {rank}, which has exited: a CTA must not leave "
+                            "while peers may still use its shared memory (barrier.cluster before exit)")
+        return peer, SMEM_BASE + off
+
+    def cluster_mbar(self, addr: int) -> MBarrier:
+        """The mbarrier at a shared::cluster (or shared::cta) address, in whichever CTA holds it."""
+        owner, local = self.resolve_shared(addr)
+        b = owner.mbars.get(local)
+        if b is None:
+            raise self.fail(f"mbarrier at shared {local:#x} of CTA rank {owner.rank} used before mbarrier.init"
+                            + (" (a peer's barrier: a barrier.cluster between the init and first use orders it)"
+                               if owner is not self else ""))
+        return b
+
     def mbar(self, addr: int) -> MBarrier:
         b = self.mbars.get(addr)
         if b is None:
@@ -257,19 +311,24 @@ class Cta:
         """Run the CTA to completion (every thread executed ``ret``)."""
         order = np.arange(self.nwarps)
         while self.alive.any():
-            self.round += 1
-            if self.round > MAX_ROUNDS:
-                raise EmulationError(f"CTA {self.ctaid[:2]}: no end after {MAX_ROUNDS} scheduler rounds")
-            self.rng.shuffle(order)
-            progress = 0
-            for w in order:
-                progress += self._turn(int(w))
-                self.step += 1
-                progress += self._tick_async(force=False)  # copies land between warps' turns too
+            progress = self.run_round(order)
             progress += self._tick_async(force=progress == 0)
             if progress == 0:
                 raise EmulationError(f"CTA {self.ctaid[:2]}: deadlock -- no thread can make progress\n" + self.describe())
         self._check_idle_at_exit()
+
+    def run_round(self, order: np.ndarray) -> int:
+        """One scheduler round: every warp gets a turn, in a shuffled ``order``; returns the progress made."""
+        self.round += 1
+        if self.round > MAX_ROUNDS:
+            raise EmulationError(f"CTA {self.ctaid[:2]}: no end after {MAX_ROUNDS} scheduler rounds")
+        self.rng.shuffle(order)
+        progress = 0
+        for w in order:
+            progress += self._turn(int(w))
+            self.step += 1
+            progress += self._tick_async(force=False)  # copies land between warps' turns too
+        return progress
 
     def describe(self) -> str:
         """One line per warp: where it is and what it waits for (for deadlock reports)."""
@@ -427,6 +486,61 @@ class Cta:
                                      "(cp.async.bulk.wait_group): the CTA's shared memory may go before they read it")
         if self.tma_queue:
             raise EmulationError(f"CTA {self.ctaid[:2]}: exited with {len(self.tma_queue)} TMA copies in flight")
+
+
+class Cluster:
+    """The CTAs of one thread-block cluster, run together: each round every live CTA
+    takes a scheduler round (in a shuffled order) and their copies land in between.
+
+    The CTAs of a cluster are launched together but need not keep pace: each starts up to
+    ``MAX_START_SKEW`` rounds after the first, and in any round a CTA sits out with
+    probability ``SIT_OUT``.  So one CTA's producer can reach a peer before the peer has
+    initialised its barriers, or after it has left -- the orderings ``barrier.cluster``
+    exists to prevent.  The cluster ends when every CTA has; a CTA that finishes first is
+    checked for idle async work and marked exited, after which a peer touching its shared
+    memory is an error.  Deadlock is judged over the whole cluster, in rounds where every
+    live CTA ran.
+    """
+
+    MAX_START_SKEW = 6
+    SIT_OUT = 0.25
+
+    def __init__(self, ctas: list[Cta], dims: tuple[int, int, int], seed: int = 0) -> None:
+        self.ctas = ctas
+        barrier = ClusterBarrier(sum(c.T for c in ctas))
+        for rank, c in enumerate(ctas):
+            c.peers, c.rank, c.cluster_dims, c.cluster_barrier = ctas, rank, dims, barrier
+        self.rng = np.random.default_rng(seed)
+        self.start = self.rng.integers(0, self.MAX_START_SKEW + 1, len(ctas))
+        self.start -= self.start.min()
+
+    def run(self) -> None:
+        """Run every CTA of the cluster to completion."""
+        orders = [np.arange(c.nwarps) for c in self.ctas]
+        rnd = 0
+        while not all(c.exited for c in self.ctas):
+            live = [i for i, c in enumerate(self.ctas) if not c.exited]
+            ready = [i for i in live if rnd >= self.start[i]]
+            run = [i for i in ready if self.rng.random() >= self.SIT_OUT] or ready
+            everyone = len(run) == len(live)
+            rnd += 1
+            progress = 0
+            for i in self.rng.permutation(run):
+                progress += self.ctas[i].run_round(orders[i])
+            if progress == 0 and everyone:
+                # Nothing could move: land one copy, from any CTA that has some in flight.
+                waiting = [c for c in self.ctas if c.tma_queue]
+                if waiting:
+                    progress += waiting[int(self.rng.integers(len(waiting)))]._tick_async(force=True)
+                if progress == 0:
+                    raise EmulationError("cluster of CTAs " + ", ".join(str(c.ctaid[:2]) for c in self.ctas)
+                                         + ": deadlock -- no thread can make progress\n"
+                                         + "\n".join(f" CTA {c.ctaid[:2]} (rank {c.rank}):\n{c.describe()}"
+                                                     for c in self.ctas if not c.exited))
+            for c in self.ctas:
+                if not c.exited and not c.alive.any():
+                    c._check_idle_at_exit()
+                    c.exited = True
 
 
 def _ranges(lanes: np.ndarray) -> str:

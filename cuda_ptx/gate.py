@@ -5,7 +5,8 @@ reports 0 bytes of spill and no stack frame; none of the informational notes tha
 mean a silent slowdown appear (C7508 setmaxnreg ignored, C7510 wgmma across a call,
 C7511 wgmma serialised, C7517/C7519 injected waits/arrives -- ptxas prints these as
 ``info``, so ``-Werror`` does not catch them); and the SASS holds the instructions
-the rung is about (HMMA, HGMMA, QGMMA, UTMALDG, USETMAXREG...).  For 16-bit wgmma
+the rung is about (HMMA, HGMMA, QGMMA, UTMALDG, USETMAXREG, UTMALDG.2D.MULTICAST...),
+and no GPU-scope fence (``MEMBAR.ALL.GPU``) beyond one per cluster barrier.  For 16-bit wgmma
 kernels the SASS must also say how B is read: every HGMMA carries ``.tnspB`` when B is
 N-major (``imm-trans-b = 1``) and none does when B is K-major.  Last, the same PTX
 runs on the CPU emulator (:mod:`emulate`) over a problem two tiles wide whose K wraps
@@ -70,6 +71,11 @@ def expected_opcodes(cfg: GemmConfig) -> dict[str, str]:
         exp["USETMAXREG"] = "setmaxnreg"
     if cfg.tma_store:
         exp["UTMASTG"] = "TMA store of C (cp.async.bulk.tensor global.shared::cta)"
+    if cfg.cluster > 1:
+        exp["UTMALDG.2D.MULTICAST"] = "TMA multicast of B's share into every CTA of the cluster"
+        exp["SYNCS.ARRIVE.TRANS64.RED"] = "mbarrier arrive on a peer CTA's barrier (slot release)"
+        exp["UCGABAR_ARV"] = "barrier.cluster.arrive"
+        exp["UCGABAR_WAIT"] = "barrier.cluster.wait"
     return exp
 
 
@@ -91,11 +97,12 @@ class GateReport:
 def emulation_check(cfg: GemmConfig, ptx: str, seed: int = 0) -> tuple[dict, str | None]:
     """Run ``ptx`` on the CPU emulator: (what ran, failure text or None).
 
-    The problem is ``bm x 2bn x (stages + 2) bk``: two tiles (two CTAs, or one persistent
-    CTA that walks both), and enough k-tiles that every ring slot is refilled; inputs are
-    small integers, so the product is exact.
+    The problem is ``cluster bm x 2bn x (stages + 2) bk``: two tiles per CTA of a cluster
+    (two CTAs or clusters, or one persistent CTA or cluster that walks both), and enough
+    k-tiles that every ring slot is refilled; inputs are small integers, so the product
+    is exact.
     """
-    m, n, k = cfg.bm, 2 * cfg.bn, (cfg.stages + 2) * cfg.bk
+    m, n, k = cfg.bm * cfg.cluster, 2 * cfg.bn, (cfg.stages + 2) * cfg.bk
     rng = np.random.default_rng(seed)
     a = rng.integers(-3, 4, (m, k)).astype(np.float32)
     b = rng.integers(-3, 4, (k, n)).astype(np.float32)
@@ -150,6 +157,11 @@ def run_gate(cfg: GemmConfig, ptx: str | None = None, emulate: bool = True) -> G
         found[prefix] = count_prefixed(text, prefix)
         if not found[prefix]:
             failures.append(f"SASS lacks {prefix} ({why})")
+    # GPU-scope fences belong only to barrier.cluster.arrive.release (twice per kernel); a
+    # cluster-scope release on the per-slot arrives would put one in every k-tile.
+    gpu_fences, allowed = count_prefixed(text, "MEMBAR.ALL.GPU"), count_prefixed(text, "UCGABAR_ARV")
+    if gpu_fences > allowed:
+        failures.append(f"{gpu_fences} MEMBAR.ALL.GPU for {allowed} cluster barriers (a .release.cluster arrive?)")
     if cfg.kind == "wgmma" and cfg.in_bytes == 2:
         hgmma, tnsp = count_prefixed(text, "HGMMA"), count_prefixed(text, "HGMMA", TNSP_B)
         if cfg.b_major == "n":

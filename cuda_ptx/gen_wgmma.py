@@ -157,6 +157,8 @@ def generate(cfg: GemmConfig) -> Kernel:
     # .maxntid + .minnctapersm 1 are what lets ptxas honour setmaxnreg (else note C7508).
     b.kernel.maxntid = (T, 1, 1)
     b.kernel.minnctapersm = 1
+    if cfg.cluster > 1:
+        b.kernel.cluster = (cfg.cluster, 1, 1)
     tma_a, tma_b = b.param("tmap_a", "tmap"), b.param("tmap_b", "tmap")
     tma_c = b.param("tmap_c", "tmap") if cfg.tma_store else None
     pc = b.param("c", "u64")
@@ -181,17 +183,24 @@ def generate(cfg: GemmConfig) -> Kernel:
         tmaps.append(g)
     tid = b.sreg("%tid.x")
     # Where this CTA's tile starts (one tile per CTA), or a loop over its tiles (persistent).
-    origin = None if cfg.persistent else ops.tile_origin(b, cfg)
-    for_each_tile = _persistent_walk(b, cfg, pm, n_r) if cfg.persistent else (lambda body: body(*origin))
+    rank = b.sreg("%cluster_ctarank") if cfg.cluster > 1 else None
+    if cfg.cluster > 1:
+        for_each_tile, origin = _cluster_walk(b, cfg, pm, n_r, rank)
+    else:
+        origin = None if cfg.persistent else ops.tile_origin(b, cfg)
+        for_each_tile = _persistent_walk(b, cfg, pm, n_r) if cfg.persistent else (lambda body: body(*origin))
     ring = ops.smem_base(b)
     full0 = b.binop("add", "u32", ring, bars.offset)
     empty0 = b.binop("add", "u32", full0, 8 * S)
     kt_n = b.binop("shr", "u32", k_r, cfg.bk.bit_length() - 1)
     is_t0 = b.setp("eq", "u32", tid, 0)
     n_consumer_threads = 128 * cfg.consumers
-    # A persistent kernel's consumers release a slot once per warp (lane 0, after the warp's
-    # own wgmma.wait_group) instead of once per thread: 8 arrivals a slot instead of 256.
-    release_arrivals = 4 * cfg.consumers if cfg.persistent else n_consumer_threads
+    # A persistent or cluster kernel's consumers release a slot once per warp (lane 0, after
+    # the warp's own wgmma.wait_group) instead of once per thread: 8 arrivals a slot instead
+    # of 256.  In a cluster every CTA's consumers arrive on every CTA's empty barriers: the
+    # producers multicast B into all of them, so a slot is free only when all are done.
+    per_warp_release = cfg.persistent or cfg.cluster > 1
+    release_arrivals = (4 * cfg.consumers if per_warp_release else n_consumer_threads) * cfg.cluster
 
     b.comment("thread 0 initialises the barriers; the fences publish them to the async (TMA) proxy")
     with b.if_(is_t0):
@@ -200,9 +209,17 @@ def generate(cfg: GemmConfig) -> Kernel:
             b.emit("mbarrier.init.shared::cta.b64", f"[{empty0}+{8 * s}]", release_arrivals)
         b.emit("fence.mbarrier_init.release.cluster")
         b.emit("fence.proxy.async.shared::cta")
-    ops.bar_sync(b, 0)
+    if cfg.cluster > 1:
+        # Every CTA's barriers exist before a peer arrives on them or multicasts into them.
+        _cluster_sync(b)
+    else:
+        ops.bar_sync(b, 0)
 
     tma = "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+    tma_multicast = tma + ".multicast::cluster"
+    if cfg.cluster > 1:
+        everyone = b.reg("b16")  # ctaMask: B's copies land in every CTA of the cluster
+        b.emit("mov.b16", everyone, (1 << cfg.cluster) - 1)
 
     def load_tile(kt, slot, m0, n0) -> None:
         """Arm ``full[slot]`` with the slot's byte count and start its TMA copies (A, then B's boxes)."""
@@ -213,12 +230,33 @@ def generate(cfg: GemmConfig) -> Kernel:
         k0 = b.binop("mul.lo", "u32", kt, cfg.bk)
         # tensor coordinates are innermost first: A is M x K (K contiguous)
         b.emit(tma, f"[{dst}]", f"[{tmaps[0]}, {{{k0}, {m0}}}]", f"[{fb}]")
+        if cfg.cluster > 1:
+            load_b_share(k0, dst, fb, n0)
+            return
         if not plan.n_major:  # B stored N x K: one bn x bk box
             b.emit(tma, f"[{dst}+{plan.a_bytes}]", f"[{tmaps[1]}, {{{k0}, {n0}}}]", f"[{fb}]")
             return
         for j in range(plan.b_boxes):  # B stored K x N: bk x 64 boxes side by side along N
             nj = b.binop("add", "u32", n0, j * plan.b_box_cols) if j else n0
             b.emit(tma, f"[{dst}+{plan.b_box_offset(j)}]", f"[{tmaps[1]}, {{{nj}, {k0}}}]", f"[{fb}]")
+
+    def load_b_share(k0, dst, fb, n0) -> None:
+        """This CTA's 1/cluster of the B tile, multicast to the same slot offset in every CTA
+        of the cluster; each copy also counts its bytes on every CTA's ``full`` barrier, so
+        the ``expect_tx`` of the whole slot is met once all the CTAs' shares have landed."""
+        if not plan.n_major:  # bn / cluster rows of the N x K box each
+            rows = cfg.bn // cfg.cluster
+            nb = b.mad("u32", rank, rows, n0)
+            db_ = b.mad("u32", rank, rows * 128, dst)
+            b.emit(tma_multicast, f"[{db_}+{plan.a_bytes}]", f"[{tmaps[1]}, {{{k0}, {nb}}}]", f"[{fb}]", everyone)
+            return
+        per = plan.b_boxes // cfg.cluster  # 64-column boxes each
+        nb = b.mad("u32", rank, per * plan.b_box_cols, n0)
+        db_ = b.mad("u32", rank, per * plan.b_box_bytes, dst)
+        for jj in range(per):
+            nj = b.binop("add", "u32", nb, jj * plan.b_box_cols) if jj else nb
+            b.emit(tma_multicast, f"[{db_}+{plan.b_box_offset(jj)}]", f"[{tmaps[1]}, {{{nj}, {k0}}}]", f"[{fb}]",
+                   everyone)
 
     def wait(bar_addr, parity) -> None:
         """Spin on ``mbarrier.try_wait.parity`` until the phase with ``parity`` completed."""
@@ -334,11 +372,17 @@ def generate(cfg: GemmConfig) -> Kernel:
             b.emit("setmaxnreg.inc.sync.aligned.u32", cfg.maxnreg[1])
             cidx = b.binop("sub", "u32", wg, 1)
             wtid = b.binop("and", "b32", tid, 127)
-            lane0 = b.setp("eq", "u32", b.binop("and", "b32", tid, 31), 0) if cfg.persistent else None
+            lane0 = b.setp("eq", "u32", b.binop("and", "b32", tid, 31), 0) if per_warp_release else None
 
             def release_ws(kt, slot) -> None:
                 bar = b.mad("u32", slot, 8, empty0)
-                b.emit("mbarrier.arrive.shared::cta.b64", "_", f"[{bar}]", pred=lane0)
+                if cfg.cluster == 1:
+                    b.emit("mbarrier.arrive.shared::cta.b64", "_", f"[{bar}]", pred=lane0)
+                    return
+                for r in range(cfg.cluster):  # the same barrier in CTA r of the cluster (this one included)
+                    remote = b.reg("u32")
+                    b.emit("mapa.shared::cluster.u32", remote, bar, r)
+                    b.emit("mbarrier.arrive.shared::cluster.b64", "_", f"[{remote}]", pred=lane0)
 
             consumer(cidx, wtid, release_ws)
     else:
@@ -361,7 +405,50 @@ def generate(cfg: GemmConfig) -> Kernel:
                 load_tile(nxt, slot, m0, n0)
 
         consumer(b.mov("u32", 0), tid, release_single)
+    if cfg.cluster > 1:
+        b.comment("no CTA leaves while a peer may still arrive on its barriers")
+        _cluster_sync(b)
     return b.build()
+
+
+def _cluster_sync(b: Builder) -> None:
+    """Every thread of every CTA in the cluster meets here (``barrier.cluster``)."""
+    b.emit("barrier.cluster.arrive.release.aligned")
+    b.emit("barrier.cluster.wait.acquire.aligned")
+
+
+def _cluster_walk(b: Builder, cfg: GemmConfig, pm, n_r, rank):
+    """``(for_each_tile, origin)`` of a cluster kernel: clusters take blocks of ``cluster``
+    vertically adjacent tiles (one B tile), CTA ``rank`` the block's ``rank``-th row of tiles.
+
+    Blocks are walked like tiles (:func:`ops.tile_at`, grouped by ``group_m / cluster``
+    block-rows, the same rows of tiles as ungrouped clusters would cover): a plain kernel's
+    cluster takes block ``%clusterid.x``; a persistent one's loops over blocks
+    ``%clusterid.x, + %nclusterid.x, ...``.  ``origin`` is the plain kernel's ``(m0, n0)``.
+    """
+    unit = cfg.with_(bm=cfg.bm * cfg.cluster, group_m=-(-cfg.group_m // cfg.cluster))
+    m_r = ops.ld_param(b, pm, "u32")
+    tiles_n = b.binop("div", "u32", n_r, cfg.bn)
+    blocks_m = b.binop("div", "u32", m_r, unit.bm)
+    rank_row = b.binop("mul.lo", "u32", rank, cfg.bm)
+    first = b.sreg("%clusterid.x")
+
+    def at(block):
+        m0, n0 = ops.tile_at(b, unit, block, tiles_n, blocks_m)
+        return b.binop("add", "u32", m0, rank_row), n0
+
+    if not cfg.persistent:
+        origin = at(first)
+        return (lambda body: body(*origin)), origin
+    n_blocks = b.binop("mul.lo", "u32", tiles_n, blocks_m)
+    step = b.sreg("%nclusterid.x")
+
+    def walk(body) -> None:
+        blk = b.reg("u32")
+        with b.loop(blk, first, n_blocks, step):
+            body(*at(blk))
+
+    return walk, None
 
 
 def _persistent_walk(b: Builder, cfg: GemmConfig, pm, n_r):

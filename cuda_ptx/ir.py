@@ -185,6 +185,7 @@ class Kernel:
     shared: list[SharedTile] = field(default_factory=list)
     maxntid: tuple[int, int, int] | None = None
     minnctapersm: int | None = None
+    cluster: tuple[int, int, int] | None = None  # .reqnctapercluster: CTAs per cluster, fixed at compile time
     reg_counts: dict[str, int] = field(default_factory=dict)
     threads: int = 0
 

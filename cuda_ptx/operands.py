@@ -59,17 +59,32 @@ def round_up(v: int, m: int) -> int:
 
 
 def padded(cfg: GemmConfig, m: int, n: int, k: int) -> Padded:
-    """The extents the kernel runs on: each a multiple of its tile."""
-    return Padded(round_up(m, cfg.bm), round_up(n, cfg.bn), round_up(k, cfg.bk))
+    """The extents the kernel runs on: each a multiple of its tile (M of a cluster's
+    ``cluster x bm`` rows, since the CTAs of a cluster take vertically adjacent tiles)."""
+    return Padded(round_up(m, cfg.bm * cfg.cluster), round_up(n, cfg.bn), round_up(k, cfg.bk))
 
 
-def grid(cfg: GemmConfig, p: Padded, sm_count: int) -> tuple[int, int]:
+def grid(cfg: GemmConfig, p: Padded, sm_count: int, clusters: int | None = None) -> tuple[int, int]:
     """CTAs to launch, ``(x, y)``: one per tile of C (x along N), or for a persistent
-    kernel one per SM, never more than there are tiles (each CTA takes at least one)."""
+    kernel one per SM, never more than there are tiles (each CTA takes at least one).
+
+    Cluster kernels (``cfg.cluster > 1``) get a 1-D grid in whole clusters: one cluster
+    per ``cluster x 1`` block of tiles, or for a persistent kernel ``clusters`` of them
+    (how many can be resident at once; by default ``sm_count // cluster``).
+    """
     tiles_n, tiles_m = p.n // cfg.bn, p.m // cfg.bm
+    if cfg.persistent and sm_count < 1:
+        raise ValueError(f"a persistent kernel needs sm_count >= 1, got {sm_count}")
+    if cfg.cluster > 1:
+        blocks = tiles_n * (tiles_m // cfg.cluster)
+        if cfg.persistent:
+            resident = clusters if clusters is not None else sm_count // cfg.cluster
+            if resident < 1:
+                raise ValueError(f"a persistent cluster kernel needs room for one cluster of {cfg.cluster} CTAs, "
+                                 f"got {resident} resident clusters")
+            blocks = min(blocks, resident)
+        return blocks * cfg.cluster, 1
     if cfg.persistent:
-        if sm_count < 1:
-            raise ValueError(f"a persistent kernel needs sm_count >= 1, got {sm_count}")
         return min(tiles_n * tiles_m, sm_count), 1
     return tiles_n, tiles_m
 
@@ -102,9 +117,11 @@ def tma_boxes(cfg: GemmConfig, p: Padded) -> list[TmaBox]:
     """The tensor maps a wgmma kernel takes, in parameter order (empty for other kinds).
 
     A is ``M x K`` with a ``bm x bk`` box.  B stored ``N x K`` (``b_major="k"``) has one
-    ``bn x bk`` box per k-tile; B stored ``K x N`` (``b_major="n"``, 16-bit types) has
-    ``bk x 64`` boxes (64 N-columns = the 128-byte swizzle width), ``bn / 64`` of them
-    per k-tile, which the kernel copies side by side and reads N-major.  With
+    ``bn x bk`` box per k-tile (``bn / cluster`` rows in a cluster kernel, where each CTA
+    copies its share); B stored ``K x N`` (``b_major="n"``, 16-bit types) has ``bk x 64``
+    boxes (64 N-columns = the 128-byte swizzle width), ``bn / 64`` of them per k-tile
+    (``bn / 64 / cluster`` copied by each CTA of a cluster), which the kernel copies side
+    by side and reads N-major.  With
     ``tma_store``, C (``M x N``, the output dtype) follows, stored in boxes of 64 rows x
     128 bytes.
     """
@@ -112,8 +129,8 @@ def tma_boxes(cfg: GemmConfig, p: Padded) -> list[TmaBox]:
         return []
     d = cfg.in_dtype
     a = TmaBox("a", p.m, p.k, cfg.bm, cfg.bk, d)
-    if cfg.b_major == "k":
-        b = TmaBox("b", p.n, p.k, cfg.bn, cfg.bk, d)
+    if cfg.b_major == "k":  # a cluster's CTAs each load (and multicast) bn / cluster rows
+        b = TmaBox("b", p.n, p.k, cfg.bn // cfg.cluster, cfg.bk, d)
     else:
         b = TmaBox("b", p.k, p.n, cfg.bk, 128 // cfg.in_bytes, d)
     if not cfg.tma_store:

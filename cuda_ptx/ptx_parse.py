@@ -120,6 +120,7 @@ class PtxProgram:
     instrs: list[PtxInstr] = field(default_factory=list)
     labels: dict[str, int] = field(default_factory=dict)  # label -> index of the next instruction
     maxntid: int | None = None
+    cluster: tuple[int, int, int] | None = None  # .reqnctapercluster
 
     def reg_type(self, name: str) -> str:
         """The declared type of register ``name`` (``%rd3`` -> ``b64``)."""
@@ -129,7 +130,8 @@ class PtxProgram:
         return self.reg_types[m.group(1)]
 
 
-_SPECIAL = re.compile(r"%(tid|ntid|ctaid|nctaid)\.[xyz]|%laneid|%warpid")
+_SPECIAL = re.compile(r"%(tid|ntid|ctaid|nctaid|clusterid|nclusterid|cluster_ctaid|cluster_nctaid)\.[xyz]"
+                      r"|%laneid|%warpid|%cluster_ctarank|%cluster_nctarank")
 _REG = re.compile(r"%[a-z]+\d+")
 _INT = re.compile(r"-?(0[xX][0-9a-fA-F]+|\d+)")
 _FLT = re.compile(r"0[fF]([0-9a-fA-F]{8})")
@@ -229,6 +231,12 @@ def parse(ptx: str) -> PtxProgram:
             prog.maxntid = int(line.split()[1].rstrip(","))
             continue
         if line.startswith(".minnctapersm"):
+            continue
+        if line.startswith(".reqnctapercluster"):
+            dims = tuple(int(x) for x in line.split(None, 1)[1].replace(",", " ").split())
+            if len(dims) != 3:
+                raise PtxParseError(f"line {no}: .reqnctapercluster needs three extents, got {line!r}")
+            prog.cluster = dims
             continue
         if line == "{":
             in_body = True

@@ -54,6 +54,8 @@ def render(k: Kernel) -> str:
         out.append(".maxntid {}, {}, {}".format(*k.maxntid))
     if k.minnctapersm is not None:
         out.append(f".minnctapersm {k.minnctapersm}")
+    if k.cluster is not None:
+        out.append(".reqnctapercluster {}, {}, {}".format(*k.cluster))
     out.append("{")
     for cls, n in sorted(k.reg_counts.items()):
         if n:

@@ -11,7 +11,7 @@ from helios.errors import DTypeError, ShapeError
 
 def test_variants_are_the_ladder():
     assert list(cp.variants()) == ["simt", "mma_sync", "wgmma_tma", "wgmma_pipe", "wgmma_ws", "wgmma_fp8",
-                                   "wgmma_persistent"]
+                                   "wgmma_persistent", "wgmma_cluster"]
     for name, cfg in cp.variants().items():
         assert cfg.name == name
         cfg.validate()
@@ -70,6 +70,52 @@ def test_persistent_grid_is_one_cta_per_sm_up_to_the_tiles():
     assert operands.grid(cp.variants()["wgmma_ws"], operands.padded(cfg, 8192, 4096, 64), 132) == (16, 64)
     with pytest.raises(ValueError, match="sm_count"):
         operands.grid(cfg, operands.padded(cfg, 128, 256, 64), 0)
+
+
+def test_cluster_grid_is_whole_clusters_over_blocks_of_two_tile_rows():
+    from helios.cuda_ptx import operands
+
+    cl = cp.variants()["wgmma_cluster"]
+    assert operands.padded(cl, 300, 300, 64) == operands.Padded(512, 512, 64)  # M to 2 x bm: a pair of tiles
+    p = operands.padded(cl, 8192, 8192, 64)  # 32 x 64 blocks of 2 x 1 tiles
+    assert operands.grid(cl, p, 132) == (132, 1)  # 66 clusters of 2
+    assert operands.grid(cl, p, 132, clusters=60) == (120, 1)  # as many as can be resident
+    assert operands.grid(cl, operands.padded(cl, 256, 512, 64), 132) == (4, 1)  # 2 blocks
+    plain = cl.with_(persistent=False)
+    assert operands.grid(plain, p, 132) == (2048, 1)  # one cluster (2 CTAs) per block: 32 x 64 blocks
+    with pytest.raises(ValueError, match="resident"):
+        operands.grid(cl, p, 1, clusters=0)
+    # B's box is split between the two CTAs (K-major: half the rows; N-major: half the 64-column boxes)
+    assert operands.tma_boxes(cl, p)[1] == operands.TmaBox("b", 8192, 64, 128, 64)
+    assert operands.tma_boxes(cl.with_(b_major="n"), p)[1] == operands.TmaBox("b", 64, 8192, 64, 64)
+
+
+def test_cluster_config_is_checked():
+    ws = cp.variants()["wgmma_ws"]
+    with pytest.raises(ValueError, match="cluster must be 1 or 2"):
+        ws.with_(cluster=4).validate()
+    with pytest.raises(ValueError, match="warp-specialised"):
+        cp.variants()["wgmma_pipe"].with_(cluster=2).validate()
+    with pytest.raises(ShapeError, match="multiple of 128"):
+        ws.with_(cluster=2, b_major="n", bn=192).validate()
+    ws.with_(cluster=2, b_major="k", bn=192).validate()  # K-major halves any tile: 96 rows each
+
+
+def test_cluster_kernel_multicasts_b_and_releases_slots_to_every_cta():
+    ptx = cp.emit_gemm("wgmma_cluster")
+    assert ".reqnctapercluster 2, 1, 1" in ptx
+    loads = [ln.strip() for ln in ptx.splitlines() if "cp.async.bulk.tensor.2d.shared::cluster" in ln]
+    assert len(loads) == 2 and "multicast" not in loads[0]  # A: this CTA's own
+    assert loads[1].startswith("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+                               ".multicast::cluster") and loads[1].endswith(", %h0;")
+    assert "mov.b16 %h0, 3;" in ptx  # ctaMask: both CTAs
+    # every consumer warp's lane 0 releases a slot in both CTAs: 2 CTAs x 2 consumers x 4 warps
+    assert ptx.count("mbarrier.init.shared::cta.b64") == 8 and ", 16;" in ptx
+    assert ptx.count("mapa.shared::cluster.u32") == 4  # (in-loop + end-of-tile release) x 2 ranks
+    # a cta-scope release: .release.cluster would put a GPU-wide MEMBAR before every arrive
+    assert "mbarrier.arrive.shared::cluster.b64" in ptx and "arrive.release.cluster" not in ptx
+    assert ptx.count("barrier.cluster.arrive.release.aligned;") == 2  # after the init, before the exit
+    assert "%clusterid.x" in ptx and "%nclusterid.x" in ptx and "%cluster_ctarank" in ptx
 
 
 def test_fp8_uses_k32_e4m3():
@@ -192,7 +238,7 @@ def test_user_picks_b_major_on_any_16_bit_wgmma_config():
     cfg = cp.variants()["wgmma_ws"].with_(b_major="n", out_dtype="bf16")
     cfg.validate()
     assert cfg.kernel_name != cp.variants()["wgmma_ws"].kernel_name
-    assert [c.b_major for c in cp.variants().values() if c.kind == "wgmma"] == ["k"] * 5  # ladder unchanged
+    assert [c.b_major for c in cp.variants().values() if c.kind == "wgmma"] == ["k"] * 6  # ladder unchanged
 
 
 def test_tma_boxes_follow_b_major():

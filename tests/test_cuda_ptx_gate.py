@@ -21,7 +21,7 @@ G = gate.gate_configs()
 
 
 def test_gate_covers_the_ladder_and_n_major_twins_of_16_bit_wgmma():
-    twins = ("wgmma_tma", "wgmma_pipe", "wgmma_ws", "wgmma_persistent")
+    twins = ("wgmma_tma", "wgmma_pipe", "wgmma_ws", "wgmma_persistent", "wgmma_cluster")
     assert list(G) == [*V, *(f"{n}_nmajor" for n in twins)]
     for name in twins:
         twin = G[f"{name}_nmajor"]

@@ -29,6 +29,7 @@ SHAPES = {
     "wgmma_ws": (128, 256, 384),
     "wgmma_fp8": (128, 256, 640),
     "wgmma_persistent": (128, 512, 384),  # two tiles: one CTA walks both (sm_count=1)
+    "wgmma_cluster": (256, 512, 384),  # two blocks of 2 x 1 tiles: one cluster of two CTAs walks both
 }
 
 
@@ -80,6 +81,25 @@ def test_persistent_ctas_walk_every_tile_once(sm_count, group_m, b_major):
     rng = np.random.default_rng(11)
     a, b = _ints(rng, (5 * cfg.bm - 3, 3 * cfg.bk)), _ints(rng, (3 * cfg.bk, 2 * cfg.bn - 5))
     np.testing.assert_array_equal(emulate_gemm(a, b, cfg, sm_count=sm_count), a @ b)
+
+
+@pytest.mark.parametrize("persistent,sm_count,group_m,b_major", [
+    (True, 2, 8, "k"), (True, 6, 8, "n"), (True, 4, 0, "k"), (False, 132, 2, "n"), (False, 132, 0, "k")])
+def test_clusters_cover_every_tile_once(persistent, sm_count, group_m, b_major):
+    """3 x 2 blocks of 2 x 1 tiles (ragged M and N), by one to three persistent clusters
+    or one cluster per block; C starts NaN, so a tile no CTA of a cluster wrote shows."""
+    cfg = cp.variants()["wgmma_cluster"].with_(persistent=persistent, group_m=group_m, b_major=b_major)
+    rng = np.random.default_rng(13)
+    a, b = _ints(rng, (6 * cfg.bm - 3, 2 * cfg.bk)), _ints(rng, (2 * cfg.bk, 2 * cfg.bn - 5))
+    np.testing.assert_array_equal(emulate_gemm(a, b, cfg, sm_count=sm_count), a @ b)
+
+
+def test_fp8_and_bf16_output_in_clusters():
+    a, b = _operands("wgmma_cluster", seed=14)
+    fp8 = cp.variants()["wgmma_fp8"].with_(cluster=2)
+    np.testing.assert_array_equal(emulate_gemm(a, b, fp8), a @ b)
+    c = emulate_gemm(a, b, "wgmma_cluster", out_dtype="bfloat16")
+    np.testing.assert_array_equal(c, dtypes.decode(dtypes.encode(a @ b, "bf16"), "bf16"))
 
 
 def test_real_valued_inputs_match_an_fp32_reference_on_rounded_operands():
@@ -219,6 +239,78 @@ def test_tma_store_bugs_are_caught():
     # Thread 0 must not issue the store before the others have written the box.
     out = _outcome(v, re.sub(r"(fence\.proxy\.async\.shared::cta;)\n\s*bar\.sync %r\d+, 128;", r"\1", ptx))
     assert out != "ok", out
+
+
+def test_cluster_kernel_bugs_are_caught():
+    v = "wgmma_cluster"
+    ptx = cp.emit_gemm(v)
+    # Peers' barriers must be initialised before a producer multicasts into them.
+    sync = "barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;"
+    out = _outcome(v, ptx.replace(sync, "bar.sync 0;", 1))
+    assert out.startswith("error") and "before its mbarrier.init" in out, out
+    # No CTA may leave while its peer can still arrive on its barriers.
+    i = ptx.rindex("barrier.cluster.arrive")
+    out = _outcome(v, ptx[:i] + ptx[ptx.index("\n", ptx.index("barrier.cluster.wait", i)) + 1:])
+    assert out.startswith("error") and "exited" in out, out
+    # A slot is free only when the consumers of *both* CTAs are done with it: releasing it
+    # to this CTA's producer alone lets the peer's producer overwrite B under a wgmma.
+    local = re.sub(r"mapa\.shared::cluster\.u32 (%r\d+), (%r\d+), 0;", r"mov.u32 \1, \2;", ptx)
+    local = re.sub(r"mapa\.shared::cluster\.u32 (%r\d+), %r\d+, 1;\n\s*@%p\d+ mbarrier\.arrive[^\n]*\n", "", local)
+    local = re.sub(r"(mbarrier\.init\.shared::cta\.b64 \[%r\d+\+\d+\]), 16;", r"\1, 8;", local)
+    assert local.count("mapa") == 0 and local.count(", 8;") == 4
+    assert _outcome(v, local) == "wrong"
+    # B's share must reach every CTA (ctaMask 0b11); the peer waits forever for the rest.
+    out = _outcome(v, _edit(v, r"mov\.b16 (%h\d+), 3;", r"mov.b16 \1, 1;"), seeds=(0,))
+    assert out.startswith("error") and "deadlock" in out, out
+    # expect_tx must count the peer's share too, or the phase completes before it lands.
+    bytes_ = cp.gen_wgmma.WgmmaPlan(cp.variants()[v]).stage_bytes
+    out = _outcome(v, _edit(v, rf"(expect_tx\.shared::cta\.b64 _, \[%r\d+\]), {bytes_};", rf"\1, {bytes_ - 16384};"))
+    assert out != "ok", out
+
+
+def test_cluster_barrier_and_remote_arrive_on_a_small_kernel():
+    """Rank 1 arrives on rank 0's mbarrier through mapa; rank 0 waits for it; every thread
+    meets at barrier.cluster before the first remote use and before leaving."""
+    def kernel(wait_without_arrive=False):
+        b = Builder("t", "sm_90a", "8.0", 32)
+        b.kernel.cluster = (2, 1, 1)
+        out = b.param("out", "u64")
+        tid = b.sreg("%tid.x")
+        rank = b.sreg("%cluster_ctarank")
+        bar = ops.smem_base(b)
+        b.shared("bar", 8, align=8)
+        t0 = b.setp("eq", "u32", tid, 0)
+        with b.if_(t0):
+            b.emit("mbarrier.init.shared::cta.b64", f"[{bar}]", 1)
+        if not wait_without_arrive:
+            b.emit("barrier.cluster.arrive.release.aligned")
+        b.emit("barrier.cluster.wait.acquire.aligned")
+        is1 = b.setp("eq", "u32", rank, 1)
+        remote = b.reg("u32")
+        b.emit("mapa.shared::cluster.u32", remote, bar, 0)
+        arrive = b.reg("pred")
+        b.emit("and.pred", arrive, is1, t0)
+        b.emit("mbarrier.arrive.shared::cluster.b64", "_", f"[{remote}]", pred=arrive)
+        with b.if_(b.setp("eq", "u32", rank, 0)):
+            lbl, done = b.label("w"), b.reg("pred")
+            b.place(lbl)
+            b.emit("mbarrier.try_wait.parity.shared::cta.b64", done, f"[{bar}]", 0)
+            b.emit("bra", lbl, pred=done, negate=True)
+        cid = b.sreg("%clusterid.x")
+        _store_u32(b, out, b.mad("u32", b.sreg("%ctaid.x"), 32, tid), b.mad("u32", cid, 10, rank))
+        b.emit("barrier.cluster.arrive.release.aligned")
+        b.emit("barrier.cluster.wait.acquire.aligned")
+        return render(b.build())
+
+    mem = GlobalMemory()
+    out = mem.alloc(4 * 32 * 4)
+    emulate_kernel(kernel(), 32, 8, {"out": out}, mem, grid=(4, 1))
+    got = mem.view(out, 4 * 128).view(np.uint32).reshape(4, 32)
+    np.testing.assert_array_equal(got[:, 0], [0, 1, 10, 11])  # cluster id * 10 + rank
+    with pytest.raises(EmulationError, match="whole number of clusters"):
+        emulate_kernel(kernel(), 32, 8, {"out": out}, mem, grid=(3, 1))
+    with pytest.raises(EmulationError, match="barrier.cluster.wait without a barrier.cluster.arrive"):
+        emulate_kernel(kernel(wait_without_arrive=True), 32, 8, {"out": out}, mem, grid=(2, 1))
 
 
 def test_missing_expect_tx_is_caught():

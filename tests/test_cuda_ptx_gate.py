@@ -60,6 +60,8 @@ EXTRA = {
     "wgmma_persistent_st_global": V["wgmma_persistent"].with_(tma_store=False),
     "wgmma_pipe_tma_store_bf16out": V["wgmma_pipe"].with_(tma_store=True, out_dtype="bf16"),
     "wgmma_persistent_serial_rowwise_bf16out": V["wgmma_persistent"].with_(inflight=0, group_m=0, out_dtype="bf16"),
+    "wgmma_cluster_plain_st_global": V["wgmma_cluster"].with_(persistent=False, tma_store=False),
+    "wgmma_cluster_fp8": V["wgmma_fp8"].with_(cluster=2, persistent=True, tma_store=True),
 }
 
 
@@ -103,6 +105,16 @@ def test_gate_catches_b_read_in_the_wrong_layout(name):
     # K-major PTX judged as the N-major kernel: no HGMMA reads B transposed
     rep = gate.run_gate(n_cfg, cp.emit_gemm(k_cfg))
     assert not rep.ok and any("lack .tnspB" in f for f in rep.failures)
+
+
+@needs_ptxas
+@needs_sass
+def test_gate_catches_a_gpu_wide_fence_in_the_cluster_release():
+    # .release.cluster on the per-warp slot release makes ptxas put MEMBAR.ALL.GPU before each
+    ptx = cp.emit_gemm("wgmma_cluster").replace("mbarrier.arrive.shared::cluster.b64",
+                                                  "mbarrier.arrive.release.cluster.shared::cluster.b64")
+    rep = gate.run_gate(V["wgmma_cluster"], ptx, emulate=False)
+    assert not rep.ok and any("MEMBAR.ALL.GPU" in f for f in rep.failures), rep.failures
 
 
 @needs_ptxas

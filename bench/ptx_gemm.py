@@ -126,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
                 "ratio": round(h / p, 3), "unit": "TFLOP/s", "rel_err": err, "peer_rel_err": perr,
                 "peer_name": "torch._scaled_mm" if cfg.in_dtype == "e4m3" else "torch.matmul (cuBLAS)",
                 "b_major": bmaj, "inflight": cfg.inflight, "group_m": cfg.group_m, "stages": cfg.stages,
-                "persistent": cfg.persistent, "tma_store": cfg.tma_store,
+                "persistent": cfg.persistent, "tma_store": cfg.tma_store, "cluster": cfg.cluster,
+                "ctas": launch.grid[0] * launch.grid[1],
                 "device": ctx.name,
             }), flush=True)
     return 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import warnings
 from dataclasses import dataclass
 
 from helios.errors import DeviceError, OutOfMemoryError
@@ -185,6 +186,28 @@ class Context:
             ),
         )
         return ctypes.string_at(tmap.getPtr(), 128)
+
+    def max_active_clusters(self, fn: Function, cluster: int, threads: int) -> int:
+        """How many clusters of ``fn`` (``cluster`` CTAs of ``threads`` threads and its dynamic
+        shared memory each) the device can hold at once.
+
+        A persistent cluster kernel launches exactly that many: GPCs hold whole clusters
+        only, so ``sm_count // cluster`` can be more than fit, and the clusters left over
+        would run as a second wave after the others finished all their tiles.  If the
+        driver cannot say, a warning names why and ``sm_count // cluster`` is used.
+        """
+        cu = self.cu
+        cfg = cu.CUlaunchConfig()
+        cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = cluster, 1, 1
+        cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = threads, 1, 1
+        cfg.sharedMemBytes = fn.shared_bytes
+        cfg.numAttrs = 0  # the kernel's .reqnctapercluster gives the cluster shape
+        err, n = cu.cuOccupancyMaxActiveClusters(fn.handle, cfg)
+        if err != cu.CUresult.CUDA_SUCCESS or int(n) < 1:
+            warnings.warn(f"cuOccupancyMaxActiveClusters({fn.name}): {_err_text(cu, err)} ({int(n)} clusters); "
+                          f"assuming {self.sm_count // cluster}", RuntimeWarning, stacklevel=2)
+            return max(1, self.sm_count // cluster)
+        return int(n)
 
     # -- launch ----------------------------------------------------------------------
     def launch(self, fn: Function, grid: tuple[int, int, int], block: tuple[int, int, int], args: list) -> None:

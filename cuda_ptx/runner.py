@@ -60,6 +60,10 @@ class GemmLaunch:
         comp = toolchain.compile_ptx(ptx, cfg.target)
         self.fn = self.ctx.load(comp.cubin.read_bytes(), kern.name, kern.shared_bytes, comp.info.log)
         self.threads = kern.threads
+        # A persistent cluster kernel gets as many clusters as the device can hold at once.
+        clusters = (self.ctx.max_active_clusters(self.fn, cfg.cluster, self.threads)
+                    if cfg.cluster > 1 and cfg.persistent else None)
+        self.grid = operands.grid(cfg, self.padded, self.ctx.sm_count, clusters)
         esz, osz = cfg.in_bytes, 4 if cfg.out_dtype == "f32" else 2
         self.a_ptr = self.ctx.alloc(self.mp * self.kp * esz)
         self.b_ptr = self.ctx.alloc(self.kp * self.np_ * esz)
@@ -85,8 +89,7 @@ class GemmLaunch:
         """Launch once (asynchronously)."""
         if self._args is None:
             raise DeviceError("GemmLaunch.run() before upload(): no operands on the device")
-        gx, gy = operands.grid(self.cfg, self.padded, self.ctx.sm_count)
-        self.ctx.launch(self.fn, (gx, gy, 1), (self.threads, 1, 1), self._args)
+        self.ctx.launch(self.fn, (*self.grid, 1), (self.threads, 1, 1), self._args)
 
     def result(self) -> np.ndarray:
         """Synchronise and return C (M x N) as float32 (bf16 outputs widened exactly)."""

@@ -49,7 +49,7 @@ LAUNCH_CHECK = textwrap.dedent("""
     ref = r(a) @ r(b)
     tiles = -(-m // cfg.bm) * -(-n // cfg.bn)
     print(json.dumps({{"rel_err": float(np.abs(c - ref).max() / np.abs(ref).max()), "tiles": tiles,
-                      "sm_count": launch.ctx.sm_count}}))
+                      "ctas": launch.grid[0] * launch.grid[1], "sm_count": launch.ctx.sm_count}}))
 """)
 
 
@@ -57,7 +57,7 @@ def launch_check(name: str, b_major: str, m: int, n: int, k: int) -> str:
     """Python source that runs variant ``name`` with B stored ``b_major`` once through
     :class:`runner.GemmLaunch` on normal random inputs and prints one JSON line:
     ``rel_err`` (max |C - ref| / max |ref|, ref from the inputs rounded to the input
-    dtype), ``tiles`` and ``sm_count``.  Run it with :func:`runner.run_isolated`."""
+    dtype), ``tiles``, ``ctas`` (launched) and ``sm_count``.  Run it with :func:`runner.run_isolated`."""
     return LAUNCH_CHECK.format(args=(name, b_major, m, n, k))
 
 

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Every GPU check of helios.cuda_ptx in one command, for a machine with an NVIDIA GPU:
 #
-#   ./scripts/gpu_check.sh [RESULTS_DIR]      (default RESULTS_DIR: ./gpu-results)
+#   ./scripts/gpu_check.sh [RESULTS_DIR] [all|tests|bench]   (defaults: ./gpu-results, all)
+#
+# "tests" runs steps 1-3, "bench" steps 2, 4 and 5 (the smoke run decides what is left
+# out of the benchmark), so the whole can be split over two shorter sessions.
 #
 # It downloads nothing: the machine needs its driver, ptxas (the CUDA toolkit or the
 # nvidia-cuda-nvcc wheel), and a Python ($PYTHON, default python3) with numpy,
@@ -18,11 +21,14 @@
 #   4. bench/ptx_gemm.py at 4096 and 8192, B K-major, then N-major, one process per variant
 #      so that a kernel that hangs at size costs only its own line;
 #   5. the A/B of the pipeline choices: inflight=0 group_m=0 on the wgmma rungs at 8192, and
-#      wgmma_persistent with st.global instead of TMA stores (tma_store=0) at 4096 and 8192.
+#      wgmma_persistent with st.global instead of TMA stores (tma_store=0) at 4096 and 8192
+#      (wgmma_cluster against wgmma_persistent is the A/B of cluster multicast: step 4).
 # RESULTS_DIR gets env.txt, gate.log, smoke.jsonl, gpu_tests.log, bench.log and ptx_gemm.jsonl.
 set -uo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 out=$(mkdir -p "${1:-$repo/gpu-results}" && cd "${1:-$repo/gpu-results}" && pwd)
+part=${2:-all}
+case $part in all|tests|bench) ;; *) echo "gpu_check: the second argument is all, tests or bench, not '$part'" >&2; exit 1 ;; esac
 py=${PYTHON:-python3}
 bench_timeout=${HELIOS_GPU_BENCH_TIMEOUT:-240}
 [ -d /usr/local/cuda/bin ] && export PATH=$PATH:/usr/local/cuda/bin
@@ -58,9 +64,9 @@ step() {  # step NAME LOG CMD...: run CMD, tee its output to LOG, remember a fai
     fi
 }
 
-step gate "$out/gate.log" "$py" -m helios.cuda_ptx.gate
+[ "$part" != bench ] && step gate "$out/gate.log" "$py" -m helios.cuda_ptx.gate
 if ! why=$("$py" -c "from helios.cuda_ptx import driver; ok, why = driver.driver_status(); print(why); raise SystemExit(0 if ok else 1)"); then
-    echo "gpu_check: no usable CUDA driver ($why); only the gate ran${failed:+, and it failed}" >&2
+    echo "gpu_check: no usable CUDA driver ($why): nothing that needs a GPU ran${failed:+; the gate failed}" >&2
     [ ${#failed[@]} -ne 0 ] && exit 1
     exit 2
 fi
@@ -72,7 +78,13 @@ print(','.join(d['name'] + ':' + d['b_major'] for d in map(json.loads, sys.stdin
 export HELIOS_GPU_SKIP
 [ -n "$HELIOS_GPU_SKIP" ] && echo "gpu_check: hung in the smoke run, left out below: $HELIOS_GPU_SKIP"
 
-step gpu-tests "$out/gpu_tests.log" "$py" -m pytest -q -p no:cacheprovider -m gpu "$repo/tests/test_cuda_ptx_driver.py"
+[ "$part" != bench ] && step gpu-tests "$out/gpu_tests.log" "$py" -m pytest -q -p no:cacheprovider -m gpu \
+    "$repo/tests/test_cuda_ptx_driver.py"
+if [ "$part" = tests ]; then
+    [ ${#failed[@]} -ne 0 ] && { echo "gpu_check: failed: ${failed[*]}" >&2; exit 1; }
+    echo "gpu_check: the gate, smoke run and GPU tests passed"
+    exit 0
+fi
 
 variants=$("$py" -c "from helios.cuda_ptx import variants; print(' '.join(variants()))")
 bench() {  # bench VARIANT B_MAJOR ARGS...: one bench process, unless the pair hung in the smoke run
@@ -86,7 +98,7 @@ for v in $variants; do
     bench "$v" k --sizes 4096 8192
 done
 for v in $variants; do
-    case $v in wgmma_tma|wgmma_pipe|wgmma_ws|wgmma_persistent) bench "$v" n --sizes 4096 8192 ;; esac
+    case $v in wgmma_tma|wgmma_pipe|wgmma_ws|wgmma_persistent|wgmma_cluster) bench "$v" n --sizes 4096 8192 ;; esac
 done
 for v in wgmma_pipe wgmma_ws wgmma_fp8 wgmma_persistent; do
     bench "$v" k --sizes 8192 --set inflight=0 --set group_m=0

@@ -27,6 +27,34 @@ def test_without_a_driver_gemm_says_why():
         cp.gemm(np.ones((4, 4)), np.ones((4, 4)))
 
 
+def test_max_active_clusters_asks_the_driver_and_falls_back_with_a_warning():
+    """Without a GPU: the query's launch config and both of its outcomes, on a stand-in driver."""
+    from cuda.bindings import driver as real
+
+    class FakeDriver:
+        CUlaunchConfig, CUresult = real.CUlaunchConfig, real.CUresult
+        answer = (real.CUresult.CUDA_SUCCESS, 60)
+
+        def cuOccupancyMaxActiveClusters(self, handle, cfg):
+            self.seen = (handle, cfg.gridDimX, cfg.blockDimX, cfg.sharedMemBytes)
+            return self.answer
+
+        def cuGetErrorName(self, err):
+            return real.CUresult.CUDA_SUCCESS, b"CUDA_ERROR_INVALID_CLUSTER_SIZE"
+
+        def cuGetErrorString(self, err):
+            return real.CUresult.CUDA_SUCCESS, b"invalid cluster size"
+
+    ctx = object.__new__(driver.Context)
+    ctx.cu, ctx.sm_count = FakeDriver(), 132
+    fn = driver.Function("handle", "k", 229376)
+    assert ctx.max_active_clusters(fn, 2, 384) == 60
+    assert ctx.cu.seen == ("handle", 2, 384, 229376)
+    ctx.cu.answer = (real.CUresult.CUDA_ERROR_INVALID_CLUSTER_SIZE, 0)
+    with pytest.warns(RuntimeWarning, match="assuming 66"):
+        assert ctx.max_active_clusters(fn, 2, 384) == 66
+
+
 def test_isolated_run_times_out_with_a_hang_message():
     with pytest.raises(DeviceError, match="mbarrier"):
         runner.run_isolated("import time; time.sleep(30)", timeout=0.5)
@@ -83,7 +111,7 @@ def test_gemm_matches_numpy_on_gpu(name, out_dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["wgmma_tma", "wgmma_pipe", "wgmma_ws", "wgmma_persistent"])
+@pytest.mark.parametrize("name", ["wgmma_tma", "wgmma_pipe", "wgmma_ws", "wgmma_persistent", "wgmma_cluster"])
 @pytest.mark.parametrize("b_major", ["k", "n"])
 def test_wgmma_both_b_layouts_on_gpu(name, b_major):
     """gemm() runs 16-bit wgmma N-major; this keeps the K-major (Linear weight) form covered too."""
@@ -94,14 +122,17 @@ def test_wgmma_both_b_layouts_on_gpu(name, b_major):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name", ["wgmma_persistent", "wgmma_cluster"])
 @pytest.mark.parametrize("b_major", ["k", "n"])
-def test_persistent_ctas_take_several_tiles_on_gpu(b_major):
-    """More tiles than SMs (ragged 4000 x 2000: 32 x 8 tiles), so each CTA walks several."""
-    _gpu_ready("wgmma_persistent", b_major)
-    r = runner.run_isolated(smoke.launch_check("wgmma_persistent", b_major, 4000, 2000, 264), timeout=300)
+def test_persistent_ctas_take_several_tiles_on_gpu(name, b_major):
+    """More tiles than CTAs (ragged 4000 x 2000: 32 x 8 tiles), so each CTA walks several;
+    a cluster kernel launches whole clusters, as many as the device holds at once."""
+    _gpu_ready(name, b_major)
+    r = runner.run_isolated(smoke.launch_check(name, b_major, 4000, 2000, 264), timeout=300)
     assert r.returncode == 0, r.stderr
     res = json.loads(r.stdout.strip().splitlines()[-1])
-    assert res["tiles"] > res["sm_count"], res
+    assert res["tiles"] > res["ctas"] and res["ctas"] <= res["sm_count"], res
+    assert res["ctas"] % cp.variants()[name].cluster == 0, res
     assert res["rel_err"] < 1e-5, res
 
 

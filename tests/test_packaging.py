@@ -50,3 +50,6 @@ def test_gpu_check_script_installs_without_native_parts_and_runs_the_gate(tmp_pa
     assert [x["name"] for x in lines] == list(gate.gate_configs())
     assert all(x["ok"] for x in lines), lines
     assert "ptxas" in (out / "env.txt").read_text()
+    bad = subprocess.run([os.path.join(ROOT, "scripts", "gpu_check.sh"), str(out), "everything"], capture_output=True,
+                         text=True, env=env, timeout=60)
+    assert bad.returncode == 1 and "all, tests or bench" in bad.stderr

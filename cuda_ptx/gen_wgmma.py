@@ -329,7 +329,8 @@ def generate(cfg: GemmConfig) -> Kernel:
                     b.emit("wgmma.wait_group.sync.aligned", 1)
                     has_prev = b.setp("ne", "u32", kt, 0)
                     with b.if_(has_prev):
-                        release(b.binop("sub", "u32", kt, 1), prev)
+                        # only the single-warpgroup release refills, so only it needs the k-tile
+                        release(None if cfg.producer else b.binop("sub", "u32", kt, 1), prev)
                     b.emit("mov.u32", prev, slot)
                 advance(slot, phase)
             if cfg.inflight:
@@ -412,9 +413,13 @@ def generate(cfg: GemmConfig) -> Kernel:
 
 
 def _cluster_sync(b: Builder) -> None:
-    """Every thread of every CTA in the cluster meets here (``barrier.cluster``)."""
-    b.emit("barrier.cluster.arrive.release.aligned")
-    b.emit("barrier.cluster.wait.acquire.aligned")
+    """Every thread of every CTA in the cluster meets here (``barrier.cluster``).
+
+    Not ``.aligned``: it follows code where a warp's lanes parted (thread 0 initialising
+    the barriers, or streaming every tile as the producer), and the plain form does not
+    need the warp to have reconverged."""
+    b.emit("barrier.cluster.arrive.release")
+    b.emit("barrier.cluster.wait.acquire")
 
 
 def _cluster_walk(b: Builder, cfg: GemmConfig, pm, n_r, rank):

@@ -114,7 +114,7 @@ def test_cluster_kernel_multicasts_b_and_releases_slots_to_every_cta():
     assert ptx.count("mapa.shared::cluster.u32") == 4  # (in-loop + end-of-tile release) x 2 ranks
     # a cta-scope release: .release.cluster would put a GPU-wide MEMBAR before every arrive
     assert "mbarrier.arrive.shared::cluster.b64" in ptx and "arrive.release.cluster" not in ptx
-    assert ptx.count("barrier.cluster.arrive.release.aligned;") == 2  # after the init, before the exit
+    assert ptx.count("barrier.cluster.arrive.release;") == 2  # after the init, before the exit
     assert "%clusterid.x" in ptx and "%nclusterid.x" in ptx and "%cluster_ctarank" in ptx
 
 

@@ -245,7 +245,7 @@ def test_cluster_kernel_bugs_are_caught():
     v = "wgmma_cluster"
     ptx = cp.emit_gemm(v)
     # Peers' barriers must be initialised before a producer multicasts into them.
-    sync = "barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;"
+    sync = "barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;"
     out = _outcome(v, ptx.replace(sync, "bar.sync 0;", 1))
     assert out.startswith("error") and "before its mbarrier.init" in out, out
     # No CTA may leave while its peer can still arrive on its barriers.

@@ -203,11 +203,13 @@ class Context:
         cfg.sharedMemBytes = fn.shared_bytes
         cfg.numAttrs = 0  # the kernel's .reqnctapercluster gives the cluster shape
         err, n = cu.cuOccupancyMaxActiveClusters(fn.handle, cfg)
-        if err != cu.CUresult.CUDA_SUCCESS or int(n) < 1:
-            warnings.warn(f"cuOccupancyMaxActiveClusters({fn.name}): {_err_text(cu, err)} ({int(n)} clusters); "
-                          f"assuming {self.sm_count // cluster}", RuntimeWarning, stacklevel=2)
+        n = int(n) if n is not None else 0  # the bindings return (error, None) on failure
+        if err != cu.CUresult.CUDA_SUCCESS or n < 1:
+            why = _err_text(cu, err) if err != cu.CUresult.CUDA_SUCCESS else "no cluster fits"
+            warnings.warn(f"cuOccupancyMaxActiveClusters({fn.name}): {why}; assuming {self.sm_count // cluster}",
+                          RuntimeWarning, stacklevel=2)
             return max(1, self.sm_count // cluster)
-        return int(n)
+        return n
 
     # -- launch ----------------------------------------------------------------------
     def launch(self, fn: Function, grid: tuple[int, int, int], block: tuple[int, int, int], args: list) -> None:

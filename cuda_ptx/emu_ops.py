@@ -293,20 +293,22 @@ def _mbarrier(cta, ins, lanes):
         return None
     verb = ins.parts[1]
     if verb == "init":
-        addr, uniq, _ = _per_address(cta, ins, lanes, ins.args[0])
+        addr = cta.address(ins.args[0], lanes)
         count = int(cta.read(ins.args[1], lanes[:1], "u32")[0])
-        for a in uniq.tolist():
+        for t, a in zip(lanes.tolist(), addr.tolist()):
             if a % 8:
                 raise cta.fail(f"mbarrier at {a:#x} is not 8-byte aligned")
             cta.smem_index(np.array([a]), 8)
-            cta.mbars[a] = MBarrier(count, count)
+            cta.mbars[a] = MBarrier(count, count, published=False, init_thread=t)
         return None
     if verb == "arrive":
         addr, uniq, counts = _per_address(cta, ins, lanes, ins.args[1])
         tx = int(cta.read(ins.args[2], lanes[:1], "u32")[0]) if "expect_tx" in ins.parts else 0
-        remote = "shared::cluster" in ins.parts  # the address may name a peer CTA's barrier (mapa)
+        if "shared::cluster" in ins.parts:  # the address may name a peer CTA's barrier (mapa)
+            _remote_arrive(cta, ins, lanes, addr, tx)
+            return None
         for a, n in zip(uniq.tolist(), counts.tolist()):
-            b = cta.cluster_mbar(a) if remote else cta.mbar(a)
+            b = cta.mbar(a)
             if tx:
                 b.expect_tx(tx * n)
             b.arrive(n, cta.where())
@@ -320,6 +322,22 @@ def _mbarrier(cta, ins, lanes):
         cta.write(ins.args[0], lanes, ok)
         return None if ok.any() else "spin"
     raise cta.fail(f"{ins.op} is not modelled")
+
+
+def _remote_arrive(cta, ins, lanes, addr, tx: int) -> None:
+    """``mbarrier.arrive.shared::cluster``: one arrival per lane on the barrier its address
+    names (this CTA's or a peer's).
+
+    It takes effect at once, but an arrival on a peer's barrier stays *unordered* until the
+    arriving thread's next releasing ``barrier.cluster.arrive``: a peer that exits while
+    one is unordered is an error (the arrival may still be in flight on a GPU)."""
+    if tx:
+        raise cta.fail("expect_tx on a shared::cluster barrier address is not modelled")
+    for t, a in zip(lanes.tolist(), addr.tolist()):
+        owner, _ = cta.resolve_shared(int(a))
+        cta.cluster_mbar(int(a)).arrive(1, cta.where())
+        if owner is not cta:
+            cta.unordered_remote.setdefault(t, set()).add(owner.rank)
 
 
 def _tma_load(cta, ins, lanes):
@@ -364,6 +382,10 @@ def _tma_load(cta, ins, lanes):
                 raise cta.fail(f"TMA completes on the mbarrier at {bar:#x} of CTA rank {tgt.rank} before its "
                                "mbarrier.init" + (" (a barrier.cluster after the init orders a peer's)"
                                                   if tgt is not cta else ""))
+            if tgt is not cta and not tgt.mbars[bar].published:
+                raise cta.fail(f"TMA multicast completes on the mbarrier at {bar:#x} of CTA rank {tgt.rank}, "
+                               "which was not published to the cluster (fence.mbarrier_init.release.cluster "
+                               "after its init)")
             cta.schedule_tma(lambda tgt=tgt, dst=dst, bar=bar, tm=tm, c0=c0, c1=c1: _land_box(tgt, dst, bar, tm, c0, c1))
 
 
@@ -393,9 +415,12 @@ def _land_box(tgt, dst: int, bar: int, tm, c0: int, c1: int) -> None:
 
 def _fence(cta, ins, lanes):
     """``fence.proxy.async``: this thread's shared-memory writes so far become visible to
-    the async proxy (TMA).  Other fences order nothing the emulator models."""
+    the async proxy (TMA).  ``fence.mbarrier_init``: the barriers this thread initialised
+    are published to the cluster's peers.  Other fences order nothing the emulator models."""
     if ins.parts[1] == "proxy" and ins.parts[2].startswith("async"):
         cta.fenced_upto[lanes] = cta.write_seq
+    elif ins.parts[1] == "mbarrier_init":
+        cta.publish_barriers(lanes)
 
 
 def _mapa(cta, ins, lanes):
@@ -412,18 +437,22 @@ def _mapa(cta, ins, lanes):
 
 
 def _barrier(cta, ins, lanes):
-    """``barrier.cluster.arrive`` / ``barrier.cluster.wait`` (``bar.sync``/``barrier.sync`` are the scheduler's).
+    """``barrier.cluster.arrive`` / ``barrier.cluster.wait`` (``barrier.sync`` is the scheduler's).
 
     Each thread arrives once, then waits until every thread of the cluster has arrived;
-    a wait that cannot pass yet leaves the warp where it is (``"spin"``).
+    a wait that cannot pass yet leaves the warp where it is (``"spin"``).  A releasing
+    arrive (not ``.relaxed``) orders the thread's earlier remote arrivals before the
+    barrier and publishes the barriers it initialised.
     """
     p = ins.parts
-    if p[1] != "cluster":
-        return None
     cb = cta.cluster_barrier
     if p[2] == "arrive":
         if cta.cb_arrived[lanes].any():
             raise cta.fail("barrier.cluster.arrive twice without a barrier.cluster.wait in between")
+        if "relaxed" not in p:  # .release (the default): this thread's earlier operations complete first
+            cta.publish_barriers(lanes)
+            for t in lanes.tolist():
+                cta.unordered_remote.pop(t, None)
         cta.cb_arrived[lanes] = True
         cta.cb_generation[lanes] = cb.generation
         cb.arrive(lanes.size)
@@ -672,6 +701,8 @@ def handler_for(ins: PtxInstr):
             return _cp_wait
         if p[2] in ("ca", "cg"):
             return _cp_async
+    if head == "barrier" and p[1] not in ("cluster", "sync"):
+        raise EmulationError(f"PTX line {ins.line}: {ins.text}: instruction {ins.op} is not modelled by the emulator")
     if head in _TABLE:
         return _TABLE[head]
     raise EmulationError(f"PTX line {ins.line}: {ins.text}: instruction {ins.op} is not modelled by the emulator")

@@ -123,6 +123,11 @@ class MBarrier:
     pending: int
     tx: int = 0
     phase: int = 0
+    # Peers of a cluster may use a barrier only once it is published to the cluster: its
+    # initialising thread ran fence.mbarrier_init.release.cluster or a releasing
+    # barrier.cluster.arrive after the init.
+    published: bool = True
+    init_thread: int = -1
 
     def arrive(self, n: int, where: str) -> bool:
         """``n`` arrivals; returns True when they complete the phase."""

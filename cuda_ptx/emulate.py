@@ -53,10 +53,13 @@ def emulate_kernel(ptx: str, threads: int, shared_bytes: int, params: dict[str, 
     if grid[0] % size:
         raise EmulationError(f"grid {grid} is not a whole number of clusters of {size} CTAs along x: "
                              "the launch would fail (CUDA_ERROR_INVALID_CLUSTER_SIZE)")
-    for i, (cx, y) in enumerate(dict.fromkeys((x // size, y) for x, y in todo)):
+    blocks = list(dict.fromkeys((x // size, y) for x, y in todo))
+    # independent random streams for every CTA and every cluster scheduler, and for each seed
+    for seq, (cx, y) in zip(np.random.SeedSequence(seed).spawn(len(blocks)), blocks):
+        streams = seq.spawn(size + 1)
         members = [Cta(prog, threads, shared_bytes, params, memory, (cx * size + r, y, 0), full,
-                       seed=seed + i * size + r) for r in range(size)]
-        Cluster(members, dims, seed=seed + i).run()
+                       seed=streams[r]) for r in range(size)]
+        Cluster(members, dims, seed=streams[size]).run()
 
 
 def emulate_gemm(a: np.ndarray, b: np.ndarray, variant: str | GemmConfig = "wgmma_ws", out_dtype: str = "float32",

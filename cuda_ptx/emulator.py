@@ -28,8 +28,11 @@ Model
   peer's shared memory (``emu_state.SMEM_CLUSTER_BASE``); ``mbarrier.arrive`` may target
   a peer's barrier; a multicast TMA copy lands in each CTA of its mask separately, each
   at its own random time; ``barrier.cluster.arrive/wait`` is the cluster-wide barrier.
-  Touching a peer's barrier before it was initialised, or a peer that has exited, is an
-  error -- the missing ``barrier.cluster`` after init or before exit.
+  Touching a peer's barrier before it was initialised and published (``fence.mbarrier_init``
+  or a releasing ``barrier.cluster.arrive`` by its initialising thread), or a peer that
+  has exited, is an error -- the missing ``barrier.cluster`` after init or before exit --
+  and so is a CTA leaving while a peer thread's arrival on its barriers is not ordered
+  before the exit by that thread's releasing ``barrier.cluster.arrive``.
 
 Instruction semantics live in :mod:`emu_ops`.
 """
@@ -73,7 +76,7 @@ class Cta:
 
     def __init__(self, prog: PtxProgram, threads: int, shared_bytes: int, params: dict[str, object],
                  memory: GlobalMemory, ctaid: tuple[int, int, int], nctaid: tuple[int, int, int],
-                 seed: int = 0, max_tma_delay: int = TMA_MAX_DELAY) -> None:
+                 seed: int | np.random.SeedSequence = 0, max_tma_delay: int = TMA_MAX_DELAY) -> None:
         if threads % 32:
             raise EmulationError(f"CTA of {threads} threads is not a whole number of warps")
         self.prog, self.T, self.mem = prog, threads, memory
@@ -121,6 +124,7 @@ class Cta:
         self.cluster_barrier = ClusterBarrier(threads)
         self.cb_arrived = np.zeros(threads, bool)  # arrived at barrier.cluster, not yet past its wait
         self.cb_generation = np.zeros(threads, np.int64)  # the barrier generation each thread arrived in
+        self.unordered_remote: dict[int, set[int]] = {}  # thread -> ranks it arrived on, not yet released
         self.exited = False
 
     # -- messages ----------------------------------------------------------------------
@@ -291,14 +295,27 @@ class Cta:
         return peer, SMEM_BASE + off
 
     def cluster_mbar(self, addr: int) -> MBarrier:
-        """The mbarrier at a shared::cluster (or shared::cta) address, in whichever CTA holds it."""
+        """The mbarrier at a shared::cluster (or shared::cta) address, in whichever CTA holds it;
+        a peer's must have been initialised and published to the cluster."""
         owner, local = self.resolve_shared(addr)
         b = owner.mbars.get(local)
         if b is None:
             raise self.fail(f"mbarrier at shared {local:#x} of CTA rank {owner.rank} used before mbarrier.init"
                             + (" (a peer's barrier: a barrier.cluster between the init and first use orders it)"
                                if owner is not self else ""))
+        if owner is not self and not b.published:
+            raise self.fail(f"mbarrier at shared {local:#x} of CTA rank {owner.rank} used by a peer before it was "
+                            "published to the cluster (fence.mbarrier_init.release.cluster after the init, or a "
+                            ".release barrier.cluster.arrive)")
         return b
+
+    def publish_barriers(self, lanes: np.ndarray) -> None:
+        """The barriers these threads initialised become usable by the cluster's peers."""
+        mine = set(lanes.tolist())
+        for b in self.mbars.values():
+            if b.init_thread in mine:
+                b.published = True
+
 
     def mbar(self, addr: int) -> MBarrier:
         b = self.mbars.get(addr)
@@ -463,12 +480,14 @@ class Cta:
             op[1]()
         return len(ready)
 
-    def schedule_tma(self, complete) -> tuple:
+    def schedule_tma(self, complete, max_rounds: int | None = None) -> tuple:
         """Queue an asynchronous copy: a quarter land right after this warp's turn (before the
         other warps move: exposes missing "slot is free" barriers), the rest up to
-        ``max_tma_delay`` rounds later (exposes missing "data has landed" waits)."""
+        ``max_rounds`` (default ``max_tma_delay``) rounds later (exposes missing "data has
+        landed" waits)."""
+        rounds = self.max_tma_delay if max_rounds is None else max_rounds
         late = self.rng.random() >= 0.25
-        delay = int(self.rng.integers(1, self.max_tma_delay * self.nwarps + 1)) if late else 0
+        delay = int(self.rng.integers(1, rounds * self.nwarps + 1)) if late else 0
         entry = (self.step + delay, complete)
         self.tma_queue.append(entry)
         return entry
@@ -505,7 +524,7 @@ class Cluster:
     MAX_START_SKEW = 6
     SIT_OUT = 0.25
 
-    def __init__(self, ctas: list[Cta], dims: tuple[int, int, int], seed: int = 0) -> None:
+    def __init__(self, ctas: list[Cta], dims: tuple[int, int, int], seed: int | np.random.SeedSequence = 0) -> None:
         self.ctas = ctas
         barrier = ClusterBarrier(sum(c.T for c in ctas))
         for rank, c in enumerate(ctas):
@@ -513,6 +532,17 @@ class Cluster:
         self.rng = np.random.default_rng(seed)
         self.start = self.rng.integers(0, self.MAX_START_SKEW + 1, len(ctas))
         self.start -= self.start.min()
+
+    def _check_no_unordered_arrivals_on(self, leaving: Cta) -> None:
+        """A CTA may leave only once every peer's remote arrival on its barriers is ordered
+        before its exit (a releasing barrier.cluster.arrive by the arriving thread)."""
+        for peer in self.ctas:
+            late = [t for t, ranks in peer.unordered_remote.items() if leaving.rank in ranks]
+            if late:
+                raise EmulationError(
+                    f"CTA {leaving.ctaid[:2]} exited while the remote mbarrier arrivals of CTA {peer.ctaid[:2]} "
+                    f"thread {late[0]} on its barriers were not ordered before the exit: the arriving thread "
+                    "needs a .release barrier.cluster.arrive (not .relaxed) before the final wait")
 
     def run(self) -> None:
         """Run every CTA of the cluster to completion."""
@@ -526,7 +556,12 @@ class Cluster:
             rnd += 1
             progress = 0
             for i in self.rng.permutation(run):
-                progress += self.ctas[i].run_round(orders[i])
+                c = self.ctas[i]
+                progress += c.run_round(orders[i])
+                if not c.alive.any():  # gone at once: a peer's later access this round is an error
+                    c._check_idle_at_exit()
+                    self._check_no_unordered_arrivals_on(c)
+                    c.exited = True
             if progress == 0 and everyone:
                 # Nothing could move: land one copy, from any CTA that has some in flight.
                 waiting = [c for c in self.ctas if c.tma_queue]
@@ -537,10 +572,6 @@ class Cluster:
                                          + ": deadlock -- no thread can make progress\n"
                                          + "\n".join(f" CTA {c.ctaid[:2]} (rank {c.rank}):\n{c.describe()}"
                                                      for c in self.ctas if not c.exited))
-            for c in self.ctas:
-                if not c.exited and not c.alive.any():
-                    c._check_idle_at_exit()
-                    c.exited = True
 
 
 def _ranges(lanes: np.ndarray) -> str:

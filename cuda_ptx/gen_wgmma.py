@@ -210,8 +210,9 @@ def generate(cfg: GemmConfig) -> Kernel:
         b.emit("fence.mbarrier_init.release.cluster")
         b.emit("fence.proxy.async.shared::cta")
     if cfg.cluster > 1:
-        # Every CTA's barriers exist before a peer arrives on them or multicasts into them.
-        _cluster_sync(b)
+        # Every CTA's barriers exist before a peer arrives on them or multicasts into them;
+        # fence.mbarrier_init.release.cluster above published them, so .relaxed suffices.
+        _cluster_sync(b, "relaxed")
     else:
         ops.bar_sync(b, 0)
 
@@ -412,13 +413,16 @@ def generate(cfg: GemmConfig) -> Kernel:
     return b.build()
 
 
-def _cluster_sync(b: Builder) -> None:
+def _cluster_sync(b: Builder, sem: str = "release") -> None:
     """Every thread of every CTA in the cluster meets here (``barrier.cluster``).
 
+    ``sem="release"`` makes each thread's earlier memory operations -- its remote
+    ``mbarrier.arrive`` on a peer's barrier too -- complete before the peer passes the
+    wait (ptxas: ``MEMBAR.ALL.GPU`` before the arrive); ``"relaxed"`` orders nothing.
     Not ``.aligned``: it follows code where a warp's lanes parted (thread 0 initialising
     the barriers, or streaming every tile as the producer), and the plain form does not
     need the warp to have reconverged."""
-    b.emit("barrier.cluster.arrive.release")
+    b.emit(f"barrier.cluster.arrive.{sem}")
     b.emit("barrier.cluster.wait.acquire")
 
 

@@ -76,6 +76,9 @@ def grid(cfg: GemmConfig, p: Padded, sm_count: int, clusters: int | None = None)
     if cfg.persistent and sm_count < 1:
         raise ValueError(f"a persistent kernel needs sm_count >= 1, got {sm_count}")
     if cfg.cluster > 1:
+        if tiles_m % cfg.cluster:
+            raise ShapeError(f"M={p.m} is not a whole number of {cfg.cluster} x {cfg.bm}-row blocks: pad it with "
+                             "operands.padded(), which rounds M to the cluster's rows")
         blocks = tiles_n * (tiles_m // cfg.cluster)
         if cfg.persistent:
             resident = clusters if clusters is not None else sm_count // cfg.cluster

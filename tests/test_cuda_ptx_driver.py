@@ -50,8 +50,11 @@ def test_max_active_clusters_asks_the_driver_and_falls_back_with_a_warning():
     fn = driver.Function("handle", "k", 229376)
     assert ctx.max_active_clusters(fn, 2, 384) == 60
     assert ctx.cu.seen == ("handle", 2, 384, 229376)
-    ctx.cu.answer = (real.CUresult.CUDA_ERROR_INVALID_CLUSTER_SIZE, 0)
-    with pytest.warns(RuntimeWarning, match="assuming 66"):
+    ctx.cu.answer = (real.CUresult.CUDA_ERROR_INVALID_CLUSTER_SIZE, None)  # what the bindings return on failure
+    with pytest.warns(RuntimeWarning, match="CUDA_ERROR_INVALID_CLUSTER_SIZE.*assuming 66"):
+        assert ctx.max_active_clusters(fn, 2, 384) == 66
+    ctx.cu.answer = (real.CUresult.CUDA_SUCCESS, 0)
+    with pytest.warns(RuntimeWarning, match="no cluster fits; assuming 66"):
         assert ctx.max_active_clusters(fn, 2, 384) == 66
 
 

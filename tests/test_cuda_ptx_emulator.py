@@ -245,7 +245,7 @@ def test_cluster_kernel_bugs_are_caught():
     v = "wgmma_cluster"
     ptx = cp.emit_gemm(v)
     # Peers' barriers must be initialised before a producer multicasts into them.
-    sync = "barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;"
+    sync = "barrier.cluster.arrive.relaxed;\n\tbarrier.cluster.wait.acquire;"
     out = _outcome(v, ptx.replace(sync, "bar.sync 0;", 1))
     assert out.startswith("error") and "before its mbarrier.init" in out, out
     # No CTA may leave while its peer can still arrive on its barriers.
@@ -262,6 +262,18 @@ def test_cluster_kernel_bugs_are_caught():
     # B's share must reach every CTA (ctaMask 0b11); the peer waits forever for the rest.
     out = _outcome(v, _edit(v, r"mov\.b16 (%h\d+), 3;", r"mov.b16 \1, 1;"), seeds=(0,))
     assert out.startswith("error") and "deadlock" in out, out
+    # The barriers are published to the peers by fence.mbarrier_init (the first
+    # barrier.cluster is .relaxed and orders nothing by itself) ...
+    out = _outcome(v, ptx.replace("fence.mbarrier_init.release.cluster;", ""), seeds=(0,))
+    assert out.startswith("error") and "not published to the cluster" in out, out
+    # ... though a .release barrier publishes them as well.
+    valid = ptx.replace("fence.mbarrier_init.release.cluster;", "").replace(
+        "barrier.cluster.arrive.relaxed;", "barrier.cluster.arrive.release;")
+    assert _outcome(v, valid, seeds=(0,)) == "ok"
+    # The final barrier must be a release: a remote arrive is asynchronous, and a .relaxed
+    # arrive lets the peer leave before this CTA's last arrivals on its barriers land.
+    out = _outcome(v, ptx.replace("barrier.cluster.arrive.release;", "barrier.cluster.arrive.relaxed;"), seeds=(0,))
+    assert out.startswith("error") and "not ordered before the exit" in out, out
     # expect_tx must count the peer's share too, or the phase completes before it lands.
     bytes_ = cp.gen_wgmma.WgmmaPlan(cp.variants()[v]).stage_bytes
     out = _outcome(v, _edit(v, rf"(expect_tx\.shared::cta\.b64 _, \[%r\d+\]), {bytes_};", rf"\1, {bytes_ - 16384};"))
@@ -311,6 +323,9 @@ def test_cluster_barrier_and_remote_arrive_on_a_small_kernel():
         emulate_kernel(kernel(), 32, 8, {"out": out}, mem, grid=(3, 1))
     with pytest.raises(EmulationError, match="barrier.cluster.wait without a barrier.cluster.arrive"):
         emulate_kernel(kernel(wait_without_arrive=True), 32, 8, {"out": out}, mem, grid=(2, 1))
+    with pytest.raises(EmulationError, match="barrier.arrive is not modelled"):
+        emulate_kernel(kernel().replace("barrier.cluster.wait.acquire.aligned;", "barrier.arrive 1, 64;", 1),
+                       32, 8, {"out": out}, mem, grid=(2, 1))
 
 
 def test_missing_expect_tx_is_caught():

@@ -42,6 +42,16 @@ def default_variant(ctx: Context, in_dtype: str) -> str:
     return "mma_sync"
 
 
+def check_device(cfg: GemmConfig, ctx: Context) -> None:
+    """Refuse, naming both, a config the device cannot run: the wgmma rungs are built for
+    ``sm_90a``, which only Hopper (compute capability 9.0) loads; the others need sm_80+."""
+    if cfg.target == "sm_90a" and ctx.cc != (9, 0):
+        raise DeviceError(f"{cfg.name} is built for sm_90a (Hopper: wgmma, TMA, clusters); this GPU "
+                          f"({ctx.name}) is sm_{ctx.cc[0]}{ctx.cc[1]}: use mma_sync or simt")
+    if ctx.cc < (8, 0):
+        raise DeviceError(f"{cfg.name} needs sm_80 or newer; this GPU ({ctx.name}) is sm_{ctx.cc[0]}{ctx.cc[1]}")
+
+
 class GemmLaunch:
     """A compiled, loaded kernel with device buffers for one (M, N, K): run it, time it, read C.
 
@@ -52,6 +62,7 @@ class GemmLaunch:
     def __init__(self, cfg: GemmConfig, m: int, n: int, k: int, ctx: Context | None = None) -> None:
         cfg.validate()
         self.cfg, self.ctx = cfg, ctx or context()
+        check_device(cfg, self.ctx)
         self.m, self.n, self.k = m, n, k
         self.padded = operands.padded(cfg, m, n, k)
         self.mp, self.np_, self.kp = self.padded.m, self.padded.n, self.padded.k
@@ -173,4 +184,4 @@ def run_isolated(code: str, timeout: float = 120.0) -> subprocess.CompletedProce
         ) from e
 
 
-__all__ = ["GemmLaunch", "default_variant", "gemm", "gemm_config", "native_b_major", "run_isolated", "variants"]
+__all__ = ["GemmLaunch", "check_device", "default_variant", "gemm", "gemm_config", "native_b_major", "run_isolated", "variants"]

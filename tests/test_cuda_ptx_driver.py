@@ -58,6 +58,31 @@ def test_max_active_clusters_asks_the_driver_and_falls_back_with_a_warning():
         assert ctx.max_active_clusters(fn, 2, 384) == 66
 
 
+def test_configs_the_device_cannot_load_are_refused_by_name():
+    ctx = object.__new__(driver.Context)
+    ctx.name, ctx.cc = "NVIDIA A100", (8, 0)
+    with pytest.raises(DeviceError, match=r"wgmma_cluster is built for sm_90a .* A100\) is sm_80"):
+        runner.check_device(cp.variants()["wgmma_cluster"], ctx)
+    runner.check_device(cp.variants()["mma_sync"], ctx)  # sm_80 code runs
+    ctx.cc = (7, 5)
+    with pytest.raises(DeviceError, match="needs sm_80 or newer"):
+        runner.check_device(cp.variants()["simt"], ctx)
+    ctx.cc = (9, 0)
+    runner.check_device(cp.variants()["wgmma_cluster"], ctx)
+
+
+def test_emulating_some_ctas_of_a_cluster_kernel_runs_their_whole_clusters():
+    from helios.cuda_ptx.emulate import emulate_gemm
+
+    cfg = cp.variants()["wgmma_cluster"].with_(persistent=False, tma_store=False)
+    rng = np.random.default_rng(0)
+    a = rng.integers(-3, 4, (2 * cfg.bm, cfg.bk)).astype(np.float32)
+    b = rng.integers(-3, 4, (cfg.bk, 2 * cfg.bn)).astype(np.float32)
+    c = emulate_gemm(a, b, cfg, ctas=[(1, 0)])  # CTA 1 is rank 1 of cluster 0: block (0, 0)
+    np.testing.assert_array_equal(c[:, : cfg.bn], (a @ b)[:, : cfg.bn])  # both CTAs of the cluster ran
+    assert np.isnan(c[:, cfg.bn:]).all()  # cluster 1 (block 0, 1) did not
+
+
 def test_isolated_run_times_out_with_a_hang_message():
     with pytest.raises(DeviceError, match="mbarrier"):
         runner.run_isolated("import time; time.sleep(30)", timeout=0.5)

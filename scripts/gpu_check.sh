@@ -100,7 +100,7 @@ done
 for v in $variants; do
     case $v in wgmma_tma|wgmma_pipe|wgmma_ws|wgmma_persistent|wgmma_cluster) bench "$v" n --sizes 4096 8192 ;; esac
 done
-for v in wgmma_pipe wgmma_ws wgmma_fp8 wgmma_persistent; do
+for v in wgmma_pipe wgmma_ws wgmma_fp8 wgmma_persistent wgmma_cluster; do
     bench "$v" k --sizes 8192 --set inflight=0 --set group_m=0
 done
 bench wgmma_persistent k --sizes 4096 8192 --set tma_store=0

@@ -42,8 +42,12 @@ def test_profile_a_training_step_gives_a_valid_trace(tmp_path):
     assert validate_trace(trace) == []
     kernels = [e for e in trace["traceEvents"] if e.get("cat") == "kernel"]
     assert len(kernels) == launched
+    # Which ops take the most device time varies run to run on a CPU device, so the top-5
+    # table is checked for its shape and the full one for the op names.
     table = prof.key_averages().table(sort_by="device_time", row_limit=5)
-    assert "matmul" in table
+    assert f"Rows: 5 of {len(prof.key_averages())}" in table
+    full = prof.key_averages().table(sort_by="device_time", row_limit=0)
+    assert all(name in full for name in ("matmul", "linear_backward", "cross_entropy"))
 
 
 def test_profiling_off_again_after_the_session():

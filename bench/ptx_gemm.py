@@ -36,6 +36,18 @@ def _torch_time_ms(torch, fn, iters: int) -> float:
     return s.elapsed_time(e) / iters
 
 
+SETTABLE = ("inflight", "group_m", "stages", "tma_store", "persistent", "cluster")
+WS_ONLY = ("persistent", "cluster")  # need the warp-specialised producer layout
+
+
+def _applicable(cfg, overrides: dict) -> dict:
+    """The ``--set`` overrides that apply to ``cfg``: none off the wgmma kinds, and
+    ``persistent``/``cluster`` only on warp-specialised configs."""
+    if cfg.kind != "wgmma":
+        return {}
+    return {k: v for k, v in overrides.items() if cfg.producer or k not in WS_ONLY}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="helios.cuda_ptx GEMM vs cuBLAS")
     ap.add_argument("--sizes", type=int, nargs="+", default=[4096, 8192])
@@ -45,14 +57,15 @@ def main(argv: list[str] | None = None) -> int:
                     help="B stored N x K (k, as a Linear weight) or K x N (n) on the device")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=INT",
                     help="override an integer GemmConfig field on every wgmma variant, e.g. "
-                         "--set inflight=0 --set group_m=0 --set tma_store=0 (A/B of the pipeline choices)")
+                         "--set inflight=0 --set group_m=0 --set tma_store=0 (A/B of the pipeline choices); "
+                         "persistent= and cluster= apply to the warp-specialised ones only")
     args = ap.parse_args(argv)
     overrides = {}
     for item in args.overrides:
         field, _, value = item.partition("=")
-        if field not in ("inflight", "group_m", "stages", "tma_store") or not value.lstrip("-").isdigit():
-            ap.error(f"--set takes inflight=, group_m=, stages= or tma_store= with an integer, got {item!r}")
-        overrides[field] = bool(int(value)) if field == "tma_store" else int(value)
+        if field not in SETTABLE or not value.lstrip("-").isdigit():
+            ap.error(f"--set takes {'=, '.join(SETTABLE)}= with an integer, got {item!r}")
+        overrides[field] = bool(int(value)) if field in ("tma_store", "persistent") else int(value)
 
     from helios.cuda_ptx import driver, dtypes, variants
     from helios.cuda_ptx.runner import GemmLaunch
@@ -84,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps({"bench": f"gemm_{name}_{size}", "skipped": True, "b_major": bmaj,
                                   "reason": "fp8 wgmma reads B K-major only; run it with --b-major k"}))
                 continue
-            cfg = cfg.with_(b_major=bmaj, **(overrides if cfg.kind == "wgmma" else {}))
+            cfg = cfg.with_(b_major=bmaj, **_applicable(cfg, overrides))
             if cfg.target == "sm_90a" and ctx.cc != (9, 0):
                 print(json.dumps({"bench": f"gemm_{name}_{size}", "skipped": True, "b_major": bmaj,
                                   "reason": f"{name} needs sm_90a, device is sm_{ctx.cc[0]}{ctx.cc[1]}"}))

@@ -22,7 +22,8 @@
 #      so that a kernel that hangs at size costs only its own line;
 #   5. the A/B of the pipeline choices: inflight=0 group_m=0 on the wgmma rungs at 8192, and
 #      wgmma_persistent with st.global instead of TMA stores (tma_store=0) at 4096 and 8192
-#      (wgmma_cluster against wgmma_persistent is the A/B of cluster multicast: step 4).
+#      (wgmma_cluster against wgmma_persistent is the A/B of cluster multicast: step 4), and
+#      fp8 made persistent with TMA stores and clusters at 4096 and 8192.
 # RESULTS_DIR gets env.txt, gate.log, smoke.jsonl, gpu_tests.log, bench.log and ptx_gemm.jsonl.
 set -uo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -104,6 +105,7 @@ for v in wgmma_pipe wgmma_ws wgmma_fp8 wgmma_persistent wgmma_cluster; do
     bench "$v" k --sizes 8192 --set inflight=0 --set group_m=0
 done
 bench wgmma_persistent k --sizes 4096 8192 --set tma_store=0
+bench wgmma_fp8 k --sizes 4096 8192 --set persistent=1 --set tma_store=1 --set cluster=2
 grep '^{' "$out/bench.log" >"$out/ptx_gemm.jsonl" || true
 
 if [ ${#failed[@]} -ne 0 ]; then

@@ -10,7 +10,10 @@ One generator covers the Hopper rungs; the config picks the shape:
 * fp8 e4m3 (``wgmma_fp8``): same pipeline, ``k32`` instructions (QGMMA);
 * persistent (``persistent=True``, ``wgmma_persistent``): the warp-specialised kernel
   with one CTA per SM, each role looping over the CTA's tiles with the ring position
-  carried across them (:func:`_persistent_walk`).
+  carried across them (:func:`_persistent_walk`);
+* clusters (``cluster=2``, ``wgmma_cluster``): pairs of CTAs on vertically adjacent tiles,
+  each loading half of their shared B tile and multicasting it into both, and releasing
+  each slot to both producers (:func:`_cluster_walk`, ``load_b_share``).
 
 Shared memory per ring slot: the A tile (``bm`` rows x 128 bytes, K-major) then the
 B tile, both written by TMA with the 128-byte swizzle and read by wgmma through
@@ -430,10 +433,11 @@ def _cluster_walk(b: Builder, cfg: GemmConfig, pm, n_r, rank):
     """``(for_each_tile, origin)`` of a cluster kernel: clusters take blocks of ``cluster``
     vertically adjacent tiles (one B tile), CTA ``rank`` the block's ``rank``-th row of tiles.
 
-    Blocks are walked like tiles (:func:`ops.tile_at`, grouped by ``group_m / cluster``
-    block-rows, the same rows of tiles as ungrouped clusters would cover): a plain kernel's
-    cluster takes block ``%clusterid.x``; a persistent one's loops over blocks
-    ``%clusterid.x, + %nclusterid.x, ...``.  ``origin`` is the plain kernel's ``(m0, n0)``.
+    Blocks are walked like tiles (:func:`ops.tile_at`), grouped by ``ceil(group_m / cluster)``
+    block-rows, so that a group spans the same ``group_m`` rows of tiles as without
+    clusters.  A plain kernel's cluster takes block ``%clusterid.x``; a persistent one's
+    loops over blocks ``%clusterid.x, + %nclusterid.x, ...``.  ``origin`` is the plain
+    kernel's ``(m0, n0)``.
     """
     unit = cfg.with_(bm=cfg.bm * cfg.cluster, group_m=-(-cfg.group_m // cfg.cluster))
     m_r = ops.ld_param(b, pm, "u32")

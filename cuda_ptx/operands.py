@@ -60,8 +60,35 @@ def round_up(v: int, m: int) -> int:
 
 def padded(cfg: GemmConfig, m: int, n: int, k: int) -> Padded:
     """The extents the kernel runs on: each a multiple of its tile (M of a cluster's
-    ``cluster x bm`` rows, since the CTAs of a cluster take vertically adjacent tiles)."""
-    return Padded(round_up(m, cfg.bm * cfg.cluster), round_up(n, cfg.bn), round_up(k, cfg.bk))
+    ``cluster x bm`` rows, since the CTAs of a cluster take vertically adjacent tiles).
+
+    :class:`ShapeError` for a problem the kernel cannot address (:func:`check_extents`).
+    """
+    p = Padded(round_up(m, cfg.bm * cfg.cluster), round_up(n, cfg.bn), round_up(k, cfg.bk))
+    check_extents(cfg, p)
+    return p
+
+
+def check_extents(cfg: GemmConfig, p: Padded) -> None:
+    """Refuse extents past what the kernels' index arithmetic holds.
+
+    Extents travel as 32-bit parameters and TMA coordinates are signed 32-bit, so each
+    must stay below 2^31.  The kernels compute element offsets in 32 bits before widening
+    them to byte addresses, so a matrix they address that way must have fewer than 2^32
+    elements: A, B and C for simt and mma_sync, C for wgmma kernels that store with
+    ``st.global`` (TMA moves A and B, and C with ``tma_store``, by coordinates).
+    """
+    if max(p.m, p.n, p.k) >= 1 << 31:
+        raise ShapeError(f"gemm extents (M, N, K) = {(p.m, p.n, p.k)} padded: each must be below 2^31")
+    if cfg.kind != "wgmma":
+        offset_indexed = {"A": (p.m, p.k), "B": (p.k, p.n), "C": (p.m, p.n)}
+    else:
+        offset_indexed = {} if cfg.tma_store else {"C": (p.m, p.n)}
+    for name, (rows, cols) in offset_indexed.items():
+        if rows * cols >= 1 << 32:
+            hint = " (a wgmma config with tma_store=True writes C by coordinates)" if name == "C" else ""
+            raise ShapeError(f"{cfg.name}: {name} would have {rows} x {cols} = {rows * cols} elements after padding; "
+                             f"the kernel's 32-bit element offsets reach 2^32{hint}")
 
 
 def grid(cfg: GemmConfig, p: Padded, sm_count: int, clusters: int | None = None) -> tuple[int, int]:

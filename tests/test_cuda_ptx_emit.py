@@ -92,6 +92,19 @@ def test_cluster_grid_is_whole_clusters_over_blocks_of_two_tile_rows():
     assert operands.tma_boxes(cl.with_(b_major="n"), p)[1] == operands.TmaBox("b", 64, 8192, 64, 64)
 
 
+def test_extents_past_32_bit_offsets_are_refused():
+    from helios.cuda_ptx import operands
+
+    v = cp.variants()
+    with pytest.raises(ShapeError, match=r"wgmma_ws: C would have 65536 x 65536 .* tma_store=True"):
+        operands.padded(v["wgmma_ws"], 65536, 65536, 64)
+    operands.padded(v["wgmma_persistent"], 65536, 65536, 64)  # TMA stores: coordinates, no offsets
+    with pytest.raises(ShapeError, match=r"mma_sync: A would have"):
+        operands.padded(v["mma_sync"], 1 << 17, 64, 1 << 15)
+    with pytest.raises(ShapeError, match="below 2\\^31"):
+        operands.padded(v["wgmma_persistent"], 1 << 31, 256, 64)
+
+
 def test_cluster_config_is_checked():
     ws = cp.variants()["wgmma_ws"]
     with pytest.raises(ValueError, match="cluster must be 1 or 2"):

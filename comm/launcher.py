@@ -145,23 +145,25 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _stop(procs: list[subprocess.Popen], grace: float) -> None:
+def _signal_running(procs: list[subprocess.Popen], sig: int) -> None:
+    """Send ``sig`` to the process group of every rank still running."""
     for p in procs:
         if p.poll() is None:
             try:
-                os.killpg(p.pid, signal.SIGTERM)
+                os.killpg(p.pid, sig)
             except ProcessLookupError:
                 pass
+
+
+def _stop(procs: list[subprocess.Popen], grace: float) -> None:
+    """SIGTERM every running rank's group, give them ``grace`` seconds, then SIGKILL and reap."""
+    _signal_running(procs, signal.SIGTERM)
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline and any(p.poll() is None for p in procs):
         time.sleep(0.05)
+    _signal_running(procs, signal.SIGKILL)
     for p in procs:
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait()
+        p.wait()
 
 
 if __name__ == "__main__":

@@ -334,8 +334,8 @@ def _remote_arrive(cta, ins, lanes, addr, tx: int) -> None:
     if tx:
         raise cta.fail("expect_tx on a shared::cluster barrier address is not modelled")
     for t, a in zip(lanes.tolist(), addr.tolist()):
-        owner, _ = cta.resolve_shared(int(a))
-        cta.cluster_mbar(int(a)).arrive(1, cta.where())
+        owner, local = cta.resolve_shared(int(a))
+        cta.barrier_in(owner, local).arrive(1, cta.where())
         if owner is not cta:
             cta.unordered_remote.setdefault(t, set()).add(owner.rank)
 
@@ -378,14 +378,7 @@ def _tma_load(cta, ins, lanes):
         for tgt in targets:
             tgt.smem_index(np.array([dst]), 1)
             tgt.smem_index(np.array([dst + tm.box_bytes - 1]), 1)
-            if bar not in tgt.mbars:  # must exist when the copy is issued
-                raise cta.fail(f"TMA completes on the mbarrier at {bar:#x} of CTA rank {tgt.rank} before its "
-                               "mbarrier.init" + (" (a barrier.cluster after the init orders a peer's)"
-                                                  if tgt is not cta else ""))
-            if tgt is not cta and not tgt.mbars[bar].published:
-                raise cta.fail(f"TMA multicast completes on the mbarrier at {bar:#x} of CTA rank {tgt.rank}, "
-                               "which was not published to the cluster (fence.mbarrier_init.release.cluster "
-                               "after its init)")
+            cta.barrier_in(tgt, bar)  # must exist (and a peer's be published) when the copy is issued
             cta.schedule_tma(lambda tgt=tgt, dst=dst, bar=bar, tm=tm, c0=c0, c1=c1: _land_box(tgt, dst, bar, tm, c0, c1))
 
 

@@ -295,17 +295,20 @@ class Cta:
         return peer, SMEM_BASE + off
 
     def cluster_mbar(self, addr: int) -> MBarrier:
-        """The mbarrier at a shared::cluster (or shared::cta) address, in whichever CTA holds it;
-        a peer's must have been initialised and published to the cluster."""
-        owner, local = self.resolve_shared(addr)
+        """The mbarrier at a shared::cluster (or shared::cta) address, in whichever CTA holds it."""
+        return self.barrier_in(*self.resolve_shared(addr))
+
+    def barrier_in(self, owner: Cta, local: int) -> MBarrier:
+        """The mbarrier at shared address ``local`` of CTA ``owner`` (this one or a peer), as
+        this CTA may use it: initialised, and a peer's published to the cluster."""
         b = owner.mbars.get(local)
         if b is None:
-            raise self.fail(f"mbarrier at shared {local:#x} of CTA rank {owner.rank} used before mbarrier.init"
+            raise self.fail(f"mbarrier at shared {local:#x} of CTA rank {owner.rank} used before its mbarrier.init"
                             + (" (a peer's barrier: a barrier.cluster between the init and first use orders it)"
                                if owner is not self else ""))
         if owner is not self and not b.published:
-            raise self.fail(f"mbarrier at shared {local:#x} of CTA rank {owner.rank} used by a peer before it was "
-                            "published to the cluster (fence.mbarrier_init.release.cluster after the init, or a "
+            raise self.fail(f"mbarrier at shared {local:#x} of CTA rank {owner.rank} used by a peer, but it is "
+                            "not published to the cluster (fence.mbarrier_init.release.cluster after the init, or a "
                             ".release barrier.cluster.arrive)")
         return b
 
@@ -480,14 +483,12 @@ class Cta:
             op[1]()
         return len(ready)
 
-    def schedule_tma(self, complete, max_rounds: int | None = None) -> tuple:
+    def schedule_tma(self, complete) -> tuple:
         """Queue an asynchronous copy: a quarter land right after this warp's turn (before the
         other warps move: exposes missing "slot is free" barriers), the rest up to
-        ``max_rounds`` (default ``max_tma_delay``) rounds later (exposes missing "data has
-        landed" waits)."""
-        rounds = self.max_tma_delay if max_rounds is None else max_rounds
+        ``max_tma_delay`` rounds later (exposes missing "data has landed" waits)."""
         late = self.rng.random() >= 0.25
-        delay = int(self.rng.integers(1, rounds * self.nwarps + 1)) if late else 0
+        delay = int(self.rng.integers(1, self.max_tma_delay * self.nwarps + 1)) if late else 0
         entry = (self.step + delay, complete)
         self.tma_queue.append(entry)
         return entry

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import warnings
 from dataclasses import dataclass
 
 from helios.errors import DeviceError, OutOfMemoryError
+
+from . import toolchain
 
 MAX_DYN_SMEM = 227 * 1024  # Hopper's opt-in dynamic shared memory per block
 
@@ -34,9 +37,13 @@ def _err_text(cu, err) -> str:
     return f"{n}: {t}" if t else n
 
 
-def check(call: str, result, log: str = ""):
-    """Unpack a cuda-bindings result tuple; raise DeviceError on anything but CUDA_SUCCESS."""
-    cu = _cu()
+def check(call: str, result, log: str = "", cu=None):
+    """Unpack a cuda-bindings result tuple; raise DeviceError on anything but CUDA_SUCCESS.
+
+    ``cu`` is the driver module that gave ``result`` (by default the real one): it also
+    names the error.
+    """
+    cu = cu or _cu()
     err, *rest = result if isinstance(result, tuple) else (result,)
     if err != cu.CUresult.CUDA_SUCCESS:
         msg = f"{call} failed: {_err_text(cu, err)}"
@@ -79,25 +86,41 @@ class Function:
 
 
 class Context:
-    """The primary context of one device, made current on this thread."""
+    """The primary context of one device, made current on this thread.
 
-    def __init__(self, ordinal: int = 0) -> None:
-        ok, why = driver_status()
-        if not ok:
-            raise DeviceError(f"cannot use the CUDA driver: {why}")
-        cu = self.cu = _cu()
-        self.device = check("cuDeviceGet", cu.cuDeviceGet(ordinal))
-        self.ctx = check("cuDevicePrimaryCtxRetain", cu.cuDevicePrimaryCtxRetain(self.device))
-        check("cuCtxSetCurrent", cu.cuCtxSetCurrent(self.ctx))
+    ``cu`` is the driver module to use: by default the real one (``cuda.bindings.driver``),
+    or a stand-in with the same calls, such as :class:`helios.cuda_ptx.emu_driver.EmulatedDriver`.
+    ``jit`` loads kernels as PTX for the driver to compile instead of as cubins built by
+    ``ptxas``; by default only where ``ptxas`` is not installed or ``HELIOS_CUDA_JIT=1``.
+    """
+
+    def __init__(self, ordinal: int = 0, cu=None, jit: bool | None = None) -> None:
+        if cu is None:
+            ok, why = driver_status()
+            if not ok:
+                raise DeviceError(f"cannot use the CUDA driver: {why}")
+            cu = _cu()
+        else:
+            check("cuInit", cu.cuInit(0), cu=cu)
+        self.cu = cu
+        if jit is None:
+            jit = os.environ.get("HELIOS_CUDA_JIT") == "1" or toolchain.find_tool("ptxas") is None
+        self.jit = jit
+        self.device = self._check("cuDeviceGet", cu.cuDeviceGet(ordinal))
+        self.ctx = self._check("cuDevicePrimaryCtxRetain", cu.cuDevicePrimaryCtxRetain(self.device))
+        self._check("cuCtxSetCurrent", cu.cuCtxSetCurrent(self.ctx))
         a = cu.CUdevice_attribute
 
         def attr(which) -> int:
-            return check("cuDeviceGetAttribute", cu.cuDeviceGetAttribute(which, self.device))
+            return self._check("cuDeviceGetAttribute", cu.cuDeviceGetAttribute(which, self.device))
 
         self.cc = (attr(a.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR), attr(a.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR))
         self.sm_count = attr(a.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)  # CTAs of a persistent kernel
-        self.name = check("cuDeviceGetName", cu.cuDeviceGetName(128, self.device)).split(b"\0")[0].decode()
+        self.name = self._check("cuDeviceGetName", cu.cuDeviceGetName(128, self.device)).split(b"\0")[0].decode()
         self._modules: list = []
+
+    def _check(self, call: str, result, log: str = ""):
+        return check(call, result, log, self.cu)
 
     @property
     def arch(self) -> str:
@@ -117,41 +140,49 @@ class Context:
             # Older bindings take option values differently: load without the log buffer.
             res = cu.cuModuleLoadData(image)
         jit = log.value.decode(errors="replace")
-        mod = check("cuModuleLoadDataEx", res, log="\n".join(x for x in (jit, ptxas_log) if x))
+        mod = self._check("cuModuleLoadDataEx", res, log="\n".join(x for x in (jit, ptxas_log) if x))
         self._modules.append(mod)
-        fn = check(f"cuModuleGetFunction({name})", cu.cuModuleGetFunction(mod, name.encode()))
+        fn = self._check(f"cuModuleGetFunction({name})", cu.cuModuleGetFunction(mod, name.encode()))
         if shared_bytes > MAX_DYN_SMEM:
             raise DeviceError(f"{name} asks {shared_bytes} B of shared memory; the device allows {MAX_DYN_SMEM}")
         if shared_bytes > 48 * 1024:
             # Above 48 KiB dynamic shared memory must be opted into per function.
             attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-            check("cuFuncSetAttribute", cu.cuFuncSetAttribute(fn, attr, shared_bytes))
+            self._check("cuFuncSetAttribute", cu.cuFuncSetAttribute(fn, attr, shared_bytes))
         return Function(fn, name, shared_bytes)
+
+    def load_kernel(self, ptx: str, name: str, shared_bytes: int, target: str) -> Function:
+        """Load the kernel ``name`` of ``ptx`` (built for ``target``): as a cubin that ``ptxas``
+        builds (cached), or with :attr:`jit` as the PTX text itself, which the driver compiles."""
+        if self.jit:
+            return self.load(ptx.encode() + b"\0", name, shared_bytes)  # the driver takes NUL-terminated PTX
+        comp = toolchain.compile_ptx(ptx, target)
+        return self.load(comp.cubin.read_bytes(), name, shared_bytes, comp.info.log)
 
     # -- memory ----------------------------------------------------------------------
     def alloc(self, nbytes: int) -> int:
         """Device allocation; returns the address as an int."""
-        return int(check(f"cuMemAlloc({nbytes})", self.cu.cuMemAlloc(max(nbytes, 1))))
+        return int(self._check(f"cuMemAlloc({nbytes})", self.cu.cuMemAlloc(max(nbytes, 1))))
 
     def free(self, ptr: int) -> None:
         """Free an allocation from :meth:`alloc`."""
-        check("cuMemFree", self.cu.cuMemFree(ptr))
+        self._check("cuMemFree", self.cu.cuMemFree(ptr))
 
     def upload(self, ptr: int, host) -> None:
         """Copy a contiguous numpy array to device address ``ptr``."""
-        check("cuMemcpyHtoD", self.cu.cuMemcpyHtoD(ptr, host.ctypes.data, host.nbytes))
+        self._check("cuMemcpyHtoD", self.cu.cuMemcpyHtoD(ptr, host.ctypes.data, host.nbytes))
 
     def download(self, host, ptr: int) -> None:
         """Copy ``host.nbytes`` from device address ``ptr`` into a contiguous numpy array."""
-        check("cuMemcpyDtoH", self.cu.cuMemcpyDtoH(host.ctypes.data, ptr, host.nbytes))
+        self._check("cuMemcpyDtoH", self.cu.cuMemcpyDtoH(host.ctypes.data, ptr, host.nbytes))
 
     def memset0(self, ptr: int, nbytes: int) -> None:
         """Zero ``nbytes`` at ``ptr``."""
-        check("cuMemsetD8", self.cu.cuMemsetD8(ptr, 0, nbytes))
+        self._check("cuMemsetD8", self.cu.cuMemsetD8(ptr, 0, nbytes))
 
     def synchronize(self) -> None:
         """Wait for all work on the context; surfaces asynchronous launch errors."""
-        check("cuCtxSynchronize", self.cu.cuCtxSynchronize())
+        self._check("cuCtxSynchronize", self.cu.cuCtxSynchronize())
 
     # -- tensor maps -----------------------------------------------------------------
     def tensor_map(self, ptr: int, dtype: str, rows: int, cols: int, box_rows: int, box_cols: int) -> bytes:
@@ -171,7 +202,7 @@ class Context:
             raise DeviceError(f"TMA needs 16-byte aligned base and row pitch; got base {ptr:#x}, pitch {cols * esz}")
         if box_cols * esz != 128 or box_rows > 256:
             raise DeviceError(f"TMA box {box_rows}x{box_cols} must be <=256 rows of exactly 128 bytes")
-        tmap = check(
+        tmap = self._check(
             "cuTensorMapEncodeTiled",
             cu.cuTensorMapEncodeTiled(
                 dt, 2, ptr,
@@ -228,7 +259,7 @@ class Context:
                 c = ctypes.c_uint64(v) if kind == "u64" else ctypes.c_uint32(v)
                 store.append((c, ctypes.addressof(c)))
         ptrs = (ctypes.c_void_p * len(store))(*[p for _, p in store])
-        check(
+        self._check(
             f"cuLaunchKernel({fn.name})",
             self.cu.cuLaunchKernel(fn.handle, *grid, *block, fn.shared_bytes, 0, ctypes.addressof(ptrs), 0),
         )
@@ -237,14 +268,14 @@ class Context:
     def time_ms(self, body, iters: int) -> float:
         """Mean milliseconds of ``body()`` over ``iters`` runs, bracketed by CUDA events."""
         cu = self.cu
-        start = check("cuEventCreate", cu.cuEventCreate(0))
-        stop = check("cuEventCreate", cu.cuEventCreate(0))
-        check("cuEventRecord", cu.cuEventRecord(start, 0))
+        start = self._check("cuEventCreate", cu.cuEventCreate(0))
+        stop = self._check("cuEventCreate", cu.cuEventCreate(0))
+        self._check("cuEventRecord", cu.cuEventRecord(start, 0))
         for _ in range(iters):
             body()
-        check("cuEventRecord", cu.cuEventRecord(stop, 0))
-        check("cuEventSynchronize", cu.cuEventSynchronize(stop))
-        ms = check("cuEventElapsedTime", cu.cuEventElapsedTime(start, stop))
+        self._check("cuEventRecord", cu.cuEventRecord(stop, 0))
+        self._check("cuEventSynchronize", cu.cuEventSynchronize(stop))
+        ms = self._check("cuEventElapsedTime", cu.cuEventElapsedTime(start, stop))
         cu.cuEventDestroy(start)
         cu.cuEventDestroy(stop)
         return float(ms) / iters
@@ -253,6 +284,4 @@ class Context:
 @functools.lru_cache(maxsize=1)
 def context() -> Context:
     """The process-wide context on device 0 (``HELIOS_CUDA_DEVICE`` picks another)."""
-    import os
-
     return Context(int(os.environ.get("HELIOS_CUDA_DEVICE", "0")))

@@ -78,6 +78,13 @@ class GlobalMemory:
         self._bufs[-1][:] = raw
         return addr
 
+    def free(self, addr: int) -> None:
+        """Release the allocation that starts at ``addr``; later accesses to it are illegal."""
+        i = bisect.bisect_left(self._bases, addr)
+        if i == len(self._bases) or self._bases[i] != addr:
+            raise EmulationError(f"free of {addr:#x}, which is not the start of a live allocation")
+        del self._bases[i], self._bufs[i]
+
     def view(self, addr: int, nbytes: int) -> np.ndarray:
         """The bytes ``[addr, addr + nbytes)`` of one allocation (a writable view)."""
         i = bisect.bisect_right(self._bases, addr) - 1

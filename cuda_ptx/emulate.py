@@ -1,7 +1,8 @@
 """``emulate_gemm``: run a generated GEMM kernel on the CPU emulator, exactly as the GPU runner would.
 
-The operands are encoded, padded and described (tensor maps) by :mod:`operands`,
-the same code the driver-API runner uses; the PTX is the text ``ptxas`` gets.
+The runner's own launch code drives an emulated CUDA driver (:mod:`emu_driver`), so
+operands, tensor maps, parameters and grid are what a GPU gets; the PTX is the text
+``ptxas`` gets.
 Every CTA of the grid runs (or only ``ctas``), so use small problems: a
 128 x 256 x 384 wgmma tile takes about a second.
 """
@@ -12,13 +13,14 @@ import numpy as np
 
 from helios.errors import ShapeError
 
-from . import dtypes, operands
+from . import operands
 from .config import GemmConfig, with_dtypes
-from .emit import build_kernel, resolve
+from .emit import resolve
+from .emu_driver import emulated_context
 from .emu_state import EmulationError, GlobalMemory, TensorMap
 from .emulator import Cluster, Cta
 from .ptx_parse import parse
-from .render import render
+from .runner import GemmLaunch
 
 def emulate_kernel(ptx: str, threads: int, shared_bytes: int, params: dict[str, object], memory: GlobalMemory,
                    grid: tuple[int, int] = (1, 1), seed: int = 0,
@@ -64,45 +66,32 @@ def emulate_kernel(ptx: str, threads: int, shared_bytes: int, params: dict[str, 
 
 def emulate_gemm(a: np.ndarray, b: np.ndarray, variant: str | GemmConfig = "wgmma_ws", out_dtype: str = "float32",
                  in_dtype: str | None = None, seed: int = 0, ptx: str | None = None,
-                 ctas: list[tuple[int, int]] | None = None, sm_count: int = 1) -> np.ndarray:
+                 ctas: list[tuple[int, int]] | None = None, sm_count: int | None = None) -> np.ndarray:
     """``a @ b`` computed by emulating the generated kernel for ``variant`` thread by thread.
 
-    Arguments mirror :func:`helios.cuda_ptx.gemm`; ``seed`` varies the warp order and
-    TMA latencies; ``ptx`` replaces the generated text (to check an edited kernel);
-    ``ctas`` limits the run to some ``(x, y)`` CTAs (the rest of C stays NaN);
-    ``sm_count`` is the emulated device's SM count, which sets how many CTAs a
-    persistent kernel gets (default 1: one CTA -- or one cluster -- walks every tile, so
-    its ring runs on from tile to tile).
+    It runs exactly what the GPU runner runs: a :class:`runner.GemmLaunch` on a
+    :class:`driver.Context` whose driver is :class:`emu_driver.EmulatedDriver`, so the
+    operand encoding, tensor maps, kernel parameters and grid are the runner's own.
+    Arguments mirror :func:`helios.cuda_ptx.gemm`, but the config runs as given (its
+    ``b_major`` too); ``seed`` varies the warp order and TMA latencies; ``ptx``
+    replaces the generated text (to check an edited kernel); ``ctas`` limits the run to
+    some ``(x, y)`` CTAs (the rest of C stays NaN); ``sm_count`` is the emulated
+    device's SM count, which sets how many CTAs a persistent kernel gets (default: one
+    CTA, or one cluster, which then walks every tile, so its ring runs on from tile to
+    tile).
     Raises :class:`EmulationError` for hangs, faults and misuse the GPU would not report.
     """
     a, b = np.asarray(a), np.asarray(b)
     m, n, k = operands.matmul_shape(a, b)
     cfg = with_dtypes(resolve(variant), in_dtype, out_dtype)
     cfg.validate()
-    kern = build_kernel(cfg)
-    p = operands.padded(cfg, m, n, k)
-    ra, rb = operands.encode_operands(cfg, a, b, p)
-    mem = GlobalMemory()
-    ptrs = {"a": mem.alloc_array(ra), "b": mem.alloc_array(rb)}
-    osz = 4 if cfg.out_dtype == "f32" else 2
-    c_ptr = mem.alloc(p.m * p.n * osz, fill=0xFF)  # all-ones bits: NaN in f32 and bf16, so a missed store shows
-    params: dict[str, object] = {"c": c_ptr, "M": p.m, "N": p.n, "K": p.k}
-    boxes = operands.tma_boxes(cfg, p)
-    if boxes:
-        ptrs["c"] = c_ptr
-        for box in boxes:
-            params[f"tmap_{box.operand}"] = TensorMap(ptrs[box.operand], box.rows, box.cols, box.box_rows,
-                                                      box.box_cols, box.itemsize)
-    else:
-        params["a"], params["b"] = ptrs["a"], ptrs["b"]
-    emulate_kernel(ptx if ptx is not None else render(kern), kern.threads, kern.shared_bytes, params, mem,
-                   operands.grid(cfg, p, sm_count, clusters=max(1, sm_count // cfg.cluster)), seed, ctas)
-    raw = mem.view(c_ptr, p.m * p.n * osz)
-    if cfg.out_dtype == "f32":
-        c = raw.view(np.float32).reshape(p.m, p.n)
-    else:
-        c = dtypes.bf16_bits_to_f32(raw.view(np.uint16)).reshape(p.m, p.n)
-    return np.array(c[:m, :n], np.float32)
+    launch = GemmLaunch(cfg, m, n, k, emulated_context(sm_count or cfg.cluster, seed, ctas), ptx=ptx)
+    try:
+        launch.upload(a, b)
+        launch.run()
+        return np.array(launch.result(), np.float32)
+    finally:
+        launch.close()
 
 
 __all__ = ["EmulationError", "GlobalMemory", "TensorMap", "emulate_gemm", "emulate_kernel"]

@@ -18,7 +18,7 @@ import numpy as np
 
 from helios.errors import DeviceError, DTypeError
 
-from . import dtypes, operands, toolchain
+from . import dtypes, operands
 from .config import GemmConfig, out_dtype_name, variants, with_dtypes
 from .driver import Context, context
 from .emit import build_kernel, resolve
@@ -56,10 +56,12 @@ class GemmLaunch:
     """A compiled, loaded kernel with device buffers for one (M, N, K): run it, time it, read C.
 
     The config runs as given: :meth:`upload` takes B as ``K x N`` and stores it that way
-    for ``b_major="n"``, transposed to ``N x K`` for ``b_major="k"``.
+    for ``b_major="n"``, transposed to ``N x K`` for ``b_major="k"``.  ``ptx`` replaces
+    the generated text (an edited kernel: same entry name and parameters) for experiments.
     """
 
-    def __init__(self, cfg: GemmConfig, m: int, n: int, k: int, ctx: Context | None = None) -> None:
+    def __init__(self, cfg: GemmConfig, m: int, n: int, k: int, ctx: Context | None = None,
+                 ptx: str | None = None) -> None:
         cfg.validate()
         self.cfg, self.ctx = cfg, ctx or context()
         check_device(cfg, self.ctx)
@@ -67,9 +69,7 @@ class GemmLaunch:
         self.padded = operands.padded(cfg, m, n, k)
         self.mp, self.np_, self.kp = self.padded.m, self.padded.n, self.padded.k
         kern = build_kernel(cfg)
-        ptx = render(kern)
-        comp = toolchain.compile_ptx(ptx, cfg.target)
-        self.fn = self.ctx.load(comp.cubin.read_bytes(), kern.name, kern.shared_bytes, comp.info.log)
+        self.fn = self.ctx.load_kernel(ptx if ptx is not None else render(kern), kern.name, kern.shared_bytes, cfg.target)
         self.threads = kern.threads
         # A persistent cluster kernel gets as many clusters as the device can hold at once.
         clusters = (self.ctx.max_active_clusters(self.fn, cfg.cluster, self.threads)

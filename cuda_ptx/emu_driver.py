@@ -1,0 +1,396 @@
+"""An emulated CUDA driver: the calls :class:`driver.Context` makes, answered on the CPU.
+
+``Context(cu=EmulatedDriver(), jit=True)`` is a Hopper-like device whose kernels run
+in the PTX emulator.  :class:`runner.GemmLaunch` and :class:`driver.Context` run on it
+unchanged, so the host code that otherwise only a GPU exercises -- kernel parameters
+packed by ``cuLaunchKernel``'s pointer array, tensor maps from
+``cuTensorMapEncodeTiled``, the grid and cluster shape, the dynamic shared memory
+opt-in, copies in and out -- is checked against what the driver API documents before
+the kernel runs thread by thread.
+
+What the real driver refuses, this one refuses with the same ``CUresult`` (and says
+exactly why in ``cuGetErrorString``).  What would fault or hang on a GPU raises
+:class:`EmulationError` from the launch.  It loads PTX text only (the driver's JIT
+path), not cubins.  Launches run to completion before they return, so events time
+host wall-clock.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from .emu_state import EmulationError, GlobalMemory, TensorMap
+from .ptx_parse import PtxParseError, PtxProgram, parse
+
+MAX_THREADS = 1024
+DEFAULT_DYN_SMEM = 48 * 1024  # dynamic shared memory a function gets without opting in
+MAX_DYN_SMEM = 227 * 1024  # Hopper's opt-in ceiling per block
+MAX_CLUSTER = 8  # portable cluster size
+PARAM_BYTES = {"u64": 8, "s64": 8, "b64": 8, "u32": 4, "s32": 4, "b32": 4, "tmap": 128}
+
+# Element sizes of the tensor map data types (CUtensorMapDataType), by enum name.
+TMAP_ELEMENT_BYTES = {
+    "UINT8": 1, "UINT16": 2, "UINT32": 4, "INT32": 4, "UINT64": 8, "INT64": 8, "FLOAT16": 2, "FLOAT32": 4,
+    "FLOAT64": 8, "BFLOAT16": 2, "FLOAT32_FTZ": 4, "TFLOAT32": 4, "TFLOAT32_FTZ": 4,
+}
+SWIZZLE_BYTES = {"NONE": 0, "32B": 32, "64B": 64, "128B": 128}
+
+# The 128 opaque bytes of an emulated tensor map: a tag, then the encoding arguments.
+_TMAP_TAG = b"HELIOS-EMU-TMAP\0"
+_TMAP_LAYOUT = struct.Struct("<16s Q QQ Q II I I I")  # tag, address, dims[2], stride, box[2], esize, swizzle, dtype
+
+
+class _DriverError(Exception):
+    """A call the driver refuses: its CUresult name and why."""
+
+    def __init__(self, code: str, why: str) -> None:
+        super().__init__(why)
+        self.code, self.why = code, why
+
+
+@dataclass
+class _Module:
+    ptx: str
+    prog: PtxProgram
+
+
+@dataclass
+class _Function:
+    module: _Module
+    max_dynamic_smem: int = DEFAULT_DYN_SMEM
+
+    @property
+    def prog(self) -> PtxProgram:
+        return self.module.prog
+
+
+class _TensorMapObject:
+    """What ``cuTensorMapEncodeTiled`` returns: 128 bytes, 64-byte aligned, behind ``getPtr()``."""
+
+    def __init__(self, payload: bytes) -> None:
+        self._raw = ctypes.create_string_buffer(128 + 64)
+        self._addr = (ctypes.addressof(self._raw) + 63) // 64 * 64
+        ctypes.memmove(self._addr, payload.ljust(128, b"\0"), 128)
+
+    def getPtr(self) -> int:  # noqa: N802 - the bindings' name
+        return self._addr
+
+
+def decode_tensor_map(raw: bytes) -> TensorMap:
+    """The emulator's :class:`TensorMap` for 128 bytes that :meth:`EmulatedDriver.cuTensorMapEncodeTiled`
+    wrote; :class:`EmulationError` for anything else (on a GPU, a TMA through garbage faults)."""
+    if len(raw) != 128 or not raw.startswith(_TMAP_TAG):
+        raise EmulationError(f"a tensor-map parameter holds {raw[:16]!r}...: not bytes cuTensorMapEncodeTiled made "
+                             "(a parameter out of order, or a pointer where a tensor map belongs?)")
+    _, addr, cols, rows, _stride, box_cols, box_rows, esize, swizzle, _dtype = _TMAP_LAYOUT.unpack_from(raw)
+    return TensorMap(addr, rows, cols, box_rows, box_cols, esize, swizzle)
+
+
+class EmulatedDriver:
+    """The subset of ``cuda.bindings.driver`` that :class:`driver.Context` uses, on the emulator.
+
+    One device of compute capability 9.0 with ``sm_count`` SMs.  ``seed`` varies warp
+    order and copy latencies; ``ctas`` limits every launch to those ``(x, y)`` CTAs
+    (with their whole clusters).  Allocations start filled with ``0xFF`` bytes (NaN in
+    f32 and bf16), so an output element no thread wrote shows.  ``launches`` records
+    each launch: grid, block, shared bytes and the decoded parameters.
+    """
+
+    def __init__(self, sm_count: int = 2, seed: int = 0, ctas: list[tuple[int, int]] | None = None) -> None:
+        from cuda.bindings import driver as real  # the enums and structs are the real ones
+
+        for enum in ("CUresult", "CUdevice_attribute", "CUjit_option", "CUfunction_attribute", "CUtensorMapDataType",
+                     "CUtensorMapInterleave", "CUtensorMapSwizzle", "CUtensorMapL2promotion",
+                     "CUtensorMapFloatOOBfill", "CUlaunchConfig"):
+            setattr(self, enum, getattr(real, enum))
+        if sm_count < 1:
+            raise ValueError(f"sm_count must be at least 1, got {sm_count}")
+        self.sm_count, self.seed, self.ctas = sm_count, seed, ctas
+        self.memory = GlobalMemory()
+        self.launches: list[dict] = []
+        self._why = ""
+        self._events: dict[int, float | None] = {}
+
+    # -- results ---------------------------------------------------------------------
+    def _ok(self, *values):
+        return (self.CUresult.CUDA_SUCCESS, *values)
+
+    def _fail(self, e: _DriverError, *nones):
+        self._why = e.why
+        return (getattr(self.CUresult, f"CUDA_ERROR_{e.code}"), *nones)
+
+    def cuGetErrorName(self, err):  # noqa: N802 - the driver API's names throughout
+        return self._ok(err.name.encode())
+
+    def cuGetErrorString(self, err):  # noqa: N802
+        return self._ok(f"(emulated driver) {self._why}".encode() if self._why else b"")
+
+    # -- device and context ----------------------------------------------------------
+    def cuInit(self, flags):  # noqa: N802
+        return self._ok()
+
+    def cuDeviceGetCount(self):  # noqa: N802
+        return self._ok(1)
+
+    def cuDeviceGet(self, ordinal):  # noqa: N802
+        if ordinal != 0:
+            return self._fail(_DriverError("INVALID_DEVICE", f"device {ordinal}: the emulator has device 0 only"), None)
+        return self._ok(0)
+
+    def cuDevicePrimaryCtxRetain(self, device):  # noqa: N802
+        return self._ok("emulated-context")
+
+    def cuCtxSetCurrent(self, ctx):  # noqa: N802
+        return self._ok()
+
+    def cuCtxSynchronize(self):  # noqa: N802
+        return self._ok()  # launches have already finished
+
+    def cuDeviceGetAttribute(self, attr, device):  # noqa: N802
+        a = self.CUdevice_attribute
+        values = {a.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: 9, a.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: 0,
+                  a.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: self.sm_count}
+        if attr not in values:
+            return self._fail(_DriverError("INVALID_VALUE", f"attribute {attr.name} is not emulated"), None)
+        return self._ok(values[attr])
+
+    def cuDeviceGetName(self, length, device):  # noqa: N802
+        return self._ok(b"Helios PTX emulator (sm_90a)".ljust(length, b"\0")[:length])
+
+    # -- modules ---------------------------------------------------------------------
+    def cuModuleLoadDataEx(self, image, num_options, options, values):  # noqa: N802
+        """Load NUL-terminated PTX; a parse error goes to the error log buffer, if one was given."""
+        try:
+            return self._ok(self._load(image))
+        except _DriverError as e:
+            log = dict(zip(options, values))
+            buf = log.get(self.CUjit_option.CU_JIT_ERROR_LOG_BUFFER)
+            size = log.get(self.CUjit_option.CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES, 0)
+            if buf and size:
+                text = e.why.encode()[: size - 1] + b"\0"
+                ctypes.memmove(buf, text, len(text))
+            return self._fail(e, None)
+
+    def cuModuleLoadData(self, image):  # noqa: N802
+        try:
+            return self._ok(self._load(image))
+        except _DriverError as e:
+            return self._fail(e, None)
+
+    def _load(self, image: bytes) -> _Module:
+        if bytes(image[:4]) == b"\x7fELF":
+            raise _DriverError("INVALID_IMAGE", "the emulated driver runs PTX, not cubins: load with Context(jit=True)")
+        if not bytes(image).endswith(b"\0"):
+            raise _DriverError("INVALID_IMAGE", "a PTX image must be NUL-terminated")
+        text = bytes(image[:-1]).decode()
+        try:
+            prog = parse(text)
+        except PtxParseError as e:
+            raise _DriverError("INVALID_PTX", f"ptx parse error: {e}") from e
+        if prog.target not in ("sm_80", "sm_86", "sm_89", "sm_90", "sm_90a"):
+            raise _DriverError("NO_BINARY_FOR_GPU", f".target {prog.target} does not run on an sm_90 device")
+        return _Module(text, prog)
+
+    def cuModuleGetFunction(self, module: _Module, name: bytes):  # noqa: N802
+        if name.decode() != module.prog.name:
+            return self._fail(_DriverError("NOT_FOUND", f"no kernel {name.decode()!r} in the module "
+                                                        f"(it has {module.prog.name!r})"), None)
+        return self._ok(_Function(module))
+
+    def cuFuncSetAttribute(self, fn: _Function, attr, value):  # noqa: N802
+        if attr != self.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES:
+            return self._fail(_DriverError("INVALID_VALUE", f"function attribute {attr.name} is not emulated"))
+        if not 0 <= value <= MAX_DYN_SMEM:
+            return self._fail(_DriverError("INVALID_VALUE", f"dynamic shared memory {value} B: the device allows "
+                                                            f"{MAX_DYN_SMEM}"))
+        fn.max_dynamic_smem = value
+        return self._ok()
+
+    # -- memory ----------------------------------------------------------------------
+    def cuMemAlloc(self, nbytes):  # noqa: N802
+        if nbytes == 0:
+            return self._fail(_DriverError("INVALID_VALUE", "cuMemAlloc of 0 bytes"), None)
+        return self._ok(self.memory.alloc(nbytes, fill=0xFF))
+
+    def cuMemFree(self, ptr):  # noqa: N802
+        try:
+            self.memory.free(int(ptr))
+        except EmulationError as e:
+            return self._fail(_DriverError("INVALID_VALUE", str(e)))
+        return self._ok()
+
+    def _device_bytes(self, ptr, nbytes) -> np.ndarray:
+        try:
+            return self.memory.view(int(ptr), nbytes)
+        except EmulationError as e:
+            raise _DriverError("INVALID_VALUE", str(e)) from e
+
+    def cuMemcpyHtoD(self, dst, src, nbytes):  # noqa: N802
+        try:
+            self._device_bytes(dst, nbytes)[:] = np.frombuffer(ctypes.string_at(src, nbytes), np.uint8)
+        except _DriverError as e:
+            return self._fail(e)
+        return self._ok()
+
+    def cuMemcpyDtoH(self, dst, src, nbytes):  # noqa: N802
+        try:
+            data = np.ascontiguousarray(self._device_bytes(src, nbytes))
+        except _DriverError as e:
+            return self._fail(e)
+        ctypes.memmove(dst, data.ctypes.data, nbytes)
+        return self._ok()
+
+    def cuMemsetD8(self, ptr, value, nbytes):  # noqa: N802
+        try:
+            self._device_bytes(ptr, nbytes)[:] = value
+        except _DriverError as e:
+            return self._fail(e)
+        return self._ok()
+
+    # -- tensor maps -----------------------------------------------------------------
+    def cuTensorMapEncodeTiled(self, dtype, rank, address, dims, strides, box, element_strides,  # noqa: N802
+                               interleave, swizzle, l2_promotion, oob_fill):
+        """Check the arguments against the driver API's documented rules, then against what
+        the emulator models (2-D, dense rows, no interleave, 128-byte swizzle)."""
+        try:
+            return self._ok(_TensorMapObject(self._encode(dtype, rank, int(address), [int(d) for d in dims],
+                                                          [int(s) for s in strides], [int(b) for b in box],
+                                                          [int(e) for e in element_strides], interleave, swizzle)))
+        except _DriverError as e:
+            return self._fail(e, None)
+
+    def _encode(self, dtype, rank, address, dims, strides, box, element_strides, interleave, swizzle) -> bytes:
+        bad = lambda why: _DriverError("INVALID_VALUE", why)  # noqa: E731
+        kind = dtype.name.removeprefix("CU_TENSOR_MAP_DATA_TYPE_")
+        if kind not in TMAP_ELEMENT_BYTES:
+            raise _DriverError("NOT_SUPPORTED", f"tensor map data type {kind} is not emulated")
+        esize = TMAP_ELEMENT_BYTES[kind]
+        no_interleave = interleave == self.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE
+        if not 1 <= rank <= 5:
+            raise bad(f"tensorRank {rank} must be 1..5")
+        if (len(dims), len(strides), len(box), len(element_strides)) != (rank, rank - 1, rank, rank):
+            raise bad(f"rank {rank} needs {rank} dims, {rank - 1} strides, {rank} box extents and element strides; "
+                      f"got {len(dims)}, {len(strides)}, {len(box)}, {len(element_strides)}")
+        if address % 16:
+            raise bad(f"globalAddress {address:#x} is not 16-byte aligned")
+        if any(not 0 < d <= 1 << 32 for d in dims):
+            raise bad(f"globalDim {dims}: each must be in 1..2^32")
+        if any(s % 16 or s >= 1 << 40 for s in strides):
+            raise bad(f"globalStrides {strides}: each must be a multiple of 16 below 2^40")
+        if any(not 0 < b <= 256 for b in box):
+            raise bad(f"boxDim {box}: each must be in 1..256")
+        if no_interleave and box[0] * esize % 16:
+            raise bad(f"boxDim[0] * element size = {box[0] * esize} B must be a multiple of 16")
+        if any(not 0 < e <= 8 for e in element_strides):
+            raise bad(f"elementStrides {element_strides}: each must be in 1..8")
+        span = SWIZZLE_BYTES.get(swizzle.name.removeprefix("CU_TENSOR_MAP_SWIZZLE_"))
+        if span is None:
+            raise _DriverError("NOT_SUPPORTED", f"swizzle {swizzle.name} is not emulated")
+        if no_interleave and span and box[0] * esize > span:
+            raise bad(f"the box's inner extent {box[0] * esize} B exceeds the {span}-byte swizzle")
+        # what the emulator's TMA models
+        if rank != 2 or not no_interleave or span != 128 or element_strides[1] != 1:
+            raise _DriverError("NOT_SUPPORTED", "the emulator models 2-D tensor maps with 128-byte swizzle, no "
+                                                "interleave and unit element strides")
+        if strides[0] != dims[0] * esize:
+            raise _DriverError("NOT_SUPPORTED", f"row pitch {strides[0]} B with {dims[0]} elements of {esize} B: "
+                                                "the emulator models dense rows only")
+        return _TMAP_LAYOUT.pack(_TMAP_TAG, address, dims[0], dims[1], strides[0], box[0], box[1], esize, span,
+                                 int(dtype))
+
+    # -- occupancy and launch --------------------------------------------------------
+    def cuOccupancyMaxActiveClusters(self, fn: _Function, config):  # noqa: N802
+        """Clusters of the kernel's required size that fit at once: one CTA per SM."""
+        try:
+            self._check_block(fn, config.blockDimX, config.blockDimY, config.blockDimZ, config.sharedMemBytes)
+        except _DriverError as e:
+            return self._fail(e, None)
+        size = (fn.prog.cluster or (1, 1, 1))[0]
+        return self._ok(self.sm_count // size)
+
+    def _check_block(self, fn: _Function, bx, by, bz, shared) -> None:
+        threads = bx * by * bz
+        if threads > MAX_THREADS or (fn.prog.maxntid is not None and threads > fn.prog.maxntid):
+            raise _DriverError("INVALID_VALUE", f"{threads} threads per block exceed the kernel's .maxntid "
+                                                f"{fn.prog.maxntid} (or {MAX_THREADS})")
+        if (by, bz) != (1, 1):
+            raise _DriverError("NOT_SUPPORTED", "the emulator runs 1-D blocks only")
+        if shared > fn.max_dynamic_smem:
+            raise _DriverError("INVALID_VALUE", f"{shared} B of dynamic shared memory; {fn.prog.name} allows "
+                                                f"{fn.max_dynamic_smem} (raise CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES)")
+
+    def cuLaunchKernel(self, fn: _Function, gx, gy, gz, bx, by, bz, shared, stream, kernel_params, extra):  # noqa: N802
+        """Run the kernel to completion.  ``kernel_params`` is the address of an array holding
+        one pointer per kernel parameter; each parameter's bytes are read from there."""
+        try:
+            self._check_block(fn, bx, by, bz, shared)
+            if extra:
+                raise _DriverError("NOT_SUPPORTED", "parameters through `extra` are not emulated")
+            if gz != 1 or min(gx, gy) < 1:
+                raise _DriverError("INVALID_VALUE" if min(gx, gy, gz) < 1 else "NOT_SUPPORTED",
+                                   f"grid ({gx}, {gy}, {gz}): the emulator runs non-empty 2-D grids")
+            size = (fn.prog.cluster or (1, 1, 1))[0]
+            if size > MAX_CLUSTER or gx % size:
+                raise _DriverError("INVALID_CLUSTER_SIZE", f"grid x {gx} is not a whole number of clusters of "
+                                                           f"{size} CTAs (at most {MAX_CLUSTER})")
+            params = self._read_params(fn.prog, int(kernel_params))
+        except _DriverError as e:
+            return self._fail(e)
+        from .emulate import emulate_kernel  # here, not at the top: emulate imports this module
+
+        self.launches.append({"kernel": fn.prog.name, "grid": (gx, gy, gz), "block": (bx, by, bz),
+                              "shared_bytes": shared, "params": params})
+        emulate_kernel(fn.module.ptx, bx, shared, params, self.memory, (gx, gy), self.seed, self.ctas)
+        return self._ok()
+
+    def _read_params(self, prog: PtxProgram, array: int) -> dict[str, object]:
+        if not array:
+            raise _DriverError("INVALID_VALUE", f"{prog.name} has {len(prog.params)} parameters and none were given")
+        params: dict[str, object] = {}
+        for i, p in enumerate(prog.params):
+            ptr = ctypes.c_void_p.from_address(array + 8 * i).value
+            if not ptr:
+                raise _DriverError("INVALID_VALUE", f"kernelParams[{i}] ({p.name}) is a null pointer")
+            if p.kind not in PARAM_BYTES:
+                raise _DriverError("NOT_SUPPORTED", f"parameter {p.name} of type .{p.kind} is not emulated")
+            raw = ctypes.string_at(ptr, PARAM_BYTES[p.kind])
+            params[p.name] = decode_tensor_map(raw) if p.kind == "tmap" else int.from_bytes(raw, "little")
+        return params
+
+    # -- events ----------------------------------------------------------------------
+    def cuEventCreate(self, flags):  # noqa: N802
+        handle = len(self._events) + 1
+        self._events[handle] = None
+        return self._ok(handle)
+
+    def cuEventRecord(self, event, stream):  # noqa: N802
+        self._events[event] = time.perf_counter()
+        return self._ok()
+
+    def cuEventSynchronize(self, event):  # noqa: N802
+        return self._ok()
+
+    def cuEventElapsedTime(self, start, stop):  # noqa: N802
+        t0, t1 = self._events.get(start), self._events.get(stop)
+        if t0 is None or t1 is None:
+            return self._fail(_DriverError("INVALID_HANDLE", "an event that was never recorded"), None)
+        return self._ok((t1 - t0) * 1e3)
+
+    def cuEventDestroy(self, event):  # noqa: N802
+        self._events.pop(event, None)
+        return self._ok()
+
+
+def emulated_context(sm_count: int = 2, seed: int = 0, ctas: list[tuple[int, int]] | None = None):
+    """A :class:`driver.Context` on a fresh :class:`EmulatedDriver` (loading PTX, not cubins)."""
+    from .driver import Context
+
+    return Context(cu=EmulatedDriver(sm_count, seed, ctas), jit=True)
+
+
+__all__ = ["EmulatedDriver", "decode_tensor_map", "emulated_context"]

@@ -1,0 +1,167 @@
+"""The emulated CUDA driver: the runner's host code (parameters, tensor maps, grid, shared
+memory opt-in, copies) checked against the driver API's rules, without a GPU."""
+
+from __future__ import annotations
+
+import ctypes
+import warnings
+
+import numpy as np
+import pytest
+
+import helios.cuda_ptx as cp
+from helios.cuda_ptx import driver, operands
+from helios.cuda_ptx.emit import build_kernel
+from helios.cuda_ptx.emu_driver import EmulatedDriver, decode_tensor_map, emulated_context
+from helios.cuda_ptx.emu_state import EmulationError, TensorMap
+from helios.cuda_ptx.render import render
+from helios.cuda_ptx.runner import GemmLaunch
+from helios.errors import DeviceError
+
+pytest.importorskip("cuda.bindings")
+
+
+def _ints(rng, shape):
+    return rng.integers(-3, 4, shape).astype(np.float32)
+
+
+def _encode(cu, **change):
+    """cuTensorMapEncodeTiled on a bf16 256 x 128 matrix with a 64 x 64 box, some arguments changed."""
+    args = dict(dtype=cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, rank=2, address=0x7F00_0000_0000,
+                dims=[128, 256], strides=[256], box=[64, 64], element_strides=[1, 1],
+                interleave=cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+                swizzle=cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+                l2_promotion=cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                oob_fill=cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+    args.update(change)
+    return cu.cuTensorMapEncodeTiled(*args.values())
+
+
+def test_the_context_sees_a_hopper_device_that_loads_ptx():
+    ctx = emulated_context(sm_count=6)
+    assert (ctx.cc, ctx.arch, ctx.sm_count, ctx.jit) == ((9, 0), "sm_90a", 6, True)
+    assert ctx.name.startswith("Helios PTX emulator")
+
+
+@pytest.mark.parametrize("b_major", ["k", "n"])
+def test_a_persistent_cluster_launch_hands_the_kernel_what_the_operands_describe(b_major):
+    """GemmLaunch on the emulated driver: the grid fills the resident clusters, every tensor
+    map the kernel receives is the box operands.tma_boxes describes, in parameter order,
+    and the product is exact."""
+    cfg = cp.variants()["wgmma_cluster"].with_(b_major=b_major)
+    rng = np.random.default_rng(1)
+    a, b = _ints(rng, (4 * cfg.bm - 7, 2 * cfg.bk)), _ints(rng, (2 * cfg.bk, 2 * cfg.bn - 9))
+    ctx = emulated_context(sm_count=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the occupancy query answers: no fallback warning
+        launch = GemmLaunch(cfg, a.shape[0], b.shape[1], a.shape[1], ctx)
+    assert launch.grid == (4, 1)  # 4 SMs hold two clusters of two; there are four 2 x 1 blocks
+    launch.upload(a, b)
+    launch.run()
+    np.testing.assert_array_equal(launch.result(), a @ b)
+    (seen,) = ctx.cu.launches
+    kern = build_kernel(cfg)
+    assert seen["kernel"] == kern.name and seen["block"] == (kern.threads, 1, 1)
+    assert seen["grid"] == (4, 1, 1) and seen["shared_bytes"] == kern.shared_bytes > 48 * 1024
+    boxes = operands.tma_boxes(cfg, launch.padded)
+    got = [seen["params"][f"tmap_{box.operand}"] for box in boxes]
+    ptrs = {"a": launch.a_ptr, "b": launch.b_ptr, "c": launch.c_ptr}
+    assert got == [TensorMap(ptrs[x.operand], x.rows, x.cols, x.box_rows, x.box_cols, x.itemsize) for x in boxes]
+    assert (seen["params"]["c"], seen["params"]["M"], seen["params"]["N"], seen["params"]["K"]) == (
+        launch.c_ptr, launch.mp, launch.np_, launch.kp)
+    launch.close()
+
+
+def test_parameters_out_of_order_are_caught_at_launch():
+    cfg = cp.variants()["wgmma_tma"]
+    ctx = emulated_context()
+    launch = GemmLaunch(cfg, 64, 128, 64, ctx)
+    launch.upload(np.ones((64, 64), np.float32), np.ones((64, 128), np.float32))
+    tmap_a, tmap_b, c, *dims = launch._args
+    launch._args = [("u64", launch.c_ptr), tmap_b, tmap_a, *dims]  # a pointer where tensor map A belongs
+    with pytest.raises(EmulationError, match="not bytes cuTensorMapEncodeTiled made"):
+        launch.run()
+
+
+@pytest.mark.parametrize("change,code,why", [
+    ({"address": 0x7F00_0000_0008}, "INVALID_VALUE", "16-byte aligned"),
+    ({"dims": [0, 256]}, "INVALID_VALUE", "globalDim"),
+    ({"strides": [200]}, "INVALID_VALUE", "multiple of 16"),
+    ({"box": [64, 257]}, "INVALID_VALUE", "1..256"),
+    ({"box": [4, 64]}, "INVALID_VALUE", "multiple of 16"),
+    ({"box": [128, 64]}, "INVALID_VALUE", "exceeds the 128-byte swizzle"),
+    ({"element_strides": [1, 9]}, "INVALID_VALUE", "elementStrides"),
+    ({"strides": [256, 512]}, "INVALID_VALUE", "rank 2 needs"),
+    ({"strides": [512]}, "NOT_SUPPORTED", "dense rows"),
+])
+def test_tensor_map_arguments_are_held_to_the_driver_api_rules(change, code, why):
+    cu = EmulatedDriver()
+    err, tmap = _encode(cu, **change)
+    assert (err.name, tmap) == (f"CUDA_ERROR_{code}", None)
+    assert why in cu.cuGetErrorString(err)[1].decode()
+
+
+def test_a_tensor_map_round_trips_through_its_128_bytes():
+    cu = EmulatedDriver()
+    err, tmap = _encode(cu)
+    assert err == cu.CUresult.CUDA_SUCCESS and tmap.getPtr() % 64 == 0
+    assert decode_tensor_map(ctypes.string_at(tmap.getPtr(), 128)) == TensorMap(0x7F00_0000_0000, 256, 128, 64, 64, 2)
+
+
+def test_driver_errors_reach_the_user_with_the_reason():
+    ctx = emulated_context()
+    with pytest.raises(DeviceError, match=r"cuModuleLoadDataEx failed: CUDA_ERROR_INVALID_PTX.*\nJIT log:\nptx parse"):
+        ctx.load(b"not ptx\0", "k", 0)
+    with pytest.raises(DeviceError, match="CUDA_ERROR_INVALID_IMAGE.*not cubins"):
+        ctx.load(b"\x7fELF....", "k", 0)
+    ptx = render(build_kernel(cp.variants()["simt"]))
+    with pytest.raises(DeviceError, match=r"cuModuleGetFunction\(nope\) failed: CUDA_ERROR_NOT_FOUND"):
+        ctx.load_kernel(ptx, "nope", 0, "sm_80")
+    with pytest.raises(DeviceError, match=r"cuMemcpyHtoD failed: .*outside every allocation"):
+        ctx.upload(0x10, np.ones(4, np.float32))
+
+
+def test_launches_the_driver_would_refuse_are_refused():
+    cfg = cp.variants()["wgmma_cluster"].with_(persistent=False)
+    kern = build_kernel(cfg)
+    ctx = emulated_context()
+    fn = ctx.load_kernel(render(kern), kern.name, kern.shared_bytes, cfg.target)
+    with pytest.raises(DeviceError, match="CUDA_ERROR_INVALID_CLUSTER_SIZE.*clusters of 2 CTAs"):
+        ctx.launch(fn, (3, 1, 1), (kern.threads, 1, 1), [])
+    with pytest.raises(DeviceError, match=r"CUDA_ERROR_INVALID_VALUE.*exceed the kernel's \.maxntid"):
+        ctx.launch(fn, (2, 1, 1), (kern.threads + 32, 1, 1), [])
+    # without the opt-in (cuFuncSetAttribute) a function gets 48 KiB of dynamic shared memory
+    shy = driver.Function(ctx._check("cuModuleGetFunction", ctx.cu.cuModuleGetFunction(fn.handle.module,
+                                                                                         kern.name.encode())),
+                          kern.name, kern.shared_bytes)
+    with pytest.raises(DeviceError, match="MAX_DYNAMIC_SHARED_SIZE_BYTES"):
+        ctx.launch(shy, (2, 1, 1), (kern.threads, 1, 1), [])
+
+
+def test_memory_copies_free_and_events():
+    ctx = emulated_context()
+    p = ctx.alloc(64)
+    ctx.upload(p, np.arange(16, dtype=np.float32))
+    out = np.zeros(16, np.float32)
+    ctx.download(out, p)
+    np.testing.assert_array_equal(out, np.arange(16))
+    ctx.memset0(p, 32)
+    ctx.download(out, p)
+    assert not out[:8].any() and out[8:].tolist() == list(range(8, 16))
+    assert ctx.time_ms(lambda: None, 3) >= 0
+    ctx.free(p)
+    with pytest.raises(DeviceError, match="outside every allocation"):
+        ctx.download(out, p)
+    with pytest.raises(DeviceError, match="cuMemFree failed.*not the start of a live allocation"):
+        ctx.free(p)
+
+
+def test_jit_is_chosen_where_ptxas_is_missing_or_asked_for(monkeypatch):
+    monkeypatch.delenv("HELIOS_CUDA_JIT", raising=False)
+    monkeypatch.setattr(driver.toolchain, "find_tool", lambda name: "/usr/bin/ptxas")
+    assert driver.Context(cu=EmulatedDriver()).jit is False
+    monkeypatch.setenv("HELIOS_CUDA_JIT", "1")
+    assert driver.Context(cu=EmulatedDriver()).jit is True
+    monkeypatch.delenv("HELIOS_CUDA_JIT")
+    monkeypatch.setattr(driver.toolchain, "find_tool", lambda name: None)
+    assert driver.Context(cu=EmulatedDriver()).jit is True

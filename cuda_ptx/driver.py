@@ -283,5 +283,21 @@ class Context:
 
 @functools.lru_cache(maxsize=1)
 def context() -> Context:
-    """The process-wide context on device 0 (``HELIOS_CUDA_DEVICE`` picks another)."""
-    return Context(int(os.environ.get("HELIOS_CUDA_DEVICE", "0")))
+    """The process-wide context: device 0, or the one ``HELIOS_CUDA_DEVICE`` names.
+
+    That is an ordinal, or ``emulator`` (``emulator:N`` for N SMs; 4 by default): the CPU
+    emulator behind :class:`emu_driver.EmulatedDriver`, on which :func:`runner.gemm`, the
+    smoke run and anything else that asks for this context run their kernels thread by
+    thread -- correct but slow, for checking code paths without a GPU.
+    """
+    which = os.environ.get("HELIOS_CUDA_DEVICE", "0").strip()
+    if which == "emulator" or which.startswith("emulator:"):
+        from .emu_driver import emulated_context  # here, not at the top: emu_driver imports this module
+
+        sms = which.partition(":")[2] or "4"
+        if not sms.isdigit() or int(sms) < 1:
+            raise DeviceError(f"HELIOS_CUDA_DEVICE={which!r}: write emulator:N with N >= 1 SMs")
+        return emulated_context(sm_count=int(sms))
+    if not which.isdigit():
+        raise DeviceError(f"HELIOS_CUDA_DEVICE={which!r}: expected a device ordinal or 'emulator[:SMs]'")
+    return Context(int(which))

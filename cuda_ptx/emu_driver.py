@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .driver import Context
 from .emu_state import EmulationError, GlobalMemory, TensorMap
 from .ptx_parse import PtxParseError, PtxProgram, parse
 
@@ -388,8 +389,6 @@ class EmulatedDriver:
 
 def emulated_context(sm_count: int = 2, seed: int = 0, ctas: list[tuple[int, int]] | None = None):
     """A :class:`driver.Context` on a fresh :class:`EmulatedDriver` (loading PTX, not cubins)."""
-    from .driver import Context
-
     return Context(cu=EmulatedDriver(sm_count, seed, ctas), jit=True)
 
 

@@ -4,13 +4,14 @@ memory opt-in, copies) checked against the driver API's rules, without a GPU."""
 from __future__ import annotations
 
 import ctypes
+import json
 import warnings
 
 import numpy as np
 import pytest
 
 import helios.cuda_ptx as cp
-from helios.cuda_ptx import driver, operands
+from helios.cuda_ptx import driver, dtypes, operands, smoke
 from helios.cuda_ptx.emit import build_kernel
 from helios.cuda_ptx.emu_driver import EmulatedDriver, decode_tensor_map, emulated_context
 from helios.cuda_ptx.emu_state import EmulationError, TensorMap
@@ -165,3 +166,43 @@ def test_jit_is_chosen_where_ptxas_is_missing_or_asked_for(monkeypatch):
     monkeypatch.delenv("HELIOS_CUDA_JIT")
     monkeypatch.setattr(driver.toolchain, "find_tool", lambda name: None)
     assert driver.Context(cu=EmulatedDriver()).jit is True
+
+
+@pytest.fixture
+def emulated_device(monkeypatch):
+    """HELIOS_CUDA_DEVICE=emulator for this test and the processes it starts, with the
+    process-wide context built afresh before and after."""
+    monkeypatch.setenv("HELIOS_CUDA_DEVICE", "emulator:4")
+    driver.context.cache_clear()
+    yield
+    driver.context.cache_clear()
+
+
+def test_gemm_runs_on_the_emulated_device_as_a_user_calls_it(emulated_device):
+    rng = np.random.default_rng(2)
+    a, b = rng.standard_normal((130, 96)).astype(np.float32), rng.standard_normal((96, 200)).astype(np.float32)
+    assert driver.context().name.startswith("Helios PTX emulator")
+    c = cp.gemm(a, b)  # the device's default variant (wgmma_ws), B read N-major as numpy holds it
+    ref = dtypes.decode(dtypes.encode(a, "bf16"), "bf16").astype(np.float64) @ dtypes.decode(
+        dtypes.encode(b, "bf16"), "bf16")
+    assert c.shape == (130, 200) and np.abs(c - ref).max() / np.abs(ref).max() < 1e-5
+    (seen,) = driver.context().cu.launches
+    assert seen["kernel"].startswith("helios_gemm_wgmma_bf16_f32_bn_128x256x64")
+
+
+def test_the_smoke_run_passes_on_the_emulated_device(emulated_device, capsys):
+    """The first thing a GPU session runs, dry-run end to end: a subprocess per launch,
+    the launch check's own code, its JSON line and its classification."""
+    assert smoke.main(["wgmma_cluster", "wgmma_fp8"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [(x["name"], x["b_major"], x["status"]) for x in lines] == [
+        ("wgmma_cluster", "k", "ok"), ("wgmma_cluster", "n", "ok"), ("wgmma_fp8", "k", "ok")]
+
+
+@pytest.mark.parametrize("value", ["gpu", "emulator:0", "emulator:x"])
+def test_a_bad_device_name_is_refused(monkeypatch, value):
+    monkeypatch.setenv("HELIOS_CUDA_DEVICE", value)
+    driver.context.cache_clear()
+    with pytest.raises(DeviceError, match="HELIOS_CUDA_DEVICE"):
+        driver.context()
+    driver.context.cache_clear()

@@ -10,13 +10,19 @@ weight, ``n`` ``K x N`` (the wgmma rungs then read it through ``imm-trans-b``); 
 no N-major form and is reported as skipped under ``n``.  The peer multiplies the same
 storage (a transposed view for ``k``).  Without a GPU it prints one line saying it
 skipped and why, and exits 0.
+
+``HELIOS_CUDA_DEVICE=emulator`` dry-runs the whole script without a GPU: the kernels on
+the CPU emulator, the peer with torch on the CPU.  Its lines carry ``"emulated": true``
+and their rates mean nothing; it exists to check the script (use small ``--sizes``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import time
 
 
 def _skip(reason: str, b_major: str) -> int:
@@ -24,8 +30,13 @@ def _skip(reason: str, b_major: str) -> int:
     return 0
 
 
-def _torch_time_ms(torch, fn, iters: int) -> float:
+def _torch_time_ms(torch, fn, iters: int, dev: str) -> float:
     fn()
+    if dev == "cpu":  # the emulated dry run
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - t0) * 1e3 / iters
     torch.cuda.synchronize()
     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     s.record()
@@ -70,16 +81,19 @@ def main(argv: list[str] | None = None) -> int:
     from helios.cuda_ptx import driver, dtypes, variants
     from helios.cuda_ptx.runner import GemmLaunch
 
+    emulated = os.environ.get("HELIOS_CUDA_DEVICE", "").startswith("emulator")
     ok, why = driver.driver_status()
-    if not ok:
+    if not ok and not emulated:
         return _skip(f"no usable CUDA driver: {why}", args.b_major)
     try:
         import torch
     except ImportError:
         return _skip("torch is not installed (the cuBLAS peer)", args.b_major)
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() and not emulated:
         return _skip("torch has no CUDA device (the cuBLAS peer needs one)", args.b_major)
     import numpy as np
+
+    dev = "cpu" if emulated else "cuda"
 
     torch.backends.cuda.matmul.allow_tf32 = False
     ctx = driver.context()
@@ -108,16 +122,16 @@ def main(argv: list[str] | None = None) -> int:
             c = launch.result()
             ms = ctx.time_ms(launch.run, args.iters)
             launch.close()
-            ra = torch.from_numpy(dtypes.decode(dtypes.encode(a, cfg.in_dtype), cfg.in_dtype)).cuda()
-            rb = torch.from_numpy(dtypes.decode(dtypes.encode(b, cfg.in_dtype), cfg.in_dtype)).cuda()
+            ra = torch.from_numpy(dtypes.decode(dtypes.encode(a, cfg.in_dtype), cfg.in_dtype)).to(dev)
+            rb = torch.from_numpy(dtypes.decode(dtypes.encode(b, cfg.in_dtype), cfg.in_dtype)).to(dev)
             ref = ra @ rb  # fp32, TF32 off
             scale = ref.abs().max().item()
-            err = (torch.from_numpy(c).cuda() - ref).abs().max().item() / scale
+            err = (torch.from_numpy(c).to(dev) - ref).abs().max().item() / scale
             # peer: cuBLAS on the same rounded inputs
             if cfg.in_dtype == "e4m3":
                 pa = ra.to(torch.float8_e4m3fn)
                 pb = rb.t().contiguous().to(torch.float8_e4m3fn).t()  # column-major B for _scaled_mm
-                one = torch.ones((), device="cuda")
+                one = torch.ones((), device=dev)
                 out_t = torch.float32 if cfg.out_dtype == "f32" else torch.bfloat16
 
                 def peer(pa=pa, pb=pb, one=one, out_t=out_t):
@@ -130,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
 
                 def peer(pa=pa, pb=pb):
                     return torch.matmul(pa, pb)
-            pms = _torch_time_ms(torch, peer, args.iters)
+            pms = _torch_time_ms(torch, peer, args.iters, dev)
             perr = (peer().float() - ref).abs().max().item() / scale
             flops = 2.0 * m * n * k
             h, p = flops / ms / 1e9, flops / pms / 1e9
@@ -141,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
                 "b_major": bmaj, "inflight": cfg.inflight, "group_m": cfg.group_m, "stages": cfg.stages,
                 "persistent": cfg.persistent, "tma_store": cfg.tma_store, "cluster": cfg.cluster,
                 "ctas": launch.grid[0] * launch.grid[1],
-                "device": ctx.name,
+                "device": ctx.name, **({"emulated": True} if emulated else {}),
             }), flush=True)
     return 0
 

@@ -42,3 +42,18 @@ def test_bad_set_is_refused_and_without_a_driver_it_says_why():
     assert r.returncode == 0, r.stderr
     line = json.loads(r.stdout.strip().splitlines()[-1])
     assert line["skipped"] and "CUDA driver" in line["reason"]
+
+
+def test_the_benchmark_dry_runs_on_the_emulated_device():
+    """Every line of the timed path (launch, timing, error against the reference, the
+    cuBLAS and _scaled_mm peers) runs, with kernels on the CPU emulator and torch on the CPU."""
+    pytest.importorskip("torch")
+    env = dict(os.environ, HELIOS_CUDA_DEVICE="emulator")
+    r = subprocess.run([sys.executable, SCRIPT, "--sizes", "256", "--iters", "1", "--variants", "wgmma_ws", "wgmma_fp8",
+                        "--set", "cluster=2"], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr
+    lines = [json.loads(x) for x in r.stdout.splitlines()]
+    assert [x["bench"] for x in lines] == ["gemm_wgmma_ws_bf16_256", "gemm_wgmma_fp8_e4m3_256"]
+    for x in lines:
+        assert x["emulated"] and x["device"].startswith("Helios PTX emulator") and x["cluster"] == 2
+        assert x["rel_err"] < 1e-5 and x["peer_rel_err"] < 1e-2 and x["helios"] >= 0 and x["peer"] > 0

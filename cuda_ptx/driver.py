@@ -76,6 +76,21 @@ def driver_status() -> tuple[bool, str]:
     return True, "ok"
 
 
+# cuTensorMapEncodeTiled's C signature: (CUtensorMap*, dtype, rank, globalAddress, globalDim*,
+# globalStrides*, boxDim*, elementStrides*, interleave, swizzle, l2Promotion, oobFill) -> CUresult.
+ENCODE_TILED = ctypes.CFUNCTYPE(
+    ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p,
+    ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint32),
+    ctypes.POINTER(ctypes.c_uint32), ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int)
+
+
+def _aligned_buffer(nbytes: int, align: int):
+    """(owner, address): ``nbytes`` of zeroed host memory at an ``align``-byte boundary; keep
+    the owner alive as long as the address is used."""
+    raw = ctypes.create_string_buffer(nbytes + align)
+    return raw, (ctypes.addressof(raw) + align - 1) // align * align
+
+
 @dataclass
 class Function:
     """A loaded kernel with the dynamic shared memory it was enabled for."""
@@ -118,6 +133,7 @@ class Context:
         self.sm_count = attr(a.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)  # CTAs of a persistent kernel
         self.name = self._check("cuDeviceGetName", cu.cuDeviceGetName(128, self.device)).split(b"\0")[0].decode()
         self._modules: list = []
+        self._encode_tiled_fn = None
 
     def _check(self, call: str, result, log: str = ""):
         return check(call, result, log, self.cu)
@@ -132,14 +148,12 @@ class Context:
     def load(self, image: bytes, name: str, shared_bytes: int, ptxas_log: str = "") -> Function:
         """Load a cubin (or PTX) image, fetch ``name``, and allow ``shared_bytes`` of dynamic smem."""
         cu = self.cu
-        log = ctypes.create_string_buffer(1 << 14)
-        try:
-            opts = [cu.CUjit_option.CU_JIT_ERROR_LOG_BUFFER, cu.CUjit_option.CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES]
-            res = cu.cuModuleLoadDataEx(image, len(opts), opts, [ctypes.addressof(log), len(log)])
-        except TypeError:
-            # Older bindings take option values differently: load without the log buffer.
-            res = cu.cuModuleLoadData(image)
-        jit = log.value.decode(errors="replace")
+        # The bindings hand the driver a bytes-like option value as its char* (an int address
+        # is refused with a TypeError), so the driver writes the log into this bytearray.
+        log = bytearray(1 << 14)
+        opts = [cu.CUjit_option.CU_JIT_ERROR_LOG_BUFFER, cu.CUjit_option.CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES]
+        res = cu.cuModuleLoadDataEx(image, len(opts), opts, [log, len(log)])
+        jit = bytes(log).split(b"\0", 1)[0].decode(errors="replace")
         mod = self._check("cuModuleLoadDataEx", res, log="\n".join(x for x in (jit, ptxas_log) if x))
         self._modules.append(mod)
         fn = self._check(f"cuModuleGetFunction({name})", cu.cuModuleGetFunction(mod, name.encode()))
@@ -202,21 +216,36 @@ class Context:
             raise DeviceError(f"TMA needs 16-byte aligned base and row pitch; got base {ptr:#x}, pitch {cols * esz}")
         if box_cols * esz != 128 or box_rows > 256:
             raise DeviceError(f"TMA box {box_rows}x{box_cols} must be <=256 rows of exactly 128 bytes")
-        tmap = self._check(
-            "cuTensorMapEncodeTiled",
-            cu.cuTensorMapEncodeTiled(
-                dt, 2, ptr,
-                [cols, rows],  # dims, innermost first
-                [cols * esz],  # strides of dims 1.. in bytes
-                [box_cols, box_rows],
-                [1, 1],
-                cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-                cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
-                cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
-            ),
+        # Through the driver's C entry point into our own aligned buffer, not the bindings'
+        # wrapper: that one takes the arrays only as cuuint64_t/cuuint32_t objects, and its
+        # CUtensorMap lives inside a Python object that is not 64-byte aligned (the API
+        # requires 64).  A descriptor's bytes do not depend on where they are written.
+        raw, out = _aligned_buffer(128, 128)
+        err = self._encode_tiled()(
+            out, dt.value, 2, ptr,
+            (ctypes.c_uint64 * 2)(cols, rows),  # dims, innermost first
+            (ctypes.c_uint64 * 1)(cols * esz),  # strides of dims 1.. in bytes
+            (ctypes.c_uint32 * 2)(box_cols, box_rows),
+            (ctypes.c_uint32 * 2)(1, 1),
+            cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE.value,
+            cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B.value,
+            cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B.value,
+            cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE.value,
         )
-        return ctypes.string_at(tmap.getPtr(), 128)
+        self._check("cuTensorMapEncodeTiled", (cu.CUresult(err),))
+        return ctypes.string_at(out, 128)
+
+    def _encode_tiled(self):
+        """``cuTensorMapEncodeTiled`` as a C function (looked up once, from the driver itself)."""
+        if self._encode_tiled_fn is None:
+            cu = self.cu
+            found = self._check("cuGetProcAddress(cuTensorMapEncodeTiled)", cu.cuGetProcAddress(
+                b"cuTensorMapEncodeTiled", 12000, cu.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT))
+            pfn = found[0] if isinstance(found, tuple) else found
+            if not int(pfn):
+                raise DeviceError("the CUDA driver has no cuTensorMapEncodeTiled (it needs CUDA 12.0 or newer)")
+            self._encode_tiled_fn = ENCODE_TILED(int(pfn))
+        return self._encode_tiled_fn
 
     def max_active_clusters(self, fn: Function, cluster: int, threads: int) -> int:
         """How many clusters of ``fn`` (``cluster`` CTAs of ``threads`` threads and its dynamic
@@ -248,11 +277,8 @@ class Context:
         store = []
         for a in args:
             if isinstance(a, (bytes, bytearray)):
-                buf = (ctypes.c_uint8 * len(a)).from_buffer_copy(a)
-                # CUtensorMap params are 64-byte aligned; copy into an aligned buffer.
-                raw = ctypes.create_string_buffer(len(a) + 128)
-                base = (ctypes.addressof(raw) + 127) // 128 * 128
-                ctypes.memmove(base, ctypes.addressof(buf), len(a))
+                raw, base = _aligned_buffer(len(a), 128)  # a CUtensorMap is 64- (CUDA 13: 128-) aligned
+                ctypes.memmove(base, bytes(a), len(a))
                 store.append((raw, base))
             else:
                 kind, v = a

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .driver import Context
+from .driver import ENCODE_TILED, Context
 from .emu_state import EmulationError, GlobalMemory, TensorMap
 from .ptx_parse import PtxParseError, PtxProgram, parse
 
@@ -70,18 +70,6 @@ class _Function:
         return self.module.prog
 
 
-class _TensorMapObject:
-    """What ``cuTensorMapEncodeTiled`` returns: 128 bytes, 64-byte aligned, behind ``getPtr()``."""
-
-    def __init__(self, payload: bytes) -> None:
-        self._raw = ctypes.create_string_buffer(128 + 64)
-        self._addr = (ctypes.addressof(self._raw) + 63) // 64 * 64
-        ctypes.memmove(self._addr, payload.ljust(128, b"\0"), 128)
-
-    def getPtr(self) -> int:  # noqa: N802 - the bindings' name
-        return self._addr
-
-
 def decode_tensor_map(raw: bytes) -> TensorMap:
     """The emulator's :class:`TensorMap` for 128 bytes that :meth:`EmulatedDriver.cuTensorMapEncodeTiled`
     wrote; :class:`EmulationError` for anything else (on a GPU, a TMA through garbage faults)."""
@@ -107,8 +95,11 @@ class EmulatedDriver:
 
         for enum in ("CUresult", "CUdevice_attribute", "CUjit_option", "CUfunction_attribute", "CUtensorMapDataType",
                      "CUtensorMapInterleave", "CUtensorMapSwizzle", "CUtensorMapL2promotion",
-                     "CUtensorMapFloatOOBfill", "CUlaunchConfig"):
+                     "CUtensorMapFloatOOBfill", "CUlaunchConfig", "CUdriverProcAddress_flags",
+                     "CUdriverProcAddressQueryResult"):
             setattr(self, enum, getattr(real, enum))
+        # a C function pointer, as the real driver hands out; kept alive with the driver
+        self._encode_tiled_c = ENCODE_TILED(self._encode_tiled)
         if sm_count < 1:
             raise ValueError(f"sm_count must be at least 1, got {sm_count}")
         self.sm_count, self.seed, self.ctas = sm_count, seed, ctas
@@ -165,16 +156,22 @@ class EmulatedDriver:
 
     # -- modules ---------------------------------------------------------------------
     def cuModuleLoadDataEx(self, image, num_options, options, values):  # noqa: N802
-        """Load NUL-terminated PTX; a parse error goes to the error log buffer, if one was given."""
+        """Load NUL-terminated PTX; a parse error goes to the error log buffer, if one was given.
+
+        As in the bindings, a log buffer is a writable bytes-like object (handed to the
+        driver as its ``char*``); an int address is refused with a ``TypeError``.
+        """
+        log = dict(zip(options, values))
+        buf = log.get(self.CUjit_option.CU_JIT_ERROR_LOG_BUFFER)
+        size = log.get(self.CUjit_option.CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES, 0)
+        if buf is not None and not isinstance(buf, (bytes, bytearray)):
+            raise TypeError(f"expected bytes, {type(buf).__name__} found")
         try:
             return self._ok(self._load(image))
         except _DriverError as e:
-            log = dict(zip(options, values))
-            buf = log.get(self.CUjit_option.CU_JIT_ERROR_LOG_BUFFER)
-            size = log.get(self.CUjit_option.CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES, 0)
-            if buf and size:
-                text = e.why.encode()[: size - 1] + b"\0"
-                ctypes.memmove(buf, text, len(text))
+            if isinstance(buf, bytearray) and size:
+                text = e.why.encode()[: min(size, len(buf)) - 1] + b"\0"
+                buf[: len(text)] = text
             return self._fail(e, None)
 
     def cuModuleLoadData(self, image):  # noqa: N802
@@ -254,16 +251,33 @@ class EmulatedDriver:
         return self._ok()
 
     # -- tensor maps -----------------------------------------------------------------
-    def cuTensorMapEncodeTiled(self, dtype, rank, address, dims, strides, box, element_strides,  # noqa: N802
-                               interleave, swizzle, l2_promotion, oob_fill):
-        """Check the arguments against the driver API's documented rules, then against what
-        the emulator models (2-D, dense rows, no interleave, 128-byte swizzle)."""
+    def cuGetProcAddress(self, symbol, cuda_version, flags):  # noqa: N802
+        """The C entry points the host calls directly: ``cuTensorMapEncodeTiled`` only."""
+        found = self.CUdriverProcAddressQueryResult
+        if bytes(symbol) != b"cuTensorMapEncodeTiled":
+            return self._ok(0, found.CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND)
+        return self._ok(ctypes.cast(self._encode_tiled_c, ctypes.c_void_p).value, found.CU_GET_PROC_ADDRESS_SUCCESS)
+
+    def _encode_tiled(self, out, dtype, rank, address, dims, strides, box, element_strides, interleave, swizzle,
+                      l2_promotion, oob_fill) -> int:
+        """``cuTensorMapEncodeTiled`` called through its C signature: check the arguments
+        against the driver API's documented rules, then against what the emulator models
+        (2-D, dense rows, no interleave, 128-byte swizzle), and write the 128 bytes."""
         try:
-            return self._ok(_TensorMapObject(self._encode(dtype, rank, int(address), [int(d) for d in dims],
-                                                          [int(s) for s in strides], [int(b) for b in box],
-                                                          [int(e) for e in element_strides], interleave, swizzle)))
+            if not 1 <= rank <= 5:
+                raise _DriverError("INVALID_VALUE", f"tensorRank {rank} must be 1..5")
+            if not out or out % 64:
+                raise _DriverError("INVALID_VALUE", f"tensorMap address {out or 0:#x} must be 64-byte aligned")
+            payload = self._encode(self.CUtensorMapDataType(dtype), rank, address or 0, [dims[i] for i in range(rank)],
+                                   [strides[i] for i in range(rank - 1)], [box[i] for i in range(rank)],
+                                   [element_strides[i] for i in range(rank)],
+                                   self.CUtensorMapInterleave(interleave), self.CUtensorMapSwizzle(swizzle))
         except _DriverError as e:
-            return self._fail(e, None)
+            return int(self._fail(e)[0])
+        except ValueError as e:  # an int that is no member of its enum
+            return int(self._fail(_DriverError("INVALID_VALUE", str(e)))[0])
+        ctypes.memmove(out, payload.ljust(128, b"\0"), 128)
+        return 0
 
     def _encode(self, dtype, rank, address, dims, strides, box, element_strides, interleave, swizzle) -> bytes:
         bad = lambda why: _DriverError("INVALID_VALUE", why)  # noqa: E731
@@ -272,11 +286,6 @@ class EmulatedDriver:
             raise _DriverError("NOT_SUPPORTED", f"tensor map data type {kind} is not emulated")
         esize = TMAP_ELEMENT_BYTES[kind]
         no_interleave = interleave == self.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE
-        if not 1 <= rank <= 5:
-            raise bad(f"tensorRank {rank} must be 1..5")
-        if (len(dims), len(strides), len(box), len(element_strides)) != (rank, rank - 1, rank, rank):
-            raise bad(f"rank {rank} needs {rank} dims, {rank - 1} strides, {rank} box extents and element strides; "
-                      f"got {len(dims)}, {len(strides)}, {len(box)}, {len(element_strides)}")
         if address % 16:
             raise bad(f"globalAddress {address:#x} is not 16-byte aligned")
         if any(not 0 < d <= 1 << 32 for d in dims):

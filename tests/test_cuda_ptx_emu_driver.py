@@ -26,8 +26,9 @@ def _ints(rng, shape):
     return rng.integers(-3, 4, shape).astype(np.float32)
 
 
-def _encode(cu, **change):
-    """cuTensorMapEncodeTiled on a bf16 256 x 128 matrix with a 64 x 64 box, some arguments changed."""
+def _encode(cu, out_align=128, **change):
+    """cuTensorMapEncodeTiled, called through its C entry point as Context does, on a bf16
+    256 x 128 matrix with a 64 x 64 box, some arguments changed: (CUresult, 128 bytes)."""
     args = dict(dtype=cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, rank=2, address=0x7F00_0000_0000,
                 dims=[128, 256], strides=[256], box=[64, 64], element_strides=[1, 1],
                 interleave=cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
@@ -35,7 +36,17 @@ def _encode(cu, **change):
                 l2_promotion=cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                 oob_fill=cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
     args.update(change)
-    return cu.cuTensorMapEncodeTiled(*args.values())
+    err, pfn, _ = cu.cuGetProcAddress(b"cuTensorMapEncodeTiled", 12000, 0)
+    assert err == cu.CUresult.CUDA_SUCCESS
+    raw = ctypes.create_string_buffer(128 + 128 + 128)  # slack to align, the offset, the map
+    out = (ctypes.addressof(raw) + 127) // 128 * 128 + (out_align % 128)
+    arr = lambda t, v: (t * len(v))(*v)  # noqa: E731
+    code = driver.ENCODE_TILED(pfn)(out, int(args["dtype"]), args["rank"], args["address"],
+                                    arr(ctypes.c_uint64, args["dims"]), arr(ctypes.c_uint64, args["strides"]),
+                                    arr(ctypes.c_uint32, args["box"]), arr(ctypes.c_uint32, args["element_strides"]),
+                                    int(args["interleave"]), int(args["swizzle"]), int(args["l2_promotion"]),
+                                    int(args["oob_fill"]))
+    return cu.CUresult(code), ctypes.string_at(out, 128)
 
 
 def test_the_context_sees_a_hopper_device_that_loads_ptx():
@@ -92,21 +103,38 @@ def test_parameters_out_of_order_are_caught_at_launch():
     ({"box": [4, 64]}, "INVALID_VALUE", "multiple of 16"),
     ({"box": [128, 64]}, "INVALID_VALUE", "exceeds the 128-byte swizzle"),
     ({"element_strides": [1, 9]}, "INVALID_VALUE", "elementStrides"),
-    ({"strides": [256, 512]}, "INVALID_VALUE", "rank 2 needs"),
+    ({"rank": 6}, "INVALID_VALUE", "tensorRank 6"),
+    ({"out_align": 32}, "INVALID_VALUE", "must be 64-byte aligned"),
+    ({"swizzle": 99}, "INVALID_VALUE", "CUtensorMapSwizzle"),
     ({"strides": [512]}, "NOT_SUPPORTED", "dense rows"),
 ])
 def test_tensor_map_arguments_are_held_to_the_driver_api_rules(change, code, why):
     cu = EmulatedDriver()
-    err, tmap = _encode(cu, **change)
-    assert (err.name, tmap) == (f"CUDA_ERROR_{code}", None)
+    err, raw = _encode(cu, **change)
+    assert err.name == f"CUDA_ERROR_{code}" and raw == bytes(128)  # nothing written
     assert why in cu.cuGetErrorString(err)[1].decode()
+
+
+def test_the_jit_log_buffer_must_be_bytes_as_in_the_bindings():
+    cu = EmulatedDriver()
+    opts = [cu.CUjit_option.CU_JIT_ERROR_LOG_BUFFER, cu.CUjit_option.CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES]
+    with pytest.raises(TypeError, match="expected bytes, int found"):
+        cu.cuModuleLoadDataEx(b"x\0", 2, opts, [ctypes.addressof(ctypes.create_string_buffer(64)), 64])
 
 
 def test_a_tensor_map_round_trips_through_its_128_bytes():
     cu = EmulatedDriver()
-    err, tmap = _encode(cu)
-    assert err == cu.CUresult.CUDA_SUCCESS and tmap.getPtr() % 64 == 0
-    assert decode_tensor_map(ctypes.string_at(tmap.getPtr(), 128)) == TensorMap(0x7F00_0000_0000, 256, 128, 64, 64, 2)
+    err, raw = _encode(cu, out_align=64)
+    assert err == cu.CUresult.CUDA_SUCCESS
+    assert decode_tensor_map(raw) == TensorMap(0x7F00_0000_0000, 256, 128, 64, 64, 2)
+
+
+def test_the_context_refuses_tensor_maps_it_knows_the_driver_would():
+    ctx = emulated_context()
+    with pytest.raises(DeviceError, match="16-byte aligned base"):
+        ctx.tensor_map(0x7F00_0000_0008, "bf16", 256, 128, 64, 64)
+    with pytest.raises(DeviceError, match=r"cuTensorMapEncodeTiled failed: CUDA_ERROR_INVALID_VALUE: .*globalDim"):
+        ctx.tensor_map(0x7F00_0000_0000, "bf16", 0, 128, 64, 64)
 
 
 def test_driver_errors_reach_the_user_with_the_reason():

@@ -71,7 +71,7 @@ class _Function:
 
 
 def decode_tensor_map(raw: bytes) -> TensorMap:
-    """The emulator's :class:`TensorMap` for 128 bytes that :meth:`EmulatedDriver.cuTensorMapEncodeTiled`
+    """The emulator's :class:`TensorMap` for 128 bytes that the emulated ``cuTensorMapEncodeTiled``
     wrote; :class:`EmulationError` for anything else (on a GPU, a TMA through garbage faults)."""
     if len(raw) != 128 or not raw.startswith(_TMAP_TAG):
         raise EmulationError(f"a tensor-map parameter holds {raw[:16]!r}...: not bytes cuTensorMapEncodeTiled made "
@@ -87,7 +87,8 @@ class EmulatedDriver:
     order and copy latencies; ``ctas`` limits every launch to those ``(x, y)`` CTAs
     (with their whole clusters).  Allocations start filled with ``0xFF`` bytes (NaN in
     f32 and bf16), so an output element no thread wrote shows.  ``launches`` records
-    each launch: grid, block, shared bytes and the decoded parameters.
+    each launch: grid, block, shared bytes and the decoded parameters.  Methods named
+    ``cu*`` are the driver API's calls, with the bindings' arguments and result tuples.
     """
 
     def __init__(self, sm_count: int = 2, seed: int = 0, ctas: list[tuple[int, int]] | None = None) -> None:
@@ -116,34 +117,34 @@ class EmulatedDriver:
         self._why = e.why
         return (getattr(self.CUresult, f"CUDA_ERROR_{e.code}"), *nones)
 
-    def cuGetErrorName(self, err):  # noqa: N802 - the driver API's names throughout
+    def cuGetErrorName(self, err):
         return self._ok(err.name.encode())
 
-    def cuGetErrorString(self, err):  # noqa: N802
+    def cuGetErrorString(self, err):
         return self._ok(f"(emulated driver) {self._why}".encode() if self._why else b"")
 
     # -- device and context ----------------------------------------------------------
-    def cuInit(self, flags):  # noqa: N802
+    def cuInit(self, flags):
         return self._ok()
 
-    def cuDeviceGetCount(self):  # noqa: N802
+    def cuDeviceGetCount(self):
         return self._ok(1)
 
-    def cuDeviceGet(self, ordinal):  # noqa: N802
+    def cuDeviceGet(self, ordinal):
         if ordinal != 0:
             return self._fail(_DriverError("INVALID_DEVICE", f"device {ordinal}: the emulator has device 0 only"), None)
         return self._ok(0)
 
-    def cuDevicePrimaryCtxRetain(self, device):  # noqa: N802
+    def cuDevicePrimaryCtxRetain(self, device):
         return self._ok("emulated-context")
 
-    def cuCtxSetCurrent(self, ctx):  # noqa: N802
+    def cuCtxSetCurrent(self, ctx):
         return self._ok()
 
-    def cuCtxSynchronize(self):  # noqa: N802
+    def cuCtxSynchronize(self):
         return self._ok()  # launches have already finished
 
-    def cuDeviceGetAttribute(self, attr, device):  # noqa: N802
+    def cuDeviceGetAttribute(self, attr, device):
         a = self.CUdevice_attribute
         values = {a.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: 9, a.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: 0,
                   a.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: self.sm_count}
@@ -151,11 +152,11 @@ class EmulatedDriver:
             return self._fail(_DriverError("INVALID_VALUE", f"attribute {attr.name} is not emulated"), None)
         return self._ok(values[attr])
 
-    def cuDeviceGetName(self, length, device):  # noqa: N802
+    def cuDeviceGetName(self, length, device):
         return self._ok(b"Helios PTX emulator (sm_90a)".ljust(length, b"\0")[:length])
 
     # -- modules ---------------------------------------------------------------------
-    def cuModuleLoadDataEx(self, image, num_options, options, values):  # noqa: N802
+    def cuModuleLoadDataEx(self, image, num_options, options, values):
         """Load NUL-terminated PTX; a parse error goes to the error log buffer, if one was given.
 
         As in the bindings, a log buffer is a writable bytes-like object (handed to the
@@ -174,7 +175,7 @@ class EmulatedDriver:
                 buf[: len(text)] = text
             return self._fail(e, None)
 
-    def cuModuleLoadData(self, image):  # noqa: N802
+    def cuModuleLoadData(self, image):
         try:
             return self._ok(self._load(image))
         except _DriverError as e:
@@ -194,13 +195,13 @@ class EmulatedDriver:
             raise _DriverError("NO_BINARY_FOR_GPU", f".target {prog.target} does not run on an sm_90 device")
         return _Module(text, prog)
 
-    def cuModuleGetFunction(self, module: _Module, name: bytes):  # noqa: N802
+    def cuModuleGetFunction(self, module: _Module, name: bytes):
         if name.decode() != module.prog.name:
             return self._fail(_DriverError("NOT_FOUND", f"no kernel {name.decode()!r} in the module "
                                                         f"(it has {module.prog.name!r})"), None)
         return self._ok(_Function(module))
 
-    def cuFuncSetAttribute(self, fn: _Function, attr, value):  # noqa: N802
+    def cuFuncSetAttribute(self, fn: _Function, attr, value):
         if attr != self.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES:
             return self._fail(_DriverError("INVALID_VALUE", f"function attribute {attr.name} is not emulated"))
         if not 0 <= value <= MAX_DYN_SMEM:
@@ -210,12 +211,12 @@ class EmulatedDriver:
         return self._ok()
 
     # -- memory ----------------------------------------------------------------------
-    def cuMemAlloc(self, nbytes):  # noqa: N802
+    def cuMemAlloc(self, nbytes):
         if nbytes == 0:
             return self._fail(_DriverError("INVALID_VALUE", "cuMemAlloc of 0 bytes"), None)
         return self._ok(self.memory.alloc(nbytes, fill=0xFF))
 
-    def cuMemFree(self, ptr):  # noqa: N802
+    def cuMemFree(self, ptr):
         try:
             self.memory.free(int(ptr))
         except EmulationError as e:
@@ -228,14 +229,14 @@ class EmulatedDriver:
         except EmulationError as e:
             raise _DriverError("INVALID_VALUE", str(e)) from e
 
-    def cuMemcpyHtoD(self, dst, src, nbytes):  # noqa: N802
+    def cuMemcpyHtoD(self, dst, src, nbytes):
         try:
             self._device_bytes(dst, nbytes)[:] = np.frombuffer(ctypes.string_at(src, nbytes), np.uint8)
         except _DriverError as e:
             return self._fail(e)
         return self._ok()
 
-    def cuMemcpyDtoH(self, dst, src, nbytes):  # noqa: N802
+    def cuMemcpyDtoH(self, dst, src, nbytes):
         try:
             data = np.ascontiguousarray(self._device_bytes(src, nbytes))
         except _DriverError as e:
@@ -243,7 +244,7 @@ class EmulatedDriver:
         ctypes.memmove(dst, data.ctypes.data, nbytes)
         return self._ok()
 
-    def cuMemsetD8(self, ptr, value, nbytes):  # noqa: N802
+    def cuMemsetD8(self, ptr, value, nbytes):
         try:
             self._device_bytes(ptr, nbytes)[:] = value
         except _DriverError as e:
@@ -251,7 +252,7 @@ class EmulatedDriver:
         return self._ok()
 
     # -- tensor maps -----------------------------------------------------------------
-    def cuGetProcAddress(self, symbol, cuda_version, flags):  # noqa: N802
+    def cuGetProcAddress(self, symbol, cuda_version, flags):
         """The C entry points the host calls directly: ``cuTensorMapEncodeTiled`` only."""
         found = self.CUdriverProcAddressQueryResult
         if bytes(symbol) != b"cuTensorMapEncodeTiled":
@@ -314,7 +315,7 @@ class EmulatedDriver:
                                  int(dtype))
 
     # -- occupancy and launch --------------------------------------------------------
-    def cuOccupancyMaxActiveClusters(self, fn: _Function, config):  # noqa: N802
+    def cuOccupancyMaxActiveClusters(self, fn: _Function, config):
         """Clusters of the kernel's required size that fit at once: one CTA per SM."""
         try:
             self._check_block(fn, config.blockDimX, config.blockDimY, config.blockDimZ, config.sharedMemBytes)
@@ -334,7 +335,7 @@ class EmulatedDriver:
             raise _DriverError("INVALID_VALUE", f"{shared} B of dynamic shared memory; {fn.prog.name} allows "
                                                 f"{fn.max_dynamic_smem} (raise CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES)")
 
-    def cuLaunchKernel(self, fn: _Function, gx, gy, gz, bx, by, bz, shared, stream, kernel_params, extra):  # noqa: N802
+    def cuLaunchKernel(self, fn: _Function, gx, gy, gz, bx, by, bz, shared, stream, kernel_params, extra):
         """Run the kernel to completion.  ``kernel_params`` is the address of an array holding
         one pointer per kernel parameter; each parameter's bytes are read from there."""
         try:
@@ -373,25 +374,25 @@ class EmulatedDriver:
         return params
 
     # -- events ----------------------------------------------------------------------
-    def cuEventCreate(self, flags):  # noqa: N802
+    def cuEventCreate(self, flags):
         handle = len(self._events) + 1
         self._events[handle] = None
         return self._ok(handle)
 
-    def cuEventRecord(self, event, stream):  # noqa: N802
+    def cuEventRecord(self, event, stream):
         self._events[event] = time.perf_counter()
         return self._ok()
 
-    def cuEventSynchronize(self, event):  # noqa: N802
+    def cuEventSynchronize(self, event):
         return self._ok()
 
-    def cuEventElapsedTime(self, start, stop):  # noqa: N802
+    def cuEventElapsedTime(self, start, stop):
         t0, t1 = self._events.get(start), self._events.get(stop)
         if t0 is None or t1 is None:
             return self._fail(_DriverError("INVALID_HANDLE", "an event that was never recorded"), None)
         return self._ok((t1 - t0) * 1e3)
 
-    def cuEventDestroy(self, event):  # noqa: N802
+    def cuEventDestroy(self, event):
         self._events.pop(event, None)
         return self._ok()
 

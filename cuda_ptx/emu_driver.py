@@ -99,6 +99,10 @@ class EmulatedDriver:
                      "CUtensorMapFloatOOBfill", "CUlaunchConfig", "CUdriverProcAddress_flags",
                      "CUdriverProcAddressQueryResult"):
             setattr(self, enum, getattr(real, enum))
+        # Handles are the bindings' own types (CUmodule, CUfunction, ...) holding an id, so the
+        # host code gets back exactly the types it gets from a real driver.
+        self._real = real
+        self._handles: dict[tuple[str, int], object] = {}
         # a C function pointer, as the real driver hands out; kept alive with the driver
         self._encode_tiled_c = ENCODE_TILED(self._encode_tiled)
         if sm_count < 1:
@@ -107,9 +111,21 @@ class EmulatedDriver:
         self.memory = GlobalMemory()
         self.launches: list[dict] = []
         self._why = ""
-        self._events: dict[int, float | None] = {}
 
-    # -- results ---------------------------------------------------------------------
+    # -- results and handles ---------------------------------------------------------
+    def _handle(self, kind: str, obj) -> object:
+        """A new ``CU<kind>`` handle of the bindings that stands for ``obj``."""
+        key = (kind, len(self._handles) + 1)
+        self._handles[key] = obj
+        return getattr(self._real, f"CU{kind}")(key[1])
+
+    def _lookup(self, kind: str, handle):
+        """What a handle from :meth:`_handle` stands for; INVALID_HANDLE for anything else."""
+        obj = self._handles.get((kind, int(handle))) if isinstance(handle, getattr(self._real, f"CU{kind}")) else None
+        if obj is None:
+            raise _DriverError("INVALID_HANDLE", f"{handle!r} is not a CU{kind} this driver handed out")
+        return obj
+
     def _ok(self, *values):
         return (self.CUresult.CUDA_SUCCESS, *values)
 
@@ -133,10 +149,10 @@ class EmulatedDriver:
     def cuDeviceGet(self, ordinal):
         if ordinal != 0:
             return self._fail(_DriverError("INVALID_DEVICE", f"device {ordinal}: the emulator has device 0 only"), None)
-        return self._ok(0)
+        return self._ok(self._real.CUdevice(0))
 
     def cuDevicePrimaryCtxRetain(self, device):
-        return self._ok("emulated-context")
+        return self._ok(self._real.CUcontext(1))
 
     def cuCtxSetCurrent(self, ctx):
         return self._ok()
@@ -168,7 +184,7 @@ class EmulatedDriver:
         if buf is not None and not isinstance(buf, (bytes, bytearray)):
             raise TypeError(f"expected bytes, {type(buf).__name__} found")
         try:
-            return self._ok(self._load(image))
+            return self._ok(self._handle("module", self._load(image)))
         except _DriverError as e:
             if isinstance(buf, bytearray) and size:
                 text = e.why.encode()[: min(size, len(buf)) - 1] + b"\0"
@@ -177,7 +193,7 @@ class EmulatedDriver:
 
     def cuModuleLoadData(self, image):
         try:
-            return self._ok(self._load(image))
+            return self._ok(self._handle("module", self._load(image)))
         except _DriverError as e:
             return self._fail(e, None)
 
@@ -195,13 +211,20 @@ class EmulatedDriver:
             raise _DriverError("NO_BINARY_FOR_GPU", f".target {prog.target} does not run on an sm_90 device")
         return _Module(text, prog)
 
-    def cuModuleGetFunction(self, module: _Module, name: bytes):
-        if name.decode() != module.prog.name:
-            return self._fail(_DriverError("NOT_FOUND", f"no kernel {name.decode()!r} in the module "
-                                                        f"(it has {module.prog.name!r})"), None)
-        return self._ok(_Function(module))
+    def cuModuleGetFunction(self, handle, name: bytes):
+        try:
+            module = self._lookup("module", handle)
+            if name.decode() != module.prog.name:
+                raise _DriverError("NOT_FOUND", f"no kernel {name.decode()!r} in the module (it has {module.prog.name!r})")
+        except _DriverError as e:
+            return self._fail(e, None)
+        return self._ok(self._handle("function", _Function(module)))
 
-    def cuFuncSetAttribute(self, fn: _Function, attr, value):
+    def cuFuncSetAttribute(self, handle, attr, value):
+        try:
+            fn = self._lookup("function", handle)
+        except _DriverError as e:
+            return self._fail(e)
         if attr != self.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES:
             return self._fail(_DriverError("INVALID_VALUE", f"function attribute {attr.name} is not emulated"))
         if not 0 <= value <= MAX_DYN_SMEM:
@@ -214,7 +237,7 @@ class EmulatedDriver:
     def cuMemAlloc(self, nbytes):
         if nbytes == 0:
             return self._fail(_DriverError("INVALID_VALUE", "cuMemAlloc of 0 bytes"), None)
-        return self._ok(self.memory.alloc(nbytes, fill=0xFF))
+        return self._ok(self._real.CUdeviceptr(self.memory.alloc(nbytes, fill=0xFF)))
 
     def cuMemFree(self, ptr):
         try:
@@ -315,9 +338,10 @@ class EmulatedDriver:
                                  int(dtype))
 
     # -- occupancy and launch --------------------------------------------------------
-    def cuOccupancyMaxActiveClusters(self, fn: _Function, config):
+    def cuOccupancyMaxActiveClusters(self, handle, config):
         """Clusters of the kernel's required size that fit at once: one CTA per SM."""
         try:
+            fn = self._lookup("function", handle)
             self._check_block(fn, config.blockDimX, config.blockDimY, config.blockDimZ, config.sharedMemBytes)
         except _DriverError as e:
             return self._fail(e, None)
@@ -335,10 +359,11 @@ class EmulatedDriver:
             raise _DriverError("INVALID_VALUE", f"{shared} B of dynamic shared memory; {fn.prog.name} allows "
                                                 f"{fn.max_dynamic_smem} (raise CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES)")
 
-    def cuLaunchKernel(self, fn: _Function, gx, gy, gz, bx, by, bz, shared, stream, kernel_params, extra):
+    def cuLaunchKernel(self, handle, gx, gy, gz, bx, by, bz, shared, stream, kernel_params, extra):
         """Run the kernel to completion.  ``kernel_params`` is the address of an array holding
         one pointer per kernel parameter; each parameter's bytes are read from there."""
         try:
+            fn = self._lookup("function", handle)
             self._check_block(fn, bx, by, bz, shared)
             if extra:
                 raise _DriverError("NOT_SUPPORTED", "parameters through `extra` are not emulated")
@@ -375,25 +400,33 @@ class EmulatedDriver:
 
     # -- events ----------------------------------------------------------------------
     def cuEventCreate(self, flags):
-        handle = len(self._events) + 1
-        self._events[handle] = None
-        return self._ok(handle)
+        return self._ok(self._handle("event", {"recorded": None}))
 
     def cuEventRecord(self, event, stream):
-        self._events[event] = time.perf_counter()
+        try:
+            self._lookup("event", event)["recorded"] = time.perf_counter()
+        except _DriverError as e:
+            return self._fail(e)
         return self._ok()
 
     def cuEventSynchronize(self, event):
-        return self._ok()
+        try:
+            self._lookup("event", event)
+        except _DriverError as e:
+            return self._fail(e)
+        return self._ok()  # launches have already finished
 
     def cuEventElapsedTime(self, start, stop):
-        t0, t1 = self._events.get(start), self._events.get(stop)
-        if t0 is None or t1 is None:
-            return self._fail(_DriverError("INVALID_HANDLE", "an event that was never recorded"), None)
+        try:
+            t0, t1 = self._lookup("event", start)["recorded"], self._lookup("event", stop)["recorded"]
+            if t0 is None or t1 is None:
+                raise _DriverError("INVALID_HANDLE", "an event that was never recorded")
+        except _DriverError as e:
+            return self._fail(e, None)
         return self._ok((t1 - t0) * 1e3)
 
     def cuEventDestroy(self, event):
-        self._events.pop(event, None)
+        self._handles.pop(("event", int(event)), None)
         return self._ok()
 
 

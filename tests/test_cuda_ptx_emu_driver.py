@@ -160,7 +160,7 @@ def test_launches_the_driver_would_refuse_are_refused():
     with pytest.raises(DeviceError, match=r"CUDA_ERROR_INVALID_VALUE.*exceed the kernel's \.maxntid"):
         ctx.launch(fn, (2, 1, 1), (kern.threads + 32, 1, 1), [])
     # without the opt-in (cuFuncSetAttribute) a function gets 48 KiB of dynamic shared memory
-    shy = driver.Function(ctx._check("cuModuleGetFunction", ctx.cu.cuModuleGetFunction(fn.handle.module,
+    shy = driver.Function(ctx._check("cuModuleGetFunction", ctx.cu.cuModuleGetFunction(ctx._modules[-1],
                                                                                          kern.name.encode())),
                           kern.name, kern.shared_bytes)
     with pytest.raises(DeviceError, match="MAX_DYNAMIC_SHARED_SIZE_BYTES"):
@@ -234,3 +234,51 @@ def test_a_bad_device_name_is_refused(monkeypatch, value):
     with pytest.raises(DeviceError, match="HELIOS_CUDA_DEVICE"):
         driver.context()
     driver.context.cache_clear()
+
+
+class _BindingsProbe:
+    """Answers like the emulated driver, but first hands every call's arguments to the real
+    ``cuda.bindings``: without a driver library they convert them and then fail to load
+    it, so a ``TypeError`` (or ``ValueError``) there is an argument the real bindings
+    would refuse on a GPU machine -- as the int arrays of cuTensorMapEncodeTiled once were."""
+
+    def __init__(self, emulated: EmulatedDriver) -> None:
+        from cuda.bindings import driver as real
+        from cuda.pathfinder import DynamicLibNotFoundError
+
+        self._emu, self._real, self._missing = emulated, real, DynamicLibNotFoundError
+        self.probed: set[str] = set()
+
+    def __getattr__(self, name):
+        answer = getattr(self._emu, name)
+        if not name.startswith("cu") or not callable(answer):
+            return answer
+
+        def call(*args):
+            with pytest.raises(self._missing):  # not TypeError: the bindings took the arguments
+                getattr(self._real, name)(*args)
+            self.probed.add(name)
+            return answer(*args)
+
+        return call
+
+
+@pytest.mark.skipif(driver.driver_status()[0], reason="a CUDA driver is present: the real calls would run")
+def test_every_call_the_context_makes_fits_the_real_bindings():
+    probe = _BindingsProbe(EmulatedDriver(sm_count=2))
+    ctx = driver.Context(cu=probe, jit=True)
+    cfg = cp.variants()["wgmma_cluster"]
+    rng = np.random.default_rng(3)
+    a, b = _ints(rng, (2 * cfg.bm, cfg.bk)), _ints(rng, (cfg.bk, cfg.bn))
+    launch = GemmLaunch(cfg, *a.shape[:1], b.shape[1], a.shape[1], ctx)
+    launch.upload(a, b)
+    assert ctx.time_ms(launch.run, 1) >= 0
+    np.testing.assert_array_equal(launch.result(), a @ b)
+    ctx.memset0(launch.c_ptr, 16)
+    launch.close()
+    assert probe.probed >= {
+        "cuInit", "cuDeviceGet", "cuDevicePrimaryCtxRetain", "cuCtxSetCurrent", "cuDeviceGetAttribute",
+        "cuDeviceGetName", "cuModuleLoadDataEx", "cuModuleGetFunction", "cuFuncSetAttribute",
+        "cuOccupancyMaxActiveClusters", "cuMemAlloc", "cuMemcpyHtoD", "cuGetProcAddress", "cuLaunchKernel",
+        "cuCtxSynchronize", "cuMemcpyDtoH", "cuMemsetD8", "cuMemFree", "cuEventCreate", "cuEventRecord",
+        "cuEventSynchronize", "cuEventElapsedTime", "cuEventDestroy"}

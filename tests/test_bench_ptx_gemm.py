@@ -56,4 +56,5 @@ def test_the_benchmark_dry_runs_on_the_emulated_device():
     assert [x["bench"] for x in lines] == ["gemm_wgmma_ws_bf16_256", "gemm_wgmma_fp8_e4m3_256"]
     for x in lines:
         assert x["emulated"] and x["device"].startswith("Helios PTX emulator") and x["cluster"] == 2
-        assert x["rel_err"] < 1e-5 and x["peer_rel_err"] < 1e-2 and x["helios"] >= 0 and x["peer"] > 0
+        assert x["rel_err"] < 1e-5 and x["peer_rel_err"] < 1e-2
+        assert x["helios"] >= 0 and x["peer"] >= 0 and x["unit"] == "TFLOP/s"  # rates, rounded; meaningless here

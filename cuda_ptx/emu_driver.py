@@ -18,6 +18,7 @@ host wall-clock.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import struct
 import time
 from dataclasses import dataclass
@@ -103,6 +104,7 @@ class EmulatedDriver:
         # host code gets back exactly the types it gets from a real driver.
         self._real = real
         self._handles: dict[tuple[str, int], object] = {}
+        self._next_id = itertools.count(1)  # never reused, also after a handle is destroyed
         # a C function pointer, as the real driver hands out; kept alive with the driver
         self._encode_tiled_c = ENCODE_TILED(self._encode_tiled)
         if sm_count < 1:
@@ -115,7 +117,7 @@ class EmulatedDriver:
     # -- results and handles ---------------------------------------------------------
     def _handle(self, kind: str, obj) -> object:
         """A new ``CU<kind>`` handle of the bindings that stands for ``obj``."""
-        key = (kind, len(self._handles) + 1)
+        key = (kind, next(self._next_id))
         self._handles[key] = obj
         return getattr(self._real, f"CU{kind}")(key[1])
 

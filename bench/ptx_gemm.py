@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
@@ -81,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     from helios.cuda_ptx import driver, dtypes, variants
     from helios.cuda_ptx.runner import GemmLaunch
 
-    emulated = os.environ.get("HELIOS_CUDA_DEVICE", "").startswith("emulator")
+    emulated = driver.emulator_requested()
     ok, why = driver.driver_status()
     if not ok and not emulated:
         return _skip(f"no usable CUDA driver: {why}", args.b_major)

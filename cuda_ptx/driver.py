@@ -307,6 +307,12 @@ class Context:
         return float(ms) / iters
 
 
+def emulator_requested() -> bool:
+    """Whether ``HELIOS_CUDA_DEVICE`` names the emulated device (``emulator`` or ``emulator:N``)."""
+    which = os.environ.get("HELIOS_CUDA_DEVICE", "").strip()
+    return which == "emulator" or which.startswith("emulator:")
+
+
 @functools.lru_cache(maxsize=1)
 def context() -> Context:
     """The process-wide context: device 0, or the one ``HELIOS_CUDA_DEVICE`` names.
@@ -317,7 +323,7 @@ def context() -> Context:
     thread -- correct but slow, for checking code paths without a GPU.
     """
     which = os.environ.get("HELIOS_CUDA_DEVICE", "0").strip()
-    if which == "emulator" or which.startswith("emulator:"):
+    if emulator_requested():
         from .emu_driver import emulated_context  # here, not at the top: emu_driver imports this module
 
         sms = which.partition(":")[2] or "4"

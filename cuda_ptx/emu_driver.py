@@ -56,19 +56,11 @@ class _DriverError(Exception):
 
 
 @dataclass
-class _Module:
-    ptx: str
-    prog: PtxProgram
-
-
-@dataclass
 class _Function:
-    module: _Module
-    max_dynamic_smem: int = DEFAULT_DYN_SMEM
+    """A kernel of a loaded module, and the dynamic shared memory it opted into."""
 
-    @property
-    def prog(self) -> PtxProgram:
-        return self.module.prog
+    prog: PtxProgram
+    max_dynamic_smem: int = DEFAULT_DYN_SMEM
 
 
 def decode_tensor_map(raw: bytes) -> TensorMap:
@@ -93,6 +85,8 @@ class EmulatedDriver:
     """
 
     def __init__(self, sm_count: int = 2, seed: int = 0, ctas: list[tuple[int, int]] | None = None) -> None:
+        if sm_count < 1:
+            raise ValueError(f"sm_count must be at least 1, got {sm_count}")
         from cuda.bindings import driver as real  # the enums and structs are the real ones
 
         for enum in ("CUresult", "CUdevice_attribute", "CUjit_option", "CUfunction_attribute", "CUtensorMapDataType",
@@ -107,8 +101,6 @@ class EmulatedDriver:
         self._next_id = itertools.count(1)  # never reused, also after a handle is destroyed
         # a C function pointer, as the real driver hands out; kept alive with the driver
         self._encode_tiled_c = ENCODE_TILED(self._encode_tiled)
-        if sm_count < 1:
-            raise ValueError(f"sm_count must be at least 1, got {sm_count}")
         self.sm_count, self.seed, self.ctas = sm_count, seed, ctas
         self.memory = GlobalMemory()
         self.launches: list[dict] = []
@@ -193,13 +185,7 @@ class EmulatedDriver:
                 buf[: len(text)] = text
             return self._fail(e, None)
 
-    def cuModuleLoadData(self, image):
-        try:
-            return self._ok(self._handle("module", self._load(image)))
-        except _DriverError as e:
-            return self._fail(e, None)
-
-    def _load(self, image: bytes) -> _Module:
+    def _load(self, image: bytes) -> PtxProgram:
         if bytes(image[:4]) == b"\x7fELF":
             raise _DriverError("INVALID_IMAGE", "the emulated driver runs PTX, not cubins: load with Context(jit=True)")
         if not bytes(image).endswith(b"\0"):
@@ -211,16 +197,16 @@ class EmulatedDriver:
             raise _DriverError("INVALID_PTX", f"ptx parse error: {e}") from e
         if prog.target not in ("sm_80", "sm_86", "sm_89", "sm_90", "sm_90a"):
             raise _DriverError("NO_BINARY_FOR_GPU", f".target {prog.target} does not run on an sm_90 device")
-        return _Module(text, prog)
+        return prog
 
     def cuModuleGetFunction(self, handle, name: bytes):
         try:
-            module = self._lookup("module", handle)
-            if name.decode() != module.prog.name:
-                raise _DriverError("NOT_FOUND", f"no kernel {name.decode()!r} in the module (it has {module.prog.name!r})")
+            prog = self._lookup("module", handle)
+            if name.decode() != prog.name:
+                raise _DriverError("NOT_FOUND", f"no kernel {name.decode()!r} in the module (it has {prog.name!r})")
         except _DriverError as e:
             return self._fail(e, None)
-        return self._ok(self._handle("function", _Function(module)))
+        return self._ok(self._handle("function", _Function(prog)))
 
     def cuFuncSetAttribute(self, handle, attr, value):
         try:
@@ -383,7 +369,7 @@ class EmulatedDriver:
 
         self.launches.append({"kernel": fn.prog.name, "grid": (gx, gy, gz), "block": (bx, by, bz),
                               "shared_bytes": shared, "params": params})
-        emulate_kernel(fn.module.ptx, bx, shared, params, self.memory, (gx, gy), self.seed, self.ctas)
+        emulate_kernel(fn.prog, bx, shared, params, self.memory, (gx, gy), self.seed, self.ctas)
         return self._ok()
 
     def _read_params(self, prog: PtxProgram, array: int) -> dict[str, object]:

@@ -3,8 +3,8 @@
 The runner's own launch code drives an emulated CUDA driver (:mod:`emu_driver`), so
 operands, tensor maps, parameters and grid are what a GPU gets; the PTX is the text
 ``ptxas`` gets.
-Every CTA of the grid runs (or only ``ctas``), so use small problems: a
-128 x 256 x 384 wgmma tile takes about a second.
+Every CTA of the grid runs (or only ``ctas``), so use small problems: the gate's
+128 x 512 x 384 ``wgmma_ws`` problem (two tiles) takes about half a second.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from .emit import resolve
 from .emu_driver import emulated_context
 from .emu_state import EmulationError, GlobalMemory, TensorMap
 from .emulator import Cluster, Cta
-from .ptx_parse import parse
+from .ptx_parse import PtxProgram, parse
 from .runner import GemmLaunch
 
-def emulate_kernel(ptx: str, threads: int, shared_bytes: int, params: dict[str, object], memory: GlobalMemory,
+def emulate_kernel(ptx: str | PtxProgram, threads: int, shared_bytes: int, params: dict[str, object], memory: GlobalMemory,
                    grid: tuple[int, int] = (1, 1), seed: int = 0,
                    ctas: list[tuple[int, int]] | None = None) -> None:
     """Run any kernel in the emulated subset over a ``grid`` of CTAs (or only the ``(x, y)``
@@ -30,10 +30,11 @@ def emulate_kernel(ptx: str, threads: int, shared_bytes: int, params: dict[str, 
     cluster after another, the CTAs of each running together (a CTA in ``ctas`` brings
     its whole cluster).
 
-    ``params`` maps parameter names to ints (pointers from ``memory.alloc``, scalars)
-    or :class:`TensorMap` objects.  Results are read back from ``memory``.
+    ``ptx`` is the kernel's text or its parsed program.  ``params`` maps parameter names
+    to ints (pointers from ``memory.alloc``, scalars) or :class:`TensorMap` objects.
+    Results are read back from ``memory``.
     """
-    prog = parse(ptx)
+    prog = ptx if isinstance(ptx, PtxProgram) else parse(ptx)
     missing = [p.name for p in prog.params if p.name not in params]
     if missing:
         raise EmulationError(f"kernel {prog.name} needs parameters {missing}")
@@ -83,8 +84,7 @@ def emulate_gemm(a: np.ndarray, b: np.ndarray, variant: str | GemmConfig = "wgmm
     """
     a, b = np.asarray(a), np.asarray(b)
     m, n, k = operands.matmul_shape(a, b)
-    cfg = with_dtypes(resolve(variant), in_dtype, out_dtype)
-    cfg.validate()
+    cfg = with_dtypes(resolve(variant), in_dtype, out_dtype)  # GemmLaunch validates it
     launch = GemmLaunch(cfg, m, n, k, emulated_context(sm_count or cfg.cluster, seed, ctas), ptx=ptx)
     try:
         launch.upload(a, b)

@@ -14,6 +14,8 @@ using the modified values.
 
 from __future__ import annotations
 
+import functools
+import re
 import threading
 
 from helios import runtime as _runtime
@@ -176,10 +178,9 @@ def _tensor_class():
 _in_profiled_op = [False]
 
 
+@functools.lru_cache(maxsize=None)
 def _op_name(class_name: str) -> str:
-    """The profiler's name for a Function class: _CrossEntropy -> cross_entropy."""
-    import re
-
+    """The profiler's name for a Function class: _CrossEntropy -> cross_entropy (cached: called per op)."""
     return re.sub(r"(?<!^)(?=[A-Z])", "_", class_name.lstrip("_")).lower()
 
 

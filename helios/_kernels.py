@@ -560,7 +560,6 @@ _MM_GPU_SPEC = (64, 64, 16, 16, 16)
 _MM_CPU_TILE: tuple | None = None
 _MM_CPU_WY: int | None = None
 _MM_SG = 8  # the subgroup size the CPU kernel is written for
-_MM_FOLD_BATCH = True  # fold a batch that shares B into M (see matmul)
 
 
 def _mm_cpu_tile(M: int, N: int) -> tuple:
@@ -607,6 +606,11 @@ def _mm_cpu_config(M: int, N: int, oa: int, ob: int, oc: int, ca, cb, sam: int, 
     return (wy, amode, bmode, cvec, awide, bwide)
 
 
+def _cpu_mm_kernel(rt) -> bool:
+    """Whether matmuls on ``rt`` use the CPU-driver kernel (lavapipe, subgroups of _MM_SG lanes)."""
+    return rt.info.get("type") == "cpu" and int(rt.info["limits"].get("subgroup_size", 0)) == _MM_SG
+
+
 def matmul_any_layout(a: Tensor, b: Tensor) -> Tensor:
     """a @ b like matmul (no bias), possibly returned as a transposed view.
 
@@ -616,8 +620,7 @@ def matmul_any_layout(a: Tensor, b: Tensor) -> Tensor:
     measured ~1.1 ms instead of 1.3-2.2 ms).  For callers that accept any strides."""
     rt = a._st.rt
     M, N = a.shape[-2], b.shape[-1]
-    if (N < 8 * _MM_SG and M >= 2 * N and N % 8 == 0 and rt.info.get("type") == "cpu"
-            and int(rt.info["limits"].get("subgroup_size", 0)) == _MM_SG):
+    if N < 8 * _MM_SG and M >= 2 * N and N % 8 == 0 and _cpu_mm_kernel(rt):
         return _swap_last(matmul(_swap_last(b), _swap_last(a)))
     return matmul(a, b)
 
@@ -660,7 +663,7 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None) -> Tensor:
     cshape, (ca, cb) = collapse(batch, sa, sb)
     if len(cshape) > 2:  # three or more unmergeable batch dims: make the operands contiguous
         return matmul(copy(a.expand(batch + (M, K))), copy(b.expand(batch + (K, N))), bias)
-    if _MM_FOLD_BATCH and len(cshape) == 1 and cb[0] == 0 and ca[0] == M * a._strides[-2]:
+    if len(cshape) == 1 and cb[0] == 0 and ca[0] == M * a._strides[-2]:
         # B is shared by every batch matrix and A's batches follow each other along M (a
         # Linear layer on [B, T, C]): one [nb*M, K] @ [K, N] product.  Each output is the
         # same K-loop as before, so results are bit-identical; the taller grid lets the
@@ -676,7 +679,7 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None) -> Tensor:
     has_bias = int(bias is not None)
     sam, sak = a._strides[-2], a._strides[-1]
     sbk, sbn = b._strides[-2], b._strides[-1]
-    if rt.info.get("type") == "cpu" and int(rt.info["limits"].get("subgroup_size", 0)) == _MM_SG:
+    if _cpu_mm_kernel(rt):
         tm, tn, wy = _mm_cpu_tile(M, N)
         spec = _mm_cpu_config(M, N, oa, ob, oc, ca, cb, sam, sak, sbk, sbn, bool(rt.features.get("int64")), (tm, tn, wy))
         pid = rt.pipeline("matmul", f"{a.dtype.tag}_sg{tm}x{tn}", spec + (has_bias,))

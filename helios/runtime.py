@@ -101,13 +101,12 @@ class Runtime:
         self._pipelines: dict[tuple, int] = {}
         # HELIOS_DEBUG >= 1 prints one line per kernel with its device time: timestamps stay on.
         self.debug = _debug.debug_level()
-        if self.debug:
-            self.dev.set_profiling(True)
         # For the HELIOS_DEBUG lines: ((kernel, variant) or None, (shapes, dtype)) of every
         # timestamped command, in recording order (= the order of the device events).
         self._kernel_of_pipeline: dict[int, tuple] = {}
         self._debug_kernels: collections.deque = collections.deque()
         if self.debug:
+            self.dev.set_profiling(True)
             _debug_on[0] = True
 
     # -- memory -------------------------------------------------------------------------

@@ -53,6 +53,7 @@ KERNELS: dict[str, KernelInfo] = {
 
 _builder = None
 _spirv_cache: dict[tuple[str, str], bytes] = {}
+_spirv_paths: dict[tuple[str, str], str] = {}  # the file each cached entry was read from
 
 
 def _load_builder():
@@ -71,7 +72,11 @@ def source_path(name: str) -> str:
 
 
 def spirv_path(name: str, variant: str) -> str:
-    """Where the SPIR-V of ``name``'s ``variant`` is read from (packaged, or the user cache when rebuilt)."""
+    """Where the SPIR-V of ``name``'s ``variant`` is read from (packaged, or the user cache when rebuilt):
+    the file :func:`spirv` loaded, once it has; before that, the newer of the two."""
+    loaded = _spirv_paths.get((name, variant))
+    if loaded is not None:
+        return loaded
     fname = f"{name}.{variant}.spv"
     cached = os.path.join(cache_dir(), "spv", fname)
     packaged = os.path.join(PACKAGED_SPV, fname)
@@ -88,7 +93,7 @@ def spirv(name: str, variant: str) -> bytes:
         return code
     fname = f"{name}.{variant}.spv"
     path = os.path.join(PACKAGED_SPV, fname)
-    src = os.path.join(_HERE, "glsl", name + ".comp")
+    src = source_path(name)
     builder = None
     if os.path.exists(src):
         builder = _load_builder()
@@ -105,4 +110,5 @@ def spirv(name: str, variant: str) -> bytes:
     with open(path, "rb") as f:
         code = f.read()
     _spirv_cache[key] = code
+    _spirv_paths[key] = path
     return code

@@ -24,6 +24,8 @@ from dataclasses import dataclass, replace
 
 from helios.errors import DTypeError, ShapeError
 
+MAX_DYN_SMEM = 227 * 1024  # dynamic shared memory an sm_90 CTA may opt into
+
 # dtype name -> (bytes per element, PTX type name)
 IN_DTYPES = {"bf16": (2, "bf16"), "fp16": (2, "f16"), "e4m3": (1, "e4m3")}
 OUT_DTYPES = {"f32": 4, "bf16": 2}

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from helios.errors import DeviceError, OutOfMemoryError
 
 from . import toolchain
+from .config import MAX_DYN_SMEM
 
-MAX_DYN_SMEM = 227 * 1024  # Hopper's opt-in dynamic shared memory per block
 
 
 def _cu():

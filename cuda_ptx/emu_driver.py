@@ -25,13 +25,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .config import MAX_DYN_SMEM
 from .driver import ENCODE_TILED, Context
 from .emu_state import EmulationError, GlobalMemory, TensorMap
 from .ptx_parse import PtxParseError, PtxProgram, parse
 
 MAX_THREADS = 1024
 DEFAULT_DYN_SMEM = 48 * 1024  # dynamic shared memory a function gets without opting in
-MAX_DYN_SMEM = 227 * 1024  # Hopper's opt-in ceiling per block
 MAX_CLUSTER = 8  # portable cluster size
 PARAM_BYTES = {"u64": 8, "s64": 8, "b64": 8, "u32": 4, "s32": 4, "b32": 4, "tmap": 128}
 

@@ -15,7 +15,7 @@ from . import dtypes as D
 from . import layout as L
 from .emu_state import (SMEM_BASE, SMEM_CLUSTER_BASE, SMEM_CLUSTER_STRIDE, BulkStore, CpAsyncOp, EmulationError,
                         MBarrier, WgmmaOp)
-from .ptx_parse import PtxInstr, RegArg, TensorArg, VecArg
+from .ptx_parse import PtxInstr, TensorArg, VecArg
 
 # -- integer and float arithmetic --------------------------------------------------------
 
@@ -282,7 +282,7 @@ def _mma_sync(cta, ins, lanes):
 # -- Hopper: mbarrier, TMA, wgmma, setmaxnreg ---------------------------------------------
 
 
-def _per_address(cta, ins, lanes, arg):
+def _per_address(cta, lanes, arg):
     addr = cta.address(arg, lanes)
     uniq, counts = np.unique(addr, return_counts=True)
     return addr, uniq, counts
@@ -302,7 +302,7 @@ def _mbarrier(cta, ins, lanes):
             cta.mbars[a] = MBarrier(count, count, published=False, init_thread=t)
         return None
     if verb == "arrive":
-        addr, uniq, counts = _per_address(cta, ins, lanes, ins.args[1])
+        addr, uniq, counts = _per_address(cta, lanes, ins.args[1])
         tx = int(cta.read(ins.args[2], lanes[:1], "u32")[0]) if "expect_tx" in ins.parts else 0
         if "shared::cluster" in ins.parts:  # the address may name a peer CTA's barrier (mapa)
             _remote_arrive(cta, ins, lanes, addr, tx)
@@ -382,19 +382,34 @@ def _tma_load(cta, ins, lanes):
             cta.schedule_tma(lambda tgt=tgt, dst=dst, bar=bar, tm=tm, c0=c0, c1=c1: _land_box(tgt, dst, bar, tm, c0, c1))
 
 
+def _clip_box(tm, c0: int, c1: int):
+    """The part of the box at column ``c0``, row ``c1`` inside the tensor, as (tensor, box)
+    index pairs over their byte views; None when the box misses the tensor entirely."""
+    r0, r1 = max(c1, 0), min(c1 + tm.box_rows, tm.rows)
+    k0, k1 = max(c0, 0), min(c0 + tm.box_cols, tm.cols)
+    if r1 <= r0 or k1 <= k0:
+        return None
+    isz = tm.itemsize
+    return ((slice(r0, r1), slice(k0 * isz, k1 * isz)),
+            (slice(r0 - c1, r1 - c1), slice((k0 - c0) * isz, (k1 - c0) * isz)))
+
+
+def _tensor_bytes(mem, tm) -> np.ndarray:
+    """The tensor map's matrix as a writable ``rows x (cols * itemsize)`` byte view."""
+    pitch = tm.cols * tm.itemsize
+    return mem.view(tm.base, tm.rows * pitch).reshape(tm.rows, pitch)
+
+
 def _land_box(tgt, dst: int, bar: int, tm, c0: int, c1: int) -> None:
     """A TMA box arrives in CTA ``tgt``: read the tensor now, write it swizzled at ``dst``, complete its bytes on ``bar``."""
     if tgt.exited:
         raise EmulationError(f"a TMA copy landed in CTA {tgt.ctaid[:2]} after it exited: a CTA must not leave "
                              "while copies into its shared memory are in flight")
     box = np.zeros((tm.box_rows, tm.box_cols * tm.itemsize), np.uint8)
-    r0, r1 = max(c1, 0), min(c1 + tm.box_rows, tm.rows)
-    k0, k1 = max(c0, 0), min(c0 + tm.box_cols, tm.cols)
-    if r1 > r0 and k1 > k0:  # out-of-bounds parts of the box stay zero, as TMA fills them
-        pitch = tm.cols * tm.itemsize
-        src = tgt.mem.view(tm.base, tm.rows * pitch).reshape(tm.rows, pitch)
-        box[r0 - c1: r1 - c1, (k0 - c0) * tm.itemsize: (k1 - c0) * tm.itemsize] = \
-            src[r0:r1, k0 * tm.itemsize: k1 * tm.itemsize]
+    clip = _clip_box(tm, c0, c1)
+    if clip:  # out-of-bounds parts of the box stay zero, as TMA fills them
+        in_tensor, in_box = clip
+        box[in_box] = _tensor_bytes(tgt.mem, tm)[in_tensor]
     lin = np.arange(tm.box_bytes) + dst
     bits = L.SWIZZLE_BITS[tm.swizzle]
     # The swizzle is a function of the absolute shared address, as in hardware.
@@ -494,13 +509,10 @@ def _land_store(cta, op: BulkStore) -> None:
     tm = op.tmap
     idx = L.swizzle(np.arange(tm.box_bytes) + op.src, L.SWIZZLE_BITS[tm.swizzle])
     box = cta.smem[idx].reshape(tm.box_rows, tm.box_cols * tm.itemsize)
-    r0, r1 = max(op.c1, 0), min(op.c1 + tm.box_rows, tm.rows)
-    k0, k1 = max(op.c0, 0), min(op.c0 + tm.box_cols, tm.cols)
-    if r1 > r0 and k1 > k0:  # TMA stores clip the box to the tensor
-        pitch = tm.cols * tm.itemsize
-        dst = cta.mem.view(tm.base, tm.rows * pitch).reshape(tm.rows, pitch)
-        dst[r0:r1, k0 * tm.itemsize: k1 * tm.itemsize] = \
-            box[r0 - op.c1: r1 - op.c1, (k0 - op.c0) * tm.itemsize: (k1 - op.c0) * tm.itemsize]
+    clip = _clip_box(tm, op.c0, op.c1)
+    if clip:  # TMA stores clip the box to the tensor
+        in_tensor, in_box = clip
+        _tensor_bytes(cta.mem, tm)[in_tensor] = box[in_box]
     op.landed = True
     cta.bulk_pending.remove(op)
     if op.queued in cta.tma_queue:  # landed early, at a wait: nothing left to do at its queued time
@@ -617,9 +629,12 @@ def _wgmma_retire(cta, lanes, op) -> None:
     rows, cols = L.wgmma_d_map(op.n)
     rows, cols = rows[lanes % 128], cols[lanes % 128]
     acc = np.stack([cta.regs[r][lanes].view(np.float32) for r in op.acc], axis=1).astype(np.float64)
-    out = prod[rows, cols] + (acc if op.scale_d else 0.0)
+    out = (prod[rows, cols] + (acc if op.scale_d else 0.0)).astype(np.float32)
+    # Straight into the registers: the wgmma owns them, so cta.write's in-flight checks do not apply.
     for j, r in enumerate(op.acc):
-        cta.write(RegArg(r), lanes, out[:, j].astype(np.float32), from_wgmma=True)
+        reg = cta.regs[r]
+        reg[lanes] = out[:, j].view(reg.dtype)
+        cta.written[r][lanes] = True
 
 
 def _setmaxnreg(cta, ins, lanes):

@@ -182,7 +182,7 @@ class Cta:
             return np.full(n, self.symbol(arg.name), np.uint64).astype(view)
         raise self.fail(f"operand {arg} cannot be read as a value")
 
-    def write(self, arg, lanes: np.ndarray, value: np.ndarray, from_wgmma: bool = False) -> None:
+    def write(self, arg, lanes: np.ndarray, value: np.ndarray) -> None:
         """Store ``value`` (one per lane) into register operand ``arg``; ``_`` discards."""
         if isinstance(arg, SymArg) and arg.name == "_":
             return
@@ -192,10 +192,9 @@ class Cta:
         if lanes.size == 0:
             return
         st = self.wgmma_state(lanes)
-        if not from_wgmma:
-            if arg.name in st.locked:
-                raise self.fail(f"register {arg.name} written while a wgmma accumulating into it is in flight")
-            st.dirty.add(arg.name)
+        if arg.name in st.locked:
+            raise self.fail(f"register {arg.name} written while a wgmma accumulating into it is in flight")
+        st.dirty.add(arg.name)
         value = np.asarray(value)
         if r.dtype == np.bool_:
             r[lanes] = value.astype(bool)
@@ -293,10 +292,6 @@ class Cta:
             raise self.fail(f"shared::cluster access to CTA rank {rank}, which has exited: a CTA must not leave "
                             "while peers may still use its shared memory (barrier.cluster before exit)")
         return peer, SMEM_BASE + off
-
-    def cluster_mbar(self, addr: int) -> MBarrier:
-        """The mbarrier at a shared::cluster (or shared::cta) address, in whichever CTA holds it."""
-        return self.barrier_in(*self.resolve_shared(addr))
 
     def barrier_in(self, owner: Cta, local: int) -> MBarrier:
         """The mbarrier at shared address ``local`` of CTA ``owner`` (this one or a peer), as

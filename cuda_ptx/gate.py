@@ -6,7 +6,7 @@ mean a silent slowdown appear (C7508 setmaxnreg ignored, C7510 wgmma across a ca
 C7511 wgmma serialised, C7517/C7519 injected waits/arrives -- ptxas prints these as
 ``info``, so ``-Werror`` does not catch them); and the SASS holds the instructions
 the rung is about (HMMA, HGMMA, QGMMA, UTMALDG, USETMAXREG, UTMALDG.2D.MULTICAST...),
-and no GPU-scope fence (``MEMBAR.ALL.GPU``) beyond one per cluster barrier.  For 16-bit wgmma
+and no GPU-scope fence (``MEMBAR.ALL.GPU``) beyond one per releasing cluster arrive.  For 16-bit wgmma
 kernels the SASS must also say how B is read: every HGMMA carries ``.tnspB`` when B is
 N-major (``imm-trans-b = 1``) and none does when B is K-major.  Last, the same PTX
 runs on the CPU emulator (:mod:`emulate`) over a problem two tiles wide whose K wraps
@@ -159,11 +159,13 @@ def run_gate(cfg: GemmConfig, ptx: str | None = None, emulate: bool = True) -> G
         found[prefix] = count_prefixed(text, prefix)
         if not found[prefix]:
             failures.append(f"SASS lacks {prefix} ({why})")
-    # GPU-scope fences belong only to barrier.cluster.arrive.release (twice per kernel); a
-    # cluster-scope release on the per-slot arrives would put one in every k-tile.
-    gpu_fences, allowed = count_prefixed(text, "MEMBAR.ALL.GPU"), count_prefixed(text, "UCGABAR_ARV")
+    # GPU-scope fences belong only to barrier.cluster.arrive.release (one before the exit; the
+    # arrive after init is .relaxed); a cluster-scope release on the per-slot arrives would put
+    # one in every k-tile.
+    gpu_fences, allowed = count_prefixed(text, "MEMBAR.ALL.GPU"), ptx.count("barrier.cluster.arrive.release")
     if gpu_fences > allowed:
-        failures.append(f"{gpu_fences} MEMBAR.ALL.GPU for {allowed} cluster barriers (a .release.cluster arrive?)")
+        failures.append(f"{gpu_fences} MEMBAR.ALL.GPU for {allowed} releasing cluster arrives "
+                        "(a .release.cluster mbarrier arrive?)")
     if cfg.kind == "wgmma" and cfg.in_bytes == 2:
         hgmma, tnsp = count_prefixed(text, "HGMMA"), count_prefixed(text, "HGMMA", TNSP_B)
         if cfg.b_major == "n":

@@ -40,7 +40,7 @@ from helios.errors import ShapeError
 
 from . import layout as L
 from . import ops
-from .config import IN_DTYPES, OUT_DTYPES, GemmConfig
+from .config import IN_DTYPES, MAX_DYN_SMEM, OUT_DTYPES, GemmConfig
 from .ir import Builder, Kernel
 
 SWIZZLE = 128
@@ -51,7 +51,6 @@ K_STEP_BYTES = 32  # one wgmma consumes 32 bytes of K: k16 bf16/fp16, k32 fp8
 ATOM_BYTES = 128  # one swizzle row: 64 N-elements of a 16-bit type
 C_BOX_ROW = 128  # tma_store: bytes per row of a C box (the 128-byte swizzle width)
 C_BOX_BYTES = 64 * C_BOX_ROW  # a C box: 64 rows (one wgmma m-block)
-MAX_SHARED = 232448  # dynamic shared memory an sm_90 CTA may opt into (227 KiB)
 LBO_MN = 8192  # bytes between 64-column boxes along N (one box: bk=64 K-rows x 128 B)
 SBO_MN = 1024  # bytes between 8-row groups along K (8 K-rows x 128 B)
 
@@ -171,8 +170,8 @@ def generate(cfg: GemmConfig) -> Kernel:
     bars = b.shared("bars", 16 * S, align=8, shape=(2, S), dtype="b64")
     # tma_store: per consumer warpgroup, two C boxes (64 rows x 128 B) filled in turn
     cstage = b.shared("cstage", cfg.consumers * 2 * C_BOX_BYTES, align=1024) if cfg.tma_store else None
-    if b.kernel.shared_bytes > MAX_SHARED:
-        raise ShapeError(f"{cfg.name}: {b.kernel.shared_bytes} B of shared memory exceed the {MAX_SHARED} B "
+    if b.kernel.shared_bytes > MAX_DYN_SMEM:
+        raise ShapeError(f"{cfg.name}: {b.kernel.shared_bytes} B of shared memory exceed the {MAX_DYN_SMEM} B "
                          "an sm_90 CTA can have; use fewer stages or a smaller tile")
 
     # C's pointer stays a parameter either way (the runner passes the same list); TMA stores use tmap_c.

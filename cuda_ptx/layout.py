@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -211,6 +212,7 @@ def mma_m16n8k16(a: np.ndarray, bfr: np.ndarray, c: np.ndarray) -> np.ndarray:
     return np.stack([D[g + 8 * (j // 2), q + j % 2] for j in range(4)], axis=1)
 
 
+@functools.lru_cache(maxsize=None)  # read-only views: safe to share
 def wgmma_d_map(n: int) -> tuple[np.ndarray, np.ndarray]:
     """Accumulator of ``wgmma m64nNk*`` f32: ``(row, col)[thread, reg]`` for 128 threads x N/2 regs.
 

@@ -264,7 +264,10 @@ def parse(ptx: str) -> PtxProgram:
             negate = g.startswith("@!")
             pred = g[2:] if negate else g[1:]
         op, _, rest = body.partition(" ")
-        args = tuple(parse_operand(t) for t in _split_top(rest)) if rest.strip() else ()
+        try:
+            args = tuple(parse_operand(t) for t in _split_top(rest)) if rest.strip() else ()
+        except PtxParseError as e:
+            raise PtxParseError(f"line {no}: {e}") from e
         prog.instrs.append(PtxInstr(op, args, pred, negate, no, raw.strip()))
     if prog is None:
         raise PtxParseError("no .visible .entry in the module")

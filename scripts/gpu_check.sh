@@ -56,6 +56,12 @@ cd "$site"
     "$py" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" 2>&1
 } | tee "$out/env.txt"
 
+# A rerun into the same folder starts afresh every log this part appends to (a stale "hang"
+# line in smoke.jsonl would otherwise leave a kernel out of the run).
+[ "$part" != bench ] && : >"$out/gate.log" && : >"$out/gpu_tests.log"
+: >"$out/smoke.jsonl"
+[ "$part" != tests ] && : >"$out/bench.log"
+
 step() {  # step NAME LOG CMD...: run CMD, tee its output to LOG, remember a failure
     local name=$1 log=$2
     shift 2

@@ -235,9 +235,9 @@ def all_reduce(x: Any, op: str = "sum", group: Any = None, async_op: bool = Fals
     b = as_buffer(x, dtype)
     check_op(op, b.dtype)
     alg = g.pick("all_reduce", b.nbytes, algorithm)
-    flat = b.flat
 
     def body(c: A.Ctx) -> None:
+        flat = b.flat  # a device tensor is reached here, on the thread that runs the operation
         if alg == "direct":
             g.direct.all_reduce(flat, op, b.dtype)
         elif alg == "ring":
@@ -386,9 +386,8 @@ def _p2p(kind: str, x: Any, peer: int, group: Any, dtype: str | None, async_op: 
     counters = g._p2p_send if kind == "send" else g._p2p_recv
     tag = _P2P | counters[p]  # per pair, in issue order: the n-th send matches the n-th recv
     counters[p] += 1
-    raw = b.bytes_view()
-
     def body(c: A.Ctx) -> None:
+        raw = b.bytes_view()
         if kind == "send":
             c.e.post_send(p, tag, raw)
         else:

@@ -1,15 +1,22 @@
 """The one adapter between user objects and the flat byte buffers the collectives move.
 
 A numpy array is used in place (through a contiguous flat view, or a contiguous copy
-that is written back when the array is strided).  A Helios tensor is recognised by duck
-typing: an object with ``.numpy()`` (returns a host copy) and ``.copy_(ndarray)`` (writes
-a result back).  bfloat16 travels as uint16 bit patterns; it is named either by an explicit
-``dtype="bfloat16"`` argument or by a ``.dtype`` attribute whose ``str`` is ``"bfloat16"``.
+that is written back when the array is strided).  A Helios tensor is reached when the
+operation runs, not when it is issued, so an asynchronous collective overlaps the device
+work that is still producing the tensor: the communicator's thread waits (polling, never
+holding the device) until the recorded work that writes the tensor has run, then maps its
+device memory where it is host-visible (lavapipe, integrated GPUs: no copy at all) or
+reads it into one host array and writes the result back (discrete GPUs: one copy each
+way).  bfloat16 travels as uint16 bit patterns; it is named by an explicit
+``dtype="bfloat16"``, by a ``.dtype`` whose ``str`` is ``"bfloat16"``, or by a Helios tensor's
+own dtype.  Tensors must be contiguous, as in torch.distributed; other objects with
+``.numpy()`` and ``.copy_(ndarray)`` go through a host copy.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,6 +122,8 @@ def as_buffer(obj: Any, dtype: str | None = None, *, what: str = "tensor", writa
             target[...] = flat.reshape(target.shape)
 
         return Buffer(copy, name, write_strided)
+    if _is_helios_tensor(obj):
+        return DeviceBuffer(obj, dtype, what, writable)
     if hasattr(obj, "numpy") and hasattr(obj, "copy_"):
         host = np.asarray(obj.numpy())
         name = _dtype_name(obj, host, dtype)
@@ -142,3 +151,93 @@ def as_buffer(obj: Any, dtype: str | None = None, *, what: str = "tensor", writa
         f"helios.comm: {what} must be a numpy array or a Helios tensor (an object with .numpy() and .copy_()), "
         f"got {type(obj).__name__}."
     )
+
+
+def _is_helios_tensor(obj: Any) -> bool:
+    from helios.tensor import Tensor
+
+    return isinstance(obj, Tensor)
+
+
+# Polling intervals while the device finishes the work that produces a tensor: short at
+# first (a gradient is usually a few dispatches from done), longer when it is not.
+_POLL_FIRST_S, _POLL_MAX_S = 20e-6, 1e-3
+
+
+class DeviceBuffer(Buffer):
+    """A Helios tensor's device bytes, reached on the thread that runs the operation.
+
+    ``flat`` waits until the recorded work writing the tensor (for an output: touching
+    it) has run, then maps the memory (no copy) or reads it into a host array (one copy);
+    ``commit`` makes the host's writes visible to the device (or writes the host array
+    back) and bumps the tensor's version so saved-for-backward checks see the change.
+    """
+
+    def __init__(self, t: Any, dtype: str | None, what: str, writable: bool) -> None:
+        name = (str(dtype) if dtype is not None else t.dtype.name).replace("helios.", "").replace("torch.", "")
+        if name not in _STORAGE:
+            raise DTypeError(f"helios.comm: {what} has dtype {name!r}, which the collectives do not carry; expected one "
+                             f"of {', '.join(SUPPORTED_DTYPES)}.")
+        if _STORAGE[name].itemsize != t.dtype.itemsize:
+            raise DTypeError(f"helios.comm: {what} is a Helios {t.dtype.name} tensor but dtype={name!r} was given.")
+        if not t.is_contiguous():
+            if writable:
+                raise ValueError(f"helios.comm: {what} (shape {t.shape}) is not contiguous; collectives write into "
+                                 "contiguous tensors only: pass t.contiguous() and copy the result back.")
+            t = t.contiguous()  # an input only: a device copy, recorded now on the caller's thread
+        self.tensor = t
+        self.dtype = name
+        self.writable = writable
+        self._count = t.numel()
+        self._storage = _STORAGE[name]
+        self._flat: np.ndarray | None = None
+        self._staged = False
+        self._writeback = None
+
+    @property
+    def nbytes(self) -> int:
+        return self._count * self._storage.itemsize
+
+    @property
+    def count(self) -> int:
+        return self._count
+
+    @property
+    def itemsize(self) -> int:
+        return int(self._storage.itemsize)
+
+    def _range(self) -> tuple[Any, int, int, int]:
+        t = self.tensor
+        return t._st.rt.dev, t._st.handle, t._off * t.dtype.itemsize, self.nbytes
+
+    @property
+    def flat(self) -> np.ndarray:  # type: ignore[override]
+        if self._flat is None:
+            self._flat = self._resolve()
+        return self._flat
+
+    def _resolve(self) -> np.ndarray:
+        dev, handle, off, n = self._range()
+        if n == 0:
+            return np.empty(0, self._storage)
+        pause = _POLL_FIRST_S
+        while not dev.ready(handle, off, n, self.writable):
+            time.sleep(pause)
+            pause = min(2 * pause, _POLL_MAX_S)
+        view = dev.map(handle, off, n, self.writable)
+        if view is not None:
+            return np.frombuffer(view, self._storage)
+        host = np.empty(self._count, self._storage)
+        dev.read(handle, off, host.view(np.uint8))
+        self._staged = True
+        return host
+
+    def commit(self) -> None:
+        if not self.writable or self._flat is None:
+            return
+        dev, handle, off, n = self._range()
+        if self._staged:
+            dev.write(handle, off, self._flat.view(np.uint8))
+        else:
+            dev.host_wrote(handle, off, n)
+        self.tensor._st.version += 1

@@ -237,6 +237,38 @@ void Device::read(uint64_t handle, uint64_t offset, void* out, uint64_t n) {
   std::memcpy(out, b->mapped + abs, n);
 }
 
+uint8_t* Device::map(uint64_t handle, uint64_t offset, uint64_t n, bool for_write) {
+  ensure_open();
+  Allocation& a = lookup(handle, "map", 0);
+  check_range(a, handle, offset, n, "map");
+  Block* b = a.block;
+  if (!b->mapped) return nullptr;
+  uint64_t abs = a.offset + offset;
+  if (n) {
+    if (uint64_t s = stream_->unfinished_access(b, abs, abs + n, !for_write)) stream_->wait_serial(s);
+    alloc_->invalidate(b, abs, n);
+  }
+  return b->mapped + abs;
+}
+
+bool Device::ready(uint64_t handle, uint64_t offset, uint64_t n, bool for_write) {
+  ensure_open();
+  Allocation& a = lookup(handle, "ready", 0);
+  check_range(a, handle, offset, n, "ready");
+  uint64_t abs = a.offset + offset;
+  uint64_t s = stream_->unfinished_access(a.block, abs, abs + n, !for_write);
+  if (s == 0) return true;
+  if (s > stream_->submitted_serial()) stream_->flush();  // still recorded only: submit it
+  return false;
+}
+
+void Device::host_wrote(uint64_t handle, uint64_t offset, uint64_t n) {
+  ensure_open();
+  Allocation& a = lookup(handle, "host_wrote", 0);
+  check_range(a, handle, offset, n, "host_wrote");
+  if (a.block->mapped && n) alloc_->flush(a.block, a.offset + offset, n);
+}
+
 void Device::record_copy(Block* src, uint64_t src_abs, Block* dst, uint64_t dst_abs, uint64_t n, uint32_t name_id) {
   Use uses[2] = {{src, src_abs, src_abs + n, false}, {dst, dst_abs, dst_abs + n, true}};
   uint64_t t = stream_->profiling() ? monotonic_ns() : 0;

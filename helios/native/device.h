@@ -48,6 +48,15 @@ class Device {
   // Host transfers.
   void write(uint64_t handle, uint64_t offset, const void* data, uint64_t n);
   void read(uint64_t handle, uint64_t offset, void* out, uint64_t n);
+  // Zero-copy host access where the allocation's memory is host-visible: the address of
+  // [offset, offset+n) after waiting for recorded work that writes it (for_write: that
+  // touches it at all), or nullptr when the memory is not mapped (discrete GPUs).
+  uint8_t* map(uint64_t handle, uint64_t offset, uint64_t n, bool for_write);
+  // Whether no unfinished work writes (for_write: touches) the range; never waits, but
+  // submits the open command buffer when it holds that work, so polling makes progress.
+  bool ready(uint64_t handle, uint64_t offset, uint64_t n, bool for_write);
+  // The host wrote [offset, offset+n) through map(): make it visible to the device.
+  void host_wrote(uint64_t handle, uint64_t offset, uint64_t n);
   void copy(uint64_t src, uint64_t src_offset, uint64_t dst, uint64_t dst_offset, uint64_t nbytes);
   void fill(uint64_t handle, uint64_t offset, uint64_t nbytes, uint32_t value);
 

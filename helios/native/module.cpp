@@ -369,6 +369,35 @@ PYBIND11_MODULE(_vulkan, m) {
           py::arg("handle"), py::arg("offset"), py::arg("out"),
           "Fill the writable buffer out from the allocation at offset; submits and waits only for pending writes.")
       .def(
+          "map",
+          [](PyDevice& s, uint64_t h, int64_t offset, int64_t n, bool for_write) -> py::object {
+            if (offset < 0 || n < 0) throw ArgError("map: offset and nbytes must be >= 0");
+            uint8_t* p = s.d().map(h, uint64_t(offset), uint64_t(n), for_write);
+            if (!p) return py::none();
+            return py::memoryview::from_memory(p, py::ssize_t(n), !for_write);
+          },
+          py::arg("handle"), py::arg("offset"), py::arg("nbytes"), py::arg("for_write") = false,
+          "A memoryview of the allocation's bytes [offset, offset+nbytes) in host-visible memory, after waiting for "
+          "recorded work that writes them (for_write: that touches them); None where the memory is not mapped. Valid "
+          "while the allocation lives; call host_wrote() after writing through it.")
+      .def(
+          "ready",
+          [](PyDevice& s, uint64_t h, int64_t offset, int64_t n, bool for_write) {
+            if (offset < 0 || n < 0) throw ArgError("ready: offset and nbytes must be >= 0");
+            return s.d().ready(h, uint64_t(offset), uint64_t(n), for_write);
+          },
+          py::arg("handle"), py::arg("offset"), py::arg("nbytes"), py::arg("for_write") = false,
+          "True when no unfinished work writes the range (for_write: touches it); never waits, submits the recorded "
+          "work that does so polling makes progress.")
+      .def(
+          "host_wrote",
+          [](PyDevice& s, uint64_t h, int64_t offset, int64_t n) {
+            if (offset < 0 || n < 0) throw ArgError("host_wrote: offset and nbytes must be >= 0");
+            s.d().host_wrote(h, uint64_t(offset), uint64_t(n));
+          },
+          py::arg("handle"), py::arg("offset"), py::arg("nbytes"),
+          "Make host writes made through map() visible to the device (flushes non-coherent memory).")
+      .def(
           "copy",
           [](PyDevice& s, uint64_t src, int64_t so, uint64_t dst, int64_t dof, int64_t n) {
             if (so < 0 || dof < 0 || n < 0) throw ArgError("copy: offsets and nbytes must be >= 0");

@@ -1,0 +1,81 @@
+"""Start N ranks of a Python program on this host for multi-rank tests (no launcher in between).
+
+Each rank gets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, a shared HELIOS_JOB_ID and
+LP_NUM_THREADS=1 (several ranks on few cores oversubscribe lavapipe's threads).  Every
+spawn has a hard deadline; on a failure or a timeout every rank still running is killed,
+so a test never leaves processes behind.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+from helios.comm.launcher import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclass
+class RankResult:
+    rank: int
+    code: int
+    out: str
+    err: str
+
+
+def run_ranks(argv: list[str], world: int, timeout: float = 120.0, env: dict | None = None,
+              cwd: str | None = None) -> list[RankResult]:
+    """Run ``python argv...`` as ranks 0..world-1 and return each rank's exit code and output."""
+    port = free_port()
+    job = secrets.token_hex(4)
+    procs = []
+    files = []
+    for r in range(world):
+        e = dict(os.environ)
+        e.update(RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
+                 MASTER_PORT=str(port), HELIOS_JOB_ID=job, LP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        e.update(env or {})
+        fo = open(_tmp(job, r, "out"), "w+")
+        fe = open(_tmp(job, r, "err"), "w+")
+        files.append((fo, fe))
+        procs.append(subprocess.Popen([sys.executable, *argv], env=e, stdout=fo, stderr=fe, cwd=cwd or ROOT,
+                                      start_new_session=True))
+    deadline = time.monotonic() + timeout
+    try:
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    results = []
+    for r, (p, (fo, fe)) in enumerate(zip(procs, files)):
+        fo.seek(0)
+        fe.seek(0)
+        results.append(RankResult(r, p.returncode, fo.read(), fe.read()))
+        fo.close()
+        fe.close()
+        os.unlink(fo.name)
+        os.unlink(fe.name)
+    return results
+
+
+def _tmp(job: str, rank: int, kind: str) -> str:
+    import tempfile
+
+    return os.path.join(tempfile.gettempdir(), f"helios-test-{job}-r{rank}.{kind}")
+
+
+def check_ok(results: list[RankResult]) -> None:
+    """Assert every rank exited 0, showing every rank's output otherwise."""
+    bad = [r for r in results if r.code != 0]
+    if bad:
+        text = "\n".join(f"--- rank {r.rank} exit {r.code}\n{r.out[-3000:]}\n{r.err[-3000:]}" for r in results)
+        raise AssertionError(f"ranks {[r.rank for r in bad]} failed:\n{text}")

@@ -107,7 +107,7 @@ NO_CONTEXT = _NoContext()
 class Node:
     """One recorded op: the function, its context, and the inputs it differentiates."""
 
-    __slots__ = ("fn", "ctx", "inputs", "name", "n_out")
+    __slots__ = ("fn", "ctx", "inputs", "name", "n_out", "retained")
 
     def __init__(self, fn, ctx, inputs):
         self.fn = fn
@@ -115,6 +115,46 @@ class Node:
         self.inputs = inputs  # tuple of Tensor-or-None, aligned with backward's outputs
         self.name = fn.__name__
         self.n_out = 1  # > 1: forward returned a tuple and backward takes a tuple of grads (None if unused)
+        self.retained = None  # [(weakref to an output that retains its grad, output index)], see retain_grad
+
+
+def retain_grad(t) -> None:
+    """Make backward store the gradient of the non-leaf ``t`` in ``t.grad`` (a no-op on a leaf)."""
+    import weakref
+
+    if t._node is None:
+        if not t.requires_grad:
+            raise RuntimeError("retain_grad(): the tensor does not require grad")
+        return
+    if t.retains_grad:
+        return
+    if t._node.retained is None:
+        t._node.retained = []
+    t._node.retained.append((weakref.ref(t), t._out_index))
+
+
+class _HookHandle:
+    """What register_post_accumulate_grad_hook returns: ``remove()`` unregisters the hook."""
+
+    def __init__(self, t, hook):
+        self._t, self._hook = t, hook
+
+    def remove(self) -> None:
+        hooks = self._t._grad_hooks
+        if hooks is not None and self._hook in hooks:
+            hooks.remove(self._hook)
+
+
+def add_post_accumulate_hook(t, hook) -> _HookHandle:
+    """Register ``hook(t)``, called once per backward after the last gradient reaching the leaf ``t``."""
+    if t._node is not None:
+        raise RuntimeError("register_post_accumulate_grad_hook: only leaf tensors accumulate gradients; this one has a grad_fn")
+    if not t.requires_grad:
+        raise RuntimeError("register_post_accumulate_grad_hook: the tensor does not require grad")
+    if t._grad_hooks is None:
+        t._grad_hooks = []
+    t._grad_hooks.append(hook)
+    return _HookHandle(t, hook)
 
 
 class Function:
@@ -288,30 +328,87 @@ def backward(root, grad=None, retain_graph: bool = False) -> None:
     with no_grad():
         if root._node is None:
             _accumulate_leaf(root, grad, given)
+            _run_hooks(root)
             return
+        order = _topo_order(root)
+        hooked = _LeafCounts(order)
         # node id -> gradient of its output (a list of per-output gradients for multi-output nodes)
         pending: dict[int, object] = {}
         _add_pending(pending, root, grad)
-        for node in reversed(_topo_order(root)):
+        for node in reversed(order):
             g = pending.pop(id(node), None)
             if g is None:
+                hooked.skipped(node)
                 continue
             if node.n_out > 1:
                 g = tuple(g)
+            if node.retained is not None:
+                _store_retained(node, g)
             in_grads = _backward_profiled(node, g)
             if not isinstance(in_grads, tuple):
                 in_grads = (in_grads,)
             for inp, ig in zip(node.inputs, in_grads):
-                if inp is None or ig is None:
+                if inp is None:
                     continue
-                if ig.shape != inp.shape:
-                    ig = F.sum_to_shape(ig, inp.shape)
-                if inp._node is None:
-                    _accumulate_leaf(inp, ig, given)
-                else:
-                    _add_pending(pending, inp, ig)
+                if ig is not None:
+                    if ig.shape != inp.shape:
+                        ig = F.sum_to_shape(ig, inp.shape)
+                    if inp._node is None:
+                        _accumulate_leaf(inp, ig, given)
+                    else:
+                        _add_pending(pending, inp, ig)
+                if inp._grad_hooks:
+                    hooked.arrived(inp, ig is not None)
             if not retain_graph:
                 node.ctx.saved = None
+
+
+class _LeafCounts:
+    """Counts, for each hooked leaf, the gradients still to come in this backward pass.
+
+    A leaf can receive several contributions (a tied embedding weight gets two); its
+    post-accumulate hooks run when the last edge into it has been processed, whether that
+    edge carried a gradient or not, and only if at least one did (as in PyTorch).
+    """
+
+    def __init__(self, order: list) -> None:
+        self.left: dict[int, int] = {}
+        self.got: dict[int, bool] = {}
+        for node in order:
+            for inp in node.inputs:
+                if inp is not None and inp._node is None and inp._grad_hooks:
+                    self.left[id(inp)] = self.left.get(id(inp), 0) + 1
+
+    def arrived(self, leaf, carried: bool) -> None:
+        key = id(leaf)
+        if key not in self.left:
+            return
+        self.got[key] = self.got.get(key, False) or carried
+        self.left[key] -= 1
+        if self.left[key] == 0 and self.got[key]:
+            _run_hooks(leaf)
+
+    def skipped(self, node) -> None:
+        """A node no gradient reached: its edges into leaves arrive empty."""
+        for inp in node.inputs:
+            if inp is not None and inp._node is None and inp._grad_hooks:
+                self.arrived(inp, False)
+
+
+def _run_hooks(leaf) -> None:
+    for hook in list(leaf._grad_hooks or ()):
+        hook(leaf)
+
+
+def _store_retained(node, g) -> None:
+    """Give each output of ``node`` that called retain_grad() its (now complete) gradient."""
+    grads = g if node.n_out > 1 else (g,)
+    for ref, i in node.retained:
+        t = ref()
+        if t is None or grads[i] is None:
+            continue
+        gi = grads[i].detach()
+        t.grad = gi.clone() if t.grad is None else t.grad + gi
 
 
 def _add_pending(pending: dict, t, g) -> None:

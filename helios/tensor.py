@@ -43,7 +43,7 @@ class Storage:
 class Tensor:
     """A multi-dimensional array on a Vulkan device (PyTorch naming)."""
 
-    __slots__ = ("_st", "shape", "_strides", "_off", "dtype", "requires_grad", "grad", "_node", "_host", "_retains_grad",
+    __slots__ = ("_st", "shape", "_strides", "_off", "dtype", "requires_grad", "grad", "_node", "_host", "_grad_hooks",
                  "_out_index", "__weakref__")
     __array_priority__ = 1000  # numpy scalars/arrays on the left defer to our operators
 
@@ -57,7 +57,7 @@ class Tensor:
         self.grad = None
         self._node = None
         self._host = None  # (storage version, numpy copy) when the data came from the host
-        self._retains_grad = False
+        self._grad_hooks = None  # post-accumulate-grad hooks of a leaf (a list), see autograd.tape
         self._out_index = 0  # which output of its node (ops with several outputs, like split)
 
     # -- metadata -----------------------------------------------------------------------
@@ -185,7 +185,24 @@ class Tensor:
         return self
 
     def retain_grad(self) -> None:
-        self._retains_grad = True
+        """Keep this non-leaf tensor's gradient in ``.grad`` after backward (a no-op on leaves)."""
+        from helios.autograd.tape import retain_grad
+
+        retain_grad(self)
+
+    @property
+    def retains_grad(self) -> bool:
+        """Whether backward stores this non-leaf tensor's gradient in ``.grad``."""
+        node = self._node
+        return node is not None and node.retained is not None and any(
+            i == self._out_index and ref() is self for ref, i in node.retained)
+
+    def register_post_accumulate_grad_hook(self, hook):
+        """Call ``hook(tensor)`` once per backward pass, after the last contribution to this leaf's
+        ``.grad`` has been accumulated (PyTorch's name).  Returns a handle with ``remove()``."""
+        from helios.autograd.tape import add_post_accumulate_hook
+
+        return add_post_accumulate_hook(self, hook)
 
     # -- the op surface: thin forwards to helios.functional -----------------------------
     def __add__(self, o):

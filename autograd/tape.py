@@ -305,8 +305,39 @@ def _topo_order(root) -> list:
     return order
 
 
+def queue_callback(fn) -> None:
+    """Run ``fn()`` once when the backward pass now running ends (PyTorch's engine callback).
+
+    Called from a hook during backward; data parallel uses it to wait for the gradient
+    all-reduces it started, so ``loss.backward()`` returns with synchronised gradients.
+    """
+    if not getattr(_state, "in_backward", False):
+        raise RuntimeError("queue_callback(): no backward pass is running on this thread")
+    _state.callbacks.append(fn)
+
+
+def backward_progress() -> tuple[int, int]:
+    """(nodes processed, nodes in the pass) of the backward pass running on this thread, or (0, 0)."""
+    return getattr(_state, "progress", (0, 0)) if getattr(_state, "in_backward", False) else (0, 0)
+
+
 def backward(root, grad=None, retain_graph: bool = False) -> None:
     """Accumulate d(root)/d(leaf) into ``leaf.grad`` for every leaf that requires grad."""
+    # A nested pass (activation checkpointing recomputes and differentiates a segment
+    # inside the outer backward) has its own callbacks and progress.
+    outer = (getattr(_state, "in_backward", False), getattr(_state, "callbacks", []), getattr(_state, "progress", (0, 0)))
+    _state.in_backward, _state.callbacks, _state.progress = True, [], (0, 0)
+    try:
+        _backward(root, grad, retain_graph)
+        callbacks = _state.callbacks
+        # Callbacks may queue more (a bucket finished last): run until none is left.
+        while callbacks:
+            callbacks.pop(0)()
+    finally:
+        _state.in_backward, _state.callbacks, _state.progress = outer
+
+
+def _backward(root, grad, retain_graph: bool) -> None:
     from helios.tensor import Tensor
     import helios.functional as F
 
@@ -335,7 +366,9 @@ def backward(root, grad=None, retain_graph: bool = False) -> None:
         # node id -> gradient of its output (a list of per-output gradients for multi-output nodes)
         pending: dict[int, object] = {}
         _add_pending(pending, root, grad)
-        for node in reversed(order):
+        total = len(order)
+        for done, node in enumerate(reversed(order)):
+            _state.progress = (done, total)
             g = pending.pop(id(node), None)
             if g is None:
                 hooked.skipped(node)
@@ -361,6 +394,7 @@ def backward(root, grad=None, retain_graph: bool = False) -> None:
                     hooked.arrived(inp, ig is not None)
             if not retain_graph:
                 node.ctx.saved = None
+        _state.progress = (total, total)
 
 
 class _LeafCounts:

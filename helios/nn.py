@@ -83,6 +83,15 @@ class Module:
         for _, p in self.named_parameters():
             yield p
 
+    def named_buffers(self, prefix: str = ""):
+        """(name, tensor) pairs of every registered buffer, each once."""
+        seen = set()
+        for mname, m in self.named_modules(prefix):
+            for bname, b in m._buffers.items():
+                if id(b) not in seen:
+                    seen.add(id(b))
+                    yield (f"{mname}.{bname}" if mname else bname), b
+
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 

@@ -1,0 +1,276 @@
+"""DistributedDataParallel: replicate a model on every rank and average gradients in buckets
+whose all-reduce starts while backward is still running.
+
+    model = DistributedDataParallel(GPT(cfg), bucket_cap_mb=25)
+    opt = AdamW(model.parameters(), ...)
+    with model.no_sync():
+        model(x0, y0)[1].backward()          # accumulate locally, no communication
+    model(x1, y1)[1].backward()              # buckets all-reduce during backward
+    opt.step()
+
+At wrap time the ranks check that they hold the same parameters (names, shapes, dtypes)
+and rank 0's values are broadcast to all.  Gradients land in flat buffers (the fused
+optimizer's, or DDP's own when the optimizer has none), so a bucket is a contiguous range
+of one flat buffer: its all-reduce runs on the device memory in place (mapped where it is
+host-visible).  Buckets hold parameters in reverse registration order, roughly the order
+in which backward finishes them; a parameter's post-accumulate hook marks it ready, and a
+bucket whose parameters are all ready is handed to the communicator's thread at once.
+Buckets are issued in one fixed order on every rank (collectives must match across ranks).
+When backward ends, DDP waits for what is still in flight, so ``loss.backward()`` returns
+with averaged gradients.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+import helios.comm as dist
+from helios import _kernels as K
+from helios import dtypes as dt
+from helios.autograd import tape
+from helios.errors import ShapeError
+from helios.nn import Module
+from helios.tensor import Tensor
+
+
+@dataclass
+class Bucket:
+    """A contiguous range [lo, hi) of one flat gradient buffer and the parameters in it."""
+
+    index: int
+    storage_key: int
+    flat: Tensor  # the whole flat gradient buffer the range belongs to
+    lo: int
+    hi: int
+    params: list = field(default_factory=list)
+    ready: int = 0
+    work: object = None
+
+    @property
+    def view(self) -> Tensor:
+        """The bucket's gradients as one contiguous 1-D tensor over the flat buffer."""
+        return Tensor(self.flat._st, (self.hi - self.lo,), (1,), self.flat._off + self.lo, self.flat.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return (self.hi - self.lo) * self.flat.dtype.itemsize
+
+
+@dataclass
+class BucketEvent:
+    """One line of the bucket log: what happened to a bucket, when, and how far backward was."""
+
+    bucket: int
+    what: str  # "launched" | "reduced"
+    time_ns: int
+    backward_nodes_done: int
+    backward_nodes_total: int
+
+
+class DistributedDataParallel(Module):
+    """Data parallel over ``group`` (the world by default), PyTorch's name and habits.
+
+    ``bucket_cap_mb``: bucket size in MiB (25, as PyTorch); ``find_unused_parameters``: a
+    parameter that gets no gradient in a backward pass counts as a zero gradient (else it
+    is an error that names the parameters); ``broadcast_from``: the rank whose parameters
+    every rank starts from.
+    """
+
+    def __init__(self, module: Module, bucket_cap_mb: float = 25.0, group=None, find_unused_parameters: bool = False,
+                 broadcast_from: int = 0) -> None:
+        super().__init__()
+        if bucket_cap_mb <= 0:
+            raise ValueError(f"DistributedDataParallel: bucket_cap_mb must be > 0, got {bucket_cap_mb}")
+        self.module = module
+        object.__setattr__(self, "group", group)
+        object.__setattr__(self, "bucket_cap_bytes", int(bucket_cap_mb * (1 << 20)))
+        object.__setattr__(self, "find_unused_parameters", find_unused_parameters)
+        object.__setattr__(self, "_named", [(n, p) for n, p in module.named_parameters() if p.requires_grad])
+        object.__setattr__(self, "_sync", True)
+        object.__setattr__(self, "_buckets", [])
+        object.__setattr__(self, "_layout_key", None)
+        object.__setattr__(self, "_own_flat", {})
+        object.__setattr__(self, "_bucket_of", {})
+        object.__setattr__(self, "_next_launch", 0)
+        object.__setattr__(self, "_armed", False)
+        object.__setattr__(self, "_ready_ids", set())
+        object.__setattr__(self, "bucket_log", [])
+        object.__setattr__(self, "world_size", dist.get_world_size(group))
+        verify_same_parameters(self._named, group)
+        broadcast_parameters([p for _, p in self._named] + [b for _, b in module.named_buffers()], broadcast_from, group)
+        for _, p in self._named:
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    # ---- the Module surface ------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        self._prepare_buckets()
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside accumulate gradients locally; the next one outside reduces them all."""
+        prev = self._sync
+        object.__setattr__(self, "_sync", False)
+        try:
+            yield
+        finally:
+            object.__setattr__(self, "_sync", prev)
+
+    @property
+    def buckets(self) -> list[Bucket]:
+        """The current buckets, in the order they are issued."""
+        return list(self._buckets)
+
+    # ---- buckets -------------------------------------------------------------------------
+    def _prepare_buckets(self) -> None:
+        """(Re)build buckets when the parameters' gradient slots changed (an optimizer packed them)."""
+        for dtype in {p.dtype for _, p in self._named if getattr(p, "_grad_slot", None) is None}:
+            self._give_slots(dtype)
+        key = tuple((id(p._grad_slot._st), p._grad_slot._off) for _, p in self._named)
+        if key == self._layout_key:
+            return
+        object.__setattr__(self, "_layout_key", key)
+        object.__setattr__(self, "_buckets", build_buckets(self._named, self.bucket_cap_bytes))
+        object.__setattr__(self, "_bucket_of", {id(p): b for b in self._buckets for p in b.params})
+
+    def _give_slots(self, dtype: dt.DType) -> None:
+        """Gradients of parameters no fused optimizer packed land in one flat buffer of DDP's own."""
+        params = [p for _, p in self._named if p.dtype is dtype and getattr(p, "_grad_slot", None) is None]
+        n = sum(p.numel() for p in params)
+        flat = K.fill(K.empty((n,), dtype, params[0]._st.rt, pool="weights"), 0)
+        self._own_flat[dtype.name] = flat
+        off = 0
+        for p in params:
+            strides = _contiguous(p.shape)
+            p._grad_slot = Tensor(flat._st, p.shape, strides, flat._off + off, dtype)
+            off += p.numel()
+
+    def _on_grad_ready(self, p: Tensor) -> None:
+        if not self._sync:
+            return
+        if not self._armed:
+            object.__setattr__(self, "_armed", True)
+            object.__setattr__(self, "_next_launch", 0)
+            self._ready_ids.clear()
+            for b in self._buckets:
+                b.ready, b.work = 0, None
+            tape.queue_callback(self._finish_backward)
+        b = self._bucket_of.get(id(p))
+        if b is None:
+            raise RuntimeError("DistributedDataParallel: a parameter's gradient arrived before forward() built the "
+                               "buckets; call the DDP-wrapped model, not the inner module")
+        if p.grad is None or p.grad._st is not p._grad_slot._st:
+            K.copy_into(p._grad_slot, p.grad)  # a gradient that missed its slot (dtype cast): put it in place
+            p.grad = p._grad_slot
+        self._ready_ids.add(id(p))
+        b.ready += 1
+        self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        """Issue, in bucket order, every bucket whose parameters are all ready."""
+        while self._next_launch < len(self._buckets):
+            b = self._buckets[self._next_launch]
+            if b.ready < len(b.params):
+                return
+            done, total = tape.backward_progress()
+            self.bucket_log.append(BucketEvent(b.index, "launched", time.monotonic_ns(), done, total))
+            b.work = dist.all_reduce(b.view, op="avg", group=self.group, async_op=True)
+            object.__setattr__(self, "_next_launch", self._next_launch + 1)
+
+    def _finish_backward(self) -> None:
+        """End of backward: deal with parameters that got no gradient, then wait for every bucket."""
+        object.__setattr__(self, "_armed", False)
+        missing = [(n, p) for n, p in self._named if id(p) not in self._ready_ids]
+        if missing and not self.find_unused_parameters:
+            names = ", ".join(n for n, _ in missing[:10]) + (" ..." if len(missing) > 10 else "")
+            self._drain()
+            raise RuntimeError(f"DistributedDataParallel: {len(missing)} parameter(s) got no gradient in this backward "
+                               f"pass: {names}. Every rank must reduce every bucket; pass "
+                               "find_unused_parameters=True to count them as zero, or use them in the loss.")
+        for _, p in missing:
+            if p.grad is None or p.grad._st is not p._grad_slot._st:
+                K.fill(p._grad_slot, 0)  # no gradient at all yet: it counts as zero
+                p.grad = p._grad_slot
+            self._bucket_of[id(p)].ready += 1
+        self._launch_ready()
+        self._drain()
+
+    def _drain(self) -> None:
+        for b in self._buckets:
+            if b.work is not None:
+                b.work.wait()
+                b.work = None
+                done, total = tape.backward_progress()
+                self.bucket_log.append(BucketEvent(b.index, "reduced", time.monotonic_ns(), done, total))
+
+
+def build_buckets(named: list, cap_bytes: int) -> list[Bucket]:
+    """Cut each flat gradient buffer into buckets of at most ``cap_bytes`` (a parameter is never split).
+
+    Parameters are taken in reverse registration order (the order backward tends to finish
+    them); within a flat buffer a bucket is a contiguous range.  Buckets are issued by the
+    registration index of their earliest parameter, latest first: roughly the order in
+    which they become complete, and the same on every rank.
+    """
+    order = {id(p): i for i, (_, p) in enumerate(named)}
+    by_storage: dict[int, list] = {}
+    for _, p in named:
+        by_storage.setdefault(id(p._grad_slot._st), []).append(p)
+    buckets: list[Bucket] = []
+    for key, params in by_storage.items():
+        params.sort(key=lambda p: p._grad_slot._off, reverse=True)
+        first = params[0]._grad_slot
+        base = Tensor(first._st, (first._st.nbytes // first.dtype.itemsize,), (1,), 0, first.dtype)
+        cur: Bucket | None = None
+        for p in params:
+            lo = p._grad_slot._off
+            hi = lo + p.numel()
+            if cur is not None and hi == cur.lo and (cur.hi - lo) * first.dtype.itemsize <= cap_bytes:
+                cur.lo = lo
+                cur.params.append(p)
+                continue
+            cur = Bucket(0, key, base, lo, hi, [p])
+            buckets.append(cur)
+    buckets.sort(key=lambda b: -min(order[id(p)] for p in b.params))
+    for i, b in enumerate(buckets):
+        b.index = i
+    return buckets
+
+
+def _contiguous(shape: tuple) -> tuple:
+    from helios._shape import contiguous_strides
+
+    return contiguous_strides(shape)
+
+
+def verify_same_parameters(named: list, group=None) -> None:
+    """Raise ShapeError on every rank when the ranks' parameters differ in names, shapes or dtypes."""
+    desc = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype.name}" for n, p in named)
+    check_same_on_all_ranks(desc, "parameters (names, shapes and dtypes)", group, ShapeError)
+
+
+def check_same_on_all_ranks(text: str, what: str, group=None, error=ValueError) -> None:
+    """Compare a digest of ``text`` across ranks; raise ``error`` on every rank naming the ranks that differ."""
+    n = dist.get_world_size(group)
+    mine = np.frombuffer(hashlib.sha256(text.encode()).digest()[:16], np.uint8).copy()
+    every = np.empty(16 * n, np.uint8)
+    dist.all_gather(every, mine, group=group)
+    digests = [bytes(every[16 * i: 16 * (i + 1)]) for i in range(n)]
+    if len(set(digests)) > 1:
+        ref = digests[0]
+        odd = [i for i, d in enumerate(digests) if d != ref]
+        raise error(f"the ranks disagree on their {what}: rank(s) {odd} differ from rank 0. Launch every rank with "
+                    "the same model and settings.")
+
+
+def broadcast_parameters(tensors: list, src: int = 0, group=None) -> None:
+    """Copy rank ``src``'s values of ``tensors`` to every rank, in place."""
+    with tape.no_grad():
+        for t in tensors:
+            if t.numel():
+                dist.broadcast(t, src=src, group=group)

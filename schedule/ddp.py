@@ -82,7 +82,7 @@ class DistributedDataParallel(Module):
     """
 
     def __init__(self, module: Module, bucket_cap_mb: float = 25.0, group=None, find_unused_parameters: bool = False,
-                 broadcast_from: int = 0) -> None:
+                 broadcast_from: int = 0, comm_hook=None) -> None:
         super().__init__()
         if bucket_cap_mb <= 0:
             raise ValueError(f"DistributedDataParallel: bucket_cap_mb must be > 0, got {bucket_cap_mb}")
@@ -100,6 +100,7 @@ class DistributedDataParallel(Module):
         object.__setattr__(self, "_armed", False)
         object.__setattr__(self, "_ready_ids", set())
         object.__setattr__(self, "bucket_log", [])
+        object.__setattr__(self, "comm_hook", comm_hook or allreduce_hook)
         object.__setattr__(self, "world_size", dist.get_world_size(group))
         verify_same_parameters(self._named, group)
         broadcast_parameters([p for _, p in self._named] + [b for _, b in module.named_buffers()], broadcast_from, group)
@@ -120,6 +121,11 @@ class DistributedDataParallel(Module):
             yield
         finally:
             object.__setattr__(self, "_sync", prev)
+
+    def register_comm_hook(self, hook) -> None:
+        """Replace how a ready bucket is communicated: ``hook(ddp, bucket) -> Work`` (a handle with
+        ``wait()``) that leaves the averaged gradients (or what the optimizer expects) in place."""
+        object.__setattr__(self, "comm_hook", hook)
 
     @property
     def buckets(self) -> list[Bucket]:
@@ -179,7 +185,7 @@ class DistributedDataParallel(Module):
                 return
             done, total = tape.backward_progress()
             self.bucket_log.append(BucketEvent(b.index, "launched", time.monotonic_ns(), done, total))
-            b.work = dist.all_reduce(b.view, op="avg", group=self.group, async_op=True)
+            b.work = self.comm_hook(self, b)
             object.__setattr__(self, "_next_launch", self._next_launch + 1)
 
     def _finish_backward(self) -> None:
@@ -207,6 +213,11 @@ class DistributedDataParallel(Module):
                 b.work = None
                 done, total = tape.backward_progress()
                 self.bucket_log.append(BucketEvent(b.index, "reduced", time.monotonic_ns(), done, total))
+
+
+def allreduce_hook(ddp: DistributedDataParallel, bucket: Bucket):
+    """The default comm hook: average the bucket over the group, asynchronously, in place."""
+    return dist.all_reduce(bucket.view, op="avg", group=ddp.group, async_op=True)
 
 
 def build_buckets(named: list, cap_bytes: int) -> list[Bucket]:

@@ -3,12 +3,19 @@
     helios-train                          # the `tiny` config on the Python standard library's source
     helios-train --steps 50 --out runs/a --trace runs/a/trace.json --profile-steps 10:20
     helios-train --out runs/a --resume    # continue bit-exactly from runs/a's checkpoint
+    helios-run --nproc-per-node 2 -m helios.train --out runs/dp2   # data parallel over 2 ranks
 
 Each step is split into timed phases (forward, backward, grad_clip, optimizer,
 data_load, host->device, device->host, checkpoint, sample_gen; idle is the rest).
 Execution is deferred, so each phase ends with a device synchronisation: the phase
 then owns the device time of the work it recorded.  Ctrl-C finishes the step, saves a
 checkpoint and exits with status 130.
+
+Started by a launcher (helios-run, srun, mpirun), every rank joins the process group
+and trains a replica with DistributedDataParallel: the global batch (--batch-size x
+--grad-accum sequences) is split across the ranks, rank r taking its contiguous slice of
+every global batch, so N ranks see exactly the data one rank would.  Only rank 0 prints,
+samples and writes the run database (which holds every rank's step timing).
 """
 
 from __future__ import annotations
@@ -57,6 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", default=None, help="write a Chrome trace of the profiled steps to this path")
     p.add_argument("--profile-steps", default=None, help="steps to profile per dispatch, e.g. 10:20")
     p.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
+    p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3),
+                   help="ZeRO stage across data-parallel ranks: 0 plain DDP, 1 shard AdamW moments, "
+                        "2 also gradients, 3 also parameters")
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="gradient bucket size for data parallel (MiB)")
+    p.add_argument("--comm-timeout", type=float, default=300.0,
+                   help="seconds any wait for other ranks may take before the run stops with an error")
     p.add_argument("--stop-after", type=int, default=None,
                    help="leave after this many steps of this invocation (checkpoint saved; continue with --resume)")
     return p
@@ -82,11 +95,11 @@ class _StopFlag:
 
 def main(argv=None) -> int:
     """Entry point of helios-train; returns the exit status."""
-    from helios.errors import CheckpointError, DeviceError
+    from helios.errors import CheckpointError, CommError, DeviceError, ShapeError
 
     try:
         return _train(build_parser().parse_args(argv))
-    except (CheckpointError, DeviceError) as e:
+    except (CheckpointError, DeviceError, CommError, ShapeError) as e:
         print(f"helios-train: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
 
@@ -101,6 +114,7 @@ def _train(args) -> int:
     from helios.profile.rundb import RunDB
     from helios.profile.timers import StepTimer
     from helios.runtime import get_runtime
+    from helios.schedule.dist_run import DistRun
 
     cfgd = dict(CONFIGS[args.config])
     steps = args.steps if args.steps is not None else cfgd["steps"]
@@ -110,42 +124,63 @@ def _train(args) -> int:
     warmup = args.warmup if args.warmup is not None else max(1, steps // 20)
     if steps <= 0 or bs <= 0 or T <= 1 or args.grad_accum <= 0:
         raise SystemExit("helios-train: --steps, --batch-size and --grad-accum must be positive and --block-size > 1")
+    if args.comm_timeout <= 0:
+        raise SystemExit("helios-train: --comm-timeout must be positive (seconds)")
 
+    run = DistRun.from_env(timeout=args.comm_timeout)
+    if bs % run.world:
+        raise SystemExit(f"helios-train: --batch-size {bs} does not split evenly over {run.world} ranks; "
+                         f"use a multiple of {run.world}")
+    if args.zero and not run.active:
+        print("helios-train: --zero shards across data-parallel ranks; alone it changes nothing", file=sys.stderr)
+    say = print if run.is_main else _quiet
     if args.device:
         hl.set_device(args.device)
     rt = get_runtime()
     os.makedirs(args.out, exist_ok=True)
     t_start = time.monotonic()
 
-    ds = prepare_dataset(args.data, args.tokenizer, progress=not args.no_progress)
+    # Rank 0 tokenizes first (and fills the cache); the others then read it.
+    if not run.is_main:
+        run.barrier()
+    ds = prepare_dataset(args.data, args.tokenizer, progress=not args.no_progress and run.is_main)
+    if run.is_main:
+        run.barrier()
     summ = ds.summary()
     V = ds.tokenizer.vocab_size
     cfg = GPTConfig(vocab_size=V, block_size=T, n_layer=cfgd["n_layer"], n_head=cfgd["n_head"], n_embd=cfgd["n_embd"])
+    run_meta = {"config": cfg.to_dict(), "train": {"steps": steps, "batch_size": bs, "lr": lr_max, "warmup": warmup,
+                "grad_accum": args.grad_accum, "seed": args.seed, "tokenizer": ds.tokenizer.identity,
+                "weight_decay": args.weight_decay, "grad_clip": args.grad_clip},
+                "data": ds.corpus.fingerprint}
+    run.check_same({**run_meta, "zero": args.zero, "bucket_cap_mb": args.bucket_cap_mb, "resume": args.resume,
+                    "out": os.path.abspath(args.out)})
     hl.manual_seed(args.seed)
-    model = GPT(cfg, seed=args.seed)
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    gpt = GPT(cfg, seed=args.seed)
+    model = gpt
+    if run.active:
+        from helios.schedule import DistributedDataParallel
+
+        model = DistributedDataParallel(gpt, bucket_cap_mb=args.bucket_cap_mb)
+    decay = [p for n, p in gpt.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in gpt.named_parameters() if p.ndim < 2]
     opt = AdamW([{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
                 lr=lr_max, betas=(0.9, 0.95))
     loader = BatchLoader(ds.train, bs, T, seed=args.seed)
     val_loader = BatchLoader(ds.val, bs, T, seed=args.seed + 1)
 
-    run_meta = {"config": cfg.to_dict(), "train": {"steps": steps, "batch_size": bs, "lr": lr_max, "warmup": warmup,
-                "grad_accum": args.grad_accum, "seed": args.seed, "tokenizer": ds.tokenizer.identity,
-                "weight_decay": args.weight_decay, "grad_clip": args.grad_clip},
-                "data": ds.corpus.fingerprint}
     start_step = 0
     if args.resume:
-        meta = ckpt.load_training_state(args.out, model, opt, loader)
+        meta = ckpt.load_training_state(args.out, gpt, opt, loader)
         if meta["config"] != run_meta["config"] or meta["train"] != run_meta["train"]:
             raise SystemExit(f"helios-train: --resume with different settings than the checkpoint in {args.out}:\n"
                              f"  checkpoint: {json.dumps(meta['config'])} {json.dumps(meta['train'])}\n"
                              f"  now:        {json.dumps(run_meta['config'])} {json.dumps(run_meta['train'])}")
         start_step = int(meta["step"])
-        print(f"resumed from {ckpt.checkpoint_path(args.out)} at step {start_step}")
+        say(f"resumed from {ckpt.checkpoint_path(args.out)} at step {start_step}")
 
-    n_params = model.num_parameters()
-    fpt = model.flops_per_token()
+    n_params = gpt.num_parameters()
+    fpt = gpt.flops_per_token()
     dev = rt.info
     if args.peak_tflops:
         peak = args.peak_tflops * 1e12
@@ -153,30 +188,43 @@ def _train(args) -> int:
     else:
         pk = peak_flops(dev["name"], "fp32", dev["type"])
         peak, peak_label = (pk.flops, pk.label) if pk else (None, "n/a (unknown device: pass --peak-tflops)")
-    print(f"device: {rt.name} {dev['name']} ({dev['type']}); peak for MFU: {peak_label}")
-    print(f"model: {n_params / 1e6:.2f}M parameters, {cfg}")
-    print(f"data: {summ['corpus']}, {summ['train_tokens']:,} train / {summ['val_tokens']:,} val tokens, "
-          f"tokenizer {summ['tokenizer']}; unigram entropy {summ['unigram_entropy_nats']:.3f} nats "
-          f"(uniform {summ['uniform_loss_nats']:.3f})")
+    ranks = f" x {run.world} ranks (data parallel{f', ZeRO-{args.zero}' if args.zero else ''})" if run.active else ""
+    say(f"device: {rt.name} {dev['name']} ({dev['type']}){ranks}; peak for MFU: {peak_label}")
+    say(f"model: {n_params / 1e6:.2f}M parameters, {cfg}")
+    say(f"data: {summ['corpus']}, {summ['train_tokens']:,} train / {summ['val_tokens']:,} val tokens, "
+        f"tokenizer {summ['tokenizer']}; unigram entropy {summ['unigram_entropy_nats']:.3f} nats "
+        f"(uniform {summ['uniform_loss_nats']:.3f})")
 
-    db = RunDB(args.out, device=dev["name"], dtype="fp32", peak_flops=peak, peak_label=peak_label,
-               flops_per_token=fpt, n_params=n_params, config={**run_meta, "steps": steps})
+    db = None
+    if run.is_main:
+        db = RunDB(args.out, device=dev["name"], dtype="fp32", n_devices=run.world, peak_flops=peak,
+                   peak_label=peak_label, flops_per_token=fpt, n_params=n_params,
+                   config={**run_meta, "steps": steps, "world_size": run.world, "zero": args.zero})
     timer = StepTimer()
+    if run.active:
+        model.wait_context = lambda: timer.phase("comm")
     stopper = _StopFlag()
     profile_window = _parse_window(args.profile_steps)
     prof = None
-    tokens_per_step = bs * T * args.grad_accum
+    tokens_per_step = bs * T * args.grad_accum  # the global batch, over every rank
+    job_peak = peak * run.world if peak else None
 
     def evaluate() -> float:
+        # Each rank takes every world-th validation batch; the mean is the one rank's mean.
         model.eval()
+        total, count = 0.0, 0
         with hl.no_grad():
-            losses = [model(x, y)[1].item() for x, y in val_loader.iter_eval(args.eval_batches)]
+            for i, (x, y) in enumerate(val_loader.iter_eval(args.eval_batches)):
+                if i % run.world == run.rank:
+                    total += gpt(x, y)[1].item()
+                    count += 1
         model.train()
-        return float(np.mean(losses))
+        return run.all_mean(total, count)
 
     from tqdm import tqdm
 
-    bar = tqdm(total=steps, initial=start_step, disable=args.no_progress, dynamic_ncols=True, unit="step")
+    bar = tqdm(total=steps, initial=start_step, disable=args.no_progress or not run.is_main, dynamic_ncols=True,
+               unit="step")
     val_loss = None
     last = {}
     step = start_step
@@ -195,21 +243,25 @@ def _train(args) -> int:
             for micro in range(args.grad_accum):
                 with timer.phase("data_load"):
                     x, y = loader.next_batch()
+                    x, y = run.shard(x), run.shard(y)
                 with timer.phase("host_to_device"):
                     xt = hl.tensor(x, dtype=hl.int64)
                     yt = hl.tensor(y, dtype=hl.int64)
-                with timer.phase("forward"):
-                    _, loss = model(xt, yt)
-                    if args.grad_accum > 1:
-                        loss = loss * (1.0 / args.grad_accum)
-                    rt.synchronize()
-                with timer.phase("backward"):
-                    loss.backward()
-                    rt.synchronize()
+                # Gradient accumulation: only the last micro-batch's backward communicates.
+                local = micro < args.grad_accum - 1 and run.active
+                with model.no_sync() if local else _nullcontext():
+                    with timer.phase("forward"):
+                        _, loss = model(xt, yt)
+                        if args.grad_accum > 1:
+                            loss = loss * (1.0 / args.grad_accum)
+                        rt.synchronize()
+                    with timer.phase("backward"):
+                        loss.backward()
+                        rt.synchronize()
                 loss_dev = loss if loss_dev is None else loss_dev + loss.detach()
             with timer.phase("grad_clip"):
                 if args.grad_clip > 0:
-                    clip_grad_norm_(model.parameters(), args.grad_clip)
+                    clip_grad_norm_(gpt.parameters(), args.grad_clip)
                 rt.synchronize()
             with timer.phase("optimizer"):
                 opt.step()
@@ -218,21 +270,32 @@ def _train(args) -> int:
             with timer.phase("device_to_host"):
                 loss_val = loss_dev.item()
             step += 1
+            if run.active:
+                # One small collective per step: the mean loss, and whether any rank was asked to stop
+                # (a Ctrl-C reaches the ranks at slightly different times: they must leave together).
+                with timer.phase("comm"):
+                    loss_val, stop_any = run.agree(loss_val, stopper.stop)
+                stopper.stop = stopper.stop or stop_any
             if not math.isfinite(loss_val):
                 raise FloatingPointError(f"loss became {loss_val} at step {step}; lower --lr or check the data")
             if args.eval_every and step % args.eval_every == 0 and step < steps:
                 with timer.phase("sample_gen"):
                     val_loss = evaluate()
-            if args.sample_every and step % args.sample_every == 0 and step < steps:
+            if args.sample_every and step % args.sample_every == 0 and step < steps and run.is_main:
                 with timer.phase("sample_gen"):
-                    bar.write(f"--- sample at step {step} ---\n{_sample(model, ds.tokenizer, T, args.sample_tokens, step)}\n---")
+                    bar.write(f"--- sample at step {step} ---\n{_sample(gpt, ds.tokenizer, T, args.sample_tokens, step)}\n---")
             leaving = stopper.stop or (args.stop_after is not None and step - start_step >= args.stop_after and step < steps)
             if (args.ckpt_every and step % args.ckpt_every == 0) or leaving:
                 with timer.phase("checkpoint"):
-                    ckpt.save_training_state(args.out, model, opt, loader, step, run_meta)
+                    if run.is_main:
+                        ckpt.save_training_state(args.out, gpt, opt, loader, step, run_meta)
             rec = timer.end_step(step, tokens_per_step, loss=loss_val, lr=lr, dispatches=rt.dev.stats()["dispatches"] - d0)
-            mfu = compute_mfu(fpt, rec.tokens_per_s, peak)
-            db.log_step(rec, mfu=mfu)
+            rows = run.gather_step(_timing_row(rec))
+            mfu = compute_mfu(fpt, rec.tokens_per_s, job_peak)
+            if db is not None:
+                db.log_step(rec, mfu=mfu)
+                for r in range(1, run.world):
+                    db.log_step(_record_of_row(rec, rows[r]), rank=r)
             last = {"loss": loss_val, "lr": lr, "tok_s": rec.tokens_per_s, "mfu": mfu}
             post = {"loss": f"{loss_val:.4f}", "lr": f"{lr:.2e}", "tok/s": f"{rec.tokens_per_s:,.0f}", "MFU": format_mfu(mfu)}
             if val_loss is not None:
@@ -240,9 +303,9 @@ def _train(args) -> int:
             bar.set_postfix(post, refresh=False)
             bar.update(1)
             if args.no_progress and (step % 10 == 0 or step == steps):
-                print(f"step {step}/{steps} " + " ".join(f"{k} {v}" for k, v in post.items()), flush=True)
+                say(f"step {step}/{steps} " + " ".join(f"{k} {v}" for k, v in post.items()), flush=True)
             if prof is not None and profile_window and step >= profile_window[1]:
-                _finish_profile(prof, args, db, step)
+                _finish_profile(prof, args, db, step, run)
                 prof = None
             if leaving:
                 exit_code = 130 if stopper.stop else 3
@@ -250,25 +313,56 @@ def _train(args) -> int:
     finally:
         bar.close()
         stopper.restore()
-        if prof is not None:
-            _finish_profile(prof, args, db, step)
+        if prof is not None and sys.exc_info()[0] is None:
+            _finish_profile(prof, args, db, step, run)
     if exit_code:
-        print(f"stopped at step {step}; checkpoint saved in {ckpt.checkpoint_path(args.out)} (continue with --resume)")
-        db.finish(status="interrupted")
+        say(f"stopped at step {step}; checkpoint saved in {ckpt.checkpoint_path(args.out)} (continue with --resume)")
+        if db is not None:
+            db.finish(status="interrupted")
+        run.close()
         return 130 if exit_code == 130 else 0
-    ckpt.save_training_state(args.out, model, opt, loader, step, run_meta)
+    if run.is_main:
+        ckpt.save_training_state(args.out, gpt, opt, loader, step, run_meta)
     val_loss = evaluate()
-    sample = _sample(model, ds.tokenizer, T, args.sample_tokens, step)
     wall = time.monotonic() - t_start
-    print(_breakdown(timer.records))
-    print(f"--- sample ---\n{sample}\n---")
-    summary = {"steps": step, "wall_s": round(wall, 1), "final_train_loss": round(last.get("loss", float('nan')), 4),
-               "final_val_loss": round(val_loss, 4), "unigram_entropy": round(summ["unigram_entropy_nats"], 4),
-               "tok_per_s": round(last.get("tok_s") or 0, 1), "mfu": format_mfu(last.get("mfu")),
-               "checkpoint": ckpt.checkpoint_path(args.out), "run_db": db.path}
-    print(json.dumps(summary))
-    db.finish(status="finished")
+    if run.is_main:
+        sample = _sample(gpt, ds.tokenizer, T, args.sample_tokens, step)
+        print(_breakdown(timer.records))
+        print(f"--- sample ---\n{sample}\n---")
+        summary = {"steps": step, "wall_s": round(wall, 1), "final_train_loss": round(last.get("loss", float('nan')), 4),
+                   "final_val_loss": round(val_loss, 4), "unigram_entropy": round(summ["unigram_entropy_nats"], 4),
+                   "tok_per_s": round(last.get("tok_s") or 0, 1), "mfu": format_mfu(last.get("mfu")),
+                   "world_size": run.world, "checkpoint": ckpt.checkpoint_path(args.out), "run_db": db.path}
+        print(json.dumps(summary))
+        db.finish(status="finished")
+    run.close()
     return 0
+
+
+def _quiet(*args, **kwargs) -> None:
+    """print() on ranks other than 0."""
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _timing_row(rec) -> dict:
+    from helios.profile.timers import ALL_PHASES
+
+    return {"wall_ns": rec.wall_ns, **{f"{p}_ns": rec.phases_ns.get(p, 0) for p in ALL_PHASES}}
+
+
+def _record_of_row(rec, row):
+    """Another rank's StepRecord, rebuilt on rank 0 from its gathered timing row."""
+    from helios.profile.timers import ALL_PHASES, StepRecord
+
+    phases = {p: int(row[1 + i]) for i, p in enumerate(ALL_PHASES)}
+    return StepRecord(rec.step, rec.start_ns, rec.start_ns + int(row[0]), phases, rec.tokens, rec.loss, rec.lr)
 
 
 def _parse_window(spec):
@@ -280,12 +374,22 @@ def _parse_window(spec):
     return (r.start, r.stop)
 
 
-def _finish_profile(prof, args, db, step) -> None:
+def _finish_profile(prof, args, db, step, run) -> None:
+    """Close the profiling window; rank 0 logs it and writes one trace with a process per rank."""
     session, profiler = prof
     session.__exit__(None, None, None)
-    db.log_profile(profiler.collector, step)
-    if args.trace:
-        profiler.export_chrome_trace(args.trace)
+    if db is not None:
+        db.log_profile(profiler.collector, step)
+    if not args.trace:
+        return
+    from helios.profile.trace import build_trace, write_trace
+    from helios.schedule.dist_run import merge_rank_traces
+
+    mine = json.dumps(build_trace(profiler.collector, process_name=f"helios rank {run.rank}")).encode()
+    every = run.gather_bytes(mine)
+    if every is not None:
+        traces = [json.loads(b) for b in every]
+        write_trace(args.trace, traces[0] if len(traces) == 1 else merge_rank_traces(traces))
         print(f"trace written to {args.trace}")
 
 

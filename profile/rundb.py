@@ -28,9 +28,11 @@ Schema (``PRAGMA user_version`` = :data:`SCHEMA_VERSION`)
     n_params INTEGER
     config_json TEXT              the run's configuration, JSON
 
-``step_timing`` -- one row per step (phase columns are ns; they sum to wall_ns)::
+``step_timing`` -- one row per step and rank (phase columns are ns; they sum to wall_ns)::
 
-    run_id, step                  PRIMARY KEY
+    run_id, step, rank            PRIMARY KEY (rank 0 on a one-rank run; a data-parallel run
+                                  gathers every rank's row to rank 0, which writes them all;
+                                  loss, lr, tokens and MFU are the job's, on rank 0's row)
     start_ns INTEGER              host CLOCK_MONOTONIC at start_step
     wall_ns INTEGER
     data_load_ns, host_to_device_ns, forward_ns, backward_ns, grad_clip_ns, optimizer_ns,
@@ -77,7 +79,7 @@ if TYPE_CHECKING:
     from helios.profile.profiler import Collector, KeyAverages
 
 DB_FILENAME = "run.db"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 _PHASE_COLS = [f"{p}_ns" for p in ALL_PHASES]
 
 _SCHEMA = f"""
@@ -89,11 +91,11 @@ CREATE TABLE IF NOT EXISTS runs (
     n_params INTEGER, config_json TEXT
 );
 CREATE TABLE IF NOT EXISTS step_timing (
-    run_id INTEGER NOT NULL REFERENCES runs(run_id), step INTEGER NOT NULL,
+    run_id INTEGER NOT NULL REFERENCES runs(run_id), step INTEGER NOT NULL, rank INTEGER NOT NULL DEFAULT 0,
     start_ns INTEGER NOT NULL, wall_ns INTEGER NOT NULL,
     {", ".join(c + " INTEGER NOT NULL" for c in _PHASE_COLS)},
     tokens INTEGER NOT NULL, tokens_per_s REAL, loss REAL, lr REAL, dispatches INTEGER, mfu REAL, hfu REAL,
-    PRIMARY KEY (run_id, step)
+    PRIMARY KEY (run_id, step, rank)
 );
 CREATE TABLE IF NOT EXISTS op_profile (
     run_id INTEGER NOT NULL REFERENCES runs(run_id), step INTEGER NOT NULL, name TEXT NOT NULL,
@@ -128,11 +130,22 @@ def connect(path: str, timeout_s: float = 10.0) -> sqlite3.Connection:
     con.execute("PRAGMA synchronous=NORMAL")
     con.execute("PRAGMA foreign_keys=ON")
     ver = con.execute("PRAGMA user_version").fetchone()[0]
+    if ver == 1:
+        _migrate_v1(con)
+        ver = SCHEMA_VERSION
     if ver not in (0, SCHEMA_VERSION):
         con.close()
         raise ProfileError(f"{path}: schema version {ver}, this Helios reads {SCHEMA_VERSION}; use a new RUN_DIR")
     con.executescript("BEGIN;" + _SCHEMA + f"PRAGMA user_version={SCHEMA_VERSION}; COMMIT;")
     return con
+
+
+def _migrate_v1(con: sqlite3.Connection) -> None:
+    """Version 1 had no rank column: its rows become rank 0's (one transaction)."""
+    cols = [r[1] for r in con.execute("PRAGMA table_info(step_timing)").fetchall()]
+    con.executescript("BEGIN; ALTER TABLE step_timing RENAME TO step_timing_v1;" + _SCHEMA +
+                      f"INSERT INTO step_timing ({', '.join(cols)}) SELECT {', '.join(cols)} FROM step_timing_v1;"
+                      f"DROP TABLE step_timing_v1; PRAGMA user_version={SCHEMA_VERSION}; COMMIT;")
 
 
 class RunDB:
@@ -161,11 +174,11 @@ class RunDB:
     def _tx(self) -> _Tx:
         return _Tx(self.con)
 
-    def log_step(self, rec: StepRecord, mfu: float | None = None, hfu: float | None = None) -> None:
-        """Store one step's timing (commits)."""
-        cols = ["run_id", "step", "start_ns", "wall_ns", *_PHASE_COLS, "tokens", "tokens_per_s", "loss", "lr",
+    def log_step(self, rec: StepRecord, mfu: float | None = None, hfu: float | None = None, rank: int = 0) -> None:
+        """Store one step's timing on ``rank`` (commits)."""
+        cols = ["run_id", "step", "rank", "start_ns", "wall_ns", *_PHASE_COLS, "tokens", "tokens_per_s", "loss", "lr",
                 "dispatches", "mfu", "hfu"]
-        vals = [self.run_id, rec.step, rec.start_ns, rec.wall_ns, *(rec.phases_ns.get(p, 0) for p in ALL_PHASES),
+        vals = [self.run_id, rec.step, rank, rec.start_ns, rec.wall_ns, *(rec.phases_ns.get(p, 0) for p in ALL_PHASES),
                 rec.tokens, rec.tokens_per_s, rec.loss, rec.lr, rec.dispatches, mfu, hfu]
         with self._tx():
             self.con.execute(f"INSERT OR REPLACE INTO step_timing ({', '.join(cols)}) "
@@ -270,7 +283,8 @@ def read_run(run_dir: str | os.PathLike[str], run_id: int | None = None) -> dict
         q = lambda sql: [dict(r) for r in con.execute(sql, (rid,)).fetchall()]
         return {
             "run": dict(row),
-            "steps": q("SELECT * FROM step_timing WHERE run_id = ? ORDER BY step"),
+            "steps": q("SELECT * FROM step_timing WHERE run_id = ? AND rank = 0 ORDER BY step"),
+            "rank_steps": q("SELECT * FROM step_timing WHERE run_id = ? ORDER BY step, rank"),
             "ops": q("SELECT * FROM op_profile WHERE run_id = ? ORDER BY step, device_ns DESC"),
             "timeline": q("SELECT * FROM gpu_timeline WHERE run_id = ? ORDER BY session, dispatch_seq"),
         }

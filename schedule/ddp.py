@@ -101,6 +101,9 @@ class DistributedDataParallel(Module):
         object.__setattr__(self, "_ready_ids", set())
         object.__setattr__(self, "bucket_log", [])
         object.__setattr__(self, "comm_hook", comm_hook or allreduce_hook)
+        # A context manager factory wrapped around the end-of-backward wait (the trainer times
+        # it as its "comm" phase: the communication backward could not hide).
+        object.__setattr__(self, "wait_context", None)
         object.__setattr__(self, "world_size", dist.get_world_size(group))
         verify_same_parameters(self._named, group)
         broadcast_parameters([p for _, p in self._named] + [b for _, b in module.named_buffers()], broadcast_from, group)
@@ -207,6 +210,11 @@ class DistributedDataParallel(Module):
         self._drain()
 
     def _drain(self) -> None:
+        ctx = self.wait_context() if self.wait_context is not None else contextlib.nullcontext()
+        with ctx:
+            self._wait_all()
+
+    def _wait_all(self) -> None:
         for b in self._buckets:
             if b.work is not None:
                 b.work.wait()

@@ -127,10 +127,11 @@ def _train(args) -> int:
     if args.comm_timeout <= 0:
         raise SystemExit("helios-train: --comm-timeout must be positive (seconds)")
 
+    world = DistRun.launch_world()
+    if bs % world:
+        raise SystemExit(f"helios-train: --batch-size {bs} does not split evenly over {world} ranks; "
+                         f"use a multiple of {world}")
     run = DistRun.from_env(timeout=args.comm_timeout)
-    if bs % run.world:
-        raise SystemExit(f"helios-train: --batch-size {bs} does not split evenly over {run.world} ranks; "
-                         f"use a multiple of {run.world}")
     if args.zero and not run.active:
         print("helios-train: --zero shards across data-parallel ranks; alone it changes nothing", file=sys.stderr)
     say = print if run.is_main else _quiet

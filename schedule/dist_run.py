@@ -27,6 +27,16 @@ class DistRun:
     world: int = 1
     active: bool = False  # a process group exists
 
+    @staticmethod
+    def launch_world() -> int:
+        """The world size the launcher set (1 without one), read before any rank connects, so a
+        setting that cannot work is refused by every rank alike instead of by rank 0 alone."""
+        from helios.comm import env as envmod
+
+        if not any(os.environ.get(k) for k in _LAUNCH_VARS):
+            return 1
+        return envmod.resolve().world_size
+
     @classmethod
     def from_env(cls, timeout: float = 300.0) -> DistRun:
         """Join the job the environment describes, or stand alone when there is none."""

@@ -30,8 +30,11 @@ class RankResult:
 
 
 def run_ranks(argv: list[str], world: int, timeout: float = 120.0, env: dict | None = None,
-              cwd: str | None = None) -> list[RankResult]:
-    """Run ``python argv...`` as ranks 0..world-1 and return each rank's exit code and output."""
+              cwd: str | None = None, argv_per_rank=None) -> list[RankResult]:
+    """Run ``python argv...`` as ranks 0..world-1 and return each rank's exit code and output.
+
+    ``argv_per_rank(rank, argv)``, when given, returns the arguments of one rank (to start
+    ranks with different settings on purpose)."""
     port = free_port()
     job = secrets.token_hex(4)
     procs = []
@@ -44,7 +47,8 @@ def run_ranks(argv: list[str], world: int, timeout: float = 120.0, env: dict | N
         fo = open(_tmp(job, r, "out"), "w+")
         fe = open(_tmp(job, r, "err"), "w+")
         files.append((fo, fe))
-        procs.append(subprocess.Popen([sys.executable, *argv], env=e, stdout=fo, stderr=fe, cwd=cwd or ROOT,
+        args = argv_per_rank(r, list(argv)) if argv_per_rank else argv
+        procs.append(subprocess.Popen([sys.executable, *args], env=e, stdout=fo, stderr=fe, cwd=cwd or ROOT,
                                       start_new_session=True))
     deadline = time.monotonic() + timeout
     try:

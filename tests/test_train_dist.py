@@ -1,0 +1,116 @@
+"""helios-train on several ranks: N ranks train exactly what one rank trains, and a user's
+mistake stops every rank with one line, never a hang."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ranks import run_ranks  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BIN = os.path.dirname(sys.executable)
+STEPS = 20
+
+pytestmark = [pytest.mark.vulkan, pytest.mark.multiproc]
+
+
+def _env() -> dict:
+    e = dict(os.environ)
+    e["LP_NUM_THREADS"] = "1"
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "HELIOS_LAUNCHER", "HELIOS_JOB_ID"):
+        e.pop(k, None)
+    return e
+
+
+def _train_args(out, *extra) -> list[str]:
+    return ["--config", "nano", "--steps", str(STEPS), "--batch-size", "8", "--block-size", "16", "--no-progress",
+            "--eval-every", "0", "--sample-tokens", "4", "--ckpt-every", "0", "--out", str(out), *extra]
+
+
+def launch(world: int, out, *extra, timeout: float = 240) -> subprocess.CompletedProcess:
+    """helios-run --nproc-per-node world -m helios.train ... (the user's command)."""
+    cmd = [os.path.join(BIN, "helios-run"), "--nproc-per-node", str(world), "-m", "helios.train",
+           *_train_args(out, *extra)]
+    return subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def losses(out) -> list[float]:
+    con = sqlite3.connect(os.path.join(out, "run.db"))
+    try:
+        return [r[0] for r in con.execute("SELECT loss FROM step_timing WHERE rank = 0 ORDER BY step")]
+    finally:
+        con.close()
+
+
+def final_params(out) -> dict:
+    from helios.fileio import load_checkpoint
+
+    arrays, _ = load_checkpoint(os.path.join(out, "ckpt.helios"))
+    return {k: v for k, v in arrays.items() if k.startswith("model.")}
+
+
+def test_two_and_four_ranks_train_what_one_rank_trains(tmp_path):
+    runs = {}
+    for world in (1, 2, 4):
+        r = launch(world, tmp_path / f"w{world}")
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        runs[world] = (losses(tmp_path / f"w{world}"), final_params(tmp_path / f"w{world}"))
+        assert len(runs[world][0]) == STEPS
+    for world in (2, 4):
+        np.testing.assert_allclose(runs[world][0], runs[1][0], rtol=1e-5)
+        for k, v in runs[1][1].items():
+            np.testing.assert_allclose(runs[world][1][k], v, rtol=1e-5, atol=1e-5, err_msg=k)
+    # Only rank 0 prints the progress and the summary; run.db holds every rank's timing.
+    out = launch(2, tmp_path / "again", "--steps", "3")
+    assert out.stdout.count('"world_size": 2') == 1 and "[rank 1] step" not in out.stdout
+    con = sqlite3.connect(tmp_path / "again" / "run.db")
+    assert con.execute("SELECT n_devices FROM runs").fetchone()[0] == 2
+    assert con.execute("SELECT COUNT(*), COUNT(DISTINCT rank) FROM step_timing").fetchone() == (6, 2)
+    con.close()
+
+
+def test_gradient_accumulation_over_ranks_matches_one_rank(tmp_path):
+    one = launch(1, tmp_path / "a", "--grad-accum", "2", "--steps", "8")
+    two = launch(2, tmp_path / "b", "--grad-accum", "2", "--steps", "8")
+    assert one.returncode == 0 and two.returncode == 0, two.stderr[-3000:]
+    np.testing.assert_allclose(losses(tmp_path / "b"), losses(tmp_path / "a"), rtol=1e-5)
+
+
+def _one_line_error(results, needle: str) -> None:
+    for r in results:
+        assert r.code not in (0, None), f"rank {r.rank} exited 0"
+        assert "Traceback" not in r.err, r.err[-3000:]
+        assert needle in r.err, f"rank {r.rank}: {r.err[-2000:]}"
+
+
+def test_batch_size_that_does_not_split_over_the_ranks_is_refused_on_every_rank(tmp_path):
+    res = run_ranks(["-m", "helios.train", *_train_args(tmp_path, "--batch-size", "6")], 4, timeout=120)
+    _one_line_error(res, "--batch-size 6 does not split evenly over 4 ranks")
+
+
+def test_ranks_started_with_different_seeds_stop_at_once(tmp_path):
+    res = run_ranks(["-m", "helios.train", *_train_args(tmp_path, "--seed", "$RANK")], 2, timeout=120,
+                    argv_per_rank=lambda r, argv: [a.replace("$RANK", str(r)) for a in argv])
+    _one_line_error(res, "the ranks disagree on their settings")
+
+
+def test_zero_stage_out_of_range_is_a_usage_error():
+    r = subprocess.run([os.path.join(BIN, "helios-train"), "--zero", "5"], capture_output=True, text=True, timeout=60,
+                       env=_env())
+    assert r.returncode == 2 and "--zero" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_world_size_larger_than_the_ranks_that_show_up_times_out_with_one_line(tmp_path):
+    t0 = time.monotonic()
+    res = run_ranks(["-m", "helios.train", *_train_args(tmp_path, "--comm-timeout", "4")], 1, timeout=90,
+                    env={"WORLD_SIZE": "2"})
+    assert time.monotonic() - t0 < 60
+    _one_line_error(res, "CommError")

@@ -17,7 +17,8 @@ import time
 import numpy as np
 
 
-def torch_step_fn(cfg, B, T, params, opt):
+def torch_loss_fn(cfg, B, T, params):
+    """The GPT's loss in PyTorch over the parameter dict ``params`` (Helios' names)."""
     import torch
     import torch.nn.functional as TF
 
@@ -40,6 +41,14 @@ def torch_step_fn(cfg, B, T, params, opt):
             h = h + lin(TF.gelu(lin(m, p + "mlp.c_fc"), approximate="tanh"), p + "mlp.c_proj")
         h = TF.layer_norm(h, (C,), params["ln_f.weight"], params["ln_f.bias"])
         return TF.cross_entropy((h @ params["wte.weight"].T).reshape(B * T, -1), y.reshape(-1))
+
+    return loss_fn
+
+
+def torch_step_fn(cfg, B, T, params, opt):
+    import torch
+
+    loss_fn = torch_loss_fn(cfg, B, T, params)
 
     def step(x, y):
         loss = loss_fn(x, y)

@@ -1,0 +1,249 @@
+"""Data-parallel training: Helios (helios-run + helios-train) against PyTorch DDP on gloo.
+
+Both train the same GPT shape with the same per-rank batch, one thread per rank
+(LP_NUM_THREADS=1 for lavapipe, torch.set_num_threads(1)), on 1 and on 2 ranks, in one
+run of this script.  Printed as JSON lines:
+
+* ``scaling``: tokens/s of each at 1 and 2 ranks, and scaling efficiency
+  = tokens/s at 2 ranks / (2 x tokens/s at 1 rank);
+* ``overlap``: the share of Helios' gradient all-reduce time that ran while backward was
+  still computing (from the Chrome trace of a profiled window: collective intervals on
+  the collectives track against the backward phase minus its end-of-backward wait);
+* ``zero``: step time of each ZeRO stage over plain data parallel, and bytes per rank.
+
+    python bench/data_parallel.py [--config tiny] [--steps 30] [--warmup 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+BIN = os.path.dirname(sys.executable)
+
+
+def _env(threads: int = 1) -> dict:
+    e = dict(os.environ)
+    e.update(LP_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "HELIOS_LAUNCHER", "HELIOS_JOB_ID"):
+        e.pop(k, None)
+    return e
+
+
+# ------------------------------------------------------------------------------------ Helios
+def helios_run(world: int, per_rank_batch: int, config: str, steps: int, out: str, *extra: str) -> str:
+    """Train with helios-train on ``world`` ranks; returns the run folder."""
+    args = ["--config", config, "--steps", str(steps), "--batch-size", str(per_rank_batch * world), "--no-progress",
+            "--eval-every", "0", "--ckpt-every", "0", "--sample-tokens", "1", "--out", out, *extra]
+    if world == 1:
+        cmd = [os.path.join(BIN, "helios-train"), *args]
+    else:
+        cmd = [os.path.join(BIN, "helios-run"), "--nproc-per-node", str(world), "-m", "helios.train", *args]
+    r = subprocess.run(cmd, env=_env(), capture_output=True, text=True, cwd=ROOT)
+    if r.returncode != 0:
+        raise SystemExit(f"helios run failed ({' '.join(cmd)}):\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
+    return out
+
+
+def step_seconds(run_dir: str, warmup: int) -> float:
+    """Median wall time of rank 0's steps after ``warmup``, from run.db."""
+    con = sqlite3.connect(os.path.join(run_dir, "run.db"))
+    try:
+        walls = [w for (w,) in con.execute("SELECT wall_ns FROM step_timing WHERE rank = 0 AND step > ? ORDER BY step",
+                                           (warmup,))]
+    finally:
+        con.close()
+    return statistics.median(walls) / 1e9
+
+
+def overlap_share(trace_path: str) -> dict:
+    """Share of all-reduce time (rank 0) that ran while backward was still computing."""
+    with open(trace_path) as f:
+        events = json.load(f)["traceEvents"]
+    rank0 = [e for e in events if e.get("ph") == "X" and int(e.get("pid", 0)) < 100]
+    backward = [e for e in rank0 if e.get("cat") == "phase" and e["name"] == "backward"]
+    waits = [e for e in rank0 if e.get("cat") == "phase" and e["name"] == "comm"]
+    reduces = [e for e in rank0 if e.get("cat") == "comm" and e["name"] == "all_reduce" and e["dur"] > 0]
+    computing = []  # backward spans with their end-of-backward wait cut off
+    for b in backward:
+        end = b["ts"] + b["dur"]
+        for w in waits:
+            if b["ts"] <= w["ts"] <= end:
+                end = min(end, w["ts"])
+        computing.append((b["ts"], end))
+    total = sum(e["dur"] for e in reduces)
+    hidden = 0.0
+    for e in reduces:
+        a0, a1 = e["ts"], e["ts"] + e["dur"]
+        hidden += sum(max(0.0, min(a1, c1) - max(a0, c0)) for c0, c1 in computing)
+    return {"all_reduces": len(reduces), "all_reduce_ms": round(total / 1e3, 2),
+            "hidden_ms": round(hidden / 1e3, 2), "hidden_share": round(hidden / total, 3) if total else None}
+
+
+# ----------------------------------------------------------------------------------- PyTorch
+def torch_rank(rank: int, world: int, port: int, config: str, per_rank_batch: int, steps: int, warmup: int) -> None:
+    """One rank of PyTorch DDP (gloo) on the same GPT; rank 0 prints its seconds per step."""
+    import time
+
+    import numpy as np
+    import torch
+    import torch.distributed as tdist
+
+    sys.path.insert(0, HERE)
+    from train_step import torch_loss_fn
+
+    from helios.nn import GPTConfig
+    from helios.train import CONFIGS
+
+    torch.set_num_threads(1)
+    c = CONFIGS[config]
+    T = c["block_size"]
+    cfg = GPTConfig(vocab_size=256, block_size=T, n_layer=c["n_layer"], n_head=c["n_head"], n_embd=c["n_embd"])
+    if world > 1:
+        tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    gen = torch.Generator().manual_seed(0)
+
+    class GPTLoss(torch.nn.Module):
+        """The same GPT as Helios' (parameters under Helios' names, dots as double underscores)."""
+
+        def __init__(self):
+            super().__init__()
+            self.p = torch.nn.ParameterDict({n.replace(".", "__"): torch.nn.Parameter(torch.randn(*s, generator=gen) * 0.02)
+                                             for n, s in _gpt_shapes(cfg).items()})
+            self.loss = torch_loss_fn(cfg, per_rank_batch, T, _Names(self.p))
+
+        def forward(self, x, y):
+            return self.loss(x, y)
+
+    module = GPTLoss()
+    model = torch.nn.parallel.DistributedDataParallel(module) if world > 1 else module
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+
+    def step(x, y):
+        loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        return loss.item()
+
+    rng = np.random.default_rng(rank)
+    batches = [(torch.tensor(rng.integers(0, 256, (per_rank_batch, T))), torch.tensor(rng.integers(0, 256, (per_rank_batch, T))))
+               for _ in range(steps)]
+    times = []
+    for i, (x, y) in enumerate(batches):
+        t0 = time.perf_counter()
+        step(x, y)
+        if world > 1:
+            tdist.barrier()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    if rank == 0:
+        print(json.dumps({"torch_step_s": statistics.median(times)}))
+    if world > 1:
+        tdist.destroy_process_group()
+
+
+class _Names:
+    """Helios' parameter names over a ParameterDict keyed with double underscores."""
+
+    def __init__(self, pd):
+        self.pd = pd
+
+    def __getitem__(self, name):
+        return self.pd[name.replace(".", "__")]
+
+
+def _gpt_shapes(cfg) -> dict:
+    from helios.nn import GPT
+
+    return {n: p.shape for n, p in GPT(cfg, seed=0).named_parameters()}
+
+
+def torch_ddp(world: int, config: str, per_rank_batch: int, steps: int, warmup: int) -> float:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    procs = [subprocess.Popen([sys.executable, __file__, "--torch-rank", str(r), "--world", str(world), "--port", str(port),
+                               "--config", config, "--per-rank-batch", str(per_rank_batch), "--steps", str(steps),
+                               "--warmup", str(warmup)], env=_env(), stdout=subprocess.PIPE, text=True)
+             for r in range(world)]
+    outs = [p.communicate()[0] for p in procs]
+    if any(p.returncode for p in procs):
+        raise SystemExit(f"torch DDP rank failed: {outs}")
+    return json.loads(outs[0].strip().splitlines()[-1])["torch_step_s"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", default="tiny")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--per-rank-batch", type=int, default=None)
+    ap.add_argument("--zero", default="1,2,3", help="ZeRO stages to time against plain DP ('' for none)")
+    ap.add_argument("--torch-rank", type=int, default=None)
+    ap.add_argument("--world", type=int, default=1)
+    ap.add_argument("--port", type=int, default=0)
+    a = ap.parse_args()
+    from helios.train import CONFIGS
+
+    c = CONFIGS[a.config]
+    per = a.per_rank_batch or c["batch_size"]
+    if a.torch_rank is not None:
+        torch_rank(a.torch_rank, a.world, a.port, a.config, per, a.steps, a.warmup)
+        return
+    T = c["block_size"]
+    with tempfile.TemporaryDirectory() as tmp:
+        res = {}
+        for world in (1, 2):
+            run = helios_run(world, per, a.config, a.steps, os.path.join(tmp, f"h{world}"))
+            res[f"helios_{world}"] = per * T * world / step_seconds(run, a.warmup)
+            res[f"torch_{world}"] = per * T * world / torch_ddp(world, a.config, per, a.steps, a.warmup)
+        h_eff = res["helios_2"] / (2 * res["helios_1"])
+        t_eff = res["torch_2"] / (2 * res["torch_1"])
+        print(json.dumps({"bench": "data_parallel_scaling", "config": a.config, "per_rank_batch": per,
+                          "helios_tok_s_1": round(res["helios_1"], 1), "helios_tok_s_2": round(res["helios_2"], 1),
+                          "peer": "torch_ddp_gloo", "peer_tok_s_1": round(res["torch_1"], 1),
+                          "peer_tok_s_2": round(res["torch_2"], 1), "helios_efficiency": round(h_eff, 3),
+                          "peer_efficiency": round(t_eff, 3), "ratio": round(h_eff / t_eff, 3)}), flush=True)
+
+        trace = os.path.join(tmp, "trace.json")
+        prof_from = max(a.warmup, a.steps - 5)
+        helios_run(2, per, a.config, a.steps, os.path.join(tmp, "traced"), "--profile-steps", f"{prof_from}:{a.steps}",
+                   "--trace", trace)
+        print(json.dumps({"bench": "data_parallel_overlap", "config": a.config, "world": 2, **overlap_share(trace)}),
+              flush=True)
+
+        stages = [int(s) for s in a.zero.split(",") if s.strip()]
+        if stages:
+            base = step_seconds(helios_run(2, per, a.config, a.steps, os.path.join(tmp, "z0")), a.warmup)
+            for st in stages:
+                run = helios_run(2, per, a.config, a.steps, os.path.join(tmp, f"z{st}"), "--zero", str(st))
+                t = step_seconds(run, a.warmup)
+                print(json.dumps({"bench": "zero", "config": a.config, "world": 2, "stage": st,
+                                  "step_ms": round(t * 1e3, 2), "dp_step_ms": round(base * 1e3, 2),
+                                  "ratio": round(t / base, 3), **_zero_bytes(run)}), flush=True)
+
+
+def _zero_bytes(run_dir: str) -> dict:
+    """Bytes per rank the run recorded (runs.config_json 'memory'), if it did."""
+    con = sqlite3.connect(os.path.join(run_dir, "run.db"))
+    try:
+        cfg = json.loads(con.execute("SELECT config_json FROM runs ORDER BY run_id DESC LIMIT 1").fetchone()[0])
+    finally:
+        con.close()
+    return {"bytes_per_rank": cfg.get("memory")}
+
+
+if __name__ == "__main__":
+    main()

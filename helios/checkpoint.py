@@ -21,6 +21,11 @@ def checkpoint_path(run_dir: str) -> str:
     return os.path.join(run_dir, CKPT_NAME)
 
 
+def has_checkpoint(run_dir: str) -> bool:
+    """Whether ``run_dir`` holds a checkpoint to resume from."""
+    return os.path.exists(checkpoint_path(run_dir))
+
+
 def save_training_state(run_dir: str, model, optimizer, loader, step: int, meta: dict) -> str:
     """Write model + optimizer + RNG + loader state at ``step``; returns the path."""
     arrays = {f"model.{k}": v.numpy() for k, v in model.state_dict().items()}

@@ -171,6 +171,11 @@ def _train(args) -> int:
     val_loader = BatchLoader(ds.val, bs, T, seed=args.seed + 1)
 
     start_step = 0
+    # A job that helios-run --max-restarts relaunched after a lost rank continues from its last checkpoint.
+    restarted = int(os.environ.get("HELIOS_RESTART_COUNT") or 0) > 0
+    if restarted and not args.resume and ckpt.has_checkpoint(args.out):
+        say(f"restart {os.environ['HELIOS_RESTART_COUNT']} of the job: resuming from the last complete checkpoint")
+        args.resume = True
     if args.resume:
         meta = ckpt.load_training_state(args.out, gpt, opt, loader)
         if meta["config"] != run_meta["config"] or meta["train"] != run_meta["train"]:

@@ -71,6 +71,29 @@ def run_ranks(argv: list[str], world: int, timeout: float = 120.0, env: dict | N
     return results
 
 
+def start_ranks(argv: list[str], world: int, env: dict | None = None, cwd: str | None = None) -> list[subprocess.Popen]:
+    """Start ``python argv...`` as ranks 0..world-1 without waiting (stdout and stderr piped, as text)."""
+    port = free_port()
+    job = secrets.token_hex(4)
+    procs = []
+    for r in range(world):
+        e = dict(os.environ)
+        e.update(RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
+                 MASTER_PORT=str(port), HELIOS_JOB_ID=job, LP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        e.update(env or {})
+        procs.append(subprocess.Popen([sys.executable, *argv], env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True, cwd=cwd or ROOT, start_new_session=True))
+    return procs
+
+
+def kill_all(procs: list[subprocess.Popen]) -> None:
+    """SIGKILL every process still running and reap them all."""
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+
+
 def _tmp(job: str, rank: int, kind: str) -> str:
     import tempfile
 

@@ -114,3 +114,42 @@ def test_world_size_larger_than_the_ranks_that_show_up_times_out_with_one_line(t
                     env={"WORLD_SIZE": "2"})
     assert time.monotonic() - t0 < 60
     _one_line_error(res, "CommError")
+
+
+def _wait_for_steps(out, n: int, procs, deadline_s: float = 120) -> None:
+    t_end = time.monotonic() + deadline_s
+    db = os.path.join(out, "run.db")
+    while time.monotonic() < t_end:
+        if any(p.poll() is not None for p in procs):
+            raise AssertionError("a rank ended early: " + " | ".join(p.stderr.read()[-1500:] for p in procs))
+        if os.path.exists(db):
+            try:
+                con = sqlite3.connect(db)
+                k = con.execute("SELECT COUNT(*) FROM step_timing WHERE rank = 0").fetchone()[0]
+                con.close()
+                if k >= n:
+                    return
+            except sqlite3.OperationalError:
+                pass
+        time.sleep(0.1)
+    raise AssertionError(f"no {n} steps within {deadline_s} s")
+
+
+def test_sigkill_of_one_rank_stops_the_others_with_an_error_naming_it(tmp_path):
+    from ranks import kill_all, start_ranks
+
+    timeout = 6.0
+    procs = start_ranks(["-m", "helios.train", *_train_args(tmp_path, "--steps", "100000", "--comm-timeout",
+                                                            str(timeout))], 2)
+    try:
+        _wait_for_steps(tmp_path, 3, procs)
+        t0 = time.monotonic()
+        os.killpg(procs[1].pid, 9)
+        procs[0].wait(timeout=4 * timeout)
+        elapsed = time.monotonic() - t0
+        err = procs[0].stderr.read()
+    finally:
+        kill_all(procs)
+    assert procs[0].returncode not in (0, None)
+    assert elapsed < 2 * timeout, elapsed
+    assert "CommError" in err and "rank 1" in err and "Traceback" not in err, err[-2000:]

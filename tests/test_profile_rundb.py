@@ -149,3 +149,36 @@ def test_database_survives_sigkill_mid_run(tmp_path) -> None:
     assert data["run"]["status"] == "running" and data["run"]["ended_at"] is None
     assert all(s["dispatches"] == 7 and s["wall_ns"] > 0 for s in data["steps"])
     assert len(data["timeline"]) >= last // 5 + 1 and len(data["ops"]) >= last // 5 + 1
+
+
+def test_rank_rows_and_a_version_1_database_is_migrated(tmp_path) -> None:
+    clock = FakeClock()
+    _, _, timer = simulate_training(2, clock=clock)
+    # A database written by schema version 1 (no rank column): its rows become rank 0's.
+    con = sqlite3.connect(db_path(tmp_path))
+    con.executescript("""
+        CREATE TABLE runs (run_id INTEGER PRIMARY KEY, name TEXT, started_at REAL NOT NULL, ended_at REAL,
+            status TEXT NOT NULL, host TEXT, pid INTEGER, device TEXT, dtype TEXT, n_devices INTEGER NOT NULL DEFAULT 1,
+            peak_flops REAL, peak_label TEXT, flops_per_token REAL, hw_flops_per_token REAL, n_params INTEGER,
+            config_json TEXT);
+        INSERT INTO runs (run_id, started_at, status) VALUES (1, 0, 'finished');
+    """ + "CREATE TABLE step_timing (run_id INTEGER NOT NULL, step INTEGER NOT NULL, start_ns INTEGER NOT NULL, "
+        "wall_ns INTEGER NOT NULL, " + ", ".join(f"{p}_ns INTEGER NOT NULL" for p in ALL_PHASES) +
+        ", tokens INTEGER NOT NULL, tokens_per_s REAL, loss REAL, lr REAL, dispatches INTEGER, mfu REAL, hfu REAL, "
+        "PRIMARY KEY (run_id, step));"
+        "INSERT INTO step_timing VALUES (1, 0, 0, 10, " + ", ".join("0" for _ in ALL_PHASES) +
+        ", 5, 1.0, 2.5, 0.1, 3, NULL, NULL); PRAGMA user_version=1;")
+    con.close()
+    db = RunDB(tmp_path, n_devices=2)
+    for rec in timer.records:
+        db.log_step(rec)
+        db.log_step(rec, rank=1)
+    db.finish()
+    con = sqlite3.connect(db_path(tmp_path))
+    assert con.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    assert con.execute("SELECT rank, loss FROM step_timing WHERE run_id = 1").fetchall() == [(0, 2.5)]
+    assert con.execute("SELECT COUNT(*) FROM step_timing WHERE run_id = ? AND rank = 1",
+                       (db.run_id,)).fetchone()[0] == 2
+    con.close()
+    data = read_run(tmp_path)
+    assert len(data["steps"]) == 2 and len(data["rank_steps"]) == 4 and data["run"]["n_devices"] == 2

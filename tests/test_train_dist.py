@@ -153,3 +153,25 @@ def test_sigkill_of_one_rank_stops_the_others_with_an_error_naming_it(tmp_path):
     assert procs[0].returncode not in (0, None)
     assert elapsed < 2 * timeout, elapsed
     assert "CommError" in err and "rank 1" in err and "Traceback" not in err, err[-2000:]
+
+
+def test_ctrl_c_stops_every_rank_after_the_same_step_saves_and_exits_130(tmp_path):
+    cmd = [os.path.join(BIN, "helios-run"), "--nproc-per-node", "2", "-m", "helios.train",
+           *_train_args(tmp_path, "--steps", "100000")]
+    p = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        _wait_for_steps(tmp_path, 3, [p])
+        p.send_signal(2)
+        out, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 130, err[-2000:]
+    assert "stopped at step" in out and "Traceback" not in err
+    con = sqlite3.connect(tmp_path / "run.db")
+    steps = con.execute("SELECT MAX(step) FROM step_timing WHERE rank = 0").fetchone()[0]
+    # Both ranks logged the same last step (they agreed), and the checkpoint holds it.
+    assert con.execute("SELECT MAX(step) FROM step_timing WHERE rank = 1").fetchone()[0] == steps
+    assert con.execute("SELECT status FROM runs").fetchone()[0] == "interrupted"
+    con.close()
+    assert f"stopped at step {steps}" in out

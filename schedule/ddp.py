@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -87,24 +88,24 @@ class DistributedDataParallel(Module):
         if bucket_cap_mb <= 0:
             raise ValueError(f"DistributedDataParallel: bucket_cap_mb must be > 0, got {bucket_cap_mb}")
         self.module = module
-        object.__setattr__(self, "group", group)
-        object.__setattr__(self, "bucket_cap_bytes", int(bucket_cap_mb * (1 << 20)))
-        object.__setattr__(self, "find_unused_parameters", find_unused_parameters)
-        object.__setattr__(self, "_named", [(n, p) for n, p in module.named_parameters() if p.requires_grad])
-        object.__setattr__(self, "_sync", True)
-        object.__setattr__(self, "_buckets", [])
-        object.__setattr__(self, "_layout_key", None)
-        object.__setattr__(self, "_own_flat", {})
-        object.__setattr__(self, "_bucket_of", {})
-        object.__setattr__(self, "_next_launch", 0)
-        object.__setattr__(self, "_armed", False)
-        object.__setattr__(self, "_ready_ids", set())
-        object.__setattr__(self, "bucket_log", [])
-        object.__setattr__(self, "comm_hook", comm_hook or allreduce_hook)
+        self.group = group
+        self.bucket_cap_bytes = int(bucket_cap_mb * (1 << 20))
+        self.find_unused_parameters = find_unused_parameters
+        self._named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self._sync = True
+        self._buckets = []
+        self._layout_key = None
+        self._own_flat = {}
+        self._bucket_of = {}
+        self._next_launch = 0
+        self._armed = False
+        self._ready_ids = set()
+        self.bucket_log: deque[BucketEvent] = deque(maxlen=4096)  # the latest bucket events, for tests and tools
+        self.comm_hook = comm_hook or allreduce_hook
         # A context manager factory wrapped around the end-of-backward wait (the trainer times
         # it as its "comm" phase: the communication backward could not hide).
-        object.__setattr__(self, "wait_context", None)
-        object.__setattr__(self, "world_size", dist.get_world_size(group))
+        self.wait_context = None
+        self.world_size = dist.get_world_size(group)
         verify_same_parameters(self._named, group)
         broadcast_parameters([p for _, p in self._named] + [b for _, b in module.named_buffers()], broadcast_from, group)
         for _, p in self._named:
@@ -119,16 +120,16 @@ class DistributedDataParallel(Module):
     def no_sync(self):
         """Backward passes inside accumulate gradients locally; the next one outside reduces them all."""
         prev = self._sync
-        object.__setattr__(self, "_sync", False)
+        self._sync = False
         try:
             yield
         finally:
-            object.__setattr__(self, "_sync", prev)
+            self._sync = prev
 
     def register_comm_hook(self, hook) -> None:
         """Replace how a ready bucket is communicated: ``hook(ddp, bucket) -> Work`` (a handle with
         ``wait()``) that leaves the averaged gradients (or what the optimizer expects) in place."""
-        object.__setattr__(self, "comm_hook", hook)
+        self.comm_hook = hook
 
     @property
     def buckets(self) -> list[Bucket]:
@@ -143,9 +144,9 @@ class DistributedDataParallel(Module):
         key = tuple((id(p._grad_slot._st), p._grad_slot._off) for _, p in self._named)
         if key == self._layout_key:
             return
-        object.__setattr__(self, "_layout_key", key)
-        object.__setattr__(self, "_buckets", build_buckets(self._named, self.bucket_cap_bytes))
-        object.__setattr__(self, "_bucket_of", {id(p): b for b in self._buckets for p in b.params})
+        self._layout_key = key
+        self._buckets = build_buckets(self._named, self.bucket_cap_bytes)
+        self._bucket_of = {id(p): b for b in self._buckets for p in b.params}
 
     def _give_slots(self, dtype: dt.DType) -> None:
         """Gradients of parameters no fused optimizer packed land in one flat buffer of DDP's own."""
@@ -163,8 +164,8 @@ class DistributedDataParallel(Module):
         if not self._sync:
             return
         if not self._armed:
-            object.__setattr__(self, "_armed", True)
-            object.__setattr__(self, "_next_launch", 0)
+            self._armed = True
+            self._next_launch = 0
             self._ready_ids.clear()
             for b in self._buckets:
                 b.ready, b.work = 0, None
@@ -189,11 +190,11 @@ class DistributedDataParallel(Module):
             done, total = tape.backward_progress()
             self.bucket_log.append(BucketEvent(b.index, "launched", time.monotonic_ns(), done, total))
             b.work = self.comm_hook(self, b)
-            object.__setattr__(self, "_next_launch", self._next_launch + 1)
+            self._next_launch = self._next_launch + 1
 
     def _finish_backward(self) -> None:
         """End of backward: deal with parameters that got no gradient, then wait for every bucket."""
-        object.__setattr__(self, "_armed", False)
+        self._armed = False
         missing = [(n, p) for n, p in self._named if id(p) not in self._ready_ids]
         if missing and not self.find_unused_parameters:
             names = ", ".join(n for n, _ in missing[:10]) + (" ..." if len(missing) > 10 else "")

@@ -114,6 +114,9 @@ def _train(args) -> int:
     from helios.profile.rundb import RunDB
     from helios.profile.timers import StepTimer
     from helios.runtime import get_runtime
+    from helios.errors import CheckpointError
+    from helios.schedule import checkpoint as sharded
+    from helios.schedule import train_state
     from helios.schedule.dist_run import DistRun
 
     cfgd = dict(CONFIGS[args.config])
@@ -173,17 +176,27 @@ def _train(args) -> int:
     start_step = 0
     # A job that helios-run --max-restarts relaunched after a lost rank continues from its last checkpoint.
     restarted = int(os.environ.get("HELIOS_RESTART_COUNT") or 0) > 0
-    if restarted and not args.resume and ckpt.has_checkpoint(args.out):
+    if restarted and not args.resume and (_quiet_latest(sharded, args.out) or ckpt.has_checkpoint(args.out)):
         say(f"restart {os.environ['HELIOS_RESTART_COUNT']} of the job: resuming from the last complete checkpoint")
         args.resume = True
     if args.resume:
-        meta = ckpt.load_training_state(args.out, gpt, opt, loader)
+        found = _latest_checkpoint(sharded, args.out, say)
+        if found is not None:
+            meta = train_state.load_training(found[1], gpt, opt, loader)
+            resumed_from = found[1]
+        elif ckpt.has_checkpoint(args.out):  # a single-file checkpoint of an earlier Helios
+            meta = ckpt.load_training_state(args.out, gpt, opt, loader)
+            resumed_from = ckpt.checkpoint_path(args.out)
+        else:
+            raise CheckpointError(f"--resume: no complete checkpoint in {os.path.join(args.out, 'ckpt')}; start "
+                                  "without --resume or point --out at an earlier run")
         if meta["config"] != run_meta["config"] or meta["train"] != run_meta["train"]:
             raise SystemExit(f"helios-train: --resume with different settings than the checkpoint in {args.out}:\n"
                              f"  checkpoint: {json.dumps(meta['config'])} {json.dumps(meta['train'])}\n"
                              f"  now:        {json.dumps(run_meta['config'])} {json.dumps(run_meta['train'])}")
         start_step = int(meta["step"])
-        say(f"resumed from {ckpt.checkpoint_path(args.out)} at step {start_step}")
+        was = f" (saved by {meta['world_size']} ranks, ZeRO-{meta.get('zero', 0)})" if "world_size" in meta else ""
+        say(f"resumed from {resumed_from} at step {start_step}{was}")
 
     n_params = gpt.num_parameters()
     fpt = gpt.flops_per_token()
@@ -206,6 +219,15 @@ def _train(args) -> int:
         db = RunDB(args.out, device=dev["name"], dtype="fp32", n_devices=run.world, peak_flops=peak,
                    peak_label=peak_label, flops_per_token=fpt, n_params=n_params,
                    config={**run_meta, "steps": steps, "world_size": run.world, "zero": args.zero})
+    writer = sharded.AsyncCheckpointer(args.out, run.rank, run.world)
+
+    def save_checkpoint(at_step: int) -> str:
+        """Snapshot this rank's shard now; the background thread writes it while training goes on."""
+        shards = {**train_state.model_shards(gpt, run.rank, run.world),
+                  **train_state.optimizer_shards(gpt, opt, run.rank, run.world)}
+        writer.save(at_step, shards, train_state.training_meta(opt, loader, at_step, run_meta, run.world, args.zero))
+        return sharded.step_dir(args.out, at_step)
+
     timer = StepTimer()
     if run.active:
         model.wait_context = lambda: timer.phase("comm")
@@ -293,8 +315,7 @@ def _train(args) -> int:
             leaving = stopper.stop or (args.stop_after is not None and step - start_step >= args.stop_after and step < steps)
             if (args.ckpt_every and step % args.ckpt_every == 0) or leaving:
                 with timer.phase("checkpoint"):
-                    if run.is_main:
-                        ckpt.save_training_state(args.out, gpt, opt, loader, step, run_meta)
+                    save_checkpoint(step)
             rec = timer.end_step(step, tokens_per_step, loss=loss_val, lr=lr, dispatches=rt.dev.stats()["dispatches"] - d0)
             rows = run.gather_step(_timing_row(rec))
             mfu = compute_mfu(fpt, rec.tokens_per_s, job_peak)
@@ -319,17 +340,18 @@ def _train(args) -> int:
     finally:
         bar.close()
         stopper.restore()
+        writer.wait()  # a checkpoint being written is finished, also when training failed
         if prof is not None and sys.exc_info()[0] is None:
             _finish_profile(prof, args, db, step, run)
     if exit_code:
-        say(f"stopped at step {step}; checkpoint saved in {ckpt.checkpoint_path(args.out)} (continue with --resume)")
+        say(f"stopped at step {step}; checkpoint saved in {sharded.step_dir(args.out, step)} (continue with --resume)")
         if db is not None:
             db.finish(status="interrupted")
         run.close()
         return 130 if exit_code == 130 else 0
-    if run.is_main:
-        ckpt.save_training_state(args.out, gpt, opt, loader, step, run_meta)
+    final_ckpt = save_checkpoint(step)
     val_loss = evaluate()
+    writer.wait()
     wall = time.monotonic() - t_start
     if run.is_main:
         sample = _sample(gpt, ds.tokenizer, T, args.sample_tokens, step)
@@ -338,11 +360,31 @@ def _train(args) -> int:
         summary = {"steps": step, "wall_s": round(wall, 1), "final_train_loss": round(last.get("loss", float('nan')), 4),
                    "final_val_loss": round(val_loss, 4), "unigram_entropy": round(summ["unigram_entropy_nats"], 4),
                    "tok_per_s": round(last.get("tok_s") or 0, 1), "mfu": format_mfu(last.get("mfu")),
-                   "world_size": run.world, "checkpoint": ckpt.checkpoint_path(args.out), "run_db": db.path}
+                   "world_size": run.world, "checkpoint": final_ckpt, "run_db": db.path}
         print(json.dumps(summary))
         db.finish(status="finished")
     run.close()
     return 0
+
+
+def _latest_checkpoint(sharded, run_dir: str, say):
+    """The newest complete sharded checkpoint; a newer unusable one is reported in one line."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        found = sharded.latest_complete(run_dir)
+    for w in caught:
+        say(f"helios-train: warning: {w.message}", file=sys.stderr)
+    return found
+
+
+def _quiet_latest(sharded, run_dir: str):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return sharded.latest_complete(run_dir)
 
 
 def _quiet(*args, **kwargs) -> None:

@@ -78,14 +78,15 @@ def test_corrupt_checkpoint_is_refused_and_left_untouched(corpus, tmp_path):
     out = tmp_path / "c"
     r = run(BASE + ["--steps", "2", "--data", corpus, "--out", str(out)], tmp_path)
     assert r.returncode == 0, r.stderr
-    ck = out / "ckpt.helios"
+    ck = out / "ckpt" / "step-00000002" / "shard-00000-of-00001.helios"
     data = bytearray(ck.read_bytes())
     data[len(data) // 2] ^= 0x40
     ck.write_bytes(bytes(data))
     before = hashlib.sha256(ck.read_bytes()).hexdigest()
     r = run(BASE + ["--steps", "4", "--data", corpus, "--out", str(out), "--resume"], tmp_path)
     assert r.returncode == 1
-    assert "CheckpointError" in r.stderr and "ckpt.helios" in r.stderr
+    # The damaged shard is named (a warning), nothing complete is left to resume from, and the file is untouched.
+    assert "shard-00000-of-00001.helios" in r.stderr and "CheckpointError" in r.stderr and "Traceback" not in r.stderr
     assert hashlib.sha256(ck.read_bytes()).hexdigest() == before
 
 
@@ -105,9 +106,9 @@ def test_ctrl_c_finishes_step_saves_and_exits_130(corpus, tmp_path):
     finally:
         p.kill()
     assert p.returncode == 130, stderr
-    assert (out / "ckpt.helios").exists()
     saved_step = int(stdout.split("stopped at step ")[1].split(";")[0])
     assert saved_step == max(losses(out))
+    assert (out / "ckpt" / f"step-{saved_step:08d}" / "metadata.json").exists()
 
 
 def test_run_database_survives_sigkill_of_training(corpus, tmp_path):

@@ -1,0 +1,121 @@
+"""The training state helios-train checkpoints, as sharded tensors (see schedule/checkpoint.py).
+
+Tensors, named by parameter (so a checkpoint does not depend on how parameters are
+grouped or sharded when it is read):
+
+    model.<parameter name>              the parameter
+    optim.exp_avg.<parameter name>      AdamW's first moment
+    optim.exp_avg_sq.<parameter name>   AdamW's second moment
+
+Replicated state (parameters, and the moments under plain data parallel) is split evenly
+over the ranks for writing, so every rank writes its share in parallel; an optimizer that
+shards its moments (ZeRO) writes the ranges it holds.  Loading asks for the ranges the
+loading run needs, whatever world size or ZeRO stage wrote them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from helios import random as hrandom
+from helios.errors import CheckpointError
+from helios.schedule import checkpoint as C
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def _dtype_name(t) -> str:
+    return "bfloat16" if t.dtype.name == "bfloat16" else t.dtype.np_storage.name
+
+
+def model_shards(gpt, rank: int, world: int) -> dict[str, C.ShardedArray]:
+    """This rank's even share of every parameter (parameters are replicated on every rank)."""
+    out = {}
+    for name, p in gpt.named_parameters():
+        n = p.numel()
+        lo, hi = C.even_range(n, rank, world)
+        data = _raw(p)[lo:hi]
+        out[f"model.{name}"] = C.ShardedArray(p.shape, _dtype_name(p), lo, hi, data)
+    return out
+
+
+def _raw(t) -> np.ndarray:
+    """A tensor's stored elements, flat (bfloat16 as its uint16 bits)."""
+    from helios import _kernels as K
+
+    src = t if t.is_contiguous() else K.copy(t)
+    out = np.empty(t.numel(), t.dtype.np_storage)
+    if out.size:
+        src._st.rt.dev.read(src._st.handle, src._off * t.dtype.itemsize, out.view(np.uint8))
+    return out
+
+
+def optimizer_shards(gpt, opt, rank: int, world: int) -> dict[str, C.ShardedArray]:
+    """The optimizer's moments: the ranges this rank holds (ZeRO) or its even share (replicated)."""
+    names = {id(p): n for n, p in gpt.named_parameters()}
+    if hasattr(opt, "moment_shards"):  # a sharded optimizer says what it holds
+        return {f"optim.{m}.{names[id(p)]}": C.ShardedArray(p.shape, "float32", lo, hi, data)
+                for p, m, lo, hi, data in opt.moment_shards()}
+    out = {}
+    for fg in opt.flat:
+        flat = [fg.moments[j].numpy() for j in range(2)]
+        for p, off in zip(fg.params, fg.offsets):
+            n = p.numel()
+            lo, hi = C.even_range(n, rank, world)
+            for j, m in enumerate(MOMENTS):
+                out[f"optim.{m}.{names[id(p)]}"] = C.ShardedArray(p.shape, "float32", lo, hi,
+                                                                  flat[j][off + lo: off + hi])
+    return out
+
+
+def training_meta(opt, loader, step: int, run_meta: dict, world: int, zero: int) -> dict:
+    """What a resumed run needs besides tensors (JSON)."""
+    return {**run_meta, "step": step, "optimizer": {"step": opt.step_count, "groups": opt._hyper()},
+            "rng": hrandom.get_rng_state(), "loader": loader.state_dict(), "world_size": world, "zero": zero}
+
+
+def check_same_model(ckpt_dir: str, gpt) -> None:
+    """CheckpointError naming the first parameter whose name or shape differs from the checkpoint's."""
+    saved = {n[len("model."):]: tuple(s) for n, (s, _) in C.global_shapes(ckpt_dir).items() if n.startswith("model.")}
+    mine = {n: tuple(p.shape) for n, p in gpt.named_parameters()}
+    for n in list(mine) + [k for k in saved if k not in mine]:
+        if saved.get(n) != mine.get(n):
+            raise CheckpointError(
+                f"--resume: {ckpt_dir} holds another model: parameter {n!r} is "
+                f"{'absent' if n not in saved else saved[n]} there and {'absent' if n not in mine else mine[n]} here; "
+                "point --out at a run of this model or drop --resume")
+
+
+def load_training(ckpt_dir: str, gpt, opt, loader) -> dict:
+    """Restore parameters, moments, RNG and loader position from a sharded checkpoint; returns its meta."""
+    from helios import _kernels as K
+    from helios.autograd.tape import no_grad
+
+    check_same_model(ckpt_dir, gpt)
+    named = list(gpt.named_parameters())
+    wanted = {f"model.{n}": (0, p.numel()) for n, p in named}
+    ranges = opt.moment_ranges() if hasattr(opt, "moment_ranges") else {id(p): (0, p.numel()) for _, p in named}
+    for n, p in named:
+        lo, hi = ranges[id(p)]
+        for m in MOMENTS:
+            wanted[f"optim.{m}.{n}"] = (lo, hi)
+    arrays, meta = C.load(ckpt_dir, wanted)
+    with no_grad():
+        for n, p in named:
+            K.copy_into(p, K.from_numpy(arrays[f"model.{n}"].reshape(p.shape), p.dtype, p._st.rt))
+            p._st.version += 1
+    moments = {id(p): [arrays[f"optim.{m}.{n}"] for m in MOMENTS] for n, p in named}
+    if hasattr(opt, "load_moment_shards"):
+        opt.load_moment_shards(moments)
+    else:
+        for fg in opt.flat:
+            for j in range(2):
+                host = np.concatenate([moments[id(p)][j] for p in fg.params]) if fg.params else np.empty(0, np.float32)
+                K.copy_into(fg.moments[j], K.from_numpy(host.astype(np.float32), fg.moments[j].dtype, fg.p._st.rt))
+    o = meta["optimizer"]
+    opt.step_count = int(o["step"])
+    for g, h in zip(opt.param_groups, o["groups"]):
+        g.update({k: (tuple(v) if k == "betas" else v) for k, v in h.items()})
+    hrandom.set_rng_state(meta["rng"])
+    loader.load_state_dict(meta["loader"])
+    return meta

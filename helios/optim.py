@@ -24,6 +24,21 @@ from helios.tensor import Tensor
 _P_ADAMW = struct.Struct("<4I8f")
 
 
+def adamw_constants(group: dict, step: int) -> tuple:
+    """The eight float push constants of the ``adamw`` kernel for ``group`` at ``step`` (1-based):
+    lr, beta1, beta2, eps, weight decay, lr / (1 - beta1^t), sqrt(1 - beta2^t), 0."""
+    b1, b2 = group["betas"]
+    lr = group["lr"]
+    return (lr, b1, b2, group["eps"], group["weight_decay"], lr / (1 - b1 ** step), math.sqrt(1 - b2 ** step), 0.0)
+
+
+def adamw_push(n: int, off: int, consts: tuple) -> bytes:
+    """The push-constant block of one ``adamw`` dispatch: elements [off, off + n) of each of its four
+    bindings (parameters, gradients, first and second moments), which may each be bound at their own
+    offset (a sharded optimizer binds shard-sized moments beside full-size parameters)."""
+    return _P_ADAMW.pack(n, off, 0, 0, *consts)
+
+
 def _param_groups(params, defaults: dict) -> list[dict]:
     params = list(params)
     if not params:
@@ -114,9 +129,7 @@ class AdamW(Optimizer):
         self.step_count += 1
         t = self.step_count
         for g, fg in zip(self.param_groups, self.flat):
-            b1, b2 = g["betas"]
-            lr = g["lr"]
-            consts = (lr, b1, b2, g["eps"], g["weight_decay"], lr / (1 - b1 ** t), math.sqrt(1 - b2 ** t), 0.0)
+            consts = adamw_constants(g, t)
             rt = fg.p._st.rt
             pid = rt.pipeline("adamw", "default")
             if fg.grads_complete():
@@ -129,7 +142,7 @@ class AdamW(Optimizer):
             bufs = [K.bind(fg.p, True)[0], K.bind(fg.g)[0], K.bind(fg.moments[0], True)[0], K.bind(fg.moments[1], True)[0]]
             for off, n in ranges:
                 if n:
-                    rt.dispatch(pid, bufs, _P_ADAMW.pack(n, off, 0, 0, *consts), K.grid(n), "adamw", 10 * n, 16 * n)
+                    rt.dispatch(pid, bufs, adamw_push(n, off, consts), K.grid(n), "adamw", 10 * n, 16 * n)
             fg.p._st.version += 1
 
     def state_dict(self) -> dict:

@@ -1,0 +1,1076 @@
+"""ZeRO for data parallel with AdamW in float32: shard the optimizer state (stage 1), the
+gradients too (stage 2) and the parameters too (stage 3) over the data-parallel ranks.
+
+    from helios.schedule.ddp import DistributedDataParallel
+    from helios.schedule.zero import ZeroAdamW, memory_report
+
+    model = DistributedDataParallel(GPT(cfg), bucket_cap_mb=25)   # before the optimizer, as always
+    gpt = model.module
+    decay = [p for p in gpt.parameters() if p.ndim >= 2]
+    other = [p for p in gpt.parameters() if p.ndim < 2]
+    opt = ZeroAdamW(model, [{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
+                    stage=2, lr=3e-4, betas=(0.9, 0.95), eps=1e-8)
+    for step, (x, y) in enumerate(batches):
+        _, loss = model(x, y)
+        loss.backward()                  # stage 2/3: each bucket is reduce-scattered as soon as it is complete
+        norm = opt.clip_grad_norm_(1.0)  # the global norm: this rank's shard squared and summed, all-reduced
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step)
+        opt.step()                       # this rank's shard only; stages 1-2 then all-gather the parameters
+        opt.zero_grad()
+
+``ZeroAdamW(model, params=None, stage=1, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
+weight_decay=1e-2, staging_limit_mb=None)`` takes the ``DistributedDataParallel`` model (built
+first, so every rank starts from rank 0's parameters) and, like ``helios.optim.AdamW``, a list of parameters or of parameter groups
+(dicts with ``"params"`` and any hyper-parameter); ``None`` means every trainable parameter
+in one group.  The groups must hold every trainable parameter of the model exactly once (DDP
+reduces them all), all float32 and contiguous; build the optimizer before the first forward
+pass.  ``param_groups`` is the usual list of dicts: set ``g["lr"]`` between steps.  The
+update is the ``adamw`` kernel of ``helios.optim.AdamW``, element for element, so N ranks at
+any stage give one rank's losses and parameters to float tolerance.  ``staging_limit_mb``
+(stages 2-3, default twice the DDP bucket size) bounds the gradient staging buffers: the host
+records backward far ahead of the device, so before staging one more segment beyond the limit
+backward waits for the oldest reduction in flight.
+
+Methods: ``step()``; ``zero_grad(set_to_none=True)`` (gradients are always dropped: a shard
+is overwritten by the next reduction); ``clip_grad_norm_(max_norm) -> Tensor`` (the global L2
+norm as a device scalar, gradients scaled by ``min(1, max_norm / (norm + 1e-6))`` as
+``helios.optim.clip_grad_norm_`` does; call it instead of that function, which cannot see a
+sharded gradient); ``full_parameters() -> {name: ndarray}`` (every rank must call it at stage
+3: it gathers); ``shard_ranges()``, ``state_dict()`` and ``load_shard_state(sd)`` (below);
+``memory_report()``; ``expected_memory()`` (the formula's bytes per category at the padded
+Psi); ``moment_ranges()``, ``moment_shards()`` and ``load_moment_shards()`` (the moments by
+parameter, as helios-train's checkpoint code reads and writes them).
+
+``ZeroDataParallel(module, stage, params, lr=..., bucket_cap_mb=25, ...)`` is the DDP model and
+its ``ZeroAdamW`` in one object (a ``DistributedDataParallel`` whose optimizer methods are the
+ZeroAdamW's), for a trainer that holds one object as both.
+
+Layout
+------
+Each parameter group is cut into *segments*: stage 1, one segment per group; stage 2, runs
+of parameters of at most the DDP bucket size, taken in reverse registration order as DDP
+cuts its buckets; stage 3, the parameters of one *unit* (a top-level child module of the
+model, the children of a ``ModuleList`` such as GPT's ``h`` being units themselves;
+parameters outside every unit form a root unit) that belong to the group.  A segment of L
+elements is padded to N*c elements, c a multiple of the device's storage-offset alignment
+(4 floats on lavapipe), and rank r owns its chunk [r*c, (r+1)*c).  Each rank keeps, per
+group, shard buffers with the chunks of every segment one after the other: the two AdamW
+moments (stages 1-3), the reduced gradients (stages 2-3) and the parameters (stage 3).
+The update binds parameters, gradients and moments each at their own aligned offset, so
+one ``adamw`` dispatch updates one chunk in place.
+
+- Stage 1: parameters and gradients stay in full flat buffers (the segment layout,
+  padding zero); DDP all-reduces the gradient buckets as usual.  ``step`` updates this
+  rank's chunk and all-gathers each segment's parameters.
+- Stage 2: a parameter's gradient slot is a view of its segment's staging buffer, which
+  is allocated when the first gradient of the segment lands and freed as soon as the
+  segment is reduce-scattered (the comm hook this optimizer installs in DDP) into the
+  shard-sized gradient buffer: the full flat gradient buffer never exists, only the
+  staging buffers of the segments between their first gradient and their reduction.
+  After backward ``p.grad`` is ``None``; the reduced gradients are in the shard.  Inside
+  ``no_sync()`` the staging buffers are kept (they hold the local sum) until the next
+  synchronised backward reduces them.
+- Stage 3: also the parameters live in shards; a unit's full parameters are all-gathered
+  into a buffer of their own just before its forward (the next unit's gather is issued
+  asynchronously at the same time), freed after its forward, gathered again when backward
+  reaches the unit's output (prefetching the unit before it) and freed once the unit's
+  gradients are complete.  The order is the forward order of the first step.  A parameter
+  read outside its unit while it is not gathered (GPT's tied output embedding) is gathered
+  on the spot during a forward or backward pass and kept until the end of backward;
+  anywhere else that read raises (use ``full_parameters()``, on every rank).
+
+Bytes per rank (Psi trainable float32 parameters, N ranks; the weights pool holds exactly
+these buffers, the transient ones live in the activations pool)::
+
+    stage   params    grads     moments   transient
+    1       4 Psi     4 Psi     8 Psi/N   -
+    2       4 Psi     4 Psi/N   8 Psi/N   staging of the segments being reduced
+    3       4 Psi/N   4 Psi/N   8 Psi/N   the gathered units (the largest block, its prefetched neighbour)
+
+Psi is rounded up per segment to N*c; ``memory_report()`` gives the formula at Psi and at
+the padded size, the bytes asked of the pool and the bytes the pool holds for them (its
+size classes round up), measured from ``rt.dev.pool_stats()``.
+
+State dict (sharded)
+--------------------
+``state_dict()`` returns::
+
+    {"stage": int, "world_size": N, "rank": r, "step": int,
+     "param_groups": [{"lr", "betas", "eps", "weight_decay", "params": [parameter names]}, ...],
+     "tensors": {KEY: {"shape": global shape (tuple), "dtype": "float32",
+                       "start": int, "stop": int, "data": float32 ndarray of shape (stop - start,)}}}
+
+KEY is ``"param." + name``, ``"exp_avg." + name`` or ``"exp_avg_sq." + name`` for each
+trainable parameter (names as ``model.module.named_parameters()`` gives them) and [start,
+stop) is the range of the flattened (row-major) global tensor this rank owns; the ranges of
+the N ranks partition each tensor (a rank's range may be empty).  ``shard_ranges()`` gives
+``{KEY: (shape, start, stop)}`` for this rank without reading any data, so a loader of a
+checkpoint written at another world size or stage reads just those ranges and calls
+``load_shard_state({"step": int, "param_groups": [...] (optional), "tensors": {KEY: ndarray or
+{"data": ndarray}}})`` on every rank (it is collective: stages 1-2 all-gather the loaded
+parameters).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+import helios.comm as dist
+import helios.functional as F
+from helios import _kernels as K
+from helios import dtypes as dt
+from helios.autograd import tape
+from helios.autograd.tape import Function, no_grad
+from helios.errors import CheckpointError, HeliosError
+from helios.nn import Module, ModuleList
+from helios.optim import Optimizer, adamw_constants, adamw_push
+from helios.schedule.ddp import DistributedDataParallel
+from helios.tensor import Storage, Tensor
+
+_F32 = dt.float32
+
+
+# ---- storage allocated on demand ---------------------------------------------------------------
+class _LazyStorage(Storage):
+    """A storage whose device memory exists only between ``materialize()`` and ``release()``.
+
+    Tensors viewing it keep their identity while the memory comes and goes (a gradient slot,
+    a sharded parameter).  Touching ``handle`` while released calls ``on_demand(self)``, which
+    must materialize it (or raise)."""
+
+    __slots__ = ("_h", "pool", "on_demand", "owner")
+
+    def __init__(self, rt, nbytes: int, pool: str, on_demand, owner) -> None:
+        self.rt, self.nbytes, self.version = rt, nbytes, 0
+        self._h = None
+        self.pool, self.on_demand, self.owner = pool, on_demand, owner
+
+    @property
+    def handle(self) -> int:
+        if self._h is None:
+            self.on_demand(self)
+            if self._h is None:
+                raise HeliosError("a sharded buffer was used while it was not materialized")
+        return self._h
+
+    @property
+    def materialized(self) -> bool:
+        return self._h is not None
+
+    def materialize(self) -> int:
+        """Allocate the memory (uninitialised) if it is not there; the pool bytes it took (0 if it was there)."""
+        if self._h is not None:
+            return 0
+        before = _pool_in_use(self.rt, self.pool)
+        self._h = self.rt.alloc(self.nbytes, self.pool)
+        return _pool_in_use(self.rt, self.pool) - before
+
+    def release(self) -> int:
+        """Free the memory (reused once the work recorded so far is done); the pool bytes given back."""
+        if self._h is None:
+            return 0
+        before = _pool_in_use(self.rt, self.pool)
+        h, self._h = self._h, None
+        self.rt.free(h)
+        return before - _pool_in_use(self.rt, self.pool)
+
+    def __del__(self):
+        try:
+            if self._h is not None:
+                self.rt.free(self._h)
+                self._h = None
+        except Exception:  # interpreter exit: the device may already be closed
+            pass
+
+
+def _pool_in_use(rt, pool: str) -> int:
+    return int(rt.dev.pool_stats()[pool]["in_use_bytes"])
+
+
+def _view(st: Storage, off: int, n: int) -> Tensor:
+    return Tensor(st, (n,), (1,), off, _F32)
+
+
+def _cstrides(shape: tuple) -> tuple:
+    from helios._shape import contiguous_strides
+
+    return contiguous_strides(shape)
+
+
+# ---- layout --------------------------------------------------------------------------------------
+@dataclass
+class _Segment:
+    """Parameters of one group laid out contiguously, padded to N chunks of c elements."""
+
+    gi: int
+    params: list
+    rel: list  # offset of each parameter inside the segment
+    numel: int  # L: elements of the parameters
+    c: int  # chunk per rank
+    so: int = 0  # offset of this segment's chunk in the group's shard buffers
+    po: int = 0  # offset of the segment in its full parameter storage
+    go: int = 0  # offset of the segment in its full gradient storage (stage 1: the group's; else its own staging)
+    unit: object = None  # stage 3: the _Unit it belongs to
+    pfull: Storage = None  # storage of the full parameters (the group's flat buffer, or lazy at stage 3)
+    gfull: Storage = None  # storage of the full gradients (the group's flat buffer at stage 1, else lazy staging)
+    # runtime
+    launched: int = 0  # DDP buckets of this segment handed to the comm hook in this backward
+    has_grad: bool = False  # the shard holds reduced gradients not yet consumed by zero_grad
+    staged_bytes: int = 0
+
+
+@dataclass
+class _Group:
+    segs: list
+    full_n: int = 0  # elements of the full flat buffers (sum of N*c)
+    shard_n: int = 0  # elements of the shard buffers (sum of c)
+    pflat: Tensor = None  # stages 1-2: full parameters
+    gflat: Tensor = None  # stage 1: full gradients
+    pshard: Tensor = None  # stage 3
+    gshard: Tensor = None  # stages 2-3
+    m: Tensor = None
+    v: Tensor = None
+
+
+@dataclass
+class _Unit:
+    """Stage 3: a top-level child module whose parameters are gathered together."""
+
+    index: int
+    name: str
+    module: Module | None
+    segs: list = field(default_factory=list)
+    n_params: int = 0
+    state: str = "released"  # released | pending | gathered
+    pending: list = field(default_factory=list)  # (work, storage, version before) of a gather in flight
+    arrived: int = 0  # gradients complete in this backward
+    bytes: int = 0  # pool bytes of its gathered parameters
+
+
+class _DoneWork:
+    """The Work of a DDP bucket that only completes part of a segment: nothing to wait for."""
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+class _SegmentWork:
+    """The reduce-scatter of one segment's gradients: ``wait()`` also frees its staging buffer."""
+
+    def __init__(self, opt: "ZeroAdamW", seg: _Segment, work, temp: Tensor | None) -> None:
+        self.opt, self.seg, self.work, self.temp = opt, seg, work, temp
+        self.done = False
+
+    def is_completed(self) -> bool:
+        return self.done or self.work.is_completed()
+
+    def wait(self, timeout=None) -> bool:
+        if not self.done:
+            self.opt._finish_reduce(self)
+        return True
+
+
+class _PreBackward(Function):
+    """Identity on a unit's output; its backward (run before any of the unit's own) gathers the unit."""
+
+    @staticmethod
+    def forward(ctx, x, opt, unit):
+        ctx.opt, ctx.unit = opt, unit
+        return Tensor(x._st, x.shape, x._strides, x._off, x.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.opt._pre_backward(ctx.unit)
+        return g, None, None
+
+
+# ---- the optimizer -------------------------------------------------------------------------------
+class ZeroAdamW(Optimizer):
+    """AdamW whose state (stage 1), gradients (stage 2) and parameters (stage 3) are sharded
+    over the ranks of a ``DistributedDataParallel`` model; see the module docstring."""
+
+    def __init__(self, model: DistributedDataParallel, params=None, stage: int = 1, lr: float = 1e-3,
+                 betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
+                 staging_limit_mb: float | None = None):
+        if not isinstance(model, DistributedDataParallel):
+            raise TypeError(f"ZeroAdamW shards over the ranks of a DistributedDataParallel model, got "
+                            f"{type(model).__name__}: wrap the model first")
+        if stage not in (1, 2, 3):
+            raise ValueError(f"ZeroAdamW: stage must be 1, 2 or 3, got {stage!r} (stage 0 is plain AdamW)")
+        if lr < 0 or eps < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1) or weight_decay < 0:
+            raise ValueError(f"ZeroAdamW: invalid hyper-parameters lr={lr}, betas={betas}, eps={eps}, "
+                             f"weight_decay={weight_decay}")
+        named = [(n, p) for n, p in model.module.named_parameters() if p.requires_grad]
+        if params is None:
+            params = [p for _, p in named]
+        super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
+        self.ddp, self.stage, self.pg = model, stage, model.group
+        self.world = dist.get_world_size(self.pg)
+        self.rank = dist.get_rank(self.pg)
+        self._name = {id(p): n for n, p in named}
+        self._check_params(named)
+        if getattr(model, "_own_flat", None):
+            raise RuntimeError("ZeroAdamW: the model already ran a forward pass with gradient buffers of its own; "
+                               "build the optimizer right after wrapping the model")
+        p0 = self.param_groups[0]["params"][0]
+        self.rt = p0._st.rt
+        self._q = max(1, int(self.rt.info["limits"]["min_storage_buffer_offset_alignment"]) // 4)
+        self._bytes = {k: {"requested": 0, "pool": 0, "buffers": []} for k in ("params", "grads", "moments")}
+        self._transient = {k: {"now": 0, "peak": 0} for k in ("grad_staging", "gathered_params")}
+        self._inflight: list[_SegmentWork] = []
+        self.units: list[_Unit] = []
+        self._fwd_depth = 0
+        self._fwd_order: list[_Unit] = []
+        self._recording: list[_Unit] | None = None
+        self._armed = False
+        with no_grad():
+            self.groups = [self._build_group(gi, g["params"]) for gi, g in enumerate(self.param_groups)]
+        self._seg_of_storage = {id(s.gfull): s for g in self.groups for s in g.segs}
+        largest = max(s.c * self.world * 4 for g in self.groups for s in g.segs)
+        self.staging_limit = (max(2 * model.bucket_cap_bytes, largest) if staging_limit_mb is None
+                              else int(staging_limit_mb * (1 << 20)))
+        if stage >= 2:
+            model.register_comm_hook(self._comm_hook)
+        if stage == 3:
+            for _, p in named:
+                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+            self._wrap_forwards()
+
+    # ---- construction ------------------------------------------------------------------------
+    def _check_params(self, named: list) -> None:
+        seen: dict[int, int] = {}
+        for g in self.param_groups:
+            for p in g["params"]:
+                if id(p) not in self._name:
+                    raise ValueError("ZeroAdamW: a parameter in the groups is not a trainable parameter of the model")
+                if id(p) in seen:
+                    raise ValueError(f"ZeroAdamW: parameter {self._name[id(p)]} appears in more than one group")
+                if p.dtype is not _F32:
+                    raise ValueError(f"ZeroAdamW takes float32 parameters; {self._name[id(p)]} is {p.dtype.name}")
+                if not p.is_contiguous():
+                    raise ValueError(f"ZeroAdamW: parameter {self._name[id(p)]} is not contiguous")
+                seen[id(p)] = 1
+        missing = [n for n, p in named if id(p) not in seen]
+        if missing:
+            raise ValueError(f"ZeroAdamW: the groups leave out {len(missing)} trainable parameter(s) of the model "
+                             f"({', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}); DDP reduces every "
+                             "trainable parameter, so the optimizer must own them all")
+
+    def _chunk(self, n: int) -> int:
+        per = self._q * self.world
+        return (n + per - 1) // per * self._q
+
+    def _segments_of(self, gi: int, params: list) -> list[_Segment]:
+        if self.stage == 1:
+            runs = [params]
+        elif self.stage == 2:
+            cap = self.ddp.bucket_cap_bytes
+            runs, cur, size = [], [], 0
+            for p in reversed(params):  # DDP's rule: reverse registration order, at most cap bytes
+                nb = p.numel() * 4
+                if cur and size + nb > cap:
+                    runs.append(cur[::-1])
+                    cur, size = [], 0
+                cur.append(p)
+                size += nb
+            if cur:
+                runs.append(cur[::-1])
+            runs.reverse()
+        else:
+            if not self.units:
+                self._find_units()
+            unit_of = self._unit_of
+            runs = []
+            for u in self.units:
+                mine = [p for p in params if unit_of[id(p)] is u]
+                if mine:
+                    runs.append(mine)
+        segs = []
+        for run in runs:
+            rel, n = [], 0
+            for p in run:
+                rel.append(n)
+                n += p.numel()
+            s = _Segment(gi, run, rel, n, self._chunk(n))
+            if self.stage == 3:
+                s.unit = unit_of[id(run[0])]
+                s.unit.segs.append(s)
+            segs.append(s)
+        return segs
+
+    def _find_units(self) -> None:
+        """Top-level children of the model (a ModuleList's children each), then a root unit."""
+        root = self.ddp.module
+        mods: list = []
+
+        def visit(prefix: str, m: Module) -> None:
+            for name, child in m._modules.items():
+                full = f"{prefix}.{name}" if prefix else name
+                if isinstance(child, ModuleList):
+                    visit(full, child)
+                else:
+                    mods.append((full, child))
+
+        visit("", root)
+        self._unit_of: dict[int, _Unit] = {}
+        trainable = set(self._name)
+        for name, m in mods:
+            ps = [p for _, p in m.named_parameters() if id(p) in trainable and id(p) not in self._unit_of]
+            if ps:
+                u = _Unit(len(self.units), name, m, n_params=len(ps))
+                self.units.append(u)
+                for p in ps:
+                    self._unit_of[id(p)] = u
+        rest = [p for _, p in root.named_parameters() if id(p) in trainable and id(p) not in self._unit_of]
+        if rest:
+            u = _Unit(len(self.units), "", None, n_params=len(rest))
+            self.units.append(u)
+            for p in rest:
+                self._unit_of[id(p)] = u
+
+    def _persist(self, category: str, n: int) -> Tensor:
+        """A zero-filled float32 buffer of n elements in the weights pool, counted under ``category``."""
+        before = _pool_in_use(self.rt, "weights")
+        t = K.fill(K.empty((n,), _F32, self.rt, pool="weights"), 0)
+        got = _pool_in_use(self.rt, "weights") - before
+        b = self._bytes[category]
+        b["requested"] += n * 4
+        b["pool"] += got
+        b["buffers"].append(n * 4)
+        return t
+
+    def _build_group(self, gi: int, params: list) -> _Group:
+        N, r, st3 = self.world, self.rank, self.stage == 3
+        segs = self._segments_of(gi, params)
+        g = _Group(segs)
+        for s in segs:
+            s.so, s.po = g.shard_n, (0 if st3 else g.full_n)
+            g.shard_n += s.c
+            g.full_n += N * s.c
+        if self.stage <= 2:
+            g.pflat = self._persist("params", g.full_n)
+        if self.stage == 1:
+            g.gflat = self._persist("grads", g.full_n)
+        else:
+            g.gshard = self._persist("grads", g.shard_n)
+        if st3:
+            g.pshard = self._persist("params", g.shard_n)
+        g.m = self._persist("moments", g.shard_n)
+        g.v = self._persist("moments", g.shard_n)
+        for s in segs:
+            if st3:
+                s.pfull = _LazyStorage(self.rt, N * s.c * 4, "activations", self._gather_on_demand, s)
+                for p, a in zip(s.params, s.rel):  # this rank's chunk of the current values
+                    lo, hi = max(a, r * s.c), min(a + p.numel(), (r + 1) * s.c)
+                    if lo < hi:
+                        K.copy_into(_view(g.pshard._st, s.so + lo - r * s.c, hi - lo),
+                                    _view(p._st, p._off + lo - a, hi - lo))
+            else:
+                s.pfull = g.pflat._st
+                for p, a in zip(s.params, s.rel):
+                    K.copy_into(Tensor(s.pfull, p.shape, _cstrides(p.shape), s.po + a, _F32), p)
+            if self.stage == 1:
+                s.gfull, s.go = g.gflat._st, s.po
+            else:
+                s.gfull = _LazyStorage(self.rt, N * s.c * 4, "activations", self._stage_on_demand, s)
+            for p, a in zip(s.params, s.rel):
+                p._st, p._off, p._strides, p._host = s.pfull, s.po + a, _cstrides(p.shape), None
+                p._grad_slot = Tensor(s.gfull, p.shape, _cstrides(p.shape), s.go + a, _F32)
+                p.grad = None
+        return g
+
+    # ---- stage 2/3 gradients -------------------------------------------------------------------
+    def _stage_on_demand(self, st: _LazyStorage) -> None:
+        """The first gradient of a segment lands: give it a staging buffer (its padding zeroed)."""
+        s = st.owner
+        # The host records backward far ahead of the device: bound the staging it allocates by
+        # waiting for the oldest reduction in flight (the same order on every rank: no deadlock).
+        while self._inflight and self._transient["grad_staging"]["now"] + st.nbytes > self.staging_limit:
+            self._inflight[0].wait()
+        got = st.materialize()
+        s.staged_bytes = got
+        self._count("grad_staging", got)
+        if s.c * self.world > s.numel:
+            K.fill(_view(st, s.numel, s.c * self.world - s.numel), 0)
+
+    def _count(self, kind: str, delta: int) -> None:
+        t = self._transient[kind]
+        t["now"] += delta
+        t["peak"] = max(t["peak"], t["now"])
+
+    def _buckets_per_segment(self, ddp: DistributedDataParallel) -> dict:
+        counts: dict[int, int] = {}
+        for b in ddp.buckets:
+            counts[b.storage_key] = counts.get(b.storage_key, 0) + 1
+        return counts
+
+    def _comm_hook(self, ddp: DistributedDataParallel, bucket):
+        """DDP hands over a complete bucket; once all buckets of a segment are in, reduce-scatter it."""
+        s = self._seg_of_storage.get(bucket.storage_key)
+        if s is None:
+            raise RuntimeError("ZeroAdamW: DDP handed over a gradient bucket outside the optimizer's buffers")
+        s.launched += 1
+        if s.launched < self._buckets_per_segment(ddp)[bucket.storage_key]:
+            return _DoneWork()
+        s.launched = 0
+        self._reap()
+        g = self.groups[s.gi]
+        temp = None
+        out = _view(g.gshard._st, s.so, s.c)
+        if s.has_grad:  # gradients are accumulating over backward passes: reduce beside, then add
+            temp = K.empty((s.c,), _F32, self.rt)
+            out = temp
+        st = s.gfull
+        if not st.materialized:  # no gradient at all reached it (cannot happen under DDP, which fills them)
+            self._stage_on_demand(st)
+        work = dist.reduce_scatter(out, _view(st, 0, s.c * self.world), op="avg", group=self.pg, async_op=True)
+        sw = _SegmentWork(self, s, work, temp)
+        self._inflight.append(sw)
+        return sw
+
+    def _reap(self) -> None:
+        """Finish the reductions that are already done (frees their staging buffers early)."""
+        while self._inflight and self._inflight[0].is_completed():
+            self._inflight[0].wait()
+
+    def _finish_reduce(self, sw: _SegmentWork) -> None:
+        sw.work.wait()
+        s = sw.seg
+        if sw.temp is not None:
+            K.binary_("add", _view(self.groups[s.gi].gshard._st, s.so, s.c), sw.temp)
+        s.has_grad = True
+        for p in s.params:  # the full-size gradient is gone: its reduced shard is what is left
+            p.grad = None
+        self._drop_staging(s)
+        sw.done = True
+        if sw in self._inflight:
+            self._inflight.remove(sw)
+
+    def _drop_staging(self, s: _Segment) -> None:
+        if isinstance(s.gfull, _LazyStorage) and s.gfull.materialized:
+            self._count("grad_staging", -s.gfull.release())
+
+    # ---- stage 3 parameters --------------------------------------------------------------------
+    def _wrap_forwards(self) -> None:
+        for u in self.units:
+            if u.module is not None:
+                self._wrap(u.module, u)
+        self._wrap(self.ddp.module, None)
+
+    def _wrap(self, module: Module, unit: _Unit | None) -> None:
+        inner = module.forward
+        opt = self
+
+        def forward(*args, **kwargs):
+            if unit is None:
+                return opt._root_forward(inner, args, kwargs)
+            opt._pre_forward(unit)
+            out = inner(*args, **kwargs)
+            out = opt._mark_outputs(unit, out)
+            opt._release(unit)
+            return out
+
+        object.__setattr__(module, "forward", forward)
+
+    def _root_forward(self, inner, args, kwargs):
+        self._fwd_depth += 1
+        if self._fwd_depth == 1:
+            self._recording = []
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            self._fwd_depth -= 1
+            if self._fwd_depth == 0:
+                if self._recording and not self._fwd_order:
+                    self._fwd_order = self._recording
+                self._recording = None
+                if not tape.is_grad_enabled():  # no backward follows: give everything back now
+                    self._release_all()
+
+    def _order(self) -> list:
+        return self._fwd_order or [u for u in self.units if u.module is not None]
+
+    def _neighbour(self, u: _Unit, step: int) -> _Unit | None:
+        order = self._order()
+        if u not in order:
+            return None
+        i = order.index(u) + step
+        return order[i] if 0 <= i < len(order) else None
+
+    def _pre_forward(self, u: _Unit) -> None:
+        if self._recording is not None and u not in self._recording:
+            self._recording.append(u)
+        self._gather(u, wait=True)
+        nxt = self._neighbour(u, 1)
+        if nxt is not None:
+            self._gather(nxt, wait=False)
+
+    def _mark_outputs(self, u: _Unit, out):
+        if not tape.is_grad_enabled():
+            return out
+        if isinstance(out, Tensor):
+            return _PreBackward.apply(out, self, u) if out.requires_grad else out
+        if isinstance(out, tuple):
+            return tuple(self._mark_outputs(u, o) for o in out)
+        return out
+
+    def _pre_backward(self, u: _Unit) -> None:
+        self._arm()
+        self._gather(u, wait=True)
+        prev = self._neighbour(u, -1)
+        if prev is not None and prev.arrived < prev.n_params:
+            self._gather(prev, wait=False)
+
+    def _gather(self, u: _Unit, wait: bool) -> None:
+        """All-gather the unit's full parameters (asynchronously unless ``wait``)."""
+        if u.state == "released":
+            for s in u.segs:
+                got = s.pfull.materialize()
+                u.bytes += got
+                self._count("gathered_params", got)
+                g = self.groups[s.gi]
+                w = dist.all_gather(_view(s.pfull, 0, s.c * self.world), _view(g.pshard._st, s.so, s.c),
+                                    group=self.pg, async_op=True)
+                u.pending.append((w, s.pfull, s.pfull.version))
+            u.state = "pending"
+        if wait and u.state == "pending":
+            for w, st, version in u.pending:
+                w.wait()
+                st.version = version  # same values as before: saved-for-backward checks must not trip
+            u.pending = []
+            u.state = "gathered"
+
+    def _release(self, u: _Unit) -> None:
+        if u.state == "released":
+            return
+        self._gather(u, wait=True)  # a gather in flight finishes before its buffer is freed
+        for s in u.segs:
+            s.pfull.release()
+        self._count("gathered_params", -u.bytes)
+        u.bytes = 0
+        u.state = "released"
+
+    def _release_all(self) -> None:
+        for u in self.units:
+            self._release(u)
+
+    def _gather_on_demand(self, st: _LazyStorage) -> None:
+        u = st.owner.unit
+        if self._fwd_depth == 0 and tape.backward_progress()[1] == 0:
+            raise HeliosError(f"ZeroAdamW stage 3: the parameters of {u.name or 'the root module'} are sharded over "
+                              "the ranks and were read outside a forward or backward pass; call "
+                              "opt.full_parameters() on every rank to read them")
+        self._gather(u, wait=True)
+
+    def _arm(self) -> None:
+        if not self._armed:
+            self._armed = True
+            tape.queue_callback(self._end_backward)
+
+    def _on_grad_ready(self, p: Tensor) -> None:
+        self._arm()
+        u = self._unit_of[id(p)]
+        u.arrived += 1
+        if u.arrived == u.n_params:
+            self._release(u)
+
+    def _end_backward(self) -> None:
+        self._armed = False
+        for u in self.units:
+            u.arrived = 0
+        self._release_all()
+
+    # ---- the update ----------------------------------------------------------------------------
+    def _adamw(self, consts: tuple, ops: list, off: int, n: int) -> None:
+        """Record ``adamw`` over elements [off, off + n) of four (storage, aligned base) operands."""
+        rt, q = self.rt, self._q
+        pid = rt.pipeline("adamw", "default")
+        lim = rt.max_range // 4 - q
+        bases = [b for _, b in ops]
+        while n > 0:
+            adv = off - off % q
+            bases = [b + adv for b in bases]
+            off -= adv
+            m = min(n, lim - off)
+            bufs = [(st.handle, b * 4, (off + m) * 4, w) for (st, _), b, w in zip(ops, bases, (True, False, True, True))]
+            rt.dispatch(pid, bufs, adamw_push(m, off, consts), K.grid(m), "adamw", 10 * m, 16 * m)
+            off += m
+            n -= m
+
+    @no_grad()
+    def step(self) -> None:
+        """One AdamW update of this rank's shard (then stages 1-2 all-gather the parameters)."""
+        self._settle()
+        self.step_count += 1
+        N, r = self.world, self.rank
+        works = []
+        for hp, g in zip(self.param_groups, self.groups):
+            consts = adamw_constants(hp, self.step_count)
+            if self.stage == 3:
+                if all(s.has_grad for s in g.segs):
+                    self._adamw(consts, [(g.pshard._st, 0), (g.gshard._st, 0), (g.m._st, 0), (g.v._st, 0)], 0, g.shard_n)
+                else:
+                    for s in g.segs:
+                        if s.has_grad:
+                            self._adamw(consts, [(g.pshard._st, s.so), (g.gshard._st, s.so), (g.m._st, s.so),
+                                                 (g.v._st, s.so)], 0, s.c)
+                continue
+            updated = []
+            for s in g.segs:
+                ops = [(s.pfull, s.po + r * s.c), None, (g.m._st, s.so), (g.v._st, s.so)]
+                if self.stage == 2:
+                    if not s.has_grad:
+                        continue
+                    ops[1] = (g.gshard._st, s.so)
+                    self._adamw(consts, ops, 0, s.c)
+                else:
+                    ops[1] = (s.gfull, s.go + r * s.c)
+                    ranges = self._stage1_ranges(s)
+                    for off, n in ranges:
+                        self._adamw(consts, ops, off, n)
+                    if not ranges:
+                        continue
+                updated.append(s)
+            for s in updated:
+                works.append(dist.all_gather(_view(s.pfull, s.po, N * s.c), _view(s.pfull, s.po + r * s.c, s.c),
+                                             group=self.pg, async_op=True))
+        for w in works:
+            w.wait()
+        for g in self.groups:
+            for s in g.segs:
+                s.pfull.version += 1  # graphs recorded before the update must not be differentiated after it
+
+    def _stage1_ranges(self, s: _Segment) -> list:
+        """(offset in this rank's chunk, count) to update: the whole chunk when every parameter has a gradient."""
+        r, c = self.rank, s.c
+        have = [p.grad is not None for p in s.params]
+        if all(have):
+            return [(0, c)]
+        out = []
+        for p, a, h in zip(s.params, s.rel, have):
+            if not h:
+                continue
+            if p.grad._st is not s.gfull:
+                K.copy_into(p._grad_slot, p.grad)
+            lo, hi = max(a, r * c), min(a + p.numel(), (r + 1) * c)
+            if lo < hi:
+                out.append((lo - r * c, hi - lo))
+        return out
+
+    def _settle(self) -> None:
+        """Finish every reduction still in flight (a step right after backward finds none)."""
+        for sw in list(self._inflight):
+            sw.wait()
+        if self.stage == 3:
+            self._release_all()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the gradients: the shards are overwritten by the next reduction, staging buffers freed."""
+        self._settle()
+        for g in self.groups:
+            for s in g.segs:
+                s.has_grad = False
+                s.launched = 0
+                for p in s.params:
+                    p.grad = None
+                if self.stage >= 2:
+                    self._drop_staging(s)
+
+    def _grad_shards(self) -> list:
+        """This rank's gradients: views of the chunks it owns."""
+        r, views = self.rank, []
+        for g in self.groups:
+            if self.stage == 1:
+                views += [_view(s.gfull, s.go + r * s.c, s.c) for s in g.segs]
+            else:
+                views.append(g.gshard)
+        return views
+
+    @no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> Tensor:
+        """Scale the gradients so their global L2 norm is at most ``max_norm``; returns the norm (a device scalar).
+
+        The sum of squares of this rank's shard is all-reduced over the ranks (every rank gets
+        the same norm); no host round trip beyond that one scalar."""
+        self._settle()
+        parts = []
+        for v in self._grad_shards():
+            parts.append(F.sum(v * v))
+        total = parts[0]
+        for x in parts[1:]:
+            total = total + x
+        total = F.reshape(total, (1,)) if total.ndim == 0 else total
+        total = K.copy(total)
+        dist.all_reduce(total, op="sum", group=self.pg)
+        norm = F.sqrt(F.reshape(total, ()))
+        coef = F.clamp(F.rdiv(norm + 1e-6, float(max_norm)), max=1.0)
+        if self.stage == 1:  # every rank holds the full gradients: scale them all, so p.grad stays consistent
+            scaled = [g.gflat for g in self.groups]
+        else:
+            scaled = [g.gshard for g in self.groups]
+        for t in scaled:
+            K.binary_("mul", t, coef)
+        return norm
+
+    # ---- parameters, checkpoints, bytes --------------------------------------------------------
+    def full_parameters(self) -> dict:
+        """``{name: ndarray}`` of every trainable parameter, full size (at stage 3 every rank must call
+        it: it gathers one unit at a time)."""
+        self._settle()
+        out = {}
+        if self.stage == 3:
+            for u in self.units:
+                self._gather(u, wait=True)
+                for s in u.segs:
+                    for p in s.params:
+                        out[self._name[id(p)]] = p.numpy()
+                self._release(u)
+        else:
+            for g in self.groups:
+                for s in g.segs:
+                    for p in s.params:
+                        out[self._name[id(p)]] = p.numpy()
+        return {n: out[n] for n in self._name.values() if n in out}
+
+    def _ranges(self):
+        """Yield (name, parameter, segment, offset of the parameter in the segment, start, stop) for this rank."""
+        r = self.rank
+        for g in self.groups:
+            for s in g.segs:
+                for p, a in zip(s.params, s.rel):
+                    lo, hi = max(a, r * s.c), min(a + p.numel(), (r + 1) * s.c)
+                    if hi < lo:
+                        hi = lo = min(max(a, r * s.c), a + p.numel())
+                    yield self._name[id(p)], p, s, a, lo - a, hi - a
+
+    def shard_ranges(self) -> dict:
+        """``{KEY: (global shape, start, stop)}``: the flat range of each tensor this rank owns."""
+        out = {}
+        for name, p, _, _, start, stop in self._ranges():
+            for kind in ("param", "exp_avg", "exp_avg_sq"):
+                out[f"{kind}.{name}"] = (tuple(p.shape), start, stop)
+        return out
+
+    def _where(self, s: _Segment, a: int, start: int) -> tuple:
+        """(storage, element offset) of the parameter element ``start`` of a parameter at ``a`` in ``s``."""
+        g = self.groups[s.gi]
+        shard_off = s.so + a + start - self.rank * s.c
+        if self.stage == 3:
+            return g.pshard._st, shard_off
+        return s.pfull, s.po + a + start
+
+    def state_dict(self) -> dict:
+        """This rank's shard of the parameters and moments, with the global ranges (module docstring)."""
+        self._settle()
+        host = {id(g.m): g.m.numpy() for g in self.groups}
+        host.update({id(g.v): g.v.numpy() for g in self.groups})
+        pshard = {gi: g.pshard.numpy() for gi, g in enumerate(self.groups) if g.pshard is not None}
+        pflat = {gi: g.pflat.numpy() for gi, g in enumerate(self.groups) if g.pflat is not None}
+        tensors = {}
+        for name, p, s, a, start, stop in self._ranges():
+            g = self.groups[s.gi]
+            so = s.so + a + start - self.rank * s.c
+            n = stop - start
+            if self.stage == 3:
+                pdata = pshard[s.gi][so: so + n]
+            else:
+                pdata = pflat[s.gi][s.po + a + start: s.po + a + start + n]
+            for kind, data in (("param", pdata), ("exp_avg", host[id(g.m)][so: so + n]),
+                               ("exp_avg_sq", host[id(g.v)][so: so + n])):
+                tensors[f"{kind}.{name}"] = {"shape": tuple(p.shape), "dtype": "float32", "start": start, "stop": stop,
+                                             "data": np.array(data, np.float32)}
+        groups = [{**h, "params": [self._name[id(p)] for p in g["params"]]}
+                  for h, g in zip(self._hyper(), self.param_groups)]
+        return {"stage": self.stage, "world_size": self.world, "rank": self.rank, "step": self.step_count,
+                "param_groups": groups, "tensors": tensors}
+
+    @no_grad()
+    def load_shard_state(self, sd: dict) -> None:
+        """Load this rank's ranges (``shard_ranges()``) of every tensor; collective (module docstring)."""
+        self._settle()
+        tensors = sd.get("tensors", {})
+        arrays = {}
+        for key, (shape, start, stop) in self.shard_ranges().items():
+            if key not in tensors:
+                raise CheckpointError(f"ZeroAdamW.load_shard_state: {key} is missing (this rank needs its elements "
+                                      f"[{start}, {stop}) of shape {shape})")
+            x = tensors[key]
+            x = x["data"] if isinstance(x, dict) else x
+            x = np.ascontiguousarray(np.asarray(x, np.float32).reshape(-1))
+            if x.size != stop - start:
+                raise CheckpointError(f"ZeroAdamW.load_shard_state: {key} has {x.size} elements, this rank's range "
+                                      f"[{start}, {stop}) of shape {shape} needs {stop - start}")
+            arrays[key] = x
+        groups = sd.get("param_groups")
+        if groups is not None and len(groups) != len(self.param_groups):
+            raise CheckpointError(f"ZeroAdamW.load_shard_state: {len(groups)} parameter groups in the state, "
+                                  f"{len(self.param_groups)} in this optimizer")
+        for name, p, s, a, start, stop in self._ranges():
+            n = stop - start
+            if not n:
+                continue
+            g = self.groups[s.gi]
+            so = s.so + a + start - self.rank * s.c
+            st, off = self._where(s, a, start)
+            for (dst, doff), key in (((st, off), f"param.{name}"), ((g.m._st, so), f"exp_avg.{name}"),
+                                     ((g.v._st, so), f"exp_avg_sq.{name}")):
+                K.copy_into(_view(dst, doff, n), K.from_numpy(arrays[key], _F32, self.rt))
+        if self.stage <= 2:
+            works = [dist.all_gather(_view(s.pfull, s.po, self.world * s.c),
+                                     _view(s.pfull, s.po + self.rank * s.c, s.c), group=self.pg, async_op=True)
+                     for g in self.groups for s in g.segs]
+            for w in works:
+                w.wait()
+        for g in self.groups:
+            for s in g.segs:
+                s.pfull.version += 1
+        if groups is not None:
+            for g, h in zip(self.param_groups, groups):
+                g.update({k: (tuple(v) if k == "betas" else v) for k, v in h.items() if k != "params"})
+        if "step" in sd:
+            self.step_count = int(sd["step"])
+
+    # The interface of helios-train's checkpoint code (schedule/train_state.py): the moments by parameter.
+    def moment_ranges(self) -> dict:
+        """``{id(parameter): (start, stop)}``: the flat range of each parameter whose moments this rank holds."""
+        return {id(p): (start, stop) for _, p, _, _, start, stop in self._ranges()}
+
+    def moment_shards(self) -> list:
+        """``[(parameter, "exp_avg" | "exp_avg_sq", start, stop, float32 ndarray)]`` for this rank's ranges."""
+        sd = self.state_dict()["tensors"]
+        out = []
+        for name, p, _, _, start, stop in self._ranges():
+            for kind in ("exp_avg", "exp_avg_sq"):
+                out.append((p, kind, start, stop, sd[f"{kind}.{name}"]["data"]))
+        return out
+
+    @no_grad()
+    def load_moment_shards(self, moments: dict) -> None:
+        """Load ``{id(parameter): [exp_avg, exp_avg_sq]}``, each the ``moment_ranges()`` range of the moment."""
+        for name, p, s, a, start, stop in self._ranges():
+            n = stop - start
+            arrs = moments.get(id(p))
+            if arrs is None or any(np.asarray(x).size != n for x in arrs):
+                raise CheckpointError(f"ZeroAdamW: the moments of {name} must cover elements [{start}, {stop})")
+            g = self.groups[s.gi]
+            so = s.so + a + start - self.rank * s.c
+            for t, x in zip((g.m, g.v), arrs):
+                if n:
+                    K.copy_into(_view(t._st, so, n), K.from_numpy(np.asarray(x, np.float32).reshape(-1), _F32, self.rt))
+
+    def expected_memory(self) -> dict:
+        """The ZeRO formula's bytes per category at the padded Psi this layout uses (what ``requested`` is)."""
+        return _formula(self.stage, self.padded_numel, self.world)
+
+    def memory_report(self) -> dict:
+        return memory_report(self)
+
+    @property
+    def numel(self) -> int:
+        """Psi: trainable parameters."""
+        return sum(p.numel() for g in self.param_groups for p in g["params"])
+
+    @property
+    def padded_numel(self) -> int:
+        """Psi rounded up per segment to N chunks of the aligned chunk size."""
+        return sum(g.full_n for g in self.groups)
+
+    def largest_unit_bytes(self) -> int:
+        """Stage 3: bytes of the largest unit's gathered parameters (padded)."""
+        return max((sum(s.c * self.world * 4 for s in u.segs) for u in self.units), default=0)
+
+
+def _formula(stage: int, psi: int, n: int) -> dict:
+    full, shard = 4 * psi, 4 * psi // n
+    return {"params": shard if stage == 3 else full, "grads": full if stage == 1 else shard, "moments": 2 * shard}
+
+
+def memory_report(opt: ZeroAdamW) -> dict:
+    """Bytes this rank holds for the model states, by category, beside the ZeRO formulas.
+
+    ``held[cat]`` has ``formula`` (the fp32 formula at Psi: params 4Psi or 4Psi/N, grads 4Psi
+    or 4Psi/N, moments 8Psi/N), ``formula_padded`` (the same at the padded Psi this layout
+    uses), ``requested`` (bytes asked of the pool), ``pool`` (bytes the pool's size classes
+    hold for them, measured from ``pool_stats()`` as each buffer was allocated) and
+    ``buffers`` (the requested size of each buffer).  ``weights_pool_in_use`` is the weights
+    pool's current total (this optimizer's buffers are all it holds unless something else put
+    tensors there).  ``transient`` has the staging bytes of stage-2/3 gradients and the
+    gathered stage-3 parameters, now and at their peak, and ``largest_unit_bytes``.
+    """
+    psi, n = opt.numel, opt.world
+    f, fp = _formula(opt.stage, psi, n), _formula(opt.stage, opt.padded_numel, n)
+    held = {}
+    for cat in ("params", "grads", "moments"):
+        b = opt._bytes[cat]
+        held[cat] = {"formula": f[cat], "formula_padded": fp[cat], "requested": b["requested"], "pool": b["pool"],
+                     "buffers": list(b["buffers"])}
+    held["total"] = {k: sum(held[c][k] for c in ("params", "grads", "moments"))
+                     for k in ("formula", "formula_padded", "requested", "pool")}
+    return {"stage": opt.stage, "world_size": n, "rank": opt.rank, "numel": psi, "padded_numel": opt.padded_numel,
+            "held": held, "weights_pool_in_use": _pool_in_use(opt.rt, "weights"),
+            "transient": {k: dict(v) for k, v in opt._transient.items()},
+            "largest_unit_bytes": opt.largest_unit_bytes() if opt.stage == 3 else 0}
+
+
+class ZeroDataParallel(DistributedDataParallel):
+    """A ``DistributedDataParallel`` model and its ``ZeroAdamW`` in one object (helios-train holds one
+    thing as model and optimizer): ``ZeroDataParallel(module, stage, params, lr=..., betas=..., eps=...,
+    weight_decay=..., bucket_cap_mb=25, group=None, find_unused_parameters=False)``.  Calling it runs the
+    model; ``step``, ``zero_grad``, ``clip_grad_norm_``, ``param_groups``, ``step_count`` and the
+    checkpoint methods are the optimizer's (``optimizer``); ``state_dict()`` stays the model's."""
+
+    def __init__(self, module: Module, stage: int, params=None, lr: float = 1e-3, betas=(0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, bucket_cap_mb: float = 25.0, group=None,
+                 find_unused_parameters: bool = False, staging_limit_mb: float | None = None) -> None:
+        super().__init__(module, bucket_cap_mb=bucket_cap_mb, group=group,
+                         find_unused_parameters=find_unused_parameters)
+        self.optimizer = ZeroAdamW(self, params, stage=stage, lr=lr, betas=betas, eps=eps,
+                                   weight_decay=weight_decay, staging_limit_mb=staging_limit_mb)
+
+    @property
+    def param_groups(self) -> list:
+        return self.optimizer.param_groups
+
+    @property
+    def step_count(self) -> int:
+        return self.optimizer.step_count
+
+    @step_count.setter
+    def step_count(self, value: int) -> None:
+        self.optimizer.step_count = value
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none)
+
+    def clip_grad_norm_(self, max_norm: float) -> Tensor:
+        return self.optimizer.clip_grad_norm_(max_norm)
+
+    def _hyper(self) -> list:
+        return self.optimizer._hyper()
+
+    def moment_ranges(self) -> dict:
+        return self.optimizer.moment_ranges()
+
+    def moment_shards(self) -> list:
+        return self.optimizer.moment_shards()
+
+    def load_moment_shards(self, moments: dict) -> None:
+        self.optimizer.load_moment_shards(moments)
+
+    def expected_memory(self) -> dict:
+        return self.optimizer.expected_memory()
+
+    def memory_report(self) -> dict:
+        return memory_report(self.optimizer)
+
+
+__all__ = ["ZeroAdamW", "ZeroDataParallel", "memory_report"]

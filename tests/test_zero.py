@@ -10,6 +10,7 @@ below the norms seen, so clipping scales every step.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -52,7 +53,7 @@ def _assemble(src: str, ranges: dict) -> dict:
             "tensors": {k: glob[k][start:stop] for k, (_, start, stop) in ranges.items()}}
 
 
-def _rank_main(out_dir: str, stage: int, save_to: str, load_from: str) -> None:
+def _rank_main(out_dir: str, stage: int, save_to: str, load_from: str, accum: int, accum_mode: str) -> None:
     import helios as hl
     import helios.comm as dist
     from helios.nn import GPT, GPTConfig
@@ -82,16 +83,26 @@ def _rank_main(out_dir: str, stage: int, save_to: str, load_from: str) -> None:
         first = sd["step"]
         assert opt.step_count == first
     per_rank = GLOBAL_BATCH // n
+    micro = per_rank // accum
     losses, norms = [], []
     for step in range(first, STEPS):
         x, y = _batches(step, cfg.vocab_size)
         x, y = x[r * per_rank:(r + 1) * per_rank], y[r * per_rank:(r + 1) * per_rank]
-        _, loss = model(hl.tensor(x, dtype=hl.int64), hl.tensor(y, dtype=hl.int64))
-        loss.backward()
+        total = 0.0
+        for m in range(accum):
+            # "no_sync": reduce once, after the last micro-batch; "sync": reduce after every one
+            # (stages 2-3 then add each reduced shard to the last).
+            local = accum_mode == "no_sync" and m < accum - 1
+            with model.no_sync() if local else contextlib.nullcontext():
+                _, loss = model(hl.tensor(x[m * micro:(m + 1) * micro], dtype=hl.int64),
+                                hl.tensor(y[m * micro:(m + 1) * micro], dtype=hl.int64))
+                loss = loss * (1.0 / accum)
+                loss.backward()
+            total += loss.item()
         norm = opt.clip_grad_norm_(CLIP) if stage else clip_grad_norm_(gpt.parameters(), CLIP)
         opt.step()
         opt.zero_grad()
-        avg = np.array([loss.item()], np.float64)
+        avg = np.array([total], np.float64)
         dist.all_reduce(avg, op="avg")
         losses.append(float(avg[0]))
         norms.append(float(norm.item()))
@@ -115,11 +126,13 @@ def _rank_main(out_dir: str, stage: int, save_to: str, load_from: str) -> None:
     dist.destroy_process_group()
 
 
-def _run(out, world: int, stage: int, save_to: str = "", load_from: str = "") -> dict:
+def _run(out, world: int, stage: int, save_to: str = "", load_from: str = "", accum: int = 1,
+         accum_mode: str = "no_sync") -> dict:
     os.makedirs(out, exist_ok=True)
     if save_to:
         os.makedirs(save_to, exist_ok=True)
-    check_ok(run_ranks([__file__, str(out), str(stage), save_to, load_from], world, timeout=240))
+    check_ok(run_ranks([__file__, str(out), str(stage), save_to, load_from, str(accum), accum_mode], world,
+                       timeout=240))
     if save_to:  # one index of every rank's ranges, as a checkpoint's metadata would hold
         meta = {"world_size": world, "ranges": {}}
         for r in range(world):
@@ -156,7 +169,7 @@ def _class_size(n: int, align: int = 256) -> int:
     return (n + step - 1) // step * step
 
 
-def _check_bytes(res: dict, world: int, stage: int) -> None:
+def _check_bytes(res: dict, world: int, stage: int, no_sync: bool = False) -> None:
     for rank_res in res["ranks"]:
         for when in ("memory_init", "memory"):
             m = rank_res[when]
@@ -180,7 +193,7 @@ def _check_bytes(res: dict, world: int, stage: int) -> None:
             assert m["weights_pool_in_use"] == held["total"]["pool"]
         staging, gathered = m["transient"]["grad_staging"], m["transient"]["gathered_params"]
         assert staging["now"] == 0 and gathered["now"] == 0  # nothing transient outlives the step
-        if stage >= 2:
+        if stage >= 2 and not no_sync:  # (inside no_sync() the staging buffers hold the local sums)
             # Staging buffers come and go with the buckets: the full gradient never exists at once.
             assert 0 < staging["peak"] < 4 * psi * 0.6, staging
         if stage == 3:
@@ -222,5 +235,15 @@ def test_sharded_state_saved_at_2_ranks_zero2_loads_at_4_ranks_zero3_and_1_rank_
         _same(reference[1], res, first=SAVE_AT)
 
 
+def test_gradient_accumulation_with_and_without_no_sync(tmp_path):
+    ref = _run(tmp_path / "ref", 2, 0, accum=2)
+    for stage, mode in ((2, "no_sync"), (3, "sync"), (2, "sync")):
+        res = _run(tmp_path / f"z{stage}-{mode}", 2, stage, accum=2, accum_mode=mode)
+        # Reducing each micro-batch's gradients and adding them rounds differently from adding
+        # first (the reference reduces once): one rank's tolerance (see the test above).
+        _same(ref, res, rtol=1e-6 if mode == "no_sync" else 1e-5, atol=1e-7 if mode == "no_sync" else 1e-5)
+        _check_bytes(res, 2, stage, no_sync=mode == "no_sync")
+
+
 if __name__ == "__main__":
-    _rank_main(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4])
+    _rank_main(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5]), sys.argv[6])

@@ -114,6 +114,7 @@ parameters).
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -139,18 +140,21 @@ class _LazyStorage(Storage):
 
     Tensors viewing it keep their identity while the memory comes and goes (a gradient slot,
     a sharded parameter).  Touching ``handle`` while released calls ``on_demand(self)``, which
-    must materialize it (or raise)."""
+    must materialize it (or raise); so does touching it from the thread named by ``waiter``
+    while a collective that fills it is in flight (``on_demand`` then waits for it; the
+    communicator's thread, which fills it, passes)."""
 
-    __slots__ = ("_h", "pool", "on_demand", "owner")
+    __slots__ = ("_h", "pool", "on_demand", "owner", "waiter")
 
     def __init__(self, rt, nbytes: int, pool: str, on_demand, owner) -> None:
         self.rt, self.nbytes, self.version = rt, nbytes, 0
         self._h = None
         self.pool, self.on_demand, self.owner = pool, on_demand, owner
+        self.waiter = None
 
     @property
     def handle(self) -> int:
-        if self._h is None:
+        if self._h is None or (self.waiter is not None and self.waiter == threading.get_ident()):
             self.on_demand(self)
             if self._h is None:
                 raise HeliosError("a sharded buffer was used while it was not materialized")
@@ -329,6 +333,9 @@ class ZeroAdamW(Optimizer):
         self._fwd_order: list[_Unit] = []
         self._recording: list[_Unit] | None = None
         self._armed = False
+        # Counts since construction: unit gathers issued (stage 3), those issued ahead of use
+        # (prefetches), those forced by a read of an ungathered parameter, reduce-scatters.
+        self.stats = {"gathers": 0, "prefetches": 0, "on_demand_gathers": 0, "reduce_scatters": 0}
         with no_grad():
             self.groups = [self._build_group(gi, g["params"]) for gi, g in enumerate(self.param_groups)]
         self._seg_of_storage = {id(s.gfull): s for g in self.groups for s in g.segs}
@@ -530,6 +537,7 @@ class ZeroAdamW(Optimizer):
         if not st.materialized:  # no gradient at all reached it (cannot happen under DDP, which fills them)
             self._stage_on_demand(st)
         work = dist.reduce_scatter(out, _view(st, 0, s.c * self.world), op="avg", group=self.pg, async_op=True)
+        self.stats["reduce_scatters"] += 1
         sw = _SegmentWork(self, s, work, temp)
         self._inflight.append(sw)
         return sw
@@ -637,11 +645,15 @@ class ZeroAdamW(Optimizer):
                 g = self.groups[s.gi]
                 w = dist.all_gather(_view(s.pfull, 0, s.c * self.world), _view(g.pshard._st, s.so, s.c),
                                     group=self.pg, async_op=True)
+                s.pfull.waiter = threading.get_ident()  # a read on this thread waits for the gather
                 u.pending.append((w, s.pfull, s.pfull.version))
             u.state = "pending"
+            self.stats["gathers"] += 1
+            self.stats["prefetches"] += not wait
         if wait and u.state == "pending":
             for w, st, version in u.pending:
                 w.wait()
+                st.waiter = None
                 st.version = version  # same values as before: saved-for-backward checks must not trip
             u.pending = []
             u.state = "gathered"
@@ -662,10 +674,14 @@ class ZeroAdamW(Optimizer):
 
     def _gather_on_demand(self, st: _LazyStorage) -> None:
         u = st.owner.unit
+        if u.state == "pending":  # read while its gather is in flight: wait for it
+            self._gather(u, wait=True)
+            return
         if self._fwd_depth == 0 and tape.backward_progress()[1] == 0:
             raise HeliosError(f"ZeroAdamW stage 3: the parameters of {u.name or 'the root module'} are sharded over "
                               "the ranks and were read outside a forward or backward pass; call "
                               "opt.full_parameters() on every rank to read them")
+        self.stats["on_demand_gathers"] += 1
         self._gather(u, wait=True)
 
     def _arm(self) -> None:

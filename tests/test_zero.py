@@ -119,6 +119,9 @@ def _rank_main(out_dir: str, stage: int, save_to: str, load_from: str, accum: in
         res["memory"] = memory_report(opt)
         res["segments"] = sum(len(g.segs) for g in opt.groups)
         res["q"] = opt._q
+        res["stats"] = opt.stats
+        launched = [e for e in model.bucket_log if e.what == "launched"]
+        res["launched_before_backward_end"] = sum(e.backward_nodes_done < e.backward_nodes_total for e in launched)
     with open(os.path.join(out_dir, f"result-r{r}.json"), "w") as f:
         json.dump(res, f)
     if r == 0:
@@ -224,6 +227,13 @@ def test_zero_stage_on_1_2_4_ranks_matches_one_rank(tmp_path, reference, stage):
         for rank_res in res["ranks"]:  # every rank clipped by the same global norm
             np.testing.assert_allclose(rank_res["norms"], res["norms"], rtol=1e-6)
         _check_bytes(res, world, stage)
+        st = res["stats"]
+        if stage >= 2:  # every segment reduce-scattered each step, the first while backward still runs
+            assert st["reduce_scatters"] == res["segments"] * STEPS, st
+            assert res["launched_before_backward_end"] > 0
+        if stage == 3:  # each unit gathered for its forward and its backward, the next one ahead of use
+            assert st["gathers"] >= 2 * 5 * STEPS and st["prefetches"] >= 4 * STEPS, st
+            assert st["on_demand_gathers"] == STEPS  # the tied output embedding, read outside its unit
 
 
 def test_sharded_state_saved_at_2_ranks_zero2_loads_at_4_ranks_zero3_and_1_rank_zero1(tmp_path, reference):

@@ -86,7 +86,9 @@ these buffers, the transient ones live in the activations pool)::
     stage   params    grads     moments   transient
     1       4 Psi     4 Psi     8 Psi/N   -
     2       4 Psi     4 Psi/N   8 Psi/N   staging of the segments being reduced
-    3       4 Psi/N   4 Psi/N   8 Psi/N   the gathered units (the largest block, its prefetched neighbour)
+    3       4 Psi/N   4 Psi/N   8 Psi/N   gathered units: the one computing, the next (prefetched),
+                                          and one read outside its unit (GPT's tied embedding);
+                                          the staging of one unit's gradients
 
 Psi is rounded up per segment to N*c; ``memory_report()`` gives the formula at Psi and at
 the padded size, the bytes asked of the pool and the bytes the pool holds for them (its

@@ -161,15 +161,23 @@ def _train(args) -> int:
                     "out": os.path.abspath(args.out)})
     hl.manual_seed(args.seed)
     gpt = GPT(cfg, seed=args.seed)
-    model = gpt
-    if run.active:
-        from helios.schedule import DistributedDataParallel
-
-        model = DistributedDataParallel(gpt, bucket_cap_mb=args.bucket_cap_mb)
     decay = [p for n, p in gpt.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in gpt.named_parameters() if p.ndim < 2]
-    opt = AdamW([{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-                lr=lr_max, betas=(0.9, 0.95))
+    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    model = gpt
+    zero = args.zero if run.active else 0
+    if zero:
+        from helios.schedule.zero import ZeroDataParallel
+
+        # Model wrapper and optimizer in one: it owns the parameters' flat buffer and the shards.
+        model = opt = ZeroDataParallel(gpt, zero, groups, lr=lr_max, betas=(0.9, 0.95),
+                                       bucket_cap_mb=args.bucket_cap_mb)
+    else:
+        if run.active:
+            from helios.schedule import DistributedDataParallel
+
+            model = DistributedDataParallel(gpt, bucket_cap_mb=args.bucket_cap_mb)
+        opt = AdamW(groups, lr=lr_max, betas=(0.9, 0.95))
     loader = BatchLoader(ds.train, bs, T, seed=args.seed)
     val_loader = BatchLoader(ds.val, bs, T, seed=args.seed + 1)
 
@@ -218,14 +226,14 @@ def _train(args) -> int:
     if run.is_main:
         db = RunDB(args.out, device=dev["name"], dtype="fp32", n_devices=run.world, peak_flops=peak,
                    peak_label=peak_label, flops_per_token=fpt, n_params=n_params,
-                   config={**run_meta, "steps": steps, "world_size": run.world, "zero": args.zero})
+                   config={**run_meta, "steps": steps, "world_size": run.world, "zero": zero,
+                           "memory": _model_state_bytes(model, opt, rt, run.world, zero)})
     writer = sharded.AsyncCheckpointer(args.out, run.rank, run.world)
 
     def save_checkpoint(at_step: int) -> str:
         """Snapshot this rank's shard now; the background thread writes it while training goes on."""
-        shards = {**train_state.model_shards(gpt, run.rank, run.world),
-                  **train_state.optimizer_shards(gpt, opt, run.rank, run.world)}
-        writer.save(at_step, shards, train_state.training_meta(opt, loader, at_step, run_meta, run.world, args.zero))
+        shards = train_state.training_shards(gpt, opt, run.rank, run.world)
+        writer.save(at_step, shards, train_state.training_meta(opt, loader, at_step, run_meta, run.world, zero))
         return sharded.step_dir(args.out, at_step)
 
     timer = StepTimer()
@@ -238,16 +246,18 @@ def _train(args) -> int:
     job_peak = peak * run.world if peak else None
 
     def evaluate() -> float:
-        # Each rank takes every world-th validation batch; the mean is the one rank's mean.
+        # Each rank takes every world-th validation batch; the mean is the one rank's mean.  Under
+        # ZeRO-3 a forward gathers parameters (collective), so every rank runs every batch.
         model.eval()
         total, count = 0.0, 0
+        share = 1 if zero == 3 else run.world
         with hl.no_grad():
             for i, (x, y) in enumerate(val_loader.iter_eval(args.eval_batches)):
-                if i % run.world == run.rank:
+                if i % share == run.rank % share:
                     total += gpt(x, y)[1].item()
                     count += 1
         model.train()
-        return run.all_mean(total, count)
+        return run.all_mean(total, count) if share > 1 else total / count
 
     from tqdm import tqdm
 
@@ -289,7 +299,10 @@ def _train(args) -> int:
                 loss_dev = loss if loss_dev is None else loss_dev + loss.detach()
             with timer.phase("grad_clip"):
                 if args.grad_clip > 0:
-                    clip_grad_norm_(gpt.parameters(), args.grad_clip)
+                    if zero:
+                        opt.clip_grad_norm_(args.grad_clip)  # the global norm over every rank's shard
+                    else:
+                        clip_grad_norm_(gpt.parameters(), args.grad_clip)
                 rt.synchronize()
             with timer.phase("optimizer"):
                 opt.step()
@@ -309,9 +322,11 @@ def _train(args) -> int:
             if args.eval_every and step % args.eval_every == 0 and step < steps:
                 with timer.phase("sample_gen"):
                     val_loss = evaluate()
-            if args.sample_every and step % args.sample_every == 0 and step < steps and run.is_main:
-                with timer.phase("sample_gen"):
-                    bar.write(f"--- sample at step {step} ---\n{_sample(gpt, ds.tokenizer, T, args.sample_tokens, step)}\n---")
+            if args.sample_every and step % args.sample_every == 0 and step < steps and (run.is_main or zero == 3):
+                with timer.phase("sample_gen"):  # ZeRO-3: every rank samples alike (its forwards gather)
+                    text = _sample(gpt, ds.tokenizer, T, args.sample_tokens, step)
+                    if run.is_main:
+                        bar.write(f"--- sample at step {step} ---\n{text}\n---")
             leaving = stopper.stop or (args.stop_after is not None and step - start_step >= args.stop_after and step < steps)
             if (args.ckpt_every and step % args.ckpt_every == 0) or leaving:
                 with timer.phase("checkpoint"):
@@ -353,8 +368,8 @@ def _train(args) -> int:
     val_loss = evaluate()
     writer.wait()
     wall = time.monotonic() - t_start
+    sample = _sample(gpt, ds.tokenizer, T, args.sample_tokens, step) if run.is_main or zero == 3 else ""
     if run.is_main:
-        sample = _sample(gpt, ds.tokenizer, T, args.sample_tokens, step)
         print(_breakdown(timer.records))
         print(f"--- sample ---\n{sample}\n---")
         summary = {"steps": step, "wall_s": round(wall, 1), "final_train_loss": round(last.get("loss", float('nan')), 4),
@@ -365,6 +380,19 @@ def _train(args) -> int:
         db.finish(status="finished")
     run.close()
     return 0
+
+
+def _model_state_bytes(model, opt, rt, world: int, zero: int) -> dict:
+    """Bytes of model states this rank holds (the weights pool, where parameters, gradients and
+    moments live) and what the ZeRO formula says for them."""
+    rt.synchronize()
+    held = rt.dev.pool_stats()["weights"]["in_use_bytes"]
+    if zero:
+        expected, psi = opt.expected_memory(), opt.optimizer.padded_numel
+    else:
+        psi = sum(fg.n for fg in opt.flat)
+        expected = {"params": 4 * psi, "grads": 4 * psi, "moments": 8 * psi}
+    return {"weights_pool_in_use": held, "psi": psi, "expected": expected, "expected_total": sum(expected.values())}
 
 
 def _latest_checkpoint(sharded, run_dir: str, say):

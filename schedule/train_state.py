@@ -7,10 +7,11 @@ grouped or sharded when it is read):
     optim.exp_avg.<parameter name>      AdamW's first moment
     optim.exp_avg_sq.<parameter name>   AdamW's second moment
 
-Replicated state (parameters, and the moments under plain data parallel) is split evenly
-over the ranks for writing, so every rank writes its share in parallel; an optimizer that
-shards its moments (ZeRO) writes the ranges it holds.  Loading asks for the ranges the
-loading run needs, whatever world size or ZeRO stage wrote them.
+Replicated state (parameters and moments under plain data parallel) is split evenly over
+the ranks for writing, so every rank writes its share in parallel; under ZeRO every rank
+writes the ranges it owns (its ``state_dict()``).  Loading asks for the ranges the loading
+run needs (everything when replicated, ``shard_ranges()`` under ZeRO), whatever world size
+or ZeRO stage wrote them.
 """
 
 from __future__ import annotations
@@ -26,6 +27,29 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 
 def _dtype_name(t) -> str:
     return "bfloat16" if t.dtype.name == "bfloat16" else t.dtype.np_storage.name
+
+
+_ZERO_KEYS = {"param": "model.", "exp_avg": "optim.exp_avg.", "exp_avg_sq": "optim.exp_avg_sq."}
+
+
+def _zero(opt):
+    """The ZeroAdamW behind ``opt`` (itself, or a ZeroDataParallel's), or None for a replicated optimizer."""
+    from helios.schedule.zero import ZeroAdamW
+
+    inner = getattr(opt, "optimizer", opt)
+    return inner if isinstance(inner, ZeroAdamW) else None
+
+
+def training_shards(gpt, opt, rank: int, world: int) -> dict[str, C.ShardedArray]:
+    """Every tensor of the training state this rank writes (parameters and moments)."""
+    z = _zero(opt)
+    if z is None:
+        return {**model_shards(gpt, rank, world), **optimizer_shards(gpt, opt, rank, world)}
+    out = {}
+    for key, t in z.state_dict()["tensors"].items():
+        kind, name = key.split(".", 1)
+        out[_ZERO_KEYS[kind] + name] = C.ShardedArray(t["shape"], t["dtype"], t["start"], t["stop"], t["data"])
+    return out
 
 
 def model_shards(gpt, rank: int, world: int) -> dict[str, C.ShardedArray]:
@@ -53,9 +77,6 @@ def _raw(t) -> np.ndarray:
 def optimizer_shards(gpt, opt, rank: int, world: int) -> dict[str, C.ShardedArray]:
     """The optimizer's moments: the ranges this rank holds (ZeRO) or its even share (replicated)."""
     names = {id(p): n for n, p in gpt.named_parameters()}
-    if hasattr(opt, "moment_shards"):  # a sharded optimizer says what it holds
-        return {f"optim.{m}.{names[id(p)]}": C.ShardedArray(p.shape, "float32", lo, hi, data)
-                for p, m, lo, hi, data in opt.moment_shards()}
     out = {}
     for fg in opt.flat:
         flat = [fg.moments[j].numpy() for j in range(2)]
@@ -92,26 +113,32 @@ def load_training(ckpt_dir: str, gpt, opt, loader) -> dict:
     from helios.autograd.tape import no_grad
 
     check_same_model(ckpt_dir, gpt)
+    z = _zero(opt)
+    if z is not None:  # this rank reads the ranges it owns; loading is collective (it gathers parameters)
+        ranges = z.shard_ranges()
+        keys = {key: _ZERO_KEYS[key.split(".", 1)[0]] + key.split(".", 1)[1] for key in ranges}
+        arrays, meta = C.load(ckpt_dir, {keys[k]: (lo, hi) for k, (_, lo, hi) in ranges.items()})
+        o = meta["optimizer"]
+        z.load_shard_state({"step": int(o["step"]), "param_groups": o["groups"],
+                            "tensors": {k: arrays[keys[k]].astype(np.float32) for k in ranges}})
+        hrandom.set_rng_state(meta["rng"])
+        loader.load_state_dict(meta["loader"])
+        return meta
     named = list(gpt.named_parameters())
     wanted = {f"model.{n}": (0, p.numel()) for n, p in named}
-    ranges = opt.moment_ranges() if hasattr(opt, "moment_ranges") else {id(p): (0, p.numel()) for _, p in named}
     for n, p in named:
-        lo, hi = ranges[id(p)]
         for m in MOMENTS:
-            wanted[f"optim.{m}.{n}"] = (lo, hi)
+            wanted[f"optim.{m}.{n}"] = (0, p.numel())
     arrays, meta = C.load(ckpt_dir, wanted)
     with no_grad():
         for n, p in named:
             K.copy_into(p, K.from_numpy(arrays[f"model.{n}"].reshape(p.shape), p.dtype, p._st.rt))
             p._st.version += 1
     moments = {id(p): [arrays[f"optim.{m}.{n}"] for m in MOMENTS] for n, p in named}
-    if hasattr(opt, "load_moment_shards"):
-        opt.load_moment_shards(moments)
-    else:
-        for fg in opt.flat:
-            for j in range(2):
-                host = np.concatenate([moments[id(p)][j] for p in fg.params]) if fg.params else np.empty(0, np.float32)
-                K.copy_into(fg.moments[j], K.from_numpy(host.astype(np.float32), fg.moments[j].dtype, fg.p._st.rt))
+    for fg in opt.flat:
+        for j in range(2):
+            host = np.concatenate([moments[id(p)][j] for p in fg.params]) if fg.params else np.empty(0, np.float32)
+            K.copy_into(fg.moments[j], K.from_numpy(host.astype(np.float32), fg.moments[j].dtype, fg.p._st.rt))
     o = meta["optimizer"]
     opt.step_count = int(o["step"])
     for g, h in zip(opt.param_groups, o["groups"]):

@@ -1,4 +1,6 @@
-"""Training checkpoints: the whole state of a run in one checksummed file.
+"""Single-file training checkpoints (``RUN_DIR/ckpt.helios``): the format of earlier Helios
+versions, still read by ``helios-train --resume``; new runs write sharded checkpoints
+(``helios.schedule.checkpoint``).
 
 A checkpoint holds the model parameters, the optimizer moments, the RNG state, the
 data loader position, the step and the run's configuration.  It is written through

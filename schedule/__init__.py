@@ -1,8 +1,10 @@
 """helios.schedule: parallelism schedules built on helios.comm and helios.autograd.
 
-Data parallel (``DistributedDataParallel``) and ZeRO live here; see schedule/README.md.
+Data parallel (``DistributedDataParallel``), ZeRO (``ZeroAdamW``, ``ZeroDataParallel``) and
+sharded checkpoints (``helios.schedule.checkpoint``); see schedule/README.md.
 """
 
 from helios.schedule.ddp import DistributedDataParallel
+from helios.schedule.zero import ZeroAdamW, ZeroDataParallel
 
-__all__ = ["DistributedDataParallel"]
+__all__ = ["DistributedDataParallel", "ZeroAdamW", "ZeroDataParallel"]

@@ -10,6 +10,13 @@ work; the ring algorithms pipeline their segments through it.
 
 A dead link, a size mismatch or a passed deadline raises :class:`helios.errors.CommError`
 naming the operation, its sequence number, the peer and the bytes still pending.
+
+Fault attribution: a rank that gives up records a :class:`Fault` (the rank at fault, what
+happened to it, who found it).  Before its transport closes the links, :meth:`Engine.send_abort`
+finishes the frame each link is in the middle of and sends an *abort frame* carrying that
+fault, so a peer that reads the abort before it notices anything itself still names the rank
+that actually failed ("rank 1 closed the connection ... (reported by rank 2)") instead of
+the rank that merely gave up because of it.
 """
 
 from __future__ import annotations
@@ -26,16 +33,48 @@ from helios.errors import CommError
 
 HEADER = struct.Struct("<IIQQ")  # magic, reserved, tag, nbytes
 MAGIC = 0x48434F4D  # "HCOM"
+# An abort frame: HEADER(ABORT_MAGIC, culprit, reporter, len(text)) + text (what happened to the culprit).
+ABORT_MAGIC = 0x48414254  # "HABT"
+_ABORT_TEXT = 1024  # longest text an abort frame carries
+ABORT_BUDGET = 0.2  # seconds an aborting rank spends pushing abort frames out before closing
 _INLINE = 64 * 1024  # payloads below this travel in the same write as their header
 _DRAIN_AFTER = 0.05  # seconds of stuck sends before reading from peers nothing is expected from
 
 
 class PeerLost(Exception):
-    """A link found its peer gone (closed, reset, crashed or aborted)."""
+    """A link found its peer gone (closed, reset, crashed or aborted).
 
-    def __init__(self, peer: int, reason: str) -> None:
-        super().__init__(f"rank {peer} {reason}")
-        self.peer, self.reason = peer, reason
+    ``peer`` is the rank at fault and ``what`` what happened to it (it reads after
+    "rank N ").  ``reporter`` is set when another rank found the fault and relayed it in
+    its abort; ``reason`` is then ``what`` plus "(reported by rank R)".
+    """
+
+    def __init__(self, peer: int, reason: str, reporter: int | None = None) -> None:
+        self.peer, self.what, self.reporter = peer, reason, reporter
+        self.reason = reason if reporter is None or reporter == peer else f"{reason} (reported by rank {reporter})"
+        super().__init__(f"rank {peer} {self.reason}")
+
+
+@dataclass
+class Fault:
+    """Who is to blame for a failed operation: what an abort tells the peers.
+
+    ``culprit`` is the (transport) rank at fault, ``what`` reads after "rank N " (e.g.
+    "closed the connection ..."), ``reporter`` is the rank that found it.
+    """
+
+    culprit: int
+    what: str
+    reporter: int
+
+    def lost(self) -> PeerLost:
+        """The PeerLost a peer raises on receiving this fault in an abort."""
+        return PeerLost(self.culprit, self.what, self.reporter)
+
+    @classmethod
+    def of(cls, e: PeerLost, me: int) -> Fault:
+        """The fault a PeerLost describes, found by rank ``me`` unless it was relayed."""
+        return cls(e.peer, e.what, me if e.reporter is None else e.reporter)
 
 
 class Link:
@@ -72,11 +111,12 @@ class _Send:
 
 
 class _Recv:
-    __slots__ = ("dst", "got", "nbytes", "on_done", "peer", "stash", "tag")
+    __slots__ = ("abort", "dst", "got", "nbytes", "on_done", "peer", "stash", "tag")
 
     def __init__(self, peer: int, tag: int, dst: memoryview, on_done: Callable[[], None] | None) -> None:
         self.peer, self.tag, self.dst, self.nbytes = peer, tag, dst, dst.nbytes
         self.got, self.on_done, self.stash = 0, on_done, False
+        self.abort: tuple[int, int] | None = None  # (culprit, reporter) of an abort frame
 
 
 class Engine:
@@ -93,8 +133,9 @@ class Engine:
         self._cur: list[_Recv | None] = [None] * n
         self._pending_recvs = 0
         self._pending_sends = 0
-        self._gone: dict[int, str] = {}
+        self._gone: dict[int, PeerLost] = {}
         self.info = OpInfo("?", 0, 0)
+        self.fault: Fault | None = None  # set when an operation fails because of a peer
         self._scratch = np.empty(0, np.uint8)
         self._soff = 0
 
@@ -148,7 +189,7 @@ class Engine:
             self._pending_recvs += 1
             return
         if peer in self._gone:
-            raise CommError(self._describe(f"rank {peer} {self._gone[peer]}", peer))
+            raise self._lost(self._gone[peer])
         if tag in self._posted[peer]:
             raise CommError(f"helios.comm: internal: two receives posted for tag {tag:#x} from rank {peer}.")
         self._posted[peer][tag] = _Recv(peer, tag, mv, on_done)
@@ -176,7 +217,11 @@ class Engine:
                 wait = min(left, 0.1 if drain or not self._pending_sends else _DRAIN_AFTER)
                 self.t.wait_activity(self._wanted_send(), self._wanted_recv(drain), wait)
         except PeerLost as e:
-            raise CommError(self._describe(f"rank {e.peer} {e.reason}", e.peer)) from None
+            raise self._lost(e) from None
+
+    def _lost(self, e: PeerLost) -> CommError:
+        self.fault = Fault.of(e, self.t.rank)
+        return CommError(self._describe(f"rank {e.peer} {e.reason}", e.peer))
 
     def _wanted_send(self) -> list[int]:
         return [p for p, q in enumerate(self._sendq) if q]
@@ -218,11 +263,11 @@ class Engine:
         try:
             return self._recv_frame(p)
         except PeerLost as e:
-            if self._posted[p] or self._cur[p] is not None or self._hdr_got[p]:
-                raise
+            if self._posted[p] or self._cur[p] is not None or self._hdr_got[p] or e.reporter is not None:
+                raise  # expected from it, or it aborted the communicator: this operation cannot finish
             # Drained only to avoid a deadlock, and nothing is expected from it: a peer that
             # finished and left is no error until someone waits on it.
-            self._gone[p] = e.reason
+            self._gone[p] = e
             return False
 
     def _recv_frame(self, p: int) -> bool:
@@ -239,8 +284,17 @@ class Engine:
             if got < HEADER.size:
                 return True
             self._hdr_got[p] = 0
-            magic, _, tag, nbytes = HEADER.unpack(hdr)
+            magic, culprit, tag, nbytes = HEADER.unpack(hdr)
+            if magic == ABORT_MAGIC and nbytes <= _ABORT_TEXT:
+                # The peer gave up: read what it says about who is at fault, then raise.
+                cur = _Recv(p, -1, memoryview(np.empty(nbytes, np.uint8)), None)
+                cur.stash, cur.abort = True, (culprit, tag)
+                self._cur[p] = cur
+                if nbytes == 0:
+                    self._complete(p, cur)
+                return True
             if magic != MAGIC:
+                self.fault = Fault(p, f"sent a corrupt frame header (magic {magic:#x})", self.t.rank)
                 raise CommError(self._describe(f"rank {p} sent a corrupt frame header (magic {magic:#x})", p))
             cur = self._posted[p].pop(tag, None)
             if cur is None:
@@ -262,6 +316,12 @@ class Engine:
 
     def _complete(self, p: int, r: _Recv) -> None:
         self._cur[p] = None
+        if r.abort is not None:
+            culprit, reporter = r.abort
+            what = bytes(r.dst).decode(errors="replace") or "aborted the communicator"
+            if not 0 <= culprit < self.t.world or not 0 <= reporter < self.t.world:
+                culprit, reporter = p, p
+            raise PeerLost(culprit, what, reporter)
         if r.stash:
             self._stash[p][r.tag] = r.dst  # type: ignore[assignment]
             return
@@ -272,6 +332,8 @@ class Engine:
     # ---- errors --------------------------------------------------------------------
     def _check_size(self, peer: int, tag: int, came: int, expected: int) -> None:
         if came != expected:
+            self.fault = Fault(peer, f"sent {came} bytes where rank {self.t.rank} expected {expected} (the ranks "
+                                     "called the collective with different sizes)", self.t.rank)
             raise CommError(self._describe(
                 f"rank {peer} sent {came} bytes for message tag {tag:#x} where this rank expected {expected}: the "
                 "ranks called the collective with different sizes (HELIOS_COMM_DEBUG=1 checks every call)", peer))
@@ -287,6 +349,8 @@ class Engine:
             if b > pending or (peer < 0 and (self._posted[p] or self._sendq[p])):
                 peer, pending = p, b
         stash = {p: sorted(s) for p, s in enumerate(self._stash) if s}
+        if peer >= 0:
+            self.fault = Fault(peer, f"stopped responding (rank {self.t.rank} timed out waiting for it)", self.t.rank)
         hint = f"; early messages parked from {stash}" if stash else ""
         raise CommError(self._describe(
             f"timed out waiting for rank {peer} ({pending} bytes still pending with it){hint}; the peer is stuck, "
@@ -296,6 +360,60 @@ class Engine:
         i = self.info
         return (f"helios.comm: {i.name} #{i.seq} on group {i.group} ({i.nbytes} bytes) failed on rank {self.t.rank}: "
                 f"{what}. The communicator is now unusable: destroy_process_group() and init_process_group() again.")
+
+    def send_abort(self, fault: Fault, budget: float = ABORT_BUDGET) -> None:
+        """Best effort, before the transport closes: tell every peer who is at fault.
+
+        Each link first gets the rest of the frame it is in the middle of (the real bytes,
+        so the peer's framing stays intact), then an abort frame carrying ``fault``.  Links
+        that cannot take it within ``budget`` seconds (a dead or stuck peer) are left as
+        they are: their peers see the connection close instead.  The rank at fault gets a
+        single try (it is most likely gone).  Call it on the thread that
+        ran the failed operation (the engine is not thread-safe).
+        """
+        text = fault.what.encode()[:_ABORT_TEXT]
+        frame = HEADER.pack(ABORT_MAGIC, fault.culprit, fault.reporter, len(text)) + text
+        todo: dict[int, list[memoryview]] = {}
+        for p in range(self.t.world):
+            if p == self.t.rank or p in self._gone or p >= len(self.t.links) or self.t.links[p] is None:
+                continue
+            parts: list[memoryview] = []
+            q = self._sendq[p]
+            if q and (q[0].idx or q[0].off):
+                s = q[0]
+                parts = [s.parts[s.idx][s.off:], *s.parts[s.idx + 1:]]
+            parts.append(memoryview(frame))
+            todo[p] = parts
+        end = time.monotonic() + budget
+        while todo:
+            moved = False
+            for p in list(todo):
+                parts = todo[p]
+                try:
+                    while parts:
+                        k = self.t.links[p].send_some(parts[0])
+                        if k == 0:
+                            break
+                        moved = True
+                        parts[0] = parts[0][k:]
+                        if parts[0].nbytes == 0:
+                            parts.pop(0)
+                except Exception:  # noqa: BLE001 - a dead link: nothing more to tell it
+                    parts.clear()
+                if not parts:
+                    del todo[p]
+            # The rank at fault gets one try, not a wait: it is most likely dead or stuck.
+            todo.pop(fault.culprit, None)
+            left = end - time.monotonic()
+            if not todo or left <= 0:
+                return
+            if not moved:
+                try:
+                    self.t.wait_activity(list(todo), [], min(left, 0.01))
+                except PeerLost as e:
+                    todo.pop(e.peer, None)
+                except Exception:  # noqa: BLE001 - best effort
+                    return
 
     def reset(self) -> None:
         """Forget pending work (after a failure, before the communicator is dropped)."""
@@ -318,9 +436,17 @@ class Transport:
         """Block up to ``timeout`` until a wanted link may make progress (spurious returns are fine)."""
         raise NotImplementedError
 
+    #: whether the engine sends abort frames over the links before ``abort`` (a transport
+    #: with its own way to publish the fault, like shm's abort flag, turns it off)
+    abort_frames = True
+
     def abort(self, reason: str) -> None:
         """Tell peers this rank is giving up, so their waits end now rather than at their deadline."""
         raise NotImplementedError
+
+    def abort_fault(self, fault: Fault, reason: str) -> None:
+        """Abort, publishing ``fault`` where the transport has a place for it (default: plain abort)."""
+        self.abort(reason)
 
     def close(self) -> None:
         """Release sockets, mappings and segments."""

@@ -11,6 +11,7 @@ the process group is re-created.
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 from collections import deque
@@ -19,7 +20,7 @@ from collections.abc import Callable
 import numpy as np
 from helios.comm import algorithms as A
 from helios.comm import cost
-from helios.comm.engine import Engine, OpInfo, PeerLost
+from helios.comm.engine import Engine, Fault, OpInfo, PeerLost
 
 from helios.errors import CommError
 
@@ -167,19 +168,46 @@ class ProcessGroup:
             raise CommError(str(e)) from None
         except BaseException as e:
             reason = str(e) if isinstance(e, CommError) else f"{type(e).__name__}: {e}"
-            self.poison(f"{name} #{seq}: {reason[:300]}")
+            self.poison(f"{name} #{seq}: {reason[:300]}", self._fault_of(e, reason), frames=True)
             if isinstance(e, CommError):
                 raise
             if isinstance(e, PeerLost):
                 raise CommError(self.engine._describe(str(e), e.peer)) from None
             raise
 
-    def poison(self, reason: str) -> None:
-        """Mark the communicator unusable and tell the peers (they stop waiting on us)."""
+    def _fault_of(self, e: BaseException, reason: str) -> Fault:
+        """Who is to blame for exception ``e`` of the running operation (told to the peers in the abort)."""
+        me = self.rank
+        if self.engine.fault is not None:
+            return self.engine.fault
+        tf = getattr(self.t, "fault", None)
+        if isinstance(tf, Fault):
+            return tf
+        if isinstance(e, PeerLost):
+            return Fault.of(e, me)
+        m = re.search(r"timed out waiting for rank (\d+)", reason) if isinstance(e, CommError) else None
+        if m and int(m.group(1)) != me:
+            return Fault(int(m.group(1)), f"stopped responding (rank {me} timed out waiting for it)", me)
+        return Fault(me, f"gave up after its own failure ({reason[:200]})", me)
+
+    def poison(self, reason: str, fault: Fault | None = None, frames: bool = False) -> None:
+        """Mark the communicator unusable and tell the peers (they stop waiting on us).
+
+        ``fault`` (default: this rank's own failure) is what the peers are told about who
+        is to blame.  ``frames``: also send abort frames over the links, which only the
+        thread that ran the failed operation may do.
+        """
         if self.broken is None:
             self.broken = reason
+            if fault is None:
+                fault = Fault(self.rank, f"gave up after its own failure ({reason[:200]})", self.rank)
+            if frames and self.t.abort_frames:
+                try:
+                    self.engine.send_abort(fault)
+                except Exception:  # noqa: BLE001, S110 - best effort: the peers see the links close instead
+                    pass
             try:
-                self.t.abort(reason)
+                self.t.abort_fault(fault, reason)
             except Exception:  # noqa: BLE001, S110 - best effort: the peers still time out on their own
                 pass
             self.engine.reset()

@@ -8,11 +8,12 @@ memory goes away with the last mapping.  Until then, every failure path unlinks 
 Layout (every flag alone on a 64-byte line; a flag is a u64 generation counter followed
 by a u32 sleeper count, see ``native/shm.c``)::
 
-    line 0        header: magic, pid, world, abort flag
+    line 0        header: magic, pid, world, abort flag, culprit + 1, reporter + 1 (who is at fault)
     line 1        doorbell: rung by any peer that moved something this rank may wait on
     line 2        progress: generation counter of the direct collectives
     lines 3..     tail[p]: bytes written into the ring this rank -> p   (written by this rank only)
     lines 3+n..   head[p]: bytes consumed from the ring p -> this rank (written by this rank only)
+    line 3+2n..   abort text: what happened to the culprit (to the end of the control pages)
     rings         one byte ring per peer (this rank -> p), ``HELIOS_SHM_RING_BYTES`` each
     slots         two slots of ``HELIOS_SHM_SLOT_BYTES`` for the direct collectives
 
@@ -32,7 +33,7 @@ import secrets
 import time
 
 import numpy as np
-from helios.comm.engine import Link, PeerLost, Transport
+from helios.comm.engine import Fault, Link, PeerLost, Transport
 
 from helios.errors import CommError
 
@@ -42,6 +43,7 @@ except ImportError:  # pragma: no cover - depends on the build
     _shm = None
 
 LINE = 64
+_ABORT_FLAG = 24  # byte offset of the abort flag in the header line
 MAGIC = 0x48454C494F53484D  # "HELIOSHM"
 SHM_DIR = "/dev/shm"
 
@@ -161,6 +163,7 @@ class ShmTransport(Transport):
     """Shared-memory links and slots among ranks of one host."""
 
     name = "shm"
+    abort_frames = False  # the abort flag in the segment header carries the fault
 
     def __init__(self, store, rank: int, world: int, pids: list[int], token: str, group: str, timeout: float) -> None:
         reason = available()
@@ -174,6 +177,10 @@ class ShmTransport(Transport):
         # the peer needs, so go to the futex almost at once.
         self.spin_ns = _env_int("HELIOS_SHM_SPIN_US", 50 if world <= ncpu else 2) * 1000
         self.ctrl = -(-(3 + 2 * world) * LINE // 4096) * 4096
+        # (3 + 2n) lines are an odd number of lines, so the page-rounded control area always
+        # leaves at least one line after them: the abort text.
+        self.text_off = (3 + 2 * world) * LINE
+        self.fault: Fault | None = None
         self.slots_off = self.ctrl + world * self.ring_bytes
         size = self.slots_off + 2 * self.slot_bytes
         uid = os.getuid()
@@ -246,13 +253,26 @@ class ShmTransport(Transport):
         for r in peers:
             if r == self.rank:
                 continue
-            if int(self.segs[r].u64[3]) != 0:
-                raise PeerLost(r, "aborted the communicator after its own failure")
+            if _shm.load(self.segs[r].base + _ABORT_FLAG) != 0:
+                self._raise(self._aborted(r))
             if not peer_alive(self.pids[r]):
                 if r in self._suspects:
-                    raise PeerLost(r, f"is dead (process {self.pids[r]} exited or was killed)")
+                    self._raise(PeerLost(r, f"is dead (process {self.pids[r]} exited or was killed)"))
                 self._suspects.add(r)
                 self._last_check = 0.0  # look again right after the next progress pass
+
+    def _raise(self, e: PeerLost) -> None:
+        self.fault = Fault.of(e, self.rank)
+        raise e
+
+    def _aborted(self, r: int) -> PeerLost:
+        """What peer ``r``'s abort says: the rank at fault and what happened to it."""
+        u = self.segs[r].u64
+        culprit, reporter = int(u[4]) - 1, int(u[5]) - 1
+        if not 0 <= culprit < self.world or not 0 <= reporter < self.world:
+            return PeerLost(r, "aborted the communicator after its own failure")
+        text = bytes(self.segs[r].arr[self.text_off: self.ctrl]).split(b"\0", 1)[0].decode(errors="replace")
+        return PeerLost(culprit, text or "aborted the communicator", reporter)
 
     def wait_activity(self, send_peers: list[int], recv_peers: list[int], timeout: float) -> None:
         self.check_peers(set(send_peers) | set(recv_peers))
@@ -264,9 +284,17 @@ class ShmTransport(Transport):
         _shm.wait_change(self.my_bell, bell, self.spin_ns, int(min(timeout, 0.05) * 1e9))
 
     def abort(self, reason: str) -> None:
+        self.abort_fault(None, reason)
+
+    def abort_fault(self, fault: Fault | None, reason: str) -> None:
         seg = self.segs[self.rank]
         if seg is not None and seg.u64 is not None:
-            seg.u64[3] = 1
+            if fault is not None and 0 <= fault.culprit < self.world and 0 <= fault.reporter < self.world:
+                cap = self.ctrl - self.text_off
+                seg.arr[self.text_off: self.ctrl] = np.frombuffer(
+                    fault.what.encode()[: cap - 1].ljust(cap, b"\0"), np.uint8)
+                seg.u64[4], seg.u64[5] = fault.culprit + 1, fault.reporter + 1
+            _shm.store(seg.base + _ABORT_FLAG, 1)  # release: the fault above is visible first
             for r in range(self.world):
                 if r != self.rank and self.segs[r] is not None:
                     _shm.ring(self.segs[r].base + LINE)

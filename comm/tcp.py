@@ -16,13 +16,15 @@ import socket
 import struct
 import time
 
-from helios.comm.engine import Link, PeerLost, Transport
+from helios.comm.engine import Fault, Link, PeerLost, Transport
 
 from helios.errors import CommError
 
 _HELLO = struct.Struct("<II16s")  # magic, rank, job token
 _HELLO_MAGIC = 0x48544350
 _BUF = 4 * 1024 * 1024
+_SIOCOUTQ = 0x5411  # bytes in a socket's send queue not yet acknowledged by the peer
+_ABORT_FLUSH = 0.2  # seconds an aborting rank waits for its last bytes (the abort frame) to leave
 
 
 def interface_address(name: str) -> str | None:
@@ -182,7 +184,46 @@ class TcpTransport(Transport):
             pass
 
     def abort(self, reason: str) -> None:
+        self._abort(None)
+
+    def abort_fault(self, fault: Fault, reason: str) -> None:
+        # No point waiting for the rank at fault to take our last bytes: it is likely gone.
+        self._abort(fault.culprit if fault.culprit != self.rank else None)
+
+    def _abort(self, skip: int | None) -> None:
         # Closing every socket makes each peer's next read return EOF: their waits end now.
+        # First a half-close: the FIN follows whatever is still queued (the abort frame the
+        # engine just sent, naming the rank at fault), and the peers' data keeps being read
+        # and dropped until the queue is empty, because closing a socket with unread input
+        # resets the connection and throws away what was not yet transmitted.
+        live = [link for link in self.links if link is not None and link.peer != skip]
+        for link in live:
+            try:
+                link.sock.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+        sink = bytearray(1 << 16)
+        end = time.monotonic() + _ABORT_FLUSH
+        while live and time.monotonic() < end:
+            busy = []
+            for link in live:
+                try:
+                    for _ in range(64):  # bounded: a peer still streaming must not hold us here
+                        if not link.sock.recv_into(sink):
+                            break
+                except (BlockingIOError, InterruptedError):
+                    pass
+                except OSError:
+                    continue  # reset: nothing of ours can still be delivered
+                try:
+                    queued = struct.unpack("i", fcntl.ioctl(link.fd, _SIOCOUTQ, b"\0\0\0\0"))[0]
+                except OSError:
+                    queued = 0
+                if queued:
+                    busy.append(link)
+            live = busy
+            if live:
+                time.sleep(0.002)
         self.close()
 
     def close(self) -> None:

@@ -1,0 +1,183 @@
+"""Fault attribution: a rank that dies mid-collective is the rank every survivor names.
+
+When rank 1 of 3 is SIGKILLed, the survivor that notices first aborts its transport; the
+other survivor may see that abort (a closed socket, a raised flag) before it sees rank 1
+gone.  The abort carries the original culprit, so every survivor's CommError names rank 1
+(``... failed on rank R: rank 1 ... (reported by rank Q)``), and each raises well within
+twice the timeout.  Ranks are this file run as a script, as in test_comm_multiproc.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from helios.comm.launcher import free_port
+
+HERE = os.path.abspath(__file__)
+PY = sys.executable
+
+
+# =============================================================================== rank side
+def rank_loop() -> None:
+    """Loop collectives of every algorithm until a peer dies; print the CommError as JSON."""
+    import helios.comm as dist
+
+    from helios.errors import CommError
+
+    dist.init_process_group(backend=os.environ["TEST_BACKEND"], timeout=float(os.environ["TEST_TIMEOUT"]))
+    r, n = dist.get_rank(), dist.get_world_size()
+    big = np.ones(1 << 18, np.float32)
+    small = np.ones(300, np.float32)
+    out = np.empty(n * 4096, np.float32)
+    dist.all_reduce(big)
+    print("READY", flush=True)
+    k = 0
+    try:
+        while True:
+            alg = ("ring", "tree", "halving_doubling", "auto")[k % 4]
+            big[:] = 1
+            dist.all_reduce(big, algorithm=alg)
+            dist.all_reduce(small, algorithm=alg)
+            dist.all_gather(out, big[:4096], algorithm="auto" if alg == "tree" else alg)
+            dist.broadcast(small, src=k % n)
+            k += 1
+    except CommError as e:
+        t = time.time()
+        print("ERR " + json.dumps({"t": t, "msg": str(e), "rank": r}), flush=True)
+
+
+def rank_relay() -> None:
+    """Rank 2 gives up blaming rank 1 (which is alive); ranks 0 and 1 must hear that it names rank 1."""
+    import helios.comm as dist
+    from helios.comm.engine import Fault
+
+    from helios.errors import CommError
+
+    dist.init_process_group(backend=os.environ["TEST_BACKEND"], timeout=float(os.environ["TEST_TIMEOUT"]))
+    r = dist.get_rank()
+    x = np.ones(1000, np.float32)
+    dist.all_reduce(x)
+    if r == 2:
+        g = dist.api._S.world
+        g.poison("test", Fault(1, "was declared lost by the test", 2), frames=True)
+        print("ERR " + json.dumps({"t": time.time(), "msg": "", "rank": r}), flush=True)
+        return
+    try:
+        while True:
+            dist.all_reduce(x, algorithm=os.environ.get("TEST_ALG", "auto"))
+    except CommError as e:
+        print("ERR " + json.dumps({"t": time.time(), "msg": str(e), "rank": r}), flush=True)
+
+
+# ================================================================================ test side
+def _segments() -> set[str]:
+    return {f for f in os.listdir("/dev/shm") if f.startswith(f"helios-{os.getuid()}-")}
+
+
+def _spawn(n: int, env: dict[str, str], mode: str = "loop") -> list[subprocess.Popen]:
+    port = free_port("127.0.0.1")
+    procs = []
+    for r in range(n):
+        e = dict(os.environ)
+        e.update(RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                 PYTHONUNBUFFERED="1", HELIOS_COMM_SEGMENT_BYTES=str(64 << 10))
+        e.update(env)
+        procs.append(subprocess.Popen([PY, HERE, mode], env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True, cwd=os.path.dirname(HERE)))
+    return procs
+
+
+def _kill_one(backend: str, victim: int, n: int = 3, timeout: float = 3.0) -> list[dict]:
+    before = _segments()
+    procs = _spawn(n, {"TEST_BACKEND": backend, "TEST_TIMEOUT": str(timeout)})
+    try:
+        for p in procs:
+            line = p.stdout.readline()
+            assert "READY" in line, (line, p.stderr.read() if p.poll() is not None else "")
+        time.sleep(0.3)
+        t_kill = time.time()
+        os.kill(procs[victim].pid, signal.SIGKILL)
+        survivors = [p for i, p in enumerate(procs) if i != victim]
+        deadline = time.monotonic() + 4 * timeout + 10
+        res = []
+        for p in survivors:
+            o, e = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            res.append((p.returncode, o, e))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+            for s in (p.stdout, p.stderr):
+                s.close()
+    infos = []
+    for rc, o, e in res:
+        assert rc == 0, e[-2000:]
+        m = re.search(r"ERR (.*)", o)
+        assert m, f"no CommError reported:\n{o}\n{e[-2000:]}"
+        info = json.loads(m.group(1))
+        info["elapsed"] = info["t"] - t_kill
+        infos.append(info)
+    assert _segments() == before, "shared-memory segments left behind"
+    return infos
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("backend", ["tcp", "shm"])
+def test_every_survivor_names_the_killed_rank(backend):
+    timeout = 3.0
+    for attempt in range(2):  # which survivor notices first varies from run to run
+        infos = _kill_one(backend, victim=1, timeout=timeout)
+        assert sorted(i["rank"] for i in infos) == [0, 2]
+        for info in infos:
+            msg = info["msg"]
+            assert info["elapsed"] < 2 * timeout, f"rank {info['rank']} took {info['elapsed']:.2f} s: {msg}"
+            # The part after "failed on rank R:" says who is at fault: rank 1, whoever noticed.
+            m = re.search(r"failed on rank (\d+): rank (\d+) ", msg)
+            assert m, msg
+            assert int(m.group(1)) == info["rank"], msg
+            assert m.group(2) == "1", f"attempt {attempt}: rank {info['rank']} blames rank {m.group(2)}: {msg}"
+            assert re.search(r"(all_reduce|all_gather|broadcast) #\d+ on group world \(\d+ bytes\)", msg), msg
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("backend,alg", [("tcp", "auto"), ("shm", "auto"), ("shm", "ring")])
+def test_abort_relays_the_culprit(backend, alg):
+    """An abort names the rank at fault, not the aborting rank: even that rank itself hears it."""
+    before = _segments()
+    procs = _spawn(3, {"TEST_BACKEND": backend, "TEST_TIMEOUT": "10", "TEST_ALG": alg}, mode="relay")
+    res = []
+    try:
+        for p in procs:
+            o, e = p.communicate(timeout=40)
+            res.append((p.returncode, o, e))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for r, (rc, o, e) in enumerate(res):
+        assert rc == 0 and "ERR" in o, f"rank {r}: {o}\n{e[-2000:]}"
+        if r == 2:
+            continue
+        msg = json.loads(re.search(r"ERR (.*)", o).group(1))["msg"]
+        assert f"failed on rank {r}: rank 1 was declared lost by the test (reported by rank 2)" in msg, msg
+    assert _segments() == before, "shared-memory segments left behind"
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "loop":
+        rank_loop()
+    elif sys.argv[1] == "relay":
+        rank_relay()
+    else:
+        raise SystemExit(f"unknown mode {sys.argv[1]}")

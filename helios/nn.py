@@ -72,12 +72,15 @@ class Module:
 
     def named_parameters(self, prefix: str = ""):
         """(name, parameter) pairs, each parameter once (tied weights under their first name)."""
+        return self._named_tensors("_parameters", prefix)
+
+    def _named_tensors(self, table: str, prefix: str):
         seen = set()
         for mname, m in self.named_modules(prefix):
-            for pname, p in m._parameters.items():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    yield (f"{mname}.{pname}" if mname else pname), p
+            for tname, t in getattr(m, table).items():
+                if id(t) not in seen:
+                    seen.add(id(t))
+                    yield (f"{mname}.{tname}" if mname else tname), t
 
     def parameters(self):
         for _, p in self.named_parameters():
@@ -85,12 +88,7 @@ class Module:
 
     def named_buffers(self, prefix: str = ""):
         """(name, tensor) pairs of every registered buffer, each once."""
-        seen = set()
-        for mname, m in self.named_modules(prefix):
-            for bname, b in m._buffers.items():
-                if id(b) not in seen:
-                    seen.add(id(b))
-                    yield (f"{mname}.{bname}" if mname else bname), b
+        return self._named_tensors("_buffers", prefix)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -35,15 +35,11 @@ def run_ranks(argv: list[str], world: int, timeout: float = 120.0, env: dict | N
 
     ``argv_per_rank(rank, argv)``, when given, returns the arguments of one rank (to start
     ranks with different settings on purpose)."""
-    port = free_port()
-    job = secrets.token_hex(4)
+    port, job = free_port(), secrets.token_hex(4)
     procs = []
     files = []
     for r in range(world):
-        e = dict(os.environ)
-        e.update(RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
-                 MASTER_PORT=str(port), HELIOS_JOB_ID=job, LP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        e.update(env or {})
+        e = _rank_env(r, world, port, job, env)
         fo = open(_tmp(job, r, "out"), "w+")
         fe = open(_tmp(job, r, "err"), "w+")
         files.append((fo, fe))
@@ -73,14 +69,10 @@ def run_ranks(argv: list[str], world: int, timeout: float = 120.0, env: dict | N
 
 def start_ranks(argv: list[str], world: int, env: dict | None = None, cwd: str | None = None) -> list[subprocess.Popen]:
     """Start ``python argv...`` as ranks 0..world-1 without waiting (stdout and stderr piped, as text)."""
-    port = free_port()
-    job = secrets.token_hex(4)
+    port, job = free_port(), secrets.token_hex(4)
     procs = []
     for r in range(world):
-        e = dict(os.environ)
-        e.update(RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
-                 MASTER_PORT=str(port), HELIOS_JOB_ID=job, LP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        e.update(env or {})
+        e = _rank_env(r, world, port, job, env)
         procs.append(subprocess.Popen([sys.executable, *argv], env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True, cwd=cwd or ROOT, start_new_session=True))
     return procs
@@ -92,6 +84,15 @@ def kill_all(procs: list[subprocess.Popen]) -> None:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
         p.wait()
+
+
+def _rank_env(rank: int, world: int, port: int, job: str, extra: dict | None) -> dict:
+    """The environment of one rank: this process's, the launch variables, then ``extra``."""
+    e = dict(os.environ)
+    e.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+             MASTER_PORT=str(port), HELIOS_JOB_ID=job, LP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    e.update(extra or {})
+    return e
 
 
 def _tmp(job: str, rank: int, kind: str) -> str:

@@ -6,11 +6,19 @@
     helios-run --nproc-per-node 8 --nnodes 2 --node-rank 0 --master-addr node01 --master-port 29500 train.py
 
 Each rank gets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``,
-``MASTER_ADDR``, ``MASTER_PORT``, ``HELIOS_JOB_ID`` and ``HELIOS_LAUNCHER=1``.  Every line a
+``MASTER_ADDR``, ``MASTER_PORT``, ``HELIOS_JOB_ID``, ``HELIOS_LAUNCHER=1``,
+``HELIOS_RESTART_COUNT`` (0 on the first run) and ``HELIOS_MAX_RESTARTS``.  Every line a
 rank prints is prefixed with ``[rank R]``.  SIGINT, SIGTERM and SIGHUP are forwarded to
 every rank.  When a rank fails, the others get SIGTERM, then SIGKILL after ``--grace``
-seconds, and helios-run exits with the failed rank's exit code (128 + signal number when
-a signal killed it), after naming the rank and what ended it.
+seconds (the process groups of every rank, so what a rank started goes too), the
+shared-memory segments the ranks left are removed, and helios-run exits with the failed
+rank's exit code (128 + signal number when a signal killed it), after naming the rank and
+what ended it.
+
+``--max-restarts K``: instead of exiting, start the whole job again (on one host with a
+fresh ``MASTER_PORT``), at most K times, with ``HELIOS_RESTART_COUNT`` counting the
+restarts so the program can resume from its checkpoint.  A signal sent to helios-run
+(Ctrl-C, SIGTERM, SIGHUP) is forwarded and never leads to a restart.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import os
 import secrets
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -65,27 +74,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--master-port", type=int, default=None,
                    help="store port on node 0 (default: a free port on one host, 29500 across hosts)")
     p.add_argument("--grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL when stopping ranks")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="when a rank fails, stop the job and start it again up to this many times (default 0); "
+                        "the ranks see HELIOS_RESTART_COUNT (0 on the first run) and resume from their checkpoint")
     p.add_argument("-m", dest="module", action="store_true", help="run the target as a module (python -m)")
     p.add_argument("script", help="the Python script (or module with -m)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the script")
     a = p.parse_args(argv)
     if a.nproc_per_node < 1 or a.nnodes < 1 or not 0 <= a.node_rank < a.nnodes:
         p.error("need --nproc-per-node >= 1, --nnodes >= 1 and 0 <= --node-rank < --nnodes")
+    if a.max_restarts < 0:
+        p.error("--max-restarts must be >= 0")
     if a.nnodes > 1 and not a.master_addr:
         p.error("--master-addr is required with --nnodes > 1 (the address of node 0)")
     return a
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of helios-run; returns (and exits with) the job's exit status."""
-    a = parse_args(argv)
-    world = a.nproc_per_node * a.nnodes
-    addr = a.master_addr or "127.0.0.1"
-    port = a.master_port if a.master_port is not None else (29500 if a.nnodes > 1 else free_port())
-    job = os.environ.get("HELIOS_JOB_ID") or os.environ.get("SLURM_JOB_ID") or (
-        secrets.token_hex(4) if a.nnodes == 1 else f"{addr}:{port}")
+def _launch(a: argparse.Namespace, world: int, addr: str, port: int, job: str, attempt: int, shm_prefix: str,
+            lock: threading.Lock) -> tuple[list[subprocess.Popen], list[threading.Thread]]:
+    """Start this host's ranks (attempt ``attempt`` of the job) and the threads that prefix their output."""
     target = ["-m", a.script] if a.module else [a.script]
-    lock = threading.Lock()
     procs: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
     for local in range(a.nproc_per_node):
@@ -93,7 +101,9 @@ def main(argv: list[str] | None = None) -> int:
         env = dict(os.environ)
         env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local),
                    LOCAL_WORLD_SIZE=str(a.nproc_per_node), GROUP_RANK=str(a.node_rank), MASTER_ADDR=addr,
-                   MASTER_PORT=str(port), HELIOS_JOB_ID=job, HELIOS_LAUNCHER="1", PYTHONUNBUFFERED="1")
+                   MASTER_PORT=str(port), HELIOS_JOB_ID=job, HELIOS_LAUNCHER="1", PYTHONUNBUFFERED="1",
+                   HELIOS_RESTART_COUNT=str(attempt), HELIOS_MAX_RESTARTS=str(a.max_restarts),
+                   HELIOS_SHM_PREFIX=shm_prefix)
         # Own session per rank: a terminal's Ctrl-C reaches helios-run once, which forwards it
         # once, and killing a rank's process group also ends what that rank started.
         p = subprocess.Popen([sys.executable, *target, *a.args], env=env, stdout=subprocess.PIPE,
@@ -103,21 +113,67 @@ def main(argv: list[str] | None = None) -> int:
             t = threading.Thread(target=_pump, args=(stream, out, f"[rank {rank}] ".encode(), lock), daemon=True)
             t.start()
             pumps.append(t)
+    return procs, pumps
 
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of helios-run; returns (and exits with) the job's exit status."""
+    a = parse_args(argv)
+    world = a.nproc_per_node * a.nnodes
+    addr = a.master_addr or "127.0.0.1"
+    first_port = a.master_port if a.master_port is not None else (29500 if a.nnodes > 1 else free_port())
+    job = os.environ.get("HELIOS_JOB_ID") or os.environ.get("SLURM_JOB_ID") or (
+        secrets.token_hex(4) if a.nnodes == 1 else f"{addr}:{first_port}")
+    lock = threading.Lock()
     received: list[int] = []
+    procs: list[subprocess.Popen] = []  # the running attempt's ranks (the signal handler reads it)
 
     def forward(signum: int, _frame) -> None:
         received.append(signum)
-        for p in procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signum)
-                except ProcessLookupError:
-                    pass
+        _signal_groups(procs, signum, running_only=True)
 
     for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(s, forward)
 
+    attempt = 0
+    while True:
+        if received:  # a signal came while the job was being torn down for a restart
+            sys.stderr.write(f"helios-run: got {signal.Signals(received[0]).name}; not restarting the job.\n")
+            return 128 + received[0]
+        # A relaunch on one host takes a fresh store port: the old one may linger in TIME_WAIT.
+        port = first_port if attempt == 0 or a.master_port is not None or a.nnodes > 1 else free_port()
+        shm_prefix = secrets.token_hex(4)  # names this attempt's shared-memory segments
+        started, pumps = _launch(a, world, addr, port, job, attempt, shm_prefix, lock)
+        procs[:] = started
+        if received:  # a signal that came while the ranks were starting
+            _signal_groups(procs, received[0], running_only=True)
+        failed = _watch(procs, a, received)
+        if failed is not None or received:
+            # Whatever the ranks left behind: processes they started, segments they never unlinked.
+            if received:
+                _stop(procs, a.grace, every_group=True)
+            _remove_segments([p.pid for p in procs], shm_prefix)
+        for t in pumps:
+            t.join(timeout=2.0)
+        if failed is None:
+            return 128 + received[0] if received else 0
+        rank, code = failed
+        pid = procs[rank - a.node_rank * a.nproc_per_node].pid
+        if received or attempt >= a.max_restarts:
+            sys.stderr.write(f"helios-run: rank {rank} (pid {pid}) {_describe(code)}; stopped the other ranks.\n")
+            sys.stderr.flush()
+            return code if code > 0 else 128 - code
+        attempt += 1
+        sys.stderr.write(f"helios-run: rank {rank} (pid {pid}) {_describe(code)}; restarting the job "
+                         f"(restart {attempt} of {a.max_restarts})\n")
+        sys.stderr.flush()
+
+
+def _watch(procs: list[subprocess.Popen], a: argparse.Namespace, received: list[int]) -> tuple[int, int] | None:
+    """Wait for every rank to end; on the first failure (not caused by a forwarded signal) stop the others.
+
+    Returns ``(rank, exit code)`` of the rank that failed first, or None.
+    """
     failed: tuple[int, int] | None = None
     while True:
         codes = [p.poll() for p in procs]
@@ -127,43 +183,92 @@ def main(argv: list[str] | None = None) -> int:
                     failed = (a.node_rank * a.nproc_per_node + i, c)
                     break
             if failed is not None:
-                _stop(procs, a.grace)
+                _stop(procs, a.grace, every_group=True)
                 continue
         if all(c is not None for c in codes):
-            break
+            return failed
         time.sleep(0.05)
-    for t in pumps:
-        t.join(timeout=2.0)
-    if failed is not None:
-        rank, code = failed
-        pid = procs[rank - a.node_rank * a.nproc_per_node].pid
-        sys.stderr.write(f"helios-run: rank {rank} (pid {pid}) {_describe(code)}; stopped the other ranks.\n")
-        sys.stderr.flush()
-        return code if code > 0 else 128 - code
-    if received:
-        return 128 + received[0]
-    return 0
 
 
-def _signal_running(procs: list[subprocess.Popen], sig: int) -> None:
-    """Send ``sig`` to the process group of every rank still running."""
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _signal_groups(procs: list[subprocess.Popen], sig: int, running_only: bool = False) -> None:
+    """Send ``sig`` to the process group of every rank (only of the ranks still running with ``running_only``).
+
+    A rank's group is its own session (pgid = its pid), so this reaches what the rank started
+    too, even after the rank itself has exited.
+    """
     for p in procs:
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, sig)
-            except ProcessLookupError:
-                pass
+        if running_only and p.poll() is not None:
+            continue
+        try:
+            os.killpg(p.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
-def _stop(procs: list[subprocess.Popen], grace: float) -> None:
-    """SIGTERM every running rank's group, give them ``grace`` seconds, then SIGKILL and reap."""
-    _signal_running(procs, signal.SIGTERM)
+def _stop(procs: list[subprocess.Popen], grace: float, every_group: bool = False) -> None:
+    """SIGTERM every running rank's group, give them ``grace`` seconds, then SIGKILL and reap.
+
+    ``every_group``: also the groups of ranks that already exited (what they started), and wait
+    (a few seconds at most) until every group is empty, so nothing outlives the job.
+    """
+    _signal_groups(procs, signal.SIGTERM, running_only=not every_group)
+
+    def busy() -> bool:
+        running = [p.poll() is None for p in procs]  # poll() also reaps an exited leader
+        return any(running) or (every_group and any(_group_alive(p.pid) for p in procs))
+
     deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+    while time.monotonic() < deadline and busy():
         time.sleep(0.05)
-    _signal_running(procs, signal.SIGKILL)
+    _signal_groups(procs, signal.SIGKILL, running_only=not every_group)
     for p in procs:
         p.wait()
+    if every_group:
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline and any(_group_alive(p.pid) for p in procs):
+            time.sleep(0.02)
+
+
+def _remove_segments(pids: list[int], prefix: str) -> None:
+    """Unlink the shared-memory segments that an attempt's ranks (all dead now) left in /dev/shm.
+
+    A rank unlinks its segment's name once every peer has mapped it; one killed before that
+    leaves the name behind.  This attempt's segments are those named with ``prefix`` (the
+    ``HELIOS_SHM_PREFIX`` its ranks got) or whose header holds one of ``pids``.
+    """
+    from helios.comm import shm
+
+    start = f"helios-{os.getuid()}-"
+    mine = set(pids)
+    try:
+        names = [n for n in os.listdir(shm.SHM_DIR) if n.startswith(start)]
+    except OSError:
+        return
+    for n in names:
+        path = os.path.join(shm.SHM_DIR, n)
+        ours = n.startswith(start + prefix)
+        if not ours:
+            try:
+                with open(path, "rb") as f:
+                    head = f.read(16)
+            except OSError:
+                continue
+            ours = len(head) == 16 and struct.unpack("<QQ", head) in {(shm.MAGIC, pid) for pid in mine}
+        if ours:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
 
 
 if __name__ == "__main__":

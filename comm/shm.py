@@ -320,5 +320,13 @@ class ShmTransport(Transport):
 
 
 def new_token() -> str:
-    """A short random job token for segment names."""
-    return secrets.token_hex(6)
+    """A short random job token for segment names.
+
+    Under helios-run it starts with ``HELIOS_SHM_PREFIX`` (hex, one per launch attempt), so
+    the launcher can remove every segment of an attempt whose ranks died before unlinking
+    them, even one whose header was never written.
+    """
+    prefix = os.environ.get("HELIOS_SHM_PREFIX", "")
+    if not (prefix.isalnum() and prefix.isascii() and len(prefix) <= 16):
+        prefix = ""
+    return prefix + secrets.token_hex(3 if prefix else 6)

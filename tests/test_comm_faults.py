@@ -5,6 +5,9 @@ other survivor may see that abort (a closed socket, a raised flag) before it see
 gone.  The abort carries the original culprit, so every survivor's CommError names rank 1
 (``... failed on rank R: rank 1 ... (reported by rank Q)``), and each raises well within
 twice the timeout.  Ranks are this file run as a script, as in test_comm_multiproc.py.
+
+Also ``helios-run --max-restarts``: a failed rank restarts the whole job (fresh port,
+``HELIOS_RESTART_COUNT``), with no process or shared-memory segment outliving an attempt.
 """
 
 from __future__ import annotations
@@ -147,6 +150,140 @@ def test_every_survivor_names_the_killed_rank(backend):
             assert int(m.group(1)) == info["rank"], msg
             assert m.group(2) == "1", f"attempt {attempt}: rank {info['rank']} blames rank {m.group(2)}: {msg}"
             assert re.search(r"(all_reduce|all_gather|broadcast) #\d+ on group world \(\d+ bytes\)", msg), msg
+
+
+# ============================================================= helios-run --max-restarts
+# Attempt 0: rank 1 fails (how: the first argument), the others wait in a collective or in
+# setup.  Attempt 1: every rank all-reduces, checks the sum and says "done".
+_RESTART_JOB = """
+import os, signal, subprocess, sys
+import numpy as np
+import helios.comm as dist
+from helios.comm import shm
+
+how = sys.argv[1]
+attempt = int(os.environ["HELIOS_RESTART_COUNT"])
+rank = int(os.environ["RANK"])
+print("attempt", attempt, "port", os.environ["MASTER_PORT"], "of", os.environ["HELIOS_MAX_RESTARTS"], flush=True)
+doomed = attempt == 0 and rank == 1
+if doomed:
+    child = subprocess.Popen(["sleep", "120"])  # must not outlive the job
+    print("child", child.pid, flush=True)
+    if how == "setup":
+        # Die right after creating this rank's shared-memory segment, before any peer mapped
+        # it: its name stays in /dev/shm, and the peers' too (SIGTERM kills them in setup).
+        real = shm.Segment.__init__
+        def dying(self, path, size, create):
+            real(self, path, size, create)
+            if create:
+                os.kill(os.getpid(), signal.SIGKILL)
+        shm.Segment.__init__ = dying
+dist.init_process_group(backend="shm", timeout=30)
+x = np.full(5, rank + 1, np.int64)
+dist.all_reduce(x)
+if doomed:
+    if how == "exit":
+        os._exit(7)
+    os.kill(os.getpid(), signal.SIGKILL)
+if attempt == 0:
+    dist.all_reduce(x)  # a peer is dead: CommError (or the launcher's SIGTERM first)
+assert (x == sum(range(1, dist.get_world_size() + 1))).all(), x
+dist.destroy_process_group()
+print("done", attempt, flush=True)
+"""
+
+
+def _alive(pid: int) -> bool:
+    from helios.comm.shm import peer_alive
+
+    return peer_alive(pid)
+
+
+def _run_launcher(tmp_path, how: str, restarts: int, n: int = 3) -> tuple[subprocess.CompletedProcess, float]:
+    script = tmp_path / "job.py"
+    script.write_text(_RESTART_JOB)
+    t0 = time.monotonic()
+    p = subprocess.run([PY, "-m", "helios.comm.launcher", "--nproc-per-node", str(n), "--grace", "2",
+                        "--max-restarts", str(restarts), str(script), how],
+                       capture_output=True, text=True, timeout=90, cwd=tmp_path, check=False)
+    return p, time.monotonic() - t0
+
+
+def _no_leftovers(out: str, before: set[str]) -> None:
+    for pid in map(int, re.findall(r"\[rank 1\] child (\d+)", out)):
+        deadline = time.monotonic() + 5
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(pid), f"process {pid}, started by a failed rank, outlived the job"
+    assert _segments() == before, f"shared-memory segments left behind: {_segments() - before}"
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("how,died", [("kill", "was killed by SIGKILL"), ("exit", "exited with code 7"),
+                                      ("setup", "was killed by SIGKILL")])
+def test_launcher_restarts_the_job_after_a_rank_fails(tmp_path, how, died):
+    before = _segments()
+    p, took = _run_launcher(tmp_path, how, restarts=2)
+    out, err = p.stdout, p.stderr
+    assert p.returncode == 0, (out, err)
+    assert len(re.findall(r"restarting the job", err)) == 1, err
+    assert re.search(rf"helios-run: rank 1 \(pid \d+\) {died}; restarting the job \(restart 1 of 2\)", err), err
+    for r in range(3):
+        assert f"[rank {r}] attempt 0 port" in out and f"[rank {r}] attempt 1 port" in out, out
+        assert f"[rank {r}] done 1" in out and f"[rank {r}] done 0" not in out, out
+    ports = {int(m) for m in re.findall(r"attempt \d port (\d+) of 2", out)}
+    assert len(ports) == 2, f"a restart on one host takes a fresh MASTER_PORT: {ports}"
+    assert "attempt 2" not in out
+    assert took < 45
+    _no_leftovers(out, before)
+
+
+@pytest.mark.multiproc
+def test_launcher_without_restarts_exits_naming_the_rank(tmp_path):
+    before = _segments()
+    p, _ = _run_launcher(tmp_path, "kill", restarts=0)
+    assert p.returncode == 128 + signal.SIGKILL, (p.stdout, p.stderr)
+    assert re.search(r"helios-run: rank 1 \(pid \d+\) was killed by SIGKILL; stopped the other ranks", p.stderr), \
+        p.stderr
+    assert "restarting" not in p.stderr and "attempt 1" not in p.stdout
+    _no_leftovers(p.stdout, before)
+
+
+@pytest.mark.multiproc
+def test_launcher_restarts_run_out(tmp_path):
+    """A rank that fails on every attempt: K restarts, then helios-run exits with its code."""
+    script = tmp_path / "job.py"
+    script.write_text("import os, sys\nprint('attempt', os.environ['HELIOS_RESTART_COUNT'], flush=True)\n"
+                      "sys.exit(5 if os.environ['RANK'] == '1' else 0)\n")
+    p = subprocess.run([PY, "-m", "helios.comm.launcher", "--nproc-per-node", "2", "--max-restarts", "2",
+                        str(script)], capture_output=True, text=True, timeout=60, cwd=tmp_path, check=False)
+    assert p.returncode == 5, (p.stdout, p.stderr)
+    assert re.findall(r"restart (\d) of 2", p.stderr) == ["1", "2"], p.stderr
+    assert re.search(r"rank 1 \(pid \d+\) exited with code 5; stopped the other ranks", p.stderr), p.stderr
+    assert sorted(re.findall(r"\[rank 1\] attempt (\d)", p.stdout)) == ["0", "1", "2"], p.stdout
+
+
+@pytest.mark.multiproc
+def test_launcher_sigterm_never_restarts(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text("import os, time\nprint('ready', os.environ['HELIOS_RESTART_COUNT'], flush=True)\n"
+                      "time.sleep(60)\n")  # the default SIGTERM action: killed by the signal
+    p = subprocess.Popen([PY, "-m", "helios.comm.launcher", "--nproc-per-node", "2", "--max-restarts", "3",
+                          str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        seen = 0
+        while seen < 2:
+            line = p.stdout.readline()
+            assert line, p.stderr.read()
+            seen += "ready 0" in line
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 128 + signal.SIGTERM, (out, err)
+    assert "restarting" not in err and "ready 1" not in out, (out, err)
 
 
 @pytest.mark.multiproc

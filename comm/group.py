@@ -6,6 +6,10 @@ goes to the communicator's worker thread and a :class:`Work` handle tracks it.  
 failure inside an operation aborts the transport (peers' waits end at once instead of at
 their deadline) and poisons the communicator: every later call raises CommError until
 the process group is re-created.
+
+While a profiling session is open (``helios.profile.profile()``), every operation is
+recorded in its collector (``Collector.record_comm``): name, group, sequence number, bytes,
+host start and end, the thread it ran on, whether it was issued with ``async_op=True``.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import numpy as np
 from helios.comm import algorithms as A
 from helios.comm import cost
 from helios.comm.engine import Engine, Fault, OpInfo, PeerLost
+from helios.profile import profiler as _prof
 
 from helios.errors import CommError
 
@@ -78,8 +83,9 @@ class ProcessGroup:
         self._p2p_recv = [0] * self.size
         self.broken: str | None = None
         self._cv = threading.Condition()
-        self._queue: deque[tuple[Callable[[], None], Work]] = deque()
+        self._queue: deque[tuple[Callable[[], None], Work, bool, int]] = deque()
         self._running = False
+        self._op_async, self._op_issued = False, 0  # of the operation running now (for the profiler)
         self._worker: threading.Thread | None = None
         self._closing = False
 
@@ -94,14 +100,16 @@ class ProcessGroup:
     # ---- execution -----------------------------------------------------------------------
     def submit(self, name: str, fn: Callable[[], None], async_op: bool) -> Work | None:
         """Run ``fn`` in issue order; return a Work when ``async_op``."""
+        issued = time.monotonic_ns() if _prof._ACTIVE is not None else 0
         with self._cv:
             self._check_usable()
             inline = not async_op and not self._queue and not self._running
             if inline:
                 self._running = True
+                self._op_async, self._op_issued = False, issued
             else:
                 work = Work(name)
-                self._queue.append((fn, work))
+                self._queue.append((fn, work, async_op, issued))
                 if self._worker is None:
                     self._worker = threading.Thread(target=self._work_loop, name=f"helios-comm-{self.name}", daemon=True)
                     self._worker.start()
@@ -126,7 +134,7 @@ class ProcessGroup:
                     self._cv.wait()
                 if self._closing and not self._queue:
                     return
-                fn, work = self._queue.popleft()
+                fn, work, self._op_async, self._op_issued = self._queue.popleft()
                 self._running = True
             try:
                 fn()
@@ -148,6 +156,21 @@ class ProcessGroup:
     def run_op(self, name: str, nbytes: int, body: Callable[[A.Ctx], None], desc: str, p2p: bool = False) -> None:
         """Execute one operation with a fresh deadline, sequence number and error handling."""
         self._check_usable()
+        col = _prof._ACTIVE  # current_collector(), without the call
+        if col is None:
+            self._run_op(name, nbytes, body, desc, p2p)
+            return
+        seq, t0, ok = self.seq, time.monotonic_ns(), False
+        try:
+            self._run_op(name, nbytes, body, desc, p2p)
+            ok = True
+        finally:
+            t1 = time.monotonic_ns()
+            col.record_comm(name, self.name, seq, nbytes, t0, t1, async_op=self._op_async,
+                            issue_ns=min(self._op_issued or t0, t0), ok=ok, backend=self.backend, p2p=p2p)
+            self._op_async, self._op_issued = False, 0
+
+    def _run_op(self, name: str, nbytes: int, body: Callable[[A.Ctx], None], desc: str, p2p: bool) -> None:
         seq = self.seq
         if not p2p:
             self.seq += 1

@@ -24,7 +24,11 @@ The runtime contract (for the tensor layer and the Vulkan/CUDA backends)
    order, which equals recording order as long as steps 2 and 4 see every dispatch.
 5. **Memory**: ``col.record_memory(time_ns, pool, in_use_bytes)`` when a pool's use changes
    (or at each synchronize).
-6. **Start/stop**: the backend registers ``register_runtime_hooks(on_start, on_stop)`` once.
+6. **Collectives** (helios.comm calls this, from whichever thread ran the operation):
+   ``col.record_comm(name, group, seq, nbytes, start_ns, end_ns, async_op=..., ...)`` once
+   per collective or point-to-point operation; ``col.comm_events()`` lists them and
+   ``col.comm_total_ns`` / ``col.comm_ns_since(t_ns)`` total their time.
+7. **Start/stop**: the backend registers ``register_runtime_hooks(on_start, on_stop)`` once.
    ``on_start(col)`` runs when a session opens (synchronize, so no earlier dispatch
    lands in it, then enable timestamps); ``on_stop(col)`` runs before it closes
    (synchronize, push the last events, disable timestamps).
@@ -37,6 +41,7 @@ from __future__ import annotations
 
 import itertools
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -87,6 +92,43 @@ def _shape_text(shape: Any) -> str:
     return str(shape)
 
 
+@dataclass(frozen=True)
+class CommEvent:
+    """One collective or point-to-point operation as helios.comm ran it (host ``CLOCK_MONOTONIC`` ns).
+
+    ``seq`` is the group's collective sequence number (a point-to-point operation, ``p2p``,
+    carries the number of the next collective).  ``issue_ns`` is when the caller issued it;
+    it is earlier than ``start_ns`` when the operation waited in the group's queue.
+    ``thread`` / ``thread_id`` name the thread it ran on (the caller's, or the group's comm
+    worker for ``async_op=True`` and for operations queued behind one).  ``ok`` is False
+    when it raised.
+    """
+
+    name: str
+    group: str
+    seq: int
+    nbytes: int
+    start_ns: int
+    end_ns: int
+    async_op: bool = False
+    thread: str = ""
+    thread_id: int = 0
+    issue_ns: int = 0
+    ok: bool = True
+    backend: str = ""
+    p2p: bool = False
+
+    @property
+    def duration_ns(self) -> int:
+        """How long the operation ran."""
+        return max(0, self.end_ns - self.start_ns)
+
+    @property
+    def gbytes_per_s(self) -> float | None:
+        """Operand bytes over the duration (10^9 bytes/s); None for a zero-length interval."""
+        return self.nbytes / self.duration_ns if self.duration_ns > 0 else None
+
+
 class Collector:
     """Receives what the runtime records during one profiling session (see the module docstring)."""
 
@@ -105,6 +147,10 @@ class Collector:
         # itertools.count's next() is atomic under the GIL: safe from several recording threads.
         self._dispatch_counter = itertools.count()
         self._events_seen = 0
+        # Collectives arrive from comm worker threads: guarded by a lock.
+        self._comm_lock = threading.Lock()
+        self._comm: list[CommEvent] = []
+        self._comm_ns = 0
 
     def next_dispatch_seq(self) -> int:
         """Number the next dispatch (0, 1, 2, ...). Call once per dispatch recorded."""
@@ -143,6 +189,49 @@ class Collector:
     def record_step(self, rec: StepRecord) -> None:
         """Record a finished step (StepTimer calls this)."""
         self.steps.append(rec)
+
+    def record_comm(self, name: str, group: str, seq: int, nbytes: int, start_ns: int, end_ns: int, *,
+                    async_op: bool = False, thread: str | None = None, thread_id: int | None = None,
+                    issue_ns: int | None = None, ok: bool = True, backend: str = "", p2p: bool = False) -> None:
+        """Record one collective or point-to-point operation (thread-safe; see :class:`CommEvent`).
+
+        ``thread`` / ``thread_id`` default to the calling thread, ``issue_ns`` to ``start_ns``.
+        """
+        if thread is None or thread_id is None:
+            cur = threading.current_thread()
+            thread = cur.name if thread is None else thread
+            thread_id = threading.get_native_id() if thread_id is None else thread_id
+        ev = CommEvent(str(name), str(group), int(seq), int(nbytes), int(start_ns), int(end_ns), bool(async_op),
+                       str(thread), int(thread_id), int(start_ns if issue_ns is None else issue_ns), bool(ok),
+                       str(backend), bool(p2p))
+        with self._comm_lock:
+            self._comm.append(ev)
+            self._comm_ns += ev.duration_ns
+
+    def comm_events(self) -> list[CommEvent]:
+        """The collectives recorded so far, by start time (a copy: safe while comm threads record)."""
+        with self._comm_lock:
+            evs = list(self._comm)
+        return sorted(evs, key=lambda e: (e.start_ns, e.end_ns))
+
+    @property
+    def comm_total_ns(self) -> int:
+        """Running total of the time of every collective recorded so far (ns), counted when each ends.
+
+        Take it at a mark and subtract later for "collective time since the mark".  It sums
+        durations: operations of one group never overlap, those of two groups may.
+        """
+        with self._comm_lock:
+            return self._comm_ns
+
+    def comm_ns_since(self, t_ns: int) -> int:
+        """Collective time (ns, summed over operations) after ``t_ns`` on the session clock.
+
+        An operation that started before ``t_ns`` counts from ``t_ns``; one still running is
+        not recorded yet and does not count.
+        """
+        with self._comm_lock:
+            return sum(max(0, e.end_ns - max(e.start_ns, t_ns)) for e in self._comm)
 
     def op_of_dispatch(self) -> dict[int, HostOpRecord]:
         """Map ``dispatch_seq`` -> the host op that recorded it."""

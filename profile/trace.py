@@ -10,6 +10,10 @@ Layout of a Helios trace
   dispatch is an ``X`` slice at its *device* time (args: op, shape, dtype, FLOPs,
   bytes, GFLOP/s, GB/s, submit, dispatch_seq) and a thread "queue Q: submits"
   with one slice per submission, from host submit to the host seeing its fence.
+* process 1 also has the thread "collectives": one ``X`` slice (category "comm") per
+  collective or point-to-point operation helios.comm ran, from its host start to its end
+  (args: group, seq, bytes, async, thread, thread_id, backend, GB/s, queued_us = time
+  between issue and start, ok, p2p).
 * flow arrows (``s`` -> ``f``, category "dispatch", id = dispatch_seq) from the
   host op that recorded a dispatch to the slice where it ran.
 * ``M`` metadata events name and order every process and thread.
@@ -36,6 +40,7 @@ HOST_PID = 1
 DEVICE_PID = 2
 TID_OPS = 1
 TID_STEPS = 1000
+TID_COMM = 2000  # "collectives" (+ lane)
 # Device threads: queue q kernels at 10000*(q+1) + lane, submits at 10000*(q+1) + 5000 + lane.
 
 
@@ -70,6 +75,8 @@ def build_trace(col: Collector, process_name: str = "helios") -> dict[str, Any]:
     times += [ev.start_ns for ev in col.events] + [ev.host_record_ns for ev in col.events]
     times += [s.host_submit_ns for s in col.submits] + [m.time_ns for m in col.memory]
     times += [r.start_ns for r in col.steps]
+    comm = col.comm_events()
+    times += [c.start_ns for c in comm]
     t0 = min(times)
 
     def us(ns: int) -> float:
@@ -111,6 +118,19 @@ def build_trace(col: Collector, process_name: str = "helios") -> dict[str, Any]:
         for sp in rec.spans:
             ev_out.append({"ph": "X", "cat": "phase", "name": sp.name, "pid": HOST_PID, "tid": TID_STEPS,
                            "ts": us(sp.start_ns), "dur": dur(sp.start_ns, sp.end_ns), "args": {"step": rec.step}})
+
+    # Collectives, on their own track (lanes where operations of two groups overlap).
+    comm_lanes = _assign_lanes([(c.start_ns, max(c.end_ns, c.start_ns)) for c in comm])
+    for c, lane in zip(comm, comm_lanes):
+        tid = TID_COMM + lane
+        threads[(HOST_PID, tid)] = ("collectives" + (f" (lane {lane})" if lane else ""), tid)
+        args = {"group": c.group, "seq": c.seq, "bytes": c.nbytes, "async": c.async_op, "thread": c.thread,
+                "thread_id": c.thread_id, "backend": c.backend, "GB/s": _rate(c.nbytes, c.duration_ns),
+                "queued_us": dur(c.issue_ns, c.start_ns), "ok": c.ok}
+        if c.p2p:
+            args["p2p"] = True
+        ev_out.append({"ph": "X", "cat": "comm", "name": c.name, "pid": HOST_PID, "tid": tid,
+                       "ts": us(c.start_ns), "dur": dur(c.start_ns, c.end_ns), "args": args})
 
     # Submits, one track per queue (lanes if two submits of one queue overlap).
     by_queue_sub: dict[int, list] = {}
@@ -171,7 +191,7 @@ def build_trace(col: Collector, process_name: str = "helios") -> dict[str, Any]:
         "traceEvents": meta + ev_out,
         "displayTimeUnit": "ns",
         "otherData": {"clock": "CLOCK_MONOTONIC", "t0_ns": t0, "ops": len(col.ops), "dispatches": len(col.events),
-                      "submits": len(col.submits), "steps": len(col.steps)},
+                      "submits": len(col.submits), "steps": len(col.steps), "collectives": len(comm)},
     }
 
 

@@ -177,11 +177,13 @@ def _watch(procs: list[subprocess.Popen], a: argparse.Namespace, received: list[
     failed: tuple[int, int] | None = None
     while True:
         codes = [p.poll() for p in procs]
-        if failed is None:
-            for i, c in enumerate(codes):
-                if c not in (None, 0) and not received:
-                    failed = (a.node_rank * a.nproc_per_node + i, c)
-                    break
+        if failed is None and not received:
+            bad = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+            if bad:
+                # Several seen at once: a rank killed by a signal is more likely the cause than
+                # ranks that exited with an error (a CommError) because of it.
+                i, c = min(bad, key=lambda ic: (ic[1] > 0, ic[0]))
+                failed = (a.node_rank * a.nproc_per_node + i, c)
             if failed is not None:
                 _stop(procs, a.grace, every_group=True)
                 continue

@@ -156,7 +156,7 @@ def test_every_survivor_names_the_killed_rank(backend):
 # Attempt 0: rank 1 fails (how: the first argument), the others wait in a collective or in
 # setup.  Attempt 1: every rank all-reduces, checks the sum and says "done".
 _RESTART_JOB = """
-import os, signal, subprocess, sys
+import os, signal, subprocess, sys, time
 import numpy as np
 import helios.comm as dist
 from helios.comm import shm
@@ -186,7 +186,10 @@ if doomed:
         os._exit(7)
     os.kill(os.getpid(), signal.SIGKILL)
 if attempt == 0:
-    dist.all_reduce(x)  # a peer is dead: CommError (or the launcher's SIGTERM first)
+    try:
+        dist.all_reduce(x)  # a peer is dead: CommError (or the launcher's SIGTERM first)
+    except dist.CommError:
+        time.sleep(60)  # wait for the launcher's SIGTERM, so rank 1 is the one that failed
 assert (x == sum(range(1, dist.get_world_size() + 1))).all(), x
 dist.destroy_process_group()
 print("done", attempt, flush=True)

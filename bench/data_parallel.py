@@ -66,27 +66,39 @@ def step_seconds(run_dir: str, warmup: int) -> float:
 
 
 def overlap_share(trace_path: str) -> dict:
-    """Share of all-reduce time (rank 0) that ran while backward was still computing."""
+    """Share of rank 0's gradient all-reduce time that ran while backward was still computing.
+
+    From a trace profiled with ``--profile-host-only`` (device timestamps would serialise
+    lavapipe's queue).  A gradient all-reduce is an async all_reduce on the collectives
+    track; its interval starts once the device has produced its bucket (the trace reports
+    that wait apart as ``device_wait_us``).  Backward computes from the start of its phase
+    until its last gradient exists: the latest start of its step's gradient all-reduces
+    (or the host's end of recording, if later).  What lies after that is exposed.
+    """
     with open(trace_path) as f:
         events = json.load(f)["traceEvents"]
     rank0 = [e for e in events if e.get("ph") == "X" and int(e.get("pid", 0)) < 100]
-    backward = [e for e in rank0 if e.get("cat") == "phase" and e["name"] == "backward"]
+    backward = sorted((e for e in rank0 if e.get("cat") == "phase" and e["name"] == "backward"), key=lambda e: e["ts"])
     waits = [e for e in rank0 if e.get("cat") == "phase" and e["name"] == "comm"]
-    reduces = [e for e in rank0 if e.get("cat") == "comm" and e["name"] == "all_reduce" and e["dur"] > 0]
-    computing = []  # backward spans with their end-of-backward wait cut off
-    for b in backward:
-        end = b["ts"] + b["dur"]
-        for w in waits:
-            if b["ts"] <= w["ts"] <= end:
-                end = min(end, w["ts"])
-        computing.append((b["ts"], end))
-    total = sum(e["dur"] for e in reduces)
-    hidden = 0.0
-    for e in reduces:
-        a0, a1 = e["ts"], e["ts"] + e["dur"]
-        hidden += sum(max(0.0, min(a1, c1) - max(a0, c0)) for c0, c1 in computing)
-    return {"all_reduces": len(reduces), "all_reduce_ms": round(total / 1e3, 2),
-            "hidden_ms": round(hidden / 1e3, 2), "hidden_share": round(hidden / total, 3) if total else None}
+    reduces = [e for e in rank0 if e.get("cat") == "comm" and e["name"] == "all_reduce" and e["args"].get("async")]
+    total = hidden = 0.0
+    counted = 0
+    for i, b in enumerate(backward):
+        b0 = b["ts"]
+        nxt = backward[i + 1]["ts"] if i + 1 < len(backward) else float("inf")
+        mine = [e for e in reduces if b0 <= e["ts"] < nxt]
+        if not mine:
+            continue
+        inner = [w for w in waits if b0 <= w["ts"] <= b0 + b["dur"]]
+        recorded = inner[0]["ts"] if inner else b0 + b["dur"]
+        computing_end = max(recorded, max(e["ts"] for e in mine))
+        for e in mine:
+            a0, a1 = e["ts"], e["ts"] + e["dur"]
+            total += e["dur"]
+            hidden += max(0.0, min(a1, computing_end) - a0)
+            counted += 1
+    return {"all_reduces": counted, "all_reduce_ms": round(total / 1e3, 2), "hidden_ms": round(hidden / 1e3, 2),
+            "hidden_share": round(hidden / total, 3) if total else None}
 
 
 # ----------------------------------------------------------------------------------- PyTorch
@@ -220,7 +232,7 @@ def main() -> None:
         trace = os.path.join(tmp, "trace.json")
         prof_from = max(a.warmup, a.steps - 5)
         helios_run(2, per, a.config, a.steps, os.path.join(tmp, "traced"), "--profile-steps", f"{prof_from}:{a.steps}",
-                   "--trace", trace)
+                   "--trace", trace, "--profile-host-only")
         print(json.dumps({"bench": "data_parallel_overlap", "config": a.config, "world": 2, **overlap_share(trace)}),
               flush=True)
 

@@ -16,6 +16,7 @@ own dtype.  Tensors must be contiguous, as in torch.distributed; other objects w
 from __future__ import annotations
 
 from collections.abc import Callable
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -159,6 +160,17 @@ def _is_helios_tensor(obj: Any) -> bool:
     return isinstance(obj, Tensor)
 
 
+_ready = threading.local()
+
+
+def take_device_ready_ns() -> int:
+    """When this thread last found a Helios tensor's data produced by the device (0: none since
+    the last call).  The communicator reports an operation's transfer as starting there."""
+    ns = getattr(_ready, "ns", 0)
+    _ready.ns = 0
+    return ns
+
+
 # Polling intervals while the device finishes the work that produces a tensor: short at
 # first (a gradient is usually a few dispatches from done), longer when it is not.
 _POLL_FIRST_S, _POLL_MAX_S = 20e-6, 1e-3
@@ -224,6 +236,7 @@ class DeviceBuffer(Buffer):
         while not dev.ready(handle, off, n, self.writable):
             time.sleep(pause)
             pause = min(2 * pause, _POLL_MAX_S)
+        _ready.ns = time.monotonic_ns()
         view = dev.map(handle, off, n, self.writable)
         if view is not None:
             return np.frombuffer(view, self._storage)

@@ -24,6 +24,7 @@ from collections.abc import Callable
 import numpy as np
 from helios.comm import algorithms as A
 from helios.comm import cost
+from helios.comm.buffers import take_device_ready_ns
 from helios.comm.engine import Engine, Fault, OpInfo, PeerLost
 from helios.profile import profiler as _prof
 
@@ -161,13 +162,18 @@ class ProcessGroup:
             self._run_op(name, nbytes, body, desc, p2p)
             return
         seq, t0, ok = self.seq, time.monotonic_ns(), False
+        take_device_ready_ns()
         try:
             self._run_op(name, nbytes, body, desc, p2p)
             ok = True
         finally:
             t1 = time.monotonic_ns()
-            col.record_comm(name, self.name, seq, nbytes, t0, t1, async_op=self._op_async,
-                            issue_ns=min(self._op_issued or t0, t0), ok=ok, backend=self.backend, p2p=p2p)
+            # The transfer starts once the device has produced the operands (a gradient bucket
+            # issued during backward waits for its kernels first): report that wait apart.
+            ready = min(max(take_device_ready_ns(), t0), t1)
+            col.record_comm(name, self.name, seq, nbytes, ready, t1, async_op=self._op_async,
+                            issue_ns=min(self._op_issued or t0, t0), ok=ok, backend=self.backend, p2p=p2p,
+                            device_wait_ns=ready - t0)
             self._op_async, self._op_issued = False, 0
 
     def _run_op(self, name: str, nbytes: int, body: Callable[[A.Ctx], None], desc: str, p2p: bool) -> None:

@@ -78,16 +78,28 @@ def groups_for(count: int) -> tuple:
     return (65535, (count + 65534) // 65535, 1)
 
 
+# An op on part of a storage larger than this binds only that part: the hazard tracker then
+# sees which bytes the dispatch touches (a parameter's gradient slot in a flat buffer does
+# not make the whole buffer look busy to a collective waiting on another part of it).
+_WINDOW_ABOVE = 64 * 1024
+
+
+def _is_part(t: Tensor) -> bool:
+    """Whether ``t`` covers less than its whole storage."""
+    return t._off != 0 or t.numel() * t.dtype.itemsize < t._st.nbytes
+
+
 def bind(t: Tensor, writes: bool = False, span: int | None = None):
     """(binding tuple, element offset inside the bound range) for tensor ``t``.
 
-    Small storages are bound whole.  A storage above the device's maxStorageBufferRange
-    (128 MiB on lavapipe) is bound as an aligned window around the elements the op
-    touches: ``span`` elements from the tensor's offset (default: its extent).
+    Small storages are bound whole, except when ``t`` is part of one above 64 KiB.  A
+    storage above the device's maxStorageBufferRange (128 MiB on lavapipe), and such a
+    part, is bound as an aligned window around the elements the op touches: ``span``
+    elements from the tensor's offset (default: its extent).
     """
     st = t._st
     rt = st.rt
-    if st.nbytes <= rt.max_range:
+    if st.nbytes <= rt.max_range and not (st.nbytes > _WINDOW_ABOVE and _is_part(t)):
         return (st.handle, 0, max(st.nbytes, 4), writes), t._off
     isz = t.dtype.itemsize
     if span is None:

@@ -235,7 +235,7 @@ def _profiling_started(col) -> None:
         rt.dev.synchronize()
         rt.dev.take_events()
         rt._debug_kernels.clear()  # their events were just dropped
-        rt.dev.set_profiling(True)
+        rt.dev.set_profiling(bool(col.device_timestamps or rt.debug))
 
 
 def _profiling_stopping(col) -> None:

@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU (default: from the device table)")
     p.add_argument("--trace", default=None, help="write a Chrome trace of the profiled steps to this path")
     p.add_argument("--profile-steps", default=None, help="steps to profile per dispatch, e.g. 10:20")
+    p.add_argument("--profile-host-only", action="store_true",
+                   help="profile without per-dispatch device timestamps (which serialise lavapipe's queue and "
+                        "hide the overlap of backward and gradient communication)")
     p.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
     p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3),
                    help="ZeRO stage across data-parallel ranks: 0 plain DDP, 1 shard AdamW moments, "
@@ -270,7 +273,7 @@ def _train(args) -> int:
     try:
         while step < steps:
             if profile_window and step == profile_window[0]:
-                session = hl.profile.profile()
+                session = hl.profile.profile(device_timestamps=not args.profile_host_only)
                 prof = (session, session.__enter__())
             timer.start_step()
             lr = cosine_lr(step, lr_max, warmup, steps)

@@ -101,7 +101,9 @@ class CommEvent:
     it is earlier than ``start_ns`` when the operation waited in the group's queue.
     ``thread`` / ``thread_id`` name the thread it ran on (the caller's, or the group's comm
     worker for ``async_op=True`` and for operations queued behind one).  ``ok`` is False
-    when it raised.
+    when it raised.  ``device_wait_ns`` is how long the operation, once running, waited for
+    the device work producing its Helios tensors; ``start_ns`` is after that wait (the
+    transfer itself), so a gradient all-reduce's interval does not count backward's compute.
     """
 
     name: str
@@ -117,6 +119,7 @@ class CommEvent:
     ok: bool = True
     backend: str = ""
     p2p: bool = False
+    device_wait_ns: int = 0
 
     @property
     def duration_ns(self) -> int:
@@ -134,6 +137,7 @@ class Collector:
 
     def __init__(self, clock: Callable[[], int] = time.monotonic_ns) -> None:
         self.clock = clock
+        self.device_timestamps = True  # whether the runtime brackets dispatches with device timestamps
         self.start_ns: int = clock()
         self.end_ns: int | None = None
         # Ops are kept raw while recording (an append of a tuple: the per-op cost while profiling)
@@ -192,7 +196,8 @@ class Collector:
 
     def record_comm(self, name: str, group: str, seq: int, nbytes: int, start_ns: int, end_ns: int, *,
                     async_op: bool = False, thread: str | None = None, thread_id: int | None = None,
-                    issue_ns: int | None = None, ok: bool = True, backend: str = "", p2p: bool = False) -> None:
+                    issue_ns: int | None = None, ok: bool = True, backend: str = "", p2p: bool = False,
+                    device_wait_ns: int = 0) -> None:
         """Record one collective or point-to-point operation (thread-safe; see :class:`CommEvent`).
 
         ``thread`` / ``thread_id`` default to the calling thread, ``issue_ns`` to ``start_ns``.
@@ -203,7 +208,7 @@ class Collector:
             thread_id = threading.get_native_id() if thread_id is None else thread_id
         ev = CommEvent(str(name), str(group), int(seq), int(nbytes), int(start_ns), int(end_ns), bool(async_op),
                        str(thread), int(thread_id), int(start_ns if issue_ns is None else issue_ns), bool(ok),
-                       str(backend), bool(p2p))
+                       str(backend), bool(p2p), int(device_wait_ns))
         with self._comm_lock:
             self._comm.append(ev)
             self._comm_ns += ev.duration_ns
@@ -399,12 +404,18 @@ class Profiler:
 
 
 @contextmanager
-def profile(clock: Callable[[], int] = time.monotonic_ns) -> Iterator[Profiler]:
-    """Open a profiling session: the runtime records into it until the block exits."""
+def profile(clock: Callable[[], int] = time.monotonic_ns, device_timestamps: bool = True) -> Iterator[Profiler]:
+    """Open a profiling session: the runtime records into it until the block exits.
+
+    ``device_timestamps=False`` records host ops, step phases and collectives but brackets no
+    dispatch with device timestamps: on lavapipe a timestamp write holds back the completion
+    of the work submitted before it, which hides how device work and communication overlap.
+    """
     global _ACTIVE
     if _ACTIVE is not None:
         raise ProfileError("a profiling session is already open: profile() sessions do not nest")
     col = Collector(clock)
+    col.device_timestamps = device_timestamps
     _ACTIVE = col
     try:
         for hook in _START_HOOKS:

@@ -126,7 +126,7 @@ def build_trace(col: Collector, process_name: str = "helios") -> dict[str, Any]:
         threads[(HOST_PID, tid)] = ("collectives" + (f" (lane {lane})" if lane else ""), tid)
         args = {"group": c.group, "seq": c.seq, "bytes": c.nbytes, "async": c.async_op, "thread": c.thread,
                 "thread_id": c.thread_id, "backend": c.backend, "GB/s": _rate(c.nbytes, c.duration_ns),
-                "queued_us": dur(c.issue_ns, c.start_ns), "ok": c.ok}
+                "queued_us": dur(c.issue_ns, c.start_ns), "device_wait_us": c.device_wait_ns / 1e3, "ok": c.ok}
         if c.p2p:
             args["p2p"] = True
         ev_out.append({"ph": "X", "cat": "comm", "name": c.name, "pid": HOST_PID, "tid": tid,

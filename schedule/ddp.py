@@ -76,20 +76,23 @@ class BucketEvent:
 class DistributedDataParallel(Module):
     """Data parallel over ``group`` (the world by default), PyTorch's name and habits.
 
-    ``bucket_cap_mb``: bucket size in MiB (25, as PyTorch); ``find_unused_parameters``: a
+    ``bucket_cap_mb``: bucket size in MiB (25, as PyTorch); ``first_bucket_cap_mb``: the size
+    of the first bucket cut from each gradient buffer, the one backward completes first (1,
+    as PyTorch: communication starts early); ``find_unused_parameters``: a
     parameter that gets no gradient in a backward pass counts as a zero gradient (else it
     is an error that names the parameters); ``broadcast_from``: the rank whose parameters
     every rank starts from.
     """
 
     def __init__(self, module: Module, bucket_cap_mb: float = 25.0, group=None, find_unused_parameters: bool = False,
-                 broadcast_from: int = 0, comm_hook=None) -> None:
+                 broadcast_from: int = 0, comm_hook=None, first_bucket_cap_mb: float = 1.0) -> None:
         super().__init__()
         if bucket_cap_mb <= 0:
             raise ValueError(f"DistributedDataParallel: bucket_cap_mb must be > 0, got {bucket_cap_mb}")
         self.module = module
         self.group = group
         self.bucket_cap_bytes = int(bucket_cap_mb * (1 << 20))
+        self.first_bucket_cap_bytes = int(min(first_bucket_cap_mb, bucket_cap_mb) * (1 << 20))
         self.find_unused_parameters = find_unused_parameters
         self._named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self._sync = True
@@ -145,7 +148,7 @@ class DistributedDataParallel(Module):
         if key == self._layout_key:
             return
         self._layout_key = key
-        self._buckets = build_buckets(self._named, self.bucket_cap_bytes)
+        self._buckets = build_buckets(self._named, self.bucket_cap_bytes, self.first_bucket_cap_bytes)
         self._bucket_of = {id(p): b for b in self._buckets for p in b.params}
 
     def _give_slots(self, dtype: dt.DType) -> None:
@@ -189,6 +192,9 @@ class DistributedDataParallel(Module):
                 return
             done, total = tape.backward_progress()
             self.bucket_log.append(BucketEvent(b.index, "launched", time.monotonic_ns(), done, total))
+            # Submit what is recorded: the bucket's gradients then end a submission of their own,
+            # whose completion the communicator sees while the device runs the rest of backward.
+            b.flat._st.rt.dev.flush()
             b.work = self.comm_hook(self, b)
             self._next_launch = self._next_launch + 1
 
@@ -229,8 +235,9 @@ def allreduce_hook(ddp: DistributedDataParallel, bucket: Bucket):
     return dist.all_reduce(bucket.view, op="avg", group=ddp.group, async_op=True)
 
 
-def build_buckets(named: list, cap_bytes: int) -> list[Bucket]:
-    """Cut each flat gradient buffer into buckets of at most ``cap_bytes`` (a parameter is never split).
+def build_buckets(named: list, cap_bytes: int, first_cap_bytes: int | None = None) -> list[Bucket]:
+    """Cut each flat gradient buffer into buckets of at most ``cap_bytes`` (a parameter is never
+    split), the first one cut from each buffer at most ``first_cap_bytes``.
 
     Parameters are taken in reverse registration order (the order backward tends to finish
     them); within a flat buffer a bucket is a contiguous range.  Buckets are issued by the
@@ -244,13 +251,15 @@ def build_buckets(named: list, cap_bytes: int) -> list[Bucket]:
     buckets: list[Bucket] = []
     for key, params in by_storage.items():
         params.sort(key=lambda p: p._grad_slot._off, reverse=True)
+        start_count = len(buckets) + 1  # while the buffer's first bucket is the one being filled
         first = params[0]._grad_slot
         base = Tensor(first._st, (first._st.nbytes // first.dtype.itemsize,), (1,), 0, first.dtype)
         cur: Bucket | None = None
         for p in params:
             lo = p._grad_slot._off
             hi = lo + p.numel()
-            if cur is not None and hi == cur.lo and (cur.hi - lo) * first.dtype.itemsize <= cap_bytes:
+            cap = first_cap_bytes if first_cap_bytes is not None and len(buckets) == start_count else cap_bytes
+            if cur is not None and hi == cur.lo and (cur.hi - lo) * first.dtype.itemsize <= cap:
                 cur.lo = lo
                 cur.params.append(p)
                 continue

@@ -207,3 +207,23 @@ def test_ctrl_c_stops_every_rank_after_the_same_step_saves_and_exits_130(tmp_pat
     assert con.execute("SELECT status FROM runs").fetchone()[0] == "interrupted"
     con.close()
     assert f"stopped at step {steps}" in out
+
+
+def test_trace_has_every_rank_and_a_bucket_reduced_while_backward_computes(tmp_path):
+    trace = tmp_path / "trace.json"
+    r = launch(2, tmp_path, "--steps", "6", "--profile-steps", "2:6", "--trace", str(trace), "--profile-host-only",
+               "--bucket-cap-mb", "0.02")
+    assert r.returncode == 0, r.stderr[-3000:]
+    import json
+
+    events = json.loads(trace.read_text())["traceEvents"]
+    names = {(e["pid"], e["args"]["name"]) for e in events if e.get("ph") == "M" and e["name"] == "process_name"}
+    assert {n for _, n in names} >= {"helios rank 0 host", "helios rank 1 host"}
+    tracks = {(e["pid"], e["args"]["name"]) for e in events if e.get("ph") == "M" and e["name"] == "thread_name"}
+    assert (1, "collectives") in tracks and (101, "collectives") in tracks
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from data_parallel import overlap_share
+
+    # A bucket's all-reduce ran before backward's last gradient existed: overlap, read from the trace.
+    share = overlap_share(str(trace))
+    assert share["all_reduces"] > 0 and share["hidden_ms"] > 0, share

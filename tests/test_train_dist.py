@@ -227,3 +227,49 @@ def test_trace_has_every_rank_and_a_bucket_reduced_while_backward_computes(tmp_p
     # A bucket's all-reduce ran before backward's last gradient existed: overlap, read from the trace.
     share = overlap_share(str(trace))
     assert share["all_reduces"] > 0 and share["hidden_ms"] > 0, share
+
+
+def _rank_pid(launcher_pid: int, rank: int) -> int | None:
+    """The pid of the process of ``rank`` that helios-run started (from /proc)."""
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            if ppid != launcher_pid:
+                continue
+            with open(f"/proc/{d}/environ", "rb") as f:
+                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        except (OSError, ValueError, IndexError):
+            continue
+        if env.get(b"RANK") == str(rank).encode():
+            return int(d)
+    return None
+
+
+def test_a_lost_rank_restarts_the_job_from_its_checkpoint_and_it_ends_as_the_uninterrupted_run(tmp_path):
+    steps = ["--steps", "16", "--ckpt-every", "4"]
+    assert launch(2, tmp_path / "whole", *steps).returncode == 0
+    out = tmp_path / "lossy"
+    cmd = [os.path.join(BIN, "helios-run"), "--nproc-per-node", "2", "--max-restarts", "1", "-m", "helios.train",
+           *_train_args(out, *steps)]
+    p = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        _wait_for_steps(out, 6, [p])
+        pid = _rank_pid(p.pid, 1)
+        assert pid is not None
+        os.kill(pid, 9)
+        stdout, stderr = p.communicate(timeout=180)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 0, stderr[-3000:]
+    assert "restarting the job (restart 1 of 1)" in stderr and "resuming from the last complete checkpoint" in stdout
+    a, b = final_params(tmp_path / "whole"), final_params(out)
+    for k in a:
+        np.testing.assert_allclose(b[k], a[k], rtol=1e-5, atol=1e-5, err_msg=k)
+    con = sqlite3.connect(out / "run.db")
+    last = con.execute("SELECT loss FROM step_timing WHERE rank = 0 AND step = 16 ORDER BY run_id DESC").fetchone()[0]
+    con.close()
+    assert last == pytest.approx(losses(tmp_path / "whole")[-1], rel=1e-5)

@@ -238,7 +238,10 @@ def main() -> None:
 
         stages = [int(s) for s in a.zero.split(",") if s.strip()]
         if stages:
-            base = step_seconds(helios_run(2, per, a.config, a.steps, os.path.join(tmp, "z0")), a.warmup)
+            z0 = helios_run(2, per, a.config, a.steps, os.path.join(tmp, "z0"))
+            base = step_seconds(z0, a.warmup)
+            print(json.dumps({"bench": "zero", "config": a.config, "world": 2, "stage": 0, "step_ms": round(base * 1e3, 2),
+                              **_zero_bytes(z0)}), flush=True)
             for st in stages:
                 run = helios_run(2, per, a.config, a.steps, os.path.join(tmp, f"z{st}"), "--zero", str(st))
                 t = step_seconds(run, a.warmup)

@@ -71,14 +71,16 @@ def test_zero_cuts_the_bytes_per_rank_as_the_stages_say(tmp_path):
     assert held[3] == pytest.approx(16 * psi / 4, rel=0.01)
 
 
-def test_zero2_checkpoint_resumes_on_other_world_sizes_and_stages(tmp_path, one_rank):
+@pytest.mark.parametrize("saved_stage,resumes", [(1, ((1, 0), (4, 2))), (2, ((1, 0), (4, 1), (2, 3))),
+                                                 (3, ((1, 0), (4, 2)))])
+def test_checkpoint_of_each_stage_resumes_on_other_world_sizes_and_stages(tmp_path, one_rank, saved_stage, resumes):
     out = tmp_path / "run"
-    first = launch(2, out, "--zero", "2", "--stop-after", "10", *SMALL_BUCKETS)
+    first = launch(2, out, "--zero", str(saved_stage), "--stop-after", "10", *SMALL_BUCKETS)
     assert first.returncode == 0 and "stopped at step 10" in first.stdout, first.stderr[-2000:]
-    for world, stage in ((1, 0), (4, 1), (2, 3)):
+    for world, stage in resumes:
         again = tmp_path / f"resume-{world}-{stage}"
         os.makedirs(again / "ckpt")
         os.symlink(out / "ckpt" / "step-00000010", again / "ckpt" / "step-00000010")
         r = launch(world, again, "--zero", str(stage), "--resume", *SMALL_BUCKETS)
-        assert r.returncode == 0 and "saved by 2 ranks, ZeRO-2" in r.stdout, r.stderr[-3000:]
+        assert r.returncode == 0 and f"saved by 2 ranks, ZeRO-{saved_stage}" in r.stdout, r.stderr[-3000:]
         np.testing.assert_allclose(losses(again), one_rank[0][10:], rtol=1e-5)

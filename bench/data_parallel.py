@@ -65,6 +65,27 @@ def step_seconds(run_dir: str, warmup: int) -> float:
     return statistics.median(walls) / 1e9
 
 
+def checkpoint_cost(run_dir: str, warmup: int) -> dict:
+    """Rank 0's step time on checkpoint steps against the others, and the checkpoint phase
+    (the snapshot: the write happens on a background thread)."""
+    con = sqlite3.connect(os.path.join(run_dir, "run.db"))
+    try:
+        rows = con.execute("SELECT wall_ns, checkpoint_ns FROM step_timing WHERE rank = 0 AND step > ? ORDER BY step",
+                           (warmup,)).fetchall()
+    finally:
+        con.close()
+    with_ck = [(w, c) for w, c in rows if c > 0]
+    plain = [w for w, c in rows if c == 0]
+    if not with_ck or not plain:
+        return {}
+    base = statistics.median(plain)
+    return {"checkpoint_steps": len(with_ck), "step_ms": round(base / 1e6, 2),
+            "checkpoint_step_ms": round(statistics.median(w for w, _ in with_ck) / 1e6, 2),
+            "snapshot_ms": round(statistics.median(c for _, c in with_ck) / 1e6, 2),
+            "extra_over_snapshot_ms": round((statistics.median(w for w, _ in with_ck) - base
+                                            - statistics.median(c for _, c in with_ck)) / 1e6, 2)}
+
+
 def overlap_share(trace_path: str) -> dict:
     """Share of rank 0's gradient all-reduce time that ran while backward was still computing.
 
@@ -234,6 +255,10 @@ def main() -> None:
         helios_run(2, per, a.config, a.steps, os.path.join(tmp, "traced"), "--profile-steps", f"{prof_from}:{a.steps}",
                    "--trace", trace, "--profile-host-only")
         print(json.dumps({"bench": "data_parallel_overlap", "config": a.config, "world": 2, **overlap_share(trace)}),
+              flush=True)
+
+        ck = helios_run(2, per, a.config, a.steps, os.path.join(tmp, "ckpt"), "--ckpt-every", "5")
+        print(json.dumps({"bench": "checkpoint_step", "config": a.config, "world": 2, **checkpoint_cost(ck, a.warmup)}),
               flush=True)
 
         stages = [int(s) for s in a.zero.split(",") if s.strip()]

@@ -236,7 +236,9 @@ def _train(args) -> int:
     def save_checkpoint(at_step: int) -> str:
         """Snapshot this rank's shard now; the background thread writes it while training goes on."""
         shards = train_state.training_shards(gpt, opt, run.rank, run.world)
-        writer.save(at_step, shards, train_state.training_meta(opt, loader, at_step, run_meta, run.world, zero))
+        # The shards were just read from the device into fresh arrays: they are the snapshot.
+        writer.save(at_step, shards, train_state.training_meta(opt, loader, at_step, run_meta, run.world, zero),
+                    copy=False)
         return sharded.step_dir(args.out, at_step)
 
     timer = StepTimer()

@@ -248,10 +248,11 @@ class AsyncCheckpointer:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
-    def save(self, step: int, shards: dict[str, ShardedArray], meta: dict | None = None) -> None:
-        """Snapshot ``shards`` and write them in the background."""
+    def save(self, step: int, shards: dict[str, ShardedArray], meta: dict | None = None, copy: bool = True) -> None:
+        """Snapshot ``shards`` and write them in the background.  ``copy=False``: the arrays are
+        already the caller's own snapshot (fresh copies nothing else will change)."""
         self.wait()
-        snap = {n: ShardedArray(s.global_shape, s.dtype, s.start, s.stop, np.array(s.data, copy=True))
+        snap = {n: ShardedArray(s.global_shape, s.dtype, s.start, s.stop, np.array(s.data, copy=True) if copy else s.data)
                 for n, s in shards.items()}
         meta = json.loads(json.dumps(meta or {}, default=str))
 

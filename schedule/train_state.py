@@ -58,19 +58,20 @@ def model_shards(gpt, rank: int, world: int) -> dict[str, C.ShardedArray]:
     for name, p in gpt.named_parameters():
         n = p.numel()
         lo, hi = C.even_range(n, rank, world)
-        data = _raw(p)[lo:hi]
+        data = _raw(p, lo, hi)
         out[f"model.{name}"] = C.ShardedArray(p.shape, _dtype_name(p), lo, hi, data)
     return out
 
 
-def _raw(t) -> np.ndarray:
-    """A tensor's stored elements, flat (bfloat16 as its uint16 bits)."""
+def _raw(t, lo: int, hi: int) -> np.ndarray:
+    """Elements [lo, hi) of a tensor's flattened stored elements, read from the device alone
+    (bfloat16 as its uint16 bits): each rank reads only the part it writes."""
     from helios import _kernels as K
 
     src = t if t.is_contiguous() else K.copy(t)
-    out = np.empty(t.numel(), t.dtype.np_storage)
+    out = np.empty(hi - lo, t.dtype.np_storage)
     if out.size:
-        src._st.rt.dev.read(src._st.handle, src._off * t.dtype.itemsize, out.view(np.uint8))
+        src._st.rt.dev.read(src._st.handle, (src._off + lo) * t.dtype.itemsize, out.view(np.uint8))
     return out
 
 
@@ -79,13 +80,12 @@ def optimizer_shards(gpt, opt, rank: int, world: int) -> dict[str, C.ShardedArra
     names = {id(p): n for n, p in gpt.named_parameters()}
     out = {}
     for fg in opt.flat:
-        flat = [fg.moments[j].numpy() for j in range(2)]
         for p, off in zip(fg.params, fg.offsets):
             n = p.numel()
             lo, hi = C.even_range(n, rank, world)
             for j, m in enumerate(MOMENTS):
                 out[f"optim.{m}.{names[id(p)]}"] = C.ShardedArray(p.shape, "float32", lo, hi,
-                                                                  flat[j][off + lo: off + hi])
+                                                                  _raw(fg.moments[j], off + lo, off + hi))
     return out
 
 

@@ -15,7 +15,11 @@ for pkg in libvulkan1 libvulkan-dev mesa-vulkan-drivers glslc vulkan-tools g++ p
   have_pkg "$pkg" || missing+=("$pkg")
 done
 if [ "$want_tests" = 1 ]; then
-  for pkg in chromium iproute2 vulkan-validationlayers; do have_pkg "$pkg" || missing+=("$pkg"); done
+  # Real launchers for tests/test_launchers_real.py: Open MPI's mpirun, and Slurm's daemons,
+  # clients and munge, from which the tests start a throwaway one-node cluster.
+  for pkg in chromium iproute2 vulkan-validationlayers openmpi-bin slurmd slurmctld slurm-client munge; do
+    have_pkg "$pkg" || missing+=("$pkg")
+  done
 fi
 # python3-venv/-dev only matter for the system python; skip them when another python3 is first on PATH.
 if ! python3 -c 'import sys; sys.exit(0 if sys.prefix.startswith("/usr") else 1)' 2>/dev/null; then

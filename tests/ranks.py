@@ -78,6 +78,23 @@ def start_ranks(argv: list[str], world: int, env: dict | None = None, cwd: str |
     return procs
 
 
+def finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str, str]]:
+    """(exit code, stdout, stderr) of each process, waiting ``timeout`` seconds for them all;
+    any still running then is killed (a test never leaves ranks behind)."""
+    deadline = time.monotonic() + timeout
+    out = []
+    try:
+        for p in procs:
+            o, e = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            out.append((p.returncode, o, e))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return out
+
+
 def kill_all(procs: list[subprocess.Popen]) -> None:
     """SIGKILL every process still running and reap them all."""
     for p in procs:

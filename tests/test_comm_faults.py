@@ -25,6 +25,9 @@ import pytest
 
 from helios.comm.launcher import free_port
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ranks import finish  # noqa: E402
+
 HERE = os.path.abspath(__file__)
 PY = sys.executable
 
@@ -295,16 +298,7 @@ def test_abort_relays_the_culprit(backend, alg):
     """An abort names the rank at fault, not the aborting rank: even that rank itself hears it."""
     before = _segments()
     procs = _spawn(3, {"TEST_BACKEND": backend, "TEST_TIMEOUT": "10", "TEST_ALG": alg}, mode="relay")
-    res = []
-    try:
-        for p in procs:
-            o, e = p.communicate(timeout=40)
-            res.append((p.returncode, o, e))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    res = finish(procs, 40)
     for r, (rc, o, e) in enumerate(res):
         assert rc == 0 and "ERR" in o, f"rank {r}: {o}\n{e[-2000:]}"
         if r == 2:

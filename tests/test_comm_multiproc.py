@@ -21,6 +21,9 @@ import pytest
 
 from helios.comm.launcher import free_port
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ranks import finish  # noqa: E402
+
 HERE = os.path.abspath(__file__)
 ROOT = os.path.dirname(os.path.dirname(HERE))
 PY = sys.executable
@@ -310,24 +313,9 @@ def _spawn(n: int, mode: str, env: dict[str, str], prefix: list[str] | None = No
     return procs
 
 
-def _finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str, str]]:
-    deadline = time.monotonic() + timeout
-    out = []
-    try:
-        for p in procs:
-            o, e = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            out.append((p.returncode, o, e))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return out
-
-
 def _run_matrix(backend: str, n: int, full: bool, timeout: float = 150) -> int:
     before = _segments()
-    res = _finish(_spawn(n, "matrix_full" if full else "matrix", {"TEST_BACKEND": backend}), timeout)
+    res = finish(_spawn(n, "matrix_full" if full else "matrix", {"TEST_BACKEND": backend}), timeout)
     for rc, o, e in res:
         assert rc == 0 and "OK" in o, f"rank failed (rc={rc}):\n{o}\n{e[-3000:]}"
     assert _segments() == before, "shared-memory segments left behind"
@@ -361,7 +349,7 @@ def _fault(backend: str, sig: int, n: int = 3, timeout: float = 2.0) -> None:
         time.sleep(0.2)
         t_kill = time.time()
         os.kill(procs[victim].pid, sig)
-        res = _finish(procs[:victim], timeout=4 * timeout + 10)
+        res = finish(procs[:victim], timeout=4 * timeout + 10)
     finally:
         procs[victim].kill()
         procs[victim].wait()
@@ -391,7 +379,7 @@ def test_peer_killed_or_stopped_raises_commerror(backend, sig):
 @pytest.mark.multiproc
 @pytest.mark.parametrize("backend", ["shm", "tcp"])
 def test_debug_mode_reports_size_mismatch(backend):
-    res = _finish(_spawn(3, "debug", {"TEST_BACKEND": backend, "HELIOS_COMM_DEBUG": "1"}), 60)
+    res = finish(_spawn(3, "debug", {"TEST_BACKEND": backend, "HELIOS_COMM_DEBUG": "1"}), 60)
     for rc, o, e in res:
         assert rc == 0, e[-2000:]
         m = re.search(r"MISMATCH (.*)", o)
@@ -504,7 +492,7 @@ def test_two_hosts_tcp_in_network_namespaces():
         # "^lo": every interface but loopback, i.e. the veth end inside each namespace.
         procs = _spawn(2, "matrix", {"TEST_BACKEND": "tcp", "HELIOS_SOCKET_IFNAME": "^lo"}, prefix=prefix,
                        addr="10.213.7.1")
-        res = _finish(procs, 150)
+        res = finish(procs, 150)
         for rc, o, e in res:
             assert rc == 0 and "OK" in o, f"{o}\n{e[-3000:]}"
     finally:

@@ -18,6 +18,9 @@ import numpy as np
 import pytest
 
 from helios.comm.launcher import free_port
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ranks import finish  # noqa: E402
 from helios.profile import Collector, build_trace, profile, validate_trace
 
 HERE = os.path.abspath(__file__)
@@ -73,16 +76,7 @@ def test_two_rank_collectives_are_profiled_and_traced(tmp_path):
                    MASTER_PORT=str(port), PYTHONUNBUFFERED="1")
         procs.append(subprocess.Popen([PY, HERE, str(tmp_path)], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))
-    res = []
-    try:
-        for p in procs:
-            o, e = p.communicate(timeout=60)
-            res.append((p.returncode, o, e))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    res = finish(procs, 60)
     for r, (rc, o, e) in enumerate(res):
         assert rc == 0 and "SUMMARY" in o, f"rank {r} (rc {rc}):\n{o}\n{e[-3000:]}"
         s = json.loads(o.split("SUMMARY ", 1)[1])

@@ -112,3 +112,56 @@ def test_mpirun_two_ranks():
 
 if __name__ == "__main__":
     task_main(sys.argv[1] if len(sys.argv) > 1 else None)
+
+
+# --------------------------------------------------------------------- the trainer under each launcher
+TRAIN_ARGS = ["--config", "nano", "--steps", "6", "--batch-size", "8", "--block-size", "16", "--no-progress",
+              "--eval-every", "0", "--sample-tokens", "4", "--ckpt-every", "0"]
+
+
+def _losses(out) -> list[float]:
+    import sqlite3
+
+    con = sqlite3.connect(os.path.join(out, "run.db"))
+    try:
+        return [r[0] for r in con.execute("SELECT loss FROM step_timing WHERE rank = 0 ORDER BY step")]
+    finally:
+        con.close()
+
+
+@pytest.fixture(scope="module")
+def helios_run_losses(tmp_path_factory):
+    """The losses of the same training under helios-run, the reference the launchers must give."""
+    import subprocess
+
+    out = tmp_path_factory.mktemp("helios-run")
+    env = dict(os.environ, LP_NUM_THREADS="1")
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "HELIOS_LAUNCHER", "HELIOS_JOB_ID"):
+        env.pop(k, None)
+    r = subprocess.run([os.path.join(os.path.dirname(sys.executable), "helios-run"), "--nproc-per-node", "2", "-m",
+                        "helios.train", *TRAIN_ARGS, "--out", str(out)], env=env, capture_output=True, text=True,
+                       timeout=300, cwd=str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    return _losses(out)
+
+
+def _check_training(res, out, reference) -> None:
+    res.check()
+    assert sum('"world_size": 2' in t for t in res.task_stdout or [res.stdout]) == 1, res.describe()
+    np.testing.assert_allclose(_losses(out), reference, rtol=1e-6)
+
+
+def test_trainer_under_srun_gives_the_losses_of_helios_run(cluster, tmp_path, helios_run_losses):
+    res = run_srun(cluster, 2, python_argv("-m", "helios.train", *TRAIN_ARGS, "--out", str(tmp_path)), timeout=300)
+    _check_training(res, tmp_path, helios_run_losses)
+
+
+def test_trainer_under_sbatch_gives_the_losses_of_helios_run(cluster, tmp_path, helios_run_losses):
+    res = run_sbatch(cluster, 2, python_argv("-m", "helios.train", *TRAIN_ARGS, "--out", str(tmp_path)), timeout=300)
+    res.check()
+    np.testing.assert_allclose(_losses(tmp_path), helios_run_losses, rtol=1e-6)
+
+
+def test_trainer_under_mpirun_gives_the_losses_of_helios_run(tmp_path, helios_run_losses):
+    res = run_mpirun(2, python_argv("-m", "helios.train", *TRAIN_ARGS, "--out", str(tmp_path)), timeout=300)
+    _check_training(res, tmp_path, helios_run_losses)

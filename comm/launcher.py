@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
                 _stop(procs, a.grace, every_group=True)
             _remove_segments([p.pid for p in procs], shm_prefix)
         for t in pumps:
-            t.join(timeout=2.0)
+            t.join(timeout=10.0)  # the last lines a rank printed before it exited (a loaded machine is slow)
         if failed is None:
             return 128 + received[0] if received else 0
         rank, code = failed

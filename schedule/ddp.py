@@ -251,20 +251,19 @@ def build_buckets(named: list, cap_bytes: int, first_cap_bytes: int | None = Non
     buckets: list[Bucket] = []
     for key, params in by_storage.items():
         params.sort(key=lambda p: p._grad_slot._off, reverse=True)
-        start_count = len(buckets) + 1  # while the buffer's first bucket is the one being filled
         first = params[0]._grad_slot
         base = Tensor(first._st, (first._st.nbytes // first.dtype.itemsize,), (1,), 0, first.dtype)
-        cur: Bucket | None = None
+        cut: list[Bucket] = []  # this buffer's buckets, the one being filled last
         for p in params:
             lo = p._grad_slot._off
             hi = lo + p.numel()
-            cap = first_cap_bytes if first_cap_bytes is not None and len(buckets) == start_count else cap_bytes
-            if cur is not None and hi == cur.lo and (cur.hi - lo) * first.dtype.itemsize <= cap:
-                cur.lo = lo
-                cur.params.append(p)
+            cap = first_cap_bytes if first_cap_bytes is not None and len(cut) == 1 else cap_bytes
+            if cut and hi == cut[-1].lo and (cut[-1].hi - lo) * first.dtype.itemsize <= cap:
+                cut[-1].lo = lo
+                cut[-1].params.append(p)
                 continue
-            cur = Bucket(0, key, base, lo, hi, [p])
-            buckets.append(cur)
+            cut.append(Bucket(0, key, base, lo, hi, [p]))
+        buckets += cut
     buckets.sort(key=lambda b: -min(order[id(p)] for p in b.params))
     for i, b in enumerate(buckets):
         b.index = i

@@ -3,25 +3,32 @@ saved at one world size (or ZeRO stage) loads at another.
 
 Layout of ``RUN_DIR/ckpt/step-00000100/``::
 
-    shard-00000-of-00002.helios   rank 0's arrays (helios.fileio container: temp + fsync +
-    shard-00001-of-00002.helios   rename, SHA-256 over the payload), one per rank
-    metadata.json                 written by rank 0: format, step, world size, the shard
-                                  file names, and the caller's meta (config, data-loader
-                                  position, RNG state, optimizer hyper-parameters, ZeRO stage)
+    shard-00000-of-00002.helios   rank 0's tensors (helios.fileio container: temp file +
+    shard-00001-of-00002.helios   fsync + rename, SHA-256 over the payload), one per rank
+    metadata.json                 written by rank 0 after its shard: format, step, world
+                                  size, the shard file names, and the caller's meta (config,
+                                  data-loader position, RNG state, ZeRO stage, ...)
 
-A tensor is described by its global shape and logical dtype, and each rank holds one
-contiguous range [start, stop) of its flattened (C-order) elements; the ranges of all
-ranks partition the tensor.  A replicated tensor is written by splitting its range evenly
-over the ranks, so every rank writes about the same bytes in parallel.
+A tensor is described by its global shape and logical dtype (a numpy dtype name, or
+``"bfloat16"`` / ``"float8_e4m3"`` / ``"float8_e5m2"`` stored as unsigned bit patterns, as
+``helios.fileio`` stores them); each rank holds one contiguous range ``[start, stop)`` of its
+flattened (C-order) elements, possibly empty, and the ranges of all ranks partition
+``[0, numel)``.  How a tensor is split is the caller's choice: a replicated tensor may be
+written by rank 0 alone (``[0, numel)`` there, empty ranges elsewhere) or split evenly with
+:func:`even_range` so that every rank writes its share in parallel.
 
-A checkpoint is *complete* when metadata.json parses, every shard it lists exists and
-verifies, and every tensor's ranges partition it.  No rank waits for another to write (a
-background thread must never issue collectives: they would interleave with training's),
-so completeness is judged when loading: :func:`latest_complete` returns the newest
-complete checkpoint and warns about any newer one that is not (a crash mid-write, a
-corrupt file).  Loading asks, per tensor, for any range: resharding reads the pieces from
-whichever shards hold them.  Rank 0 removes step folders older than the newest ``keep``
-complete ones, never the newest complete one.
+Nothing here communicates.  The writer runs on a background thread, and a background thread
+must never issue collectives: they would interleave with the training thread's and break
+their order across ranks.  So no rank waits for another, and completeness is judged when
+reading: a checkpoint is *complete* when ``metadata.json`` parses, every shard it lists
+exists and verifies (SHA-256), and every tensor's ranges partition it.
+:func:`latest_complete` returns the newest complete checkpoint and warns, in one line, about
+every newer one that is not (a crash mid-write, a corrupt or missing file).
+
+:func:`load` asks, per tensor, for any flat range ``[start, stop)``: resharding reads the
+pieces from whichever shards hold them, and only those shard files.  After a save, rank 0
+removes step folders older than the newest ``keep`` complete ones; the newest complete one
+is never removed.
 """
 
 from __future__ import annotations
@@ -31,40 +38,97 @@ import os
 import re
 import shutil
 import threading
+import time
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from helios.errors import CheckpointError
-from helios.fileio import atomic_write_bytes, load_checkpoint, save_checkpoint
+from helios.errors import CheckpointError, DTypeError
+from helios.fileio import LOGICAL_DTYPES, atomic_write_bytes, load_checkpoint, save_checkpoint
+
+# The container's prefix layout, to read a shard's index without reading its arrays (its
+# SHA-256 is checked whenever the arrays themselves are read, by load_checkpoint).
+from helios.fileio import _MAGIC, _PREFIX, _VERSION, _pad
+
+__all__ = [
+    "FORMAT",
+    "METADATA",
+    "ShardedArray",
+    "AsyncCheckpointer",
+    "save",
+    "load",
+    "latest_complete",
+    "global_shapes",
+    "check_shapes",
+    "metadata",
+    "even_range",
+    "step_dir",
+    "shard_name",
+    "discard_newer",
+]
 
 FORMAT = 1
 METADATA = "metadata.json"
-_STEP_DIR = re.compile(r"^step-(\d{8})$")
+_STEP_DIR = re.compile(r"^step-(\d{8,})$")
+_SHARD = re.compile(r"^shard-(\d{5,})-of-(\d{5,})\.helios$")
+_MAX_INDEX_BYTES = 256 << 20  # a shard's JSON index larger than this is taken as damage
+
+
+def _storage_dtype(dtype: str) -> np.dtype:
+    """The numpy dtype a logical dtype name is stored as."""
+    if dtype in LOGICAL_DTYPES:
+        return LOGICAL_DTYPES[dtype]
+    try:
+        dt = np.dtype(dtype)
+    except TypeError as e:
+        raise DTypeError(f"unknown dtype {dtype!r}: give a numpy dtype name or one of {sorted(LOGICAL_DTYPES)}") from e
+    if dt.kind not in "biufc":
+        raise DTypeError(f"dtype {dtype!r} cannot be checkpointed: only booleans, integers, floats and complex")
+    return dt
+
+
+def _numel(shape: tuple) -> int:
+    return int(np.prod(shape, dtype=np.int64))
 
 
 @dataclass
 class ShardedArray:
-    """This rank's elements [start, stop) of a tensor's flattened global elements."""
+    """This rank's elements ``[start, stop)`` of a tensor's flattened global elements.
+
+    ``dtype`` is the tensor's logical dtype: a numpy dtype name, or ``"bfloat16"`` (and the
+    float8 names) with ``data`` holding the bit patterns as unsigned integers.  ``data`` holds
+    ``stop - start`` elements (it is flattened, as a view where it can be).
+    """
 
     global_shape: tuple
-    dtype: str  # numpy dtype name, or "bfloat16" (stored as uint16 bit patterns)
+    dtype: str
     start: int
     stop: int
-    data: np.ndarray  # 1-D, stop - start elements
+    data: np.ndarray
 
     def __post_init__(self) -> None:
         self.global_shape = tuple(int(s) for s in self.global_shape)
-        n = int(np.prod(self.global_shape, dtype=np.int64))
+        self.start, self.stop = int(self.start), int(self.stop)
+        if any(s < 0 for s in self.global_shape):
+            raise CheckpointError(f"ShardedArray: negative dimension in shape {self.global_shape}")
+        if not isinstance(self.data, np.ndarray):
+            raise DTypeError(f"ShardedArray: data must be a numpy.ndarray, got {type(self.data).__name__}")
+        n = _numel(self.global_shape)
         if not 0 <= self.start <= self.stop <= n or self.data.size != self.stop - self.start:
-            raise CheckpointError(f"ShardedArray: range [{self.start}, {self.stop}) with {self.data.size} elements does "
-                                  f"not fit a tensor of shape {self.global_shape}")
+            raise CheckpointError(f"ShardedArray: range [{self.start}, {self.stop}) with {self.data.size} elements "
+                                  f"does not fit a tensor of shape {self.global_shape} ({n} elements)")
+        store = _storage_dtype(self.dtype)
+        if (self.data.dtype.kind, self.data.dtype.itemsize) != (store.kind, store.itemsize):
+            raise DTypeError(f"ShardedArray: data of dtype {self.data.dtype} for a tensor of dtype {self.dtype!r} "
+                             f"(stored as {store}); convert the data or declare its dtype")
+        self.data = self.data.reshape(-1)
 
 
 def even_range(numel: int, rank: int, world: int) -> tuple[int, int]:
-    """Rank ``rank``'s share [start, stop) of ``numel`` elements split evenly over ``world`` ranks."""
+    """Rank ``rank``'s share ``[start, stop)`` of ``numel`` elements split evenly over ``world`` ranks."""
     return numel * rank // world, numel * (rank + 1) // world
 
 
@@ -74,196 +138,471 @@ def step_dir(run_dir: str, step: int) -> str:
 
 
 def shard_name(rank: int, world: int) -> str:
-    """File name of rank ``rank``'s shard."""
+    """File name of rank ``rank``'s shard in a checkpoint written by ``world`` ranks."""
     return f"shard-{rank:05d}-of-{world:05d}.helios"
 
 
-def save(run_dir: str, step: int, shards: dict[str, ShardedArray], rank: int, world: int, meta: dict | None = None,
-         keep: int = 2) -> str:
-    """Write this rank's shard of the checkpoint of ``step`` (rank 0 also the metadata); returns the folder."""
+def _json_default(obj: Any) -> Any:
+    # numpy scalars and small arrays are common in metadata (RNG states, counters).
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    raise TypeError(f"object of type {type(obj).__name__} is not JSON serializable")
+
+
+def _meta_json(meta: Mapping[str, Any] | None) -> str:
+    try:
+        return json.dumps(dict(meta or {}), default=_json_default, sort_keys=True)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"checkpoint meta is not JSON-serialisable ({e}); keep arrays in the shards and plain "
+                        "numbers, strings, lists and dicts in meta") from e
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def save(run_dir: str, step: int, shards: Mapping[str, ShardedArray], rank: int, world: int,
+         meta: Mapping[str, Any] | None = None, *, keep: int | None = 2) -> str:
+    """Write rank ``rank``'s shard of the checkpoint of ``step``; returns the step folder.
+
+    Rank 0 then writes ``metadata.json`` (format, step, world size, the shard file names and
+    ``meta``, which must be JSON) and removes step folders older than the newest ``keep``
+    complete checkpoints (``keep=None``: none).  Every file is written atomically.  No rank
+    waits for another: see :func:`latest_complete` for when the checkpoint counts.
+    """
+    step, rank, world = int(step), int(rank), int(world)
+    if step < 0 or not 0 <= rank < world:
+        raise ValueError(f"save: need step >= 0 and 0 <= rank < world, got step={step}, rank={rank}, world={world}")
+    if keep is not None and keep < 1:
+        raise ValueError(f"save: keep must be >= 1 (the newest complete checkpoint is always kept) or None, got {keep}")
+    for name, s in shards.items():
+        if not isinstance(name, str) or not isinstance(s, ShardedArray):
+            raise TypeError(f"save: shards must map str to ShardedArray, got {name!r}: {type(s).__name__}")
+    meta_json = _meta_json(meta)
     d = step_dir(run_dir, step)
-    os.makedirs(d, exist_ok=True)
+    if not os.path.isdir(d):
+        os.makedirs(d, exist_ok=True)
+        _fsync_dir(os.path.dirname(d))  # the step folder's entry in ckpt/
+        _fsync_dir(run_dir)  # ckpt/'s entry in the run folder
     index = {name: {"shape": list(s.global_shape), "dtype": s.dtype, "start": s.start, "stop": s.stop}
              for name, s in shards.items()}
-    arrays = {name: np.ascontiguousarray(s.data).reshape(-1) for name, s in shards.items()}
-    dtypes = {name: s.dtype for name, s in shards.items() if s.dtype == "bfloat16"}
+    arrays = {name: s.data for name, s in shards.items()}
+    dtypes = {name: s.dtype for name, s in shards.items() if s.dtype in LOGICAL_DTYPES}
     save_checkpoint(os.path.join(d, shard_name(rank, world)), arrays,
                     {"format": FORMAT, "step": step, "rank": rank, "world": world, "tensors": index}, dtypes=dtypes)
     if rank == 0:
-        md = {"format": FORMAT, "step": step, "world": world, "shards": [shard_name(r, world) for r in range(world)],
-              "meta": meta or {}}
-        atomic_write_bytes(os.path.join(d, METADATA), json.dumps(md, sort_keys=True, default=str).encode())
-        _prune(run_dir, keep)
+        md = {"format": FORMAT, "step": step, "world": world,
+              "shards": [shard_name(r, world) for r in range(world)], "meta": json.loads(meta_json)}
+        atomic_write_bytes(os.path.join(d, METADATA), (json.dumps(md, indent=1) + "\n").encode("utf-8"))
+        if keep is not None:
+            _prune(run_dir, keep)
     return d
 
 
+# ---------------------------------------------------------------------------------------------
+# Reading and verifying
+
+
 def _step_dirs(run_dir: str) -> list[tuple[int, str]]:
+    """(step, folder) of every step folder, newest first."""
     root = os.path.join(run_dir, "ckpt")
-    if not os.path.isdir(root):
+    try:
+        names = os.listdir(root)
+    except (FileNotFoundError, NotADirectoryError):
         return []
     out = []
-    for name in os.listdir(root):
+    for name in names:
         m = _STEP_DIR.match(name)
-        if m:
+        if m and os.path.isdir(os.path.join(root, name)):
             out.append((int(m.group(1)), os.path.join(root, name)))
     return sorted(out, reverse=True)
 
 
-def _problem(d: str) -> str | None:
-    """Why the checkpoint in ``d`` is not complete, or None when it is (reads and verifies every shard)."""
+def metadata(ckpt_dir: str) -> dict:
+    """The parsed and checked ``metadata.json`` of a step folder (CheckpointError naming what is wrong)."""
+    path = os.path.join(ckpt_dir, METADATA)
     try:
-        with open(os.path.join(d, METADATA), "rb") as f:
+        with open(path, "rb") as f:
             md = json.loads(f.read())
-    except FileNotFoundError:
-        return "no metadata.json (rank 0 did not finish writing it)"
+    except FileNotFoundError as e:
+        raise CheckpointError(f"{path}: missing (rank 0 did not finish writing this checkpoint)") from e
     except (OSError, ValueError) as e:
-        return f"metadata.json is unreadable ({e})"
+        raise CheckpointError(f"{path}: unreadable ({type(e).__name__}: {e})") from e
+    if not isinstance(md, dict):
+        raise CheckpointError(f"{path}: holds a {type(md).__name__}, not an object")
     if md.get("format") != FORMAT:
-        return f"format {md.get('format')!r}, this Helios reads {FORMAT}"
+        raise CheckpointError(f"{path}: format {md.get('format')!r}, this Helios reads format {FORMAT}")
+    world, step = md.get("world"), md.get("step")
+    if not isinstance(world, int) or world < 1 or not isinstance(step, int):
+        raise CheckpointError(f"{path}: bad world size {world!r} or step {step!r}")
+    expected = [shard_name(r, world) for r in range(world)]
+    if md.get("shards") != expected:
+        raise CheckpointError(f"{path}: lists shards {md.get('shards')!r}, expected the {world} files {expected[0]}...")
+    m = _STEP_DIR.match(os.path.basename(os.path.normpath(ckpt_dir)))
+    if m and int(m.group(1)) != step:
+        raise CheckpointError(f"{path}: says step {step} in the folder of step {int(m.group(1))}")
+    if not isinstance(md.get("meta", {}), dict):
+        raise CheckpointError(f"{path}: 'meta' is not an object")
+    return md
+
+
+# Shard indexes already read in this process, keyed by the file's identity, so that repeated
+# look-ups (retention after every save, latest_complete then load) read each file once.
+_CACHE_LOCK = threading.Lock()
+_VERIFIED: dict[tuple, dict] = {}  # files whose SHA-256 was checked -> their tensor index
+_PEEKED: dict[tuple, dict] = {}  # files whose index was read without the arrays -> their tensor index
+
+
+def _file_key(path: str) -> tuple:
+    st = os.stat(path)
+    return (os.path.abspath(path), st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _remember(cache: dict, key: tuple, value: dict) -> None:
+    with _CACHE_LOCK:
+        if len(cache) > 4096:
+            cache.clear()
+        cache[key] = value
+
+
+def _peek_index(path: str) -> dict:
+    """A shard's meta, read from its JSON index alone (the arrays are not read, so not hashed)."""
     try:
-        _index(d, md)
-    except CheckpointError as e:
-        return str(e)
-    return None
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            raw = f.read(_PREFIX.size)
+            if len(raw) < _PREFIX.size or raw[:8] != _MAGIC:
+                raise CheckpointError(f"{path}: not a Helios checkpoint file, or truncated")
+            _, version, _, header_len, data_len, _ = _PREFIX.unpack(raw)
+            if version != _VERSION:
+                raise CheckpointError(f"{path}: container version {version}, this Helios reads {_VERSION}")
+            if header_len > _MAX_INDEX_BYTES or size != _PREFIX.size + header_len + _pad(header_len) + data_len:
+                raise CheckpointError(f"{path}: {size} bytes, not the size its prefix describes (truncated or damaged)")
+            header = f.read(header_len)
+        return json.loads(header.decode("utf-8"))["meta"]
+    except CheckpointError:
+        raise
+    except FileNotFoundError as e:
+        raise CheckpointError(f"{path}: missing (its rank did not finish writing it)") from e
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{path}: the index cannot be read ({type(e).__name__}: {e})") from e
 
 
-def _index(d: str, md: dict) -> dict[str, dict]:
-    """name -> {"shape", "dtype", "pieces": [(start, stop, shard file)]}, validated to partition each tensor."""
-    cache = _shard_meta_cache(d, md)
-    tensors: dict[str, dict] = {}
-    for fname, tmeta in cache.items():
-        for name, t in tmeta.items():
-            e = tensors.setdefault(name, {"shape": tuple(t["shape"]), "dtype": t["dtype"], "pieces": []})
-            if e["shape"] != tuple(t["shape"]) or e["dtype"] != t["dtype"]:
-                raise CheckpointError(f"{d}: shards disagree on the shape or dtype of {name!r}")
-            if t["stop"] > t["start"]:
-                e["pieces"].append((t["start"], t["stop"], fname))
-    for name, e in tensors.items():
-        n = int(np.prod(e["shape"], dtype=np.int64))
-        at = 0
-        for start, stop, fname in sorted(e["pieces"]):
-            if start != at:
-                what = "a gap" if start > at else "an overlap"
-                raise CheckpointError(f"{d}: the shards' ranges of {name!r} leave {what} at element {min(at, start)}")
-            at = stop
-        if at != n:
-            raise CheckpointError(f"{d}: the shards hold elements [0, {at}) of {name!r}, which has {n}")
-        e["pieces"].sort()
+def _check_shard_meta(path: str, smeta: Any, md: dict, fname: str) -> dict[str, dict]:
+    """The tensor index of a shard, after checking it belongs here and is well formed."""
+    rank, world = (int(g) for g in _SHARD.match(fname).groups())  # type: ignore[union-attr]
+    try:
+        if smeta.get("format") != FORMAT:
+            raise CheckpointError(f"{path}: shard format {smeta.get('format')!r}, this Helios reads {FORMAT}")
+        if (smeta.get("step"), smeta.get("rank"), smeta.get("world")) != (md["step"], rank, world):
+            raise CheckpointError(f"{path}: the shard of rank {smeta.get('rank')} of {smeta.get('world')} at step "
+                                  f"{smeta.get('step')}, expected rank {rank} of {world} at step {md['step']}")
+        tensors = {}
+        for name, t in smeta["tensors"].items():
+            shape = tuple(int(s) for s in t["shape"])
+            start, stop, dtype = int(t["start"]), int(t["stop"]), str(t["dtype"])
+            _storage_dtype(dtype)
+            if any(s < 0 for s in shape) or not 0 <= start <= stop <= _numel(shape):
+                raise CheckpointError(f"{path}: tensor {name!r} has range [{start}, {stop}) outside its shape {shape}")
+            tensors[name] = {"shape": shape, "dtype": dtype, "start": start, "stop": stop}
+        return tensors
+    except CheckpointError:
+        raise
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}: the shard's index is malformed ({type(e).__name__}: {e})") from e
+
+
+def _shard_tensors(d: str, md: dict, fname: str, verify: bool, cached: bool = True) -> dict[str, dict]:
+    """A shard's tensor index; with ``verify`` the whole file is read and its SHA-256 checked,
+    unless (``cached``) this process already checked the same, unchanged file."""
+    path = os.path.join(d, fname)
+    try:
+        key = _file_key(path)
+    except FileNotFoundError as e:
+        raise CheckpointError(f"{path}: missing (its rank did not finish writing this checkpoint)") from e
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot be read ({e})") from e
+    with _CACHE_LOCK:
+        hit = None if not cached else _VERIFIED.get(key) or (None if verify else _PEEKED.get(key))
+    if hit is not None:
+        return hit
+    if verify:
+        arrays, smeta, logical = load_checkpoint(path, return_dtypes=True)  # checks the SHA-256
+        tensors = _check_shard_meta(path, smeta, md, fname)
+        for name, t in tensors.items():
+            a = arrays.get(name)
+            if a is None or a.size != t["stop"] - t["start"] or logical.get(name) != t["dtype"]:
+                raise CheckpointError(f"{path}: tensor {name!r}'s stored array does not match its index")
+        del arrays
+        cache = _VERIFIED
+    else:
+        tensors = _check_shard_meta(path, _peek_index(path), md, fname)
+        cache = _PEEKED
+    if _file_key(path) == key:  # not replaced while it was read
+        _remember(cache, key, tensors)
     return tensors
 
 
-_VERIFIED: dict[str, dict] = {}  # folder -> {shard file: tensor index}, for folders verified in this process
+def _index(d: str, md: dict, verify: bool, cached: bool = True) -> dict[str, dict]:
+    """name -> {"shape", "dtype", "pieces": [(start, stop, shard file)]}, each tensor's pieces
+    checked to partition it."""
+    tensors: dict[str, dict] = {}
+    owner: dict[str, str] = {}
+    for fname in md["shards"]:
+        for name, t in _shard_tensors(d, md, fname, verify, cached).items():
+            e = tensors.get(name)
+            if e is None:
+                e = tensors[name] = {"shape": t["shape"], "dtype": t["dtype"], "pieces": []}
+                owner[name] = fname
+            elif (e["shape"], e["dtype"]) != (t["shape"], t["dtype"]):
+                raise CheckpointError(f"{d}: tensor {name!r} is {t['dtype']} {t['shape']} in {fname} but "
+                                      f"{e['dtype']} {e['shape']} in {owner[name]}")
+            if t["stop"] > t["start"]:
+                e["pieces"].append((t["start"], t["stop"], fname))
+    for name, e in tensors.items():
+        e["pieces"].sort()
+        at, prev = 0, None
+        for start, stop, fname in e["pieces"]:
+            if start > at:
+                raise CheckpointError(f"{d}: tensor {name!r} has a gap: no shard holds its elements [{at}, {start})")
+            if start < at:
+                raise CheckpointError(f"{d}: tensor {name!r} has an overlap: elements [{start}, {min(at, stop)}) are "
+                                      f"in both {prev} and {fname}")
+            at, prev = stop, fname
+        n = _numel(e["shape"])
+        if at != n:
+            raise CheckpointError(f"{d}: tensor {name!r} has a gap: no shard holds its elements [{at}, {n})")
+    return tensors
 
 
-def _shard_meta_cache(d: str, md: dict) -> dict[str, dict]:
-    key = os.path.abspath(d)
-    if key in _VERIFIED:
-        return _VERIFIED[key]
-    out = {}
-    for fname in md.get("shards", []):
-        path = os.path.join(d, fname)
-        if not os.path.exists(path):
-            raise CheckpointError(f"{d}: shard {fname} is missing (its rank did not finish writing it)")
-        _, meta = load_checkpoint(path)  # verifies the SHA-256; raises CheckpointError naming the file
-        if meta.get("step") != md.get("step"):
-            raise CheckpointError(f"{path}: shard of step {meta.get('step')} in the folder of step {md.get('step')}")
-        out[fname] = meta["tensors"]
-    _VERIFIED[key] = out
-    return out
-
-
-def latest_complete(run_dir: str) -> tuple[int, str] | None:
-    """(step, folder) of the newest complete checkpoint, warning about newer incomplete ones; None if none."""
-    for step, d in _step_dirs(run_dir):
-        why = _problem(d)
-        if why is None:
-            return step, d
-        warnings.warn(f"checkpoint {d} is not usable ({why}); falling back to an earlier one", stacklevel=2)
+def _problem(d: str, cached: bool = True) -> str | None:
+    """Why the checkpoint in ``d`` is not complete (one line), or None when it is.  Reads and
+    verifies every shard; ``cached``: skip files this process verified and that look unchanged
+    (same inode, size and mtime), which is what retention after every save relies on."""
+    try:
+        _index(d, metadata(d), verify=True, cached=cached)
+    except CheckpointError as e:
+        return " ".join(str(e).split())
+    except Exception as e:  # noqa: BLE001 - a damaged checkpoint must never stop the search
+        return f"{type(e).__name__}: {' '.join(str(e).split())}"
     return None
 
 
-def metadata(ckpt_dir: str) -> dict:
-    """The metadata.json of a checkpoint folder."""
-    with open(os.path.join(ckpt_dir, METADATA), "rb") as f:
-        return json.loads(f.read())
+def latest_complete(run_dir: str) -> tuple[int, str] | None:
+    """(step, folder) of the newest complete checkpoint under ``run_dir/ckpt``, or None.
+
+    Each newer step folder that is not complete (missing or unreadable metadata.json, a
+    missing shard, a hash mismatch, ranges that do not partition a tensor) is skipped with a
+    one-line ``UserWarning`` naming the folder and what is wrong.  Never raises for them.
+    """
+    for step, d in _step_dirs(run_dir):
+        why = _problem(d, cached=False)  # the authoritative check: every byte is read again
+        if why is None:
+            return step, d
+        warnings.warn(f"checkpoint {d} skipped, it is incomplete or corrupt: {why}", UserWarning, stacklevel=2)
+    return None
 
 
 def global_shapes(ckpt_dir: str) -> dict[str, tuple[tuple, str]]:
-    """name -> (global shape, dtype) of every tensor in a complete checkpoint."""
-    return {n: (e["shape"], e["dtype"]) for n, e in _index(ckpt_dir, metadata(ckpt_dir)).items()}
+    """name -> (global shape, logical dtype) of every tensor of a checkpoint (reads only the
+    shards' indexes; raises CheckpointError where the ranges do not partition a tensor)."""
+    return {n: (e["shape"], e["dtype"]) for n, e in _index(ckpt_dir, metadata(ckpt_dir), verify=False).items()}
 
 
-def load(ckpt_dir: str, wanted: dict[str, tuple[int, int]]) -> tuple[dict[str, np.ndarray], dict]:
-    """For each tensor name, its flattened elements [start, stop), assembled from whichever shards hold them,
-    and the caller's meta saved with the checkpoint.  Reads only the shards it needs."""
+def _differ(ckpt_dir: str, have: Mapping[str, tuple[tuple, str]], expected: Mapping[str, tuple[Any, str | None]],
+            exact: bool) -> None:
+    names = list(expected) + ([n for n in have if n not in expected] if exact else [])
+    bad = []
+    for n in names:
+        if n not in have:
+            bad.append((n, f"absent there and {_describe(expected[n])} here"))
+        elif n not in expected:
+            bad.append((n, f"{_describe(have[n])} there and absent here"))
+        else:
+            shape, dtype = expected[n]
+            hs, hd = have[n]
+            if tuple(int(s) for s in shape) != hs or (dtype is not None and dtype != hd):
+                bad.append((n, f"{_describe(have[n])} there and {_describe(expected[n])} here"))
+    if bad:
+        n, what = bad[0]
+        more = f" ({len(bad) - 1} more tensors differ)" if len(bad) > 1 else ""
+        raise CheckpointError(f"{ckpt_dir} is a checkpoint of another model: tensor {n!r} is {what}{more}; resume "
+                              "from a checkpoint of this model or start afresh")
+
+
+def _describe(sd: tuple) -> str:
+    shape, dtype = sd
+    shape = tuple(int(s) for s in shape)
+    return f"{dtype} {shape}" if dtype is not None else f"shape {shape}"
+
+
+def check_shapes(ckpt_dir: str, expected: Mapping[str, tuple[Any, str | None]], *, exact: bool = True) -> None:
+    """Raise CheckpointError naming the first tensor whose shape or dtype differs.
+
+    ``expected`` maps name -> (global shape, logical dtype or None for any dtype), in the
+    order names should be checked.  ``exact``: the checkpoint must hold no other tensors.
+    """
+    _differ(ckpt_dir, global_shapes(ckpt_dir), expected, exact)
+
+
+def load(ckpt_dir: str, wanted: Mapping[str, tuple[int, int]], *,
+         expect: Mapping[str, tuple[Any, str | None]] | None = None) -> tuple[dict[str, np.ndarray], dict]:
+    """Elements ``[start, stop)`` of each wanted tensor's flattened global elements, and the
+    caller's meta saved with the checkpoint.
+
+    The ranges may cut the tensors differently from the ranks that saved them (resharding);
+    each is assembled from whichever shards hold it, and only those shard files are read
+    (each SHA-256-checked).  Arrays come back 1-D in the storage dtype (bfloat16 as uint16
+    bits).  ``expect`` (name -> (global shape, dtype or None)) is checked first.  Every
+    failure is a CheckpointError naming the folder or file and what is wrong.
+    """
     md = metadata(ckpt_dir)
-    index = _index(ckpt_dir, md)
-    need: dict[str, list[tuple[str, int, int, int]]] = {}  # shard -> [(name, lo, hi, out offset)]
+    index = _index(ckpt_dir, md, verify=False)
+    if expect:
+        _differ(ckpt_dir, {n: (e["shape"], e["dtype"]) for n, e in index.items()}, expect, exact=False)
+    need: dict[str, list[tuple[str, int, int, int, int]]] = {}  # shard -> [(name, piece start, lo, hi, at)]
     out: dict[str, np.ndarray] = {}
-    dtypes: dict[str, Any] = {}
-    for name, (start, stop) in wanted.items():
+    for name, rng in wanted.items():
         e = index.get(name)
         if e is None:
-            raise CheckpointError(f"{ckpt_dir}: the checkpoint has no tensor {name!r}")
-        n = int(np.prod(e["shape"], dtype=np.int64))
+            close = sorted(index)[:5]
+            raise CheckpointError(f"{ckpt_dir}: the checkpoint has no tensor {name!r} (it holds {len(index)} "
+                                  f"tensors: {', '.join(close)}{'...' if len(index) > 5 else ''})")
+        start, stop = (int(x) for x in rng)
+        n = _numel(e["shape"])
         if not 0 <= start <= stop <= n:
-            raise CheckpointError(f"{ckpt_dir}: range [{start}, {stop}) of {name!r} is outside its {n} elements")
-        dtypes[name] = e["dtype"]
+            raise CheckpointError(f"{ckpt_dir}: asked for elements [{start}, {stop}) of {name!r}, which has {n} "
+                                  f"(shape {e['shape']})")
         for pstart, pstop, fname in e["pieces"]:
             lo, hi = max(start, pstart), min(stop, pstop)
             if lo < hi:
-                need.setdefault(fname, []).append((name, lo - pstart, hi - pstart, lo - start))
-        out[name] = None  # type: ignore[assignment]
-    for name, (start, stop) in wanted.items():
-        dt = np.uint16 if dtypes[name] == "bfloat16" else np.dtype(dtypes[name])
-        out[name] = np.empty(stop - start, dt)
+                need.setdefault(fname, []).append((name, pstart, lo - pstart, hi - pstart, lo - start))
+        out[name] = np.empty(stop - start, _storage_dtype(e["dtype"]))
     for fname, parts in need.items():
-        arrays, _ = load_checkpoint(os.path.join(ckpt_dir, fname))
-        for name, lo, hi, at in parts:
-            out[name][at: at + hi - lo] = arrays[name].reshape(-1)[lo:hi]
+        path = os.path.join(ckpt_dir, fname)
+        arrays, smeta = load_checkpoint(path)  # checks the SHA-256
+        tensors = _check_shard_meta(path, smeta, md, fname)
+        for name, pstart, lo, hi, at in parts:
+            t, e, a = tensors.get(name), index[name], arrays.get(name)
+            if t is None or a is None or (t["shape"], t["dtype"]) != (e["shape"], e["dtype"]) or \
+                    t["start"] != pstart or a.size != t["stop"] - t["start"]:
+                raise CheckpointError(f"{path}: changed while the checkpoint was being read, or its index does not "
+                                      f"match its arrays (tensor {name!r})")
+            out[name][at: at + hi - lo] = a.reshape(-1)[lo:hi]
+        del arrays
     return out, md.get("meta", {})
 
 
+# ---------------------------------------------------------------------------------------------
+# Retention
+
+
+def _forget(d: str) -> None:
+    prefix = os.path.abspath(d) + os.sep
+    with _CACHE_LOCK:
+        for cache in (_VERIFIED, _PEEKED):
+            for k in [k for k in cache if k[0].startswith(prefix)]:
+                del cache[k]
+
+
 def _prune(run_dir: str, keep: int) -> None:
-    """Remove step folders older than the newest ``keep`` complete ones (never the newest complete)."""
+    """Remove step folders older than the newest ``keep`` complete checkpoints, and incomplete
+    folders older than the newest complete one (every rank has finished those, so nothing
+    will complete them).  Folders newer than the newest complete one may be in progress on
+    other ranks and are kept; the newest complete checkpoint is never removed."""
     complete = 0
     for _, d in _step_dirs(run_dir):
-        if complete >= max(keep, 1):
+        if complete >= keep:
             shutil.rmtree(d, ignore_errors=True)
-            _VERIFIED.pop(os.path.abspath(d), None)
+            _forget(d)
         elif _problem(d) is None:
             complete += 1
+        elif complete:
+            shutil.rmtree(d, ignore_errors=True)
+            _forget(d)
+
+
+def discard_newer(run_dir: str, step: int) -> list[str]:
+    """Remove the step folders newer than ``step``; returns them.
+
+    For rank 0 of a run resuming from ``step``, before training goes on: the folders of
+    later steps are a dead attempt's, and one of its shards left there could otherwise
+    complete, with the new attempt's files, a checkpoint that mixes the two.
+    """
+    gone = []
+    for s, d in _step_dirs(run_dir):
+        if s > step:
+            shutil.rmtree(d, ignore_errors=True)
+            _forget(d)
+            gone.append(d)
+    if gone:
+        _fsync_dir(os.path.join(run_dir, "ckpt"))
+    return gone
+
+
+# ---------------------------------------------------------------------------------------------
+# Asynchronous writer
 
 
 class AsyncCheckpointer:
-    """Writes checkpoints on one background thread from a snapshot taken on the caller's thread.
+    """Writes this rank's checkpoints on one background thread from a snapshot taken on the
+    caller's thread.
 
-    ``save()`` copies every array (the caller may change its buffers right after) and returns;
-    the write happens meanwhile.  A second ``save()`` first waits for the previous write.
-    ``wait()`` blocks until the pending write is done and re-raises its error.
+    ``save()`` copies every array (the caller may change its buffers as soon as it returns)
+    and the meta, then returns; the write runs meanwhile.  A second ``save()`` first waits
+    for the previous write.  ``wait()`` blocks until the pending write is done and re-raises
+    its error (so does the next ``save()``); ``close()`` (or leaving a ``with`` block) waits.
+    The thread only writes files: it never communicates.
     """
 
-    def __init__(self, run_dir: str, rank: int, world: int, keep: int = 2) -> None:
+    def __init__(self, run_dir: str, rank: int, world: int, keep: int | None = 2) -> None:
         self.run_dir, self.rank, self.world, self.keep = run_dir, rank, world, keep
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self.last_snapshot_s = 0.0  # time save() spent on the caller's thread
+        self.last_write_s = 0.0  # time the last finished write took on the background thread
 
-    def save(self, step: int, shards: dict[str, ShardedArray], meta: dict | None = None, copy: bool = True) -> None:
-        """Snapshot ``shards`` and write them in the background.  ``copy=False``: the arrays are
-        already the caller's own snapshot (fresh copies nothing else will change)."""
+    def save(self, step: int, shards: Mapping[str, ShardedArray], meta: Mapping[str, Any] | None = None, *,
+             copy: bool = True) -> None:
+        """Snapshot ``shards`` and ``meta`` and write them in the background.
+
+        ``copy=False``: the arrays already are the caller's own snapshot (fresh arrays that
+        nothing else will change), so they are not copied again.
+        """
         self.wait()
-        snap = {n: ShardedArray(s.global_shape, s.dtype, s.start, s.stop, np.array(s.data, copy=True) if copy else s.data)
-                for n, s in shards.items()}
-        meta = json.loads(json.dumps(meta or {}, default=str))
+        t0 = time.perf_counter()
+        snap = {}
+        for n, s in shards.items():
+            if not isinstance(s, ShardedArray):
+                raise TypeError(f"AsyncCheckpointer.save: {n!r} is a {type(s).__name__}, expected a ShardedArray")
+            data = np.array(s.data, copy=True, order="C") if copy else s.data
+            snap[n] = ShardedArray(s.global_shape, s.dtype, s.start, s.stop, data)
+        meta_snap = json.loads(_meta_json(meta))  # a deep copy; a meta that is not JSON fails here, not later
 
         def write() -> None:
+            w0 = time.perf_counter()
             try:
-                save(self.run_dir, step, snap, self.rank, self.world, meta, self.keep)
+                save(self.run_dir, step, snap, self.rank, self.world, meta_snap, keep=self.keep)
             except BaseException as e:  # noqa: BLE001 - handed to wait(), which re-raises it
                 self._error = e
+            finally:
+                self.last_write_s = time.perf_counter() - w0
 
+        # Not a daemon: an interpreter that exits normally first finishes the write.
         self._thread = threading.Thread(target=write, name=f"helios-ckpt-{step}", daemon=False)
         self._thread.start()
+        self.last_snapshot_s = time.perf_counter() - t0
 
     def pending(self) -> bool:
         """Whether a write is still running."""
@@ -279,5 +618,11 @@ class AsyncCheckpointer:
             raise e
 
     def close(self) -> None:
-        """Wait for the pending write."""
+        """Wait for the pending write (and re-raise its error)."""
         self.wait()
+
+    def __enter__(self) -> AsyncCheckpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

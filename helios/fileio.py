@@ -46,6 +46,7 @@ __all__ = [
     "atomic_open",
     "save_checkpoint",
     "load_checkpoint",
+    "read_checkpoint_meta",
     "LOGICAL_DTYPES",
     "cache_dir",
 ]
@@ -265,6 +266,55 @@ def load_checkpoint(
 ) -> tuple[dict[str, np.ndarray], dict[str, Any], dict[str, str]]: ...
 
 
+def _read_prefix(f: IO[bytes], p: Path) -> tuple[int, int, bytes]:
+    """Check a container's 64-byte prefix and its file size; (header_len, data_len, SHA-256 digest)."""
+    size = os.fstat(f.fileno()).st_size
+    raw = f.read(_PREFIX.size)
+    if len(raw) < 8 or raw[:8] != _MAGIC:
+        raise _ckpt_error(p, f"not a Helios checkpoint (magic {raw[:8]!r}, expected {_MAGIC!r})",
+                          "pass a file written by helios.fileio.save_checkpoint")
+    if len(raw) < _PREFIX.size:
+        raise _ckpt_error(p, f"file is {size} bytes, shorter than the {_PREFIX.size}-byte prefix (truncated)")
+    _, version, reserved, header_len, data_len, digest = _PREFIX.unpack(raw)
+    if version != _VERSION:
+        raise _ckpt_error(p, f"format version {version}, this Helios reads version {_VERSION}",
+                          "load it with the Helios version that wrote it")
+    if reserved != 0:  # the only prefix field the digest and the size check do not cover
+        raise _ckpt_error(p, f"reserved prefix field is {reserved:#x}, expected 0")
+    expect = _PREFIX.size + header_len + _pad(header_len) + data_len
+    if size != expect:
+        kind = "truncated" if size < expect else "has trailing bytes"
+        raise _ckpt_error(p, f"file is {size} bytes but its prefix describes {expect} ({kind})")
+    return header_len, data_len, digest
+
+
+def _parse_index(header: bytearray, header_len: int, p: Path) -> tuple[list, Any]:
+    """(array entries, meta) of a container's JSON index."""
+    try:
+        index = json.loads(bytes(header[:header_len]).decode("utf-8"))
+        return index["arrays"], index["meta"]
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise _ckpt_error(p, f"the JSON index cannot be parsed ({e})") from e
+
+
+def read_checkpoint_meta(path: str | os.PathLike[str]) -> Any:
+    """The ``meta`` of a checkpoint file, read from its index alone: the arrays are neither read
+    nor hashed (so a damaged array region goes unnoticed; :func:`load_checkpoint` verifies).
+    A missing, truncated, foreign or newer-version file raises CheckpointError."""
+    p = Path(path)
+    try:
+        f = open(p, "rb")
+    except FileNotFoundError as e:
+        raise _ckpt_error(p, "no such file", "check the path") from e
+    except OSError as e:
+        raise _ckpt_error(p, f"cannot open ({e})", "check the permissions") from e
+    with f:
+        header_len, _, _ = _read_prefix(f, p)
+        header = bytearray(header_len)
+        _read_exact_into(f, header, p, "the index")
+        return _parse_index(header, header_len, p)[1]
+
+
 def load_checkpoint(path: str | os.PathLike[str], *, return_dtypes: bool = False) -> Any:
     """Read a checkpoint written by :func:`save_checkpoint`; returns ``(arrays, meta)``.
 
@@ -283,34 +333,12 @@ def load_checkpoint(path: str | os.PathLike[str], *, return_dtypes: bool = False
     except OSError as e:
         raise _ckpt_error(p, f"cannot open ({e})", "check the permissions") from e
     with f:
-        size = os.fstat(f.fileno()).st_size
-        raw = f.read(_PREFIX.size)
-        if len(raw) < 8 or raw[:8] != _MAGIC:
-            raise _ckpt_error(p, f"not a Helios checkpoint (magic {raw[:8]!r}, expected {_MAGIC!r})",
-                              "pass a file written by helios.fileio.save_checkpoint")
-        if len(raw) < _PREFIX.size:
-            raise _ckpt_error(p, f"file is {size} bytes, shorter than the {_PREFIX.size}-byte prefix "
-                                 "(truncated)")
-        _, version, reserved, header_len, data_len, digest = _PREFIX.unpack(raw)
-        if version != _VERSION:
-            raise _ckpt_error(p, f"format version {version}, this Helios reads version {_VERSION}",
-                              "load it with the Helios version that wrote it")
-        if reserved != 0:  # the only prefix field the digest and the size check do not cover
-            raise _ckpt_error(p, f"reserved prefix field is {reserved:#x}, expected 0")
-        expect = _PREFIX.size + header_len + _pad(header_len) + data_len
-        if size != expect:
-            kind = "truncated" if size < expect else "has trailing bytes"
-            raise _ckpt_error(p, f"file is {size} bytes but its prefix describes {expect} ({kind})")
+        header_len, data_len, digest = _read_prefix(f, p)
         h = hashlib.sha256()
         header = bytearray(header_len + _pad(header_len))
         _read_exact_into(f, header, p, "the index")
         h.update(header)
-        try:
-            index = json.loads(bytes(header[:header_len]).decode("utf-8"))
-            entries = index["arrays"]
-            meta = index["meta"]
-        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
-            raise _ckpt_error(p, f"the JSON index cannot be parsed ({e})") from e
+        entries, meta = _parse_index(header, header_len, p)
         arrays: dict[str, np.ndarray] = {}
         logical: dict[str, str] = {}
         pos = 0

@@ -208,6 +208,11 @@ def _train(args) -> int:
         start_step = int(meta["step"])
         was = f" (saved by {meta['world_size']} ranks, ZeRO-{meta.get('zero', 0)})" if "world_size" in meta else ""
         say(f"resumed from {resumed_from} at step {start_step}{was}")
+        # Once every rank has read it, drop what a dead attempt left after it: a stray shard of
+        # a later step could otherwise complete, with this run's files, a checkpoint of two runs.
+        run.barrier()
+        if run.is_main:
+            sharded.discard_newer(args.out, start_step)
 
     n_params = gpt.num_parameters()
     fpt = gpt.flops_per_token()

@@ -47,11 +47,7 @@ from typing import Any
 import numpy as np
 
 from helios.errors import CheckpointError, DTypeError
-from helios.fileio import LOGICAL_DTYPES, atomic_write_bytes, load_checkpoint, save_checkpoint
-
-# The container's prefix layout, to read a shard's index without reading its arrays (its
-# SHA-256 is checked whenever the arrays themselves are read, by load_checkpoint).
-from helios.fileio import _MAGIC, _PREFIX, _VERSION, _pad
+from helios.fileio import LOGICAL_DTYPES, atomic_write_bytes, load_checkpoint, read_checkpoint_meta, save_checkpoint
 
 __all__ = [
     "FORMAT",
@@ -74,7 +70,6 @@ FORMAT = 1
 METADATA = "metadata.json"
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
 _SHARD = re.compile(r"^shard-(\d{5,})-of-(\d{5,})\.helios$")
-_MAX_INDEX_BYTES = 256 << 20  # a shard's JSON index larger than this is taken as damage
 
 
 def _storage_dtype(dtype: str) -> np.dtype:
@@ -279,24 +274,11 @@ def _remember(cache: dict, key: tuple, value: dict) -> None:
 def _peek_index(path: str) -> dict:
     """A shard's meta, read from its JSON index alone (the arrays are not read, so not hashed)."""
     try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            raw = f.read(_PREFIX.size)
-            if len(raw) < _PREFIX.size or raw[:8] != _MAGIC:
-                raise CheckpointError(f"{path}: not a Helios checkpoint file, or truncated")
-            _, version, _, header_len, data_len, _ = _PREFIX.unpack(raw)
-            if version != _VERSION:
-                raise CheckpointError(f"{path}: container version {version}, this Helios reads {_VERSION}")
-            if header_len > _MAX_INDEX_BYTES or size != _PREFIX.size + header_len + _pad(header_len) + data_len:
-                raise CheckpointError(f"{path}: {size} bytes, not the size its prefix describes (truncated or damaged)")
-            header = f.read(header_len)
-        return json.loads(header.decode("utf-8"))["meta"]
-    except CheckpointError:
+        return read_checkpoint_meta(path)
+    except CheckpointError as e:
+        if not os.path.exists(path):
+            raise CheckpointError(f"{path}: missing (its rank did not finish writing it)") from e
         raise
-    except FileNotFoundError as e:
-        raise CheckpointError(f"{path}: missing (its rank did not finish writing it)") from e
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{path}: the index cannot be read ({type(e).__name__}: {e})") from e
 
 
 def _check_shard_meta(path: str, smeta: Any, md: dict, fname: str) -> dict[str, dict]:

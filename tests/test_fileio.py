@@ -195,3 +195,18 @@ def test_checkpoint_wrong_magic_and_version(ckpt):
 def test_checkpoint_missing_file(tmp_path):
     with pytest.raises(CheckpointError, match="no such file"):
         load_checkpoint(tmp_path / "nope.ckpt")
+
+
+def test_read_checkpoint_meta_reads_the_index_alone(tmp_path):
+    from helios.errors import CheckpointError
+    from helios.fileio import read_checkpoint_meta, save_checkpoint
+
+    path = tmp_path / "c.helios"
+    save_checkpoint(path, {"a": np.arange(1000, dtype=np.float32)}, {"step": 3, "tensors": {"a": [0, 1000]}})
+    assert read_checkpoint_meta(path) == {"step": 3, "tensors": {"a": [0, 1000]}}
+    data = path.read_bytes()
+    path.write_bytes(data[:-10])
+    with pytest.raises(CheckpointError, match="truncated"):
+        read_checkpoint_meta(path)
+    with pytest.raises(CheckpointError, match="no such file"):
+        read_checkpoint_meta(tmp_path / "missing.helios")

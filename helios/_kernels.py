@@ -24,7 +24,8 @@ UNARY = {"neg": 0, "exp": 1, "log": 2, "sqrt": 3, "rsqrt": 4, "tanh": 5, "sigmoi
          "sin": 17, "cos": 18, "square": 19, "reciprocal": 20, "affine": 21, "div_s": 22}
 INT_UNARY = {"neg", "abs", "add_s", "mul_s", "rsub_s", "clamp"}
 BINARY = {"add": 0, "sub": 1, "mul": 2, "div": 3, "pow": 4, "maximum": 5, "minimum": 6, "gelu_tanh_bwd": 7,
-          "gelu_bwd": 8, "sigmoid_bwd": 9, "tanh_bwd": 10, "relu_bwd": 11, "and": 12, "or": 13, "xor": 14}
+          "gelu_bwd": 8, "sigmoid_bwd": 9, "tanh_bwd": 10, "relu_bwd": 11, "and": 12, "or": 13, "xor": 14,
+          "div_trunc": 15, "div_floor": 16}
 COMPARE = {"eq": 0, "ne": 1, "lt": 2, "le": 3, "gt": 4, "ge": 5}
 REDUCE = {"sum": 0, "max": 1, "min": 2, "argmax": 3, "argmin": 4}
 
@@ -767,8 +768,10 @@ def layer_norm_bwd_input(x: Tensor, w: Tensor | None, g: Tensor, mean: Tensor, r
     """dL/dx of LayerNorm (contiguous x and g)."""
     rt = x._st.rt
     C = x.shape[-1]
-    rows = x.numel() // C
     dx = empty(x.shape, x.dtype, rt)
+    if dx.numel() == 0:  # no rows (or no columns): nothing to compute, nothing to bind
+        return dx
+    rows = x.numel() // C
     wg, per_thread, groups = _row_plan(rt, rows, C)
     pid = rt.pipeline("layernorm", x.dtype.tag, (1, w is not None, wg, False, per_thread))
     bx, ox = bind(x)
@@ -809,6 +812,8 @@ def cross_entropy_fwd(x: Tensor, t: Tensor):
     lse = empty((N,), dt.float32, rt)
     if N == 0:
         return loss, lse
+    if V == 0:  # no classes: logsumexp of nothing is -inf (PyTorch gives nan losses)
+        return fill(loss, float("nan")), fill(lse, float("-inf"))
     wg, per_thread, groups = _row_plan(rt, N, V)
     pid = rt.pipeline("cross_entropy", x.dtype.tag, (0, wg, per_thread))
     bx, ox = bind(x)
@@ -823,6 +828,8 @@ def cross_entropy_bwd(x: Tensor, t: Tensor, lse: Tensor, gl: Tensor) -> Tensor:
     rt = x._st.rt
     N, V = x.shape
     dx = empty(x.shape, x.dtype, rt)
+    if dx.numel() == 0:
+        return dx
     wg, per_thread, groups = _row_plan(rt, N, V)
     pid = rt.pipeline("cross_entropy", x.dtype.tag, (1, wg, per_thread))
     bx, ox = bind(x)
@@ -856,6 +863,10 @@ def embedding_bwd(g: Tensor, pos: Tensor, rowptr: Tensor, V: int) -> Tensor:
     rt = g._st.rt
     C = g.shape[-1]
     out = empty((V, C), g.dtype, rt)
+    if out.numel() == 0:
+        return out
+    if g.numel() == 0:  # no position used the table: a zero gradient (nothing to bind)
+        return fill(out, 0)
     pid = rt.pipeline("embedding", g.dtype.tag, (1,))
     bg, og = bind(g)
     gy = (V + 3) // 4

@@ -89,6 +89,8 @@ def norm_dims(dim, ndim: int, op: str = "op") -> tuple:
     if isinstance(dim, int):
         dim = (dim,)
     out = sorted({norm_dim(d, ndim, op) for d in dim})
+    if ndim == 0:  # dim 0 (or -1) of a 0-d tensor is valid, as in PyTorch, and names no real dim
+        return ()
     return tuple(out)
 
 

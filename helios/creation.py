@@ -7,6 +7,7 @@ import numpy as np
 from helios import _kernels as K
 from helios import dtypes as dt
 from helios.errors import ShapeError
+from helios.autograd.tape import no_grad as _no_grad
 from helios.random import default_generator
 from helios.runtime import get_runtime
 from helios.tensor import Tensor
@@ -82,8 +83,18 @@ def arange(start, end=None, step=1, dtype=None, device: str | None = None) -> Te
         raise ValueError("arange: step must be non-zero")
     if dtype is None:
         dtype = dt.float32 if any(isinstance(v, float) for v in (start, end, step)) else dt.int64
+    dtype = dt.as_dtype(dtype)
     n = max(0, int(np.ceil((end - start) / step)))
-    return K.arange(n, start, step, dt.as_dtype(dtype), get_runtime(device))
+    if dtype.kind != "float":
+        # PyTorch's integer ranges: the values step from the truncated start by the truncated
+        # step; int64 also counts its length from the truncated bounds (other dtypes from the
+        # exact ones).
+        start, step = int(start), int(step)
+        if step == 0:
+            raise ValueError("arange: the step, truncated to an integer for an integer dtype, is 0")
+        if dtype is dt.int64:
+            n = max(0, int(np.ceil((int(end) - start) / step)))
+    return K.arange(n, start, step, dtype, get_runtime(device))
 
 
 def _random(shape, mode, p0, p1, dtype, seed, device, requires_grad) -> Tensor:
@@ -108,9 +119,29 @@ def rand(*shape, seed: int | None = None, dtype=dt.float32, device: str | None =
     return _random(shape, 0, 0.0, 1.0, dtype, seed, device, requires_grad)
 
 
-def normal(mean: float, std: float, shape, seed: int | None = None, dtype=dt.float32, device: str | None = None) -> Tensor:
-    """Samples of N(mean, std^2)."""
-    return _random(shape, 1, float(mean), float(std), dtype, seed, device, False)
+def normal(mean, std=1.0, shape=None, seed: int | None = None, dtype=None, device: str | None = None,
+           requires_grad: bool = False, layout=None) -> Tensor:
+    """Samples of N(mean, std^2).  ``mean`` and ``std`` are numbers (then ``shape`` is needed)
+    or tensors, which broadcast to the result's shape, as in PyTorch's torch.normal."""
+    if layout is not None and str(layout).rsplit(".", 1)[-1] != "strided":
+        raise ShapeError(f"normal: layout {layout!r} is not supported: Helios tensors are strided (dense)")
+    if not isinstance(mean, Tensor) and not isinstance(std, Tensor):
+        if shape is None:
+            raise ShapeError("normal: with a number mean and std, give the result's shape")
+        return _random(shape, 1, float(mean), float(std), dt.float32 if dtype is None else dtype, seed, device, requires_grad)
+    from helios import functional as F
+    from helios._shape import broadcast_shapes
+
+    ref = mean if isinstance(mean, Tensor) else std
+    d = dt.as_dtype(dtype) if dtype is not None else ref.dtype
+    out_shape = broadcast_shapes("normal", *(t.shape for t in (mean, std) if isinstance(t, Tensor)))
+    if shape is not None and tuple(shape) != out_shape:
+        raise ShapeError(f"normal: shape {tuple(shape)} does not match the tensors' broadcast shape {out_shape}")
+    z = _random(out_shape, 1, 0.0, 1.0, d, seed, ref.device, False)
+    with _no_grad():
+        out = F.add(F.mul(z, std), mean)
+    out = F.to(out, d) if out.dtype is not d else out
+    return _finish(out.detach(), requires_grad)
 
 
 def uniform(low: float, high: float, shape, seed: int | None = None, dtype=dt.float32, device: str | None = None) -> Tensor:
@@ -118,9 +149,24 @@ def uniform(low: float, high: float, shape, seed: int | None = None, dtype=dt.fl
     return _random(shape, 0, float(low), float(high), dtype, seed, device, False)
 
 
-def randn_like(x: Tensor, seed: int | None = None) -> Tensor:
-    return randn(*x.shape, seed=seed, dtype=x.dtype, device=x.device)
+def randn_like(x: Tensor, seed: int | None = None, dtype=None, device: str | None = None, requires_grad: bool = False,
+               layout=None, memory_format=None) -> Tensor:
+    """Standard normal samples of x's shape (x's dtype and device unless given)."""
+    _check_like("randn_like", layout, memory_format)
+    return randn(*x.shape, seed=seed, dtype=x.dtype if dtype is None else dtype, device=device or x.device,
+                 requires_grad=requires_grad)
 
 
-def rand_like(x: Tensor, seed: int | None = None) -> Tensor:
-    return rand(*x.shape, seed=seed, dtype=x.dtype, device=x.device)
+def rand_like(x: Tensor, seed: int | None = None, dtype=None, device: str | None = None, requires_grad: bool = False,
+              layout=None, memory_format=None) -> Tensor:
+    """Uniform [0, 1) samples of x's shape (x's dtype and device unless given)."""
+    _check_like("rand_like", layout, memory_format)
+    return rand(*x.shape, seed=seed, dtype=x.dtype if dtype is None else dtype, device=device or x.device,
+                requires_grad=requires_grad)
+
+
+def _check_like(op: str, layout, memory_format) -> None:
+    from helios.functional import check_layout, check_memory_format
+
+    check_layout(op, layout)
+    check_memory_format(op, memory_format)

@@ -18,7 +18,7 @@ from helios import dtypes as dt
 from helios._shape import (broadcast_shapes, contiguous_strides, infer_reshape, norm_dim, norm_dims, numel,
                            view_strides)
 from helios.autograd.tape import NO_CONTEXT, Function, is_grad_enabled
-from helios.errors import DeviceError, DTypeError, ShapeError
+from helios.errors import DeviceError, DTypeError, HeliosError, ShapeError
 from helios.runtime import get_runtime
 from helios.tensor import Tensor
 
@@ -38,7 +38,7 @@ _scalar_cache: dict = {}
 
 def scalar_tensor(value, dtype: dt.DType, rt) -> Tensor:
     """A cached 0-d device tensor holding ``value`` (for comparisons and where with scalars)."""
-    key = (value, type(value), dtype, id(rt))
+    key = (value, type(value), math.copysign(1.0, value) if isinstance(value, float) else 0, dtype, id(rt))
     t = _scalar_cache.get(key)
     if t is None:
         if len(_scalar_cache) > 512:
@@ -72,6 +72,37 @@ def _promote_pair(a: Tensor, b: Tensor, op: str):
     return to(a, t), to(b, t)
 
 
+_KIND_RANK = {"bool": 0, "int": 1, "float": 2}
+
+
+def result_type(*operands) -> dt.DType:
+    """The dtype PyTorch's type promotion gives ``operands`` (tensors, numbers, None): tensors
+    with dims promote each other; 0-d tensors, then Python numbers, only count where they
+    are of a higher kind (bool < int < float) than everything before them."""
+    tensors = [o for o in operands if isinstance(o, Tensor)]
+    dims = [t.dtype for t in tensors if t.ndim]
+    zero_d = [t.dtype for t in tensors if not t.ndim]
+    out = None
+    for rank, group in enumerate((dims, zero_d) if dims else (zero_d,)):
+        for d in group:
+            if out is None:
+                out = d
+            elif rank == 0:
+                out = dt.promote(out, d)
+            elif _KIND_RANK[d.kind] > _KIND_RANK[out.kind]:
+                out = d
+    for o in operands:
+        if isinstance(o, Number) and not isinstance(o, Tensor):
+            kind = "bool" if isinstance(o, bool) else "int" if isinstance(o, int) else "float"
+            if out is None:
+                out = {"bool": dt.bool_, "int": dt.int64, "float": dt.float32}[kind]
+            elif _KIND_RANK[kind] > _KIND_RANK[out.kind]:
+                out = dt.int64 if kind == "int" else dt.float32
+    if out is None:
+        raise TypeError("result_type: expected at least one tensor or number")
+    return out
+
+
 def sum_to_shape(g: Tensor, shape: tuple) -> Tensor:
     """Sum a broadcast gradient back to ``shape`` (the inverse of broadcasting)."""
     if g.shape == shape:
@@ -94,15 +125,53 @@ class _Cast(Function):
         return K.copy(g, ctx.src), None
 
 
-def to(x: Tensor, dtype=None, *args, **kw) -> Tensor:
-    """``x`` as ``dtype`` (a copy; the same tensor if it already is).  Devices: only "vulkan:N"."""
-    if isinstance(dtype, str) and dtype.startswith("vulkan"):
-        if get_runtime(dtype) is not x._st.rt:
-            raise DeviceError(f"to({dtype!r}): moving tensors between devices is not supported; create the tensor there")
-        return x
-    d = dt.as_dtype(dtype)
+def check_memory_format(op: str, memory_format) -> None:
+    """Accept PyTorch's memory_format arguments that Helios honours: None, "preserve_format"
+    and "contiguous_format" (results are row-major); any other layout is a ShapeError."""
+    if memory_format is None:
+        return
+    name = str(memory_format).rsplit(".", 1)[-1]
+    if name not in ("preserve_format", "contiguous_format"):
+        raise ShapeError(f"{op}: memory_format {name!r} is not supported: Helios results are row-major "
+                         "(contiguous_format); permute the tensor for another layout")
+
+
+def _is_device(a) -> bool:
+    if not isinstance(a, str):
+        return type(a).__name__ == "device"
+    return a.startswith(("vulkan", "cpu", "cuda", "mps", "xpu", "meta")) and a not in dt._BY_NAME
+
+
+def to(x: Tensor, *args, dtype=None, device=None, non_blocking: bool = False, copy: bool = False,
+       memory_format=None) -> Tensor:
+    """``x`` as ``dtype`` and/or on ``device``, with PyTorch's forms: ``to(dtype)``,
+    ``to(device, dtype)``, ``to(other)`` (other's dtype and device), then ``non_blocking``
+    and ``copy`` (True: always a new tensor; ``non_blocking`` changes nothing, every op is
+    asynchronous).  The same tensor when nothing changes.
+    Devices: only the tensor's own "vulkan:N" (moving between devices is refused)."""
+    _check_tensor(x, "to")
+    flags = []
+    for a in args:
+        if isinstance(a, Tensor):
+            dtype, device = a.dtype, a.device
+        elif isinstance(a, bool):
+            flags.append(a)
+        elif a is None:
+            continue
+        elif _is_device(a):
+            device = a
+        else:
+            dtype = a
+    if len(flags) > 2:
+        raise TypeError(f"to: too many bool arguments {flags}: expected non_blocking and copy")
+    if len(flags) > 1:  # flags[0] is non_blocking: every Helios op is already asynchronous
+        copy = flags[1]
+    d = x.dtype if dtype is None else dt.as_dtype(dtype)
+    if device is not None and get_runtime(str(device)) is not x._st.rt:
+        raise DeviceError(f"to({device!r}): moving tensors between devices is not supported; create the tensor there")
+    check_memory_format("to", memory_format)
     if d is x.dtype:
-        return x
+        return clone(x) if copy else x
     if d.kind != "float" and x.requires_grad:
         return K.copy(x, d)  # integer results carry no gradient
     return _Cast.apply(x, d)
@@ -158,22 +227,38 @@ def _bwd_div(ctx, g):
 
 
 def _bwd_pow(ctx, g):
+    # PyTorch's rules: d/da = b * a^(b-1), zero where b == 0 (even at a == 0, where the
+    # formula is 0 * inf); d/db = a^b * log(a), zero where a == 0 and b >= 0 (0 * -inf).
     a, b = ctx.saved_tensors
-    ga = g * b * pow(a, b - 1.0) if ctx.needs_input_grad[0] else None
-    gb = g * pow(a, b) * log(a) if ctx.needs_input_grad[1] else None
+    ga = gb = None
+    if ctx.needs_input_grad[0]:
+        ga = g * where(eq(b, 0.0), 0.0, b * pow(a, b - 1.0))
+    if ctx.needs_input_grad[1]:
+        gb = g * where(logical_and(eq(a, 0.0), ge(b, 0.0)), 0.0, pow(a, b) * log(a))
     return ga, gb
+
+
+def _tie_weights(a: Tensor, b: Tensor, dtype, a_wins_if) -> Tensor:
+    """The share of a maximum's (or minimum's) gradient that goes to ``a``: 1 where ``a`` was
+    picked, 0 where ``b`` was, 1/2 on ties (PyTorch's rule), and 1 where either is NaN
+    (NaN propagates, and so does the gradient, to both)."""
+    lose = to(lt(a, b) if a_wins_if == "gt" else gt(a, b), dtype)
+    tie = to(eq(a, b), dtype)
+    return rsub(lose + tie * 0.5, 1.0)
 
 
 def _bwd_maximum(ctx, g):
     a, b = ctx.saved_tensors
-    pick_a = to(a >= b, g.dtype)
-    return g * pick_a, g * (1.0 - pick_a)
+    ga = g * _tie_weights(a, b, g.dtype, "gt") if ctx.needs_input_grad[0] else None
+    gb = g * _tie_weights(b, a, g.dtype, "gt") if ctx.needs_input_grad[1] else None
+    return ga, gb
 
 
 def _bwd_minimum(ctx, g):
     a, b = ctx.saved_tensors
-    pick_a = to(a <= b, g.dtype)
-    return g * pick_a, g * (1.0 - pick_a)
+    ga = g * _tie_weights(a, b, g.dtype, "lt") if ctx.needs_input_grad[0] else None
+    gb = g * _tie_weights(b, a, g.dtype, "lt") if ctx.needs_input_grad[1] else None
+    return ga, gb
 
 
 _Add = _binary_fn("add", _bwd_add)
@@ -212,7 +297,10 @@ class _UnaryScalar(Function):
             r = neg(g) * p0 / (x * x)
         elif op == "pow_s":
             (x,) = ctx.saved_tensors
-            r = g * p0 if p0 == 1.0 else g * (pow(x, p0 - 1.0) * p0)
+            if p0 == 0.0:  # x ** 0 is constant (PyTorch: a zero gradient, also at x == 0)
+                r = K.fill(K.empty(g.shape, g.dtype, g._st.rt), 0)
+            else:
+                r = g * p0 if p0 == 1.0 else g * (pow(x, p0 - 1.0) * p0)
         else:  # clamp: gradient passes where the input was inside [p0, p1]
             (x,) = ctx.saved_tensors
             inside = logical_and(x >= p0, x <= p1)
@@ -249,8 +337,10 @@ def sub(a, b, alpha: float = 1.0) -> Tensor:
     return _Sub.apply(a, b)
 
 
-def rsub(x: Tensor, s) -> Tensor:
-    """s - x."""
+def rsub(x: Tensor, s, alpha: float = 1.0) -> Tensor:
+    """s - alpha * x (PyTorch's rsub)."""
+    if alpha != 1.0:
+        x = mul(x, alpha)
     if isinstance(s, Number):
         x = _float_result(x, s)
         return _UnaryScalar.apply(x, "rsub_s", float(s), 0.0)
@@ -260,16 +350,22 @@ def rsub(x: Tensor, s) -> Tensor:
 def mul(a, b) -> Tensor:
     """a * b, broadcasting."""
     if isinstance(b, Number) and isinstance(a, Tensor):
+        if a.dtype is dt.bool_ and isinstance(b, bool):
+            return logical_and(a, b)  # bool * bool stays bool
         if a.dtype is dt.bool_:
-            a = to(a, dt.int64 if isinstance(b, int) and not isinstance(b, bool) else dt.float32)
+            a = to(a, dt.int64 if isinstance(b, int) else dt.float32)
         a = _float_result(a, b)
         return _UnaryScalar.apply(a, "mul_s", float(b), 0.0)
     a, b = _promote_pair(_check_tensor(a, "mul"), _as_tensor_like(b, a), "mul")
     return _Mul.apply(a, b)
 
 
-def div(a, b) -> Tensor:
-    """a / b (true division: integer inputs give float32)."""
+def div(a, b, rounding_mode: str | None = None) -> Tensor:
+    """a / b: true division (integer inputs give float32), or with ``rounding_mode`` "trunc"
+    (round toward zero) or "floor" (round down), which keep integer dtypes and, as in
+    PyTorch, carry no gradient."""
+    if rounding_mode is not None:
+        return _div_rounded(a, b, rounding_mode)
     if isinstance(b, Number) and isinstance(a, Tensor):
         if a.dtype.kind != "float":
             a = to(a, dt.float32)
@@ -278,6 +374,38 @@ def div(a, b) -> Tensor:
     if a.dtype.kind != "float":
         a, b = to(a, dt.float32), to(b, dt.float32)
     return _Div.apply(a, b)
+
+
+def _div_rounded(a, b, mode: str) -> Tensor:
+    if mode not in ("trunc", "floor"):
+        raise ValueError(f"div: rounding_mode must be None, 'trunc' or 'floor', got {mode!r}")
+    a = _check_tensor(a, "div")
+    if isinstance(b, Number):
+        b = scalar_tensor(b, dt.scalar_result(a.dtype, b) if not isinstance(b, bool) else a.dtype, a._st.rt)
+    a, b = _promote_pair(a, _as_tensor_like(b, a), "div")
+    if a.dtype is dt.bool_:
+        a, b = to(a, dt.int64), to(b, dt.int64)
+    if a.dtype.kind == "int" and _host_has_zero(b):
+        raise ZeroDivisionError("div: integer division by zero")
+    return _DivRounded.apply(a, b, "div_trunc" if mode == "trunc" else "div_floor")
+
+
+class _DivRounded(Function):
+    """Rounded division: a step function, so (as in PyTorch) its gradient is zero."""
+
+    @staticmethod
+    def forward(ctx, a, b, op):
+        return K.binary(op, a, b)
+
+    @staticmethod
+    def backward(ctx, g):
+        return None, None, None
+
+
+def _host_has_zero(t: Tensor) -> bool:
+    """Whether the host copy of ``t`` (when it has a current one) holds a zero."""
+    h = t._host
+    return h is not None and h[0] == t._st.version and h[1].size == t.numel() and not h[1].all()
 
 
 def rdiv(x: Tensor, s) -> Tensor:
@@ -290,21 +418,45 @@ def rdiv(x: Tensor, s) -> Tensor:
 
 
 def pow(a, b) -> Tensor:
-    """a ** b (elementwise; b a scalar or a tensor)."""
+    """a ** b elementwise (either may be a number), with C's special cases: a negative base
+    with a non-integer exponent gives NaN, 0 ** negative gives inf, x ** 0 gives 1.
+
+    dtypes as in PyTorch: an integer (or bool) tensor to an integer power stays integer
+    (exact, by repeated squaring; a negative scalar exponent is refused), any float makes
+    the result float."""
+    if isinstance(a, Number) and isinstance(b, Tensor):
+        return rpow(b, a)
+    _check_tensor(a, "pow")
     if isinstance(b, Number):
-        a = _float_result(a, b) if a.dtype.kind == "float" or isinstance(b, float) else to(a, dt.float32)
+        if a.dtype.kind != "float" and not isinstance(b, float):
+            b = int(b)
+            if b < 0:
+                raise DTypeError(f"pow: integers to negative integer powers are not allowed ({a.dtype.name} tensor ** {b}); "
+                                 "convert the tensor to a floating-point dtype first")
+            if a.dtype is dt.bool_:
+                a = to(a, dt.int64)
+            return K.binary("pow", a, scalar_tensor(b, a.dtype, a._st.rt))
+        a = _float_result(a, b)
         if b == 1:
             return a * 1.0
         return _UnaryScalar.apply(a, "pow_s", float(b), 0.0)
-    a, b = _promote_pair(_check_tensor(a, "pow"), _as_tensor_like(b, a), "pow")
+    a, b = _promote_pair(a, _as_tensor_like(b, a), "pow")
     if a.dtype.kind != "float":
-        a, b = to(a, dt.float32), to(b, dt.float32)
+        if a.dtype is dt.bool_:
+            a, b = to(a, dt.int64), to(b, dt.int64)
+        return K.binary("pow", a, b)
     return _Pow.apply(a, b)
 
 
 def rpow(x: Tensor, s) -> Tensor:
-    """s ** x."""
-    return pow(_as_tensor_like(float(s), x if x.dtype.kind == "float" else to(x, dt.float32)), x)
+    """s ** x (``s`` a number or a tensor)."""
+    if isinstance(s, Tensor):
+        return pow(s, x)
+    if isinstance(s, (int, bool)) and x.dtype.kind != "float":
+        t = dt.int64 if x.dtype is dt.bool_ else x.dtype
+        return pow(scalar_tensor(int(s), t, x._st.rt), to(x, t))
+    xf = x if x.dtype.kind == "float" else to(x, dt.float32)
+    return pow(_as_tensor_like(float(s), xf), xf)
 
 
 def maximum(a: Tensor, b) -> Tensor:
@@ -319,14 +471,67 @@ def minimum(a: Tensor, b) -> Tensor:
     return _Minimum.apply(a, b)
 
 
+class _ClampT(Function):
+    """clamp with tensor bounds (either may be None), with PyTorch's gradients: x's where
+    lo <= x <= hi, lo's where x < lo (and lo < hi), hi's where x > hi (or hi < lo)."""
+
+    @staticmethod
+    def forward(ctx, x, lo, hi):
+        ctx.save_for_backward(x, lo, hi)
+        y = x
+        if lo is not None:
+            y = K.binary("maximum", y, lo)
+        if hi is not None:
+            y = K.binary("minimum", y, hi)
+        if y is x:
+            y = K.copy(x)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        x, lo, hi = ctx.saved_tensors
+        n = ctx.needs_input_grad
+        gx = glo = ghi = None
+        if n[0]:
+            inside = None
+            if lo is not None:
+                inside = ge(x, lo)
+            if hi is not None:
+                inside = le(x, hi) if inside is None else logical_and(inside, le(x, hi))
+            gx = g if inside is None else where(inside, g, 0.0)
+        if lo is not None and n[1]:
+            m = lt(x, lo) if hi is None else logical_and(lt(x, lo), lt(lo, hi))
+            glo = where(m, g, 0.0)
+        if hi is not None and n[2]:
+            m = gt(x, hi) if lo is None else logical_or(gt(x, hi), lt(hi, lo))
+            ghi = where(m, g, 0.0)
+        return gx, glo, ghi
+
+
 def clamp(x: Tensor, min=None, max=None) -> Tensor:
-    """Clamp into [min, max] (either may be None)."""
+    """Clamp into [min, max] (either may be None, a number or a tensor that broadcasts); NaN
+    stays NaN, and min > max gives max everywhere, as in PyTorch."""
+    _check_tensor(x, "clamp")
+    if min is None and max is None:
+        raise ValueError("clamp: at least one of min and max must be given")
+    if isinstance(min, Tensor) or isinstance(max, Tensor):
+        t = result_type(x, min, max)
+        if t is dt.bool_:
+            raise DTypeError("clamp: bool tensors cannot be clamped")
+        lo = to(_as_tensor_like(min, x), t) if min is not None else None
+        hi = to(_as_tensor_like(max, x), t) if max is not None else None
+        return _ClampT.apply(to(x, t), lo, hi)
+    if x.dtype.kind != "float":
+        if not isinstance(min, float) and not isinstance(max, float):
+            # integer bounds stay exact (no float32 round trip): max/min kernels of x's dtype
+            if x.dtype is dt.bool_:
+                raise DTypeError("clamp: bool tensors cannot be clamped")
+            lo = scalar_tensor(int(min), x.dtype, x._st.rt) if min is not None else None
+            hi = scalar_tensor(int(max), x.dtype, x._st.rt) if max is not None else None
+            return _ClampT.forward(NO_CONTEXT, x, lo, hi)
+        x = to(x, dt.float32)
     lo = -math.inf if min is None else float(min)
     hi = math.inf if max is None else float(max)
-    if x.dtype.kind != "float":
-        if min is not None and max is not None and isinstance(min, int) and isinstance(max, int):
-            return K.unary("clamp", x, lo, hi)
-        x = to(x, dt.float32)
     return _UnaryScalar.apply(x, "clamp", lo, hi)
 
 
@@ -396,7 +601,7 @@ sqrt = _unary("sqrt")
 rsqrt = _unary("rsqrt")
 tanh = _unary("tanh")
 sigmoid = _unary("sigmoid")
-relu = _unary("relu")
+_relu = _unary("relu")
 abs = _unary("abs")
 sin = _unary("sin")
 cos = _unary("cos")
@@ -410,6 +615,16 @@ def neg(x: Tensor) -> Tensor:
     return _neg(x)
 
 
+def relu(x: Tensor) -> Tensor:
+    """max(x, 0) elementwise (integer tensors stay integer, as in PyTorch)."""
+    _check_tensor(x, "relu")
+    if x.dtype.kind != "float":
+        if x.dtype is dt.bool_:
+            raise DTypeError("relu: bool tensors are not supported; convert to an integer or float dtype")
+        return K.binary("maximum", x, scalar_tensor(0, x.dtype, x._st.rt))
+    return _relu(x)
+
+
 def gelu(x: Tensor, approximate: str = "none") -> Tensor:
     """GELU: exact (erf) with approximate="none", or the tanh approximation with "tanh"."""
     if approximate not in ("none", "tanh"):
@@ -420,6 +635,11 @@ def gelu(x: Tensor, approximate: str = "none") -> Tensor:
 
 
 def square(x: Tensor) -> Tensor:
+    """x * x (integer tensors stay integer, bool becomes int64, as in PyTorch)."""
+    _check_tensor(x, "square")
+    if x.dtype.kind != "float":
+        x = to(x, dt.int64) if x.dtype is dt.bool_ else x
+        return K.binary("mul", x, x)
     return pow(x, 2)
 
 
@@ -486,9 +706,15 @@ def where(cond: Tensor, a, b) -> Tensor:
 
 
 def masked_fill(x: Tensor, mask: Tensor, value) -> Tensor:
-    """``x`` with ``value`` where ``mask`` is true (mask broadcasts to x)."""
+    """``x`` with ``value`` where ``mask`` is true (x and mask broadcast; the result keeps x's
+    dtype, as in PyTorch).  ``value`` is a number or a 0-d tensor (differentiable)."""
+    _check_tensor(x, "masked_fill")
     broadcast_shapes("masked_fill", x.shape, mask.shape)
-    return where(mask, scalar_tensor(value, dt.scalar_result(x.dtype, value) if x.dtype.kind != "float" else x.dtype, x._st.rt), x)
+    if isinstance(value, Tensor):
+        if value.ndim:
+            raise ShapeError(f"masked_fill: value must be a number or a 0-d tensor, got shape {value.shape}")
+        return where(mask, to(value, x.dtype), x)
+    return where(mask, scalar_tensor(value, x.dtype, x._st.rt), x)
 
 
 # -- reductions ----------------------------------------------------------------------------------
@@ -516,38 +742,82 @@ class _Sum(Function):
         return expand(g, ctx.shape), None, None, None
 
 
+def _reduce_dims(dim, ndim: int, op: str) -> tuple:
+    """The dims a reduction runs over: None or an empty sequence = all of them (PyTorch's
+    rule), else an int or a sequence of ints; dim 0 or -1 of a 0-d tensor names none."""
+    if isinstance(dim, bool):
+        raise TypeError(f"{op}: dim must be an int or a sequence of ints, got {dim!r}")
+    if dim is None or (isinstance(dim, (tuple, list)) and len(dim) == 0):
+        return tuple(range(ndim))
+    return norm_dims(dim, ndim, op)
+
+
 def sum(x: Tensor, dim=None, keepdim: bool = False, dtype=None) -> Tensor:
-    """Sum over ``dim`` (None = all dims; int or sequence)."""
+    """Sum over ``dim`` (None or () = all dims; int or sequence); integer and bool tensors sum to int64."""
     _check_tensor(x, "sum")
     if dtype is not None:
         x = to(x, dtype)
-    dims = norm_dims(dim, x.ndim, "sum")
+    dims = _reduce_dims(dim, x.ndim, "sum")
     return _Sum.apply(x, dims, keepdim, 1.0)
 
 
-def mean(x: Tensor, dim=None, keepdim: bool = False) -> Tensor:
-    """Mean over ``dim`` (None = all dims)."""
+def mean(x: Tensor, dim=None, keepdim: bool = False, dtype=None) -> Tensor:
+    """Mean over ``dim`` (None or () = all dims); ``dtype`` converts the input first."""
     _check_tensor(x, "mean")
+    if dtype is not None:
+        x = to(x, dtype)
     if x.dtype.kind != "float":
         raise DTypeError(f"mean: expected a floating-point tensor, got {x.dtype.name} (use .to(helios.float32))")
-    dims = norm_dims(dim, x.ndim, "mean")
+    dims = _reduce_dims(dim, x.ndim, "mean")
     R = numel(tuple(x.shape[d] for d in dims))
     return _Sum.apply(x, dims, keepdim, 1.0 / R if R else math.nan)
 
 
-def var(x: Tensor, dim=None, keepdim: bool = False, correction: int = 1, unbiased: bool | None = None) -> Tensor:
-    """Variance over ``dim`` with Bessel's ``correction`` (1 = unbiased, like torch)."""
-    if unbiased is not None:
-        correction = 1 if unbiased else 0
-    dims = norm_dims(dim, x.ndim, "var")
+def _var_args(op: str, x: Tensor, dim, unbiased, correction) -> tuple:
+    """(dims, correction) from PyTorch's two signatures: ``op(x, dim=None, *, correction=1,
+    keepdim=False)`` and the older ``op(x, unbiased)`` / ``op(x, dim, unbiased, keepdim)``."""
+    _check_tensor(x, op)
+    if isinstance(dim, bool):  # op(x, False): the bool is `unbiased`, not dim 0
+        if unbiased is not None:
+            raise TypeError(f"{op}: got unbiased twice ({dim!r} as the second argument and unbiased={unbiased!r})")
+        dim, unbiased = None, dim
+    if unbiased is not None and correction is not None:
+        raise TypeError(f"{op}: give unbiased or correction, not both")
+    if correction is None:
+        correction = 0 if unbiased is False else 1
+    return _reduce_dims(dim, x.ndim, op), correction
+
+
+def var(x: Tensor, dim=None, unbiased: bool | None = None, keepdim: bool = False, *, correction=None) -> Tensor:
+    """Variance over ``dim``, divided by ``max(0, N - correction)`` (correction 1 by default:
+    Bessel's, like PyTorch; ``unbiased=False`` is correction 0).  ``var(x, False)`` reads the
+    bool as ``unbiased``, as PyTorch does."""
+    dims, correction = _var_args("var", x, dim, unbiased, correction)
     R = numel(tuple(x.shape[d] for d in dims))
-    mu = mean(x, dim=dims, keepdim=True)
+    mu = mean(x, dim=dims, keepdim=True) if dims else x
     d = x - mu
     return sum(d * d, dim=dims, keepdim=keepdim) / builtins.max(R - correction, 0)
 
 
-def std(x: Tensor, dim=None, keepdim: bool = False, correction: int = 1) -> Tensor:
-    return sqrt(var(x, dim, keepdim, correction))
+class _StdSqrt(Function):
+    """sqrt of a variance, with PyTorch's std gradient: 0 where the std is 0 (not inf * 0)."""
+
+    @staticmethod
+    def forward(ctx, v):
+        y = K.unary("sqrt", v)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        return where(eq(y, 0.0), 0.0, g / (y * 2.0))
+
+
+def std(x: Tensor, dim=None, unbiased: bool | None = None, keepdim: bool = False, *, correction=None) -> Tensor:
+    """Standard deviation: the square root of :func:`var` (same arguments)."""
+    dims, correction = _var_args("std", x, dim, unbiased, correction)
+    return _StdSqrt.apply(var(x, dims, keepdim=keepdim, correction=correction))
 
 
 class _MaxMin(Function):
@@ -572,17 +842,38 @@ class _MaxMin(Function):
         return where(eq(pos, idx), g, 0.0), None, None, None
 
 
+class _MaxMinAll(Function):
+    """max() / min() over every element; the gradient is shared evenly by every element equal
+    to the result (PyTorch's rule for ties; a NaN result shares it among the NaNs)."""
+
+    @staticmethod
+    def forward(ctx, x, op):
+        v, _ = K.reduce(op, x, tuple(range(x.ndim)))
+        if v.dtype is not x.dtype:
+            v = K.copy(v, x.dtype)
+        ctx.save_for_backward(x, v)
+        return v
+
+    @staticmethod
+    def backward(ctx, g):
+        x, v = ctx.saved_tensors
+        hit = logical_or(eq(x, v), logical_and(ne(v, v), ne(x, x)))
+        m = to(hit, g.dtype)
+        return m * (g / sum(m)), None
+
+
 def _maxmin(op):
     def f(x: Tensor, dim=None, keepdim: bool = False):
         _check_tensor(x, op)
+        if isinstance(dim, Tensor):  # max(x, other): the elementwise maximum, as torch.max(input, other)
+            return (maximum if op == "max" else minimum)(x, dim)
         if dim is None:
-            flat = reshape(x, (-1,)) if x.ndim != 1 else x
-            if flat.numel() == 0:
+            if x.numel() == 0:
                 raise ShapeError(f"{op}(): the tensor is empty; give dim= or a non-empty tensor")
-            return _MaxMin.apply(flat, op, 0, False)
+            return _MaxMinAll.apply(x, op)
         d = norm_dim(dim, x.ndim, op)
         if x.ndim == 0:
-            return MaxMin(x, K.fill(K.empty((), dt.int64, x._st.rt), 0))
+            return MaxMin(clone(x), K.fill(K.empty((), dt.int64, x._st.rt), 0))
         values = _MaxMin.apply(x, op, d, keepdim)
         idx = values._node.ctx.idx if values._node is not None else None
         if idx is None:
@@ -598,20 +889,28 @@ max = _maxmin("max")
 min = _maxmin("min")
 
 
-def argmax(x: Tensor, dim=None, keepdim: bool = False) -> Tensor:
-    """Index of the (first) maximum over ``dim`` (None = of the flattened tensor)."""
+def _argext(op: str, x: Tensor, dim, keepdim: bool) -> Tensor:
+    _check_tensor(x, op)
+    if dim is not None:
+        norm_dim(dim, x.ndim, op)
+    if x.ndim == 0:
+        return K.fill(K.empty((), dt.int64, x._st.rt), 0)
     if dim is None:
-        return K.reduce("argmax", reshape(x, (-1,)), (0,))[1]
-    d = norm_dim(dim, x.ndim, "argmax")
-    return _keep(K.reduce("argmax", x, (d,))[1], x.shape, (d,), keepdim)
+        r = K.reduce(op, reshape(x, (-1,)), (0,))[1]
+        return reshape(r, (1,) * x.ndim) if keepdim else r
+    d = norm_dim(dim, x.ndim, op)
+    return _keep(K.reduce(op, x, (d,))[1], x.shape, (d,), keepdim)
+
+
+def argmax(x: Tensor, dim=None, keepdim: bool = False) -> Tensor:
+    """Index of the (first) maximum over ``dim`` (None = of the flattened tensor; a NaN counts
+    as the maximum, as in PyTorch)."""
+    return _argext("argmax", x, dim, keepdim)
 
 
 def argmin(x: Tensor, dim=None, keepdim: bool = False) -> Tensor:
     """Index of the (first) minimum over ``dim`` (None = of the flattened tensor)."""
-    if dim is None:
-        return K.reduce("argmin", reshape(x, (-1,)), (0,))[1]
-    d = norm_dim(dim, x.ndim, "argmin")
-    return _keep(K.reduce("argmin", x, (d,))[1], x.shape, (d,), keepdim)
+    return _argext("argmin", x, dim, keepdim)
 
 
 # -- views ---------------------------------------------------------------------------------------
@@ -816,12 +1115,113 @@ def _basic_index(x: Tensor, idx):
     return tuple(shape), tuple(strides), off
 
 
+def _is_array_index(i) -> bool:
+    return isinstance(i, (Tensor, list, np.ndarray))
+
+
 def getitem(x: Tensor, idx) -> Tensor:
-    """x[idx] for ints, slices (with steps), None, ... (views) or an integer tensor/list (a gather on dim 0)."""
-    if isinstance(idx, (Tensor, list, np.ndarray)):
-        return index_select(x, 0, idx)
+    """x[idx] with PyTorch's indexing: ints, slices (with steps), None and ... give views;
+    integer tensors, lists and arrays and bool masks (advanced indexing) give a gather."""
+    _check_tensor(x, "getitem")
+    if isinstance(idx, Tensor) and idx.dtype.kind == "int" and idx.ndim and x.ndim:
+        # x[t]: rows of dim 0, negative indices counted from the end (no host round trip)
+        n = x.shape[0]
+        h = idx._host
+        if h is not None and h[0] == idx._st.version and h[1].size == idx.numel() and h[1].size:
+            if h[1].min() < -n or h[1].max() >= n:
+                bad = int(h[1].min()) if h[1].min() < -n else int(h[1].max())
+                raise IndexError(f"index {bad} is out of bounds for dimension 0 with size {n}")
+        t = idx if idx.dtype is dt.int64 else to(idx, dt.int64)
+        return _gather(x, 0, where(lt(t, 0), t + n, t))
+    items = idx if isinstance(idx, tuple) else (idx,)
+    if builtins.any(_is_array_index(i) for i in items):
+        return _advanced_getitem(x, items)
     shape, strides, off = _basic_index(x, idx)
     return _Slice.apply(x, shape, strides, off)
+
+
+def _index_host(i) -> np.ndarray:
+    """An advanced index on the host: int64, or bool for a mask."""
+    a = _host_indices(i) if isinstance(i, Tensor) else np.asarray(i)
+    if a.dtype == np.bool_:
+        return a
+    if a.size == 0:
+        return a.astype(np.int64)
+    if a.dtype.kind not in "iu":
+        raise IndexError(f"tensors used as indices must be integer or bool, got {a.dtype}")
+    return a.astype(np.int64)
+
+
+def _advanced_getitem(x: Tensor, items: tuple) -> Tensor:
+    """x[items] where some items are index arrays (PyTorch's rules): the basic items (ints,
+    slices, None, ...) make a view first; the index arrays (a bool mask counts as one array per
+    dim it covers) broadcast together to the result's index shape, which replaces their dims,
+    in place when they are next to each other, else in front."""
+    entries = []  # ("adv", int64 array) or ("basic", item)
+    for i in items:
+        if _is_array_index(i):
+            a = _index_host(i)
+            if a.dtype == np.bool_:
+                if a.ndim == 0:
+                    raise IndexError("a 0-d bool index is not supported; use None to add a dim")
+                entries.extend(("adv", nz.astype(np.int64), a.shape[k], k) for k, nz in enumerate(np.nonzero(a)))
+            else:
+                entries.append(("adv", a, None, None))
+        else:
+            entries.append(("basic", i, None, None))
+    used = builtins.sum(1 for e in entries if e[0] == "adv" or (e[1] is not None and e[1] is not Ellipsis))
+    if used > x.ndim:
+        raise IndexError(f"too many indices for a tensor of {x.ndim} dims")
+    if builtins.sum(1 for e in entries if e[0] == "basic" and e[1] is Ellipsis) > 1:
+        raise IndexError("an index can only have a single ellipsis ('...')")
+    full = []
+    for e in entries:
+        if e[0] == "basic" and e[1] is Ellipsis:
+            full.extend([("basic", slice(None), None, None)] * (x.ndim - used))
+        else:
+            full.append(e)
+    if not builtins.any(e[0] == "basic" and e[1] is Ellipsis for e in entries):
+        full.extend([("basic", slice(None), None, None)] * (x.ndim - used))
+    basic, adv_pos, arrays, vdim = [], [], [], 0
+    for kind, i, mask_size, _ in full:
+        if kind == "adv":
+            basic.append(slice(None))
+            adv_pos.append(vdim)
+            arrays.append((i, mask_size))
+            vdim += 1
+        else:
+            basic.append(i)
+            if not (isinstance(i, (int, np.integer)) and not isinstance(i, bool)):
+                vdim += 1
+    shape, strides, off = _basic_index(x, tuple(basic))
+    view = _Slice.apply(x, shape, strides, off)
+    sizes = [view.shape[p] for p in adv_pos]
+    wrapped = []
+    for (a, mask_size), n, p in zip(arrays, sizes, adv_pos):
+        if mask_size is not None and mask_size != n:
+            raise IndexError(f"the shape of the mask does not match the indexed tensor's dim {p} ({mask_size} vs {n})")
+        if a.size and (a.min() < -n or a.max() >= n):
+            bad = int(a.min()) if a.min() < -n else int(a.max())
+            raise IndexError(f"index {bad} is out of bounds for dimension {p} with size {n}")
+        wrapped.append(np.where(a < 0, a + n, a))
+    try:
+        bcast = np.broadcast_arrays(*wrapped)
+    except ValueError:
+        raise IndexError("shape mismatch: indexing arrays could not be broadcast together with shapes "
+                         + ", ".join(str(a.shape) for a in wrapped)) from None
+    lin = np.zeros(bcast[0].shape, np.int64)
+    for a, n in zip(bcast, sizes):
+        lin = lin * n + a
+    rest = [d for d in range(view.ndim) if d not in adv_pos]
+    order = adv_pos + rest
+    vp = permute(view, *order) if order != list(range(view.ndim)) else view
+    flat = reshape(vp, (numel(tuple(sizes)),) + tuple(view.shape[d] for d in rest))
+    out = _gather(flat, 0, K.from_numpy(lin, dt.int64, x._st.rt))
+    p0 = adv_pos[0]
+    if adv_pos == list(range(p0, p0 + len(adv_pos))) and p0 > 0:
+        nb = lin.ndim
+        out = permute(out, *(list(range(nb, nb + p0)) + list(range(nb)) + list(range(nb + p0, out.ndim))))
+    return out
 
 
 def setitem(x: Tensor, idx, value) -> None:
@@ -838,19 +1238,43 @@ def setitem(x: Tensor, idx, value) -> None:
     x._st.version += 1
 
 
-def narrow(x: Tensor, dim: int, start: int, length: int) -> Tensor:
-    """The slice [start, start+length) of ``dim`` (a view)."""
+def narrow(x: Tensor, dim: int, start, length: int) -> Tensor:
+    """The slice [start, start+length) of ``dim`` (a view); ``start`` may be negative (from
+    the end) or a 0-d integer tensor, as in PyTorch."""
+    _check_tensor(x, "narrow")
     d = norm_dim(dim, x.ndim, "narrow")
+    start = int(start.item()) if isinstance(start, Tensor) else int(start)
+    length = int(length.item()) if isinstance(length, Tensor) else int(length)
+    size = x.shape[d] if x.ndim else 1
+    if start < 0:
+        start += size
+    if not 0 <= start <= size or length < 0 or start + length > size:
+        raise IndexError(f"narrow: start {start} with length {length} is out of range for dim {d} of size {size}")
     idx = [slice(None)] * x.ndim
     idx[d] = slice(start, start + length)
     return getitem(x, tuple(idx))
 
 
 def index_select(x: Tensor, dim: int, index) -> Tensor:
-    """Rows of ``x`` along ``dim`` picked by an integer index tensor (differentiable in x)."""
+    """Entries of ``x`` along ``dim`` picked by a 1-D (or 0-d) integer index (differentiable in x)."""
+    _check_tensor(x, "index_select")
     if not isinstance(index, Tensor):
         index = K.from_numpy(np.asarray(index, dtype=np.int64), dt.int64, x._st.rt)
+    if index.dtype.kind != "int":
+        raise DTypeError(f"index_select: the index must be int32 or int64, got {index.dtype.name}")
     d = norm_dim(dim, x.ndim, "index_select")
+    if x.ndim == 0:  # a 0-d tensor has one entry: the result is 0-d too
+        if index.numel() != 1:
+            raise IndexError(f"index_select: a 0-d tensor needs a one-element index, got shape {index.shape}")
+        return reshape(_gather(reshape(x, (1,)), 0, reshape(index, (1,))), ())
+    if index.ndim == 0:
+        index = reshape(index, (1,))
+    return _gather(x, d, index)
+
+
+def _gather(x: Tensor, d: int, index: Tensor) -> Tensor:
+    """x's entries along dim ``d`` at an integer ``index`` of any shape (the index's dims
+    replace dim ``d``)."""
     xt = movedim_front(x, d)
     rest = xt.shape[1:]
     table = reshape(contiguous(xt), (xt.shape[0], numel(rest)))
@@ -863,6 +1287,12 @@ def index_select(x: Tensor, dim: int, index) -> Tensor:
     return out
 
 
+def _rows(t: Tensor) -> Tensor:
+    """``t`` as a matrix [rows, last dim] (explicit sizes: reshape(-1, n) is ambiguous when
+    the tensor is empty)."""
+    return reshape(t, (numel(t.shape[:-1]), t.shape[-1]))
+
+
 def movedim_front(x: Tensor, d: int) -> Tensor:
     if d == 0:
         return x
@@ -872,35 +1302,44 @@ def movedim_front(x: Tensor, d: int) -> Tensor:
 # -- joining and splitting -----------------------------------------------------------------------
 class _Cat(Function):
     @staticmethod
-    def forward(ctx, dim, *parts):
+    def forward(ctx, dim, skip, *parts):
         ctx.dim = dim
-        ctx.sizes = [p.shape[dim] for p in parts]
-        return K.cat_raw(list(parts), dim)
+        ctx.sizes = [None if s else p.shape[dim] for p, s in zip(parts, skip)]
+        return K.cat_raw([p for p, s in zip(parts, skip) if not s], dim)
 
     @staticmethod
     def backward(ctx, g):
-        out, pos = [None], 0
+        out, pos = [None, None], 0
         for s in ctx.sizes:
+            if s is None:  # a skipped (0,) tensor: an empty gradient
+                out.append(K.empty((0,), g.dtype, g._st.rt))
+                continue
             out.append(narrow(g, ctx.dim, pos, s))
             pos += s
         return tuple(out)
 
 
 def cat(tensors, dim: int = 0) -> Tensor:
-    """Concatenate along ``dim`` (shapes must match elsewhere)."""
+    """Concatenate along ``dim`` (shapes must match elsewhere).  As in PyTorch, 1-D empty
+    tensors (shape (0,)) are skipped when other tensors have more dims."""
     tensors = list(tensors)
     if not tensors:
         raise ValueError("cat: expected a non-empty list of tensors")
-    ref = tensors[0]
+    skip = tuple(x.shape == (0,) for x in tensors)
+    if builtins.all(skip) or not builtins.any(skip):
+        skip = (False,) * len(tensors)
+    ref = next(x for x, s in zip(tensors, skip) if not s)
     d = norm_dim(dim, ref.ndim, "cat")
     t = ref.dtype
-    for x in tensors[1:]:
+    for x in tensors:
         t = dt.promote(t, x.dtype)
-    for i, x in enumerate(tensors):
+    for i, (x, s) in enumerate(zip(tensors, skip)):
+        if s:
+            continue
         if x.ndim != ref.ndim or builtins.any(a != b for j, (a, b) in enumerate(zip(x.shape, ref.shape)) if j != d):
             raise ShapeError(f"cat: tensor {i} has shape {x.shape}, which does not match {ref.shape} outside dim {d}")
     tensors = [to(x, t) for x in tensors]
-    return _Cat.apply(d, *tensors)
+    return _Cat.apply(d, skip, *tensors)
 
 
 def stack(tensors, dim: int = 0) -> Tensor:
@@ -1004,7 +1443,7 @@ class _Matmul(Function):
                 # B was shared by every batch matrix (a Linear weight): its gradient is one
                 # [K, B*M] @ [B*M, N] product instead of B products summed afterwards, so
                 # no [B, K, N] intermediate is written and no batch reduction runs.
-                gb = matmul(transpose(reshape(a, (-1, a.shape[-1])), 0, 1), reshape(g, (-1, g.shape[-1])))
+                gb = matmul(transpose(_rows(a), 0, 1), _rows(g))
             else:
                 gb = matmul(transpose(a, -1, -2), g)
         return ga, gb
@@ -1047,7 +1486,7 @@ class _Linear(Function):
         gx = matmul(g, w) if n[0] else None
         gw = None
         if n[1]:
-            g2, x2 = reshape(g, (-1, g.shape[-1])), reshape(x, (-1, x.shape[-1]))
+            g2, x2 = _rows(g), _rows(x)
             # The same sums either way round; the CPU matmul is faster with the wider dim as
             # N (measured: [512, 1024] @ [1024, 128] ~15 GFLOP/s, [128, 1024] @ [1024, 512] ~20),
             # so a wide-output weight gets (x^T g)^T, a transposed view.
@@ -1071,6 +1510,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
             or (bias is not None and bias.dtype is not x.dtype)):
         y = matmul(x, transpose(weight, 0, 1))
         return y if bias is None else y + bias
+    if bias is not None and bias.shape[0] > 1 and bias._strides[0] != 1:
+        bias = contiguous(bias)  # the matmul epilogue reads the bias with unit stride
     return _Linear.apply(x, weight, bias)
 
 
@@ -1100,14 +1541,14 @@ def _softmax_impl(x: Tensor, dim: int, log_: bool) -> Tensor:
     return _Softmax.apply(contiguous(x), log_)
 
 
-def softmax(x: Tensor, dim: int = -1) -> Tensor:
-    """exp(x) / sum(exp(x)) along ``dim`` (numerically stable)."""
-    return _softmax_impl(x, dim, False)
+def softmax(x: Tensor, dim: int = -1, dtype=None) -> Tensor:
+    """exp(x) / sum(exp(x)) along ``dim`` (numerically stable); ``dtype`` converts x first."""
+    return _softmax_impl(x if dtype is None else to(x, dtype), dim, False)
 
 
-def log_softmax(x: Tensor, dim: int = -1) -> Tensor:
-    """x - logsumexp(x) along ``dim``."""
-    return _softmax_impl(x, dim, True)
+def log_softmax(x: Tensor, dim: int = -1, dtype=None) -> Tensor:
+    """x - logsumexp(x) along ``dim``; ``dtype`` converts x first."""
+    return _softmax_impl(x if dtype is None else to(x, dtype), dim, True)
 
 
 class _SplitHeads(Function):
@@ -1234,8 +1675,7 @@ class _Embedding(Function):
         rt = g._st.rt
         pos = K.from_numpy(order, dt.int64, rt)
         rp = K.from_numpy(rowptr, dt.int32, rt)
-        C = g.shape[-1]
-        return None, K.embedding_bwd(reshape(contiguous(g), (-1, C)), pos, rp, ctx.V)
+        return None, K.embedding_bwd(_rows(contiguous(g)), pos, rp, ctx.V)
 
 
 def _host_indices(idx: Tensor) -> np.ndarray:
@@ -1280,36 +1720,85 @@ class _CrossEntropy(Function):
         return K.cross_entropy_bwd(x, t, lse, contiguous(gl)), None, None
 
 
-def cross_entropy(logits: Tensor, targets: Tensor, ignore_index: int = -100, reduction: str = "mean") -> Tensor:
-    """Mean cross entropy of ``logits`` [N, V] (or [..., V]) against integer ``targets`` [N] (or [...]).
+def cross_entropy(logits: Tensor, targets, weight: Tensor | None = None, size_average=None, ignore_index: int = -100,
+                  reduce=None, reduction: str = "mean") -> Tensor:
+    """Cross entropy with PyTorch's layouts: ``logits`` (C), (N, C) or (N, C, d1, ...) with the
+    classes on dim 1 (dim 0 of a 1-D input), ``targets`` either class indices of the logits'
+    shape without the class dim, or class probabilities of the logits' shape.
 
-    Targets equal to ``ignore_index`` (or any negative value) contribute nothing and are
-    excluded from the mean."""
-    if reduction != "mean":
-        raise ValueError(f"cross_entropy: only reduction='mean' is supported, got {reduction!r}")
+    ``weight`` rescales each class; index targets equal to ``ignore_index`` (or negative)
+    contribute nothing and are not counted.
+    ``reduction``: "mean" (over the targets' total weight, or the number of rows for
+    probabilities), "sum", or "none" (one loss per target)."""
+    _check_tensor(logits, "cross_entropy")
+    if size_average is not None or reduce is not None:
+        raise TypeError("cross_entropy: size_average and reduce are deprecated; use reduction='mean', 'sum' or 'none'")
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"cross_entropy: reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
     if not isinstance(targets, Tensor):
         targets = K.from_numpy(np.asarray(targets, np.int64), dt.int64, logits._st.rt)
-    if targets.dtype.kind != "int":
-        raise DTypeError(f"cross_entropy: targets must be integer class indices, got {targets.dtype.name}")
-    if logits.shape[:-1] != targets.shape:
-        raise ShapeError(f"cross_entropy: logits {logits.shape} need targets of shape {logits.shape[:-1]}, got {targets.shape}")
-    V = logits.shape[-1]
-    x = reshape(contiguous(logits), (-1, V))
-    t = reshape(contiguous(to(targets, dt.int64)), (-1,))
-    host = _host_indices(t) if t._host is not None else None
-    if host is not None:
-        bad = host[(host >= V) & (host != ignore_index)]
-        if bad.size:
-            raise IndexError(f"cross_entropy: target {int(bad[0])} is out of range for {V} classes")
-        n_valid = int(np.count_nonzero((host >= 0) & (host < V)))
-        if ignore_index >= 0:
-            n_valid -= int(np.count_nonzero(host == ignore_index))
-            t = where(eq(t, ignore_index), -1, t) if (host == ignore_index).any() else t
-    else:
-        n_valid = int(K.reduce("sum", K.binary("ge", t, scalar_tensor(0, dt.int64, t._st.rt)), (0,))[0].item())
+    if logits.ndim == 0:
+        raise ShapeError("cross_entropy: logits need at least 1 dim (the classes), got a 0-d tensor")
+    cdim = 0 if logits.ndim == 1 else 1
+    C = logits.shape[cdim]
+    probs = targets.dtype.kind == "float"
+    if probs and targets.shape != logits.shape:
+        raise DTypeError(f"cross_entropy: {targets.dtype.name} targets are class probabilities and need the logits' shape "
+                         f"{logits.shape}, got {targets.shape}; class indices must be int32 or int64")
+    if not probs and targets.dtype.kind != "int":
+        raise DTypeError(f"cross_entropy: targets must be integer class indices or float probabilities, got {targets.dtype.name}")
+    index_shape = logits.shape[:cdim] + logits.shape[cdim + 1:]
+    if not probs and targets.shape != index_shape:
+        raise ShapeError(f"cross_entropy: logits {logits.shape} need targets of shape {index_shape}, got {targets.shape}")
+    if weight is not None and weight.shape != (C,):
+        raise ShapeError(f"cross_entropy: weight must have shape ({C},) (one per class), got {weight.shape}")
+    rows = numel(index_shape)
+
+    def classes_last(t: Tensor) -> Tensor:
+        if t.ndim > 2:
+            t = permute(t, 0, *range(2, t.ndim), 1)
+        return reshape(contiguous(t), (rows, C))
+
+    x = classes_last(logits)
     if x.dtype.kind != "float":
         x = to(x, dt.float32)
-    return _CrossEntropy.apply(x, t, n_valid)
+    if probs:
+        t = to(classes_last(targets), x.dtype)
+        if weight is not None:
+            t = t * reshape(to(weight, x.dtype), (1, C))
+        per = neg(sum(log_softmax(x, -1) * t, dim=1))
+        if reduction == "none":
+            return reshape(per, index_shape)
+        total = sum(per)
+        return total if reduction == "sum" else total / rows if rows else total * math.nan
+    t = reshape(contiguous(to(targets, dt.int64)), (rows,))
+    host = _host_indices(t) if t._host is not None else None
+    if host is not None:
+        bad = host[(host >= C) & (host != ignore_index)]
+        if bad.size:
+            raise IndexError(f"cross_entropy: target {int(bad[0])} is out of range for {C} classes")
+    if weight is None and reduction == "mean":
+        # the fused kernel: a negative target contributes nothing and is not counted
+        if host is not None:
+            n_valid = int(np.count_nonzero((host >= 0) & (host < C) & (host != ignore_index)))
+            if ignore_index >= 0 and (host == ignore_index).any():
+                t = where(eq(t, ignore_index), -1, t)
+        else:
+            n_valid = int(K.reduce("sum", K.binary("ge", t, scalar_tensor(0, dt.int64, t._st.rt)), (0,))[0].item())
+        return _CrossEntropy.apply(x, t, n_valid)
+    valid = logical_and(ne(t, ignore_index), ge(t, 0))
+    safe = where(valid, t, 0)
+    logp = log_softmax(x, -1)
+    onehot = to(eq(reshape(safe, (rows, 1)), reshape(K.arange(C, 0, 1, dt.int64, x._st.rt), (1, C))), logp.dtype)
+    nll = neg(sum(logp * onehot, dim=1))
+    w = to(valid, nll.dtype)
+    if weight is not None:
+        w = w * _gather(to(weight, nll.dtype), 0, safe)
+    per = nll * w
+    if reduction == "none":
+        return reshape(per, index_shape)
+    total = sum(per)
+    return total if reduction == "sum" else total / sum(w)
 
 
 class _Dropout(Function):
@@ -1347,9 +1836,13 @@ def dropout(x: Tensor, p: float = 0.5, training: bool = True, generator=None) ->
 
 
 # -- in-place ops (only outside autograd) --------------------------------------------------------
+class InPlaceError(HeliosError, RuntimeError):
+    """An in-place op on a tensor that requires grad (the tape cannot record it)."""
+
+
 def _check_inplace(x: Tensor, op: str) -> None:
     if is_grad_enabled() and (x.requires_grad):
-        raise RuntimeError(f"{op}: in-place op on a tensor that requires grad is not supported "
+        raise InPlaceError(f"{op}: in-place op on a tensor that requires grad is not supported "
                            "(it would corrupt the tape); use the out-of-place form, or wrap the update in helios.no_grad()")
 
 
@@ -1418,17 +1911,31 @@ def fill_(x: Tensor, value) -> Tensor:
     return x
 
 
-def full_like(x: Tensor, value, dtype=None) -> Tensor:
-    """A new tensor of x's shape filled with ``value``."""
-    return K.fill(K.empty(x.shape, dt.as_dtype(dtype) if dtype else x.dtype, x._st.rt), value)
+def full_like(x: Tensor, value, dtype=None, *, device=None, requires_grad: bool = False, layout=None,
+              memory_format=None) -> Tensor:
+    """A new tensor of x's shape filled with ``value`` (x's dtype and device unless given)."""
+    _check_tensor(x, "full_like")
+    check_layout("full_like", layout)
+    check_memory_format("full_like", memory_format)
+    rt = x._st.rt if device is None else get_runtime(str(device))
+    out = K.fill(K.empty(x.shape, dt.as_dtype(dtype) if dtype is not None else x.dtype, rt), value)
+    return out.requires_grad_(True) if requires_grad else out
 
 
-def zeros_like(x: Tensor, dtype=None) -> Tensor:
-    return full_like(x, 0, dtype)
+def zeros_like(x: Tensor, dtype=None, **kw) -> Tensor:
+    """A new tensor of zeros of x's shape (keywords as :func:`full_like`)."""
+    return full_like(x, 0, dtype, **kw)
 
 
-def ones_like(x: Tensor, dtype=None) -> Tensor:
-    return full_like(x, 1, dtype)
+def ones_like(x: Tensor, dtype=None, **kw) -> Tensor:
+    """A new tensor of ones of x's shape (keywords as :func:`full_like`)."""
+    return full_like(x, 1, dtype, **kw)
+
+
+def check_layout(op: str, layout) -> None:
+    """Accept PyTorch's layout argument where it names the only layout Helios has (strided)."""
+    if layout is not None and str(layout).rsplit(".", 1)[-1] != "strided":
+        raise ShapeError(f"{op}: layout {layout!r} is not supported: Helios tensors are strided (dense)")
 
 
 # -- attach the methods to Tensor ----------------------------------------------------------------
@@ -1448,12 +1955,20 @@ def _install_methods() -> None:
         setattr(Tensor, name, g[name])
     Tensor.T = property(lambda self: permute(self, *reversed(range(self.ndim))))
     Tensor.mT = property(lambda self: transpose(self, -2, -1))
-    Tensor.float = lambda self: to(self, dt.float32)
-    Tensor.half = lambda self: to(self, dt.float16)
-    Tensor.bfloat16 = lambda self: to(self, dt.bfloat16)
-    Tensor.long = lambda self: to(self, dt.int64)
-    Tensor.int = lambda self: to(self, dt.int32)
-    Tensor.bool = lambda self: to(self, dt.bool_)
+    def cast(d):
+        def method(self, memory_format=None):
+            return to(self, d, memory_format=memory_format)
+
+        method.__name__ = {"float32": "float", "float16": "half", "int64": "long", "int32": "int"}.get(d.name, d.name)
+        method.__doc__ = f"The tensor as {d.name} (the same tensor if it already is)."
+        return method
+
+    Tensor.float = cast(dt.float32)
+    Tensor.half = cast(dt.float16)
+    Tensor.bfloat16 = cast(dt.bfloat16)
+    Tensor.long = cast(dt.int64)
+    Tensor.int = cast(dt.int32)
+    Tensor.bool = cast(dt.bool_)
     Tensor.expand_as = lambda self, o: expand(self, o.shape)
     Tensor.view_as = lambda self, o: view(self, o.shape)
     Tensor.type_as = lambda self, o: to(self, o.dtype)

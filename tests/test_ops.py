@@ -253,3 +253,184 @@ def test_linear_attention_softmax_split_heads():
         return q * 1.0 + k * 2.0 - v * 0.5
 
     check(heads, rn(2, 5, 12))
+
+
+# -- special values, argument parsing, 0-d and empty paths (what the OpInfo walk found) -----------
+SPECIAL = np.array([0.0, -0.0, 1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 3.0, -3.0, 1e-30, -1e-30, 1e30, -1e30, 100.0, -100.0,
+                    np.inf, -np.inf, np.nan], np.float32)
+
+
+def _same(h, t):
+    import torch
+
+    tv = t.detach().float().numpy() if isinstance(t, torch.Tensor) else np.asarray(t)
+    hv = h.numpy() if isinstance(h, hl.Tensor) else np.asarray(h)
+    assert hv.shape == tv.shape, f"shape {hv.shape} != torch {tv.shape}"
+    np.testing.assert_allclose(hv, tv, rtol=1e-5, atol=1e-6, equal_nan=True)
+    # infinities and zeros with their signs, as PyTorch gives them
+    inf = np.isinf(tv)
+    np.testing.assert_array_equal(hv[inf], tv[inf])
+
+
+@pytest.mark.parametrize("p", [0.0, -0.0, 1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 3.0, -3.0, 1 / 3, 2.5, 1e30, np.inf, -np.inf, np.nan])
+def test_pow_special_values(p):
+    import torch
+
+    x, t = hl.tensor(SPECIAL), torch.tensor(SPECIAL)
+    _same(x ** p, t ** p)              # the scalar-exponent kernel
+    _same(p ** x, p ** t)              # a scalar base
+    _same(hl.pow(x, hl.tensor(np.full_like(SPECIAL, p))), torch.pow(t, torch.full_like(t, p)))  # tensor ** tensor
+
+
+def test_pow_negative_base_fractional_exponent_is_nan():
+    import torch
+
+    x = hl.tensor(np.array([-2.0, 4.0], np.float32))
+    assert np.isnan((x ** 0.5).numpy()[0]) and (x ** 0.5).numpy()[1] == 2.0
+    _same(hl.pow(x, 1 / 3), torch.pow(torch.tensor([-2.0, 4.0]), 1 / 3))
+    t = hl.tensor(np.array([0.5, 2.0, 3.0], np.float32))
+    _same((-2.0) ** t, (-2.0) ** torch.tensor([0.5, 2.0, 3.0]))
+
+
+def test_pow_integer_dtypes_and_gradients():
+    import torch
+
+    a = np.array([-3, -1, 0, 1, 2, 5], np.int64)
+    e = np.array([3, -1, 0, 7, -2, 2], np.int64)
+    h = hl.tensor(a) ** hl.tensor(e)
+    assert h.dtype is hl.int64
+    np.testing.assert_array_equal(h.numpy(), (torch.tensor(a) ** torch.tensor(e)).numpy())
+    assert (hl.tensor(a) ** 3).dtype is hl.int64 and (2 ** hl.tensor(e[e >= 0])).dtype is hl.int64
+    assert hl.square(hl.tensor(a)).dtype is hl.int64 and hl.square(hl.tensor(a) > 0).dtype is hl.int64
+    with pytest.raises(hl.DTypeError, match="negative integer powers"):
+        hl.tensor(a) ** -1
+    # gradients where the formulas meet 0 * inf: x ** 0, 0 ** b, a tensor exponent
+    check(lambda L, x: x ** 0.0 + x ** 2.5, np.array([0.0, 1.5, 2.0], np.float32))
+    check(lambda L, x, y: L.pow(x, y), np.array([0.0, 0.0, 1.5, 2.0], np.float32), np.array([0.0, 2.0, -1.0, 0.5], np.float32))
+    check(lambda L, x, y: x.__rpow__(y), rn(5, lo=0.5, hi=2.0), np.array(1.7, np.float32))  # y ** x, y a 0-d tensor
+
+
+def test_unary_and_clamp_special_values():
+    import torch
+
+    x, t = hl.tensor(SPECIAL), torch.tensor(SPECIAL)
+    for op in ["exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "relu", "abs", "neg", "square"]:
+        _same(getattr(hl, op)(x), getattr(torch, op)(t))
+    for lo, hi in [(-1.0, 1.0), (2.0, -2.0), (np.nan, None), (None, np.nan), (0.0, None)]:
+        _same(x.clamp(lo, hi), t.clamp(lo, hi))
+    for s in [0.0, -0.0, 2.0, -3.0, np.inf, -np.inf]:
+        _same(x / s, t / s)
+        _same(hl.div(x, s, rounding_mode="floor"), torch.div(t, s, rounding_mode="floor"))
+        _same(hl.div(x, s, rounding_mode="trunc"), torch.div(t, s, rounding_mode="trunc"))
+        _same(hl.where(x > 0, x, s), torch.where(t > 0, t, s))  # -0.0 is its own cached constant
+
+
+def test_div_rounding_modes():
+    import torch
+
+    a = np.array([-7, -6, 7, 6, 0, -1], np.int64)
+    b = np.array([2, -4, -2, 4, 3, 5], np.int64)
+    for mode in ("floor", "trunc"):
+        h = hl.div(hl.tensor(a), hl.tensor(b), rounding_mode=mode)
+        assert h.dtype is hl.int64
+        np.testing.assert_array_equal(h.numpy(), torch.div(torch.tensor(a), torch.tensor(b), rounding_mode=mode).numpy())
+    x, y = rn(400, lo=-9, hi=9), rn(400, lo=-3, hi=3)
+    for mode in ("floor", "trunc"):
+        np.testing.assert_array_equal(hl.div(hl.tensor(x), hl.tensor(y), rounding_mode=mode).numpy(),
+                                      torch.div(torch.tensor(x), torch.tensor(y), rounding_mode=mode).numpy())
+
+
+def test_var_std_argument_parsing():
+
+    v = np.array([1, 4, 2, 8, 5], np.float32)
+    assert hl.var(hl.tensor(v), False).item() == pytest.approx(6.0)
+    assert hl.tensor(v).var(False).item() == pytest.approx(6.0)
+    assert hl.var(hl.ones(5, 5), True).shape == ()
+    x = rn(4, 5)
+    for args, kw in [((), {}), ((1,), {}), ((1, False), {}), ((1, True, True), {}), ((), {"correction": None}),
+                     ((), {"dim": 0, "correction": 0, "keepdim": True}), ((), {"dim": (0, 1), "correction": 2.5}),
+                     ((), {"unbiased": False})]:
+        for op in ("var", "std"):
+            check(lambda L, t: getattr(L, op)(t, *args, **kw), x, scale=4)
+
+
+def test_reductions_on_0d_tensors_and_empty_dims():
+
+    for dim in (0, -1):
+        for keep in (False, True):
+            check(lambda L, t: t.sum(dim=dim, keepdim=keep) * 2.0, np.array(1.5, np.float32))
+            check(lambda L, t: t.mean(dim, keep) * 2.0, np.array(1.5, np.float32))
+            for op in ("argmax", "argmin"):
+                h = getattr(hl, op)(hl.tensor(np.float32(3.0)), dim=dim, keepdim=keep)
+                assert h.shape == () and h.item() == 0
+    check(lambda L, t: L.index_select(t, 0, L.tensor([0])) * 2.0 if L.__name__ == "torch" else
+          L.index_select(t, 0, L.tensor(np.array([0]))) * 2.0, np.array(1.5, np.float32))
+    check(lambda L, t: t.sum(dim=()), rn(2, 3))                    # () = every dim, as in PyTorch
+    h = hl.argmax(hl.tensor(rn(2, 3)), keepdim=True)
+    assert h.shape == (1, 1)
+
+
+def test_max_min_ties_share_the_gradient():
+    x = np.array([[1.0, 3.0, 3.0], [3.0, 0.0, 2.0]], np.float32)
+    check(lambda L, t: t.max() * 2.0, x)               # three maxima: a third each
+    check(lambda L, t: t.min() * 2.0, np.array([1.0, 1.0, 2.0], np.float32))
+    check(lambda L, a, b: L.maximum(a, b), x, np.array([3.0, 1.0, 3.0], np.float32))  # ties: half each
+    check(lambda L, a, b: L.minimum(a, b), x, np.array([3.0, 1.0, 2.0], np.float32))
+    check(lambda L, a, b: L.max(a, b), x, np.array([3.0, 1.0, 3.0], np.float32))       # max(x, other)
+
+
+def test_empty_batch_backwards():
+    check(lambda L, x, w, b: (L.nn.functional.layer_norm(x, (4,), w, b) if L.__name__ == "torch" else L.layer_norm(x, (4,), w, b)),
+          rn(0, 4), rn(4), rn(4))
+    check(lambda L, a, b: a @ b, rn(5, 5, 0), rn(0, 5))
+    check(lambda L, a, b: a @ b, rn(2, 0, 3), rn(3, 4))
+
+
+def test_clamp_with_tensor_bounds():
+    check(lambda L, x, lo, hi: L.clamp(x, lo, hi), rn(5, 4), rn(4, lo=-2, hi=0), rn(5, 4, lo=0, hi=2))
+    check(lambda L, x, lo, hi: L.clamp(x, lo, hi), rn(5, 4), rn(5, 4, lo=0, hi=1), rn(5, 4, lo=-1, hi=0))  # lo > hi
+    check(lambda L, x, hi: L.clamp(x, None, hi), rn(3, 4), rn(4))
+    i = R.integers(-5, 5, size=(3, 4)).astype(np.int64)
+    check(lambda L, x: L.clamp(x, -2, 3), i, grad=False)
+    check(lambda L, x: L.clamp(x, min=1), i, grad=False)
+
+
+def test_narrow_cat_and_advanced_indexing():
+    import torch
+
+    x = rn(5, 5, 5)
+    check(lambda L, t: L.narrow(t, 1, L.tensor(2), 2) * 2.0 if L.__name__ == "torch" else
+          L.functional.narrow(t, 1, L.tensor(np.int64(2)), 2) * 2.0, x)
+    check(lambda L, t: t.narrow(0, -2, 2) * 2.0, x)
+    check(lambda L, a, b: L.cat([a, b], 1), np.zeros(0, np.float32), rn(5, 5))
+    for idx in [([0, 2, 3], [1, 3, 3], [0, 0, 2]), ([0, 0, 3], [1, 1, 3]), (slice(None), [0, 3]), (Ellipsis, [4, 0, 4]),
+                ([0, 3], slice(None), [1, 2]), (slice(1, 4), None, [[0], [2]]), (2, slice(None), [1, -1]), [-1, 0, 1]]:
+        check(lambda L, t: t[idx] * 2.0, x)
+    m = R.random((5, 5)) > 0.5
+    check(lambda L, t, mm: t[mm] * 2.0, x, m)
+    with pytest.raises(IndexError):
+        hl.tensor(x)[[0, 5]]
+    i = R.integers(-9, 9, size=(4, 3)).astype(np.int32)
+    np.testing.assert_array_equal(hl.tensor(i)[[2, 0, 2]].numpy(), torch.tensor(i)[[2, 0, 2]].numpy())
+    np.testing.assert_array_equal(hl.tensor(i > 0)[[1, 3]].numpy(), torch.tensor(i > 0)[[1, 3]].numpy())
+
+
+def test_cross_entropy_layouts_weights_and_reductions():
+    import torch
+
+    def ce(weight=None, **kw):
+        def f(L, x, t):
+            w = None if weight is None else L.tensor(weight)
+            return (torch.nn.functional if L.__name__ == "torch" else L).cross_entropy(x, t, w, **kw)
+
+        return f
+
+    tgt = R.integers(0, 3, size=(4, 2)).astype(np.int64)
+    check(ce(), rn(4, 3, 2), tgt)                                      # classes on dim 1
+    for red in ("mean", "sum", "none"):
+        check(ce(rn(3, lo=0.1, hi=2), reduction=red), rn(5, 3), R.integers(0, 3, size=5).astype(np.int64))
+        probs = R.random((5, 3)).astype(np.float32)
+        check(ce(reduction=red), rn(5, 3), probs / probs.sum(1, keepdims=True))
+        check(ce(rn(3, lo=0.1, hi=2), reduction=red), rn(5, 3), probs / probs.sum(1, keepdims=True))
+    check(ce(ignore_index=1, reduction="sum"), rn(5, 3), np.array([1, 0, 2, 1, 2], np.int64))
+    check(ce(rn(3, lo=0.1, hi=2), ignore_index=1), rn(5, 3), np.array([1, 0, 2, 1, 2], np.int64))

@@ -91,4 +91,63 @@ float gelu_erf_grad(float x) {
 }
 float sigmoid_f(float x) { return x >= 0.0 ? 1.0 / (1.0 + exp(-x)) : exp(x) / (1.0 + exp(x)); }
 
+// x ** y with the C library's (and PyTorch's) special cases.  GLSL's pow is undefined for
+// x < 0 and for x == 0 with y <= 0, so the sign, zeros, infinities and NaN are settled here
+// and pow only ever sees a finite positive base: a finite negative base with a non-integer
+// exponent is NaN, an odd integer exponent keeps the base's sign (-0 and -inf included),
+// y == 0 and x == 1 give 1 even against NaN.
+float pow_c(float x, float y) {
+    const float INF = uintBitsToFloat(0x7F800000u);
+    if (y == 0.0 || x == 1.0) return 1.0;
+    if (isnan(x) || isnan(y)) return uintBitsToFloat(0x7FC00000u);
+    if (y == 1.0) return x;
+    if (y == 2.0) return x * x;
+    float ax = abs(x);
+    if (isinf(y)) {
+        if (ax == 1.0) return 1.0;
+        return ((ax < 1.0) == (y > 0.0)) ? 0.0 : INF;
+    }
+    bool neg = (floatBitsToUint(x) & 0x80000000u) != 0u;
+    bool y_int = floor(y) == y;
+    bool y_odd = y_int && abs(y) < 16777216.0 && mod(abs(y), 2.0) == 1.0;
+    float r;
+    if (ax == 0.0) r = y > 0.0 ? 0.0 : INF;
+    else if (isinf(ax)) r = y > 0.0 ? INF : 0.0;
+    else if (neg && !y_int) return uintBitsToFloat(0x7FC00000u);
+    else r = pow(ax, y);
+    return (neg && y_odd) ? -r : r;
+}
+
+// x ** p for a scalar exponent, as PyTorch computes it: exponents 0.5, -0.5, -1, -2, 2 and 3
+// by sqrt, 1/sqrt, 1/x, 1/(x*x), x*x and x*x*x (so sqrt(-inf) is NaN, not pow's +inf, and
+// x ** 3 rounds like x*x*x), any other by pow_c.
+float pow_scalar(float x, float p) {
+    const float NAN = uintBitsToFloat(0x7FC00000u);
+    if (p == 0.5) return x < 0.0 ? NAN : sqrt(x);
+    if (p == -0.5) return x < 0.0 ? NAN : 1.0 / sqrt(x);
+    if (p == -1.0) return 1.0 / x;
+    if (p == -2.0) return 1.0 / (x * x);
+    if (p == 3.0) return x * x * x;
+    return pow_c(x, p);
+}
+
+// floor(a / b) as PyTorch's div(rounding_mode="floor") gives it for floats (Python's //):
+// the rounded quotient's floor, corrected to the exact floor by the signs of a - q*b and
+// a - (q+1)*b (each one fma, so exact in sign); an infinite a is NaN, a finite a over an
+// infinite b of the other sign is -1.
+float div_floor_f(float a, float b) {
+    if (b == 0.0) return a / b;
+    if (isnan(a) || isnan(b) || isinf(a)) return uintBitsToFloat(0x7FC00000u);
+    if (isinf(b)) return (a != 0.0 && ((a < 0.0) != (b < 0.0))) ? -1.0 : a / b;
+    float q = floor(a / b);
+    if (abs(q) < 8388608.0) {
+        float s = b > 0.0 ? 1.0 : -1.0;
+        precise float r0 = fma(-q, b, a);
+        precise float r1 = fma(-(q + 1.0), b, a);
+        if (s * r0 < 0.0) q -= 1.0;
+        else if (s * r1 >= 0.0) q += 1.0;
+    }
+    return q == 0.0 ? (a / b) * 0.0 : q;
+}
+
 #endif

@@ -37,7 +37,7 @@ float fop(float x, float y) {
     else if (OP == 1) r = x - p.alpha * y;
     else if (OP == 2) r = x * y;
     else if (OP == 3) r = x / y;
-    else if (OP == 4) r = (y == 2.0) ? x * x : pow(abs(x), y) * ((x < 0.0 && mod(y, 2.0) == 1.0) ? -1.0 : 1.0);
+    else if (OP == 4) r = pow_c(x, y);
     else if (OP == 5) r = (x != x || y != y) ? x + y : max(x, y);   // NaN propagates, as in torch.maximum
     else if (OP == 6) r = (x != x || y != y) ? x + y : min(x, y);
     else if (OP == 7) r = y * gelu_tanh_grad(x);       // (x, grad) -> grad * gelu'(x)
@@ -45,6 +45,8 @@ float fop(float x, float y) {
     else if (OP == 9) r = y * x * (1.0 - x);           // (sigmoid output, grad)
     else if (OP == 10) r = y * (1.0 - x * x);          // (tanh output, grad)
     else if (OP == 11) r = x > 0.0 ? y : 0.0;          // (relu input, grad)
+    else if (OP == 15) r = trunc(x / y);               // div(rounding_mode="trunc")
+    else if (OP == 16) r = div_floor_f(x, y);          // div(rounding_mode="floor")
     return r;
 }
 #endif
@@ -108,7 +110,26 @@ void main() {
     if (OP == 0) r = x + y;
     else if (OP == 1) r = x - y;
     else if (OP == 2) r = x * y;
-    else if (OP == 3) r = (y == CT(0)) ? CT(0) : x / y;  // only reached by floor-div callers
+    else if (OP == 3 || OP == 15) r = (y == CT(0)) ? CT(0) : x / y;  // truncating (SPIR-V SDiv)
+    else if (OP == 16) {                                               // floor division
+        r = (y == CT(0)) ? CT(0) : x / y;
+        if (y != CT(0) && x - r * y != CT(0) && ((x < CT(0)) != (y < CT(0)))) r -= CT(1);
+    }
+    else if (OP == 4) {
+        // integer power by squaring; a negative exponent gives 1 for base 1, +-1 for base -1,
+        // else 0 (what PyTorch computes)
+        r = CT(1);
+        if (y < CT(0)) {
+            r = (x == CT(1)) ? CT(1) : (x == CT(-1)) ? (((y & CT(1)) != CT(0)) ? CT(-1) : CT(1)) : CT(0);
+        } else {
+            CT base = x, e = y;
+            while (e > CT(0)) {
+                if ((e & CT(1)) != CT(0)) r *= base;
+                base *= base;
+                e >>= CT(1);
+            }
+        }
+    }
     else if (OP == 5) r = max(x, y);
     else if (OP == 6) r = min(x, y);
     else if (OP == 12) r = x & y;

@@ -24,16 +24,17 @@ float fop(float x) {
     else if (OP == 4) r = inversesqrt(x);
     else if (OP == 5) r = tanh_safe(x);
     else if (OP == 6) r = sigmoid_f(x);
-    else if (OP == 7) r = max(x, 0.0);
+    else if (OP == 7) r = x < 0.0 ? 0.0 : x;  // NaN stays NaN (GLSL's max may drop it)
     else if (OP == 8) r = gelu_tanh(x);
     else if (OP == 9) r = gelu_erf(x);
     else if (OP == 10) r = abs(x);
     else if (OP == 11) r = x + p.p0;
     else if (OP == 12) r = x * p.p0;
-    else if (OP == 13) r = (p.p0 == 2.0) ? x * x : pow(abs(x), p.p0) * ((x < 0.0 && mod(p.p0, 2.0) == 1.0) ? -1.0 : 1.0);
+    else if (OP == 13) r = pow_scalar(x, p.p0);
     else if (OP == 14) r = p.p0 - x;
     else if (OP == 15) r = p.p0 / x;
-    else if (OP == 16) r = clamp(x, p.p0, p.p1);
+    else if (OP == 16) r = (x != x || p.p0 != p.p0 || p.p1 != p.p1) ? x + p.p0 + p.p1  // NaN in, NaN out
+                          : min(max(x, p.p0), p.p1);                                   // lo > hi gives hi, as PyTorch
     else if (OP == 17) r = sin(x);
     else if (OP == 18) r = cos(x);
     else if (OP == 19) r = x * x;
@@ -78,16 +79,16 @@ void main() {
 #if TA == T_I32 || TA == T_I64
     // integer unary ops (neg, abs, add/mul by an integer scalar) stay exact
 #if TA == T_I32
-    int x = a[ia]; int r = x; int s0 = int(p.p0);
+    int x = a[ia]; int r = x; int s0 = int(p.p0); int s1 = int(p.p1);
 #else
-    int64_t x = a[ia]; int64_t r = x; int64_t s0 = int64_t(p.p0);
+    int64_t x = a[ia]; int64_t r = x; int64_t s0 = int64_t(p.p0); int64_t s1 = int64_t(p.p1);
 #endif
     if (OP == 0) r = -x;
     else if (OP == 10) r = abs(x);
     else if (OP == 11) r = x + s0;
     else if (OP == 12) r = x * s0;
     else if (OP == 14) r = s0 - x;
-    else if (OP == 16) r = clamp(x, s0, int(p.p1));
+    else if (OP == 16) r = min(max(x, s0), s1);
     o[p.off_o + i] = HL_ST(TO)(r);
 #else
     o[p.off_o + i] = HL_STF(TO, fop(HL_LDF(TA, a[ia])));

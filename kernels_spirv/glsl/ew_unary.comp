@@ -15,6 +15,98 @@ layout(push_constant) uniform P {
 } p;
 
 #if TA != T_I32 && TA != T_I64
+// sin and cos with their own range reduction: GLSL's are only specified on [-pi, pi] (lavapipe's
+// lose every digit past |x| ~ 1e8, a GPU's may be far coarser), so x is reduced to r in
+// [-pi/4, pi/4] and a quadrant q by Payne-Hanek against the bits of 2/pi (integer arithmetic,
+// exact: no reliance on a fused fma, which drivers may split) and r goes through Cephes'
+// sinf/cosf polynomials (about 2 ulp over the whole float range).
+const uint TWO_OVER_PI[8] = uint[8](0u, 0xA2F9836Eu, 0x4E441529u, 0xFC2757D1u, 0xF534DDC0u, 0xDB629599u,
+                                    0x3C439041u, 0xFE5163ABu);  // a zero word, then 224 bits of 2/pi
+
+float reduce_pio2(float x, out int q) {
+    float ax = abs(x);
+    float r;
+    if (ax <= 0.78539816) {
+        r = ax;
+        q = 0;
+    } else {
+        // ax = m * 2^e; ax * 2/pi mod 4 = (m * P) * 2^-94 mod 4, P the 96 bits of 2/pi from
+        // weight 2^(1-e) on (earlier bits add multiples of 4, later ones less than 2^-68).
+        uint bits = floatBitsToUint(ax);
+        int e = int(bits >> 23) - 150;
+        uint m = (bits & 0x7FFFFFu) | 0x800000u;
+        int p0 = e + 30;
+        int wi = p0 >> 5;
+        int sh = p0 & 31;
+        uint w0 = TWO_OVER_PI[wi], w1 = TWO_OVER_PI[wi + 1], w2 = TWO_OVER_PI[wi + 2];
+        if (sh != 0) {
+            w0 = (w0 << sh) | (w1 >> (32 - sh));
+            w1 = (w1 << sh) | (w2 >> (32 - sh));
+            w2 = (w2 << sh) | (TWO_OVER_PI[wi + 3] >> (32 - sh));
+        }
+        uint h0, l0, h1, l1;
+        umulExtended(m, w2, h0, l0);
+        umulExtended(m, w1, h1, l1);
+        l1 += h0;
+        h1 += (l1 < h0) ? 1u : 0u;
+        uint l2 = m * w0 + h1;
+        q = int(l2 >> 30);
+        uint fh = (l2 << 2) | (l1 >> 30);  // the fraction's top 64 of 94 bits
+        uint fl = (l1 << 2) | (l0 >> 30);
+        bool up = (fh & 0x80000000u) != 0u;  // fraction >= 1/2: r = (f - 1) * pi/2 in the next quadrant
+        if (up) {
+            fh = ~fh;
+            fl = ~fl + 1u;
+            if (fl == 0u) fh += 1u;
+            q += 1;
+        }
+        float f = 0.0;
+        if (fh != 0u) {
+            int lz = 31 - findMSB(fh);
+            uint top = lz == 0 ? fh : (fh << lz) | (fl >> (32 - lz));
+            f = ldexp(float(top), -32 - lz);
+        } else if (fl != 0u) {
+            int lz = 31 - findMSB(fl);
+            f = ldexp(float(fl << lz), -64 - lz);
+        }
+        r = fma(f, 1.5707964, f * -4.371139e-08);
+        if (up) r = -r;
+    }
+    if (x < 0.0) {
+        r = -r;
+        q = -q;
+    }
+    q &= 3;
+    return r;
+}
+
+float sin_poly(float r) {
+    float s = r * r;
+    return fma(r * s, fma(s, fma(s, -1.9515295891e-4, 8.3321608736e-3), -1.6666654611e-1), r);
+}
+
+float cos_poly(float r) {
+    float s = r * r;
+    return fma(s * s, fma(s, fma(s, 2.443315711809948e-5, -1.388731625493765e-3), 4.166664568298827e-2), fma(-0.5, s, 1.0));
+}
+
+float sin_c(float x) {
+    if (isinf(x) || isnan(x)) return uintBitsToFloat(0x7FC00000u);
+    if (x == 0.0) return x;  // keeps -0
+    int q;
+    float r = reduce_pio2(x, q);
+    float v = (q & 1) == 0 ? sin_poly(r) : cos_poly(r);
+    return (q & 2) == 0 ? v : -v;
+}
+
+float cos_c(float x) {
+    if (isinf(x) || isnan(x)) return uintBitsToFloat(0x7FC00000u);
+    int q;
+    float r = reduce_pio2(x, q);
+    float v = (q & 1) == 0 ? cos_poly(r) : sin_poly(r);
+    return ((q + 1) & 2) == 0 ? v : -v;
+}
+
 float fop(float x) {
     float r = x;
     if (OP == 0) r = -x;
@@ -35,8 +127,8 @@ float fop(float x) {
     else if (OP == 15) r = p.p0 / x;
     else if (OP == 16) r = (x != x || p.p0 != p.p0 || p.p1 != p.p1) ? x + p.p0 + p.p1  // NaN in, NaN out
                           : min(max(x, p.p0), p.p1);                                   // lo > hi gives hi, as PyTorch
-    else if (OP == 17) r = sin(x);
-    else if (OP == 18) r = cos(x);
+    else if (OP == 17) r = sin_c(x);
+    else if (OP == 18) r = cos_c(x);
     else if (OP == 19) r = x * x;
     else if (OP == 20) r = 1.0 / x;
     else if (OP == 21) r = x * p.p0 + p.p1;

@@ -444,7 +444,8 @@ def reduce(op: str, x: Tensor, dims: tuple, scale: float = 1.0):
     if R == 0 or n_out == 0:
         if R == 0 and op != "sum" and n_out:
             raise ShapeError(f"{op}: cannot reduce over a dimension of size 0 (shape {x.shape}, dims {dims})")
-        vals = fill(empty(out_shape, vdt, rt), 0)
+        # an empty sum is 0, scaled like any other (a mean's scale 1/0 = nan gives nan, as PyTorch)
+        vals = fill(empty(out_shape, vdt, rt), 0.0 * scale if vdt.kind == "float" else 0)
         return vals, (fill(empty(out_shape, dt.int64, rt), 0) if arg else None)
     if x._st.nbytes > rt.max_range and len(kept) == 0 and x.is_contiguous():
         return _reduce_all_windows(op, x, scale)

@@ -1710,7 +1710,8 @@ class _CrossEntropy(Function):
         loss, lse = K.cross_entropy_fwd(x, t)
         ctx.save_for_backward(x, t, lse)
         ctx.n = n_valid
-        total, _ = K.reduce("sum", loss, (0,), 1.0 / builtins.max(n_valid, 1))
+        # the mean over no valid target is nan, as in PyTorch (its gradient stays 0)
+        total, _ = K.reduce("sum", loss, (0,), 1.0 / n_valid if n_valid else math.nan)
         return total if x.dtype is dt.float32 else K.copy(total, x.dtype)
 
     @staticmethod

@@ -447,3 +447,14 @@ def test_sin_cos_keep_their_digits_at_large_arguments(mag):
         ulp = np.spacing(np.abs(ref).astype(np.float32)).astype(np.float64)
         assert np.max(np.abs(h - ref) / ulp) <= 3.0, op
     assert np.isnan(hl.sin(hl.tensor(np.array([np.inf, -np.inf, np.nan], np.float32))).numpy()).all()
+
+
+def test_empty_means_are_nan():
+    check(lambda L, x: x.mean(), rn(0, 3))
+    check(lambda L, x: x.mean(0), rn(0, 3))
+    check(lambda L, x: x.sum(0) * 1.0, rn(0, 3))
+
+    def ce(L, x, t):
+        return (L.nn.functional if L.__name__ == "torch" else L).cross_entropy(x, t)
+
+    check(ce, rn(3, 4), np.array([-100, -100, -100], np.int64))  # no valid target: nan, zero gradient

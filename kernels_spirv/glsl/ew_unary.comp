@@ -111,9 +111,11 @@ float fop(float x) {
     float r = x;
     if (OP == 0) r = -x;
     else if (OP == 1) r = exp(x);
-    else if (OP == 2) r = log(x);
-    else if (OP == 3) r = sqrt(x);
-    else if (OP == 4) r = inversesqrt(x);
+    // log, sqrt and inversesqrt are undefined in GLSL for x < 0 (and log, inversesqrt at 0):
+    // the IEEE results are spelled out, so no device returns something else there
+    else if (OP == 2) r = x < 0.0 ? uintBitsToFloat(0x7FC00000u) : x == 0.0 ? uintBitsToFloat(0xFF800000u) : log(x);
+    else if (OP == 3) r = x < 0.0 ? uintBitsToFloat(0x7FC00000u) : x == 0.0 ? x : sqrt(x);
+    else if (OP == 4) r = x < 0.0 ? uintBitsToFloat(0x7FC00000u) : x == 0.0 ? 1.0 / x : inversesqrt(x);
     else if (OP == 5) r = tanh_safe(x);
     else if (OP == 6) r = sigmoid_f(x);
     else if (OP == 7) r = x < 0.0 ? 0.0 : x;  // NaN stays NaN (GLSL's max may drop it)

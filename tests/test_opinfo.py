@@ -201,8 +201,6 @@ def helios_fn(op):
     return None, None
 
 
-
-
 def _op_id(op) -> str:
     return op.name + (f"[{op.variant_test_name}]" if op.variant_test_name else "")
 

@@ -13,6 +13,7 @@ from helios.errors import (  # noqa: F401
     DeviceError,
     DTypeError,
     HeliosError,
+    InPlaceError,
     OutOfMemoryError,
     ShapeError,
 )

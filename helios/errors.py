@@ -34,3 +34,7 @@ class CommError(HeliosError, TimeoutError):
 
 class CheckpointError(HeliosError, RuntimeError):
     """A checkpoint that is missing, corrupt or does not match the model."""
+
+
+class InPlaceError(HeliosError, RuntimeError):
+    """An in-place op on a tensor that requires grad (the tape cannot record it)."""

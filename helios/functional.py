@@ -18,7 +18,7 @@ from helios import dtypes as dt
 from helios._shape import (broadcast_shapes, contiguous_strides, infer_reshape, norm_dim, norm_dims, numel,
                            view_strides)
 from helios.autograd.tape import NO_CONTEXT, Function, is_grad_enabled
-from helios.errors import DeviceError, DTypeError, HeliosError, ShapeError
+from helios.errors import DeviceError, DTypeError, InPlaceError, ShapeError
 from helios.runtime import get_runtime
 from helios.tensor import Tensor
 
@@ -1837,10 +1837,6 @@ def dropout(x: Tensor, p: float = 0.5, training: bool = True, generator=None) ->
 
 
 # -- in-place ops (only outside autograd) --------------------------------------------------------
-class InPlaceError(HeliosError, RuntimeError):
-    """An in-place op on a tensor that requires grad (the tape cannot record it)."""
-
-
 def _check_inplace(x: Tensor, op: str) -> None:
     if is_grad_enabled() and (x.requires_grad):
         raise InPlaceError(f"{op}: in-place op on a tensor that requires grad is not supported "

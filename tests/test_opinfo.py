@@ -57,7 +57,7 @@ from torch.testing._internal.common_methods_invocations import op_db  # needs th
 import helios as hl
 import helios.functional as F
 from helios.errors import DTypeError, HeliosError, ShapeError
-from helios.functional import InPlaceError
+from helios.errors import InPlaceError
 from helios.tensor import Tensor
 
 pytestmark = pytest.mark.vulkan

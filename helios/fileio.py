@@ -47,6 +47,7 @@ __all__ = [
     "save_checkpoint",
     "load_checkpoint",
     "read_checkpoint_meta",
+    "fsync_dir",
     "LOGICAL_DTYPES",
     "cache_dir",
 ]
@@ -66,8 +67,8 @@ LOGICAL_DTYPES: dict[str, np.dtype] = {
 _STORABLE_KINDS = "biufc"
 
 
-def _fsync_dir(directory: Path) -> None:
-    """Make a rename in ``directory`` durable (no-op where directories cannot be opened)."""
+def fsync_dir(directory: str | os.PathLike[str]) -> None:
+    """Make a rename or removal in ``directory`` durable (no-op where directories cannot be opened)."""
     try:
         fd = os.open(directory, os.O_RDONLY)
     except OSError:  # e.g. Windows: directory handles are not openable this way
@@ -122,7 +123,7 @@ def atomic_open(path: str | os.PathLike[str], mode: str = "wb", encoding: str = 
         # Covers KeyboardInterrupt too: a half-written temp file must never survive.
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(target.parent)
+    fsync_dir(target.parent)
 
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes | bytearray | memoryview) -> None:
@@ -266,6 +267,16 @@ def load_checkpoint(
 ) -> tuple[dict[str, np.ndarray], dict[str, Any], dict[str, str]]: ...
 
 
+def _open_container(p: Path, missing_hint: str) -> IO[bytes]:
+    """Open a checkpoint file read-only; a missing or unopenable one is a CheckpointError."""
+    try:
+        return open(p, "rb")
+    except FileNotFoundError as e:
+        raise _ckpt_error(p, "no such file", missing_hint) from e
+    except OSError as e:
+        raise _ckpt_error(p, f"cannot open ({e})", "check the permissions") from e
+
+
 def _read_prefix(f: IO[bytes], p: Path) -> tuple[int, int, bytes]:
     """Check a container's 64-byte prefix and its file size; (header_len, data_len, SHA-256 digest)."""
     size = os.fstat(f.fileno()).st_size
@@ -302,13 +313,7 @@ def read_checkpoint_meta(path: str | os.PathLike[str]) -> Any:
     nor hashed (so a damaged array region goes unnoticed; :func:`load_checkpoint` verifies).
     A missing, truncated, foreign or newer-version file raises CheckpointError."""
     p = Path(path)
-    try:
-        f = open(p, "rb")
-    except FileNotFoundError as e:
-        raise _ckpt_error(p, "no such file", "check the path") from e
-    except OSError as e:
-        raise _ckpt_error(p, f"cannot open ({e})", "check the permissions") from e
-    with f:
+    with _open_container(p, "check the path") as f:
         header_len, _, _ = _read_prefix(f, p)
         header = bytearray(header_len)
         _read_exact_into(f, header, p, "the index")
@@ -326,13 +331,7 @@ def load_checkpoint(path: str | os.PathLike[str], *, return_dtypes: bool = False
     raises :class:`helios.errors.CheckpointError`; the file is opened read-only.
     """
     p = Path(path)
-    try:
-        f = open(p, "rb")
-    except FileNotFoundError as e:
-        raise _ckpt_error(p, "no such file", "check the path, or start without --resume") from e
-    except OSError as e:
-        raise _ckpt_error(p, f"cannot open ({e})", "check the permissions") from e
-    with f:
+    with _open_container(p, "check the path, or start without --resume") as f:
         header_len, data_len, digest = _read_prefix(f, p)
         h = hashlib.sha256()
         header = bytearray(header_len + _pad(header_len))

@@ -47,7 +47,8 @@ from typing import Any
 import numpy as np
 
 from helios.errors import CheckpointError, DTypeError
-from helios.fileio import LOGICAL_DTYPES, atomic_write_bytes, load_checkpoint, read_checkpoint_meta, save_checkpoint
+from helios.fileio import (LOGICAL_DTYPES, atomic_write_bytes, fsync_dir, load_checkpoint, read_checkpoint_meta,
+                           save_checkpoint)
 
 __all__ = [
     "FORMAT",
@@ -154,19 +155,6 @@ def _meta_json(meta: Mapping[str, Any] | None) -> str:
                         "numbers, strings, lists and dicts in meta") from e
 
 
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def save(run_dir: str, step: int, shards: Mapping[str, ShardedArray], rank: int, world: int,
          meta: Mapping[str, Any] | None = None, *, keep: int | None = 2) -> str:
     """Write rank ``rank``'s shard of the checkpoint of ``step``; returns the step folder.
@@ -188,8 +176,8 @@ def save(run_dir: str, step: int, shards: Mapping[str, ShardedArray], rank: int,
     d = step_dir(run_dir, step)
     if not os.path.isdir(d):
         os.makedirs(d, exist_ok=True)
-        _fsync_dir(os.path.dirname(d))  # the step folder's entry in ckpt/
-        _fsync_dir(run_dir)  # ckpt/'s entry in the run folder
+        fsync_dir(os.path.dirname(d))  # the step folder's entry in ckpt/
+        fsync_dir(run_dir)  # ckpt/'s entry in the run folder
     index = {name: {"shape": list(s.global_shape), "dtype": s.dtype, "start": s.start, "stop": s.stop}
              for name, s in shards.items()}
     arrays = {name: s.data for name, s in shards.items()}
@@ -529,7 +517,7 @@ def discard_newer(run_dir: str, step: int) -> list[str]:
             _forget(d)
             gone.append(d)
     if gone:
-        _fsync_dir(os.path.join(run_dir, "ckpt"))
+        fsync_dir(os.path.join(run_dir, "ckpt"))
     return gone
 
 

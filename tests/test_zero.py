@@ -61,7 +61,7 @@ def _rank_main(out_dir: str, stage: int, save_to: str, load_from: str, accum: in
     from helios.schedule.ddp import DistributedDataParallel
     from helios.schedule.zero import ZeroAdamW, memory_report
 
-    dist.init_process_group(backend="shm")
+    dist.init_process_group(backend=os.environ.get("TEST_ZERO_BACKEND", "shm"))
     r, n = dist.get_rank(), dist.get_world_size()
     # No linear biases: see tests/test_ddp.py (a bias whose gradient is exactly zero turns float
     # noise into lr-sized AdamW updates).
@@ -130,12 +130,12 @@ def _rank_main(out_dir: str, stage: int, save_to: str, load_from: str, accum: in
 
 
 def _run(out, world: int, stage: int, save_to: str = "", load_from: str = "", accum: int = 1,
-         accum_mode: str = "no_sync") -> dict:
+         accum_mode: str = "no_sync", backend: str = "shm") -> dict:
     os.makedirs(out, exist_ok=True)
     if save_to:
         os.makedirs(save_to, exist_ok=True)
     check_ok(run_ranks([__file__, str(out), str(stage), save_to, load_from, str(accum), accum_mode], world,
-                       timeout=240))
+                       timeout=240, env={"TEST_ZERO_BACKEND": backend}))
     if save_to:  # one index of every rank's ranges, as a checkpoint's metadata would hold
         meta = {"world_size": world, "ranges": {}}
         for r in range(world):
@@ -234,6 +234,13 @@ def test_zero_stage_on_1_2_4_ranks_matches_one_rank(tmp_path, reference, stage):
         if stage == 3:  # each unit gathered for its forward and its backward, the next one ahead of use
             assert st["gathers"] >= 2 * 5 * STEPS and st["prefetches"] >= 4 * STEPS, st
             assert st["on_demand_gathers"] == STEPS  # the tied output embedding, read outside its unit
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_over_tcp_matches_plain_ddp(tmp_path, reference, stage):
+    # The ring algorithms of tcp, not shm's direct path: the reduce-scatters and the all-gathers
+    # (whose input is a view of their output) give what plain DDP gives on as many ranks.
+    _same(reference[2], _run(tmp_path, 2, stage, backend="tcp"), rtol=1e-6, atol=1e-7)
 
 
 def test_sharded_state_saved_at_2_ranks_zero2_loads_at_4_ranks_zero3_and_1_rank_zero1(tmp_path, reference):

@@ -107,6 +107,7 @@ def main(argv=None) -> int:
         return 1
 
 
+
 def _train(args) -> int:
     import helios as hl
     from helios import checkpoint as ckpt
@@ -124,19 +125,22 @@ def _train(args) -> int:
 
     cfgd = dict(CONFIGS[args.config])
     steps = args.steps if args.steps is not None else cfgd["steps"]
-    bs = args.batch_size or cfgd["batch_size"]
-    T = args.block_size or cfgd["block_size"]
+    bs = args.batch_size if args.batch_size is not None else cfgd["batch_size"]
+    T = args.block_size if args.block_size is not None else cfgd["block_size"]
     lr_max = args.lr if args.lr is not None else cfgd["lr"]
     warmup = args.warmup if args.warmup is not None else max(1, steps // 20)
-    if steps <= 0 or bs <= 0 or T <= 1 or args.grad_accum <= 0:
-        raise SystemExit("helios-train: --steps, --batch-size and --grad-accum must be positive and --block-size > 1")
+    for flag, value, least in (("--steps", steps, 1), ("--batch-size", bs, 1), ("--grad-accum", args.grad_accum, 1),
+                               ("--block-size", T, 2)):
+        if value < least:
+            _usage(f"{flag} must be at least {least}, got {value}")
     if args.comm_timeout <= 0:
-        raise SystemExit("helios-train: --comm-timeout must be positive (seconds)")
+        _usage(f"--comm-timeout must be positive (seconds), got {args.comm_timeout}")
+    if args.data is not None and not os.path.exists(args.data):  # checked by every rank, before any waits for another
+        _usage(f"--data {args.data!r}: no such file or folder; pass a text file or a folder of text files")
 
     world = DistRun.launch_world()
     if bs % world:
-        raise SystemExit(f"helios-train: --batch-size {bs} does not split evenly over {world} ranks; "
-                         f"use a multiple of {world}")
+        _usage(f"--batch-size {bs} does not split evenly over {world} ranks; use a multiple of {world}")
     run = DistRun.from_env(timeout=args.comm_timeout)
     if args.zero and not run.active:
         print("helios-train: --zero shards across data-parallel ranks; alone it changes nothing", file=sys.stderr)
@@ -423,6 +427,12 @@ def _quiet_latest(sharded, run_dir: str):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return sharded.latest_complete(run_dir)
+
+
+def _usage(message: str) -> None:
+    """A user's mistake on the command line: one line, exit status 2 (as argparse does)."""
+    print(f"helios-train: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def _quiet(*args, **kwargs) -> None:

@@ -129,3 +129,13 @@ def test_run_database_survives_sigkill_of_training(corpus, tmp_path):
     steps = [s for (s,) in con.execute("SELECT step FROM step_timing ORDER BY step")]
     assert len(steps) >= 3 and steps == list(range(1, len(steps) + 1))
     assert con.execute("SELECT status FROM runs").fetchone()[0] == "running"
+
+
+@pytest.mark.parametrize("bad,needle", [(["--data", "/nonexistent/corpus.txt"], "--data"),
+                                        (["--batch-size", "0"], "--batch-size must be at least 1"),
+                                        (["--block-size", "1"], "--block-size must be at least 2"),
+                                        (["--comm-timeout", "0"], "--comm-timeout")])
+def test_a_bad_flag_is_one_line_and_exit_2(tmp_path, bad, needle):
+    r = run(BASE + ["--steps", "1", "--out", str(tmp_path / "x"), *bad], tmp_path)
+    assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1

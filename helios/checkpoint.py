@@ -14,7 +14,7 @@ import os
 
 from helios import random as hrandom
 from helios.errors import CheckpointError
-from helios.fileio import load_checkpoint, save_checkpoint
+from helios.fileio import load_checkpoint
 
 CKPT_NAME = "ckpt.helios"
 
@@ -28,25 +28,12 @@ def has_checkpoint(run_dir: str) -> bool:
     return os.path.exists(checkpoint_path(run_dir))
 
 
-def save_training_state(run_dir: str, model, optimizer, loader, step: int, meta: dict) -> str:
-    """Write model + optimizer + RNG + loader state at ``step``; returns the path."""
-    arrays = {f"model.{k}": v.numpy() for k, v in model.state_dict().items()}
-    opt = optimizer.state_dict()
-    arrays.update({f"optim.{k}": v for k, v in opt["state"].items()})
-    full_meta = dict(meta)
-    full_meta.update({
-        "step": step,
-        "optimizer": {"step": opt["step"], "groups": opt["groups"]},
-        "rng": hrandom.get_rng_state(),
-        "loader": loader.state_dict(),
-    })
-    path = checkpoint_path(run_dir)
-    save_checkpoint(path, arrays, full_meta)
-    return path
-
-
 def load_training_state(run_dir: str, model, optimizer, loader) -> dict:
-    """Restore a run saved by :func:`save_training_state`; returns its meta (with ``step``)."""
+    """Restore a run from its single-file checkpoint; returns its meta (with ``step``).
+
+    The file (``helios.fileio`` container) holds ``model.<parameter name>`` and
+    ``optim.<group>.<index in group>.exp_avg`` / ``.exp_avg_sq`` arrays, and meta with the
+    run's config, ``step``, ``optimizer`` (step, groups), ``rng`` and ``loader``."""
     path = checkpoint_path(run_dir)
     if not os.path.exists(path):
         raise CheckpointError(f"--resume: no checkpoint at {path}; start without --resume or point --out at an earlier run")

@@ -200,6 +200,9 @@ def _train(args) -> int:
             meta = train_state.load_training(found[1], gpt, opt, loader)
             resumed_from = found[1]
         elif ckpt.has_checkpoint(args.out):  # a single-file checkpoint of an earlier Helios
+            if zero:
+                raise CheckpointError(f"{ckpt.checkpoint_path(args.out)} is a single-file checkpoint of an earlier "
+                                      "Helios: resume it without --zero once, then go on with --zero")
             meta = ckpt.load_training_state(args.out, gpt, opt, loader)
             resumed_from = ckpt.checkpoint_path(args.out)
         else:

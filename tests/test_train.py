@@ -139,3 +139,39 @@ def test_a_bad_flag_is_one_line_and_exit_2(tmp_path, bad, needle):
     r = run(BASE + ["--steps", "1", "--out", str(tmp_path / "x"), *bad], tmp_path)
     assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_a_single_file_checkpoint_of_an_earlier_helios_still_resumes_bit_exactly(corpus, tmp_path):
+    import shutil
+
+    from helios.fileio import save_checkpoint
+    from helios.schedule import checkpoint as C
+
+    args = BASE + ["--steps", "6", "--data", corpus, "--seed", "3"]
+    assert run(args + ["--out", str(tmp_path / "full")], tmp_path).returncode == 0
+    out = tmp_path / "old"
+    assert run(args + ["--out", str(out), "--stop-after", "3"], tmp_path).returncode == 0
+    # Rewrite the step-3 checkpoint in the earlier single-file layout (ckpt.helios), then drop ckpt/.
+    _, d = C.latest_complete(str(out))
+    shapes = C.global_shapes(d)
+    arrays, meta = C.load(d, {n: (0, int(np.prod(s))) for n, (s, _) in shapes.items()})
+    names = [n[len("model."):] for n in shapes if n.startswith("model.")]
+    from helios.nn import GPT, GPTConfig
+
+    order = [n for n, _ in GPT(GPTConfig(**meta["config"])).named_parameters()]  # registration order
+    assert sorted(order) == sorted(names)
+    # AdamW's two groups, as helios-train makes them: matrices (decayed), then the rest.
+    groups = [[n for n in order if len(shapes[f"model.{n}"][0]) >= 2],
+              [n for n in order if len(shapes[f"model.{n}"][0]) < 2]]
+    old = {f"model.{n}": arrays[f"model.{n}"].reshape(shapes[f"model.{n}"][0]) for n in order}
+    for gi, group in enumerate(groups):
+        for pi, n in enumerate(group):
+            for m in ("exp_avg", "exp_avg_sq"):
+                old[f"optim.{gi}.{pi}.{m}"] = arrays[f"optim.{m}.{n}"].reshape(shapes[f"model.{n}"][0])
+    save_checkpoint(out / "ckpt.helios", old, {k: meta[k] for k in ("config", "train", "data", "step", "optimizer",
+                                                                     "rng", "loader")})
+    shutil.rmtree(out / "ckpt")
+    r = run(args + ["--out", str(out), "--resume"], tmp_path)
+    assert r.returncode == 0 and "resumed from" in r.stdout and "ckpt.helios" in r.stdout, r.stderr[-2000:]
+    a, b = losses(tmp_path / "full"), losses(out)
+    assert [a[s] for s in range(1, 7)] == [b[s] for s in range(1, 7)]  # exact float equality

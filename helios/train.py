@@ -21,6 +21,7 @@ samples and writes the run database (which holds every rank's step timing).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -191,7 +192,7 @@ def _train(args) -> int:
     start_step = 0
     # A job that helios-run --max-restarts relaunched after a lost rank continues from its last checkpoint.
     restarted = int(os.environ.get("HELIOS_RESTART_COUNT") or 0) > 0
-    if restarted and not args.resume and (_quiet_latest(sharded, args.out) or ckpt.has_checkpoint(args.out)):
+    if restarted and not args.resume and (_latest_checkpoint(sharded, args.out, _quiet) or ckpt.has_checkpoint(args.out)):
         say(f"restart {os.environ['HELIOS_RESTART_COUNT']} of the job: resuming from the last complete checkpoint")
         args.resume = True
     if args.resume:
@@ -304,7 +305,7 @@ def _train(args) -> int:
                     yt = hl.tensor(y, dtype=hl.int64)
                 # Gradient accumulation: only the last micro-batch's backward communicates.
                 local = micro < args.grad_accum - 1 and run.active
-                with model.no_sync() if local else _nullcontext():
+                with model.no_sync() if local else contextlib.nullcontext():
                     with timer.phase("forward"):
                         _, loss = model(xt, yt)
                         if args.grad_accum > 1:
@@ -413,7 +414,8 @@ def _model_state_bytes(model, opt, rt, world: int, zero: int) -> dict:
 
 
 def _latest_checkpoint(sharded, run_dir: str, say):
-    """The newest complete sharded checkpoint; a newer unusable one is reported in one line."""
+    """The newest complete sharded checkpoint; a newer unusable one is reported in one line
+    through ``say`` (``_quiet`` to ignore it)."""
     import warnings
 
     with warnings.catch_warnings(record=True) as caught:
@@ -424,14 +426,6 @@ def _latest_checkpoint(sharded, run_dir: str, say):
     return found
 
 
-def _quiet_latest(sharded, run_dir: str):
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return sharded.latest_complete(run_dir)
-
-
 def _usage(message: str) -> None:
     """A user's mistake on the command line: one line, exit status 2 (as argparse does)."""
     print(f"helios-train: error: {message}", file=sys.stderr)
@@ -440,14 +434,6 @@ def _usage(message: str) -> None:
 
 def _quiet(*args, **kwargs) -> None:
     """print() on ranks other than 0."""
-
-
-class _nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _timing_row(rec) -> dict:

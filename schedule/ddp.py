@@ -108,7 +108,6 @@ class DistributedDataParallel(Module):
         # A context manager factory wrapped around the end-of-backward wait (the trainer times
         # it as its "comm" phase: the communication backward could not hide).
         self.wait_context = None
-        self.world_size = dist.get_world_size(group)
         verify_same_parameters(self._named, group)
         broadcast_parameters([p for _, p in self._named] + [b for _, b in module.named_buffers()], broadcast_from, group)
         for _, p in self._named:

@@ -95,6 +95,28 @@ def finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str
     return out
 
 
+def sigterm_launcher_when_ready(script, cwd, marker: str, launcher_args: tuple = (), ranks: int = 2,
+                                timeout: float = 30.0) -> tuple[int, str, str]:
+    """Run ``script`` under helios-run, SIGTERM the launcher once ``ranks`` output lines hold
+    ``marker``, and return (exit code, stdout, stderr)."""
+    p = subprocess.Popen([sys.executable, "-m", "helios.comm.launcher", "--nproc-per-node", str(ranks),
+                          *launcher_args, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         cwd=cwd)
+    try:
+        seen = 0
+        while seen < ranks:
+            line = p.stdout.readline()
+            assert line, p.stderr.read()
+            seen += marker in line
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=timeout)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    return p.returncode, out, err
+
+
 def kill_all(procs: list[subprocess.Popen]) -> None:
     """SIGKILL every process still running and reap them all."""
     for p in procs:

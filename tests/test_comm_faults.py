@@ -26,7 +26,7 @@ import pytest
 from helios.comm.launcher import free_port
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ranks import finish  # noqa: E402
+from ranks import finish, sigterm_launcher_when_ready  # noqa: E402
 
 HERE = os.path.abspath(__file__)
 PY = sys.executable
@@ -274,21 +274,8 @@ def test_launcher_sigterm_never_restarts(tmp_path):
     script = tmp_path / "job.py"
     script.write_text("import os, time\nprint('ready', os.environ['HELIOS_RESTART_COUNT'], flush=True)\n"
                       "time.sleep(60)\n")  # the default SIGTERM action: killed by the signal
-    p = subprocess.Popen([PY, "-m", "helios.comm.launcher", "--nproc-per-node", "2", "--max-restarts", "3",
-                          str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
-    try:
-        seen = 0
-        while seen < 2:
-            line = p.stdout.readline()
-            assert line, p.stderr.read()
-            seen += "ready 0" in line
-        p.send_signal(signal.SIGTERM)
-        out, err = p.communicate(timeout=30)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-    assert p.returncode == 128 + signal.SIGTERM, (out, err)
+    code, out, err = sigterm_launcher_when_ready(script, tmp_path, "ready 0", ("--max-restarts", "3"))
+    assert code == 128 + signal.SIGTERM, (out, err)
     assert "restarting" not in err and "ready 1" not in out, (out, err)
 
 

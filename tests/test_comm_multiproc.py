@@ -22,7 +22,7 @@ import pytest
 from helios.comm.launcher import free_port
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ranks import finish  # noqa: E402
+from ranks import finish, sigterm_launcher_when_ready  # noqa: E402
 
 HERE = os.path.abspath(__file__)
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -448,21 +448,8 @@ def test_launcher_forwards_sigterm_to_every_rank(tmp_path):
         "print('ready', flush=True)\n"
         "time.sleep(60)\n"
     )
-    p = subprocess.Popen([PY, "-m", "helios.comm.launcher", "--nproc-per-node", "2", str(script)],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
-    try:
-        seen = 0
-        while seen < 2:
-            line = p.stdout.readline()
-            assert line, p.stderr.read()
-            seen += "ready" in line
-        p.send_signal(signal.SIGTERM)
-        out, err = p.communicate(timeout=30)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-    assert p.returncode == 128 + signal.SIGTERM, (out, err)
+    code, out, err = sigterm_launcher_when_ready(script, tmp_path, "ready")
+    assert code == 128 + signal.SIGTERM, (out, err)
     assert "[rank 0] got SIGTERM 0" in out and "[rank 1] got SIGTERM 1" in out, out
 
 

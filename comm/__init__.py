@@ -17,7 +17,9 @@ from helios.comm.api import (
     all_to_all,
     barrier,
     broadcast,
+    comm_counters,
     destroy_process_group,
+    enqueue,
     get_backend,
     get_rank,
     get_world_size,
@@ -37,6 +39,6 @@ from helios.errors import CommError
 
 __all__ = [
     "BACKENDS", "CommError", "ProcessGroup", "Work", "all_gather", "all_reduce", "all_to_all", "barrier", "broadcast",
-    "destroy_process_group", "get_backend", "get_rank", "get_world_size", "init_process_group", "irecv",
+    "comm_counters", "destroy_process_group", "enqueue", "get_backend", "get_rank", "get_world_size", "init_process_group", "irecv",
     "is_initialized", "isend", "new_group", "recv", "reduce", "reduce_scatter", "send",
 ]

@@ -78,7 +78,12 @@ def init_process_group(backend: str = "auto", timeout: float = 300.0, *, rank: i
     ``backend``: ``"shm"`` (one host), ``"tcp"``, ``"ibverbs"`` or ``"auto"`` (shm when every
     rank is on this host, else ibverbs when every rank has an RDMA device, else tcp).
     ``timeout`` (seconds) bounds every wait, in rendezvous and in every operation.
+    ``HELIOS_COMM_BACKEND`` names the backend when ``backend`` is ``"auto"``.
     """
+    if backend == "auto" and os.environ.get("HELIOS_COMM_BACKEND"):
+        backend = os.environ["HELIOS_COMM_BACKEND"]
+        if backend not in BACKENDS:
+            raise ValueError(f"helios.comm: HELIOS_COMM_BACKEND={backend!r} is not one of {', '.join(BACKENDS)}.")
     if backend not in BACKENDS:
         raise ValueError(f"helios.comm: backend {backend!r} is not one of {', '.join(BACKENDS)}.")
     if _S.world is not None:
@@ -211,6 +216,23 @@ def new_group(ranks: list[int] | None = None, timeout: float | None = None) -> P
     g = _make_group(_S.pstore, name, ranks, _S.backend, timeout or _S.timeout)
     _S.groups.append(g)
     return g
+
+
+def enqueue(program, group: Any = None, name: str = "program") -> Work:
+    """Run ``program()`` on the communicator's thread after every operation issued before
+    it, and return its Work.  Collectives that ``program`` calls on ``group`` run at once,
+    inside it, in its order: a chain such as compress, all-reduce, decompress runs as one
+    unit that overlaps the caller (DistributedDataParallel's compression hooks).  Every
+    rank must enqueue the same programs in the same order.  An exception in the program
+    makes the communicator unusable (the peers may be waiting on its next collective)."""
+    return _group(group).enqueue(name, program)
+
+
+def comm_counters(group: Any = None) -> dict:
+    """What ``group`` (the world by default) has done since it was created: per operation
+    name the calls and operand bytes, and ``bytes_sent``, the bytes this rank sent to its
+    peers (see :class:`helios.comm.group.CommCounters`).  Subtract two readings for a step."""
+    return _group(group).counters.snapshot()
 
 
 # --------------------------------------------------------------------------- collectives

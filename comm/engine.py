@@ -138,6 +138,7 @@ class Engine:
         self.fault: Fault | None = None  # set when an operation fails because of a peer
         self._scratch = np.empty(0, np.uint8)
         self._soff = 0
+        self.bytes_sent = 0  # payload bytes handed to the links, ever (the communicator's counters read it)
 
     def scratch(self, count: int, dtype) -> np.ndarray:
         """Temporary array for the running operation, carved from a block reused across operations.
@@ -166,6 +167,7 @@ class Engine:
         mv = data if isinstance(data, memoryview) else memoryview(data)
         self._sendq[peer].append(_Send(peer, tag, mv.cast("B") if mv.ndim != 1 or mv.format != "B" else mv))
         self._pending_sends += 1
+        self.bytes_sent += mv.nbytes
 
     def post_recv(self, peer: int, tag: int, dst: np.ndarray | memoryview,
                   on_done: Callable[[], None] | None = None) -> None:

@@ -20,6 +20,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 from helios.comm import algorithms as A
@@ -60,6 +61,23 @@ class Work:
         return self._ev.is_set()
 
 
+@dataclass
+class CommCounters:
+    """What a communicator has done since it was created: per operation name, the calls and
+    their operand bytes (``payload``, as the caller sees them), and the bytes this rank put
+    on the wire for its peers (``bytes_sent``: handed to the TCP/ibverbs links, or written
+    into its shared-memory slots for the peers to read).  A ring all-reduce of S bytes on n
+    ranks sends 2(n-1)/n x S; a compressed one, far less."""
+
+    calls: dict[str, int] = field(default_factory=dict)
+    payload_bytes: dict[str, int] = field(default_factory=dict)
+    bytes_sent: int = 0
+
+    def snapshot(self) -> dict:
+        """A copy, as plain data: ``{"calls": {...}, "payload_bytes": {...}, "bytes_sent": n}``."""
+        return {"calls": dict(self.calls), "payload_bytes": dict(self.payload_bytes), "bytes_sent": self.bytes_sent}
+
+
 class ProcessGroup:
     """A communicator over ``ranks`` (global ranks, in group-rank order)."""
 
@@ -89,6 +107,8 @@ class ProcessGroup:
         self._op_async, self._op_issued = False, 0  # of the operation running now (for the profiler)
         self._worker: threading.Thread | None = None
         self._closing = False
+        self.counters = CommCounters()
+        self._program_thread = 0  # ident of the thread running an enqueued program (0: none)
 
     # ---- ranks -------------------------------------------------------------------------
     def group_rank(self, global_rank: int, what: str = "rank") -> int:
@@ -102,6 +122,15 @@ class ProcessGroup:
     def submit(self, name: str, fn: Callable[[], None], async_op: bool) -> Work | None:
         """Run ``fn`` in issue order; return a Work when ``async_op``."""
         issued = time.monotonic_ns() if _prof._ACTIVE is not None else 0
+        if self._program_thread == threading.get_ident():
+            # Called from a program this communicator is running (enqueue): the program holds
+            # the communicator, so the operation runs now, in the program's order.
+            fn()
+            if not async_op:
+                return None
+            done = Work(name)
+            done._finish(None)
+            return done
         with self._cv:
             self._check_usable()
             inline = not async_op and not self._queue and not self._running
@@ -127,6 +156,29 @@ class ProcessGroup:
             return work
         work.wait()
         return None
+
+    def enqueue(self, name: str, program: Callable[[], None]) -> Work:
+        """Run ``program()`` on the worker thread after every operation issued before it.
+
+        Collectives the program calls on this communicator run at once, inside it, in the
+        program's order (a comm hook's compress / all-reduce / decompress chain); every rank
+        must enqueue the same programs in the same order, as for any collective.
+        """
+
+        def run() -> None:
+            self._program_thread = threading.get_ident()
+            try:
+                program()
+            except BaseException as e:
+                # The peers may be waiting in the program's next collective: stop them now.
+                self.poison(f"{name}: {type(e).__name__}: {str(e)[:300]}", frames=True)
+                raise
+            finally:
+                self._program_thread = 0
+
+        work = self.submit(name, run, True)
+        assert work is not None
+        return work
 
     def _work_loop(self) -> None:
         while True:
@@ -189,6 +241,10 @@ class ProcessGroup:
             self.direct.deadline = deadline
         self.engine.reset_scratch()
         ctx = A.Ctx(self.engine, self.rank, self.size, seq, self.seg_bytes, deadline)
+        c = self.counters
+        c.calls[name] = c.calls.get(name, 0) + 1
+        c.payload_bytes[name] = c.payload_bytes.get(name, 0) + nbytes
+        sent0 = self._sent()
         try:
             if self.debug and not p2p:
                 self._debug_check(ctx, desc)
@@ -203,6 +259,11 @@ class ProcessGroup:
             if isinstance(e, PeerLost):
                 raise CommError(self.engine._describe(str(e), e.peer)) from None
             raise
+        finally:
+            c.bytes_sent += self._sent() - sent0
+
+    def _sent(self) -> int:
+        return self.engine.bytes_sent + (self.direct.bytes_sent if self.direct is not None else 0)
 
     def _fault_of(self, e: BaseException, reason: str) -> Fault:
         """Who is to blame for exception ``e`` of the running operation (told to the peers in the abort)."""

@@ -53,6 +53,7 @@ class ShmDirect:
         self.piece = 0
         self.info = OpInfo("?", 0, 0)
         self.deadline = 0.0
+        self.bytes_sent = 0  # bytes this rank wrote into its own slots for the peers to read, ever
         self._slots = [[t.slot(r, i) for i in (0, 1)] for r in range(self.n)]
 
     # ---- synchronisation -----------------------------------------------------------
@@ -137,6 +138,7 @@ class ShmDirect:
             for off, nb in self._pieces(raw.nbytes, isz, self.t.slot_bytes):
                 idx = self._step()
                 self._slots[me][idx][:nb] = raw[off: off + nb]
+                self.bytes_sent += nb
                 self._sync()
                 srcs = [self._slots[r][idx][:nb].view(buf.dtype) for r in range(n)]
                 out = buf[off // isz: (off + nb) // isz]
@@ -151,6 +153,7 @@ class ShmDirect:
                 if r != me:
                     a, b = bounds[r] * isz, bounds[r + 1] * isz
                     mine[a:b] = raw[off + a: off + b]
+                    self.bytes_sent += b - a
             self._sync()
             lo, hi = bounds[me] * isz, bounds[me + 1] * isz
             own = raw[off + lo: off + hi].view(buf.dtype)
@@ -158,6 +161,7 @@ class ShmDirect:
             srcs = [own if r == me else self._slots[r][idx][lo:hi].view(buf.dtype) for r in range(n)]
             R.reduce_many(target, srcs, op, dtype)
             R.finish_avg(target, n, op, dtype)
+            self.bytes_sent += hi - lo  # the reduced chunk every peer copies out
             self._sync()
             for r in range(n):
                 a, b = bounds[r] * isz, bounds[r + 1] * isz
@@ -170,6 +174,7 @@ class ShmDirect:
         for off, nb in self._pieces(m, 1, self._cap(1)):
             idx = self._step()
             self._slots[self.rank][idx][:nb] = xr[off: off + nb]
+            self.bytes_sent += nb
             self._sync()
             for r in range(self.n):
                 orr[r * m + off: r * m + off + nb] = self._slots[r][idx][:nb]
@@ -183,6 +188,7 @@ class ShmDirect:
             mine = self._slots[self.rank][idx]
             for j in range(n):
                 mine[j * nb: (j + 1) * nb] = xr[j * m + off: j * m + off + nb]
+            self.bytes_sent += (n - 1) * nb  # the peers' chunks (its own stays here)
             self._sync()
             lo = self.rank * nb
             srcs = [self._slots[r][idx][lo: lo + nb].view(out.dtype) for r in range(n)]
@@ -197,6 +203,7 @@ class ShmDirect:
             idx = self._step()
             if self.rank == src:
                 self._slots[src][idx][:nb] = raw[off: off + nb]
+                self.bytes_sent += nb
             self._sync()
             if self.rank != src:
                 raw[off: off + nb] = self._slots[src][idx][:nb]
@@ -208,6 +215,7 @@ class ShmDirect:
         for off, nb in self._pieces(raw.nbytes, isz, self._cap(1)):
             idx = self._step()
             self._slots[self.rank][idx][:nb] = raw[off: off + nb]
+            self.bytes_sent += nb
             self._sync()
             if self.rank == dst:
                 srcs = [self._slots[r][idx][:nb].view(buf.dtype) for r in range(self.n)]
@@ -225,6 +233,7 @@ class ShmDirect:
             mine = self._slots[self.rank][idx]
             for j in range(n):
                 mine[j * nb: (j + 1) * nb] = xr[j * m + off: j * m + off + nb]
+            self.bytes_sent += (n - 1) * nb
             self._sync()
             lo = self.rank * nb
             for r in range(n):

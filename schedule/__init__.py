@@ -1,10 +1,12 @@
 """helios.schedule: parallelism schedules built on helios.comm and helios.autograd.
 
-Data parallel (``DistributedDataParallel``), ZeRO (``ZeroAdamW``, ``ZeroDataParallel``) and
-sharded checkpoints (``helios.schedule.checkpoint``); see schedule/README.md.
+Data parallel (``DistributedDataParallel``) with gradient compression hooks
+(``helios.schedule.compression``), ZeRO (``ZeroAdamW``, ``ZeroDataParallel``) and sharded
+checkpoints (``helios.schedule.checkpoint``); see schedule/README.md.
 """
 
+from helios.schedule import compression
 from helios.schedule.ddp import DistributedDataParallel
 from helios.schedule.zero import ZeroAdamW, ZeroDataParallel
 
-__all__ = ["DistributedDataParallel", "ZeroAdamW", "ZeroDataParallel"]
+__all__ = ["DistributedDataParallel", "compression", "ZeroAdamW", "ZeroDataParallel"]

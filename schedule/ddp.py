@@ -130,8 +130,34 @@ class DistributedDataParallel(Module):
 
     def register_comm_hook(self, hook) -> None:
         """Replace how a ready bucket is communicated: ``hook(ddp, bucket) -> Work`` (a handle with
-        ``wait()``) that leaves the averaged gradients (or what the optimizer expects) in place."""
+        ``wait()``) that leaves the averaged gradients (or what the optimizer expects) in place.
+        A hook with ``state_dict``/``load_state_dict`` (helios.schedule.compression's) keeps its
+        state in this object's state dict under ``comm_hook.``."""
         self.comm_hook = hook
+
+    def state_dict(self):
+        """The module's parameters (``module.<name>``) and, for a stateful comm hook, its state:
+        ``comm_hook.<name>`` float32 arrays (error feedback, PowerSGD's Q) and ``comm_hook`` (a
+        dict: its spec and step count).  The hook state is this rank's own."""
+        sd = super().state_dict()
+        if hasattr(self.comm_hook, "state_dict"):
+            hs = self.comm_hook.state_dict()
+            sd["comm_hook"] = {k: v for k, v in hs.items() if k != "tensors"}
+            for k, v in hs["tensors"].items():
+                sd[f"comm_hook.{k}"] = v
+        return sd
+
+    def load_state_dict(self, state: dict, strict: bool = True) -> None:
+        """Load what ``state_dict`` returned (the hook's part into the hook, which must be of the same kind)."""
+        state = dict(state)
+        meta = state.pop("comm_hook", None)
+        tensors = {k[len("comm_hook."):]: state.pop(k) for k in [k for k in state if k.startswith("comm_hook.")]}
+        if meta is not None:
+            if not hasattr(self.comm_hook, "load_state_dict"):
+                raise ValueError("DistributedDataParallel.load_state_dict: the state holds a comm hook's state "
+                                 f"({meta.get('spec')}) but this model's comm hook keeps none")
+            self.comm_hook.load_state_dict({**meta, "tensors": tensors})
+        super().load_state_dict(state, strict)
 
     @property
     def buckets(self) -> list[Bucket]:

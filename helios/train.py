@@ -72,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ZeRO stage across data-parallel ranks: 0 plain DDP, 1 shard AdamW moments, "
                         "2 also gradients, 3 also parameters")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="gradient bucket size for data parallel (MiB)")
+    p.add_argument("--grad-compression", default="none", metavar="SPEC",
+                   help="compress data-parallel gradients: none | fp16 | bf16 | onebit[:warmup=N] | topk:FRACTION | "
+                        "powersgd:rank=R[,start=S] (see schedule/README.md)")
     p.add_argument("--comm-timeout", type=float, default=300.0,
                    help="seconds any wait for other ranks may take before the run stops with an error")
     p.add_argument("--stop-after", type=int, default=None,
@@ -138,6 +141,15 @@ def _train(args) -> int:
         _usage(f"--comm-timeout must be positive (seconds), got {args.comm_timeout}")
     if args.data is not None and not os.path.exists(args.data):  # checked by every rank, before any waits for another
         _usage(f"--data {args.data!r}: no such file or folder; pass a text file or a folder of text files")
+    from helios.schedule.compression import parse_spec
+
+    try:
+        comm_hook = parse_spec(args.grad_compression)
+    except ValueError as e:
+        _usage(str(e))
+    if comm_hook is not None and args.zero:
+        _usage(f"--grad-compression {args.grad_compression} compresses plain data parallel's all-reduce; it does not "
+               f"combine with --zero {args.zero} (use --zero 0)")
 
     world = DistRun.launch_world()
     if bs % world:
@@ -145,6 +157,10 @@ def _train(args) -> int:
     run = DistRun.from_env(timeout=args.comm_timeout)
     if args.zero and not run.active:
         print("helios-train: --zero shards across data-parallel ranks; alone it changes nothing", file=sys.stderr)
+    if comm_hook is not None and not run.active:
+        print("helios-train: --grad-compression compresses what data-parallel ranks exchange; alone it changes nothing",
+              file=sys.stderr)
+        comm_hook = None
     say = print if run.is_main else _quiet
     if args.device:
         hl.set_device(args.device)
@@ -166,7 +182,7 @@ def _train(args) -> int:
                 "weight_decay": args.weight_decay, "grad_clip": args.grad_clip},
                 "data": ds.corpus.fingerprint}
     run.check_same({**run_meta, "zero": args.zero, "bucket_cap_mb": args.bucket_cap_mb, "resume": args.resume,
-                    "out": os.path.abspath(args.out)})
+                    "out": os.path.abspath(args.out), "grad_compression": comm_hook.spec if comm_hook else "none"})
     hl.manual_seed(args.seed)
     gpt = GPT(cfg, seed=args.seed)
     decay = [p for n, p in gpt.named_parameters() if p.ndim >= 2]
@@ -184,7 +200,7 @@ def _train(args) -> int:
         if run.active:
             from helios.schedule import DistributedDataParallel
 
-            model = DistributedDataParallel(gpt, bucket_cap_mb=args.bucket_cap_mb)
+            model = DistributedDataParallel(gpt, bucket_cap_mb=args.bucket_cap_mb, comm_hook=comm_hook)
         opt = AdamW(groups, lr=lr_max, betas=(0.9, 0.95))
     loader = BatchLoader(ds.train, bs, T, seed=args.seed)
     val_loader = BatchLoader(ds.val, bs, T, seed=args.seed + 1)
@@ -200,6 +216,9 @@ def _train(args) -> int:
         if found is not None:
             meta = train_state.load_training(found[1], gpt, opt, loader)
             resumed_from = found[1]
+            afresh = train_state.load_comm_hook(found[1], meta, comm_hook, run.rank, run.world)
+            if afresh:
+                say(f"--grad-compression: {afresh}")
         elif ckpt.has_checkpoint(args.out):  # a single-file checkpoint of an earlier Helios
             if zero:
                 raise CheckpointError(f"{ckpt.checkpoint_path(args.out)} is a single-file checkpoint of an earlier "
@@ -248,10 +267,14 @@ def _train(args) -> int:
 
     def save_checkpoint(at_step: int) -> str:
         """Snapshot this rank's shard now; the background thread writes it while training goes on."""
-        shards = train_state.training_shards(gpt, opt, run.rank, run.world)
-        # The shards were just read from the device into fresh arrays: they are the snapshot.
-        writer.save(at_step, shards, train_state.training_meta(opt, loader, at_step, run_meta, run.world, zero),
-                    copy=False)
+        shards = {**train_state.training_shards(gpt, opt, run.rank, run.world),
+                  **train_state.comm_hook_shards(comm_hook, run.rank)}
+        meta = train_state.training_meta(opt, loader, at_step, run_meta, run.world, zero)
+        if comm_hook is not None:
+            meta["comm_hook"] = train_state.comm_hook_meta(comm_hook, run.world)
+        # The shards were just read from the device (or copied from the hook) into fresh arrays:
+        # they are the snapshot.
+        writer.save(at_step, shards, meta, copy=False)
         return sharded.step_dir(args.out, at_step)
 
     timer = StepTimer()
@@ -295,6 +318,7 @@ def _train(args) -> int:
             for g in opt.param_groups:
                 g["lr"] = lr
             d0 = rt.dev.stats()["dispatches"]
+            bytes0 = run.comm_bytes()
             loss_dev = None
             for micro in range(args.grad_accum):
                 with timer.phase("data_load"):
@@ -350,12 +374,16 @@ def _train(args) -> int:
                 with timer.phase("checkpoint"):
                     save_checkpoint(step)
             rec = timer.end_step(step, tokens_per_step, loss=loss_val, lr=lr, dispatches=rt.dev.stats()["dispatches"] - d0)
-            rows = run.gather_step(_timing_row(rec))
+            sent = [b1 - b0 for b1, b0 in zip(run.comm_bytes(), bytes0)]  # before the gather: its bytes are not the step's
+            rows = run.gather_step({**_timing_row(rec), "comm_bytes": sent[0], "comm_payload_bytes": sent[1]})
             mfu = compute_mfu(fpt, rec.tokens_per_s, job_peak)
             if db is not None:
-                db.log_step(rec, mfu=mfu)
-                for r in range(1, run.world):
-                    db.log_step(_record_of_row(rec, rows[r]), rank=r)
+                for r in range(run.world):
+                    nbytes = {"comm_bytes": int(rows[r][-2]), "comm_payload_bytes": int(rows[r][-1])} if run.active else {}
+                    if r == 0:
+                        db.log_step(rec, mfu=mfu, **nbytes)
+                    else:
+                        db.log_step(_record_of_row(rec, rows[r]), rank=r, **nbytes)
             last = {"loss": loss_val, "lr": lr, "tok_s": rec.tokens_per_s, "mfu": mfu}
             post = {"loss": f"{loss_val:.4f}", "lr": f"{lr:.2e}", "tok/s": f"{rec.tokens_per_s:,.0f}", "MFU": format_mfu(mfu)}
             if val_loss is not None:

@@ -41,6 +41,11 @@ Schema (``PRAGMA user_version`` = :data:`SCHEMA_VERSION`)
     loss REAL, lr REAL            NULL when not given
     dispatches INTEGER            kernel launches in the step; NULL when not counted
     mfu REAL, hfu REAL            0..1; NULL = n/a
+    comm_bytes INTEGER            bytes this rank sent to its peers in the step (helios.comm's
+                                  counters: the gradients' collectives and the trainer's own);
+                                  NULL on a one-rank run
+    comm_payload_bytes INTEGER    the summed operand sizes of this rank's collectives in the step
+                                  (what they were asked to move, before any algorithm's factor)
 
 ``op_profile`` -- per-op totals of a profiled window (``step`` = the window's last step)::
 
@@ -79,7 +84,7 @@ if TYPE_CHECKING:
     from helios.profile.profiler import Collector, KeyAverages
 
 DB_FILENAME = "run.db"
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 _PHASE_COLS = [f"{p}_ns" for p in ALL_PHASES]
 
 _SCHEMA = f"""
@@ -95,6 +100,7 @@ CREATE TABLE IF NOT EXISTS step_timing (
     start_ns INTEGER NOT NULL, wall_ns INTEGER NOT NULL,
     {", ".join(c + " INTEGER NOT NULL" for c in _PHASE_COLS)},
     tokens INTEGER NOT NULL, tokens_per_s REAL, loss REAL, lr REAL, dispatches INTEGER, mfu REAL, hfu REAL,
+    comm_bytes INTEGER, comm_payload_bytes INTEGER,
     PRIMARY KEY (run_id, step, rank)
 );
 CREATE TABLE IF NOT EXISTS op_profile (
@@ -133,6 +139,9 @@ def connect(path: str, timeout_s: float = 10.0) -> sqlite3.Connection:
     if ver == 1:
         _migrate_v1(con)
         ver = SCHEMA_VERSION
+    if ver == 2:
+        _migrate_v2(con)
+        ver = SCHEMA_VERSION
     if ver not in (0, SCHEMA_VERSION):
         con.close()
         raise ProfileError(f"{path}: schema version {ver}, this Helios reads {SCHEMA_VERSION}; use a new RUN_DIR")
@@ -146,6 +155,13 @@ def _migrate_v1(con: sqlite3.Connection) -> None:
     con.executescript("BEGIN; ALTER TABLE step_timing RENAME TO step_timing_v1;" + _SCHEMA +
                       f"INSERT INTO step_timing ({', '.join(cols)}) SELECT {', '.join(cols)} FROM step_timing_v1;"
                       f"DROP TABLE step_timing_v1; PRAGMA user_version={SCHEMA_VERSION}; COMMIT;")
+
+
+def _migrate_v2(con: sqlite3.Connection) -> None:
+    """Version 2 had no byte counts: they are NULL on its rows (one transaction)."""
+    con.executescript("BEGIN; ALTER TABLE step_timing ADD COLUMN comm_bytes INTEGER;"
+                      "ALTER TABLE step_timing ADD COLUMN comm_payload_bytes INTEGER;"
+                      f"PRAGMA user_version={SCHEMA_VERSION}; COMMIT;")
 
 
 class RunDB:
@@ -174,12 +190,15 @@ class RunDB:
     def _tx(self) -> _Tx:
         return _Tx(self.con)
 
-    def log_step(self, rec: StepRecord, mfu: float | None = None, hfu: float | None = None, rank: int = 0) -> None:
-        """Store one step's timing on ``rank`` (commits)."""
+    def log_step(self, rec: StepRecord, mfu: float | None = None, hfu: float | None = None, rank: int = 0,
+                 comm_bytes: int | None = None, comm_payload_bytes: int | None = None) -> None:
+        """Store one step's timing on ``rank`` (commits); ``comm_bytes`` / ``comm_payload_bytes``: what
+        the rank's collectives sent and were given in the step (see the schema)."""
         cols = ["run_id", "step", "rank", "start_ns", "wall_ns", *_PHASE_COLS, "tokens", "tokens_per_s", "loss", "lr",
-                "dispatches", "mfu", "hfu"]
+                "dispatches", "mfu", "hfu", "comm_bytes", "comm_payload_bytes"]
         vals = [self.run_id, rec.step, rank, rec.start_ns, rec.wall_ns, *(rec.phases_ns.get(p, 0) for p in ALL_PHASES),
-                rec.tokens, rec.tokens_per_s, rec.loss, rec.lr, rec.dispatches, mfu, hfu]
+                rec.tokens, rec.tokens_per_s, rec.loss, rec.lr, rec.dispatches, mfu, hfu, comm_bytes,
+                comm_payload_bytes]
         with self._tx():
             self.con.execute(f"INSERT OR REPLACE INTO step_timing ({', '.join(cols)}) "
                              f"VALUES ({', '.join('?' * len(cols))})", vals)

@@ -43,7 +43,7 @@ import numpy as np
 import helios.comm as dist
 from helios.comm.buffers import as_buffer
 from helios.dtypes import bf16_bits_to_float32, float32_to_bf16_bits
-from helios.profile import profiler as _prof
+from helios.profile.profiler import current_collector
 
 SPECS = "none | fp16 | bf16 | onebit[:warmup=N] | topk:FRACTION | powersgd:rank=R[,start=S]"
 
@@ -91,7 +91,7 @@ class CompressionHook:
     @contextlib.contextmanager
     def span(self, what: str, nbytes: int = 0):
         """Time a compression phase as a host op in an open profile (``comm_hook.<name>.<what>``)."""
-        col = _prof._ACTIVE
+        col = current_collector()
         if col is None:
             yield
             return

@@ -98,6 +98,15 @@ class DistRun:
         dist.all_gather(out, mine)
         return out.reshape(self.world, mine.size)
 
+    def comm_bytes(self) -> tuple[int, int]:
+        """(bytes sent, operand bytes) of this rank's collectives on the world group so far (0, 0 alone)."""
+        if not self.active:
+            return 0, 0
+        import helios.comm as dist
+
+        c = dist.comm_counters()
+        return c["bytes_sent"], sum(c["payload_bytes"].values())
+
     def all_mean(self, value: float, count: float = 1.0) -> float:
         """The mean over ranks of a sum ``value`` of ``count`` items (a validation loss)."""
         if not self.active:

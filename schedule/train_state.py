@@ -146,3 +146,45 @@ def load_training(ckpt_dir: str, gpt, opt, loader) -> dict:
     hrandom.set_rng_state(meta["rng"])
     loader.load_state_dict(meta["loader"])
     return meta
+
+
+# ---- the data-parallel comm hook's state (gradient compression) ---------------------------
+def comm_hook_shards(hook, rank: int) -> dict[str, C.ShardedArray]:
+    """This rank's compression state, whole, as ``comm_hook.rank<r>.<name>`` (error feedback is
+    each rank's own, so every rank writes its own arrays); empty without a stateful hook."""
+    if hook is None or not hasattr(hook, "state_dict"):
+        return {}
+    return {f"comm_hook.rank{rank}.{k}": C.ShardedArray((v.size,), "float32", 0, v.size, v)
+            for k, v in hook.state_dict()["tensors"].items()}
+
+
+def comm_hook_meta(hook, world: int) -> dict | None:
+    """What a resumed run needs to find the hook's arrays (its spec, step count, array sizes)."""
+    if hook is None or not hasattr(hook, "state_dict"):
+        return None
+    sd = hook.state_dict()
+    return {"spec": sd["spec"], "steps": sd["steps"], "world_size": world,
+            "tensors": {k: int(v.size) for k, v in sd["tensors"].items()}}
+
+
+def load_comm_hook(ckpt_dir: str, meta: dict, hook, rank: int, world: int) -> str | None:
+    """Restore this rank's compression state from a checkpoint's ``meta`` and arrays.
+
+    Returns None when it was restored (or there is none to restore), else one line saying
+    why the hook starts afresh: the checkpoint has no state of this hook (another
+    --grad-compression, or none), or was written by another number of ranks (error
+    feedback belongs to the rank that accumulated it)."""
+    saved = meta.get("comm_hook")
+    if hook is None or not hasattr(hook, "load_state_dict"):
+        return None
+    if saved is None or saved["spec"] != hook.spec:
+        was = f"state of {saved['spec']}" if saved else "no compression state"
+        return f"the checkpoint holds {was}; {hook.spec} starts afresh (its warm-up included)"
+    if int(saved["world_size"]) != world:
+        return (f"the checkpoint's {hook.spec} state belongs to {saved['world_size']} ranks, this run has {world}; "
+                "it starts afresh (its warm-up included)")
+    keys = {k: f"comm_hook.rank{rank}.{k}" for k in saved["tensors"]}
+    arrays, _ = C.load(ckpt_dir, {key: (0, int(saved["tensors"][k])) for k, key in keys.items()})
+    hook.load_state_dict({"spec": saved["spec"], "steps": saved["steps"],
+                          "tensors": {k: arrays[key] for k, key in keys.items()}})
+    return None

@@ -121,7 +121,15 @@ def _rank_main(out_dir: str, backend: str, what: str) -> None:
         size = sum(k for _, k in layout.values())
         sent0 = dist.comm_counters()["bytes_sent"]
         if what == "exact":
-            got = [_step(model, _exact_input(spec, r, n, layout, size), layout) for _ in range(2)]
+            got = [_step(model, _exact_input(spec, r, n, layout, size), layout)]
+            import helios as hl
+
+            with hl.profile.profile(device_timestamps=False) as prof:  # the second step, profiled
+                got.append(_step(model, _exact_input(spec, r, n, layout, size), layout))
+            col = prof.collector
+            result.setdefault("_trace", {})[spec] = {
+                "ops": sorted({o.name for o in col.ops if o.name.startswith("comm_hook.")}),
+                "comm": sorted({c.name for c in col.comm_events()})}
             want = np.mean([_exact_input(spec, q, n, layout, size) for q in range(n)], axis=0)
             result[spec] = [float(np.max(np.abs(g - want)) / np.max(np.abs(want))) for g in got]
         elif what == "feedback":
@@ -169,6 +177,12 @@ def test_exactly_compressible_gradients_give_the_uncompressed_average(tmp_path, 
     for spec in HOOKS:
         tol = 2e-5 if spec.startswith("powersgd") else 1e-6
         assert max(res[spec]) <= tol, (spec, res[spec])
+    # A profile shows the compression (host ops) apart from the collectives it runs.
+    assert res["_trace"]["powersgd:rank=4,start=0"] == {
+        "ops": ["comm_hook.powersgd.compress", "comm_hook.powersgd.decompress"], "comm": ["all_reduce"]}
+    assert res["_trace"]["onebit:warmup=0"]["comm"] == ["all_gather", "all_to_all"]
+    assert res["_trace"]["topk:0.05"]["comm"] == ["all_gather"]
+    assert res["_trace"]["none"] == {"ops": [], "comm": ["all_reduce"]}
     # Bytes this rank sent, as the comm layer counted them, against the plain all-reduce's.
     share = {spec: res["_bytes"][spec] / res["_bytes"]["none"] for spec in HOOKS}
     assert 0.45 < share["bf16"] < 0.55 and 0.45 < share["fp16"] < 0.55, share

@@ -182,3 +182,22 @@ def test_rank_rows_and_a_version_1_database_is_migrated(tmp_path) -> None:
     con.close()
     data = read_run(tmp_path)
     assert len(data["steps"]) == 2 and len(data["rank_steps"]) == 4 and data["run"]["n_devices"] == 2
+
+
+def test_a_version_2_database_gains_the_byte_columns_and_keeps_its_rows(tmp_path):
+    _, _, timer = simulate_training(2, clock=FakeClock())
+    db = RunDB(tmp_path)
+    db.log_step(timer.records[0])
+    db.close()
+    con = sqlite3.connect(db_path(tmp_path))  # make it a version-2 file: no byte columns
+    con.executescript("ALTER TABLE step_timing DROP COLUMN comm_bytes; ALTER TABLE step_timing DROP COLUMN "
+                      "comm_payload_bytes; PRAGMA user_version=2;")
+    con.close()
+    db = RunDB(tmp_path)
+    db.log_step(timer.records[1], rank=1, comm_bytes=1000, comm_payload_bytes=2000)
+    db.close()
+    con = sqlite3.connect(db_path(tmp_path))
+    assert con.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    assert con.execute("SELECT rank, comm_bytes, comm_payload_bytes FROM step_timing ORDER BY run_id").fetchall() == [
+        (0, None, None), (1, 1000, 2000)]
+    con.close()

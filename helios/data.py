@@ -45,6 +45,7 @@ from typing import Any
 
 import numpy as np
 
+from helios.errors import DataError
 from helios.fileio import atomic_open, cache_dir
 from helios.tokenizer import BPETokenizer, ByteTokenizer, get_tokenizer
 
@@ -136,7 +137,7 @@ class Corpus:
         """The whole corpus as one byte string; ValueError if no text is left after skipping binaries."""
         data = self.separator.join(self.documents())
         if not data:
-            raise ValueError(
+            raise DataError(
                 f"corpus {self.description}: no text found ({len(self.files)} files, "
                 f"{len(self.skipped)} skipped as binary); pass --data with a text file or folder"
             )
@@ -163,15 +164,15 @@ def open_corpus(data: str | os.PathLike[str] | None = None) -> Corpus:
         )
     if p.is_file():
         if p.stat().st_size == 0:
-            raise ValueError(f"--data {str(p)!r}: the file is empty; pass a file with text in it")
+            raise DataError(f"--data {str(p)!r}: the file is empty; pass a file with text in it")
         return Corpus(p.parent, [p], str(p))
     if p.is_dir():
         files = _folder_files(p)
         if not files or all(f.stat().st_size == 0 for f in files):
-            raise ValueError(f"--data {str(p)!r}: the folder holds no non-empty regular files "
+            raise DataError(f"--data {str(p)!r}: the folder holds no non-empty regular files "
                              "(hidden files and symlinks are skipped); pass a folder of text files")
         return Corpus(p, files, str(p))
-    raise ValueError(f"--data {str(p)!r} is neither a regular file nor a folder")
+    raise DataError(f"--data {str(p)!r} is neither a regular file nor a folder")
 
 
 # ---------------------------------------------------------------------------- token cache
@@ -208,8 +209,9 @@ def _tokenize(corpus: Corpus, tokenizer: Any, progress: bool) -> np.ndarray:
         if bar is not None:
             bar.close()
     if not parts:
-        raise ValueError(
-            f"corpus {corpus.description}: no text found ({len(corpus.skipped)} files skipped as binary)"
+        raise DataError(
+            f"corpus {corpus.description}: no text found ({len(corpus.skipped)} files skipped as binary); "
+            "pass --data with a text file or folder"
         )
     return np.concatenate(parts)
 

@@ -36,5 +36,9 @@ class CheckpointError(HeliosError, RuntimeError):
     """A checkpoint that is missing, corrupt or does not match the model."""
 
 
+class DataError(HeliosError, ValueError):
+    """A corpus or tokenizer spec the data pipeline cannot use (empty, binary, malformed spec)."""
+
+
 class InPlaceError(HeliosError, RuntimeError):
     """An in-place op on a tensor that requires grad (the tape cannot record it)."""

@@ -51,6 +51,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from helios.errors import DataError
 from helios.fileio import atomic_write_bytes, cache_dir
 
 __all__ = [
@@ -457,17 +458,11 @@ def get_tokenizer(
     Otherwise one is trained on :func:`training_sample` of
     ``corpus_bytes_fn()`` and saved.
     """
-    if not isinstance(spec, str):
-        raise ValueError(f"tokenizer spec must be a string: {_SPEC_HELP}; got {spec!r}")
+    check_spec(spec)
     if spec == "byte":
         return ByteTokenizer()
     if spec.startswith("bpe:"):
-        arg = spec[4:]
-        if not arg.isdigit() or int(arg) < 256:
-            raise ValueError(
-                f"bad tokenizer spec {spec!r}: N must be an integer >= 256; accepted forms: {_SPEC_HELP}"
-            )
-        n = int(arg)
+        n = int(spec[4:])
         if corpus_bytes_fn is None:
             raise ValueError(f"tokenizer spec {spec!r} needs a corpus to train on (corpus_bytes_fn)")
         d = cache_dir("tokenizers", cache_dir_path)
@@ -486,6 +481,19 @@ def get_tokenizer(
         tok = BPETokenizer.train(sample, n, progress=progress)
         tok.save(path)
         return tok
+    return BPETokenizer.load(spec)
+
+
+def check_spec(spec) -> None:
+    """Raise DataError naming what is wrong with a --tokenizer spec (nothing is built or read)."""
+    if not isinstance(spec, str):
+        raise DataError(f"--tokenizer must be a string: {_SPEC_HELP}; got {spec!r}")
+    if spec == "byte":
+        return
+    if spec.startswith("bpe:"):
+        if not spec[4:].isdigit() or int(spec[4:]) < 256:
+            raise DataError(f"--tokenizer {spec}: N must be an integer >= 256; accepted forms: {_SPEC_HELP}")
+        return
     if spec.endswith(".json") and os.path.exists(spec):
-        return BPETokenizer.load(spec)
-    raise ValueError(f"unknown tokenizer spec {spec!r}; accepted forms: {_SPEC_HELP}")
+        return
+    raise DataError(f"--tokenizer {spec}: unknown tokenizer spec; accepted forms: {_SPEC_HELP}")

@@ -31,6 +31,9 @@ import time
 
 import numpy as np
 
+from helios import train_settings as settings
+from helios.train_settings import check_bounds, explicit_flags, usage
+
 CONFIGS = {
     "nano": dict(n_layer=2, n_head=2, n_embd=32, block_size=32, batch_size=8, steps=200, lr=3e-3),
     "tiny": dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=16, steps=1200, lr=2e-3),
@@ -102,17 +105,21 @@ class _StopFlag:
 
 def main(argv=None) -> int:
     """Entry point of helios-train; returns the exit status."""
-    from helios.errors import CheckpointError, CommError, DeviceError, ShapeError
+    from helios.errors import CheckpointError, CommError, DataError, DeviceError, ShapeError
 
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
-        return _train(build_parser().parse_args(argv))
+        return _train(args, explicit_flags(parser, argv))
+    except DataError as e:  # the corpus or tokenizer the user named cannot be used
+        usage(str(e))
     except (CheckpointError, DeviceError, CommError, ShapeError) as e:
         print(f"helios-train: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
 
 
 
-def _train(args) -> int:
+def _train(args, given: set[str]) -> int:
     import helios as hl
     from helios import checkpoint as ckpt
     from helios.data import BatchLoader, prepare_dataset
@@ -127,33 +134,45 @@ def _train(args) -> int:
     from helios.schedule import train_state
     from helios.schedule.dist_run import DistRun
 
+    from helios.data import open_corpus
+    from helios.tokenizer import check_spec
+
+    # Every check below runs on every rank before any rank waits for another.
+    check_bounds(vars(args))
+    saved_cfg = None
+    if args.resume:
+        meta = settings.checkpoint_meta(args.out)
+        if meta is not None:  # continue the run with its own settings (a flag given again must agree)
+            saved_cfg = settings.adopt_saved_settings(args, given, meta, args.out)
     cfgd = dict(CONFIGS[args.config])
+    if saved_cfg is not None:
+        cfgd.update({k: saved_cfg[k] for k in ("n_layer", "n_head", "n_embd") if k in saved_cfg})
     steps = args.steps if args.steps is not None else cfgd["steps"]
     bs = args.batch_size if args.batch_size is not None else cfgd["batch_size"]
     T = args.block_size if args.block_size is not None else cfgd["block_size"]
     lr_max = args.lr if args.lr is not None else cfgd["lr"]
     warmup = args.warmup if args.warmup is not None else max(1, steps // 20)
-    for flag, value, least in (("--steps", steps, 1), ("--batch-size", bs, 1), ("--grad-accum", args.grad_accum, 1),
-                               ("--block-size", T, 2)):
-        if value < least:
-            _usage(f"{flag} must be at least {least}, got {value}")
-    if args.comm_timeout <= 0:
-        _usage(f"--comm-timeout must be positive (seconds), got {args.comm_timeout}")
-    if args.data is not None and not os.path.exists(args.data):  # checked by every rank, before any waits for another
-        _usage(f"--data {args.data!r}: no such file or folder; pass a text file or a folder of text files")
+    check_bounds({"steps": steps, "batch_size": bs, "block_size": T})
+    _profile_window(args, int(meta.get("step", 0)) if saved_cfg is not None else 0, steps, _quiet)  # checked early
+    if args.data is not None:
+        try:
+            open_corpus(args.data)  # exists and is not empty (a DataError names what is wrong)
+        except FileNotFoundError as e:
+            usage(str(e))
+    check_spec(args.tokenizer)
     from helios.schedule.compression import parse_spec
 
     try:
         comm_hook = parse_spec(args.grad_compression)
     except ValueError as e:
-        _usage(str(e))
+        usage(str(e))
     if comm_hook is not None and args.zero:
-        _usage(f"--grad-compression {args.grad_compression} compresses plain data parallel's all-reduce; it does not "
+        usage(f"--grad-compression {args.grad_compression} compresses plain data parallel's all-reduce; it does not "
                f"combine with --zero {args.zero} (use --zero 0)")
 
     world = DistRun.launch_world()
     if bs % world:
-        _usage(f"--batch-size {bs} does not split evenly over {world} ranks; use a multiple of {world}")
+        usage(f"--batch-size {bs} does not split evenly over {world} ranks; use a multiple of {world}")
     run = DistRun.from_env(timeout=args.comm_timeout)
     if args.zero and not run.active:
         print("helios-train: --zero shards across data-parallel ranks; alone it changes nothing", file=sys.stderr)
@@ -165,6 +184,9 @@ def _train(args) -> int:
     if args.device:
         hl.set_device(args.device)
     rt = get_runtime()
+    # Before the data is read: a block or batch the device cannot hold is the user's to change.
+    settings.check_fits(rt.max_range, max(1, bs // world), T, cfgd["n_head"], cfgd["n_embd"],
+                        settings.vocab_of_spec(args.tokenizer))
     os.makedirs(args.out, exist_ok=True)
     t_start = time.monotonic()
 
@@ -180,7 +202,7 @@ def _train(args) -> int:
     run_meta = {"config": cfg.to_dict(), "train": {"steps": steps, "batch_size": bs, "lr": lr_max, "warmup": warmup,
                 "grad_accum": args.grad_accum, "seed": args.seed, "tokenizer": ds.tokenizer.identity,
                 "weight_decay": args.weight_decay, "grad_clip": args.grad_clip},
-                "data": ds.corpus.fingerprint}
+                "data": ds.corpus.fingerprint, "cli": settings.cli_settings(args)}
     run.check_same({**run_meta, "zero": args.zero, "bucket_cap_mb": args.bucket_cap_mb, "resume": args.resume,
                     "out": os.path.abspath(args.out), "grad_compression": comm_hook.spec if comm_hook else "none"})
     hl.manual_seed(args.seed)
@@ -233,7 +255,8 @@ def _train(args) -> int:
                              f"  checkpoint: {json.dumps(meta['config'])} {json.dumps(meta['train'])}\n"
                              f"  now:        {json.dumps(run_meta['config'])} {json.dumps(run_meta['train'])}")
         start_step = int(meta["step"])
-        was = f" (saved by {meta['world_size']} ranks, ZeRO-{meta.get('zero', 0)})" if "world_size" in meta else ""
+        n = meta.get("world_size")
+        was = f" (saved by {n} rank{'s' if n != 1 else ''}, ZeRO-{meta.get('zero', 0)})" if n else ""
         say(f"resumed from {resumed_from} at step {start_step}{was}")
         # Once every rank has read it, drop what a dead attempt left after it: a stray shard of
         # a later step could otherwise complete, with this run's files, a checkpoint of two runs.
@@ -281,7 +304,7 @@ def _train(args) -> int:
     if run.active:
         model.wait_context = lambda: timer.phase("comm")
     stopper = _StopFlag()
-    profile_window = _parse_window(args.profile_steps)
+    profile_window = _profile_window(args, start_step, steps, say)
     prof = None
     tokens_per_step = bs * T * args.grad_accum  # the global batch, over every rank
     job_peak = peak * run.world if peak else None
@@ -302,7 +325,9 @@ def _train(args) -> int:
 
     from tqdm import tqdm
 
-    bar = tqdm(total=steps, initial=start_step, disable=args.no_progress or not run.is_main, dynamic_ncols=True,
+    # A log file (stderr not a terminal) gets plain lines, not a carriage-return progress bar.
+    plain = args.no_progress or not sys.stderr.isatty()
+    bar = tqdm(total=steps, initial=start_step, disable=plain or not run.is_main, dynamic_ncols=True,
                unit="step")
     val_loss = None
     last = {}
@@ -361,9 +386,10 @@ def _train(args) -> int:
                 stopper.stop = stopper.stop or stop_any
             if not math.isfinite(loss_val):
                 raise FloatingPointError(f"loss became {loss_val} at step {step}; lower --lr or check the data")
+            evaluated = None
             if args.eval_every and step % args.eval_every == 0 and step < steps:
                 with timer.phase("sample_gen"):
-                    val_loss = evaluate()
+                    val_loss = evaluated = evaluate()
             if args.sample_every and step % args.sample_every == 0 and step < steps and (run.is_main or zero == 3):
                 with timer.phase("sample_gen"):  # ZeRO-3: every rank samples alike (its forwards gather)
                     text = _sample(gpt, ds.tokenizer, T, args.sample_tokens, step)
@@ -381,7 +407,7 @@ def _train(args) -> int:
                 for r in range(run.world):
                     nbytes = {"comm_bytes": int(rows[r][-2]), "comm_payload_bytes": int(rows[r][-1])} if run.active else {}
                     if r == 0:
-                        db.log_step(rec, mfu=mfu, **nbytes)
+                        db.log_step(rec, mfu=mfu, val_loss=evaluated, **nbytes)
                     else:
                         db.log_step(_record_of_row(rec, rows[r]), rank=r, **nbytes)
             last = {"loss": loss_val, "lr": lr, "tok_s": rec.tokens_per_s, "mfu": mfu}
@@ -390,10 +416,10 @@ def _train(args) -> int:
                 post["val"] = f"{val_loss:.4f}"
             bar.set_postfix(post, refresh=False)
             bar.update(1)
-            if args.no_progress and (step % 10 == 0 or step == steps):
+            if plain and (step % 10 == 0 or step == steps):
                 say(f"step {step}/{steps} " + " ".join(f"{k} {v}" for k, v in post.items()), flush=True)
             if prof is not None and profile_window and step >= profile_window[1]:
-                _finish_profile(prof, args, db, step, run)
+                _finish_profile(prof, args, db, step, run, bar.write if not bar.disable else print)
                 prof = None
             if leaving:
                 exit_code = 130 if stopper.stop else 3
@@ -413,6 +439,9 @@ def _train(args) -> int:
     final_ckpt = save_checkpoint(step)
     val_loss = evaluate()
     writer.wait()
+    if db is not None:
+        db.set_val_loss(step, val_loss)
+    say(f"step {step}/{steps} loss {last.get('loss', float('nan')):.4f} val {val_loss:.4f} (final)", flush=True)
     wall = time.monotonic() - t_start
     sample = _sample(gpt, ds.tokenizer, T, args.sample_tokens, step) if run.is_main or zero == 3 else ""
     if run.is_main:
@@ -454,12 +483,6 @@ def _latest_checkpoint(sharded, run_dir: str, say):
     return found
 
 
-def _usage(message: str) -> None:
-    """A user's mistake on the command line: one line, exit status 2 (as argparse does)."""
-    print(f"helios-train: error: {message}", file=sys.stderr)
-    raise SystemExit(2)
-
-
 def _quiet(*args, **kwargs) -> None:
     """print() on ranks other than 0."""
 
@@ -478,16 +501,32 @@ def _record_of_row(rec, row):
     return StepRecord(rec.step, rec.start_ns, rec.start_ns + int(row[0]), phases, rec.tokens, rec.loss, rec.lr)
 
 
-def _parse_window(spec):
-    if not spec:
-        return None
+def _profile_window(args, start_step: int, steps: int, say) -> tuple[int, int] | None:
+    """The steps [start, stop) to profile: --profile-steps, or with --trace alone a default
+    window of 5 steps after a few warm-up steps; a window outside the run is refused."""
     from helios.profile.profiler import parse_profile_steps
 
-    r = parse_profile_steps(spec)
+    if not args.profile_steps:
+        if not args.trace:
+            return None
+        if steps - start_step < 2:
+            usage(f"--trace {args.trace}: the run has {steps - start_step} step(s) left, too few to profile one after a "
+                  "warm-up step; give more --steps or --profile-steps")
+        lo = start_step + min(10, (steps - start_step) // 2)
+        window = (lo, min(steps, lo + 5))
+        say(f"--trace without --profile-steps: profiling steps {window[0]}:{window[1]}")
+        return window
+    try:
+        r = parse_profile_steps(args.profile_steps)
+    except ValueError as e:
+        usage(f"--profile-steps {args.profile_steps}: {e}")
+    if r.start >= steps or r.start < start_step:
+        usage(f"--profile-steps {args.profile_steps}: the run trains steps {start_step}..{steps - 1}; profile "
+              "steps inside it")
     return (r.start, r.stop)
 
 
-def _finish_profile(prof, args, db, step, run) -> None:
+def _finish_profile(prof, args, db, step, run, write=print) -> None:
     """Close the profiling window; rank 0 logs it and writes one trace with a process per rank."""
     session, profiler = prof
     session.__exit__(None, None, None)
@@ -503,7 +542,7 @@ def _finish_profile(prof, args, db, step, run) -> None:
     if every is not None:
         traces = [json.loads(b) for b in every]
         write_trace(args.trace, traces[0] if len(traces) == 1 else merge_rank_traces(traces))
-        print(f"trace written to {args.trace}")
+        write(f"trace written to {args.trace}")
 
 
 def _sample(model, tok, T: int, n: int, step: int) -> str:

@@ -264,6 +264,7 @@ def render(data: dict[str, Any]) -> str:
     med_mfu = _median([s["mfu"] for s in steps])
     med_hfu = _median([s["hfu"] for s in steps])
     last_loss = next((s["loss"] for s in reversed(steps) if s["loss"] is not None), None)
+    last_val = next((s["val_loss"] for s in reversed(steps) if s.get("val_loss") is not None), None)
     med_disp = _median([s["dispatches"] for s in steps])
     peak_note = run["peak_label"] or ("peak unknown for this device" if not run["peak_flops"] else "")
     cards = "".join([
@@ -273,6 +274,7 @@ def render(data: dict[str, Any]) -> str:
         _card("MFU (median)", format_mfu(med_mfu), peak_note),
         _card("HFU (median)", format_mfu(med_hfu)),
         _card("last loss", f"{last_loss:.4f}" if last_loss is not None else "n/a"),
+        _card("last validation loss", f"{last_val:.4f}" if last_val is not None else "n/a"),
         _card("launches / step", f"{med_disp:.0f}" if med_disp is not None else "n/a"),
     ])
 
@@ -286,8 +288,13 @@ def render(data: dict[str, Any]) -> str:
     else:
         mfu_body = _empty("MFU is n/a: " + (peak_note or "no peak FLOP/s or FLOPs per token recorded") + ".")
     loss_pts = [(s["step"], s["loss"]) for s in steps if s["loss"] is not None]
-    loss_body = line_chart([("loss", "#de2d26", loss_pts)], "loss", title="loss") if loss_pts else \
-        _empty("No loss values recorded.")
+    val_pts = [(s["step"], s["val_loss"]) for s in steps if s.get("val_loss") is not None]
+    if loss_pts:
+        ser = [("training", "#de2d26", loss_pts)] + ([("validation", "#3182bd", val_pts)] if val_pts else [])
+        legend = "".join(f'<span><i style="background:{c}"></i>{n}</span>' for n, c, _ in ser)
+        loss_body = f'<div class="legend">{legend}</div>' + line_chart(ser, "loss", title="loss")
+    else:
+        loss_body = _empty("No loss values recorded.")
 
     sections = [
         _section("chart-waterfall", "Step time by phase",
@@ -296,7 +303,8 @@ def render(data: dict[str, Any]) -> str:
         _section("chart-mfu", "Model FLOPs utilisation",
                  "MFU = model FLOPs per token × tokens/s ÷ (peak FLOP/s × devices); HFU counts recomputed "
                  f"FLOPs too. Peak: {escape(peak_note or 'n/a')}.", mfu_body),
-        _section("chart-loss", "Training loss", "Loss reported at each step.", loss_body),
+        _section("chart-loss", "Loss", "Training loss at each step; validation loss where it was measured "
+                 "(--eval-every, and at the end).", loss_body),
         _section("chart-top-ops", "Top 10 ops by device time",
                  "Summed over the profiled steps; a launch no host op claimed is listed under its kernel name.",
                  top_ops(data)),

@@ -46,6 +46,8 @@ Schema (``PRAGMA user_version`` = :data:`SCHEMA_VERSION`)
                                   NULL on a one-rank run
     comm_payload_bytes INTEGER    the summed operand sizes of this rank's collectives in the step
                                   (what they were asked to move, before any algorithm's factor)
+    val_loss REAL                 validation loss measured after the step (rank 0's row); NULL when
+                                  none was
 
 ``op_profile`` -- per-op totals of a profiled window (``step`` = the window's last step)::
 
@@ -100,7 +102,7 @@ CREATE TABLE IF NOT EXISTS step_timing (
     start_ns INTEGER NOT NULL, wall_ns INTEGER NOT NULL,
     {", ".join(c + " INTEGER NOT NULL" for c in _PHASE_COLS)},
     tokens INTEGER NOT NULL, tokens_per_s REAL, loss REAL, lr REAL, dispatches INTEGER, mfu REAL, hfu REAL,
-    comm_bytes INTEGER, comm_payload_bytes INTEGER,
+    comm_bytes INTEGER, comm_payload_bytes INTEGER, val_loss REAL,
     PRIMARY KEY (run_id, step, rank)
 );
 CREATE TABLE IF NOT EXISTS op_profile (
@@ -158,9 +160,10 @@ def _migrate_v1(con: sqlite3.Connection) -> None:
 
 
 def _migrate_v2(con: sqlite3.Connection) -> None:
-    """Version 2 had no byte counts: they are NULL on its rows (one transaction)."""
+    """Version 2 had no byte counts or validation loss: they are NULL on its rows (one transaction)."""
     con.executescript("BEGIN; ALTER TABLE step_timing ADD COLUMN comm_bytes INTEGER;"
                       "ALTER TABLE step_timing ADD COLUMN comm_payload_bytes INTEGER;"
+                      "ALTER TABLE step_timing ADD COLUMN val_loss REAL;"
                       f"PRAGMA user_version={SCHEMA_VERSION}; COMMIT;")
 
 
@@ -191,17 +194,25 @@ class RunDB:
         return _Tx(self.con)
 
     def log_step(self, rec: StepRecord, mfu: float | None = None, hfu: float | None = None, rank: int = 0,
-                 comm_bytes: int | None = None, comm_payload_bytes: int | None = None) -> None:
+                 comm_bytes: int | None = None, comm_payload_bytes: int | None = None,
+                 val_loss: float | None = None) -> None:
         """Store one step's timing on ``rank`` (commits); ``comm_bytes`` / ``comm_payload_bytes``: what
-        the rank's collectives sent and were given in the step (see the schema)."""
+        the rank's collectives sent and were given in the step (see the schema); ``val_loss``: the
+        validation loss measured after it."""
         cols = ["run_id", "step", "rank", "start_ns", "wall_ns", *_PHASE_COLS, "tokens", "tokens_per_s", "loss", "lr",
-                "dispatches", "mfu", "hfu", "comm_bytes", "comm_payload_bytes"]
+                "dispatches", "mfu", "hfu", "comm_bytes", "comm_payload_bytes", "val_loss"]
         vals = [self.run_id, rec.step, rank, rec.start_ns, rec.wall_ns, *(rec.phases_ns.get(p, 0) for p in ALL_PHASES),
                 rec.tokens, rec.tokens_per_s, rec.loss, rec.lr, rec.dispatches, mfu, hfu, comm_bytes,
-                comm_payload_bytes]
+                comm_payload_bytes, val_loss]
         with self._tx():
             self.con.execute(f"INSERT OR REPLACE INTO step_timing ({', '.join(cols)}) "
                              f"VALUES ({', '.join('?' * len(cols))})", vals)
+
+    def set_val_loss(self, step: int, val_loss: float, rank: int = 0) -> None:
+        """Record the validation loss measured after ``step`` (on its existing row; commits)."""
+        with self._tx():
+            self.con.execute("UPDATE step_timing SET val_loss = ? WHERE run_id = ? AND step = ? AND rank = ?",
+                             (float(val_loss), self.run_id, int(step), int(rank)))
 
     def log_ops(self, step: int, averages: KeyAverages) -> None:
         """Store per-op totals of a profiled window ending at ``step`` (commits)."""

@@ -41,6 +41,10 @@ extra=""
 [ "$want_tests" = 1 ] && extra="[test]"
 stamp=".venv/.helios-install${want_tests}"
 hash=$(cat pyproject.toml setup.py helios/native/*.cpp helios/native/*.h comm/native/* kernels_spirv/glsl/* 2>/dev/null | sha256sum | cut -c1-32)
+# The test install is a superset of the plain one: after ./scripts/test.sh, ./scripts/train.sh reinstalls nothing.
+if [ "$want_tests" = 0 ] && [ "$(cat .venv/.helios-install1 2>/dev/null)" = "$hash" ]; then
+  stamp=".venv/.helios-install1"
+fi
 if [ "$(cat "$stamp" 2>/dev/null)" != "$hash" ] || ! .venv/bin/python -c "import helios._vulkan" 2>/dev/null; then
   echo "installing helios${extra} into .venv (builds the Vulkan addon and the SPIR-V kernels)"
   .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true

@@ -191,13 +191,14 @@ def test_a_version_2_database_gains_the_byte_columns_and_keeps_its_rows(tmp_path
     db.close()
     con = sqlite3.connect(db_path(tmp_path))  # make it a version-2 file: no byte columns
     con.executescript("ALTER TABLE step_timing DROP COLUMN comm_bytes; ALTER TABLE step_timing DROP COLUMN "
-                      "comm_payload_bytes; PRAGMA user_version=2;")
+                      "comm_payload_bytes; ALTER TABLE step_timing DROP COLUMN val_loss; PRAGMA user_version=2;")
     con.close()
     db = RunDB(tmp_path)
     db.log_step(timer.records[1], rank=1, comm_bytes=1000, comm_payload_bytes=2000)
+    db.set_val_loss(timer.records[1].step, 2.5, rank=1)
     db.close()
     con = sqlite3.connect(db_path(tmp_path))
     assert con.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
-    assert con.execute("SELECT rank, comm_bytes, comm_payload_bytes FROM step_timing ORDER BY run_id").fetchall() == [
-        (0, None, None), (1, 1000, 2000)]
+    assert con.execute("SELECT rank, comm_bytes, comm_payload_bytes, val_loss FROM step_timing ORDER BY run_id"
+                       ).fetchall() == [(0, None, None, None), (1, 1000, 2000, 2.5)]
     con.close()

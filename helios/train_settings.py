@@ -1,0 +1,199 @@
+"""helios-train's command line checked as a user's input: every bad value is one line naming
+its flag (exit 2, no traceback), and ``--resume`` takes the run's settings from its checkpoint.
+
+The settings that define a run (model size, batch, schedule, seed, data, tokenizer) are saved
+in every checkpoint.  ``--resume`` with only ``--out`` continues the run with them; a
+setting given again must agree with the checkpoint, else it is refused by name.  Flags that
+do not change what is trained (evaluation, sampling, checkpoint cadence, profiling, device,
+data-parallel choices) may change on resume.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable
+
+_UNSET = object()
+
+
+def usage(message: str) -> None:
+    """A user's mistake on the command line: one line, exit status 2 (as argparse does)."""
+    print(f"helios-train: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def explicit_flags(parser: argparse.ArgumentParser, argv) -> set[str]:
+    """The destinations of the options the user actually gave (argparse leaves an attribute it
+    finds already on the namespace alone unless the option appears)."""
+    dests = vars(parser.parse_args([]))
+    ns = parser.parse_args(argv, namespace=argparse.Namespace(**{k: _UNSET for k in dests}))
+    return {k for k, v in vars(ns).items() if v is not _UNSET}
+
+
+@dataclass(frozen=True)
+class Bound:
+    """A flag's valid values: ``ok(value)`` is True, else ``need`` says what is expected."""
+
+    dest: str
+    flag: str
+    ok: Callable[[Any], bool]
+    need: str
+
+
+def _at_least(n):
+    return lambda v: v >= n
+
+
+def _positive(v) -> bool:
+    return v > 0 and math.isfinite(v)
+
+
+def _finite_non_negative(v) -> bool:
+    return v >= 0 and math.isfinite(v)
+
+
+BOUNDS = (
+    Bound("steps", "--steps", _at_least(1), "at least 1"),
+    Bound("batch_size", "--batch-size", _at_least(1), "at least 1"),
+    Bound("block_size", "--block-size", _at_least(2), "at least 2"),
+    Bound("grad_accum", "--grad-accum", _at_least(1), "at least 1"),
+    Bound("lr", "--lr", _positive, "a positive number"),
+    Bound("warmup", "--warmup", _at_least(0), "0 or more steps"),
+    Bound("weight_decay", "--weight-decay", _finite_non_negative, "0 or more"),
+    Bound("grad_clip", "--grad-clip", _finite_non_negative, "0 (off) or a positive norm"),
+    Bound("eval_every", "--eval-every", _at_least(0), "0 (only at the end) or more steps"),
+    Bound("eval_batches", "--eval-batches", _at_least(1), "at least 1"),
+    Bound("sample_every", "--sample-every", _at_least(0), "0 (only at the end) or more steps"),
+    Bound("sample_tokens", "--sample-tokens", _at_least(0), "0 or more"),
+    Bound("ckpt_every", "--ckpt-every", _at_least(0), "0 (only at the end) or more steps"),
+    Bound("peak_tflops", "--peak-tflops", _positive, "a positive number"),
+    Bound("bucket_cap_mb", "--bucket-cap-mb", _positive, "a positive number of MiB"),
+    Bound("comm_timeout", "--comm-timeout", _positive, "a positive number of seconds"),
+    Bound("stop_after", "--stop-after", _at_least(1), "at least 1"),
+)
+
+
+def check_bounds(values: dict) -> None:
+    """Refuse the first value outside its flag's range (None: not given, nothing to check)."""
+    for b in BOUNDS:
+        v = values.get(b.dest)
+        if v is not None and not b.ok(v):
+            usage(f"{b.flag} must be {b.need}, got {v}")
+
+
+# ---- --resume: the run's own settings ------------------------------------------------------
+@dataclass(frozen=True)
+class Saved:
+    """A setting saved in the checkpoint: its flag, and where the checkpoint's meta keeps it."""
+
+    dest: str
+    flag: str
+    section: str  # "train" | "config" | "cli"
+    key: str
+
+
+SAVED = (
+    Saved("config", "--config", "cli", "config"),
+    Saved("data", "--data", "cli", "data"),
+    Saved("tokenizer", "--tokenizer", "cli", "tokenizer"),
+    Saved("steps", "--steps", "train", "steps"),
+    Saved("batch_size", "--batch-size", "train", "batch_size"),
+    Saved("block_size", "--block-size", "config", "block_size"),
+    Saved("lr", "--lr", "train", "lr"),
+    Saved("warmup", "--warmup", "train", "warmup"),
+    Saved("grad_accum", "--grad-accum", "train", "grad_accum"),
+    Saved("seed", "--seed", "train", "seed"),
+    Saved("weight_decay", "--weight-decay", "train", "weight_decay"),
+    Saved("grad_clip", "--grad-clip", "train", "grad_clip"),
+)
+
+
+def cli_settings(args) -> dict:
+    """What the checkpoint keeps of the command line besides the model and training settings."""
+    return {"config": args.config, "data": os.path.abspath(args.data) if args.data is not None else None,
+            "tokenizer": args.tokenizer}
+
+
+def checkpoint_meta(run_dir: str) -> dict | None:
+    """The meta of the checkpoint ``--resume`` would continue from (None when there is none)."""
+    from helios import checkpoint as single
+    from helios.fileio import read_checkpoint_meta
+    from helios.schedule import checkpoint as sharded
+
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a newer incomplete one: the trainer reports it when it loads
+        found = sharded.latest_complete(run_dir)
+    if found is not None:
+        return sharded.metadata(found[1]).get("meta", {})
+    if single.has_checkpoint(run_dir):
+        return read_checkpoint_meta(single.checkpoint_path(run_dir))
+    return None
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, float) or isinstance(b, float):
+        return a is not None and b is not None and float(a) == float(b)
+    return a == b
+
+
+def adopt_saved_settings(args, given: set[str], meta: dict, run_dir: str) -> dict | None:
+    """Set ``args`` to the checkpoint's settings; a flag the user gave that disagrees is
+    refused by name.  Returns the checkpoint's model config (None when it has none)."""
+    for s in SAVED:
+        section = meta.get(s.section)
+        if not isinstance(section, dict) or s.key not in section:
+            continue  # a checkpoint of an earlier Helios: the flag (or its default) stands
+        value = section[s.key]
+        mine = getattr(args, s.dest)
+        if s.dest == "data" and mine is not None:
+            mine = os.path.abspath(mine)
+        if s.dest in given and not _same(mine, value):
+            shown = "the standard library" if s.dest == "data" and value is None else value
+            usage(f"{s.flag} {getattr(args, s.dest)}: the run in {run_dir} was trained with {s.flag} {shown}; "
+                  f"--resume continues a run with its own settings: drop {s.flag}, or train a new run in another --out")
+        setattr(args, s.dest, value)
+    cfg = meta.get("config")
+    return cfg if isinstance(cfg, dict) else None
+
+
+# ---- what the device can hold --------------------------------------------------------------
+def largest_activation(batch: int, block: int, n_head: int, n_embd: int, vocab: int) -> tuple[int, str]:
+    """Bytes and name of the largest fp32 tensor one micro-batch's forward makes (each must fit
+    one storage-buffer binding): attention scores B·H·T², logits B·T·V, MLP hidden B·T·4C."""
+    sizes = {"attention scores (batch x heads x block x block)": batch * n_head * block * block * 4,
+             "logits (batch x block x vocabulary)": batch * block * vocab * 4,
+             "MLP activations (batch x block x 4 x embedding)": batch * block * 4 * n_embd * 4}
+    name = max(sizes, key=sizes.get)
+    return sizes[name], name
+
+
+def largest_block_that_fits(limit: int, batch: int, n_head: int, n_embd: int, vocab: int) -> int:
+    """The largest block size whose activations each fit ``limit`` bytes."""
+    t = int(math.isqrt(limit // (4 * batch * n_head)))
+    return min(t, limit // (4 * batch * vocab), limit // (16 * batch * n_embd))
+
+
+def check_fits(limit: int, batch: int, block: int, n_head: int, n_embd: int, vocab: int | None) -> None:
+    """Refuse a --block-size / --batch-size whose activations exceed the device's largest binding."""
+    v = vocab or 256
+    need, what = largest_activation(batch, block, n_head, n_embd, v)
+    if need > limit:
+        best = largest_block_that_fits(limit, batch, n_head, n_embd, v)
+        usage(f"--block-size {block}: one micro-batch of {batch} sequences makes {what} of {need:,} bytes, more than "
+              f"this device binds at once ({limit:,} bytes, its maxStorageBufferRange); the largest block size that "
+              f"fits is {best} (or lower --batch-size)")
+
+
+def vocab_of_spec(spec: str) -> int | None:
+    """The vocabulary a --tokenizer spec gives, when known without building it."""
+    if spec == "byte":
+        return 256
+    if spec.startswith("bpe:") and spec[4:].isdigit():
+        return int(spec[4:])
+    return None

@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ranks import check_ok, run_ranks  # noqa: E402
 
 SHAPES = {"w1": (48, 40), "w2": (24, 64), "bias": (40,)}
-HOOKS = ("none", "bf16", "fp16", "onebit:warmup=0", "topk:0.05", "powersgd:rank=4,start=0")
+HOOKS = ("none", "bf16", "fp16", "onebit:warmup=0,block=256", "topk:0.05", "powersgd:rank=4,start=0")
 
 
 def _build(spec: str, seed: int = 0):
@@ -95,11 +95,10 @@ def _exact_input(spec: str, rank: int, world: int, layout: dict, size: int) -> n
         v = np.zeros(size, np.float32)
         v[rng.choice(size, k, replace=False)] = rng.integers(-50, 50, k).astype(np.float32)
         return v
-    if spec.startswith("onebit"):
-        chunk = -(-size // (8 * world)) * 8
+    if spec.startswith("onebit"):  # one magnitude per 256-value block (the hook's scale), per rank
         signs = np.where(shared.random(size) < 0.5, -1.0, 1.0).astype(np.float32)
-        mags = rng.uniform(0.5, 2.0, world).astype(np.float32)  # one magnitude per chunk, per rank
-        return signs * np.repeat(mags, chunk)[:size]
+        mags = rng.uniform(0.5, 2.0, -(-size // 256)).astype(np.float32)
+        return signs * np.repeat(mags, 256)[:size]
     # PowerSGD: every matrix is A @ B_r^T with A shared (rank 2 < 4), so the average has rank 2.
     v = rng.standard_normal(size).astype(np.float32)  # 1-D tensors: anything (not compressed)
     for name, (o, k) in layout.items():
@@ -180,13 +179,13 @@ def test_exactly_compressible_gradients_give_the_uncompressed_average(tmp_path, 
     # A profile shows the compression (host ops) apart from the collectives it runs.
     assert res["_trace"]["powersgd:rank=4,start=0"] == {
         "ops": ["comm_hook.powersgd.compress", "comm_hook.powersgd.decompress"], "comm": ["all_reduce"]}
-    assert res["_trace"]["onebit:warmup=0"]["comm"] == ["all_gather", "all_to_all"]
+    assert res["_trace"]["onebit:warmup=0,block=256"]["comm"] == ["all_gather", "all_to_all"]
     assert res["_trace"]["topk:0.05"]["comm"] == ["all_gather"]
     assert res["_trace"]["none"] == {"ops": [], "comm": ["all_reduce"]}
     # Bytes this rank sent, as the comm layer counted them, against the plain all-reduce's.
     share = {spec: res["_bytes"][spec] / res["_bytes"]["none"] for spec in HOOKS}
     assert 0.45 < share["bf16"] < 0.55 and 0.45 < share["fp16"] < 0.55, share
-    assert share["onebit:warmup=0"] < 0.06, share  # 1 bit of 32, plus a scale per chunk
+    assert share["onebit:warmup=0,block=256"] < 0.06, share  # 1 bit of 32, plus a scale per 256 values
     assert share["topk:0.05"] < 0.25, share
     assert share["powersgd:rank=4,start=0"] < 0.4, share
 
@@ -213,7 +212,7 @@ def test_hook_state_round_trips_through_the_state_dict_bit_exactly(tmp_path):
     for spec in HOOKS[1:]:
         assert res[spec]["bit_exact"], spec
     assert res["powersgd:rank=4,start=0"]["state_keys"] == ["comm_hook.b0.error", "comm_hook.b0.q"]
-    assert res["onebit:warmup=0"]["state_keys"] == ["comm_hook.b0.server_error", "comm_hook.b0.worker_error"]
+    assert res["onebit:warmup=0,block=256"]["state_keys"] == ["comm_hook.b0.server_error", "comm_hook.b0.worker_error"]
 
 
 def test_invalid_specs_are_refused_by_name():

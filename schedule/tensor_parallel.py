@@ -1,0 +1,276 @@
+"""Tensor parallelism (Megatron-LM): each layer's weight split over the ranks of a TP group.
+
+    grid = ParallelGrid(tp=2)
+    model = TensorParallelGPT(GPT(cfg, seed=0), grid.tp_group)   # keeps this rank's shards
+    logits_shard, loss = model(idx, targets)                     # loss: the whole model's
+
+Two conjugate operations carry every exchange (Shoeybi et al. 2019, "f" and "g"):
+
+* ``copy_to_tp(x)``: identity forward, all-reduce of the gradient backward -- at the input
+  of a column-parallel layer, whose ranks each use the whole (replicated) input;
+* ``reduce_from_tp(x)``: all-reduce forward, identity backward -- at the output of a
+  row-parallel layer, whose ranks each hold a partial sum.
+
+A transformer block is column-then-row twice: attention split by heads (``c_attn`` keeps
+the q, k and v rows of this rank's heads, ``c_proj`` the matching input columns) and the
+MLP (``c_fc`` rows, ``c_proj`` columns), so it makes exactly 2 all-reduces forward and 2
+backward.  The tied embedding is split by vocabulary rows (``VocabParallelEmbedding``: a
+rank looks up the tokens it holds, zeros for the rest, all-reduce), and the output layer
+uses the same shard: each rank computes its vocabulary slice of the logits, and the cross
+entropy is computed across the slices with three small all-reduces (the row maximum, the
+sum of exponentials, the target logit) without ever gathering the logits.  LayerNorms and
+the position table are replicated; their gradients come out equal on every TP rank.
+
+Built from a whole ``helios.nn.GPT`` (every rank makes the same one, then keeps its
+shards), so a TP model starts from exactly the weights one device would train.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+import helios.comm as dist
+from helios import _kernels as K
+from helios import dtypes as dt
+from helios import functional as F
+from helios.autograd.tape import Function, no_grad
+from helios.creation import arange, tensor
+from helios.nn import GPT, Embedding, LayerNorm, Module, ModuleList, Parameter
+from helios.schedule.grid import group_rank, group_size
+from helios.tensor import Tensor
+
+
+def _all_reduce(t: Tensor, group, op: str = "sum") -> Tensor:
+    """A contiguous copy of ``t`` reduced over ``group`` (the copy: autograd may hold ``t``)."""
+    out = K.copy(t)
+    if group_size(group) > 1:
+        dist.all_reduce(out, op=op, group=group)
+    return out
+
+
+class _CopyToTP(Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return Tensor(x._st, x.shape, x._strides, x._off, x.dtype)  # the same values (a new handle)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_reduce(g, ctx.group), None
+
+
+class _ReduceFromTP(Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+def copy_to_tp(x: Tensor, group) -> Tensor:
+    """Identity forward; the gradient is summed over ``group`` backward (Megatron's "f")."""
+    return _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x: Tensor, group) -> Tensor:
+    """Sum over ``group`` forward; the gradient passes unchanged backward (Megatron's "g")."""
+    return _ReduceFromTP.apply(x, group)
+
+
+def _param(a: np.ndarray) -> Parameter:
+    return Parameter(tensor(np.ascontiguousarray(a, np.float32)))
+
+
+class ColumnParallelLinear(Module):
+    """y_shard = x @ W_shard^T + b_shard: this rank's output features (rows of W); the input is
+    the whole (replicated) activation."""
+
+    def __init__(self, weight_rows: np.ndarray, bias_rows: np.ndarray | None, group) -> None:
+        super().__init__()
+        self.group = group
+        self.weight = _param(weight_rows)
+        self.bias = _param(bias_rows) if bias_rows is not None else None
+
+    @classmethod
+    def from_linear(cls, linear, group, rows: np.ndarray) -> ColumnParallelLinear:
+        """The shard of ``linear`` (a helios.nn.Linear) holding output features ``rows``."""
+        b = linear.bias.numpy()[rows] if linear.bias is not None else None
+        return cls(linear.weight.numpy()[rows], b, group)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(copy_to_tp(x, self.group), self.weight, self.bias)
+
+
+class RowParallelLinear(Module):
+    """y = sum over ranks of x_shard @ W_shard^T, then + b: this rank's input features
+    (columns of W); the bias is added once, after the all-reduce."""
+
+    def __init__(self, weight_cols: np.ndarray, bias: np.ndarray | None, group) -> None:
+        super().__init__()
+        self.group = group
+        self.weight = _param(weight_cols)
+        self.bias = _param(bias) if bias is not None else None
+
+    @classmethod
+    def from_linear(cls, linear, group, cols: np.ndarray) -> RowParallelLinear:
+        """The shard of ``linear`` (a helios.nn.Linear) reading input features ``cols``."""
+        b = linear.bias.numpy() if linear.bias is not None else None
+        return cls(linear.weight.numpy()[:, cols], b, group)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = reduce_from_tp(F.linear(x, self.weight, None), self.group)
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(Module):
+    """Rows [lo, hi) of an embedding table: a rank looks up the tokens it holds, zeros for the
+    others, and the all-reduce assembles every token's vector."""
+
+    def __init__(self, rows: np.ndarray, lo: int, group) -> None:
+        super().__init__()
+        self.group = group
+        self.lo, self.hi = lo, lo + rows.shape[0]
+        self.weight = _param(rows)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        if group_size(self.group) == 1:
+            return F.embedding(idx, self.weight)
+        mine = (idx >= self.lo) & (idx < self.hi)
+        local = F.where(mine, idx - self.lo, 0)
+        vectors = F.embedding(local, self.weight) * F.to(mine.unsqueeze(-1), dt.float32)
+        return reduce_from_tp(vectors, self.group)
+
+
+class _VocabParallelCrossEntropy(Function):
+    @staticmethod
+    @no_grad()
+    def forward(ctx, logits, targets, lo, group):
+        n, v = logits.shape
+        top = _all_reduce(F.max(logits, 1)[0], group, op="max")  # a shift for exp(): no gradient flows
+        shifted = logits - top.unsqueeze(1)
+        e = F.exp(shifted)
+        total = _all_reduce(F.sum(e, 1), group)
+        onehot = F.to(arange(v, dtype=dt.int64).reshape(1, v) == (targets - lo).reshape(n, 1), dt.float32)
+        target_logit = _all_reduce(F.sum(shifted * onehot, 1), group)  # zero on ranks without the target
+        ctx.e, ctx.total, ctx.onehot, ctx.n = e, total, onehot, n
+        return F.mean(F.log(total) - target_logit)
+
+    @staticmethod
+    @no_grad()
+    def backward(ctx, g):
+        softmax = ctx.e / ctx.total.unsqueeze(1)
+        return (softmax - ctx.onehot) * (g * (1.0 / ctx.n)), None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: Tensor, targets: Tensor, lo: int, group) -> Tensor:
+    """Mean cross entropy of rows of logits split by vocabulary over ``group``: ``logits`` holds
+    this rank's columns [lo, lo + logits.shape[1]) of every row; the logits are never gathered."""
+    return _VocabParallelCrossEntropy.apply(logits, targets, lo, group)
+
+
+def _split(n: int, parts: int, what: str) -> int:
+    if n % parts:
+        raise ValueError(f"tensor parallel: {what} ({n}) must be divisible by the tensor-parallel size ({parts})")
+    return n // parts
+
+
+class ParallelAttention(Module):
+    """Causal self-attention over this rank's heads (c_attn column-parallel, c_proj row-parallel)."""
+
+    def __init__(self, attn, group) -> None:
+        super().__init__()
+        tp, r = group_size(group), group_rank(group)
+        h, c = attn.n_head, attn.n_embd
+        d = c // h
+        self.n_head, self.head_dim = _split(h, tp, "the number of heads"), d
+        heads = np.arange(r * self.n_head, (r + 1) * self.n_head)
+        cols = (heads[:, None] * d + np.arange(d)).reshape(-1)  # this rank's heads' features
+        rows = np.concatenate([part * c + cols for part in range(3)])  # their q, k and v rows
+        self.c_attn = ColumnParallelLinear.from_linear(attn.c_attn, group, rows)
+        self.c_proj = RowParallelLinear.from_linear(attn.c_proj, group, cols)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, _ = x.shape
+        q, k, v = F.split_heads(self.c_attn(x), self.n_head)
+        att = F.attention_softmax(F.matmul(q, k.mT), 1.0 / math.sqrt(self.head_dim), causal=True)
+        y = F.matmul(att, v).transpose(1, 2).reshape(b, t, self.n_head * self.head_dim)
+        return self.c_proj(y)
+
+
+class ParallelMLP(Module):
+    """c_fc column-parallel (this rank's hidden features), GELU, c_proj row-parallel."""
+
+    def __init__(self, mlp, group) -> None:
+        super().__init__()
+        tp, r = group_size(group), group_rank(group)
+        hidden = _split(mlp.c_fc.out_features, tp, "the MLP width")
+        mine = np.arange(r * hidden, (r + 1) * hidden)
+        self.c_fc = ColumnParallelLinear.from_linear(mlp.c_fc, group, mine)
+        self.c_proj = RowParallelLinear.from_linear(mlp.c_proj, group, mine)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+
+
+def _copy_layer_norm(ln) -> LayerNorm:
+    out = LayerNorm(ln.weight.shape[0], bias=ln.bias is not None, eps=ln.eps)
+    out.weight = _param(ln.weight.numpy())
+    if ln.bias is not None:
+        out.bias = _param(ln.bias.numpy())
+    return out
+
+
+class ParallelBlock(Module):
+    """A transformer block with tensor-parallel attention and MLP: 2 all-reduces forward, 2 backward."""
+
+    def __init__(self, block, group) -> None:
+        super().__init__()
+        self.ln_1 = _copy_layer_norm(block.ln_1)
+        self.attn = ParallelAttention(block.attn, group)
+        self.ln_2 = _copy_layer_norm(block.ln_2)
+        self.mlp = ParallelMLP(block.mlp, group)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class TensorParallelGPT(Module):
+    """``gpt`` split over ``group`` (see the module docstring): ``model(idx, targets) ->
+    (this rank's vocabulary slice of the logits, the whole model's mean loss)``."""
+
+    def __init__(self, gpt: GPT, group) -> None:
+        super().__init__()
+        cfg = gpt.config
+        if cfg.dropout:
+            raise ValueError("tensor parallel: dropout > 0 is not supported yet (it needs the same random mask "
+                             "on every tensor-parallel rank); use dropout=0")
+        tp, r = group_size(group), group_rank(group)
+        self.config, self.group = cfg, group
+        rows = _split(cfg.vocab_size, tp, "the vocabulary size")
+        self.vocab_lo = r * rows
+        self.wte = VocabParallelEmbedding(gpt.wte.weight.numpy()[self.vocab_lo:self.vocab_lo + rows], self.vocab_lo,
+                                          group)
+        self.wpe = Embedding(cfg.block_size, cfg.n_embd)
+        self.wpe.weight = _param(gpt.wpe.weight.numpy())
+        self.h = ModuleList([ParallelBlock(b, group) for b in gpt.h])
+        self.ln_f = _copy_layer_norm(gpt.ln_f)
+
+    def forward(self, idx: Tensor, targets: Tensor | None = None):
+        b, t = idx.shape
+        if t > self.config.block_size:
+            raise ValueError(f"sequence length {t} exceeds block_size {self.config.block_size}")
+        x = self.wte(idx) + self.wpe(arange(t, dtype=dt.int64))
+        for block in self.h:
+            x = block(x)
+        x = copy_to_tp(self.ln_f(x), self.group)  # every rank's logits slice reads the whole x
+        logits = F.matmul(x, self.wte.weight.mT)  # tied: this rank's vocabulary rows
+        loss = None
+        if targets is not None:
+            loss = vocab_parallel_cross_entropy(logits.reshape(b * t, -1), targets.reshape(b * t), self.vocab_lo,
+                                                self.group)
+        return logits, loss

@@ -85,21 +85,66 @@ def _param(a: np.ndarray) -> Parameter:
     return Parameter(tensor(np.ascontiguousarray(a, np.float32)))
 
 
+class TPLayout:
+    """Where a tensor-parallel shard sits in the whole tensor: ``select(q)`` indexes rank q's
+    shard out of the whole array (rows, columns, or the q/k/v rows of some heads)."""
+
+    def __init__(self, full_shape: tuple, select, tp: int) -> None:
+        self.full_shape, self.select, self.tp = tuple(full_shape), select, tp
+
+    def flat_index(self, q: int) -> np.ndarray:
+        """Rank q's elements as indices into the whole tensor's flattened elements, in shard order."""
+        return np.arange(int(np.prod(self.full_shape))).reshape(self.full_shape)[self.select(q)].reshape(-1)
+
+
+def _sharded(full: np.ndarray, select, group) -> Parameter:
+    """This rank's shard of ``full`` as a Parameter that remembers its layout (``tp_layout``)."""
+    p = _param(full[select(group_rank(group))])
+    p.tp_layout = TPLayout(full.shape, select, group_size(group))
+    return p
+
+
+def full_shape(p) -> tuple:
+    """The shape of the whole tensor a (possibly tensor-parallel) parameter is part of."""
+    layout = getattr(p, "tp_layout", None)
+    return layout.full_shape if layout is not None else tuple(p.shape)
+
+
+def gather_full(p, shard: np.ndarray, group) -> np.ndarray:
+    """The whole tensor (flattened) from every TP rank's ``shard`` of parameter ``p`` (a
+    collective over ``group``); ``shard`` itself for a replicated parameter."""
+    layout = getattr(p, "tp_layout", None)
+    if layout is None or layout.tp == 1:
+        return shard.reshape(-1)
+    every = np.empty(layout.tp * shard.size, shard.dtype)
+    dist.all_gather(every, np.ascontiguousarray(shard.reshape(-1)), group=group)
+    out = np.empty(int(np.prod(layout.full_shape)), shard.dtype)
+    for q in range(layout.tp):
+        out[layout.flat_index(q)] = every[q * shard.size:(q + 1) * shard.size]
+    return out
+
+
+def take_shard(p, full: np.ndarray, rank: int) -> np.ndarray:
+    """Rank ``rank``'s part of the whole (flattened) tensor ``full`` of parameter ``p``, flattened."""
+    layout = getattr(p, "tp_layout", None)
+    return full.reshape(-1) if layout is None else full.reshape(-1)[layout.flat_index(rank)]
+
+
 class ColumnParallelLinear(Module):
     """y_shard = x @ W_shard^T + b_shard: this rank's output features (rows of W); the input is
     the whole (replicated) activation."""
 
-    def __init__(self, weight_rows: np.ndarray, bias_rows: np.ndarray | None, group) -> None:
+    def __init__(self, weight: np.ndarray, bias: np.ndarray | None, group, rows_of) -> None:
         super().__init__()
         self.group = group
-        self.weight = _param(weight_rows)
-        self.bias = _param(bias_rows) if bias_rows is not None else None
+        self.weight = _sharded(weight, lambda q: rows_of(q), group)
+        self.bias = _sharded(bias, lambda q: rows_of(q), group) if bias is not None else None
 
     @classmethod
-    def from_linear(cls, linear, group, rows: np.ndarray) -> ColumnParallelLinear:
-        """The shard of ``linear`` (a helios.nn.Linear) holding output features ``rows``."""
-        b = linear.bias.numpy()[rows] if linear.bias is not None else None
-        return cls(linear.weight.numpy()[rows], b, group)
+    def from_linear(cls, linear, group, rows_of) -> ColumnParallelLinear:
+        """The shard of ``linear`` (a helios.nn.Linear) whose output features ``rows_of(rank)`` are this rank's."""
+        b = linear.bias.numpy() if linear.bias is not None else None
+        return cls(linear.weight.numpy(), b, group, rows_of)
 
     def forward(self, x: Tensor) -> Tensor:
         return F.linear(copy_to_tp(x, self.group), self.weight, self.bias)
@@ -109,17 +154,17 @@ class RowParallelLinear(Module):
     """y = sum over ranks of x_shard @ W_shard^T, then + b: this rank's input features
     (columns of W); the bias is added once, after the all-reduce."""
 
-    def __init__(self, weight_cols: np.ndarray, bias: np.ndarray | None, group) -> None:
+    def __init__(self, weight: np.ndarray, bias: np.ndarray | None, group, cols_of) -> None:
         super().__init__()
         self.group = group
-        self.weight = _param(weight_cols)
+        self.weight = _sharded(weight, lambda q: (slice(None), cols_of(q)), group)
         self.bias = _param(bias) if bias is not None else None
 
     @classmethod
-    def from_linear(cls, linear, group, cols: np.ndarray) -> RowParallelLinear:
-        """The shard of ``linear`` (a helios.nn.Linear) reading input features ``cols``."""
+    def from_linear(cls, linear, group, cols_of) -> RowParallelLinear:
+        """The shard of ``linear`` (a helios.nn.Linear) whose input features ``cols_of(rank)`` are this rank's."""
         b = linear.bias.numpy() if linear.bias is not None else None
-        return cls(linear.weight.numpy()[:, cols], b, group)
+        return cls(linear.weight.numpy(), b, group, cols_of)
 
     def forward(self, x: Tensor) -> Tensor:
         y = reduce_from_tp(F.linear(x, self.weight, None), self.group)
@@ -130,11 +175,12 @@ class VocabParallelEmbedding(Module):
     """Rows [lo, hi) of an embedding table: a rank looks up the tokens it holds, zeros for the
     others, and the all-reduce assembles every token's vector."""
 
-    def __init__(self, rows: np.ndarray, lo: int, group) -> None:
+    def __init__(self, table: np.ndarray, group) -> None:
         super().__init__()
         self.group = group
-        self.lo, self.hi = lo, lo + rows.shape[0]
-        self.weight = _param(rows)
+        rows = _split(table.shape[0], group_size(group), "the vocabulary size")
+        self.lo, self.hi = group_rank(group) * rows, (group_rank(group) + 1) * rows
+        self.weight = _sharded(table, lambda q: slice(q * rows, (q + 1) * rows), group)
 
     def forward(self, idx: Tensor) -> Tensor:
         if group_size(self.group) == 1:
@@ -183,14 +229,17 @@ class ParallelAttention(Module):
 
     def __init__(self, attn, group) -> None:
         super().__init__()
-        tp, r = group_size(group), group_rank(group)
+        tp = group_size(group)
         h, c = attn.n_head, attn.n_embd
         d = c // h
         self.n_head, self.head_dim = _split(h, tp, "the number of heads"), d
-        heads = np.arange(r * self.n_head, (r + 1) * self.n_head)
-        cols = (heads[:, None] * d + np.arange(d)).reshape(-1)  # this rank's heads' features
-        rows = np.concatenate([part * c + cols for part in range(3)])  # their q, k and v rows
-        self.c_attn = ColumnParallelLinear.from_linear(attn.c_attn, group, rows)
+        hl = self.n_head
+
+        def cols(q: int) -> np.ndarray:  # rank q's heads' features
+            return (np.arange(q * hl, (q + 1) * hl)[:, None] * d + np.arange(d)).reshape(-1)
+
+        self.c_attn = ColumnParallelLinear.from_linear(
+            attn.c_attn, group, lambda q: np.concatenate([part * c + cols(q) for part in range(3)]))  # q, k, v rows
         self.c_proj = RowParallelLinear.from_linear(attn.c_proj, group, cols)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -206,9 +255,11 @@ class ParallelMLP(Module):
 
     def __init__(self, mlp, group) -> None:
         super().__init__()
-        tp, r = group_size(group), group_rank(group)
-        hidden = _split(mlp.c_fc.out_features, tp, "the MLP width")
-        mine = np.arange(r * hidden, (r + 1) * hidden)
+        hidden = _split(mlp.c_fc.out_features, group_size(group), "the MLP width")
+
+        def mine(q: int) -> np.ndarray:
+            return np.arange(q * hidden, (q + 1) * hidden)
+
         self.c_fc = ColumnParallelLinear.from_linear(mlp.c_fc, group, mine)
         self.c_proj = RowParallelLinear.from_linear(mlp.c_proj, group, mine)
 
@@ -249,16 +300,23 @@ class TensorParallelGPT(Module):
         if cfg.dropout:
             raise ValueError("tensor parallel: dropout > 0 is not supported yet (it needs the same random mask "
                              "on every tensor-parallel rank); use dropout=0")
-        tp, r = group_size(group), group_rank(group)
         self.config, self.group = cfg, group
-        rows = _split(cfg.vocab_size, tp, "the vocabulary size")
-        self.vocab_lo = r * rows
-        self.wte = VocabParallelEmbedding(gpt.wte.weight.numpy()[self.vocab_lo:self.vocab_lo + rows], self.vocab_lo,
-                                          group)
+        self.wte = VocabParallelEmbedding(gpt.wte.weight.numpy(), group)
+        self.vocab_lo = self.wte.lo
         self.wpe = Embedding(cfg.block_size, cfg.n_embd)
         self.wpe.weight = _param(gpt.wpe.weight.numpy())
         self.h = ModuleList([ParallelBlock(b, group) for b in gpt.h])
         self.ln_f = _copy_layer_norm(gpt.ln_f)
+
+    def full_logits(self, logits: Tensor) -> np.ndarray:
+        """The whole vocabulary's logits (host array) from every rank's slice (a collective)."""
+        mine = np.ascontiguousarray(logits.numpy())
+        tp = group_size(self.group)
+        if tp == 1:
+            return mine
+        every = np.empty((tp,) + mine.shape, mine.dtype)
+        dist.all_gather(every, mine, group=self.group)
+        return np.concatenate(list(every), axis=-1)
 
     def forward(self, idx: Tensor, targets: Tensor | None = None):
         b, t = idx.shape

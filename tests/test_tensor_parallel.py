@@ -45,7 +45,7 @@ def _rank_main(out_dir: str) -> None:
     import helios.comm as dist
     from helios.nn import GPT, GPTConfig
     from helios.schedule.grid import ParallelGrid
-    from helios.schedule.tensor_parallel import ParallelBlock, TensorParallelGPT
+    from helios.schedule.tensor_parallel import ParallelBlock, TensorParallelGPT, gather_full, take_shard
 
     dist.init_process_group(backend="shm")
     tp = dist.get_world_size()
@@ -74,6 +74,13 @@ def _rank_main(out_dir: str) -> None:
         want = _shard_of(name, ref_grads[name], model, r, tp)
         assert p.grad is not None and p.grad.shape == want.shape, (name, p.shape, want.shape)
         worst[name] = float(np.max(np.abs(p.grad.numpy() - want)) / (np.max(np.abs(want)) + 1e-12))
+
+    # Whole tensors from the shards and back (what checkpoints of any grid are made of).
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        whole = gather_full(p, p.numpy(), grid.tp_group)
+        assert np.array_equal(whole, ref_params[name].numpy().reshape(-1)), name
+        assert np.array_equal(take_shard(p, whole, r), p.numpy().reshape(-1)), name
 
     # All-reduces of one block, forward and backward, as the comm layer counts them.
     block = ParallelBlock(GPT(cfg, seed=5).h[0], grid.tp_group)

@@ -1,0 +1,1 @@
+"""helios.schedule.plan: plan a training run (see README.md)."""

@@ -277,8 +277,6 @@ def _main(args: argparse.Namespace) -> int:
 
         calib = calibrate(args.run_db, dev, dtype)
     if not res.plans:
-        if args.html or args.json:
-            pass
         raise PlanError(explain_empty(res, shape, st, dev, gpus))
     if args.json:
         doc = plan_json(shape, st, dev, gpus, dtype, res, args.show)

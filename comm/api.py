@@ -229,10 +229,20 @@ def enqueue(program, group: Any = None, name: str = "program") -> Work:
 
 
 def comm_counters(group: Any = None) -> dict:
-    """What ``group`` (the world by default) has done since it was created: per operation
-    name the calls and operand bytes, and ``bytes_sent``, the bytes this rank sent to its
-    peers (see :class:`helios.comm.group.CommCounters`).  Subtract two readings for a step."""
-    return _group(group).counters.snapshot()
+    """What ``group`` (the world by default; ``"all"``: every group this rank is in, summed) has
+    done since it was created: per operation name the calls and operand bytes, and
+    ``bytes_sent``, the bytes this rank sent to its peers (see
+    :class:`helios.comm.group.CommCounters`).  Subtract two readings for a step."""
+    if group != "all":
+        return _group(group).counters.snapshot()
+    total: dict = {"calls": {}, "payload_bytes": {}, "bytes_sent": 0}
+    for g in [_group(None), *_S.groups]:
+        c = g.counters.snapshot()
+        total["bytes_sent"] += c["bytes_sent"]
+        for key in ("calls", "payload_bytes"):
+            for name, v in c[key].items():
+                total[key][name] = total[key].get(name, 0) + v
+    return total
 
 
 # --------------------------------------------------------------------------- collectives

@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ZeRO stage across data-parallel ranks: 0 plain DDP, 1 shard AdamW moments, "
                         "2 also gradients, 3 also parameters")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="gradient bucket size for data parallel (MiB)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel ranks per model replica (Megatron-style: heads, MLP and vocabulary split); "
+                        "the ranks left over are data parallel")
     p.add_argument("--grad-compression", default="none", metavar="SPEC",
                    help="compress data-parallel gradients: none | fp16 | bf16 | onebit[:warmup=N] | topk:FRACTION | "
                         "powersgd:rank=R[,start=S] (see schedule/README.md)")
@@ -171,8 +174,19 @@ def _train(args, given: set[str]) -> int:
                f"combine with --zero {args.zero} (use --zero 0)")
 
     world = DistRun.launch_world()
-    if bs % world:
-        usage(f"--batch-size {bs} does not split evenly over {world} ranks; use a multiple of {world}")
+    if args.tp < 1 or world % args.tp:
+        usage(f"--tp {args.tp} must divide the number of ranks ({world}): the ranks left over, world / tp, are the "
+              "data-parallel replicas")
+    for what, n in (("heads (n_head)", cfgd["n_head"]), ("MLP width (4 x n_embd)", 4 * cfgd["n_embd"])):
+        if n % args.tp:
+            usage(f"--tp {args.tp} must divide the model's {what}, {n}")
+    if args.tp > 1 and args.zero:
+        usage(f"--zero {args.zero} with --tp {args.tp}: ZeRO over the data-parallel ranks of a tensor-parallel model is "
+              "not supported yet; use --zero 0")
+    replicas = world // args.tp
+    if bs % replicas:
+        over = f"{replicas} ranks" if args.tp == 1 else f"{replicas} data-parallel replicas ({world} ranks / --tp {args.tp})"
+        usage(f"--batch-size {bs} does not split evenly over {over}; use a multiple of {replicas}")
     run = DistRun.from_env(timeout=args.comm_timeout)
     if args.zero and not run.active:
         print("helios-train: --zero shards across data-parallel ranks; alone it changes nothing", file=sys.stderr)
@@ -198,15 +212,31 @@ def _train(args, given: set[str]) -> int:
         run.barrier()
     summ = ds.summary()
     V = ds.tokenizer.vocab_size
+    if V % args.tp:
+        usage(f"--tp {args.tp} must divide the vocabulary size, {V} (--tokenizer {args.tokenizer})")
     cfg = GPTConfig(vocab_size=V, block_size=T, n_layer=cfgd["n_layer"], n_head=cfgd["n_head"], n_embd=cfgd["n_embd"])
     run_meta = {"config": cfg.to_dict(), "train": {"steps": steps, "batch_size": bs, "lr": lr_max, "warmup": warmup,
                 "grad_accum": args.grad_accum, "seed": args.seed, "tokenizer": ds.tokenizer.identity,
                 "weight_decay": args.weight_decay, "grad_clip": args.grad_clip},
                 "data": ds.corpus.fingerprint, "cli": settings.cli_settings(args)}
     run.check_same({**run_meta, "zero": args.zero, "bucket_cap_mb": args.bucket_cap_mb, "resume": args.resume,
-                    "out": os.path.abspath(args.out), "grad_compression": comm_hook.spec if comm_hook else "none"})
+                    "out": os.path.abspath(args.out), "grad_compression": comm_hook.spec if comm_hook else "none",
+                    "tp": args.tp})
     hl.manual_seed(args.seed)
     gpt = GPT(cfg, seed=args.seed)
+    n_params, fpt = gpt.num_parameters(), gpt.flops_per_token()  # the whole model's, whatever the split
+    grid = None
+    if run.active:
+        from helios.schedule.grid import ParallelGrid
+
+        grid = ParallelGrid(tp=args.tp)
+        run.use_data_parallel_coords(grid.dp_rank, grid.dp)
+        if args.tp > 1:
+            from helios.schedule.tensor_parallel import TensorParallelGPT
+
+            gpt = TensorParallelGPT(gpt, grid.tp_group)  # this rank's shards of the same weights
+    tensor_parallel = grid is not None and args.tp > 1
+    tp_group = grid.tp_group if tensor_parallel else None  # (None is also the world's group: test the flag)
     decay = [p for n, p in gpt.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in gpt.named_parameters() if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
@@ -219,10 +249,11 @@ def _train(args, given: set[str]) -> int:
         model = opt = ZeroDataParallel(gpt, zero, groups, lr=lr_max, betas=(0.9, 0.95),
                                        bucket_cap_mb=args.bucket_cap_mb)
     else:
-        if run.active:
+        if run.active and grid.dp > 1:
             from helios.schedule import DistributedDataParallel
 
-            model = DistributedDataParallel(gpt, bucket_cap_mb=args.bucket_cap_mb, comm_hook=comm_hook)
+            model = DistributedDataParallel(gpt, bucket_cap_mb=args.bucket_cap_mb, comm_hook=comm_hook,
+                                            group=grid.dp_group)
         opt = AdamW(groups, lr=lr_max, betas=(0.9, 0.95))
     loader = BatchLoader(ds.train, bs, T, seed=args.seed)
     val_loader = BatchLoader(ds.val, bs, T, seed=args.seed + 1)
@@ -236,7 +267,7 @@ def _train(args, given: set[str]) -> int:
     if args.resume:
         found = _latest_checkpoint(sharded, args.out, say)
         if found is not None:
-            meta = train_state.load_training(found[1], gpt, opt, loader)
+            meta = train_state.load_training(found[1], gpt, opt, loader, grid.tp_rank if tensor_parallel else 0)
             resumed_from = found[1]
             afresh = train_state.load_comm_hook(found[1], meta, comm_hook, run.rank, run.world)
             if afresh:
@@ -264,8 +295,6 @@ def _train(args, given: set[str]) -> int:
         if run.is_main:
             sharded.discard_newer(args.out, start_step)
 
-    n_params = gpt.num_parameters()
-    fpt = gpt.flops_per_token()
     dev = rt.info
     if args.peak_tflops:
         peak = args.peak_tflops * 1e12
@@ -273,7 +302,8 @@ def _train(args, given: set[str]) -> int:
     else:
         pk = peak_flops(dev["name"], "fp32", dev["type"])
         peak, peak_label = (pk.flops, pk.label) if pk else (None, "n/a (unknown device: pass --peak-tflops)")
-    ranks = f" x {run.world} ranks (data parallel{f', ZeRO-{args.zero}' if args.zero else ''})" if run.active else ""
+    split = f"tensor parallel {args.tp} x data parallel {run.world // args.tp}" if args.tp > 1 else "data parallel"
+    ranks = f" x {run.world} ranks ({split}{f', ZeRO-{args.zero}' if args.zero else ''})" if run.active else ""
     say(f"device: {rt.name} {dev['name']} ({dev['type']}){ranks}; peak for MFU: {peak_label}")
     say(f"model: {n_params / 1e6:.2f}M parameters, {cfg}")
     say(f"data: {summ['corpus']}, {summ['train_tokens']:,} train / {summ['val_tokens']:,} val tokens, "
@@ -284,13 +314,13 @@ def _train(args, given: set[str]) -> int:
     if run.is_main:
         db = RunDB(args.out, device=dev["name"], dtype="fp32", n_devices=run.world, peak_flops=peak,
                    peak_label=peak_label, flops_per_token=fpt, n_params=n_params,
-                   config={**run_meta, "steps": steps, "world_size": run.world, "zero": zero,
+                   config={**run_meta, "steps": steps, "world_size": run.world, "zero": zero, "tp": args.tp,
                            "memory": _model_state_bytes(model, opt, rt, run.world, zero)})
     writer = sharded.AsyncCheckpointer(args.out, run.rank, run.world)
 
     def save_checkpoint(at_step: int) -> str:
         """Snapshot this rank's shard now; the background thread writes it while training goes on."""
-        shards = {**train_state.training_shards(gpt, opt, run.rank, run.world),
+        shards = {**train_state.training_shards(gpt, opt, run.rank, run.world, tp_group),
                   **train_state.comm_hook_shards(comm_hook, run.rank)}
         meta = train_state.training_meta(opt, loader, at_step, run_meta, run.world, zero)
         if comm_hook is not None:
@@ -301,7 +331,17 @@ def _train(args, given: set[str]) -> int:
         return sharded.step_dir(args.out, at_step)
 
     timer = StepTimer()
-    if run.active:
+    if tensor_parallel:  # the global norm sums every shard once, over the tensor-parallel group
+        from helios.schedule.tensor_parallel import clip_grad_norm_ as tp_clip
+
+        def clip(params, max_norm):
+            return tp_clip(params, max_norm, tp_group)
+    else:
+        clip = clip_grad_norm_
+    # A forward that gathers parameters (ZeRO-3) or splits them (tensor parallel) is a collective:
+    # then every rank samples alike.
+    collective = zero == 3 or tensor_parallel
+    if model is not gpt:  # a data-parallel wrapper: time its end-of-backward wait as "comm"
         model.wait_context = lambda: timer.phase("comm")
     stopper = _StopFlag()
     profile_window = _profile_window(args, start_step, steps, say)
@@ -314,10 +354,10 @@ def _train(args, given: set[str]) -> int:
         # ZeRO-3 a forward gathers parameters (collective), so every rank runs every batch.
         model.eval()
         total, count = 0.0, 0
-        share = 1 if zero == 3 else run.world
+        share = 1 if zero == 3 else run.data_world  # tensor-parallel peers run the same batches together
         with hl.no_grad():
             for i, (x, y) in enumerate(val_loader.iter_eval(args.eval_batches)):
-                if i % share == run.rank % share:
+                if i % share == run.data_rank % share:
                     total += gpt(x, y)[1].item()
                     count += 1
         model.train()
@@ -354,7 +394,7 @@ def _train(args, given: set[str]) -> int:
                     yt = hl.tensor(y, dtype=hl.int64)
                 # Gradient accumulation: only the last micro-batch's backward communicates.
                 local = micro < args.grad_accum - 1 and run.active
-                with model.no_sync() if local else contextlib.nullcontext():
+                with model.no_sync() if local and model is not gpt else contextlib.nullcontext():
                     with timer.phase("forward"):
                         _, loss = model(xt, yt)
                         if args.grad_accum > 1:
@@ -369,7 +409,7 @@ def _train(args, given: set[str]) -> int:
                     if zero:
                         opt.clip_grad_norm_(args.grad_clip)  # the global norm over every rank's shard
                     else:
-                        clip_grad_norm_(gpt.parameters(), args.grad_clip)
+                        clip(gpt.parameters(), args.grad_clip)
                 rt.synchronize()
             with timer.phase("optimizer"):
                 opt.step()
@@ -390,7 +430,7 @@ def _train(args, given: set[str]) -> int:
             if args.eval_every and step % args.eval_every == 0 and step < steps:
                 with timer.phase("sample_gen"):
                     val_loss = evaluated = evaluate()
-            if args.sample_every and step % args.sample_every == 0 and step < steps and (run.is_main or zero == 3):
+            if args.sample_every and step % args.sample_every == 0 and step < steps and (run.is_main or collective):
                 with timer.phase("sample_gen"):  # ZeRO-3: every rank samples alike (its forwards gather)
                     text = _sample(gpt, ds.tokenizer, T, args.sample_tokens, step)
                     if run.is_main:
@@ -443,7 +483,7 @@ def _train(args, given: set[str]) -> int:
         db.set_val_loss(step, val_loss)
     say(f"step {step}/{steps} loss {last.get('loss', float('nan')):.4f} val {val_loss:.4f} (final)", flush=True)
     wall = time.monotonic() - t_start
-    sample = _sample(gpt, ds.tokenizer, T, args.sample_tokens, step) if run.is_main or zero == 3 else ""
+    sample = _sample(gpt, ds.tokenizer, T, args.sample_tokens, step) if run.is_main or collective else ""
     if run.is_main:
         print(_breakdown(timer.records))
         print(f"--- sample ---\n{sample}\n---")
@@ -556,7 +596,9 @@ def _sample(model, tok, T: int, n: int, step: int) -> str:
         for _ in range(n):
             ctx = np.array([ids[-T:]], np.int64)
             logits, _ = model(ctx)
-            last = logits[0, -1].numpy().astype(np.float64) / 0.8
+            # A tensor-parallel model holds a slice of the vocabulary: gather the whole row.
+            whole = model.full_logits(logits) if hasattr(model, "full_logits") else logits.numpy()
+            last = whole[0, -1].astype(np.float64) / 0.8
             p = np.exp(last - last.max())
             p /= p.sum()
             ids.append(int(rng.choice(len(p), p=p)))

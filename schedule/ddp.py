@@ -80,12 +80,12 @@ class DistributedDataParallel(Module):
     of the first bucket cut from each gradient buffer, the one backward completes first (1,
     as PyTorch: communication starts early); ``find_unused_parameters``: a
     parameter that gets no gradient in a backward pass counts as a zero gradient (else it
-    is an error that names the parameters); ``broadcast_from``: the rank whose parameters
-    every rank starts from.
+    is an error that names the parameters); ``broadcast_from``: the (global) rank whose
+    parameters every rank starts from, by default the group's first.
     """
 
     def __init__(self, module: Module, bucket_cap_mb: float = 25.0, group=None, find_unused_parameters: bool = False,
-                 broadcast_from: int = 0, comm_hook=None, first_bucket_cap_mb: float = 1.0) -> None:
+                 broadcast_from: int | None = None, comm_hook=None, first_bucket_cap_mb: float = 1.0) -> None:
         super().__init__()
         if bucket_cap_mb <= 0:
             raise ValueError(f"DistributedDataParallel: bucket_cap_mb must be > 0, got {bucket_cap_mb}")
@@ -108,6 +108,8 @@ class DistributedDataParallel(Module):
         # A context manager factory wrapped around the end-of-backward wait (the trainer times
         # it as its "comm" phase: the communication backward could not hide).
         self.wait_context = None
+        if broadcast_from is None:
+            broadcast_from = group.ranks[0] if group is not None else 0
         verify_same_parameters(self._named, group)
         broadcast_parameters([p for _, p in self._named] + [b for _, b in module.named_buffers()], broadcast_from, group)
         for _, p in self._named:

@@ -26,6 +26,16 @@ class DistRun:
     rank: int = 0
     world: int = 1
     active: bool = False  # a process group exists
+    data_rank: int = -1  # this rank's data-parallel replica (the rank, unless model parallel splits it)
+    data_world: int = -1  # data-parallel replicas (the world size, unless model parallel splits it)
+
+    def __post_init__(self) -> None:
+        if self.data_rank < 0:
+            self.data_rank, self.data_world = self.rank, self.world
+
+    def use_data_parallel_coords(self, data_rank: int, data_world: int) -> None:
+        """Slice batches by data-parallel replica: tensor-parallel peers read the same rows."""
+        self.data_rank, self.data_world = data_rank, data_world
 
     @staticmethod
     def launch_world() -> int:
@@ -72,9 +82,9 @@ class DistRun:
             raise SystemExit(f"helios-train: rank {self.rank}: {e} This rank's settings hash {digest}: {text}") from None
 
     def shard(self, x: np.ndarray) -> np.ndarray:
-        """This rank's contiguous slice of a global batch (rows), in the order one rank would see them."""
-        per = x.shape[0] // self.world
-        return x[self.rank * per:(self.rank + 1) * per]
+        """This replica's contiguous slice of a global batch (rows), in the order one rank would see them."""
+        per = x.shape[0] // self.data_world
+        return x[self.data_rank * per:(self.data_rank + 1) * per]
 
     def agree(self, loss: float, stop: bool) -> tuple[float, bool]:
         """The mean of the ranks' losses (of equal slices: the global batch's loss) and whether any rank stops."""
@@ -99,12 +109,13 @@ class DistRun:
         return out.reshape(self.world, mine.size)
 
     def comm_bytes(self) -> tuple[int, int]:
-        """(bytes sent, operand bytes) of this rank's collectives on the world group so far (0, 0 alone)."""
+        """(bytes sent, operand bytes) of this rank's collectives so far, over every group it is in
+        (0, 0 alone)."""
         if not self.active:
             return 0, 0
         import helios.comm as dist
 
-        c = dist.comm_counters()
+        c = dist.comm_counters("all")
         return c["bytes_sent"], sum(c["payload_bytes"].values())
 
     def all_mean(self, value: float, count: float = 1.0) -> float:

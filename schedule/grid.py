@@ -79,6 +79,8 @@ class ParallelGrid:
         raise ValueError(f"ParallelGrid.peers: kind must be 'tp', 'dp' or 'pp', got {kind!r}")
 
     def _build(self, groups: list[list[int]]):
+        if self.world > 1 and len(groups[0]) == self.world:
+            return None  # the dimension spans every rank: the world's own communicator (group=None)
         mine = None
         for ranks in groups:
             # One member: no communicator is needed (collectives over one rank are copies).

@@ -318,7 +318,11 @@ class TensorParallelGPT(Module):
         dist.all_gather(every, mine, group=self.group)
         return np.concatenate(list(every), axis=-1)
 
-    def forward(self, idx: Tensor, targets: Tensor | None = None):
+    def forward(self, idx, targets=None):
+        if not isinstance(idx, Tensor):
+            idx = tensor(np.asarray(idx, np.int64), dtype=dt.int64)
+        if targets is not None and not isinstance(targets, Tensor):
+            targets = tensor(np.asarray(targets, np.int64), dtype=dt.int64)
         b, t = idx.shape
         if t > self.config.block_size:
             raise ValueError(f"sequence length {t} exceeds block_size {self.config.block_size}")
@@ -332,3 +336,35 @@ class TensorParallelGPT(Module):
             loss = vocab_parallel_cross_entropy(logits.reshape(b * t, -1), targets.reshape(b * t), self.vocab_lo,
                                                 self.group)
         return logits, loss
+
+
+def clip_grad_norm_(params, max_norm: float, group) -> Tensor:
+    """Scale gradients so the whole model's L2 norm is at most ``max_norm``; returns the norm.
+
+    A tensor-parallel shard's squares are summed over ``group`` (each rank holds a different
+    part of the tensor); a replicated parameter's gradient is the same on every TP rank and
+    counts once."""
+    params = [p for p in params if p.grad is not None]
+    sharded = [p for p in params if getattr(p, "tp_layout", None) is not None and p.tp_layout.tp > 1]
+    replicated = [p for p in params if not (getattr(p, "tp_layout", None) is not None and p.tp_layout.tp > 1)]
+
+    def squares(ps):
+        total = None
+        for p in ps:
+            s = F.sum(p.grad * p.grad)
+            total = s if total is None else total + s
+        return total
+
+    with no_grad():
+        total = squares(replicated)
+        if sharded:
+            part = _all_reduce(squares(sharded), group)
+            total = part if total is None else total + part
+        if total is None:
+            return K.fill(K.empty((), dt.float32), 0.0)
+        norm = F.sqrt(total)
+        coef = F.clamp(F.rdiv(norm + 1e-6, float(max_norm)), max=1.0)
+        for p in params:
+            F.copy_(p.grad, p.grad * coef)
+    return norm
+

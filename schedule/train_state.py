@@ -40,11 +40,14 @@ def _zero(opt):
     return inner if isinstance(inner, ZeroAdamW) else None
 
 
-def training_shards(gpt, opt, rank: int, world: int) -> dict[str, C.ShardedArray]:
-    """Every tensor of the training state this rank writes (parameters and moments)."""
+def training_shards(gpt, opt, rank: int, world: int, tp_group=None) -> dict[str, C.ShardedArray]:
+    """Every tensor of the training state this rank writes (parameters and moments).
+
+    Under tensor parallelism (``tp_group``) each whole tensor is first gathered from the TP
+    ranks' shards, so the checkpoint is the same as one device's and loads on any grid."""
     z = _zero(opt)
     if z is None:
-        return {**model_shards(gpt, rank, world), **optimizer_shards(gpt, opt, rank, world)}
+        return {**model_shards(gpt, rank, world, tp_group), **optimizer_shards(gpt, opt, rank, world, tp_group)}
     out = {}
     for key, t in z.state_dict()["tensors"].items():
         kind, name = key.split(".", 1)
@@ -52,14 +55,20 @@ def training_shards(gpt, opt, rank: int, world: int) -> dict[str, C.ShardedArray
     return out
 
 
-def model_shards(gpt, rank: int, world: int) -> dict[str, C.ShardedArray]:
-    """This rank's even share of every parameter (parameters are replicated on every rank)."""
+def model_shards(gpt, rank: int, world: int, tp_group=None) -> dict[str, C.ShardedArray]:
+    """This rank's even share of every parameter (parameters are replicated on every rank, or
+    gathered whole from the tensor-parallel shards first)."""
+    from helios.schedule.tensor_parallel import full_shape, gather_full
+
     out = {}
     for name, p in gpt.named_parameters():
-        n = p.numel()
-        lo, hi = C.even_range(n, rank, world)
-        data = _raw(p, lo, hi)
-        out[f"model.{name}"] = C.ShardedArray(p.shape, _dtype_name(p), lo, hi, data)
+        shape = full_shape(p)
+        lo, hi = C.even_range(int(np.prod(shape)), rank, world)
+        if shape == tuple(p.shape):
+            data = _raw(p, lo, hi)  # each rank reads only the part it writes
+        else:
+            data = gather_full(p, _raw(p, 0, p.numel()), tp_group)[lo:hi]
+        out[f"model.{name}"] = C.ShardedArray(shape, _dtype_name(p), lo, hi, data)
     return out
 
 
@@ -75,17 +84,23 @@ def _raw(t, lo: int, hi: int) -> np.ndarray:
     return out
 
 
-def optimizer_shards(gpt, opt, rank: int, world: int) -> dict[str, C.ShardedArray]:
-    """The optimizer's moments: the ranges this rank holds (ZeRO) or its even share (replicated)."""
+def optimizer_shards(gpt, opt, rank: int, world: int, tp_group=None) -> dict[str, C.ShardedArray]:
+    """The optimizer's moments: the ranges this rank holds (ZeRO) or its even share (replicated;
+    gathered whole from the tensor-parallel shards first)."""
+    from helios.schedule.tensor_parallel import full_shape, gather_full
+
     names = {id(p): n for n, p in gpt.named_parameters()}
     out = {}
     for fg in opt.flat:
         for p, off in zip(fg.params, fg.offsets):
-            n = p.numel()
-            lo, hi = C.even_range(n, rank, world)
+            shape = full_shape(p)
+            lo, hi = C.even_range(int(np.prod(shape)), rank, world)
             for j, m in enumerate(MOMENTS):
-                out[f"optim.{m}.{names[id(p)]}"] = C.ShardedArray(p.shape, "float32", lo, hi,
-                                                                  _raw(fg.moments[j], off + lo, off + hi))
+                if shape == tuple(p.shape):
+                    data = _raw(fg.moments[j], off + lo, off + hi)
+                else:
+                    data = gather_full(p, _raw(fg.moments[j], off, off + p.numel()), tp_group)[lo:hi]
+                out[f"optim.{m}.{names[id(p)]}"] = C.ShardedArray(shape, "float32", lo, hi, data)
     return out
 
 
@@ -97,8 +112,10 @@ def training_meta(opt, loader, step: int, run_meta: dict, world: int, zero: int)
 
 def check_same_model(ckpt_dir: str, gpt) -> None:
     """CheckpointError naming the first parameter whose name or shape differs from the checkpoint's."""
+    from helios.schedule.tensor_parallel import full_shape
+
     saved = {n[len("model."):]: tuple(s) for n, (s, _) in C.global_shapes(ckpt_dir).items() if n.startswith("model.")}
-    mine = {n: tuple(p.shape) for n, p in gpt.named_parameters()}
+    mine = {n: full_shape(p) for n, p in gpt.named_parameters()}
     for n in list(mine) + [k for k in saved if k not in mine]:
         if saved.get(n) != mine.get(n):
             raise CheckpointError(
@@ -107,10 +124,13 @@ def check_same_model(ckpt_dir: str, gpt) -> None:
                 "point --out at a run of this model or drop --resume")
 
 
-def load_training(ckpt_dir: str, gpt, opt, loader) -> dict:
-    """Restore parameters, moments, RNG and loader position from a sharded checkpoint; returns its meta."""
+def load_training(ckpt_dir: str, gpt, opt, loader, tp_rank: int = 0) -> dict:
+    """Restore parameters, moments, RNG and loader position from a sharded checkpoint; returns its meta.
+
+    A tensor-parallel model reads each whole tensor and keeps the shard of ``tp_rank``."""
     from helios import _kernels as K
     from helios.autograd.tape import no_grad
+    from helios.schedule.tensor_parallel import full_shape, take_shard
 
     check_same_model(ckpt_dir, gpt)
     z = _zero(opt)
@@ -125,16 +145,17 @@ def load_training(ckpt_dir: str, gpt, opt, loader) -> dict:
         loader.load_state_dict(meta["loader"])
         return meta
     named = list(gpt.named_parameters())
-    wanted = {f"model.{n}": (0, p.numel()) for n, p in named}
+    wanted = {f"model.{n}": (0, int(np.prod(full_shape(p)))) for n, p in named}
     for n, p in named:
         for m in MOMENTS:
-            wanted[f"optim.{m}.{n}"] = (0, p.numel())
+            wanted[f"optim.{m}.{n}"] = (0, int(np.prod(full_shape(p))))
     arrays, meta = C.load(ckpt_dir, wanted)
+    mine = {k: take_shard(p, arrays[k], tp_rank) for n, p in named for k in [f"model.{n}"] + [f"optim.{m}.{n}" for m in MOMENTS]}
     with no_grad():
         for n, p in named:
-            K.copy_into(p, K.from_numpy(arrays[f"model.{n}"].reshape(p.shape), p.dtype, p._st.rt))
+            K.copy_into(p, K.from_numpy(mine[f"model.{n}"].reshape(p.shape), p.dtype, p._st.rt))
             p._st.version += 1
-    moments = {id(p): [arrays[f"optim.{m}.{n}"] for m in MOMENTS] for n, p in named}
+    moments = {id(p): [mine[f"optim.{m}.{n}"] for m in MOMENTS] for n, p in named}
     for fg in opt.flat:
         for j in range(2):
             host = np.concatenate([moments[id(p)][j] for p in fg.params]) if fg.params else np.empty(0, np.float32)

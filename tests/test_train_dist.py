@@ -102,10 +102,10 @@ def test_checkpoint_of_two_ranks_resumes_on_any_world_size_and_continues_the_sam
         np.testing.assert_allclose(fb[k], fa[k], rtol=1e-5, atol=1e-5, err_msg=k)
 
 
-def test_resume_from_a_checkpoint_of_another_model_names_the_parameter(tmp_path):
+def test_resume_with_another_model_size_is_refused_by_flag_on_every_rank(tmp_path):
     assert launch(1, tmp_path, "--steps", "2").returncode == 0
-    r = launch(2, tmp_path, "--steps", "4", "--resume", "--block-size", "8")
-    assert r.returncode != 0 and "another model" in r.stderr and "wpe.weight" in r.stderr
+    r = launch(2, tmp_path, "--steps", "2", "--resume", "--block-size", "8")
+    assert r.returncode == 2 and "--block-size 8: the run in" in r.stderr and "trained with --block-size 16" in r.stderr
     assert "Traceback" not in r.stderr
 
 

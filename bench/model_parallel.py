@@ -1,0 +1,91 @@
+"""Model parallelism: the same GPT on 1 rank, data parallel over 2 and tensor parallel over 2.
+
+helios-train runs the tiny config (global batch 16 x 64) for ``--steps`` steps, one thread
+per rank, over the tcp backend (so the bytes are bytes on the wire), in one run of this
+script:
+
+* ``step_ms``: median wall time of rank 0's steps after ``--warmup``;
+* ``weights_pool_bytes``: what rank 0's weights pool holds (parameters, gradients, AdamW
+  moments: the model states), from the run's config in run.db;
+* ``payload_bytes_per_step`` / ``wire_bytes_per_step``: rank 0's collectives in a step, as
+  helios.comm counts them (operand sizes / bytes sent);
+* for tp 2, ``megatron_payload_bytes``: the formula's volume, 4 all-reduces of b·s·h fp32
+  values per block (2 forward, 2 backward, Korthikanti et al.) plus what the vocabulary
+  split adds (the embedding's all-reduce forward and the head input's backward: 2 more of
+  b·s·h; the cross entropy's 3 of b·s), and the measured share of it.
+
+The peer is the formula: PyTorch's ``torch.distributed.tensor.parallel`` is not run here.
+
+    python bench/model_parallel.py [--steps 30] [--warmup 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sqlite3
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from data_parallel import ROOT, helios_run  # noqa: E402
+
+sys.path.insert(0, ROOT)
+from helios.train import CONFIGS  # noqa: E402
+
+
+def _rank0(run_dir: str, warmup: int) -> dict:
+    """Medians of rank 0's step time and collective bytes after ``warmup``, and its weights pool."""
+    con = sqlite3.connect(os.path.join(run_dir, "run.db"))
+    try:
+        rows = con.execute("SELECT wall_ns, comm_bytes, comm_payload_bytes FROM step_timing WHERE rank = 0 AND "
+                           "step > ? ORDER BY step", (warmup,)).fetchall()
+        config = json.loads(con.execute("SELECT config_json FROM runs").fetchone()[0])
+    finally:
+        con.close()
+    med = lambda i: statistics.median(r[i] for r in rows) if rows and rows[0][i] is not None else None  # noqa: E731
+    return {"step_ms": round(med(0) / 1e6, 2), "wire_bytes_per_step": med(1), "payload_bytes_per_step": med(2),
+            "weights_pool_bytes": config["memory"]["weights_pool_in_use"]}
+
+
+def megatron_payload(cfg: dict, batch: int, block: int, tp: int) -> int:
+    """Operand bytes of a tensor-parallel step's all-reduces on one rank (fp32, see the module docstring)."""
+    if tp == 1:
+        return 0
+    bsh = batch * block * cfg["n_embd"]
+    return 4 * (4 * cfg["n_layer"] * bsh + 2 * bsh + 3 * batch * block)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", default="tiny")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=5)
+    a = ap.parse_args()
+    cfg = CONFIGS[a.config]
+    os.environ["HELIOS_COMM_BACKEND"] = "tcp"
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        runs = {"1 rank": (1, ()), "dp 2": (2, ()), "tp 2": (2, ("--tp", "2"))}
+        base = None
+        for name, (world, extra) in runs.items():
+            out = os.path.join(tmp, name.replace(" ", ""))
+            helios_run(world, cfg["batch_size"] // world, a.config, a.steps, out, *extra)  # the same global batch
+            res = _rank0(out, a.warmup)
+            tp = 2 if "--tp" in extra else 1
+            line = {"bench": "model_parallel", "config": a.config, "layout": name, "ranks": world, **res}
+            if tp > 1:
+                f = megatron_payload(cfg, cfg["batch_size"], cfg["block_size"], tp)
+                line["megatron_payload_bytes"] = f
+                line["measured_over_formula"] = round(res["payload_bytes_per_step"] / f, 4)
+            if base is None:
+                base = res
+            line["step_x_one_rank"] = round(res["step_ms"] / base["step_ms"], 3)
+            line["weights_pool_x_one_rank"] = round(res["weights_pool_bytes"] / base["weights_pool_bytes"], 3)
+            print(json.dumps(line), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -16,7 +16,13 @@ script:
 
 The peer is the formula: PyTorch's ``torch.distributed.tensor.parallel`` is not run here.
 
-    python bench/model_parallel.py [--steps 30] [--warmup 5]
+Then the pipeline (``helios.schedule.pipeline``, not yet a helios-train flag): the same
+GPT in 2 stages on 2 ranks, 1F1B with m = 1, 4, 8 micro-batches of 2 sequences, 6 steps;
+``idle_fraction`` per stage (median of steps 3-6: the share of a step spent waiting on
+a neighbour, after the stage's own device work) against the bubble formula (p - 1) /
+(m + p - 1).
+
+    python bench/model_parallel.py [--steps 30] [--warmup 5] [--skip-pipeline]
 """
 
 from __future__ import annotations
@@ -57,12 +63,63 @@ def megatron_payload(cfg: dict, batch: int, block: int, tp: int) -> int:
     return 4 * (4 * cfg["n_layer"] * bsh + 2 * bsh + 3 * batch * block)
 
 
+def pipeline_rank(m: int, config: str) -> None:
+    """One rank of the pipeline measurement (started by helios-run): prints its stage's idle share."""
+    import numpy as np
+
+    import helios.comm as dist
+    from helios.nn import GPT, GPTConfig
+    from helios.schedule.grid import ParallelGrid
+    from helios.schedule.pipeline import PipelineStage
+
+    dist.init_process_group()
+    pp = dist.get_world_size()
+    c = CONFIGS[config]
+    cfg = GPTConfig(vocab_size=256, block_size=c["block_size"], n_layer=c["n_layer"], n_head=c["n_head"],
+                    n_embd=c["n_embd"])
+    rng = np.random.default_rng(0)
+    xs = [rng.integers(0, 256, (2, cfg.block_size)) for _ in range(m)]
+    stage = PipelineStage(GPT(cfg, seed=1), ParallelGrid(pp=pp))
+    shares = []
+    for step in range(6):
+        stage.train_step(xs, xs)
+        for p in stage.parameters():
+            p.grad = None
+        if step >= 2:
+            shares.append(stage.last_idle_fraction)
+    print(json.dumps({"bench": "model_parallel", "layout": f"pp {pp}", "microbatches": m, "stage": stage.stage,
+                      "blocks": stage.block_ids, "idle_fraction": round(float(np.median(shares)), 3),
+                      "bubble_formula": round((pp - 1) / (m + pp - 1), 3)}), flush=True)
+    dist.destroy_process_group()
+
+
+def pipeline(config: str) -> None:
+    """The pipeline rows: helios-run starts 2 ranks of this script per micro-batch count."""
+    import subprocess
+
+    from data_parallel import BIN, _env
+
+    for m in (1, 4, 8):
+        cmd = [os.path.join(BIN, "helios-run"), "--nproc-per-node", "2", __file__, "--pipeline-rank", str(m),
+               "--config", config]
+        r = subprocess.run(cmd, env=_env(), capture_output=True, text=True, cwd=ROOT, timeout=600)
+        if r.returncode != 0:
+            raise SystemExit(f"pipeline run failed: {r.stderr[-2000:]}")
+        for line in sorted(ln for ln in r.stdout.splitlines() if '"bench"' in ln):
+            print(line[line.index("{"):], flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default="tiny")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--skip-pipeline", action="store_true")
+    ap.add_argument("--pipeline-rank", type=int, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.pipeline_rank is not None:
+        pipeline_rank(a.pipeline_rank, a.config)
+        return
     cfg = CONFIGS[a.config]
     os.environ["HELIOS_COMM_BACKEND"] = "tcp"
     import tempfile
@@ -85,6 +142,8 @@ def main() -> None:
             line["step_x_one_rank"] = round(res["step_ms"] / base["step_ms"], 3)
             line["weights_pool_x_one_rank"] = round(res["weights_pool_bytes"] / base["weights_pool_bytes"], 3)
             print(json.dumps(line), flush=True)
+    if not a.skip_pipeline:
+        pipeline(a.config)
 
 
 if __name__ == "__main__":

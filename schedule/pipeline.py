@@ -22,6 +22,8 @@ keeps a copy, and after the step's backwards the two gradients are summed betwee
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 import helios.comm as dist
@@ -127,6 +129,14 @@ class PipelineStage(Module):
         sends: list = []
         losses: list[float] = []
         done_fwd = done_bwd = 0
+        waited = [0.0]  # seconds blocked waiting for a neighbour (the bubble, and any imbalance)
+        t_start = time.perf_counter()
+
+        def receive(buf, peer) -> None:
+            self._sync()  # the device finishes this stage's work first: waiting starts after it
+            t0 = time.perf_counter()
+            dist.recv(buf, peer)
+            waited[0] += time.perf_counter() - t0
 
         def forward_one() -> None:
             nonlocal done_fwd
@@ -134,7 +144,7 @@ class PipelineStage(Module):
             x_in = None
             if not self.first:
                 x_in = K.empty(shape, dt.float32)
-                dist.recv(x_in, prev)
+                receive(x_in, prev)
                 x_in.requires_grad = True
             idx = tensor(np.asarray(inputs[i], np.int64), dtype=dt.int64) if self.first else None
             tgt = tensor(np.asarray(targets[i], np.int64), dtype=dt.int64) if self.last else None
@@ -153,7 +163,7 @@ class PipelineStage(Module):
                 out.backward()
             else:
                 g = K.empty(shape, dt.float32)
-                dist.recv(g, nxt)
+                receive(g, nxt)
                 out.backward(g)
             if not self.first:
                 sends.append(dist.isend(x_in.grad, prev))
@@ -166,8 +176,15 @@ class PipelineStage(Module):
             backward_one()
         while done_bwd < m:
             backward_one()
+        self._sync()
+        t0 = time.perf_counter()
         for w in sends:
             w.wait()
+        waited[0] += time.perf_counter() - t0
+        total = time.perf_counter() - t_start
+        # The share of this step the stage spent waiting on its neighbours; 1F1B's bubble
+        # alone makes it (p - 1) / (m + p - 1) when every stage costs the same.
+        self.last_idle_fraction = waited[0] / total if total > 0 else 0.0
         if self.embedding_group is not None and self.wte_weight.grad is not None:
             with no_grad():
                 g = self.wte_weight.grad
@@ -175,6 +192,11 @@ class PipelineStage(Module):
                 dist.all_reduce(whole, group=self.embedding_group)
                 self.wte_weight.grad = whole
         return float(np.mean(losses)) if self.last else None
+
+    def _sync(self) -> None:
+        from helios.runtime import get_runtime
+
+        get_runtime().synchronize()
 
     def owned_parameters(self) -> list:
         """The parameters whose gradient norm this stage counts (the tied table once: the first stage's)."""

@@ -31,7 +31,7 @@ import re
 from dataclasses import dataclass
 
 from .hardware import get_device
-from .model import PlanError, shape_for_params
+from .model import PlanError, fmt_duration, shape_for_params
 
 _SUP = str.maketrans("⁰¹²³⁴⁵⁶⁷⁸⁹⁻", "0123456789-")
 _SUFFIX = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12, "p": 1e15}
@@ -128,16 +128,6 @@ def _factor(r: float) -> str:
     return f"{r:,.0f}x" if r >= 100 else f"{r:.2g}x" if r < 10 else f"{r:.1f}x"
 
 
-def _dur(s: float) -> str:
-    if s < 120:
-        return f"{s:.1f} s"
-    if s < 2 * 3600:
-        return f"{s / 60:.1f} min"
-    if s < 3 * 86400:
-        return f"{s / 3600:.1f} h"
-    return f"{s / 86400:.1f} days"
-
-
 def check(text: str, gpu: str | None = None, dtype: str = "bf16", price: float = 2.0, seq: int | None = None) -> dict:
     """Each claim of ``text`` against its physical bound: {"facts": ..., "verdicts": [Verdict...]}."""
     c = parse_claims(text)
@@ -207,7 +197,8 @@ def check(text: str, gpu: str | None = None, dtype: str = "bf16", price: float =
                 vs.append(Verdict(ph["days"], "?", missing(kk)))
             else:
                 floor = 6 * N * c["tokens"] / (G * peak)
-                head = f"6 x {_g(N)} x {_g(c['tokens'])} tokens over {fleet} needs >= {_dur(floor)} at 100 % of peak"
+                floor_text = fmt_duration(floor, seconds_digits=1)
+                head = f"6 x {_g(N)} x {_g(c['tokens'])} tokens over {fleet} needs >= {floor_text} at 100 % of peak"
                 vs.append(util(ph["days"], head, floor / (c["days"] * 86400), "faster"))
         if "cost" in c:
             if k:

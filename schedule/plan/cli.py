@@ -22,7 +22,7 @@ from .claims import _g, check, parse_number
 from .hardware import Device, device_names, get_device
 from .layout import RECOMPUTE, Settings
 from .memory import KINDS
-from .model import ModelShape, PlanError, fmt_count, helios_config, shape_for_params
+from .model import ModelShape, PlanError, fmt_count, fmt_duration, helios_config, shape_for_params
 from .search import SearchResult, explain_empty, search
 
 DEFAULT_BATCH_TOKENS = 1 << 22  # ~4M tokens per step for --check when no tokens/step are stated
@@ -152,20 +152,6 @@ def _gb(b: float) -> str:
     return f"{b / 1e9:.1f}" if b >= 1e8 else f"{b / 1e9:.3f}"
 
 
-def _dur(s: float) -> str:
-    if s < 1e-3:
-        return f"{s * 1e6:.0f} µs"
-    if s < 1:
-        return f"{s * 1e3:.1f} ms"
-    if s < 120:
-        return f"{s:.2f} s"
-    if s < 2 * 3600:
-        return f"{s / 60:.1f} min"
-    if s < 3 * 86400:
-        return f"{s / 3600:.1f} h"
-    return f"{s / 86400:.1f} days"
-
-
 def run_summary(plan, shape: ModelShape, st: Settings) -> dict:
     """Days, GPU-hours and cost of the whole token budget at ``plan``'s throughput."""
     secs = st.tokens / plan.time.tokens_per_s
@@ -182,7 +168,7 @@ def table(plans: list, shape: ModelShape, st: Settings) -> str:
         p, t = pl.par, pl.time
         rs = run_summary(pl, shape, st)
         rows.append((str(i), str(p.dp), str(p.tp), str(p.pp), str(p.cp), str(p.ep), str(p.zero), str(p.mb),
-                     str(t.micro_batches), p.recompute, _gb(pl.mem.total), _dur(t.step), f"{t.tokens_per_s:,.0f}",
+                     str(t.micro_batches), p.recompute, _gb(pl.mem.total), fmt_duration(t.step), f"{t.tokens_per_s:,.0f}",
                      f"{100 * t.mfu:.1f}%", f"{rs['days']:.1f}" if rs["days"] >= 0.1 else f"{rs['days']:.2g}", pl.bound))
     w = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
     left = {"recompute", "bound"}
@@ -192,9 +178,9 @@ def table(plans: list, shape: ModelShape, st: Settings) -> str:
 
 def breakdown(pl) -> tuple[str, str]:
     parts = pl.time.parts
-    tsum = " + ".join(f"{k.replace('_', '-')} {_dur(v)}" for k, v in parts.items() if v > 0)
+    tsum = " + ".join(f"{k.replace('_', '-')} {fmt_duration(v)}" for k, v in parts.items() if v > 0)
     msum = " + ".join(f"{k} {_gb(getattr(pl.mem, k))}" for k in KINDS if getattr(pl.mem, k) > 0)
-    return (f"step {_dur(pl.time.step)} = {tsum}",
+    return (f"step {fmt_duration(pl.time.step)} = {tsum}",
             f"memory {_gb(pl.mem.total)} GB of {pl.capacity / 1e9:.0f} ({pl.mem.stage} stage) = {msum}")
 
 
@@ -293,7 +279,7 @@ def _main(args: argparse.Namespace) -> int:
         print(f"best: {best.par.label()}")
         for line in breakdown(best):
             print("  " + line)
-        print(f"  run: {_g(st.tokens)} tokens = {rs['steps']:,} steps in {_dur(rs['seconds'])} on {gpus} GPU(s), "
+        print(f"  run: {_g(st.tokens)} tokens = {rs['steps']:,} steps in {fmt_duration(rs['seconds'])} on {gpus} GPU(s), "
               f"{rs['gpu_hours']:,.0f} GPU-hours, ${rs['cost']:,.0f} at ${st.price:.2f}/GPU-hour (--price); "
               f"MFU {100 * best.time.mfu:.1f} %, HFU {100 * best.time.hfu:.1f} %")
         if calib is not None:
@@ -346,7 +332,7 @@ def _check_plan(f: dict, dev: Device, dtype: str, args: argparse.Namespace) -> N
         print("  " + explain_empty(res, shape, st, dev, int(f["gpus"])))
         return
     best = res.plans[0]
-    print(f"  best of {res.evaluated:,} layouts ({len(res.plans):,} fit): {best.par.label()}: {_dur(best.time.step)} per step, "
+    print(f"  best of {res.evaluated:,} layouts ({len(res.plans):,} fit): {best.par.label()}: {fmt_duration(best.time.step)} per step, "
           f"MFU {100 * best.time.mfu:.1f} %, {_gb(best.mem.total)} GB per GPU, bound by {best.bound}")
     if f.get("step_s"):
         print(f"  that is {best.time.step / f['step_s']:.1f}x the claimed {f['step_s']:g} s/step")

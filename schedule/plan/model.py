@@ -152,6 +152,21 @@ def megatron_flops_per_iteration(batch: int, seq: int, n_layer: int, d_model: in
     return 96.0 * batch * seq * n_layer * h * h * (1 + seq / (6 * h) + vocab / (16 * n_layer * h))
 
 
+def fmt_duration(s: float, seconds_digits: int = 2) -> str:
+    """A duration in the unit that reads best: µs, ms, s, min, h or days."""
+    if s < 1e-3:
+        return f"{s * 1e6:.0f} µs"
+    if s < 1:
+        return f"{s * 1e3:.1f} ms"
+    if s < 120:
+        return f"{s:.{seconds_digits}f} s"
+    if s < 2 * 3600:
+        return f"{s / 60:.1f} min"
+    if s < 3 * 86400:
+        return f"{s / 3600:.1f} h"
+    return f"{s / 86400:.1f} days"
+
+
 def fmt_count(n: float) -> str:
     """1.008e12 -> '1.01T', 7.5e9 -> '7.50B', 834304 -> '834.3K'."""
     for div, suf in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):

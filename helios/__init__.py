@@ -19,7 +19,7 @@ from helios.errors import (  # noqa: F401
 )
 from helios.dtypes import DType, bfloat16, float16, float32, int32, int64  # noqa: F401
 from helios.dtypes import bool_ as bool  # noqa: F401,A001
-from helios.runtime import current_device, devices, set_device, synchronize  # noqa: F401
+from helios.runtime import current_device, device, devices, set_device, synchronize  # noqa: F401
 from helios.tensor import Tensor  # noqa: F401
 from helios import functional  # noqa: F401  (attaches Tensor methods)
 from helios.functional import (  # noqa: F401
@@ -35,5 +35,6 @@ from helios.creation import (  # noqa: F401
 from helios.random import get_rng_state, manual_seed, set_rng_state  # noqa: F401
 from helios.autograd.tape import enable_grad, is_grad_enabled, no_grad  # noqa: F401
 from helios import profile  # noqa: F401,E402
+from helios import nn  # noqa: F401,E402  (helios.nn.functional too, as torch.nn.functional)
 
 __version__ = "0.1.0"

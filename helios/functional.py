@@ -14,11 +14,12 @@ from collections import namedtuple
 import numpy as np
 
 from helios import _kernels as K
+from helios import _transfer
 from helios import dtypes as dt
 from helios._shape import (broadcast_shapes, contiguous_strides, infer_reshape, norm_dim, norm_dims, numel,
                            view_strides)
 from helios.autograd.tape import NO_CONTEXT, Function, is_grad_enabled
-from helios.errors import DeviceError, DTypeError, InPlaceError, ShapeError
+from helios.errors import DTypeError, InPlaceError, ShapeError
 from helios.runtime import get_runtime
 from helios.tensor import Tensor
 
@@ -136,39 +137,19 @@ def check_memory_format(op: str, memory_format) -> None:
                          "(contiguous_format); permute the tensor for another layout")
 
 
-def _is_device(a) -> bool:
-    if not isinstance(a, str):
-        return type(a).__name__ == "device"
-    return a.startswith(("vulkan", "cpu", "cuda", "mps", "xpu", "meta")) and a not in dt._BY_NAME
-
-
 def to(x: Tensor, *args, dtype=None, device=None, non_blocking: bool = False, copy: bool = False,
        memory_format=None) -> Tensor:
     """``x`` as ``dtype`` and/or on ``device``, with PyTorch's forms: ``to(dtype)``,
     ``to(device, dtype)``, ``to(other)`` (other's dtype and device), then ``non_blocking``
     and ``copy`` (True: always a new tensor; ``non_blocking`` changes nothing, every op is
     asynchronous).  The same tensor when nothing changes.
-    Devices: only the tensor's own "vulkan:N" (moving between devices is refused)."""
+    Devices: "cpu" (host memory: see helios.runtime.HostRuntime) and "vulkan:N"; a move is
+    differentiable (the gradient moves back) and is followed by the dtype cast, if any."""
     _check_tensor(x, "to")
-    flags = []
-    for a in args:
-        if isinstance(a, Tensor):
-            dtype, device = a.dtype, a.device
-        elif isinstance(a, bool):
-            flags.append(a)
-        elif a is None:
-            continue
-        elif _is_device(a):
-            device = a
-        else:
-            dtype = a
-    if len(flags) > 2:
-        raise TypeError(f"to: too many bool arguments {flags}: expected non_blocking and copy")
-    if len(flags) > 1:  # flags[0] is non_blocking: every Helios op is already asynchronous
-        copy = flags[1]
-    d = x.dtype if dtype is None else dt.as_dtype(dtype)
-    if device is not None and get_runtime(str(device)) is not x._st.rt:
-        raise DeviceError(f"to({device!r}): moving tensors between devices is not supported; create the tensor there")
+    device, dtype, copy = _transfer.parse_to_args(args, {"device": device, "dtype": dtype, "copy": copy})
+    if device is not None and get_runtime(device) is not x._st.rt:
+        x, copy = _transfer.to_device(x, device), False  # a new tensor already
+    d = x.dtype if dtype is None else dtype
     check_memory_format("to", memory_format)
     if d is x.dtype:
         return clone(x) if copy else x

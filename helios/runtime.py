@@ -14,6 +14,8 @@ import os
 import time
 from dataclasses import dataclass
 
+import numpy as np
+
 from helios.errors import DeviceError, OutOfMemoryError
 from helios.kernels_spirv import registry
 from helios.profile import debug as _debug
@@ -66,19 +68,87 @@ def devices() -> list[DeviceInfo]:
     return [DeviceInfo(f"vulkan:{d['index']}", d["name"], d["type"], d) for d in vk.enumerate_devices()]
 
 
-def _parse_device(spec: str) -> int:
-    if not isinstance(spec, str) or not spec.startswith("vulkan"):
-        raise DeviceError(f"unknown device {spec!r}: expected 'vulkan' or 'vulkan:N' (see helios.devices())")
-    if spec == "vulkan":
-        return 0
+def _vulkan_names() -> list[str]:
+    """"vulkan:N (name)" of every Vulkan device, or nothing where the addon cannot load."""
     try:
-        return int(spec.split(":", 1)[1])
-    except ValueError:
-        raise DeviceError(f"bad device {spec!r}: expected 'vulkan:N' with N an integer") from None
+        return [f"vulkan:{d['index']} ({d['name']})" for d in _addon().enumerate_devices()]
+    except DeviceError:
+        return []
+
+
+def device_names() -> str:
+    """The devices a tensor can live on, for error messages: "cpu, vulkan:0 (llvmpipe ...)"."""
+    return ", ".join(["cpu"] + _vulkan_names())
+
+
+def _parse_device(spec) -> int | None:
+    """The Vulkan index ``spec`` names, or None for "cpu".
+
+    ``spec``: "cpu", "vulkan" (the current Vulkan device), "vulkan:N", a :class:`device`, or an
+    int N (vulkan:N).  Anything else is a DeviceError naming it and the devices that exist."""
+    if isinstance(spec, int) and not isinstance(spec, bool) and spec >= 0:
+        return spec
+    if not isinstance(spec, str):  # torch.device and the like: their str() is the name
+        spec = str(spec) if type(spec).__name__ == "device" else spec
+    if not isinstance(spec, str):
+        raise DeviceError(f"unknown device {spec!r} ({type(spec).__name__}): expected 'cpu', 'vulkan' or 'vulkan:N'; "
+                          f"devices here: {device_names()}")
+    kind, sep, num = spec.strip().partition(":")
+    if kind == "cpu" and (not sep or num == "0"):
+        return None
+    if kind == "vulkan":
+        if not sep:
+            return _current.index if _current is not None else _parse_device(os.environ.get("HELIOS_DEVICE", "vulkan:0"))
+        if num.isdigit():
+            return int(num)
+        raise DeviceError(f"bad device {spec!r}: expected 'vulkan:N' with N an integer; devices here: {device_names()}")
+    raise DeviceError(f"unknown device {spec!r}: expected 'cpu', 'vulkan' or 'vulkan:N'; devices here: {device_names()}")
+
+
+class device(str):
+    """A device as PyTorch spells it: ``device("vulkan:0")``, ``device("vulkan", 0)``,
+    ``device("cpu")``; ``.type`` ("cpu" or "vulkan") and ``.index`` (None for "cpu" and for a
+    bare "vulkan", which means the current Vulkan device).  It is a ``str`` subclass, so
+    ``t.device == "vulkan:0"`` holds and it goes wherever a device name goes.  Naming a device
+    that does not exist is not checked here but where a tensor is put on it."""
+
+    def __new__(cls, type_or_name="vulkan", index: int | None = None):
+        if isinstance(type_or_name, device) and index is None:
+            return type_or_name
+        if isinstance(type_or_name, int) and not isinstance(type_or_name, bool) and index is None:
+            type_or_name = f"vulkan:{type_or_name}"
+        name = str(type_or_name) if type(type_or_name).__name__ == "device" else type_or_name
+        if not isinstance(name, str):
+            raise DeviceError(f"unknown device {type_or_name!r}: expected 'cpu', 'vulkan' or 'vulkan:N'; "
+                              f"devices here: {device_names()}")
+        if index is not None:
+            if ":" in name:
+                raise DeviceError(f"device({name!r}, {index}): give the index once, in the name or as the second argument")
+            name = f"{name}:{int(index)}"
+        if name.strip() == "cpu:0":
+            name = "cpu"
+        idx = _parse_device(name)  # validates the spelling
+        kind = "cpu" if idx is None else "vulkan"
+        out = str.__new__(cls, kind if ":" not in name else f"{kind}:{idx}")
+        out._type, out._index = kind, (idx if ":" in name else None)
+        return out
+
+    @property
+    def type(self) -> str:
+        return self._type
+
+    @property
+    def index(self) -> int | None:
+        return self._index
+
+    def __repr__(self) -> str:
+        return f"device(type={self._type!r})" if self._index is None else f"device(type={self._type!r}, index={self._index})"
 
 
 class Runtime:
     """One open Vulkan device: pipelines, dispatch, memory, synchronisation."""
+
+    is_host = False
 
     def __init__(self, index: int):
         vk = _addon()
@@ -87,10 +157,10 @@ class Runtime:
             reason = vk.last_error() if hasattr(vk, "last_error") else "no device"
             raise DeviceError(f"no Vulkan device found ({reason}). {INSTALL_HINT}")
         if not 0 <= index < len(found):
-            names = ", ".join(f"vulkan:{d['index']} ({d['name']})" for d in found)
-            raise DeviceError(f"no device vulkan:{index}: this machine has {names}")
+            raise DeviceError(f"no device vulkan:{index}: devices here: {device_names()}")
         self.index = index
         self.name = f"vulkan:{index}"
+        self.device = device(self.name)
         cache = os.path.join(registry.cache_dir(), "pipelines")
         os.makedirs(cache, exist_ok=True)
         self.dev = vk.Device(index, cache)
@@ -138,11 +208,17 @@ class Runtime:
         col = _prof._ACTIVE
         if self.debug:
             self._debug_kernels.append((self._kernel_of_pipeline.get(pid), _debug_operand[0]))
-        if col is None:
+        try:
+            if col is None:
+                self.dev.dispatch(pid, buffers, push, groups, name, flops, nbytes)
+                return
+            t0 = time.monotonic_ns()
             self.dev.dispatch(pid, buffers, push, groups, name, flops, nbytes)
-            return
-        t0 = time.monotonic_ns()
-        self.dev.dispatch(pid, buffers, push, groups, name, flops, nbytes)
+        except TypeError:
+            if any(not isinstance(b[0], int) for b in buffers):  # a cpu tensor's buffer among the operands
+                raise DeviceError(f"{name}: an operand is a cpu tensor and the others are on {self.name}; "
+                                  f"move it first with .to({self.name!r})") from None
+            raise
         self._traced(col, name, t0)
 
     def fill(self, handle: int, offset: int, nbytes: int, word: int) -> None:
@@ -192,6 +268,66 @@ class Runtime:
                                   level=self.debug, source=src, binary=spv)
 
 
+class _HostMemory:
+    """The allocator half of the "cpu" device: allocations are numpy byte buffers."""
+
+    def read(self, handle, offset: int, out) -> None:
+        out[...] = handle[offset:offset + out.nbytes]
+
+    def write(self, handle, offset: int, data) -> None:
+        data = data.reshape(-1).view(np.uint8)
+        handle[offset:offset + data.nbytes] = data
+
+    def synchronize(self) -> None:
+        pass
+
+    def pool_stats(self) -> dict:
+        return {}
+
+
+class HostRuntime:
+    """The "cpu" device: tensors whose bytes are numpy buffers in host memory.
+
+    A cpu tensor holds data: ``numpy()``, ``item()``, ``tolist()``, views (reshape, slicing,
+    transpose...), ``contiguous()``, ``clone()``, dtype casts, ``copy_()``, ``fill_``/``zero_``,
+    ``helios.save`` and ``.to()`` back to a Vulkan device.  It runs no kernels: any other op on
+    it is a DeviceError saying to move it to a Vulkan device first."""
+
+    is_host = True
+    name = "cpu"
+    index = None
+    max_range = 1 << 62  # no binding limit: nothing is bound
+    align = 64
+    features = {"storage16": True, "storage8": True, "int64": True}
+    info = {"name": "host memory", "type": "cpu", "features": features, "limits": {}}
+
+    def __init__(self):
+        self.dev = _HostMemory()
+        self.device = device("cpu")
+
+    def alloc(self, nbytes: int, pool: str = "activations"):
+        return np.empty(max(8, (nbytes + 7) & ~7), dtype=np.uint8)  # 8-aligned: any dtype views it
+
+    def free(self, handle) -> None:
+        pass
+
+    def fill(self, handle, offset: int, nbytes: int, word: int) -> None:
+        handle[offset:offset + nbytes].view(np.uint32)[...] = word
+
+    def synchronize(self) -> None:
+        pass
+
+    def pipeline(self, kernel: str, variant: str, spec: tuple = ()):
+        target = _current.name if _current is not None else "vulkan:0"
+        raise DeviceError(f"{kernel}: the tensor is on cpu, where Helios keeps data but runs no kernels "
+                          f"(numpy(), item(), views, casts, copies and save work there); move it first with .to({target!r})")
+
+    def dispatch(self, *args, **kwargs):  # pragma: no cover - pipeline() refuses first
+        self.pipeline(args[4] if len(args) > 4 else "op", "")
+
+
+HOST = HostRuntime()
+
 _current: Runtime | None = None
 _runtimes: dict[int, Runtime] = {}
 
@@ -200,6 +336,9 @@ def set_device(spec: str) -> None:
     """Make ``spec`` ("vulkan:N") the device new tensors go to."""
     global _current
     idx = _parse_device(spec)
+    if idx is None:
+        raise DeviceError("set_device('cpu'): the current device runs the ops, and cpu tensors only hold data; "
+                          f"choose a Vulkan device ({device_names()}) and move results with .to('cpu')")
     rt = _runtimes.get(idx)
     if rt is None:
         rt = _runtimes[idx] = Runtime(idx)
@@ -207,9 +346,13 @@ def set_device(spec: str) -> None:
 
 
 def get_runtime(spec: str | None = None) -> Runtime:
-    """The runtime of ``spec``, or of the current device (opened on first use)."""
+    """The runtime of ``spec`` ("cpu" gives :data:`HOST`), or of the current device (opened on first use)."""
     if spec is not None:
+        if isinstance(spec, (Runtime, HostRuntime)):
+            return spec
         idx = _parse_device(spec)
+        if idx is None:
+            return HOST
         if idx not in _runtimes:
             _runtimes[idx] = Runtime(idx)
         return _runtimes[idx]

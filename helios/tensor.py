@@ -62,8 +62,19 @@ class Tensor:
 
     # -- metadata -----------------------------------------------------------------------
     @property
-    def device(self) -> str:
-        return self._st.rt.name
+    def device(self):
+        """Where the data lives: a :class:`helios.device` ("vulkan:N", or "cpu" for host memory);
+        it is a str, so ``t.device == "vulkan:0"`` works."""
+        return self._st.rt.device
+
+    @property
+    def is_cpu(self) -> bool:
+        return self._st.rt.is_host
+
+    def cpu(self) -> Tensor:
+        """A copy in host memory (the same tensor if it is there already): a cpu tensor holds data
+        (numpy(), item(), views, casts, copies, save) and runs no kernels; ``.to("vulkan:0")`` moves it back."""
+        return self.to("cpu")
 
     @property
     def ndim(self) -> int:

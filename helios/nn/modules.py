@@ -1,15 +1,23 @@
-"""helios.nn: Module and the layers of a GPT.
+"""The modules of helios.nn: ``Module``, PyTorch's layers, activations and containers, and a GPT.
 
 ``Module`` registers parameters and sub-modules on attribute assignment (like
-PyTorch).  The GPT follows GPT-2: learned position embeddings, pre-LayerNorm blocks,
-tied input/output embeddings, and GPT-2's initialisation (normal(0, 0.02), residual
+PyTorch).  The layers take PyTorch's constructor arguments (``device=`` and ``dtype=``
+included) and name their parameters as PyTorch does, so state-dict keys match
+``torch.nn``'s for the same module tree.  Weights start as GPT-2 initialises them
+(normal(0, 0.02), ``std=`` and ``seed=`` keywords) rather than PyTorch's
+Kaiming-uniform: load a state dict for PyTorch's exact values.
+
+The GPT follows GPT-2: learned position embeddings, pre-LayerNorm blocks, tied
+input/output embeddings, and GPT-2's initialisation (normal(0, 0.02), residual
 projections scaled by 1/sqrt(2 * n_layer)).
 """
 
 from __future__ import annotations
 
 import math
+import operator
 from collections import OrderedDict
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -17,6 +25,8 @@ import numpy as np
 import helios.functional as F
 from helios import _kernels as K
 from helios import dtypes as dt
+from helios._transfer import parse_to_args
+from helios.autograd.tape import no_grad
 from helios.creation import normal, ones, zeros
 from helios.errors import CheckpointError
 from helios.tensor import Tensor
@@ -42,6 +52,10 @@ class Module:
     def __setattr__(self, name, value):
         if "_parameters" not in self.__dict__:
             raise RuntimeError(f"{type(self).__name__}.__init__ must call super().__init__() before assigning attributes")
+        if isinstance(value, Tensor) and not isinstance(value, Parameter) and name in self._buffers:
+            self._buffers[name] = value  # a new value for a buffer stays a buffer (as in PyTorch)
+            object.__setattr__(self, name, value)
+            return
         for d in (self._parameters, self._modules, self._buffers):
             d.pop(name, None)
         if isinstance(value, Parameter):
@@ -50,10 +64,77 @@ class Module:
             self._modules[name] = value
         object.__setattr__(self, name, value)
 
-    def register_buffer(self, name: str, value: Tensor) -> None:
+    def __getattr__(self, name):
+        # Only reached when normal lookup fails: children registered under names that are not
+        # attributes (a ModuleDict's keys, a Sequential's "0", "1" ...).
+        d = self.__dict__
+        for table in ("_parameters", "_modules", "_buffers"):
+            if table in d and name in d[table]:
+                return d[table][name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __delattr__(self, name):
+        for table in ("_parameters", "_modules", "_buffers"):
+            self.__dict__[table].pop(name, None)
+        self.__dict__.pop(name, None)
+
+    def add_module(self, name: str, module: "Module | None") -> None:
+        """Register ``module`` as the child ``name`` (PyTorch's add_module)."""
+        if not isinstance(name, str) or not name or "." in name:
+            raise KeyError(f"module name must be a non-empty string without '.', got {name!r}")
+        if module is not None and not isinstance(module, Module):
+            raise TypeError(f"{type(module).__name__} is not a Module subclass")
+        if name in self.__dict__ and name not in self._modules:
+            raise KeyError(f"add_module: attribute {name!r} already exists")
+        for table in (self._parameters, self._buffers):
+            table.pop(name, None)
+        self.__dict__.pop(name, None)  # the child is reached through __getattr__
+        self._modules[name] = module
+
+    register_module = add_module
+
+    def register_parameter(self, name: str, param: "Parameter | None") -> None:
+        """Register ``param`` under ``name`` (None: the name exists with no parameter, as a bias=False layer)."""
+        if param is not None and not isinstance(param, Parameter):
+            raise TypeError(f"register_parameter({name!r}): expected a helios.nn.Parameter or None, got {type(param).__name__}")
+        setattr(self, name, param)
+
+    def register_buffer(self, name: str, value: Tensor, persistent: bool = True) -> None:
         """A tensor that is part of the module's state but not a parameter (not in state_dict)."""
         object.__setattr__(self, name, value)
         self._buffers[name] = value
+
+    def named_children(self):
+        for name, m in self._modules.items():
+            if m is not None:
+                yield name, m
+
+    def children(self):
+        for _, m in self.named_children():
+            yield m
+
+    def apply(self, fn) -> "Module":
+        """Call ``fn`` on every sub-module (children first) and on this module."""
+        for m in self.children():
+            m.apply(fn)
+        fn(self)
+        return self
+
+    def requires_grad_(self, requires_grad: bool = True) -> "Module":
+        for p in self.parameters():
+            p.requires_grad_(requires_grad)
+        return self
+
+    def extra_repr(self) -> str:
+        return ""
+
+    def __repr__(self) -> str:
+        lines = [f"({name}): " + repr(m).replace("\n", "\n  ") for name, m in self.named_children()]
+        extra = self.extra_repr()
+        if not lines:
+            return f"{type(self).__name__}({extra})"
+        head = [extra] if extra else []
+        return f"{type(self).__name__}(\n  " + "\n  ".join(head + lines) + "\n)"
 
     def __call__(self, *args, **kwargs):
         return self.forward(*args, **kwargs)
@@ -63,7 +144,7 @@ class Module:
 
     def named_modules(self, prefix: str = ""):
         yield prefix, self
-        for name, m in self._modules.items():
+        for name, m in self.named_children():
             yield from m.named_modules(f"{prefix}.{name}" if prefix else name)
 
     def modules(self):
@@ -101,13 +182,50 @@ class Module:
     def eval(self) -> "Module":
         return self.train(False)
 
-    def to(self, device=None) -> "Module":
-        """The same module: parameters live on the device they were made on; naming another
-        device is a DeviceError (``F.to`` checks it), a dtype or None is a no-op."""
-        if isinstance(device, str):
-            for p in self.parameters():
-                F.to(p, device)
+    def to(self, *args, **kwargs) -> "Module":
+        """Move and/or cast every parameter and buffer in place, with the forms of ``Tensor.to``:
+        ``to("cpu")``, ``to("vulkan:0")``, ``to(helios.bfloat16)``, ``to(device, dtype)``,
+        ``to(tensor)``, ``to(device=..., dtype=...)``.  A dtype applies to floating-point tensors
+        only.  The parameters stay the same objects (an optimizer made earlier keeps working);
+        their gradients move with them."""
+        device, dtype, _ = parse_to_args(args, dict(kwargs), "Module.to")
+        if dtype is not None and not dtype.is_floating_point:
+            raise TypeError(f"Module.to: only floating-point dtypes can be given, got {dtype.name}")
+        if device is None and dtype is None:
+            return self
+
+        def convert(t: Tensor) -> None:
+            new = t.detach()
+            if device is not None:
+                new = F.to(new, device=device)
+            if dtype is not None and new.dtype.is_floating_point:
+                new = F.to(new, dtype)
+            if new._st is not t._st or new.dtype is not t.dtype:
+                t._st, t.shape, t._strides, t._off, t.dtype, t._host = (new._st, new.shape, new._strides, new._off,
+                                                                        new.dtype, new._host)
+
+        seen = set()
+        with no_grad():
+            for t in [p for p in self.parameters()] + [b for _, b in self.named_buffers()]:
+                if id(t) in seen:
+                    continue
+                seen.add(id(t))
+                convert(t)
+                if getattr(t, "grad", None) is not None:
+                    convert(t.grad)
         return self
+
+    def cpu(self) -> "Module":
+        return self.to("cpu")
+
+    def float(self) -> "Module":
+        return self.to(dt.float32)
+
+    def half(self) -> "Module":
+        return self.to(dt.float16)
+
+    def bfloat16(self) -> "Module":
+        return self.to(dt.bfloat16)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.parameters():
@@ -137,67 +255,232 @@ class Module:
             if mismatched:
                 parts.append(f"shape mismatches: {'; '.join(mismatched)}")
             raise CheckpointError(f"load_state_dict into {type(self).__name__} failed: " + " | ".join(parts))
-        from helios.autograd.tape import no_grad
-
         with no_grad():
             for k, p in own.items():
                 if k in state:
                     F.copy_(p, state[k])
 
 
-class Linear(Module):
-    """y = x @ W^T + b, W of shape [out_features, in_features]."""
+def _new_param(t: Tensor, device, dtype, requires_grad: bool = True) -> "Parameter":
+    """A parameter from a freshly made float32 tensor, cast to ``dtype`` and put on ``device``."""
+    if dtype is not None:
+        t = F.to(t, dtype)
+    if device is not None:
+        t = F.to(t, device=device)
+    return Parameter(t, requires_grad)
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, std: float = 0.02, seed: int | None = None):
+
+def _shape_tuple(shape) -> tuple:
+    return (int(shape),) if isinstance(shape, int) else tuple(int(s) for s in shape)
+
+
+class Linear(Module):
+    """y = x @ W^T + b, W of shape [out_features, in_features] (PyTorch's ``nn.Linear``).
+
+    The weight starts as normal(0, ``std``) (GPT-2's 0.02) and the bias as zeros."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *,
+                 std: float = 0.02, seed: int | None = None):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.weight = Parameter(normal(0.0, std, (out_features, in_features), seed=seed))
-        self.bias = Parameter(zeros(out_features)) if bias else None
+        self.weight = _new_param(normal(0.0, std, (out_features, in_features), seed=seed), device, dtype)
+        self.bias = _new_param(zeros(out_features), device, dtype) if bias else None
 
     def forward(self, x: Tensor) -> Tensor:
         return F.linear(x, self.weight, self.bias)
 
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
 
 class Embedding(Module):
-    """A lookup table of ``num_embeddings`` vectors of size ``embedding_dim``."""
+    """A lookup table of ``num_embeddings`` vectors of size ``embedding_dim`` (PyTorch's ``nn.Embedding``).
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, std: float = 0.02, seed: int | None = None):
+    The table starts as normal(0, ``std``) (GPT-2's 0.02; PyTorch's is 1.0).  ``padding_idx``:
+    that row starts at zero and its gradient is zeroed after every backward, as in PyTorch.
+    ``max_norm``, ``scale_grad_by_freq`` and ``sparse`` are not supported."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None, max_norm=None,
+                 norm_type: float = 2.0, scale_grad_by_freq: bool = False, sparse: bool = False, _weight=None,
+                 _freeze: bool = False, device=None, dtype=None, *, std: float = 0.02, seed: int | None = None):
         super().__init__()
-        self.weight = Parameter(normal(0.0, std, (num_embeddings, embedding_dim), seed=seed))
+        for name, value, default in (("max_norm", max_norm, None), ("scale_grad_by_freq", scale_grad_by_freq, False),
+                                     ("sparse", sparse, False)):
+            if value != default:
+                raise ValueError(f"Embedding({name}={value!r}) is not supported; leave {name} at {default!r}")
+        if padding_idx is not None:
+            if not -num_embeddings <= padding_idx < num_embeddings:
+                raise ValueError(f"Embedding: padding_idx {padding_idx} is outside [-{num_embeddings}, {num_embeddings})")
+            padding_idx %= num_embeddings
+        self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, padding_idx
+        if _weight is None:
+            w = normal(0.0, std, (num_embeddings, embedding_dim), seed=seed)
+            if padding_idx is not None:
+                w[padding_idx] = 0.0
+        else:
+            if tuple(_weight.shape) != (num_embeddings, embedding_dim):
+                raise ValueError(f"Embedding: _weight has shape {tuple(_weight.shape)}, expected "
+                                 f"{(num_embeddings, embedding_dim)}")
+            w = _weight.detach() if isinstance(_weight, Tensor) else K.from_numpy(np.asarray(_weight), dt.float32, None)
+        self.weight = _new_param(w, device, dtype, requires_grad=not _freeze)
+        if padding_idx is not None:
+            self.weight.register_post_accumulate_grad_hook(self._zero_padding_grad)
+
+    def _zero_padding_grad(self, p: Tensor) -> None:
+        if p.grad is not None:
+            with no_grad():
+                p.grad[self.padding_idx] = 0.0
+
+    @classmethod
+    def from_pretrained(cls, embeddings, freeze: bool = True, padding_idx: int | None = None, **kwargs) -> "Embedding":
+        """An Embedding whose table is ``embeddings`` (a copy), frozen unless ``freeze=False``."""
+        rows, cols = embeddings.shape
+        return cls(rows, cols, padding_idx=padding_idx, _weight=F.clone(embeddings.detach()), _freeze=freeze, **kwargs)
 
     def forward(self, idx: Tensor) -> Tensor:
         return F.embedding(idx, self.weight)
 
+    def extra_repr(self) -> str:
+        pad = f", padding_idx={self.padding_idx}" if self.padding_idx is not None else ""
+        return f"{self.num_embeddings}, {self.embedding_dim}{pad}"
+
 
 class LayerNorm(Module):
-    """LayerNorm over the last dim with optional bias."""
+    """LayerNorm over the last ``len(normalized_shape)`` dims (PyTorch's ``nn.LayerNorm``)."""
 
-    def __init__(self, dim: int, bias: bool = True, eps: float = 1e-5):
+    def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True, bias: bool = True,
+                 device=None, dtype=None):
         super().__init__()
-        self.eps = eps
-        self.weight = Parameter(ones(dim))
-        self.bias = Parameter(zeros(dim)) if bias else None
+        self.normalized_shape = _shape_tuple(normalized_shape)
+        self.eps, self.elementwise_affine = eps, elementwise_affine
+        self.weight = _new_param(ones(*self.normalized_shape), device, dtype) if elementwise_affine else None
+        self.bias = _new_param(zeros(*self.normalized_shape), device, dtype) if elementwise_affine and bias else None
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+        return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}, bias={self.bias is not None}"
+
+
+_FINFO_EPS = {"float32": 2.0 ** -23, "float16": 2.0 ** -10, "bfloat16": 2.0 ** -7}
+
+
+class RMSNorm(Module):
+    """y = x / sqrt(mean(x^2 over the last dims) + eps) * weight (PyTorch's ``nn.RMSNorm``);
+    ``eps=None`` is the machine epsilon of the input's dtype, as in PyTorch."""
+
+    def __init__(self, normalized_shape, eps: float | None = None, elementwise_affine: bool = True, device=None, dtype=None):
+        super().__init__()
+        self.normalized_shape = _shape_tuple(normalized_shape)
+        self.eps, self.elementwise_affine = eps, elementwise_affine
+        self.weight = _new_param(ones(*self.normalized_shape), device, dtype) if elementwise_affine else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        n = len(self.normalized_shape)
+        if tuple(x.shape[x.ndim - n:]) != self.normalized_shape:
+            raise ValueError(f"RMSNorm: input shape {x.shape} does not end with normalized_shape {self.normalized_shape}")
+        eps = self.eps if self.eps is not None else _FINFO_EPS.get(x.dtype.name, _FINFO_EPS["float32"])
+        dims = tuple(range(x.ndim - n, x.ndim))
+        y = x * F.rsqrt(F.mean(x * x, dim=dims, keepdim=True) + eps)
+        return y * self.weight if self.weight is not None else y
+
+    def extra_repr(self) -> str:
+        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
 
 
 class Dropout(Module):
-    def __init__(self, p: float = 0.0):
+    """Zero each element with probability ``p`` in training, scaling the rest by 1 / (1 - p)."""
+
+    def __init__(self, p: float = 0.5, inplace: bool = False):
         super().__init__()
-        self.p = p
+        if not 0.0 <= p <= 1.0:
+            raise ValueError(f"Dropout: p must be in [0, 1], got {p}")
+        self.p, self.inplace = p, inplace
 
     def forward(self, x: Tensor) -> Tensor:
         return F.dropout(x, self.p, self.training)
 
+    def extra_repr(self) -> str:
+        return f"p={self.p}, inplace={self.inplace}"
+
 
 class GELU(Module):
-    def __init__(self, approximate: str = "tanh"):
+    """GELU; ``approximate="tanh"`` is GPT-2's tanh form, ``"none"`` (PyTorch's default) the erf form."""
+
+    def __init__(self, approximate: str = "none"):
         super().__init__()
         self.approximate = approximate
 
     def forward(self, x: Tensor) -> Tensor:
         return F.gelu(x, approximate=self.approximate)
+
+    def extra_repr(self) -> str:
+        return f"approximate={self.approximate!r}"
+
+
+class ReLU(Module):
+    """max(x, 0).  ``inplace`` is accepted and gives a new tensor (the tape records no in-place ops)."""
+
+    def __init__(self, inplace: bool = False):
+        super().__init__()
+        self.inplace = inplace
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.relu(x)
+
+    def extra_repr(self) -> str:
+        return "inplace=True" if self.inplace else ""
+
+
+class SiLU(Module):
+    """x * sigmoid(x) (swish).  ``inplace`` is accepted and gives a new tensor."""
+
+    def __init__(self, inplace: bool = False):
+        super().__init__()
+        self.inplace = inplace
+
+    def forward(self, x: Tensor) -> Tensor:
+        silu = getattr(F, "silu", None)
+        return silu(x) if silu is not None else x * F.sigmoid(x)
+
+    def extra_repr(self) -> str:
+        return "inplace=True" if self.inplace else ""
+
+
+class Tanh(Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return F.tanh(x)
+
+
+class Sigmoid(Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return F.sigmoid(x)
+
+
+class Softmax(Module):
+    """softmax over ``dim`` (None: PyTorch's legacy choice, dim 0 for 0-, 1- and 3-d inputs, else 1)."""
+
+    def __init__(self, dim: int | None = None):
+        super().__init__()
+        self.dim = dim
+
+    def forward(self, x: Tensor) -> Tensor:
+        dim = self.dim if self.dim is not None else (0 if x.ndim in (0, 1, 3) else 1)
+        return F.softmax(x, dim)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}"
+
+
+class Identity(Module):
+    """Returns its input; takes (and ignores) any constructor arguments, as in PyTorch."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__()
+
+    def forward(self, x):
+        return x
 
 
 @dataclass
@@ -315,21 +598,176 @@ def _positions(T: int, rt) -> Tensor:
     return t
 
 
-class ModuleList(Module):
-    """A list of modules, registered as children named 0, 1, ..."""
+def _index(i, n: int, what: str) -> int:
+    i = operator.index(i)
+    if not -n <= i < n:
+        raise IndexError(f"{what} index {i} is out of range for {n} modules")
+    return i % n
 
-    def __init__(self, modules):
+
+class Sequential(Module):
+    """Modules called one after another: ``Sequential(m0, m1, ...)`` (children "0", "1", ...) or
+    ``Sequential(OrderedDict(name=module, ...))``.  Indexing (a slice gives a Sequential),
+    ``len``, iteration, ``append``, ``extend``, ``insert``, ``pop`` and ``del`` as in PyTorch."""
+
+    def __init__(self, *args):
         super().__init__()
-        self._list = []
-        for i, m in enumerate(modules):
-            setattr(self, str(i), m)
-            self._list.append(m)
+        if len(args) == 1 and isinstance(args[0], Mapping):
+            for name, m in args[0].items():
+                self.add_module(name, m)
+        else:
+            for i, m in enumerate(args):
+                self.add_module(str(i), m)
 
-    def __iter__(self):
-        return iter(self._list)
-
-    def __len__(self):
-        return len(self._list)
+    def _items(self) -> list:
+        return list(self._modules.items())
 
     def __getitem__(self, i):
-        return self._list[i]
+        if isinstance(i, slice):
+            return type(self)(OrderedDict(self._items()[i]))
+        return self._items()[_index(i, len(self), "Sequential")][1]
+
+    def __setitem__(self, i, module: Module) -> None:
+        self.add_module(self._items()[_index(i, len(self), "Sequential")][0], module)
+
+    def __delitem__(self, i) -> None:
+        mods = list(self._modules.values())
+        del mods[i if isinstance(i, slice) else _index(i, len(mods), "Sequential")]
+        self._modules.clear()  # renumbered "0", "1", ... as PyTorch does
+        for j, m in enumerate(mods):
+            self.add_module(str(j), m)
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def __iter__(self):
+        return iter(self._modules.values())
+
+    def append(self, module: Module) -> "Sequential":
+        self.add_module(str(len(self)), module)
+        return self
+
+    def extend(self, modules: Iterable) -> "Sequential":
+        for m in modules:
+            self.append(m)
+        return self
+
+    def insert(self, index: int, module: Module) -> "Sequential":
+        n = len(self)
+        if not -n <= index <= n:
+            raise IndexError(f"Sequential.insert: index {index} is out of range for {n} modules")
+        mods = list(self._modules.values())
+        mods.insert(index % (n + 1) if index < 0 else index, module)
+        self._modules.clear()
+        for j, m in enumerate(mods):
+            self.add_module(str(j), m)
+        return self
+
+    def pop(self, index: int = -1) -> Module:
+        m = self[index]
+        del self[index]
+        return m
+
+    def forward(self, x):
+        for m in self._modules.values():
+            x = m(x)
+        return x
+
+
+class ModuleList(Module):
+    """A list of modules, registered as children named 0, 1, ... (PyTorch's ``nn.ModuleList``)."""
+
+    def __init__(self, modules: Iterable | None = None):
+        super().__init__()
+        if modules is not None:
+            self.extend(modules)
+
+    def __iter__(self):
+        return iter(self._modules.values())
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def __getitem__(self, i):
+        mods = list(self._modules.values())
+        if isinstance(i, slice):
+            return type(self)(mods[i])
+        return mods[_index(i, len(mods), "ModuleList")]
+
+    def __setitem__(self, i, module: Module) -> None:
+        self.add_module(str(_index(i, len(self), "ModuleList")), module)
+
+    def __delitem__(self, i) -> None:
+        mods = list(self._modules.values())
+        del mods[i if isinstance(i, slice) else _index(i, len(mods), "ModuleList")]
+        self._modules.clear()
+        self.extend(mods)
+
+    def append(self, module: Module) -> "ModuleList":
+        self.add_module(str(len(self)), module)
+        return self
+
+    def extend(self, modules: Iterable) -> "ModuleList":
+        for m in modules:
+            self.append(m)
+        return self
+
+    def insert(self, index: int, module: Module) -> None:
+        mods = list(self._modules.values())
+        mods.insert(index, module)
+        self._modules.clear()
+        self.extend(mods)
+
+    def __iadd__(self, modules: Iterable) -> "ModuleList":
+        return self.extend(modules)
+
+
+class ModuleDict(Module):
+    """Modules by name (PyTorch's ``nn.ModuleDict``): ``md["name"]``, ``md.name``, ``in``, ``len``,
+    iteration over the names, ``keys()``, ``values()``, ``items()``, ``update``, ``pop``, ``clear``."""
+
+    def __init__(self, modules: Mapping | Iterable | None = None):
+        super().__init__()
+        if modules is not None:
+            self.update(modules)
+
+    def __getitem__(self, key: str) -> Module:
+        return self._modules[key]
+
+    def __setitem__(self, key: str, module: Module) -> None:
+        self.add_module(key, module)
+
+    def __delitem__(self, key: str) -> None:
+        del self._modules[key]
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def __iter__(self):
+        return iter(self._modules)
+
+    def __contains__(self, key) -> bool:
+        return key in self._modules
+
+    def keys(self):
+        return self._modules.keys()
+
+    def values(self):
+        return self._modules.values()
+
+    def items(self):
+        return self._modules.items()
+
+    def update(self, modules: Mapping | Iterable) -> None:
+        pairs = modules.items() if isinstance(modules, Mapping) else modules
+        for key, m in pairs:
+            self[key] = m
+
+    def pop(self, key: str) -> Module:
+        m = self._modules[key]
+        del self[key]
+        return m
+
+    def clear(self) -> None:
+        for key in list(self._modules):
+            del self[key]

@@ -36,5 +36,6 @@ from helios.random import get_rng_state, manual_seed, set_rng_state  # noqa: F40
 from helios.autograd.tape import enable_grad, is_grad_enabled, no_grad  # noqa: F401
 from helios import profile  # noqa: F401,E402
 from helios import nn  # noqa: F401,E402  (helios.nn.functional too, as torch.nn.functional)
+from helios.serialization import load, save  # noqa: F401,E402
 
 __version__ = "0.1.0"

@@ -125,8 +125,8 @@ def parse_to_args(args: tuple, kwargs: dict, op: str = "to"):
             flags.append(a)
         elif a is None:
             continue
-        elif isinstance(a, dt.DType) or (isinstance(a, str) and a in dt._BY_NAME and type(a) is str):
-            dtype = a
+        elif isinstance(a, dt.DType) or (type(a) is str and _names_a_dtype(a)):
+            dtype = a  # as_dtype below refuses the ones Helios lacks ("float64") as a DTypeError
         elif isinstance(a, (str, int)) or type(a).__name__ == "device":
             try:
                 _parse_device(a)
@@ -140,6 +140,16 @@ def parse_to_args(args: tuple, kwargs: dict, op: str = "to"):
     if len(flags) > 1:
         copy = flags[1]
     return device, (None if dtype is None else dt.as_dtype(dtype)), copy
+
+
+def _names_a_dtype(name: str) -> bool:
+    if name in dt._BY_NAME:
+        return True
+    try:
+        np.dtype(name)
+    except TypeError:
+        return False
+    return True
 
 
 def _not_device_or_dtype(op: str, a, devices: str):

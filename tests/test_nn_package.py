@@ -15,6 +15,7 @@ import torch
 import helios as hl
 import helios.functional as HF
 from helios import nn
+from helios.optim import SGD
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -253,12 +254,19 @@ def test_module_to_moves_and_casts_parameters_in_place():
     h = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
     _copy_weights(h, t)
     params = list(h.parameters())
-    opt = hl.optim.SGD(h.parameters(), lr=0.1) if hasattr(hl, "optim") else None
+    opt = SGD(h.parameters(), lr=0.1)
+    topt = torch.optim.SGD(t.parameters(), lr=0.1)
     assert h.to("cpu") is h and all(p.device == "cpu" for p in h.parameters())
     assert [id(p) for p in h.parameters()] == [id(p) for p in params]  # same objects
     h.to(device="vulkan:0")
     x = np.random.default_rng(0).standard_normal((5, 4)).astype(np.float32)
     np.testing.assert_allclose(h(hl.tensor(x)).numpy(), t(torch.tensor(x)).detach().numpy(), atol=1e-5)
+    for lib, model, o in ((hl, h, opt), (torch, t, topt)):  # the optimizer made before the moves still trains
+        model(lib.tensor(x)).sum().backward()
+        o.step()
+    for (k, p), (_, q) in zip(h.named_parameters(), t.named_parameters()):
+        np.testing.assert_allclose(p.numpy(), q.detach().numpy(), atol=1e-5, err_msg=k)
+    h.zero_grad()
     h.to(hl.bfloat16)
     assert all(p.dtype is hl.bfloat16 for p in h.parameters())
     h.to("cpu", hl.float32)
@@ -267,4 +275,3 @@ def test_module_to_moves_and_casts_parameters_in_place():
         h.to(hl.int64)
     with pytest.raises(hl.DeviceError, match="cuda:0"):
         h.to("cuda:0")
-    del opt

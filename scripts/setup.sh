@@ -37,8 +37,9 @@ fi
 
 [ -x .venv/bin/python ] || python3 -m venv .venv
 # Reinstall only when the build inputs changed (a stamp of their hash).
-extra=""
-[ "$want_tests" = 1 ] && extra="[test]"
+# [doctor]: the `vulkan` bindings (they dlopen libvulkan.so.1 from libvulkan1), helios-doctor's second opinion.
+extra="[doctor]"
+[ "$want_tests" = 1 ] && extra="[test,doctor]"
 stamp=".venv/.helios-install${want_tests}"
 hash=$(cat pyproject.toml setup.py helios/native/*.cpp helios/native/*.h comm/native/* kernels_spirv/glsl/* 2>/dev/null | sha256sum | cut -c1-32)
 # The test install is a superset of the plain one: after ./scripts/test.sh, ./scripts/train.sh reinstalls nothing.

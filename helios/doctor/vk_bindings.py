@@ -1,0 +1,346 @@
+"""Vulkan as the ``vulkan`` PyPI bindings (a cffi binding of the loader) see it: the doctor's second opinion.
+
+Nothing here touches Helios' native addon.  :func:`read_devices` walks the same Vulkan
+queries the addon makes (``helios/native/instance.cpp``) with the same rules -- the API
+version capped by the instance's, the same property/feature chains, the same compute
+queue family choice, the same device order -- so that each field of the addon's
+``enumerate_devices()`` dict can be recomputed independently and compared.  It also reads
+what the addon does not report (driver name, memory heaps and types, the subgroup size
+range, cooperative-matrix support, 16-bit arithmetic).
+
+The structs are built with the binding's ``ffi`` and the calls go to its ``lib`` directly:
+the binding's Python wrappers cannot chain ``pNext`` structs.
+"""
+
+from __future__ import annotations
+
+import os
+
+INSTALL_HINT = "pip install 'helios[doctor]' (the `vulkan` bindings, an independent check of the addon)"
+
+# VkPhysicalDeviceType -> (the addon's name, its sort rank): discrete first, lavapipe ("cpu") late.
+_TYPES = {2: ("discrete", 0), 1: ("integrated", 1), 3: ("virtual", 2), 4: ("cpu", 3)}
+_DEVICE_LOCAL, _HOST_VISIBLE, _HOST_COHERENT, _HOST_CACHED = 0x1, 0x2, 0x4, 0x8
+_HEAP_DEVICE_LOCAL = 0x1
+_QUEUE_GRAPHICS, _QUEUE_COMPUTE = 0x1, 0x2
+_TIME_DOMAIN_DEVICE, _TIME_DOMAIN_CLOCK_MONOTONIC = 0, 1
+_VENDOR_NVIDIA = 0x10DE
+
+
+def load():
+    """The ``vulkan`` module; raises ImportError (not installed) or OSError (no libvulkan.so.1)."""
+    import vulkan  # noqa: F401 - imported for its side effect of loading libvulkan.so.1
+
+    return vulkan
+
+
+def version_string(v: int) -> str:
+    """A packed Vulkan version (VK_MAKE_API_VERSION) as "major.minor.patch", as the addon prints it."""
+    return f"{(v >> 22) & 0x7F}.{(v >> 12) & 0x3FF}.{v & 0xFFF}"
+
+
+def driver_version_string(vendor_id: int, v: int) -> str:
+    """A driverVersion in the vendor's own packing (NVIDIA uses 10.8.8.6 bits; Mesa and most use Vulkan's)."""
+    if vendor_id == _VENDOR_NVIDIA:
+        return f"{(v >> 22) & 0x3FF}.{(v >> 14) & 0xFF}.{(v >> 6) & 0xFF}.{v & 0x3F}"
+    return version_string(v)
+
+
+def loader_library() -> str | None:
+    """The path of the libvulkan this process loaded (from /proc/self/maps), or None."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.split()[-1] if len(line.split()) >= 6 else ""
+                if "libvulkan.so" in os.path.basename(path):
+                    return path
+    except OSError:
+        pass
+    return None
+
+
+class _Reader:
+    """One instance of the bindings' loader and the queries on its physical devices."""
+
+    def __init__(self, vk) -> None:
+        self.vk, self.ffi, self.lib = vk, vk.ffi, vk.lib
+        ffi, lib = self.ffi, self.lib
+        ver = ffi.new("uint32_t *", 0x400000)  # a 1.0 loader lacks vkEnumerateInstanceVersion
+        try:
+            lib.vkEnumerateInstanceVersion(ver)
+        except AttributeError:
+            pass
+        self.loader_version = ver[0]
+        self._keep = []  # cffi objects that must outlive the calls that point at them
+        app = self._new("VkApplicationInfo", sType=vk.VK_STRUCTURE_TYPE_APPLICATION_INFO,
+                        pApplicationName=self._str("helios-doctor"), pEngineName=self._str("helios"),
+                        apiVersion=min(self.loader_version, (1 << 22) | (3 << 12)))
+        self.instance_api = app.apiVersion
+        ci = self._new("VkInstanceCreateInfo", sType=vk.VK_STRUCTURE_TYPE_INSTANCE_CREATE_INFO, pApplicationInfo=app)
+        # Portability drivers (MoltenVK) are listed only when asked for, as the addon asks.
+        if "VK_KHR_portability_enumeration" in self.instance_extensions():
+            names = ffi.new("char *[]", [self._str("VK_KHR_portability_enumeration")])
+            self._keep.append(names)
+            ci.enabledExtensionCount, ci.ppEnabledExtensionNames = 1, names
+            ci.flags = 0x1  # VK_INSTANCE_CREATE_ENUMERATE_PORTABILITY_BIT_KHR
+        inst = ffi.new("VkInstance *")
+        r = lib.vkCreateInstance(ci, ffi.NULL, inst)
+        if r != 0:
+            raise RuntimeError(f"vkCreateInstance failed (VkResult {r})")
+        self.instance = inst[0]
+
+    def close(self) -> None:
+        """Destroy the instance."""
+        self.lib.vkDestroyInstance(self.instance, self.ffi.NULL)
+
+    def _new(self, ctype: str, **fields):
+        obj = self.ffi.new(ctype + " *")
+        for k, v in fields.items():
+            setattr(obj, k, v)
+        return obj
+
+    def _str(self, s: str):
+        b = self.ffi.new("char[]", s.encode())
+        self._keep.append(b)
+        return b
+
+    def _chain(self, head, *links):
+        """Link ``head -> links[0] -> links[1] ...`` through pNext."""
+        prev = head
+        for link in links:
+            prev.pNext = link
+            prev = link
+
+    def instance_extensions(self) -> set[str]:
+        """Names of the loader's instance extensions."""
+        n = self.ffi.new("uint32_t *")
+        self.lib.vkEnumerateInstanceExtensionProperties(self.ffi.NULL, n, self.ffi.NULL)
+        arr = self.ffi.new("VkExtensionProperties[]", n[0])
+        self.lib.vkEnumerateInstanceExtensionProperties(self.ffi.NULL, n, arr)
+        return {self.ffi.string(arr[i].extensionName).decode() for i in range(n[0])}
+
+    def physical_devices(self) -> list:
+        """The loader's physical devices, in its own order."""
+        n = self.ffi.new("uint32_t *")
+        r = self.lib.vkEnumeratePhysicalDevices(self.instance, n, self.ffi.NULL)
+        if r < 0:
+            raise RuntimeError(f"vkEnumeratePhysicalDevices failed (VkResult {r})")
+        arr = self.ffi.new("VkPhysicalDevice[]", n[0])
+        self.lib.vkEnumeratePhysicalDevices(self.instance, n, arr)
+        return [arr[i] for i in range(n[0])]
+
+    def device_extensions(self, pd) -> set[str]:
+        """Names of ``pd``'s device extensions."""
+        n = self.ffi.new("uint32_t *")
+        self.lib.vkEnumerateDeviceExtensionProperties(pd, self.ffi.NULL, n, self.ffi.NULL)
+        arr = self.ffi.new("VkExtensionProperties[]", n[0])
+        self.lib.vkEnumerateDeviceExtensionProperties(pd, self.ffi.NULL, n, arr)
+        return {self.ffi.string(arr[i].extensionName).decode() for i in range(n[0])}
+
+    def _proc(self, name: str, pfn_type: str):
+        fp = self.lib.vkGetInstanceProcAddr(self.instance, name.encode())
+        return None if fp == self.ffi.NULL else self.ffi.cast(pfn_type, fp)
+
+    def describe(self, pd) -> dict | None:
+        """The addon's dict for ``pd`` (same keys, same rules) plus an ``extra`` dict; None if ``pd`` has no compute queue."""
+        vk, ffi, lib = self.vk, self.ffi, self.lib
+        base = ffi.new("VkPhysicalDeviceProperties *")
+        lib.vkGetPhysicalDeviceProperties(pd, base)
+        api = min(base.apiVersion, self.instance_api)
+        v11, v12, v13 = api >= (1 << 22 | 1 << 12), api >= (1 << 22 | 2 << 12), api >= (1 << 22 | 3 << 12)
+        exts = self.device_extensions(pd)
+        push_desc = "VK_KHR_push_descriptor" in exts
+
+        S = vk  # the sType constants live on the module
+        subgroup = self._new("VkPhysicalDeviceSubgroupProperties", sType=S.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SUBGROUP_PROPERTIES)
+        maint3 = self._new("VkPhysicalDeviceMaintenance3Properties", sType=S.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_MAINTENANCE_3_PROPERTIES)
+        maint4 = self._new("VkPhysicalDeviceMaintenance4Properties", sType=S.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_MAINTENANCE_4_PROPERTIES)
+        pushp = self._new("VkPhysicalDevicePushDescriptorPropertiesKHR",
+                          sType=S.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PUSH_DESCRIPTOR_PROPERTIES_KHR)
+        driver = self._new("VkPhysicalDeviceDriverProperties", sType=S.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_DRIVER_PROPERTIES)
+        sgsize = self._new("VkPhysicalDeviceSubgroupSizeControlProperties",
+                           sType=S.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SUBGROUP_SIZE_CONTROL_PROPERTIES)
+        have_driver = v12 or "VK_KHR_driver_properties" in exts
+        have_sgsize = v13 or "VK_EXT_subgroup_size_control" in exts
+        if v11:
+            props2 = self._new("VkPhysicalDeviceProperties2", sType=S.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PROPERTIES_2)
+            chain = [subgroup, maint3]
+            chain += [pushp] if push_desc else []
+            chain += [maint4] if v13 else []
+            chain += [driver] if have_driver else []
+            chain += [sgsize] if have_sgsize else []
+            self._chain(props2, *chain)
+            lib.vkGetPhysicalDeviceProperties2(pd, props2)
+
+        f2 = self._new("VkPhysicalDeviceFeatures2", sType=S.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2)
+        s16 = self._new("VkPhysicalDevice16BitStorageFeatures", sType=S.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_16BIT_STORAGE_FEATURES)
+        s8 = self._new("VkPhysicalDevice8BitStorageFeatures", sType=S.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_8BIT_STORAGE_FEATURES)
+        f16 = self._new("VkPhysicalDeviceShaderFloat16Int8Features",
+                        sType=S.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SHADER_FLOAT16_INT8_FEATURES)
+        coop_khr = self._new("VkPhysicalDeviceCooperativeMatrixFeaturesKHR",
+                             sType=S.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_KHR)
+        coop_nv = self._new("VkPhysicalDeviceCooperativeMatrixFeaturesNV",
+                            sType=S.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_NV)
+        has_khr_coop, has_nv_coop = "VK_KHR_cooperative_matrix" in exts, "VK_NV_cooperative_matrix" in exts
+        if v11:
+            chain = [s16]
+            chain += [s8] if v12 or "VK_KHR_8bit_storage" in exts else []
+            chain += [f16] if v12 or "VK_KHR_shader_float16_int8" in exts else []
+            chain += [coop_khr] if has_khr_coop else []
+            chain += [coop_nv] if has_nv_coop else []
+            self._chain(f2, *chain)
+            lib.vkGetPhysicalDeviceFeatures2(pd, f2)
+        else:
+            lib.vkGetPhysicalDeviceFeatures(pd, ffi.addressof(f2.features))
+
+        calibrated = False
+        if "VK_EXT_calibrated_timestamps" in exts:
+            get = self._proc("vkGetPhysicalDeviceCalibrateableTimeDomainsEXT", "PFN_vkGetPhysicalDeviceCalibrateableTimeDomainsEXT")
+            if get is not None:
+                n = ffi.new("uint32_t *")
+                get(pd, n, ffi.NULL)
+                doms = ffi.new("VkTimeDomainKHR[]", n[0])
+                get(pd, n, doms)
+                found = {int(doms[i]) for i in range(n[0])}
+                calibrated = _TIME_DOMAIN_DEVICE in found and _TIME_DOMAIN_CLOCK_MONOTONIC in found
+
+        mem = ffi.new("VkPhysicalDeviceMemoryProperties *")
+        lib.vkGetPhysicalDeviceMemoryProperties(pd, mem)
+        heaps = [{"size": int(mem.memoryHeaps[h].size), "device_local": bool(mem.memoryHeaps[h].flags & _HEAP_DEVICE_LOCAL)}
+                 for h in range(mem.memoryHeapCount)]
+        types = []
+        for t in range(mem.memoryTypeCount):
+            fl = mem.memoryTypes[t].propertyFlags
+            types.append({"heap": int(mem.memoryTypes[t].heapIndex), "device_local": bool(fl & _DEVICE_LOCAL),
+                          "host_visible": bool(fl & _HOST_VISIBLE), "host_coherent": bool(fl & _HOST_COHERENT),
+                          "host_cached": bool(fl & _HOST_CACHED)})
+        local = [h for h, hp in enumerate(heaps) if hp["device_local"]]
+        largest = max(local, key=lambda h: heaps[h]["size"]) if local else -1
+        unified = any(t["device_local"] and t["host_visible"] and t["heap"] == largest for t in types)
+
+        family, ts_bits, families = self._queue_family(pd)
+        if family is None:
+            return None
+        L = base.limits
+        name, rank = _TYPES.get(int(base.deviceType), ("other", 4))
+        uuid = bytes(ffi.buffer(base.pipelineCacheUUID, 16)).hex()
+        coop_ops = self._coop_shapes(pd) if has_khr_coop and coop_khr.cooperativeMatrix else []
+        return {
+            "name": ffi.string(base.deviceName).decode(errors="replace"),
+            "type": name,
+            "vendor_id": int(base.vendorID),
+            "device_id": int(base.deviceID),
+            "driver_version": int(base.driverVersion),
+            "api_version": version_string(base.apiVersion),
+            "pipeline_cache_uuid": uuid,
+            "limits": {
+                "max_storage_buffer_range": int(L.maxStorageBufferRange),
+                "max_shared_memory": int(L.maxComputeSharedMemorySize),
+                "max_workgroup_invocations": int(L.maxComputeWorkGroupInvocations),
+                "max_workgroup_size": [int(L.maxComputeWorkGroupSize[i]) for i in range(3)],
+                "max_workgroup_count": [int(L.maxComputeWorkGroupCount[i]) for i in range(3)],
+                "max_push_constants": int(L.maxPushConstantsSize),
+                "min_storage_buffer_offset_alignment": int(L.minStorageBufferOffsetAlignment),
+                "timestamp_period": float(L.timestampPeriod),
+                "timestamp_valid_bits": int(ts_bits),
+                "subgroup_size": int(subgroup.subgroupSize) if v11 else 0,
+                # Before 1.1 there is no portable limit; the addon assumes the spec's 1 GiB.
+                "max_memory_allocation_size": int(maint3.maxMemoryAllocationSize) if v11 else 1 << 30,
+            },
+            "features": {
+                "float16": bool(f16.shaderFloat16),
+                "storage16": bool(s16.storageBuffer16BitAccess),
+                "storage8": bool(s8.storageBuffer8BitAccess),
+                "int64": bool(f2.features.shaderInt64),
+                "int16": bool(f2.features.shaderInt16),
+                "push_descriptor": push_desc and v11,
+                "calibrated_timestamps": calibrated,
+                "unified_memory": unified,
+            },
+            "device_local_bytes": sum(heaps[h]["size"] for h in local),
+            "_rank": rank,
+            "extra": {
+                "driver_name": ffi.string(driver.driverName).decode(errors="replace") if have_driver and v11 else "",
+                "driver_info": ffi.string(driver.driverInfo).decode(errors="replace") if have_driver and v11 else "",
+                "driver_version_text": driver_version_string(int(base.vendorID), int(base.driverVersion)),
+                "effective_api_version": version_string(api),
+                "memory_heaps": heaps,
+                "memory_types": types,
+                "subgroup_size_min": int(sgsize.minSubgroupSize) if have_sgsize and v11 else None,
+                "subgroup_size_max": int(sgsize.maxSubgroupSize) if have_sgsize and v11 else None,
+                "max_compute_workgroup_subgroups": int(sgsize.maxComputeWorkgroupSubgroups) if have_sgsize and v11 else None,
+                "timestamp_compute_and_graphics": bool(L.timestampComputeAndGraphics),
+                "shader_int8": bool(f16.shaderInt8),
+                "max_buffer_size": int(maint4.maxBufferSize) if v13 else None,
+                "cooperative_matrix_khr": bool(has_khr_coop and coop_khr.cooperativeMatrix),
+                "cooperative_matrix_nv": bool(has_nv_coop and coop_nv.cooperativeMatrix),
+                "cooperative_matrix_shapes": coop_ops,
+                "queue_family": family,
+                "queue_families": families,
+                "extensions_of_interest": sorted(exts & {
+                    "VK_KHR_push_descriptor", "VK_EXT_calibrated_timestamps", "VK_KHR_cooperative_matrix",
+                    "VK_NV_cooperative_matrix", "VK_EXT_subgroup_size_control", "VK_KHR_shader_float16_int8",
+                    "VK_KHR_16bit_storage", "VK_KHR_8bit_storage", "VK_EXT_memory_budget"}),
+            },
+        }
+
+    def _queue_family(self, pd) -> tuple[int | None, int, list[dict]]:
+        """The addon's choice of compute queue family: compute-only preferred, timestamps break ties."""
+        ffi = self.ffi
+        n = ffi.new("uint32_t *")
+        self.lib.vkGetPhysicalDeviceQueueFamilyProperties(pd, n, ffi.NULL)
+        fams = ffi.new("VkQueueFamilyProperties[]", n[0])
+        self.lib.vkGetPhysicalDeviceQueueFamilyProperties(pd, n, fams)
+        best, best_score, out = None, -1, []
+        for i in range(n[0]):
+            f = fams[i]
+            out.append({"index": i, "count": int(f.queueCount), "compute": bool(f.queueFlags & _QUEUE_COMPUTE),
+                        "graphics": bool(f.queueFlags & _QUEUE_GRAPHICS), "timestamp_valid_bits": int(f.timestampValidBits)})
+            if not (f.queueFlags & _QUEUE_COMPUTE) or f.queueCount == 0:
+                continue
+            score = (2 if f.timestampValidBits else 0) + (0 if f.queueFlags & _QUEUE_GRAPHICS else 1)
+            if score > best_score:
+                best, best_score = i, score
+        return best, (out[best]["timestamp_valid_bits"] if best is not None else 0), out
+
+    def _coop_shapes(self, pd) -> list[str]:
+        """"MxNxK A*B+C" of each cooperative-matrix shape the device offers (VK_KHR_cooperative_matrix)."""
+        get = self._proc("vkGetPhysicalDeviceCooperativeMatrixPropertiesKHR", "PFN_vkGetPhysicalDeviceCooperativeMatrixPropertiesKHR")
+        if get is None:
+            return []
+        ffi = self.ffi
+        n = ffi.new("uint32_t *")
+        get(pd, n, ffi.NULL)
+        arr = ffi.new("VkCooperativeMatrixPropertiesKHR[]", n[0])
+        for i in range(n[0]):
+            arr[i].sType = self.vk.VK_STRUCTURE_TYPE_COOPERATIVE_MATRIX_PROPERTIES_KHR
+        get(pd, n, arr)
+        names = {0: "f16", 1: "f32", 2: "f64", 3: "i8", 4: "i16", 5: "i32", 6: "i64", 7: "u8", 8: "u16", 9: "u32", 10: "u64"}
+        out = []
+        for i in range(n[0]):
+            p = arr[i]
+            ty = lambda t: names.get(int(t), str(int(t)))
+            out.append(f"{p.MSize}x{p.NSize}x{p.KSize} {ty(p.AType)}*{ty(p.BType)}+{ty(p.CType)}")
+        return out
+
+
+def read_devices(vk=None) -> dict:
+    """What the bindings see: ``{"loader_version", "loader_library", "instance_api", "devices": [...]}``.
+
+    ``devices`` holds the addon's dict of each device with a compute queue, in the addon's
+    order (discrete > integrated > virtual > cpu > other, the driver's order within a type)
+    with the same ``index``; each also has an ``extra`` dict of what the addon does not report.
+    Raises ImportError/OSError when the bindings or the loader are missing, RuntimeError when
+    Vulkan itself fails."""
+    vk = vk or load()
+    r = _Reader(vk)
+    try:
+        found = [d for d in (r.describe(pd) for pd in r.physical_devices()) if d is not None]
+    finally:
+        r.close()
+    found.sort(key=lambda d: d["_rank"])  # stable: a type keeps the driver's order, as in the addon
+    for i, d in enumerate(found):
+        d.pop("_rank")
+        d["index"] = i
+    return {"loader_version": version_string(r.loader_version), "loader_library": loader_library(),
+            "instance_api": version_string(r.instance_api), "devices": found}

@@ -29,6 +29,10 @@ from helios.functional import (  # noqa: F401
     permute, pow, relu, reshape, rsqrt, sigmoid, sin, softmax, split, sqrt, square, squeeze, stack, std, sub, sum,
     tanh, transpose, tril, triu, unsqueeze, var, where, zeros_like,
 )
+from helios.functional import (  # noqa: F401  (indexing, sorting, scans, products: PyTorch's torch.* names)
+    addmm, amax, amin, argsort, baddbmm, bmm, cumprod, cumsum, einsum, flip, gather, index_add, mm, movedim, msort,
+    multinomial, norm, outer, repeat_interleave, roll, scatter, scatter_add, sort, t, tile, topk,
+)
 from helios.creation import (  # noqa: F401
     arange, empty, from_numpy, full, normal, ones, rand, rand_like, randn, randn_like, tensor, uniform, zeros,
 )

@@ -1206,8 +1206,13 @@ def _advanced_getitem(x: Tensor, items: tuple) -> Tensor:
 
 
 def setitem(x: Tensor, idx, value) -> None:
-    """x[idx] = value (in place)."""
+    """x[idx] = value (in place); integer arrays, lists and bool masks in ``idx`` write the
+    elements x[idx] reads (see :func:`_advanced_setitem`)."""
     _check_inplace(x, "setitem")
+    items = idx if isinstance(idx, tuple) else (idx,)
+    if builtins.any(_is_array_index(i) for i in items):
+        _advanced_setitem(x, items, value)
+        return
     shape, strides, off = _basic_index(x, idx)
     target = Tensor(x._st, shape, strides, off, x.dtype)
     if isinstance(value, Tensor):
@@ -1916,6 +1921,1252 @@ def check_layout(op: str, layout) -> None:
         raise ShapeError(f"{op}: layout {layout!r} is not supported: Helios tensors are strided (dense)")
 
 
+# -- gather, scatter, index_add --------------------------------------------------------------------
+SortResult = namedtuple("SortResult", ["values", "indices"])
+TopKResult = namedtuple("TopKResult", ["values", "indices"])
+
+
+def _host_ready(t: Tensor):
+    """The host copy of ``t``'s values when it has a current one (uploaded, unchanged), else None."""
+    h = t._host
+    if h is not None and h[0] == t._st.version and h[1].size == t.numel():
+        return h[1]
+    return None
+
+
+def _index_tensor(index, like: Tensor, op: str) -> Tensor:
+    """``index`` as an int64 tensor on like's device (lists and arrays are uploaded)."""
+    if not isinstance(index, Tensor):
+        index = K.from_numpy(np.asarray(index, dtype=np.int64), dt.int64, like._st.rt)
+    if index.dtype.kind != "int":
+        raise DTypeError(f"{op}: the index must be int32 or int64, got {index.dtype.name}")
+    return index if index.dtype is dt.int64 else K.copy(index, dt.int64)
+
+
+def _check_range(index: Tensor, n: int, op: str, dim: int, allow_negative: bool = True) -> None:
+    """An IndexError for an index out of [-n, n) (or [0, n)), where its values are on the host
+    (an uploaded index); indices computed on the device are clamped by the kernels instead."""
+    h = _host_ready(index)
+    if h is None or not h.size:
+        return
+    lo = -n if allow_negative else 0
+    bad = h[(h < lo) | (h >= n)]
+    if bad.size:
+        raise IndexError(f"{op}: index {int(bad.reshape(-1)[0])} is out of bounds for dim {dim} with size {n}")
+
+
+def _check_gather_shapes(op: str, x: Tensor, d: int, index: Tensor, src: Tensor | None = None) -> None:
+    if index.ndim != x.ndim and not (index.ndim <= 1 and x.ndim <= 1):
+        raise ShapeError(f"{op}: index has {index.ndim} dims, input has {x.ndim}; they must have the same number of dims")
+    for i in range(index.ndim):
+        if i != d and x.ndim and index.shape[i] > x.shape[i]:
+            raise ShapeError(f"{op}: index shape {index.shape} is larger than input shape {x.shape} at dim {i}")
+        if src is not None and src.ndim and index.shape[i] > src.shape[i]:
+            raise ShapeError(f"{op}: index shape {index.shape} is larger than src shape {src.shape} at dim {i}")
+
+
+def _as_nd(t: Tensor, nd: int) -> Tensor:
+    return reshape(t, (1,) * nd) if t.ndim < nd else t
+
+
+class _Gather(Function):
+    @staticmethod
+    def forward(ctx, x, d, index):
+        ctx.save_for_backward(index)
+        ctx.d, ctx.shape = d, x.shape
+        return K.gather(x, d, index)
+
+    @staticmethod
+    def backward(ctx, g):
+        (index,) = ctx.saved_tensors
+        zeros = K.fill(K.empty(ctx.shape, g.dtype, g._st.rt), 0)
+        return _scatter_raw(zeros, ctx.d, index, g, "add"), None, None
+
+
+def gather(x: Tensor, dim: int, index, *, sparse_grad: bool = False) -> Tensor:
+    """torch.gather: ``out[i][j][k] = x[index[i][j][k]][j][k]`` for dim 0 (and so on): ``index``
+    is an integer tensor with x's number of dims, no larger than x outside ``dim``; negative
+    indices count from the end.  Differentiable in x (the gradient is a scatter-add)."""
+    _check_tensor(x, "gather")
+    index = _index_tensor(index, x, "gather")
+    d = norm_dim(dim, x.ndim, "gather")
+    _check_gather_shapes("gather", x, d, index)
+    n = x.shape[d] if x.ndim else 1
+    if index.numel() and n == 0:
+        raise IndexError(f"gather: index out of range for dim {d} of size 0")
+    _check_range(index, n, "gather", d)
+    nd = builtins.max(x.ndim, index.ndim, 1)
+    out = _Gather.apply(_as_nd(x, nd), d, _as_nd(index, nd))
+    return reshape(out, index.shape)
+
+
+def _scatter_raw(base: Tensor, d: int, index: Tensor, src, mode: str) -> Tensor:
+    """A new contiguous tensor: ``base`` with src's elements written (``mode`` "replace") or
+    added ("add") at the positions ``index`` names along ``d`` (no autograd).  Duplicate
+    destinations combine in the sources' order: deterministic, no atomics."""
+    out = K.copy(base)
+    M = index.numel()
+    if M == 0 or out.numel() == 0:
+        return out
+    pos = K.gather(out, d, index, positions=True)  # int64 destinations, in index's shape
+    if isinstance(src, Tensor):
+        sv = src
+        if sv.shape != index.shape:
+            shape, strides, off = _basic_index(sv, tuple(slice(0, s) for s in index.shape))
+            sv = Tensor(sv._st, shape, strides, off, sv.dtype)
+        sv = K.copy(sv, out.dtype)
+    else:
+        sv = K.fill(K.empty(index.shape, out.dtype, out._st.rt), src)
+    keys, order = K.sort_rows(reshape(pos, (1, M)))
+    keys = Tensor(keys._st, (M,), (1,), 0, dt.int64)
+    order = Tensor(order._st, (M,), (1,), 0, dt.int32)
+    K.scatter_rows(Tensor(out._st, (out.numel(), 1), (1, 1), 0, out.dtype), keys, order,
+                   Tensor(sv._st, (M, 1), (1, 1), sv._off, sv.dtype), mode)
+    return out
+
+
+class _Scatter(Function):
+    """scatter (mode "replace") and scatter_add ("add"); ``src`` is a tensor or a number."""
+
+    @staticmethod
+    def forward(ctx, x, d, index, src, mode):
+        ctx.save_for_backward(index)
+        ctx.d, ctx.mode, ctx.src_shape = d, mode, src.shape if isinstance(src, Tensor) else None
+        return _scatter_raw(x, d, index, src, mode)
+
+    @staticmethod
+    def backward(ctx, g):
+        (index,) = ctx.saved_tensors
+        gx = gs = None
+        if ctx.needs_input_grad[0]:
+            gx = g if ctx.mode == "add" else _scatter_raw(g, ctx.d, index, 0, "replace")
+        if ctx.src_shape is not None and ctx.needs_input_grad[3]:
+            picked = K.gather(g, ctx.d, index)
+            if picked.shape != ctx.src_shape:  # src was larger than the index: zeros elsewhere
+                gs = K.fill(K.empty(ctx.src_shape, g.dtype, g._st.rt), 0)
+                shape, strides, off = _basic_index(gs, tuple(slice(0, s) for s in index.shape))
+                K.copy_into(Tensor(gs._st, shape, strides, off, g.dtype), picked)
+            else:
+                gs = picked
+        return gx, None, None, gs, None
+
+
+def _scatter_args(op: str, x: Tensor, dim, index, src, value):
+    _check_tensor(x, op)
+    if src is not None and value is not None:
+        raise TypeError(f"{op}: give src or value, not both")
+    if src is None:
+        src = value
+    if src is None:
+        raise TypeError(f"{op}: missing the values to write (src or value)")
+    index = _index_tensor(index, x, op)
+    d = norm_dim(dim, x.ndim, op)
+    if isinstance(src, Tensor):
+        if src.dtype is not x.dtype:
+            raise DTypeError(f"{op}: src ({src.dtype.name}) must have the input's dtype ({x.dtype.name})")
+        if src.ndim != index.ndim and index.numel():
+            raise ShapeError(f"{op}: index has {index.ndim} dims, src has {src.ndim}; they must have the same number of dims")
+    elif not isinstance(src, Number):
+        raise TypeError(f"{op}: src must be a tensor or a number, got {type(src).__name__}")
+    _check_gather_shapes(op, x, d, index, src if isinstance(src, Tensor) else None)
+    _check_range(index, x.shape[d] if x.ndim else 1, op, d)
+    return d, index, src
+
+
+def _scatter_op(op: str, mode: str, x: Tensor, d: int, index: Tensor, src) -> Tensor:
+    if index.numel() == 0:
+        return clone(x)
+    nd = builtins.max(x.ndim, 1)
+    xs, ix = _as_nd(x, nd), _as_nd(index, nd)
+    ss = _as_nd(src, nd) if isinstance(src, Tensor) else src
+    return reshape(_Scatter.apply(xs, d, ix, ss, mode), x.shape)
+
+
+def scatter(x: Tensor, dim: int, index, src=None, value=None, *, reduce: str | None = None) -> Tensor:
+    """torch.scatter: a copy of ``x`` with ``src``'s elements (a tensor, or one number) written at
+    the positions ``index`` names along ``dim`` (``x[index[i][j]][j] = src[i][j]`` for dim 0);
+    where an index repeats, the last write wins.  ``reduce="add"`` is scatter_add.
+    Differentiable in x and src."""
+    d, index, src = _scatter_args("scatter", x, dim, index, src, value)
+    if reduce is not None:
+        if reduce != "add":
+            raise ValueError(f"scatter: reduce must be None or 'add', got {reduce!r} (use scatter_reduce semantics elsewhere)")
+        return _scatter_op("scatter", "add", x, d, index, src)
+    return _scatter_op("scatter", "replace", x, d, index, src)
+
+
+def scatter_add(x: Tensor, dim: int, index, src: Tensor) -> Tensor:
+    """torch.scatter_add: a copy of ``x`` with src's elements added at the positions ``index``
+    names along ``dim``; repeated indices accumulate, in a fixed order (deterministic)."""
+    d, index, src = _scatter_args("scatter_add", x, dim, index, src, None)
+    if not isinstance(src, Tensor):
+        raise TypeError("scatter_add: src must be a tensor")
+    return _scatter_op("scatter_add", "add", x, d, index, src)
+
+
+def _inplace_result(x: Tensor, op: str, r: Tensor) -> Tensor:
+    _check_inplace(x, op)
+    K.copy_into(x, r)
+    x._st.version += 1
+    return x
+
+
+def scatter_(x: Tensor, dim: int, index, src=None, value=None, *, reduce: str | None = None) -> Tensor:
+    """In-place :func:`scatter`."""
+    _check_inplace(x, "scatter_")
+    return _inplace_result(x, "scatter_", scatter(x, dim, index, src, value, reduce=reduce))
+
+
+def scatter_add_(x: Tensor, dim: int, index, src: Tensor) -> Tensor:
+    """In-place :func:`scatter_add`."""
+    _check_inplace(x, "scatter_add_")
+    return _inplace_result(x, "scatter_add_", scatter_add(x, dim, index, src))
+
+
+class _IndexAdd(Function):
+    @staticmethod
+    def forward(ctx, x, d, index, source, alpha):
+        ctx.save_for_backward(index)
+        ctx.d, ctx.alpha = d, alpha
+        xt = movedim_front(x, d)
+        out = K.copy(xt)
+        L, C = index.numel(), numel(xt.shape[1:])
+        if L and C and out.shape[0]:
+            src = K.copy(movedim_front(source, d))
+            if alpha != 1 and src.dtype is dt.bool_:
+                src = K.fill(src, False) if not alpha else src  # bool: alpha False adds nothing
+            elif alpha != 1:
+                src = K.unary("mul_s", src, float(alpha))
+            wrapped = K.where(K.binary("lt", index, scalar_tensor(0, dt.int64, index._st.rt)),
+                              K.unary("add_s", index, float(out.shape[0])), index)
+            keys, order = K.sort_rows(reshape(contiguous(wrapped), (1, L)))
+            K.scatter_rows(Tensor(out._st, (out.shape[0], C), (C, 1), 0, out.dtype), Tensor(keys._st, (L,), (1,), 0, dt.int64),
+                           Tensor(order._st, (L,), (1,), 0, dt.int32), Tensor(src._st, (L, C), (C, 1), 0, src.dtype), "add")
+        if d == 0:
+            return out
+        inv = list(range(1, d + 1)) + [0] + list(range(d + 1, x.ndim))
+        return K.copy(Tensor(out._st, x.shape, tuple(out._strides[i] for i in inv), 0, out.dtype))
+
+    @staticmethod
+    def backward(ctx, g):
+        (index,) = ctx.saved_tensors
+        gs = None
+        if ctx.needs_input_grad[3]:
+            gs = _gather(g, ctx.d, index)
+            if ctx.alpha != 1:
+                gs = gs * ctx.alpha
+        return (g if ctx.needs_input_grad[0] else None), None, None, gs, None
+
+
+def index_add(x: Tensor, dim: int, index, source: Tensor, *, alpha=1) -> Tensor:
+    """torch.index_add: a copy of ``x`` with ``alpha * source`` added along ``dim`` at the rows
+    a 1-D integer ``index`` names (``out[index[i]] += alpha * source[i]`` for dim 0); repeated
+    indices accumulate in a fixed order.  Differentiable in x and source."""
+    _check_tensor(x, "index_add"), _check_tensor(source, "index_add")
+    index = _index_tensor(index, x, "index_add")
+    if index.ndim > 1:
+        raise ShapeError(f"index_add: the index must be 0-d or 1-D, got shape {index.shape}")
+    d = norm_dim(dim, x.ndim, "index_add")
+    if source.dtype is not x.dtype:
+        raise DTypeError(f"index_add: source ({source.dtype.name}) must have the input's dtype ({x.dtype.name})")
+    nd = builtins.max(x.ndim, 1)
+    xs, ss = _as_nd(x, nd), _as_nd(source, nd)
+    want = tuple(index.numel() if i == d else s for i, s in enumerate(xs.shape))
+    if ss.shape != want:
+        raise ShapeError(f"index_add: source must have shape {want} (the input's, with dim {d} the index's length), got {source.shape}")
+    _check_range(index, xs.shape[d], "index_add", d)
+    return reshape(_IndexAdd.apply(xs, d, reshape(index, (index.numel(),)), ss, alpha), x.shape)
+
+
+def index_add_(x: Tensor, dim: int, index, source: Tensor, *, alpha=1) -> Tensor:
+    """In-place :func:`index_add`."""
+    _check_inplace(x, "index_add_")
+    return _inplace_result(x, "index_add_", index_add(x, dim, index, source, alpha=alpha))
+
+
+# -- sorting ---------------------------------------------------------------------------------------
+class _SortValues(Function):
+    """Values of a sort (or the first k of one) along ``d``; ``idx`` (int64) says where each
+    came from, so the gradient scatters back to those places (they are distinct)."""
+
+    @staticmethod
+    def forward(ctx, x, d, values, idx):
+        ctx.save_for_backward(idx)
+        ctx.d, ctx.shape = d, x.shape
+        return values
+
+    @staticmethod
+    def backward(ctx, g):
+        (idx,) = ctx.saved_tensors
+        zeros = K.fill(K.empty(ctx.shape, g.dtype, g._st.rt), 0)
+        return _scatter_raw(zeros, ctx.d, idx, contiguous(g), "replace"), None, None, None
+
+
+def _sort_impl(x: Tensor, d: int, descending: bool, k: int | None = None):
+    """(values, int64 indices) of x sorted along d, the first k of them (no autograd)."""
+    n = x.shape[d]
+    k = n if k is None else k
+    xt = movedim(x, d, -1) if d != x.ndim - 1 else x  # the sorted dim last
+    rest = xt.shape[:-1]
+    rows = numel(rest)
+    if rows * k == 0:
+        v, p = K.empty(rest + (k,), x.dtype, x._st.rt), K.empty(rest + (k,), dt.int64, x._st.rt)
+    else:
+        src = xt if xt.is_contiguous() else K.copy(xt)
+        sv, sp = K.sort_rows(Tensor(src._st, (rows, n), (n, 1), src._off, src.dtype), descending)
+        v = reshape(K.copy(Tensor(sv._st, (rows, k), sv._strides, 0, sv.dtype)), rest + (k,))
+        p = reshape(K.copy(Tensor(sp._st, (rows, k), sp._strides, 0, dt.int32), dt.int64), rest + (k,))
+    if d != x.ndim - 1:
+        v, p = movedim(v, -1, d), movedim(p, -1, d)
+    return v, p
+
+
+def sort(x: Tensor, dim: int = -1, descending: bool = False, stable: bool = False):
+    """(values, indices) of ``x`` sorted along ``dim``.  The sort is always stable (equal
+    values keep their order; ``stable`` is accepted for PyTorch's signature); NaN sorts as
+    the largest value.  Differentiable in the values."""
+    _check_tensor(x, "sort")
+    d = norm_dim(dim, x.ndim, "sort")
+    if x.ndim == 0:
+        return SortResult(clone(x), K.fill(K.empty((), dt.int64, x._st.rt), 0))
+    v, p = _sort_impl(x.detach(), d, descending)
+    if x.requires_grad and is_grad_enabled() and x.dtype.kind == "float":
+        v = _SortValues.apply(x, d, v, p)
+    return SortResult(v, p)
+
+
+def argsort(x: Tensor, dim: int = -1, descending: bool = False, stable: bool = False) -> Tensor:
+    """The indices that sort ``x`` along ``dim`` (stable; see :func:`sort`)."""
+    return sort(x, dim, descending, stable).indices
+
+
+def msort(x: Tensor) -> Tensor:
+    """``x`` sorted along dim 0."""
+    return sort(x, 0).values
+
+
+def topk(x: Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True):
+    """(values, indices) of the ``k`` largest (``largest=False``: smallest) entries along
+    ``dim``, largest first (smallest first).  Equal values come in their original order; NaN
+    counts as the largest.  Differentiable in the values."""
+    _check_tensor(x, "topk")
+    d = norm_dim(dim, x.ndim, "topk")
+    n = x.shape[d] if x.ndim else 1
+    k = int(k)
+    if not 0 <= k <= n:
+        raise IndexError(f"topk: k ({k}) is out of range for dim {d} of size {n}")
+    if x.ndim == 0:
+        return TopKResult(clone(x), K.fill(K.empty((), dt.int64, x._st.rt), 0))
+    v, p = _sort_impl(x.detach(), d, largest, k)
+    if x.requires_grad and is_grad_enabled() and x.dtype.kind == "float":
+        v = _SortValues.apply(x, d, v, p)
+    return TopKResult(v, p)
+
+
+# -- scans -----------------------------------------------------------------------------------------
+class _Cumsum(Function):
+    @staticmethod
+    def forward(ctx, x, d):
+        ctx.d = d
+        return K.scan("sum", x, d)
+
+    @staticmethod
+    def backward(ctx, g):
+        return K.scan("sum", g, ctx.d, reverse=True), None
+
+
+class _Cumprod(Function):
+    @staticmethod
+    def forward(ctx, x, d):
+        y = K.scan("prod", x, d)
+        ctx.save_for_backward(x, y)
+        ctx.d = d
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        # PyTorch's rule, zeros included: before the first zero of a row, dy_j/dx_k = y_j / x_k;
+        # at the first zero, the sum over j >= k of g_j * prod_{i <= j, i != k} x_i; after it, 0.
+        x, y = ctx.saved_tensors
+        d = ctx.d
+        zero = eq(x, 0.0)
+        seen = K.scan("sum", zero, d)  # zeros up to and including each position
+        before = eq(seen, 0)
+        first = logical_and(zero, eq(seen, 1))
+        rev = lambda t: K.scan("sum", contiguous(t), d, reverse=True)  # noqa: E731
+        safe_x = where(before, x, 1.0)
+        g_before = rev(where(before, g * y, 0.0)) / safe_x
+        skip_first = K.scan("prod", where(first, 1.0, x), d)
+        g_first = rev(g * skip_first)
+        return where(before, g_before, where(first, g_first, 0.0)), None
+
+
+def _cum(op: str, x: Tensor, dim: int, dtype) -> Tensor:
+    _check_tensor(x, op)
+    if dtype is not None:
+        x = to(x, dtype)
+    d = norm_dim(dim, x.ndim, op)
+    if x.ndim == 0:
+        r = _cum(op, reshape(x, (1,)), 0, None)
+        return reshape(r, ())
+    if x.dtype.kind != "float":
+        r = K.scan("sum" if op == "cumsum" else "prod", x, d)
+        return r if dtype is None else to(r, x.dtype)  # an integer dtype asked for is kept
+    return (_Cumsum if op == "cumsum" else _Cumprod).apply(x, d)
+
+
+def cumsum(x: Tensor, dim: int, *, dtype=None) -> Tensor:
+    """Running sums along ``dim`` (integer and bool inputs give int64, as in PyTorch)."""
+    return _cum("cumsum", x, dim, dtype)
+
+
+def cumprod(x: Tensor, dim: int, *, dtype=None) -> Tensor:
+    """Running products along ``dim`` (integer and bool inputs give int64); the gradient is
+    exact where the input has zeros, as PyTorch's."""
+    return _cum("cumprod", x, dim, dtype)
+
+
+# -- rearranging -----------------------------------------------------------------------------------
+def _dims_arg(dims, op: str) -> tuple:
+    if isinstance(dims, int):
+        return (dims,)
+    return tuple(dims)
+
+
+class _Flip(Function):
+    @staticmethod
+    def forward(ctx, x, dims):
+        ctx.dims = dims
+        return _flip_raw(x, dims)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _flip_raw(g, ctx.dims), None
+
+
+def _flip_raw(x: Tensor, dims: tuple) -> Tensor:
+    rt = x._st.rt
+    for d in dims:
+        n = x.shape[d]
+        rev = K.arange(n, n - 1, -1, dt.int64, rt)
+        idx = Tensor(rev._st, x.shape, tuple(1 if i == d else 0 for i in range(x.ndim)), 0, dt.int64)
+        x = K.gather(x, d, idx)
+    return x if dims else K.copy(x)
+
+
+def flip(x: Tensor, dims) -> Tensor:
+    """``x`` with the order of ``dims`` reversed (a copy, as in PyTorch)."""
+    _check_tensor(x, "flip")
+    ds = _dims_arg(dims, "flip")
+    if x.ndim == 0:
+        for d in ds:
+            norm_dim(d, 0, "flip")
+        return clone(x)
+    nd = tuple(norm_dim(d, x.ndim, "flip") for d in ds)
+    if len(set(nd)) != len(nd):
+        raise ValueError(f"flip: dims {tuple(ds)} name a dim twice")
+    if x.numel() == 0:
+        return clone(x)
+    return _Flip.apply(x, tuple(d for d in nd if x.shape[d] > 1))
+
+
+def roll(x: Tensor, shifts, dims=None) -> Tensor:
+    """Rotate ``x`` by ``shifts`` along ``dims`` (elements pushed off one end come back at the
+    other); without dims, the flattened tensor is rolled and the shape restored."""
+    _check_tensor(x, "roll")
+    shifts = _dims_arg(shifts, "roll")
+    if dims is None or (not isinstance(dims, int) and len(dims) == 0):
+        if len(shifts) != 1:
+            raise ValueError(f"roll: without dims, shifts must be one number, got {shifts}")
+        return reshape(roll(flatten(x), shifts[0], 0), x.shape)
+    dims = _dims_arg(dims, "roll")
+    if len(shifts) != len(dims):
+        raise ValueError(f"roll: shifts {shifts} and dims {dims} must have the same length")
+    out = x
+    for s, d in zip(shifts, dims):
+        d = norm_dim(d, x.ndim, "roll")
+        n = x.shape[d] if x.ndim else 1
+        if n == 0 or int(s) % n == 0:
+            continue
+        s = int(s) % n
+        out = cat([narrow(out, d, n - s, s), narrow(out, d, 0, n - s)], d)
+    return out if out is not x else clone(x)
+
+
+def repeat(x: Tensor, *sizes) -> Tensor:
+    """``x`` tiled ``sizes[i]`` times along each dim (sizes may add leading dims; a copy)."""
+    _check_tensor(x, "repeat")
+    sizes = tuple(int(s) for s in _shape_arg(sizes))
+    if len(sizes) < x.ndim:
+        raise ShapeError(f"repeat: {len(sizes)} repeat counts for a tensor of {x.ndim} dims; give at least one per dim")
+    if builtins.any(s < 0 for s in sizes):
+        raise ValueError(f"repeat: repeat counts must be non-negative, got {sizes}")
+    shape = (1,) * (len(sizes) - x.ndim) + x.shape
+    xv = reshape(x, shape)
+    inter = tuple(v for s in shape for v in (1, s))
+    big = tuple(v for r, s in zip(sizes, shape) for v in (r, s))
+    out = reshape(contiguous(expand(reshape(xv, inter), big)), tuple(r * s for r, s in zip(sizes, shape)))
+    return clone(out) if out is x else out
+
+
+def tile(x: Tensor, dims) -> Tensor:
+    """``x`` repeated ``dims[i]`` times along each dim; missing leading counts are 1 (torch.tile)."""
+    _check_tensor(x, "tile")
+    dims = _dims_arg(dims, "tile")
+    dims = (1,) * (x.ndim - len(dims)) + tuple(dims)
+    return repeat(x, dims)
+
+
+def repeat_interleave(x: Tensor, repeats, dim: int | None = None, *, output_size: int | None = None) -> Tensor:
+    """Each element (or slice along ``dim``) repeated ``repeats`` times in place: a number, or
+    one count per element (a tensor or list; its values are read on the host, as PyTorch
+    reads them to size the result).  Without dim, the flattened tensor."""
+    _check_tensor(x, "repeat_interleave")
+    if dim is None:
+        x, d = flatten(x), 0
+    else:
+        d = norm_dim(dim, x.ndim, "repeat_interleave")
+    n = x.shape[d] if x.ndim else 1
+    if isinstance(repeats, int) or (isinstance(repeats, Tensor) and repeats.numel() == 1 and n != 1) \
+            or (isinstance(repeats, Tensor) and repeats.ndim == 0):
+        r = int(repeats.item()) if isinstance(repeats, Tensor) else int(repeats)
+        if r < 0:
+            raise ValueError(f"repeat_interleave: repeats must be non-negative, got {r}")
+        if x.ndim == 0:
+            x, d = reshape(x, (1,)), 0
+        shape = x.shape
+        out = expand(unsqueeze(x, d + 1), shape[:d + 1] + (r,) + shape[d + 1:])
+        return reshape(contiguous(out), shape[:d] + (shape[d] * r,) + shape[d + 1:])
+    reps = _host_indices(repeats) if isinstance(repeats, Tensor) else np.asarray(repeats, np.int64)
+    reps = reps.reshape(-1).astype(np.int64)
+    if reps.size != n:
+        raise ShapeError(f"repeat_interleave: {reps.size} repeat counts for dim {d} of size {n}")
+    if (reps < 0).any():
+        raise ValueError("repeat_interleave: repeats must be non-negative")
+    idx = np.repeat(np.arange(n, dtype=np.int64), reps)
+    return index_select(x, d, K.from_numpy(idx, dt.int64, x._st.rt))
+
+
+def t(x: Tensor) -> Tensor:
+    """The transpose of a matrix (a view); 0-d and 1-D tensors come back as they are."""
+    _check_tensor(x, "t")
+    if x.ndim > 2:
+        raise ShapeError(f"t: expects a tensor of at most 2 dims, got {x.ndim} (shape {x.shape}); use transpose(dim0, dim1)")
+    return transpose(x, 0, 1) if x.ndim == 2 else x
+
+
+def movedim(x: Tensor, source, destination) -> Tensor:
+    """``x`` with the dims ``source`` moved to ``destination`` (a view)."""
+    src = tuple(norm_dim(d, x.ndim, "movedim") for d in _dims_arg(source, "movedim"))
+    dst = tuple(norm_dim(d, x.ndim, "movedim") for d in _dims_arg(destination, "movedim"))
+    if len(src) != len(dst) or len(set(src)) != len(src) or len(set(dst)) != len(dst):
+        raise ValueError(f"movedim: source {source} and destination {destination} must be distinct dims of the same count")
+    order = [None] * x.ndim
+    for s, t_ in zip(src, dst):
+        order[t_] = s
+    rest = iter(d for d in range(x.ndim) if d not in src)
+    return permute(x, *[o if o is not None else next(rest) for o in order])
+
+
+# -- products --------------------------------------------------------------------------------------
+def _float_mm(op: str, *ts: Tensor) -> None:
+    for t_ in ts:
+        _check_tensor(t_, op)
+        if t_.dtype.kind != "float":
+            raise DTypeError(f"{op}: expected floating-point tensors, got {t_.dtype.name} (the matmul kernels are floating-point only)")
+
+
+def mm(a: Tensor, b: Tensor) -> Tensor:
+    """The product of two matrices ([n, m] @ [m, p])."""
+    _float_mm("mm", a, b)
+    if a.ndim != 2 or b.ndim != 2:
+        raise ShapeError(f"mm: expected two 2-D tensors, got shapes {a.shape} and {b.shape}")
+    return matmul(a, b)
+
+
+def bmm(a: Tensor, b: Tensor) -> Tensor:
+    """Batched matrix product of [B, n, m] and [B, m, p] tensors (no broadcasting, as in PyTorch)."""
+    _float_mm("bmm", a, b)
+    if a.ndim != 3 or b.ndim != 3 or a.shape[0] != b.shape[0] or a.shape[2] != b.shape[1]:
+        raise ShapeError(f"bmm: expected [B, n, m] and [B, m, p] tensors, got shapes {a.shape} and {b.shape}")
+    return matmul(a, b)
+
+
+def _beta_alpha(op: str, x: Tensor, prod: Tensor, beta, alpha) -> Tensor:
+    broadcast_shapes(op, x.shape, prod.shape)
+    if alpha != 1:
+        prod = prod * alpha
+    if beta == 0:  # the input is ignored, NaN and inf included (PyTorch's rule)
+        return prod if prod.shape == broadcast_shapes(op, x.shape, prod.shape) else expand(prod, x.shape)
+    return prod + (x if beta == 1 else x * beta)
+
+
+def _wide(*ts: Tensor):
+    """16-bit float operands as float32 (a fused multiply-add rounds once, as PyTorch's does)."""
+    return tuple(to(t_, dt.float32) if t_.dtype.itemsize == 2 else t_ for t_ in ts)
+
+
+def addmm(x: Tensor, a: Tensor, b: Tensor, *, beta=1, alpha=1) -> Tensor:
+    """beta * x + alpha * (a @ b) for matrices a, b (x broadcasts to the product's shape);
+    16-bit inputs are computed in float32 and rounded once."""
+    _float_mm("addmm", x, a, b)
+    out_dtype = a.dtype
+    x, a, b = _wide(x, a, b)
+    r = to(_beta_alpha("addmm", x, mm(a, b), beta, alpha), out_dtype)
+    if r.shape != (a.shape[0], b.shape[1]):
+        raise ShapeError(f"addmm: input {x.shape} does not broadcast to the product's shape {(a.shape[0], b.shape[1])}")
+    return r
+
+
+def baddbmm(x: Tensor, a: Tensor, b: Tensor, *, beta=1, alpha=1) -> Tensor:
+    """beta * x + alpha * bmm(a, b) (x broadcasts to [B, n, p]; beta=0 ignores x); 16-bit
+    inputs are computed in float32 and rounded once."""
+    _float_mm("baddbmm", x, a, b)
+    out_dtype = a.dtype
+    x, a, b = _wide(x, a, b)
+    p = bmm(a, b)
+    r = to(_beta_alpha("baddbmm", x, p, beta, alpha), out_dtype)
+    if r.shape != p.shape:
+        raise ShapeError(f"baddbmm: input {x.shape} does not broadcast to the product's shape {p.shape}")
+    return r
+
+
+def outer(a: Tensor, b: Tensor) -> Tensor:
+    """The outer product of two vectors: out[i, j] = a[i] * b[j]."""
+    _check_tensor(a, "outer"), _check_tensor(b, "outer")
+    if a.ndim != 1 or b.ndim != 1:
+        raise ShapeError(f"outer: expected two 1-D tensors, got shapes {a.shape} and {b.shape}")
+    return mul(unsqueeze(a, 1), unsqueeze(b, 0))
+
+
+def _diagonal_view(x: Tensor, d1: int, d2: int) -> Tensor:
+    """The diagonal of dims d1 < d2 (equal sizes) as a view: d2 is dropped, d1 steps both."""
+    shape = list(x.shape)
+    strides = list(x._strides)
+    strides[d1] += strides[d2]
+    del shape[d2], strides[d2]
+    return _Slice.apply(x, tuple(shape), tuple(strides), x._off)
+
+
+def einsum(equation: str, *operands) -> Tensor:
+    """Einstein summation (torch.einsum): explicit (``"bij,bjk->bik"``) or implicit output,
+    ``...`` for broadcast dims, repeated labels in one operand (diagonals), any number of
+    operands (contracted left to right; each pair as one batched matmul)."""
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = tuple(operands[0])
+    if not operands:
+        raise ValueError("einsum: expected at least one operand")
+    for o in operands:
+        _check_tensor(o, "einsum")
+    eq_ = equation.replace(" ", "")
+    lhs, arrow, rhs = eq_.partition("->")
+    terms = lhs.split(",")
+    if len(terms) != len(operands):
+        raise ValueError(f"einsum: the equation has {len(terms)} operands, {len(operands)} tensors were given")
+    n_ell = 0
+    parsed = []
+    for term, op in zip(terms, operands):
+        if term.count("...") > 1 or "." in term.replace("...", ""):
+            raise ValueError(f"einsum: malformed subscripts {term!r}")
+        letters = term.replace("...", "")
+        if letters and not letters.isalpha():
+            raise ValueError(f"einsum: subscripts must be letters, got {term!r}")
+        if ("..." in term and op.ndim < len(letters)) or ("..." not in term and op.ndim != len(letters)):
+            raise ShapeError(f"einsum: subscripts {term!r} do not match an operand of {op.ndim} dims")
+        k = op.ndim - len(letters) if "..." in term else 0
+        n_ell = builtins.max(n_ell, k)
+        parsed.append((term, k))
+    labels = []
+    for term, k in parsed:
+        pre, has_e, post = term.partition("...")
+        labels.append(list(pre) + ([f"\0{n_ell - k + i}" for i in range(k)] if has_e else []) + list(post))
+    ell = [f"\0{i}" for i in range(n_ell)]
+    if arrow:
+        if rhs.count("...") > 1:
+            raise ValueError(f"einsum: malformed output {rhs!r}")
+        pre, has_e, post = rhs.partition("...")
+        out = list(pre) + (ell if has_e else []) + list(post)
+        for c in out:
+            if not c.startswith("\0") and not builtins.any(c in lab for lab in labels):
+                raise ValueError(f"einsum: output label {c!r} does not appear in any operand")
+        if len(set(out)) != len(out):
+            raise ValueError(f"einsum: output subscripts {rhs!r} repeat a label")
+    else:
+        counts = {}
+        for lab in labels:
+            for c in lab:
+                counts[c] = counts.get(c, 0) + 1
+        out = ell + sorted(c for c, n in counts.items() if n == 1 and not c.startswith("\0"))
+    # sizes (1 broadcasts) and per-operand diagonals
+    sizes: dict = {}
+    ops = []
+    for lab, op in zip(labels, operands):
+        lab = list(lab)
+        while True:
+            dup = next(((i, j) for i in range(len(lab)) for j in range(i + 1, len(lab)) if lab[i] == lab[j]), None)
+            if dup is None:
+                break
+            i, j = dup
+            if op.shape[i] != op.shape[j]:
+                raise ShapeError(f"einsum: label {lab[i]!r} repeats with sizes {op.shape[i]} and {op.shape[j]}")
+            op = _diagonal_view(op, i, j)
+            del lab[j]
+        for c, s in zip(lab, op.shape):
+            if sizes.get(c, 1) != 1 and s != 1 and sizes[c] != s:
+                raise ShapeError(f"einsum: label {c!r} has sizes {sizes[c]} and {s}")
+            if s != 1 or c not in sizes:
+                sizes[c] = s
+        ops.append((op, lab))
+
+    def needed(i: int) -> set:
+        keep = set(out)
+        for _, lab in ops[i + 1:]:
+            keep |= set(lab)
+        return keep
+
+    summed_alone = []  # whether a label was summed within one operand (PyTorch's sum: ints become int64)
+
+    def reduce_own(op, lab, keep):
+        drop = [k for k, c in enumerate(lab) if c not in keep]
+        if drop:
+            summed_alone.append(True)
+            op = sum(op, dim=drop)
+            lab = [c for k, c in enumerate(lab) if k not in drop]
+        return op, lab
+
+    cur, clab = reduce_own(*ops[0], needed(0) | (set(ops[1][1]) if len(ops) > 1 else set()))
+    for i in range(1, len(ops)):
+        b, blab = ops[i]
+        keep = needed(i)
+        b, blab = reduce_own(b, blab, keep | set(clab))
+        cur, clab = _contract(cur, clab, b, blab, keep, sizes)
+    cur, clab = reduce_own(cur, clab, set(out))
+    shape = tuple(sizes[c] for c in clab)
+    if cur.shape != shape:
+        cur = expand(cur, shape)
+    rdt = result_type(*operands)
+    if rdt.kind != "float" and summed_alone:
+        rdt = dt.int64
+    if cur.dtype is not rdt:  # integer products are summed in int64
+        cur = to(cur, rdt)
+    return permute(cur, *[clab.index(c) for c in out]) if clab != out else cur
+
+
+def _contract(a: Tensor, la: list, b: Tensor, lb: list, keep: set, sizes: dict):
+    """Multiply two labelled operands and sum the labels they share that are not kept."""
+    batch = [c for c in la if c in lb and c in keep]
+    summed = [c for c in la if c in lb and c not in keep]
+    a_only = [c for c in la if c not in lb]
+    b_only = [c for c in lb if c not in la]
+    if a.dtype.kind != "float" or b.dtype.kind != "float":
+        # integer operands: a broadcast product and a sum (the matmul kernels are float-only)
+        full = batch + a_only + b_only + summed
+
+        def lay(t_, lab):
+            t_ = permute(t_, *[lab.index(c) for c in full if c in lab])
+            present = [c for c in full if c in lab]
+            return reshape(t_, tuple(t_.shape[present.index(c)] if c in lab else 1 for c in full))
+
+        prod = mul(lay(a, la), lay(b, lb))
+        if summed:
+            prod = sum(prod, dim=list(range(len(full) - len(summed), len(full))))
+        return prod, batch + a_only + b_only
+    def arrange(t_, lab, groups):
+        order = [lab.index(c) for g in groups for c in g]
+        t_ = permute(t_, *order)
+        t_ = expand(t_, tuple(sizes[c] for g in groups for c in g))
+        return reshape(t_, tuple(numel(tuple(sizes[c] for c in g)) for g in groups))
+
+    am = arrange(a, la, (batch, a_only, summed))
+    bm = arrange(b, lb, (batch, summed, b_only))
+    r = matmul(am, bm)
+    return reshape(r, tuple(sizes[c] for c in batch + a_only + b_only)), batch + a_only + b_only
+
+
+# -- norms -----------------------------------------------------------------------------------------
+class _PNorm(Function):
+    """sum(|x|^p)^(1/p) over ``dims`` for a finite p > 0, with PyTorch's gradient
+    x |x|^(p-2) g / norm^(p-1), which is 0 where the norm is 0."""
+
+    @staticmethod
+    def forward(ctx, x, p, dims, keepdim):
+        ax = K.unary("abs", x)
+        s = K.reduce("sum", ax if p == 1 else (K.binary("mul", ax, ax) if p == 2 else K.unary("pow_s", ax, p)), dims)[0]
+        if s.dtype is not x.dtype:
+            s = K.copy(s, x.dtype)
+        nrm = s if p == 1 else (K.unary("sqrt", s) if p == 2 else K.unary("pow_s", s, 1.0 / p))
+        ctx.p, ctx.dims, ctx.keepdim, ctx.shape = p, dims, keepdim, x.shape
+        ctx.save_for_backward(x, nrm)
+        return _keep(nrm, x.shape, dims, keepdim)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, nrm = ctx.saved_tensors
+        kshape = tuple(1 if i in ctx.dims else s for i, s in enumerate(ctx.shape))
+        g, nrm = reshape(g, kshape), reshape(nrm, kshape)
+        p = ctx.p
+        if p == 1:
+            r = g * K.unary("clamp", x * 1e30, -1.0, 1.0)  # sign(x), 0 at 0
+        elif p == 2:
+            r = where(eq(nrm, 0.0), 0.0, x * (g / nrm))
+        else:
+            ax = abs(x)
+            scale = where(eq(nrm, 0.0), 0.0, g / pow(nrm, p - 1))
+            r = x * pow(ax, p - 2) * scale if p >= 2 else where(eq(x, 0.0), 0.0, x * pow(ax, p - 2)) * scale
+        return r, None, None, None
+
+
+def norm(x: Tensor, p="fro", dim=None, keepdim: bool = False, dtype=None) -> Tensor:
+    """torch.norm: vector p-norms over ``dim`` (None: every element) for any number p
+    (``inf``: the largest |x|, ``-inf``: the smallest, 0: the count of non-zeros), and the
+    Frobenius norm (``"fro"``, the 2-norm of the elements).  The gradient of the 2-norm (and
+    of every p >= 1) is 0 where the norm is 0, as in PyTorch."""
+    _check_tensor(x, "norm")
+    if dtype is not None:
+        x = to(x, dtype)
+    if x.dtype.kind != "float":
+        raise DTypeError(f"norm: expected a floating-point tensor, got {x.dtype.name}")
+    if isinstance(p, str):
+        if p == "nuc":
+            raise ShapeError("norm: the nuclear norm (p='nuc') needs a singular value decomposition, which Helios "
+                             "does not have; use p='fro' or a number")
+        if p != "fro":
+            raise ValueError(f"norm: p must be a number, 'fro' or 'nuc', got {p!r}")
+        p = 2
+    if isinstance(dim, int):
+        dim = (dim,)
+    dims = _reduce_dims(dim, x.ndim, "norm")
+    if x.ndim == 0:
+        dims = ()
+    p = float(p)
+    if not dims and x.ndim:
+        dims = tuple(range(x.ndim))
+    if x.ndim == 0:
+        return abs(x) if p != 0 else to(ne(x, 0.0), x.dtype)
+    if math.isinf(p):
+        a = abs(x)
+        if x.numel() == 0 and p > 0:
+            return sum(a, dim=list(dims), keepdim=keepdim)  # the norm of nothing is 0
+        return amax(a, dims, keepdim) if p > 0 else amin(a, dims, keepdim)
+    if p == 0:
+        return _CountNonzero.apply(x, dims, keepdim)
+    if p < 0:
+        return pow(sum(pow(abs(x), p), dim=list(dims), keepdim=keepdim), 1.0 / p)
+    return _PNorm.apply(x, p, dims, keepdim)
+
+
+class _CountNonzero(Function):
+    """The 0-"norm": the number of non-zeros, a step function (a zero gradient, as PyTorch's)."""
+
+    @staticmethod
+    def forward(ctx, x, dims, keepdim):
+        ctx.shape = x.shape
+        v = K.reduce("sum", K.copy(K.binary("ne", x, scalar_tensor(0.0, x.dtype, x._st.rt)), x.dtype), dims)[0]
+        return _keep(v if v.dtype is x.dtype else K.copy(v, x.dtype), x.shape, dims, keepdim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return K.fill(K.empty(ctx.shape, g.dtype, g._st.rt), 0), None, None
+
+
+class _AMaxMin(Function):
+    """amax / amin over dims; the gradient is shared evenly by the entries equal to the result."""
+
+    @staticmethod
+    def forward(ctx, x, op, dims, keepdim):
+        v = x
+        for d in sorted(dims, reverse=True):
+            v = K.reduce(op, v, (d,))[0]
+        if v.dtype is not x.dtype:
+            v = K.copy(v, x.dtype)
+        ctx.save_for_backward(x, v)
+        ctx.dims, ctx.shape = dims, x.shape
+        return _keep(v, x.shape, dims, keepdim)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, v = ctx.saved_tensors
+        kshape = tuple(1 if i in ctx.dims else s for i, s in enumerate(ctx.shape))
+        v, g = reshape(v, kshape), reshape(g, kshape)
+        m = to(logical_or(eq(x, v), logical_and(ne(v, v), ne(x, x))), g.dtype)
+        return m * (g / sum(m, dim=list(ctx.dims), keepdim=True)), None, None, None
+
+
+def amax(x: Tensor, dim=(), keepdim: bool = False) -> Tensor:
+    """The largest value over ``dim`` (() = every dim); NaN propagates; ties share the gradient."""
+    _check_tensor(x, "amax")
+    dims = _reduce_dims(dim, x.ndim, "amax") if x.ndim else ()
+    if not dims:
+        return clone(x)
+    return _AMaxMin.apply(x, "max", dims, keepdim) if x.dtype.kind == "float" else _AMaxMin.forward(NO_CONTEXT, x, "max", dims, keepdim)
+
+
+def amin(x: Tensor, dim=(), keepdim: bool = False) -> Tensor:
+    """The smallest value over ``dim`` (() = every dim); NaN propagates; ties share the gradient."""
+    _check_tensor(x, "amin")
+    dims = _reduce_dims(dim, x.ndim, "amin") if x.ndim else ()
+    if not dims:
+        return clone(x)
+    return _AMaxMin.apply(x, "min", dims, keepdim) if x.dtype.kind == "float" else _AMaxMin.forward(NO_CONTEXT, x, "min", dims, keepdim)
+
+
+# -- activations, normalisation, losses ------------------------------------------------------------
+def silu(x: Tensor, inplace: bool = False) -> Tensor:
+    """x * sigmoid(x) (swish).  ``inplace`` is accepted and gives a new tensor."""
+    _check_tensor(x, "silu")
+    if x.dtype.kind != "float":
+        raise DTypeError(f"silu: expected a floating-point tensor, got {x.dtype.name}")
+    return x * sigmoid(x)
+
+
+def leaky_relu(x: Tensor, negative_slope: float = 0.01, inplace: bool = False) -> Tensor:
+    """x where x > 0, else negative_slope * x.  ``inplace`` is accepted and gives a new tensor."""
+    _check_tensor(x, "leaky_relu")
+    if x.dtype.kind != "float":
+        raise DTypeError(f"leaky_relu: expected a floating-point tensor, got {x.dtype.name}")
+    return where(gt(x, 0.0), x, x * float(negative_slope))
+
+
+_EPS = {"float32": 2.0 ** -23, "float16": 2.0 ** -10, "bfloat16": 2.0 ** -7}
+
+
+def rms_norm(x: Tensor, normalized_shape, weight: Tensor | None = None, eps: float | None = None) -> Tensor:
+    """x / sqrt(mean(x^2 over the last dims) + eps) * weight, computed in float32 and returned
+    in x's dtype; ``eps=None`` is the machine epsilon of x's dtype (PyTorch's F.rms_norm)."""
+    _check_tensor(x, "rms_norm")
+    if isinstance(normalized_shape, int):
+        normalized_shape = (normalized_shape,)
+    ns = tuple(normalized_shape)
+    if x.shape[x.ndim - len(ns):] != ns or len(ns) > x.ndim:
+        raise ShapeError(f"rms_norm: input shape {x.shape} does not end with normalized_shape {ns}")
+    if weight is not None and weight.shape != ns:
+        raise ShapeError(f"rms_norm: weight has shape {weight.shape}, expected {ns}")
+    if x.dtype.kind != "float":
+        raise DTypeError(f"rms_norm: expected a floating-point tensor, got {x.dtype.name}")
+    e = _EPS.get(x.dtype.name, _EPS["float32"]) if eps is None else float(eps)
+    xf = to(x, dt.float32)
+    dims = list(range(x.ndim - len(ns), x.ndim))
+    y = xf * rsqrt(mean(xf * xf, dim=dims, keepdim=True) + e) if dims else xf * rsqrt(xf * xf + e)
+    if weight is not None:
+        y = y * to(weight, dt.float32)
+    return to(y, x.dtype)
+
+
+def _reduce_loss(op: str, per: Tensor, reduction: str) -> Tensor:
+    if reduction == "none":
+        return per
+    if reduction == "sum":
+        return sum(per)
+    if reduction == "mean":
+        return mean(per)
+    raise ValueError(f"{op}: reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+
+
+def _loss_pair(op: str, x: Tensor, target):
+    _check_tensor(x, op)
+    target = _as_tensor_like(target, x)
+    return _promote_pair(x, target, op)
+
+
+def mse_loss(input: Tensor, target, size_average=None, reduce=None, reduction: str = "mean", weight=None) -> Tensor:
+    """Mean squared error (input and target broadcast); ``reduction`` "mean", "sum" or "none"."""
+    if size_average is not None or reduce is not None:
+        raise TypeError("mse_loss: size_average and reduce are deprecated; use reduction='mean', 'sum' or 'none'")
+    a, b = _loss_pair("mse_loss", input, target)
+    d = a - b
+    per = d * d
+    if weight is not None:
+        per = per * weight
+    return _reduce_loss("mse_loss", per, reduction)
+
+
+def l1_loss(input: Tensor, target, size_average=None, reduce=None, reduction: str = "mean") -> Tensor:
+    """Mean absolute error (input and target broadcast); ``reduction`` "mean", "sum" or "none"."""
+    if size_average is not None or reduce is not None:
+        raise TypeError("l1_loss: size_average and reduce are deprecated; use reduction='mean', 'sum' or 'none'")
+    a, b = _loss_pair("l1_loss", input, target)
+    return _reduce_loss("l1_loss", abs(a - b), reduction)
+
+
+def nll_loss(input: Tensor, target, weight: Tensor | None = None, size_average=None, ignore_index: int = -100,
+             reduce=None, reduction: str = "mean") -> Tensor:
+    """Negative log likelihood of log-probabilities ``input`` ((C), (N, C) or (N, C, d1, ...),
+    classes on dim 1) at the class indices ``target``: -weight[t] * input[n, t].  Targets
+    equal to ``ignore_index`` count for nothing; "mean" divides by the kept targets' total weight."""
+    _check_tensor(input, "nll_loss")
+    if size_average is not None or reduce is not None:
+        raise TypeError("nll_loss: size_average and reduce are deprecated; use reduction='mean', 'sum' or 'none'")
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"nll_loss: reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    target = _index_tensor(target, input, "nll_loss")
+    if input.ndim == 0:
+        raise ShapeError("nll_loss: input needs at least 1 dim (the classes), got a 0-d tensor")
+    cdim = 0 if input.ndim == 1 else 1
+    C = input.shape[cdim]
+    want = input.shape[:cdim] + input.shape[cdim + 1:]
+    if target.shape != want:
+        raise ShapeError(f"nll_loss: input {input.shape} needs a target of shape {want}, got {target.shape}")
+    if weight is not None and weight.shape != (C,):
+        raise ShapeError(f"nll_loss: weight must have shape ({C},) (one per class), got {weight.shape}")
+    h = _host_ready(target)
+    if h is not None and h.size:
+        bad = h[((h < 0) | (h >= C)) & (h != ignore_index)]
+        if bad.size:
+            raise IndexError(f"nll_loss: target {int(bad[0])} is out of range for {C} classes")
+    valid = ne(target, ignore_index)
+    safe = where(valid, target, 0)
+    picked = squeeze(gather(input, cdim, unsqueeze(safe, cdim)), cdim) if input.ndim > 1 else \
+        reshape(gather(input, 0, reshape(safe, (1,))), ())
+    w = to(valid, input.dtype)
+    if weight is not None:
+        w = w * reshape(gather(to(weight, input.dtype), 0, reshape(safe, (-1,))), safe.shape)
+    per = neg(picked) * w
+    if reduction == "none":
+        return per
+    if reduction == "sum":
+        return sum(per)
+    return sum(per) / sum(w)
+
+
+def one_hot(x: Tensor, num_classes: int = -1) -> Tensor:
+    """int64 one-hot vectors of the class indices ``x`` (a new last dim of ``num_classes``;
+    -1: the largest index + 1, which reads the values on the host, as PyTorch does)."""
+    _check_tensor(x, "one_hot")
+    if x.dtype is not dt.int64:
+        raise DTypeError(f"one_hot: expects an int64 tensor of class indices, got {x.dtype.name}")
+    if num_classes == -1:
+        if x.numel() == 0:
+            raise ShapeError("one_hot: cannot infer the number of classes from an empty tensor; give num_classes")
+        num_classes = int(max(x).item()) + 1
+    h = _host_ready(x)
+    if h is not None and h.size and (h.min() < 0 or h.max() >= num_classes):
+        raise IndexError(f"one_hot: class values must be in [0, {num_classes}), got {int(h.min() if h.min() < 0 else h.max())}")
+    classes = K.arange(num_classes, 0, 1, dt.int64, x._st.rt)
+    return to(eq(unsqueeze(x, -1), classes), dt.int64)
+
+
+def pad(x: Tensor, pad, mode: str = "constant", value: float | None = None) -> Tensor:
+    """Pad (or, with negative amounts, crop) the last dims: ``pad`` is (left, right) for the
+    last dim, then (top, bottom) for the one before, and so on.  ``mode`` "constant" fills
+    with ``value`` (0); "reflect" mirrors without repeating the edge, "replicate" repeats
+    the edge, "circular" wraps around."""
+    _check_tensor(x, "pad")
+    pad = tuple(int(p) for p in pad)
+    if len(pad) % 2 or len(pad) // 2 > x.ndim:
+        raise ShapeError(f"pad: expects an even number of pad amounts, at most two per dim of a {x.ndim}-dim tensor, got {pad}")
+    pairs = [(pad[2 * i], pad[2 * i + 1]) for i in range(len(pad) // 2)]  # last dim first
+    if mode == "constant":
+        return _pad_constant(x, pairs, 0 if value is None else value)
+    if mode not in ("reflect", "replicate", "circular"):
+        raise ValueError(f"pad: mode must be 'constant', 'reflect', 'replicate' or 'circular', got {mode!r}")
+    if value is not None and value != 0:
+        raise ValueError(f"pad: a value is only used by mode='constant', not {mode!r}")
+    out = x
+    for i, (lo, hi) in enumerate(pairs):
+        d = x.ndim - 1 - i
+        n = x.shape[d]
+        j = np.arange(-lo, n + hi, dtype=np.int64)
+        if mode == "replicate":
+            if n == 0:
+                raise ShapeError(f"pad: cannot replicate-pad dim {d} of size 0")
+            j = np.clip(j, 0, n - 1)
+        elif mode == "reflect":
+            if builtins.max(lo, hi) >= n:
+                raise ShapeError(f"pad: reflect padding ({lo}, {hi}) must be smaller than dim {d}'s size {n}")
+            period = 2 * (n - 1) if n > 1 else 1
+            j = np.abs(j) % period if n > 1 else np.zeros_like(j)
+            j = np.where(j >= n, period - j, j)
+        else:  # circular: negative amounts crop first, the rest wraps around what is left
+            c0, c1 = builtins.max(-lo, 0), n - builtins.max(-hi, 0)
+            m = c1 - c0
+            if m <= 0 or builtins.max(lo, hi) > m:
+                raise ShapeError(f"pad: circular padding ({lo}, {hi}) can be at most dim {d}'s size {n}")
+            j = c0 + np.arange(-builtins.max(lo, 0), m + builtins.max(hi, 0), dtype=np.int64) % m
+        out = index_select(out, d, K.from_numpy(j, dt.int64, x._st.rt))
+    return out
+
+
+class _PadConstant(Function):
+    @staticmethod
+    def forward(ctx, x, pairs, value):
+        ctx.pairs = pairs
+        shape = list(x.shape)
+        src, dst = [slice(None)] * x.ndim, [slice(None)] * x.ndim
+        for i, (lo, hi) in enumerate(pairs):
+            d = x.ndim - 1 - i
+            n = x.shape[d]
+            shape[d] = n + lo + hi
+            if shape[d] < 0:
+                raise ShapeError(f"pad: padding ({lo}, {hi}) makes dim {d} of size {n} negative")
+            src[d] = slice(builtins.max(-lo, 0), builtins.max(n - builtins.max(-hi, 0), builtins.max(-lo, 0)))
+            dst[d] = slice(builtins.max(lo, 0), builtins.max(lo, 0) + builtins.max(src[d].stop - src[d].start, 0))
+        out = K.fill(K.empty(tuple(shape), x.dtype, x._st.rt), value)
+        if out.numel():
+            so, st, oo = _basic_index(out, tuple(dst))
+            si, sst, oi = _basic_index(x, tuple(src))
+            if numel(so):
+                K.copy_into(Tensor(out._st, so, st, oo, x.dtype), Tensor(x._st, si, sst, oi, x.dtype))
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        return _PadConstant.forward(NO_CONTEXT, g, [(-lo, -hi) for lo, hi in ctx.pairs], 0), None, None
+
+
+def _pad_constant(x: Tensor, pairs, value) -> Tensor:
+    return _PadConstant.apply(x, pairs, value)
+
+
+def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
+                                 dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+                                 enable_gqa: bool = False) -> Tensor:
+    """softmax(q @ k^T * scale + mask) @ v, PyTorch's signature: q [..., L, E], k [..., S, E],
+    v [..., S, Ev]; ``attn_mask`` bool (True = attend) or additive float, broadcasting to
+    [..., L, S]; ``is_causal`` keeps key j <= query i; ``scale`` defaults to 1/sqrt(E);
+    ``enable_gqa`` lets k and v have fewer heads (dim -3) than q, each shared by a group."""
+    for t_ in (query, key, value):
+        _check_tensor(t_, "scaled_dot_product_attention")
+        if t_.dtype.kind != "float":
+            raise DTypeError(f"scaled_dot_product_attention: expected floating-point tensors, got {t_.dtype.name}")
+    if is_causal and attn_mask is not None:
+        raise ValueError("scaled_dot_product_attention: give attn_mask or is_causal, not both")
+    L, S, E = query.shape[-2], key.shape[-2], query.shape[-1]
+    s = 1.0 / math.sqrt(E) if scale is None else float(scale)
+    out_dtype = query.dtype
+    if builtins.any(t_.dtype.itemsize == 2 for t_ in (query, key, value)):  # 16-bit: computed in float32
+        query, key, value = _wide(query, key, value)
+        if attn_mask is not None and attn_mask.dtype.kind == "float":
+            attn_mask = to(attn_mask, dt.float32)
+    if enable_gqa and query.ndim >= 3 and key.shape[-3] != query.shape[-3]:
+        hq, hk = query.shape[-3], key.shape[-3]
+        if hq % hk:
+            raise ShapeError(f"scaled_dot_product_attention: {hq} query heads are not a multiple of {hk} key/value heads")
+        key = repeat_interleave(key, hq // hk, dim=-3)
+        value = repeat_interleave(value, hq // hk, dim=-3)
+    scores = matmul(query, transpose(key, -2, -1))
+    if is_causal and L == S and L > 0:
+        attn = attention_softmax(scores, s, causal=True)
+    else:
+        scores = scores * s
+        if is_causal:
+            attn_mask = _tri_mask(K.empty((L, S), dt.bool_, query._st.rt), 0, False)
+        if attn_mask is not None:
+            if attn_mask.dtype is dt.bool_:
+                scores = masked_fill(scores, logical_not(attn_mask), -math.inf)
+            else:
+                scores = scores + attn_mask
+        attn = softmax(scores, -1)
+    if dropout_p > 0.0:
+        attn = dropout(attn, dropout_p)
+    return to(matmul(attn, value), out_dtype)
+
+
+# -- sampling --------------------------------------------------------------------------------------
+def multinomial(input: Tensor, num_samples: int, replacement: bool = False, *, generator=None) -> Tensor:
+    """Indices drawn from the categories of each row of ``input`` (non-negative weights, not
+    necessarily normalised; 1-D or 2-D), ``num_samples`` per row, with or without
+    replacement, from the Philox stream of ``generator`` (default: helios.random's, which
+    ``helios.manual_seed`` seeds).  Without replacement, each row's draw is the top
+    ``num_samples`` of log(w) + Gumbel noise (the same distribution as drawing one at a
+    time); with replacement each sample is the argmax of its own noise."""
+    _check_tensor(input, "multinomial")
+    if input.ndim not in (1, 2):
+        raise ShapeError(f"multinomial: expects a 1-D or 2-D tensor of weights, got shape {input.shape}")
+    if input.dtype.kind != "float":
+        raise DTypeError(f"multinomial: expects floating-point weights, got {input.dtype.name}")
+    n = input.shape[-1]
+    num_samples = int(num_samples)
+    if num_samples <= 0:
+        raise ValueError(f"multinomial: num_samples must be positive, got {num_samples}")
+    if n == 0:
+        raise ShapeError("multinomial: the weights have no categories")
+    if not replacement and num_samples > n:
+        raise ValueError(f"multinomial: cannot draw {num_samples} samples without replacement from {n} categories")
+    h = _host_ready(input)
+    if h is not None:
+        rows_h = h.reshape(-1, n).astype(np.float64)
+        if not np.isfinite(rows_h).all() or (rows_h < 0).any():
+            raise ValueError("multinomial: weights must be finite and non-negative")
+        if (rows_h.sum(1) <= 0).any():
+            raise ValueError("multinomial: a row of weights sums to 0")
+        if not replacement and ((rows_h > 0).sum(1) < num_samples).any():
+            raise ValueError(f"multinomial: a row has fewer than {num_samples} non-zero weights to draw without replacement")
+    from helios.random import default_generator
+
+    w = to(input, dt.float32) if input.dtype is not dt.float32 else input
+    w2 = reshape(w, (-1, n))
+    rows = w2.shape[0]
+    S = 1 if not replacement else num_samples
+    gen = generator or default_generator()
+    seed, offset = gen.next_offset()
+    u = K.rng((rows, S, n), dt.float32, 0, seed, offset, 0.0, 1.0, w2._st.rt)
+    logw = log(unsqueeze(w2, 1))
+    keys = where(gt(unsqueeze(w2, 1), 0.0), logw - log(neg(log(u))), -math.inf)
+    with _no_grad_ctx():
+        if replacement:
+            out = argmax(keys, dim=-1)
+        else:
+            out = reshape(topk(reshape(keys, (rows, n)), num_samples, dim=-1).indices, (rows, num_samples))
+    return reshape(out, (num_samples,)) if input.ndim == 1 else out
+
+
+def _no_grad_ctx():
+    from helios.autograd.tape import no_grad
+
+    return no_grad()
+
+
+# -- indexing writes -------------------------------------------------------------------------------
+def _advanced_setitem(x: Tensor, items: tuple, value) -> None:
+    """x[items] = value where some items are index arrays or masks (PyTorch's rules: the
+    value broadcasts to the shape x[items] has; where an index repeats, the last write wins)."""
+    rt = x._st.rt
+    if isinstance(value, Tensor):
+        if value._st.rt is not rt:
+            raise ShapeError(f"setitem: the value is on {value.device}, the tensor on {x.device}")
+        v = value if value.dtype is x.dtype else K.copy(value, x.dtype)
+    else:
+        v = scalar_tensor(value, x.dtype, rt)
+    # A single bool mask over leading dims with one value: a where, no host round trip.
+    if len(items) == 1 and isinstance(items[0], Tensor) and items[0].dtype is dt.bool_ and v.numel() == 1 \
+            and 0 < items[0].ndim <= x.ndim and items[0].shape == x.shape[:items[0].ndim]:
+        m = reshape(items[0], items[0].shape + (1,) * (x.ndim - items[0].ndim))
+        K.copy_into(x, K.where(m, reshape(v, ()), x))
+        x._st.version += 1
+        return
+    n = x.numel()
+    # Which elements x[items] names: the same indexing applied to their positions.
+    positions = getitem(reshape(K.arange(n, 0, 1, dt.int64, rt), x.shape), items)
+    M = positions.numel()
+    if M == 0:
+        broadcast_shapes("setitem", v.shape, positions.shape)
+        return
+    if v.shape != positions.shape:
+        broadcast_shapes("setitem", v.shape, positions.shape)
+        if len(v.shape) > len(positions.shape) or builtins.any(a != b and a != 1 for a, b in
+                                                                zip(v.shape[::-1], positions.shape[::-1])):
+            raise ShapeError(f"setitem: a value of shape {v.shape} cannot be written to {positions.shape} elements")
+    src = K.copy(expand(v, positions.shape) if v.shape != positions.shape else v)
+    keys, order = K.sort_rows(reshape(contiguous(positions), (1, M)))
+    target = x if x.is_contiguous() else K.copy(x)
+    K.scatter_rows(Tensor(target._st, (n, 1), (1, 1), target._off, x.dtype), Tensor(keys._st, (M,), (1,), 0, dt.int64),
+                   Tensor(order._st, (M,), (1,), 0, dt.int32), Tensor(src._st, (M, 1), (1, 1), 0, x.dtype), "replace")
+    if target is not x:
+        K.copy_into(x, target)
+    x._st.version += 1
+
+
+def pin_memory(x: Tensor) -> Tensor:
+    """PyTorch's page-locked host copy.  Host (cpu) tensors are returned as they are: Helios
+    uploads them without an intermediate staging copy where device memory is host-visible,
+    and through its own staging pool elsewhere; a device tensor cannot be pinned."""
+    if not x.is_cpu:
+        from helios.errors import DeviceError
+
+        raise DeviceError(f"pin_memory: only host (cpu) tensors can be pinned, this one is on {x.device}")
+    return x
+
+
 # -- attach the methods to Tensor ----------------------------------------------------------------
 def _install_methods() -> None:
     import helios.tensor as tensor_mod
@@ -1927,7 +3178,10 @@ def _install_methods() -> None:
               "contiguous", "clone", "to", "matmul", "softmax", "log_softmax", "masked_fill", "masked_fill_",
               "split", "chunk", "tril", "triu", "add", "sub", "mul", "div", "pow", "eq", "ne", "lt", "le", "gt", "ge",
               "copy_", "add_", "sub_", "mul_", "div_", "zero_", "fill_", "index_select", "logical_not", "logical_and",
-              "logical_or"]
+              "logical_or",
+              "t", "gather", "scatter", "scatter_", "scatter_add", "scatter_add_", "index_add", "index_add_", "sort",
+              "argsort", "msort", "topk", "cumsum", "cumprod", "flip", "roll", "repeat", "tile", "repeat_interleave",
+              "movedim", "norm", "amax", "amin", "mm", "bmm", "addmm", "baddbmm", "outer", "pin_memory"]
     g = globals()
     for name in direct:
         setattr(Tensor, name, g[name])

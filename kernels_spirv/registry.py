@@ -48,6 +48,10 @@ KERNELS: dict[str, KernelInfo] = {
         KernelInfo("iota", 1, 32),
         KernelInfo("matmul", 4, 64),
         KernelInfo("adamw", 4, 48),
+        KernelInfo("sort", 3, 24),
+        KernelInfo("scan", 2, 16),
+        KernelInfo("gather", 3, 96),
+        KernelInfo("scatter", 4, 28),
     )
 }
 

@@ -123,6 +123,11 @@ REFUSALS: list[Refusal] = [
     Refusal("matmul", None, _int_dtype, DTypeError, "integer matmul: the matmul kernels are floating-point only"),
     Refusal("__rmatmul__", None, _int_dtype, DTypeError, "integer matmul: the matmul kernels are floating-point only"),
     Refusal("nn.functional.linear", None, _int_dtype, DTypeError, "integer matmul: the matmul kernels are floating-point only"),
+    Refusal("mm", None, _int_dtype, DTypeError, "integer matmul: the matmul kernels are floating-point only"),
+    Refusal("bmm", None, _int_dtype, DTypeError, "integer matmul: the matmul kernels are floating-point only"),
+    Refusal("addmm", None, _int_dtype, DTypeError, "integer matmul: the matmul kernels are floating-point only"),
+    Refusal("baddbmm", None, _int_dtype, DTypeError, "integer matmul: the matmul kernels are floating-point only"),
+    Refusal("norm", "nuc", lambda s, d: True, ShapeError, "the nuclear norm needs a singular value decomposition"),
     Refusal("zero_", None, _float_dtype, InPlaceError,
             "an in-place op on a tensor that requires grad (here a clone of one): the tape records no in-place ops"),
 ]
@@ -147,6 +152,8 @@ NOT_THE_SAME = {
     "scalar_tensor": "helios.functional.scalar_tensor is the ops' cache of constants (value, dtype, runtime)",
     "uniform": "the OpInfo is Tensor.uniform_ (in place); helios.uniform(low, high, shape) makes a new tensor",
     "normal[in_place]": "the OpInfo is Tensor.normal_ (in place); helios.normal makes a new tensor",
+    "linalg.norm": "torch.linalg.norm's ord is a matrix norm on 2-D inputs; helios.norm is torch.norm (vector p-norms, 'fro')",
+    "linalg.norm[subgradients_at_zero]": "torch.linalg.norm (see linalg.norm); helios.norm is torch.norm",
 }
 
 # OpInfos whose op calls the PyTorch function with its arguments reordered: the same call in Helios.
@@ -155,6 +162,28 @@ ADAPTERS = {
     "nn.functional.embedding": lambda w, idx, **kw: F.embedding(idx, w, **kw),
     "normal[number_mean]": lambda std, mean, *a, **kw: hl.normal(mean, std, *a, **kw),
     "zero_": lambda x: F.zero_(F.clone(x)),
+    "einsum": lambda tensors, equation: hl.einsum(equation, tensors),
+}
+
+
+# Ops whose ties PyTorch orders arbitrarily (stable=False) and Helios stably: the reference is
+# PyTorch's stable sort, so indices (and the gradients they route) are compared exactly.
+def _stable_sort(x, dim=-1, descending=False, stable=None, **kw):
+    return torch.sort(x, stable=True, dim=dim, descending=descending, **kw)
+
+
+def _stable_topk(x, k, dim=-1, largest=True, sorted=True):
+    if x.ndim == 0:
+        return x.clone(), torch.zeros((), dtype=torch.int64)
+    v, i = torch.sort(x, stable=True, dim=dim, descending=largest)
+    return v.narrow(dim, 0, k), i.narrow(dim, 0, k)
+
+
+TORCH_REFERENCE = {
+    "sort": _stable_sort,
+    "argsort": lambda x, dim=-1, descending=False, stable=None: _stable_sort(x, dim, descending).indices,
+    "msort": lambda x: _stable_sort(x, 0).values,
+    "topk": _stable_topk,
 }
 
 
@@ -339,7 +368,8 @@ def _compare(what: str, h, t, t64, scale: float = 1.0) -> str | None:
 
 # -- running one sample ---------------------------------------------------------------------------
 def _torch_call(op, inp, args, kwargs):
-    return op(inp, *args, **kwargs)
+    """PyTorch's result for OpInfo ``op`` (its TORCH_REFERENCE where it has one)."""
+    return TORCH_REFERENCE.get(op.name, op.op)(inp, *args, **kwargs)
 
 
 def _weights(outs, seed):
@@ -376,10 +406,12 @@ def run_sample(op, fn, sample, dtype, index: int) -> tuple[str, str | None]:
         return "skip", None
     refusal = _refusal(op, sample, dtype)
     try:
-        t_out = _torch_call(op.op, t_in, t_args, t_kw)
+        t_out = _torch_call(op, t_in, t_args, t_kw)
     except Exception:
         return "skip", None  # PyTorch itself rejects the sample (not one OpInfo means to run)
     random_check = RANDOM_OPS.get(_op_id(op))
+    if random_check is not None and not RANDOM_WHEN.get(_op_id(op), lambda a, k: True)(sample.args, sample.kwargs):
+        random_check = None
     try:
         h_out = fn(h_in, *h_args, **h_kw)
         if refusal is None:
@@ -398,7 +430,7 @@ def run_sample(op, fn, sample, dtype, index: int) -> tuple[str, str | None]:
     # reference in float64 for the oracle rule (only if any float tensors are involved)
     t64_out = None
     with contextlib.suppress(Exception):
-        t64_out = _torch_call(op.op, r_in, r_args, r_kw)
+        t64_out = _torch_call(op, r_in, r_args, r_kw)
     h_flat, t_flat = _flatten_out(h_out), _flatten_out(t_out)
     t64_flat = _flatten_out(t64_out) if t64_out is not None else [None] * len(t_flat)
     if len(t64_flat) != len(t_flat):
@@ -487,9 +519,32 @@ def _check_random(h_in, h_args, h_kw, h_flat, t_flat):
     return msg
 
 
-RANDOM_OPS = {"nn.functional.dropout": _check_dropout, "randn": _check_random, "randn_like": _check_random,
+def _check_multinomial(h_in, h_args, h_kw, h_flat, t_flat):
+    """Shape and dtype as PyTorch's; every index names a category of non-zero weight; without
+    replacement, no index twice in a row."""
+    msg = _check_structure(h_in, h_args, h_kw, h_flat, t_flat)
+    if msg:
+        return msg
+    w = h_in.numpy().reshape(-1, h_in.shape[-1])
+    idx = h_flat[0].numpy().reshape(w.shape[0], -1)
+    if ((idx < 0) | (idx >= w.shape[1])).any():
+        return "multinomial: an index is out of range"
+    if not all((w[r, idx[r]] > 0).all() for r in range(w.shape[0])):
+        return "multinomial: a category of zero weight was drawn"
+    replacement = h_kw.get("replacement", h_args[1] if len(h_args) > 1 else False)
+    if not replacement and any(len(set(row.tolist())) != len(row) for row in idx):
+        return "multinomial: a category was drawn twice without replacement"
+    return None
+
+
+RANDOM_OPS = {"nn.functional.dropout": _check_dropout, "multinomial": _check_multinomial,
+              "nn.functional.scaled_dot_product_attention": _check_structure, "randn": _check_random, "randn_like": _check_random,
               "rand_like": _check_random, "normal": _check_random, "normal[number_mean]": _check_random,
               "empty": _check_structure, "empty_like": _check_structure}
+
+
+# Ops that are random only for some samples (compared by value otherwise).
+RANDOM_WHEN = {"nn.functional.scaled_dot_product_attention": lambda args, kw: kw.get("dropout_p", 0.0) > 0}
 
 
 # -- the walk -------------------------------------------------------------------------------------

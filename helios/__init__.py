@@ -17,7 +17,7 @@ from helios.errors import (  # noqa: F401
     OutOfMemoryError,
     ShapeError,
 )
-from helios.dtypes import DType, bfloat16, float16, float32, int32, int64  # noqa: F401
+from helios.dtypes import DType, bfloat16, finfo, float16, float32, int32, int64  # noqa: F401
 from helios.dtypes import bool_ as bool  # noqa: F401,A001
 from helios.runtime import current_device, device, devices, set_device, synchronize  # noqa: F401
 from helios.tensor import Tensor  # noqa: F401
@@ -34,7 +34,7 @@ from helios.functional import (  # noqa: F401  (indexing, sorting, scans, produc
     multinomial, norm, outer, repeat_interleave, roll, scatter, scatter_add, sort, t, tile, topk,
 )
 from helios.creation import (  # noqa: F401
-    arange, empty, from_numpy, full, normal, ones, rand, rand_like, randn, randn_like, tensor, uniform, zeros,
+    arange, empty, from_numpy, full, normal, ones, rand, rand_like, randint, randn, randn_like, tensor, uniform, zeros,
 )
 from helios.random import get_rng_state, manual_seed, set_rng_state  # noqa: F401
 from helios.autograd.tape import enable_grad, is_grad_enabled, no_grad  # noqa: F401

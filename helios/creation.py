@@ -170,3 +170,42 @@ def _check_like(op: str, layout, memory_format) -> None:
 
     check_layout(op, layout)
     check_memory_format(op, memory_format)
+
+
+def randint(low, high=None, size=None, *, generator=None, dtype=dt.int64, device: str | None = None,
+            requires_grad: bool = False) -> Tensor:
+    """Integers uniform in [low, high) (``randint(high, size)`` or ``randint(low, high, size)``),
+    drawn on the device from the Philox stream of ``generator`` (default: helios.random's):
+    two 24-bit uniforms make 48 random bits, reduced modulo the range (a bias below
+    range / 2**48)."""
+    if size is None:
+        if high is None or not isinstance(high, (tuple, list)):
+            raise TypeError("randint: expected randint(high, size) or randint(low, high, size)")
+        low, high, size = 0, low, high
+    elif high is None:
+        low, high = 0, low
+    low, high = int(low), int(high)
+    if high <= low:
+        raise ValueError(f"randint: the range [{low}, {high}) is empty")
+    span = high - low
+    if span > 2 ** 48:
+        raise ValueError(f"randint: a range of {span} values exceeds the 2**48 this generator draws from")
+    d = dt.as_dtype(dtype)
+    rt = get_runtime(device)
+    shape = _shape(size)
+    gen = generator or default_generator()
+    (s1, o1), (s2, o2) = gen.next_offset(), gen.next_offset()
+    scale = K.from_numpy(np.array(2 ** 24, np.int64), dt.int64, rt)
+
+    def bits24(seed, offset):  # floor(u * 2**24): the uniform's 24 bits, exactly
+        u = K.rng(shape, dt.float32, 0, seed, offset, 0.0, 1.0, rt)
+        return K.copy(K.unary("mul_s", u, float(2 ** 24)), dt.int64)
+
+    x = K.binary("add", K.binary("mul", bits24(s1, o1), scale), bits24(s2, o2))
+    m = K.from_numpy(np.array(span, np.int64), dt.int64, rt)
+    r = K.binary("sub", x, K.binary("mul", K.binary("div_floor", x, m), m))
+    if low:
+        r = K.binary("add", r, K.from_numpy(np.array(low, np.int64), dt.int64, rt))
+    if d is not dt.int64:
+        r = K.copy(r, d)
+    return _finish(r, requires_grad)

@@ -118,3 +118,28 @@ def float32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
     u = x.view(np.uint32)
     rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
     return np.where(np.isnan(x), np.uint16(0x7FC0), rounded)
+
+
+class finfo:  # noqa: N801 - PyTorch's name
+    """Machine limits of a floating-point dtype, as ``torch.finfo``: ``bits``, ``eps`` (the
+    gap between 1 and the next value), ``max``, ``min`` (= -max), ``tiny`` (the smallest
+    normal, also ``smallest_normal``) and ``resolution``.  ``finfo()`` is float32's."""
+
+    _TABLE = {  # bits, eps, max, tiny, resolution
+        "float32": (32, 2.0 ** -23, float(np.finfo(np.float32).max), 2.0 ** -126, 1e-6),
+        "float16": (16, 2.0 ** -10, 65504.0, 2.0 ** -14, 1e-3),
+        "bfloat16": (16, 2.0 ** -7, float.fromhex("0x1.fep127"), 2.0 ** -126, 0.01),
+    }
+
+    def __init__(self, dtype=None):
+        d = float32 if dtype is None else as_dtype(dtype)
+        if d.name not in self._TABLE:
+            raise DTypeError(f"finfo: expected a floating-point dtype (float32, float16, bfloat16), got {d.name}")
+        self.dtype = d.name
+        self.bits, self.eps, self.max, self.tiny, self.resolution = self._TABLE[d.name]
+        self.min = -self.max
+        self.smallest_normal = self.tiny
+
+    def __repr__(self) -> str:
+        return (f"finfo(resolution={self.resolution}, min={self.min:.6g}, max={self.max:.6g}, eps={self.eps:.6g}, "
+                f"smallest_normal={self.tiny:.6g}, tiny={self.tiny:.6g}, dtype={self.dtype})")

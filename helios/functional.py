@@ -2193,7 +2193,7 @@ class _SortValues(Function):
     def forward(ctx, x, d, values, idx):
         ctx.save_for_backward(idx)
         ctx.d, ctx.shape = d, x.shape
-        return values
+        return _view(values, values.shape, values._strides, values._off)
 
     @staticmethod
     def backward(ctx, g):
@@ -2354,9 +2354,14 @@ def _flip_raw(x: Tensor, dims: tuple) -> Tensor:
     return x if dims else K.copy(x)
 
 
-def flip(x: Tensor, dims) -> Tensor:
-    """``x`` with the order of ``dims`` reversed (a copy, as in PyTorch)."""
+def flip(x: Tensor, *dims_args, dims=None) -> Tensor:
+    """``x`` with the order of ``dims`` reversed (a copy, as in PyTorch); ``flip(x, (0, 1))``,
+    ``flip(x, dims=[0])`` and the method's ``x.flip(0, 1)`` all work."""
     _check_tensor(x, "flip")
+    if dims is None:
+        if not dims_args:
+            raise TypeError("flip: missing the dims to flip")
+        dims = _shape_arg(dims_args)
     ds = _dims_arg(dims, "flip")
     if x.ndim == 0:
         for d in ds:
@@ -2496,14 +2501,29 @@ def _beta_alpha(op: str, x: Tensor, prod: Tensor, beta, alpha) -> Tensor:
     broadcast_shapes(op, x.shape, prod.shape)
     if alpha != 1:
         prod = prod * alpha
-    if beta == 0:  # the input is ignored, NaN and inf included (PyTorch's rule)
-        return prod if prod.shape == broadcast_shapes(op, x.shape, prod.shape) else expand(prod, x.shape)
+    if beta == 0:  # the input is ignored, NaN and inf included (PyTorch's rule); its gradient is 0
+        out = prod if prod.shape == broadcast_shapes(op, x.shape, prod.shape) else expand(prod, x.shape)
+        return _ZeroGradFor.apply(out, x) if x.requires_grad and is_grad_enabled() else out
     return prod + (x if beta == 1 else x * beta)
 
 
 def _wide(*ts: Tensor):
     """16-bit float operands as float32 (a fused multiply-add rounds once, as PyTorch's does)."""
     return tuple(to(t_, dt.float32) if t_.dtype.itemsize == 2 else t_ for t_ in ts)
+
+
+class _ZeroGradFor(Function):
+    """``out`` unchanged, with ``x`` recorded as an input whose gradient is zero (an input an
+    op ignores but PyTorch still differentiates, such as addmm's with beta=0)."""
+
+    @staticmethod
+    def forward(ctx, out, x):
+        ctx.shape = x.shape
+        return _view(out, out.shape, out._strides, out._off)  # a new tensor: out keeps its own node
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, K.fill(K.empty(ctx.shape, g.dtype, g._st.rt), 0)
 
 
 def addmm(x: Tensor, a: Tensor, b: Tensor, *, beta=1, alpha=1) -> Tensor:

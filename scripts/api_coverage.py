@@ -251,6 +251,20 @@ ENTRIES: list[Entry] = [
 ]
 
 
+# Notes shown in the docs table (semantics worth knowing, or why an entry is missing).
+NOTES = {
+    "tensor:sort": "always stable: ties keep their order (PyTorch's `stable=True`)",
+    "tensor:topk": "ties in their original order",
+    "torch:multinomial": "Gumbel top-k on the device, seeded by `helios.manual_seed`",
+    "torch:randint": "48 random bits from two Philox draws",
+    "torch:polar": "Helios has no complex dtype; rotary embeddings in HF LLaMA's cos/sin form work",
+    "torch:view_as_complex": "no complex dtype (see `torch.polar`)",
+    "torch:view_as_real": "no complex dtype (see `torch.polar`)",
+    "tensor:x[mask] = v (boolean mask write)": "one value: a `where` on the device, no host read",
+    "tensor:x[mask] (boolean mask)": "reads the mask on the host to size the result, as PyTorch does",
+}
+
+
 # -- what Helios has ------------------------------------------------------------------------------
 def _resolve(root, dotted: str):
     obj = root
@@ -338,10 +352,11 @@ def markdown(hl=None) -> str:
     for c, v in cov.items():
         lines.append(f"| {CATEGORY_TITLES[c]} | {_pct(*v)} |")
     for c in CATEGORIES:
-        lines += ["", f"## {CATEGORY_TITLES[c]}", "", "| PyTorch | Helios | called by |", "| --- | :---: | --- |"]
+        lines += ["", f"## {CATEGORY_TITLES[c]}", "", "| PyTorch | Helios | called by | note |", "| --- | :---: | --- | --- |"]
         for e in ENTRIES:
             if e.category == c:
-                lines.append(f"| `{e.torch_name}` | {'yes' if present[e.key] else '**no**'} | {', '.join(e.sources)} |")
+                lines.append(f"| `{e.torch_name}` | {'yes' if present[e.key] else '**no**'} | {', '.join(e.sources)} | "
+                             f"{NOTES.get(e.key, '')} |")
     return "\n".join(lines) + "\n"
 
 

@@ -538,7 +538,8 @@ def _check_multinomial(h_in, h_args, h_kw, h_flat, t_flat):
 
 
 RANDOM_OPS = {"nn.functional.dropout": _check_dropout, "multinomial": _check_multinomial,
-              "nn.functional.scaled_dot_product_attention": _check_structure, "randn": _check_random, "randn_like": _check_random,
+              "nn.functional.scaled_dot_product_attention": _check_structure, "randint": _check_structure,
+              "randn": _check_random, "randn_like": _check_random,
               "rand_like": _check_random, "normal": _check_random, "normal[number_mean]": _check_random,
               "empty": _check_structure, "empty_like": _check_structure}
 

@@ -3123,7 +3123,7 @@ def multinomial(input: Tensor, num_samples: int, replacement: bool = False, *, g
     logw = log(unsqueeze(w2, 1))
     keys = where(gt(unsqueeze(w2, 1), 0.0), logw - log(neg(log(u))), -math.inf)
     with _no_grad_ctx():
-        if replacement:
+        if replacement or num_samples == 1:  # one draw per noise row: Gumbel-max, no sort
             out = argmax(keys, dim=-1)
         else:
             out = reshape(topk(reshape(keys, (rows, n)), num_samples, dim=-1).indices, (rows, num_samples))

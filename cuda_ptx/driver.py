@@ -170,8 +170,20 @@ class Context:
         builds (cached), or with :attr:`jit` as the PTX text itself, which the driver compiles."""
         if self.jit:
             return self.load(ptx.encode() + b"\0", name, shared_bytes)  # the driver takes NUL-terminated PTX
-        comp = toolchain.compile_ptx(ptx, target)
+        comp = toolchain.compile_ptx(ptx, self.cubin_arch(target))
         return self.load(comp.cubin.read_bytes(), name, shared_bytes, comp.info.log)
+
+    def cubin_arch(self, target: str) -> str:
+        """The arch to assemble PTX written for ``target`` into on this device.
+
+        A cubin runs only on the major architecture it was built for (an sm_80 cubin is
+        refused by an sm_90 GPU with CUDA_ERROR_NO_BINARY_FOR_GPU), while PTX for a portable
+        target assembles for any newer one; so portable targets are built for this device.
+        An arch-specific target ('a', such as sm_90a) stays as it is: only that GPU runs it.
+        """
+        if target.endswith("a"):
+            return target
+        return self.arch
 
     # -- memory ----------------------------------------------------------------------
     def alloc(self, nbytes: int) -> int:

@@ -282,3 +282,12 @@ def test_every_call_the_context_makes_fits_the_real_bindings():
         "cuOccupancyMaxActiveClusters", "cuMemAlloc", "cuMemcpyHtoD", "cuGetProcAddress", "cuLaunchKernel",
         "cuCtxSynchronize", "cuMemcpyDtoH", "cuMemsetD8", "cuMemFree", "cuEventCreate", "cuEventRecord",
         "cuEventSynchronize", "cuEventElapsedTime", "cuEventDestroy"}
+
+
+def test_portable_ptx_is_assembled_for_the_device_it_runs_on():
+    # An sm_80 cubin does not load on an sm_90 GPU (CUDA_ERROR_NO_BINARY_FOR_GPU, seen on an
+    # H200): PTX written for a portable target is assembled for the device's own arch.
+    ctx = emulated_context()
+    assert ctx.cc == (9, 0)
+    assert ctx.cubin_arch("sm_80") == "sm_90a"
+    assert ctx.cubin_arch("sm_90a") == "sm_90a"

@@ -96,6 +96,19 @@ float sigmoid_f(float x) { return x >= 0.0 ? 1.0 / (1.0 + exp(-x)) : exp(x) / (1
 // and pow only ever sees a finite positive base: a finite negative base with a non-integer
 // exponent is NaN, an odd integer exponent keeps the base's sign (-0 and -inf included),
 // y == 0 and x == 1 give 1 even against NaN.
+// ax ** y for a finite ax > 0 as 2 ** (y * log2 ax), with the exponent split into an integer
+// (exact, by ldexp) and a fraction in [-0.5, 0.5]: GLSL's exp2 may be off by 3 + 2|t| ulp, so
+// the plain pow(2, 100) was 1e-5 wrong on an NVIDIA GPU, while exp2 of the fraction is within
+// 4 ulp.  Beyond the float range the result is inf or 0 outright (ldexp would be undefined).
+float pow_pos(float ax, float y) {
+    float t = y * log2(ax);
+    if (t >= 128.0) return uintBitsToFloat(0x7F800000u);
+    if (t < -150.0) return 0.0;
+    float n = floor(t + 0.5);
+    int half_n = int(n) / 2;  // two steps, so neither scale leaves the float range
+    return ldexp(ldexp(exp2(t - n), half_n), int(n) - half_n);
+}
+
 float pow_c(float x, float y) {
     const float INF = uintBitsToFloat(0x7F800000u);
     if (y == 0.0 || x == 1.0) return 1.0;
@@ -114,7 +127,7 @@ float pow_c(float x, float y) {
     if (ax == 0.0) r = y > 0.0 ? 0.0 : INF;
     else if (isinf(ax)) r = y > 0.0 ? INF : 0.0;
     else if (neg && !y_int) return uintBitsToFloat(0x7FC00000u);
-    else r = pow(ax, y);
+    else r = pow_pos(ax, y);
     return (neg && y_odd) ? -r : r;
 }
 

@@ -118,7 +118,9 @@ float fop(float x) {
     else if (OP == 4) r = x < 0.0 ? uintBitsToFloat(0x7FC00000u) : x == 0.0 ? 1.0 / x : inversesqrt(x);
     else if (OP == 5) r = tanh_safe(x);
     else if (OP == 6) r = sigmoid_f(x);
-    else if (OP == 7) r = x < 0.0 ? 0.0 : x;  // NaN stays NaN (GLSL's max may drop it)
+    // NaN stays NaN: GLSL's max may drop it, and a driver may turn the bare select into max
+    // (NVIDIA's did: relu(NaN) was 0), so NaN is tested for first
+    else if (OP == 7) r = isnan(x) ? x : (x < 0.0 ? 0.0 : x);
     else if (OP == 8) r = gelu_tanh(x);
     else if (OP == 9) r = gelu_erf(x);
     else if (OP == 10) r = abs(x);

@@ -15,7 +15,10 @@ per-product time.  One JSON line per shape: {"bench": "matmul", "shape", "layout
 "helios_gflops", "numpy_gflops", "ratio", "numpy_threads", "lp_num_threads", "device"};
 ``ratio`` = helios / numpy.  With ``--dtype float16/bfloat16`` Helios stores 16-bit
 operands (computing in fp32) while numpy still runs fp32 BLAS: numpy has no bf16 and its
-float16 matmul does not use BLAS, so fp32 is the fair peer.  ``--tiles`` (CPU devices only) repeats the square shapes for
+float16 matmul does not use BLAS, so fp32 is the fair peer.  On a GPU, ``--cuda-peer`` also
+times torch.matmul on CUDA (fp32, TF32 off, same shape and layout) in the same run and adds
+``cuda_peer_gflops`` and ``ratio_cuda_peer`` to each line: numpy on the host's cores is no
+peer for a GPU.  ``--tiles`` (CPU devices only) repeats the square shapes for
 each TM x TN register block listed, to re-tune ``_MM_CPU_TILE`` on a new host.
 """
 
@@ -95,6 +98,34 @@ def bench_shape(M: int, Kd: int, N: int, layout: str, dtype: str, rounds: int, r
             "rel_err": float(f"{err:.2e}"), "reps": reps, "rounds": rounds}
 
 
+def cuda_peer_gflops(M: int, Kd: int, N: int, layout: str, rounds: int) -> float | str:
+    """torch.matmul on CUDA in fp32 with TF32 off, for the same shape and layout (median of
+    ``rounds`` blocks of 20 products, timed by CUDA events); a string says why not."""
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        return "torch sees no CUDA device"
+    torch.backends.cuda.matmul.allow_tf32 = False
+    a = torch.randn((Kd, M) if layout[0] == "t" else (M, Kd), device="cuda")
+    b = torch.randn((N, Kd) if layout[1] == "t" else (Kd, N), device="cuda")
+    a = a.t() if layout[0] == "t" else a
+    b = b.t() if layout[1] == "t" else b
+    for _ in range(3):
+        a @ b
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            a @ b
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 20 / 1e3)
+    return 2.0 * M * N * Kd / statistics.median(times) / 1e9
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Helios matmul vs numpy, same process")
     ap.add_argument("--sizes", type=int, nargs="*", default=[256, 512, 1024, 2048])
@@ -105,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--tiles", nargs="*", default=None, help="CPU register blocks to compare, e.g. 8x8 16x8")
     ap.add_argument("--wy", type=int, nargs="*", default=None, help="CPU subgroups per workgroup to compare")
+    ap.add_argument("--cuda-peer", action="store_true", help="also time torch.matmul on CUDA (a GPU's peer)")
     args = ap.parse_args(argv)
 
     rt = get_runtime()
@@ -133,6 +165,13 @@ def main(argv: list[str] | None = None) -> int:
                     extra = {"tile": f"{tm}x{tn}", "wy": w}
                 for layout in args.layouts:
                     res = bench_shape(M, Kd, N, layout, args.dtype, args.rounds, rng)
+                    if args.cuda_peer:
+                        peer = cuda_peer_gflops(M, Kd, N, layout, args.rounds)
+                        if isinstance(peer, str):
+                            res["cuda_peer_skipped"] = peer
+                        else:
+                            res["cuda_peer_gflops"] = round(peer, 1)
+                            res["ratio_cuda_peer"] = round(res["helios_gflops"] / peer, 4)
                     load = round(os.getloadavg()[0], 2)  # other work on the host skews both sides
                     print(json.dumps({**common, "shape": name, "layout": layout, **extra, **res, "loadavg_1m": load}),
                           flush=True)

@@ -1,0 +1,182 @@
+"""Mixture of experts: a GPT MLP replaced by E expert MLPs and a router (GShard, Switch).
+
+    moe = MoEMLP(n_embd=128, n_experts=8, top_k=2, capacity_factor=1.25, ep_group=ep_group)
+    y = moe(x)                 # [B, T, C] -> [B, T, C]
+    loss = loss + moe.aux_loss # the load-balancing loss of this forward
+
+Routing, for the N tokens of this rank:
+
+* the router (a bias-free linear layer) gives each token a probability over the E experts;
+  the token goes to its ``top_k`` most probable ones.  With ``top_k == 1`` (Switch) the
+  expert's output is scaled by its probability; with more (GShard's top-2) by the chosen
+  probabilities renormalised to sum to 1.
+* each expert takes at most ``capacity = ceil(capacity_factor * top_k * N / E)`` tokens.
+  Places are given in priority order -- every token's first choice before any second
+  choice, then by token position, as GShard does -- and a (token, choice) pair past its
+  expert's capacity is dropped: it adds nothing, so a token all of whose choices were
+  dropped passes through the block on the residual alone.  ``capacity_factor=None``
+  drops nothing (capacity N).
+* the load-balancing loss is ``aux_alpha * E * sum_i f_i * P_i`` (Switch Transformer, eq. 4):
+  ``f_i`` the share of tokens whose first choice is expert i, ``P_i`` the mean router
+  probability of expert i.  With a uniform router every P_i is 1/E, so it is aux_alpha
+  exactly whatever f is.
+
+Every step of the routing stays on the device (top-k, one-hot, a cumulative sum for the
+places, index_add into the expert buffers and index_select out of them): nothing is read
+back to the host, and every index written is unique, so the result is deterministic.
+
+Expert parallelism: with ``ep_group`` of size W, this rank holds experts
+``[r * E / W, (r + 1) * E / W)``.  The dispatch buffer is laid out expert by expert, so
+one ``all_to_all`` sends each rank the places of its experts from every rank; the
+experts run on everything they received; a second ``all_to_all`` sends the results
+back.  Both exchanges are autograd functions whose backward is the same exchange of the
+gradients.  ``ep_group=None`` keeps every expert on this rank.  The ranks of ``ep_group``
+see different tokens (they are data-parallel ranks): each one's output equals one device
+that holds all experts run on its tokens.  Expert ``e`` is made from seeds of its own on
+whatever rank holds it, so every expert-parallel
+layout starts from the same weights.
+"""
+
+from __future__ import annotations
+
+import math
+
+import helios.comm as dist
+from helios import _kernels as K
+from helios import dtypes as dt
+from helios import functional as F
+from helios.autograd.tape import Function
+from helios.creation import arange, normal, tensor, zeros
+from helios.nn import Linear, Module, Parameter
+from helios.schedule.grid import group_rank, group_size
+from helios.tensor import Tensor
+
+
+class _AllToAll(Function):
+    """Chunk j of the input (split along dim 0) goes to rank j; the gradient takes the way back."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _exchange(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _exchange(g, ctx.group), None
+
+
+def _exchange(x: Tensor, group) -> Tensor:
+    src = K.copy(x)  # contiguous, and not a tensor autograd may hold
+    out = zeros(*x.shape, dtype=x.dtype, device=x.device)
+    dist.all_to_all(out, src, group=group)
+    return out
+
+
+def all_to_all(x: Tensor, group) -> Tensor:
+    """Differentiable all-to-all over ``group``: ``x``'s dim 0 is split into one chunk per rank."""
+    if group is not None and group_size(group) == 1:
+        return x
+    return _AllToAll.apply(x, group)
+
+
+class MoEMLP(Module):
+    """E expert MLPs (``n_embd -> hidden -> n_embd``, tanh GELU, as the GPT's MLP) behind a
+    top-k router; see the module docstring for the routing, capacity and loss."""
+
+    def __init__(self, n_embd: int, n_experts: int, top_k: int = 2, capacity_factor: float | None = 1.25,
+                 aux_alpha: float = 0.01, hidden: int | None = None, ep_group=None, seed: int = 0,
+                 proj_std: float = 0.02) -> None:
+        super().__init__()
+        if n_experts < 1:
+            raise ValueError(f"MoEMLP: n_experts must be >= 1, got {n_experts}")
+        if not 1 <= top_k <= n_experts:
+            raise ValueError(f"MoEMLP: top_k must be between 1 and n_experts ({n_experts}), got {top_k}")
+        if capacity_factor is not None and capacity_factor <= 0:
+            raise ValueError(f"MoEMLP: capacity_factor must be > 0 (or None: no capacity limit), got {capacity_factor}")
+        ep = 1 if ep_group is None else group_size(ep_group)
+        if n_experts % ep:
+            raise ValueError(f"MoEMLP: the {n_experts} experts do not split evenly over {ep} expert-parallel ranks")
+        self.n_embd, self.n_experts, self.top_k = n_embd, n_experts, top_k
+        self.capacity_factor, self.aux_alpha, self.ep_group = capacity_factor, aux_alpha, ep_group
+        self.hidden = hidden or 4 * n_embd
+        self.ep, self.local_experts = ep, n_experts // ep
+        first = (0 if ep_group is None else group_rank(ep_group)) * self.local_experts
+        self.router = Linear(n_embd, n_experts, bias=False, seed=seed)
+        mine = range(first, first + self.local_experts)
+        # expert e's weights come from seed + 1 + e wherever it lives (see the module docstring)
+        self.w_fc = Parameter(F.stack([normal(0.0, 0.02, (n_embd, self.hidden), seed=seed + 1 + 2 * e) for e in mine]))
+        self.b_fc = Parameter(zeros(self.local_experts, 1, self.hidden))
+        self.w_proj = Parameter(F.stack([normal(0.0, proj_std, (self.hidden, n_embd), seed=seed + 2 + 2 * e)
+                                         for e in mine]))
+        self.b_proj = Parameter(zeros(self.local_experts, 1, n_embd))
+        self.aux_loss: Tensor | None = None
+        self.dropped: Tensor | None = None  # (token, choice) pairs past capacity in the last forward
+
+    def expert_parameters(self) -> list[Parameter]:
+        """The parameters of this rank's experts (the router is shared, as the rest of the model)."""
+        return [self.w_fc, self.b_fc, self.w_proj, self.b_proj]
+
+    def capacity(self, n_tokens: int) -> int:
+        """Places per expert for ``n_tokens`` tokens on this rank."""
+        if self.capacity_factor is None:
+            return n_tokens
+        return max(1, math.ceil(self.capacity_factor * self.top_k * n_tokens / self.n_experts))
+
+    def route(self, x: Tensor):
+        """Router decisions for tokens ``x`` [N, C]: (slot, weight, probs, first_choice), where
+        slot [k*N] is each (choice, token) pair's row in the expert-major dispatch buffer
+        (``E * capacity`` for a dropped pair) and weight [k*N] its gate value (0 if dropped)."""
+        n, E, k = x.shape[0], self.n_experts, self.top_k
+        cap = self.capacity(n)
+        probs = F.softmax(self.router(x), -1)
+        gate, choice = probs.topk(k)  # [N, k]
+        if k > 1:
+            gate = gate / gate.sum(-1, keepdim=True)
+        expert = choice.t().reshape(-1)  # choice-major: every first choice before any second
+        onehot = F.one_hot(expert, E)
+        place = (F.cumsum(onehot, 0) * onehot).sum(-1) - 1
+        keep = place < cap
+        slot = F.where(keep, expert * cap + place, tensor(E * cap))
+        weight = gate.t().reshape(-1) * keep.to(dt.float32)
+        self.dropped = (~keep).to(dt.int64).sum()
+        return slot, weight, probs, choice[:, 0]
+
+    def experts(self, xin: Tensor) -> Tensor:
+        """This rank's experts on their places: [E_local, P, C] -> [E_local, P, C]."""
+        h = F.bmm(xin, self.w_fc) + self.b_fc
+        return F.bmm(F.gelu(h, approximate="tanh"), self.w_proj) + self.b_proj
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, self.n_embd)
+        n, E, k, C = flat.shape[0], self.n_experts, self.top_k, self.n_embd
+        cap = self.capacity(n)
+        slot, weight, probs, first = self.route(flat)
+        token = arange(n).repeat(k)
+        buf = F.index_add(zeros(E * cap + 1, C), 0, slot, F.index_select(flat, 0, token))
+        xin = buf[: E * cap].reshape(E, cap, C)
+        out = self._run_experts(xin)  # [E, cap, C], in this rank's expert order
+        rows = F.cat([out.reshape(E * cap, C), zeros(1, C)], 0)  # the last row: dropped pairs read zeros
+        y = (F.index_select(rows, 0, slot) * weight.unsqueeze(-1)).reshape(k, n, C).sum(0)
+        f = F.one_hot(first, E).to(dt.float32).mean(0)  # counts: no gradient, as in Switch
+        self.aux_loss = (f * probs.mean(0)).sum() * (self.aux_alpha * E)
+        return y.reshape(*shape)
+
+    def _run_experts(self, xin: Tensor) -> Tensor:
+        if self.ep == 1:
+            return self.experts(xin)
+        W, El, cap, C = self.ep, self.local_experts, xin.shape[1], self.n_embd
+        got = all_to_all(xin.reshape(W, El, cap, C), self.ep_group)  # [source rank, my expert, place, C]
+        mine = got.permute(1, 0, 2, 3).reshape(El, W * cap, C)
+        done = self.experts(mine).reshape(El, W, cap, C).permute(1, 0, 2, 3)
+        back = all_to_all(done.contiguous(), self.ep_group)  # [owner rank, its expert, place, C]
+        return back.reshape(W * El, cap, C)
+
+
+def aux_loss(model: Module) -> Tensor | None:
+    """The sum of the load-balancing losses of every MoE layer's last forward in ``model``."""
+    total = None
+    for m in model.modules():
+        if isinstance(m, MoEMLP) and m.aux_loss is not None:
+            total = m.aux_loss if total is None else total + m.aux_loss
+    return total

@@ -23,7 +23,9 @@ Routing, for the N tokens of this rank:
 
 Every step of the routing stays on the device (top-k, one-hot, a cumulative sum for the
 places, index_add into the expert buffers and index_select out of them): nothing is read
-back to the host, and every index written is unique, so the result is deterministic.
+back to the host, and every row read back was written once (only the spare row that
+collects dropped pairs is written many times, and it is never read), so the result is
+deterministic.
 
 Expert parallelism: with ``ep_group`` of size W, this rank holds experts
 ``[r * E / W, (r + 1) * E / W)``.  The dispatch buffer is laid out expert by expert, so
@@ -180,3 +182,17 @@ def aux_loss(model: Module) -> Tensor | None:
         if isinstance(m, MoEMLP) and m.aux_loss is not None:
             total = m.aux_loss if total is None else total + m.aux_loss
     return total
+
+
+def use_experts(model: Module, n_experts: int, top_k: int = 2, capacity_factor: float | None = 1.25,
+                aux_alpha: float = 0.01, ep_group=None) -> Module:
+    """Replace the MLP of every block of a ``helios.nn.GPT`` by an :class:`MoEMLP` (in place;
+    returns the model).  Layer i's experts are seeded from ``1000 * (i + 1)``, the same on
+    every rank, so any expert-parallel layout starts from the same model.  The GPT's loss
+    does not include the load-balancing loss: add :func:`aux_loss` of the model to it."""
+    cfg = model.config
+    proj_std = 0.02 / math.sqrt(2 * cfg.n_layer)  # GPT-2's scaled init of residual projections
+    for i, block in enumerate(model.h):
+        block.mlp = MoEMLP(cfg.n_embd, n_experts, top_k=top_k, capacity_factor=capacity_factor,
+                           aux_alpha=aux_alpha, ep_group=ep_group, seed=1000 * (i + 1), proj_std=proj_std)
+    return model

@@ -112,6 +112,33 @@ def test_bad_settings_are_refused_by_name():
         MoEMLP(C_EMBD, 0)
 
 
+@pytest.mark.vulkan
+def test_a_gpt_with_experts_learns_and_reports_its_balance():
+    import helios as hl
+    from helios.nn import GPT, GPTConfig
+    from helios.optim import AdamW
+    from helios.schedule.moe import MoEMLP, aux_loss, use_experts
+
+    cfg = GPTConfig(block_size=16, vocab_size=32, n_layer=2, n_head=2, n_embd=16, dropout=0.0)
+    model = use_experts(GPT(cfg, seed=0), n_experts=4, top_k=2)
+    assert all(isinstance(b.mlp, MoEMLP) for b in model.h)
+    names = [n for n, _ in model.named_parameters()]
+    assert "h.1.mlp.w_fc" in names and "h.0.mlp.router.weight" in names and not any("c_fc" in n for n in names)
+    opt = AdamW(model.parameters(), lr=1e-2)
+    idx = hl.tensor(np.random.default_rng(0).integers(0, 32, (4, 16)))
+    losses = []
+    for _ in range(8):
+        _, loss = model(idx, idx)
+        total = loss + aux_loss(model)
+        opt.zero_grad()
+        total.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.3, losses
+    assert 0.0 < aux_loss(model).item() < 0.1  # two layers, alpha 0.01 each, near balance: about 0.02
+    assert all(b.mlp.router.weight.grad is not None for b in model.h)
+
+
 # -- expert parallelism on 2 ranks -------------------------------------------------------------------
 
 def _rank_main(out_dir: str) -> None:

@@ -21,6 +21,16 @@ entropy is computed across the slices with three small all-reduces (the row maxi
 sum of exponentials, the target logit) without ever gathering the logits.  LayerNorms and
 the position table are replicated; their gradients come out equal on every TP rank.
 
+Sequence parallelism (Korthikanti et al. 2022; ``TensorParallelGPT(..., sequence_parallel=True)``):
+between the tensor-parallel regions -- the LayerNorms and the residual stream -- each rank
+holds only its T/tp positions instead of a replica of all T.  The all-reduce after a
+row-parallel layer becomes a reduce-scatter along the sequence, and the column-parallel
+layer's input is all-gathered along the sequence (backward: the other way round), so the
+bytes moved are the same while those activations shrink tp-fold.  The parameters used on a
+sequence shard (LayerNorms, the position table, row-parallel biases) see only their
+rank's positions, so their gradients are summed over the group (``copy_to_tp`` on the
+parameter: identity forward, all-reduce backward).
+
 Built from a whole ``helios.nn.GPT`` (every rank makes the same one, then keeps its
 shards), so a TP model starts from exactly the weights one device would train.
 """
@@ -81,6 +91,59 @@ def reduce_from_tp(x: Tensor, group) -> Tensor:
     return _ReduceFromTP.apply(x, group)
 
 
+def _gather_sequence(x: Tensor, group) -> Tensor:
+    """[B, T/tp, C] shards of every rank -> the whole [B, T, C], in rank order along T."""
+    tp = group_size(group)
+    b, ts, c = x.shape
+    every = K.empty((tp, b, ts, c), x.dtype)
+    dist.all_gather(every, K.copy(x), group=group)
+    return K.copy(every.permute(1, 0, 2, 3)).reshape(b, tp * ts, c)
+
+
+def _reduce_scatter_sequence(x: Tensor, group) -> Tensor:
+    """[B, T, C] partial sums on every rank -> this rank's T/tp positions of their sum."""
+    tp = group_size(group)
+    b, t, c = x.shape
+    chunks = K.copy(x.reshape(b, tp, t // tp, c).permute(1, 0, 2, 3))  # [tp, B, T/tp, C]: chunk q goes to rank q
+    out = K.empty((b, t // tp, c), x.dtype)
+    dist.reduce_scatter(out, chunks, group=group)
+    return out
+
+
+class _GatherSequence(Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _reduce_scatter_sequence(g, ctx.group), None
+
+
+class _ReduceScatterSequence(Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather_sequence(g, ctx.group), None
+
+
+def gather_sequence(x: Tensor, group) -> Tensor:
+    """All-gather of sequence shards [B, T/tp, C] into [B, T, C] forward, reduce-scatter of the
+    gradient backward (sequence parallelism's entry into a column-parallel layer)."""
+    return _GatherSequence.apply(x, group)
+
+
+def reduce_scatter_sequence(x: Tensor, group) -> Tensor:
+    """Reduce-scatter of partial sums [B, T, C] into this rank's [B, T/tp, C] forward, all-gather
+    of the gradient backward (sequence parallelism's exit from a row-parallel layer)."""
+    return _ReduceScatterSequence.apply(x, group)
+
+
 def _param(a: np.ndarray) -> Parameter:
     return Parameter(tensor(np.ascontiguousarray(a, np.float32)))
 
@@ -134,50 +197,56 @@ class ColumnParallelLinear(Module):
     """y_shard = x @ W_shard^T + b_shard: this rank's output features (rows of W); the input is
     the whole (replicated) activation."""
 
-    def __init__(self, weight: np.ndarray, bias: np.ndarray | None, group, rows_of) -> None:
+    def __init__(self, weight: np.ndarray, bias: np.ndarray | None, group, rows_of, sequence_parallel: bool = False) -> None:
         super().__init__()
-        self.group = group
+        self.group, self.sequence_parallel = group, sequence_parallel
         self.weight = _sharded(weight, lambda q: rows_of(q), group)
         self.bias = _sharded(bias, lambda q: rows_of(q), group) if bias is not None else None
 
     @classmethod
-    def from_linear(cls, linear, group, rows_of) -> ColumnParallelLinear:
+    def from_linear(cls, linear, group, rows_of, sequence_parallel: bool = False) -> ColumnParallelLinear:
         """The shard of ``linear`` (a helios.nn.Linear) whose output features ``rows_of(rank)`` are this rank's."""
         b = linear.bias.numpy() if linear.bias is not None else None
-        return cls(linear.weight.numpy(), b, group, rows_of)
+        return cls(linear.weight.numpy(), b, group, rows_of, sequence_parallel)
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.linear(copy_to_tp(x, self.group), self.weight, self.bias)
+        whole = gather_sequence(x, self.group) if self.sequence_parallel else copy_to_tp(x, self.group)
+        return F.linear(whole, self.weight, self.bias)
 
 
 class RowParallelLinear(Module):
     """y = sum over ranks of x_shard @ W_shard^T, then + b: this rank's input features
     (columns of W); the bias is added once, after the all-reduce."""
 
-    def __init__(self, weight: np.ndarray, bias: np.ndarray | None, group, cols_of) -> None:
+    def __init__(self, weight: np.ndarray, bias: np.ndarray | None, group, cols_of, sequence_parallel: bool = False) -> None:
         super().__init__()
-        self.group = group
+        self.group, self.sequence_parallel = group, sequence_parallel
         self.weight = _sharded(weight, lambda q: (slice(None), cols_of(q)), group)
         self.bias = _param(bias) if bias is not None else None
 
     @classmethod
-    def from_linear(cls, linear, group, cols_of) -> RowParallelLinear:
+    def from_linear(cls, linear, group, cols_of, sequence_parallel: bool = False) -> RowParallelLinear:
         """The shard of ``linear`` (a helios.nn.Linear) whose input features ``cols_of(rank)`` are this rank's."""
         b = linear.bias.numpy() if linear.bias is not None else None
-        return cls(linear.weight.numpy(), b, group, cols_of)
+        return cls(linear.weight.numpy(), b, group, cols_of, sequence_parallel)
 
     def forward(self, x: Tensor) -> Tensor:
-        y = reduce_from_tp(F.linear(x, self.weight, None), self.group)
+        partial = F.linear(x, self.weight, None)
+        if self.sequence_parallel:
+            y = reduce_scatter_sequence(partial, self.group)
+            return y + copy_to_tp(self.bias, self.group) if self.bias is not None else y  # used on a shard
+        y = reduce_from_tp(partial, self.group)
         return y + self.bias if self.bias is not None else y
 
 
 class VocabParallelEmbedding(Module):
     """Rows [lo, hi) of an embedding table: a rank looks up the tokens it holds, zeros for the
-    others, and the all-reduce assembles every token's vector."""
+    others, and the all-reduce assembles every token's vector (with sequence parallelism a
+    reduce-scatter: each rank gets its positions' vectors)."""
 
-    def __init__(self, table: np.ndarray, group) -> None:
+    def __init__(self, table: np.ndarray, group, sequence_parallel: bool = False) -> None:
         super().__init__()
-        self.group = group
+        self.group, self.sequence_parallel = group, sequence_parallel
         rows = _split(table.shape[0], group_size(group), "the vocabulary size")
         self.lo, self.hi = group_rank(group) * rows, (group_rank(group) + 1) * rows
         self.weight = _sharded(table, lambda q: slice(q * rows, (q + 1) * rows), group)
@@ -188,6 +257,8 @@ class VocabParallelEmbedding(Module):
         mine = (idx >= self.lo) & (idx < self.hi)
         local = F.where(mine, idx - self.lo, 0)
         vectors = F.embedding(local, self.weight) * F.to(mine.unsqueeze(-1), dt.float32)
+        if self.sequence_parallel:
+            return reduce_scatter_sequence(vectors, self.group)  # this rank's positions only
         return reduce_from_tp(vectors, self.group)
 
 
@@ -227,7 +298,7 @@ def _split(n: int, parts: int, what: str) -> int:
 class ParallelAttention(Module):
     """Causal self-attention over this rank's heads (c_attn column-parallel, c_proj row-parallel)."""
 
-    def __init__(self, attn, group) -> None:
+    def __init__(self, attn, group, sequence_parallel: bool = False) -> None:
         super().__init__()
         tp = group_size(group)
         h, c = attn.n_head, attn.n_embd
@@ -239,12 +310,14 @@ class ParallelAttention(Module):
             return (np.arange(q * hl, (q + 1) * hl)[:, None] * d + np.arange(d)).reshape(-1)
 
         self.c_attn = ColumnParallelLinear.from_linear(
-            attn.c_attn, group, lambda q: np.concatenate([part * c + cols(q) for part in range(3)]))  # q, k, v rows
-        self.c_proj = RowParallelLinear.from_linear(attn.c_proj, group, cols)
+            attn.c_attn, group, lambda q: np.concatenate([part * c + cols(q) for part in range(3)]),  # q, k, v rows
+            sequence_parallel)
+        self.c_proj = RowParallelLinear.from_linear(attn.c_proj, group, cols, sequence_parallel)
 
     def forward(self, x: Tensor) -> Tensor:
-        b, t, _ = x.shape
-        q, k, v = F.split_heads(self.c_attn(x), self.n_head)
+        qkv = self.c_attn(x)  # the whole sequence, also when x is this rank's part of it
+        b, t, _ = qkv.shape
+        q, k, v = F.split_heads(qkv, self.n_head)
         att = F.attention_softmax(F.matmul(q, k.mT), 1.0 / math.sqrt(self.head_dim), causal=True)
         y = F.matmul(att, v).transpose(1, 2).reshape(b, t, self.n_head * self.head_dim)
         return self.c_proj(y)
@@ -253,22 +326,38 @@ class ParallelAttention(Module):
 class ParallelMLP(Module):
     """c_fc column-parallel (this rank's hidden features), GELU, c_proj row-parallel."""
 
-    def __init__(self, mlp, group) -> None:
+    def __init__(self, mlp, group, sequence_parallel: bool = False) -> None:
         super().__init__()
         hidden = _split(mlp.c_fc.out_features, group_size(group), "the MLP width")
 
         def mine(q: int) -> np.ndarray:
             return np.arange(q * hidden, (q + 1) * hidden)
 
-        self.c_fc = ColumnParallelLinear.from_linear(mlp.c_fc, group, mine)
-        self.c_proj = RowParallelLinear.from_linear(mlp.c_proj, group, mine)
+        self.c_fc = ColumnParallelLinear.from_linear(mlp.c_fc, group, mine, sequence_parallel)
+        self.c_proj = RowParallelLinear.from_linear(mlp.c_proj, group, mine, sequence_parallel)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
 
 
-def _copy_layer_norm(ln) -> LayerNorm:
-    out = LayerNorm(ln.weight.shape[0], bias=ln.bias is not None, eps=ln.eps)
+class SequenceParallelLayerNorm(LayerNorm):
+    """A LayerNorm applied to this rank's sequence positions: its gradients are summed over
+    the tensor-parallel group, so every rank holds the whole sequence's."""
+
+    def __init__(self, *args, group=None, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.group = group
+
+    def forward(self, x: Tensor) -> Tensor:
+        b = copy_to_tp(self.bias, self.group) if self.bias is not None else None
+        return F.layer_norm(x, self.normalized_shape, copy_to_tp(self.weight, self.group), b, self.eps)
+
+
+def _copy_layer_norm(ln, group=None, sequence_parallel: bool = False) -> LayerNorm:
+    if sequence_parallel:
+        out = SequenceParallelLayerNorm(ln.weight.shape[0], bias=ln.bias is not None, eps=ln.eps, group=group)
+    else:
+        out = LayerNorm(ln.weight.shape[0], bias=ln.bias is not None, eps=ln.eps)
     out.weight = _param(ln.weight.numpy())
     if ln.bias is not None:
         out.bias = _param(ln.bias.numpy())
@@ -276,14 +365,15 @@ def _copy_layer_norm(ln) -> LayerNorm:
 
 
 class ParallelBlock(Module):
-    """A transformer block with tensor-parallel attention and MLP: 2 all-reduces forward, 2 backward."""
+    """A transformer block with tensor-parallel attention and MLP: 2 all-reduces forward, 2 backward
+    (with sequence parallelism: 2 all-gathers and 2 reduce-scatters each way instead)."""
 
-    def __init__(self, block, group) -> None:
+    def __init__(self, block, group, sequence_parallel: bool = False) -> None:
         super().__init__()
-        self.ln_1 = _copy_layer_norm(block.ln_1)
-        self.attn = ParallelAttention(block.attn, group)
-        self.ln_2 = _copy_layer_norm(block.ln_2)
-        self.mlp = ParallelMLP(block.mlp, group)
+        self.ln_1 = _copy_layer_norm(block.ln_1, group, sequence_parallel)
+        self.attn = ParallelAttention(block.attn, group, sequence_parallel)
+        self.ln_2 = _copy_layer_norm(block.ln_2, group, sequence_parallel)
+        self.mlp = ParallelMLP(block.mlp, group, sequence_parallel)
 
     def forward(self, x: Tensor) -> Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -292,21 +382,24 @@ class ParallelBlock(Module):
 
 class TensorParallelGPT(Module):
     """``gpt`` split over ``group`` (see the module docstring): ``model(idx, targets) ->
-    (this rank's vocabulary slice of the logits, the whole model's mean loss)``."""
+    (this rank's vocabulary slice of the logits, the whole model's mean loss)``.
+    ``sequence_parallel``: the residual stream and LayerNorms hold T/tp positions per rank
+    (T must then be a multiple of the group's size)."""
 
-    def __init__(self, gpt: GPT, group) -> None:
+    def __init__(self, gpt: GPT, group, sequence_parallel: bool = False) -> None:
         super().__init__()
         cfg = gpt.config
         if cfg.dropout:
             raise ValueError("tensor parallel: dropout > 0 is not supported yet (it needs the same random mask "
                              "on every tensor-parallel rank); use dropout=0")
         self.config, self.group = cfg, group
-        self.wte = VocabParallelEmbedding(gpt.wte.weight.numpy(), group)
+        self.sequence_parallel = sequence_parallel and group_size(group) > 1
+        self.wte = VocabParallelEmbedding(gpt.wte.weight.numpy(), group, self.sequence_parallel)
         self.vocab_lo = self.wte.lo
         self.wpe = Embedding(cfg.block_size, cfg.n_embd)
         self.wpe.weight = _param(gpt.wpe.weight.numpy())
-        self.h = ModuleList([ParallelBlock(b, group) for b in gpt.h])
-        self.ln_f = _copy_layer_norm(gpt.ln_f)
+        self.h = ModuleList([ParallelBlock(b, group, self.sequence_parallel) for b in gpt.h])
+        self.ln_f = _copy_layer_norm(gpt.ln_f, group, self.sequence_parallel)
 
     def full_logits(self, logits: Tensor) -> np.ndarray:
         """The whole vocabulary's logits (host array) from every rank's slice (a collective)."""
@@ -326,10 +419,22 @@ class TensorParallelGPT(Module):
         b, t = idx.shape
         if t > self.config.block_size:
             raise ValueError(f"sequence length {t} exceeds block_size {self.config.block_size}")
-        x = self.wte(idx) + self.wpe(arange(t, dtype=dt.int64))
+        if self.sequence_parallel:
+            tp, r = group_size(self.group), group_rank(self.group)
+            if t % tp:
+                raise ValueError(f"sequence parallel: the sequence length {t} must be a multiple of the "
+                                 f"tensor-parallel size {tp}")
+            lo = r * (t // tp)  # this rank's positions: [lo, lo + t/tp)
+            pos = F.embedding(arange(lo, lo + t // tp, dtype=dt.int64), copy_to_tp(self.wpe.weight, self.group))
+            x = self.wte(idx) + pos
+        else:
+            x = self.wte(idx) + self.wpe(arange(t, dtype=dt.int64))
         for block in self.h:
             x = block(x)
-        x = copy_to_tp(self.ln_f(x), self.group)  # every rank's logits slice reads the whole x
+        if self.sequence_parallel:
+            x = gather_sequence(self.ln_f(x), self.group)  # its backward sums the logits slices' gradients
+        else:
+            x = copy_to_tp(self.ln_f(x), self.group)  # every rank's logits slice reads the whole x
         logits = F.matmul(x, self.wte.weight.mT)  # tied: this rank's vocabulary rows
         loss = None
         if targets is not None:

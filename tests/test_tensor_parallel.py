@@ -40,7 +40,7 @@ def _shard_of(name: str, full: np.ndarray, model, r: int, tp: int) -> np.ndarray
     return full  # replicated: LayerNorms, the position table, row-parallel biases
 
 
-def _rank_main(out_dir: str) -> None:
+def _rank_main(out_dir: str, sequence_parallel: bool = False) -> None:
     import helios as hl
     import helios.comm as dist
     from helios.nn import GPT, GPTConfig
@@ -60,7 +60,7 @@ def _rank_main(out_dir: str) -> None:
     ref = GPT(cfg, seed=5)  # the single-device model, on every rank
     ref_logits, ref_loss = ref(xt, yt)
     ref_loss.backward()
-    model = TensorParallelGPT(GPT(cfg, seed=5), grid.tp_group)
+    model = TensorParallelGPT(GPT(cfg, seed=5), grid.tp_group, sequence_parallel=sequence_parallel)
     logits, loss = model(xt, yt)
     loss.backward()
 
@@ -83,17 +83,24 @@ def _rank_main(out_dir: str) -> None:
         assert np.array_equal(take_shard(p, whole, r), p.numpy().reshape(-1)), name
 
     # All-reduces of one block, forward and backward, as the comm layer counts them.
-    block = ParallelBlock(GPT(cfg, seed=5).h[0], grid.tp_group)
-    h = hl.tensor(rng.standard_normal((B, T, cfg.n_embd)).astype(np.float32), requires_grad=True)
-    calls = lambda: dist.comm_counters(grid.tp_group)["calls"].get("all_reduce", 0)  # noqa: E731
+    # Collectives of one block, forward and backward, as the comm layer counts them.
+    block = ParallelBlock(GPT(cfg, seed=5).h[0], grid.tp_group, sequence_parallel)
+    t_in = T // tp if sequence_parallel else T  # a sequence-parallel block holds T/tp positions
+    h = hl.tensor(rng.standard_normal((B, t_in, cfg.n_embd)).astype(np.float32), requires_grad=True)
+    calls = lambda: dict(dist.comm_counters(grid.tp_group)["calls"])  # noqa: E731
     c0 = calls()
     out = block(h)
     c1 = calls()
     out.sum().backward()
     c2 = calls()
+
+    def diff(a, b):
+        return {k: b.get(k, 0) - a.get(k, 0) for k in set(a) | set(b) if b.get(k, 0) != a.get(k, 0)}
+
     if r == 0:
-        with open(os.path.join(out_dir, f"tp-{tp}.json"), "w") as f:
-            json.dump({"worst": worst, "block_forward": c1 - c0, "block_backward": c2 - c1}, f)
+        name = f"tp-{tp}{'-sp' if sequence_parallel else ''}.json"
+        with open(os.path.join(out_dir, name), "w") as f:
+            json.dump({"worst": worst, "block_forward": diff(c0, c1), "block_backward": diff(c1, c2)}, f)
     dist.destroy_process_group()
 
 
@@ -107,7 +114,24 @@ def test_tensor_parallel_gpt_equals_the_single_device_model(tmp_path, tp):
     bad = {k: v for k, v in res["worst"].items() if v > 1e-5}  # logits: absolute; loss and gradients: relative
     assert not bad, bad
     assert len(res["worst"]) > 10  # every parameter was compared
-    assert (res["block_forward"], res["block_backward"]) == (2, 2)
+    assert (res["block_forward"], res["block_backward"]) == ({"all_reduce": 2}, {"all_reduce": 2})
+
+
+@pytest.mark.vulkan
+@pytest.mark.multiproc
+@pytest.mark.parametrize("tp", [2, 4])
+def test_sequence_parallel_gpt_equals_the_single_device_model(tmp_path, tp):
+    check_ok(run_ranks([__file__, str(tmp_path), "sp"], tp, timeout=240))
+    with open(tmp_path / f"tp-{tp}-sp.json") as f:
+        res = json.load(f)
+    bad = {k: v for k, v in res["worst"].items() if v > 1e-5}
+    assert not bad, bad
+    assert len(res["worst"]) > 10
+    # The all-reduces become all-gathers into the column-parallel layers and reduce-scatters out
+    # of the row-parallel ones; backward swaps them, and the 6 parameters used on a sequence
+    # shard (2 LayerNorms' weight and bias, 2 row-parallel biases) have their gradients summed.
+    assert res["block_forward"] == {"all_gather": 2, "reduce_scatter": 2}
+    assert res["block_backward"] == {"all_gather": 2, "reduce_scatter": 2, "all_reduce": 6}
 
 
 def test_a_grid_that_does_not_fit_the_world_is_refused_by_numbers():
@@ -128,4 +152,4 @@ def test_a_grid_that_does_not_fit_the_world_is_refused_by_numbers():
 
 
 if __name__ == "__main__":
-    _rank_main(sys.argv[1])
+    _rank_main(sys.argv[1], sequence_parallel=sys.argv[2:] == ["sp"])

@@ -22,7 +22,15 @@ GPT in 2 stages on 2 ranks, 1F1B with m = 1, 4, 8 micro-batches of 2 sequences, 
 a neighbour, after the stage's own device work) against the bubble formula (p - 1) /
 (m + p - 1).
 
-    python bench/model_parallel.py [--steps 30] [--warmup 5] [--skip-pipeline]
+Then sequence parallelism's activation memory: the same GPT's forward on 1 rank, on tp 2
+and on tp 2 with ``sequence_parallel=True`` (one batch of the config, rank 0): the
+activation pool's in-use bytes after the forward minus before it (what the tape keeps for
+the backward), against Korthikanti et al.'s per-layer formula, s·b·h·(10 + 24/t + 5·a·s/(h·t))
+without and s·b·h·(34/t + 5·a·s/(h·t)) with sequence parallelism, as a ratio to t = 1 (the
+formula counts fp16 activations and dropout masks, Helios keeps fp32 and has no dropout
+here, so only the ratios compare).
+
+    python bench/model_parallel.py [--steps 30] [--warmup 5] [--skip-train] [--skip-pipeline] [--skip-activations]
 """
 
 from __future__ import annotations
@@ -93,6 +101,66 @@ def pipeline_rank(m: int, config: str) -> None:
     dist.destroy_process_group()
 
 
+def activations_rank(config: str, sequence_parallel: bool) -> None:
+    """One rank of the activation-memory measurement (started by helios-run)."""
+    import numpy as np
+
+    import helios as hl
+    import helios.comm as dist
+    from helios.nn import GPT, GPTConfig
+    from helios.runtime import get_runtime
+    from helios.schedule.grid import ParallelGrid
+    from helios.schedule.tensor_parallel import TensorParallelGPT
+
+    dist.init_process_group()
+    tp = dist.get_world_size()
+    c = CONFIGS[config]
+    cfg = GPTConfig(vocab_size=256, block_size=c["block_size"], n_layer=c["n_layer"], n_head=c["n_head"],
+                    n_embd=c["n_embd"])
+    x = hl.tensor(np.random.default_rng(0).integers(0, 256, (c["batch_size"], cfg.block_size)), dtype=hl.int64)
+    model = GPT(cfg, seed=1)
+    if tp > 1:
+        model = TensorParallelGPT(model, ParallelGrid(tp=tp).tp_group, sequence_parallel=sequence_parallel)
+    pool = get_runtime().dev
+    hl.synchronize()
+    before = pool.pool_stats()["activations"]["in_use_bytes"]
+    _, loss = model(x, x)
+    hl.synchronize()
+    kept = pool.pool_stats()["activations"]["in_use_bytes"] - before
+    loss.backward()
+    s, b, h, a, layers = cfg.block_size, c["batch_size"], cfg.n_embd, cfg.n_head, cfg.n_layer
+
+    def formula(t: int, sp: bool) -> float:
+        return s * b * h * ((34 / t if sp else 10 + 24 / t) + 5 * a * s / (h * t))
+
+    if dist.get_rank() == 0:
+        name = "1 rank" if tp == 1 else f"tp {tp}" + (" + sequence parallel" if sequence_parallel else "")
+        print(json.dumps({"bench": "model_parallel", "measure": "activations", "config": config, "layout": name,
+                          "activation_bytes": kept, "layers": layers,
+                          "formula_x_one_rank": round(formula(tp, sequence_parallel) / formula(1, False), 3)}),
+              flush=True)
+    dist.destroy_process_group()
+
+
+def activations(config: str) -> None:
+    """The activation rows: 1 rank, tp 2, tp 2 with sequence parallelism; measured over 1 rank."""
+    import subprocess
+
+    from data_parallel import BIN, _env
+
+    base = None
+    for world, sp in ((1, False), (2, False), (2, True)):
+        cmd = [os.path.join(BIN, "helios-run"), "--nproc-per-node", str(world), __file__, "--activations-rank",
+               "sp" if sp else "plain", "--config", config]
+        r = subprocess.run(cmd, env=_env(), capture_output=True, text=True, cwd=ROOT, timeout=600)
+        if r.returncode != 0:
+            raise SystemExit(f"activation run failed: {r.stderr[-2000:]}")
+        line = json.loads(next(ln[ln.index("{"):] for ln in r.stdout.splitlines() if '"bench"' in ln))
+        base = base or line["activation_bytes"]
+        line["measured_x_one_rank"] = round(line["activation_bytes"] / base, 3)
+        print(json.dumps(line), flush=True)
+
+
 def pipeline(config: str) -> None:
     """The pipeline rows: helios-run starts 2 ranks of this script per micro-batch count."""
     import subprocess
@@ -115,11 +183,27 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--skip-pipeline", action="store_true")
+    ap.add_argument("--skip-activations", action="store_true")
+    ap.add_argument("--skip-train", action="store_true", help="leave out the helios-train rows (1 rank, dp 2, tp 2)")
     ap.add_argument("--pipeline-rank", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--activations-rank", choices=["sp", "plain"], default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.pipeline_rank is not None:
         pipeline_rank(a.pipeline_rank, a.config)
         return
+    if a.activations_rank is not None:
+        activations_rank(a.config, a.activations_rank == "sp")
+        return
+    if not a.skip_train:
+        train_rows(a)
+    if not a.skip_pipeline:
+        pipeline(a.config)
+    if not a.skip_activations:
+        activations(a.config)
+
+
+def train_rows(a) -> None:
+    """The helios-train rows: 1 rank, dp 2 and tp 2 on the same global batch."""
     cfg = CONFIGS[a.config]
     os.environ["HELIOS_COMM_BACKEND"] = "tcp"
     import tempfile
@@ -142,8 +226,6 @@ def main() -> None:
             line["step_x_one_rank"] = round(res["step_ms"] / base["step_ms"], 3)
             line["weights_pool_x_one_rank"] = round(res["weights_pool_bytes"] / base["weights_pool_bytes"], 3)
             print(json.dumps(line), flush=True)
-    if not a.skip_pipeline:
-        pipeline(a.config)
 
 
 if __name__ == "__main__":

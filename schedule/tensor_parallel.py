@@ -132,6 +132,28 @@ class _ReduceScatterSequence(Function):
         return _gather_sequence(g, ctx.group), None
 
 
+class _SequenceParallelLinear(Function):
+    """y = gather_sequence(x) @ W^T + b that keeps only this rank's sequence shard of x for the
+    backward and all-gathers it again there (Korthikanti et al.): saving the gathered input
+    would keep the whole sequence on every rank and undo the memory sequence parallelism saves."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.save_for_backward(x, weight)
+        return F.linear(_gather_sequence(x, group), weight, bias)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight = ctx.saved_tensors
+        whole = _gather_sequence(x, ctx.group)  # again: the cost of not keeping it
+        g2 = g.reshape(-1, g.shape[-1])
+        dw = F.matmul(g2.mT, whole.reshape(-1, whole.shape[-1]))
+        db = F.sum(g2, 0) if ctx.has_bias else None
+        dx = _reduce_scatter_sequence(F.matmul(g, weight), ctx.group)
+        return dx, dw, db, None
+
+
 def gather_sequence(x: Tensor, group) -> Tensor:
     """All-gather of sequence shards [B, T/tp, C] into [B, T, C] forward, reduce-scatter of the
     gradient backward (sequence parallelism's entry into a column-parallel layer)."""
@@ -210,8 +232,9 @@ class ColumnParallelLinear(Module):
         return cls(linear.weight.numpy(), b, group, rows_of, sequence_parallel)
 
     def forward(self, x: Tensor) -> Tensor:
-        whole = gather_sequence(x, self.group) if self.sequence_parallel else copy_to_tp(x, self.group)
-        return F.linear(whole, self.weight, self.bias)
+        if self.sequence_parallel:
+            return _SequenceParallelLinear.apply(x, self.weight, self.bias, self.group)
+        return F.linear(copy_to_tp(x, self.group), self.weight, self.bias)
 
 
 class RowParallelLinear(Module):

@@ -128,10 +128,11 @@ def test_sequence_parallel_gpt_equals_the_single_device_model(tmp_path, tp):
     assert not bad, bad
     assert len(res["worst"]) > 10
     # The all-reduces become all-gathers into the column-parallel layers and reduce-scatters out
-    # of the row-parallel ones; backward swaps them, and the 6 parameters used on a sequence
-    # shard (2 LayerNorms' weight and bias, 2 row-parallel biases) have their gradients summed.
+    # of the row-parallel ones; backward swaps them, gathers each column-parallel input again
+    # (only its sequence shard was kept), and the 6 parameters used on a sequence shard (2
+    # LayerNorms' weight and bias, 2 row-parallel biases) have their gradients summed.
     assert res["block_forward"] == {"all_gather": 2, "reduce_scatter": 2}
-    assert res["block_backward"] == {"all_gather": 2, "reduce_scatter": 2, "all_reduce": 6}
+    assert res["block_backward"] == {"all_gather": 4, "reduce_scatter": 2, "all_reduce": 6}
 
 
 def test_a_grid_that_does_not_fit_the_world_is_refused_by_numbers():

@@ -71,20 +71,40 @@ def megatron_payload(cfg: dict, batch: int, block: int, tp: int) -> int:
     return 4 * (4 * cfg["n_layer"] * bsh + 2 * bsh + 3 * batch * block)
 
 
+def _gpt_config(config: str):
+    """The helios-train config's GPT with a 256-token vocabulary (the byte tokenizer's)."""
+    from helios.nn import GPTConfig
+
+    c = CONFIGS[config]
+    return GPTConfig(vocab_size=256, block_size=c["block_size"], n_layer=c["n_layer"], n_head=c["n_head"],
+                     n_embd=c["n_embd"])
+
+
+def _ranks_of_this_script(world: int, *args: str) -> list[str]:
+    """Start ``world`` ranks of this script with helios-run; the JSON lines they printed."""
+    import subprocess
+
+    from data_parallel import BIN, _env
+
+    cmd = [os.path.join(BIN, "helios-run"), "--nproc-per-node", str(world), __file__, *args]
+    r = subprocess.run(cmd, env=_env(), capture_output=True, text=True, cwd=ROOT, timeout=600)
+    if r.returncode != 0:
+        raise SystemExit(f"{' '.join(args)}: the run failed: {r.stderr[-2000:]}")
+    return [ln[ln.index("{"):] for ln in r.stdout.splitlines() if '"bench"' in ln]
+
+
 def pipeline_rank(m: int, config: str) -> None:
     """One rank of the pipeline measurement (started by helios-run): prints its stage's idle share."""
     import numpy as np
 
     import helios.comm as dist
-    from helios.nn import GPT, GPTConfig
+    from helios.nn import GPT
     from helios.schedule.grid import ParallelGrid
     from helios.schedule.pipeline import PipelineStage
 
     dist.init_process_group()
     pp = dist.get_world_size()
-    c = CONFIGS[config]
-    cfg = GPTConfig(vocab_size=256, block_size=c["block_size"], n_layer=c["n_layer"], n_head=c["n_head"],
-                    n_embd=c["n_embd"])
+    cfg = _gpt_config(config)
     rng = np.random.default_rng(0)
     xs = [rng.integers(0, 256, (2, cfg.block_size)) for _ in range(m)]
     stage = PipelineStage(GPT(cfg, seed=1), ParallelGrid(pp=pp))
@@ -107,7 +127,7 @@ def activations_rank(config: str, sequence_parallel: bool) -> None:
 
     import helios as hl
     import helios.comm as dist
-    from helios.nn import GPT, GPTConfig
+    from helios.nn import GPT
     from helios.runtime import get_runtime
     from helios.schedule.grid import ParallelGrid
     from helios.schedule.tensor_parallel import TensorParallelGPT
@@ -115,8 +135,7 @@ def activations_rank(config: str, sequence_parallel: bool) -> None:
     dist.init_process_group()
     tp = dist.get_world_size()
     c = CONFIGS[config]
-    cfg = GPTConfig(vocab_size=256, block_size=c["block_size"], n_layer=c["n_layer"], n_head=c["n_head"],
-                    n_embd=c["n_embd"])
+    cfg = _gpt_config(config)
     x = hl.tensor(np.random.default_rng(0).integers(0, 256, (c["batch_size"], cfg.block_size)), dtype=hl.int64)
     model = GPT(cfg, seed=1)
     if tp > 1:
@@ -144,37 +163,20 @@ def activations_rank(config: str, sequence_parallel: bool) -> None:
 
 def activations(config: str) -> None:
     """The activation rows: 1 rank, tp 2, tp 2 with sequence parallelism; measured over 1 rank."""
-    import subprocess
-
-    from data_parallel import BIN, _env
-
     base = None
     for world, sp in ((1, False), (2, False), (2, True)):
-        cmd = [os.path.join(BIN, "helios-run"), "--nproc-per-node", str(world), __file__, "--activations-rank",
-               "sp" if sp else "plain", "--config", config]
-        r = subprocess.run(cmd, env=_env(), capture_output=True, text=True, cwd=ROOT, timeout=600)
-        if r.returncode != 0:
-            raise SystemExit(f"activation run failed: {r.stderr[-2000:]}")
-        line = json.loads(next(ln[ln.index("{"):] for ln in r.stdout.splitlines() if '"bench"' in ln))
+        lines = _ranks_of_this_script(world, "--activations-rank", "sp" if sp else "plain", "--config", config)
+        line = json.loads(lines[0])
         base = base or line["activation_bytes"]
         line["measured_x_one_rank"] = round(line["activation_bytes"] / base, 3)
         print(json.dumps(line), flush=True)
 
 
 def pipeline(config: str) -> None:
-    """The pipeline rows: helios-run starts 2 ranks of this script per micro-batch count."""
-    import subprocess
-
-    from data_parallel import BIN, _env
-
+    """The pipeline rows: 2 ranks of this script per micro-batch count."""
     for m in (1, 4, 8):
-        cmd = [os.path.join(BIN, "helios-run"), "--nproc-per-node", "2", __file__, "--pipeline-rank", str(m),
-               "--config", config]
-        r = subprocess.run(cmd, env=_env(), capture_output=True, text=True, cwd=ROOT, timeout=600)
-        if r.returncode != 0:
-            raise SystemExit(f"pipeline run failed: {r.stderr[-2000:]}")
-        for line in sorted(ln for ln in r.stdout.splitlines() if '"bench"' in ln):
-            print(line[line.index("{"):], flush=True)
+        for line in sorted(_ranks_of_this_script(2, "--pipeline-rank", str(m), "--config", config)):
+            print(line, flush=True)
 
 
 def main() -> None:

@@ -262,6 +262,10 @@ NOTES = {
     "torch:view_as_real": "no complex dtype (see `torch.polar`)",
     "tensor:x[mask] = v (boolean mask write)": "one value: a `where` on the device, no host read",
     "tensor:x[mask] (boolean mask)": "reads the mask on the host to size the result, as PyTorch does",
+    "nn:CrossEntropyLoss": "`label_smoothing` as PyTorch, on index and probability targets",
+    "nn:init.normal_": "Philox on the device, seeded by `helios.manual_seed` or `generator=`",
+    "nn:init.trunc_normal_": "PyTorch's inverse-CDF method: every value in [a, b], no rejection loop",
+    "nn:utils.clip_grad_norm_": "`norm_type` 2.0 or inf; the L2 case is `helios.optim.clip_grad_norm_` (no host read)",
 }
 
 

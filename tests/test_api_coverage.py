@@ -174,6 +174,54 @@ def _mask_write():
     write(topk_filter, A(4, 7))
 
 
+def _init_fill(name):
+    """A constant initialiser: in place (on a Parameter that requires grad too), the same tensor back."""
+    write(lambda L, y: getattr(L.nn.init, name)(y), A(3, 4))
+    write(lambda L, y: getattr(L.nn.init, name)(y.t()), A(3, 4))  # through a transposed view
+    for L in (hl, torch):
+        p = L.nn.Parameter(L.tensor(A(2, 3)))
+        assert getattr(L.nn.init, name)(p) is p and p.requires_grad
+
+
+def _init_stats(name, *args, bounds=None, **kw):
+    """A random initialiser fills its Parameter in place and returns it; on 120000 draws the
+    sample's mean, std and quantiles agree with PyTorch's (the generators differ, so the values
+    do not), every value is inside ``bounds`` (lo, hi) if given, and hl.manual_seed repeats the draw."""
+    torch.manual_seed(0)
+    hl.manual_seed(0)
+    h, t = hl.nn.Parameter(hl.zeros(300, 400)), torch.nn.Parameter(torch.zeros(300, 400))
+    assert getattr(hl.nn.init, name)(h, *args, **kw) is h and h.requires_grad
+    assert getattr(torch.nn.init, name)(t, *args, **kw) is t
+    hv, tv = h.numpy().astype(np.float64), t.detach().numpy().astype(np.float64)
+    tol = 0.02 * tv.std()
+    for what, a, b in (("mean", hv.mean(), tv.mean()), ("std", hv.std(), tv.std()),
+                       *((f"quantile {q}", np.quantile(hv, q), np.quantile(tv, q)) for q in (0.1, 0.25, 0.5, 0.75, 0.9))):
+        assert abs(a - b) < tol, f"{name}: {what} {a:.5f} vs PyTorch's {b:.5f}"
+    if bounds is not None:
+        assert bounds[0] <= hv.min() and hv.max() <= bounds[1], f"{name}: values {hv.min()}..{hv.max()} outside {bounds}"
+    hl.manual_seed(0)
+    np.testing.assert_array_equal(getattr(hl.nn.init, name)(hl.zeros(300, 400), *args, **kw).numpy(), h.numpy())
+
+
+def _clip_grad_norm():
+    """The total norm and the clipped gradients equal PyTorch's on the same gradients, for the L2
+    and the infinity norm, when clipping (max_norm 0.3) and when not (1e4)."""
+    def params(L, grads):
+        ps = [L.nn.Parameter(L.tensor(np.zeros_like(g))) for g in grads]
+        for p, g in zip(ps, grads):
+            p.grad = L.tensor(g)
+        return ps
+    for norm_type in (2.0, float("inf")):
+        for max_norm in (0.3, 1e4):
+            grads = [A(4, 5) * 3, A(7), np.asarray(A(1)[0])]
+            hp, tp = params(hl, grads), params(torch, grads)
+            hn = hl.nn.utils.clip_grad_norm_(hp, max_norm, norm_type=norm_type)
+            tn = torch.nn.utils.clip_grad_norm_(tp, max_norm, norm_type=norm_type)
+            assert_close(hn, tn, "float32", f"total norm (norm_type={norm_type})")
+            for i, (h, t) in enumerate(zip(hp, tp)):
+                assert_close(h.grad, t.grad, "float32", f"clipped gradient {i} (norm_type={norm_type}, max_norm={max_norm})")
+
+
 CASES = {
     # -- Tensor methods ------------------------------------------------------------------------
     "tensor:view": lambda: check(lambda L, x: x.view(4, 6) * 2, A(2, 3, 4)),
@@ -324,6 +372,20 @@ CASES = {
     "nn:Sequential": lambda: mod_check(lambda L: L.nn.Sequential(L.nn.Linear(4, 8), L.nn.ReLU(), L.nn.Linear(8, 2)), A(3, 4)),
     "nn:ModuleList": lambda: mod_check(lambda L: _Stack(L, L.nn.ModuleList([L.nn.Linear(3, 3) for _ in range(2)])), A(2, 3)),
     "nn:ModuleDict": lambda: mod_check(lambda L: _Stack(L, L.nn.ModuleDict({"a": L.nn.Linear(3, 3), "b": L.nn.Tanh()})), A(2, 3)),
+    "nn:CrossEntropyLoss": lambda: (
+        mod_check(lambda L: L.nn.CrossEntropyLoss(ignore_index=-1), A(6, 5), np.array([1, -1, 4, 0, 2, 2])),
+        mod_check(lambda L: L.nn.CrossEntropyLoss(label_smoothing=0.1, reduction="none"), A(2, 5, 3), I(5, 2, 3)),
+        check(lambda L, x, t, w: L.nn.CrossEntropyLoss(weight=w.detach(), ignore_index=3, label_smoothing=0.2)(x, t),
+              A(6, 4), np.array([0, 3, 2, 1, 3, 1]), A(4, lo=0.5)),
+        check(lambda L, x, p: L.nn.CrossEntropyLoss(reduction="sum", label_smoothing=0.3)(x, p.softmax(-1)), A(3, 4), A(3, 4))),
+    "nn:MSELoss": lambda: (mod_check(lambda L: L.nn.MSELoss(), A(3, 4), A(3, 4)),
+                           mod_check(lambda L: L.nn.MSELoss(reduction="sum"), A(2, 3, 4), A(2, 3, 4))),
+    "nn:init.normal_": lambda: _init_stats("normal_", 0.5, 2.0),
+    "nn:init.zeros_": lambda: _init_fill("zeros_"),
+    "nn:init.ones_": lambda: _init_fill("ones_"),
+    "nn:init.trunc_normal_": lambda: (_init_stats("trunc_normal_", std=0.02, bounds=(-2.0, 2.0)),
+                                      _init_stats("trunc_normal_", 0.3, 1.2, -1.0, 2.5, bounds=(-1.0, 2.5))),
+    "nn:utils.clip_grad_norm_": _clip_grad_norm,
     # -- torch.nn.functional ----------------------------------------------------------------------
     "F:layer_norm": lambda: check(lambda L, x, w, b: L.nn.functional.layer_norm(x, (5,), w, b, 1e-5), A(3, 5), A(5), A(5)),
     "F:softmax": lambda: check(lambda L, x: L.nn.functional.softmax(x, dim=-1, dtype=L.float32), A(2, 3, 6)),

@@ -1,4 +1,4 @@
-"""The modules of helios.nn: ``Module``, PyTorch's layers, activations and containers, and a GPT.
+"""The modules of helios.nn: ``Module``, PyTorch's layers, activations, losses and containers, and a GPT.
 
 ``Module`` registers parameters and sub-modules on attribute assignment (like
 PyTorch).  The layers take PyTorch's constructor arguments (``device=`` and ``dtype=``
@@ -481,6 +481,133 @@ class Identity(Module):
 
     def forward(self, x):
         return x
+
+
+# -- losses ----------------------------------------------------------------------------------------
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+class _Loss(Module):
+    """A loss module: PyTorch's ``reduction`` ("mean", "sum" or "none"), checked when built.
+    ``size_average`` and ``reduce`` (deprecated in PyTorch) hold their places in the argument
+    order but are refused, as ``helios.functional``'s losses refuse them."""
+
+    def __init__(self, size_average=None, reduce=None, reduction: str = "mean"):
+        super().__init__()
+        name = type(self).__name__
+        if size_average is not None or reduce is not None:
+            raise TypeError(f"{name}: size_average and reduce are deprecated; use reduction='mean', 'sum' or 'none'")
+        if reduction not in _REDUCTIONS:
+            raise ValueError(f"{name}: reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+        self.reduction = reduction
+
+    def _set_weight(self, weight) -> None:
+        if weight is None:
+            self.weight = None
+            return
+        if not isinstance(weight, Tensor):
+            raise TypeError(f"{type(self).__name__}: weight must be a helios Tensor or None, got {type(weight).__name__}")
+        self.register_buffer("weight", weight)  # a buffer so that Module.to moves it with the model
+
+    def extra_repr(self) -> str:
+        return f"reduction={self.reduction!r}" if self.reduction != "mean" else ""
+
+
+class MSELoss(_Loss):
+    """Mean squared error between input and target (PyTorch's ``nn.MSELoss``; ``F.mse_loss``)."""
+
+    def __init__(self, size_average=None, reduce=None, reduction: str = "mean"):
+        super().__init__(size_average, reduce, reduction)
+
+    def forward(self, input: Tensor, target) -> Tensor:
+        return F.mse_loss(input, target, reduction=self.reduction)
+
+
+class L1Loss(_Loss):
+    """Mean absolute error between input and target (PyTorch's ``nn.L1Loss``; ``F.l1_loss``)."""
+
+    def __init__(self, size_average=None, reduce=None, reduction: str = "mean"):
+        super().__init__(size_average, reduce, reduction)
+
+    def forward(self, input: Tensor, target) -> Tensor:
+        return F.l1_loss(input, target, reduction=self.reduction)
+
+
+class NLLLoss(_Loss):
+    """Negative log likelihood of log-probabilities at class indices (PyTorch's ``nn.NLLLoss``;
+    ``F.nll_loss``): ``weight`` per class, targets equal to ``ignore_index`` count for nothing."""
+
+    def __init__(self, weight: Tensor | None = None, size_average=None, ignore_index: int = -100, reduce=None,
+                 reduction: str = "mean"):
+        super().__init__(size_average, reduce, reduction)
+        self._set_weight(weight)
+        self.ignore_index = ignore_index
+
+    def forward(self, input: Tensor, target) -> Tensor:
+        return F.nll_loss(input, target, weight=self.weight, ignore_index=self.ignore_index, reduction=self.reduction)
+
+
+class CrossEntropyLoss(_Loss):
+    """Cross entropy of logits against class indices or class probabilities (PyTorch's
+    ``nn.CrossEntropyLoss``; ``F.cross_entropy``): classes on dim 1 (dim 0 of a 1-D input),
+    ``weight`` per class, index targets equal to ``ignore_index`` count for nothing.
+
+    ``label_smoothing`` in [0, 1] mixes the target with the uniform distribution over the C
+    classes as PyTorch does: (1 - s) * the loss at the target + s / C * the loss summed over
+    every class (index targets), or probabilities (1 - s) * p + s / C (probability targets)."""
+
+    def __init__(self, weight: Tensor | None = None, size_average=None, ignore_index: int = -100, reduce=None,
+                 reduction: str = "mean", label_smoothing: float = 0.0):
+        super().__init__(size_average, reduce, reduction)
+        if not 0.0 <= label_smoothing <= 1.0:
+            raise ValueError(f"CrossEntropyLoss: label_smoothing must be in [0, 1], got {label_smoothing}")
+        self._set_weight(weight)
+        self.ignore_index = ignore_index
+        self.label_smoothing = float(label_smoothing)
+
+    def forward(self, input: Tensor, target) -> Tensor:
+        if self.label_smoothing == 0.0:
+            return F.cross_entropy(input, target, weight=self.weight, ignore_index=self.ignore_index,
+                                   reduction=self.reduction)
+        return _smoothed_cross_entropy(input, target, self.weight, self.ignore_index, self.reduction, self.label_smoothing)
+
+    def extra_repr(self) -> str:
+        parts = [super().extra_repr()] + (["ignore_index=" + str(self.ignore_index)] if self.ignore_index != -100 else [])
+        parts += [f"label_smoothing={self.label_smoothing}"] if self.label_smoothing else []
+        return ", ".join(p for p in parts if p)
+
+
+def _smoothed_cross_entropy(input: Tensor, target, weight, ignore_index: int, reduction: str, s: float) -> Tensor:
+    """PyTorch's label-smoothed cross entropy, composed from ``F.cross_entropy`` and ``log_softmax``."""
+    if not isinstance(input, Tensor):
+        raise TypeError(f"CrossEntropyLoss: input must be a helios Tensor, got {type(input).__name__}")
+    if input.ndim == 0:
+        raise ValueError("CrossEntropyLoss: input needs at least 1 dim (the classes), got a 0-d tensor")
+    cdim = 0 if input.ndim == 1 else 1
+    C = input.shape[cdim]
+    if not isinstance(target, Tensor):
+        arr = np.asarray(target)
+        target = K.from_numpy(arr, input.dtype if arr.dtype.kind == "f" else dt.int64, input._st.rt)
+    if target.dtype.kind == "float":  # probabilities: smooth the target itself
+        return F.cross_entropy(input, target * (1.0 - s) + s / C, weight=weight, reduction=reduction)
+    # F.cross_entropy checks the shapes and the class range, and gives the loss at the target.
+    nll = F.cross_entropy(input, target, weight=weight, ignore_index=ignore_index, reduction=reduction)
+    logp = F.log_softmax(input if input.dtype.kind == "float" else F.to(input, dt.float32), cdim)
+    if weight is not None:
+        logp = logp * F.reshape(F.to(weight, logp.dtype), tuple(C if d == cdim else 1 for d in range(input.ndim)))
+    # The targets F.cross_entropy leaves out (ignore_index, and negative ones) are left out here too.
+    valid = F.logical_and(F.ne(target, ignore_index), F.ge(target, 0))
+    smooth = F.where(valid, F.neg(F.sum(logp, dim=cdim)), 0.0)
+    if reduction == "none":
+        return nll * (1.0 - s) + smooth * (s / C)
+    total = F.sum(smooth)
+    if reduction == "mean":  # over the kept targets' total weight, as the loss at the target is
+        w = F.to(valid, total.dtype)
+        if weight is not None:
+            safe = F.reshape(F.where(valid, target, 0), (-1,))
+            w = w * F.reshape(F.index_select(F.to(weight, total.dtype), 0, safe), target.shape)
+        total = total / F.sum(w)
+    return nll * (1.0 - s) + total * (s / C)
 
 
 @dataclass

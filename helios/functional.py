@@ -1771,6 +1771,8 @@ def cross_entropy(logits: Tensor, targets, weight: Tensor | None = None, size_av
             if ignore_index >= 0 and (host == ignore_index).any():
                 t = where(eq(t, ignore_index), -1, t)
         else:
+            if ignore_index >= 0:  # the kernel skips negative targets only: ignored ones become -1
+                t = where(eq(t, ignore_index), -1, t)
             n_valid = int(K.reduce("sum", K.binary("ge", t, scalar_tensor(0, dt.int64, t._st.rt)), (0,))[0].item())
         return _CrossEntropy.apply(x, t, n_valid)
     valid = logical_and(ne(t, ignore_index), ge(t, 0))

@@ -179,6 +179,18 @@ def test_cross_entropy_ignore_index():
           rn(5, 4), tgt)
 
 
+def test_cross_entropy_non_negative_ignore_index_on_device_targets():
+    import torch
+
+    # targets computed on the device (no host copy) take the kernel's path: ignored ones must
+    # neither add to the loss nor count in the mean
+    x = rn(6, 5)
+    t = np.array([1, 4, 0, 3, 4, 2], np.int64)
+    got = hl.cross_entropy(hl.tensor(x), hl.tensor(t) + 0, ignore_index=4).item()
+    want = torch.nn.functional.cross_entropy(torch.tensor(x), torch.tensor(t), ignore_index=4).item()
+    assert abs(got - want) < 1e-5 * abs(want), (got, want)
+
+
 def test_views_reshape_slicing_expand():
     check(lambda L, x: x.reshape(3, 2, 4).transpose(0, 2)[1:, ::2] * 2, rn(6, 4))
     check(lambda L, x: x[..., None, 1].expand(2, 5, 3).sum(dim=1), rn(5, 4))

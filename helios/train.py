@@ -4,6 +4,7 @@
     helios-train --steps 50 --out runs/a --trace runs/a/trace.json --profile-steps 10:20
     helios-train --out runs/a --resume    # continue bit-exactly from runs/a's checkpoint
     helios-run --nproc-per-node 2 -m helios.train --out runs/dp2   # data parallel over 2 ranks
+    helios-run --nproc-per-node 4 -m helios.train --tp 2 --pp 2 --microbatches 8 --out runs/3d
 
 Each step is split into timed phases (forward, backward, grad_clip, optimizer,
 data_load, host->device, device->host, checkpoint, sample_gen; idle is the rest).
@@ -16,6 +17,11 @@ and trains a replica with DistributedDataParallel: the global batch (--batch-siz
 --grad-accum sequences) is split across the ranks, rank r taking its contiguous slice of
 every global batch, so N ranks see exactly the data one rank would.  Only rank 0 prints,
 samples and writes the run database (which holds every rank's step timing).
+
+--tp splits each layer over tensor-parallel ranks and --pp the layers into pipeline stages
+trained with the 1F1B schedule over --microbatches micro-batches of each replica's batch;
+the ranks left over are data parallel.  Checkpoints always hold the whole model's tensors
+under one device's names, so a run resumes on any layout.
 """
 
 from __future__ import annotations
@@ -78,6 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel ranks per model replica (Megatron-style: heads, MLP and vocabulary split); "
                         "the ranks left over are data parallel")
+    p.add_argument("--pp", type=int, default=1,
+                   help="pipeline stages per model replica (the layers split by parameter count, trained with the "
+                        "1F1B schedule); the ranks left over are data parallel")
+    p.add_argument("--microbatches", type=int, default=None,
+                   help="micro-batches each replica's batch is split into (default: --pp): the pipeline's, or "
+                        "gradient accumulation within the batch without --pp")
     p.add_argument("--grad-compression", default="none", metavar="SPEC",
                    help="compress data-parallel gradients: none | fp16 | bf16 | onebit[:warmup=N] | topk:FRACTION | "
                         "powersgd:rank=R[,start=S] (see schedule/README.md)")
@@ -174,19 +186,13 @@ def _train(args, given: set[str]) -> int:
                f"combine with --zero {args.zero} (use --zero 0)")
 
     world = DistRun.launch_world()
-    if args.tp < 1 or world % args.tp:
-        usage(f"--tp {args.tp} must divide the number of ranks ({world}): the ranks left over, world / tp, are the "
-              "data-parallel replicas")
-    for what, n in (("heads (n_head)", cfgd["n_head"]), ("MLP width (4 x n_embd)", 4 * cfgd["n_embd"])):
-        if n % args.tp:
-            usage(f"--tp {args.tp} must divide the model's {what}, {n}")
-    if args.tp > 1 and args.zero:
-        usage(f"--zero {args.zero} with --tp {args.tp}: ZeRO over the data-parallel ranks of a tensor-parallel model is "
-              "not supported yet; use --zero 0")
-    replicas = world // args.tp
-    if bs % replicas:
-        over = f"{replicas} ranks" if args.tp == 1 else f"{replicas} data-parallel replicas ({world} ranks / --tp {args.tp})"
-        usage(f"--batch-size {bs} does not split evenly over {over}; use a multiple of {replicas}")
+    layout = settings.check_layout(world, args.tp, args.pp, args.microbatches, args.zero, bs, cfgd["n_layer"],
+                                   cfgd["n_head"], cfgd["n_embd"])
+    pipeline = layout.pp > 1
+    if pipeline and comm_hook is not None:
+        usage(f"--grad-compression {args.grad_compression} compresses DistributedDataParallel's buckets; with --pp "
+              f"{args.pp} a stage's gradients are all-reduced once after the pipeline flushes, uncompressed (use "
+              "--grad-compression none)")
     run = DistRun.from_env(timeout=args.comm_timeout)
     if args.zero and not run.active:
         print("helios-train: --zero shards across data-parallel ranks; alone it changes nothing", file=sys.stderr)
@@ -199,8 +205,8 @@ def _train(args, given: set[str]) -> int:
         hl.set_device(args.device)
     rt = get_runtime()
     # Before the data is read: a block or batch the device cannot hold is the user's to change.
-    settings.check_fits(rt.max_range, max(1, bs // world), T, cfgd["n_head"], cfgd["n_embd"],
-                        settings.vocab_of_spec(args.tokenizer))
+    settings.check_fits(rt.max_range, max(1, bs // (world // layout.pp) // layout.microbatches), T, cfgd["n_head"],
+                        cfgd["n_embd"], settings.vocab_of_spec(args.tokenizer))
     os.makedirs(args.out, exist_ok=True)
     t_start = time.monotonic()
 
@@ -221,7 +227,7 @@ def _train(args, given: set[str]) -> int:
                 "data": ds.corpus.fingerprint, "cli": settings.cli_settings(args)}
     run.check_same({**run_meta, "zero": args.zero, "bucket_cap_mb": args.bucket_cap_mb, "resume": args.resume,
                     "out": os.path.abspath(args.out), "grad_compression": comm_hook.spec if comm_hook else "none",
-                    "tp": args.tp})
+                    "tp": args.tp, "pp": args.pp, "microbatches": layout.microbatches})
     hl.manual_seed(args.seed)
     gpt = GPT(cfg, seed=args.seed)
     n_params, fpt = gpt.num_parameters(), gpt.flops_per_token()  # the whole model's, whatever the split
@@ -229,12 +235,17 @@ def _train(args, given: set[str]) -> int:
     if run.active:
         from helios.schedule.grid import ParallelGrid
 
-        grid = ParallelGrid(tp=args.tp)
+        grid = ParallelGrid(tp=args.tp, pp=args.pp)
         run.use_data_parallel_coords(grid.dp_rank, grid.dp)
         if args.tp > 1:
             from helios.schedule.tensor_parallel import TensorParallelGPT
 
             gpt = TensorParallelGPT(gpt, grid.tp_group)  # this rank's shards of the same weights
+    whole = gpt  # the whole model (a resumed run loads it by name; then only the stage's layers stay)
+    if pipeline:
+        from helios.schedule.pipeline import PipelineStage, describe_stages
+
+        gpt = PipelineStage(whole, grid)  # this rank's layers, under the whole model's names
     tensor_parallel = grid is not None and args.tp > 1
     tp_group = grid.tp_group if tensor_parallel else None  # (None is also the world's group: test the flag)
     decay = [p for n, p in gpt.named_parameters() if p.ndim >= 2]
@@ -249,7 +260,7 @@ def _train(args, given: set[str]) -> int:
         model = opt = ZeroDataParallel(gpt, zero, groups, lr=lr_max, betas=(0.9, 0.95),
                                        bucket_cap_mb=args.bucket_cap_mb)
     else:
-        if run.active and grid.dp > 1:
+        if run.active and grid.dp > 1 and not pipeline:  # a pipeline averages after its flush (below)
             from helios.schedule import DistributedDataParallel
 
             model = DistributedDataParallel(gpt, bucket_cap_mb=args.bucket_cap_mb, comm_hook=comm_hook,
@@ -267,15 +278,18 @@ def _train(args, given: set[str]) -> int:
     if args.resume:
         found = _latest_checkpoint(sharded, args.out, say)
         if found is not None:
-            meta = train_state.load_training(found[1], gpt, opt, loader, grid.tp_rank if tensor_parallel else 0)
+            # A stage's parameters are the whole model's own objects: loading the whole model by
+            # name fills the stage's parameters (and, through the optimizer, their moments).
+            meta = train_state.load_training(found[1], whole, opt, loader, grid.tp_rank if tensor_parallel else 0)
             resumed_from = found[1]
             afresh = train_state.load_comm_hook(found[1], meta, comm_hook, run.rank, run.world)
             if afresh:
                 say(f"--grad-compression: {afresh}")
         elif ckpt.has_checkpoint(args.out):  # a single-file checkpoint of an earlier Helios
-            if zero:
+            if zero or pipeline:
+                flag = "--zero" if zero else "--pp"
                 raise CheckpointError(f"{ckpt.checkpoint_path(args.out)} is a single-file checkpoint of an earlier "
-                                      "Helios: resume it without --zero once, then go on with --zero")
+                                      f"Helios: resume it without {flag} once, then go on with {flag}")
             meta = ckpt.load_training_state(args.out, gpt, opt, loader)
             resumed_from = ckpt.checkpoint_path(args.out)
         else:
@@ -287,13 +301,15 @@ def _train(args, given: set[str]) -> int:
                              f"  now:        {json.dumps(run_meta['config'])} {json.dumps(run_meta['train'])}")
         start_step = int(meta["step"])
         n = meta.get("world_size")
-        was = f" (saved by {n} rank{'s' if n != 1 else ''}, ZeRO-{meta.get('zero', 0)})" if n else ""
+        saved_grid = "".join(f", {k} {v}" for k, v in meta.get("grid", {}).items() if k in ("tp", "pp") and v > 1)
+        was = f" (saved by {n} rank{'s' if n != 1 else ''}{saved_grid}, ZeRO-{meta.get('zero', 0)})" if n else ""
         say(f"resumed from {resumed_from} at step {start_step}{was}")
         # Once every rank has read it, drop what a dead attempt left after it: a stray shard of
         # a later step could otherwise complete, with this run's files, a checkpoint of two runs.
         run.barrier()
         if run.is_main:
             sharded.discard_newer(args.out, start_step)
+    whole = None  # a stage keeps its own layers only
 
     dev = rt.info
     if args.peak_tflops:
@@ -302,10 +318,11 @@ def _train(args, given: set[str]) -> int:
     else:
         pk = peak_flops(dev["name"], "fp32", dev["type"])
         peak, peak_label = (pk.flops, pk.label) if pk else (None, "n/a (unknown device: pass --peak-tflops)")
-    split = f"tensor parallel {args.tp} x data parallel {run.world // args.tp}" if args.tp > 1 else "data parallel"
-    ranks = f" x {run.world} ranks ({split}{f', ZeRO-{args.zero}' if args.zero else ''})" if run.active else ""
+    ranks = f" x {run.world} ranks ({layout.describe()}{f', ZeRO-{args.zero}' if args.zero else ''})" if run.active else ""
     say(f"device: {rt.name} {dev['name']} ({dev['type']}){ranks}; peak for MFU: {peak_label}")
     say(f"model: {n_params / 1e6:.2f}M parameters, {cfg}")
+    if pipeline:
+        say(f"pipeline stages: {describe_stages(gpt.bounds, cfg.n_layer)}")
     say(f"data: {summ['corpus']}, {summ['train_tokens']:,} train / {summ['val_tokens']:,} val tokens, "
         f"tokenizer {summ['tokenizer']}; unigram entropy {summ['unigram_entropy_nats']:.3f} nats "
         f"(uniform {summ['uniform_loss_nats']:.3f})")
@@ -315,14 +332,16 @@ def _train(args, given: set[str]) -> int:
         db = RunDB(args.out, device=dev["name"], dtype="fp32", n_devices=run.world, peak_flops=peak,
                    peak_label=peak_label, flops_per_token=fpt, n_params=n_params,
                    config={**run_meta, "steps": steps, "world_size": run.world, "zero": zero, "tp": args.tp,
+                           "pp": args.pp, "microbatches": layout.microbatches,
                            "memory": _model_state_bytes(model, opt, rt, run.world, zero)})
     writer = sharded.AsyncCheckpointer(args.out, run.rank, run.world)
 
     def save_checkpoint(at_step: int) -> str:
         """Snapshot this rank's shard now; the background thread writes it while training goes on."""
-        shards = {**train_state.training_shards(gpt, opt, run.rank, run.world, tp_group),
+        shards = {**_training_shards(train_state, gpt, opt, run, grid if pipeline else None, tp_group),
                   **train_state.comm_hook_shards(comm_hook, run.rank)}
         meta = train_state.training_meta(opt, loader, at_step, run_meta, run.world, zero)
+        meta["grid"] = {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "microbatches": layout.microbatches}
         if comm_hook is not None:
             meta["comm_hook"] = train_state.comm_hook_meta(comm_hook, run.world)
         # The shards were just read from the device (or copied from the hook) into fresh arrays:
@@ -331,16 +350,22 @@ def _train(args, given: set[str]) -> int:
         return sharded.step_dir(args.out, at_step)
 
     timer = StepTimer()
-    if tensor_parallel:  # the global norm sums every shard once, over the tensor-parallel group
+    if pipeline:  # the whole model's norm: every stage's squares, each shard and the tied table once
+        from helios.schedule.pipeline import clip_grad_norm_ as pp_clip
+
+        def clip(params, max_norm):
+            return pp_clip(gpt, max_norm)
+    elif tensor_parallel:  # the global norm sums every shard once, over the tensor-parallel group
         from helios.schedule.tensor_parallel import clip_grad_norm_ as tp_clip
 
         def clip(params, max_norm):
             return tp_clip(params, max_norm, tp_group)
     else:
         clip = clip_grad_norm_
-    # A forward that gathers parameters (ZeRO-3) or splits them (tensor parallel) is a collective:
-    # then every rank samples alike.
-    collective = zero == 3 or tensor_parallel
+    # A forward that gathers parameters (ZeRO-3), splits them (tensor parallel) or passes
+    # through the stages (pipeline) is a collective: then every rank samples alike.
+    collective = zero == 3 or tensor_parallel or pipeline
+    micro_rows = bs // layout.dp // layout.microbatches  # sequences per micro-batch on each replica
     if model is not gpt:  # a data-parallel wrapper: time its end-of-backward wait as "comm"
         model.wait_context = lambda: timer.phase("comm")
     stopper = _StopFlag()
@@ -352,16 +377,68 @@ def _train(args, given: set[str]) -> int:
     def evaluate() -> float:
         # Each rank takes every world-th validation batch; the mean is the one rank's mean.  Under
         # ZeRO-3 a forward gathers parameters (collective), so every rank runs every batch.
+        # A pipeline's stages pass each batch through in micro-batches of the training size;
+        # its loss is on the last stage only (the others count nothing in the mean).
         model.eval()
         total, count = 0.0, 0
         share = 1 if zero == 3 else run.data_world  # tensor-parallel peers run the same batches together
         with hl.no_grad():
             for i, (x, y) in enumerate(val_loader.iter_eval(args.eval_batches)):
-                if i % share == run.data_rank % share:
-                    total += gpt(x, y)[1].item()
+                if i % share != run.data_rank % share:
+                    continue
+                if pipeline:
+                    parts = len(x) // micro_rows
+                    loss = gpt.evaluate(np.split(x, parts), np.split(y, parts))
+                else:
+                    loss = gpt(x, y)[1].item()
+                if loss is not None:
+                    total += loss
                     count += 1
         model.train()
-        return run.all_mean(total, count) if share > 1 else total / count
+        return run.all_mean(total, count) if share > 1 or pipeline else total / count
+
+    n_micro = args.grad_accum * layout.microbatches  # micro-batches per step on each replica
+
+    def micro_batches():
+        """This replica's micro-batches of the step: the --microbatches slices of each of the
+        --grad-accum batches, in order."""
+        for _ in range(args.grad_accum):
+            with timer.phase("data_load"):
+                x, y = loader.next_batch()
+                x, y = run.shard(x), run.shard(y)
+            yield from zip(np.split(x, layout.microbatches), np.split(y, layout.microbatches))
+
+    def plain_step():
+        """Forward and backward of each micro-batch, gradients accumulated; the step's mean loss
+        (a device scalar)."""
+        loss_dev = None
+        for i, (x, y) in enumerate(micro_batches()):
+            with timer.phase("host_to_device"):
+                xt = hl.tensor(x, dtype=hl.int64)
+                yt = hl.tensor(y, dtype=hl.int64)
+            # Gradient accumulation: only the last micro-batch's backward communicates.
+            local = i < n_micro - 1 and run.active
+            with model.no_sync() if local and model is not gpt else contextlib.nullcontext():
+                with timer.phase("forward"):
+                    _, loss = model(xt, yt)
+                    if n_micro > 1:
+                        loss = loss * (1.0 / n_micro)
+                    rt.synchronize()
+                with timer.phase("backward"):
+                    loss.backward()
+                    rt.synchronize()
+            loss_dev = loss if loss_dev is None else loss_dev + loss.detach()
+        return loss_dev
+
+    def pipeline_step() -> float | None:
+        """The step's micro-batches through this stage in 1F1B order, then the stage's gradients
+        averaged over the data-parallel replicas; the mean loss on the last stage, None elsewhere."""
+        xs, ys = zip(*micro_batches())
+        loss = gpt.train_step(list(xs), list(ys), phase=timer.phase)
+        if grid.dp > 1:
+            with timer.phase("comm"):
+                _average_gradients(opt, grid.dp_group)
+        return loss
 
     from tqdm import tqdm
 
@@ -384,26 +461,10 @@ def _train(args, given: set[str]) -> int:
                 g["lr"] = lr
             d0 = rt.dev.stats()["dispatches"]
             bytes0 = run.comm_bytes()
-            loss_dev = None
-            for micro in range(args.grad_accum):
-                with timer.phase("data_load"):
-                    x, y = loader.next_batch()
-                    x, y = run.shard(x), run.shard(y)
-                with timer.phase("host_to_device"):
-                    xt = hl.tensor(x, dtype=hl.int64)
-                    yt = hl.tensor(y, dtype=hl.int64)
-                # Gradient accumulation: only the last micro-batch's backward communicates.
-                local = micro < args.grad_accum - 1 and run.active
-                with model.no_sync() if local and model is not gpt else contextlib.nullcontext():
-                    with timer.phase("forward"):
-                        _, loss = model(xt, yt)
-                        if args.grad_accum > 1:
-                            loss = loss * (1.0 / args.grad_accum)
-                        rt.synchronize()
-                    with timer.phase("backward"):
-                        loss.backward()
-                        rt.synchronize()
-                loss_dev = loss if loss_dev is None else loss_dev + loss.detach()
+            if pipeline:
+                stage_loss = pipeline_step()
+            else:
+                loss_dev = plain_step()
             with timer.phase("grad_clip"):
                 if args.grad_clip > 0:
                     if zero:
@@ -416,7 +477,12 @@ def _train(args, given: set[str]) -> int:
                 opt.zero_grad()
                 rt.synchronize()
             with timer.phase("device_to_host"):
-                loss_val = loss_dev.item()
+                if pipeline:
+                    # Only the last stage has the loss: counted pp times there and 0 elsewhere, the
+                    # mean over every rank below is the mean over the replicas.
+                    loss_val = stage_loss * layout.pp if stage_loss is not None else 0.0
+                else:
+                    loss_val = loss_dev.item()
             step += 1
             if run.active:
                 # One small collective per step: the mean loss, and whether any rank was asked to stop
@@ -495,6 +561,36 @@ def _train(args, given: set[str]) -> int:
         db.finish(status="finished")
     run.close()
     return 0
+
+
+def _average_gradients(opt, group) -> None:
+    """Average a pipeline stage's gradients over its data-parallel replicas once the pipeline has
+    flushed (as Megatron-LM does): one all-reduce per flat gradient buffer of the optimizer."""
+    import helios.comm as dist
+    from helios import _kernels as K
+
+    for fg in opt.flat:
+        for p in fg.params:
+            if p.grad is not None and p.grad._st is not fg.g._st:
+                K.copy_into(p._grad_slot, p.grad)  # a gradient outside its slot: put it in place first
+                p.grad = p._grad_slot
+        dist.all_reduce(fg.g, op="avg", group=group)
+
+
+def _training_shards(train_state, gpt, opt, run, grid, tp_group) -> dict:
+    """The training-state tensors this rank writes.  With a pipeline grid, a stage's tensors are
+    written by the stage's ranks (its tensor x data-parallel ranks), each an even share, under the
+    whole model's names; the tied table once, by the first stage."""
+    if grid is None:
+        return train_state.training_shards(gpt, opt, run.rank, run.world, tp_group)
+    writer = grid.dp_rank * grid.tp + grid.tp_rank
+    shards = train_state.training_shards(gpt, opt, writer, grid.dp * grid.tp, tp_group)
+    return {k: v for k, v in shards.items() if gpt.owns(_param_of(k))}
+
+
+def _param_of(key: str) -> str:
+    """The parameter a checkpoint tensor belongs to: ``model.<name>`` or ``optim.<moment>.<name>``."""
+    return key.split(".", 1)[1] if key.startswith("model.") else key.split(".", 2)[2]
 
 
 def _model_state_bytes(model, opt, rt, world: int, zero: int) -> dict:
@@ -594,16 +690,25 @@ def _sample(model, tok, T: int, n: int, step: int) -> str:
     model.eval()
     with hl.no_grad():
         for _ in range(n):
-            ctx = np.array([ids[-T:]], np.int64)
-            logits, _ = model(ctx)
-            # A tensor-parallel model holds a slice of the vocabulary: gather the whole row.
-            whole = model.full_logits(logits) if hasattr(model, "full_logits") else logits.numpy()
-            last = whole[0, -1].astype(np.float64) / 0.8
-            p = np.exp(last - last.max())
-            p /= p.sum()
-            ids.append(int(rng.choice(len(p), p=p)))
+            ids.append(_next_token(model, np.array([ids[-T:]], np.int64), rng))
     model.train()
     return tok.decode(np.array(ids)).decode("utf-8", errors="replace")
+
+
+def _next_token(model, ctx: np.ndarray, rng) -> int:
+    """A token drawn from the model's last-position logits at temperature 0.8.  A pipeline stage
+    runs its part of the forward, and every stage gets the token the last stage drew."""
+    stage = hasattr(model, "from_last_stage")
+    logits = model.infer(ctx) if stage else model(ctx)[0]
+    token = -1
+    if logits is not None:
+        # A tensor-parallel model holds a slice of the vocabulary: gather the whole row.
+        whole = model.full_logits(logits) if hasattr(model, "full_logits") else logits.numpy()
+        last = whole[0, -1].astype(np.float64) / 0.8
+        p = np.exp(last - last.max())
+        p /= p.sum()
+        token = int(rng.choice(len(p), p=p))
+    return model.from_last_stage(token) if stage else token
 
 
 def _breakdown(records) -> str:

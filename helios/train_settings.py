@@ -74,6 +74,9 @@ BOUNDS = (
     Bound("bucket_cap_mb", "--bucket-cap-mb", _positive, "a positive number of MiB"),
     Bound("comm_timeout", "--comm-timeout", _positive, "a positive number of seconds"),
     Bound("stop_after", "--stop-after", _at_least(1), "at least 1"),
+    Bound("tp", "--tp", _at_least(1), "at least 1"),
+    Bound("pp", "--pp", _at_least(1), "at least 1"),
+    Bound("microbatches", "--microbatches", _at_least(1), "at least 1"),
 )
 
 
@@ -83,6 +86,67 @@ def check_bounds(values: dict) -> None:
         v = values.get(b.dest)
         if v is not None and not b.ok(v):
             usage(f"{b.flag} must be {b.need}, got {v}")
+
+
+# ---- the process grid: tensor x pipeline x data parallel -----------------------------------
+@dataclass(frozen=True)
+class Layout:
+    """How the ranks split the work: ``tp`` x ``pp`` x ``dp`` ranks, ``microbatches`` per batch
+    of each data-parallel replica (the pipeline's micro-batches, or gradient accumulation
+    within the batch without a pipeline)."""
+
+    tp: int
+    pp: int
+    dp: int
+    microbatches: int
+
+    def describe(self) -> str:
+        """The layout as the trainer's banner says it, e.g. ``pipeline parallel 2 (4 micro-batches)
+        x tensor parallel 2 x data parallel 1``."""
+        parts = []
+        if self.pp > 1:
+            parts.append(f"pipeline parallel {self.pp} ({self.microbatches} micro-batches)")
+        if self.tp > 1:
+            parts.append(f"tensor parallel {self.tp}")
+        if not parts:
+            return "data parallel"
+        return " x ".join(parts + [f"data parallel {self.dp}"])
+
+
+def check_layout(world: int, tp: int, pp: int, microbatches: int | None, zero: int, batch: int, n_layer: int,
+                 n_head: int, n_embd: int) -> Layout:
+    """The layout of ``world`` ranks for --tp, --pp and --microbatches (default: --pp, or 1 without
+    a pipeline); a layout that cannot work is refused in one line naming its flag.  Every rank
+    runs this before any rank waits for another, so every rank refuses alike."""
+    if world % tp:
+        usage(f"--tp {tp} must divide the number of ranks ({world}): the ranks left over, world / tp, are the "
+              "data-parallel replicas")
+    for what, n in (("heads (n_head)", n_head), ("MLP width (4 x n_embd)", 4 * n_embd)):
+        if n % tp:
+            usage(f"--tp {tp} must divide the model's {what}, {n}")
+    if (world // tp) % pp:
+        left = f"the number of ranks ({world})" if tp == 1 else f"the ranks left by --tp {tp} ({world} / {tp} = {world // tp})"
+        usage(f"--pp {pp} must divide {left}: the ranks left over, world / (tp x pp), are the data-parallel replicas")
+    if pp > n_layer:
+        usage(f"--pp {pp} is more pipeline stages than the model has transformer layers ({n_layer}); use at most "
+              f"{n_layer}")
+    for flag, n, what in (("--tp", tp, "tensor-parallel"), ("--pp", pp, "pipeline-parallel")):
+        if n > 1 and zero:
+            usage(f"--zero {zero} with {flag} {n}: ZeRO over the data-parallel ranks of a {what} model is not "
+                  "supported yet; use --zero 0")
+    dp = world // (tp * pp)
+    if batch % dp:
+        split = " x ".join(f"{flag} {n}" for flag, n in (("--tp", tp), ("--pp", pp)) if n > 1)
+        over = f"{dp} ranks" if tp * pp == 1 else f"{dp} data-parallel replicas ({world} ranks / {split})"
+        usage(f"--batch-size {batch} does not split evenly over {over}; use a multiple of {dp}")
+    m = microbatches if microbatches is not None else pp
+    per = batch // dp
+    if per % m:
+        given = "" if microbatches is not None else f" (the default: --pp {pp})"
+        of = f"--batch-size {batch}" if dp == 1 else f"--batch-size {batch} / {dp} data-parallel replicas"
+        usage(f"--microbatches {m}{given} must divide the batch of each data-parallel replica, {per} sequences "
+              f"({of})")
+    return Layout(tp, pp, dp, m)
 
 
 # ---- --resume: the run's own settings ------------------------------------------------------

@@ -7,21 +7,30 @@ the 1F1B schedule (Narayanan et al. 2021, PipeDream-Flush).
 
 Stages are contiguous runs of layers balanced by parameter count, the embeddings on the
 first stage and the final LayerNorm and the (tied) output layer on the last.  Activations
-go forward and their gradients backward with ``isend``/``irecv`` between neighbours.
+go forward and their gradients backward with ``isend``/``irecv`` between neighbours.  A
+stage's parameters keep the whole model's names (``wte.weight``, ``h.5.attn.c_attn.weight``),
+so a checkpoint written by the stages is one device's.
 
 1F1B on stage s of p with m micro-batches: ``min(p - s - 1, m)`` forwards to fill the pipe,
 then one forward and one backward alternately, then the remaining backwards; a stage holds
 at most p - s micro-batches' activations (p on the first), and each stage idles for
-(p - 1) of m + p - 1 slots (the bubble).  Each micro-batch's loss is scaled by 1/m, so the
-gradients are those of one device accumulating the same m micro-batches.
+(p - 1) of m + p - 1 slots (the bubble).  Each micro-batch's loss is scaled by 1/m and the
+scaled losses are summed on the device in micro-batch order, so the loss and the gradients
+are those of one device accumulating the same m micro-batches.
 
 The tied embedding lives on the first stage (input) and the last (output layer): each
 keeps a copy, and after the step's backwards the two gradients are summed between them
 (Megatron's embedding group).
+
+A tensor-parallel model (``TensorParallelGPT``) splits into stages the same way: each
+tensor-parallel rank of a stage holds its shards, activations pass between the ranks of
+equal tensor-parallel index, and the last stage's loss is the vocabulary-parallel cross
+entropy (the logits are never gathered).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import numpy as np
@@ -32,7 +41,8 @@ from helios import dtypes as dt
 from helios import functional as F
 from helios.autograd.tape import no_grad
 from helios.creation import arange, tensor
-from helios.nn import GPT, Module, ModuleList
+from helios.nn import GPT, Module
+from helios.schedule.grid import group_size
 
 
 def balance(weights: list[int], parts: int) -> list[tuple[int, int]]:
@@ -59,30 +69,78 @@ def balance(weights: list[int], parts: int) -> list[tuple[int, int]]:
     return bounds[::-1]
 
 
+def describe_stages(bounds: list[tuple[int, int]], n_layer: int) -> str:
+    """What each stage holds, in one line: ``0: embeddings, blocks 0-1 | 1: blocks 2-3, final LayerNorm``."""
+    parts = []
+    for s, (lo, hi) in enumerate(bounds):
+        what = ["embeddings"] if lo == 0 else []
+        blocks = [i - 1 for i in range(lo, hi) if 1 <= i <= n_layer]
+        if blocks:
+            what.append(f"block {blocks[0]}" if len(blocks) == 1 else f"blocks {blocks[0]}-{blocks[-1]}")
+        if hi == n_layer + 2:
+            what.append("final LayerNorm and output layer")
+        parts.append(f"{s}: {', '.join(what)}")
+    return " | ".join(parts)
+
+
+def _whole_numel(p) -> int:
+    """Elements of the whole tensor a (possibly tensor-parallel) parameter is part of: stages are
+    balanced on the whole model, so the split does not depend on --tp."""
+    from helios.schedule.tensor_parallel import full_shape
+
+    return int(np.prod(full_shape(p)))
+
+
+def layer_weights(gpt) -> list[int]:
+    """Parameter counts of the layers the pipeline splits: embeddings, each block, final LayerNorm."""
+    emb = _whole_numel(gpt.wte.weight) + _whole_numel(gpt.wpe.weight)
+    blocks = [sum(_whole_numel(p) for p in b.parameters()) for b in gpt.h]
+    return [emb] + blocks + [sum(_whole_numel(p) for p in gpt.ln_f.parameters())]
+
+
+class _Blocks(Module):
+    """A stage's transformer blocks, registered under their index in the whole model, so the
+    stage's parameter names are the single-device model's (``h.<i>.…``)."""
+
+    def __init__(self, blocks: dict[int, Module]) -> None:
+        super().__init__()
+        for i, b in blocks.items():
+            self.add_module(str(i), b)
+
+    def __iter__(self):
+        return self.children()
+
+    def __len__(self) -> int:
+        return len(list(self.children()))
+
+
 class PipelineStage(Module):
     """This rank's stage of ``gpt`` on ``grid`` (a ParallelGrid; stage = its pp rank).
 
-    The stage keeps references to ``gpt``'s own layers (drop ``gpt`` afterwards: the
-    layers of other stages are then freed)."""
+    ``gpt`` is a ``helios.nn.GPT``, or a ``TensorParallelGPT`` over ``grid.tp_group``.  The
+    stage keeps references to ``gpt``'s own layers (drop ``gpt`` afterwards: the layers of
+    other stages are then freed)."""
 
-    def __init__(self, gpt: GPT, grid) -> None:
+    def __init__(self, gpt, grid) -> None:
         super().__init__()
         cfg = gpt.config
         self.config, self.grid, self.group = cfg, grid, grid.pp_group
         self.pp, self.stage = grid.pp, grid.pp_rank
         self.ranks = grid.peers("pp")
+        # The tensor-parallel group of a TensorParallelGPT (its vocabulary-parallel embedding and loss).
+        self.tp_group = None if isinstance(gpt, GPT) else gpt.group
+        self.vocab_lo = getattr(gpt, "vocab_lo", 0)
         # Layers as the pipeline sees them: [embeddings, block 0, ..., block L-1, final LayerNorm].
-        emb = gpt.wte.weight.numel() + gpt.wpe.weight.numel()
-        weights = [emb] + [sum(p.numel() for p in b.parameters()) for b in gpt.h] + [2 * gpt.ln_f.weight.numel()]
-        self.bounds = balance(weights, self.pp)
+        self.bounds = balance(layer_weights(gpt), self.pp)
         lo, hi = self.bounds[self.stage]
         self.first, self.last = self.stage == 0, self.stage == self.pp - 1
         self.block_ids = [i - 1 for i in range(lo, hi) if 1 <= i <= cfg.n_layer]
-        self.h = ModuleList([gpt.h[i] for i in self.block_ids])
+        self.h = _Blocks({i: gpt.h[i] for i in self.block_ids})
         if self.first or self.last:
-            self.wte_weight = gpt.wte.weight  # the tied table: input on the first stage, output on the last
+            self.wte = gpt.wte  # the tied table: input on the first stage, output on the last
         if self.first:
-            self.wpe_weight = gpt.wpe.weight
+            self.wpe = gpt.wpe
+            self.drop = getattr(gpt, "drop", None)  # the embeddings' dropout (none in a tensor-parallel model)
         if self.last:
             self.ln_f = gpt.ln_f
         # The tied table's two gradients are summed between the first and the last stage of
@@ -99,10 +157,13 @@ class PipelineStage(Module):
     # ---- one micro-batch --------------------------------------------------------------
     def _forward(self, x_in, idx_or_none, targets, scale: float):
         """This stage's part of the model for one micro-batch: the input activation (or token
-        ids on the first stage) -> the output activation, or the scaled loss on the last."""
+        ids on the first stage) -> the output activation; on the last stage the scaled loss,
+        or the logits (this rank's vocabulary slice under tensor parallelism) without targets."""
         if self.first:
             b, t = idx_or_none.shape
-            x = F.embedding(idx_or_none, self.wte_weight) + F.embedding(arange(t, dtype=dt.int64), self.wpe_weight)
+            x = self.wte(idx_or_none) + self.wpe(arange(t, dtype=dt.int64))
+            if self.drop is not None:
+                x = self.drop(x)
         else:
             x = x_in
         for block in self.h:
@@ -110,63 +171,92 @@ class PipelineStage(Module):
         if not self.last:
             return x
         b, t, _ = x.shape
-        logits = F.matmul(self.ln_f(x), self.wte_weight.mT)
-        return F.cross_entropy(logits.reshape(b * t, -1), targets.reshape(b * t)) * scale
+        x = self.ln_f(x)
+        if self.tp_group is not None:
+            from helios.schedule.tensor_parallel import copy_to_tp
 
-    def train_step(self, inputs: list, targets: list) -> float | None:
+            x = copy_to_tp(x, self.tp_group)  # every rank's logits slice reads the whole x
+        logits = F.matmul(x, self.wte.weight.mT)
+        if targets is None:
+            return logits
+        return self._loss(logits.reshape(b * t, -1), targets.reshape(b * t)) * scale
+
+    def _loss(self, logits, targets):
+        if self.tp_group is None:
+            return F.cross_entropy(logits, targets)
+        from helios.schedule.tensor_parallel import vocab_parallel_cross_entropy
+
+        return vocab_parallel_cross_entropy(logits, targets, self.vocab_lo, self.tp_group)
+
+    def _neighbours(self) -> tuple[int | None, int | None]:
+        """The global ranks of the previous and the next stage (None at the ends)."""
+        prev = self.ranks[self.stage - 1] if not self.first else None
+        nxt = self.ranks[self.stage + 1] if not self.last else None
+        return prev, nxt
+
+    def train_step(self, inputs: list, targets: list, phase=None) -> float | None:
         """Forward and backward of every micro-batch in 1F1B order; gradients accumulate in the
         stage's parameters.  Every stage gets the same lists (only the first reads ``inputs``,
-        only the last ``targets``).  Returns the mean loss on the last stage, None elsewhere."""
+        only the last ``targets``).  Returns the mean loss on the last stage, None elsewhere.
+
+        ``phase(name)``, when given, is a context manager that times the step's parts: each
+        micro-batch's "forward" and "backward", and as "comm" the waits on a neighbour and the
+        tied table's gradient exchange (a trainer's StepTimer.phase)."""
         m = len(inputs)
         if m < 1:
             raise ValueError("pipeline: give at least one micro-batch")
+        timed = phase or (lambda name: contextlib.nullcontext())
         b, t = np.asarray(inputs[0]).shape
         shape = (b, t, self.config.n_embd)
-        prev = self.ranks[self.stage - 1] if not self.first else None
-        nxt = self.ranks[self.stage + 1] if not self.last else None
+        prev, nxt = self._neighbours()
         warm = min(self.pp - self.stage - 1, m)
         held: list = []  # (input leaf, output) of micro-batches whose backward is still to come
         sends: list = []
-        losses: list[float] = []
+        total = None  # the scaled losses summed in micro-batch order, on the device
         done_fwd = done_bwd = 0
         waited = [0.0]  # seconds blocked waiting for a neighbour (the bubble, and any imbalance)
         t_start = time.perf_counter()
 
         def receive(buf, peer) -> None:
             self._sync()  # the device finishes this stage's work first: waiting starts after it
-            t0 = time.perf_counter()
-            dist.recv(buf, peer)
-            waited[0] += time.perf_counter() - t0
+            with timed("comm"):
+                t0 = time.perf_counter()
+                dist.recv(buf, peer)
+                waited[0] += time.perf_counter() - t0
 
         def forward_one() -> None:
-            nonlocal done_fwd
+            nonlocal done_fwd, total
             i = done_fwd
-            x_in = None
-            if not self.first:
-                x_in = K.empty(shape, dt.float32)
-                receive(x_in, prev)
-                x_in.requires_grad = True
-            idx = tensor(np.asarray(inputs[i], np.int64), dtype=dt.int64) if self.first else None
-            tgt = tensor(np.asarray(targets[i], np.int64), dtype=dt.int64) if self.last else None
-            out = self._forward(x_in, idx, tgt, 1.0 / m)
-            if self.last:
-                losses.append(out.item() * m)
-            else:
-                sends.append(dist.isend(out.detach(), nxt))
+            with timed("forward"):
+                x_in = None
+                if not self.first:
+                    x_in = K.empty(shape, dt.float32)
+                    receive(x_in, prev)
+                    x_in.requires_grad = True
+                idx = tensor(np.asarray(inputs[i], np.int64), dtype=dt.int64) if self.first else None
+                tgt = tensor(np.asarray(targets[i], np.int64), dtype=dt.int64) if self.last else None
+                out = self._forward(x_in, idx, tgt, 1.0 / m)
+                if self.last:
+                    total = out.detach() if total is None else total + out.detach()
+                else:
+                    sends.append(dist.isend(out.detach(), nxt))
+                self._sync()
             held.append((x_in, out))
             done_fwd += 1
 
         def backward_one() -> None:
             nonlocal done_bwd
             x_in, out = held.pop(0)
-            if self.last:
-                out.backward()
-            else:
-                g = K.empty(shape, dt.float32)
-                receive(g, nxt)
-                out.backward(g)
-            if not self.first:
-                sends.append(dist.isend(x_in.grad, prev))
+            with timed("backward"):
+                if self.last:
+                    out.backward()
+                else:
+                    g = K.empty(shape, dt.float32)
+                    receive(g, nxt)
+                    out.backward(g)
+                if not self.first:
+                    sends.append(dist.isend(x_in.grad, prev))
+                self._sync()
             done_bwd += 1
 
         for _ in range(warm):
@@ -177,40 +267,134 @@ class PipelineStage(Module):
         while done_bwd < m:
             backward_one()
         self._sync()
-        t0 = time.perf_counter()
-        for w in sends:
+        with timed("comm"):
+            t0 = time.perf_counter()
+            for w in sends:
+                w.wait()
+            waited[0] += time.perf_counter() - t0
+            elapsed = time.perf_counter() - t_start
+            # The share of this step the stage spent waiting on its neighbours; 1F1B's bubble
+            # alone makes it (p - 1) / (m + p - 1) when every stage costs the same.
+            self.last_idle_fraction = waited[0] / elapsed if elapsed > 0 else 0.0
+            self._sum_tied_gradients()
+        return total.item() if self.last else None
+
+    def _sum_tied_gradients(self) -> None:
+        """The tied table's gradient: the input embedding's (first stage) plus the output
+        layer's (last stage), on both."""
+        if self.embedding_group is None or self.wte.weight.grad is None:
+            return
+        with no_grad():
+            g = self.wte.weight.grad
+            whole = g if g.is_contiguous() else K.copy(g)  # the output layer's gradient is a transposed view
+            dist.all_reduce(whole, group=self.embedding_group)
+            self.wte.weight.grad = whole
+
+    # ---- forward only: evaluation and sampling ------------------------------------------
+    @no_grad()
+    def _forward_only(self, inputs: list, targets: list | None) -> list:
+        """Each micro-batch through the pipeline without gradients; the last stage's outputs
+        (scaled losses, or logits without ``targets``), an empty list on the other stages."""
+        m = len(inputs)
+        prev, nxt = self._neighbours()
+        outs, sends = [], []
+        for i in range(m):
+            b, t = np.asarray(inputs[i]).shape
+            x_in = None
+            if not self.first:
+                x_in = K.empty((b, t, self.config.n_embd), dt.float32)
+                dist.recv(x_in, prev)
+            idx = tensor(np.asarray(inputs[i], np.int64), dtype=dt.int64) if self.first else None
+            tgt = None
+            if self.last and targets is not None:
+                tgt = tensor(np.asarray(targets[i], np.int64), dtype=dt.int64)
+            out = self._forward(x_in, idx, tgt, 1.0 / m)
+            if self.last:
+                outs.append(out)
+            else:
+                self._sync()
+                sends.append((dist.isend(out, nxt), out))  # the tensor lives until its send is done
+        for w, _ in sends:
             w.wait()
-        waited[0] += time.perf_counter() - t0
-        total = time.perf_counter() - t_start
-        # The share of this step the stage spent waiting on its neighbours; 1F1B's bubble
-        # alone makes it (p - 1) / (m + p - 1) when every stage costs the same.
-        self.last_idle_fraction = waited[0] / total if total > 0 else 0.0
-        if self.embedding_group is not None and self.wte_weight.grad is not None:
-            with no_grad():
-                g = self.wte_weight.grad
-                whole = g if g.is_contiguous() else K.copy(g)  # the output layer's gradient is a transposed view
-                dist.all_reduce(whole, group=self.embedding_group)
-                self.wte_weight.grad = whole
-        return float(np.mean(losses)) if self.last else None
+        return outs
+
+    def evaluate(self, inputs: list, targets: list) -> float | None:
+        """The mean loss over the micro-batches (no gradients) on the last stage, None elsewhere
+        (every stage calls it with the same lists)."""
+        outs = self._forward_only(inputs, targets)
+        if not self.last:
+            return None
+        total = outs[0]
+        for o in outs[1:]:
+            total = total + o
+        return total.item()
+
+    def infer(self, idx) -> object | None:
+        """The logits of one batch of token ids on the last stage (this rank's vocabulary slice
+        under tensor parallelism), None elsewhere (every stage calls it with the same ids)."""
+        outs = self._forward_only([idx], None)
+        return outs[0] if self.last else None
+
+    def full_logits(self, logits) -> np.ndarray:
+        """The whole vocabulary's logits (host array) on the last stage; gathered from the
+        tensor-parallel ranks' slices (a collective over the tensor-parallel group)."""
+        mine = np.ascontiguousarray(logits.numpy())
+        if self.tp_group is None or group_size(self.tp_group) == 1:
+            return mine
+        tp = group_size(self.tp_group)
+        every = np.empty((tp,) + mine.shape, mine.dtype)
+        dist.all_gather(every, mine, group=self.tp_group)
+        return np.concatenate(list(every), axis=-1)
+
+    def from_last_stage(self, value: int) -> int:
+        """``value`` as the last stage has it, on every stage of this pipeline (a sampled token)."""
+        if self.pp == 1:
+            return value
+        buf = np.array([value], np.int64)
+        dist.broadcast(buf, src=self.ranks[-1], group=self.group)
+        return int(buf[0])
 
     def _sync(self) -> None:
         from helios.runtime import get_runtime
 
         get_runtime().synchronize()
 
+    def owns(self, name: str) -> bool:
+        """Whether this stage counts parameter ``name`` as its own (in the gradient norm and in
+        checkpoints): every parameter it holds except the last stage's copy of the tied table."""
+        return not (name == "wte.weight" and self.last and not self.first)
+
     def owned_parameters(self) -> list:
         """The parameters whose gradient norm this stage counts (the tied table once: the first stage's)."""
-        return [p for n, p in self.named_parameters() if not (n == "wte_weight" and self.last and not self.first)]
+        return [p for n, p in self.named_parameters() if self.owns(n)]
+
+
+def _tp_sharded(p) -> bool:
+    layout = getattr(p, "tp_layout", None)
+    return layout is not None and layout.tp > 1
+
+
+def _squares(params) -> float:
+    """The sum of the squared gradients of ``params`` (one device sum, one read)."""
+    total = None
+    for p in params:
+        if p.grad is not None:
+            s = F.sum(p.grad * p.grad)
+            total = s if total is None else total + s
+    return 0.0 if total is None else float(total.item())
 
 
 def clip_grad_norm_(stage: PipelineStage, max_norm: float) -> float:
     """Scale the stage's gradients so the whole model's norm is at most ``max_norm`` (a
-    collective over the pipeline group); returns the norm."""
-    sq = 0.0
-    for p in stage.owned_parameters():
-        if p.grad is not None:
-            sq += float(F.sum(p.grad * p.grad).item())
-    total = np.array([sq], np.float64)
+    collective over the pipeline group, and the tensor-parallel group of a tensor-parallel
+    stage, whose shards' squares are summed while replicated parameters count once); returns
+    the norm."""
+    owned = stage.owned_parameters()
+    with no_grad():
+        shards = np.array([_squares([p for p in owned if _tp_sharded(p)])], np.float64)
+        if stage.tp_group is not None and group_size(stage.tp_group) > 1:
+            dist.all_reduce(shards, group=stage.tp_group)
+        total = np.array([shards[0] + _squares([p for p in owned if not _tp_sharded(p)])], np.float64)
     if stage.pp > 1:
         dist.all_reduce(total, group=stage.group)
     norm = float(np.sqrt(total[0]))
@@ -223,4 +407,4 @@ def clip_grad_norm_(stage: PipelineStage, max_norm: float) -> float:
     return norm
 
 
-__all__ = ["PipelineStage", "balance", "clip_grad_norm_"]
+__all__ = ["PipelineStage", "balance", "clip_grad_norm_", "describe_stages", "layer_weights"]

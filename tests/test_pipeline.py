@@ -1,5 +1,5 @@
 """Pipeline parallelism (1F1B) on real ranks: every stage's gradients equal those of one
-device accumulating the same micro-batches, and the loss is the same."""
+device accumulating the same micro-batches, and so does the loss, bit for bit."""
 
 from __future__ import annotations
 
@@ -14,13 +14,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ranks import check_ok, run_ranks  # noqa: E402
 
 B, T = 2, 16
-
-
-def _ref_name(stage, name: str) -> str:
-    if name.startswith("h."):
-        local, rest = name[2:].split(".", 1)
-        return f"h.{stage.block_ids[int(local)]}.{rest}"
-    return {"wte_weight": "wte.weight", "wpe_weight": "wpe.weight"}.get(name, name)
 
 
 def _rank_main(out_dir: str, m: int) -> None:
@@ -39,24 +32,35 @@ def _rank_main(out_dir: str, m: int) -> None:
     ys = [rng.integers(0, cfg.vocab_size, (B, T)) for _ in range(m)]
 
     ref = GPT(cfg, seed=4)  # one device accumulating the same micro-batches
-    ref_losses = []
+    ref_loss = None  # summed on the device in micro-batch order, as helios-train accumulates it
     for x, y in zip(xs, ys):
         loss = ref(hl.tensor(x, dtype=hl.int64), hl.tensor(y, dtype=hl.int64))[1] * (1.0 / m)
         loss.backward()
-        ref_losses.append(loss.item() * m)
+        ref_loss = loss.detach() if ref_loss is None else ref_loss + loss.detach()
     stage = PipelineStage(GPT(cfg, seed=4), grid)
     loss = stage.train_step(xs, ys)
     ref_grads = {n: p.grad.numpy() for n, p in ref.named_parameters()}
     res = {"stage": stage.stage, "blocks": stage.block_ids, "exact": [], "close": {}}
-    for name, p in stage.named_parameters():
-        want = ref_grads[_ref_name(stage, name)]
+    for name, p in stage.named_parameters():  # a stage's parameters keep the whole model's names
+        want = ref_grads[name]
         got = p.grad.numpy()
         if np.array_equal(got, want):
             res["exact"].append(name)
         else:
             res["close"][name] = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+    evaluated, logits = stage.evaluate(xs, ys), stage.infer(xs[0])  # forward only: no gradients
     if stage.last:
-        res["loss"], res["ref_loss"] = loss, float(np.mean(ref_losses))
+        res["loss"], res["ref_loss"] = loss, ref_loss.item()
+        with hl.no_grad():
+            want = None
+            for x, y in zip(xs, ys):
+                part = ref(hl.tensor(x, dtype=hl.int64), hl.tensor(y, dtype=hl.int64))[1] * (1.0 / m)
+                want = part if want is None else want + part
+            ref_logits = ref(hl.tensor(xs[0], dtype=hl.int64))[0].numpy()
+        res["eval"], res["ref_eval"] = evaluated, want.item()
+        res["logits_equal"] = bool(np.array_equal(stage.full_logits(logits), ref_logits))
+    else:
+        res["forward_only_elsewhere"] = [evaluated, logits]
     with open(os.path.join(out_dir, f"pp{pp}-m{m}-stage{stage.stage}.json"), "w") as f:
         json.dump(res, f)
     dist.destroy_process_group()
@@ -72,21 +76,27 @@ def test_1f1b_gradients_equal_one_device_accumulating_the_micro_batches(tmp_path
     assert blocks == list(range(4))  # every block on exactly one stage, in order
     for s in stages:
         # Bit for bit, except the tied table, whose two halves are summed in another order.
-        assert set(s["close"]) <= {"wte_weight"}, s["close"]
+        assert set(s["close"]) <= {"wte.weight"}, s["close"]
         assert all(v < 1e-6 for v in s["close"].values()), s["close"]
         assert s["exact"], s
     last = stages[-1]
-    assert last["loss"] == pytest.approx(last["ref_loss"], rel=1e-6)
+    assert last["loss"] == last["ref_loss"]
+    assert last["eval"] == last["ref_eval"] and last["logits_equal"]
+    assert all(s["forward_only_elsewhere"] == [None, None] for s in stages[:-1])
 
 
 def test_stages_are_balanced_by_parameter_count():
-    from helios.schedule.pipeline import balance
+    from helios.schedule.pipeline import balance, describe_stages
 
     assert balance([10, 1, 1, 1, 1, 10], 2) == [(0, 3), (3, 6)]
     assert balance([4, 4, 4, 4], 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
     assert balance([1, 100, 1], 3) == [(0, 1), (1, 2), (2, 3)]
     with pytest.raises(ValueError, match="5 stages for 4 layers"):
         balance([1, 1, 1, 1], 5)
+    assert describe_stages([(0, 3), (3, 6)], 4) == (
+        "0: embeddings, blocks 0-1 | 1: blocks 2-3, final LayerNorm and output layer")
+    assert describe_stages([(0, 1), (1, 2), (2, 3)], 1) == (
+        "0: embeddings | 1: block 0 | 2: final LayerNorm and output layer")
 
 
 if __name__ == "__main__":

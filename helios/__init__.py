@@ -41,5 +41,6 @@ from helios.autograd.tape import enable_grad, is_grad_enabled, no_grad  # noqa: 
 from helios import profile  # noqa: F401,E402
 from helios import nn  # noqa: F401,E402  (helios.nn.functional too, as torch.nn.functional)
 from helios.serialization import load, save  # noqa: F401,E402
+from helios.complex import complex64, polar, view_as_complex, view_as_real  # noqa: F401,E402  (rotary embeddings)
 
 __version__ = "0.1.0"

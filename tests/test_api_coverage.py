@@ -174,6 +174,23 @@ def _mask_write():
     write(topk_filter, A(4, 7))
 
 
+def _view_as_complex():
+    """The pairs of the last dim read as complex numbers: parts, a broadcasting complex product,
+    and a last dim that is not 2 refused in both libraries."""
+    check(lambda L, x: (z := L.view_as_complex(x)).real * 2 - z.imag, A(3, 4, 2))
+    check(lambda L, x, y: L.view_as_real(L.view_as_complex(x) * L.view_as_complex(y)), A(2, 3, 2), A(3, 2))
+    for L, err in ((hl, hl.ShapeError), (torch, RuntimeError)):
+        with pytest.raises(err, match="last dimension of size 2"):
+            L.view_as_complex(L.zeros(3, 3))
+
+
+def _view_as_real():
+    """A complex tensor back as (real, imag) pairs, after slicing, unsqueeze and arithmetic."""
+    check(lambda L, x: L.view_as_real(L.view_as_complex(x)[1:, ::2].unsqueeze(0)), A(3, 4, 2))
+    check(lambda L, x, y: L.view_as_real(L.view_as_complex(x) * y + 1.5 - L.view_as_complex(x).conj()), A(3, 4, 2), A(4))
+    both(lambda L: tuple(L.view_as_real(L.polar(L.ones(2, 3), L.zeros(2, 3))).shape))
+
+
 def _init_fill(name):
     """A constant initialiser: in place (on a Parameter that requires grad too), the same tensor back."""
     write(lambda L, y: getattr(L.nn.init, name)(y), A(3, 4))
@@ -355,6 +372,10 @@ CASES = {
                                         check(lambda L, x: L.repeat_interleave(x, L.tensor([1, 0, 3]), dim=0), A(3, 2))),
     "torch:save": lambda: _save_load(_tmpdir()),
     "torch:load": lambda: _save_load(_tmpdir()),
+    "torch:polar": lambda: (check(lambda L, a, t: L.view_as_real(L.polar(a, t)), A(3, 4, lo=0.5), A(3, 4) * 3),
+                            check(lambda L, a, t: L.view_as_real(L.polar(a, t)), A(4, lo=0.5), A(2, 4))),  # broadcast
+    "torch:view_as_complex": lambda: _view_as_complex(),
+    "torch:view_as_real": lambda: _view_as_real(),
     # -- torch.nn --------------------------------------------------------------------------------
     "nn:Module": _module_tree,
     "nn:Parameter": lambda: both(lambda L: (L.nn.Parameter(L.ones(2)).requires_grad, isinstance(L.nn.Parameter(L.ones(2)),

@@ -112,6 +112,8 @@ class ComplexTensor:
     for the operations it has).  Made by :func:`polar` and :func:`view_as_complex`; the
     constructor takes the two parts directly."""
 
+    _helios_defers_binary_ops = True  # a real Tensor's +, - and * hand over to this class's reflected ones
+
     __slots__ = ("_re", "_im")
     __hash__ = object.__hash__  # the elementwise-comparison stubs below would otherwise drop it
 

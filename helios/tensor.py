@@ -217,18 +217,24 @@ class Tensor:
 
     # -- the op surface: thin forwards to helios.functional -----------------------------
     def __add__(self, o):
+        if getattr(type(o), "_helios_defers_binary_ops", False):
+            return NotImplemented  # let the other operand's reflected method answer (x * complex)
         return F.add(self, o)
 
     def __radd__(self, o):
         return F.add(self, o)
 
     def __sub__(self, o):
+        if getattr(type(o), "_helios_defers_binary_ops", False):
+            return NotImplemented  # let the other operand's reflected method answer (x * complex)
         return F.sub(self, o)
 
     def __rsub__(self, o):
         return F.rsub(self, o)
 
     def __mul__(self, o):
+        if getattr(type(o), "_helios_defers_binary_ops", False):
+            return NotImplemented  # let the other operand's reflected method answer (x * complex)
         return F.mul(self, o)
 
     def __rmul__(self, o):

@@ -209,3 +209,12 @@ def test_missing_names_stay_attribute_errors():
     z = hl.view_as_complex(hl.tensor(A(2, 2)))
     assert not hasattr(z, "sum") and getattr(z, "matmul", None) is None
     assert hasattr(z, "conj") and hasattr(z, "real")
+
+
+def test_a_real_tensor_on_the_left_hands_over_to_the_complex_one():
+    x_np = np.array([1.0, -2.0, 0.5], np.float32)
+    ang = np.array([0.3, 1.1, -2.0], np.float32)
+    z, tz = hl.polar(hl.ones(3), hl.tensor(ang)), torch.polar(torch.ones(3), torch.tensor(ang))
+    x, tx = hl.tensor(x_np), torch.tensor(x_np)
+    for got, want in ((x * z, tx * tz), (x + z, tx + tz), (x - z, tx - tz)):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-6, atol=1e-7)

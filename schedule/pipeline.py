@@ -407,4 +407,42 @@ def clip_grad_norm_(stage: PipelineStage, max_norm: float) -> float:
     return norm
 
 
-__all__ = ["PipelineStage", "balance", "clip_grad_norm_", "describe_stages", "layer_weights"]
+_MARKS = {"forward": "F", "backward": "B", "comm": ".", "grad_clip": "c", "optimizer": "o"}
+
+
+def timeline(trace: dict, width: int = 80) -> str:
+    """The first profiled step of a helios-train Chrome trace as one line per rank, ``width``
+    characters for the longest rank's step: ``F`` forward, ``B`` backward, ``.`` waiting (on a
+    neighbour, or in a collective), ``c`` gradient clipping, ``o`` the optimizer, a space
+    anything else.  Each line starts at its rank's step start (the ranks leave the previous
+    step's last collective together)."""
+    names, spans, steps = {}, {}, {}
+    for e in trace.get("traceEvents", []):
+        pid = e.get("pid")
+        if e.get("ph") == "M" and e.get("name") == "process_name":
+            names[pid] = e["args"]["name"]
+        elif e.get("ph") == "X" and e.get("cat") == "step":
+            if pid not in steps or e["ts"] < steps[pid][0]:
+                steps[pid] = (e["ts"], e["dur"])
+        elif e.get("ph") == "X" and e.get("cat") == "phase":
+            spans.setdefault(pid, []).append((e["ts"], e["dur"], e["name"]))
+    if not steps:
+        raise ValueError("timeline: the trace holds no profiled step (a helios-train --trace of at least one step)")
+    per_char = max(d for _, d in steps.values()) / width
+    lines = []
+    for pid in sorted(steps):
+        t0, dur = steps[pid]
+        mine = [s for s in spans.get(pid, []) if t0 <= s[0] < t0 + dur]
+        row = []
+        for i in range(int(round(dur / per_char))):
+            t = t0 + (i + 0.5) * per_char
+            inside = [s for s in mine if s[0] <= t < s[0] + s[1]]
+            # The innermost phase owns the time: it starts last (a wait inside a forward).
+            top = max(inside, key=lambda s: (s[0], -s[1]))[2] if inside else None
+            row.append(_MARKS.get(top, " "))
+        label = names.get(pid, f"pid {pid}").removesuffix(" host").removeprefix("helios ")
+        lines.append(f"{label:>8} |{''.join(row)}|")
+    return "\n".join(lines)
+
+
+__all__ = ["PipelineStage", "balance", "clip_grad_norm_", "describe_stages", "layer_weights", "timeline"]

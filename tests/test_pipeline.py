@@ -99,5 +99,25 @@ def test_stages_are_balanced_by_parameter_count():
         "0: embeddings | 1: block 0 | 2: final LayerNorm and output layer")
 
 
+def test_a_trace_renders_as_one_timeline_per_rank():
+    from helios.schedule.pipeline import timeline
+
+    def x(pid, cat, name, ts, dur):
+        return {"ph": "X", "cat": cat, "name": name, "pid": pid, "tid": 1000, "ts": ts, "dur": dur}
+
+    events = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "helios rank 0 host"}},
+              {"ph": "M", "name": "process_name", "pid": 101, "args": {"name": "helios rank 1 host"}},
+              x(1, "step", "step 3", 0, 100), x(1, "phase", "forward", 0, 20), x(1, "phase", "backward", 20, 60),
+              x(1, "phase", "comm", 30, 20), x(1, "phase", "optimizer", 90, 10),
+              x(101, "step", "step 3", 5, 50), x(101, "phase", "forward", 5, 30), x(101, "phase", "comm", 5, 10),
+              x(101, "step", "step 4", 200, 100), x(101, "phase", "forward", 200, 100)]  # a later step: not drawn
+    assert timeline({"traceEvents": events}, width=10).splitlines() == [
+        "  rank 0 |FFB..BBB o|",  # 80-90: no phase open
+        "  rank 1 |.FF  |",
+    ]
+    with pytest.raises(ValueError, match="no profiled step"):
+        timeline({"traceEvents": []})
+
+
 if __name__ == "__main__":
     _rank_main(sys.argv[1], int(sys.argv[2]))

@@ -123,6 +123,10 @@ class PipelineStage(Module):
 
     def __init__(self, gpt, grid) -> None:
         super().__init__()
+        if getattr(gpt, "sequence_parallel", False):
+            # Its stages would pass sequence shards and gather them before the output layer.
+            raise ValueError("pipeline: stages of a sequence-parallel model are not supported yet; build the "
+                             "TensorParallelGPT with sequence_parallel=False")
         cfg = gpt.config
         self.config, self.grid, self.group = cfg, grid, grid.pp_group
         self.pp, self.stage = grid.pp, grid.pp_rank

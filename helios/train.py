@@ -90,6 +90,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--microbatches", type=int, default=None,
                    help="micro-batches each replica's batch is split into (default: --pp): the pipeline's, or "
                         "gradient accumulation within the batch without --pp")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="with --tp: LayerNorms and the residual stream hold 1/tp of the sequence per rank "
+                        "(all-gather/reduce-scatter instead of all-reduce; less activation memory)")
+    p.add_argument("--moe-experts", type=int, default=0,
+                   help="replace every block's MLP by this many experts behind a top-k router (0: dense MLP)")
+    p.add_argument("--moe-top-k", type=int, default=2, help="experts per token (1: Switch, 2: GShard)")
+    p.add_argument("--moe-capacity", type=float, default=1.25,
+                   help="capacity factor: places per expert = factor x top-k x tokens / experts")
+    p.add_argument("--moe-aux-alpha", type=float, default=0.01, help="weight of the load-balancing loss")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (only 1 in helios-train so far)")
     p.add_argument("--grad-compression", default="none", metavar="SPEC",
                    help="compress data-parallel gradients: none | fp16 | bf16 | onebit[:warmup=N] | topk:FRACTION | "
                         "powersgd:rank=R[,start=S] (see schedule/README.md)")
@@ -189,6 +199,9 @@ def _train(args, given: set[str]) -> int:
     layout = settings.check_layout(world, args.tp, args.pp, args.microbatches, args.zero, bs, cfgd["n_layer"],
                                    cfgd["n_head"], cfgd["n_embd"])
     pipeline = layout.pp > 1
+    settings.check_experts(args.moe_experts, args.moe_top_k, args.ep, args.tp, args.pp)
+    if args.sequence_parallel:
+        settings.check_sequence_parallel(args.tp, args.pp, T)
     if pipeline and comm_hook is not None:
         usage(f"--grad-compression {args.grad_compression} compresses DistributedDataParallel's buckets; with --pp "
               f"{args.pp} a stage's gradients are all-reduced once after the pipeline flushes, uncompressed (use "
@@ -225,12 +238,24 @@ def _train(args, given: set[str]) -> int:
                 "grad_accum": args.grad_accum, "seed": args.seed, "tokenizer": ds.tokenizer.identity,
                 "weight_decay": args.weight_decay, "grad_clip": args.grad_clip},
                 "data": ds.corpus.fingerprint, "cli": settings.cli_settings(args)}
+    if args.moe_experts:  # only then: a dense run's checkpoint meta stays as it was
+        run_meta["train"].update(moe_experts=args.moe_experts, moe_top_k=args.moe_top_k,
+                                 moe_capacity=args.moe_capacity, moe_aux_alpha=args.moe_aux_alpha)
     run.check_same({**run_meta, "zero": args.zero, "bucket_cap_mb": args.bucket_cap_mb, "resume": args.resume,
                     "out": os.path.abspath(args.out), "grad_compression": comm_hook.spec if comm_hook else "none",
-                    "tp": args.tp, "pp": args.pp, "microbatches": layout.microbatches})
+                    "tp": args.tp, "pp": args.pp, "microbatches": layout.microbatches,
+                    "sequence_parallel": args.sequence_parallel})
     hl.manual_seed(args.seed)
     gpt = GPT(cfg, seed=args.seed)
     n_params, fpt = gpt.num_parameters(), gpt.flops_per_token()  # the whole model's, whatever the split
+    if args.moe_experts:
+        from helios.schedule.moe import use_experts
+
+        use_experts(gpt, args.moe_experts, args.moe_top_k, args.moe_capacity, args.moe_aux_alpha)
+        # a token runs top-k experts (each the size of the dense MLP) and the router
+        mlp_weights = 8 * cfg.n_embd * cfg.n_embd * cfg.n_layer
+        fpt += 6 * ((args.moe_top_k - 1) * mlp_weights + cfg.n_embd * args.moe_experts * cfg.n_layer)
+        n_params = gpt.num_parameters()
     grid = None
     if run.active:
         from helios.schedule.grid import ParallelGrid
@@ -240,7 +265,7 @@ def _train(args, given: set[str]) -> int:
         if args.tp > 1:
             from helios.schedule.tensor_parallel import TensorParallelGPT
 
-            gpt = TensorParallelGPT(gpt, grid.tp_group)  # this rank's shards of the same weights
+            gpt = TensorParallelGPT(gpt, grid.tp_group, sequence_parallel=args.sequence_parallel)  # this rank's shards
     whole = gpt  # the whole model (a resumed run loads it by name; then only the stage's layers stay)
     if pipeline:
         from helios.schedule.pipeline import PipelineStage, describe_stages
@@ -318,9 +343,13 @@ def _train(args, given: set[str]) -> int:
     else:
         pk = peak_flops(dev["name"], "fp32", dev["type"])
         peak, peak_label = (pk.flops, pk.label) if pk else (None, "n/a (unknown device: pass --peak-tflops)")
-    ranks = f" x {run.world} ranks ({layout.describe()}{f', ZeRO-{args.zero}' if args.zero else ''})" if run.active else ""
+    extras = (", sequence parallel" if args.sequence_parallel else "") + (f", ZeRO-{args.zero}" if args.zero else "")
+    ranks = f" x {run.world} ranks ({layout.describe()}{extras})" if run.active else ""
     say(f"device: {rt.name} {dev['name']} ({dev['type']}){ranks}; peak for MFU: {peak_label}")
     say(f"model: {n_params / 1e6:.2f}M parameters, {cfg}")
+    if args.moe_experts:
+        say(f"mixture of experts: {args.moe_experts} experts per block, top-{args.moe_top_k}, capacity factor "
+            f"{args.moe_capacity}, load-balancing loss x {args.moe_aux_alpha} (logged as aux)")
     if pipeline:
         say(f"pipeline stages: {describe_stages(gpt.bounds, cfg.n_layer)}")
     say(f"data: {summ['corpus']}, {summ['train_tokens']:,} train / {summ['val_tokens']:,} val tokens, "
@@ -408,6 +437,10 @@ def _train(args, given: set[str]) -> int:
                 x, y = run.shard(x), run.shard(y)
             yield from zip(np.split(x, layout.microbatches), np.split(y, layout.microbatches))
 
+    if args.moe_experts:
+        from helios.schedule.moe import aux_loss
+    aux_dev = [None]  # the step's load-balancing loss (a device scalar), logged next to the loss
+
     def plain_step():
         """Forward and backward of each micro-batch, gradients accumulated; the step's mean loss
         (a device scalar)."""
@@ -421,13 +454,17 @@ def _train(args, given: set[str]) -> int:
             with model.no_sync() if local and model is not gpt else contextlib.nullcontext():
                 with timer.phase("forward"):
                     _, loss = model(xt, yt)
+                    aux = aux_loss(gpt) if args.moe_experts else None
                     if n_micro > 1:
                         loss = loss * (1.0 / n_micro)
+                        aux = aux * (1.0 / n_micro) if aux is not None else None
                     rt.synchronize()
                 with timer.phase("backward"):
-                    loss.backward()
+                    (loss + aux if aux is not None else loss).backward()
                     rt.synchronize()
             loss_dev = loss if loss_dev is None else loss_dev + loss.detach()
+            if aux is not None:
+                aux_dev[0] = aux.detach() if aux_dev[0] is None else aux_dev[0] + aux.detach()
         return loss_dev
 
     def pipeline_step() -> float | None:
@@ -518,6 +555,9 @@ def _train(args, given: set[str]) -> int:
                         db.log_step(_record_of_row(rec, rows[r]), rank=r, **nbytes)
             last = {"loss": loss_val, "lr": lr, "tok_s": rec.tokens_per_s, "mfu": mfu}
             post = {"loss": f"{loss_val:.4f}", "lr": f"{lr:.2e}", "tok/s": f"{rec.tokens_per_s:,.0f}", "MFU": format_mfu(mfu)}
+            if aux_dev[0] is not None:  # rank 0's load-balancing loss (the training loss above leaves it out)
+                post["aux"] = f"{aux_dev[0].item():.4f}"
+                aux_dev[0] = None
             if val_loss is not None:
                 post["val"] = f"{val_loss:.4f}"
             bar.set_postfix(post, refresh=False)

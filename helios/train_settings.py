@@ -77,6 +77,11 @@ BOUNDS = (
     Bound("tp", "--tp", _at_least(1), "at least 1"),
     Bound("pp", "--pp", _at_least(1), "at least 1"),
     Bound("microbatches", "--microbatches", _at_least(1), "at least 1"),
+    Bound("moe_experts", "--moe-experts", _at_least(0), "0 (a dense MLP) or more experts"),
+    Bound("moe_top_k", "--moe-top-k", _at_least(1), "at least 1"),
+    Bound("moe_capacity", "--moe-capacity", _positive, "a positive factor"),
+    Bound("moe_aux_alpha", "--moe-aux-alpha", _finite_non_negative, "0 or more"),
+    Bound("ep", "--ep", _at_least(1), "at least 1"),
 )
 
 
@@ -173,7 +178,37 @@ SAVED = (
     Saved("seed", "--seed", "train", "seed"),
     Saved("weight_decay", "--weight-decay", "train", "weight_decay"),
     Saved("grad_clip", "--grad-clip", "train", "grad_clip"),
+    Saved("moe_experts", "--moe-experts", "train", "moe_experts"),
+    Saved("moe_top_k", "--moe-top-k", "train", "moe_top_k"),
+    Saved("moe_capacity", "--moe-capacity", "train", "moe_capacity"),
+    Saved("moe_aux_alpha", "--moe-aux-alpha", "train", "moe_aux_alpha"),
 )
+
+
+def check_experts(experts: int, top_k: int, ep: int, tp: int, pp: int) -> None:
+    """Refuse a mixture-of-experts setting helios-train cannot run, naming the flag."""
+    if ep > 1:
+        usage(f"--ep {ep}: expert parallelism is in the library (helios.schedule.moe.MoEMLP(ep_group=...)) but not "
+              "yet in helios-train, where every rank holds every expert; use --ep 1")
+    if not experts:
+        return
+    if top_k > experts:
+        usage(f"--moe-top-k {top_k} is more than --moe-experts {experts}: a token cannot go to more experts than exist")
+    if tp > 1 or pp > 1:
+        flag = f"--tp {tp}" if tp > 1 else f"--pp {pp}"
+        usage(f"--moe-experts {experts} with {flag}: mixture-of-experts layers run data parallel only so far "
+              f"(drop {flag.split()[0]})")
+
+
+def check_sequence_parallel(tp: int, pp: int, block_size: int) -> None:
+    """Refuse --sequence-parallel where it cannot apply, naming the flag."""
+    if tp < 2:
+        usage("--sequence-parallel splits the sequence over tensor-parallel ranks: give --tp 2 or more")
+    if pp > 1:
+        usage(f"--sequence-parallel with --pp {pp}: pipeline stages do not pass sequence-split activations yet")
+    if block_size % tp:
+        usage(f"--sequence-parallel: --block-size {block_size} must be a multiple of --tp {tp} (each rank holds "
+              "block-size / tp positions)")
 
 
 def cli_settings(args) -> dict:

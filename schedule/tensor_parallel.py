@@ -442,11 +442,21 @@ class TensorParallelGPT(Module):
         b, t = idx.shape
         if t > self.config.block_size:
             raise ValueError(f"sequence length {t} exceeds block_size {self.config.block_size}")
+        if self.sequence_parallel and t % group_size(self.group):
+            if targets is not None:
+                raise ValueError(f"sequence parallel: the sequence length {t} must be a multiple of the "
+                                 f"tensor-parallel size {group_size(self.group)}")
+            # Sampling grows the context one token at a time: pad it at the end (causal attention:
+            # later positions change nothing before them) and drop the padding's logits.
+            pad = -t % group_size(self.group)
+            if t + pad > self.config.block_size:
+                raise ValueError(f"sequence parallel: a context of {t} tokens pads to {t + pad}, more than "
+                                 f"block_size {self.config.block_size}")
+            padded = F.cat([idx, F.zeros_like(idx[:, :pad])], 1)
+            logits, _ = self.forward(padded)
+            return logits[:, :t], None
         if self.sequence_parallel:
             tp, r = group_size(self.group), group_rank(self.group)
-            if t % tp:
-                raise ValueError(f"sequence parallel: the sequence length {t} must be a multiple of the "
-                                 f"tensor-parallel size {tp}")
             lo = r * (t // tp)  # this rank's positions: [lo, lo + t/tp)
             pos = F.embedding(arange(lo, lo + t // tp, dtype=dt.int64), copy_to_tp(self.wpe.weight, self.group))
             x = self.wte(idx) + pos

@@ -16,7 +16,7 @@ script:
 
 The peer is the formula: PyTorch's ``torch.distributed.tensor.parallel`` is not run here.
 
-Then the pipeline (``helios.schedule.pipeline``, not yet a helios-train flag): the same
+Then the pipeline (``helios.schedule.pipeline``, helios-train's ``--pp``): the same
 GPT in 2 stages on 2 ranks, 1F1B with m = 1, 4, 8 micro-batches of 2 sequences, 6 steps;
 ``idle_fraction`` per stage (median of steps 3-6: the share of a step spent waiting on
 a neighbour, after the stage's own device work) against the bubble formula (p - 1) /

@@ -1030,3 +1030,145 @@ def scatter_rows(out: Tensor, keys: Tensor, order: Tensor, src: Tensor, mode: st
     rt.dispatch(pid, [bk, br, bs, bo], _P_SCATTER.pack(C, M, out.shape[0], os_, oo, ok, orr), ((C + 63) // 64, gy, gz),
                 "scatter_" + mode, M * C, 2 * M * C * out.dtype.itemsize)
     out._st.version += 1
+
+
+# -- flash attention -------------------------------------------------------------------------
+# flash_attn kernel (see kernels_spirv/glsl/flash_attn.comp).  Its passes (the MODE
+# specialization constant): forward, backward preprocess D = rowsum(dO * O), dQ, dK and dV.
+_P_FLASH = struct.Struct("<4If14I")
+FLASH_HEAD_DIMS = (32, 64, 128)  # the variants compiled (flash_attn.variants)
+_FA_FWD, _FA_PRE, _FA_DQ, _FA_DKV = 0, 1, 2, 3
+_FA_SG_ROWS = 8   # rows a subgroup owns in the CPU kernel (NR in the GLSL)
+_FA_GPU_WG = 64   # rows a workgroup owns in the GPU kernel
+# Which kernel runs: None = the CPU kernel on CPU drivers with 8-lane subgroups (as matmul
+# picks its kernel), else the shared-memory one; "gpu" / "cpu" force one (tests run the GPU
+# kernel on lavapipe this way).
+_FA_KERNEL: str | None = None
+_FA_CPU_WY: int | None = None  # subgroups per workgroup of the CPU kernel; None = automatic
+
+
+def _fa_cpu(rt) -> bool:
+    """Whether flash attention on ``rt`` runs the subgroup kernel (CPU drivers)."""
+    if _FA_KERNEL is not None:
+        return _FA_KERNEL == "cpu"
+    return _cpu_mm_kernel(rt) and bool(rt.features.get("int64"))
+
+
+def flash_attn_supported(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether the flash kernel takes these [B, H, T, D] operands: one float dtype, a compiled
+    head dim shared by q, k and v, the same B and H, non-empty, and B * H within one dispatch."""
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4 or q._st.rt.is_host:
+        return False
+    B, H, Tq, D = q.shape
+    return (q.dtype is k.dtype is v.dtype and q.dtype.kind == "float" and D in FLASH_HEAD_DIMS
+            and k.shape[:2] == v.shape[:2] == (B, H) and k.shape[3] == v.shape[3] == D and k.shape[2] == v.shape[2]
+            and Tq > 0 and k.shape[2] > 0 and 0 < B * H <= 65535)
+
+
+def _fa_operand(t: Tensor) -> Tensor:
+    """``t`` itself when the kernel can read it in place (unit stride along the head dim, the
+    other strides and the offset multiples of 4 for vector loads), else a contiguous copy."""
+    if t._strides[-1] == 1 and t._off % 4 == 0 and all(s % 4 == 0 for s in t._strides[:3]):
+        return t
+    return copy(t)
+
+
+def _fa_pairs(Tq: int, Tk: int, causal: bool) -> int:
+    """(query, key) pairs an attention computes: causal rows i see min(i + 1, Tk) keys."""
+    if not causal:
+        return Tq * Tk
+    full = min(Tq, Tk)
+    return full * (full + 1) // 2 + max(0, Tq - Tk) * Tk
+
+
+class _FlashLaunch:
+    """The bindings, push constants and grid of one flash_attn call's passes."""
+
+    def __init__(self, q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool):
+        self.rt = rt = q._st.rt
+        self.q, self.k, self.v = _fa_operand(q), _fa_operand(k), _fa_operand(v)
+        self.B, self.H, self.Tq, self.D = q.shape
+        self.Tk = k.shape[2]
+        self.scale, self.causal = float(scale), bool(causal)
+        (self.bq, oq), (self.bk, ok), (self.bv, ov) = bind(self.q), bind(self.k), bind(self.v)
+        self.offs = [oq, ok, ov]
+        self.cpu = _fa_cpu(rt)
+        self.variant = f"{q.dtype.tag}_{'sg_' if self.cpu else ''}d{self.D}"
+        strides = [s for t in (self.q, self.k, self.v) for s in t._strides[:3]]
+        self.strides = strides
+        # 8-wide loads need every row start 8-aligned (see WIDE in the GLSL)
+        self.wide = int(self.cpu and all(x % 8 == 0 for x in strides + self.offs))
+
+    def _wy(self, rows: int) -> int:
+        if _FA_CPU_WY is not None:
+            return _FA_CPU_WY
+        # 4 subgroups a workgroup, fewer when a head has fewer row blocks (short sequences)
+        return max(1, min(4, -(-rows // _FA_SG_ROWS)))
+
+    def dispatch(self, mode: int, rows: int, bufs: dict, off_o: int, off_do: int, name: str, flops: int, nbytes: int,
+                 per_head: bool = True) -> None:
+        """Record one pass over ``rows`` rows (per head, or in all with ``per_head=False``)."""
+        rt = self.rt
+        BH = self.B * self.H
+        if self.cpu:
+            wy = self._wy(rows) if per_head else 4
+            spec = (wy, mode, self.wide)
+            per_group = _FA_SG_ROWS * wy
+        else:
+            spec = (_FA_GPU_WG, mode, 0)
+            per_group = _FA_GPU_WG
+        groups = (1, -(-rows // per_group), BH) if per_head else groups_for(-(-rows // per_group))
+        pid = rt.pipeline("flash_attn", self.variant, spec)
+        # unused bindings repeat Q (read-only, never touched by that pass)
+        slots = [self.bq, self.bk, self.bv] + [bufs.get(i, self.bq) for i in range(3, 10)]
+        push = _P_FLASH.pack(rows if not per_head else self.Tq, self.Tk, self.H, int(self.causal), self.scale,
+                             *self.offs, off_o, off_do, *self.strides)
+        rt.dispatch(pid, slots, push, groups, name, flops, nbytes)
+
+
+def flash_attn_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool):
+    """(O, L) of softmax(q k^T * scale) v for [B, H, T, D] operands (see flash_attn_supported):
+    O contiguous in q's dtype, L the float32 log-sum-exp of each query row's scaled scores.
+    ``causal``: query i sees keys j <= i.  Nothing of size T x T is allocated."""
+    fl = _FlashLaunch(q, k, v, scale, causal)
+    rt, B, H, Tq, Tk, D = fl.rt, fl.B, fl.H, fl.Tq, fl.Tk, fl.D
+    o = empty((B, H, Tq, D), q.dtype, rt)
+    lse = empty((B, H, Tq), dt.float32, rt)
+    pairs = B * H * _fa_pairs(Tq, Tk, causal)
+    isz = q.dtype.itemsize
+    fl.dispatch(_FA_FWD, Tq, {3: bind(o, True)[0], 5: bind(lse, True)[0]}, 0, 0, "flash_attn",
+                4 * pairs * D, B * H * (2 * Tq + 2 * Tk) * D * isz + lse.numel() * 4)
+    return o, lse
+
+
+def flash_attn_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, g: Tensor, scale: float, causal: bool,
+                   need_q: bool = True, need_kv: bool = True):
+    """(dQ, dK, dV) of flash attention given its forward's O and L and the upstream gradient
+    ``g`` (contiguous [B, H, Tq, D]); FlashAttention-2's backward: P is recomputed from the
+    saved L, dQ is one pass over key tiles and dK, dV one pass over query tiles, each output
+    row written by one subgroup (no atomics, deterministic).  Passes not needed are skipped
+    (their results are None)."""
+    fl = _FlashLaunch(q, k, v, scale, causal)
+    rt, B, H, Tq, Tk, D = fl.rt, fl.B, fl.H, fl.Tq, fl.Tk, fl.D
+    if not g.is_contiguous() or g._off % 4:
+        g = copy(g)
+    (bo, oo), (bg, og) = bind(o), bind(g)
+    bl = bind(lse)[0]
+    isz = q.dtype.itemsize
+    rows = B * H * Tq
+    dsum = empty((B, H, Tq), dt.float32, rt)
+    fl.dispatch(_FA_PRE, rows, {3: bo, 4: bg, 6: bind(dsum, True)[0]}, oo, og, "flash_attn_bwd_pre", 2 * rows * D,
+                2 * rows * D * isz + rows * 4, per_head=False)
+    pairs = B * H * _fa_pairs(Tq, Tk, causal)
+    dq = dk = dv = None
+    stats = {4: bg, 5: bl, 6: bind(dsum)[0]}
+    if need_q:
+        dq = empty((B, H, Tq, D), q.dtype, rt)
+        fl.dispatch(_FA_DQ, Tq, {**stats, 7: bind(dq, True)[0]}, oo, og, "flash_attn_bwd_dq", 6 * pairs * D,
+                    B * H * (3 * Tq + 2 * Tk) * D * isz)
+    if need_kv:
+        dk = empty((B, H, Tk, D), q.dtype, rt)
+        dv = empty((B, H, Tk, D), q.dtype, rt)
+        fl.dispatch(_FA_DKV, Tk, {**stats, 8: bind(dk, True)[0], 9: bind(dv, True)[0]}, oo, og, "flash_attn_bwd_dkv",
+                    8 * pairs * D, B * H * (2 * Tq + 4 * Tk) * D * isz)
+    return dq, dk, dv

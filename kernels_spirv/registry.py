@@ -52,6 +52,7 @@ KERNELS: dict[str, KernelInfo] = {
         KernelInfo("scan", 2, 16),
         KernelInfo("gather", 3, 96),
         KernelInfo("scatter", 4, 28),
+        KernelInfo("flash_attn", 10, 76),
     )
 }
 

@@ -1,0 +1,557 @@
+#version 450
+// Flash attention (FlashAttention-2's algorithm): softmax(Q K^T * scale) V without a T x T
+// matrix anywhere.  Q [Tq, HD], K and V [Tk, HD] per (batch, head) pair z = b * H + h; each
+// operand is addressed as off + b * s_b + h * s_h + t * s_t + d (unit stride along the head
+// dim, any other strides: the heads of a fused QKV projection are read in place, and a
+// stride-0 dim reads one K/V for several query heads).  O, dO, dQ, dK, dV are contiguous
+// [BH, T, HD]; L (the log-sum-exp of each query row, natural log) and D (rowsum(dO * O))
+// are float32 [BH, Tq].  Arithmetic is fp32 whatever the storage type (TA).
+//
+// MODE (a specialization constant) picks the pass:
+//   0  forward: O and L.  Key tiles stream past a tile of query rows; each row keeps a
+//      running max m and sum l of exp(s - m) (the online softmax) and rescales its
+//      accumulator when m grows, so the result equals softmax(S) V exactly in real numbers.
+//   1  backward preprocess: D = rowsum(dO * O), one row per invocation.
+//   2  backward dQ: a tile of query rows streams key tiles: P = exp(S - L) is recomputed
+//      from the saved L, dP = dO V^T, dS = P * (dP - D), dQ += dS K * scale.
+//   3  backward dK, dV: a tile of key rows streams query tiles: dV += P^T dO and
+//      dK += dS^T Q * scale.
+// Passes 2 and 3 each own their outputs (a query row's dQ, a key row's dK and dV), so the
+// backward needs no atomics and is deterministic.  With causal != 0 query i sees keys
+// j <= i (top-left aligned, PyTorch's is_causal); tiles wholly above the diagonal are
+// skipped, not computed and masked.  Exponentials are exp2 of scores pre-multiplied by
+// scale * log2(e).
+//
+// Two kernels live here, picked by the variant (see flash_attn.variants and
+// flash_attn_fwd() in helios/_kernels.py):
+//
+// * FA_SG (lavapipe and other CPU drivers): no shared memory and no barriers, for the
+//   reasons matmul.comp gives (a subgroup is one 8-wide SIMD vector; buffer loads are
+//   per-lane loops, a broadcast from a lane is one register shuffle).  A subgroup owns
+//   NR = 8 rows (one per lane) and meets tiles of SG * TN columns, TN per lane.  The two
+//   products of every pass are then matmul.comp's register blocks:
+//     rowdot: S[i][j] += X[row i] . Y[col j]: the 8 X values of a head-dim step are loaded
+//             by row i's lane and broadcast; each lane loads its TN Y rows (8-wide loads
+//             along the contiguous head dim) and keeps an NR x TN block of S.
+//     accum:  A[i][c] += sum_n W[i][n] Z[n][c]: each lane owns DL = HD / 8 adjacent head-dim
+//             columns of the NR x HD accumulator, W[i][n] comes by broadcast from the lane
+//             that holds it, and Z[n][its columns] is a vector load.
+//   Only the accumulators are indexed by compile-time constants (HD, TN are defines), so
+//   they stay in registers; the head-dim and lane loops are ordinary loops.
+//
+// * default (GPUs): one invocation per row (a query row in passes 0 and 2, a key row in
+//   pass 3), WG rows a workgroup; the tiles of the streamed operands (BKT rows) go through
+//   shared memory, read by every invocation at the same address (a broadcast).  Its loops
+//   carry no unroll hints: the driver's compiler unrolls them (unrolled by glslc, with the
+//   register rows indexed by constants, one variant took minutes to compile).
+#include "common.glsl"
+#extension GL_EXT_control_flow_attributes : require
+
+#ifndef HD
+#define HD 64       // head dim: 32, 64 or 128 (a multiple of 32: each of 8 lanes owns 4k columns)
+#endif
+const float LOG2E = 1.4426950408889634;
+const float LN2 = 0.6931471805599453;
+const float NEG_INF = -1.0 / 0.0;
+
+layout(std430, binding = 0) readonly buffer BQ { HL_ST(TA) q[]; };
+layout(std430, binding = 1) readonly buffer BK { HL_ST(TA) k[]; };
+layout(std430, binding = 2) readonly buffer BV { HL_ST(TA) v[]; };
+layout(std430, binding = 3) buffer BO { HL_ST(TA) o[]; };
+layout(std430, binding = 4) readonly buffer BDO { HL_ST(TA) dout[]; };
+layout(std430, binding = 5) buffer BL { float lse[]; };
+layout(std430, binding = 6) buffer BD { float dsum[]; };
+layout(std430, binding = 7) writeonly buffer BDQ { HL_ST(TA) dq[]; };
+layout(std430, binding = 8) writeonly buffer BDK { HL_ST(TA) dk[]; };
+layout(std430, binding = 9) writeonly buffer BDV { HL_ST(TA) dv[]; };
+layout(push_constant) uniform P {
+    uint Tq; uint Tk; uint H; uint causal;
+    float scale;
+    uint off_q; uint off_k; uint off_v; uint off_o; uint off_do;
+    uint sqb; uint sqh; uint sqt;
+    uint skb; uint skh; uint skt;
+    uint svb; uint svh; uint svt;
+} p;
+
+// Operand ids of the load helpers (compile-time constants after inlining, so each call
+// reads one buffer directly).
+const int BUF_Q = 0;
+const int BUF_K = 1;
+const int BUF_V = 2;
+const int BUF_O = 3;
+const int BUF_DO = 4;
+
+float ld1(const int b, uint i) {
+    if (b == BUF_Q) return HL_LDF(TA, q[i]);
+    if (b == BUF_K) return HL_LDF(TA, k[i]);
+    if (b == BUF_V) return HL_LDF(TA, v[i]);
+    if (b == BUF_O) return HL_LDF(TA, o[i]);
+    return HL_LDF(TA, dout[i]);
+}
+
+// Element (z, t, 0) of Q, K or V; of the contiguous O and dO.
+uint qrow(uint z, uint t) { uint b = z / p.H; return p.off_q + b * p.sqb + (z - b * p.H) * p.sqh + t * p.sqt; }
+uint krow(uint z, uint t) { uint b = z / p.H; return p.off_k + b * p.skb + (z - b * p.H) * p.skh + t * p.skt; }
+uint vrow(uint z, uint t) { uint b = z / p.H; return p.off_v + b * p.svb + (z - b * p.H) * p.svh + t * p.svt; }
+uint orow(uint z, uint t) { return p.off_o + (z * p.Tq + t) * uint(HD); }
+uint dorow(uint z, uint t) { return p.off_do + (z * p.Tq + t) * uint(HD); }
+
+#ifdef FA_SG
+// ---------------------------------------------------------------- subgroup register blocks (CPU)
+#extension GL_KHR_shader_subgroup_basic : require
+#extension GL_KHR_shader_subgroup_ballot : require
+#extension GL_KHR_shader_subgroup_arithmetic : require
+#extension GL_EXT_shader_explicit_arithmetic_types_int64 : require
+#define SG 8        // lanes per subgroup; flash_attn_fwd() checks the device
+#define NR 8        // rows a subgroup owns: one per lane
+#ifndef TN
+#define TN 8        // tile columns per lane
+#endif
+#define TC (SG * TN)
+#define DL (HD / SG)
+
+layout(local_size_x = SG, local_size_y_id = 0) in;
+layout(constant_id = 0) const int WY = 4;      // subgroups per workgroup
+layout(constant_id = 1) const int MODE = 0;
+// 1: every row start is 8-aligned: 8 values per load (one 32-byte u64vec4 for fp32), as
+// matmul.comp's AWIDE; else two 4-value loads (row starts are always 4-aligned).
+layout(constant_id = 2) const int WIDE = 0;
+
+#if TA == T_F32
+layout(std430, binding = 0) readonly buffer BQ4 { vec4 q4[]; };
+layout(std430, binding = 1) readonly buffer BK4 { vec4 k4[]; };
+layout(std430, binding = 2) readonly buffer BV4 { vec4 v4[]; };
+layout(std430, binding = 3) buffer BO4 { vec4 o4[]; };
+layout(std430, binding = 4) readonly buffer BDO4 { vec4 do4[]; };
+layout(std430, binding = 7) writeonly buffer BDQ4 { vec4 dq4[]; };
+layout(std430, binding = 8) writeonly buffer BDK4 { vec4 dk4[]; };
+layout(std430, binding = 9) writeonly buffer BDV4 { vec4 dv4[]; };
+layout(std430, binding = 0) readonly buffer BQ8 { u64vec4 q8[]; };
+layout(std430, binding = 1) readonly buffer BK8 { u64vec4 k8[]; };
+layout(std430, binding = 2) readonly buffer BV8 { u64vec4 v8[]; };
+layout(std430, binding = 3) readonly buffer BO8 { u64vec4 o8[]; };
+layout(std430, binding = 4) readonly buffer BDO8 { u64vec4 do8[]; };
+vec4 f2x2(uint64_t x, uint64_t y) { return vec4(uintBitsToFloat(unpackUint2x32(x)), uintBitsToFloat(unpackUint2x32(y))); }
+vec4 un4(vec4 w) { return w; }
+vec4 pk4(vec4 x) { return x; }
+void un8(u64vec4 w, out vec4 lo, out vec4 hi) { lo = f2x2(w.x, w.y); hi = f2x2(w.z, w.w); }
+#else
+// 16-bit storage: 4 values are two 32-bit words, 8 values two 64-bit words, unpacked in
+// registers (no 16-bit arithmetic needed), as in matmul.comp.
+layout(std430, binding = 0) readonly buffer BQ4 { uvec2 q4[]; };
+layout(std430, binding = 1) readonly buffer BK4 { uvec2 k4[]; };
+layout(std430, binding = 2) readonly buffer BV4 { uvec2 v4[]; };
+layout(std430, binding = 3) buffer BO4 { uvec2 o4[]; };
+layout(std430, binding = 4) readonly buffer BDO4 { uvec2 do4[]; };
+layout(std430, binding = 7) writeonly buffer BDQ4 { uvec2 dq4[]; };
+layout(std430, binding = 8) writeonly buffer BDK4 { uvec2 dk4[]; };
+layout(std430, binding = 9) writeonly buffer BDV4 { uvec2 dv4[]; };
+layout(std430, binding = 0) readonly buffer BQ8 { u64vec2 q8[]; };
+layout(std430, binding = 1) readonly buffer BK8 { u64vec2 k8[]; };
+layout(std430, binding = 2) readonly buffer BV8 { u64vec2 v8[]; };
+layout(std430, binding = 3) readonly buffer BO8 { u64vec2 o8[]; };
+layout(std430, binding = 4) readonly buffer BDO8 { u64vec2 do8[]; };
+vec4 un4(uvec2 w) {
+#if TA == T_F16
+    return vec4(unpackHalf2x16(w.x), unpackHalf2x16(w.y));
+#else
+    return vec4(uintBitsToFloat(w.x << 16), uintBitsToFloat(w.x & 0xFFFF0000u),
+                uintBitsToFloat(w.y << 16), uintBitsToFloat(w.y & 0xFFFF0000u));
+#endif
+}
+uvec2 pk4(vec4 x) {
+#if TA == T_F16
+    return uvec2(packHalf2x16(x.xy), packHalf2x16(x.zw));
+#else
+    return uvec2(f_to_bf16(x.x) | (f_to_bf16(x.y) << 16), f_to_bf16(x.z) | (f_to_bf16(x.w) << 16));
+#endif
+}
+void un8(u64vec2 w, out vec4 lo, out vec4 hi) { lo = un4(unpackUint2x32(w.x)); hi = un4(unpackUint2x32(w.y)); }
+#endif
+
+// 4 values from element i (a multiple of 4) of operand b.
+vec4 ld4(const int b, uint i) {
+    if (b == BUF_Q) return un4(q4[i >> 2]);
+    if (b == BUF_K) return un4(k4[i >> 2]);
+    if (b == BUF_V) return un4(v4[i >> 2]);
+    if (b == BUF_O) return un4(o4[i >> 2]);
+    return un4(do4[i >> 2]);
+}
+
+// 8 values from element i (a multiple of 8 when WIDE).
+void ld8(const int b, uint i, out vec4 lo, out vec4 hi) {
+    if (WIDE == 1) {
+        if (b == BUF_Q) un8(q8[i >> 3], lo, hi);
+        else if (b == BUF_K) un8(k8[i >> 3], lo, hi);
+        else if (b == BUF_V) un8(v8[i >> 3], lo, hi);
+        else if (b == BUF_O) un8(o8[i >> 3], lo, hi);
+        else un8(do8[i >> 3], lo, hi);
+    } else {
+        lo = ld4(b, i);
+        hi = ld4(b, i + 4u);
+    }
+}
+
+// s[i][j] += X[row i] . Y[row j] over the head dim.  Row i of X starts at xs on lane i
+// (each lane passes its own row); this lane's TN rows of Y start at ys[j].
+void rowdot(const int xb, uint xs, const int yb, uint ys[TN], inout float s[NR][TN]) {
+    for (uint d = 0u; d < uint(HD); d += 8u) {
+        vec4 x[2];
+        ld8(xb, xs + d, x[0], x[1]);
+        vec4 y[TN][2];
+        [[unroll]] for (int j = 0; j < TN; ++j) ld8(yb, ys[j] + d, y[j][0], y[j][1]);
+        [[unroll]] for (int i = 0; i < NR; ++i)
+            [[unroll]] for (int e = 0; e < 8; ++e) {
+                float xi = subgroupBroadcast(x[e / 4][e % 4], uint(i));
+                [[unroll]] for (int j = 0; j < TN; ++j) s[i][j] += xi * y[j][e / 4][e % 4];
+            }
+    }
+}
+
+// acc[i][c] += sum_n w[i][n] * Z[n][lane * DL + c] over the tile's columns n = c0 + l * TN + j
+// held by lanes l < lanes (slot j).  Row n of Z starts at zs + n * zt; rows at or past
+// nlim are clamped to the last one (their weights are 0).  Lane l's TN rows of Z are loaded
+// first, so each accumulator row stays in registers through the TN steps that update it.
+void accum(const int zb, uint zs, uint zt, uint c0, uint nlim, uint lanes, float w[NR][TN], inout float acc[NR][DL]) {
+    uint col = zs + gl_SubgroupInvocationID * uint(DL);
+    for (uint l = 0u; l < lanes; ++l) {
+        vec4 zv[TN][DL / 4];
+        [[unroll]] for (int j = 0; j < TN; ++j) {
+            uint n = min(c0 + l * uint(TN) + uint(j), nlim - 1u);
+            if (DL % 8 == 0) {
+                [[unroll]] for (int c8 = 0; c8 < DL / 8; ++c8) ld8(zb, col + n * zt + uint(8 * c8), zv[j][2 * c8], zv[j][2 * c8 + 1]);
+            } else {
+                [[unroll]] for (int c4 = 0; c4 < DL / 4; ++c4) zv[j][c4] = ld4(zb, col + n * zt + uint(4 * c4));
+            }
+        }
+        [[unroll]] for (int i = 0; i < NR; ++i)
+            [[unroll]] for (int j = 0; j < TN; ++j) {
+                // l is the same on every lane: a broadcast from a dynamically uniform lane
+                float wi = subgroupBroadcast(w[i][j], l);
+                [[unroll]] for (int c = 0; c < DL; ++c) acc[i][c] += wi * zv[j][c / 4][c % 4];
+            }
+    }
+}
+
+void zero_acc(out float acc[NR][DL]) {
+    [[unroll]] for (int i = 0; i < NR; ++i)
+        [[unroll]] for (int c = 0; c < DL; ++c) acc[i][c] = 0.0;
+}
+
+void zero_tile(out float s[NR][TN]) {
+    [[unroll]] for (int i = 0; i < NR; ++i)
+        [[unroll]] for (int j = 0; j < TN; ++j) s[i][j] = 0.0;
+}
+
+// Row i of acc (this lane's DL columns, times f) to row `row` of a contiguous [.., HD] output.
+void store_row(int which, uint row, float acc[NR][DL], int i, float f) {
+    uint base = row * uint(HD) + gl_SubgroupInvocationID * uint(DL);
+    [[unroll]] for (int c4 = 0; c4 < DL / 4; ++c4) {
+        vec4 x = vec4(acc[i][4 * c4], acc[i][4 * c4 + 1], acc[i][4 * c4 + 2], acc[i][4 * c4 + 3]) * f;
+        uint e = (base >> 2) + uint(c4);
+        if (which == 0) o4[e] = pk4(x);
+        else if (which == 1) dq4[e] = pk4(x);
+        else if (which == 2) dk4[e] = pk4(x);
+        else dv4[e] = pk4(x);
+    }
+}
+
+void forward_pass() {
+    const uint lane = gl_SubgroupInvocationID;
+    uint z = gl_WorkGroupID.z;
+    uint m0 = (gl_WorkGroupID.y * uint(WY) + gl_LocalInvocationID.y) * uint(NR);
+    if (m0 >= p.Tq) return;  // the whole subgroup leaves together: broadcasts stay defined
+    uint xs = qrow(z, min(m0 + lane, p.Tq - 1u));
+    float c = p.scale * LOG2E;
+    float acc[NR][DL];
+    zero_acc(acc);
+    float mrow[NR], lrow[NR];  // running max (log2 units, same on all lanes); this lane's part of the sum
+    [[unroll]] for (int i = 0; i < NR; ++i) { mrow[i] = NEG_INF; lrow[i] = 0.0; }
+    uint kend = p.causal != 0u ? min(p.Tk, m0 + uint(NR)) : p.Tk;
+    for (uint k0 = 0u; k0 < kend; k0 += uint(TC)) {
+        uint ys[TN];
+        [[unroll]] for (int j = 0; j < TN; ++j) ys[j] = krow(z, min(k0 + lane * uint(TN) + uint(j), p.Tk - 1u));
+        float s[NR][TN];
+        zero_tile(s);
+        rowdot(BUF_Q, xs, BUF_K, ys, s);
+        [[unroll]] for (int i = 0; i < NR; ++i) {
+            uint lim = p.causal != 0u ? min(p.Tk, m0 + uint(i) + 1u) : p.Tk;  // row i sees keys < lim
+            float mx = NEG_INF;
+            [[unroll]] for (int j = 0; j < TN; ++j) {
+                s[i][j] = k0 + lane * uint(TN) + uint(j) < lim ? s[i][j] * c : NEG_INF;
+                mx = max(mx, s[i][j]);
+            }
+            float mnew = max(mrow[i], subgroupMax(mx));
+            // equal maxima (both -inf included: no key seen yet) need no rescale; exp2 of
+            // -inf - -inf would be NaN
+            float alpha = mrow[i] == mnew ? 1.0 : exp2(mrow[i] - mnew);
+            mrow[i] = mnew;
+            lrow[i] *= alpha;
+            [[unroll]] for (int cc = 0; cc < DL; ++cc) acc[i][cc] *= alpha;
+            [[unroll]] for (int j = 0; j < TN; ++j) {
+                s[i][j] = s[i][j] == NEG_INF ? 0.0 : exp2(s[i][j] - mnew);
+                lrow[i] += s[i][j];
+            }
+        }
+        uint lanes = min(uint(SG), (kend - k0 + uint(TN) - 1u) / uint(TN));
+        accum(BUF_V, vrow(z, 0u), p.svt, k0, p.Tk, lanes, s, acc);
+    }
+    [[unroll]] for (int i = 0; i < NR; ++i) {
+        uint t = m0 + uint(i);
+        if (t >= p.Tq) break;  // uniform: the whole subgroup stops
+        float l = subgroupAdd(lrow[i]);
+        store_row(0, z * p.Tq + t, acc, i, 1.0 / l);
+        if (lane == 0u) lse[z * p.Tq + t] = (mrow[i] + log2(l)) * LN2;
+    }
+}
+
+void dq_pass() {
+    const uint lane = gl_SubgroupInvocationID;
+    uint z = gl_WorkGroupID.z;
+    uint m0 = (gl_WorkGroupID.y * uint(WY) + gl_LocalInvocationID.y) * uint(NR);
+    if (m0 >= p.Tq) return;
+    uint mine = min(m0 + lane, p.Tq - 1u);
+    uint xq = qrow(z, mine), xd = dorow(z, mine);
+    float my_l = lse[z * p.Tq + mine] * LOG2E, my_d = dsum[z * p.Tq + mine];
+    float c = p.scale * LOG2E;
+    float acc[NR][DL];
+    zero_acc(acc);
+    uint kend = p.causal != 0u ? min(p.Tk, m0 + uint(NR)) : p.Tk;
+    for (uint k0 = 0u; k0 < kend; k0 += uint(TC)) {
+        uint yk[TN], yv[TN];
+        [[unroll]] for (int j = 0; j < TN; ++j) {
+            uint n = min(k0 + lane * uint(TN) + uint(j), p.Tk - 1u);
+            yk[j] = krow(z, n);
+            yv[j] = vrow(z, n);
+        }
+        float s[NR][TN], dp[NR][TN];
+        zero_tile(s);
+        zero_tile(dp);
+        rowdot(BUF_Q, xq, BUF_K, yk, s);
+        rowdot(BUF_DO, xd, BUF_V, yv, dp);
+        [[unroll]] for (int i = 0; i < NR; ++i) {
+            uint lim = p.causal != 0u ? min(p.Tk, m0 + uint(i) + 1u) : p.Tk;
+            float li = subgroupBroadcast(my_l, uint(i)), di = subgroupBroadcast(my_d, uint(i));
+            [[unroll]] for (int j = 0; j < TN; ++j) {
+                float pij = k0 + lane * uint(TN) + uint(j) < lim ? exp2(s[i][j] * c - li) : 0.0;
+                s[i][j] = pij * (dp[i][j] - di);  // dS
+            }
+        }
+        uint lanes = min(uint(SG), (kend - k0 + uint(TN) - 1u) / uint(TN));
+        accum(BUF_K, krow(z, 0u), p.skt, k0, p.Tk, lanes, s, acc);
+    }
+    [[unroll]] for (int i = 0; i < NR; ++i) {
+        uint t = m0 + uint(i);
+        if (t >= p.Tq) break;
+        store_row(1, z * p.Tq + t, acc, i, p.scale);
+    }
+}
+
+void dkv_pass() {
+    const uint lane = gl_SubgroupInvocationID;
+    uint z = gl_WorkGroupID.z;
+    uint n0 = (gl_WorkGroupID.y * uint(WY) + gl_LocalInvocationID.y) * uint(NR);
+    if (n0 >= p.Tk) return;
+    uint mine = min(n0 + lane, p.Tk - 1u);
+    uint xk = krow(z, mine), xv = vrow(z, mine);
+    float c = p.scale * LOG2E;
+    float gk[NR][DL], gv[NR][DL];
+    zero_acc(gk);
+    zero_acc(gv);
+    // causal: queries before key n0 see none of this subgroup's keys
+    uint qstart = p.causal != 0u ? (n0 / uint(TC)) * uint(TC) : 0u;
+    for (uint q0 = qstart; q0 < p.Tq; q0 += uint(TC)) {
+        uint yq[TN], yd[TN];
+        float lq[TN], dq_[TN];
+        [[unroll]] for (int j = 0; j < TN; ++j) {
+            uint t = min(q0 + lane * uint(TN) + uint(j), p.Tq - 1u);
+            yq[j] = qrow(z, t);
+            yd[j] = dorow(z, t);
+            lq[j] = lse[z * p.Tq + t] * LOG2E;
+            dq_[j] = dsum[z * p.Tq + t];
+        }
+        float st[NR][TN], dpt[NR][TN];  // S^T and dP^T: key rows i, query columns j
+        zero_tile(st);
+        zero_tile(dpt);
+        rowdot(BUF_K, xk, BUF_Q, yq, st);
+        rowdot(BUF_V, xv, BUF_DO, yd, dpt);
+        [[unroll]] for (int i = 0; i < NR; ++i)
+            [[unroll]] for (int j = 0; j < TN; ++j) {
+                uint t = q0 + lane * uint(TN) + uint(j);
+                bool live = t < p.Tq && (p.causal == 0u || n0 + uint(i) <= t);
+                float pt = live ? exp2(st[i][j] * c - lq[j]) : 0.0;
+                st[i][j] = pt;
+                dpt[i][j] = pt * (dpt[i][j] - dq_[j]);  // dS^T
+            }
+        uint lanes = min(uint(SG), (p.Tq - q0 + uint(TN) - 1u) / uint(TN));
+        accum(BUF_DO, dorow(z, 0u), uint(HD), q0, p.Tq, lanes, st, gv);
+        accum(BUF_Q, qrow(z, 0u), p.sqt, q0, p.Tq, lanes, dpt, gk);
+    }
+    [[unroll]] for (int i = 0; i < NR; ++i) {
+        uint t = n0 + uint(i);
+        if (t >= p.Tk) break;
+        store_row(2, z * p.Tk + t, gk, i, p.scale);
+        store_row(3, z * p.Tk + t, gv, i, 1.0);
+    }
+}
+
+uint flat_row() {
+    return (gl_WorkGroupID.y * gl_NumWorkGroups.x + gl_WorkGroupID.x) * uint(SG * WY) + gl_LocalInvocationIndex;
+}
+
+#else
+// ---------------------------------------------------------------- shared-memory tiles (GPU)
+layout(local_size_x_id = 0) in;
+layout(constant_id = 0) const int WG = 64;     // rows (invocations) per workgroup
+layout(constant_id = 1) const int MODE = 0;
+layout(constant_id = 2) const int WIDE = 0;    // unused here (scalar loads)
+#define BKT (2048 / HD)                        // streamed rows per tile: 2 x 8 KiB of fp32 tiles
+
+shared float ta[BKT][HD];
+shared float tb[BKT][HD];
+shared float tl[BKT];
+shared float td[BKT];
+
+// Load rows t0 .. t0+BKT-1 (clamped below tlim) of two operands into ta and tb, and with
+// stats, L and D of those query rows into tl, td.
+void load_tiles(const int a, const int b, uint z, uint t0, uint tlim, bool stats) {
+    barrier();  // the previous tile is no longer read
+    for (uint e = gl_LocalInvocationID.x; e < uint(BKT * HD); e += uint(WG)) {
+        uint j = e / uint(HD), d = e - j * uint(HD);
+        uint t = min(t0 + j, tlim - 1u);
+        uint ra = a == BUF_K ? krow(z, t) : qrow(z, t);
+        uint rb = b == BUF_V ? vrow(z, t) : dorow(z, t);
+        ta[j][d] = ld1(a, ra + d);
+        tb[j][d] = ld1(b, rb + d);
+    }
+    if (stats) {
+        for (uint j = gl_LocalInvocationID.x; j < uint(BKT); j += uint(WG)) {
+            uint t = min(t0 + j, tlim - 1u);
+            tl[j] = lse[z * p.Tq + t] * LOG2E;
+            td[j] = dsum[z * p.Tq + t];
+        }
+    }
+    barrier();
+}
+
+void forward_pass() {
+    uint z = gl_WorkGroupID.z;
+    uint r0 = gl_WorkGroupID.y * uint(WG);
+    uint r = r0 + gl_LocalInvocationID.x, rc = min(r, p.Tq - 1u);
+    float c = p.scale * LOG2E;
+    float qr[HD], acc[HD];
+    uint xs = qrow(z, rc);
+    for (int d = 0; d < HD; ++d) { qr[d] = ld1(BUF_Q, xs + uint(d)) * c; acc[d] = 0.0; }
+    float m = NEG_INF, l = 0.0;
+    uint lim = p.causal != 0u ? min(p.Tk, rc + 1u) : p.Tk;
+    uint kend = p.causal != 0u ? min(p.Tk, min(r0 + uint(WG), p.Tq)) : p.Tk;  // the same for the whole workgroup
+    for (uint k0 = 0u; k0 < kend; k0 += uint(BKT)) {
+        load_tiles(BUF_K, BUF_V, z, k0, p.Tk, false);
+        float sv[BKT];
+        float mx = m;
+        for (int j = 0; j < BKT; ++j) {
+            float s = 0.0;
+            for (int d = 0; d < HD; ++d) s += qr[d] * ta[j][d];
+            sv[j] = k0 + uint(j) < lim ? s : NEG_INF;
+            mx = max(mx, sv[j]);
+        }
+        float alpha = m == mx ? 1.0 : exp2(m - mx);
+        m = mx;
+        l *= alpha;
+        for (int d = 0; d < HD; ++d) acc[d] *= alpha;
+        for (int j = 0; j < BKT; ++j) {
+            float pj = sv[j] == NEG_INF ? 0.0 : exp2(sv[j] - m);
+            l += pj;
+            for (int d = 0; d < HD; ++d) acc[d] += pj * tb[j][d];
+        }
+    }
+    if (r < p.Tq) {
+        uint ob = (z * p.Tq + r) * uint(HD);
+        for (int d = 0; d < HD; ++d) o[ob + uint(d)] = HL_STF(TA, acc[d] / l);
+        lse[z * p.Tq + r] = (m + log2(l)) * LN2;
+    }
+}
+
+void dq_pass() {
+    uint z = gl_WorkGroupID.z;
+    uint r0 = gl_WorkGroupID.y * uint(WG);
+    uint r = r0 + gl_LocalInvocationID.x, rc = min(r, p.Tq - 1u);
+    float c = p.scale * LOG2E;
+    float qr[HD], gr[HD], acc[HD];
+    uint xq = qrow(z, rc), xd = dorow(z, rc);
+    for (int d = 0; d < HD; ++d) {
+        qr[d] = ld1(BUF_Q, xq + uint(d)) * c;
+        gr[d] = ld1(BUF_DO, xd + uint(d));
+        acc[d] = 0.0;
+    }
+    float li = lse[z * p.Tq + rc] * LOG2E, di = dsum[z * p.Tq + rc];
+    uint lim = p.causal != 0u ? min(p.Tk, rc + 1u) : p.Tk;
+    uint kend = p.causal != 0u ? min(p.Tk, min(r0 + uint(WG), p.Tq)) : p.Tk;
+    for (uint k0 = 0u; k0 < kend; k0 += uint(BKT)) {
+        load_tiles(BUF_K, BUF_V, z, k0, p.Tk, false);
+        for (int j = 0; j < BKT; ++j) {
+            float s = 0.0, dp = 0.0;
+            for (int d = 0; d < HD; ++d) { s += qr[d] * ta[j][d]; dp += gr[d] * tb[j][d]; }
+            float pj = k0 + uint(j) < lim ? exp2(s - li) : 0.0;
+            float ds = pj * (dp - di);
+            for (int d = 0; d < HD; ++d) acc[d] += ds * ta[j][d];
+        }
+    }
+    if (r < p.Tq) {
+        uint ob = (z * p.Tq + r) * uint(HD);
+        for (int d = 0; d < HD; ++d) dq[ob + uint(d)] = HL_STF(TA, acc[d] * p.scale);
+    }
+}
+
+void dkv_pass() {
+    uint z = gl_WorkGroupID.z;
+    uint n0 = gl_WorkGroupID.y * uint(WG);
+    uint n = n0 + gl_LocalInvocationID.x, nc = min(n, p.Tk - 1u);
+    float c = p.scale * LOG2E;
+    float kr[HD], vr[HD], gk[HD], gv[HD];
+    uint xk = krow(z, nc), xv = vrow(z, nc);
+    for (int d = 0; d < HD; ++d) {
+        kr[d] = ld1(BUF_K, xk + uint(d)) * c;
+        vr[d] = ld1(BUF_V, xv + uint(d));
+        gk[d] = 0.0;
+        gv[d] = 0.0;
+    }
+    uint qstart = p.causal != 0u ? (n0 / uint(BKT)) * uint(BKT) : 0u;
+    for (uint q0 = qstart; q0 < p.Tq; q0 += uint(BKT)) {
+        load_tiles(BUF_Q, BUF_DO, z, q0, p.Tq, true);
+        for (int j = 0; j < BKT; ++j) {
+            uint t = q0 + uint(j);
+            float s = 0.0, dp = 0.0;
+            for (int d = 0; d < HD; ++d) { s += kr[d] * ta[j][d]; dp += vr[d] * tb[j][d]; }
+            float pj = t < p.Tq && (p.causal == 0u || nc <= t) ? exp2(s - tl[j]) : 0.0;
+            float ds = pj * (dp - td[j]);
+            for (int d = 0; d < HD; ++d) { gv[d] += pj * tb[j][d]; gk[d] += ds * ta[j][d]; }
+        }
+    }
+    if (n < p.Tk) {
+        uint ob = (z * p.Tk + n) * uint(HD);
+        for (int d = 0; d < HD; ++d) {
+            dk[ob + uint(d)] = HL_STF(TA, gk[d] * p.scale);
+            dv[ob + uint(d)] = HL_STF(TA, gv[d]);
+        }
+    }
+}
+
+uint flat_row() {
+    return (gl_WorkGroupID.y * gl_NumWorkGroups.x + gl_WorkGroupID.x) * uint(WG) + gl_LocalInvocationID.x;
+}
+#endif
+
+void main() {
+    if (MODE == 0) forward_pass();
+    else if (MODE == 2) dq_pass();
+    else if (MODE == 3) dkv_pass();
+    else {
+        // D = rowsum(dO * O), one flat row of the BH * Tq rows (this pass's Tq) each
+        uint r = flat_row();
+        if (r >= p.Tq) return;
+        float s = 0.0;
+        for (uint d = 0u; d < uint(HD); ++d) s += ld1(BUF_DO, p.off_do + r * uint(HD) + d) * ld1(BUF_O, p.off_o + r * uint(HD) + d);
+        dsum[r] = s;
+    }
+}

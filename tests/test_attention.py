@@ -1,0 +1,225 @@
+"""Flash attention (kernels_spirv/glsl/flash_attn.comp) through F.scaled_dot_product_attention:
+forward and the three gradients against PyTorch's scaled_dot_product_attention in float64,
+the layouts it reads in place, its fallbacks to the dense path, and its memory."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import helios as hl
+import helios.nn.functional as F
+from helios import _kernels as K
+
+pytestmark = pytest.mark.vulkan
+
+RNG = np.random.default_rng(1234)
+
+
+def _ref(q, k, v, g, **kw):
+    """PyTorch's attention in float64 on the same values: (O, dQ, dK, dV)."""
+    tq, tk, tv = (torch.tensor(x, dtype=torch.float64, requires_grad=True) for x in (q, k, v))
+    o = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, **kw)
+    o.backward(torch.tensor(g, dtype=torch.float64))
+    return [o.detach().numpy(), tq.grad.numpy(), tk.grad.numpy(), tv.grad.numpy()]
+
+
+def _helios(q, k, v, g, dtype=hl.float32, flash=True, **kw):
+    """(O, dQ, dK, dV) from Helios as float64 arrays; checks which path ran."""
+    hq, hk, hv = (hl.tensor(x, dtype=dtype, requires_grad=True) for x in (q, k, v))
+    o = F.scaled_dot_product_attention(hq, hk, hv, **kw)
+    assert o.dtype is dtype
+    ran_flash = o._node is not None and any(n.name == "_FlashAttention" for n in _nodes(o))
+    assert ran_flash == flash, "flash kernel" if flash else "dense path"
+    o.backward(hl.tensor(g, dtype=dtype))
+    return [t.float().numpy().astype(np.float64) for t in (o, hq.grad, hk.grad, hv.grad)]
+
+
+def _nodes(t):
+    """The autograd nodes behind ``t``."""
+    seen, stack, out = set(), [t._node], []
+    while stack:
+        n = stack.pop()
+        if n is None or id(n) in seen:
+            continue
+        seen.add(id(n))
+        out.append(n)
+        stack.extend(i._node for i in n.inputs if i is not None)
+    return out
+
+
+def _close(got, want, tol, names=("O", "dQ", "dK", "dV")):
+    """Each result within ``tol`` of the reference, relative to the reference's largest value
+    (at least 1: the operands are O(1), and some gradients are exactly 0, e.g. dQ at T = 1)."""
+    for name, a, b in zip(names, got, want):
+        assert a.shape == b.shape, (name, a.shape, b.shape)
+        err = np.abs(a - b).max() / max(np.abs(b).max(), 1.0)
+        assert err <= tol, f"{name}: relative error {err:.2e} > {tol:.0e}"
+
+
+def _operands(*shape, kv_len=None):
+    q = RNG.standard_normal(shape).astype(np.float32)
+    kv = shape[:-2] + (kv_len or shape[-2], shape[-1])
+    k, v = (RNG.standard_normal(kv).astype(np.float32) for _ in range(2))
+    return q, k, v, RNG.standard_normal(shape).astype(np.float32)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("D", [32, 64, 128])
+@pytest.mark.parametrize("T", [1, 7, 64, 129, 300])
+def test_flash_matches_torch(T, D, causal):
+    q, k, v, g = _operands(2, 2, T, D)
+    kw = dict(is_causal=causal, scale=0.7 / np.sqrt(D))
+    _close(_helios(q, k, v, g, **kw), _ref(q, k, v, g, **kw), 1e-5)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("T,D", [(7, 32), (129, 128), (70, 64)])
+def test_shared_memory_kernel_matches_torch(monkeypatch, T, D, causal):
+    # The GPU kernel (one invocation per row, tiles in shared memory) runs on any device:
+    # forced here so a CPU-only machine checks it too.
+    monkeypatch.setattr(K, "_FA_KERNEL", "gpu")
+    q, k, v, g = _operands(2, 2, T, D)
+    kw = dict(is_causal=causal, scale=0.3)
+    _close(_helios(q, k, v, g, **kw), _ref(q, k, v, g, **kw), 1e-5)
+
+
+@pytest.mark.parametrize("kernel", [None, "gpu"])
+@pytest.mark.parametrize("dtype,tol", [("float16", 2e-3), ("bfloat16", 1.6e-2)])
+def test_flash_16bit_storage(monkeypatch, kernel, dtype, tol):
+    # 16-bit operands are stored as 16 bits and computed in fp32: the error is the rounding of
+    # the result to 16 bits (half an ulp: 4.9e-4 for float16, 3.9e-3 for bfloat16), with margin.
+    monkeypatch.setattr(K, "_FA_KERNEL", kernel)
+    tdt = getattr(torch, dtype)
+    q, k, v, g = (torch.tensor(x).to(tdt).double().numpy() for x in _operands(2, 2, 37, 64))
+    _close(_helios(q, k, v, g, dtype=getattr(hl, dtype), is_causal=True), _ref(q, k, v, g, is_causal=True), tol)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("Tq,Tk", [(5, 70), (70, 5), (64, 200)])
+def test_flash_cross_attention_lengths(Tq, Tk, causal):
+    # L != S: the causal mask is top-left aligned (query i sees keys j <= i), as PyTorch's.
+    q, k, v, g = _operands(1, 3, Tq, 64, kv_len=Tk)
+    _close(_helios(q, k, v, g, is_causal=causal), _ref(q, k, v, g, is_causal=causal), 1e-5)
+
+
+def test_flash_reads_fused_qkv_heads_in_place():
+    # q, k, v as split_heads' strided views of one [B, T, 3C] projection (the GPT's layout):
+    # read in place, and the gradient reaches the fused tensor.
+    B, T, H, D = 2, 45, 2, 64
+    x = RNG.standard_normal((B, T, 3 * H * D)).astype(np.float32)
+    g = RNG.standard_normal((B, H, T, D)).astype(np.float32)
+    hx = hl.tensor(x, requires_grad=True)
+    hq, hk, hv = F.split_heads(hx, H)
+    assert not hq.is_contiguous()
+    o = F.scaled_dot_product_attention(hq, hk, hv, is_causal=True)
+    assert any(n.name == "_FlashAttention" for n in _nodes(o))
+    o.backward(hl.tensor(g))
+    tx = torch.tensor(x, dtype=torch.float64, requires_grad=True)
+    tq, tk, tv = (t.reshape(B, T, H, D).transpose(1, 2) for t in tx.split(H * D, dim=2))
+    to = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=True)
+    to.backward(torch.tensor(g, dtype=torch.float64))
+    _close([o.numpy(), hx.grad.numpy()], [to.detach().numpy(), tx.grad.numpy()], 1e-5, ("O", "dX"))
+
+
+def test_flash_broadcast_and_leading_dims():
+    # K and V shared by every head (a broadcast batch dim, read with stride 0), 3-D inputs
+    # without a batch dim, and 5-D inputs whose leading dims are merged.
+    q, _, _, g = _operands(2, 4, 33, 32)
+    k, v = (RNG.standard_normal((2, 1, 33, 32)).astype(np.float32) for _ in range(2))
+    got = _helios(q, k, v, g, is_causal=True)
+    want = _ref(q, np.broadcast_to(k, q.shape), np.broadcast_to(v, q.shape), g, is_causal=True)
+    want[2], want[3] = want[2].sum(1, keepdims=True), want[3].sum(1, keepdims=True)
+    _close(got, want, 1e-5)
+    for shape in ((3, 19, 64), (2, 2, 2, 19, 64)):
+        q, k, v, g = _operands(*shape)
+        _close(_helios(q, k, v, g), _ref(q, k, v, g), 1e-5)
+
+
+def test_flash_gqa_and_partial_gradients():
+    # enable_gqa repeats the K/V heads before the kernel; only q needs a gradient in the
+    # second call, so the dK/dV pass is skipped and k, v get none.
+    q, _, _, g = _operands(1, 4, 40, 64)
+    k, v = (RNG.standard_normal((1, 2, 40, 64)).astype(np.float32) for _ in range(2))
+    tq, tk, tv = (torch.tensor(x, dtype=torch.float64, requires_grad=True) for x in (q, k, v))
+    to = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=True, enable_gqa=True)
+    to.backward(torch.tensor(g, dtype=torch.float64))
+    got = _helios(q, k, v, g, is_causal=True, enable_gqa=True)
+    _close(got, [to.detach().numpy(), tq.grad.numpy(), tk.grad.numpy(), tv.grad.numpy()], 1e-5)
+    hq = hl.tensor(q, requires_grad=True)
+    hk, hv = hl.tensor(q), hl.tensor(q)
+    F.scaled_dot_product_attention(hq, hk, hv).backward(hl.tensor(g))
+    assert hk.grad is None and hv.grad is None
+    _close([hq.grad.numpy()], [_ref(q, q, q, g)[1]], 1e-5, ("dQ",))
+
+
+def test_flash_backward_is_deterministic():
+    q, k, v, g = _operands(1, 2, 150, 64)
+    first = _helios(q, k, v, g, is_causal=True)
+    for a, b in zip(first, _helios(q, k, v, g, is_causal=True)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_dense_fallbacks():
+    # masks, dropout, head dims without a kernel variant and mixed dtypes take the dense path
+    q, k, v, g = _operands(2, 2, 9, 64)
+    mask = RNG.random((9, 9)) > 0.3
+    np.fill_diagonal(mask, True)
+    got = _helios(q, k, v, g, flash=False, attn_mask=hl.tensor(mask))
+    _close(got, _ref(q, k, v, g, attn_mask=torch.tensor(mask)), 1e-5)
+    bias = RNG.standard_normal((9, 9)).astype(np.float32)
+    _close(_helios(q, k, v, g, flash=False, attn_mask=hl.tensor(bias)),
+           _ref(q, k, v, g, attn_mask=torch.tensor(bias, dtype=torch.float64)), 1e-5)
+    q16, k16, v16, g16 = _operands(2, 2, 9, 16)
+    _close(_helios(q16, k16, v16, g16, flash=False, is_causal=True), _ref(q16, k16, v16, g16, is_causal=True), 1e-5)
+    o = F.scaled_dot_product_attention(hl.tensor(q, requires_grad=True), hl.tensor(k), hl.tensor(v), dropout_p=0.5)
+    assert o.shape == q.shape and not any(n.name == "_FlashAttention" for n in _nodes(o))
+    o = F.scaled_dot_product_attention(hl.tensor(q, dtype=hl.float16), hl.tensor(k), hl.tensor(v))
+    assert o.dtype is hl.float16 and o._node is None
+
+
+_MEMORY_SCRIPT = r"""
+import json, numpy as np, helios as hl, helios.nn.functional as F, helios.functional as HF
+from helios.runtime import get_runtime
+
+pool = get_runtime().dev
+rng = np.random.default_rng(0)
+out = {}
+
+def measure(name, T, fn):
+    q, k, v, g = (hl.tensor(rng.standard_normal((1, 2, T, 64)).astype(np.float32), requires_grad=True) for _ in range(4))
+    hl.synchronize()
+    st = pool.pool_stats()["activations"]
+    base = st["in_use_bytes"]
+    out[name + "_prior_peak"] = st["peak_in_use_bytes"] - base  # must be below what is measured
+    o = fn(q, k, v)
+    o.backward(g.detach())
+    q.grad.numpy()
+    out[name] = pool.pool_stats()["activations"]["peak_in_use_bytes"] - base
+
+flash = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)
+dense = lambda q, k, v: HF.matmul(HF.attention_softmax(HF.matmul(q, k.mT), 0.125, causal=True), v)
+measure("flash_1024", 1024, flash)
+measure("flash_2048", 2048, flash)
+measure("dense_2048", 2048, dense)
+print(json.dumps(out))
+"""
+
+
+def test_flash_memory_is_linear_in_T():
+    # Peak device memory above the inputs over a causal forward + backward with 2 heads of
+    # 64, in a fresh process (the pool's peak only grows): the dense path holds [2, T, T]
+    # score and probability matrices (16 MiB per head at T = 2048), the flash kernel none.
+    r = subprocess.run([sys.executable, "-c", _MEMORY_SCRIPT], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    m = json.loads(r.stdout.strip().splitlines()[-1])
+    T = 2048
+    score_bytes = T * T * 4  # one head's T x T float32 matrix
+    assert m["dense_2048"] > 2 * score_bytes, m  # the measurement sees T x T buffers when they exist
+    assert m["flash_2048"] < score_bytes / 2, m
+    assert m["flash_1024"] < m["flash_2048"] < 2.5 * m["flash_1024"], m  # doubles with T, not x4
+    for name in ("flash_1024", "flash_2048", "dense_2048"):
+        assert m[name + "_prior_peak"] < m[name], m

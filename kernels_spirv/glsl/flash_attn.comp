@@ -209,12 +209,13 @@ void rowdot(const int xb, uint xs, const int yb, uint ys[TN], inout float s[NR][
 }
 
 // acc[i][c] += sum_n w[i][n] * Z[n][lane * DL + c] over the tile's columns n = c0 + l * TN + j
-// held by lanes l < lanes (slot j).  Row n of Z starts at zs + n * zt; rows at or past
+// held by lanes lfirst <= l < lanes (slot j; the other lanes' weights are all 0).  Row n of Z starts at zs + n * zt; rows at or past
 // nlim are clamped to the last one (their weights are 0).  Lane l's TN rows of Z are loaded
 // first, so each accumulator row stays in registers through the TN steps that update it.
-void accum(const int zb, uint zs, uint zt, uint c0, uint nlim, uint lanes, float w[NR][TN], inout float acc[NR][DL]) {
+void accum(const int zb, uint zs, uint zt, uint c0, uint nlim, uint lfirst, uint lanes, float w[NR][TN],
+           inout float acc[NR][DL]) {
     uint col = zs + gl_SubgroupInvocationID * uint(DL);
-    for (uint l = 0u; l < lanes; ++l) {
+    for (uint l = lfirst; l < lanes; ++l) {
         vec4 zv[TN][DL / 4];
         [[unroll]] for (int j = 0; j < TN; ++j) {
             uint n = min(c0 + l * uint(TN) + uint(j), nlim - 1u);
@@ -294,7 +295,7 @@ void forward_pass() {
             }
         }
         uint lanes = min(uint(SG), (kend - k0 + uint(TN) - 1u) / uint(TN));
-        accum(BUF_V, vrow(z, 0u), p.svt, k0, p.Tk, lanes, s, acc);
+        accum(BUF_V, vrow(z, 0u), p.svt, k0, p.Tk, 0u, lanes, s, acc);
     }
     [[unroll]] for (int i = 0; i < NR; ++i) {
         uint t = m0 + uint(i);
@@ -338,7 +339,7 @@ void dq_pass() {
             }
         }
         uint lanes = min(uint(SG), (kend - k0 + uint(TN) - 1u) / uint(TN));
-        accum(BUF_K, krow(z, 0u), p.skt, k0, p.Tk, lanes, s, acc);
+        accum(BUF_K, krow(z, 0u), p.skt, k0, p.Tk, 0u, lanes, s, acc);
     }
     [[unroll]] for (int i = 0; i < NR; ++i) {
         uint t = m0 + uint(i);
@@ -384,8 +385,10 @@ void dkv_pass() {
                 dpt[i][j] = pt * (dpt[i][j] - dq_[j]);  // dS^T
             }
         uint lanes = min(uint(SG), (p.Tq - q0 + uint(TN) - 1u) / uint(TN));
-        accum(BUF_DO, dorow(z, 0u), uint(HD), q0, p.Tq, lanes, st, gv);
-        accum(BUF_Q, qrow(z, 0u), p.sqt, q0, p.Tq, lanes, dpt, gk);
+        // causal: lanes whose queries all come before key n0 hold only zeros
+        uint lfirst = p.causal != 0u && q0 < n0 ? (n0 - q0) / uint(TN) : 0u;
+        accum(BUF_DO, dorow(z, 0u), uint(HD), q0, p.Tq, lfirst, lanes, st, gv);
+        accum(BUF_Q, qrow(z, 0u), p.sqt, q0, p.Tq, lfirst, lanes, dpt, gk);
     }
     [[unroll]] for (int i = 0; i < NR; ++i) {
         uint t = n0 + uint(i);

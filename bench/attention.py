@@ -1,0 +1,215 @@
+"""Flash attention against Helios' dense attention and PyTorch CPU, in the same run.
+
+    python bench/attention.py [--T 64 256 1024 2048] [--batch 1] [--heads 4] [--head-dim 64]
+                              [--rounds 5] [--no-causal] [--no-memory]
+
+Three implementations on the same float32 values, q, k, v of shape [batch, heads, T, head_dim]:
+
+* ``flash``: ``helios.nn.functional.scaled_dot_product_attention`` (the flash kernel,
+  kernels_spirv/glsl/flash_attn.comp);
+* ``dense``: the GPT's path today, ``attention_softmax(q @ k^T, scale, causal) @ v``, which
+  materialises the [batch, heads, T, T] scores and probabilities;
+* ``torch``: ``torch.nn.functional.scaled_dot_product_attention`` on the CPU (the peer).
+
+Time: each round times the three one after another, so they see the same machine load: a
+forward without autograd (inference), then a forward + backward (a random upstream gradient),
+each as a block of calls in a row lasting about 0.3 s (one call at large T), so the start of a
+block (PyTorch's OpenMP threads still spinning from the previous block, idle cores waking up)
+weighs little.  Every Helios call ends with ``helios.synchronize()`` and a read-back.  Each
+figure is the median over rounds of the time per call, after a warm-up call (pipeline JIT).
+
+Memory: the peak above the inputs over one forward + backward, as each allocator counts it:
+Helios' activation pool (``peak_in_use_bytes``; a fresh process per path and T, since the
+pool's peak only grows) and PyTorch's CPU allocator (the running total of its allocation
+events recorded by ``torch.profiler`` with ``profile_memory=True``).
+
+One JSON line per T: {"bench": "attention", "B", "H", "T", "D", "causal", "<impl>_fwd_ms",
+"<impl>_fwd_bwd_ms", "<impl>_peak_mib", "flash_speedup_vs_dense", "flash_speedup_vs_torch",
+"flash_fwd_speedup_vs_dense", ...}; a speedup is the other side's time over flash's (> 1:
+flash is faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+IMPLS = ("flash", "dense", "torch")
+
+
+def _inputs(B: int, H: int, T: int, D: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal((B, H, T, D)).astype(np.float32) for _ in range(4)]  # q, k, v, upstream grad
+
+
+def _helios_fns(arrays, causal: bool):
+    """(forward, forward + backward) callables of the flash and dense paths."""
+    import helios as hl
+    import helios.functional as HF
+    import helios.nn.functional as F
+
+    q, k, v, g = (hl.tensor(a, requires_grad=i < 3) for i, a in enumerate(arrays))
+    scale = 1.0 / float(np.sqrt(q.shape[-1]))
+
+    def flash():
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    def dense():
+        return HF.matmul(HF.attention_softmax(HF.matmul(q, k.mT), scale, causal=causal), v)
+
+    def run(fn, backward: bool):
+        def go():
+            o = fn()
+            if backward:
+                o.backward(g)
+                q.grad[0, 0, 0, 0].item()
+                q.grad = k.grad = v.grad = None
+            else:
+                hl.synchronize()
+                o[0, 0, 0, 0].item()
+        return go if backward else hl.no_grad()(go)
+
+    return {"flash": (run(flash, False), run(flash, True)), "dense": (run(dense, False), run(dense, True))}
+
+
+def _torch_fns(arrays, causal: bool):
+    import torch
+
+    q, k, v = (torch.tensor(a, requires_grad=True) for a in arrays[:3])
+    g = torch.tensor(arrays[3])
+
+    def fwd():
+        with torch.no_grad():
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    def fwd_bwd():
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        o.backward(g)
+        q.grad = k.grad = v.grad = None
+
+    return fwd, fwd_bwd
+
+
+def _time(fn, reps: int = 1) -> float:
+    """Seconds per call over ``reps`` calls in a row."""
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t0) / reps
+
+
+def _child(impl: str, B: int, H: int, T: int, D: int, causal: bool) -> dict:
+    """One forward + backward of a Helios path in this (fresh) process: the activation pool's
+    peak above the inputs (the pool's peak only grows, hence a process per measurement)."""
+    import helios as hl
+    from helios.runtime import get_runtime
+
+    fns = _helios_fns(_inputs(B, H, T, D), causal)
+    hl.synchronize()
+    pool = get_runtime().dev
+    st = pool.pool_stats()["activations"]
+    base, prior = st["in_use_bytes"], st["peak_in_use_bytes"]
+    fns[impl][1]()
+    peak = pool.pool_stats()["activations"]["peak_in_use_bytes"]
+    return {"peak_bytes": peak - base, "measurable": peak > prior}
+
+
+def _torch_peak_bytes(B: int, H: int, T: int, D: int, causal: bool) -> int:
+    """Peak bytes PyTorch's CPU allocator held during one forward + backward, above what it
+    held before: the running total of its allocation events under torch.profiler."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    _, fwd_bwd = _torch_fns(_inputs(B, H, T, D), causal)
+    fwd_bwd()  # warm-up outside the profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fwd_bwd()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = [e["args"] for e in json.load(f)["traceEvents"] if e.get("name") == "[memory]"]
+    if not events:
+        return 0
+    start = events[0]["Total Allocated"] - events[0]["Bytes"]
+    return max(e["Total Allocated"] for e in events) - start
+
+
+def _peak_mib(impl: str, B: int, H: int, T: int, D: int, causal: bool) -> float | str:
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", impl, "--batch", str(B), "--heads", str(H),
+           "--head-dim", str(D), "--T", str(T)] + ([] if causal else ["--no-causal"])
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if r.returncode != 0:
+        return f"failed: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode}"
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    if not res["measurable"]:
+        return "not measurable (an earlier peak was higher)"
+    return round(res["peak_bytes"] / 2**20, 2)
+
+
+def bench_T(B: int, H: int, T: int, D: int, causal: bool, rounds: int, memory: bool) -> dict:
+    import torch
+
+    arrays = _inputs(B, H, T, D)
+    fns = _helios_fns(arrays, causal)
+    fns["torch"] = _torch_fns(arrays, causal)
+    reps = {}
+    for impl in IMPLS:
+        for part in (0, 1):
+            fns[impl][part]()  # warm-up: pipeline JIT, first touch of memory
+            one = _time(fns[impl][part])
+            reps[(impl, part)] = max(1, min(50, int(0.3 / max(one, 1e-6))))
+    times = {key: [] for key in reps}
+    for _ in range(rounds):
+        for key, n in reps.items():
+            times[key].append(_time(fns[key[0]][key[1]], n))
+    res = {"bench": "attention", "B": B, "H": H, "T": T, "D": D, "causal": causal}
+    for impl in IMPLS:
+        res[f"{impl}_fwd_ms"] = round(statistics.median(times[(impl, 0)]) * 1e3, 2)
+        res[f"{impl}_fwd_bwd_ms"] = round(statistics.median(times[(impl, 1)]) * 1e3, 2)
+    res["flash_speedup_vs_dense"] = round(res["dense_fwd_bwd_ms"] / res["flash_fwd_bwd_ms"], 3)
+    res["flash_speedup_vs_torch"] = round(res["torch_fwd_bwd_ms"] / res["flash_fwd_bwd_ms"], 3)
+    res["flash_fwd_speedup_vs_dense"] = round(res["dense_fwd_ms"] / res["flash_fwd_ms"], 3)
+    if memory:
+        for impl in ("flash", "dense"):
+            res[f"{impl}_peak_mib"] = _peak_mib(impl, B, H, T, D, causal)
+        res["torch_peak_mib"] = round(_torch_peak_bytes(B, H, T, D, causal) / 2**20, 2)
+    res["torch_threads"] = torch.get_num_threads()
+    res["loadavg_1m"] = round(os.getloadavg()[0], 2)  # other work on the host skews every side
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Helios flash vs dense attention vs PyTorch CPU, same run")
+    ap.add_argument("--T", type=int, nargs="+", default=[64, 256, 1024, 2048])
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--no-causal", dest="causal", action="store_false")
+    ap.add_argument("--no-memory", dest="memory", action="store_false", help="skip the per-process peak memory runs")
+    ap.add_argument("--child", choices=("flash", "dense"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        print(json.dumps(_child(args.child, args.batch, args.heads, args.T[0], args.head_dim, args.causal)))
+        return 0
+    from helios.runtime import get_runtime
+
+    info = get_runtime().info
+    common = {"device": info["name"], "lp_num_threads": os.environ.get("LP_NUM_THREADS", f"default ({os.cpu_count()})")}
+    for T in args.T:
+        res = bench_T(args.batch, args.heads, T, args.head_dim, args.causal, args.rounds, args.memory)
+        print(json.dumps({**res, **common}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -3098,7 +3098,8 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
             raise ShapeError(f"scaled_dot_product_attention: {hq} query heads are not a multiple of {hk} key/value heads")
         key = repeat_interleave(key, hq // hk, dim=-3)
         value = repeat_interleave(value, hq // hk, dim=-3)
-    if attn_mask is None and dropout_p == 0.0 and not query._st.rt.is_host:
+    if (attn_mask is None and dropout_p == 0.0 and not query._st.rt.is_host and query.dtype is key.dtype is value.dtype
+            and E in K.FLASH_HEAD_DIMS and key.shape[-1] == E == value.shape[-1]):
         try:
             batch = broadcast_shapes("scaled_dot_product_attention", query.shape[:-2], key.shape[:-2], value.shape[:-2])
         except ShapeError:

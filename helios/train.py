@@ -439,11 +439,12 @@ def _train(args, given: set[str]) -> int:
 
     if args.moe_experts:
         from helios.schedule.moe import aux_loss
-    aux_dev = [None]  # the step's load-balancing loss (a device scalar), logged next to the loss
+    aux_dev = None  # the step's load-balancing loss (a device scalar), logged next to the loss
 
     def plain_step():
         """Forward and backward of each micro-batch, gradients accumulated; the step's mean loss
         (a device scalar)."""
+        nonlocal aux_dev
         loss_dev = None
         for i, (x, y) in enumerate(micro_batches()):
             with timer.phase("host_to_device"):
@@ -464,7 +465,7 @@ def _train(args, given: set[str]) -> int:
                     rt.synchronize()
             loss_dev = loss if loss_dev is None else loss_dev + loss.detach()
             if aux is not None:
-                aux_dev[0] = aux.detach() if aux_dev[0] is None else aux_dev[0] + aux.detach()
+                aux_dev = aux.detach() if aux_dev is None else aux_dev + aux.detach()
         return loss_dev
 
     def pipeline_step() -> float | None:
@@ -555,9 +556,9 @@ def _train(args, given: set[str]) -> int:
                         db.log_step(_record_of_row(rec, rows[r]), rank=r, **nbytes)
             last = {"loss": loss_val, "lr": lr, "tok_s": rec.tokens_per_s, "mfu": mfu}
             post = {"loss": f"{loss_val:.4f}", "lr": f"{lr:.2e}", "tok/s": f"{rec.tokens_per_s:,.0f}", "MFU": format_mfu(mfu)}
-            if aux_dev[0] is not None:  # rank 0's load-balancing loss (the training loss above leaves it out)
-                post["aux"] = f"{aux_dev[0].item():.4f}"
-                aux_dev[0] = None
+            if aux_dev is not None:  # rank 0's load-balancing loss (the training loss above leaves it out)
+                post["aux"] = f"{aux_dev.item():.4f}"
+                aux_dev = None
             if val_loss is not None:
                 post["val"] = f"{val_loss:.4f}"
             bar.set_postfix(post, refresh=False)

@@ -47,24 +47,11 @@ import helios.comm as dist
 from helios import _kernels as K
 from helios import dtypes as dt
 from helios import functional as F
-from helios.autograd.tape import Function
 from helios.creation import arange, normal, tensor, zeros
 from helios.nn import Linear, Module, Parameter
 from helios.schedule.grid import group_rank, group_size
+from helios.schedule.tensor_parallel import with_transpose
 from helios.tensor import Tensor
-
-
-class _AllToAll(Function):
-    """Chunk j of the input (split along dim 0) goes to rank j; the gradient takes the way back."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _exchange(x, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _exchange(g, ctx.group), None
 
 
 def _exchange(x: Tensor, group) -> Tensor:
@@ -78,7 +65,7 @@ def all_to_all(x: Tensor, group) -> Tensor:
     """Differentiable all-to-all over ``group``: ``x``'s dim 0 is split into one chunk per rank."""
     if group is not None and group_size(group) == 1:
         return x
-    return _AllToAll.apply(x, group)
+    return with_transpose(x, group, _exchange, _exchange)  # the gradients take the way back
 
 
 class MoEMLP(Module):
@@ -124,12 +111,12 @@ class MoEMLP(Module):
             return n_tokens
         return max(1, math.ceil(self.capacity_factor * self.top_k * n_tokens / self.n_experts))
 
-    def route(self, x: Tensor):
-        """Router decisions for tokens ``x`` [N, C]: (slot, weight, probs, first_choice), where
+    def route(self, x: Tensor, cap: int):
+        """Router decisions for tokens ``x`` [N, C] and ``cap`` places per expert: (slot, weight,
+        probs, first_choice), where
         slot [k*N] is each (choice, token) pair's row in the expert-major dispatch buffer
         (``E * capacity`` for a dropped pair) and weight [k*N] its gate value (0 if dropped)."""
-        n, E, k = x.shape[0], self.n_experts, self.top_k
-        cap = self.capacity(n)
+        E, k = self.n_experts, self.top_k
         probs = F.softmax(self.router(x), -1)
         gate, choice = probs.topk(k)  # [N, k]
         if k > 1:
@@ -153,7 +140,7 @@ class MoEMLP(Module):
         flat = x.reshape(-1, self.n_embd)
         n, E, k, C = flat.shape[0], self.n_experts, self.top_k, self.n_embd
         cap = self.capacity(n)
-        slot, weight, probs, first = self.route(flat)
+        slot, weight, probs, first = self.route(flat, cap)
         token = arange(n).repeat(k)
         buf = F.index_add(zeros(E * cap + 1, C), 0, slot, F.index_select(flat, 0, token))
         xin = buf[: E * cap].reshape(E, cap, C)

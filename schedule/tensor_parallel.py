@@ -110,26 +110,23 @@ def _reduce_scatter_sequence(x: Tensor, group) -> Tensor:
     return out
 
 
-class _GatherSequence(Function):
+class _Transposed(Function):
+    """A collective forward and its transpose backward (``forward_fn(x, group)`` and
+    ``backward_fn(g, group)``): all-gather and reduce-scatter, all-to-all and itself."""
+
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather_sequence(x, group)
+    def forward(ctx, x, group, forward_fn, backward_fn):
+        ctx.group, ctx.backward_fn = group, backward_fn
+        return forward_fn(x, group)
 
     @staticmethod
     def backward(ctx, g):
-        return _reduce_scatter_sequence(g, ctx.group), None
+        return ctx.backward_fn(g, ctx.group), None, None, None
 
 
-class _ReduceScatterSequence(Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _reduce_scatter_sequence(x, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _gather_sequence(g, ctx.group), None
+def with_transpose(x: Tensor, group, forward_fn, backward_fn) -> Tensor:
+    """``forward_fn(x, group)``, differentiable: its gradient is ``backward_fn(g, group)``."""
+    return _Transposed.apply(x, group, forward_fn, backward_fn)
 
 
 class _SequenceParallelLinear(Function):
@@ -157,13 +154,13 @@ class _SequenceParallelLinear(Function):
 def gather_sequence(x: Tensor, group) -> Tensor:
     """All-gather of sequence shards [B, T/tp, C] into [B, T, C] forward, reduce-scatter of the
     gradient backward (sequence parallelism's entry into a column-parallel layer)."""
-    return _GatherSequence.apply(x, group)
+    return with_transpose(x, group, _gather_sequence, _reduce_scatter_sequence)
 
 
 def reduce_scatter_sequence(x: Tensor, group) -> Tensor:
     """Reduce-scatter of partial sums [B, T, C] into this rank's [B, T/tp, C] forward, all-gather
     of the gradient backward (sequence parallelism's exit from a row-parallel layer)."""
-    return _ReduceScatterSequence.apply(x, group)
+    return with_transpose(x, group, _reduce_scatter_sequence, _gather_sequence)
 
 
 def _param(a: np.ndarray) -> Parameter:

@@ -36,6 +36,7 @@ MAGIC = 0x48434F4D  # "HCOM"
 # An abort frame: HEADER(ABORT_MAGIC, culprit, reporter, len(text)) + text (what happened to the culprit).
 ABORT_MAGIC = 0x48414254  # "HABT"
 _ABORT_TEXT = 1024  # longest text an abort frame carries
+_RELAY_FRAMES = 64  # frames read from a closed link while looking for its abort frame
 ABORT_BUDGET = 0.2  # seconds an aborting rank spends pushing abort frames out before closing
 _INLINE = 64 * 1024  # payloads below this travel in the same write as their header
 _DRAIN_AFTER = 0.05  # seconds of stuck sends before reading from peers nothing is expected from
@@ -219,7 +220,28 @@ class Engine:
                 wait = min(left, 0.1 if drain or not self._pending_sends else _DRAIN_AFTER)
                 self.t.wait_activity(self._wanted_send(), self._wanted_recv(drain), wait)
         except PeerLost as e:
-            raise self._lost(e) from None
+            raise self._lost(self._relayed(e)) from None
+
+    def _relayed(self, e: PeerLost) -> PeerLost:
+        """The abort a peer left in its link before closing, if any; else ``e`` itself.
+
+        A peer that gives up first sends every link an abort frame naming the culprit, then
+        closes.  A rank that was sending to it may see the close (a broken pipe) before it
+        reads that frame: read what the link still holds so the fault names the rank really
+        at fault, not the messenger.
+        """
+        if e.reporter is not None or not 0 <= e.peer < len(self.t.links) or self.t.links[e.peer] is None:
+            return e
+        try:
+            for _ in range(_RELAY_FRAMES):
+                if not self._recv_frame(e.peer):
+                    break
+        except PeerLost as relayed:
+            if relayed.reporter is not None:
+                return relayed
+        except CommError:
+            pass
+        return e
 
     def _lost(self, e: PeerLost) -> CommError:
         self.fault = Fault.of(e, self.t.rank)

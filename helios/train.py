@@ -38,6 +38,7 @@ import time
 import numpy as np
 
 from helios import train_settings as settings
+from helios.nn.modules import ATTENTION_KINDS, FLASH_MIN_TRAIN_T
 from helios.train_settings import check_bounds, explicit_flags, usage
 
 CONFIGS = {
@@ -81,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ZeRO stage across data-parallel ranks: 0 plain DDP, 1 shard AdamW moments, "
                         "2 also gradients, 3 also parameters")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="gradient bucket size for data parallel (MiB)")
+    p.add_argument("--attention", default="auto", choices=ATTENTION_KINDS,
+                   help="attention kernel: flash (memory linear in the context), dense (T x T scores), or auto "
+                        "(flash where it is faster: from a context of %d tokens on, and when not training)"
+                        % FLASH_MIN_TRAIN_T)
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel ranks per model replica (Megatron-style: heads, MLP and vocabulary split); "
                         "the ranks left over are data parallel")
@@ -233,8 +238,11 @@ def _train(args, given: set[str]) -> int:
     V = ds.tokenizer.vocab_size
     if V % args.tp:
         usage(f"--tp {args.tp} must divide the vocabulary size, {V} (--tokenizer {args.tokenizer})")
-    cfg = GPTConfig(vocab_size=V, block_size=T, n_layer=cfgd["n_layer"], n_head=cfgd["n_head"], n_embd=cfgd["n_embd"])
-    run_meta = {"config": cfg.to_dict(), "train": {"steps": steps, "batch_size": bs, "lr": lr_max, "warmup": warmup,
+    cfg = GPTConfig(vocab_size=V, block_size=T, n_layer=cfgd["n_layer"], n_head=cfgd["n_head"], n_embd=cfgd["n_embd"],
+                    attention=args.attention)
+    # The attention kernel changes no weight: a run may resume with another one.
+    model_config = {k: v for k, v in cfg.to_dict().items() if k != "attention"}
+    run_meta = {"config": model_config, "train": {"steps": steps, "batch_size": bs, "lr": lr_max, "warmup": warmup,
                 "grad_accum": args.grad_accum, "seed": args.seed, "tokenizer": ds.tokenizer.identity,
                 "weight_decay": args.weight_decay, "grad_clip": args.grad_clip},
                 "data": ds.corpus.fingerprint, "cli": settings.cli_settings(args)}

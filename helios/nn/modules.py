@@ -26,7 +26,7 @@ import helios.functional as F
 from helios import _kernels as K
 from helios import dtypes as dt
 from helios._transfer import parse_to_args
-from helios.autograd.tape import no_grad
+from helios.autograd.tape import is_grad_enabled, no_grad
 from helios.creation import normal, ones, zeros
 from helios.errors import CheckpointError
 from helios.tensor import Tensor
@@ -621,18 +621,37 @@ class GPTConfig:
     n_embd: int = 128
     dropout: float = 0.0
     bias: bool = True
+    attention: str = "auto"  # "dense", "flash" or "auto" (see CausalSelfAttention)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
+ATTENTION_KINDS = ("auto", "dense", "flash")
+# "auto" trains with the flash kernel from this context length on: below it the dense path's
+# forward + backward is faster on lavapipe (bench/attention.py, 16 x 4 heads of 32, causal:
+# flash 0.57x dense at T = 64, 0.82x at 128, 0.96x at 256, 1.04x at 512).  The forward alone
+# (evaluation, sampling) is faster with flash at every length measured (1.19x-1.65x).
+FLASH_MIN_TRAIN_T = 512
+
+
 class CausalSelfAttention(Module):
-    """Multi-head self-attention with a causal mask."""
+    """Multi-head self-attention with a causal mask.
+
+    ``cfg.attention`` picks how the scores are computed: ``"dense"`` materialises the T x T
+    scores (one fused scale + mask + softmax kernel and two matmuls), ``"flash"`` runs
+    ``F.scaled_dot_product_attention``'s flash kernel (memory linear in T), ``"auto"`` takes
+    flash where it is the faster of the two (see FLASH_MIN_TRAIN_T).  Both give the same
+    result up to rounding; dropout on the attention weights needs the dense path.
+    """
 
     def __init__(self, cfg: GPTConfig, seed: int):
         super().__init__()
         if cfg.n_embd % cfg.n_head:
             raise ValueError(f"n_embd ({cfg.n_embd}) must be divisible by n_head ({cfg.n_head})")
+        if cfg.attention not in ATTENTION_KINDS:
+            raise ValueError(f"attention must be one of {', '.join(ATTENTION_KINDS)}, got {cfg.attention!r}")
+        self.attention = cfg.attention
         self.n_head, self.n_embd = cfg.n_head, cfg.n_embd
         self.c_attn = Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias, seed=seed)
         self.c_proj = Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias, std=0.02 / math.sqrt(2 * cfg.n_layer), seed=seed + 1)
@@ -643,11 +662,19 @@ class CausalSelfAttention(Module):
         B, T, C = x.shape
         H, D = self.n_head, C // self.n_head
         q, k, v = F.split_heads(self.c_attn(x), H)  # [B, H, T, D] views
-        # scale, causal mask (query i sees keys 0..i) and softmax in one kernel
-        att = self.attn_dropout(F.attention_softmax(F.matmul(q, k.mT), 1.0 / math.sqrt(D), causal=True))
-        y = F.matmul(att, v)
+        if self._flash(T):
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            # scale, causal mask (query i sees keys 0..i) and softmax in one kernel
+            att = self.attn_dropout(F.attention_softmax(F.matmul(q, k.mT), 1.0 / math.sqrt(D), causal=True))
+            y = F.matmul(att, v)
         y = y.transpose(1, 2).reshape(B, T, C)
         return self.resid_dropout(self.c_proj(y))
+
+    def _flash(self, T: int) -> bool:
+        if self.attention == "dense" or (self.training and self.attn_dropout.p > 0):
+            return False
+        return self.attention == "flash" or not is_grad_enabled() or T >= FLASH_MIN_TRAIN_T
 
 
 class MLP(Module):

@@ -42,5 +42,7 @@ from helios import profile  # noqa: F401,E402
 from helios import nn  # noqa: F401,E402  (helios.nn.functional too, as torch.nn.functional)
 from helios.serialization import load, save  # noqa: F401,E402
 from helios.complex import complex64, polar, view_as_complex, view_as_real  # noqa: F401,E402  (rotary embeddings)
+from helios import amp  # noqa: F401,E402  (mixed precision: amp.GradScaler)
+from helios.amp import autocast  # noqa: F401,E402
 
 __version__ = "0.1.0"

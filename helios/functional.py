@@ -15,6 +15,7 @@ import numpy as np
 
 from helios import _kernels as K
 from helios import _transfer
+from helios import amp as _amp
 from helios import dtypes as dt
 from helios._shape import (broadcast_shapes, contiguous_strides, infer_reshape, norm_dim, norm_dims, numel,
                            view_strides)
@@ -738,6 +739,8 @@ def sum(x: Tensor, dim=None, keepdim: bool = False, dtype=None) -> Tensor:
     _check_tensor(x, "sum")
     if dtype is not None:
         x = to(x, dtype)
+    if _amp.state.dtype is not None:  # autocast: summed in float32
+        (x,) = _amp.fp32(x)
     dims = _reduce_dims(dim, x.ndim, "sum")
     return _Sum.apply(x, dims, keepdim, 1.0)
 
@@ -1438,6 +1441,8 @@ class _Matmul(Function):
 def matmul(a: Tensor, b: Tensor) -> Tensor:
     """Matrix product with PyTorch's rules: 1-D operands, batched and broadcast batch dims."""
     _check_tensor(a, "matmul"), _check_tensor(b, "matmul")
+    if _amp.state.dtype is not None:  # autocast: in the low dtype
+        a, b = _amp.low(a, b)
     if a.ndim == 0 or b.ndim == 0:
         raise ShapeError(f"matmul: both arguments need at least 1 dim, got shapes {a.shape} and {b.shape}")
     a, b = _promote_pair(a, b, "matmul")
@@ -1487,6 +1492,8 @@ class _Linear(Function):
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """x @ weight^T + bias (PyTorch's F.linear); the bias is added in the matmul's epilogue."""
     _check_tensor(x, "linear"), _check_tensor(weight, "linear")
+    if _amp.state.dtype is not None:  # autocast: in the low dtype (the bias too: one rounding in the epilogue)
+        x, weight, bias = _amp.low(x, weight, bias)
     if weight.ndim != 2 or x.ndim < 1 or x.shape[-1] != weight.shape[1]:
         raise ShapeError(f"linear: expected input [..., {weight.shape[-1]}] and a 2-D weight, got {x.shape} and {weight.shape}")
     if bias is not None and bias.shape != (weight.shape[0],):
@@ -1529,11 +1536,15 @@ def _softmax_impl(x: Tensor, dim: int, log_: bool) -> Tensor:
 
 def softmax(x: Tensor, dim: int = -1, dtype=None) -> Tensor:
     """exp(x) / sum(exp(x)) along ``dim`` (numerically stable); ``dtype`` converts x first."""
+    if dtype is None and _amp.state.dtype is not None:  # autocast: in float32
+        (x,) = _amp.fp32(x)
     return _softmax_impl(x if dtype is None else to(x, dtype), dim, False)
 
 
 def log_softmax(x: Tensor, dim: int = -1, dtype=None) -> Tensor:
     """x - logsumexp(x) along ``dim``; ``dtype`` converts x first."""
+    if dtype is None and _amp.state.dtype is not None:  # autocast: in float32
+        (x,) = _amp.fp32(x)
     return _softmax_impl(x if dtype is None else to(x, dtype), dim, True)
 
 
@@ -1596,6 +1607,8 @@ def attention_softmax(scores: Tensor, scale: float = 1.0, causal: bool = False) 
     (query i sees keys 0..i) when ``causal``: one kernel for what is otherwise a scale, a
     where and a softmax (the same arithmetic, so the same values)."""
     _check_tensor(scores, "attention_softmax")
+    if _amp.state.dtype is not None:  # autocast: in float32, as softmax
+        (scores,) = _amp.fp32(scores)
     if scores.dtype.kind != "float":
         raise DTypeError(f"attention_softmax: expected floating-point scores, got {scores.dtype.name}")
     if causal and (scores.ndim < 2 or scores.shape[-1] != scores.shape[-2]):
@@ -1626,6 +1639,8 @@ class _LayerNorm(Function):
 
 def layer_norm(x: Tensor, normalized_shape, weight: Tensor | None = None, bias: Tensor | None = None, eps: float = 1e-5) -> Tensor:
     """LayerNorm over the last dim(s) ``normalized_shape``."""
+    if _amp.state.dtype is not None:  # autocast: in float32
+        x, weight, bias = _amp.fp32(x, weight, bias)
     if isinstance(normalized_shape, int):
         normalized_shape = (normalized_shape,)
     normalized_shape = tuple(normalized_shape)
@@ -1718,6 +1733,8 @@ def cross_entropy(logits: Tensor, targets, weight: Tensor | None = None, size_av
     ``reduction``: "mean" (over the targets' total weight, or the number of rows for
     probabilities), "sum", or "none" (one loss per target)."""
     _check_tensor(logits, "cross_entropy")
+    if _amp.state.dtype is not None:  # autocast: in float32
+        logits, weight = _amp.fp32(logits, weight)
     if size_average is not None or reduce is not None:
         raise TypeError("cross_entropy: size_average and reduce are deprecated; use reduction='mean', 'sum' or 'none'")
     if reduction not in ("mean", "sum", "none"):
@@ -2532,6 +2549,8 @@ def addmm(x: Tensor, a: Tensor, b: Tensor, *, beta=1, alpha=1) -> Tensor:
     """beta * x + alpha * (a @ b) for matrices a, b (x broadcasts to the product's shape);
     16-bit inputs are computed in float32 and rounded once."""
     _float_mm("addmm", x, a, b)
+    if _amp.state.dtype is not None:  # autocast: in the low dtype
+        x, a, b = _amp.low(x, a, b)
     out_dtype = a.dtype
     x, a, b = _wide(x, a, b)
     r = to(_beta_alpha("addmm", x, mm(a, b), beta, alpha), out_dtype)
@@ -2544,6 +2563,8 @@ def baddbmm(x: Tensor, a: Tensor, b: Tensor, *, beta=1, alpha=1) -> Tensor:
     """beta * x + alpha * bmm(a, b) (x broadcasts to [B, n, p]; beta=0 ignores x); 16-bit
     inputs are computed in float32 and rounded once."""
     _float_mm("baddbmm", x, a, b)
+    if _amp.state.dtype is not None:  # autocast: in the low dtype
+        x, a, b = _amp.low(x, a, b)
     out_dtype = a.dtype
     x, a, b = _wide(x, a, b)
     p = bmm(a, b)
@@ -2746,6 +2767,8 @@ def norm(x: Tensor, p="fro", dim=None, keepdim: bool = False, dtype=None) -> Ten
     _check_tensor(x, "norm")
     if dtype is not None:
         x = to(x, dtype)
+    if _amp.state.dtype is not None:  # autocast: in float32
+        (x,) = _amp.fp32(x)
     if x.dtype.kind != "float":
         raise DTypeError(f"norm: expected a floating-point tensor, got {x.dtype.name}")
     if isinstance(p, str):
@@ -2856,6 +2879,8 @@ def rms_norm(x: Tensor, normalized_shape, weight: Tensor | None = None, eps: flo
     """x / sqrt(mean(x^2 over the last dims) + eps) * weight, computed in float32 and returned
     in x's dtype; ``eps=None`` is the machine epsilon of x's dtype (PyTorch's F.rms_norm)."""
     _check_tensor(x, "rms_norm")
+    if _amp.state.dtype is not None:  # autocast: in float32
+        x, weight = _amp.fp32(x, weight)
     if isinstance(normalized_shape, int):
         normalized_shape = (normalized_shape,)
     ns = tuple(normalized_shape)
@@ -3085,6 +3110,8 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
         _check_tensor(t_, "scaled_dot_product_attention")
         if t_.dtype.kind != "float":
             raise DTypeError(f"scaled_dot_product_attention: expected floating-point tensors, got {t_.dtype.name}")
+    if _amp.state.dtype is not None:  # autocast: in the low dtype (a float mask too)
+        query, key, value, attn_mask = _amp.low(query, key, value, attn_mask)
     if is_causal and attn_mask is not None:
         raise ValueError("scaled_dot_product_attention: give attn_mask or is_causal, not both")
     if query.ndim < 2 or key.ndim < 2 or value.ndim < 2:

@@ -60,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--grad-clip", type=float, default=1.0, help="clip the global gradient norm (0: off)")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"),
+                   help="compute precision: bf16 / fp16 run the matmuls in 16 bits under hl.autocast (float32 "
+                        "master weights, softmax, norms and loss); fp16 scales the loss (hl.amp.GradScaler, "
+                        "skipping a step whose gradients overflow)")
     p.add_argument("--device", default=None, help="vulkan:N (default: HELIOS_DEVICE or the best device)")
     p.add_argument("--data", default=None, help="a text file or folder (default: this Python's standard library source)")
     p.add_argument("--tokenizer", default="byte", help="byte | bpe:N")
@@ -205,6 +209,7 @@ def _train(args, given: set[str]) -> int:
                                    cfgd["n_head"], cfgd["n_embd"])
     pipeline = layout.pp > 1
     settings.check_experts(args.moe_experts, args.moe_top_k, args.ep, args.tp, args.pp)
+    settings.check_dtype(args.dtype, args.tp, args.pp, args.zero, args.moe_experts)
     if args.sequence_parallel:
         settings.check_sequence_parallel(args.tp, args.pp, T)
     if pipeline and comm_hook is not None:
@@ -299,6 +304,7 @@ def _train(args, given: set[str]) -> int:
             model = DistributedDataParallel(gpt, bucket_cap_mb=args.bucket_cap_mb, comm_hook=comm_hook,
                                             group=grid.dp_group)
         opt = AdamW(groups, lr=lr_max, betas=(0.9, 0.95))
+    autocast, scaler = _mixed_precision(args.dtype)
     loader = BatchLoader(ds.train, bs, T, seed=args.seed)
     val_loader = BatchLoader(ds.val, bs, T, seed=args.seed + 1)
 
@@ -333,6 +339,8 @@ def _train(args, given: set[str]) -> int:
                              f"  checkpoint: {json.dumps(meta['config'])} {json.dumps(meta['train'])}\n"
                              f"  now:        {json.dumps(run_meta['config'])} {json.dumps(run_meta['train'])}")
         start_step = int(meta["step"])
+        if scaler.is_enabled() and meta.get("grad_scaler"):
+            scaler.load_state_dict(meta["grad_scaler"])  # the loss scale goes on where it was
         n = meta.get("world_size")
         saved_grid = "".join(f", {k} {v}" for k, v in meta.get("grid", {}).items() if k in ("tp", "pp") and v > 1)
         was = f" (saved by {n} rank{'s' if n != 1 else ''}{saved_grid}, ZeRO-{meta.get('zero', 0)})" if n else ""
@@ -355,6 +363,9 @@ def _train(args, given: set[str]) -> int:
     ranks = f" x {run.world} ranks ({layout.describe()}{extras})" if run.active else ""
     say(f"device: {rt.name} {dev['name']} ({dev['type']}){ranks}; peak for MFU: {peak_label}")
     say(f"model: {n_params / 1e6:.2f}M parameters, {cfg}")
+    if args.dtype != "fp32":
+        say(f"mixed precision: --dtype {args.dtype}, matmuls in {'bfloat16' if args.dtype == 'bf16' else 'float16'}, "
+            "float32 master weights" + (f", loss scale {scaler.get_scale():g}" if scaler.is_enabled() else ""))
     if args.moe_experts:
         say(f"mixture of experts: {args.moe_experts} experts per block, top-{args.moe_top_k}, capacity factor "
             f"{args.moe_capacity}, load-balancing loss x {args.moe_aux_alpha} (logged as aux)")
@@ -366,7 +377,7 @@ def _train(args, given: set[str]) -> int:
 
     db = None
     if run.is_main:
-        db = RunDB(args.out, device=dev["name"], dtype="fp32", n_devices=run.world, peak_flops=peak,
+        db = RunDB(args.out, device=dev["name"], dtype=args.dtype, n_devices=run.world, peak_flops=peak,
                    peak_label=peak_label, flops_per_token=fpt, n_params=n_params,
                    config={**run_meta, "steps": steps, "world_size": run.world, "zero": zero, "tp": args.tp,
                            "pp": args.pp, "microbatches": layout.microbatches,
@@ -378,6 +389,8 @@ def _train(args, given: set[str]) -> int:
         shards = {**_training_shards(train_state, gpt, opt, run, grid if pipeline else None, tp_group),
                   **train_state.comm_hook_shards(comm_hook, run.rank)}
         meta = train_state.training_meta(opt, loader, at_step, run_meta, run.world, zero)
+        if scaler.is_enabled():
+            meta["grad_scaler"] = scaler.state_dict()
         meta["grid"] = {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "microbatches": layout.microbatches}
         if comm_hook is not None:
             meta["comm_hook"] = train_state.comm_hook_meta(comm_hook, run.world)
@@ -427,7 +440,8 @@ def _train(args, given: set[str]) -> int:
                     parts = len(x) // micro_rows
                     loss = gpt.evaluate(np.split(x, parts), np.split(y, parts))
                 else:
-                    loss = gpt(x, y)[1].item()
+                    with autocast():
+                        loss = gpt(x, y)[1].item()
                 if loss is not None:
                     total += loss
                     count += 1
@@ -462,14 +476,15 @@ def _train(args, given: set[str]) -> int:
             local = i < n_micro - 1 and run.active
             with model.no_sync() if local and model is not gpt else contextlib.nullcontext():
                 with timer.phase("forward"):
-                    _, loss = model(xt, yt)
+                    with autocast():
+                        _, loss = model(xt, yt)
                     aux = aux_loss(gpt) if args.moe_experts else None
                     if n_micro > 1:
                         loss = loss * (1.0 / n_micro)
                         aux = aux * (1.0 / n_micro) if aux is not None else None
                     rt.synchronize()
                 with timer.phase("backward"):
-                    (loss + aux if aux is not None else loss).backward()
+                    scaler.scale(loss + aux if aux is not None else loss).backward()
                     rt.synchronize()
             loss_dev = loss if loss_dev is None else loss_dev + loss.detach()
             if aux is not None:
@@ -512,6 +527,7 @@ def _train(args, given: set[str]) -> int:
             else:
                 loss_dev = plain_step()
             with timer.phase("grad_clip"):
+                scaler.unscale_(opt)  # fp16: the true gradients, for the norm and the inf/nan test
                 if args.grad_clip > 0:
                     if zero:
                         opt.clip_grad_norm_(args.grad_clip)  # the global norm over every rank's shard
@@ -519,7 +535,8 @@ def _train(args, given: set[str]) -> int:
                         clip(gpt.parameters(), args.grad_clip)
                 rt.synchronize()
             with timer.phase("optimizer"):
-                opt.step()
+                scaler.step(opt)  # fp16: skipped when a gradient is inf or nan
+                scaler.update()
                 opt.zero_grad()
                 rt.synchronize()
             with timer.phase("device_to_host"):
@@ -536,7 +553,10 @@ def _train(args, given: set[str]) -> int:
                 with timer.phase("comm"):
                     loss_val, stop_any = run.agree(loss_val, stopper.stop)
                 stopper.stop = stopper.stop or stop_any
-            if not math.isfinite(loss_val):
+            if scaler.last_step_skipped:
+                say(f"step {step}: inf/nan in the fp16 gradients, step skipped ({scaler.skipped_steps} so far); "
+                    f"loss scale now {scaler.get_scale():g}", flush=True)
+            elif not math.isfinite(loss_val):
                 raise FloatingPointError(f"loss became {loss_val} at step {step}; lower --lr or check the data")
             evaluated = None
             if args.eval_every and step % args.eval_every == 0 and step < steps:
@@ -564,6 +584,9 @@ def _train(args, given: set[str]) -> int:
                         db.log_step(_record_of_row(rec, rows[r]), rank=r, **nbytes)
             last = {"loss": loss_val, "lr": lr, "tok_s": rec.tokens_per_s, "mfu": mfu}
             post = {"loss": f"{loss_val:.4f}", "lr": f"{lr:.2e}", "tok/s": f"{rec.tokens_per_s:,.0f}", "MFU": format_mfu(mfu)}
+            if scaler.is_enabled():
+                post["scale"] = f"{scaler.get_scale():g}"
+                post["skipped"] = str(scaler.skipped_steps)
             if aux_dev is not None:  # rank 0's load-balancing loss (the training loss above leaves it out)
                 post["aux"] = f"{aux_dev.item():.4f}"
                 aux_dev = None
@@ -605,11 +628,25 @@ def _train(args, given: set[str]) -> int:
         summary = {"steps": step, "wall_s": round(wall, 1), "final_train_loss": round(last.get("loss", float('nan')), 4),
                    "final_val_loss": round(val_loss, 4), "unigram_entropy": round(summ["unigram_entropy_nats"], 4),
                    "tok_per_s": round(last.get("tok_s") or 0, 1), "mfu": format_mfu(last.get("mfu")),
-                   "world_size": run.world, "checkpoint": final_ckpt, "run_db": db.path}
+                   "world_size": run.world, "checkpoint": final_ckpt, "run_db": db.path, "dtype": args.dtype}
+        if scaler.is_enabled():
+            summary.update(loss_scale=scaler.get_scale(), skipped_steps=scaler.skipped_steps)
         print(json.dumps(summary))
         db.finish(status="finished")
     run.close()
     return 0
+
+
+def _mixed_precision(dtype: str):
+    """--dtype's autocast context (a factory: one per forward) and loss scaler: float32 runs get
+    a no-op context and a disabled scaler (every method a pass-through), bf16 autocast without
+    scaling (its range is float32's), fp16 autocast with dynamic loss scaling."""
+    import helios as hl
+
+    if dtype == "fp32":
+        return contextlib.nullcontext, hl.amp.GradScaler(enabled=False)
+    low = "bfloat16" if dtype == "bf16" else "float16"
+    return (lambda: hl.autocast(low)), hl.amp.GradScaler(enabled=dtype == "fp16")
 
 
 def _average_gradients(opt, group) -> None:

@@ -182,6 +182,7 @@ SAVED = (
     Saved("moe_top_k", "--moe-top-k", "train", "moe_top_k"),
     Saved("moe_capacity", "--moe-capacity", "train", "moe_capacity"),
     Saved("moe_aux_alpha", "--moe-aux-alpha", "train", "moe_aux_alpha"),
+    Saved("dtype", "--dtype", "cli", "dtype"),
 )
 
 
@@ -200,6 +201,18 @@ def check_experts(experts: int, top_k: int, ep: int, tp: int, pp: int) -> None:
               f"(drop {flag.split()[0]})")
 
 
+def check_dtype(dtype: str, tp: int, pp: int, zero: int, experts: int) -> None:
+    """Refuse a --dtype that helios-train does not combine with a layout, naming both flags:
+    bf16 and fp16 run the plain and the data-parallel trainer (fp16's loss scaler unscales and
+    skips on the optimizer's own gradients)."""
+    if dtype == "fp32":
+        return
+    for flag, n in (("--tp", tp), ("--pp", pp), ("--zero", zero), ("--moe-experts", experts)):
+        if n and (flag in ("--zero", "--moe-experts") or n > 1):
+            usage(f"--dtype {dtype} with {flag} {n}: mixed precision runs single-device and data-parallel training "
+                  f"only so far (drop {flag}, or use --dtype fp32)")
+
+
 def check_sequence_parallel(tp: int, pp: int, block_size: int) -> None:
     """Refuse --sequence-parallel where it cannot apply, naming the flag."""
     if tp < 2:
@@ -214,7 +227,7 @@ def check_sequence_parallel(tp: int, pp: int, block_size: int) -> None:
 def cli_settings(args) -> dict:
     """What the checkpoint keeps of the command line besides the model and training settings."""
     return {"config": args.config, "data": os.path.abspath(args.data) if args.data is not None else None,
-            "tokenizer": args.tokenizer}
+            "tokenizer": args.tokenizer, "dtype": args.dtype}
 
 
 def checkpoint_meta(run_dir: str) -> dict | None:

@@ -244,3 +244,39 @@ def test_disabled_scaler_passes_through():
     assert s.scale(t) is t and s.get_scale() == 1.0 and s.state_dict() == {}
     with pytest.raises(ValueError, match="GradScaler: backoff_factor must be in"):
         hl.amp.GradScaler(backoff_factor=1.5)
+
+
+# ---- helios-train --dtype ---------------------------------------------------------------------
+from test_train import BASE, corpus, losses, run  # noqa: E402, F401  (corpus: a fixture)
+
+
+def test_train_dtype_flag_is_checked(tmp_path):
+    r = run(BASE + ["--steps", "2", "--out", str(tmp_path / "x"), "--dtype", "fp64"], tmp_path)
+    assert r.returncode == 2 and "argument --dtype: invalid choice: 'fp64'" in r.stderr, r.stderr
+    r = run(BASE + ["--steps", "2", "--out", str(tmp_path / "x"), "--dtype", "bf16", "--moe-experts", "2"], tmp_path)
+    assert r.returncode == 2 and "--dtype bf16 with --moe-experts 2: mixed precision runs" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+
+
+def test_train_fp16_saves_the_scaler_and_resumes_bit_exactly(corpus, tmp_path):  # noqa: F811
+    import json
+
+    from helios.train_settings import checkpoint_meta
+
+    own = ["--steps", "6", "--batch-size", "4", "--block-size", "16", "--seed", "2", "--data", corpus, "--dtype", "fp16"]
+    full, split = tmp_path / "full", tmp_path / "split"
+    r = run(BASE + own + ["--out", str(full)], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "mixed precision: --dtype fp16, matmuls in float16, float32 master weights, loss scale 65536" in r.stdout
+    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    assert summary["dtype"] == "fp16" and summary["loss_scale"] == 65536.0 and summary["skipped_steps"] == 0
+    first = run(BASE + own + ["--out", str(split), "--stop-after", "3"], tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    meta = checkpoint_meta(str(split))
+    assert meta["grad_scaler"]["scale"] == 65536.0 and meta["grad_scaler"]["_growth_tracker"] == 3
+    assert meta["cli"]["dtype"] == "fp16"
+    again = run(["--out", str(split), "--resume", "--no-progress"], tmp_path)  # --dtype comes from the checkpoint
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert losses(split) == losses(full)
+    r = run(["--out", str(split), "--resume", "--dtype", "bf16"], tmp_path)
+    assert r.returncode == 2 and "--dtype bf16: the run in" in r.stderr and "was trained with --dtype fp16" in r.stderr

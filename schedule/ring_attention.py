@@ -181,14 +181,27 @@ def _peers(group):
     return me, W, ranks[(me + 1) % W], ranks[(me - 1) % W]
 
 
-def _exchange(send: Tensor, recv: Tensor, me: int, nxt: int, prv: int, group) -> list:
-    """Post send -> next and recv <- previous.  The communicator runs a rank's operations
-    one after another: even ranks send first and odd ranks receive first, so every send
-    meets a posted receive instead of all ranks sending at once around the ring (which the
-    engine only resolves by parking messages after a stall)."""
+def _exchange(sends: list, recvs: list, me: int, nxt: int, prv: int, group) -> list:
+    """Post each of ``sends`` -> next and ``recvs`` <- previous.  The communicator runs a rank's
+    operations one after another: even ranks send first and odd ranks receive first, so
+    every send meets a posted receive instead of all ranks sending at once around the ring
+    (which the engine only resolves by parking messages after a stall)."""
     if me % 2 == 0:
-        return [dist.isend(send, nxt, group), dist.irecv(recv, prv, group)]
-    return [dist.irecv(recv, prv, group), dist.isend(send, nxt, group)]
+        return [dist.isend(t, nxt, group) for t in sends] + [dist.irecv(t, prv, group) for t in recvs]
+    return [dist.irecv(t, prv, group) for t in recvs] + [dist.isend(t, nxt, group) for t in sends]
+
+
+def _empty_like(t: Tensor) -> Tensor:
+    return K.empty(t.shape, t.dtype, t._st.rt)
+
+
+def _add_rows(acc: Tensor | None, part: Tensor, start: int, full: int) -> Tensor:
+    """``acc`` + ``part`` placed at rows [start, ...) of dim 2, in place when ``acc`` exists
+    (it is a buffer of this rank's own: a received accumulator or an earlier sum)."""
+    part = _place(part, start, full)
+    if acc is None:
+        return part
+    return K.binary_("add", acc, part)
 
 
 def _wait(works: list) -> None:
@@ -226,21 +239,21 @@ class _RingAttention(Function):
         with no_grad():
             me, W, nxt, prv = _peers(group)
             n = q.shape[2]
-            kv = F.stack([k, v])  # one message per step: [2, B, H, n, D]
+            # k and v are the caller's tensors: contiguous ones travel as they are.
+            kv = [t if t.is_contiguous() else K.copy(t) for t in (k, v)]
             o = lse = None
             pairs, blocks = 0, 0
             for step in range(W):
                 s = (me - step) % W
                 works, nkv = [], None
                 if step < W - 1:
-                    nkv = K.empty(kv.shape, kv.dtype, kv._st.rt)
+                    nkv = [_empty_like(t) for t in kv]
                     works = _exchange(kv, nkv, me, nxt, prv, group)  # the next block travels while this one computes
                 plan = _plan(layout, causal, me, s, n)
                 if plan is not None:
                     qa, qm, ka, km, c = plan
                     qs = q if qm == n else F.narrow(q, 2, qa, qm)
-                    ks = kv[0] if km == n else F.narrow(kv[0], 2, ka, km)
-                    vs = kv[1] if km == n else F.narrow(kv[1], 2, ka, km)
+                    ks, vs = (t if km == n else F.narrow(t, 2, ka, km) for t in kv)
                     ob, lb = K.flash_attn_fwd(qs, ks, vs, scale, c)
                     ob = ob if ob.dtype is dt.float32 else F.to(ob, dt.float32)
                     pairs += K._fa_pairs(qm, km, c)
@@ -271,7 +284,7 @@ class _RingAttention(Function):
             me, W, nxt, prv = _peers(group)
             n = q.shape[2]
             g = g if g.is_contiguous() and g.dtype is q.dtype else K.copy(g, q.dtype)
-            kv = F.stack([k, v])
+            kv = [t if t.is_contiguous() else K.copy(t) for t in (k, v)]
             dq = None
             cache: dict = {}  # the row slices of q, O, L and dO a layout reuses at every step
 
@@ -280,44 +293,41 @@ class _RingAttention(Function):
                     cache[start, m] = tuple(_rows(t, start, m, n) for t in (q, o, lse, g))
                 return cache[start, m]
 
-            acc_works, acc_in = [], None
+            acc_works, acc_in = [], [None, None]
             for step in range(W):
                 s = (me - step) % W
                 works, nkv = [], None
                 if step < W - 1:
-                    nkv = K.empty(kv.shape, kv.dtype, kv._st.rt)
+                    nkv = [_empty_like(t) for t in kv]
                     works = _exchange(kv, nkv, me, nxt, prv, group)
                 plan = _plan(layout, causal, me, s, n)
-                contrib = None
+                part = None
                 if plan is not None:
                     qa, qm, ka, km, c = plan
                     qs, os_, ls, gs = rows(qa, qm)
-                    ks = kv[0] if km == n else F.narrow(kv[0], 2, ka, km)
-                    vs = kv[1] if km == n else F.narrow(kv[1], 2, ka, km)
+                    ks, vs = (t if km == n else F.narrow(t, 2, ka, km) for t in kv)
                     dqb, dkb, dvb = K.flash_attn_bwd(qs, ks, vs, os_, ls, gs, scale, c)
-                    dqb = _place(dqb, qa, n)
-                    dq = dqb if dq is None else dq + dqb
-                    contrib = F.stack([_place(dkb, ka, n), _place(dvb, ka, n)])
-                # Block s's dK/dV accumulator arrives from the rank that had the block last step.
+                    dq = _add_rows(dq, dqb, qa, n)
+                    part = (dkb, dvb, ka)
+                # Block s's dK/dV accumulators arrive (while the kernel ran) from the rank that
+                # had the block last step.
                 _wait(acc_works)
                 acc = acc_in
-                if contrib is not None:
-                    acc = contrib if acc is None else acc + contrib
-                if acc is None:
-                    acc = K.fill(K.empty(kv.shape, kv.dtype, kv._st.rt), 0)
-                # Pass it on with the block; after the last step it goes home to its owner.
-                acc_in = K.empty(kv.shape, kv.dtype, kv._st.rt)
-                acc_works = _exchange(acc, acc_in, me, nxt, prv, group) if W > 1 else []
-                if W == 1:
+                if part is not None:
+                    acc = [_add_rows(acc[0], part[0], part[2], n), _add_rows(acc[1], part[1], part[2], n)]
+                acc = [a if a is not None else K.fill(_empty_like(k), 0) for a in acc]
+                if W > 1:  # pass them on with the block; after the last step they go home to their owner
+                    acc_in = [_empty_like(a) for a in acc]
+                    acc_works = _exchange(acc, acc_in, me, nxt, prv, group)
+                else:
                     acc_in = acc
                 _wait(works)
                 if nkv is not None:
                     kv = nkv
             _wait(acc_works)
             if dq is None:
-                dq = K.fill(K.empty(q.shape, q.dtype, q._st.rt), 0)
-            dk, dv = K.copy(acc_in[0]), K.copy(acc_in[1])
-        return dq, dk, dv, None, None, None, None, None
+                dq = K.fill(_empty_like(q), 0)
+        return dq, acc_in[0], acc_in[1], None, None, None, None, None
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, group=None, layout: str = "contiguous", is_causal: bool = False,

@@ -90,6 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="attention kernel: flash (memory linear in the context), dense (T x T scores), or auto "
                         "(flash where it is faster: from a context of %d tokens on, and when not training)"
                         % FLASH_MIN_TRAIN_T)
+    p.add_argument("--cp", type=int, default=1,
+                   help="context parallel: split every sequence over this many ranks, attention by ring attention "
+                        "(composes with data parallel: the ranks left over)")
+    p.add_argument("--cp-layout", default="zigzag", choices=("contiguous", "zigzag", "stripe"),
+                   help="which tokens a context-parallel rank holds (zigzag balances the causal work)")
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel ranks per model replica (Megatron-style: heads, MLP and vocabulary split); "
                         "the ranks left over are data parallel")
@@ -205,8 +210,10 @@ def _train(args, given: set[str]) -> int:
                f"combine with --zero {args.zero} (use --zero 0)")
 
     world = DistRun.launch_world()
-    layout = settings.check_layout(world, args.tp, args.pp, args.microbatches, args.zero, bs, cfgd["n_layer"],
-                                   cfgd["n_head"], cfgd["n_embd"])
+    settings.check_context_parallel(args.cp, args.cp_layout, world, T, cfgd["n_head"], cfgd["n_embd"], args)
+    # Context-parallel peers hold one replica's sequences between them: to the layout, one rank.
+    layout = settings.check_layout(world // args.cp, args.tp, args.pp, args.microbatches, args.zero, bs,
+                                   cfgd["n_layer"], cfgd["n_head"], cfgd["n_embd"])
     pipeline = layout.pp > 1
     settings.check_experts(args.moe_experts, args.moe_top_k, args.ep, args.tp, args.pp)
     settings.check_dtype(args.dtype, args.tp, args.pp, args.zero, args.moe_experts)
@@ -228,8 +235,11 @@ def _train(args, given: set[str]) -> int:
         hl.set_device(args.device)
     rt = get_runtime()
     # Before the data is read: a block or batch the device cannot hold is the user's to change.
-    settings.check_fits(rt.max_range, max(1, bs // (world // layout.pp) // layout.microbatches), T, cfgd["n_head"],
-                        cfgd["n_embd"], settings.vocab_of_spec(args.tokenizer))
+    head_dim = cfgd["n_embd"] // cfgd["n_head"]
+    dense_attention = args.cp == 1 and (args.attention == "dense" or head_dim not in hl._kernels.FLASH_HEAD_DIMS
+                                        or (args.attention == "auto" and T < FLASH_MIN_TRAIN_T))
+    settings.check_fits(rt.max_range, max(1, bs // (world // args.cp // layout.pp) // layout.microbatches), T,
+                        cfgd["n_head"], cfgd["n_embd"], settings.vocab_of_spec(args.tokenizer), dense_attention, args.cp)
     os.makedirs(args.out, exist_ok=True)
     t_start = time.monotonic()
 
@@ -269,12 +279,17 @@ def _train(args, given: set[str]) -> int:
         mlp_weights = 8 * cfg.n_embd * cfg.n_embd * cfg.n_layer
         fpt += 6 * ((args.moe_top_k - 1) * mlp_weights + cfg.n_embd * args.moe_experts * cfg.n_layer)
         n_params = gpt.num_parameters()
-    grid = None
+    grid = cp = None
     if run.active:
         from helios.schedule.grid import ParallelGrid
 
         grid = ParallelGrid(tp=args.tp, pp=args.pp)
         run.use_data_parallel_coords(grid.dp_rank, grid.dp)
+        if args.cp > 1:  # (with tp = pp = 1) context-parallel peers are neighbouring ranks, as Megatron-LM puts them
+            from helios.schedule.context_parallel import context_parallel_group, use_context_parallel
+
+            cp = use_context_parallel(gpt, context_parallel_group(args.cp), args.cp_layout)
+            run.use_data_parallel_coords(run.rank // args.cp, run.world // args.cp)
         if args.tp > 1:
             from helios.schedule.tensor_parallel import TensorParallelGPT
 
@@ -360,6 +375,8 @@ def _train(args, given: set[str]) -> int:
         pk = peak_flops(dev["name"], "fp32", dev["type"])
         peak, peak_label = (pk.flops, pk.label) if pk else (None, "n/a (unknown device: pass --peak-tflops)")
     extras = (", sequence parallel" if args.sequence_parallel else "") + (f", ZeRO-{args.zero}" if args.zero else "")
+    if cp is not None:
+        extras += f", context parallel {cp.world} ({cp.layout}: {T // cp.world} tokens of each sequence a rank)"
     ranks = f" x {run.world} ranks ({layout.describe()}{extras})" if run.active else ""
     say(f"device: {rt.name} {dev['name']} ({dev['type']}){ranks}; peak for MFU: {peak_label}")
     say(f"model: {n_params / 1e6:.2f}M parameters, {cfg}")
@@ -440,6 +457,8 @@ def _train(args, given: set[str]) -> int:
                     parts = len(x) // micro_rows
                     loss = gpt.evaluate(np.split(x, parts), np.split(y, parts))
                 else:
+                    if cp is not None:
+                        x, y = cp.shard(x), cp.shard(y)
                     with autocast():
                         loss = gpt(x, y)[1].item()
                 if loss is not None:
@@ -457,6 +476,8 @@ def _train(args, given: set[str]) -> int:
             with timer.phase("data_load"):
                 x, y = loader.next_batch()
                 x, y = run.shard(x), run.shard(y)
+                if cp is not None:  # this rank's tokens of each sequence
+                    x, y = cp.shard(x), cp.shard(y)
             yield from zip(np.split(x, layout.microbatches), np.split(y, layout.microbatches))
 
     if args.moe_experts:
@@ -774,7 +795,12 @@ def _sample(model, tok, T: int, n: int, step: int) -> str:
     rng = np.random.default_rng(step)
     ids = list(tok.encode(b"def "))
     model.eval()
-    with hl.no_grad():
+    whole = contextlib.nullcontext()
+    if getattr(model, "context_parallel", None) is not None:  # one rank continues whole sequences
+        from helios.schedule.context_parallel import context_parallel_off
+
+        whole = context_parallel_off(model)
+    with hl.no_grad(), whole:
         for _ in range(n):
             ids.append(_next_token(model, np.array([ids[-T:]], np.int64), rng))
     model.train()

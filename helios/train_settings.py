@@ -224,6 +224,36 @@ def check_sequence_parallel(tp: int, pp: int, block_size: int) -> None:
               "block-size / tp positions)")
 
 
+def check_context_parallel(cp: int, layout: str, world: int, block_size: int, n_head: int, n_embd: int, args) -> None:
+    """Refuse a --cp setting helios-train cannot run, naming the flag: context parallelism splits
+    each sequence over --cp ranks (ring attention) and composes with data parallel only."""
+    if cp < 1:
+        usage(f"--cp must be 1 (off) or more ranks per sequence, got {cp}")
+    if cp == 1:
+        return
+    if world % cp:
+        usage(f"--cp {cp} must divide the number of ranks ({world}): the ranks left over, world / cp, are the "
+              "data-parallel replicas")
+    for flag, n in (("--tp", args.tp), ("--pp", args.pp), ("--zero", args.zero), ("--moe-experts", args.moe_experts)):
+        if n and (flag in ("--zero", "--moe-experts") or n > 1):
+            usage(f"--cp {cp} with {flag} {n}: context parallelism composes with data parallel only so far "
+                  f"(drop {flag})")
+    if args.dtype != "fp32":
+        usage(f"--cp {cp} with --dtype {args.dtype}: ring attention trains in fp32 only so far (use --dtype fp32)")
+    if args.attention == "dense":
+        usage(f"--cp {cp} with --attention dense: ring attention runs the flash kernel on each block (drop --attention)")
+    from helios import _kernels as K
+
+    head_dim = n_embd // n_head
+    if head_dim not in K.FLASH_HEAD_DIMS:
+        usage(f"--cp {cp}: ring attention needs a head dim of {', '.join(map(str, K.FLASH_HEAD_DIMS))}; this model's "
+              f"n_embd / n_head is {n_embd} / {n_head} = {head_dim}")
+    chunks = 2 * cp if layout == "zigzag" else cp
+    if block_size % chunks:
+        usage(f"--block-size {block_size} must be a multiple of {chunks} for --cp {cp} --cp-layout {layout} (each "
+              f"rank holds {'two' if layout == 'zigzag' else 'one'} of {chunks} equal chunks of every sequence)")
+
+
 def cli_settings(args) -> dict:
     """What the checkpoint keeps of the command line besides the model and training settings."""
     return {"config": args.config, "data": os.path.abspath(args.data) if args.data is not None else None,
@@ -275,31 +305,38 @@ def adopt_saved_settings(args, given: set[str], meta: dict, run_dir: str) -> dic
 
 
 # ---- what the device can hold --------------------------------------------------------------
-def largest_activation(batch: int, block: int, n_head: int, n_embd: int, vocab: int) -> tuple[int, str]:
+def largest_activation(batch: int, block: int, n_head: int, n_embd: int, vocab: int,
+                       dense_attention: bool = True) -> tuple[int, str]:
     """Bytes and name of the largest fp32 tensor one micro-batch's forward makes (each must fit
-    one storage-buffer binding): attention scores B·H·T², logits B·T·V, MLP hidden B·T·4C."""
-    sizes = {"attention scores (batch x heads x block x block)": batch * n_head * block * block * 4,
-             "logits (batch x block x vocabulary)": batch * block * vocab * 4,
+    one storage-buffer binding): attention scores B·H·T² (only on the dense attention path:
+    the flash kernel keeps none), logits B·T·V, MLP hidden B·T·4C."""
+    sizes = {"logits (batch x block x vocabulary)": batch * block * vocab * 4,
              "MLP activations (batch x block x 4 x embedding)": batch * block * 4 * n_embd * 4}
+    if dense_attention:
+        sizes["attention scores (batch x heads x block x block)"] = batch * n_head * block * block * 4
     name = max(sizes, key=sizes.get)
     return sizes[name], name
 
 
-def largest_block_that_fits(limit: int, batch: int, n_head: int, n_embd: int, vocab: int) -> int:
+def largest_block_that_fits(limit: int, batch: int, n_head: int, n_embd: int, vocab: int,
+                            dense_attention: bool = True) -> int:
     """The largest block size whose activations each fit ``limit`` bytes."""
-    t = int(math.isqrt(limit // (4 * batch * n_head)))
+    t = int(math.isqrt(limit // (4 * batch * n_head))) if dense_attention else limit
     return min(t, limit // (4 * batch * vocab), limit // (16 * batch * n_embd))
 
 
-def check_fits(limit: int, batch: int, block: int, n_head: int, n_embd: int, vocab: int | None) -> None:
-    """Refuse a --block-size / --batch-size whose activations exceed the device's largest binding."""
+def check_fits(limit: int, batch: int, block: int, n_head: int, n_embd: int, vocab: int | None,
+               dense_attention: bool = True, cp: int = 1) -> None:
+    """Refuse a --block-size / --batch-size whose activations exceed the device's largest binding
+    (with --cp N a rank holds block / N tokens of each sequence)."""
     v = vocab or 256
-    need, what = largest_activation(batch, block, n_head, n_embd, v)
+    need, what = largest_activation(batch, block // cp, n_head, n_embd, v, dense_attention)
     if need > limit:
-        best = largest_block_that_fits(limit, batch, n_head, n_embd, v)
+        best = largest_block_that_fits(limit, batch, n_head, n_embd, v, dense_attention) * cp
+        hint = " or --attention flash" if dense_attention else ""
         usage(f"--block-size {block}: one micro-batch of {batch} sequences makes {what} of {need:,} bytes, more than "
               f"this device binds at once ({limit:,} bytes, its maxStorageBufferRange); the largest block size that "
-              f"fits is {best} (or lower --batch-size)")
+              f"fits is {best} (or lower --batch-size{hint})")
 
 
 def vocab_of_spec(spec: str) -> int | None:

@@ -117,3 +117,13 @@ def test_helios_train_attention_flag(tmp_path):
     assert abs(resumed[3] - runs["flash"][3]) <= 1e-4 * runs["flash"][3]
     bad = _train(base + ["--attention", "sparse", "--out", str(tmp_path / "bad")], tmp_path)
     assert bad.returncode == 2 and "--attention" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_the_binding_check_counts_scores_only_on_the_dense_path(capsys):
+    from helios.train_settings import check_fits
+
+    limit = 128 << 20  # lavapipe's maxStorageBufferRange
+    check_fits(limit, 16, 1024, 4, 128, 256, dense_attention=False)  # the tiny model at 1024 tokens, flash
+    with pytest.raises(SystemExit):
+        check_fits(limit, 16, 1024, 4, 128, 256, dense_attention=True)  # 16 x 4 x 1024^2 x 4 bytes = 256 MiB
+    assert "attention scores" in capsys.readouterr().err

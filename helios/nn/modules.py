@@ -652,6 +652,7 @@ class CausalSelfAttention(Module):
         if cfg.attention not in ATTENTION_KINDS:
             raise ValueError(f"attention must be one of {', '.join(ATTENTION_KINDS)}, got {cfg.attention!r}")
         self.attention = cfg.attention
+        self.context_parallel = None  # set by helios.schedule.context_parallel: ring attention over ranks
         self.n_head, self.n_embd = cfg.n_head, cfg.n_embd
         self.c_attn = Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias, seed=seed)
         self.c_proj = Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias, std=0.02 / math.sqrt(2 * cfg.n_layer), seed=seed + 1)
@@ -662,7 +663,9 @@ class CausalSelfAttention(Module):
         B, T, C = x.shape
         H, D = self.n_head, C // self.n_head
         q, k, v = F.split_heads(self.c_attn(x), H)  # [B, H, T, D] views
-        if self._flash(T):
+        if self.context_parallel is not None:
+            y = self.context_parallel.attention(q, k, v)
+        elif self._flash(T):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             # scale, causal mask (query i sees keys 0..i) and softmax in one kernel
@@ -714,14 +717,19 @@ class GPT(Module):
         self.drop = Dropout(cfg.dropout)
         self.h = ModuleList([Block(cfg, seed * 1000 + 10 + 10 * i) for i in range(cfg.n_layer)])
         self.ln_f = LayerNorm(cfg.n_embd, bias=cfg.bias)
+        # With context parallelism (helios.schedule.context_parallel) ``idx`` is this rank's
+        # shard of each sequence and the positions are its tokens' global ones.
+        self.context_parallel = None
 
     def forward(self, idx, targets=None):
         if not isinstance(idx, Tensor):
             idx = K.from_numpy(np.asarray(idx, np.int64), dt.int64, self.wte.weight._st.rt)
         B, T = idx.shape
-        if T > self.config.block_size:
-            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
-        pos = _positions(T, self.wte.weight._st.rt)
+        cp = self.context_parallel
+        if T * (cp.world if cp is not None else 1) > self.config.block_size:
+            raise ValueError(f"sequence length {T * (cp.world if cp else 1)} exceeds block_size {self.config.block_size}")
+        rt = self.wte.weight._st.rt
+        pos = cp.positions(T, rt) if cp is not None else _positions(T, rt)
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.h:
             x = block(x)

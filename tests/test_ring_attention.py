@@ -28,6 +28,8 @@ LONG_T = 3824
 LAYOUTS = ("contiguous", "zigzag", "stripe")
 # The long case of each world size: the layouts whose causal masks are not the kernel's own.
 LONG = {2: ("stripe", True), 4: ("zigzag", True)}
+# The case whose q, k, v are strided views of one packed tensor, as the GPT's attention makes them.
+VIEWS = ("stripe", True, SMALL_T)
 
 
 def _cases(world: int) -> list[tuple[str, bool, int]]:
@@ -58,6 +60,12 @@ def _rank_main(out_dir: str) -> None:
     for layout, causal, T in _cases(world):
         q, k, v, g = (hl.tensor(ring_shard(a, layout, rank, world), requires_grad=i < 3)
                       for i, a in enumerate(_inputs(T)))
+        if (layout, causal, T) == VIEWS:
+            # As the GPT hands them over: [B, H, T/W, D] views of one [B, T/W, 3 * H * D] tensor.
+            packed = hl.tensor(np.concatenate([a.transpose(0, 2, 1, 3).reshape(B, -1, H * D)
+                                               for a in (q.numpy(), k.numpy(), v.numpy())], -1), requires_grad=True)
+            q, k, v = (packed[:, :, i * H * D:(i + 1) * H * D].reshape(B, -1, H, D).transpose(1, 2) for i in range(3))
+            assert not q.is_contiguous()
         if T == LONG_T:
             # The communicator's thread keeps its last operation (a K/V block) until its next
             # one: after a first call, each call frees the previous call's block and keeps its
@@ -71,8 +79,12 @@ def _rank_main(out_dir: str) -> None:
         kept = pool.pool_stats()["activations"]["in_use_bytes"] - before  # what the forward holds for backward
         o.backward(g)
         name = _case_name(layout, causal, T)
-        np.savez(os.path.join(out_dir, f"{name}-rank{rank}.npz"), o=o.numpy(), lse=lse.numpy(), dq=q.grad.numpy(),
-                 dk=k.grad.numpy(), dv=v.grad.numpy())
+        if (layout, causal, T) == VIEWS:
+            grads = packed.grad.numpy().reshape(B, -1, 3, H, D).transpose(2, 0, 3, 1, 4)  # [3, B, H, T/W, D]
+        else:
+            grads = [q.grad.numpy(), k.grad.numpy(), v.grad.numpy()]
+        np.savez(os.path.join(out_dir, f"{name}-rank{rank}.npz"), o=o.numpy(), lse=lse.numpy(), dq=grads[0],
+                 dk=grads[1], dv=grads[2])
         report[name] = {"kept_bytes": kept, **ring_attention_stats()}
         del o, lse  # freed now, not inside the next case's measurement
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:

@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="attention kernel: flash (memory linear in the context), dense (T x T scores), or auto "
                         "(flash where it is faster: from a context of %d tokens on, and when not training)"
                         % FLASH_MIN_TRAIN_T)
+    p.add_argument("--dp", type=int, default=None,
+                   help="data-parallel replicas (default: the ranks left over, world / (tp x pp x cp); given, it "
+                        "must match the job's ranks)")
     p.add_argument("--cp", type=int, default=1,
                    help="context parallel: split every sequence over this many ranks, attention by ring attention "
                         "(composes with data parallel: the ranks left over)")
@@ -211,6 +214,7 @@ def _train(args, given: set[str]) -> int:
 
     world = DistRun.launch_world()
     settings.check_context_parallel(args.cp, args.cp_layout, world, T, cfgd["n_head"], cfgd["n_embd"], args)
+    settings.check_data_parallel(args.dp, world, args.tp, args.pp, args.cp)
     # Context-parallel peers hold one replica's sequences between them: to the layout, one rank.
     layout = settings.check_layout(world // args.cp, args.tp, args.pp, args.microbatches, args.zero, bs,
                                    cfgd["n_layer"], cfgd["n_head"], cfgd["n_embd"])

@@ -224,6 +224,22 @@ def check_sequence_parallel(tp: int, pp: int, block_size: int) -> None:
               "block-size / tp positions)")
 
 
+def check_data_parallel(dp: int | None, world: int, tp: int, pp: int, cp: int) -> None:
+    """Refuse a --dp that does not match the ranks: dp x tp x pp x cp must be the world size
+    (--dp only confirms what the launcher's world gives; its default is world / (tp x pp x cp))."""
+    if dp is None:
+        return
+    if dp < 1:
+        usage(f"--dp must be 1 or more data-parallel replicas, got {dp}")
+    if dp * tp * pp * cp != world:
+        parts = " x ".join(f"{flag} {n}" for flag, n in (("--dp", dp), ("--tp", tp), ("--pp", pp), ("--cp", cp))
+                           if n > 1 or flag == "--dp")
+        n = dp * tp * pp * cp
+        ranks = f"{n} rank{'s' if n != 1 else ''}"
+        usage(f"{parts} = {ranks}, but the job has {world}: start {ranks} (helios-run --nproc-per-node) or drop "
+              "--dp (it defaults to the ranks left over)")
+
+
 def check_context_parallel(cp: int, layout: str, world: int, block_size: int, n_head: int, n_embd: int, args) -> None:
     """Refuse a --cp setting helios-train cannot run, naming the flag: context parallelism splits
     each sequence over --cp ranks (ring attention) and composes with data parallel only."""

@@ -1,4 +1,4 @@
-"""helios-train --cp: context parallelism (each sequence split over ranks, ring attention)
+"""helios-train --cp (and --dp): context parallelism (each sequence split over ranks, ring attention)
 trains what one rank trains, composes with data parallel, and settings that cannot work are
 one line naming the flag."""
 
@@ -31,7 +31,7 @@ def one_rank(tmp_path_factory):
 @pytest.mark.parametrize("world,layout", [(2, "zigzag"), (2, "stripe"), (4, "zigzag")])
 def test_context_parallel_trains_what_one_rank_trains(tmp_path, one_rank, world, layout):
     out = tmp_path / f"cp2_{layout}_w{world}"
-    r = launch(world, out, *TINY, "--cp", "2", "--cp-layout", layout, timeout=400)
+    r = launch(world, out, *TINY, "--dp", str(world // 2), "--cp", "2", "--cp-layout", layout, timeout=400)
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"context parallel 2 ({layout}: 8 tokens of each sequence a rank)" in r.stdout
     assert "--- sample ---" in r.stdout  # rank 0 samples whole sequences alone
@@ -51,6 +51,8 @@ def test_context_parallel_trains_what_one_rank_trains(tmp_path, one_rank, world,
     (2, ["--config", "tiny", "--cp", "2", "--attention", "dense"], "--cp 2 with --attention dense"),
     (2, ["--config", "tiny", "--cp", "2", "--tp", "2"], "--cp 2 with --tp 2: context parallelism composes with data"),
     (2, ["--config", "tiny", "--cp", "3"], "--cp 3 must divide the number of ranks (2)"),
+    (2, ["--dp", "1"], "--dp 1 = 1 rank, but the job has 2"),
+    (4, ["--config", "tiny", "--dp", "4", "--cp", "2"], "--dp 4 x --cp 2 = 8 ranks, but the job has 4"),
 ])
 def test_settings_that_cannot_work_are_one_line(tmp_path, world, args, needle):
     res = run_ranks(["-m", "helios.train", *_train_args(tmp_path, *args)], world, timeout=120)

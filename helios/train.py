@@ -116,7 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--moe-capacity", type=float, default=1.25,
                    help="capacity factor: places per expert = factor x top-k x tokens / experts")
     p.add_argument("--moe-aux-alpha", type=float, default=0.01, help="weight of the load-balancing loss")
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (only 1 in helios-train so far)")
+    p.add_argument("--ep", type=int, default=1,
+                   help="expert-parallel ranks: each layer's experts split over this many data-parallel ranks, "
+                        "tokens exchanged by all_to_all (1: every rank holds every expert)")
     p.add_argument("--grad-compression", default="none", metavar="SPEC",
                    help="compress data-parallel gradients: none | fp16 | bf16 | onebit[:warmup=N] | topk:FRACTION | "
                         "powersgd:rank=R[,start=S] (see schedule/README.md)")
@@ -219,7 +221,7 @@ def _train(args, given: set[str]) -> int:
     layout = settings.check_layout(world // args.cp, args.tp, args.pp, args.microbatches, args.zero, bs,
                                    cfgd["n_layer"], cfgd["n_head"], cfgd["n_embd"])
     pipeline = layout.pp > 1
-    settings.check_experts(args.moe_experts, args.moe_top_k, args.ep, args.tp, args.pp)
+    settings.check_experts(args.moe_experts, args.moe_top_k, args.ep, args.tp, args.pp, world, args.zero)
     settings.check_dtype(args.dtype, args.tp, args.pp, args.zero, args.moe_experts)
     if args.sequence_parallel:
         settings.check_sequence_parallel(args.tp, args.pp, T)
@@ -275,14 +277,19 @@ def _train(args, given: set[str]) -> int:
     hl.manual_seed(args.seed)
     gpt = GPT(cfg, seed=args.seed)
     n_params, fpt = gpt.num_parameters(), gpt.flops_per_token()  # the whole model's, whatever the split
+    ep_group = edp_group = None
     if args.moe_experts:
-        from helios.schedule.moe import use_experts
+        from helios.schedule.moe import expert_groups, use_experts
 
-        use_experts(gpt, args.moe_experts, args.moe_top_k, args.moe_capacity, args.moe_aux_alpha)
+        if args.ep > 1:  # each rank holds 1/ep of every layer's experts
+            ep_group, edp_group = expert_groups(args.ep)
+        use_experts(gpt, args.moe_experts, args.moe_top_k, args.moe_capacity, args.moe_aux_alpha, ep_group=ep_group)
         # a token runs top-k experts (each the size of the dense MLP) and the router
         mlp_weights = 8 * cfg.n_embd * cfg.n_embd * cfg.n_layer
         fpt += 6 * ((args.moe_top_k - 1) * mlp_weights + cfg.n_embd * args.moe_experts * cfg.n_layer)
-        n_params = gpt.num_parameters()
+        from helios.schedule.tensor_parallel import full_shape
+
+        n_params = sum(int(np.prod(full_shape(p))) for p in gpt.parameters())  # every expert, wherever it lives
     grid = cp = None
     if run.active:
         from helios.schedule.grid import ParallelGrid
@@ -305,6 +312,13 @@ def _train(args, given: set[str]) -> int:
         gpt = PipelineStage(whole, grid)  # this rank's layers, under the whole model's names
     tensor_parallel = grid is not None and args.tp > 1
     tp_group = grid.tp_group if tensor_parallel else None  # (None is also the world's group: test the flag)
+    tp_rank = grid.tp_rank if tensor_parallel else 0
+    if ep_group is not None:
+        # Expert tensors are sharded over the expert-parallel group the way tensor-parallel ones
+        # are over theirs: checkpoints gather them whole, the norm sums each shard once.
+        import helios.comm as dist
+
+        tensor_parallel, tp_group, tp_rank = True, ep_group, dist.get_rank(ep_group)
     decay = [p for n, p in gpt.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in gpt.named_parameters() if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
@@ -320,8 +334,13 @@ def _train(args, given: set[str]) -> int:
         if run.active and grid.dp > 1 and not pipeline:  # a pipeline averages after its flush (below)
             from helios.schedule import DistributedDataParallel
 
+            experts = []
+            if ep_group is not None:  # each rank's own experts: averaged over their replicas after backward
+                from helios.schedule.moe import expert_parameter_names
+
+                experts = expert_parameter_names(gpt)
             model = DistributedDataParallel(gpt, bucket_cap_mb=args.bucket_cap_mb, comm_hook=comm_hook,
-                                            group=grid.dp_group)
+                                            group=grid.dp_group, params_to_ignore=experts)
         opt = AdamW(groups, lr=lr_max, betas=(0.9, 0.95))
     autocast, scaler = _mixed_precision(args.dtype)
     loader = BatchLoader(ds.train, bs, T, seed=args.seed)
@@ -338,7 +357,7 @@ def _train(args, given: set[str]) -> int:
         if found is not None:
             # A stage's parameters are the whole model's own objects: loading the whole model by
             # name fills the stage's parameters (and, through the optimizer, their moments).
-            meta = train_state.load_training(found[1], whole, opt, loader, grid.tp_rank if tensor_parallel else 0)
+            meta = train_state.load_training(found[1], whole, opt, loader, tp_rank)
             resumed_from = found[1]
             afresh = train_state.load_comm_hook(found[1], meta, comm_hook, run.rank, run.world)
             if afresh:
@@ -452,7 +471,8 @@ def _train(args, given: set[str]) -> int:
         # its loss is on the last stage only (the others count nothing in the mean).
         model.eval()
         total, count = 0.0, 0
-        share = 1 if zero == 3 else run.data_world  # tensor-parallel peers run the same batches together
+        # (Expert parallelism exchanges tokens in every forward: every rank runs every batch too.)
+        share = 1 if zero == 3 or ep_group is not None else run.data_world  # TP peers run the same batches
         with hl.no_grad():
             for i, (x, y) in enumerate(val_loader.iter_eval(args.eval_batches)):
                 if i % share != run.data_rank % share:
@@ -485,7 +505,7 @@ def _train(args, given: set[str]) -> int:
             yield from zip(np.split(x, layout.microbatches), np.split(y, layout.microbatches))
 
     if args.moe_experts:
-        from helios.schedule.moe import aux_loss
+        from helios.schedule.moe import aux_loss, average_expert_gradients
     aux_dev = None  # the step's load-balancing loss (a device scalar), logged next to the loss
 
     def plain_step():
@@ -551,6 +571,9 @@ def _train(args, given: set[str]) -> int:
                 stage_loss = pipeline_step()
             else:
                 loss_dev = plain_step()
+                if ep_group is not None:
+                    with timer.phase("comm"):
+                        average_expert_gradients(gpt, edp_group, run.data_world)
             with timer.phase("grad_clip"):
                 scaler.unscale_(opt)  # fp16: the true gradients, for the norm and the inf/nan test
                 if args.grad_clip > 0:

@@ -186,11 +186,22 @@ SAVED = (
 )
 
 
-def check_experts(experts: int, top_k: int, ep: int, tp: int, pp: int) -> None:
-    """Refuse a mixture-of-experts setting helios-train cannot run, naming the flag."""
+def check_experts(experts: int, top_k: int, ep: int, tp: int, pp: int, world: int = 1, zero: int = 0) -> None:
+    """Refuse a mixture-of-experts setting helios-train cannot run, naming the flag.  ``--ep``
+    splits each layer's experts over that many data-parallel ranks (it must divide them)."""
+    if ep < 1:
+        usage(f"--ep must be 1 (every rank holds every expert) or more, got {ep}")
     if ep > 1:
-        usage(f"--ep {ep}: expert parallelism is in the library (helios.schedule.moe.MoEMLP(ep_group=...)) but not "
-              "yet in helios-train, where every rank holds every expert; use --ep 1")
+        if not experts:
+            usage(f"--ep {ep} splits the experts of a mixture-of-experts model over ranks: give --moe-experts too")
+        if experts % ep:
+            usage(f"--ep {ep} must divide --moe-experts {experts} (each rank holds the same number of experts)")
+        dp = world // max(1, tp * pp)
+        if dp % ep:
+            usage(f"--ep {ep} must divide the data-parallel ranks ({dp}): expert parallelism splits them, as "
+                  "DeepSpeed-MoE and Megatron-LM do")
+        if zero:
+            usage(f"--ep {ep} with --zero {zero}: ZeRO over expert-parallel ranks is not supported yet; use --zero 0")
     if not experts:
         return
     if top_k > experts:

@@ -81,11 +81,14 @@ class DistributedDataParallel(Module):
     as PyTorch: communication starts early); ``find_unused_parameters``: a
     parameter that gets no gradient in a backward pass counts as a zero gradient (else it
     is an error that names the parameters); ``broadcast_from``: the (global) rank whose
-    parameters every rank starts from, by default the group's first.
+    parameters every rank starts from, by default the group's first; ``params_to_ignore``: names
+    of parameters DDP leaves alone (not compared, broadcast or averaged: each rank's own, such
+    as the experts an expert-parallel rank holds, whose gradients the caller reduces).
     """
 
     def __init__(self, module: Module, bucket_cap_mb: float = 25.0, group=None, find_unused_parameters: bool = False,
-                 broadcast_from: int | None = None, comm_hook=None, first_bucket_cap_mb: float = 1.0) -> None:
+                 broadcast_from: int | None = None, comm_hook=None, first_bucket_cap_mb: float = 1.0,
+                 params_to_ignore=()) -> None:
         super().__init__()
         if bucket_cap_mb <= 0:
             raise ValueError(f"DistributedDataParallel: bucket_cap_mb must be > 0, got {bucket_cap_mb}")
@@ -94,7 +97,12 @@ class DistributedDataParallel(Module):
         self.bucket_cap_bytes = int(bucket_cap_mb * (1 << 20))
         self.first_bucket_cap_bytes = int(min(first_bucket_cap_mb, bucket_cap_mb) * (1 << 20))
         self.find_unused_parameters = find_unused_parameters
-        self._named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        ignored = set(params_to_ignore)
+        unknown = ignored - {n for n, _ in module.named_parameters()}
+        if unknown:
+            raise ValueError(f"DistributedDataParallel: params_to_ignore names no parameter of the model: "
+                             f"{', '.join(sorted(unknown))}")
+        self._named = [(n, p) for n, p in module.named_parameters() if p.requires_grad and n not in ignored]
         self._sync = True
         self._buckets = []
         self._layout_key = None

@@ -47,10 +47,11 @@ import helios.comm as dist
 from helios import _kernels as K
 from helios import dtypes as dt
 from helios import functional as F
+from helios.autograd.tape import no_grad
 from helios.creation import arange, normal, tensor, zeros
 from helios.nn import Linear, Module, Parameter
 from helios.schedule.grid import group_rank, group_size
-from helios.schedule.tensor_parallel import with_transpose
+from helios.schedule.tensor_parallel import TPLayout, with_transpose
 from helios.tensor import Tensor
 
 
@@ -98,8 +99,17 @@ class MoEMLP(Module):
         self.w_proj = Parameter(F.stack([normal(0.0, proj_std, (self.hidden, n_embd), seed=seed + 2 + 2 * e)
                                          for e in mine]))
         self.b_proj = Parameter(zeros(self.local_experts, 1, n_embd))
+        if ep > 1:
+            # Each expert tensor is this rank's rows of a whole [E, ...] tensor: the same layout
+            # record tensor parallelism keeps, so checkpoints gather whole tensors (and load
+            # on any layout) and the global gradient norm sums each shard once over the group.
+            for w in self.expert_parameters():
+                w.tp_layout = TPLayout((n_experts, *w.shape[1:]), self._rows_of, ep)
         self.aux_loss: Tensor | None = None
         self.dropped: Tensor | None = None  # (token, choice) pairs past capacity in the last forward
+
+    def _rows_of(self, q: int) -> slice:
+        return slice(q * self.local_experts, (q + 1) * self.local_experts)
 
     def expert_parameters(self) -> list[Parameter]:
         """The parameters of this rank's experts (the router is shared, as the rest of the model)."""
@@ -183,3 +193,51 @@ def use_experts(model: Module, n_experts: int, top_k: int = 2, capacity_factor: 
         block.mlp = MoEMLP(cfg.n_embd, n_experts, top_k=top_k, capacity_factor=capacity_factor,
                            aux_alpha=aux_alpha, ep_group=ep_group, seed=1000 * (i + 1), proj_std=proj_std)
     return model
+
+
+def expert_groups(ep: int):
+    """(expert-parallel group, expert-data-parallel group) of this rank for ``ep`` experts-ways:
+    ranks ``[i * ep, (i + 1) * ep)`` split the experts between them (neighbours, as Megatron-LM
+    and DeepSpeed-MoE place them), and the ranks with the same place in those groups hold the
+    same experts (their gradients are averaged over it).  Every rank builds every group, in one
+    order (helios.comm.new_group is collective)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if ep < 1 or world % ep:
+        raise ValueError(f"expert_groups: ep = {ep} does not divide the world size {world}")
+    ep_group = edp_group = None
+    for first in range(0, world, ep):
+        g = dist.new_group(list(range(first, first + ep)))
+        if first <= rank < first + ep:
+            ep_group = g
+    for j in range(ep):
+        g = dist.new_group(list(range(j, world, ep)))
+        if rank % ep == j:
+            edp_group = g
+    return ep_group, edp_group
+
+
+def expert_parameter_names(model: Module) -> list[str]:
+    """Names of the parameters of every :class:`MoEMLP`'s experts in ``model`` (what data
+    parallelism must leave to :func:`average_expert_gradients` under expert parallelism)."""
+    mine = {id(p) for m in model.modules() if isinstance(m, MoEMLP) for p in m.expert_parameters()}
+    return [n for n, p in model.named_parameters() if id(p) in mine]
+
+
+def average_expert_gradients(model: Module, edp_group, data_parallel: int) -> None:
+    """Turn the experts' accumulated gradients into the global batch's: an expert-parallel rank's
+    experts received the gradient of every token routed to them (from every rank of its
+    expert-parallel group), so the replicas' sum over ``edp_group`` is the sum over all
+    ``data_parallel`` ranks' losses; dividing by ``data_parallel`` gives the mean loss's
+    gradient, as data parallelism's average gives for the other parameters."""
+    grads = [p.grad for m in model.modules() if isinstance(m, MoEMLP) for p in m.expert_parameters()
+             if p.grad is not None]
+    replicas = 1 if edp_group is None else group_size(edp_group)
+    with no_grad():
+        for g in grads:
+            if replicas > 1:
+                total = K.copy(g)  # contiguous, for the collective
+                dist.all_reduce(total, group=edp_group)
+                g_new = total * (1.0 / data_parallel)
+            else:
+                g_new = g * (1.0 / data_parallel)
+            F.copy_(g, g_new)

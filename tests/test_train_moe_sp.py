@@ -55,10 +55,42 @@ def test_a_mixture_of_experts_gpt_trains_data_parallel(tmp_path):
     assert len(losses(tmp_path / "dp2")) == 3
 
 
+def test_expert_parallel_trains_what_every_rank_holding_every_expert_trains(tmp_path):
+    """--ep 2 on 2 ranks (each holds 2 of 4 experts, tokens exchanged by all_to_all) and on 4
+    ranks (2 replicas of each expert half) give the losses and the whole checkpointed model of
+    plain data parallel on as many ranks, where every rank holds every expert; a run stopped
+    under --ep 2 resumes with every expert on every rank."""
+    moe = ("--moe-experts", "4", "--moe-top-k", "2", "--steps", "5")
+    refs = {}
+    for world in (2, 4):  # (a rank's capacity follows its tokens: compare at the same data-parallel size)
+        dp = tmp_path / f"dp_w{world}"
+        r = launch(world, dp, *moe, timeout=400)
+        assert r.returncode == 0, r.stderr[-3000:]
+        ref_losses, ref = refs[world] = losses(dp), final_params(dp)
+        out = tmp_path / f"ep2_w{world}"
+        r = launch(world, out, *moe, "--ep", "2", timeout=400)
+        assert r.returncode == 0, r.stderr[-3000:]
+        np.testing.assert_allclose(losses(out), ref_losses, rtol=1e-5)
+        got = final_params(out)
+        assert sorted(got) == sorted(ref)
+        for k, v in ref.items():  # the whole [E, ...] expert tensors, gathered from their ranks
+            np.testing.assert_allclose(got[k], v, rtol=1e-5, atol=1e-5, err_msg=k)
+    # Stopped under --ep 2, resumed with every expert on every rank: the checkpoint held them whole.
+    part = tmp_path / "part"
+    r = launch(2, part, *moe, "--ep", "2", "--stop-after", "3")
+    assert r.returncode == 0 and "stopped at step 3" in r.stdout, r.stderr[-3000:]
+    r = launch(2, part, "--steps", "5", "--resume")
+    assert r.returncode == 0, r.stderr[-3000:]
+    np.testing.assert_allclose(losses(part), refs[2][0], rtol=1e-5)
+
+
 @pytest.mark.parametrize("world,args,needle", [
     (1, ["--moe-experts", "4", "--moe-top-k", "5"], "--moe-top-k 5 is more than --moe-experts 4"),
     (1, ["--moe-experts", "-1"], "--moe-experts must be 0 (a dense MLP) or more experts, got -1"),
-    (2, ["--moe-experts", "4", "--ep", "2"], "--ep 2: expert parallelism is in the library"),
+    (2, ["--moe-experts", "3", "--ep", "2"], "--ep 2 must divide --moe-experts 3"),
+    (2, ["--ep", "2"], "--ep 2 splits the experts of a mixture-of-experts model over ranks: give --moe-experts"),
+    (2, ["--moe-experts", "4", "--ep", "2", "--zero", "1"], "--ep 2 with --zero 1"),
+    (1, ["--moe-experts", "4", "--ep", "2"], "--ep 2 must divide the data-parallel ranks (1)"),
     (2, ["--moe-experts", "4", "--tp", "2"], "--moe-experts 4 with --tp 2"),
     (1, ["--sequence-parallel"], "--sequence-parallel splits the sequence over tensor-parallel ranks"),
     (2, ["--sequence-parallel", "--tp", "2", "--block-size", "15"], "--block-size 15 must be a multiple of --tp 2"),

@@ -328,8 +328,9 @@ def _train(args, given: set[str]) -> int:
         from helios.schedule.zero import ZeroDataParallel
 
         # Model wrapper and optimizer in one: it owns the parameters' flat buffer and the shards.
+        # (With --tp, over the data-parallel ranks that hold the same tensor-parallel shards.)
         model = opt = ZeroDataParallel(gpt, zero, groups, lr=lr_max, betas=(0.9, 0.95),
-                                       bucket_cap_mb=args.bucket_cap_mb)
+                                       bucket_cap_mb=args.bucket_cap_mb, group=grid.dp_group if args.tp > 1 else None)
     else:
         if run.active and grid.dp > 1 and not pipeline:  # a pipeline averages after its flush (below)
             from helios.schedule import DistributedDataParallel
@@ -578,7 +579,8 @@ def _train(args, given: set[str]) -> int:
                 scaler.unscale_(opt)  # fp16: the true gradients, for the norm and the inf/nan test
                 if args.grad_clip > 0:
                     if zero:
-                        opt.clip_grad_norm_(args.grad_clip)  # the global norm over every rank's shard
+                        # the global norm over every rank's shard (and every tensor-parallel part)
+                        opt.clip_grad_norm_(args.grad_clip, tp_group=tp_group if args.tp > 1 else None)
                     else:
                         clip(gpt.parameters(), args.grad_clip)
                 rt.synchronize()

@@ -135,10 +135,12 @@ def check_layout(world: int, tp: int, pp: int, microbatches: int | None, zero: i
     if pp > n_layer:
         usage(f"--pp {pp} is more pipeline stages than the model has transformer layers ({n_layer}); use at most "
               f"{n_layer}")
-    for flag, n, what in (("--tp", tp, "tensor-parallel"), ("--pp", pp, "pipeline-parallel")):
-        if n > 1 and zero:
-            usage(f"--zero {zero} with {flag} {n}: ZeRO over the data-parallel ranks of a {what} model is not "
-                  "supported yet; use --zero 0")
+    if pp > 1 and zero:
+        usage(f"--zero {zero} with --pp {pp}: ZeRO over the data-parallel ranks of a pipeline-parallel model is not "
+              "supported yet; use --zero 0")
+    if tp > 1 and zero == 3:
+        usage(f"--zero 3 with --tp {tp}: ZeRO-3 over the data-parallel ranks of a tensor-parallel model is not "
+              "supported yet; use --zero 1 or 2")
     dp = world // (tp * pp)
     if batch % dp:
         split = " x ".join(f"{flag} {n}" for flag, n in (("--tp", tp), ("--pp", pp)) if n > 1)

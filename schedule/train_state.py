@@ -48,10 +48,41 @@ def training_shards(gpt, opt, rank: int, world: int, tp_group=None) -> dict[str,
     z = _zero(opt)
     if z is None:
         return {**model_shards(gpt, rank, world, tp_group), **optimizer_shards(gpt, opt, rank, world, tp_group)}
+    if _tensor_parallel(gpt):
+        return _zero_tp_shards(z, gpt, rank, world, tp_group)
     out = {}
     for key, t in z.state_dict()["tensors"].items():
         kind, name = key.split(".", 1)
         out[_ZERO_KEYS[kind] + name] = C.ShardedArray(t["shape"], t["dtype"], t["start"], t["stop"], t["data"])
+    return out
+
+
+def _tensor_parallel(gpt) -> bool:
+    return any(getattr(p, "tp_layout", None) is not None and p.tp_layout.tp > 1 for p in gpt.parameters())
+
+
+def _zero_tp_shards(z, gpt, rank: int, world: int, tp_group) -> dict[str, C.ShardedArray]:
+    """ZeRO over the data-parallel ranks of a tensor-parallel model: each tensor's ZeRO ranges
+    (disjoint over the ZeRO group, together the whole tensor-parallel shard) are summed into the
+    shard, the shards gathered whole over ``tp_group``, and this rank writes its even share of
+    the whole tensor, so the checkpoint is one device's and loads on any grid.  Collective:
+    every rank visits every tensor in one order."""
+    import helios.comm as dist
+    from helios.schedule.tensor_parallel import full_shape, gather_full
+
+    params = dict(gpt.named_parameters())
+    tensors = z.state_dict()["tensors"]
+    out = {}
+    for key in sorted(tensors):
+        t = tensors[key]
+        kind, name = key.split(".", 1)
+        p = params[name]
+        shard = np.zeros(int(np.prod(t["shape"])), np.float32)
+        shard[t["start"]:t["stop"]] = t["data"]
+        dist.all_reduce(shard, group=z.pg)
+        whole = gather_full(p, shard, tp_group)
+        lo, hi = C.even_range(whole.size, rank, world)
+        out[_ZERO_KEYS[kind] + name] = C.ShardedArray(full_shape(p), "float32", lo, hi, whole[lo:hi])
     return out
 
 
@@ -137,10 +168,19 @@ def load_training(ckpt_dir: str, gpt, opt, loader, tp_rank: int = 0) -> dict:
     if z is not None:  # this rank reads the ranges it owns; loading is collective (it gathers parameters)
         ranges = z.shard_ranges()
         keys = {key: _ZERO_KEYS[key.split(".", 1)[0]] + key.split(".", 1)[1] for key in ranges}
-        arrays, meta = C.load(ckpt_dir, {keys[k]: (lo, hi) for k, (_, lo, hi) in ranges.items()})
+        if _tensor_parallel(gpt):  # whole tensors, then this rank's tensor-parallel shard, then its ZeRO range
+            params = dict(gpt.named_parameters())
+            whole = {k: (0, int(np.prod(full_shape(params[k.split(".", 1)[1]])))) for k in ranges}
+            arrays, meta = C.load(ckpt_dir, {keys[k]: span for k, span in whole.items()})
+            mine = {}
+            for k, (_, lo, hi) in ranges.items():
+                shard = take_shard(params[k.split(".", 1)[1]], arrays[keys[k]], tp_rank)
+                mine[k] = shard[lo:hi].astype(np.float32)
+        else:
+            arrays, meta = C.load(ckpt_dir, {keys[k]: (lo, hi) for k, (_, lo, hi) in ranges.items()})
+            mine = {k: arrays[keys[k]].astype(np.float32) for k in ranges}
         o = meta["optimizer"]
-        z.load_shard_state({"step": int(o["step"]), "param_groups": o["groups"],
-                            "tensors": {k: arrays[keys[k]].astype(np.float32) for k in ranges}})
+        z.load_shard_state({"step": int(o["step"]), "param_groups": o["groups"], "tensors": mine})
         hrandom.set_rng_state(meta["rng"])
         loader.load_state_dict(meta["loader"])
         return meta

@@ -810,22 +810,46 @@ class ZeroAdamW(Optimizer):
                 views.append(g.gshard)
         return views
 
+    def _grad_range(self, s: _Segment, a: int, start: int, stop: int) -> Tensor:
+        """This rank's gradient elements [start, stop) of the parameter at ``a`` in segment ``s``."""
+        if self.stage == 1:
+            return _view(s.gfull, s.go + a + start, stop - start)
+        g = self.groups[s.gi]
+        return _view(g.gshard._st, g.gshard._off + s.so + a + start - self.rank * s.c, stop - start)
+
     @no_grad()
-    def clip_grad_norm_(self, max_norm: float) -> Tensor:
+    def clip_grad_norm_(self, max_norm: float, tp_group=None) -> Tensor:
         """Scale the gradients so their global L2 norm is at most ``max_norm``; returns the norm (a device scalar).
 
         The sum of squares of this rank's shard is all-reduced over the ranks (every rank gets
-        the same norm); no host round trip beyond that one scalar."""
+        the same norm); no host round trip beyond that one scalar.  ``tp_group``: the model is
+        tensor parallel over that group (parameters with a ``tp_layout``): a tensor-parallel
+        shard's squares are summed over it too, while a replicated parameter (the same
+        gradient on every tensor-parallel rank) counts once."""
         self._settle()
+        tp = 1 if tp_group is None else dist.get_world_size(tp_group)
         parts = []
-        for v in self._grad_shards():
-            parts.append(F.sum(v * v))
+        if tp == 1:
+            for v in self._grad_shards():
+                parts.append(F.sum(v * v))
+        else:
+            for _, p, s, a, start, stop in self._ranges():
+                if stop > start:
+                    v = self._grad_range(s, a, start, stop)
+                    layout = getattr(p, "tp_layout", None)
+                    sharded = layout is not None and layout.tp > 1
+                    # summed over the tp ranks below: a replicated parameter's 1/tp shares add to one
+                    parts.append(F.sum(v * v) if sharded else F.sum(v * v) * (1.0 / tp))
+        if not parts:
+            parts = [K.fill(K.empty((), _F32, self.rt), 0.0)]
         total = parts[0]
         for x in parts[1:]:
             total = total + x
         total = F.reshape(total, (1,)) if total.ndim == 0 else total
         total = K.copy(total)
         dist.all_reduce(total, op="sum", group=self.pg)
+        if tp > 1:
+            dist.all_reduce(total, op="sum", group=tp_group)
         norm = F.sqrt(F.reshape(total, ()))
         coef = F.clamp(F.rdiv(norm + 1e-6, float(max_norm)), max=1.0)
         if self.stage == 1:  # every rank holds the full gradients: scale them all, so p.grad stays consistent
@@ -1069,8 +1093,9 @@ class ZeroDataParallel(DistributedDataParallel):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none)
 
-    def clip_grad_norm_(self, max_norm: float) -> Tensor:
-        return self.optimizer.clip_grad_norm_(max_norm)
+    def clip_grad_norm_(self, max_norm: float, tp_group=None) -> Tensor:
+        """See ZeroAdamW.clip_grad_norm_."""
+        return self.optimizer.clip_grad_norm_(max_norm, tp_group)
 
     def _hyper(self) -> list:
         return self.optimizer._hyper()

@@ -201,8 +201,11 @@ def get_backend(group: Any = None) -> str:
     return _group(group).backend
 
 
-def new_group(ranks: list[int] | None = None, timeout: float | None = None) -> ProcessGroup | _NonMember:
-    """A sub-communicator over global ``ranks``; every rank must call it, in the same order."""
+def new_group(ranks: list[int] | None = None, timeout: float | None = None,
+              role: str = "") -> ProcessGroup | _NonMember:
+    """A sub-communicator over global ``ranks``; every rank must call it, in the same order.
+    ``role`` says what the group is for ("tp", "dp", "pp", "ep", "cp", ...): a profile's
+    trace puts each role's collectives on a track of its own."""
     world = _group(None)
     ranks = sorted(set(range(world.size) if ranks is None else ranks))
     if not ranks or ranks[0] < 0 or ranks[-1] >= world.size:
@@ -214,6 +217,7 @@ def new_group(ranks: list[int] | None = None, timeout: float | None = None) -> P
         return _NonMember(ranks, name)
     assert _S.pstore is not None
     g = _make_group(_S.pstore, name, ranks, _S.backend, timeout or _S.timeout)
+    g.role = role
     _S.groups.append(g)
     return g
 

@@ -87,6 +87,7 @@ class ProcessGroup:
         self.rank = transport.rank
         self.size = transport.world
         self.name = name
+        self.role = ""  # what the group is for ("tp", "dp", ...: new_group(role=)); traces group by it
         self.timeout = timeout
         self.backend = transport.name
         self.engine = Engine(transport)
@@ -225,7 +226,7 @@ class ProcessGroup:
             ready = min(max(take_device_ready_ns(), t0), t1)
             col.record_comm(name, self.name, seq, nbytes, ready, t1, async_op=self._op_async,
                             issue_ns=min(self._op_issued or t0, t0), ok=ok, backend=self.backend, p2p=p2p,
-                            device_wait_ns=ready - t0)
+                            device_wait_ns=ready - t0, role=self.role)
             self._op_async, self._op_issued = False, 0
 
     def _run_op(self, name: str, nbytes: int, body: Callable[[A.Ctx], None], desc: str, p2p: bool) -> None:

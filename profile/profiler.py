@@ -120,6 +120,7 @@ class CommEvent:
     backend: str = ""
     p2p: bool = False
     device_wait_ns: int = 0
+    role: str = ""  # what the group is for ("tp", "dp", "pp", "ep", "cp"), as new_group(role=) named it
 
     @property
     def duration_ns(self) -> int:
@@ -197,7 +198,7 @@ class Collector:
     def record_comm(self, name: str, group: str, seq: int, nbytes: int, start_ns: int, end_ns: int, *,
                     async_op: bool = False, thread: str | None = None, thread_id: int | None = None,
                     issue_ns: int | None = None, ok: bool = True, backend: str = "", p2p: bool = False,
-                    device_wait_ns: int = 0) -> None:
+                    device_wait_ns: int = 0, role: str = "") -> None:
         """Record one collective or point-to-point operation (thread-safe; see :class:`CommEvent`).
 
         ``thread`` / ``thread_id`` default to the calling thread, ``issue_ns`` to ``start_ns``.
@@ -208,7 +209,7 @@ class Collector:
             thread_id = threading.get_native_id() if thread_id is None else thread_id
         ev = CommEvent(str(name), str(group), int(seq), int(nbytes), int(start_ns), int(end_ns), bool(async_op),
                        str(thread), int(thread_id), int(start_ns if issue_ns is None else issue_ns), bool(ok),
-                       str(backend), bool(p2p), int(device_wait_ns))
+                       str(backend), bool(p2p), int(device_wait_ns), str(role))
         with self._comm_lock:
             self._comm.append(ev)
             self._comm_ns += ev.duration_ns

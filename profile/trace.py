@@ -40,7 +40,8 @@ HOST_PID = 1
 DEVICE_PID = 2
 TID_OPS = 1
 TID_STEPS = 1000
-TID_COMM = 2000  # "collectives" (+ lane)
+TID_COMM = 2000  # "collectives" (+ role index x _LANES_PER_ROLE + lane)
+_LANES_PER_ROLE = 100
 # Device threads: queue q kernels at 10000*(q+1) + lane, submits at 10000*(q+1) + 5000 + lane.
 
 
@@ -119,18 +120,26 @@ def build_trace(col: Collector, process_name: str = "helios") -> dict[str, Any]:
             ev_out.append({"ph": "X", "cat": "phase", "name": sp.name, "pid": HOST_PID, "tid": TID_STEPS,
                            "ts": us(sp.start_ns), "dur": dur(sp.start_ns, sp.end_ns), "args": {"step": rec.step}})
 
-    # Collectives, on their own track (lanes where operations of two groups overlap).
-    comm_lanes = _assign_lanes([(c.start_ns, max(c.end_ns, c.start_ns)) for c in comm])
-    for c, lane in zip(comm, comm_lanes):
-        tid = TID_COMM + lane
-        threads[(HOST_PID, tid)] = ("collectives" + (f" (lane {lane})" if lane else ""), tid)
-        args = {"group": c.group, "seq": c.seq, "bytes": c.nbytes, "async": c.async_op, "thread": c.thread,
-                "thread_id": c.thread_id, "backend": c.backend, "GB/s": _rate(c.nbytes, c.duration_ns),
-                "queued_us": dur(c.issue_ns, c.start_ns), "device_wait_us": c.device_wait_ns / 1e3, "ok": c.ok}
-        if c.p2p:
-            args["p2p"] = True
-        ev_out.append({"ph": "X", "cat": "comm", "name": c.name, "pid": HOST_PID, "tid": tid,
-                       "ts": us(c.start_ns), "dur": dur(c.start_ns, c.end_ns), "args": args})
+    # Collectives on a track per group role (tensor, data, pipeline, expert, context parallel:
+    # new_group(role=)), the world's and unnamed groups' on "collectives"; lanes where
+    # operations overlap within a track.
+    roles = sorted({c.role for c in comm})
+    for ri, role in enumerate(roles):
+        of_role = [c for c in comm if c.role == role]
+        lanes = _assign_lanes([(c.start_ns, max(c.end_ns, c.start_ns)) for c in of_role])
+        for c, lane in zip(of_role, lanes):
+            tid = TID_COMM + ri * _LANES_PER_ROLE + min(lane, _LANES_PER_ROLE - 1)
+            label = "collectives" + (f": {role}" if role else "")
+            threads[(HOST_PID, tid)] = (label + (f" (lane {lane})" if lane else ""), tid)
+            args = {"group": c.group, "seq": c.seq, "bytes": c.nbytes, "async": c.async_op, "thread": c.thread,
+                    "thread_id": c.thread_id, "backend": c.backend, "GB/s": _rate(c.nbytes, c.duration_ns),
+                    "queued_us": dur(c.issue_ns, c.start_ns), "device_wait_us": c.device_wait_ns / 1e3, "ok": c.ok}
+            if c.p2p:
+                args["p2p"] = True
+            if c.role:
+                args["role"] = c.role
+            ev_out.append({"ph": "X", "cat": "comm", "name": c.name, "pid": HOST_PID, "tid": tid,
+                           "ts": us(c.start_ns), "dur": dur(c.start_ns, c.end_ns), "args": args})
 
     # Submits, one track per queue (lanes if two submits of one queue overlap).
     by_queue_sub: dict[int, list] = {}

@@ -64,7 +64,7 @@ def context_parallel_group(cp: int):
         raise ValueError(f"context_parallel_group: cp = {cp} does not divide the world size {world}")
     mine = None
     for first in range(0, world, cp):
-        g = dist.new_group(list(range(first, first + cp)))
+        g = dist.new_group(list(range(first, first + cp)), role="cp")
         if first <= rank < first + cp:
             mine = g
     return mine

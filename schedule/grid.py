@@ -55,9 +55,9 @@ class ParallelGrid:
         c = self.coord_of(self.rank)
         self.tp_rank, self.dp_rank, self.pp_rank = c.tp, c.dp, c.pp
         # Every rank creates every group in the same order, and keeps its own.
-        self.tp_group = self._build([[self.rank_of(t, d, p) for t in range(tp)] for p in range(pp) for d in range(dp)])
-        self.dp_group = self._build([[self.rank_of(t, d, p) for d in range(dp)] for p in range(pp) for t in range(tp)])
-        self.pp_group = self._build([[self.rank_of(t, d, p) for p in range(pp)] for d in range(dp) for t in range(tp)])
+        self.tp_group = self._build([[self.rank_of(t, d, p) for t in range(tp)] for p in range(pp) for d in range(dp)], "tp")
+        self.dp_group = self._build([[self.rank_of(t, d, p) for d in range(dp)] for p in range(pp) for t in range(tp)], "dp")
+        self.pp_group = self._build([[self.rank_of(t, d, p) for p in range(pp)] for d in range(dp) for t in range(tp)], "pp")
 
     def rank_of(self, tp: int, dp: int, pp: int) -> int:
         """The global rank at grid coordinates (tp, dp, pp)."""
@@ -78,13 +78,13 @@ class ParallelGrid:
             return [self.rank_of(c.tp, c.dp, p) for p in range(self.pp)]
         raise ValueError(f"ParallelGrid.peers: kind must be 'tp', 'dp' or 'pp', got {kind!r}")
 
-    def _build(self, groups: list[list[int]]):
+    def _build(self, groups: list[list[int]], role: str):
         if self.world > 1 and len(groups[0]) == self.world:
             return None  # the dimension spans every rank: the world's own communicator (group=None)
         mine = None
         for ranks in groups:
             # One member: no communicator is needed (collectives over one rank are copies).
-            g = dist.new_group(ranks) if len(ranks) > 1 else None
+            g = dist.new_group(ranks, role=role) if len(ranks) > 1 else None
             if self.rank in ranks:
                 mine = g if g is not None else _Alone(ranks)
         return mine

@@ -206,11 +206,11 @@ def expert_groups(ep: int):
         raise ValueError(f"expert_groups: ep = {ep} does not divide the world size {world}")
     ep_group = edp_group = None
     for first in range(0, world, ep):
-        g = dist.new_group(list(range(first, first + ep)))
+        g = dist.new_group(list(range(first, first + ep)), role="ep")
         if first <= rank < first + ep:
             ep_group = g
     for j in range(ep):
-        g = dist.new_group(list(range(j, world, ep)))
+        g = dist.new_group(list(range(j, world, ep)), role="edp")
         if rank % ep == j:
             edp_group = g
     return ep_group, edp_group

@@ -165,6 +165,27 @@ def test_trace_spreads_overlapping_collectives_over_lanes():
     assert comm[2]["dur"] == 0 and comm[2]["args"]["ok"] is False and comm[2]["args"]["GB/s"] is None
 
 
+def test_trace_puts_each_group_role_on_its_own_track():
+    """Tensor-, data- and expert-parallel collectives (new_group(role=)) overlap in time but sit
+    on tracks of their own, the world's on "collectives"."""
+    col = Collector(clock=lambda: 0)
+    col.record_comm("all_reduce", "g1", 0, 4096, 1_000, 9_000, role="tp")
+    col.record_comm("all_reduce", "g2", 0, 8192, 2_000, 12_000, role="dp", async_op=True)
+    col.record_comm("all_to_all", "g3", 0, 1024, 3_000, 4_000, role="ep")
+    col.record_comm("all_reduce", "world", 0, 16, 13_000, 14_000)
+    col.record_comm("all_reduce", "g1", 1, 4096, 5_000, 6_000, role="tp")
+    col.end_ns = 20_000
+    trace = build_trace(col)
+    assert validate_trace(trace) == []
+    names = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "thread_name"}
+    comm = [e for e in trace["traceEvents"] if e.get("cat") == "comm"]
+    tracks = {(e["args"]["group"], e["args"]["seq"]): names[e["tid"]] for e in comm}
+    assert tracks == {("g1", 0): "collectives: tp", ("g1", 1): "collectives: tp", ("g2", 0): "collectives: dp",
+                      ("g3", 0): "collectives: ep", ("world", 0): "collectives"}
+    assert all(e["args"].get("role", "") == {"g1": "tp", "g2": "dp", "g3": "ep"}.get(e["args"]["group"], "")
+               for e in comm)
+
+
 def test_no_session_no_recording():
     import helios.comm as dist
 

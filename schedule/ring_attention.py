@@ -196,12 +196,17 @@ def _empty_like(t: Tensor) -> Tensor:
 
 
 def _add_rows(acc: Tensor | None, part: Tensor, start: int, full: int) -> Tensor:
-    """``acc`` + ``part`` placed at rows [start, ...) of dim 2, in place when ``acc`` exists
-    (it is a buffer of this rank's own: a received accumulator or an earlier sum)."""
-    part = _place(part, start, full)
+    """``acc`` + ``part`` at rows [start, ...) of dim 2, in place when ``acc`` exists (it is a
+    buffer of this rank's own: a received accumulator or an earlier sum).  A part of the
+    rows is added through a temporary of its own size, not a zero-padded whole."""
     if acc is None:
-        return part
-    return K.binary_("add", acc, part)
+        return _place(part, start, full)
+    m = part.shape[2]
+    if m == full:
+        return K.binary_("add", acc, part)
+    rows = F.narrow(acc, 2, start, m)
+    K.copy_into(rows, rows + part)
+    return acc
 
 
 def _wait(works: list) -> None:
@@ -262,6 +267,9 @@ class _RingAttention(Function):
                         o, lse = ob, lb
                     else:
                         o, lse = _merge(o, lse, ob, lb, qa, n)
+                    # Drop this step's views and partial results now: they would keep the old
+                    # block alive while the next one is allocated.
+                    qs = ks = vs = ob = lb = None
                 _wait(works)
                 if nkv is not None:
                     kv = nkv
@@ -290,7 +298,8 @@ class _RingAttention(Function):
 
             def rows(start: int, m: int):
                 if (start, m) not in cache:
-                    cache[start, m] = tuple(_rows(t, start, m, n) for t in (q, o, lse, g))
+                    # q as a view (the kernel reads strided queries); O, L and dO as dense rows.
+                    cache[start, m] = (F.narrow(q, 2, start, m),) + tuple(_rows(t, start, m, n) for t in (o, lse, g))
                 return cache[start, m]
 
             acc_works, acc_in = [], [None, None]
@@ -321,6 +330,8 @@ class _RingAttention(Function):
                     acc_works = _exchange(acc, acc_in, me, nxt, prv, group)
                 else:
                     acc_in = acc
+                # The sends hold what they send; nothing of this step is needed past here.
+                acc = part = qs = ks = vs = os_ = ls = gs = dqb = dkb = dvb = None
                 _wait(works)
                 if nkv is not None:
                     kv = nkv

@@ -583,14 +583,24 @@ _MM_SG = 8  # the subgroup size the CPU kernel is written for
 def _mm_cpu_tile(M: int, N: int) -> tuple:
     """(TM, TN, WY) of the CPU kernel for an M x N output.
 
-    Measured on a 2-core AVX2 host with lavapipe at 1024^2 (single-thread best-of runs, fp32):
-    8x16 with 16 subgroups a workgroup ~17 GFLOP/s, 16x16 ~16, 8x8 ~15, 16x8 ~15 (+-20%
-    noise).  Wide blocks amortise the A broadcasts over more columns and tall workgroups
-    reuse one B panel from cache; narrow outputs get 8 columns a lane so fewer lanes idle
-    on clamped columns, short ones fewer subgroups so both threads get workgroups.
+    llvmpipe turns every buffer load into a loop over the 8 lanes (~45 instructions a lane
+    for one 32-byte load), so what a register block costs is mostly its loads: per K step a
+    subgroup loads TM values of A and 8 * TN of B for TM * TN vector multiply-adds.  32x8
+    loads 2.8x less per multiply-add than 8x16 and ran 1.35-1.45x faster at 1024^3 (CPU
+    time, fp32, see bench/README.md "matmul"); 64x8 is ~10 % faster again but JITs ~5x
+    longer.  Outputs shorter than 64 rows keep 8-row blocks (a 32-row block would compute
+    mostly clamped rows), with 16 columns a lane when N >= 512.  WY keeps ~128 rows a
+    workgroup on tall outputs (one B panel reused from cache) and fewer on short ones so
+    both threads get workgroups.
     """
-    tm, tn = _MM_CPU_TILE or (8, 16 if N >= 512 else 8)
-    wy = _MM_CPU_WY or (16 if M >= 512 else 8 if M >= 128 else 2)
+    if _MM_CPU_TILE is not None:
+        tm, tn = _MM_CPU_TILE
+    elif M >= 64:
+        tm, tn = 32, 8
+    else:
+        tm, tn = 8, 16 if N >= 512 else 8
+    rows = 128 if M >= 512 else 64 if M >= 128 else 16
+    wy = _MM_CPU_WY or max(1, rows // tm)
     return tm, tn, wy
 
 

@@ -110,8 +110,10 @@ def test_matmul_vector_operands():
 
 
 def test_tile_picker():
-    assert K._mm_cpu_tile(1024, 1024) == (8, 16, 16)
-    assert K._mm_cpu_tile(64, 100) == (8, 8, 2)
+    assert K._mm_cpu_tile(1024, 1024) == (32, 8, 4)
+    assert K._mm_cpu_tile(64, 100) == (32, 8, 1)
+    assert K._mm_cpu_tile(40, 600) == (8, 16, 2)
+    assert K._mm_cpu_tile(40, 100) == (8, 8, 2)
     K._MM_CPU_TILE, K._MM_CPU_WY = (16, 8), 4
     try:
         assert K._mm_cpu_tile(1024, 1024) == (16, 8, 4)
@@ -140,7 +142,7 @@ def test_mode_picker(wide):
     assert K._mm_cpu_config(8, 6, 0, 0, 0, [0, 0], [0, 0], 8, 1, 6, 1, wide)[3] == 0
 
 
-@pytest.mark.parametrize("tile", [(8, 8), (8, 16), (16, 8), (16, 16)])
+@pytest.mark.parametrize("tile", [(8, 8), (8, 16), (16, 8), (32, 8)])
 @pytest.mark.parametrize("dtype", FLOATS)
 def test_forced_tiles(tile, dtype):
     # every compiled register block (bench/matmul.py --tiles sweeps them), 4 subgroups a workgroup

@@ -15,15 +15,19 @@
 //
 // * MM_SG (lavapipe and other CPU drivers): no shared memory and no barriers.  llvmpipe
 //   runs a subgroup as one 8-wide SIMD vector and turns every buffer or shared-memory
-//   load into a per-lane scalar loop, while subgroupBroadcast with a constant lane is a
-//   single register shuffle.  So each subgroup of SG lanes computes a TM x (SG*TN) tile:
-//   lane l owns TN adjacent columns and all TM rows; the A panel (TM x 8 per step) is
-//   loaded once, spread over the lanes as vec4s, and handed to every lane by broadcast;
-//   B is read as vec4s along its contiguous dim.  Each load then moves 4 useful values
-//   per lane and nothing is loaded twice inside a subgroup.  TM / TN are compile-time
-//   (the register block must be fully unrolled: llvmpipe keeps arrays indexed by a loop
-//   variable in memory); the operand layouts and the workgroup height are
-//   specialization constants, so dead layout branches vanish when the pipeline is built.
+//   load into a loop over the lanes (~45 instructions a lane for one load of up to 32
+//   bytes), while subgroupShuffle with a constant lane is one vpermps.  (subgroupBroadcast
+//   is not: llvmpipe first searches the active lanes in a loop, ~60 instructions.)  So
+//   each subgroup of SG lanes computes a TM x (SG*TN) tile: lane l owns TN adjacent
+//   columns and all TM rows; the A panel (TM x 8 per step) is loaded once, spread over the
+//   lanes as vec4s, and handed to every lane by shuffles; B is read as vec4s along its
+//   contiguous dim.  Each load then moves 4-8 useful values per lane and nothing is
+//   loaded twice inside a subgroup; a tall block (32x8) loads TM + 8*TN values per K step
+//   for TM*TN vector multiply-adds.  llvmpipe lowers fma() to a multiply and an add, so
+//   the sums are written as such.  TM / TN are compile-time (the register block must be
+//   fully unrolled: llvmpipe keeps arrays indexed by a loop variable in memory); the
+//   operand layouts and the workgroup height are specialization constants, so dead
+//   layout branches vanish when the pipeline is built.
 #include "common.glsl"
 #extension GL_EXT_control_flow_attributes : require
 
@@ -102,7 +106,7 @@ void main() {
 #else
 // ---------------------------------------------------------------- subgroup register blocks (CPU)
 #extension GL_KHR_shader_subgroup_basic : require
-#extension GL_KHR_shader_subgroup_ballot : require
+#extension GL_KHR_shader_subgroup_shuffle : require
 #extension GL_EXT_shader_explicit_arithmetic_types_int64 : require
 #ifndef SG
 #define SG 8        // lanes per subgroup (lavapipe: SIMD width / 32); matmul() checks the device
@@ -208,9 +212,9 @@ void main() {
     uint bcol[TN];               // BMODE 0/2: each column; BMODE 1: each 8-column run at bcol[8*j8]
     [[unroll]] for (int j = 0; j < TN; ++j) bcol[j] = bbase + min(n0 + uint(j), p.N - 1u) * p.sbn;
 
-    float acc[TM][TN];
+    vec4 acc[TM][TN / 4];        // acc[i][j4][e]: row m0 + i, column n0 + 4 * j4 + e
     [[unroll]] for (int i = 0; i < TM; ++i)
-        [[unroll]] for (int j = 0; j < TN; ++j) acc[i][j] = 0.0;
+        [[unroll]] for (int j4 = 0; j4 < TN / 4; ++j4) acc[i][j4] = vec4(0.0);
 
     uint kmain = p.K - p.K % uint(KB);
     for (uint k = 0u; k < kmain; k += uint(KB)) {
@@ -266,9 +270,9 @@ void main() {
         }
         [[unroll]] for (int i = 0; i < TM; ++i)
             [[unroll]] for (int kk = 0; kk < KB; ++kk) {
-                float ai = AMODE == 2 ? subgroupBroadcast(am[i / 4][i % 4], uint(kk))
-                                      : subgroupBroadcast(av[i / SG][kk / 4][kk % 4], uint(i % SG));
-                [[unroll]] for (int j = 0; j < TN; ++j) acc[i][j] += ai * bp[kk][j / 4][j % 4];
+                float ai = AMODE == 2 ? subgroupShuffle(am[i / 4][i % 4], uint(kk))
+                                      : subgroupShuffle(av[i / SG][kk / 4][kk % 4], uint(i % SG));
+                [[unroll]] for (int j4 = 0; j4 < TN / 4; ++j4) acc[i][j4] += ai * bp[kk][j4];
             }
     }
     // K tail (K % KB values): scalar loads, one k at a time.
@@ -278,18 +282,18 @@ void main() {
             uint m = min(m0 + uint(r * SG) + lane, p.M - 1u);
             at[r] = lda(abase + m * p.sam + k * p.sak);
         }
-        float bv[TN];
-        [[unroll]] for (int j = 0; j < TN; ++j) bv[j] = ldb(bcol[j] + k * p.sbk);
+        vec4 bv[TN / 4];
+        [[unroll]] for (int j = 0; j < TN; ++j) bv[j / 4][j % 4] = ldb(bcol[j] + k * p.sbk);
         [[unroll]] for (int i = 0; i < TM; ++i) {
-            float ai = subgroupBroadcast(at[i / SG], uint(i % SG));
-            [[unroll]] for (int j = 0; j < TN; ++j) acc[i][j] += ai * bv[j];
+            float ai = subgroupShuffle(at[i / SG], uint(i % SG));
+            [[unroll]] for (int j4 = 0; j4 < TN / 4; ++j4) acc[i][j4] += ai * bv[j4];
         }
     }
 
     if (HAS_BIAS == 1) {  // this lane's TN bias values, loaded once for all TM rows
         [[unroll]] for (int j = 0; j < TN; ++j) {
             float bj = HL_LDF(TA, bias[p.off_bias + min(n0 + uint(j), p.N - 1u)]);
-            [[unroll]] for (int i = 0; i < TM; ++i) acc[i][j] += bj;
+            [[unroll]] for (int i = 0; i < TM; ++i) acc[i][j / 4][j % 4] += bj;
         }
     }
     uint cbase = p.off_c + z * p.M * p.N;
@@ -300,12 +304,12 @@ void main() {
         if (CVEC == 1) {
             [[unroll]] for (int j4 = 0; j4 < TN / 4; ++j4) {
                 uint n = n0 + uint(4 * j4);
-                if (n < p.N) stc4(crow + n, vec4(acc[i][4 * j4], acc[i][4 * j4 + 1], acc[i][4 * j4 + 2], acc[i][4 * j4 + 3]));
+                if (n < p.N) stc4(crow + n, acc[i][j4]);
             }
         } else {
             [[unroll]] for (int j = 0; j < TN; ++j) {
                 uint n = n0 + uint(j);
-                if (n < p.N) c[crow + n] = HL_STF(TA, acc[i][j]);
+                if (n < p.N) c[crow + n] = HL_STF(TA, acc[i][j / 4][j % 4]);
             }
         }
     }

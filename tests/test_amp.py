@@ -280,3 +280,28 @@ def test_train_fp16_saves_the_scaler_and_resumes_bit_exactly(corpus, tmp_path): 
     assert losses(split) == losses(full)
     r = run(["--out", str(split), "--resume", "--dtype", "bf16"], tmp_path)
     assert r.returncode == 2 and "--dtype bf16: the run in" in r.stderr and "was trained with --dtype fp16" in r.stderr
+
+
+def test_train_fp16_logs_skipped_steps_and_backs_off(corpus, tmp_path, monkeypatch, capsys):  # noqa: F811
+    import json
+
+    import helios.train as train
+
+    # A scale far too large: every scaled gradient overflows float16, so each step is skipped,
+    # logged, and the scale halves (the run finishes: a skipped step is not a failed run).
+    plain = train._mixed_precision
+
+    def too_large(dtype):
+        ctx, _ = plain(dtype)
+        return ctx, hl.amp.GradScaler(init_scale=2.0 ** 40)
+
+    monkeypatch.setattr(train, "_mixed_precision", too_large)
+    monkeypatch.setenv("HELIOS_CACHE_DIR", str(tmp_path))
+    rc = train.main(BASE + ["--steps", "3", "--batch-size", "4", "--block-size", "16", "--data", corpus,
+                            "--dtype", "fp16", "--out", str(tmp_path / "run")])
+    out = capsys.readouterr().out
+    assert rc == 0
+    for step, scale in ((1, "5.49756e+11"), (2, "2.74878e+11"), (3, "1.37439e+11")):
+        assert f"step {step}: inf/nan in the fp16 gradients, step skipped ({step} so far); loss scale now {scale}" in out
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["skipped_steps"] == 3 and summary["loss_scale"] == 2.0 ** 37

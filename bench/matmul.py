@@ -13,7 +13,9 @@ Each round times Helios (``reps`` products recorded back to back, then
 so the two see the same machine load; a shape's figure is the median over rounds of the
 per-product time.  One JSON line per shape: {"bench": "matmul", "shape", "layout",
 "helios_gflops", "numpy_gflops", "ratio", "numpy_threads", "lp_num_threads", "device"};
-``ratio`` = helios / numpy.  With ``--dtype float16/bfloat16`` Helios stores 16-bit
+``ratio`` = helios / numpy.  The ``*_gflops_cpu`` / ``ratio_cpu`` fields divide by the
+process CPU time instead (all threads, lavapipe's and OpenBLAS' included): on a host
+shared with other work they move far less than the wall-clock figures.  With ``--dtype float16/bfloat16`` Helios stores 16-bit
 operands (computing in fp32) while numpy still runs fp32 BLAS: numpy has no bf16 and its
 float16 matmul does not use BLAS, so fp32 is the fair peer.  On a GPU, ``--cuda-peer`` also
 times torch.matmul on CUDA (fp32, TF32 off, same shape and layout) in the same run and adds
@@ -81,20 +83,26 @@ def bench_shape(M: int, Kd: int, N: int, layout: str, dtype: str, rounds: int, r
     (A @ B)[0, 0].item()
     one = time.perf_counter() - t0
     reps = max(1, min(50, int(0.2 / max(one, 1e-6))))
-    th, tn = [], []
+    th, tn, ch, cn = [], [], [], []
     for _ in range(rounds):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(reps):
             C = A @ B
         hl.synchronize()
         C[0, 0].item()
         th.append((time.perf_counter() - t0) / reps)
-        t0 = time.perf_counter()
+        ch.append((time.process_time() - c0) / reps)
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(reps):
             na @ nb
         tn.append((time.perf_counter() - t0) / reps)
+        cn.append((time.process_time() - c0) / reps)
     gh, gn = flop / statistics.median(th) / 1e9, flop / statistics.median(tn) / 1e9
+    # per CPU-second of this process (lavapipe's and OpenBLAS' threads included): steadier
+    # than wall time when other work shares the cores
+    gch, gcn = flop / statistics.median(ch) / 1e9, flop / statistics.median(cn) / 1e9
     return {"helios_gflops": round(gh, 3), "numpy_gflops": round(gn, 3), "ratio": round(gh / gn, 4),
+            "helios_gflops_cpu": round(gch, 3), "numpy_gflops_cpu": round(gcn, 3), "ratio_cpu": round(gch / gcn, 4),
             "rel_err": float(f"{err:.2e}"), "reps": reps, "rounds": rounds}
 
 

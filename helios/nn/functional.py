@@ -5,7 +5,9 @@ asked for, so ops added there later appear here too (``F.relu``, ``F.gelu``, ``F
 ``F.cross_entropy``, ``F.layer_norm``, ``F.linear``, ``F.embedding``, ``F.dropout`` ...):
 ``import helios.nn.functional as F`` as in PyTorch.  Helios's functional ops already carry
 PyTorch's names; where ``torch.nn.functional``'s signature has an extra argument (the
-``inplace=`` flag of ``relu`` and ``dropout``), the function here takes it.
+``inplace=`` flag of ``relu`` and ``dropout``), the function here takes it.  Sparse attention
+(``block_sparse_attention``, ``dilated_attention``, ``BlockPattern``) comes from
+:mod:`helios.attention`.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import types as _types
 
 import helios.functional as _hf
+from helios.attention import BlockPattern, block_sparse_attention, dilated_attention  # noqa: F401  (re-exports)
 
 
 def relu(input, inplace: bool = False):
@@ -27,7 +30,7 @@ def dropout(input, p: float = 0.5, training: bool = True, inplace: bool = False)
     return _hf.dropout(input, p, training)
 
 
-_OWN = {"relu", "dropout"}
+_OWN = {"relu", "dropout", "BlockPattern", "block_sparse_attention", "dilated_attention"}
 
 
 def _public(name: str, value) -> bool:

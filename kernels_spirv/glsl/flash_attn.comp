@@ -16,9 +16,24 @@
 //      from the saved L, dP = dO V^T, dS = P * (dP - D), dQ += dS K * scale.
 //   3  backward dK, dV: a tile of key rows streams query tiles: dV += P^T dO and
 //      dK += dS^T Q * scale.
+// Block sparsity: with a block size bs (flags >> 8, 0 = dense) a uint mask over
+// (query block, key block) pairs, row-major [ceil(Tq / bs), ceil(Tk / bs)], nonzero =
+// computed.  Passes 0 and 2 skip key tiles of masked blocks, pass 3 skips query tiles of
+// masked blocks (the same mask read down a column).  bs is a multiple of every tile and
+// row group of both kernels (64, checked by flash_attn_fwd()), so a tile never straddles
+// two blocks and the skip is uniform over a subgroup or workgroup.  One word per block pair
+// rather than per query block a list of allowed key blocks: the dK/dV pass reads it by
+// column with the same indexing, no transposed second index, and a skipped tile costs one
+// uniform load.  The mask has no binding of its own: each pass reads it through a binding
+// it leaves unused (pass 0: 6, pass 2: 8, pass 3: 7), so the dense kernel keeps its layout.
+// A query row whose every key is masked has no softmax; block masks are refused before
+// that can happen (helios/attention.py).
+// With flags bit 1, pass 1 computes D = rowsum(dO * O) - dL instead, dL (the gradient of
+// L, read through binding 5, unused by that pass) entering dS = P * (dP - D + dL): the
+// backward of callers that use L itself (dilated attention's softmax over patterns).
 // Passes 2 and 3 each own their outputs (a query row's dQ, a key row's dK and dV), so the
 // backward needs no atomics and is deterministic.  With causal != 0 query i sees keys
-// j <= i (top-left aligned, PyTorch's is_causal); tiles wholly above the diagonal are
+// j <= i (top-left aligned, PyTorch's is_causal; flags bit 0); tiles wholly above the diagonal are
 // skipped, not computed and masked.  Exponentials are exp2 of scores pre-multiplied by
 // scale * log2(e).
 //
@@ -64,8 +79,12 @@ layout(std430, binding = 6) buffer BD { float dsum[]; };
 layout(std430, binding = 7) writeonly buffer BDQ { HL_ST(TA) dq[]; };
 layout(std430, binding = 8) writeonly buffer BDK { HL_ST(TA) dk[]; };
 layout(std430, binding = 9) writeonly buffer BDV { HL_ST(TA) dv[]; };
+// the block mask's aliases (see above)
+layout(std430, binding = 6) readonly buffer BM6 { uint bm6[]; };
+layout(std430, binding = 7) readonly buffer BM7 { uint bm7[]; };
+layout(std430, binding = 8) readonly buffer BM8 { uint bm8[]; };
 layout(push_constant) uniform P {
-    uint Tq; uint Tk; uint H; uint causal;
+    uint Tq; uint Tk; uint H; uint flags;  // bit 0 causal, bit 1 dL given, bits 8.. block size
     float scale;
     uint off_q; uint off_k; uint off_v; uint off_o; uint off_do;
     uint sqb; uint sqh; uint sqt;
@@ -96,6 +115,36 @@ uint vrow(uint z, uint t) { uint b = z / p.H; return p.off_v + b * p.svb + (z - 
 uint orow(uint z, uint t) { return p.off_o + (z * p.Tq + t) * uint(HD); }
 uint dorow(uint z, uint t) { return p.off_do + (z * p.Tq + t) * uint(HD); }
 
+layout(constant_id = 1) const int MODE = 0;  // the pass
+
+bool causal_on() { return (p.flags & 1u) != 0u; }
+
+// Whether the block holding query row qr and key row kr is computed (always, without a mask).
+bool blk_on(uint qr, uint kr) {
+    uint bs = p.flags >> 8;
+    if (bs == 0u) return true;
+    uint i = (qr / bs) * ((p.Tk + bs - 1u) / bs) + kr / bs;
+    if (MODE == 0) return bm6[i] != 0u;
+    if (MODE == 2) return bm8[i] != 0u;
+    return bm7[i] != 0u;
+}
+
+// The first key row >= k0 (a tile start) of a block the query rows from qr see, or kend
+// past the last: the key loops step by it, a masked block costing one uniform load
+// however many tiles it spans.
+uint next_k(uint qr, uint k0, uint kend) {
+    uint bs = p.flags >> 8;
+    while (bs != 0u && k0 < kend && !blk_on(qr, k0)) k0 = (k0 / bs + 1u) * bs;
+    return min(k0, kend);
+}
+
+// The same for the query loop of the dK / dV pass, key rows from kr.
+uint next_q(uint kr, uint q0, uint qend) {
+    uint bs = p.flags >> 8;
+    while (bs != 0u && q0 < qend && !blk_on(q0, kr)) q0 = (q0 / bs + 1u) * bs;
+    return min(q0, qend);
+}
+
 #ifdef FA_SG
 // ---------------------------------------------------------------- subgroup register blocks (CPU)
 #extension GL_KHR_shader_subgroup_basic : require
@@ -112,7 +161,6 @@ uint dorow(uint z, uint t) { return p.off_do + (z * p.Tq + t) * uint(HD); }
 
 layout(local_size_x = SG, local_size_y_id = 0) in;
 layout(constant_id = 0) const int WY = 4;      // subgroups per workgroup
-layout(constant_id = 1) const int MODE = 0;
 // 1: every row start is 8-aligned: 8 values per load (one 32-byte u64vec4 for fp32), as
 // matmul.comp's AWIDE; else two 4-value loads (row starts are always 4-aligned).
 layout(constant_id = 2) const int WIDE = 0;
@@ -268,15 +316,15 @@ void forward_pass() {
     zero_acc(acc);
     float mrow[NR], lrow[NR];  // running max (log2 units, same on all lanes); this lane's part of the sum
     [[unroll]] for (int i = 0; i < NR; ++i) { mrow[i] = NEG_INF; lrow[i] = 0.0; }
-    uint kend = p.causal != 0u ? min(p.Tk, m0 + uint(NR)) : p.Tk;
-    for (uint k0 = 0u; k0 < kend; k0 += uint(TC)) {
+    uint kend = causal_on() ? min(p.Tk, m0 + uint(NR)) : p.Tk;
+    for (uint k0 = next_k(m0, 0u, kend); k0 < kend; k0 = next_k(m0, k0 + uint(TC), kend)) {
         uint ys[TN];
         [[unroll]] for (int j = 0; j < TN; ++j) ys[j] = krow(z, min(k0 + lane * uint(TN) + uint(j), p.Tk - 1u));
         float s[NR][TN];
         zero_tile(s);
         rowdot(BUF_Q, xs, BUF_K, ys, s);
         [[unroll]] for (int i = 0; i < NR; ++i) {
-            uint lim = p.causal != 0u ? min(p.Tk, m0 + uint(i) + 1u) : p.Tk;  // row i sees keys < lim
+            uint lim = causal_on() ? min(p.Tk, m0 + uint(i) + 1u) : p.Tk;  // row i sees keys < lim
             float mx = NEG_INF;
             [[unroll]] for (int j = 0; j < TN; ++j) {
                 s[i][j] = k0 + lane * uint(TN) + uint(j) < lim ? s[i][j] * c : NEG_INF;
@@ -317,8 +365,8 @@ void dq_pass() {
     float c = p.scale * LOG2E;
     float acc[NR][DL];
     zero_acc(acc);
-    uint kend = p.causal != 0u ? min(p.Tk, m0 + uint(NR)) : p.Tk;
-    for (uint k0 = 0u; k0 < kend; k0 += uint(TC)) {
+    uint kend = causal_on() ? min(p.Tk, m0 + uint(NR)) : p.Tk;
+    for (uint k0 = next_k(m0, 0u, kend); k0 < kend; k0 = next_k(m0, k0 + uint(TC), kend)) {
         uint yk[TN], yv[TN];
         [[unroll]] for (int j = 0; j < TN; ++j) {
             uint n = min(k0 + lane * uint(TN) + uint(j), p.Tk - 1u);
@@ -331,7 +379,7 @@ void dq_pass() {
         rowdot(BUF_Q, xq, BUF_K, yk, s);
         rowdot(BUF_DO, xd, BUF_V, yv, dp);
         [[unroll]] for (int i = 0; i < NR; ++i) {
-            uint lim = p.causal != 0u ? min(p.Tk, m0 + uint(i) + 1u) : p.Tk;
+            uint lim = causal_on() ? min(p.Tk, m0 + uint(i) + 1u) : p.Tk;
             float li = subgroupBroadcast(my_l, uint(i)), di = subgroupBroadcast(my_d, uint(i));
             [[unroll]] for (int j = 0; j < TN; ++j) {
                 float pij = k0 + lane * uint(TN) + uint(j) < lim ? exp2(s[i][j] * c - li) : 0.0;
@@ -360,8 +408,8 @@ void dkv_pass() {
     zero_acc(gk);
     zero_acc(gv);
     // causal: queries before key n0 see none of this subgroup's keys
-    uint qstart = p.causal != 0u ? (n0 / uint(TC)) * uint(TC) : 0u;
-    for (uint q0 = qstart; q0 < p.Tq; q0 += uint(TC)) {
+    uint qstart = causal_on() ? (n0 / uint(TC)) * uint(TC) : 0u;
+    for (uint q0 = next_q(n0, qstart, p.Tq); q0 < p.Tq; q0 = next_q(n0, q0 + uint(TC), p.Tq)) {
         uint yq[TN], yd[TN];
         float lq[TN], dq_[TN];
         [[unroll]] for (int j = 0; j < TN; ++j) {
@@ -379,14 +427,14 @@ void dkv_pass() {
         [[unroll]] for (int i = 0; i < NR; ++i)
             [[unroll]] for (int j = 0; j < TN; ++j) {
                 uint t = q0 + lane * uint(TN) + uint(j);
-                bool live = t < p.Tq && (p.causal == 0u || n0 + uint(i) <= t);
+                bool live = t < p.Tq && (!causal_on() || n0 + uint(i) <= t);
                 float pt = live ? exp2(st[i][j] * c - lq[j]) : 0.0;
                 st[i][j] = pt;
                 dpt[i][j] = pt * (dpt[i][j] - dq_[j]);  // dS^T
             }
         uint lanes = min(uint(SG), (p.Tq - q0 + uint(TN) - 1u) / uint(TN));
         // causal: lanes whose queries all come before key n0 hold only zeros
-        uint lfirst = p.causal != 0u && q0 < n0 ? (n0 - q0) / uint(TN) : 0u;
+        uint lfirst = causal_on() && q0 < n0 ? (n0 - q0) / uint(TN) : 0u;
         accum(BUF_DO, dorow(z, 0u), uint(HD), q0, p.Tq, lfirst, lanes, st, gv);
         accum(BUF_Q, qrow(z, 0u), p.sqt, q0, p.Tq, lfirst, lanes, dpt, gk);
     }
@@ -406,7 +454,6 @@ uint flat_row() {
 // ---------------------------------------------------------------- shared-memory tiles (GPU)
 layout(local_size_x_id = 0) in;
 layout(constant_id = 0) const int WG = 64;     // rows (invocations) per workgroup
-layout(constant_id = 1) const int MODE = 0;
 layout(constant_id = 2) const int WIDE = 0;    // unused here (scalar loads)
 #define BKT (2048 / HD)                        // streamed rows per tile: 2 x 8 KiB of fp32 tiles
 
@@ -446,9 +493,9 @@ void forward_pass() {
     uint xs = qrow(z, rc);
     for (int d = 0; d < HD; ++d) { qr[d] = ld1(BUF_Q, xs + uint(d)) * c; acc[d] = 0.0; }
     float m = NEG_INF, l = 0.0;
-    uint lim = p.causal != 0u ? min(p.Tk, rc + 1u) : p.Tk;
-    uint kend = p.causal != 0u ? min(p.Tk, min(r0 + uint(WG), p.Tq)) : p.Tk;  // the same for the whole workgroup
-    for (uint k0 = 0u; k0 < kend; k0 += uint(BKT)) {
+    uint lim = causal_on() ? min(p.Tk, rc + 1u) : p.Tk;
+    uint kend = causal_on() ? min(p.Tk, min(r0 + uint(WG), p.Tq)) : p.Tk;  // the same for the whole workgroup
+    for (uint k0 = next_k(r0, 0u, kend); k0 < kend; k0 = next_k(r0, k0 + uint(BKT), kend)) {
         load_tiles(BUF_K, BUF_V, z, k0, p.Tk, false);
         float sv[BKT];
         float mx = m;
@@ -488,9 +535,9 @@ void dq_pass() {
         acc[d] = 0.0;
     }
     float li = lse[z * p.Tq + rc] * LOG2E, di = dsum[z * p.Tq + rc];
-    uint lim = p.causal != 0u ? min(p.Tk, rc + 1u) : p.Tk;
-    uint kend = p.causal != 0u ? min(p.Tk, min(r0 + uint(WG), p.Tq)) : p.Tk;
-    for (uint k0 = 0u; k0 < kend; k0 += uint(BKT)) {
+    uint lim = causal_on() ? min(p.Tk, rc + 1u) : p.Tk;
+    uint kend = causal_on() ? min(p.Tk, min(r0 + uint(WG), p.Tq)) : p.Tk;
+    for (uint k0 = next_k(r0, 0u, kend); k0 < kend; k0 = next_k(r0, k0 + uint(BKT), kend)) {
         load_tiles(BUF_K, BUF_V, z, k0, p.Tk, false);
         for (int j = 0; j < BKT; ++j) {
             float s = 0.0, dp = 0.0;
@@ -519,14 +566,14 @@ void dkv_pass() {
         gk[d] = 0.0;
         gv[d] = 0.0;
     }
-    uint qstart = p.causal != 0u ? (n0 / uint(BKT)) * uint(BKT) : 0u;
-    for (uint q0 = qstart; q0 < p.Tq; q0 += uint(BKT)) {
+    uint qstart = causal_on() ? (n0 / uint(BKT)) * uint(BKT) : 0u;
+    for (uint q0 = next_q(n0, qstart, p.Tq); q0 < p.Tq; q0 = next_q(n0, q0 + uint(BKT), p.Tq)) {
         load_tiles(BUF_Q, BUF_DO, z, q0, p.Tq, true);
         for (int j = 0; j < BKT; ++j) {
             uint t = q0 + uint(j);
             float s = 0.0, dp = 0.0;
             for (int d = 0; d < HD; ++d) { s += kr[d] * ta[j][d]; dp += vr[d] * tb[j][d]; }
-            float pj = t < p.Tq && (p.causal == 0u || nc <= t) ? exp2(s - tl[j]) : 0.0;
+            float pj = t < p.Tq && (!causal_on() || nc <= t) ? exp2(s - tl[j]) : 0.0;
             float ds = pj * (dp - td[j]);
             for (int d = 0; d < HD; ++d) { gv[d] += pj * tb[j][d]; gk[d] += ds * ta[j][d]; }
         }
@@ -555,6 +602,7 @@ void main() {
         if (r >= p.Tq) return;
         float s = 0.0;
         for (uint d = 0u; d < uint(HD); ++d) s += ld1(BUF_DO, p.off_do + r * uint(HD) + d) * ld1(BUF_O, p.off_o + r * uint(HD) + d);
+        if ((p.flags & 2u) != 0u) s -= lse[r];  // dL, bound where L is in the other passes
         dsum[r] = s;
     }
 }

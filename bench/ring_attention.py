@@ -19,6 +19,10 @@ Time: a forward + backward, and a forward alone (no autograd); after a warm-up c
 together (a barrier) and a round lasts until the slowest rank has read back its dQ.  Every
 Helios call ends with ``helios.synchronize()`` and a read-back.
 
+CPU: the process CPU seconds of a forward + backward (lavapipe's threads included; median of
+the rounds), per rank and for the single device: on a loaded machine, where wall time says
+little, the ranks' sum over the single device's is the ring's extra work.
+
 Memory: the peak of Helios' activation pool above the inputs over the first forward +
 backward of a fresh process (the pool's peak only grows), per rank for the ring; PyTorch's,
 the running total of its CPU allocator's events under ``torch.profiler``.  And what a
@@ -57,10 +61,11 @@ def _inputs(B: int, H: int, T: int, D: int, seed: int = 0) -> list[np.ndarray]:
 
 
 def _helios_round(fn, q, g, backward: bool) -> float:
-    """Seconds of one call of ``fn`` (forward, and backward with ``g``), read-back included."""
+    """Seconds of one call of ``fn`` (forward, and backward with ``g``), read-back included;
+    the process's CPU seconds over the call (lavapipe's threads included) go to ``_CPU``."""
     import helios as hl
 
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     if backward:
         fn().backward(g)
         q.grad[0, 0, 0, 0].item()
@@ -70,7 +75,12 @@ def _helios_round(fn, q, g, backward: bool) -> float:
             o = fn()
         hl.synchronize()
         o[0, 0, 0, 0].item()
-    return time.perf_counter() - t0
+    t = time.perf_counter() - t0
+    _CPU.append(time.process_time() - c0)
+    return t
+
+
+_CPU: list = []
 
 
 def _peak_of_first_call(fn, q, g) -> float:
@@ -117,13 +127,15 @@ def _rank(a) -> dict:
         return ring_attention(q, k, v, layout=a.layout, is_causal=a.causal)
 
     peak = _peak_of_first_call(fn, q, g)
-    times: dict = {"fwd_bwd": [], "fwd": []}
+    times: dict = {"fwd_bwd": [], "fwd": [], "fwd_bwd_cpu": []}
     for r in range(a.rounds + 1):
-        for part in times:
+        for part in ("fwd_bwd", "fwd"):
             dist.barrier()
             t = _helios_round(fn, q, g, part == "fwd_bwd")
             if r:  # round 0 is the warm-up
                 times[part].append(t)
+                if part == "fwd_bwd":
+                    times["fwd_bwd_cpu"].append(_CPU[-1])
     # In a steady state: the communicator's thread keeps its last operation's buffer until the
     # next operation, so a first call would count the block it leaves behind.
     kept = _kept_mib(fn, q, g)
@@ -142,12 +154,14 @@ def _single(a) -> dict:
         return NF.scaled_dot_product_attention(q, k, v, is_causal=a.causal)
 
     peak = _peak_of_first_call(fn, q, g)
-    times = {"fwd_bwd": [], "fwd": []}
+    times = {"fwd_bwd": [], "fwd": [], "fwd_bwd_cpu": []}
     for r in range(a.rounds + 1):
-        for part in times:
+        for part in ("fwd_bwd", "fwd"):
             t = _helios_round(fn, q, g, part == "fwd_bwd")
             if r:
                 times[part].append(t)
+                if part == "fwd_bwd":
+                    times["fwd_bwd_cpu"].append(_CPU[-1])
     return {"peak_mib": peak, "kept_mib": _kept_mib(fn, q, g), **times}
 
 
@@ -261,9 +275,10 @@ def main(argv: list[str] | None = None) -> int:
     ring = {part: _ms([max(r[part][i] for r in ranks) for i in range(a.rounds)]) for part in ("fwd_bwd", "fwd")}
     peaks = [round(r["peak_mib"], 2) for r in ranks]
     kept = [round(r["kept_mib"], 3) for r in ranks]
+    cpu = [_ms(r["fwd_bwd_cpu"]) for r in ranks]
     print(json.dumps({**shape, "impl": "ring", "world": a.world, "layout": a.layout, "lp_num_threads_per_rank": 1,
                       "fwd_bwd_ms": ring["fwd_bwd"], "fwd_ms": ring["fwd"], "peak_mib_per_rank": peaks,
-                      "kept_mib_per_rank": kept}), flush=True)
+                      "kept_mib_per_rank": kept, "fwd_bwd_cpu_ms_per_rank": cpu}), flush=True)
     summary = {**shape, "impl": "summary", "world": a.world, "layout": a.layout}
     for impl in ("single", "torch"):
         for th in a.threads:
@@ -272,12 +287,16 @@ def main(argv: list[str] | None = None) -> int:
                     "peak_mib": round(res["peak_mib"], 2)}
             if impl == "single":
                 line["kept_mib"] = round(res["kept_mib"], 3)
+                line["fwd_bwd_cpu_ms"] = _ms(res["fwd_bwd_cpu"])
             print(json.dumps(line), flush=True)
             summary[f"ring_speedup_vs_{impl}_{th}t"] = round(line["fwd_bwd_ms"] / ring["fwd_bwd"], 2)
             summary[f"ring_fwd_speedup_vs_{impl}_{th}t"] = round(line["fwd_ms"] / ring["fwd"], 2)
             if impl == "single" and th == a.threads[0]:
                 summary["rank_peak_over_single"] = [round(p / line["peak_mib"], 3) for p in peaks]
                 summary["rank_kept_over_single"] = [round(k / line["kept_mib"], 3) for k in kept]
+                # CPU seconds of all ranks together over the single device's: the ring's extra
+                # work (merges, copies, communication), whatever else the machine runs.
+                summary["ring_cpu_over_single"] = round(sum(cpu) / line["fwd_bwd_cpu_ms"], 3)
     with open("/proc/loadavg") as f:
         summary["loadavg"] = f.read().split()[:3]
     print(json.dumps(summary), flush=True)

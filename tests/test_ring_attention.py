@@ -87,6 +87,17 @@ def _rank_main(out_dir: str) -> None:
                  dk=grads[1], dv=grads[2])
         report[name] = {"kept_bytes": kept, **ring_attention_stats()}
         del o, lse  # freed now, not inside the next case's measurement
+    if world == 4:
+        # Two rings of 2 in one job, over groups: the ring's neighbours are global ranks.
+        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        group = pairs[rank // 2]
+        sub = dist.get_rank(group)
+        q, k, v, g = (hl.tensor(ring_shard(a, "zigzag", sub, 2), requires_grad=i < 3)
+                      for i, a in enumerate(_inputs(SMALL_T)))
+        o, lse = ring_attention(q, k, v, group=group, layout="zigzag", is_causal=True, return_lse=True)
+        o.backward(g)
+        np.savez(os.path.join(out_dir, f"pairs-rank{rank}.npz"), o=o.numpy(), lse=lse.numpy(), dq=q.grad.numpy(),
+                 dk=k.grad.numpy(), dv=v.grad.numpy())
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)
     dist.destroy_process_group()
@@ -213,6 +224,20 @@ def test_zigzag_balances_causal_work_and_contiguous_does_not(world, tmp_path_fac
     if LONG[world][0] == "zigzag":
         big = [rep[_case_name("zigzag", True, LONG_T)]["pairs"] for rep in reps]
         assert big == [big[0]] * world
+
+
+@pytest.mark.vulkan
+@pytest.mark.multiproc
+def test_two_rings_over_groups_in_one_job(tmp_path_factory):
+    from helios.schedule.ring_attention import ring_unshard
+
+    out = _run(4, tmp_path_factory)
+    want = _single_device(SMALL_T, True)
+    for ranks in ([0, 1], [2, 3]):
+        shards = [np.load(os.path.join(out, f"pairs-rank{r}.npz")) for r in ranks]
+        for key in ("o", "lse", "dq", "dk", "dv"):
+            got = ring_unshard([s[key] for s in shards], "zigzag", dim=2)
+            assert _rel(got, want[key]) < 1e-5, (ranks, key)
 
 
 def test_shard_and_unshard_are_inverse_and_place_tokens_as_documented():

@@ -38,8 +38,17 @@ import time
 import numpy as np
 
 from helios import train_settings as settings
-from helios.nn.modules import ATTENTION_KINDS, FLASH_MIN_TRAIN_T
+from helios.nn.modules import ATTENTION_KINDS, FLASH_MIN_TRAIN_T, parse_attention
 from helios.train_settings import check_bounds, explicit_flags, usage
+
+def _attention_spec(text: str) -> str:
+    """argparse type of --attention: the spec itself, checked by parse_attention."""
+    try:
+        parse_attention(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
 
 CONFIGS = {
     "nano": dict(n_layer=2, n_head=2, n_embd=32, block_size=32, batch_size=8, steps=200, lr=3e-3),
@@ -86,10 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ZeRO stage across data-parallel ranks: 0 plain DDP, 1 shard AdamW moments, "
                         "2 also gradients, 3 also parameters")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="gradient bucket size for data parallel (MiB)")
-    p.add_argument("--attention", default="auto", choices=ATTENTION_KINDS,
-                   help="attention kernel: flash (memory linear in the context), dense (T x T scores), or auto "
-                        "(flash where it is faster: from a context of %d tokens on, and when not training)"
-                        % FLASH_MIN_TRAIN_T)
+    p.add_argument("--attention", default="auto", type=_attention_spec, metavar="|".join(ATTENTION_KINDS),
+                   help="attention kernel: flash (memory linear in the context), dense (T x T scores), auto "
+                        "(flash where it is faster: from a context of %d tokens on, and when not training), or "
+                        "block_sparse:local=256,global=64 (also dilated=N, random=N, block=64: only the key blocks "
+                        "the pattern allows)" % FLASH_MIN_TRAIN_T)
     p.add_argument("--dp", type=int, default=None,
                    help="data-parallel replicas (default: the ranks left over, world / (tp x pp x cp); given, it "
                         "must match the job's ranks)")

@@ -269,8 +269,9 @@ def check_context_parallel(cp: int, layout: str, world: int, block_size: int, n_
                   f"(drop {flag})")
     if args.dtype != "fp32":
         usage(f"--cp {cp} with --dtype {args.dtype}: ring attention trains in fp32 only so far (use --dtype fp32)")
-    if args.attention == "dense":
-        usage(f"--cp {cp} with --attention dense: ring attention runs the flash kernel on each block (drop --attention)")
+    if args.attention not in ("auto", "flash"):
+        usage(f"--cp {cp} with --attention {args.attention}: ring attention runs the flash kernel on each block "
+              "(drop --attention)")
     from helios import _kernels as K
 
     head_dim = n_embd // n_head

@@ -18,9 +18,10 @@ from helios.optim import AdamW
 pytestmark = pytest.mark.vulkan
 
 
-def _model(attention: str, dropout: float = 0.0) -> GPT:
+def _model(attention: str, dropout: float = 0.0, block_size: int = 24) -> GPT:
     # head dim 32: one of the flash kernel's compiled head dims
-    cfg = GPTConfig(vocab_size=41, block_size=24, n_layer=2, n_head=2, n_embd=64, dropout=dropout, attention=attention)
+    cfg = GPTConfig(vocab_size=41, block_size=block_size, n_layer=2, n_head=2, n_embd=64, dropout=dropout,
+                    attention=attention)
     return GPT(cfg, seed=7)
 
 
@@ -74,6 +75,29 @@ def test_auto_takes_flash_only_where_it_is_faster():
 def test_an_unknown_attention_kind_is_refused():
     with pytest.raises(ValueError, match="attention must be one of"):
         _model("sparse")
+    for spec, needle in (("block_sparse:", "attention must be one of"), ("block_sparse:local=0", "KEY=N"),
+                         ("block_sparse:width=64", "KEY=N"), ("block_sparse:block=64", "at least one pattern"),
+                         ("block_sparse:local=128,block=96", "multiple of 64"),
+                         ("block_sparse:local=32", "under the block size")):
+        with pytest.raises(ValueError, match=needle):
+            _model(spec)
+
+
+def test_a_block_sparse_gpt_equals_dense_where_the_pattern_covers_everything_and_learns():
+    x, y = _batch(130)  # three blocks of 64, the last one ragged
+    everything = _loss_and_grads(_model("block_sparse:local=192", block_size=130), x, y)[0]
+    dense = _loss_and_grads(_model("dense", block_size=130), x, y)[0]
+    assert abs(everything - dense) <= 1e-5 * dense
+    model = _model("block_sparse:local=64,global=64", block_size=130)  # the diagonal block and the first one
+    opt = AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(8):
+        _, loss = model(x, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.item()))
+    assert losses[-1] < 0.85 * losses[0], losses
 
 
 # ---------------------------------------------------------------------------- helios-train
@@ -98,14 +122,15 @@ def test_helios_train_attention_flag(tmp_path):
     base = ["--config", "tiny", "--batch-size", "2", "--block-size", "32", "--steps", "3", "--eval-every", "0",
             "--sample-tokens", "0", "--no-progress", "--ckpt-every", "0", "--data", str(data)]
     runs = {}
-    for kind in ("flash", "dense"):
+    for kind in ("flash", "dense", "block_sparse:local=64,global=64"):  # (one block of 64 holds every token)
         r = _train(base + ["--attention", kind, "--out", str(tmp_path / kind)], tmp_path)
         assert r.returncode == 0, r.stderr[-2000:]
         runs[kind] = _losses(tmp_path / kind)
         assert json.loads(r.stdout.strip().splitlines()[-1])["final_val_loss"] > 0
     assert sorted(runs["flash"]) == [1, 2, 3]
     for s in (1, 2, 3):
-        assert abs(runs["flash"][s] - runs["dense"][s]) <= 1e-4 * runs["dense"][s], (s, runs)
+        for other in ("dense", "block_sparse:local=64,global=64"):
+            assert abs(runs["flash"][s] - runs[other][s]) <= 1e-4 * runs[other][s], (s, runs)
     # The kernel changes no weight: a run resumes with the other kind.
     split = str(tmp_path / "split")
     r = _train(base + ["--attention", "flash", "--stop-after", "1", "--out", split], tmp_path)

@@ -627,12 +627,51 @@ class GPTConfig:
         return asdict(self)
 
 
-ATTENTION_KINDS = ("auto", "dense", "flash")
+ATTENTION_KINDS = ("auto", "dense", "flash", "block_sparse:...")
+_SPARSE_KEYS = {"local": "window in tokens", "global": "leading tokens", "dilated": "block stride",
+                "random": "random key blocks per query block", "block": "block size, a multiple of 64"}
 # "auto" trains with the flash kernel from this context length on: below it the dense path's
 # forward + backward is faster on lavapipe (bench/attention.py, 16 x 4 heads of 32, causal:
 # flash 0.57x dense at T = 64, 0.82x at 128, 0.96x at 256, 1.04x at 512).  The forward alone
 # (evaluation, sampling) is faster with flash at every length measured (1.19x-1.65x).
 FLASH_MIN_TRAIN_T = 512
+
+
+def parse_attention(spec: str):
+    """(kind, BlockPattern or None, block size) of an attention spec: ``auto``, ``dense``,
+    ``flash``, or ``block_sparse:KEY=N,...`` with keys local (window in tokens), global
+    (leading tokens every query sees and that see every key), dilated (key blocks a multiple
+    of N blocks back), random (BigBird's random key blocks per query block) and block (the
+    block size, 64 by default); the patterns given are combined (``|``).  A ValueError names
+    what is wrong."""
+    if spec in ("auto", "dense", "flash"):
+        return spec, None, 0
+    kind, _, rest = str(spec).partition(":")
+    if kind != "block_sparse" or not rest:
+        raise ValueError(f"attention must be one of auto, dense, flash or block_sparse:KEY=N,... (keys "
+                         f"{', '.join(_SPARSE_KEYS)}), got {spec!r}")
+    from helios.attention import BlockPattern
+
+    values = {}
+    for item in rest.split(","):
+        key, eq, val = item.partition("=")
+        if key not in _SPARSE_KEYS or not eq or not val.isdigit() or int(val) <= 0:
+            raise ValueError(f"attention {spec!r}: {item!r} is not KEY=N with N a positive integer and KEY one of "
+                             + ", ".join(f"{k} ({what})" for k, what in _SPARSE_KEYS.items()))
+        values[key] = int(val)
+    block = values.pop("block", 64)
+    makers = {"local": BlockPattern.local, "global": BlockPattern.global_, "dilated": BlockPattern.dilated,
+              "random": BlockPattern.random}
+    parts = [makers[k](n) for k, n in values.items()]
+    if not parts:
+        raise ValueError(f"attention {spec!r}: give at least one pattern (local, global, dilated or random)")
+    pattern = parts[0]
+    for p in parts[1:]:
+        pattern = pattern | p
+    if block % 64:
+        raise ValueError(f"attention {spec!r}: block={block} must be a multiple of 64 (the flash kernels' tile)")
+    pattern.block_mask(max(block, values.get("local", block)), block)  # a window under the block size fails here
+    return "block_sparse", pattern, block
 
 
 class CausalSelfAttention(Module):
@@ -643,15 +682,16 @@ class CausalSelfAttention(Module):
     ``F.scaled_dot_product_attention``'s flash kernel (memory linear in T), ``"auto"`` takes
     flash where it is the faster of the two (see FLASH_MIN_TRAIN_T).  Both give the same
     result up to rounding; dropout on the attention weights needs the dense path.
+    ``"block_sparse:local=256,global=64"`` (see :func:`parse_attention`) computes only the
+    key blocks the pattern allows (helios.attention.block_sparse_attention): another model,
+    which equals dense attention under the same element mask.
     """
 
     def __init__(self, cfg: GPTConfig, seed: int):
         super().__init__()
         if cfg.n_embd % cfg.n_head:
             raise ValueError(f"n_embd ({cfg.n_embd}) must be divisible by n_head ({cfg.n_head})")
-        if cfg.attention not in ATTENTION_KINDS:
-            raise ValueError(f"attention must be one of {', '.join(ATTENTION_KINDS)}, got {cfg.attention!r}")
-        self.attention = cfg.attention
+        self.attention, self.sparse_pattern, self.sparse_block = parse_attention(cfg.attention)
         self.context_parallel = None  # set by helios.schedule.context_parallel: ring attention over ranks
         self.n_head, self.n_embd = cfg.n_head, cfg.n_embd
         self.c_attn = Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias, seed=seed)
@@ -665,6 +705,11 @@ class CausalSelfAttention(Module):
         q, k, v = F.split_heads(self.c_attn(x), H)  # [B, H, T, D] views
         if self.context_parallel is not None:
             y = self.context_parallel.attention(q, k, v)
+        elif self.attention == "block_sparse":
+            from helios.attention import block_sparse_attention
+
+            y = block_sparse_attention(q, k, v, pattern=self.sparse_pattern, block_size=self.sparse_block,
+                                       is_causal=True)
         elif self._flash(T):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:

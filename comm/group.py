@@ -196,6 +196,9 @@ class ProcessGroup:
             except BaseException as e:  # noqa: BLE001 - handed to the waiter, which re-raises it
                 work._finish(e)
             finally:
+                # Drop the operation (its closure holds the caller's buffers) now, not when the
+                # next one replaces it: an idle worker must not keep a K/V block or a bucket alive.
+                fn = work = None
                 with self._cv:
                     self._running = False
                     self._cv.notify_all()

@@ -2,6 +2,8 @@
 
     python bench/attention.py [--T 64 256 1024 2048] [--batch 1] [--heads 4] [--head-dim 64]
                               [--rounds 5] [--no-causal] [--no-memory]
+                              [--sparse] [--density 0.1] [--block-size 64]
+                              [--dilated] [--segments 512 1024 2048] [--dilations 1 2 4]
 
 Three implementations on the same float32 values, q, k, v of shape [batch, heads, T, head_dim]:
 
@@ -28,6 +30,22 @@ One JSON line per T: {"bench": "attention", "B", "H", "T", "D", "causal", "<impl
 "flash_fwd_speedup_vs_<other>", ...}; a speedup is the other side's time over flash's (> 1:
 flash is faster).  A path that cannot run the shape (the dense scores of 4 heads at T = 4096
 are 256 MiB, over lavapipe's 128 MiB binding range) gets "<impl>_failed" with the error.
+
+``--sparse`` / ``--dilated`` (either or both) time, instead, the sparse attentions of
+helios/attention.py against Helios' dense flash attention on the same values, interleaved in
+each round as above (forward, forward + backward):
+
+* ``--sparse``: ``block_sparse_attention`` with a block mask of ``--density`` of the block
+  grid: each query block keeps its diagonal block and round(density * blocks) - 1 others drawn
+  at random (seed 0) among the blocks it can see (those at or before it with causal), so a
+  causal row computes as many blocks as a non-causal one.  One line per T: {"bench":
+  "attention_sparse", "density" (computed blocks / all blocks), "pair_ratio" (computed
+  (query, key) pairs / dense flash's, causal halves counted), "sparse_fwd_ms", "flash_fwd_ms",
+  "sparse_fwd_bwd_ms", "flash_fwd_bwd_ms", "time_ratio" (sparse / flash, forward + backward),
+  "fwd_time_ratio", ...}.
+* ``--dilated``: ``dilated_attention`` with ``--segments`` and ``--dilations`` (each clipped
+  to T).  One line per T: {"bench": "attention_dilated", "segments", "dilations",
+  "dilated_fwd_ms", "flash_fwd_ms", ..., "time_ratio"}.
 """
 
 from __future__ import annotations
@@ -199,6 +217,78 @@ def bench_T(B: int, H: int, T: int, D: int, causal: bool, rounds: int, memory: b
     return res
 
 
+def _sparse_mask(T: int, bs: int, density: float, causal: bool) -> "np.ndarray":
+    """A block mask with round(density * blocks) blocks a row: the diagonal and random others
+    among the blocks the row can see (seed 0)."""
+    rng = np.random.default_rng(0)
+    n = -(-T // bs)
+    per_row = max(1, round(density * n))
+    m = np.zeros((n, n), dtype=bool)
+    for i in range(n):
+        m[i, i] = True
+        pool = np.setdiff1d(np.arange(i + 1 if causal else n), [i])
+        m[i, rng.choice(pool, size=min(per_row - 1, pool.size), replace=False)] = True
+    return m
+
+
+def bench_sparse(kind: str, B: int, H: int, T: int, D: int, causal: bool, rounds: int, args) -> dict:
+    """Block-sparse (``kind`` "sparse") or dilated attention against dense flash, same run."""
+    import helios as hl
+    import helios.nn.functional as F
+    from helios import _kernels as K
+
+    arrays = _inputs(B, H, T, D)
+    q, k, v, g = (hl.tensor(a, requires_grad=i < 3) for i, a in enumerate(arrays))
+    res = {"bench": f"attention_{kind}", "B": B, "H": H, "T": T, "D": D, "causal": causal}
+    if kind == "sparse":
+        m = _sparse_mask(T, args.block_size, args.density, causal)
+        pairs = K.FlashBlockMask(m, args.block_size, T, T, causal).pairs
+        res.update(block_size=args.block_size, density=round(float(m.mean()), 4),
+                   pair_ratio=round(pairs / K._fa_pairs(T, T, causal), 4))
+
+        def other():
+            return F.block_sparse_attention(q, k, v, block_mask=m, block_size=args.block_size, is_causal=causal)
+    else:
+        segs = [min(w, T) for w in args.segments]
+        res.update(segments=segs, dilations=args.dilations)
+
+        def other():
+            return F.dilated_attention(q, k, v, segments=segs, dilations=args.dilations, is_causal=causal)
+
+    def flash():
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    def run(fn, backward: bool):
+        def go():
+            o = fn()
+            if backward:
+                o.backward(g)
+                q.grad[0, 0, 0, 0].item()
+                q.grad = k.grad = v.grad = None
+            else:
+                hl.synchronize()
+                o[0, 0, 0, 0].item()
+        return go if backward else hl.no_grad()(go)
+
+    fns = {kind: (run(other, False), run(other, True)), "flash": (run(flash, False), run(flash, True))}
+    reps = {}
+    for impl in fns:
+        for part in (0, 1):
+            fns[impl][part]()  # warm-up
+            reps[(impl, part)] = max(1, min(50, int(0.3 / max(_time(fns[impl][part]), 1e-6))))
+    times = {key: [] for key in reps}
+    for _ in range(rounds):
+        for key, n in reps.items():
+            times[key].append(_time(fns[key[0]][key[1]], n))
+    for impl in fns:
+        res[f"{impl}_fwd_ms"] = round(statistics.median(times[(impl, 0)]) * 1e3, 2)
+        res[f"{impl}_fwd_bwd_ms"] = round(statistics.median(times[(impl, 1)]) * 1e3, 2)
+    res["time_ratio"] = round(res[f"{kind}_fwd_bwd_ms"] / res["flash_fwd_bwd_ms"], 3)
+    res["fwd_time_ratio"] = round(res[f"{kind}_fwd_ms"] / res["flash_fwd_ms"], 3)
+    res["loadavg_1m"] = round(os.getloadavg()[0], 2)
+    return res
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Helios flash vs dense attention vs PyTorch CPU, same run")
     ap.add_argument("--T", type=int, nargs="+", default=[64, 256, 1024, 2048])
@@ -208,6 +298,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--no-causal", dest="causal", action="store_false")
     ap.add_argument("--no-memory", dest="memory", action="store_false", help="skip the per-process peak memory runs")
+    ap.add_argument("--sparse", action="store_true", help="block-sparse attention vs dense flash instead")
+    ap.add_argument("--density", type=float, default=0.1, help="--sparse: fraction of the block grid computed")
+    ap.add_argument("--block-size", type=int, default=64)
+    ap.add_argument("--dilated", action="store_true", help="dilated attention vs dense flash instead")
+    ap.add_argument("--segments", type=int, nargs="+", default=[512, 1024, 2048])
+    ap.add_argument("--dilations", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--child", choices=("flash", "dense"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
@@ -217,6 +313,12 @@ def main(argv: list[str] | None = None) -> int:
 
     info = get_runtime().info
     common = {"device": info["name"], "lp_num_threads": os.environ.get("LP_NUM_THREADS", f"default ({os.cpu_count()})")}
+    if args.sparse or args.dilated:
+        for T in args.T:
+            for kind in ("sparse",) * args.sparse + ("dilated",) * args.dilated:
+                res = bench_sparse(kind, args.batch, args.heads, T, args.head_dim, args.causal, args.rounds, args)
+                print(json.dumps({**res, **common}), flush=True)
+        return 0
     for T in args.T:
         res = bench_T(args.batch, args.heads, T, args.head_dim, args.causal, args.rounds, args.memory)
         print(json.dumps({**res, **common}), flush=True)

@@ -12,6 +12,7 @@ import helios as hl
 import helios.nn.functional as F
 from helios import _kernels as K
 from helios.attention import FlashAttentionLSE, _dilated_positions, _head_groups
+from helios.profile import profile
 
 pytestmark = pytest.mark.vulkan
 
@@ -176,6 +177,17 @@ def test_block_mask_counts_computed_pairs(causal):
     assert bm.pairs == int(el.sum())
     ones = K.FlashBlockMask(np.ones((5, 4), dtype=bool), bs, Tq, Tk, causal)
     assert ones.pairs == K._fa_pairs(Tq, Tk, causal)
+    # what the profiler sees: 4 / 6 / 8 FLOPs per computed pair and head-dim step
+    q, k, v, g = _operands(1, 2, Tq, 32, Tk)
+    hq, hk, hv = (hl.tensor(x, requires_grad=True) for x in (q, k, v))
+    with profile() as prof:
+        o = F.block_sparse_attention(hq, hk, hv, block_mask=m, is_causal=causal)
+        o.backward(hl.tensor(g))
+        hl.synchronize()
+    flops = {e.name: e.flops for e in prof.collector.events if e.name.startswith("flash_attn")}
+    n = 2 * int(el.sum()) * 32
+    assert flops == {"flash_attn": 4 * n, "flash_attn_bwd_pre": 2 * 2 * Tq * 32, "flash_attn_bwd_dq": 6 * n,
+                     "flash_attn_bwd_dkv": 8 * n}
 
 
 def test_flash_lse_gradient():

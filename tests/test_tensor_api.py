@@ -133,7 +133,9 @@ def test_deferred_chain_of_1000_ops_does_not_wait():
     np.testing.assert_array_equal(y.numpy(), np.arange(8, dtype=np.float32) + 1000)
     after = _stats()
     assert after["pending_dispatches"] == 0
-    assert after["fence_waits"] >= 1  # the readback is what waited
+    # The readback is what submitted the last batch (and waited for it, unless the device had
+    # already finished by the time the host looked: a loaded host may be that slow).
+    assert after["submits"] == s["submits"] + 1, (s, after)
 
 
 def test_synchronize_submits_everything():

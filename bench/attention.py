@@ -84,16 +84,7 @@ def _helios_fns(arrays, causal: bool):
         return HF.matmul(HF.attention_softmax(HF.matmul(q, k.mT), scale, causal=causal), v)
 
     def run(fn, backward: bool):
-        def go():
-            o = fn()
-            if backward:
-                o.backward(g)
-                q.grad[0, 0, 0, 0].item()
-                q.grad = k.grad = v.grad = None
-            else:
-                hl.synchronize()
-                o[0, 0, 0, 0].item()
-        return go if backward else hl.no_grad()(go)
+        return _timed_call(fn, backward, q, k, v, g)
 
     return {"flash": (run(flash, False), run(flash, True)), "dense": (run(dense, False), run(dense, True))}
 
@@ -140,17 +131,40 @@ def _child(impl: str, B: int, H: int, T: int, D: int, causal: bool) -> dict:
     return {"peak_bytes": peak - base, "measurable": peak > prior}
 
 
+def _timed_call(fn, backward: bool, q, k, v, g):
+    """A call to time: ``fn()``'s forward (under no_grad) or forward + backward with upstream
+    gradient ``g``, ending with a read-back so the device work is inside the timing."""
+    import helios as hl
+
+    def go():
+        o = fn()
+        if backward:
+            o.backward(g)
+            q.grad[0, 0, 0, 0].item()
+            q.grad = k.grad = v.grad = None
+        else:
+            hl.synchronize()
+            o[0, 0, 0, 0].item()
+    return go if backward else hl.no_grad()(go)
+
+
 def _torch_peak_bytes(B: int, H: int, T: int, D: int, causal: bool) -> int:
-    """Peak bytes PyTorch's CPU allocator held during one forward + backward, above what it
-    held before: the running total of its allocation events under torch.profiler."""
+    """Peak bytes PyTorch's CPU allocator held during one forward + backward (see torch_peak_bytes)."""
+    _, fwd_bwd = _torch_fns(_inputs(B, H, T, D), causal)
+    fwd_bwd()  # warm-up outside the profile
+    return torch_peak_bytes(fwd_bwd)
+
+
+def torch_peak_bytes(fn) -> int:
+    """Peak bytes PyTorch's CPU allocator held while ``fn()`` ran, above what it held before:
+    the running total of its allocation events under torch.profiler (bench/ring_attention.py
+    measures its peer with it too)."""
     import tempfile
 
     from torch.profiler import ProfilerActivity, profile
 
-    _, fwd_bwd = _torch_fns(_inputs(B, H, T, D), causal)
-    fwd_bwd()  # warm-up outside the profile
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fwd_bwd()
+        fn()
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
@@ -259,16 +273,7 @@ def bench_sparse(kind: str, B: int, H: int, T: int, D: int, causal: bool, rounds
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
     def run(fn, backward: bool):
-        def go():
-            o = fn()
-            if backward:
-                o.backward(g)
-                q.grad[0, 0, 0, 0].item()
-                q.grad = k.grad = v.grad = None
-            else:
-                hl.synchronize()
-                o[0, 0, 0, 0].item()
-        return go if backward else hl.no_grad()(go)
+        return _timed_call(fn, backward, q, k, v, g)
 
     fns = {kind: (run(other, False), run(other, True)), "flash": (run(flash, False), run(flash, True))}
     reps = {}

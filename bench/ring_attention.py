@@ -47,7 +47,6 @@ import secrets
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -167,7 +166,6 @@ def _single(a) -> dict:
 
 def _torch(a, threads: int) -> dict:
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
     torch.set_num_threads(threads)
     arrays = _inputs(a.batch, a.heads, a.T, a.head_dim)
@@ -189,18 +187,9 @@ def _torch(a, threads: int) -> dict:
             f()
             if r:
                 times[part].append(time.perf_counter() - t0)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fwd_bwd()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            events = [e["args"] for e in json.load(f)["traceEvents"] if e.get("name") == "[memory]"]
-    peak = 0
-    if events:
-        start = events[0]["Total Allocated"] - events[0]["Bytes"]
-        peak = max(e["Total Allocated"] for e in events) - start
-    return {"peak_mib": peak / 2**20, **times}
+    from attention import torch_peak_bytes  # bench/attention.py, beside this script
+
+    return {"peak_mib": torch_peak_bytes(fwd_bwd) / 2**20, **times}
 
 
 def _child_args(a, role: str) -> list[str]:

@@ -28,7 +28,9 @@ TORCH_DTYPE = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def torch_gpt(params: dict, cfg: GPTConfig, x, y):
-    """helios.nn.GPT's forward (the dense attention path it trains with) in PyTorch."""
+    """helios.nn.GPT's forward (the dense attention path it trains with) in PyTorch, through
+    TF.linear as Helios' Linear does: under autocast a fused linear rounds once where
+    test_gpt_parity's ``@`` + bias transcription would round twice."""
     B, T = x.shape
     C, H = cfg.n_embd, cfg.n_head
     h = params["wte.weight"][x] + params["wpe.weight"][torch.arange(T)]

@@ -82,6 +82,8 @@ BOUNDS = (
     Bound("moe_capacity", "--moe-capacity", _positive, "a positive factor"),
     Bound("moe_aux_alpha", "--moe-aux-alpha", _finite_non_negative, "0 or more"),
     Bound("ep", "--ep", _at_least(1), "at least 1"),
+    Bound("dp", "--dp", _at_least(1), "at least 1"),
+    Bound("cp", "--cp", _at_least(1), "at least 1 (1: off)"),
 )
 
 
@@ -191,8 +193,6 @@ SAVED = (
 def check_experts(experts: int, top_k: int, ep: int, tp: int, pp: int, world: int = 1, zero: int = 0) -> None:
     """Refuse a mixture-of-experts setting helios-train cannot run, naming the flag.  ``--ep``
     splits each layer's experts over that many data-parallel ranks (it must divide them)."""
-    if ep < 1:
-        usage(f"--ep must be 1 (every rank holds every expert) or more, got {ep}")
     if ep > 1:
         if not experts:
             usage(f"--ep {ep} splits the experts of a mixture-of-experts model over ranks: give --moe-experts too")
@@ -242,8 +242,6 @@ def check_data_parallel(dp: int | None, world: int, tp: int, pp: int, cp: int) -
     (--dp only confirms what the launcher's world gives; its default is world / (tp x pp x cp))."""
     if dp is None:
         return
-    if dp < 1:
-        usage(f"--dp must be 1 or more data-parallel replicas, got {dp}")
     if dp * tp * pp * cp != world:
         parts = " x ".join(f"{flag} {n}" for flag, n in (("--dp", dp), ("--tp", tp), ("--pp", pp), ("--cp", cp))
                            if n > 1 or flag == "--dp")
@@ -256,8 +254,6 @@ def check_data_parallel(dp: int | None, world: int, tp: int, pp: int, cp: int) -
 def check_context_parallel(cp: int, layout: str, world: int, block_size: int, n_head: int, n_embd: int, args) -> None:
     """Refuse a --cp setting helios-train cannot run, naming the flag: context parallelism splits
     each sequence over --cp ranks (ring attention) and composes with data parallel only."""
-    if cp < 1:
-        usage(f"--cp must be 1 (off) or more ranks per sequence, got {cp}")
     if cp == 1:
         return
     if world % cp:

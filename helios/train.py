@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="attention kernel: flash (memory linear in the context), dense (T x T scores), auto "
                         "(flash where it is faster: from a context of %d tokens on, and when not training), or "
                         "block_sparse:local=256,global=64 (also dilated=N, random=N, block=64: only the key blocks "
-                        "the pattern allows)" % FLASH_MIN_TRAIN_T)
+                        "the pattern allows), or dilated:segments=256/512,dilations=1/2 (LongNet)" % FLASH_MIN_TRAIN_T)
     p.add_argument("--dp", type=int, default=None,
                    help="data-parallel replicas (default: the ranks left over, world / (tp x pp x cp); given, it "
                         "must match the job's ranks)")

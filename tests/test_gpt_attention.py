@@ -78,9 +78,29 @@ def test_an_unknown_attention_kind_is_refused():
     for spec, needle in (("block_sparse:", "attention must be one of"), ("block_sparse:local=0", "KEY=N"),
                          ("block_sparse:width=64", "KEY=N"), ("block_sparse:block=64", "at least one pattern"),
                          ("block_sparse:local=128,block=96", "multiple of 64"),
-                         ("block_sparse:local=32", "under the block size")):
+                         ("block_sparse:local=32", "under the block size"),
+                         ("dilated:segments=8/16,dilations=2/4", "dilation 1"),
+                         ("dilated:segments=8,dilations=1/2", "as many of each"),
+                         ("dilated:segments=8/x,dilations=1/2", "positive integers")):
         with pytest.raises(ValueError, match=needle):
             _model(spec)
+
+
+def test_a_dilated_gpt_equals_dense_with_one_whole_segment_and_learns():
+    x, y = _batch()
+    whole = _loss_and_grads(_model("dilated:segments=24,dilations=1"), x, y)[0]  # (w >= T, r = 1): full attention
+    dense = _loss_and_grads(_model("dense"), x, y)[0]
+    assert abs(whole - dense) <= 1e-5 * dense
+    model = _model("dilated:segments=8/16,dilations=1/2")
+    opt = AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(8):
+        _, loss = model(x, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.item()))
+    assert losses[-1] < 0.85 * losses[0], losses
 
 
 def test_a_block_sparse_gpt_equals_dense_where_the_pattern_covers_everything_and_learns():

@@ -627,7 +627,7 @@ class GPTConfig:
         return asdict(self)
 
 
-ATTENTION_KINDS = ("auto", "dense", "flash", "block_sparse:...")
+ATTENTION_KINDS = ("auto", "dense", "flash", "block_sparse:...", "dilated:...")
 _SPARSE_KEYS = {"local": "window in tokens", "global": "leading tokens", "dilated": "block stride",
                 "random": "random key blocks per query block", "block": "block size, a multiple of 64"}
 # "auto" trains with the flash kernel from this context length on: below it the dense path's
@@ -638,8 +638,9 @@ FLASH_MIN_TRAIN_T = 512
 
 
 def parse_attention(spec: str):
-    """(kind, BlockPattern or None, block size) of an attention spec: ``auto``, ``dense``,
-    ``flash``, or ``block_sparse:KEY=N,...`` with keys local (window in tokens), global
+    """(kind, pattern, block size) of an attention spec: ``auto``, ``dense``, ``flash``,
+    ``dilated:segments=W1/W2,dilations=R1/R2`` (pattern: the two lists, see _parse_dilated) or
+    ``block_sparse:KEY=N,...`` (pattern: a BlockPattern) with keys local (window in tokens), global
     (leading tokens every query sees and that see every key), dilated (key blocks a multiple
     of N blocks back), random (BigBird's random key blocks per query block) and block (the
     block size, 64 by default); the patterns given are combined (``|``).  A ValueError names
@@ -647,9 +648,11 @@ def parse_attention(spec: str):
     if spec in ("auto", "dense", "flash"):
         return spec, None, 0
     kind, _, rest = str(spec).partition(":")
+    if kind == "dilated" and rest:
+        return "dilated", _parse_dilated(spec, rest), 0
     if kind != "block_sparse" or not rest:
-        raise ValueError(f"attention must be one of auto, dense, flash or block_sparse:KEY=N,... (keys "
-                         f"{', '.join(_SPARSE_KEYS)}), got {spec!r}")
+        raise ValueError(f"attention must be one of auto, dense, flash, block_sparse:KEY=N,... (keys "
+                         f"{', '.join(_SPARSE_KEYS)}) or dilated:segments=W1/W2,dilations=R1/R2, got {spec!r}")
     from helios.attention import BlockPattern
 
     values = {}
@@ -674,6 +677,26 @@ def parse_attention(spec: str):
     return "block_sparse", pattern, block
 
 
+def _parse_dilated(spec: str, rest: str) -> tuple[list[int], list[int]]:
+    """(segments, dilations) of ``dilated:segments=512/1024,dilations=1/2`` (LongNet's patterns,
+    helios.attention.dilated_attention).  A pattern of dilation 1 is required: it keeps every
+    token for every head, which a causal language model needs."""
+    got = {}
+    for item in rest.split(","):
+        key, eq, val = item.partition("=")
+        nums = val.split("/")
+        if key not in ("segments", "dilations") or not eq or not all(n.isdigit() and int(n) > 0 for n in nums):
+            raise ValueError(f"attention {spec!r}: {item!r} is not segments=W1/W2/... or dilations=R1/R2/... with "
+                             "positive integers")
+        got[key] = [int(n) for n in nums]
+    segments, dilations = got.get("segments", []), got.get("dilations", [])
+    if not segments or len(segments) != len(dilations):
+        raise ValueError(f"attention {spec!r}: give segments and dilations, as many of each")
+    if 1 not in dilations:
+        raise ValueError(f"attention {spec!r}: give a pattern with dilation 1 (it keeps every token for every head)")
+    return segments, dilations
+
+
 class CausalSelfAttention(Module):
     """Multi-head self-attention with a causal mask.
 
@@ -684,7 +707,8 @@ class CausalSelfAttention(Module):
     result up to rounding; dropout on the attention weights needs the dense path.
     ``"block_sparse:local=256,global=64"`` (see :func:`parse_attention`) computes only the
     key blocks the pattern allows (helios.attention.block_sparse_attention): another model,
-    which equals dense attention under the same element mask.
+    which equals dense attention under the same element mask; ``"dilated:segments=W1/W2,
+    dilations=R1/R2"`` is LongNet's dilated attention (helios.attention.dilated_attention).
     """
 
     def __init__(self, cfg: GPTConfig, seed: int):
@@ -710,6 +734,11 @@ class CausalSelfAttention(Module):
 
             y = block_sparse_attention(q, k, v, pattern=self.sparse_pattern, block_size=self.sparse_block,
                                        is_causal=True)
+        elif self.attention == "dilated":
+            from helios.attention import dilated_attention
+
+            segments, dilations = self.sparse_pattern
+            y = dilated_attention(q, k, v, segments=segments, dilations=dilations, is_causal=True)
         elif self._flash(T):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:

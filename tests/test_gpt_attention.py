@@ -46,18 +46,23 @@ def test_flash_and_dense_gpts_give_the_same_loss_and_gradients():
         assert np.abs(gf[n] - gd[n]).max() <= 1e-4 * scale, n
 
 
-def test_a_flash_gpt_learns():
-    model = _model("flash")
+def _train_steps(model: GPT, x, y, steps: int) -> list[float]:
+    """The losses of ``steps`` AdamW steps on one batch."""
     opt = AdamW(model.parameters(), lr=3e-3)
-    x, y = _batch()
-    first = None
-    for _ in range(15):
+    losses = []
+    for _ in range(steps):
         _, loss = model(x, y)
         opt.zero_grad()
         loss.backward()
         opt.step()
-        first = first if first is not None else float(loss.item())
-    assert float(loss.item()) < 0.7 * first
+        losses.append(float(loss.item()))
+    return losses
+
+
+def test_a_flash_gpt_learns():
+    x, y = _batch()
+    losses = _train_steps(_model("flash"), x, y, 15)
+    assert losses[-1] < 0.7 * losses[0]
 
 
 def test_auto_takes_flash_only_where_it_is_faster():
@@ -92,14 +97,7 @@ def test_a_dilated_gpt_equals_dense_with_one_whole_segment_and_learns():
     dense = _loss_and_grads(_model("dense"), x, y)[0]
     assert abs(whole - dense) <= 1e-5 * dense
     model = _model("dilated:segments=8/16,dilations=1/2")
-    opt = AdamW(model.parameters(), lr=3e-3)
-    losses = []
-    for _ in range(8):
-        _, loss = model(x, y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.item()))
+    losses = _train_steps(model, x, y, 8)
     assert losses[-1] < 0.85 * losses[0], losses
 
 
@@ -109,14 +107,7 @@ def test_a_block_sparse_gpt_equals_dense_where_the_pattern_covers_everything_and
     dense = _loss_and_grads(_model("dense", block_size=130), x, y)[0]
     assert abs(everything - dense) <= 1e-5 * dense
     model = _model("block_sparse:local=64,global=64", block_size=130)  # the diagonal block and the first one
-    opt = AdamW(model.parameters(), lr=3e-3)
-    losses = []
-    for _ in range(8):
-        _, loss = model(x, y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.item()))
+    losses = _train_steps(model, x, y, 8)
     assert losses[-1] < 0.85 * losses[0], losses
 
 

@@ -1057,11 +1057,22 @@ _FA_KERNEL: str | None = None
 _FA_CPU_WY: int | None = None  # subgroups per workgroup of the CPU kernel; None = automatic
 
 
+def fa_subgroup_kernel_runs_on(rt) -> bool:
+    """Whether ``rt`` can run flash attention's subgroup kernel: it is written for subgroups of
+    exactly _FA_SG_ROWS lanes (one row per lane) and loads 8 values as 64-bit words."""
+    return int(rt.info["limits"].get("subgroup_size", 0)) == _FA_SG_ROWS and bool(rt.features.get("int64"))
+
+
 def _fa_cpu(rt) -> bool:
     """Whether flash attention on ``rt`` runs the subgroup kernel (CPU drivers)."""
+    if _FA_KERNEL == "cpu" and not fa_subgroup_kernel_runs_on(rt):
+        # on 32-lane subgroups it would compute garbage, not fail: refuse instead
+        raise RuntimeError(f"flash attention: the subgroup kernel needs {_FA_SG_ROWS}-lane subgroups and 64-bit "
+                           f"integers; {rt.info.get('name', 'this device')} has "
+                           f"{rt.info['limits'].get('subgroup_size')}-lane subgroups")
     if _FA_KERNEL is not None:
         return _FA_KERNEL == "cpu"
-    return _cpu_mm_kernel(rt) and bool(rt.features.get("int64"))
+    return _cpu_mm_kernel(rt) and fa_subgroup_kernel_runs_on(rt)
 
 
 def flash_attn_supported(q: Tensor, k: Tensor, v: Tensor) -> bool:

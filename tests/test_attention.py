@@ -87,6 +87,21 @@ def test_shared_memory_kernel_matches_torch(monkeypatch, T, D, causal):
     _close(_helios(q, k, v, g, **kw), _ref(q, k, v, g, **kw), 1e-5)
 
 
+def test_subgroup_kernel_refused_on_wider_subgroups(monkeypatch):
+    # The subgroup kernel owns one row per lane of an 8-lane subgroup: forced onto a device with
+    # 32-lane subgroups (an NVIDIA GPU) it computed garbage; it is refused there instead.
+    from helios.runtime import get_runtime
+    rt = get_runtime()
+    limits = dict(rt.info["limits"], subgroup_size=32)
+    monkeypatch.setitem(rt.info, "limits", limits)
+    monkeypatch.setattr(K, "_FA_KERNEL", "cpu")
+    q, k, v, _ = _operands(1, 1, 8, 32)
+    with pytest.raises(RuntimeError, match="8-lane subgroups"):
+        F.scaled_dot_product_attention(hl.tensor(q), hl.tensor(k), hl.tensor(v))
+    monkeypatch.setattr(K, "_FA_KERNEL", None)  # left to choose, it takes the shared-memory kernel
+    assert not K._fa_cpu(rt)
+
+
 @pytest.mark.parametrize("kernel", [None, "gpu"])
 @pytest.mark.parametrize("dtype,tol", [("float16", 2e-3), ("bfloat16", 1.6e-2)])
 def test_flash_16bit_storage(monkeypatch, kernel, dtype, tol):

@@ -19,7 +19,7 @@ import re
 import threading
 
 from helios import runtime as _runtime
-from helios.profile import profiler as _prof
+from helios.profile.profiler import current_collector
 
 _state = threading.local()
 
@@ -175,8 +175,8 @@ class Function:
     @classmethod
     def apply(cls, *args):
         if _runtime._debug_on[0]:  # HELIOS_DEBUG: note the operands for the kernel lines
-            _runtime._debug_operand[0] = _operands_text(args)
-        if _prof._ACTIVE is not None and not _in_profiled_op[0]:
+            _runtime.note_operands(_operands_text(args))
+        if current_collector() is not None and not _in_profiled_op[0]:
             return _apply_profiled(cls, args)  # records the op with the kernels it launches
         # The hot path of every op: a plain loop finds out whether anything records
         # before building the needs tuple (most calls record nothing).
@@ -243,8 +243,7 @@ class _OpScope:
 
         from helios import runtime
 
-        self.prev = runtime._op_dispatches
-        runtime._op_dispatches = self.ids
+        self.prev = runtime.collect_dispatch_ids(self.ids)
         _in_profiled_op[0] = True
         self.t0 = time.monotonic_ns()
         return self
@@ -255,7 +254,7 @@ class _OpScope:
         from helios import runtime
 
         _in_profiled_op[0] = False
-        runtime._op_dispatches = self.prev
+        runtime.collect_dispatch_ids(self.prev)
         if type(ref) is tuple:
             ref = next((x for x in ref if x is not None), None)
         self.col.record_op(self.name, ref.shape if ref is not None else (), ref.dtype.name if ref is not None else "",
@@ -264,7 +263,7 @@ class _OpScope:
 
 def _apply_profiled(cls, args):
     """Function.apply while profiling: record the op, its shape and the kernels it launched."""
-    scope = _OpScope(_prof._ACTIVE, _op_name(cls.__name__)).__enter__()
+    scope = _OpScope(current_collector(), _op_name(cls.__name__)).__enter__()
     out = None
     try:
         out = cls.apply(*args)
@@ -275,7 +274,7 @@ def _apply_profiled(cls, args):
 
 def _backward_profiled(node, g):
     """node.fn.backward, recorded as a host op ``<name>_backward`` while profiling."""
-    col = _prof._ACTIVE
+    col = current_collector()
     if col is None:
         return node.fn.backward(node.ctx, g)
     scope = _OpScope(col, _op_name(node.name) + "_backward").__enter__()

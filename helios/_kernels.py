@@ -424,7 +424,7 @@ def from_numpy(arr, dtype: dt.DType, rt, pool: str = "activations") -> Tensor:
         host = np.array(arr, dtype=dtype.np_storage, order="C", copy=True)  # ascontiguousarray makes 0-d 1-d
     t = empty(host.shape, dtype, rt, pool)
     if host.size:
-        rt.dev.write(t._st.handle, 0, host.reshape(-1).view(np.uint8))
+        rt.write(t._st.handle, 0, host.reshape(-1).view(np.uint8))
     t._host = (t._st.version, host)
     return t
 

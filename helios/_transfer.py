@@ -1,8 +1,8 @@
-"""Moving tensors between devices: Vulkan devices and "cpu" (host memory, numpy buffers).
+"""Moving tensors between devices: Vulkan and CUDA devices and "cpu" (host memory, numpy buffers).
 
 A move reads the tensor's bytes (bfloat16 as its bit pattern, so nothing is rounded) and
 writes them into a new allocation on the other device.  ``copy_across`` is ``copy_`` where
-the source and destination are not on the same Vulkan device, or where either is on cpu;
+the source and destination are not on the same device, or where either is on cpu;
 ``ToDevice`` is the differentiable move behind ``Tensor.to(device)`` (its gradient moves
 back to where the input was).
 """
@@ -31,7 +31,7 @@ def raw(t: Tensor) -> np.ndarray:
     src = t if t.is_contiguous() else t.contiguous()
     out = np.empty(t.shape, dtype=t.dtype.np_storage)
     if out.size:
-        src._st.rt.dev.read(src._st.handle, src._off * t.dtype.itemsize, out.reshape(-1).view(np.uint8))
+        src._st.rt.read(src._st.handle, src._off * t.dtype.itemsize, out.reshape(-1).view(np.uint8))
     return out
 
 
@@ -42,7 +42,7 @@ def from_raw(bits: np.ndarray, dtype: dt.DType, rt) -> Tensor:
     bits = np.array(bits, dtype=dtype.np_storage, order="C", copy=True)
     out = K.empty(bits.shape, dtype, rt)
     if bits.size:
-        rt.dev.write(out._st.handle, 0, bits.reshape(-1).view(np.uint8))
+        rt.write(out._st.handle, 0, bits.reshape(-1).view(np.uint8))
     out._host = (out._st.version, bits)
     return out
 
@@ -76,7 +76,7 @@ def copy_across(dst: Tensor, src: Tensor) -> None:
     if rt.is_host:
         host_view(dst)[...] = vals
     elif dst.is_contiguous():
-        rt.dev.write(dst._st.handle, dst._off * dst.dtype.itemsize, np.ascontiguousarray(vals).reshape(-1).view(np.uint8))
+        rt.write(dst._st.handle, dst._off * dst.dtype.itemsize, np.ascontiguousarray(vals).reshape(-1).view(np.uint8))
     else:
         K.copy_into(dst, from_raw(vals, dst.dtype, rt))
     dst._st.version += 1

@@ -1856,7 +1856,7 @@ def copy_(x: Tensor, src) -> Tensor:
             broadcast_shapes("copy_", src.shape, x.shape)
         if x.is_contiguous() and src.shape == x.shape and x.dtype is not dt.bfloat16 and not x._st.nbytes > x._st.rt.max_range:
             host = np.ascontiguousarray(src, dtype=x.dtype.np_storage)
-            x._st.rt.dev.write(x._st.handle, x._off * x.dtype.itemsize, host.reshape(-1).view(np.uint8))
+            x._st.rt.write(x._st.handle, x._off * x.dtype.itemsize, host.reshape(-1).view(np.uint8))
             x._st.version += 1
             return x
         src = K.from_numpy(src, dt.from_numpy_dtype(src.dtype) if src.dtype != np.float64 else x.dtype, x._st.rt)

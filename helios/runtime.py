@@ -1,10 +1,14 @@
-"""Device selection and the per-device runtime (the seam between tensors and the Vulkan addon).
+"""Device selection and the runtimes behind the device contract (helios.backend).
 
-``devices()`` lists what exists, ``set_device("vulkan:N")`` (or ``HELIOS_DEVICE``) picks
-one; the default is the best device present (discrete GPU > integrated GPU > CPU).  A
-``Runtime`` wraps one ``helios._vulkan.Device``: it turns (kernel, variant,
-specialization constants) into cached pipelines and records dispatches.  Nothing here
-waits: work is recorded and submitted by the addon's command stream.
+``devices()`` lists what exists, ``set_device("vulkan:N")`` / ``set_device("cuda:N")`` (or
+``HELIOS_DEVICE``) picks one; the default is the best Vulkan device present (discrete GPU >
+integrated GPU > CPU).  :class:`VulkanRuntime` implements :class:`helios.backend.Runtime` on
+one ``helios._vulkan.Device``: it turns (kernel, variant, specialization constants) into
+cached pipelines and records dispatches.  ``cuda:N`` opens
+``helios.cuda_ptx.tensor_runtime.CudaRuntime`` (PTX made from the same SPIR-V, run through
+the CUDA driver API or, with ``HELIOS_CUDA_DEVICE=emulator``, the PTX emulator).  "cpu" is
+:class:`HostRuntime`: host memory that holds data and runs no kernels.  Nothing here waits:
+work is recorded and submitted by the backend's command stream.
 """
 
 from __future__ import annotations
@@ -16,24 +20,44 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from helios.backend import POOLS, Runtime  # noqa: F401  (Runtime: the contract, imported from here too)
 from helios.errors import DeviceError, OutOfMemoryError
 from helios.kernels_spirv import registry
 from helios.profile import debug as _debug
 from helios.profile import profiler as _prof
+from helios.profile.profiler import current_collector
 
 # HELIOS_DEBUG: set when a runtime logs kernels; autograd's Function.apply then notes the
-# operands of each op here, so each kernel line can show the shapes it worked on.
+# operands of each op here (note_operands), so each kernel line can show the shapes it worked on.
 _debug_on = [False]
 _debug_operand = [("", "")]  # (shapes text, dtype name) of the op being recorded
 
-# Dispatch ids of the host op being recorded (set by autograd's Function.apply while a
-# profiling session is open), so the trace links each op to the kernels it launched.
+# Dispatch ids of the host op being recorded (set through collect_dispatch_ids() by autograd's
+# Function.apply while a profiling session is open), so the trace links each op to its kernels.
 _op_dispatches: list | None = None
+
+
+def collect_dispatch_ids(ids: list | None) -> list | None:
+    """File the sequence numbers of the dispatches recorded from now on into ``ids`` (None: record
+    each as its own host op); returns the list that was collecting before, to restore it."""
+    global _op_dispatches
+    prev, _op_dispatches = _op_dispatches, ids
+    return prev
+
+
+def note_operands(text: tuple) -> None:
+    """(shapes text, dtype name) of the op being recorded, for the HELIOS_DEBUG kernel lines."""
+    _debug_operand[0] = text
+
 
 INSTALL_HINT = (
     "Helios needs a Vulkan 1.2 device. On Debian/Ubuntu install the loader and the CPU driver "
     "(lavapipe): apt-get install libvulkan1 mesa-vulkan-drivers; check with `vulkaninfo --summary`."
 )
+CUDA_HINT = ("install NVIDIA's driver; or HELIOS_CUDA_DEVICE=emulator runs the CUDA path on the CPU emulator, "
+             "slowly, for tests")
+KINDS = ("cpu", "vulkan", "cuda")
+_SPELLINGS = "'cpu', 'vulkan', 'vulkan:N', 'cuda' or 'cuda:N'"
 
 _vk = None
 
@@ -51,9 +75,9 @@ def _addon():
 
 @dataclass(frozen=True)
 class DeviceInfo:
-    """One Vulkan device as ``helios.devices()`` lists it."""
+    """One device as ``helios.devices()`` lists it."""
 
-    name: str  # "vulkan:N"
+    name: str  # "vulkan:N" or "cuda:N"
     description: str
     type: str  # discrete | integrated | virtual | cpu | other
     info: dict
@@ -62,10 +86,49 @@ class DeviceInfo:
         return f"<{self.name}: {self.description} ({self.type})>"
 
 
+def cuda_status() -> tuple[bool, str]:
+    """(usable, reason): whether ``cuda:N`` can open here -- a CUDA driver with a device, or the
+    emulator that ``HELIOS_CUDA_DEVICE=emulator`` selects; the reason is the driver's own."""
+    try:
+        from helios.cuda_ptx import driver
+    except Exception as e:  # noqa: BLE001 - a broken install must not break Vulkan users
+        return False, f"cannot import helios.cuda_ptx ({type(e).__name__}: {e})"
+    if driver.emulator_requested():
+        return True, "emulator"
+    return driver.driver_status()
+
+
+def _cuda_devices() -> list[DeviceInfo]:
+    """The CUDA devices a driver (or the emulator) answers for; nothing where none does."""
+    ok, _ = cuda_status()
+    if not ok:
+        return []
+    from helios.cuda_ptx import driver
+
+    if driver.emulator_requested():
+        names = ["Helios PTX emulator (sm_90a)"]
+    else:
+        try:
+            cu = driver._cu()
+            n = driver.check("cuDeviceGetCount", cu.cuDeviceGetCount(), cu=cu)
+            names = []
+            for i in range(int(n)):
+                dev = driver.check("cuDeviceGet", cu.cuDeviceGet(i), cu=cu)
+                raw = driver.check("cuDeviceGetName", cu.cuDeviceGetName(128, dev), cu=cu)
+                names.append(raw.split(b"\0")[0].decode())
+        except DeviceError:
+            return []
+    from helios.cuda_ptx.tensor_runtime import CUDA_INFO
+
+    return [DeviceInfo(f"cuda:{i}", n, "discrete", dict(CUDA_INFO, name=n, index=i)) for i, n in enumerate(names)]
+
+
 def devices() -> list[DeviceInfo]:
-    """Every Vulkan device, GPUs first; lavapipe shows as a ``cpu`` device."""
+    """Every Vulkan device (GPUs first; lavapipe shows as a ``cpu`` device), then every CUDA
+    device when a CUDA driver answers (or ``HELIOS_CUDA_DEVICE=emulator`` selects the emulator)."""
     vk = _addon()
-    return [DeviceInfo(f"vulkan:{d['index']}", d["name"], d["type"], d) for d in vk.enumerate_devices()]
+    found = [DeviceInfo(f"vulkan:{d['index']}", d["name"], d["type"], d) for d in vk.enumerate_devices()]
+    return found + _cuda_devices()
 
 
 def _vulkan_names() -> list[str]:
@@ -77,40 +140,44 @@ def _vulkan_names() -> list[str]:
 
 
 def device_names() -> str:
-    """The devices a tensor can live on, for error messages: "cpu, vulkan:0 (llvmpipe ...)"."""
-    return ", ".join(["cpu"] + _vulkan_names())
+    """The devices a tensor can live on, for error messages: "cpu, vulkan:0 (llvmpipe ...), cuda:0 (...)"."""
+    return ", ".join(["cpu"] + _vulkan_names() + [f"{d.name} ({d.description})" for d in _cuda_devices()])
 
 
-def _parse_device(spec) -> int | None:
-    """The Vulkan index ``spec`` names, or None for "cpu".
+def _parse_device(spec) -> tuple[str, int] | None:
+    """(kind, index) that ``spec`` names -- ("vulkan", N) or ("cuda", N) -- or None for "cpu".
 
-    ``spec``: "cpu", "vulkan" (the current Vulkan device), "vulkan:N", a :class:`device`, or an
-    int N (vulkan:N).  Anything else is a DeviceError naming it and the devices that exist."""
+    ``spec``: "cpu", "vulkan" / "cuda" (the current device of that kind, else index 0),
+    "vulkan:N", "cuda:N", a :class:`device`, or an int N (vulkan:N).  Anything else is a
+    DeviceError naming it and the devices that exist."""
     if isinstance(spec, int) and not isinstance(spec, bool) and spec >= 0:
-        return spec
+        return ("vulkan", spec)
     if not isinstance(spec, str):  # torch.device and the like: their str() is the name
         spec = str(spec) if type(spec).__name__ == "device" else spec
     if not isinstance(spec, str):
-        raise DeviceError(f"unknown device {spec!r} ({type(spec).__name__}): expected 'cpu', 'vulkan' or 'vulkan:N'; "
+        raise DeviceError(f"unknown device {spec!r} ({type(spec).__name__}): expected {_SPELLINGS}; "
                           f"devices here: {device_names()}")
     kind, sep, num = spec.strip().partition(":")
     if kind == "cpu" and (not sep or num == "0"):
         return None
-    if kind == "vulkan":
+    if kind in ("vulkan", "cuda"):
         if not sep:
-            return _current.index if _current is not None else _parse_device(os.environ.get("HELIOS_DEVICE", "vulkan:0"))
+            if _current is not None and _current.name.startswith(kind + ":"):
+                return (kind, _current.index)
+            env = os.environ.get("HELIOS_DEVICE", "")
+            return _parse_device(env) if env.startswith(kind + ":") else (kind, 0)
         if num.isdigit():
-            return int(num)
-        raise DeviceError(f"bad device {spec!r}: expected 'vulkan:N' with N an integer; devices here: {device_names()}")
-    raise DeviceError(f"unknown device {spec!r}: expected 'cpu', 'vulkan' or 'vulkan:N'; devices here: {device_names()}")
+            return (kind, int(num))
+        raise DeviceError(f"bad device {spec!r}: expected '{kind}:N' with N an integer; devices here: {device_names()}")
+    raise DeviceError(f"unknown device {spec!r}: expected {_SPELLINGS}; devices here: {device_names()}")
 
 
 class device(str):
-    """A device as PyTorch spells it: ``device("vulkan:0")``, ``device("vulkan", 0)``,
-    ``device("cpu")``; ``.type`` ("cpu" or "vulkan") and ``.index`` (None for "cpu" and for a
-    bare "vulkan", which means the current Vulkan device).  It is a ``str`` subclass, so
-    ``t.device == "vulkan:0"`` holds and it goes wherever a device name goes.  Naming a device
-    that does not exist is not checked here but where a tensor is put on it."""
+    """A device as PyTorch spells it: ``device("vulkan:0")``, ``device("cuda", 0)``,
+    ``device("cpu")``; ``.type`` ("cpu", "vulkan" or "cuda") and ``.index`` (None for "cpu"
+    and for a bare "vulkan" / "cuda", which means the current device of that kind).  It is a
+    ``str`` subclass, so ``t.device == "vulkan:0"`` holds and it goes wherever a device name
+    goes.  Naming a device that does not exist is not checked here but where a tensor is put on it."""
 
     def __new__(cls, type_or_name="vulkan", index: int | None = None):
         if isinstance(type_or_name, device) and index is None:
@@ -119,34 +186,35 @@ class device(str):
             type_or_name = f"vulkan:{type_or_name}"
         name = str(type_or_name) if type(type_or_name).__name__ == "device" else type_or_name
         if not isinstance(name, str):
-            raise DeviceError(f"unknown device {type_or_name!r}: expected 'cpu', 'vulkan' or 'vulkan:N'; "
-                              f"devices here: {device_names()}")
+            raise DeviceError(f"unknown device {type_or_name!r}: expected {_SPELLINGS}; devices here: {device_names()}")
         if index is not None:
             if ":" in name:
                 raise DeviceError(f"device({name!r}, {index}): give the index once, in the name or as the second argument")
             name = f"{name}:{int(index)}"
         if name.strip() == "cpu:0":
             name = "cpu"
-        idx = _parse_device(name)  # validates the spelling
-        kind = "cpu" if idx is None else "vulkan"
+        parsed = _parse_device(name)  # validates the spelling
+        kind, idx = ("cpu", None) if parsed is None else parsed
         out = str.__new__(cls, kind if ":" not in name else f"{kind}:{idx}")
         out._type, out._index = kind, (idx if ":" in name else None)
         return out
 
     @property
     def type(self) -> str:
+        """"cpu", "vulkan" or "cuda"."""
         return self._type
 
     @property
     def index(self) -> int | None:
+        """The device number, or None for "cpu" and a bare "vulkan" / "cuda"."""
         return self._index
 
     def __repr__(self) -> str:
         return f"device(type={self._type!r})" if self._index is None else f"device(type={self._type!r}, index={self._index})"
 
 
-class Runtime:
-    """One open Vulkan device: pipelines, dispatch, memory, synchronisation."""
+class VulkanRuntime(Runtime):
+    """One open Vulkan device behind the contract: pipelines, dispatch, memory, synchronisation."""
 
     is_host = False
 
@@ -163,23 +231,26 @@ class Runtime:
         self.device = device(self.name)
         cache = os.path.join(registry.cache_dir(), "pipelines")
         os.makedirs(cache, exist_ok=True)
-        self.dev = vk.Device(index, cache)
+        self.dev = vk.Device(index, cache)  # the addon: only this class drives it
         self.info = self.dev.info
         self.max_range = int(self.info["limits"]["max_storage_buffer_range"])
         self.align = max(256, int(self.info["limits"]["min_storage_buffer_offset_alignment"]))
         self.features = self.info["features"]
         self._pipelines: dict[tuple, int] = {}
+        self.last_wait_ns = 0
         # HELIOS_DEBUG >= 1 prints one line per kernel with its device time: timestamps stay on.
         self.debug = _debug.debug_level()
         # For the HELIOS_DEBUG lines: ((kernel, variant) or None, (shapes, dtype)) of every
         # timestamped command, in recording order (= the order of the device events).
         self._kernel_of_pipeline: dict[int, tuple] = {}
         self._debug_kernels: collections.deque = collections.deque()
-        if self.debug:
+        col = current_collector()
+        if self.debug or (col is not None and col.device_timestamps):  # opened inside a profiling session
             self.dev.set_profiling(True)
+        if self.debug:
             _debug_on[0] = True
 
-    # -- memory -------------------------------------------------------------------------
+    # -- allocator ------------------------------------------------------------------------
     def alloc(self, nbytes: int, pool: str = "activations") -> int:
         """A device allocation of at least ``nbytes`` (rounded up to 4 bytes)."""
         try:
@@ -188,9 +259,43 @@ class Runtime:
             raise OutOfMemoryError(f"{self.name}: {e}") from None
 
     def free(self, handle: int) -> None:
+        """Free ``handle`` (the addon reuses its range once the recorded work is done)."""
         self.dev.free(handle)
 
-    # -- kernels ------------------------------------------------------------------------
+    def read(self, handle: int, offset: int, out) -> None:
+        """Fill the uint8 array ``out`` from ``handle`` at ``offset``; waits only for the work writing those bytes."""
+        self.dev.read(handle, offset, out)
+
+    def write(self, handle: int, offset: int, data) -> None:
+        """Copy the uint8 array ``data`` into ``handle`` at ``offset``; waits only for the work touching those bytes."""
+        self.dev.write(handle, offset, data)
+
+    def copy(self, src: int, src_offset: int, dst: int, dst_offset: int, nbytes: int) -> None:
+        """Record a buffer-to-buffer copy (hazard-tracked; returns at once)."""
+        col = current_collector()
+        t0 = time.monotonic_ns() if col is not None else 0
+        if self.debug:
+            self._debug_kernels.append((None, (f"{nbytes} B", "")))  # a buffer copy: no shader
+        self.dev.copy(src, src_offset, dst, dst_offset, nbytes)
+        if col is not None:
+            self._traced(col, "copy", t0)
+
+    def fill(self, handle: int, offset: int, nbytes: int, word: int) -> None:
+        """Record a fill of ``nbytes`` at ``offset`` with a repeated 32-bit ``word``."""
+        col = current_collector()
+        t0 = time.monotonic_ns() if col is not None else 0
+        if self.debug:
+            self._debug_kernels.append((None, (f"{nbytes} B", "")))  # a buffer fill: no shader
+        self.dev.fill(handle, offset, nbytes, word)
+        if col is not None:
+            self._traced(col, "fill", t0)
+
+    def pool_stats(self) -> dict:
+        """Per pool: blocks, dedicated, reserved_bytes, in_use_bytes, peak_in_use_bytes, pending_free_bytes,
+        allocs, frees."""
+        return self.dev.pool_stats()
+
+    # -- program --------------------------------------------------------------------------
     def pipeline(self, kernel: str, variant: str, spec: tuple = ()) -> int:
         """Pipeline id for (kernel, variant, specialization constants), built once."""
         key = (kernel, variant, spec)
@@ -205,7 +310,7 @@ class Runtime:
 
     def dispatch(self, pid: int, buffers: list, push: bytes, groups: tuple, name: str, flops: int = 0, nbytes: int = 0):
         """Record one dispatch (returns at once)."""
-        col = _prof._ACTIVE
+        col = current_collector()
         if self.debug:
             self._debug_kernels.append((self._kernel_of_pipeline.get(pid), _debug_operand[0]))
         try:
@@ -221,16 +326,6 @@ class Runtime:
             raise
         self._traced(col, name, t0)
 
-    def fill(self, handle: int, offset: int, nbytes: int, word: int) -> None:
-        """Record a fill of ``nbytes`` at ``offset`` with a repeated 32-bit ``word``."""
-        col = _prof._ACTIVE
-        t0 = time.monotonic_ns() if col is not None else 0
-        if self.debug:
-            self._debug_kernels.append((None, (f"{nbytes} B", "")))  # a buffer fill: no shader
-        self.dev.fill(handle, offset, nbytes, word)
-        if col is not None:
-            self._traced(col, "fill", t0)
-
     def _traced(self, col, name: str, t0: int) -> None:
         # Every timestamped command gets a sequence number in recording order, which is
         # also the order of the addon's events: the collector pairs them up by it.
@@ -240,17 +335,39 @@ class Runtime:
         else:
             col.record_op(name, "", "", t0, time.monotonic_ns(), (seq,))
 
+    # -- stream ---------------------------------------------------------------------------
+    def flush(self) -> None:
+        """Submit what is recorded; do not wait."""
+        self.dev.flush()
+
     def synchronize(self) -> None:
         """Submit everything recorded and wait for it (and hand timestamps to the profiler)."""
         t0 = time.monotonic_ns()
         self.dev.synchronize()
         t1 = time.monotonic_ns()
         self.last_wait_ns = t1 - t0
-        col = _prof._ACTIVE
+        col = current_collector()
         if col is not None:
             col.record_op("fence_wait", "", "", t0, t1, ())  # host time blocked on the device
         if col is not None or self.debug:
             self._drain_events(col)
+
+    def stats(self) -> dict:
+        """Stream counters: submits, dispatches, barriers, fence_waits, copies, pending_dispatches."""
+        return self.dev.stats()
+
+    def profiling_started(self, col) -> None:
+        """Nothing recorded before the session may land in it: drain, then timestamp every dispatch."""
+        self.dev.synchronize()
+        self.dev.take_events()
+        self._debug_kernels.clear()  # their events were just dropped
+        self.dev.set_profiling(bool(col.device_timestamps or self.debug))
+
+    def profiling_stopping(self, col) -> None:
+        """The closing wait is the session's own, not the user's: it is not recorded as a fence_wait."""
+        self.dev.synchronize()
+        self._drain_events(col)
+        self.dev.set_profiling(bool(self.debug))
 
     def _drain_events(self, col) -> None:
         payload = self.dev.take_events()
@@ -268,30 +385,13 @@ class Runtime:
                                   level=self.debug, source=src, binary=spv)
 
 
-class _HostMemory:
-    """The allocator half of the "cpu" device: allocations are numpy byte buffers."""
-
-    def read(self, handle, offset: int, out) -> None:
-        out[...] = handle[offset:offset + out.nbytes]
-
-    def write(self, handle, offset: int, data) -> None:
-        data = data.reshape(-1).view(np.uint8)
-        handle[offset:offset + data.nbytes] = data
-
-    def synchronize(self) -> None:
-        pass
-
-    def pool_stats(self) -> dict:
-        return {}
-
-
-class HostRuntime:
+class HostRuntime(Runtime):
     """The "cpu" device: tensors whose bytes are numpy buffers in host memory.
 
     A cpu tensor holds data: ``numpy()``, ``item()``, ``tolist()``, views (reshape, slicing,
     transpose...), ``contiguous()``, ``clone()``, dtype casts, ``copy_()``, ``fill_``/``zero_``,
-    ``helios.save`` and ``.to()`` back to a Vulkan device.  It runs no kernels: any other op on
-    it is a DeviceError saying to move it to a Vulkan device first."""
+    ``helios.save`` and ``.to()`` back to a GPU device.  It runs no kernels: any other op on
+    it is a DeviceError saying to move it to a device first."""
 
     is_host = True
     name = "cpu"
@@ -302,91 +402,130 @@ class HostRuntime:
     info = {"name": "host memory", "type": "cpu", "features": features, "limits": {}}
 
     def __init__(self):
-        self.dev = _HostMemory()
         self.device = device("cpu")
 
     def alloc(self, nbytes: int, pool: str = "activations"):
+        """A numpy byte buffer of at least ``nbytes``."""
         return np.empty(max(8, (nbytes + 7) & ~7), dtype=np.uint8)  # 8-aligned: any dtype views it
 
     def free(self, handle) -> None:
-        pass
+        """Nothing to do: numpy frees the buffer with its last reference."""
+
+    def read(self, handle, offset: int, out) -> None:
+        """Copy ``out.nbytes`` bytes at ``offset`` into ``out``."""
+        out[...] = handle[offset:offset + out.nbytes]
+
+    def write(self, handle, offset: int, data) -> None:
+        """Copy ``data``'s bytes into the buffer at ``offset``."""
+        data = data.reshape(-1).view(np.uint8)
+        handle[offset:offset + data.nbytes] = data
+
+    def copy(self, src, src_offset: int, dst, dst_offset: int, nbytes: int) -> None:
+        """Copy ``nbytes`` between two buffers."""
+        dst[dst_offset:dst_offset + nbytes] = src[src_offset:src_offset + nbytes]
 
     def fill(self, handle, offset: int, nbytes: int, word: int) -> None:
+        """Repeat the 32-bit ``word`` over ``nbytes`` at ``offset``."""
         handle[offset:offset + nbytes].view(np.uint32)[...] = word
 
+    def pool_stats(self) -> dict:
+        """No pools: host buffers are numpy's."""
+        return {}
+
     def synchronize(self) -> None:
-        pass
+        """Nothing runs asynchronously on the host."""
+
+    def stats(self) -> dict:
+        """No stream: nothing is ever dispatched here."""
+        return {"dispatches": 0}
 
     def pipeline(self, kernel: str, variant: str, spec: tuple = ()):
+        """Refused: the cpu device runs no kernels (a DeviceError saying where to move the tensor)."""
         target = _current.name if _current is not None else "vulkan:0"
         raise DeviceError(f"{kernel}: the tensor is on cpu, where Helios keeps data but runs no kernels "
                           f"(numpy(), item(), views, casts, copies and save work there); move it first with .to({target!r})")
 
     def dispatch(self, *args, **kwargs):  # pragma: no cover - pipeline() refuses first
+        """Refused, as :meth:`pipeline`."""
         self.pipeline(args[4] if len(args) > 4 else "op", "")
 
 
 HOST = HostRuntime()
 
 _current: Runtime | None = None
-_runtimes: dict[int, Runtime] = {}
+_runtimes: dict[str, Runtime] = {}  # every open device runtime, by name ("vulkan:0", "cuda:0")
+
+
+def _open(kind: str, index: int) -> Runtime:
+    """The runtime of (kind, index), opened on first use."""
+    name = f"{kind}:{index}"
+    rt = _runtimes.get(name)
+    if rt is None:
+        rt = VulkanRuntime(index) if kind == "vulkan" else _open_cuda(index)
+        _runtimes[name] = rt
+    return rt
+
+
+def _open_cuda(index: int) -> Runtime:
+    """A CudaRuntime for cuda:``index``, or a one-line DeviceError saying why not and what to do."""
+    ok, why = cuda_status()
+    if not ok:
+        why = " ".join(str(why).split())  # the driver's reason, on one line
+        raise DeviceError(f"cannot open cuda:{index}: {why}. To use it: {CUDA_HINT}; devices here: {device_names()}")
+    from helios.cuda_ptx.tensor_runtime import CudaRuntime
+
+    return CudaRuntime(index)
 
 
 def set_device(spec: str) -> None:
-    """Make ``spec`` ("vulkan:N") the device new tensors go to."""
+    """Make ``spec`` ("vulkan:N" or "cuda:N") the device new tensors go to."""
     global _current
-    idx = _parse_device(spec)
-    if idx is None:
+    parsed = _parse_device(spec)
+    if parsed is None:
         raise DeviceError("set_device('cpu'): the current device runs the ops, and cpu tensors only hold data; "
-                          f"choose a Vulkan device ({device_names()}) and move results with .to('cpu')")
-    rt = _runtimes.get(idx)
-    if rt is None:
-        rt = _runtimes[idx] = Runtime(idx)
-    _current = rt
+                          f"choose a Vulkan device or a CUDA device ({device_names()}) and move results with .to('cpu')")
+    _current = _open(*parsed)
 
 
 def get_runtime(spec: str | None = None) -> Runtime:
     """The runtime of ``spec`` ("cpu" gives :data:`HOST`), or of the current device (opened on first use)."""
     if spec is not None:
-        if isinstance(spec, (Runtime, HostRuntime)):
+        if isinstance(spec, Runtime):
             return spec
-        idx = _parse_device(spec)
-        if idx is None:
+        parsed = _parse_device(spec)
+        if parsed is None:
             return HOST
-        if idx not in _runtimes:
-            _runtimes[idx] = Runtime(idx)
-        return _runtimes[idx]
+        return _open(*parsed)
     if _current is None:
         set_device(os.environ.get("HELIOS_DEVICE", "vulkan:0"))
     return _current
 
 
+def open_runtimes() -> list[Runtime]:
+    """Every device runtime opened so far (Vulkan and CUDA), in opening order."""
+    return list(_runtimes.values())
+
+
 def current_device() -> str:
-    """Name of the current device ("vulkan:N")."""
+    """Name of the current device ("vulkan:N" or "cuda:N")."""
     return get_runtime().name
 
 
 def synchronize() -> None:
     """Wait until every recorded op on every open device has finished."""
-    for rt in _runtimes.values():
+    for rt in list(_runtimes.values()):
         rt.synchronize()
 
 
 def _profiling_started(col) -> None:
-    # Nothing recorded before the session may land in it: drain, then timestamp every dispatch.
-    for rt in _runtimes.values():
-        rt.dev.synchronize()
-        rt.dev.take_events()
-        rt._debug_kernels.clear()  # their events were just dropped
-        rt.dev.set_profiling(bool(col.device_timestamps or rt.debug))
+    # Every open runtime, of either backend: nothing recorded before the session lands in it.
+    for rt in list(_runtimes.values()):
+        rt.profiling_started(col)
 
 
 def _profiling_stopping(col) -> None:
-    # The closing wait is the session's own, not the user's: it is not recorded as a fence_wait.
-    for rt in _runtimes.values():
-        rt.dev.synchronize()
-        rt._drain_events(col)
-        rt.dev.set_profiling(bool(rt.debug))
+    for rt in list(_runtimes.values()):
+        rt.profiling_stopping(col)
 
 
 _prof.register_runtime_hooks(_profiling_started, _profiling_stopping)

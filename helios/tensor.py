@@ -13,7 +13,7 @@ import time
 import numpy as np
 
 from helios import dtypes as dt
-from helios.profile import profiler as _prof
+from helios.profile.profiler import current_collector
 from helios._shape import norm_dim, numel
 from helios.errors import DTypeError
 
@@ -23,7 +23,8 @@ F = None
 
 
 class Storage:
-    """One device allocation; freed (deferred by the addon) when no tensor uses it."""
+    """One device allocation (a handle of its runtime's allocator); freed, deferred by the backend, when no
+    tensor uses it."""
 
     __slots__ = ("rt", "handle", "nbytes", "version", "__weakref__")
 
@@ -41,7 +42,7 @@ class Storage:
 
 
 class Tensor:
-    """A multi-dimensional array on a Vulkan device (PyTorch naming)."""
+    """A multi-dimensional array on a device (Vulkan, CUDA, or host memory as "cpu"; PyTorch naming)."""
 
     __slots__ = ("_st", "shape", "_strides", "_off", "dtype", "requires_grad", "grad", "_node", "_host", "_grad_hooks",
                  "_out_index", "__weakref__")
@@ -63,7 +64,7 @@ class Tensor:
     # -- metadata -----------------------------------------------------------------------
     @property
     def device(self):
-        """Where the data lives: a :class:`helios.device` ("vulkan:N", or "cpu" for host memory);
+        """Where the data lives: a :class:`helios.device` ("vulkan:N", "cuda:N", or "cpu" for host memory);
         it is a str, so ``t.device == "vulkan:0"`` works."""
         return self._st.rt.device
 
@@ -140,10 +141,10 @@ class Tensor:
         src = self if self.is_contiguous() else self.contiguous()
         out = np.empty(self.shape, dtype=self.dtype.np_storage)
         if out.size:
-            col = _prof._ACTIVE
+            col = current_collector()
             t0 = time.monotonic_ns() if col is not None else 0
             # Waits (inside the addon) only for recorded work that writes these bytes.
-            src._st.rt.dev.read(src._st.handle, src._off * self.dtype.itemsize, out.reshape(-1).view(np.uint8))
+            src._st.rt.read(src._st.handle, src._off * self.dtype.itemsize, out.reshape(-1).view(np.uint8))
             if col is not None:
                 col.record_op("device_to_host", self.shape, self.dtype.name, t0, time.monotonic_ns(), ())
         if self.dtype is dt.bfloat16:

@@ -73,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compute precision: bf16 / fp16 run the matmuls in 16 bits under hl.autocast (float32 "
                         "master weights, softmax, norms and loss); fp16 scales the loss (hl.amp.GradScaler, "
                         "skipping a step whose gradients overflow)")
-    p.add_argument("--device", default=None, help="vulkan:N (default: HELIOS_DEVICE or the best device)")
+    p.add_argument("--device", default=None, help="vulkan:N or cuda:N (default: HELIOS_DEVICE or the best Vulkan device; "
+                   "cuda:N needs NVIDIA's driver, or HELIOS_CUDA_DEVICE=emulator for the slow CPU emulator)")
     p.add_argument("--data", default=None, help="a text file or folder (default: this Python's standard library source)")
     p.add_argument("--tokenizer", default="byte", help="byte | bpe:N")
     p.add_argument("--out", default="runs/default", help="run directory: checkpoint, run database, trace")
@@ -248,7 +249,10 @@ def _train(args, given: set[str]) -> int:
         comm_hook = None
     say = print if run.is_main else _quiet
     if args.device:
-        hl.set_device(args.device)
+        try:
+            hl.set_device(args.device)
+        except hl.DeviceError as e:  # a device the user named that cannot open here: their flag to change
+            usage(f"--device {args.device}: {e}")
     rt = get_runtime()
     # Before the data is read: a block or batch the device cannot hold is the user's to change.
     head_dim = cfgd["n_embd"] // cfgd["n_head"]
@@ -576,7 +580,7 @@ def _train(args, given: set[str]) -> int:
             lr = cosine_lr(step, lr_max, warmup, steps)
             for g in opt.param_groups:
                 g["lr"] = lr
-            d0 = rt.dev.stats()["dispatches"]
+            d0 = rt.stats()["dispatches"]
             bytes0 = run.comm_bytes()
             if pipeline:
                 stage_loss = pipeline_step()
@@ -631,7 +635,7 @@ def _train(args, given: set[str]) -> int:
             if (args.ckpt_every and step % args.ckpt_every == 0) or leaving:
                 with timer.phase("checkpoint"):
                     save_checkpoint(step)
-            rec = timer.end_step(step, tokens_per_step, loss=loss_val, lr=lr, dispatches=rt.dev.stats()["dispatches"] - d0)
+            rec = timer.end_step(step, tokens_per_step, loss=loss_val, lr=lr, dispatches=rt.stats()["dispatches"] - d0)
             sent = [b1 - b0 for b1, b0 in zip(run.comm_bytes(), bytes0)]  # before the gather: its bytes are not the step's
             rows = run.gather_step({**_timing_row(rec), "comm_bytes": sent[0], "comm_payload_bytes": sent[1]})
             mfu = compute_mfu(fpt, rec.tokens_per_s, job_peak)
@@ -743,7 +747,7 @@ def _model_state_bytes(model, opt, rt, world: int, zero: int) -> dict:
     """Bytes of model states this rank holds (the weights pool, where parameters, gradients and
     moments live) and what the ZeRO formula says for them."""
     rt.synchronize()
-    held = rt.dev.pool_stats()["weights"]["in_use_bytes"]
+    held = rt.pool_stats()["weights"]["in_use_bytes"]
     if zero:
         expected, psi = opt.expected_memory(), opt.optimizer.padded_numel
     else:

@@ -35,7 +35,7 @@ def test_device_objects_spell_like_torch():
     assert {d: 1}["vulkan:0"] == 1  # hashes as its name
 
 
-@pytest.mark.parametrize("bad", ["cuda:0", "gpu", "vulkan:x", "cpu:1", "", "tpu:3"])
+@pytest.mark.parametrize("bad", ["cuda:x", "gpu", "vulkan:x", "cpu:1", "", "tpu:3"])
 def test_a_wrong_device_name_is_one_line_naming_it_and_the_devices(bad):
     with pytest.raises(hl.DeviceError) as ei:
         hl.device(bad)
@@ -44,7 +44,7 @@ def test_a_wrong_device_name_is_one_line_naming_it_and_the_devices(bad):
 
 
 @pytest.mark.vulkan
-@pytest.mark.parametrize("spec", ["cuda:0", "vulkan:9", "gpu", "mps"])
+@pytest.mark.parametrize("spec", ["cuda:9", "vulkan:9", "gpu", "mps"])
 def test_to_a_device_that_does_not_exist(spec):
     x = hl.ones(3)
     for call in (lambda: x.to(spec), lambda: x.to(device=spec), lambda: x.to(spec, hl.float16)):

@@ -1,0 +1,118 @@
+"""The device contract: everything the tensor layer, autograd and the profiler ask of a device.
+
+A backend is one class implementing :class:`Runtime`: ``helios.runtime.VulkanRuntime``
+(SPIR-V through the ``helios._vulkan`` addon), ``helios.cuda_ptx.tensor_runtime.CudaRuntime``
+(PTX translated from the same SPIR-V, through the CUDA driver API) and
+``helios.runtime.HostRuntime`` (the "cpu" device: host memory, no kernels).  Ops are
+written once, in ``helios._kernels``: they record "kernel K, variant V, specialization
+constants S, bindings B, push-constant bytes P, workgroup grid G" and the backend turns that
+into work on its device.  Nothing above this seam names the API a backend drives; see
+docs/device-contract.md for the two backends side by side.
+
+The three parts (tinygrad's ``Compiled(allocator, compiler, runtime)`` is the model):
+
+allocator
+    ``alloc(nbytes, pool) -> handle``, ``free(handle)``, ``read(handle, offset, out_u8)``,
+    ``write(handle, offset, data_u8)``, ``copy(src, src_offset, dst, dst_offset, nbytes)``,
+    ``fill(handle, offset, nbytes, word32)``, ``pool_stats()``.  A handle is an opaque
+    value; views are (handle, byte offset) pairs, so a tensor view never allocates.
+    ``read`` waits for the recorded work that writes those bytes; ``write`` is ordered after
+    the recorded work that touches them; ``copy`` and ``fill`` are recorded like dispatches.
+program
+    ``pipeline(kernel, variant, spec) -> pid`` (built once, cached), then
+    ``dispatch(pid, buffers, push, groups, name, flops, nbytes)`` records one launch;
+    ``buffers`` are ``(handle, byte offset, nbytes, writes)`` for bindings 0..n-1.
+stream
+    ``flush()`` submits what is recorded, ``synchronize()`` waits for all of it, ``stats()``
+    counts (``"dispatches"`` at least).  While a profiling session is open
+    (``helios.profile.profiler.current_collector()`` is not None) the runtime numbers each
+    dispatch, fill and copy with ``col.next_dispatch_seq()`` and hands the collector the
+    device events at ``synchronize()`` (``{"events": [...], "submits": [...]}``, times on the
+    host ``CLOCK_MONOTONIC`` clock); ``profiling_started(col)`` / ``profiling_stopping(col)``
+    run when a session opens and before it closes.
+facts
+    ``name`` ("vulkan:0", "cuda:0", "cpu"), ``device`` (a :class:`helios.device`), ``index``,
+    ``is_host``, ``info`` (``name``, ``type``: discrete | integrated | virtual | cpu | other,
+    ``limits``: ``max_storage_buffer_range``, ``min_storage_buffer_offset_alignment``,
+    ``subgroup_size``, ..., ``features``), ``features`` (``storage16``, ``storage8``,
+    ``int64``), ``max_range`` (the most bytes one binding may span) and ``align`` (the
+    alignment of a binding's offset).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+# The memory pools every backend accounts separately (by lifetime), as pool_stats() keys.
+POOLS = ("weights", "activations", "staging")
+
+
+class Runtime(ABC):
+    """One open device behind the contract (see the module docstring)."""
+
+    name: str = ""
+    index: int | None = None
+    is_host: bool = False
+    device = None  # helios.device of ``name``
+    info: dict = {}
+    features: dict = {}
+    max_range: int = 0
+    align: int = 256
+    debug: int = 0  # HELIOS_DEBUG level the runtime logs kernels at (0: off)
+
+    # -- allocator ------------------------------------------------------------------------
+    @abstractmethod
+    def alloc(self, nbytes: int, pool: str = "activations"):
+        """A handle to at least ``nbytes`` of device memory in ``pool`` (one of :data:`POOLS`)."""
+
+    @abstractmethod
+    def free(self, handle) -> None:
+        """Release ``handle``; its bytes are reused only after the work recorded so far ran."""
+
+    @abstractmethod
+    def read(self, handle, offset: int, out) -> None:
+        """Fill the uint8 array ``out`` from ``handle`` at byte ``offset`` (waits for the work writing them)."""
+
+    @abstractmethod
+    def write(self, handle, offset: int, data) -> None:
+        """Copy the uint8 array ``data`` into ``handle`` at byte ``offset`` (after the work touching them)."""
+
+    @abstractmethod
+    def copy(self, src, src_offset: int, dst, dst_offset: int, nbytes: int) -> None:
+        """Record a device-to-device copy of ``nbytes``."""
+
+    @abstractmethod
+    def fill(self, handle, offset: int, nbytes: int, word: int) -> None:
+        """Record a fill of ``nbytes`` (a multiple of 4) at ``offset`` with the 32-bit ``word``."""
+
+    @abstractmethod
+    def pool_stats(self) -> dict:
+        """Per pool of :data:`POOLS`: ``{"in_use_bytes", "peak_in_use_bytes", "reserved_bytes", "allocs", "frees", ...}``."""
+
+    # -- program --------------------------------------------------------------------------
+    @abstractmethod
+    def pipeline(self, kernel: str, variant: str, spec: tuple = ()):
+        """An id for (kernel, variant, specialization constants), built on first use and cached."""
+
+    @abstractmethod
+    def dispatch(self, pid, buffers: list, push: bytes, groups: tuple, name: str, flops: int = 0,
+                 nbytes: int = 0) -> None:
+        """Record one launch of ``pid`` over the workgroup grid ``groups`` (returns at once)."""
+
+    # -- stream ---------------------------------------------------------------------------
+    def flush(self) -> None:
+        """Submit what is recorded without waiting (a no-op where launches go out at once)."""
+
+    @abstractmethod
+    def synchronize(self) -> None:
+        """Wait until every recorded op has finished; hand device events to an open profiling session."""
+
+    @abstractmethod
+    def stats(self) -> dict:
+        """Stream counters: ``dispatches`` (since the runtime opened or the last reset) and more per backend."""
+
+    def profiling_started(self, col) -> None:
+        """A profiling session opened: drop earlier events, timestamp dispatches from now on."""
+
+    def profiling_stopping(self, col) -> None:
+        """A profiling session is closing: wait, hand the last events to ``col``, stop timestamps."""

@@ -1,0 +1,457 @@
+"""``cuda:N`` for Helios tensors: the device contract (helios.backend) on the CUDA driver API.
+
+:class:`CudaRuntime` is the CUDA backend behind ``helios.set_device("cuda:0")``.  Ops are
+the same as on Vulkan: ``helios._kernels`` records (kernel, variant, specialization
+constants, bindings, push constants, workgroup grid); here the kernel's SPIR-V from the
+registry becomes PTX through ``helios.cuda_ptx.spirv_ptx.translate()``, is loaded once per
+(kernel, variant, spec) and launched on the default stream.  It runs on
+``helios.cuda_ptx.driver.context()``: a real GPU, or with ``HELIOS_CUDA_DEVICE=emulator``
+the emulated driver, whose kernels run thread by thread on the CPU (slow; for tests).
+
+Memory is a caching allocator by size class: requests up to 512 bytes take a 512-byte
+block, larger ones the next power of two; a freed block goes back on its pool's free list
+for its class and is reused by the next request of that class.  Reuse needs no fence: every
+launch, copy and fill goes to the one default stream, so work recorded before a free
+finishes before work recorded after it starts.  ``empty_cache()`` returns the cached blocks
+to the driver (done once, before failing, when the driver is out of memory).
+
+Copies between host and device are the driver's synchronous ones on the default stream
+(``cuMemcpyHtoD`` / ``cuMemcpyDtoH``): a read waits for the launches before it.  While a
+profiling session is open every launch, fill and copy is bracketed by two CUDA events;
+``synchronize()`` turns them into the device events the Vulkan runtime hands over (times on
+the host ``CLOCK_MONOTONIC`` clock), so traces, run.db and MFU read the same records.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import struct
+import time
+
+import numpy as np
+
+from helios.backend import POOLS, Runtime
+from helios.errors import DeviceError, OutOfMemoryError
+from helios.profile import debug as _debug
+from helios.profile.profiler import current_collector
+
+from . import driver as _driver
+
+MIN_BLOCK = 512  # the smallest size class; above it classes are powers of two
+
+# The kernels index their buffers with 32-bit element offsets (GLSL uint / int), as on
+# Vulkan: one binding spans at most 2^31 - 1 bytes, and bind() windows larger tensors.
+MAX_RANGE = (1 << 31) - 1
+ALIGN = 256  # cuMemAlloc returns 256-byte aligned addresses; windows start on this alignment
+
+CUDA_LIMITS = {
+    "max_storage_buffer_range": MAX_RANGE,
+    "min_storage_buffer_offset_alignment": ALIGN,
+    "subgroup_size": 32,  # a warp
+    "max_workgroup_invocations": 1024,
+    "max_workgroup_size": (1024, 1024, 64),
+    "max_workgroup_count": ((1 << 31) - 1, 65535, 65535),
+    "max_shared_memory": 48 * 1024,  # static; more is dynamic, opted into per kernel
+    "max_push_constants": 4096,  # kernel parameter space
+    "timestamp_period": 1.0,
+    "timestamp_valid_bits": 64,
+}
+CUDA_FEATURES = {"storage16": True, "storage8": True, "int64": True, "int16": True, "float16": True,
+                 "push_descriptor": False, "unified_memory": False, "calibrated_timestamps": False}
+# What every CUDA device reports before it is opened (helios.devices() fills in the name).
+CUDA_INFO = {"name": "", "type": "discrete", "limits": CUDA_LIMITS, "features": CUDA_FEATURES}
+
+_current_ctx = [None]  # the driver context last made current on this thread by a CudaRuntime
+
+
+def size_class(nbytes: int) -> int:
+    """The block size a request of ``nbytes`` takes: 512 up to 512 bytes, else the next power of two."""
+    if nbytes <= MIN_BLOCK:
+        return MIN_BLOCK
+    return 1 << (int(nbytes) - 1).bit_length()
+
+
+class _Pool:
+    """One pool's blocks: free lists by size class and the counters pool_stats() reports."""
+
+    __slots__ = ("free", "blocks", "reserved", "in_use", "peak", "allocs", "frees")
+
+    def __init__(self):
+        self.free: dict[int, list[int]] = {}
+        self.blocks = self.reserved = self.in_use = self.peak = self.allocs = self.frees = 0
+
+
+class CudaRuntime(Runtime):
+    """``cuda:N`` behind the device contract (see the module docstring)."""
+
+    is_host = False
+
+    def __init__(self, index: int = 0, ctx=None):
+        self.index = int(index)
+        self.name = f"cuda:{self.index}"
+        from helios.runtime import device
+
+        self.device = device(self.name)
+        self.ctx = ctx if ctx is not None else _open_context(self.index)
+        self.cu = self.ctx.cu
+        self.emulated = type(self.cu).__name__ == "EmulatedDriver"
+        major, minor = self.ctx.cc
+        self.target = f"sm_{major}{minor}"  # PTX the translator writes; ctx.load_kernel assembles it for the device
+        self.info = dict(CUDA_INFO, name=self.ctx.name, index=self.index, compute_capability=f"{major}.{minor}",
+                         sm_count=self.ctx.sm_count, emulated=self.emulated)
+        self.features = CUDA_FEATURES
+        self.max_range = MAX_RANGE
+        self.align = ALIGN
+        self.debug = _debug.debug_level()
+        self._pools = {p: _Pool() for p in POOLS}
+        self._live: dict[int, tuple[str, int]] = {}  # address -> (pool, size class)
+        self._programs: list[tuple] = []  # pid -> (Function, Translated, name)
+        self._pipelines: dict[tuple, int] = {}
+        self._stats = {"dispatches": 0, "copies": 0, "fills": 0, "fence_waits": 0}
+        self.last_wait_ns = 0
+        # Profiling: events bracketing each timed command until synchronize() reads them.
+        self._timing = False
+        self._pending: list[tuple] = []  # (seq, name, flops, bytes, start event, stop event, host_record_ns)
+        self._spare_events: list = []
+        self._anchor = None  # (event, host ns when it completed): device times are measured from it
+        self._submit = 0
+        self._batch_t0 = 0
+        col = current_collector()
+        if self.debug or (col is not None and col.device_timestamps):  # opened inside a profiling session
+            self._start_timing()
+
+    # -- driver plumbing ------------------------------------------------------------------
+    def _use(self) -> None:
+        # Several CUDA devices in one process: each call goes to this runtime's context.
+        if _current_ctx[0] is not self.ctx:
+            self.ctx._check("cuCtxSetCurrent", self.cu.cuCtxSetCurrent(self.ctx.ctx))
+            _current_ctx[0] = self.ctx
+
+    def _check(self, call: str, result):
+        return self.ctx._check(call, result)
+
+    # -- allocator ------------------------------------------------------------------------
+    def alloc(self, nbytes: int, pool: str = "activations") -> int:
+        """The address of a block of at least ``nbytes`` in ``pool`` (reused from the pool's free list)."""
+        p = self._pools.get(pool)
+        if p is None:
+            raise ValueError(f"alloc: pool must be one of {', '.join(POOLS)}, got {pool!r}")
+        if nbytes < 0:
+            raise ValueError(f"alloc: nbytes must be >= 0, got {nbytes}")
+        cls = size_class(nbytes)
+        cached = p.free.get(cls)
+        if cached:
+            addr = cached.pop()
+        else:
+            addr = self._driver_alloc(cls, pool)
+            p.blocks += 1
+            p.reserved += cls
+        self._live[addr] = (pool, cls)
+        p.in_use += cls
+        p.allocs += 1
+        if p.in_use > p.peak:
+            p.peak = p.in_use
+        return addr
+
+    def _driver_alloc(self, nbytes: int, pool: str) -> int:
+        self._use()
+        try:
+            return self.ctx.alloc(nbytes)
+        except OutOfMemoryError:
+            pass
+        # Out of memory with blocks cached: give them back to the driver and try once more.
+        if self.empty_cache():
+            try:
+                return self.ctx.alloc(nbytes)
+            except OutOfMemoryError:
+                pass
+        in_use = sum(q.in_use for q in self._pools.values())
+        raise OutOfMemoryError(f"{self.name}: out of device memory allocating {nbytes} B in pool {pool!r} "
+                               f"({in_use} B in use by tensors)") from None
+
+    def free(self, handle: int) -> None:
+        """Put ``handle``'s block back on its pool's free list (stream order makes reuse safe)."""
+        found = self._live.pop(handle, None)
+        if found is None:
+            raise ValueError(f"free: {handle!r} is not a live allocation of {self.name}")
+        pool, cls = found
+        p = self._pools[pool]
+        p.free.setdefault(cls, []).append(handle)
+        p.in_use -= cls
+        p.frees += 1
+
+    def empty_cache(self) -> int:
+        """Return every cached (free) block to the driver; the bytes released."""
+        released = 0
+        if not any(p.free for p in self._pools.values()):
+            return 0
+        self._use()
+        self.ctx.synchronize()  # a free block may still be read by a launch recorded before its free
+        for p in self._pools.values():
+            for cls, addrs in p.free.items():
+                for a in addrs:
+                    self.ctx.free(a)
+                    p.blocks -= 1
+                    p.reserved -= cls
+                    released += cls
+            p.free.clear()
+        return released
+
+    def pool_stats(self) -> dict:
+        """Per pool: blocks, dedicated, reserved_bytes, in_use_bytes, peak_in_use_bytes, cached_bytes,
+        pending_free_bytes, allocs, frees (the Vulkan runtime's keys; sizes count whole size classes)."""
+        return {name: {"blocks": p.blocks, "dedicated": 0, "reserved_bytes": p.reserved, "in_use_bytes": p.in_use,
+                       "peak_in_use_bytes": p.peak, "cached_bytes": p.reserved - p.in_use, "pending_free_bytes": 0,
+                       "allocs": p.allocs, "frees": p.frees}
+                for name, p in self._pools.items()}
+
+    def _address(self, handle, offset: int, nbytes: int, what: str) -> int:
+        found = self._live.get(handle) if type(handle) is int else None
+        if found is None:
+            raise DeviceError(f"{what}: {handle!r} is not an allocation of {self.name} (a tensor on another device?)")
+        if offset < 0 or nbytes < 0 or offset + nbytes > found[1]:
+            raise ValueError(f"{what}: bytes [{offset}, {offset + nbytes}) lie outside the {found[1]}-byte block")
+        return handle + offset
+
+    def read(self, handle: int, offset: int, out) -> None:
+        """Fill the uint8 array ``out`` from ``handle`` at ``offset`` (waits for the launches before it)."""
+        addr = self._address(handle, offset, out.nbytes, "read")
+        self._use()
+        if out.flags.c_contiguous:
+            self.ctx.download(out, addr)
+        else:
+            tmp = np.empty(out.shape, out.dtype)
+            self.ctx.download(tmp, addr)
+            out[...] = tmp
+
+    def write(self, handle: int, offset: int, data) -> None:
+        """Copy the uint8 array ``data`` into ``handle`` at ``offset`` (ordered after the launches before it)."""
+        data = np.ascontiguousarray(data)
+        addr = self._address(handle, offset, data.nbytes, "write")
+        self._use()
+        self.ctx.upload(addr, data)
+
+    def copy(self, src: int, src_offset: int, dst: int, dst_offset: int, nbytes: int) -> None:
+        """Copy ``nbytes`` from ``src`` to ``dst`` on the default stream."""
+        s = self._address(src, src_offset, nbytes, "copy")
+        d = self._address(dst, dst_offset, nbytes, "copy")
+        self._use()
+        timed = self._begin("copy", 0, 2 * nbytes) if self._timing else None
+        if hasattr(self.cu, "cuMemcpyDtoD"):
+            self._check("cuMemcpyDtoD", self.cu.cuMemcpyDtoD(d, s, nbytes))
+        else:  # a driver stand-in without device-to-device copies: through the host, in order
+            tmp = np.empty(nbytes, np.uint8)
+            self.ctx.download(tmp, s)
+            self.ctx.upload(d, tmp)
+        self._stats["copies"] += 1
+        if timed is not None:
+            self._end(timed)
+
+    def fill(self, handle: int, offset: int, nbytes: int, word: int) -> None:
+        """Fill ``nbytes`` (a multiple of 4) at ``offset`` with the repeated 32-bit ``word``."""
+        if nbytes % 4 or offset % 4:
+            raise ValueError(f"fill: offset {offset} and nbytes {nbytes} must be multiples of 4")
+        addr = self._address(handle, offset, nbytes, "fill")
+        word &= 0xFFFFFFFF
+        self._use()
+        timed = self._begin("fill", 0, nbytes) if self._timing else None
+        if hasattr(self.cu, "cuMemsetD32"):
+            self._check("cuMemsetD32", self.cu.cuMemsetD32(addr, word, nbytes // 4))
+        elif word == 0:
+            self.ctx.memset0(addr, nbytes)
+        else:  # a driver stand-in without cuMemsetD32: write the words
+            self.ctx.upload(addr, np.full(nbytes // 4, word, np.uint32))
+        self._stats["fills"] += 1
+        if timed is not None:
+            self._end(timed)
+
+    # -- program --------------------------------------------------------------------------
+    def pipeline(self, kernel: str, variant: str, spec: tuple = ()) -> int:
+        """Program id for (kernel, variant, specialization constants): the registry's SPIR-V
+        translated to PTX and loaded, once."""
+        key = (kernel, variant, spec)
+        pid = self._pipelines.get(key)
+        if pid is not None:
+            return pid
+        from helios.kernels_spirv import registry
+
+        try:
+            from . import spirv_ptx
+        except ImportError as e:
+            raise DeviceError(f"{kernel}.{variant}: {self.name} runs kernels as PTX translated from their SPIR-V, and "
+                              f"the translator (helios.cuda_ptx.spirv_ptx) cannot be imported ({e})") from None
+        entry = re.sub(r"\W", "_", f"{kernel}_{variant}")
+        t = spirv_ptx.translate(registry.spirv(kernel, variant), tuple(int(s) for s in spec), entry, self.target)
+        self._use()
+        fn = self.ctx.load_kernel(t.ptx, t.entry, t.shared_bytes, self.target)
+        pid = len(self._programs)
+        self._programs.append((fn, t, f"{kernel}.{variant}"))
+        self._pipelines[key] = pid
+        return pid
+
+    def dispatch(self, pid: int, buffers: list, push: bytes, groups: tuple, name: str, flops: int = 0,
+                 nbytes: int = 0) -> None:
+        """Launch program ``pid`` over the workgroup grid ``groups``: one .u64 parameter per binding the
+        kernel declares (the bound range's address; 0 where the dispatch gives none), then the push
+        constants as little-endian .u32 words."""
+        fn, t, _ = self._programs[pid]
+        args = []
+        live = self._live
+        for b in t.bindings:
+            if b < len(buffers):
+                h, off = buffers[b][0], buffers[b][1]
+                if type(h) is not int or h not in live:
+                    raise DeviceError(f"{name}: an operand is not on {self.name} (a cpu tensor, or one on another "
+                                      f"device); move it first with .to({self.name!r})")
+                args.append(("u64", h + off))
+            else:
+                args.append(("u64", 0))
+        if t.push_words:
+            raw = bytes(push)[: 4 * t.push_words].ljust(4 * t.push_words, b"\0")
+            args.extend(("u32", w) for w in struct.unpack(f"<{t.push_words}I", raw))
+        self._use()
+        timed = self._begin(name, flops, nbytes) if self._timing else None
+        self.ctx.launch(fn, grid=tuple(int(g) for g in groups), block=t.block, args=args)
+        self._stats["dispatches"] += 1
+        if timed is not None:
+            self._end(timed)
+
+    # -- stream ---------------------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Wait for every launch on the device (and hand the timed ones to the profiler)."""
+        self._use()
+        t0 = time.monotonic_ns()
+        self.ctx.synchronize()
+        t1 = time.monotonic_ns()
+        self.last_wait_ns = t1 - t0
+        self._stats["fence_waits"] += 1
+        col = current_collector()
+        if col is not None:
+            col.record_op("fence_wait", "", "", t0, t1, ())  # host time blocked on the device
+        if self._pending:
+            self._drain(col, t1)
+        if col is not None:
+            now = time.monotonic_ns()
+            for pool, p in self._pools.items():
+                col.record_memory(now, pool, p.in_use)
+
+    def stats(self) -> dict:
+        """Counters since the runtime opened (or :meth:`reset_stats`): dispatches, copies, fills, fence_waits."""
+        return dict(self._stats, pending_dispatches=0)
+
+    def reset_stats(self) -> None:
+        """Zero the :meth:`stats` counters."""
+        for k in self._stats:
+            self._stats[k] = 0
+
+    def profiling_started(self, col) -> None:
+        """Wait for earlier work (none of it lands in the session), then time every launch."""
+        self._use()
+        self.ctx.synchronize()
+        self._recycle([e for p in self._pending for e in p[4:6]])
+        self._pending.clear()
+        if col.device_timestamps or self.debug:
+            self._start_timing()
+        else:
+            self._timing = False
+
+    def profiling_stopping(self, col) -> None:
+        """Wait, hand the last timed launches to ``col`` (not as a user's fence_wait), stop timing."""
+        self._use()
+        self.ctx.synchronize()
+        if self._pending:
+            self._drain(col, time.monotonic_ns())
+        self._timing = bool(self.debug)
+
+    # -- timing (profiling and HELIOS_DEBUG) ----------------------------------------------
+    def _event(self):
+        if self._spare_events:
+            return self._spare_events.pop()
+        return self._check("cuEventCreate", self.cu.cuEventCreate(0))
+
+    def _recycle(self, events) -> None:
+        self._spare_events.extend(events)
+
+    def _start_timing(self) -> None:
+        # The anchor: an event known to have completed at a known host time; every device
+        # time is its elapsed time from this event plus that host time.
+        self._use()
+        self.ctx.synchronize()
+        ev = self._anchor[0] if self._anchor is not None else self._event()
+        self._check("cuEventRecord", self.cu.cuEventRecord(ev, 0))
+        self._check("cuEventSynchronize", self.cu.cuEventSynchronize(ev))
+        self._anchor = (ev, time.monotonic_ns())
+        self._timing = True
+
+    def _begin(self, name: str, flops: int, nbytes: int) -> tuple:
+        start, stop = self._event(), self._event()
+        host_ns = time.monotonic_ns()
+        if not self._pending:
+            self._batch_t0 = host_ns
+        self._check("cuEventRecord", self.cu.cuEventRecord(start, 0))
+        return (name, flops, nbytes, start, stop, host_ns)
+
+    def _end(self, timed: tuple) -> None:
+        name, flops, nbytes, start, stop, host_ns = timed
+        self._check("cuEventRecord", self.cu.cuEventRecord(stop, 0))
+        col = current_collector()
+        seq = -1
+        if col is not None:
+            # Sequence numbers in recording order, as the Vulkan runtime gives them: the host op
+            # being recorded (autograd's scope) claims them, or each becomes a host op of its own.
+            from helios import runtime as _rt
+
+            seq = col.next_dispatch_seq()
+            if _rt._op_dispatches is not None:
+                _rt._op_dispatches.append(seq)
+            else:
+                col.record_op(name, "", "", host_ns, time.monotonic_ns(), (seq,))
+        self._pending.append((seq, name, flops, nbytes, start, stop, host_ns))
+
+    def _drain(self, col, done_ns: int) -> None:
+        """Turn the completed timed commands into device events (the context was just synchronized)."""
+        anchor, anchor_ns = self._anchor
+        events = []
+        for seq, name, flops, nbytes, start, stop, host_ns in self._pending:
+            t0 = self._check("cuEventElapsedTime", self.cu.cuEventElapsedTime(anchor, start))
+            t1 = self._check("cuEventElapsedTime", self.cu.cuEventElapsedTime(anchor, stop))
+            e = {"name": name, "flops": int(flops), "bytes": int(nbytes), "start_ns": anchor_ns + int(t0 * 1e6),
+                 "end_ns": anchor_ns + int(t1 * 1e6), "submit": self._submit, "host_record_ns": host_ns}
+            if seq >= 0:
+                e["dispatch_seq"] = seq
+            events.append(e)
+            self._recycle((start, stop))
+        submits = [{"submit": self._submit, "host_submit_ns": self._batch_t0, "host_done_ns": done_ns,
+                    "dispatches": len(events)}]
+        self._pending.clear()
+        self._submit += 1
+        if col is not None:
+            col.add_device_events({"events": [e for e in events if "dispatch_seq" in e], "submits": submits})
+        if self.debug:
+            for e in events:
+                _debug.log_kernel(e["name"], "", e["end_ns"] - e["start_ns"], e["flops"], e["bytes"], "",
+                                  level=self.debug)
+
+
+def _open_context(index: int):
+    """The driver context of cuda:``index``: the process-wide one (``driver.context()``, shared with
+    the GEMM runner) for the device HELIOS_CUDA_DEVICE selects, else a context of its own."""
+    if _driver.emulator_requested():
+        if index != 0:
+            raise DeviceError(f"no device cuda:{index}: the CUDA emulator (HELIOS_CUDA_DEVICE=emulator) has cuda:0 only")
+        return _driver.context()
+    ok, why = _driver.driver_status()
+    if not ok:
+        raise DeviceError(f"cannot open cuda:{index}: {' '.join(why.split())}")
+    cu = _driver._cu()
+    count = int(_driver.check("cuDeviceGetCount", cu.cuDeviceGetCount(), cu=cu))
+    if not 0 <= index < count:
+        raise DeviceError(f"no device cuda:{index}: the CUDA driver reports {count} device(s), cuda:0..cuda:{count - 1}")
+    chosen = os.environ.get("HELIOS_CUDA_DEVICE", "0").strip()
+    if chosen.isdigit() and int(chosen) == index:
+        return _driver.context()
+    return _driver.Context(index)
+
+
+__all__ = ["CUDA_INFO", "CudaRuntime", "size_class"]

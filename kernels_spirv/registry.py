@@ -71,6 +71,11 @@ def _load_builder():
     return _builder
 
 
+def variants(name: str) -> list[str]:
+    """The variant names of kernel ``name``, as its .variants file lists them."""
+    return list(_load_builder().kernel_variants(name))
+
+
 def source_path(name: str) -> str:
     """The GLSL source of kernel ``name``."""
     return os.path.join(_HERE, "glsl", name + ".comp")

@@ -229,7 +229,7 @@ class DistributedDataParallel(Module):
             self.bucket_log.append(BucketEvent(b.index, "launched", time.monotonic_ns(), done, total))
             # Submit what is recorded: the bucket's gradients then end a submission of their own,
             # whose completion the communicator sees while the device runs the rest of backward.
-            b.flat._st.rt.dev.flush()
+            b.flat._st.rt.flush()
             b.work = self.comm_hook(self, b)
             self._next_launch = self._next_launch + 1
 

@@ -111,7 +111,7 @@ def _raw(t, lo: int, hi: int) -> np.ndarray:
     src = t if t.is_contiguous() else K.copy(t)
     out = np.empty(hi - lo, t.dtype.np_storage)
     if out.size:
-        src._st.rt.dev.read(src._st.handle, (src._off + lo) * t.dtype.itemsize, out.view(np.uint8))
+        src._st.rt.read(src._st.handle, (src._off + lo) * t.dtype.itemsize, out.view(np.uint8))
     return out
 
 

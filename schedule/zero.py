@@ -92,7 +92,7 @@ these buffers, the transient ones live in the activations pool)::
 
 Psi is rounded up per segment to N*c; ``memory_report()`` gives the formula at Psi and at
 the padded size, the bytes asked of the pool and the bytes the pool holds for them (its
-size classes round up), measured from ``rt.dev.pool_stats()``.
+size classes round up), measured from ``rt.pool_stats()``.
 
 State dict (sharded)
 --------------------
@@ -193,7 +193,7 @@ class _LazyStorage(Storage):
 
 
 def _pool_in_use(rt, pool: str) -> int:
-    return int(rt.dev.pool_stats()[pool]["in_use_bytes"])
+    return int(rt.pool_stats()[pool]["in_use_bytes"])
 
 
 def _view(st: Storage, off: int, n: int) -> Tensor:

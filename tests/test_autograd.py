@@ -22,7 +22,7 @@ def test_checkpoint_gives_identical_gradients_and_keeps_fewer_activations():
     for use_ckpt in (False, True):
         hl.manual_seed(7)
         model = GPT(cfg, seed=1)
-        pool = get_runtime().dev
+        pool = get_runtime()
 
         def run(peak):
             h = model.drop(model.wte(hl.tensor(x)) + model.wpe(hl.arange(16)))

@@ -139,7 +139,8 @@ class CudaRuntime(Runtime):
         self.last_wait_ns = 0
         # Profiling: events bracketing each timed command until synchronize() reads them.
         self._timing = False
-        self._pending: list[tuple] = []  # (seq, name, flops, bytes, start event, stop event, host_record_ns)
+        # (seq, name, flops, bytes, start event, stop event, host_record_ns, (shapes, dtype) for HELIOS_DEBUG)
+        self._pending: list[tuple] = []
         self._spare_events: list = []
         self._anchor = None  # (event, host ns when it completed): device times are measured from it
         self._submit = 0
@@ -147,6 +148,10 @@ class CudaRuntime(Runtime):
         col = current_collector()
         if self.debug or (col is not None and col.device_timestamps):  # opened inside a profiling session
             self._start_timing()
+        if self.debug:
+            from helios import runtime as _rt
+
+            _rt._debug_on[0] = True  # autograd then notes each op's operands for the kernel lines
 
     # -- driver plumbing ------------------------------------------------------------------
     def _use(self) -> None:
@@ -442,30 +447,35 @@ class CudaRuntime(Runtime):
                 _rt._op_dispatches.append(seq)
             else:
                 col.record_op(name, "", "", host_ns, time.monotonic_ns(), (seq,))
-        self._pending.append((seq, name, flops, nbytes, start, stop, host_ns))
+        operands = ("", "")
+        if self.debug:
+            from helios import runtime as _rt
+
+            operands = _rt._debug_operand[0] if name not in ("fill", "copy") else (f"{nbytes} B", "")
+        self._pending.append((seq, name, flops, nbytes, start, stop, host_ns, operands))
 
     def _drain(self, col, done_ns: int) -> None:
         """Turn the completed timed commands into device events (the context was just synchronized)."""
         anchor, anchor_ns = self._anchor
         events = []
-        for seq, name, flops, nbytes, start, stop, host_ns in self._pending:
+        for seq, name, flops, nbytes, start, stop, host_ns, operands in self._pending:
             t0 = self._check("cuEventElapsedTime", self.cu.cuEventElapsedTime(anchor, start))
             t1 = self._check("cuEventElapsedTime", self.cu.cuEventElapsedTime(anchor, stop))
             e = {"name": name, "flops": int(flops), "bytes": int(nbytes), "start_ns": anchor_ns + int(t0 * 1e6),
                  "end_ns": anchor_ns + int(t1 * 1e6), "submit": self._submit, "host_record_ns": host_ns}
             if seq >= 0:
                 e["dispatch_seq"] = seq
-            events.append(e)
+            events.append((e, operands))
             self._recycle((start, stop))
         submits = [{"submit": self._submit, "host_submit_ns": self._batch_t0, "host_done_ns": done_ns,
                     "dispatches": len(events)}]
         self._pending.clear()
         self._submit += 1
         if col is not None:
-            col.add_device_events({"events": [e for e in events if "dispatch_seq" in e], "submits": submits})
+            col.add_device_events({"events": [e for e, _ in events if "dispatch_seq" in e], "submits": submits})
         if self.debug:
-            for e in events:
-                _debug.log_kernel(e["name"], "", e["end_ns"] - e["start_ns"], e["flops"], e["bytes"], "",
+            for e, (shape, dtype) in events:
+                _debug.log_kernel(e["name"], shape, e["end_ns"] - e["start_ns"], e["flops"], e["bytes"], dtype,
                                   level=self.debug)
 
 

@@ -334,3 +334,19 @@ def test_profiler_gets_device_events_from_cuda_launches(rt, fake_translator, mon
     assert "add_k" in prof.key_averages().table(sort_by="device_time")
     assert (tmp_path / "t.json").exists() is False and prof.export_chrome_trace(str(tmp_path / "t.json"))
     assert not rt._timing and not rt._pending
+
+
+def test_helios_debug_prints_a_line_per_cuda_launch(fake_translator, monkeypatch, capsys):
+    monkeypatch.setenv("HELIOS_DEBUG", "1")
+    monkeypatch.setattr(runtime, "_debug_on", [False])
+    monkeypatch.setattr(runtime, "_debug_operand", [("", "")])
+    rt = tr.CudaRuntime(0, ctx=emu_driver.emulated_context(sm_count=1))
+    assert runtime._debug_on[0] and rt._timing
+    runtime.note_operands(("(100,)", "float32"))
+    _launch_add(rt)
+    h = rt.alloc(64)
+    rt.fill(h, 0, 64, 0)
+    rt.synchronize()
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 2 and "add_k" in lines[0] and "(100,)" in lines[0] and "fill" in lines[1], lines
+    assert not rt._pending

@@ -27,10 +27,35 @@ import numpy as np
 
 from .config import MAX_DYN_SMEM
 from .driver import ENCODE_TILED, Context
+from .emu_ops import is_compute_program
 from .emu_state import EmulationError, GlobalMemory, TensorMap
 from .ptx_parse import PtxParseError, PtxProgram, parse
 
 MAX_THREADS = 1024
+MAX_GRID = (2**31 - 1, 65535, 65535)
+DEFAULT_TOTAL_MEM = 8 << 30  # what cuMemGetInfo / cuDeviceTotalMem report; allocations beyond it fail
+
+
+def _handle_int(h) -> int:
+    """A handle argument as the bindings take it (None, an int, or a CU* object); anything
+    else is refused with their ``TypeError``."""
+    if h is None:
+        return 0
+    try:
+        return int(h)
+    except (TypeError, ValueError):
+        raise TypeError("an integer is required") from None
+
+
+def _c_unsigned(v, bits: int, what: str) -> int:
+    """An unsigned C integer argument: the bindings refuse negative or too large values
+    with ``OverflowError`` before calling the driver."""
+    v = int(v)
+    if v < 0:
+        raise OverflowError(f"can't convert negative value to {what}")
+    if v >= 1 << bits:
+        raise OverflowError(f"value too large to convert to {what}")
+    return v
 DEFAULT_DYN_SMEM = 48 * 1024  # dynamic shared memory a function gets without opting in
 MAX_CLUSTER = 8  # portable cluster size
 PARAM_BYTES = {"u64": 8, "s64": 8, "b64": 8, "u32": 4, "s32": 4, "b32": 4, "tmap": 128}
@@ -45,6 +70,24 @@ SWIZZLE_BYTES = {"NONE": 0, "32B": 32, "64B": 64, "128B": 128}
 # The 128 opaque bytes of an emulated tensor map: a tag, then the encoding arguments.
 _TMAP_TAG = b"HELIOS-EMU-TMAP\0"
 _TMAP_LAYOUT = struct.Struct("<16s Q QQ Q II I I I")  # tag, address, dims[2], stride, box[2], esize, swizzle, dtype
+
+
+def _host_read(src, nbytes: int) -> np.ndarray:
+    """``nbytes`` of host memory at an address (int) or in a bytes-like object."""
+    if isinstance(src, int):
+        return np.frombuffer(ctypes.string_at(src, nbytes), np.uint8)
+    view = memoryview(src).cast("B")
+    if view.nbytes < nbytes:
+        raise _DriverError("INVALID_VALUE", f"host buffer of {view.nbytes} bytes for a copy of {nbytes}")
+    return np.frombuffer(view, np.uint8, nbytes)
+
+
+def _host_write(dst, data: np.ndarray, nbytes: int) -> None:
+    if isinstance(dst, int):
+        ctypes.memmove(dst, data.ctypes.data, nbytes)
+        return
+    view = memoryview(dst).cast("B")
+    view[:nbytes] = data.tobytes()[:nbytes]
 
 
 class _DriverError(Exception):
@@ -84,7 +127,8 @@ class EmulatedDriver:
     ``cu*`` are the driver API's calls, with the bindings' arguments and result tuples.
     """
 
-    def __init__(self, sm_count: int = 2, seed: int = 0, ctas: list[tuple[int, int]] | None = None) -> None:
+    def __init__(self, sm_count: int = 2, seed: int = 0, ctas: list[tuple[int, int]] | None = None,
+                 total_mem: int = DEFAULT_TOTAL_MEM) -> None:
         if sm_count < 1:
             raise ValueError(f"sm_count must be at least 1, got {sm_count}")
         from cuda.bindings import driver as real  # the enums and structs are the real ones
@@ -103,6 +147,8 @@ class EmulatedDriver:
         self._encode_tiled_c = ENCODE_TILED(self._encode_tiled)
         self.sm_count, self.seed, self.ctas = sm_count, seed, ctas
         self.memory = GlobalMemory()
+        self.total_mem = total_mem
+        self._module_functions: dict[int, list[int]] = {}
         self.launches: list[dict] = []
         self._why = ""
 
@@ -206,7 +252,21 @@ class EmulatedDriver:
                 raise _DriverError("NOT_FOUND", f"no kernel {name.decode()!r} in the module (it has {prog.name!r})")
         except _DriverError as e:
             return self._fail(e, None)
-        return self._ok(self._handle("function", _Function(prog)))
+        fn = self._handle("function", _Function(prog))
+        self._module_functions.setdefault(int(handle), []).append(int(fn))
+        return self._ok(fn)
+
+    def cuModuleUnload(self, handle):
+        """Unload a module; its functions' handles stop being valid, as on the driver."""
+        _handle_int(handle)
+        try:
+            self._lookup("module", handle)
+        except _DriverError as e:
+            return self._fail(e)
+        del self._handles[("module", int(handle))]
+        for f in self._module_functions.pop(int(handle), []):
+            self._handles.pop(("function", f), None)
+        return self._ok()
 
     def cuFuncSetAttribute(self, handle, attr, value):
         try:
@@ -223,8 +283,12 @@ class EmulatedDriver:
 
     # -- memory ----------------------------------------------------------------------
     def cuMemAlloc(self, nbytes):
+        _c_unsigned(nbytes, 64, "size_t")
         if nbytes == 0:
             return self._fail(_DriverError("INVALID_VALUE", "cuMemAlloc of 0 bytes"), None)
+        if self.memory.allocated_bytes + nbytes > self.total_mem:
+            return self._fail(_DriverError("OUT_OF_MEMORY", f"cuMemAlloc of {nbytes} bytes: "
+                                                            f"{self.total_mem - self.memory.allocated_bytes} free"), None)
         return self._ok(self._real.CUdeviceptr(self.memory.alloc(nbytes, fill=0xFF)))
 
     def cuMemFree(self, ptr):
@@ -241,26 +305,114 @@ class EmulatedDriver:
             raise _DriverError("INVALID_VALUE", str(e)) from e
 
     def cuMemcpyHtoD(self, dst, src, nbytes):
+        _c_unsigned(nbytes, 64, "size_t")
         try:
-            self._device_bytes(dst, nbytes)[:] = np.frombuffer(ctypes.string_at(src, nbytes), np.uint8)
+            self._device_bytes(dst, nbytes)[:] = _host_read(src, nbytes)
         except _DriverError as e:
             return self._fail(e)
         return self._ok()
 
     def cuMemcpyDtoH(self, dst, src, nbytes):
+        _c_unsigned(nbytes, 64, "size_t")
         try:
             data = np.ascontiguousarray(self._device_bytes(src, nbytes))
         except _DriverError as e:
             return self._fail(e)
-        ctypes.memmove(dst, data.ctypes.data, nbytes)
+        _host_write(dst, data, nbytes)
         return self._ok()
 
     def cuMemsetD8(self, ptr, value, nbytes):
+        value = _c_unsigned(value, 8, "unsigned char")
+        _c_unsigned(nbytes, 64, "size_t")
         try:
             self._device_bytes(ptr, nbytes)[:] = value
         except _DriverError as e:
             return self._fail(e)
         return self._ok()
+
+    def cuMemsetD32(self, ptr, value, count):
+        """Set ``count`` 32-bit words at a 4-byte aligned ``ptr`` to ``value``."""
+        value = _c_unsigned(value, 32, "unsigned int")
+        count = _c_unsigned(count, 64, "size_t")
+        try:
+            if int(ptr) % 4:
+                raise _DriverError("INVALID_VALUE", f"cuMemsetD32 at {int(ptr):#x}: not 4-byte aligned")
+            self._device_bytes(ptr, 4 * count).view(np.uint32)[:] = value
+        except _DriverError as e:
+            return self._fail(e)
+        return self._ok()
+
+    def cuMemcpyDtoD(self, dst, src, nbytes):
+        """Copy ``nbytes`` between device allocations (overlapping ranges copy as if through a buffer)."""
+        _c_unsigned(nbytes, 64, "size_t")
+        try:
+            data = self._device_bytes(src, nbytes).copy()
+            self._device_bytes(dst, nbytes)[:] = data
+        except _DriverError as e:
+            return self._fail(e)
+        return self._ok()
+
+    def cuMemGetInfo(self):
+        """``(free, total)`` bytes of the emulated device."""
+        used = self.memory.allocated_bytes
+        return self._ok(max(self.total_mem - used, 0), self.total_mem)
+
+    def cuDeviceTotalMem(self, device):
+        if _handle_int(device) != 0:
+            return self._fail(_DriverError("INVALID_DEVICE", f"device {int(device)}: the emulator has device 0 only"),
+                              None)
+        return self._ok(self.total_mem)
+
+    # -- streams: work runs at once, so a stream only has to exist -------------------
+    def _stream(self, stream) -> None:
+        """Check a stream argument: 0 / None (the default stream) or one from cuStreamCreate."""
+        if _handle_int(stream) == 0:
+            return
+        if not isinstance(stream, self._real.CUstream) or ("stream", int(stream)) not in self._handles:
+            raise _DriverError("INVALID_HANDLE", f"{stream!r} is not a CUstream this driver handed out")
+
+    def cuStreamCreate(self, flags):
+        _c_unsigned(flags, 32, "unsigned int")
+        return self._ok(self._handle("stream", {"flags": int(flags)}))
+
+    def cuStreamSynchronize(self, stream):
+        try:
+            self._stream(stream)
+        except _DriverError as e:
+            return self._fail(e)
+        return self._ok()  # its work has already run
+
+    def cuStreamDestroy(self, stream):
+        try:
+            if _handle_int(stream) == 0:
+                raise _DriverError("INVALID_HANDLE", "the default stream cannot be destroyed")
+            self._stream(stream)
+        except _DriverError as e:
+            return self._fail(e)
+        del self._handles[("stream", int(stream))]
+        return self._ok()
+
+    def _on_stream(self, stream, call, *args):
+        try:
+            self._stream(stream)
+        except _DriverError as e:
+            return self._fail(e)
+        return call(*args)
+
+    def cuMemcpyHtoDAsync(self, dst, src, nbytes, stream):
+        return self._on_stream(stream, self.cuMemcpyHtoD, dst, src, nbytes)
+
+    def cuMemcpyDtoHAsync(self, dst, src, nbytes, stream):
+        return self._on_stream(stream, self.cuMemcpyDtoH, dst, src, nbytes)
+
+    def cuMemcpyDtoDAsync(self, dst, src, nbytes, stream):
+        return self._on_stream(stream, self.cuMemcpyDtoD, dst, src, nbytes)
+
+    def cuMemsetD32Async(self, ptr, value, count, stream):
+        return self._on_stream(stream, self.cuMemsetD32, ptr, value, count)
+
+    def cuMemsetD8Async(self, ptr, value, nbytes, stream):
+        return self._on_stream(stream, self.cuMemsetD8, ptr, value, nbytes)
 
     # -- tensor maps -----------------------------------------------------------------
     def cuGetProcAddress(self, symbol, cuda_version, flags):
@@ -341,8 +493,12 @@ class EmulatedDriver:
         if threads > MAX_THREADS or (fn.prog.maxntid is not None and threads > fn.prog.maxntid):
             raise _DriverError("INVALID_VALUE", f"{threads} threads per block exceed the kernel's .maxntid "
                                                 f"{fn.prog.maxntid} (or {MAX_THREADS})")
-        if (by, bz) != (1, 1):
-            raise _DriverError("NOT_SUPPORTED", "the emulator runs 1-D blocks only")
+        if min(bx, by, bz) < 1 or bx > 1024 or by > 1024 or bz > 64:
+            raise _DriverError("INVALID_VALUE", f"block ({bx}, {by}, {bz}): each extent must be at least 1 and at most "
+                                                "(1024, 1024, 64)")
+        if (by, bz) != (1, 1) and not is_compute_program(fn.prog):
+            raise _DriverError("NOT_SUPPORTED", f"{fn.prog.name} runs on the emulator's warp scheduler, which takes "
+                                                "1-D blocks only")
         if shared > fn.max_dynamic_smem:
             raise _DriverError("INVALID_VALUE", f"{shared} B of dynamic shared memory; {fn.prog.name} allows "
                                                 f"{fn.max_dynamic_smem} (raise CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES)")
@@ -353,11 +509,15 @@ class EmulatedDriver:
         try:
             fn = self._lookup("function", handle)
             self._check_block(fn, bx, by, bz, shared)
+            self._stream(stream)
             if extra:
                 raise _DriverError("NOT_SUPPORTED", "parameters through `extra` are not emulated")
-            if gz != 1 or min(gx, gy) < 1:
-                raise _DriverError("INVALID_VALUE" if min(gx, gy, gz) < 1 else "NOT_SUPPORTED",
-                                   f"grid ({gx}, {gy}, {gz}): the emulator runs non-empty 2-D grids")
+            if min(gx, gy, gz) < 1 or gx > MAX_GRID[0] or gy > MAX_GRID[1] or gz > MAX_GRID[2]:
+                raise _DriverError("INVALID_VALUE", f"grid ({gx}, {gy}, {gz}): each extent must be at least 1 and at "
+                                                    f"most {MAX_GRID}")
+            if gz != 1 and not is_compute_program(fn.prog):
+                raise _DriverError("NOT_SUPPORTED", f"grid ({gx}, {gy}, {gz}): {fn.prog.name} runs on the emulator's "
+                                                    "warp scheduler, which takes 2-D grids")
             size = (fn.prog.cluster or (1, 1, 1))[0]
             if size > MAX_CLUSTER or gx % size:
                 raise _DriverError("INVALID_CLUSTER_SIZE", f"grid x {gx} is not a whole number of clusters of "
@@ -369,7 +529,7 @@ class EmulatedDriver:
 
         self.launches.append({"kernel": fn.prog.name, "grid": (gx, gy, gz), "block": (bx, by, bz),
                               "shared_bytes": shared, "params": params})
-        emulate_kernel(fn.prog, bx, shared, params, self.memory, (gx, gy), self.seed, self.ctas)
+        emulate_kernel(fn.prog, (bx, by, bz), shared, params, self.memory, (gx, gy, gz), self.seed, self.ctas)
         return self._ok()
 
     def _read_params(self, prog: PtxProgram, array: int) -> dict[str, object]:

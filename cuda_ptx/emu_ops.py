@@ -15,7 +15,8 @@ from . import dtypes as D
 from . import layout as L
 from .emu_state import (SMEM_BASE, SMEM_CLUSTER_BASE, SMEM_CLUSTER_STRIDE, BulkStore, CpAsyncOp, EmulationError,
                         MBarrier, WgmmaOp)
-from .ptx_parse import PtxInstr, TensorArg, VecArg
+from .ptx_parse import (DoubleArg, FloatArg, ImmArg, MemArg, NotArg, PtxInstr, PtxParseError, RegArg, SpecialArg, SymArg,
+                        TensorArg, VecArg)
 
 # -- integer and float arithmetic --------------------------------------------------------
 
@@ -714,3 +715,961 @@ def handler_for(ins: PtxInstr):
     if head in _TABLE:
         return _TABLE[head]
     raise EmulationError(f"PTX line {ins.line}: {ins.text}: instruction {ins.op} is not modelled by the emulator")
+
+
+# == compute kernels: handlers compiled once per program for the vectorised executor ==========
+#
+# :class:`emulator.Grid` runs every thread of a launch (all its CTAs) as one numpy vector.
+# Each instruction is compiled here, once per parsed program, into a closure
+# ``fn(ex, sel)``: ``ex`` is the Grid, ``sel`` the threads that execute it -- ``None`` for
+# every thread of the vector (no gather, no scatter: the common, converged case) or an
+# index array.  Operand readers and writers are closures too, so nothing is looked up
+# by name while a kernel runs.
+
+class NotCompute(Exception):
+    """The program uses instructions only the warp scheduler (:class:`emulator.Cta`) models."""
+
+
+# Instructions that need the warp-by-warp scheduler: async copies, tensor cores, mbarriers,
+# clusters, and named barriers with thread counts.
+_CTA_ONLY = {"mbarrier", "cp", "wgmma", "ldmatrix", "mma", "setmaxnreg", "mapa", "barrier.cluster"}
+
+VIEW_T = {"pred": np.bool_, "u8": np.uint8, "s8": np.int8, "b8": np.uint8, "u16": np.uint16, "s16": np.int16,
+          "b16": np.uint16, "f16": np.float16, "bf16": np.uint16, "u32": np.uint32, "s32": np.int32,
+          "b32": np.uint32, "f32": np.float32, "u64": np.uint64, "s64": np.int64, "b64": np.uint64,
+          "f64": np.float64}
+STORE_T = {1: np.bool_, 8: np.uint16, 16: np.uint16, 32: np.uint32, 64: np.uint64}
+UNSIGNED = {8: np.uint8, 16: np.uint16, 32: np.uint32, 64: np.uint64}
+SIGNED = {8: np.int8, 16: np.int16, 32: np.int32, 64: np.int64}
+FLOATS = ("f16", "bf16", "f32", "f64")
+LMEM_BASE = 0x0000_7D00_0000_0000  # where a thread's .local arrays start (each thread its own copy)
+_BREV8 = np.array([int(f"{i:08b}"[::-1], 2) for i in range(256)], np.uint8)
+
+
+def tbits(t: str) -> int:
+    """Width in bits of a PTX type name (``pred`` is 1)."""
+    return 1 if t == "pred" else int(t.lstrip("bfsu") or 0) if t != "bf16" else 16
+
+
+class CompiledOp:
+    """One instruction ready to run: its kind, handler, guard and branch target."""
+
+    __slots__ = ("kind", "fn", "guard", "negate", "target", "ins")
+    PLAIN, BRA, EXIT, BAR, NOP = range(5)
+
+    def __init__(self, kind, fn, ins, guard=None, negate=False, target=-1):
+        self.kind, self.fn, self.ins, self.guard, self.negate, self.target = kind, fn, ins, guard, negate, target
+
+
+class _Compiler:
+    """Register slots and operand closures for one program."""
+
+    def __init__(self, prog) -> None:
+        self.prog = prog
+        self.slots: dict[str, int] = {}
+        self.store: list = []  # storage dtype per slot
+        self.names: list[str] = []
+        off = 0
+        self.local_off: dict[str, int] = {}
+        for name, n in prog.locals.items():
+            self.local_off[name] = off
+            off += (n + 15) // 16 * 16
+        self.local_bytes = off
+        self.param_names = [p.name for p in prog.params]
+
+    def slot(self, name: str) -> int:
+        s = self.slots.get(name)
+        if s is None:
+            bits = tbits(self.prog.reg_type(name))
+            s = self.slots[name] = len(self.store)
+            self.store.append(STORE_T[bits])
+            self.names.append(name)
+        return s
+
+    def reg_bits(self, name: str) -> int:
+        return tbits(self.prog.reg_type(name)) if self.prog.reg_type(name) != "pred" else 1
+
+    # -- sources ------------------------------------------------------------------------
+    def src(self, arg, t: str):
+        """A reader ``(ex, sel) -> array or numpy scalar`` of operand ``arg`` as PTX type ``t``."""
+        vt = VIEW_T[t]
+        if isinstance(arg, NotArg):
+            inner = self.src(arg.reg, "pred")
+            return lambda ex, sel: ~inner(ex, sel)
+        if isinstance(arg, RegArg):
+            s = self.slot(arg.name)
+            st = self.store[s]
+            rb = np.dtype(st).itemsize * 8 if st is not np.bool_ else 1
+            want = tbits(t)
+            if (t == "pred") != (st is np.bool_):
+                raise EmulationError(f"register {arg.name} used as .{t}")
+            if want > rb:
+                raise EmulationError(f"register {arg.name} ({rb}-bit) read as .{t}")
+            if want == rb:
+                conv = None if vt is st else (lambda v: v.view(vt))
+            elif t in FLOATS:  # a 16-bit float in the low half of a wider register
+                low = UNSIGNED[want]
+                conv = lambda v: v.astype(low).view(vt)  # noqa: E731
+            else:  # the low bits of a wider register (astype wraps)
+                conv = lambda v: v.astype(vt)  # noqa: E731
+
+            def rd(ex, sel, s=s, conv=conv):
+                if not ex.complete[s]:
+                    ex.check_written(s, sel)
+                r = ex.regs[s]
+                v = r if sel is None else r[sel]
+                return v if conv is None else conv(v)
+            return rd
+        if isinstance(arg, ImmArg):
+            if t in ("f32", "f64", "f16"):
+                c = vt(arg.value)
+            elif t == "pred":
+                c = np.bool_(arg.value)
+            else:
+                c = UNSIGNED[max(tbits(t), 8)](arg.value & ((1 << tbits(t)) - 1)).astype(vt)
+            return lambda ex, sel: c
+        if isinstance(arg, FloatArg):
+            c = np.float64(arg.value) if t == "f64" else np.uint32(arg.bits).view(np.float32) if t == "f32" else None
+            if c is None:
+                if tbits(t) != 32:
+                    raise EmulationError(f"f32 immediate used as .{t}")
+                c = np.uint32(arg.bits).view(vt)
+            return lambda ex, sel: c
+        if isinstance(arg, DoubleArg):
+            if tbits(t) != 64:
+                raise EmulationError(f"f64 immediate used as .{t}")
+            c = np.uint64(arg.bits).view(vt)
+            return lambda ex, sel: c
+        if isinstance(arg, SpecialArg):
+            name = arg.name
+
+            def sp(ex, sel):
+                v = ex.special(name)
+                return (v if sel is None else v[sel]).astype(vt)
+            return sp
+        if isinstance(arg, SymArg):
+            c = self.symbol(arg.name)
+            c = UNSIGNED[tbits(t)](c & ((1 << tbits(t)) - 1)).view(vt) if t not in FLOATS else None
+            if c is None:
+                raise EmulationError(f"symbol {arg.name} used as .{t}")
+            return lambda ex, sel: c
+        raise EmulationError(f"operand {arg} cannot be read as a value")
+
+    def symbol(self, name: str) -> int:
+        if name == self.prog.shared_name:
+            return SMEM_BASE
+        if name in self.local_off:
+            return LMEM_BASE + self.local_off[name]
+        if name in self.param_names:
+            from .emu_state import PARAM_BASE
+            return PARAM_BASE + 256 * self.param_names.index(name)
+        raise EmulationError(f"unknown symbol {name}")
+
+    # -- destinations -------------------------------------------------------------------
+    def dst(self, arg, t: str):
+        """A writer ``(ex, sel, value)`` into register ``arg`` of a value of PTX type ``t``
+        (narrower integers sign- or zero-extend into the register, as PTX says)."""
+        if isinstance(arg, SymArg) and arg.name == "_":
+            return lambda ex, sel, v: None
+        if not isinstance(arg, RegArg):
+            raise EmulationError(f"destination {arg} is not a register")
+        s = self.slot(arg.name)
+        st = self.store[s]
+        rb = np.dtype(st).itemsize * 8 if st is not np.bool_ else 1
+        want = tbits(t)
+        if (t == "pred") != (st is np.bool_):
+            raise EmulationError(f"register {arg.name} written as .{t}")
+        if want > rb:
+            raise EmulationError(f"a .{t} value written into {arg.name} ({rb}-bit)")
+        if want == rb or t == "pred":
+            def conv(v, st=st):
+                v = np.asarray(v)
+                return v if v.dtype == st else v.view(st) if v.dtype.itemsize == np.dtype(st).itemsize else v.astype(st)
+        elif t.startswith("s"):
+            sw = SIGNED[rb]
+            conv = lambda v: np.asarray(v).astype(VIEW_T[t]).astype(sw).view(st)  # noqa: E731
+        else:
+            low = UNSIGNED[want]
+            conv = lambda v: np.asarray(v).view(low).astype(st) if np.asarray(v).dtype.itemsize * 8 == want \
+                else np.asarray(v).astype(low).astype(st)  # noqa: E731
+
+        def wr(ex, sel, v, s=s, conv=conv):
+            r = ex.regs[s]
+            if sel is None:
+                r[...] = conv(v)
+                ex.complete[s] = True
+            else:
+                r[sel] = conv(v)
+                if not ex.complete[s]:
+                    ex.written[s][sel] = True
+        return wr
+
+
+def _mulhi(a, b, bits: int, signed: bool):
+    """High half of a full-width product, per lane."""
+    if bits <= 32:
+        wide = np.int64 if signed else np.uint64
+        return ((np.asarray(a).astype(wide) * np.asarray(b).astype(wide)) >> (bits)).astype(
+            SIGNED[bits] if signed else UNSIGNED[bits])
+    ua, ub = np.asarray(a).view(np.uint64), np.asarray(b).view(np.uint64)
+    m32 = np.uint64(0xFFFFFFFF)
+    s32 = np.uint64(32)
+    al, ah, bl, bh = ua & m32, ua >> s32, ub & m32, ub >> s32
+    ll, lh, hl, hh = al * bl, al * bh, ah * bl, ah * bh
+    mid = (ll >> s32) + (lh & m32) + (hl & m32)
+    hi = hh + (lh >> s32) + (hl >> s32) + (mid >> s32)
+    if signed:  # two's complement correction of the unsigned product
+        hi = hi - np.where(np.asarray(a).view(np.int64) < 0, ub, 0).astype(np.uint64) \
+            - np.where(np.asarray(b).view(np.int64) < 0, ua, 0).astype(np.uint64)
+        return hi.view(np.int64)
+    return hi
+
+
+def _clz(x, bits: int):
+    x = np.asarray(x).astype(np.uint64)
+    n = np.zeros(x.shape, np.uint32)
+    full = np.uint64((1 << bits) - 1) if bits < 64 else np.uint64(0xFFFFFFFFFFFFFFFF)
+    s = bits // 2
+    while s >= 1:
+        m = (x >> np.uint64(bits - s)) == 0
+        n += np.where(m, np.uint32(s), np.uint32(0))
+        x = np.where(m, (x << np.uint64(s)) & full, x)
+        s //= 2
+    return n + ((x >> np.uint64(bits - 1)) == 0).astype(np.uint32)
+
+
+def _brev(x, bits: int):
+    x = np.ascontiguousarray(np.asarray(x).astype(UNSIGNED[bits]).reshape(-1)).astype(f"<u{bits // 8}")
+    rev = _BREV8[x.view(np.uint8).reshape(-1, bits // 8)[:, ::-1]]
+    return np.ascontiguousarray(rev).view(f"<u{bits // 8}").reshape(-1).astype(UNSIGNED[bits])
+
+
+def _low_mask(n):
+    """``(1 << n) - 1`` per lane as uint64, for n in 0..64."""
+    n = np.asarray(n).astype(np.uint64)
+    return np.where(n >= 64, np.uint64(0xFFFFFFFFFFFFFFFF), (np.uint64(1) << np.minimum(n, 63)) - np.uint64(1))
+
+
+def _bfe(a, pos, ln, bits: int, signed: bool):
+    x = np.asarray(a).astype(UNSIGNED[bits]).astype(np.uint64)
+    pos = np.asarray(pos).astype(np.uint64) & np.uint64(0xFF)
+    ln = np.asarray(ln).astype(np.uint64) & np.uint64(0xFF)
+    w = np.uint64(bits)
+    shifted = np.where(pos >= w, np.uint64(0), x >> np.minimum(pos, w - np.uint64(1)))
+    take = np.where(pos >= w, np.uint64(0), np.minimum(ln, w - np.minimum(pos, w)))
+    mask = _low_mask(take)
+    val = shifted & mask
+    if signed:
+        top = np.minimum(pos + ln - np.uint64(1), w - np.uint64(1))
+        sbit = np.where(ln == 0, False, ((x >> np.minimum(top, np.uint64(63))) & np.uint64(1)) == 1)
+        val = val | np.where(sbit, ~mask & _low_mask(w), np.uint64(0))
+    return val.astype(UNSIGNED[bits]).view(SIGNED[bits] if signed else UNSIGNED[bits])
+
+
+def _bfi(f, b, pos, ln, bits: int):
+    f = np.asarray(f).astype(UNSIGNED[bits]).astype(np.uint64)
+    b = np.asarray(b).astype(UNSIGNED[bits]).astype(np.uint64)
+    pos = np.asarray(pos).astype(np.uint64) & np.uint64(0xFF)
+    ln = np.asarray(ln).astype(np.uint64) & np.uint64(0xFF)
+    w = np.uint64(bits)
+    n = np.where(pos >= w, np.uint64(0), np.minimum(ln, w - np.minimum(pos, w)))
+    sh = np.minimum(pos, np.uint64(63))
+    mask = (_low_mask(n) << sh) & _low_mask(w)
+    return ((b & ~mask) | ((f << sh) & mask)).astype(UNSIGNED[bits])
+
+
+def _int_op(c, ins):
+    """Integer arithmetic and logic: add sub mul mad div rem min max abs neg and or xor not
+    shl shr popc clz brev bfe bfi (types u/s/b 16, 32, 64)."""
+    p = ins.parts
+    head, t = p[0], p[-1]
+    bits = tbits(t)
+    signed = t.startswith("s")
+    ut = {16: "u16", 32: "u32", 64: "u64"}[bits] if bits in (16, 32, 64) else None
+    if ut is None:
+        raise EmulationError(f"{ins.op}: integer type .{t} is not modelled")
+    A = ins.args
+    if head in ("add", "sub", "and", "or", "xor"):
+        if "sat" in p or "cc" in p:
+            raise EmulationError(f"{ins.op}: .sat/.cc are not modelled")
+        a, b, d = c.src(A[1], ut), c.src(A[2], ut), c.dst(A[0], ut)
+        fn = {"add": np.add, "sub": np.subtract, "and": np.bitwise_and, "or": np.bitwise_or,
+              "xor": np.bitwise_xor}[head]
+        return lambda ex, sel: d(ex, sel, fn(a(ex, sel), b(ex, sel)))
+    if head in ("mul", "mad"):
+        mode = p[1]
+        st = t if signed else ut
+        a, b = c.src(A[1], st), c.src(A[2], st)
+        cc = None
+        if mode == "lo":
+            a, b = c.src(A[1], ut), c.src(A[2], ut)
+            d = c.dst(A[0], ut)
+            f = lambda x, y: x * y  # noqa: E731
+            if head == "mad":
+                cc = c.src(A[3], ut)
+        elif mode == "hi":
+            d = c.dst(A[0], st)
+            f = lambda x, y: _mulhi(x, y, bits, signed)  # noqa: E731
+            if head == "mad":
+                cc = c.src(A[3], st)
+        elif mode == "wide":
+            if bits == 64:
+                raise EmulationError(f"{ins.op}: mul.wide takes 16- or 32-bit operands")
+            wt = ("s" if signed else "u") + str(2 * bits)
+            wide = VIEW_T[wt]
+            d = c.dst(A[0], wt)
+            f = lambda x, y: np.asarray(x).astype(wide) * np.asarray(y).astype(wide)  # noqa: E731
+            if head == "mad":
+                cc = c.src(A[3], wt)
+        else:
+            raise EmulationError(f"{ins.op} is not modelled")
+        if cc is None:
+            return lambda ex, sel: d(ex, sel, f(a(ex, sel), b(ex, sel)))
+        return lambda ex, sel: d(ex, sel, f(a(ex, sel), b(ex, sel)) + cc(ex, sel))
+    if head in ("div", "rem"):
+        st = t if signed else ut
+        a, b, d = c.src(A[1], st), c.src(A[2], st), c.dst(A[0], st)
+        ones = VIEW_T[st](-1) if signed else UNSIGNED[bits](-1 & ((1 << bits) - 1))
+
+        def divrem(ex, sel):
+            x, y = np.asarray(a(ex, sel)), np.asarray(b(ex, sel))
+            zero = y == 0
+            ys = np.where(zero, VIEW_T[st](1), y)
+            if signed:  # C semantics: the quotient truncates, the remainder takes the dividend's sign
+                r = np.fmod(x, ys)
+                out = r if head == "rem" else (x - r) // ys
+            else:
+                out = x % ys if head == "rem" else x // ys
+            # PTX leaves x / 0 unspecified; all ones, without failing (a select may discard it)
+            d(ex, sel, np.where(zero, ones, out).astype(VIEW_T[st]))
+        return divrem
+    if head in ("min", "max"):
+        st = t if signed else ut
+        a, b, d = c.src(A[1], st), c.src(A[2], st), c.dst(A[0], st)
+        fn = np.minimum if head == "min" else np.maximum
+        return lambda ex, sel: d(ex, sel, fn(a(ex, sel), b(ex, sel)))
+    if head in ("abs", "neg", "not"):
+        st = t if signed else ut
+        a, d = c.src(A[1], st), c.dst(A[0], st)
+        if head == "abs":
+            return lambda ex, sel: d(ex, sel, np.abs(a(ex, sel)))
+        if head == "neg":
+            a = c.src(A[1], ut)
+            d = c.dst(A[0], ut)
+            return lambda ex, sel: d(ex, sel, np.subtract(UNSIGNED[bits](0), a(ex, sel)))
+        return lambda ex, sel: d(ex, sel, np.invert(a(ex, sel)))
+    if head in ("shl", "shr"):
+        st = t if head == "shr" and signed else ut
+        a, s, d = c.src(A[1], st), c.src(A[2], "u32"), c.dst(A[0], st)
+        w = bits
+
+        def shift(ex, sel):
+            x = np.asarray(a(ex, sel))
+            n = np.asarray(s(ex, sel)).astype(np.uint64)
+            big = n >= w
+            k = np.minimum(n, w - 1).astype(x.dtype if x.dtype.kind == "u" else UNSIGNED[w]).astype(x.dtype)
+            if head == "shl":
+                out = np.where(big, x.dtype.type(0), x << k)
+            elif signed:
+                out = x >> np.where(big, x.dtype.type(w - 1), k)
+            else:
+                out = np.where(big, x.dtype.type(0), x >> k)
+            d(ex, sel, out.astype(x.dtype))
+        return shift
+    if head in ("popc", "clz", "brev"):
+        a = c.src(A[1], ut)
+        if head == "brev":
+            d = c.dst(A[0], ut)
+            return lambda ex, sel: d(ex, sel, _brev(a(ex, sel), bits))
+        d = c.dst(A[0], "u32")
+        if head == "popc":
+            return lambda ex, sel: d(ex, sel, np.bitwise_count(np.asarray(a(ex, sel))).astype(np.uint32))
+        return lambda ex, sel: d(ex, sel, _clz(a(ex, sel), bits))
+    if head == "bfe":
+        a, pos, ln = c.src(A[1], ut), c.src(A[2], "u32"), c.src(A[3], "u32")
+        d = c.dst(A[0], t if signed else ut)
+        return lambda ex, sel: d(ex, sel, _bfe(a(ex, sel), pos(ex, sel), ln(ex, sel), bits, signed))
+    if head == "bfi":
+        f, b, pos, ln = c.src(A[1], ut), c.src(A[2], ut), c.src(A[3], "u32"), c.src(A[4], "u32")
+        d = c.dst(A[0], ut)
+        return lambda ex, sel: d(ex, sel, _bfi(f(ex, sel), b(ex, sel), pos(ex, sel), ln(ex, sel), bits))
+    raise EmulationError(f"{ins.op} is not modelled")
+
+
+_F32_TINY = np.float32(1.17549435e-38)
+
+
+def _flush(x):
+    """``.ftz``: subnormal f32 values become zero of the same sign."""
+    x = np.asarray(x, np.float32)
+    return np.where(np.abs(x) < _F32_TINY, np.copysign(np.float32(0), x), x).astype(np.float32)
+
+
+def _float_op(c, ins):
+    """f32/f64 arithmetic: add sub mul fma mad div neg abs min max sqrt rsqrt rcp ex2 lg2 sin
+    cos tanh copysign (``.ftz`` flushes subnormals, ``.sat`` clamps to [0, 1])."""
+    p = ins.parts
+    head, t = p[0], p[-1]
+    if t not in ("f32", "f64"):
+        raise EmulationError(f"{ins.op}: arithmetic on .{t} is not modelled")
+    mods = set(p[1:-1])
+    for r in ("rz", "rm", "rp"):
+        if r in mods and head not in ("cvt",):
+            raise EmulationError(f"{ins.op}: rounding .{r} is not modelled (only .rn)")
+    ft = VIEW_T[t]
+    ftz = "ftz" in mods and t == "f32"
+    sat = "sat" in mods
+    A = ins.args
+    n_in = {"add": 2, "sub": 2, "mul": 2, "div": 2, "min": 2, "max": 2, "copysign": 2, "fma": 3, "mad": 3}.get(head, 1)
+    srcs = [c.src(A[1 + i], t) for i in range(n_in)]
+    d = c.dst(A[0], t)
+    if head in ("fma", "mad"):
+        # a*b is exact in f64 for f32 inputs; the sum is rounded twice (f64, then f32), which
+        # differs from a single rounding only in rare halfway cases
+        wide = np.float64 if t == "f32" else np.longdouble
+
+        def f(x, y, z):
+            return (np.asarray(x).astype(wide) * np.asarray(y).astype(wide) + np.asarray(z).astype(wide)).astype(ft)
+    elif head == "copysign":  # d = b with a's sign
+        def f(x, y):
+            return np.copysign(np.asarray(y, ft), np.asarray(x, ft))
+    else:
+        f = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide,
+             "min": np.fmin, "max": np.fmax, "neg": np.negative, "abs": np.abs, "sqrt": np.sqrt,
+             "rsqrt": lambda x: ft(1) / np.sqrt(x), "rcp": lambda x: ft(1) / x, "ex2": np.exp2, "lg2": np.log2,
+             "sin": np.sin, "cos": np.cos, "tanh": np.tanh}.get(head)
+        if f is None:
+            raise EmulationError(f"{ins.op} is not modelled")
+
+    def run(ex, sel):
+        xs = [s(ex, sel) for s in srcs]
+        if ftz:
+            xs = [_flush(x) for x in xs]
+        r = np.asarray(f(*xs), ft)
+        if ftz:
+            r = _flush(r)
+        if sat:
+            r = np.where(np.isnan(r), ft(0), np.clip(r, ft(0), ft(1))).astype(ft)
+        d(ex, sel, r)
+    return run
+
+
+def _testp(c, ins):
+    kind, t = ins.parts[1], ins.parts[-1]
+    a, d = c.src(ins.args[1], t), c.dst(ins.args[0], "pred")
+    fn = {"nan": np.isnan, "notanumber": np.isnan, "number": lambda x: ~np.isnan(x), "infinite": np.isinf,
+          "finite": np.isfinite,
+          "normal": lambda x: np.isfinite(x) & (np.abs(x) >= np.finfo(x.dtype).tiny),
+          "subnormal": lambda x: (x != 0) & (np.abs(x) < np.finfo(x.dtype).tiny)}.get(kind)
+    if fn is None:
+        raise EmulationError(f"{ins.op} is not modelled")
+    return lambda ex, sel: d(ex, sel, fn(np.asarray(a(ex, sel))))
+
+
+def _setp_c(c, ins):
+    p = ins.parts
+    cmp, t = p[1], p[-1]
+    if len(p) > 4 or (len(p) == 4 and p[2] != "ftz"):
+        raise EmulationError(f"{ins.op} is not modelled (setp.CMP[.ftz].TYPE with one destination)")
+    if t in FLOATS:
+        if t in ("f16", "bf16"):
+            raise EmulationError(f"{ins.op}: comparisons of .{t} are not modelled")
+        a, b = c.src(ins.args[1], t), c.src(ins.args[2], t)
+        base = cmp[:-1] if cmp.endswith("u") and cmp not in ("equ",) and len(cmp) == 3 else cmp
+        unordered = cmp in ("equ", "neu", "ltu", "leu", "gtu", "geu")
+        if unordered:
+            base = cmp[:2]
+        fn = {"eq": np.equal, "ne": np.not_equal, "lt": np.less, "le": np.less_equal, "gt": np.greater,
+              "ge": np.greater_equal}.get(base)
+        if cmp in ("num", "nan"):
+            def run(ex, sel):
+                x, y = a(ex, sel), b(ex, sel)
+                either = np.isnan(x) | np.isnan(y)
+                d(ex, sel, either if cmp == "nan" else ~either)
+        elif fn is None:
+            raise EmulationError(f"{ins.op}: comparison {cmp} is not modelled")
+        else:
+            def run(ex, sel):
+                x, y = a(ex, sel), b(ex, sel)
+                either = np.isnan(x) | np.isnan(y)
+                r = fn(x, y)
+                d(ex, sel, (r | either) if unordered else (r & ~either))
+        d = c.dst(ins.args[0], "pred")
+        return run
+    bits = tbits(t)
+    if cmp in ("lo", "ls", "hi", "hs"):
+        vt = UNSIGNED[bits]
+        fn = {"lo": np.less, "ls": np.less_equal, "hi": np.greater, "hs": np.greater_equal}[cmp]
+    else:
+        vt = SIGNED[bits] if t.startswith("s") else UNSIGNED[bits]
+        fn = {"eq": np.equal, "ne": np.not_equal, "lt": np.less, "le": np.less_equal, "gt": np.greater,
+              "ge": np.greater_equal}.get(cmp)
+        if fn is None:
+            raise EmulationError(f"{ins.op}: comparison {cmp} is not modelled for integers")
+    ts = {np.uint16: "u16", np.uint32: "u32", np.uint64: "u64", np.int16: "s16", np.int32: "s32",
+          np.int64: "s64"}[vt]
+    a, b, d = c.src(ins.args[1], ts), c.src(ins.args[2], ts), c.dst(ins.args[0], "pred")
+    return lambda ex, sel: d(ex, sel, fn(a(ex, sel), b(ex, sel)))
+
+
+def _selp_c(c, ins):
+    t = ins.parts[-1]
+    a, b, q, d = (c.src(ins.args[1], t), c.src(ins.args[2], t), c.src(ins.args[3], "pred"),
+                  c.dst(ins.args[0], t))
+    return lambda ex, sel: d(ex, sel, np.where(q(ex, sel), a(ex, sel), b(ex, sel)).astype(VIEW_T[t]))
+
+
+def _pred_c(c, ins):
+    head = ins.parts[0]
+    d = c.dst(ins.args[0], "pred")
+    a = c.src(ins.args[1], "pred")
+    if head in ("not", "mov"):
+        return (lambda ex, sel: d(ex, sel, ~np.asarray(a(ex, sel)))) if head == "not" else \
+            (lambda ex, sel: d(ex, sel, a(ex, sel)))
+    b = c.src(ins.args[2], "pred")
+    fn = {"and": np.logical_and, "or": np.logical_or, "xor": np.logical_xor}[head]
+    return lambda ex, sel: d(ex, sel, fn(a(ex, sel), b(ex, sel)))
+
+
+def _mov_c(c, ins):
+    t = ins.parts[-1]
+    dst, src = ins.args[0], ins.args[1]
+    bits = tbits(t)
+    if isinstance(src, VecArg):  # pack: low element first
+        n = len(src.items)
+        part = {64: {2: "u32"}, 32: {2: "u16"}}.get(bits, {}).get(n)
+        if part is None:
+            raise EmulationError(f"{ins.op}: packing {n} values into .{t} is not modelled")
+        rs = [c.src(x, part) for x in src.items]
+        d = c.dst(dst, "u" + str(bits))
+        wide, sh = UNSIGNED[bits], UNSIGNED[bits](bits // 2)
+
+        def pack(ex, sel):
+            lo, hi = rs[0](ex, sel), rs[1](ex, sel)
+            d(ex, sel, np.asarray(lo).astype(wide) | (np.asarray(hi).astype(wide) << sh))
+        return pack
+    if isinstance(dst, VecArg):  # unpack
+        n = len(dst.items)
+        part = {64: {2: "u32"}, 32: {2: "u16"}}.get(bits, {}).get(n)
+        if part is None:
+            raise EmulationError(f"{ins.op}: unpacking .{t} into {n} values is not modelled")
+        a = c.src(src, "u" + str(bits))
+        ds = [c.dst(x, part) for x in dst.items]
+        low, sh = UNSIGNED[bits // 2], UNSIGNED[bits](bits // 2)
+
+        def unpack(ex, sel):
+            v = np.asarray(a(ex, sel))
+            ds[0](ex, sel, v.astype(low))
+            ds[1](ex, sel, (v >> sh).astype(low))
+        return unpack
+    if t == "pred":
+        return _pred_c(c, ins)
+    a, d = c.src(src, t), c.dst(dst, t)
+    return lambda ex, sel: d(ex, sel, a(ex, sel))
+
+
+# -- cvt ----------------------------------------------------------------------------------
+
+_INT_RANGE = {t: (0, (1 << tbits(t)) - 1) if t[0] == "u" else (-(1 << (tbits(t) - 1)), (1 << (tbits(t) - 1)) - 1)
+              for t in ("u8", "s8", "u16", "s16", "u32", "s32", "u64", "s64")}
+
+
+def _bf16_round(x64):
+    """float64 -> bf16 bits, round to nearest even, in one rounding: first to f32 rounding
+    to odd (truncate, set the sticky bit if inexact), then the f32 -> bf16 step."""
+    x64 = np.asarray(x64, np.float64)
+    f = x64.astype(np.float32)
+    over = np.abs(f.astype(np.float64)) > np.abs(x64)
+    f = np.where(over & np.isfinite(x64), np.nextafter(f, np.float32(0)), f).astype(np.float32)
+    bits = f.view(np.uint32).copy()
+    inexact = np.isfinite(x64) & (f.astype(np.float64) != x64)
+    bits |= inexact.astype(np.uint32)
+    return D.f32_to_bf16_bits(bits.view(np.float32))
+
+
+def _to_float(x, dt: str):
+    """A float64 value (exact for every source) to the raw value of float type ``dt``."""
+    if dt == "f64":
+        return np.asarray(x, np.float64)
+    if dt == "f32":
+        return np.asarray(x, np.float64).astype(np.float32)
+    if dt == "f16":
+        return np.asarray(x, np.float64).astype(np.float16)  # numpy rounds double -> half directly
+    return _bf16_round(x)
+
+
+def _as_f64(v, t: str):
+    if t == "bf16":
+        return D.bf16_bits_to_f32(np.asarray(v).astype(np.uint16)).astype(np.float64)
+    return np.asarray(v).astype(np.float64)
+
+
+def _cvt_c(c, ins):
+    p = ins.parts
+    dt, at = p[-2], p[-1]
+    mods = set(p[1:-2])
+    if dt in ("bf16x2", "f16x2"):  # d = {hi: a, lo: b}
+        if mods - {"rn", "relu", "satfinite"} or at != "f32" or mods & {"relu", "satfinite"}:
+            raise EmulationError(f"{ins.op} is not modelled")
+        a, b, d = c.src(ins.args[1], "f32"), c.src(ins.args[2], "f32"), c.dst(ins.args[0], "u32")
+
+        def half(x):
+            x = np.asarray(x, np.float32)
+            return D.f32_to_bf16_bits(x) if dt == "bf16x2" else x.astype(np.float16).view(np.uint16)
+
+        return lambda ex, sel: d(ex, sel, (half(a(ex, sel)).astype(np.uint32) << np.uint32(16))
+                                 | half(b(ex, sel)).astype(np.uint32))
+    for t in (dt, at):
+        if t not in VIEW_T or t in ("pred", "b8", "b16", "b32", "b64"):
+            raise EmulationError(f"{ins.op}: conversion type .{t} is not modelled")
+    ftz = "ftz" in mods
+    sat = "sat" in mods
+    irnd = mods & {"rzi", "rni", "rmi", "rpi"}
+    frnd = mods & {"rn", "rz", "rm", "rp"}
+    unknown = mods - {"ftz", "sat", "rzi", "rni", "rmi", "rpi", "rn", "rz", "rm", "rp"}
+    if unknown or len(irnd) + len(frnd) > 1:
+        raise EmulationError(f"{ins.op}: modifiers {sorted(unknown or mods)} are not modelled")
+    a = c.src(ins.args[1], at)
+    d = c.dst(ins.args[0], dt)
+    rnd_int = {"rzi": np.trunc, "rni": np.rint, "rmi": np.floor, "rpi": np.ceil}
+    src_float, dst_float = at in FLOATS, dt in FLOATS
+    if src_float and not dst_float:
+        if not irnd:
+            raise EmulationError(f"{ins.op}: float -> integer needs .rzi, .rni, .rmi or .rpi")
+        rf = rnd_int[irnd.pop()]
+        lo, hi = _INT_RANGE[dt]
+
+        def f2i(ex, sel):
+            x = _as_f64(a(ex, sel), at)
+            if ftz and at == "f32":
+                x = _flush(x.astype(np.float32)).astype(np.float64)
+            r = rf(x)
+            nan = np.isnan(r)
+            if tbits(dt) == 64:  # the range ends are not all f64 values: compare, then convert
+                top = r >= float(hi + 1)
+                bot = r < float(lo)
+                safe = np.where(nan | top | bot, 0.0, r)
+                out = safe.astype(VIEW_T[dt])
+                out = np.where(top, VIEW_T[dt](hi), np.where(bot, VIEW_T[dt](lo), out))
+            else:
+                out = np.clip(np.where(nan, 0.0, r), lo, hi).astype(np.int64).astype(VIEW_T[dt])
+            d(ex, sel, np.where(nan, VIEW_T[dt](0), out).astype(VIEW_T[dt]))
+        return f2i
+    if not src_float and dst_float:
+        if irnd or (frnd and frnd != {"rn"}):
+            raise EmulationError(f"{ins.op}: integer -> float rounds .rn only here")
+        if tbits(at) == 64 and dt != "f64":
+            def i2f(ex, sel):  # int64 -> f32 rounds once in numpy's cast; f16/bf16 go through it
+                v = np.asarray(a(ex, sel))
+                r = v.astype(np.float32) if dt == "f32" else _to_float(v.astype(np.float64), dt)
+                d(ex, sel, r)
+            return i2f
+        return lambda ex, sel: d(ex, sel, _to_float(np.asarray(a(ex, sel)).astype(np.float64), dt))
+    if src_float and dst_float:
+        if irnd:  # round to an integral value in the same type
+            if dt != at:
+                raise EmulationError(f"{ins.op}: integer rounding between different float types")
+            rf = rnd_int[irnd.pop()]
+
+            def fround(ex, sel):
+                x = _as_f64(a(ex, sel), at)
+                if ftz and at == "f32":
+                    x = _flush(x.astype(np.float32)).astype(np.float64)
+                d(ex, sel, _to_float(rf(x), dt))
+            return fround
+        if frnd - {"rn"}:
+            raise EmulationError(f"{ins.op}: float rounding .{frnd.pop()} is not modelled (only .rn)")
+        if tbits(dt) < tbits(at) and not frnd:
+            raise EmulationError(f"{ins.op}: a narrowing float conversion needs a rounding modifier (.rn)")
+
+        def f2f(ex, sel):
+            x = _as_f64(a(ex, sel), at)
+            if ftz and at == "f32":
+                x = _flush(x.astype(np.float32)).astype(np.float64)
+            r = _to_float(x, dt)
+            if sat:
+                r = np.where(np.isnan(_as_f64(r, dt)), _to_float(0.0, dt),
+                             _to_float(np.clip(_as_f64(r, dt), 0.0, 1.0), dt))
+            if ftz and dt == "f32":
+                r = _flush(r)
+            d(ex, sel, r)
+        return f2f
+    # integer -> integer: extend by the source's signedness, then truncate (or clamp with .sat)
+    lo, hi = _INT_RANGE[dt]
+
+    def i2i(ex, sel):
+        v = np.asarray(a(ex, sel))
+        if sat:
+            wide = v.astype(np.int64) if at[0] == "s" or tbits(at) < 64 else v
+            if v.dtype == np.uint64:
+                out = np.minimum(v, np.uint64(hi)) if hi >= 0 else v
+                d(ex, sel, out.astype(VIEW_T[dt]))
+                return
+            d(ex, sel, np.clip(wide, max(lo, -(1 << 63)), min(hi, (1 << 63) - 1)).astype(VIEW_T[dt]))
+            return
+        d(ex, sel, v.astype(VIEW_T[dt]))  # numpy int casts sign-extend and wrap exactly as cvt
+    return i2i
+
+
+# -- memory -------------------------------------------------------------------------------
+
+def _mem_shape(ins):
+    """(state space, vector length, element type) of an ld/st, ignoring cache and ordering hints."""
+    space, vec = None, 1
+    for part in ins.parts[1:-1]:
+        if part in ("global", "shared", "local", "param", "const") or part.startswith("shared::"):
+            space = part.split("::")[0]
+        elif part in ("v2", "v4", "v8"):
+            vec = int(part[1:])
+    if space is None:
+        raise EmulationError(f"{ins.op}: generic addressing is not modelled (name .global/.shared/.local)")
+    t = ins.parts[-1]
+    if t not in VIEW_T or t == "pred":
+        raise EmulationError(f"{ins.op}: type .{t} is not modelled")
+    if vec > 1 and (vec * tbits(t) > 128 or tbits(t) < 32 and vec > 1 and tbits(t) != 16):
+        raise EmulationError(f"{ins.op}: vector of {vec} x .{t} is not modelled")
+    return space, vec, t
+
+
+def _address(c, arg):
+    """A reader of a memory operand's per-lane byte address (int64)."""
+    if not isinstance(arg, MemArg):
+        raise EmulationError(f"expected a memory operand [base+offset], got {arg}")
+    off = np.int64(arg.offset)
+    if isinstance(arg.base, SymArg):
+        base = np.int64(c.symbol(arg.base.name))
+        return lambda ex, sel: base + off
+    t = "u64" if tbits(c.prog.reg_type(arg.base.name)) == 64 else "u32"
+    r = c.src(arg.base, t)
+    return lambda ex, sel: np.asarray(r(ex, sel)).astype(np.int64) + off
+
+
+def _ld_c(c, ins):
+    space, vec, t = _mem_shape(ins)
+    dsts = list(ins.args[0].items) if isinstance(ins.args[0], VecArg) else [ins.args[0]]
+    if len(dsts) != vec:
+        raise EmulationError(f"{ins.op} needs {vec} destinations, got {len(dsts)}")
+    if space == "param":
+        if vec != 1 or not isinstance(ins.args[1], MemArg) or not isinstance(ins.args[1].base, SymArg):
+            raise EmulationError(f"{ins.op}: only ld.param of a parameter by name is modelled")
+        name, bits = ins.args[1].base.name, tbits(t)
+        if name not in c.param_names:
+            raise EmulationError(f"ld.param of {name}, which is not a kernel parameter")
+        d = c.dst(dsts[0], t)
+        store = UNSIGNED[max(bits, 8)]
+
+        def ldp(ex, sel):
+            d(ex, sel, store(ex.param_value(name) & ((1 << bits) - 1)).view(VIEW_T[t]))
+        return ldp
+    addr = _address(c, ins.args[1])
+    ds = [c.dst(x, t) for x in dsts]
+    esize = max(tbits(t) // 8, 1)
+    dt = VIEW_T[t]
+
+    def ld(ex, sel):
+        vals = ex.load(space, addr(ex, sel), sel, esize, vec, dt)  # [n, vec] (or [vec] when uniform)
+        for j, w in enumerate(ds):
+            w(ex, sel, vals[..., j])
+    return ld
+
+
+def _st_c(c, ins):
+    space, vec, t = _mem_shape(ins)
+    if space not in ("global", "shared", "local"):
+        raise EmulationError(f"{ins.op}: stores to .{space} are not modelled")
+    srcs = list(ins.args[1].items) if isinstance(ins.args[1], VecArg) else [ins.args[1]]
+    if len(srcs) != vec:
+        raise EmulationError(f"{ins.op} needs {vec} values, got {len(srcs)}")
+    addr = _address(c, ins.args[0])
+    rs = [c.src(x, t) for x in srcs]
+    esize = max(tbits(t) // 8, 1)
+    dt = VIEW_T[t]
+
+    def st(ex, sel):
+        a = addr(ex, sel)
+        n = ex.count(sel)
+        vals = np.empty((n, vec), dt)
+        for j, r in enumerate(rs):
+            vals[:, j] = r(ex, sel)
+        ex.store(space, a, sel, esize, vec, vals)
+    return st
+
+
+# -- warp-level ---------------------------------------------------------------------------
+
+def _shfl_c(c, ins):
+    p = ins.parts
+    if "sync" not in p or p[-1] != "b32":
+        raise EmulationError(f"{ins.op} is not modelled (shfl.sync.MODE.b32)")
+    mode = p[2]
+    if mode not in ("idx", "bfly", "down", "up") or len(ins.args) != 5:
+        raise EmulationError(f"{ins.op}: expected shfl.sync.{{idx,bfly,down,up}}.b32 d, a, b, c, membermask")
+    if not isinstance(ins.args[1], RegArg):
+        raise EmulationError(f"{ins.op}: the source must be a register")
+    d = c.dst(ins.args[0], "b32")
+    s = c.slot(ins.args[1].name)
+    bsrc, csrc = c.src(ins.args[2], "u32"), c.src(ins.args[3], "u32")
+
+    def shfl(ex, sel):
+        lane = ex.lane if sel is None else ex.lane[sel]
+        b = np.asarray(bsrc(ex, sel)).astype(np.int64) & 31
+        cv = np.asarray(csrc(ex, sel)).astype(np.int64)
+        clamp, seg = cv & 31, (cv >> 8) & 31
+        lane64 = lane.astype(np.int64)
+        max_lane = (lane64 & seg) | (clamp & ~seg)
+        min_lane = lane64 & seg
+        if mode == "up":
+            j = lane64 - b
+            ok = j >= max_lane
+        elif mode == "down":
+            j = lane64 + b
+            ok = j <= max_lane
+        elif mode == "bfly":
+            j = lane64 ^ b
+            ok = j <= max_lane
+        else:
+            j = min_lane | (b & ~seg)
+            ok = j <= max_lane
+        j = np.where(ok, j, lane64)
+        tid = ex.tid_lin if sel is None else ex.tid_lin[sel]
+        src_tid = tid - lane64 + j
+        j = np.where(src_tid < ex.T, j, lane64)  # a lane past the end of the block: its own value
+        g = ex.gid(sel)
+        # an inactive or exited source lane gives its last value (PTX: unspecified); no check
+        d(ex, sel, ex.regs[s][g - lane64 + j])
+    return shfl
+
+
+def _warp_reduce(ex, sel, bits):
+    """Per executing lane: the OR over its warp's executing lanes of ``bits`` (uint64)."""
+    key = ex.warp_key if sel is None else ex.warp_key[sel]
+    tot = np.bincount(key, weights=bits.astype(np.float64), minlength=ex.n_warps)  # distinct bits: sum = or
+    return tot.astype(np.uint64)[key]
+
+
+def _vote_c(c, ins):
+    p = ins.parts
+    if p[0] == "activemask":
+        d = c.dst(ins.args[0], "b32")
+
+        def am(ex, sel):
+            lane = (ex.lane if sel is None else ex.lane[sel]).astype(np.uint64)
+            d(ex, sel, _warp_reduce(ex, sel, np.uint64(1) << lane).astype(np.uint32))
+        return am
+    if "sync" not in p:
+        raise EmulationError(f"{ins.op} is not modelled (vote.sync)")
+    mode = p[2]
+    q = c.src(ins.args[1], "pred")
+    if mode == "ballot":
+        d = c.dst(ins.args[0], "b32")
+    elif mode in ("any", "all", "uni"):
+        d = c.dst(ins.args[0], "pred")
+    else:
+        raise EmulationError(f"{ins.op} is not modelled")
+
+    def vote(ex, sel):
+        lane = (ex.lane if sel is None else ex.lane[sel]).astype(np.uint64)
+        v = np.broadcast_to(np.asarray(q(ex, sel)), lane.shape)
+        one = np.uint64(1) << lane
+        yes = _warp_reduce(ex, sel, np.where(v, one, np.uint64(0)))
+        if mode == "ballot":
+            d(ex, sel, yes.astype(np.uint32))
+            return
+        active = _warp_reduce(ex, sel, one)
+        d(ex, sel, yes != 0 if mode == "any" else yes == active if mode == "all" else (yes == 0) | (yes == active))
+    return vote
+
+
+# -- the compiler ---------------------------------------------------------------------------
+
+_INT_HEADS = {"add", "sub", "mul", "mad", "div", "rem", "min", "max", "abs", "neg", "and", "or", "xor", "not",
+              "shl", "shr", "popc", "clz", "brev", "bfe", "bfi"}
+_FLOAT_HEADS = {"add", "sub", "mul", "fma", "mad", "div", "neg", "abs", "min", "max", "sqrt", "rsqrt", "rcp",
+                "ex2", "lg2", "sin", "cos", "tanh", "copysign"}
+
+
+def is_compute_program(prog) -> bool:
+    """True when ``prog`` uses no instruction that needs the warp scheduler (async copies,
+    tensor cores, mbarriers, clusters, barriers with thread counts): the vectorised
+    executor runs it, every CTA of a launch in one vector."""
+    if prog.cluster is not None:
+        return False
+    for ins in prog.instrs:
+        p = ins.parts
+        if p[0] in _CTA_ONLY or ".".join(p[:2]) in _CTA_ONLY:
+            return False
+        if p[0] == "fence" and len(p) > 1 and p[1] in ("proxy", "mbarrier_init"):
+            return False
+        if p[0] in ("bar", "barrier") and (len(ins.args) != 1 or p[1] not in ("sync",)):
+            return False
+    return True
+
+
+def _compile_one(c, ins, labels) -> CompiledOp:
+    p = ins.parts
+    head = p[0]
+    guard = c.slot(ins.pred) if ins.pred else None
+    if guard is not None and c.store[guard] is not np.bool_:
+        raise EmulationError(f"guard {ins.pred} is not a predicate register")
+    if head == "bra":
+        return CompiledOp(CompiledOp.BRA, None, ins, guard, ins.negate, labels[ins.args[0].name])
+    if head in ("ret", "exit"):
+        return CompiledOp(CompiledOp.EXIT, None, ins, guard, ins.negate)
+    if head in ("bar", "barrier"):
+        if guard is not None:
+            raise EmulationError("a guarded bar.sync is not modelled")
+        if not isinstance(ins.args[0], ImmArg) or ins.args[0].value != 0:
+            raise EmulationError("only barrier 0 (bar.sync 0) is modelled here")
+        return CompiledOp(CompiledOp.BAR, None, ins)
+    if head in ("membar", "fence"):
+        return CompiledOp(CompiledOp.NOP, None, ins, guard, ins.negate)
+    t = p[-1]
+    if head in ("and", "or", "xor", "not") and t == "pred":
+        fn = _pred_c(c, ins)
+    elif head == "mov":
+        fn = _mov_c(c, ins)
+    elif head == "cvt":
+        fn = _cvt_c(c, ins)
+    elif head == "cvta":
+        a, d = c.src(ins.args[1], "u64"), c.dst(ins.args[0], "u64")
+        fn = lambda ex, sel: d(ex, sel, a(ex, sel))  # noqa: E731  (addresses are already generic)
+    elif head == "setp":
+        fn = _setp_c(c, ins)
+    elif head == "selp":
+        fn = _selp_c(c, ins)
+    elif head == "testp":
+        fn = _testp(c, ins)
+    elif head == "ld":
+        fn = _ld_c(c, ins)
+    elif head == "st":
+        fn = _st_c(c, ins)
+    elif head == "shfl":
+        fn = _shfl_c(c, ins)
+    elif head in ("vote", "activemask"):
+        fn = _vote_c(c, ins)
+    elif t in ("f32", "f64", "f16", "bf16") and head in _FLOAT_HEADS:
+        fn = _float_op(c, ins)
+    elif head in _INT_HEADS:
+        fn = _int_op(c, ins)
+    else:
+        raise EmulationError(f"instruction {ins.op} is not modelled by the emulator")
+    return CompiledOp(CompiledOp.PLAIN, fn, ins, guard, ins.negate)
+
+
+def compile_program(prog):
+    """``(ops, compiler)`` for a compute program, compiled once and kept on the program
+    (parsing is cached per text, so each kernel text is compiled once per process)."""
+    cached = getattr(prog, "_compiled", None)
+    if cached is not None:
+        return cached
+    c = _Compiler(prog)
+    ops = []
+    for ins in prog.instrs:
+        try:
+            ops.append(_compile_one(c, ins, prog.labels))
+        except EmulationError as e:
+            raise EmulationError(f"PTX line {ins.line}: {ins.text}: {e}") from None
+        except PtxParseError as e:
+            raise EmulationError(f"PTX line {ins.line}: {ins.text}: {e}") from None
+    prog._compiled = (ops, c)
+    return prog._compiled

@@ -63,6 +63,11 @@ class GlobalMemory:
         self._bufs: list[np.ndarray] = []
         self._next = GLOBAL_BASE
 
+    @property
+    def allocated_bytes(self) -> int:
+        """Bytes in live allocations."""
+        return sum(b.size for b in self._bufs)
+
     def alloc(self, nbytes: int, fill: int = 0) -> int:
         """A fresh zero- (or ``fill``-) initialised allocation; returns its address."""
         addr = self._next
@@ -109,6 +114,49 @@ class GlobalMemory:
     def _inside(self, addr: int, size: int) -> bool:
         i = bisect.bisect_right(self._bases, addr) - 1
         return i >= 0 and addr + size <= self._bases[i] + self._bufs[i].size
+
+    def _groups(self, addrs: np.ndarray, size: int):
+        """``(allocation, lane indices or None for all, byte offsets)`` per allocation the
+        lanes' accesses fall in; an access outside every allocation is an error."""
+        lo, hi = int(addrs.min()), int(addrs.max())
+        i = bisect.bisect_right(self._bases, lo) - 1
+        if i >= 0 and hi + size <= self._bases[i] + self._bufs[i].size:
+            return [(i, None, addrs - self._bases[i])]
+        bases = np.asarray(self._bases, np.int64)
+        ends = bases + np.asarray([b.size for b in self._bufs], np.int64)
+        which = np.searchsorted(bases, addrs, side="right") - 1
+        bad = (which < 0) | (addrs + size > ends[np.maximum(which, 0)])
+        if bad.any():
+            a = int(addrs[np.flatnonzero(bad)[0]])
+            raise EmulationError(f"illegal global address {a:#x} (+{size} bytes): outside every allocation")
+        out = []
+        for j in np.unique(which).tolist():
+            lanes = np.flatnonzero(which == j)
+            out.append((j, lanes, addrs[lanes] - bases[j]))
+        return out
+
+    def gather(self, addrs: np.ndarray, esize: int, vec: int, dt) -> np.ndarray:
+        """Per-lane loads of ``vec`` consecutive elements of ``dt`` (``esize`` bytes each) at
+        aligned int64 ``addrs``, which may fall in different allocations: ``[lanes, vec]``."""
+        groups = self._groups(addrs, esize * vec)
+        step = np.arange(vec)
+        if len(groups) == 1 and groups[0][1] is None:
+            buf = self._bufs[groups[0][0]]
+            return buf[: buf.size // esize * esize].view(dt)[(groups[0][2] // esize)[:, None] + step]
+        out = np.empty((addrs.size, vec), dt)
+        for i, lanes, off in groups:
+            buf = self._bufs[i]
+            out[lanes] = buf[: buf.size // esize * esize].view(dt)[(off // esize)[:, None] + step]
+        return out
+
+    def scatter(self, addrs: np.ndarray, esize: int, vals: np.ndarray) -> None:
+        """Per-lane stores of ``vals`` (``[lanes, vec]``) at aligned int64 ``addrs``."""
+        vec = vals.shape[1]
+        step = np.arange(vec)
+        for i, lanes, off in self._groups(addrs, esize * vec):
+            buf = self._bufs[i]
+            view = buf[: buf.size // esize * esize].view(vals.dtype)
+            view[(off // esize)[:, None] + step] = vals if lanes is None else vals[lanes]
 
     def load(self, addrs: np.ndarray, size: int) -> np.ndarray:
         """Per-lane loads of ``size`` bytes: returns uint8 ``[lanes, size]``."""

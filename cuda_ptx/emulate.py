@@ -18,17 +18,36 @@ from .config import GemmConfig, with_dtypes
 from .emit import resolve
 from .emu_driver import emulated_context
 from .emu_state import EmulationError, GlobalMemory, TensorMap
-from .emulator import Cluster, Cta
+from .emu_ops import compile_program, is_compute_program
+from .emulator import Cluster, Cta, Grid
 from .ptx_parse import PtxProgram, parse
 from .runner import GemmLaunch
 
-def emulate_kernel(ptx: str | PtxProgram, threads: int, shared_bytes: int, params: dict[str, object], memory: GlobalMemory,
-                   grid: tuple[int, int] = (1, 1), seed: int = 0,
-                   ctas: list[tuple[int, int]] | None = None) -> None:
-    """Run any kernel in the emulated subset over a ``grid`` of CTAs (or only the ``(x, y)``
-    in ``ctas``), one after another -- or, for a kernel with ``.reqnctapercluster``, one
-    cluster after another, the CTAs of each running together (a CTA in ``ctas`` brings
-    its whole cluster).
+# A batch of CTAs run together by the vectorised executor holds at most this many threads
+# and about this many bytes of registers (the rest of the grid runs in further batches).
+BATCH_THREADS = 1 << 17
+BATCH_REG_BYTES = 256 << 20
+
+
+def _dims3(v, what: str) -> tuple[int, int, int]:
+    t = (int(v),) if np.isscalar(v) else tuple(int(x) for x in v)
+    if not 1 <= len(t) <= 3 or min(t) < 1:
+        raise ShapeError(f"{what} must be 1 to 3 positive extents, got {v!r}")
+    return t + (1,) * (3 - len(t))
+
+
+def emulate_kernel(ptx: str | PtxProgram, threads, shared_bytes: int, params: dict[str, object], memory: GlobalMemory,
+                   grid: tuple = (1, 1), seed: int = 0, ctas: list[tuple] | None = None) -> None:
+    """Run any kernel in the emulated subset over a ``grid`` of CTAs (or only the
+    ``(x, y[, z])`` in ``ctas``).
+
+    A compute kernel (:func:`emu_ops.is_compute_program`: no async copies, tensor cores,
+    mbarriers or clusters) runs on :class:`emulator.Grid`, the CTAs together in batches of
+    up to ``BATCH_THREADS`` threads; ``threads`` (the block) and ``grid`` may be 3-D.
+    Any other kernel runs CTA after CTA on the warp scheduler (:class:`emulator.Cta`), or,
+    for a kernel with ``.reqnctapercluster``, one cluster after another, the CTAs of each
+    running together (a CTA in ``ctas`` brings its whole cluster); those take 1-D blocks
+    and 2-D grids.
 
     ``ptx`` is the kernel's text or its parsed program.  ``params`` maps parameter names
     to ints (pointers from ``memory.alloc``, scalars) or :class:`TensorMap` objects.
@@ -38,13 +57,31 @@ def emulate_kernel(ptx: str | PtxProgram, threads: int, shared_bytes: int, param
     missing = [p.name for p in prog.params if p.name not in params]
     if missing:
         raise EmulationError(f"kernel {prog.name} needs parameters {missing}")
-    if prog.maxntid is not None and threads > prog.maxntid:
-        raise EmulationError(f"{threads} threads per CTA exceed the kernel's .maxntid {prog.maxntid}")
-    full = (grid[0], grid[1], 1)
-    todo = ctas if ctas is not None else [(x, y) for y in range(grid[1]) for x in range(grid[0])]
-    for x, y in todo:
-        if not (0 <= x < grid[0] and 0 <= y < grid[1]):
-            raise ShapeError(f"CTA {(x, y)} is outside the grid {grid}")
+    block = _dims3(threads, "threads (the block)")
+    nthreads = block[0] * block[1] * block[2]
+    if prog.maxntid is not None and nthreads > prog.maxntid:
+        raise EmulationError(f"{nthreads} threads per CTA exceed the kernel's .maxntid {prog.maxntid}")
+    full = _dims3(grid, "grid")
+    if ctas is None:
+        todo = [(x, y, z) for z in range(full[2]) for y in range(full[1]) for x in range(full[0])]
+    else:
+        todo = [tuple(c) + (0,) * (3 - len(c)) for c in ctas]
+    for c in todo:
+        if not all(0 <= c[i] < full[i] for i in range(3)):
+            raise ShapeError(f"CTA {c[:len(grid)]} is outside the grid {tuple(grid)}")
+    if is_compute_program(prog):
+        ops, comp = compile_program(prog)
+        per_thread = 16 * (len(comp.store) + 4) + comp.local_bytes
+        cap = max(1, min(BATCH_THREADS, BATCH_REG_BYTES // per_thread) // nthreads)
+        for i in range(0, len(todo), cap):
+            Grid(prog, block, shared_bytes, params, memory, todo[i: i + cap], full).run()
+        return
+    if block[1:] != (1, 1) or full[2] != 1:
+        raise EmulationError(f"kernel {prog.name} runs on the warp scheduler, which takes 1-D blocks and 2-D grids "
+                             f"(got block {block}, grid {full})")
+    threads = nthreads
+    full = (full[0], full[1], 1)
+    todo = [(x, y) for x, y, _ in todo]
     dims = prog.cluster or (1, 1, 1)
     if dims == (1, 1, 1):
         for i, (x, y) in enumerate(todo):

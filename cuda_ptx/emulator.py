@@ -581,3 +581,331 @@ def _ranges(lanes: np.ndarray) -> str:
             out.append(f"{start}" if start == v else f"{start}-{v}")
             start = None
     return ",".join(out)
+
+
+class Grid:
+    """A launch of a compute kernel run as one numpy vector: every thread of every CTA given.
+
+    For programs :func:`emu_ops.is_compute_program` accepts (no async copies, tensor
+    cores, mbarriers or clusters: nothing that communicates across CTAs), the threads of
+    all CTAs execute together: each step, every live thread at the lowest program counter
+    runs that instruction as one vector operation (``emu_ops.compile_program`` compiled
+    it once per program).  Lanes that branch apart wait at their higher PCs and rejoin
+    when the lowest ones reach them, which reconverges structured code.  ``bar.sync 0``
+    holds a thread until every thread of every CTA of the vector that had not exited
+    when the barrier opened has reached a ``bar.sync`` -- equivalent to per-CTA barriers
+    for programs with no cross-CTA communication -- and a thread exiting while the
+    barrier is open is a deadlock, as is a barrier only some threads reach.
+
+    Shared memory is one block per CTA.  Lockstep execution alone would hide a missing
+    barrier, so a store to shared memory becomes visible to *other* threads only at the
+    next ``bar.sync`` (a thread sees its own stores at once): a kernel that reads another
+    thread's shared data without a barrier in between reads the value from before, as a
+    GPU may, and computes a wrong result.  ``.local`` arrays are per thread.  Registers
+    carry a written bit, as in :class:`Cta` (``shfl`` reading a lane that never wrote
+    its register is exempt: PTX leaves that value unspecified).
+    """
+
+    BIG = np.int64(1) << 62
+    MAX_STEPS = 50_000_000
+
+    def __init__(self, prog: PtxProgram, block: tuple[int, int, int], shared_bytes: int, params: dict[str, object],
+                 memory: GlobalMemory, ctas: list[tuple[int, int, int]], nctaid: tuple[int, int, int]) -> None:
+        self.ops, self.comp = emu_ops.compile_program(prog)
+        self.prog, self.mem, self.params = prog, memory, params
+        self.block, self.nctaid, self.ctas = block, nctaid, ctas
+        T = block[0] * block[1] * block[2]
+        n_cta = len(ctas)
+        N = T * n_cta
+        self.T, self.N, self.n_cta = T, N, n_cta
+        self.regs = [np.zeros(N, st) for st in self.comp.store]
+        self.written = [np.zeros(N, bool) for _ in self.comp.store]
+        self.complete = [False] * len(self.comp.store)
+        self.tid_lin = np.tile(np.arange(T, dtype=np.int64), n_cta)
+        self.cta_idx = np.repeat(np.arange(n_cta, dtype=np.int64), T)
+        self.lane = (self.tid_lin % 32).astype(np.uint32)
+        nw = (T + 31) // 32
+        self.warp_key = self.cta_idx * nw + self.tid_lin // 32
+        self.n_warps = n_cta * nw
+        self._all = np.arange(N, dtype=np.int64)
+        self._special: dict[str, np.ndarray] = {}
+        self.S = shared_bytes
+        self.Sp = max(16, (shared_bytes + 15) // 16 * 16)
+        self.smem = np.zeros(n_cta * self.Sp, np.uint8)
+        self.snap = np.zeros_like(self.smem)
+        self.writer = np.full(self.smem.size, -1, np.int64)
+        self.dirty = False
+        self.L = self.comp.local_bytes
+        self.lmem = np.zeros(N * self.L, np.uint8) if self.L else None
+        self.steps = 0
+
+    # -- what handlers use ---------------------------------------------------------------
+    def gid(self, sel) -> np.ndarray:
+        """Vector indices of ``sel`` (every thread for None)."""
+        return self._all if sel is None else sel
+
+    def count(self, sel) -> int:
+        return self.N if sel is None else sel.size
+
+    def who(self, g: int) -> str:
+        """'thread (x, y, z) of CTA (x, y, z)' for vector index ``g``."""
+        t, c = int(self.tid_lin[g]), self.ctas[int(self.cta_idx[g])]
+        bx, by, _ = self.block
+        return f"thread {(t % bx, t // bx % by, t // (bx * by))} of CTA {tuple(c)}"
+
+    def special(self, name: str) -> np.ndarray:
+        v = self._special.get(name)
+        if v is None:
+            bx, by, bz = self.block
+            t = self.tid_lin
+            axis = "xyz".index(name[-1]) if name[-2] == "." else 0
+            cta = np.asarray(self.ctas, np.int64).reshape(-1, 3)
+            if name.startswith("%tid"):
+                v = (t % bx, t // bx % by, t // (bx * by))[axis]
+            elif name.startswith("%ntid"):
+                v = np.full(self.N, self.block[axis])
+            elif name.startswith("%ctaid"):
+                v = cta[self.cta_idx, axis]
+            elif name.startswith("%nctaid"):
+                v = np.full(self.N, self.nctaid[axis])
+            elif name == "%laneid":
+                v = t % 32
+            elif name == "%warpid":
+                v = t // 32
+            else:
+                raise EmulationError(f"special register {name} is not modelled for compute kernels")
+            v = self._special[name] = np.asarray(v).astype(np.uint32)
+        return v
+
+    def param_value(self, name: str) -> int:
+        v = self.params.get(name)
+        if v is None:
+            raise EmulationError(f"kernel parameter {name} was not supplied")
+        if isinstance(v, TensorMap):
+            raise EmulationError(f"parameter {name} is a tensor map, read as a number")
+        return int(v)
+
+    def check_written(self, s: int, sel) -> None:
+        w = self.written[s]
+        if w.all():
+            self.complete[s] = True
+            return
+        sub = w if sel is None else w[sel]
+        if not sub.all():
+            g = int(self.gid(sel)[np.flatnonzero(~sub)[0]])
+            c = self.ctas[int(self.cta_idx[g])]
+            raise EmulationError(f"register {self.comp.names[s]} read by thread {int(self.tid_lin[g])} before "
+                                 f"anything wrote it (CTA {tuple(c)})")
+
+    def _check(self, space: str, rel, sel, size: int, limit: int) -> None:
+        """Bounds (``0 <= rel``, ``rel + size <= limit``) and alignment of per-lane offsets."""
+        rel = np.asarray(rel)
+        bad = (rel < 0) | (rel + size > limit) | (rel % size != 0)
+        if bad.any():
+            i = int(np.flatnonzero(np.broadcast_to(bad, (self.count(sel),)))[0])
+            r = int(np.broadcast_to(rel, (self.count(sel),))[i])
+            why = "misaligned" if 0 <= r and r + size <= limit else "out of range"
+            raise EmulationError(f"{why} .{space} access of {size} bytes at offset {r} (of {limit} bytes) by "
+                                 f"{self.who(int(self.gid(sel)[i]))}")
+
+    def load(self, space: str, addr, sel, esize: int, vec: int, dt) -> np.ndarray:
+        """Per-lane loads of ``vec`` elements of ``dt``: ``[lanes, vec]``."""
+        n = self.count(sel)
+        size = esize * vec
+        addr = np.broadcast_to(np.asarray(addr, np.int64), (n,))
+        if space == "global":
+            if np.any(addr % size):
+                i = int(np.flatnonzero(addr % size)[0])
+                raise EmulationError(f"misaligned global load of {size} bytes at {int(addr[i]):#x} by "
+                                     f"{self.who(int(self.gid(sel)[i]))}")
+            return self.mem.gather(addr, esize, vec, dt)
+        if space == "shared":
+            rel = addr - SMEM_BASE
+            self._check("shared", rel, sel, size, self.S)
+            cta = self.cta_idx if sel is None else self.cta_idx[sel]
+            byte = cta * self.Sp + rel
+            out = self.smem.view(dt)[(byte // esize)[:, None] + np.arange(vec)]
+            if self.dirty:  # another thread's store of this barrier interval is not visible yet
+                bidx = byte[:, None] + np.arange(size)
+                w = self.writer[bidx]
+                stale = (w >= 0) & (w != self.gid(sel)[:, None])
+                if stale.any():
+                    raw = self.smem[bidx]
+                    raw[stale] = self.snap[bidx][stale]
+                    out = np.ascontiguousarray(raw).view(dt).reshape(n, vec)
+            return out
+        if space == "local":
+            rel = addr - emu_ops.LMEM_BASE
+            self._check("local", rel, sel, size, self.L)
+            byte = self.gid(sel) * self.L + rel
+            return self.lmem.view(dt)[(byte // esize)[:, None] + np.arange(vec)]
+        raise EmulationError(f"loads from .{space} are not modelled")
+
+    def store(self, space: str, addr, sel, esize: int, vec: int, vals: np.ndarray) -> None:
+        """Per-lane stores of ``vals`` (``[lanes, vec]``)."""
+        n = self.count(sel)
+        size = esize * vec
+        addr = np.broadcast_to(np.asarray(addr, np.int64), (n,))
+        dt = vals.dtype
+        if space == "global":
+            if np.any(addr % size):
+                i = int(np.flatnonzero(addr % size)[0])
+                raise EmulationError(f"misaligned global store of {size} bytes at {int(addr[i]):#x} by "
+                                     f"{self.who(int(self.gid(sel)[i]))}")
+            self.mem.scatter(addr, esize, vals)
+        elif space == "shared":
+            rel = addr - SMEM_BASE
+            self._check("shared", rel, sel, size, self.S)
+            cta = self.cta_idx if sel is None else self.cta_idx[sel]
+            byte = cta * self.Sp + rel
+            self.smem.view(dt)[(byte // esize)[:, None] + np.arange(vec)] = vals
+            self.writer[byte[:, None] + np.arange(size)] = self.gid(sel)[:, None]
+            self.dirty = True
+        elif space == "local":
+            rel = addr - emu_ops.LMEM_BASE
+            self._check("local", rel, sel, size, self.L)
+            byte = self.gid(sel) * self.L + rel
+            self.lmem.view(dt)[(byte // esize)[:, None] + np.arange(vec)] = vals
+        else:
+            raise EmulationError(f"stores to .{space} are not modelled")
+
+    def _barrier_done(self) -> None:
+        """A barrier completed: every shared store so far becomes visible to every thread."""
+        if self.dirty:
+            self.snap[:] = self.smem
+            self.writer.fill(-1)
+            self.dirty = False
+
+    def _pred(self, s: int, sel) -> np.ndarray:
+        if not self.complete[s]:
+            self.check_written(s, sel)
+        r = self.regs[s]
+        return r if sel is None else r[sel]
+
+    # -- the scheduler -------------------------------------------------------------------
+    def run(self) -> None:
+        """Run every thread to its ``ret``/``exit``."""
+        with np.errstate(all="ignore"):
+            try:
+                self._run()
+            except EmulationError as e:
+                if getattr(e, "located", False):
+                    raise
+                ins = self.ops[self._p].ins if 0 <= self._p < len(self.ops) else None
+                where = f"{self.prog.name}, PTX line {ins.line}: {ins.text}: " if ins else f"{self.prog.name}: "
+                err = EmulationError(where + str(e))
+                err.located = True
+                raise err from None
+
+    def _run(self) -> None:
+        ops, N, BIG = self.ops, self.N, self.BIG
+        n_ops = len(ops)
+        alive = np.ones(N, bool)
+        pc = np.zeros(N, np.int64)
+        waiting = np.zeros(N, bool)
+        nwait, n_alive = 0, N
+        uniform, upc, live = True, 0, None
+        open_alive = None
+        steps = 0
+        self._p = 0
+        while True:
+            steps += 1
+            if steps > self.MAX_STEPS:
+                raise EmulationError(f"no end after {self.MAX_STEPS} instruction steps (an endless loop?)")
+            if uniform:
+                p, sel = upc, live
+            else:
+                cand = alive & ~waiting if nwait else alive
+                pcm = np.where(cand, pc, BIG)
+                p = int(pcm.min())
+                if p == BIG:
+                    if nwait == 0:
+                        return
+                    self._p = -1
+                    self._release(waiting, open_alive, pc)
+                    pc[waiting] += 1
+                    waiting[:] = False
+                    nwait = 0
+                    self._barrier_done()
+                    continue
+                sel = np.flatnonzero(pcm == p)
+                if nwait == 0 and sel.size == n_alive:  # every live thread is here again
+                    uniform, upc = True, p
+                    live = None if n_alive == N else sel
+            self._p = p
+            if p >= n_ops:
+                raise EmulationError("ran off the end of the kernel without ret")
+            op = ops[p]
+            act = sel
+            if op.guard is not None:
+                g = self._pred(op.guard, sel)
+                if op.negate:
+                    g = ~g
+                if g.all():
+                    act = sel
+                elif not g.any():
+                    act = _EMPTY
+                else:
+                    act = np.flatnonzero(g) if sel is None else sel[g]
+            kind = op.kind
+            nxt = p + 1
+            if kind == 0:  # plain
+                if act is not _EMPTY:
+                    op.fn(self, act)
+            elif kind == 1:  # bra
+                if act is sel:
+                    nxt = op.target
+                elif act is not _EMPTY:
+                    if uniform:
+                        uniform = False
+                        pc[self.gid(live)] = nxt
+                    else:
+                        pc[sel] = nxt
+                    pc[act] = op.target
+                    continue
+            elif kind == 2:  # ret / exit
+                if act is not _EMPTY:
+                    gone = self.gid(act)
+                    alive[gone] = False
+                    n_alive -= gone.size
+                    if n_alive == 0:
+                        return
+                    if uniform:
+                        live = np.flatnonzero(alive)
+            elif kind == 3:  # bar.sync 0
+                if uniform:
+                    self._barrier_done()  # every live thread is here
+                else:
+                    if nwait == 0:
+                        open_alive = alive.copy()
+                    waiting[sel] = True
+                    nwait += sel.size
+                    continue
+            if uniform:
+                upc = nxt
+            else:
+                pc[sel] = nxt
+
+    def _release(self, waiting: np.ndarray, open_alive: np.ndarray, pc: np.ndarray) -> None:
+        """Every live thread waits at a barrier: it completes unless a CTA that has threads
+        waiting lost some of the threads it counted when the barrier opened (they exited)."""
+        per_cta_wait = np.bincount(self.cta_idx[waiting], minlength=self.n_cta)
+        per_cta_open = np.bincount(self.cta_idx[open_alive], minlength=self.n_cta)
+        short = np.flatnonzero((per_cta_wait > 0) & (per_cta_wait < per_cta_open))
+        if short.size:
+            c = int(short[0])
+            g = int(np.flatnonzero(waiting & (self.cta_idx == c))[0])
+            ins = self.ops[int(pc[g])].ins
+            err = EmulationError(
+                f"{self.prog.name}: deadlock -- CTA {tuple(self.ctas[c])}: bar.sync 0 ({per_cta_wait[c]}/"
+                f"{per_cta_open[c]} arrived) at PTX line {ins.line}: {ins.text}; the other threads exited "
+                "without reaching it")
+            err.located = True
+            raise err
+
+
+class _Empty:
+    """No thread executes (every guard false)."""
+
+
+_EMPTY = _Empty()

@@ -4,13 +4,18 @@ The emulator executes the *text* handed to ``ptxas``, not the IR it came from, s
 the renderer is checked too.  The subset: one ``.entry`` with scalar/pointer/
 ``CUtensorMap`` parameters, ``.reg`` declarations, labels, and instructions of the
 form ``[@[!]%p] op.sfx.sfx operand, ...;`` whose operands are registers, special
-registers (``%tid.x``), integers, ``0fXXXXXXXX`` floats, symbols, ``_``, memory
-references ``[base+off]``, tensor references ``[%rd, {%r, %r}]`` and vectors
-``{%f0, %f1}``.  Anything else raises :class:`PtxParseError` naming the line.
+registers (``%tid.x``), integers, ``0fXXXXXXXX`` (f32) and ``0dXXXXXXXXXXXXXXXX`` (f64)
+floats, symbols, ``_``, negated predicates ``!%p1``, memory references ``[base+off]``,
+tensor references ``[%rd, {%r, %r}]`` and vectors ``{%f0, %f1}``.  Also what the
+SPIR-V translator writes: parameters on the ``.entry`` line, ``.maxntid X, Y, Z``,
+per-thread ``.local`` arrays, several statements on one line and ``/* */`` comments.
+Anything else raises :class:`PtxParseError` naming the line.  :func:`parse` is cached
+per text (the driver loads the same kernels over and over).
 """
 
 from __future__ import annotations
 
+import functools
 import re
 import struct
 from dataclasses import dataclass, field
@@ -52,6 +57,24 @@ class FloatArg:
     @property
     def value(self) -> float:
         return struct.unpack("<f", struct.pack("<I", self.bits))[0]
+
+
+@dataclass(frozen=True)
+class DoubleArg:
+    """An f64 immediate (``0dXXXXXXXXXXXXXXXX``), kept as its 64 bits."""
+
+    bits: int
+
+    @property
+    def value(self) -> float:
+        return struct.unpack("<d", struct.pack("<Q", self.bits))[0]
+
+
+@dataclass(frozen=True)
+class NotArg:
+    """A negated predicate source operand (``!%p1``)."""
+
+    reg: "RegArg"
 
 
 @dataclass(frozen=True)
@@ -119,8 +142,11 @@ class PtxProgram:
     reg_types: dict[str, str] = field(default_factory=dict)  # register prefix -> declared type
     instrs: list[PtxInstr] = field(default_factory=list)
     labels: dict[str, int] = field(default_factory=dict)  # label -> index of the next instruction
-    maxntid: int | None = None
+    maxntid: int | None = None  # threads per CTA: the product of .maxntid's extents
+    ntid: tuple[int, int, int] | None = None  # .maxntid's extents as written (x, y, z)
     cluster: tuple[int, int, int] | None = None  # .reqnctapercluster
+    locals: dict[str, int] = field(default_factory=dict)  # .local arrays: name -> bytes per thread
+    shared_name: str = "smem"  # the dynamic shared block (.extern .shared ... NAME[])
 
     def reg_type(self, name: str) -> str:
         """The declared type of register ``name`` (``%rd3`` -> ``b64``)."""
@@ -135,6 +161,7 @@ _SPECIAL = re.compile(r"%(tid|ntid|ctaid|nctaid|clusterid|nclusterid|cluster_cta
 _REG = re.compile(r"%[a-z]+\d+")
 _INT = re.compile(r"-?(0[xX][0-9a-fA-F]+|\d+)")
 _FLT = re.compile(r"0[fF]([0-9a-fA-F]{8})")
+_DBL = re.compile(r"0[dD]([0-9a-fA-F]{16})")
 _SYM = re.compile(r"[$A-Za-z_][$\w]*")
 
 
@@ -171,20 +198,28 @@ def parse_operand(tok: str):
             if not isinstance(base, RegArg) or not isinstance(coords, VecArg):
                 raise PtxParseError(f"tensor reference {tok!r} must be [%rdN, {{coords}}]")
             return TensorArg(base, coords.items)
-        m = re.fullmatch(r"([^+\-]+?)\s*(?:([+-])\s*(\d+|0x[0-9a-fA-F]+))?", inner)
+        m = re.fullmatch(r"([^+\-]+?)\s*(?:([+-])\s*(-?)\s*(\d+|0x[0-9a-fA-F]+))?", inner)
         if not m:
             raise PtxParseError(f"cannot parse memory operand {tok!r}")
         base = parse_operand(m.group(1))
         if not isinstance(base, (RegArg, SymArg)):
             raise PtxParseError(f"memory operand base must be a register or symbol: {tok!r}")
-        off = int(m.group(3), 0) if m.group(3) else 0
-        return MemArg(base, -off if m.group(2) == "-" else off)
+        off = int(m.group(4), 0) if m.group(4) else 0
+        negative = (m.group(2) == "-") != (m.group(3) == "-")  # [%rd1+-4] is [%rd1-4]
+        return MemArg(base, -off if negative else off)
+    if tok.startswith("!"):
+        reg = parse_operand(tok[1:])
+        if not isinstance(reg, RegArg):
+            raise PtxParseError(f"only a predicate register can be negated: {tok!r}")
+        return NotArg(reg)
     if _SPECIAL.fullmatch(tok):
         return SpecialArg(tok)
     if _REG.fullmatch(tok):
         return RegArg(tok)
     if _FLT.fullmatch(tok):
         return FloatArg(int(_FLT.fullmatch(tok).group(1), 16))
+    if _DBL.fullmatch(tok):
+        return DoubleArg(int(_DBL.fullmatch(tok).group(1), 16))
     if _INT.fullmatch(tok):
         return ImmArg(int(tok, 0))
     if _SYM.fullmatch(tok):
@@ -192,45 +227,105 @@ def parse_operand(tok: str):
     raise PtxParseError(f"cannot parse operand {tok!r}")
 
 
+def _statements(ptx: str):
+    """``(line number, statement, raw line)`` for each statement: comments removed, a line
+    split after each ``;``, labels and braces split off as statements of their own."""
+    text = re.sub(r"/\*.*?\*/", lambda m: "\n" * m.group(0).count("\n"), ptx, flags=re.S)
+    for no, raw in enumerate(text.splitlines(), 1):
+        line = raw.split("//", 1)[0].strip()
+        while line:
+            if line[0] in "{}" and not line.startswith("{%") and not line.startswith("{ %"):
+                yield no, line[0], raw
+                line = line[1:].strip()
+                continue
+            lm = re.match(r"([$A-Za-z_][$\w]*):(?!:)\s*", line)
+            if lm and not line.startswith("."):
+                yield no, lm.group(1) + ":", raw
+                line = line[lm.end():]
+                continue
+            semi = line.find(";")
+            if semi < 0:
+                yield no, line, raw
+                break
+            yield no, line[: semi + 1].strip(), raw
+            line = line[semi + 1:].strip()
+
+
+def _param(text: str, no: int) -> PtxParam:
+    pm = re.match(r"\.param\s+(?:\.align\s+\d+\s+)?\.(\w+)\s+(\w+)(\[\d+\])?$", text.strip())
+    if not pm:
+        raise PtxParseError(f"line {no}: cannot parse parameter {text.strip()!r}")
+    return PtxParam(pm.group(2), "tmap" if pm.group(3) else pm.group(1))
+
+
+@functools.lru_cache(maxsize=256)
 def parse(ptx: str) -> PtxProgram:
-    """Parse one module's ``.entry`` into a :class:`PtxProgram`."""
+    """Parse one module's ``.entry`` into a :class:`PtxProgram` (cached per text: treat it as read-only)."""
     target = ""
-    lines = ptx.splitlines()
     prog: PtxProgram | None = None
     in_params = False
-    in_body = False
-    for no, raw in enumerate(lines, 1):
-        line = raw.split("//", 1)[0].strip()
-        if not line:
-            continue
+    pending = ""  # parameter text not yet closed by ')'
+    depth = 0  # brace depth of the kernel body
+    shared_name = "smem"
+    for no, line, raw in _statements(ptx):
+        if in_params:
+            pending += " " + line
+            if ")" not in pending:
+                continue
+            inside, _, rest = pending.partition(")")
+            in_params = False
+            for piece in inside.split(","):
+                if piece.strip():
+                    prog.params.append(_param(piece, no))
+            line = rest.strip()
+            if not line:
+                continue
         if line.startswith(".target"):
-            target = line.split()[1]
+            target = line.split()[1].rstrip(",;")
             continue
-        if line.startswith((".version", ".address_size", ".extern")):
+        if line.startswith((".version", ".address_size")):
             continue
-        m = re.match(r"\.visible\s+\.entry\s+(\w+)\s*\(", line)
+        if line.startswith(".extern"):
+            sm = re.match(r"\.extern\s+\.shared\s+(?:\.align\s+\d+\s+)?\.\w+\s+(\w+)\s*\[\s*\]\s*;", line)
+            if not sm:
+                raise PtxParseError(f"line {no}: only an .extern .shared array NAME[] is supported: {line!r}")
+            shared_name = sm.group(1)
+            if prog is not None:
+                prog.shared_name = shared_name
+            continue
+        m = re.match(r"\.visible\s+\.entry\s+(\w+)\s*(\(?)(.*)", line)
         if m:
             if prog is not None:
                 raise PtxParseError(f"line {no}: only one .entry per module is supported")
-            prog = PtxProgram(m.group(1), target)
+            prog = PtxProgram(m.group(1), target, shared_name=shared_name)
             in_params = True
-            continue
+            pending = m.group(3) if m.group(2) else m.group(3).lstrip("(")
+            if ")" in pending:  # the whole list on this line
+                inside, _, rest = pending.partition(")")
+                in_params = False
+                for piece in inside.split(","):
+                    if piece.strip():
+                        prog.params.append(_param(piece, no))
+                rest = rest.strip()
+                if rest == "{":
+                    depth += 1
+                elif rest and not rest.startswith("."):
+                    raise PtxParseError(f"line {no}: unexpected {rest!r} after the parameters")
+                elif rest:
+                    line = rest
+                    m = None
+            if m is not None:
+                continue
         if prog is None:
             raise PtxParseError(f"line {no}: unexpected {line!r} before the .entry")
-        if in_params:
-            if line.startswith(")"):
-                in_params = False
-                continue
-            pm = re.match(r"\.param\s+(?:\.align\s+\d+\s+)?\.(\w+)\s+(\w+)(\[\d+\])?", line)
-            if not pm:
-                raise PtxParseError(f"line {no}: cannot parse parameter {line!r}")
-            kind = "tmap" if pm.group(3) else pm.group(1)
-            prog.params.append(PtxParam(pm.group(2), kind))
-            continue
         if line.startswith(".maxntid"):
-            prog.maxntid = int(line.split()[1].rstrip(","))
+            dims = [int(x) for x in line.split(None, 1)[1].replace(",", " ").replace(";", " ").split()]
+            if not 1 <= len(dims) <= 3:
+                raise PtxParseError(f"line {no}: .maxntid needs one to three extents, got {line!r}")
+            prog.ntid = tuple(dims + [1] * (3 - len(dims)))
+            prog.maxntid = dims[0] * (dims[1] if len(dims) > 1 else 1) * (dims[2] if len(dims) > 2 else 1)
             continue
-        if line.startswith(".minnctapersm"):
+        if line.startswith((".minnctapersm", ".reqntid", ".pragma")):
             continue
         if line.startswith(".reqnctapercluster"):
             dims = tuple(int(x) for x in line.split(None, 1)[1].replace(",", " ").split())
@@ -239,12 +334,12 @@ def parse(ptx: str) -> PtxProgram:
             prog.cluster = dims
             continue
         if line == "{":
-            in_body = True
+            depth += 1
             continue
         if line == "}":
-            in_body = False
+            depth -= 1
             continue
-        if not in_body:
+        if depth <= 0:
             raise PtxParseError(f"line {no}: unexpected {line!r} outside the kernel body")
         if line.startswith(".reg"):
             rm = re.fullmatch(r"\.reg\s+\.(\w+)\s+%([a-z]+)<\d+>;", line)
@@ -252,6 +347,14 @@ def parse(ptx: str) -> PtxProgram:
                 raise PtxParseError(f"line {no}: cannot parse register declaration {line!r}")
             prog.reg_types[rm.group(2)] = rm.group(1)
             continue
+        if line.startswith(".local"):
+            lm = re.fullmatch(r"\.local\s+(?:\.align\s+(\d+)\s+)?\.(\w+)\s+(\w+)\s*\[\s*(\d+)\s*\];", line)
+            if not lm or lm.group(2) not in ("b8", "u8", "s8"):
+                raise PtxParseError(f"line {no}: only .local .align A .b8 NAME[N] arrays are supported: {line!r}")
+            prog.locals[lm.group(3)] = int(lm.group(4))
+            continue
+        if line.startswith("."):
+            raise PtxParseError(f"line {no}: directive {line.split()[0]} is not supported: {line!r}")
         if line.endswith(":"):
             prog.labels[line[:-1]] = len(prog.instrs)
             continue
@@ -263,7 +366,8 @@ def parse(ptx: str) -> PtxProgram:
             g, body = body.split(None, 1)
             negate = g.startswith("@!")
             pred = g[2:] if negate else g[1:]
-        op, _, rest = body.partition(" ")
+        op, *rest = body.split(None, 1)
+        rest = rest[0] if rest else ""
         try:
             args = tuple(parse_operand(t) for t in _split_top(rest)) if rest.strip() else ()
         except PtxParseError as e:

@@ -64,7 +64,9 @@ CUDA_FEATURES = {"storage16": True, "storage8": True, "int64": True, "int16": Tr
 # What every CUDA device reports before it is opened (helios.devices() fills in the name).
 CUDA_INFO = {"name": "", "type": "discrete", "limits": CUDA_LIMITS, "features": CUDA_FEATURES}
 
-_current_ctx = [None]  # the driver context last made current on this thread by a CudaRuntime
+# The driver context each thread last made current through a CudaRuntime: a context is current
+# per thread, and comm worker threads read and write tensors too.
+_tls = threading.local()
 
 
 def size_class(nbytes: int) -> int:
@@ -119,6 +121,7 @@ class CudaRuntime(Runtime):
 
         self.device = device(self.name)
         self.ctx = ctx if ctx is not None else _open_context(self.index)
+        _tls.ctx = None  # opening a context may have made it current here: the next call sets it for sure
         self.cu = self.ctx.cu
         self.emulated = type(self.cu).__name__ == "EmulatedDriver"
         major, minor = self.ctx.cc
@@ -133,6 +136,7 @@ class CudaRuntime(Runtime):
         self._live: dict[int, tuple[str, int]] = {}  # address -> (pool, size class)
         self._programs: list[_Program] = []  # by pid
         self._lock = threading.Lock()
+        self._mem_lock = threading.Lock()
         self._success = self.cu.CUresult.CUDA_SUCCESS
         self._pipelines: dict[tuple, int] = {}
         self._stats = {"dispatches": 0, "copies": 0, "fills": 0, "fence_waits": 0}
@@ -155,10 +159,11 @@ class CudaRuntime(Runtime):
 
     # -- driver plumbing ------------------------------------------------------------------
     def _use(self) -> None:
-        # Several CUDA devices in one process: each call goes to this runtime's context.
-        if _current_ctx[0] is not self.ctx:
+        # Each call goes to this runtime's context, on whichever thread makes it (several CUDA
+        # devices in one process, or a comm worker thread reading a gradient).
+        if getattr(_tls, "ctx", None) is not self.ctx:
             self.ctx._check("cuCtxSetCurrent", self.cu.cuCtxSetCurrent(self.ctx.ctx))
-            _current_ctx[0] = self.ctx
+            _tls.ctx = self.ctx
 
     def _check(self, call: str, result):
         return self.ctx._check(call, result)
@@ -172,18 +177,19 @@ class CudaRuntime(Runtime):
         if nbytes < 0:
             raise ValueError(f"alloc: nbytes must be >= 0, got {nbytes}")
         cls = size_class(nbytes)
-        cached = p.free.get(cls)
-        if cached:
-            addr = cached.pop()
-        else:
-            addr = self._driver_alloc(cls, pool)
-            p.blocks += 1
-            p.reserved += cls
-        self._live[addr] = (pool, cls)
-        p.in_use += cls
-        p.allocs += 1
-        if p.in_use > p.peak:
-            p.peak = p.in_use
+        with self._mem_lock:  # a tensor may be freed on a comm worker thread while another allocates
+            cached = p.free.get(cls)
+            if cached:
+                addr = cached.pop()
+            else:
+                addr = self._driver_alloc(cls, pool)
+                p.blocks += 1
+                p.reserved += cls
+            self._live[addr] = (pool, cls)
+            p.in_use += cls
+            p.allocs += 1
+            if p.in_use > p.peak:
+                p.peak = p.in_use
         return addr
 
     def _driver_alloc(self, nbytes: int, pool: str) -> int:
@@ -193,7 +199,7 @@ class CudaRuntime(Runtime):
         except OutOfMemoryError:
             pass
         # Out of memory with blocks cached: give them back to the driver and try once more.
-        if self.empty_cache():
+        if self._empty_cache():
             try:
                 return self.ctx.alloc(nbytes)
             except OutOfMemoryError:
@@ -204,17 +210,22 @@ class CudaRuntime(Runtime):
 
     def free(self, handle: int) -> None:
         """Put ``handle``'s block back on its pool's free list (stream order makes reuse safe)."""
-        found = self._live.pop(handle, None)
-        if found is None:
-            raise ValueError(f"free: {handle!r} is not a live allocation of {self.name}")
-        pool, cls = found
-        p = self._pools[pool]
-        p.free.setdefault(cls, []).append(handle)
-        p.in_use -= cls
-        p.frees += 1
+        with self._mem_lock:
+            found = self._live.pop(handle, None)
+            if found is None:
+                raise ValueError(f"free: {handle!r} is not a live allocation of {self.name}")
+            pool, cls = found
+            p = self._pools[pool]
+            p.free.setdefault(cls, []).append(handle)
+            p.in_use -= cls
+            p.frees += 1
 
     def empty_cache(self) -> int:
         """Return every cached (free) block to the driver; the bytes released."""
+        with self._mem_lock:
+            return self._empty_cache()
+
+    def _empty_cache(self) -> int:
         released = 0
         if not any(p.free for p in self._pools.values()):
             return 0
@@ -346,7 +357,7 @@ class CudaRuntime(Runtime):
             if p.push_bytes:
                 raw = push if len(push) >= p.push_bytes else bytes(push).ljust(p.push_bytes, b"\0")
                 vals[p.nbind:] = p.words.unpack_from(raw)
-            if _current_ctx[0] is not self.ctx:
+            if getattr(_tls, "ctx", None) is not self.ctx:
                 self._use()
             timed = self._begin(name, flops, nbytes) if self._timing else None
             gx, gy, gz = groups

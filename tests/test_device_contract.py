@@ -350,3 +350,20 @@ def test_helios_debug_prints_a_line_per_cuda_launch(fake_translator, monkeypatch
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 2 and "add_k" in lines[0] and "(100,)" in lines[0] and "fill" in lines[1], lines
     assert not rt._pending
+
+
+def test_each_thread_makes_the_context_current(rt):
+    import threading
+
+    calls = []
+    real = rt.cu.cuCtxSetCurrent
+    rt.cu.cuCtxSetCurrent = lambda c: (calls.append(threading.get_ident()), real(c))[1]
+    h = rt.alloc(64)
+    rt.write(h, 0, np.arange(64, dtype=np.uint8))
+    rt.write(h, 0, np.arange(64, dtype=np.uint8))
+    assert len(calls) <= 1  # once per thread, not per call
+    got = np.empty(64, np.uint8)
+    t = threading.Thread(target=rt.read, args=(h, 0, got))  # a comm worker reading a tensor
+    t.start()
+    t.join()
+    assert calls[-1] != threading.get_ident() and np.array_equal(got, np.arange(64, dtype=np.uint8))

@@ -1,0 +1,77 @@
+"""The CUDA device (``cuda:N``) on the emulated driver: the Vulkan kernels translated to PTX run
+Helios' op suite, and the nano GPT trains on it with the Vulkan device's losses.
+
+No GPU is needed: ``HELIOS_CUDA_DEVICE=emulator`` makes the driver the PTX emulator, which runs
+the very PTX text a GPU would be given.  Its rates mean nothing; its numbers are exact."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import helios as hl
+from helios.nn import GPT, GPTConfig
+from helios.optim import AdamW
+from helios.runtime import get_runtime, set_device
+
+pytestmark = pytest.mark.vulkan
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def emulated_cuda(monkeypatch):
+    """cuda:0 on the emulated driver for this test; the Vulkan device is current again after it."""
+    monkeypatch.setenv("HELIOS_CUDA_DEVICE", "emulator")
+    before = get_runtime().name
+    yield
+    set_device(before)
+
+
+def test_op_suite_on_the_emulated_cuda_device():
+    # Every op test of tests/test_ops.py (forward and backward against PyTorch, odd shapes,
+    # broadcasting, strided views, float32/float16/bfloat16) with cuda:0 as the device.
+    env = dict(os.environ, HELIOS_CUDA_DEVICE="emulator", HELIOS_DEVICE="cuda:0")
+    pytest_bin = os.path.join(os.path.dirname(sys.executable), "pytest")
+    r = subprocess.run([pytest_bin, "-q", "-p", "no:cacheprovider", "-x", os.path.join(REPO, "tests", "test_ops.py")],
+                       env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert " passed" in r.stdout and "failed" not in r.stdout
+
+
+def _nano_losses(device: str, steps: int = 3) -> list[float]:
+    set_device(device)
+    cfg = GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=2, n_embd=32, dropout=0.0)
+    hl.manual_seed(0)
+    model = GPT(cfg, seed=0)
+    opt = AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    data = np.random.default_rng(1).integers(0, 64, (steps, 8, 33))
+    losses = []
+    for s in range(steps):
+        x, y = hl.tensor(data[s, :, :-1]), hl.tensor(data[s, :, 1:])
+        _, loss = model(x, y)
+        opt.zero_grad()
+        loss.backward()
+        hl.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_nano_gpt_trains_on_emulated_cuda_as_on_vulkan(emulated_cuda):
+    vulkan = _nano_losses(get_runtime().name)
+    cuda = _nano_losses("cuda:0")
+    assert get_runtime().name == "cuda:0"
+    np.testing.assert_allclose(cuda, vulkan, rtol=1e-5)
+    assert cuda[-1] < cuda[0]  # it learns
+
+
+def test_cuda_tensors_refuse_a_vulkan_operand(emulated_cuda):
+    set_device("cuda:0")
+    a = hl.ones(4)
+    b = hl.ones(4).to("cuda:0")
+    assert (a + b).numpy().tolist() == [2.0] * 4
+    v = hl.ones(4).to(next(d.name for d in hl.devices() if d.name.startswith("vulkan")))
+    with pytest.raises(ValueError, match=r"different devices \(cuda:0 and vulkan:0\)"):
+        a + v

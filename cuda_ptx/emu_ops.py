@@ -893,13 +893,17 @@ class _Compiler:
             conv = lambda v: np.asarray(v).view(low).astype(st) if np.asarray(v).dtype.itemsize * 8 == want \
                 else np.asarray(v).astype(low).astype(st)  # noqa: E731
 
-        def wr(ex, sel, v, s=s, conv=conv):
+        st_dt = np.dtype(st)
+
+        def wr(ex, sel, v, s=s, conv=conv, st_dt=st_dt):
             r = ex.regs[s]
+            if v.__class__ is not np.ndarray or v.dtype != st_dt:
+                v = conv(v)
             if sel is None:
-                r[...] = conv(v)
+                r[...] = v
                 ex.complete[s] = True
             else:
-                r[sel] = conv(v)
+                r[sel] = v
                 if not ex.complete[s]:
                     ex.written[s][sel] = True
         return wr
@@ -1437,11 +1441,13 @@ def _address(c, arg):
         raise EmulationError(f"expected a memory operand [base+offset], got {arg}")
     off = np.int64(arg.offset)
     if isinstance(arg.base, SymArg):
-        base = np.int64(c.symbol(arg.base.name))
-        return lambda ex, sel: base + off
-    t = "u64" if tbits(c.prog.reg_type(arg.base.name)) == 64 else "u32"
+        base = np.asarray(c.symbol(arg.base.name) + arg.offset, np.int64)
+        return lambda ex, sel: base
+    t = "s64" if tbits(c.prog.reg_type(arg.base.name)) == 64 else "u32"
     r = c.src(arg.base, t)
-    return lambda ex, sel: np.asarray(r(ex, sel)).astype(np.int64) + off
+    if t == "s64":  # a 64-bit address register: the bits as they are (addresses sit far below 2^63)
+        return (lambda ex, sel: r(ex, sel) + off) if arg.offset else r
+    return lambda ex, sel: r(ex, sel).astype(np.int64) + off
 
 
 def _ld_c(c, ins):

@@ -634,9 +634,11 @@ class Grid:
         self.smem = np.zeros(n_cta * self.Sp, np.uint8)
         self.snap = np.zeros_like(self.smem)
         self.writer = np.full(self.smem.size, -1, np.int64)
+        self.smem_off = self.cta_idx * self.Sp
         self.dirty = False
         self.L = self.comp.local_bytes
         self.lmem = np.zeros(N * self.L, np.uint8) if self.L else None
+        self.lmem_off = self._all * self.L
         self.steps = 0
 
     # -- what handlers use ---------------------------------------------------------------
@@ -697,34 +699,52 @@ class Grid:
             raise EmulationError(f"register {self.comp.names[s]} read by thread {int(self.tid_lin[g])} before "
                                  f"anything wrote it (CTA {tuple(c)})")
 
-    def _check(self, space: str, rel, sel, size: int, limit: int) -> None:
+    def _check(self, space: str, rel: np.ndarray, sel, size: int, limit: int) -> None:
         """Bounds (``0 <= rel``, ``rel + size <= limit``) and alignment of per-lane offsets."""
-        rel = np.asarray(rel)
+        if rel.min() >= 0 and rel.max() <= limit - size and (size == 1 or not (rel & (size - 1)).any()):
+            return
         bad = (rel < 0) | (rel + size > limit) | (rel % size != 0)
-        if bad.any():
-            i = int(np.flatnonzero(np.broadcast_to(bad, (self.count(sel),)))[0])
-            r = int(np.broadcast_to(rel, (self.count(sel),))[i])
-            why = "misaligned" if 0 <= r and r + size <= limit else "out of range"
-            raise EmulationError(f"{why} .{space} access of {size} bytes at offset {r} (of {limit} bytes) by "
+        i = int(np.flatnonzero(bad)[0])
+        r = int(rel[i])
+        why = "misaligned" if 0 <= r and r + size <= limit else "out of range"
+        raise EmulationError(f"{why} .{space} access of {size} bytes at offset {r} (of {limit} bytes) by "
+                             f"{self.who(int(self.gid(sel)[i]))}")
+
+    def _global_aligned(self, addr: np.ndarray, sel, size: int, what: str) -> None:
+        if size > 1 and (addr & (size - 1)).any():
+            i = int(np.flatnonzero(addr & (size - 1))[0])
+            raise EmulationError(f"misaligned global {what} of {size} bytes at {int(addr[i]):#x} by "
                                  f"{self.who(int(self.gid(sel)[i]))}")
+
+    def _smem_bytes(self, addr: np.ndarray, sel, size: int) -> np.ndarray:
+        """Checked byte indices into the batch's shared array for per-lane shared addresses."""
+        rel = addr - SMEM_BASE
+        self._check("shared", rel, sel, size, self.S)
+        return rel + (self.smem_off if sel is None else self.smem_off[sel])
+
+    def _lmem_bytes(self, addr: np.ndarray, sel, size: int) -> np.ndarray:
+        rel = addr - emu_ops.LMEM_BASE
+        self._check("local", rel, sel, size, self.L)
+        return rel + (self.lmem_off if sel is None else self.lmem_off[sel])
+
+    @staticmethod
+    def _elements(byte: np.ndarray, esize: int, vec: int) -> np.ndarray:
+        """Element indices (``[lanes]`` or ``[lanes, vec]``) of accesses starting at ``byte``."""
+        e = byte >> _SHIFT[esize] if esize > 1 else byte
+        return e if vec == 1 else e[:, None] + np.arange(vec)
 
     def load(self, space: str, addr, sel, esize: int, vec: int, dt) -> np.ndarray:
         """Per-lane loads of ``vec`` elements of ``dt``: ``[lanes, vec]``."""
-        n = self.count(sel)
+        n = self.N if sel is None else sel.size
         size = esize * vec
-        addr = np.broadcast_to(np.asarray(addr, np.int64), (n,))
+        if addr.ndim == 0:
+            addr = np.full(n, addr, np.int64)
         if space == "global":
-            if np.any(addr % size):
-                i = int(np.flatnonzero(addr % size)[0])
-                raise EmulationError(f"misaligned global load of {size} bytes at {int(addr[i]):#x} by "
-                                     f"{self.who(int(self.gid(sel)[i]))}")
+            self._global_aligned(addr, sel, size, "load")
             return self.mem.gather(addr, esize, vec, dt)
         if space == "shared":
-            rel = addr - SMEM_BASE
-            self._check("shared", rel, sel, size, self.S)
-            cta = self.cta_idx if sel is None else self.cta_idx[sel]
-            byte = cta * self.Sp + rel
-            out = self.smem.view(dt)[(byte // esize)[:, None] + np.arange(vec)]
+            byte = self._smem_bytes(addr, sel, size)
+            out = self.smem.view(dt)[self._elements(byte, esize, vec)]
             if self.dirty:  # another thread's store of this barrier interval is not visible yet
                 bidx = byte[:, None] + np.arange(size)
                 w = self.writer[bidx]
@@ -732,40 +752,34 @@ class Grid:
                 if stale.any():
                     raw = self.smem[bidx]
                     raw[stale] = self.snap[bidx][stale]
-                    out = np.ascontiguousarray(raw).view(dt).reshape(n, vec)
-            return out
+                    return np.ascontiguousarray(raw).view(dt).reshape(n, vec)
+            return out if vec > 1 else out[:, None]
         if space == "local":
-            rel = addr - emu_ops.LMEM_BASE
-            self._check("local", rel, sel, size, self.L)
-            byte = self.gid(sel) * self.L + rel
-            return self.lmem.view(dt)[(byte // esize)[:, None] + np.arange(vec)]
+            out = self.lmem.view(dt)[self._elements(self._lmem_bytes(addr, sel, size), esize, vec)]
+            return out if vec > 1 else out[:, None]
         raise EmulationError(f"loads from .{space} are not modelled")
 
     def store(self, space: str, addr, sel, esize: int, vec: int, vals: np.ndarray) -> None:
         """Per-lane stores of ``vals`` (``[lanes, vec]``)."""
-        n = self.count(sel)
+        n = self.N if sel is None else sel.size
         size = esize * vec
-        addr = np.broadcast_to(np.asarray(addr, np.int64), (n,))
+        if addr.ndim == 0:
+            addr = np.full(n, addr, np.int64)
         dt = vals.dtype
         if space == "global":
-            if np.any(addr % size):
-                i = int(np.flatnonzero(addr % size)[0])
-                raise EmulationError(f"misaligned global store of {size} bytes at {int(addr[i]):#x} by "
-                                     f"{self.who(int(self.gid(sel)[i]))}")
+            self._global_aligned(addr, sel, size, "store")
             self.mem.scatter(addr, esize, vals)
-        elif space == "shared":
-            rel = addr - SMEM_BASE
-            self._check("shared", rel, sel, size, self.S)
-            cta = self.cta_idx if sel is None else self.cta_idx[sel]
-            byte = cta * self.Sp + rel
-            self.smem.view(dt)[(byte // esize)[:, None] + np.arange(vec)] = vals
-            self.writer[byte[:, None] + np.arange(size)] = self.gid(sel)[:, None]
+            return
+        if vec == 1:
+            vals = vals[:, 0]
+        if space == "shared":
+            byte = self._smem_bytes(addr, sel, size)
+            self.smem.view(dt)[self._elements(byte, esize, vec)] = vals
+            self.writer[byte[:, None] + np.arange(size) if size > 1 else byte] = \
+                self.gid(sel)[:, None] if size > 1 else self.gid(sel)
             self.dirty = True
         elif space == "local":
-            rel = addr - emu_ops.LMEM_BASE
-            self._check("local", rel, sel, size, self.L)
-            byte = self.gid(sel) * self.L + rel
-            self.lmem.view(dt)[(byte // esize)[:, None] + np.arange(vec)] = vals
+            self.lmem.view(dt)[self._elements(self._lmem_bytes(addr, sel, size), esize, vec)] = vals
         else:
             raise EmulationError(f"stores to .{space} are not modelled")
 
@@ -820,6 +834,7 @@ class Grid:
                 p = int(pcm.min())
                 if p == BIG:
                     if nwait == 0:
+                        self.steps = steps
                         return
                     self._p = -1
                     self._release(waiting, open_alive, pc)
@@ -869,6 +884,7 @@ class Grid:
                     alive[gone] = False
                     n_alive -= gone.size
                     if n_alive == 0:
+                        self.steps = steps
                         return
                     if uniform:
                         live = np.flatnonzero(alive)
@@ -902,6 +918,9 @@ class Grid:
                 "without reaching it")
             err.located = True
             raise err
+
+
+_SHIFT = {2: 1, 4: 2, 8: 3, 16: 4}
 
 
 class _Empty:

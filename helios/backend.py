@@ -14,8 +14,10 @@ The three parts (tinygrad's ``Compiled(allocator, compiler, runtime)`` is the mo
 allocator
     ``alloc(nbytes, pool) -> handle``, ``free(handle)``, ``read(handle, offset, out_u8)``,
     ``write(handle, offset, data_u8)``, ``copy(src, src_offset, dst, dst_offset, nbytes)``,
-    ``fill(handle, offset, nbytes, word32)``, ``pool_stats()``.  A handle is an opaque
-    value; views are (handle, byte offset) pairs, so a tensor view never allocates.
+    ``fill(handle, offset, nbytes, word32)``, ``pool_stats()``; for zero-copy host access
+    ``ready(...)``, ``map(...)`` (None where memory is not host-visible) and ``host_wrote(...)``.
+    A handle is an opaque value; views are (handle, byte offset) pairs, so a tensor view never
+    allocates.
     ``read`` waits for the recorded work that writes those bytes; ``write`` is ordered after
     the recorded work that touches them; ``copy`` and ``fill`` are recorded like dispatches.
 program
@@ -84,6 +86,22 @@ class Runtime(ABC):
     @abstractmethod
     def fill(self, handle, offset: int, nbytes: int, word: int) -> None:
         """Record a fill of ``nbytes`` (a multiple of 4) at ``offset`` with the 32-bit ``word``."""
+
+    def ready(self, handle, offset: int, nbytes: int, for_write: bool = False) -> bool:
+        """Whether no unfinished work writes the bytes (``for_write``: touches them); never waits.
+
+        The default suits a backend whose ``read``/``write`` are ordered after the recorded work
+        by its stream: they wait themselves, so the range is always ready for them."""
+        return True
+
+    def map(self, handle, offset: int, nbytes: int, for_write: bool = False):
+        """A writable memoryview of the bytes in host-visible memory, after the work writing them
+        (``for_write``: touching them) is done; None where the memory is not host-mapped (the
+        default): use ``read``/``write`` then.  Call ``host_wrote`` after writing through it."""
+        return None
+
+    def host_wrote(self, handle, offset: int, nbytes: int) -> None:
+        """Make host writes made through ``map`` visible to the device (nothing to do by default)."""
 
     @abstractmethod
     def pool_stats(self) -> dict:

@@ -270,6 +270,19 @@ class VulkanRuntime(Runtime):
         """Copy the uint8 array ``data`` into ``handle`` at ``offset``; waits only for the work touching those bytes."""
         self.dev.write(handle, offset, data)
 
+    def ready(self, handle: int, offset: int, nbytes: int, for_write: bool = False) -> bool:
+        """True when no unfinished work writes the range (``for_write``: touches it); never waits."""
+        return self.dev.ready(handle, offset, nbytes, for_write)
+
+    def map(self, handle: int, offset: int, nbytes: int, for_write: bool = False):
+        """A memoryview of the bytes in host-visible memory (lavapipe, integrated GPUs), after the work
+        writing them (``for_write``: touching them); None where the memory is not mapped."""
+        return self.dev.map(handle, offset, nbytes, for_write)
+
+    def host_wrote(self, handle: int, offset: int, nbytes: int) -> None:
+        """Make host writes through :meth:`map` visible to the device (flushes non-coherent memory)."""
+        self.dev.host_wrote(handle, offset, nbytes)
+
     def copy(self, src: int, src_offset: int, dst: int, dst_offset: int, nbytes: int) -> None:
         """Record a buffer-to-buffer copy (hazard-tracked; returns at once)."""
         col = current_collector()
@@ -419,6 +432,10 @@ class HostRuntime(Runtime):
         """Copy ``data``'s bytes into the buffer at ``offset``."""
         data = data.reshape(-1).view(np.uint8)
         handle[offset:offset + data.nbytes] = data
+
+    def map(self, handle, offset: int, nbytes: int, for_write: bool = False):
+        """The bytes themselves: host memory is always mapped."""
+        return memoryview(handle[offset:offset + nbytes])
 
     def copy(self, src, src_offset: int, dst, dst_offset: int, nbytes: int) -> None:
         """Copy ``nbytes`` between two buffers."""

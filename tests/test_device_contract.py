@@ -367,3 +367,27 @@ def test_each_thread_makes_the_context_current(rt):
     t.start()
     t.join()
     assert calls[-1] != threading.get_ident() and np.array_equal(got, np.arange(64, dtype=np.uint8))
+
+
+def test_host_access_through_the_contract(rt):
+    """What comm's zero-copy buffers use: ready/map/host_wrote; CUDA memory is not host-mapped, so
+    callers fall back to read/write (stream-ordered, so the range is always ready for them)."""
+    h = rt.alloc(64)
+    assert rt.ready(h, 0, 64, True) and rt.map(h, 0, 64) is None and rt.host_wrote(h, 0, 64) is None
+    buf = runtime.HOST.alloc(16)
+    view = runtime.HOST.map(buf, 4, 8, True)
+    np.frombuffer(view, np.uint8)[...] = 7
+    assert runtime.HOST.ready(buf, 0, 16) and list(buf[3:13]) == [buf[3]] + [7] * 8 + [buf[12]]
+
+
+@pytest.mark.vulkan
+def test_vulkan_host_access_forwards_to_the_addon():
+    vk = runtime.get_runtime("vulkan:0")
+    t = hl.tensor(np.arange(4, dtype=np.float32), device="vulkan:0")
+    h, off = t._st.handle, t._off * 4
+    vk.synchronize()
+    assert vk.ready(h, off, 16)
+    view = vk.map(h, off, 16)
+    if view is not None:  # host-visible memory (lavapipe, integrated GPUs)
+        np.testing.assert_array_equal(np.frombuffer(view, np.float32), np.arange(4, dtype=np.float32))
+    vk.host_wrote(h, off, 16)

@@ -1,4 +1,4 @@
-"""Training-step throughput: the same GPT in PyTorch (CPU) and in Helios (default device).
+"""Training-step throughput: the same GPT in PyTorch (eager, CPU or --peer cuda) and in Helios (default device or --device).
 
 Prints one JSON line per config: tokens/s of each, their ratio, and MFU of each against
 the device peak of helios.profile.mfu (a labelled estimate on CPUs; lavapipe runs on the
@@ -18,18 +18,20 @@ import numpy as np
 
 
 def torch_loss_fn(cfg, B, T, params):
-    """The GPT's loss in PyTorch over the parameter dict ``params`` (Helios' names)."""
+    """The GPT's loss in PyTorch over the parameter dict ``params`` (Helios' names), on their device."""
     import torch
     import torch.nn.functional as TF
 
     C, H = cfg.n_embd, cfg.n_head
-    mask = torch.tril(torch.ones(T, T, dtype=torch.bool))
+    dev = next(iter(params.values())).device
+    mask = torch.tril(torch.ones(T, T, dtype=torch.bool, device=dev))
+    pos = torch.arange(T, device=dev)
 
     def lin(t, name):
         return t @ params[name + ".weight"].T + params[name + ".bias"]
 
     def loss_fn(x, y):
-        h = params["wte.weight"][x] + params["wpe.weight"][torch.arange(T)]
+        h = params["wte.weight"][x] + params["wpe.weight"][pos]
         for i in range(cfg.n_layer):
             p = f"h.{i}."
             a = TF.layer_norm(h, (C,), params[p + "ln_1.weight"], params[p + "ln_1.bias"])
@@ -75,6 +77,9 @@ def main() -> None:
     ap.add_argument("--config", default="tiny")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--device", default=None, help="Helios device (default: HELIOS_DEVICE or the best one), e.g. cuda:0")
+    ap.add_argument("--peer", choices=("cpu", "cuda"), default="cpu",
+                    help="PyTorch eager on the host's CPU threads, or on the GPU (cuda, TF32 off: fp32 as Helios)")
     args = ap.parse_args()
 
     import torch
@@ -83,8 +88,15 @@ def main() -> None:
     from helios.nn import GPT, GPTConfig
     from helios.optim import AdamW, clip_grad_norm_
     from helios.profile.mfu import compute_mfu, peak_flops
-    from helios.runtime import get_runtime
+    from helios.runtime import get_runtime, set_device
     from helios.train import CONFIGS
+
+    if args.device:
+        set_device(args.device)
+    tdev = torch.device(args.peer)
+    if args.peer == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
 
     c = CONFIGS[args.config]
     B, T = c["batch_size"], c["block_size"]
@@ -103,10 +115,10 @@ def main() -> None:
         opt.zero_grad()
         return loss.item()
 
-    tparams = {n: torch.tensor(p.numpy(), requires_grad=True) for n, p in model.named_parameters()}
+    tparams = {n: torch.tensor(p.numpy(), device=tdev, requires_grad=True) for n, p in model.named_parameters()}
     topt = torch.optim.AdamW(list(tparams.values()), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
     tstep = torch_step_fn(cfg, B, T, tparams, topt)
-    tbatches = [(torch.tensor(x), torch.tensor(y)) for x, y in batches]
+    tbatches = [(torch.tensor(x, device=tdev), torch.tensor(y, device=tdev)) for x, y in batches]
 
     # Interleave to share the machine's noise: helios, torch, helios, torch; keep the best of each.
     h_times, t_times = [], []
@@ -121,7 +133,8 @@ def main() -> None:
     h_tps, t_tps = tokens / h, tokens / t
     print(json.dumps({
         "bench": "train_step", "config": args.config, "params": model.num_parameters(), "tokens_per_step": tokens,
-        "device": rt.info["name"], "helios_tok_s": round(h_tps, 1), "peer": "torch_cpu", "peer_tok_s": round(t_tps, 1),
+        "device": rt.name, "device_name": rt.info["name"], "helios_tok_s": round(h_tps, 1),
+        "peer": f"torch_{args.peer}", "peer_tok_s": round(t_tps, 1),
         "ratio": round(h_tps / t_tps, 4), "helios_ms_per_step": round(h * 1e3, 1), "peer_ms_per_step": round(t * 1e3, 1),
         "helios_mfu": compute_mfu(fpt, h_tps, peak), "peer_mfu": compute_mfu(fpt, t_tps, peak),
         "peak": peak.label if peak else None, "torch_threads": torch.get_num_threads(),

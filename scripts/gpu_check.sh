@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Every GPU check of helios.cuda_ptx in one command, for a machine with an NVIDIA GPU:
 #
-#   ./scripts/gpu_check.sh [RESULTS_DIR] [all|tests|bench]   (defaults: ./gpu-results, all)
+#   ./scripts/gpu_check.sh [RESULTS_DIR] [all|tests|bench|device]   (defaults: ./gpu-results, all)
 #
 # "tests" runs steps 1-3, "bench" steps 2, 4 and 5 (the smoke run decides what is left
-# out of the benchmark), so the whole can be split over two shorter sessions.
+# out of the benchmark), "device" step 6 alone, so the whole can be split over shorter sessions.
 #
 # It downloads nothing: the machine needs its driver, ptxas (the CUDA toolkit or the
 # nvidia-cuda-nvcc wheel), and a Python ($PYTHON, default python3) with numpy,
@@ -23,13 +23,18 @@
 #   5. the A/B of the pipeline choices: inflight=0 group_m=0 on the wgmma rungs at 8192, and
 #      wgmma_persistent with st.global instead of TMA stores (tma_store=0) at 4096 and 8192
 #      (wgmma_cluster against wgmma_persistent is the A/B of cluster multicast: step 4), and
-#      fp8 made persistent with TMA stores and clusters at 4096 and 8192.
-# RESULTS_DIR gets env.txt, gate.log, smoke.jsonl, gpu_tests.log, bench.log and ptx_gemm.jsonl.
+#      fp8 made persistent with TMA stores and clusters at 4096 and 8192;
+#   6. the CUDA device for tensors (cuda:0: the Vulkan kernels translated to PTX): the op suite
+#      with cuda:0 as the device, the tiny GPT for 200 steps on cuda:0, and its training step
+#      against PyTorch CUDA eager (bench/train_step.py --device cuda:0 --peer cuda).  It needs the
+#      SPIR-V kernels built (kernels_spirv/spv, or glslc on the machine).
+# RESULTS_DIR gets env.txt, gate.log, smoke.jsonl, gpu_tests.log, bench.log, ptx_gemm.jsonl,
+# cuda_device.log, cuda_train.log and train_step.jsonl.
 set -uo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 out=$(mkdir -p "${1:-$repo/gpu-results}" && cd "${1:-$repo/gpu-results}" && pwd)
 part=${2:-all}
-case $part in all|tests|bench) ;; *) echo "gpu_check: the second argument is all, tests or bench, not '$part'" >&2; exit 1 ;; esac
+case $part in all|tests|bench|device) ;; *) echo "gpu_check: the second argument is all, tests, bench or device, not '$part'" >&2; exit 1 ;; esac
 py=${PYTHON:-python3}
 bench_timeout=${HELIOS_GPU_BENCH_TIMEOUT:-240}
 [ -d /usr/local/cuda/bin ] && export PATH=$PATH:/usr/local/cuda/bin
@@ -58,9 +63,10 @@ cd "$site"
 
 # A rerun into the same folder starts afresh every log this part appends to (a stale "hang"
 # line in smoke.jsonl would otherwise leave a kernel out of the run).
-[ "$part" != bench ] && : >"$out/gate.log" && : >"$out/gpu_tests.log"
+[ "$part" = all ] || [ "$part" = tests ] && : >"$out/gate.log" && : >"$out/gpu_tests.log"
 : >"$out/smoke.jsonl"
-[ "$part" != tests ] && : >"$out/bench.log"
+[ "$part" = all ] || [ "$part" = bench ] && : >"$out/bench.log"
+: >"$out/cuda_device.log"
 
 step() {  # step NAME LOG CMD...: run CMD, tee its output to LOG, remember a failure
     local name=$1 log=$2
@@ -71,7 +77,17 @@ step() {  # step NAME LOG CMD...: run CMD, tee its output to LOG, remember a fai
     fi
 }
 
-[ "$part" != bench ] && step gate "$out/gate.log" "$py" -m helios.cuda_ptx.gate
+cuda_device() {  # step 6
+    step cuda-device-ops "$out/cuda_device.log" env HELIOS_DEVICE=cuda:0 "$py" -m pytest -q -p no:cacheprovider \
+        "$repo/tests/test_ops.py" "$repo/tests/test_autograd.py"
+    step cuda-device-train "$out/cuda_device.log" "$py" -m helios.train --device cuda:0 --config tiny --steps 200 \
+        --no-progress --out "$out/cuda_train"
+    step cuda-device-bench "$out/cuda_device.log" "$py" -u "$repo/bench/train_step.py" --device cuda:0 --peer cuda \
+        --config tiny --steps 20 --warmup 5
+    grep '^{' "$out/cuda_device.log" >"$out/train_step.jsonl" || true
+}
+
+[ "$part" = all ] || [ "$part" = tests ] && step gate "$out/gate.log" "$py" -m helios.cuda_ptx.gate
 if ! why=$("$py" -c "from helios.cuda_ptx import driver; ok, why = driver.driver_status(); print(why); raise SystemExit(0 if ok else 1)"); then
     echo "gpu_check: no usable CUDA driver ($why): nothing that needs a GPU ran${failed:+; the gate failed}" >&2
     [ ${#failed[@]} -ne 0 ] && exit 1
@@ -79,13 +95,19 @@ if ! why=$("$py" -c "from helios.cuda_ptx import driver; ok, why = driver.driver
 fi
 # Smoke first: a hung kernel is reported once here instead of holding every later
 # test and benchmark of its variant for their whole deadlines.
+if [ "$part" = device ]; then
+    cuda_device
+    [ ${#failed[@]} -ne 0 ] && { echo "gpu_check: failed: ${failed[*]}" >&2; exit 1; }
+    echo "gpu_check: the CUDA device's op suite, training run and benchmark passed"
+    exit 0
+fi
 step smoke "$out/smoke.jsonl" "$py" -m helios.cuda_ptx.smoke --timeout 60
 HELIOS_GPU_SKIP=$(grep '^{' "$out/smoke.jsonl" | "$py" -c "import json, sys
 print(','.join(d['name'] + ':' + d['b_major'] for d in map(json.loads, sys.stdin) if d['status'] == 'hang'))")
 export HELIOS_GPU_SKIP
 [ -n "$HELIOS_GPU_SKIP" ] && echo "gpu_check: hung in the smoke run, left out below: $HELIOS_GPU_SKIP"
 
-[ "$part" != bench ] && step gpu-tests "$out/gpu_tests.log" "$py" -m pytest -q -p no:cacheprovider -m gpu \
+[ "$part" = all ] || [ "$part" = tests ] && step gpu-tests "$out/gpu_tests.log" "$py" -m pytest -q -p no:cacheprovider -m gpu \
     "$repo/tests/test_cuda_ptx_driver.py"
 if [ "$part" = tests ]; then
     [ ${#failed[@]} -ne 0 ] && { echo "gpu_check: failed: ${failed[*]}" >&2; exit 1; }
@@ -113,6 +135,7 @@ done
 bench wgmma_persistent k --sizes 4096 8192 --set tma_store=0
 bench wgmma_fp8 k --sizes 4096 8192 --set persistent=1 --set tma_store=1 --set cluster=2
 grep '^{' "$out/bench.log" >"$out/ptx_gemm.jsonl" || true
+[ "$part" = all ] && cuda_device
 
 if [ ${#failed[@]} -ne 0 ]; then
     echo "gpu_check: failed: ${failed[*]}" >&2

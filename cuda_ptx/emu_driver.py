@@ -8,8 +8,14 @@ packed by ``cuLaunchKernel``'s pointer array, tensor maps from
 opt-in, copies in and out -- is checked against what the driver API documents before
 the kernel runs thread by thread.
 
+It also answers what a tensor runtime needs: ``cuMemcpyDtoD``, ``cuMemsetD32``, the
+``...Async`` copies and sets, streams (``cuStreamCreate/Synchronize/Destroy``; work runs
+at once, so a stream only has to exist), ``cuModuleUnload``, ``cuMemGetInfo`` and
+``cuDeviceTotalMem``; 3-D blocks and grids for compute kernels.
+
 What the real driver refuses, this one refuses with the same ``CUresult`` (and says
-exactly why in ``cuGetErrorString``).  What would fault or hang on a GPU raises
+exactly why in ``cuGetErrorString``); arguments the bindings themselves refuse (a
+negative size, a string for a handle) raise their ``OverflowError``/``TypeError``.  What would fault or hang on a GPU raises
 :class:`EmulationError` from the launch.  It loads PTX text only (the driver's JIT
 path), not cubins.  Launches run to completion before they return, so events time
 host wall-clock.
@@ -27,7 +33,7 @@ import numpy as np
 
 from .config import MAX_DYN_SMEM
 from .driver import ENCODE_TILED, Context
-from .emu_ops import is_compute_program
+from .emu_ops import compile_program, is_compute_program
 from .emu_state import EmulationError, GlobalMemory, TensorMap
 from .ptx_parse import PtxParseError, PtxProgram, parse
 
@@ -243,6 +249,11 @@ class EmulatedDriver:
             raise _DriverError("INVALID_PTX", f"ptx parse error: {e}") from e
         if prog.target not in ("sm_80", "sm_86", "sm_89", "sm_90", "sm_90a"):
             raise _DriverError("NO_BINARY_FOR_GPU", f".target {prog.target} does not run on an sm_90 device")
+        if is_compute_program(prog):  # compiled at load, as the driver's JIT would, so errors show here
+            try:
+                compile_program(prog)
+            except EmulationError as e:
+                raise _DriverError("INVALID_PTX", f"the emulator cannot run this kernel: {e}") from e
         return prog
 
     def cuModuleGetFunction(self, handle, name: bytes):

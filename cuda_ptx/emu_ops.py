@@ -1,4 +1,6 @@
-"""Semantics of each PTX instruction the generators emit, for :class:`emulator.Cta`.
+"""Semantics of each PTX instruction the emulator models: for :class:`emulator.Cta` (the
+GEMM generators' kernels) and, compiled per program, for :class:`emulator.Grid` (compute
+kernels; the second half of this file).
 
 A handler is ``fn(cta, ins, lanes)``: ``lanes`` are the thread ids that execute
 the instruction (after the guard predicate), ``cta`` gives operand access
@@ -38,10 +40,11 @@ def _binop(fn):
 def _div(cta, ins, lanes):
     t = ins.parts[-1]
     a, b = cta.read(ins.args[1], lanes, t), cta.read(ins.args[2], lanes, t)
-    if np.any(b == 0):
-        raise cta.fail("integer division by zero")
-    r = a // b if ins.parts[0] == "div" else a % b
-    cta.write(ins.args[0], lanes, r.astype(a.dtype))
+    zero = b == 0
+    bs = np.where(zero, b.dtype.type(1), b)
+    r = a // bs if ins.parts[0] == "div" else a % bs
+    # x / 0 is unspecified in PTX: all ones, without failing (a select may discard it)
+    cta.write(ins.args[0], lanes, np.where(zero, ~b.dtype.type(0), r).astype(a.dtype))
 
 
 def _shift(cta, ins, lanes):

@@ -1,4 +1,4 @@
-"""A CPU emulator for the PTX our generators emit: one CTA at a time, every thread modelled.
+"""A CPU emulator for PTX: the GEMM generators' kernels and the SPIR-V translator's, every thread modelled.
 
 Why: no GPU is needed to find the bugs that cost GPU time -- a wrong mbarrier parity
 (hangs), a missing wait (garbage), a divergent ``.aligned`` instruction, a wgmma
@@ -33,6 +33,13 @@ Model
   has exited, is an error -- the missing ``barrier.cluster`` after init or before exit --
   and so is a CTA leaving while a peer thread's arrival on its barriers is not ordered
   before the exit by that thread's releasing ``barrier.cluster.arrive``.
+
+* Compute kernels (what the SPIR-V -> PTX translator writes: no async copies, tensor
+  cores, mbarriers or clusters; :func:`emu_ops.is_compute_program`) run on :class:`Grid`
+  instead: every CTA of a launch in one numpy vector, the threads at the lowest PC
+  together, with handlers compiled once per program -- fast enough for thousands of
+  launches (a tiny GPT's training step).  See :class:`Grid` for its barrier and
+  shared-memory model.
 
 Instruction semantics live in :mod:`emu_ops`.
 """
@@ -607,7 +614,7 @@ class Grid:
     """
 
     BIG = np.int64(1) << 62
-    MAX_STEPS = 50_000_000
+    MAX_STEPS = 5_000_000  # instruction steps of one batch before it counts as an endless loop
 
     def __init__(self, prog: PtxProgram, block: tuple[int, int, int], shared_bytes: int, params: dict[str, object],
                  memory: GlobalMemory, ctas: list[tuple[int, int, int]], nctaid: tuple[int, int, int]) -> None:

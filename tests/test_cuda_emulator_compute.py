@@ -239,6 +239,18 @@ def test_cvt_f32_to_f16_and_bf16_round_to_nearest_even_through_subnormals():
     assert np.isnan(nan[0]) and nan[1] == 1.0
 
 
+def test_cvt_f64_to_bf16_and_f16_round_once():
+    # 1 + 2^-8 + 2^-30 lies just above the bf16 halfway point 1 + 2^-8: one rounding gives
+    # 1 + 2^-7; rounding to f32 first lands on the halfway point, which then rounds to 1
+    d = np.array([1 + 2.0**-8 + 2.0**-30, 1 + 2.0**-8, 1 + 3 * 2.0**-8 - 2.0**-40, -(1 + 2.0**-8 + 2.0**-31),
+                  1 + 2.0**-11 + 2.0**-40, 2.0**-133 * 1.5, 2.0**-135, np.inf], np.float64)
+    got = apply("  cvt.rn.bf16.f64 %h30, %x0;\n  mov.b16 %y, %h30;", "b16", "f64", d)
+    np.testing.assert_array_equal(dtypes.bf16_bits_to_f32(got).astype(np.float64),
+                                  [1 + 2.0**-7, 1.0, 1 + 2.0**-7, -(1 + 2.0**-7), 1.0, 2.0**-132, 0.0, np.inf])
+    got = apply("  cvt.rn.f16.f64 %h30, %x0;\n  mov.b16 %y, %h30;", "b16", "f64", d)
+    np.testing.assert_array_equal(got.view(np.float16).astype(np.float64)[4], 1 + 2.0**-10)
+
+
 def test_cvt_f16_and_bf16_to_f32_are_exact_subnormals_included():
     h = np.arange(0, 65536, 37, dtype=np.uint16)
     got = apply("  cvt.f32.f16 %y, %x0;", "f32", "b16", h)
@@ -937,3 +949,31 @@ def test_the_parse_is_cached_per_text():
 
     text = kernel(TREE, bufs=2, block=(128, 1, 1), shared=True)
     assert parse(text) is parse(text)
+
+
+def test_a_grid_larger_than_one_batch_runs_in_several(monkeypatch):
+    from helios.cuda_ptx import emulate
+
+    block, grid, n = (8, 4, 2), (3, 2, 2), 1000
+    x = np.random.default_rng(9).standard_normal(n).astype(np.float32)
+    ptx = kernel(STRIDED, bufs=2, words=1, block=block)
+    whole = run(ptx, [x, np.zeros(n, np.float32)], block=block, grid=grid, words=(n,))[1]
+    monkeypatch.setattr(emulate, "BATCH_THREADS", 128)  # two CTAs per batch: six batches
+    batched = run(ptx, [x, np.zeros(n, np.float32)], block=block, grid=grid, words=(n,))[1]
+    np.testing.assert_array_equal(batched, whole)
+    np.testing.assert_array_equal(whole, 2 * x + np.arange(n, dtype=np.float32))
+
+
+def test_an_endless_loop_is_reported_and_an_unknown_instruction_refused_at_load(monkeypatch):
+    from helios.cuda_ptx import emulator
+
+    monkeypatch.setattr(emulator.Grid, "MAX_STEPS", 2000)
+    with pytest.raises(EmulationError, match="no end after 2000 instruction steps"):
+        run(kernel("$L_spin:\n  bra.uni $L_spin;\n  ret;"), [np.zeros(1, np.uint32)])
+    drv = EmulatedDriver()
+    log = bytearray(512)
+    opts = [drv._real.CUjit_option.CU_JIT_ERROR_LOG_BUFFER, drv._real.CUjit_option.CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES]
+    err, _ = drv.cuModuleLoadDataEx(kernel("  prmt.b32 %r1, %r2, %r3, 0;\n  ret;").encode() + b"\0", 2, opts,
+                                    [log, len(log)])
+    assert err == drv.CUresult.CUDA_ERROR_INVALID_PTX
+    assert b"prmt.b32 is not modelled" in bytes(log)

@@ -59,3 +59,19 @@ def test_gpu_check_script_installs_without_native_parts_and_runs_the_gate(tmp_pa
                        text=True, env=env, timeout=600)
     assert r.returncode == 2 and "no usable CUDA driver" in r.stderr, r.stdout + r.stderr
     assert not (bench_only / "gate.log").exists()
+
+
+
+def test_package_data_carries_every_kernel_source_file():
+    # A non-editable install carries the GLSL sources, so the registry reads the .variants file
+    # next to each one: one left out of the package data made every kernel with variants
+    # "unknown" outside the checkout (a GPU machine's install found no ew_unary f32).
+    import fnmatch
+    import tomllib
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        globs = tomllib.load(f)["tool"]["setuptools"]["package-data"]["helios.kernels_spirv"]
+    glsl = os.path.join(ROOT, "kernels_spirv", "glsl")
+    missing = [n for n in sorted(os.listdir(glsl)) if not any(fnmatch.fnmatch("glsl/" + n, g) for g in globs)]
+    assert not missing, f"not in helios.kernels_spirv's package data: {missing}"
+    assert any(n.endswith(".variants") for n in os.listdir(glsl))

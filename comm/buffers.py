@@ -220,7 +220,7 @@ class DeviceBuffer(Buffer):
 
     def _range(self) -> tuple[Any, int, int, int]:
         t = self.tensor
-        return t._st.rt.dev, t._st.handle, t._off * t.dtype.itemsize, self.nbytes
+        return t._st.rt, t._st.handle, t._off * t.dtype.itemsize, self.nbytes
 
     @property
     def flat(self) -> np.ndarray:  # type: ignore[override]

@@ -27,7 +27,7 @@ from helios.comm import algorithms as A
 from helios.comm import cost
 from helios.comm.buffers import take_device_ready_ns
 from helios.comm.engine import Engine, Fault, OpInfo, PeerLost
-from helios.profile import profiler as _prof
+from helios.profile.profiler import current_collector
 
 from helios.errors import CommError
 
@@ -122,7 +122,7 @@ class ProcessGroup:
     # ---- execution -----------------------------------------------------------------------
     def submit(self, name: str, fn: Callable[[], None], async_op: bool) -> Work | None:
         """Run ``fn`` in issue order; return a Work when ``async_op``."""
-        issued = time.monotonic_ns() if _prof._ACTIVE is not None else 0
+        issued = time.monotonic_ns() if current_collector() is not None else 0
         if self._program_thread == threading.get_ident():
             # Called from a program this communicator is running (enqueue): the program holds
             # the communicator, so the operation runs now, in the program's order.
@@ -213,7 +213,7 @@ class ProcessGroup:
     def run_op(self, name: str, nbytes: int, body: Callable[[A.Ctx], None], desc: str, p2p: bool = False) -> None:
         """Execute one operation with a fresh deadline, sequence number and error handling."""
         self._check_usable()
-        col = _prof._ACTIVE  # current_collector(), without the call
+        col = current_collector()
         if col is None:
             self._run_op(name, nbytes, body, desc, p2p)
             return

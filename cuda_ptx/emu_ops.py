@@ -757,11 +757,12 @@ def tbits(t: str) -> int:
 class CompiledOp:
     """One instruction ready to run: its kind, handler, guard and branch target."""
 
-    __slots__ = ("kind", "fn", "guard", "negate", "target", "ins")
+    __slots__ = ("kind", "fn", "guard", "negate", "target", "ins", "next")
     PLAIN, BRA, EXIT, BAR, NOP = range(5)
 
     def __init__(self, kind, fn, ins, guard=None, negate=False, target=-1):
         self.kind, self.fn, self.ins, self.guard, self.negate, self.target = kind, fn, ins, guard, negate, target
+        self.next = -1  # where execution goes on (unconditional branches after it followed)
 
 
 class _Compiler:
@@ -1680,5 +1681,22 @@ def compile_program(prog):
             raise EmulationError(f"PTX line {ins.line}: {ins.text}: {e}") from None
         except PtxParseError as e:
             raise EmulationError(f"PTX line {ins.line}: {ins.text}: {e}") from None
+
+    def resolve(q: int) -> int:
+        """The first instruction at or after ``q`` that is not an unconditional branch, following
+        branch chains: the translator's structured code has many (phi edges, merges), and each
+        would cost a scheduler step; a thread at one would only go on to its target."""
+        seen = set()
+        while q < len(ops) and ops[q].kind == CompiledOp.BRA and ops[q].guard is None and q not in seen:
+            seen.add(q)
+            q = ops[q].target
+        return q
+
+    for p, op in enumerate(ops):
+        op.next = resolve(p + 1)
+    for op in ops:
+        if op.kind == CompiledOp.BRA:
+            op.target = resolve(op.target)
+    c.start = resolve(0)
     prog._compiled = (ops, c)
     return prog._compiled

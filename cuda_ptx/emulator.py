@@ -734,6 +734,14 @@ class Grid:
         self._check("local", rel, sel, size, self.L)
         return rel + (self.lmem_off if sel is None else self.lmem_off[sel])
 
+    def _lmem_uniform(self, addr: np.ndarray, size: int, esize: int):
+        """The element index when every lane accesses the same in-range, aligned offset of its
+        own local array (loop counters are usually uniform), else None (the general path)."""
+        lo = int(addr[0]) - emu_ops.LMEM_BASE
+        if 0 <= lo <= self.L - size and lo % size == 0 and addr.min() == addr.max():
+            return lo // esize
+        return None
+
     @staticmethod
     def _elements(byte: np.ndarray, esize: int, vec: int) -> np.ndarray:
         """Element indices (``[lanes]`` or ``[lanes, vec]``) of accesses starting at ``byte``."""
@@ -762,6 +770,10 @@ class Grid:
                     return np.ascontiguousarray(raw).view(dt).reshape(n, vec)
             return out if vec > 1 else out[:, None]
         if space == "local":
+            e = self._lmem_uniform(addr, size, esize)
+            if e is not None:  # every lane the same element of its own array: one strided column
+                col = self.lmem.view(dt).reshape(self.N, -1)[:, e: e + vec]
+                return col if sel is None else col[sel]
             out = self.lmem.view(dt)[self._elements(self._lmem_bytes(addr, sel, size), esize, vec)]
             return out if vec > 1 else out[:, None]
         raise EmulationError(f"loads from .{space} are not modelled")
@@ -786,6 +798,14 @@ class Grid:
                 self.gid(sel)[:, None] if size > 1 else self.gid(sel)
             self.dirty = True
         elif space == "local":
+            e = self._lmem_uniform(addr, size, esize)
+            if e is not None:
+                mat = self.lmem.view(dt).reshape(self.N, -1)
+                if sel is None:
+                    mat[:, e: e + vec] = vals if vec > 1 else vals[:, None]
+                else:
+                    mat[sel, e: e + vec] = vals if vec > 1 else vals[:, None]
+                return
             self.lmem.view(dt)[self._elements(self._lmem_bytes(addr, sel, size), esize, vec)] = vals
         else:
             raise EmulationError(f"stores to .{space} are not modelled")
@@ -825,7 +845,8 @@ class Grid:
         pc = np.zeros(N, np.int64)
         waiting = np.zeros(N, bool)
         nwait, n_alive = 0, N
-        uniform, upc, live = True, 0, None
+        uniform, upc, live = True, self.comp.start, None
+        next_pc = np.array([op.next for op in ops] + [n_ops], np.int64)
         open_alive = None
         steps = 0
         self._p = 0
@@ -845,7 +866,7 @@ class Grid:
                         return
                     self._p = -1
                     self._release(waiting, open_alive, pc)
-                    pc[waiting] += 1
+                    pc[waiting] = next_pc[pc[waiting]]
                     waiting[:] = False
                     nwait = 0
                     self._barrier_done()
@@ -870,7 +891,7 @@ class Grid:
                 else:
                     act = np.flatnonzero(g) if sel is None else sel[g]
             kind = op.kind
-            nxt = p + 1
+            nxt = op.next
             if kind == 0:  # plain
                 if act is not _EMPTY:
                     op.fn(self, act)

@@ -818,6 +818,9 @@ class _Compiler:
                 conv = lambda v: v.astype(vt)  # noqa: E731
 
             def rd(ex, sel, s=s, conv=conv):
+                u = ex.uni[s]
+                if u is not None:  # the same value in every thread: a numpy scalar
+                    return u if conv is None else conv(u)
                 if not ex.complete[s]:
                     ex.check_written(s, sel)
                 r = ex.regs[s]
@@ -900,16 +903,24 @@ class _Compiler:
         st_dt = np.dtype(st)
 
         def wr(ex, sel, v, s=s, conv=conv, st_dt=st_dt):
-            r = ex.regs[s]
             if v.__class__ is not np.ndarray or v.dtype != st_dt:
                 v = conv(v)
             if sel is None:
-                r[...] = v
+                if v.ndim == 0:  # every thread gets the same value: keep one scalar, no vector op
+                    ex.uni[s] = v[()]
+                else:
+                    ex.uni[s] = None
+                    ex.regs[s][...] = v
                 ex.complete[s] = True
-            else:
-                r[sel] = v
-                if not ex.complete[s]:
-                    ex.written[s][sel] = True
+                return
+            r = ex.regs[s]
+            u = ex.uni[s]
+            if u is not None:  # some threads change it: back to one value per thread
+                r[...] = u
+                ex.uni[s] = None
+            r[sel] = v
+            if not ex.complete[s]:
+                ex.written[s][sel] = True
         return wr
 
 
@@ -1546,7 +1557,8 @@ def _shfl_c(c, ins):
         j = np.where(src_tid < ex.T, j, lane64)  # a lane past the end of the block: its own value
         g = ex.gid(sel)
         # an inactive or exited source lane gives its last value (PTX: unspecified); no check
-        d(ex, sel, ex.regs[s][g - lane64 + j])
+        u = ex.uni[s]
+        d(ex, sel, np.full(g.size, u) if u is not None else ex.regs[s][g - lane64 + j])
     return shfl
 
 

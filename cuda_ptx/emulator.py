@@ -628,6 +628,9 @@ class Grid:
         self.regs = [np.zeros(N, st) for st in self.comp.store]
         self.written = [np.zeros(N, bool) for _ in self.comp.store]
         self.complete = [False] * len(self.comp.store)
+        # a register every thread holds the same value in is kept as one numpy scalar (loop
+        # counters, parameters, addresses derived from them): its ops cost no vector work
+        self.uni: list = [None] * len(self.comp.store)
         self.tid_lin = np.tile(np.arange(T, dtype=np.int64), n_cta)
         self.cta_idx = np.repeat(np.arange(n_cta, dtype=np.int64), T)
         self.lane = (self.tid_lin % 32).astype(np.uint32)
@@ -737,8 +740,8 @@ class Grid:
     def _lmem_uniform(self, addr: np.ndarray, size: int, esize: int):
         """The element index when every lane accesses the same in-range, aligned offset of its
         own local array (loop counters are usually uniform), else None (the general path)."""
-        lo = int(addr[0]) - emu_ops.LMEM_BASE
-        if 0 <= lo <= self.L - size and lo % size == 0 and addr.min() == addr.max():
+        lo = int(addr if addr.ndim == 0 else addr[0]) - emu_ops.LMEM_BASE
+        if 0 <= lo <= self.L - size and lo % size == 0 and (addr.ndim == 0 or addr.min() == addr.max()):
             return lo // esize
         return None
 
@@ -752,6 +755,11 @@ class Grid:
         """Per-lane loads of ``vec`` elements of ``dt``: ``[lanes, vec]``."""
         n = self.N if sel is None else sel.size
         size = esize * vec
+        if space == "local":
+            e = self._lmem_uniform(addr, size, esize)
+            if e is not None:  # every lane the same element of its own array: one strided column
+                col = self.lmem.view(dt).reshape(self.N, -1)[:, e: e + vec]
+                return col if sel is None else col[sel]
         if addr.ndim == 0:
             addr = np.full(n, addr, np.int64)
         if space == "global":
@@ -770,10 +778,6 @@ class Grid:
                     return np.ascontiguousarray(raw).view(dt).reshape(n, vec)
             return out if vec > 1 else out[:, None]
         if space == "local":
-            e = self._lmem_uniform(addr, size, esize)
-            if e is not None:  # every lane the same element of its own array: one strided column
-                col = self.lmem.view(dt).reshape(self.N, -1)[:, e: e + vec]
-                return col if sel is None else col[sel]
             out = self.lmem.view(dt)[self._elements(self._lmem_bytes(addr, sel, size), esize, vec)]
             return out if vec > 1 else out[:, None]
         raise EmulationError(f"loads from .{space} are not modelled")
@@ -782,9 +786,18 @@ class Grid:
         """Per-lane stores of ``vals`` (``[lanes, vec]``)."""
         n = self.N if sel is None else sel.size
         size = esize * vec
+        dt = vals.dtype
+        if space == "local":
+            e = self._lmem_uniform(addr, size, esize)
+            if e is not None:
+                mat = self.lmem.view(dt).reshape(self.N, -1)
+                if sel is None:
+                    mat[:, e: e + vec] = vals
+                else:
+                    mat[sel, e: e + vec] = vals
+                return
         if addr.ndim == 0:
             addr = np.full(n, addr, np.int64)
-        dt = vals.dtype
         if space == "global":
             self._global_aligned(addr, sel, size, "store")
             self.mem.scatter(addr, esize, vals)
@@ -798,14 +811,6 @@ class Grid:
                 self.gid(sel)[:, None] if size > 1 else self.gid(sel)
             self.dirty = True
         elif space == "local":
-            e = self._lmem_uniform(addr, size, esize)
-            if e is not None:
-                mat = self.lmem.view(dt).reshape(self.N, -1)
-                if sel is None:
-                    mat[:, e: e + vec] = vals if vec > 1 else vals[:, None]
-                else:
-                    mat[sel, e: e + vec] = vals if vec > 1 else vals[:, None]
-                return
             self.lmem.view(dt)[self._elements(self._lmem_bytes(addr, sel, size), esize, vec)] = vals
         else:
             raise EmulationError(f"stores to .{space} are not modelled")
@@ -818,6 +823,8 @@ class Grid:
             self.dirty = False
 
     def _pred(self, s: int, sel) -> np.ndarray:
+        if self.uni[s] is not None:
+            return self.uni[s]
         if not self.complete[s]:
             self.check_written(s, sel)
         r = self.regs[s]

@@ -75,3 +75,19 @@ def test_cuda_tensors_refuse_a_vulkan_operand(emulated_cuda):
     v = hl.ones(4).to(next(d.name for d in hl.devices() if d.name.startswith("vulkan")))
     with pytest.raises(ValueError, match=r"different devices \(cuda:0 and vulkan:0\)"):
         a + v
+
+
+@pytest.mark.gpu
+def test_nano_gpt_on_a_real_gpu_is_deterministic_and_matches_vulkan(monkeypatch):
+    # On the GPU itself: two runs give the same bits (no atomics anywhere: --resume stays exact),
+    # and the losses are the Vulkan device's where one exists.
+    monkeypatch.delenv("HELIOS_CUDA_DEVICE", raising=False)
+    before = get_runtime().name
+    try:
+        first, second = _nano_losses("cuda:0"), _nano_losses("cuda:0")
+        assert first == second
+        vulkans = [d.name for d in hl.devices() if d.name.startswith("vulkan")]
+        if vulkans:
+            np.testing.assert_allclose(first, _nano_losses(vulkans[0]), rtol=1e-5)
+    finally:
+        set_device(before)

@@ -902,8 +902,13 @@ class _Compiler:
 
         st_dt = np.dtype(st)
 
-        def wr(ex, sel, v, s=s, conv=conv, st_dt=st_dt):
-            if v.__class__ is not np.ndarray or v.dtype != st_dt:
+        def wr(ex, sel, v, s=s, conv=conv, st_dt=st_dt, st=st):
+            cls = v.__class__
+            if cls is st and sel is None:  # a scalar of the register's own type, for every thread
+                ex.uni[s] = v
+                ex.complete[s] = True
+                return
+            if cls is not np.ndarray or v.dtype != st_dt:
                 v = conv(v)
             if sel is None:
                 if v.ndim == 0:  # every thread gets the same value: keep one scalar, no vector op

@@ -5,6 +5,10 @@ operands, tensor maps, parameters and grid are what a GPU gets; the PTX is the t
 ``ptxas`` gets.
 Every CTA of the grid runs (or only ``ctas``), so use small problems: the gate's
 128 x 512 x 384 ``wgmma_ws`` problem (two tiles) takes about half a second.
+
+``emulate_kernel`` runs any kernel in the emulated subset: compute kernels (the SPIR-V
+translator's, the SIMT rung) on the vectorised :class:`emulator.Grid`, the rest on the
+warp scheduler.
 """
 
 from __future__ import annotations

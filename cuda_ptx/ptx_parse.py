@@ -258,7 +258,7 @@ def _param(text: str, no: int) -> PtxParam:
     return PtxParam(pm.group(2), "tmap" if pm.group(3) else pm.group(1))
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=1024)
 def parse(ptx: str) -> PtxProgram:
     """Parse one module's ``.entry`` into a :class:`PtxProgram` (cached per text: treat it as read-only)."""
     target = ""

@@ -977,3 +977,16 @@ def test_an_endless_loop_is_reported_and_an_unknown_instruction_refused_at_load(
                                     [log, len(log)])
     assert err == drv.CUresult.CUDA_ERROR_INVALID_PTX
     assert b"prmt.b32 is not modelled" in bytes(log)
+
+
+def test_a_cta_that_skips_to_its_end_does_not_hold_the_others_barriers():
+    # CTA 2 has no work (the grid is rounded up): it branches past the barriers to its ret while
+    # CTAs 0 and 1, run in the same vector, meet at theirs
+    guarded = TREE.replace("  mov.u32 %r1, %tid.x;\n  mov.u32 %r2, %ctaid.x;\n",
+                           "  mov.u32 %r1, %tid.x;\n  mov.u32 %r2, %ctaid.x;\n  ld.param.u32 %r40, [pc0];\n"
+                           "  setp.ge.u32 %p9, %r2, %r40;\n  @%p9 bra $L_end;\n", 1)
+    assert guarded != TREE
+    x = np.random.default_rng(8).integers(-9, 9, 3 * 128).astype(np.float32)
+    _, got = run(kernel(guarded, bufs=2, words=1, block=(128, 1, 1), shared=True), [x, np.full(3, -1, np.float32)],
+                 block=(128, 1, 1), grid=(3, 1, 1), words=(2,), shared=512)
+    np.testing.assert_array_equal(got, [*x.reshape(3, 128).sum(axis=1)[:2], -1])

@@ -122,7 +122,12 @@ class PipelineStage(Module):
     other stages are then freed)."""
 
     def __init__(self, gpt, grid) -> None:
-        super().__init__()
+        self._build(gpt, grid, 1)
+
+    def _build(self, gpt, grid, virtual: int) -> None:
+        """This rank's layers of ``gpt`` split into ``pp x virtual`` stages (virtual stage
+        ``c * pp + rank`` is this rank's chunk c), and the tied table's group."""
+        Module.__init__(self)
         if getattr(gpt, "sequence_parallel", False):
             # Its stages would pass sequence shards and gather them before the output layer.
             raise ValueError("pipeline: stages of a sequence-parallel model are not supported yet; build the "
@@ -135,10 +140,16 @@ class PipelineStage(Module):
         self.tp_group = None if isinstance(gpt, GPT) else gpt.group
         self.vocab_lo = getattr(gpt, "vocab_lo", 0)
         # Layers as the pipeline sees them: [embeddings, block 0, ..., block L-1, final LayerNorm].
-        self.bounds = balance(layer_weights(gpt), self.pp)
-        lo, hi = self.bounds[self.stage]
+        self.virtual = virtual
+        self.bounds = balance(layer_weights(gpt), self.pp * virtual)
+        # The embeddings are on virtual stage 0 (this rank's chunk 0 on the first rank) and the
+        # output layer on the last (chunk v - 1 on the last rank).
         self.first, self.last = self.stage == 0, self.stage == self.pp - 1
-        self.block_ids = [i - 1 for i in range(lo, hi) if 1 <= i <= cfg.n_layer]
+        self.chunk_blocks = []  # the block ids of each of this rank's chunks
+        for c in range(virtual):
+            lo, hi = self.bounds[c * self.pp + self.stage]
+            self.chunk_blocks.append([i - 1 for i in range(lo, hi) if 1 <= i <= cfg.n_layer])
+        self.block_ids = [i for ids in self.chunk_blocks for i in ids]
         self.h = _Blocks({i: gpt.h[i] for i in self.block_ids})
         if self.first or self.last:
             self.wte = gpt.wte  # the tied table: input on the first stage, output on the last
@@ -163,16 +174,21 @@ class PipelineStage(Module):
         """This stage's part of the model for one micro-batch: the input activation (or token
         ids on the first stage) -> the output activation; on the last stage the scaled loss,
         or the logits (this rank's vocabulary slice under tensor parallelism) without targets."""
-        if self.first:
+        return self._through(self.h, self.first, self.last, x_in, idx_or_none, targets, scale)
+
+    def _through(self, blocks, embed: bool, head: bool, x_in, idx_or_none, targets, scale: float):
+        """``blocks`` for one micro-batch, after the embeddings when ``embed`` (from token ids)
+        and followed by the final LayerNorm, the output layer and the scaled loss when ``head``."""
+        if embed:
             b, t = idx_or_none.shape
             x = self.wte(idx_or_none) + self.wpe(arange(t, dtype=dt.int64))
             if self.drop is not None:
                 x = self.drop(x)
         else:
             x = x_in
-        for block in self.h:
+        for block in blocks:
             x = block(x)
-        if not self.last:
+        if not head:
             return x
         b, t, _ = x.shape
         x = self.ln_f(x)
@@ -373,6 +389,276 @@ class PipelineStage(Module):
         return [p for n, p in self.named_parameters() if self.owns(n)]
 
 
+# ---- the interleaved schedule (virtual stages) ------------------------------------------------
+def pipeline_schedule(pp: int, virtual: int, m: int, rank: int) -> list[tuple[str, int, int]]:
+    """The ordered operations of pipeline rank ``rank`` of ``pp`` for one step of ``m``
+    micro-batches: ``("F" | "B", micro-batch, chunk)``.  Chunk c of rank r is virtual stage
+    ``c * pp + r``.
+
+    ``virtual == 1`` is 1F1B (``PipelineStage.train_step``'s order): ``min(pp - rank - 1, m)``
+    forwards, then a forward and a backward alternately, then the remaining backwards.
+    ``virtual > 1`` is Megatron-LM's interleaved 1F1B (Narayanan et al. 2021, 2.2): the
+    ``m x virtual`` (micro-batch, chunk) forwards run in groups of ``pp`` micro-batches, chunk
+    0 of the group's micro-batches, then chunk 1, ...; the backwards the same way from the last
+    chunk down; ``2 (pp - rank - 1) + (virtual - 1) pp`` forwards fill the pipe before the
+    steady one-forward-one-backward.  ``m`` must then be a multiple of ``pp``."""
+    for name, n in (("pp", pp), ("virtual", virtual), ("m", m)):
+        if n < 1:
+            raise ValueError(f"pipeline_schedule: {name} must be at least 1, got {n}")
+    if not 0 <= rank < pp:
+        raise ValueError(f"pipeline_schedule: rank must be in [0, {pp}), got {rank}")
+    if virtual == 1:
+        warm = min(pp - rank - 1, m)
+        ops = [("F", i, 0) for i in range(warm)]
+        for i in range(m - warm):
+            ops += [("F", warm + i, 0), ("B", i, 0)]
+        return ops + [("B", i, 0) for i in range(m - warm, m)]
+    if m % pp:
+        raise ValueError(f"pipeline_schedule: the interleaved schedule runs micro-batches in groups of the {pp} "
+                         f"stages; {m} micro-batches is not a multiple of {pp}")
+    total, group = m * virtual, pp * virtual
+
+    def micro(k: int) -> int:  # the k-th forward (or backward) works on this micro-batch
+        return (k // group) * pp + k % pp
+
+    def chunk(k: int, forward: bool) -> int:
+        c = (k % group) // pp
+        return c if forward else virtual - 1 - c
+
+    warm = min(2 * (pp - rank - 1) + (virtual - 1) * pp, total)
+    ops = [("F", micro(k), chunk(k, True)) for k in range(warm)]
+    for k in range(total - warm):
+        ops += [("F", micro(warm + k), chunk(warm + k, True)), ("B", micro(k), chunk(k, False))]
+    return ops + [("B", micro(k), chunk(k, False)) for k in range(total - warm, total)]
+
+
+def _needs(op: tuple[str, int, int], rank: int, pp: int, stages: int) -> list[tuple[str, int, int]]:
+    """What an operation waits for, as (kind, micro-batch, virtual stage): a forward the previous
+    virtual stage's forward of its micro-batch; a backward its own forward and the next virtual
+    stage's backward."""
+    kind, i, c = op
+    k = c * pp + rank
+    if kind == "F":
+        return [("F", i, k - 1)] if k > 0 else []
+    return [("F", i, k)] + ([("B", i, k + 1)] if k < stages - 1 else [])
+
+
+def simulate_schedule(pp: int, virtual: int, m: int, forward: float = 1.0, backward: float = 1.0) -> dict:
+    """Run every rank's ``pipeline_schedule`` on a clock where a chunk's forward takes
+    ``forward`` and its backward ``backward`` (communication free), each operation as soon as
+    its rank is free and what it waits for is done.  Returns ``makespan``, per rank ``busy`` and
+    ``idle_fraction`` (the share of the makespan the rank waits: the bubble), and ``order``: the
+    operations as they finished, ``(end, rank, kind, micro-batch, chunk)``.  Raises RuntimeError
+    if the schedule deadlocks or misses or repeats an operation."""
+    stages = pp * virtual
+    lists = [pipeline_schedule(pp, virtual, m, r) for r in range(pp)]
+    for r, ops in enumerate(lists):
+        want = {(kind, i, c) for kind in "FB" for i in range(m) for c in range(virtual)}
+        if len(ops) != len(want) or set(ops) != want:
+            raise RuntimeError(f"simulate_schedule: rank {r} does not run every operation exactly once")
+    done: dict[tuple[str, int, int], float] = {}
+    pos, free, busy = [0] * pp, [0.0] * pp, [0.0] * pp
+    order = []
+    while any(pos[r] < len(lists[r]) for r in range(pp)):
+        moved = False
+        for r in range(pp):
+            while pos[r] < len(lists[r]):
+                op = lists[r][pos[r]]
+                needs = _needs(op, r, pp, stages)
+                if not all(n in done for n in needs):
+                    break
+                cost = forward if op[0] == "F" else backward
+                end = max([free[r]] + [done[n] for n in needs]) + cost
+                done[(op[0], op[1], op[2] * pp + r)] = end
+                free[r], busy[r] = end, busy[r] + cost
+                order.append((end, r) + op)
+                pos[r] += 1
+                moved = True
+        if not moved:
+            stuck = {r: lists[r][pos[r]] for r in range(pp) if pos[r] < len(lists[r])}
+            raise RuntimeError(f"simulate_schedule: deadlock, each rank waiting at {stuck}")
+    makespan = max(free)
+    return {"makespan": makespan, "busy": busy, "idle_fraction": [(makespan - b) / makespan for b in busy],
+            "order": sorted(order)}
+
+
+def bubble_fraction(pp: int, virtual: int, m: int) -> float:
+    """The share of a step each rank idles in the pipeline's bubble when every chunk's forward
+    and backward cost the same: (pp - 1) / (virtual * m + pp - 1) (1F1B with ``virtual == 1``)."""
+    return (pp - 1) / (virtual * m + pp - 1)
+
+
+class _Inbox:
+    """The activations and gradients this rank receives, by (kind, micro-batch, virtual stage).
+
+    helios.comm matches point-to-point messages per pair of ranks in issue order, not by tag;
+    with two ranks the same pair carries both directions' chunks.  Each rank knows every rank's
+    schedule, so it knows the order in which each neighbour sends to it, and receives in that
+    order: a message that arrives before it is needed is kept until its operation asks for it.
+    Waiting for a message never waits longer than the schedule itself does, since the sender
+    sends every earlier message first."""
+
+    def __init__(self, stage: "InterleavedPipelineStage", lists: list[list[tuple[str, int, int]]],
+                 shapes: list[tuple[int, ...]], receive) -> None:
+        pp, stages = stage.pp, stage.pp * stage.virtual
+        self.shapes, self.receive, self.ranks = shapes, receive, stage.ranks
+        self.expected: dict[int, list] = {}  # sender's pp rank -> what it sends to this rank, in its order
+        for s, ops in enumerate(lists):
+            for kind, i, c in ops:
+                k = c * pp + s
+                if kind == "F" and k < stages - 1 and (s + 1) % pp == stage.stage:
+                    self.expected.setdefault(s, []).append(("act", i, k))
+                elif kind == "B" and k > 0 and (s - 1) % pp == stage.stage:
+                    self.expected.setdefault(s, []).append(("grad", i, k))
+        self.cursor = {s: 0 for s in self.expected}
+        self.kept: dict[tuple[str, int, int], object] = {}
+
+    def take(self, key: tuple[str, int, int], sender: int):
+        """The message ``key`` from pp rank ``sender``, receiving what comes before it first."""
+        while key not in self.kept:
+            queue = self.expected.get(sender, [])
+            if self.cursor.get(sender, 0) >= len(queue):
+                raise RuntimeError(f"pipeline: internal: {key} is not in pp rank {sender}'s schedule")
+            nxt = queue[self.cursor[sender]]
+            self.cursor[sender] += 1
+            buf = K.empty(self.shapes[nxt[1]], dt.float32)
+            self.receive(buf, self.ranks[sender])
+            self.kept[nxt] = buf
+        return self.kept.pop(key)
+
+
+class InterleavedPipelineStage(PipelineStage):
+    """This rank's ``virtual`` chunks of ``gpt`` on ``grid``, trained with Megatron-LM's
+    interleaved 1F1B schedule (``--pp-virtual``).
+
+    The layers split into ``pp x virtual`` virtual stages balanced by parameter count and go
+    round-robin over the ranks: chunk c of rank r is virtual stage ``c * pp + r``, so the
+    activations pass rank 0, 1, ..., pp - 1, then rank 0's next chunk (the last rank's chunk c
+    sends to rank 0's chunk c + 1), ``virtual`` times.  The embeddings are on virtual stage 0
+    (rank 0), the final LayerNorm and the output layer on the last (rank pp - 1), and the tied
+    table's two gradients are summed between those ranks as in ``PipelineStage``.  The bubble
+    shrinks to (pp - 1) / (virtual x m + pp - 1) of a step; ``m`` must be a multiple of pp.
+    ``virtual == 1`` is allowed and runs ``pipeline_schedule``'s 1F1B order on this class's
+    code (``PipelineStage`` is the trainer's 1F1B)."""
+
+    def __init__(self, gpt, grid, virtual: int) -> None:
+        if not isinstance(virtual, int) or virtual < 1:
+            raise ValueError(f"pipeline: virtual must be at least 1 chunk per rank, got {virtual!r}")
+        stages = grid.pp * virtual
+        if stages > gpt.config.n_layer:
+            raise ValueError(f"pipeline: {grid.pp} ranks x {virtual} chunks is {stages} virtual stages, more than the "
+                             f"model's {gpt.config.n_layer} transformer layers")
+        self._build(gpt, grid, virtual)
+        self.chunks = [_Blocks({i: gpt.h[i] for i in ids}) for ids in self.chunk_blocks]
+        self.n_stages = stages
+
+    def _peer(self, step: int) -> int:
+        """The pp rank ``step`` places from this one (wrapping round: virtual stages go round the ranks)."""
+        return (self.stage + step) % self.pp
+
+    def _chunk_forward(self, c: int, x_in, idx, targets, scale: float):
+        k = c * self.pp + self.stage
+        return self._through(self.chunks[c], k == 0, k == self.n_stages - 1, x_in, idx, targets, scale)
+
+    def train_step(self, inputs: list, targets: list, phase=None) -> float | None:
+        """Forward and backward of every (micro-batch, chunk) in the interleaved order
+        (``pipeline_schedule``); gradients accumulate in the stage's parameters.  As
+        ``PipelineStage.train_step``: every rank gets the same lists, the mean loss comes back on
+        the last rank (None elsewhere), ``phase`` times "forward", "backward" and "comm", and
+        ``last_idle_fraction`` is the share of the step spent waiting on a neighbour."""
+        m = len(inputs)
+        if m < 1:
+            raise ValueError("pipeline: give at least one micro-batch")
+        if self.virtual > 1 and m % self.pp:
+            raise ValueError(f"pipeline: {m} micro-batches with {self.pp} stages x {self.virtual} virtual: the "
+                             f"interleaved schedule needs a multiple of {self.pp}")
+        timed = phase or (lambda name: contextlib.nullcontext())
+        lists = [pipeline_schedule(self.pp, self.virtual, m, r) for r in range(self.pp)]
+        shapes = [tuple(np.asarray(x).shape) + (self.config.n_embd,) for x in inputs]
+        waited = [0.0]
+
+        def receive(buf, peer) -> None:
+            self._sync()  # the device finishes this rank's work first: waiting starts after it
+            with timed("comm"):
+                t0 = time.perf_counter()
+                dist.recv(buf, peer)
+                waited[0] += time.perf_counter() - t0
+
+        inbox = _Inbox(self, lists, shapes, receive)
+        last_stage = self.n_stages - 1
+        held: dict = {}  # (micro-batch, chunk) -> (input leaf, output) until its backward
+        sends: list = []
+        total = None  # the scaled losses summed in micro-batch order, on the device
+        t_start = time.perf_counter()
+        for kind, i, c in lists[self.stage]:
+            k = c * self.pp + self.stage
+            if kind == "F":
+                with timed("forward"):
+                    x_in = None
+                    if k > 0:
+                        x_in = inbox.take(("act", i, k - 1), self._peer(-1))
+                        x_in.requires_grad = True
+                    idx = tensor(np.asarray(inputs[i], np.int64), dtype=dt.int64) if k == 0 else None
+                    tgt = tensor(np.asarray(targets[i], np.int64), dtype=dt.int64) if k == last_stage else None
+                    out = self._chunk_forward(c, x_in, idx, tgt, 1.0 / m)
+                    if k == last_stage:
+                        # chunk v - 1's forwards run in micro-batch order: the sum is one device's
+                        total = out.detach() if total is None else total + out.detach()
+                    else:
+                        sends.append(dist.isend(out.detach(), self.ranks[self._peer(1)]))
+                    self._sync()
+                held[(i, c)] = (x_in, out)
+            else:
+                x_in, out = held.pop((i, c))
+                with timed("backward"):
+                    if k == last_stage:
+                        out.backward()
+                    else:
+                        out.backward(inbox.take(("grad", i, k + 1), self._peer(1)))
+                    if k > 0:
+                        sends.append(dist.isend(x_in.grad, self.ranks[self._peer(-1)]))
+                    self._sync()
+        self._sync()
+        with timed("comm"):
+            t0 = time.perf_counter()
+            for w in sends:
+                w.wait()
+            waited[0] += time.perf_counter() - t0
+            elapsed = time.perf_counter() - t_start
+            # With every chunk costing the same, the bubble alone makes this
+            # (pp - 1) / (virtual m + pp - 1).
+            self.last_idle_fraction = waited[0] / elapsed if elapsed > 0 else 0.0
+            self._sum_tied_gradients()
+        return total.item() if self.last else None
+
+    @no_grad()
+    def _forward_only(self, inputs: list, targets: list | None) -> list:
+        """Each micro-batch through the virtual stages in turn without gradients; the last
+        rank's outputs (scaled losses, or logits without ``targets``), [] elsewhere."""
+        m = len(inputs)
+        lists = [[("F", i, c) for i in range(m) for c in range(self.virtual)] for _ in range(self.pp)]
+        shapes = [tuple(np.asarray(x).shape) + (self.config.n_embd,) for x in inputs]
+        inbox = _Inbox(self, lists, shapes, lambda buf, peer: dist.recv(buf, peer))
+        last_stage = self.n_stages - 1
+        outs, sends = [], []
+        for _, i, c in lists[self.stage]:
+            k = c * self.pp + self.stage
+            x_in = inbox.take(("act", i, k - 1), self._peer(-1)) if k > 0 else None
+            idx = tensor(np.asarray(inputs[i], np.int64), dtype=dt.int64) if k == 0 else None
+            tgt = None
+            if k == last_stage and targets is not None:
+                tgt = tensor(np.asarray(targets[i], np.int64), dtype=dt.int64)
+            out = self._chunk_forward(c, x_in, idx, tgt, 1.0 / m)
+            if k == last_stage:
+                outs.append(out)
+            else:
+                self._sync()
+                sends.append((dist.isend(out, self.ranks[self._peer(1)]), out))  # kept until sent
+        for w, _ in sends:
+            w.wait()
+        return outs
+
+
 def _tp_sharded(p) -> bool:
     layout = getattr(p, "tp_layout", None)
     return layout is not None and layout.tp > 1
@@ -449,4 +735,5 @@ def timeline(trace: dict, width: int = 80) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["PipelineStage", "balance", "clip_grad_norm_", "describe_stages", "layer_weights", "timeline"]
+__all__ = ["InterleavedPipelineStage", "PipelineStage", "balance", "bubble_fraction", "clip_grad_norm_",
+           "describe_stages", "layer_weights", "pipeline_schedule", "simulate_schedule", "timeline"]

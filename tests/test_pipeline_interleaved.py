@@ -1,0 +1,197 @@
+"""The interleaved pipeline schedule (Megatron-LM's virtual stages, ``--pp-virtual``): the
+schedule on its own (every operation once, dependencies kept, the bubble exactly
+(p - 1) / (v m + p - 1) on a unit-time clock), then on real ranks (a 2 x 2 interleaved
+pipeline trains what one device accumulating the same micro-batches trains), then helios-train."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ranks import check_ok, run_ranks  # noqa: E402
+
+B, T, M, STEPS = 2, 16, 4, 3
+CASES = [(2, 1, 4), (4, 1, 8), (2, 2, 2), (2, 2, 4), (2, 2, 8), (3, 2, 6), (2, 3, 4), (4, 2, 8), (4, 4, 16), (8, 2, 16)]
+
+
+@pytest.mark.parametrize("p,v,m", CASES)
+def test_every_operation_runs_once_after_what_it_needs(p, v, m):
+    from helios.schedule.pipeline import pipeline_schedule, simulate_schedule
+
+    every = sorted((kind, i, c) for kind in "FB" for i in range(m) for c in range(v))
+    for r in range(p):
+        ops = pipeline_schedule(p, v, m, r)
+        assert sorted(ops) == every  # each (micro-batch, chunk) forward and backward exactly once
+        pos = {op: n for n, op in enumerate(ops)}
+        for i in range(m):
+            for c in range(v):
+                assert pos[("F", i, c)] < pos[("B", i, c)]
+        for c in range(v):  # a chunk takes its micro-batches in order, forwards and backwards
+            assert [i for kind, i, cc in ops if kind == "F" and cc == c] == list(range(m))
+            assert [i for kind, i, cc in ops if kind == "B" and cc == c] == list(range(m))
+    # Across ranks: on the simulated clock, each operation starts after what it waits for ends.
+    ends = {}
+    for end, r, kind, i, c in simulate_schedule(p, v, m)["order"]:
+        ends[(kind, i, c * p + r)] = end
+    last = p * v - 1
+    for (kind, i, k), end in ends.items():
+        start = end - 1
+        if kind == "F" and k > 0:
+            assert ends[("F", i, k - 1)] <= start
+        if kind == "B":
+            assert ends[("F", i, k)] <= start
+            if k < last:
+                assert ends[("B", i, k + 1)] <= start
+
+
+@pytest.mark.parametrize("p,v,m", CASES)
+def test_the_simulated_bubble_is_the_formula(p, v, m):
+    from helios.schedule.pipeline import bubble_fraction, simulate_schedule
+
+    sim = simulate_schedule(p, v, m)
+    assert sim["makespan"] == 2 * (v * m + p - 1)  # unit-time chunk forwards and backwards
+    want = (p - 1) / (v * m + p - 1)
+    assert bubble_fraction(p, v, m) == want
+    for idle in sim["idle_fraction"]:
+        assert idle == pytest.approx(want, abs=1e-12)
+    if v > 1:  # the interleaving is what shrinks it: 1F1B on the same (p, m) idles more
+        assert max(sim["idle_fraction"]) < min(simulate_schedule(p, 1, m)["idle_fraction"])
+
+
+def test_the_orders_are_1f1b_and_megatrons_interleaving():
+    from helios.schedule.pipeline import pipeline_schedule
+
+    F = lambda i, c=0: ("F", i, c)  # noqa: E731
+    Bk = lambda i, c=0: ("B", i, c)  # noqa: E731
+    # 1F1B, stage 1 of 4, 6 micro-batches: 2 forwards fill the pipe, then alternate.
+    assert pipeline_schedule(4, 1, 6, 1) == [F(0), F(1), F(2), Bk(0), F(3), Bk(1), F(4), Bk(2), F(5), Bk(3),
+                                             Bk(4), Bk(5)]
+    # Interleaved, 2 ranks x 2 chunks, 4 micro-batches (groups of 2): rank 0 fills the pipe with
+    # 2 (p - r - 1) + (v - 1) p = 4 forwards; backwards start from the last chunk.
+    assert pipeline_schedule(2, 2, 4, 0) == [F(0, 0), F(1, 0), F(0, 1), F(1, 1), F(2, 0), Bk(0, 1), F(3, 0),
+                                             Bk(1, 1), F(2, 1), Bk(0, 0), F(3, 1), Bk(1, 0), Bk(2, 1), Bk(3, 1),
+                                             Bk(2, 0), Bk(3, 0)]
+    assert pipeline_schedule(2, 2, 4, 1)[:4] == [F(0, 0), F(1, 0), F(0, 1), Bk(0, 1)]
+
+
+def test_bad_schedules_are_refused_by_name():
+    from helios.schedule.pipeline import pipeline_schedule
+
+    with pytest.raises(ValueError, match="3 micro-batches is not a multiple of 2"):
+        pipeline_schedule(2, 2, 3, 0)
+    with pytest.raises(ValueError, match="virtual must be at least 1"):
+        pipeline_schedule(2, 0, 4, 0)
+    with pytest.raises(ValueError, match=r"rank must be in \[0, 2\)"):
+        pipeline_schedule(2, 2, 4, 2)
+
+
+def _rank_main(out_dir: str) -> None:
+    import helios as hl
+    import helios.comm as dist
+    from helios.nn import GPT, GPTConfig
+    from helios.optim import AdamW
+    from helios.schedule.grid import ParallelGrid
+    from helios.schedule.pipeline import InterleavedPipelineStage
+
+    dist.init_process_group(backend="shm")
+    pp, v = dist.get_world_size(), 2
+    grid = ParallelGrid(pp=pp)
+    cfg = GPTConfig(vocab_size=64, block_size=T, n_layer=4, n_head=2, n_embd=32)
+    rng = np.random.default_rng(5)
+    batches = [([rng.integers(0, cfg.vocab_size, (B, T)) for _ in range(M)],
+                [rng.integers(0, cfg.vocab_size, (B, T)) for _ in range(M)]) for _ in range(STEPS)]
+
+    ref = GPT(cfg, seed=3)  # one device accumulating the same micro-batches, in order
+    ref_opt = AdamW(ref.parameters(), lr=1e-2)
+    ref_losses, ref_grads = [], None
+    for xs, ys in batches:
+        total = None
+        for x, y in zip(xs, ys):
+            loss = ref(hl.tensor(x, dtype=hl.int64), hl.tensor(y, dtype=hl.int64))[1] * (1.0 / M)
+            loss.backward()
+            total = loss.detach() if total is None else total + loss.detach()
+        ref_losses.append(total.item())
+        if ref_grads is None:
+            ref_grads = {n: p.grad.numpy() for n, p in ref.named_parameters()}
+        ref_opt.step()
+        ref_opt.zero_grad()
+
+    stage = InterleavedPipelineStage(GPT(cfg, seed=3), grid, v)
+    opt = AdamW(stage.parameters(), lr=1e-2)
+    res = {"rank": stage.stage, "chunks": stage.chunk_blocks, "losses": [], "idle": [], "grads_exact": [],
+           "grads_close": {}}
+    for step, (xs, ys) in enumerate(batches):
+        res["losses"].append(stage.train_step(xs, ys))
+        res["idle"].append(stage.last_idle_fraction)
+        if step == 0:
+            for name, p in stage.named_parameters():  # the whole model's names
+                got, want = p.grad.numpy(), ref_grads[name]
+                if np.array_equal(got, want):
+                    res["grads_exact"].append(name)
+                else:
+                    res["grads_close"][name] = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+        opt.step()
+        opt.zero_grad()
+    ref_params = dict(ref.named_parameters())
+    # |got - want| beyond rtol 1e-5 of want: within atol 1e-5 where the weights agree (as
+    # test_train_dist: AdamW amplifies the float noise of the key bias, whose gradient is ~0).
+    res["params"] = {n: float(np.max(np.abs(p.numpy() - ref_params[n].numpy()) - 1e-5 * np.abs(ref_params[n].numpy())))
+                     for n, p in stage.named_parameters()}
+    xs, ys = batches[0]
+    evaluated, logits = stage.evaluate(xs, ys), stage.infer(xs[0])  # forward only, through every chunk
+    if stage.last:
+        res["ref_losses"] = ref_losses
+        with hl.no_grad():
+            want = None
+            for x, y in zip(xs, ys):
+                part = ref(hl.tensor(x, dtype=hl.int64), hl.tensor(y, dtype=hl.int64))[1] * (1.0 / M)
+                want = part if want is None else want + part
+            res["eval"], res["ref_eval"] = evaluated, want.item()
+            got, want_logits = stage.full_logits(logits), ref(hl.tensor(xs[0], dtype=hl.int64))[0].numpy()
+            res["logits_close"] = bool(np.allclose(got, want_logits, rtol=1e-5, atol=1e-5))
+    else:
+        res["forward_only_elsewhere"] = [evaluated, logits]
+    with open(os.path.join(out_dir, f"rank{stage.stage}.json"), "w") as f:
+        json.dump(res, f)
+    dist.destroy_process_group()
+
+
+@pytest.mark.vulkan
+@pytest.mark.multiproc
+def test_two_ranks_two_chunks_train_what_one_device_trains(tmp_path):
+    from helios.schedule.pipeline import bubble_fraction
+
+    check_ok(run_ranks([__file__, str(tmp_path)], 2, timeout=240))
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    # 4 blocks over 2 ranks x 2 chunks, round-robin: virtual stage c * 2 + r holds block c * 2 + r.
+    assert [r["chunks"] for r in ranks] == [[[0], [2]], [[1], [3]]]
+    last = ranks[-1]
+    # Step 1 starts from the same weights: the same scaled losses summed in the same order.
+    assert last["losses"][0] == last["ref_losses"][0]
+    # Later steps follow the tied table, whose two gradient halves are summed in another order.
+    np.testing.assert_allclose(last["losses"], last["ref_losses"], rtol=1e-5)
+    assert ranks[0]["losses"] == [None] * STEPS
+    for r in ranks:
+        assert set(r["grads_close"]) <= {"wte.weight"}, r["grads_close"]  # every other gradient bit for bit
+        assert all(v < 1e-6 for v in r["grads_close"].values()), r["grads_close"]
+        assert r["grads_exact"]
+        assert all(v <= 1e-5 for v in r["params"].values()), r["params"]  # after 3 AdamW steps (rtol, atol 1e-5)
+    # After the steps the weights agree to float noise (the tied table), so forward-only does too.
+    assert last["eval"] == pytest.approx(last["ref_eval"], rel=1e-5) and last["logits_close"]
+    assert ranks[0]["forward_only_elsewhere"] == [None, None]
+    want = bubble_fraction(2, 2, M)
+    for r in ranks:
+        # On 2 oversubscribed cores the measured wait is noise around the bubble: reported, the
+        # formula is checked exactly on the schedule's simulated clock above.
+        print(f"rank {r['rank']}: measured idle fraction per step {[round(x, 3) for x in r['idle']]}, "
+              f"formula (p-1)/(vm+p-1) = {want:.3f}")
+        assert all(0.0 <= x < 1.0 for x in r["idle"])
+
+
+if __name__ == "__main__":
+    _rank_main(sys.argv[1])

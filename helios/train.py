@@ -5,6 +5,7 @@
     helios-train --out runs/a --resume    # continue bit-exactly from runs/a's checkpoint
     helios-run --nproc-per-node 2 -m helios.train --out runs/dp2   # data parallel over 2 ranks
     helios-run --nproc-per-node 4 -m helios.train --tp 2 --pp 2 --microbatches 8 --out runs/3d
+    helios-run --nproc-per-node 2 -m helios.train --pp 2 --pp-virtual 2 --microbatches 4   # interleaved
 
 Each step is split into timed phases (forward, backward, grad_clip, optimizer,
 data_load, host->device, device->host, checkpoint, sample_gen; idle is the rest).
@@ -19,7 +20,8 @@ every global batch, so N ranks see exactly the data one rank would.  Only rank 0
 samples and writes the run database (which holds every rank's step timing).
 
 --tp splits each layer over tensor-parallel ranks and --pp the layers into pipeline stages
-trained with the 1F1B schedule over --microbatches micro-batches of each replica's batch;
+trained with the 1F1B schedule over --microbatches micro-batches of each replica's batch
+(--pp-virtual v: each rank holds v chunks of layers, Megatron-LM's interleaved schedule);
 the ranks left over are data parallel.  Checkpoints always hold the whole model's tensors
 under one device's names, so a run resumes on any layout.
 """
@@ -115,6 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pp", type=int, default=1,
                    help="pipeline stages per model replica (the layers split by parameter count, trained with the "
                         "1F1B schedule); the ranks left over are data parallel")
+    p.add_argument("--pp-virtual", type=int, default=1,
+                   help="with --pp: model chunks (virtual stages) per pipeline rank, the layers round-robin over the "
+                        "ranks, trained with Megatron-LM's interleaved 1F1B (bubble (pp-1)/(v*m+pp-1); --microbatches "
+                        "a multiple of --pp); 1: plain 1F1B")
     p.add_argument("--microbatches", type=int, default=None,
                    help="micro-batches each replica's batch is split into (default: --pp): the pipeline's, or "
                         "gradient accumulation within the batch without --pp")
@@ -230,7 +236,7 @@ def _train(args, given: set[str]) -> int:
     settings.check_data_parallel(args.dp, world, args.tp, args.pp, args.cp)
     # Context-parallel peers hold one replica's sequences between them: to the layout, one rank.
     layout = settings.check_layout(world // args.cp, args.tp, args.pp, args.microbatches, args.zero, bs,
-                                   cfgd["n_layer"], cfgd["n_head"], cfgd["n_embd"])
+                                   cfgd["n_layer"], cfgd["n_head"], cfgd["n_embd"], virtual=args.pp_virtual)
     pipeline = layout.pp > 1
     settings.check_experts(args.moe_experts, args.moe_top_k, args.ep, args.tp, args.pp, world, args.zero)
     settings.check_dtype(args.dtype, args.tp, args.pp, args.zero, args.moe_experts)
@@ -286,7 +292,7 @@ def _train(args, given: set[str]) -> int:
                                  moe_capacity=args.moe_capacity, moe_aux_alpha=args.moe_aux_alpha)
     run.check_same({**run_meta, "zero": args.zero, "bucket_cap_mb": args.bucket_cap_mb, "resume": args.resume,
                     "out": os.path.abspath(args.out), "grad_compression": comm_hook.spec if comm_hook else "none",
-                    "tp": args.tp, "pp": args.pp, "microbatches": layout.microbatches,
+                    "tp": args.tp, "pp": args.pp, "pp_virtual": args.pp_virtual, "microbatches": layout.microbatches,
                     "sequence_parallel": args.sequence_parallel})
     hl.manual_seed(args.seed)
     gpt = GPT(cfg, seed=args.seed)
@@ -321,9 +327,10 @@ def _train(args, given: set[str]) -> int:
             gpt = TensorParallelGPT(gpt, grid.tp_group, sequence_parallel=args.sequence_parallel)  # this rank's shards
     whole = gpt  # the whole model (a resumed run loads it by name; then only the stage's layers stay)
     if pipeline:
-        from helios.schedule.pipeline import PipelineStage, describe_stages
+        from helios.schedule.pipeline import InterleavedPipelineStage, PipelineStage, describe_stages
 
-        gpt = PipelineStage(whole, grid)  # this rank's layers, under the whole model's names
+        # this rank's layers (its chunks under --pp-virtual), under the whole model's names
+        gpt = InterleavedPipelineStage(whole, grid, layout.virtual) if layout.virtual > 1 else PipelineStage(whole, grid)
     tensor_parallel = grid is not None and args.tp > 1
     tp_group = grid.tp_group if tensor_parallel else None  # (None is also the world's group: test the flag)
     tp_rank = grid.tp_rank if tensor_parallel else 0
@@ -395,7 +402,8 @@ def _train(args, given: set[str]) -> int:
         if scaler.is_enabled() and meta.get("grad_scaler"):
             scaler.load_state_dict(meta["grad_scaler"])  # the loss scale goes on where it was
         n = meta.get("world_size")
-        saved_grid = "".join(f", {k} {v}" for k, v in meta.get("grid", {}).items() if k in ("tp", "pp") and v > 1)
+        saved_grid = "".join(f", {k.replace('_', ' ')} {v}" for k, v in meta.get("grid", {}).items()
+                             if k in ("tp", "pp", "pp_virtual") and v > 1)
         was = f" (saved by {n} rank{'s' if n != 1 else ''}{saved_grid}, ZeRO-{meta.get('zero', 0)})" if n else ""
         say(f"resumed from {resumed_from} at step {start_step}{was}")
         # Once every rank has read it, drop what a dead attempt left after it: a stray shard of
@@ -425,7 +433,7 @@ def _train(args, given: set[str]) -> int:
         say(f"mixture of experts: {args.moe_experts} experts per block, top-{args.moe_top_k}, capacity factor "
             f"{args.moe_capacity}, load-balancing loss x {args.moe_aux_alpha} (logged as aux)")
     if pipeline:
-        say(f"pipeline stages: {describe_stages(gpt.bounds, cfg.n_layer)}")
+        say(f"pipeline stages: {describe_stages(gpt.bounds, cfg.n_layer, layout.pp)}")
     say(f"data: {summ['corpus']}, {summ['train_tokens']:,} train / {summ['val_tokens']:,} val tokens, "
         f"tokenizer {summ['tokenizer']}; unigram entropy {summ['unigram_entropy_nats']:.3f} nats "
         f"(uniform {summ['uniform_loss_nats']:.3f})")
@@ -435,7 +443,7 @@ def _train(args, given: set[str]) -> int:
         db = RunDB(args.out, device=dev["name"], dtype=args.dtype, n_devices=run.world, peak_flops=peak,
                    peak_label=peak_label, flops_per_token=fpt, n_params=n_params,
                    config={**run_meta, "steps": steps, "world_size": run.world, "zero": zero, "tp": args.tp,
-                           "pp": args.pp, "microbatches": layout.microbatches,
+                           "pp": args.pp, "pp_virtual": layout.virtual, "microbatches": layout.microbatches,
                            "memory": _model_state_bytes(model, opt, rt, run.world, zero)})
     writer = sharded.AsyncCheckpointer(args.out, run.rank, run.world)
 
@@ -446,7 +454,8 @@ def _train(args, given: set[str]) -> int:
         meta = train_state.training_meta(opt, loader, at_step, run_meta, run.world, zero)
         if scaler.is_enabled():
             meta["grad_scaler"] = scaler.state_dict()
-        meta["grid"] = {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "microbatches": layout.microbatches}
+        meta["grid"] = {"tp": layout.tp, "pp": layout.pp, "pp_virtual": layout.virtual, "dp": layout.dp,
+                        "microbatches": layout.microbatches}
         if comm_hook is not None:
             meta["comm_hook"] = train_state.comm_hook_meta(comm_hook, run.world)
         # The shards were just read from the device (or copied from the hook) into fresh arrays:
@@ -552,7 +561,7 @@ def _train(args, given: set[str]) -> int:
         return loss_dev
 
     def pipeline_step() -> float | None:
-        """The step's micro-batches through this stage in 1F1B order, then the stage's gradients
+        """The step's micro-batches through this stage in 1F1B (or interleaved) order, then the stage's gradients
         averaged over the data-parallel replicas; the mean loss on the last stage, None elsewhere."""
         xs, ys = zip(*micro_batches())
         loss = gpt.train_step(list(xs), list(ys), phase=timer.phase)

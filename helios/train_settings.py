@@ -76,6 +76,7 @@ BOUNDS = (
     Bound("stop_after", "--stop-after", _at_least(1), "at least 1"),
     Bound("tp", "--tp", _at_least(1), "at least 1"),
     Bound("pp", "--pp", _at_least(1), "at least 1"),
+    Bound("pp_virtual", "--pp-virtual", _at_least(1), "at least 1 (1: the 1F1B schedule)"),
     Bound("microbatches", "--microbatches", _at_least(1), "at least 1"),
     Bound("moe_experts", "--moe-experts", _at_least(0), "0 (a dense MLP) or more experts"),
     Bound("moe_top_k", "--moe-top-k", _at_least(1), "at least 1"),
@@ -100,18 +101,23 @@ def check_bounds(values: dict) -> None:
 class Layout:
     """How the ranks split the work: ``tp`` x ``pp`` x ``dp`` ranks, ``microbatches`` per batch
     of each data-parallel replica (the pipeline's micro-batches, or gradient accumulation
-    within the batch without a pipeline)."""
+    within the batch without a pipeline), ``virtual`` chunks per pipeline rank (above 1: the
+    interleaved schedule)."""
 
     tp: int
     pp: int
     dp: int
     microbatches: int
+    virtual: int = 1
 
     def describe(self) -> str:
         """The layout as the trainer's banner says it, e.g. ``pipeline parallel 2 (4 micro-batches)
         x tensor parallel 2 x data parallel 1``."""
         parts = []
-        if self.pp > 1:
+        if self.pp > 1 and self.virtual > 1:
+            parts.append(f"pipeline parallel {self.pp} x {self.virtual} virtual stages (interleaved, "
+                         f"{self.microbatches} micro-batches)")
+        elif self.pp > 1:
             parts.append(f"pipeline parallel {self.pp} ({self.microbatches} micro-batches)")
         if self.tp > 1:
             parts.append(f"tensor parallel {self.tp}")
@@ -121,10 +127,11 @@ class Layout:
 
 
 def check_layout(world: int, tp: int, pp: int, microbatches: int | None, zero: int, batch: int, n_layer: int,
-                 n_head: int, n_embd: int) -> Layout:
-    """The layout of ``world`` ranks for --tp, --pp and --microbatches (default: --pp, or 1 without
-    a pipeline); a layout that cannot work is refused in one line naming its flag.  Every rank
-    runs this before any rank waits for another, so every rank refuses alike."""
+                 n_head: int, n_embd: int, virtual: int = 1) -> Layout:
+    """The layout of ``world`` ranks for --tp, --pp, --microbatches (default: --pp, or 1 without
+    a pipeline) and --pp-virtual (``virtual``); a layout that cannot work is refused in one line
+    naming its flag.  Every rank runs this before any rank waits for another, so every rank
+    refuses alike."""
     if world % tp:
         usage(f"--tp {tp} must divide the number of ranks ({world}): the ranks left over, world / tp, are the "
               "data-parallel replicas")
@@ -137,6 +144,8 @@ def check_layout(world: int, tp: int, pp: int, microbatches: int | None, zero: i
     if pp > n_layer:
         usage(f"--pp {pp} is more pipeline stages than the model has transformer layers ({n_layer}); use at most "
               f"{n_layer}")
+    if virtual > 1:
+        check_pipeline_virtual(virtual, tp, pp, n_layer)
     if pp > 1 and zero:
         usage(f"--zero {zero} with --pp {pp}: ZeRO over the data-parallel ranks of a pipeline-parallel model is not "
               "supported yet; use --zero 0")
@@ -155,7 +164,23 @@ def check_layout(world: int, tp: int, pp: int, microbatches: int | None, zero: i
         of = f"--batch-size {batch}" if dp == 1 else f"--batch-size {batch} / {dp} data-parallel replicas"
         usage(f"--microbatches {m}{given} must divide the batch of each data-parallel replica, {per} sequences "
               f"({of})")
-    return Layout(tp, pp, dp, m)
+    if virtual > 1 and m % pp:
+        usage(f"--microbatches {m} must be a multiple of --pp {pp} with --pp-virtual {virtual}: the interleaved "
+              "schedule runs the micro-batches in groups of --pp (Megatron-LM's rule)")
+    return Layout(tp, pp, dp, m, virtual)
+
+
+def check_pipeline_virtual(virtual: int, tp: int, pp: int, n_layer: int) -> None:
+    """Refuse a --pp-virtual above 1 that helios-train cannot run, naming the flags: it needs a
+    pipeline, one transformer layer at least per virtual stage, and no tensor parallelism yet."""
+    if pp < 2:
+        usage(f"--pp-virtual {virtual} interleaves the stages of a pipeline: give --pp 2 or more")
+    if pp * virtual > n_layer:
+        usage(f"--pp {pp} x --pp-virtual {virtual} = {pp * virtual} virtual stages, more than the model's "
+              f"{n_layer} transformer layers; use --pp-virtual {max(1, n_layer // pp)} or less")
+    if tp > 1:
+        usage(f"--pp-virtual {virtual} with --tp {tp}: the interleaved schedule runs pipelines without tensor "
+              "parallelism so far (drop --tp, or use --pp-virtual 1)")
 
 
 # ---- --resume: the run's own settings ------------------------------------------------------

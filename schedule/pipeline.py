@@ -69,8 +69,10 @@ def balance(weights: list[int], parts: int) -> list[tuple[int, int]]:
     return bounds[::-1]
 
 
-def describe_stages(bounds: list[tuple[int, int]], n_layer: int) -> str:
-    """What each stage holds, in one line: ``0: embeddings, blocks 0-1 | 1: blocks 2-3, final LayerNorm``."""
+def describe_stages(bounds: list[tuple[int, int]], n_layer: int, pp: int | None = None) -> str:
+    """What each stage holds, in one line: ``0: embeddings, blocks 0-1 | 1: blocks 2-3, final LayerNorm``.
+    With more stages than ``pp`` ranks (virtual stages), each says its rank and chunk:
+    ``2 (rank 0 chunk 1): block 1``."""
     parts = []
     for s, (lo, hi) in enumerate(bounds):
         what = ["embeddings"] if lo == 0 else []
@@ -79,7 +81,8 @@ def describe_stages(bounds: list[tuple[int, int]], n_layer: int) -> str:
             what.append(f"block {blocks[0]}" if len(blocks) == 1 else f"blocks {blocks[0]}-{blocks[-1]}")
         if hi == n_layer + 2:
             what.append("final LayerNorm and output layer")
-        parts.append(f"{s}: {', '.join(what)}")
+        label = f"{s} (rank {s % pp} chunk {s // pp})" if pp and len(bounds) > pp else str(s)
+        parts.append(f"{label}: {', '.join(what)}")
     return " | ".join(parts)
 
 

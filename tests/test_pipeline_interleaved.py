@@ -90,6 +90,38 @@ def test_bad_schedules_are_refused_by_name():
         pipeline_schedule(2, 2, 4, 2)
 
 
+def test_the_flag_is_checked_against_the_layout(capsys):
+    from helios.schedule.pipeline import describe_stages
+    from helios.train_settings import check_bounds, check_layout
+
+    # world, tp, pp, microbatches, zero, batch, n_layer, n_head, n_embd
+    lay = check_layout(2, 1, 2, 4, 0, 8, 4, 2, 32, virtual=2)
+    assert lay.virtual == 2
+    assert lay.describe() == "pipeline parallel 2 x 2 virtual stages (interleaved, 4 micro-batches) x data parallel 1"
+    assert check_layout(2, 1, 2, 4, 0, 8, 4, 2, 32).describe() == (
+        "pipeline parallel 2 (4 micro-batches) x data parallel 1")  # --pp-virtual 1: as before
+    assert describe_stages([(0, 2), (2, 3), (3, 4), (4, 6)], 4, 2) == (
+        "0 (rank 0 chunk 0): embeddings, block 0 | 1 (rank 1 chunk 0): block 1 | 2 (rank 0 chunk 1): block 2 | "
+        "3 (rank 1 chunk 1): block 3, final LayerNorm and output layer")
+    refused = [
+        (dict(world=4, tp=1, pp=4, microbatches=6, batch=24), "--microbatches 6 must be a multiple of --pp 4"),
+        (dict(world=2, tp=1, pp=2, microbatches=4, batch=8, n_layer=2), "--pp 2 x --pp-virtual 2 = 4 virtual stages, "
+                                                                       "more than the model's 2 transformer layers"),
+        (dict(world=2, tp=1, pp=1, microbatches=4, batch=8), "--pp-virtual 2 interleaves the stages of a pipeline"),
+        (dict(world=4, tp=2, pp=2, microbatches=4, batch=8), "--pp-virtual 2 with --tp 2"),
+    ]
+    for kw, needle in refused:
+        a = dict(zero=0, n_layer=8, n_head=2, n_embd=32, virtual=2) | kw
+        with pytest.raises(SystemExit) as e:
+            check_layout(a["world"], a["tp"], a["pp"], a["microbatches"], a["zero"], a["batch"], a["n_layer"],
+                         a["n_head"], a["n_embd"], virtual=a["virtual"])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and needle in err and err.count("\n") == 1, err
+    with pytest.raises(SystemExit):
+        check_bounds({"pp_virtual": 0})
+    assert "--pp-virtual must be at least 1" in capsys.readouterr().err
+
+
 def _rank_main(out_dir: str) -> None:
     import helios as hl
     import helios.comm as dist
@@ -191,6 +223,36 @@ def test_two_ranks_two_chunks_train_what_one_device_trains(tmp_path):
         print(f"rank {r['rank']}: measured idle fraction per step {[round(x, 3) for x in r['idle']]}, "
               f"formula (p-1)/(vm+p-1) = {want:.3f}")
         assert all(0.0 <= x < 1.0 for x in r["idle"])
+
+
+@pytest.mark.vulkan
+@pytest.mark.multiproc
+def test_helios_train_runs_the_interleaved_schedule(tmp_path):
+    from test_train_dist import BIN, ROOT, _env, losses
+
+    import subprocess
+
+    def train(world, out, *flags):
+        cmd = [os.path.join(BIN, "helios-run"), "--nproc-per-node", str(world), "-m", "helios.train", "--config",
+               "tiny", "--steps", "3", "--no-progress", "--eval-every", "0", "--sample-tokens", "4", "--eval-batches",
+               "1", "--ckpt-every", "0", "--out", str(out), *flags]
+        r = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+        return r
+
+    r = train(2, tmp_path / "pp", "--pp", "2", "--pp-virtual", "2", "--microbatches", "4")
+    assert "pipeline parallel 2 x 2 virtual stages (interleaved, 4 micro-batches) x data parallel 1" in r.stdout
+    assert ("pipeline stages: 0 (rank 0 chunk 0): embeddings, block 0 | 1 (rank 1 chunk 0): block 1 | "
+            "2 (rank 0 chunk 1): block 2 | 3 (rank 1 chunk 1): block 3, final LayerNorm and output layer") in r.stdout
+    one = train(1, tmp_path / "one", "--microbatches", "4")  # one rank accumulating the same micro-batches
+    assert one.returncode == 0
+    got, want = losses(tmp_path / "pp"), losses(tmp_path / "one")
+    assert len(got) == 3 and got[0] == want[0]  # the same sum of the same scaled losses, in order
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    from helios.schedule import checkpoint as C
+
+    _, d = C.latest_complete(str(tmp_path / "pp"))
+    assert C.metadata(d)["meta"]["grid"]["pp_virtual"] == 2  # saved with the layout, like --pp
 
 
 if __name__ == "__main__":

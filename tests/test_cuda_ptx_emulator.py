@@ -455,7 +455,7 @@ def test_parser_rejects_what_it_does_not_know():
         parse(".target sm_80\n.visible .entry k(\n)\n{\n\tbra $nowhere;\n}\n")
     with pytest.raises(PtxParseError, match="not declared"):
         parse(".target sm_80\n.visible .entry k(\n)\n{\n\tmov.u32 %r0, 1;\n}\n").reg_type("%r0")
-    bad = _kernel(32, lambda b, ps, tid: b.emit("popc.b32", b.reg("u32"), tid))
+    bad = _kernel(32, lambda b, ps, tid: b.emit("prmt.b32", b.reg("u32"), tid, tid, 0))
     mem = GlobalMemory()
-    with pytest.raises(EmulationError, match="popc.b32 is not modelled"):
+    with pytest.raises(EmulationError, match="prmt.b32 is not modelled"):
         emulate_kernel(bad, 32, 0, {"out": mem.alloc(4)}, mem)

@@ -20,7 +20,9 @@ Then the pipeline (``helios.schedule.pipeline``, helios-train's ``--pp``): the s
 GPT in 2 stages on 2 ranks, 1F1B with m = 1, 4, 8 micro-batches of 2 sequences, 6 steps;
 ``idle_fraction`` per stage (median of steps 3-6: the share of a step spent waiting on
 a neighbour, after the stage's own device work) against the bubble formula (p - 1) /
-(m + p - 1).
+(m + p - 1); ``step_ms`` the median step of those.  Then the interleaved schedule
+(``--pp-virtual 2``: 2 chunks per rank, 4 virtual stages) with m = 4, 8 in the same run,
+against (p - 1) / (v m + p - 1).
 
 Then sequence parallelism's activation memory: the same GPT's forward on 1 rank, on tp 2
 and on tp 2 with ``sequence_parallel=True`` (one batch of the config, rank 0): the
@@ -93,31 +95,41 @@ def _ranks_of_this_script(world: int, *args: str) -> list[str]:
     return [ln[ln.index("{"):] for ln in r.stdout.splitlines() if '"bench"' in ln]
 
 
-def pipeline_rank(m: int, config: str) -> None:
-    """One rank of the pipeline measurement (started by helios-run): prints its stage's idle share."""
+def pipeline_rank(m: int, config: str, virtual: int = 1) -> None:
+    """One rank of the pipeline measurement (started by helios-run): prints its stage's idle
+    share and step time (``virtual`` chunks per rank: the interleaved schedule above 1)."""
+    import time
+
     import numpy as np
 
     import helios.comm as dist
     from helios.nn import GPT
     from helios.schedule.grid import ParallelGrid
-    from helios.schedule.pipeline import PipelineStage
+    from helios.schedule.pipeline import InterleavedPipelineStage, PipelineStage, bubble_fraction
 
     dist.init_process_group()
     pp = dist.get_world_size()
     cfg = _gpt_config(config)
     rng = np.random.default_rng(0)
     xs = [rng.integers(0, 256, (2, cfg.block_size)) for _ in range(m)]
-    stage = PipelineStage(GPT(cfg, seed=1), ParallelGrid(pp=pp))
-    shares = []
+    grid = ParallelGrid(pp=pp)
+    gpt = GPT(cfg, seed=1)
+    stage = InterleavedPipelineStage(gpt, grid, virtual) if virtual > 1 else PipelineStage(gpt, grid)
+    shares, times = [], []
     for step in range(6):
+        dist.barrier()  # the ranks start each step together, as after helios-train's per-step collective
+        t0 = time.perf_counter()
         stage.train_step(xs, xs)
+        times.append(time.perf_counter() - t0)
         for p in stage.parameters():
             p.grad = None
         if step >= 2:
             shares.append(stage.last_idle_fraction)
-    print(json.dumps({"bench": "model_parallel", "layout": f"pp {pp}", "microbatches": m, "stage": stage.stage,
+    layout = f"pp {pp}" + (f" x virtual {virtual}" if virtual > 1 else "")
+    print(json.dumps({"bench": "model_parallel", "layout": layout, "microbatches": m, "stage": stage.stage,
                       "blocks": stage.block_ids, "idle_fraction": round(float(np.median(shares)), 3),
-                      "bubble_formula": round((pp - 1) / (m + pp - 1), 3)}), flush=True)
+                      "bubble_formula": round(bubble_fraction(pp, virtual, m), 3),
+                      "step_ms": round(1e3 * float(np.median(times[2:])), 1)}), flush=True)
     dist.destroy_process_group()
 
 
@@ -173,10 +185,13 @@ def activations(config: str) -> None:
 
 
 def pipeline(config: str) -> None:
-    """The pipeline rows: 2 ranks of this script per micro-batch count."""
-    for m in (1, 4, 8):
-        for line in sorted(_ranks_of_this_script(2, "--pipeline-rank", str(m), "--config", config)):
-            print(line, flush=True)
+    """The pipeline rows: 2 ranks of this script per micro-batch count, 1F1B then interleaved
+    with 2 chunks per rank (m a multiple of the 2 ranks)."""
+    for virtual, ms in ((1, (1, 4, 8)), (2, (4, 8))):
+        for m in ms:
+            for line in sorted(_ranks_of_this_script(2, "--pipeline-rank", str(m), "--pipeline-virtual", str(virtual),
+                                                     "--config", config)):
+                print(line, flush=True)
 
 
 def main() -> None:
@@ -188,10 +203,11 @@ def main() -> None:
     ap.add_argument("--skip-activations", action="store_true")
     ap.add_argument("--skip-train", action="store_true", help="leave out the helios-train rows (1 rank, dp 2, tp 2)")
     ap.add_argument("--pipeline-rank", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--pipeline-virtual", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--activations-rank", choices=["sp", "plain"], default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.pipeline_rank is not None:
-        pipeline_rank(a.pipeline_rank, a.config)
+        pipeline_rank(a.pipeline_rank, a.config, a.pipeline_virtual)
         return
     if a.activations_rank is not None:
         activations_rank(a.config, a.activations_rank == "sp")

@@ -18,6 +18,12 @@ at most p - s micro-batches' activations (p on the first), and each stage idles 
 scaled losses are summed on the device in micro-batch order, so the loss and the gradients
 are those of one device accumulating the same m micro-batches.
 
+The interleaved schedule (Megatron-LM's virtual stages, helios-train's ``--pp-virtual v``):
+``InterleavedPipelineStage(gpt, grid, v)`` holds v chunks, the layers cut into pp x v runs
+that go round-robin over the ranks (chunk c of rank r is virtual stage c * pp + r), and runs
+``pipeline_schedule``'s order; the bubble shrinks to (p - 1) of v * m + p - 1 chunk slots.
+``simulate_schedule`` runs any (p, v, m) on a unit-time clock.
+
 The tied embedding lives on the first stage (input) and the last (output layer): each
 keeps a copy, and after the step's backwards the two gradients are summed between them
 (Megatron's embedding group).

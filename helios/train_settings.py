@@ -145,7 +145,7 @@ def check_layout(world: int, tp: int, pp: int, microbatches: int | None, zero: i
         usage(f"--pp {pp} is more pipeline stages than the model has transformer layers ({n_layer}); use at most "
               f"{n_layer}")
     if virtual > 1:
-        check_pipeline_virtual(virtual, tp, pp, n_layer)
+        check_pipeline_virtual(virtual, pp, n_layer)
     if pp > 1 and zero:
         usage(f"--zero {zero} with --pp {pp}: ZeRO over the data-parallel ranks of a pipeline-parallel model is not "
               "supported yet; use --zero 0")
@@ -170,17 +170,14 @@ def check_layout(world: int, tp: int, pp: int, microbatches: int | None, zero: i
     return Layout(tp, pp, dp, m, virtual)
 
 
-def check_pipeline_virtual(virtual: int, tp: int, pp: int, n_layer: int) -> None:
+def check_pipeline_virtual(virtual: int, pp: int, n_layer: int) -> None:
     """Refuse a --pp-virtual above 1 that helios-train cannot run, naming the flags: it needs a
-    pipeline, one transformer layer at least per virtual stage, and no tensor parallelism yet."""
+    pipeline and one transformer layer at least per virtual stage."""
     if pp < 2:
         usage(f"--pp-virtual {virtual} interleaves the stages of a pipeline: give --pp 2 or more")
     if pp * virtual > n_layer:
         usage(f"--pp {pp} x --pp-virtual {virtual} = {pp * virtual} virtual stages, more than the model's "
               f"{n_layer} transformer layers; use --pp-virtual {max(1, n_layer // pp)} or less")
-    if tp > 1:
-        usage(f"--pp-virtual {virtual} with --tp {tp}: the interleaved schedule runs pipelines without tensor "
-              "parallelism so far (drop --tp, or use --pp-virtual 1)")
 
 
 # ---- --resume: the run's own settings ------------------------------------------------------

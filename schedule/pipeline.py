@@ -553,6 +553,8 @@ class InterleavedPipelineStage(PipelineStage):
     def __init__(self, gpt, grid, virtual: int) -> None:
         if not isinstance(virtual, int) or virtual < 1:
             raise ValueError(f"pipeline: virtual must be at least 1 chunk per rank, got {virtual!r}")
+        if virtual > 1 and grid.pp < 2:
+            raise ValueError(f"pipeline: virtual {virtual} interleaves the stages of a pipeline; the grid has pp 1")
         stages = grid.pp * virtual
         if stages > gpt.config.n_layer:
             raise ValueError(f"pipeline: {grid.pp} ranks x {virtual} chunks is {stages} virtual stages, more than the "

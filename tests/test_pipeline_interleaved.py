@@ -88,6 +88,15 @@ def test_bad_schedules_are_refused_by_name():
         pipeline_schedule(2, 0, 4, 0)
     with pytest.raises(ValueError, match=r"rank must be in \[0, 2\)"):
         pipeline_schedule(2, 2, 4, 2)
+    from types import SimpleNamespace
+
+    from helios.schedule.pipeline import InterleavedPipelineStage
+
+    gpt = SimpleNamespace(config=SimpleNamespace(n_layer=4))
+    with pytest.raises(ValueError, match="virtual 2 interleaves the stages of a pipeline; the grid has pp 1"):
+        InterleavedPipelineStage(gpt, SimpleNamespace(pp=1), 2)
+    with pytest.raises(ValueError, match="2 ranks x 4 chunks is 8 virtual stages, more than the model's 4"):
+        InterleavedPipelineStage(gpt, SimpleNamespace(pp=2), 4)
 
 
 def test_the_flag_is_checked_against_the_layout(capsys):
@@ -121,7 +130,7 @@ def test_the_flag_is_checked_against_the_layout(capsys):
     assert "--pp-virtual must be at least 1" in capsys.readouterr().err
 
 
-def _rank_main(out_dir: str) -> None:
+def _rank_main(out_dir: str, v: int) -> None:
     import helios as hl
     import helios.comm as dist
     from helios.nn import GPT, GPTConfig
@@ -130,7 +139,7 @@ def _rank_main(out_dir: str) -> None:
     from helios.schedule.pipeline import InterleavedPipelineStage
 
     dist.init_process_group(backend="shm")
-    pp, v = dist.get_world_size(), 2
+    pp = dist.get_world_size()
     grid = ParallelGrid(pp=pp)
     cfg = GPTConfig(vocab_size=64, block_size=T, n_layer=4, n_head=2, n_embd=32)
     rng = np.random.default_rng(5)
@@ -187,20 +196,23 @@ def _rank_main(out_dir: str) -> None:
             res["logits_close"] = bool(np.allclose(got, want_logits, rtol=1e-5, atol=1e-5))
     else:
         res["forward_only_elsewhere"] = [evaluated, logits]
-    with open(os.path.join(out_dir, f"rank{stage.stage}.json"), "w") as f:
+    with open(os.path.join(out_dir, f"v{v}-rank{stage.stage}.json"), "w") as f:
         json.dump(res, f)
     dist.destroy_process_group()
 
 
 @pytest.mark.vulkan
 @pytest.mark.multiproc
-def test_two_ranks_two_chunks_train_what_one_device_trains(tmp_path):
+@pytest.mark.parametrize("v", [2, 1])
+def test_two_ranks_two_chunks_train_what_one_device_trains(tmp_path, v):
     from helios.schedule.pipeline import bubble_fraction
 
-    check_ok(run_ranks([__file__, str(tmp_path)], 2, timeout=240))
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    # 4 blocks over 2 ranks x 2 chunks, round-robin: virtual stage c * 2 + r holds block c * 2 + r.
-    assert [r["chunks"] for r in ranks] == [[[0], [2]], [[1], [3]]]
+    check_ok(run_ranks([__file__, str(tmp_path), str(v)], 2, timeout=240))
+    ranks = [json.loads((tmp_path / f"v{v}-rank{r}.json").read_text()) for r in range(2)]
+    if v == 2:  # 4 blocks over 2 ranks x 2 chunks, round-robin: virtual stage c * 2 + r holds block c * 2 + r
+        assert [r["chunks"] for r in ranks] == [[[0], [2]], [[1], [3]]]
+    else:  # one chunk per rank: the class runs 1F1B's order
+        assert [r["chunks"] for r in ranks] == [[[0, 1]], [[2, 3]]]
     last = ranks[-1]
     # Step 1 starts from the same weights: the same scaled losses summed in the same order.
     assert last["losses"][0] == last["ref_losses"][0]
@@ -215,11 +227,11 @@ def test_two_ranks_two_chunks_train_what_one_device_trains(tmp_path):
     # After the steps the weights agree to float noise (the tied table), so forward-only does too.
     assert last["eval"] == pytest.approx(last["ref_eval"], rel=1e-5) and last["logits_close"]
     assert ranks[0]["forward_only_elsewhere"] == [None, None]
-    want = bubble_fraction(2, 2, M)
+    want = bubble_fraction(2, v, M)
     for r in ranks:
         # On 2 oversubscribed cores the measured wait is noise around the bubble: reported, the
         # formula is checked exactly on the schedule's simulated clock above.
-        print(f"rank {r['rank']}: measured idle fraction per step {[round(x, 3) for x in r['idle']]}, "
+        print(f"v {v} rank {r['rank']}: measured idle fraction per step {[round(x, 3) for x in r['idle']]}, "
               f"formula (p-1)/(vm+p-1) = {want:.3f}")
         assert all(0.0 <= x < 1.0 for x in r["idle"])
 
@@ -292,4 +304,4 @@ def test_tensor_parallel_stages_interleave_like_1f1b(tmp_path):
 
 
 if __name__ == "__main__":
-    _rank_main(sys.argv[1])
+    _rank_main(sys.argv[1], int(sys.argv[2]))

@@ -22,8 +22,9 @@ samples and writes the run database (which holds every rank's step timing).
 --tp splits each layer over tensor-parallel ranks and --pp the layers into pipeline stages
 trained with the 1F1B schedule over --microbatches micro-batches of each replica's batch
 (--pp-virtual v: each rank holds v chunks of layers, Megatron-LM's interleaved schedule);
-the ranks left over are data parallel.  Checkpoints always hold the whole model's tensors
-under one device's names, so a run resumes on any layout.
+the ranks left over are data parallel.  --zero 1|2 with --pp shards each stage over its
+data-parallel ranks.  Checkpoints always hold the whole model's tensors under one device's
+names, so a run resumes on any layout.
 """
 
 from __future__ import annotations
@@ -349,9 +350,9 @@ def _train(args, given: set[str]) -> int:
         from helios.schedule.zero import ZeroDataParallel
 
         # Model wrapper and optimizer in one: it owns the parameters' flat buffer and the shards.
-        # (With --tp, over the data-parallel ranks that hold the same tensor-parallel shards.)
-        model = opt = ZeroDataParallel(gpt, zero, groups, lr=lr_max, betas=(0.9, 0.95),
-                                       bucket_cap_mb=args.bucket_cap_mb, group=grid.dp_group if args.tp > 1 else None)
+        # (With --tp or --pp, over the data-parallel ranks that hold the same shards of the same stage.)
+        model = opt = ZeroDataParallel(gpt, zero, groups, lr=lr_max, betas=(0.9, 0.95), bucket_cap_mb=args.bucket_cap_mb,
+                                       group=grid.dp_group if args.tp > 1 or pipeline else None)
     else:
         if run.active and grid.dp > 1 and not pipeline:  # a pipeline averages after its flush (below)
             from helios.schedule import DistributedDataParallel
@@ -564,6 +565,15 @@ def _train(args, given: set[str]) -> int:
         """The step's micro-batches through this stage in 1F1B (or interleaved) order, then the stage's gradients
         averaged over the data-parallel replicas; the mean loss on the last stage, None elsewhere."""
         xs, ys = zip(*micro_batches())
+        if zero:
+            # The stage runs backward itself: its gradients accumulate locally (the tied table's
+            # two summed between the first and the last stage), then ZeRO reduces them over the
+            # stage's data-parallel ranks (stage 1 all-reduces, stage 2 reduce-scatters).
+            with model.no_sync():
+                loss = gpt.train_step(list(xs), list(ys), phase=timer.phase)
+            with timer.phase("comm"):
+                opt.reduce_gradients()
+            return loss
         loss = gpt.train_step(list(xs), list(ys), phase=timer.phase)
         if grid.dp > 1:
             with timer.phase("comm"):
@@ -602,8 +612,11 @@ def _train(args, given: set[str]) -> int:
                 scaler.unscale_(opt)  # fp16: the true gradients, for the norm and the inf/nan test
                 if args.grad_clip > 0:
                     if zero:
-                        # the global norm over every rank's shard (and every tensor-parallel part)
-                        opt.clip_grad_norm_(args.grad_clip, tp_group=tp_group if args.tp > 1 else None)
+                        # the global norm over every rank's shard (and every tensor-parallel part, and
+                        # every pipeline stage: the tied table counted once, by the first stage)
+                        opt.clip_grad_norm_(args.grad_clip, tp_group=tp_group if args.tp > 1 else None,
+                                            pp_group=gpt.group if pipeline else None,
+                                            counted=gpt.owns if pipeline else None)
                     else:
                         clip(gpt.parameters(), args.grad_clip)
                 rt.synchronize()

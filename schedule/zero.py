@@ -42,6 +42,13 @@ sharded gradient); ``full_parameters() -> {name: ndarray}`` (every rank must cal
 Psi); ``moment_ranges()``, ``moment_shards()`` and ``load_moment_shards()`` (the moments by
 parameter, as helios-train's checkpoint code reads and writes them).
 
+``reduce_gradients()`` (stages 1-2) reduces gradients that backward passes accumulated inside
+``no_sync()``, for a caller that runs backward itself and must touch the local sums first: a
+pipeline stage (helios-train ``--pp --zero 1|2``) sums the tied embedding's two gradients
+between its first and last stage, then reduces.  ``clip_grad_norm_(max_norm, tp_group=None,
+pp_group=None, counted=None)``: with ``pp_group`` the squares are also summed over the pipeline's
+stages, each counting only the parameters ``counted(name)`` accepts (the stage's ``owns``).
+
 ``ZeroDataParallel(module, stage, params, lr=..., bucket_cap_mb=25, ...)`` is the DDP model and
 its ``ZeroAdamW`` in one object (a ``DistributedDataParallel`` whose optimizer methods are the
 ZeroAdamW's), for a trainer that holds one object as both.
@@ -810,6 +817,55 @@ class ZeroAdamW(Optimizer):
                 views.append(g.gshard)
         return views
 
+    @no_grad()
+    def reduce_gradients(self) -> None:
+        """Reduce, now, the gradients that backward passes accumulated locally (inside the model's
+        ``no_sync()``), as DDP's next synchronised backward would: stage 1 averages the flat
+        gradient buffers over the ranks, stage 2 reduce-scatters each segment's staging buffer
+        into this rank's shard.  For a caller that runs backward itself and must touch the local
+        sums before they are reduced: a pipeline stage (its micro-batches in 1F1B order, then the
+        tied embedding's two gradients summed between the first and the last stage).  Every rank
+        of the group calls it, after the same backward passes."""
+        if self.stage == 3:
+            raise ValueError("ZeroAdamW.reduce_gradients: stage 3 gathers and reduces each unit during backward; "
+                             "it cannot run backward outside the model's hooks (use stage 1 or 2)")
+        self._settle()
+        works = []
+        for g in self.groups:
+            for s in g.segs:
+                if self.stage == 2 and not s.gfull.materialized:
+                    self._stage_on_demand(s.gfull)  # no gradient reached this segment: it counts as zero
+                    K.fill(_view(s.gfull, 0, s.numel), 0)
+                for p in s.params:
+                    if p.grad is None:
+                        # no gradient: zero, as DDP's find_unused_parameters counts it (the slot may
+                        # hold a stale sum at stage 1, or uninitialised staging memory at stage 2)
+                        K.fill(p._grad_slot, 0)
+                    elif p.grad._st is not s.gfull or p.grad._off != p._grad_slot._off:
+                        K.copy_into(p._grad_slot, p.grad)  # a gradient outside its slot: put it in place
+                    p.grad = p._grad_slot
+            if self.stage == 1:
+                self.rt.flush()
+                works.append(dist.all_reduce(g.gflat, op="avg", group=self.pg, async_op=True))
+        if self.stage == 2:
+            # The segments in one order on every rank (collectives must match), as the comm hook does.
+            for g in self.groups:
+                for s in g.segs:
+                    self.rt.flush()
+                    temp = None
+                    out = _view(g.gshard._st, s.so, s.c)
+                    if s.has_grad:  # a reduction since zero_grad already filled the shard: reduce beside, then add
+                        temp = K.empty((s.c,), _F32, self.rt)
+                        out = temp
+                    work = dist.reduce_scatter(out, _view(s.gfull, 0, s.c * self.world), op="avg", group=self.pg,
+                                               async_op=True)
+                    self.stats["reduce_scatters"] += 1
+                    sw = _SegmentWork(self, s, work, temp)
+                    self._inflight.append(sw)
+        for w in works:
+            w.wait()
+        self._settle()
+
     def _grad_range(self, s: _Segment, a: int, start: int, stop: int) -> Tensor:
         """This rank's gradient elements [start, stop) of the parameter at ``a`` in segment ``s``."""
         if self.stage == 1:
@@ -818,28 +874,31 @@ class ZeroAdamW(Optimizer):
         return _view(g.gshard._st, g.gshard._off + s.so + a + start - self.rank * s.c, stop - start)
 
     @no_grad()
-    def clip_grad_norm_(self, max_norm: float, tp_group=None) -> Tensor:
+    def clip_grad_norm_(self, max_norm: float, tp_group=None, pp_group=None, counted=None) -> Tensor:
         """Scale the gradients so their global L2 norm is at most ``max_norm``; returns the norm (a device scalar).
 
         The sum of squares of this rank's shard is all-reduced over the ranks (every rank gets
         the same norm); no host round trip beyond that one scalar.  ``tp_group``: the model is
         tensor parallel over that group (parameters with a ``tp_layout``): a tensor-parallel
         shard's squares are summed over it too, while a replicated parameter (the same
-        gradient on every tensor-parallel rank) counts once."""
+        gradient on every tensor-parallel rank) counts once.  ``pp_group`` and ``counted``: the
+        model is one pipeline stage (``PipelineStage``); the squares are summed over the stages
+        too, each counting only the parameters whose name ``counted(name)`` accepts (the stage's
+        ``owns``: a tied table held by two stages counts once)."""
         self._settle()
         tp = 1 if tp_group is None else dist.get_world_size(tp_group)
         parts = []
-        if tp == 1:
+        if tp == 1 and counted is None:
             for v in self._grad_shards():
                 parts.append(F.sum(v * v))
         else:
-            for _, p, s, a, start, stop in self._ranges():
-                if stop > start:
+            for name, p, s, a, start, stop in self._ranges():
+                if stop > start and (counted is None or counted(name)):
                     v = self._grad_range(s, a, start, stop)
                     layout = getattr(p, "tp_layout", None)
                     sharded = layout is not None and layout.tp > 1
                     # summed over the tp ranks below: a replicated parameter's 1/tp shares add to one
-                    parts.append(F.sum(v * v) if sharded else F.sum(v * v) * (1.0 / tp))
+                    parts.append(F.sum(v * v) if sharded or tp == 1 else F.sum(v * v) * (1.0 / tp))
         if not parts:
             parts = [K.fill(K.empty((), _F32, self.rt), 0.0)]
         total = parts[0]
@@ -850,6 +909,8 @@ class ZeroAdamW(Optimizer):
         dist.all_reduce(total, op="sum", group=self.pg)
         if tp > 1:
             dist.all_reduce(total, op="sum", group=tp_group)
+        if pp_group is not None and dist.get_world_size(pp_group) > 1:
+            dist.all_reduce(total, op="sum", group=pp_group)
         norm = F.sqrt(F.reshape(total, ()))
         coef = F.clamp(F.rdiv(norm + 1e-6, float(max_norm)), max=1.0)
         if self.stage == 1:  # every rank holds the full gradients: scale them all, so p.grad stays consistent
@@ -1093,9 +1154,13 @@ class ZeroDataParallel(DistributedDataParallel):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none)
 
-    def clip_grad_norm_(self, max_norm: float, tp_group=None) -> Tensor:
+    def clip_grad_norm_(self, max_norm: float, tp_group=None, pp_group=None, counted=None) -> Tensor:
         """See ZeroAdamW.clip_grad_norm_."""
-        return self.optimizer.clip_grad_norm_(max_norm, tp_group)
+        return self.optimizer.clip_grad_norm_(max_norm, tp_group, pp_group, counted)
+
+    def reduce_gradients(self) -> None:
+        """See ZeroAdamW.reduce_gradients."""
+        self.optimizer.reduce_gradients()
 
     def _hyper(self) -> list:
         return self.optimizer._hyper()

@@ -85,6 +85,21 @@ def test_a_zero2_pipeline_checkpoint_resumes_under_zero1_and_on_one_rank_and_bac
     _same_run(one_rank, c)
 
 
+@pytest.mark.slow
+def test_zero_over_a_tensor_and_pipeline_parallel_grid_trains_what_the_grid_trains_without_it(tmp_path):
+    """tp 2 x pp 2 x dp 2 on 8 ranks: ZeRO-2 over each (stage, tensor-parallel shard)'s two replicas
+    equals the same grid without ZeRO (tensor parallelism alone differs from one rank by its
+    own float noise); the clip's norm also sums the tensor-parallel shards once."""
+    grid = ("--tp", "2", "--pp", "2", "--dp", "2")
+    plain, zero = tmp_path / "plain", tmp_path / "zero"
+    for out, z in ((plain, "0"), (zero, "2")):
+        r = launch(8, out, *ARGS, *grid, "--zero", z)
+        assert r.returncode == 0, r.stderr[-3000:]
+    assert "x tensor parallel 2 x data parallel 2, ZeRO-2" in r.stdout
+    _same_run(plain, zero)
+    _clipped_on_every_step(zero)
+
+
 @pytest.mark.parametrize("world,args,needle", [
     (2, ["--pp", "2", "--zero", "3"], "--zero 3 with --pp 2: ZeRO-3"),
     (2, ["--pp", "2", "--zero", "2"], "--zero 2 with --pp 2 shards each stage over its data-parallel ranks"),

@@ -325,17 +325,29 @@ def emulator_requested() -> bool:
     return which == "emulator" or which.startswith("emulator:")
 
 
-@functools.lru_cache(maxsize=1)
 def context() -> Context:
     """The process-wide context: device 0, or the one ``HELIOS_CUDA_DEVICE`` names.
 
     That is an ordinal, or ``emulator`` (``emulator:N`` for N SMs; 4 by default): the CPU
     emulator behind :class:`emu_driver.EmulatedDriver`, on which :func:`runner.gemm`, the
     smoke run and anything else that asks for this context run their kernels thread by
-    thread -- correct but slow, for checking code paths without a GPU.
+    thread -- correct but slow, for checking code paths without a GPU.  One context per
+    value of the variable: setting it back gives back the context it named before.
     """
-    which = os.environ.get("HELIOS_CUDA_DEVICE", "0").strip()
-    if emulator_requested():
+    return _context_for(os.environ.get("HELIOS_CUDA_DEVICE", "0").strip())
+
+
+def _reset_contexts() -> None:
+    """Forget every context made so far (the next :func:`context` makes a fresh one)."""
+    _context_for.cache_clear()
+
+
+context.cache_clear = _reset_contexts  # as when context() itself was the cached function
+
+
+@functools.lru_cache(maxsize=None)
+def _context_for(which: str) -> Context:
+    if which == "emulator" or which.startswith("emulator:"):
         from .emu_driver import emulated_context  # here, not at the top: emu_driver imports this module
 
         sms = which.partition(":")[2] or "4"

@@ -523,6 +523,19 @@ def open_runtimes() -> list[Runtime]:
     return list(_runtimes.values())
 
 
+def close_device(name: str) -> None:
+    """Finish the work of open device ``name`` ("cuda:0") and forget its runtime: the next use
+    opens it afresh (and reads ``HELIOS_CUDA_DEVICE`` again).  Its tensors must not be used
+    afterwards.  If it was the current device, the current device is chosen again on next use."""
+    global _current
+    rt = _runtimes.pop(str(name), None)
+    if rt is None:
+        return
+    rt.synchronize()
+    if _current is rt:
+        _current = None
+
+
 def current_device() -> str:
     """Name of the current device ("vulkan:N" or "cuda:N")."""
     return get_runtime().name

@@ -14,7 +14,7 @@ import pytest
 import helios as hl
 from helios.nn import GPT, GPTConfig
 from helios.optim import AdamW
-from helios.runtime import get_runtime, set_device
+from helios.runtime import close_device, get_runtime, set_device
 
 pytestmark = pytest.mark.vulkan
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -25,8 +25,10 @@ def emulated_cuda(monkeypatch):
     """cuda:0 on the emulated driver for this test; the Vulkan device is current again after it."""
     monkeypatch.setenv("HELIOS_CUDA_DEVICE", "emulator")
     before = get_runtime().name
+    close_device("cuda:0")
     yield
     set_device(before)
+    close_device("cuda:0")  # later tests must not find an emulated cuda:0 already open
 
 
 def test_op_suite_on_the_emulated_cuda_device():
@@ -83,6 +85,7 @@ def test_nano_gpt_on_a_real_gpu_is_deterministic_and_matches_vulkan(monkeypatch)
     # and the losses are the Vulkan device's where one exists.
     monkeypatch.delenv("HELIOS_CUDA_DEVICE", raising=False)
     before = get_runtime().name
+    close_device("cuda:0")
     try:
         first, second = _nano_losses("cuda:0"), _nano_losses("cuda:0")
         assert first == second
@@ -91,3 +94,4 @@ def test_nano_gpt_on_a_real_gpu_is_deterministic_and_matches_vulkan(monkeypatch)
             np.testing.assert_allclose(first, _nano_losses(vulkans[0]), rtol=1e-5)
     finally:
         set_device(before)
+        close_device("cuda:0")

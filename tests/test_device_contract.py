@@ -36,12 +36,10 @@ def no_driver(monkeypatch):
 def emulated(monkeypatch):
     """HELIOS_CUDA_DEVICE=emulator, and cuda:0 opened fresh (closed from the registry afterwards)."""
     monkeypatch.setenv("HELIOS_CUDA_DEVICE", "emulator")
-    monkeypatch.delitem(runtime._runtimes, "cuda:0", raising=False)
+    runtime.close_device("cuda:0")
     monkeypatch.setattr(driver, "context", lambda: emu_driver.emulated_context(sm_count=1))
     yield
-    runtime._runtimes.pop("cuda:0", None)
-    if runtime._current is not None and runtime._current.name == "cuda:0":
-        runtime._current = None
+    runtime.close_device("cuda:0")
 
 
 @pytest.fixture

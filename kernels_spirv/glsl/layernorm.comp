@@ -5,6 +5,9 @@
 // MODE 2 parameter grads: one invocation per column c sums over the rows in order:
 //   o[c] = dw[c] = sum_r g[r, c] * xhat[r, c] (AFFINE),  o[C + c] = db[c] = sum_r g[r, c] (HAS_BIAS),
 //   one pass instead of xhat, a product and two column reductions.
+// gw is `precise`: fused into a later fma(g, w, -mean(gw)) its rounding error would survive
+// where gw - mean(gw) is exactly 0 (one column), which a GPU's true fma shows and lavapipe's
+// mul + add hides.
 #include "common.glsl"
 layout(local_size_x_id = 2) in;
 layout(constant_id = 0) const int MODE = 0;
@@ -47,13 +50,13 @@ void row_serial(uint row) {
         float mu = mean_[row], rs = rstd_[row];
         float s1 = 0.0, s2 = 0.0;
         for (uint k = 0u; k < p.C; ++k) {
-            float gw = HL_LDF(TA, g[bg + k]) * (AFFINE ? HL_LDF(TA, w[p.off_w + k]) : 1.0);
+            precise float gw = HL_LDF(TA, g[bg + k]) * (AFFINE ? HL_LDF(TA, w[p.off_w + k]) : 1.0);
             float xh = (HL_LDF(TA, x[bx + k]) - mu) * rs;
             s1 += gw; s2 += gw * xh;
         }
         s1 *= invC; s2 *= invC;
         for (uint k = 0u; k < p.C; ++k) {
-            float gw = HL_LDF(TA, g[bg + k]) * (AFFINE ? HL_LDF(TA, w[p.off_w + k]) : 1.0);
+            precise float gw = HL_LDF(TA, g[bg + k]) * (AFFINE ? HL_LDF(TA, w[p.off_w + k]) : 1.0);
             float xh = (HL_LDF(TA, x[bx + k]) - mu) * rs;
             o[bo + k] = HL_STF(TA, rs * (gw - s1 - xh * s2));
         }
@@ -107,14 +110,14 @@ void main() {
         float mu = mean_[row], rs = rstd_[row];
         float s1 = 0.0, s2 = 0.0;
         for (uint k = tid; k < p.C; k += uint(WG)) {
-            float gw = HL_LDF(TA, g[bg + k]) * (AFFINE ? HL_LDF(TA, w[p.off_w + k]) : 1.0);
+            precise float gw = HL_LDF(TA, g[bg + k]) * (AFFINE ? HL_LDF(TA, w[p.off_w + k]) : 1.0);
             float xh = (HL_LDF(TA, x[bx + k]) - mu) * rs;
             s1 += gw; s2 += gw * xh;
         }
         s1 = block_sum(s1) * invC;
         s2 = block_sum(s2) * invC;
         for (uint k = tid; k < p.C; k += uint(WG)) {
-            float gw = HL_LDF(TA, g[bg + k]) * (AFFINE ? HL_LDF(TA, w[p.off_w + k]) : 1.0);
+            precise float gw = HL_LDF(TA, g[bg + k]) * (AFFINE ? HL_LDF(TA, w[p.off_w + k]) : 1.0);
             float xh = (HL_LDF(TA, x[bx + k]) - mu) * rs;
             o[bo + k] = HL_STF(TA, rs * (gw - s1 - xh * s2));
         }

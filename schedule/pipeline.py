@@ -295,18 +295,23 @@ class PipelineStage(Module):
             backward_one()
         while done_bwd < m:
             backward_one()
+        self._finish_step(sends, waited[0], t_start, timed)
+        return total.item() if self.last else None
+
+    def _finish_step(self, sends: list, waited: float, t_start: float, timed) -> None:
+        """End of a training step: wait for the sends still in flight, note the share of the step
+        spent waiting on neighbours, and sum the tied table's gradients."""
         self._sync()
         with timed("comm"):
             t0 = time.perf_counter()
             for w in sends:
                 w.wait()
-            waited[0] += time.perf_counter() - t0
+            waited += time.perf_counter() - t0
             elapsed = time.perf_counter() - t_start
-            # The share of this step the stage spent waiting on its neighbours; 1F1B's bubble
-            # alone makes it (p - 1) / (m + p - 1) when every stage costs the same.
-            self.last_idle_fraction = waited[0] / elapsed if elapsed > 0 else 0.0
+            # With every stage (chunk) costing the same, the bubble alone makes this
+            # (p - 1) / (m + p - 1) for 1F1B and (p - 1) / (v m + p - 1) interleaved.
+            self.last_idle_fraction = waited / elapsed if elapsed > 0 else 0.0
             self._sum_tied_gradients()
-        return total.item() if self.last else None
 
     def _sum_tied_gradients(self) -> None:
         """The tied table's gradient: the input embedding's (first stage) plus the output
@@ -629,17 +634,7 @@ class InterleavedPipelineStage(PipelineStage):
                     if k > 0:
                         sends.append(dist.isend(x_in.grad, self.ranks[self._peer(-1)]))
                     self._sync()
-        self._sync()
-        with timed("comm"):
-            t0 = time.perf_counter()
-            for w in sends:
-                w.wait()
-            waited[0] += time.perf_counter() - t0
-            elapsed = time.perf_counter() - t_start
-            # With every chunk costing the same, the bubble alone makes this
-            # (pp - 1) / (virtual m + pp - 1).
-            self.last_idle_fraction = waited[0] / elapsed if elapsed > 0 else 0.0
-            self._sum_tied_gradients()
+        self._finish_step(sends, waited[0], t_start, timed)
         return total.item() if self.last else None
 
     @no_grad()

@@ -125,8 +125,16 @@ def _cuda_devices() -> list[DeviceInfo]:
 
 def devices() -> list[DeviceInfo]:
     """Every Vulkan device (GPUs first; lavapipe shows as a ``cpu`` device), then every CUDA
-    device when a CUDA driver answers (or ``HELIOS_CUDA_DEVICE=emulator`` selects the emulator)."""
-    vk = _addon()
+    device when a CUDA driver answers (or ``HELIOS_CUDA_DEVICE=emulator`` selects the emulator).
+    A machine with CUDA devices and no Vulkan (the addon not built or no loader) lists those;
+    with neither, the Vulkan addon's DeviceError says what to install."""
+    try:
+        vk = _addon()
+    except DeviceError:
+        cuda = _cuda_devices()
+        if cuda:
+            return cuda
+        raise
     found = [DeviceInfo(f"vulkan:{d['index']}", d["name"], d["type"], d) for d in vk.enumerate_devices()]
     return found + _cuda_devices()
 

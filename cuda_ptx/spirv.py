@@ -115,7 +115,13 @@ class Module:
     function_vars: list = field(default_factory=list)  # Instr of each OpVariable in the function
 
     def type_of_const(self, cid: int) -> int:
+        """The type id of constant ``cid``."""
         return self._const_types[cid]
+
+    def set_const(self, cid: int, value, tid: int) -> None:
+        """Record ``cid`` as a constant of type ``tid`` (the reader's, or one folded later)."""
+        self.consts[cid] = value
+        self._const_types[cid] = tid
 
     def __post_init__(self):
         self._const_types: dict[int, int] = {}
@@ -168,7 +174,6 @@ def read_module(spirv: bytes, spec: tuple = ()) -> Module:
     if words[0] != MAGIC:
         raise SpirvError(f"not a SPIR-V module: magic {words[0]:#x}")
     m = Module()
-    pending_spec: list = []  # (rtype, rid, op name, operands) of spec constants, resolved after decorations
     cur_fn = None
     block = None
     i = 5
@@ -223,21 +228,15 @@ def read_module(spirv: bytes, spec: tuple = ()) -> Module:
         elif op == "TypeFunction":
             m.types[args[0]] = Type("function")
         elif op in ("ConstantTrue", "ConstantFalse"):
-            m.consts[args[1]] = op == "ConstantTrue"
-            m._const_types[args[1]] = args[0]
+            m.set_const(args[1], op == "ConstantTrue", args[0])
         elif op == "Constant":
-            m.consts[args[1]] = _const_value(m.types[args[0]], args[2:])
-            m._const_types[args[1]] = args[0]
+            m.set_const(args[1], _const_value(m.types[args[0]], args[2:]), args[0])
         elif op == "ConstantComposite":
-            m.consts[args[1]] = tuple(m.consts[c] for c in args[2:])
-            m._const_types[args[1]] = args[0]
+            m.set_const(args[1], tuple(m.consts[c] for c in args[2:]), args[0])
         elif op == "ConstantNull":
-            m.consts[args[1]] = _null(m, args[0])
-            m._const_types[args[1]] = args[0]
+            m.set_const(args[1], null_value(m, args[0]), args[0])
         elif op.startswith("SpecConstant"):
-            pending_spec.append((args[0], args[1], op, args[2:]))
-            m._const_types[args[1]] = args[0]
-            _resolve_spec(m, pending_spec[-1], spec)
+            _resolve_spec(m, (args[0], args[1], op, args[2:]), spec)
         elif op == "Variable" and cur_fn is None:
             m.variables[args[1]] = (args[0], args[2])
         elif op == "Function":
@@ -248,8 +247,7 @@ def read_module(spirv: bytes, spec: tuple = ()) -> Module:
             block = Block(args[0])
             m.blocks.append(block)
         elif op == "Undef" and cur_fn is None:
-            m.consts[args[1]] = _null(m, args[0])
-            m._const_types[args[1]] = args[0]
+            m.set_const(args[1], null_value(m, args[0]), args[0])
         else:
             if cur_fn is None or block is None:
                 raise SpirvError(f"Op{op} outside a function body")
@@ -274,7 +272,8 @@ def read_module(spirv: bytes, spec: tuple = ()) -> Module:
     return m
 
 
-def _null(m: Module, tid: int):
+def null_value(m: Module, tid: int):
+    """The value a null (or undefined) constant of type ``tid`` takes: zeros and false."""
     t = m.types[tid]
     if t.kind == "bool":
         return False
@@ -283,29 +282,31 @@ def _null(m: Module, tid: int):
     if t.kind == "float":
         return 0.0
     if t.kind in ("vector", "array"):
-        return tuple(_null(m, t.elem) for _ in range(t.count))
+        return tuple(null_value(m, t.elem) for _ in range(t.count))
     if t.kind == "struct":
-        return tuple(_null(m, x) for x in t.members)
+        return tuple(null_value(m, x) for x in t.members)
     raise SpirvError(f"null of a {t.kind} type")
 
 
 def _resolve_spec(m: Module, item, spec: tuple) -> None:
+    """Record specialization constant ``item`` (rtype, rid, op, operands) with its value in ``spec``
+    (by SpecId), else its default; an OpSpecConstantOp is folded now that its operands are known."""
     rtype, rid, op, args = item
     t = m.types[rtype]
     sid = m.decorations.get(rid, {}).get(DEC_SPEC_ID)
     given = spec[sid[0]] if sid is not None and sid[0] < len(spec) else None
     if op in ("SpecConstantTrue", "SpecConstantFalse"):
-        m.consts[rid] = bool(given) if given is not None else op == "SpecConstantTrue"
+        value = bool(given) if given is not None else op == "SpecConstantTrue"
     elif op == "SpecConstant":
         if given is None:
-            m.consts[rid] = _const_value(t, args)
+            value = _const_value(t, args)
         elif t.kind == "float":
-            m.consts[rid] = float(given)
+            value = float(given)
         else:
-            m.consts[rid] = wrap_int(int(given), t)
+            value = wrap_int(int(given), t)
     elif op == "SpecConstantComposite":
-        m.consts[rid] = tuple(m.consts[c] for c in args)
-    else:  # SpecConstantOp: fold the operation now that its operands are known
+        value = tuple(m.consts[c] for c in args)
+    else:
         from .spirv_fold import fold
 
         inner = OPCODES.get(args[0])
@@ -314,4 +315,4 @@ def _resolve_spec(m: Module, item, spec: tuple) -> None:
         value = fold(m, inner, rtype, args[1:])
         if value is None:
             raise SpirvError(f"OpSpecConstantOp {inner} could not be folded")
-        m.consts[rid] = value
+    m.set_const(rid, value, rtype)

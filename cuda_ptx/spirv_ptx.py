@@ -29,7 +29,8 @@ import struct
 from dataclasses import dataclass
 
 from .spirv import (BUILTINS, DEC_ARRAY_STRIDE, DEC_BINDING, DEC_BUILTIN, SC_INPUT, SC_PRIVATE,
-                    SC_PUSH, SC_STORAGE, SC_UNIFORM, SC_WORKGROUP, Module, SpirvError, Type, read_module)
+                    SC_PUSH, SC_STORAGE, SC_UNIFORM, SC_WORKGROUP, Module, SpirvError, Type, null_value,
+                    read_module)
 from .spirv_fold import fold
 
 
@@ -553,8 +554,7 @@ class _Translator:
                 if ins.rid and ins.op not in _NOT_FOLDED:
                     v = fold(m, ins.op, ins.rtype, ins.ops)
                     if v is not None:
-                        m.consts[ins.rid] = v
-                        m._const_types[ins.rid] = ins.rtype
+                        m.set_const(ins.rid, v, ins.rtype)
         blocks = {b.label: b for b in m.blocks}
         order = [b.label for b in m.blocks]
         reachable = self._reachable(blocks, order[0])
@@ -738,7 +738,7 @@ class _Translator:
         self.define(ins.rid, ins.rtype, self.regs(ins.ops[0]))
 
     def op_Undef(self, ins, label):
-        self.define(ins.rid, ins.rtype, self.flat_const(_zero(self.m, ins.rtype), ins.rtype))
+        self.define(ins.rid, ins.rtype, self.flat_const(null_value(self.m, ins.rtype), ins.rtype))
 
     # arithmetic
     def binary(self, ins) -> None:
@@ -1204,11 +1204,3 @@ class _Translator:
         out.append("}")
         return "\n".join(out) + "\n"
 
-
-def _zero(m: Module, tid: int):
-    t = m.types[tid]
-    if t.kind in ("vector", "array"):
-        return tuple(_zero(m, t.elem) for _ in range(t.count))
-    if t.kind == "struct":
-        return tuple(_zero(m, x) for x in t.members)
-    return False if t.kind == "bool" else 0

@@ -248,7 +248,7 @@ CASES = {
     "tensor:shape": lambda: both(lambda L: tuple(L.zeros(2, 3).shape)),
     "tensor:dtype": lambda: both(lambda L: [str(t.dtype).split(".")[-1] for t in
                                             (L.zeros(2), L.zeros(2, dtype=L.int64), L.zeros(2).to(L.bfloat16))]),
-    "tensor:device": lambda: (str(hl.zeros(2).device).startswith("vulkan") or _fail("device")),
+    "tensor:device": lambda: (str(hl.zeros(2).device).split(":")[0] in ("vulkan", "cuda") or _fail("device")),
     "tensor:split": lambda: check(lambda L, x: L.cat([p * (i + 1) for i, p in enumerate(x.split(2, dim=1))], 1), A(3, 5)),
     "tensor:chunk": lambda: check(lambda L, x: L.cat([p * (i + 1) for i, p in enumerate(x.chunk(3, -1))], -1), A(2, 7)),
     "tensor:masked_fill": lambda: check(lambda L, x, m: x.masked_fill(m, -1.5), A(3, 4), RNG.random((3, 4)) > 0.5),

@@ -200,7 +200,7 @@ _MEMORY_SCRIPT = r"""
 import json, numpy as np, helios as hl, helios.nn.functional as F, helios.functional as HF
 from helios.runtime import get_runtime
 
-pool = get_runtime().dev
+pool = get_runtime()
 rng = np.random.default_rng(0)
 out = {}
 

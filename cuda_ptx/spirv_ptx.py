@@ -78,6 +78,17 @@ _GLSL = {1: "Round", 2: "RoundEven", 3: "Trunc", 4: "FAbs", 5: "SAbs", 6: "FSign
 LOG2E, LN2 = 1.4426950408889634, 0.6931471805599453
 
 
+def _reg_class(reg: str) -> str:
+    """The register class of ``reg`` from its prefix (``%rd3`` -> ``b64``)."""
+    pfx = re.match(r"%([a-z]+)", reg).group(1)
+    return next(c for c, (p, _) in _CLASSES.items() if p == pfx)
+
+
+def _mov(reg: str) -> str:
+    """The mov instruction for a register of ``reg``'s class."""
+    return "mov." + _CLASSES[_reg_class(reg)][1][1:]
+
+
 def _f32_hex(x: float) -> str:
     return "0f%08X" % struct.unpack("<I", struct.pack("<f", x))[0]
 
@@ -584,7 +595,8 @@ class _Translator:
                           self.push_words, self.shared_bytes)
 
     def _const_cond(self, vid):
-        return self.m.consts.get(vid) if vid in self.m.consts else None
+        """The value of ``vid`` if the specialization constants fixed it, else None."""
+        return self.m.consts.get(vid)
 
     def _successors(self, b) -> list[int]:
         term = b.instrs[-1]
@@ -615,32 +627,24 @@ class _Translator:
 
     def edge(self, src: int, dst: int) -> str:
         """The label to jump to for edge src -> dst: dst itself, or a stub that first sets dst's phis."""
-        moves = []
+        moves = []  # (phi register, incoming value)
         for phi in self.phis.get(dst, []):
             pairs = dict(zip(phi.ops[1::2], phi.ops[0::2]))  # parent block -> value
             if src not in pairs:
                 raise SpirvError(f"phi %{phi.rid} has no value for the edge from block %{src}")
-            moves += list(zip(self.vals[phi.rid], self.regs(pairs[src]), self.fresh(phi.rtype)))
+            moves += list(zip(self.vals[phi.rid], self.regs(pairs[src])))
         if not moves:
             return f"$L_{dst}"
         self.n_stubs += 1
         label = f"$E_{self.n_stubs}"
         lines = [f"{label}:"]
-        dsts = {d for d, _, _ in moves}
-        clash = any(s in dsts for _, s, _ in moves)
-        cls_of = {pfx: c for c, (pfx, _) in _CLASSES.items()}
-        for d, s, tmp in moves:
-            c = cls_of[re.match(r"%([a-z]+)", d).group(1)]
-            mov = "mov.pred" if c == "pred" else f"mov.{_CLASSES[c][1][1:]}"
-            if clash:
-                lines.append(f"\t{mov} {tmp}, {s};")
-            else:
-                lines.append(f"\t{mov} {d}, {s};")
-        if clash:
-            for d, _, tmp in moves:
-                c = cls_of[re.match(r"%([a-z]+)", d).group(1)]
-                mov = "mov.pred" if c == "pred" else f"mov.{_CLASSES[c][1][1:]}"
-                lines.append(f"\t{mov} {d}, {tmp};")
+        dsts = {d for d, _ in moves}
+        if any(s in dsts for _, s in moves):
+            # a phi reads another phi of dst: copy every value out first (a parallel copy)
+            temps = [self.reg(_reg_class(d)) for d, _ in moves]
+            lines += [f"\t{_mov(d)} {t}, {s};" for (d, s), t in zip(moves, temps)]
+            moves = [(d, t) for (d, _), t in zip(moves, temps)]
+        lines += [f"\t{_mov(d)} {d}, {s};" for d, s in moves]
         lines.append(f"\tbra $L_{dst};")
         self.stubs += lines
         return label

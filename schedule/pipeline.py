@@ -247,11 +247,7 @@ class PipelineStage(Module):
         t_start = time.perf_counter()
 
         def receive(buf, peer) -> None:
-            self._sync()  # the device finishes this stage's work first: waiting starts after it
-            with timed("comm"):
-                t0 = time.perf_counter()
-                dist.recv(buf, peer)
-                waited[0] += time.perf_counter() - t0
+            waited[0] += self._timed_recv(buf, peer, timed)
 
         def forward_one() -> None:
             nonlocal done_fwd, total
@@ -297,6 +293,15 @@ class PipelineStage(Module):
             backward_one()
         self._finish_step(sends, waited[0], t_start, timed)
         return total.item() if self.last else None
+
+    def _timed_recv(self, buf, peer: int, timed) -> float:
+        """Receive ``buf`` from ``peer``; the seconds spent waiting for it.  The device finishes
+        this rank's recorded work first, so the wait counts only the neighbour's lateness."""
+        self._sync()
+        with timed("comm"):
+            t0 = time.perf_counter()
+            dist.recv(buf, peer)
+            return time.perf_counter() - t0
 
     def _finish_step(self, sends: list, waited: float, t_start: float, timed) -> None:
         """End of a training step: wait for the sends still in flight, note the share of the step
@@ -594,11 +599,7 @@ class InterleavedPipelineStage(PipelineStage):
         waited = [0.0]
 
         def receive(buf, peer) -> None:
-            self._sync()  # the device finishes this rank's work first: waiting starts after it
-            with timed("comm"):
-                t0 = time.perf_counter()
-                dist.recv(buf, peer)
-                waited[0] += time.perf_counter() - t0
+            waited[0] += self._timed_recv(buf, peer, timed)
 
         inbox = _Inbox(self, lists, shapes, receive)
         last_stage = self.n_stages - 1

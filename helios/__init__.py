@@ -44,5 +44,6 @@ from helios.serialization import load, save  # noqa: F401,E402
 from helios.complex import complex64, polar, view_as_complex, view_as_real  # noqa: F401,E402  (rotary embeddings)
 from helios import amp  # noqa: F401,E402  (mixed precision: amp.GradScaler)
 from helios.amp import autocast  # noqa: F401,E402
+from helios import graph  # noqa: F401,E402  (step capture and replay: hl.graph.capture)
 
 __version__ = "0.1.0"

@@ -13,6 +13,7 @@ import numpy as np
 
 from helios import dtypes as dt
 from helios.autograd.tape import Function
+from helios.graph import refuse_upload
 from helios.runtime import get_runtime
 from helios.tensor import Tensor
 
@@ -64,6 +65,7 @@ def move(x: Tensor, rt) -> Tensor:
     """``x``'s data as a new tensor on ``rt`` (``x`` itself when it is there already)."""
     if x._st.rt is rt:
         return x
+    refuse_upload(f"moving a tensor to {rt.name}", rt)
     return from_raw(raw(x), x.dtype, rt)
 
 
@@ -71,8 +73,9 @@ def copy_across(dst: Tensor, src: Tensor) -> None:
     """dst[...] = src (broadcast, dtype converted) where either is on cpu or they are on two devices."""
     from helios import _kernels as K
 
-    vals = np.broadcast_to(convert(raw(src), src.dtype, dst.dtype), dst.shape)
     rt = dst._st.rt
+    refuse_upload("copying host data into a tensor", rt)
+    vals = np.broadcast_to(convert(raw(src), src.dtype, dst.dtype), dst.shape)
     if rt.is_host:
         host_view(dst)[...] = vals
     elif dst.is_contiguous():

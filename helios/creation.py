@@ -7,6 +7,7 @@ import numpy as np
 from helios import _kernels as K
 from helios import dtypes as dt
 from helios.errors import ShapeError
+from helios.graph import refuse_upload
 from helios.autograd.tape import no_grad as _no_grad
 from helios.random import default_generator
 from helios.runtime import get_runtime
@@ -31,6 +32,7 @@ def _finish(t: Tensor, requires_grad: bool) -> Tensor:
 def tensor(data, dtype=None, device: str | None = None, requires_grad: bool = False) -> Tensor:
     """A new tensor holding a copy of ``data`` (numpy array, nested lists, number or Tensor)."""
     rt = get_runtime(device)
+    refuse_upload("hl.tensor(...)", rt)
     if isinstance(data, Tensor):
         arr = data.numpy()
     else:

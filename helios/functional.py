@@ -17,6 +17,7 @@ from helios import _kernels as K
 from helios import _transfer
 from helios import amp as _amp
 from helios import dtypes as dt
+from helios import graph
 from helios._shape import (broadcast_shapes, contiguous_strides, infer_reshape, norm_dim, norm_dims, numel,
                            view_strides)
 from helios.autograd.tape import NO_CONTEXT, Function, is_grad_enabled
@@ -124,6 +125,10 @@ class _Cast(Function):
 
     @staticmethod
     def backward(ctx, g):
+        dest = ctx.grad_out(0)  # a float32 master weight's slot under autocast: convert straight into it
+        if dest is not None and dest.dtype is ctx.src and dest.shape == g.shape:
+            K.copy_into(dest, g)
+            return dest, None
         return K.copy(g, ctx.src), None
 
 
@@ -924,7 +929,10 @@ class _Reshape(Function):
         st = view_strides(x.shape, x._strides, shape)
         if st is None:
             return _view(K.copy(x), shape, contiguous_strides(shape), 0)
-        return _view(x, shape, st, x._off)
+        out = _view(x, shape, st, x._off)
+        if x._host is not None and x.is_contiguous():  # the same elements in the same order: the host copy holds
+            out._host = x._host
+        return out
 
     @staticmethod
     def backward(ctx, g):
@@ -1432,17 +1440,37 @@ class _Matmul(Function):
     @staticmethod
     def backward(ctx, g):
         a, b = ctx.saved_tensors
-        ga = matmul(g, transpose(b, -1, -2)) if ctx.needs_input_grad[0] else None
+        ga = _mm_grad(ctx, 0, g, transpose(b, -1, -2)) if ctx.needs_input_grad[0] else None
         gb = None
         if ctx.needs_input_grad[1]:
             if b.ndim == 2 and a.ndim > 2:
                 # B was shared by every batch matrix (a Linear weight): its gradient is one
                 # [K, B*M] @ [B*M, N] product instead of B products summed afterwards, so
                 # no [B, K, N] intermediate is written and no batch reduction runs.
-                gb = matmul(transpose(_rows(a), 0, 1), _rows(g))
+                gb = _mm_grad(ctx, 1, transpose(_rows(a), 0, 1), _rows(g))
             else:
-                gb = matmul(transpose(a, -1, -2), g)
+                gb = _mm_grad(ctx, 1, transpose(a, -1, -2), g)
         return ga, gb
+
+
+def _direct_dest(ctx, i: int, shape: tuple, *operands: Tensor):
+    """Input i's free gradient slot (Context.grad_out) if a product of ``operands`` can be
+    written there unchanged: the slot has ``shape`` and the operands' one dtype, and no
+    autocast would convert them first (the product must be the one matmul() computes)."""
+    dest = ctx.grad_out(i)
+    if dest is None or _amp.state.dtype is not None or dest.shape != shape:
+        return None
+    return dest if all(o.dtype is dest.dtype for o in operands) else None
+
+
+def _mm_grad(ctx, i: int, a: Tensor, b: Tensor) -> Tensor:
+    """a @ b as the gradient of input i: straight into its free slot when it has one, else
+    matmul() (which also handles broadcasting and 1-D operands)."""
+    if a.ndim >= 2 and b.ndim >= 2 and a.shape[:-2] == b.shape[:-2]:
+        dest = _direct_dest(ctx, i, a.shape[:-1] + b.shape[-1:], a, b)
+        if dest is not None:
+            return K.matmul(a, b, out=dest)
+    return matmul(a, b)
 
 
 def matmul(a: Tensor, b: Tensor) -> Tensor:
@@ -1488,11 +1516,26 @@ class _Linear(Function):
             # The same sums either way round; the CPU matmul is faster with the wider dim as
             # N (measured: [512, 1024] @ [1024, 128] ~15 GFLOP/s, [128, 1024] @ [1024, 512] ~20),
             # so a wide-output weight gets (x^T g)^T, a transposed view.
+            # Into the weight's free slot, the transposed product is stored transposed.
+            dest = _direct_dest(ctx, 1, w.shape, g2, x2)
             if w.shape[0] > w.shape[1]:
-                gw = transpose(matmul(transpose(x2, 0, 1), g2), 0, 1)
+                if dest is not None:
+                    gw = K.matmul(transpose(x2, 0, 1), g2, out=transpose(dest, 0, 1))
+                    gw = dest
+                else:
+                    gw = transpose(matmul(transpose(x2, 0, 1), g2), 0, 1)
+            elif dest is not None:
+                gw = K.matmul(transpose(g2, 0, 1), x2, out=dest)
             else:
                 gw = matmul(transpose(g2, 0, 1), x2)
-        gb = sum_to_shape(g, (g.shape[-1],)) if n[2] else None
+        gb = None
+        if n[2]:
+            dest = _direct_dest(ctx, 2, (g.shape[-1],), g)
+            if dest is not None and g.ndim >= 2 and dest.dtype is dt.float32:
+                # sum() of a float32 gradient over the leading dims, written into the slot
+                gb, _ = K.reduce("sum", g, tuple(range(g.ndim - 1)), 1.0, out=dest)
+            else:
+                gb = sum_to_shape(g, (g.shape[-1],))
         return gx, gw, gb
 
 
@@ -1639,8 +1682,8 @@ class _LayerNorm(Function):
         need_w = w is not None and ctx.needs_input_grad[1]
         need_b = ctx.has_b and ctx.needs_input_grad[2]
         dw = db = None
-        if need_w or need_b:
-            dw, db = K.layer_norm_bwd_params(x, g, mean_, rstd, need_w, need_b)
+        if need_w or need_b:  # into the parameters' free slots when both share one buffer
+            dw, db = K.layer_norm_bwd_params(x, g, mean_, rstd, need_w, need_b, ctx.grad_out(1), ctx.grad_out(2))
         return dx, dw, db, None
 
 
@@ -1674,16 +1717,39 @@ class _Embedding(Function):
     @staticmethod
     def backward(ctx, g):
         (idx,) = ctx.saved_tensors
-        host = _host_indices(idx)
-        # Group positions by row on the host (stable sort): deterministic, atomics-free backward.
-        order = np.argsort(host.reshape(-1), kind="stable").astype(np.int64)
-        counts = np.bincount(host.reshape(-1), minlength=ctx.V)
-        rowptr = np.zeros(ctx.V + 1, np.int32)
-        np.cumsum(counts, out=rowptr[1:])
+        order, rowptr = _group_by_row(_host_indices(idx), ctx.V)
         rt = g._st.rt
         pos = K.from_numpy(order, dt.int64, rt)
         rp = K.from_numpy(rowptr, dt.int32, rt)
-        return None, K.embedding_bwd(_rows(contiguous(g)), pos, rp, ctx.V)
+        gr = graph.capturing()
+        if gr is not None:  # a replay groups its own indices: the graph's input holds them by then
+            if gr.made_inside(idx):
+                raise graph.GraphCaptureError("embedding backward inside hl.graph.capture: its indices are grouped on "
+                                              "the host, so they must come from outside the step (an input of "
+                                              "capture(inputs=...)), not be computed inside it")
+            graph.before_replay(lambda: _regroup(idx, ctx.V, pos, rp))
+        g2 = _rows(contiguous(g))
+        dest = ctx.grad_out(1)  # the table's free gradient slot, if any
+        if dest is not None and (dest.dtype is not g2.dtype or dest.shape != (ctx.V, g2.shape[-1])):
+            dest = None
+        return None, K.embedding_bwd(g2, pos, rp, ctx.V, out=dest)
+
+
+def _group_by_row(host: np.ndarray, V: int) -> tuple:
+    """Positions sorted by row (stable) and each row's start in them: the embedding backward sums
+    each row's gradients in that order, deterministic and without atomics."""
+    order = np.argsort(host.reshape(-1), kind="stable").astype(np.int64)
+    rowptr = np.zeros(V + 1, np.int32)
+    np.cumsum(np.bincount(host.reshape(-1), minlength=V), out=rowptr[1:])
+    return order, rowptr
+
+
+def _regroup(idx: Tensor, V: int, pos: Tensor, rp: Tensor) -> None:
+    """A graph replay's embedding backward: the new indices' grouping into the buffers it reads."""
+    order, rowptr = _group_by_row(_host_indices(idx), V)
+    rt = pos._st.rt
+    rt.write(pos._st.handle, pos._off * 8, order.view(np.uint8))
+    rt.write(rp._st.handle, rp._off * 4, rowptr.view(np.uint8))
 
 
 def _host_indices(idx: Tensor) -> np.ndarray:
@@ -1710,6 +1776,30 @@ def embedding(idx: Tensor, weight: Tensor) -> Tensor:
         if lo < 0 or hi >= weight.shape[0]:
             raise IndexError(f"embedding: index {lo if lo < 0 else hi} is out of range for a table of {weight.shape[0]} rows")
     return _Embedding.apply(idx, contiguous(weight))
+
+
+def _check_targets(host: np.ndarray, C: int, ignore_index: int) -> None:
+    bad = host[(host >= C) & (host != ignore_index)]
+    if bad.size:
+        raise IndexError(f"cross_entropy: target {int(bad[0])} is out of range for {C} classes")
+
+
+def _valid_targets(host: np.ndarray, C: int, ignore_index: int) -> tuple:
+    """(how many targets count, whether ignored ones must be remapped to -1 for the kernel)."""
+    n_valid = int(np.count_nonzero((host >= 0) & (host < C) & (host != ignore_index)))
+    return n_valid, bool(ignore_index >= 0 and (host == ignore_index).any())
+
+
+def _same_targets(targets: Tensor, C: int, ignore_index: int, captured: tuple) -> None:
+    """Before a graph replay: the new targets are in range and count as many as the captured ones."""
+    host = _host_ready(targets)
+    host = (targets.numpy() if host is None else host).reshape(-1)
+    _check_targets(host, C, ignore_index)
+    now = _valid_targets(host, C, ignore_index)
+    if now != captured:
+        raise graph.GraphCaptureError(f"replay: cross_entropy counts {now[0]} valid targets (ignored ones remapped: "
+                                      f"{now[1]}), the graph was captured with {captured[0]} ({captured[1]}); the "
+                                      "mean's divisor is a constant of the graph: capture again for such batches")
 
 
 class _CrossEntropy(Function):
@@ -1783,17 +1873,19 @@ def cross_entropy(logits: Tensor, targets, weight: Tensor | None = None, size_av
         total = sum(per)
         return total if reduction == "sum" else total / rows if rows else total * math.nan
     t = reshape(contiguous(to(targets, dt.int64)), (rows,))
-    host = _host_indices(t) if t._host is not None else None
+    # The upload's host copy of the targets (a reshape of them has none): no read-back for the count.
+    host = _host_ready(targets) if targets.is_contiguous() and targets._off == 0 else None
     if host is not None:
-        bad = host[(host >= C) & (host != ignore_index)]
-        if bad.size:
-            raise IndexError(f"cross_entropy: target {int(bad[0])} is out of range for {C} classes")
+        host = host.reshape(-1)
+        _check_targets(host, C, ignore_index)
     if weight is None and reduction == "mean":
         # the fused kernel: a negative target contributes nothing and is not counted
         if host is not None:
-            n_valid = int(np.count_nonzero((host >= 0) & (host < C) & (host != ignore_index)))
-            if ignore_index >= 0 and (host == ignore_index).any():
+            n_valid, remap = _valid_targets(host, C, ignore_index)
+            if remap:
                 t = where(eq(t, ignore_index), -1, t)
+            if graph.capturing() is not None:  # the count is a constant of the kernels: a replay checks it holds
+                graph.before_replay(lambda: _same_targets(targets, C, ignore_index, (n_valid, remap)))
         else:
             if ignore_index >= 0:  # the kernel skips negative targets only: ignored ones become -1
                 t = where(eq(t, ignore_index), -1, t)

@@ -17,6 +17,7 @@ import weakref
 import helios.functional as F
 from helios import _kernels as K
 from helios import dtypes as dt
+from helios import graph
 from helios.autograd.tape import no_grad
 from helios.errors import CheckpointError
 from helios.tensor import Tensor
@@ -143,7 +144,13 @@ class AdamW(Optimizer):
             for off, n in ranges:
                 if n:
                     rt.dispatch(pid, bufs, adamw_push(n, off, consts), K.grid(n), "adamw", 10 * n, 16 * n)
+                    # A replayed step: the step count and the group's learning rate as they are then.
+                    graph.dynamic_push(lambda g=g, n=n, off=off: adamw_push(n, off, adamw_constants(g, self.step_count)))
             fg.p._st.version += 1
+        graph.before_replay(self._count_step)
+
+    def _count_step(self) -> None:
+        self.step_count += 1
 
     def state_dict(self) -> dict:
         """Step count, hyper-parameters and the moments of every parameter (numpy)."""
@@ -185,7 +192,10 @@ class SGD(Optimizer):
 
     @no_grad()
     def step(self) -> None:
+        """One update of every parameter that has a gradient."""
         self.step_count += 1
+        # A captured step bakes the rates into its kernels' constants: a replay checks they still hold.
+        graph.before_replay(self._same_rates([(g["lr"], g["momentum"], g["weight_decay"]) for g in self.param_groups]))
         for g in self.param_groups:
             for p in g["params"]:
                 if p.grad is None:
@@ -202,6 +212,16 @@ class SGD(Optimizer):
                     self.buffers[id(p)] = buf
                     d = d + buf * g["momentum"] if g["nesterov"] else buf
                 F.copy_(p, p - d * g["lr"])
+
+    def _same_rates(self, captured: list):
+        def check():
+            now = [(g["lr"], g["momentum"], g["weight_decay"]) for g in self.param_groups]
+            if now != captured:
+                raise graph.GraphCaptureError(f"replay: SGD's (lr, momentum, weight_decay) changed since the capture "
+                                              f"({captured} -> {now}); SGD records them as constants: capture the "
+                                              "step again after a change, or use AdamW (its rates follow the groups)")
+            self.step_count += 1
+        return check
 
     def state_dict(self) -> dict:
         params = [p for g in self.param_groups for p in g["params"]]

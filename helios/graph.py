@@ -1,0 +1,344 @@
+"""Step capture and replay: run a training step's device work again without running its Python.
+
+    x, y = hl.tensor(xb0), hl.tensor(yb0)            # the step's inputs: created before the capture
+    with hl.graph.capture(inputs=(x, y)) as g:
+        loss = step(x, y)                             # runs once, like any step, and is recorded
+    for xb, yb in batches:
+        g.replay(xb, yb)                              # new contents for x and y, the same commands again
+        print(loss.item())                            # ``loss`` is the captured step's output tensor
+
+What PyTorch's CUDA graphs are to PyTorch.  A step records a few hundred dispatches, and on a
+small model the host time that takes (Python, autograd, shape logic: ~90 µs a dispatch) is
+most of the step.  Capture keeps the list of what the step asked of the device through the
+device contract (``helios.backend.Runtime``: ``dispatch``, ``copy``, ``fill``), with the exact
+buffers and push-constant bytes; ``replay()`` hands that list to the runtime again, which
+records it into fresh command buffers (hazard barriers, timestamps and submits as for any
+work) at the cost of the runtime calls alone.  Two differences from CUDA graphs: the captured
+step *runs* (it is a real step, its results are in the tensors it returned), and a replay
+re-records the commands rather than resubmitting one command buffer (lavapipe and the
+runtime's hazard tracking make that cheap, and the profiler still sees every kernel).
+
+What makes a replay the same computation as running the step again:
+
+* *Memory stays put.*  Every allocation the captured work touches, and every one made
+  during the capture, is held until the graph is released (``g.release()`` or garbage
+  collection): a tensor freed in between keeps its bytes for the graph.  A graph therefore
+  holds all of a step's temporaries at once (PyTorch's graph pools do the same).
+* *Host state is refreshed or refused.*  An op whose device work depends on host values
+  registers what a replay must redo: ``dynamic_push(fn)`` (the last recorded dispatch takes
+  its push constants from ``fn()`` at each replay: AdamW's step count and learning rate) and
+  ``before_replay(fn)`` (host work to redo first: the embedding backward's index grouping, a
+  check that a value the capture baked in still holds).  What would differ otherwise is
+  refused while capturing, with a message naming it: a read-back to the host (``.item()``,
+  ``.numpy()``, a collective), uploading user data (``hl.tensor(array)``, ``x.copy_(array)``,
+  ``.to(device)``: ``refuse_upload``), random numbers.  Constants an op uploads for itself
+  (a cached scalar) are part of the graph, as the kernels' push constants are.
+* *Inputs are static.*  ``capture(inputs=...)`` names the tensors a replay refills;
+  ``replay(*new)`` copies arrays or tensors of the same shape and dtype into them (a shape
+  change is refused: the commands were recorded for those shapes).
+
+A graph captures the work of one device (the current one); other devices' work is not recorded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import numpy as np
+
+from helios.errors import HeliosError, ShapeError
+
+__all__ = ["capture", "Graph", "GraphCaptureError", "capturing", "dynamic_push", "before_replay", "refuse_upload"]
+
+
+class GraphCaptureError(HeliosError, RuntimeError):
+    """Work inside ``hl.graph.capture`` that a replay could not repeat, or a graph used wrongly."""
+
+
+_state = threading.local()  # .graph: the Graph being captured on this thread, or None
+
+
+def capturing():
+    """The :class:`Graph` being captured on this thread, or None (cheap: ops call it on their host paths)."""
+    return getattr(_state, "graph", None)
+
+
+def dynamic_push(fn) -> None:
+    """While capturing: the dispatch recorded last takes its push-constant bytes from ``fn()`` at
+    each replay (``fn`` runs at replay time, after the ``before_replay`` functions).  No-op otherwise."""
+    g = capturing()
+    if g is not None:
+        g._dynamic_push(fn)
+
+
+def before_replay(fn) -> None:
+    """While capturing: run ``fn()`` at the start of each replay, before any command is issued
+    (host work a replay must redo, or a check that raises :class:`GraphCaptureError`). No-op otherwise."""
+    g = capturing()
+    if g is not None:
+        g._hooks.append(fn)
+
+
+def refuse_upload(what: str, rt) -> None:
+    """Raise :class:`GraphCaptureError` while capturing on ``rt``: ``what`` copies user data from
+    the host to it, which a replay would not copy again (the public upload paths call this)."""
+    g = capturing()
+    if g is not None and g.rt is rt:
+        raise GraphCaptureError(f"hl.graph.capture: {what} inside the captured step uploads host data that a replay "
+                                "would not upload again; create the step's inputs before the capture and pass them "
+                                "as capture(inputs=...), then replay(new_values)")
+
+
+class _Holds:
+    """Per runtime: the handles live graphs hold, and frees deferred until no graph holds them.
+
+    Installed as the runtime's ``free`` while any graph on it lives (an instance attribute over
+    the class's method), so a tensor dropped by its owner keeps its bytes for the graphs."""
+
+    def __init__(self, rt):
+        self.rt = rt
+        self.real_free = rt.free
+        self.count: dict = {}  # handle -> number of live graphs holding it
+        self.deferred: set = set()  # held handles whose owner freed them
+        rt.free = self.free
+
+    def hold(self, handles) -> None:
+        for h in handles:
+            self.count[h] = self.count.get(h, 0) + 1
+
+    def free(self, handle) -> None:
+        if handle in self.count:
+            self.deferred.add(handle)
+        else:
+            self.real_free(handle)
+
+    def drop(self, handles) -> None:
+        for h in handles:
+            left = self.count[h] - 1
+            if left:
+                self.count[h] = left
+                continue
+            del self.count[h]
+            if h in self.deferred:
+                self.deferred.discard(h)
+                self.real_free(h)
+        if not self.count:  # no graph left on this runtime: the runtime's own free again
+            del self.rt.free
+            _holds.pop(id(self.rt), None)
+
+
+_holds: dict[int, _Holds] = {}
+
+
+def _holds_for(rt) -> _Holds:
+    h = _holds.get(id(rt))
+    if h is None:
+        h = _holds[id(rt)] = _Holds(rt)
+    return h
+
+
+_DISPATCH, _COPY, _FILL = 0, 1, 2
+
+
+class Graph:
+    """A captured step: the commands it recorded on one device, replayable (see the module docstring)."""
+
+    def __init__(self, rt, inputs=()):
+        self.rt = rt
+        self.inputs = tuple(inputs)
+        self.ops: list[tuple] = []  # (kind, args...) in recording order
+        self._patches: dict[int, object] = {}  # op index -> fn() giving its push bytes at replay
+        self._hooks: list = []
+        self._handles: set = set()
+        self._state = "capturing"  # -> "ready" | "failed" | "released"
+        self.replays = 0
+
+    # -- capture ----------------------------------------------------------------------------
+    def _dispatch(self, pid, buffers, push, groups, name, flops=0, nbytes=0):
+        if name == "rng":
+            raise GraphCaptureError("hl.graph.capture: random numbers (dropout, hl.rand, ...) inside a capture would "
+                                    "repeat the same values at every replay; draw them outside the captured step or "
+                                    "run it without capture")
+        self._real["dispatch"](pid, buffers, push, groups, name, flops, nbytes)
+        bufs = tuple(tuple(b) for b in buffers)
+        self._handles.update(b[0] for b in bufs)
+        self.ops.append((_DISPATCH, pid, bufs, bytes(push), tuple(groups), name, flops, nbytes))
+
+    def _copy(self, src, src_offset, dst, dst_offset, nbytes):
+        self._real["copy"](src, src_offset, dst, dst_offset, nbytes)
+        self._handles.update((src, dst))
+        self.ops.append((_COPY, src, src_offset, dst, dst_offset, nbytes))
+
+    def _fill(self, handle, offset, nbytes, word):
+        self._real["fill"](handle, offset, nbytes, word)
+        self._handles.add(handle)
+        self.ops.append((_FILL, handle, offset, nbytes, word))
+
+    def _alloc(self, nbytes, pool="activations"):
+        h = self._real["alloc"](nbytes, pool)
+        self._handles.add(h)  # held from the start: its free is deferred like any held handle's
+        self._holds.hold((h,))
+        self._born.add(h)
+        return h
+
+    def _read(self, handle, offset, out):
+        raise GraphCaptureError("hl.graph.capture: a read-back to the host (.item(), .numpy(), printing a tensor, a "
+                                "collective over the host) inside the captured step cannot be replayed; read the "
+                                "step's outputs after the capture, or after each replay")
+
+    def _map(self, handle, offset, nbytes, for_write=False):
+        if not for_write:
+            self._read(handle, offset, None)
+        self._handles.add(handle)
+        return self._real["map"](handle, offset, nbytes, for_write)
+
+    def _dynamic_push(self, fn) -> None:
+        if not self.ops or self.ops[-1][0] != _DISPATCH:
+            raise GraphCaptureError("dynamic_push: the last command recorded in this capture is not a dispatch")
+        self._patches[len(self.ops) - 1] = fn
+
+    # The contract's methods a capture stands in for (``free`` is _Holds'; host writes are
+    # constants an op uploads for itself, kept: the public upload paths refuse first).
+    _INTERPOSED = ("dispatch", "copy", "fill", "alloc", "read", "map")
+
+    def _begin(self) -> None:
+        rt = self.rt
+        self._holds = _holds_for(rt)
+        self._born: set = set()
+        self._real = {m: getattr(rt, m) for m in self._INTERPOSED}
+        for m in self._INTERPOSED:
+            setattr(rt, m, getattr(self, "_" + m))
+        for t in self.inputs:
+            self._handles.add(t._st.handle)
+
+    def _end(self, failed: bool) -> None:
+        for m in self._INTERPOSED:
+            delattr(self.rt, m)  # the class's methods again
+        del self._real
+        # Hold what the commands touch (allocations made during the capture are held already).
+        self._holds.hold(self._handles - self._born)
+        self._state = "failed" if failed else "ready"
+        if failed:
+            self.release()
+
+    # -- replay -----------------------------------------------------------------------------
+    def made_inside(self, t) -> bool:
+        """Whether the captured work wrote ``t``'s storage (or allocated it): then its values at the
+        start of a replay are the previous run's, not this one's (a ``before_replay`` function must
+        not read them)."""
+        h = t._st.handle
+        if h in self._born:
+            return True
+        for op in self.ops:
+            if op[0] == _DISPATCH:
+                if any(b[0] == h and b[3] for b in op[2]):
+                    return True
+            elif (op[3] if op[0] == _COPY else op[1]) == h:
+                return True
+        return False
+
+    def replay(self, *inputs) -> None:
+        """Run the captured commands again: first copy ``inputs`` (arrays or tensors, one per tensor
+        named in ``capture(inputs=...)``, same shapes) into the static inputs, then run the
+        ``before_replay`` functions, then issue every command (dynamic push constants recomputed)."""
+        if self._state != "ready":
+            raise GraphCaptureError(f"replay: this graph is {self._state}; only a graph whose capture finished can replay")
+        if capturing() is not None:
+            raise GraphCaptureError("replay: another graph is being captured on this thread; replay after it ends")
+        if inputs:
+            self._refill(inputs)
+        for fn in self._hooks:
+            fn()
+        rt, patches = self.rt, self._patches
+        dispatch, copy, fill = rt.dispatch, rt.copy, rt.fill
+        for i, op in enumerate(self.ops):
+            kind = op[0]
+            if kind == _DISPATCH:
+                fn = patches.get(i)
+                dispatch(op[1], op[2], op[3] if fn is None else fn(), op[4], op[5], op[6], op[7])
+            elif kind == _COPY:
+                copy(op[1], op[2], op[3], op[4], op[5])
+            else:
+                fill(op[1], op[2], op[3], op[4])
+        rt.flush()
+        self.replays += 1
+
+    def _refill(self, inputs) -> None:
+        from helios.tensor import Tensor
+
+        if len(inputs) != len(self.inputs):
+            raise GraphCaptureError(f"replay: got {len(inputs)} inputs, the graph was captured with "
+                                    f"{len(self.inputs)} (capture(inputs=...))")
+        for i, (dst, new) in enumerate(zip(self.inputs, inputs)):
+            shape = tuple(new.shape)
+            if shape != dst.shape:
+                raise ShapeError(f"replay: input {i} has shape {shape}, the graph was captured for {dst.shape}; "
+                                 "capture another graph for that shape")
+            if isinstance(new, Tensor):
+                if new.dtype is not dst.dtype:
+                    raise GraphCaptureError(f"replay: input {i} is {new.dtype.name}, the graph was captured with "
+                                            f"{dst.dtype.name}")
+                dst.copy_(new)
+                continue
+            arr = np.asarray(new)
+            if arr.dtype.kind != np.dtype(dst.dtype.np_storage).kind and not (
+                    arr.dtype.kind in "iu" and dst.dtype.kind == "int"):
+                raise GraphCaptureError(f"replay: input {i} is a {arr.dtype} array, the graph's input is "
+                                        f"{dst.dtype.name}")
+            bits = np.ascontiguousarray(arr, dtype=dst.dtype.np_storage)
+            self.rt.write(dst._st.handle, dst._off * dst.dtype.itemsize, bits.reshape(-1).view(np.uint8))
+            dst._st.version += 1
+            # The host copy ops consult instead of reading back (index grouping, range checks).
+            dst._host = (dst._st.version, bits) if dst.is_contiguous() and dst._off == 0 else None
+
+    def release(self) -> None:
+        """Give back what the graph holds (freed tensors' bytes return to the allocator); it cannot replay after."""
+        if self._state == "released":
+            return
+        if self._state != "capturing":
+            self._holds.drop(self._handles)
+        self._state = "released"
+        self.ops = []
+        self._patches = {}
+        self._hooks = []
+
+    def __del__(self):
+        try:
+            self.release()
+        except Exception:  # interpreter exit: the device may be gone
+            pass
+
+    def __repr__(self) -> str:
+        return f"Graph({self.rt.name}, {len(self.ops)} commands, {self._state}, {self.replays} replays)"
+
+
+@contextlib.contextmanager
+def capture(inputs=(), device=None):
+    """Capture the device work done inside the block into a :class:`Graph` (the block runs as usual).
+
+    ``inputs``: the tensors ``Graph.replay(*new)`` refills (created before the capture, on the
+    captured device).  ``device``: which device's work to capture (default: the current one)."""
+    from helios.runtime import get_runtime
+    from helios.tensor import Tensor
+
+    if capturing() is not None:
+        raise GraphCaptureError("capture: a graph is already being captured on this thread (captures do not nest)")
+    rt = get_runtime(device)
+    inputs = tuple(inputs)
+    for i, t in enumerate(inputs):
+        if not isinstance(t, Tensor):
+            raise GraphCaptureError(f"capture: inputs[{i}] is a {type(t).__name__}, not a Tensor; create the step's "
+                                    "inputs as tensors before the capture")
+        if t._st.rt is not rt:
+            raise GraphCaptureError(f"capture: inputs[{i}] is on {t.device}, the capture records {rt.name}")
+    g = Graph(rt, inputs)
+    g._begin()
+    _state.graph = g
+    ok = False
+    try:
+        yield g
+        ok = True
+    finally:
+        _state.graph = None
+        g._end(failed=not ok)

@@ -303,7 +303,7 @@ def _train(args, given: set[str]) -> int:
         from helios.schedule.moe import expert_groups, use_experts
 
         if args.ep > 1:  # each rank holds 1/ep of every layer's experts
-            ep_group, edp_group = expert_groups(args.ep)
+            ep_group, edp_group = expert_groups(args.ep, pp=args.pp)  # over each stage's data-parallel ranks
         use_experts(gpt, args.moe_experts, args.moe_top_k, args.moe_capacity, args.moe_aux_alpha, ep_group=ep_group)
         # a token runs top-k experts (each the size of the dense MLP) and the router
         mlp_weights = 8 * cfg.n_embd * cfg.n_embd * cfg.n_layer
@@ -469,7 +469,7 @@ def _train(args, given: set[str]) -> int:
         from helios.schedule.pipeline import clip_grad_norm_ as pp_clip
 
         def clip(params, max_norm):
-            return pp_clip(gpt, max_norm)
+            return pp_clip(gpt, max_norm, shard_group=ep_group)  # (ep_group: the experts' shards)
     elif tensor_parallel:  # the global norm sums every shard once, over the tensor-parallel group
         from helios.schedule.tensor_parallel import clip_grad_norm_ as tp_clip
 
@@ -530,13 +530,14 @@ def _train(args, given: set[str]) -> int:
             yield from zip(np.split(x, layout.microbatches), np.split(y, layout.microbatches))
 
     if args.moe_experts:
-        from helios.schedule.moe import aux_loss, average_expert_gradients
-    aux_dev = None  # the step's load-balancing loss (a device scalar), logged next to the loss
+        from helios.schedule.moe import aux_loss, average_expert_gradients, dropped_pairs
+    # The step's load-balancing loss and dropped (token, choice) pairs, logged next to the loss.
+    moe_step = None
 
     def plain_step():
         """Forward and backward of each micro-batch, gradients accumulated; the step's mean loss
         (a device scalar)."""
-        nonlocal aux_dev
+        nonlocal moe_step
         loss_dev = None
         for i, (x, y) in enumerate(micro_batches()):
             with timer.phase("host_to_device"):
@@ -558,7 +559,8 @@ def _train(args, given: set[str]) -> int:
                     rt.synchronize()
             loss_dev = loss if loss_dev is None else loss_dev + loss.detach()
             if aux is not None:
-                aux_dev = aux.detach() if aux_dev is None else aux_dev + aux.detach()
+                drop = dropped_pairs(gpt)
+                moe_step = (aux.detach(), drop) if moe_step is None else (moe_step[0] + aux.detach(), moe_step[1] + drop)
         return loss_dev
 
     def pipeline_step() -> float | None:
@@ -577,7 +579,14 @@ def _train(args, given: set[str]) -> int:
         loss = gpt.train_step(list(xs), list(ys), phase=timer.phase)
         if grid.dp > 1:
             with timer.phase("comm"):
+                if ep_group is not None:  # the experts differ between ranks: averaged apart, below
+                    from helios.schedule.moe import expert_gradient_copies, restore_expert_gradients
+
+                    experts = expert_gradient_copies(gpt)
                 _average_gradients(opt, grid.dp_group)
+                if ep_group is not None:
+                    restore_expert_gradients(experts)
+                    average_expert_gradients(gpt, edp_group, grid.dp)
         return loss
 
     from tqdm import tqdm
@@ -603,6 +612,8 @@ def _train(args, given: set[str]) -> int:
             bytes0 = run.comm_bytes()
             if pipeline:
                 stage_loss = pipeline_step()
+                if args.moe_experts:
+                    moe_step = gpt.moe_totals()  # summed over the stages, as one device has them
             else:
                 loss_dev = plain_step()
                 if ep_group is not None:
@@ -673,9 +684,10 @@ def _train(args, given: set[str]) -> int:
             if scaler.is_enabled():
                 post["scale"] = f"{scaler.get_scale():g}"
                 post["skipped"] = str(scaler.skipped_steps)
-            if aux_dev is not None:  # rank 0's load-balancing loss (the training loss above leaves it out)
-                post["aux"] = f"{aux_dev.item():.4f}"
-                aux_dev = None
+            if moe_step is not None:  # rank 0's replica's load-balancing loss (the loss above leaves it out)
+                post["aux"] = f"{float(moe_step[0]):.4f}"
+                post["dropped"] = str(int(moe_step[1]))
+                moe_step = None
             if val_loss is not None:
                 post["val"] = f"{val_loss:.4f}"
             bar.set_postfix(post, refresh=False)

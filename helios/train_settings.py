@@ -217,7 +217,8 @@ SAVED = (
 
 def check_experts(experts: int, top_k: int, ep: int, tp: int, pp: int, world: int = 1, zero: int = 0) -> None:
     """Refuse a mixture-of-experts setting helios-train cannot run, naming the flag.  ``--ep``
-    splits each layer's experts over that many data-parallel ranks (it must divide them)."""
+    splits each layer's experts over that many data-parallel ranks (it must divide them; with
+    --pp, the data-parallel ranks of each stage)."""
     if ep > 1:
         if not experts:
             usage(f"--ep {ep} splits the experts of a mixture-of-experts model over ranks: give --moe-experts too")
@@ -233,10 +234,10 @@ def check_experts(experts: int, top_k: int, ep: int, tp: int, pp: int, world: in
         return
     if top_k > experts:
         usage(f"--moe-top-k {top_k} is more than --moe-experts {experts}: a token cannot go to more experts than exist")
-    if tp > 1 or pp > 1:
-        flag = f"--tp {tp}" if tp > 1 else f"--pp {pp}"
-        usage(f"--moe-experts {experts} with {flag}: mixture-of-experts layers run data parallel only so far "
-              f"(drop {flag.split()[0]})")
+    if tp > 1:
+        # (with --pp they run: each stage's blocks add their load-balancing loss to its backward)
+        usage(f"--moe-experts {experts} with --tp {tp}: mixture-of-experts layers do not split over tensor-parallel "
+              "ranks yet (drop --tp; --pp and --ep compose with them)")
 
 
 def check_dtype(dtype: str, tp: int, pp: int, zero: int, experts: int) -> None:

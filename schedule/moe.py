@@ -37,6 +37,12 @@ see different tokens (they are data-parallel ranks): each one's output equals on
 that holds all experts run on its tokens.  Expert ``e`` is made from seeds of its own on
 whatever rank holds it, so every expert-parallel
 layout starts from the same weights.
+
+Pipeline parallelism (``helios.schedule.pipeline``): a stage adds the load-balancing losses
+of its own blocks to each micro-batch's backward through :func:`with_aux` (the stage's
+output carries them, as Megatron-LM's MoEAuxLossAutoScaler does), so every stage's
+parameters get what one device accumulating the same micro-batches gives them.  Expert
+parallelism then splits the data-parallel ranks of each stage (``expert_groups(ep, pp)``).
 """
 
 from __future__ import annotations
@@ -47,8 +53,8 @@ import helios.comm as dist
 from helios import _kernels as K
 from helios import dtypes as dt
 from helios import functional as F
-from helios.autograd.tape import no_grad
-from helios.creation import arange, normal, tensor, zeros
+from helios.autograd.tape import Function, no_grad
+from helios.creation import arange, full, normal, tensor, zeros
 from helios.nn import Linear, Module, Parameter
 from helios.schedule.grid import group_rank, group_size
 from helios.schedule.tensor_parallel import TPLayout, with_transpose
@@ -181,6 +187,39 @@ def aux_loss(model: Module) -> Tensor | None:
     return total
 
 
+def dropped_pairs(model: Module) -> Tensor | None:
+    """The (token, choice) pairs every MoE layer of ``model`` dropped past capacity in its last
+    forward (a device int64 scalar; None without MoE layers)."""
+    total = None
+    for m in model.modules():
+        if isinstance(m, MoEMLP) and m.dropped is not None:
+            total = m.dropped if total is None else total + m.dropped
+    return total
+
+
+class _WithAux(Function):
+    """y = x; y's backward also gives ``aux`` the gradient 1 (see :func:`with_aux`)."""
+
+    @staticmethod
+    def forward(ctx, x, aux):
+        ctx.aux_shape = aux.shape
+        return x.detach()  # a new tensor on the same storage: x keeps its own place in the tape
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, full(ctx.aux_shape, 1.0)
+
+
+def with_aux(x: Tensor, aux: Tensor | None) -> Tensor:
+    """``x`` unchanged, whose backward also differentiates the scalar ``aux`` (with gradient 1,
+    as ``(root + aux).backward()`` gives it).  A pipeline stage hands the next stage (or the
+    loss's backward) such an output, so ``out.backward(g)`` runs its blocks' load-balancing
+    losses too: one backward, the gradients one device gets from ``loss + aux``."""
+    if aux is None:
+        return x
+    return _WithAux.apply(x, aux)
+
+
 def use_experts(model: Module, n_experts: int, top_k: int = 2, capacity_factor: float | None = 1.25,
                 aux_alpha: float = 0.01, ep_group=None) -> Module:
     """Replace the MLP of every block of a ``helios.nn.GPT`` by an :class:`MoEMLP` (in place;
@@ -195,24 +234,32 @@ def use_experts(model: Module, n_experts: int, top_k: int = 2, capacity_factor: 
     return model
 
 
-def expert_groups(ep: int):
-    """(expert-parallel group, expert-data-parallel group) of this rank for ``ep`` experts-ways:
-    ranks ``[i * ep, (i + 1) * ep)`` split the experts between them (neighbours, as Megatron-LM
-    and DeepSpeed-MoE place them), and the ranks with the same place in those groups hold the
-    same experts (their gradients are averaged over it).  Every rank builds every group, in one
-    order (helios.comm.new_group is collective)."""
+def expert_groups(ep: int, pp: int = 1):
+    """(expert-parallel group, expert-data-parallel group) of this rank for ``ep`` experts-ways
+    over the data-parallel ranks of each of ``pp`` pipeline stages (stage s holds ranks
+    ``[s * D, (s + 1) * D)``, D = world / pp, as ParallelGrid lays them out without tensor
+    parallelism).  Within a stage, ranks ``[i * ep, (i + 1) * ep)`` split the experts between
+    them (neighbours, as Megatron-LM and DeepSpeed-MoE place them), and the stage's ranks with
+    the same place in those groups hold the same experts (their gradients are averaged over
+    it).  Every rank builds every group, in one order (helios.comm.new_group is collective)."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    if ep < 1 or world % ep:
-        raise ValueError(f"expert_groups: ep = {ep} does not divide the world size {world}")
+    if pp < 1 or world % pp:
+        raise ValueError(f"expert_groups: pp = {pp} does not divide the world size {world}")
+    d = world // pp
+    if ep < 1 or d % ep:
+        raise ValueError(f"expert_groups: ep = {ep} does not divide the {d} data-parallel ranks of a stage "
+                         f"(world {world} / pp {pp})")
     ep_group = edp_group = None
-    for first in range(0, world, ep):
-        g = dist.new_group(list(range(first, first + ep)), role="ep")
-        if first <= rank < first + ep:
-            ep_group = g
-    for j in range(ep):
-        g = dist.new_group(list(range(j, world, ep)), role="edp")
-        if rank % ep == j:
-            edp_group = g
+    for base in range(0, world, d):
+        for first in range(base, base + d, ep):
+            g = dist.new_group(list(range(first, first + ep)), role="ep")
+            if first <= rank < first + ep:
+                ep_group = g
+    for base in range(0, world, d):
+        for j in range(ep):
+            g = dist.new_group(list(range(base + j, base + d, ep)), role="edp")
+            if base <= rank < base + d and (rank - base) % ep == j:
+                edp_group = g
     return ep_group, edp_group
 
 
@@ -221,6 +268,21 @@ def expert_parameter_names(model: Module) -> list[str]:
     parallelism must leave to :func:`average_expert_gradients` under expert parallelism)."""
     mine = {id(p) for m in model.modules() if isinstance(m, MoEMLP) for p in m.expert_parameters()}
     return [n for n, p in model.named_parameters() if id(p) in mine]
+
+
+def expert_gradient_copies(model: Module) -> list[tuple[Parameter, Tensor]]:
+    """Copies of the experts' gradients in ``model`` (to put back with
+    :func:`restore_expert_gradients` after an average over flat buffers that hold them too
+    would mix different ranks' experts, as a pipeline stage's data-parallel average does)."""
+    return [(p, K.copy(p.grad)) for m in model.modules() if isinstance(m, MoEMLP) for p in m.expert_parameters()
+            if p.grad is not None]
+
+
+def restore_expert_gradients(copies: list[tuple[Parameter, Tensor]]) -> None:
+    """Write the gradients :func:`expert_gradient_copies` kept back into their parameters."""
+    with no_grad():
+        for p, g in copies:
+            F.copy_(p.grad, g)
 
 
 def average_expert_gradients(model: Module, edp_group, data_parallel: int) -> None:

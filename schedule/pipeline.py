@@ -28,6 +28,12 @@ The tied embedding lives on the first stage (input) and the last (output layer):
 keeps a copy, and after the step's backwards the two gradients are summed between them
 (Megatron's embedding group).
 
+Mixture-of-experts blocks (``helios.schedule.moe.use_experts``): each stage adds the
+load-balancing loss of its own blocks, scaled by 1/m as the micro-batch's loss, to that
+micro-batch's backward (``moe.with_aux`` hangs it on the stage's output), so every stage's
+gradients are one device's of ``loss + aux`` over the same micro-batches; ``moe_totals()``
+sums the step's aux loss and dropped pairs over the stages for the log.
+
 A tensor-parallel model (``TensorParallelGPT``) splits into stages the same way: each
 tensor-parallel rank of a stage holds its shards, activations pass between the ranks of
 equal tensor-parallel index, and the last stage's loss is the vocabulary-parallel cross
@@ -45,10 +51,11 @@ import helios.comm as dist
 from helios import _kernels as K
 from helios import dtypes as dt
 from helios import functional as F
-from helios.autograd.tape import no_grad
+from helios.autograd.tape import is_grad_enabled, no_grad
 from helios.creation import arange, tensor
 from helios.nn import GPT, Module
 from helios.schedule.grid import group_size
+from helios.schedule.moe import with_aux
 
 
 def balance(weights: list[int], parts: int) -> list[tuple[int, int]]:
@@ -150,6 +157,7 @@ class PipelineStage(Module):
         self.vocab_lo = getattr(gpt, "vocab_lo", 0)
         # Layers as the pipeline sees them: [embeddings, block 0, ..., block L-1, final LayerNorm].
         self.virtual = virtual
+        self._moe_step = None  # see _moe_aux
         self.bounds = balance(layer_weights(gpt), self.pp * virtual)
         # The embeddings are on virtual stage 0 (this rank's chunk 0 on the first rank) and the
         # output layer on the last (chunk v - 1 on the last rank).
@@ -197,8 +205,9 @@ class PipelineStage(Module):
             x = x_in
         for block in blocks:
             x = block(x)
+        aux = self._moe_aux(blocks, scale)
         if not head:
-            return x
+            return with_aux(x, aux)
         b, t, _ = x.shape
         x = self.ln_f(x)
         if self.tp_group is not None:
@@ -208,7 +217,43 @@ class PipelineStage(Module):
         logits = F.matmul(x, self.wte.weight.mT)
         if targets is None:
             return logits
-        return self._loss(logits.reshape(b * t, -1), targets.reshape(b * t)) * scale
+        return with_aux(self._loss(logits.reshape(b * t, -1), targets.reshape(b * t)) * scale, aux)
+
+    def _moe_aux(self, blocks, scale: float):
+        """The load-balancing loss of the mixture-of-experts layers in ``blocks`` (their forward
+        just ran), scaled as the micro-batch's loss, for the backward to differentiate (None
+        without experts, or when not training); the step's totals are kept for the log."""
+        if not is_grad_enabled():
+            return None
+        from helios.schedule.moe import aux_loss, dropped_pairs
+
+        aux = aux_loss(blocks)
+        if aux is None:
+            return None
+        aux = aux * scale
+        # Accumulated on the device in micro-batch order, as one device sums them.
+        drop = dropped_pairs(blocks)
+        self._moe_step = (aux.detach(), drop) if self._moe_step is None else (
+            self._moe_step[0] + aux.detach(), self._moe_step[1] + drop)
+        return aux
+
+    def moe_totals(self) -> tuple[float, int] | None:
+        """The last training step's load-balancing loss (scaled per micro-batch, summed over the
+        micro-batches) and its dropped (token, choice) pairs, each summed over every stage of
+        this pipeline: what one device logs for the whole model.  A collective over the
+        pipeline group; None for a model without experts."""
+        mine = getattr(self, "_moe_step", None)
+        if mine is None and not self._has_experts():
+            return None
+        both = np.array([0.0, 0.0] if mine is None else [mine[0].item(), mine[1].item()], np.float64)
+        if self.pp > 1:
+            dist.all_reduce(both, group=self.group)
+        return float(both[0]), int(both[1])
+
+    def _has_experts(self) -> bool:
+        from helios.schedule.moe import MoEMLP
+
+        return any(isinstance(m, MoEMLP) for m in self.modules())
 
     def _loss(self, logits, targets):
         if self.tp_group is None:
@@ -235,6 +280,7 @@ class PipelineStage(Module):
         if m < 1:
             raise ValueError("pipeline: give at least one micro-batch")
         timed = phase or (lambda name: contextlib.nullcontext())
+        self._moe_step = None  # (load-balancing loss, dropped pairs) of this step's micro-batches
         b, t = np.asarray(inputs[0]).shape
         shape = (b, t, self.config.n_embd)
         prev, nxt = self._neighbours()
@@ -594,6 +640,7 @@ class InterleavedPipelineStage(PipelineStage):
             raise ValueError(f"pipeline: {m} micro-batches with {self.pp} stages x {self.virtual} virtual: the "
                              f"interleaved schedule needs a multiple of {self.pp}")
         timed = phase or (lambda name: contextlib.nullcontext())
+        self._moe_step = None  # (load-balancing loss, dropped pairs) of this step's micro-batches
         lists = [pipeline_schedule(self.pp, self.virtual, m, r) for r in range(self.pp)]
         shapes = [tuple(np.asarray(x).shape) + (self.config.n_embd,) for x in inputs]
         waited = [0.0]
@@ -681,16 +728,19 @@ def _squares(params) -> float:
     return 0.0 if total is None else float(total.item())
 
 
-def clip_grad_norm_(stage: PipelineStage, max_norm: float) -> float:
+def clip_grad_norm_(stage: PipelineStage, max_norm: float, shard_group=None) -> float:
     """Scale the stage's gradients so the whole model's norm is at most ``max_norm`` (a
     collective over the pipeline group, and the tensor-parallel group of a tensor-parallel
     stage, whose shards' squares are summed while replicated parameters count once); returns
-    the norm."""
+    the norm.  ``shard_group``: the group whose ranks hold the other shards of the sharded
+    parameters when it is not the stage's tensor-parallel group (the expert-parallel group of
+    a mixture-of-experts stage)."""
     owned = stage.owned_parameters()
+    group = shard_group if shard_group is not None else stage.tp_group
     with no_grad():
         shards = np.array([_squares([p for p in owned if _tp_sharded(p)])], np.float64)
-        if stage.tp_group is not None and group_size(stage.tp_group) > 1:
-            dist.all_reduce(shards, group=stage.tp_group)
+        if group is not None and group_size(group) > 1:
+            dist.all_reduce(shards, group=group)
         total = np.array([shards[0] + _squares([p for p in owned if not _tp_sharded(p)])], np.float64)
     if stage.pp > 1:
         dist.all_reduce(total, group=stage.group)

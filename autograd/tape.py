@@ -10,6 +10,13 @@ run on the device like the forward pass.
 Saved tensors remember the version counter of their storage; an in-place op on a
 tensor that a node saved makes backward fail with a clear error instead of silently
 using the modified values.
+
+Gradients written in place: a leaf whose optimizer packed its gradient into a slot of a
+flat buffer (``_grad_slot``) and that has no gradient yet in this pass has a *free slot*.
+Before a node's backward runs, ``ctx.grad_out(i)`` names input i's free slot (else None);
+a backward that writes input i's gradient there returns the slot itself, and
+``_accumulate_leaf`` then records nothing (no copy into the slot).  Later contributions
+(a tied weight's second use) and gradients of another dtype take the copying path.
 """
 
 from __future__ import annotations
@@ -22,6 +29,10 @@ from helios import runtime as _runtime
 from helios.profile.profiler import current_collector
 
 _state = threading.local()
+
+# Whether backward offers leaves' free gradient slots to the ops (see the module docstring);
+# False gives the copying path everywhere (tests compare the two bit for bit).
+GRADS_IN_PLACE = True
 
 
 def is_grad_enabled() -> bool:
@@ -65,11 +76,18 @@ def enable_grad() -> _GradMode:
 class Context:
     """What a Function's forward keeps for its backward."""
 
-    __slots__ = ("saved", "versions", "needs_input_grad", "__dict__")
+    __slots__ = ("saved", "versions", "needs_input_grad", "dests", "__dict__")
 
     def __init__(self):
         self.saved = ()
         self.versions = ()
+
+    def grad_out(self, i: int):
+        """Where backward may write the gradient of input ``i``: the free gradient slot of a
+        leaf (a contiguous tensor of the input's shape and dtype, see the module docstring),
+        or None.  A backward that writes there returns that tensor as input i's gradient."""
+        dests = getattr(self, "dests", None)
+        return dests[i] if dests is not None else None
 
     def save_for_backward(self, *tensors) -> None:
         self.saved = tensors
@@ -376,7 +394,9 @@ def _backward(root, grad, retain_graph: bool) -> None:
                 g = tuple(g)
             if node.retained is not None:
                 _store_retained(node, g)
+            node.ctx.dests = _free_slots(node, g) if GRADS_IN_PLACE else None
             in_grads = _backward_profiled(node, g)
+            node.ctx.dests = None
             if not isinstance(in_grads, tuple):
                 in_grads = (in_grads,)
             for inp, ig in zip(node.inputs, in_grads):
@@ -457,6 +477,36 @@ def _add_pending(pending: dict, t, g) -> None:
         slots[i] = g if slots[i] is None else slots[i] + g
 
 
+def _free_slots(node, g):
+    """Per input of ``node``, the gradient slot its backward may write (see Context.grad_out),
+    or None when no input has one.  A slot is free for a leaf with no gradient yet that is
+    this node's input once (two writes would collide) and whose slot shares no storage with
+    what the backward reads (its saved tensors, the incoming gradient)."""
+    dests = None
+    inputs = node.inputs
+    for i, t in enumerate(inputs):
+        if t is None or t._node is not None or t.grad is not None:
+            continue
+        slot = getattr(t, "_grad_slot", None)
+        if slot is None or slot.dtype is not t.dtype or slot.shape != t.shape or not slot.is_contiguous():
+            continue
+        if sum(1 for u in inputs if u is t) > 1:
+            continue
+        st = slot._st
+        reads = (node.ctx.saved or ()) + (g if type(g) is tuple else (g,))
+        if any(r is not None and r._st is st for r in reads):
+            continue
+        if dests is None:
+            dests = [None] * len(inputs)
+        dests[i] = slot
+    return dests
+
+
+def _is_slot(g, slot) -> bool:
+    """Whether the gradient ``g`` is the slot itself (a backward wrote it in place)."""
+    return g._st is slot._st and g._off == slot._off and g.shape == slot.shape and g._strides == slot._strides
+
+
 def _accumulate_leaf(t, g, given: set) -> None:
     from helios import _kernels as K
 
@@ -464,6 +514,9 @@ def _accumulate_leaf(t, g, given: set) -> None:
         g = g.to(t.dtype)
     slot = getattr(t, "_grad_slot", None)
     if slot is not None:
+        if t.grad is None and _is_slot(g, slot):  # written in place by the backward: nothing to copy
+            t.grad = slot
+            return
         # The optimizer packed this parameter: its gradient lives in a flat buffer.
         if t.grad is None or t.grad._st is not slot._st:
             K.copy_into(slot, g if t.grad is None else t.grad + g)

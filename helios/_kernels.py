@@ -434,10 +434,12 @@ def _value_dtype(x: Tensor) -> dt.DType:
     return dt.float32 if x.dtype.kind == "float" else dt.int64
 
 
-def reduce(op: str, x: Tensor, dims: tuple, scale: float = 1.0):
+def reduce(op: str, x: Tensor, dims: tuple, scale: float = 1.0, out: Tensor | None = None):
     """Reduce ``x`` over ``dims`` (sorted, unique).  Returns (values, indices or None) with
     the kept dims in order (no keepdim).  Values are float32 for float inputs (sums of
-    16-bit floats accumulate in float32) and int64 for integer/bool inputs; indices int64."""
+    16-bit floats accumulate in float32) and int64 for integer/bool inputs; indices int64.
+    ``out`` (optional, a contiguous tensor of the values' shape and dtype; not for the arg
+    reductions) receives the values, which are then returned as ``out``."""
     rt = x._st.rt
     kept = [d for d in range(x.ndim) if d not in dims]
     out_shape = tuple(x.shape[d] for d in kept)
@@ -445,6 +447,14 @@ def reduce(op: str, x: Tensor, dims: tuple, scale: float = 1.0):
     vdt = _value_dtype(x)
     arg = op in ("argmax", "argmin")
     n_out = numel(out_shape)
+    if out is not None:
+        if arg or out.shape != out_shape or out.dtype is not vdt or not out.is_contiguous():
+            raise ShapeError(f"reduce: out must be a contiguous {vdt.name} tensor of shape {out_shape} "
+                             f"(and op not an arg reduction), got {out.dtype.name} {out.shape}")
+        if R == 0 or n_out == 0 or x._st.nbytes > rt.max_range or _too_wide(x):  # rare paths: reduce, then copy
+            v, _ = reduce(op, x, dims, scale)
+            copy_into(out, v)
+            return out, None
     if R == 0 or n_out == 0:
         if R == 0 and op != "sum" and n_out:
             raise ShapeError(f"{op}: cannot reduce over a dimension of size 0 (shape {x.shape}, dims {dims})")
@@ -461,18 +471,26 @@ def reduce(op: str, x: Tensor, dims: tuple, scale: float = 1.0):
     if len(rshape) == 1 and (rstr[0] == 1 and len(kshape) <= 1):
         rows = kshape[0] if kshape else 1
         s_row = kstr[0] if kshape else 0
-        return _reduce_rows(op, x, rows, R, s_row, rstr[0], x._off, out_shape, scale)
+        return _reduce_rows(op, x, rows, R, s_row, rstr[0], x._off, out_shape, scale, out=out)
     if len(rshape) == 1 and len(kshape) <= 2 and (not kshape or rstr[0] != 1):
         outer, inner = (1, kshape[0]) if len(kshape) == 1 else ((kshape[0], kshape[1]) if kshape else (1, 1))
         s_row = kstr[0] if len(kshape) == 2 else 0
         s_in = kstr[-1] if kshape else 0
-        return _reduce_cols(op, x, outer, R, inner, s_row, rstr[0], s_in, out_shape, scale)
+        return _reduce_cols(op, x, outer, R, inner, s_row, rstr[0], s_in, out_shape, scale, out)
     # General case: gather the reduced dims last in a contiguous copy, then reduce rows.
     xc = copy(x.permute(*kept, *dims))
-    return _reduce_rows(op, xc, n_out, R, R, 1, 0, out_shape, scale)
+    return _reduce_rows(op, xc, n_out, R, R, 1, 0, out_shape, scale, out=out)
 
 
-def _reduce_rows(op, x, rows, R, s_row, s_k, off, out_shape, scale, idx_in=None):
+def _reduce_dest(out: Tensor | None, n: int, vdt: dt.DType, rt):
+    """(values tensor of n elements, its binding, its element offset there) for a reduction:
+    ``out`` flattened when given, else a new tensor."""
+    vals = empty((n,), vdt, rt) if out is None else Tensor(out._st, (n,), (1,), out._off, vdt)
+    bo, oo = bind(vals, True)
+    return vals, bo, oo
+
+
+def _reduce_rows(op, x, rows, R, s_row, s_k, off, out_shape, scale, idx_in=None, out=None):
     rt = x._st.rt
     vdt = _value_dtype(x)
     arg = op in ("argmax", "argmin")
@@ -481,35 +499,41 @@ def _reduce_rows(op, x, rows, R, s_row, s_k, off, out_shape, scale, idx_in=None)
         nchunks = min((R + 4095) // 4096, 1024)
     chunk = (R + nchunks - 1) // nchunks
     total = rows * nchunks
-    vals = empty((total,), vdt, rt)
+    vals, bo, oo = _reduce_dest(out if nchunks == 1 else None, total, vdt, rt)
     idx = empty((total,), dt.int64, rt) if arg else vals
     wg = 256 if R >= 256 else 64 if R >= 64 else 16
     pid = rt.pipeline("reduce", x.dtype.tag, (REDUCE[op], 0, wg, idx_in is not None))
     bx, ox = bind(x)
     bi, oi = bind(idx_in) if idx_in is not None else (bx, 0)
     final_scale = scale if nchunks == 1 else 1.0
-    rt.dispatch(pid, [bx, bi, bind(vals, True)[0], bind(idx, True)[0]],
-                _P_REDUCE.pack(R, rows, 1, nchunks, chunk, ox + off - x._off, s_row, s_k, 0, final_scale, oi, 0),
+    rt.dispatch(pid, [bx, bi, bo, bind(idx, True)[0]],
+                _P_REDUCE.pack(R, rows, 1, nchunks, chunk, ox + off - x._off, s_row, s_k, 0, final_scale, oi, oo),
                 groups_for(total), op, rows * R, rows * R * x.dtype.itemsize)
+    vals._st.version += int(out is not None and nchunks == 1)  # a write into the caller's tensor
     if nchunks > 1:
         second = {"argmax": "argmax", "argmin": "argmin"}.get(op, op)
-        v2, i2 = _reduce_rows(second, vals, rows, nchunks, nchunks, 1, 0, out_shape, scale, idx if arg else None)
+        v2, i2 = _reduce_rows(second, vals, rows, nchunks, nchunks, 1, 0, out_shape, scale, idx if arg else None, out)
         return v2, i2
+    if out is not None:
+        return out, None
     return vals.reshape(out_shape), (idx.reshape(out_shape) if arg else None)
 
 
-def _reduce_cols(op, x, outer, R, inner, s_row, s_k, s_in, out_shape, scale):
+def _reduce_cols(op, x, outer, R, inner, s_row, s_k, s_in, out_shape, scale, out=None):
     rt = x._st.rt
     vdt = _value_dtype(x)
     arg = op in ("argmax", "argmin")
     n = outer * inner
-    vals = empty((n,), vdt, rt)
+    vals, bo, oo = _reduce_dest(out, n, vdt, rt)
     idx = empty((n,), dt.int64, rt) if arg else vals
     pid = rt.pipeline("reduce", x.dtype.tag, (REDUCE[op], 1, 256, False))
     bx, ox = bind(x)
-    rt.dispatch(pid, [bx, bx, bind(vals, True)[0], bind(idx, True)[0]],
-                _P_REDUCE.pack(R, outer, inner, 1, R, ox, s_row, s_k, s_in, scale, 0, 0),
+    rt.dispatch(pid, [bx, bx, bo, bind(idx, True)[0]],
+                _P_REDUCE.pack(R, outer, inner, 1, R, ox, s_row, s_k, s_in, scale, 0, oo),
                 grid(n), op, n * R, n * R * x.dtype.itemsize)
+    if out is not None:
+        out._st.version += 1
+        return out, None
     return vals.reshape(out_shape), (idx.reshape(out_shape) if arg else None)
 
 
@@ -660,13 +684,16 @@ def _swap_last(x: Tensor) -> Tensor:
     return Tensor(x._st, tuple(sh), tuple(st), x._off, x.dtype)
 
 
-def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None) -> Tensor:
+def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None = None) -> Tensor:
     """Batched a @ b (+ ``bias`` over the last dim) with broadcast batch dims; both >= 2-D
     and of the same float dtype; ``bias`` 1-D of size N with unit stride, added in the
     kernel's epilogue.
 
     Operands may be any strided views (transposes, broadcast batches): the kernel variant
-    and its load paths are chosen here from strides and alignment.
+    and its load paths are chosen here from strides and alignment.  ``out`` (optional, the
+    result's shape and dtype) receives the product instead of a new tensor: contiguous, or
+    the transposed view of a contiguous tensor (the kernel then stores each matrix
+    transposed), e.g. a parameter's slot in a flat gradient buffer.
     """
     from helios._shape import broadcast_shapes
 
@@ -676,7 +703,11 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None) -> Tensor:
         raise ShapeError(f"matmul: shapes {a.shape} and {b.shape} are not aligned (inner dims {K} != {K2})")
     batch = broadcast_shapes("matmul", a.shape[:-2], b.shape[:-2])
     rt = a._st.rt
-    out = empty(batch + (M, N), a.dtype, rt)
+    ct = 0
+    if out is None:
+        out = empty(batch + (M, N), a.dtype, rt)
+    else:
+        ct = _check_mm_out(out, batch + (M, N), a.dtype)
     nb = numel(batch)
     if out.numel() == 0:
         return out
@@ -684,14 +715,16 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None) -> Tensor:
         raise ShapeError(f"matmul: bias must be a unit-stride {a.dtype.name} vector of shape ({N},), "
                          f"got {bias.dtype.name} {bias.shape} with strides {bias._strides}")
     if K == 0:
-        out = fill(out, 0)
-        return out if bias is None else binary("add", out, bias)
+        fill(_swap_last(out) if ct else out, 0)
+        if bias is not None:
+            copy_into(out, binary("add", out, bias))
+        return out
     sa = broadcast_strides(a.shape[:-2], a._strides[:-2], batch)
     sb = broadcast_strides(b.shape[:-2], b._strides[:-2], batch)
     cshape, (ca, cb) = collapse(batch, sa, sb)
     if len(cshape) > 2:  # three or more unmergeable batch dims: make the operands contiguous
-        return matmul(copy(a.expand(batch + (M, K))), copy(b.expand(batch + (K, N))), bias)
-    if len(cshape) == 1 and cb[0] == 0 and ca[0] == M * a._strides[-2]:
+        return matmul(copy(a.expand(batch + (M, K))), copy(b.expand(batch + (K, N))), bias, out)
+    if len(cshape) == 1 and cb[0] == 0 and ca[0] == M * a._strides[-2] and not ct:
         # B is shared by every batch matrix and A's batches follow each other along M (a
         # Linear layer on [B, T, C]): one [nb*M, K] @ [K, N] product.  Each output is the
         # same K-loop as before, so results are bit-identical; the taller grid lets the
@@ -701,7 +734,7 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None) -> Tensor:
         cshape, ca, cb = [1] + cshape, [0] + ca, [0] + cb
     if nb > 65535:
         raise ShapeError(f"matmul: {nb} batch matrices exceed the 65535 the kernel dispatches at once; reshape the batch")
-    (ba, oa), (bb, ob), (bc, oc) = bind(a), bind(b), bind(out, True)
+    (ba, oa), (bb, ob), (bc, oc) = bind(a), bind(b), bind(_swap_last(out) if ct else out, True)
     # Without a bias, binding 3 repeats A (read-only, never read: HAS_BIAS = 0).
     bz, oz = bind(bias) if bias is not None else (ba, 0)
     has_bias = int(bias is not None)
@@ -710,10 +743,12 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None) -> Tensor:
     if _cpu_mm_kernel(rt):
         tm, tn, wy = _mm_cpu_tile(M, N)
         spec = _mm_cpu_config(M, N, oa, ob, oc, ca, cb, sam, sak, sbk, sbn, bool(rt.features.get("int64")), (tm, tn, wy))
-        pid = rt.pipeline("matmul", f"{a.dtype.tag}_sg{tm}x{tn}", spec + (has_bias,))
+        if ct:  # vec4 stores run along M in a transposed C
+            spec = spec[:3] + (int(M % 4 == 0 and oc % 4 == 0),) + spec[4:]
+        pid = rt.pipeline("matmul", f"{a.dtype.tag}_sg{tm}x{tn}", spec + (has_bias,) + ((1,) if ct else ()))
         groups = ((N + _MM_SG * tn - 1) // (_MM_SG * tn), (M + tm * spec[0] - 1) // (tm * spec[0]), nb)
     else:
-        pid = rt.pipeline("matmul", a.dtype.tag, _MM_GPU_SPEC + (has_bias,))
+        pid = rt.pipeline("matmul", a.dtype.tag, _MM_GPU_SPEC + (has_bias,) + ((1,) if ct else ()))
         groups = ((N + _MM_GPU_SPEC[1] - 1) // _MM_GPU_SPEC[1], (M + _MM_GPU_SPEC[0] - 1) // _MM_GPU_SPEC[0], nb)
     flops = 2 * nb * M * N * K
     nbytes = (nb * (M * K + K * N + M * N)) * a.dtype.itemsize
@@ -721,6 +756,18 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None) -> Tensor:
                 _P_MATMUL.pack(M, N, K, cshape[1], oa, ob, oc, oz, ca[0], ca[1], sam, sak, cb[0], cb[1], sbk, sbn),
                 groups, "matmul", flops, nbytes)
     return out
+
+
+def _check_mm_out(out: Tensor, shape: tuple, dtype: dt.DType) -> int:
+    """0 if ``out`` is a contiguous ``shape``, 1 if it is the transposed view of a contiguous
+    tensor (the kernel's CT store); a ShapeError naming ``out`` otherwise."""
+    if out.shape != shape or out.dtype is not dtype:
+        raise ShapeError(f"matmul: out must be a {dtype.name} tensor of shape {shape}, got {out.dtype.name} {out.shape}")
+    if out.is_contiguous():
+        return 0
+    if len(shape) >= 2 and _swap_last(out).is_contiguous():
+        return 1
+    raise ShapeError(f"matmul: out must be contiguous or a transposed contiguous tensor, got strides {out._strides}")
 
 
 # -- row ops ---------------------------------------------------------------------------------
@@ -797,25 +844,44 @@ def layer_norm_bwd_input(x: Tensor, w: Tensor | None, g: Tensor, mean: Tensor, r
     return dx
 
 
-def layer_norm_bwd_params(x: Tensor, g: Tensor, mean: Tensor, rstd: Tensor, need_w: bool, need_b: bool):
+def layer_norm_bwd_params(x: Tensor, g: Tensor, mean: Tensor, rstd: Tensor, need_w: bool, need_b: bool,
+                          dw_out: Tensor | None = None, db_out: Tensor | None = None):
     """(dw, db) of LayerNorm (contiguous x and g; None where not needed): per-column sums
-    over the rows of g * xhat and of g, in one pass."""
+    over the rows of g * xhat and of g, in one pass.
+
+    ``dw_out`` / ``db_out`` (optional, contiguous [C] tensors of x's dtype) receive them
+    instead of new memory when every needed one is given and they share a storage (one
+    output binding: the slots of one flat gradient buffer); otherwise they are ignored and
+    the results come in new memory."""
     rt = x._st.rt
     C = x.shape[-1]
     rows = x.numel() // C if C else 0
-    out = empty((2, C), x.dtype, rt)
-    if rows == 0 or C == 0:
-        fill(out, 0)
+    dests = [d for d, need in ((dw_out, need_w), (db_out, need_b)) if need]
+    direct = bool(dests) and rows > 0 and C > 0 and all(
+        d is not None and d._st is dests[0]._st and d.shape == (C,) and d.dtype is x.dtype and d.is_contiguous()
+        for d in dests)
+    if direct:
+        dw, db = (dw_out if need_w else None), (db_out if need_b else None)
+        lo = min(d._off for d in dests)
+        span = Tensor(dests[0]._st, (max(d._off for d in dests) + C - lo,), (1,), lo, x.dtype)
+        bo, base = bind(span, True)
+        offs = [d._off - lo + base if d is not None else 0 for d in (dw, db)]
     else:
-        pid = rt.pipeline("layernorm", x.dtype.tag, (2, need_w, 64, need_b, False))
-        bx, ox = bind(x)
-        bg, og = bind(g)
-        bo = bind(out, True)[0]
-        rt.dispatch(pid, [bx, bx, bx, bo, bind(mean)[0], bind(rstd)[0], bg],
-                    _P_LN.pack(C, rows, ox, og, 0.0, 0, 0), groups_for((C + 63) // 64), "layer_norm_bwd_params",
-                    5 * x.numel(), 2 * x.numel() * x.dtype.itemsize)
-    dw = Tensor(out._st, (C,), (1,), out._off, x.dtype) if need_w else None
-    db = Tensor(out._st, (C,), (1,), out._off + C, x.dtype) if need_b else None
+        out = empty((2, C), x.dtype, rt)
+        dw = Tensor(out._st, (C,), (1,), out._off, x.dtype) if need_w else None
+        db = Tensor(out._st, (C,), (1,), out._off + C, x.dtype) if need_b else None
+        if rows == 0 or C == 0:
+            fill(out, 0)
+            return dw, db
+        bo, offs = bind(out, True)[0], [0, C]
+    pid = rt.pipeline("layernorm", x.dtype.tag, (2, need_w, 64, need_b, False))
+    bx, ox = bind(x)
+    bg, og = bind(g)
+    rt.dispatch(pid, [bx, bx, bx, bo, bind(mean)[0], bind(rstd)[0], bg],
+                _P_LN.pack(C, rows, ox, og, 0.0, offs[0], offs[1]), groups_for((C + 63) // 64), "layer_norm_bwd_params",
+                5 * x.numel(), 2 * x.numel() * x.dtype.itemsize)
+    if direct:
+        dests[0]._st.version += 1
     return dw, db
 
 
@@ -873,22 +939,29 @@ def embedding_fwd(w: Tensor, idx: Tensor) -> Tensor:
     return out
 
 
-def embedding_bwd(g: Tensor, pos: Tensor, rowptr: Tensor, V: int) -> Tensor:
-    """dW[V, C] from the upstream g[rows, C] and the CSR grouping (pos int64, rowptr int32)."""
+def embedding_bwd(g: Tensor, pos: Tensor, rowptr: Tensor, V: int, out: Tensor | None = None) -> Tensor:
+    """dW[V, C] from the upstream g[rows, C] and the CSR grouping (pos int64, rowptr int32),
+    written into ``out`` (a contiguous [V, C] tensor of g's dtype) when given."""
     rt = g._st.rt
     C = g.shape[-1]
-    out = empty((V, C), g.dtype, rt)
+    if out is None:
+        out = empty((V, C), g.dtype, rt)
+    elif out.shape != (V, C) or out.dtype is not g.dtype or not out.is_contiguous():
+        raise ShapeError(f"embedding_bwd: out must be a contiguous {g.dtype.name} tensor of shape {(V, C)}, "
+                         f"got {out.dtype.name} {out.shape}")
     if out.numel() == 0:
         return out
     if g.numel() == 0:  # no position used the table: a zero gradient (nothing to bind)
         return fill(out, 0)
     pid = rt.pipeline("embedding", g.dtype.tag, (1,))
     bg, og = bind(g)
+    bo, oo = bind(out, True)
     gy = (V + 3) // 4
     gz = (gy + 65534) // 65535
     gy = min(gy, 65535)
-    rt.dispatch(pid, [bg, bind(pos)[0], bind(rowptr)[0], bind(out, True)[0]], _P_EMB.pack(C, V, V, og, 0),
+    rt.dispatch(pid, [bg, bind(pos)[0], bind(rowptr)[0], bo], _P_EMB.pack(C, V, V, og, oo),
                 ((C + 63) // 64, gy, gz), "embedding_bwd", g.numel(), 2 * g.numel() * g.dtype.itemsize)
+    out._st.version += 1
     return out
 
 

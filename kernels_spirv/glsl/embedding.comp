@@ -5,6 +5,8 @@
 // MODE 1 backward: dW[v, c] = sum over j in [rowptr[v], rowptr[v+1]) of g[pos[j], c] — the
 //                  positions of each row are grouped (CSR) and in order, so the sum is
 //                  deterministic: no atomics, bit-identical between runs.
+//                  off_i (unused: pos is bound from its start) is where dW starts in
+//                  binding 3, so dW can be a slot of a larger gradient buffer.
 #define NEED_I64
 #include "common.glsl"
 layout(local_size_x = 64, local_size_y = 4) in;
@@ -27,6 +29,6 @@ void main() {
         float acc = 0.0;
         for (int j = rowptr[r]; j < rowptr[r + 1]; ++j)
             acc += HL_LDF(TA, w[p.off_w + uint(idx[j]) * p.C + c]);
-        o[r * p.C + c] = HL_STF(TA, acc);
+        o[p.off_i + r * p.C + c] = HL_STF(TA, acc);
     }
 }

@@ -3,8 +3,10 @@
 // MODE 0 forward:  y = (x - mean) * rstd * w + b; also writes mean and rstd (float) per row.
 // MODE 1 backward: dx = rstd * (gw - mean(gw) - xhat * mean(gw * xhat)), gw = g * w.
 // MODE 2 parameter grads: one invocation per column c sums over the rows in order:
-//   o[c] = dw[c] = sum_r g[r, c] * xhat[r, c] (AFFINE),  o[C + c] = db[c] = sum_r g[r, c] (HAS_BIAS),
-//   one pass instead of xhat, a product and two column reductions.
+//   o[off_w + c] = dw[c] = sum_r g[r, c] * xhat[r, c] (AFFINE),  o[off_b + c] = db[c] = sum_r g[r, c]
+//   (HAS_BIAS), one pass instead of xhat, a product and two column reductions.  off_w / off_b
+//   (the weight and bias offsets of the forward) place dw and db anywhere in binding 3: the
+//   rows of one [2, C] buffer, or the two parameters' slots of a flat gradient buffer.
 // gw is `precise`: fused into a later fma(g, w, -mean(gw)) its rounding error would survive
 // where gw - mean(gw) is exactly 0 (one column), which a GPU's true fma shows and lavapipe's
 // mul + add hides.
@@ -71,8 +73,8 @@ void column_grads(uint c) {
         if (AFFINE) sw += gv * ((HL_LDF(TA, x[bx + r * p.C]) - mean_[r]) * rstd_[r]);
         if (HAS_BIAS) sb += gv;
     }
-    if (AFFINE) o[c] = HL_STF(TA, sw);
-    if (HAS_BIAS) o[p.C + c] = HL_STF(TA, sb);
+    if (AFFINE) o[p.off_w + c] = HL_STF(TA, sw);
+    if (HAS_BIAS) o[p.off_b + c] = HL_STF(TA, sb);
 }
 
 void main() {

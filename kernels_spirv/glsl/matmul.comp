@@ -4,7 +4,11 @@
 // each with its own stride per operand (0 = broadcast).  C is contiguous [batch, M, N].
 // Every dtype is stored as itself and computed in fp32.  With HAS_BIAS (a specialization
 // constant of both kernels) C[.., m, n] = A@B + bias[off_bias + n]: a Linear layer's bias
-// added in registers before the store instead of by a separate broadcast add.
+// added in registers before the store instead of by a separate broadcast add.  With CT (a
+// specialization constant of both kernels) each C[z] is stored transposed, element (m, n)
+// at off_c + z*M*N + n*M + m: C is the transposed view of a contiguous [batch, N, M], so a
+// product computed the other way round (b^T a^T, for speed) lands in a row-major buffer
+// (a weight's gradient slot) without a copy.  The sums are the same either way.
 //
 // Two kernels live here, picked by the variant (see matmul.variants and matmul() in
 // helios/_kernels.py):
@@ -51,6 +55,7 @@ layout(constant_id = 2) const int BK = 16;
 layout(constant_id = 3) const int WX = 16;   // = BN / TN
 layout(constant_id = 4) const int WY = 16;   // = BM / TM
 layout(constant_id = 5) const int HAS_BIAS = 0;
+layout(constant_id = 6) const int CT = 0;
 const int TM = BM / WY;
 const int TN = BN / WX;
 
@@ -98,7 +103,8 @@ void main() {
         if (gm >= p.M) continue;
         for (int j = 0; j < TN; ++j) {
             uint gn = n0 + tx + uint(j * WX);
-            if (gn < p.N) c[cbase + gm * p.N + gn] = HL_STF(TA, acc[i][j] + (HAS_BIAS == 1 ? HL_LDF(TA, bias[p.off_bias + gn]) : 0.0));
+            if (gn < p.N) c[CT == 1 ? cbase + gn * p.M + gm : cbase + gm * p.N + gn] =
+                HL_STF(TA, acc[i][j] + (HAS_BIAS == 1 ? HL_LDF(TA, bias[p.off_bias + gn]) : 0.0));
         }
     }
 }
@@ -127,7 +133,8 @@ layout(constant_id = 0) const int WY = 4;      // subgroups per workgroup, stack
 //   BMODE 0: any strides; 1: N-contiguous (sbn = 1); 2: K-contiguous (sbk = 1: B^T view).
 //   AWIDE / BWIDE 1: the contiguous runs are 8-aligned and read as 8 values per load
 //            (one 32-byte u64vec4 for fp32), else as vec4s (4-aligned).
-//   CVEC  1: N % 4 == 0, C is written as vec4s.
+//   CVEC  1: C is written as vec4s along its contiguous dim (N % 4 == 0, or M % 4 == 0 with CT).
+//   CT    1: C[z] stored transposed (see the top of the file).
 // llvmpipe's per-lane load loop costs about the same per component whatever its width,
 // so fewer, wider components per load is what makes the loads cheap.
 layout(constant_id = 1) const int AMODE = 0;
@@ -136,6 +143,7 @@ layout(constant_id = 3) const int CVEC = 0;
 layout(constant_id = 4) const int AWIDE = 0;
 layout(constant_id = 5) const int BWIDE = 0;
 layout(constant_id = 6) const int HAS_BIAS = 0;
+layout(constant_id = 7) const int CT = 0;
 
 // Vector views of the same bindings (matmul() checks offsets and strides for alignment).
 #if TA == T_F32
@@ -297,6 +305,27 @@ void main() {
         }
     }
     uint cbase = p.off_c + z * p.M * p.N;
+    if (CT == 1) {  // column n of this lane is a run of TM rows: stored along m
+        [[unroll]] for (int j = 0; j < TN; ++j) {
+            uint n = n0 + uint(j);
+            if (n >= p.N) break;
+            uint ccol = cbase + n * p.M;
+            if (CVEC == 1) {  // M % 4 == 0 and m0 % 4 == 0: a run of 4 rows is all in or all out
+                [[unroll]] for (int i4 = 0; i4 < TM / 4; ++i4) {
+                    uint m = m0 + uint(4 * i4);
+                    if (m < p.M) stc4(ccol + m, vec4(acc[4 * i4][j / 4][j % 4], acc[4 * i4 + 1][j / 4][j % 4],
+                                                     acc[4 * i4 + 2][j / 4][j % 4], acc[4 * i4 + 3][j / 4][j % 4]));
+                }
+            } else {
+                [[unroll]] for (int i = 0; i < TM; ++i) {
+                    uint m = m0 + uint(i);
+                    if (m >= p.M) break;
+                    c[ccol + m] = HL_STF(TA, acc[i][j / 4][j % 4]);
+                }
+            }
+        }
+        return;
+    }
     [[unroll]] for (int i = 0; i < TM; ++i) {
         uint m = m0 + uint(i);
         if (m >= p.M) break;

@@ -39,7 +39,7 @@ layout(std430, binding = 3) writeonly buffer BX { int64_t idx_out[]; };
 layout(push_constant) uniform P {
     uint R; uint rows; uint inner; uint nchunks;
     uint chunk; uint off; uint s_row; uint s_k;
-    uint s_in; float scale; uint off_idx; uint pad;
+    uint s_in; float scale; uint off_idx; uint off_o;  // off_o: where out[0] lives in binding 2
 } p;
 
 shared VT s_val[WG];
@@ -75,7 +75,7 @@ void main() {
 #if TA == T_F32 || TA == T_F16 || TA == T_BF16
         if (OP == 0) acc *= p.scale;
 #endif
-        o[gidx] = acc;
+        o[p.off_o + gidx] = acc;
         if (OP >= 3) idx_out[gidx] = bi;
         return;
     }
@@ -112,7 +112,7 @@ void main() {
 #if TA == T_F32 || TA == T_F16 || TA == T_BF16
         if (OP == 0) v *= p.scale;
 #endif
-        o[wg] = v;
+        o[p.off_o + wg] = v;
         if (OP >= 3) idx_out[wg] = s_idx[0];
     }
 }

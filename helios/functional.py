@@ -1717,16 +1717,16 @@ class _Embedding(Function):
     @staticmethod
     def backward(ctx, g):
         (idx,) = ctx.saved_tensors
+        gr = graph.capturing()
+        if gr is not None and gr.made_inside(idx):
+            raise graph.GraphCaptureError("embedding backward inside hl.graph.capture: its indices are grouped on "
+                                          "the host, so they must come from outside the step (an input of "
+                                          "capture(inputs=...)), not be computed inside it")
         order, rowptr = _group_by_row(_host_indices(idx), ctx.V)
         rt = g._st.rt
         pos = K.from_numpy(order, dt.int64, rt)
         rp = K.from_numpy(rowptr, dt.int32, rt)
-        gr = graph.capturing()
-        if gr is not None:  # a replay groups its own indices: the graph's input holds them by then
-            if gr.made_inside(idx):
-                raise graph.GraphCaptureError("embedding backward inside hl.graph.capture: its indices are grouped on "
-                                              "the host, so they must come from outside the step (an input of "
-                                              "capture(inputs=...)), not be computed inside it")
+        if gr is not None:  # a replay groups its own indices (the capture's inputs hold them by then)
             graph.before_replay(lambda: _regroup(idx, ctx.V, pos, rp))
         g2 = _rows(contiguous(g))
         dest = ctx.grad_out(1)  # the table's free gradient slot, if any

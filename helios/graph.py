@@ -151,7 +151,8 @@ class Graph:
         self._patches: dict[int, object] = {}  # op index -> fn() giving its push bytes at replay
         self._hooks: list = []
         self._handles: set = set()
-        self._state = "capturing"  # -> "ready" | "failed" | "released"
+        self._state = "capturing"  # -> "ready" | "failed ..." | "released"
+        self._held = False  # whether _holds counts this graph's handles
         self.replays = 0
 
     # -- capture ----------------------------------------------------------------------------
@@ -218,18 +219,17 @@ class Graph:
         del self._real
         # Hold what the commands touch (allocations made during the capture are held already).
         self._holds.hold(self._handles - self._born)
-        self._state = "failed" if failed else "ready"
+        self._held = True
         if failed:
             self.release()
+        self._state = "failed (the capture raised)" if failed else "ready"
 
     # -- replay -----------------------------------------------------------------------------
     def made_inside(self, t) -> bool:
-        """Whether the captured work wrote ``t``'s storage (or allocated it): then its values at the
-        start of a replay are the previous run's, not this one's (a ``before_replay`` function must
-        not read them)."""
+        """Whether a captured command wrote ``t``'s storage: then its values at the start of a
+        replay are the previous run's, not this one's (a ``before_replay`` function must not read
+        them).  A tensor an op uploaded during the capture and no command wrote is a constant."""
         h = t._st.handle
-        if h in self._born:
-            return True
         for op in self.ops:
             if op[0] == _DISPATCH:
                 if any(b[0] == h and b[3] for b in op[2]):
@@ -294,11 +294,11 @@ class Graph:
 
     def release(self) -> None:
         """Give back what the graph holds (freed tensors' bytes return to the allocator); it cannot replay after."""
-        if self._state == "released":
-            return
-        if self._state != "capturing":
+        if self._held:
             self._holds.drop(self._handles)
+            self._held = False
         self._state = "released"
+        self.inputs = ()
         self.ops = []
         self._patches = {}
         self._hooks = []

@@ -95,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="profile without per-dispatch device timestamps (which serialise lavapipe's queue and "
                         "hide the overlap of backward and gradient communication)")
     p.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
+    p.add_argument("--no-capture", action="store_true",
+                   help="run every step through Python and autograd; by default a one-rank fp32/bf16 step without "
+                        "gradient accumulation is captured once (hl.graph) and its device work replayed (same losses)")
     p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3),
                    help="ZeRO stage across data-parallel ranks: 0 plain DDP, 1 shard AdamW moments, "
                         "2 also gradients, 3 also parameters")
@@ -430,6 +433,11 @@ def _train(args, given: set[str]) -> int:
     if args.dtype != "fp32":
         say(f"mixed precision: --dtype {args.dtype}, matmuls in {'bfloat16' if args.dtype == 'bf16' else 'float16'}, "
             "float32 master weights" + (f", loss scale {scaler.get_scale():g}" if scaler.is_enabled() else ""))
+    capture_reason = _capture_refusal(args, run, pipeline or layout.microbatches > 1, zero)
+    if capture_reason is None:
+        say("graph capture: on (the first step is captured, the others replay it; --no-capture turns it off)")
+    elif not args.no_capture:
+        say(f"graph capture: off ({capture_reason})")
     if args.moe_experts:
         say(f"mixture of experts: {args.moe_experts} experts per block, top-{args.moe_top_k}, capacity factor "
             f"{args.moe_capacity}, load-balancing loss x {args.moe_aux_alpha} (logged as aux)")
@@ -534,15 +542,19 @@ def _train(args, given: set[str]) -> int:
     # The step's load-balancing loss and dropped (token, choice) pairs, logged next to the loss.
     moe_step = None
 
-    def plain_step():
-        """Forward and backward of each micro-batch, gradients accumulated; the step's mean loss
-        (a device scalar)."""
+    def plain_step(tensors=None):
+        """Forward and backward of each micro-batch (``tensors``: the step's (x, y) device tensors,
+        else the loader's next micro-batches), gradients accumulated; the step's mean loss (a device
+        scalar)."""
         nonlocal moe_step
         loss_dev = None
-        for i, (x, y) in enumerate(micro_batches()):
-            with timer.phase("host_to_device"):
-                xt = hl.tensor(x, dtype=hl.int64)
-                yt = hl.tensor(y, dtype=hl.int64)
+        for i, (x, y) in enumerate(micro_batches() if tensors is None else tensors):
+            if tensors is None:
+                with timer.phase("host_to_device"):
+                    xt = hl.tensor(x, dtype=hl.int64)
+                    yt = hl.tensor(y, dtype=hl.int64)
+            else:
+                xt, yt = x, y
             # Gradient accumulation: only the last micro-batch's backward communicates.
             local = i < n_micro - 1 and run.active
             with model.no_sync() if local and model is not gpt else contextlib.nullcontext():
@@ -589,6 +601,55 @@ def _train(args, given: set[str]) -> int:
                     average_expert_gradients(gpt, edp_group, grid.dp)
         return loss
 
+    def update():
+        """The clip and optimizer phases of a step (its gradients are complete)."""
+        with timer.phase("grad_clip"):
+            scaler.unscale_(opt)  # fp16: the true gradients, for the norm and the inf/nan test
+            if args.grad_clip > 0:
+                if zero:
+                    # the global norm over every rank's shard (and every tensor-parallel part, and
+                    # every pipeline stage: the tied table counted once, by the first stage)
+                    opt.clip_grad_norm_(args.grad_clip, tp_group=tp_group if args.tp > 1 else None,
+                                        pp_group=gpt.group if pipeline else None,
+                                        counted=gpt.owns if pipeline else None)
+                else:
+                    clip(gpt.parameters(), args.grad_clip)
+            rt.synchronize()
+        with timer.phase("optimizer"):
+            scaler.step(opt)  # fp16: skipped when a gradient is inf or nan
+            scaler.update()
+            opt.zero_grad()
+            rt.synchronize()
+
+    # Step capture (hl.graph): the first step runs under capture, later ones replay its device work
+    # with the next batch in its input tensors.  None: every step runs through Python.
+    capture = {} if capture_reason is None else None
+
+    def captured_step():
+        """One step by capture or replay (clip and optimizer included); None when the capture was
+        refused (then the step has not updated anything: run it the plain way)."""
+        nonlocal capture
+        ((x, y),) = micro_batches()
+        g = capture.get("graph")
+        if g is None:
+            with timer.phase("host_to_device"):
+                xt, yt = hl.tensor(x, dtype=hl.int64), hl.tensor(y, dtype=hl.int64)
+            try:
+                with hl.graph.capture(inputs=(xt, yt)) as g:
+                    loss = plain_step([(xt, yt)])
+                    update()
+            except hl.graph.GraphCaptureError as e:
+                say(f"graph capture refused, training without it: {e}", flush=True)
+                capture = None
+                opt.zero_grad()
+                return None
+            capture.update(graph=g, loss=loss, batch=(xt, yt))
+            return loss
+        with timer.phase("replay"):
+            g.replay(x, y)
+            rt.synchronize()
+        return capture["loss"]
+
     from tqdm import tqdm
 
     # A log file (stderr not a terminal) gets plain lines, not a carriage-return progress bar.
@@ -610,32 +671,19 @@ def _train(args, given: set[str]) -> int:
                 g["lr"] = lr
             d0 = rt.stats()["dispatches"]
             bytes0 = run.comm_bytes()
+            # A profiled step runs through Python (its trace shows the ops and phases); replays go on after.
+            loss_dev = captured_step() if capture is not None and prof is None else None
             if pipeline:
                 stage_loss = pipeline_step()
                 if args.moe_experts:
                     moe_step = gpt.moe_totals()  # summed over the stages, as one device has them
-            else:
+                update()
+            elif loss_dev is None:
                 loss_dev = plain_step()
                 if ep_group is not None:
                     with timer.phase("comm"):
                         average_expert_gradients(gpt, edp_group, run.data_world)
-            with timer.phase("grad_clip"):
-                scaler.unscale_(opt)  # fp16: the true gradients, for the norm and the inf/nan test
-                if args.grad_clip > 0:
-                    if zero:
-                        # the global norm over every rank's shard (and every tensor-parallel part, and
-                        # every pipeline stage: the tied table counted once, by the first stage)
-                        opt.clip_grad_norm_(args.grad_clip, tp_group=tp_group if args.tp > 1 else None,
-                                            pp_group=gpt.group if pipeline else None,
-                                            counted=gpt.owns if pipeline else None)
-                    else:
-                        clip(gpt.parameters(), args.grad_clip)
-                rt.synchronize()
-            with timer.phase("optimizer"):
-                scaler.step(opt)  # fp16: skipped when a gradient is inf or nan
-                scaler.update()
-                opt.zero_grad()
-                rt.synchronize()
+                update()
             with timer.phase("device_to_host"):
                 if pipeline:
                     # Only the last stage has the loss: counted pp times there and 0 elsewhere, the
@@ -733,6 +781,25 @@ def _train(args, given: set[str]) -> int:
         db.finish(status="finished")
     run.close()
     return 0
+
+
+def _capture_refusal(args, run, split_batch: bool, zero: int) -> str | None:
+    """Why helios-train does not capture the step (None: it does).  A replay repeats one device's
+    commands: collectives, host-side loss scaling and a step made of several micro-batches are
+    not a single static stream of them."""
+    if args.no_capture:
+        return "--no-capture"
+    if run.world > 1:
+        return "several ranks exchange data through the host"
+    if args.dtype == "fp16":
+        return "--dtype fp16 checks for inf/nan on the host each step"
+    if args.grad_accum > 1 or split_batch:
+        return "the step accumulates several micro-batches"
+    if args.moe_experts:
+        return "mixture of experts counts dropped tokens on the host"
+    if zero:
+        return "--zero"
+    return None
 
 
 def _mixed_precision(dtype: str):

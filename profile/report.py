@@ -33,7 +33,7 @@ from helios.profile.timers import ALL_PHASES
 #: One colour per phase (idle last, in grey); chosen to stay distinct side by side.
 PHASE_COLOURS = {
     "data_load": "#8c6bb1", "host_to_device": "#41b6c4", "forward": "#2b8cbe", "backward": "#e6550d",
-    "grad_clip": "#fdae6b", "optimizer": "#31a354", "comm": "#de2d26", "device_to_host": "#7fcdbb",
+    "grad_clip": "#fdae6b", "optimizer": "#31a354", "replay": "#1c9099", "comm": "#de2d26", "device_to_host": "#7fcdbb",
     "checkpoint": "#756bb1", "sample_gen": "#c994c7", "idle": "#bdbdbd",
 }
 MAX_BARS = 120  # beyond this many steps the waterfall shows bucket means

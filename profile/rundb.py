@@ -36,7 +36,9 @@ Schema (``PRAGMA user_version`` = :data:`SCHEMA_VERSION`)
     start_ns INTEGER              host CLOCK_MONOTONIC at start_step
     wall_ns INTEGER
     data_load_ns, host_to_device_ns, forward_ns, backward_ns, grad_clip_ns, optimizer_ns,
-    comm_ns, device_to_host_ns, checkpoint_ns, sample_gen_ns, idle_ns   INTEGER
+    replay_ns, comm_ns, device_to_host_ns, checkpoint_ns, sample_gen_ns, idle_ns   INTEGER
+                                  (replay: a captured step run again, hl.graph: forward to
+                                  optimizer in one; 0 on a step that ran its phases)
     tokens INTEGER, tokens_per_s REAL
     loss REAL, lr REAL            NULL when not given
     dispatches INTEGER            kernel launches in the step; NULL when not counted
@@ -86,7 +88,7 @@ if TYPE_CHECKING:
     from helios.profile.profiler import Collector, KeyAverages
 
 DB_FILENAME = "run.db"
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 _PHASE_COLS = [f"{p}_ns" for p in ALL_PHASES]
 
 _SCHEMA = f"""
@@ -100,7 +102,7 @@ CREATE TABLE IF NOT EXISTS runs (
 CREATE TABLE IF NOT EXISTS step_timing (
     run_id INTEGER NOT NULL REFERENCES runs(run_id), step INTEGER NOT NULL, rank INTEGER NOT NULL DEFAULT 0,
     start_ns INTEGER NOT NULL, wall_ns INTEGER NOT NULL,
-    {", ".join(c + " INTEGER NOT NULL" for c in _PHASE_COLS)},
+    {", ".join(c + " INTEGER NOT NULL DEFAULT 0" for c in _PHASE_COLS)},
     tokens INTEGER NOT NULL, tokens_per_s REAL, loss REAL, lr REAL, dispatches INTEGER, mfu REAL, hfu REAL,
     comm_bytes INTEGER, comm_payload_bytes INTEGER, val_loss REAL,
     PRIMARY KEY (run_id, step, rank)
@@ -143,6 +145,9 @@ def connect(path: str, timeout_s: float = 10.0) -> sqlite3.Connection:
         ver = SCHEMA_VERSION
     if ver == 2:
         _migrate_v2(con)
+        ver = 3
+    if ver == 3:
+        _migrate_v3(con)
         ver = SCHEMA_VERSION
     if ver not in (0, SCHEMA_VERSION):
         con.close()
@@ -164,6 +169,12 @@ def _migrate_v2(con: sqlite3.Connection) -> None:
     con.executescript("BEGIN; ALTER TABLE step_timing ADD COLUMN comm_bytes INTEGER;"
                       "ALTER TABLE step_timing ADD COLUMN comm_payload_bytes INTEGER;"
                       "ALTER TABLE step_timing ADD COLUMN val_loss REAL;"
+                      "PRAGMA user_version=3; COMMIT;")
+
+
+def _migrate_v3(con: sqlite3.Connection) -> None:
+    """Version 3 had no replay phase: 0 on its rows (one transaction)."""
+    con.executescript("BEGIN; ALTER TABLE step_timing ADD COLUMN replay_ns INTEGER NOT NULL DEFAULT 0;"
                       f"PRAGMA user_version={SCHEMA_VERSION}; COMMIT;")
 
 

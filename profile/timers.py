@@ -52,6 +52,7 @@ PHASES: tuple[str, ...] = (
     "backward",
     "grad_clip",
     "optimizer",
+    "replay",
     "comm",
     "device_to_host",
     "checkpoint",

@@ -189,9 +189,10 @@ def test_a_version_2_database_gains_the_byte_columns_and_keeps_its_rows(tmp_path
     db = RunDB(tmp_path)
     db.log_step(timer.records[0])
     db.close()
-    con = sqlite3.connect(db_path(tmp_path))  # make it a version-2 file: no byte columns
+    con = sqlite3.connect(db_path(tmp_path))  # make it a version-2 file: no byte columns (nor replay phase)
     con.executescript("ALTER TABLE step_timing DROP COLUMN comm_bytes; ALTER TABLE step_timing DROP COLUMN "
-                      "comm_payload_bytes; ALTER TABLE step_timing DROP COLUMN val_loss; PRAGMA user_version=2;")
+                      "comm_payload_bytes; ALTER TABLE step_timing DROP COLUMN val_loss; "
+                      "ALTER TABLE step_timing DROP COLUMN replay_ns; PRAGMA user_version=2;")
     con.close()
     db = RunDB(tmp_path)
     db.log_step(timer.records[1], rank=1, comm_bytes=1000, comm_payload_bytes=2000)
@@ -201,4 +202,23 @@ def test_a_version_2_database_gains_the_byte_columns_and_keeps_its_rows(tmp_path
     assert con.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
     assert con.execute("SELECT rank, comm_bytes, comm_payload_bytes, val_loss FROM step_timing ORDER BY run_id"
                        ).fetchall() == [(0, None, None, None), (1, 1000, 2000, 2.5)]
+    con.close()
+
+
+def test_a_version_3_database_gains_the_replay_phase_and_keeps_its_rows(tmp_path):
+    _, _, timer = simulate_training(2, clock=FakeClock())
+    db = RunDB(tmp_path)
+    db.log_step(timer.records[0])
+    db.close()
+    con = sqlite3.connect(db_path(tmp_path))  # make it a version-3 file: no replay column
+    con.executescript("ALTER TABLE step_timing DROP COLUMN replay_ns; PRAGMA user_version=3;")
+    con.close()
+    db = RunDB(tmp_path)
+    db.log_step(timer.records[1])
+    db.close()
+    con = sqlite3.connect(db_path(tmp_path))
+    assert con.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    rows = con.execute("SELECT step, replay_ns, forward_ns FROM step_timing ORDER BY step").fetchall()
+    assert [r[:2] for r in rows] == [(timer.records[0].step, 0), (timer.records[1].step, 0)]
+    assert rows[0][2] == timer.records[0].phases_ns["forward"]
     con.close()

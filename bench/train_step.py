@@ -2,7 +2,11 @@
 
 Prints one JSON line per config: tokens/s of each, their ratio, and MFU of each against
 the device peak of helios.profile.mfu (a labelled estimate on CPUs; lavapipe runs on the
-same CPU cores, so both use the CPU's fp32 peak).
+same CPU cores, so both use the CPU's fp32 peak).  Helios runs twice: every step through
+Python and autograd (``helios_*``), and the first step captured with ``hl.graph`` and the
+others replayed (``replay_*``, what helios-train does by default on one device).
+``host_ms_*`` is the host's time to issue one step (recording and submitting, up to the
+flush; not the wait for the loss), median over the timed steps.
 
     python bench/train_step.py [--config tiny] [--steps 5]
 """
@@ -12,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import time
 
 import numpy as np
@@ -107,35 +112,67 @@ def main() -> None:
     model = GPT(cfg, seed=0)
     opt = AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
 
+    rt = get_runtime()
+    host = {"eager": [], "replay": []}
+
     def helios_step(x, y):
+        t0 = time.perf_counter()
         _, loss = model(hl.tensor(x), hl.tensor(y))
         loss.backward()
         clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad()
+        rt.flush()
+        host["eager"].append(time.perf_counter() - t0)
         return loss.item()
+
+    # The same model again, its step captured on the first call and replayed after.
+    model_r = GPT(cfg, seed=0)
+    opt_r = AdamW(model_r.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    captured = {}
+
+    def replay_step(x, y):
+        if not captured:
+            xt, yt = hl.tensor(x), hl.tensor(y)
+            with hl.graph.capture(inputs=(xt, yt)) as g:
+                _, loss = model_r(xt, yt)
+                loss.backward()
+                clip_grad_norm_(model_r.parameters(), 1.0)
+                opt_r.step()
+                opt_r.zero_grad()
+            captured.update(graph=g, loss=loss)
+            return loss.item()
+        t0 = time.perf_counter()
+        captured["graph"].replay(x, y)
+        host["replay"].append(time.perf_counter() - t0)
+        return captured["loss"].item()
 
     tparams = {n: torch.tensor(p.numpy(), device=tdev, requires_grad=True) for n, p in model.named_parameters()}
     topt = torch.optim.AdamW(list(tparams.values()), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
     tstep = torch_step_fn(cfg, B, T, tparams, topt)
     tbatches = [(torch.tensor(x, device=tdev), torch.tensor(y, device=tdev)) for x, y in batches]
 
-    # Interleave to share the machine's noise: helios, torch, helios, torch; keep the best of each.
-    h_times, t_times = [], []
+    # Interleave to share the machine's noise: helios, replay, torch, twice; keep the best of each.
+    h_times, r_times, t_times = [], [], []
     for _ in range(2):
         h_times.append(time_steps(helios_step, batches, args.warmup))
+        r_times.append(time_steps(replay_step, batches, args.warmup))
         t_times.append(time_steps(tstep, tbatches, args.warmup))
-    h, t = min(h_times), min(t_times)
+    h, r, t = min(h_times), min(r_times), min(t_times)
     tokens = B * T
     fpt = model.flops_per_token()
-    rt = get_runtime()
     peak = peak_flops(rt.info["name"], "fp32", rt.info["type"])
-    h_tps, t_tps = tokens / h, tokens / t
+    h_tps, r_tps, t_tps = tokens / h, tokens / r, tokens / t
+    host_eager = statistics.median(host["eager"][args.warmup:])
+    host_replay = statistics.median(host["replay"])
     print(json.dumps({
         "bench": "train_step", "config": args.config, "params": model.num_parameters(), "tokens_per_step": tokens,
         "device": rt.name, "device_name": rt.info["name"], "helios_tok_s": round(h_tps, 1),
         "peer": f"torch_{args.peer}", "peer_tok_s": round(t_tps, 1),
         "ratio": round(h_tps / t_tps, 4), "helios_ms_per_step": round(h * 1e3, 1), "peer_ms_per_step": round(t * 1e3, 1),
+        "replay_tok_s": round(r_tps, 1), "replay_ratio": round(r_tps / t_tps, 4), "replay_ms_per_step": round(r * 1e3, 1),
+        "host_ms_eager": round(host_eager * 1e3, 3), "host_ms_replay": round(host_replay * 1e3, 3),
+        "host_replay_share": round(host_replay / host_eager, 4),
         "helios_mfu": compute_mfu(fpt, h_tps, peak), "peer_mfu": compute_mfu(fpt, t_tps, peak),
         "peak": peak.label if peak else None, "torch_threads": torch.get_num_threads(),
     }))

@@ -29,7 +29,7 @@ def _batches(n, seed=0):
             for _ in range(n)]
 
 
-def _train_gpt(batches, replay: bool):
+def _train_gpt(batches, replay: bool, autocast=None):
     """Losses and final parameters of len(batches) AdamW steps (cosine learning rate, clipping):
     every step through Python, or the first captured and the others replayed."""
     model = GPT(CFG, seed=3)
@@ -39,7 +39,8 @@ def _train_gpt(batches, replay: bool):
     def step(i):
         for g in opt.param_groups:
             g["lr"] = cosine_lr(i, 1e-2, 3, len(batches))
-        _, loss = model(x, y)
+        with hl.autocast(autocast or "bfloat16", enabled=autocast is not None):
+            _, loss = model(x, y)
         loss.backward()
         clip_grad_norm_(model.parameters(), 0.5)
         opt.step()
@@ -66,10 +67,11 @@ def _train_gpt(batches, replay: bool):
     return losses, {n: p.numpy() for n, p in model.named_parameters()}, opt.step_count
 
 
-def test_gpt_replay_equals_running_the_step_for_20_steps():
+@pytest.mark.parametrize("autocast", [None, "bfloat16"])
+def test_gpt_replay_equals_running_the_step_for_20_steps(autocast):
     batches = _batches(20)
-    eager, p_eager, n_eager = _train_gpt(batches, replay=False)
-    replayed, p_replay, n_replay = _train_gpt(batches, replay=True)
+    eager, p_eager, n_eager = _train_gpt(batches, replay=False, autocast=autocast)
+    replayed, p_replay, n_replay = _train_gpt(batches, replay=True, autocast=autocast)
     assert replayed == eager  # bit for bit: the same commands on the same bytes
     assert n_replay == n_eager == 20
     for name in p_eager:

@@ -226,3 +226,17 @@ def test_helios_train_replays_by_default_with_the_losses_of_running_every_step(t
     assert [r[:3] for r in captured] == [r[:3] for r in plain]  # train and validation losses, bit for bit
     assert all(r[3] > 0 for r in captured[1:]) and captured[0][3] == 0  # step 1 captured, the rest replayed
     assert all(r[3] == 0 for r in plain)
+
+
+def test_capture_and_replay_on_the_emulated_cuda_device():
+    code = ("import numpy as np, helios as hl\n"
+            "x = hl.tensor(np.arange(8, dtype=np.float32))\n"
+            "with hl.graph.capture(inputs=(x,)) as g:\n"
+            "    y = (x * 2.0 + 1.0).sum()\n"
+            "first = y.item()\n"
+            "g.replay(np.ones(8, np.float32))\n"
+            "print(hl.current_device(), first, y.item())\n")
+    env = dict(os.environ, HELIOS_CUDA_DEVICE="emulator", HELIOS_DEVICE="cuda:0")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["cuda:0", "64.0", "24.0"]

@@ -275,3 +275,16 @@ def test_module_to_moves_and_casts_parameters_in_place():
         h.to(hl.int64)
     with pytest.raises(hl.DeviceError, match="cuda:0"):
         h.to("cuda:0")
+
+
+def test_module_zero_grad_set_to_none_false_zeroes_in_place():
+    lin = nn.Linear(3, 2)
+    x = hl.tensor(np.ones((4, 3), np.float32))
+    lin(x).sum().backward()
+    grads = [p.grad for p in lin.parameters()]
+    lin.zero_grad(set_to_none=False)
+    for p, g in zip(lin.parameters(), grads):
+        assert p.grad is g  # the same tensors, now zeros
+        np.testing.assert_array_equal(g.numpy(), np.zeros(g.shape, np.float32))
+    lin.zero_grad()
+    assert all(p.grad is None for p in lin.parameters())

@@ -228,8 +228,14 @@ class Module:
         return self.to(dt.bfloat16)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forget the parameters' gradients (``set_to_none``, the default, as PyTorch's), or fill
+        them with zeros in place (the tensors stay: an optimizer's flat gradient slots keep theirs)."""
         for p in self.parameters():
-            p.grad = None
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                with no_grad():
+                    F.zero_(p.grad)
 
     def state_dict(self) -> "OrderedDict[str, Tensor]":
         """Name -> parameter tensor (detached; shares storage)."""

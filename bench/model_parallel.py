@@ -14,7 +14,15 @@ script:
   split adds (the embedding's all-reduce forward and the head input's backward: 2 more of
   b·s·h; the cross entropy's 3 of b·s), and the measured share of it.
 
-The peer is the formula: PyTorch's ``torch.distributed.tensor.parallel`` is not run here.
+The peers are the formula and, for tp 2, PyTorch's ``torch.distributed.tensor.parallel``
+on gloo (2 processes, one thread each, the same GPT: the tied table split by vocabulary
+rows as the embedding's ``RowwiseParallel`` and the head's ``ColwiseParallel`` with
+``loss_parallel``, q/k/v and the MLP's first layer column-wise, the projections row-wise,
+LayerNorms and positions replicated; AdamW and a clip of the whole model's norm, the same
+global batch), printed next to Helios' rows as ``layout: "torch tp 2"`` (and ``"torch 1
+rank"``, the same module unsplit): ``step_ms`` the median step after ``--warmup``,
+``model_state_bytes`` rank 0's local parameters, gradients and AdamW moments (Helios'
+weights pool holds the same), ``max_rss_bytes`` rank 0's peak resident memory.
 
 Then the pipeline (``helios.schedule.pipeline``, helios-train's ``--pp``): the same
 GPT in 2 stages on 2 ranks, 1F1B with m = 1, 4, 8 micro-batches of 2 sequences, 6 steps;
@@ -32,7 +40,8 @@ without and s·b·h·(34/t + 5·a·s/(h·t)) with sequence parallelism, as a rat
 formula counts fp16 activations and dropout masks, Helios keeps fp32 and has no dropout
 here, so only the ratios compare).
 
-    python bench/model_parallel.py [--steps 30] [--warmup 5] [--skip-train] [--skip-pipeline] [--skip-activations]
+    python bench/model_parallel.py [--steps 30] [--warmup 5] [--skip-train] [--skip-torch] [--skip-pipeline]
+                                   [--skip-activations]
 """
 
 from __future__ import annotations
@@ -205,7 +214,14 @@ def main() -> None:
     ap.add_argument("--pipeline-rank", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--pipeline-virtual", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--activations-rank", choices=["sp", "plain"], default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--skip-torch", action="store_true", help="leave out PyTorch's rows (run after the helios-train rows)")
+    ap.add_argument("--torch-tp-rank", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--world", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.torch_tp_rank is not None:
+        torch_tp_rank(a.torch_tp_rank, a.world, a.port, a.config, a.steps, a.warmup)
+        return
     if a.pipeline_rank is not None:
         pipeline_rank(a.pipeline_rank, a.config, a.pipeline_virtual)
         return
@@ -228,11 +244,11 @@ def train_rows(a) -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         runs = {"1 rank": (1, ()), "dp 2": (2, ()), "tp 2": (2, ("--tp", "2"))}
-        base = None
+        base, helios = None, {}
         for name, (world, extra) in runs.items():
             out = os.path.join(tmp, name.replace(" ", ""))
             helios_run(world, cfg["batch_size"] // world, a.config, a.steps, out, *extra)  # the same global batch
-            res = _rank0(out, a.warmup)
+            res = helios[name] = _rank0(out, a.warmup)
             tp = 2 if "--tp" in extra else 1
             line = {"bench": "model_parallel", "config": a.config, "layout": name, "ranks": world, **res}
             if tp > 1:
@@ -244,6 +260,177 @@ def train_rows(a) -> None:
             line["step_x_one_rank"] = round(res["step_ms"] / base["step_ms"], 3)
             line["weights_pool_x_one_rank"] = round(res["weights_pool_bytes"] / base["weights_pool_bytes"], 3)
             print(json.dumps(line), flush=True)
+    if not a.skip_torch:
+        torch_rows(a, helios)
+
+
+def torch_rows(a, helios: dict) -> None:
+    """PyTorch's rows: the same GPT on 1 process and tensor parallel over 2 (gloo), each with
+    Helios' step time and weights pool of the same layout from this run."""
+    torch_one = None
+    for world, name in ((1, "1 rank"), (2, "tp 2")):
+        res = torch_tp(world, a.config, a.steps, a.warmup)
+        torch_one = torch_one or res
+        line = {"bench": "model_parallel", "config": a.config, "layout": f"torch {name}", "ranks": world, **res,
+                "step_x_one_rank": round(res["step_ms"] / torch_one["step_ms"], 3),
+                "model_state_x_one_rank": round(res["model_state_bytes"] / torch_one["model_state_bytes"], 3)}
+        if name in helios:
+            line["helios_step_ms"] = helios[name]["step_ms"]
+            line["helios_weights_pool_bytes"] = helios[name]["weights_pool_bytes"]
+        print(json.dumps(line), flush=True)
+
+
+def torch_tp(world: int, config: str, steps: int, warmup: int) -> dict:
+    """Start ``world`` processes of :func:`torch_tp_rank`; rank 0's measurements."""
+    import socket
+    import subprocess
+
+    from data_parallel import _env
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    procs = [subprocess.Popen([sys.executable, __file__, "--torch-tp-rank", str(r), "--world", str(world), "--port",
+                               str(port), "--config", config, "--steps", str(steps), "--warmup", str(warmup)],
+                              env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+             for r in range(world)]
+    outs = [p.communicate(timeout=900) for p in procs]
+    if any(p.returncode for p in procs):
+        raise SystemExit(f"torch tensor-parallel run failed: {[e[-2000:] for _, e in outs]}")
+    return json.loads(outs[0][0].strip().splitlines()[-1])
+
+
+def torch_tp_rank(rank: int, world: int, port: int, config: str, steps: int, warmup: int) -> None:
+    """One process of PyTorch's tensor-parallel GPT (see the module docstring); rank 0 prints
+    its median step time, model-state bytes and peak resident memory."""
+    import math
+    import resource
+    import time
+
+    import numpy as np
+    import torch
+    import torch.distributed as tdist
+    import torch.nn as nn
+    import torch.nn.functional as TF
+
+    torch.set_num_threads(1)
+    c = CONFIGS[config]
+    C, H, T, V, B = c["n_embd"], c["n_head"], c["block_size"], 256, c["batch_size"]
+    torch.manual_seed(0)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln_1, self.ln_2 = nn.LayerNorm(C), nn.LayerNorm(C)
+            # q, k and v apart (Helios' c_attn is one [3C, C] matrix): a column split of each
+            # gives every rank whole heads.
+            self.q, self.k, self.v, self.c_proj = nn.Linear(C, C), nn.Linear(C, C), nn.Linear(C, C), nn.Linear(C, C)
+            self.c_fc, self.mlp_proj = nn.Linear(C, 4 * C), nn.Linear(4 * C, C)
+            self.register_buffer("mask", torch.tril(torch.ones(T, T, dtype=torch.bool)), persistent=False)
+
+        def forward(self, x):
+            b, t, _ = x.shape
+            a = self.ln_1(x)
+            # this rank's heads: the local width over the head size
+            q, k, v = (f(a).reshape(b, t, -1, C // H).transpose(1, 2) for f in (self.q, self.k, self.v))
+            att = ((q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(C // H))).masked_fill(~self.mask, float("-inf"))
+            x = x + self.c_proj((att.softmax(-1) @ v).transpose(1, 2).reshape(b, t, -1))
+            return x + self.mlp_proj(TF.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
+
+    class GPT(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte, self.wpe = nn.Embedding(V, C), nn.Embedding(T, C)
+            self.h = nn.ModuleList(Block() for _ in range(c["n_layer"]))
+            self.ln_f = nn.LayerNorm(C)
+            self.lm_head = nn.Linear(C, V, bias=False)
+
+        def forward(self, x):
+            h = self.wte(x) + self.wpe(torch.arange(x.shape[1]))
+            for blk in self.h:
+                h = blk(h)
+            return self.lm_head(self.ln_f(h))
+
+    model = GPT()
+    with torch.no_grad():  # Helios' GPT init: N(0, 0.02) weights (tied table included), zero biases
+        for mod in model.modules():
+            if isinstance(mod, (nn.Linear, nn.Embedding)):
+                mod.weight.normal_(0.0, 0.02)
+            if isinstance(mod, nn.Linear) and mod.bias is not None:
+                mod.bias.zero_()
+    loss_ctx = __import__("contextlib").nullcontext
+    mesh = None
+    if world > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, loss_parallel,
+                                                       parallelize_module)
+
+        tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        mesh = init_device_mesh("cpu", (world,))
+        plan = {"wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+                "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+        for i in range(c["n_layer"]):
+            plan.update({f"h.{i}.{n}": ColwiseParallel() for n in ("q", "k", "v", "c_fc")})
+            plan.update({f"h.{i}.{n}": RowwiseParallel() for n in ("c_proj", "mlp_proj")})
+        parallelize_module(model, mesh, plan)
+        loss_ctx = loss_parallel  # the cross entropy of vocabulary-sharded logits, never gathered
+    model.lm_head.weight = model.wte.weight  # tied: both [V, C], rows split the same way under tp
+    params = list(model.parameters())
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    # foreach=False: the per-tensor loop takes split (DTensor) and replicated tensors alike
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=1e-3, betas=(0.9, 0.95), foreach=False)
+
+    def local(t):
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    def clip(max_norm: float) -> None:
+        # The whole model's norm: the split tensors' squares summed over the ranks, the
+        # replicated ones counted once.
+        split = sum(float(local(p.grad).pow(2).sum()) for p in params if hasattr(p.grad, "to_local"))
+        if world > 1:
+            buf = torch.tensor([split], dtype=torch.float64)
+            tdist.all_reduce(buf)
+            split = float(buf[0])
+        whole = split + sum(float(p.grad.pow(2).sum()) for p in params if not hasattr(p.grad, "to_local"))
+        coef = min(1.0, max_norm / (math.sqrt(whole) + 1e-6))
+        if coef < 1.0:
+            with torch.no_grad():
+                for p in params:
+                    p.grad.mul_(coef)
+
+    rng = np.random.default_rng(0)  # the same batch on both tensor-parallel ranks
+    batches = [(torch.tensor(rng.integers(0, V, (B, T))), torch.tensor(rng.integers(0, V, (B, T))))
+               for _ in range(steps)]
+    times = []
+    for i, (x, y) in enumerate(batches):
+        t0 = time.perf_counter()
+        logits = model(x)
+        with loss_ctx():
+            loss = TF.cross_entropy(logits.reshape(B * T, V), y.reshape(-1))
+            loss.backward()
+        clip(1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=False)  # the gradients stay allocated, as Helios' flat buffers
+        if world > 1:
+            tdist.barrier()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+        value = float((loss if world == 1 else loss.full_tensor()).detach())
+        if not math.isfinite(value):
+            raise SystemExit(f"torch tp: loss became non-finite at step {i}")
+    state = sum(local(p).numel() for p in params) + sum(local(p.grad).numel() for p in params)
+    state += sum(local(v).numel() for st in opt.state.values() for k, v in st.items() if k in ("exp_avg", "exp_avg_sq"))
+    if rank == 0:
+        print(json.dumps({"step_ms": round(1e3 * statistics.median(times), 2), "model_state_bytes": 4 * state,
+                          "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                          "final_loss": round(value, 6),  # 1 rank and tp 2 train the same: a check of the split
+                          "torch": torch.__version__}), flush=True)
+    if world > 1:
+        tdist.destroy_process_group()
 
 
 if __name__ == "__main__":

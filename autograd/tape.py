@@ -16,7 +16,10 @@ flat buffer (``_grad_slot``) and that has no gradient yet in this pass has a *fr
 Before a node's backward runs, ``ctx.grad_out(i)`` names input i's free slot (else None);
 a backward that writes input i's gradient there returns the slot itself, and
 ``_accumulate_leaf`` then records nothing (no copy into the slot).  Later contributions
-(a tied weight's second use) and gradients of another dtype take the copying path.
+(a tied weight's second use) and gradients of another dtype take the copying path.  The
+same goes for a non-leaf input whose producer gathers its outputs' gradients in one
+buffer (a Function with ``grad_dest``: split_heads' q, k and v): the consumer writes the
+first gradient there, and the producer's backward finds it in place.
 """
 
 from __future__ import annotations
@@ -394,7 +397,7 @@ def _backward(root, grad, retain_graph: bool) -> None:
                 g = tuple(g)
             if node.retained is not None:
                 _store_retained(node, g)
-            node.ctx.dests = _free_slots(node, g) if GRADS_IN_PLACE else None
+            node.ctx.dests = _grad_dests(node, g, pending) if GRADS_IN_PLACE else None
             in_grads = _backward_profiled(node, g)
             node.ctx.dests = None
             if not isinstance(in_grads, tuple):
@@ -477,29 +480,57 @@ def _add_pending(pending: dict, t, g) -> None:
         slots[i] = g if slots[i] is None else slots[i] + g
 
 
-def _free_slots(node, g):
-    """Per input of ``node``, the gradient slot its backward may write (see Context.grad_out),
-    or None when no input has one.  A slot is free for a leaf with no gradient yet that is
-    this node's input once (two writes would collide) and whose slot shares no storage with
-    what the backward reads (its saved tensors, the incoming gradient)."""
+def _grad_dests(node, g, pending: dict):
+    """Per input of ``node``, where its backward may write that input's gradient (see
+    Context.grad_out), or None when no input has a destination.  A leaf's is its free slot:
+    no gradient yet, a contiguous slot of its shape and dtype.  A non-leaf's is offered by
+    its producer (``Function.grad_dest(node, out_index, resolve)``, e.g. split_heads' one
+    buffer for q, k and v) while no gradient of that output is pending.  Either only for an
+    input this node has once (two writes would collide) and a destination sharing no storage
+    with what the backward reads (its saved tensors, the incoming gradient)."""
     dests = None
     inputs = node.inputs
     for i, t in enumerate(inputs):
-        if t is None or t._node is not None or t.grad is not None:
+        if t is None:
             continue
-        slot = getattr(t, "_grad_slot", None)
-        if slot is None or slot.dtype is not t.dtype or slot.shape != t.shape or not slot.is_contiguous():
-            continue
+        if t._node is None:
+            if t.grad is not None:
+                continue
+            d = getattr(t, "_grad_slot", None)
+            if d is None or d.dtype is not t.dtype or d.shape != t.shape or not d.is_contiguous():
+                continue
+        else:
+            d = _pending_dest(t, pending)
+            if d is None:
+                continue
         if sum(1 for u in inputs if u is t) > 1:
             continue
-        st = slot._st
+        st = d._st
         reads = (node.ctx.saved or ()) + (g if type(g) is tuple else (g,))
         if any(r is not None and r._st is st for r in reads):
             continue
         if dests is None:
             dests = [None] * len(inputs)
-        dests[i] = slot
+        dests[i] = d
     return dests
+
+
+def _pending_dest(t, pending: dict):
+    """The destination the producer of the non-leaf ``t`` offers for t's gradient, while none
+    of it has arrived yet (a later one is added to it as usual, into new memory)."""
+    node = t._node
+    if node is None:
+        return None
+    hook = getattr(node.fn, "grad_dest", None)
+    if hook is None:
+        return None
+    got = pending.get(id(node))
+    if got is not None and (node.n_out == 1 or got[t._out_index] is not None):
+        return None
+    d = hook(node, t._out_index, lambda u: _pending_dest(u, pending) if u is not None else None)
+    if d is not None and (d.shape != t.shape or d.dtype is not t.dtype):
+        return None
+    return d
 
 
 def _is_slot(g, slot) -> bool:

@@ -663,18 +663,22 @@ def _cpu_mm_kernel(rt) -> bool:
     return rt.info.get("type") == "cpu" and int(rt.info["limits"].get("subgroup_size", 0)) == _MM_SG
 
 
-def matmul_any_layout(a: Tensor, b: Tensor) -> Tensor:
+def matmul_any_layout(a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:
     """a @ b like matmul (no bias), possibly returned as a transposed view.
 
     The CPU kernel gives each subgroup 8 lanes x TN >= 8 columns, so an output narrower
     than 64 columns leaves lanes idle; a narrow, tall product is then computed as
     (b^T a^T)^T, the same sums with the wide dim as N (an attention [64, 64] @ [64, 32]
-    measured ~1.1 ms instead of 1.3-2.2 ms).  For callers that accept any strides."""
+    measured ~1.1 ms instead of 1.3-2.2 ms).  For callers that accept any strides; ``out``
+    as in matmul() (then returned, the product stored in its layout either way)."""
     rt = a._st.rt
     M, N = a.shape[-2], b.shape[-1]
     if N < 8 * _MM_SG and M >= 2 * N and N % 8 == 0 and _cpu_mm_kernel(rt):
+        if out is not None:
+            matmul(_swap_last(b), _swap_last(a), out=_swap_last(out))
+            return out
         return _swap_last(matmul(_swap_last(b), _swap_last(a)))
-    return matmul(a, b)
+    return matmul(a, b, out=out)
 
 
 def _swap_last(x: Tensor) -> Tensor:
@@ -693,7 +697,9 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None 
     and its load paths are chosen here from strides and alignment.  ``out`` (optional, the
     result's shape and dtype) receives the product instead of a new tensor: contiguous, or
     the transposed view of a contiguous tensor (the kernel then stores each matrix
-    transposed), e.g. a parameter's slot in a flat gradient buffer.
+    transposed), e.g. a parameter's slot in a flat gradient buffer; or, with one or two
+    batch dims [B, H], heads interleaved in rows of L elements, strides (M*L, N, L, 1) or
+    transposed (N*L, M, 1, L) (the matmul kernel's CLD store; see _check_mm_out).
     """
     from helios._shape import broadcast_shapes
 
@@ -703,11 +709,11 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None 
         raise ShapeError(f"matmul: shapes {a.shape} and {b.shape} are not aligned (inner dims {K} != {K2})")
     batch = broadcast_shapes("matmul", a.shape[:-2], b.shape[:-2])
     rt = a._st.rt
-    ct = 0
+    ct = cld = 0
     if out is None:
         out = empty(batch + (M, N), a.dtype, rt)
     else:
-        ct = _check_mm_out(out, batch + (M, N), a.dtype)
+        ct, cld = _check_mm_out(out, batch + (M, N), a.dtype)
     nb = numel(batch)
     if out.numel() == 0:
         return out
@@ -715,16 +721,22 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None 
         raise ShapeError(f"matmul: bias must be a unit-stride {a.dtype.name} vector of shape ({N},), "
                          f"got {bias.dtype.name} {bias.shape} with strides {bias._strides}")
     if K == 0:
-        fill(_swap_last(out) if ct else out, 0)
+        if ct or cld:
+            copy_into(out, scalar_zero(out.dtype, rt))
+        else:
+            fill(out, 0)
         if bias is not None:
             copy_into(out, binary("add", out, bias))
         return out
     sa = broadcast_strides(a.shape[:-2], a._strides[:-2], batch)
     sb = broadcast_strides(b.shape[:-2], b._strides[:-2], batch)
-    cshape, (ca, cb) = collapse(batch, sa, sb)
+    if cld:  # the kernel's z0 / z1 must be the out's two batch dims, unmerged
+        cshape, ca, cb = list(batch), list(sa), list(sb)
+    else:
+        cshape, (ca, cb) = collapse(batch, sa, sb)
     if len(cshape) > 2:  # three or more unmergeable batch dims: make the operands contiguous
         return matmul(copy(a.expand(batch + (M, K))), copy(b.expand(batch + (K, N))), bias, out)
-    if len(cshape) == 1 and cb[0] == 0 and ca[0] == M * a._strides[-2] and not ct:
+    if len(cshape) == 1 and cb[0] == 0 and ca[0] == M * a._strides[-2] and not (ct or cld):
         # B is shared by every batch matrix and A's batches follow each other along M (a
         # Linear layer on [B, T, C]): one [nb*M, K] @ [K, N] product.  Each output is the
         # same K-loop as before, so results are bit-identical; the taller grid lets the
@@ -734,7 +746,12 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None 
         cshape, ca, cb = [1] + cshape, [0] + ca, [0] + cb
     if nb > 65535:
         raise ShapeError(f"matmul: {nb} batch matrices exceed the 65535 the kernel dispatches at once; reshape the batch")
-    (ba, oa), (bb, ob), (bc, oc) = bind(a), bind(b), bind(_swap_last(out) if ct else out, True)
+    (ba, oa), (bb, ob) = bind(a), bind(b)
+    if cld:  # bind the span the strided C covers
+        span = 1 + sum((sz - 1) * st for sz, st in zip(out.shape, out._strides))
+        bc, oc = bind(Tensor(out._st, (span,), (1,), out._off, out.dtype), True)
+    else:
+        bc, oc = bind(_swap_last(out) if ct else out, True)
     # Without a bias, binding 3 repeats A (read-only, never read: HAS_BIAS = 0).
     bz, oz = bind(bias) if bias is not None else (ba, 0)
     has_bias = int(bias is not None)
@@ -743,12 +760,12 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None 
     if _cpu_mm_kernel(rt):
         tm, tn, wy = _mm_cpu_tile(M, N)
         spec = _mm_cpu_config(M, N, oa, ob, oc, ca, cb, sam, sak, sbk, sbn, bool(rt.features.get("int64")), (tm, tn, wy))
-        if ct:  # vec4 stores run along M in a transposed C
-            spec = spec[:3] + (int(M % 4 == 0 and oc % 4 == 0),) + spec[4:]
-        pid = rt.pipeline("matmul", f"{a.dtype.tag}_sg{tm}x{tn}", spec + (has_bias,) + ((1,) if ct else ()))
+        if ct or cld:  # vec4 stores run along C's contiguous dim (M when transposed)
+            spec = spec[:3] + (int((M if ct else N) % 4 == 0 and oc % 4 == 0 and cld % 4 == 0),) + spec[4:]
+        pid = rt.pipeline("matmul", f"{a.dtype.tag}_sg{tm}x{tn}", spec + (has_bias,) + ((ct, cld) if ct or cld else ()))
         groups = ((N + _MM_SG * tn - 1) // (_MM_SG * tn), (M + tm * spec[0] - 1) // (tm * spec[0]), nb)
     else:
-        pid = rt.pipeline("matmul", a.dtype.tag, _MM_GPU_SPEC + (has_bias,) + ((1,) if ct else ()))
+        pid = rt.pipeline("matmul", a.dtype.tag, _MM_GPU_SPEC + (has_bias,) + ((ct, cld) if ct or cld else ()))
         groups = ((N + _MM_GPU_SPEC[1] - 1) // _MM_GPU_SPEC[1], (M + _MM_GPU_SPEC[0] - 1) // _MM_GPU_SPEC[0], nb)
     flops = 2 * nb * M * N * K
     nbytes = (nb * (M * K + K * N + M * N)) * a.dtype.itemsize
@@ -758,16 +775,31 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None 
     return out
 
 
-def _check_mm_out(out: Tensor, shape: tuple, dtype: dt.DType) -> int:
-    """0 if ``out`` is a contiguous ``shape``, 1 if it is the transposed view of a contiguous
-    tensor (the kernel's CT store); a ShapeError naming ``out`` otherwise."""
+def _check_mm_out(out: Tensor, shape: tuple, dtype: dt.DType) -> tuple:
+    """(CT, CLD) of the matmul kernel's store for ``out``: (0, 0) contiguous, (1, 0) the
+    transposed view of a contiguous tensor, (0, L) / (1, L) heads interleaved in rows of L
+    elements ([B, H, M, N] with strides (M*L, N, L, 1), or (N*L, M, 1, L) transposed: head h
+    of a [B, M, H*N] buffer's rows).  A ShapeError naming ``out`` otherwise."""
     if out.shape != shape or out.dtype is not dtype:
         raise ShapeError(f"matmul: out must be a {dtype.name} tensor of shape {shape}, got {out.dtype.name} {out.shape}")
     if out.is_contiguous():
-        return 0
-    if len(shape) >= 2 and _swap_last(out).is_contiguous():
-        return 1
-    raise ShapeError(f"matmul: out must be contiguous or a transposed contiguous tensor, got strides {out._strides}")
+        return 0, 0
+    if _swap_last(out).is_contiguous():
+        return 1, 0
+    if len(shape) in (3, 4):
+        M, N = shape[-2:]
+        st = ((0,) * (4 - len(shape))) + tuple(out._strides)
+        if st[3] == 1 and st[2] >= N and st[1] == N and (shape[0] == 1 or len(shape) == 3 or st[0] == M * st[2]):
+            return 0, st[2]
+        if st[2] == 1 and st[3] >= M and st[1] == M and (shape[0] == 1 or len(shape) == 3 or st[0] == N * st[3]):
+            return 1, st[3]
+    raise ShapeError(f"matmul: out must be contiguous, a transposed contiguous tensor or heads interleaved in rows, "
+                     f"got shape {shape} with strides {out._strides}")
+
+
+def scalar_zero(dtype: dt.DType, rt) -> Tensor:
+    """A one-element zero of ``dtype`` on ``rt`` (a copy source that broadcasts)."""
+    return _scalar_host(0, dtype, rt)
 
 
 # -- row ops ---------------------------------------------------------------------------------

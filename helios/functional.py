@@ -971,6 +971,16 @@ class _Permute(Function):
             inv[p] = i
         return permute(g, *inv), None
 
+    @staticmethod
+    def grad_dest(node, i: int, resolve):
+        """The input's gradient destination (if its producer offers one), permuted: a
+        gradient written there comes out of backward as that destination's view."""
+        d = resolve(node.inputs[0])
+        if d is None:
+            return None
+        perm = node.ctx.perm
+        return _view(d, [d.shape[p] for p in perm], [d._strides[p] for p in perm], d._off)
+
 
 def permute(x: Tensor, *dims) -> Tensor:
     """Reorder dims (a view)."""
@@ -1464,12 +1474,15 @@ def _direct_dest(ctx, i: int, shape: tuple, *operands: Tensor):
 
 
 def _mm_grad(ctx, i: int, a: Tensor, b: Tensor) -> Tensor:
-    """a @ b as the gradient of input i: straight into its free slot when it has one, else
-    matmul() (which also handles broadcasting and 1-D operands)."""
+    """a @ b as the gradient of input i: straight into its destination when it has one (a
+    leaf's free slot, or a buffer the input's producer gathers its gradients in), else
+    matmul() (which also handles broadcasting and 1-D operands).  Batched products go
+    through matmul_any_layout as matmul() does, so each sum is the one computed without a
+    destination."""
     if a.ndim >= 2 and b.ndim >= 2 and a.shape[:-2] == b.shape[:-2]:
         dest = _direct_dest(ctx, i, a.shape[:-1] + b.shape[-1:], a, b)
         if dest is not None:
-            return K.matmul(a, b, out=dest)
+            return K.matmul_any_layout(a, b, out=dest) if a.ndim > 2 else K.matmul(a, b, out=dest)
     return matmul(a, b)
 
 
@@ -1609,22 +1622,38 @@ class _SplitHeads(Function):
         C = C3 // 3
         D = C // n_head
         sb, st, sc = x._strides
-        ctx.shape = x.shape
+        ctx.shape, ctx.n_head, ctx.dtype, ctx.rt = x.shape, n_head, x.dtype, x._st.rt
         return tuple(_view(x, (B, n_head, T, D), (sb, D * sc, st, sc), x._off + i * C * sc) for i in range(3))
 
     @staticmethod
     def backward(ctx, grads):
         ref = next(g for g in grads if g is not None)
-        B, T, C3 = ctx.shape
-        out = K.empty(ctx.shape, ref.dtype, ref._st.rt)
-        _, H, _, D = ref.shape
+        out, ctx.gbuf = getattr(ctx, "gbuf", None), None  # a new buffer for another pass (retain_graph)
+        if out is None or out.dtype is not ref.dtype:
+            out = K.empty(ctx.shape, ref.dtype, ref._st.rt)
         for i, g in enumerate(grads):
-            dst = Tensor(out._st, (B, H, T, D), (T * C3, D, C3, 1), out._off + i * (C3 // 3), ref.dtype)
+            dst = _SplitHeads._head_view(ctx, out, i)
             if g is None:
                 K.copy_into(dst, scalar_tensor(0.0, ref.dtype, ref._st.rt))
-            else:
-                K.copy_into(dst, g)
+            elif not (g._st is dst._st and g._off == dst._off and g._strides == dst._strides):
+                K.copy_into(dst, g)  # else: its producer wrote it in place (grad_dest)
         return out, None
+
+    @staticmethod
+    def _head_view(ctx, buf: Tensor, i: int) -> Tensor:
+        B, T, C3 = ctx.shape
+        D = C3 // 3 // ctx.n_head
+        return Tensor(buf._st, (B, ctx.n_head, T, D), (T * C3, D, C3, 1), buf._off + i * (C3 // 3), buf.dtype)
+
+    @staticmethod
+    def grad_dest(node, i: int, resolve):
+        """Where the gradient of output i (q, k or v) may be written: its heads' columns of the
+        one [B, T, 3C] buffer backward returns (allocated on the first request of a pass)."""
+        ctx = node.ctx
+        buf = getattr(ctx, "gbuf", None)
+        if buf is None:
+            buf = ctx.gbuf = K.empty(ctx.shape, ctx.dtype, ctx.rt)
+        return _SplitHeads._head_view(ctx, buf, i)
 
 
 def split_heads(qkv: Tensor, n_head: int) -> tuple:

@@ -91,10 +91,11 @@ def test_gpt_adamw_steps_are_bit_identical_and_the_leaf_copies_are_gone():
     assert on[0] == off[0]  # losses, exactly
     _assert_bits_equal(on[2], off[2])  # the last step's gradients
     _assert_bits_equal(on[1], off[1])  # the parameters after 3 AdamW steps
-    n_params = on[4]
-    # Off: one copy per parameter plus the tied table's second contribution. On: only that one
-    # (the LM head wrote the table's slot; the embedding's gradient is added after).
-    assert off[3] - on[3] == n_params
+    n_params, n_layer = on[4], 2
+    # Off: one copy per parameter plus the tied table's second contribution, and split_heads'
+    # three per layer. On: only the table's (the LM head wrote its slot; the embedding's
+    # gradient is added after); q, k and v's gradients are written into split_heads' buffer.
+    assert off[3] - on[3] == n_params + 3 * n_layer
 
 
 def test_gpt_under_bf16_autocast_is_bit_identical():
@@ -230,3 +231,55 @@ def test_kernel_outputs_at_an_offset():
     assert (host[:5] == 7).all() and (host[59:101] == 7).all() and (host[155:201] == 7).all() and (host[207:] == 7).all()
     with pytest.raises(Exception, match="out"):
         K.matmul(a, b, out=Tensor(buf._st, (9, 6), (12, 2), 0, dt.float32))
+
+
+def _split_heads_grads(enabled: bool, build, retain: bool = False):
+    rng = np.random.default_rng(7)
+    qkv = hl.tensor(rng.standard_normal((2, 8, 24)).astype(np.float32), requires_grad=True)
+    with in_place(enabled), count_dispatches() as names:
+        q, k, v = F.split_heads(qkv, 2)
+        loss = build(q, k, v)
+        loss.backward(retain_graph=retain)
+        first = qkv.grad.numpy().copy()
+        if retain:  # a second pass through the same graph accumulates
+            loss.backward()
+    return first, qkv.grad.numpy().copy(), names["copy"]
+
+
+@pytest.mark.parametrize("case", ["attention", "k_used_twice", "v_unused"])
+def test_split_heads_gradients_written_in_place(case):
+    def attention(q, k, v):
+        att = F.attention_softmax(F.matmul(q, k.mT), 0.25, causal=True)
+        return (F.matmul(att, v) ** 2).sum()
+
+    build = {
+        "attention": attention,
+        # k reaches backward twice: the second gradient is added in new memory and copied
+        "k_used_twice": lambda q, k, v: attention(q, k, v) + (F.matmul(k, v.mT) * 0.5).sum(),
+        "v_unused": lambda q, k, v: (F.matmul(q, k.mT) ** 2).sum(),
+    }[case]
+    on = _split_heads_grads(True, build, retain=True)
+    off = _split_heads_grads(False, build, retain=True)
+    _assert_bits_equal(list(on[:2]), list(off[:2]))
+    np.testing.assert_allclose(on[1], 2 * on[0], rtol=1e-6)
+    assert on[2] < off[2]
+
+
+def test_matmul_into_interleaved_heads():
+    """The matmul kernel's strided store (CLD), plain and transposed, and untouched neighbours."""
+    rt = get_runtime()
+    rng = np.random.default_rng(8)
+    a = K.from_numpy(rng.standard_normal((2, 3, 5, 4)).astype(np.float32), dt.float32, rt)
+    b = K.from_numpy(rng.standard_normal((2, 3, 4, 6)).astype(np.float32), dt.float32, rt)
+    ref = K.matmul(a, b).numpy()
+    L = 2 * 3 * 6  # rows of a [2, 5, 36] buffer: two blocks of 3 heads of 6
+    for transposed in (False, True):
+        buf = K.fill(K.empty((2, 5, L), dt.float32, rt), 7.0)
+        dest = Tensor(buf._st, (2, 3, 5, 6), (5 * L, 6, L, 1), 18, dt.float32)  # the second block
+        if transposed:  # b^T a^T into the transposed view: the same products, stored along M
+            K.matmul(K._swap_last(b), K._swap_last(a), out=K._swap_last(dest))
+        else:
+            K.matmul(a, b, out=dest)
+        host = buf.numpy()
+        assert np.array_equal(host[:, :, 18:].reshape(2, 5, 3, 6).transpose(0, 2, 1, 3), ref)
+        assert (host[:, :, :18] == 7).all()

@@ -8,7 +8,11 @@
 // specialization constant of both kernels) each C[z] is stored transposed, element (m, n)
 // at off_c + z*M*N + n*M + m: C is the transposed view of a contiguous [batch, N, M], so a
 // product computed the other way round (b^T a^T, for speed) lands in a row-major buffer
-// (a weight's gradient slot) without a copy.  The sums are the same either way.
+// (a weight's gradient slot) without a copy.  The sums are the same either way.  With
+// CLD > 0 (a specialization constant of both kernels) C is strided, for attention heads
+// kept interleaved in a [B, T, ...] buffer: element (z0, z1, m, n) lives at
+// off_c + z0 * M * CLD + z1 * N + m * CLD + n (with CT: z0 * N * CLD + z1 * M + n * CLD + m),
+// so head z1 of batch z0 is a column block of rows CLD elements apart.
 //
 // Two kernels live here, picked by the variant (see matmul.variants and matmul() in
 // helios/_kernels.py):
@@ -56,6 +60,7 @@ layout(constant_id = 3) const int WX = 16;   // = BN / TN
 layout(constant_id = 4) const int WY = 16;   // = BM / TM
 layout(constant_id = 5) const int HAS_BIAS = 0;
 layout(constant_id = 6) const int CT = 0;
+layout(constant_id = 7) const int CLD = 0;
 const int TM = BM / WY;
 const int TN = BN / WX;
 
@@ -97,13 +102,15 @@ void main() {
         }
         barrier();
     }
-    uint cbase = p.off_c + z * p.M * p.N;
+    uint ldc = CLD > 0 ? uint(CLD) : (CT == 1 ? p.M : p.N);
+    uint cbase = CLD > 0 ? p.off_c + z0 * (CT == 1 ? p.N : p.M) * ldc + z1 * (CT == 1 ? p.M : p.N)
+                         : p.off_c + z * p.M * p.N;
     for (int i = 0; i < TM; ++i) {
         uint gm = m0 + ty + uint(i * WY);
         if (gm >= p.M) continue;
         for (int j = 0; j < TN; ++j) {
             uint gn = n0 + tx + uint(j * WX);
-            if (gn < p.N) c[CT == 1 ? cbase + gn * p.M + gm : cbase + gm * p.N + gn] =
+            if (gn < p.N) c[CT == 1 ? cbase + gn * ldc + gm : cbase + gm * ldc + gn] =
                 HL_STF(TA, acc[i][j] + (HAS_BIAS == 1 ? HL_LDF(TA, bias[p.off_bias + gn]) : 0.0));
         }
     }
@@ -134,7 +141,7 @@ layout(constant_id = 0) const int WY = 4;      // subgroups per workgroup, stack
 //   AWIDE / BWIDE 1: the contiguous runs are 8-aligned and read as 8 values per load
 //            (one 32-byte u64vec4 for fp32), else as vec4s (4-aligned).
 //   CVEC  1: C is written as vec4s along its contiguous dim (N % 4 == 0, or M % 4 == 0 with CT).
-//   CT    1: C[z] stored transposed (see the top of the file).
+//   CT    1: C[z] stored transposed; CLD > 0: C strided (see the top of the file).
 // llvmpipe's per-lane load loop costs about the same per component whatever its width,
 // so fewer, wider components per load is what makes the loads cheap.
 layout(constant_id = 1) const int AMODE = 0;
@@ -144,6 +151,7 @@ layout(constant_id = 4) const int AWIDE = 0;
 layout(constant_id = 5) const int BWIDE = 0;
 layout(constant_id = 6) const int HAS_BIAS = 0;
 layout(constant_id = 7) const int CT = 0;
+layout(constant_id = 8) const int CLD = 0;
 
 // Vector views of the same bindings (matmul() checks offsets and strides for alignment).
 #if TA == T_F32
@@ -304,12 +312,14 @@ void main() {
             [[unroll]] for (int i = 0; i < TM; ++i) acc[i][j / 4][j % 4] += bj;
         }
     }
-    uint cbase = p.off_c + z * p.M * p.N;
+    uint ldc = CLD > 0 ? uint(CLD) : (CT == 1 ? p.M : p.N);
+    uint cbase = CLD > 0 ? p.off_c + z0 * (CT == 1 ? p.N : p.M) * ldc + z1 * (CT == 1 ? p.M : p.N)
+                         : p.off_c + z * p.M * p.N;
     if (CT == 1) {  // column n of this lane is a run of TM rows: stored along m
         [[unroll]] for (int j = 0; j < TN; ++j) {
             uint n = n0 + uint(j);
             if (n >= p.N) break;
-            uint ccol = cbase + n * p.M;
+            uint ccol = cbase + n * ldc;
             if (CVEC == 1) {  // M % 4 == 0 and m0 % 4 == 0: a run of 4 rows is all in or all out
                 [[unroll]] for (int i4 = 0; i4 < TM / 4; ++i4) {
                     uint m = m0 + uint(4 * i4);
@@ -329,7 +339,7 @@ void main() {
     [[unroll]] for (int i = 0; i < TM; ++i) {
         uint m = m0 + uint(i);
         if (m >= p.M) break;
-        uint crow = cbase + m * p.N;
+        uint crow = cbase + m * ldc;
         if (CVEC == 1) {
             [[unroll]] for (int j4 = 0; j4 < TN / 4; ++j4) {
                 uint n = n0 + uint(4 * j4);

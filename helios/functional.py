@@ -1445,7 +1445,9 @@ class _Matmul(Function):
         ctx.save_for_backward(a, b)
         # Batched products (attention) may come back as a transposed view (see
         # K.matmul_any_layout); their users take any strides.
-        return K.matmul_any_layout(a, b) if a.ndim > 2 and b.ndim > 2 else K.matmul(a, b)
+        if a.ndim > 2 and b.ndim > 2:
+            return K.matmul_any_layout(a, b, out=_heads_out(a, b))
+        return K.matmul(a, b)
 
     @staticmethod
     def backward(ctx, g):
@@ -1461,6 +1463,22 @@ class _Matmul(Function):
             else:
                 gb = _mm_grad(ctx, 1, transpose(a, -1, -2), g)
         return ga, gb
+
+
+def _heads_out(a: Tensor, b: Tensor):
+    """Where a [B, H, M, K] @ [B, H, K, N] product goes when B's heads are interleaved in rows
+    (split_heads' v: head h is columns h*N .. h*N+N-1 of rows L >= H*N elements apart): a
+    new [B, M, H*N] buffer with the heads interleaved the same way, viewed as [B, H, M, N].
+    Attention's y.transpose(1, 2).reshape(B, T, C) is then a view, not a copy.  None for
+    any other operands (a new contiguous result)."""
+    if a.ndim != 4 or b.ndim != 4 or a.shape[:2] != b.shape[:2] or a.dtype is not b.dtype:
+        return None
+    Bn, H, M, N = a.shape[0], a.shape[1], a.shape[2], b.shape[3]
+    if H < 2 or b._strides[3] != 1 or b._strides[1] != N or b._strides[2] < H * N:
+        return None
+    L = H * N
+    buf = K.empty((Bn, M, L), a.dtype, a._st.rt)
+    return Tensor(buf._st, (Bn, H, M, N), (M * L, N, L, 1), buf._off, a.dtype)
 
 
 def _direct_dest(ctx, i: int, shape: tuple, *operands: Tensor):

@@ -283,3 +283,19 @@ def test_matmul_into_interleaved_heads():
         host = buf.numpy()
         assert np.array_equal(host[:, :, 18:].reshape(2, 5, 3, 6).transpose(0, 2, 1, 3), ref)
         assert (host[:, :, :18] == 7).all()
+
+
+def test_attention_output_is_stored_with_heads_interleaved():
+    """att @ v with split_heads' v lands in a [B, T, C] buffer: the same bits as the product
+    computed alone, and transpose(1, 2).reshape(B, T, C) is a view (no copy recorded)."""
+    rng = np.random.default_rng(9)
+    B, T, H, D = 2, 16, 4, 8
+    qkv = hl.tensor(rng.standard_normal((B, T, 3 * H * D)).astype(np.float32), requires_grad=True)
+    att = hl.tensor(rng.standard_normal((B, H, T, T)).astype(np.float32), requires_grad=True)
+    _, _, v = F.split_heads(qkv, H)
+    with count_dispatches() as names:
+        y = F.matmul(att, v)
+        merged = y.transpose(1, 2).reshape(B, T, H * D)
+    assert names["copy"] == 0 and merged._st is y._st
+    assert np.array_equal(y.numpy(), K.matmul_any_layout(att, v).numpy())
+    assert np.array_equal(merged.numpy(), K.copy(K.matmul_any_layout(att, v).permute(0, 2, 1, 3)).numpy().reshape(B, T, -1))

@@ -937,17 +937,23 @@ def cross_entropy_fwd(x: Tensor, t: Tensor):
 
 
 def cross_entropy_bwd(x: Tensor, t: Tensor, lse: Tensor, gl: Tensor) -> Tensor:
-    """d loss / d logits given the per-row upstream gradient ``gl`` (float32 [N])."""
+    """d loss / d logits given the per-row upstream gradient ``gl`` (float32 [N]: contiguous,
+    or one value expanded to N rows with stride 0, read once per row by the kernel)."""
     rt = x._st.rt
     N, V = x.shape
     dx = empty(x.shape, x.dtype, rt)
     if dx.numel() == 0:
         return dx
+    one = N > 1 and gl._strides[0] == 0
+    bg, og = bind(Tensor(gl._st, (1,), (1,), gl._off, gl.dtype) if one else gl)
+    if og != 0 or not (one or gl.is_contiguous()):  # the kernel reads gl from its binding's start
+        gl, one = copy(gl), False
+        bg, og = bind(gl)
     wg, per_thread, groups = _row_plan(rt, N, V)
-    pid = rt.pipeline("cross_entropy", x.dtype.tag, (1, wg, per_thread))
+    pid = rt.pipeline("cross_entropy", x.dtype.tag, (1, wg, per_thread) + ((True,) if one else ()))
     bx, ox = bind(x)
     bt, ot = bind(t)
-    rt.dispatch(pid, [bx, bt, bind(lse)[0], bind(lse)[0], bind(gl)[0], bind(dx, True)[0]], _P_ROWS.pack(V, N, ox, ot),
+    rt.dispatch(pid, [bx, bt, bind(lse)[0], bind(lse)[0], bg, bind(dx, True)[0]], _P_ROWS.pack(V, N, ox, ot),
                 groups, "cross_entropy_bwd", 4 * x.numel(), 2 * x.numel() * x.dtype.itemsize)
     return dx
 

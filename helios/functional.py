@@ -1863,7 +1863,7 @@ class _CrossEntropy(Function):
     def backward(ctx, g):
         x, t, lse = ctx.saved_tensors
         gl = expand(reshape(to(g, dt.float32) * (1.0 / builtins.max(ctx.n, 1)), (1,)), (x.shape[0],))
-        return K.cross_entropy_bwd(x, t, lse, contiguous(gl)), None, None
+        return K.cross_entropy_bwd(x, t, lse, gl), None, None  # the kernel reads the expanded value once per row
 
 
 def cross_entropy(logits: Tensor, targets, weight: Tensor | None = None, size_average=None, ignore_index: int = -100,

@@ -299,3 +299,26 @@ def test_attention_output_is_stored_with_heads_interleaved():
     assert names["copy"] == 0 and merged._st is y._st
     assert np.array_equal(y.numpy(), K.matmul_any_layout(att, v).numpy())
     assert np.array_equal(merged.numpy(), K.copy(K.matmul_any_layout(att, v).permute(0, 2, 1, 3)).numpy().reshape(B, T, -1))
+
+
+@pytest.mark.parametrize("ignore_index", [-100, 2])
+def test_cross_entropy_backward_reads_the_mean_gradient_without_expanding_it(ignore_index, monkeypatch):
+    rng = np.random.default_rng(10)
+    xn = rng.standard_normal((12, 7)).astype(np.float32)
+    t = rng.integers(0, 7, 12)
+    t[3] = ignore_index  # an ignored row
+
+    def grad():
+        x = hl.tensor(xn, requires_grad=True)
+        loss = F.cross_entropy(x, hl.tensor(t), ignore_index=ignore_index)  # the mean: the fused kernel
+        with count_dispatches() as names:
+            (loss * 3.0).sum().backward()
+        return x.grad.numpy(), names["copy"]
+
+    new, copies = grad()
+    plain = K.cross_entropy_bwd
+    # the copying path: the upstream gradient made contiguous first
+    monkeypatch.setattr(K, "cross_entropy_bwd", lambda x, t, lse, gl: plain(x, t, lse, K.copy(gl)))
+    old, old_copies = grad()
+    assert np.array_equal(new, old)
+    assert copies == old_copies - 1

@@ -3,7 +3,8 @@
 // MODE 0 forward:  loss[n] = logsumexp(x[n]) - x[n, t[n]]  (0 where t[n] < 0: ignored);
 //                  lse[n] saved for backward.
 // MODE 1 backward: dx[n, j] = (exp(x[n, j] - lse[n]) - [j == t[n]]) * gl[n]  (0 for ignored rows),
-//                  gl = upstream gradient of loss[n].
+//                  gl = upstream gradient of loss[n]; with GL_ONE every row reads gl[0] (a
+//                  mean's one upstream value, not expanded into N copies first).
 #define NEED_I64
 #include "common.glsl"
 layout(local_size_x_id = 1) in;
@@ -11,6 +12,7 @@ layout(constant_id = 0) const int MODE = 0;
 layout(constant_id = 1) const int WG = 256;
 // Short rows: one invocation owns a whole row (no shared memory, no barriers: cheap on CPUs).
 layout(constant_id = 2) const bool ROW_PER_THREAD = false;
+layout(constant_id = 3) const bool GL_ONE = false;
 
 layout(std430, binding = 0) readonly buffer BX { HL_ST(TA) x[]; };
 layout(std430, binding = 1) readonly buffer BT { int64_t t[]; };
@@ -36,7 +38,7 @@ void row_serial(uint row) {
         loss[row] = valid ? l - HL_LDF(TA, x[bx + uint(tg)]) : 0.0;
     } else {
         float l = lse[row];
-        float gv = valid ? gl[row] : 0.0;
+        float gv = valid ? gl[GL_ONE ? 0u : row] : 0.0;
         for (uint k = 0u; k < p.V; ++k) {
             float pr = exp(HL_LDF(TA, x[bx + k]) - l);
             float onehot = (valid && int64_t(k) == tg) ? 1.0 : 0.0;
@@ -72,7 +74,7 @@ void main() {
     } else {
         float l = lse[row];
         bool valid = tg >= 0 && tg < int64_t(p.V);
-        float gv = valid ? gl[row] : 0.0;
+        float gv = valid ? gl[GL_ONE ? 0u : row] : 0.0;
         for (uint k = tid; k < p.V; k += uint(WG)) {
             float pr = exp(HL_LDF(TA, x[bx + k]) - l);
             float onehot = (valid && int64_t(k) == tg) ? 1.0 : 0.0;

@@ -163,6 +163,9 @@ def main() -> None:
     fpt = model.flops_per_token()
     peak = peak_flops(rt.info["name"], "fp32", rt.info["type"])
     h_tps, r_tps, t_tps = tokens / h, tokens / r, tokens / t
+    d0 = rt.stats()["dispatches"]
+    helios_step(*batches[0])
+    per_step = rt.stats()["dispatches"] - d0  # kernel launches in one step (copies and fills not counted)
     host_eager = statistics.median(host["eager"][args.warmup:])
     host_replay = statistics.median(host["replay"])
     print(json.dumps({
@@ -171,7 +174,7 @@ def main() -> None:
         "peer": f"torch_{args.peer}", "peer_tok_s": round(t_tps, 1),
         "ratio": round(h_tps / t_tps, 4), "helios_ms_per_step": round(h * 1e3, 1), "peer_ms_per_step": round(t * 1e3, 1),
         "replay_tok_s": round(r_tps, 1), "replay_ratio": round(r_tps / t_tps, 4), "replay_ms_per_step": round(r * 1e3, 1),
-        "host_ms_eager": round(host_eager * 1e3, 3), "host_ms_replay": round(host_replay * 1e3, 3),
+        "dispatches_per_step": per_step, "host_ms_eager": round(host_eager * 1e3, 3), "host_ms_replay": round(host_replay * 1e3, 3),
         "host_replay_share": round(host_replay / host_eager, 4),
         "helios_mfu": compute_mfu(fpt, h_tps, peak), "peer_mfu": compute_mfu(fpt, t_tps, peak),
         "peak": peak.label if peak else None, "torch_threads": torch.get_num_threads(),

@@ -385,6 +385,7 @@ def _backward(root, grad, retain_graph: bool) -> None:
         hooked = _LeafCounts(order)
         # node id -> gradient of its output (a list of per-output gradients for multi-output nodes)
         pending: dict[int, object] = {}
+        handed: set = set()  # (node id, output index) whose gradient destination was handed out
         _add_pending(pending, root, grad)
         total = len(order)
         for done, node in enumerate(reversed(order)):
@@ -397,7 +398,7 @@ def _backward(root, grad, retain_graph: bool) -> None:
                 g = tuple(g)
             if node.retained is not None:
                 _store_retained(node, g)
-            node.ctx.dests = _grad_dests(node, g, pending) if GRADS_IN_PLACE else None
+            node.ctx.dests = _grad_dests(node, g, pending, handed) if GRADS_IN_PLACE else None
             in_grads = _backward_profiled(node, g)
             node.ctx.dests = None
             if not isinstance(in_grads, tuple):
@@ -480,12 +481,12 @@ def _add_pending(pending: dict, t, g) -> None:
         slots[i] = g if slots[i] is None else slots[i] + g
 
 
-def _grad_dests(node, g, pending: dict):
+def _grad_dests(node, g, pending: dict, handed: set):
     """Per input of ``node``, where its backward may write that input's gradient (see
     Context.grad_out), or None when no input has a destination.  A leaf's is its free slot:
     no gradient yet, a contiguous slot of its shape and dtype.  A non-leaf's is offered by
     its producer (``Function.grad_dest(node, out_index, resolve)``, e.g. split_heads' one
-    buffer for q, k and v) while no gradient of that output is pending.  Either only for an
+    buffer for q, k and v) once per pass, while no gradient of that output is pending.  Either only for an
     input this node has once (two writes would collide) and a destination sharing no storage
     with what the backward reads (its saved tensors, the incoming gradient)."""
     dests = None
@@ -500,7 +501,7 @@ def _grad_dests(node, g, pending: dict):
             if d is None or d.dtype is not t.dtype or d.shape != t.shape or not d.is_contiguous():
                 continue
         else:
-            d = _pending_dest(t, pending)
+            d = _pending_dest(t, pending, handed)
             if d is None:
                 continue
         if sum(1 for u in inputs if u is t) > 1:
@@ -515,19 +516,25 @@ def _grad_dests(node, g, pending: dict):
     return dests
 
 
-def _pending_dest(t, pending: dict):
+def _pending_dest(t, pending: dict, handed: set):
     """The destination the producer of the non-leaf ``t`` offers for t's gradient, while none
-    of it has arrived yet (a later one is added to it as usual, into new memory)."""
+    of it has arrived yet (a later one is added to it as usual, into new memory).  Each is
+    handed out once per pass: a gradient written there may still be on its way (through a
+    transpose's node) when another consumer of ``t`` runs, which must not write it again."""
     node = t._node
     if node is None:
         return None
     hook = getattr(node.fn, "grad_dest", None)
     if hook is None:
         return None
+    key = (id(node), t._out_index)
+    if key in handed:
+        return None
     got = pending.get(id(node))
     if got is not None and (node.n_out == 1 or got[t._out_index] is not None):
         return None
-    d = hook(node, t._out_index, lambda u: _pending_dest(u, pending) if u is not None else None)
+    handed.add(key)
+    d = hook(node, t._out_index, lambda u: _pending_dest(u, pending, handed) if u is not None else None)
     if d is not None and (d.shape != t.shape or d.dtype is not t.dtype):
         return None
     return d

@@ -96,8 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "hide the overlap of backward and gradient communication)")
     p.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
     p.add_argument("--no-capture", action="store_true",
-                   help="run every step through Python and autograd; by default a one-rank fp32/bf16 step without "
-                        "gradient accumulation is captured once (hl.graph) and its device work replayed (same losses)")
+                   help="run every step through Python and autograd; by default a one-rank fp32/bf16 step (all its "
+                        "micro-batches) is captured once (hl.graph) and its device work replayed (same losses)")
     p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3),
                    help="ZeRO stage across data-parallel ranks: 0 plain DDP, 1 shard AdamW moments, "
                         "2 also gradients, 3 also parameters")
@@ -433,7 +433,7 @@ def _train(args, given: set[str]) -> int:
     if args.dtype != "fp32":
         say(f"mixed precision: --dtype {args.dtype}, matmuls in {'bfloat16' if args.dtype == 'bf16' else 'float16'}, "
             "float32 master weights" + (f", loss scale {scaler.get_scale():g}" if scaler.is_enabled() else ""))
-    capture_reason = _capture_refusal(args, run, pipeline or layout.microbatches > 1, zero)
+    capture_reason = _capture_refusal(args, run, pipeline, zero)
     if capture_reason is None:
         say("graph capture: on (the first step is captured, the others replay it; --no-capture turns it off)")
     elif not args.no_capture:
@@ -626,29 +626,33 @@ def _train(args, given: set[str]) -> int:
     capture = {} if capture_reason is None else None
 
     def captured_step():
-        """One step by capture or replay (clip and optimizer included); None when the capture was
-        refused (then the step has not updated anything: run it the plain way)."""
+        """One step by capture or replay (clip and optimizer included): the first call runs the
+        step under capture with its micro-batches in new input tensors, later calls refill them
+        and replay.  A refused capture is said once; the step then runs again the plain way on
+        the same micro-batches, and so do all later steps."""
         nonlocal capture
-        ((x, y),) = micro_batches()
+        batches = list(micro_batches())
         g = capture.get("graph")
-        if g is None:
-            with timer.phase("host_to_device"):
-                xt, yt = hl.tensor(x, dtype=hl.int64), hl.tensor(y, dtype=hl.int64)
-            try:
-                with hl.graph.capture(inputs=(xt, yt)) as g:
-                    loss = plain_step([(xt, yt)])
-                    update()
-            except hl.graph.GraphCaptureError as e:
-                say(f"graph capture refused, training without it: {e}", flush=True)
-                capture = None
-                opt.zero_grad()
-                return None
-            capture.update(graph=g, loss=loss, batch=(xt, yt))
+        if g is not None:
+            with timer.phase("replay"):
+                g.replay(*(a for xy in batches for a in xy))
+                rt.synchronize()
+            return capture["loss"]
+        with timer.phase("host_to_device"):
+            tensors = [(hl.tensor(x, dtype=hl.int64), hl.tensor(y, dtype=hl.int64)) for x, y in batches]
+        try:
+            with hl.graph.capture(inputs=[t for xy in tensors for t in xy]) as g:
+                loss = plain_step(tensors)
+                update()
+        except hl.graph.GraphCaptureError as e:
+            say(f"graph capture refused, training without it: {e}", flush=True)
+            capture = None
+            opt.zero_grad()
+            loss = plain_step(tensors)
+            update()
             return loss
-        with timer.phase("replay"):
-            g.replay(x, y)
-            rt.synchronize()
-        return capture["loss"]
+        capture.update(graph=g, loss=loss)
+        return loss
 
     from tqdm import tqdm
 
@@ -672,13 +676,14 @@ def _train(args, given: set[str]) -> int:
             d0 = rt.stats()["dispatches"]
             bytes0 = run.comm_bytes()
             # A profiled step runs through Python (its trace shows the ops and phases); replays go on after.
-            loss_dev = captured_step() if capture is not None and prof is None else None
-            if pipeline:
+            if capture is not None and prof is None:
+                loss_dev = captured_step()
+            elif pipeline:
                 stage_loss = pipeline_step()
                 if args.moe_experts:
                     moe_step = gpt.moe_totals()  # summed over the stages, as one device has them
                 update()
-            elif loss_dev is None:
+            else:
                 loss_dev = plain_step()
                 if ep_group is not None:
                     with timer.phase("comm"):
@@ -783,18 +788,17 @@ def _train(args, given: set[str]) -> int:
     return 0
 
 
-def _capture_refusal(args, run, split_batch: bool, zero: int) -> str | None:
+def _capture_refusal(args, run, pipeline: bool, zero: int) -> str | None:
     """Why helios-train does not capture the step (None: it does).  A replay repeats one device's
-    commands: collectives, host-side loss scaling and a step made of several micro-batches are
-    not a single static stream of them."""
+    commands: collectives and host-side loss scaling are not a static stream of them."""
     if args.no_capture:
         return "--no-capture"
     if run.world > 1:
         return "several ranks exchange data through the host"
     if args.dtype == "fp16":
         return "--dtype fp16 checks for inf/nan on the host each step"
-    if args.grad_accum > 1 or split_batch:
-        return "the step accumulates several micro-batches"
+    if pipeline:
+        return "--pp"
     if args.moe_experts:
         return "mixture of experts counts dropped tokens on the host"
     if zero:

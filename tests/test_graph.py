@@ -218,10 +218,11 @@ def _run_losses(tmp_path, name, extra):
     return r.stdout, rows
 
 
-def test_helios_train_replays_by_default_with_the_losses_of_running_every_step(tmp_path):
-    out, captured = _run_losses(tmp_path, "captured", [])
+@pytest.mark.parametrize("extra", [[], ["--grad-accum", "2", "--microbatches", "2"]], ids=["one", "accumulated"])
+def test_helios_train_replays_by_default_with_the_losses_of_running_every_step(tmp_path, extra):
+    out, captured = _run_losses(tmp_path, "captured", extra)
     assert "graph capture: on" in out
-    out_plain, plain = _run_losses(tmp_path, "plain", ["--no-capture"])
+    out_plain, plain = _run_losses(tmp_path, "plain", extra + ["--no-capture"])
     assert "graph capture" not in out_plain
     assert [r[:3] for r in captured] == [r[:3] for r in plain]  # train and validation losses, bit for bit
     assert all(r[3] > 0 for r in captured[1:]) and captured[0][3] == 0  # step 1 captured, the rest replayed
@@ -240,3 +241,23 @@ def test_capture_and_replay_on_the_emulated_cuda_device():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["cuda:0", "64.0", "24.0"]
+
+
+def test_helios_train_goes_on_without_capture_when_a_capture_is_refused(tmp_path, monkeypatch, capsys):
+    from helios import train
+    from helios.graph import Graph
+
+    def refuse(self, *args):
+        raise GraphCaptureError("hl.graph.capture: refused for the test")
+
+    monkeypatch.setenv("HELIOS_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(Graph, "_dispatch", refuse)
+    args = TRAIN[3:] + ["--out", str(tmp_path / "refused")]
+    assert train.main(args) == 0
+    assert "graph capture refused, training without it: hl.graph.capture: refused for the test" in capsys.readouterr().out
+    monkeypatch.undo()
+    _, plain = _run_losses(tmp_path, "plain", ["--no-capture"])
+    con = sqlite3.connect(tmp_path / "refused" / "run.db")
+    refused = con.execute("SELECT step, loss, val_loss, replay_ns FROM step_timing ORDER BY step").fetchall()
+    con.close()
+    assert refused == plain  # the refused step ran again on the same batch: nothing skipped, nothing replayed

@@ -37,7 +37,8 @@ What makes a replay the same computation as running the step again:
   ``replay(*new)`` copies arrays or tensors of the same shape and dtype into them (a shape
   change is refused: the commands were recorded for those shapes).
 
-A graph captures the work of one device (the current one); other devices' work is not recorded.
+A graph captures the work of one device (the current one): every command issued on it while
+the block runs, from any thread; other devices' work is not recorded.
 """
 
 from __future__ import annotations

@@ -125,6 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --pp: model chunks (virtual stages) per pipeline rank, the layers round-robin over the "
                         "ranks, trained with Megatron-LM's interleaved 1F1B (bubble (pp-1)/(v*m+pp-1); --microbatches "
                         "a multiple of --pp); 1: plain 1F1B")
+    p.add_argument("--pp-balance", default="params", metavar="params|time",
+                   help="with --pp: split the layers into stages by parameter count (params), or by each layer's "
+                        "forward + backward time measured on this device with the run's micro-batch before training "
+                        "(time: the output layer and the loss weigh what they cost)")
     p.add_argument("--microbatches", type=int, default=None,
                    help="micro-batches each replica's batch is split into (default: --pp): the pipeline's, or "
                         "gradient accumulation within the batch without --pp")
@@ -242,6 +246,7 @@ def _train(args, given: set[str]) -> int:
     layout = settings.check_layout(world // args.cp, args.tp, args.pp, args.microbatches, args.zero, bs,
                                    cfgd["n_layer"], cfgd["n_head"], cfgd["n_embd"], virtual=args.pp_virtual)
     pipeline = layout.pp > 1
+    settings.check_pp_balance(args.pp_balance, args.pp)
     settings.check_experts(args.moe_experts, args.moe_top_k, args.ep, args.tp, args.pp, world, args.zero)
     settings.check_dtype(args.dtype, args.tp, args.pp, args.zero, args.moe_experts)
     if args.sequence_parallel:
@@ -297,7 +302,7 @@ def _train(args, given: set[str]) -> int:
     run.check_same({**run_meta, "zero": args.zero, "bucket_cap_mb": args.bucket_cap_mb, "resume": args.resume,
                     "out": os.path.abspath(args.out), "grad_compression": comm_hook.spec if comm_hook else "none",
                     "tp": args.tp, "pp": args.pp, "pp_virtual": args.pp_virtual, "microbatches": layout.microbatches,
-                    "sequence_parallel": args.sequence_parallel})
+                    "sequence_parallel": args.sequence_parallel, "pp_balance": args.pp_balance})
     hl.manual_seed(args.seed)
     gpt = GPT(cfg, seed=args.seed)
     n_params, fpt = gpt.num_parameters(), gpt.flops_per_token()  # the whole model's, whatever the split
@@ -331,10 +336,19 @@ def _train(args, given: set[str]) -> int:
             gpt = TensorParallelGPT(gpt, grid.tp_group, sequence_parallel=args.sequence_parallel)  # this rank's shards
     whole = gpt  # the whole model (a resumed run loads it by name; then only the stage's layers stay)
     if pipeline:
-        from helios.schedule.pipeline import InterleavedPipelineStage, PipelineStage, describe_stages
+        from helios.schedule.pipeline import InterleavedPipelineStage, PipelineStage, describe_stages, layer_times
 
+        times = None
+        if args.pp_balance == "time":  # every rank measures (the layers' collectives), all take rank 0's figures
+            micro = (bs // layout.dp // layout.microbatches, T)
+            times = layer_times(whole, np.random.default_rng(args.seed).integers(0, V, micro), reps=5, warmup=1)
+            say(f"pipeline balance: each layer's forward + backward measured on this device (rank 0's, shared with "
+                f"every rank), one micro-batch of {micro[0]} x {micro[1]} tokens, median of 5 after 1 warm-up: "
+                f"embeddings {times[0] * 1e3:.1f} ms, blocks {', '.join(f'{v * 1e3:.1f}' for v in times[1:-1])} ms, "
+                f"final LayerNorm + output layer + loss {times[-1] * 1e3:.1f} ms")
         # this rank's layers (its chunks under --pp-virtual), under the whole model's names
-        gpt = InterleavedPipelineStage(whole, grid, layout.virtual) if layout.virtual > 1 else PipelineStage(whole, grid)
+        gpt = (InterleavedPipelineStage(whole, grid, layout.virtual, weights=times) if layout.virtual > 1
+               else PipelineStage(whole, grid, weights=times))
     tensor_parallel = grid is not None and args.tp > 1
     tp_group = grid.tp_group if tensor_parallel else None  # (None is also the world's group: test the flag)
     tp_rank = grid.tp_rank if tensor_parallel else 0
@@ -442,7 +456,9 @@ def _train(args, given: set[str]) -> int:
         say(f"mixture of experts: {args.moe_experts} experts per block, top-{args.moe_top_k}, capacity factor "
             f"{args.moe_capacity}, load-balancing loss x {args.moe_aux_alpha} (logged as aux)")
     if pipeline:
-        say(f"pipeline stages: {describe_stages(gpt.bounds, cfg.n_layer, layout.pp)}")
+        stages = f"pipeline stages: {describe_stages(gpt.bounds, cfg.n_layer, layout.pp, times)}"
+        # Balanced by time, every rank says the split it built (they must not disagree).
+        (print if times is not None else say)(stages)
     say(f"data: {summ['corpus']}, {summ['train_tokens']:,} train / {summ['val_tokens']:,} val tokens, "
         f"tokenizer {summ['tokenizer']}; unigram entropy {summ['unigram_entropy_nats']:.3f} nats "
         f"(uniform {summ['uniform_loss_nats']:.3f})")

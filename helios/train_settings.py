@@ -216,6 +216,19 @@ SAVED = (
 )
 
 
+PP_BALANCE = ("params", "time")
+
+
+def check_pp_balance(balance: str, pp: int) -> None:
+    """Refuse a --pp-balance helios-train cannot use, naming the flag: ``params`` (parameter
+    counts, the default) or ``time`` (each layer's measured forward and backward), and only with
+    a pipeline to balance."""
+    if balance not in PP_BALANCE:
+        usage(f"--pp-balance must be {' or '.join(PP_BALANCE)}, got {balance!r}")
+    if balance != "params" and pp < 2:
+        usage(f"--pp-balance {balance} balances the stages of a pipeline: give --pp 2 or more")
+
+
 def check_experts(experts: int, top_k: int, ep: int, tp: int, pp: int, world: int = 1, zero: int = 0) -> None:
     """Refuse a mixture-of-experts setting helios-train cannot run, naming the flag.  ``--ep``
     splits each layer's experts over that many data-parallel ranks (it must divide them; with

@@ -6,7 +6,11 @@ the 1F1B schedule (Narayanan et al. 2021, PipeDream-Flush).
     opt.step()                                              # AdamW over stage.parameters()
 
 Stages are contiguous runs of layers balanced by parameter count, the embeddings on the
-first stage and the final LayerNorm and the (tied) output layer on the last.  Activations
+first stage and the final LayerNorm and the (tied) output layer on the last.  Parameter count
+misjudges the last layer: it weighs only the final LayerNorm's parameters but runs the output
+layer's matmul against the whole tied table and the cross entropy.  ``layer_times`` measures
+each layer's forward and backward on this device instead, and ``PipelineStage(gpt, grid,
+weights=times)`` balances on those (helios-train's ``--pp-balance time``).  Activations
 go forward and their gradients backward with ``isend``/``irecv`` between neighbours.  A
 stage's parameters keep the whole model's names (``wte.weight``, ``h.5.attn.c_attn.weight``),
 so a checkpoint written by the stages is one device's.
@@ -58,7 +62,7 @@ from helios.schedule.grid import group_size
 from helios.schedule.moe import with_aux
 
 
-def balance(weights: list[int], parts: int) -> list[tuple[int, int]]:
+def balance(weights: list[float], parts: int) -> list[tuple[int, int]]:
     """Contiguous [lo, hi) ranges of ``weights`` in ``parts`` pieces that minimise the heaviest
     piece (exact, by dynamic programming; ties keep earlier pieces lighter)."""
     n = len(weights)
@@ -82,10 +86,14 @@ def balance(weights: list[int], parts: int) -> list[tuple[int, int]]:
     return bounds[::-1]
 
 
-def describe_stages(bounds: list[tuple[int, int]], n_layer: int, pp: int | None = None) -> str:
+def describe_stages(bounds: list[tuple[int, int]], n_layer: int, pp: int | None = None,
+                    times: list[float] | None = None) -> str:
     """What each stage holds, in one line: ``0: embeddings, blocks 0-1 | 1: blocks 2-3, final LayerNorm``.
     With more stages than ``pp`` ranks (virtual stages), each says its rank and chunk:
-    ``2 (rank 0 chunk 1): block 1``."""
+    ``2 (rank 0 chunk 1): block 1``.  With ``times`` (seconds per layer, ``layer_times``), each
+    stage ends with the sum of its layers' measured times: ``0: embeddings, block 0 (4.1 ms)``."""
+    if times is not None and len(times) != n_layer + 2:
+        raise ValueError(f"describe_stages: {len(times)} times for {n_layer + 2} layers")
     parts = []
     for s, (lo, hi) in enumerate(bounds):
         what = ["embeddings"] if lo == 0 else []
@@ -95,7 +103,8 @@ def describe_stages(bounds: list[tuple[int, int]], n_layer: int, pp: int | None 
         if hi == n_layer + 2:
             what.append("final LayerNorm and output layer")
         label = f"{s} (rank {s % pp} chunk {s // pp})" if pp and len(bounds) > pp else str(s)
-        parts.append(f"{label}: {', '.join(what)}")
+        cost = f" ({sum(times[lo:hi]) * 1e3:.1f} ms)" if times is not None else ""
+        parts.append(f"{label}: {', '.join(what)}{cost}")
     return " | ".join(parts)
 
 
@@ -112,6 +121,107 @@ def layer_weights(gpt) -> list[int]:
     emb = _whole_numel(gpt.wte.weight) + _whole_numel(gpt.wpe.weight)
     blocks = [sum(_whole_numel(p) for p in b.parameters()) for b in gpt.h]
     return [emb] + blocks + [sum(_whole_numel(p) for p in gpt.ln_f.parameters())]
+
+
+def _embeddings(layers, idx):
+    """Token plus position embeddings of ``idx`` ([b, t] int64), then their dropout where
+    ``layers`` has one (a GPT, or the first stage of one)."""
+    _, t = idx.shape
+    x = layers.wte(idx) + layers.wpe(arange(t, dtype=dt.int64))
+    drop = getattr(layers, "drop", None)  # (none in a tensor-parallel model)
+    return drop(x) if drop is not None else x
+
+
+def _logits(layers, x, tp_group):
+    """The final LayerNorm of ``x`` [b, t, C] and the tied output layer: the logits (this rank's
+    vocabulary slice of them under tensor parallelism)."""
+    x = layers.ln_f(x)
+    if tp_group is not None:
+        from helios.schedule.tensor_parallel import copy_to_tp
+
+        x = copy_to_tp(x, tp_group)  # every rank's logits slice reads the whole x
+    return F.matmul(x, layers.wte.weight.mT)
+
+
+def _cross_entropy(logits, targets, tp_group, vocab_lo: int):
+    """The mean loss of [N, V] ``logits`` (the vocabulary-parallel one over ``tp_group``: the
+    logits are never gathered)."""
+    if tp_group is None:
+        return F.cross_entropy(logits, targets)
+    from helios.schedule.tensor_parallel import vocab_parallel_cross_entropy
+
+    return vocab_parallel_cross_entropy(logits, targets, vocab_lo, tp_group)
+
+
+def layer_times(gpt, batch, reps: int = 5, warmup: int = 1) -> list[float]:
+    """Seconds of one forward plus backward of each layer the pipeline splits, on this device,
+    for one micro-batch ``batch`` ([b, t] token ids): the embeddings; each block; the final
+    LayerNorm with the output layer and the cross entropy (the next tokens as targets).  Each
+    layer runs ``warmup`` times unmeasured, then ``reps`` times; the median is returned, in the
+    order of ``layer_weights`` (so ``balance(layer_times(...), p)`` splits by time).
+
+    A layer's time runs from its input to its input's gradient, the device finished at both ends
+    (a block's input is a random activation, its output's gradient random too).  The repetitions
+    go round all the layers in turn, so a change in the machine's load touches every layer alike.
+    ``gpt`` is a ``helios.nn.GPT``, or a ``TensorParallelGPT`` whose tensor-parallel ranks (and
+    the expert-parallel ones of a mixture-of-experts model) all call this together, as their
+    layers' collectives need.  The parameters' gradients are left None and the random generator
+    as it was: training afterwards is what it would have been.  Under helios.comm, every rank
+    must call it together: each measures, and all return rank 0's times (broadcast), so every
+    rank balances the same split."""
+    from helios.random import get_rng_state, set_rng_state
+    from helios.runtime import get_runtime
+
+    ids = np.asarray(batch, np.int64)
+    if ids.ndim != 2 or ids.size == 0:
+        raise ValueError(f"layer_times: batch must be [batch, tokens] token ids, got shape {ids.shape}")
+    if reps < 1 or warmup < 0:
+        raise ValueError(f"layer_times: reps must be at least 1 and warmup 0 or more, got {reps} and {warmup}")
+    rt = get_runtime()
+    tp_group = None if isinstance(gpt, GPT) else gpt.group
+    b, t = ids.shape
+    cfg = gpt.config
+    rng = np.random.default_rng(0)
+    x_np = rng.standard_normal((b, t, cfg.n_embd)).astype(np.float32)
+    g_np = rng.standard_normal((b, t, cfg.n_embd)).astype(np.float32) / np.sqrt(b * t * cfg.n_embd)
+    idx = tensor(ids, dtype=dt.int64)
+    tgt = tensor(np.roll(ids, -1, axis=1).reshape(b * t), dtype=dt.int64)
+    upstream = tensor(g_np)
+
+    def embeddings() -> None:
+        _embeddings(gpt, idx).backward(upstream)
+
+    def block(i: int):
+        def run() -> None:
+            x = tensor(x_np, requires_grad=True)
+            gpt.h[i](x).backward(upstream)
+        return run
+
+    def head() -> None:
+        x = tensor(x_np, requires_grad=True)
+        logits = _logits(gpt, x, tp_group)
+        _cross_entropy(logits.reshape(b * t, -1), tgt, tp_group, getattr(gpt, "vocab_lo", 0)).backward()
+
+    layers = [embeddings] + [block(i) for i in range(cfg.n_layer)] + [head]
+    state = get_rng_state()
+    samples: list[list[float]] = [[] for _ in layers]
+    try:
+        for r in range(warmup + reps):
+            for k, run in enumerate(layers):
+                rt.synchronize()
+                t0 = time.perf_counter()
+                run()
+                rt.synchronize()
+                if r >= warmup:
+                    samples[k].append(time.perf_counter() - t0)
+    finally:
+        for p in gpt.parameters():
+            p.grad = None
+        set_rng_state(state)
+    times = np.array([np.median(s) for s in samples], np.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast(times, src=0)  # one rank's figures: every rank balances the same numbers
+    return [float(v) for v in times]
 
 
 class _Blocks(Module):
@@ -137,12 +247,14 @@ class PipelineStage(Module):
     stage keeps references to ``gpt``'s own layers (drop ``gpt`` afterwards: the layers of
     other stages are then freed)."""
 
-    def __init__(self, gpt, grid) -> None:
-        self._build(gpt, grid, 1)
+    def __init__(self, gpt, grid, weights: list[float] | None = None) -> None:
+        self._build(gpt, grid, 1, weights)
 
-    def _build(self, gpt, grid, virtual: int) -> None:
+    def _build(self, gpt, grid, virtual: int, weights: list[float] | None = None) -> None:
         """This rank's layers of ``gpt`` split into ``pp x virtual`` stages (virtual stage
-        ``c * pp + rank`` is this rank's chunk c), and the tied table's group."""
+        ``c * pp + rank`` is this rank's chunk c), and the tied table's group.  ``weights``: one
+        per layer (``layer_times``) to balance on instead of the parameter counts; every rank of
+        the pipeline must give the same ones."""
         Module.__init__(self)
         if getattr(gpt, "sequence_parallel", False):
             # Its stages would pass sequence shards and gather them before the output layer.
@@ -158,7 +270,10 @@ class PipelineStage(Module):
         # Layers as the pipeline sees them: [embeddings, block 0, ..., block L-1, final LayerNorm].
         self.virtual = virtual
         self._moe_step = None  # see _moe_aux
-        self.bounds = balance(layer_weights(gpt), self.pp * virtual)
+        if weights is not None and len(weights) != cfg.n_layer + 2:
+            raise ValueError(f"pipeline: {len(weights)} layer weights for the model's {cfg.n_layer + 2} layers "
+                             "(embeddings, each block, final LayerNorm)")
+        self.bounds = balance(layer_weights(gpt) if weights is None else list(weights), self.pp * virtual)
         # The embeddings are on virtual stage 0 (this rank's chunk 0 on the first rank) and the
         # output layer on the last (chunk v - 1 on the last rank).
         self.first, self.last = self.stage == 0, self.stage == self.pp - 1
@@ -197,10 +312,7 @@ class PipelineStage(Module):
         """``blocks`` for one micro-batch, after the embeddings when ``embed`` (from token ids)
         and followed by the final LayerNorm, the output layer and the scaled loss when ``head``."""
         if embed:
-            b, t = idx_or_none.shape
-            x = self.wte(idx_or_none) + self.wpe(arange(t, dtype=dt.int64))
-            if self.drop is not None:
-                x = self.drop(x)
+            x = _embeddings(self, idx_or_none)
         else:
             x = x_in
         for block in blocks:
@@ -209,12 +321,7 @@ class PipelineStage(Module):
         if not head:
             return with_aux(x, aux)
         b, t, _ = x.shape
-        x = self.ln_f(x)
-        if self.tp_group is not None:
-            from helios.schedule.tensor_parallel import copy_to_tp
-
-            x = copy_to_tp(x, self.tp_group)  # every rank's logits slice reads the whole x
-        logits = F.matmul(x, self.wte.weight.mT)
+        logits = _logits(self, x, self.tp_group)
         if targets is None:
             return logits
         return with_aux(self._loss(logits.reshape(b * t, -1), targets.reshape(b * t)) * scale, aux)
@@ -256,11 +363,7 @@ class PipelineStage(Module):
         return any(isinstance(m, MoEMLP) for m in self.modules())
 
     def _loss(self, logits, targets):
-        if self.tp_group is None:
-            return F.cross_entropy(logits, targets)
-        from helios.schedule.tensor_parallel import vocab_parallel_cross_entropy
-
-        return vocab_parallel_cross_entropy(logits, targets, self.vocab_lo, self.tp_group)
+        return _cross_entropy(logits, targets, self.tp_group, self.vocab_lo)
 
     def _neighbours(self) -> tuple[int | None, int | None]:
         """The global ranks of the previous and the next stage (None at the ends)."""
@@ -606,7 +709,7 @@ class InterleavedPipelineStage(PipelineStage):
     ``virtual == 1`` is allowed and runs ``pipeline_schedule``'s 1F1B order on this class's
     code (``PipelineStage`` is the trainer's 1F1B)."""
 
-    def __init__(self, gpt, grid, virtual: int) -> None:
+    def __init__(self, gpt, grid, virtual: int, weights: list[float] | None = None) -> None:
         if not isinstance(virtual, int) or virtual < 1:
             raise ValueError(f"pipeline: virtual must be at least 1 chunk per rank, got {virtual!r}")
         if virtual > 1 and grid.pp < 2:
@@ -615,7 +718,7 @@ class InterleavedPipelineStage(PipelineStage):
         if stages > gpt.config.n_layer:
             raise ValueError(f"pipeline: {grid.pp} ranks x {virtual} chunks is {stages} virtual stages, more than the "
                              f"model's {gpt.config.n_layer} transformer layers")
-        self._build(gpt, grid, virtual)
+        self._build(gpt, grid, virtual, weights)
         self.chunks = [_Blocks({i: gpt.h[i] for i in ids}) for ids in self.chunk_blocks]
         self.n_stages = stages
 
@@ -793,4 +896,4 @@ def timeline(trace: dict, width: int = 80) -> str:
 
 
 __all__ = ["InterleavedPipelineStage", "PipelineStage", "balance", "bubble_fraction", "clip_grad_norm_",
-           "describe_stages", "layer_weights", "pipeline_schedule", "simulate_schedule", "timeline"]
+           "describe_stages", "layer_times", "layer_weights", "pipeline_schedule", "simulate_schedule", "timeline"]

@@ -23,8 +23,8 @@ samples and writes the run database (which holds every rank's step timing).
 trained with the 1F1B schedule over --microbatches micro-batches of each replica's batch
 (--pp-virtual v: each rank holds v chunks of layers, Megatron-LM's interleaved schedule);
 the ranks left over are data parallel.  --zero 1|2 with --pp shards each stage over its
-data-parallel ranks.  Checkpoints always hold the whole model's tensors under one device's
-names, so a run resumes on any layout.
+data-parallel ranks, --zero 1|2|3 with --tp each tensor-parallel rank's shards.  Checkpoints
+always hold the whole model's tensors under one device's names, so a run resumes on any layout.
 """
 
 from __future__ import annotations

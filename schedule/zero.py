@@ -53,6 +53,13 @@ stages, each counting only the parameters ``counted(name)`` accepts (the stage's
 its ``ZeroAdamW`` in one object (a ``DistributedDataParallel`` whose optimizer methods are the
 ZeroAdamW's), for a trainer that holds one object as both.
 
+A tensor-parallel model (``TensorParallelGPT``) takes any stage: wrap it in DDP over the grid's
+data-parallel group (``group=grid.dp_group``), so each tensor-parallel rank's shards (and its
+replicated parameters) are partitioned over the ranks that hold the same shards; stage 3
+gathers them over that group only, and the tensor-parallel collectives run on the gathered
+shards unchanged (helios-train ``--dp 2 --tp 2 --zero 3``).  Clip with
+``clip_grad_norm_(max_norm, tp_group=grid.tp_group)``.
+
 Layout
 ------
 Each parameter group is cut into *segments*: stage 1, one segment per group; stage 2, runs

@@ -152,10 +152,11 @@ def check_layout(world: int, tp: int, pp: int, microbatches: int | None, zero: i
     if pp > 1 and zero and world // (tp * pp) < 2:
         usage(f"--zero {zero} with --pp {pp} shards each stage over its data-parallel ranks, and {world} ranks / "
               f"(tp {tp} x pp {pp}) leave one replica: start 2 or more replicas (dp x tp x pp ranks), or use --zero 0")
-    if tp > 1 and zero == 3 and world // (tp * pp) < 2:
-        usage(f"--zero 3 with --tp {tp} shards each tensor-parallel rank's parameters over its data-parallel ranks, "
-              f"and {world} ranks / tp {tp} leave one replica: start 2 or more replicas (dp x tp ranks), or use "
-              "--zero 0")
+    if tp > 1 and zero and world // (tp * pp) < 2:
+        what = "parameters" if zero == 3 else "optimizer states"
+        usage(f"--zero {zero} with --tp {tp} shards each tensor-parallel rank's {what} over its data-parallel "
+              f"ranks, and {world} ranks / tp {tp} leave one replica: start 2 or more replicas (dp x tp ranks), or "
+              "use --zero 0")
     dp = world // (tp * pp)
     if batch % dp:
         split = " x ".join(f"{flag} {n}" for flag, n in (("--tp", tp), ("--pp", pp)) if n > 1)

@@ -71,6 +71,7 @@ def test_a_tp_checkpoint_resumes_on_another_grid(tmp_path, resume_world, resume_
     (2, ["--tp", "3"], "--tp 3 must divide the number of ranks (2)"),
     (4, ["--tp", "4"], "--tp 4 must divide the model's heads (n_head), 2"),
     (2, ["--tp", "2", "--zero", "3"], "--zero 3 with --tp 2"),
+    (2, ["--tp", "2", "--zero", "1"], "--zero 1 with --tp 2 shards each tensor-parallel rank's optimizer states"),
 ])
 def test_a_grid_that_cannot_work_is_one_line_on_every_rank(tmp_path, world, args, needle):
     res = run_ranks(["-m", "helios.train", *_train_args(tmp_path, *args)], world, timeout=120)

@@ -339,11 +339,11 @@ def _train(args, given: set[str]) -> int:
         from helios.schedule.pipeline import InterleavedPipelineStage, PipelineStage, describe_stages, layer_times
 
         times = None
-        if args.pp_balance == "time":  # every rank measures (the layers' collectives), all take rank 0's figures
+        if args.pp_balance == "time":  # rank 0 measures (with the others if its layers need them), all take its figures
             micro = (bs // layout.dp // layout.microbatches, T)
             times = layer_times(whole, np.random.default_rng(args.seed).integers(0, V, micro), reps=5, warmup=1)
-            say(f"pipeline balance: each layer's forward + backward measured on this device (rank 0's, shared with "
-                f"every rank), one micro-batch of {micro[0]} x {micro[1]} tokens, median of 5 after 1 warm-up: "
+            say(f"pipeline balance: each layer's forward + backward measured on this device (rank 0's figures, shared "
+                f"with every rank), one micro-batch of {micro[0]} x {micro[1]} tokens, median of 5 after 1 warm-up: "
                 f"embeddings {times[0] * 1e3:.1f} ms, blocks {', '.join(f'{v * 1e3:.1f}' for v in times[1:-1])} ms, "
                 f"final LayerNorm + output layer + loss {times[-1] * 1e3:.1f} ms")
         # this rank's layers (its chunks under --pp-virtual), under the whole model's names

@@ -163,12 +163,14 @@ def layer_times(gpt, batch, reps: int = 5, warmup: int = 1) -> list[float]:
     A layer's time runs from its input to its input's gradient, the device finished at both ends
     (a block's input is a random activation, its output's gradient random too).  The repetitions
     go round all the layers in turn, so a change in the machine's load touches every layer alike.
-    ``gpt`` is a ``helios.nn.GPT``, or a ``TensorParallelGPT`` whose tensor-parallel ranks (and
-    the expert-parallel ones of a mixture-of-experts model) all call this together, as their
-    layers' collectives need.  The parameters' gradients are left None and the random generator
-    as it was: training afterwards is what it would have been.  Under helios.comm, every rank
-    must call it together: each measures, and all return rank 0's times (broadcast), so every
-    rank balances the same split."""
+    ``gpt`` is a ``helios.nn.GPT`` or a ``TensorParallelGPT``.  The parameters' gradients are
+    left None and the random generator as it was: training afterwards is what it would have
+    been.  Under helios.comm every rank calls it together and all return rank 0's times
+    (broadcast), so every rank balances the same split.  Rank 0 measures alone while the others
+    wait, unless the layers hold collectives (tensor-parallel layers, experts spread over
+    expert-parallel ranks): then every rank measures with it, as those collectives need.  (Two
+    ranks measuring at once on shared cores disturbed each other: a block's median came out up to
+    4x the other blocks'.)"""
     from helios.random import get_rng_state, set_rng_state
     from helios.runtime import get_runtime
 
@@ -203,25 +205,40 @@ def layer_times(gpt, batch, reps: int = 5, warmup: int = 1) -> list[float]:
         _cross_entropy(logits.reshape(b * t, -1), tgt, tp_group, getattr(gpt, "vocab_lo", 0)).backward()
 
     layers = [embeddings] + [block(i) for i in range(cfg.n_layer)] + [head]
-    state = get_rng_state()
-    samples: list[list[float]] = [[] for _ in layers]
-    try:
-        for r in range(warmup + reps):
-            for k, run in enumerate(layers):
-                rt.synchronize()
-                t0 = time.perf_counter()
-                run()
-                rt.synchronize()
-                if r >= warmup:
-                    samples[k].append(time.perf_counter() - t0)
-    finally:
-        for p in gpt.parameters():
-            p.grad = None
-        set_rng_state(state)
-    times = np.array([np.median(s) for s in samples], np.float64)
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    shared = dist.is_initialized() and dist.get_world_size() > 1
+    times = np.zeros(len(layers), np.float64)
+    if not shared or dist.get_rank() == 0 or _layers_talk(gpt):
+        state = get_rng_state()
+        samples: list[list[float]] = [[] for _ in layers]
+        try:
+            for r in range(warmup + reps):
+                for k, run in enumerate(layers):
+                    rt.synchronize()
+                    t0 = time.perf_counter()
+                    run()
+                    rt.synchronize()
+                    if r >= warmup:
+                        samples[k].append(time.perf_counter() - t0)
+        finally:
+            for p in gpt.parameters():
+                p.grad = None
+            set_rng_state(state)
+        times[:] = [np.median(s) for s in samples]
+    if shared:
         dist.broadcast(times, src=0)  # one rank's figures: every rank balances the same numbers
     return [float(v) for v in times]
+
+
+def _layers_talk(gpt) -> bool:
+    """Whether running ``gpt``'s layers takes collectives with other ranks: tensor-parallel
+    layers, or experts spread over more than one expert-parallel rank."""
+    if not isinstance(gpt, GPT):
+        return True
+    for m in gpt.modules():
+        group = getattr(m, "ep_group", None)
+        if group is not None and group_size(group) > 1:
+            return True
+    return False
 
 
 class _Blocks(Module):

@@ -249,22 +249,27 @@ def check_experts(experts: int, top_k: int, ep: int, tp: int, pp: int, world: in
         return
     if top_k > experts:
         usage(f"--moe-top-k {top_k} is more than --moe-experts {experts}: a token cannot go to more experts than exist")
-    if tp > 1:
-        # (with --pp they run: each stage's blocks add their load-balancing loss to its backward)
-        usage(f"--moe-experts {experts} with --tp {tp}: mixture-of-experts layers do not split over tensor-parallel "
-              "ranks yet (drop --tp; --pp and --ep compose with them)")
+    if tp > 1 and sequence_parallel:
+        usage(f"--moe-experts {experts} with --tp {tp} --sequence-parallel: the router needs every token of the "
+              "sequence on each tensor-parallel rank (drop --sequence-parallel)")
+    if tp > 1 and pp > 1:
+        usage(f"--moe-experts {experts} with --tp {tp} and --pp {pp}: a mixture-of-experts model splits over "
+              "tensor-parallel or pipeline ranks, not both yet (drop --tp or --pp)")
 
 
 def check_dtype(dtype: str, tp: int, pp: int, zero: int, experts: int) -> None:
-    """Refuse a --dtype that helios-train does not combine with a layout, naming both flags:
-    bf16 and fp16 run the plain and the data-parallel trainer (fp16's loss scaler unscales and
-    skips on the optimizer's own gradients)."""
+    """Refuse a --dtype that helios-train does not combine with a layout, naming both flags.
+    bf16 runs with data and tensor parallelism and ZeRO (autocast in each rank's forward);
+    fp16 runs single-device and data-parallel only: its loss scaler skips a step on one rank's
+    inf/nan, which the ranks of a split model would have to agree on first."""
     if dtype == "fp32":
         return
-    for flag, n in (("--tp", tp), ("--pp", pp), ("--zero", zero), ("--moe-experts", experts)):
+    refused = (("--pp", pp), ("--moe-experts", experts)) if dtype == "bf16" else \
+        (("--tp", tp), ("--pp", pp), ("--zero", zero), ("--moe-experts", experts))
+    for flag, n in refused:
         if n and (flag in ("--zero", "--moe-experts") or n > 1):
-            usage(f"--dtype {dtype} with {flag} {n}: mixed precision runs single-device and data-parallel training "
-                  f"only so far (drop {flag}, or use --dtype fp32)")
+            usage(f"--dtype {dtype} with {flag} {n}: mixed precision does not run with {flag} yet (drop {flag}, or "
+                  "use --dtype fp32)")
 
 
 def check_sequence_parallel(tp: int, pp: int, block_size: int) -> None:

@@ -249,12 +249,10 @@ def check_experts(experts: int, top_k: int, ep: int, tp: int, pp: int, world: in
         return
     if top_k > experts:
         usage(f"--moe-top-k {top_k} is more than --moe-experts {experts}: a token cannot go to more experts than exist")
-    if tp > 1 and sequence_parallel:
-        usage(f"--moe-experts {experts} with --tp {tp} --sequence-parallel: the router needs every token of the "
-              "sequence on each tensor-parallel rank (drop --sequence-parallel)")
-    if tp > 1 and pp > 1:
-        usage(f"--moe-experts {experts} with --tp {tp} and --pp {pp}: a mixture-of-experts model splits over "
-              "tensor-parallel or pipeline ranks, not both yet (drop --tp or --pp)")
+    if tp > 1:
+        # (with --pp they run: each stage's blocks add their load-balancing loss to its backward)
+        usage(f"--moe-experts {experts} with --tp {tp}: mixture-of-experts layers do not split over tensor-parallel "
+              "ranks yet (drop --tp; --pp and --ep compose with them)")
 
 
 def check_dtype(dtype: str, tp: int, pp: int, zero: int, experts: int) -> None:

@@ -247,7 +247,8 @@ def _train(args, given: set[str]) -> int:
                                    cfgd["n_layer"], cfgd["n_head"], cfgd["n_embd"], virtual=args.pp_virtual)
     pipeline = layout.pp > 1
     settings.check_pp_balance(args.pp_balance, args.pp)
-    settings.check_experts(args.moe_experts, args.moe_top_k, args.ep, args.tp, args.pp, world, args.zero)
+    settings.check_experts(args.moe_experts, args.moe_top_k, args.ep, args.tp, args.pp, world, args.zero,
+                           sequence_parallel=args.sequence_parallel)
     settings.check_dtype(args.dtype, args.tp, args.pp, args.zero, args.moe_experts)
     if args.sequence_parallel:
         settings.check_sequence_parallel(args.tp, args.pp, T)
@@ -306,12 +307,15 @@ def _train(args, given: set[str]) -> int:
     hl.manual_seed(args.seed)
     gpt = GPT(cfg, seed=args.seed)
     n_params, fpt = gpt.num_parameters(), gpt.flops_per_token()  # the whole model's, whatever the split
-    ep_group = edp_group = None
+    ep_group = edp_group = expert_group = None
     if args.moe_experts:
-        from helios.schedule.moe import expert_groups, use_experts
+        from helios.schedule.moe import expert_groups, expert_tp_group, use_experts
 
         if args.ep > 1:  # each rank holds 1/ep of every layer's experts
-            ep_group, edp_group = expert_groups(args.ep, pp=args.pp)  # over each stage's data-parallel ranks
+            # over each stage's data-parallel ranks (with --tp, those of this rank's tensor-parallel place)
+            ep_group, edp_group = expert_groups(args.ep, pp=args.pp, tp=args.tp)
+            if args.tp > 1:  # the ranks that hold the pieces of one replica's experts
+                expert_group = expert_tp_group(args.ep, args.tp, pp=args.pp)
         use_experts(gpt, args.moe_experts, args.moe_top_k, args.moe_capacity, args.moe_aux_alpha, ep_group=ep_group)
         # a token runs top-k experts (each the size of the dense MLP) and the router
         mlp_weights = 8 * cfg.n_embd * cfg.n_embd * cfg.n_layer
@@ -333,7 +337,8 @@ def _train(args, given: set[str]) -> int:
         if args.tp > 1:
             from helios.schedule.tensor_parallel import TensorParallelGPT
 
-            gpt = TensorParallelGPT(gpt, grid.tp_group, sequence_parallel=args.sequence_parallel)  # this rank's shards
+            gpt = TensorParallelGPT(gpt, grid.tp_group, sequence_parallel=args.sequence_parallel,
+                                    expert_group=expert_group)  # this rank's shards (experts' hidden features too)
     whole = gpt  # the whole model (a resumed run loads it by name; then only the stage's layers stay)
     if pipeline:
         from helios.schedule.pipeline import InterleavedPipelineStage, PipelineStage, describe_stages, layer_times
@@ -352,9 +357,10 @@ def _train(args, given: set[str]) -> int:
     tensor_parallel = grid is not None and args.tp > 1
     tp_group = grid.tp_group if tensor_parallel else None  # (None is also the world's group: test the flag)
     tp_rank = grid.tp_rank if tensor_parallel else 0
-    if ep_group is not None:
+    if ep_group is not None and args.tp == 1:
         # Expert tensors are sharded over the expert-parallel group the way tensor-parallel ones
-        # are over theirs: checkpoints gather them whole, the norm sums each shard once.
+        # are over theirs: checkpoints gather them whole, the norm sums each shard once.  (With
+        # --tp their layouts name the group they are sharded over themselves.)
         import helios.comm as dist
 
         tensor_parallel, tp_group, tp_rank = True, ep_group, dist.get_rank(ep_group)

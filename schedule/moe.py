@@ -49,6 +49,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 import helios.comm as dist
 from helios import _kernels as K
 from helios import dtypes as dt
@@ -57,7 +59,7 @@ from helios.autograd.tape import Function, no_grad
 from helios.creation import arange, full, normal, tensor, zeros
 from helios.nn import Linear, Module, Parameter
 from helios.schedule.grid import group_rank, group_size
-from helios.schedule.tensor_parallel import TPLayout, with_transpose
+from helios.schedule.tensor_parallel import TPLayout, copy_to_tp, reduce_from_tp, with_transpose
 from helios.tensor import Tensor
 
 
@@ -111,11 +113,59 @@ class MoEMLP(Module):
             # on any layout) and the global gradient norm sums each shard once over the group.
             for w in self.expert_parameters():
                 w.tp_layout = TPLayout((n_experts, *w.shape[1:]), self._rows_of, ep)
+        self.tp_group, self.tp = None, 1  # split_hidden() sets them
         self.aux_loss: Tensor | None = None
         self.dropped: Tensor | None = None  # (token, choice) pairs past capacity in the last forward
 
     def _rows_of(self, q: int) -> slice:
         return slice(q * self.local_experts, (q + 1) * self.local_experts)
+
+    def split_hidden(self, tp_group, expert_group=None) -> None:
+        """Split every expert's MLP over the tensor-parallel group ``tp_group`` as Megatron-LM
+        splits the dense MLP (in place): this rank keeps hidden features
+        ``[r * hidden / tp, (r + 1) * hidden / tp)`` of ``w_fc``/``b_fc`` (columns) and of
+        ``w_proj`` (rows); ``b_proj`` and the router stay whole.  Every TP rank routes the
+        same tokens (their activations are replicated), runs its part of each expert, and one
+        all-reduce of the combined tokens' rows sums the parts (see :meth:`forward`).
+        With expert parallelism too, ``expert_group`` is the ep x tp ranks that hold the
+        pieces of one replica's experts (rank ``ep_rank * tp + tp_rank`` in it, as
+        :func:`expert_groups` builds it): the expert tensors' layouts record it, so
+        checkpoints gather whole tensors and the clip sums each piece once."""
+        tp = group_size(tp_group)
+        if tp == 1:
+            return
+        if self.hidden % tp:
+            raise ValueError(f"MoEMLP: the expert MLP width {self.hidden} does not split over {tp} tensor-parallel ranks")
+        if self.ep > 1 and (expert_group is None or group_size(expert_group) != self.ep * tp):
+            raise ValueError(f"MoEMLP: with {self.ep} expert-parallel and {tp} tensor-parallel ranks, give the "
+                             f"expert group of ep x tp = {self.ep * tp} ranks")
+        hl, r, E, El, ep = self.hidden // tp, group_rank(tp_group), self.n_experts, self.local_experts, self.ep
+
+        def cols(q: int) -> slice:
+            return slice(q * hl, (q + 1) * hl)
+
+        def rows(q: int) -> slice:
+            return slice(q * El, (q + 1) * El)
+
+        def shard(w: Parameter, index: tuple, full: tuple, select) -> Parameter:
+            p = Parameter(tensor(np.ascontiguousarray(w.numpy()[index], np.float32)))
+            if ep == 1:
+                p.tp_layout = TPLayout(full, select, tp)  # over the tensor-parallel group, as dense shards
+            else:  # rank q of the expert group holds expert rows q // tp and hidden part q % tp
+                p.tp_layout = TPLayout(full, lambda q: (rows(q // tp), *select(q % tp)[1:]), ep * tp,
+                                       group=expert_group, rank=group_rank(expert_group))
+            return p
+
+        C, H = self.n_embd, self.hidden
+        self.w_fc = shard(self.w_fc, (slice(None), slice(None), cols(r)), (E, C, H),
+                          lambda q: (slice(None), slice(None), cols(q)))
+        self.b_fc = shard(self.b_fc, (slice(None), slice(None), cols(r)), (E, 1, H),
+                          lambda q: (slice(None), slice(None), cols(q)))
+        self.w_proj = shard(self.w_proj, (slice(None), cols(r), slice(None)), (E, H, C),
+                            lambda q: (slice(None), cols(q), slice(None)))
+        if ep > 1:  # b_proj: rows over the expert-parallel group only (whole on every TP rank)
+            self.b_proj.tp_layout = TPLayout((E, 1, C), rows, ep, group=self.ep_group, rank=group_rank(self.ep_group))
+        self.tp_group, self.tp = tp_group, tp
 
     def expert_parameters(self) -> list[Parameter]:
         """The parameters of this rank's experts (the router is shared, as the rest of the model)."""
@@ -147,9 +197,14 @@ class MoEMLP(Module):
         return slot, weight, probs, choice[:, 0]
 
     def experts(self, xin: Tensor) -> Tensor:
-        """This rank's experts on their places: [E_local, P, C] -> [E_local, P, C]."""
+        """This rank's experts on their places: [E_local, P, C] -> [E_local, P, C] (split over
+        tensor-parallel ranks: this rank's part of the sum over hidden features; b_proj is
+        added by TP rank 0 alone, so the parts sum to the whole output)."""
         h = F.bmm(xin, self.w_fc) + self.b_fc
-        return F.bmm(F.gelu(h, approximate="tanh"), self.w_proj) + self.b_proj
+        out = F.bmm(F.gelu(h, approximate="tanh"), self.w_proj)
+        if self.tp == 1:
+            return out + self.b_proj
+        return out + _on_first_rank(self.b_proj, group_rank(self.tp_group) == 0)
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
@@ -158,11 +213,20 @@ class MoEMLP(Module):
         cap = self.capacity(n)
         slot, weight, probs, first = self.route(flat, cap)
         token = arange(n).repeat(k)
-        buf = F.index_add(zeros(E * cap + 1, C), 0, slot, F.index_select(flat, 0, token))
+        # Split over tensor-parallel ranks, each rank's experts give a part of the input's gradient
+        # (their hidden features'): summed over the group backward.  The router reads ``flat``
+        # itself, whose gradient is already whole on every rank.
+        into = flat if self.tp == 1 else copy_to_tp(flat, self.tp_group)
+        buf = F.index_add(zeros(E * cap + 1, C), 0, slot, F.index_select(into, 0, token))
         xin = buf[: E * cap].reshape(E, cap, C)
         out = self._run_experts(xin)  # [E, cap, C], in this rank's expert order
         rows = F.cat([out.reshape(E * cap, C), zeros(1, C)], 0)  # the last row: dropped pairs read zeros
-        y = (F.index_select(rows, 0, slot) * weight.unsqueeze(-1)).reshape(k, n, C).sum(0)
+        picked = F.index_select(rows, 0, slot)  # [k*N, C]
+        if self.tp > 1:
+            # The one all-reduce forward: the parts summed before the gates weigh them, so the
+            # gates' (router's) gradient reads whole expert outputs, the same on every TP rank.
+            picked = reduce_from_tp(picked, self.tp_group)
+        y = (picked * weight.unsqueeze(-1)).reshape(k, n, C).sum(0)
         f = F.one_hot(first, E).to(dt.float32).mean(0)  # counts: no gradient, as in Switch
         self.aux_loss = (f * probs.mean(0)).sum() * (self.aux_alpha * E)
         return y.reshape(*shape)
@@ -176,6 +240,25 @@ class MoEMLP(Module):
         done = self.experts(mine).reshape(El, W, cap, C).permute(1, 0, 2, 3)
         back = all_to_all(done.contiguous(), self.ep_group)  # [owner rank, its expert, place, C]
         return back.reshape(W * El, cap, C)
+
+
+class _OnFirstRank(Function):
+    """y = x on one rank of a group, 0 on the others; the gradient passes whole on every rank."""
+
+    @staticmethod
+    def forward(ctx, x, first):
+        return K.copy(x) if first else x * 0.0
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+def _on_first_rank(x: Tensor, first: bool) -> Tensor:
+    """A replicated bias added to parts that are then summed over a group: counted once in the
+    sum (``x`` on the first rank, zeros elsewhere), while every rank's gradient is the whole one
+    (the gradient of the sum), so the replicas stay equal without a collective."""
+    return _OnFirstRank.apply(x, first)
 
 
 def aux_loss(model: Module) -> Tensor | None:
@@ -234,33 +317,61 @@ def use_experts(model: Module, n_experts: int, top_k: int = 2, capacity_factor: 
     return model
 
 
-def expert_groups(ep: int, pp: int = 1):
+def _stage_ranks(ep: int, pp: int, tp: int):
+    """(world, rank, ranks per stage d, data-parallel ranks per stage), refused by name when
+    the numbers do not divide."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if pp < 1 or tp < 1 or world % (pp * tp):
+        raise ValueError(f"expert_groups: pp x tp = {pp} x {tp} does not divide the world size {world}")
+    d = world // pp
+    if ep < 1 or (d // tp) % ep:
+        raise ValueError(f"expert_groups: ep = {ep} does not divide the {d // tp} data-parallel ranks of a stage "
+                         f"(world {world} / pp {pp} / tp {tp})")
+    return world, rank, d, d // tp
+
+
+def expert_groups(ep: int, pp: int = 1, tp: int = 1):
     """(expert-parallel group, expert-data-parallel group) of this rank for ``ep`` experts-ways
     over the data-parallel ranks of each of ``pp`` pipeline stages (stage s holds ranks
-    ``[s * D, (s + 1) * D)``, D = world / pp, as ParallelGrid lays them out without tensor
-    parallelism).  Within a stage, ranks ``[i * ep, (i + 1) * ep)`` split the experts between
-    them (neighbours, as Megatron-LM and DeepSpeed-MoE place them), and the stage's ranks with
+    ``[s * D, (s + 1) * D)``, D = world / pp, as ParallelGrid lays them out; within a stage
+    data-parallel rank i and tensor-parallel rank t is rank ``i * tp + t``).  Within a stage
+    and a tensor-parallel rank, data-parallel ranks ``[j * ep, (j + 1) * ep)`` split the experts
+    between them (neighbours, as Megatron-LM and DeepSpeed-MoE place them), and the ranks with
     the same place in those groups hold the same experts (their gradients are averaged over
     it).  Every rank builds every group, in one order (helios.comm.new_group is collective)."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    if pp < 1 or world % pp:
-        raise ValueError(f"expert_groups: pp = {pp} does not divide the world size {world}")
-    d = world // pp
-    if ep < 1 or d % ep:
-        raise ValueError(f"expert_groups: ep = {ep} does not divide the {d} data-parallel ranks of a stage "
-                         f"(world {world} / pp {pp})")
+    world, rank, d, dp = _stage_ranks(ep, pp, tp)
     ep_group = edp_group = None
     for base in range(0, world, d):
-        for first in range(base, base + d, ep):
-            g = dist.new_group(list(range(first, first + ep)), role="ep")
-            if first <= rank < first + ep:
-                ep_group = g
+        for t in range(tp):
+            for first in range(0, dp, ep):
+                members = [base + (first + j) * tp + t for j in range(ep)]
+                g = dist.new_group(members, role="ep")
+                if rank in members:
+                    ep_group = g
     for base in range(0, world, d):
-        for j in range(ep):
-            g = dist.new_group(list(range(base + j, base + d, ep)), role="edp")
-            if base <= rank < base + d and (rank - base) % ep == j:
-                edp_group = g
+        for t in range(tp):
+            for j in range(ep):
+                members = [base + i * tp + t for i in range(j, dp, ep)]
+                g = dist.new_group(members, role="edp")
+                if rank in members:
+                    edp_group = g
     return ep_group, edp_group
+
+
+def expert_tp_group(ep: int, tp: int, pp: int = 1):
+    """The ep x tp ranks that hold the pieces of one replica's experts under expert and tensor
+    parallelism (an expert-parallel group and its tensor-parallel peers), in rank order, so
+    this rank is ``ep_rank * tp + tp_rank`` in it: the group a checkpoint gathers the expert
+    tensors over and the clip sums their squares over.  Collective, as :func:`expert_groups`."""
+    world, rank, d, dp = _stage_ranks(ep, pp, tp)
+    mine = None
+    for base in range(0, world, d):
+        for first in range(0, dp, ep):
+            members = [base + (first + j) * tp + t for j in range(ep) for t in range(tp)]
+            g = dist.new_group(members, role="ep")
+            if rank in members:
+                mine = g
+    return mine
 
 
 def expert_parameter_names(model: Module) -> list[str]:

@@ -169,10 +169,16 @@ def _param(a: np.ndarray) -> Parameter:
 
 class TPLayout:
     """Where a tensor-parallel shard sits in the whole tensor: ``select(q)`` indexes rank q's
-    shard out of the whole array (rows, columns, or the q/k/v rows of some heads)."""
+    shard out of the whole array (rows, columns, or the q/k/v rows of some heads).
 
-    def __init__(self, full_shape: tuple, select, tp: int) -> None:
+    ``group`` and ``rank``: the group whose ranks hold the shards and this rank's index in it,
+    for a tensor sharded over another group than the model's tensor-parallel one (a mixture of
+    experts' expert tensors under expert x tensor parallelism); None: the group and rank the
+    caller passes (:func:`gather_full`, :func:`take_shard`, :func:`clip_grad_norm_`)."""
+
+    def __init__(self, full_shape: tuple, select, tp: int, group=None, rank: int | None = None) -> None:
         self.full_shape, self.select, self.tp = tuple(full_shape), select, tp
+        self.group, self.rank = group, rank
 
     def flat_index(self, q: int) -> np.ndarray:
         """Rank q's elements as indices into the whole tensor's flattened elements, in shard order."""
@@ -198,6 +204,8 @@ def gather_full(p, shard: np.ndarray, group) -> np.ndarray:
     layout = getattr(p, "tp_layout", None)
     if layout is None or layout.tp == 1:
         return shard.reshape(-1)
+    if layout.group is not None:
+        group = layout.group
     every = np.empty(layout.tp * shard.size, shard.dtype)
     dist.all_gather(every, np.ascontiguousarray(shard.reshape(-1)), group=group)
     out = np.empty(int(np.prod(layout.full_shape)), shard.dtype)
@@ -209,7 +217,9 @@ def gather_full(p, shard: np.ndarray, group) -> np.ndarray:
 def take_shard(p, full: np.ndarray, rank: int) -> np.ndarray:
     """Rank ``rank``'s part of the whole (flattened) tensor ``full`` of parameter ``p``, flattened."""
     layout = getattr(p, "tp_layout", None)
-    return full.reshape(-1) if layout is None else full.reshape(-1)[layout.flat_index(rank)]
+    if layout is None:
+        return full.reshape(-1)
+    return full.reshape(-1)[layout.flat_index(rank if layout.rank is None else layout.rank)]
 
 
 class ColumnParallelLinear(Module):
@@ -388,12 +398,19 @@ class ParallelBlock(Module):
     """A transformer block with tensor-parallel attention and MLP: 2 all-reduces forward, 2 backward
     (with sequence parallelism: 2 all-gathers and 2 reduce-scatters each way instead)."""
 
-    def __init__(self, block, group, sequence_parallel: bool = False) -> None:
+    def __init__(self, block, group, sequence_parallel: bool = False, expert_group=None) -> None:
         super().__init__()
         self.ln_1 = _copy_layer_norm(block.ln_1, group, sequence_parallel)
         self.attn = ParallelAttention(block.attn, group, sequence_parallel)
         self.ln_2 = _copy_layer_norm(block.ln_2, group, sequence_parallel)
-        self.mlp = ParallelMLP(block.mlp, group, sequence_parallel)
+        if hasattr(block.mlp, "split_hidden"):  # a mixture of experts (schedule.moe.MoEMLP)
+            if sequence_parallel:
+                raise ValueError("tensor parallel: a mixture-of-experts block does not run with sequence parallelism "
+                                 "(its router needs every token of the sequence on each rank)")
+            block.mlp.split_hidden(group, expert_group)  # each expert's MLP column-then-row, as ParallelMLP
+            self.mlp = block.mlp
+        else:
+            self.mlp = ParallelMLP(block.mlp, group, sequence_parallel)
 
     def forward(self, x: Tensor) -> Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -404,9 +421,12 @@ class TensorParallelGPT(Module):
     """``gpt`` split over ``group`` (see the module docstring): ``model(idx, targets) ->
     (this rank's vocabulary slice of the logits, the whole model's mean loss)``.
     ``sequence_parallel``: the residual stream and LayerNorms hold T/tp positions per rank
-    (T must then be a multiple of the group's size)."""
+    (T must then be a multiple of the group's size).  A mixture-of-experts GPT
+    (``schedule.moe.use_experts``) has each expert's MLP split as the dense MLP is
+    (``MoEMLP.split_hidden``); ``expert_group``: with expert parallelism too, the ep x tp
+    ranks that hold the pieces of one replica's experts (``expert_groups(..., tp=)``)."""
 
-    def __init__(self, gpt: GPT, group, sequence_parallel: bool = False) -> None:
+    def __init__(self, gpt: GPT, group, sequence_parallel: bool = False, expert_group=None) -> None:
         super().__init__()
         cfg = gpt.config
         if cfg.dropout:
@@ -418,7 +438,7 @@ class TensorParallelGPT(Module):
         self.vocab_lo = self.wte.lo
         self.wpe = Embedding(cfg.block_size, cfg.n_embd)
         self.wpe.weight = _param(gpt.wpe.weight.numpy())
-        self.h = ModuleList([ParallelBlock(b, group, self.sequence_parallel) for b in gpt.h])
+        self.h = ModuleList([ParallelBlock(b, group, self.sequence_parallel, expert_group) for b in gpt.h])
         self.ln_f = _copy_layer_norm(gpt.ln_f, group, self.sequence_parallel)
 
     def full_logits(self, logits: Tensor) -> np.ndarray:
@@ -477,11 +497,17 @@ def clip_grad_norm_(params, max_norm: float, group) -> Tensor:
     """Scale gradients so the whole model's L2 norm is at most ``max_norm``; returns the norm.
 
     A tensor-parallel shard's squares are summed over ``group`` (each rank holds a different
-    part of the tensor); a replicated parameter's gradient is the same on every TP rank and
-    counts once."""
+    part of the tensor), or over the group its layout names (expert tensors split over expert
+    x tensor-parallel ranks); a replicated parameter's gradient is the same on every TP rank
+    and counts once."""
     params = [p for p in params if p.grad is not None]
     sharded = [p for p in params if getattr(p, "tp_layout", None) is not None and p.tp_layout.tp > 1]
     replicated = [p for p in params if not (getattr(p, "tp_layout", None) is not None and p.tp_layout.tp > 1)]
+    # One sum per group, in the parameters' order (the same on every rank: one model).
+    by_group: dict[int, tuple] = {id(group): (group, [])}
+    for p in sharded:
+        g = p.tp_layout.group if p.tp_layout.group is not None else group
+        by_group.setdefault(id(g), (g, []))[1].append(p)
 
     def squares(ps):
         total = None
@@ -492,9 +518,10 @@ def clip_grad_norm_(params, max_norm: float, group) -> Tensor:
 
     with no_grad():
         total = squares(replicated)
-        if sharded:
-            part = _all_reduce(squares(sharded), group)
-            total = part if total is None else total + part
+        for g, ps in by_group.values():
+            if ps:
+                part = _all_reduce(squares(ps), g)
+                total = part if total is None else total + part
         if total is None:
             return K.fill(K.empty((), dt.float32), 0.0)
         norm = F.sqrt(total)

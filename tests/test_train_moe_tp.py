@@ -52,22 +52,29 @@ def test_tp2_trains_logs_and_checkpoints_what_one_rank_does_and_resumes_on_one_r
     _same_run(one, part)
 
 
-def test_dp2_x_tp2_with_and_without_ep2_train_what_data_parallel_trains(tmp_path):
-    """On 4 ranks, --tp 2 (each replica's experts split by hidden features) and --tp 2 --ep 2
-    (also split by experts over the two replicas, all_to_all between same-place TP ranks) ==
-    plain data parallel on 2 ranks: a replica routes its own tokens (capacity follows them),
-    so the reference has as many replicas."""
-    steps = ("--steps", "5")
+def test_dp2_x_tp2_with_ep2_or_zero3_trains_what_data_parallel_trains(tmp_path):
+    """On 4 ranks, --tp 2 (each replica's experts split by hidden features), --tp 2 --ep 2
+    (also split by experts over the two replicas, all_to_all between same-place TP ranks) and
+    --tp 2 --zero 3 == plain data parallel on 2 ranks: a replica routes its own tokens
+    (capacity follows them), so the reference has as many replicas.  A run stopped under
+    --tp 2 --ep 2 resumes on 2 ranks with every expert whole on each."""
+    steps = ("--steps", "4")
     dp2 = tmp_path / "dp2"
     r = launch(2, dp2, *steps, *MOE)
     assert r.returncode == 0, r.stderr[-3000:]
     logged = _moe_logged(r.stdout)
-    for name, extra in (("dp2tp2", ()), ("dp2tp2ep2", ("--ep", "2"))):
+    for name, extra in (("dp2tp2", ()), ("dp2tp2ep2", ("--ep", "2")), ("dp2tp2z3", ("--zero", "3"))):
         r = launch(4, tmp_path / name, *steps, "--tp", "2", *extra, *MOE, timeout=400)
         assert r.returncode == 0, r.stderr[-3000:]
         assert "tensor parallel 2 x data parallel 2" in r.stdout
         _same_run(dp2, tmp_path / name)
         assert _moe_logged(r.stdout) == logged, name
+    part = tmp_path / "part"
+    r = launch(4, part, *steps, "--tp", "2", "--ep", "2", *MOE, "--stop-after", "2", timeout=400)
+    assert r.returncode == 0 and "stopped at step 2" in r.stdout, r.stderr[-3000:]
+    r = launch(2, part, *steps, "--resume")
+    assert r.returncode == 0, r.stderr[-3000:]
+    _same_run(dp2, part)
 
 
 @pytest.mark.parametrize("world,args,needle", [

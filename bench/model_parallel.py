@@ -32,6 +32,14 @@ a neighbour, after the stage's own device work) against the bubble formula (p - 
 (``--pp-virtual 2``: 2 chunks per rank, 4 virtual stages) with m = 4, 8 in the same run,
 against (p - 1) / (v m + p - 1).
 
+Then the stages balanced by measured time (helios-train's ``--pp-balance time``) next to
+those balanced by parameter count, 1F1B on 2 ranks with m = 4, 8, for the tiny GPT with the
+byte tokenizer's 256-token vocabulary and with a 4096-token one (``--tokenizer bpe:4096``'s
+size: the tied table makes the embeddings heavy by parameter count and the output layer and
+the loss slow): each row adds ``balance``, ``vocab``, the stage's layers' measured forward +
+backward (``stage_measured_ms``, from ``layer_times``: rank 0's figures, measured in this run
+on both ranks before training, median of 5 after 1 warm-up) and its ``blocks``.
+
 Then sequence parallelism's activation memory: the same GPT's forward on 1 rank, on tp 2
 and on tp 2 with ``sequence_parallel=True`` (one batch of the config, rank 0): the
 activation pool's in-use bytes after the forward minus before it (what the tape keeps for
@@ -41,7 +49,7 @@ formula counts fp16 activations and dropout masks, Helios keeps fp32 and has no 
 here, so only the ratios compare).
 
     python bench/model_parallel.py [--steps 30] [--warmup 5] [--skip-train] [--skip-torch] [--skip-pipeline]
-                                   [--skip-activations]
+                                   [--skip-balance] [--skip-activations]
 """
 
 from __future__ import annotations
@@ -82,12 +90,12 @@ def megatron_payload(cfg: dict, batch: int, block: int, tp: int) -> int:
     return 4 * (4 * cfg["n_layer"] * bsh + 2 * bsh + 3 * batch * block)
 
 
-def _gpt_config(config: str):
-    """The helios-train config's GPT with a 256-token vocabulary (the byte tokenizer's)."""
+def _gpt_config(config: str, vocab: int = 256):
+    """The helios-train config's GPT with a ``vocab``-token vocabulary (256: the byte tokenizer's)."""
     from helios.nn import GPTConfig
 
     c = CONFIGS[config]
-    return GPTConfig(vocab_size=256, block_size=c["block_size"], n_layer=c["n_layer"], n_head=c["n_head"],
+    return GPTConfig(vocab_size=vocab, block_size=c["block_size"], n_layer=c["n_layer"], n_head=c["n_head"],
                      n_embd=c["n_embd"])
 
 
@@ -104,9 +112,11 @@ def _ranks_of_this_script(world: int, *args: str) -> list[str]:
     return [ln[ln.index("{"):] for ln in r.stdout.splitlines() if '"bench"' in ln]
 
 
-def pipeline_rank(m: int, config: str, virtual: int = 1) -> None:
+def pipeline_rank(m: int, config: str, virtual: int = 1, balance: str | None = None, vocab: int = 256) -> None:
     """One rank of the pipeline measurement (started by helios-run): prints its stage's idle
-    share and step time (``virtual`` chunks per rank: the interleaved schedule above 1)."""
+    share and step time (``virtual`` chunks per rank: the interleaved schedule above 1).  With
+    ``balance`` ("params" or "time"), the layers' times are measured first and the stages split
+    by parameter count or by those times; the row also says the stage's measured time."""
     import time
 
     import numpy as np
@@ -114,16 +124,19 @@ def pipeline_rank(m: int, config: str, virtual: int = 1) -> None:
     import helios.comm as dist
     from helios.nn import GPT
     from helios.schedule.grid import ParallelGrid
-    from helios.schedule.pipeline import InterleavedPipelineStage, PipelineStage, bubble_fraction
+    from helios.schedule.pipeline import InterleavedPipelineStage, PipelineStage, bubble_fraction, layer_times
 
     dist.init_process_group()
     pp = dist.get_world_size()
-    cfg = _gpt_config(config)
+    cfg = _gpt_config(config, vocab)
     rng = np.random.default_rng(0)
-    xs = [rng.integers(0, 256, (2, cfg.block_size)) for _ in range(m)]
+    xs = [rng.integers(0, vocab, (2, cfg.block_size)) for _ in range(m)]
     grid = ParallelGrid(pp=pp)
     gpt = GPT(cfg, seed=1)
-    stage = InterleavedPipelineStage(gpt, grid, virtual) if virtual > 1 else PipelineStage(gpt, grid)
+    measured = layer_times(gpt, xs[0], reps=5, warmup=1) if balance else None  # rank 0's, on every rank
+    weights = measured if balance == "time" else None
+    stage = (InterleavedPipelineStage(gpt, grid, virtual, weights=weights) if virtual > 1
+             else PipelineStage(gpt, grid, weights=weights))
     shares, times = [], []
     for step in range(6):
         dist.barrier()  # the ranks start each step together, as after helios-train's per-step collective
@@ -135,10 +148,15 @@ def pipeline_rank(m: int, config: str, virtual: int = 1) -> None:
         if step >= 2:
             shares.append(stage.last_idle_fraction)
     layout = f"pp {pp}" + (f" x virtual {virtual}" if virtual > 1 else "")
-    print(json.dumps({"bench": "model_parallel", "layout": layout, "microbatches": m, "stage": stage.stage,
-                      "blocks": stage.block_ids, "idle_fraction": round(float(np.median(shares)), 3),
-                      "bubble_formula": round(bubble_fraction(pp, virtual, m), 3),
-                      "step_ms": round(1e3 * float(np.median(times[2:])), 1)}), flush=True)
+    row = {"bench": "model_parallel", "layout": layout, "microbatches": m, "stage": stage.stage,
+           "blocks": stage.block_ids, "idle_fraction": round(float(np.median(shares)), 3),
+           "bubble_formula": round(bubble_fraction(pp, virtual, m), 3),
+           "step_ms": round(1e3 * float(np.median(times[2:])), 1)}
+    if balance:
+        lo, hi = stage.bounds[stage.stage]
+        row.update(balance=balance, vocab=vocab, stage_measured_ms=round(1e3 * sum(measured[lo:hi]), 1),
+                   layers_measured_ms=[round(1e3 * t, 1) for t in measured])
+    print(json.dumps(row), flush=True)
     dist.destroy_process_group()
 
 
@@ -203,6 +221,17 @@ def pipeline(config: str) -> None:
                 print(line, flush=True)
 
 
+def pipeline_balance(config: str) -> None:
+    """The balance rows: 1F1B on 2 ranks, m = 4 and 8, the stages split by parameter count and by
+    measured time, for the 256- and the 4096-token vocabulary."""
+    for vocab in (256, 4096):
+        for m in (4, 8):
+            for balance in ("params", "time"):
+                for line in sorted(_ranks_of_this_script(2, "--pipeline-rank", str(m), "--pipeline-balance", balance,
+                                                         "--pipeline-vocab", str(vocab), "--config", config)):
+                    print(line, flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default="tiny")
@@ -212,7 +241,11 @@ def main() -> None:
     ap.add_argument("--skip-activations", action="store_true")
     ap.add_argument("--skip-train", action="store_true", help="leave out the helios-train rows (1 rank, dp 2, tp 2)")
     ap.add_argument("--pipeline-rank", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--skip-balance", action="store_true",
+                    help="leave out the rows balanced by parameter count and by measured time")
     ap.add_argument("--pipeline-virtual", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--pipeline-balance", choices=["params", "time"], default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--pipeline-vocab", type=int, default=256, help=argparse.SUPPRESS)
     ap.add_argument("--activations-rank", choices=["sp", "plain"], default=None, help=argparse.SUPPRESS)
     ap.add_argument("--skip-torch", action="store_true", help="leave out PyTorch's rows (run after the helios-train rows)")
     ap.add_argument("--torch-tp-rank", type=int, default=None, help=argparse.SUPPRESS)
@@ -223,7 +256,7 @@ def main() -> None:
         torch_tp_rank(a.torch_tp_rank, a.world, a.port, a.config, a.steps, a.warmup)
         return
     if a.pipeline_rank is not None:
-        pipeline_rank(a.pipeline_rank, a.config, a.pipeline_virtual)
+        pipeline_rank(a.pipeline_rank, a.config, a.pipeline_virtual, a.pipeline_balance, a.pipeline_vocab)
         return
     if a.activations_rank is not None:
         activations_rank(a.config, a.activations_rank == "sp")
@@ -232,6 +265,8 @@ def main() -> None:
         train_rows(a)
     if not a.skip_pipeline:
         pipeline(a.config)
+    if not a.skip_balance:
+        pipeline_balance(a.config)
     if not a.skip_activations:
         activations(a.config)
 

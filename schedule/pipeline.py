@@ -168,9 +168,9 @@ def layer_times(gpt, batch, reps: int = 5, warmup: int = 1) -> list[float]:
     been.  Under helios.comm every rank calls it together and all return rank 0's times
     (broadcast), so every rank balances the same split.  Rank 0 measures alone while the others
     wait, unless the layers hold collectives (tensor-parallel layers, experts spread over
-    expert-parallel ranks): then every rank measures with it, as those collectives need.  (Two
-    ranks measuring at once on shared cores disturbed each other: a block's median came out up to
-    4x the other blocks'.)"""
+    expert-parallel ranks): then every rank measures with it, as those collectives need.  (With every
+    rank measuring at once on shared cores, a block's median came out 2-6x the other blocks' in
+    several runs; rank 0 alone is disturbed less often, not never.)"""
     from helios.random import get_rng_state, set_rng_state
     from helios.runtime import get_runtime
 

@@ -119,8 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tensor-parallel ranks per model replica (Megatron-style: heads, MLP and vocabulary split); "
                         "the ranks left over are data parallel")
     p.add_argument("--pp", type=int, default=1,
-                   help="pipeline stages per model replica (the layers split by parameter count, trained with the "
-                        "1F1B schedule); the ranks left over are data parallel")
+                   help="pipeline stages per model replica (the layers split by parameter count, or by measured time "
+                        "with --pp-balance time, trained with the 1F1B schedule); the ranks left over are data parallel")
     p.add_argument("--pp-virtual", type=int, default=1,
                    help="with --pp: model chunks (virtual stages) per pipeline rank, the layers round-robin over the "
                         "ranks, trained with Megatron-LM's interleaved 1F1B (bubble (pp-1)/(v*m+pp-1); --microbatches "

@@ -23,7 +23,8 @@ samples and writes the run database (which holds every rank's step timing).
 trained with the 1F1B schedule over --microbatches micro-batches of each replica's batch
 (--pp-virtual v: each rank holds v chunks of layers, Megatron-LM's interleaved schedule);
 the ranks left over are data parallel.  --zero 1|2 with --pp shards each stage over its
-data-parallel ranks, --zero 1|2|3 with --tp each tensor-parallel rank's shards.  Checkpoints
+data-parallel ranks, --zero 1|2|3 with --tp each tensor-parallel rank's shards.  --moe-experts with
+--tp splits each expert's MLP over the tensor-parallel ranks as the dense MLP is.  Checkpoints
 always hold the whole model's tensors under one device's names, so a run resumes on any layout.
 """
 

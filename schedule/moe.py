@@ -38,6 +38,15 @@ that holds all experts run on its tokens.  Expert ``e`` is made from seeds of it
 whatever rank holds it, so every expert-parallel
 layout starts from the same weights.
 
+Tensor parallelism (``MoEMLP.split_hidden``, called by ``TensorParallelGPT``): each expert's
+MLP is split over the TP group by hidden features as Megatron-LM splits the dense MLP, the
+router and ``b_proj`` whole.  The TP ranks hold the same tokens and route them alike; the
+experts read them through ``copy_to_tp`` (their input gradient's parts summed backward) and
+the k x N picked rows are all-reduced before the gates weigh them (the gates' gradient then
+reads whole outputs): one all-reduce each way per layer.  With expert parallelism too, the
+expert-parallel groups join ranks of one TP place (``expert_groups(ep, pp, tp)``) and each
+expert tensor is sharded over the ep x tp ranks of a replica (``expert_tp_group``).
+
 Pipeline parallelism (``helios.schedule.pipeline``): a stage adds the load-balancing losses
 of its own blocks to each micro-batch's backward through :func:`with_aux` (the stage's
 output carries them, as Megatron-LM's MoEAuxLossAutoScaler does), so every stage's

@@ -1,7 +1,7 @@
 """Pipeline stages balanced by measured time (helios-train --pp-balance time): ``balance`` over
 given times is the brute force's split, a model whose output layer is heavy moves a layer off
 the last stage, and two ranks balanced by time train what one rank trains, every rank building
-the same split."""
+the same split (also the interleaved schedule's virtual stages)."""
 
 from __future__ import annotations
 
@@ -99,3 +99,18 @@ def test_two_ranks_balanced_by_time_train_what_one_rank_trains(tmp_path):
     assert sorted(said) == [0, 1] and all(len(v) == 1 for v in said.values()), pp.stdout[-3000:]
     assert said[0] == said[1]  # every rank built the same split
     assert said[0][0].startswith("0: embeddings") and " ms) | 1: " in said[0][0]
+
+
+@pytest.mark.vulkan
+@pytest.mark.multiproc
+def test_interleaved_stages_balanced_by_time_train_what_one_rank_trains(tmp_path):
+    # The tiny config's 4 blocks: 2 ranks x 2 chunks, 4 virtual stages cut by the measured times.
+    args = ("--config", "tiny", "--steps", "2", "--microbatches", "4")  # (batch 8 x 16 tokens, as launch gives)
+    one = launch(1, tmp_path / "one", *args)
+    pp = launch(2, tmp_path / "pp", *args, "--pp", "2", "--pp-virtual", "2", "--pp-balance", "time")
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert pp.returncode == 0, pp.stdout[-2000:] + pp.stderr[-3000:]
+    np.testing.assert_allclose(losses(tmp_path / "pp"), losses(tmp_path / "one"), rtol=1e-5)
+    said = [ln.split("] ", 1) for ln in pp.stdout.splitlines() if "] pipeline stages: " in ln]
+    assert sorted(r for r, _ in said) == ["[rank 0", "[rank 1"] and said[0][1] == said[1][1], pp.stdout[-3000:]
+    assert "3 (rank 1 chunk 1): " in said[0][1] and said[0][1].endswith("ms)")

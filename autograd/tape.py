@@ -284,7 +284,7 @@ class _OpScope:
 
 def _apply_profiled(cls, args):
     """Function.apply while profiling: record the op, its shape and the kernels it launched."""
-    scope = _OpScope(current_collector(), _op_name(cls.__name__)).__enter__()
+    scope = _OpScope(current_collector(), getattr(cls, "op_name", None) or _op_name(cls.__name__)).__enter__()
     out = None
     try:
         out = cls.apply(*args)
@@ -298,7 +298,8 @@ def _backward_profiled(node, g):
     col = current_collector()
     if col is None:
         return node.fn.backward(node.ctx, g)
-    scope = _OpScope(col, _op_name(node.name) + "_backward").__enter__()
+    name = getattr(node.fn, "op_name", None) or _op_name(node.name)  # a fused op's own name ("linear+gelu")
+    scope = _OpScope(col, name + "_backward").__enter__()
     try:
         return node.fn.backward(node.ctx, g)
     finally:

@@ -12,6 +12,7 @@ import struct
 from helios import dtypes as dt
 from helios._shape import broadcast_strides, collapse, contiguous_strides, numel
 from helios.errors import DTypeError, ShapeError
+from helios.kernels_spirv import registry as _registry
 from helios.runtime import get_runtime
 from helios.tensor import Storage, Tensor
 
@@ -41,6 +42,7 @@ _P_EMB = struct.Struct("<5I")
 _P_RNG = struct.Struct("<5I2f2I")
 _P_IOTA = struct.Struct("<I2fIqq")
 _P_MATMUL = struct.Struct("<16I")
+_P_MATMUL_EPI = struct.Struct("<18I")  # matmul's words, then the offsets of E and U
 
 _PAD6 = (0,) * 6
 _ZERO14 = (0,) * 14  # the unused tail of a contiguous ew_unary push block
@@ -688,10 +690,38 @@ def _swap_last(x: Tensor) -> Tensor:
     return Tensor(x._st, tuple(sh), tuple(st), x._off, x.dtype)
 
 
-def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None = None) -> Tensor:
+# matmul_epi (matmul.glsl with a fused epilogue): its binding layout, kept with the kernel's
+# only caller until registry.KERNELS lists it.
+_registry.KERNELS.setdefault("matmul_epi", _registry.KernelInfo("matmul_epi", 6, 72))
+# The epilogue codes of matmul_epi (EPI in matmul.glsl) by fused kernel name.
+_MM_EPI = {"linear+residual": 1, "linear+gelu": 2, "matmul+gelu_tanh_bwd": 3}
+
+
+def matmul_epilogue(name: str, a: Tensor, b: Tensor, bias: Tensor | None, e: Tensor | None,
+                    out: Tensor | None = None) -> tuple:
+    """One fused matmul kernel (helios.fusion): ``name`` is "linear+residual" (a @ b + bias,
+    rounded to the dtype, + ``e``), "linear+gelu" (u = a @ b + bias; gelu_tanh(u)) or
+    "matmul+gelu_tanh_bwd" ((a @ b) * gelu_tanh'(``e``)).  ``e`` has the output's shape and
+    dtype and is contiguous, as is ``out`` when given.  Returns (out, u) with u the stored
+    pre-activation of "linear+gelu", else None.  Bit for bit the unfused kernels."""
+    code = _MM_EPI.get(name)
+    if code is None:
+        raise ValueError(f"matmul_epilogue: name must be one of {sorted(_MM_EPI)}, got {name!r}")
+    if b.ndim != 2 or a.ndim < 2 or a.shape[-1] != b.shape[0] or a.shape[-1] == 0:
+        raise ShapeError(f"matmul_epilogue: expected a [..., K] @ [K, N] product with K > 0, got {a.shape} and {b.shape}")
+    u = None
+    if code == 2:
+        u = empty(a.shape[:-1] + (b.shape[1],), a.dtype, a._st.rt)
+    elif e is None:
+        raise ValueError(f"matmul_epilogue: {name} needs e (the tensor its epilogue reads)")
+    r = matmul(a, b, bias, out, _epi=(name, code, e, u))
+    return r, u
+
+
+def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None = None, _epi: tuple | None = None) -> Tensor:
     """Batched a @ b (+ ``bias`` over the last dim) with broadcast batch dims; both >= 2-D
     and of the same float dtype; ``bias`` 1-D of size N with unit stride, added in the
-    kernel's epilogue.
+    kernel's epilogue.  (``_epi``: matmul_epilogue's fused epilogue.)
 
     Operands may be any strided views (transposes, broadcast batches): the kernel variant
     and its load paths are chosen here from strides and alignment.  ``out`` (optional, the
@@ -736,6 +766,8 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None 
         cshape, (ca, cb) = collapse(batch, sa, sb)
     if len(cshape) > 2:  # three or more unmergeable batch dims: make the operands contiguous
         return matmul(copy(a.expand(batch + (M, K))), copy(b.expand(batch + (K, N))), bias, out)
+    if _epi is not None:
+        _check_epi(_epi, out, batch + (M, N), ct or cld)
     if len(cshape) == 1 and cb[0] == 0 and ca[0] == M * a._strides[-2] and not (ct or cld):
         # B is shared by every batch matrix and A's batches follow each other along M (a
         # Linear layer on [B, T, C]): one [nb*M, K] @ [K, N] product.  Each output is the
@@ -757,22 +789,48 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None 
     has_bias = int(bias is not None)
     sam, sak = a._strides[-2], a._strides[-1]
     sbk, sbn = b._strides[-2], b._strides[-1]
+    kernel = "matmul" if _epi is None else "matmul_epi"
+    # matmul_epi: CT, CLD (0 there) and the epilogue code at constant id 9 (GPU: id 8 unused)
+    epi_spec = () if _epi is None else (0, 0, _epi[1])
     if _cpu_mm_kernel(rt):
         tm, tn, wy = _mm_cpu_tile(M, N)
         spec = _mm_cpu_config(M, N, oa, ob, oc, ca, cb, sam, sak, sbk, sbn, bool(rt.features.get("int64")), (tm, tn, wy))
         if ct or cld:  # vec4 stores run along C's contiguous dim (M when transposed)
             spec = spec[:3] + (int((M if ct else N) % 4 == 0 and oc % 4 == 0 and cld % 4 == 0),) + spec[4:]
-        pid = rt.pipeline("matmul", f"{a.dtype.tag}_sg{tm}x{tn}", spec + (has_bias,) + ((ct, cld) if ct or cld else ()))
+        spec = spec + (has_bias,) + ((ct, cld) if ct or cld else ()) + epi_spec
+        pid = rt.pipeline(kernel, f"{a.dtype.tag}_sg{tm}x{tn}", spec)
         groups = ((N + _MM_SG * tn - 1) // (_MM_SG * tn), (M + tm * spec[0] - 1) // (tm * spec[0]), nb)
     else:
-        pid = rt.pipeline("matmul", a.dtype.tag, _MM_GPU_SPEC + (has_bias,) + ((ct, cld) if ct or cld else ()))
+        spec = _MM_GPU_SPEC + (has_bias,) + ((ct, cld) if ct or cld else ()) + ((0,) + epi_spec if _epi else ())
+        pid = rt.pipeline(kernel, a.dtype.tag, spec)
         groups = ((N + _MM_GPU_SPEC[1] - 1) // _MM_GPU_SPEC[1], (M + _MM_GPU_SPEC[0] - 1) // _MM_GPU_SPEC[0], nb)
     flops = 2 * nb * M * N * K
     nbytes = (nb * (M * K + K * N + M * N)) * a.dtype.itemsize
-    rt.dispatch(pid, [ba, bb, bc, bz],
-                _P_MATMUL.pack(M, N, K, cshape[1], oa, ob, oc, oz, ca[0], ca[1], sam, sak, cb[0], cb[1], sbk, sbn),
-                groups, "matmul", flops, nbytes)
+    words = (M, N, K, cshape[1], oa, ob, oc, oz, ca[0], ca[1], sam, sak, cb[0], cb[1], sbk, sbn)
+    if _epi is None:
+        rt.dispatch(pid, [ba, bb, bc, bz], _P_MATMUL.pack(*words), groups, "matmul", flops, nbytes)
+        return out
+    from helios import fusion
+
+    name, _, e, u = _epi
+    # Unused E / U bindings repeat C (never read / written: EPI picks what the epilogue touches).
+    be, oe = bind(e) if e is not None else (bc, 0)
+    bu, ou = bind(u, True) if u is not None else (bc, 0)
+    nbytes += (e is not None) * nb * M * N * a.dtype.itemsize + (u is not None) * nb * M * N * a.dtype.itemsize
+    rt.dispatch(pid, [ba, bb, bc, bz, be, bu], _P_MATMUL_EPI.pack(*words, oe, ou), groups,
+                fusion.dispatch_name(name, rt), flops, nbytes)
     return out
+
+
+def _check_epi(epi: tuple, out: Tensor, shape: tuple, strided: bool) -> None:
+    """A ShapeError unless the fused epilogue's C and its E / U are contiguous [.., M, N]."""
+    name, _, e, u = epi
+    if strided:
+        raise ShapeError(f"{name}: out must be contiguous")
+    for what, t in (("e", e), ("u", u)):
+        if t is not None and (t.shape != shape or t.dtype is not out.dtype or not t.is_contiguous()):
+            raise ShapeError(f"{name}: {what} must be a contiguous {out.dtype.name} tensor of shape {shape}, "
+                             f"got {t.dtype.name} {t.shape} with strides {t._strides}")
 
 
 def _check_mm_out(out: Tensor, shape: tuple, dtype: dt.DType) -> tuple:

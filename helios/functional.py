@@ -1539,35 +1539,110 @@ class _Linear(Function):
     @staticmethod
     def backward(ctx, g):
         x, w = ctx.saved_tensors
-        n = ctx.needs_input_grad
-        gx = matmul(g, w) if n[0] else None
-        gw = None
-        if n[1]:
-            g2, x2 = _rows(g), _rows(x)
-            # The same sums either way round; the CPU matmul is faster with the wider dim as
-            # N (measured: [512, 1024] @ [1024, 128] ~15 GFLOP/s, [128, 1024] @ [1024, 512] ~20),
-            # so a wide-output weight gets (x^T g)^T, a transposed view.
-            # Into the weight's free slot, the transposed product is stored transposed.
-            dest = _direct_dest(ctx, 1, w.shape, g2, x2)
-            if w.shape[0] > w.shape[1]:
-                if dest is not None:
-                    gw = K.matmul(transpose(x2, 0, 1), g2, out=transpose(dest, 0, 1))
-                    gw = dest
-                else:
-                    gw = transpose(matmul(transpose(x2, 0, 1), g2), 0, 1)
-            elif dest is not None:
-                gw = K.matmul(transpose(g2, 0, 1), x2, out=dest)
+        return _linear_grads(ctx, g, x, w)
+
+
+def _linear_grads(ctx, g, x, w) -> tuple:
+    """(gx, gw, gb) of linear(x, w, b) for the output gradient g (inputs 0, 1, 2 of ctx)."""
+    n = ctx.needs_input_grad
+    gx = matmul(g, w) if n[0] else None
+    gw = None
+    if n[1]:
+        g2, x2 = _rows(g), _rows(x)
+        # The same sums either way round; the CPU matmul is faster with the wider dim as
+        # N (measured: [512, 1024] @ [1024, 128] ~15 GFLOP/s, [128, 1024] @ [1024, 512] ~20),
+        # so a wide-output weight gets (x^T g)^T, a transposed view.
+        # Into the weight's free slot, the transposed product is stored transposed.
+        dest = _direct_dest(ctx, 1, w.shape, g2, x2)
+        if w.shape[0] > w.shape[1]:
+            if dest is not None:
+                gw = K.matmul(transpose(x2, 0, 1), g2, out=transpose(dest, 0, 1))
+                gw = dest
             else:
-                gw = matmul(transpose(g2, 0, 1), x2)
-        gb = None
-        if n[2]:
-            dest = _direct_dest(ctx, 2, (g.shape[-1],), g)
-            if dest is not None and g.ndim >= 2 and dest.dtype is dt.float32:
-                # sum() of a float32 gradient over the leading dims, written into the slot
-                gb, _ = K.reduce("sum", g, tuple(range(g.ndim - 1)), 1.0, out=dest)
-            else:
-                gb = sum_to_shape(g, (g.shape[-1],))
-        return gx, gw, gb
+                gw = transpose(matmul(transpose(x2, 0, 1), g2), 0, 1)
+        elif dest is not None:
+            gw = K.matmul(transpose(g2, 0, 1), x2, out=dest)
+        else:
+            gw = matmul(transpose(g2, 0, 1), x2)
+    gb = None
+    if n[2]:
+        dest = _direct_dest(ctx, 2, (g.shape[-1],), g)
+        if dest is not None and g.ndim >= 2 and dest.dtype is dt.float32:
+            # sum() of a float32 gradient over the leading dims, written into the slot
+            gb, _ = K.reduce("sum", g, tuple(range(g.ndim - 1)), 1.0, out=dest)
+        else:
+            gb = sum_to_shape(g, (g.shape[-1],))
+    return gx, gw, gb
+
+
+class _LinearResidual(Function):
+    """residual + linear(x, w, b) as one matmul (helios.fusion "linear+residual")."""
+
+    op_name = "linear+residual"
+
+    @staticmethod
+    def forward(ctx, x, w, b, residual):
+        ctx.save_for_backward(x, w)
+        out, _ = K.matmul_epilogue("linear+residual", x, transpose(w, 0, 1), b, residual)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        # the add's backward: the residual's gradient is g itself, as add() returns it
+        return _linear_grads(ctx, g, x, w) + ((g if ctx.needs_input_grad[3] else None),)
+
+
+class _LinearGelu(Function):
+    """gelu_tanh(linear(x, w, b)) as one matmul (helios.fusion "linear+gelu"): the kernel
+    stores the pre-activation u for backward along with gelu(u)."""
+
+    op_name = "linear+gelu"
+
+    @staticmethod
+    def forward(ctx, x, w, b):
+        y, u = K.matmul_epilogue("linear+gelu", x, transpose(w, 0, 1), b, None)
+        ctx.save_for_backward(x, w, u)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w, u = ctx.saved_tensors
+        # gelu's backward (as _Unary's), then the linear's on its result
+        return _linear_grads(ctx, K.binary("gelu_tanh_bwd", u, g), x, w)
+
+
+def _fusible_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
+    """Whether linear(x, weight, bias) is the plain one-kernel linear a fused kernel can
+    extend: fusion on, no autocast conversion, one float dtype, a [..., K] input with K > 0,
+    a unit-stride bias."""
+    from helios import fusion
+
+    return (fusion.ENABLED and _amp.state.dtype is None and isinstance(x, Tensor) and isinstance(weight, Tensor)
+            and x.ndim >= 2 and weight.ndim == 2 and x.shape[-1] == weight.shape[1] and x.shape[-1] > 0
+            and x.numel() > 0 and x.dtype is weight.dtype and x.dtype.kind == "float"
+            and (bias is None or (isinstance(bias, Tensor) and bias.shape == (weight.shape[0],)
+                                  and bias.dtype is x.dtype and (bias.shape[0] == 1 or bias._strides[0] == 1))))
+
+
+def linear_residual(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor) -> Tensor:
+    """residual + linear(x, weight, bias): one matmul whose epilogue adds the residual
+    (helios.fusion "linear+residual"), bit for bit the separate ops; where the fused kernel
+    does not apply (fusion off, autocast, mixed dtypes, a residual of another shape or
+    layout) the separate ops run."""
+    if (_fusible_linear(x, weight, bias) and isinstance(residual, Tensor) and residual.dtype is x.dtype
+            and residual.shape == x.shape[:-1] + (weight.shape[0],) and residual.is_contiguous()):
+        return _LinearResidual.apply(x, weight, bias, residual)
+    return residual + linear(x, weight, bias)
+
+
+def linear_gelu(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """gelu(linear(x, weight, bias), approximate="tanh"): one matmul that stores the
+    pre-activation and its GELU (helios.fusion "linear+gelu"), bit for bit the separate ops;
+    where the fused kernel does not apply the separate ops run."""
+    if _fusible_linear(x, weight, bias):
+        return _LinearGelu.apply(x, weight, bias)
+    return gelu(linear(x, weight, bias), approximate="tanh")
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:

@@ -25,6 +25,7 @@ import numpy as np
 import helios.functional as F
 from helios import _kernels as K
 from helios import dtypes as dt
+from helios import fusion
 from helios._transfer import parse_to_args
 from helios.autograd.tape import is_grad_enabled, no_grad
 from helios.creation import normal, ones, zeros
@@ -729,7 +730,9 @@ class CausalSelfAttention(Module):
         self.attn_dropout = Dropout(cfg.dropout)
         self.resid_dropout = Dropout(cfg.dropout)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
+        """The attention's output projection of ``x``; with ``residual``, residual + that
+        (the block's residual add, fused into the projection's matmul where it can be)."""
         B, T, C = x.shape
         H, D = self.n_head, C // self.n_head
         q, k, v = F.split_heads(self.c_attn(x), H)  # [B, H, T, D] views
@@ -752,7 +755,7 @@ class CausalSelfAttention(Module):
             att = self.attn_dropout(F.attention_softmax(F.matmul(q, k.mT), 1.0 / math.sqrt(D), causal=True))
             y = F.matmul(att, v)
         y = y.transpose(1, 2).reshape(B, T, C)
-        return self.resid_dropout(self.c_proj(y))
+        return _project(self.c_proj, self.resid_dropout, y, residual)
 
     def _flash(self, T: int) -> bool:
         if self.attention == "dense" or (self.training and self.attn_dropout.p > 0):
@@ -768,8 +771,30 @@ class MLP(Module):
         self.c_proj = Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias, std=0.02 / math.sqrt(2 * cfg.n_layer), seed=seed + 1)
         self.dropout = Dropout(cfg.dropout)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
+        """c_proj(gelu(c_fc(x))); with ``residual``, residual + that.  Where the parts are the
+        plain ones, c_fc and the GELU run as one "linear+gelu" kernel and c_proj and the
+        residual add as one "linear+residual" kernel (helios.fusion)."""
+        if fusion.ENABLED and _plain_linear(self.c_fc) and type(self.gelu) is GELU and self.gelu.approximate == "tanh":
+            h = F.linear_gelu(x, self.c_fc.weight, self.c_fc.bias)
+        else:
+            h = self.gelu(self.c_fc(x))
+        return _project(self.c_proj, self.dropout, h, residual)
+
+
+def _plain_linear(m) -> bool:
+    """Whether ``m`` is a Linear whose forward is F.linear (no subclass, no replaced forward)."""
+    return type(m) is Linear and "forward" not in vars(m)
+
+
+def _project(proj, dropout, y: Tensor, residual: Tensor | None) -> Tensor:
+    """dropout(proj(y)), plus ``residual`` when given: one "linear+residual" kernel when the
+    projection is a plain Linear and the dropout the identity (helios.fusion)."""
+    if residual is None:
+        return dropout(proj(y))
+    if fusion.ENABLED and _plain_linear(proj) and type(dropout) is Dropout and (dropout.p == 0 or not dropout.training):
+        return F.linear_residual(y, proj.weight, proj.bias, residual)
+    return residual + dropout(proj(y))
 
 
 class Block(Module):
@@ -781,6 +806,10 @@ class Block(Module):
         self.mlp = MLP(cfg, seed + 2)
 
     def forward(self, x: Tensor) -> Tensor:
+        if fusion.ENABLED and type(self.attn) is CausalSelfAttention and type(self.mlp) is MLP:
+            # the residual adds ride in the projections' matmuls (helios.fusion)
+            x = self.attn(self.ln_1(x), residual=x)
+            return self.mlp(self.ln_2(x), residual=x)
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
 

@@ -1,0 +1,55 @@
+"""Fused kernels of the training step: the rules, the switch and the names.
+
+A fused op does in one dispatch what a chain of ops did in several, with the same
+arithmetic in the same order, so its results are bit for bit those of the chain:
+
+* ``linear+residual``: ``x + linear(y, W, b)`` (the GPT block's two residual adds) as one
+  matmul whose epilogue rounds ``y @ W^T + b`` to the storage type and adds ``x``
+  (kernels_spirv/glsl/matmul.glsl, EPI 1).  Float addition is commutative, so the sum is
+  the separate add's.
+* ``linear+gelu``: ``gelu_tanh(linear(x, W, b))`` (the MLP's first layer) as one matmul that
+  stores the pre-activation (backward needs it) and its GELU, with the elementwise
+  kernel's GELU code (EPI 2).  Its backward multiplies the incoming gradient by GELU's
+  derivative as ew_binary's gelu_tanh_bwd does.
+
+Who fuses: the GPT modules (helios.nn.modules Block / MLP / CausalSelfAttention) call the
+fused functions of helios.functional where the pattern is present and the unfused parts
+are the plain ones (a Linear module without a replaced forward, dropout that is the
+identity, no autocast conversion between the parts); everything else takes the unfused
+path, which stays the reference the tests compare against.
+
+The switch: ``HELIOS_FUSION=0`` in the environment (read once, here, into ``ENABLED``)
+turns every fusion off and gives the unfused kernels.  ``ENABLED`` is read at call time,
+so tests flip it in-process as they do tape.GRADS_IN_PLACE.
+
+Names: a fused kernel's dispatch name (the Chrome trace's kernel and the profiler's op)
+is the pattern's name, e.g. ``linear+residual``; at ``HELIOS_DEBUG=1`` the dispatch name
+also lists the ops inside, e.g. ``linear+residual[matmul > +bias > add]``.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Whether the fused kernels run (HELIOS_FUSION=0: never; read at call time).
+ENABLED = os.environ.get("HELIOS_FUSION", "1").strip().lower() not in ("0", "false", "off", "no")
+
+# The ops inside each fused kernel, in their order (HELIOS_DEBUG lines, the module docstring).
+PARTS = {
+    "linear+residual": ("matmul", "+bias", "add"),
+    "linear+gelu": ("matmul", "+bias", "gelu_tanh"),
+    "matmul+gelu_tanh_bwd": ("matmul", "gelu_tanh_bwd"),
+}
+
+
+def enabled() -> bool:
+    """Whether fused kernels run now (the HELIOS_FUSION switch, or ENABLED as a test set it)."""
+    return ENABLED
+
+
+def dispatch_name(name: str, rt) -> str:
+    """The dispatch name of fused kernel ``name`` on runtime ``rt``: the name itself, and at
+    HELIOS_DEBUG >= 1 the ops inside it too (``linear+gelu[matmul > +bias > gelu_tanh]``)."""
+    if getattr(rt, "debug", 0):
+        return f"{name}[{' > '.join(PARTS[name])}]"
+    return name

@@ -1,0 +1,417 @@
+// The matmul kernels' source, shared by matmul.comp and matmul_epi.comp (the same kernels
+// with a fused epilogue, MM_EPI: see the end of this comment).
+// Batched matmul C[z] = A[z] @ B[z] on strided operands (so transposed views and
+// broadcast batch dims need no copies).  z runs over two batch dims (z = z0 * nb1 + z1),
+// each with its own stride per operand (0 = broadcast).  C is contiguous [batch, M, N].
+// Every dtype is stored as itself and computed in fp32.  With HAS_BIAS (a specialization
+// constant of both kernels) C[.., m, n] = A@B + bias[off_bias + n]: a Linear layer's bias
+// added in registers before the store instead of by a separate broadcast add.  With CT (a
+// specialization constant of both kernels) each C[z] is stored transposed, element (m, n)
+// at off_c + z*M*N + n*M + m: C is the transposed view of a contiguous [batch, N, M], so a
+// product computed the other way round (b^T a^T, for speed) lands in a row-major buffer
+// (a weight's gradient slot) without a copy.  The sums are the same either way.  With
+// CLD > 0 (a specialization constant of both kernels) C is strided, for attention heads
+// kept interleaved in a [B, T, ...] buffer: element (z0, z1, m, n) lives at
+// off_c + z0 * M * CLD + z1 * N + m * CLD + n (with CT: z0 * N * CLD + z1 * M + n * CLD + m),
+// so head z1 of batch z0 is a column block of rows CLD elements apart.
+//
+// Two kernels live here, picked by the variant (see matmul.variants and matmul() in
+// helios/_kernels.py):
+//
+// * default (GPUs): a workgroup computes a BM x BN tile of C with (BM/TM) x (BN/TN)
+//   invocations, each holding a TM x TN register block; K advances BK at a time
+//   through shared memory.  Tile sizes are specialization constants.
+//
+// * MM_SG (lavapipe and other CPU drivers): no shared memory and no barriers.  llvmpipe
+//   runs a subgroup as one 8-wide SIMD vector and turns every buffer or shared-memory
+//   load into a loop over the lanes (~45 instructions a lane for one load of up to 32
+//   bytes), while subgroupShuffle with a constant lane is one vpermps.  (subgroupBroadcast
+//   is not: llvmpipe first searches the active lanes in a loop, ~60 instructions.)  So
+//   each subgroup of SG lanes computes a TM x (SG*TN) tile: lane l owns TN adjacent
+//   columns and all TM rows; the A panel (TM x 8 per step) is loaded once, spread over the
+//   lanes as vec4s, and handed to every lane by shuffles; B is read as vec4s along its
+//   contiguous dim.  Each load then moves 4-8 useful values per lane and nothing is
+//   loaded twice inside a subgroup; a tall block (32x8) loads TM + 8*TN values per K step
+//   for TM*TN vector multiply-adds.  llvmpipe lowers fma() to a multiply and an add, so
+//   the sums are written as such.  TM / TN are compile-time (the register block must be
+//   fully unrolled: llvmpipe keeps arrays indexed by a loop variable in memory); the
+//   operand layouts and the workgroup height are specialization constants, so dead
+//   layout branches vanish when the pipeline is built.
+//
+// MM_EPI (matmul_epi.comp: two more bindings and two more push-constant words) adds a fused
+// epilogue after the bias, picked by the specialization constant EPI (id 9 in both kernels);
+// C is then contiguous (no CT / CLD) and E / U are contiguous like C:
+//   EPI 1 (linear+residual): C = (A@B + bias) + E, the sum first rounded to the storage
+//         type, so it is bit for bit the separate matmul then ew_binary's add.
+//   EPI 2 (linear+gelu): U = A@B + bias (the pre-activation backward needs) and
+//         C = gelu_tanh(U), with ew_unary's gelu_tanh code on the stored U.
+//   EPI 3 (gelu'-scaled product): C = (A@B) * gelu_tanh_grad(E), ew_binary's gelu_tanh_bwd on
+//         the stored product (E = the pre-activation of a linear+gelu).
+#include "common.glsl"
+#extension GL_EXT_control_flow_attributes : require
+
+layout(std430, binding = 0) readonly buffer BA { HL_ST(TA) a[]; };
+layout(std430, binding = 1) readonly buffer BB { HL_ST(TA) b[]; };
+layout(std430, binding = 2) writeonly buffer BC { HL_ST(TA) c[]; };
+layout(std430, binding = 3) readonly buffer BBias { HL_ST(TA) bias[]; };
+layout(push_constant) uniform P {
+    uint M; uint N; uint K; uint nb1;
+    uint off_a; uint off_b; uint off_c; uint off_bias;
+    uint sa0; uint sa1; uint sam; uint sak;
+    uint sb0; uint sb1; uint sbk; uint sbn;
+#ifdef MM_EPI
+    uint off_e; uint off_u;
+#endif
+} p;
+
+#ifdef MM_EPI
+layout(std430, binding = 4) readonly buffer BE { HL_ST(TA) e[]; };
+layout(std430, binding = 5) writeonly buffer BU { HL_ST(TA) u[]; };
+layout(constant_id = 9) const int EPI = 0;
+
+// v rounded to the storage type, as a store then a load would (the unfused ops read the
+// product back from memory).
+float mm_round(float v) {
+#if TA == T_F32
+    return v;
+#elif TA == T_F16
+    return unpackHalf2x16(packHalf2x16(vec2(v, 0.0))).x;
+#else
+    return bf16_to_f(f_to_bf16(v));
+#endif
+}
+
+// The epilogue on C's element idx (z * M * N + m * N + n) holding v (bias already added);
+// the pre-activation is stored only when ``inside`` (clamped rows / columns are not).
+float mm_epi(float v, uint idx, bool inside) {
+    v = mm_round(v);
+    if (EPI == 1) return v + HL_LDF(TA, e[p.off_e + idx]);
+    if (EPI == 2) {
+        if (inside) u[p.off_u + idx] = HL_STF(TA, v);
+        return gelu_tanh(v);
+    }
+    if (EPI == 3) return v * gelu_tanh_grad(HL_LDF(TA, e[p.off_e + idx]));
+    return v;
+}
+#endif
+
+#ifndef MM_SG
+// ---------------------------------------------------------------- shared-memory tiles (GPU)
+layout(local_size_x_id = 3, local_size_y_id = 4) in;
+layout(constant_id = 0) const int BM = 64;
+layout(constant_id = 1) const int BN = 64;
+layout(constant_id = 2) const int BK = 16;
+layout(constant_id = 3) const int WX = 16;   // = BN / TN
+layout(constant_id = 4) const int WY = 16;   // = BM / TM
+layout(constant_id = 5) const int HAS_BIAS = 0;
+layout(constant_id = 6) const int CT = 0;
+layout(constant_id = 7) const int CLD = 0;
+const int TM = BM / WY;
+const int TN = BN / WX;
+
+shared float As[BK][BM];
+shared float Bs[BK][BN];
+
+void main() {
+    uint z = gl_WorkGroupID.z;
+    uint z0 = z / p.nb1, z1 = z - z0 * p.nb1;
+    uint abase = p.off_a + z0 * p.sa0 + z1 * p.sa1;
+    uint bbase = p.off_b + z0 * p.sb0 + z1 * p.sb1;
+    uint m0 = gl_WorkGroupID.y * uint(BM), n0 = gl_WorkGroupID.x * uint(BN);
+    uint tx = gl_LocalInvocationID.x, ty = gl_LocalInvocationID.y;
+    uint tid = ty * uint(WX) + tx;
+    const uint NT = uint(WX * WY);
+
+    float acc[TM][TN];
+    for (int i = 0; i < TM; ++i)
+        for (int j = 0; j < TN; ++j) acc[i][j] = 0.0;
+
+    for (uint k0 = 0u; k0 < p.K; k0 += uint(BK)) {
+        for (uint e = tid; e < uint(BM * BK); e += NT) {
+            uint mm = e / uint(BK), kk = e - mm * uint(BK);
+            uint gm = m0 + mm, gk = k0 + kk;
+            As[kk][mm] = (gm < p.M && gk < p.K) ? HL_LDF(TA, a[abase + gm * p.sam + gk * p.sak]) : 0.0;
+        }
+        for (uint e = tid; e < uint(BN * BK); e += NT) {
+            uint kk = e / uint(BN), nn = e - kk * uint(BN);
+            uint gk = k0 + kk, gn = n0 + nn;
+            Bs[kk][nn] = (gk < p.K && gn < p.N) ? HL_LDF(TA, b[bbase + gk * p.sbk + gn * p.sbn]) : 0.0;
+        }
+        barrier();
+        for (int kk = 0; kk < BK; ++kk) {
+            float ra[TM], rb[TN];
+            for (int i = 0; i < TM; ++i) ra[i] = As[kk][int(ty) + i * WY];
+            for (int j = 0; j < TN; ++j) rb[j] = Bs[kk][int(tx) + j * WX];
+            for (int i = 0; i < TM; ++i)
+                for (int j = 0; j < TN; ++j) acc[i][j] += ra[i] * rb[j];
+        }
+        barrier();
+    }
+    uint ldc = CLD > 0 ? uint(CLD) : (CT == 1 ? p.M : p.N);
+    uint cbase = CLD > 0 ? p.off_c + z0 * (CT == 1 ? p.N : p.M) * ldc + z1 * (CT == 1 ? p.M : p.N)
+                         : p.off_c + z * p.M * p.N;
+    for (int i = 0; i < TM; ++i) {
+        uint gm = m0 + ty + uint(i * WY);
+        if (gm >= p.M) continue;
+        for (int j = 0; j < TN; ++j) {
+            uint gn = n0 + tx + uint(j * WX);
+            if (gn >= p.N) continue;
+            float v = acc[i][j] + (HAS_BIAS == 1 ? HL_LDF(TA, bias[p.off_bias + gn]) : 0.0);
+#ifdef MM_EPI
+            v = mm_epi(v, z * p.M * p.N + gm * p.N + gn, true);  // C contiguous (no CT / CLD)
+#endif
+            c[CT == 1 ? cbase + gn * ldc + gm : cbase + gm * ldc + gn] = HL_STF(TA, v);
+        }
+    }
+}
+
+#else
+// ---------------------------------------------------------------- subgroup register blocks (CPU)
+#extension GL_KHR_shader_subgroup_basic : require
+#extension GL_KHR_shader_subgroup_shuffle : require
+#extension GL_EXT_shader_explicit_arithmetic_types_int64 : require
+#ifndef SG
+#define SG 8        // lanes per subgroup (lavapipe: SIMD width / 32); matmul() checks the device
+#endif
+#ifndef TM
+#define TM 8        // rows per subgroup (multiple of SG)
+#endif
+#ifndef TN
+#define TN 8        // adjacent columns per lane (multiple of 8)
+#endif
+#define KB 8        // K step of the main loop (= SG: the M-contiguous A panel puts one k per lane)
+
+layout(local_size_x = SG, local_size_y_id = 0) in;
+layout(constant_id = 0) const int WY = 4;      // subgroups per workgroup, stacked along M
+// Operand layouts, chosen by matmul() from strides and alignment:
+//   AMODE 0: any strides (scalar loads); 1: K-contiguous (sak = 1); 2: M-contiguous
+//            (sam = 1: A is a transposed view).
+//   BMODE 0: any strides; 1: N-contiguous (sbn = 1); 2: K-contiguous (sbk = 1: B^T view).
+//   AWIDE / BWIDE 1: the contiguous runs are 8-aligned and read as 8 values per load
+//            (one 32-byte u64vec4 for fp32), else as vec4s (4-aligned).
+//   CVEC  1: C is written as vec4s along its contiguous dim (N % 4 == 0, or M % 4 == 0 with CT).
+//   CT    1: C[z] stored transposed; CLD > 0: C strided (see the top of the file).
+// llvmpipe's per-lane load loop costs about the same per component whatever its width,
+// so fewer, wider components per load is what makes the loads cheap.
+layout(constant_id = 1) const int AMODE = 0;
+layout(constant_id = 2) const int BMODE = 0;
+layout(constant_id = 3) const int CVEC = 0;
+layout(constant_id = 4) const int AWIDE = 0;
+layout(constant_id = 5) const int BWIDE = 0;
+layout(constant_id = 6) const int HAS_BIAS = 0;
+layout(constant_id = 7) const int CT = 0;
+layout(constant_id = 8) const int CLD = 0;
+
+// Vector views of the same bindings (matmul() checks offsets and strides for alignment).
+#if TA == T_F32
+layout(std430, binding = 0) readonly buffer BA4 { vec4 a4[]; };
+layout(std430, binding = 1) readonly buffer BB4 { vec4 b4[]; };
+layout(std430, binding = 0) readonly buffer BA8 { u64vec4 a8[]; };
+layout(std430, binding = 1) readonly buffer BB8 { u64vec4 b8[]; };
+layout(std430, binding = 2) writeonly buffer BC4 { vec4 c4[]; };
+vec4 f2x2(uint64_t x, uint64_t y) { return vec4(uintBitsToFloat(unpackUint2x32(x)), uintBitsToFloat(unpackUint2x32(y))); }
+vec4 lda4(uint i) { return a4[i >> 2]; }
+vec4 ldb4(uint i) { return b4[i >> 2]; }
+void lda8w(uint i, out vec4 lo, out vec4 hi) { u64vec4 w = a8[i >> 3]; lo = f2x2(w.x, w.y); hi = f2x2(w.z, w.w); }
+void ldb8w(uint i, out vec4 lo, out vec4 hi) { u64vec4 w = b8[i >> 3]; lo = f2x2(w.x, w.y); hi = f2x2(w.z, w.w); }
+void stc4(uint i, vec4 v) { c4[i >> 2] = v; }
+#else
+// 16-bit storage: 4 values are two 32-bit words and 8 values two 64-bit words, unpacked in
+// registers (no 16-bit arithmetic needed).
+layout(std430, binding = 0) readonly buffer BA4 { uvec2 a4[]; };
+layout(std430, binding = 1) readonly buffer BB4 { uvec2 b4[]; };
+layout(std430, binding = 0) readonly buffer BA8 { u64vec2 a8[]; };
+layout(std430, binding = 1) readonly buffer BB8 { u64vec2 b8[]; };
+layout(std430, binding = 2) writeonly buffer BC4 { uvec2 c4[]; };
+vec4 unpack4(uvec2 w) {
+#if TA == T_F16
+    return vec4(unpackHalf2x16(w.x), unpackHalf2x16(w.y));
+#else
+    return vec4(uintBitsToFloat(w.x << 16), uintBitsToFloat(w.x & 0xFFFF0000u),
+                uintBitsToFloat(w.y << 16), uintBitsToFloat(w.y & 0xFFFF0000u));
+#endif
+}
+uvec2 pack4(vec4 v) {
+#if TA == T_F16
+    return uvec2(packHalf2x16(v.xy), packHalf2x16(v.zw));
+#else
+    return uvec2(f_to_bf16(v.x) | (f_to_bf16(v.y) << 16), f_to_bf16(v.z) | (f_to_bf16(v.w) << 16));
+#endif
+}
+vec4 lda4(uint i) { return unpack4(a4[i >> 2]); }
+vec4 ldb4(uint i) { return unpack4(b4[i >> 2]); }
+void lda8w(uint i, out vec4 lo, out vec4 hi) { u64vec2 w = a8[i >> 3]; lo = unpack4(unpackUint2x32(w.x)); hi = unpack4(unpackUint2x32(w.y)); }
+void ldb8w(uint i, out vec4 lo, out vec4 hi) { u64vec2 w = b8[i >> 3]; lo = unpack4(unpackUint2x32(w.x)); hi = unpack4(unpackUint2x32(w.y)); }
+void stc4(uint i, vec4 v) { c4[i >> 2] = pack4(v); }
+#endif
+
+float lda(uint i) { return HL_LDF(TA, a[i]); }
+float ldb(uint i) { return HL_LDF(TA, b[i]); }
+// 8 consecutive values from element i (i a multiple of 8 when wide, else of 4).
+void lda8(uint i, out vec4 lo, out vec4 hi) {
+    if (AWIDE == 1) lda8w(i, lo, hi);
+    else { lo = lda4(i); hi = lda4(i + 4u); }
+}
+void ldb8(uint i, out vec4 lo, out vec4 hi) {
+    if (BWIDE == 1) ldb8w(i, lo, hi);
+    else { lo = ldb4(i); hi = ldb4(i + 4u); }
+}
+
+void main() {
+    const uint lane = gl_SubgroupInvocationID;
+    uint z = gl_WorkGroupID.z;
+    uint z0 = z / p.nb1, z1 = z - z0 * p.nb1;
+    uint abase = p.off_a + z0 * p.sa0 + z1 * p.sa1;
+    uint bbase = p.off_b + z0 * p.sb0 + z1 * p.sb1;
+    uint m0 = (gl_WorkGroupID.y * uint(WY) + gl_LocalInvocationID.y) * uint(TM);
+    uint n0 = (gl_WorkGroupID.x * uint(SG) + lane) * uint(TN);
+    if (m0 >= p.M) return;  // the whole subgroup leaves together: broadcasts stay defined
+
+    // Loads are clamped into the matrix instead of branched around, so every lane stays
+    // active for the broadcasts; clamped rows / columns are simply not stored.
+    uint arow[TM / SG];          // AMODE 0/1: the row this lane fetches, per group of SG rows
+    [[unroll]] for (int r = 0; r < TM / SG; ++r) arow[r] = abase + min(m0 + uint(r * SG) + lane, p.M - 1u) * p.sam;
+    uint acol[TM / 8];           // AMODE 2: first row of each 8-row run (M % 8 == 0 when wide,
+    [[unroll]] for (int q = 0; q < TM / 8; ++q)  // else M % 4 == 0 and two 4-row halves)
+        acol[q] = abase + (AWIDE == 1 ? min(m0 + uint(8 * q), p.M - 8u) : m0 + uint(8 * q));
+    uint bcol[TN];               // BMODE 0/2: each column; BMODE 1: each 8-column run at bcol[8*j8]
+    [[unroll]] for (int j = 0; j < TN; ++j) bcol[j] = bbase + min(n0 + uint(j), p.N - 1u) * p.sbn;
+
+    vec4 acc[TM][TN / 4];        // acc[i][j4][e]: row m0 + i, column n0 + 4 * j4 + e
+    [[unroll]] for (int i = 0; i < TM; ++i)
+        [[unroll]] for (int j4 = 0; j4 < TN / 4; ++j4) acc[i][j4] = vec4(0.0);
+
+    uint kmain = p.K - p.K % uint(KB);
+    for (uint k = 0u; k < kmain; k += uint(KB)) {
+        // A panel TM x KB, spread over the lanes.
+        vec4 av[TM / SG][2];     // AMODE 0/1: lane holds row (r*SG + lane), k .. k+7
+        vec4 am[TM / 4];         // AMODE 2: lane holds k + lane, rows 4q .. 4q+3
+        if (AMODE == 1) {
+            [[unroll]] for (int r = 0; r < TM / SG; ++r) lda8(arow[r] + k, av[r][0], av[r][1]);
+        } else if (AMODE == 2) {
+            uint ko = (k + lane) * p.sak;
+            [[unroll]] for (int q = 0; q < TM / 8; ++q) {
+                if (AWIDE == 1) lda8w(acol[q] + ko, am[2 * q], am[2 * q + 1]);
+                else {  // 4-row halves, each clamped on its own (M % 4 == 0)
+                    am[2 * q] = lda4(abase + min(m0 + uint(8 * q), p.M - 4u) + ko);
+                    am[2 * q + 1] = lda4(abase + min(m0 + uint(8 * q + 4), p.M - 4u) + ko);
+                }
+            }
+        } else {
+            [[unroll]] for (int r = 0; r < TM / SG; ++r)
+                [[unroll]] for (int h = 0; h < 2; ++h)
+                    [[unroll]] for (int e = 0; e < 4; ++e) av[r][h][e] = lda(arow[r] + (k + uint(4 * h + e)) * p.sak);
+        }
+        // B panel KB x TN for this lane, all loaded before the FMAs: the B values are then
+        // read-only (a spilled one is a memory operand, never stored back), and each row's TN
+        // accumulators stay in registers through all KB steps.
+        vec4 bp[KB][TN / 4];
+        if (BMODE == 1) {
+            [[unroll]] for (int kk = 0; kk < KB; ++kk) {
+                uint brow = (k + uint(kk)) * p.sbk;
+                [[unroll]] for (int j8 = 0; j8 < TN / 8; ++j8) {
+                    // N % 8 == 0 when wide: clamp the run; else N % 4 == 0: clamp each half
+                    if (BWIDE == 1) ldb8w(bbase + min(n0 + uint(8 * j8), p.N - 8u) + brow, bp[kk][2 * j8], bp[kk][2 * j8 + 1]);
+                    else {
+                        bp[kk][2 * j8] = ldb4(bbase + min(n0 + uint(8 * j8), p.N - 4u) + brow);
+                        bp[kk][2 * j8 + 1] = ldb4(bbase + min(n0 + uint(8 * j8 + 4), p.N - 4u) + brow);
+                    }
+                }
+            }
+        } else if (BMODE == 2) {
+            [[unroll]] for (int j = 0; j < TN; ++j) {
+                vec4 lo, hi;
+                ldb8(bcol[j] + k, lo, hi);
+                [[unroll]] for (int e = 0; e < 4; ++e) {
+                    bp[e][j / 4][j % 4] = lo[e];
+                    bp[4 + e][j / 4][j % 4] = hi[e];
+                }
+            }
+        } else {
+            [[unroll]] for (int kk = 0; kk < KB; ++kk) {
+                uint brow = (k + uint(kk)) * p.sbk;
+                [[unroll]] for (int j = 0; j < TN; ++j) bp[kk][j / 4][j % 4] = ldb(bcol[j] + brow);
+            }
+        }
+        [[unroll]] for (int i = 0; i < TM; ++i)
+            [[unroll]] for (int kk = 0; kk < KB; ++kk) {
+                float ai = AMODE == 2 ? subgroupShuffle(am[i / 4][i % 4], uint(kk))
+                                      : subgroupShuffle(av[i / SG][kk / 4][kk % 4], uint(i % SG));
+                [[unroll]] for (int j4 = 0; j4 < TN / 4; ++j4) acc[i][j4] += ai * bp[kk][j4];
+            }
+    }
+    // K tail (K % KB values): scalar loads, one k at a time.
+    for (uint k = kmain; k < p.K; ++k) {
+        float at[TM / SG];
+        [[unroll]] for (int r = 0; r < TM / SG; ++r) {
+            uint m = min(m0 + uint(r * SG) + lane, p.M - 1u);
+            at[r] = lda(abase + m * p.sam + k * p.sak);
+        }
+        vec4 bv[TN / 4];
+        [[unroll]] for (int j = 0; j < TN; ++j) bv[j / 4][j % 4] = ldb(bcol[j] + k * p.sbk);
+        [[unroll]] for (int i = 0; i < TM; ++i) {
+            float ai = subgroupShuffle(at[i / SG], uint(i % SG));
+            [[unroll]] for (int j4 = 0; j4 < TN / 4; ++j4) acc[i][j4] += ai * bv[j4];
+        }
+    }
+
+    if (HAS_BIAS == 1) {  // this lane's TN bias values, loaded once for all TM rows
+        [[unroll]] for (int j = 0; j < TN; ++j) {
+            float bj = HL_LDF(TA, bias[p.off_bias + min(n0 + uint(j), p.N - 1u)]);
+            [[unroll]] for (int i = 0; i < TM; ++i) acc[i][j / 4][j % 4] += bj;
+        }
+    }
+#ifdef MM_EPI
+    if (EPI != 0) {  // C contiguous (no CT / CLD); clamped elements are computed, never stored
+        [[unroll]] for (int i = 0; i < TM; ++i) {
+            uint m = min(m0 + uint(i), p.M - 1u);
+            [[unroll]] for (int j = 0; j < TN; ++j) {
+                uint n = min(n0 + uint(j), p.N - 1u);
+                acc[i][j / 4][j % 4] = mm_epi(acc[i][j / 4][j % 4], z * p.M * p.N + m * p.N + n,
+                                              m0 + uint(i) < p.M && n0 + uint(j) < p.N);
+            }
+        }
+    }
+#endif
+    uint ldc = CLD > 0 ? uint(CLD) : (CT == 1 ? p.M : p.N);
+    uint cbase = CLD > 0 ? p.off_c + z0 * (CT == 1 ? p.N : p.M) * ldc + z1 * (CT == 1 ? p.M : p.N)
+                         : p.off_c + z * p.M * p.N;
+    if (CT == 1) {  // column n of this lane is a run of TM rows: stored along m
+        [[unroll]] for (int j = 0; j < TN; ++j) {
+            uint n = n0 + uint(j);
+            if (n >= p.N) break;
+            uint ccol = cbase + n * ldc;
+            if (CVEC == 1) {  // M % 4 == 0 and m0 % 4 == 0: a run of 4 rows is all in or all out
+                [[unroll]] for (int i4 = 0; i4 < TM / 4; ++i4) {
+                    uint m = m0 + uint(4 * i4);
+                    if (m < p.M) stc4(ccol + m, vec4(acc[4 * i4][j / 4][j % 4], acc[4 * i4 + 1][j / 4][j % 4],
+                                                     acc[4 * i4 + 2][j / 4][j % 4], acc[4 * i4 + 3][j / 4][j % 4]));
+                }
+            } else {
+                [[unroll]] for (int i = 0; i < TM; ++i) {
+                    uint m = m0 + uint(i);
+                    if (m >= p.M) break;
+                    c[ccol + m] = HL_STF(TA, acc[i][j / 4][j % 4]);
+                }
+            }
+        }
+        return;
+    }
+    [[unroll]] for (int i = 0; i < TM; ++i) {
+        uint m = m0 + uint(i);
+        if (m >= p.M) break;
+        uint crow = cbase + m * ldc;
+        if (CVEC == 1) {
+            [[unroll]] for (int j4 = 0; j4 < TN / 4; ++j4) {
+                uint n = n0 + uint(4 * j4);
+                if (n < p.N) stc4(crow + n, acc[i][j4]);
+            }
+        } else {
+            [[unroll]] for (int j = 0; j < TN; ++j) {
+                uint n = n0 + uint(j);
+                if (n < p.N) c[crow + n] = HL_STF(TA, acc[i][j / 4][j % 4]);
+            }
+        }
+    }
+}
+#endif

@@ -1,0 +1,193 @@
+"""Fused kernels of the training step (helios.fusion): each fused pattern against its unfused
+twin bit for bit (forward values and every gradient), GPT AdamW steps with fusion on and off
+(fp32 and bf16 autocast) bit for bit, and the dispatches the fusion removes."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+
+import numpy as np
+import pytest
+
+import helios as hl
+import helios.functional as F
+from helios import _kernels as K
+from helios import fusion
+from helios.errors import ShapeError
+from helios.nn import GPT, GPTConfig
+from helios.optim import AdamW, clip_grad_norm_
+from helios.runtime import get_runtime
+
+pytestmark = pytest.mark.vulkan
+
+
+@contextlib.contextmanager
+def fused(enabled: bool):
+    prev = fusion.ENABLED
+    fusion.ENABLED = enabled
+    try:
+        yield
+    finally:
+        fusion.ENABLED = prev
+
+
+@contextlib.contextmanager
+def count_dispatches():
+    """A Counter of the kernels dispatched inside the block, by name."""
+    rt = get_runtime()
+    names = collections.Counter()
+    orig = rt.dispatch
+
+    def counting(pid, buffers, push, groups, name, *a, **k):
+        names[name] += 1
+        return orig(pid, buffers, push, groups, name, *a, **k)
+
+    rt.dispatch = counting
+    try:
+        yield names
+    finally:
+        del rt.dispatch  # the instance attribute goes; the method is back
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a).view(np.uint8)
+
+
+def _assert_bits_equal(xs, ys):
+    assert len(xs) == len(ys)
+    for x, y in zip(xs, ys):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        assert np.array_equal(_bits(x), _bits(y))
+
+
+def _dtypes():
+    out = ["float32"]
+    if get_runtime().features.get("storage16", False):
+        out += ["bfloat16", "float16"]
+    return out
+
+
+# (input shape, out features): a GPT activation, a ragged one (no vec4 stores, clamped tiles)
+# and a tall 2-D one (the 32-row register blocks).
+SHAPES = [((2, 16, 32), 32), ((3, 5, 24), 40), ((80, 64), 96)]
+
+
+def _pattern_run(fn, enabled: bool, dtype: str, shape, n_out: int, with_bias: bool = True):
+    rng = np.random.default_rng(1)
+    k = shape[-1]
+    arrs = [rng.standard_normal(shape), rng.standard_normal((n_out, k)) * 0.2, rng.standard_normal(n_out),
+            rng.standard_normal(shape[:-1] + (n_out,))]
+    ts = [hl.tensor(a.astype(np.float32)).to(getattr(hl, dtype)).requires_grad_() for a in arrs]
+    x, w, b, r = ts
+    with fused(enabled), count_dispatches() as names:
+        y = fn(x, w, b if with_bias else None, r)
+    # a loss that gives every element its own gradient
+    (y.float() * y.float()).sum().backward()
+    grads = [t.grad for t in ts]
+    return [y.float().numpy()] + [g.float().numpy() for g in grads if g is not None], names
+
+
+PATTERNS = {
+    "linear+residual": (lambda x, w, b, r: F.linear_residual(x, w, b, r),
+                        lambda x, w, b, r: r + F.linear(x, w, b)),
+    "linear+gelu": (lambda x, w, b, r: F.linear_gelu(x, w, b),
+                    lambda x, w, b, r: F.gelu(F.linear(x, w, b), approximate="tanh")),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PATTERNS))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_fused_pattern_equals_its_unfused_twin_bit_for_bit(name, dtype):
+    if dtype not in _dtypes():
+        pytest.skip("no 16-bit storage on this device")
+    fn, twin = PATTERNS[name]
+    for shape, n_out in SHAPES:
+        for with_bias in (True, False):
+            on, names_on = _pattern_run(fn, True, dtype, shape, n_out, with_bias)
+            off, names_off = _pattern_run(fn, False, dtype, shape, n_out, with_bias)
+            ref, _ = _pattern_run(twin, True, dtype, shape, n_out, with_bias)
+            _assert_bits_equal(on, off)
+            _assert_bits_equal(on, ref)
+            assert names_on[name] == 1 and names_on["matmul"] == 0  # one kernel, by its name
+            assert names_off[name] == 0 and names_off["matmul"] == 1
+
+
+def test_fused_kernels_name_their_parts_at_debug_and_refuse_bad_arguments():
+    class Rt:
+        debug = 0
+
+    rt = Rt()
+    assert fusion.dispatch_name("linear+gelu", rt) == "linear+gelu"
+    rt.debug = 1
+    assert fusion.dispatch_name("linear+gelu", rt) == "linear+gelu[matmul > +bias > gelu_tanh]"
+    assert fusion.dispatch_name("linear+residual", rt) == "linear+residual[matmul > +bias > add]"
+    x, w = hl.ones((4, 8)), hl.ones((8, 8))
+    with pytest.raises(ValueError, match="matmul_epilogue: name must be one of"):
+        K.matmul_epilogue("linear+relu", x, w, None, None)
+    with pytest.raises(ShapeError, match="linear\\+residual: e must be a contiguous float32 tensor of shape"):
+        K.matmul_epilogue("linear+residual", x, w, None, hl.ones((4, 4)))
+    # a residual the kernel cannot read in place takes the unfused path, same values
+    r = hl.ones((8, 4)).transpose(0, 1)
+    with count_dispatches() as names:
+        y = F.linear_residual(x, w, None, r)
+    assert names["linear+residual"] == 0 and np.array_equal(y.numpy(), np.full((4, 8), 9.0, np.float32))
+
+
+def test_fused_ops_carry_their_names_into_the_profile():
+    from helios.profile.profiler import profile
+
+    x, w, b, r = (hl.ones(s).requires_grad_() for s in ((2, 4, 8), (8, 8), (8,), (2, 4, 8)))
+    with fused(True), profile() as prof:
+        y = F.linear_gelu(F.linear_residual(x, w, b, r), w, b)
+        y.sum().backward()
+        get_runtime().synchronize()
+    col = prof.collector
+    ops = {op.name for op in col.ops}
+    kernels = {e.name for e in col.events}
+    assert {"linear+residual", "linear+gelu", "linear+gelu_backward"} <= ops
+    assert {"linear+residual", "linear+gelu"} <= kernels  # the trace's kernels
+    assert "gelu_tanh" not in kernels and "linear" not in ops  # no unfused forward parts
+
+
+def _gpt_run(enabled: bool, steps: int = 2, dtype=None, n_layer: int = 2):
+    cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=n_layer, n_head=2, n_embd=32)
+    model = GPT(cfg, seed=0)
+    params = list(model.parameters())
+    opt = AdamW(params, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    rng = np.random.default_rng(0)
+    losses, names = [], None
+    with fused(enabled):
+        for _ in range(steps):
+            x, y = rng.integers(0, 64, (4, 16)), rng.integers(0, 64, (4, 16))
+            with count_dispatches() as names:
+                with hl.autocast(dtype) if dtype else contextlib.nullcontext():
+                    _, loss = model(hl.tensor(x), hl.tensor(y))
+                loss.backward()
+                clip_grad_norm_(params, 0.5)  # biting: the coefficient is below 1
+                opt.step()
+                opt.zero_grad()
+            losses.append(loss.item())
+    return losses, [p.numpy().copy() for p in params], names
+
+
+def test_gpt_adamw_steps_with_fusion_on_and_off_are_bit_identical():
+    on = _gpt_run(True)
+    off = _gpt_run(False)
+    assert on[0] == off[0]  # losses, exactly
+    _assert_bits_equal(on[1], off[1])  # every parameter after 2 steps
+    n_layer = 2
+    # per layer: the two residual adds ride in the projections, the GELU in c_fc
+    assert on[2]["linear+residual"] == 2 * n_layer and on[2]["linear+gelu"] == n_layer
+    assert off[2]["add"] - on[2]["add"] == 2 * n_layer
+    assert off[2]["gelu_tanh"] - on[2]["gelu_tanh"] == n_layer
+    assert sum(off[2].values()) - sum(on[2].values()) == 3 * n_layer
+
+
+def test_gpt_under_bf16_autocast_with_fusion_on_and_off_is_bit_identical():
+    if "bfloat16" not in _dtypes():
+        pytest.skip("no 16-bit storage on this device")
+    on = _gpt_run(True, dtype="bfloat16")
+    off = _gpt_run(False, dtype="bfloat16")
+    assert on[0] == off[0]
+    _assert_bits_equal(on[1], off[1])

@@ -248,8 +248,7 @@ def _train(args, given: set[str]) -> int:
                                    cfgd["n_layer"], cfgd["n_head"], cfgd["n_embd"], virtual=args.pp_virtual)
     pipeline = layout.pp > 1
     settings.check_pp_balance(args.pp_balance, args.pp)
-    settings.check_experts(args.moe_experts, args.moe_top_k, args.ep, args.tp, args.pp, world, args.zero,
-                           sequence_parallel=args.sequence_parallel)
+    settings.check_experts(args.moe_experts, args.moe_top_k, args.ep, args.tp, args.pp, world, args.zero)
     settings.check_dtype(args.dtype, args.tp, args.pp, args.zero, args.moe_experts)
     if args.sequence_parallel:
         settings.check_sequence_parallel(args.tp, args.pp, T)

@@ -230,12 +230,11 @@ def check_pp_balance(balance: str, pp: int) -> None:
         usage(f"--pp-balance {balance} balances the stages of a pipeline: give --pp 2 or more")
 
 
-def check_experts(experts: int, top_k: int, ep: int, tp: int, pp: int, world: int = 1, zero: int = 0,
-                  sequence_parallel: bool = False) -> None:
+def check_experts(experts: int, top_k: int, ep: int, tp: int, pp: int, world: int = 1, zero: int = 0) -> None:
     """Refuse a mixture-of-experts setting helios-train cannot run, naming the flag.  ``--ep``
     splits each layer's experts over that many data-parallel ranks (it must divide them; with
     --pp, the data-parallel ranks of each stage).  With --tp each expert's MLP is split over
-    the tensor-parallel ranks as the dense MLP is."""
+    the tensor-parallel ranks as the dense MLP is (also with --sequence-parallel)."""
     if ep > 1:
         if not experts:
             usage(f"--ep {ep} splits the experts of a mixture-of-experts model over ranks: give --moe-experts too")
@@ -251,9 +250,6 @@ def check_experts(experts: int, top_k: int, ep: int, tp: int, pp: int, world: in
         return
     if top_k > experts:
         usage(f"--moe-top-k {top_k} is more than --moe-experts {experts}: a token cannot go to more experts than exist")
-    if tp > 1 and sequence_parallel:
-        usage(f"--moe-experts {experts} with --tp {tp} --sequence-parallel: the router needs every token of the "
-              "sequence on each tensor-parallel rank (drop --sequence-parallel)")
     if tp > 1 and pp > 1:
         usage(f"--moe-experts {experts} with --tp {tp} and --pp {pp}: a mixture-of-experts model splits over "
               "tensor-parallel or pipeline ranks, not both yet (drop --tp or --pp)")

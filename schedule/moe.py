@@ -68,7 +68,8 @@ from helios.autograd.tape import Function, no_grad
 from helios.creation import arange, full, normal, tensor, zeros
 from helios.nn import Linear, Module, Parameter
 from helios.schedule.grid import group_rank, group_size
-from helios.schedule.tensor_parallel import TPLayout, copy_to_tp, reduce_from_tp, with_transpose
+from helios.schedule.tensor_parallel import (TPLayout, copy_to_tp, gather_sequence, reduce_from_tp,
+                                             reduce_scatter_sequence, with_transpose)
 from helios.tensor import Tensor
 
 
@@ -122,14 +123,14 @@ class MoEMLP(Module):
             # on any layout) and the global gradient norm sums each shard once over the group.
             for w in self.expert_parameters():
                 w.tp_layout = TPLayout((n_experts, *w.shape[1:]), self._rows_of, ep)
-        self.tp_group, self.tp = None, 1  # split_hidden() sets them
+        self.tp_group, self.tp, self.sequence_parallel = None, 1, False  # split_hidden() sets them
         self.aux_loss: Tensor | None = None
         self.dropped: Tensor | None = None  # (token, choice) pairs past capacity in the last forward
 
     def _rows_of(self, q: int) -> slice:
         return slice(q * self.local_experts, (q + 1) * self.local_experts)
 
-    def split_hidden(self, tp_group, expert_group=None) -> None:
+    def split_hidden(self, tp_group, expert_group=None, sequence_parallel: bool = False) -> None:
         """Split every expert's MLP over the tensor-parallel group ``tp_group`` as Megatron-LM
         splits the dense MLP (in place): this rank keeps hidden features
         ``[r * hidden / tp, (r + 1) * hidden / tp)`` of ``w_fc``/``b_fc`` (columns) and of
@@ -139,7 +140,9 @@ class MoEMLP(Module):
         With expert parallelism too, ``expert_group`` is the ep x tp ranks that hold the
         pieces of one replica's experts (rank ``ep_rank * tp + tp_rank`` in it, as
         :func:`expert_groups` builds it): the expert tensors' layouts record it, so
-        checkpoints gather whole tensors and the clip sums each piece once."""
+        checkpoints gather whole tensors and the clip sums each piece once.
+        ``sequence_parallel``: the layer takes and returns this rank's T/tp positions (see
+        :meth:`_forward_sequence_parallel`)."""
         tp = group_size(tp_group)
         if tp == 1:
             return
@@ -174,7 +177,7 @@ class MoEMLP(Module):
                             lambda q: (slice(None), cols(q), slice(None)))
         if ep > 1:  # b_proj: rows over the expert-parallel group only (whole on every TP rank)
             self.b_proj.tp_layout = TPLayout((E, 1, C), rows, ep, group=self.ep_group, rank=group_rank(self.ep_group))
-        self.tp_group, self.tp = tp_group, tp
+        self.tp_group, self.tp, self.sequence_parallel = tp_group, tp, sequence_parallel
 
     def expert_parameters(self) -> list[Parameter]:
         """The parameters of this rank's experts (the router is shared, as the rest of the model)."""
@@ -216,6 +219,8 @@ class MoEMLP(Module):
         return out + _on_first_rank(self.b_proj, group_rank(self.tp_group) == 0)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.sequence_parallel:
+            return self._forward_sequence_parallel(x)
         shape = x.shape
         flat = x.reshape(-1, self.n_embd)
         n, E, k, C = flat.shape[0], self.n_experts, self.top_k, self.n_embd
@@ -240,6 +245,33 @@ class MoEMLP(Module):
         self.aux_loss = (f * probs.mean(0)).sum() * (self.aux_alpha * E)
         return y.reshape(*shape)
 
+    def _forward_sequence_parallel(self, x: Tensor) -> Tensor:
+        """Sequence parallelism (``split_hidden(..., sequence_parallel=True)``): ``x`` is this TP
+        rank's [B, T/tp, C] positions.  They are all-gathered, so every rank routes every token
+        of the sequence as one device does (the same capacity, drops and aux loss); each rank's
+        hidden part of the experts gives a part of every token's output, weighted by the gates,
+        and a reduce-scatter sums the parts and leaves each rank its own positions.  Backward,
+        the all-gathered output gradient is whole on every rank (each expert part gets every
+        token's), the gates' gradient parts are summed over the group (``copy_to_tp`` on them:
+        [k*N] values), and the gather's reduce-scatter sums the experts' input-gradient parts;
+        the router's share of that gradient, the same on every rank, enters the sum at 1/tp."""
+        group, tp = self.tp_group, self.tp
+        whole = gather_sequence(x, group)  # [B, T, C]
+        b, t, C = whole.shape
+        flat = whole.reshape(-1, C)
+        n, E, k = flat.shape[0], self.n_experts, self.top_k
+        cap = self.capacity(n)
+        slot, weight, probs, first = self.route(_scale_grad(flat, 1.0 / tp), cap)
+        token = arange(n).repeat(k)
+        buf = F.index_add(zeros(E * cap + 1, C), 0, slot, F.index_select(flat, 0, token))
+        out = self._run_experts(buf[: E * cap].reshape(E, cap, C))  # this rank's hidden part
+        rows = F.cat([out.reshape(E * cap, C), zeros(1, C)], 0)
+        gates = copy_to_tp(weight, group)
+        part = (F.index_select(rows, 0, slot) * gates.unsqueeze(-1)).reshape(k, n, C).sum(0)
+        f = F.one_hot(first, E).to(dt.float32).mean(0)
+        self.aux_loss = (f * probs.mean(0)).sum() * (self.aux_alpha * E)
+        return reduce_scatter_sequence(part.reshape(b, t, C), group)
+
     def _run_experts(self, xin: Tensor) -> Tensor:
         if self.ep == 1:
             return self.experts(xin)
@@ -261,6 +293,25 @@ class _OnFirstRank(Function):
     @staticmethod
     def backward(ctx, g):
         return g, None
+
+
+class _ScaleGrad(Function):
+    """y = x; the gradient scaled by a constant."""
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.scale, None
+
+
+def _scale_grad(x: Tensor, scale: float) -> Tensor:
+    """``x`` unchanged, its gradient times ``scale`` (a gradient the same on every rank of a
+    group that a reduce-scatter then sums over it enters that sum at 1/size)."""
+    return _ScaleGrad.apply(x, scale)
 
 
 def _on_first_rank(x: Tensor, first: bool) -> Tensor:

@@ -404,10 +404,8 @@ class ParallelBlock(Module):
         self.attn = ParallelAttention(block.attn, group, sequence_parallel)
         self.ln_2 = _copy_layer_norm(block.ln_2, group, sequence_parallel)
         if hasattr(block.mlp, "split_hidden"):  # a mixture of experts (schedule.moe.MoEMLP)
-            if sequence_parallel:
-                raise ValueError("tensor parallel: a mixture-of-experts block does not run with sequence parallelism "
-                                 "(its router needs every token of the sequence on each rank)")
-            block.mlp.split_hidden(group, expert_group)  # each expert's MLP column-then-row, as ParallelMLP
+            # each expert's MLP column-then-row, as ParallelMLP (sequence parallel: it gathers the tokens)
+            block.mlp.split_hidden(group, expert_group, sequence_parallel)
             self.mlp = block.mlp
         else:
             self.mlp = ParallelMLP(block.mlp, group, sequence_parallel)

@@ -1,7 +1,8 @@
 """helios-train --moe-experts with --tp: each expert's MLP split over the tensor-parallel ranks
 (hidden features, column-then-row as the dense MLP) trains what one rank trains, logs the same
-load-balancing loss and dropped pairs, composes with data and expert parallelism, writes a
-checkpoint that resumes on one rank; what stays refused is one line naming the flags."""
+load-balancing loss and dropped pairs, composes with sequence, data and expert parallelism and
+ZeRO, writes a checkpoint that resumes on one rank; what stays refused is one line naming the
+flags."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def _moe_logged(stdout: str) -> list[tuple[str, str]]:
             for line in stdout.splitlines() if " aux " in line]
 
 
-def test_tp2_trains_logs_and_checkpoints_what_one_rank_does_and_resumes_on_one_rank(tmp_path):
+def test_tp2_with_and_without_sequence_parallel_trains_what_one_rank_does_and_resumes_on_one_rank(tmp_path):
     one = tmp_path / "one"
     r1 = launch(1, one, "--steps", "10", *MOE)
     assert r1.returncode == 0, r1.stderr[-3000:]
@@ -50,12 +51,20 @@ def test_tp2_trains_logs_and_checkpoints_what_one_rank_does_and_resumes_on_one_r
     assert r.returncode == 0, r.stderr[-3000:]
     assert "saved by 2 ranks, tp 2" in r.stdout
     _same_run(one, part)
+    # --sequence-parallel: each rank holds 8 of the 16 positions between the split layers; the
+    # experts gather them and route every token, as one device does.
+    sp = tmp_path / "sp"
+    r = launch(2, sp, "--steps", "10", "--tp", "2", "--sequence-parallel", *MOE)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "tensor parallel 2 x data parallel 1, sequence parallel" in r.stdout
+    _same_run(one, sp)
+    assert _moe_logged(r.stdout) == logged
 
 
-def test_dp2_x_tp2_with_ep2_or_zero3_trains_what_data_parallel_trains(tmp_path):
+def test_dp2_x_tp2_with_ep2_zero3_or_sequence_parallel_trains_what_data_parallel_trains(tmp_path):
     """On 4 ranks, --tp 2 (each replica's experts split by hidden features), --tp 2 --ep 2
-    (also split by experts over the two replicas, all_to_all between same-place TP ranks) and
-    --tp 2 --zero 3 == plain data parallel on 2 ranks: a replica routes its own tokens
+    (also split by experts over the two replicas, all_to_all between same-place TP ranks),
+    --tp 2 --zero 3 and --tp 2 --ep 2 --sequence-parallel == plain data parallel on 2 ranks: a replica routes its own tokens
     (capacity follows them), so the reference has as many replicas.  A run stopped under
     --tp 2 --ep 2 resumes on 2 ranks with every expert whole on each."""
     steps = ("--steps", "4")
@@ -63,7 +72,8 @@ def test_dp2_x_tp2_with_ep2_or_zero3_trains_what_data_parallel_trains(tmp_path):
     r = launch(2, dp2, *steps, *MOE)
     assert r.returncode == 0, r.stderr[-3000:]
     logged = _moe_logged(r.stdout)
-    for name, extra in (("dp2tp2", ()), ("dp2tp2ep2", ("--ep", "2")), ("dp2tp2z3", ("--zero", "3"))):
+    for name, extra in (("dp2tp2", ()), ("dp2tp2ep2", ("--ep", "2")), ("dp2tp2z3", ("--zero", "3")),
+                        ("dp2tp2ep2sp", ("--ep", "2", "--sequence-parallel"))):
         r = launch(4, tmp_path / name, *steps, "--tp", "2", *extra, *MOE, timeout=400)
         assert r.returncode == 0, r.stderr[-3000:]
         assert "tensor parallel 2 x data parallel 2" in r.stdout
@@ -78,8 +88,8 @@ def test_dp2_x_tp2_with_ep2_or_zero3_trains_what_data_parallel_trains(tmp_path):
 
 
 @pytest.mark.parametrize("world,args,needle", [
-    (2, ["--moe-experts", "4", "--tp", "2", "--sequence-parallel"], "--moe-experts 4 with --tp 2 --sequence-parallel"),
     (4, ["--moe-experts", "4", "--tp", "2", "--pp", "2"], "--moe-experts 4 with --tp 2 and --pp 2"),
+    (4, ["--moe-experts", "4", "--tp", "2", "--ep", "2", "--zero", "1"], "--ep 2 with --zero 1"),
 ])
 def test_what_stays_refused_is_one_line(tmp_path, world, args, needle):
     res = run_ranks(["-m", "helios.train", *_train_args(tmp_path, *args)], world, timeout=120)
@@ -90,7 +100,7 @@ def test_a_moe_layer_split_over_two_ranks_equals_the_whole_layer_with_one_all_re
     """MoEMLP.split_hidden over 2 ranks: the output, aux loss and dropped count of the whole layer,
     every gradient its shard of the whole layer's (the router's whole), and, counted by the comm
     layer, one all-reduce forward (the picked rows' parts summed) and one backward (the input's
-    gradient)."""
+    gradient); with sequence parallelism the same on each rank's half of the positions."""
     check_ok(run_ranks([__file__, str(tmp_path)], 2, timeout=120))
     with open(tmp_path / "moe-tp.json") as f:
         res = json.load(f)
@@ -99,6 +109,13 @@ def test_a_moe_layer_split_over_two_ranks_equals_the_whole_layer_with_one_all_re
     assert len(res["worst"]) == 7  # output, input gradient, router and the 4 expert tensors
     assert res["same_routing"]
     assert (res["forward"], res["backward"]) == ({"all_reduce": 1}, {"all_reduce": 1})
+    # Sequence parallel: the tokens all-gathered and the output reduce-scattered, the other way
+    # backward, plus the gates' gradient parts ([k*N] values) all-reduced.
+    bad = {k: v for k, v in res["sp_worst"].items() if v > 1e-5}
+    assert not bad, bad
+    assert len(res["sp_worst"]) == 7 and res["sp_same_routing"]
+    assert res["sp_forward"] == {"all_gather": 1, "reduce_scatter": 1}
+    assert res["sp_backward"] == {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 1}
 
 
 def _rank_main(out_dir: str) -> None:
@@ -140,9 +157,27 @@ def _rank_main(out_dir: str) -> None:
     def diff(a, b):
         return {k: b.get(k, 0) - a.get(k, 0) for k in set(a) | set(b) if b.get(k, 0) != a.get(k, 0)}
 
+    # Sequence parallel: this rank's 4 of the 8 positions in and out.
+    sp = MoEMLP(16, 4, top_k=2, capacity_factor=1.0, seed=7)
+    sp.split_hidden(grid.tp_group, sequence_parallel=True)
+    pos = slice(r * 4, (r + 1) * 4)
+    xq = hl.tensor(np.ascontiguousarray(x[:, pos]), requires_grad=True)
+    c3 = calls()
+    yq = sp(xq)
+    c4 = calls()
+    (yq * yq).sum().backward()
+    c5 = calls()
+    got = dict(sp.named_parameters())
+    sp_worst = {"output": rel(yq.numpy(), y_ref.numpy()[:, pos]),
+                "input_grad": rel(xq.grad.numpy(), xr.grad.numpy()[:, pos])}
+    sp_worst.update({k: rel(got[k].grad.numpy(), v) for k, v in want.items()})
+    sp_same = sp.aux_loss.item() == ref.aux_loss.item() and int(sp.dropped.item()) == int(ref.dropped.item())
+
     if r == 0:
         with open(os.path.join(out_dir, "moe-tp.json"), "w") as f:
-            json.dump({"worst": worst, "same_routing": same, "forward": diff(c0, c1), "backward": diff(c1, c2)}, f)
+            json.dump({"worst": worst, "same_routing": same, "forward": diff(c0, c1), "backward": diff(c1, c2),
+                       "sp_worst": sp_worst, "sp_same_routing": sp_same, "sp_forward": diff(c3, c4),
+                       "sp_backward": diff(c4, c5)}, f)
     dist.destroy_process_group()
 
 

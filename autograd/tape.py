@@ -20,6 +20,15 @@ a backward that writes input i's gradient there returns the slot itself, and
 same goes for a non-leaf input whose producer gathers its outputs' gradients in one
 buffer (a Function with ``grad_dest``: split_heads' q, k and v): the consumer writes the
 first gradient there, and the producer's backward finds it in place.
+
+Pending gradients taken over: a non-leaf used twice (the residual stream feeds a residual
+add and a LayerNorm) gets its gradient as the sum of two contributions, which the tape adds
+when the second arrives.  ``ctx.grad_pending(i)`` hands a backward the contribution input i
+has gathered so far; a backward that takes it returns its own gradient plus that tensor (the
+LayerNorm's input-gradient kernel adds it in its store: helios.fusion's
+"layer_norm_bwd+acc"), and the tape keeps the result as the input's pending gradient
+instead of recording the add.  The sum is the one the tape would compute (the same two
+operands; float addition commutes), so the bits are the same.
 """
 
 from __future__ import annotations
@@ -91,6 +100,25 @@ class Context:
         or None.  A backward that writes there returns that tensor as input i's gradient."""
         dests = getattr(self, "dests", None)
         return dests[i] if dests is not None else None
+
+    def grad_pending(self, i: int):
+        """The gradient of input ``i`` gathered so far in this pass from its other uses (a
+        contiguous tensor of the input's shape and dtype), or None.  A backward that asks
+        for it takes it over: it must return input i's gradient *plus* this tensor (added as
+        the last step, e.g. in its kernel's store), which the tape then keeps as the input's
+        gradient instead of adding the two (see the module docstring)."""
+        src = getattr(self, "pending_src", None)
+        if src is None:
+            return None
+        pending, inputs = src
+        t = inputs[i] if i < len(inputs) else None
+        if t is None or t._node is None or t._node.n_out != 1 or sum(1 for u in inputs if u is t) > 1:
+            return None
+        g = pending.get(id(t._node))
+        if g is None or g.shape != t.shape or g.dtype is not t.dtype or not g.is_contiguous():
+            return None
+        self.taken = getattr(self, "taken", frozenset()) | {i}
+        return g
 
     def save_for_backward(self, *tensors) -> None:
         self.saved = tensors
@@ -399,15 +427,20 @@ def _backward(root, grad, retain_graph: bool) -> None:
                 g = tuple(g)
             if node.retained is not None:
                 _store_retained(node, g)
-            node.ctx.dests = _grad_dests(node, g, pending, handed) if GRADS_IN_PLACE else None
+            ctx = node.ctx
+            ctx.dests = _grad_dests(node, g, pending, handed) if GRADS_IN_PLACE else None
+            ctx.pending_src, ctx.taken = (pending, node.inputs), frozenset()
             in_grads = _backward_profiled(node, g)
-            node.ctx.dests = None
+            taken = ctx.taken
+            ctx.dests = ctx.pending_src = None
             if not isinstance(in_grads, tuple):
                 in_grads = (in_grads,)
-            for inp, ig in zip(node.inputs, in_grads):
+            for i, (inp, ig) in enumerate(zip(node.inputs, in_grads)):
                 if inp is None:
                     continue
-                if ig is not None:
+                if i in taken:  # the backward added the pending gradient (Context.grad_pending)
+                    pending[id(inp._node)] = ig
+                elif ig is not None:
                     if ig.shape != inp.shape:
                         ig = F.sum_to_shape(ig, inp.shape)
                     if inp._node is None:

@@ -916,21 +916,34 @@ def layer_norm_fwd(x: Tensor, w: Tensor | None, b: Tensor | None, eps: float):
     return y, mean, rstd
 
 
-def layer_norm_bwd_input(x: Tensor, w: Tensor | None, g: Tensor, mean: Tensor, rstd: Tensor) -> Tensor:
-    """dL/dx of LayerNorm (contiguous x and g)."""
+def layer_norm_bwd_input(x: Tensor, w: Tensor | None, g: Tensor, mean: Tensor, rstd: Tensor,
+                         acc: Tensor | None = None) -> Tensor:
+    """dL/dx of LayerNorm (contiguous x and g).  With ``acc`` (a contiguous tensor of x's
+    shape and dtype: a pending gradient of x) the kernel returns dx + acc, the add done in
+    its store (helios.fusion "layer_norm_bwd+acc"), bit for bit the separate add."""
     rt = x._st.rt
     C = x.shape[-1]
+    if acc is not None and (acc.shape != x.shape or acc.dtype is not x.dtype or not acc.is_contiguous()):
+        raise ShapeError(f"layer_norm_bwd_input: acc must be a contiguous {x.dtype.name} tensor of shape {x.shape}, "
+                         f"got {acc.dtype.name} {acc.shape} with strides {acc._strides}")
     dx = empty(x.shape, x.dtype, rt)
     if dx.numel() == 0:  # no rows (or no columns): nothing to compute, nothing to bind
         return dx
     rows = x.numel() // C
     wg, per_thread, groups = _row_plan(rt, rows, C)
-    pid = rt.pipeline("layernorm", x.dtype.tag, (1, w is not None, wg, False, per_thread))
+    pid = rt.pipeline("layernorm", x.dtype.tag, (1, w is not None, wg, acc is not None, per_thread))
     bx, ox = bind(x)
     bg, og = bind(g)
     bw, ow = bind(w) if w is not None else (bx, 0)
-    rt.dispatch(pid, [bx, bw, bx, bind(dx, True)[0], bind(mean)[0], bind(rstd)[0], bg],
-                _P_LN.pack(C, rows, ox, og, 0.0, ow, 0), groups, "layer_norm_bwd", 10 * x.numel(), 4 * x.numel() * x.dtype.itemsize)
+    bp, op = bind(acc) if acc is not None else (bx, 0)  # binding 2 (the bias slot) holds acc
+    name = "layer_norm_bwd"
+    if acc is not None:
+        from helios import fusion
+
+        name = fusion.dispatch_name("layer_norm_bwd+acc", rt)
+    rt.dispatch(pid, [bx, bw, bp, bind(dx, True)[0], bind(mean)[0], bind(rstd)[0], bg],
+                _P_LN.pack(C, rows, ox, og, 0.0, ow, op), groups, name, 10 * x.numel(),
+                (4 + (acc is not None)) * x.numel() * x.dtype.itemsize)
     return dx
 
 

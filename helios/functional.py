@@ -1800,7 +1800,13 @@ class _LayerNorm(Function):
     def backward(ctx, g):
         x, w, mean_, rstd = ctx.saved_tensors
         g = contiguous(g)
-        dx = K.layer_norm_bwd_input(x, w, g, mean_, rstd) if ctx.needs_input_grad[0] else None
+        dx = None
+        if ctx.needs_input_grad[0]:
+            from helios import fusion
+
+            # the gradient x already has from its other uses, added in the kernel's store
+            acc = ctx.grad_pending(0) if fusion.ENABLED and hasattr(ctx, "grad_pending") else None
+            dx = K.layer_norm_bwd_input(x, w, g, mean_, rstd, acc)
         need_w = w is not None and ctx.needs_input_grad[1]
         need_b = ctx.has_b and ctx.needs_input_grad[2]
         dw = db = None

@@ -11,6 +11,10 @@ arithmetic in the same order, so its results are bit for bit those of the chain:
   stores the pre-activation (backward needs it) and its GELU, with the elementwise
   kernel's GELU code (EPI 2).  Its backward multiplies the incoming gradient by GELU's
   derivative as ew_binary's gelu_tanh_bwd does.
+* ``layer_norm_bwd+acc``: where a tensor's gradient is a pending gradient plus a
+  LayerNorm's input gradient (the residual stream feeds the residual add and ln_1 / ln_2),
+  the LayerNorm input-gradient kernel adds the pending gradient in its store (the tape
+  offers it: ``Context.grad_pending``).
 
 Who fuses: the GPT modules (helios.nn.modules Block / MLP / CausalSelfAttention) call the
 fused functions of helios.functional where the pattern is present and the unfused parts
@@ -39,6 +43,7 @@ PARTS = {
     "linear+residual": ("matmul", "+bias", "add"),
     "linear+gelu": ("matmul", "+bias", "gelu_tanh"),
     "matmul+gelu_tanh_bwd": ("matmul", "gelu_tanh_bwd"),
+    "layer_norm_bwd+acc": ("layer_norm_bwd", "add"),
 }
 
 

@@ -150,6 +150,45 @@ def test_fused_ops_carry_their_names_into_the_profile():
     assert "gelu_tanh" not in kernels and "linear" not in ops  # no unfused forward parts
 
 
+def _residual_ln_run(enabled: bool, dtype: str, shape):
+    """x feeding a LayerNorm and a residual use (the block's stream); the values and the
+    gradients of x and of the LayerNorm's parameters, and the kernels backward ran."""
+    rng = np.random.default_rng(2)
+    c = shape[-1]
+    arrs = [rng.standard_normal(shape), rng.standard_normal(c), rng.standard_normal(c), rng.standard_normal(shape)]
+    x0, w, b, r = (hl.tensor(a.astype(np.float32)).to(getattr(hl, dtype)).requires_grad_() for a in arrs)
+    with fused(enabled):
+        x = x0 * 1.5  # a non-leaf, as the residual stream is
+        y = x * r + F.layer_norm(x, (c,), w, b)
+        with count_dispatches() as names:
+            (y.float() * y.float()).sum().backward()
+    return [y.float().numpy()] + [t.grad.float().numpy() for t in (x0, w, b, r)], names
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_layer_norm_backward_adds_the_pending_gradient_bit_for_bit(dtype):
+    if dtype not in _dtypes():
+        pytest.skip("no 16-bit storage on this device")
+    for shape in ((2, 8, 32), (3, 5, 20), (4, 600)):  # row per invocation, and a workgroup per row
+        on, names_on = _residual_ln_run(True, dtype, shape)
+        off, names_off = _residual_ln_run(False, dtype, shape)
+        _assert_bits_equal(on, off)
+        assert names_on["layer_norm_bwd+acc"] == 1 and names_on["layer_norm_bwd"] == 0
+        assert names_off["layer_norm_bwd"] == 1 and names_off["add"] - names_on["add"] == 1
+
+
+def test_grad_pending_is_refused_where_it_cannot_be_taken():
+    # a LayerNorm whose input has no other use gets nothing to add; a leaf input neither
+    with fused(True):
+        x0 = hl.ones((2, 4)).requires_grad_()
+        with count_dispatches() as names:
+            F.layer_norm(x0 * 2.0, (4,)).sum().backward()
+            F.layer_norm(x0, (4,)).sum().backward()
+    assert names["layer_norm_bwd+acc"] == 0 and names["layer_norm_bwd"] == 2
+    with pytest.raises(ShapeError, match="layer_norm_bwd_input: acc must be a contiguous float32 tensor"):
+        K.layer_norm_bwd_input(hl.ones((2, 4)), None, hl.ones((2, 4)), hl.ones((2,)), hl.ones((2,)), hl.ones((4, 2)))
+
+
 def _gpt_run(enabled: bool, steps: int = 2, dtype=None, n_layer: int = 2):
     cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=n_layer, n_head=2, n_embd=32)
     model = GPT(cfg, seed=0)
@@ -177,11 +216,13 @@ def test_gpt_adamw_steps_with_fusion_on_and_off_are_bit_identical():
     assert on[0] == off[0]  # losses, exactly
     _assert_bits_equal(on[1], off[1])  # every parameter after 2 steps
     n_layer = 2
-    # per layer: the two residual adds ride in the projections, the GELU in c_fc
+    # per layer: the two residual adds ride in the projections, the GELU in c_fc, and
+    # backward's two residual-stream gradient adds in ln_1's and ln_2's input gradients
     assert on[2]["linear+residual"] == 2 * n_layer and on[2]["linear+gelu"] == n_layer
-    assert off[2]["add"] - on[2]["add"] == 2 * n_layer
+    assert on[2]["layer_norm_bwd+acc"] == 2 * n_layer
+    assert off[2]["add"] - on[2]["add"] == 4 * n_layer
     assert off[2]["gelu_tanh"] - on[2]["gelu_tanh"] == n_layer
-    assert sum(off[2].values()) - sum(on[2].values()) == 3 * n_layer
+    assert sum(off[2].values()) - sum(on[2].values()) == 5 * n_layer
 
 
 def test_gpt_under_bf16_autocast_with_fusion_on_and_off_is_bit_identical():

@@ -2,6 +2,9 @@
 // LayerNorm over contiguous rows of length C.
 // MODE 0 forward:  y = (x - mean) * rstd * w + b; also writes mean and rstd (float) per row.
 // MODE 1 backward: dx = rstd * (gw - mean(gw) - xhat * mean(gw * xhat)), gw = g * w.
+//   With HAS_BIAS (helios.fusion "layer_norm_bwd+acc") binding 2 holds a pending gradient P
+//   (contiguous rows from off_b) and dx = round(dx) + P: the separate add of the tape's
+//   gradient accumulation, in the store.
 // MODE 2 parameter grads: one invocation per column c sums over the rows in order:
 //   o[off_w + c] = dw[c] = sum_r g[r, c] * xhat[r, c] (AFFINE),  o[off_b + c] = db[c] = sum_r g[r, c]
 //   (HAS_BIAS), one pass instead of xhat, a product and two column reductions.  off_w / off_b
@@ -29,6 +32,17 @@ layout(std430, binding = 6) readonly buffer BG { HL_ST(TA) g[]; };
 layout(push_constant) uniform P { uint C; uint rows; uint off_x; uint off_g; float eps; uint off_w; uint off_b; } p;
 
 #include "rowblock.glsl"
+
+// v rounded to the storage type (what a store then a load would give).
+float ln_round(float v) {
+#if TA == T_F32
+    return v;
+#elif TA == T_F16
+    return unpackHalf2x16(packHalf2x16(vec2(v, 0.0))).x;
+#else
+    return bf16_to_f(f_to_bf16(v));
+#endif
+}
 
 void row_serial(uint row) {
     uint bx = p.off_x + row * p.C, bo = row * p.C;
@@ -60,7 +74,9 @@ void row_serial(uint row) {
         for (uint k = 0u; k < p.C; ++k) {
             precise float gw = HL_LDF(TA, g[bg + k]) * (AFFINE ? HL_LDF(TA, w[p.off_w + k]) : 1.0);
             float xh = (HL_LDF(TA, x[bx + k]) - mu) * rs;
-            o[bo + k] = HL_STF(TA, rs * (gw - s1 - xh * s2));
+            precise float d = rs * (gw - s1 - xh * s2);
+            if (HAS_BIAS) d = ln_round(d) + HL_LDF(TA, b[p.off_b + bo + k]);  // + the pending gradient
+            o[bo + k] = HL_STF(TA, d);
         }
     }
 }
@@ -121,7 +137,9 @@ void main() {
         for (uint k = tid; k < p.C; k += uint(WG)) {
             precise float gw = HL_LDF(TA, g[bg + k]) * (AFFINE ? HL_LDF(TA, w[p.off_w + k]) : 1.0);
             float xh = (HL_LDF(TA, x[bx + k]) - mu) * rs;
-            o[bo + k] = HL_STF(TA, rs * (gw - s1 - xh * s2));
+            precise float d = rs * (gw - s1 - xh * s2);
+            if (HAS_BIAS) d = ln_round(d) + HL_LDF(TA, b[p.off_b + bo + k]);  // + the pending gradient
+            o[bo + k] = HL_STF(TA, d);
         }
     }
 }

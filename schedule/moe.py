@@ -43,7 +43,9 @@ MLP is split over the TP group by hidden features as Megatron-LM splits the dens
 router and ``b_proj`` whole.  The TP ranks hold the same tokens and route them alike; the
 experts read them through ``copy_to_tp`` (their input gradient's parts summed backward) and
 the k x N picked rows are all-reduced before the gates weigh them (the gates' gradient then
-reads whole outputs): one all-reduce each way per layer.  With expert parallelism too, the
+reads whole outputs): one all-reduce each way per layer.  With sequence parallelism the layer
+all-gathers its rank's positions, routes every token and reduce-scatters the weighted parts
+(``MoEMLP._forward_sequence_parallel``).  With expert parallelism too, the
 expert-parallel groups join ranks of one TP place (``expert_groups(ep, pp, tp)``) and each
 expert tensor is sharded over the ep x tp ranks of a replica (``expert_tp_group``).
 

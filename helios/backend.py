@@ -48,6 +48,9 @@ from abc import ABC, abstractmethod
 # The memory pools every backend accounts separately (by lifetime), as pool_stats() keys.
 POOLS = ("weights", "activations", "staging")
 
+# The kinds of command run_commands() takes: (kind, the arguments of dispatch / copy / fill).
+DISPATCH, COPY, FILL = 0, 1, 2
+
 
 class Runtime(ABC):
     """One open device behind the contract (see the module docstring)."""
@@ -116,6 +119,13 @@ class Runtime(ABC):
     def dispatch(self, pid, buffers: list, push: bytes, groups: tuple, name: str, flops: int = 0,
                  nbytes: int = 0) -> None:
         """Record one launch of ``pid`` over the workgroup grid ``groups`` (returns at once)."""
+
+    def run_commands(self, commands) -> None:
+        """Issue recorded commands in order: ``(DISPATCH, dispatch's arguments)``, ``(COPY, copy's)``,
+        ``(FILL, fill's)`` (``helios.graph``'s replay).  A backend may override this with a tighter loop."""
+        calls = (self.dispatch, self.copy, self.fill)
+        for kind, args in commands:
+            calls[kind](*args)
 
     # -- stream ---------------------------------------------------------------------------
     def flush(self) -> None:

@@ -48,6 +48,9 @@ import threading
 
 import numpy as np
 
+from helios.backend import COPY as _COPY  # a recorded command: (kind, the runtime call's arguments)
+from helios.backend import DISPATCH as _DISPATCH
+from helios.backend import FILL as _FILL
 from helios.errors import HeliosError, ShapeError
 
 __all__ = ["capture", "Graph", "GraphCaptureError", "capturing", "dynamic_push", "before_replay", "refuse_upload"]
@@ -139,7 +142,7 @@ def _holds_for(rt) -> _Holds:
     return h
 
 
-_DISPATCH, _COPY, _FILL = 0, 1, 2
+
 
 
 class Graph:
@@ -148,7 +151,7 @@ class Graph:
     def __init__(self, rt, inputs=()):
         self.rt = rt
         self.inputs = tuple(inputs)
-        self.ops: list[tuple] = []  # (kind, args...) in recording order
+        self.ops: list[tuple] = []  # (kind, args) in recording order
         self._patches: dict[int, object] = {}  # op index -> fn() giving its push bytes at replay
         self._hooks: list = []
         self._handles: set = set()
@@ -163,19 +166,19 @@ class Graph:
                                     "repeat the same values at every replay; draw them outside the captured step or "
                                     "run it without capture")
         self._real["dispatch"](pid, buffers, push, groups, name, flops, nbytes)
-        bufs = tuple(tuple(b) for b in buffers)
+        bufs = [tuple(b) for b in buffers]
         self._handles.update(b[0] for b in bufs)
-        self.ops.append((_DISPATCH, pid, bufs, bytes(push), tuple(groups), name, flops, nbytes))
+        self.ops.append((_DISPATCH, (pid, bufs, bytes(push), tuple(groups), name, flops, nbytes)))
 
     def _copy(self, src, src_offset, dst, dst_offset, nbytes):
         self._real["copy"](src, src_offset, dst, dst_offset, nbytes)
         self._handles.update((src, dst))
-        self.ops.append((_COPY, src, src_offset, dst, dst_offset, nbytes))
+        self.ops.append((_COPY, (src, src_offset, dst, dst_offset, nbytes)))
 
     def _fill(self, handle, offset, nbytes, word):
         self._real["fill"](handle, offset, nbytes, word)
         self._handles.add(handle)
-        self.ops.append((_FILL, handle, offset, nbytes, word))
+        self.ops.append((_FILL, (handle, offset, nbytes, word)))
 
     def _alloc(self, nbytes, pool="activations"):
         h = self._real["alloc"](nbytes, pool)
@@ -231,11 +234,11 @@ class Graph:
         replay are the previous run's, not this one's (a ``before_replay`` function must not read
         them).  A tensor an op uploaded during the capture and no command wrote is a constant."""
         h = t._st.handle
-        for op in self.ops:
-            if op[0] == _DISPATCH:
-                if any(b[0] == h and b[3] for b in op[2]):
+        for kind, args in self.ops:
+            if kind == _DISPATCH:
+                if any(b[0] == h and b[3] for b in args[1]):
                     return True
-            elif (op[3] if op[0] == _COPY else op[1]) == h:
+            elif (args[2] if kind == _COPY else args[0]) == h:
                 return True
         return False
 
@@ -251,18 +254,12 @@ class Graph:
             self._refill(inputs)
         for fn in self._hooks:
             fn()
-        rt, patches = self.rt, self._patches
-        dispatch, copy, fill = rt.dispatch, rt.copy, rt.fill
-        for i, op in enumerate(self.ops):
-            kind = op[0]
-            if kind == _DISPATCH:
-                fn = patches.get(i)
-                dispatch(op[1], op[2], op[3] if fn is None else fn(), op[4], op[5], op[6], op[7])
-            elif kind == _COPY:
-                copy(op[1], op[2], op[3], op[4], op[5])
-            else:
-                fill(op[1], op[2], op[3], op[4])
-        rt.flush()
+        ops = self.ops
+        for i, fn in self._patches.items():  # the dynamic push constants of this replay
+            args = ops[i][1]
+            ops[i] = (_DISPATCH, args[:2] + (fn(),) + args[3:])
+        self.rt.run_commands(ops)
+        self.rt.flush()
         self.replays += 1
 
     def _refill(self, inputs) -> None:

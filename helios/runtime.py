@@ -347,6 +347,16 @@ class VulkanRuntime(Runtime):
             raise
         self._traced(col, name, t0)
 
+    def run_commands(self, commands) -> None:
+        """Issue recorded commands (see helios.backend.Runtime.run_commands) straight to the addon
+        when nothing is traced or logged (a graph replay's hot loop); else one by one as usual."""
+        if self.debug or current_collector() is not None:
+            return super().run_commands(commands)
+        dev = self.dev
+        calls = (dev.dispatch, dev.copy, dev.fill)
+        for kind, args in commands:
+            calls[kind](*args)
+
     def _traced(self, col, name: str, t0: int) -> None:
         # Every timestamped command gets a sequence number in recording order, which is
         # also the order of the addon's events: the collector pairs them up by it.

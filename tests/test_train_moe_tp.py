@@ -1,7 +1,7 @@
 """helios-train --moe-experts with --tp: each expert's MLP split over the tensor-parallel ranks
 (hidden features, column-then-row as the dense MLP) trains what one rank trains, logs the same
-load-balancing loss and dropped pairs, composes with sequence, data and expert parallelism and
-ZeRO, writes a checkpoint that resumes on one rank; what stays refused is one line naming the
+load-balancing loss and dropped pairs, composes with sequence, data, pipeline and expert
+parallelism and ZeRO, writes a checkpoint that resumes on one rank; what stays refused is one line naming the
 flags."""
 
 from __future__ import annotations
@@ -87,8 +87,22 @@ def test_dp2_x_tp2_with_ep2_zero3_or_sequence_parallel_trains_what_data_parallel
     _same_run(dp2, part)
 
 
+def test_tp2_x_pp2_trains_what_one_rank_accumulating_the_micro_batches_trains(tmp_path):
+    """4 ranks, --tp 2 --pp 2 --microbatches 4: each stage's blocks with experts split by hidden
+    features, their load-balancing losses in the stage's backward == one rank accumulating the
+    same 4 micro-batches (an expert's capacity follows a micro-batch's tokens)."""
+    common = ("--steps", "4", "--microbatches", "4", *MOE)
+    one = tmp_path / "one"
+    r1 = launch(1, one, *common)
+    assert r1.returncode == 0, r1.stderr[-3000:]
+    r = launch(4, tmp_path / "tp2pp2", *common, "--tp", "2", "--pp", "2", timeout=400)
+    assert r.returncode == 0, r.stderr[-3000:]
+    _same_run(one, tmp_path / "tp2pp2")
+    assert _moe_logged(r.stdout) == _moe_logged(r1.stdout)
+
+
 @pytest.mark.parametrize("world,args,needle", [
-    (4, ["--moe-experts", "4", "--tp", "2", "--pp", "2"], "--moe-experts 4 with --tp 2 and --pp 2"),
+    (8, ["--moe-experts", "4", "--tp", "2", "--pp", "2", "--ep", "2"], "--moe-experts 4 with --tp 2, --pp 2 and --ep 2"),
     (4, ["--moe-experts", "4", "--tp", "2", "--ep", "2", "--zero", "1"], "--ep 2 with --zero 1"),
 ])
 def test_what_stays_refused_is_one_line(tmp_path, world, args, needle):

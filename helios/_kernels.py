@@ -28,7 +28,7 @@ BINARY = {"add": 0, "sub": 1, "mul": 2, "div": 3, "pow": 4, "maximum": 5, "minim
           "gelu_bwd": 8, "sigmoid_bwd": 9, "tanh_bwd": 10, "relu_bwd": 11, "and": 12, "or": 13, "xor": 14,
           "div_trunc": 15, "div_floor": 16}
 COMPARE = {"eq": 0, "ne": 1, "lt": 2, "le": 3, "gt": 4, "ge": 5}
-REDUCE = {"sum": 0, "max": 1, "min": 2, "argmax": 3, "argmin": 4}
+REDUCE = {"sum": 0, "max": 1, "min": 2, "argmax": 3, "argmin": 4, "sumsq": 5}  # sumsq: sum of squares (floats)
 
 _P_UNARY = struct.Struct("<4I2f2I6i6i")
 _P_BINARY = struct.Struct("<5If2I6i6i6i")
@@ -492,7 +492,7 @@ def _reduce_dest(out: Tensor | None, n: int, vdt: dt.DType, rt):
     return vals, bo, oo
 
 
-def _reduce_rows(op, x, rows, R, s_row, s_k, off, out_shape, scale, idx_in=None, out=None):
+def _reduce_rows(op, x, rows, R, s_row, s_k, off, out_shape, scale, idx_in=None, out=None, clip=None):
     rt = x._st.rt
     vdt = _value_dtype(x)
     arg = op in ("argmax", "argmin")
@@ -501,24 +501,61 @@ def _reduce_rows(op, x, rows, R, s_row, s_k, off, out_shape, scale, idx_in=None,
         nchunks = min((R + 4095) // 4096, 1024)
     chunk = (R + nchunks - 1) // nchunks
     total = rows * nchunks
-    vals, bo, oo = _reduce_dest(out if nchunks == 1 else None, total, vdt, rt)
+    final_clip = clip is not None and nchunks == 1  # this pass ends with the clip's scalar chain
+    vals, bo, oo = _reduce_dest(out if nchunks == 1 else None, 2 if final_clip else total, vdt, rt)
     idx = empty((total,), dt.int64, rt) if arg else vals
     wg = 256 if R >= 256 else 64 if R >= 64 else 16
-    pid = rt.pipeline("reduce", x.dtype.tag, (REDUCE[op], 0, wg, idx_in is not None))
+    pid = rt.pipeline("reduce", x.dtype.tag, (REDUCE[op], 0, wg, idx_in is not None) + ((True,) if final_clip else ()))
     bx, ox = bind(x)
     bi, oi = bind(idx_in) if idx_in is not None else (bx, 0)
-    final_scale = scale if nchunks == 1 else 1.0
+    final_scale = clip if final_clip else scale if nchunks == 1 else 1.0  # CLIP: max_norm in `scale`
+    name = op
+    if op == "sumsq" or final_clip:
+        from helios import fusion
+
+        name = fusion.dispatch_name(("sum_squares" if op == "sumsq" else "sum") + ("+clip_coef" if final_clip else ""), rt)
     rt.dispatch(pid, [bx, bi, bo, bind(idx, True)[0]],
                 _P_REDUCE.pack(R, rows, 1, nchunks, chunk, ox + off - x._off, s_row, s_k, 0, final_scale, oi, oo),
-                groups_for(total), op, rows * R, rows * R * x.dtype.itemsize)
+                groups_for(total), name, rows * R, rows * R * x.dtype.itemsize)
     vals._st.version += int(out is not None and nchunks == 1)  # a write into the caller's tensor
-    if nchunks > 1:
-        second = {"argmax": "argmax", "argmin": "argmin"}.get(op, op)
-        v2, i2 = _reduce_rows(second, vals, rows, nchunks, nchunks, 1, 0, out_shape, scale, idx if arg else None, out)
+    if nchunks > 1:  # the partials are summed as they are (already squared)
+        second = {"argmax": "argmax", "argmin": "argmin", "sumsq": "sum"}.get(op, op)
+        v2, i2 = _reduce_rows(second, vals, rows, nchunks, nchunks, 1, 0, out_shape, scale, idx if arg else None, out, clip)
         return v2, i2
+    if final_clip:  # (norm, coef), two scalars of one buffer
+        return Tensor(vals._st, (), (), vals._off, vdt), Tensor(vals._st, (), (), vals._off + 1, vdt)
     if out is not None:
         return out, None
     return vals.reshape(out_shape), (idx.reshape(out_shape) if arg else None)
+
+
+def sum_squares_fits(x: Tensor) -> bool:
+    """Whether sum_squares / clip_coef reduce ``x`` as reduce("sum") reduces a contiguous
+    copy of it: a contiguous float tensor inside one binding window (the row path)."""
+    return (x.dtype.kind == "float" and x.is_contiguous() and x.numel() > 0
+            and x._st.nbytes <= x._st.rt.max_range and not _too_wide(x))
+
+
+def sum_squares(x: Tensor) -> Tensor:
+    """sum(x * x) over all of ``x`` (float32, shape ()) in one reduction, each square
+    rounded to float32 before it is added (helios.fusion "sum_squares"): bit for bit
+    reduce("sum") of x * x.  ``x`` must pass sum_squares_fits."""
+    if not sum_squares_fits(x):
+        raise ShapeError(f"sum_squares: x must be a contiguous float tensor in one binding window, got {x.dtype.name} "
+                         f"{x.shape} with strides {x._strides}")
+    return _reduce_rows("sumsq", x, 1, x.numel(), 0, 1, x._off, (), 1.0)[0]
+
+
+def clip_coef(x: Tensor, max_norm: float, square: bool = True) -> tuple:
+    """(norm, coef) of the gradient clip over ``x`` in one reduction (two when x is long):
+    norm = sqrt(sum(x * x)) (``square`` False: of sum(x), x already a sum of squares) and
+    coef = clamp(max_norm / (norm + 1e-6), max=1), both float32 scalars on the device, bit
+    for bit the separate sqrt, add_s, rdiv_s and clamp (helios.fusion "clip_coef").  ``x``
+    must pass sum_squares_fits."""
+    if not sum_squares_fits(x):
+        raise ShapeError(f"clip_coef: x must be a contiguous float tensor in one binding window, got {x.dtype.name} "
+                         f"{x.shape} with strides {x._strides}")
+    return _reduce_rows("sumsq" if square else "sum", x, 1, x.numel(), 0, 1, x._off, (), 1.0, clip=float(max_norm))
 
 
 def _reduce_cols(op, x, outer, R, inner, s_row, s_k, s_in, out_shape, scale, out=None):

@@ -16,6 +16,12 @@ arithmetic in the same order, so its results are bit for bit those of the chain:
   the LayerNorm input-gradient kernel adds the pending gradient in its store (the tape
   offers it: ``Context.grad_pending``).
 
+* ``sum_squares`` / ``clip_coef`` (helios.optim.clip_grad_norm_): the sum of squares over
+  a flat gradient buffer as one reduction (no g * g temporary; each square rounded to
+  float32 before it is added, as the product's store did), and the scalar chain sqrt ->
+  + 1e-6 -> max_norm / x -> clamp(max=1) in that reduction's last step, with the
+  elementwise kernel's code; the norm and the coefficient stay on the device.
+
 Who fuses: the GPT modules (helios.nn.modules Block / MLP / CausalSelfAttention) call the
 fused functions of helios.functional where the pattern is present and the unfused parts
 are the plain ones (a Linear module without a replaced forward, dropout that is the
@@ -44,6 +50,9 @@ PARTS = {
     "linear+gelu": ("matmul", "+bias", "gelu_tanh"),
     "matmul+gelu_tanh_bwd": ("matmul", "gelu_tanh_bwd"),
     "layer_norm_bwd+acc": ("layer_norm_bwd", "add"),
+    "sum_squares": ("mul", "sum"),
+    "sum_squares+clip_coef": ("mul", "sum", "sqrt", "add_s", "rdiv_s", "clamp"),
+    "sum+clip_coef": ("sum", "sqrt", "add_s", "rdiv_s", "clamp"),
 }
 
 

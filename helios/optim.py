@@ -17,6 +17,7 @@ import weakref
 import helios.functional as F
 from helios import _kernels as K
 from helios import dtypes as dt
+from helios import fusion
 from helios import graph
 from helios.autograd.tape import no_grad
 from helios.errors import CheckpointError
@@ -260,14 +261,26 @@ def clip_grad_norm_(params, max_norm: float) -> Tensor:
                 flat_views.append(fg.g)
         else:
             flat_views.append(p.grad)
-    for gview in flat_views:
-        g32 = gview if gview.dtype is dt.float32 else F.to(gview, dt.float32)
-        parts.append(F.sum(g32 * g32))
-    total = parts[0]
-    for x in parts[1:]:
-        total = total + x
-    norm = F.sqrt(total)
-    coef = F.clamp(F.rdiv(norm + 1e-6, float(max_norm)), max=1.0)
+    # Fused (helios.fusion): each contiguous view's sum of squares as one reduction, and the
+    # scalar chain in the last reduction's final step; the same bits as the separate ops.
+    fuse = fusion.ENABLED and all(K.sum_squares_fits(g) for g in flat_views)
+    if fuse and len(flat_views) == 1:
+        norm, coef = K.clip_coef(flat_views[0], max_norm)
+    else:
+        for gview in flat_views:
+            if fuse:
+                parts.append(K.sum_squares(gview))
+                continue
+            g32 = gview if gview.dtype is dt.float32 else F.to(gview, dt.float32)
+            parts.append(F.sum(g32 * g32))
+        total = parts[0]
+        for x in parts[1:]:
+            total = total + x
+        if fuse:
+            norm, coef = K.clip_coef(total.reshape((1,)), max_norm, square=False)
+        else:
+            norm = F.sqrt(total)
+            coef = F.clamp(F.rdiv(norm + 1e-6, float(max_norm)), max=1.0)
     for gview in flat_views:
         if gview.is_contiguous():
             K.binary_("mul", gview, F.to(coef, gview.dtype))  # in place: no temporary, no copy back

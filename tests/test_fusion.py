@@ -15,7 +15,7 @@ import helios.functional as F
 from helios import _kernels as K
 from helios import fusion
 from helios.errors import ShapeError
-from helios.nn import GPT, GPTConfig
+from helios.nn import GPT, GPTConfig, Parameter
 from helios.optim import AdamW, clip_grad_norm_
 from helios.runtime import get_runtime
 
@@ -222,7 +222,13 @@ def test_gpt_adamw_steps_with_fusion_on_and_off_are_bit_identical():
     assert on[2]["layer_norm_bwd+acc"] == 2 * n_layer
     assert off[2]["add"] - on[2]["add"] == 4 * n_layer
     assert off[2]["gelu_tanh"] - on[2]["gelu_tanh"] == n_layer
-    assert sum(off[2].values()) - sum(on[2].values()) == 5 * n_layer
+    # the clip: no g * g temporary, and sqrt, add_s, rdiv_s, clamp in the reduction's last pass
+    # (the flat buffer is long enough for two passes: squares into partials, then the chain)
+    assert on[2]["sum_squares"] == 1 and on[2]["sum+clip_coef"] == 1
+    for op in ("sqrt", "add_s", "rdiv_s", "clamp"):
+        assert on[2][op] == 0 and off[2][op] == 1
+    assert off[2]["mul"] - on[2]["mul"] == 1
+    assert sum(off[2].values()) - sum(on[2].values()) == 5 * n_layer + 5
 
 
 def test_gpt_under_bf16_autocast_with_fusion_on_and_off_is_bit_identical():
@@ -232,3 +238,49 @@ def test_gpt_under_bf16_autocast_with_fusion_on_and_off_is_bit_identical():
     off = _gpt_run(False, dtype="bfloat16")
     assert on[0] == off[0]
     _assert_bits_equal(on[1], off[1])
+
+
+def _clip_run(enabled: bool, arrays, dtype: str, max_norm: float, flat: bool):
+    """clip_grad_norm_ over parameters whose gradients are ``arrays`` (one flat buffer, as
+    AdamW packs them, or separate gradients): the norm, the clipped gradients, the kernels."""
+    if flat:  # float32 parameters whose gradients AdamW packs into one flat buffer
+        params = [Parameter(hl.tensor(a)) for a in arrays]
+        AdamW(params, lr=1e-3)
+    else:
+        params = [hl.tensor(a).to(getattr(hl, dtype)).requires_grad_() for a in arrays]
+    loss = None
+    for p, a in zip(params, arrays):
+        term = (p * hl.tensor(a).to(getattr(hl, dtype))).float().sum()
+        loss = term if loss is None else loss + term
+    loss.backward()
+    with fused(enabled), count_dispatches() as names:
+        norm = clip_grad_norm_(params, max_norm)
+        out = [norm.numpy()] + [p.grad.float().numpy() for p in params]
+    return out, names
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_clip_grad_norm_fused_equals_the_separate_ops_bit_for_bit(dtype):
+    if dtype not in _dtypes():
+        pytest.skip("no 16-bit storage on this device")
+    rng = np.random.default_rng(3)
+    # short (one pass) and long (partials, then the chain in the second pass) buffers
+    for sizes in ([(7, 5), (3,)], [(300, 100), (40000,)]):
+        arrays = [rng.standard_normal(s).astype(np.float32) for s in sizes]
+        for flat in ((True, False) if dtype == "float32" else (False,)):
+            for max_norm in (0.5, 1e9):  # biting, and not
+                on, names_on = _clip_run(True, arrays, dtype, max_norm, flat)
+                off, names_off = _clip_run(False, arrays, dtype, max_norm, flat)
+                _assert_bits_equal(on, off)
+                for op in ("sqrt", "add_s", "rdiv_s", "clamp"):
+                    assert names_on[op] == 0 and names_off[op] == 1
+                # the squares in the reduction, the chain in its last pass (the GPT test below
+                # counts the one-buffer case)
+                assert names_on["mul"] == names_off["mul"] - len(arrays) and any("clip_coef" in n for n in names_on)
+
+
+def test_sum_squares_refuses_what_it_cannot_reduce_in_order():
+    with pytest.raises(ShapeError, match="sum_squares: x must be a contiguous float tensor"):
+        K.sum_squares(hl.ones((4, 3)).transpose(0, 1))
+    with pytest.raises(ShapeError, match="clip_coef: x must be a contiguous float tensor"):
+        K.clip_coef(hl.tensor(np.arange(4)), 1.0)

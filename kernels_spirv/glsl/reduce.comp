@@ -8,6 +8,12 @@
 // MODE 1 (columns): element (o, k, i) lives at off + o*s_row + k*s_k + i*s_in.  Each
 //   invocation owns one output (o, i) and walks k: coalesced when i is the fast axis.
 // Values accumulate in float for float inputs and in int64 for integer/bool inputs.
+// OP 5 (sumsq, floats): a sum of the squared values, each square rounded to float before it
+//   is added, as a separate x * x then sum would (helios.fusion "sum_squares").
+// CLIP (MODE 0, one row, one chunk; floats): the gradient clip's scalar chain on the sum s,
+//   with max_norm in `scale`: o[off_o] = norm = sqrt(s), o[off_o + 1] = coef =
+//   clamp(max_norm / (norm + 1e-6), max=1), with ew_unary's sqrt, add_s, rdiv_s and clamp
+//   code (helios.optim.clip_grad_norm_; helios.fusion "clip_coef").
 #define NEED_I64
 #include "common.glsl"
 layout(local_size_x_id = 2) in;
@@ -15,6 +21,7 @@ layout(constant_id = 0) const int OP = 0;        // 0 sum, 1 max, 2 min, 3 argma
 layout(constant_id = 1) const int MODE = 0;
 layout(constant_id = 2) const int WG = 256;
 layout(constant_id = 3) const bool HAS_IDX_IN = false;
+layout(constant_id = 4) const bool CLIP = false;
 
 #if TA == T_F32 || TA == T_F16 || TA == T_BF16
 #define VT float
@@ -55,7 +62,14 @@ bool better(VT v, int64_t i, VT b, int64_t bi) {
     return want_max ? v > b : v < b;
 }
 
-VT init_val() { return (OP == 0) ? VT(0) : ((OP == 1 || OP == 3) ? LOWEST : HIGHEST); }
+VT init_val() { return (OP == 0 || OP == 5) ? VT(0) : ((OP == 1 || OP == 3) ? LOWEST : HIGHEST); }
+
+// An element as the reduction adds it: squared (and rounded to float) for sumsq.
+VT load_val(uint i) {
+    precise VT v = LD(a[i]);
+    if (OP == 5) v = v * v;
+    return v;
+}
 
 void main() {
     uint tid = gl_LocalInvocationID.x;
@@ -68,15 +82,15 @@ void main() {
         VT acc = init_val();
         int64_t bi = int64_t(0x7FFFFFFFFFFFFFFFul);
         for (uint k = 0; k < p.R; ++k) {
-            VT v = LD(a[base + k * p.s_k]);
-            if (OP == 0) acc += v;
+            VT v = load_val(base + k * p.s_k);
+            if (OP == 0 || OP == 5) acc += v;
             else if (better(v, int64_t(k), acc, bi)) { acc = v; bi = int64_t(k); }
         }
 #if TA == T_F32 || TA == T_F16 || TA == T_BF16
-        if (OP == 0) acc *= p.scale;
+        if (OP == 0 || OP == 5) acc *= p.scale;
 #endif
         o[p.off_o + gidx] = acc;
-        if (OP >= 3) idx_out[gidx] = bi;
+        if (OP == 3 || OP == 4) idx_out[gidx] = bi;
         return;
     }
     if (wg >= p.rows * p.nchunks) return;
@@ -87,8 +101,8 @@ void main() {
     VT acc = init_val();
     int64_t bi = int64_t(0x7FFFFFFFFFFFFFFFul);
     for (uint k = k0 + tid; k < k1; k += uint(WG)) {
-        VT v = LD(a[base + k * p.s_k]);
-        if (OP == 0) acc += v;
+        VT v = load_val(base + k * p.s_k);
+        if (OP == 0 || OP == 5) acc += v;
         else {
             int64_t ki = HAS_IDX_IN ? idx_in[p.off_idx + r * p.s_row + k * p.s_k] : int64_t(k);
             if (better(v, ki, acc, bi)) { acc = v; bi = ki; }
@@ -99,7 +113,7 @@ void main() {
     barrier();
     for (uint s = uint(WG) / 2u; s > 0u; s >>= 1) {
         if (tid < s) {
-            if (OP == 0) s_val[tid] += s_val[tid + s];
+            if (OP == 0 || OP == 5) s_val[tid] += s_val[tid + s];
             else if (better(s_val[tid + s], s_idx[tid + s], s_val[tid], s_idx[tid])) {
                 s_val[tid] = s_val[tid + s];
                 s_idx[tid] = s_idx[tid + s];
@@ -110,9 +124,18 @@ void main() {
     if (tid == 0u) {
         VT v = s_val[0];
 #if TA == T_F32 || TA == T_F16 || TA == T_BF16
-        if (OP == 0) v *= p.scale;
+        if (CLIP) {  // ew_unary's OP 3 (sqrt), 11 (+ p0), 15 (p0 / x) and 16 (clamp), in turn
+            precise float norm = v < 0.0 ? uintBitsToFloat(0x7FC00000u) : v == 0.0 ? v : sqrt(v);
+            precise float d = norm + 1e-6;
+            precise float c = p.scale / d;
+            c = (c != c) ? c + LOWEST + 1.0 : min(max(c, LOWEST), 1.0);
+            o[p.off_o] = norm;
+            o[p.off_o + 1u] = c;
+            return;
+        }
+        if (OP == 0 || OP == 5) v *= p.scale;
 #endif
         o[p.off_o + wg] = v;
-        if (OP >= 3) idx_out[wg] = s_idx[0];
+        if (OP == 3 || OP == 4) idx_out[wg] = s_idx[0];
     }
 }

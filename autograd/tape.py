@@ -593,7 +593,12 @@ def _accumulate_leaf(t, g, given: set) -> None:
         if t.grad is None or t.grad._st is not slot._st:
             K.copy_into(slot, g if t.grad is None else t.grad + g)
         else:
-            K.copy_into(slot, slot + g)
+            from helios import fusion
+
+            if fusion.ENABLED and g.shape == slot.shape and g.dtype is slot.dtype and slot.is_contiguous():
+                K.binary_("add", slot, g)  # a later contribution (the tied table's), added in the slot itself
+            else:
+                K.copy_into(slot, slot + g)
         t.grad = slot
         return
     if t.grad is None:

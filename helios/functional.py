@@ -1542,18 +1542,19 @@ class _Linear(Function):
         return _linear_grads(ctx, g, x, w)
 
 
-def _linear_grads(ctx, g, x, w) -> tuple:
-    """(gx, gw, gb) of linear(x, w, b) for the output gradient g (inputs 0, 1, 2 of ctx)."""
+def _linear_grads(ctx, g, x, w, idx: tuple = (0, 1, 2)) -> tuple:
+    """(gx, gw, gb) of linear(x, w, b) for the output gradient g, where x, w and b are inputs
+    ``idx`` of ctx (None for x: its gradient is not computed here)."""
     n = ctx.needs_input_grad
-    gx = matmul(g, w) if n[0] else None
+    gx = matmul(g, w) if idx[0] is not None and n[idx[0]] else None
     gw = None
-    if n[1]:
+    if n[idx[1]]:
         g2, x2 = _rows(g), _rows(x)
         # The same sums either way round; the CPU matmul is faster with the wider dim as
         # N (measured: [512, 1024] @ [1024, 128] ~15 GFLOP/s, [128, 1024] @ [1024, 512] ~20),
         # so a wide-output weight gets (x^T g)^T, a transposed view.
         # Into the weight's free slot, the transposed product is stored transposed.
-        dest = _direct_dest(ctx, 1, w.shape, g2, x2)
+        dest = _direct_dest(ctx, idx[1], w.shape, g2, x2)
         if w.shape[0] > w.shape[1]:
             if dest is not None:
                 gw = K.matmul(transpose(x2, 0, 1), g2, out=transpose(dest, 0, 1))
@@ -1565,8 +1566,8 @@ def _linear_grads(ctx, g, x, w) -> tuple:
         else:
             gw = matmul(transpose(g2, 0, 1), x2)
     gb = None
-    if n[2]:
-        dest = _direct_dest(ctx, 2, (g.shape[-1],), g)
+    if n[idx[2]]:
+        dest = _direct_dest(ctx, idx[2], (g.shape[-1],), g)
         if dest is not None and g.ndim >= 2 and dest.dtype is dt.float32:
             # sum() of a float32 gradient over the leading dims, written into the slot
             gb, _ = K.reduce("sum", g, tuple(range(g.ndim - 1)), 1.0, out=dest)
@@ -1610,6 +1611,49 @@ class _LinearGelu(Function):
         x, w, u = ctx.saved_tensors
         # gelu's backward (as _Unary's), then the linear's on its result
         return _linear_grads(ctx, K.binary("gelu_tanh_bwd", u, g), x, w)
+
+
+class _MLPResidual(Function):
+    """residual + linear(gelu_tanh(linear(x, w1, b1)), w2, b2): the forward is the two fused
+    matmuls (linear+gelu, linear+residual); backward computes the hidden gradient with
+    gelu_tanh_bwd in the product's epilogue (helios.fusion "matmul+gelu_tanh_bwd")."""
+
+    op_name = "mlp+residual"
+
+    @staticmethod
+    def forward(ctx, x, w1, b1, w2, b2, residual):
+        h, u = K.matmul_epilogue("linear+gelu", x, transpose(w1, 0, 1), b1, None)
+        out, _ = K.matmul_epilogue("linear+residual", h, transpose(w2, 0, 1), b2, residual)
+        ctx.save_for_backward(x, w1, u, h, w2)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w1, u, h, w2 = ctx.saved_tensors
+        n = ctx.needs_input_grad
+        _, gw2, gb2 = _linear_grads(ctx, g, h, w2, (None, 3, 4))  # c_proj's parameters
+        gx = gw1 = gb1 = None
+        if n[0] or n[1] or n[2]:
+            # c_proj's input gradient g @ w2 times gelu'(u), in one kernel; then c_fc's
+            gu, _ = K.matmul_epilogue("matmul+gelu_tanh_bwd", g, w2, None, u)
+            gx, gw1, gb1 = _linear_grads(ctx, gu, x, w1)
+        return gx, gw1, gb1, gw2, gb2, (g if n[5] else None)
+
+
+def mlp_residual(x: Tensor, w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tensor | None, residual: Tensor) -> Tensor:
+    """residual + linear(gelu(linear(x, w1, b1), approximate="tanh"), w2, b2), the GPT MLP
+    block with its residual add, in fused kernels (helios.fusion: linear+gelu and
+    linear+residual forward, matmul+gelu_tanh_bwd backward), bit for bit the separate ops;
+    where the fused kernels do not apply the separate ops run."""
+    hidden = x.shape[:-1] + (w1.shape[0],) if isinstance(x, Tensor) and isinstance(w1, Tensor) else None
+    if (_fusible_linear(x, w1, b1) and isinstance(w2, Tensor) and w2.ndim == 2 and w2.shape[1] == w1.shape[0]
+            and w2.dtype is x.dtype and w1.shape[0] > 0
+            and (b2 is None or (isinstance(b2, Tensor) and b2.shape == (w2.shape[0],) and b2.dtype is x.dtype
+                                and (b2.shape[0] == 1 or b2._strides[0] == 1)))
+            and isinstance(residual, Tensor) and residual.dtype is x.dtype
+            and residual.shape == hidden[:-1] + (w2.shape[0],) and residual.is_contiguous()):
+        return _MLPResidual.apply(x, w1, b1, w2, b2, residual)
+    return linear_residual(linear_gelu(x, w1, b1), w2, b2, residual)
 
 
 def _fusible_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:

@@ -11,6 +11,9 @@ arithmetic in the same order, so its results are bit for bit those of the chain:
   stores the pre-activation (backward needs it) and its GELU, with the elementwise
   kernel's GELU code (EPI 2).  Its backward multiplies the incoming gradient by GELU's
   derivative as ew_binary's gelu_tanh_bwd does.
+* ``matmul+gelu_tanh_bwd``: in the GPT MLP's backward (helios.functional.mlp_residual), the
+  hidden gradient g @ W2 rounded to the storage type and multiplied by gelu_tanh'(u) in the
+  product's epilogue (EPI 3), u being the pre-activation linear+gelu stored.
 * ``layer_norm_bwd+acc``: where a tensor's gradient is a pending gradient plus a
   LayerNorm's input gradient (the residual stream feeds the residual add and ln_1 / ln_2),
   the LayerNorm input-gradient kernel adds the pending gradient in its store (the tape

@@ -113,6 +113,41 @@ def test_fused_pattern_equals_its_unfused_twin_bit_for_bit(name, dtype):
             assert names_off[name] == 0 and names_off["matmul"] == 1
 
 
+def _mlp_run(enabled: bool, dtype: str, shape, hidden: int, with_bias: bool, fn):
+    rng = np.random.default_rng(4)
+    c = shape[-1]
+    arrs = [rng.standard_normal(shape), rng.standard_normal((hidden, c)) * 0.3, rng.standard_normal(hidden),
+            rng.standard_normal((c, hidden)) * 0.3, rng.standard_normal(c), rng.standard_normal(shape)]
+    ts = [hl.tensor(a.astype(np.float32)).to(getattr(hl, dtype)).requires_grad_() for a in arrs]
+    x, w1, b1, w2, b2, r = ts
+    if not with_bias:
+        b1 = b2 = None
+    with fused(enabled), count_dispatches() as names:
+        y = fn(x, w1, b1, w2, b2, r)
+        (y.float() * y.float()).sum().backward()
+    return [y.float().numpy()] + [t.grad.float().numpy() for t in ts if t.grad is not None], names
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_mlp_block_fused_equals_the_separate_ops_bit_for_bit(dtype):
+    if dtype not in _dtypes():
+        pytest.skip("no 16-bit storage on this device")
+
+    def twin(x, w1, b1, w2, b2, r):
+        return r + F.linear(F.gelu(F.linear(x, w1, b1), approximate="tanh"), w2, b2)
+
+    for shape, hidden in (((2, 16, 32), 128), ((3, 5, 8), 24)):
+        for with_bias in (True, False):
+            on, names_on = _mlp_run(True, dtype, shape, hidden, with_bias, F.mlp_residual)
+            off, names_off = _mlp_run(False, dtype, shape, hidden, with_bias, F.mlp_residual)
+            ref, _ = _mlp_run(True, dtype, shape, hidden, with_bias, twin)
+            _assert_bits_equal(on, off)
+            _assert_bits_equal(on, ref)
+            assert names_on["matmul+gelu_tanh_bwd"] == 1 and names_on["gelu_tanh_bwd"] == 0
+            assert names_off["gelu_tanh_bwd"] == 1
+            assert sum(names_off.values()) - sum(names_on.values()) == 3  # add, gelu_tanh, gelu_tanh_bwd
+
+
 def test_fused_kernels_name_their_parts_at_debug_and_refuse_bad_arguments():
     class Rt:
         debug = 0
@@ -228,7 +263,10 @@ def test_gpt_adamw_steps_with_fusion_on_and_off_are_bit_identical():
     for op in ("sqrt", "add_s", "rdiv_s", "clamp"):
         assert on[2][op] == 0 and off[2][op] == 1
     assert off[2]["mul"] - on[2]["mul"] == 1
-    assert sum(off[2].values()) - sum(on[2].values()) == 5 * n_layer + 5
+    assert on[2]["matmul+gelu_tanh_bwd"] == n_layer and on[2]["gelu_tanh_bwd"] == 0
+    # the tied table's second gradient added in its slot: no temporary copied there
+    assert off[2]["copy"] - on[2]["copy"] == 1
+    assert sum(off[2].values()) - sum(on[2].values()) == 6 * n_layer + 5 + 1
 
 
 def test_gpt_under_bf16_autocast_with_fusion_on_and_off_is_bit_identical():

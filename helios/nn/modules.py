@@ -774,8 +774,13 @@ class MLP(Module):
     def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
         """c_proj(gelu(c_fc(x))); with ``residual``, residual + that.  Where the parts are the
         plain ones, c_fc and the GELU run as one "linear+gelu" kernel and c_proj and the
-        residual add as one "linear+residual" kernel (helios.fusion)."""
-        if fusion.ENABLED and _plain_linear(self.c_fc) and type(self.gelu) is GELU and self.gelu.approximate == "tanh":
+        residual add as one "linear+residual" kernel, and backward multiplies by GELU's
+        derivative in the product that makes the hidden gradient (helios.fusion)."""
+        plain_gelu = type(self.gelu) is GELU and self.gelu.approximate == "tanh"
+        if (fusion.ENABLED and residual is not None and plain_gelu and _plain_linear(self.c_fc)
+                and _plain_linear(self.c_proj) and _identity(self.dropout)):
+            return F.mlp_residual(x, self.c_fc.weight, self.c_fc.bias, self.c_proj.weight, self.c_proj.bias, residual)
+        if fusion.ENABLED and _plain_linear(self.c_fc) and plain_gelu:
             h = F.linear_gelu(x, self.c_fc.weight, self.c_fc.bias)
         else:
             h = self.gelu(self.c_fc(x))
@@ -787,12 +792,17 @@ def _plain_linear(m) -> bool:
     return type(m) is Linear and "forward" not in vars(m)
 
 
+def _identity(dropout) -> bool:
+    """Whether ``dropout`` is a Dropout that passes its input through (p == 0 or eval mode)."""
+    return type(dropout) is Dropout and (dropout.p == 0 or not dropout.training)
+
+
 def _project(proj, dropout, y: Tensor, residual: Tensor | None) -> Tensor:
     """dropout(proj(y)), plus ``residual`` when given: one "linear+residual" kernel when the
     projection is a plain Linear and the dropout the identity (helios.fusion)."""
     if residual is None:
         return dropout(proj(y))
-    if fusion.ENABLED and _plain_linear(proj) and type(dropout) is Dropout and (dropout.p == 0 or not dropout.training):
+    if fusion.ENABLED and _plain_linear(proj) and _identity(dropout):
         return F.linear_residual(y, proj.weight, proj.bias, residual)
     return residual + dropout(proj(y))
 

@@ -499,7 +499,7 @@ def _train(args, given: set[str]) -> int:
         from helios.schedule.pipeline import clip_grad_norm_ as pp_clip
 
         def clip(params, max_norm):
-            return pp_clip(gpt, max_norm, shard_group=ep_group)  # (ep_group: the experts' shards)
+            return pp_clip(gpt, max_norm)  # (each shard summed over the group its layout names)
     elif tensor_parallel:  # the global norm sums every shard once, over the tensor-parallel group
         from helios.schedule.tensor_parallel import clip_grad_norm_ as tp_clip
 

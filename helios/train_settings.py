@@ -250,9 +250,6 @@ def check_experts(experts: int, top_k: int, ep: int, tp: int, pp: int, world: in
         return
     if top_k > experts:
         usage(f"--moe-top-k {top_k} is more than --moe-experts {experts}: a token cannot go to more experts than exist")
-    if tp > 1 and pp > 1 and ep > 1:
-        usage(f"--moe-experts {experts} with --tp {tp}, --pp {pp} and --ep {ep}: experts split over expert-, tensor- "
-              "and pipeline-parallel ranks at once are not supported yet (drop one of the three)")
 
 
 def check_dtype(dtype: str, tp: int, pp: int, zero: int, experts: int) -> None:

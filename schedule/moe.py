@@ -124,7 +124,8 @@ class MoEMLP(Module):
             # record tensor parallelism keeps, so checkpoints gather whole tensors (and load
             # on any layout) and the global gradient norm sums each shard once over the group.
             for w in self.expert_parameters():
-                w.tp_layout = TPLayout((n_experts, *w.shape[1:]), self._rows_of, ep)
+                w.tp_layout = TPLayout((n_experts, *w.shape[1:]), self._rows_of, ep, group=ep_group,
+                                       rank=group_rank(ep_group))
         self.tp_group, self.tp, self.sequence_parallel = None, 1, False  # split_hidden() sets them
         self.aux_loss: Tensor | None = None
         self.dropped: Tensor | None = None  # (token, choice) pairs past capacity in the last forward

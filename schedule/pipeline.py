@@ -848,20 +848,25 @@ def _squares(params) -> float:
     return 0.0 if total is None else float(total.item())
 
 
-def clip_grad_norm_(stage: PipelineStage, max_norm: float, shard_group=None) -> float:
+def clip_grad_norm_(stage: PipelineStage, max_norm: float) -> float:
     """Scale the stage's gradients so the whole model's norm is at most ``max_norm`` (a
-    collective over the pipeline group, and the tensor-parallel group of a tensor-parallel
-    stage, whose shards' squares are summed while replicated parameters count once); returns
-    the norm.  ``shard_group``: the group whose ranks hold the other shards of the sharded
-    parameters when it is not the stage's tensor-parallel group (the expert-parallel group of
-    a mixture-of-experts stage)."""
+    collective over the pipeline group, and over the groups that hold the shards of the
+    stage's sharded parameters: the tensor-parallel group, or the group a shard's layout
+    names, as a mixture of experts' expert tensors do; shards' squares are summed over their
+    group while replicated parameters count once); returns the norm."""
     owned = stage.owned_parameters()
-    group = shard_group if shard_group is not None else stage.tp_group
+    by_group: dict[int, tuple] = {}  # one sum per group, in the parameters' order (alike on the group's ranks)
+    for p in owned:
+        if _tp_sharded(p):
+            g = p.tp_layout.group if p.tp_layout.group is not None else stage.tp_group
+            by_group.setdefault(id(g), (g, []))[1].append(p)
     with no_grad():
-        shards = np.array([_squares([p for p in owned if _tp_sharded(p)])], np.float64)
-        if group is not None and group_size(group) > 1:
-            dist.all_reduce(shards, group=group)
-        total = np.array([shards[0] + _squares([p for p in owned if not _tp_sharded(p)])], np.float64)
+        total = np.array([_squares([p for p in owned if not _tp_sharded(p)])], np.float64)
+        for g, ps in by_group.values():
+            part = np.array([_squares(ps)], np.float64)
+            if g is not None and group_size(g) > 1:
+                dist.all_reduce(part, group=g)
+            total += part
     if stage.pp > 1:
         dist.all_reduce(total, group=stage.group)
     norm = float(np.sqrt(total[0]))

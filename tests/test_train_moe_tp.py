@@ -101,8 +101,23 @@ def test_tp2_x_pp2_trains_what_one_rank_accumulating_the_micro_batches_trains(tm
     assert _moe_logged(r.stdout) == _moe_logged(r1.stdout)
 
 
+@pytest.mark.slow
+def test_tp2_x_pp2_x_ep2_on_8_ranks_trains_what_the_pipeline_on_4_trains(tmp_path):
+    """8 ranks, --tp 2 --pp 2 --ep 2 (tp 2 x pp 2 x dp 2, the experts of each stage split over
+    its 2 replicas and each expert over its 2 TP ranks) == --pp 2 on 4 ranks (pp 2 x dp 2, the
+    same micro-batches per replica): the pipeline clip sums each shard over the group its
+    layout names (the clip bites: --grad-clip 0.05)."""
+    common = ("--steps", "4", "--microbatches", "2", *MOE)
+    ref = tmp_path / "pp2dp2"
+    r = launch(4, ref, *common, "--pp", "2", timeout=400)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r8 = launch(8, tmp_path / "tp2pp2ep2", *common, "--pp", "2", "--tp", "2", "--ep", "2", timeout=600)
+    assert r8.returncode == 0, r8.stderr[-3000:]
+    _same_run(ref, tmp_path / "tp2pp2ep2")
+    assert _moe_logged(r8.stdout) == _moe_logged(r.stdout)
+
+
 @pytest.mark.parametrize("world,args,needle", [
-    (8, ["--moe-experts", "4", "--tp", "2", "--pp", "2", "--ep", "2"], "--moe-experts 4 with --tp 2, --pp 2 and --ep 2"),
     (4, ["--moe-experts", "4", "--tp", "2", "--ep", "2", "--zero", "1"], "--ep 2 with --zero 1"),
 ])
 def test_what_stays_refused_is_one_line(tmp_path, world, args, needle):

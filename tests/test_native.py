@@ -653,11 +653,14 @@ def test_bad_pipeline_and_transfer_arguments(fresh, shaders):
 
 
 @pytest.mark.parametrize("env", ["HELIOS_VK_FORCE_STAGING", "HELIOS_VK_NO_PUSH_DESCRIPTOR",
-                                 "HELIOS_VK_NO_CALIBRATED_TIMESTAMPS"])
+                                 "HELIOS_VK_NO_CALIBRATED_TIMESTAMPS", "HELIOS_VK_NO_TIMELINE_SEMAPHORE"])
 def test_fallback_paths(monkeypatch, shaders, env):
-    """Staging copies (discrete GPUs), descriptor-set pools, uncalibrated timestamps."""
+    """Staging copies (discrete GPUs), descriptor-set pools, uncalibrated timestamps, a fence per
+    command buffer (Vulkan 1.1 devices, no timeline semaphore)."""
     monkeypatch.setenv(env, "1")
     d = v.Device(0, "")
+    vulkan_1_2 = tuple(int(x) for x in d.info["api_version"].split(".")[:2]) >= (1, 2)
+    assert d.timeline_semaphore is (env != "HELIOS_VK_NO_TIMELINE_SEMAPHORE" and vulkan_1_2)
     if env == "HELIOS_VK_NO_PUSH_DESCRIPTOR":
         assert d.info["features"]["push_descriptor"] is False
     if env == "HELIOS_VK_NO_CALIBRATED_TIMESTAMPS":
@@ -762,7 +765,8 @@ print("SCENARIO-OK")
 """
 
 
-@pytest.mark.parametrize("env", [{}, {"HELIOS_VK_NO_PUSH_DESCRIPTOR": "1", "HELIOS_VK_FORCE_STAGING": "1"}])
+@pytest.mark.parametrize("env", [{}, {"HELIOS_VK_NO_PUSH_DESCRIPTOR": "1", "HELIOS_VK_FORCE_STAGING": "1",
+                                      "HELIOS_VK_NO_TIMELINE_SEMAPHORE": "1"}])
 def test_clean_under_validation_layers(tmp_path, shaders, env):
     """The stream's barriers satisfy Khronos synchronization validation (skipped without the layer)."""
     add, total = tmp_path / "add.spv", tmp_path / "sum.spv"

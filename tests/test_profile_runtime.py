@@ -27,7 +27,7 @@ def test_profile_a_training_step_gives_a_valid_trace(tmp_path):
     # dispatches and copies (stats) plus buffer fills (not counted there) are all timestamped
     launched = (after["dispatches"] - before["dispatches"]) + (after["copies"] - before["copies"])
     col = prof.collector
-    assert len(col.events) >= launched > 50
+    assert len(col.events) >= launched > 30
     launched = len(col.events)
     assert all(e.end_ns >= e.start_ns for e in col.events)
     owners = col.op_of_dispatch()

@@ -35,6 +35,7 @@ Device::Device(int index, const std::string& pipeline_cache_dir) {
   // Test switches that exercise the paths of other hardware on this one.
   if (env_flag("HELIOS_VK_NO_PUSH_DESCRIPTOR")) info_.push_descriptor = false;
   if (env_flag("HELIOS_VK_NO_CALIBRATED_TIMESTAMPS")) info_.calibrated_timestamps = false;
+  if (env_flag("HELIOS_VK_NO_TIMELINE_SEMAPHORE")) info_.timeline_semaphore = false;
   const bool force_staging = env_flag("HELIOS_VK_FORCE_STAGING");
   uint64_t block_size = 64ull << 20;
   if (const char* mb = std::getenv("HELIOS_VK_BLOCK_MB")) block_size = std::max(1ull, std::strtoull(mb, nullptr, 10)) << 20;
@@ -54,6 +55,8 @@ Device::Device(int index, const std::string& pipeline_cache_dir) {
   VkPhysicalDevice16BitStorageFeatures s16{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_16BIT_STORAGE_FEATURES};
   VkPhysicalDevice8BitStorageFeatures s8{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_8BIT_STORAGE_FEATURES};
   VkPhysicalDeviceShaderFloat16Int8Features f16{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SHADER_FLOAT16_INT8_FEATURES};
+  VkPhysicalDeviceTimelineSemaphoreFeatures timeline{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_TIMELINE_SEMAPHORE_FEATURES};
+  timeline.timelineSemaphore = VK_TRUE;
   f2.features.shaderInt64 = info_.int64;
   f2.features.shaderInt16 = info_.int16;
   s16.storageBuffer16BitAccess = info_.storage16;
@@ -64,6 +67,8 @@ Device::Device(int index, const std::string& pipeline_cache_dir) {
   *tail = &s16, tail = &s16.pNext;
   if (info_.storage8) *tail = &s8, tail = &s8.pNext;
   if (info_.float16 || info_.int8) *tail = &f16, tail = &f16.pNext;
+  if (info_.timeline_semaphore && v12) *tail = &timeline, tail = &timeline.pNext;
+  else info_.timeline_semaphore = false;
 
   float priority = 1.0f;
   VkDeviceQueueCreateInfo qci{VK_STRUCTURE_TYPE_DEVICE_QUEUE_CREATE_INFO};

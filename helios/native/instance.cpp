@@ -121,11 +121,13 @@ PhysicalDeviceInfo describe(VkPhysicalDevice pd, uint32_t instance_api) {
   VkPhysicalDevice16BitStorageFeatures s16{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_16BIT_STORAGE_FEATURES};
   VkPhysicalDevice8BitStorageFeatures s8{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_8BIT_STORAGE_FEATURES};
   VkPhysicalDeviceShaderFloat16Int8Features f16{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SHADER_FLOAT16_INT8_FEATURES};
+  VkPhysicalDeviceTimelineSemaphoreFeatures timeline{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_TIMELINE_SEMAPHORE_FEATURES};
   if (v11) {
     void** tail = &f2.pNext;
     *tail = &s16, tail = &s16.pNext;  // core in 1.1
     if (api >= VK_API_VERSION_1_2 || d.has_ext_8bit_storage) *tail = &s8, tail = &s8.pNext;
     if (api >= VK_API_VERSION_1_2 || d.has_ext_float16_int8) *tail = &f16, tail = &f16.pNext;
+    if (api >= VK_API_VERSION_1_2) *tail = &timeline, tail = &timeline.pNext;  // core in 1.2
     vkGetPhysicalDeviceFeatures2(pd, &f2);
   } else {
     vkGetPhysicalDeviceFeatures(pd, &f2.features);
@@ -136,6 +138,7 @@ PhysicalDeviceInfo describe(VkPhysicalDevice pd, uint32_t instance_api) {
   d.storage8 = s8.storageBuffer8BitAccess;
   d.float16 = f16.shaderFloat16;
   d.int8 = f16.shaderInt8;
+  d.timeline_semaphore = api >= VK_API_VERSION_1_2 && timeline.timelineSemaphore;
 
   // Calibrated timestamps count only if both the device and CLOCK_MONOTONIC domains exist.
   if (has_calibrated) {

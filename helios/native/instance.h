@@ -42,6 +42,7 @@ struct PhysicalDeviceInfo {
   // Features exposed to Python.
   bool float16 = false, storage16 = false, storage8 = false, int64 = false, int16 = false;
   bool push_descriptor = false, calibrated_timestamps = false, unified_memory = false;
+  bool timeline_semaphore = false;  // Vulkan 1.2's timelineSemaphore feature (the stream's completion tracking)
   uint64_t device_local_bytes = 0;
 
   // How to enable them: core (api >= 1.2) or via the KHR extension names.

@@ -292,6 +292,9 @@ PYBIND11_MODULE(_vulkan, m) {
           "info", [](PyDevice& s) { return info_dict(s.d().info()); }, "The enumerate_devices() dict of this device.")
       .def_property_readonly("closed", [](PyDevice& s) { return !s.dev || s.dev->closed(); }, "True after close().")
       .def_property_readonly(
+          "timeline_semaphore", [](PyDevice& s) { return s.d().info().timeline_semaphore; },
+          "Whether the stream tracks completion with a timeline semaphore (else a fence per command buffer).")
+      .def_property_readonly(
           "block_size", [](PyDevice& s) { return s.d().block_size(); }, "Bytes per sub-allocated pool block.")
       .def_property_readonly(
           "pipeline_cache_path", [](PyDevice& s) { return s.d().pipeline_cache_path(); },

@@ -3,8 +3,9 @@
 // Submission model: ops record into the open command buffer and return; the
 // buffer is submitted when it holds auto_submit ops, on flush/synchronize, or
 // when the host needs a result.  A ring of kRing buffers lets the host record
-// the next batch while the device runs earlier ones; the host waits on a fence
-// only when the ring is full or when it needs data.
+// the next batch while the device runs earlier ones; the host waits (on the timeline
+// semaphore every submission signals with its serial, or on a fence per buffer where
+// the device has no timeline semaphores) only when the ring is full or when it needs data.
 #include "stream.h"
 
 #include <algorithm>
@@ -41,8 +42,18 @@ Stream::Stream(VkDevice dev, VkQueue queue, const PhysicalDeviceInfo& info, bool
     ai.level = VK_COMMAND_BUFFER_LEVEL_PRIMARY;
     ai.commandBufferCount = 1;
     check(vkAllocateCommandBuffers(dev_, &ai, &s.cmd), "vkAllocateCommandBuffers");
-    VkFenceCreateInfo fci{VK_STRUCTURE_TYPE_FENCE_CREATE_INFO};
-    check(vkCreateFence(dev_, &fci, nullptr, &s.fence), "vkCreateFence");
+    if (!info.timeline_semaphore) {
+      VkFenceCreateInfo fci{VK_STRUCTURE_TYPE_FENCE_CREATE_INFO};
+      check(vkCreateFence(dev_, &fci, nullptr, &s.fence), "vkCreateFence");
+    }
+  }
+  if (info.timeline_semaphore) {
+    VkSemaphoreTypeCreateInfo ti{VK_STRUCTURE_TYPE_SEMAPHORE_TYPE_CREATE_INFO};
+    ti.semaphoreType = VK_SEMAPHORE_TYPE_TIMELINE;
+    ti.initialValue = 0;  // serials start at 1
+    VkSemaphoreCreateInfo ci{VK_STRUCTURE_TYPE_SEMAPHORE_CREATE_INFO};
+    ci.pNext = &ti;
+    check(vkCreateSemaphore(dev_, &ci, nullptr, &timeline_), "vkCreateSemaphore");
   }
 }
 
@@ -54,6 +65,7 @@ Stream::~Stream() {
     if (s.fence) vkDestroyFence(dev_, s.fence, nullptr);
     if (s.pool) vkDestroyCommandPool(dev_, s.pool, nullptr);
   }
+  if (timeline_) vkDestroySemaphore(dev_, timeline_, nullptr);
 }
 
 void Stream::record_barrier(VkCommandBuffer cmd) {
@@ -222,8 +234,18 @@ void Stream::submit_open() {
   si.commandBufferCount = 1;
   si.pCommandBuffers = &s.cmd;
   s.host_submit_ns = monotonic_ns();
-  check(vkResetFences(dev_, 1, &s.fence), "vkResetFences");
-  check(vkQueueSubmit(queue_, 1, &si, s.fence), "vkQueueSubmit");
+  if (timeline_) {
+    VkTimelineSemaphoreSubmitInfo ts{VK_STRUCTURE_TYPE_TIMELINE_SEMAPHORE_SUBMIT_INFO};
+    ts.signalSemaphoreValueCount = 1;
+    ts.pSignalSemaphoreValues = &s.serial;
+    si.pNext = &ts;
+    si.signalSemaphoreCount = 1;
+    si.pSignalSemaphores = &timeline_;
+    check(vkQueueSubmit(queue_, 1, &si, VK_NULL_HANDLE), "vkQueueSubmit");
+  } else {
+    check(vkResetFences(dev_, 1, &s.fence), "vkResetFences");
+    check(vkQueueSubmit(queue_, 1, &si, s.fence), "vkQueueSubmit");
+  }
   s.state = Slot::kInFlight;
   inflight_.push_back(open_);
   open_ = -1;
@@ -278,7 +300,19 @@ void Stream::retire_front() {
   if (on_complete_) on_complete_(completed_);
 }
 
+uint64_t Stream::finished_serial() {
+  uint64_t v = 0;
+  check(vkGetSemaphoreCounterValue(dev_, timeline_, &v), "vkGetSemaphoreCounterValue");
+  return v;
+}
+
 void Stream::poll() {
+  if (timeline_) {
+    if (inflight_.empty()) return;
+    const uint64_t done = finished_serial();  // one read retires every finished submission
+    while (!inflight_.empty() && slots_[inflight_.front()].serial <= done) retire_front();
+    return;
+  }
   while (!inflight_.empty()) {
     VkResult r = vkGetFenceStatus(dev_, slots_[inflight_.front()].fence);
     if (r == VK_NOT_READY) return;
@@ -289,6 +323,23 @@ void Stream::poll() {
 
 void Stream::wait_serial(uint64_t serial) {
   if (open_ >= 0 && slots_[open_].serial <= serial) submit_open();
+  if (timeline_) {
+    // One wait for the newest in-flight submission the caller needs, then retire up to it.
+    uint64_t target = 0;
+    for (int idx : inflight_)
+      if (slots_[idx].serial <= serial) target = std::max(target, slots_[idx].serial);
+    if (target == 0) return;
+    if (finished_serial() < target) {
+      stats_.fence_waits += 1;
+      VkSemaphoreWaitInfo wi{VK_STRUCTURE_TYPE_SEMAPHORE_WAIT_INFO};
+      wi.semaphoreCount = 1;
+      wi.pSemaphores = &timeline_;
+      wi.pValues = &target;
+      check(vkWaitSemaphores(dev_, &wi, UINT64_MAX), "vkWaitSemaphores");
+    }
+    while (!inflight_.empty() && slots_[inflight_.front()].serial <= target) retire_front();
+    return;
+  }
   while (!inflight_.empty() && slots_[inflight_.front()].serial <= serial) {
     Slot& s = slots_[inflight_.front()];
     VkResult r = vkGetFenceStatus(dev_, s.fence);

@@ -79,7 +79,7 @@ class Stream {
 
   void flush();          // submit what is recorded, do not wait
   void synchronize();    // submit and wait for everything
-  void poll();           // retire submissions whose fence signalled (no waiting)
+  void poll();           // retire submissions the device finished (no waiting)
   void wait_serial(uint64_t serial);  // submit if needed and wait until `serial` completed
 
   // Serial of the newest unfinished op touching [begin, end) of the block (only
@@ -113,7 +113,7 @@ class Stream {
   struct Slot {
     VkCommandPool pool = VK_NULL_HANDLE;
     VkCommandBuffer cmd = VK_NULL_HANDLE;
-    VkFence fence = VK_NULL_HANDLE;
+    VkFence fence = VK_NULL_HANDLE;  // only without a timeline semaphore
     enum { kIdle, kRecording, kInFlight } state = kIdle;
     uint64_t serial = 0;
     uint32_t ops = 0, dispatches = 0;
@@ -146,6 +146,11 @@ class Stream {
   bool calibrated_;
   PFN_vkGetCalibratedTimestampsEXT get_calibrated_ = nullptr;
   std::function<void(uint64_t)> on_complete_;
+  // Completion tracking: one timeline semaphore that each submission signals with its serial
+  // (Vulkan 1.2), so "is serial N done" is one counter read and "wait for N" one wait; a
+  // fence per ring slot on devices without it.
+  VkSemaphore timeline_ = VK_NULL_HANDLE;
+  uint64_t finished_serial();  // the newest serial the device has finished (timeline only)
 
   std::array<Slot, kRing> slots_;
   int open_ = -1;          // slot being recorded, -1 if none

@@ -18,12 +18,19 @@ arithmetic in the same order, so its results are bit for bit those of the chain:
   LayerNorm's input gradient (the residual stream feeds the residual add and ln_1 / ln_2),
   the LayerNorm input-gradient kernel adds the pending gradient in its store (the tape
   offers it: ``Context.grad_pending``).
+* ``sum_squares`` and ``sum_squares+clip_coef`` / ``sum+clip_coef``
+  (helios.optim.clip_grad_norm_): the sum of squares over a flat gradient buffer as one
+  reduction (no g * g temporary; each square rounded to float32 before it is added, as the
+  product's store did), and the scalar chain sqrt -> + 1e-6 -> max_norm / x ->
+  clamp(max=1) in that reduction's last pass (the first pass's partials are summed by the
+  second on long buffers), with the elementwise kernel's code; the norm and the
+  coefficient stay on the device.
+* A packed parameter's later gradient contribution (the tied embedding table's second
+  use) is added into its slot of the flat gradient buffer in place (autograd.tape), not
+  added into a temporary that is then copied there.
 
-* ``sum_squares`` / ``clip_coef`` (helios.optim.clip_grad_norm_): the sum of squares over
-  a flat gradient buffer as one reduction (no g * g temporary; each square rounded to
-  float32 before it is added, as the product's store did), and the scalar chain sqrt ->
-  + 1e-6 -> max_norm / x -> clamp(max=1) in that reduction's last step, with the
-  elementwise kernel's code; the norm and the coefficient stay on the device.
+The linear fusions run without autocast (under autocast the unfused ops convert their
+operands between the parts); the LayerNorm and clip fusions run either way.
 
 Who fuses: the GPT modules (helios.nn.modules Block / MLP / CausalSelfAttention) call the
 fused functions of helios.functional where the pattern is present and the unfused parts

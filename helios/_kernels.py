@@ -12,7 +12,6 @@ import struct
 from helios import dtypes as dt
 from helios._shape import broadcast_strides, collapse, contiguous_strides, numel
 from helios.errors import DTypeError, ShapeError
-from helios.kernels_spirv import registry as _registry
 from helios.runtime import get_runtime
 from helios.tensor import Storage, Tensor
 
@@ -727,9 +726,6 @@ def _swap_last(x: Tensor) -> Tensor:
     return Tensor(x._st, tuple(sh), tuple(st), x._off, x.dtype)
 
 
-# matmul_epi (matmul.glsl with a fused epilogue): its binding layout, kept with the kernel's
-# only caller until registry.KERNELS lists it.
-_registry.KERNELS.setdefault("matmul_epi", _registry.KernelInfo("matmul_epi", 6, 72))
 # The epilogue codes of matmul_epi (EPI in matmul.glsl) by fused kernel name.
 _MM_EPI = {"linear+residual": 1, "linear+gelu": 2, "matmul+gelu_tanh_bwd": 3}
 

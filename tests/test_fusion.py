@@ -4,8 +4,9 @@ twin bit for bit (forward values and every gradient), GPT AdamW steps with fusio
 
 from __future__ import annotations
 
-import collections
 import contextlib
+import os
+import sys
 
 import numpy as np
 import pytest
@@ -19,35 +20,15 @@ from helios.nn import GPT, GPTConfig, Parameter
 from helios.optim import AdamW, clip_grad_norm_
 from helios.runtime import get_runtime
 
+sys.path.insert(0, os.path.dirname(__file__))
+from switches import count_dispatches, switched  # noqa: E402
+
 pytestmark = pytest.mark.vulkan
 
 
-@contextlib.contextmanager
 def fused(enabled: bool):
-    prev = fusion.ENABLED
-    fusion.ENABLED = enabled
-    try:
-        yield
-    finally:
-        fusion.ENABLED = prev
-
-
-@contextlib.contextmanager
-def count_dispatches():
-    """A Counter of the kernels dispatched inside the block, by name."""
-    rt = get_runtime()
-    names = collections.Counter()
-    orig = rt.dispatch
-
-    def counting(pid, buffers, push, groups, name, *a, **k):
-        names[name] += 1
-        return orig(pid, buffers, push, groups, name, *a, **k)
-
-    rt.dispatch = counting
-    try:
-        yield names
-    finally:
-        del rt.dispatch  # the instance attribute goes; the method is back
+    """The fused kernels on or off (helios.fusion.ENABLED) inside the block."""
+    return switched(fusion, "ENABLED", enabled)
 
 
 def _bits(a: np.ndarray) -> np.ndarray:

@@ -6,8 +6,9 @@ False, run in the same test), and the copies must be gone."""
 
 from __future__ import annotations
 
-import collections
 import contextlib
+import os
+import sys
 
 import numpy as np
 import pytest
@@ -22,35 +23,15 @@ from helios.optim import AdamW, clip_grad_norm_
 from helios.runtime import get_runtime
 from helios.tensor import Tensor
 
+sys.path.insert(0, os.path.dirname(__file__))
+from switches import count_dispatches, switched  # noqa: E402
+
 pytestmark = pytest.mark.vulkan
 
 
-@contextlib.contextmanager
 def in_place(enabled: bool):
-    prev = tape.GRADS_IN_PLACE
-    tape.GRADS_IN_PLACE = enabled
-    try:
-        yield
-    finally:
-        tape.GRADS_IN_PLACE = prev
-
-
-@contextlib.contextmanager
-def count_dispatches():
-    """A Counter of the kernels dispatched inside the block, by name."""
-    rt = get_runtime()
-    names = collections.Counter()
-    orig = rt.dispatch
-
-    def counting(pid, buffers, push, groups, name, *a, **k):
-        names[name] += 1
-        return orig(pid, buffers, push, groups, name, *a, **k)
-
-    rt.dispatch = counting
-    try:
-        yield names
-    finally:
-        del rt.dispatch  # the instance attribute goes; the method is back
+    """Gradients written in place or copied (tape.GRADS_IN_PLACE) inside the block."""
+    return switched(tape, "GRADS_IN_PLACE", enabled)
 
 
 def _gpt_run(enabled: bool, steps: int = 3, dtype=None):

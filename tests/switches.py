@@ -1,0 +1,38 @@
+"""Helpers of the tests that compare a fast path with its reference: flip a module switch for a
+block, and count the kernels a block dispatches."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+
+from helios.runtime import get_runtime
+
+
+@contextlib.contextmanager
+def switched(module, name: str, value):
+    """``module.name = value`` inside the block (helios.fusion.ENABLED, tape.GRADS_IN_PLACE, ...)."""
+    prev = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, prev)
+
+
+@contextlib.contextmanager
+def count_dispatches():
+    """A Counter of the kernels dispatched on the current device inside the block, by name."""
+    rt = get_runtime()
+    names = collections.Counter()
+    orig = rt.dispatch
+
+    def counting(pid, buffers, push, groups, name, *a, **k):
+        names[name] += 1
+        return orig(pid, buffers, push, groups, name, *a, **k)
+
+    rt.dispatch = counting
+    try:
+        yield names
+    finally:
+        del rt.dispatch  # the instance attribute goes; the method is back

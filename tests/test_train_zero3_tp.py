@@ -7,9 +7,7 @@ the tensor-parallel shard's model states; what cannot work is one line."""
 
 from __future__ import annotations
 
-import json
 import os
-import sqlite3
 import sys
 
 import numpy as np
@@ -17,7 +15,9 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ranks import run_ranks  # noqa: E402
-from test_train_dist import _one_line_error, _train_args, final_params, launch, losses  # noqa: E402
+from test_train_dist import _one_line_error, _train_args, final_params, launch  # noqa: E402
+from test_train_tp import _same_run  # noqa: E402
+from test_train_zero import _memory  # noqa: E402
 
 pytestmark = [pytest.mark.vulkan, pytest.mark.multiproc]
 
@@ -25,14 +25,6 @@ MAX_NORM = 0.05  # far below the nano GPT's gradient norm: the clip bites on eve
 STEPS = 6
 ARGS = ("--steps", str(STEPS), "--grad-clip", str(MAX_NORM))
 GRID = ("--dp", "2", "--tp", "2")
-
-
-def _same_run(a, b) -> None:
-    np.testing.assert_allclose(losses(b), losses(a), rtol=1e-5)
-    fa, fb = final_params(a), final_params(b)
-    assert sorted(fa) == sorted(fb)  # the whole model's tensors, under one device's names
-    for k in fa:  # atol: see test_train_dist (the key bias's float noise, which AdamW amplifies)
-        np.testing.assert_allclose(fb[k], fa[k], rtol=1e-5, atol=1e-5, err_msg=k)
 
 
 def _clipped_on_every_step(out) -> None:
@@ -43,14 +35,6 @@ def _clipped_on_every_step(out) -> None:
     f = final_params(out)
     total = sum(float(v.astype(np.float64).sum()) for k, v in f.items() if k.startswith("optim.exp_avg_sq."))
     np.testing.assert_allclose(total, (1 - 0.95 ** STEPS) * MAX_NORM ** 2, rtol=1e-5)
-
-
-def _memory(out) -> dict:
-    con = sqlite3.connect(os.path.join(out, "run.db"))
-    try:
-        return json.loads(con.execute("SELECT config_json FROM runs").fetchone()[0])["memory"]
-    finally:
-        con.close()
 
 
 @pytest.fixture(scope="module")

@@ -66,18 +66,6 @@ def test_zero3_with_sequence_parallelism_trains_what_one_rank_trains(tmp_path, o
     _clipped_on_every_step(tmp_path)
 
 
-@pytest.mark.slow
-def test_zero3_over_four_data_parallel_ranks_of_a_tp_model_trains_what_one_rank_trains(tmp_path, one_rank):
-    """dp 4 x tp 2 on 8 ranks: each shard cut in four, a quarter of the tp shard's model states."""
-    r = launch(8, tmp_path, *ARGS, "--dp", "4", "--tp", "2", "--zero", "3")
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    assert "tensor parallel 2 x data parallel 4, ZeRO-3" in r.stdout
-    _same_run(one_rank, tmp_path)
-    _clipped_on_every_step(tmp_path)
-    mem = _memory(tmp_path)
-    assert mem["expected"] == {"params": mem["psi"], "grads": mem["psi"], "moments": 2 * mem["psi"]}
-
-
 def _half_the_shards_model_states(tmp_path) -> None:
     # Rank 0's weights pool: parameters, gradients and both moments of its tensor-parallel shard
     # (Psi elements, padded), each cut in two over the data-parallel pair: 16 Psi / 2 bytes by the

@@ -115,13 +115,18 @@ def main() -> None:
     rt = get_runtime()
     host = {"eager": [], "replay": []}
 
+    def step(m, o, x, y):
+        """One training step of model ``m`` with optimizer ``o`` on device tensors; the loss."""
+        _, loss = m(x, y)
+        loss.backward()
+        clip_grad_norm_(m.parameters(), 1.0)
+        o.step()
+        o.zero_grad()
+        return loss
+
     def helios_step(x, y):
         t0 = time.perf_counter()
-        _, loss = model(hl.tensor(x), hl.tensor(y))
-        loss.backward()
-        clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
+        loss = step(model, opt, hl.tensor(x), hl.tensor(y))
         rt.flush()
         host["eager"].append(time.perf_counter() - t0)
         return loss.item()
@@ -135,11 +140,7 @@ def main() -> None:
         if not captured:
             xt, yt = hl.tensor(x), hl.tensor(y)
             with hl.graph.capture(inputs=(xt, yt)) as g:
-                _, loss = model_r(xt, yt)
-                loss.backward()
-                clip_grad_norm_(model_r.parameters(), 1.0)
-                opt_r.step()
-                opt_r.zero_grad()
+                loss = step(model_r, opt_r, xt, yt)
             captured.update(graph=g, loss=loss)
             return loss.item()
         t0 = time.perf_counter()

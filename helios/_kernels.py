@@ -10,6 +10,7 @@ from __future__ import annotations
 import struct
 
 from helios import dtypes as dt
+from helios import graph
 from helios._shape import broadcast_strides, collapse, contiguous_strides, numel
 from helios.errors import DTypeError, ShapeError
 from helios.runtime import get_runtime
@@ -1111,6 +1112,9 @@ def embedding_bwd(g: Tensor, pos: Tensor, rowptr: Tensor, V: int, out: Tensor | 
 def rng(shape: tuple, dtype: dt.DType, mode: int, seed: int, offset: int, p0: float, p1: float, rt=None) -> Tensor:
     """Philox random tensor: mode 0 uniform [p0, p1), 1 normal(p0, p1), 2 keep-mask (bool) with drop prob p0."""
     rt = rt or get_runtime()
+    # (seed, offset) are push constants: a replay would draw the same numbers again
+    graph.refuse(rt, "random numbers (dropout, hl.rand, ...)", "would repeat the same values at every replay; draw "
+                 "them outside the captured step or run it without capture")
     out = empty(shape, dtype, rt)
     n = out.numel()
     if n == 0:

@@ -53,7 +53,8 @@ from helios.backend import DISPATCH as _DISPATCH
 from helios.backend import FILL as _FILL
 from helios.errors import HeliosError, ShapeError
 
-__all__ = ["capture", "Graph", "GraphCaptureError", "capturing", "dynamic_push", "before_replay", "refuse_upload"]
+__all__ = ["capture", "Graph", "GraphCaptureError", "capturing", "dynamic_push", "before_replay", "refuse",
+           "refuse_upload"]
 
 
 class GraphCaptureError(HeliosError, RuntimeError):
@@ -84,14 +85,18 @@ def before_replay(fn) -> None:
         g._hooks.append(fn)
 
 
-def refuse_upload(what: str, rt) -> None:
-    """Raise :class:`GraphCaptureError` while capturing on ``rt``: ``what`` copies user data from
-    the host to it, which a replay would not copy again (the public upload paths call this)."""
+def refuse(rt, what: str, why: str) -> None:
+    """Raise :class:`GraphCaptureError` while capturing on ``rt``: ``what`` does something inside
+    the captured step that a replay would not repeat (``why``: what that is and what to do)."""
     g = capturing()
     if g is not None and g.rt is rt:
-        raise GraphCaptureError(f"hl.graph.capture: {what} inside the captured step uploads host data that a replay "
-                                "would not upload again; create the step's inputs before the capture and pass them "
-                                "as capture(inputs=...), then replay(new_values)")
+        raise GraphCaptureError(f"hl.graph.capture: {what} inside the captured step {why}")
+
+
+def refuse_upload(what: str, rt) -> None:
+    """:func:`refuse` for the public upload paths: user data copied from the host."""
+    refuse(rt, what, "uploads host data that a replay would not upload again; create the step's inputs before "
+               "the capture and pass them as capture(inputs=...), then replay(new_values)")
 
 
 class _Holds:
@@ -161,10 +166,6 @@ class Graph:
 
     # -- capture ----------------------------------------------------------------------------
     def _dispatch(self, pid, buffers, push, groups, name, flops=0, nbytes=0):
-        if name == "rng":
-            raise GraphCaptureError("hl.graph.capture: random numbers (dropout, hl.rand, ...) inside a capture would "
-                                    "repeat the same values at every replay; draw them outside the captured step or "
-                                    "run it without capture")
         self._real["dispatch"](pid, buffers, push, groups, name, flops, nbytes)
         bufs = [tuple(b) for b in buffers]
         self._handles.update(b[0] for b in bufs)

@@ -33,14 +33,14 @@ def _same_run(a, b) -> None:
         np.testing.assert_allclose(fb[k], fa[k], rtol=1e-5, atol=1e-6, err_msg=k)
 
 
-def _clipped_on_every_step(out) -> None:
+def _clipped_on_every_step(out, steps: int = STEPS, max_norm: float = MAX_NORM) -> None:
     """AdamW's second moments after the run, summed over every element of every tensor (the tied
     table once), are (1 - b2) sum_k b2^(n-k) |g_k|^2; with every step's gradient clipped to norm
-    MAX_NORM that is exactly (1 - b2^n) MAX_NORM^2.  A norm that missed a stage or a shard, or
-    counted the tied table twice, clips to another norm."""
+    max_norm that is exactly (1 - b2^n) max_norm^2.  A norm that missed a stage, a shard or a
+    ZeRO range, or counted the tied table or a replicated parameter twice, clips to another norm."""
     f = final_params(out)
     total = sum(float(v.astype(np.float64).sum()) for k, v in f.items() if k.startswith("optim.exp_avg_sq."))
-    np.testing.assert_allclose(total, (1 - 0.95 ** STEPS) * MAX_NORM ** 2, rtol=1e-5)
+    np.testing.assert_allclose(total, (1 - 0.95 ** steps) * max_norm ** 2, rtol=1e-5)
 
 
 @pytest.fixture(scope="module")

@@ -13,21 +13,18 @@ from helios import dtypes as dt
 from helios import graph
 from helios._shape import broadcast_strides, collapse, contiguous_strides, numel
 from helios.errors import DTypeError, ShapeError
+from helios.kernels_spirv import ew_ops
 from helios.runtime import get_runtime
 from helios.tensor import Storage, Tensor
 
 MAX_DIMS = 6  # elementwise kernels; copy takes 8
 WG = 256
 
-# Op codes (must match the GLSL).
-UNARY = {"neg": 0, "exp": 1, "log": 2, "sqrt": 3, "rsqrt": 4, "tanh": 5, "sigmoid": 6, "relu": 7, "gelu_tanh": 8,
-         "gelu": 9, "abs": 10, "add_s": 11, "mul_s": 12, "pow_s": 13, "rsub_s": 14, "rdiv_s": 15, "clamp": 16,
-         "sin": 17, "cos": 18, "square": 19, "reciprocal": 20, "affine": 21, "div_s": 22}
-INT_UNARY = {"neg", "abs", "add_s", "mul_s", "rsub_s", "clamp"}
-BINARY = {"add": 0, "sub": 1, "mul": 2, "div": 3, "pow": 4, "maximum": 5, "minimum": 6, "gelu_tanh_bwd": 7,
-          "gelu_bwd": 8, "sigmoid_bwd": 9, "tanh_bwd": 10, "relu_bwd": 11, "and": 12, "or": 13, "xor": 14,
-          "div_trunc": 15, "div_floor": 16}
-COMPARE = {"eq": 0, "ne": 1, "lt": 2, "le": 3, "gt": 4, "ge": 5}
+# Elementwise op codes, from the op table (kernels_spirv/ew_ops.py: it generates the GLSL switch too).
+UNARY = ew_ops.codes("unary")
+BINARY = ew_ops.codes("binary")
+COMPARE = ew_ops.codes("compare")
+INT_UNARY = frozenset(name for name, op in ew_ops.by_name("unary").items() if op.int_glsl)  # the rest: floats only
 REDUCE = {"sum": 0, "max": 1, "min": 2, "argmax": 3, "argmin": 4, "sumsq": 5}  # sumsq: sum of squares (floats)
 
 _P_UNARY = struct.Struct("<4I2f2I6i6i")

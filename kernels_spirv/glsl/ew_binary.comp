@@ -1,7 +1,8 @@
 #version 450
 // out[i] = f(a[idx_a(i)], b[idx_b(i)]) with broadcasting through strides (0 = broadcast),
-// up to 6-D, contiguous output.  OP (specialization constant 0) selects f.  With
-// COMPARE the output is bool (u8) and OP selects the comparison.
+// up to 6-D, contiguous output.  OP (specialization constant 0) selects f (its code in the op
+// table, kernels_spirv/ew_ops.py).  With COMPARE the output is bool (u8) and OP selects the
+// comparison.
 #include "common.glsl"
 layout(local_size_x = 256) in;
 layout(constant_id = 0) const int OP = 0;
@@ -30,26 +31,17 @@ layout(push_constant) uniform P {
 #define LD(v) HL_LDF(TA, v)
 #endif
 
-#if !defined(COMPARE) && TA != T_I32 && TA != T_I64 && TA != T_U8
-float fop(float x, float y) {
-    float r = x;
-    if (OP == 0) r = x + p.alpha * y;
-    else if (OP == 1) r = x - p.alpha * y;
-    else if (OP == 2) r = x * y;
-    else if (OP == 3) r = x / y;
-    else if (OP == 4) r = pow_c(x, y);
-    else if (OP == 5) r = (x != x || y != y) ? x + y : max(x, y);   // NaN propagates, as in torch.maximum
-    else if (OP == 6) r = (x != x || y != y) ? x + y : min(x, y);
-    else if (OP == 7) r = y * gelu_tanh_grad(x);       // (x, grad) -> grad * gelu'(x)
-    else if (OP == 8) r = y * gelu_erf_grad(x);
-    else if (OP == 9) r = y * x * (1.0 - x);           // (sigmoid output, grad)
-    else if (OP == 10) r = y * (1.0 - x * x);          // (tanh output, grad)
-    else if (OP == 11) r = x > 0.0 ? y : 0.0;          // (relu input, grad)
-    else if (OP == 15) r = trunc(x / y);               // div(rounding_mode="trunc")
-    else if (OP == 16) r = div_floor_f(x, y);          // div(rounding_mode="floor")
-    return r;
-}
+#if defined(COMPARE)
+#define EW_COMPARE
+#elif TA == T_U8
+#define EW_BINARY_BOOL
+#elif TA == T_I32 || TA == T_I64
+#define EW_BINARY_INT
+#else
+#define EW_BINARY_FLOAT
 #endif
+// the op switch (fop / iop / bop / cop), generated from the op table kernels_spirv/ew_ops.py
+#include "ew_ops.gen.glsl"
 
 // VEC 4 (f32, CONTIG only): each invocation does 4 consecutive elements with vec4 loads and
 // a vec4 store (binary() checks n and the offsets are multiples of 4); the op runs per
@@ -89,53 +81,11 @@ void main() {
     CT x = LD(a[ia]);
     CT y = LD(b[ib]);
 #ifdef COMPARE
-    bool r = false;
-    if (OP == 0) r = x == y;
-    else if (OP == 1) r = x != y;
-    else if (OP == 2) r = x < y;
-    else if (OP == 3) r = x <= y;
-    else if (OP == 4) r = x > y;
-    else if (OP == 5) r = x >= y;
-    o[p.off_o + i] = uint8_t(r ? 1u : 0u);
+    o[p.off_o + i] = uint8_t(cop(x, y) ? 1u : 0u);
 #elif TA == T_U8
-    uint r = 0u;
-    if (OP == 12 || OP == 2) r = x & y;        // and (mul of bools)
-    else if (OP == 13 || OP == 0) r = x | y;   // or (add of bools)
-    else if (OP == 14 || OP == 1) r = x ^ y;   // xor
-    else if (OP == 5) r = max(x, y);
-    else if (OP == 6) r = min(x, y);
-    o[p.off_o + i] = uint8_t(r);
+    o[p.off_o + i] = uint8_t(bop(x, y));
 #elif TA == T_I32 || TA == T_I64
-    CT r = x;
-    if (OP == 0) r = x + y;
-    else if (OP == 1) r = x - y;
-    else if (OP == 2) r = x * y;
-    else if (OP == 3 || OP == 15) r = (y == CT(0)) ? CT(0) : x / y;  // truncating (SPIR-V SDiv)
-    else if (OP == 16) {                                               // floor division
-        r = (y == CT(0)) ? CT(0) : x / y;
-        if (y != CT(0) && x - r * y != CT(0) && ((x < CT(0)) != (y < CT(0)))) r -= CT(1);
-    }
-    else if (OP == 4) {
-        // integer power by squaring; a negative exponent gives 1 for base 1, +-1 for base -1,
-        // else 0 (what PyTorch computes)
-        r = CT(1);
-        if (y < CT(0)) {
-            r = (x == CT(1)) ? CT(1) : (x == CT(-1)) ? (((y & CT(1)) != CT(0)) ? CT(-1) : CT(1)) : CT(0);
-        } else {
-            CT base = x, e = y;
-            while (e > CT(0)) {
-                if ((e & CT(1)) != CT(0)) r *= base;
-                base *= base;
-                e >>= CT(1);
-            }
-        }
-    }
-    else if (OP == 5) r = max(x, y);
-    else if (OP == 6) r = min(x, y);
-    else if (OP == 12) r = x & y;
-    else if (OP == 13) r = x | y;
-    else if (OP == 14) r = x ^ y;
-    o[p.off_o + i] = HL_ST(TO)(r);
+    o[p.off_o + i] = HL_ST(TO)(iop(x, y));
 #else
     o[p.off_o + i] = HL_STF(TO, fop(x, y));
 #endif

@@ -24,7 +24,8 @@ trained with the 1F1B schedule over --microbatches micro-batches of each replica
 (--pp-virtual v: each rank holds v chunks of layers, Megatron-LM's interleaved schedule);
 the ranks left over are data parallel.  --zero 1|2 with --pp shards each stage over its
 data-parallel ranks, --zero 1|2|3 with --tp each tensor-parallel rank's shards.  --moe-experts with
---tp splits each expert's MLP over the tensor-parallel ranks as the dense MLP is.  Checkpoints
+--tp splits each expert's MLP over the tensor-parallel ranks as the dense MLP is.  --dtype bf16 runs
+with every layout but --cp (a pipeline's stages forward under the same autocast).  Checkpoints
 always hold the whole model's tensors under one device's names, so a run resumes on any layout.
 """
 
@@ -534,7 +535,7 @@ def _train(args, given: set[str]) -> int:
                     continue
                 if pipeline:
                     parts = len(x) // micro_rows
-                    loss = gpt.evaluate(np.split(x, parts), np.split(y, parts))
+                    loss = gpt.evaluate(np.split(x, parts), np.split(y, parts), autocast=autocast)
                 else:
                     if cp is not None:
                         x, y = cp.shard(x), cp.shard(y)
@@ -606,11 +607,11 @@ def _train(args, given: set[str]) -> int:
             # two summed between the first and the last stage), then ZeRO reduces them over the
             # stage's data-parallel ranks (stage 1 all-reduces, stage 2 reduce-scatters).
             with model.no_sync():
-                loss = gpt.train_step(list(xs), list(ys), phase=timer.phase)
+                loss = gpt.train_step(list(xs), list(ys), phase=timer.phase, autocast=autocast)
             with timer.phase("comm"):
                 opt.reduce_gradients()
             return loss
-        loss = gpt.train_step(list(xs), list(ys), phase=timer.phase)
+        loss = gpt.train_step(list(xs), list(ys), phase=timer.phase, autocast=autocast)
         if grid.dp > 1:
             with timer.phase("comm"):
                 if ep_group is not None:  # the experts differ between ranks: averaged apart, below

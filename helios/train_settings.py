@@ -254,17 +254,17 @@ def check_experts(experts: int, top_k: int, ep: int, tp: int, pp: int, world: in
 
 def check_dtype(dtype: str, tp: int, pp: int, zero: int, experts: int) -> None:
     """Refuse a --dtype that helios-train does not combine with a layout, naming both flags.
-    bf16 runs with data and tensor parallelism and ZeRO (autocast in each rank's forward);
-    fp16 runs single-device and data-parallel only: its loss scaler skips a step on one rank's
-    inf/nan, which the ranks of a split model would have to agree on first."""
-    if dtype == "fp32":
+    bf16 runs with every layout but context parallelism (autocast in each rank's forward, a
+    pipeline stage's forwards included; float32 master weights and gradients; mixture of
+    experts too); fp16 runs single-device and data-parallel only: its loss scaler skips a step
+    on one rank's inf/nan, which the ranks of a split model (and expert-parallel ranks, whose
+    experts differ) would have to agree on first."""
+    if dtype != "fp16":
         return
-    refused = (("--pp", pp), ("--moe-experts", experts)) if dtype == "bf16" else \
-        (("--tp", tp), ("--pp", pp), ("--zero", zero), ("--moe-experts", experts))
-    for flag, n in refused:
+    for flag, n in (("--tp", tp), ("--pp", pp), ("--zero", zero), ("--moe-experts", experts)):
         if n and (flag in ("--zero", "--moe-experts") or n > 1):
             usage(f"--dtype {dtype} with {flag} {n}: mixed precision does not run with {flag} yet (drop {flag}, or "
-                  "use --dtype fp32)")
+                  "use --dtype fp32 or bf16)")
 
 
 def check_sequence_parallel(tp: int, pp: int, block_size: int) -> None:

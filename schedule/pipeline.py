@@ -38,6 +38,14 @@ micro-batch's backward (``moe.with_aux`` hangs it on the stage's output), so eve
 gradients are one device's of ``loss + aux`` over the same micro-batches; ``moe_totals()``
 sums the step's aux loss and dropped pairs over the stages for the log.
 
+Mixed precision (helios-train ``--dtype bf16``): ``train_step(..., autocast=factory)`` and
+``evaluate(..., autocast=factory)`` run every stage's forwards under ``factory()`` (e.g.
+``lambda: hl.autocast("bfloat16")``), as one device's forward runs.  The activations passed
+between stages are float32: autocast leaves the residual stream in float32 (float32
+embeddings plus 16-bit projections promote), so the stages pass one device's stream
+unrounded (bfloat16 would halve the bytes but round it, and the pipeline would no longer
+train what one device trains).  Backward never casts: the parameters get float32 gradients.
+
 A tensor-parallel model (``TensorParallelGPT``) splits into stages the same way: each
 tensor-parallel rank of a stage holds its shards, activations pass between the ranks of
 equal tensor-parallel index, and the last stage's loss is the vocabulary-parallel cross
@@ -287,6 +295,7 @@ class PipelineStage(Module):
         # Layers as the pipeline sees them: [embeddings, block 0, ..., block L-1, final LayerNorm].
         self.virtual = virtual
         self._moe_step = None  # see _moe_aux
+        self._cast = contextlib.nullcontext  # the autocast of the step or evaluation running (see _casting)
         if weights is not None and len(weights) != cfg.n_layer + 2:
             raise ValueError(f"pipeline: {len(weights)} layer weights for the model's {cfg.n_layer + 2} layers "
                              "(embeddings, each block, final LayerNorm)")
@@ -327,21 +336,32 @@ class PipelineStage(Module):
 
     def _through(self, blocks, embed: bool, head: bool, x_in, idx_or_none, targets, scale: float):
         """``blocks`` for one micro-batch, after the embeddings when ``embed`` (from token ids)
-        and followed by the final LayerNorm, the output layer and the scaled loss when ``head``."""
-        if embed:
-            x = _embeddings(self, idx_or_none)
-        else:
-            x = x_in
-        for block in blocks:
-            x = block(x)
+        and followed by the final LayerNorm, the output layer and the scaled loss when ``head``.
+        The model's own ops run under the step's autocast (``_cast``), as one device's forward
+        does; the load-balancing loss and the 1/m scale after it, as one device adds them."""
+        with self._cast():
+            if embed:
+                x = _embeddings(self, idx_or_none)
+            else:
+                x = x_in
+            for block in blocks:
+                x = block(x)
         aux = self._moe_aux(blocks, scale)
         if not head:
+            if x.dtype is not dt.float32:
+                # The stages pass float32 activations (the receive buffers are float32): under
+                # autocast the residual stream stays float32 (float32 embeddings plus 16-bit
+                # projections promote to float32), so this is one device's stream unrounded.
+                raise RuntimeError(f"pipeline: a stage's output is {x.dtype.name}; the stages pass float32 "
+                                   "activations")
             return with_aux(x, aux)
         b, t, _ = x.shape
-        logits = _logits(self, x, self.tp_group)
-        if targets is None:
-            return logits
-        return with_aux(self._loss(logits.reshape(b * t, -1), targets.reshape(b * t)) * scale, aux)
+        with self._cast():
+            logits = _logits(self, x, self.tp_group)
+            if targets is None:
+                return logits
+            loss = self._loss(logits.reshape(b * t, -1), targets.reshape(b * t))
+        return with_aux(loss * scale, aux)
 
     def _moe_aux(self, blocks, scale: float):
         """The load-balancing loss of the mixture-of-experts layers in ``blocks`` (their forward
@@ -388,14 +408,32 @@ class PipelineStage(Module):
         nxt = self.ranks[self.stage + 1] if not self.last else None
         return prev, nxt
 
-    def train_step(self, inputs: list, targets: list, phase=None) -> float | None:
+    @contextlib.contextmanager
+    def _casting(self, autocast):
+        """Run the stage's forwards under ``autocast`` (a factory of autocast contexts, one per
+        forward, as helios-train's ``--dtype``; None: float32) while the block runs."""
+        self._cast = autocast or contextlib.nullcontext
+        try:
+            yield
+        finally:
+            self._cast = contextlib.nullcontext
+
+    def train_step(self, inputs: list, targets: list, phase=None, autocast=None) -> float | None:
         """Forward and backward of every micro-batch in 1F1B order; gradients accumulate in the
         stage's parameters.  Every stage gets the same lists (only the first reads ``inputs``,
         only the last ``targets``).  Returns the mean loss on the last stage, None elsewhere.
 
         ``phase(name)``, when given, is a context manager that times the step's parts: each
         micro-batch's "forward" and "backward", and as "comm" the waits on a neighbour and the
-        tied table's gradient exchange (a trainer's StepTimer.phase)."""
+        tied table's gradient exchange (a trainer's StepTimer.phase).  ``autocast``: a factory
+        of the contexts each forward runs under (``lambda: hl.autocast("bfloat16")``), so the
+        stages compute what one device's autocast forward computes; the activations passed
+        between stages stay float32 (the residual stream autocast leaves in float32) and the
+        parameters get float32 gradients (backward never casts)."""
+        with self._casting(autocast):
+            return self._train_step(inputs, targets, phase)
+
+    def _train_step(self, inputs: list, targets: list, phase=None) -> float | None:
         m = len(inputs)
         if m < 1:
             raise ValueError("pipeline: give at least one micro-batch")
@@ -523,10 +561,11 @@ class PipelineStage(Module):
             w.wait()
         return outs
 
-    def evaluate(self, inputs: list, targets: list) -> float | None:
+    def evaluate(self, inputs: list, targets: list, autocast=None) -> float | None:
         """The mean loss over the micro-batches (no gradients) on the last stage, None elsewhere
-        (every stage calls it with the same lists)."""
-        outs = self._forward_only(inputs, targets)
+        (every stage calls it with the same lists; ``autocast`` as in ``train_step``)."""
+        with self._casting(autocast):
+            outs = self._forward_only(inputs, targets)
         if not self.last:
             return None
         total = outs[0]
@@ -747,12 +786,13 @@ class InterleavedPipelineStage(PipelineStage):
         k = c * self.pp + self.stage
         return self._through(self.chunks[c], k == 0, k == self.n_stages - 1, x_in, idx, targets, scale)
 
-    def train_step(self, inputs: list, targets: list, phase=None) -> float | None:
+    def _train_step(self, inputs: list, targets: list, phase=None) -> float | None:
         """Forward and backward of every (micro-batch, chunk) in the interleaved order
         (``pipeline_schedule``); gradients accumulate in the stage's parameters.  As
-        ``PipelineStage.train_step``: every rank gets the same lists, the mean loss comes back on
-        the last rank (None elsewhere), ``phase`` times "forward", "backward" and "comm", and
-        ``last_idle_fraction`` is the share of the step spent waiting on a neighbour."""
+        ``PipelineStage.train_step`` (which calls it, with its ``autocast``): every rank gets the
+        same lists, the mean loss comes back on the last rank (None elsewhere), ``phase`` times
+        "forward", "backward" and "comm", and ``last_idle_fraction`` is the share of the step
+        spent waiting on a neighbour."""
         m = len(inputs)
         if m < 1:
             raise ValueError("pipeline: give at least one micro-batch")

@@ -1,4 +1,5 @@
-"""helios-train --dtype bf16 with tensor parallelism and ZeRO trains what one rank trains in bf16.
+"""helios-train --dtype bf16 with tensor parallelism and ZeRO trains what one rank trains in bf16
+(with a pipeline and with experts: test_train_bf16_pp.py).
 
 The split model sums its partial products in another order than one rank does and bfloat16
 rounds each matmul's inputs to 8 bits of mantissa, so the losses are compared loosely (a
@@ -48,7 +49,7 @@ def test_bf16_with_tp_trains_what_one_rank_trains_in_bf16(tmp_path):
 
 @pytest.mark.parametrize("world,args,needle", [
     (2, ["--dtype", "fp16", "--tp", "2"], "--dtype fp16 with --tp 2: mixed precision does not run with --tp yet"),
-    (2, ["--dtype", "bf16", "--pp", "2"], "--dtype bf16 with --pp 2: mixed precision does not run with --pp yet"),
+    (2, ["--dtype", "fp16", "--zero", "1"], "--dtype fp16 with --zero 1: mixed precision does not run with --zero yet"),
 ])
 def test_what_mixed_precision_does_not_run_with_is_one_line(tmp_path, world, args, needle):
     res = run_ranks(["-m", "helios.train", *_train_args(tmp_path / "x", *args)], world, timeout=120)

@@ -16,3 +16,29 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if item.get_closest_marker("gpu"):  # not `in item.keywords`: that holds parameter ids too
                 item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def one_rank_run(tmp_path_factory):
+    """``one_rank_run(*flags)``: the folder of a one-rank ``helios-train`` run (test_train_dist's
+    nano settings plus ``flags``), launched once per session for each distinct set of flags.
+
+    Many multi-rank tests compare N ranks with the same run on one rank; sharing that reference
+    keeps the suite inside its time budget.  Tests only read the folder: a test that resumes or
+    extends a run copies it first."""
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from test_train_dist import launch
+
+    runs: dict[tuple, object] = {}
+
+    def run(*flags: str):
+        if flags not in runs:
+            out = tmp_path_factory.mktemp("one_rank")
+            r = launch(1, out, *flags)
+            assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+            runs[flags] = out
+        return runs[flags]
+
+    return run

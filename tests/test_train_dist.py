@@ -4,6 +4,7 @@ mistake stops every rank with one line, never a hang."""
 from __future__ import annotations
 
 import os
+import shutil
 import sqlite3
 import subprocess
 import sys
@@ -60,12 +61,14 @@ def final_params(out) -> dict:
     return arrays
 
 
-def test_two_and_four_ranks_train_what_one_rank_trains(tmp_path):
-    runs = {}
-    for world in (1, 2, 4):
+def test_two_and_four_ranks_train_what_one_rank_trains(tmp_path, one_rank_run):
+    one = one_rank_run()
+    runs = {1: (losses(one), final_params(one))}
+    for world in (2, 4):
         r = launch(world, tmp_path / f"w{world}")
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         runs[world] = (losses(tmp_path / f"w{world}"), final_params(tmp_path / f"w{world}"))
+    for world in (1, 2, 4):
         assert len(runs[world][0]) == STEPS
     for world in (2, 4):
         np.testing.assert_allclose(runs[world][0], runs[1][0], rtol=1e-5)
@@ -80,15 +83,23 @@ def test_two_and_four_ranks_train_what_one_rank_trains(tmp_path):
     con.close()
 
 
-@pytest.mark.parametrize("resume_world", [1, 2, 4])
-def test_checkpoint_of_two_ranks_resumes_on_any_world_size_and_continues_the_same_run(tmp_path, resume_world):
-    full = tmp_path / "full"
-    assert launch(1, full, "--steps", "10").returncode == 0
-    split = tmp_path / "split"
+@pytest.fixture(scope="module")
+def stopped_two_rank_run(tmp_path_factory):
+    """A 2-rank, 10-step run stopped after step 5 (each resuming test copies it)."""
+    split = tmp_path_factory.mktemp("split")
     first = launch(2, split, "--steps", "10", "--stop-after", "5")
     assert first.returncode == 0 and "stopped at step 5" in first.stdout, first.stderr[-2000:]
     assert sorted(os.listdir(split / "ckpt" / "step-00000005")) == [
         "metadata.json", "shard-00000-of-00002.helios", "shard-00001-of-00002.helios"]
+    return split
+
+
+@pytest.mark.parametrize("resume_world", [1, 2, 4])
+def test_checkpoint_of_two_ranks_resumes_on_any_world_size_and_continues_the_same_run(
+        tmp_path, resume_world, one_rank_run, stopped_two_rank_run):
+    full = one_rank_run("--steps", "10")
+    split = tmp_path / "split"
+    shutil.copytree(stopped_two_rank_run, split, symlinks=True)
     second = launch(resume_world, split, "--steps", "10", "--resume")
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resumed from" in second.stdout and "saved by 2 ranks" in second.stdout

@@ -18,9 +18,8 @@ from test_train_tp import _same_run  # noqa: E402
 pytestmark = [pytest.mark.vulkan, pytest.mark.multiproc]
 
 
-def test_sequence_parallel_trains_what_one_rank_trains(tmp_path):
-    one = tmp_path / "one"
-    assert launch(1, one, "--steps", "10").returncode == 0
+def test_sequence_parallel_trains_what_one_rank_trains(tmp_path, one_rank_run):
+    one = one_rank_run("--steps", "10")
     r = launch(2, tmp_path / "sp", "--steps", "10", "--tp", "2", "--sequence-parallel")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "tensor parallel 2 x data parallel 1, sequence parallel" in r.stdout

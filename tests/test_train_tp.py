@@ -5,6 +5,7 @@ work is one line."""
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 
 import numpy as np
@@ -25,9 +26,8 @@ def _same_run(a, b) -> None:
         np.testing.assert_allclose(fb[k], fa[k], rtol=1e-5, atol=1e-5, err_msg=k)
 
 
-def test_tp2_and_dp2_x_tp2_train_what_one_rank_trains(tmp_path):
-    one = tmp_path / "one"
-    assert launch(1, one, "--steps", "10").returncode == 0
+def test_tp2_and_dp2_x_tp2_train_what_one_rank_trains(tmp_path, one_rank_run):
+    one = one_rank_run("--steps", "10")
     for world, name in ((2, "tp2"), (4, "dp2tp2")):
         r = launch(world, tmp_path / name, "--steps", "10", "--tp", "2")
         assert r.returncode == 0, r.stderr[-3000:]
@@ -35,12 +35,11 @@ def test_tp2_and_dp2_x_tp2_train_what_one_rank_trains(tmp_path):
         _same_run(one, tmp_path / name)
 
 
-def test_zero_over_the_data_parallel_ranks_of_a_tp_model_trains_what_one_rank_trains(tmp_path):
+def test_zero_over_the_data_parallel_ranks_of_a_tp_model_trains_what_one_rank_trains(tmp_path, one_rank_run):
     """--dp 2 --tp 2 --zero 1 (and 2): the moments (and gradients) sharded over the two ranks
     that hold each tensor-parallel shard; the clip's norm counts every shard once; the
     checkpoint holds whole tensors, so a ZeRO-2 run resumes under ZeRO-1."""
-    one = tmp_path / "one"
-    assert launch(1, one, "--steps", "10").returncode == 0
+    one = one_rank_run("--steps", "10")
     grid = ("--dp", "2", "--tp", "2")
     z1 = tmp_path / "z1"
     r = launch(4, z1, "--steps", "10", *grid, "--zero", "1")
@@ -55,13 +54,20 @@ def test_zero_over_the_data_parallel_ranks_of_a_tp_model_trains_what_one_rank_tr
     _same_run(one, z2)
 
 
-@pytest.mark.parametrize("resume_world,resume_tp", [(1, 1), (4, 2)])
-def test_a_tp_checkpoint_resumes_on_another_grid(tmp_path, resume_world, resume_tp):
-    full = tmp_path / "full"
-    assert launch(1, full, "--steps", "10").returncode == 0
-    split = tmp_path / "split"
+@pytest.fixture(scope="module")
+def stopped_tp_run(tmp_path_factory):
+    """A --tp 2 run of 10 steps stopped after step 5 (each resuming test copies it)."""
+    split = tmp_path_factory.mktemp("split")
     first = launch(2, split, "--steps", "10", "--stop-after", "5", "--tp", "2")
     assert first.returncode == 0 and "stopped at step 5" in first.stdout, first.stderr[-2000:]
+    return split
+
+
+@pytest.mark.parametrize("resume_world,resume_tp", [(1, 1), (4, 2)])
+def test_a_tp_checkpoint_resumes_on_another_grid(tmp_path, resume_world, resume_tp, one_rank_run, stopped_tp_run):
+    full = one_rank_run("--steps", "10")
+    split = tmp_path / "split"
+    shutil.copytree(stopped_tp_run, split, symlinks=True)
     second = launch(resume_world, split, "--steps", "10", "--resume", "--tp", str(resume_tp))
     assert second.returncode == 0, second.stderr[-3000:]
     _same_run(full, split)

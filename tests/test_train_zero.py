@@ -20,10 +20,8 @@ SMALL_BUCKETS = ("--bucket-cap-mb", "0.02")  # several buckets even for the nano
 
 
 @pytest.fixture(scope="module")
-def one_rank(tmp_path_factory):
-    out = tmp_path_factory.mktemp("one")
-    r = launch(1, out)
-    assert r.returncode == 0, r.stderr[-3000:]
+def one_rank(one_rank_run):
+    out = one_rank_run()
     return losses(out), final_params(out)
 
 
@@ -35,8 +33,9 @@ def _memory(out) -> dict:
         con.close()
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
-@pytest.mark.parametrize("stage", [1, 2, 3])
+# Every stage on 2 and 4 ranks; one rank (nothing to shard over) once, with the stage that
+# changes the most (ZeRO-3 gathers each parameter before its use).
+@pytest.mark.parametrize("stage,world", [(1, 2), (1, 4), (2, 2), (2, 4), (3, 1), (3, 2), (3, 4)])
 def test_zero_stage_on_n_ranks_trains_what_one_rank_trains(tmp_path, one_rank, world, stage):
     r = launch(world, tmp_path, "--zero", str(stage), *SMALL_BUCKETS)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
@@ -47,7 +46,8 @@ def test_zero_stage_on_n_ranks_trains_what_one_rank_trains(tmp_path, one_rank, w
         # atol: see test_checkpoint_of_two_ranks_resumes_on_any_world_size (the key bias).
         np.testing.assert_allclose(got[k], v, rtol=1e-5, atol=1e-5, err_msg=k)
 
-    # Bytes per rank: the model states follow the formula exactly (over the padded Ψ), and the
+    # Bytes per rank: the model states follow the formula exactly (over the padded Ψ: ZeRO-1
+    # holds 4Ψ + 4Ψ + 8Ψ/N, ZeRO-2 4Ψ + 12Ψ/N, ZeRO-3 16Ψ/N, against 16Ψ without ZeRO), and the
     # weights pool, where they live, holds them within its size-class rounding (< 25 % + 256 B each).
     mem = _memory(tmp_path)
     e, psi = mem["expected"], mem["psi"]  # psi: parameters, padded to whole chunks per segment
@@ -55,24 +55,13 @@ def test_zero_stage_on_n_ranks_trains_what_one_rank_trains(tmp_path, one_rank, w
     assert e["grads"] == (4 * psi if stage == 1 else 4 * psi // world)
     assert e["moments"] == 8 * psi // world
     total = mem["expected_total"]
+    assert total == e["params"] + e["grads"] + e["moments"]
     assert total <= mem["weights_pool_in_use"] <= 1.25 * total + 256 * 200
 
 
-def test_zero_cuts_the_bytes_per_rank_as_the_stages_say(tmp_path):
-    held = {}
-    for stage in (0, 1, 2, 3):
-        out = tmp_path / f"z{stage}"
-        r = launch(4, out, "--zero", str(stage), "--steps", "1")
-        assert r.returncode == 0, r.stderr[-2000:]
-        held[stage] = _memory(out)["expected_total"]
-    psi = held[0] // 16
-    assert held[1] == pytest.approx(8 * psi + 8 * psi / 4, rel=0.01)
-    assert held[2] == pytest.approx(4 * psi + 12 * psi / 4, rel=0.01)
-    assert held[3] == pytest.approx(16 * psi / 4, rel=0.01)
-
-
-@pytest.mark.parametrize("saved_stage,resumes", [(1, ((1, 0), (4, 2))), (2, ((1, 0), (4, 1), (2, 3))),
-                                                 (3, ((1, 0), (4, 2)))])
+# Each stage's checkpoint resumes on another world size under another stage (and one of them
+# on one rank without ZeRO).
+@pytest.mark.parametrize("saved_stage,resumes", [(1, ((4, 2),)), (2, ((1, 0), (4, 3))), (3, ((4, 1), (2, 2)))])
 def test_checkpoint_of_each_stage_resumes_on_other_world_sizes_and_stages(tmp_path, one_rank, saved_stage, resumes):
     out = tmp_path / "run"
     first = launch(2, out, "--zero", str(saved_stage), "--stop-after", "10", *SMALL_BUCKETS)

@@ -23,7 +23,8 @@ samples and writes the run database (which holds every rank's step timing).
 trained with the 1F1B schedule over --microbatches micro-batches of each replica's batch
 (--pp-virtual v: each rank holds v chunks of layers, Megatron-LM's interleaved schedule);
 the ranks left over are data parallel.  --zero 1|2 with --pp shards each stage over its
-data-parallel ranks, --zero 1|2|3 with --tp each tensor-parallel rank's shards.  --moe-experts with
+data-parallel ranks, --zero 1|2|3 with --tp each tensor-parallel rank's shards, --zero 1|2 with --ep
+the experts over the ranks holding the same experts and the rest over every replica.  --moe-experts with
 --tp splits each expert's MLP over the tensor-parallel ranks as the dense MLP is.  --dtype bf16 runs
 with every layout but --cp (a pipeline's stages forward under the same autocast).  Checkpoints
 always hold the whole model's tensors under one device's names, so a run resumes on any layout.
@@ -375,8 +376,16 @@ def _train(args, given: set[str]) -> int:
 
         # Model wrapper and optimizer in one: it owns the parameters' flat buffer and the shards.
         # (With --tp or --pp, over the data-parallel ranks that hold the same shards of the same stage.)
+        replicas = None
+        if ep_group is not None:
+            # Each rank's experts are replicated over the ranks holding the same experts only: sharded
+            # over that group (DeepSpeed-MoE's expert-data-parallel group), the rest over every replica.
+            from helios.schedule.moe import expert_parameter_names
+
+            replicas = {n: edp_group for n in expert_parameter_names(gpt)}
         model = opt = ZeroDataParallel(gpt, zero, groups, lr=lr_max, betas=(0.9, 0.95), bucket_cap_mb=args.bucket_cap_mb,
-                                       group=grid.dp_group if args.tp > 1 or pipeline else None)
+                                       group=grid.dp_group if args.tp > 1 or pipeline else None,
+                                       param_replicas=replicas)
     else:
         if run.active and grid.dp > 1 and not pipeline:  # a pipeline averages after its flush (below)
             from helios.schedule import DistributedDataParallel
@@ -548,6 +557,7 @@ def _train(args, given: set[str]) -> int:
         return run.all_mean(total, count) if share > 1 or pipeline else total / count
 
     n_micro = args.grad_accum * layout.microbatches  # micro-batches per step on each replica
+    zero_experts = bool(zero) and ep_group is not None
 
     def micro_batches():
         """This replica's micro-batches of the step: the --microbatches slices of each of the
@@ -578,8 +588,9 @@ def _train(args, given: set[str]) -> int:
                     yt = hl.tensor(y, dtype=hl.int64)
             else:
                 xt, yt = x, y
-            # Gradient accumulation: only the last micro-batch's backward communicates.
-            local = i < n_micro - 1 and run.active
+            # Gradient accumulation: only the last micro-batch's backward communicates (ZeRO with
+            # experts: none, the optimizer reduces each group over its own ranks afterwards).
+            local = (i < n_micro - 1 or zero_experts) and run.active
             with model.no_sync() if local and model is not gpt else contextlib.nullcontext():
                 with timer.phase("forward"):
                     with autocast():
@@ -708,7 +719,10 @@ def _train(args, given: set[str]) -> int:
                 update()
             else:
                 loss_dev = plain_step()
-                if ep_group is not None:
+                if zero_experts:
+                    with timer.phase("comm"):
+                        opt.reduce_gradients()  # dense over every replica, experts over their own replicas
+                elif ep_group is not None:
                     with timer.phase("comm"):
                         average_expert_gradients(gpt, edp_group, run.data_world)
                 update()

@@ -234,7 +234,10 @@ def check_experts(experts: int, top_k: int, ep: int, tp: int, pp: int, world: in
     """Refuse a mixture-of-experts setting helios-train cannot run, naming the flag.  ``--ep``
     splits each layer's experts over that many data-parallel ranks (it must divide them; with
     --pp, the data-parallel ranks of each stage).  With --tp each expert's MLP is split over
-    the tensor-parallel ranks as the dense MLP is (also with --sequence-parallel)."""
+    the tensor-parallel ranks as the dense MLP is (also with --sequence-parallel).  --zero 1|2
+    with --ep shards the expert parameters over the ranks that hold the same experts (the
+    data-parallel ranks / ep) and the dense ones over every data-parallel rank, as
+    DeepSpeed-MoE does; not with --zero 3 nor with --tp."""
     if ep > 1:
         if not experts:
             usage(f"--ep {ep} splits the experts of a mixture-of-experts model over ranks: give --moe-experts too")
@@ -244,8 +247,12 @@ def check_experts(experts: int, top_k: int, ep: int, tp: int, pp: int, world: in
         if dp % ep:
             usage(f"--ep {ep} must divide the data-parallel ranks ({dp}): expert parallelism splits them, as "
                   "DeepSpeed-MoE and Megatron-LM do")
-        if zero:
-            usage(f"--ep {ep} with --zero {zero}: ZeRO over expert-parallel ranks is not supported yet; use --zero 0")
+        if zero == 3:
+            usage(f"--ep {ep} with --zero 3: ZeRO-3 gathers every parameter over all the data-parallel ranks, and "
+                  "expert parameters are replicated over fewer (data-parallel / ep); use --zero 1 or 2")
+        if zero and tp > 1:
+            usage(f"--ep {ep} with --zero {zero} and --tp {tp}: ZeRO over expert-parallel ranks runs without tensor "
+                  "parallelism so far; drop --tp, or use --zero 0")
     if not experts:
         return
     if top_k > experts:

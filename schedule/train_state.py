@@ -63,8 +63,8 @@ def _tensor_parallel(gpt) -> bool:
 
 def _zero_tp_shards(z, gpt, rank: int, world: int, tp_group) -> dict[str, C.ShardedArray]:
     """ZeRO over the data-parallel ranks of a tensor-parallel model: each tensor's ZeRO ranges
-    (disjoint over the ZeRO group, together the whole tensor-parallel shard) are summed into the
-    shard, the shards gathered whole over ``tp_group``, and this rank writes its even share of
+    (disjoint over the group that shards it, together the whole tensor-parallel shard) are summed
+    into the shard, the shards gathered whole over ``tp_group``, and this rank writes its even share of
     the whole tensor, so the checkpoint is one device's and loads on any grid.  Collective:
     every rank visits every tensor in one order."""
     import helios.comm as dist
@@ -79,7 +79,8 @@ def _zero_tp_shards(z, gpt, rank: int, world: int, tp_group) -> dict[str, C.Shar
         p = params[name]
         shard = np.zeros(int(np.prod(t["shape"])), np.float32)
         shard[t["start"]:t["stop"]] = t["data"]
-        dist.all_reduce(shard, group=z.pg)
+        # over the ranks that shard it (a subgroup for experts replicated over fewer ranks)
+        dist.all_reduce(shard, group=z.replica_group(name))
         whole = gather_full(p, shard, tp_group)
         lo, hi = C.even_range(whole.size, rank, world)
         out[_ZERO_KEYS[kind] + name] = C.ShardedArray(full_shape(p), "float32", lo, hi, whole[lo:hi])

@@ -49,6 +49,21 @@ between its first and last stage, then reduces.  ``clip_grad_norm_(max_norm, tp_
 pp_group=None, counted=None)``: with ``pp_group`` the squares are also summed over the pipeline's
 stages, each counting only the parameters ``counted(name)`` accepts (the stage's ``owns``).
 
+``param_replicas={name: group}`` (stages 1-2): parameters that are not replicated over every
+rank of the model's group but over a subgroup of it, each subgroup's ranks holding the same
+values: expert parallelism's experts, replicated over the expert-data-parallel group (the
+data-parallel ranks / ep) while the dense parameters are replicated over all the
+data-parallel ranks.  Each is sharded over its own group, as DeepSpeed-MoE shards expert
+parameters' optimizer state over the expert-data-parallel group: its segments are separate
+(padded to that group's size), updated on that group's chunk and all-gathered over it.  DDP
+must leave them alone (``params_to_ignore``; ``ZeroDataParallel`` does it) and
+``reduce_gradients()`` reduces them, after backward passes run inside ``no_sync()``: summed
+over the subgroup and divided by the model group's size, the mean loss's gradient when each
+subgroup rank's parameters received the gradients of every token the model group's ranks
+sent them (``helios.schedule.moe.average_expert_gradients``' arithmetic).  The clip's sum of
+squares over the model group then counts every shard of every subgroup once.
+``replica_group(name)`` says which group a parameter is sharded over.
+
 ``ZeroDataParallel(module, stage, params, lr=..., bucket_cap_mb=25, ...)`` is the DDP model and
 its ``ZeroAdamW`` in one object (a ``DistributedDataParallel`` whose optimizer methods are the
 ZeroAdamW's), for a trainer that holds one object as both.
@@ -240,6 +255,11 @@ class _Segment:
     launched: int = 0  # DDP buckets of this segment handed to the comm hook in this backward
     has_grad: bool = False  # the shard holds reduced gradients not yet consumed by zero_grad
     staged_bytes: int = 0
+    # the ranks this segment is sharded over: the model's group, or a subgroup (param_replicas)
+    pg: object = None
+    world: int = 1
+    rank: int = 0
+    sub: bool = False  # sharded over a subgroup: its gradients summed there, then divided by the model group's size
 
 
 @dataclass
@@ -317,7 +337,7 @@ class ZeroAdamW(Optimizer):
 
     def __init__(self, model: DistributedDataParallel, params=None, stage: int = 1, lr: float = 1e-3,
                  betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
-                 staging_limit_mb: float | None = None):
+                 staging_limit_mb: float | None = None, param_replicas: dict | None = None):
         if not isinstance(model, DistributedDataParallel):
             raise TypeError(f"ZeroAdamW shards over the ranks of a DistributedDataParallel model, got "
                             f"{type(model).__name__}: wrap the model first")
@@ -335,6 +355,8 @@ class ZeroAdamW(Optimizer):
         self.rank = dist.get_rank(self.pg)
         self._name = {id(p): n for n, p in named}
         self._check_params(named)
+        self._replicas = self._check_replicas(param_replicas or {}, model)
+        self._replicas_reduced = False  # reduce_gradients() ran since zero_grad (param_replicas need it)
         if getattr(model, "_own_flat", None):
             raise RuntimeError("ZeroAdamW: the model already ran a forward pass with gradient buffers of its own; "
                                "build the optimizer right after wrapping the model")
@@ -355,7 +377,7 @@ class ZeroAdamW(Optimizer):
         with no_grad():
             self.groups = [self._build_group(gi, g["params"]) for gi, g in enumerate(self.param_groups)]
         self._seg_of_storage = {id(s.gfull): s for g in self.groups for s in g.segs}
-        largest = max(s.c * self.world * 4 for g in self.groups for s in g.segs)
+        largest = max(s.c * s.world * 4 for g in self.groups for s in g.segs)
         self.staging_limit = (max(2 * model.bucket_cap_bytes, largest) if staging_limit_mb is None
                               else int(staging_limit_mb * (1 << 20)))
         if stage >= 2:
@@ -385,26 +407,49 @@ class ZeroAdamW(Optimizer):
                              f"({', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}); DDP reduces every "
                              "trainable parameter, so the optimizer must own them all")
 
-    def _chunk(self, n: int) -> int:
-        per = self._q * self.world
+    def _check_replicas(self, replicas: dict, model) -> dict:
+        """``{id(parameter): group}`` of the parameters sharded over a subgroup of the model's
+        ranks (``param_replicas``: names to groups), checked."""
+        if not replicas:
+            return {}
+        if self.stage == 3:
+            raise ValueError("ZeroAdamW: param_replicas (parameters replicated over a subgroup, such as expert "
+                             "parallelism's experts) run at stages 1 and 2; stage 3 gathers every unit over the "
+                             "model's group")
+        by_name = {n: p for p, n in ((p, self._name[id(p)]) for g in self.param_groups for p in g["params"])}
+        unknown = sorted(set(replicas) - set(by_name))
+        if unknown:
+            raise ValueError(f"ZeroAdamW: param_replicas names no parameter of the optimizer: {', '.join(unknown[:5])}")
+        ignored = {n for n, _ in model.module.named_parameters()} - {n for n, _ in model._named}
+        kept = sorted(set(replicas) - ignored)
+        if kept:
+            raise ValueError(f"ZeroAdamW: {kept[0]} is in param_replicas but the DDP model averages it over every "
+                             "rank; leave it to the optimizer (DistributedDataParallel(params_to_ignore=...))")
+        return {id(by_name[n]): g for n, g in replicas.items()}
+
+    def _chunk(self, n: int, world: int | None = None) -> int:
+        per = self._q * (self.world if world is None else world)
         return (n + per - 1) // per * self._q
 
+    def replica_group(self, name: str):
+        """The process group parameter ``name`` is sharded over: the model's, or its subgroup
+        from ``param_replicas``."""
+        for g in self.param_groups:
+            for p in g["params"]:
+                if self._name[id(p)] == name:
+                    return self._replicas.get(id(p), self.pg)
+        raise KeyError(f"ZeroAdamW: no parameter {name!r}")
+
     def _segments_of(self, gi: int, params: list) -> list[_Segment]:
-        if self.stage == 1:
-            runs = [params]
-        elif self.stage == 2:
-            cap = self.ddp.bucket_cap_bytes
-            runs, cur, size = [], [], 0
-            for p in reversed(params):  # DDP's rule: reverse registration order, at most cap bytes
-                nb = p.numel() * 4
-                if cur and size + nb > cap:
-                    runs.append(cur[::-1])
-                    cur, size = [], 0
-                cur.append(p)
-                size += nb
-            if cur:
-                runs.append(cur[::-1])
-            runs.reverse()
+        if self.stage <= 2:
+            # The parameters the model's group holds first, then those of each subgroup
+            # (param_replicas) apart: a segment is sharded over one group.
+            parts: dict[int, list] = {}
+            for p in params:
+                parts.setdefault(id(self._replicas.get(id(p), self.pg)), []).append(p)
+            runs = []
+            for part in parts.values():
+                runs += [part] if self.stage == 1 else self._buckets(part)
         else:
             if not self.units:
                 self._find_units()
@@ -420,12 +465,33 @@ class ZeroAdamW(Optimizer):
             for p in run:
                 rel.append(n)
                 n += p.numel()
-            s = _Segment(gi, run, rel, n, self._chunk(n))
+            pg = self._replicas.get(id(run[0]), self.pg)
+            world = self.world if pg is self.pg else dist.get_world_size(pg)
+            s = _Segment(gi, run, rel, n, self._chunk(n, world))
+            s.pg, s.world, s.sub = pg, world, pg is not self.pg
+            s.rank = self.rank if pg is self.pg else dist.get_rank(pg)
             if self.stage == 3:
                 s.unit = unit_of[id(run[0])]
                 s.unit.segs.append(s)
             segs.append(s)
         return segs
+
+    def _buckets(self, params: list) -> list[list]:
+        """Stage 2's segments of ``params``: DDP's buckets (reverse registration order, at most
+        the bucket size), so a segment is complete when its buckets are."""
+        cap = self.ddp.bucket_cap_bytes
+        runs, cur, size = [], [], 0
+        for p in reversed(params):  # DDP's rule: reverse registration order, at most cap bytes
+            nb = p.numel() * 4
+            if cur and size + nb > cap:
+                runs.append(cur[::-1])
+                cur, size = [], 0
+            cur.append(p)
+            size += nb
+        if cur:
+            runs.append(cur[::-1])
+        runs.reverse()
+        return runs
 
     def _find_units(self) -> None:
         """Top-level children of the model (a ModuleList's children each), then a root unit."""
@@ -475,7 +541,7 @@ class ZeroAdamW(Optimizer):
         for s in segs:
             s.so, s.po = g.shard_n, (0 if st3 else g.full_n)
             g.shard_n += s.c
-            g.full_n += N * s.c
+            g.full_n += s.world * s.c
         if self.stage <= 2:
             g.pflat = self._persist("params", g.full_n)
         if self.stage == 1:
@@ -501,7 +567,7 @@ class ZeroAdamW(Optimizer):
             if self.stage == 1:
                 s.gfull, s.go = g.gflat._st, s.po
             else:
-                s.gfull = _LazyStorage(self.rt, N * s.c * 4, "activations", self._stage_on_demand, s)
+                s.gfull = _LazyStorage(self.rt, s.world * s.c * 4, "activations", self._stage_on_demand, s)
             for p, a in zip(s.params, s.rel):
                 p._st, p._off, p._strides, p._host = s.pfull, s.po + a, _cstrides(p.shape), None
                 p._grad_slot = Tensor(s.gfull, p.shape, _cstrides(p.shape), s.go + a, _F32)
@@ -519,8 +585,8 @@ class ZeroAdamW(Optimizer):
         got = st.materialize()
         s.staged_bytes = got
         self._count("grad_staging", got)
-        if s.c * self.world > s.numel:
-            K.fill(_view(st, s.numel, s.c * self.world - s.numel), 0)
+        if s.c * s.world > s.numel:
+            K.fill(_view(st, s.numel, s.c * s.world - s.numel), 0)
 
     def _count(self, kind: str, delta: int) -> None:
         t = self._transient[kind]
@@ -558,6 +624,13 @@ class ZeroAdamW(Optimizer):
         self._inflight.append(sw)
         return sw
 
+    def _mean_over_model(self, t: Tensor) -> None:
+        """A subgroup segment's reduced sum (in place) divided by the model group's size: every
+        rank of the subgroup summed gradients of tokens from all of the model group's losses
+        (expert parallelism), so this is the mean loss's gradient, as data parallel's average
+        is for the other parameters (helios.schedule.moe.average_expert_gradients)."""
+        K.binary_("mul", t, F.scalar_tensor(1.0 / self.world, _F32, self.rt))
+
     def _reap(self) -> None:
         """Finish the reductions that are already done (frees their staging buffers early)."""
         while self._inflight and self._inflight[0].is_completed():
@@ -566,6 +639,8 @@ class ZeroAdamW(Optimizer):
     def _finish_reduce(self, sw: _SegmentWork) -> None:
         sw.work.wait()
         s = sw.seg
+        if s.sub:  # summed over the subgroup: now the mean over the model group's losses
+            self._mean_over_model(sw.temp if sw.temp is not None else _view(self.groups[s.gi].gshard._st, s.so, s.c))
         if sw.temp is not None:
             K.binary_("add", _view(self.groups[s.gi].gshard._st, s.so, s.c), sw.temp)
         s.has_grad = True
@@ -738,9 +813,12 @@ class ZeroAdamW(Optimizer):
     @no_grad()
     def step(self) -> None:
         """One AdamW update of this rank's shard (then stages 1-2 all-gather the parameters)."""
+        if self._replicas and not self._replicas_reduced:
+            # DDP's hooks reduce only the model group's parameters: the others would step on local sums.
+            raise RuntimeError("ZeroAdamW.step: the parameters of param_replicas are reduced by reduce_gradients() "
+                               "only; run backward inside no_sync(), then call reduce_gradients() before step()")
         self._settle()
         self.step_count += 1
-        N, r = self.world, self.rank
         works = []
         for hp, g in zip(self.param_groups, self.groups):
             consts = adamw_constants(hp, self.step_count)
@@ -755,14 +833,14 @@ class ZeroAdamW(Optimizer):
                 continue
             updated = []
             for s in g.segs:
-                ops = [(s.pfull, s.po + r * s.c), None, (g.m._st, s.so), (g.v._st, s.so)]
+                ops = [(s.pfull, s.po + s.rank * s.c), None, (g.m._st, s.so), (g.v._st, s.so)]
                 if self.stage == 2:
                     if not s.has_grad:
                         continue
                     ops[1] = (g.gshard._st, s.so)
                     self._adamw(consts, ops, 0, s.c)
                 else:
-                    ops[1] = (s.gfull, s.go + r * s.c)
+                    ops[1] = (s.gfull, s.go + s.rank * s.c)
                     ranges = self._stage1_ranges(s)
                     for off, n in ranges:
                         self._adamw(consts, ops, off, n)
@@ -770,8 +848,8 @@ class ZeroAdamW(Optimizer):
                         continue
                 updated.append(s)
             for s in updated:
-                works.append(dist.all_gather(_view(s.pfull, s.po, N * s.c), _view(s.pfull, s.po + r * s.c, s.c),
-                                             group=self.pg, async_op=True))
+                works.append(dist.all_gather(_view(s.pfull, s.po, s.world * s.c),
+                                             _view(s.pfull, s.po + s.rank * s.c, s.c), group=s.pg, async_op=True))
         for w in works:
             w.wait()
         for g in self.groups:
@@ -780,7 +858,7 @@ class ZeroAdamW(Optimizer):
 
     def _stage1_ranges(self, s: _Segment) -> list:
         """(offset in this rank's chunk, count) to update: the whole chunk when every parameter has a gradient."""
-        r, c = self.rank, s.c
+        r, c = s.rank, s.c
         have = [p.grad is not None for p in s.params]
         if all(have):
             return [(0, c)]
@@ -805,6 +883,7 @@ class ZeroAdamW(Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the gradients: the shards are overwritten by the next reduction, staging buffers freed."""
         self._settle()
+        self._replicas_reduced = False
         for g in self.groups:
             for s in g.segs:
                 s.has_grad = False
@@ -816,10 +895,10 @@ class ZeroAdamW(Optimizer):
 
     def _grad_shards(self) -> list:
         """This rank's gradients: views of the chunks it owns."""
-        r, views = self.rank, []
+        views = []
         for g in self.groups:
             if self.stage == 1:
-                views += [_view(s.gfull, s.go + r * s.c, s.c) for s in g.segs]
+                views += [_view(s.gfull, s.go + s.rank * s.c, s.c) for s in g.segs]
             else:
                 views.append(g.gshard)
         return views
@@ -853,7 +932,16 @@ class ZeroAdamW(Optimizer):
                     p.grad = p._grad_slot
             if self.stage == 1:
                 self.rt.flush()
-                works.append(dist.all_reduce(g.gflat, op="avg", group=self.pg, async_op=True))
+                if not any(s.sub for s in g.segs):
+                    works.append(dist.all_reduce(g.gflat, op="avg", group=self.pg, async_op=True))
+                    continue
+                for s in g.segs:  # each segment over its own group (param_replicas)
+                    whole = _view(s.gfull, s.go, s.world * s.c)
+                    if s.sub:
+                        dist.all_reduce(whole, op="sum", group=s.pg)
+                        self._mean_over_model(whole)
+                    else:
+                        works.append(dist.all_reduce(whole, op="avg", group=self.pg, async_op=True))
         if self.stage == 2:
             # The segments in one order on every rank (collectives must match), as the comm hook does.
             for g in self.groups:
@@ -864,21 +952,23 @@ class ZeroAdamW(Optimizer):
                     if s.has_grad:  # a reduction since zero_grad already filled the shard: reduce beside, then add
                         temp = K.empty((s.c,), _F32, self.rt)
                         out = temp
-                    work = dist.reduce_scatter(out, _view(s.gfull, 0, s.c * self.world), op="avg", group=self.pg,
-                                               async_op=True)
+                    # a subgroup's segment is summed there (then divided by the model group's size)
+                    work = dist.reduce_scatter(out, _view(s.gfull, 0, s.c * s.world), op="sum" if s.sub else "avg",
+                                               group=s.pg, async_op=True)
                     self.stats["reduce_scatters"] += 1
                     sw = _SegmentWork(self, s, work, temp)
                     self._inflight.append(sw)
         for w in works:
             w.wait()
         self._settle()
+        self._replicas_reduced = True
 
     def _grad_range(self, s: _Segment, a: int, start: int, stop: int) -> Tensor:
         """This rank's gradient elements [start, stop) of the parameter at ``a`` in segment ``s``."""
         if self.stage == 1:
             return _view(s.gfull, s.go + a + start, stop - start)
         g = self.groups[s.gi]
-        return _view(g.gshard._st, g.gshard._off + s.so + a + start - self.rank * s.c, stop - start)
+        return _view(g.gshard._st, g.gshard._off + s.so + a + start - s.rank * s.c, stop - start)
 
     @no_grad()
     def clip_grad_norm_(self, max_norm: float, tp_group=None, pp_group=None, counted=None) -> Tensor:
@@ -950,9 +1040,9 @@ class ZeroAdamW(Optimizer):
 
     def _ranges(self):
         """Yield (name, parameter, segment, offset of the parameter in the segment, start, stop) for this rank."""
-        r = self.rank
         for g in self.groups:
             for s in g.segs:
+                r = s.rank
                 for p, a in zip(s.params, s.rel):
                     lo, hi = max(a, r * s.c), min(a + p.numel(), (r + 1) * s.c)
                     if hi < lo:
@@ -970,7 +1060,7 @@ class ZeroAdamW(Optimizer):
     def _where(self, s: _Segment, a: int, start: int) -> tuple:
         """(storage, element offset) of the parameter element ``start`` of a parameter at ``a`` in ``s``."""
         g = self.groups[s.gi]
-        shard_off = s.so + a + start - self.rank * s.c
+        shard_off = s.so + a + start - s.rank * s.c
         if self.stage == 3:
             return g.pshard._st, shard_off
         return s.pfull, s.po + a + start
@@ -985,7 +1075,7 @@ class ZeroAdamW(Optimizer):
         tensors = {}
         for name, p, s, a, start, stop in self._ranges():
             g = self.groups[s.gi]
-            so = s.so + a + start - self.rank * s.c
+            so = s.so + a + start - s.rank * s.c
             n = stop - start
             if self.stage == 3:
                 pdata = pshard[s.gi][so: so + n]
@@ -1026,14 +1116,14 @@ class ZeroAdamW(Optimizer):
             if not n:
                 continue
             g = self.groups[s.gi]
-            so = s.so + a + start - self.rank * s.c
+            so = s.so + a + start - s.rank * s.c
             st, off = self._where(s, a, start)
             for (dst, doff), key in (((st, off), f"param.{name}"), ((g.m._st, so), f"exp_avg.{name}"),
                                      ((g.v._st, so), f"exp_avg_sq.{name}")):
                 K.copy_into(_view(dst, doff, n), K.from_numpy(arrays[key], _F32, self.rt))
         if self.stage <= 2:
-            works = [dist.all_gather(_view(s.pfull, s.po, self.world * s.c),
-                                     _view(s.pfull, s.po + self.rank * s.c, s.c), group=self.pg, async_op=True)
+            works = [dist.all_gather(_view(s.pfull, s.po, s.world * s.c),
+                                     _view(s.pfull, s.po + s.rank * s.c, s.c), group=s.pg, async_op=True)
                      for g in self.groups for s in g.segs]
             for w in works:
                 w.wait()
@@ -1069,14 +1159,20 @@ class ZeroAdamW(Optimizer):
             if arrs is None or any(np.asarray(x).size != n for x in arrs):
                 raise CheckpointError(f"ZeroAdamW: the moments of {name} must cover elements [{start}, {stop})")
             g = self.groups[s.gi]
-            so = s.so + a + start - self.rank * s.c
+            so = s.so + a + start - s.rank * s.c
             for t, x in zip((g.m, g.v), arrs):
                 if n:
                     K.copy_into(_view(t._st, so, n), K.from_numpy(np.asarray(x, np.float32).reshape(-1), _F32, self.rt))
 
     def expected_memory(self) -> dict:
-        """The ZeRO formula's bytes per category at the padded Psi this layout uses (what ``requested`` is)."""
-        return _formula(self.stage, self.padded_numel, self.world)
+        """The ZeRO formula's bytes per category at the padded Psi this layout uses (what ``requested`` is).
+        With ``param_replicas`` each segment counts over its own group: full 4 x N_s x c, shard 4 x c."""
+        if not self._replicas:
+            return _formula(self.stage, self.padded_numel, self.world)
+        full = 4 * sum(g.full_n for g in self.groups)
+        shard = 4 * sum(g.shard_n for g in self.groups)
+        return {"params": shard if self.stage == 3 else full, "grads": full if self.stage == 1 else shard,
+                "moments": 2 * shard}
 
     def memory_report(self) -> dict:
         return memory_report(self)
@@ -1131,17 +1227,25 @@ def memory_report(opt: ZeroAdamW) -> dict:
 class ZeroDataParallel(DistributedDataParallel):
     """A ``DistributedDataParallel`` model and its ``ZeroAdamW`` in one object (helios-train holds one
     thing as model and optimizer): ``ZeroDataParallel(module, stage, params, lr=..., betas=..., eps=...,
-    weight_decay=..., bucket_cap_mb=25, group=None, find_unused_parameters=False)``.  Calling it runs the
-    model; ``step``, ``zero_grad``, ``clip_grad_norm_``, ``param_groups``, ``step_count`` and the
-    checkpoint methods are the optimizer's (``optimizer``); ``state_dict()`` stays the model's."""
+    weight_decay=..., bucket_cap_mb=25, group=None, find_unused_parameters=False, param_replicas=None)``.
+    Calling it runs the model; ``step``, ``zero_grad``, ``clip_grad_norm_``, ``param_groups``,
+    ``step_count`` and the checkpoint methods are the optimizer's (``optimizer``); ``state_dict()``
+    stays the model's.  ``param_replicas`` (``{name: group}``, see ZeroAdamW) are left out of DDP
+    (not broadcast, not averaged) and sharded over their own group."""
 
     def __init__(self, module: Module, stage: int, params=None, lr: float = 1e-3, betas=(0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, bucket_cap_mb: float = 25.0, group=None,
-                 find_unused_parameters: bool = False, staging_limit_mb: float | None = None) -> None:
+                 find_unused_parameters: bool = False, staging_limit_mb: float | None = None,
+                 param_replicas: dict | None = None) -> None:
         super().__init__(module, bucket_cap_mb=bucket_cap_mb, group=group,
-                         find_unused_parameters=find_unused_parameters)
+                         find_unused_parameters=find_unused_parameters, params_to_ignore=list(param_replicas or ()))
         self.optimizer = ZeroAdamW(self, params, stage=stage, lr=lr, betas=betas, eps=eps,
-                                   weight_decay=weight_decay, staging_limit_mb=staging_limit_mb)
+                                   weight_decay=weight_decay, staging_limit_mb=staging_limit_mb,
+                                   param_replicas=param_replicas)
+
+    def replica_group(self, name: str):
+        """See ZeroAdamW.replica_group."""
+        return self.optimizer.replica_group(name)
 
     @property
     def param_groups(self) -> list:

@@ -18,7 +18,7 @@ from helios._shape import norm_dim, numel
 from helios.errors import DTypeError
 
 # Submodules import each other lazily (functional needs Tensor and Tensor's operators need
-# functional); this module-level handle is set at the end of helios/functional.py.
+# functional); this module-level handle is set when the helios.functional package has loaded.
 F = None
 
 

@@ -1,0 +1,559 @@
+"""Elementwise ops: arithmetic with broadcasting and Python scalars, unary math and
+activations, comparisons and logic, ``where`` / ``masked_fill``.  Each kernel op's code comes from
+the op table (kernels_spirv/ew_ops.py); its backward sits next to its forward here."""
+
+from __future__ import annotations
+
+import math
+
+from helios import _kernels as K
+from helios import dtypes as dt
+from helios._shape import broadcast_shapes
+from helios.autograd.tape import NO_CONTEXT, Function
+from helios.errors import DTypeError, ShapeError
+from helios.tensor import Tensor
+import helios.functional as F  # the other op families (bound once the package has loaded)
+
+
+# -- elementwise ---------------------------------------------------------------------------------
+def _binary_fn(name, bwd):
+    cls = type(f"_{name.capitalize()}", (Function,), {
+        "forward": staticmethod(lambda ctx, a, b: (ctx.save_for_backward(a, b), K.binary(name, a, b))[1]),
+        "backward": staticmethod(bwd),
+    })
+    return cls
+
+
+def _bwd_add(ctx, g):
+    return g, g
+
+
+def _bwd_sub(ctx, g):
+    return g, (neg(g) if ctx.needs_input_grad[1] else None)
+
+
+def _bwd_mul(ctx, g):
+    a, b = ctx.saved_tensors
+    return (g * b if ctx.needs_input_grad[0] else None), (g * a if ctx.needs_input_grad[1] else None)
+
+
+def _bwd_div(ctx, g):
+    a, b = ctx.saved_tensors
+    ga = g / b if ctx.needs_input_grad[0] else None
+    gb = None
+    if ctx.needs_input_grad[1]:
+        if b.dtype.kind == "float" and b.dtype.itemsize == 2:
+            # In float32 and rounded once, as PyTorch does: in half precision b * b leaves the
+            # normal range for |b| < 0.008 and g * a / (b * b) lost a percent on a GPU.
+            gb = neg(g.to(dt.float32) * a.to(dt.float32) / (b.to(dt.float32) * b.to(dt.float32))).to(b.dtype)
+        else:
+            gb = neg(g * a / (b * b))
+    return ga, gb
+
+
+def _bwd_pow(ctx, g):
+    # PyTorch's rules: d/da = b * a^(b-1), zero where b == 0 (even at a == 0, where the
+    # formula is 0 * inf); d/db = a^b * log(a), zero where a == 0 and b >= 0 (0 * -inf).
+    a, b = ctx.saved_tensors
+    ga = gb = None
+    if ctx.needs_input_grad[0]:
+        ga = g * where(eq(b, 0.0), 0.0, b * pow(a, b - 1.0))
+    if ctx.needs_input_grad[1]:
+        gb = g * where(logical_and(eq(a, 0.0), ge(b, 0.0)), 0.0, pow(a, b) * log(a))
+    return ga, gb
+
+
+def _tie_weights(a: Tensor, b: Tensor, dtype, a_wins_if) -> Tensor:
+    """The share of a maximum's (or minimum's) gradient that goes to ``a``: 1 where ``a`` was
+    picked, 0 where ``b`` was, 1/2 on ties (PyTorch's rule), and 1 where either is NaN
+    (NaN propagates, and so does the gradient, to both)."""
+    lose = F.to(lt(a, b) if a_wins_if == "gt" else gt(a, b), dtype)
+    tie = F.to(eq(a, b), dtype)
+    return rsub(lose + tie * 0.5, 1.0)
+
+
+def _bwd_maximum(ctx, g):
+    a, b = ctx.saved_tensors
+    ga = g * _tie_weights(a, b, g.dtype, "gt") if ctx.needs_input_grad[0] else None
+    gb = g * _tie_weights(b, a, g.dtype, "gt") if ctx.needs_input_grad[1] else None
+    return ga, gb
+
+
+def _bwd_minimum(ctx, g):
+    a, b = ctx.saved_tensors
+    ga = g * _tie_weights(a, b, g.dtype, "lt") if ctx.needs_input_grad[0] else None
+    gb = g * _tie_weights(b, a, g.dtype, "lt") if ctx.needs_input_grad[1] else None
+    return ga, gb
+
+
+_Add = _binary_fn("add", _bwd_add)
+_Sub = _binary_fn("sub", _bwd_sub)
+_Mul = _binary_fn("mul", _bwd_mul)
+_Div = _binary_fn("div", _bwd_div)
+_Pow = _binary_fn("pow", _bwd_pow)
+_Maximum = _binary_fn("maximum", _bwd_maximum)
+_Minimum = _binary_fn("minimum", _bwd_minimum)
+
+
+class _UnaryScalar(Function):
+    """x op scalar for add_s, mul_s, div_s, rsub_s, rdiv_s, pow_s, clamp."""
+
+    @staticmethod
+    def forward(ctx, x, op, p0, p1):
+        if ctx is not NO_CONTEXT:  # the hot path of `x + 1.0` keeps nothing when nothing records
+            ctx.op, ctx.p0, ctx.p1 = op, p0, p1
+            if op in ("rdiv_s", "pow_s", "clamp"):
+                ctx.save_for_backward(x)
+        return K.unary(op, x, p0, p1)
+
+    @staticmethod
+    def backward(ctx, g):
+        op, p0, p1 = ctx.op, ctx.p0, ctx.p1
+        if op == "add_s":
+            r = g
+        elif op == "mul_s":
+            r = g * p0
+        elif op == "div_s":
+            r = g / p0
+        elif op == "rsub_s":
+            r = neg(g)
+        elif op == "rdiv_s":
+            (x,) = ctx.saved_tensors
+            r = neg(g) * p0 / (x * x)
+        elif op == "pow_s":
+            (x,) = ctx.saved_tensors
+            if p0 == 0.0:  # x ** 0 is constant (PyTorch: a zero gradient, also at x == 0)
+                r = K.fill(K.empty(g.shape, g.dtype, g._st.rt), 0)
+            else:
+                r = g * p0 if p0 == 1.0 else g * (pow(x, p0 - 1.0) * p0)
+        else:  # clamp: gradient passes where the input was inside [p0, p1]
+            (x,) = ctx.saved_tensors
+            inside = logical_and(x >= p0, x <= p1)
+            r = where(inside, g, 0.0)
+        return r, None, None, None
+
+
+def _float_result(x: Tensor, s) -> Tensor:
+    """Lift an int/bool tensor to float32 when a float scalar meets it."""
+    if x.dtype.kind != "float" and isinstance(s, float):
+        return F.to(x, dt.float32)
+    return x
+
+
+def add(a, b, alpha: float = 1.0) -> Tensor:
+    """a + alpha * b, broadcasting."""
+    if isinstance(b, F.Number) and isinstance(a, Tensor):
+        a = _float_result(a, b)
+        return _UnaryScalar.apply(a, "add_s", float(b * alpha), 0.0)
+    a, b = F._promote_pair(F._check_tensor(a, "add"), F._as_tensor_like(b, a), "add")
+    if alpha != 1.0:
+        b = b * alpha
+    return _Add.apply(a, b)
+
+
+def sub(a, b, alpha: float = 1.0) -> Tensor:
+    """a - alpha * b, broadcasting."""
+    if isinstance(b, F.Number) and isinstance(a, Tensor):
+        a = _float_result(a, b)
+        return _UnaryScalar.apply(a, "add_s", float(-b * alpha), 0.0)
+    a, b = F._promote_pair(F._check_tensor(a, "sub"), F._as_tensor_like(b, a), "sub")
+    if alpha != 1.0:
+        b = b * alpha
+    return _Sub.apply(a, b)
+
+
+def rsub(x: Tensor, s, alpha: float = 1.0) -> Tensor:
+    """s - alpha * x (PyTorch's rsub)."""
+    if alpha != 1.0:
+        x = mul(x, alpha)
+    if isinstance(s, F.Number):
+        x = _float_result(x, s)
+        return _UnaryScalar.apply(x, "rsub_s", float(s), 0.0)
+    return sub(F._as_tensor_like(s, x), x)
+
+
+def mul(a, b) -> Tensor:
+    """a * b, broadcasting."""
+    if isinstance(b, F.Number) and isinstance(a, Tensor):
+        if a.dtype is dt.bool_ and isinstance(b, bool):
+            return logical_and(a, b)  # bool * bool stays bool
+        if a.dtype is dt.bool_:
+            a = F.to(a, dt.int64 if isinstance(b, int) else dt.float32)
+        a = _float_result(a, b)
+        return _UnaryScalar.apply(a, "mul_s", float(b), 0.0)
+    a, b = F._promote_pair(F._check_tensor(a, "mul"), F._as_tensor_like(b, a), "mul")
+    return _Mul.apply(a, b)
+
+
+def div(a, b, rounding_mode: str | None = None) -> Tensor:
+    """a / b: true division (integer inputs give float32), or with ``rounding_mode`` "trunc"
+    (round toward zero) or "floor" (round down), which keep integer dtypes and, as in
+    PyTorch, carry no gradient."""
+    if rounding_mode is not None:
+        return _div_rounded(a, b, rounding_mode)
+    if isinstance(b, F.Number) and isinstance(a, Tensor):
+        if a.dtype.kind != "float":
+            a = F.to(a, dt.float32)
+        return _UnaryScalar.apply(a, "div_s", float(b), 0.0)
+    a, b = F._promote_pair(F._check_tensor(a, "div"), F._as_tensor_like(b, a), "div")
+    if a.dtype.kind != "float":
+        a, b = F.to(a, dt.float32), F.to(b, dt.float32)
+    return _Div.apply(a, b)
+
+
+def _div_rounded(a, b, mode: str) -> Tensor:
+    if mode not in ("trunc", "floor"):
+        raise ValueError(f"div: rounding_mode must be None, 'trunc' or 'floor', got {mode!r}")
+    a = F._check_tensor(a, "div")
+    if isinstance(b, F.Number):
+        b = F.scalar_tensor(b, dt.scalar_result(a.dtype, b) if not isinstance(b, bool) else a.dtype, a._st.rt)
+    a, b = F._promote_pair(a, F._as_tensor_like(b, a), "div")
+    if a.dtype is dt.bool_:
+        a, b = F.to(a, dt.int64), F.to(b, dt.int64)
+    if a.dtype.kind == "int" and _host_has_zero(b):
+        raise ZeroDivisionError("div: integer division by zero")
+    return _DivRounded.apply(a, b, "div_trunc" if mode == "trunc" else "div_floor")
+
+
+class _DivRounded(Function):
+    """Rounded division: a step function, so (as in PyTorch) its gradient is zero."""
+
+    @staticmethod
+    def forward(ctx, a, b, op):
+        return K.binary(op, a, b)
+
+    @staticmethod
+    def backward(ctx, g):
+        return None, None, None
+
+
+def _host_has_zero(t: Tensor) -> bool:
+    """Whether the host copy of ``t`` (when it has a current one) holds a zero."""
+    h = t._host
+    return h is not None and h[0] == t._st.version and h[1].size == t.numel() and not h[1].all()
+
+
+def rdiv(x: Tensor, s) -> Tensor:
+    """s / x."""
+    if isinstance(s, F.Number):
+        if x.dtype.kind != "float":
+            x = F.to(x, dt.float32)
+        return _UnaryScalar.apply(x, "rdiv_s", float(s), 0.0)
+    return div(F._as_tensor_like(s, x), x)
+
+
+def pow(a, b) -> Tensor:
+    """a ** b elementwise (either may be a number), with C's special cases: a negative base
+    with a non-integer exponent gives NaN, 0 ** negative gives inf, x ** 0 gives 1.
+
+    dtypes as in PyTorch: an integer (or bool) tensor to an integer power stays integer
+    (exact, by repeated squaring; a negative scalar exponent is refused), any float makes
+    the result float."""
+    if isinstance(a, F.Number) and isinstance(b, Tensor):
+        return rpow(b, a)
+    F._check_tensor(a, "pow")
+    if isinstance(b, F.Number):
+        if a.dtype.kind != "float" and not isinstance(b, float):
+            b = int(b)
+            if b < 0:
+                raise DTypeError(f"pow: integers to negative integer powers are not allowed ({a.dtype.name} tensor ** {b}); "
+                                 "convert the tensor to a floating-point dtype first")
+            if a.dtype is dt.bool_:
+                a = F.to(a, dt.int64)
+            return K.binary("pow", a, F.scalar_tensor(b, a.dtype, a._st.rt))
+        a = _float_result(a, b)
+        if b == 1:
+            return a * 1.0
+        return _UnaryScalar.apply(a, "pow_s", float(b), 0.0)
+    a, b = F._promote_pair(a, F._as_tensor_like(b, a), "pow")
+    if a.dtype.kind != "float":
+        if a.dtype is dt.bool_:
+            a, b = F.to(a, dt.int64), F.to(b, dt.int64)
+        return K.binary("pow", a, b)
+    return _Pow.apply(a, b)
+
+
+def rpow(x: Tensor, s) -> Tensor:
+    """s ** x (``s`` a number or a tensor)."""
+    if isinstance(s, Tensor):
+        return pow(s, x)
+    if isinstance(s, (int, bool)) and x.dtype.kind != "float":
+        t = dt.int64 if x.dtype is dt.bool_ else x.dtype
+        return pow(F.scalar_tensor(int(s), t, x._st.rt), F.to(x, t))
+    xf = x if x.dtype.kind == "float" else F.to(x, dt.float32)
+    return pow(F._as_tensor_like(float(s), xf), xf)
+
+
+def maximum(a: Tensor, b) -> Tensor:
+    """Elementwise max (NaN propagates)."""
+    a, b = F._promote_pair(F._check_tensor(a, "maximum"), F._as_tensor_like(b, a), "maximum")
+    return _Maximum.apply(a, b)
+
+
+def minimum(a: Tensor, b) -> Tensor:
+    """Elementwise min (NaN propagates)."""
+    a, b = F._promote_pair(F._check_tensor(a, "minimum"), F._as_tensor_like(b, a), "minimum")
+    return _Minimum.apply(a, b)
+
+
+class _ClampT(Function):
+    """clamp with tensor bounds (either may be None), with PyTorch's gradients: x's where
+    lo <= x <= hi, lo's where x < lo (and lo < hi), hi's where x > hi (or hi < lo)."""
+
+    @staticmethod
+    def forward(ctx, x, lo, hi):
+        ctx.save_for_backward(x, lo, hi)
+        y = x
+        if lo is not None:
+            y = K.binary("maximum", y, lo)
+        if hi is not None:
+            y = K.binary("minimum", y, hi)
+        if y is x:
+            y = K.copy(x)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        x, lo, hi = ctx.saved_tensors
+        n = ctx.needs_input_grad
+        gx = glo = ghi = None
+        if n[0]:
+            inside = None
+            if lo is not None:
+                inside = ge(x, lo)
+            if hi is not None:
+                inside = le(x, hi) if inside is None else logical_and(inside, le(x, hi))
+            gx = g if inside is None else where(inside, g, 0.0)
+        if lo is not None and n[1]:
+            m = lt(x, lo) if hi is None else logical_and(lt(x, lo), lt(lo, hi))
+            glo = where(m, g, 0.0)
+        if hi is not None and n[2]:
+            m = gt(x, hi) if lo is None else logical_or(gt(x, hi), lt(hi, lo))
+            ghi = where(m, g, 0.0)
+        return gx, glo, ghi
+
+
+def clamp(x: Tensor, min=None, max=None) -> Tensor:
+    """Clamp into [min, max] (either may be None, a number or a tensor that broadcasts); NaN
+    stays NaN, and min > max gives max everywhere, as in PyTorch."""
+    F._check_tensor(x, "clamp")
+    if min is None and max is None:
+        raise ValueError("clamp: at least one of min and max must be given")
+    if isinstance(min, Tensor) or isinstance(max, Tensor):
+        t = F.result_type(x, min, max)
+        if t is dt.bool_:
+            raise DTypeError("clamp: bool tensors cannot be clamped")
+        lo = F.to(F._as_tensor_like(min, x), t) if min is not None else None
+        hi = F.to(F._as_tensor_like(max, x), t) if max is not None else None
+        return _ClampT.apply(F.to(x, t), lo, hi)
+    if x.dtype.kind != "float":
+        if not isinstance(min, float) and not isinstance(max, float):
+            # integer bounds stay exact (no float32 round trip): max/min kernels of x's dtype
+            if x.dtype is dt.bool_:
+                raise DTypeError("clamp: bool tensors cannot be clamped")
+            lo = F.scalar_tensor(int(min), x.dtype, x._st.rt) if min is not None else None
+            hi = F.scalar_tensor(int(max), x.dtype, x._st.rt) if max is not None else None
+            return _ClampT.forward(NO_CONTEXT, x, lo, hi)
+        x = F.to(x, dt.float32)
+    lo = -math.inf if min is None else float(min)
+    hi = math.inf if max is None else float(max)
+    return _UnaryScalar.apply(x, "clamp", lo, hi)
+
+
+class _Unary(Function):
+    """exp, log, sqrt, rsqrt, tanh, sigmoid, relu, gelu, gelu_tanh, abs, neg, sin, cos."""
+
+    @staticmethod
+    def forward(ctx, x, op):
+        ctx.op = op
+        y = K.unary(op, x)
+        if op in ("exp", "sqrt", "rsqrt", "tanh", "sigmoid"):
+            ctx.save_for_backward(y)
+        elif op not in ("neg",):
+            ctx.save_for_backward(x)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        op = ctx.op
+        if op == "neg":
+            return neg(g), None
+        (s,) = ctx.saved_tensors
+        if op == "exp":
+            r = g * s
+        elif op == "log":
+            r = g / s
+        elif op == "sqrt":
+            r = g / (s * 2.0)
+        elif op == "rsqrt":
+            r = g * (s * s * s) * -0.5
+        elif op == "tanh":
+            r = K.binary("tanh_bwd", s, g)
+        elif op == "sigmoid":
+            r = K.binary("sigmoid_bwd", s, g)
+        elif op == "relu":
+            r = K.binary("relu_bwd", s, g)
+        elif op == "gelu":
+            r = K.binary("gelu_bwd", s, g)
+        elif op == "gelu_tanh":
+            r = K.binary("gelu_tanh_bwd", s, g)
+        elif op == "abs":
+            r = g * K.unary("clamp", s * 1e30, -1.0, 1.0)  # sign(x), 0 at 0
+        elif op == "sin":
+            r = g * cos(s)
+        elif op == "cos":
+            r = neg(g * sin(s))
+        else:
+            raise AssertionError(op)
+        return r, None
+
+
+def _unary(op):
+    def f(x: Tensor) -> Tensor:
+        F._check_tensor(x, op)
+        if x.dtype.kind != "float" and op != "neg" and op != "abs":
+            x = F.to(x, dt.float32)
+        return _Unary.apply(x, op)
+
+    f.__name__ = op
+    f.__doc__ = f"Elementwise {op}."
+    return f
+
+
+exp = _unary("exp")
+log = _unary("log")
+sqrt = _unary("sqrt")
+rsqrt = _unary("rsqrt")
+tanh = _unary("tanh")
+sigmoid = _unary("sigmoid")
+_relu = _unary("relu")
+abs = _unary("abs")
+sin = _unary("sin")
+cos = _unary("cos")
+_neg = _unary("neg")
+
+
+def neg(x: Tensor) -> Tensor:
+    """-x."""
+    if x.dtype is dt.bool_:
+        raise DTypeError("neg: negation of a bool tensor is not supported; use logical_not")
+    return _neg(x)
+
+
+def relu(x: Tensor) -> Tensor:
+    """max(x, 0) elementwise (integer tensors stay integer, as in PyTorch)."""
+    F._check_tensor(x, "relu")
+    if x.dtype.kind != "float":
+        if x.dtype is dt.bool_:
+            raise DTypeError("relu: bool tensors are not supported; convert to an integer or float dtype")
+        return K.binary("maximum", x, F.scalar_tensor(0, x.dtype, x._st.rt))
+    return _relu(x)
+
+
+def gelu(x: Tensor, approximate: str = "none") -> Tensor:
+    """GELU: exact (erf) with approximate="none", or the tanh approximation with "tanh"."""
+    if approximate not in ("none", "tanh"):
+        raise ValueError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
+    if x.dtype.kind != "float":
+        x = F.to(x, dt.float32)
+    return _Unary.apply(x, "gelu" if approximate == "none" else "gelu_tanh")
+
+
+def square(x: Tensor) -> Tensor:
+    """x * x (integer tensors stay integer, bool becomes int64, as in PyTorch)."""
+    F._check_tensor(x, "square")
+    if x.dtype.kind != "float":
+        x = F.to(x, dt.int64) if x.dtype is dt.bool_ else x
+        return K.binary("mul", x, x)
+    return pow(x, 2)
+
+
+# -- comparisons and logic (not differentiable) ---------------------------------------------------
+def _compare(op):
+    def f(a, b) -> Tensor:
+        a = F._check_tensor(a, op)
+        b = F._as_tensor_like(b, a)
+        a, b = F._promote_pair(a, b, op)
+        return K.binary(op, a, b)
+
+    f.__name__ = op
+    f.__doc__ = f"Elementwise comparison {op} (bool result)."
+    return f
+
+
+eq, ne, lt, le, gt, ge = (_compare(o) for o in ("eq", "ne", "lt", "le", "gt", "ge"))
+
+
+def _logical(op):
+    def f(a, b) -> Tensor:
+        a = F.to(F._check_tensor(a, op), dt.bool_)
+        b = F.to(F._as_tensor_like(b, a), dt.bool_)
+        return K.binary(op, a, b)
+
+    return f
+
+
+logical_and = _logical("and")
+logical_or = _logical("or")
+logical_xor = _logical("xor")
+
+
+def logical_not(x: Tensor) -> Tensor:
+    return K.binary("eq", F.to(x, dt.bool_), F.scalar_tensor(False, dt.bool_, x._st.rt))
+
+
+class _Where(Function):
+    @staticmethod
+    def forward(ctx, cond, a, b):
+        ctx.save_for_backward(cond)
+        return K.where(cond, a, b)
+
+    @staticmethod
+    def backward(ctx, g):
+        (cond,) = ctx.saved_tensors
+        zero = F.scalar_tensor(0.0, g.dtype, g._st.rt)
+        ga = K.where(cond, g, zero) if ctx.needs_input_grad[1] else None
+        gb = K.where(cond, zero, g) if ctx.needs_input_grad[2] else None
+        return None, ga, gb
+
+
+def where(cond: Tensor, a, b) -> Tensor:
+    """Elementwise ``a`` where ``cond`` else ``b`` (broadcasting; a or b may be scalars)."""
+    F._check_tensor(cond, "where")
+    if cond.dtype is not dt.bool_:
+        cond = F.to(cond, dt.bool_)
+    like = a if isinstance(a, Tensor) else b if isinstance(b, Tensor) else None
+    if like is None:
+        like = F.scalar_tensor(float(a) if isinstance(a, float) or isinstance(b, float) else a, dt.float32, cond._st.rt)
+    a, b = F._as_tensor_like(a, like), F._as_tensor_like(b, like)
+    a, b = F._promote_pair(a, b, "where")
+    return _Where.apply(cond, a, b)
+
+
+def masked_fill(x: Tensor, mask: Tensor, value) -> Tensor:
+    """``x`` with ``value`` where ``mask`` is true (x and mask broadcast; the result keeps x's
+    dtype, as in PyTorch).  ``value`` is a number or a 0-d tensor (differentiable)."""
+    F._check_tensor(x, "masked_fill")
+    broadcast_shapes("masked_fill", x.shape, mask.shape)
+    if isinstance(value, Tensor):
+        if value.ndim:
+            raise ShapeError(f"masked_fill: value must be a number or a 0-d tensor, got shape {value.shape}")
+        return where(mask, F.to(value, x.dtype), x)
+    return where(mask, F.scalar_tensor(value, x.dtype, x._st.rt), x)
+
+
+# -- activations, normalisation, losses ------------------------------------------------------------
+def silu(x: Tensor, inplace: bool = False) -> Tensor:
+    """x * sigmoid(x) (swish).  ``inplace`` is accepted and gives a new tensor."""
+    F._check_tensor(x, "silu")
+    if x.dtype.kind != "float":
+        raise DTypeError(f"silu: expected a floating-point tensor, got {x.dtype.name}")
+    return x * sigmoid(x)
+
+
+def leaky_relu(x: Tensor, negative_slope: float = 0.01, inplace: bool = False) -> Tensor:
+    """x where x > 0, else negative_slope * x.  ``inplace`` is accepted and gives a new tensor."""
+    F._check_tensor(x, "leaky_relu")
+    if x.dtype.kind != "float":
+        raise DTypeError(f"leaky_relu: expected a floating-point tensor, got {x.dtype.name}")
+    return where(gt(x, 0.0), x, x * float(negative_slope))

@@ -1,0 +1,519 @@
+"""Matrix products: matmul (batched, broadcast), linear and its fused variants (the epilogues
+of helios.fusion), mm/bmm/addmm/baddbmm/outer, einsum."""
+
+from __future__ import annotations
+
+import builtins
+
+from helios import _kernels as K
+from helios import amp as _amp
+from helios import dtypes as dt
+from helios._shape import broadcast_shapes, numel
+from helios.autograd.tape import Function, is_grad_enabled
+from helios.errors import DTypeError, ShapeError
+from helios.tensor import Tensor
+import helios.functional as F  # the other op families (bound once the package has loaded)
+
+
+# -- linear algebra and NN ops -------------------------------------------------------------------
+class _Matmul(Function):
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        # Batched products (attention) may come back as a transposed view (see
+        # K.matmul_any_layout); their users take any strides.
+        if a.ndim > 2 and b.ndim > 2:
+            return K.matmul_any_layout(a, b, out=_heads_out(a, b))
+        return K.matmul(a, b)
+
+    @staticmethod
+    def backward(ctx, g):
+        a, b = ctx.saved_tensors
+        ga = _mm_grad(ctx, 0, g, F.transpose(b, -1, -2)) if ctx.needs_input_grad[0] else None
+        gb = None
+        if ctx.needs_input_grad[1]:
+            if b.ndim == 2 and a.ndim > 2:
+                # B was shared by every batch matrix (a Linear weight): its gradient is one
+                # [K, B*M] @ [B*M, N] product instead of B products summed afterwards, so
+                # no [B, K, N] intermediate is written and no batch reduction runs.
+                gb = _mm_grad(ctx, 1, F.transpose(F._rows(a), 0, 1), F._rows(g))
+            else:
+                gb = _mm_grad(ctx, 1, F.transpose(a, -1, -2), g)
+        return ga, gb
+
+
+def _heads_out(a: Tensor, b: Tensor):
+    """Where a [B, H, M, K] @ [B, H, K, N] product goes when B's heads are interleaved in rows
+    (split_heads' v: head h is columns h*N .. h*N+N-1 of rows L >= H*N elements apart): a
+    new [B, M, H*N] buffer with the heads interleaved the same way, viewed as [B, H, M, N].
+    Attention's y.transpose(1, 2).reshape(B, T, C) is then a view, not a copy.  None for
+    any other operands (a new contiguous result)."""
+    if a.ndim != 4 or b.ndim != 4 or a.shape[:2] != b.shape[:2] or a.dtype is not b.dtype:
+        return None
+    Bn, H, M, N = a.shape[0], a.shape[1], a.shape[2], b.shape[3]
+    if H < 2 or b._strides[3] != 1 or b._strides[1] != N or b._strides[2] < H * N:
+        return None
+    L = H * N
+    buf = K.empty((Bn, M, L), a.dtype, a._st.rt)
+    return Tensor(buf._st, (Bn, H, M, N), (M * L, N, L, 1), buf._off, a.dtype)
+
+
+def _direct_dest(ctx, i: int, shape: tuple, *operands: Tensor):
+    """Input i's free gradient slot (Context.grad_out) if a product of ``operands`` can be
+    written there unchanged: the slot has ``shape`` and the operands' one dtype, and no
+    autocast would convert them first (the product must be the one matmul() computes)."""
+    dest = ctx.grad_out(i)
+    if dest is None or _amp.state.dtype is not None or dest.shape != shape:
+        return None
+    return dest if all(o.dtype is dest.dtype for o in operands) else None
+
+
+def _mm_grad(ctx, i: int, a: Tensor, b: Tensor) -> Tensor:
+    """a @ b as the gradient of input i: straight into its destination when it has one (a
+    leaf's free slot, or a buffer the input's producer gathers its gradients in), else
+    matmul() (which also handles broadcasting and 1-D operands).  Batched products go
+    through matmul_any_layout as matmul() does, so each sum is the one computed without a
+    destination."""
+    if a.ndim >= 2 and b.ndim >= 2 and a.shape[:-2] == b.shape[:-2]:
+        dest = _direct_dest(ctx, i, a.shape[:-1] + b.shape[-1:], a, b)
+        if dest is not None:
+            return K.matmul_any_layout(a, b, out=dest) if a.ndim > 2 else K.matmul(a, b, out=dest)
+    return matmul(a, b)
+
+
+def matmul(a: Tensor, b: Tensor) -> Tensor:
+    """Matrix product with PyTorch's rules: 1-D operands, batched and broadcast batch dims."""
+    F._check_tensor(a, "matmul"), F._check_tensor(b, "matmul")
+    if _amp.state.dtype is not None:  # autocast: in the low dtype
+        a, b = _amp.low(a, b)
+    if a.ndim == 0 or b.ndim == 0:
+        raise ShapeError(f"matmul: both arguments need at least 1 dim, got shapes {a.shape} and {b.shape}")
+    a, b = F._promote_pair(a, b, "matmul")
+    if a.dtype.kind != "float":
+        raise DTypeError(f"matmul: expected floating-point tensors, got {a.dtype.name}")
+    squeeze_a = a.ndim == 1
+    squeeze_b = b.ndim == 1
+    if squeeze_a:
+        a = F.unsqueeze(a, 0)
+    if squeeze_b:
+        b = F.unsqueeze(b, -1)
+    if a.shape[-1] != b.shape[-2]:
+        raise ShapeError(f"matmul: shapes {a.shape} and {b.shape} are not aligned ({a.shape[-1]} != {b.shape[-2]})")
+    out = _Matmul.apply(a, b)
+    if squeeze_a:
+        out = F.squeeze(out, -2)
+    if squeeze_b:
+        out = F.squeeze(out, -1)
+    return out
+
+
+class _Linear(Function):
+    @staticmethod
+    def forward(ctx, x, w, b):
+        ctx.save_for_backward(x, w)
+        return K.matmul(x, F.transpose(w, 0, 1), b)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return _linear_grads(ctx, g, x, w)
+
+
+def _linear_grads(ctx, g, x, w, idx: tuple = (0, 1, 2)) -> tuple:
+    """(gx, gw, gb) of linear(x, w, b) for the output gradient g, where x, w and b are inputs
+    ``idx`` of ctx (None for x: its gradient is not computed here)."""
+    n = ctx.needs_input_grad
+    gx = matmul(g, w) if idx[0] is not None and n[idx[0]] else None
+    gw = None
+    if n[idx[1]]:
+        g2, x2 = F._rows(g), F._rows(x)
+        # The same sums either way round; the CPU matmul is faster with the wider dim as
+        # N (measured: [512, 1024] @ [1024, 128] ~15 GFLOP/s, [128, 1024] @ [1024, 512] ~20),
+        # so a wide-output weight gets (x^T g)^T, a transposed view.
+        # Into the weight's free slot, the transposed product is stored transposed.
+        dest = _direct_dest(ctx, idx[1], w.shape, g2, x2)
+        if w.shape[0] > w.shape[1]:
+            if dest is not None:
+                gw = K.matmul(F.transpose(x2, 0, 1), g2, out=F.transpose(dest, 0, 1))
+                gw = dest
+            else:
+                gw = F.transpose(matmul(F.transpose(x2, 0, 1), g2), 0, 1)
+        elif dest is not None:
+            gw = K.matmul(F.transpose(g2, 0, 1), x2, out=dest)
+        else:
+            gw = matmul(F.transpose(g2, 0, 1), x2)
+    gb = None
+    if n[idx[2]]:
+        dest = _direct_dest(ctx, idx[2], (g.shape[-1],), g)
+        if dest is not None and g.ndim >= 2 and dest.dtype is dt.float32:
+            # sum() of a float32 gradient over the leading dims, written into the slot
+            gb, _ = K.reduce("sum", g, tuple(range(g.ndim - 1)), 1.0, out=dest)
+        else:
+            gb = F.sum_to_shape(g, (g.shape[-1],))
+    return gx, gw, gb
+
+
+class _LinearResidual(Function):
+    """residual + linear(x, w, b) as one matmul (helios.fusion "linear+residual")."""
+
+    op_name = "linear+residual"
+
+    @staticmethod
+    def forward(ctx, x, w, b, residual):
+        ctx.save_for_backward(x, w)
+        out, _ = K.matmul_epilogue("linear+residual", x, F.transpose(w, 0, 1), b, residual)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        # the add's backward: the residual's gradient is g itself, as add() returns it
+        return _linear_grads(ctx, g, x, w) + ((g if ctx.needs_input_grad[3] else None),)
+
+
+class _LinearGelu(Function):
+    """gelu_tanh(linear(x, w, b)) as one matmul (helios.fusion "linear+gelu"): the kernel
+    stores the pre-activation u for backward along with gelu(u)."""
+
+    op_name = "linear+gelu"
+
+    @staticmethod
+    def forward(ctx, x, w, b):
+        y, u = K.matmul_epilogue("linear+gelu", x, F.transpose(w, 0, 1), b, None)
+        ctx.save_for_backward(x, w, u)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w, u = ctx.saved_tensors
+        # gelu's backward (as _Unary's), then the linear's on its result
+        return _linear_grads(ctx, K.binary("gelu_tanh_bwd", u, g), x, w)
+
+
+class _MLPResidual(Function):
+    """residual + linear(gelu_tanh(linear(x, w1, b1)), w2, b2): the forward is the two fused
+    matmuls (linear+gelu, linear+residual); backward computes the hidden gradient with
+    gelu_tanh_bwd in the product's epilogue (helios.fusion "matmul+gelu_tanh_bwd")."""
+
+    op_name = "mlp+residual"
+
+    @staticmethod
+    def forward(ctx, x, w1, b1, w2, b2, residual):
+        h, u = K.matmul_epilogue("linear+gelu", x, F.transpose(w1, 0, 1), b1, None)
+        out, _ = K.matmul_epilogue("linear+residual", h, F.transpose(w2, 0, 1), b2, residual)
+        ctx.save_for_backward(x, w1, u, h, w2)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w1, u, h, w2 = ctx.saved_tensors
+        n = ctx.needs_input_grad
+        _, gw2, gb2 = _linear_grads(ctx, g, h, w2, (None, 3, 4))  # c_proj's parameters
+        gx = gw1 = gb1 = None
+        if n[0] or n[1] or n[2]:
+            # c_proj's input gradient g @ w2 times gelu'(u), in one kernel; then c_fc's
+            gu, _ = K.matmul_epilogue("matmul+gelu_tanh_bwd", g, w2, None, u)
+            gx, gw1, gb1 = _linear_grads(ctx, gu, x, w1)
+        return gx, gw1, gb1, gw2, gb2, (g if n[5] else None)
+
+
+def mlp_residual(x: Tensor, w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tensor | None, residual: Tensor) -> Tensor:
+    """residual + linear(gelu(linear(x, w1, b1), approximate="tanh"), w2, b2), the GPT MLP
+    block with its residual add, in fused kernels (helios.fusion: linear+gelu and
+    linear+residual forward, matmul+gelu_tanh_bwd backward), bit for bit the separate ops;
+    where the fused kernels do not apply the separate ops run."""
+    hidden = x.shape[:-1] + (w1.shape[0],) if isinstance(x, Tensor) and isinstance(w1, Tensor) else None
+    if (_fusible_linear(x, w1, b1) and isinstance(w2, Tensor) and w2.ndim == 2 and w2.shape[1] == w1.shape[0]
+            and w2.dtype is x.dtype and w1.shape[0] > 0
+            and (b2 is None or (isinstance(b2, Tensor) and b2.shape == (w2.shape[0],) and b2.dtype is x.dtype
+                                and (b2.shape[0] == 1 or b2._strides[0] == 1)))
+            and isinstance(residual, Tensor) and residual.dtype is x.dtype
+            and residual.shape == hidden[:-1] + (w2.shape[0],) and residual.is_contiguous()):
+        return _MLPResidual.apply(x, w1, b1, w2, b2, residual)
+    return linear_residual(linear_gelu(x, w1, b1), w2, b2, residual)
+
+
+def _fusible_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
+    """Whether linear(x, weight, bias) is the plain one-kernel linear a fused kernel can
+    extend: fusion on, no autocast conversion, one float dtype, a [..., K] input with K > 0,
+    a unit-stride bias."""
+    from helios import fusion
+
+    return (fusion.ENABLED and _amp.state.dtype is None and isinstance(x, Tensor) and isinstance(weight, Tensor)
+            and x.ndim >= 2 and weight.ndim == 2 and x.shape[-1] == weight.shape[1] and x.shape[-1] > 0
+            and x.numel() > 0 and x.dtype is weight.dtype and x.dtype.kind == "float"
+            and (bias is None or (isinstance(bias, Tensor) and bias.shape == (weight.shape[0],)
+                                  and bias.dtype is x.dtype and (bias.shape[0] == 1 or bias._strides[0] == 1))))
+
+
+def linear_residual(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor) -> Tensor:
+    """residual + linear(x, weight, bias): one matmul whose epilogue adds the residual
+    (helios.fusion "linear+residual"), bit for bit the separate ops; where the fused kernel
+    does not apply (fusion off, autocast, mixed dtypes, a residual of another shape or
+    layout) the separate ops run."""
+    if (_fusible_linear(x, weight, bias) and isinstance(residual, Tensor) and residual.dtype is x.dtype
+            and residual.shape == x.shape[:-1] + (weight.shape[0],) and residual.is_contiguous()):
+        return _LinearResidual.apply(x, weight, bias, residual)
+    return residual + linear(x, weight, bias)
+
+
+def linear_gelu(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """gelu(linear(x, weight, bias), approximate="tanh"): one matmul that stores the
+    pre-activation and its GELU (helios.fusion "linear+gelu"), bit for bit the separate ops;
+    where the fused kernel does not apply the separate ops run."""
+    if _fusible_linear(x, weight, bias):
+        return _LinearGelu.apply(x, weight, bias)
+    return F.gelu(linear(x, weight, bias), approximate="tanh")
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x @ weight^T + bias (PyTorch's F.linear); the bias is added in the matmul's epilogue."""
+    F._check_tensor(x, "linear"), F._check_tensor(weight, "linear")
+    if _amp.state.dtype is not None:  # autocast: in the low dtype (the bias too: one rounding in the epilogue)
+        x, weight, bias = _amp.low(x, weight, bias)
+    if weight.ndim != 2 or x.ndim < 1 or x.shape[-1] != weight.shape[1]:
+        raise ShapeError(f"linear: expected input [..., {weight.shape[-1]}] and a 2-D weight, got {x.shape} and {weight.shape}")
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise ShapeError(f"linear: expected a bias of shape ({weight.shape[0]},), got {bias.shape}")
+    # Mixed dtypes and 1-D inputs take the general path (promotion, vector matmul).
+    if (x.ndim < 2 or x.dtype is not weight.dtype or x.dtype.kind != "float"
+            or (bias is not None and bias.dtype is not x.dtype)):
+        y = matmul(x, F.transpose(weight, 0, 1))
+        return y if bias is None else y + bias
+    if bias is not None and bias.shape[0] > 1 and bias._strides[0] != 1:
+        bias = F.contiguous(bias)  # the matmul epilogue reads the bias with unit stride
+    return _Linear.apply(x, weight, bias)
+
+
+# -- products --------------------------------------------------------------------------------------
+def _float_mm(op: str, *ts: Tensor) -> None:
+    for t_ in ts:
+        F._check_tensor(t_, op)
+        if t_.dtype.kind != "float":
+            raise DTypeError(f"{op}: expected floating-point tensors, got {t_.dtype.name} (the matmul kernels are floating-point only)")
+
+
+def mm(a: Tensor, b: Tensor) -> Tensor:
+    """The product of two matrices ([n, m] @ [m, p])."""
+    _float_mm("mm", a, b)
+    if a.ndim != 2 or b.ndim != 2:
+        raise ShapeError(f"mm: expected two 2-D tensors, got shapes {a.shape} and {b.shape}")
+    return matmul(a, b)
+
+
+def bmm(a: Tensor, b: Tensor) -> Tensor:
+    """Batched matrix product of [B, n, m] and [B, m, p] tensors (no broadcasting, as in PyTorch)."""
+    _float_mm("bmm", a, b)
+    if a.ndim != 3 or b.ndim != 3 or a.shape[0] != b.shape[0] or a.shape[2] != b.shape[1]:
+        raise ShapeError(f"bmm: expected [B, n, m] and [B, m, p] tensors, got shapes {a.shape} and {b.shape}")
+    return matmul(a, b)
+
+
+def _beta_alpha(op: str, x: Tensor, prod: Tensor, beta, alpha) -> Tensor:
+    broadcast_shapes(op, x.shape, prod.shape)
+    if alpha != 1:
+        prod = prod * alpha
+    if beta == 0:  # the input is ignored, NaN and inf included (PyTorch's rule); its gradient is 0
+        out = prod if prod.shape == broadcast_shapes(op, x.shape, prod.shape) else F.expand(prod, x.shape)
+        return _ZeroGradFor.apply(out, x) if x.requires_grad and is_grad_enabled() else out
+    return prod + (x if beta == 1 else x * beta)
+
+
+def _wide(*ts: Tensor):
+    """16-bit float operands as float32 (a fused multiply-add rounds once, as PyTorch's does)."""
+    return tuple(F.to(t_, dt.float32) if t_.dtype.itemsize == 2 else t_ for t_ in ts)
+
+
+class _ZeroGradFor(Function):
+    """``out`` unchanged, with ``x`` recorded as an input whose gradient is zero (an input an
+    op ignores but PyTorch still differentiates, such as addmm's with beta=0)."""
+
+    @staticmethod
+    def forward(ctx, out, x):
+        ctx.shape = x.shape
+        return F._view(out, out.shape, out._strides, out._off)  # a new tensor: out keeps its own node
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, K.fill(K.empty(ctx.shape, g.dtype, g._st.rt), 0)
+
+
+def addmm(x: Tensor, a: Tensor, b: Tensor, *, beta=1, alpha=1) -> Tensor:
+    """beta * x + alpha * (a @ b) for matrices a, b (x broadcasts to the product's shape);
+    16-bit inputs are computed in float32 and rounded once."""
+    _float_mm("addmm", x, a, b)
+    if _amp.state.dtype is not None:  # autocast: in the low dtype
+        x, a, b = _amp.low(x, a, b)
+    out_dtype = a.dtype
+    x, a, b = _wide(x, a, b)
+    r = F.to(_beta_alpha("addmm", x, mm(a, b), beta, alpha), out_dtype)
+    if r.shape != (a.shape[0], b.shape[1]):
+        raise ShapeError(f"addmm: input {x.shape} does not broadcast to the product's shape {(a.shape[0], b.shape[1])}")
+    return r
+
+
+def baddbmm(x: Tensor, a: Tensor, b: Tensor, *, beta=1, alpha=1) -> Tensor:
+    """beta * x + alpha * bmm(a, b) (x broadcasts to [B, n, p]; beta=0 ignores x); 16-bit
+    inputs are computed in float32 and rounded once."""
+    _float_mm("baddbmm", x, a, b)
+    if _amp.state.dtype is not None:  # autocast: in the low dtype
+        x, a, b = _amp.low(x, a, b)
+    out_dtype = a.dtype
+    x, a, b = _wide(x, a, b)
+    p = bmm(a, b)
+    r = F.to(_beta_alpha("baddbmm", x, p, beta, alpha), out_dtype)
+    if r.shape != p.shape:
+        raise ShapeError(f"baddbmm: input {x.shape} does not broadcast to the product's shape {p.shape}")
+    return r
+
+
+def outer(a: Tensor, b: Tensor) -> Tensor:
+    """The outer product of two vectors: out[i, j] = a[i] * b[j]."""
+    F._check_tensor(a, "outer"), F._check_tensor(b, "outer")
+    if a.ndim != 1 or b.ndim != 1:
+        raise ShapeError(f"outer: expected two 1-D tensors, got shapes {a.shape} and {b.shape}")
+    return F.mul(F.unsqueeze(a, 1), F.unsqueeze(b, 0))
+
+
+def _diagonal_view(x: Tensor, d1: int, d2: int) -> Tensor:
+    """The diagonal of dims d1 < d2 (equal sizes) as a view: d2 is dropped, d1 steps both."""
+    shape = list(x.shape)
+    strides = list(x._strides)
+    strides[d1] += strides[d2]
+    del shape[d2], strides[d2]
+    return F._Slice.apply(x, tuple(shape), tuple(strides), x._off)
+
+
+def einsum(equation: str, *operands) -> Tensor:
+    """Einstein summation (torch.einsum): explicit (``"bij,bjk->bik"``) or implicit output,
+    ``...`` for broadcast dims, repeated labels in one operand (diagonals), any number of
+    operands (contracted left to right; each pair as one batched matmul)."""
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = tuple(operands[0])
+    if not operands:
+        raise ValueError("einsum: expected at least one operand")
+    for o in operands:
+        F._check_tensor(o, "einsum")
+    eq_ = equation.replace(" ", "")
+    lhs, arrow, rhs = eq_.partition("->")
+    terms = lhs.split(",")
+    if len(terms) != len(operands):
+        raise ValueError(f"einsum: the equation has {len(terms)} operands, {len(operands)} tensors were given")
+    n_ell = 0
+    parsed = []
+    for term, op in zip(terms, operands):
+        if term.count("...") > 1 or "." in term.replace("...", ""):
+            raise ValueError(f"einsum: malformed subscripts {term!r}")
+        letters = term.replace("...", "")
+        if letters and not letters.isalpha():
+            raise ValueError(f"einsum: subscripts must be letters, got {term!r}")
+        if ("..." in term and op.ndim < len(letters)) or ("..." not in term and op.ndim != len(letters)):
+            raise ShapeError(f"einsum: subscripts {term!r} do not match an operand of {op.ndim} dims")
+        k = op.ndim - len(letters) if "..." in term else 0
+        n_ell = builtins.max(n_ell, k)
+        parsed.append((term, k))
+    labels = []
+    for term, k in parsed:
+        pre, has_e, post = term.partition("...")
+        labels.append(list(pre) + ([f"\0{n_ell - k + i}" for i in range(k)] if has_e else []) + list(post))
+    ell = [f"\0{i}" for i in range(n_ell)]
+    if arrow:
+        if rhs.count("...") > 1:
+            raise ValueError(f"einsum: malformed output {rhs!r}")
+        pre, has_e, post = rhs.partition("...")
+        out = list(pre) + (ell if has_e else []) + list(post)
+        for c in out:
+            if not c.startswith("\0") and not builtins.any(c in lab for lab in labels):
+                raise ValueError(f"einsum: output label {c!r} does not appear in any operand")
+        if len(set(out)) != len(out):
+            raise ValueError(f"einsum: output subscripts {rhs!r} repeat a label")
+    else:
+        counts = {}
+        for lab in labels:
+            for c in lab:
+                counts[c] = counts.get(c, 0) + 1
+        out = ell + sorted(c for c, n in counts.items() if n == 1 and not c.startswith("\0"))
+    # sizes (1 broadcasts) and per-operand diagonals
+    sizes: dict = {}
+    ops = []
+    for lab, op in zip(labels, operands):
+        lab = list(lab)
+        while True:
+            dup = next(((i, j) for i in range(len(lab)) for j in range(i + 1, len(lab)) if lab[i] == lab[j]), None)
+            if dup is None:
+                break
+            i, j = dup
+            if op.shape[i] != op.shape[j]:
+                raise ShapeError(f"einsum: label {lab[i]!r} repeats with sizes {op.shape[i]} and {op.shape[j]}")
+            op = _diagonal_view(op, i, j)
+            del lab[j]
+        for c, s in zip(lab, op.shape):
+            if sizes.get(c, 1) != 1 and s != 1 and sizes[c] != s:
+                raise ShapeError(f"einsum: label {c!r} has sizes {sizes[c]} and {s}")
+            if s != 1 or c not in sizes:
+                sizes[c] = s
+        ops.append((op, lab))
+
+    def needed(i: int) -> set:
+        keep = set(out)
+        for _, lab in ops[i + 1:]:
+            keep |= set(lab)
+        return keep
+
+    summed_alone = []  # whether a label was summed within one operand (PyTorch's sum: ints become int64)
+
+    def reduce_own(op, lab, keep):
+        drop = [k for k, c in enumerate(lab) if c not in keep]
+        if drop:
+            summed_alone.append(True)
+            op = F.sum(op, dim=drop)
+            lab = [c for k, c in enumerate(lab) if k not in drop]
+        return op, lab
+
+    cur, clab = reduce_own(*ops[0], needed(0) | (set(ops[1][1]) if len(ops) > 1 else set()))
+    for i in range(1, len(ops)):
+        b, blab = ops[i]
+        keep = needed(i)
+        b, blab = reduce_own(b, blab, keep | set(clab))
+        cur, clab = _contract(cur, clab, b, blab, keep, sizes)
+    cur, clab = reduce_own(cur, clab, set(out))
+    shape = tuple(sizes[c] for c in clab)
+    if cur.shape != shape:
+        cur = F.expand(cur, shape)
+    rdt = F.result_type(*operands)
+    if rdt.kind != "float" and summed_alone:
+        rdt = dt.int64
+    if cur.dtype is not rdt:  # integer products are summed in int64
+        cur = F.to(cur, rdt)
+    return F.permute(cur, *[clab.index(c) for c in out]) if clab != out else cur
+
+
+def _contract(a: Tensor, la: list, b: Tensor, lb: list, keep: set, sizes: dict):
+    """Multiply two labelled operands and sum the labels they share that are not kept."""
+    batch = [c for c in la if c in lb and c in keep]
+    summed = [c for c in la if c in lb and c not in keep]
+    a_only = [c for c in la if c not in lb]
+    b_only = [c for c in lb if c not in la]
+    if a.dtype.kind != "float" or b.dtype.kind != "float":
+        # integer operands: a broadcast product and a sum (the matmul kernels are float-only)
+        full = batch + a_only + b_only + summed
+
+        def lay(t_, lab):
+            t_ = F.permute(t_, *[lab.index(c) for c in full if c in lab])
+            present = [c for c in full if c in lab]
+            return F.reshape(t_, tuple(t_.shape[present.index(c)] if c in lab else 1 for c in full))
+
+        prod = F.mul(lay(a, la), lay(b, lb))
+        if summed:
+            prod = F.sum(prod, dim=list(range(len(full) - len(summed), len(full))))
+        return prod, batch + a_only + b_only
+    def arrange(t_, lab, groups):
+        order = [lab.index(c) for g in groups for c in g]
+        t_ = F.permute(t_, *order)
+        t_ = F.expand(t_, tuple(sizes[c] for g in groups for c in g))
+        return F.reshape(t_, tuple(numel(tuple(sizes[c] for c in g)) for g in groups))
+
+    am = arrange(a, la, (batch, a_only, summed))
+    bm = arrange(b, lb, (batch, summed, b_only))
+    r = matmul(am, bm)
+    return F.reshape(r, tuple(sizes[c] for c in batch + a_only + b_only)), batch + a_only + b_only

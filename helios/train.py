@@ -22,8 +22,8 @@ samples and writes the run database (which holds every rank's step timing).
 --tp splits each layer over tensor-parallel ranks and --pp the layers into pipeline stages
 trained with the 1F1B schedule over --microbatches micro-batches of each replica's batch
 (--pp-virtual v: each rank holds v chunks of layers, Megatron-LM's interleaved schedule);
-the ranks left over are data parallel.  --zero 1|2 with --pp shards each stage over its
-data-parallel ranks, --zero 1|2|3 with --tp each tensor-parallel rank's shards, --zero 1|2 with --ep
+the ranks left over are data parallel.  --zero 1|2|3 with --pp shards each stage over its
+data-parallel ranks (--zero 3 with 1F1B only), --zero 1|2|3 with --tp each tensor-parallel rank's shards, --zero 1|2 with --ep
 the experts over the ranks holding the same experts and the rest over every replica.  --moe-experts with
 --tp splits each expert's MLP over the tensor-parallel ranks as the dense MLP is.  --dtype bf16 runs
 with every layout but --cp (a pipeline's stages forward under the same autocast).  Checkpoints
@@ -386,6 +386,8 @@ def _train(args, given: set[str]) -> int:
         model = opt = ZeroDataParallel(gpt, zero, groups, lr=lr_max, betas=(0.9, 0.95), bucket_cap_mb=args.bucket_cap_mb,
                                        group=grid.dp_group if args.tp > 1 or pipeline else None,
                                        param_replicas=replicas)
+        if pipeline and zero == 3:  # the stage runs its blocks itself: each pass in the optimizer's forward scope
+            gpt.pass_scope, gpt.sum_tied_locally = opt.forward_scope, False
     else:
         if run.active and grid.dp > 1 and not pipeline:  # a pipeline averages after its flush (below)
             from helios.schedule import DistributedDataParallel
@@ -613,6 +615,15 @@ def _train(args, given: set[str]) -> int:
         """The step's micro-batches through this stage in 1F1B (or interleaved) order, then the stage's gradients
         averaged over the data-parallel replicas; the mean loss on the last stage, None elsewhere."""
         xs, ys = zip(*micro_batches())
+        if zero == 3:
+            # ZeRO-3 gathers each block around its forward and again for its backward, so every
+            # micro-batch's backward reduce-scatters the stage's gradients into the shards (adding
+            # to the earlier ones); the tied table's two halves are then summed shard by shard.
+            loss = gpt.train_step(list(xs), list(ys), phase=timer.phase, autocast=autocast)
+            if gpt.embedding_group is not None:
+                with timer.phase("comm"):
+                    opt.all_reduce_gradient("wte.weight", gpt.embedding_group)
+            return loss
         if zero:
             # The stage runs backward itself: its gradients accumulate locally (the tied table's
             # two summed between the first and the last stage), then ZeRO reduces them over the

@@ -46,6 +46,12 @@ embeddings plus 16-bit projections promote), so the stages pass one device's str
 unrounded (bfloat16 would halve the bytes but round it, and the pipeline would no longer
 train what one device trains).  Backward never casts: the parameters get float32 gradients.
 
+ZeRO-3 (helios-train ``--pp --zero 3``): the stage's blocks are ZeRO-3 units
+(``_Blocks.children_are_units``); the trainer sets ``stage.pass_scope`` to the optimizer's
+``forward_scope`` (each pass of the stage runs inside it: the stage runs its units itself,
+never the model's forward) and ``stage.sum_tied_locally = False`` (the tied table's halves are
+reduced into ZeRO's shards during backward and summed there).
+
 A tensor-parallel model (``TensorParallelGPT``) splits into stages the same way: each
 tensor-parallel rank of a stage holds its shards, activations pass between the ranks of
 equal tensor-parallel index, and the last stage's loss is the vocabulary-parallel cross
@@ -253,6 +259,9 @@ class _Blocks(Module):
     """A stage's transformer blocks, registered under their index in the whole model, so the
     stage's parameter names are the single-device model's (``h.<i>.…``)."""
 
+    # The stage calls each block itself: ZeRO-3 gathers block by block, as for GPT's ModuleList.
+    children_are_units = True
+
     def __init__(self, blocks: dict[int, Module]) -> None:
         super().__init__()
         for i, b in blocks.items():
@@ -296,6 +305,12 @@ class PipelineStage(Module):
         self.virtual = virtual
         self._moe_step = None  # see _moe_aux
         self._cast = contextlib.nullcontext  # the autocast of the step or evaluation running (see _casting)
+        # The context every pass of the stage runs in: a ZeRO-3 optimizer's forward_scope (the stage
+        # runs its units itself, never the model's forward, which would set it up).
+        self.pass_scope = contextlib.nullcontext
+        # False: the optimizer sums the tied table's two gradients (ZeRO-3 reduces every micro-batch's
+        # gradients into its shards during backward: they are summed there, shard by shard).
+        self.sum_tied_locally = True
         if weights is not None and len(weights) != cfg.n_layer + 2:
             raise ValueError(f"pipeline: {len(weights)} layer weights for the model's {cfg.n_layer + 2} layers "
                              "(embeddings, each block, final LayerNorm)")
@@ -430,7 +445,7 @@ class PipelineStage(Module):
         stages compute what one device's autocast forward computes; the activations passed
         between stages stay float32 (the residual stream autocast leaves in float32) and the
         parameters get float32 gradients (backward never casts)."""
-        with self._casting(autocast):
+        with self._casting(autocast), self.pass_scope():
             return self._train_step(inputs, targets, phase)
 
     def _train_step(self, inputs: list, targets: list, phase=None) -> float | None:
@@ -525,7 +540,7 @@ class PipelineStage(Module):
     def _sum_tied_gradients(self) -> None:
         """The tied table's gradient: the input embedding's (first stage) plus the output
         layer's (last stage), on both."""
-        if self.embedding_group is None or self.wte.weight.grad is None:
+        if self.embedding_group is None or self.wte.weight.grad is None or not self.sum_tied_locally:
             return
         with no_grad():
             g = self.wte.weight.grad
@@ -564,7 +579,7 @@ class PipelineStage(Module):
     def evaluate(self, inputs: list, targets: list, autocast=None) -> float | None:
         """The mean loss over the micro-batches (no gradients) on the last stage, None elsewhere
         (every stage calls it with the same lists; ``autocast`` as in ``train_step``)."""
-        with self._casting(autocast):
+        with self._casting(autocast), no_grad(), self.pass_scope():  # (a scope left without gradients releases)
             outs = self._forward_only(inputs, targets)
         if not self.last:
             return None
@@ -576,7 +591,8 @@ class PipelineStage(Module):
     def infer(self, idx) -> object | None:
         """The logits of one batch of token ids on the last stage (this rank's vocabulary slice
         under tensor parallelism), None elsewhere (every stage calls it with the same ids)."""
-        outs = self._forward_only([idx], None)
+        with no_grad(), self.pass_scope():
+            outs = self._forward_only([idx], None)
         return outs[0] if self.last else None
 
     def full_logits(self, logits) -> np.ndarray:

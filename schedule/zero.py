@@ -49,6 +49,14 @@ between its first and last stage, then reduces.  ``clip_grad_norm_(max_norm, tp_
 pp_group=None, counted=None)``: with ``pp_group`` the squares are also summed over the pipeline's
 stages, each counting only the parameters ``counted(name)`` accepts (the stage's ``owns``).
 
+A caller that runs the model's units itself instead of calling the model (a pipeline stage,
+helios-train ``--pp --zero 3``) runs each pass inside ``forward_scope()``: the bookkeeping the
+model's forward does (DDP's buckets, stage 3's unit order and on-the-spot gathers);
+``all_reduce_gradient(name, group)`` then sums a parameter's reduced gradient over ``group``
+(a pipeline's tied table on its first and last stage, sharded alike).  A gather in flight
+keeps its buffer's version (the values are the ones it held before): an op may save a
+prefetched unit's parameter for backward while the gather runs.
+
 ``param_replicas={name: group}`` (stages 1-2): parameters that are not replicated over every
 rank of the model's group but over a subgroup of it, each subgroup's ranks holding the same
 values: expert parallelism's experts, replicated over the expert-data-parallel group (the
@@ -145,6 +153,7 @@ parameters).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass, field
 
@@ -175,13 +184,26 @@ class _LazyStorage(Storage):
     while a collective that fills it is in flight (``on_demand`` then waits for it; the
     communicator's thread, which fills it, passes)."""
 
-    __slots__ = ("_h", "pool", "on_demand", "owner", "waiter")
+    __slots__ = ("_h", "pool", "on_demand", "owner", "waiter", "_v", "filling")
 
     def __init__(self, rt, nbytes: int, pool: str, on_demand, owner) -> None:
+        self._v, self.filling = 0, False
         self.rt, self.nbytes, self.version = rt, nbytes, 0
         self._h = None
         self.pool, self.on_demand, self.owner = pool, on_demand, owner
         self.waiter = None
+
+    @property
+    def version(self) -> int:
+        return self._v
+
+    @version.setter
+    def version(self, v: int) -> None:
+        # While a gather refills it (``filling``) the values are the ones it held before: an op
+        # that saves the parameter for backward then (a prefetched unit read outside its own
+        # forward, as a pipeline's last stage reads the tied table) sees the version backward will.
+        if not self.filling:
+            self._v = v
 
     @property
     def handle(self) -> int:
@@ -501,7 +523,8 @@ class ZeroAdamW(Optimizer):
         def visit(prefix: str, m: Module) -> None:
             for name, child in m._modules.items():
                 full = f"{prefix}.{name}" if prefix else name
-                if isinstance(child, ModuleList):
+                # (a container whose children are called one by one: a pipeline stage's blocks)
+                if isinstance(child, ModuleList) or getattr(child, "children_are_units", False):
                     visit(full, child)
                 else:
                     mods.append((full, child))
@@ -692,6 +715,49 @@ class ZeroAdamW(Optimizer):
                 if not tape.is_grad_enabled():  # no backward follows: give everything back now
                     self._release_all()
 
+    @contextlib.contextmanager
+    def forward_scope(self):
+        """The bookkeeping of the model's own forward (and of DDP's, which builds the gradient
+        buckets), for a caller that runs the model's units itself instead of calling the model
+        (a pipeline stage's ``train_step``, which runs its micro-batches' forwards and backwards
+        in 1F1B order): stage 3 records the units' order from the first one and allows a
+        parameter read outside its unit (the tied output layer) to be gathered on the spot;
+        without gradients everything is released at the end."""
+        depth = self._fwd_depth
+        if depth == 0:
+            self.ddp._prepare_buckets()  # as DDP's forward does (a caller that runs the units never calls it)
+        self._fwd_depth = depth + 1
+        if depth == 0:
+            self._recording = []
+        try:
+            yield self
+        finally:
+            self._fwd_depth = depth
+            if depth == 0:
+                if self._recording and not self._fwd_order:
+                    self._fwd_order = self._recording
+                self._recording = None
+                if not tape.is_grad_enabled():
+                    self._release_all()
+
+    @no_grad()
+    def all_reduce_gradient(self, name: str, group) -> None:
+        """Sum this rank's reduced gradient of parameter ``name`` over ``group`` (in place): for a
+        parameter held by two models sharded alike, whose gradients add up (a pipeline's tied
+        table on its first and last stage, each stage's rank i owning the same range)."""
+        self._settle()
+        for n, p, s, a, start, stop in self._ranges():
+            if n == name:
+                if self.stage == 1:  # every rank holds the whole reduced gradient
+                    start, stop = 0, p.numel()
+                if stop > start:  # (the ranks of the group own the same range: empty on all of them, or on none)
+                    v = self._grad_range(s, a, start, stop)
+                    whole = K.copy(v)
+                    dist.all_reduce(whole, group=group)
+                    K.copy_into(v, whole)
+                return
+        raise KeyError(f"ZeroAdamW: no parameter {name!r}")
+
     def _order(self) -> list:
         return self._fwd_order or [u for u in self.units if u.module is not None]
 
@@ -734,6 +800,7 @@ class ZeroAdamW(Optimizer):
                 u.bytes += got
                 self._count("gathered_params", got)
                 g = self.groups[s.gi]
+                s.pfull.filling = True  # the gather's write keeps the version (see _LazyStorage.version)
                 w = dist.all_gather(_view(s.pfull, 0, s.c * self.world), _view(g.pshard._st, s.so, s.c),
                                     group=self.pg, async_op=True)
                 s.pfull.waiter = threading.get_ident()  # a read on this thread waits for the gather
@@ -744,7 +811,7 @@ class ZeroAdamW(Optimizer):
         if wait and u.state == "pending":
             for w, st, version in u.pending:
                 w.wait()
-                st.waiter = None
+                st.waiter, st.filling = None, False
                 st.version = version  # same values as before: saved-for-backward checks must not trip
             u.pending = []
             u.state = "gathered"
@@ -1246,6 +1313,14 @@ class ZeroDataParallel(DistributedDataParallel):
     def replica_group(self, name: str):
         """See ZeroAdamW.replica_group."""
         return self.optimizer.replica_group(name)
+
+    def all_reduce_gradient(self, name: str, group) -> None:
+        """See ZeroAdamW.all_reduce_gradient."""
+        self.optimizer.all_reduce_gradient(name, group)
+
+    def forward_scope(self):
+        """See ZeroAdamW.forward_scope."""
+        return self.optimizer.forward_scope()
 
     @property
     def param_groups(self) -> list:

@@ -94,7 +94,7 @@ def test_a_zero3_tp_checkpoint_resumes_on_one_rank_and_under_zero1_and_back(tmp_
 
 
 @pytest.mark.parametrize("world,args,needle", [
-    (4, ["--pp", "2", "--tp", "2", "--zero", "3"], "--zero 3 with --pp 2: ZeRO-3"),
+    (4, ["--pp", "2", "--tp", "2", "--zero", "3"], "--zero 3 with --pp 2 shards each stage over its data-parallel ranks"),
     (2, ["--tp", "2", "--zero", "3"], "--zero 3 with --tp 2 shards each tensor-parallel rank's parameters"),
 ])
 def test_zero3_a_grid_cannot_use_is_one_line_on_every_rank(tmp_path, world, args, needle):

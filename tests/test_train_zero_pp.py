@@ -1,7 +1,10 @@
 """helios-train --zero 1|2 --pp: each pipeline stage's parameters sharded by ZeRO over the stage's
 data-parallel ranks train exactly what one rank trains (the clip's norm summed over every stage
 and every shard once, the tied embedding once), the checkpoints hold whole tensors that resume
-under another --zero and on one rank, and --zero 3 --pp is one line."""
+under another --zero and on one rank.  --zero 3 --pp too (1F1B: ZeRO-3 gathers each block of
+the stage around its forward and its backward, every micro-batch's backward reduce-scatters
+into the shards, the tied table's halves are summed shard by shard); --zero 3 with
+--pp-virtual is one line."""
 
 from __future__ import annotations
 
@@ -57,6 +60,7 @@ def one_rank(tmp_path_factory):
 @pytest.mark.parametrize("stage,extra,banner", [
     (1, [], "pipeline parallel 2 (4 micro-batches) x data parallel 2, ZeRO-1"),
     (1, ["--pp-virtual", "2"], "x data parallel 2, ZeRO-1"),
+    (3, [], "pipeline parallel 2 (4 micro-batches) x data parallel 2, ZeRO-3"),
 ])
 def test_zero_over_each_stages_data_parallel_ranks_trains_what_one_rank_trains(tmp_path, one_rank, stage, extra,
                                                                               banner):
@@ -87,6 +91,17 @@ def test_a_zero2_pipeline_checkpoint_resumes_under_zero1_and_on_one_rank_and_bac
     _same_run(one_rank, c)
 
 
+def test_a_zero3_pipeline_checkpoint_resumes_on_one_rank(tmp_path, one_rank):
+    """Each stage writes its ZeRO-3 shards under the whole model's names (the tied table once)."""
+    first = launch(4, tmp_path, *ARGS, *GRID, "--zero", "3", "--stop-after", "3")
+    assert first.returncode == 0 and "stopped at step 3" in first.stdout, first.stderr[-3000:]
+    r = launch(1, tmp_path, *ARGS, "--resume")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "at step 3 (saved by 4 ranks, pp 2, ZeRO-3)" in r.stdout
+    _same_run(one_rank, tmp_path)
+    _clipped_on_every_step(tmp_path)
+
+
 @pytest.mark.slow
 def test_zero_over_a_tensor_and_pipeline_parallel_grid_trains_what_the_grid_trains_without_it(tmp_path):
     """tp 2 x pp 2 x dp 2 on 8 ranks: ZeRO-2 over each (stage, tensor-parallel shard)'s two replicas
@@ -103,8 +118,10 @@ def test_zero_over_a_tensor_and_pipeline_parallel_grid_trains_what_the_grid_trai
 
 
 @pytest.mark.parametrize("world,args,needle", [
-    (2, ["--pp", "2", "--zero", "3"], "--zero 3 with --pp 2: ZeRO-3"),
+    (2, ["--pp", "2", "--zero", "3"], "--zero 3 with --pp 2 shards each stage over its data-parallel ranks"),
     (2, ["--pp", "2", "--zero", "2"], "--zero 2 with --pp 2 shards each stage over its data-parallel ranks"),
+    (4, ["--config", "tiny", "--pp", "2", "--pp-virtual", "2", "--microbatches", "2", "--zero", "3"],
+     "--zero 3 with --pp-virtual 2: each backward of the interleaved schedule runs one chunk"),
 ])
 def test_zero_a_pipeline_cannot_use_is_one_line_on_every_rank(tmp_path, world, args, needle):
     res = run_ranks(["-m", "helios.train", *_train_args(tmp_path, *args)], world, timeout=120)

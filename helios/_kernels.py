@@ -10,11 +10,12 @@ from __future__ import annotations
 import struct
 
 from helios import dtypes as dt
-from helios import graph
+from helios import ew_fusion, fusion, graph
+from helios import runtime as _runtime
 from helios._shape import broadcast_strides, collapse, contiguous_strides, numel
 from helios.errors import DTypeError, ShapeError
 from helios.kernels_spirv import ew_ops
-from helios.runtime import get_runtime
+from helios.runtime import _debug_operand, get_runtime
 from helios.tensor import Storage, Tensor
 
 MAX_DIMS = 6  # elementwise kernels; copy takes 8
@@ -153,8 +154,16 @@ def unary(op: str, x: Tensor, p0: float = 0.0, p1: float = 0.0, out_dtype: dt.DT
             # vec4 path (see ew_unary.comp): 4 aligned elements an invocation
             vec = 4 if (x.dtype is dt.float32 and out.dtype is dt.float32 and m % 4 == 0 and ox % 4 == 0
                         and oo % 4 == 0) else 1
-            rt.dispatch(pid if vec == 1 else rt.pipeline("ew_unary", "f32", (code, 1, 4)), [bx, bo],
-                        _P_UNARY.pack(m, 1, ox, oo, p0, p1, *_ZERO14), grid(m // vec), op, m, 2 * m * x.dtype.itemsize)
+            args = (pid if vec == 1 else rt.pipeline("ew_unary", "f32", (code, 1, 4)), [bx, bo],
+                    _P_UNARY.pack(m, 1, ox, oo, p0, p1, *_ZERO14), grid(m // vec), op, m, 2 * m * x.dtype.itemsize)
+            q = rt.ew_queue
+            if (q is not None and m == n and fusion.ENABLED and ew_fusion.ENABLED and out.dtype is x.dtype
+                    and ew_fusion.fusible("unary", op, x.dtype.tag)):
+                # held back to be fused with the elementwise ops around it (helios.ew_fusion)
+                q.add(ew_fusion.EwOp("unary", op, x.dtype.tag, m, ((bx, ox),), (bo, oo), (p0, p1), args,
+                                     _debug_operand[0], _runtime._op_dispatches))
+            else:
+                rt.dispatch(*args)
         return out
     shape, _ = collapse(x.shape, x._strides)
     if len(shape) > MAX_DIMS:
@@ -239,9 +248,17 @@ def binary(op: str, a: Tensor, b: Tensor, alpha: float = 1.0) -> Tensor:
             # vec4 path (see ew_binary.comp): 4 aligned elements an invocation
             vec = 4 if (a.dtype is dt.float32 and not compare and m % 4 == 0 and oa % 4 == 0 and ob % 4 == 0
                         and oo % 4 == 0) else 1
-            rt.dispatch(pid if vec == 1 else rt.pipeline("ew_binary", variant, (code, 1, 4)), [ba, bb, bo],
-                        _P_BINARY.pack(m, 1, oa, ob, oo, alpha, 0, 0, *_PAD6, *_PAD6, *_PAD6),
-                        grid(m // vec), op, m, nbytes)
+            args = (pid if vec == 1 else rt.pipeline("ew_binary", variant, (code, 1, 4)), [ba, bb, bo],
+                    _P_BINARY.pack(m, 1, oa, ob, oo, alpha, 0, 0, *_PAD6, *_PAD6, *_PAD6),
+                    grid(m // vec), op, m, nbytes)
+            q = rt.ew_queue
+            if (q is not None and m == n and fusion.ENABLED and ew_fusion.ENABLED
+                    and ew_fusion.fusible("binary", op, variant)):
+                # held back to be fused with the elementwise ops around it (helios.ew_fusion)
+                q.add(ew_fusion.EwOp("binary", op, variant, m, ((ba, oa), (bb, ob)), (bo, oo), (alpha,), args,
+                                     _debug_operand[0], _runtime._op_dispatches))
+            else:
+                rt.dispatch(*args)
         return out
     sa = broadcast_strides(a.shape, a._strides, shape)
     sb = broadcast_strides(b.shape, b._strides, shape)

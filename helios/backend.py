@@ -64,6 +64,15 @@ class Runtime(ABC):
     max_range: int = 0
     align: int = 256
     debug: int = 0  # HELIOS_DEBUG level the runtime logs kernels at (0: off)
+    # The queue of elementwise ops not yet recorded (helios.ew_fusion.Queue), or None where the
+    # backend dispatches them at once; a backend with one emits it before any other command.
+    ew_queue = None
+
+    def emit_pending(self) -> None:
+        """Record the work held back for fusion (the elementwise queue) now (nothing by default)."""
+        q = self.ew_queue
+        if q is not None and q.ops:
+            q.emit()
 
     # -- allocator ------------------------------------------------------------------------
     @abstractmethod

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from helios.backend import POOLS, Runtime  # noqa: F401  (Runtime: the contract, imported from here too)
+from helios import ew_fusion
 from helios.errors import DeviceError, OutOfMemoryError
 from helios.kernels_spirv import registry
 from helios.profile import debug as _debug
@@ -257,6 +258,9 @@ class VulkanRuntime(Runtime):
             self.dev.set_profiling(True)
         if self.debug:
             _debug_on[0] = True
+        # Elementwise ops wait here to be fused (helios.ew_fusion); every method below that
+        # records, reads or waits emits them first (``q = self.ew_queue; if q.ops: q.emit()``).
+        self.ew_queue = ew_fusion.Queue(self)
 
     # -- allocator ------------------------------------------------------------------------
     def alloc(self, nbytes: int, pool: str = "activations") -> int:
@@ -268,31 +272,51 @@ class VulkanRuntime(Runtime):
 
     def free(self, handle: int) -> None:
         """Free ``handle`` (the addon reuses its range once the recorded work is done)."""
+        if self.ew_queue.defer_free(handle):  # a queued op names it: freed after the queue is emitted
+            return
         self.dev.free(handle)
 
     def read(self, handle: int, offset: int, out) -> None:
         """Fill the uint8 array ``out`` from ``handle`` at ``offset``; waits only for the work writing those bytes."""
+        q = self.ew_queue
+        if q.ops:
+            q.emit()
         self.dev.read(handle, offset, out)
 
     def write(self, handle: int, offset: int, data) -> None:
         """Copy the uint8 array ``data`` into ``handle`` at ``offset``; waits only for the work touching those bytes."""
+        q = self.ew_queue
+        if q.ops:
+            q.emit()
         self.dev.write(handle, offset, data)
 
     def ready(self, handle: int, offset: int, nbytes: int, for_write: bool = False) -> bool:
         """True when no unfinished work writes the range (``for_write``: touches it); never waits."""
+        q = self.ew_queue
+        if q.ops:
+            q.emit()
         return self.dev.ready(handle, offset, nbytes, for_write)
 
     def map(self, handle: int, offset: int, nbytes: int, for_write: bool = False):
         """A memoryview of the bytes in host-visible memory (lavapipe, integrated GPUs), after the work
         writing them (``for_write``: touching them); None where the memory is not mapped."""
+        q = self.ew_queue
+        if q.ops:
+            q.emit()
         return self.dev.map(handle, offset, nbytes, for_write)
 
     def host_wrote(self, handle: int, offset: int, nbytes: int) -> None:
         """Make host writes through :meth:`map` visible to the device (flushes non-coherent memory)."""
+        q = self.ew_queue
+        if q.ops:
+            q.emit()
         self.dev.host_wrote(handle, offset, nbytes)
 
     def copy(self, src: int, src_offset: int, dst: int, dst_offset: int, nbytes: int) -> None:
         """Record a buffer-to-buffer copy (hazard-tracked; returns at once)."""
+        q = self.ew_queue
+        if q.ops:
+            q.emit()
         col = current_collector()
         t0 = time.monotonic_ns() if col is not None else 0
         if self.debug:
@@ -303,6 +327,9 @@ class VulkanRuntime(Runtime):
 
     def fill(self, handle: int, offset: int, nbytes: int, word: int) -> None:
         """Record a fill of ``nbytes`` at ``offset`` with a repeated 32-bit ``word``."""
+        q = self.ew_queue
+        if q.ops:
+            q.emit()
         col = current_collector()
         t0 = time.monotonic_ns() if col is not None else 0
         if self.debug:
@@ -314,6 +341,9 @@ class VulkanRuntime(Runtime):
     def pool_stats(self) -> dict:
         """Per pool: blocks, dedicated, reserved_bytes, in_use_bytes, peak_in_use_bytes, pending_free_bytes,
         allocs, frees."""
+        q = self.ew_queue
+        if q.ops:  # its frees are held back until then
+            q.emit()
         return self.dev.pool_stats()
 
     # -- program --------------------------------------------------------------------------
@@ -331,6 +361,9 @@ class VulkanRuntime(Runtime):
 
     def dispatch(self, pid: int, buffers: list, push: bytes, groups: tuple, name: str, flops: int = 0, nbytes: int = 0):
         """Record one dispatch (returns at once)."""
+        q = self.ew_queue
+        if q.ops:
+            q.emit()
         col = current_collector()
         if self.debug:
             self._debug_kernels.append((self._kernel_of_pipeline.get(pid), _debug_operand[0]))
@@ -350,6 +383,9 @@ class VulkanRuntime(Runtime):
     def run_commands(self, commands) -> None:
         """Issue recorded commands (see helios.backend.Runtime.run_commands) straight to the addon
         when nothing is traced or logged (a graph replay's hot loop); else one by one as usual."""
+        q = self.ew_queue
+        if q.ops:
+            q.emit()
         if self.debug or current_collector() is not None:
             return super().run_commands(commands)
         dev = self.dev
@@ -369,10 +405,16 @@ class VulkanRuntime(Runtime):
     # -- stream ---------------------------------------------------------------------------
     def flush(self) -> None:
         """Submit what is recorded; do not wait."""
+        q = self.ew_queue
+        if q.ops:
+            q.emit()
         self.dev.flush()
 
     def synchronize(self) -> None:
         """Submit everything recorded and wait for it (and hand timestamps to the profiler)."""
+        q = self.ew_queue
+        if q.ops:
+            q.emit()
         t0 = time.monotonic_ns()
         self.dev.synchronize()
         t1 = time.monotonic_ns()
@@ -385,10 +427,16 @@ class VulkanRuntime(Runtime):
 
     def stats(self) -> dict:
         """Stream counters: submits, dispatches, barriers, fence_waits, copies, pending_dispatches."""
+        q = self.ew_queue
+        if q.ops:
+            q.emit()
         return self.dev.stats()
 
     def profiling_started(self, col) -> None:
         """Nothing recorded before the session may land in it: drain, then timestamp every dispatch."""
+        q = self.ew_queue
+        if q.ops:
+            q.emit()
         self.dev.synchronize()
         self.dev.take_events()
         self._debug_kernels.clear()  # their events were just dropped
@@ -396,6 +444,9 @@ class VulkanRuntime(Runtime):
 
     def profiling_stopping(self, col) -> None:
         """The closing wait is the session's own, not the user's: it is not recorded as a fence_wait."""
+        q = self.ew_queue
+        if q.ops:
+            q.emit()
         self.dev.synchronize()
         self._drain_events(col)
         self.dev.set_profiling(bool(self.debug))

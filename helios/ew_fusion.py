@@ -1,0 +1,487 @@
+"""Run-time fusion of elementwise chains: the rules, the queue, and the kernels it generates.
+
+``y = ((x * 2.0 + 1.0).relu() - z).exp()`` is five elementwise ops; unfused, each is one
+dispatch that writes a temporary the next one reads back.  Here they become one generated
+kernel that reads ``x`` and ``z`` once and writes ``y`` once.
+
+How (the rules):
+
+* *Deferred recording.*  helios._kernels hands a contiguous elementwise op on floats (unary
+  with its scalars, binary of two same-shape operands: the ops of the op table,
+  kernels_spirv/ew_ops.py) to the runtime's :class:`Queue` as a descriptor instead of
+  dispatching it: its op, its bindings and offsets, its length, its dtype, its scalars, and
+  the dispatch it would have made.  Anything else is dispatched at once, as before.
+* *Emitted before anything that could see it.*  The runtime emits the queue before every
+  other command (dispatch, copy, fill, a replayed graph), every host access (read, write,
+  map, ready), flush, synchronize, stats, pool_stats, a profiling session's start or end,
+  and a graph capture's start and end (helios.graph); and when it holds :data:`MAX_QUEUE`
+  ops, or when the op being queued reads none of the queued results: the queue holds one
+  chain, and an op that fuses with nothing is recorded as soon as the next op shows it.
+* *What fuses.*  At emission the queue is cut into groups in order: an op joins the group
+  before it when one of its operands is an output of that group (a chain), it has the
+  group's length and dtype, and the group stays within :data:`MAX_OPS` ops,
+  :data:`MAX_BINDINGS` buffers and :data:`MAX_PUSH_WORDS` push-constant words; an op that
+  touches a group's output any other way (another range of it) starts a new group.  A group
+  of one op is dispatched exactly as it would have been (same kernel, same push constants);
+  a longer one runs as one ``ew_fused`` kernel.
+* *What is stored.*  Every op's result is computed in a register.  A group's intermediate
+  is stored only while its tensor lives (the user kept it) or a later group reads it: one
+  whose storage was freed (the Python temporary died) by the time the queue is emitted is
+  never written.  A freed buffer that a queued op names is not handed back to the allocator
+  before the queue is emitted (:meth:`Queue.defer_free`), so its range is never reused under
+  a queued op.
+* *Bit for bit.*  The fused kernel runs the op table's expressions, in the chain's order,
+  on the same float32 values: an intermediate is rounded to its storage dtype between two
+  ops (nothing for float32; float16 / bfloat16 as the store would round it), each scalar
+  arrives as the same float32 push constant, and each result passes an opaque no-op (an
+  xor with a push constant that is 0) before the next op reads it, so the shader compiler
+  cannot merge one op's arithmetic into the next's: lavapipe did contract ``x * y`` ending
+  one op with the ``+ alpha * y`` of the next into an fma, which the separate kernels never
+  do.  Within one op the compiler sees the expression it sees in the unfused kernel.  So a
+  fused chain equals the unfused ops bit for bit (tests/test_ew_fusion.py checks random
+  chains and every table op on the device at hand).
+* *Compiled once.*  A group's kernel is generated from its signature (the ops, where each
+  operand comes from, which results are stored, the dtype); the source (with the text of
+  the GLSL it includes) is hashed, and its SPIR-V is compiled by glslc (kernels_spirv/build.py's
+  compiler and flags) into ``<helios cache>/spv/ew_fused/<hash>.spv`` once per machine, and
+  made a pipeline once per process and signature.  Adding a fusible elementwise op is one
+  entry in the op table: nothing here names an op.
+* *Captured steps.*  Captured commands hold the fused dispatches (the capture's start emits
+  what came before it, its end what came inside it), so a replay runs them too.  Inside a
+  capture no buffer is freed (the graph holds them), so the fused kernels store every
+  intermediate: fewer dispatches, the same values.
+
+The switch is helios.fusion's: ``HELIOS_FUSION=0`` (``fusion.ENABLED``, read when an op is
+recorded) queues nothing.  ``ENABLED`` here turns this fusion alone off in-process (a test of
+another fused kernel that counts elementwise dispatches pins it).  The dispatch is named ``ew_fused`` in the trace and the profiler;
+at ``HELIOS_DEBUG=1`` the ops inside are listed, ``ew_fused[mul_s > add_s > relu > sub > exp]``.
+The CUDA device has no queue (its ops dispatch at once).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import struct
+import threading
+import warnings
+
+from helios.kernels_spirv import ew_ops, registry
+
+ENABLED = True  # this fusion alone (fusion.ENABLED, HELIOS_FUSION, turns every fusion off)
+MAX_QUEUE = 16  # ops held before the queue is emitted
+MAX_OPS = 8  # ops in one fused kernel
+MAX_BINDINGS = 8  # buffers one fused kernel binds (inputs and stored results)
+MAX_PUSH_WORDS = 32  # 128 bytes of push constants: what every Vulkan device offers
+WG = 256
+
+_OPS = {(op.kind, op.name): op for op in ew_ops.OPS if op.glsl and op.kind in ("unary", "binary")}
+# The scalars each op's float expression reads (only those travel as push constants).
+_SCALARS = {key: tuple(s for s in (("p0", "p1") if key[0] == "unary" else ("alpha",))
+                       if re.search(rf"\b{s}\b", op.glsl))
+            for key, op in _OPS.items()}
+_T = {"f32": 1, "f16": 2, "bf16": 3}  # storage tags (common.glsl) of the fusible dtypes
+_ITEMSIZE = {"f32": 4, "f16": 2, "bf16": 2}
+
+
+def fusible(kind: str, name: str, tag: str) -> bool:
+    """Whether op ``name`` of ``kind`` on storage ``tag`` may be queued (it has a float expression)."""
+    return (kind, name) in _OPS and tag in _T
+
+
+class EwOp:
+    """One queued elementwise op: what the fusion needs, and the dispatch it stands for."""
+
+    __slots__ = ("kind", "name", "tag", "n", "ins", "out", "scalars", "args", "operand", "ids")
+
+    def __init__(self, kind, name, tag, n, ins, out, scalars, args, operand, ids):
+        self.kind, self.name, self.tag, self.n = kind, name, tag, n
+        self.ins = ins  # per operand: (binding tuple, element offset in it)
+        self.out = out  # (binding tuple, element offset in it)
+        self.scalars = scalars  # (p0, p1) for unary, (alpha,) for binary
+        self.args = args  # rt.dispatch's arguments, for the unfused path
+        self.operand = operand  # the HELIOS_DEBUG operand text when it was recorded
+        self.ids = ids  # the profiler's dispatch-id list of the host op that recorded it (or None)
+
+
+_RT: list = []  # [helios.runtime] once imported
+
+
+def _runtime():
+    """helios.runtime (imported on first use: it imports this module)."""
+    if not _RT:
+        from helios import runtime
+
+        _RT.append(runtime)
+    return _RT[0]
+
+
+class Queue:
+    """A runtime's queue of elementwise ops not yet recorded (see the module docstring)."""
+
+    def __init__(self, rt):
+        self.rt = rt
+        self.ops: list[EwOp] = []
+        self.names: set = set()  # handles the queued ops name
+        self.outs: set = set()  # handles the queued ops write
+        self.dead: list = []  # handles freed while queued ops named them
+        self.lock = threading.RLock()  # several threads may record; a free in a GC pass may re-enter
+        self._kernels: dict[tuple, tuple] = {}  # signature -> (pipeline id, push struct)
+        self.fused = 0  # fused dispatches made (each stands for 2+ ops)
+        self.fused_ops = 0  # ops they stood for
+
+    def add(self, op: EwOp) -> None:
+        """Queue ``op``; first emit the queue when it is full or when ``op`` reads none of the
+        queued results (so the queue holds one chain, and an op that fuses with nothing is
+        recorded as soon as the next op shows it)."""
+        with self.lock:
+            ops = self.ops
+            if ops and (len(ops) >= MAX_QUEUE or not any(b[0] in self.outs for b, _ in op.ins)):
+                self._emit()
+            self.ops.append(op)
+            names = self.names
+            for b, _ in op.ins:
+                names.add(b[0])
+            h = op.out[0][0]
+            names.add(h)
+            self.outs.add(h)
+
+    def defer_free(self, handle) -> bool:
+        """True (and the free is held until emission) when a queued op names ``handle``."""
+        # Unlocked first (the common answer, no): only a queued op adds ``handle`` to names,
+        # and it holds the tensor, so a handle being freed cannot be added meanwhile.
+        if handle not in self.names:
+            return False
+        with self.lock:
+            if handle in self.names:
+                self.dead.append(handle)
+                return True
+            return False
+
+    def emit(self) -> None:
+        """Record every queued op, fused where the rules allow, then free what died meanwhile."""
+        with self.lock:
+            self._emit()
+
+    def _emit(self) -> None:
+        ops, dead = self.ops, self.dead
+        if not ops:
+            return
+        if len(ops) == 1 and not dead and not self.rt.debug:  # the common case: an op that fused with nothing
+            op = ops.pop()
+            self.names.clear()
+            self.outs.clear()
+            runtime = _RT[0] if _RT else _runtime()
+            ids, runtime._op_dispatches = runtime._op_dispatches, op.ids  # the trace links it to its op
+            try:
+                self.rt.dispatch(*op.args)
+            finally:
+                runtime._op_dispatches = ids
+            return
+        self.ops, self.dead, self.names, self.outs = [], [], set(), set()
+        runtime = _runtime()
+        # the op being recorded now keeps its own operands and dispatch ids
+        operand, ids = runtime._debug_operand[0], runtime._op_dispatches
+        try:
+            if len(ops) == 1:  # the common case: an op that fused with nothing
+                self._unfused(ops[0])
+            else:
+                self._emit_groups(ops, set(dead))
+        finally:
+            runtime._debug_operand[0] = operand
+            runtime._op_dispatches = ids
+            free = self.rt.dev.free
+            for h in dead:
+                free(h)
+
+    def _emit_groups(self, ops: list, dead: set) -> None:
+        for group, plan in _cut(ops, dead):
+            if plan is None:
+                self._unfused(group[0])
+            else:
+                self._fused(group, plan)
+
+    def _unfused(self, op: EwOp) -> None:
+        runtime = _runtime()
+        if self.rt.debug:  # the HELIOS_DEBUG line shows the operands of the op that made it
+            runtime._debug_operand[0] = op.operand
+        runtime._op_dispatches = op.ids  # the trace links the kernel to the op that made it
+        self.rt.dispatch(*op.args)
+
+    def _fused(self, group: list, plan: tuple) -> None:
+        runtime = _runtime()
+        rt = self.rt
+        sig, bindings, offs, scalars = plan
+        n, tag = group[0].n, group[0].tag
+        vec = 4 if tag == "f32" and n % 4 == 0 and all(o % 4 == 0 for o in offs) else 1
+        entry = self._kernels.get((sig, vec))
+        if entry is None:
+            try:
+                entry = _pipeline(rt, sig, vec)
+            except Exception as e:  # noqa: BLE001 - no glslc, a driver refusing it: the ops run unfused
+                warnings.warn(f"helios.ew_fusion: cannot build the fused kernel for "
+                              f"{' > '.join(op.name for op in group)} ({type(e).__name__}: {e}); "
+                              "its ops run one by one", RuntimeWarning, stacklevel=2)
+                entry = False
+            self._kernels[(sig, vec)] = entry
+        if entry is False:
+            for op in group:
+                self._unfused(op)
+            return
+        pid, push = entry
+        name = "ew_fused"
+        if rt.debug:
+            name = f"ew_fused[{' > '.join(op.name for op in group)}]"
+            runtime._debug_operand[0] = group[-1].operand
+        runtime._op_dispatches = group[-1].ids
+        flops = sum(op.args[5] for op in group)
+        nbytes = n * _ITEMSIZE[tag] * len(bindings)
+        rt.dispatch(pid, bindings, push.pack(n, 0, *offs, *scalars), _grid(n // vec), name, flops, nbytes)
+        self.fused += 1
+        self.fused_ops += len(group)
+
+
+def _cut(ops: list, dead: set) -> list:
+    """The queued ops cut into groups, in order, by the rules of the module docstring: a list of
+    (group, plan), plan None for a group of one op, else what :func:`_finish` makes.
+
+    While a group grows, each result whose tensor lives counts as a stored binding; a group
+    whose results a later group reads may need more, and is halved then (:func:`_close`)."""
+    keys = []  # per op: ([(handle, first element) of each operand], that of its result)
+    last_read: dict = {}  # (handle, first element) -> index of the last op reading it
+    for j, op in enumerate(ops):
+        isz = _ITEMSIZE[op.tag]
+        srcs = [(b[0], b[1] // isz + o) for b, o in op.ins]
+        for w in srcs:
+            last_read[w] = j
+        ob, oo = op.out
+        keys.append((srcs, (ob[0], ob[1] // isz + oo)))
+    out = []
+    cur: list = []
+    start = 0
+    made: dict = {}  # (handle, first element) -> index in the group, of the group's results
+    made_handles: set = set()
+    bound: set = set()  # (handle, start, size) of the group's outside inputs
+    nbind = nwords = 0
+    for j, op in enumerate(ops):
+        srcs, w_out = keys[j]
+        link = (cur and op.n == cur[0].n and op.tag == cur[0].tag and any(w in made for w in srcs)
+                and all(w in made or w[0] not in made_handles for w in srcs))  # not another range of a result
+        stored = w_out[0] not in dead
+        words = len(srcs) + stored + len(_SCALARS[(op.kind, op.name)])
+        new = {(b[0], b[1], b[2]) for (b, _), w in zip(op.ins, srcs) if w not in made}
+        if link:
+            new -= bound
+            link = (len(cur) < MAX_OPS and nbind + len(new) + stored <= MAX_BINDINGS
+                    and nwords + words <= MAX_PUSH_WORDS)
+        if not link:
+            if cur:
+                _close(out, cur, keys, start, dead, last_read)
+            cur, start, made, made_handles, bound = [], j, {}, set(), set()
+            nbind, nwords = 1, 3  # the last result's binding; n, zero and its offset
+        cur.append(op)
+        bound |= new
+        nbind += len(new) + stored
+        nwords += words
+        made[w_out] = len(cur) - 1
+        made_handles.add(w_out[0])
+    _close(out, cur, keys, start, dead, last_read)
+    return out
+
+
+def _close(out: list, group: list, keys: list, start: int, dead: set, last_read: dict) -> None:
+    """Append (group, plan) to ``out``; halves of it where its plan exceeds a limit after all
+    (results that a later group reads are stored too)."""
+    plan = _finish(group, keys[start:start + len(group)], dead, last_read, start)
+    if plan is False:
+        h = len(group) // 2
+        _close(out, group[:h], keys, start, dead, last_read)
+        _close(out, group[h:], keys, start + h, dead, last_read)
+    else:
+        out.append((group, plan))
+
+
+def _finish(group: list, keys: list, dead: set, last_read: dict, start: int) -> tuple | None | bool:
+    """(signature, bindings, offsets, scalars) of a group's fused dispatch (None for one op;
+    False where it would exceed MAX_BINDINGS or MAX_PUSH_WORDS).
+
+    The signature names the kernel: the dtype tag, the number of input bindings, the input
+    binding of each load, the number of stored results, and per op (kind, name, operand
+    sources, stored slot or -1, scalar slots); a source is ("v", j) for op j's result in a
+    register, or ("b", k) for load k."""
+    if len(group) == 1:
+        return None
+    end = start + len(group) - 1
+    made: dict = {}
+    in_slots: dict = {}  # (handle, start, size) -> input binding index
+    in_bindings: list = []
+    loads: dict = {}  # (binding index, element offset) -> load index
+    load_binding: list = []
+    load_offs: list = []
+    steps = []
+    outs: list = []  # (binding, offset) of stored results, in op order
+    scalars: list = []
+    for j, (op, (srcs, w_out)) in enumerate(zip(group, keys)):
+        src = []
+        for (b, o), w in zip(op.ins, srcs):
+            if w in made:
+                src.append(("v", made[w]))
+                continue
+            key = (b[0], b[1], b[2])
+            k = in_slots.get(key)
+            if k is None:
+                k = in_slots[key] = len(in_bindings)
+                in_bindings.append((b[0], b[1], b[2], False))
+            li = loads.get((k, o))
+            if li is None:
+                li = loads[(k, o)] = len(load_binding)
+                load_binding.append(k)
+                load_offs.append(o)
+            src.append(("b", li))
+        made[w_out] = j
+        store = -1
+        if j == len(group) - 1 or w_out[0] not in dead or last_read.get(w_out, -1) > end:
+            store = len(outs)
+            outs.append(op.out)
+        names = _SCALARS[(op.kind, op.name)]
+        idx = tuple(range(len(scalars), len(scalars) + len(names)))
+        for sname in names:
+            scalars.append(op.scalars[1 if sname == "p1" else 0])
+        steps.append((op.kind, op.name, tuple(src), store, idx))
+    if len(in_bindings) + len(outs) > MAX_BINDINGS or 2 + len(load_offs) + len(outs) + len(scalars) > MAX_PUSH_WORDS:
+        return False
+    sig = (group[0].tag, len(in_bindings), tuple(load_binding), len(outs), tuple(steps))
+    bindings = in_bindings + [(b[0], b[1], b[2], True) for b, _ in outs]
+    # push: n, zero, then the element offset of every load, then of every store, then the scalars
+    return sig, bindings, load_offs + [o for _, o in outs], scalars
+
+
+def _grid(n: int) -> tuple:
+    g = (n + WG - 1) // WG
+    if g <= 65535:
+        return (g, 1, 1)
+    return (65535, (g + 65534) // 65535, 1)
+
+
+def source(sig: tuple) -> str:
+    """The GLSL of the fused kernel with signature ``sig`` (see :func:`_finish`)."""
+    tag, nin, load_binding, nout, steps = sig
+    nloads = len(load_binding)
+    nscal = sum(len(s[4]) for s in steps)
+    T = _T[tag]
+    L = ["#version 450",
+         "// Generated by helios.ew_fusion: " + " > ".join(s[1] for s in steps),
+         f"#define TA {T}",
+         f"#define TO {T}",
+         '#include "common.glsl"',
+         "#define EW_FLOAT_HELPERS",
+         '#include "ew_ops.gen.glsl"',
+         "layout(local_size_x = 256) in;"]
+    for k in range(nin):
+        L.append(f"layout(std430, binding = {k}) readonly buffer B{k} {{ HL_ST(TA) b{k}[]; }};")
+    for m in range(nout):
+        L.append(f"layout(std430, binding = {nin + m}) writeonly buffer O{m} {{ HL_ST(TO) o{m}[]; }};")
+    members = (["uint n;", "uint zero;"] + [f"uint off{i};" for i in range(nloads + nout)]
+               + [f"float s{i};" for i in range(nscal)])
+    L.append("layout(push_constant) uniform P { " + " ".join(members) + " } p;")
+    # the chain on one element: loads in, stored results out
+    params = [f"float l{li}" for li in range(nloads)] + [f"out float w{m}" for m in range(nout)]
+    L.append(f"void chain({', '.join(params)}) {{")
+    for j, (kind, name, srcs, store, idx) in enumerate(steps):
+        op = _OPS[(kind, name)]
+        args = [f"v{s}" if w == "v" else f"l{s}" for w, s in srcs]
+        decl = [f"float x = {args[0]};"]
+        if kind == "binary":
+            decl.append(f"float y = {args[1]};")
+        for sname, si in zip(_SCALARS[(kind, name)], idx):
+            decl.append(f"float {sname} = p.s{si};")
+        # the result as its storage holds it: rounded to the dtype between ops, then passed
+        # through an xor with the push constant ``zero`` (always 0): the compiler cannot see
+        # through it, so it cannot merge this op's arithmetic with the next op's (lavapipe's
+        # NIR contracted a mul ending one op with the add of the next into an fma)
+        val = "r" if T == 1 else "HL_LDF(TO, HL_STF(TO, r))"
+        val = f"uintBitsToFloat(floatBitsToUint({val}) ^ p.zero)"
+        L.append(f"    float v{j};")
+        L.append(f"    {{ {' '.join(decl)} float r = {op.glsl}; v{j} = {val}; }}  // {name}")
+        if store >= 0:
+            L.append(f"    w{store} = v{j};")
+    L.append("}")
+    L += ["layout(constant_id = 0) const int VEC = 1;",
+          "void main() {"]
+    if T == 1:
+        # VEC 4 (float32, every offset and n a multiple of 4): 4 elements an invocation through
+        # vec4 views of the buffers, the chain per component (as ew_unary/ew_binary's vec4 path)
+        for k in range(nin):
+            L.insert(-2, f"layout(std430, binding = {k}) readonly buffer B{k}v {{ vec4 b{k}v[]; }};")
+        for m in range(nout):
+            L.insert(-2, f"layout(std430, binding = {nin + m}) writeonly buffer O{m}v {{ vec4 o{m}v[]; }};")
+        L += ["    if (VEC == 4) {",
+              "        uint j = flat_invocation() * 4u;",
+              "        if (j >= p.n) return;"]
+        for li, k in enumerate(load_binding):
+            L.append(f"        vec4 L{li} = b{k}v[(p.off{li} + j) >> 2];")
+        L += [f"        vec4 W{m};" for m in range(nout)]
+        for c in "xyzw":
+            L.append(f"        chain({', '.join([f'L{li}.{c}' for li in range(nloads)] + [f'W{m}.{c}' for m in range(nout)])});")
+        for m in range(nout):
+            L.append(f"        o{m}v[(p.off{nloads + m} + j) >> 2] = W{m};")
+        L += ["        return;", "    }"]
+    L += ["    uint i = flat_invocation();",
+          "    if (i >= p.n) return;"]
+    L += [f"    float w{m};" for m in range(nout)]
+    loads = [f"HL_LDF(TA, b{k}[p.off{li} + i])" for li, k in enumerate(load_binding)]
+    L.append(f"    chain({', '.join(loads + [f'w{m}' for m in range(nout)])});")
+    for m in range(nout):
+        L.append(f"    o{m}[p.off{nloads + m} + i] = HL_STF(TO, w{m});")
+    L.append("}")
+    return "\n".join(L) + "\n"
+
+
+def _pipeline(rt, sig: tuple, vec: int) -> tuple:
+    """(pipeline id, push struct) of the fused kernel ``sig`` on ``rt`` with ``vec`` (1 or 4)
+    elements an invocation: SPIR-V from the disk cache, compiled by glslc on a miss."""
+    code = spirv(source(sig))
+    tag, nin, load_binding, nout, steps = sig
+    nscal = sum(len(s[4]) for s in steps)
+    push = struct.Struct(f"<{2 + len(load_binding) + nout}I{nscal}f")
+    pid = rt.dev.pipeline(code, nin + nout, push.size, [vec], "ew_fused")
+    rt._kernel_of_pipeline[pid] = None  # a generated kernel: no registry source for HELIOS_DEBUG=2
+    return pid, push
+
+
+_includes: list = []  # the text of the GLSL files a fused kernel includes (part of its hash)
+
+
+def cache_path(src: str) -> str:
+    """Where the SPIR-V of fused kernel source ``src`` is cached (named by a hash of the
+    source and of the GLSL it includes)."""
+    if not _includes:
+        builder = registry._load_builder()
+        builder.generate_sources()
+        for f in ("common.glsl", ew_ops.GEN_NAME):
+            with open(os.path.join(builder.GLSL_DIR, f)) as fh:
+                _includes.append(fh.read())
+    h = hashlib.sha256("\0".join([src, *_includes]).encode()).hexdigest()[:32]
+    return os.path.join(registry.cache_dir(), "spv", "ew_fused", h + ".spv")
+
+
+def spirv(src: str) -> bytes:
+    """SPIR-V of fused kernel source ``src``: from the disk cache, else compiled by glslc and cached."""
+    path = cache_path(src)
+    if not os.path.exists(path):
+        import subprocess
+
+        builder = registry._load_builder()
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}"
+        with open(tmp + ".comp", "w") as f:
+            f.write(src)
+        cmd = [builder.find_glslc(), builder.TARGET_ENV, "-O", "-I", builder.GLSL_DIR, tmp + ".comp", "-o", tmp]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        os.unlink(tmp + ".comp")
+        if res.returncode != 0:
+            raise RuntimeError(f"glslc failed for a fused elementwise kernel:\n{' '.join(cmd)}\n{res.stderr}\n{src}")
+        os.replace(tmp, path)
+    with open(path, "rb") as f:
+        return f.read()

@@ -255,8 +255,8 @@ from test_train import BASE, corpus, losses, run  # noqa: E402, F401  (corpus: a
 def test_train_dtype_flag_is_checked(tmp_path):
     r = run(BASE + ["--steps", "2", "--out", str(tmp_path / "x"), "--dtype", "fp64"], tmp_path)
     assert r.returncode == 2 and "argument --dtype: invalid choice: 'fp64'" in r.stderr, r.stderr
-    r = run(BASE + ["--steps", "2", "--out", str(tmp_path / "x"), "--dtype", "bf16", "--moe-experts", "2"], tmp_path)
-    assert r.returncode == 2 and "--dtype bf16 with --moe-experts 2: mixed precision does not run" in r.stderr, r.stderr
+    r = run(BASE + ["--steps", "2", "--out", str(tmp_path / "x"), "--dtype", "fp16", "--moe-experts", "2"], tmp_path)
+    assert r.returncode == 2 and "--dtype fp16 with --moe-experts 2: mixed precision does not run" in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
 
 

@@ -11,6 +11,11 @@ time).  The results of the two are checked bit for bit first.  The first fused c
 process compiles (or loads from the disk cache) its kernel; that one-off cost is printed
 apart (``jit_s``) and kept out of the timed reps.
 
+Second line, the host cost of the queue: recording 3,000 ops on 16-element tensors
+(``y = x + 1.0``: nothing to fuse; ``y = y + 1.0``: a chain), fusion on and off interleaved
+in this process, process CPU µs per op with nothing submitted while recording (as
+bench/dispatch.py's recording figure), median over the reps.
+
     .venv/bin/python bench/ew_fusion.py [--n 1048576] [--iters 20] [--reps 5]
 """
 
@@ -53,6 +58,28 @@ def run(x, z, iters: int, fused: bool) -> tuple[float, int]:
     return dt / iters, d / iters
 
 
+def record_cpu_us(x, n: int, chain: bool, fused: bool) -> float:
+    """Process CPU µs per op to record ``n`` tiny ops (nothing submitted while recording)."""
+    rt = get_runtime()
+    dev = rt.dev
+    rt.synchronize()
+    old = dev.auto_submit_dispatches
+    dev.auto_submit_dispatches = max(old, n + 10)
+    fusion.ENABLED = fused
+    try:
+        y = x
+        c0 = time.process_time()
+        for _ in range(n):
+            y = (y if chain else x) + 1.0
+        c = time.process_time() - c0
+        del y
+        rt.synchronize()
+    finally:
+        fusion.ENABLED = True
+        dev.auto_submit_dispatches = old
+    return c / n * 1e6
+
+
 def main() -> None:
     """Print one JSON line: fused vs unfused seconds per chain on this device."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -86,6 +113,19 @@ def main() -> None:
         "speedup": round(u / f, 2), "fused_dispatches": fused[0][1], "unfused_dispatches": unfused[0][1],
         "unfused_GBps": round(moved / u / 1e9, 2), "fused_GBps_equiv": round(moved / f / 1e9, 2),
         "jit_s": round(jit_s, 3), "lp_num_threads": os.environ.get("LP_NUM_THREADS", ""),
+        "loadavg": open("/proc/loadavg").read().split()[:3],
+    }))
+    tiny = hl.tensor(np.ones(16, np.float32))
+    rec = {}
+    for _ in range(args.reps):
+        for is_chain in (False, True):
+            for fused_ in (True, False):
+                rec.setdefault((is_chain, fused_), []).append(record_cpu_us(tiny, 3000, is_chain, fused_))
+    med = {k: round(statistics.median(v), 2) for k, v in rec.items()}
+    print(json.dumps({
+        "bench": "ew_fusion_record", "device": rt.info["name"], "unit": "cpu_us/op", "ops": 3000, "numel": 16,
+        "independent_fused": med[(False, True)], "independent_unfused": med[(False, False)],
+        "chain_fused": med[(True, True)], "chain_unfused": med[(True, False)],
         "loadavg": open("/proc/loadavg").read().split()[:3],
     }))
 

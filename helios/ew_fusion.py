@@ -127,7 +127,8 @@ class Queue:
         self.outs: set = set()  # handles the queued ops write
         self.dead: list = []  # handles freed while queued ops named them
         self.lock = threading.RLock()  # several threads may record; a free in a GC pass may re-enter
-        self._kernels: dict[tuple, tuple] = {}  # signature -> (pipeline id, push struct)
+        self._kernels: dict[tuple, tuple] = {}  # (signature, vec) -> (pipeline id, push struct) or False
+        self._cuts: dict[tuple, list] = {}  # _shape(queue) -> _cut(queue)
         self.fused = 0  # fused dispatches made (each stands for 2+ ops)
         self.fused_ops = 0  # ops they stood for
 
@@ -196,11 +197,18 @@ class Queue:
                 free(h)
 
     def _emit_groups(self, ops: list, dead: set) -> None:
-        for group, plan in _cut(ops, dead):
-            if plan is None:
-                self._unfused(group[0])
+        # a training loop queues the same shapes of chain again and again: their cut is cached
+        shape = _shape(ops, dead)
+        cut = self._cuts.get(shape)
+        if cut is None:
+            if len(self._cuts) >= 1024:
+                self._cuts.clear()
+            cut = self._cuts[shape] = _cut(ops, dead)
+        for start, length, tmpl in cut:
+            if tmpl is None:
+                self._unfused(ops[start])
             else:
-                self._fused(group, plan)
+                self._fused(ops[start:start + length], tmpl)
 
     def _unfused(self, op: EwOp) -> None:
         runtime = _runtime()
@@ -209,22 +217,25 @@ class Queue:
         runtime._op_dispatches = op.ids  # the trace links the kernel to the op that made it
         self.rt.dispatch(*op.args)
 
-    def _fused(self, group: list, plan: tuple) -> None:
+    def _fused(self, group: list, tmpl: _Template) -> None:
         runtime = _runtime()
         rt = self.rt
-        sig, bindings, offs, scalars = plan
+        bindings, offs, scalars = tmpl.fill(group)
         n, tag = group[0].n, group[0].tag
         vec = 4 if tag == "f32" and n % 4 == 0 and all(o % 4 == 0 for o in offs) else 1
-        entry = self._kernels.get((sig, vec))
+        entry = tmpl.pipelines.get(vec)
+        if entry is None:
+            entry = self._kernels.get((tmpl.sig, vec))
         if entry is None:
             try:
-                entry = _pipeline(rt, sig, vec)
+                entry = _pipeline(rt, tmpl.sig, vec)
             except Exception as e:  # noqa: BLE001 - no glslc, a driver refusing it: the ops run unfused
                 warnings.warn(f"helios.ew_fusion: cannot build the fused kernel for "
                               f"{' > '.join(op.name for op in group)} ({type(e).__name__}: {e}); "
                               "its ops run one by one", RuntimeWarning, stacklevel=2)
                 entry = False
-            self._kernels[(sig, vec)] = entry
+            self._kernels[(tmpl.sig, vec)] = entry
+        tmpl.pipelines[vec] = entry
         if entry is False:
             for op in group:
                 self._unfused(op)
@@ -244,7 +255,8 @@ class Queue:
 
 def _cut(ops: list, dead: set) -> list:
     """The queued ops cut into groups, in order, by the rules of the module docstring: a list of
-    (group, plan), plan None for a group of one op, else what :func:`_finish` makes.
+    (first op, number of ops, template), the template None for a group of one op, else what
+    :func:`_finish` makes.
 
     While a group grows, each result whose tensor lives counts as a stored binding; a group
     whose results a later group reads may need more, and is halved then (:func:`_close`)."""
@@ -291,20 +303,42 @@ def _cut(ops: list, dead: set) -> list:
 
 
 def _close(out: list, group: list, keys: list, start: int, dead: set, last_read: dict) -> None:
-    """Append (group, plan) to ``out``; halves of it where its plan exceeds a limit after all
-    (results that a later group reads are stored too)."""
-    plan = _finish(group, keys[start:start + len(group)], dead, last_read, start)
-    if plan is False:
+    """Append (start, length, template) to ``out``; halves of the group where its template
+    exceeds a limit after all (results that a later group reads are stored too)."""
+    tmpl = _finish(group, keys[start:start + len(group)], dead, last_read, start)
+    if tmpl is False:
         h = len(group) // 2
         _close(out, group[:h], keys, start, dead, last_read)
         _close(out, group[h:], keys, start + h, dead, last_read)
     else:
-        out.append((group, plan))
+        out.append((start, len(group), tmpl))
 
 
-def _finish(group: list, keys: list, dead: set, last_read: dict, start: int) -> tuple | None | bool:
-    """(signature, bindings, offsets, scalars) of a group's fused dispatch (None for one op;
-    False where it would exceed MAX_BINDINGS or MAX_PUSH_WORDS).
+class _Template:
+    """How to make a group's fused dispatch from its ops: the kernel's signature, and where each
+    binding, offset and scalar comes from, as positions in the group (cached per queue shape)."""
+
+    __slots__ = ("sig", "ins", "loads", "outs", "scalars", "pipelines")
+
+    def __init__(self, sig, ins, loads, outs, scalars):
+        self.sig = sig
+        self.ins = ins  # per input binding: (op, operand) whose binding it is
+        self.loads = loads  # per load: (op, operand) whose element offset it is
+        self.outs = outs  # per stored result: the op
+        self.scalars = scalars  # per scalar: (op, index in its scalars)
+        self.pipelines: dict = {}  # vec -> (pipeline id, push struct) or False, on the runtime
+
+    def fill(self, group: list) -> tuple:
+        """(bindings, offsets, scalars) of the dispatch for ``group``."""
+        outs = [group[j].out for j in self.outs]
+        bindings = [group[j].ins[m][0] for j, m in self.ins] + [b for b, _ in outs]
+        offs = [group[j].ins[m][1] for j, m in self.loads] + [o for _, o in outs]
+        return bindings, offs, [group[j].scalars[i] for j, i in self.scalars]
+
+
+def _finish(group: list, keys: list, dead: set, last_read: dict, start: int) -> _Template | None | bool:
+    """The :class:`_Template` of a group's fused dispatch (None for one op; False where it
+    would exceed MAX_BINDINGS or MAX_PUSH_WORDS).
 
     The signature names the kernel: the dtype tag, the number of input bindings, the input
     binding of each load, the number of stored results, and per op (kind, name, operand
@@ -315,46 +349,72 @@ def _finish(group: list, keys: list, dead: set, last_read: dict, start: int) -> 
     end = start + len(group) - 1
     made: dict = {}
     in_slots: dict = {}  # (handle, start, size) -> input binding index
-    in_bindings: list = []
+    ins: list = []
     loads: dict = {}  # (binding index, element offset) -> load index
     load_binding: list = []
-    load_offs: list = []
+    load_at: list = []
     steps = []
-    outs: list = []  # (binding, offset) of stored results, in op order
+    outs: list = []  # ops whose result is stored, in order
     scalars: list = []
     for j, (op, (srcs, w_out)) in enumerate(zip(group, keys)):
         src = []
-        for (b, o), w in zip(op.ins, srcs):
+        for m, ((b, o), w) in enumerate(zip(op.ins, srcs)):
             if w in made:
                 src.append(("v", made[w]))
                 continue
             key = (b[0], b[1], b[2])
             k = in_slots.get(key)
             if k is None:
-                k = in_slots[key] = len(in_bindings)
-                in_bindings.append((b[0], b[1], b[2], False))
+                k = in_slots[key] = len(ins)
+                ins.append((j, m))
             li = loads.get((k, o))
             if li is None:
                 li = loads[(k, o)] = len(load_binding)
                 load_binding.append(k)
-                load_offs.append(o)
+                load_at.append((j, m))
             src.append(("b", li))
         made[w_out] = j
         store = -1
         if j == len(group) - 1 or w_out[0] not in dead or last_read.get(w_out, -1) > end:
             store = len(outs)
-            outs.append(op.out)
+            outs.append(j)
         names = _SCALARS[(op.kind, op.name)]
         idx = tuple(range(len(scalars), len(scalars) + len(names)))
         for sname in names:
-            scalars.append(op.scalars[1 if sname == "p1" else 0])
+            scalars.append((j, 1 if sname == "p1" else 0))
         steps.append((op.kind, op.name, tuple(src), store, idx))
-    if len(in_bindings) + len(outs) > MAX_BINDINGS or 2 + len(load_offs) + len(outs) + len(scalars) > MAX_PUSH_WORDS:
+    if len(ins) + len(outs) > MAX_BINDINGS or 2 + len(load_at) + len(outs) + len(scalars) > MAX_PUSH_WORDS:
         return False
-    sig = (group[0].tag, len(in_bindings), tuple(load_binding), len(outs), tuple(steps))
-    bindings = in_bindings + [(b[0], b[1], b[2], True) for b, _ in outs]
+    sig = (group[0].tag, len(ins), tuple(load_binding), len(outs), tuple(steps))
     # push: n, zero, then the element offset of every load, then of every store, then the scalars
-    return sig, bindings, load_offs + [o for _, o in outs], scalars
+    return _Template(sig, ins, load_at, outs, scalars)
+
+
+def _shape(ops: list, dead: set) -> tuple:
+    """What the cut of ``ops`` into groups depends on, without the buffers: per op its kind,
+    name, length, dtype, whether its tensor died, and per operand the queued op whose result
+    it is, or else (input binding, load) numbers in order of first use (with a flag where it
+    is another range of a queued result's buffer)."""
+    made: dict = {}  # (handle, first element) -> op index
+    outs: set = set()
+    bindings: dict = {}
+    loads: dict = {}
+    parts = []
+    for j, op in enumerate(ops):
+        isz = _ITEMSIZE[op.tag]
+        src = []
+        for b, o in op.ins:
+            w = (b[0], b[1] // isz + o)
+            p = made.get(w)
+            if p is None:
+                k = bindings.setdefault((b[0], b[1], b[2]), len(bindings))
+                p = (k, loads.setdefault((k, o), len(loads)), b[0] in outs)
+            src.append(p)
+        ob, oo = op.out
+        made[(ob[0], ob[1] // isz + oo)] = j
+        outs.add(ob[0])
+        parts.append((op.kind, op.name, op.n, op.tag, ob[0] in dead, tuple(src)))
+    return tuple(parts)
 
 
 def _grid(n: int) -> tuple:

@@ -10,9 +10,7 @@ so the weights differ by float noise (measured 2e-7 at most): compared at rtol 1
 
 from __future__ import annotations
 
-import json
 import os
-import sqlite3
 import sys
 
 import numpy as np
@@ -21,19 +19,12 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ranks import run_ranks  # noqa: E402
 from test_train_dist import _one_line_error, _train_args, final_params, launch, losses  # noqa: E402
+from test_train_zero import _memory  # noqa: E402
 
 pytestmark = [pytest.mark.vulkan, pytest.mark.multiproc]
 
 MOE = ("--moe-experts", "4", "--moe-top-k", "2", "--moe-aux-alpha", "0.1", "--ep", "2", "--steps", "3")
 NO_CLIP = ("--grad-clip", "0")
-
-
-def _memory(out) -> dict:
-    con = sqlite3.connect(os.path.join(out, "run.db"))
-    try:
-        return json.loads(con.execute("SELECT config_json FROM runs").fetchone()[0])["memory"]
-    finally:
-        con.close()
 
 
 def _same_model(ref, out, exact: bool) -> None:

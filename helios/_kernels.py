@@ -267,7 +267,20 @@ def binary(op: str, a: Tensor, b: Tensor, alpha: float = 1.0) -> Tensor:
         return binary(op, copy(a.expand(shape)), copy(b.expand(shape)), alpha)
     ae = Tensor(a._st, shape, sa, a._off, a.dtype)
     be = Tensor(b._st, shape, sb, b._off, b.dtype)
-    _binary_into(op, rt.pipeline("ew_binary", variant, (code, 0)), ae, be, out, alpha)
+    pid = rt.pipeline("ew_binary", variant, (code, 0))
+    q = rt.ew_queue
+    if (q is not None and fusion.ENABLED and ew_fusion.ENABLED and ew_fusion.fusible("binary", op, variant)
+            and not (_too_wide(ae) or _too_wide(be) or _too_wide(out))):
+        # one operand with the output's shape, contiguous, the other a single element seen
+        # everywhere (a 0-d tensor): fusible too, the single element loaded once per element
+        bcast = (not any(sa), not any(sb))
+        full = b if bcast[0] else a
+        if bcast in ((False, True), (True, False)) and full.shape == shape and full.is_contiguous():
+            args, ins, o = _binary_args(op, pid, ae, be, out, alpha)
+            q.add(ew_fusion.EwOp("binary", op, variant, n, ins, o, (alpha,), args, _debug_operand[0],
+                                 _runtime._op_dispatches, bcast))
+            return out
+    _binary_into(op, pid, ae, be, out, alpha)
     return out
 
 
@@ -294,15 +307,21 @@ def _binary_into(op: str, pid: int, a: Tensor, b: Tensor, out: Tensor, alpha: fl
         _binary_into(op, pid, *lo, alpha)
         _binary_into(op, pid, *hi, alpha)
         return
+    out._st.rt.dispatch(*_binary_args(op, pid, a, b, out, alpha)[0])
+
+
+def _binary_args(op: str, pid: int, a: Tensor, b: Tensor, out: Tensor, alpha: float) -> tuple:
+    """(dispatch arguments, ((binding, offset) of a, of b), (binding, offset) of out) of
+    out = op(a, b) for strided a, b and a contiguous out of one shape, each within a window."""
     n = out.numel()
     cshape, (ca, cb) = collapse(out.shape, a._strides, b._strides)
     ba, oa = bind(a)
     bb, ob = bind(b)
     bo, oo = bind(out, True)
     nbytes = n * (a.dtype.itemsize + b.dtype.itemsize + out.dtype.itemsize)
-    out._st.rt.dispatch(pid, [ba, bb, bo],
-                        _P_BINARY.pack(n, len(cshape), oa, ob, oo, alpha, 0, 0, *_pad(cshape), *_pad(ca), *_pad(cb)),
-                        grid(n), op, n, nbytes)
+    args = (pid, [ba, bb, bo], _P_BINARY.pack(n, len(cshape), oa, ob, oo, alpha, 0, 0, *_pad(cshape), *_pad(ca),
+                                             *_pad(cb)), grid(n), op, n, nbytes)
+    return args, ((ba, oa), (bb, ob)), (bo, oo)
 
 
 def _broadcast(op, s1, s2):

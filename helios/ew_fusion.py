@@ -7,10 +7,10 @@ kernel that reads ``x`` and ``z`` once and writes ``y`` once.
 How (the rules):
 
 * *Deferred recording.*  helios._kernels hands a contiguous elementwise op on floats (unary
-  with its scalars, binary of two same-shape operands: the ops of the op table,
-  kernels_spirv/ew_ops.py) to the runtime's :class:`Queue` as a descriptor instead of
-  dispatching it: its op, its bindings and offsets, its length, its dtype, its scalars, and
-  the dispatch it would have made.  Anything else is dispatched at once, as before.
+  with its scalars; binary of two same-shape operands, or of one and a single element seen
+  everywhere, a 0-d tensor: the ops of the op table, kernels_spirv/ew_ops.py) to the
+  runtime's :class:`Queue` as a descriptor instead of dispatching it: its op, its bindings
+  and offsets, its length, its dtype, its scalars, and the dispatch it would have made.  Anything else is dispatched at once, as before.
 * *Emitted before anything that could see it.*  The runtime emits the queue before every
   other command (dispatch, copy, fill, a replayed graph), every host access (read, write,
   map, ready), flush, synchronize, stats, pool_stats, a profiling session's start or end,
@@ -93,9 +93,9 @@ def fusible(kind: str, name: str, tag: str) -> bool:
 class EwOp:
     """One queued elementwise op: what the fusion needs, and the dispatch it stands for."""
 
-    __slots__ = ("kind", "name", "tag", "n", "ins", "out", "scalars", "args", "operand", "ids")
+    __slots__ = ("kind", "name", "tag", "n", "ins", "out", "scalars", "args", "operand", "ids", "bcast")
 
-    def __init__(self, kind, name, tag, n, ins, out, scalars, args, operand, ids):
+    def __init__(self, kind, name, tag, n, ins, out, scalars, args, operand, ids, bcast=None):
         self.kind, self.name, self.tag, self.n = kind, name, tag, n
         self.ins = ins  # per operand: (binding tuple, element offset in it)
         self.out = out  # (binding tuple, element offset in it)
@@ -103,6 +103,7 @@ class EwOp:
         self.args = args  # rt.dispatch's arguments, for the unfused path
         self.operand = operand  # the HELIOS_DEBUG operand text when it was recorded
         self.ids = ids  # the profiler's dispatch-id list of the host op that recorded it (or None)
+        self.bcast = bcast  # None, or per operand whether it is one element seen everywhere
 
 
 _RT: list = []  # [helios.runtime] once imported
@@ -222,7 +223,7 @@ class Queue:
         rt = self.rt
         bindings, offs, scalars = tmpl.fill(group)
         n, tag = group[0].n, group[0].tag
-        vec = 4 if tag == "f32" and n % 4 == 0 and all(o % 4 == 0 for o in offs) else 1
+        vec = 4 if tag == "f32" and n % 4 == 0 and all(offs[i] % 4 == 0 for i in tmpl.aligned) else 1
         entry = tmpl.pipelines.get(vec)
         if entry is None:
             entry = self._kernels.get((tmpl.sig, vec))
@@ -267,6 +268,8 @@ def _cut(ops: list, dead: set) -> list:
         srcs = [(b[0], b[1] // isz + o) for b, o in op.ins]
         for w in srcs:
             last_read[w] = j
+        if op.bcast is not None:  # one element seen everywhere: never a register of the group
+            srcs = [w + ("one",) if bc else w for w, bc in zip(srcs, op.bcast)]
         ob, oo = op.out
         keys.append((srcs, (ob[0], ob[1] // isz + oo)))
     out = []
@@ -318,10 +321,11 @@ class _Template:
     """How to make a group's fused dispatch from its ops: the kernel's signature, and where each
     binding, offset and scalar comes from, as positions in the group (cached per queue shape)."""
 
-    __slots__ = ("sig", "ins", "loads", "outs", "scalars", "pipelines")
+    __slots__ = ("sig", "ins", "loads", "outs", "scalars", "aligned", "pipelines")
 
-    def __init__(self, sig, ins, loads, outs, scalars):
+    def __init__(self, sig, ins, loads, outs, scalars, aligned):
         self.sig = sig
+        self.aligned = aligned  # the offsets the vec4 path needs to be multiples of 4
         self.ins = ins  # per input binding: (op, operand) whose binding it is
         self.loads = loads  # per load: (op, operand) whose element offset it is
         self.outs = outs  # per stored result: the op
@@ -340,10 +344,10 @@ def _finish(group: list, keys: list, dead: set, last_read: dict, start: int) -> 
     """The :class:`_Template` of a group's fused dispatch (None for one op; False where it
     would exceed MAX_BINDINGS or MAX_PUSH_WORDS).
 
-    The signature names the kernel: the dtype tag, the number of input bindings, the input
-    binding of each load, the number of stored results, and per op (kind, name, operand
-    sources, stored slot or -1, scalar slots); a source is ("v", j) for op j's result in a
-    register, or ("b", k) for load k."""
+    The signature names the kernel: the dtype tag, the number of input bindings, per load its
+    input binding and whether it is one element seen everywhere, the number of stored
+    results, and per op (kind, name, operand sources, stored slot or -1, scalar slots); a
+    source is ("v", j) for op j's result in a register, or ("b", k) for load k."""
     if len(group) == 1:
         return None
     end = start + len(group) - 1
@@ -367,10 +371,11 @@ def _finish(group: list, keys: list, dead: set, last_read: dict, start: int) -> 
             if k is None:
                 k = in_slots[key] = len(ins)
                 ins.append((j, m))
-            li = loads.get((k, o))
+            one = len(w) == 3  # one element seen everywhere
+            li = loads.get((k, o, one))
             if li is None:
-                li = loads[(k, o)] = len(load_binding)
-                load_binding.append(k)
+                li = loads[(k, o, one)] = len(load_binding)
+                load_binding.append((k, one))
                 load_at.append((j, m))
             src.append(("b", li))
         made[w_out] = j
@@ -387,7 +392,10 @@ def _finish(group: list, keys: list, dead: set, last_read: dict, start: int) -> 
         return False
     sig = (group[0].tag, len(ins), tuple(load_binding), len(outs), tuple(steps))
     # push: n, zero, then the element offset of every load, then of every store, then the scalars
-    return _Template(sig, ins, load_at, outs, scalars)
+    # offsets that must be multiples of 4 for the vec4 path: all but one-element loads
+    aligned = tuple(i for i, (_, one) in enumerate(load_binding) if not one) + tuple(
+        range(len(load_at), len(load_at) + len(outs)))
+    return _Template(sig, ins, load_at, outs, scalars, aligned)
 
 
 def _shape(ops: list, dead: set) -> tuple:
@@ -403,12 +411,13 @@ def _shape(ops: list, dead: set) -> tuple:
     for j, op in enumerate(ops):
         isz = _ITEMSIZE[op.tag]
         src = []
-        for b, o in op.ins:
+        for m, (b, o) in enumerate(op.ins):
+            bc = op.bcast is not None and op.bcast[m]
             w = (b[0], b[1] // isz + o)
-            p = made.get(w)
+            p = None if bc else made.get(w)
             if p is None:
                 k = bindings.setdefault((b[0], b[1], b[2]), len(bindings))
-                p = (k, loads.setdefault((k, o), len(loads)), b[0] in outs)
+                p = (k, loads.setdefault((k, o, bc), len(loads)), b[0] in outs, bc)
             src.append(p)
         ob, oo = op.out
         made[(ob[0], ob[1] // isz + oo)] = j
@@ -479,8 +488,11 @@ def source(sig: tuple) -> str:
         L += ["    if (VEC == 4) {",
               "        uint j = flat_invocation() * 4u;",
               "        if (j >= p.n) return;"]
-        for li, k in enumerate(load_binding):
-            L.append(f"        vec4 L{li} = b{k}v[(p.off{li} + j) >> 2];")
+        for li, (k, one) in enumerate(load_binding):
+            if one:
+                L.append(f"        vec4 L{li} = vec4(b{k}[p.off{li}]);")
+            else:
+                L.append(f"        vec4 L{li} = b{k}v[(p.off{li} + j) >> 2];")
         L += [f"        vec4 W{m};" for m in range(nout)]
         for c in "xyzw":
             L.append(f"        chain({', '.join([f'L{li}.{c}' for li in range(nloads)] + [f'W{m}.{c}' for m in range(nout)])});")
@@ -490,7 +502,7 @@ def source(sig: tuple) -> str:
     L += ["    uint i = flat_invocation();",
           "    if (i >= p.n) return;"]
     L += [f"    float w{m};" for m in range(nout)]
-    loads = [f"HL_LDF(TA, b{k}[p.off{li} + i])" for li, k in enumerate(load_binding)]
+    loads = [f"HL_LDF(TA, b{k}[p.off{li}{'' if one else ' + i'}])" for li, (k, one) in enumerate(load_binding)]
     L.append(f"    chain({', '.join(loads + [f'w{m}' for m in range(nout)])});")
     for m in range(nout):
         L.append(f"    o{m}[p.off{nloads + m} + i] = HL_STF(TO, w{m});")

@@ -147,6 +147,23 @@ def test_a_chain_of_k_ops_is_one_dispatch_and_kept_intermediates_stay_right():
         assert np.array_equal(got_a.view(np.uint8), a.numpy().view(np.uint8))
 
 
+@pytest.mark.parametrize("n", [1000, 1001])  # the vec4 path and the scalar one
+def test_a_zero_dim_operand_fuses_as_one_element_seen_everywhere(n):
+    rng = np.random.default_rng(9)
+    x = hl.tensor(rng.standard_normal(n).astype(np.float32))
+    s = hl.tensor(np.float32(0.37))  # 0-d: the scale autograd and clipping multiply by
+
+    def chain():
+        return ((x * s + 1.0).tanh() - s).exp()
+
+    with count_dispatches() as names:
+        got = chain().numpy()
+    assert names == {"ew_fused": 1}, names
+    with switched(fusion, "ENABLED", False):
+        ref = chain().numpy()
+    assert got.tobytes() == ref.tobytes()
+
+
 def test_freed_intermediates_are_not_stored_and_not_reused_while_queued():
     rt = get_runtime()
     q = rt.ew_queue
@@ -184,7 +201,7 @@ def test_fused_kernel_names_list_the_ops_at_debug_level():
 
 
 def test_the_fused_kernel_is_cached_on_disk_by_its_source(tmp_path, monkeypatch):
-    sig = ("f32", 1, (0,), 1, (("unary", "add_s", (("b", 0),), -1, (0,)), ("unary", "exp", (("v", 0),), 0, ())))
+    sig = ("f32", 1, ((0, False),), 1, (("unary", "add_s", (("b", 0),), -1, (0,)), ("unary", "exp", (("v", 0),), 0, ())))
     src = ew_fusion.source(sig)
     assert "x + p0" in src and "exp(x)" in src  # the table's expressions
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))

@@ -10,7 +10,8 @@ How (the rules):
   with its scalars; binary of two same-shape operands, or of one and a single element seen
   everywhere, a 0-d tensor: the ops of the op table, kernels_spirv/ew_ops.py) to the
   runtime's :class:`Queue` as a descriptor instead of dispatching it: its op, its bindings
-  and offsets, its length, its dtype, its scalars, and the dispatch it would have made.  Anything else is dispatched at once, as before.
+  and offsets, its length, its dtype, its scalars, and the dispatch it would have made.
+  Anything else is dispatched at once, as before.
 * *Emitted before anything that could see it.*  The runtime emits the queue before every
   other command (dispatch, copy, fill, a replayed graph), every host access (read, write,
   map, ready), flush, synchronize, stats, pool_stats, a profiling session's start or end,
@@ -47,15 +48,17 @@ How (the rules):
   made a pipeline once per process and signature.  Adding a fusible elementwise op is one
   entry in the op table: nothing here names an op.
 * *Captured steps.*  Captured commands hold the fused dispatches (the capture's start emits
-  what came before it, its end what came inside it), so a replay runs them too.  Inside a
-  capture no buffer is freed (the graph holds them), so the fused kernels store every
-  intermediate: fewer dispatches, the same values.
+  what came before it, its end what came inside it), so a replay runs them too.  The graph
+  holds every buffer made inside the capture (helios.graph), so those are never freed and
+  the fused kernels store such intermediates: fewer dispatches, the same values.
 
 The switch is helios.fusion's: ``HELIOS_FUSION=0`` (``fusion.ENABLED``, read when an op is
 recorded) queues nothing.  ``ENABLED`` here turns this fusion alone off in-process (a test of
-another fused kernel that counts elementwise dispatches pins it).  The dispatch is named ``ew_fused`` in the trace and the profiler;
-at ``HELIOS_DEBUG=1`` the ops inside are listed, ``ew_fused[mul_s > add_s > relu > sub > exp]``.
-The CUDA device has no queue (its ops dispatch at once).
+another fused kernel that counts elementwise dispatches pins it).  The dispatch is named
+``ew_fused`` in the trace and the profiler (linked to the host op that recorded the chain's
+last op; each unfused op to its own); at ``HELIOS_DEBUG=1`` the ops inside are listed,
+``ew_fused[mul_s > add_s > relu > sub > exp]``.  The CUDA device has no queue (its ops
+dispatch at once).
 """
 
 from __future__ import annotations
@@ -167,35 +170,33 @@ class Queue:
             self._emit()
 
     def _emit(self) -> None:
-        ops, dead = self.ops, self.dead
+        # ``names`` stays filled until every dispatch is recorded: a buffer freed meanwhile (a
+        # garbage-collection pass) is held back like any named one, then freed below.
+        ops = self.ops
         if not ops:
             return
-        if len(ops) == 1 and not dead and not self.rt.debug:  # the common case: an op that fused with nothing
-            op = ops.pop()
-            self.names.clear()
-            self.outs.clear()
-            runtime = _RT[0] if _RT else _runtime()
-            ids, runtime._op_dispatches = runtime._op_dispatches, op.ids  # the trace links it to its op
-            try:
-                self.rt.dispatch(*op.args)
-            finally:
-                runtime._op_dispatches = ids
-            return
-        self.ops, self.dead, self.names, self.outs = [], [], set(), set()
-        runtime = _runtime()
+        self.ops = []  # the dispatches below must not emit again
+        runtime = _RT[0] if _RT else _runtime()
         # the op being recorded now keeps its own operands and dispatch ids
         operand, ids = runtime._debug_operand[0], runtime._op_dispatches
         try:
-            if len(ops) == 1:  # the common case: an op that fused with nothing
+            if len(ops) == 1 and not self.dead and not self.rt.debug:  # the common case: it fused with nothing
+                runtime._op_dispatches = ops[0].ids  # the trace links the kernel to the op that made it
+                self.rt.dispatch(*ops[0].args)
+            elif len(ops) == 1:
                 self._unfused(ops[0])
             else:
-                self._emit_groups(ops, set(dead))
+                self._emit_groups(ops, set(self.dead))
         finally:
             runtime._debug_operand[0] = operand
             runtime._op_dispatches = ids
-            free = self.rt.dev.free
-            for h in dead:
-                free(h)
+            self.names.clear()
+            self.outs.clear()
+            dead, self.dead = self.dead, []
+            if dead:
+                free = self.rt.dev.free
+                for h in dead:
+                    free(h)
 
     def _emit_groups(self, ops: list, dead: set) -> None:
         # a training loop queues the same shapes of chain again and again: their cut is cached

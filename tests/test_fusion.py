@@ -14,7 +14,7 @@ import pytest
 import helios as hl
 import helios.functional as F
 from helios import _kernels as K
-from helios import fusion
+from helios import ew_fusion, fusion
 from helios.errors import ShapeError
 from helios.nn import GPT, GPTConfig, Parameter
 from helios.optim import AdamW, clip_grad_norm_
@@ -26,9 +26,13 @@ from switches import count_dispatches, switched  # noqa: E402
 pytestmark = pytest.mark.vulkan
 
 
+@contextlib.contextmanager
 def fused(enabled: bool):
-    """The fused kernels on or off (helios.fusion.ENABLED) inside the block."""
-    return switched(fusion, "ENABLED", enabled)
+    """The fused kernels on or off (helios.fusion.ENABLED) inside the block; the run-time
+    elementwise chain fusion (helios.ew_fusion, tested in test_ew_fusion.py) off, so the
+    counts here are the fused patterns' alone."""
+    with switched(fusion, "ENABLED", enabled), switched(ew_fusion, "ENABLED", False):
+        yield
 
 
 def _bits(a: np.ndarray) -> np.ndarray:

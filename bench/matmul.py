@@ -162,10 +162,10 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         tiles = [tuple(int(x) for x in t.split("x")) for t in args.tiles] if args.tiles else [None]
         configs = [(t, w) for t in tiles for w in (args.wy or [None])]
-    default_tile, default_wy = K._MM_CPU_TILE, K._MM_CPU_WY
+    default_tile, default_wy = K.gemm._MM_CPU_TILE, K.gemm._MM_CPU_WY
     try:
         for tile, wy in configs:
-            K._MM_CPU_TILE, K._MM_CPU_WY = tile, wy
+            K.gemm._MM_CPU_TILE, K.gemm._MM_CPU_WY = tile, wy
             for name, M, Kd, N in shapes:
                 extra = {}
                 if rt.info["type"] == "cpu":
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(json.dumps({**common, "shape": name, "layout": layout, **extra, **res, "loadavg_1m": load}),
                           flush=True)
     finally:
-        K._MM_CPU_TILE, K._MM_CPU_WY = default_tile, default_wy
+        K.gemm._MM_CPU_TILE, K.gemm._MM_CPU_WY = default_tile, default_wy
     return 0
 
 

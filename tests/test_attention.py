@@ -81,7 +81,7 @@ def test_flash_matches_torch(T, D, causal):
 def test_shared_memory_kernel_matches_torch(monkeypatch, T, D, causal):
     # The GPU kernel (one invocation per row, tiles in shared memory) runs on any device:
     # forced here so a CPU-only machine checks it too.
-    monkeypatch.setattr(K, "_FA_KERNEL", "gpu")
+    monkeypatch.setattr(K.flash, "_FA_KERNEL", "gpu")
     q, k, v, g = _operands(2, 2, T, D)
     kw = dict(is_causal=causal, scale=0.3)
     _close(_helios(q, k, v, g, **kw), _ref(q, k, v, g, **kw), 1e-5)
@@ -94,11 +94,11 @@ def test_subgroup_kernel_refused_on_wider_subgroups(monkeypatch):
     rt = get_runtime()
     limits = dict(rt.info["limits"], subgroup_size=32)
     monkeypatch.setitem(rt.info, "limits", limits)
-    monkeypatch.setattr(K, "_FA_KERNEL", "cpu")
+    monkeypatch.setattr(K.flash, "_FA_KERNEL", "cpu")
     q, k, v, _ = _operands(1, 1, 8, 32)
     with pytest.raises(RuntimeError, match="8-lane subgroups"):
         F.scaled_dot_product_attention(hl.tensor(q), hl.tensor(k), hl.tensor(v))
-    monkeypatch.setattr(K, "_FA_KERNEL", None)  # left to choose, it takes the shared-memory kernel
+    monkeypatch.setattr(K.flash, "_FA_KERNEL", None)  # left to choose, it takes the shared-memory kernel
     assert not K._fa_cpu(rt)
 
 
@@ -107,7 +107,7 @@ def test_subgroup_kernel_refused_on_wider_subgroups(monkeypatch):
 def test_flash_16bit_storage(monkeypatch, kernel, dtype, tol):
     # 16-bit operands are stored as 16 bits and computed in fp32: the error is the rounding of
     # the result to 16 bits (half an ulp: 4.9e-4 for float16, 3.9e-3 for bfloat16), with margin.
-    monkeypatch.setattr(K, "_FA_KERNEL", kernel)
+    monkeypatch.setattr(K.flash, "_FA_KERNEL", kernel)
     tdt = getattr(torch, dtype)
     q, k, v, g = (torch.tensor(x).to(tdt).double().numpy() for x in _operands(2, 2, 37, 64))
     _close(_helios(q, k, v, g, dtype=getattr(hl, dtype), is_causal=True), _ref(q, k, v, g, is_causal=True), tol)

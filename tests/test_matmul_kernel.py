@@ -1,5 +1,5 @@
 """The CPU matmul kernel's 32-row register block (``f*_sg32x8``, picked for outputs of 64
-rows or more; see kernels_spirv/glsl/matmul.comp and _mm_cpu_tile in helios/_kernels.py):
+rows or more; see kernels_spirv/glsl/matmul.comp and _mm_cpu_tile in helios/_kernels/gemm.py):
 every operand layout (nn, nt, tn, tt), 8-wide, 4-wide and scalar loads, ragged row and
 column blocks, K tails, the bias epilogue and 16-bit storage, against numpy in float64.
 

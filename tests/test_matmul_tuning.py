@@ -1,5 +1,5 @@
 """Parity of every matmul load path (see kernels_spirv/glsl/matmul.comp and matmul() in
-helios/_kernels.py): row-major and transposed operands read 8-wide, 4-wide or with scalar
+helios/_kernels/gemm.py): row-major and transposed operands read 8-wide, 4-wide or with scalar
 loads, K tails, ragged M/N edges, offset views, broadcast batches, fp16/bf16 storage.
 
 Which path a case takes is asserted through ``_mm_cpu_config`` (the CPU kernel's mode
@@ -114,11 +114,11 @@ def test_tile_picker():
     assert K._mm_cpu_tile(64, 100) == (32, 8, 1)
     assert K._mm_cpu_tile(40, 600) == (8, 16, 2)
     assert K._mm_cpu_tile(40, 100) == (8, 8, 2)
-    K._MM_CPU_TILE, K._MM_CPU_WY = (16, 8), 4
+    K.gemm._MM_CPU_TILE, K.gemm._MM_CPU_WY = (16, 8), 4
     try:
         assert K._mm_cpu_tile(1024, 1024) == (16, 8, 4)
     finally:
-        K._MM_CPU_TILE = K._MM_CPU_WY = None
+        K.gemm._MM_CPU_TILE = K.gemm._MM_CPU_WY = None
 
 
 @pytest.mark.parametrize("wide", [True, False])
@@ -146,9 +146,9 @@ def test_mode_picker(wide):
 @pytest.mark.parametrize("dtype", FLOATS)
 def test_forced_tiles(tile, dtype):
     # every compiled register block (bench/matmul.py --tiles sweeps them), 4 subgroups a workgroup
-    K._MM_CPU_TILE, K._MM_CPU_WY = tile, 4
+    K.gemm._MM_CPU_TILE, K.gemm._MM_CPU_WY = tile, 4
     try:
         check(lambda L, a, b: a @ b, rn(37, 24), rn(24, 70), dtype=dtype, scale=_scale(dtype, 24))
         check(lambda L, a, b: a.mT @ b, rn(20, 32), rn(20, 16), dtype=dtype, scale=_scale(dtype, 20))
     finally:
-        K._MM_CPU_TILE = K._MM_CPU_WY = None
+        K.gemm._MM_CPU_TILE = K.gemm._MM_CPU_WY = None

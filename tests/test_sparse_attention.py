@@ -94,7 +94,7 @@ def test_block_sparse_pattern_matches_masked_dense(name, causal):
 def test_random_block_mask_both_kernels(monkeypatch, kernel, causal, D, bs):
     if kernel == "cpu" and not K.fa_subgroup_kernel_runs_on(get_runtime()):
         pytest.skip("the subgroup kernel needs 8-lane subgroups (a CPU driver's)")
-    monkeypatch.setattr(K, "_FA_KERNEL", kernel)
+    monkeypatch.setattr(K.flash, "_FA_KERNEL", kernel)
     T = 300
     n = -(-T // bs)
     m = RNG.random((n, n)) < 0.4

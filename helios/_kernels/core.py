@@ -1,0 +1,99 @@
+"""What every kernel family shares: output allocation, dtype checks, dispatch grids, binding a
+tensor's buffer range, push-constant padding."""
+
+from __future__ import annotations
+
+from helios import dtypes as dt
+from helios._shape import contiguous_strides, numel
+from helios.errors import DTypeError, ShapeError
+from helios.runtime import get_runtime
+from helios.tensor import Storage, Tensor
+
+
+MAX_DIMS = 6  # elementwise kernels; copy takes 8
+WG = 256
+
+_PAD6 = (0,) * 6
+_ZERO14 = (0,) * 14  # the unused tail of a contiguous ew_unary push block
+
+
+def empty(shape: tuple, dtype: dt.DType, rt=None, pool: str = "activations") -> Tensor:
+    """A new contiguous tensor with uninitialised contents."""
+    rt = rt or get_runtime()
+    _check_dtype_supported(rt, dtype)
+    n = numel(shape)
+    return Tensor(Storage(rt, n * dtype.itemsize, pool), tuple(shape), contiguous_strides(shape), 0, dtype)
+
+
+def _check_dtype_supported(rt, dtype: dt.DType) -> None:
+    f = rt.features
+    if dtype.itemsize == 2 and not f.get("storage16", False):
+        raise DTypeError(f"{dtype.name} needs 16-bit storage buffers, which {rt.name} ({rt.info['name']}) lacks; use float32")
+    if dtype.itemsize == 1 and not f.get("storage8", False):
+        raise DTypeError(f"bool needs 8-bit storage buffers, which {rt.name} ({rt.info['name']}) lacks")
+    if dtype is dt.int64 and not f.get("int64", False):
+        raise DTypeError(f"int64 needs shaderInt64, which {rt.name} ({rt.info['name']}) lacks; use int32")
+
+
+def grid(n: int) -> tuple:
+    """Workgroup counts covering ``n`` invocations at WG per group (x is capped at 65535)."""
+    g = (n + WG - 1) // WG
+    if g <= 65535:
+        return (g, 1, 1)
+    return (65535, (g + 65534) // 65535, 1)
+
+
+def groups_for(count: int) -> tuple:
+    """Workgroup counts for ``count`` workgroups (one per row, say), 2-D past 65535."""
+    if count <= 65535:
+        return (count, 1, 1)
+    return (65535, (count + 65534) // 65535, 1)
+
+
+# An op on part of a storage larger than this binds only that part: the hazard tracker then
+# sees which bytes the dispatch touches (a parameter's gradient slot in a flat buffer does
+# not make the whole buffer look busy to a collective waiting on another part of it).
+_WINDOW_ABOVE = 64 * 1024
+
+
+def _is_part(t: Tensor) -> bool:
+    """Whether ``t`` covers less than its whole storage."""
+    return t._off != 0 or t.numel() * t.dtype.itemsize < t._st.nbytes
+
+
+def bind(t: Tensor, writes: bool = False, span: int | None = None):
+    """(binding tuple, element offset inside the bound range) for tensor ``t``.
+
+    Small storages are bound whole, except when ``t`` is part of one above 64 KiB.  A
+    storage above the device's maxStorageBufferRange (128 MiB on lavapipe), and such a
+    part, is bound as an aligned window around the elements the op touches: ``span``
+    elements from the tensor's offset (default: its extent).
+    """
+    st = t._st
+    rt = st.rt
+    if st.nbytes <= rt.max_range and not (st.nbytes > _WINDOW_ABOVE and _is_part(t)):
+        return (st.handle, 0, max(st.nbytes, 4), writes), t._off
+    isz = t.dtype.itemsize
+    if span is None:
+        span = 1 + sum((s - 1) * abs(x) for s, x in zip(t.shape, t._strides)) if t.numel() else 1
+    lo = t._off * isz
+    hi = (t._off + span) * isz
+    start = lo - lo % rt.align
+    size = (hi - start + 3) & ~3
+    if size > rt.max_range:
+        raise ShapeError(f"an op touches {hi - lo} bytes of one tensor at once, more than the device's "
+                         f"maxStorageBufferRange ({rt.max_range}); split the tensor (e.g. with chunk()) first")
+    return (st.handle, start, min(size, st.nbytes - start), writes), t._off - start // isz
+
+
+def _tag(t: Tensor) -> str:
+    return t.dtype.tag
+
+
+def _pad(seq, n=6) -> tuple:
+    return tuple(seq) + (0,) * (n - len(seq))
+
+
+def _elems_per_dispatch(t: Tensor) -> int:
+    """How many contiguous elements of ``t`` one dispatch may touch (window limit)."""
+    return max(1, (t._st.rt.max_range - t._st.rt.align) // t.dtype.itemsize)

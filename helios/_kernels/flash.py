@@ -1,0 +1,253 @@
+"""The flash-attention kernels (forward and backward; the subgroup kernel lavapipe runs and the
+shared-memory GPU kernel), their block masks and launch plans."""
+
+from __future__ import annotations
+
+import struct
+
+from helios import dtypes as dt
+from helios.errors import ShapeError
+from helios.runtime import get_runtime
+from helios.tensor import Tensor
+from helios._kernels.core import bind, empty, groups_for
+import helios._kernels as kern  # the other kernel families (bound once the package has loaded)
+
+
+# -- flash attention -------------------------------------------------------------------------
+# flash_attn kernel (see kernels_spirv/glsl/flash_attn.comp).  Its passes (the MODE
+# specialization constant): forward, backward preprocess D = rowsum(dO * O), dQ, dK and dV.
+_P_FLASH = struct.Struct("<4If14I")
+FLASH_HEAD_DIMS = (32, 64, 128)  # the variants compiled (flash_attn.variants)
+_FA_FWD, _FA_PRE, _FA_DQ, _FA_DKV = 0, 1, 2, 3
+_FA_SG_ROWS = 8   # rows a subgroup owns in the CPU kernel (NR in the GLSL)
+_FA_GPU_WG = 64   # rows a workgroup owns in the GPU kernel
+# Which kernel runs: None = the CPU kernel on CPU drivers with 8-lane subgroups (as matmul
+# picks its kernel), else the shared-memory one; "gpu" / "cpu" force one (tests run the GPU
+# kernel on lavapipe this way).
+_FA_KERNEL: str | None = None
+_FA_CPU_WY: int | None = None  # subgroups per workgroup of the CPU kernel; None = automatic
+
+
+def fa_subgroup_kernel_runs_on(rt) -> bool:
+    """Whether ``rt`` can run flash attention's subgroup kernel: it is written for subgroups of
+    exactly _FA_SG_ROWS lanes (one row per lane) and loads 8 values as 64-bit words."""
+    return int(rt.info["limits"].get("subgroup_size", 0)) == _FA_SG_ROWS and bool(rt.features.get("int64"))
+
+
+def _fa_cpu(rt) -> bool:
+    """Whether flash attention on ``rt`` runs the subgroup kernel (CPU drivers)."""
+    if _FA_KERNEL == "cpu" and not fa_subgroup_kernel_runs_on(rt):
+        # on 32-lane subgroups it would compute garbage, not fail: refuse instead
+        raise RuntimeError(f"flash attention: the subgroup kernel needs {_FA_SG_ROWS}-lane subgroups and 64-bit "
+                           f"integers; {rt.info.get('name', 'this device')} has "
+                           f"{rt.info['limits'].get('subgroup_size')}-lane subgroups")
+    if _FA_KERNEL is not None:
+        return _FA_KERNEL == "cpu"
+    return kern._cpu_mm_kernel(rt) and fa_subgroup_kernel_runs_on(rt)
+
+
+def flash_attn_supported(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether the flash kernel takes these [B, H, T, D] operands: one float dtype, a compiled
+    head dim shared by q, k and v, the same B and H, non-empty, and B * H within one dispatch."""
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4 or q._st.rt.is_host:
+        return False
+    B, H, Tq, D = q.shape
+    return (q.dtype is k.dtype is v.dtype and q.dtype.kind == "float" and D in FLASH_HEAD_DIMS
+            and k.shape[:2] == v.shape[:2] == (B, H) and k.shape[3] == v.shape[3] == D and k.shape[2] == v.shape[2]
+            and Tq > 0 and k.shape[2] > 0 and 0 < B * H <= 65535)
+
+
+def _fa_operand(t: Tensor) -> Tensor:
+    """``t`` itself when the kernel can read it in place (unit stride along the head dim, the
+    other strides and the offset multiples of 4 for vector loads), else a contiguous copy."""
+    if t._strides[-1] == 1 and t._off % 4 == 0 and all(s % 4 == 0 for s in t._strides[:3]):
+        return t
+    return kern.copy(t)
+
+
+def _fa_pairs(Tq: int, Tk: int, causal: bool) -> int:
+    """(query, key) pairs an attention computes: causal rows i see min(i + 1, Tk) keys."""
+    if not causal:
+        return Tq * Tk
+    full = min(Tq, Tk)
+    return full * (full + 1) // 2 + max(0, Tq - Tk) * Tk
+
+
+FLASH_BLOCK = 64  # block sizes of a block mask are multiples of this: every tile and row group of both kernels
+
+
+class FlashBlockMask:
+    """A block mask ready for flash_attn_fwd / flash_attn_bwd: ``mask`` boolean
+    [ceil(Tq / block_size), ceil(Tk / block_size)] (True = computed; the last block row and
+    column may be ragged), uploaded once as one int32 per block pair, with the (query, key)
+    pairs it computes counted on the host for the profiler's FLOPs.  Refuses a block size
+    the kernels cannot tile and a query row left without any key (its softmax would be 0/0)."""
+
+    def __init__(self, mask, block_size: int, Tq: int, Tk: int, causal: bool, rt=None):
+        import numpy as np
+
+        bs = int(block_size)
+        if bs <= 0 or bs % FLASH_BLOCK:
+            raise ValueError(f"block_size: must be a positive multiple of {FLASH_BLOCK} (the flash kernels' tile), "
+                             f"got {block_size}")
+        m = np.asarray(mask)
+        nq, nk = -(-Tq // bs), -(-Tk // bs)
+        if m.dtype != np.bool_ or m.shape != (nq, nk):
+            raise ShapeError(f"block_mask: expected a boolean [{nq}, {nk}] mask for Tq = {Tq}, Tk = {Tk} and "
+                             f"block_size {bs}, got {m.dtype} {m.shape}")
+        # rows of block i span [i * bs, min((i + 1) * bs, Tq)); causal row t sees keys <= t, so
+        # the block's first row, which sees the fewest, needs an allowed key block at or before it
+        seen = m if not causal else m & (np.arange(nk)[None, :] <= np.arange(nq)[:, None])
+        empty_rows = np.flatnonzero(~seen.any(axis=1))
+        if empty_rows.size:
+            i = int(empty_rows[0])
+            raise ValueError(f"block_mask: query block {i} (rows {i * bs}..{min((i + 1) * bs, Tq) - 1}) allows no key"
+                             + (" at or before its first row (is_causal)" if causal else "")
+                             + f"; {empty_rows.size} such block row(s)")
+        self.mask, self.block_size, self.Tq, self.Tk, self.causal = m, bs, Tq, Tk, bool(causal)
+        # computed pairs: rows per block times keys per block, causal pairs counted exactly
+        qlen = np.minimum(bs, Tq - np.arange(nq) * bs)
+        klen = np.minimum(bs, Tk - np.arange(nk) * bs)
+        if causal:
+            qi = np.arange(nq)[:, None] * bs
+            kj = np.arange(nk)[None, :] * bs
+            # pairs (t, u) of block (i, j) with u <= t: per row t the keys of block j up to t
+            pairs = np.zeros((nq, nk), dtype=np.int64)
+            for r in range(bs):  # row offset in the block: vectorised over every block pair
+                t = qi + r
+                live = r < qlen[:, None]
+                pairs += np.where(live, np.clip(t - kj + 1, 0, klen[None, :]), 0)
+            self.pairs = int(pairs[m].sum())
+        else:
+            self.pairs = int((qlen[:, None] * klen[None, :])[m].sum())
+        self.key_rows = int(klen[m.any(axis=0)].sum())  # keys some query block reads
+        self.dev = kern.from_numpy(m.astype(np.int32), dt.int32, rt or get_runtime())
+
+
+class _FlashLaunch:
+    """The bindings, push constants and grid of one flash_attn call's passes."""
+
+    def __init__(self, q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool,
+                 block_mask: FlashBlockMask | None = None):
+        self.rt = rt = q._st.rt
+        self.q, self.k, self.v = _fa_operand(q), _fa_operand(k), _fa_operand(v)
+        self.B, self.H, self.Tq, self.D = q.shape
+        self.Tk = k.shape[2]
+        self.scale, self.causal = float(scale), bool(causal)
+        (self.bq, oq), (self.bk, ok), (self.bv, ov) = bind(self.q), bind(self.k), bind(self.v)
+        self.offs = [oq, ok, ov]
+        self.cpu = _fa_cpu(rt)
+        self.variant = f"{q.dtype.tag}_{'sg_' if self.cpu else ''}d{self.D}"
+        strides = [s for t in (self.q, self.k, self.v) for s in t._strides[:3]]
+        self.strides = strides
+        # 8-wide loads need every row start 8-aligned (see WIDE in the GLSL)
+        self.wide = int(self.cpu and all(x % 8 == 0 for x in strides + self.offs))
+        self.bm = block_mask
+        if block_mask is not None:
+            if (block_mask.Tq, block_mask.Tk, block_mask.causal) != (self.Tq, self.Tk, self.causal):
+                raise ShapeError(f"block_mask: built for Tq = {block_mask.Tq}, Tk = {block_mask.Tk}, causal = "
+                                 f"{block_mask.causal}; the call has {self.Tq}, {self.Tk}, {self.causal}")
+            self.bmb = bind(block_mask.dev)[0]  # a fresh upload: the kernel indexes it from 0
+
+    def pairs(self) -> int:
+        """(query, key) pairs one head computes: the mask's blocks only."""
+        return self.bm.pairs if self.bm is not None else _fa_pairs(self.Tq, self.Tk, self.causal)
+
+    def key_rows(self) -> int:
+        return self.bm.key_rows if self.bm is not None else self.Tk
+
+    def _wy(self, rows: int) -> int:
+        if _FA_CPU_WY is not None:
+            return _FA_CPU_WY
+        # 4 subgroups a workgroup, fewer when a head has fewer row blocks (short sequences)
+        return max(1, min(4, -(-rows // _FA_SG_ROWS)))
+
+    def dispatch(self, mode: int, rows: int, bufs: dict, off_o: int, off_do: int, name: str, flops: int, nbytes: int,
+                 per_head: bool = True, dlse: bool = False) -> None:
+        """Record one pass over ``rows`` rows (per head, or in all with ``per_head=False``)."""
+        rt = self.rt
+        BH = self.B * self.H
+        if self.cpu:
+            wy = self._wy(rows) if per_head else 4
+            spec = (wy, mode, self.wide)
+            per_group = _FA_SG_ROWS * wy
+        else:
+            spec = (_FA_GPU_WG, mode, 0)
+            per_group = _FA_GPU_WG
+        groups = (1, -(-rows // per_group), BH) if per_head else groups_for(-(-rows // per_group))
+        pid = rt.pipeline("flash_attn", self.variant, spec)
+        flags = int(self.causal) | (2 if dlse else 0)
+        if self.bm is not None and mode != _FA_PRE:
+            # the mask goes through a binding this pass leaves unused (see flash_attn.comp)
+            bufs = {**bufs, {_FA_FWD: 6, _FA_DQ: 8, _FA_DKV: 7}[mode]: self.bmb}
+            flags |= self.bm.block_size << 8
+        # unused bindings repeat Q (read-only, never touched by that pass)
+        slots = [self.bq, self.bk, self.bv] + [bufs.get(i, self.bq) for i in range(3, 10)]
+        push = _P_FLASH.pack(rows if not per_head else self.Tq, self.Tk, self.H, flags, self.scale,
+                             *self.offs, off_o, off_do, *self.strides)
+        rt.dispatch(pid, slots, push, groups, name, flops, nbytes)
+
+
+def flash_attn_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, *,
+                   block_mask: FlashBlockMask | None = None):
+    """(O, L) of softmax(q k^T * scale) v for [B, H, T, D] operands (see flash_attn_supported):
+    O contiguous in q's dtype, L the float32 log-sum-exp of each query row's scaled scores.
+    ``causal``: query i sees keys j <= i.  Nothing of size T x T is allocated.
+    ``block_mask`` (a FlashBlockMask built for these Tq, Tk and ``causal``, shared by every
+    batch and head): only its blocks are computed, the others skipped whole."""
+    fl = _FlashLaunch(q, k, v, scale, causal, block_mask)
+    rt, B, H, Tq, D = fl.rt, fl.B, fl.H, fl.Tq, fl.D
+    o = empty((B, H, Tq, D), q.dtype, rt)
+    lse = empty((B, H, Tq), dt.float32, rt)
+    pairs = B * H * fl.pairs()
+    isz = q.dtype.itemsize
+    fl.dispatch(_FA_FWD, Tq, {3: bind(o, True)[0], 5: bind(lse, True)[0]}, 0, 0, "flash_attn",
+                4 * pairs * D, B * H * (2 * Tq + 2 * fl.key_rows()) * D * isz + lse.numel() * 4)
+    return o, lse
+
+
+def flash_attn_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, g: Tensor, scale: float, causal: bool,
+                   need_q: bool = True, need_kv: bool = True, *, block_mask: FlashBlockMask | None = None,
+                   dlse: Tensor | None = None):
+    """(dQ, dK, dV) of flash attention given its forward's O and L and the upstream gradient
+    ``g`` (contiguous [B, H, Tq, D]); FlashAttention-2's backward: P is recomputed from the
+    saved L, dQ is one pass over key tiles and dK, dV one pass over query tiles, each output
+    row written by one subgroup (no atomics, deterministic).  Passes not needed are skipped
+    (their results are None).  ``block_mask``: the forward's.  ``dlse`` (float32 [B, H, Tq]):
+    the gradient reaching L itself, for callers that use L (dL/ds_ij = P_ij adds dlse * P to
+    dS: the kernel's D = rowsum(dO * O) becomes D - dlse)."""
+    fl = _FlashLaunch(q, k, v, scale, causal, block_mask)
+    rt, B, H, Tq, Tk, D = fl.rt, fl.B, fl.H, fl.Tq, fl.Tk, fl.D
+    if not g.is_contiguous() or g._off % 4:
+        g = kern.copy(g)
+    (bo, oo), (bg, og) = bind(o), bind(g)
+    bl = bind(lse)[0]
+    isz = q.dtype.itemsize
+    rows = B * H * Tq
+    dsum = empty((B, H, Tq), dt.float32, rt)
+    pre = {3: bo, 4: bg, 6: bind(dsum, True)[0]}
+    if dlse is not None:
+        if dlse.shape != (B, H, Tq) or dlse.dtype is not dt.float32:
+            raise ShapeError(f"flash_attn_bwd: dlse must be float32 {(B, H, Tq)}, got {dlse.dtype.name} {dlse.shape}")
+        if not dlse.is_contiguous():
+            dlse = kern.copy(dlse)
+        bd, od = bind(dlse)
+        if od:  # the pass indexes dL from the start of its binding
+            dlse = kern.copy(dlse)
+            bd, od = bind(dlse)
+        pre[5] = bd
+    fl.dispatch(_FA_PRE, rows, pre, oo, og, "flash_attn_bwd_pre", 2 * rows * D + (rows if dlse is not None else 0),
+                2 * rows * D * isz + rows * (8 if dlse is not None else 4), per_head=False, dlse=dlse is not None)
+    pairs = B * H * fl.pairs()
+    dq = dk = dv = None
+    stats = {4: bg, 5: bl, 6: bind(dsum)[0]}
+    if need_q:
+        dq = empty((B, H, Tq, D), q.dtype, rt)
+        fl.dispatch(_FA_DQ, Tq, {**stats, 7: bind(dq, True)[0]}, oo, og, "flash_attn_bwd_dq", 6 * pairs * D,
+                    B * H * (3 * Tq + 2 * fl.key_rows()) * D * isz)
+    if need_kv:
+        dk = empty((B, H, Tk, D), q.dtype, rt)
+        dv = empty((B, H, Tk, D), q.dtype, rt)
+        fl.dispatch(_FA_DKV, Tk, {**stats, 8: bind(dk, True)[0], 9: bind(dv, True)[0]}, oo, og, "flash_attn_bwd_dkv",
+                    8 * pairs * D, B * H * (2 * Tq + 2 * Tk + 2 * fl.key_rows()) * D * isz)
+    return dq, dk, dv

@@ -1,0 +1,280 @@
+"""The matmul kernels: the lavapipe register-block kernel (its tile choice and layouts) and the
+shared-memory GPU kernel, bias and the fused epilogues of helios.fusion."""
+
+from __future__ import annotations
+
+import struct
+
+from helios import dtypes as dt
+from helios import fusion
+from helios._shape import broadcast_strides, collapse, numel
+from helios.errors import ShapeError
+from helios.tensor import Tensor
+from helios._kernels.core import bind, empty
+import helios._kernels as kern  # the other kernel families (bound once the package has loaded)
+
+
+_P_MATMUL = struct.Struct("<16I")
+_P_MATMUL_EPI = struct.Struct("<18I")  # matmul's words, then the offsets of E and U
+
+
+# -- matmul ----------------------------------------------------------------------------------
+# matmul kernel configurations (see kernels_spirv/glsl/matmul.comp).
+# GPUs: shared-memory tiles BM x BN x BK with WX x WY invocations (4x4 register blocks).
+_MM_GPU_SPEC = (64, 64, 16, 16, 16)
+# CPU drivers (lavapipe): subgroup register blocks of TM x TN per lane (the variant suffix)
+# and WY subgroups per workgroup, picked per shape by _mm_cpu_tile(); None = automatic, a
+# (TM, TN) / WY here forces them (bench/matmul.py --tiles / --wy sweeps them).
+_MM_CPU_TILE: tuple | None = None
+_MM_CPU_WY: int | None = None
+_MM_SG = 8  # the subgroup size the CPU kernel is written for
+
+
+def _mm_cpu_tile(M: int, N: int) -> tuple:
+    """(TM, TN, WY) of the CPU kernel for an M x N output.
+
+    llvmpipe turns every buffer load into a loop over the 8 lanes (~45 instructions a lane
+    for one 32-byte load), so what a register block costs is mostly its loads: per K step a
+    subgroup loads TM values of A and 8 * TN of B for TM * TN vector multiply-adds.  32x8
+    loads 2.8x less per multiply-add than 8x16 and ran 1.35-1.45x faster at 1024^3 (CPU
+    time, fp32, see bench/README.md "matmul"); 64x8 is ~10 % faster again but JITs ~5x
+    longer.  Outputs shorter than 64 rows keep 8-row blocks (a 32-row block would compute
+    mostly clamped rows), with 16 columns a lane when N >= 512.  WY keeps ~128 rows a
+    workgroup on tall outputs (one B panel reused from cache) and fewer on short ones so
+    both threads get workgroups.
+    """
+    if _MM_CPU_TILE is not None:
+        tm, tn = _MM_CPU_TILE
+    elif M >= 64:
+        tm, tn = 32, 8
+    else:
+        tm, tn = 8, 16 if N >= 512 else 8
+    rows = 128 if M >= 512 else 64 if M >= 128 else 16
+    wy = _MM_CPU_WY or max(1, rows // tm)
+    return tm, tn, wy
+
+
+def _mm_cpu_config(M: int, N: int, oa: int, ob: int, oc: int, ca, cb, sam: int, sak: int, sbk: int, sbn: int,
+                   wide_ok: bool, tile: tuple = (8, 8, 4)) -> tuple:
+    """Specialization constants (WY, AMODE, BMODE, CVEC, AWIDE, BWIDE) of the CPU kernel.
+
+    A K-contiguous A (row-major) or N-contiguous B is read in vectors along that dim, an
+    M-contiguous A (a transposed view) or K-contiguous B (B^T) along the other; 8-wide
+    when 8-aligned (and int64 exists), 4-wide when 4-aligned, else with scalar loads.
+    """
+    tm, tn, wy = tile
+
+    def fits(inner, outer, offs, run, e):
+        return inner == 1 and outer % e == 0 and all(o % e == 0 for o in offs) and run % e == 0 and run >= (e if run else 0)
+
+    def pick(k_inner, k_outer, t_inner, t_outer, offs, t_run, t_tile):
+        # -> (mode, wide): mode 1 = K-contiguous, 2 = the M/N dim contiguous
+        for e in ((8, 4) if wide_ok else (4,)):
+            if fits(k_inner, k_outer, offs, 0, e):
+                return 1, int(e == 8)
+            if t_tile % e == 0 and fits(t_inner, t_outer, offs, t_run, e):
+                return 2, int(e == 8)
+        return 0, 0
+
+    amode, awide = pick(sak, sam, sam, sak, (oa, *ca), M, tm)
+    # B: mode 1 is N-contiguous, 2 K-contiguous in the kernel; pick() returns 1 for the K-run
+    bk, bwide = pick(sbk, sbn, sbn, sbk, (ob, *cb), N, tn)
+    bmode = {0: 0, 1: 2, 2: 1}[bk]
+    cvec = int(N % 4 == 0 and oc % 4 == 0)
+    return (wy, amode, bmode, cvec, awide, bwide)
+
+
+def _cpu_mm_kernel(rt) -> bool:
+    """Whether matmuls on ``rt`` use the CPU-driver kernel (lavapipe, subgroups of _MM_SG lanes)."""
+    return rt.info.get("type") == "cpu" and int(rt.info["limits"].get("subgroup_size", 0)) == _MM_SG
+
+
+def matmul_any_layout(a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:
+    """a @ b like matmul (no bias), possibly returned as a transposed view.
+
+    The CPU kernel gives each subgroup 8 lanes x TN >= 8 columns, so an output narrower
+    than 64 columns leaves lanes idle; a narrow, tall product is then computed as
+    (b^T a^T)^T, the same sums with the wide dim as N (an attention [64, 64] @ [64, 32]
+    measured ~1.1 ms instead of 1.3-2.2 ms).  For callers that accept any strides; ``out``
+    as in matmul() (then returned, the product stored in its layout either way)."""
+    rt = a._st.rt
+    M, N = a.shape[-2], b.shape[-1]
+    if N < 8 * _MM_SG and M >= 2 * N and N % 8 == 0 and _cpu_mm_kernel(rt):
+        if out is not None:
+            matmul(_swap_last(b), _swap_last(a), out=_swap_last(out))
+            return out
+        return _swap_last(matmul(_swap_last(b), _swap_last(a)))
+    return matmul(a, b, out=out)
+
+
+def _swap_last(x: Tensor) -> Tensor:
+    """A raw (untracked) view of ``x`` with its last two dims swapped."""
+    sh, st = list(x.shape), list(x._strides)
+    sh[-1], sh[-2], st[-1], st[-2] = sh[-2], sh[-1], st[-2], st[-1]
+    return Tensor(x._st, tuple(sh), tuple(st), x._off, x.dtype)
+
+
+# The epilogue codes of matmul_epi (EPI in matmul.glsl) by fused kernel name.
+_MM_EPI = {"linear+residual": 1, "linear+gelu": 2, "matmul+gelu_tanh_bwd": 3}
+
+
+def matmul_epilogue(name: str, a: Tensor, b: Tensor, bias: Tensor | None, e: Tensor | None,
+                    out: Tensor | None = None) -> tuple:
+    """One fused matmul kernel (helios.fusion): ``name`` is "linear+residual" (a @ b + bias,
+    rounded to the dtype, + ``e``), "linear+gelu" (u = a @ b + bias; gelu_tanh(u)) or
+    "matmul+gelu_tanh_bwd" ((a @ b) * gelu_tanh'(``e``)).  ``e`` has the output's shape and
+    dtype and is contiguous, as is ``out`` when given.  Returns (out, u) with u the stored
+    pre-activation of "linear+gelu", else None.  Bit for bit the unfused kernels."""
+    code = _MM_EPI.get(name)
+    if code is None:
+        raise ValueError(f"matmul_epilogue: name must be one of {sorted(_MM_EPI)}, got {name!r}")
+    if b.ndim != 2 or a.ndim < 2 or a.shape[-1] != b.shape[0] or a.shape[-1] == 0:
+        raise ShapeError(f"matmul_epilogue: expected a [..., K] @ [K, N] product with K > 0, got {a.shape} and {b.shape}")
+    u = None
+    if code == 2:
+        u = empty(a.shape[:-1] + (b.shape[1],), a.dtype, a._st.rt)
+    elif e is None:
+        raise ValueError(f"matmul_epilogue: {name} needs e (the tensor its epilogue reads)")
+    r = matmul(a, b, bias, out, _epi=(name, code, e, u))
+    return r, u
+
+
+def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None = None, _epi: tuple | None = None) -> Tensor:
+    """Batched a @ b (+ ``bias`` over the last dim) with broadcast batch dims; both >= 2-D
+    and of the same float dtype; ``bias`` 1-D of size N with unit stride, added in the
+    kernel's epilogue.  (``_epi``: matmul_epilogue's fused epilogue.)
+
+    Operands may be any strided views (transposes, broadcast batches): the kernel variant
+    and its load paths are chosen here from strides and alignment.  ``out`` (optional, the
+    result's shape and dtype) receives the product instead of a new tensor: contiguous, or
+    the transposed view of a contiguous tensor (the kernel then stores each matrix
+    transposed), e.g. a parameter's slot in a flat gradient buffer; or, with one or two
+    batch dims [B, H], heads interleaved in rows of L elements, strides (M*L, N, L, 1) or
+    transposed (N*L, M, 1, L) (the matmul kernel's CLD store; see _check_mm_out).
+    """
+    from helios._shape import broadcast_shapes
+
+    M, K = a.shape[-2], a.shape[-1]
+    K2, N = b.shape[-2], b.shape[-1]
+    if K != K2:
+        raise ShapeError(f"matmul: shapes {a.shape} and {b.shape} are not aligned (inner dims {K} != {K2})")
+    batch = broadcast_shapes("matmul", a.shape[:-2], b.shape[:-2])
+    rt = a._st.rt
+    ct = cld = 0
+    if out is None:
+        out = empty(batch + (M, N), a.dtype, rt)
+    else:
+        ct, cld = _check_mm_out(out, batch + (M, N), a.dtype)
+    nb = numel(batch)
+    if out.numel() == 0:
+        return out
+    if bias is not None and (bias.shape != (N,) or bias.dtype is not a.dtype or (N > 1 and bias._strides[0] != 1)):
+        raise ShapeError(f"matmul: bias must be a unit-stride {a.dtype.name} vector of shape ({N},), "
+                         f"got {bias.dtype.name} {bias.shape} with strides {bias._strides}")
+    if K == 0:
+        if ct or cld:
+            kern.copy_into(out, scalar_zero(out.dtype, rt))
+        else:
+            kern.fill(out, 0)
+        if bias is not None:
+            kern.copy_into(out, kern.binary("add", out, bias))
+        return out
+    sa = broadcast_strides(a.shape[:-2], a._strides[:-2], batch)
+    sb = broadcast_strides(b.shape[:-2], b._strides[:-2], batch)
+    if cld:  # the kernel's z0 / z1 must be the out's two batch dims, unmerged
+        cshape, ca, cb = list(batch), list(sa), list(sb)
+    else:
+        cshape, (ca, cb) = collapse(batch, sa, sb)
+    if len(cshape) > 2:  # three or more unmergeable batch dims: make the operands contiguous
+        return matmul(kern.copy(a.expand(batch + (M, K))), kern.copy(b.expand(batch + (K, N))), bias, out)
+    if _epi is not None:
+        _check_epi(_epi, out, batch + (M, N), ct or cld)
+    if len(cshape) == 1 and cb[0] == 0 and ca[0] == M * a._strides[-2] and not (ct or cld):
+        # B is shared by every batch matrix and A's batches follow each other along M (a
+        # Linear layer on [B, T, C]): one [nb*M, K] @ [K, N] product.  Each output is the
+        # same K-loop as before, so results are bit-identical; the taller grid lets the
+        # tile choice use tall workgroups that reuse each B panel from cache.
+        M, nb, cshape, ca, cb = M * nb, 1, [], [], []
+    while len(cshape) < 2:
+        cshape, ca, cb = [1] + cshape, [0] + ca, [0] + cb
+    if nb > 65535:
+        raise ShapeError(f"matmul: {nb} batch matrices exceed the 65535 the kernel dispatches at once; reshape the batch")
+    (ba, oa), (bb, ob) = bind(a), bind(b)
+    if cld:  # bind the span the strided C covers
+        span = 1 + sum((sz - 1) * st for sz, st in zip(out.shape, out._strides))
+        bc, oc = bind(Tensor(out._st, (span,), (1,), out._off, out.dtype), True)
+    else:
+        bc, oc = bind(_swap_last(out) if ct else out, True)
+    # Without a bias, binding 3 repeats A (read-only, never read: HAS_BIAS = 0).
+    bz, oz = bind(bias) if bias is not None else (ba, 0)
+    has_bias = int(bias is not None)
+    sam, sak = a._strides[-2], a._strides[-1]
+    sbk, sbn = b._strides[-2], b._strides[-1]
+    kernel = "matmul" if _epi is None else "matmul_epi"
+    # matmul_epi: CT, CLD (0 there) and the epilogue code at constant id 9 (GPU: id 8 unused)
+    epi_spec = () if _epi is None else (0, 0, _epi[1])
+    if _cpu_mm_kernel(rt):
+        tm, tn, wy = _mm_cpu_tile(M, N)
+        spec = _mm_cpu_config(M, N, oa, ob, oc, ca, cb, sam, sak, sbk, sbn, bool(rt.features.get("int64")), (tm, tn, wy))
+        if ct or cld:  # vec4 stores run along C's contiguous dim (M when transposed)
+            spec = spec[:3] + (int((M if ct else N) % 4 == 0 and oc % 4 == 0 and cld % 4 == 0),) + spec[4:]
+        spec = spec + (has_bias,) + ((ct, cld) if ct or cld else ()) + epi_spec
+        pid = rt.pipeline(kernel, f"{a.dtype.tag}_sg{tm}x{tn}", spec)
+        groups = ((N + _MM_SG * tn - 1) // (_MM_SG * tn), (M + tm * spec[0] - 1) // (tm * spec[0]), nb)
+    else:
+        spec = _MM_GPU_SPEC + (has_bias,) + ((ct, cld) if ct or cld else ()) + ((0,) + epi_spec if _epi else ())
+        pid = rt.pipeline(kernel, a.dtype.tag, spec)
+        groups = ((N + _MM_GPU_SPEC[1] - 1) // _MM_GPU_SPEC[1], (M + _MM_GPU_SPEC[0] - 1) // _MM_GPU_SPEC[0], nb)
+    flops = 2 * nb * M * N * K
+    nbytes = (nb * (M * K + K * N + M * N)) * a.dtype.itemsize
+    words = (M, N, K, cshape[1], oa, ob, oc, oz, ca[0], ca[1], sam, sak, cb[0], cb[1], sbk, sbn)
+    if _epi is None:
+        rt.dispatch(pid, [ba, bb, bc, bz], _P_MATMUL.pack(*words), groups, "matmul", flops, nbytes)
+        return out
+
+    name, _, e, u = _epi
+    # Unused E / U bindings repeat C (never read / written: EPI picks what the epilogue touches).
+    be, oe = bind(e) if e is not None else (bc, 0)
+    bu, ou = bind(u, True) if u is not None else (bc, 0)
+    nbytes += (e is not None) * nb * M * N * a.dtype.itemsize + (u is not None) * nb * M * N * a.dtype.itemsize
+    rt.dispatch(pid, [ba, bb, bc, bz, be, bu], _P_MATMUL_EPI.pack(*words, oe, ou), groups,
+                fusion.dispatch_name(name, rt), flops, nbytes)
+    return out
+
+
+def _check_epi(epi: tuple, out: Tensor, shape: tuple, strided: bool) -> None:
+    """A ShapeError unless the fused epilogue's C and its E / U are contiguous [.., M, N]."""
+    name, _, e, u = epi
+    if strided:
+        raise ShapeError(f"{name}: out must be contiguous")
+    for what, t in (("e", e), ("u", u)):
+        if t is not None and (t.shape != shape or t.dtype is not out.dtype or not t.is_contiguous()):
+            raise ShapeError(f"{name}: {what} must be a contiguous {out.dtype.name} tensor of shape {shape}, "
+                             f"got {t.dtype.name} {t.shape} with strides {t._strides}")
+
+
+def _check_mm_out(out: Tensor, shape: tuple, dtype: dt.DType) -> tuple:
+    """(CT, CLD) of the matmul kernel's store for ``out``: (0, 0) contiguous, (1, 0) the
+    transposed view of a contiguous tensor, (0, L) / (1, L) heads interleaved in rows of L
+    elements ([B, H, M, N] with strides (M*L, N, L, 1), or (N*L, M, 1, L) transposed: head h
+    of a [B, M, H*N] buffer's rows).  A ShapeError naming ``out`` otherwise."""
+    if out.shape != shape or out.dtype is not dtype:
+        raise ShapeError(f"matmul: out must be a {dtype.name} tensor of shape {shape}, got {out.dtype.name} {out.shape}")
+    if out.is_contiguous():
+        return 0, 0
+    if _swap_last(out).is_contiguous():
+        return 1, 0
+    if len(shape) in (3, 4):
+        M, N = shape[-2:]
+        st = ((0,) * (4 - len(shape))) + tuple(out._strides)
+        if st[3] == 1 and st[2] >= N and st[1] == N and (shape[0] == 1 or len(shape) == 3 or st[0] == M * st[2]):
+            return 0, st[2]
+        if st[2] == 1 and st[3] >= M and st[1] == M and (shape[0] == 1 or len(shape) == 3 or st[0] == N * st[3]):
+            return 1, st[3]
+    raise ShapeError(f"matmul: out must be contiguous, a transposed contiguous tensor or heads interleaved in rows, "
+                     f"got shape {shape} with strides {out._strides}")
+
+
+def scalar_zero(dtype: dt.DType, rt) -> Tensor:
+    """A one-element zero of ``dtype`` on ``rt`` (a copy source that broadcasts)."""
+    return kern._scalar_host(0, dtype, rt)

@@ -1,0 +1,232 @@
+"""Row kernels of the GPT: softmax (and the causal attention softmax), LayerNorm forward and
+backward, cross entropy, embedding forward and backward."""
+
+from __future__ import annotations
+
+import struct
+
+from helios import dtypes as dt
+from helios.errors import ShapeError
+from helios.tensor import Tensor
+from helios._kernels.core import bind, empty, groups_for
+import helios._kernels as kern  # the other kernel families (bound once the package has loaded)
+
+
+_P_ROWS = struct.Struct("<4I")
+_P_SOFTMAX = struct.Struct("<4IfI")
+_P_LN = struct.Struct("<4If2I")
+_P_EMB = struct.Struct("<5I")
+
+
+# -- row ops ---------------------------------------------------------------------------------
+def _row_wg(R: int) -> int:
+    return 256 if R >= 1024 else 128 if R >= 256 else 64 if R >= 64 else 32
+
+
+def _row_plan(rt, rows: int, R: int):
+    """(workgroup size, one-row-per-invocation?, workgroup counts) for a row kernel.
+
+    On CPU devices (lavapipe) workgroup barriers are expensive and many rows give enough
+    parallelism, so short rows go one per invocation; elsewhere a workgroup shares a row."""
+    if (rt.info["type"] == "cpu" and R <= 4096 and rows >= 16) or (R <= 128 and rows >= 4096):
+        return 64, True, groups_for((rows + 63) // 64)
+    return _row_wg(R), False, groups_for(rows)
+
+
+def softmax_rows(mode: int, x: Tensor, g: Tensor | None = None, scale: float = 1.0, causal: bool = False) -> Tensor:
+    """Softmax family over the last dim of contiguous ``x`` (see softmax.comp for modes).
+
+    ``scale`` multiplies the inputs (forward modes) or the result (backward modes);
+    ``causal`` masks column k of query row q (the second-to-last dim) where k > q."""
+    rt = x._st.rt
+    R = x.shape[-1]
+    rows = x.numel() // R if R else 0
+    out = empty(x.shape, x.dtype, rt)
+    if out.numel() == 0:
+        return out
+    wg, per_thread, groups = _row_plan(rt, rows, R)
+    pid = rt.pipeline("softmax", x.dtype.tag, (mode, wg, per_thread))
+    bx, ox = bind(x)
+    bg, og = bind(g) if g is not None else (bx, 0)
+    name = ("softmax", "log_softmax", "softmax_bwd", "log_softmax_bwd")[mode]
+    rt.dispatch(pid, [bx, bg, bind(out, True)[0]], _P_SOFTMAX.pack(R, rows, ox, og, scale, x.shape[-2] if causal else 0), groups, name,
+                5 * x.numel(), 3 * x.numel() * x.dtype.itemsize)
+    return out
+
+
+def layer_norm_fwd(x: Tensor, w: Tensor | None, b: Tensor | None, eps: float):
+    """y, mean, rstd of LayerNorm over the last dim of contiguous ``x``."""
+    rt = x._st.rt
+    C = x.shape[-1]
+    rows = x.numel() // C if C else 0
+    y = empty(x.shape, x.dtype, rt)
+    mean = empty((rows,), dt.float32, rt)
+    rstd = empty((rows,), dt.float32, rt)
+    if rows == 0:
+        return y, mean, rstd
+    wg, per_thread, groups = _row_plan(rt, rows, C)
+    pid = rt.pipeline("layernorm", x.dtype.tag, (0, w is not None, wg, b is not None, per_thread))
+    bx, ox = bind(x)
+    bw, ow = bind(w) if w is not None else (bx, 0)
+    bb, ob = bind(b) if b is not None else (bx, 0)
+    rt.dispatch(pid, [bx, bw, bb, bind(y, True)[0], bind(mean, True)[0], bind(rstd, True)[0], bx],
+                _P_LN.pack(C, rows, ox, 0, eps, ow, ob), groups, "layer_norm", 8 * x.numel(), 3 * x.numel() * x.dtype.itemsize)
+    return y, mean, rstd
+
+
+def layer_norm_bwd_input(x: Tensor, w: Tensor | None, g: Tensor, mean: Tensor, rstd: Tensor,
+                         acc: Tensor | None = None) -> Tensor:
+    """dL/dx of LayerNorm (contiguous x and g).  With ``acc`` (a contiguous tensor of x's
+    shape and dtype: a pending gradient of x) the kernel returns dx + acc, the add done in
+    its store (helios.fusion "layer_norm_bwd+acc"), bit for bit the separate add."""
+    rt = x._st.rt
+    C = x.shape[-1]
+    if acc is not None and (acc.shape != x.shape or acc.dtype is not x.dtype or not acc.is_contiguous()):
+        raise ShapeError(f"layer_norm_bwd_input: acc must be a contiguous {x.dtype.name} tensor of shape {x.shape}, "
+                         f"got {acc.dtype.name} {acc.shape} with strides {acc._strides}")
+    dx = empty(x.shape, x.dtype, rt)
+    if dx.numel() == 0:  # no rows (or no columns): nothing to compute, nothing to bind
+        return dx
+    rows = x.numel() // C
+    wg, per_thread, groups = _row_plan(rt, rows, C)
+    pid = rt.pipeline("layernorm", x.dtype.tag, (1, w is not None, wg, acc is not None, per_thread))
+    bx, ox = bind(x)
+    bg, og = bind(g)
+    bw, ow = bind(w) if w is not None else (bx, 0)
+    bp, op = bind(acc) if acc is not None else (bx, 0)  # binding 2 (the bias slot) holds acc
+    name = "layer_norm_bwd"
+    if acc is not None:
+        from helios import fusion
+
+        name = fusion.dispatch_name("layer_norm_bwd+acc", rt)
+    rt.dispatch(pid, [bx, bw, bp, bind(dx, True)[0], bind(mean)[0], bind(rstd)[0], bg],
+                _P_LN.pack(C, rows, ox, og, 0.0, ow, op), groups, name, 10 * x.numel(),
+                (4 + (acc is not None)) * x.numel() * x.dtype.itemsize)
+    return dx
+
+
+def layer_norm_bwd_params(x: Tensor, g: Tensor, mean: Tensor, rstd: Tensor, need_w: bool, need_b: bool,
+                          dw_out: Tensor | None = None, db_out: Tensor | None = None):
+    """(dw, db) of LayerNorm (contiguous x and g; None where not needed): per-column sums
+    over the rows of g * xhat and of g, in one pass.
+
+    ``dw_out`` / ``db_out`` (optional, contiguous [C] tensors of x's dtype) receive them
+    instead of new memory when every needed one is given and they share a storage (one
+    output binding: the slots of one flat gradient buffer); otherwise they are ignored and
+    the results come in new memory."""
+    rt = x._st.rt
+    C = x.shape[-1]
+    rows = x.numel() // C if C else 0
+    dests = [d for d, need in ((dw_out, need_w), (db_out, need_b)) if need]
+    direct = bool(dests) and rows > 0 and C > 0 and all(
+        d is not None and d._st is dests[0]._st and d.shape == (C,) and d.dtype is x.dtype and d.is_contiguous()
+        for d in dests)
+    if direct:
+        dw, db = (dw_out if need_w else None), (db_out if need_b else None)
+        lo = min(d._off for d in dests)
+        span = Tensor(dests[0]._st, (max(d._off for d in dests) + C - lo,), (1,), lo, x.dtype)
+        bo, base = bind(span, True)
+        offs = [d._off - lo + base if d is not None else 0 for d in (dw, db)]
+    else:
+        out = empty((2, C), x.dtype, rt)
+        dw = Tensor(out._st, (C,), (1,), out._off, x.dtype) if need_w else None
+        db = Tensor(out._st, (C,), (1,), out._off + C, x.dtype) if need_b else None
+        if rows == 0 or C == 0:
+            kern.fill(out, 0)
+            return dw, db
+        bo, offs = bind(out, True)[0], [0, C]
+    pid = rt.pipeline("layernorm", x.dtype.tag, (2, need_w, 64, need_b, False))
+    bx, ox = bind(x)
+    bg, og = bind(g)
+    rt.dispatch(pid, [bx, bx, bx, bo, bind(mean)[0], bind(rstd)[0], bg],
+                _P_LN.pack(C, rows, ox, og, 0.0, offs[0], offs[1]), groups_for((C + 63) // 64), "layer_norm_bwd_params",
+                5 * x.numel(), 2 * x.numel() * x.dtype.itemsize)
+    if direct:
+        dests[0]._st.version += 1
+    return dw, db
+
+
+def cross_entropy_fwd(x: Tensor, t: Tensor):
+    """Per-row loss and logsumexp for contiguous logits x[N, V] and int64 targets t[N]."""
+    rt = x._st.rt
+    N, V = x.shape
+    loss = empty((N,), dt.float32, rt)
+    lse = empty((N,), dt.float32, rt)
+    if N == 0:
+        return loss, lse
+    if V == 0:  # no classes: logsumexp of nothing is -inf (PyTorch gives nan losses)
+        return kern.fill(loss, float("nan")), kern.fill(lse, float("-inf"))
+    wg, per_thread, groups = _row_plan(rt, N, V)
+    pid = rt.pipeline("cross_entropy", x.dtype.tag, (0, wg, per_thread))
+    bx, ox = bind(x)
+    bt, ot = bind(t)
+    rt.dispatch(pid, [bx, bt, bind(lse, True)[0], bind(loss, True)[0], bx, bx], _P_ROWS.pack(V, N, ox, ot),
+                groups, "cross_entropy", 4 * x.numel(), x.numel() * x.dtype.itemsize)
+    return loss, lse
+
+
+def cross_entropy_bwd(x: Tensor, t: Tensor, lse: Tensor, gl: Tensor) -> Tensor:
+    """d loss / d logits given the per-row upstream gradient ``gl`` (float32 [N]: contiguous,
+    or one value expanded to N rows with stride 0, read once per row by the kernel)."""
+    rt = x._st.rt
+    N, V = x.shape
+    dx = empty(x.shape, x.dtype, rt)
+    if dx.numel() == 0:
+        return dx
+    one = N > 1 and gl._strides[0] == 0
+    bg, og = bind(Tensor(gl._st, (1,), (1,), gl._off, gl.dtype) if one else gl)
+    if og != 0 or not (one or gl.is_contiguous()):  # the kernel reads gl from its binding's start
+        gl, one = kern.copy(gl), False
+        bg, og = bind(gl)
+    wg, per_thread, groups = _row_plan(rt, N, V)
+    pid = rt.pipeline("cross_entropy", x.dtype.tag, (1, wg, per_thread) + ((True,) if one else ()))
+    bx, ox = bind(x)
+    bt, ot = bind(t)
+    rt.dispatch(pid, [bx, bt, bind(lse)[0], bind(lse)[0], bg, bind(dx, True)[0]], _P_ROWS.pack(V, N, ox, ot),
+                groups, "cross_entropy_bwd", 4 * x.numel(), 2 * x.numel() * x.dtype.itemsize)
+    return dx
+
+
+def embedding_fwd(w: Tensor, idx: Tensor) -> Tensor:
+    """out[..., :] = w[idx[...], :] for contiguous w [V, C] and contiguous int64 idx."""
+    rt = w._st.rt
+    V, C = w.shape
+    rows = idx.numel()
+    out = empty(idx.shape + (C,), w.dtype, rt)
+    if out.numel() == 0:
+        return out
+    pid = rt.pipeline("embedding", w.dtype.tag, (0,))
+    bw, ow = bind(w)
+    bi, oi = bind(idx)
+    gy = (rows + 3) // 4
+    gz = (gy + 65534) // 65535
+    gy = min(gy, 65535)
+    rt.dispatch(pid, [bw, bi, bi, bind(out, True)[0]], _P_EMB.pack(C, rows, V, ow, oi), ((C + 63) // 64, gy, gz),
+                "embedding", 0, 2 * out.numel() * w.dtype.itemsize)
+    return out
+
+
+def embedding_bwd(g: Tensor, pos: Tensor, rowptr: Tensor, V: int, out: Tensor | None = None) -> Tensor:
+    """dW[V, C] from the upstream g[rows, C] and the CSR grouping (pos int64, rowptr int32),
+    written into ``out`` (a contiguous [V, C] tensor of g's dtype) when given."""
+    rt = g._st.rt
+    C = g.shape[-1]
+    if out is None:
+        out = empty((V, C), g.dtype, rt)
+    elif out.shape != (V, C) or out.dtype is not g.dtype or not out.is_contiguous():
+        raise ShapeError(f"embedding_bwd: out must be a contiguous {g.dtype.name} tensor of shape {(V, C)}, "
+                         f"got {out.dtype.name} {out.shape}")
+    if out.numel() == 0:
+        return out
+    if g.numel() == 0:  # no position used the table: a zero gradient (nothing to bind)
+        return kern.fill(out, 0)
+    pid = rt.pipeline("embedding", g.dtype.tag, (1,))
+    bg, og = bind(g)
+    bo, oo = bind(out, True)
+    gy = (V + 3) // 4
+    gz = (gy + 65534) // 65535
+    gy = min(gy, 65535)
+    rt.dispatch(pid, [bg, bind(pos)[0], bind(rowptr)[0], bo], _P_EMB.pack(C, V, V, og, oo),
+                ((C + 63) // 64, gy, gz), "embedding_bwd", g.numel(), 2 * g.numel() * g.dtype.itemsize)
+    out._st.version += 1
+    return out

@@ -31,7 +31,9 @@ stream
     dispatch, fill and copy with ``col.next_dispatch_seq()`` and hands the collector the
     device events at ``synchronize()`` (``{"events": [...], "submits": [...]}``, times on the
     host ``CLOCK_MONOTONIC`` clock); ``profiling_started(col)`` / ``profiling_stopping(col)``
-    run when a session opens and before it closes.
+    run when a session opens and before it closes.  ``mark()`` / ``wait_mark(id)`` /
+    ``take_marks()`` time spans of device work without waiting (helios-train's phases); a
+    backend without them returns None from ``mark()`` and callers synchronise instead.
 facts
     ``name`` ("vulkan:0", "cuda:0", "cpu"), ``device`` (a :class:`helios.device`), ``index``,
     ``is_host``, ``info`` (``name``, ``type``: discrete | integrated | virtual | cpu | other,
@@ -64,6 +66,7 @@ class Runtime(ABC):
     max_range: int = 0
     align: int = 256
     debug: int = 0  # HELIOS_DEBUG level the runtime logs kernels at (0: off)
+    has_marks: bool = False  # whether mark() returns marks (device timestamps in the stream)
     # The queue of elementwise ops not yet recorded (helios.ew_fusion.Queue), or None where the
     # backend dispatches them at once; a backend with one emits it before any other command.
     ew_queue = None
@@ -147,6 +150,21 @@ class Runtime(ABC):
     @abstractmethod
     def stats(self) -> dict:
         """Stream counters: ``dispatches`` (since the runtime opened or the last reset) and more per backend."""
+
+    def mark(self):
+        """A device timestamp at this point of the stream, written once the work recorded before it
+        has finished; returns an id for :meth:`take_marks`, or None where the backend has no
+        timestamps (the default): a phase timer then synchronises instead.  Never waits."""
+        return None
+
+    def wait_mark(self, mark) -> None:
+        """Wait until the work recorded before ``mark`` has finished (by default: all of it)."""
+        self.synchronize()
+
+    def take_marks(self) -> dict:
+        """``{id: ns}`` of the marks whose work has finished since the last take; never waits.  The
+        times are on the device's clock: only differences between marks mean anything."""
+        return {}
 
     def profiling_started(self, col) -> None:
         """A profiling session opened: drop earlier events, timestamp dispatches from now on."""

@@ -245,6 +245,7 @@ class VulkanRuntime(Runtime):
         self.max_range = int(self.info["limits"]["max_storage_buffer_range"])
         self.align = max(256, int(self.info["limits"]["min_storage_buffer_offset_alignment"]))
         self.features = self.info["features"]
+        self.has_marks = bool(self.dev.marks_supported)  # the compute queue writes timestamps: mark() works
         self._pipelines: dict[tuple, int] = {}
         self.last_wait_ns = 0
         # HELIOS_DEBUG >= 1 prints one line per kernel with its device time: timestamps stay on.
@@ -424,6 +425,22 @@ class VulkanRuntime(Runtime):
             col.record_op("fence_wait", "", "", t0, t1, ())  # host time blocked on the device
         if col is not None or self.debug:
             self._drain_events(col)
+
+    def mark(self) -> int | None:
+        """A device timestamp after the work recorded so far (see helios.backend.Runtime.mark); None
+        where the compute queue writes no timestamps."""
+        q = self.ew_queue
+        if q.ops:  # the queued elementwise ops come before the mark
+            q.emit()
+        return self.dev.mark() if self.has_marks else None
+
+    def wait_mark(self, mark: int) -> None:
+        """Wait until the work recorded before ``mark`` has finished (later work may still run)."""
+        self.dev.wait_mark(mark)
+
+    def take_marks(self) -> dict:
+        """``{id: device ns}`` of the marks whose work has finished since the last take (never waits)."""
+        return self.dev.take_marks()
 
     def stats(self) -> dict:
         """Stream counters: submits, dispatches, barriers, fence_waits, copies, pending_dispatches."""

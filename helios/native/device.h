@@ -85,6 +85,12 @@ class Device {
   bool profiling();
   void take_events(std::vector<Event>& events, std::vector<SubmitRecord>& submits);
 
+  // Marks (stream.h): device timestamps at points of the stream, resolved without waiting.
+  bool marks_supported() { ensure_open(); return stream_->marks_supported(); }
+  uint64_t mark() { ensure_open(); return stream_->mark(); }
+  void wait_mark(uint64_t id) { ensure_open(); stream_->wait_mark(id); }
+  std::vector<Mark> take_marks() { ensure_open(); return stream_->take_marks(); }
+
   // Op names are interned once: events and errors carry a small id.
   uint32_t intern(const std::string& name);
   const std::string& name_of(uint32_t id) const { return names_[id]; }

@@ -548,6 +548,23 @@ PYBIND11_MODULE(_vulkan, m) {
              return out;
            },
            "Completed timed ops and submissions since the last take (never waits).")
+      // ---- marks: phase timing without waiting
+      .def_property_readonly("marks_supported", [](PyDevice& s) { return s.d().marks_supported(); },
+                             "Whether mark() works: the compute queue writes timestamps.")
+      .def("mark", [](PyDevice& s) { return s.d().mark(); },
+           "Record a device timestamp at this point of the stream (after everything recorded before it); "
+           "returns its id. Profiling need not be on.")
+      .def("wait_mark", [](PyDevice& s, uint64_t id) { s.d().wait_mark(id); }, py::arg("id"),
+           "Submit if needed and wait until the work recorded before mark `id` has finished.")
+      .def("take_marks",
+           [](PyDevice& s) {
+             std::vector<Mark> ms = s.d().take_marks();
+             py::dict out;
+             for (const Mark& m : ms) out[py::int_(m.id)] = py::int_(m.device_ns);
+             return out;
+           },
+           "{id: device ns} of the marks whose work has finished since the last take (never waits; ns on "
+           "the device's timestamp clock: only differences mean anything).")
       .def("close", [](PyDevice& s) {
         if (!s.dev) return;
         live_devices().erase(s.dev.get());

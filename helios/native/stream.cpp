@@ -62,6 +62,7 @@ Stream::~Stream() {
   for (auto& s : slots_) {
     for (auto p : s.desc_pools) vkDestroyDescriptorPool(dev_, p, nullptr);
     if (s.queries) vkDestroyQueryPool(dev_, s.queries, nullptr);
+    if (s.mark_queries) vkDestroyQueryPool(dev_, s.mark_queries, nullptr);
     if (s.fence) vkDestroyFence(dev_, s.fence, nullptr);
     if (s.pool) vkDestroyCommandPool(dev_, s.pool, nullptr);
   }
@@ -99,6 +100,8 @@ void Stream::open_slot() {
   s.events.clear();
   s.queries_used = 0;
   s.queries_reset = false;
+  s.marks_reset = false;
+  s.mark_ids.clear();
   s.calibrated = false;
   open_ = next_;
   next_ = (next_ + 1) % kRing;
@@ -294,6 +297,7 @@ void Stream::retire_front() {
     done_submits_.push_back({s.serial, s.host_submit_ns, done_ns, s.dispatches});
     s.events.clear();
   }
+  if (!s.mark_ids.empty()) resolve_marks(s);
   s.accesses.clear();
   s.state = Slot::kIdle;
   completed_ = s.serial;
@@ -393,6 +397,78 @@ std::vector<Event> Stream::take_events() {
   poll();
   std::vector<Event> out;
   out.swap(done_events_);
+  return out;
+}
+
+uint64_t Stream::mark() {
+  if (!marks_supported())
+    throw std::runtime_error("mark() needs timestamps, but the compute queue of '" + info_.name +
+                             "' has timestampValidBits = 0 (or timestampPeriod = 0)");
+  if (open_ < 0) open_slot();
+  if (slots_[open_].mark_ids.size() == kMarksPerBuffer) {
+    // This buffer's mark pool is full: go on in a new buffer rather than lose the mark.
+    submit_open();
+    open_slot();
+  }
+  Slot& s = slots_[open_];
+  if (!s.mark_queries) {
+    VkQueryPoolCreateInfo qi{VK_STRUCTURE_TYPE_QUERY_POOL_CREATE_INFO};
+    qi.queryType = VK_QUERY_TYPE_TIMESTAMP;
+    qi.queryCount = kMarksPerBuffer;
+    check(vkCreateQueryPool(dev_, &qi, nullptr, &s.mark_queries), "vkCreateQueryPool");
+  }
+  if (!s.marks_reset) {
+    vkCmdResetQueryPool(s.cmd, s.mark_queries, 0, kMarksPerBuffer);
+    s.marks_reset = true;
+  }
+  // BOTTOM_OF_PIPE: written once every command recorded before it has completed.
+  vkCmdWriteTimestamp(s.cmd, VK_PIPELINE_STAGE_BOTTOM_OF_PIPE_BIT, s.mark_queries, uint32_t(s.mark_ids.size()));
+  const uint64_t id = next_mark_++;
+  s.mark_ids.push_back(id);
+  pending_marks_.emplace_back(id, s.serial);
+  return id;
+}
+
+void Stream::resolve_marks(Slot& s) {
+  const uint32_t n = uint32_t(s.mark_ids.size());
+  std::vector<uint64_t> res(2 * size_t(n));
+  // No WAIT flag: the submission has finished, every mark in it was written.
+  VkResult r = vkGetQueryPoolResults(dev_, s.mark_queries, 0, n, res.size() * 8, res.data(), 16,
+                                     VK_QUERY_RESULT_64_BIT | VK_QUERY_RESULT_WITH_AVAILABILITY_BIT);
+  check(r, "vkGetQueryPoolResults");
+  const double period = info_.timestamp_period;
+  for (uint32_t i = 0; i < n; ++i) {
+    if (res[2 * i + 1] == 0) continue;  // never written (the buffer was cut short): dropped
+    const uint64_t t = res[2 * i] & ts_mask_;
+    if (!mark_ref_set_) {
+      mark_ref_set_ = true;
+      mark_ref_ticks_ = t;
+      mark_ref_ns_ = 0;
+    }
+    // Signed tick difference modulo the counter width, from the last resolved mark.
+    uint64_t d = (t - mark_ref_ticks_) & ts_mask_;
+    int64_t sd = (ts_mask_ != ~0ull && d > (ts_mask_ >> 1)) ? int64_t(d) - int64_t(ts_mask_ + 1) : int64_t(d);
+    mark_ref_ns_ += int64_t(double(sd) * period + (sd >= 0 ? 0.5 : -0.5));
+    mark_ref_ticks_ = t;
+    done_marks_.push_back({s.mark_ids[i], mark_ref_ns_});
+  }
+  while (!pending_marks_.empty() && pending_marks_.front().second <= s.serial) pending_marks_.pop_front();
+  s.mark_ids.clear();
+}
+
+void Stream::wait_mark(uint64_t id) {
+  for (const auto& pm : pending_marks_)
+    if (pm.first == id) {
+      wait_serial(pm.second);
+      return;
+    }
+  // Not pending: resolved already (or never handed out).
+}
+
+std::vector<Mark> Stream::take_marks() {
+  poll();
+  std::vector<Mark> out;
+  out.swap(done_marks_);
   return out;
 }
 

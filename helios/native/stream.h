@@ -46,6 +46,13 @@ struct SubmitRecord {
   uint64_t submit, host_submit_ns, host_done_ns, dispatches;
 };
 
+// A resolved mark: its id and the device time it was written at (ns on the device's
+// timestamp clock, not the host's; only differences between marks mean anything).
+struct Mark {
+  uint64_t id;
+  int64_t device_ns;
+};
+
 class Stream {
  public:
   static constexpr int kRing = 4;
@@ -98,6 +105,15 @@ class Stream {
   std::vector<Event> take_events();
   std::vector<SubmitRecord> take_submits();
 
+  // Marks: a timestamp written into the command stream at the current point, once
+  // everything recorded before it has finished (BOTTOM_OF_PIPE), whether profiling is on or
+  // not.  Device time between two marks is the device time of the work between them, read
+  // without waiting: a mark resolves when its submission retires (timeline counter read).
+  bool marks_supported() const { return info_.timestamp_valid_bits > 0 && info_.timestamp_period > 0.f; }
+  uint64_t mark();                    // its id (> 0); throws where marks_supported() is false
+  void wait_mark(uint64_t id);        // submit if needed and wait until the mark's submission finished
+  std::vector<Mark> take_marks();     // the marks resolved since the last take (never waits)
+
   uint32_t auto_submit() const { return auto_submit_; }
   void set_auto_submit(uint32_t n) { auto_submit_ = n; }
   const StreamStats& stats() const { return stats_; }
@@ -125,6 +141,10 @@ class Stream {
     uint32_t query_capacity = 0, queries_used = 0;
     bool queries_reset = false;
     std::vector<PendingEvent> events;
+    // Marks: their own small query pool (reset once per buffer), ids in query order.
+    VkQueryPool mark_queries = VK_NULL_HANDLE;
+    bool marks_reset = false;
+    std::vector<uint64_t> mark_ids;
     uint64_t host_submit_ns = 0;
     bool calibrated = false;
     uint64_t calib_ticks = 0;
@@ -166,6 +186,17 @@ class Stream {
   StreamStats stats_;
   std::vector<Event> done_events_;
   std::vector<SubmitRecord> done_submits_;
+  // Marks: ids are handed out in recording order; (id, serial) of the unresolved ones, oldest
+  // first; resolved ones wait in done_marks_.  Ticks are unwrapped against the last resolved
+  // mark (counters narrower than 64 bits wrap).
+  static constexpr uint32_t kMarksPerBuffer = 64;
+  void resolve_marks(Slot& s);
+  uint64_t next_mark_ = 1;
+  std::deque<std::pair<uint64_t, uint64_t>> pending_marks_;
+  std::vector<Mark> done_marks_;
+  bool mark_ref_set_ = false;
+  uint64_t mark_ref_ticks_ = 0;
+  int64_t mark_ref_ns_ = 0;
 };
 
 }  // namespace helios_vk

@@ -35,7 +35,9 @@ What makes a replay the same computation as running the step again:
   (a cached scalar) are part of the graph, as the kernels' push constants are.
 * *Inputs are static.*  ``capture(inputs=...)`` names the tensors a replay refills;
   ``replay(*new)`` copies arrays or tensors of the same shape and dtype into them (a shape
-  change is refused: the commands were recorded for those shapes).
+  change is refused: the commands were recorded for those shapes).  An array lands in a
+  fresh buffer and a recorded copy moves it into the input when the previous replay may still
+  read that input, so the host can prepare replay k+1 while the device runs replay k.
 
 A graph captures the work of one device (the current one): every command issued on it while
 the block runs, from any thread; other devices' work is not recorded.
@@ -287,10 +289,28 @@ class Graph:
                 raise GraphCaptureError(f"replay: input {i} is a {arr.dtype} array, the graph's input is "
                                         f"{dst.dtype.name}")
             bits = np.ascontiguousarray(arr, dtype=dst.dtype.np_storage)
-            self.rt.write(dst._st.handle, dst._off * dst.dtype.itemsize, bits.reshape(-1).view(np.uint8))
+            self._upload(dst, bits.reshape(-1).view(np.uint8))
             dst._st.version += 1
             # The host copy ops consult instead of reading back (index grouping, range checks).
             dst._host = (dst._st.version, bits) if dst.is_contiguous() and dst._off == 0 else None
+
+    def _upload(self, dst, data) -> None:
+        """Write ``data`` (uint8) into the input ``dst`` without waiting for the previous replay."""
+        rt, handle, off = self.rt, dst._st.handle, dst._off * dst.dtype.itemsize
+        if rt.ready(handle, off, data.size, for_write=True):
+            rt.write(handle, off, data)  # nothing unfinished touches it: a copy into the mapping
+            return
+        # The previous replay still reads this input (the device runs it while the host prepares
+        # the next step): writing it would wait for that.  Upload into a fresh buffer instead and
+        # record a copy into the input, which the stream orders after the earlier reads and before
+        # this replay's commands.  (Where device memory is not host-mapped, a write goes through
+        # the stream and waits anyway.)
+        tmp = rt.alloc(data.size, "staging")
+        try:
+            rt.write(tmp, 0, data)
+            rt.copy(tmp, 0, handle, off, data.size)
+        finally:
+            rt.free(tmp)  # reused only once the recorded copy has run
 
     def release(self) -> None:
         """Give back what the graph holds (freed tensors' bytes return to the allocator); it cannot replay after."""

@@ -7,11 +7,18 @@
     helios-run --nproc-per-node 4 -m helios.train --tp 2 --pp 2 --microbatches 8 --out runs/3d
     helios-run --nproc-per-node 2 -m helios.train --pp 2 --pp-virtual 2 --microbatches 4   # interleaved
 
-Each step is split into timed phases (forward, backward, grad_clip, optimizer,
+Each step is split into timed phases (forward, backward, grad_clip, optimizer, replay,
 data_load, host->device, device->host, checkpoint, sample_gen; idle is the rest).
-Execution is deferred, so each phase ends with a device synchronisation: the phase
-then owns the device time of the work it recorded.  Ctrl-C finishes the step, saves a
-checkpoint and exits with status 130.
+Execution is deferred: the device phases are timed by device timestamps written into the
+command stream at their start and end (helios.profile.timers), so no phase waits, and a
+step's loss is read once the next step's work is recorded: the host records step k+1
+(and uploads its batch) while the device runs step k.  The log line and run.db row of a
+step come one step later in wall time, with the same values; steps that evaluate, sample,
+checkpoint or end the run are read at once.  Where the device writes no timestamps,
+with several ranks, --pp, --zero, --moe-experts, --dtype fp16, inside the --profile-steps
+window, or with HELIOS_PHASE_SYNC=1, each device phase ends with a device synchronisation
+instead (the phase then owns the device time of the work it recorded).  Ctrl-C finishes
+the step, saves a checkpoint and exits with status 130.
 
 Started by a launcher (helios-run, srun, mpirun), every rank joins the process group
 and trains a replica with DistributedDataParallel: the global batch (--batch-size x
@@ -199,7 +206,7 @@ def _train(args, given: set[str]) -> int:
     from helios.optim import AdamW, clip_grad_norm_, cosine_lr
     from helios.profile.mfu import compute_mfu, format_mfu, peak_flops
     from helios.profile.rundb import RunDB
-    from helios.profile.timers import StepTimer
+    from helios.profile.timers import StepTimer, device_phase_ns
     from helios.runtime import get_runtime
     from helios.errors import CheckpointError
     from helios.schedule import checkpoint as sharded
@@ -506,7 +513,20 @@ def _train(args, given: set[str]) -> int:
         writer.save(at_step, shards, meta, copy=False)
         return sharded.step_dir(args.out, at_step)
 
-    timer = StepTimer()
+    # Phase timing: device marks (no wait per phase, a step read after the next is recorded) or,
+    # where refused, a device synchronisation at the end of every device phase.
+    defer_reason = _deferral_refusal(args, run, pipeline, zero, rt)
+    timer = StepTimer(mark=rt.mark if defer_reason is None else None)
+    if defer_reason is None:
+        say("phase timing: device timestamps (no wait per phase; a step is read once the next is recorded)")
+    else:
+        say(f"phase timing: each phase ends with a device synchronisation ({defer_reason})")
+
+    def phase_sync():
+        """The end of a device phase timed on the host: wait for its work (marks need no wait)."""
+        if not timer.device_marks:
+            rt.synchronize()
+
     if pipeline:  # the whole model's norm: every stage's squares, each shard and the tied table once
         from helios.schedule.pipeline import clip_grad_norm_ as pp_clip
 
@@ -601,10 +621,10 @@ def _train(args, given: set[str]) -> int:
                     if n_micro > 1:
                         loss = loss * (1.0 / n_micro)
                         aux = aux * (1.0 / n_micro) if aux is not None else None
-                    rt.synchronize()
+                    phase_sync()
                 with timer.phase("backward"):
                     scaler.scale(loss + aux if aux is not None else loss).backward()
-                    rt.synchronize()
+                    phase_sync()
             loss_dev = loss if loss_dev is None else loss_dev + loss.detach()
             if aux is not None:
                 drop = dropped_pairs(gpt)
@@ -659,12 +679,12 @@ def _train(args, given: set[str]) -> int:
                                         counted=gpt.owns if pipeline else None)
                 else:
                     clip(gpt.parameters(), args.grad_clip)
-            rt.synchronize()
+            phase_sync()
         with timer.phase("optimizer"):
             scaler.step(opt)  # fp16: skipped when a gradient is inf or nan
             scaler.update()
             opt.zero_grad()
-            rt.synchronize()
+            phase_sync()
 
     # Step capture (hl.graph): the first step runs under capture, later ones replay its device work
     # with the next batch in its input tensors.  None: every step runs through Python.
@@ -680,8 +700,9 @@ def _train(args, given: set[str]) -> int:
         g = capture.get("graph")
         if g is not None:
             with timer.phase("replay"):
+                # The refill does not wait for the previous replay (graph.Graph._upload).
                 g.replay(*(a for xy in batches for a in xy))
-                rt.synchronize()
+                phase_sync()
             return capture["loss"]
         with timer.phase("host_to_device"):
             tensors = [(hl.tensor(x, dtype=hl.int64), hl.tensor(y, dtype=hl.int64)) for x, y in batches]
@@ -707,98 +728,180 @@ def _train(args, given: set[str]) -> int:
                unit="step")
     val_loss = None
     last = {}
-    step = start_step
+    step = start_step  # steps recorded
     exit_code = 0
+    marks_on = defer_reason is None
+    mark_times: dict = {}  # resolved device marks not yet used: {id: device ns}
+    # A replay writes the captured loss tensor again: a step read after the next one is recorded
+    # keeps its loss in one of two small buffers (a recorded copy).
+    loss_hold = [hl.zeros(()), hl.zeros(())] if marks_on and capture is not None else None
+
+    def must_read(s: int) -> bool:
+        """Whether step ``s`` is read before the next step is recorded: every step without marks,
+        and those that evaluate, sample, checkpoint, stop or end the run, or are profiled."""
+        return (not marks_on or prof is not None or stopper.stop or s >= steps
+                or bool(args.eval_every and s % args.eval_every == 0)
+                or bool(args.sample_every and s % args.sample_every == 0)
+                or bool(args.ckpt_every and s % args.ckpt_every == 0)
+                or (args.stop_after is not None and s - start_step >= args.stop_after)
+                or bool(profile_window and s == profile_window[0]))
+
+    def record_step(deferred: bool) -> dict:
+        """Record the device work of the next step (read nothing back); what read_step needs."""
+        nonlocal moe_step
+        lr = cosine_lr(step, lr_max, warmup, steps)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        d0 = rt.stats()["dispatches"]
+        p = {"step": step + 1, "lr": lr, "bytes0": run.comm_bytes(), "loss_dev": None, "stage_loss": None}
+        # A profiled step runs through Python (its trace shows the ops and phases); replays go on after.
+        if capture is not None and prof is None:
+            p["loss_dev"] = captured_step()
+            if deferred and capture is not None and capture.get("graph") is not None:  # (None: refused)
+                hold = loss_hold[step % 2]
+                with hl.no_grad():
+                    hold.copy_(p["loss_dev"])
+                p["loss_dev"] = hold
+        elif pipeline:
+            p["stage_loss"] = pipeline_step()
+            if args.moe_experts:
+                moe_step = gpt.moe_totals()  # summed over the stages, as one device has them
+            update()
+        else:
+            p["loss_dev"] = plain_step()
+            if zero_experts:
+                with timer.phase("comm"):
+                    opt.reduce_gradients()  # dense over every replica, experts over their own replicas
+            elif ep_group is not None:
+                with timer.phase("comm"):
+                    average_expert_gradients(gpt, edp_group, run.data_world)
+            update()
+        p["marks"] = timer.take_marks()
+        if timer.device_marks:
+            p["end_mark"] = rt.mark()  # after everything the step recorded
+            rt.flush()  # the device starts on it now, while the host goes on
+        p["dispatches"] = rt.stats()["dispatches"] - d0
+        return p
+
+    def read_step(p: dict, closed=None) -> bool:
+        """Read step p's results back, evaluate / sample / checkpoint when due, log it (run.db, the
+        progress line); True when the run leaves after it.  ``closed``: the step's record, its window
+        closed when the next step's recording began (``end_step(complete=False)``); then the step
+        cannot be the one a Ctrl-C stops at (its parameters are moving on) and evaluates nothing."""
+        nonlocal prof, val_loss, last, moe_step
+        newer = closed is not None
+        if not timer.in_step:
+            timer.start_step()
+        s = p["step"]
+        device_ns = None
+        if "end_mark" in p:
+            rt.wait_mark(p["end_mark"])  # the step's work only; a later step's may still run
+            mark_times.update(rt.take_marks())
+            device_ns = device_phase_ns(p["marks"], mark_times)
+            for _, a, b in p["marks"]:
+                mark_times.pop(a, None)
+                mark_times.pop(b, None)
+            mark_times.pop(p["end_mark"], None)
+        d0 = rt.stats()["dispatches"]
+        with timer.phase("device_to_host"):
+            if pipeline:
+                # Only the last stage has the loss: counted pp times there and 0 elsewhere, the
+                # mean over every rank below is the mean over the replicas.
+                stage_loss = p["stage_loss"]
+                loss_val = stage_loss * layout.pp if stage_loss is not None else 0.0
+            else:
+                loss_val = p["loss_dev"].item()
+        if run.active:
+            # One small collective per step: the mean loss, and whether any rank was asked to stop
+            # (a Ctrl-C reaches the ranks at slightly different times: they must leave together).
+            with timer.phase("comm"):
+                loss_val, stop_any = run.agree(loss_val, stopper.stop)
+            stopper.stop = stopper.stop or stop_any
+        if scaler.last_step_skipped:
+            say(f"step {s}: inf/nan in the fp16 gradients, step skipped ({scaler.skipped_steps} so far); "
+                f"loss scale now {scaler.get_scale():g}", flush=True)
+        elif not math.isfinite(loss_val):
+            raise FloatingPointError(f"loss became {loss_val} at step {s}; lower --lr or check the data")
+        evaluated = None
+        if args.eval_every and s % args.eval_every == 0 and s < steps:
+            with timer.phase("sample_gen"):
+                val_loss = evaluated = evaluate()
+        if args.sample_every and s % args.sample_every == 0 and s < steps and (run.is_main or collective):
+            with timer.phase("sample_gen"):  # ZeRO-3: every rank samples alike (its forwards gather)
+                text = _sample(gpt, ds.tokenizer, T, args.sample_tokens, s)
+                if run.is_main:
+                    bar.write(f"--- sample at step {s} ---\n{text}\n---")
+        leaving = (stopper.stop and not newer) or (args.stop_after is not None and s - start_step >= args.stop_after
+                                                   and s < steps)
+        if (args.ckpt_every and s % args.ckpt_every == 0) or leaving:
+            with timer.phase("checkpoint"):
+                save_checkpoint(s)
+        if closed is None:
+            rec = timer.end_step(s, tokens_per_step, loss=loss_val, lr=p["lr"],
+                                 dispatches=p["dispatches"] + rt.stats()["dispatches"] - d0, device_ns=device_ns)
+        else:
+            rec = timer.complete_step(closed, device_ns, loss=loss_val)
+        sent = [b1 - b0 for b1, b0 in zip(run.comm_bytes(), p["bytes0"])]  # before the gather: its bytes are not the step's
+        rows = run.gather_step({**_timing_row(rec), "comm_bytes": sent[0], "comm_payload_bytes": sent[1]})
+        mfu = compute_mfu(fpt, rec.tokens_per_s, job_peak)
+        if db is not None:
+            for r in range(run.world):
+                nbytes = {"comm_bytes": int(rows[r][-2]), "comm_payload_bytes": int(rows[r][-1])} if run.active else {}
+                if r == 0:
+                    db.log_step(rec, mfu=mfu, val_loss=evaluated, **nbytes)
+                else:
+                    db.log_step(_record_of_row(rec, rows[r]), rank=r, **nbytes)
+        last = {"loss": loss_val, "lr": p["lr"], "tok_s": rec.tokens_per_s, "mfu": mfu}
+        post = {"loss": f"{loss_val:.4f}", "lr": f"{p['lr']:.2e}", "tok/s": f"{rec.tokens_per_s:,.0f}", "MFU": format_mfu(mfu)}
+        if scaler.is_enabled():
+            post["scale"] = f"{scaler.get_scale():g}"
+            post["skipped"] = str(scaler.skipped_steps)
+        if moe_step is not None:  # rank 0's replica's load-balancing loss (the loss above leaves it out)
+            post["aux"] = f"{float(moe_step[0]):.4f}"
+            post["dropped"] = str(int(moe_step[1]))
+            moe_step = None
+        if val_loss is not None:
+            post["val"] = f"{val_loss:.4f}"
+        bar.set_postfix(post, refresh=False)
+        bar.update(1)
+        if plain and (s % 10 == 0 or s == steps):
+            say(f"step {s}/{steps} " + " ".join(f"{k} {v}" for k, v in post.items()), flush=True)
+        if prof is not None and profile_window and s >= profile_window[1]:
+            _finish_profile(prof, args, db, s, run, bar.write if not bar.disable else print)
+            prof = None
+        return leaving
+
+    pending = None  # a recorded step not read yet (device marks on)
     try:
-        while step < steps:
+        while step < steps or pending is not None:
+            if pending is not None and (step >= steps or must_read(step + 1)):
+                # The next step evaluates, checkpoints, stops (...): read this one before recording it.
+                left, pending = read_step(pending), None
+                if left:
+                    exit_code = 130 if stopper.stop else 3
+                    break
+                continue
             if profile_window and step == profile_window[0]:
                 session = hl.profile.profile(device_timestamps=not args.profile_host_only)
                 prof = (session, session.__enter__())
-            timer.start_step()
-            lr = cosine_lr(step, lr_max, warmup, steps)
-            for g in opt.param_groups:
-                g["lr"] = lr
-            d0 = rt.stats()["dispatches"]
-            bytes0 = run.comm_bytes()
-            # A profiled step runs through Python (its trace shows the ops and phases); replays go on after.
-            if capture is not None and prof is None:
-                loss_dev = captured_step()
-            elif pipeline:
-                stage_loss = pipeline_step()
-                if args.moe_experts:
-                    moe_step = gpt.moe_totals()  # summed over the stages, as one device has them
-                update()
-            else:
-                loss_dev = plain_step()
-                if zero_experts:
-                    with timer.phase("comm"):
-                        opt.reduce_gradients()  # dense over every replica, experts over their own replicas
-                elif ep_group is not None:
-                    with timer.phase("comm"):
-                        average_expert_gradients(gpt, edp_group, run.data_world)
-                update()
-            with timer.phase("device_to_host"):
-                if pipeline:
-                    # Only the last stage has the loss: counted pp times there and 0 elsewhere, the
-                    # mean over every rank below is the mean over the replicas.
-                    loss_val = stage_loss * layout.pp if stage_loss is not None else 0.0
-                else:
-                    loss_val = loss_dev.item()
+            closed = None
+            if pending is not None:
+                # Step k's window closes as step k+1's recording begins: the device runs step k
+                # while the host records k+1 (its record is completed once k is read, below).
+                closed = timer.end_step(pending["step"], tokens_per_step, lr=pending["lr"],
+                                        dispatches=pending["dispatches"], complete=False)
+            if not timer.in_step:
+                timer.start_step()
+            timer.device_marks = marks_on and prof is None
+            deferred = not must_read(step + 1)
+            cur = record_step(deferred)
             step += 1
-            if run.active:
-                # One small collective per step: the mean loss, and whether any rank was asked to stop
-                # (a Ctrl-C reaches the ranks at slightly different times: they must leave together).
-                with timer.phase("comm"):
-                    loss_val, stop_any = run.agree(loss_val, stopper.stop)
-                stopper.stop = stopper.stop or stop_any
-            if scaler.last_step_skipped:
-                say(f"step {step}: inf/nan in the fp16 gradients, step skipped ({scaler.skipped_steps} so far); "
-                    f"loss scale now {scaler.get_scale():g}", flush=True)
-            elif not math.isfinite(loss_val):
-                raise FloatingPointError(f"loss became {loss_val} at step {step}; lower --lr or check the data")
-            evaluated = None
-            if args.eval_every and step % args.eval_every == 0 and step < steps:
-                with timer.phase("sample_gen"):
-                    val_loss = evaluated = evaluate()
-            if args.sample_every and step % args.sample_every == 0 and step < steps and (run.is_main or collective):
-                with timer.phase("sample_gen"):  # ZeRO-3: every rank samples alike (its forwards gather)
-                    text = _sample(gpt, ds.tokenizer, T, args.sample_tokens, step)
-                    if run.is_main:
-                        bar.write(f"--- sample at step {step} ---\n{text}\n---")
-            leaving = stopper.stop or (args.stop_after is not None and step - start_step >= args.stop_after and step < steps)
-            if (args.ckpt_every and step % args.ckpt_every == 0) or leaving:
-                with timer.phase("checkpoint"):
-                    save_checkpoint(step)
-            rec = timer.end_step(step, tokens_per_step, loss=loss_val, lr=lr, dispatches=rt.stats()["dispatches"] - d0)
-            sent = [b1 - b0 for b1, b0 in zip(run.comm_bytes(), bytes0)]  # before the gather: its bytes are not the step's
-            rows = run.gather_step({**_timing_row(rec), "comm_bytes": sent[0], "comm_payload_bytes": sent[1]})
-            mfu = compute_mfu(fpt, rec.tokens_per_s, job_peak)
-            if db is not None:
-                for r in range(run.world):
-                    nbytes = {"comm_bytes": int(rows[r][-2]), "comm_payload_bytes": int(rows[r][-1])} if run.active else {}
-                    if r == 0:
-                        db.log_step(rec, mfu=mfu, val_loss=evaluated, **nbytes)
-                    else:
-                        db.log_step(_record_of_row(rec, rows[r]), rank=r, **nbytes)
-            last = {"loss": loss_val, "lr": lr, "tok_s": rec.tokens_per_s, "mfu": mfu}
-            post = {"loss": f"{loss_val:.4f}", "lr": f"{lr:.2e}", "tok/s": f"{rec.tokens_per_s:,.0f}", "MFU": format_mfu(mfu)}
-            if scaler.is_enabled():
-                post["scale"] = f"{scaler.get_scale():g}"
-                post["skipped"] = str(scaler.skipped_steps)
-            if moe_step is not None:  # rank 0's replica's load-balancing loss (the loss above leaves it out)
-                post["aux"] = f"{float(moe_step[0]):.4f}"
-                post["dropped"] = str(int(moe_step[1]))
-                moe_step = None
-            if val_loss is not None:
-                post["val"] = f"{val_loss:.4f}"
-            bar.set_postfix(post, refresh=False)
-            bar.update(1)
-            if plain and (step % 10 == 0 or step == steps):
-                say(f"step {step}/{steps} " + " ".join(f"{k} {v}" for k, v in post.items()), flush=True)
-            if prof is not None and profile_window and step >= profile_window[1]:
-                _finish_profile(prof, args, db, step, run, bar.write if not bar.disable else print)
-                prof = None
-            if leaving:
+            if pending is not None:
+                read_step(pending, closed)  # step k, read while the device runs step k+1
+                pending = None
+            if deferred and not stopper.stop:
+                pending = cur
+            elif read_step(cur):
                 exit_code = 130 if stopper.stop else 3
                 break
     finally:
@@ -834,6 +937,26 @@ def _train(args, given: set[str]) -> int:
         db.finish(status="finished")
     run.close()
     return 0
+
+
+def _deferral_refusal(args, run, pipeline: bool, zero: int, rt) -> str | None:
+    """Why helios-train times its device phases by synchronising rather than by device marks
+    (None: marks, and each step is read once the next is recorded)."""
+    if os.environ.get("HELIOS_PHASE_SYNC", "") not in ("", "0"):
+        return "HELIOS_PHASE_SYNC is set"
+    if run.world > 1:
+        return "several ranks: their collectives wait on the host"
+    if pipeline:
+        return "--pp"
+    if zero:
+        return "--zero"
+    if args.dtype == "fp16":
+        return "--dtype fp16 reads its inf/nan check back each step"
+    if args.moe_experts:
+        return "mixture of experts counts dropped tokens on the host"
+    if not rt.has_marks:
+        return f"{rt.name} writes no device timestamps"
+    return None
 
 
 def _capture_refusal(args, run, pipeline: bool, zero: int) -> str | None:

@@ -32,6 +32,32 @@ Rules
 Phases are measured on the host clock (``time.monotonic_ns``), the clock the
 device events are converted to, so the phase spans line up with device events in
 a trace.
+
+Device phases from marks
+------------------------
+Execution is deferred: the host records a phase's work and the device runs it later.
+Timed on the host alone, a phase would need a device synchronisation at its end to own
+its device time.  ``StepTimer(mark=rt.mark)`` avoids that: a phase of
+:data:`DEVICE_PHASES` then puts a device mark (a timestamp in the command stream) at
+its start and at its end and never waits; the host time spent recording it is no phase
+(``idle``).  The step's marks are taken with :meth:`StepTimer.take_marks` once
+recorded, and their device times (``rt.take_marks()``, resolved when the work finished)
+go to ``end_step(device_ns=device_phase_ns(marks, times))``, possibly a step later
+(helios-train closes a step's window when it starts recording the next one,
+``end_step(complete=False)``, and completes the record with :meth:`complete_step` once
+it has read the step's results).  Set
+``timer.device_marks = False`` to time the device phases on the host again (a
+profiled step).  Rules for a step with device phases:
+
+* a device phase's time is the device time between its two marks: the work recorded
+  inside it, exactly (a mark is written when everything recorded before it finished);
+* host-only phases (data_load, host_to_device, ...) keep their host time;
+* the host and the device work at once, and the device may run part of a step while the
+  host already records the next (outside the step's host window), so the sum can exceed
+  ``wall``: then the device phases are scaled down, all by the same factor, to the wall
+  time the host-only phases leave; their proportions stay exact.  So the phases stay
+  non-negative, ``sum(phases) + idle == wall`` still holds, and ``idle`` is the time
+  neither side accounted for.
 """
 
 from __future__ import annotations
@@ -58,6 +84,8 @@ PHASES: tuple[str, ...] = (
     "checkpoint",
     "sample_gen",
 )
+#: Phases whose work runs on the device: timed by device marks when the timer has them.
+DEVICE_PHASES: tuple[str, ...] = ("forward", "backward", "grad_clip", "optimizer", "replay")
 IDLE = "idle"
 #: Every column of a step's breakdown: the phases, then idle.
 ALL_PHASES: tuple[str, ...] = PHASES + (IDLE,)
@@ -137,11 +165,15 @@ class StepTimer:
     and is injectable for tests. Not thread-safe: one timer per training loop.
     """
 
-    def __init__(self, clock: Callable[[], int] = time.monotonic_ns) -> None:
+    def __init__(self, clock: Callable[[], int] = time.monotonic_ns, mark: Callable[[], object] | None = None) -> None:
         self._clock = clock
+        # mark(): a device mark's id (helios.backend.Runtime.mark); None: host timing only.
+        self._mark = mark
+        self.device_marks = mark is not None  # False: device phases timed on the host (a profiled step)
+        self._marks: list[tuple[str, object, object]] = []  # (phase, start mark, end mark) not yet taken
         self._step_start: int | None = None
         self._acc: dict[str, int] = {}
-        self._stack: list[list] = []  # [name, self_time_resumed_at_ns, entered_at_ns]
+        self._stack: list[list] = []  # [name, self_time_resumed_at_ns, entered_at_ns, device-marked]
         self._spans: list[PhaseSpan] = []
         self._dispatches: int | None = None
         self.records: list[StepRecord] = []
@@ -165,18 +197,27 @@ class StepTimer:
         """Add ``n`` kernel launches to the open step (the runtime calls this)."""
         self._dispatches = (self._dispatches or 0) + int(n)
 
+    def take_marks(self) -> list[tuple[str, object, object]]:
+        """The (phase, start mark, end mark) triples of the device phases closed since the last take."""
+        out, self._marks = self._marks, []
+        return out
+
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        """Time the body as phase ``name``; the innermost open phase owns the time."""
+        """Time the body as phase ``name``; the innermost open phase owns the time (a device phase
+        with marks on: the device time between a mark before the body and one after it)."""
         name = canonical_phase(name)
         if self._step_start is None:
             raise ProfileError(f"phase {name!r} opened outside a step: call start_step() first")
+        if self.device_marks and name in DEVICE_PHASES:
+            yield from self._marked_phase(name)
+            return
         now = self._clock()
         if self._stack:
             # Pause the parent: bank its self time up to now.
             parent = self._stack[-1]
             self._acc[parent[0]] += now - parent[1]
-        entry = [name, now, now]
+        entry = [name, now, now, False]  # [name, self time resumed at, entered at, marked]
         self._stack.append(entry)
         try:
             yield
@@ -190,6 +231,27 @@ class StepTimer:
                 # Resume the parent: its self time counts again from now.
                 self._stack[-1][1] = end
 
+    def _marked_phase(self, name: str) -> Iterator[None]:
+        # Device time between two marks; the host's recording time is no phase's (idle).
+        if any(e[3] for e in self._stack):
+            raise ProfileError(f"device phase {name!r} opened inside another device phase: their marks would overlap")
+        now = self._clock()
+        if self._stack:
+            parent = self._stack[-1]
+            self._acc[parent[0]] += now - parent[1]
+        start = self._mark()
+        self._stack.append([name, now, now, True])
+        try:
+            yield
+        finally:
+            end_mark = self._mark()
+            end = self._clock()
+            top = self._stack.pop()
+            self._spans.append(PhaseSpan(top[0], top[2], end, len(self._stack)))
+            self._marks.append((name, start, end_mark))
+            if self._stack:
+                self._stack[-1][1] = end
+
     def end_step(
         self,
         step: int,
@@ -197,8 +259,14 @@ class StepTimer:
         loss: float | None = None,
         lr: float | None = None,
         dispatches: int | None = None,
+        device_ns: dict[str, int] | None = None,
+        complete: bool = True,
     ) -> StepRecord:
-        """Close the step and return its :class:`StepRecord` (also appended to ``records``)."""
+        """Close the step and return its :class:`StepRecord` (also appended to ``records``).
+        ``device_ns``: the device phases' times from marks (:func:`device_phase_ns`), fitted into
+        the wall time by the module docstring's rules.  ``complete=False``: the device times (and
+        the loss) come later, through :meth:`complete_step`; the record is held back until then
+        and the next step may open meanwhile."""
         if self._step_start is None:
             raise ProfileError("end_step() without start_step(): open the step first")
         if self._stack:
@@ -225,9 +293,47 @@ class StepTimer:
             spans=sorted(self._spans, key=lambda s: (s.start_ns, s.depth)),
         )
         self._step_start = None
+        if complete:
+            self.complete_step(rec, device_ns)
+        return rec
+
+    def complete_step(self, rec: StepRecord, device_ns: dict[str, int] | None = None,
+                      loss: float | None = None) -> StepRecord:
+        """Finish a record closed by ``end_step(complete=False)``: fit in the device phases' times,
+        set the loss, append it to ``records`` (and hand it to an open profiler)."""
+        if device_ns:
+            phases = rec.phases_ns
+            del phases[IDLE]
+            _fit_device_phases(phases, device_ns, rec.wall_ns)
+            phases[IDLE] = rec.wall_ns - sum(phases.values())
+        if loss is not None:
+            rec.loss = float(loss)
         self.records.append(rec)
         # The active profiler (if any) gets the step so its trace can show the phases.
         col = current_collector()
         if col is not None:
             col.record_step(rec)
         return rec
+
+
+def device_phase_ns(marks: list[tuple[str, object, object]], times: dict) -> dict[str, int] | None:
+    """Device ns per phase from (phase, start mark, end mark) triples and the marks' resolved
+    times (``{id: ns}``); None if any mark is not resolved yet."""
+    out: dict[str, int] = {}
+    for name, a, b in marks:
+        if a not in times or b not in times:
+            return None
+        out[name] = out.get(name, 0) + max(0, int(times[b]) - int(times[a]))
+    return out
+
+
+def _fit_device_phases(phases: dict[str, int], device_ns: dict[str, int], wall: int) -> None:
+    """Add the device phases' times into ``phases`` (host phases, no idle), scaled down to the
+    wall time the host phases leave when they do not fit (module docstring)."""
+    for name in device_ns:
+        if name not in DEVICE_PHASES:
+            raise ProfileError(f"device time given for {name!r}, which is not a device phase ({', '.join(DEVICE_PHASES)})")
+    room = max(0, wall - sum(phases.values()))
+    total = sum(int(ns) for ns in device_ns.values())
+    for name, ns in device_ns.items():
+        phases[name] += int(ns) if total <= room else int(ns) * room // total

@@ -246,24 +246,36 @@ class Graph:
                 return True
         return False
 
-    def replay(self, *inputs) -> None:
+    def replay(self, *inputs, flush: bool = True) -> None:
         """Run the captured commands again: first copy ``inputs`` (arrays or tensors, one per tensor
         named in ``capture(inputs=...)``, same shapes) into the static inputs, then run the
-        ``before_replay`` functions, then issue every command (dynamic push constants recomputed)."""
+        ``before_replay`` functions, then issue every command (dynamic push constants recomputed).
+        ``flush=False``: leave the commands recorded, unsubmitted (the caller's next flush or wait
+        submits them)."""
         if self._state != "ready":
             raise GraphCaptureError(f"replay: this graph is {self._state}; only a graph whose capture finished can replay")
         if capturing() is not None:
             raise GraphCaptureError("replay: another graph is being captured on this thread; replay after it ends")
         if inputs:
             self._refill(inputs)
-        for fn in self._hooks:
-            fn()
+        if self._hooks:
+            # The hooks write host data (the embedding backward's index grouping) into buffers the
+            # previous replay may still read: their writes take _write_nowait's path, so preparing
+            # this replay does not wait for that one.
+            rt = self.rt
+            rt.write = self._write_nowait
+            try:
+                for fn in self._hooks:
+                    fn()
+            finally:
+                del rt.write
         ops = self.ops
         for i, fn in self._patches.items():  # the dynamic push constants of this replay
             args = ops[i][1]
             ops[i] = (_DISPATCH, args[:2] + (fn(),) + args[3:])
         self.rt.run_commands(ops)
-        self.rt.flush()
+        if flush:
+            self.rt.flush()
         self.replays += 1
 
     def _refill(self, inputs) -> None:
@@ -291,14 +303,24 @@ class Graph:
             bits = np.ascontiguousarray(arr, dtype=dst.dtype.np_storage)
             self._upload(dst, bits.reshape(-1).view(np.uint8))
             dst._st.version += 1
-            # The host copy ops consult instead of reading back (index grouping, range checks).
-            dst._host = (dst._st.version, bits) if dst.is_contiguous() and dst._off == 0 else None
+            # The host copy ops consult instead of reading back (index grouping, range checks),
+            # updated in place where the capture made it shared (capture() above).
+            host = (dst._st.version, bits) if dst.is_contiguous() and dst._off == 0 else (-1, bits)
+            if isinstance(dst._host, list):
+                dst._host[:] = host
+            else:
+                dst._host = host if host[0] >= 0 else None
 
     def _upload(self, dst, data) -> None:
         """Write ``data`` (uint8) into the input ``dst`` without waiting for the previous replay."""
-        rt, handle, off = self.rt, dst._st.handle, dst._off * dst.dtype.itemsize
+        self._write_nowait(dst._st.handle, dst._off * dst.dtype.itemsize, data)
+
+    def _write_nowait(self, handle, off: int, data) -> None:
+        """``rt.write(handle, off, data)`` that does not wait for unfinished work touching the bytes."""
+        rt = self.rt
+        write = type(rt).write  # the class's: replay() routes the instance's here while hooks run
         if rt.ready(handle, off, data.size, for_write=True):
-            rt.write(handle, off, data)  # nothing unfinished touches it: a copy into the mapping
+            write(rt, handle, off, data)  # nothing unfinished touches it: a copy into the mapping
             return
         # The previous replay still reads this input (the device runs it while the host prepares
         # the next step): writing it would wait for that.  Upload into a fresh buffer instead and
@@ -307,7 +329,7 @@ class Graph:
         # the stream and waits anyway.)
         tmp = rt.alloc(data.size, "staging")
         try:
-            rt.write(tmp, 0, data)
+            write(rt, tmp, 0, data)
             rt.copy(tmp, 0, handle, off, data.size)
         finally:
             rt.free(tmp)  # reused only once the recorded copy has run
@@ -352,6 +374,12 @@ def capture(inputs=(), device=None):
                                     "inputs as tensors before the capture")
         if t._st.rt is not rt:
             raise GraphCaptureError(f"capture: inputs[{i}] is on {t.device}, the capture records {rt.name}")
+        if t._host is not None:
+            # One mutable [version, values] the views made inside the capture share (a view copies
+            # the reference): a refill updates it in place, so a replay hook reading a view's host
+            # copy (cross entropy's target count, the embedding's index grouping) sees the new
+            # batch without reading it back, which would wait for the previous replay.
+            t._host = [t._host[0], t._host[1]]
     g = Graph(rt, inputs)
     g._begin()
     _state.graph = g

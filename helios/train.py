@@ -701,7 +701,7 @@ def _train(args, given: set[str]) -> int:
         if g is not None:
             with timer.phase("replay"):
                 # The refill does not wait for the previous replay (graph.Graph._upload).
-                g.replay(*(a for xy in batches for a in xy))
+                g.replay(*(a for xy in batches for a in xy), flush=not hold_submit)
                 phase_sync()
             return capture["loss"]
         with timer.phase("host_to_device"):
@@ -731,6 +731,12 @@ def _train(args, given: set[str]) -> int:
     step = start_step  # steps recorded
     exit_code = 0
     marks_on = defer_reason is None
+    # lavapipe (Mesa 22.3) makes a submission's completion visible only once the submissions
+    # queued behind it have run too (measured: waiting for the first of two 150-200 ms
+    # submissions returned after both), so reading step k after step k+1 was submitted would
+    # wait for k+1 as well.  On a CPU device step k+1 is therefore recorded while the device
+    # runs step k but submitted once step k is read; a GPU gets it at once.
+    hold_submit = marks_on and rt.info.get("type") == "cpu"
     mark_times: dict = {}  # resolved device marks not yet used: {id: device ns}
     # A replay writes the captured loss tensor again: a step read after the next one is recorded
     # keeps its loss in one of two small buffers (a recorded copy).
@@ -779,29 +785,36 @@ def _train(args, given: set[str]) -> int:
         p["marks"] = timer.take_marks()
         if timer.device_marks:
             p["end_mark"] = rt.mark()  # after everything the step recorded
-            rt.flush()  # the device starts on it now, while the host goes on
+            if not hold_submit:
+                rt.flush()  # the device starts on it now, while the host goes on
         p["dispatches"] = rt.stats()["dispatches"] - d0
         return p
 
-    def read_step(p: dict, closed=None) -> bool:
+    def read_step(p: dict, newer: bool = False) -> bool:
         """Read step p's results back, evaluate / sample / checkpoint when due, log it (run.db, the
-        progress line); True when the run leaves after it.  ``closed``: the step's record, its window
-        closed when the next step's recording began (``end_step(complete=False)``); then the step
-        cannot be the one a Ctrl-C stops at (its parameters are moving on) and evaluates nothing."""
+        progress line); True when the run leaves after it.  ``newer``: the next step is recorded
+        already; then step p's window ends when the host sees p's work finished (the next window
+        opens there: the device goes on with the next step), and p cannot be the step a Ctrl-C
+        stops at (its parameters are moving on) nor one that evaluates."""
         nonlocal prof, val_loss, last, moe_step
-        newer = closed is not None
         if not timer.in_step:
             timer.start_step()
         s = p["step"]
         device_ns = None
         if "end_mark" in p:
             rt.wait_mark(p["end_mark"])  # the step's work only; a later step's may still run
+            if hold_submit:
+                rt.flush()  # the next step's work, recorded meanwhile (hold_submit above)
             mark_times.update(rt.take_marks())
             device_ns = device_phase_ns(p["marks"], mark_times)
             for _, a, b in p["marks"]:
                 mark_times.pop(a, None)
                 mark_times.pop(b, None)
             mark_times.pop(p["end_mark"], None)
+        closed = None
+        if newer:
+            closed = timer.end_step(s, tokens_per_step, lr=p["lr"], dispatches=p["dispatches"], complete=False)
+            timer.start_step()
         d0 = rt.stats()["dispatches"]
         with timer.phase("device_to_host"):
             if pipeline:
@@ -884,12 +897,6 @@ def _train(args, given: set[str]) -> int:
             if profile_window and step == profile_window[0]:
                 session = hl.profile.profile(device_timestamps=not args.profile_host_only)
                 prof = (session, session.__enter__())
-            closed = None
-            if pending is not None:
-                # Step k's window closes as step k+1's recording begins: the device runs step k
-                # while the host records k+1 (its record is completed once k is read, below).
-                closed = timer.end_step(pending["step"], tokens_per_step, lr=pending["lr"],
-                                        dispatches=pending["dispatches"], complete=False)
             if not timer.in_step:
                 timer.start_step()
             timer.device_marks = marks_on and prof is None
@@ -897,7 +904,7 @@ def _train(args, given: set[str]) -> int:
             cur = record_step(deferred)
             step += 1
             if pending is not None:
-                read_step(pending, closed)  # step k, read while the device runs step k+1
+                read_step(pending, newer=True)  # step k, read once the host has recorded step k+1
                 pending = None
             if deferred and not stopper.stop:
                 pending = cur

@@ -43,18 +43,18 @@ its start and at its end and never waits; the host time spent recording it is no
 (``idle``).  The step's marks are taken with :meth:`StepTimer.take_marks` once
 recorded, and their device times (``rt.take_marks()``, resolved when the work finished)
 go to ``end_step(device_ns=device_phase_ns(marks, times))``, possibly a step later
-(helios-train closes a step's window when it starts recording the next one,
-``end_step(complete=False)``, and completes the record with :meth:`complete_step` once
-it has read the step's results).  Set
+(helios-train records step k+1, then waits for step k's last mark: there it closes
+step k's window, ``end_step(complete=False)``, opens the next one, reads k's loss and
+completes k's record with :meth:`complete_step`).  Set
 ``timer.device_marks = False`` to time the device phases on the host again (a
 profiled step).  Rules for a step with device phases:
 
 * a device phase's time is the device time between its two marks: the work recorded
   inside it, exactly (a mark is written when everything recorded before it finished);
 * host-only phases (data_load, host_to_device, ...) keep their host time;
-* the host and the device work at once, and the device may run part of a step while the
-  host already records the next (outside the step's host window), so the sum can exceed
-  ``wall``: then the device phases are scaled down, all by the same factor, to the wall
+* the host and the device work at once, and the device may run part of a step outside the
+  step's host window (it began while the host still logged the previous step), so the
+  sum can exceed ``wall``: then the device phases are scaled down, all by the same factor, to the wall
   time the host-only phases leave; their proportions stay exact.  So the phases stay
   non-negative, ``sum(phases) + idle == wall`` still holds, and ``idle`` is the time
   neither side accounted for.

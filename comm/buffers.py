@@ -197,6 +197,10 @@ class DeviceBuffer(Buffer):
                 raise ValueError(f"helios.comm: {what} (shape {t.shape}) is not contiguous; collectives write into "
                                  "contiguous tensors only: pass t.contiguous() and copy the result back.")
             t = t.contiguous()  # an input only: a device copy, recorded now on the caller's thread
+        # The work that makes the tensor is recorded here, on the caller's thread: ops held back
+        # for fusion would otherwise wait for that thread's next command, and the operation's
+        # thread (which polls the tensor) never records them.
+        t._st.rt.emit_pending()
         self.tensor = t
         self.dtype = name
         self.writable = writable

@@ -131,6 +131,7 @@ class Queue:
         self.outs: set = set()  # handles the queued ops write
         self.dead: list = []  # handles freed while queued ops named them
         self.lock = threading.RLock()  # several threads may record; a free in a GC pass may re-enter
+        self.thread = None  # the thread that queued the ops held now (see settle)
         self._kernels: dict[tuple, tuple] = {}  # (signature, vec) -> (pipeline id, push struct) or False
         self._cuts: dict[tuple, list] = {}  # _shape(queue) -> _cut(queue)
         self.fused = 0  # fused dispatches made (each stands for 2+ ops)
@@ -144,6 +145,8 @@ class Queue:
             ops = self.ops
             if ops and (len(ops) >= MAX_QUEUE or not any(b[0] in self.outs for b, _ in op.ins)):
                 self._emit()
+            if not self.ops:
+                self.thread = threading.get_ident()
             self.ops.append(op)
             names = self.names
             for b, _ in op.ins:
@@ -163,6 +166,17 @@ class Queue:
                 self.dead.append(handle)
                 return True
             return False
+
+    def settle(self) -> None:
+        """Before a host access (read, write, ready, map): the thread that queued the ops records
+        them, so it sees their writes.  Another thread (the comm engine polling a tensor that a
+        collective was issued on: the issuing thread recorded its producers then) never records
+        them, which could put them after work the queuing thread records meanwhile; it waits for
+        an emission in progress instead (between taking the ops and recording them, the queue
+        looks empty)."""
+        with self.lock:
+            if self.ops and self.thread == threading.get_ident():
+                self._emit()
 
     def emit(self) -> None:
         """Record every queued op, fused where the rules allow, then free what died meanwhile."""

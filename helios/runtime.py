@@ -279,38 +279,28 @@ class VulkanRuntime(Runtime):
 
     def read(self, handle: int, offset: int, out) -> None:
         """Fill the uint8 array ``out`` from ``handle`` at ``offset``; waits only for the work writing those bytes."""
-        q = self.ew_queue
-        if q.ops:
-            q.emit()
+        self.ew_queue.settle()
         self.dev.read(handle, offset, out)
 
     def write(self, handle: int, offset: int, data) -> None:
         """Copy the uint8 array ``data`` into ``handle`` at ``offset``; waits only for the work touching those bytes."""
-        q = self.ew_queue
-        if q.ops:
-            q.emit()
+        self.ew_queue.settle()
         self.dev.write(handle, offset, data)
 
     def ready(self, handle: int, offset: int, nbytes: int, for_write: bool = False) -> bool:
         """True when no unfinished work writes the range (``for_write``: touches it); never waits."""
-        q = self.ew_queue
-        if q.ops:
-            q.emit()
+        self.ew_queue.settle()
         return self.dev.ready(handle, offset, nbytes, for_write)
 
     def map(self, handle: int, offset: int, nbytes: int, for_write: bool = False):
         """A memoryview of the bytes in host-visible memory (lavapipe, integrated GPUs), after the work
         writing them (``for_write``: touching them); None where the memory is not mapped."""
-        q = self.ew_queue
-        if q.ops:
-            q.emit()
+        self.ew_queue.settle()
         return self.dev.map(handle, offset, nbytes, for_write)
 
     def host_wrote(self, handle: int, offset: int, nbytes: int) -> None:
         """Make host writes through :meth:`map` visible to the device (flushes non-coherent memory)."""
-        q = self.ew_queue
-        if q.ops:
-            q.emit()
+        self.ew_queue.settle()
         self.dev.host_wrote(handle, offset, nbytes)
 
     def copy(self, src: int, src_offset: int, dst: int, dst_offset: int, nbytes: int) -> None:

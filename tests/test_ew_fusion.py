@@ -247,3 +247,27 @@ def test_a_captured_step_with_a_chain_replays_bit_identically():
             ref = step(hl.tensor(xb), hl.tensor(zb)).numpy()
         assert got.tobytes() == ref.tobytes()
     g.release()
+
+
+def test_only_the_queuing_thread_records_the_queue_and_a_collective_records_it_when_issued():
+    """A host access from another thread (the comm engine polling a tensor) never records the
+    ops another thread queued (they could land after work that thread records meanwhile), and
+    wrapping a tensor for a collective records the work that makes it on the caller's thread."""
+    import threading
+
+    from helios.comm.buffers import as_buffer
+
+    rt = get_runtime()
+    x = hl.ones(4096)
+    hl.synchronize()
+    y = (x * 2.0) + 1.0
+    q = rt.ew_queue
+    assert len(q.ops) == 2
+    seen = []
+    t = threading.Thread(target=lambda: seen.append(rt.ready(y._st.handle, 0, 4)))
+    t.start()
+    t.join()
+    assert len(q.ops) == 2 and seen  # polled, not recorded
+    buf = as_buffer(y)
+    assert q.ops == []  # recorded on this thread when wrapped
+    assert np.array_equal(buf.flat, np.full(4096, 3.0, np.float32))

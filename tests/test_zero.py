@@ -215,7 +215,7 @@ def reference(tmp_path_factory):
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_stage_on_1_2_4_ranks_matches_one_rank(tmp_path, reference, stage):
     assert min(reference[1]["norms"]) > CLIP  # clipping is active on every step
-    for world in (1, 2, 4):
+    for world in (1, 2, 4) if stage == 3 else (2, 4):  # one rank: once, with the stage that changes most
         res = _run(tmp_path / f"n{world}", world, stage)
         # One rank on the whole batch: the same to float tolerance.  The absolute tolerance is
         # plain DDP's own: its N ranks differ from one rank by up to ~4e-6 in a few elements

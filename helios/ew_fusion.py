@@ -77,7 +77,6 @@ MAX_QUEUE = 16  # ops held before the queue is emitted
 MAX_OPS = 8  # ops in one fused kernel
 MAX_BINDINGS = 8  # buffers one fused kernel binds (inputs and stored results)
 MAX_PUSH_WORDS = 32  # 128 bytes of push constants: what every Vulkan device offers
-WG = 256
 
 _OPS = {(op.kind, op.name): op for op in ew_ops.OPS if op.glsl and op.kind in ("unary", "binary")}
 # The scalars each op's float expression reads (only those travel as push constants).
@@ -110,6 +109,18 @@ class EwOp:
 
 
 _RT: list = []  # [helios.runtime] once imported
+
+
+_CORE: list = []  # [helios._kernels.core] once imported
+
+
+def _kernels_core():
+    """helios._kernels.core (imported on first use: it imports helios.runtime, which imports this module)."""
+    if not _CORE:
+        from helios._kernels import core
+
+        _CORE.append(core)
+    return _CORE[0]
 
 
 def _runtime():
@@ -264,7 +275,7 @@ class Queue:
         runtime._op_dispatches = group[-1].ids
         flops = sum(op.args[5] for op in group)
         nbytes = n * _ITEMSIZE[tag] * len(bindings)
-        rt.dispatch(pid, bindings, push.pack(n, 0, *offs, *scalars), _grid(n // vec), name, flops, nbytes)
+        rt.dispatch(pid, bindings, push.pack(n, 0, *offs, *scalars), _kernels_core().grid(n // vec), name, flops, nbytes)
         self.fused += 1
         self.fused_ops += len(group)
 
@@ -441,13 +452,6 @@ def _shape(ops: list, dead: set) -> tuple:
     return tuple(parts)
 
 
-def _grid(n: int) -> tuple:
-    g = (n + WG - 1) // WG
-    if g <= 65535:
-        return (g, 1, 1)
-    return (65535, (g + 65534) // 65535, 1)
-
-
 def source(sig: tuple) -> str:
     """The GLSL of the fused kernel with signature ``sig`` (see :func:`_finish`)."""
     tag, nin, load_binding, nout, steps = sig
@@ -461,7 +465,7 @@ def source(sig: tuple) -> str:
          '#include "common.glsl"',
          "#define EW_FLOAT_HELPERS",
          '#include "ew_ops.gen.glsl"',
-         "layout(local_size_x = 256) in;"]
+         f"layout(local_size_x = {_kernels_core().WG}) in;"]
     for k in range(nin):
         L.append(f"layout(std430, binding = {k}) readonly buffer B{k} {{ HL_ST(TA) b{k}[]; }};")
     for m in range(nout):

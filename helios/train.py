@@ -10,11 +10,13 @@
 Each step is split into timed phases (forward, backward, grad_clip, optimizer, replay,
 data_load, host->device, device->host, checkpoint, sample_gen; idle is the rest).
 Execution is deferred: the device phases are timed by device timestamps written into the
-command stream at their start and end (helios.profile.timers), so no phase waits, and a
-step's loss is read once the next step's work is recorded: the host records step k+1
-(and uploads its batch) while the device runs step k.  The log line and run.db row of a
-step come one step later in wall time, with the same values; steps that evaluate, sample,
-checkpoint or end the run are read at once.  Where the device writes no timestamps,
+command stream at their start and end (helios.profile.timers), so no phase waits, and on a
+GPU a step's loss is read once the next step's work is recorded: the host records step
+k+1 (and uploads its batch) while the device runs step k.  The log line and run.db row of
+a step then come one step later in wall time, with the same values; steps that evaluate,
+sample, checkpoint or end the run are read at once.  On a CPU device (lavapipe), where
+that overlap measured slower, each step is read before the next is recorded
+(HELIOS_DEFER_STEPS=1 / 0 forces either way).  Where the device writes no timestamps,
 with several ranks, --pp, --zero, --moe-experts, --dtype fp16, inside the --profile-steps
 window, or with HELIOS_PHASE_SYNC=1, each device phase ends with a device synchronisation
 instead (the phase then owns the device time of the work it recorded).  Ctrl-C finishes
@@ -513,14 +515,19 @@ def _train(args, given: set[str]) -> int:
         writer.save(at_step, shards, meta, copy=False)
         return sharded.step_dir(args.out, at_step)
 
-    # Phase timing: device marks (no wait per phase, a step read after the next is recorded) or,
-    # where refused, a device synchronisation at the end of every device phase.
-    defer_reason = _deferral_refusal(args, run, pipeline, zero, rt)
-    timer = StepTimer(mark=rt.mark if defer_reason is None else None)
-    if defer_reason is None:
+    # Phase timing: device marks (no wait per phase; where deferring, a step is read once the next
+    # is recorded) or, where refused, a device synchronisation at the end of every device phase.
+    marks_reason = _phase_marks_refusal(args, run, pipeline, zero, rt)
+    marks_on = marks_reason is None
+    defer_steps = marks_on and _defer_steps(rt)
+    timer = StepTimer(mark=rt.mark if marks_on else None)
+    if defer_steps:
         say("phase timing: device timestamps (no wait per phase; a step is read once the next is recorded)")
+    elif marks_on:
+        say("phase timing: device timestamps (no wait per phase; each step read before the next is recorded: "
+            "on a CPU device the overlap measured slower; HELIOS_DEFER_STEPS=1 turns it on)")
     else:
-        say(f"phase timing: each phase ends with a device synchronisation ({defer_reason})")
+        say(f"phase timing: each phase ends with a device synchronisation ({marks_reason})")
 
     def phase_sync():
         """The end of a device phase timed on the host: wait for its work (marks need no wait)."""
@@ -730,22 +737,21 @@ def _train(args, given: set[str]) -> int:
     last = {}
     step = start_step  # steps recorded
     exit_code = 0
-    marks_on = defer_reason is None
     # lavapipe (Mesa 22.3) makes a submission's completion visible only once the submissions
     # queued behind it have run too (measured: waiting for the first of two 150-200 ms
     # submissions returned after both), so reading step k after step k+1 was submitted would
     # wait for k+1 as well.  On a CPU device step k+1 is therefore recorded while the device
     # runs step k but submitted once step k is read; a GPU gets it at once.
-    hold_submit = marks_on and rt.info.get("type") == "cpu"
+    hold_submit = defer_steps and rt.info.get("type") == "cpu"
     mark_times: dict = {}  # resolved device marks not yet used: {id: device ns}
     # A replay writes the captured loss tensor again: a step read after the next one is recorded
     # keeps its loss in one of two small buffers (a recorded copy).
-    loss_hold = [hl.zeros(()), hl.zeros(())] if marks_on and capture is not None else None
+    loss_hold = [hl.zeros(()), hl.zeros(())] if defer_steps and capture is not None else None
 
     def must_read(s: int) -> bool:
-        """Whether step ``s`` is read before the next step is recorded: every step without marks,
-        and those that evaluate, sample, checkpoint, stop or end the run, or are profiled."""
-        return (not marks_on or prof is not None or stopper.stop or s >= steps
+        """Whether step ``s`` is read before the next step is recorded: every step when steps are not
+        deferred, and those that evaluate, sample, checkpoint, stop or end the run, or are profiled."""
+        return (not defer_steps or prof is not None or stopper.stop or s >= steps
                 or bool(args.eval_every and s % args.eval_every == 0)
                 or bool(args.sample_every and s % args.sample_every == 0)
                 or bool(args.ckpt_every and s % args.ckpt_every == 0)
@@ -946,9 +952,20 @@ def _train(args, given: set[str]) -> int:
     return 0
 
 
-def _deferral_refusal(args, run, pipeline: bool, zero: int, rt) -> str | None:
+def _defer_steps(rt) -> bool:
+    """Whether a step is read only once the next one is recorded (the host records step k+1 while
+    the device runs step k).  HELIOS_DEFER_STEPS=1 / 0 decides; by default yes, but not on a CPU
+    device (lavapipe): there the host and the "device" share the cores, and tiny's step measured
+    3-24 % slower with the overlap than without it in 4 of 5 alternating pairs (bench/README.md)."""
+    v = os.environ.get("HELIOS_DEFER_STEPS", "")
+    if v:
+        return v != "0"
+    return rt.info.get("type") != "cpu"
+
+
+def _phase_marks_refusal(args, run, pipeline: bool, zero: int, rt) -> str | None:
     """Why helios-train times its device phases by synchronising rather than by device marks
-    (None: marks, and each step is read once the next is recorded)."""
+    (None: marks)."""
     if os.environ.get("HELIOS_PHASE_SYNC", "") not in ("", "0"):
         return "HELIOS_PHASE_SYNC is set"
     if run.world > 1:

@@ -134,8 +134,10 @@ def _check_phases(rows):
 
 
 def test_deferred_steps_give_the_losses_of_the_synchronising_timer(tmp_path):
-    out, marked = _run(tmp_path, "marked", [])
-    assert "phase timing: device timestamps" in out and "graph capture: on" in out
+    out, marked = _run(tmp_path, "marked", [], env={"HELIOS_DEFER_STEPS": "1"})
+    assert "a step is read once the next is recorded" in out and "graph capture: on" in out
+    out_default, default = _run(tmp_path, "default", [])
+    assert "each step read before the next is recorded" in out_default  # lavapipe: a CPU device
     out_sync, synced = _run(tmp_path, "synced", [], env={"HELIOS_PHASE_SYNC": "1"})
     assert "each phase ends with a device synchronisation (HELIOS_PHASE_SYNC is set)" in out_sync
     _, plain = _run(tmp_path, "plain", ["--no-capture"])
@@ -143,17 +145,20 @@ def test_deferred_steps_give_the_losses_of_the_synchronising_timer(tmp_path):
     assert [r["step"] for r in marked] == list(range(1, 9))
     assert key == [(r["step"], r["loss"], r["val_loss"]) for r in synced]  # bit for bit
     assert key == [(r["step"], r["loss"], r["val_loss"]) for r in plain]
-    for rows in (marked, synced, plain):
+    assert key == [(r["step"], r["loss"], r["val_loss"]) for r in default]
+    for rows in (marked, synced, plain, default):
         _check_phases(rows)
     assert all(r["replay_ns"] > 0 for r in marked[1:]) and all(r["forward_ns"] > 0 for r in plain)
 
 
-def _train_in_process(tmp_path, monkeypatch, name, extra):
+def _train_in_process(tmp_path, monkeypatch, name, extra, defer=None):
     """Run helios-train here; returns (stdout, the synchronize() calls made inside a device phase,
     the order of step records and reads)."""
     from helios import train
 
     monkeypatch.setenv("HELIOS_CACHE_DIR", str(tmp_path / "cache"))
+    if defer is not None:
+        monkeypatch.setenv("HELIOS_DEFER_STEPS", defer)
     inside = [0]
     calls = {"sync_in_phase": 0, "events": []}
     phase, sync, take, wait = timers.StepTimer.phase, VulkanRuntime.synchronize, timers.StepTimer.take_marks, \
@@ -198,7 +203,7 @@ def _train_in_process(tmp_path, monkeypatch, name, extra):
 
 
 def test_no_synchronisation_inside_a_phase_and_the_next_step_recorded_before_a_read(tmp_path, monkeypatch, capsys):
-    calls = _train_in_process(tmp_path, monkeypatch, "plain", ["--no-capture"])
+    calls = _train_in_process(tmp_path, monkeypatch, "plain", ["--no-capture"], defer="1")
     assert "phase timing: device timestamps" in capsys.readouterr().out
     assert calls["sync_in_phase"] == 0
     ev = calls["events"]
@@ -206,6 +211,10 @@ def test_no_synchronisation_inside_a_phase_and_the_next_step_recorded_before_a_r
     # Step k is read after step k+1 was recorded (the last step is read at once).
     assert ev[:3] == ["recorded", "recorded", "read"] and ev[-2:] == ["recorded", "read"]
     _check_phases(_db_rows(str(tmp_path / "plain")))
+    # By default a CPU device reads each step before recording the next, still without a
+    # synchronisation inside a phase.
+    calls = _train_in_process(tmp_path, monkeypatch, "default", ["--no-capture"])
+    assert calls["sync_in_phase"] == 0 and calls["events"] == ["recorded", "read"] * 8
 
 
 def test_the_fallback_synchronises_each_phase_and_still_gives_phases(tmp_path, monkeypatch, capsys):

@@ -955,8 +955,10 @@ def _train(args, given: set[str]) -> int:
 def _defer_steps(rt) -> bool:
     """Whether a step is read only once the next one is recorded (the host records step k+1 while
     the device runs step k).  HELIOS_DEFER_STEPS=1 / 0 decides; by default yes, but not on a CPU
-    device (lavapipe): there the host and the "device" share the cores, and tiny's step measured
-    3-24 % slower with the overlap than without it in 4 of 5 alternating pairs (bench/README.md)."""
+    device (lavapipe): there the host and the "device" share the cores and the device's own time
+    per step grew with the overlap (nano: 12.5 -> 15-16 ms), so the default captured step got
+    slower (nano 13.2-14.1 -> 15.6-16.8 ms, tiny within noise); only a host-heavy --no-capture
+    step gained (nano 17.9-19.2 -> 15.5-16.5 ms).  Figures: bench/README.md."""
     v = os.environ.get("HELIOS_DEFER_STEPS", "")
     if v:
         return v != "0"

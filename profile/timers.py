@@ -43,9 +43,9 @@ its start and at its end and never waits; the host time spent recording it is no
 (``idle``).  The step's marks are taken with :meth:`StepTimer.take_marks` once
 recorded, and their device times (``rt.take_marks()``, resolved when the work finished)
 go to ``end_step(device_ns=device_phase_ns(marks, times))``, possibly a step later
-(helios-train records step k+1, then waits for step k's last mark: there it closes
-step k's window, ``end_step(complete=False)``, opens the next one, reads k's loss and
-completes k's record with :meth:`complete_step`).  Set
+(helios-train, where it defers reading a step, records step k+1, then waits for step
+k's last mark: there it closes step k's window, ``end_step(complete=False)``, opens the
+next one, reads k's loss and completes k's record with :meth:`complete_step`).  Set
 ``timer.device_marks = False`` to time the device phases on the host again (a
 profiled step).  Rules for a step with device phases:
 
@@ -54,8 +54,8 @@ profiled step).  Rules for a step with device phases:
 * host-only phases (data_load, host_to_device, ...) keep their host time;
 * the host and the device work at once, and the device may run part of a step outside the
   step's host window (it began while the host still logged the previous step), so the
-  sum can exceed ``wall``: then the device phases are scaled down, all by the same factor, to the wall
-  time the host-only phases leave; their proportions stay exact.  So the phases stay
+  sum can exceed ``wall``: then the device phases are scaled down, all by the same
+  factor, to the wall time the host-only phases leave; their proportions stay exact.  So the phases stay
   non-negative, ``sum(phases) + idle == wall`` still holds, and ``idle`` is the time
   neither side accounted for.
 """

@@ -28,7 +28,8 @@ What makes a replay the same computation as running the step again:
   registers what a replay must redo: ``dynamic_push(fn)`` (the last recorded dispatch takes
   its push constants from ``fn()`` at each replay: AdamW's step count and learning rate) and
   ``before_replay(fn)`` (host work to redo first: the embedding backward's index grouping, a
-  check that a value the capture baked in still holds).  What would differ otherwise is
+  check that a value the capture baked in still holds; its writes go through ``upload``, which
+  does not wait for the previous replay).  What would differ otherwise is
   refused while capturing, with a message naming it: a read-back to the host (``.item()``,
   ``.numpy()``, a collective), uploading user data (``hl.tensor(array)``, ``x.copy_(array)``,
   ``.to(device)``: ``refuse_upload``), random numbers.  Constants an op uploads for itself
@@ -55,7 +56,7 @@ from helios.backend import DISPATCH as _DISPATCH
 from helios.backend import FILL as _FILL
 from helios.errors import HeliosError, ShapeError
 
-__all__ = ["capture", "Graph", "GraphCaptureError", "capturing", "dynamic_push", "before_replay", "refuse",
+__all__ = ["capture", "Graph", "GraphCaptureError", "capturing", "dynamic_push", "before_replay", "upload", "refuse",
            "refuse_upload"]
 
 
@@ -85,6 +86,28 @@ def before_replay(fn) -> None:
     g = capturing()
     if g is not None:
         g._hooks.append(fn)
+
+
+def upload(dst, data) -> None:
+    """Write the array ``data`` (``dst``'s storage dtype, ``dst.numel()`` values) into tensor ``dst``
+    without waiting for unfinished work that reads its bytes (the previous replay, which the
+    device may still run while the host prepares the next one): where such work is pending, the
+    values go to a fresh staging buffer and a recorded copy moves them in, ordered after the
+    earlier reads and before what is recorded next.  A replay's refill and the before_replay
+    functions write through it.  (Where device memory is not host-mapped, a write goes through
+    the stream and waits anyway.)"""
+    rt = dst._st.rt
+    handle, off = dst._st.handle, dst._off * dst.dtype.itemsize
+    data = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    if rt.ready(handle, off, data.size, for_write=True):
+        rt.write(handle, off, data)  # nothing unfinished touches it: a copy into the mapping
+        return
+    tmp = rt.alloc(data.size, "staging")
+    try:
+        rt.write(tmp, 0, data)
+        rt.copy(tmp, 0, handle, off, data.size)
+    finally:
+        rt.free(tmp)  # reused only once the recorded copy has run
 
 
 def refuse(rt, what: str, why: str) -> None:
@@ -258,17 +281,8 @@ class Graph:
             raise GraphCaptureError("replay: another graph is being captured on this thread; replay after it ends")
         if inputs:
             self._refill(inputs)
-        if self._hooks:
-            # The hooks write host data (the embedding backward's index grouping) into buffers the
-            # previous replay may still read: their writes take _write_nowait's path, so preparing
-            # this replay does not wait for that one.
-            rt = self.rt
-            rt.write = self._write_nowait
-            try:
-                for fn in self._hooks:
-                    fn()
-            finally:
-                del rt.write
+        for fn in self._hooks:  # their writes go through upload(): they do not wait for the previous replay
+            fn()
         ops = self.ops
         for i, fn in self._patches.items():  # the dynamic push constants of this replay
             args = ops[i][1]
@@ -301,7 +315,7 @@ class Graph:
                 raise GraphCaptureError(f"replay: input {i} is a {arr.dtype} array, the graph's input is "
                                         f"{dst.dtype.name}")
             bits = np.ascontiguousarray(arr, dtype=dst.dtype.np_storage)
-            self._upload(dst, bits.reshape(-1).view(np.uint8))
+            upload(dst, bits)
             dst._st.version += 1
             # The host copy ops consult instead of reading back (index grouping, range checks),
             # updated in place where the capture made it shared (capture() above).
@@ -310,29 +324,6 @@ class Graph:
                 dst._host[:] = host
             else:
                 dst._host = host if host[0] >= 0 else None
-
-    def _upload(self, dst, data) -> None:
-        """Write ``data`` (uint8) into the input ``dst`` without waiting for the previous replay."""
-        self._write_nowait(dst._st.handle, dst._off * dst.dtype.itemsize, data)
-
-    def _write_nowait(self, handle, off: int, data) -> None:
-        """``rt.write(handle, off, data)`` that does not wait for unfinished work touching the bytes."""
-        rt = self.rt
-        write = type(rt).write  # the class's: replay() routes the instance's here while hooks run
-        if rt.ready(handle, off, data.size, for_write=True):
-            write(rt, handle, off, data)  # nothing unfinished touches it: a copy into the mapping
-            return
-        # The previous replay still reads this input (the device runs it while the host prepares
-        # the next step): writing it would wait for that.  Upload into a fresh buffer instead and
-        # record a copy into the input, which the stream orders after the earlier reads and before
-        # this replay's commands.  (Where device memory is not host-mapped, a write goes through
-        # the stream and waits anyway.)
-        tmp = rt.alloc(data.size, "staging")
-        try:
-            write(rt, tmp, 0, data)
-            rt.copy(tmp, 0, handle, off, data.size)
-        finally:
-            rt.free(tmp)  # reused only once the recorded copy has run
 
     def release(self) -> None:
         """Give back what the graph holds (freed tensors' bytes return to the allocator); it cannot replay after."""

@@ -707,7 +707,7 @@ def _train(args, given: set[str]) -> int:
         g = capture.get("graph")
         if g is not None:
             with timer.phase("replay"):
-                # The refill does not wait for the previous replay (graph.Graph._upload).
+                # The refill does not wait for the previous replay (graph.upload).
                 g.replay(*(a for xy in batches for a in xy), flush=not hold_submit)
                 phase_sync()
             return capture["loss"]

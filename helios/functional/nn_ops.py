@@ -230,9 +230,8 @@ def _group_by_row(host: np.ndarray, V: int) -> tuple:
 def _regroup(idx: Tensor, V: int, pos: Tensor, rp: Tensor) -> None:
     """A graph replay's embedding backward: the new indices' grouping into the buffers it reads."""
     order, rowptr = _group_by_row(_host_indices(idx), V)
-    rt = pos._st.rt
-    rt.write(pos._st.handle, pos._off * 8, order.view(np.uint8))
-    rt.write(rp._st.handle, rp._off * 4, rowptr.view(np.uint8))
+    graph.upload(pos, order)  # without waiting for the previous replay, which reads them
+    graph.upload(rp, rowptr)
 
 
 def _host_indices(idx: Tensor) -> np.ndarray:

@@ -3,6 +3,13 @@
 No autograd here (helios.functional builds the differentiable ops on top).  Outputs
 are fresh contiguous tensors; inputs may be any strided view: shapes and strides
 travel as push constants, dims are collapsed first so most ops index 1-3 dims.
+
+One module per kernel family, each with the push-constant layouts it packs: ``core``
+(allocation, grids, binding), ``elementwise`` (op codes from kernels_spirv/ew_ops.py, copies,
+fills), ``reductions``, ``gemm``, ``rows`` (softmax, LayerNorm, cross entropy, embedding),
+``creation`` (random numbers, ranges), ``indexing`` (sort, scan, gather, scatter), ``flash``.
+Every name is re-exported here; a family's tuning knobs are set on its module
+(``helios._kernels.gemm._MM_CPU_TILE``).
 """
 
 from __future__ import annotations

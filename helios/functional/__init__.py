@@ -3,6 +3,13 @@
 Each op is a small :class:`~helios.autograd.Function` (forward on raw kernels,
 backward in Helios ops) plus a public function that handles Python scalars, dtype
 promotion and argument checking.  Tensor methods and operators forward here.
+
+One module per op family: ``core`` (argument checks, type promotion, ``to``), ``elementwise``,
+``reduce``, ``shape`` (views, indexing, cat/split), ``products`` (matmul, linear and its fused
+forms, einsum), ``nn_ops`` (softmax, norms, embedding, losses, dropout), ``inplace``,
+``indexing`` (gather/scatter, sort, scans, flip/roll/repeat), ``sdpa`` (attention).  Every name
+is re-exported here, so ``helios.functional.X`` is the one way in; an op calls another family's
+op as ``F.X``.
 """
 
 from __future__ import annotations

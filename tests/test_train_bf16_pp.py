@@ -20,6 +20,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ranks import check_ok, run_ranks  # noqa: E402
 from test_train_dist import _one_line_error, _train_args, final_params, launch, losses  # noqa: E402
+from test_train_moe_pp import grads_against  # noqa: E402
 
 pytestmark = [pytest.mark.vulkan, pytest.mark.multiproc]
 
@@ -152,14 +153,9 @@ def _rank_main(out_dir: str) -> None:
     for kind, stage in (("1f1b", PipelineStage(GPT(cfg, seed=4), grid)),
                         ("interleaved", InterleavedPipelineStage(GPT(cfg, seed=4), grid, 2))):
         loss = stage.train_step(xs, ys, autocast=bf16)
-        exact, close = [], {}
         for name, p in stage.named_parameters():
             assert p.grad.dtype is hl.float32, (name, p.grad.dtype)
-            got, want = p.grad.numpy(), ref_grads[name]
-            if np.array_equal(got, want):
-                exact.append(name)
-            else:
-                close[name] = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+        exact, close = grads_against(stage, ref_grads)
         res[kind] = {"exact": exact, "close": close, "loss": loss}
     with open(os.path.join(out_dir, f"rank{grid.rank}.json"), "w") as f:
         json.dump(res, f)

@@ -22,6 +22,19 @@ pytestmark = [pytest.mark.vulkan, pytest.mark.multiproc]
 B, T, M, ALPHA = 2, 16, 4, 0.1
 
 
+def grads_against(stage, ref_grads: dict) -> tuple[list, dict]:
+    """A pipeline stage's parameter gradients against one device's: the names that are equal bit
+    for bit, and for the others the largest difference relative to the largest reference value."""
+    exact, close = [], {}
+    for name, p in stage.named_parameters():
+        got, want = p.grad.numpy(), ref_grads[name]
+        if np.array_equal(got, want):
+            exact.append(name)
+        else:
+            close[name] = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+    return exact, close
+
+
 def _rank_main(out_dir: str) -> None:
     """Each rank: one device's gradients of ``loss + aux`` over M micro-batches, then this rank's
     1F1B stage and its interleaved (2 chunks) stage of the same MoE GPT on the same micro-batches."""
@@ -54,13 +67,7 @@ def _rank_main(out_dir: str) -> None:
     res = {"ref_aux": ref_aux, "ref_dropped": ref_dropped}
     for kind, stage in (("1f1b", PipelineStage(moe_gpt(), grid)), ("interleaved", InterleavedPipelineStage(moe_gpt(), grid, 2))):
         stage.train_step(xs, ys)
-        exact, close = [], {}
-        for name, p in stage.named_parameters():
-            got, want = p.grad.numpy(), ref_grads[name]
-            if np.array_equal(got, want):
-                exact.append(name)
-            else:
-                close[name] = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+        exact, close = grads_against(stage, ref_grads)
         aux, dropped = stage.moe_totals()
         res[kind] = {"exact": exact, "close": close, "aux": aux, "dropped": dropped}
     with open(os.path.join(out_dir, f"rank{grid.rank}.json"), "w") as f:

@@ -309,6 +309,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dilated", action="store_true", help="dilated attention vs dense flash instead")
     ap.add_argument("--segments", type=int, nargs="+", default=[512, 1024, 2048])
     ap.add_argument("--dilations", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--gpu-rows", type=int, nargs="+", default=None,
+                    help="GPU devices: query rows a workgroup of the flash kernel owns, one run each (default: the "
+                         "kernel's own choice)")
     ap.add_argument("--child", choices=("flash", "dense"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
@@ -324,9 +327,20 @@ def main(argv: list[str] | None = None) -> int:
                 res = bench_sparse(kind, args.batch, args.heads, T, args.head_dim, args.causal, args.rounds, args)
                 print(json.dumps({**res, **common}), flush=True)
         return 0
-    for T in args.T:
-        res = bench_T(args.batch, args.heads, T, args.head_dim, args.causal, args.rounds, args.memory)
-        print(json.dumps({**res, **common}), flush=True)
+    from helios._kernels import flash
+
+    default_rows = flash._FA_GPU_WG
+    try:
+        for rows in args.gpu_rows or [default_rows]:
+            if args.gpu_rows and info["type"] == "cpu":
+                print(json.dumps({**common, "skipped": "--gpu-rows: a CPU device runs the subgroup kernel"}))
+                return 0
+            flash._FA_GPU_WG = rows  # read at each dispatch
+            for T in args.T:
+                res = bench_T(args.batch, args.heads, T, args.head_dim, args.causal, args.rounds, args.memory)
+                print(json.dumps({**res, **common, "gpu_rows": rows}), flush=True)
+    finally:
+        flash._FA_GPU_WG = default_rows
     return 0
 
 

@@ -20,7 +20,10 @@ operands (computing in fp32) while numpy still runs fp32 BLAS: numpy has no bf16
 float16 matmul does not use BLAS, so fp32 is the fair peer.  On a GPU, ``--cuda-peer`` also
 times torch.matmul on CUDA (fp32, TF32 off, same shape and layout) in the same run and adds
 ``cuda_peer_gflops`` and ``ratio_cuda_peer`` to each line: numpy on the host's cores is no
-peer for a GPU.  ``--tiles`` (CPU devices only) repeats the square shapes for
+peer for a GPU (``--no-numpy`` leaves it out).  With ``--dtype bfloat16/float16`` the CUDA peer
+runs in that dtype (cuBLAS on tensor cores), as Helios does on ``cuda:N`` (its products of
+16-bit tensors run the wgmma kernel there; ``HELIOS_TENSOR_CORES=0`` for the SIMT one).
+``--tiles`` (CPU devices only) repeats the square shapes for
 each TM x TN register block listed, to re-tune ``_MM_CPU_TILE`` on a new host.
 """
 
@@ -69,15 +72,19 @@ def operands(M: int, Kd: int, N: int, layout: str, dtype: str, rng):
     return na, nb, A, B
 
 
-def bench_shape(M: int, Kd: int, N: int, layout: str, dtype: str, rounds: int, rng) -> dict:
+def bench_shape(M: int, Kd: int, N: int, layout: str, dtype: str, rounds: int, rng, numpy_peer: bool = True) -> dict:
     na, nb, A, B = operands(M, Kd, N, layout, dtype, rng)
     flop = 2.0 * M * N * Kd
     # warm-up (pipeline JIT, first-touch of memory) and a correctness guard
     C = A @ B
     got = C.numpy().astype(np.float32)
-    ref = na @ nb
-    err = float(np.abs(got - ref).max() / max(1e-30, np.abs(ref).max()))
-    na @ nb
+    if numpy_peer or max(M, N, Kd) <= 4096:
+        ref = na @ nb
+        err = float(np.abs(got - ref).max() / max(1e-30, np.abs(ref).max()))
+    else:  # the guard on a sample of rows: a full fp32 product on the host takes seconds here
+        rows = rng.choice(M, 64, replace=False)
+        ref = na[rows] @ nb
+        err = float(np.abs(got[rows] - ref).max() / max(1e-30, np.abs(ref).max()))
     # enough products per timed block that a block lasts ~0.2 s (dispatch overhead amortised)
     t0 = time.perf_counter()
     (A @ B)[0, 0].item()
@@ -92,23 +99,29 @@ def bench_shape(M: int, Kd: int, N: int, layout: str, dtype: str, rounds: int, r
         C[0, 0].item()
         th.append((time.perf_counter() - t0) / reps)
         ch.append((time.process_time() - c0) / reps)
+        if not numpy_peer:
+            continue
         t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(reps):
             na @ nb
         tn.append((time.perf_counter() - t0) / reps)
         cn.append((time.process_time() - c0) / reps)
-    gh, gn = flop / statistics.median(th) / 1e9, flop / statistics.median(tn) / 1e9
-    # per CPU-second of this process (lavapipe's and OpenBLAS' threads included): steadier
-    # than wall time when other work shares the cores
-    gch, gcn = flop / statistics.median(ch) / 1e9, flop / statistics.median(cn) / 1e9
-    return {"helios_gflops": round(gh, 3), "numpy_gflops": round(gn, 3), "ratio": round(gh / gn, 4),
-            "helios_gflops_cpu": round(gch, 3), "numpy_gflops_cpu": round(gcn, 3), "ratio_cpu": round(gch / gcn, 4),
-            "rel_err": float(f"{err:.2e}"), "reps": reps, "rounds": rounds}
+    gh, gch = flop / statistics.median(th) / 1e9, flop / statistics.median(ch) / 1e9
+    res = {"helios_gflops": round(gh, 3), "helios_gflops_cpu": round(gch, 3), "rel_err": float(f"{err:.2e}"),
+           "reps": reps, "rounds": rounds}
+    if numpy_peer:
+        # per CPU-second of this process (lavapipe's and OpenBLAS' threads included): steadier
+        # than wall time when other work shares the cores
+        gn, gcn = flop / statistics.median(tn) / 1e9, flop / statistics.median(cn) / 1e9
+        res.update(numpy_gflops=round(gn, 3), ratio=round(gh / gn, 4), numpy_gflops_cpu=round(gcn, 3),
+                   ratio_cpu=round(gch / gcn, 4))
+    return res
 
 
-def cuda_peer_gflops(M: int, Kd: int, N: int, layout: str, rounds: int) -> float | str:
-    """torch.matmul on CUDA in fp32 with TF32 off, for the same shape and layout (median of
-    ``rounds`` blocks of 20 products, timed by CUDA events); a string says why not."""
+def cuda_peer_gflops(M: int, Kd: int, N: int, layout: str, rounds: int, dtype: str = "float32") -> float | str:
+    """torch.matmul on CUDA in ``dtype`` (fp32 with TF32 off; bf16 / fp16 on cuBLAS's tensor
+    cores), for the same shape and layout (median of ``rounds`` blocks of 20 products, timed by
+    CUDA events); a string says why not."""
     try:
         import torch
     except ImportError:
@@ -116,8 +129,9 @@ def cuda_peer_gflops(M: int, Kd: int, N: int, layout: str, rounds: int) -> float
     if not torch.cuda.is_available():
         return "torch sees no CUDA device"
     torch.backends.cuda.matmul.allow_tf32 = False
-    a = torch.randn((Kd, M) if layout[0] == "t" else (M, Kd), device="cuda")
-    b = torch.randn((N, Kd) if layout[1] == "t" else (Kd, N), device="cuda")
+    tdt = getattr(torch, dtype)
+    a = torch.randn((Kd, M) if layout[0] == "t" else (M, Kd), device="cuda", dtype=tdt)
+    b = torch.randn((N, Kd) if layout[1] == "t" else (Kd, N), device="cuda", dtype=tdt)
     a = a.t() if layout[0] == "t" else a
     b = b.t() if layout[1] == "t" else b
     for _ in range(3):
@@ -145,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiles", nargs="*", default=None, help="CPU register blocks to compare, e.g. 8x8 16x8")
     ap.add_argument("--wy", type=int, nargs="*", default=None, help="CPU subgroups per workgroup to compare")
     ap.add_argument("--cuda-peer", action="store_true", help="also time torch.matmul on CUDA (a GPU's peer)")
+    ap.add_argument("--no-numpy", action="store_true", help="leave numpy out (with --cuda-peer: the GPU's peer only)")
     args = ap.parse_args(argv)
 
     rt = get_runtime()
@@ -172,9 +187,9 @@ def main(argv: list[str] | None = None) -> int:
                     tm, tn, w = K._mm_cpu_tile(M, N)
                     extra = {"tile": f"{tm}x{tn}", "wy": w}
                 for layout in args.layouts:
-                    res = bench_shape(M, Kd, N, layout, args.dtype, args.rounds, rng)
+                    res = bench_shape(M, Kd, N, layout, args.dtype, args.rounds, rng, not args.no_numpy)
                     if args.cuda_peer:
-                        peer = cuda_peer_gflops(M, Kd, N, layout, args.rounds)
+                        peer = cuda_peer_gflops(M, Kd, N, layout, args.rounds, args.dtype)
                         if isinstance(peer, str):
                             res["cuda_peer_skipped"] = peer
                         else:

@@ -8,7 +8,11 @@ others replayed (``replay_*``, what helios-train does by default on one device).
 ``host_ms_*`` is the host's time to issue one step (recording and submitting, up to the
 flush; not the wait for the loss), median over the timed steps.
 
-    python bench/train_step.py [--config tiny] [--steps 5]
+    python bench/train_step.py [--config tiny] [--steps 5] [--device cuda:0 --peer cuda] [--dtype bf16]
+
+``--dtype bf16`` runs both sides under autocast (Helios' ``hl.autocast``, PyTorch's
+``torch.autocast``): the matmuls in bfloat16 (on ``cuda:N`` Helios' tensor-core kernel, on
+``--peer cuda`` cuBLAS's), the rest in float32.
 """
 
 from __future__ import annotations
@@ -52,13 +56,17 @@ def torch_loss_fn(cfg, B, T, params):
     return loss_fn
 
 
-def torch_step_fn(cfg, B, T, params, opt):
+def torch_step_fn(cfg, B, T, params, opt, dtype: str = "fp32"):
+    import contextlib
+
     import torch
 
     loss_fn = torch_loss_fn(cfg, B, T, params)
+    dev = next(iter(params.values())).device.type
 
     def step(x, y):
-        loss = loss_fn(x, y)
+        with (torch.autocast(dev, torch.bfloat16) if dtype == "bf16" else contextlib.nullcontext()):
+            loss = loss_fn(x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(list(params.values()), 1.0)
         opt.step()
@@ -85,6 +93,8 @@ def main() -> None:
     ap.add_argument("--device", default=None, help="Helios device (default: HELIOS_DEVICE or the best one), e.g. cuda:0")
     ap.add_argument("--peer", choices=("cpu", "cuda"), default="cpu",
                     help="PyTorch eager on the host's CPU threads, or on the GPU (cuda, TF32 off: fp32 as Helios)")
+    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                    help="bf16: both sides under autocast (matmuls in bfloat16, as helios-train --dtype bf16)")
     args = ap.parse_args()
 
     import torch
@@ -117,7 +127,11 @@ def main() -> None:
 
     def step(m, o, x, y):
         """One training step of model ``m`` with optimizer ``o`` on device tensors; the loss."""
-        _, loss = m(x, y)
+        if args.dtype == "bf16":
+            with hl.autocast("bfloat16"):
+                _, loss = m(x, y)
+        else:
+            _, loss = m(x, y)
         loss.backward()
         clip_grad_norm_(m.parameters(), 1.0)
         o.step()
@@ -150,7 +164,7 @@ def main() -> None:
 
     tparams = {n: torch.tensor(p.numpy(), device=tdev, requires_grad=True) for n, p in model.named_parameters()}
     topt = torch.optim.AdamW(list(tparams.values()), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
-    tstep = torch_step_fn(cfg, B, T, tparams, topt)
+    tstep = torch_step_fn(cfg, B, T, tparams, topt, args.dtype)
     tbatches = [(torch.tensor(x, device=tdev), torch.tensor(y, device=tdev)) for x, y in batches]
 
     # Interleave to share the machine's noise: helios, replay, torch, twice; keep the best of each.
@@ -162,7 +176,7 @@ def main() -> None:
     h, r, t = min(h_times), min(r_times), min(t_times)
     tokens = B * T
     fpt = model.flops_per_token()
-    peak = peak_flops(rt.info["name"], "fp32", rt.info["type"])
+    peak = peak_flops(rt.info["name"], args.dtype, rt.info["type"])
     h_tps, r_tps, t_tps = tokens / h, tokens / r, tokens / t
     d0 = rt.stats()["dispatches"]
     helios_step(*batches[0])
@@ -170,7 +184,8 @@ def main() -> None:
     host_eager = statistics.median(host["eager"][args.warmup:])
     host_replay = statistics.median(host["replay"])
     print(json.dumps({
-        "bench": "train_step", "config": args.config, "params": model.num_parameters(), "tokens_per_step": tokens,
+        "bench": "train_step", "config": args.config, "dtype": args.dtype, "params": model.num_parameters(),
+        "tokens_per_step": tokens,
         "device": rt.name, "device_name": rt.info["name"], "helios_tok_s": round(h_tps, 1),
         "peer": f"torch_{args.peer}", "peer_tok_s": round(t_tps, 1),
         "ratio": round(h_tps / t_tps, 4), "helios_ms_per_step": round(h * 1e3, 1), "peer_ms_per_step": round(t * 1e3, 1),

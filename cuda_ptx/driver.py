@@ -211,11 +211,13 @@ class Context:
         self._check("cuCtxSynchronize", self.cu.cuCtxSynchronize())
 
     # -- tensor maps -----------------------------------------------------------------
-    def tensor_map(self, ptr: int, dtype: str, rows: int, cols: int, box_rows: int, box_cols: int) -> bytes:
+    def tensor_map(self, ptr: int, dtype: str, rows: int, cols: int, box_rows: int, box_cols: int,
+                   pitch: int | None = None) -> bytes:
         """A 2-D TMA descriptor (128 bytes) over a row-major ``rows x cols`` matrix, 128B swizzle.
 
-        ``cols`` is the contiguous dimension; the box is ``box_rows x box_cols`` and its
-        inner extent must be the 128-byte swizzle width.
+        ``cols`` is the contiguous dimension; ``pitch`` the elements from one row to the next
+        (default ``cols``: dense rows; more for a view of a wider matrix).  The box is
+        ``box_rows x box_cols`` and its inner extent must be the 128-byte swizzle width.
         """
         cu = self.cu
         esz, dt = {
@@ -224,8 +226,11 @@ class Context:
             "e4m3": (1, cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8),
             "f32": (4, cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT32),
         }[dtype]
-        if ptr % 16 or (cols * esz) % 16:
-            raise DeviceError(f"TMA needs 16-byte aligned base and row pitch; got base {ptr:#x}, pitch {cols * esz}")
+        pitch = cols if pitch is None else pitch
+        if pitch < cols:
+            raise DeviceError(f"TMA row pitch {pitch} is shorter than a row of {cols} elements")
+        if ptr % 16 or (pitch * esz) % 16:
+            raise DeviceError(f"TMA needs 16-byte aligned base and row pitch; got base {ptr:#x}, pitch {pitch * esz}")
         if box_cols * esz != 128 or box_rows > 256:
             raise DeviceError(f"TMA box {box_rows}x{box_cols} must be <=256 rows of exactly 128 bytes")
         # Through the driver's C entry point into our own aligned buffer, not the bindings'
@@ -236,7 +241,7 @@ class Context:
         err = self._encode_tiled()(
             out, dt.value, 2, ptr,
             (ctypes.c_uint64 * 2)(cols, rows),  # dims, innermost first
-            (ctypes.c_uint64 * 1)(cols * esz),  # strides of dims 1.. in bytes
+            (ctypes.c_uint64 * 1)(pitch * esz),  # strides of dims 1.. in bytes
             (ctypes.c_uint32 * 2)(box_cols, box_rows),
             (ctypes.c_uint32 * 2)(1, 1),
             cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE.value,

@@ -118,8 +118,8 @@ def decode_tensor_map(raw: bytes) -> TensorMap:
     if len(raw) != 128 or not raw.startswith(_TMAP_TAG):
         raise EmulationError(f"a tensor-map parameter holds {raw[:16]!r}...: not bytes cuTensorMapEncodeTiled made "
                              "(a parameter out of order, or a pointer where a tensor map belongs?)")
-    _, addr, cols, rows, _stride, box_cols, box_rows, esize, swizzle, _dtype = _TMAP_LAYOUT.unpack_from(raw)
-    return TensorMap(addr, rows, cols, box_rows, box_cols, esize, swizzle)
+    _, addr, cols, rows, stride, box_cols, box_rows, esize, swizzle, _dtype = _TMAP_LAYOUT.unpack_from(raw)
+    return TensorMap(addr, rows, cols, box_rows, box_cols, esize, swizzle, 0 if stride == cols * esize else stride)
 
 
 class EmulatedDriver:
@@ -437,7 +437,7 @@ class EmulatedDriver:
                       l2_promotion, oob_fill) -> int:
         """``cuTensorMapEncodeTiled`` called through its C signature: check the arguments
         against the driver API's documented rules, then against what the emulator models
-        (2-D, dense rows, no interleave, 128-byte swizzle), and write the 128 bytes."""
+        (2-D, rows of any pitch, no interleave, 128-byte swizzle), and write the 128 bytes."""
         try:
             if not 1 <= rank <= 5:
                 raise _DriverError("INVALID_VALUE", f"tensorRank {rank} must be 1..5")
@@ -482,9 +482,8 @@ class EmulatedDriver:
         if rank != 2 or not no_interleave or span != 128 or element_strides[1] != 1:
             raise _DriverError("NOT_SUPPORTED", "the emulator models 2-D tensor maps with 128-byte swizzle, no "
                                                 "interleave and unit element strides")
-        if strides[0] != dims[0] * esize:
-            raise _DriverError("NOT_SUPPORTED", f"row pitch {strides[0]} B with {dims[0]} elements of {esize} B: "
-                                                "the emulator models dense rows only")
+        if strides[0] < dims[0] * esize:
+            raise bad(f"globalStrides[0] = {strides[0]} B is shorter than a row of {dims[0]} elements of {esize} B")
         return _TMAP_LAYOUT.pack(_TMAP_TAG, address, dims[0], dims[1], strides[0], box[0], box[1], esize, span,
                                  int(dtype))
 

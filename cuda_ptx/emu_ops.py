@@ -399,9 +399,10 @@ def _clip_box(tm, c0: int, c1: int):
 
 
 def _tensor_bytes(mem, tm) -> np.ndarray:
-    """The tensor map's matrix as a writable ``rows x (cols * itemsize)`` byte view."""
-    pitch = tm.cols * tm.itemsize
-    return mem.view(tm.base, tm.rows * pitch).reshape(tm.rows, pitch)
+    """The tensor map's matrix as a writable ``rows x (cols * itemsize)`` byte view (rows ``row_pitch`` apart)."""
+    width, pitch = tm.cols * tm.itemsize, tm.row_pitch
+    flat = mem.view(tm.base, (tm.rows - 1) * pitch + width)
+    return np.lib.stride_tricks.as_strided(flat, (tm.rows, width), (pitch, 1))
 
 
 def _land_box(tgt, dst: int, bar: int, tm, c0: int, c1: int) -> None:

@@ -36,7 +36,9 @@ class EmulationError(HeliosError, RuntimeError):
 
 @dataclass(frozen=True)
 class TensorMap:
-    """What ``cuTensorMapEncodeTiled`` would encode: a row-major 2-D matrix and a box, 128B swizzle."""
+    """What ``cuTensorMapEncodeTiled`` would encode: a row-major 2-D matrix and a box, 128B swizzle.
+
+    ``pitch``: bytes from one row to the next (0: dense rows, ``cols * itemsize``)."""
 
     base: int
     rows: int
@@ -45,6 +47,12 @@ class TensorMap:
     box_cols: int
     itemsize: int
     swizzle: int = 128
+    pitch: int = 0
+
+    @property
+    def row_pitch(self) -> int:
+        """Bytes from one row to the next."""
+        return self.pitch or self.cols * self.itemsize
 
     @property
     def box_bytes(self) -> int:

@@ -139,6 +139,7 @@ class CudaRuntime(Runtime):
         self._mem_lock = threading.Lock()
         self._success = self.cu.CUresult.CUDA_SUCCESS
         self._pipelines: dict[tuple, int] = {}
+        self._tensor_cores = None  # tensor_gemm.TensorCoreGemm on first gemm(), False where there is none
         self._stats = {"dispatches": 0, "copies": 0, "fills": 0, "fence_waits": 0}
         self.last_wait_ns = 0
         # Profiling: events bracketing each timed command until synchronize() reads them.
@@ -367,6 +368,45 @@ class CudaRuntime(Runtime):
         self._stats["dispatches"] += 1
         if timed is not None:
             self._end(timed)
+
+    def _engine(self):
+        """The tensor-core GEMM (``tensor_gemm.TensorCoreGemm``), or False where this GPU has none or
+        HELIOS_TENSOR_CORES=0 (decided once, at first use)."""
+        if self._tensor_cores is None:
+            from . import tensor_gemm
+
+            self._tensor_cores = (tensor_gemm.TensorCoreGemm(self.ctx)
+                                  if tensor_gemm.enabled() and tensor_gemm.runs_on(self.ctx) else False)
+        return self._tensor_cores
+
+    def has_gemm(self, in_dtype: str) -> bool:
+        """Whether bf16 / fp16 products can go to the tensor cores here (sm_90, not switched off)."""
+        from .tensor_gemm import INPUTS
+
+        return in_dtype in INPUTS and bool(self._engine())
+
+    def gemm(self, a: tuple, b: tuple, c: tuple, m: int, n: int, k: int, in_dtype: str, out_dtype: str) -> bool:
+        """C = A @ B on the tensor cores (``tensor_gemm``: the ladder's wgmma kernel) where this GPU and
+        these operands allow it; False otherwise (see the contract's ``gemm``)."""
+        if not self.has_gemm(in_dtype):
+            return False
+        engine = self._engine()
+        (ha, oa, lda), (hb, ob, ldb, major), (hc, oc, ldc) = a, b, c
+        isz = 2
+        osz = 4 if out_dtype == "float32" else 2
+        brows, bcols = (k, n) if major == "n" else (n, k)
+        pa = self._address(ha, oa, ((m - 1) * lda + k) * isz, "gemm")
+        pb = self._address(hb, ob, ((brows - 1) * ldb + bcols) * isz, "gemm")
+        pc = self._address(hc, oc, ((m - 1) * ldc + n) * osz, "gemm")
+        if not engine.accepts(in_dtype, out_dtype, (pa, lda), (pb, ldb), (pc, ldc), m, n, k):
+            return False
+        self._use()
+        timed = self._begin("matmul_wgmma", 2 * m * n * k, (m * k + k * n) * isz + m * n * osz) if self._timing else None
+        engine.run(in_dtype, out_dtype, (pa, lda), (pb, ldb), major, (pc, ldc), m, n, k)
+        self._stats["dispatches"] += 1
+        if timed is not None:
+            self._end(timed)
+        return True
 
     # -- stream ---------------------------------------------------------------------------
     def synchronize(self) -> None:

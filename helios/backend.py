@@ -50,8 +50,8 @@ from abc import ABC, abstractmethod
 # The memory pools every backend accounts separately (by lifetime), as pool_stats() keys.
 POOLS = ("weights", "activations", "staging")
 
-# The kinds of command run_commands() takes: (kind, the arguments of dispatch / copy / fill).
-DISPATCH, COPY, FILL = 0, 1, 2
+# The kinds of command run_commands() takes: (kind, the arguments of dispatch / copy / fill / gemm).
+DISPATCH, COPY, FILL, GEMM = 0, 1, 2, 3
 
 
 class Runtime(ABC):
@@ -132,10 +132,26 @@ class Runtime(ABC):
                  nbytes: int = 0) -> None:
         """Record one launch of ``pid`` over the workgroup grid ``groups`` (returns at once)."""
 
+    def has_gemm(self, in_dtype: str) -> bool:
+        """Whether :meth:`gemm` may take products of this input dtype (a Helios dtype name) at all,
+        so callers prepare operands for it only then.  False by default."""
+        return False
+
+    def gemm(self, a: tuple, b: tuple, c: tuple, m: int, n: int, k: int, in_dtype: str, out_dtype: str) -> bool:
+        """C = A @ B on the device's matrix engine, where it has one for this product; returns
+        whether it recorded it (False: nothing was done, the caller runs its generic kernel).
+
+        ``a`` = (handle, byte offset, row pitch in elements) of row-major ``M x K``; ``b`` = (handle,
+        byte offset, row pitch, major): ``"n"`` for row-major ``K x N``, ``"k"`` for its transpose
+        stored row-major ``N x K``; ``c`` = (handle, byte offset, row pitch) of row-major ``M x N``.
+        ``in_dtype`` / ``out_dtype`` are Helios dtype names.  None by default."""
+        return False
+
     def run_commands(self, commands) -> None:
         """Issue recorded commands in order: ``(DISPATCH, dispatch's arguments)``, ``(COPY, copy's)``,
-        ``(FILL, fill's)`` (``helios.graph``'s replay).  A backend may override this with a tighter loop."""
-        calls = (self.dispatch, self.copy, self.fill)
+        ``(FILL, fill's)``, ``(GEMM, gemm's)`` (``helios.graph``'s replay).  A backend may override
+        this with a tighter loop."""
+        calls = (self.dispatch, self.copy, self.fill, self.gemm)
         for kind, args in commands:
             calls[kind](*args)
 

@@ -54,6 +54,7 @@ import numpy as np
 from helios.backend import COPY as _COPY  # a recorded command: (kind, the runtime call's arguments)
 from helios.backend import DISPATCH as _DISPATCH
 from helios.backend import FILL as _FILL
+from helios.backend import GEMM as _GEMM
 from helios.errors import HeliosError, ShapeError
 
 __all__ = ["capture", "Graph", "GraphCaptureError", "capturing", "dynamic_push", "before_replay", "upload", "refuse",
@@ -206,6 +207,13 @@ class Graph:
         self._handles.add(handle)
         self.ops.append((_FILL, (handle, offset, nbytes, word)))
 
+    def _gemm(self, a, b, c, m, n, k, in_dtype, out_dtype):
+        took = self._real["gemm"](a, b, c, m, n, k, in_dtype, out_dtype)
+        if took:  # a product the matrix engine declined was not recorded: the caller's kernel is
+            self._handles.update((a[0], b[0], c[0]))
+            self.ops.append((_GEMM, (tuple(a), tuple(b), tuple(c), m, n, k, in_dtype, out_dtype)))
+        return took
+
     def _alloc(self, nbytes, pool="activations"):
         h = self._real["alloc"](nbytes, pool)
         self._handles.add(h)  # held from the start: its free is deferred like any held handle's
@@ -231,7 +239,7 @@ class Graph:
 
     # The contract's methods a capture stands in for (``free`` is _Holds'; host writes are
     # constants an op uploads for itself, kept: the public upload paths refuse first).
-    _INTERPOSED = ("dispatch", "copy", "fill", "alloc", "read", "map")
+    _INTERPOSED = ("dispatch", "copy", "fill", "gemm", "alloc", "read", "map")
 
     def _begin(self) -> None:
         rt = self.rt
@@ -264,6 +272,9 @@ class Graph:
         for kind, args in self.ops:
             if kind == _DISPATCH:
                 if any(b[0] == h and b[3] for b in args[1]):
+                    return True
+            elif kind == _GEMM:
+                if args[2][0] == h:
                     return True
             elif (args[2] if kind == _COPY else args[0]) == h:
                 return True

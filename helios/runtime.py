@@ -380,7 +380,7 @@ class VulkanRuntime(Runtime):
         if self.debug or current_collector() is not None:
             return super().run_commands(commands)
         dev = self.dev
-        calls = (dev.dispatch, dev.copy, dev.fill)
+        calls = (dev.dispatch, dev.copy, dev.fill)  # no GEMM: Vulkan has no matrix engine (gemm() is False)
         for kind, args in commands:
             calls[kind](*args)
 

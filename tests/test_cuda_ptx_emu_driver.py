@@ -106,7 +106,7 @@ def test_parameters_out_of_order_are_caught_at_launch():
     ({"rank": 6}, "INVALID_VALUE", "tensorRank 6"),
     ({"out_align": 32}, "INVALID_VALUE", "must be 64-byte aligned"),
     ({"swizzle": 99}, "INVALID_VALUE", "CUtensorMapSwizzle"),
-    ({"strides": [512]}, "NOT_SUPPORTED", "dense rows"),
+    ({"strides": [128]}, "INVALID_VALUE", "shorter than a row"),
 ])
 def test_tensor_map_arguments_are_held_to_the_driver_api_rules(change, code, why):
     cu = EmulatedDriver()
@@ -127,6 +127,9 @@ def test_a_tensor_map_round_trips_through_its_128_bytes():
     err, raw = _encode(cu, out_align=64)
     assert err == cu.CUresult.CUDA_SUCCESS
     assert decode_tensor_map(raw) == TensorMap(0x7F00_0000_0000, 256, 128, 64, 64, 2)
+    err, raw = _encode(cu, out_align=64, strides=[512])  # rows 512 bytes apart: a view of a wider matrix
+    assert err == cu.CUresult.CUDA_SUCCESS
+    assert decode_tensor_map(raw) == TensorMap(0x7F00_0000_0000, 256, 128, 64, 64, 2, pitch=512)
 
 
 def test_the_context_refuses_tensor_maps_it_knows_the_driver_would():

@@ -197,6 +197,12 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None 
         M, nb, cshape, ca, cb = M * nb, 1, [], [], []
     while len(cshape) < 2:
         cshape, ca, cb = [1] + cshape, [0] + ca, [0] + cb
+    if (_epi is None and not cld and nb == 1 and a.dtype in _ENGINE_DTYPES and rt.has_gemm(a.dtype.name)
+            and _on_matrix_engine(Tensor(a._st, (M, K), (a._strides[-2], a._strides[-1]), a._off, a.dtype),
+                                  Tensor(b._st, (K, N), (b._strides[-2], b._strides[-1]), b._off, b.dtype),
+                                  bias, Tensor(out._st, (M, N), (out._strides[-2], out._strides[-1]), out._off,
+                                               out.dtype))):
+        return out
     if nb > 65535:
         raise ShapeError(f"matmul: {nb} batch matrices exceed the 65535 the kernel dispatches at once; reshape the batch")
     (ba, oa), (bb, ob) = bind(a), bind(b)
@@ -240,6 +246,75 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None 
     rt.dispatch(pid, [ba, bb, bc, bz, be, bu], _P_MATMUL_EPI.pack(*words, oe, ou), groups,
                 fusion.dispatch_name(name, rt), flops, nbytes)
     return out
+
+
+# Input dtypes a device's matrix engine (Runtime.gemm: tensor cores on cuda:N) may take.
+_ENGINE_DTYPES = (dt.bfloat16, dt.float16)
+
+
+def _on_matrix_engine(a: Tensor, b: Tensor, bias: Tensor | None, out: Tensor) -> bool:
+    """out = a @ b (+ bias) for 2-D views a [M, K], b [K, N], out [M, N] (any strides) on the
+    device's matrix engine (``rt.gemm``); False, with nothing recorded, where it cannot take them.
+
+    The engine reads row-major A, B row-major or transposed, and writes a row-major C, each
+    with 16-byte aligned rows: an operand in another layout (A transposed, a broadcast) is
+    copied first.  A bfloat16 product without bias is stored straight into ``out`` (or into
+    its transpose, as out^T = b^T a^T, for a transposed ``out``); otherwise C is float32 and
+    ``out`` gets round(C + bias) from it, so the product is rounded once as in the generic
+    kernel."""
+    rt = a._st.rt
+    M, K = a.shape
+    N = b.shape[1]
+    if K % 8 or N % 8:  # a row of 16-bit A or B, or of C, must be a whole number of 16-byte units
+        return False
+    target, swapped = None, False
+    if bias is None and a.dtype is dt.bfloat16:
+        if _engine_rows(out) is not None:
+            target = out
+        elif M % 8 == 0 and _engine_rows(_swap_last(out)) is not None:
+            target, swapped = _swap_last(out), True
+    if target is None:
+        target = empty((M, N), dt.float32, rt)
+    if swapped:  # out^T = b^T @ a^T
+        a, b = _swap_last(b), _swap_last(a)
+        M, N = N, M
+    ra = _engine_rows(a)
+    if ra is None:
+        a = kern.copy(a)
+        ra = _engine_rows(a)
+    if b.shape[1] == 1 or b._strides[1] == 1:
+        rb = _engine_rows(b)
+        major = "n"
+    else:
+        rb = _engine_rows(_swap_last(b))
+        major = "k"
+    if rb is None:
+        b = kern.copy(b)
+        rb, major = _engine_rows(b), "n"
+    rc = _engine_rows(target)
+    isz = a.dtype.itemsize
+    if not rt.gemm((a._st.handle, ra[0] * isz, ra[1]), (b._st.handle, rb[0] * isz, rb[1], major),
+                   (target._st.handle, rc[0] * target.dtype.itemsize, rc[1]), M, N, K, a.dtype.name,
+                   target.dtype.name):
+        return False
+    if target is out or swapped:
+        return True
+    result = target if bias is None else kern.binary("add", target, kern.copy(bias, dt.float32))
+    kern.copy_into(out, result)
+    return True
+
+
+def _engine_rows(x: Tensor) -> tuple | None:
+    """(element offset, row pitch) of 2-D ``x`` stored as rows with unit inner stride, the pitch
+    at least a row, both 16-byte aligned; None otherwise (the engine cannot read it as it is)."""
+    rows, cols = x.shape
+    if cols > 1 and x._strides[1] != 1:
+        return None
+    pitch = x._strides[0] if rows > 1 else cols
+    isz = x.dtype.itemsize
+    if pitch < cols or (pitch * isz) % 16 or (x._off * isz) % 16:
+        return None
+    return x._off, pitch
 
 
 def _check_epi(epi: tuple, out: Tensor, shape: tuple, strided: bool) -> None:

@@ -1,0 +1,115 @@
+"""Tensor-core matrix products for ``cuda:N`` tensors: the GEMM ladder's wgmma kernel on device memory.
+
+:meth:`CudaRuntime.gemm <helios.cuda_ptx.tensor_runtime.CudaRuntime.gemm>` hands a 16-bit
+Helios matmul's operands here, as addresses and row pitches, instead of running the
+translated GLSL kernel (SIMT fp32 arithmetic).  The kernel is the ladder's
+``wgmma_persistent`` (one CTA per SM walking the tiles, a producer warp feeding a 4-stage
+TMA ring, two consumer warpgroups, TMA-store epilogue), built for the operands' input dtype,
+the output dtype and B's layout, loaded once per process.
+
+Why that rung: its loads and its stores go through tensor maps.  A tensor map carries the
+matrix's true extents, and TMA fills the parts of a box outside them with zeros on loads and
+clips them on stores, so a product of any M, N, K runs on the tensors themselves: the
+kernel's M, N, K parameters are the padded extents (its tile count and K loop), the maps the
+real ones.  No operand is padded or copied, and a row pitch wider than the row (a view of a
+wider matrix) is the map's stride.
+
+What it takes (:meth:`TensorCoreGemm.accepts`; anything else stays on the generic kernel):
+a Hopper GPU (sm_90, what the wgmma rungs are built for), bf16 or fp16 inputs, an fp32 or
+bf16 output, base addresses 16-byte aligned and row pitches multiples of 16 bytes (TMA's
+rules).  ``HELIOS_TENSOR_CORES=0`` turns it off (every matmul then runs the GLSL kernel).
+"""
+
+from __future__ import annotations
+
+import os
+
+from . import operands
+from .config import IN_DTYPES, OUT_DTYPES
+from .driver import Context
+from .emit import build_kernel, resolve
+from .render import render
+
+VARIANT = "wgmma_persistent"
+# Helios dtype names -> the ladder's names.
+INPUTS = {"bfloat16": "bf16", "float16": "fp16"}
+OUTPUTS = {"float32": "f32", "bfloat16": "bf16"}
+
+
+def enabled() -> bool:
+    """Whether ``HELIOS_TENSOR_CORES`` allows the tensor-core path (on unless 0/false/off/no)."""
+    return os.environ.get("HELIOS_TENSOR_CORES", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def runs_on(ctx: Context) -> bool:
+    """Whether the device can run the wgmma kernel: compute capability 9.0 exactly (sm_90a)."""
+    return tuple(ctx.cc) == (9, 0)
+
+
+class _Kernel:
+    """One loaded config: its function, threads per CTA and the config itself."""
+
+    __slots__ = ("cfg", "fn", "threads")
+
+    def __init__(self, cfg, fn, threads: int):
+        self.cfg, self.fn, self.threads = cfg, fn, threads
+
+
+class TensorCoreGemm:
+    """C = A @ B with wgmma on one driver context (see the module docstring).
+
+    Operands are ``(address, pitch)`` pairs, pitches in elements: A row-major ``M x K``;
+    B row-major ``K x N`` (``b_major="n"``) or its transpose stored row-major ``N x K``
+    (``b_major="k"``); C row-major ``M x N`` in the output dtype.
+    """
+
+    def __init__(self, ctx: Context):
+        self.ctx = ctx
+        self._kernels: dict[tuple, _Kernel] = {}
+
+    @staticmethod
+    def accepts(in_dtype: str, out_dtype: str, a: tuple, b: tuple, c: tuple, m: int, n: int, k: int) -> bool:
+        """Whether this product can run here: dtypes the kernel has, TMA's alignment rules, and
+        extents the kernel's 32-bit parameters and TMA's signed coordinates hold."""
+        if in_dtype not in INPUTS or out_dtype not in OUTPUTS or min(m, n, k) < 1:
+            return False
+        isz, osz = IN_DTYPES[INPUTS[in_dtype]][0], OUT_DTYPES[OUTPUTS[out_dtype]]
+        for (addr, pitch), size in ((a, isz), (b, isz), (c, osz)):
+            if addr % 16 or (pitch * size) % 16 or pitch < 1:
+                return False
+        return max(m, n, k) < 1 << 30
+
+    def kernel(self, in_dtype: str, out_dtype: str, b_major: str) -> _Kernel:
+        """The loaded kernel for these dtypes and B layout (built and loaded on first use)."""
+        key = (in_dtype, out_dtype, b_major)
+        kern = self._kernels.get(key)
+        if kern is None:
+            cfg = resolve(VARIANT).with_(in_dtype=INPUTS[in_dtype], out_dtype=OUTPUTS[out_dtype], b_major=b_major)
+            cfg.validate()
+            built = build_kernel(cfg)
+            fn = self.ctx.load_kernel(render(built), built.name, built.shared_bytes, cfg.target)
+            kern = self._kernels[key] = _Kernel(cfg, fn, built.threads)
+        return kern
+
+    def run(self, in_dtype: str, out_dtype: str, a: tuple, b: tuple, b_major: str, c: tuple,
+            m: int, n: int, k: int) -> None:
+        """Launch C = A @ B (asynchronously, on the default stream); the caller checked :meth:`accepts`."""
+        kern = self.kernel(in_dtype, out_dtype, b_major)
+        cfg = kern.cfg
+        p = operands.padded(cfg, m, n, k)
+        d = cfg.in_dtype
+        (pa, lda), (pb, ldb), (pc, ldc) = a, b, c
+        tmap = self.ctx.tensor_map
+        maps = [tmap(pa, d, m, k, cfg.bm, cfg.bk, lda)]
+        if b_major == "k":
+            maps.append(tmap(pb, d, n, k, cfg.bn, cfg.bk, ldb))
+        else:
+            maps.append(tmap(pb, d, k, n, cfg.bk, 128 // cfg.in_bytes, ldb))
+        # The C box of the ladder's TMA-store epilogue: 64 rows of 128 bytes (operands.tma_boxes).
+        maps.append(tmap(pc, cfg.out_dtype, m, n, 64, 128 // OUT_DTYPES[cfg.out_dtype], ldc))
+        gx, gy = operands.grid(cfg, p, self.ctx.sm_count)
+        self.ctx.launch(kern.fn, (gx, gy, 1), (kern.threads, 1, 1),
+                        [*maps, ("u64", pc), ("u32", p.m), ("u32", p.n), ("u32", p.k)])
+
+
+__all__ = ["INPUTS", "OUTPUTS", "TensorCoreGemm", "VARIANT", "enabled", "runs_on"]

@@ -1,0 +1,152 @@
+"""bf16 / fp16 matmuls of cuda:N tensors on the tensor cores (helios.cuda_ptx.tensor_gemm: the GEMM
+ladder's wgmma kernel reading and writing the tensors through TMA).
+
+On the emulated driver (an sm_90 device whose kernels run on the CPU) by default; the ``gpu``
+parameter runs the same checks on a real GPU.  The reference is float64 arithmetic on the
+16-bit inputs, and the generic (SIMT) kernel the product ran on before, with
+HELIOS_TENSOR_CORES=0."""
+
+import numpy as np
+import pytest
+
+import helios as hl
+from helios import _kernels as K
+from helios.cuda_ptx import driver
+from helios.runtime import close_device, get_runtime, set_device
+
+pytestmark = pytest.mark.vulkan
+
+
+@pytest.fixture(params=["emulator", pytest.param("0", marks=pytest.mark.gpu)], ids=["emulated", "gpu"])
+def cuda(request, monkeypatch):
+    """cuda:0 (emulated, or the real GPU) as the current device, with a counter of the products
+    its tensor cores took (``calls``); the device that was current before is current again after."""
+    monkeypatch.setenv("HELIOS_CUDA_DEVICE", request.param)
+    before = get_runtime().name
+    close_device("cuda:0")
+    driver.context.cache_clear()
+    set_device("cuda:0")
+    rt = get_runtime()
+    calls = []
+    real = type(rt).gemm
+
+    def counted(self, *args):
+        took = real(self, *args)
+        calls.append(took)
+        return took
+
+    monkeypatch.setattr(type(rt), "gemm", counted)  # on the class: a graph capture interposes on the instance
+    yield calls
+    set_device(before)
+    close_device("cuda:0")
+    driver.context.cache_clear()
+
+
+def _t(x, dtype=hl.bfloat16):
+    return hl.tensor(np.asarray(x, np.float32)).to(dtype)
+
+
+def _exact(t) -> np.ndarray:
+    """The tensor's values as float64 (16-bit values are exact in float32)."""
+    return t.float().numpy().astype(np.float64)
+
+
+def _close(got, want, dtype=hl.bfloat16):
+    # fp32 accumulation, then one rounding to the 16-bit type: half an ulp of the largest value
+    ulp = 2.0 ** -8 if dtype is hl.bfloat16 else 2.0 ** -11
+    np.testing.assert_allclose(got, want, rtol=0, atol=2 * ulp * np.abs(want).max())
+
+
+@pytest.mark.parametrize("layout", ["nn", "nt", "tn", "tt"])
+def test_products_of_any_layout_and_odd_extents(cuda, layout):
+    rng = np.random.default_rng(0)
+    M, K, N = 37, 136, 72  # M is no multiple of any tile: TMA's zero fill and clipped stores
+    a = _t(rng.standard_normal((K, M) if layout[0] == "t" else (M, K)))
+    b = _t(rng.standard_normal((N, K) if layout[1] == "t" else (K, N)))
+    a = a.t() if layout[0] == "t" else a
+    b = b.t() if layout[1] == "t" else b
+    c = a @ b
+    assert c.shape == (M, N) and c.dtype is hl.bfloat16
+    _close(_exact(c), _exact(a) @ _exact(b))
+    assert cuda == [True]
+
+
+def test_linear_with_bias_on_3d_input_and_fp16(cuda):
+    rng = np.random.default_rng(1)
+    x = _t(rng.standard_normal((2, 24, 64)))
+    w = _t(rng.standard_normal((64, 48)))
+    bias = _t(rng.standard_normal(48))
+    y = hl.nn.functional.linear(x, w.t(), bias)
+    want = _exact(x) @ _exact(w) + _exact(bias)
+    _close(_exact(y), want)
+    x16, w16 = _t(rng.standard_normal((40, 32)), hl.float16), _t(rng.standard_normal((32, 16)), hl.float16)
+    y16 = x16 @ w16
+    assert y16.dtype is hl.float16
+    _close(_exact(y16), _exact(x16) @ _exact(w16), hl.float16)
+    assert cuda == [True, True]
+
+
+def test_views_of_wider_matrices_and_a_transposed_out(cuda):
+    rng = np.random.default_rng(2)
+    wide = _t(rng.standard_normal((48, 200)))
+    a = wide[:, 64:128]  # rows 200 elements apart, starting 128 bytes in
+    b = _t(rng.standard_normal((64, 40)))
+    _close(_exact(a @ b), _exact(a) @ _exact(b))
+    out = hl.empty((40, 48), dtype=hl.bfloat16).t()  # a transposed destination: stored as b^T a^T
+    K.matmul(a, b, out=out)  # the kernel layer's out= (a gradient's slot in a flat buffer is such a view)
+    _close(_exact(out), _exact(a) @ _exact(b))
+    assert cuda == [True, True]
+
+
+def test_what_the_engine_cannot_take_runs_the_generic_kernel(cuda):
+    rng = np.random.default_rng(3)
+    a, b = _t(rng.standard_normal((16, 12))), _t(rng.standard_normal((12, 16)))  # rows of 24 bytes
+    _close(_exact(a @ b), _exact(a) @ _exact(b))
+    f = hl.tensor(rng.standard_normal((16, 16)).astype(np.float32))
+    np.testing.assert_allclose((f @ f).numpy(), f.numpy() @ f.numpy(), rtol=1e-5, atol=1e-5)  # fp32: never
+    x = _t(rng.standard_normal((3, 16, 16)))
+    _close(_exact(x @ x), _exact(x) @ _exact(x))  # a batch of matrices: the generic kernel
+    assert cuda == []
+
+
+def test_autocast_linear_gradients_match_the_generic_kernel(cuda, monkeypatch):
+    # Forward and both backward products of a bf16 autocast Linear go to the tensor cores; the
+    # gradients equal the generic kernel's to the 16-bit rounding.
+    rng = np.random.default_rng(4)
+    xs, ws, bs, gs = (rng.standard_normal(s).astype(np.float32) for s in ((4, 16, 32), (24, 32), (24,), (4, 16, 24)))
+
+    def grads():
+        x, w, b = (hl.tensor(v, requires_grad=True) for v in (xs, ws, bs))
+        with hl.autocast("bfloat16"):
+            y = hl.nn.functional.linear(x, w, b)
+        (y.float() * hl.tensor(gs)).sum().backward()
+        return [t.numpy() for t in (y.float(), x.grad, w.grad, b.grad)]
+
+    engine = grads()
+    assert len(cuda) == 3 and all(cuda)
+    monkeypatch.setenv("HELIOS_TENSOR_CORES", "0")
+    rt = get_runtime()
+    rt._tensor_cores = None  # decide again, now switched off
+    assert not rt.has_gemm("bfloat16")
+    generic = grads()
+    assert len(cuda) == 3  # no further product went to the engine
+    for e, g in zip(engine, generic):
+        np.testing.assert_allclose(e, g, rtol=2e-2, atol=2e-2 * np.abs(g).max())
+
+
+def test_vulkan_has_no_matrix_engine():
+    assert not get_runtime().has_gemm("bfloat16") or get_runtime().name.startswith("cuda")
+
+
+def test_a_captured_step_replays_its_tensor_core_products(cuda):
+    rng = np.random.default_rng(5)
+    a0, a1 = (rng.standard_normal((24, 32)).astype(np.float32) for _ in range(2))
+    b = _t(rng.standard_normal((32, 16)))
+    x = _t(a0)
+    with hl.graph.capture(inputs=(x,)) as g:
+        y = (x @ b).float()
+    _close(y.numpy(), _exact(x) @ _exact(b))
+    g.replay(_t(a1))
+    _close(y.numpy(), _exact(_t(a1)) @ _exact(b))  # the replay ran the product again, on the new input
+    assert cuda == [True, True]  # once captured, once replayed
+    g.release()

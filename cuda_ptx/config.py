@@ -65,6 +65,7 @@ class GemmConfig:
     in_dtype: str = "bf16"
     out_dtype: str = "f32"
     b_major: str = "n"
+    a_major: str = "k"
     bm: int = 64
     bn: int = 64
     bk: int = 16
@@ -110,6 +111,7 @@ class GemmConfig:
         """The ``.entry`` name: encodes everything that changes the code."""
         return (
             f"helios_gemm_{self.kind}_{self.in_dtype}_{self.out_dtype}_b{self.b_major}"
+            f"{'_am' if self.a_major == 'm' else ''}"
             f"_{self.bm}x{self.bn}x{self.bk}_s{self.stages}_c{self.consumers}{'_ws' if self.producer else ''}"
             f"{f'_f{self.inflight}' if self.inflight else ''}{f'_g{self.group_m}' if self.group_m else ''}"
             f"{'_p' if self.persistent else ''}{'_ts' if self.tma_store else ''}"
@@ -130,6 +132,11 @@ class GemmConfig:
             raise DTypeError(f"out_dtype must be one of {sorted(OUT_DTYPES)}, got {self.out_dtype!r}")
         if self.b_major not in ("k", "n"):
             raise ValueError(f"b_major must be 'k' or 'n', got {self.b_major!r}")
+        if self.a_major not in ("k", "m"):
+            raise ValueError(f"a_major must be 'k' or 'm', got {self.a_major!r}")
+        if self.a_major == "m" and (self.kind != "wgmma" or self.in_bytes != 2 or self.cluster > 1):
+            raise ValueError("a_major='m' (A stored K x M, read with imm-trans-a) is generated for 16-bit wgmma "
+                             "configs without clusters only")
         if self.in_dtype == "e4m3" and self.kind != "wgmma":
             raise DTypeError(
                 f"fp8 e4m3 is generated only for kind='wgmma' (K-major operands), got kind={self.kind!r}; "

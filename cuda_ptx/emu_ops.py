@@ -590,15 +590,13 @@ def _wgmma_issue(cta, ins, lanes) -> None:
     if rest[:2] != [1, 1]:
         raise cta.fail("imm-scale-a/b other than 1 are not modelled")
     trans_a, trans_b = (rest[2], rest[3]) if len(rest) == 4 else (0, 0)
-    if trans_a:
-        raise cta.fail("M-major A (imm-trans-a=1) is not modelled")
     if in_dtype == "e4m3" and len(rest) != 2:
         raise cta.fail("fp8 wgmma takes no transpose arguments")
     itemsize = 1 if in_dtype == "e4m3" else 2
     for r in acc:
         if not cta.written[r][lanes].all() and scale_d:
             raise cta.fail(f"accumulator {r} read (scale-d=1) before anything wrote it")
-    op = WgmmaOp(acc, da, db, scale_d, n, k * itemsize, in_dtype, bool(trans_b), ins.line)
+    op = WgmmaOp(acc, da, db, scale_d, n, k * itemsize, in_dtype, bool(trans_b), ins.line, bool(trans_a))
     for st in warps:
         st.open_ops.append(op)
         st.locked.update(acc)
@@ -622,9 +620,12 @@ def _wgmma_retire(cta, lanes, op) -> None:
             raise cta.fail(f"wgmma descriptor (line {op.line}) starts at {L.decode_desc(d)['start']:#x}, "
                            f"below the shared block at {SMEM_BASE:#x}")
     try:
-        a = _decode(L.wgmma_gather(cta.smem, op.desc_a, 64, op.k_bytes, raw_t), op.in_dtype)  # 64 x k
+        k = op.k_bytes // np.dtype(raw_t).itemsize
+        if op.trans_a:
+            a = _decode(L.wgmma_gather_mn(cta.smem, op.desc_a, 64, k, raw_t), op.in_dtype)  # 64 x k
+        else:
+            a = _decode(L.wgmma_gather(cta.smem, op.desc_a, 64, op.k_bytes, raw_t), op.in_dtype)  # 64 x k
         if op.trans_b:
-            k = op.k_bytes // np.dtype(raw_t).itemsize
             b = _decode(L.wgmma_gather_mn(cta.smem, op.desc_b, op.n, k, raw_t), op.in_dtype)  # n x k
         else:
             b = _decode(L.wgmma_gather(cta.smem, op.desc_b, op.n, op.k_bytes, raw_t), op.in_dtype)  # n x k

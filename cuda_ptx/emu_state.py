@@ -233,6 +233,7 @@ class WgmmaOp:
     in_dtype: str
     trans_b: bool
     line: int
+    trans_a: bool = False
 
 
 @dataclass

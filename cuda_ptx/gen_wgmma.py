@@ -27,6 +27,11 @@ descriptors (:func:`layout.encode_desc`):
   MN-major descriptor (LBO 8192 between 64-column boxes, SBO 1024 between 8-row K
   groups), ``imm-trans-b = 1``, +2048 bytes (16 K-rows) per k16 step.
 
+A is K-major (stored ``M x K``) by default.  ``a_major="m"`` (A stored ``K x M``, i.e. the
+transpose of a row-major matrix: the weight gradient's X^T, bf16/fp16 only) mirrors N-major
+B: ``bm / 64`` boxes of ``bk`` K-rows x 64 M-columns at ``{m0 + 64 j, k0}``, each one
+m64 block's operand; MN-major descriptor, ``imm-trans-a = 1``, +2048 bytes per k16 step.
+
 ``full[s]`` (TMA bytes landed) and ``empty[s]`` (consumers done) mbarriers order it.
 """
 
@@ -69,6 +74,31 @@ class WgmmaPlan:
     def n_major(self) -> bool:
         """B is read N-major (``imm-trans-b = 1``) from ``bk x 64`` TMA boxes."""
         return self.cfg.b_major == "n"
+
+    @property
+    def m_major(self) -> bool:
+        """A is read M-major (``imm-trans-a = 1``) from ``bk x 64`` TMA boxes, one per m64 block."""
+        return self.cfg.a_major == "m"
+
+    @property
+    def a_boxes(self) -> int:
+        """TMA copies of A per k-tile: ``bm / 64`` for M-major, 1 for K-major."""
+        return self.cfg.bm // 64 if self.m_major else 1
+
+    @property
+    def desc_a_const(self) -> int:
+        """A's descriptor with a zero start: MN-major as N-major B's, or K-major."""
+        return L.encode_desc(0, LBO_MN, SBO_MN, SWIZZLE) if self.m_major else self.desc_const
+
+    @property
+    def a_step_bytes(self) -> int:
+        """How far A's descriptor start moves per wgmma: 32 bytes of K, or 16 K-rows (M-major)."""
+        return self.k_inst * ATOM_BYTES if self.m_major else K_STEP_BYTES
+
+    @property
+    def trans_a(self) -> int:
+        """``imm-trans-a``: 1 reads A M-major (transposed), 0 K-major."""
+        return 1 if self.m_major else 0
 
     @property
     def b_box_cols(self) -> int:
@@ -132,8 +162,9 @@ class WgmmaPlan:
         return 1 if self.n_major else 0
 
     def a_offset(self, consumer: int, mb: int, kk: int) -> int:
-        """Byte offset in a slot where consumer ``consumer``'s m-block ``mb`` k-step ``kk`` starts."""
-        return (consumer * self.rows_per_consumer + mb * 64) * 128 + kk * K_STEP_BYTES
+        """Byte offset in a slot where consumer ``consumer``'s m-block ``mb`` k-step ``kk`` starts
+        (64 rows x 128 bytes K-major, or one 64-column box M-major: 8 KiB per m-block either way)."""
+        return (consumer * self.rows_per_consumer + mb * 64) * 128 + kk * self.a_step_bytes
 
     def b_offset(self, kk: int) -> int:
         """Byte offset in a slot where B's operand for k-step ``kk`` starts."""
@@ -231,8 +262,11 @@ def generate(cfg: GemmConfig) -> Kernel:
         b.emit("mbarrier.arrive.expect_tx.shared::cta.b64", "_", f"[{fb}]", plan.stage_bytes)
         dst = b.mad("u32", slot, plan.stage_bytes, ring)
         k0 = b.binop("mul.lo", "u32", kt, cfg.bk)
-        # tensor coordinates are innermost first: A is M x K (K contiguous)
-        b.emit(tma, f"[{dst}]", f"[{tmaps[0]}, {{{k0}, {m0}}}]", f"[{fb}]")
+        if not plan.m_major:  # tensor coordinates are innermost first: A is M x K (K contiguous)
+            b.emit(tma, f"[{dst}]", f"[{tmaps[0]}, {{{k0}, {m0}}}]", f"[{fb}]")
+        for j in range(plan.a_boxes if plan.m_major else 0):  # A stored K x M: bk x 64 boxes along M
+            mj = b.binop("add", "u32", m0, 64 * j) if j else m0
+            b.emit(tma, f"[{dst}+{j * 64 * 128}]", f"[{tmaps[0]}, {{{mj}, {k0}}}]", f"[{fb}]")
         if cfg.cluster > 1:
             load_b_share(k0, dst, fb, n0)
             return
@@ -302,7 +336,7 @@ def generate(cfg: GemmConfig) -> Kernel:
                 wait(b.mad("u32", slot, 8, full0), phase)
                 b.emit("mad.lo.u32", addr, slot, plan.stage_bytes, ring)
                 b.emit("add.u32", addr, addr, cons_a)
-                _desc(b, da, addr, plan.desc_const)
+                _desc(b, da, addr, plan.desc_a_const)
                 b.emit("mad.lo.u32", addr, slot, plan.stage_bytes, ring)
                 b.emit("add.u32", addr, addr, plan.a_bytes)
                 _desc(b, db, addr, plan.desc_b_const)
@@ -313,15 +347,15 @@ def generate(cfg: GemmConfig) -> Kernel:
                     b.emit("add.s64", dbk, db, (kk * plan.b_step_bytes) >> 4)
                     sd = keep if cfg.persistent and kk == 0 else scale_d
                     for mb in range(plan.mblocks):
-                        b.emit("add.s64", dak, da, (mb * 64 * 128 + kk * K_STEP_BYTES) >> 4)
+                        b.emit("add.s64", dak, da, (mb * 64 * 128 + kk * plan.a_step_bytes) >> 4)
                         shape = f"m64n{cfg.bn}k{plan.k_inst}"
                         if cfg.in_dtype == "e4m3":
                             b.emit(f"wgmma.mma_async.sync.aligned.{shape}.f32.{ptx_in}.{ptx_in}",
                                    _vec(acc[mb]), dak, dbk, sd, 1, 1)
                         else:
-                            # imm-trans-a = 0: A K-major; imm-trans-b = 1 reads B N-major.
+                            # imm-trans-a = 1 reads A M-major; imm-trans-b = 1 reads B N-major.
                             b.emit(f"wgmma.mma_async.sync.aligned.{shape}.f32.{ptx_in}.{ptx_in}",
-                                   _vec(acc[mb]), dak, dbk, sd, 1, 1, 0, plan.trans_b)
+                                   _vec(acc[mb]), dak, dbk, sd, 1, 1, plan.trans_a, plan.trans_b)
                 b.emit("wgmma.commit_group.sync.aligned")
                 if cfg.inflight == 0:
                     b.emit("wgmma.wait_group.sync.aligned", 0)
@@ -603,7 +637,12 @@ def simulate_tile(cfg: GemmConfig, A: np.ndarray, B: np.ndarray) -> np.ndarray:
     plan = WgmmaPlan(cfg)
     dt = np.float16 if cfg.in_bytes == 2 else np.int8
     smem = np.zeros(plan.stage_bytes, np.uint8)
-    smem[: plan.a_bytes] = L.tma_store_box(A.astype(dt), SWIZZLE)
+    if plan.m_major:
+        for j in range(plan.a_boxes):  # the TMA copy at {m0 + 64 j, k0} of A stored K x M
+            box = np.ascontiguousarray(A[j * 64: (j + 1) * 64, :].T.astype(dt))  # bk x 64
+            smem[j * 8192: (j + 1) * 8192] = L.tma_store_box(box, SWIZZLE)
+    else:
+        smem[: plan.a_bytes] = L.tma_store_box(A.astype(dt), SWIZZLE)
     if plan.n_major:
         for j in range(plan.b_boxes):  # the TMA copy at {n0 + 64 j, k0}
             box = np.ascontiguousarray(B[:, j * plan.b_box_cols: (j + 1) * plan.b_box_cols].astype(dt))
@@ -622,8 +661,11 @@ def simulate_tile(cfg: GemmConfig, A: np.ndarray, B: np.ndarray) -> np.ndarray:
             else:
                 bt = L.wgmma_gather(smem, db, cfg.bn, K_STEP_BYTES, dt).astype(np.float64)  # bn x k
             for mb in range(plan.mblocks):
-                da = plan.desc_const | (plan.a_offset(c, mb, kk) >> 4)
-                a = L.wgmma_gather(smem, da, 64, K_STEP_BYTES, dt).astype(np.float64)  # 64 x k
+                da = plan.desc_a_const | (plan.a_offset(c, mb, kk) >> 4)
+                if plan.m_major:
+                    a = L.wgmma_gather_mn(smem, da, 64, plan.k_inst, dt).astype(np.float64)  # 64 x k
+                else:
+                    a = L.wgmma_gather(smem, da, 64, K_STEP_BYTES, dt).astype(np.float64)  # 64 x k
                 d = a @ bt.T
                 acc[mb] += d[rmap, cmap]
         wt = np.arange(128)[:, None]

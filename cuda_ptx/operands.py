@@ -131,10 +131,11 @@ def pad_to(x: np.ndarray, rows: int, cols: int) -> np.ndarray:
 def encode_operands(cfg: GemmConfig, a: np.ndarray, b: np.ndarray, p: Padded) -> tuple[np.ndarray, np.ndarray]:
     """A (``M x K``) and B (``K x N``, as floats) encoded to the input dtype's bits and padded.
 
-    A is row-major ``M x K``; B is ``K x N`` row-major for ``b_major="n"`` and stored
+    A is row-major ``M x K``, stored transposed (``K x M``) for ``a_major="m"``; B is ``K x N`` row-major for ``b_major="n"`` and stored
     transposed (``N x K``) for ``b_major="k"``.
     """
-    ra = pad_to(dtypes.encode(a, cfg.in_dtype), p.m, p.k)
+    ra = dtypes.encode(a, cfg.in_dtype)
+    ra = pad_to(np.ascontiguousarray(ra.T), p.k, p.m) if cfg.a_major == "m" else pad_to(ra, p.m, p.k)
     rb = dtypes.encode(b, cfg.in_dtype)
     if cfg.b_major == "n":
         rb = pad_to(rb, p.k, p.n)
@@ -146,7 +147,8 @@ def encode_operands(cfg: GemmConfig, a: np.ndarray, b: np.ndarray, p: Padded) ->
 def tma_boxes(cfg: GemmConfig, p: Padded) -> list[TmaBox]:
     """The tensor maps a wgmma kernel takes, in parameter order (empty for other kinds).
 
-    A is ``M x K`` with a ``bm x bk`` box.  B stored ``N x K`` (``b_major="k"``) has one
+    A is ``M x K`` with a ``bm x bk`` box, or for ``a_major="m"`` stored ``K x M`` with ``bk x 64``
+    boxes (``bm / 64`` per k-tile, copied side by side).  B stored ``N x K`` (``b_major="k"``) has one
     ``bn x bk`` box per k-tile (``bn / cluster`` rows in a cluster kernel, where each CTA
     copies its share); B stored ``K x N`` (``b_major="n"``, 16-bit types) has ``bk x 64``
     boxes (64 N-columns = the 128-byte swizzle width), ``bn / 64`` of them per k-tile
@@ -158,7 +160,10 @@ def tma_boxes(cfg: GemmConfig, p: Padded) -> list[TmaBox]:
     if cfg.kind != "wgmma":
         return []
     d = cfg.in_dtype
-    a = TmaBox("a", p.m, p.k, cfg.bm, cfg.bk, d)
+    if cfg.a_major == "m":  # A stored K x M: bk x 64 boxes, bm / 64 of them per k-tile
+        a = TmaBox("a", p.k, p.m, cfg.bk, 128 // cfg.in_bytes, d)
+    else:
+        a = TmaBox("a", p.m, p.k, cfg.bm, cfg.bk, d)
     if cfg.b_major == "k":  # a cluster's CTAs each load (and multicast) bn / cluster rows
         b = TmaBox("b", p.n, p.k, cfg.bn // cfg.cluster, cfg.bk, d)
     else:

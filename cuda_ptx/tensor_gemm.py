@@ -58,9 +58,11 @@ class _Kernel:
 class TensorCoreGemm:
     """C = A @ B with wgmma on one driver context (see the module docstring).
 
-    Operands are ``(address, pitch)`` pairs, pitches in elements: A row-major ``M x K``;
-    B row-major ``K x N`` (``b_major="n"``) or its transpose stored row-major ``N x K``
-    (``b_major="k"``); C row-major ``M x N`` in the output dtype.
+    Operands are ``(address, pitch)`` pairs, pitches in elements: A row-major ``M x K``
+    (``a_major="k"``) or its transpose stored row-major ``K x M`` (``a_major="m"``: read with
+    wgmma's transpose bit, as a weight gradient's X^T is); B row-major ``K x N``
+    (``b_major="n"``) or its transpose stored row-major ``N x K`` (``b_major="k"``); C
+    row-major ``M x N`` in the output dtype.
     """
 
     def __init__(self, ctx: Context):
@@ -79,28 +81,32 @@ class TensorCoreGemm:
                 return False
         return max(m, n, k) < 1 << 30
 
-    def kernel(self, in_dtype: str, out_dtype: str, b_major: str) -> _Kernel:
-        """The loaded kernel for these dtypes and B layout (built and loaded on first use)."""
-        key = (in_dtype, out_dtype, b_major)
+    def kernel(self, in_dtype: str, out_dtype: str, a_major: str, b_major: str) -> _Kernel:
+        """The loaded kernel for these dtypes and operand layouts (built and loaded on first use)."""
+        key = (in_dtype, out_dtype, a_major, b_major)
         kern = self._kernels.get(key)
         if kern is None:
-            cfg = resolve(VARIANT).with_(in_dtype=INPUTS[in_dtype], out_dtype=OUTPUTS[out_dtype], b_major=b_major)
+            cfg = resolve(VARIANT).with_(in_dtype=INPUTS[in_dtype], out_dtype=OUTPUTS[out_dtype], a_major=a_major,
+                                         b_major=b_major)
             cfg.validate()
             built = build_kernel(cfg)
             fn = self.ctx.load_kernel(render(built), built.name, built.shared_bytes, cfg.target)
             kern = self._kernels[key] = _Kernel(cfg, fn, built.threads)
         return kern
 
-    def run(self, in_dtype: str, out_dtype: str, a: tuple, b: tuple, b_major: str, c: tuple,
+    def run(self, in_dtype: str, out_dtype: str, a: tuple, a_major: str, b: tuple, b_major: str, c: tuple,
             m: int, n: int, k: int) -> None:
         """Launch C = A @ B (asynchronously, on the default stream); the caller checked :meth:`accepts`."""
-        kern = self.kernel(in_dtype, out_dtype, b_major)
+        kern = self.kernel(in_dtype, out_dtype, a_major, b_major)
         cfg = kern.cfg
         p = operands.padded(cfg, m, n, k)
         d = cfg.in_dtype
         (pa, lda), (pb, ldb), (pc, ldc) = a, b, c
         tmap = self.ctx.tensor_map
-        maps = [tmap(pa, d, m, k, cfg.bm, cfg.bk, lda)]
+        if a_major == "m":  # A stored K x M: the boxes of operands.tma_boxes, bk x 64
+            maps = [tmap(pa, d, k, m, cfg.bk, 128 // cfg.in_bytes, lda)]
+        else:
+            maps = [tmap(pa, d, m, k, cfg.bm, cfg.bk, lda)]
         if b_major == "k":
             maps.append(tmap(pb, d, n, k, cfg.bn, cfg.bk, ldb))
         else:

@@ -391,18 +391,19 @@ class CudaRuntime(Runtime):
         if not self.has_gemm(in_dtype):
             return False
         engine = self._engine()
-        (ha, oa, lda), (hb, ob, ldb, major), (hc, oc, ldc) = a, b, c
+        (ha, oa, lda, a_major), (hb, ob, ldb, major), (hc, oc, ldc) = a, b, c
         isz = 2
         osz = 4 if out_dtype == "float32" else 2
+        arows, acols = (m, k) if a_major == "k" else (k, m)
         brows, bcols = (k, n) if major == "n" else (n, k)
-        pa = self._address(ha, oa, ((m - 1) * lda + k) * isz, "gemm")
+        pa = self._address(ha, oa, ((arows - 1) * lda + acols) * isz, "gemm")
         pb = self._address(hb, ob, ((brows - 1) * ldb + bcols) * isz, "gemm")
         pc = self._address(hc, oc, ((m - 1) * ldc + n) * osz, "gemm")
         if not engine.accepts(in_dtype, out_dtype, (pa, lda), (pb, ldb), (pc, ldc), m, n, k):
             return False
         self._use()
         timed = self._begin("matmul_wgmma", 2 * m * n * k, (m * k + k * n) * isz + m * n * osz) if self._timing else None
-        engine.run(in_dtype, out_dtype, (pa, lda), (pb, ldb), major, (pc, ldc), m, n, k)
+        engine.run(in_dtype, out_dtype, (pa, lda), a_major, (pb, ldb), major, (pc, ldc), m, n, k)
         self._stats["dispatches"] += 1
         if timed is not None:
             self._end(timed)

@@ -141,7 +141,8 @@ class Runtime(ABC):
         """C = A @ B on the device's matrix engine, where it has one for this product; returns
         whether it recorded it (False: nothing was done, the caller runs its generic kernel).
 
-        ``a`` = (handle, byte offset, row pitch in elements) of row-major ``M x K``; ``b`` = (handle,
+        ``a`` = (handle, byte offset, row pitch in elements, major): ``"k"`` for row-major ``M x K``,
+        ``"m"`` for its transpose stored row-major ``K x M``; ``b`` = (handle,
         byte offset, row pitch, major): ``"n"`` for row-major ``K x N``, ``"k"`` for its transpose
         stored row-major ``N x K``; ``c`` = (handle, byte offset, row pitch) of row-major ``M x N``.
         ``in_dtype`` / ``out_dtype`` are Helios dtype names.  None by default."""

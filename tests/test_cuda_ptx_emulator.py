@@ -120,6 +120,14 @@ def test_n_major_b_through_the_transpose_bit(variant, in_dtype):
     np.testing.assert_array_equal(emulate_gemm(a, b, cfg), a @ b)
 
 
+@pytest.mark.parametrize("variant,b_major", [("wgmma_tma", "k"), ("wgmma_ws", "n"), ("wgmma_persistent", "k"),
+                                             ("wgmma_persistent", "n")])
+def test_m_major_a_through_the_transpose_bit(variant, b_major):
+    a, b = _operands(variant, seed=9)
+    cfg = cp.variants()[variant].with_(a_major="m", b_major=b_major)
+    np.testing.assert_array_equal(emulate_gemm(a, b, cfg), a @ b)
+
+
 def test_bf16_output_and_fp16_input():
     a, b = _operands("wgmma_pipe", seed=3)
     c = emulate_gemm(a, b, "wgmma_pipe", out_dtype="bfloat16")

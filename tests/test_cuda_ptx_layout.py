@@ -169,6 +169,26 @@ def test_wgmma_n_major_tile_simulation_reproduces_matmul(name, in_dtype):
     assert np.array_equal(gen_wgmma.simulate_tile(cfg, A, B), A @ B)
 
 
+@pytest.mark.parametrize("b_major", ["k", "n"])
+@pytest.mark.parametrize("name", ["wgmma_tma", "wgmma_ws", "wgmma_persistent"])
+def test_wgmma_m_major_a_tile_simulation_reproduces_matmul(name, b_major):
+    cfg = V[name].with_(a_major="m", b_major=b_major)
+    rng = np.random.default_rng(13)
+    A, B = _ints(rng, (cfg.bm, cfg.bk)), _ints(rng, (cfg.bk, cfg.bn))
+    assert np.array_equal(gen_wgmma.simulate_tile(cfg, A, B), A @ B)
+    plan = gen_wgmma.WgmmaPlan(cfg)
+    d = L.decode_desc(plan.desc_a_const)
+    assert (d["lbo"], d["sbo"], plan.a_step_bytes, plan.trans_a, plan.a_boxes) == (8192, 1024, 2048, 1, cfg.bm // 64)
+    assert plan.stage_bytes == gen_wgmma.WgmmaPlan(cfg.with_(a_major="k")).stage_bytes
+
+
+def test_m_major_a_is_refused_where_it_is_not_generated():
+    with pytest.raises(ValueError, match="a_major='m'"):
+        V["wgmma_fp8"].with_(a_major="m").validate()
+    with pytest.raises(ValueError, match="a_major='m'"):
+        V["mma_sync"].with_(a_major="m").validate()
+
+
 @pytest.mark.parametrize("const, bad", [("LBO_MN", 4096), ("LBO_MN", 1024), ("SBO_MN", 512), ("SBO_MN", 2048)])
 def test_wgmma_n_major_simulation_catches_a_wrong_lbo_or_sbo(monkeypatch, const, bad):
     cfg = V["wgmma_ws"].with_(b_major="n")  # bn = 256: four 64-column boxes, so LBO matters

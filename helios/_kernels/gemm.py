@@ -256,9 +256,9 @@ def _on_matrix_engine(a: Tensor, b: Tensor, bias: Tensor | None, out: Tensor) ->
     """out = a @ b (+ bias) for 2-D views a [M, K], b [K, N], out [M, N] (any strides) on the
     device's matrix engine (``rt.gemm``); False, with nothing recorded, where it cannot take them.
 
-    The engine reads row-major A, B row-major or transposed, and writes a row-major C, each
-    with 16-byte aligned rows: an operand in another layout (A transposed, a broadcast) is
-    copied first.  A bfloat16 product without bias is stored straight into ``out`` (or into
+    The engine reads A and B row-major or transposed and writes a row-major C, each with
+    16-byte aligned rows: an operand in another layout (a broadcast, a pitch off the 16-byte
+    grid) is copied first.  A bfloat16 product without bias is stored straight into ``out`` (or into
     its transpose, as out^T = b^T a^T, for a transposed ``out``); otherwise C is float32 and
     ``out`` gets round(C + bias) from it, so the product is rounded once as in the generic
     kernel."""
@@ -278,22 +278,17 @@ def _on_matrix_engine(a: Tensor, b: Tensor, bias: Tensor | None, out: Tensor) ->
     if swapped:  # out^T = b^T @ a^T
         a, b = _swap_last(b), _swap_last(a)
         M, N = N, M
-    ra = _engine_rows(a)
+    ra, a_major = _engine_operand(a, "k", "m")
     if ra is None:
         a = kern.copy(a)
-        ra = _engine_rows(a)
-    if b.shape[1] == 1 or b._strides[1] == 1:
-        rb = _engine_rows(b)
-        major = "n"
-    else:
-        rb = _engine_rows(_swap_last(b))
-        major = "k"
+        ra, a_major = _engine_rows(a), "k"
+    rb, b_major = _engine_operand(b, "n", "k")
     if rb is None:
         b = kern.copy(b)
-        rb, major = _engine_rows(b), "n"
+        rb, b_major = _engine_rows(b), "n"
     rc = _engine_rows(target)
     isz = a.dtype.itemsize
-    if not rt.gemm((a._st.handle, ra[0] * isz, ra[1]), (b._st.handle, rb[0] * isz, rb[1], major),
+    if not rt.gemm((a._st.handle, ra[0] * isz, ra[1], a_major), (b._st.handle, rb[0] * isz, rb[1], b_major),
                    (target._st.handle, rc[0] * target.dtype.itemsize, rc[1]), M, N, K, a.dtype.name,
                    target.dtype.name):
         return False
@@ -302,6 +297,15 @@ def _on_matrix_engine(a: Tensor, b: Tensor, bias: Tensor | None, out: Tensor) ->
     result = target if bias is None else kern.binary("add", target, kern.copy(bias, dt.float32))
     kern.copy_into(out, result)
     return True
+
+
+def _engine_operand(x: Tensor, rows_major: str, cols_major: str) -> tuple:
+    """((element offset, row pitch), major) for 2-D operand ``x`` as the engine reads it: its rows
+    (``rows_major``) where they are contiguous, else its transpose's (``cols_major``: a
+    transposed view of a row-major matrix); (None, None) where neither is readable."""
+    if x.shape[1] == 1 or x._strides[1] == 1:
+        return _engine_rows(x), rows_major
+    return _engine_rows(_swap_last(x)), cols_major
 
 
 def _engine_rows(x: Tensor) -> tuple | None:

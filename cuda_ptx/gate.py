@@ -15,7 +15,8 @@ hang, fault or misuse reported.
 
 :func:`gate_configs` is what the gate covers: the ladder of :func:`variants` plus the
 N-major-B twin of each 16-bit wgmma rung (``wgmma_tma_nmajor``...), the form
-``gemm()`` runs them in.  ``python -m helios.cuda_ptx.gate`` gates those and prints
+``gemm()`` runs them in, plus the persistent rung reading A M-major (``.tnspA`` on every HGMMA),
+as the tensor-core matmul of ``cuda:N`` runs a weight gradient.  ``python -m helios.cuda_ptx.gate`` gates those and prints
 one JSON line each.
 """
 
@@ -39,15 +40,22 @@ from .emulate import emulate_gemm
 
 FORBIDDEN_NOTES = ("C7508", "C7510", "C7511", "C7517", "C7519")
 TNSP_B = ".tnspB"  # SASS marks an HGMMA that reads B MN-major (imm-trans-b = 1)
+TNSP_A = ".tnspA"  # ... and one that reads A MN-major (imm-trans-a = 1)
 
 
 def gate_configs() -> dict[str, GemmConfig]:
-    """Everything the gate checks, by name: the ladder, then N-major-B twins of the 16-bit wgmma rungs."""
+    """Everything the gate checks, by name: the ladder, then N-major-B twins of the 16-bit wgmma rungs,
+    then the M-major-A forms the tensor-core matmul of ``cuda:N`` runs (helios.cuda_ptx.tensor_gemm)."""
+    from .tensor_gemm import VARIANT
+
     out = variants()
     for name, cfg in list(out.items()):
         if cfg.kind == "wgmma" and cfg.in_bytes == 2 and cfg.b_major == "k":
             twin = f"{name}_nmajor"
             out[twin] = cfg.with_(name=twin, b_major="n")
+    for suffix, b_major in (("_amajor", "k"), ("_amajor_nmajor", "n")):
+        name = VARIANT + suffix
+        out[name] = out[VARIANT].with_(name=name, a_major="m", b_major=b_major, out_dtype="bf16")
     return out
 
 
@@ -174,6 +182,13 @@ def run_gate(cfg: GemmConfig, ptx: str | None = None, emulate: bool = True) -> G
                 failures.append(f"{hgmma - tnsp} of {hgmma} HGMMA lack {TNSP_B} (B is N-major: imm-trans-b = 1)")
         elif tnsp:
             failures.append(f"{tnsp} HGMMA carry {TNSP_B} but B is K-major (imm-trans-b must be 0)")
+        tnsp_a = count_prefixed(text, "HGMMA", TNSP_A)
+        if cfg.a_major == "m":
+            found["HGMMA " + TNSP_A] = tnsp_a
+            if tnsp_a != hgmma:
+                failures.append(f"{hgmma - tnsp_a} of {hgmma} HGMMA lack {TNSP_A} (A is M-major: imm-trans-a = 1)")
+        elif tnsp_a:
+            failures.append(f"{tnsp_a} HGMMA carry {TNSP_A} but A is K-major (imm-trans-a must be 0)")
     emulated = {}
     if emulate:
         emulated, why = emulation_check(cfg, ptx)

@@ -22,7 +22,8 @@ G = gate.gate_configs()
 
 def test_gate_covers_the_ladder_and_n_major_twins_of_16_bit_wgmma():
     twins = ("wgmma_tma", "wgmma_pipe", "wgmma_ws", "wgmma_persistent", "wgmma_cluster")
-    assert list(G) == [*V, *(f"{n}_nmajor" for n in twins)]
+    assert list(G) == [*V, *(f"{n}_nmajor" for n in twins), "wgmma_persistent_amajor", "wgmma_persistent_amajor_nmajor"]
+    assert G["wgmma_persistent_amajor"].a_major == "m" and G["wgmma_persistent_amajor_nmajor"].b_major == "n"
     for name in twins:
         twin = G[f"{name}_nmajor"]
         assert twin == V[name].with_(name=f"{name}_nmajor", b_major="n")
@@ -38,11 +39,14 @@ def test_gate_passes_for_every_variant(name):
     assert rep.spill_bytes == 0
     assert not set(rep.notes) & set(gate.FORBIDDEN_NOTES)
     assert all(n > 0 for n in rep.found.values()), rep.found
-    if G[name].b_major == "n" and G[name].kind == "wgmma":
+    if G[name].b_major == "n" and G[name].kind == "wgmma" and G[name].a_major == "k":
         # every HGMMA reads B transposed, and B arrives as 1 + bn/64 TMA copies per tile
         hg = next(v for k, v in rep.found.items() if k.startswith("HGMMA.64x"))
         assert rep.found["HGMMA " + gate.TNSP_B] == hg
         assert rep.found["UTMALDG"] > gate.run_gate(V[name.removesuffix("_nmajor")]).found["UTMALDG"]
+    if G[name].a_major == "m":  # every HGMMA reads A transposed
+        hg = next(v for k, v in rep.found.items() if k.startswith("HGMMA.64x"))
+        assert rep.found["HGMMA " + gate.TNSP_A] == hg
 
 
 EXTRA = {

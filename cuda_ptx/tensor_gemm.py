@@ -22,11 +22,13 @@ rules).  ``HELIOS_TENSOR_CORES=0`` turns it off (every matmul then runs the GLSL
 
 from __future__ import annotations
 
+import ctypes
 import os
+import threading
 
 from . import operands
 from .config import IN_DTYPES, OUT_DTYPES
-from .driver import Context
+from .driver import Context, _aligned_buffer
 from .emit import build_kernel, resolve
 from .render import render
 
@@ -47,12 +49,25 @@ def runs_on(ctx: Context) -> bool:
 
 
 class _Kernel:
-    """One loaded config: its function, threads per CTA and the config itself."""
+    """One loaded config: its function, threads per CTA, the config, and its kernel-parameter block.
 
-    __slots__ = ("cfg", "fn", "threads")
+    The block (three 128-byte tensor maps, 64-byte aligned as the driver requires, C's pointer,
+    M, N, K) is built once and refilled in place for each launch: cuLaunchKernel copies the
+    parameters when it is called, and building them anew costs more host time than a small
+    product takes on the GPU."""
+
+    __slots__ = ("cfg", "fn", "threads", "grids", "_owner", "maps_at", "c", "dims", "params", "last_maps")
 
     def __init__(self, cfg, fn, threads: int):
         self.cfg, self.fn, self.threads = cfg, fn, threads
+        self.grids: dict[tuple, tuple] = {}  # (m, n, k) -> (padded extents, grid)
+        self._owner, base = _aligned_buffer(3 * 128, 128)
+        self.maps_at = [base + 128 * i for i in range(3)]
+        self.c = ctypes.c_uint64(0)
+        self.dims = [ctypes.c_uint32(0) for _ in range(3)]
+        slots = [*self.maps_at, ctypes.addressof(self.c), *(ctypes.addressof(d) for d in self.dims)]
+        self.params = (ctypes.c_void_p * len(slots))(*slots)
+        self.last_maps: tuple = ()
 
 
 class TensorCoreGemm:
@@ -65,9 +80,24 @@ class TensorCoreGemm:
     row-major ``M x N`` in the output dtype.
     """
 
+    # Tensor maps kept for reuse (the caching allocator hands the same addresses out again, and a
+    # weight is the same operand every step); the cache is emptied when it reaches this size.
+    MAX_MAPS = 4096
+
     def __init__(self, ctx: Context):
         self.ctx = ctx
         self._kernels: dict[tuple, _Kernel] = {}
+        self._maps: dict[tuple, bytes] = {}
+        self._lock = threading.Lock()  # a kernel's parameter block is shared by its launches
+
+    def _map(self, *key) -> bytes:
+        """``ctx.tensor_map(*key)``, encoded once per distinct operand."""
+        m = self._maps.get(key)
+        if m is None:
+            if len(self._maps) >= self.MAX_MAPS:
+                self._maps.clear()
+            m = self._maps[key] = self.ctx.tensor_map(*key)
+        return m
 
     @staticmethod
     def accepts(in_dtype: str, out_dtype: str, a: tuple, b: tuple, c: tuple, m: int, n: int, k: int) -> bool:
@@ -99,23 +129,38 @@ class TensorCoreGemm:
         """Launch C = A @ B (asynchronously, on the default stream); the caller checked :meth:`accepts`."""
         kern = self.kernel(in_dtype, out_dtype, a_major, b_major)
         cfg = kern.cfg
-        p = operands.padded(cfg, m, n, k)
+        shape = kern.grids.get((m, n, k))
+        if shape is None:
+            p = operands.padded(cfg, m, n, k)
+            shape = kern.grids[(m, n, k)] = (p, operands.grid(cfg, p, self.ctx.sm_count))
+        p, (gx, gy) = shape
         d = cfg.in_dtype
         (pa, lda), (pb, ldb), (pc, ldc) = a, b, c
-        tmap = self.ctx.tensor_map
+        tmap = self._map
         if a_major == "m":  # A stored K x M: the boxes of operands.tma_boxes, bk x 64
-            maps = [tmap(pa, d, k, m, cfg.bk, 128 // cfg.in_bytes, lda)]
+            map_a = tmap(pa, d, k, m, cfg.bk, 128 // cfg.in_bytes, lda)
         else:
-            maps = [tmap(pa, d, m, k, cfg.bm, cfg.bk, lda)]
+            map_a = tmap(pa, d, m, k, cfg.bm, cfg.bk, lda)
         if b_major == "k":
-            maps.append(tmap(pb, d, n, k, cfg.bn, cfg.bk, ldb))
+            map_b = tmap(pb, d, n, k, cfg.bn, cfg.bk, ldb)
         else:
-            maps.append(tmap(pb, d, k, n, cfg.bk, 128 // cfg.in_bytes, ldb))
+            map_b = tmap(pb, d, k, n, cfg.bk, 128 // cfg.in_bytes, ldb)
         # The C box of the ladder's TMA-store epilogue: 64 rows of 128 bytes (operands.tma_boxes).
-        maps.append(tmap(pc, cfg.out_dtype, m, n, 64, 128 // OUT_DTYPES[cfg.out_dtype], ldc))
-        gx, gy = operands.grid(cfg, p, self.ctx.sm_count)
-        self.ctx.launch(kern.fn, (gx, gy, 1), (kern.threads, 1, 1),
-                        [*maps, ("u64", pc), ("u32", p.m), ("u32", p.n), ("u32", p.k)])
+        map_c = tmap(pc, cfg.out_dtype, m, n, 64, 128 // OUT_DTYPES[cfg.out_dtype], ldc)
+        maps = (map_a, map_b, map_c)
+        cu = self.ctx.cu
+        with self._lock:
+            if maps != kern.last_maps:
+                for at, raw, old in zip(kern.maps_at, maps, kern.last_maps or (None,) * 3):
+                    if raw is not old:
+                        ctypes.memmove(at, raw, 128)
+                kern.last_maps = maps
+            kern.c.value = pc
+            kern.dims[0].value, kern.dims[1].value, kern.dims[2].value = p.m, p.n, p.k
+            fn = kern.fn
+            res = cu.cuLaunchKernel(fn.handle, gx, gy, 1, kern.threads, 1, 1, fn.shared_bytes, 0,
+                                    ctypes.addressof(kern.params), 0)
+        self.ctx._check(f"cuLaunchKernel({fn.name})", res)
 
 
 __all__ = ["INPUTS", "OUTPUTS", "TensorCoreGemm", "VARIANT", "enabled", "runs_on"]

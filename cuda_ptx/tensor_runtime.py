@@ -33,7 +33,7 @@ import time
 
 import numpy as np
 
-from helios.backend import POOLS, Runtime
+from helios.backend import DISPATCH, POOLS, Runtime
 from helios.errors import DeviceError, OutOfMemoryError
 from helios.profile import debug as _debug
 from helios.profile.profiler import current_collector
@@ -104,9 +104,31 @@ class _Program:
         self.vals = (ctypes.c_uint64 * n)()
         base = ctypes.addressof(self.vals)
         self.ptrs = (ctypes.c_void_p * n)(*[base + 8 * i for i in range(n)])
-        self.params = ctypes.addressof(self.ptrs)
+        self.params = ctypes.addressof(self.ptrs)  # dispatch()'s block, refilled per launch
         self.bx, self.by, self.bz = t.block
         self.shared = fn.shared_bytes
+
+    def new_block(self) -> tuple:
+        """A parameter block of this program's size: (values, pointers to each value)."""
+        vals = (ctypes.c_uint64 * len(self.vals))()
+        base = ctypes.addressof(vals)
+        return vals, (ctypes.c_void_p * len(self.vals))(*[base + 8 * i for i in range(len(self.vals))])
+
+    def fill(self, vals, buffers: list, push: bytes, live: dict, device: str, name: str) -> None:
+        """Write one launch's parameters into ``vals``: one address per binding the kernel declares
+        (the bound range's; 0 where the dispatch gives none), then the push constants as words."""
+        for i, b in enumerate(self.bindings):
+            if b < len(buffers):
+                h = buffers[b][0]
+                if type(h) is not int or h not in live:
+                    raise DeviceError(f"{name}: an operand is not on {device} (a cpu tensor, or one on another "
+                                      f"device); move it first with .to({device!r})")
+                vals[i] = h + buffers[b][1]
+            else:
+                vals[i] = 0
+        if self.push_bytes:
+            raw = push if len(push) >= self.push_bytes else bytes(push).ljust(self.push_bytes, b"\0")
+            vals[self.nbind:] = self.words.unpack_from(raw)
 
 
 class CudaRuntime(Runtime):
@@ -140,6 +162,8 @@ class CudaRuntime(Runtime):
         self._success = self.cu.CUresult.CUDA_SUCCESS
         self._pipelines: dict[tuple, int] = {}
         self._tensor_cores = None  # tensor_gemm.TensorCoreGemm on first gemm(), False where there is none
+        # run_commands' launches prepared per command list (a graph's replays): id -> (list, slots)
+        self._prepared: dict[int, tuple] = {}
         self._stats = {"dispatches": 0, "copies": 0, "fills": 0, "fence_waits": 0}
         self.last_wait_ns = 0
         # Profiling: events bracketing each timed command until synchronize() reads them.
@@ -343,21 +367,8 @@ class CudaRuntime(Runtime):
         This is ``Context.launch(fn, grid=groups, block, args)`` with the parameter block built once
         per program and refilled in place: the per-launch Python cost is most of a small kernel's."""
         p = self._programs[pid]
-        live = self._live
         with self._lock:  # the program's parameter block is shared by every launch of it
-            vals = p.vals
-            for i, b in enumerate(p.bindings):
-                if b < len(buffers):
-                    h = buffers[b][0]
-                    if type(h) is not int or h not in live:
-                        raise DeviceError(f"{name}: an operand is not on {self.name} (a cpu tensor, or one on another "
-                                          f"device); move it first with .to({self.name!r})")
-                    vals[i] = h + buffers[b][1]
-                else:
-                    vals[i] = 0
-            if p.push_bytes:
-                raw = push if len(push) >= p.push_bytes else bytes(push).ljust(p.push_bytes, b"\0")
-                vals[p.nbind:] = p.words.unpack_from(raw)
+            p.fill(p.vals, buffers, push, self._live, self.name, name)
             if getattr(_tls, "ctx", None) is not self.ctx:
                 self._use()
             timed = self._begin(name, flops, nbytes) if self._timing else None
@@ -408,6 +419,55 @@ class CudaRuntime(Runtime):
         if timed is not None:
             self._end(timed)
         return True
+
+    # The command lists whose launches run_commands keeps prepared (the graphs being replayed).
+    MAX_PREPARED = 8
+
+    def run_commands(self, commands) -> None:
+        """Issue recorded commands (a graph's replay; see helios.backend.Runtime.run_commands).
+
+        Each dispatch's launch is prepared once per command list and kept: its parameter block
+        (the bound addresses and push words) built in its own memory, so a replay is one
+        ``cuLaunchKernel`` per dispatch with nothing rebuilt.  A command the graph replaced
+        since (a dynamic push constant) is prepared again.  Timed (profiling, HELIOS_DEBUG) runs
+        go through :meth:`dispatch` one by one."""
+        if self._timing or self.debug or current_collector() is not None:
+            return super().run_commands(commands)
+        entry = self._prepared.get(id(commands))
+        if entry is None or entry[0] is not commands:
+            if len(self._prepared) >= self.MAX_PREPARED:
+                self._prepared.pop(next(iter(self._prepared)))
+            entry = self._prepared[id(commands)] = (commands, [None] * len(commands))
+        slots = entry[1]
+        if len(slots) != len(commands):  # the list changed length: prepare it afresh
+            slots[:] = [None] * len(commands)
+        others = (None, self.copy, self.fill, self.gemm)
+        launch, ok = self.cu.cuLaunchKernel, self._success
+        self._use()
+        n = 0
+        for i, (kind, args) in enumerate(commands):
+            if kind != DISPATCH:
+                others[kind](*args)
+                continue
+            slot = slots[i]
+            if slot is None or slot[0] is not args:
+                slot = slots[i] = (args, self._prepare_launch(*args))
+            handle, gx, gy, gz, bx, by, bz, shared, params, _keep = slot[1]
+            res = launch(handle, gx, gy, gz, bx, by, bz, shared, 0, params, 0)
+            if res[0] != ok:
+                self._check(f"cuLaunchKernel({args[4]})", res)
+            n += 1
+        self._stats["dispatches"] += n
+
+    def _prepare_launch(self, pid: int, buffers: list, push: bytes, groups: tuple, name: str, flops: int = 0,
+                        nbytes: int = 0) -> tuple:
+        """The arguments of :meth:`dispatch`'s cuLaunchKernel for one command, in a parameter block
+        of its own: (function, grid, block, shared bytes, parameter address, the block's owners)."""
+        p = self._programs[pid]
+        vals, ptrs = p.new_block()
+        p.fill(vals, buffers, push, self._live, self.name, name)
+        gx, gy, gz = groups
+        return (p.handle, gx, gy, gz, p.bx, p.by, p.bz, p.shared, ctypes.addressof(ptrs), (vals, ptrs))
 
     # -- stream ---------------------------------------------------------------------------
     def synchronize(self) -> None:

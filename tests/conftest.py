@@ -18,6 +18,19 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip_gpu)
 
 
+@pytest.fixture
+def emulated_cuda(monkeypatch):
+    """cuda:0 on the emulated driver for this test; the device current before is current again after it."""
+    from helios.runtime import close_device, get_runtime, set_device
+
+    monkeypatch.setenv("HELIOS_CUDA_DEVICE", "emulator")
+    before = get_runtime().name
+    close_device("cuda:0")
+    yield
+    set_device(before)
+    close_device("cuda:0")  # later tests must not find an emulated cuda:0 already open
+
+
 @pytest.fixture(scope="session")
 def one_rank_run(tmp_path_factory):
     """``one_rank_run(*flags)``: the folder of a one-rank ``helios-train`` run (test_train_dist's

@@ -20,17 +20,6 @@ pytestmark = pytest.mark.vulkan
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.fixture
-def emulated_cuda(monkeypatch):
-    """cuda:0 on the emulated driver for this test; the Vulkan device is current again after it."""
-    monkeypatch.setenv("HELIOS_CUDA_DEVICE", "emulator")
-    before = get_runtime().name
-    close_device("cuda:0")
-    yield
-    set_device(before)
-    close_device("cuda:0")  # later tests must not find an emulated cuda:0 already open
-
-
 def test_op_suite_on_the_emulated_cuda_device():
     # Every op test of tests/test_ops.py (forward and backward against PyTorch, odd shapes,
     # broadcasting, strided views, float32/float16/bfloat16) with cuda:0 as the device.

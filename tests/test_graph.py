@@ -79,6 +79,21 @@ def test_gpt_replay_equals_running_the_step_for_20_steps(autocast):
     assert len(set(eager)) > 10  # the batches differ: the replays saw their own inputs
 
 
+def test_gpt_replay_on_the_emulated_cuda_device_equals_running_the_step(emulated_cuda):
+    # CudaRuntime replays through launches prepared once per command list; AdamW's step count is
+    # a dynamic push constant, so its commands are prepared again each replay.
+    from helios.runtime import set_device
+
+    set_device("cuda:0")
+    batches = _batches(3)
+    eager, p_eager, _ = _train_gpt(batches, replay=False)
+    replayed, p_replay, _ = _train_gpt(batches, replay=True)
+    assert replayed == eager
+    for name in p_eager:
+        np.testing.assert_array_equal(p_replay[name], p_eager[name], err_msg=name)
+    assert get_runtime()._prepared  # the replays went through the prepared launches
+
+
 def test_replay_issues_the_captured_commands_only():
     rt = get_runtime()
     x = hl.tensor(np.arange(8, dtype=np.float32))

@@ -58,6 +58,10 @@ class GemmConfig:
     take vertically adjacent tiles (rows ``m0`` and ``m0 + bm``, same columns): they need
     the same B tile, so each CTA's producer loads half of it and multicasts that half into
     both CTAs' shared memory (``.multicast::cluster``), halving B's traffic from L2.
+    ``bias`` (16-bit wgmma with ``tma_store``) adds an N-vector of the input dtype to every row
+    of C in the epilogue, in fp32 before C is rounded to the output dtype: a Linear layer's
+    ``x @ W^T + b`` in one kernel.  It takes two more parameters, the vector's address and
+    length (columns past it add 0).
     """
 
     name: str
@@ -80,6 +84,7 @@ class GemmConfig:
     persistent: bool = False
     tma_store: bool = False
     cluster: int = 1
+    bias: bool = False
 
     # -- derived --------------------------------------------------------------------
     @property
@@ -115,7 +120,7 @@ class GemmConfig:
             f"_{self.bm}x{self.bn}x{self.bk}_s{self.stages}_c{self.consumers}{'_ws' if self.producer else ''}"
             f"{f'_f{self.inflight}' if self.inflight else ''}{f'_g{self.group_m}' if self.group_m else ''}"
             f"{'_p' if self.persistent else ''}{'_ts' if self.tma_store else ''}"
-            f"{f'_x{self.cluster}' if self.cluster > 1 else ''}"
+            f"{f'_x{self.cluster}' if self.cluster > 1 else ''}{'_bias' if self.bias else ''}"
         )
 
     def flops(self, m: int, n: int, k: int) -> int:
@@ -174,6 +179,9 @@ class GemmConfig:
                 raise ValueError("setmaxnreg budgets need the warp-specialised producer layout")
         if self.tma_store and self.kind != "wgmma":
             raise ValueError("tma_store applies to the wgmma kinds only")
+        if self.bias and not (self.kind == "wgmma" and self.tma_store and self.in_bytes == 2):
+            raise ValueError("bias (an N-vector added in the epilogue) is generated for 16-bit wgmma configs with "
+                             "tma_store only")
         if self.persistent and not (self.kind == "wgmma" and self.producer):
             raise ValueError("persistent needs the warp-specialised wgmma layout (kind='wgmma', producer=True)")
         if self.cluster not in (1, 2):

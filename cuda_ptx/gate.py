@@ -16,7 +16,8 @@ hang, fault or misuse reported.
 :func:`gate_configs` is what the gate covers: the ladder of :func:`variants` plus the
 N-major-B twin of each 16-bit wgmma rung (``wgmma_tma_nmajor``...), the form
 ``gemm()`` runs them in, plus the persistent rung reading A M-major (``.tnspA`` on every HGMMA),
-as the tensor-core matmul of ``cuda:N`` runs a weight gradient.  ``python -m helios.cuda_ptx.gate`` gates those and prints
+as the tensor-core matmul of ``cuda:N`` runs a weight gradient, and with the bias epilogue
+(bf16 and fp16 inputs) as it runs a Linear layer.  ``python -m helios.cuda_ptx.gate`` gates those and prints
 one JSON line each.
 """
 
@@ -56,6 +57,9 @@ def gate_configs() -> dict[str, GemmConfig]:
     for suffix, b_major in (("_amajor", "k"), ("_amajor_nmajor", "n")):
         name = VARIANT + suffix
         out[name] = out[VARIANT].with_(name=name, a_major="m", b_major=b_major, out_dtype="bf16")
+    for suffix, in_dtype, out_dtype in (("_bias", "bf16", "bf16"), ("_bias_fp16", "fp16", "f32")):
+        name = VARIANT + suffix  # a Linear layer's x @ W^T + b in one kernel
+        out[name] = out[VARIANT].with_(name=name, in_dtype=in_dtype, out_dtype=out_dtype, bias=True)
     return out
 
 

@@ -196,6 +196,7 @@ def generate(cfg: GemmConfig) -> Kernel:
     tma_c = b.param("tmap_c", "tmap") if cfg.tma_store else None
     pc = b.param("c", "u64")
     pm, pn, pk = b.param("M", "u32"), b.param("N", "u32"), b.param("K", "u32")
+    pbias, pbias_n = (b.param("bias", "u64"), b.param("bias_n", "u32")) if cfg.bias else (None, None)
     b.shared("ring", plan.stage_bytes * S, align=1024, shape=(S, plan.stage_bytes), dtype=cfg.in_dtype,
              swizzle=SWIZZLE)
     bars = b.shared("bars", 16 * S, align=8, shape=(2, S), dtype="b64")
@@ -207,6 +208,7 @@ def generate(cfg: GemmConfig) -> Kernel:
 
     # C's pointer stays a parameter either way (the runner passes the same list); TMA stores use tmap_c.
     c_g = None if cfg.tma_store else ops.ld_param_ptr(b, pc)
+    bias = (ops.ld_param_ptr(b, pbias), ops.ld_param(b, pbias_n, "u32")) if cfg.bias else None
     n_r, k_r = ops.ld_param(b, pn, "u32"), ops.ld_param(b, pk, "u32")
     tmaps = []
     for p in (t for t in (tma_a, tma_b, tma_c) if t is not None):
@@ -375,7 +377,7 @@ def generate(cfg: GemmConfig) -> Kernel:
                 if cfg.persistent:  # the next tile's loads need the last k-tile's slot back
                     release(None, prev)  # persistent is warp-specialised: release_ws needs no k-tile
             if cfg.tma_store:
-                _epilogue_tma(b, cfg, plan, tmaps[2], ring, cstage, m0, n0, cidx, wtid, acc)
+                _epilogue_tma(b, cfg, plan, tmaps[2], ring, cstage, m0, n0, cidx, wtid, acc, bias)
             else:
                 _epilogue(b, cfg, plan, c_g, n_r, m0, n0, cidx, wtid, acc)
 
@@ -527,8 +529,12 @@ def _desc(b: Builder, out, addr, const: int) -> None:
 
 
 def _epilogue_tma(b: Builder, cfg: GemmConfig, plan: WgmmaPlan, tmap_c, smem, cstage, m0, n0, cidx, wtid,
-                  acc) -> None:
+                  acc, bias=None) -> None:
     """Write a consumer's accumulators through shared memory and TMA bulk stores.
+
+    ``bias`` (``cfg.bias``): (global address, length) of an N-vector of the input dtype; each
+    thread loads the pair of it under its pair of columns (one 32-bit load, predicated off past
+    the length) and adds it to both rows it holds before the conversion.
 
     C goes out in boxes of 64 rows x 128 bytes (32 fp32 or 64 bf16 columns), through two
     staging buffers per consumer warpgroup used in turn.  For each box: thread 0 waits
@@ -557,6 +563,11 @@ def _epilogue_tma(b: Builder, cfg: GemmConfig, plan: WgmmaPlan, tmap_c, smem, cs
     row0 = b.mad("u32", cidx, plan.rows_per_consumer, m0)
     chunk, t = b.reg("u32"), b.reg("u32")
     store = "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group"
+    if bias is not None:
+        bias_g, bias_n = bias
+        col_q = b.binop("add", "u32", n0, L.QUAD2.emit(b, lane))  # this thread's first column of each 8
+        bcol, word, blo, bhi = b.reg("u32"), b.reg("b32"), b.reg("f32"), b.reg("f32")
+        inside = b.reg("pred")
     i = 0
     for mb in range(plan.mblocks):
         for box in range(cfg.bn // box_cols):
@@ -566,6 +577,10 @@ def _epilogue_tma(b: Builder, cfg: GemmConfig, plan: WgmmaPlan, tmap_c, smem, cs
             ops.bar_sync(b, bar_id, 128)
             for jj in range(box_cols // 8):
                 j = box * (box_cols // 8) + jj
+                if bias is not None:
+                    b.emit("add.u32", bcol, col_q, 8 * j)
+                    b.emit("setp.lt.u32", inside, bcol, bias_n)
+                    _load_pair(b, cfg.in_dtype, ops.addr(b, bias_g, bcol, 2), inside, word, blo, bhi)
                 b.emit("add.u32", chunk, q_chunk, jj * 8 * osz // 16)
                 b.emit("xor.b32", chunk, chunk, g)
                 b.emit("shl.b32", chunk, chunk, 4)
@@ -573,6 +588,8 @@ def _epilogue_tma(b: Builder, cfg: GemmConfig, plan: WgmmaPlan, tmap_c, smem, cs
                 b.emit("add.u32", t, t, buf)
                 for half in range(2):
                     lo, hi = acc[mb][4 * j + 2 * half], acc[mb][4 * j + 2 * half + 1]
+                    if bias is not None:
+                        lo, hi = b.binop("add", "f32", lo, blo), b.binop("add", "f32", hi, bhi)
                     dst = f"[{t}+{half * 8 * C_BOX_ROW}]"  # row + 8: same chunk order (r % 8 unchanged)
                     if cfg.out_dtype == "f32":
                         b.emit("st.shared.v2.f32", dst, f"{{{lo}, {hi}}}")
@@ -588,6 +605,24 @@ def _epilogue_tma(b: Builder, cfg: GemmConfig, plan: WgmmaPlan, tmap_c, smem, cs
                 b.emit(store, f"[{tmap_c}, {{{col}, {row}}}]", f"[{buf}]")
                 b.emit("cp.async.bulk.commit_group")
             i += 1
+
+
+def _load_pair(b: Builder, in_dtype: str, ptr, pred, word, lo, hi) -> None:
+    """``lo``, ``hi`` = the two 16-bit values at ``ptr`` as f32, where ``pred`` holds (else 0).
+
+    bf16 is the top half of an f32: one 32-bit load, then a shift and a mask widen the pair;
+    fp16 is loaded value by value and widened by cvt."""
+    if in_dtype == "bf16":
+        b.emit("mov.b32", word, 0)
+        b.emit("ld.global.b32", word, f"[{ptr}]", pred=pred)
+        b.emit("shl.b32", lo, word, 16)
+        b.emit("and.b32", hi, word, 0xFFFF0000)
+        return
+    for dst, off in ((lo, 0), (hi, 2)):
+        h = b.reg("b16")
+        b.emit("mov.b16", h, 0)
+        b.emit("ld.global.b16", h, f"[{ptr}+{off}]", pred=pred)
+        b.emit("cvt.f32.f16", dst, h)
 
 
 def _epilogue(b: Builder, cfg: GemmConfig, plan: WgmmaPlan, c_g, n_r, m0, n0, cidx, wtid, acc) -> None:

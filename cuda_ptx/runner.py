@@ -79,14 +79,24 @@ class GemmLaunch:
         self.a_ptr = self.ctx.alloc(self.mp * self.kp * esz)
         self.b_ptr = self.ctx.alloc(self.kp * self.np_ * esz)
         self.c_ptr = self.ctx.alloc(self.mp * self.np_ * osz)
+        self.bias_ptr = self.ctx.alloc(self.np_ * esz) if cfg.bias else None
         self._args: list | None = None
 
-    def upload(self, a: np.ndarray, b: np.ndarray) -> None:
-        """Encode, pad and copy A (M x K) and B (K x N, float) to the device."""
+    def upload(self, a: np.ndarray, b: np.ndarray, bias: np.ndarray | None = None) -> None:
+        """Encode, pad and copy A (M x K) and B (K x N, float) to the device, and for a ``bias``
+        config the N-vector ``bias`` (zeros when None)."""
         ra, rb = operands.encode_operands(self.cfg, a, b, self.padded)
         self.ctx.upload(self.a_ptr, ra)
         self.ctx.upload(self.b_ptr, rb)
         dims = [("u32", self.mp), ("u32", self.np_), ("u32", self.kp)]
+        if self.cfg.bias:
+            vec = np.zeros(self.np_, np.float32)
+            if bias is not None:
+                vec[: self.n] = np.asarray(bias, np.float32).reshape(self.n)
+            self.ctx.upload(self.bias_ptr, dtypes.encode(vec, self.cfg.in_dtype))
+            dims += [("u64", self.bias_ptr), ("u32", self.n)]
+        elif bias is not None:
+            raise ValueError(f"{self.cfg.name} adds no bias (its config has bias=False)")
         ptrs = {"a": self.a_ptr, "b": self.b_ptr, "c": self.c_ptr}
         boxes = operands.tma_boxes(self.cfg, self.padded)
         if boxes:
@@ -116,8 +126,9 @@ class GemmLaunch:
 
     def close(self) -> None:
         """Free the device buffers."""
-        for p in (self.a_ptr, self.b_ptr, self.c_ptr):
-            self.ctx.free(p)
+        for p in (self.a_ptr, self.b_ptr, self.c_ptr, self.bias_ptr):
+            if p is not None:
+                self.ctx.free(p)
 
 
 def gemm_config(variant: str | GemmConfig | None = None, in_dtype: str | None = None,

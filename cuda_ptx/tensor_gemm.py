@@ -14,6 +14,9 @@ kernel's M, N, K parameters are the padded extents (its tile count and K loop), 
 real ones.  No operand is padded or copied, and a row pitch wider than the row (a view of a
 wider matrix) is the map's stride.
 
+A Linear layer's bias is added in the same kernel's epilogue (``bias=True`` configs), in
+fp32 before C is rounded, so ``x @ W^T + b`` is one launch.
+
 What it takes (:meth:`TensorCoreGemm.accepts`; anything else stays on the generic kernel):
 a Hopper GPU (sm_90, what the wgmma rungs are built for), bf16 or fp16 inputs, an fp32 or
 bf16 output, base addresses 16-byte aligned and row pitches multiples of 16 bytes (TMA's
@@ -56,7 +59,7 @@ class _Kernel:
     parameters when it is called, and building them anew costs more host time than a small
     product takes on the GPU."""
 
-    __slots__ = ("cfg", "fn", "threads", "grids", "_owner", "maps_at", "c", "dims", "params", "last_maps")
+    __slots__ = ("cfg", "fn", "threads", "grids", "_owner", "maps_at", "c", "dims", "bias", "params", "last_maps")
 
     def __init__(self, cfg, fn, threads: int):
         self.cfg, self.fn, self.threads = cfg, fn, threads
@@ -65,7 +68,9 @@ class _Kernel:
         self.maps_at = [base + 128 * i for i in range(3)]
         self.c = ctypes.c_uint64(0)
         self.dims = [ctypes.c_uint32(0) for _ in range(3)]
-        slots = [*self.maps_at, ctypes.addressof(self.c), *(ctypes.addressof(d) for d in self.dims)]
+        # a bias config's two more parameters: the vector's address and its length
+        self.bias = (ctypes.c_uint64(0), ctypes.c_uint32(0)) if cfg.bias else ()
+        slots = [*self.maps_at, ctypes.addressof(self.c), *(ctypes.addressof(d) for d in (*self.dims, *self.bias))]
         self.params = (ctypes.c_void_p * len(slots))(*slots)
         self.last_maps: tuple = ()
 
@@ -100,10 +105,14 @@ class TensorCoreGemm:
         return m
 
     @staticmethod
-    def accepts(in_dtype: str, out_dtype: str, a: tuple, b: tuple, c: tuple, m: int, n: int, k: int) -> bool:
-        """Whether this product can run here: dtypes the kernel has, TMA's alignment rules, and
-        extents the kernel's 32-bit parameters and TMA's signed coordinates hold."""
+    def accepts(in_dtype: str, out_dtype: str, a: tuple, b: tuple, c: tuple, m: int, n: int, k: int,
+                bias: int | None = None) -> bool:
+        """Whether this product can run here: dtypes the kernel has, TMA's alignment rules (and a
+        4-byte aligned bias: its pairs are loaded as words), and extents the kernel's 32-bit
+        parameters and TMA's signed coordinates hold."""
         if in_dtype not in INPUTS or out_dtype not in OUTPUTS or min(m, n, k) < 1:
+            return False
+        if bias is not None and (bias % 4 or n % 2):
             return False
         isz, osz = IN_DTYPES[INPUTS[in_dtype]][0], OUT_DTYPES[OUTPUTS[out_dtype]]
         for (addr, pitch), size in ((a, isz), (b, isz), (c, osz)):
@@ -111,13 +120,13 @@ class TensorCoreGemm:
                 return False
         return max(m, n, k) < 1 << 30
 
-    def kernel(self, in_dtype: str, out_dtype: str, a_major: str, b_major: str) -> _Kernel:
-        """The loaded kernel for these dtypes and operand layouts (built and loaded on first use)."""
-        key = (in_dtype, out_dtype, a_major, b_major)
+    def kernel(self, in_dtype: str, out_dtype: str, a_major: str, b_major: str, bias: bool = False) -> _Kernel:
+        """The loaded kernel for these dtypes, operand layouts and bias (built and loaded on first use)."""
+        key = (in_dtype, out_dtype, a_major, b_major, bias)
         kern = self._kernels.get(key)
         if kern is None:
             cfg = resolve(VARIANT).with_(in_dtype=INPUTS[in_dtype], out_dtype=OUTPUTS[out_dtype], a_major=a_major,
-                                         b_major=b_major)
+                                         b_major=b_major, bias=bias)
             cfg.validate()
             built = build_kernel(cfg)
             fn = self.ctx.load_kernel(render(built), built.name, built.shared_bytes, cfg.target)
@@ -125,9 +134,10 @@ class TensorCoreGemm:
         return kern
 
     def run(self, in_dtype: str, out_dtype: str, a: tuple, a_major: str, b: tuple, b_major: str, c: tuple,
-            m: int, n: int, k: int) -> None:
-        """Launch C = A @ B (asynchronously, on the default stream); the caller checked :meth:`accepts`."""
-        kern = self.kernel(in_dtype, out_dtype, a_major, b_major)
+            m: int, n: int, k: int, bias: int | None = None) -> None:
+        """Launch C = A @ B (+ the N-vector of the input dtype at address ``bias``, added before C is
+        rounded) asynchronously, on the default stream; the caller checked :meth:`accepts`."""
+        kern = self.kernel(in_dtype, out_dtype, a_major, b_major, bias is not None)
         cfg = kern.cfg
         shape = kern.grids.get((m, n, k))
         if shape is None:
@@ -157,6 +167,8 @@ class TensorCoreGemm:
                 kern.last_maps = maps
             kern.c.value = pc
             kern.dims[0].value, kern.dims[1].value, kern.dims[2].value = p.m, p.n, p.k
+            if kern.bias:
+                kern.bias[0].value, kern.bias[1].value = bias, n
             fn = kern.fn
             res = cu.cuLaunchKernel(fn.handle, gx, gy, 1, kern.threads, 1, 1, fn.shared_bytes, 0,
                                     ctypes.addressof(kern.params), 0)

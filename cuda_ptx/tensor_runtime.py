@@ -396,7 +396,8 @@ class CudaRuntime(Runtime):
 
         return in_dtype in INPUTS and bool(self._engine())
 
-    def gemm(self, a: tuple, b: tuple, c: tuple, m: int, n: int, k: int, in_dtype: str, out_dtype: str) -> bool:
+    def gemm(self, a: tuple, b: tuple, c: tuple, m: int, n: int, k: int, in_dtype: str, out_dtype: str,
+             bias: tuple | None = None) -> bool:
         """C = A @ B on the tensor cores (``tensor_gemm``: the ladder's wgmma kernel) where this GPU and
         these operands allow it; False otherwise (see the contract's ``gemm``)."""
         if not self.has_gemm(in_dtype):
@@ -410,11 +411,12 @@ class CudaRuntime(Runtime):
         pa = self._address(ha, oa, ((arows - 1) * lda + acols) * isz, "gemm")
         pb = self._address(hb, ob, ((brows - 1) * ldb + bcols) * isz, "gemm")
         pc = self._address(hc, oc, ((m - 1) * ldc + n) * osz, "gemm")
-        if not engine.accepts(in_dtype, out_dtype, (pa, lda), (pb, ldb), (pc, ldc), m, n, k):
+        pbias = None if bias is None else self._address(bias[0], bias[1], n * isz, "gemm")
+        if not engine.accepts(in_dtype, out_dtype, (pa, lda), (pb, ldb), (pc, ldc), m, n, k, pbias):
             return False
         self._use()
         timed = self._begin("matmul_wgmma", 2 * m * n * k, (m * k + k * n) * isz + m * n * osz) if self._timing else None
-        engine.run(in_dtype, out_dtype, (pa, lda), a_major, (pb, ldb), major, (pc, ldc), m, n, k)
+        engine.run(in_dtype, out_dtype, (pa, lda), a_major, (pb, ldb), major, (pc, ldc), m, n, k, pbias)
         self._stats["dispatches"] += 1
         if timed is not None:
             self._end(timed)

@@ -137,15 +137,17 @@ class Runtime(ABC):
         so callers prepare operands for it only then.  False by default."""
         return False
 
-    def gemm(self, a: tuple, b: tuple, c: tuple, m: int, n: int, k: int, in_dtype: str, out_dtype: str) -> bool:
-        """C = A @ B on the device's matrix engine, where it has one for this product; returns
+    def gemm(self, a: tuple, b: tuple, c: tuple, m: int, n: int, k: int, in_dtype: str, out_dtype: str,
+             bias: tuple | None = None) -> bool:
+        """C = A @ B (+ bias) on the device's matrix engine, where it has one for this product; returns
         whether it recorded it (False: nothing was done, the caller runs its generic kernel).
 
         ``a`` = (handle, byte offset, row pitch in elements, major): ``"k"`` for row-major ``M x K``,
         ``"m"`` for its transpose stored row-major ``K x M``; ``b`` = (handle,
         byte offset, row pitch, major): ``"n"`` for row-major ``K x N``, ``"k"`` for its transpose
         stored row-major ``N x K``; ``c`` = (handle, byte offset, row pitch) of row-major ``M x N``.
-        ``in_dtype`` / ``out_dtype`` are Helios dtype names.  None by default."""
+        ``bias`` = (handle, byte offset) of an N-vector of ``in_dtype`` added to every row before C
+        is rounded.  ``in_dtype`` / ``out_dtype`` are Helios dtype names.  None by default."""
         return False
 
     def run_commands(self, commands) -> None:

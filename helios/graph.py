@@ -207,11 +207,12 @@ class Graph:
         self._handles.add(handle)
         self.ops.append((_FILL, (handle, offset, nbytes, word)))
 
-    def _gemm(self, a, b, c, m, n, k, in_dtype, out_dtype):
-        took = self._real["gemm"](a, b, c, m, n, k, in_dtype, out_dtype)
+    def _gemm(self, a, b, c, m, n, k, in_dtype, out_dtype, bias=None):
+        took = self._real["gemm"](a, b, c, m, n, k, in_dtype, out_dtype, bias)
         if took:  # a product the matrix engine declined was not recorded: the caller's kernel is
-            self._handles.update((a[0], b[0], c[0]))
-            self.ops.append((_GEMM, (tuple(a), tuple(b), tuple(c), m, n, k, in_dtype, out_dtype)))
+            self._handles.update((a[0], b[0], c[0]) + ((bias[0],) if bias is not None else ()))
+            self.ops.append((_GEMM, (tuple(a), tuple(b), tuple(c), m, n, k, in_dtype, out_dtype,
+                                     None if bias is None else tuple(bias))))
         return took
 
     def _alloc(self, nbytes, pool="activations"):

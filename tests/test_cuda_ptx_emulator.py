@@ -128,6 +128,26 @@ def test_m_major_a_through_the_transpose_bit(variant, b_major):
     np.testing.assert_array_equal(emulate_gemm(a, b, cfg), a @ b)
 
 
+@pytest.mark.parametrize("in_dtype,out_dtype", [("bf16", "bf16"), ("fp16", "f32")])
+def test_bias_is_added_in_the_epilogue_before_the_rounding(in_dtype, out_dtype):
+    from helios.cuda_ptx.emu_driver import emulated_context
+    from helios.cuda_ptx.runner import GemmLaunch
+
+    cfg = cp.variants()["wgmma_persistent"].with_(bias=True, in_dtype=in_dtype, out_dtype=out_dtype)
+    rng = np.random.default_rng(10)
+    m, n, k = 130, 300, 128  # N past one tile, not a multiple of it: the clipped columns add nothing
+    a, b = rng.integers(-3, 4, (m, k)).astype(np.float32), rng.integers(-3, 4, (k, n)).astype(np.float32)
+    bias = rng.integers(-50, 50, n).astype(np.float32) + 0.25
+    launch = GemmLaunch(cfg, m, n, k, emulated_context(sm_count=2))
+    launch.upload(a, b, bias)
+    launch.run()
+    want = a @ b + bias
+    if out_dtype == "bf16":
+        want = dtypes.decode(dtypes.encode(want, "bf16"), "bf16")
+    np.testing.assert_array_equal(launch.result(), want)
+    launch.close()
+
+
 def test_bf16_output_and_fp16_input():
     a, b = _operands("wgmma_pipe", seed=3)
     c = emulate_gemm(a, b, "wgmma_pipe", out_dtype="bfloat16")

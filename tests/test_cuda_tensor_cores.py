@@ -76,13 +76,18 @@ def test_linear_with_bias_on_3d_input_and_fp16(cuda):
     x = _t(rng.standard_normal((2, 24, 64)))
     w = _t(rng.standard_normal((64, 48)))
     bias = _t(rng.standard_normal(48))
-    y = hl.nn.functional.linear(x, w.t(), bias)
+    wt = w.t()
+    rt = get_runtime()
+    d0 = rt.stats()["dispatches"]
+    y = hl.nn.functional.linear(x, wt, bias)
+    assert rt.stats()["dispatches"] - d0 == 1  # the bias is added in the product's epilogue
     want = _exact(x) @ _exact(w) + _exact(bias)
     _close(_exact(y), want)
     x16, w16 = _t(rng.standard_normal((40, 32)), hl.float16), _t(rng.standard_normal((32, 16)), hl.float16)
-    y16 = x16 @ w16
+    b16 = _t(rng.standard_normal(16), hl.float16)
+    y16 = hl.nn.functional.linear(x16, w16.t(), b16)  # fp16: a float32 C, bias included, rounded once
     assert y16.dtype is hl.float16
-    _close(_exact(y16), _exact(x16) @ _exact(w16), hl.float16)
+    _close(_exact(y16), _exact(x16) @ _exact(w16) + _exact(b16), hl.float16)
     assert cuda == [True, True]
 
 

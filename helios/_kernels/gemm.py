@@ -258,20 +258,20 @@ def _on_matrix_engine(a: Tensor, b: Tensor, bias: Tensor | None, out: Tensor) ->
 
     The engine reads A and B row-major or transposed and writes a row-major C, each with
     16-byte aligned rows: an operand in another layout (a broadcast, a pitch off the 16-byte
-    grid) is copied first.  A bfloat16 product without bias is stored straight into ``out`` (or into
-    its transpose, as out^T = b^T a^T, for a transposed ``out``); otherwise C is float32 and
-    ``out`` gets round(C + bias) from it, so the product is rounded once as in the generic
-    kernel."""
+    grid) is copied first.  A bfloat16 product is stored straight into ``out`` (or, without bias,
+    into its transpose, as out^T = b^T a^T, for a transposed ``out``), the bias added in the
+    kernel's epilogue before the one rounding; otherwise (float16, whose output the kernel
+    does not write) C is float32, bias included, and ``out`` gets it rounded once."""
     rt = a._st.rt
     M, K = a.shape
     N = b.shape[1]
     if K % 8 or N % 8:  # a row of 16-bit A or B, or of C, must be a whole number of 16-byte units
         return False
     target, swapped = None, False
-    if bias is None and a.dtype is dt.bfloat16:
+    if a.dtype is dt.bfloat16:
         if _engine_rows(out) is not None:
             target = out
-        elif M % 8 == 0 and _engine_rows(_swap_last(out)) is not None:
+        elif bias is None and M % 8 == 0 and _engine_rows(_swap_last(out)) is not None:
             target, swapped = _swap_last(out), True
     if target is None:
         target = empty((M, N), dt.float32, rt)
@@ -288,14 +288,13 @@ def _on_matrix_engine(a: Tensor, b: Tensor, bias: Tensor | None, out: Tensor) ->
         rb, b_major = _engine_rows(b), "n"
     rc = _engine_rows(target)
     isz = a.dtype.itemsize
+    vec = None if bias is None else (bias._st.handle, bias._off * isz)
     if not rt.gemm((a._st.handle, ra[0] * isz, ra[1], a_major), (b._st.handle, rb[0] * isz, rb[1], b_major),
                    (target._st.handle, rc[0] * target.dtype.itemsize, rc[1]), M, N, K, a.dtype.name,
-                   target.dtype.name):
+                   target.dtype.name, vec):
         return False
-    if target is out or swapped:
-        return True
-    result = target if bias is None else kern.binary("add", target, kern.copy(bias, dt.float32))
-    kern.copy_into(out, result)
+    if target is not out and not swapped:
+        kern.copy_into(out, target)
     return True
 
 

@@ -37,6 +37,8 @@ import functools
 import math
 import threading
 
+import numpy as np
+
 from helios import dtypes as dt
 from helios.autograd import tape
 
@@ -159,10 +161,15 @@ class GradScaler:
 
     ``skipped_steps`` counts the steps skipped so far, ``last_step_skipped`` says whether the
     latest ``step`` was one.  ``enabled=False`` makes every method a pass-through (bfloat16
-    and float32 runs need no scaling)."""
+    and float32 runs need no scaling).
+
+    ``process_group`` (a helios.comm group, or "world"): the ranks that hold different parts of
+    the gradients (tensor- or pipeline-parallel ranks; PyTorch's ShardedGradScaler takes one
+    too).  ``unscale_`` then takes the maximum of their inf/nan findings (one number
+    all-reduced), so they skip the same steps and keep the same scale."""
 
     def __init__(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
-                 growth_interval: int = 2000, enabled: bool = True):
+                 growth_interval: int = 2000, enabled: bool = True, process_group=None):
         if not (init_scale > 0 and math.isfinite(init_scale)):
             raise ValueError(f"GradScaler: init_scale must be a positive number, got {init_scale}")
         if not growth_factor > 1.0:
@@ -178,6 +185,7 @@ class GradScaler:
         self._growth_interval = growth_interval
         self._growth_tracker = 0
         self._per_opt: dict[int, dict] = {}  # optimizer id -> {"unscaled": bool, "found_inf": bool, "stepped": bool}
+        self._group = process_group
         self.skipped_steps = 0
         self.last_step_skipped = False
 
@@ -210,7 +218,14 @@ class GradScaler:
             raise RuntimeError("GradScaler.unscale_: already called on this optimizer since the last update()")
         if st["stepped"]:
             raise RuntimeError("GradScaler.unscale_: step() was already called on this optimizer; call update() first")
-        st["found_inf"] = _unscale_grads(optimizer, 1.0 / self._scale)
+        found = _unscale_grads(optimizer, 1.0 / self._scale)
+        if self._group is not None:
+            from helios import comm
+
+            flag = np.array([1.0 if found else 0.0], np.float32)
+            comm.all_reduce(flag, op="max", group=None if self._group == "world" else self._group)
+            found = bool(flag[0] > 0)
+        st["found_inf"] = found
         st["unscaled"] = True
 
     def step(self, optimizer, *args, **kwargs):

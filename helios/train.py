@@ -409,7 +409,8 @@ def _train(args, given: set[str]) -> int:
             model = DistributedDataParallel(gpt, bucket_cap_mb=args.bucket_cap_mb, comm_hook=comm_hook,
                                             group=grid.dp_group, params_to_ignore=experts)
         opt = AdamW(groups, lr=lr_max, betas=(0.9, 0.95))
-    autocast, scaler = _mixed_precision(args.dtype)
+    # fp16 on a split model: every rank holds other gradients, so the ranks agree on inf/nan
+    autocast, scaler = _mixed_precision(args.dtype, split=args.tp > 1 or args.pp > 1)
     loader = BatchLoader(ds.train, bs, T, seed=args.seed)
     val_loader = BatchLoader(ds.val, bs, T, seed=args.seed + 1)
 
@@ -646,7 +647,8 @@ def _train(args, given: set[str]) -> int:
             # ZeRO-3 gathers each block around its forward and again for its backward, so every
             # micro-batch's backward reduce-scatters the stage's gradients into the shards (adding
             # to the earlier ones); the tied table's two halves are then summed shard by shard.
-            loss = gpt.train_step(list(xs), list(ys), phase=timer.phase, autocast=autocast)
+            loss = gpt.train_step(list(xs), list(ys), phase=timer.phase, autocast=autocast,
+                                  loss_scale=scaler.get_scale())
             if gpt.embedding_group is not None:
                 with timer.phase("comm"):
                     opt.all_reduce_gradient("wte.weight", gpt.embedding_group)
@@ -656,11 +658,13 @@ def _train(args, given: set[str]) -> int:
             # two summed between the first and the last stage), then ZeRO reduces them over the
             # stage's data-parallel ranks (stage 1 all-reduces, stage 2 reduce-scatters).
             with model.no_sync():
-                loss = gpt.train_step(list(xs), list(ys), phase=timer.phase, autocast=autocast)
+                loss = gpt.train_step(list(xs), list(ys), phase=timer.phase, autocast=autocast,
+                                      loss_scale=scaler.get_scale())
             with timer.phase("comm"):
                 opt.reduce_gradients()
             return loss
-        loss = gpt.train_step(list(xs), list(ys), phase=timer.phase, autocast=autocast)
+        loss = gpt.train_step(list(xs), list(ys), phase=timer.phase, autocast=autocast,
+                              loss_scale=scaler.get_scale())
         if grid.dp > 1:
             with timer.phase("comm"):
                 if ep_group is not None:  # the experts differ between ranks: averaged apart, below
@@ -1003,16 +1007,18 @@ def _capture_refusal(args, run, pipeline: bool, zero: int) -> str | None:
     return None
 
 
-def _mixed_precision(dtype: str):
+def _mixed_precision(dtype: str, split: bool = False):
     """--dtype's autocast context (a factory: one per forward) and loss scaler: float32 runs get
     a no-op context and a disabled scaler (every method a pass-through), bf16 autocast without
-    scaling (its range is float32's), fp16 autocast with dynamic loss scaling."""
+    scaling (its range is float32's), fp16 autocast with dynamic loss scaling (``split``: the
+    model is split over the ranks, whose inf/nan findings the scaler combines)."""
     import helios as hl
 
     if dtype == "fp32":
         return contextlib.nullcontext, hl.amp.GradScaler(enabled=False)
     low = "bfloat16" if dtype == "bf16" else "float16"
-    return (lambda: hl.autocast(low)), hl.amp.GradScaler(enabled=dtype == "fp16")
+    return (lambda: hl.autocast(low)), hl.amp.GradScaler(enabled=dtype == "fp16",
+                                                         process_group="world" if split else None)
 
 
 def _average_gradients(opt, group) -> None:

@@ -433,7 +433,7 @@ class PipelineStage(Module):
         finally:
             self._cast = contextlib.nullcontext
 
-    def train_step(self, inputs: list, targets: list, phase=None, autocast=None) -> float | None:
+    def train_step(self, inputs: list, targets: list, phase=None, autocast=None, loss_scale: float = 1.0) -> float | None:
         """Forward and backward of every micro-batch in 1F1B order; gradients accumulate in the
         stage's parameters.  Every stage gets the same lists (only the first reads ``inputs``,
         only the last ``targets``).  Returns the mean loss on the last stage, None elsewhere.
@@ -444,9 +444,17 @@ class PipelineStage(Module):
         of the contexts each forward runs under (``lambda: hl.autocast("bfloat16")``), so the
         stages compute what one device's autocast forward computes; the activations passed
         between stages stay float32 (the residual stream autocast leaves in float32) and the
-        parameters get float32 gradients (backward never casts)."""
+        parameters get float32 gradients (backward never casts).  ``loss_scale``: each micro-batch's
+        loss is multiplied by it before its backward (a float16 run's ``GradScaler.get_scale()``),
+        as one device's ``scaler.scale(loss).backward()`` does; the gradients passed between
+        stages are then scaled too, and every stage unscales its own."""
+        self._loss_scale = float(loss_scale)
         with self._casting(autocast), self.pass_scope():
             return self._train_step(inputs, targets, phase)
+
+    def _seeded(self, out):
+        """The last stage's micro-batch loss as its backward starts from: times the loss scale."""
+        return out * self._loss_scale if self._loss_scale != 1.0 else out
 
     def _train_step(self, inputs: list, targets: list, phase=None) -> float | None:
         m = len(inputs)
@@ -493,7 +501,7 @@ class PipelineStage(Module):
             x_in, out = held.pop(0)
             with timed("backward"):
                 if self.last:
-                    out.backward()
+                    self._seeded(out).backward()
                 else:
                     g = K.empty(shape, dt.float32)
                     receive(g, nxt)
@@ -852,7 +860,7 @@ class InterleavedPipelineStage(PipelineStage):
                 x_in, out = held.pop((i, c))
                 with timed("backward"):
                     if k == last_stage:
-                        out.backward()
+                        self._seeded(out).backward()
                     else:
                         out.backward(inbox.take(("grad", i, k + 1), self._peer(1)))
                     if k > 0:

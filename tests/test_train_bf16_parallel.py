@@ -48,7 +48,6 @@ def test_bf16_with_tp_trains_what_one_rank_trains_in_bf16(tmp_path):
 
 
 @pytest.mark.parametrize("world,args,needle", [
-    (2, ["--dtype", "fp16", "--tp", "2"], "--dtype fp16 with --tp 2: mixed precision does not run with --tp yet"),
     (2, ["--dtype", "fp16", "--zero", "1"], "--dtype fp16 with --zero 1: mixed precision does not run with --zero yet"),
 ])
 def test_what_mixed_precision_does_not_run_with_is_one_line(tmp_path, world, args, needle):

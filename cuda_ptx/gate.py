@@ -179,20 +179,16 @@ def run_gate(cfg: GemmConfig, ptx: str | None = None, emulate: bool = True) -> G
         failures.append(f"{gpu_fences} MEMBAR.ALL.GPU for {allowed} releasing cluster arrives "
                         "(a .release.cluster mbarrier arrive?)")
     if cfg.kind == "wgmma" and cfg.in_bytes == 2:
-        hgmma, tnsp = count_prefixed(text, "HGMMA"), count_prefixed(text, "HGMMA", TNSP_B)
-        if cfg.b_major == "n":
-            found["HGMMA " + TNSP_B] = tnsp
-            if tnsp != hgmma:
-                failures.append(f"{hgmma - tnsp} of {hgmma} HGMMA lack {TNSP_B} (B is N-major: imm-trans-b = 1)")
-        elif tnsp:
-            failures.append(f"{tnsp} HGMMA carry {TNSP_B} but B is K-major (imm-trans-b must be 0)")
-        tnsp_a = count_prefixed(text, "HGMMA", TNSP_A)
-        if cfg.a_major == "m":
-            found["HGMMA " + TNSP_A] = tnsp_a
-            if tnsp_a != hgmma:
-                failures.append(f"{hgmma - tnsp_a} of {hgmma} HGMMA lack {TNSP_A} (A is M-major: imm-trans-a = 1)")
-        elif tnsp_a:
-            failures.append(f"{tnsp_a} HGMMA carry {TNSP_A} but A is K-major (imm-trans-a must be 0)")
+        hgmma = count_prefixed(text, "HGMMA")
+        for marker, transposed, operand in ((TNSP_B, cfg.b_major == "n", "B is N-major: imm-trans-b"),
+                                            (TNSP_A, cfg.a_major == "m", "A is M-major: imm-trans-a")):
+            n = count_prefixed(text, "HGMMA", marker)
+            if transposed:
+                found["HGMMA " + marker] = n
+                if n != hgmma:
+                    failures.append(f"{hgmma - n} of {hgmma} HGMMA lack {marker} ({operand} = 1)")
+            elif n:
+                failures.append(f"{n} HGMMA carry {marker} but the operand is not transposed ({operand} must not be 1)")
     emulated = {}
     if emulate:
         emulated, why = emulation_check(cfg, ptx)

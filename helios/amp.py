@@ -286,9 +286,14 @@ class GradScaler:
 
 
 def _grad_views(optimizer) -> list:
-    """The gradients to unscale: a fused optimizer's flat gradient buffer once when every
-    parameter of the group has its gradient there (one dispatch), else each ``p.grad``."""
+    """The gradients to unscale: the optimizer's own ``local_gradients()`` where it has them (a
+    ZeRO optimizer's flat buffers or shards); a fused optimizer's flat gradient buffer once when
+    every parameter of the group has its gradient there (one dispatch), else each ``p.grad``."""
     from helios.optim import _flat_by_grad_storage
+
+    local = getattr(optimizer, "local_gradients", None)
+    if local is not None:
+        return list(local())
 
     views, seen = [], set()
     for group in optimizer.param_groups:

@@ -409,8 +409,9 @@ def _train(args, given: set[str]) -> int:
             model = DistributedDataParallel(gpt, bucket_cap_mb=args.bucket_cap_mb, comm_hook=comm_hook,
                                             group=grid.dp_group, params_to_ignore=experts)
         opt = AdamW(groups, lr=lr_max, betas=(0.9, 0.95))
-    # fp16 on a split model: every rank holds other gradients, so the ranks agree on inf/nan
-    autocast, scaler = _mixed_precision(args.dtype, split=args.tp > 1 or args.pp > 1)
+    # fp16 on a split model or sharded gradients: every rank holds other gradients, so the ranks
+    # agree on inf/nan
+    autocast, scaler = _mixed_precision(args.dtype, split=args.tp > 1 or args.pp > 1 or zero > 0)
     loader = BatchLoader(ds.train, bs, T, seed=args.seed)
     val_loader = BatchLoader(ds.val, bs, T, seed=args.seed + 1)
 

@@ -960,6 +960,15 @@ class ZeroAdamW(Optimizer):
                 if self.stage >= 2:
                     self._drop_staging(s)
 
+    def local_gradients(self) -> list:
+        """The gradient buffers this rank's step reads, whole: each group's full flat buffer at
+        stage 1 (every gradient, so ``p.grad`` stays consistent), this rank's shard at stages 2
+        and 3; the reductions in flight finish first.  The clip scales these, and a loss scaler
+        unscales them (its inf/nan test then needs the other ranks' findings: a shard is one
+        rank's part)."""
+        self._settle()
+        return [g.gflat for g in self.groups] if self.stage == 1 else [g.gshard for g in self.groups]
+
     def _grad_shards(self) -> list:
         """This rank's gradients: views of the chunks it owns."""
         views = []
@@ -1077,11 +1086,7 @@ class ZeroAdamW(Optimizer):
             dist.all_reduce(total, op="sum", group=pp_group)
         norm = F.sqrt(F.reshape(total, ()))
         coef = F.clamp(F.rdiv(norm + 1e-6, float(max_norm)), max=1.0)
-        if self.stage == 1:  # every rank holds the full gradients: scale them all, so p.grad stays consistent
-            scaled = [g.gflat for g in self.groups]
-        else:
-            scaled = [g.gshard for g in self.groups]
-        for t in scaled:
+        for t in self.local_gradients():
             K.binary_("mul", t, coef)
         return norm
 
@@ -1343,6 +1348,10 @@ class ZeroDataParallel(DistributedDataParallel):
     def clip_grad_norm_(self, max_norm: float, tp_group=None, pp_group=None, counted=None) -> Tensor:
         """See ZeroAdamW.clip_grad_norm_."""
         return self.optimizer.clip_grad_norm_(max_norm, tp_group, pp_group, counted)
+
+    def local_gradients(self) -> list:
+        """See ZeroAdamW.local_gradients."""
+        return self.optimizer.local_gradients()
 
     def reduce_gradients(self) -> None:
         """See ZeroAdamW.reduce_gradients."""

@@ -17,8 +17,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_train_dist import _one_line_error, _train_args, launch, losses  # noqa: E402
-from ranks import run_ranks  # noqa: E402
+from test_train_dist import launch, losses  # noqa: E402
 
 pytestmark = [pytest.mark.vulkan, pytest.mark.multiproc]
 
@@ -45,11 +44,3 @@ def test_bf16_with_tp_trains_what_one_rank_trains_in_bf16(tmp_path):
         np.testing.assert_allclose(losses(runs["bf16"]), losses(one), rtol=2e-4, err_msg=name)
         bf16, fp32 = _dispatches(runs["bf16"]), _dispatches(runs["fp32"])
         assert bf16 > fp32 + 40, (name, bf16, fp32)  # autocast casts weights and activations (about 60 a step)
-
-
-@pytest.mark.parametrize("world,args,needle", [
-    (2, ["--dtype", "fp16", "--zero", "1"], "--dtype fp16 with --zero 1: mixed precision does not run with --zero yet"),
-])
-def test_what_mixed_precision_does_not_run_with_is_one_line(tmp_path, world, args, needle):
-    res = run_ranks(["-m", "helios.train", *_train_args(tmp_path / "x", *args)], world, timeout=120)
-    _one_line_error(res, needle)

@@ -1,5 +1,5 @@
-"""helios-train --dtype fp16 with a split model (--pp, --tp): the loss scaler's inf/nan test is
-agreed over the ranks, so every rank skips the same steps and keeps the same scale, and a
+"""helios-train --dtype fp16 with a split model (--pp, --tp) or sharded gradients (--zero): the
+loss scaler's inf/nan test is agreed over the ranks, so every rank skips the same steps and keeps the same scale, and a
 pipeline seeds each micro-batch's backward with the loss scale as one device's
 ``scaler.scale(loss).backward()`` does.
 
@@ -31,7 +31,8 @@ def _summaries(stdout: str) -> list[dict]:
     return [json.loads(s.split("] ", 1)[1]) for s in stdout.splitlines() if '"final_val_loss"' in s]
 
 
-@pytest.mark.parametrize("layout", [("--pp", "2"), ("--tp", "2")], ids=["pp2", "tp2"])
+@pytest.mark.parametrize("layout", [("--pp", "2"), ("--tp", "2"), ("--zero", "2"), ("--zero", "3")],
+                         ids=["pp2", "tp2", "zero2", "zero3"])
 def test_fp16_split_model_trains_what_one_rank_trains(tmp_path, one_rank_run, layout):
     ref = one_rank_run(*STEPS)
     out = tmp_path / "split"
@@ -45,9 +46,9 @@ def test_fp16_split_model_trains_what_one_rank_trains(tmp_path, one_rank_run, la
         assert sorted(a) == sorted(b)
         for k in a:  # the tied table's two halves add in another order
             np.testing.assert_allclose(b[k], a[k], rtol=1e-3, atol=1e-4, err_msg=k)
-    # (tensor parallelism sums partial products in another order: float16 rounding of those, which
-    # AdamW turns into steps of the learning rate's size where a gradient is near 0, moves a few
-    # embedding entries by up to 6e-4 in 3 steps; the losses above are the comparison there.)
+    # (tensor and data parallelism sum partial products in another order: float16 rounding of
+    # those, which AdamW turns into steps of the learning rate's size where a gradient is near 0,
+    # moves a few embedding entries by up to 6e-4 in 3 steps; the losses above compare them.)
     scales = {s["loss_scale"] for s in _summaries(r.stdout)}
     assert len(scales) == 1  # every rank kept the same scale
 

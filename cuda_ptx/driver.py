@@ -84,7 +84,7 @@ ENCODE_TILED = ctypes.CFUNCTYPE(
     ctypes.POINTER(ctypes.c_uint32), ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int)
 
 
-def _aligned_buffer(nbytes: int, align: int):
+def aligned_buffer(nbytes: int, align: int):
     """(owner, address): ``nbytes`` of zeroed host memory at an ``align``-byte boundary; keep
     the owner alive as long as the address is used."""
     raw = ctypes.create_string_buffer(nbytes + align)
@@ -237,7 +237,7 @@ class Context:
         # wrapper: that one takes the arrays only as cuuint64_t/cuuint32_t objects, and its
         # CUtensorMap lives inside a Python object that is not 64-byte aligned (the API
         # requires 64).  A descriptor's bytes do not depend on where they are written.
-        raw, out = _aligned_buffer(128, 128)
+        raw, out = aligned_buffer(128, 128)
         err = self._encode_tiled()(
             out, dt.value, 2, ptr,
             (ctypes.c_uint64 * 2)(cols, rows),  # dims, innermost first
@@ -294,7 +294,7 @@ class Context:
         store = []
         for a in args:
             if isinstance(a, (bytes, bytearray)):
-                raw, base = _aligned_buffer(len(a), 128)  # a CUtensorMap is 64- (CUDA 13: 128-) aligned
+                raw, base = aligned_buffer(len(a), 128)  # a CUtensorMap is 64- (CUDA 13: 128-) aligned
                 ctypes.memmove(base, bytes(a), len(a))
                 store.append((raw, base))
             else:

@@ -3,9 +3,9 @@
 :meth:`CudaRuntime.gemm <helios.cuda_ptx.tensor_runtime.CudaRuntime.gemm>` hands a 16-bit
 Helios matmul's operands here, as addresses and row pitches, instead of running the
 translated GLSL kernel (SIMT fp32 arithmetic).  The kernel is the ladder's
-``wgmma_persistent`` (one CTA per SM walking the tiles, a producer warp feeding a 4-stage
-TMA ring, two consumer warpgroups, TMA-store epilogue), built for the operands' input dtype,
-the output dtype and B's layout, loaded once per process.
+``wgmma_persistent`` (one CTA per SM walking the tiles, a producer warpgroup feeding a
+4-stage TMA ring, two consumer warpgroups, TMA-store epilogue), built for the operands' input dtype,
+the output dtype, the operands' layouts and the bias, loaded once per process.
 
 Why that rung: its loads and its stores go through tensor maps.  A tensor map carries the
 matrix's true extents, and TMA fills the parts of a box outside them with zeros on loads and
@@ -31,7 +31,7 @@ import threading
 
 from . import operands
 from .config import IN_DTYPES, OUT_DTYPES
-from .driver import Context, _aligned_buffer
+from .driver import Context, aligned_buffer
 from .emit import build_kernel, resolve
 from .render import render
 
@@ -54,7 +54,7 @@ def runs_on(ctx: Context) -> bool:
 class _Kernel:
     """One loaded config: its function, threads per CTA, the config, and its kernel-parameter block.
 
-    The block (three 128-byte tensor maps, 64-byte aligned as the driver requires, C's pointer,
+    The block (three 128-byte tensor maps, 128-byte aligned as CUDA 13 asks, C's pointer,
     M, N, K) is built once and refilled in place for each launch: cuLaunchKernel copies the
     parameters when it is called, and building them anew costs more host time than a small
     product takes on the GPU."""
@@ -64,7 +64,7 @@ class _Kernel:
     def __init__(self, cfg, fn, threads: int):
         self.cfg, self.fn, self.threads = cfg, fn, threads
         self.grids: dict[tuple, tuple] = {}  # (m, n, k) -> (padded extents, grid)
-        self._owner, base = _aligned_buffer(3 * 128, 128)
+        self._owner, base = aligned_buffer(3 * 128, 128)
         self.maps_at = [base + 128 * i for i in range(3)]
         self.c = ctypes.c_uint64(0)
         self.dims = [ctypes.c_uint32(0) for _ in range(3)]

@@ -260,7 +260,6 @@ def _train(args, given: set[str]) -> int:
     pipeline = layout.pp > 1
     settings.check_pp_balance(args.pp_balance, args.pp)
     settings.check_experts(args.moe_experts, args.moe_top_k, args.ep, args.tp, args.pp, world, args.zero)
-    settings.check_dtype(args.dtype, args.tp, args.pp, args.zero, args.moe_experts)
     if args.sequence_parallel:
         settings.check_sequence_parallel(args.tp, args.pp, T)
     if pipeline and comm_hook is not None:
@@ -411,7 +410,7 @@ def _train(args, given: set[str]) -> int:
         opt = AdamW(groups, lr=lr_max, betas=(0.9, 0.95))
     # fp16 on a split model or sharded gradients: every rank holds other gradients, so the ranks
     # agree on inf/nan
-    autocast, scaler = _mixed_precision(args.dtype, split=args.tp > 1 or args.pp > 1 or zero > 0)
+    autocast, scaler = _mixed_precision(args.dtype, split=args.tp > 1 or args.pp > 1 or zero > 0 or args.ep > 1)
     loader = BatchLoader(ds.train, bs, T, seed=args.seed)
     val_loader = BatchLoader(ds.val, bs, T, seed=args.seed + 1)
 

@@ -260,21 +260,6 @@ def check_experts(experts: int, top_k: int, ep: int, tp: int, pp: int, world: in
         usage(f"--moe-top-k {top_k} is more than --moe-experts {experts}: a token cannot go to more experts than exist")
 
 
-def check_dtype(dtype: str, tp: int, pp: int, zero: int, experts: int) -> None:
-    """Refuse a --dtype that helios-train does not combine with a layout, naming both flags.
-    bf16 runs with every layout but context parallelism (autocast in each rank's forward, a
-    pipeline stage's forwards included; float32 master weights and gradients; mixture of
-    experts too); fp16 runs single-device, data-parallel, tensor- and pipeline-parallel and with
-    ZeRO (the ranks of a split model, or of sharded gradients, agree on each step's inf/nan
-    before its loss scaler skips it), not yet with experts."""
-    if dtype != "fp16":
-        return
-    for flag, n in (("--moe-experts", experts),):
-        if n:
-            usage(f"--dtype {dtype} with {flag} {n}: mixed precision does not run with {flag} yet (drop {flag}, or "
-                  "use --dtype fp32 or bf16)")
-
-
 def check_sequence_parallel(tp: int, pp: int, block_size: int) -> None:
     """Refuse --sequence-parallel where it cannot apply, naming the flag."""
     if tp < 2:

@@ -344,26 +344,27 @@ def dropped_pairs(model: Module) -> Tensor | None:
 
 
 class _WithAux(Function):
-    """y = x; y's backward also gives ``aux`` the gradient 1 (see :func:`with_aux`)."""
+    """y = x; y's backward also gives ``aux`` the gradient ``aux_grad`` (see :func:`with_aux`)."""
 
     @staticmethod
-    def forward(ctx, x, aux):
-        ctx.aux_shape = aux.shape
+    def forward(ctx, x, aux, aux_grad):
+        ctx.aux_shape, ctx.aux_grad = aux.shape, aux_grad
         return x.detach()  # a new tensor on the same storage: x keeps its own place in the tape
 
     @staticmethod
     def backward(ctx, g):
-        return g, full(ctx.aux_shape, 1.0)
+        return g, full(ctx.aux_shape, ctx.aux_grad), None
 
 
-def with_aux(x: Tensor, aux: Tensor | None) -> Tensor:
+def with_aux(x: Tensor, aux: Tensor | None, aux_grad: float = 1.0) -> Tensor:
     """``x`` unchanged, whose backward also differentiates the scalar ``aux`` (with gradient 1,
-    as ``(root + aux).backward()`` gives it).  A pipeline stage hands the next stage (or the
-    loss's backward) such an output, so ``out.backward(g)`` runs its blocks' load-balancing
+    as ``(root + aux).backward()`` gives it; ``aux_grad`` under a float16 loss scale, as
+    ``(scale * (root + aux)).backward()`` gives it).  A pipeline stage hands the next stage (or
+    the loss's backward) such an output, so ``out.backward(g)`` runs its blocks' load-balancing
     losses too: one backward, the gradients one device gets from ``loss + aux``."""
     if aux is None:
         return x
-    return _WithAux.apply(x, aux)
+    return _WithAux.apply(x, aux, float(aux_grad))
 
 
 def use_experts(model: Module, n_experts: int, top_k: int = 2, capacity_factor: float | None = 1.25,

@@ -290,6 +290,7 @@ class PipelineStage(Module):
         per layer (``layer_times``) to balance on instead of the parameter counts; every rank of
         the pipeline must give the same ones."""
         Module.__init__(self)
+        self._loss_scale = 1.0  # train_step's: what each micro-batch's backward is seeded with
         if getattr(gpt, "sequence_parallel", False):
             # Its stages would pass sequence shards and gather them before the output layer.
             raise ValueError("pipeline: stages of a sequence-parallel model are not supported yet; build the "
@@ -369,14 +370,14 @@ class PipelineStage(Module):
                 # projections promote to float32), so this is one device's stream unrounded.
                 raise RuntimeError(f"pipeline: a stage's output is {x.dtype.name}; the stages pass float32 "
                                    "activations")
-            return with_aux(x, aux)
+            return with_aux(x, aux, self._loss_scale)
         b, t, _ = x.shape
         with self._cast():
             logits = _logits(self, x, self.tp_group)
             if targets is None:
                 return logits
             loss = self._loss(logits.reshape(b * t, -1), targets.reshape(b * t))
-        return with_aux(loss * scale, aux)
+        return with_aux(loss * scale, aux, self._loss_scale)
 
     def _moe_aux(self, blocks, scale: float):
         """The load-balancing loss of the mixture-of-experts layers in ``blocks`` (their forward

@@ -255,9 +255,7 @@ from test_train import BASE, corpus, losses, run  # noqa: E402, F401  (corpus: a
 def test_train_dtype_flag_is_checked(tmp_path):
     r = run(BASE + ["--steps", "2", "--out", str(tmp_path / "x"), "--dtype", "fp64"], tmp_path)
     assert r.returncode == 2 and "argument --dtype: invalid choice: 'fp64'" in r.stderr, r.stderr
-    r = run(BASE + ["--steps", "2", "--out", str(tmp_path / "x"), "--dtype", "fp16", "--moe-experts", "2"], tmp_path)
-    assert r.returncode == 2 and "--dtype fp16 with --moe-experts 2: mixed precision does not run" in r.stderr, r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+    assert "Traceback" not in r.stderr
 
 
 def test_train_fp16_saves_the_scaler_and_resumes_bit_exactly(corpus, tmp_path):  # noqa: F811
@@ -293,8 +291,8 @@ def test_train_fp16_logs_skipped_steps_and_backs_off(corpus, tmp_path, monkeypat
     # logged, and the scale halves (the run finishes: a skipped step is not a failed run).
     plain = train._mixed_precision
 
-    def too_large(dtype):
-        ctx, _ = plain(dtype)
+    def too_large(dtype, split=False):
+        ctx, _ = plain(dtype, split)
         return ctx, hl.amp.GradScaler(init_scale=2.0 ** 40)
 
     monkeypatch.setattr(train, "_mixed_precision", too_large)

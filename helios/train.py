@@ -34,8 +34,9 @@ trained with the 1F1B schedule over --microbatches micro-batches of each replica
 the ranks left over are data parallel.  --zero 1|2|3 with --pp shards each stage over its
 data-parallel ranks (--zero 3 with 1F1B only), --zero 1|2|3 with --tp each tensor-parallel rank's shards, --zero 1|2 with --ep
 the experts over the ranks holding the same experts and the rest over every replica.  --moe-experts with
---tp splits each expert's MLP over the tensor-parallel ranks as the dense MLP is.  --dtype bf16 runs
-with every layout but --cp (a pipeline's stages forward under the same autocast).  Checkpoints
+--tp splits each expert's MLP over the tensor-parallel ranks as the dense MLP is.  --dtype bf16 and
+fp16 run with every layout but --cp (a pipeline's stages forward under the same autocast; fp16's
+loss scaler agrees on inf/nan over the ranks whose gradients differ).  Checkpoints
 always hold the whole model's tensors under one device's names, so a run resumes on any layout.
 """
 

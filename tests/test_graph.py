@@ -23,16 +23,16 @@ CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
 B = 4
 
 
-def _batches(n, seed=0):
+def _batches(n, seed=0, cfg=CFG):
     rng = np.random.default_rng(seed)
-    return [(rng.integers(0, CFG.vocab_size, (B, CFG.block_size)), rng.integers(0, CFG.vocab_size, (B, CFG.block_size)))
+    return [(rng.integers(0, cfg.vocab_size, (B, cfg.block_size)), rng.integers(0, cfg.vocab_size, (B, cfg.block_size)))
             for _ in range(n)]
 
 
-def _train_gpt(batches, replay: bool, autocast=None):
+def _train_gpt(batches, replay: bool, autocast=None, cfg=CFG):
     """Losses and final parameters of len(batches) AdamW steps (cosine learning rate, clipping):
     every step through Python, or the first captured and the others replayed."""
-    model = GPT(CFG, seed=3)
+    model = GPT(cfg, seed=3)
     opt = AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
     x, y = hl.tensor(batches[0][0]), hl.tensor(batches[0][1])
 
@@ -85,9 +85,10 @@ def test_gpt_replay_on_the_emulated_cuda_device_equals_running_the_step(emulated
     from helios.runtime import set_device
 
     set_device("cuda:0")
-    batches = _batches(3)
-    eager, p_eager, _ = _train_gpt(batches, replay=False)
-    replayed, p_replay, _ = _train_gpt(batches, replay=True)
+    cfg = GPTConfig(vocab_size=32, block_size=8, n_layer=1, n_head=2, n_embd=16)  # small: the emulator is slow
+    batches = _batches(3, cfg=cfg)
+    eager, p_eager, _ = _train_gpt(batches, replay=False, cfg=cfg)
+    replayed, p_replay, _ = _train_gpt(batches, replay=True, cfg=cfg)
     assert replayed == eager
     for name in p_eager:
         np.testing.assert_array_equal(p_replay[name], p_eager[name], err_msg=name)

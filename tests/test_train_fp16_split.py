@@ -33,14 +33,14 @@ def _summaries(stdout: str) -> list[dict]:
 
 
 MOE = ("--moe-experts", "4", "--moe-top-k", "2", "--moe-aux-alpha", "0.1")
-EIGHT = ("--steps", "3", "--dtype", "fp16", "--microbatches", "8")  # one rank seeing 2 ranks x 4 micro-batches
 
 
+# (--tp, --zero 3 and --ep 2 in fp16 were checked the same way when they landed; the suite keeps
+# the three layouts whose scaling differs: a pipeline's seeded backward, ZeRO's shards, and the
+# load-balancing losses' gradient through a pipeline.)
 @pytest.mark.parametrize("ref_flags,flags", [
-    (STEPS, (*STEPS, "--pp", "2")), (STEPS, (*STEPS, "--tp", "2")), (STEPS, (*STEPS, "--zero", "2")),
-    (STEPS, (*STEPS, "--zero", "3")), ((*STEPS, *MOE), (*STEPS, *MOE, "--pp", "2")),
-    ((*EIGHT, *MOE), (*STEPS, *MOE, "--ep", "2")),
-], ids=["pp2", "tp2", "zero2", "zero3", "moe-pp2", "moe-ep2"])
+    (STEPS, (*STEPS, "--pp", "2")), (STEPS, (*STEPS, "--zero", "2")), ((*STEPS, *MOE), (*STEPS, *MOE, "--pp", "2")),
+], ids=["pp2", "zero2", "moe-pp2"])
 def test_fp16_split_model_trains_what_one_rank_trains(tmp_path, one_rank_run, ref_flags, flags):
     # (a pipeline's load-balancing losses get the loss scale as their gradient, as one device's
     # scaler.scale(loss + aux).backward() gives them)

@@ -31,7 +31,7 @@ import threading
 
 from . import operands
 from .config import IN_DTYPES, OUT_DTYPES
-from .driver import Context, aligned_buffer
+from .driver import Context, aligned_buffer, check
 from .emit import build_kernel, resolve
 from .render import render
 
@@ -172,7 +172,7 @@ class TensorCoreGemm:
             fn = kern.fn
             res = cu.cuLaunchKernel(fn.handle, gx, gy, 1, kern.threads, 1, 1, fn.shared_bytes, 0,
                                     ctypes.addressof(kern.params), 0)
-        self.ctx._check(f"cuLaunchKernel({fn.name})", res)
+        check(f"cuLaunchKernel({fn.name})", res, cu=cu)
 
 
 __all__ = ["INPUTS", "OUTPUTS", "TensorCoreGemm", "VARIANT", "enabled", "runs_on"]

@@ -84,11 +84,15 @@ def test_linear_with_bias_on_3d_input_and_fp16(cuda):
     want = _exact(x) @ _exact(w) + _exact(bias)
     _close(_exact(y), want)
     x16, w16 = _t(rng.standard_normal((40, 32)), hl.float16), _t(rng.standard_normal((32, 16)), hl.float16)
+    # a bf16 model's fused linear+gelu runs as the engine's product and a GELU on this device
+    g = hl.nn.functional.linear_gelu(x, wt, bias)
+    want_g = _exact(hl.nn.functional.gelu(y, approximate="tanh"))
+    np.testing.assert_array_equal(_exact(g), want_g)
     b16 = _t(rng.standard_normal(16), hl.float16)
     y16 = hl.nn.functional.linear(x16, w16.t(), b16)  # fp16: a float32 C, bias included, rounded once
     assert y16.dtype is hl.float16
     _close(_exact(y16), _exact(x16) @ _exact(w16) + _exact(b16), hl.float16)
-    assert cuda == [True, True]
+    assert cuda == [True, True, True]
 
 
 def test_views_of_wider_matrices_and_a_transposed_out(cuda):

@@ -236,14 +236,16 @@ def mlp_residual(x: Tensor, w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tenso
 def _fusible_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
     """Whether linear(x, weight, bias) is the plain one-kernel linear a fused kernel can
     extend: fusion on, no autocast conversion, one float dtype, a [..., K] input with K > 0,
-    a unit-stride bias."""
+    a unit-stride bias, and a device whose matrix engine does not take the dtype (there the
+    engine's product, bias in its epilogue, beats the fused kernels' SIMT matmul)."""
     from helios import fusion
 
     return (fusion.ENABLED and _amp.state.dtype is None and isinstance(x, Tensor) and isinstance(weight, Tensor)
             and x.ndim >= 2 and weight.ndim == 2 and x.shape[-1] == weight.shape[1] and x.shape[-1] > 0
             and x.numel() > 0 and x.dtype is weight.dtype and x.dtype.kind == "float"
             and (bias is None or (isinstance(bias, Tensor) and bias.shape == (weight.shape[0],)
-                                  and bias.dtype is x.dtype and (bias.shape[0] == 1 or bias._strides[0] == 1))))
+                                  and bias.dtype is x.dtype and (bias.shape[0] == 1 or bias._strides[0] == 1)))
+            and not x._st.rt.has_gemm(x.dtype.name))
 
 
 def linear_residual(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor) -> Tensor:

@@ -87,7 +87,8 @@ cuda_device() {  # step 6
     grep '^{' "$out/cuda_device.log" >"$out/train_step.jsonl" || true
 }
 
-[ "$part" = all ] || [ "$part" = tests ] && step gate "$out/gate.log" "$py" -m helios.cuda_ptx.gate
+# HELIOS_GATE_ARGS: extra arguments of the gate (--no-emulate skips its CPU emulation runs)
+[ "$part" = all ] || [ "$part" = tests ] && step gate "$out/gate.log" "$py" -m helios.cuda_ptx.gate ${HELIOS_GATE_ARGS:-}
 if ! why=$("$py" -c "from helios.cuda_ptx import driver; ok, why = driver.driver_status(); print(why); raise SystemExit(0 if ok else 1)"); then
     echo "gpu_check: no usable CUDA driver ($why): nothing that needs a GPU ran${failed:+; the gate failed}" >&2
     [ ${#failed[@]} -ne 0 ] && exit 1

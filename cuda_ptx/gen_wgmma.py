@@ -88,17 +88,17 @@ class WgmmaPlan:
     @property
     def desc_a_const(self) -> int:
         """A's descriptor with a zero start: MN-major as N-major B's, or K-major."""
-        return L.encode_desc(0, LBO_MN, SBO_MN, SWIZZLE) if self.m_major else self.desc_const
+        return self._desc_const(self.m_major)
 
     @property
     def a_step_bytes(self) -> int:
         """How far A's descriptor start moves per wgmma: 32 bytes of K, or 16 K-rows (M-major)."""
-        return self.k_inst * ATOM_BYTES if self.m_major else K_STEP_BYTES
+        return self._step_bytes(self.m_major)
 
     @property
     def trans_a(self) -> int:
         """``imm-trans-a``: 1 reads A M-major (transposed), 0 K-major."""
-        return 1 if self.m_major else 0
+        return int(self.m_major)
 
     @property
     def b_box_cols(self) -> int:
@@ -147,19 +147,27 @@ class WgmmaPlan:
     @property
     def desc_b_const(self) -> int:
         """B's descriptor with a zero start: MN-major (LBO between boxes, SBO between K groups) or K-major."""
-        if self.n_major:
-            return L.encode_desc(0, LBO_MN, SBO_MN, SWIZZLE)
-        return self.desc_const
+        return self._desc_const(self.n_major)
 
     @property
     def b_step_bytes(self) -> int:
         """How far B's descriptor start moves per wgmma: 32 bytes of K (K-major) or 16 K-rows (N-major)."""
-        return self.k_inst * ATOM_BYTES if self.n_major else K_STEP_BYTES
+        return self._step_bytes(self.n_major)
 
     @property
     def trans_b(self) -> int:
         """``imm-trans-b``: 1 reads B N-major (transposed), 0 K-major."""
-        return 1 if self.n_major else 0
+        return int(self.n_major)
+
+    def _desc_const(self, mn_major: bool) -> int:
+        """An operand's descriptor with a zero start: the MN-major one (A M-major, B N-major: LBO
+        between 64-column boxes, SBO between 8-row K groups) or the K-major one."""
+        return L.encode_desc(0, LBO_MN, SBO_MN, SWIZZLE) if mn_major else self.desc_const
+
+    def _step_bytes(self, mn_major: bool) -> int:
+        """How far an operand's descriptor start moves per wgmma: 16 K-rows of 128 bytes when it
+        is MN-major, else 32 bytes of K."""
+        return self.k_inst * ATOM_BYTES if mn_major else K_STEP_BYTES
 
     def a_offset(self, consumer: int, mb: int, kk: int) -> int:
         """Byte offset in a slot where consumer ``consumer``'s m-block ``mb`` k-step ``kk`` starts

@@ -63,7 +63,7 @@ class _Kernel:
 
     def __init__(self, cfg, fn, threads: int):
         self.cfg, self.fn, self.threads = cfg, fn, threads
-        self.grids: dict[tuple, tuple] = {}  # (m, n, k) -> (padded extents, grid)
+        self.grids: dict[tuple, tuple] = {}  # (m, n, k) -> (padded extents, grid, TMA boxes)
         self._owner, base = aligned_buffer(3 * 128, 128)
         self.maps_at = [base + 128 * i for i in range(3)]
         self.c = ctypes.c_uint64(0)
@@ -142,22 +142,13 @@ class TensorCoreGemm:
         shape = kern.grids.get((m, n, k))
         if shape is None:
             p = operands.padded(cfg, m, n, k)
-            shape = kern.grids[(m, n, k)] = (p, operands.grid(cfg, p, self.ctx.sm_count))
-        p, (gx, gy) = shape
-        d = cfg.in_dtype
-        (pa, lda), (pb, ldb), (pc, ldc) = a, b, c
-        tmap = self._map
-        if a_major == "m":  # A stored K x M: the boxes of operands.tma_boxes, bk x 64
-            map_a = tmap(pa, d, k, m, cfg.bk, 128 // cfg.in_bytes, lda)
-        else:
-            map_a = tmap(pa, d, m, k, cfg.bm, cfg.bk, lda)
-        if b_major == "k":
-            map_b = tmap(pb, d, n, k, cfg.bn, cfg.bk, ldb)
-        else:
-            map_b = tmap(pb, d, k, n, cfg.bk, 128 // cfg.in_bytes, ldb)
-        # The C box of the ladder's TMA-store epilogue: 64 rows of 128 bytes (operands.tma_boxes).
-        map_c = tmap(pc, cfg.out_dtype, m, n, 64, 128 // OUT_DTYPES[cfg.out_dtype], ldc)
-        maps = (map_a, map_b, map_c)
+            # the kernel's boxes over the real extents: TMA fills and clips what lies past them
+            boxes = operands.tma_boxes(cfg, operands.Padded(m, n, k))
+            shape = kern.grids[(m, n, k)] = (p, operands.grid(cfg, p, self.ctx.sm_count), boxes)
+        p, (gx, gy), boxes = shape
+        at = {"a": a, "b": b, "c": c}  # operand -> (address, pitch)
+        maps = tuple(self._map(at[t.operand][0], t.dtype, t.rows, t.cols, t.box_rows, t.box_cols, at[t.operand][1])
+                     for t in boxes)
         cu = self.ctx.cu
         with self._lock:
             if maps != kern.last_maps:
@@ -165,7 +156,7 @@ class TensorCoreGemm:
                     if raw is not old:
                         ctypes.memmove(at, raw, 128)
                 kern.last_maps = maps
-            kern.c.value = pc
+            kern.c.value = c[0]
             kern.dims[0].value, kern.dims[1].value, kern.dims[2].value = p.m, p.n, p.k
             if kern.bias:
                 kern.bias[0].value, kern.bias[1].value = bias, n

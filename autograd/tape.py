@@ -29,11 +29,19 @@ LayerNorm's input-gradient kernel adds it in its store: helios.fusion's
 "layer_norm_bwd+acc"), and the tape keeps the result as the input's pending gradient
 instead of recording the add.  The sum is the one the tape would compute (the same two
 operands; float addition commutes), so the bits are the same.
+
+In-place ops under autograd (``y[mask] = v``, ``y.add_(z)`` on a non-leaf): the op is
+recorded out of place, its result written into y's memory, and y moved to the new node
+(helios.functional.inplace).  A node records its inputs as tensors, so y's earlier
+producer is kept in ``y._history`` with the sequence number of the move: every node
+recorded before it still reaches the producer it saw (:func:`edge`), as PyTorch's edges
+do.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import re
 import threading
 
@@ -110,11 +118,13 @@ class Context:
         src = getattr(self, "pending_src", None)
         if src is None:
             return None
-        pending, inputs = src
+        pending, node = src
+        inputs = node.inputs
         t = inputs[i] if i < len(inputs) else None
-        if t is None or t._node is None or t._node.n_out != 1 or sum(1 for u in inputs if u is t) > 1:
+        producer = edge(t, node)[0] if t is not None else None
+        if producer is None or producer.n_out != 1 or sum(1 for u in inputs if u is t) > 1:
             return None
-        g = pending.get(id(t._node))
+        g = pending.get(id(producer))
         if g is None or g.shape != t.shape or g.dtype is not t.dtype or not g.is_contiguous():
             return None
         self.taken = getattr(self, "taken", frozenset()) | {i}
@@ -153,18 +163,39 @@ class _NoContext:
 NO_CONTEXT = _NoContext()
 
 
+_SEQUENCE = itertools.count()  # the order nodes are recorded in (see edge)
+
+
+def next_sequence() -> int:
+    """A number after every node recorded so far and before every later one."""
+    return next(_SEQUENCE)
+
+
 class Node:
     """One recorded op: the function, its context, and the inputs it differentiates."""
 
-    __slots__ = ("fn", "ctx", "inputs", "name", "n_out", "retained")
+    __slots__ = ("fn", "ctx", "inputs", "name", "n_out", "retained", "seq")
 
     def __init__(self, fn, ctx, inputs):
+        self.seq = next(_SEQUENCE)
         self.fn = fn
         self.ctx = ctx
         self.inputs = inputs  # tuple of Tensor-or-None, aligned with backward's outputs
         self.name = fn.__name__
         self.n_out = 1  # > 1: forward returned a tuple and backward takes a tuple of grads (None if unused)
         self.retained = None  # [(weakref to an output that retains its grad, output index)], see retain_grad
+
+
+def edge(t, node) -> tuple:
+    """(producer node, output index) of ``t`` as ``node`` saw it when it was recorded: the
+    tensor's current ones, unless an in-place op moved it to a new node since (its
+    ``_history``, oldest first, says which producer each earlier stretch of nodes saw)."""
+    history = t._history
+    if history is not None:
+        for before, producer, index in history:
+            if node.seq < before:
+                return producer, index
+    return t._node, t._out_index
 
 
 def retain_grad(t) -> None:
@@ -349,8 +380,11 @@ def _topo_order(root) -> list:
         seen.add(id(node))
         stack.append((node, True))
         for inp in node.inputs:
-            if inp is not None and inp._node is not None and id(inp._node) not in seen:
-                stack.append((inp._node, False))
+            if inp is None:
+                continue
+            producer = inp._node if inp._history is None else edge(inp, node)[0]
+            if producer is not None and id(producer) not in seen:
+                stack.append((producer, False))
     return order
 
 
@@ -415,7 +449,7 @@ def _backward(root, grad, retain_graph: bool) -> None:
         # node id -> gradient of its output (a list of per-output gradients for multi-output nodes)
         pending: dict[int, object] = {}
         handed: set = set()  # (node id, output index) whose gradient destination was handed out
-        _add_pending(pending, root, grad)
+        _add_pending(pending, root._node, root._out_index, grad)
         total = len(order)
         for done, node in enumerate(reversed(order)):
             _state.progress = (done, total)
@@ -429,7 +463,7 @@ def _backward(root, grad, retain_graph: bool) -> None:
                 _store_retained(node, g)
             ctx = node.ctx
             ctx.dests = _grad_dests(node, g, pending, handed) if GRADS_IN_PLACE else None
-            ctx.pending_src, ctx.taken = (pending, node.inputs), frozenset()
+            ctx.pending_src, ctx.taken = (pending, node), frozenset()
             in_grads = _backward_profiled(node, g)
             taken = ctx.taken
             ctx.dests = ctx.pending_src = None
@@ -438,15 +472,16 @@ def _backward(root, grad, retain_graph: bool) -> None:
             for i, (inp, ig) in enumerate(zip(node.inputs, in_grads)):
                 if inp is None:
                     continue
+                producer, index = (inp._node, inp._out_index) if inp._history is None else edge(inp, node)
                 if i in taken:  # the backward added the pending gradient (Context.grad_pending)
-                    pending[id(inp._node)] = ig
+                    pending[id(producer)] = ig
                 elif ig is not None:
                     if ig.shape != inp.shape:
                         ig = F.sum_to_shape(ig, inp.shape)
-                    if inp._node is None:
+                    if producer is None:
                         _accumulate_leaf(inp, ig, given)
                     else:
-                        _add_pending(pending, inp, ig)
+                        _add_pending(pending, producer, index, ig)
                 if inp._grad_hooks:
                     hooked.arrived(inp, ig is not None)
             if not retain_graph:
@@ -502,16 +537,14 @@ def _store_retained(node, g) -> None:
         t.grad = gi.clone() if t.grad is None else t.grad + gi
 
 
-def _add_pending(pending: dict, t, g) -> None:
-    """Add gradient ``g`` of the non-leaf ``t`` to what its node will receive."""
-    node = t._node
+def _add_pending(pending: dict, node, i: int, g) -> None:
+    """Add gradient ``g`` of output ``i`` of ``node`` to what that node will receive."""
     key = id(node)
     if node.n_out == 1:
         prev = pending.get(key)
         pending[key] = g if prev is None else prev + g
     else:
         slots = pending.setdefault(key, [None] * node.n_out)
-        i = t._out_index
         slots[i] = g if slots[i] is None else slots[i] + g
 
 
@@ -528,14 +561,15 @@ def _grad_dests(node, g, pending: dict, handed: set):
     for i, t in enumerate(inputs):
         if t is None:
             continue
-        if t._node is None:
+        producer, index = edge(t, node)
+        if producer is None:
             if t.grad is not None:
                 continue
             d = getattr(t, "_grad_slot", None)
             if d is None or d.dtype is not t.dtype or d.shape != t.shape or not d.is_contiguous():
                 continue
         else:
-            d = _pending_dest(t, pending, handed)
+            d = _pending_dest(t, producer, index, pending, handed)
             if d is None:
                 continue
         if sum(1 for u in inputs if u is t) > 1:
@@ -550,25 +584,24 @@ def _grad_dests(node, g, pending: dict, handed: set):
     return dests
 
 
-def _pending_dest(t, pending: dict, handed: set):
-    """The destination the producer of the non-leaf ``t`` offers for t's gradient, while none
+def _pending_dest(t, node, index: int, pending: dict, handed: set):
+    """The destination ``node`` (t's producer, output ``index``: see :func:`edge`) offers for t's gradient, while none
     of it has arrived yet (a later one is added to it as usual, into new memory).  Each is
     handed out once per pass: a gradient written there may still be on its way (through a
     transpose's node) when another consumer of ``t`` runs, which must not write it again."""
-    node = t._node
     if node is None:
         return None
     hook = getattr(node.fn, "grad_dest", None)
     if hook is None:
         return None
-    key = (id(node), t._out_index)
+    key = (id(node), index)
     if key in handed:
         return None
     got = pending.get(id(node))
-    if got is not None and (node.n_out == 1 or got[t._out_index] is not None):
+    if got is not None and (node.n_out == 1 or got[index] is not None):
         return None
     handed.add(key)
-    d = hook(node, t._out_index, lambda u: _pending_dest(u, pending, handed) if u is not None else None)
+    d = hook(node, index, lambda u: _pending_dest(u, *edge(u, node), pending, handed) if u is not None else None)
     if d is not None and (d.shape != t.shape or d.dtype is not t.dtype):
         return None
     return d

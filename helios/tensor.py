@@ -45,7 +45,7 @@ class Tensor:
     """A multi-dimensional array on a device (Vulkan, CUDA, or host memory as "cpu"; PyTorch naming)."""
 
     __slots__ = ("_st", "shape", "_strides", "_off", "dtype", "requires_grad", "grad", "_node", "_host", "_grad_hooks",
-                 "_out_index", "__weakref__")
+                 "_out_index", "_history", "__weakref__")
     __array_priority__ = 1000  # numpy scalars/arrays on the left defer to our operators
 
     def __init__(self, st: Storage, shape: tuple, strides: tuple, off: int, dtype: dt.DType):
@@ -60,6 +60,7 @@ class Tensor:
         self._host = None  # (storage version, numpy copy) when the data came from the host
         self._grad_hooks = None  # post-accumulate-grad hooks of a leaf (a list), see autograd.tape
         self._out_index = 0  # which output of its node (ops with several outputs, like split)
+        self._history = None  # producers before in-place ops moved it to a new node (autograd.tape.edge)
 
     # -- metadata -----------------------------------------------------------------------
     @property

@@ -57,7 +57,6 @@ from torch.testing._internal.common_methods_invocations import op_db  # needs th
 import helios as hl
 import helios.functional as F
 from helios.errors import DTypeError, HeliosError, ShapeError
-from helios.errors import InPlaceError
 from helios.tensor import Tensor
 
 pytestmark = pytest.mark.vulkan
@@ -112,10 +111,6 @@ def _int_dtype(s, d) -> bool:
     return not d.is_floating_point
 
 
-def _float_dtype(s, d) -> bool:
-    return d.is_floating_point
-
-
 REFUSALS: list[Refusal] = [
     Refusal("*", None, _has_dtype, DTypeError, "asks for a dtype Helios does not have (float64, complex, int8/16, uint8)"),
     Refusal("*", None, _channels_last, ShapeError,
@@ -128,8 +123,6 @@ REFUSALS: list[Refusal] = [
     Refusal("addmm", None, _int_dtype, DTypeError, "integer matmul: the matmul kernels are floating-point only"),
     Refusal("baddbmm", None, _int_dtype, DTypeError, "integer matmul: the matmul kernels are floating-point only"),
     Refusal("norm", "nuc", lambda s, d: True, ShapeError, "the nuclear norm needs a singular value decomposition"),
-    Refusal("zero_", None, _float_dtype, InPlaceError,
-            "an in-place op on a tensor that requires grad (here a clone of one): the tape records no in-place ops"),
 ]
 
 
@@ -143,8 +136,8 @@ def _refusal(op, sample, dtype) -> Refusal | None:
 # -- mapping an OpInfo to Helios ------------------------------------------------------------------
 # Namespaces of PyTorch whose functions mean the same as Helios' of the same last name.
 SAME_MEANING_PREFIXES = ("nn.functional.", "special.", "linalg.")
-# Where Helios holds the ops: the top level, helios.functional and helios.creation (not the
-# helpers they import, such as helios._shape.broadcast_shapes).
+# Where Helios holds the ops: the top level, helios.functional (and its modules) and
+# helios.creation (not the helpers they import, such as helios._shape.broadcast_shapes).
 HELIOS_MODULES = ("helios.functional", "helios.creation")
 
 # OpInfos whose name Helios has with another meaning: not mapped.
@@ -205,7 +198,8 @@ def _lookup(name: str):
         return None
     for ns in (hl, F):
         f = getattr(ns, short, None)
-        if callable(f) and not isinstance(f, type) and getattr(f, "__module__", "") in HELIOS_MODULES:
+        module = getattr(f, "__module__", "") or ""
+        if callable(f) and not isinstance(f, type) and any(module == m or module.startswith(m + ".") for m in HELIOS_MODULES):
             return f
     if not _in_mro(short):
         return None

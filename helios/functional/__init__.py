@@ -50,12 +50,12 @@ from helios.functional.nn_ops import (  # noqa: F401
     _reduce_loss, _loss_pair, mse_loss, l1_loss, nll_loss, one_hot, pad, _PadConstant, _pad_constant,
 )
 from helios.functional.inplace import (  # noqa: F401
-    _check_inplace, copy_, _inplace_binary, add_, sub_, mul_, div_, masked_fill_, clamp_, zero_, fill_, full_like,
+    _check_inplace, finish_inplace, copy_, _inplace_binary, add_, sub_, mul_, div_, masked_fill_, clamp_, zero_, fill_, full_like,
     zeros_like, ones_like, check_layout,
 )
 from helios.functional.indexing import (  # noqa: F401
     SortResult, TopKResult, _host_ready, _index_tensor, _check_range, _check_gather_shapes, _as_nd, _Gather, gather,
-    _scatter_raw, _Scatter, _scatter_args, _scatter_op, scatter, scatter_add, _inplace_result, scatter_,
+    _scatter_raw, _Scatter, _scatter_args, _scatter_op, scatter, scatter_add, scatter_,
     scatter_add_, _IndexAdd, index_add, index_add_, _SortValues, _sort_impl, sort, argsort, msort, topk, _Cumsum,
     _Cumprod, _cum, cumsum, cumprod, _dims_arg, _Flip, _flip_raw, flip, roll, repeat, tile, repeat_interleave,
     multinomial,

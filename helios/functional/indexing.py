@@ -201,23 +201,16 @@ def scatter_add(x: Tensor, dim: int, index, src: Tensor) -> Tensor:
     return _scatter_op("scatter_add", "add", x, d, index, src)
 
 
-def _inplace_result(x: Tensor, op: str, r: Tensor) -> Tensor:
-    F._check_inplace(x, op)
-    K.copy_into(x, r)
-    x._st.version += 1
-    return x
-
-
 def scatter_(x: Tensor, dim: int, index, src=None, value=None, *, reduce: str | None = None) -> Tensor:
     """In-place :func:`scatter`."""
-    F._check_inplace(x, "scatter_")
-    return _inplace_result(x, "scatter_", scatter(x, dim, index, src, value, reduce=reduce))
+    recorded = F._check_inplace(x, "scatter_", src, value)
+    return F.finish_inplace(x, scatter(x, dim, index, src, value, reduce=reduce), recorded)
 
 
 def scatter_add_(x: Tensor, dim: int, index, src: Tensor) -> Tensor:
     """In-place :func:`scatter_add`."""
-    F._check_inplace(x, "scatter_add_")
-    return _inplace_result(x, "scatter_add_", scatter_add(x, dim, index, src))
+    recorded = F._check_inplace(x, "scatter_add_", src)
+    return F.finish_inplace(x, scatter_add(x, dim, index, src), recorded)
 
 
 class _IndexAdd(Function):
@@ -277,8 +270,8 @@ def index_add(x: Tensor, dim: int, index, source: Tensor, *, alpha=1) -> Tensor:
 
 def index_add_(x: Tensor, dim: int, index, source: Tensor, *, alpha=1) -> Tensor:
     """In-place :func:`index_add`."""
-    F._check_inplace(x, "index_add_")
-    return _inplace_result(x, "index_add_", index_add(x, dim, index, source, alpha=alpha))
+    recorded = F._check_inplace(x, "index_add_", source)
+    return F.finish_inplace(x, index_add(x, dim, index, source, alpha=alpha), recorded)
 
 
 # -- sorting ---------------------------------------------------------------------------------------

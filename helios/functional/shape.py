@@ -11,7 +11,7 @@ import numpy as np
 from helios import _kernels as K
 from helios import dtypes as dt
 from helios._shape import broadcast_shapes, contiguous_strides, infer_reshape, norm_dim, norm_dims, numel, view_strides
-from helios.autograd.tape import Function
+from helios.autograd.tape import Function, no_grad
 from helios.errors import DTypeError, ShapeError
 from helios.tensor import Tensor
 import helios.functional as F  # the other op families (bound once the package has loaded)
@@ -341,10 +341,41 @@ def _advanced_getitem(x: Tensor, items: tuple) -> Tensor:
     return out
 
 
+class _SetItem(Function):
+    """x[idx] = value out of place (what a recorded ``x[idx] = value`` computes): the gradient
+    of x is the incoming one with the written elements zeroed, the value's is the incoming
+    one at those elements, summed over the value's broadcast dims."""
+
+    @staticmethod
+    def forward(ctx, x, value, idx):
+        ctx.idx = idx
+        ctx.value_shape, ctx.value_dtype = (value.shape, value.dtype) if isinstance(value, Tensor) else (None, None)
+        out = K.copy(x)
+        with no_grad():
+            setitem(out, idx, value)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        gx = gv = None
+        if ctx.needs_input_grad[0]:
+            gx = K.copy(g)
+            setitem(gx, ctx.idx, 0)
+        if ctx.needs_input_grad[1]:
+            gv = F.sum_to_shape(getitem(g, ctx.idx), ctx.value_shape)
+            if gv.dtype is not ctx.value_dtype:
+                gv = K.copy(gv, ctx.value_dtype)
+        return gx, gv, None
+
+
 def setitem(x: Tensor, idx, value) -> None:
     """x[idx] = value (in place); integer arrays, lists and bool masks in ``idx`` write the
-    elements x[idx] reads (see :func:`_advanced_setitem`)."""
-    F._check_inplace(x, "setitem")
+    elements x[idx] reads (see :func:`_advanced_setitem`).  Under autograd the write is
+    recorded (helios.functional.inplace): x's gradient skips the written elements and a
+    value that requires grad gets theirs."""
+    if F._check_inplace(x, "setitem", value):
+        F.finish_inplace(x, _SetItem.apply(x, value, idx), True)
+        return
     items = idx if isinstance(idx, tuple) else (idx,)
     if builtins.any(_is_array_index(i) for i in items):
         _advanced_setitem(x, items, value)

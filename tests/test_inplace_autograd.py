@@ -79,7 +79,9 @@ def _fill_zero_copy(L, a, v, w, m):
     z = a * 1
     z.zero_()
     z.copy_(a[2] * v)  # broadcast over the rows
-    return (y * w).sum() + (z * w).sum()
+    u = a * 3
+    u.copy_(w)  # a source without grad: nothing reaches a through u
+    return (y * w).sum() + (z * w).sum() + (u * a).sum()
 
 
 def _scatter_and_index_add(L, a, v, w, m):

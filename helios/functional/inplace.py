@@ -62,22 +62,23 @@ def finish_inplace(x: Tensor, result: Tensor, recorded: bool) -> Tensor:
     values = K.copy(result) if result._st is x._st else result
     K.copy_into(x, values)
     x._st.version += 1
-    if recorded and result.requires_grad:
+    if recorded:
         if x._node is not None:  # the nodes recorded so far keep x's old producer
             x._history = (x._history or ()) + ((next_sequence(), x._node, x._out_index),)
-        x._node, x._out_index, x.requires_grad = result._node, result._out_index, True
+        # (a result that requires no grad does not depend on x's old values: x is detached)
+        x._node, x._out_index, x.requires_grad = result._node, result._out_index, result.requires_grad
     return x
 
 
 def copy_(x: Tensor, src) -> Tensor:
     """Copy ``src`` (a tensor broadcastable to x, a numpy array or a number) into ``x`` in place."""
-    if _check_inplace(x, "copy_", src):
-        if not isinstance(src, Tensor):
-            src = K.from_numpy(np.asarray(src, dtype=x.dtype.np_storage), x.dtype, x._st.rt) if isinstance(src, np.ndarray) \
-                else F.scalar_tensor(src, x.dtype, x._st.rt)
-        if src.shape != x.shape:
+    if _check_inplace(x, "copy_", src):  # recorded as a write of every element: x's old values get no gradient
+        if isinstance(src, np.ndarray):
+            src = K.from_numpy(np.asarray(src, dtype=x.dtype.np_storage), x.dtype, x._st.rt)
+        if isinstance(src, Tensor) and src.shape != x.shape:
             broadcast_shapes("copy_", src.shape, x.shape)
-        return finish_inplace(x, F.expand(F.to(src, x.dtype), x.shape), True)
+        F.setitem(x, Ellipsis, src)
+        return x
     if isinstance(src, np.ndarray):
         if src.shape != x.shape:
             broadcast_shapes("copy_", src.shape, x.shape)

@@ -32,7 +32,7 @@ samples and writes the run database (which holds every rank's step timing).
 trained with the 1F1B schedule over --microbatches micro-batches of each replica's batch
 (--pp-virtual v: each rank holds v chunks of layers, Megatron-LM's interleaved schedule);
 the ranks left over are data parallel.  --zero 1|2|3 with --pp shards each stage over its
-data-parallel ranks (--zero 3 with 1F1B only), --zero 1|2|3 with --tp each tensor-parallel rank's shards, --zero 1|2 with --ep
+data-parallel ranks (--zero 3 with 1F1B only), --zero 1|2|3 with --tp each tensor-parallel rank's shards, --zero 1|2|3 with --ep
 the experts over the ranks holding the same experts and the rest over every replica.  --moe-experts with
 --tp splits each expert's MLP over the tensor-parallel ranks as the dense MLP is.  --dtype bf16 and
 fp16 run with every layout but --cp (a pipeline's stages forward under the same autocast; fp16's
@@ -589,6 +589,9 @@ def _train(args, given: set[str]) -> int:
 
     n_micro = args.grad_accum * layout.microbatches  # micro-batches per step on each replica
     zero_experts = bool(zero) and ep_group is not None
+    # ZeRO-1/2 reduce the experts (and the rest) after backward, each over its own ranks; ZeRO-3
+    # reduces every unit's gradients during backward, as they complete.
+    reduce_after = zero_experts and zero < 3
 
     def micro_batches():
         """This replica's micro-batches of the step: the --microbatches slices of each of the
@@ -619,9 +622,9 @@ def _train(args, given: set[str]) -> int:
                     yt = hl.tensor(y, dtype=hl.int64)
             else:
                 xt, yt = x, y
-            # Gradient accumulation: only the last micro-batch's backward communicates (ZeRO with
+            # Gradient accumulation: only the last micro-batch's backward communicates (ZeRO-1/2 with
             # experts: none, the optimizer reduces each group over its own ranks afterwards).
-            local = (i < n_micro - 1 or zero_experts) and run.active
+            local = (i < n_micro - 1 or reduce_after) and run.active
             with model.no_sync() if local and model is not gpt else contextlib.nullcontext():
                 with timer.phase("forward"):
                     with autocast():
@@ -786,10 +789,10 @@ def _train(args, given: set[str]) -> int:
             update()
         else:
             p["loss_dev"] = plain_step()
-            if zero_experts:
+            if reduce_after:
                 with timer.phase("comm"):
                     opt.reduce_gradients()  # dense over every replica, experts over their own replicas
-            elif ep_group is not None:
+            elif ep_group is not None and not zero_experts:
                 with timer.phase("comm"):
                     average_expert_gradients(gpt, edp_group, run.data_world)
             update()

@@ -235,10 +235,10 @@ def check_experts(experts: int, top_k: int, ep: int, tp: int, pp: int, world: in
     """Refuse a mixture-of-experts setting helios-train cannot run, naming the flag.  ``--ep``
     splits each layer's experts over that many data-parallel ranks (it must divide them; with
     --pp, the data-parallel ranks of each stage).  With --tp each expert's MLP is split over
-    the tensor-parallel ranks as the dense MLP is (also with --sequence-parallel).  --zero 1|2
+    the tensor-parallel ranks as the dense MLP is (also with --sequence-parallel).  --zero 1|2|3
     with --ep shards the expert parameters over the ranks that hold the same experts (the
     data-parallel ranks / ep) and the dense ones over every data-parallel rank, as
-    DeepSpeed-MoE does; not with --zero 3 nor with --tp."""
+    DeepSpeed-MoE does (stage 3 gathers each over its own ranks); not with --tp."""
     if ep > 1:
         if not experts:
             usage(f"--ep {ep} splits the experts of a mixture-of-experts model over ranks: give --moe-experts too")
@@ -248,9 +248,6 @@ def check_experts(experts: int, top_k: int, ep: int, tp: int, pp: int, world: in
         if dp % ep:
             usage(f"--ep {ep} must divide the data-parallel ranks ({dp}): expert parallelism splits them, as "
                   "DeepSpeed-MoE and Megatron-LM do")
-        if zero == 3:
-            usage(f"--ep {ep} with --zero 3: ZeRO-3 gathers every parameter over all the data-parallel ranks, and "
-                  "expert parameters are replicated over fewer (data-parallel / ep); use --zero 1 or 2")
         if zero and tp > 1:
             usage(f"--ep {ep} with --zero {zero} and --tp {tp}: ZeRO over expert-parallel ranks runs without tensor "
                   "parallelism so far; drop --tp, or use --zero 0")

@@ -57,18 +57,22 @@ model's forward does (DDP's buckets, stage 3's unit order and on-the-spot gather
 keeps its buffer's version (the values are the ones it held before): an op may save a
 prefetched unit's parameter for backward while the gather runs.
 
-``param_replicas={name: group}`` (stages 1-2): parameters that are not replicated over every
+``param_replicas={name: group}`` (any stage): parameters that are not replicated over every
 rank of the model's group but over a subgroup of it, each subgroup's ranks holding the same
 values: expert parallelism's experts, replicated over the expert-data-parallel group (the
 data-parallel ranks / ep) while the dense parameters are replicated over all the
 data-parallel ranks.  Each is sharded over its own group, as DeepSpeed-MoE shards expert
 parameters' optimizer state over the expert-data-parallel group: its segments are separate
 (padded to that group's size), updated on that group's chunk and all-gathered over it.  DDP
-must leave them alone (``params_to_ignore``; ``ZeroDataParallel`` does it) and
-``reduce_gradients()`` reduces them, after backward passes run inside ``no_sync()``: summed
-over the subgroup and divided by the model group's size, the mean loss's gradient when each
-subgroup rank's parameters received the gradients of every token the model group's ranks
-sent them (``helios.schedule.moe.average_expert_gradients``' arithmetic).  The clip's sum of
+must leave them alone (``params_to_ignore``; ``ZeroDataParallel`` does it).  At stages 1-2
+``reduce_gradients()`` reduces them, after backward passes run inside ``no_sync()``; at stage
+3 a unit's parameters of each group form a segment of their own, gathered over that group
+before the unit runs, and backward reduce-scatters a subgroup segment over its subgroup as
+soon as its gradients are complete (not inside ``no_sync()``), as DDP's buckets do for the
+rest.  Either way the gradients are summed over the subgroup and divided by the model group's
+size, the mean loss's gradient when each subgroup rank's parameters received the gradients of
+every token the model group's ranks sent them
+(``helios.schedule.moe.average_expert_gradients``' arithmetic).  The clip's sum of
 squares over the model group then counts every shard of every subgroup once.
 ``replica_group(name)`` says which group a parameter is sharded over.
 
@@ -89,11 +93,13 @@ Each parameter group is cut into *segments*: stage 1, one segment per group; sta
 of parameters of at most the DDP bucket size, taken in reverse registration order as DDP
 cuts its buckets; stage 3, the parameters of one *unit* (a top-level child module of the
 model, the children of a ``ModuleList`` such as GPT's ``h`` being units themselves;
-parameters outside every unit form a root unit) that belong to the group.  A segment of L
-elements is padded to N*c elements, c a multiple of the device's storage-offset alignment
-(4 floats on lavapipe), and rank r owns its chunk [r*c, (r+1)*c).  Each rank keeps, per
-group, shard buffers with the chunks of every segment one after the other: the two AdamW
-moments (stages 1-3), the reduced gradients (stages 2-3) and the parameters (stage 3).
+parameters outside every unit form a root unit) that belong to the group.  With
+``param_replicas`` each of these is split further by the group its parameters are sharded
+over, N then being that group's size.  A segment of L elements is padded to N*c elements, c
+a multiple of the device's storage-offset alignment (4 floats on lavapipe), and rank r owns
+its chunk [r*c, (r+1)*c).  Each rank keeps, per group, shard buffers with the chunks of
+every segment one after the other: the two AdamW moments (stages 1-3), the reduced
+gradients (stages 2-3) and the parameters (stage 3).
 The update binds parameters, gradients and moments each at their own aligned offset, so
 one ``adamw`` dispatch updates one chunk in place.
 
@@ -275,6 +281,7 @@ class _Segment:
     gfull: Storage = None  # storage of the full gradients (the group's flat buffer at stage 1, else lazy staging)
     # runtime
     launched: int = 0  # DDP buckets of this segment handed to the comm hook in this backward
+    ready: int = 0  # stage 3, subgroup segments: parameters whose gradient is complete in this backward
     has_grad: bool = False  # the shard holds reduced gradients not yet consumed by zero_grad
     staged_bytes: int = 0
     # the ranks this segment is sharded over: the model's group, or a subgroup (param_replicas)
@@ -399,6 +406,7 @@ class ZeroAdamW(Optimizer):
         with no_grad():
             self.groups = [self._build_group(gi, g["params"]) for gi, g in enumerate(self.param_groups)]
         self._seg_of_storage = {id(s.gfull): s for g in self.groups for s in g.segs}
+        self._seg_of_param = {id(p): s for g in self.groups for s in g.segs for p in s.params}
         largest = max(s.c * s.world * 4 for g in self.groups for s in g.segs)
         self.staging_limit = (max(2 * model.bucket_cap_bytes, largest) if staging_limit_mb is None
                               else int(staging_limit_mb * (1 << 20)))
@@ -434,10 +442,6 @@ class ZeroAdamW(Optimizer):
         ranks (``param_replicas``: names to groups), checked."""
         if not replicas:
             return {}
-        if self.stage == 3:
-            raise ValueError("ZeroAdamW: param_replicas (parameters replicated over a subgroup, such as expert "
-                             "parallelism's experts) run at stages 1 and 2; stage 3 gathers every unit over the "
-                             "model's group")
         by_name = {n: p for p, n in ((p, self._name[id(p)]) for g in self.param_groups for p in g["params"])}
         unknown = sorted(set(replicas) - set(by_name))
         if unknown:
@@ -464,13 +468,8 @@ class ZeroAdamW(Optimizer):
 
     def _segments_of(self, gi: int, params: list) -> list[_Segment]:
         if self.stage <= 2:
-            # The parameters the model's group holds first, then those of each subgroup
-            # (param_replicas) apart: a segment is sharded over one group.
-            parts: dict[int, list] = {}
-            for p in params:
-                parts.setdefault(id(self._replicas.get(id(p), self.pg)), []).append(p)
             runs = []
-            for part in parts.values():
+            for part in self._by_replica_group(params):
                 runs += [part] if self.stage == 1 else self._buckets(part)
         else:
             if not self.units:
@@ -478,9 +477,9 @@ class ZeroAdamW(Optimizer):
             unit_of = self._unit_of
             runs = []
             for u in self.units:
-                mine = [p for p in params if unit_of[id(p)] is u]
-                if mine:
-                    runs.append(mine)
+                # a unit's parameters of each group they are replicated over apart (param_replicas:
+                # a block's experts are gathered over their subgroup, the rest over the model's)
+                runs += self._by_replica_group([p for p in params if unit_of[id(p)] is u])
         segs = []
         for run in runs:
             rel, n = [], 0
@@ -497,6 +496,14 @@ class ZeroAdamW(Optimizer):
                 s.unit.segs.append(s)
             segs.append(s)
         return segs
+
+    def _by_replica_group(self, params: list) -> list[list]:
+        """``params`` split by the group they are sharded over (``param_replicas``), in order of
+        first appearance: a segment is sharded over one group."""
+        parts: dict[int, list] = {}
+        for p in params:
+            parts.setdefault(id(self._replicas.get(id(p), self.pg)), []).append(p)
+        return list(parts.values())
 
     def _buckets(self, params: list) -> list[list]:
         """Stage 2's segments of ``params``: DDP's buckets (reverse registration order, at most
@@ -558,7 +565,7 @@ class ZeroAdamW(Optimizer):
         return t
 
     def _build_group(self, gi: int, params: list) -> _Group:
-        N, r, st3 = self.world, self.rank, self.stage == 3
+        st3 = self.stage == 3
         segs = self._segments_of(gi, params)
         g = _Group(segs)
         for s in segs:
@@ -577,7 +584,8 @@ class ZeroAdamW(Optimizer):
         g.v = self._persist("moments", g.shard_n)
         for s in segs:
             if st3:
-                s.pfull = _LazyStorage(self.rt, N * s.c * 4, "activations", self._gather_on_demand, s)
+                s.pfull = _LazyStorage(self.rt, s.world * s.c * 4, "activations", self._gather_on_demand, s)
+                r = s.rank
                 for p, a in zip(s.params, s.rel):  # this rank's chunk of the current values
                     lo, hi = max(a, r * s.c), min(a + p.numel(), (r + 1) * s.c)
                     if lo < hi:
@@ -632,16 +640,22 @@ class ZeroAdamW(Optimizer):
             return _DoneWork()
         s.launched = 0
         self._reap()
+        return self._launch_reduce(s)
+
+    def _launch_reduce(self, s: _Segment) -> _SegmentWork:
+        """Reduce-scatter segment ``s``'s staged gradients over its group into this rank's shard,
+        asynchronously: averaged over the model's group, or summed over a subgroup (divided by
+        the model group's size when it completes, ``_finish_reduce``)."""
         g = self.groups[s.gi]
         temp = None
         out = _view(g.gshard._st, s.so, s.c)
         if s.has_grad:  # gradients are accumulating over backward passes: reduce beside, then add
             temp = K.empty((s.c,), _F32, self.rt)
             out = temp
-        st = s.gfull
-        if not st.materialized:  # no gradient at all reached it (cannot happen under DDP, which fills them)
-            self._stage_on_demand(st)
-        work = dist.reduce_scatter(out, _view(st, 0, s.c * self.world), op="avg", group=self.pg, async_op=True)
+        if not s.gfull.materialized:  # no gradient at all reached it (cannot happen under DDP, which fills them)
+            self._stage_on_demand(s.gfull)
+        work = dist.reduce_scatter(out, _view(s.gfull, 0, s.c * s.world), op="sum" if s.sub else "avg",
+                                   group=s.pg, async_op=True)
         self.stats["reduce_scatters"] += 1
         sw = _SegmentWork(self, s, work, temp)
         self._inflight.append(sw)
@@ -801,8 +815,8 @@ class ZeroAdamW(Optimizer):
                 self._count("gathered_params", got)
                 g = self.groups[s.gi]
                 s.pfull.filling = True  # the gather's write keeps the version (see _LazyStorage.version)
-                w = dist.all_gather(_view(s.pfull, 0, s.c * self.world), _view(g.pshard._st, s.so, s.c),
-                                    group=self.pg, async_op=True)
+                w = dist.all_gather(_view(s.pfull, 0, s.c * s.world), _view(g.pshard._st, s.so, s.c),
+                                    group=s.pg, async_op=True)
                 s.pfull.waiter = threading.get_ident()  # a read on this thread waits for the gather
                 u.pending.append((w, s.pfull, s.pfull.version))
             u.state = "pending"
@@ -849,15 +863,35 @@ class ZeroAdamW(Optimizer):
 
     def _on_grad_ready(self, p: Tensor) -> None:
         self._arm()
+        s = self._seg_of_param[id(p)]
+        if s.sub:
+            self._replica_grad_ready(s, p)
         u = self._unit_of[id(p)]
         u.arrived += 1
         if u.arrived == u.n_params:
             self._release(u)
 
+    def _replica_grad_ready(self, s: _Segment, p: Tensor) -> None:
+        """Stage 3: ``p``'s gradient is complete, ``p`` in a subgroup segment (``param_replicas``).
+        DDP leaves these parameters alone, so the segment is reduce-scattered over its subgroup
+        here once all its gradients are complete, as DDP's buckets are for the others (and, like
+        them, not inside ``no_sync()``: the staging keeps the local sum until a synchronised
+        backward).  Every rank of the subgroup runs the same backward: the same order."""
+        if p.grad._st is not s.gfull or p.grad._off != p._grad_slot._off:
+            K.copy_into(p._grad_slot, p.grad)  # a gradient outside its slot: put it in place
+            p.grad = p._grad_slot
+        s.ready += 1
+        if s.ready == len(s.params) and self.ddp._sync:
+            self.rt.flush()  # the gradients end a submission of their own, as DDP's buckets do
+            self._reap()
+            self._launch_reduce(s)
+
     def _end_backward(self) -> None:
         self._armed = False
         for u in self.units:
             u.arrived = 0
+            for s in u.segs:
+                s.ready = 0
         self._release_all()
 
     # ---- the update ----------------------------------------------------------------------------
@@ -880,7 +914,7 @@ class ZeroAdamW(Optimizer):
     @no_grad()
     def step(self) -> None:
         """One AdamW update of this rank's shard (then stages 1-2 all-gather the parameters)."""
-        if self._replicas and not self._replicas_reduced:
+        if self._replicas and self.stage < 3 and not self._replicas_reduced:
             # DDP's hooks reduce only the model group's parameters: the others would step on local sums.
             raise RuntimeError("ZeroAdamW.step: the parameters of param_replicas are reduced by reduce_gradients() "
                                "only; run backward inside no_sync(), then call reduce_gradients() before step()")
@@ -1023,17 +1057,7 @@ class ZeroAdamW(Optimizer):
             for g in self.groups:
                 for s in g.segs:
                     self.rt.flush()
-                    temp = None
-                    out = _view(g.gshard._st, s.so, s.c)
-                    if s.has_grad:  # a reduction since zero_grad already filled the shard: reduce beside, then add
-                        temp = K.empty((s.c,), _F32, self.rt)
-                        out = temp
-                    # a subgroup's segment is summed there (then divided by the model group's size)
-                    work = dist.reduce_scatter(out, _view(s.gfull, 0, s.c * s.world), op="sum" if s.sub else "avg",
-                                               group=s.pg, async_op=True)
-                    self.stats["reduce_scatters"] += 1
-                    sw = _SegmentWork(self, s, work, temp)
-                    self._inflight.append(sw)
+                    self._launch_reduce(s)
         for w in works:
             w.wait()
         self._settle()
@@ -1261,7 +1285,7 @@ class ZeroAdamW(Optimizer):
 
     def largest_unit_bytes(self) -> int:
         """Stage 3: bytes of the largest unit's gathered parameters (padded)."""
-        return max((sum(s.c * self.world * 4 for s in u.segs) for u in self.units), default=0)
+        return max((sum(s.c * s.world * 4 for s in u.segs) for u in self.units), default=0)
 
 
 def _formula(stage: int, psi: int, n: int) -> dict:

@@ -88,7 +88,6 @@ def test_expert_parallel_trains_what_every_rank_holding_every_expert_trains(tmp_
     (1, ["--moe-experts", "-1"], "--moe-experts must be 0 (a dense MLP) or more experts, got -1"),
     (2, ["--moe-experts", "3", "--ep", "2"], "--ep 2 must divide --moe-experts 3"),
     (2, ["--ep", "2"], "--ep 2 splits the experts of a mixture-of-experts model over ranks: give --moe-experts"),
-    (2, ["--moe-experts", "4", "--ep", "2", "--zero", "3"], "--ep 2 with --zero 3"),
     (1, ["--moe-experts", "4", "--ep", "2"], "--ep 2 must divide the data-parallel ranks (1)"),
     (1, ["--sequence-parallel"], "--sequence-parallel splits the sequence over tensor-parallel ranks"),
     (2, ["--sequence-parallel", "--tp", "2", "--block-size", "15"], "--block-size 15 must be a multiple of --tp 2"),

@@ -1,10 +1,12 @@
-"""helios-train --zero 1|2 with --ep: the expert parameters are sharded over the ranks that hold
-the same experts (data-parallel ranks / ep), the dense ones over every data-parallel rank, as
-DeepSpeed-MoE shards them; 4 ranks with --ep 2 train what --zero 0 trains, hold the bytes that
-split gives, and checkpoints move from --zero 1 to --zero 0 and back under --ep 2.
+"""helios-train --zero 1|2|3 with --ep: the expert parameters are sharded over the ranks that
+hold the same experts (data-parallel ranks / ep), the dense ones over every data-parallel rank,
+as DeepSpeed-MoE shards them (stage 3 gathers and reduce-scatters each unit's experts over those
+ranks, its other parameters over every rank); 4 ranks with --ep 2 train what --zero 0 trains,
+hold the bytes that split gives, and checkpoints move from --zero 1 or 3 to --zero 0 and back
+under --ep 2.
 
-Without the gradient clip the runs are bit-identical to --zero 0 (every parameter and moment:
-measured).  With it (the default, and it bites here: 3 steps without it end 4e-4 lower) the
+Without the gradient clip the runs are bit-identical to --zero 0 at every stage (every parameter
+and moment: measured).  With it (the default, and it bites here: 3 steps without it end 4e-4 lower) the
 global norm sums each shard's squares where --zero 0 sums each tensor's, another float32 order,
 so the weights differ by float noise (measured 2e-7 at most): compared at rtol 1e-5."""
 
@@ -47,7 +49,7 @@ def zero0(tmp_path_factory):
     return base
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_with_ep_trains_what_zero_0_trains(tmp_path, zero0, stage):
     out = tmp_path / "z"
     r = launch(4, out, *MOE, "--zero", str(stage), *NO_CLIP)
@@ -62,6 +64,11 @@ def test_zero_with_ep_trains_what_zero_0_trains(tmp_path, zero0, stage):
     dense = mem["psi"] - experts
     assert mem["expected"]["moments"] == 8 * (dense // 4 + experts // 2), mem
     assert mem["expected"]["grads"] == (4 * mem["psi"] if stage == 1 else 4 * (dense // 4 + experts // 2)), mem
+    if stage == 3:  # the parameters too, split alike (a unit's gathered ones live in the activations pool)
+        assert mem["expected"]["params"] == 4 * (dense // 4 + experts // 2), mem
+        # What the weights pool holds between uses: its size classes' rounding stays under the
+        # other half of this rank's experts (4 x experts / 2 bytes), which holding them whole would add.
+        assert mem["weights_pool_in_use"] < mem["expected_total"] + 2 * experts, mem
     assert mem["expected_total"] <= mem["weights_pool_in_use"]
     if stage == 2:  # with the clip (norm summed per shard): float noise, see the module docstring
         clipped = tmp_path / "clip"
@@ -84,21 +91,21 @@ def test_zero_with_ep_and_pp_trains_what_zero_0_trains(tmp_path):
     _same_model(runs["0"], runs["1"], exact=True)
 
 
-def test_a_checkpoint_moves_from_zero_1_to_zero_0_and_back_under_ep(tmp_path, zero0):
-    """One step under --zero 1, one under --zero 0, the last under --zero 1 again: each resume
-    reads the other stage's checkpoint (whole tensors under one device's names)."""
+@pytest.mark.parametrize("stage", ["1", "3"])
+def test_a_checkpoint_moves_from_zero_n_to_zero_0_and_back_under_ep(tmp_path, zero0, stage):
+    """One step under --zero 1 (or 3), one under --zero 0, the last under --zero 1 (3) again: each
+    resume reads the other stage's checkpoint (whole tensors under one device's names)."""
     out = tmp_path / "run"
-    for i, (zero, resume) in enumerate((("1", ()), ("0", ("--resume",)), ("1", ("--resume",)))):
+    for i, (zero, resume) in enumerate(((stage, ()), ("0", ("--resume",)), (stage, ("--resume",)))):
         r = launch(4, out, *MOE, "--zero", zero, *NO_CLIP, *resume, *(("--stop-after", "1") if i < 2 else ()))
         assert r.returncode == 0, r.stderr[-3000:]
         if i:
-            assert f"(saved by 4 ranks, ZeRO-{'1' if i == 1 else '0'})" in r.stdout, r.stdout[-2000:]
+            assert f"(saved by 4 ranks, ZeRO-{stage if i == 1 else '0'})" in r.stdout, r.stdout[-2000:]
     assert losses(out) == losses(zero0 / "no_clip")
     _same_model(zero0 / "no_clip", out, exact=True)
 
 
 @pytest.mark.parametrize("world,args,needle", [
-    (2, ["--moe-experts", "4", "--ep", "2", "--zero", "3"], "--ep 2 with --zero 3: ZeRO-3 gathers"),
     (4, ["--moe-experts", "4", "--ep", "2", "--tp", "2", "--zero", "1"], "--ep 2 with --zero 1 and --tp 2"),
 ])
 def test_what_zero_with_ep_does_not_run_is_one_line(tmp_path, world, args, needle):

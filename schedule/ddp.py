@@ -138,6 +138,11 @@ class DistributedDataParallel(Module):
         finally:
             self._sync = prev
 
+    @property
+    def synchronizing(self) -> bool:
+        """Whether a backward pass now reduces gradients (False inside :meth:`no_sync`)."""
+        return self._sync
+
     def register_comm_hook(self, hook) -> None:
         """Replace how a ready bucket is communicated: ``hook(ddp, bucket) -> Work`` (a handle with
         ``wait()``) that leaves the averaged gradients (or what the optimizer expects) in place.

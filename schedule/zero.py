@@ -881,7 +881,7 @@ class ZeroAdamW(Optimizer):
             K.copy_into(p._grad_slot, p.grad)  # a gradient outside its slot: put it in place
             p.grad = p._grad_slot
         s.ready += 1
-        if s.ready == len(s.params) and self.ddp._sync:
+        if s.ready == len(s.params) and self.ddp.synchronizing:
             self.rt.flush()  # the gradients end a submission of their own, as DDP's buckets do
             self._reap()
             self._launch_reduce(s)

@@ -330,8 +330,9 @@ def test_collectives_exact_full_matrix(backend, n):
 
 
 @pytest.mark.multiproc
+# (tcp at 3 and 4 ranks: the full matrix above; 6 was dropped for time, 5 and 8 cover odd and even)
 @pytest.mark.parametrize("backend,n", [("shm", 1), ("shm", 2), ("shm", 5), ("shm", 7), ("shm", 8), ("tcp", 1),
-                                       ("tcp", 2), ("tcp", 5), ("tcp", 6), ("tcp", 8)])
+                                       ("tcp", 2), ("tcp", 5), ("tcp", 8)])
 def test_collectives_exact_world_sizes(backend, n):
     assert _run_matrix(backend, n, full=False) > 300
 

@@ -561,7 +561,7 @@ def _grad_dests(node, g, pending: dict, handed: set):
     for i, t in enumerate(inputs):
         if t is None:
             continue
-        producer, index = edge(t, node)
+        producer, index = (t._node, t._out_index) if t._history is None else edge(t, node)
         if producer is None:
             if t.grad is not None:
                 continue

@@ -19,6 +19,8 @@ from helios.errors import (  # noqa: F401
 )
 from helios.dtypes import DType, bfloat16, finfo, float16, float32, int32, int64  # noqa: F401
 from helios.dtypes import bool_ as bool  # noqa: F401,A001
+# PyTorch's short names (torch.long, torch.float, torch.half, torch.int): model code spells them so
+from helios.dtypes import float16 as half, float32 as float, int32 as int, int64 as long  # noqa: F401,A001,E402
 from helios.runtime import current_device, device, devices, set_device, synchronize  # noqa: F401
 from helios.tensor import Tensor  # noqa: F401
 from helios import functional  # noqa: F401  (attaches Tensor methods)

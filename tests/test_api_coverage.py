@@ -147,6 +147,12 @@ def _randint():
     assert hl.randint(10, (2, 3), dtype=hl.int32).dtype is hl.int32
 
 
+def _dtype_alias(name: str, make) -> None:
+    """torch.<name> names the same dtype in Helios, and a tensor made with it holds PyTorch's values."""
+    both(lambda L: (str(getattr(L, name)).split(".")[-1], str(make(L, getattr(L, name)).dtype).split(".")[-1],
+                    make(L, getattr(L, name)).float().tolist()))
+
+
 def _pin_memory():
     x = hl.tensor(A(3))
     h = x.cpu()
@@ -328,6 +334,10 @@ CASES = {
     "torch:randint": lambda: _randint(),
     "torch:finfo": lambda: both(lambda L: [(L.finfo(d).eps, L.finfo(d).max, L.finfo(d).min, L.finfo(d).tiny, L.finfo(d).bits)
                                            for d in (L.float32, L.float16, L.bfloat16)]),
+    "torch:long": lambda: _dtype_alias("long", lambda L, d: L.arange(0, 5, dtype=d) + 3),
+    "torch:float32": lambda: _dtype_alias("float32", lambda L, d: L.arange(0, 5, dtype=d) / 3),
+    "torch:bfloat16": lambda: _dtype_alias("bfloat16", lambda L, d: L.ones(3, dtype=d) / 3),
+    "torch:float16": lambda: _dtype_alias("float16", lambda L, d: L.ones(3, dtype=d) / 3),
     "torch:manual_seed": lambda: (hl.manual_seed(5), a := hl.randn(4).numpy(), hl.manual_seed(5),
                                   np.testing.assert_array_equal(a, hl.randn(4).numpy())),
     "torch:no_grad": lambda: both(lambda L: _no_grad_flag(L)),

@@ -33,7 +33,8 @@ trained with the 1F1B schedule over --microbatches micro-batches of each replica
 (--pp-virtual v: each rank holds v chunks of layers, Megatron-LM's interleaved schedule);
 the ranks left over are data parallel.  --zero 1|2|3 with --pp shards each stage over its
 data-parallel ranks (--zero 3 with 1F1B only), --zero 1|2|3 with --tp each tensor-parallel rank's shards, --zero 1|2|3 with --ep
-the experts over the ranks holding the same experts and the rest over every replica.  --moe-experts with
+the experts over the ranks holding the same experts and the rest over every replica (with --tp too:
+each TP rank's shards, its experts over its ranks holding the same experts).  --moe-experts with
 --tp splits each expert's MLP over the tensor-parallel ranks as the dense MLP is.  --dtype bf16 and
 fp16 run with every layout but --cp (a pipeline's stages forward under the same autocast; fp16's
 loss scaler agrees on inf/nan over the ranks whose gradients differ).  Checkpoints

@@ -238,7 +238,9 @@ def check_experts(experts: int, top_k: int, ep: int, tp: int, pp: int, world: in
     the tensor-parallel ranks as the dense MLP is (also with --sequence-parallel).  --zero 1|2|3
     with --ep shards the expert parameters over the ranks that hold the same experts (the
     data-parallel ranks / ep) and the dense ones over every data-parallel rank, as
-    DeepSpeed-MoE does (stage 3 gathers each over its own ranks); not with --tp."""
+    DeepSpeed-MoE does (stage 3 gathers each over its own ranks); with --tp too, each
+    tensor-parallel rank's shards over the data-parallel ranks of that tensor-parallel rank
+    (its experts' shards over those holding the same experts)."""
     if ep > 1:
         if not experts:
             usage(f"--ep {ep} splits the experts of a mixture-of-experts model over ranks: give --moe-experts too")
@@ -248,9 +250,6 @@ def check_experts(experts: int, top_k: int, ep: int, tp: int, pp: int, world: in
         if dp % ep:
             usage(f"--ep {ep} must divide the data-parallel ranks ({dp}): expert parallelism splits them, as "
                   "DeepSpeed-MoE and Megatron-LM do")
-        if zero and tp > 1:
-            usage(f"--ep {ep} with --zero {zero} and --tp {tp}: ZeRO over expert-parallel ranks runs without tensor "
-                  "parallelism so far; drop --tp, or use --zero 0")
     if not experts:
         return
     if top_k > experts:

@@ -85,7 +85,10 @@ data-parallel group (``group=grid.dp_group``), so each tensor-parallel rank's sh
 replicated parameters) are partitioned over the ranks that hold the same shards; stage 3
 gathers them over that group only, and the tensor-parallel collectives run on the gathered
 shards unchanged (helios-train ``--dp 2 --tp 2 --zero 3``).  Clip with
-``clip_grad_norm_(max_norm, tp_group=grid.tp_group)``.
+``clip_grad_norm_(max_norm, tp_group=grid.tp_group)``.  With expert parallelism too
+(``--tp --ep``), ``param_replicas`` names the experts' expert-data-parallel group of this TP
+rank; the clip counts a shard in full over the TP group only where its TP peers hold other
+parts of the tensor (an expert bias split over the expert-parallel ranks alone counts once).
 
 Layout
 ------
@@ -1092,9 +1095,8 @@ class ZeroAdamW(Optimizer):
             for name, p, s, a, start, stop in self._ranges():
                 if stop > start and (counted is None or counted(name)):
                     v = self._grad_range(s, a, start, stop)
-                    layout = getattr(p, "tp_layout", None)
-                    sharded = layout is not None and layout.tp > 1
                     # summed over the tp ranks below: a replicated parameter's 1/tp shares add to one
+                    sharded = self._split_over_tp(p, s)
                     parts.append(F.sum(v * v) if sharded or tp == 1 else F.sum(v * v) * (1.0 / tp))
         if not parts:
             parts = [K.fill(K.empty((), _F32, self.rt), 0.0)]
@@ -1113,6 +1115,16 @@ class ZeroAdamW(Optimizer):
         for t in self.local_gradients():
             K.binary_("mul", t, coef)
         return norm
+
+    def _split_over_tp(self, p: Tensor, s: _Segment) -> bool:
+        """Whether ``p`` (in segment ``s``) is a tensor-parallel shard whose tensor-parallel peers
+        hold other parts of it, not the same values.  Its layout counts ``tp`` parts in all; the
+        model group's ranks hold world / (s's group size) of them (an expert tensor's parts over
+        the expert-parallel ranks, each sharded over its own replicas), so the parts left lie
+        across the tensor-parallel ranks.  An expert bias split over the expert-parallel ranks
+        only is the same on every tensor-parallel rank and counts once."""
+        layout = getattr(p, "tp_layout", None)
+        return layout is not None and layout.tp > self.world // s.world
 
     # ---- parameters, checkpoints, bytes --------------------------------------------------------
     def full_parameters(self) -> dict:

@@ -32,7 +32,8 @@ samples and writes the run database (which holds every rank's step timing).
 trained with the 1F1B schedule over --microbatches micro-batches of each replica's batch
 (--pp-virtual v: each rank holds v chunks of layers, Megatron-LM's interleaved schedule);
 the ranks left over are data parallel.  --zero 1|2|3 with --pp shards each stage over its
-data-parallel ranks (--zero 3 with 1F1B only), --zero 1|2|3 with --tp each tensor-parallel rank's shards, --zero 1|2|3 with --ep
+data-parallel ranks (--zero 3 with --pp-virtual too: each chunk's backward reduces that chunk's
+gradients), --zero 1|2|3 with --tp each tensor-parallel rank's shards, --zero 1|2|3 with --ep
 the experts over the ranks holding the same experts and the rest over every replica (with --tp too:
 each TP rank's shards, its experts over its ranks holding the same experts).  --moe-experts with
 --tp splits each expert's MLP over the tensor-parallel ranks as the dense MLP is.  --dtype bf16 and
@@ -398,6 +399,8 @@ def _train(args, given: set[str]) -> int:
                                        param_replicas=replicas)
         if pipeline and zero == 3:  # the stage runs its blocks itself: each pass in the optimizer's forward scope
             gpt.pass_scope, gpt.sum_tied_locally = opt.forward_scope, False
+            # (interleaved: each backward runs one chunk, and reduces that chunk's gradients only)
+            gpt.chunk_scope = opt.chunk_scope
     else:
         if run.active and grid.dp > 1 and not pipeline:  # a pipeline averages after its flush (below)
             from helios.schedule import DistributedDataParallel

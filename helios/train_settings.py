@@ -146,10 +146,6 @@ def check_layout(world: int, tp: int, pp: int, microbatches: int | None, zero: i
               f"{n_layer}")
     if virtual > 1:
         check_pipeline_virtual(virtual, pp, n_layer)
-    if pp > 1 and zero == 3 and virtual > 1:
-        usage(f"--zero 3 with --pp-virtual {virtual}: each backward of the interleaved schedule runs one chunk of a "
-              "rank's layers, and ZeRO-3 reduces every gradient of the stage in each backward; use --pp-virtual 1 "
-              "(1F1B) or --zero 1 or 2")
     if pp > 1 and zero and world // (tp * pp) < 2:
         usage(f"--zero {zero} with --pp {pp} shards each stage over its data-parallel ranks, and {world} ranks / "
               f"(tp {tp} x pp {pp}) leave one replica: start 2 or more replicas (dp x tp x pp ranks), or use --zero 0")

@@ -111,6 +111,7 @@ class DistributedDataParallel(Module):
         self._next_launch = 0
         self._armed = False
         self._ready_ids = set()
+        self._covered = None  # indices of the buckets backward reduces now (None: all; see reducing_only)
         self.bucket_log: deque[BucketEvent] = deque(maxlen=4096)  # the latest bucket events, for tests and tools
         self.comm_hook = comm_hook or allreduce_hook
         # A context manager factory wrapped around the end-of-backward wait (the trainer times
@@ -137,6 +138,34 @@ class DistributedDataParallel(Module):
             yield
         finally:
             self._sync = prev
+
+    @contextlib.contextmanager
+    def reducing_only(self, params):
+        """Backward passes inside give gradients to ``params`` only (one chunk of an interleaved
+        pipeline stage's layers): they reduce the buckets holding those parameters and leave the
+        others, which no gradient reached, to the backward passes that cover them (instead of
+        counting their parameters as unused).  A bucket must hold only parameters of ``params``
+        or none; every rank of the group must give the same ones, so every rank issues the same
+        buckets in the same order."""
+        ids = {id(p) for p in params}
+        covered = set()
+        for b in self._buckets:
+            inside = [id(p) in ids for p in b.params]
+            if any(inside) and not all(inside):
+                raise ValueError("DistributedDataParallel.reducing_only: a gradient bucket holds parameters both "
+                                 "inside and outside the ones given; the bucket would be reduced half complete")
+            if all(inside):
+                covered.add(b.index)
+        prev = self._covered
+        self._covered = covered
+        try:
+            yield
+        finally:
+            self._covered = prev
+
+    def _reduces(self, b: Bucket) -> bool:
+        """Whether backward reduces bucket ``b`` now (``reducing_only`` leaves the others out)."""
+        return self._covered is None or b.index in self._covered
 
     @property
     def synchronizing(self) -> bool:
@@ -228,6 +257,9 @@ class DistributedDataParallel(Module):
         """Issue, in bucket order, every bucket whose parameters are all ready."""
         while self._next_launch < len(self._buckets):
             b = self._buckets[self._next_launch]
+            if not self._reduces(b):  # another chunk's bucket: its own backward reduces it
+                self._next_launch += 1
+                continue
             if b.ready < len(b.params):
                 return
             done, total = tape.backward_progress()
@@ -241,7 +273,8 @@ class DistributedDataParallel(Module):
     def _finish_backward(self) -> None:
         """End of backward: deal with parameters that got no gradient, then wait for every bucket."""
         self._armed = False
-        missing = [(n, p) for n, p in self._named if id(p) not in self._ready_ids]
+        missing = [(n, p) for n, p in self._named
+                   if id(p) not in self._ready_ids and self._reduces(self._bucket_of[id(p)])]
         if missing and not self.find_unused_parameters:
             names = ", ".join(n for n, _ in missing[:10]) + (" ..." if len(missing) > 10 else "")
             self._drain()

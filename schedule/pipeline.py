@@ -50,7 +50,10 @@ ZeRO-3 (helios-train ``--pp --zero 3``): the stage's blocks are ZeRO-3 units
 (``_Blocks.children_are_units``); the trainer sets ``stage.pass_scope`` to the optimizer's
 ``forward_scope`` (each pass of the stage runs inside it: the stage runs its units itself,
 never the model's forward) and ``stage.sum_tied_locally = False`` (the tied table's halves are
-reduced into ZeRO's shards during backward and summed there).
+reduced into ZeRO's shards during backward and summed there).  With the interleaved schedule
+(``--pp-virtual``) each backward runs one chunk: the trainer also sets ``stage.chunk_scope`` to
+the optimizer's ``chunk_scope``, which each backward of chunk c runs inside, given
+``chunk_parameters(c)``, so it reduces that chunk's gradients only.
 
 A tensor-parallel model (``TensorParallelGPT``) splits into stages the same way: each
 tensor-parallel rank of a stage holds its shards, activations pass between the ranks of
@@ -312,6 +315,9 @@ class PipelineStage(Module):
         # False: the optimizer sums the tied table's two gradients (ZeRO-3 reduces every micro-batch's
         # gradients into its shards during backward: they are summed there, shard by shard).
         self.sum_tied_locally = True
+        # The context each backward of one chunk runs in, given the chunk's parameters (a ZeRO-3
+        # optimizer's chunk_scope: the backward reduces those only, the other chunks' wait for theirs).
+        self.chunk_scope = lambda params: contextlib.nullcontext()
         if weights is not None and len(weights) != cfg.n_layer + 2:
             raise ValueError(f"pipeline: {len(weights)} layer weights for the model's {cfg.n_layer + 2} layers "
                              "(embeddings, each block, final LayerNorm)")
@@ -803,6 +809,19 @@ class InterleavedPipelineStage(PipelineStage):
         self.chunks = [_Blocks({i: gpt.h[i] for i in ids}) for ids in self.chunk_blocks]
         self.n_stages = stages
 
+    def chunk_parameters(self, c: int) -> list:
+        """The parameters chunk c reads, the ones its backward gives gradients to: its blocks',
+        with the embeddings on virtual stage 0 and the final LayerNorm and the tied output layer
+        on the last."""
+        k = c * self.pp + self.stage
+        mods = [self.chunks[c]]
+        if k == 0:
+            mods += [self.wte, self.wpe]
+        if k == self.n_stages - 1:
+            mods += [self.ln_f, self.wte]
+        params = {id(p): p for m in mods for p in m.parameters()}  # (the tied table once)
+        return list(params.values())
+
     def _peer(self, step: int) -> int:
         """The pp rank ``step`` places from this one (wrapping round: virtual stages go round the ranks)."""
         return (self.stage + step) % self.pp
@@ -859,7 +878,7 @@ class InterleavedPipelineStage(PipelineStage):
                 held[(i, c)] = (x_in, out)
             else:
                 x_in, out = held.pop((i, c))
-                with timed("backward"):
+                with timed("backward"), self.chunk_scope(self.chunk_parameters(c)):
                     if k == last_stage:
                         self._seeded(out).backward()
                     else:

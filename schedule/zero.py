@@ -53,9 +53,12 @@ A caller that runs the model's units itself instead of calling the model (a pipe
 helios-train ``--pp --zero 3``) runs each pass inside ``forward_scope()``: the bookkeeping the
 model's forward does (DDP's buckets, stage 3's unit order and on-the-spot gathers);
 ``all_reduce_gradient(name, group)`` then sums a parameter's reduced gradient over ``group``
-(a pipeline's tied table on its first and last stage, sharded alike).  A gather in flight
-keeps its buffer's version (the values are the ones it held before): an op may save a
-prefetched unit's parameter for backward while the gather runs.
+(a pipeline's tied table on its first and last stage, sharded alike).  An interleaved
+pipeline stage (``--pp-virtual --zero 3``) runs each backward of one chunk inside
+``chunk_scope(params)``: only that chunk's parameters get gradients, so DDP reduces only their
+buckets (``DistributedDataParallel.reducing_only``) and only their units are prefetched.  A
+gather in flight keeps its buffer's version (the values are the ones it held before): an op may
+save a prefetched unit's parameter for backward while the gather runs.
 
 ``param_replicas={name: group}`` (any stage): parameters that are not replicated over every
 rank of the model's group but over a subgroup of it, each subgroup's ranks holding the same
@@ -403,6 +406,7 @@ class ZeroAdamW(Optimizer):
         self._fwd_order: list[_Unit] = []
         self._recording: list[_Unit] | None = None
         self._armed = False
+        self._backward_units = None  # ids of the units backward covers now (None: all; see chunk_scope)
         # Counts since construction: unit gathers issued (stage 3), those issued ahead of use
         # (prefetches), those forced by a read of an ungathered parameter, reduce-scatters.
         self.stats = {"gathers": 0, "prefetches": 0, "on_demand_gathers": 0, "reduce_scatters": 0}
@@ -757,6 +761,31 @@ class ZeroAdamW(Optimizer):
                 if not tape.is_grad_enabled():
                     self._release_all()
 
+    @contextlib.contextmanager
+    def chunk_scope(self, params):
+        """Backward passes inside give gradients to ``params`` only: one chunk of an interleaved
+        pipeline stage's layers (helios-train ``--pp-virtual --zero 3``), whose backward runs
+        that chunk's units alone.  DDP reduces the buckets of those parameters only (the other
+        chunks' segments wait for their own backward, instead of counting as unused), and stage
+        3 prefetches only their units.  A unit must lie wholly inside ``params`` or outside;
+        every rank of the group gives the same ones."""
+        ids = {id(p) for p in params}
+        units = None
+        if self.stage == 3:
+            units = {id(self._unit_of[i]) for i in ids if i in self._unit_of}
+            split = [u.name for u in self.units if id(u) in units
+                     and any(id(p) not in ids for s in u.segs for p in s.params)]
+            if split:
+                raise ValueError(f"ZeroAdamW.chunk_scope: unit {split[0] or 'root'} has parameters inside and "
+                                 "outside the ones given; its gradients would be reduced half complete")
+        prev = self._backward_units
+        self._backward_units = units
+        try:
+            with self.ddp.reducing_only(params):
+                yield
+        finally:
+            self._backward_units = prev
+
     @no_grad()
     def all_reduce_gradient(self, name: str, group) -> None:
         """Sum this rank's reduced gradient of parameter ``name`` over ``group`` (in place): for a
@@ -806,8 +835,13 @@ class ZeroAdamW(Optimizer):
         self._arm()
         self._gather(u, wait=True)
         prev = self._neighbour(u, -1)
-        if prev is not None and prev.arrived < prev.n_params:
+        if prev is not None and prev.arrived < prev.n_params and self._covers(prev):
             self._gather(prev, wait=False)
+
+    def _covers(self, u: _Unit) -> bool:
+        """Whether the backward running covers unit ``u`` (see ``chunk_scope``): one of another
+        chunk is not prefetched, since no gradient of this backward reaches it."""
+        return self._backward_units is None or id(u) in self._backward_units
 
     def _gather(self, u: _Unit, wait: bool) -> None:
         """All-gather the unit's full parameters (asynchronously unless ``wait``)."""
@@ -1362,6 +1396,10 @@ class ZeroDataParallel(DistributedDataParallel):
     def forward_scope(self):
         """See ZeroAdamW.forward_scope."""
         return self.optimizer.forward_scope()
+
+    def chunk_scope(self, params):
+        """See ZeroAdamW.chunk_scope."""
+        return self.optimizer.chunk_scope(params)
 
     @property
     def param_groups(self) -> list:

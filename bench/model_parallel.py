@@ -26,9 +26,13 @@ weights pool holds the same), ``max_rss_bytes`` rank 0's peak resident memory.
 
 Then the pipeline (``helios.schedule.pipeline``, helios-train's ``--pp``): the same
 GPT in 2 stages on 2 ranks, 1F1B with m = 1, 4, 8 micro-batches of 2 sequences, 6 steps;
-``idle_fraction`` per stage (median of steps 3-6: the share of a step spent waiting on
-a neighbour, after the stage's own device work) against the bubble formula (p - 1) /
-(m + p - 1); ``step_ms`` the median step of those.  Then the interleaved schedule
+``idle_fraction`` per stage (median of steps 3-6: the share of the step, from the ranks'
+common start to the end of the last stage, outside the stage's own work,
+``PipelineStage.last_busy_seconds``) against the bubble formula (p - 1) / (m + p - 1);
+``idle_fraction_own_step`` the share of the stage's own step spent waiting on a neighbour
+(``PipelineStage.last_idle_fraction``: that step ends with the stage's last send, so the
+last stage's drain, the first stage's last backward, is not in it); ``step_ms`` the median
+step of those.  Then the interleaved schedule
 (``--pp-virtual 2``: 2 chunks per rank, 4 virtual stages) with m = 4, 8 in the same run,
 against (p - 1) / (v m + p - 1).
 
@@ -137,19 +141,27 @@ def pipeline_rank(m: int, config: str, virtual: int = 1, balance: str | None = N
     weights = measured if balance == "time" else None
     stage = (InterleavedPipelineStage(gpt, grid, virtual, weights=weights) if virtual > 1
              else PipelineStage(gpt, grid, weights=weights))
-    shares, times = [], []
+    shares, own_shares, times = [], [], []
     for step in range(6):
         dist.barrier()  # the ranks start each step together, as after helios-train's per-step collective
         t0 = time.perf_counter()
         stage.train_step(xs, xs)
-        times.append(time.perf_counter() - t0)
+        # The step ends when the last stage ends (helios-train's next collective waits for it): a
+        # stage done earlier idles until then.  The last stage's own step ends before the first
+        # stage's last backward (it then waits in the tied table's gradient sum), so its drain
+        # bubble is only in this common window.
+        dist.barrier()
+        t2 = time.perf_counter()
+        times.append(t2 - t0)
         for p in stage.parameters():
             p.grad = None
         if step >= 2:
-            shares.append(stage.last_idle_fraction)
+            own_shares.append(stage.last_idle_fraction)
+            shares.append(1.0 - stage.last_busy_seconds / (t2 - t0))
     layout = f"pp {pp}" + (f" x virtual {virtual}" if virtual > 1 else "")
     row = {"bench": "model_parallel", "layout": layout, "microbatches": m, "stage": stage.stage,
            "blocks": stage.block_ids, "idle_fraction": round(float(np.median(shares)), 3),
+           "idle_fraction_own_step": round(float(np.median(own_shares)), 3),
            "bubble_formula": round(bubble_fraction(pp, virtual, m), 3),
            "step_ms": round(1e3 * float(np.median(times[2:])), 1)}
     if balance:

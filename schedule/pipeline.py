@@ -550,6 +550,8 @@ class PipelineStage(Module):
             # With every stage (chunk) costing the same, the bubble alone makes this
             # (p - 1) / (m + p - 1) for 1F1B and (p - 1) / (v m + p - 1) interleaved.
             self.last_idle_fraction = waited / elapsed if elapsed > 0 else 0.0
+            # (the stage's own work in the step: what a window common to every stage is measured against)
+            self.last_busy_seconds = elapsed - waited
             self._sum_tied_gradients()
 
     def _sum_tied_gradients(self) -> None:

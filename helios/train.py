@@ -31,7 +31,9 @@ samples and writes the run database (which holds every rank's step timing).
 --tp splits each layer over tensor-parallel ranks and --pp the layers into pipeline stages
 trained with the 1F1B schedule over --microbatches micro-batches of each replica's batch
 (--pp-virtual v: each rank holds v chunks of layers, Megatron-LM's interleaved schedule);
-the ranks left over are data parallel.  --zero 1|2|3 with --pp shards each stage over its
+the ranks left over are data parallel.  --sequence-parallel with --tp splits the residual
+stream along the sequence (with --pp too: the stages pass each tensor-parallel rank's
+positions).  --zero 1|2|3 with --pp shards each stage over its
 data-parallel ranks (--zero 3 with --pp-virtual too: each chunk's backward reduces that chunk's
 gradients), --zero 1|2|3 with --tp each tensor-parallel rank's shards, --zero 1|2|3 with --ep
 the experts over the ranks holding the same experts and the rest over every replica (with --tp too:
@@ -264,7 +266,7 @@ def _train(args, given: set[str]) -> int:
     settings.check_pp_balance(args.pp_balance, args.pp)
     settings.check_experts(args.moe_experts, args.moe_top_k, args.ep, args.tp, args.pp, world, args.zero)
     if args.sequence_parallel:
-        settings.check_sequence_parallel(args.tp, args.pp, T)
+        settings.check_sequence_parallel(args.tp, T)
     if pipeline and comm_hook is not None:
         usage(f"--grad-compression {args.grad_compression} compresses DistributedDataParallel's buckets; with --pp "
               f"{args.pp} a stage's gradients are all-reduced once after the pipeline flushes, uncompressed (use "

@@ -252,12 +252,11 @@ def check_experts(experts: int, top_k: int, ep: int, tp: int, pp: int, world: in
         usage(f"--moe-top-k {top_k} is more than --moe-experts {experts}: a token cannot go to more experts than exist")
 
 
-def check_sequence_parallel(tp: int, pp: int, block_size: int) -> None:
-    """Refuse --sequence-parallel where it cannot apply, naming the flag."""
+def check_sequence_parallel(tp: int, block_size: int) -> None:
+    """Refuse --sequence-parallel where it cannot apply, naming the flag.  (With --pp the stages
+    pass each tensor-parallel rank's block-size / tp positions.)"""
     if tp < 2:
         usage("--sequence-parallel splits the sequence over tensor-parallel ranks: give --tp 2 or more")
-    if pp > 1:
-        usage(f"--sequence-parallel with --pp {pp}: pipeline stages do not pass sequence-split activations yet")
     if block_size % tp:
         usage(f"--sequence-parallel: --block-size {block_size} must be a multiple of --tp {tp} (each rank holds "
               "block-size / tp positions)")

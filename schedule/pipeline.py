@@ -58,7 +58,10 @@ the optimizer's ``chunk_scope``, which each backward of chunk c runs inside, giv
 A tensor-parallel model (``TensorParallelGPT``) splits into stages the same way: each
 tensor-parallel rank of a stage holds its shards, activations pass between the ranks of
 equal tensor-parallel index, and the last stage's loss is the vocabulary-parallel cross
-entropy (the logits are never gathered).
+entropy (the logits are never gathered).  A sequence-parallel one (Megatron-LM's layout)
+passes each tensor-parallel rank's [B, T/tp, C] shard of the residual stream and its
+gradient: the first stage embeds only its rank's positions, the last gathers the sequence
+after the final LayerNorm, as the model's own forward does.
 """
 
 from __future__ import annotations
@@ -142,7 +145,12 @@ def layer_weights(gpt) -> list[int]:
 
 def _embeddings(layers, idx):
     """Token plus position embeddings of ``idx`` ([b, t] int64), then their dropout where
-    ``layers`` has one (a GPT, or the first stage of one)."""
+    ``layers`` has one (a GPT, or the first stage of one).  A sequence-parallel model's are this
+    tensor-parallel rank's t/tp positions, as its own forward embeds them."""
+    if getattr(layers, "sequence_parallel", False):
+        from helios.schedule.tensor_parallel import embed_tokens
+
+        return embed_tokens(layers, idx, sequence_parallel=True)  # (no dropout under tensor parallelism)
     _, t = idx.shape
     x = layers.wte(idx) + layers.wpe(arange(t, dtype=dt.int64))
     drop = getattr(layers, "drop", None)  # (none in a tensor-parallel model)
@@ -151,13 +159,26 @@ def _embeddings(layers, idx):
 
 def _logits(layers, x, tp_group):
     """The final LayerNorm of ``x`` [b, t, C] and the tied output layer: the logits (this rank's
-    vocabulary slice of them under tensor parallelism)."""
+    vocabulary slice of them under tensor parallelism; a sequence-parallel model's ``x`` is this
+    rank's [b, t/tp, C] shard, gathered after the LayerNorm, so the logits cover all t)."""
     x = layers.ln_f(x)
     if tp_group is not None:
-        from helios.schedule.tensor_parallel import copy_to_tp
+        from helios.schedule.tensor_parallel import output_layer_input
 
-        x = copy_to_tp(x, tp_group)  # every rank's logits slice reads the whole x
+        x = output_layer_input(x, tp_group, getattr(layers, "sequence_parallel", False))
     return F.matmul(x, layers.wte.weight.mT)
+
+
+def _stream_shape(b: int, t: int, n_embd: int, tp_group, sequence_parallel: bool) -> tuple[int, int, int]:
+    """The shape of the residual stream of ``b`` sequences of ``t`` tokens on one rank: a
+    sequence-parallel model's ranks each hold t/tp positions (what its stages pass)."""
+    if not sequence_parallel:
+        return b, t, n_embd
+    tp = group_size(tp_group)
+    if t % tp:
+        raise ValueError(f"pipeline: sequence parallel: the sequence length {t} must be a multiple of the "
+                         f"tensor-parallel size {tp}")
+    return b, t // tp, n_embd
 
 
 def _cross_entropy(logits, targets, tp_group, vocab_lo: int):
@@ -201,8 +222,9 @@ def layer_times(gpt, batch, reps: int = 5, warmup: int = 1) -> list[float]:
     b, t = ids.shape
     cfg = gpt.config
     rng = np.random.default_rng(0)
-    x_np = rng.standard_normal((b, t, cfg.n_embd)).astype(np.float32)
-    g_np = rng.standard_normal((b, t, cfg.n_embd)).astype(np.float32) / np.sqrt(b * t * cfg.n_embd)
+    shape = _stream_shape(b, t, cfg.n_embd, tp_group, getattr(gpt, "sequence_parallel", False))
+    x_np = rng.standard_normal(shape).astype(np.float32)
+    g_np = rng.standard_normal(shape).astype(np.float32) / np.sqrt(b * t * cfg.n_embd)
     idx = tensor(ids, dtype=dt.int64)
     tgt = tensor(np.roll(ids, -1, axis=1).reshape(b * t), dtype=dt.int64)
     upstream = tensor(g_np)
@@ -294,10 +316,6 @@ class PipelineStage(Module):
         the pipeline must give the same ones."""
         Module.__init__(self)
         self._loss_scale = 1.0  # train_step's: what each micro-batch's backward is seeded with
-        if getattr(gpt, "sequence_parallel", False):
-            # Its stages would pass sequence shards and gather them before the output layer.
-            raise ValueError("pipeline: stages of a sequence-parallel model are not supported yet; build the "
-                             "TensorParallelGPT with sequence_parallel=False")
         cfg = gpt.config
         self.config, self.grid, self.group = cfg, grid, grid.pp_group
         self.pp, self.stage = grid.pp, grid.pp_rank
@@ -305,6 +323,10 @@ class PipelineStage(Module):
         # The tensor-parallel group of a TensorParallelGPT (its vocabulary-parallel embedding and loss).
         self.tp_group = None if isinstance(gpt, GPT) else gpt.group
         self.vocab_lo = getattr(gpt, "vocab_lo", 0)
+        # A sequence-parallel model's stages pass each tensor-parallel rank's [B, T/tp, C] shard of
+        # the residual stream (Megatron-LM's layout): the first embeds only its positions, the last
+        # gathers the sequence after the final LayerNorm.
+        self.sequence_parallel = getattr(gpt, "sequence_parallel", False)
         # Layers as the pipeline sees them: [embeddings, block 0, ..., block L-1, final LayerNorm].
         self.virtual = virtual
         self._moe_step = None  # see _moe_aux
@@ -377,11 +399,11 @@ class PipelineStage(Module):
                 raise RuntimeError(f"pipeline: a stage's output is {x.dtype.name}; the stages pass float32 "
                                    "activations")
             return with_aux(x, aux, self._loss_scale)
-        b, t, _ = x.shape
         with self._cast():
             logits = _logits(self, x, self.tp_group)
             if targets is None:
                 return logits
+            b, t = logits.shape[:2]  # (every position's: a sequence-parallel x held this rank's only)
             loss = self._loss(logits.reshape(b * t, -1), targets.reshape(b * t))
         return with_aux(loss * scale, aux, self._loss_scale)
 
@@ -423,6 +445,12 @@ class PipelineStage(Module):
 
     def _loss(self, logits, targets):
         return _cross_entropy(logits, targets, self.tp_group, self.vocab_lo)
+
+    def _activation_shape(self, ids) -> tuple[int, int, int]:
+        """The shape of the activation (and of its gradient) the stages pass for the micro-batch
+        of token ids ``ids``: [b, t, C], or this rank's [b, t/tp, C] under sequence parallelism."""
+        b, t = np.asarray(ids).shape
+        return _stream_shape(b, t, self.config.n_embd, self.tp_group, self.sequence_parallel)
 
     def _neighbours(self) -> tuple[int | None, int | None]:
         """The global ranks of the previous and the next stage (None at the ends)."""
@@ -469,8 +497,7 @@ class PipelineStage(Module):
             raise ValueError("pipeline: give at least one micro-batch")
         timed = phase or (lambda name: contextlib.nullcontext())
         self._moe_step = None  # (load-balancing loss, dropped pairs) of this step's micro-batches
-        b, t = np.asarray(inputs[0]).shape
-        shape = (b, t, self.config.n_embd)
+        shape = self._activation_shape(inputs[0])
         prev, nxt = self._neighbours()
         warm = min(self.pp - self.stage - 1, m)
         held: list = []  # (input leaf, output) of micro-batches whose backward is still to come
@@ -574,10 +601,9 @@ class PipelineStage(Module):
         prev, nxt = self._neighbours()
         outs, sends = [], []
         for i in range(m):
-            b, t = np.asarray(inputs[i]).shape
             x_in = None
             if not self.first:
-                x_in = K.empty((b, t, self.config.n_embd), dt.float32)
+                x_in = K.empty(self._activation_shape(inputs[i]), dt.float32)
                 dist.recv(x_in, prev)
             idx = tensor(np.asarray(inputs[i], np.int64), dtype=dt.int64) if self.first else None
             tgt = None
@@ -607,10 +633,21 @@ class PipelineStage(Module):
 
     def infer(self, idx) -> object | None:
         """The logits of one batch of token ids on the last stage (this rank's vocabulary slice
-        under tensor parallelism), None elsewhere (every stage calls it with the same ids)."""
+        under tensor parallelism), None elsewhere (every stage calls it with the same ids).
+        Under sequence parallelism a context that does not split over the tensor-parallel ranks
+        (sampling grows it one token at a time) is padded at the end, as the model's own forward
+        pads it: causal attention leaves the positions before the padding unchanged, and the
+        padding's logits are dropped."""
+        ids = np.asarray(idx, np.int64)
+        t = ids.shape[1]
+        pad = -t % group_size(self.tp_group) if self.sequence_parallel else 0
+        if pad:
+            ids = np.concatenate([ids, np.zeros((ids.shape[0], pad), np.int64)], axis=1)
         with no_grad(), self.pass_scope():
-            outs = self._forward_only([idx], None)
-        return outs[0] if self.last else None
+            outs = self._forward_only([ids], None)
+        if not self.last:
+            return None
+        return outs[0][:, :t] if pad else outs[0]
 
     def full_logits(self, logits) -> np.ndarray:
         """The whole vocabulary's logits (host array) on the last stage; gathered from the
@@ -848,7 +885,7 @@ class InterleavedPipelineStage(PipelineStage):
         timed = phase or (lambda name: contextlib.nullcontext())
         self._moe_step = None  # (load-balancing loss, dropped pairs) of this step's micro-batches
         lists = [pipeline_schedule(self.pp, self.virtual, m, r) for r in range(self.pp)]
-        shapes = [tuple(np.asarray(x).shape) + (self.config.n_embd,) for x in inputs]
+        shapes = [self._activation_shape(x) for x in inputs]
         waited = [0.0]
 
         def receive(buf, peer) -> None:
@@ -897,7 +934,7 @@ class InterleavedPipelineStage(PipelineStage):
         rank's outputs (scaled losses, or logits without ``targets``), [] elsewhere."""
         m = len(inputs)
         lists = [[("F", i, c) for i in range(m) for c in range(self.virtual)] for _ in range(self.pp)]
-        shapes = [tuple(np.asarray(x).shape) + (self.config.n_embd,) for x in inputs]
+        shapes = [self._activation_shape(x) for x in inputs]
         inbox = _Inbox(self, lists, shapes, lambda buf, peer: dist.recv(buf, peer))
         last_stage = self.n_stages - 1
         outs, sends = [], []

@@ -415,6 +415,30 @@ class ParallelBlock(Module):
         return x + self.mlp(self.ln_2(x))
 
 
+def embed_tokens(layers, idx: Tensor, sequence_parallel: bool) -> Tensor:
+    """Token plus position embeddings of ``idx`` ([B, T] token ids) from ``layers.wte`` (a
+    ``VocabParallelEmbedding``) and ``layers.wpe``: [B, T, C] on every rank, or with
+    ``sequence_parallel`` this rank's [B, T/tp, C] shard (positions [r T/tp, (r + 1) T/tp))."""
+    _, t = idx.shape
+    if not sequence_parallel:
+        return layers.wte(idx) + layers.wpe(arange(t, dtype=dt.int64))
+    group = layers.wte.group
+    tp, r = group_size(group), group_rank(group)
+    lo = r * (t // tp)  # this rank's positions: [lo, lo + t/tp)
+    # The position table sees only this rank's positions: its gradient is summed over the group.
+    pos = F.embedding(arange(lo, lo + t // tp, dtype=dt.int64), copy_to_tp(layers.wpe.weight, group))
+    return layers.wte(idx) + pos
+
+
+def output_layer_input(x: Tensor, group, sequence_parallel: bool) -> Tensor:
+    """The final LayerNorm's output ``x`` as every rank's vocabulary slice of the logits reads
+    it: the whole sequence, all-gathered from the shards under ``sequence_parallel``.  Either
+    way the backward sums the logits slices' gradients over ``group``."""
+    if sequence_parallel:
+        return gather_sequence(x, group)
+    return copy_to_tp(x, group)
+
+
 class TensorParallelGPT(Module):
     """``gpt`` split over ``group`` (see the module docstring): ``model(idx, targets) ->
     (this rank's vocabulary slice of the logits, the whole model's mean loss)``.
@@ -470,20 +494,11 @@ class TensorParallelGPT(Module):
             padded = F.cat([idx, F.zeros_like(idx[:, :pad])], 1)
             logits, _ = self.forward(padded)
             return logits[:, :t], None
-        if self.sequence_parallel:
-            tp, r = group_size(self.group), group_rank(self.group)
-            lo = r * (t // tp)  # this rank's positions: [lo, lo + t/tp)
-            pos = F.embedding(arange(lo, lo + t // tp, dtype=dt.int64), copy_to_tp(self.wpe.weight, self.group))
-            x = self.wte(idx) + pos
-        else:
-            x = self.wte(idx) + self.wpe(arange(t, dtype=dt.int64))
+        x = embed_tokens(self, idx, self.sequence_parallel)
         for block in self.h:
             x = block(x)
-        if self.sequence_parallel:
-            x = gather_sequence(self.ln_f(x), self.group)  # its backward sums the logits slices' gradients
-        else:
-            x = copy_to_tp(self.ln_f(x), self.group)  # every rank's logits slice reads the whole x
-        logits = F.matmul(x, self.wte.weight.mT)  # tied: this rank's vocabulary rows
+        logits = F.matmul(output_layer_input(self.ln_f(x), self.group, self.sequence_parallel),
+                          self.wte.weight.mT)  # tied: this rank's vocabulary rows
         loss = None
         if targets is not None:
             loss = vocab_parallel_cross_entropy(logits.reshape(b * t, -1), targets.reshape(b * t), self.vocab_lo,

@@ -99,15 +99,6 @@ def test_stages_are_balanced_by_parameter_count():
         "0: embeddings | 1: block 0 | 2: final LayerNorm and output layer")
 
 
-def test_a_sequence_parallel_model_is_refused_by_name():
-    from types import SimpleNamespace
-
-    from helios.schedule.pipeline import PipelineStage
-
-    with pytest.raises(ValueError, match="sequence-parallel model"):
-        PipelineStage(SimpleNamespace(sequence_parallel=True), grid=None)
-
-
 def test_a_trace_renders_as_one_timeline_per_rank():
     from helios.schedule.pipeline import timeline
 

@@ -1,6 +1,7 @@
-"""helios-train --pp: pipeline parallel (alone, with tensor parallel, with data parallel) trains
-what one rank trains, its checkpoints hold the whole model under one device's names and
-resume on another layout, and a layout that cannot work is one line on every rank."""
+"""helios-train --pp: pipeline parallel (alone, with tensor parallel, also sequence parallel, with
+data parallel) trains what one rank trains, its checkpoints hold the whole model under one
+device's names and resume on another layout, and a layout that cannot work is one line on
+every rank."""
 
 from __future__ import annotations
 
@@ -57,6 +58,9 @@ def one_rank(tmp_path_factory):
     (4, ["--pp", "2", "--tp", "2", "--microbatches", "4"],
      "pipeline parallel 2 (4 micro-batches) x tensor parallel 2 x data parallel 1"),
     (4, ["--pp", "2"], "pipeline parallel 2 (2 micro-batches) x data parallel 2"),
+    # Sequence parallel: the stages pass each TP rank's 8 of the 16 positions (and their gradients).
+    (4, ["--pp", "2", "--tp", "2", "--sequence-parallel", "--microbatches", "2"],
+     "pipeline parallel 2 (2 micro-batches) x tensor parallel 2 x data parallel 1, sequence parallel"),
 ])
 def test_pipeline_layouts_train_what_one_rank_trains(tmp_path, one_rank, world, flags, banner):
     ref, ref_stdout = one_rank

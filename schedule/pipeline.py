@@ -851,15 +851,17 @@ class InterleavedPipelineStage(PipelineStage):
     def chunk_parameters(self, c: int) -> list:
         """The parameters chunk c reads, the ones its backward gives gradients to: its blocks',
         with the embeddings on virtual stage 0 and the final LayerNorm and the tied output layer
-        on the last."""
-        k = c * self.pp + self.stage
-        mods = [self.chunks[c]]
-        if k == 0:
-            mods += [self.wte, self.wpe]
-        if k == self.n_stages - 1:
-            mods += [self.ln_f, self.wte]
-        params = {id(p): p for m in mods for p in m.parameters()}  # (the tied table once)
-        return list(params.values())
+        on the last.  Built once per chunk: every micro-batch's backward asks for it."""
+        cache = self.__dict__.setdefault("_chunk_params", {})
+        if c not in cache:
+            k = c * self.pp + self.stage
+            mods = [self.chunks[c]]
+            if k == 0:
+                mods += [self.wte, self.wpe]
+            if k == self.n_stages - 1:
+                mods += [self.ln_f, self.wte]
+            cache[c] = list({id(p): p for m in mods for p in m.parameters()}.values())  # (the tied table once)
+        return cache[c]
 
     def _peer(self, step: int) -> int:
         """The pp rank ``step`` places from this one (wrapping round: virtual stages go round the ranks)."""

@@ -58,6 +58,29 @@ layout(std430, binding = 3) buffer B { float b[]; };
 void main() { b[0] = 1.0; }
 """
 
+# y[i] = x[i] + c read through a samplerBuffer: the addon binds binding 0 as a uniform texel
+# buffer (an rgba32f view), because the SPIR-V says so.
+TEXEL_GLSL = """
+#version 450
+layout(local_size_x = 64) in;
+layout(binding = 0) uniform samplerBuffer x;
+layout(std430, binding = 1) writeonly buffer Y { float y[]; };
+layout(push_constant) uniform P { uint n; float c; } p;
+void main() {
+  uint i = gl_GlobalInvocationID.x;
+  if (i < p.n) y[i] = texelFetch(x, int(i >> 2))[i & 3u] + p.c;
+}
+"""
+
+# A storage image: not a binding kind Helios makes (refused when the pipeline is made).
+IMAGE_GLSL = """
+#version 450
+layout(local_size_x = 1) in;
+layout(binding = 0, rgba32f) uniform readonly imageBuffer img;
+layout(std430, binding = 1) writeonly buffer Y { vec4 y[]; };
+void main() { y[0] = imageLoad(img, 0); }
+"""
+
 
 def _compile(tmp, name: str, src: str) -> bytes:
     path = tmp / f"{name}.comp"
@@ -73,7 +96,8 @@ def shaders(tmp_path_factory):
         pytest.skip("glslc is not installed (needed to compile the test shaders)")
     tmp = tmp_path_factory.mktemp("spv")
     return {"add": _compile(tmp, "add", ADD_GLSL), "sum": _compile(tmp, "sum", SUM_GLSL),
-            "wide": _compile(tmp, "wide", WIDE_GLSL)}
+            "wide": _compile(tmp, "wide", WIDE_GLSL), "texel": _compile(tmp, "texel", TEXEL_GLSL),
+            "image": _compile(tmp, "image", IMAGE_GLSL)}
 
 
 @pytest.fixture(scope="module")
@@ -327,6 +351,24 @@ def test_spec_constant_and_push_constant(fresh, shaders):
     np.testing.assert_array_equal(download(d, b, n), np.arange(n, dtype=np.float32) * 3 + 0.5)
     d.free(a)
     d.free(b)
+
+
+def test_sampler_buffer_binding_reads_through_a_texel_view(fresh, shaders):
+    """A samplerBuffer binding is bound as an rgba32f texel view of the range: at an offset, and
+    with a length that ends inside a texel (the view is rounded up to whole texels)."""
+    d = fresh
+    p = d.pipeline(shaders["texel"], 2, 8, [], "texel")
+    n = 37
+    x = np.arange(100, dtype=np.float32)
+    a = upload(d, x)
+    y = d.alloc(n * 4)
+    for off in (0, 48):  # bytes: 16-aligned, as storage bindings are
+        d.dispatch(p, [(a, off, n * 4, False), (y, 0, n * 4, True)], add_push(n, 0.5), groups_for(n), "texel")
+        np.testing.assert_array_equal(download(d, y, n), x[off // 4: off // 4 + n] + 0.5)
+    with pytest.raises(ValueError, match="samplerBuffer"):
+        d.pipeline(shaders["image"], 2, 0, [], "image")
+    d.free(a)
+    d.free(y)
 
 
 def test_barriers_independent_raw_war(fresh, shaders):

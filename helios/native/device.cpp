@@ -371,6 +371,32 @@ void Device::save_pipeline_cache() {
   pipelines_->save_cache();
 }
 
+VkBufferView Device::texel_view(Block& block, uint64_t offset, uint64_t nbytes, const char* opname, size_t binding) {
+  // The range is rounded up to whole 16-byte texels (a tensor's last elements may end inside
+  // one); blocks are multiples of 256 bytes, so the rounded range stays inside the block.
+  uint64_t range = std::min<uint64_t>((nbytes + 15) & ~uint64_t(15), (block.size - offset) & ~uint64_t(15));
+  auto key = std::make_pair(offset, range);
+  auto it = block.texel_views.find(key);
+  if (it != block.texel_views.end()) return it->second;
+  uint64_t align = std::max<uint64_t>(1, info_.min_texel_buffer_offset_alignment);
+  if (offset % align)
+    throw ArgError(strf("dispatch '%s': buffer %zu is a texel buffer at offset %llu, not a multiple of "
+                        "minTexelBufferOffsetAlignment %llu", opname, binding, (unsigned long long)offset,
+                        (unsigned long long)align));
+  if (range / 16 > info_.max_texel_buffer_elements)
+    throw ArgError(strf("dispatch '%s': buffer %zu binds %llu texels as a texel buffer, above maxTexelBufferElements %llu",
+                        opname, binding, (unsigned long long)(range / 16), (unsigned long long)info_.max_texel_buffer_elements));
+  VkBufferViewCreateInfo ci{VK_STRUCTURE_TYPE_BUFFER_VIEW_CREATE_INFO};
+  ci.buffer = block.buffer;
+  ci.format = VK_FORMAT_R32G32B32A32_SFLOAT;
+  ci.offset = offset;
+  ci.range = range;
+  VkBufferView view;
+  check(vkCreateBufferView(dev_, &ci, nullptr, &view), "vkCreateBufferView");
+  block.texel_views[key] = view;
+  return view;
+}
+
 void Device::dispatch(uint64_t pipeline, const BufArg* bufs, size_t nbufs, const void* push, size_t push_n,
                       const uint32_t groups[3], uint32_t name_id, uint64_t flops, uint64_t nbytes) {
   ensure_open();
@@ -390,6 +416,7 @@ void Device::dispatch(uint64_t pipeline, const BufArg* bufs, size_t nbufs, const
 
   Use uses[Pipelines::kMaxBuffers];
   VkDescriptorBufferInfo infos[Pipelines::kMaxBuffers];
+  VkBufferView views[Pipelines::kMaxBuffers];
   const uint64_t align = info_.min_storage_buffer_offset_alignment;
   for (size_t i = 0; i < nbufs; ++i) {
     const BufArg& ba = bufs[i];
@@ -410,6 +437,7 @@ void Device::dispatch(uint64_t pipeline, const BufArg* bufs, size_t nbufs, const
     // bytes (rounded allocations are at least 256 bytes); nothing is accessed.
     infos[i] = ba.nbytes ? VkDescriptorBufferInfo{a.block->buffer, abs, ba.nbytes}
                          : VkDescriptorBufferInfo{a.block->buffer, a.offset, std::min<uint64_t>(a.rounded, 16)};
+    if ((p->texel_mask >> i) & 1) views[i] = texel_view(*a.block, infos[i].offset, infos[i].range, opname, i);
   }
   if (groups[0] == 0 || groups[1] == 0 || groups[2] == 0) return;  // empty tensor: nothing to run
 
@@ -423,8 +451,13 @@ void Device::dispatch(uint64_t pipeline, const BufArg* bufs, size_t nbufs, const
       writes[i] = VkWriteDescriptorSet{VK_STRUCTURE_TYPE_WRITE_DESCRIPTOR_SET};
       writes[i].dstBinding = uint32_t(i);
       writes[i].descriptorCount = 1;
-      writes[i].descriptorType = VK_DESCRIPTOR_TYPE_STORAGE_BUFFER;
-      writes[i].pBufferInfo = &infos[i];
+      if ((p->texel_mask >> i) & 1) {
+        writes[i].descriptorType = VK_DESCRIPTOR_TYPE_UNIFORM_TEXEL_BUFFER;
+        writes[i].pTexelBufferView = &views[i];
+      } else {
+        writes[i].descriptorType = VK_DESCRIPTOR_TYPE_STORAGE_BUFFER;
+        writes[i].pBufferInfo = &infos[i];
+      }
     }
     if (p->push_descriptor) {
       push_descriptor_(cmd, VK_PIPELINE_BIND_POINT_COMPUTE, p->layout, 0, uint32_t(nbufs), writes);

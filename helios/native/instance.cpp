@@ -107,6 +107,8 @@ PhysicalDeviceInfo describe(VkPhysicalDevice pd, uint32_t instance_api) {
   }
   d.max_push_constants = L.maxPushConstantsSize;
   d.min_storage_buffer_offset_alignment = L.minStorageBufferOffsetAlignment;
+  d.min_texel_buffer_offset_alignment = L.minTexelBufferOffsetAlignment;
+  d.max_texel_buffer_elements = L.maxTexelBufferElements;
   d.timestamp_period = L.timestampPeriod;
   d.non_coherent_atom_size = L.nonCoherentAtomSize ? L.nonCoherentAtomSize : 1;
   d.subgroup_size = v11 ? subgroup.subgroupSize : 0;

@@ -30,6 +30,8 @@ struct PhysicalDeviceInfo {
   uint32_t max_workgroup_count[3] = {0, 0, 0};
   uint32_t max_push_constants = 0;
   uint64_t min_storage_buffer_offset_alignment = 0;
+  uint64_t min_texel_buffer_offset_alignment = 0;
+  uint64_t max_texel_buffer_elements = 0;
   float timestamp_period = 0.f;
   uint32_t timestamp_valid_bits = 0;  // of the chosen queue family
   uint32_t subgroup_size = 0;

@@ -9,6 +9,8 @@
 #include <cstring>
 #include <fstream>
 #include <iterator>
+#include <map>
+#include <tuple>
 
 #include "vk_util.h"
 
@@ -31,10 +33,13 @@ uint64_t hash_bytes(const uint8_t* p, size_t n) {
 
 namespace {
 
-// Minimal SPIR-V reflection: the GLCompute entry point's name, and a check that
-// every descriptor binding is in set 0 and below num_buffers (a shader reading a
-// binding the layout lacks is undefined behaviour in the driver, so refuse it).
-std::string check_spirv(const uint8_t* bytes, size_t n, uint32_t num_buffers, const std::string& name) {
+// Minimal SPIR-V reflection: the GLCompute entry point's name, a check that every
+// descriptor binding is in set 0 and below num_buffers (a shader reading a binding the
+// layout lacks is undefined behaviour in the driver, so refuse it), and which bindings are
+// uniform texel buffers (a `samplerBuffer`: Dim Buffer, sampled) rather than storage
+// buffers: *texel_mask gets bit b for each.  The shader is the one place that says so.
+std::string check_spirv(const uint8_t* bytes, size_t n, uint32_t num_buffers, const std::string& name,
+                        uint32_t* texel_mask) {
   if (n < 20 || n % 4)
     throw ArgError(strf("pipeline '%s': SPIR-V must be a non-empty multiple of 4 bytes, got %zu bytes", name.c_str(), n));
   std::vector<uint32_t> w(n / 4);
@@ -42,6 +47,8 @@ std::string check_spirv(const uint8_t* bytes, size_t n, uint32_t num_buffers, co
   if (w[0] != 0x07230203u)
     throw ArgError(strf("pipeline '%s': not SPIR-V (magic 0x%08x, expected 0x07230203); pass glslc output", name.c_str(), w[0]));
   std::string entry;
+  std::map<uint32_t, uint32_t> binding_of, pointee_of, var_type, image_of_sampled;
+  std::map<uint32_t, std::pair<uint32_t, uint32_t>> image_dim_sampled;  // OpTypeImage id -> (Dim, Sampled)
   for (size_t i = 5; i < w.size();) {
     uint32_t count = w[i] >> 16, op = w[i] & 0xffff;
     if (count == 0 || i + count > w.size()) throw ArgError(strf("pipeline '%s': truncated SPIR-V at word %zu", name.c_str(), i));
@@ -54,10 +61,34 @@ std::string check_spirv(const uint8_t* bytes, size_t n, uint32_t num_buffers, co
       if (w[i + 2] == 33 && w[i + 3] >= num_buffers)  // Binding
         throw ArgError(strf("pipeline '%s': shader uses binding %u but num_buffers is %u", name.c_str(), w[i + 3],
                             num_buffers));
+      if (w[i + 2] == 33) binding_of[w[i + 1]] = w[i + 3];
+    } else if (op == 25 && count >= 9) {  // OpTypeImage result sampled-type Dim Depth Arrayed MS Sampled
+      image_dim_sampled[w[i + 1]] = {w[i + 3], w[i + 7]};
+    } else if (op == 27 && count >= 3) {  // OpTypeSampledImage result image
+      image_of_sampled[w[i + 1]] = w[i + 2];
+    } else if (op == 32 && count >= 4) {  // OpTypePointer result storage-class type
+      pointee_of[w[i + 1]] = w[i + 3];
+    } else if (op == 59 && count >= 4) {  // OpVariable result-type result storage-class
+      var_type[w[i + 2]] = w[i + 1];
     }
     i += count;
   }
   if (entry.empty()) throw ArgError(strf("pipeline '%s': SPIR-V has no GLCompute entry point", name.c_str()));
+  *texel_mask = 0;
+  for (const auto& [var, binding] : binding_of) {
+    auto t = var_type.find(var);
+    if (t == var_type.end()) continue;
+    auto pt = pointee_of.find(t->second);
+    uint32_t type = pt == pointee_of.end() ? 0 : pt->second;
+    auto si = image_of_sampled.find(type);
+    uint32_t image = si == image_of_sampled.end() ? type : si->second;
+    auto im = image_dim_sampled.find(image);
+    if (im == image_dim_sampled.end()) continue;  // a storage buffer
+    if (im->second.first != 5 || si == image_of_sampled.end())  // Dim Buffer, combined with a sampler
+      throw ArgError(strf("pipeline '%s': binding %u is an image other than a samplerBuffer; Helios binds storage "
+                          "buffers and uniform texel buffers only", name.c_str(), binding));
+    *texel_mask |= 1u << binding;
+  }
   return entry;
 }
 
@@ -176,8 +207,8 @@ void Pipelines::save_cache() {
   write_file_atomic(cache_dir_, path, data.data(), data.size());
 }
 
-VkDescriptorSetLayout Pipelines::set_layout(uint32_t num_buffers, bool& push) {
-  auto it = set_layouts_.find(num_buffers);
+VkDescriptorSetLayout Pipelines::set_layout(uint32_t num_buffers, uint32_t texel_mask, bool& push) {
+  auto it = set_layouts_.find({num_buffers, texel_mask});
   if (it != set_layouts_.end()) {
     push = it->second.second;
     return it->second.first;
@@ -185,7 +216,7 @@ VkDescriptorSetLayout Pipelines::set_layout(uint32_t num_buffers, bool& push) {
   std::vector<VkDescriptorSetLayoutBinding> b(num_buffers);
   for (uint32_t i = 0; i < num_buffers; ++i) {
     b[i].binding = i;
-    b[i].descriptorType = VK_DESCRIPTOR_TYPE_STORAGE_BUFFER;
+    b[i].descriptorType = (texel_mask >> i) & 1 ? VK_DESCRIPTOR_TYPE_UNIFORM_TEXEL_BUFFER : VK_DESCRIPTOR_TYPE_STORAGE_BUFFER;
     b[i].descriptorCount = 1;
     b[i].stageFlags = VK_SHADER_STAGE_COMPUTE_BIT;
   }
@@ -196,16 +227,16 @@ VkDescriptorSetLayout Pipelines::set_layout(uint32_t num_buffers, bool& push) {
   ci.pBindings = b.data();
   VkDescriptorSetLayout layout;
   check(vkCreateDescriptorSetLayout(dev_, &ci, nullptr, &layout), "vkCreateDescriptorSetLayout");
-  set_layouts_[num_buffers] = {layout, push};
+  set_layouts_[{num_buffers, texel_mask}] = {layout, push};
   return layout;
 }
 
-VkPipelineLayout Pipelines::pipeline_layout(uint32_t num_buffers, uint32_t push_size) {
-  auto key = std::make_pair(num_buffers, push_size);
+VkPipelineLayout Pipelines::pipeline_layout(uint32_t num_buffers, uint32_t texel_mask, uint32_t push_size) {
+  auto key = std::make_tuple(num_buffers, texel_mask, push_size);
   auto it = layouts_.find(key);
   if (it != layouts_.end()) return it->second;
   bool push = false;
-  VkDescriptorSetLayout sl = set_layout(num_buffers, push);
+  VkDescriptorSetLayout sl = set_layout(num_buffers, texel_mask, push);
   VkPushConstantRange pr{VK_SHADER_STAGE_COMPUTE_BIT, 0, push_size};
   VkPipelineLayoutCreateInfo ci{VK_STRUCTURE_TYPE_PIPELINE_LAYOUT_CREATE_INFO};
   ci.setLayoutCount = 1;
@@ -231,14 +262,16 @@ uint32_t Pipelines::get_or_create(const uint8_t* spirv, size_t nbytes, uint32_t 
   if (push_size % 4 || push_size > info_.max_push_constants)
     throw ArgError(strf("pipeline '%s': push_size %u must be a multiple of 4 and at most the device's %u bytes",
                         name.c_str(), push_size, info_.max_push_constants));
-  std::string entry = check_spirv(spirv, nbytes, num_buffers, name);
+  uint32_t texel_mask = 0;
+  std::string entry = check_spirv(spirv, nbytes, num_buffers, name, &texel_mask);
 
   Pipeline p;
   p.num_buffers = num_buffers;
   p.push_size = push_size;
+  p.texel_mask = texel_mask;
   p.name = name;
-  p.layout = pipeline_layout(num_buffers, push_size);
-  p.set_layout = set_layout(num_buffers, p.push_descriptor);
+  p.layout = pipeline_layout(num_buffers, texel_mask, push_size);
+  p.set_layout = set_layout(num_buffers, texel_mask, p.push_descriptor);
 
   VkShaderModuleCreateInfo smci{VK_STRUCTURE_TYPE_SHADER_MODULE_CREATE_INFO};
   smci.codeSize = nbytes;

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <tuple>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -22,6 +23,7 @@ struct Pipeline {
   VkDescriptorSetLayout set_layout = VK_NULL_HANDLE;
   uint32_t num_buffers = 0;
   uint32_t push_size = 0;
+  uint32_t texel_mask = 0;       // bit b: binding b is a uniform texel buffer (rgba32f view), not a storage buffer
   bool push_descriptor = false;  // bindings go through vkCmdPushDescriptorSetKHR
   std::string name;
 };
@@ -60,8 +62,8 @@ class Pipelines {
       return spec < o.spec;
     }
   };
-  VkDescriptorSetLayout set_layout(uint32_t num_buffers, bool& push);
-  VkPipelineLayout pipeline_layout(uint32_t num_buffers, uint32_t push_size);
+  VkDescriptorSetLayout set_layout(uint32_t num_buffers, uint32_t texel_mask, bool& push);
+  VkPipelineLayout pipeline_layout(uint32_t num_buffers, uint32_t texel_mask, uint32_t push_size);
   void load_cache();
 
   VkDevice dev_;
@@ -70,8 +72,8 @@ class Pipelines {
   std::string cache_dir_;
   bool cache_loaded_ = false;
   VkPipelineCache cache_ = VK_NULL_HANDLE;
-  std::map<uint32_t, std::pair<VkDescriptorSetLayout, bool>> set_layouts_;
-  std::map<std::pair<uint32_t, uint32_t>, VkPipelineLayout> layouts_;
+  std::map<std::pair<uint32_t, uint32_t>, std::pair<VkDescriptorSetLayout, bool>> set_layouts_;  // (buffers, texel mask)
+  std::map<std::tuple<uint32_t, uint32_t, uint32_t>, VkPipelineLayout> layouts_;  // (buffers, texel mask, push size)
   std::map<Key, std::vector<std::pair<std::vector<uint8_t>, uint32_t>>> by_key_;  // SPIR-V compared on hit
   std::vector<Pipeline> pipelines_;
 };

@@ -30,7 +30,9 @@
 //   each subgroup of SG lanes computes a TM x (SG*TN) tile: lane l owns TN adjacent
 //   columns and all TM rows; the A panel (TM x 8 per step) is loaded once, spread over the
 //   lanes as vec4s, and handed to every lane by shuffles; B is read as vec4s along its
-//   contiguous dim.  Each load then moves 4-8 useful values per lane and nothing is
+//   contiguous dim.  fp32 operands are read through rgba32f texel views instead of
+//   storage buffers: llvmpipe fetches one texel for all 8 lanes as a gather, without the
+//   per-lane loop (1.25-1.33x at 1024^3).  Each load then moves 4-8 useful values per lane and nothing is
 //   loaded twice inside a subgroup; a tall block (32x8) loads TM + 8*TN values per K step
 //   for TM*TN vector multiply-adds.  llvmpipe lowers fma() to a multiply and an add, so
 //   the sums are written as such.  TM / TN are compile-time (the register block must be
@@ -50,8 +52,16 @@
 #include "common.glsl"
 #extension GL_EXT_control_flow_attributes : require
 
+#if defined(MM_SG) && TA == T_F32
+// The CPU kernel reads fp32 A and B through rgba32f texel views (the addon binds a
+// samplerBuffer as a uniform texel buffer): llvmpipe fetches a texel for all 8 lanes as one
+// gather, where a storage-buffer load is a loop over the lanes (see MM_SG below).
+layout(binding = 0) uniform samplerBuffer ta;
+layout(binding = 1) uniform samplerBuffer tb;
+#else
 layout(std430, binding = 0) readonly buffer BA { HL_ST(TA) a[]; };
 layout(std430, binding = 1) readonly buffer BB { HL_ST(TA) b[]; };
+#endif
 layout(std430, binding = 2) writeonly buffer BC { HL_ST(TA) c[]; };
 layout(std430, binding = 3) readonly buffer BBias { HL_ST(TA) bias[]; };
 layout(push_constant) uniform P {
@@ -201,20 +211,28 @@ layout(constant_id = 5) const int BWIDE = 0;
 layout(constant_id = 6) const int HAS_BIAS = 0;
 layout(constant_id = 7) const int CT = 0;
 layout(constant_id = 8) const int CLD = 0;
+// BSUM 1 (fp32, no batch, bias or epilogue; matmul_bias_grad() in helios/_kernels/gemm.py):
+// B's column sums over K as well, a Linear layer's bias gradient in the weight gradient's
+// dispatch (B = the output gradient).  Each lane adds the B values it loads for its TN
+// columns, k = 0 .. K-1 in order from 0.0 (the column reduction's adds, reduce.comp MODE 1),
+// and the subgroup at m0 == 0 stores the in-range columns at C[off_bias + n] (the bias slot
+// is in the buffer C binds; the bias offset word is free without HAS_BIAS).
+layout(constant_id = 10) const int BSUM = 0;
 
 // Vector views of the same bindings (matmul() checks offsets and strides for alignment).
 #if TA == T_F32
-layout(std430, binding = 0) readonly buffer BA4 { vec4 a4[]; };
-layout(std430, binding = 1) readonly buffer BB4 { vec4 b4[]; };
-layout(std430, binding = 0) readonly buffer BA8 { u64vec4 a8[]; };
-layout(std430, binding = 1) readonly buffer BB8 { u64vec4 b8[]; };
+// fp32: texel fetches of the rgba32f views.  A texel is 4 values, so "wide" (8-value) loads
+// are two fetches, and a scalar load picks one component.  (Measured at 1024^3 on lavapipe
+// against the storage-buffer loads this replaced, one u64vec4 per 8 values: 1.25-1.33x in
+// every layout, see bench/README.md "matmul".)
 layout(std430, binding = 2) writeonly buffer BC4 { vec4 c4[]; };
-vec4 f2x2(uint64_t x, uint64_t y) { return vec4(uintBitsToFloat(unpackUint2x32(x)), uintBitsToFloat(unpackUint2x32(y))); }
-vec4 lda4(uint i) { return a4[i >> 2]; }
-vec4 ldb4(uint i) { return b4[i >> 2]; }
-void lda8w(uint i, out vec4 lo, out vec4 hi) { u64vec4 w = a8[i >> 3]; lo = f2x2(w.x, w.y); hi = f2x2(w.z, w.w); }
-void ldb8w(uint i, out vec4 lo, out vec4 hi) { u64vec4 w = b8[i >> 3]; lo = f2x2(w.x, w.y); hi = f2x2(w.z, w.w); }
+vec4 lda4(uint i) { return texelFetch(ta, int(i >> 2)); }
+vec4 ldb4(uint i) { return texelFetch(tb, int(i >> 2)); }
+void lda8w(uint i, out vec4 lo, out vec4 hi) { lo = texelFetch(ta, int(i >> 2)); hi = texelFetch(ta, int(i >> 2) + 1); }
+void ldb8w(uint i, out vec4 lo, out vec4 hi) { lo = texelFetch(tb, int(i >> 2)); hi = texelFetch(tb, int(i >> 2) + 1); }
 void stc4(uint i, vec4 v) { c4[i >> 2] = v; }
+float lda(uint i) { return texelFetch(ta, int(i >> 2))[i & 3u]; }
+float ldb(uint i) { return texelFetch(tb, int(i >> 2))[i & 3u]; }
 #else
 // 16-bit storage: 4 values are two 32-bit words and 8 values two 64-bit words, unpacked in
 // registers (no 16-bit arithmetic needed).
@@ -245,8 +263,10 @@ void ldb8w(uint i, out vec4 lo, out vec4 hi) { u64vec2 w = b8[i >> 3]; lo = unpa
 void stc4(uint i, vec4 v) { c4[i >> 2] = pack4(v); }
 #endif
 
+#if TA != T_F32
 float lda(uint i) { return HL_LDF(TA, a[i]); }
 float ldb(uint i) { return HL_LDF(TA, b[i]); }
+#endif
 // 8 consecutive values from element i (i a multiple of 8 when wide, else of 4).
 void lda8(uint i, out vec4 lo, out vec4 hi) {
     if (AWIDE == 1) lda8w(i, lo, hi);
@@ -280,6 +300,9 @@ void main() {
     vec4 acc[TM][TN / 4];        // acc[i][j4][e]: row m0 + i, column n0 + 4 * j4 + e
     [[unroll]] for (int i = 0; i < TM; ++i)
         [[unroll]] for (int j4 = 0; j4 < TN / 4; ++j4) acc[i][j4] = vec4(0.0);
+
+    precise vec4 bs[TN / 4];     // BSUM: column sums of B, columns n0 + 4 * j4 + e
+    [[unroll]] for (int j4 = 0; j4 < TN / 4; ++j4) bs[j4] = vec4(0.0);
 
     uint kmain = p.K - p.K % uint(KB);
     for (uint k = 0u; k < kmain; k += uint(KB)) {
@@ -333,6 +356,10 @@ void main() {
                 [[unroll]] for (int j = 0; j < TN; ++j) bp[kk][j / 4][j % 4] = ldb(bcol[j] + brow);
             }
         }
+        if (BSUM == 1) {
+            [[unroll]] for (int kk = 0; kk < KB; ++kk)
+                [[unroll]] for (int j4 = 0; j4 < TN / 4; ++j4) bs[j4] += bp[kk][j4];
+        }
         [[unroll]] for (int i = 0; i < TM; ++i)
             [[unroll]] for (int kk = 0; kk < KB; ++kk) {
                 float ai = AMODE == 2 ? subgroupShuffle(am[i / 4][i % 4], uint(kk))
@@ -349,6 +376,9 @@ void main() {
         }
         vec4 bv[TN / 4];
         [[unroll]] for (int j = 0; j < TN; ++j) bv[j / 4][j % 4] = ldb(bcol[j] + k * p.sbk);
+        if (BSUM == 1) {
+            [[unroll]] for (int j4 = 0; j4 < TN / 4; ++j4) bs[j4] += bv[j4];
+        }
         [[unroll]] for (int i = 0; i < TM; ++i) {
             float ai = subgroupShuffle(at[i / SG], uint(i % SG));
             [[unroll]] for (int j4 = 0; j4 < TN / 4; ++j4) acc[i][j4] += ai * bv[j4];
@@ -373,6 +403,12 @@ void main() {
         }
     }
 #endif
+    if (BSUM == 1 && m0 == 0u) {  // one subgroup per column block; clamped columns are not stored
+        [[unroll]] for (int j = 0; j < TN; ++j) {
+            uint n = n0 + uint(j);
+            if (n < p.N) c[p.off_bias + n] = HL_STF(TA, bs[j / 4][j % 4]);
+        }
+    }
     uint ldc = CLD > 0 ? uint(CLD) : (CT == 1 ? p.M : p.N);
     uint cbase = CLD > 0 ? p.off_c + z0 * (CT == 1 ? p.N : p.M) * ldc + z1 * (CT == 1 ? p.M : p.N)
                          : p.off_c + z * p.M * p.N;

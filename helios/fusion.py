@@ -14,6 +14,11 @@ arithmetic in the same order, so its results are bit for bit those of the chain:
 * ``matmul+gelu_tanh_bwd``: in the GPT MLP's backward (helios.functional.mlp_residual), the
   hidden gradient g @ W2 rounded to the storage type and multiplied by gelu_tanh'(u) in the
   product's epilogue (EPI 3), u being the pre-activation linear+gelu stored.
+* ``matmul+bias_grad``: a Linear layer's bias gradient (the output gradient g summed over
+  its rows) in the weight gradient's matmul x^T g, where both gradients have free slots of
+  one flat float32 buffer and the CPU (subgroup) matmul kernel runs: each lane adds up the
+  columns of g it loads anyway, row by row from 0.0 as the column reduction does
+  (kernels_spirv/glsl/matmul.glsl, BSUM), and the bias slot is stored through C's binding.
 * ``layer_norm_bwd+acc``: where a tensor's gradient is a pending gradient plus a
   LayerNorm's input gradient (the residual stream feeds the residual add and ln_1 / ln_2),
   the LayerNorm input-gradient kernel adds the pending gradient in its store (the tape
@@ -62,6 +67,7 @@ PARTS = {
     "linear+residual": ("matmul", "+bias", "add"),
     "linear+gelu": ("matmul", "+bias", "gelu_tanh"),
     "matmul+gelu_tanh_bwd": ("matmul", "gelu_tanh_bwd"),
+    "matmul+bias_grad": ("matmul", "sum"),
     "layer_norm_bwd+acc": ("layer_norm_bwd", "add"),
     "sum_squares": ("mul", "sum"),
     "sum_squares+clip_coef": ("mul", "sum", "sqrt", "add_s", "rdiv_s", "clamp"),

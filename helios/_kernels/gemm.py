@@ -139,10 +139,43 @@ def matmul_epilogue(name: str, a: Tensor, b: Tensor, bias: Tensor | None, e: Ten
     return r, u
 
 
-def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None = None, _epi: tuple | None = None) -> Tensor:
+def matmul_bias_grad(a: Tensor, b: Tensor, out: Tensor, bsum: Tensor) -> bool:
+    """out = a @ b and bsum = b summed over its rows, in one dispatch (helios.fusion
+    "matmul+bias_grad": a Linear layer's weight gradient x^T g and bias gradient, g = ``b``);
+    True when done, False, with nothing dispatched, where this kernel cannot take them (the
+    caller then runs the matmul and the reduction).
+
+    It takes float32 2-D a [M, K] (K > 0) and b [K, N] with b contiguous along N, on the
+    CPU-driver kernel; ``out`` as matmul()'s (contiguous or a transposed contiguous [M, N])
+    and ``bsum`` a contiguous float32 [N] in the same storage as ``out`` (the kernel stores
+    both through C's binding), apart from it.  The sums are the column reduction's
+    (reduce.comp MODE 1: k = 0 .. K-1 in order from 0.0), bit for bit."""
+    if not (a.ndim == 2 and b.ndim == 2 and out.ndim == 2 and bsum.ndim == 1):
+        return False
+    (M, K), N = a.shape, b.shape[1]
+    rt = out._st.rt
+    if (K == 0 or M == 0 or N < 2 or b.shape[0] != K or out.shape != (M, N) or bsum.shape != (N,)
+            or any(t.dtype is not dt.float32 for t in (a, b, out, bsum)) or b._strides[1] != 1
+            or bsum._strides[0] != 1 or bsum._st is not out._st or a._st.rt is not rt or b._st.rt is not rt
+            or not _cpu_mm_kernel(rt)):
+        return False
+    if not (out.is_contiguous() or _swap_last(out).is_contiguous()):
+        return False
+    lo, hi = min(out._off, bsum._off), max(out._off + M * N, bsum._off + N)
+    if bsum._off < out._off + M * N and out._off < bsum._off + N:  # overlapping slots
+        return False
+    if (hi - lo) * 4 > rt.max_range - rt.align:  # C's binding must cover both
+        return False
+    matmul(a, b, out=out, _bsum=bsum)
+    return True
+
+
+def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None = None, _epi: tuple | None = None,
+           _bsum: Tensor | None = None) -> Tensor:
     """Batched a @ b (+ ``bias`` over the last dim) with broadcast batch dims; both >= 2-D
     and of the same float dtype; ``bias`` 1-D of size N with unit stride, added in the
-    kernel's epilogue.  (``_epi``: matmul_epilogue's fused epilogue.)
+    kernel's epilogue.  (``_epi``: matmul_epilogue's fused epilogue; ``_bsum``:
+    matmul_bias_grad's column sums of b, checked there.)
 
     Operands may be any strided views (transposes, broadcast batches): the kernel variant
     and its load paths are chosen here from strides and alignment.  ``out`` (optional, the
@@ -209,10 +242,16 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None 
     if cld:  # bind the span the strided C covers
         span = 1 + sum((sz - 1) * st for sz, st in zip(out.shape, out._strides))
         bc, oc = bind(Tensor(out._st, (span,), (1,), out._off, out.dtype), True)
+    elif _bsum is not None:  # C's binding covers the product and the column sums' slot
+        lo = min(out._off, _bsum._off)
+        hi = max(out._off + M * N, _bsum._off + N)
+        bc, o_lo = bind(Tensor(out._st, (hi - lo,), (1,), lo, out.dtype), True)
+        oc = o_lo + out._off - lo
     else:
         bc, oc = bind(_swap_last(out) if ct else out, True)
-    # Without a bias, binding 3 repeats A (read-only, never read: HAS_BIAS = 0).
-    bz, oz = bind(bias) if bias is not None else (ba, 0)
+    # Without a bias, binding 3 repeats A (read-only, never read: HAS_BIAS = 0).  With
+    # _bsum, the bias offset word is where the column sums go in C's binding.
+    bz, oz = bind(bias) if bias is not None else (ba, 0 if _bsum is None else o_lo + _bsum._off - lo)
     has_bias = int(bias is not None)
     sam, sak = a._strides[-2], a._strides[-1]
     sbk, sbn = b._strides[-2], b._strides[-1]
@@ -224,7 +263,9 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None 
         spec = _mm_cpu_config(M, N, oa, ob, oc, ca, cb, sam, sak, sbk, sbn, bool(rt.features.get("int64")), (tm, tn, wy))
         if ct or cld:  # vec4 stores run along C's contiguous dim (M when transposed)
             spec = spec[:3] + (int((M if ct else N) % 4 == 0 and oc % 4 == 0 and cld % 4 == 0),) + spec[4:]
-        spec = spec + (has_bias,) + ((ct, cld) if ct or cld else ()) + epi_spec
+        spec = spec + (has_bias,) + ((ct, cld) if ct or cld or _bsum is not None else ()) + epi_spec
+        if _bsum is not None:  # BSUM at constant id 10 (9 is matmul_epi's EPI)
+            spec = spec + (0, 1)
         pid = rt.pipeline(kernel, f"{a.dtype.tag}_sg{tm}x{tn}", spec)
         groups = ((N + _MM_SG * tn - 1) // (_MM_SG * tn), (M + tm * spec[0] - 1) // (tm * spec[0]), nb)
     else:
@@ -234,6 +275,10 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None 
     flops = 2 * nb * M * N * K
     nbytes = (nb * (M * K + K * N + M * N)) * a.dtype.itemsize
     words = (M, N, K, cshape[1], oa, ob, oc, oz, ca[0], ca[1], sam, sak, cb[0], cb[1], sbk, sbn)
+    if _bsum is not None:
+        rt.dispatch(pid, [ba, bb, bc, bz], _P_MATMUL.pack(*words), groups, fusion.dispatch_name("matmul+bias_grad", rt),
+                    flops + K * N, nbytes + N * a.dtype.itemsize)
+        return out
     if _epi is None:
         rt.dispatch(pid, [ba, bb, bc, bz], _P_MATMUL.pack(*words), groups, "matmul", flops, nbytes)
         return out

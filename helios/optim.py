@@ -41,6 +41,15 @@ def adamw_push(n: int, off: int, consts: tuple) -> bytes:
     return _P_ADAMW.pack(n, off, 0, 0, *consts)
 
 
+def adamw_dispatch(rt, bufs: list, n: int, off: int, consts: tuple) -> None:
+    """Record one ``adamw`` dispatch over elements [off, off + n) of its four bindings (see
+    adamw_push), 4 elements an invocation when n and off allow it (bindings start 16-byte
+    aligned): the same arithmetic per element, a quarter of the buffer accesses."""
+    vec = 4 if n % 4 == 0 and off % 4 == 0 else 1
+    pid = rt.pipeline("adamw", "default", (vec,))
+    rt.dispatch(pid, bufs, adamw_push(n, off, consts), K.grid(n // vec), "adamw", 10 * n, 16 * n)
+
+
 def _param_groups(params, defaults: dict) -> list[dict]:
     params = list(params)
     if not params:
@@ -133,7 +142,6 @@ class AdamW(Optimizer):
         for g, fg in zip(self.param_groups, self.flat):
             consts = adamw_constants(g, t)
             rt = fg.p._st.rt
-            pid = rt.pipeline("adamw", "default")
             if fg.grads_complete():
                 ranges = [(0, fg.n)]
             else:  # some parameters got no gradient: update only those that did (as PyTorch skips them)
@@ -144,7 +152,7 @@ class AdamW(Optimizer):
             bufs = [K.bind(fg.p, True)[0], K.bind(fg.g)[0], K.bind(fg.moments[0], True)[0], K.bind(fg.moments[1], True)[0]]
             for off, n in ranges:
                 if n:
-                    rt.dispatch(pid, bufs, adamw_push(n, off, consts), K.grid(n), "adamw", 10 * n, 16 * n)
+                    adamw_dispatch(rt, bufs, n, off, consts)
                     # A replayed step: the step count and the group's learning rate as they are then.
                     graph.dynamic_push(lambda g=g, n=n, off=off: adamw_push(n, off, adamw_constants(g, self.step_count)))
             fg.p._st.version += 1

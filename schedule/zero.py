@@ -179,7 +179,7 @@ from helios.autograd import tape
 from helios.autograd.tape import Function, no_grad
 from helios.errors import CheckpointError, HeliosError
 from helios.nn import Module, ModuleList
-from helios.optim import Optimizer, adamw_constants, adamw_push
+from helios.optim import Optimizer, adamw_constants, adamw_dispatch
 from helios.schedule.ddp import DistributedDataParallel
 from helios.tensor import Storage, Tensor
 
@@ -935,7 +935,6 @@ class ZeroAdamW(Optimizer):
     def _adamw(self, consts: tuple, ops: list, off: int, n: int) -> None:
         """Record ``adamw`` over elements [off, off + n) of four (storage, aligned base) operands."""
         rt, q = self.rt, self._q
-        pid = rt.pipeline("adamw", "default")
         lim = rt.max_range // 4 - q
         bases = [b for _, b in ops]
         while n > 0:
@@ -944,7 +943,7 @@ class ZeroAdamW(Optimizer):
             off -= adv
             m = min(n, lim - off)
             bufs = [(st.handle, b * 4, (off + m) * 4, w) for (st, _), b, w in zip(ops, bases, (True, False, True, True))]
-            rt.dispatch(pid, bufs, adamw_push(m, off, consts), K.grid(m), "adamw", 10 * m, 16 * m)
+            adamw_dispatch(rt, bufs, m, off, consts)
             off += m
             n -= m
 

@@ -193,8 +193,20 @@ def binary_(op: str, a: Tensor, b: Tensor) -> Tensor:
     if a.dtype is not b.dtype:
         raise DTypeError(f"{op}_: dtypes {a.dtype.name} and {b.dtype.name} differ (promote first)")
     if a.numel():
-        be = Tensor(b._st, a.shape, broadcast_strides(b.shape, b._strides, a.shape), b._off, b.dtype)
-        _binary_into(op, a._st.rt.pipeline("ew_binary", a.dtype.tag, (BINARY[op], 0)), a, be, a, 1.0)
+        rt = a._st.rt
+        n = a.numel()
+        if b.numel() == 1 and not (_too_wide(a) or _too_wide(b)):
+            # one element of b for every element of a: no index arithmetic, 4 elements an
+            # invocation when aligned (ew_binary's B_ONE), the same op per element
+            ba, oa = bind(a, True)
+            bb, ob = bind(b)
+            vec = 4 if a.dtype is dt.float32 and n % 4 == 0 and oa % 4 == 0 else 1
+            pid = rt.pipeline("ew_binary", a.dtype.tag, (BINARY[op], 1, vec, 1))
+            rt.dispatch(pid, [ba, bb, ba], _P_BINARY.pack(n, 1, oa, ob, oa, 1.0, 0, 0, *_PAD6, *_PAD6, *_PAD6),
+                        grid(n // vec), op, n, n * (2 * a.dtype.itemsize))
+        else:
+            be = Tensor(b._st, a.shape, broadcast_strides(b.shape, b._strides, a.shape), b._off, b.dtype)
+            _binary_into(op, rt.pipeline("ew_binary", a.dtype.tag, (BINARY[op], 0)), a, be, a, 1.0)
         a._st.version += 1
     return a
 

@@ -47,6 +47,9 @@ layout(push_constant) uniform P {
 // a vec4 store (binary() checks n and the offsets are multiples of 4); the op runs per
 // component, so results are the same as the scalar path.
 layout(constant_id = 2) const int VEC = 1;
+// B_ONE (with CONTIG): b is one element at off_b, seen by every element (an in-place scale of
+// a flat buffer by a device scalar, as the gradient clip does); with VEC 4 too.
+layout(constant_id = 3) const bool B_ONE = false;
 #if TA == T_F32 && TO == T_F32 && !defined(COMPARE)
 layout(std430, binding = 0) readonly buffer BA4 { vec4 a4[]; };
 layout(std430, binding = 1) readonly buffer BB4 { vec4 b4[]; };
@@ -58,7 +61,7 @@ void main() {
     if (VEC == 4) {
         uint j = flat_invocation() * 4u;
         if (j >= p.n) return;
-        vec4 x4 = a4[(p.off_a + j) >> 2], y4 = b4[(p.off_b + j) >> 2];
+        vec4 x4 = a4[(p.off_a + j) >> 2], y4 = B_ONE ? vec4(b[p.off_b]) : b4[(p.off_b + j) >> 2];
         o4[(p.off_o + j) >> 2] = vec4(fop(x4.x, y4.x), fop(x4.y, y4.y), fop(x4.z, y4.z), fop(x4.w, y4.w));
         return;
     }
@@ -67,7 +70,7 @@ void main() {
     if (i >= p.n) return;
     uint ia = p.off_a, ib = p.off_b;
     if (CONTIG) {
-        ia += i; ib += i;
+        ia += i; ib += B_ONE ? 0u : i;
     } else {
         uint rem = i;
         for (int d = int(p.ndim) - 1; d >= 0; --d) {

@@ -1,0 +1,49 @@
+"""The 4-elements-an-invocation paths of the optimizer update and of an in-place scale by a
+device scalar give, bit for bit, what their one-element paths give."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import helios as hl
+from helios import _kernels as K
+from helios.optim import adamw_constants, adamw_dispatch
+
+pytestmark = pytest.mark.vulkan
+
+
+def _adamw(vec_ok: bool, n: int, seed: int = 0) -> list:
+    rng = np.random.default_rng(seed)
+    arrs = [rng.standard_normal(n).astype(np.float32) for _ in range(3)] + [rng.random(n).astype(np.float32)]
+    p, g, m, v = (hl.tensor(a) for a in arrs)
+    rt = p._st.rt
+    consts = adamw_constants({"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}, 3)
+    bufs = [K.bind(p, True)[0], K.bind(g)[0], K.bind(m, True)[0], K.bind(v, True)[0]]
+    if vec_ok:
+        adamw_dispatch(rt, bufs, n, 0, consts)
+    else:  # the same elements as two ranges of odd length: the one-element path
+        adamw_dispatch(rt, bufs, n - 1, 0, consts)
+        adamw_dispatch(rt, bufs, 1, n - 1, consts)
+    return [t.numpy() for t in (p, m, v)]
+
+
+def test_adamw_vec4_equals_the_scalar_path_bit_for_bit():
+    for a, b in zip(_adamw(True, 1028), _adamw(False, 1028)):
+        np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+@pytest.mark.parametrize("n", [1024, 1023])  # the vec4 path and the one-element path
+def test_in_place_scale_by_a_device_scalar(n):
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal(n).astype(np.float32)
+    c = np.float32(0.37)
+    t = hl.tensor(x)
+    K.binary_("mul", t, hl.tensor(np.array([c], np.float32)))
+    np.testing.assert_array_equal(t.numpy(), x * c)  # one rounding per element, as numpy's
+    # an offset view of a larger buffer: only its elements change
+    big = hl.tensor(np.arange(n + 8, dtype=np.float32))
+    K.binary_("mul", big[4:4 + n], hl.tensor(np.array(2.0, np.float32)))
+    want = np.arange(n + 8, dtype=np.float32)
+    want[4:4 + n] *= 2
+    np.testing.assert_array_equal(big.numpy(), want)

@@ -33,6 +33,15 @@ def _row_plan(rt, rows: int, R: int):
     return _row_wg(R), False, groups_for(rows)
 
 
+def _row_variant(rt, dtype: dt.DType, per_thread: bool) -> str:
+    """The kernel variant of a row kernel: ``f32_tx`` (fp32 rows read through texel views) where
+    each invocation owns a row on a CPU device, since llvmpipe gathers a texel for the 8 lanes'
+    rows at once but loops over the lanes for a storage-buffer load; else the dtype's."""
+    if per_thread and dtype is dt.float32 and rt.info["type"] == "cpu":
+        return "f32_tx"
+    return dtype.tag
+
+
 def softmax_rows(mode: int, x: Tensor, g: Tensor | None = None, scale: float = 1.0, causal: bool = False) -> Tensor:
     """Softmax family over the last dim of contiguous ``x`` (see softmax.comp for modes).
 
@@ -45,7 +54,7 @@ def softmax_rows(mode: int, x: Tensor, g: Tensor | None = None, scale: float = 1
     if out.numel() == 0:
         return out
     wg, per_thread, groups = _row_plan(rt, rows, R)
-    pid = rt.pipeline("softmax", x.dtype.tag, (mode, wg, per_thread))
+    pid = rt.pipeline("softmax", _row_variant(rt, x.dtype, per_thread), (mode, wg, per_thread))
     bx, ox = bind(x)
     bg, og = bind(g) if g is not None else (bx, 0)
     name = ("softmax", "log_softmax", "softmax_bwd", "log_softmax_bwd")[mode]

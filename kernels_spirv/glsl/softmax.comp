@@ -16,8 +16,19 @@ layout(constant_id = 1) const int WG = 256;
 // Short rows: one invocation owns a whole row (no shared memory, no barriers: cheap on CPUs).
 layout(constant_id = 2) const bool ROW_PER_THREAD = false;
 
+#ifdef ROW_TEXEL
+// fp32 on CPU drivers (variant f32_tx): x and g are read through rgba32f texel views, one
+// gather for the 8 lanes' rows instead of a loop over the lanes per load (same values).
+layout(binding = 0) uniform samplerBuffer tx;
+layout(binding = 1) uniform samplerBuffer tg;
+#define LDX(i) texelFetch(tx, int((i) >> 2))[(i) & 3u]
+#define LDG(i) texelFetch(tg, int((i) >> 2))[(i) & 3u]
+#else
 layout(std430, binding = 0) readonly buffer BX { HL_ST(TA) x[]; };
 layout(std430, binding = 1) readonly buffer BG { HL_ST(TA) g[]; };
+#define LDX(i) HL_LDF(TA, x[i])
+#define LDG(i) HL_LDF(TA, g[i])
+#endif
 layout(std430, binding = 2) writeonly buffer BO { HL_ST(TA) o[]; };
 layout(push_constant) uniform P { uint R; uint rows; uint off_x; uint off_g; float scale; uint causal_q; } p;
 
@@ -32,24 +43,24 @@ void row_serial(uint row) {
     uint L = live_cols(row);
     if (MODE <= 1) {
         float m = -1.0 / 0.0;
-        for (uint k = 0u; k < L; ++k) m = max(m, HL_LDF(TA, x[bx + k]) * p.scale);
+        for (uint k = 0u; k < L; ++k) m = max(m, LDX(bx + k) * p.scale);
         float s = 0.0;
-        for (uint k = 0u; k < L; ++k) s += exp(HL_LDF(TA, x[bx + k]) * p.scale - m);
+        for (uint k = 0u; k < L; ++k) s += exp(LDX(bx + k) * p.scale - m);
         if (MODE == 0) {
             float inv = 1.0 / s;
-            for (uint k = 0u; k < L; ++k) o[bo + k] = HL_STF(TA, exp(HL_LDF(TA, x[bx + k]) * p.scale - m) * inv);
+            for (uint k = 0u; k < L; ++k) o[bo + k] = HL_STF(TA, exp(LDX(bx + k) * p.scale - m) * inv);
         } else {
             float lse = m + log(s);
-            for (uint k = 0u; k < L; ++k) o[bo + k] = HL_STF(TA, HL_LDF(TA, x[bx + k]) * p.scale - lse);
+            for (uint k = 0u; k < L; ++k) o[bo + k] = HL_STF(TA, LDX(bx + k) * p.scale - lse);
         }
     } else {
         float s = 0.0;
         for (uint k = 0u; k < L; ++k) {
-            float gv = HL_LDF(TA, g[bg + k]);
-            s += (MODE == 2) ? gv * HL_LDF(TA, x[bx + k]) : gv;
+            float gv = LDG(bg + k);
+            s += (MODE == 2) ? gv * LDX(bx + k) : gv;
         }
         for (uint k = 0u; k < L; ++k) {
-            float y = HL_LDF(TA, x[bx + k]), gv = HL_LDF(TA, g[bg + k]);
+            float y = LDX(bx + k), gv = LDG(bg + k);
             o[bo + k] = HL_STF(TA, ((MODE == 2) ? y * (gv - s) : gv - exp(y) * s) * p.scale);
         }
     }
@@ -69,27 +80,27 @@ void main() {
     uint L = live_cols(row);
     if (MODE <= 1) {
         float m = -1.0 / 0.0;
-        for (uint k = tid; k < L; k += uint(WG)) m = max(m, HL_LDF(TA, x[bx + k]) * p.scale);
+        for (uint k = tid; k < L; k += uint(WG)) m = max(m, LDX(bx + k) * p.scale);
         m = block_max(m);
         float s = 0.0;
-        for (uint k = tid; k < L; k += uint(WG)) s += exp(HL_LDF(TA, x[bx + k]) * p.scale - m);
+        for (uint k = tid; k < L; k += uint(WG)) s += exp(LDX(bx + k) * p.scale - m);
         s = block_sum(s);
         if (MODE == 0) {
             float inv = 1.0 / s;
-            for (uint k = tid; k < L; k += uint(WG)) o[bo + k] = HL_STF(TA, exp(HL_LDF(TA, x[bx + k]) * p.scale - m) * inv);
+            for (uint k = tid; k < L; k += uint(WG)) o[bo + k] = HL_STF(TA, exp(LDX(bx + k) * p.scale - m) * inv);
         } else {
             float lse = m + log(s);
-            for (uint k = tid; k < L; k += uint(WG)) o[bo + k] = HL_STF(TA, HL_LDF(TA, x[bx + k]) * p.scale - lse);
+            for (uint k = tid; k < L; k += uint(WG)) o[bo + k] = HL_STF(TA, LDX(bx + k) * p.scale - lse);
         }
     } else {
         float s = 0.0;
         for (uint k = tid; k < L; k += uint(WG)) {
-            float gv = HL_LDF(TA, g[bg + k]);
-            s += (MODE == 2) ? gv * HL_LDF(TA, x[bx + k]) : gv;
+            float gv = LDG(bg + k);
+            s += (MODE == 2) ? gv * LDX(bx + k) : gv;
         }
         s = block_sum(s);
         for (uint k = tid; k < L; k += uint(WG)) {
-            float y = HL_LDF(TA, x[bx + k]), gv = HL_LDF(TA, g[bg + k]);
+            float y = LDX(bx + k), gv = LDG(bg + k);
             o[bo + k] = HL_STF(TA, ((MODE == 2) ? y * (gv - s) : gv - exp(y) * s) * p.scale);
         }
     }

@@ -63,3 +63,23 @@ def test_row_kernel_texel_variant_equals_the_storage_buffer_variant(monkeypatch,
     assert rows._row_variant(x._st.rt, x.dtype, True) == ("f32_tx" if x._st.rt.info["type"] == "cpu" else "f32")
     monkeypatch.setattr(rows, "_row_variant", lambda rt, dtype, per_thread: dtype.tag)
     np.testing.assert_array_equal(fast.view(np.uint32), K.softmax_rows(mode, *args).numpy().view(np.uint32))
+
+
+@pytest.mark.parametrize("name", ["linear+residual", "linear+gelu", "matmul+gelu_tanh_bwd"])
+def test_matmul_epilogue_on_vec4s_equals_the_per_element_epilogue(monkeypatch, name):
+    """The fp32 CPU matmul's epilogue on vec4s of columns (EVEC) gives the per-element one's
+    output and stored pre-activation bit for bit, with rows and columns clamped at the edges."""
+    from helios._kernels import gemm
+
+    rng = np.random.default_rng(3)
+    for m, k, n in ((70, 24, 40),):  # 70 rows: clamped rows; 40 columns: a lane's block half out
+        a, w = (hl.tensor(rng.standard_normal(s, dtype=np.float32)) for s in ((m, k), (k, n)))
+        bias = hl.tensor(rng.standard_normal(n, dtype=np.float32)) if name != "matmul+gelu_tanh_bwd" else None
+        e = hl.tensor(rng.standard_normal((m, n), dtype=np.float32)) if name != "linear+gelu" else None
+        outs = []
+        for vec in (True, False):
+            monkeypatch.setattr(gemm, "_MM_EPI_VEC", vec)
+            y, u = K.matmul_epilogue(name, a, w, bias, e)
+            outs.append([t.numpy().view(np.uint32) for t in (y, u) if t is not None])
+        for x, y in zip(*outs):
+            np.testing.assert_array_equal(x, y)

@@ -28,6 +28,9 @@ _MM_GPU_SPEC = (64, 64, 16, 16, 16)
 _MM_CPU_TILE: tuple | None = None
 _MM_CPU_WY: int | None = None
 _MM_SG = 8  # the subgroup size the CPU kernel is written for
+# Whether the CPU kernel's fp32 epilogues run on vec4s where offsets allow (EVEC); False forces
+# the per-element epilogue (tests compare the two, bench/matmul.py --epilogue times them).
+_MM_EPI_VEC = True
 
 
 def _mm_cpu_tile(M: int, N: int) -> tuple:
@@ -266,6 +269,11 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None 
         spec = spec + (has_bias,) + ((ct, cld) if ct or cld or _bsum is not None else ()) + epi_spec
         if _bsum is not None:  # BSUM at constant id 10 (9 is matmul_epi's EPI)
             spec = spec + (0, 1)
+        elif _epi is not None and _MM_EPI_VEC and a.dtype is dt.float32 and spec[3] and not (ct or cld):
+            # EVEC (constant id 11): the fp32 epilogue on vec4s when E's and U's offsets allow
+            _, _, e, u = _epi
+            if all(bind(t)[1] % 4 == 0 for t in (e, u) if t is not None):
+                spec = spec + (0, 1)
         pid = rt.pipeline(kernel, f"{a.dtype.tag}_sg{tm}x{tn}", spec)
         groups = ((N + _MM_SG * tn - 1) // (_MM_SG * tn), (M + tm * spec[0] - 1) // (tm * spec[0]), nb)
     else:

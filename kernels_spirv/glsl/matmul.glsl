@@ -75,7 +75,13 @@ layout(push_constant) uniform P {
 } p;
 
 #ifdef MM_EPI
+#if defined(MM_SG) && TA == T_F32
+layout(binding = 4) uniform samplerBuffer te;  // read through a texel view, as A and B
+#define LDE(i) texelFetch(te, int((i) >> 2))[(i) & 3u]
+#else
 layout(std430, binding = 4) readonly buffer BE { HL_ST(TA) e[]; };
+#define LDE(i) HL_LDF(TA, e[i])
+#endif
 layout(std430, binding = 5) writeonly buffer BU { HL_ST(TA) u[]; };
 layout(constant_id = 9) const int EPI = 0;
 
@@ -95,12 +101,12 @@ float mm_round(float v) {
 // the pre-activation is stored only when ``inside`` (clamped rows / columns are not).
 float mm_epi(float v, uint idx, bool inside) {
     v = mm_round(v);
-    if (EPI == 1) return v + HL_LDF(TA, e[p.off_e + idx]);
+    if (EPI == 1) return v + LDE(p.off_e + idx);
     if (EPI == 2) {
         if (inside) u[p.off_u + idx] = HL_STF(TA, v);
         return gelu_tanh(v);
     }
-    if (EPI == 3) return v * gelu_tanh_grad(HL_LDF(TA, e[p.off_e + idx]));
+    if (EPI == 3) return v * gelu_tanh_grad(LDE(p.off_e + idx));
     return v;
 }
 #endif
@@ -218,6 +224,28 @@ layout(constant_id = 8) const int CLD = 0;
 // and the subgroup at m0 == 0 stores the in-range columns at C[off_bias + n] (the bias slot
 // is in the buffer C binds; the bias offset word is free without HAS_BIAS).
 layout(constant_id = 10) const int BSUM = 0;
+#ifdef MM_EPI
+// EVEC 1 (fp32, CVEC, E / U offsets multiples of 4): the epilogue runs on each lane's vec4s of
+// 4 adjacent columns, E fetched a texel at a time and U stored as vec4s, the same arithmetic
+// per element as mm_epi (on CPU drivers a buffer access costs about the same whatever its
+// width, so this is 4x fewer of them).
+layout(constant_id = 11) const int EVEC = 0;
+#if TA == T_F32
+layout(std430, binding = 5) writeonly buffer BU4 { vec4 u4[]; };
+vec4 mm_epi4(vec4 v, uint idx, bool inside) {
+    if (EPI == 1) return v + texelFetch(te, int((p.off_e + idx) >> 2));
+    if (EPI == 2) {
+        if (inside) u4[(p.off_u + idx) >> 2] = v;
+        return vec4(gelu_tanh(v.x), gelu_tanh(v.y), gelu_tanh(v.z), gelu_tanh(v.w));
+    }
+    if (EPI == 3) {
+        vec4 e4 = texelFetch(te, int((p.off_e + idx) >> 2));
+        return v * vec4(gelu_tanh_grad(e4.x), gelu_tanh_grad(e4.y), gelu_tanh_grad(e4.z), gelu_tanh_grad(e4.w));
+    }
+    return v;
+}
+#endif
+#endif
 
 // Vector views of the same bindings (matmul() checks offsets and strides for alignment).
 #if TA == T_F32
@@ -392,6 +420,18 @@ void main() {
         }
     }
 #ifdef MM_EPI
+#if TA == T_F32
+    if (EPI != 0 && EVEC == 1) {  // N % 4 == 0: a vec4 of columns is all in or all out
+        [[unroll]] for (int i = 0; i < TM; ++i) {
+            uint m = min(m0 + uint(i), p.M - 1u);
+            [[unroll]] for (int j4 = 0; j4 < TN / 4; ++j4) {
+                uint n = min(n0 + uint(4 * j4), p.N - 4u);
+                acc[i][j4] = mm_epi4(acc[i][j4], z * p.M * p.N + m * p.N + n,
+                                     m0 + uint(i) < p.M && n0 + uint(4 * j4) < p.N);
+            }
+        }
+    } else
+#endif
     if (EPI != 0) {  // C contiguous (no CT / CLD); clamped elements are computed, never stored
         [[unroll]] for (int i = 0; i < TM; ++i) {
             uint m = min(m0 + uint(i), p.M - 1u);

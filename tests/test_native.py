@@ -730,6 +730,11 @@ def test_fallback_paths(monkeypatch, shaders, env):
     extra = 1 if env == "HELIOS_VK_FORCE_STAGING" else 0
     events = _check_events(d, 600 + extra)
     assert sum(e["name"] == "fb" for e in events) == 600
+    # a texel-buffer binding through each path (descriptor-set pools hold texel buffers too)
+    pt = d.pipeline(shaders["texel"], 2, 8, [], "texel")
+    for _ in range(300):  # more sets than one pool holds
+        d.dispatch(pt, [(a, 0, n * 4, False), (b, 0, n * 4, True)], add_push(n, 0.5), groups_for(n), "tx")
+    np.testing.assert_array_equal(download(d, b, n), base + 600.5)
     d.close()
 
 

@@ -189,11 +189,13 @@ VkDescriptorSet Stream::alloc_descriptor_set(VkDescriptorSetLayout layout) {
   Slot& s = slots_[open_];
   for (;;) {
     if (s.desc_cur == s.desc_pools.size()) {
-      VkDescriptorPoolSize size{VK_DESCRIPTOR_TYPE_STORAGE_BUFFER, kDescSetsPerPool * 8};
+      // Storage buffers, and the uniform texel buffers of kernels that read through texel views.
+      VkDescriptorPoolSize sizes[2] = {{VK_DESCRIPTOR_TYPE_STORAGE_BUFFER, kDescSetsPerPool * 8},
+                                       {VK_DESCRIPTOR_TYPE_UNIFORM_TEXEL_BUFFER, kDescSetsPerPool * 3}};
       VkDescriptorPoolCreateInfo ci{VK_STRUCTURE_TYPE_DESCRIPTOR_POOL_CREATE_INFO};
       ci.maxSets = kDescSetsPerPool;
-      ci.poolSizeCount = 1;
-      ci.pPoolSizes = &size;
+      ci.poolSizeCount = 2;
+      ci.pPoolSizes = sizes;
       VkDescriptorPool pool;
       check(vkCreateDescriptorPool(dev_, &ci, nullptr, &pool), "vkCreateDescriptorPool");
       s.desc_pools.push_back(pool);

@@ -23,6 +23,13 @@ arithmetic in the same order, so its results are bit for bit those of the chain:
   LayerNorm's input gradient (the residual stream feeds the residual add and ln_1 / ln_2),
   the LayerNorm input-gradient kernel adds the pending gradient in its store (the tape
   offers it: ``Context.grad_pending``).
+* ``layer_norm_bwd+params`` / ``layer_norm_bwd+acc+params``: a LayerNorm backward that needs
+  the input gradient (with or without the pending-gradient add above) and the weight and / or
+  bias gradients, as one dispatch where both kernels run an invocation a row / a column in
+  workgroups of 64 (CPU devices): some workgroups run the input-gradient kernel's rows, the
+  others (spread among them) the parameter-gradient kernel's columns, each with its own code
+  (kernels_spirv/glsl/layernorm.comp, MODE 3).  The two parts read the same inputs and write
+  disjoint outputs, so nothing orders them.
 * ``sum_squares`` and ``sum_squares+clip_coef`` / ``sum+clip_coef``
   (helios.optim.clip_grad_norm_): the sum of squares over a flat gradient buffer as one
   reduction (no g * g temporary; each square rounded to float32 before it is added, as the
@@ -69,6 +76,8 @@ PARTS = {
     "matmul+gelu_tanh_bwd": ("matmul", "gelu_tanh_bwd"),
     "matmul+bias_grad": ("matmul", "sum"),
     "layer_norm_bwd+acc": ("layer_norm_bwd", "add"),
+    "layer_norm_bwd+params": ("layer_norm_bwd", "layer_norm_bwd_params"),
+    "layer_norm_bwd+acc+params": ("layer_norm_bwd", "add", "layer_norm_bwd_params"),
     "sum_squares": ("mul", "sum"),
     "sum_squares+clip_coef": ("mul", "sum", "sqrt", "add_s", "rdiv_s", "clamp"),
     "sum+clip_coef": ("sum", "sqrt", "add_s", "rdiv_s", "clamp"),

@@ -170,31 +170,79 @@ def test_fused_ops_carry_their_names_into_the_profile():
     assert "gelu_tanh" not in kernels and "linear" not in ops  # no unfused forward parts
 
 
-def _residual_ln_run(enabled: bool, dtype: str, shape):
-    """x feeding a LayerNorm and a residual use (the block's stream); the values and the
-    gradients of x and of the LayerNorm's parameters, and the kernels backward ran."""
+def _residual_ln_run(enabled: bool, dtype: str, shape, pending: bool = True, bias: bool = True):
+    """x feeding a LayerNorm and (``pending``) a residual use (the block's stream), else the
+    LayerNorm alone; the values and the gradients of x and of the LayerNorm's parameters, and
+    the kernels backward ran."""
     rng = np.random.default_rng(2)
     c = shape[-1]
     arrs = [rng.standard_normal(shape), rng.standard_normal(c), rng.standard_normal(c), rng.standard_normal(shape)]
     x0, w, b, r = (hl.tensor(a.astype(np.float32)).to(getattr(hl, dtype)).requires_grad_() for a in arrs)
     with fused(enabled):
         x = x0 * 1.5  # a non-leaf, as the residual stream is
-        y = x * r + F.layer_norm(x, (c,), w, b)
+        ln = F.layer_norm(x, (c,), w, b if bias else None)
+        y = x * r + ln if pending else ln * r
         with count_dispatches() as names:
             (y.float() * y.float()).sum().backward()
-    return [y.float().numpy()] + [t.grad.float().numpy() for t in (x0, w, b, r)], names
+    return [y.float().numpy()] + [t.grad.float().numpy() for t in (x0, w, b, r) if t.grad is not None], names
+
+
+# (shape, a pending gradient to add?, a bias?): one invocation a row and a column (the input and
+# parameter gradients in one dispatch; several workgroups of each in the fourth), and a workgroup
+# a row (15 rows on a CPU device, or long rows: two dispatches)
+LN_BWD_CASES = [((2, 8, 32), True, True), ((2, 8, 32), False, True), ((2, 8, 32), True, False),
+                ((70, 100), False, False), ((3, 5, 20), True, True), ((4, 600), True, True)]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_layer_norm_backward_adds_the_pending_gradient_bit_for_bit(dtype):
     if dtype not in _dtypes():
         pytest.skip("no 16-bit storage on this device")
-    for shape in ((2, 8, 32), (3, 5, 20), (4, 600)):  # row per invocation, and a workgroup per row
-        on, names_on = _residual_ln_run(True, dtype, shape)
-        off, names_off = _residual_ln_run(False, dtype, shape)
+    for shape, pending, bias in LN_BWD_CASES:
+        on, names_on = _residual_ln_run(True, dtype, shape, pending, bias)
+        off, names_off = _residual_ln_run(False, dtype, shape, pending, bias)
         _assert_bits_equal(on, off)
-        assert names_on["layer_norm_bwd+acc"] == 1 and names_on["layer_norm_bwd"] == 0
-        assert names_off["layer_norm_bwd"] == 1 and names_off["add"] - names_on["add"] == 1
+        assert len(on) == 4 + bias
+        one = K._row_plan(get_runtime(), int(np.prod(shape[:-1])), shape[-1])[1]  # one dispatch for both?
+        fused_name = ("layer_norm_bwd+acc" if pending else "layer_norm_bwd") + ("+params" if one else "")
+        assert names_on[fused_name] == 1 and names_on["layer_norm_bwd_params"] == (0 if one else 1)
+        assert sum(n.startswith("layer_norm_bwd") for n in names_on.elements()) == (1 if one else 2)
+        assert names_off["layer_norm_bwd"] == 1 and names_off["layer_norm_bwd_params"] == 1
+        assert names_off["add"] - names_on["add"] == pending
+
+
+def test_layer_norm_backward_in_one_dispatch_writes_the_parameter_slots():
+    # dw and db into their slots of one flat buffer, as layer_norm_bwd_params does; a frozen weight
+    # (used, no gradient); the names at HELIOS_DEBUG
+    rng = np.random.default_rng(3)
+    rows, c = 40, 24
+    x, g = (hl.tensor(rng.standard_normal((rows, c)).astype(np.float32)) for _ in range(2))
+    w = hl.tensor(rng.standard_normal(c).astype(np.float32))
+    _, mean, rstd = K.layer_norm_fwd(x, w, None, 1e-5)
+    outs = []
+    for one in (True, False):
+        flat = hl.zeros((2 * c + 8,))
+        dw_out, db_out = flat[4:4 + c], flat[c + 8:]
+        with count_dispatches() as names:
+            if one:
+                dx, dw, db = K.layer_norm_bwd(x, w, g, mean, rstd, True, True, None, dw_out, db_out)
+                _, dw1, db1 = K.layer_norm_bwd(x, w, g, mean, rstd, False, True)
+            else:
+                dx = K.layer_norm_bwd_input(x, w, g, mean, rstd)
+                dw, db = K.layer_norm_bwd_params(x, g, mean, rstd, True, True, dw_out, db_out)
+                dw1, db1 = K.layer_norm_bwd_params(x, g, mean, rstd, False, True)
+        assert dw is dw_out and db is db_out and dw1 is None
+        outs.append([dx.numpy(), flat.numpy(), db1.numpy()])
+        if one and K._row_plan(get_runtime(), rows, c)[1]:
+            assert names["layer_norm_bwd+params"] == 2 and len(names) == 1
+    _assert_bits_equal(outs[0], outs[1])
+    assert np.array_equal(outs[0][1][c + 8:], outs[0][2]) and not outs[0][1][:4].any()
+
+    class Rt:
+        debug = 1
+
+    assert fusion.dispatch_name("layer_norm_bwd+acc+params", Rt()) == \
+        "layer_norm_bwd+acc+params[layer_norm_bwd > add > layer_norm_bwd_params]"
 
 
 def test_grad_pending_is_refused_where_it_cannot_be_taken():
@@ -239,7 +287,11 @@ def test_gpt_adamw_steps_with_fusion_on_and_off_are_bit_identical():
     # per layer: the two residual adds ride in the projections, the GELU in c_fc, and
     # backward's two residual-stream gradient adds in ln_1's and ln_2's input gradients
     assert on[2]["linear+residual"] == 2 * n_layer and on[2]["linear+gelu"] == n_layer
-    assert on[2]["layer_norm_bwd+acc"] == 2 * n_layer
+    # and each LayerNorm's input and parameter gradients in one dispatch (CPU devices: one
+    # invocation a row)
+    one = K._row_plan(get_runtime(), 4 * 16, 32)[1]
+    assert on[2]["layer_norm_bwd+acc+params" if one else "layer_norm_bwd+acc"] == 2 * n_layer
+    assert on[2]["layer_norm_bwd_params"] == (0 if one else 2 * n_layer + 1)
     assert off[2]["add"] - on[2]["add"] == 4 * n_layer
     assert off[2]["gelu_tanh"] - on[2]["gelu_tanh"] == n_layer
     # the clip: no g * g temporary, and sqrt, add_s, rdiv_s, clamp in the reduction's last pass
@@ -251,7 +303,10 @@ def test_gpt_adamw_steps_with_fusion_on_and_off_are_bit_identical():
     assert on[2]["matmul+gelu_tanh_bwd"] == n_layer and on[2]["gelu_tanh_bwd"] == 0
     # the tied table's second gradient added in its slot: no temporary copied there
     assert off[2]["copy"] - on[2]["copy"] == 1
-    assert sum(off[2].values()) - sum(on[2].values()) == 6 * n_layer + 5 + 1
+    # the bias gradients of c_attn, attn.c_proj and c_fc in their weight gradients' matmuls
+    bias_grads = on[2]["matmul+bias_grad"]
+    assert bias_grads in (0, 3 * n_layer) and off[2]["matmul+bias_grad"] == 0
+    assert sum(off[2].values()) - sum(on[2].values()) == 6 * n_layer + 5 + 1 + bias_grads + one * (2 * n_layer + 1)
 
 
 def test_gpt_under_bf16_autocast_with_fusion_on_and_off_is_bit_identical():

@@ -14,7 +14,8 @@ import helios._kernels as kern  # the other kernel families (bound once the pack
 
 _P_ROWS = struct.Struct("<4I")
 _P_SOFTMAX = struct.Struct("<4IfI")
-_P_LN = struct.Struct("<4If2I")
+# C, rows, off_x, off_g, eps, off_w, off_b, off_dw, off_db, row_wgs (layernorm.comp's push constants)
+_P_LN = struct.Struct("<4If5I")
 _P_EMB = struct.Struct("<5I")
 
 
@@ -78,8 +79,8 @@ def layer_norm_fwd(x: Tensor, w: Tensor | None, b: Tensor | None, eps: float):
     bx, ox = bind(x)
     bw, ow = bind(w) if w is not None else (bx, 0)
     bb, ob = bind(b) if b is not None else (bx, 0)
-    rt.dispatch(pid, [bx, bw, bb, bind(y, True)[0], bind(mean, True)[0], bind(rstd, True)[0], bx],
-                _P_LN.pack(C, rows, ox, 0, eps, ow, ob), groups, "layer_norm", 8 * x.numel(), 3 * x.numel() * x.dtype.itemsize)
+    rt.dispatch(pid, [bx, bw, bb, bind(y, True)[0], bind(mean, True)[0], bind(rstd, True)[0], bx, bx],
+                _P_LN.pack(C, rows, ox, 0, eps, ow, ob, 0, 0, 0), groups, "layer_norm", 8 * x.numel(), 3 * x.numel() * x.dtype.itemsize)
     return y, mean, rstd
 
 
@@ -88,11 +89,9 @@ def layer_norm_bwd_input(x: Tensor, w: Tensor | None, g: Tensor, mean: Tensor, r
     """dL/dx of LayerNorm (contiguous x and g).  With ``acc`` (a contiguous tensor of x's
     shape and dtype: a pending gradient of x) the kernel returns dx + acc, the add done in
     its store (helios.fusion "layer_norm_bwd+acc"), bit for bit the separate add."""
+    _check_acc("layer_norm_bwd_input", x, acc)
     rt = x._st.rt
     C = x.shape[-1]
-    if acc is not None and (acc.shape != x.shape or acc.dtype is not x.dtype or not acc.is_contiguous()):
-        raise ShapeError(f"layer_norm_bwd_input: acc must be a contiguous {x.dtype.name} tensor of shape {x.shape}, "
-                         f"got {acc.dtype.name} {acc.shape} with strides {acc._strides}")
     dx = empty(x.shape, x.dtype, rt)
     if dx.numel() == 0:  # no rows (or no columns): nothing to compute, nothing to bind
         return dx
@@ -108,10 +107,54 @@ def layer_norm_bwd_input(x: Tensor, w: Tensor | None, g: Tensor, mean: Tensor, r
         from helios import fusion
 
         name = fusion.dispatch_name("layer_norm_bwd+acc", rt)
-    rt.dispatch(pid, [bx, bw, bp, bind(dx, True)[0], bind(mean)[0], bind(rstd)[0], bg],
-                _P_LN.pack(C, rows, ox, og, 0.0, ow, op), groups, name, 10 * x.numel(),
-                (4 + (acc is not None)) * x.numel() * x.dtype.itemsize)
+    rt.dispatch(pid, [bx, bw, bp, bind(dx, True)[0], bind(mean)[0], bind(rstd)[0], bg, bx],
+                _P_LN.pack(C, rows, ox, og, 0.0, ow, op, 0, 0, 0), groups, name, *_bwd_input_cost(x, acc))
     return dx
+
+
+def _check_acc(fn: str, x: Tensor, acc: Tensor | None) -> None:
+    """Refuse a pending gradient the input-gradient kernel cannot add in its store."""
+    if acc is not None and (acc.shape != x.shape or acc.dtype is not x.dtype or not acc.is_contiguous()):
+        raise ShapeError(f"{fn}: acc must be a contiguous {x.dtype.name} tensor of shape {x.shape}, "
+                         f"got {acc.dtype.name} {acc.shape} with strides {acc._strides}")
+
+
+def _bwd_input_cost(x: Tensor, acc: Tensor | None):
+    """(flops, bytes) of the input-gradient kernel, for the profiler."""
+    return 10 * x.numel(), (4 + (acc is not None)) * x.numel() * x.dtype.itemsize
+
+
+def _bwd_params_cost(x: Tensor):
+    """(flops, bytes) of the parameter-gradient kernel, for the profiler."""
+    return 5 * x.numel(), 2 * x.numel() * x.dtype.itemsize
+
+
+def _param_grads_out(x: Tensor, need_w: bool, need_b: bool, dw_out: Tensor | None, db_out: Tensor | None):
+    """Where the parameter-gradient kernel writes: (dw, db, out binding, [dw offset, db offset],
+    the storage written in place or None).  In place into ``dw_out`` / ``db_out`` where
+    :func:`layer_norm_bwd_params` takes them (see there), else into a new [2, C] buffer.  With
+    no rows or no columns there is nothing to bind (out binding None): the new buffer is zeroed."""
+    rt = x._st.rt
+    C = x.shape[-1]
+    rows = x.numel() // C if C else 0
+    dests = [d for d, need in ((dw_out, need_w), (db_out, need_b)) if need]
+    direct = bool(dests) and rows > 0 and C > 0 and all(
+        d is not None and d._st is dests[0]._st and d.shape == (C,) and d.dtype is x.dtype and d.is_contiguous()
+        for d in dests)
+    if direct:
+        dw, db = (dw_out if need_w else None), (db_out if need_b else None)
+        lo = min(d._off for d in dests)
+        span = Tensor(dests[0]._st, (max(d._off for d in dests) + C - lo,), (1,), lo, x.dtype)
+        bo, base = bind(span, True)
+        offs = [d._off - lo + base if d is not None else 0 for d in (dw, db)]
+        return dw, db, bo, offs, dests[0]._st
+    out = empty((2, C), x.dtype, rt)
+    dw = Tensor(out._st, (C,), (1,), out._off, x.dtype) if need_w else None
+    db = Tensor(out._st, (C,), (1,), out._off + C, x.dtype) if need_b else None
+    if rows == 0 or C == 0:
+        kern.fill(out, 0)
+        return dw, db, None, [0, 0], None
+    return dw, db, bind(out, True)[0], [0, C], None
 
 
 def layer_norm_bwd_params(x: Tensor, g: Tensor, mean: Tensor, rstd: Tensor, need_w: bool, need_b: bool,
@@ -126,33 +169,59 @@ def layer_norm_bwd_params(x: Tensor, g: Tensor, mean: Tensor, rstd: Tensor, need
     rt = x._st.rt
     C = x.shape[-1]
     rows = x.numel() // C if C else 0
-    dests = [d for d, need in ((dw_out, need_w), (db_out, need_b)) if need]
-    direct = bool(dests) and rows > 0 and C > 0 and all(
-        d is not None and d._st is dests[0]._st and d.shape == (C,) and d.dtype is x.dtype and d.is_contiguous()
-        for d in dests)
-    if direct:
-        dw, db = (dw_out if need_w else None), (db_out if need_b else None)
-        lo = min(d._off for d in dests)
-        span = Tensor(dests[0]._st, (max(d._off for d in dests) + C - lo,), (1,), lo, x.dtype)
-        bo, base = bind(span, True)
-        offs = [d._off - lo + base if d is not None else 0 for d in (dw, db)]
-    else:
-        out = empty((2, C), x.dtype, rt)
-        dw = Tensor(out._st, (C,), (1,), out._off, x.dtype) if need_w else None
-        db = Tensor(out._st, (C,), (1,), out._off + C, x.dtype) if need_b else None
-        if rows == 0 or C == 0:
-            kern.fill(out, 0)
-            return dw, db
-        bo, offs = bind(out, True)[0], [0, C]
-    pid = rt.pipeline("layernorm", x.dtype.tag, (2, need_w, 64, need_b, False))
+    dw, db, bo, offs, direct = _param_grads_out(x, need_w, need_b, dw_out, db_out)
+    if bo is None:
+        return dw, db
+    pid = rt.pipeline("layernorm", x.dtype.tag, (2, False, 64, False, False, need_w, need_b))
     bx, ox = bind(x)
     bg, og = bind(g)
-    rt.dispatch(pid, [bx, bx, bx, bo, bind(mean)[0], bind(rstd)[0], bg],
-                _P_LN.pack(C, rows, ox, og, 0.0, offs[0], offs[1]), groups_for((C + 63) // 64), "layer_norm_bwd_params",
-                5 * x.numel(), 2 * x.numel() * x.dtype.itemsize)
-    if direct:
-        dests[0]._st.version += 1
+    rt.dispatch(pid, [bx, bx, bx, bo, bind(mean)[0], bind(rstd)[0], bg, bx],
+                _P_LN.pack(C, rows, ox, og, 0.0, 0, 0, offs[0], offs[1], 0), groups_for((C + 63) // 64),
+                "layer_norm_bwd_params", *_bwd_params_cost(x))
+    if direct is not None:
+        direct.version += 1
     return dw, db
+
+
+def layer_norm_bwd(x: Tensor, w: Tensor | None, g: Tensor, mean: Tensor, rstd: Tensor, need_w: bool, need_b: bool,
+                   acc: Tensor | None = None, dw_out: Tensor | None = None, db_out: Tensor | None = None):
+    """(dx, dw, db) of LayerNorm: :func:`layer_norm_bwd_input` (with ``acc``) and
+    :func:`layer_norm_bwd_params` (with ``dw_out`` / ``db_out``), the same values bit for bit.
+
+    Where both kernels would run an invocation a row / a column in workgroups of 64 (CPU
+    devices; very many short rows elsewhere) they run as one dispatch (helios.fusion
+    "layer_norm_bwd+params", "layer_norm_bwd+acc+params"): some workgroups do the rows, the
+    others (spread among them) the columns, each with the code of its own kernel.  Otherwise,
+    or with neither parameter gradient needed, the two kernels run as before."""
+    _check_acc("layer_norm_bwd", x, acc)
+    rt = x._st.rt
+    C = x.shape[-1]
+    rows = x.numel() // C if C else 0
+    plan = _row_plan(rt, rows, C) if rows and C else None
+    if plan is None or not (need_w or need_b) or plan[:2] != (64, True):
+        dx = layer_norm_bwd_input(x, w, g, mean, rstd, acc)
+        dw = db = None
+        if need_w or need_b:
+            dw, db = layer_norm_bwd_params(x, g, mean, rstd, need_w, need_b, dw_out, db_out)
+        return dx, dw, db
+    from helios import fusion
+
+    dx = empty(x.shape, x.dtype, rt)
+    dw, db, bo, offs, direct = _param_grads_out(x, need_w, need_b, dw_out, db_out)
+    row_wgs = (rows + 63) // 64
+    pid = rt.pipeline("layernorm", x.dtype.tag, (3, w is not None, 64, acc is not None, True, need_w, need_b))
+    bx, ox = bind(x)
+    bg, og = bind(g)
+    bw, ow = bind(w) if w is not None else (bx, 0)
+    bp, op = bind(acc) if acc is not None else (bx, 0)  # binding 2 (the bias slot) holds acc, as in MODE 1
+    name = fusion.dispatch_name("layer_norm_bwd+acc+params" if acc is not None else "layer_norm_bwd+params", rt)
+    (f1, n1), (f2, n2) = _bwd_input_cost(x, acc), _bwd_params_cost(x)
+    rt.dispatch(pid, [bx, bw, bp, bind(dx, True)[0], bind(mean)[0], bind(rstd)[0], bg, bo],
+                _P_LN.pack(C, rows, ox, og, 0.0, ow, op, offs[0], offs[1], row_wgs),
+                groups_for(row_wgs + (C + 63) // 64), name, f1 + f2, n1 + n2)
+    if direct is not None:
+        direct.version += 1
+    return dx, dw, db
 
 
 def cross_entropy_fwd(x: Tensor, t: Tensor):

@@ -153,18 +153,21 @@ class _LayerNorm(Function):
 
     @staticmethod
     def backward(ctx, g):
+        from helios import fusion
+
         x, w, mean_, rstd = ctx.saved_tensors
         g = F.contiguous(g)
-        dx = None
-        if ctx.needs_input_grad[0]:
-            from helios import fusion
-
-            # the gradient x already has from its other uses, added in the kernel's store
-            acc = ctx.grad_pending(0) if fusion.ENABLED and hasattr(ctx, "grad_pending") else None
-            dx = K.layer_norm_bwd_input(x, w, g, mean_, rstd, acc)
         need_w = w is not None and ctx.needs_input_grad[1]
         need_b = ctx.has_b and ctx.needs_input_grad[2]
-        dw = db = None
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            # the gradient x already has from its other uses, added in the kernel's store
+            acc = ctx.grad_pending(0) if fusion.ENABLED and hasattr(ctx, "grad_pending") else None
+            if fusion.ENABLED and (need_w or need_b):  # both gradients in one dispatch where it can
+                dx, dw, db = K.layer_norm_bwd(x, w, g, mean_, rstd, need_w, need_b, acc,
+                                              ctx.grad_out(1), ctx.grad_out(2))
+                return dx, dw, db, None
+            dx = K.layer_norm_bwd_input(x, w, g, mean_, rstd, acc)
         if need_w or need_b:  # into the parameters' free slots when both share one buffer
             dw, db = K.layer_norm_bwd_params(x, g, mean_, rstd, need_w, need_b, ctx.grad_out(1), ctx.grad_out(2))
         return dx, dw, db, None

@@ -6,10 +6,22 @@
 //   (contiguous rows from off_b) and dx = round(dx) + P: the separate add of the tape's
 //   gradient accumulation, in the store.
 // MODE 2 parameter grads: one invocation per column c sums over the rows in order:
-//   o[off_w + c] = dw[c] = sum_r g[r, c] * xhat[r, c] (AFFINE),  o[off_b + c] = db[c] = sum_r g[r, c]
-//   (HAS_BIAS), one pass instead of xhat, a product and two column reductions.  off_w / off_b
-//   (the weight and bias offsets of the forward) place dw and db anywhere in binding 3: the
-//   rows of one [2, C] buffer, or the two parameters' slots of a flat gradient buffer.
+//   o[off_dw + c] = dw[c] = sum_r g[r, c] * xhat[r, c] (PARAM_W),  o[off_db + c] = db[c] =
+//   sum_r g[r, c] (PARAM_B), one pass instead of xhat, a product and two column reductions.
+//   off_dw / off_db place dw and db anywhere in binding 3: the rows of one [2, C] buffer, or the
+//   two parameters' slots of a flat gradient buffer.  (PARAM_W / PARAM_B, not AFFINE / HAS_BIAS,
+//   say which: MODE 3 needs both pairs, as a weight may be used without its gradient.)
+// MODE 3 (helios.fusion "layer_norm_bwd+params"): MODE 1 and MODE 2 in one dispatch, only with
+//   ROW_PER_THREAD and WG 64 (MODE 2's size).  row_wgs workgroups run MODE 1's code, an
+//   invocation a row, writing dx to binding 3; the ceil(C / 64) others run MODE 2's, an
+//   invocation a column, writing dw / db to binding 7 (dx's binding cannot hold them: they may go
+//   into a gradient buffer).  Both parts only read x, g, mean, rstd (and w, the pending gradient)
+//   and write disjoint outputs, so the results are those of the two dispatches bit for bit.
+//   The column workgroups are spread evenly among the row workgroups, not put last: a column
+//   workgroup sums all the rows, several row workgroups' work, and llvmpipe hands each thread a
+//   contiguous run of workgroup ids, so the last thread would get them all.  A workgroup takes
+//   one side as a whole; llvmpipe still runs both sides with lanes masked, so all of each side's
+//   work is in its loops, which end at once with no lane active.
 // gw is `precise`: fused into a later fma(g, w, -mean(gw)) its rounding error would survive
 // where gw - mean(gw) is exactly 0 (one column), which a GPU's true fma shows and lavapipe's
 // mul + add hides.
@@ -21,6 +33,9 @@ layout(constant_id = 2) const int WG = 256;
 layout(constant_id = 3) const bool HAS_BIAS = true;
 // Short rows: one invocation owns a whole row (no shared memory, no barriers: cheap on CPUs).
 layout(constant_id = 4) const bool ROW_PER_THREAD = false;
+// MODE 2 / 3: which parameter gradients to compute.
+layout(constant_id = 5) const bool PARAM_W = true;
+layout(constant_id = 6) const bool PARAM_B = true;
 
 layout(std430, binding = 0) readonly buffer BX { HL_ST(TA) x[]; };
 layout(std430, binding = 1) readonly buffer BW { HL_ST(TA) w[]; };
@@ -29,7 +44,13 @@ layout(std430, binding = 3) buffer BO { HL_ST(TA) o[]; };
 layout(std430, binding = 4) buffer BM { float mean_[]; };
 layout(std430, binding = 5) buffer BR { float rstd_[]; };
 layout(std430, binding = 6) readonly buffer BG { HL_ST(TA) g[]; };
-layout(push_constant) uniform P { uint C; uint rows; uint off_x; uint off_g; float eps; uint off_w; uint off_b; } p;
+layout(std430, binding = 7) writeonly buffer BD { HL_ST(TA) dp[]; };  // MODE 3: dw, db
+// off_w / off_b: w's and b's (MODE 1: the pending gradient's) offsets; off_dw / off_db (MODE 2, 3):
+// where dw and db go in the parameter-gradient output; row_wgs (MODE 3): the row part's workgroups.
+layout(push_constant) uniform P {
+    uint C; uint rows; uint off_x; uint off_g; float eps; uint off_w; uint off_b;
+    uint off_dw; uint off_db; uint row_wgs;
+} p;
 
 #include "rowblock.glsl"
 
@@ -81,22 +102,46 @@ void row_serial(uint row) {
     }
 }
 
+// A parameter gradient's store: binding 3 in MODE 2, binding 7 in MODE 3.
+void store_param(uint i, float v) {
+    if (MODE == 3) dp[i] = HL_STF(TA, v);
+    else o[i] = HL_STF(TA, v);
+}
+
 void column_grads(uint c) {
     float sw = 0.0, sb = 0.0;
     uint bx = p.off_x + c, bg = p.off_g + c;
     for (uint r = 0u; r < p.rows; ++r) {
         float gv = HL_LDF(TA, g[bg + r * p.C]);
-        if (AFFINE) sw += gv * ((HL_LDF(TA, x[bx + r * p.C]) - mean_[r]) * rstd_[r]);
-        if (HAS_BIAS) sb += gv;
+        if (PARAM_W) sw += gv * ((HL_LDF(TA, x[bx + r * p.C]) - mean_[r]) * rstd_[r]);
+        if (PARAM_B) sb += gv;
     }
-    if (AFFINE) o[p.off_w + c] = HL_STF(TA, sw);
-    if (HAS_BIAS) o[p.off_b + c] = HL_STF(TA, sb);
+    if (PARAM_W) store_param(p.off_dw + c, sw);
+    if (PARAM_B) store_param(p.off_db + c, sb);
 }
 
 void main() {
     if (MODE == 2) {
         uint c = flat_invocation();
         if (c < p.C) column_grads(c);
+        return;
+    }
+    if (MODE == 3) {
+        // the flat workgroup index, as flat_invocation forms it (helios._kernels.core.groups_for)
+        uint wg = gl_WorkGroupID.y * gl_NumWorkGroups.x + gl_WorkGroupID.x;
+        uint ncol = (p.C + gl_WorkGroupSize.x - 1u) / gl_WorkGroupSize.x, n = p.row_wgs + ncol;
+        if (wg >= n) return;  // the padding of a 2-D grid
+        // Workgroup wg is a column one where floor(wg * ncol / n) steps up at wg + 1; that floor
+        // counts the column workgroups below wg, so it numbers the columns' and the rows' in order.
+        // (wg * ncol stays below 2^32: ncol <= 64 for the rows of length <= 4096 this runs on.)
+        uint before = wg * ncol / n;
+        if ((wg + 1u) * ncol / n > before) {
+            uint c = before * gl_WorkGroupSize.x + gl_LocalInvocationID.x;
+            if (c < p.C) column_grads(c);
+        } else {
+            uint r = (wg - before) * gl_WorkGroupSize.x + gl_LocalInvocationID.x;
+            if (r < p.rows) row_serial(r);
+        }
         return;
     }
     if (ROW_PER_THREAD) {

@@ -54,6 +54,10 @@ OPCODES = {
 # storage classes, decorations and built-ins the translator looks at
 SC_INPUT, SC_UNIFORM, SC_WORKGROUP, SC_PRIVATE, SC_FUNCTION, SC_PUSH, SC_STORAGE = 1, 2, 4, 6, 7, 9, 12
 DEC_SPEC_ID, DEC_ARRAY_STRIDE, DEC_BUILTIN, DEC_BINDING, DEC_SET, DEC_OFFSET = 1, 6, 11, 33, 34, 35
+# The image opcodes of the kernels that read through texel views (CPU-driver variants): named in
+# the refusal so a caller sees which variant it should not have passed.
+_TEXEL_OPCODES = {25: "TypeImage", 27: "TypeSampledImage", 86: "SampledImage", 95: "ImageFetch", 100: "Image"}
+
 BUILTINS = {24: "NumWorkgroups", 25: "WorkgroupSize", 26: "WorkgroupId", 27: "LocalInvocationId",
             28: "GlobalInvocationId", 29: "LocalInvocationIndex", 36: "SubgroupSize", 38: "NumSubgroups",
             40: "SubgroupId", 41: "SubgroupLocalInvocationId"}
@@ -184,6 +188,9 @@ def read_module(spirv: bytes, spec: tuple = ()) -> Module:
         args = words[i + 1:i + n]
         i += n
         op = OPCODES.get(code)
+        if op is None and code in _TEXEL_OPCODES:
+            raise SpirvError(f"Op{_TEXEL_OPCODES[code]}: texel-view kernels (samplerBuffer reads) are written for CPU "
+                             "drivers; the CUDA runtime picks the storage-buffer variants")
         if op is None:
             raise SpirvError(f"SPIR-V opcode {code} is not handled by the PTX translator")
         if op in ("Nop", "Source", "SourceExtension", "Name", "MemberName", "String", "Line", "NoLine",

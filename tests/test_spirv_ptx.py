@@ -17,8 +17,9 @@ needs_ptxas = pytest.mark.skipif(toolchain.find_tool("ptxas") is None,
 
 
 def _variants(kernel):
-    """The variants the CUDA runtime runs: not the subgroup ones written for 8-lane CPU drivers."""
-    return [v for v in registry.variants(kernel) if "_sg" not in v]
+    """The variants the CUDA runtime runs: not the subgroup (_sg) and texel-view (_tx) ones written
+    for CPU drivers."""
+    return [v for v in registry.variants(kernel) if "_sg" not in v and not v.endswith("_tx")]
 
 
 KERNELS = sorted(registry.KERNELS)
@@ -72,7 +73,11 @@ def test_subgroup_variants_and_foreign_modules_are_refused_by_name():
     sg = [v for v in registry.variants("matmul") if "_sg" in v]
     assert sg
     with pytest.raises(SpirvError, match="subgroup"):
-        translate(registry.spirv("matmul", sg[0]), (), "m")
+        translate(registry.spirv("matmul", next(v for v in sg if not v.startswith("f32"))), (), "m")
+    with pytest.raises(SpirvError, match="texel-view kernels"):  # fp32 CPU variants read through texel views
+        translate(registry.spirv("matmul", next(v for v in sg if v.startswith("f32"))), (), "m")
+    with pytest.raises(SpirvError, match="texel-view kernels"):
+        translate(registry.spirv("softmax", "f32_tx"), (), "s")
     with pytest.raises(SpirvError, match="magic"):
         read_module(b"\0" * 40)
     with pytest.raises(SpirvError, match="not a SPIR-V module"):

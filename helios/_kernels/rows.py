@@ -36,7 +36,7 @@ def _row_plan(rt, rows: int, R: int):
 
 def _row_variant(rt, dtype: dt.DType, per_thread: bool) -> str:
     """The kernel variant of a row kernel: ``f32_tx`` (fp32 rows read through texel views) where
-    each invocation owns a row on a CPU device, since llvmpipe gathers a texel for the 8 lanes'
+    each invocation owns a row (or a column) on a CPU device, since llvmpipe gathers a texel for the 8 lanes'
     rows at once but loops over the lanes for a storage-buffer load; else the dtype's."""
     if per_thread and dtype is dt.float32 and rt.info["type"] == "cpu":
         return "f32_tx"
@@ -75,7 +75,7 @@ def layer_norm_fwd(x: Tensor, w: Tensor | None, b: Tensor | None, eps: float):
     if rows == 0:
         return y, mean, rstd
     wg, per_thread, groups = _row_plan(rt, rows, C)
-    pid = rt.pipeline("layernorm", x.dtype.tag, (0, w is not None, wg, b is not None, per_thread))
+    pid = rt.pipeline("layernorm", _row_variant(rt, x.dtype, per_thread), (0, w is not None, wg, b is not None, per_thread))
     bx, ox = bind(x)
     bw, ow = bind(w) if w is not None else (bx, 0)
     bb, ob = bind(b) if b is not None else (bx, 0)
@@ -97,7 +97,7 @@ def layer_norm_bwd_input(x: Tensor, w: Tensor | None, g: Tensor, mean: Tensor, r
         return dx
     rows = x.numel() // C
     wg, per_thread, groups = _row_plan(rt, rows, C)
-    pid = rt.pipeline("layernorm", x.dtype.tag, (1, w is not None, wg, acc is not None, per_thread))
+    pid = rt.pipeline("layernorm", _row_variant(rt, x.dtype, per_thread), (1, w is not None, wg, acc is not None, per_thread))
     bx, ox = bind(x)
     bg, og = bind(g)
     bw, ow = bind(w) if w is not None else (bx, 0)
@@ -172,7 +172,7 @@ def layer_norm_bwd_params(x: Tensor, g: Tensor, mean: Tensor, rstd: Tensor, need
     dw, db, bo, offs, direct = _param_grads_out(x, need_w, need_b, dw_out, db_out)
     if bo is None:
         return dw, db
-    pid = rt.pipeline("layernorm", x.dtype.tag, (2, False, 64, False, False, need_w, need_b))
+    pid = rt.pipeline("layernorm", _row_variant(rt, x.dtype, True), (2, False, 64, False, False, need_w, need_b))
     bx, ox = bind(x)
     bg, og = bind(g)
     rt.dispatch(pid, [bx, bx, bx, bo, bind(mean)[0], bind(rstd)[0], bg, bx],
@@ -209,7 +209,7 @@ def layer_norm_bwd(x: Tensor, w: Tensor | None, g: Tensor, mean: Tensor, rstd: T
     dx = empty(x.shape, x.dtype, rt)
     dw, db, bo, offs, direct = _param_grads_out(x, need_w, need_b, dw_out, db_out)
     row_wgs = (rows + 63) // 64
-    pid = rt.pipeline("layernorm", x.dtype.tag, (3, w is not None, 64, acc is not None, True, need_w, need_b))
+    pid = rt.pipeline("layernorm", _row_variant(rt, x.dtype, True), (3, w is not None, 64, acc is not None, True, need_w, need_b))
     bx, ox = bind(x)
     bg, og = bind(g)
     bw, ow = bind(w) if w is not None else (bx, 0)

@@ -37,13 +37,24 @@ layout(constant_id = 4) const bool ROW_PER_THREAD = false;
 layout(constant_id = 5) const bool PARAM_W = true;
 layout(constant_id = 6) const bool PARAM_B = true;
 
+#ifdef ROW_TEXEL
+// fp32 on CPU drivers (variant f32_tx): x and g are read through rgba32f texel views, one
+// gather for the 8 lanes' rows (or columns) instead of a loop over the lanes per load.
+layout(binding = 0) uniform samplerBuffer tx;
+layout(binding = 6) uniform samplerBuffer tg;
+#define LDX(i) texelFetch(tx, int((i) >> 2))[(i) & 3u]
+#define LDG(i) texelFetch(tg, int((i) >> 2))[(i) & 3u]
+#else
 layout(std430, binding = 0) readonly buffer BX { HL_ST(TA) x[]; };
+layout(std430, binding = 6) readonly buffer BG { HL_ST(TA) g[]; };
+#define LDX(i) HL_LDF(TA, x[i])
+#define LDG(i) HL_LDF(TA, g[i])
+#endif
 layout(std430, binding = 1) readonly buffer BW { HL_ST(TA) w[]; };
 layout(std430, binding = 2) readonly buffer BB { HL_ST(TA) b[]; };
 layout(std430, binding = 3) buffer BO { HL_ST(TA) o[]; };
 layout(std430, binding = 4) buffer BM { float mean_[]; };
 layout(std430, binding = 5) buffer BR { float rstd_[]; };
-layout(std430, binding = 6) readonly buffer BG { HL_ST(TA) g[]; };
 layout(std430, binding = 7) writeonly buffer BD { HL_ST(TA) dp[]; };  // MODE 3: dw, db
 // off_w / off_b: w's and b's (MODE 1: the pending gradient's) offsets; off_dw / off_db (MODE 2, 3):
 // where dw and db go in the parameter-gradient output; row_wgs (MODE 3): the row part's workgroups.
@@ -70,13 +81,13 @@ void row_serial(uint row) {
     float invC = 1.0 / float(p.C);
     if (MODE == 0) {
         float s = 0.0;
-        for (uint k = 0u; k < p.C; ++k) s += HL_LDF(TA, x[bx + k]);
+        for (uint k = 0u; k < p.C; ++k) s += LDX(bx + k);
         float mu = s * invC;
         float v = 0.0;
-        for (uint k = 0u; k < p.C; ++k) { float d = HL_LDF(TA, x[bx + k]) - mu; v += d * d; }
+        for (uint k = 0u; k < p.C; ++k) { float d = LDX(bx + k) - mu; v += d * d; }
         float rs = inversesqrt(v * invC + p.eps);
         for (uint k = 0u; k < p.C; ++k) {
-            float y = (HL_LDF(TA, x[bx + k]) - mu) * rs;
+            float y = (LDX(bx + k) - mu) * rs;
             if (AFFINE) y *= HL_LDF(TA, w[p.off_w + k]);
             if (HAS_BIAS) y += HL_LDF(TA, b[p.off_b + k]);
             o[bo + k] = HL_STF(TA, y);
@@ -87,14 +98,14 @@ void row_serial(uint row) {
         float mu = mean_[row], rs = rstd_[row];
         float s1 = 0.0, s2 = 0.0;
         for (uint k = 0u; k < p.C; ++k) {
-            precise float gw = HL_LDF(TA, g[bg + k]) * (AFFINE ? HL_LDF(TA, w[p.off_w + k]) : 1.0);
-            float xh = (HL_LDF(TA, x[bx + k]) - mu) * rs;
+            precise float gw = LDG(bg + k) * (AFFINE ? HL_LDF(TA, w[p.off_w + k]) : 1.0);
+            float xh = (LDX(bx + k) - mu) * rs;
             s1 += gw; s2 += gw * xh;
         }
         s1 *= invC; s2 *= invC;
         for (uint k = 0u; k < p.C; ++k) {
-            precise float gw = HL_LDF(TA, g[bg + k]) * (AFFINE ? HL_LDF(TA, w[p.off_w + k]) : 1.0);
-            float xh = (HL_LDF(TA, x[bx + k]) - mu) * rs;
+            precise float gw = LDG(bg + k) * (AFFINE ? HL_LDF(TA, w[p.off_w + k]) : 1.0);
+            float xh = (LDX(bx + k) - mu) * rs;
             precise float d = rs * (gw - s1 - xh * s2);
             if (HAS_BIAS) d = ln_round(d) + HL_LDF(TA, b[p.off_b + bo + k]);  // + the pending gradient
             o[bo + k] = HL_STF(TA, d);
@@ -112,8 +123,8 @@ void column_grads(uint c) {
     float sw = 0.0, sb = 0.0;
     uint bx = p.off_x + c, bg = p.off_g + c;
     for (uint r = 0u; r < p.rows; ++r) {
-        float gv = HL_LDF(TA, g[bg + r * p.C]);
-        if (PARAM_W) sw += gv * ((HL_LDF(TA, x[bx + r * p.C]) - mean_[r]) * rstd_[r]);
+        float gv = LDG(bg + r * p.C);
+        if (PARAM_W) sw += gv * ((LDX(bx + r * p.C) - mean_[r]) * rstd_[r]);
         if (PARAM_B) sb += gv;
     }
     if (PARAM_W) store_param(p.off_dw + c, sw);
@@ -156,13 +167,13 @@ void main() {
     float invC = 1.0 / float(p.C);
     if (MODE == 0) {
         float s = 0.0;
-        for (uint k = tid; k < p.C; k += uint(WG)) s += HL_LDF(TA, x[bx + k]);
+        for (uint k = tid; k < p.C; k += uint(WG)) s += LDX(bx + k);
         float mu = block_sum(s) * invC;
         float v = 0.0;
-        for (uint k = tid; k < p.C; k += uint(WG)) { float d = HL_LDF(TA, x[bx + k]) - mu; v += d * d; }
+        for (uint k = tid; k < p.C; k += uint(WG)) { float d = LDX(bx + k) - mu; v += d * d; }
         float rs = inversesqrt(block_sum(v) * invC + p.eps);
         for (uint k = tid; k < p.C; k += uint(WG)) {
-            float y = (HL_LDF(TA, x[bx + k]) - mu) * rs;
+            float y = (LDX(bx + k) - mu) * rs;
             if (AFFINE) y *= HL_LDF(TA, w[p.off_w + k]);
             if (HAS_BIAS) y += HL_LDF(TA, b[p.off_b + k]);
             o[bo + k] = HL_STF(TA, y);
@@ -173,15 +184,15 @@ void main() {
         float mu = mean_[row], rs = rstd_[row];
         float s1 = 0.0, s2 = 0.0;
         for (uint k = tid; k < p.C; k += uint(WG)) {
-            precise float gw = HL_LDF(TA, g[bg + k]) * (AFFINE ? HL_LDF(TA, w[p.off_w + k]) : 1.0);
-            float xh = (HL_LDF(TA, x[bx + k]) - mu) * rs;
+            precise float gw = LDG(bg + k) * (AFFINE ? HL_LDF(TA, w[p.off_w + k]) : 1.0);
+            float xh = (LDX(bx + k) - mu) * rs;
             s1 += gw; s2 += gw * xh;
         }
         s1 = block_sum(s1) * invC;
         s2 = block_sum(s2) * invC;
         for (uint k = tid; k < p.C; k += uint(WG)) {
-            precise float gw = HL_LDF(TA, g[bg + k]) * (AFFINE ? HL_LDF(TA, w[p.off_w + k]) : 1.0);
-            float xh = (HL_LDF(TA, x[bx + k]) - mu) * rs;
+            precise float gw = LDG(bg + k) * (AFFINE ? HL_LDF(TA, w[p.off_w + k]) : 1.0);
+            float xh = (LDX(bx + k) - mu) * rs;
             precise float d = rs * (gw - s1 - xh * s2);
             if (HAS_BIAS) d = ln_round(d) + HL_LDF(TA, b[p.off_b + bo + k]);  // + the pending gradient
             o[bo + k] = HL_STF(TA, d);

@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
             for name, M, Kd, N in shapes:
                 extra = {}
                 if rt.info["type"] == "cpu":
-                    tm, tn, w = K._mm_cpu_tile(M, N)
+                    tm, tn, w = K._mm_cpu_tile(M, N, getattr(hl, args.dtype))
                     extra = {"tile": f"{tm}x{tn}", "wy": w}
                 for layout in args.layouts:
                     res = bench_shape(M, Kd, N, layout, args.dtype, args.rounds, rng, not args.no_numpy)

@@ -27,12 +27,12 @@ def _operand(rows, cols, transposed, dtype):
 
 def _modes(a, b, M, N):
     cfg = K._mm_cpu_config(M, N, a._off, b._off, 0, [0, 0], [0, 0], a._strides[-2], a._strides[-1],
-                           b._strides[-2], b._strides[-1], True, K._mm_cpu_tile(M, N))
+                           b._strides[-2], b._strides[-1], True, K._mm_cpu_tile(M, N, a.dtype))
     return (cfg[1], cfg[4]), (cfg[2], cfg[5])
 
 
-# (layout, M, K, N, expected (AMODE, AWIDE), (BMODE, BWIDE)); M >= 64 takes the 32x8 block.
-# Ragged: M not a multiple of 32 leaves clamped rows, N not a multiple of 64 clamped lanes,
+# (layout, M, K, N, expected (AMODE, AWIDE), (BMODE, BWIDE)); M >= 64 takes the 16x8 block (fp32).
+# Ragged: M not a multiple of 16 leaves clamped rows, N not a multiple of 64 clamped lanes,
 # K not a multiple of 8 a tail.
 CASES = [
     ("nn", 96, 64, 128, (1, 1), (1, 1)),    # aligned, 8-wide loads of both
@@ -45,11 +45,11 @@ CASES = [
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}_{c[1]}x{c[2]}x{c[3]}" for c in CASES])
-def test_sg32_layouts(case):
+def test_sg_layouts(case):
     layout, M, Kd, N, amode, bmode = case
     a, xa = _operand(M, Kd, layout[0] == "t", "float32")
     b, xb = _operand(Kd, N, layout[1] == "t", "float32")
-    assert K._mm_cpu_tile(M, N)[:2] == (32, 8)
+    assert K._mm_cpu_tile(M, N)[:2] == (16, 8)
     assert _modes(a, b, M, N) == (amode, bmode)
     got = (a @ b).numpy()
     np.testing.assert_allclose(got, xa @ xb, rtol=1e-5, atol=2e-5 * Kd ** 0.5)
@@ -62,7 +62,7 @@ def test_sg32_16bit_storage(dtype, layout):
     M, Kd, N = 80, 40, 72
     a, xa = _operand(M, Kd, layout[0] == "t", dtype)
     b, xb = _operand(Kd, N, layout[1] == "t", dtype)
-    assert K._mm_cpu_tile(M, N)[:2] == (32, 8)
+    assert K._mm_cpu_tile(M, N, a.dtype)[:2] == (32, 8)
     got = (a @ b).float().numpy()
     ulp = 2.0 ** -8 if dtype == "float16" else 2.0 ** -5  # a rounding step of the output near its max
     ref = xa @ xb
@@ -80,9 +80,14 @@ def test_sg32_bias_and_batch():
 
 
 def test_tile_picker_rows():
-    # 64 rows or more take the 32-row block, fewer keep 8-row blocks; WY ~128 rows a workgroup
-    assert K._mm_cpu_tile(64, 64) == (32, 8, 1)
-    assert K._mm_cpu_tile(256, 64) == (32, 8, 2)
-    assert K._mm_cpu_tile(4096, 4096) == (32, 8, 4)
+    # fp32 (texel loads): 64 rows or more take the 16-row block, 64 rows a workgroup
+    assert K._mm_cpu_tile(64, 64) == (16, 8, 1)
+    assert K._mm_cpu_tile(256, 64) == (16, 8, 4)
+    assert K._mm_cpu_tile(4096, 4096) == (16, 8, 4)
+    # 16-bit (storage-buffer loads): the 32-row block, WY ~128 rows a workgroup
+    assert K._mm_cpu_tile(64, 64, hl.bfloat16) == (32, 8, 1)
+    assert K._mm_cpu_tile(256, 64, hl.float16) == (32, 8, 2)
+    assert K._mm_cpu_tile(4096, 4096, hl.bfloat16) == (32, 8, 4)
+    # fewer rows keep 8-row blocks
     assert K._mm_cpu_tile(63, 64) == (8, 8, 2)
     assert K._mm_cpu_tile(16, 1024) == (8, 16, 2)

@@ -31,7 +31,7 @@ def _config(a, b):
     """The CPU kernel's (WY, AMODE, BMODE, CVEC, AWIDE, BWIDE) for helios views a, b (2-D)."""
     M, N = a.shape[-2], b.shape[-1]
     return K._mm_cpu_config(M, N, a._off, b._off, 0, [0, 0], [0, 0], a._strides[-2], a._strides[-1],
-                            b._strides[-2], b._strides[-1], True, K._mm_cpu_tile(M, N))
+                            b._strides[-2], b._strides[-1], True, K._mm_cpu_tile(M, N, a.dtype))
 
 
 # (name, A view, B view, M, K, N, expected (AMODE, AWIDE), (BMODE, BWIDE))
@@ -110,13 +110,14 @@ def test_matmul_vector_operands():
 
 
 def test_tile_picker():
-    assert K._mm_cpu_tile(1024, 1024) == (32, 8, 4)
-    assert K._mm_cpu_tile(64, 100) == (32, 8, 1)
+    assert K._mm_cpu_tile(1024, 1024) == (16, 8, 4)
+    assert K._mm_cpu_tile(1024, 1024, hl.bfloat16) == (32, 8, 4)
+    assert K._mm_cpu_tile(64, 100, hl.float16) == (32, 8, 1)
     assert K._mm_cpu_tile(40, 600) == (8, 16, 2)
     assert K._mm_cpu_tile(40, 100) == (8, 8, 2)
-    K.gemm._MM_CPU_TILE, K.gemm._MM_CPU_WY = (16, 8), 4
+    K.gemm._MM_CPU_TILE, K.gemm._MM_CPU_WY = (32, 8), 2  # a forced block and height win
     try:
-        assert K._mm_cpu_tile(1024, 1024) == (16, 8, 4)
+        assert K._mm_cpu_tile(1024, 1024) == (32, 8, 2)
     finally:
         K.gemm._MM_CPU_TILE = K.gemm._MM_CPU_WY = None
 

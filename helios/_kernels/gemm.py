@@ -33,26 +33,33 @@ _MM_SG = 8  # the subgroup size the CPU kernel is written for
 _MM_EPI_VEC = True
 
 
-def _mm_cpu_tile(M: int, N: int) -> tuple:
-    """(TM, TN, WY) of the CPU kernel for an M x N output.
+def _mm_cpu_tile(M: int, N: int, dtype: dt.DType = dt.float32) -> tuple:
+    """(TM, TN, WY) of the CPU kernel for an M x N output of ``dtype``.
 
-    llvmpipe turns every buffer load into a loop over the 8 lanes (~45 instructions a lane
-    for one 32-byte load), so what a register block costs is mostly its loads: per K step a
-    subgroup loads TM values of A and 8 * TN of B for TM * TN vector multiply-adds.  32x8
-    loads 2.8x less per multiply-add than 8x16 and ran 1.35-1.45x faster at 1024^3 (CPU
-    time, fp32, see bench/README.md "matmul"); 64x8 is ~10 % faster again but JITs ~5x
-    longer.  Outputs shorter than 64 rows keep 8-row blocks (a 32-row block would compute
-    mostly clamped rows), with 16 columns a lane when N >= 512.  WY keeps ~128 rows a
-    workgroup on tall outputs (one B panel reused from cache) and fewer on short ones so
-    both threads get workgroups.
+    16-bit operands are storage-buffer loads, which llvmpipe turns into a loop over the 8
+    lanes (~45 instructions a lane for one 32-byte load), so what a register block costs is
+    mostly its loads: per K step a subgroup loads TM values of A and 8 * TN of B for TM * TN
+    vector multiply-adds, and 32x8 (2.8x fewer loads per multiply-add than 8x16) ran
+    1.35-1.45x faster at 1024^3; 64x8 is ~10 % faster again but JITs ~5x longer.  fp32
+    operands are texel fetches (one gather for the 8 lanes), cheap enough that the smaller
+    16x8 block, with fewer accumulators to spill, is faster: 1.03-1.35x over 32x8 at the GPT
+    shapes and 1024^3 (bench/README.md "matmul"), in workgroups of 64 rows.  Outputs shorter
+    than 64 rows keep 8-row blocks (a taller block would compute mostly clamped rows), with
+    16 columns a lane when N >= 512.  WY keeps ~128 rows a workgroup on tall 16-bit outputs
+    (one B panel reused from cache) and fewer on short ones so both threads get workgroups.
+    The block does not change any sum: every output is the same K loop in the same order.
     """
+    texel = dtype is dt.float32
     if _MM_CPU_TILE is not None:
         tm, tn = _MM_CPU_TILE
     elif M >= 64:
-        tm, tn = 32, 8
+        tm, tn = (16, 8) if texel else (32, 8)
     else:
         tm, tn = 8, 16 if N >= 512 else 8
-    rows = 128 if M >= 512 else 64 if M >= 128 else 16
+    if texel:
+        rows = 64 if M >= 128 else 16
+    else:
+        rows = 128 if M >= 512 else 64 if M >= 128 else 16
     wy = _MM_CPU_WY or max(1, rows // tm)
     return tm, tn, wy
 
@@ -262,7 +269,7 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None 
     # matmul_epi: CT, CLD (0 there) and the epilogue code at constant id 9 (GPU: id 8 unused)
     epi_spec = () if _epi is None else (0, 0, _epi[1])
     if _cpu_mm_kernel(rt):
-        tm, tn, wy = _mm_cpu_tile(M, N)
+        tm, tn, wy = _mm_cpu_tile(M, N, a.dtype)
         spec = _mm_cpu_config(M, N, oa, ob, oc, ca, cb, sam, sak, sbk, sbn, bool(rt.features.get("int64")), (tm, tn, wy))
         if ct or cld:  # vec4 stores run along C's contiguous dim (M when transposed)
             spec = spec[:3] + (int((M if ct else N) % 4 == 0 and oc % 4 == 0 and cld % 4 == 0),) + spec[4:]

@@ -86,20 +86,25 @@ def test_matmul_epilogue_on_vec4s_equals_the_per_element_epilogue(monkeypatch, n
 
 
 def test_layer_norm_texel_variant_equals_the_storage_buffer_variant(monkeypatch):
-    """LayerNorm forward, backward in one dispatch, and the parameter gradients alone: the f32_tx
-    variant (x and g through texel views) gives the f32 variant's values bit for bit."""
+    """LayerNorm forward, backward in one dispatch (with the pending-gradient add), and the
+    parameter gradients alone: the f32_tx variant (reads through texel views; rows of a
+    multiple of 4 a texel at a time) gives the f32 variant's values bit for bit."""
     from helios._kernels import rows
 
     rng = np.random.default_rng(5)
-    x, g = (hl.tensor(rng.standard_normal((37, 50), dtype=np.float32)) for _ in range(2))
-    w, b = (hl.tensor(rng.standard_normal(50, dtype=np.float32)) for _ in range(2))
+    for C in (50, 48):  # element by element; whole texels
+        x, g, acc = (hl.tensor(rng.standard_normal((37, C), dtype=np.float32)) for _ in range(3))
+        w, b = (hl.tensor(rng.standard_normal(C, dtype=np.float32)) for _ in range(2))
 
-    def run():
-        y, mean, rstd = K.layer_norm_fwd(x, w, b, 1e-5)
-        outs = [y, *K.layer_norm_bwd(x, w, g, mean, rstd, True, True), *K.layer_norm_bwd_params(x, g, mean, rstd, True, True)]
-        return [t.numpy().view(np.uint32) for t in outs]
+        def run():
+            y, mean, rstd = K.layer_norm_fwd(x, w, b, 1e-5)
+            outs = [y, *K.layer_norm_bwd(x, w, g, mean, rstd, True, True, acc),
+                    *K.layer_norm_bwd_params(x, g, mean, rstd, True, True)]
+            return [t.numpy().view(np.uint32) for t in outs]
 
-    fast = run()
-    monkeypatch.setattr(rows, "_row_variant", lambda rt, dtype, per_thread: dtype.tag)
-    for a, b_ in zip(fast, run()):
-        np.testing.assert_array_equal(a, b_)
+        fast = run()
+        with monkeypatch.context() as mp:
+            mp.setattr(rows, "_row_variant", lambda rt, dtype, per_thread: dtype.tag)
+            slow = run()
+        for a, b_ in zip(fast, slow):
+            np.testing.assert_array_equal(a, b_)

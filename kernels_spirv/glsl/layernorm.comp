@@ -41,17 +41,23 @@ layout(constant_id = 6) const bool PARAM_B = true;
 // fp32 on CPU drivers (variant f32_tx): x and g are read through rgba32f texel views, one
 // gather for the 8 lanes' rows (or columns) instead of a loop over the lanes per load.
 layout(binding = 0) uniform samplerBuffer tx;
+layout(binding = 1) uniform samplerBuffer tw;
+layout(binding = 2) uniform samplerBuffer tb;
 layout(binding = 6) uniform samplerBuffer tg;
 #define LDX(i) texelFetch(tx, int((i) >> 2))[(i) & 3u]
+#define LDW(i) texelFetch(tw, int((i) >> 2))[(i) & 3u]
+#define LDB(i) texelFetch(tb, int((i) >> 2))[(i) & 3u]
 #define LDG(i) texelFetch(tg, int((i) >> 2))[(i) & 3u]
 #else
 layout(std430, binding = 0) readonly buffer BX { HL_ST(TA) x[]; };
 layout(std430, binding = 6) readonly buffer BG { HL_ST(TA) g[]; };
-#define LDX(i) HL_LDF(TA, x[i])
-#define LDG(i) HL_LDF(TA, g[i])
-#endif
 layout(std430, binding = 1) readonly buffer BW { HL_ST(TA) w[]; };
 layout(std430, binding = 2) readonly buffer BB { HL_ST(TA) b[]; };
+#define LDX(i) HL_LDF(TA, x[i])
+#define LDW(i) HL_LDF(TA, w[i])
+#define LDB(i) HL_LDF(TA, b[i])
+#define LDG(i) HL_LDF(TA, g[i])
+#endif
 layout(std430, binding = 3) buffer BO { HL_ST(TA) o[]; };
 layout(std430, binding = 4) buffer BM { float mean_[]; };
 layout(std430, binding = 5) buffer BR { float rstd_[]; };
@@ -76,7 +82,61 @@ float ln_round(float v) {
 #endif
 }
 
+#ifdef ROW_TEXEL
+layout(std430, binding = 3) buffer BO4 { vec4 o4[]; };
+// row_serial on whole texels: C and every offset a multiple of 4, so each texel fetch (and
+// each vec4 store) is 4 elements of the row; the elements are added in the same order and
+// each computed as in row_serial, so the results are the same bit for bit.
+void row_serial4(uint row) {
+    uint C4 = p.C >> 2, bx = (p.off_x >> 2) + row * C4, bo = row * C4;
+    uint bw = p.off_w >> 2, bb = p.off_b >> 2;
+    float invC = 1.0 / float(p.C);
+    if (MODE == 0) {
+        float s = 0.0;
+        for (uint k = 0u; k < C4; ++k) { vec4 xv = texelFetch(tx, int(bx + k)); s += xv.x; s += xv.y; s += xv.z; s += xv.w; }
+        float mu = s * invC;
+        float v = 0.0;
+        for (uint k = 0u; k < C4; ++k) {
+            vec4 d = texelFetch(tx, int(bx + k)) - mu;
+            v += d.x * d.x; v += d.y * d.y; v += d.z * d.z; v += d.w * d.w;
+        }
+        float rs = inversesqrt(v * invC + p.eps);
+        for (uint k = 0u; k < C4; ++k) {
+            vec4 y = (texelFetch(tx, int(bx + k)) - mu) * rs;
+            if (AFFINE) y *= texelFetch(tw, int(bw + k));
+            if (HAS_BIAS) y += texelFetch(tb, int(bb + k));
+            o4[bo + k] = y;
+        }
+        mean_[row] = mu; rstd_[row] = rs;
+    } else {
+        uint bg = (p.off_g >> 2) + row * C4;
+        float mu = mean_[row], rs = rstd_[row];
+        float s1 = 0.0, s2 = 0.0;
+        for (uint k = 0u; k < C4; ++k) {
+            precise vec4 gw = texelFetch(tg, int(bg + k)) * (AFFINE ? texelFetch(tw, int(bw + k)) : vec4(1.0));
+            vec4 xh = (texelFetch(tx, int(bx + k)) - mu) * rs;
+            s1 += gw.x; s2 += gw.x * xh.x; s1 += gw.y; s2 += gw.y * xh.y;
+            s1 += gw.z; s2 += gw.z * xh.z; s1 += gw.w; s2 += gw.w * xh.w;
+        }
+        s1 *= invC; s2 *= invC;
+        for (uint k = 0u; k < C4; ++k) {
+            precise vec4 gw = texelFetch(tg, int(bg + k)) * (AFFINE ? texelFetch(tw, int(bw + k)) : vec4(1.0));
+            vec4 xh = (texelFetch(tx, int(bx + k)) - mu) * rs;
+            precise vec4 d = rs * (gw - s1 - xh * s2);
+            if (HAS_BIAS) d = d + texelFetch(tb, int(bb + bo + k));  // + the pending gradient (fp32: no rounding)
+            o4[bo + k] = d;
+        }
+    }
+}
+#endif
+
 void row_serial(uint row) {
+#ifdef ROW_TEXEL
+    if (((p.C | p.off_x | p.off_g | p.off_w | p.off_b) & 3u) == 0u) {
+        row_serial4(row);
+        return;
+    }
+#endif
     uint bx = p.off_x + row * p.C, bo = row * p.C;
     float invC = 1.0 / float(p.C);
     if (MODE == 0) {
@@ -88,8 +148,8 @@ void row_serial(uint row) {
         float rs = inversesqrt(v * invC + p.eps);
         for (uint k = 0u; k < p.C; ++k) {
             float y = (LDX(bx + k) - mu) * rs;
-            if (AFFINE) y *= HL_LDF(TA, w[p.off_w + k]);
-            if (HAS_BIAS) y += HL_LDF(TA, b[p.off_b + k]);
+            if (AFFINE) y *= LDW(p.off_w + k);
+            if (HAS_BIAS) y += LDB(p.off_b + k);
             o[bo + k] = HL_STF(TA, y);
         }
         mean_[row] = mu; rstd_[row] = rs;
@@ -98,16 +158,16 @@ void row_serial(uint row) {
         float mu = mean_[row], rs = rstd_[row];
         float s1 = 0.0, s2 = 0.0;
         for (uint k = 0u; k < p.C; ++k) {
-            precise float gw = LDG(bg + k) * (AFFINE ? HL_LDF(TA, w[p.off_w + k]) : 1.0);
+            precise float gw = LDG(bg + k) * (AFFINE ? LDW(p.off_w + k) : 1.0);
             float xh = (LDX(bx + k) - mu) * rs;
             s1 += gw; s2 += gw * xh;
         }
         s1 *= invC; s2 *= invC;
         for (uint k = 0u; k < p.C; ++k) {
-            precise float gw = LDG(bg + k) * (AFFINE ? HL_LDF(TA, w[p.off_w + k]) : 1.0);
+            precise float gw = LDG(bg + k) * (AFFINE ? LDW(p.off_w + k) : 1.0);
             float xh = (LDX(bx + k) - mu) * rs;
             precise float d = rs * (gw - s1 - xh * s2);
-            if (HAS_BIAS) d = ln_round(d) + HL_LDF(TA, b[p.off_b + bo + k]);  // + the pending gradient
+            if (HAS_BIAS) d = ln_round(d) + LDB(p.off_b + bo + k);  // + the pending gradient
             o[bo + k] = HL_STF(TA, d);
         }
     }
@@ -174,8 +234,8 @@ void main() {
         float rs = inversesqrt(block_sum(v) * invC + p.eps);
         for (uint k = tid; k < p.C; k += uint(WG)) {
             float y = (LDX(bx + k) - mu) * rs;
-            if (AFFINE) y *= HL_LDF(TA, w[p.off_w + k]);
-            if (HAS_BIAS) y += HL_LDF(TA, b[p.off_b + k]);
+            if (AFFINE) y *= LDW(p.off_w + k);
+            if (HAS_BIAS) y += LDB(p.off_b + k);
             o[bo + k] = HL_STF(TA, y);
         }
         if (tid == 0u) { mean_[row] = mu; rstd_[row] = rs; }
@@ -184,17 +244,17 @@ void main() {
         float mu = mean_[row], rs = rstd_[row];
         float s1 = 0.0, s2 = 0.0;
         for (uint k = tid; k < p.C; k += uint(WG)) {
-            precise float gw = LDG(bg + k) * (AFFINE ? HL_LDF(TA, w[p.off_w + k]) : 1.0);
+            precise float gw = LDG(bg + k) * (AFFINE ? LDW(p.off_w + k) : 1.0);
             float xh = (LDX(bx + k) - mu) * rs;
             s1 += gw; s2 += gw * xh;
         }
         s1 = block_sum(s1) * invC;
         s2 = block_sum(s2) * invC;
         for (uint k = tid; k < p.C; k += uint(WG)) {
-            precise float gw = LDG(bg + k) * (AFFINE ? HL_LDF(TA, w[p.off_w + k]) : 1.0);
+            precise float gw = LDG(bg + k) * (AFFINE ? LDW(p.off_w + k) : 1.0);
             float xh = (LDX(bx + k) - mu) * rs;
             precise float d = rs * (gw - s1 - xh * s2);
-            if (HAS_BIAS) d = ln_round(d) + HL_LDF(TA, b[p.off_b + bo + k]);  // + the pending gradient
+            if (HAS_BIAS) d = ln_round(d) + LDB(p.off_b + bo + k);  // + the pending gradient
             o[bo + k] = HL_STF(TA, d);
         }
     }

@@ -38,7 +38,68 @@ float masked_out() { return MODE == 1 ? -1.0 / 0.0 : 0.0; }
 
 #include "rowblock.glsl"
 
+#ifdef ROW_TEXEL
+layout(std430, binding = 2) writeonly buffer BO4 { vec4 o4[]; };
+// row_serial on whole texels (R and the offsets multiples of 4): the live columns' whole texels
+// a vec4 at a time, then the rest one by one, each value computed as row_serial computes it and
+// added in the same order, so the results are the same bit for bit.
+void row_serial4(uint row) {
+    uint R4 = p.R >> 2, bx4 = (p.off_x >> 2) + row * R4, bg4 = (p.off_g >> 2) + row * R4, bo4 = row * R4;
+    uint bx = p.off_x + row * p.R, bg = p.off_g + row * p.R, bo = row * p.R;
+    uint L = live_cols(row), L4 = L >> 2;
+    if (MODE <= 1) {
+        float m = -1.0 / 0.0;
+        for (uint k = 0u; k < L4; ++k) {
+            vec4 v = texelFetch(tx, int(bx4 + k)) * p.scale;
+            m = max(m, v.x); m = max(m, v.y); m = max(m, v.z); m = max(m, v.w);
+        }
+        for (uint k = 4u * L4; k < L; ++k) m = max(m, LDX(bx + k) * p.scale);
+        float s = 0.0;
+        for (uint k = 0u; k < L4; ++k) {
+            vec4 e = exp(texelFetch(tx, int(bx4 + k)) * p.scale - m);
+            s += e.x; s += e.y; s += e.z; s += e.w;
+        }
+        for (uint k = 4u * L4; k < L; ++k) s += exp(LDX(bx + k) * p.scale - m);
+        if (MODE == 0) {
+            float inv = 1.0 / s;
+            for (uint k = 0u; k < L4; ++k) o4[bo4 + k] = exp(texelFetch(tx, int(bx4 + k)) * p.scale - m) * inv;
+            for (uint k = 4u * L4; k < L; ++k) o[bo + k] = HL_STF(TA, exp(LDX(bx + k) * p.scale - m) * inv);
+        } else {
+            float lse = m + log(s);
+            for (uint k = 0u; k < L4; ++k) o4[bo4 + k] = texelFetch(tx, int(bx4 + k)) * p.scale - lse;
+            for (uint k = 4u * L4; k < L; ++k) o[bo + k] = HL_STF(TA, LDX(bx + k) * p.scale - lse);
+        }
+    } else {
+        float s = 0.0;
+        for (uint k = 0u; k < L4; ++k) {
+            vec4 gv = texelFetch(tg, int(bg4 + k));
+            vec4 t = (MODE == 2) ? gv * texelFetch(tx, int(bx4 + k)) : gv;
+            s += t.x; s += t.y; s += t.z; s += t.w;
+        }
+        for (uint k = 4u * L4; k < L; ++k) {
+            float gv = LDG(bg + k);
+            s += (MODE == 2) ? gv * LDX(bx + k) : gv;
+        }
+        for (uint k = 0u; k < L4; ++k) {
+            vec4 y = texelFetch(tx, int(bx4 + k)), gv = texelFetch(tg, int(bg4 + k));
+            o4[bo4 + k] = ((MODE == 2) ? y * (gv - s) : gv - exp(y) * s) * p.scale;
+        }
+        for (uint k = 4u * L4; k < L; ++k) {
+            float y = LDX(bx + k), gv = LDG(bg + k);
+            o[bo + k] = HL_STF(TA, ((MODE == 2) ? y * (gv - s) : gv - exp(y) * s) * p.scale);
+        }
+    }
+    for (uint k = L; k < p.R; ++k) o[bo + k] = HL_STF(TA, MODE <= 1 ? masked_out() : 0.0);
+}
+#endif
+
 void row_serial(uint row) {
+#ifdef ROW_TEXEL
+    if (((p.R | p.off_x | p.off_g) & 3u) == 0u) {
+        row_serial4(row);
+        return;
+    }
+#endif
     uint bx = p.off_x + row * p.R, bg = p.off_g + row * p.R, bo = row * p.R;
     uint L = live_cols(row);
     if (MODE <= 1) {

@@ -135,21 +135,21 @@ def _linear_grads(ctx, g, x, w, idx: tuple = (0, 1, 2)) -> tuple:
         dest = _direct_dest(ctx, idx[1], w.shape, g2, x2)
         # With both free slots (float32 for the bias) the first form also yields the bias
         # gradient (helios.fusion "matmul+bias_grad"): the kernel adds up the columns of g2
-        # it loads anyway, the column reduction's sums, in the product's dispatch.  A square
-        # weight takes the first form then too: on lavapipe both forms measured the same
-        # within noise over 1024 rows at 128 x 128 and 256 x 256 and 2048 rows at 192 x 192
-        # (~0.7-1.2 ms at 1024 x 128 x 128, the fused kernel ~3 % over the bare product and
-        # ~20 % under product plus reduction).
+        # it loads anyway, the column reduction's sums, in the product's dispatch.  Every
+        # weight takes it then, whatever its shape: on lavapipe the fused first form measured
+        # 2.48 ms against 2.89 ms for the second form plus the reduction at 1024 rows, 512 in,
+        # 128 out (the tiny GPT's MLP output), the same at 256 x 128 x 32, and the same as the
+        # second form's product alone for square weights.  (matmul_bias_grad dispatches nothing
+        # and returns False where it cannot fuse: then the forms below.)
         bdest = (_direct_dest(ctx, idx[2], (g.shape[-1],), g)
                  if fusion.ENABLED and dest is not None and n[idx[2]] and g.ndim >= 2 and g.is_contiguous() else None)
         if bdest is not None and bdest.dtype is not dt.float32:
             bdest = None
-        if w.shape[0] > w.shape[1] or (bdest is not None and w.shape[0] == w.shape[1]):
+        if bdest is not None and K.matmul_bias_grad(F.transpose(x2, 0, 1), g2, F.transpose(dest, 0, 1), bdest):
+            gw, gb = dest, bdest
+        elif w.shape[0] > w.shape[1]:
             if dest is not None:
-                if bdest is not None and K.matmul_bias_grad(F.transpose(x2, 0, 1), g2, F.transpose(dest, 0, 1), bdest):
-                    gb = bdest
-                else:
-                    K.matmul(F.transpose(x2, 0, 1), g2, out=F.transpose(dest, 0, 1))
+                K.matmul(F.transpose(x2, 0, 1), g2, out=F.transpose(dest, 0, 1))
                 gw = dest
             else:
                 gw = F.transpose(matmul(F.transpose(x2, 0, 1), g2), 0, 1)

@@ -29,7 +29,7 @@ _MM_CPU_TILE: tuple | None = None
 _MM_CPU_WY: int | None = None
 _MM_SG = 8  # the subgroup size the CPU kernel is written for
 # Whether the CPU kernel's fp32 epilogues run on vec4s where offsets allow (EVEC); False forces
-# the per-element epilogue (tests compare the two, bench/matmul.py --epilogue times them).
+# the per-element epilogue (tests/test_cpu_fast_paths.py compares the two bit for bit).
 _MM_EPI_VEC = True
 
 

@@ -268,6 +268,10 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None 
     kernel = "matmul" if _epi is None else "matmul_epi"
     # matmul_epi: CT, CLD (0 there) and the epilogue code at constant id 9 (GPU: id 8 unused)
     epi_spec = () if _epi is None else (0, 0, _epi[1])
+    if _epi is not None:
+        # Unused E / U bindings repeat C (never read / written: EPI picks what the epilogue touches).
+        be, oe = bind(_epi[2]) if _epi[2] is not None else (bc, 0)
+        bu, ou = bind(_epi[3], True) if _epi[3] is not None else (bc, 0)
     if _cpu_mm_kernel(rt):
         tm, tn, wy = _mm_cpu_tile(M, N, a.dtype)
         spec = _mm_cpu_config(M, N, oa, ob, oc, ca, cb, sam, sak, sbk, sbn, bool(rt.features.get("int64")), (tm, tn, wy))
@@ -278,8 +282,7 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None 
             spec = spec + (0, 1)
         elif _epi is not None and _MM_EPI_VEC and a.dtype is dt.float32 and spec[3] and not (ct or cld):
             # EVEC (constant id 11): the fp32 epilogue on vec4s when E's and U's offsets allow
-            _, _, e, u = _epi
-            if all(bind(t)[1] % 4 == 0 for t in (e, u) if t is not None):
+            if oe % 4 == 0 and ou % 4 == 0:
                 spec = spec + (0, 1)
         pid = rt.pipeline(kernel, f"{a.dtype.tag}_sg{tm}x{tn}", spec)
         groups = ((N + _MM_SG * tn - 1) // (_MM_SG * tn), (M + tm * spec[0] - 1) // (tm * spec[0]), nb)
@@ -299,9 +302,6 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None 
         return out
 
     name, _, e, u = _epi
-    # Unused E / U bindings repeat C (never read / written: EPI picks what the epilogue touches).
-    be, oe = bind(e) if e is not None else (bc, 0)
-    bu, ou = bind(u, True) if u is not None else (bc, 0)
     nbytes += (e is not None) * nb * M * N * a.dtype.itemsize + (u is not None) * nb * M * N * a.dtype.itemsize
     rt.dispatch(pid, [ba, bb, bc, bz, be, bu], _P_MATMUL_EPI.pack(*words, oe, ou), groups,
                 fusion.dispatch_name(name, rt), flops, nbytes)

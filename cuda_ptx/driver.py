@@ -218,14 +218,9 @@ class Context:
         ``cols`` is the contiguous dimension; ``pitch`` the elements from one row to the next
         (default ``cols``: dense rows; more for a view of a wider matrix).  The box is
         ``box_rows x box_cols`` and its inner extent must be the 128-byte swizzle width.
+        The 2-D case of :meth:`tensor_map_nd`.
         """
-        cu = self.cu
-        esz, dt = {
-            "bf16": (2, cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16),
-            "fp16": (2, cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16),
-            "e4m3": (1, cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8),
-            "f32": (4, cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT32),
-        }[dtype]
+        esz = self._tmap_dtype(dtype)[0]
         pitch = cols if pitch is None else pitch
         if pitch < cols:
             raise DeviceError(f"TMA row pitch {pitch} is shorter than a row of {cols} elements")
@@ -233,17 +228,48 @@ class Context:
             raise DeviceError(f"TMA needs 16-byte aligned base and row pitch; got base {ptr:#x}, pitch {pitch * esz}")
         if box_cols * esz != 128 or box_rows > 256:
             raise DeviceError(f"TMA box {box_rows}x{box_cols} must be <=256 rows of exactly 128 bytes")
+        return self.tensor_map_nd(ptr, dtype, (cols, rows), (pitch * esz,), (box_cols, box_rows))
+
+    def tensor_map_nd(self, ptr: int, dtype: str, dims, strides, box) -> bytes:
+        """A TMA descriptor (128 bytes) over a tensor of rank 1..5, tile mode, 128B swizzle.
+
+        ``dims``: element counts, innermost (contiguous) first; ``strides``: byte strides of
+        dims 1..rank-1 (any order of sizes: a view such as one head of a packed
+        ``[B, T, 3, H, D]`` buffer is fine); ``box``: the box extents, innermost first, whose
+        inner extent must be the 128-byte swizzle width.  ``dtype`` is one of
+        ``bf16 fp16 e4m3 f32``.  Element strides are all 1; interleave, L2 promotion and
+        out-of-bounds fill are those of :meth:`tensor_map` (elements outside the tensor
+        load as zero).  Raises :class:`DeviceError` naming the argument it refuses.
+        """
+        cu = self.cu
+        esz, dt = self._tmap_dtype(dtype)
+        dims, strides, box = tuple(int(d) for d in dims), tuple(int(s) for s in strides), tuple(int(b) for b in box)
+        rank = len(dims)
+        if not 1 <= rank <= 5:
+            raise DeviceError(f"TMA dims {dims}: the rank must be 1..5")
+        if len(strides) != rank - 1:
+            raise DeviceError(f"TMA strides {strides}: a rank-{rank} tensor takes {rank - 1} (bytes, of dims 1..{rank - 1})")
+        if len(box) != rank:
+            raise DeviceError(f"TMA box {box}: a rank-{rank} tensor takes {rank} extents")
+        if ptr % 16:
+            raise DeviceError(f"TMA base {ptr:#x} is not 16-byte aligned")
+        if any(s % 16 for s in strides):
+            raise DeviceError(f"TMA strides {strides} (bytes) must be multiples of 16")
+        if box[0] * esz != 128:
+            raise DeviceError(f"TMA box {box}: the inner extent is {box[0] * esz} bytes, not the 128-byte swizzle width")
+        if any(not 1 <= b <= 256 for b in box):
+            raise DeviceError(f"TMA box {box}: each extent must be 1..256")
         # Through the driver's C entry point into our own aligned buffer, not the bindings'
         # wrapper: that one takes the arrays only as cuuint64_t/cuuint32_t objects, and its
         # CUtensorMap lives inside a Python object that is not 64-byte aligned (the API
         # requires 64).  A descriptor's bytes do not depend on where they are written.
         raw, out = aligned_buffer(128, 128)
         err = self._encode_tiled()(
-            out, dt.value, 2, ptr,
-            (ctypes.c_uint64 * 2)(cols, rows),  # dims, innermost first
-            (ctypes.c_uint64 * 1)(pitch * esz),  # strides of dims 1.. in bytes
-            (ctypes.c_uint32 * 2)(box_cols, box_rows),
-            (ctypes.c_uint32 * 2)(1, 1),
+            out, dt.value, rank, ptr,
+            (ctypes.c_uint64 * rank)(*dims),  # innermost first
+            (ctypes.c_uint64 * max(rank - 1, 1))(*strides),  # strides of dims 1.. in bytes
+            (ctypes.c_uint32 * rank)(*box),
+            (ctypes.c_uint32 * rank)(*([1] * rank)),
             cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE.value,
             cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B.value,
             cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B.value,
@@ -251,6 +277,19 @@ class Context:
         )
         self._check("cuTensorMapEncodeTiled", (cu.CUresult(err),))
         return ctypes.string_at(out, 128)
+
+    def _tmap_dtype(self, dtype: str):
+        """(element bytes, CUtensorMapDataType) of a tensor map dtype name."""
+        t = self.cu.CUtensorMapDataType
+        table = {
+            "bf16": (2, t.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16),
+            "fp16": (2, t.CU_TENSOR_MAP_DATA_TYPE_FLOAT16),
+            "e4m3": (1, t.CU_TENSOR_MAP_DATA_TYPE_UINT8),
+            "f32": (4, t.CU_TENSOR_MAP_DATA_TYPE_FLOAT32),
+        }
+        if dtype not in table:
+            raise DeviceError(f"TMA dtype {dtype!r}: expected one of {sorted(table)}")
+        return table[dtype]
 
     def _encode_tiled(self):
         """``cuTensorMapEncodeTiled`` as a C function (looked up once, from the driver itself)."""

@@ -73,9 +73,11 @@ TMAP_ELEMENT_BYTES = {
 }
 SWIZZLE_BYTES = {"NONE": 0, "32B": 32, "64B": 64, "128B": 128}
 
-# The 128 opaque bytes of an emulated tensor map: a tag, then the encoding arguments.
+# The 128 opaque bytes of an emulated tensor map: a tag, then the encoding arguments (111 bytes in
+# all): tag, address, rank, dims[5], strides[4] (of dims 1..), box[5], element size, swizzle bytes,
+# data type; entries past the rank are 0.
 _TMAP_TAG = b"HELIOS-EMU-TMAP\0"
-_TMAP_LAYOUT = struct.Struct("<16s Q QQ Q II I I I")  # tag, address, dims[2], stride, box[2], esize, swizzle, dtype
+_TMAP_LAYOUT = struct.Struct("<16s Q B 5Q 4Q 5H B H B")
 
 
 def _host_read(src, nbytes: int) -> np.ndarray:
@@ -118,8 +120,11 @@ def decode_tensor_map(raw: bytes) -> TensorMap:
     if len(raw) != 128 or not raw.startswith(_TMAP_TAG):
         raise EmulationError(f"a tensor-map parameter holds {raw[:16]!r}...: not bytes cuTensorMapEncodeTiled made "
                              "(a parameter out of order, or a pointer where a tensor map belongs?)")
-    _, addr, cols, rows, stride, box_cols, box_rows, esize, swizzle, _dtype = _TMAP_LAYOUT.unpack_from(raw)
-    return TensorMap(addr, rows, cols, box_rows, box_cols, esize, swizzle, 0 if stride == cols * esize else stride)
+    fields = _TMAP_LAYOUT.unpack_from(raw)
+    addr, rank = fields[1], fields[2]
+    dims, strides, box = fields[3:8], fields[8:12], fields[12:17]
+    esize, swizzle = fields[17], fields[18]
+    return TensorMap.tiled(addr, dims[:rank], strides[: rank - 1], box[:rank], esize, swizzle)
 
 
 class EmulatedDriver:
@@ -437,7 +442,8 @@ class EmulatedDriver:
                       l2_promotion, oob_fill) -> int:
         """``cuTensorMapEncodeTiled`` called through its C signature: check the arguments
         against the driver API's documented rules, then against what the emulator models
-        (2-D, rows of any pitch, no interleave, 128-byte swizzle), and write the 128 bytes."""
+        (rank 1..5, strides of any size, no interleave, 128-byte swizzle, unit element
+        strides), and write the 128 bytes."""
         try:
             if not 1 <= rank <= 5:
                 raise _DriverError("INVALID_VALUE", f"tensorRank {rank} must be 1..5")
@@ -479,12 +485,13 @@ class EmulatedDriver:
         if no_interleave and span and box[0] * esize > span:
             raise bad(f"the box's inner extent {box[0] * esize} B exceeds the {span}-byte swizzle")
         # what the emulator's TMA models
-        if rank != 2 or not no_interleave or span != 128 or element_strides[1] != 1:
-            raise _DriverError("NOT_SUPPORTED", "the emulator models 2-D tensor maps with 128-byte swizzle, no "
+        if not no_interleave or span != 128 or any(e != 1 for e in element_strides):
+            raise _DriverError("NOT_SUPPORTED", "the emulator models tensor maps with 128-byte swizzle, no "
                                                 "interleave and unit element strides")
-        if strides[0] < dims[0] * esize:
+        if rank > 1 and strides[0] < dims[0] * esize:
             raise bad(f"globalStrides[0] = {strides[0]} B is shorter than a row of {dims[0]} elements of {esize} B")
-        return _TMAP_LAYOUT.pack(_TMAP_TAG, address, dims[0], dims[1], strides[0], box[0], box[1], esize, span,
+        pad = lambda v, n: list(v) + [0] * (n - len(v))  # noqa: E731
+        return _TMAP_LAYOUT.pack(_TMAP_TAG, address, rank, *pad(dims, 5), *pad(strides, 4), *pad(box, 5), esize, span,
                                  int(dtype))
 
     # -- occupancy and launch --------------------------------------------------------

@@ -344,9 +344,22 @@ def _remote_arrive(cta, ins, lanes, addr, tx: int) -> None:
             cta.unordered_remote.setdefault(t, set()).add(owner.rank)
 
 
+def _tensor_rank(cta, ins, arg, tm) -> int:
+    """The rank the opcode names (``.1d`` .. ``.5d``), checked against the tensor map's and the coordinates."""
+    dims = [x for x in ins.parts if len(x) == 2 and x[1] == "d" and x[0] in "12345"]
+    if len(dims) != 1:
+        raise cta.fail(f"{ins.op}: expected one of .1d .. .5d")
+    rank = int(dims[0][0])
+    if rank != tm.rank:
+        raise cta.fail(f"{ins.op} through a tensor map of rank {tm.rank}")
+    if len(arg.coords) != rank:
+        raise cta.fail(f"{ins.op} needs {rank} coordinates, got {len(arg.coords)}")
+    return rank
+
+
 def _tma_load(cta, ins, lanes):
-    """``cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes
-    [dst], [tmap, {c0, c1}], [mbar]{, ctaMask}``.
+    """``cp.async.bulk.tensor.{1..5}d.shared::cluster.global.tile.mbarrier::complete_tx::bytes
+    [dst], [tmap, {c0, ..}], [mbar]{, ctaMask}`` (coordinates innermost first, signed).
 
     Without ``.multicast::cluster`` the box lands at ``dst`` and completes its bytes on
     ``mbar``, in the CTA those shared::cluster addresses name (the executing one for plain
@@ -355,8 +368,8 @@ def _tma_load(cta, ins, lanes):
     landing at its own time.
     """
     p = ins.parts
-    if "2d" not in p or "tile" not in p:
-        raise cta.fail(f"{ins.op} is not modelled (only 2-D tile loads)")
+    if "tile" not in p:
+        raise cta.fail(f"{ins.op} is not modelled (only tile-mode loads)")
     multicast = "multicast::cluster" in p
     if len(ins.args) != (4 if multicast else 3):
         raise cta.fail("TMA load operands: [dst], [tensormap, {coords}], [mbar]" + (", ctaMask" if multicast else ""))
@@ -370,7 +383,8 @@ def _tma_load(cta, ins, lanes):
         if dst_owner is not bar_owner:
             raise cta.fail("TMA destination and its mbarrier are in different CTAs")
         tm = cta.tensor_map_at(int(cta.read(src_arg.tmap, one, "u64")[0]))
-        c0, c1 = (int(cta.read(c, one, "s32")[0]) for c in src_arg.coords)
+        _tensor_rank(cta, ins, src_arg, tm)
+        coords = tuple(int(cta.read(c, one, "s32")[0]) for c in src_arg.coords)
         if (dst - SMEM_BASE) % 128:
             raise cta.fail(f"TMA destination {dst:#x} is not 128-byte aligned")
         targets = [dst_owner]
@@ -383,35 +397,50 @@ def _tma_load(cta, ins, lanes):
             tgt.smem_index(np.array([dst]), 1)
             tgt.smem_index(np.array([dst + tm.box_bytes - 1]), 1)
             cta.barrier_in(tgt, bar)  # must exist (and a peer's be published) when the copy is issued
-            cta.schedule_tma(lambda tgt=tgt, dst=dst, bar=bar, tm=tm, c0=c0, c1=c1: _land_box(tgt, dst, bar, tm, c0, c1))
+            cta.schedule_tma(lambda tgt=tgt, dst=dst, bar=bar, tm=tm, coords=coords: _land_box(tgt, dst, bar, tm, coords))
 
 
-def _clip_box(tm, c0: int, c1: int):
-    """The part of the box at column ``c0``, row ``c1`` inside the tensor, as (tensor, box)
-    index pairs over their byte views; None when the box misses the tensor entirely."""
-    r0, r1 = max(c1, 0), min(c1 + tm.box_rows, tm.rows)
-    k0, k1 = max(c0, 0), min(c0 + tm.box_cols, tm.cols)
-    if r1 <= r0 or k1 <= k0:
-        return None
-    isz = tm.itemsize
-    return ((slice(r0, r1), slice(k0 * isz, k1 * isz)),
-            (slice(r0 - c1, r1 - c1), slice((k0 - c0) * isz, (k1 - c0) * isz)))
+def _box_shape(tm) -> tuple[int, ...]:
+    """The box as an array of bytes, outermost dimension first: ``(box[r-1], .., box[1], box[0] * itemsize)``."""
+    return tuple(reversed(tm.box[1:])) + (tm.box[0] * tm.itemsize,)
+
+
+def _clip_box(tm, coords: tuple[int, ...]):
+    """The part of the box at ``coords`` (innermost first) inside the tensor, as (tensor, box)
+    index tuples over their byte views (outermost first); None when the box misses the
+    tensor in some dimension."""
+    in_tensor, in_box = [], []
+    for i, (c, d, n) in enumerate(zip(coords, tm.dims, tm.box)):
+        lo, hi = max(c, 0), min(c + n, d)
+        if hi <= lo:
+            return None
+        scale = tm.itemsize if i == 0 else 1  # the inner dimension is in bytes
+        in_tensor.append(slice(lo * scale, hi * scale))
+        in_box.append(slice((lo - c) * scale, (hi - c) * scale))
+    return tuple(reversed(in_tensor)), tuple(reversed(in_box))
 
 
 def _tensor_bytes(mem, tm) -> np.ndarray:
-    """The tensor map's matrix as a writable ``rows x (cols * itemsize)`` byte view (rows ``row_pitch`` apart)."""
-    width, pitch = tm.cols * tm.itemsize, tm.row_pitch
-    flat = mem.view(tm.base, (tm.rows - 1) * pitch + width)
-    return np.lib.stride_tricks.as_strided(flat, (tm.rows, width), (pitch, 1))
+    """The tensor map's tensor as a writable byte view, outermost dimension first, the inner
+    one in bytes: ``(dims[r-1], .., dims[1], dims[0] * itemsize)`` with the map's strides.
+    The whole tensor must lie in one allocation."""
+    width = tm.dims[0] * tm.itemsize
+    extent = width + sum((d - 1) * s for d, s in zip(tm.dims[1:], tm.strides))
+    flat = mem.view(tm.base, extent)
+    shape = tuple(reversed(tm.dims[1:])) + (width,)
+    return np.lib.stride_tricks.as_strided(flat, shape, tuple(reversed(tm.strides)) + (1,))
 
 
-def _land_box(tgt, dst: int, bar: int, tm, c0: int, c1: int) -> None:
-    """A TMA box arrives in CTA ``tgt``: read the tensor now, write it swizzled at ``dst``, complete its bytes on ``bar``."""
+def _land_box(tgt, dst: int, bar: int, tm, coords: tuple[int, ...]) -> None:
+    """A TMA box arrives in CTA ``tgt``: read the tensor now, write it swizzled at ``dst``, complete its bytes on ``bar``.
+
+    The box lands as ``box_rows`` rows of its inner extent (outer dimensions flattened,
+    dimension 1 fastest), and the swizzle applies to those rows as to a 2-D box."""
     if tgt.exited:
         raise EmulationError(f"a TMA copy landed in CTA {tgt.ctaid[:2]} after it exited: a CTA must not leave "
                              "while copies into its shared memory are in flight")
-    box = np.zeros((tm.box_rows, tm.box_cols * tm.itemsize), np.uint8)
-    clip = _clip_box(tm, c0, c1)
+    box = np.zeros(_box_shape(tm), np.uint8)
+    clip = _clip_box(tm, coords)
     if clip:  # out-of-bounds parts of the box stay zero, as TMA fills them
         in_tensor, in_box = clip
         box[in_box] = _tensor_bytes(tgt.mem, tm)[in_tensor]
@@ -482,7 +511,7 @@ def _barrier(cta, ins, lanes):
 
 
 def _tma_store(cta, ins, lanes):
-    """``cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [tmap, {c0, c1}], [smem]``."""
+    """``cp.async.bulk.tensor.{1..5}d.global.shared::cta.bulk_group [tmap, {c0, ..}], [smem]``."""
     dst_arg, src_arg = ins.args
     if not isinstance(dst_arg, TensorArg):
         raise cta.fail("TMA store destination must be [tensormap, {coords}]")
@@ -490,7 +519,8 @@ def _tma_store(cta, ins, lanes):
         one = np.array([t])
         src = int(cta.address(src_arg, one)[0])
         tm = cta.tensor_map_at(int(cta.read(dst_arg.tmap, one, "u64")[0]))
-        c0, c1 = (int(cta.read(c, one, "s32")[0]) for c in dst_arg.coords)
+        _tensor_rank(cta, ins, dst_arg, tm)
+        coords = tuple(int(cta.read(c, one, "s32")[0]) for c in dst_arg.coords)
         if (src - SMEM_BASE) % 1024:
             raise cta.fail(f"TMA store source {src:#x} is not 1024-byte aligned (the 128B swizzle atom)")
         cta.smem_index(np.array([src, src + tm.box_bytes - 1]), 1)
@@ -501,7 +531,7 @@ def _tma_store(cta, ins, lanes):
             who = sorted(set(writers[unseen].tolist()))
             raise cta.fail(f"TMA store reads shared memory that threads {who[:4]}{'...' if len(who) > 4 else ''} "
                            "wrote without a fence.proxy.async since: the async proxy may not see it")
-        op = BulkStore(src, tm, c0, c1)
+        op = BulkStore(src, tm, coords)
         cta.bulk_open.setdefault(t, []).append(op)
         cta.bulk_pending.append(op)
         op.queued = cta.schedule_tma(lambda op=op: _land_store(cta, op))
@@ -513,8 +543,8 @@ def _land_store(cta, op: BulkStore) -> None:
         return
     tm = op.tmap
     idx = L.swizzle(np.arange(tm.box_bytes) + op.src, L.SWIZZLE_BITS[tm.swizzle])
-    box = cta.smem[idx].reshape(tm.box_rows, tm.box_cols * tm.itemsize)
-    clip = _clip_box(tm, op.c0, op.c1)
+    box = cta.smem[idx].reshape(_box_shape(tm))
+    clip = _clip_box(tm, op.coords)
     if clip:  # TMA stores clip the box to the tensor
         in_tensor, in_box = clip
         _tensor_bytes(cta.mem, tm)[in_tensor] = box[in_box]

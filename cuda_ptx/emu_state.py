@@ -36,9 +36,18 @@ class EmulationError(HeliosError, RuntimeError):
 
 @dataclass(frozen=True)
 class TensorMap:
-    """What ``cuTensorMapEncodeTiled`` would encode: a row-major 2-D matrix and a box, 128B swizzle.
+    """What ``cuTensorMapEncodeTiled`` would encode: a tensor of rank 1..5, a box, tile mode, 128B swizzle.
 
-    ``pitch``: bytes from one row to the next (0: dense rows, ``cols * itemsize``)."""
+    The general form is ``dims`` (element counts, innermost first), ``strides`` (byte
+    strides of dims 1..rank-1) and ``box`` (box extents, innermost first); build any rank
+    with :meth:`tiled`.  A 2-D map is also written ``TensorMap(base, rows, cols,
+    box_rows, box_cols, itemsize[, swizzle, pitch])`` (a row-major matrix; ``pitch``:
+    bytes from one row to the next, 0 for dense rows), and both spellings of the same
+    map compare equal.  For other ranks the 2-D fields describe what shared memory
+    sees: ``cols``/``box_cols`` the inner dimension, ``rows`` and ``pitch`` dimension 1
+    (1 and 0 for rank 1), and ``box_rows`` the rows the box lands as, the product of its
+    outer extents.
+    """
 
     base: int
     rows: int
@@ -48,14 +57,44 @@ class TensorMap:
     itemsize: int
     swizzle: int = 128
     pitch: int = 0
+    dims: tuple[int, ...] = ()
+    strides: tuple[int, ...] = ()
+    box: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.dims:  # the 2-D spelling: fill in the general form
+            object.__setattr__(self, "dims", (self.cols, self.rows))
+            object.__setattr__(self, "strides", (self.row_pitch,))
+            object.__setattr__(self, "box", (self.box_cols, self.box_rows))
+        if not 1 <= len(self.dims) <= 5 or len(self.box) != len(self.dims) or len(self.strides) != len(self.dims) - 1:
+            raise ValueError(f"tensor map of dims {self.dims}, strides {self.strides}, box {self.box}: "
+                             "rank 1..5 with rank - 1 strides and rank box extents")
+
+    @classmethod
+    def tiled(cls, base: int, dims, strides, box, itemsize: int, swizzle: int = 128) -> TensorMap:
+        """The map of any rank: ``dims`` and ``box`` innermost first, ``strides`` in bytes for dims 1.."""
+        dims, strides, box = tuple(map(int, dims)), tuple(map(int, strides)), tuple(map(int, box))
+        rows = dims[1] if len(dims) > 1 else 1
+        stride = strides[0] if strides else 0
+        pitch = 0 if stride == dims[0] * itemsize else stride
+        outer = 1
+        for b in box[1:]:
+            outer *= b
+        return cls(base, rows, dims[0], outer, box[0], itemsize, swizzle, pitch, dims, strides, box)
+
+    @property
+    def rank(self) -> int:
+        """Number of dimensions (1..5)."""
+        return len(self.dims)
 
     @property
     def row_pitch(self) -> int:
-        """Bytes from one row to the next."""
+        """Bytes from one row (element of dimension 1) to the next."""
         return self.pitch or self.cols * self.itemsize
 
     @property
     def box_bytes(self) -> int:
+        """Bytes one box fills in shared memory."""
         return self.box_rows * self.box_cols * self.itemsize
 
 
@@ -263,7 +302,8 @@ class CpAsyncOp:
 @dataclass
 class BulkStore:
     """One thread's ``cp.async.bulk.tensor`` store: a box read from shared memory at
-    ``src`` (swizzled as the tensor map says) and written to the tensor at ``(c0, c1)``.
+    ``src`` (swizzled as the tensor map says) and written to the tensor at ``coords``
+    (innermost first).
 
     It reads shared memory when it lands, which happens at some later scheduler step or
     at the ``cp.async.bulk.wait_group`` that covers it, whichever comes first.
@@ -271,8 +311,7 @@ class BulkStore:
 
     src: int
     tmap: TensorMap
-    c0: int
-    c1: int
+    coords: tuple[int, ...]
     landed: bool = False
     queued: tuple | None = None  # its entry in the CTA's async queue, until it lands
 

@@ -1,0 +1,273 @@
+"""What the flash-attention kernel needs from the emulator, the emulated driver and driver.Context:
+N-dimensional TMA tensor maps, wgmma with A from registers, and the warp scheduler's f32 and
+warp-shuffle instructions -- each on small hand-built kernels checked against numpy."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+
+from helios.cuda_ptx import dtypes, driver, ops
+from helios.cuda_ptx import layout as L
+from helios.cuda_ptx.emu_driver import EmulatedDriver, decode_tensor_map, emulated_context
+from helios.cuda_ptx.emu_state import EmulationError, TensorMap
+from helios.cuda_ptx.ir import Builder
+from helios.cuda_ptx.render import render
+from helios.errors import DeviceError
+
+pytest.importorskip("cuda.bindings")
+
+TMA = "cp.async.bulk.tensor.{r}d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+TMA_STORE = "cp.async.bulk.tensor.{r}d.global.shared::cta.bulk_group"
+
+
+def _bf16_ints(rng, shape, lo=-8, hi=9) -> np.ndarray:
+    """Integer-valued bf16 bits (exact in bf16, so products and sums are exact in f32)."""
+    return dtypes.encode(rng.integers(lo, hi, shape).astype(np.float32), "bf16").view(np.uint16)
+
+
+def _tmap_reg(b: Builder, p):
+    """A tensor-map parameter's generic address in a register (what TMA takes)."""
+    g = b.reg("u64")
+    b.emit("mov.b64", g, p)
+    b.emit("cvta.param.u64", g, g)
+    return g
+
+
+def _wait(b: Builder, bar, parity: int) -> None:
+    """Spin until the mbarrier phase of ``parity`` has completed."""
+    lbl, done = b.label("wait"), b.reg("pred")
+    b.place(lbl)
+    b.emit("mbarrier.try_wait.parity.shared::cta.b64", done, f"[{bar}]", parity)
+    b.emit("bra", lbl, pred=done, negate=True)
+
+
+def _init_barrier(b: Builder, is_t0, bar) -> None:
+    """Thread 0 initialises one mbarrier for one arrival; the CTA waits until it exists."""
+    with b.if_(is_t0):
+        b.emit("mbarrier.init.shared::cta.b64", f"[{bar}]", 1)
+        b.emit("fence.proxy.async.shared::cta")
+    ops.bar_sync(b, 0)
+
+
+def _copy_smem_out(b: Builder, tid, threads: int, smem, out_g, nbytes: int) -> None:
+    """Every thread copies words ``tid, tid + threads, ..`` of ``nbytes`` of shared memory to ``out``."""
+    i, v = b.reg("u32"), b.reg("u32")
+    with b.loop(i, tid, nbytes // 4, threads):
+        b.emit("ld.shared.u32", v, f"[{b.mad('u32', i, 4, smem)}]")
+        b.emit("st.global.u32", f"[{ops.addr(b, out_g, i, 4)}]", v)
+
+
+# -- 1. N-dimensional TMA ---------------------------------------------------------------------
+
+# Q of a packed [B, T, 3, H, D] bf16 buffer, viewed as heads: element (b, h, t, d) at
+# b * T*3HD + t * 3HD + h * D + d.  Innermost first: dims (D, T, H, B), element strides
+# (1, 3HD, D, T*3HD) -- dimension 2's stride is smaller than dimension 1's.
+B_, H_, T_, D_ = 2, 3, 70, 64
+ROW = 3 * H_ * D_
+DIMS = (D_, T_, H_, B_)
+STRIDES = (2 * ROW, 2 * D_, 2 * T_ * ROW)  # bytes, dims 1..3
+BOX = (64, 64, 1, 1)
+BOX_BYTES = 64 * 128
+
+
+def _heads(flat: np.ndarray) -> np.ndarray:
+    """The [B, H, T, D] view of Q in a packed [B, T, 3HD] buffer."""
+    return flat.reshape(B_, T_, 3, H_, D_)[:, :, 0].transpose(0, 2, 1, 3)
+
+
+def _tma_kernel(store: bool) -> tuple[str, int]:
+    """One CTA per (head, batch) = (ctaid.x, ctaid.y): thread 0 loads the box at
+    ``{0, t0, h, b}`` of ``src`` by TMA; then either every thread copies the shared box
+    (still swizzled) to ``out + 8 KiB * (b * H + h)``, or thread 0 stores it back by TMA
+    into ``dst`` at the same coordinates.  Returns (PTX, shared bytes)."""
+    b = Builder("tma4d", "sm_90a", "8.0", 128)
+    src = b.param("src", "tmap")
+    dst = b.param("dst", "tmap") if store else None
+    out = None if store else b.param("out", "u64")
+    t0p = b.param("t0", "u32")
+    b.shared("box", BOX_BYTES, align=1024)
+    bar_t = b.shared("bar", 8, align=8)
+    tid = b.sreg("%tid.x")
+    h, bb = b.sreg("%ctaid.x"), b.sreg("%ctaid.y")
+    t0 = ops.ld_param(b, t0p, "u32")
+    smem = ops.smem_base(b)
+    bar = b.binop("add", "u32", smem, bar_t.offset)
+    is_t0 = b.setp("eq", "u32", tid, 0)
+    tm_src = _tmap_reg(b, src)
+    _init_barrier(b, is_t0, bar)
+    with b.if_(is_t0):
+        b.emit("mbarrier.arrive.expect_tx.shared::cta.b64", "_", f"[{bar}]", BOX_BYTES)
+        b.emit(TMA.format(r=4), f"[{smem}]", f"[{tm_src}, {{0, {t0}, {h}, {bb}}}]", f"[{bar}]")
+    _wait(b, bar, 0)
+    if store:
+        tm_dst = _tmap_reg(b, dst)
+        with b.if_(is_t0):
+            b.emit("fence.proxy.async.shared::cta")
+            b.emit(TMA_STORE.format(r=4), f"[{tm_dst}, {{0, {t0}, {h}, {bb}}}]", f"[{smem}]")
+            b.emit("cp.async.bulk.commit_group")
+            b.emit("cp.async.bulk.wait_group", 0)
+    else:
+        out_g = ops.ld_param_ptr(b, out)
+        blk = b.mad("u32", bb, H_, h)
+        base = ops.addr(b, out_g, blk, BOX_BYTES)
+        _copy_smem_out(b, tid, 128, smem, base, BOX_BYTES)
+    k = b.build()
+    return render(k), k.shared_bytes
+
+
+def _load_tma_kernel(ctx, store: bool):
+    ptx, smem = _tma_kernel(store)
+    return ctx.load_kernel(ptx, "tma4d", smem, "sm_90a")
+
+
+def _upload(ctx, arr: np.ndarray) -> int:
+    ptr = ctx.alloc(arr.nbytes)
+    ctx.upload(ptr, np.ascontiguousarray(arr))
+    return ptr
+
+
+@pytest.mark.parametrize("t0", [64, 0, -8])
+def test_a_4d_box_of_strided_heads_lands_swizzled_with_the_outside_zeroed(t0):
+    """Boxes (64, 64, 1, 1) at {0, t0, h, b} through a tensor map of the heads of a packed
+    buffer land exactly as the 128B-swizzle model says; rows past T = 70 (t0 = 64) or
+    before 0 (t0 = -8) are zero."""
+    rng = np.random.default_rng(0)
+    flat = _bf16_ints(rng, (B_, T_, ROW))
+    ctx = emulated_context()
+    src = _upload(ctx, flat)
+    out = ctx.alloc(B_ * H_ * BOX_BYTES)
+    tmap = ctx.tensor_map_nd(src, "bf16", DIMS, STRIDES, BOX)
+    fn = _load_tma_kernel(ctx, store=False)
+    ctx.launch(fn, (H_, B_, 1), (128, 1, 1), [tmap, ("u64", out), ("u32", t0 & 0xFFFFFFFF)])
+    got = np.empty(B_ * H_ * BOX_BYTES, np.uint8)
+    ctx.download(got, out)
+    heads = _heads(flat)
+    for bi in range(B_):
+        for h in range(H_):
+            box = np.zeros((64, 64), np.uint16)
+            lo, hi = max(t0, 0), min(t0 + 64, T_)
+            box[lo - t0: hi - t0] = heads[bi, h, lo:hi]
+            want = L.tma_store_box(box, 128)
+            blk = got[(bi * H_ + h) * BOX_BYTES:][:BOX_BYTES]
+            np.testing.assert_array_equal(blk, want, err_msg=f"b={bi} h={h}")
+            if t0 == 64:  # the six rows inside the tensor are not zero, the 58 past it are
+                rows = blk[L.swizzle(np.arange(BOX_BYTES), 3)].view(np.uint16).reshape(64, 64)
+                assert np.array_equal(rows[:6], heads[bi, h, 64:70]) and not rows[6:].any()
+
+
+def test_a_4d_store_round_trip_clips_what_lies_outside_the_tensor():
+    """Load each head's box by TMA, store it by TMA into a second packed buffer at the same
+    coordinates: Q's rows arrive exactly, and nothing outside the tensor is written -- the
+    box's rows past T would otherwise land on the next batch's rows or past the buffer,
+    and K/V (the rest of each packed row) keep their sentinel bytes."""
+    rng = np.random.default_rng(1)
+    flat = _bf16_ints(rng, (B_, T_, ROW))
+    ctx = emulated_context(seed=3)
+    src = _upload(ctx, flat)
+    sentinel = np.full((B_, T_, ROW), 0x7777, np.uint16)
+    dst = _upload(ctx, sentinel)
+    fn = _load_tma_kernel(ctx, store=True)
+    maps = [ctx.tensor_map_nd(p, "bf16", DIMS, STRIDES, BOX) for p in (src, dst)]
+    for t0 in (0, 64):
+        ctx.launch(fn, (H_, B_, 1), (128, 1, 1), maps + [("u32", t0)])
+    got = np.empty_like(sentinel)
+    ctx.download(got, dst)
+    want = sentinel.copy()
+    _heads(want)[...] = _heads(flat)
+    np.testing.assert_array_equal(got, want)
+
+
+def _encode(cu, rank, dims, strides, box, esize_type="BFLOAT16", elem=None):
+    """cuTensorMapEncodeTiled through its C entry point (as Context calls it): (CUresult, 128 bytes)."""
+    err, pfn, _ = cu.cuGetProcAddress(b"cuTensorMapEncodeTiled", 12000, 0)
+    assert err == cu.CUresult.CUDA_SUCCESS
+    raw, out = driver.aligned_buffer(128, 128)
+    arr = lambda t, v: (t * max(len(v), 1))(*v)  # noqa: E731
+    code = driver.ENCODE_TILED(pfn)(
+        out, int(getattr(cu.CUtensorMapDataType, f"CU_TENSOR_MAP_DATA_TYPE_{esize_type}")), rank, 0x7F00_0000_0000,
+        arr(ctypes.c_uint64, dims), arr(ctypes.c_uint64, strides), arr(ctypes.c_uint32, box),
+        arr(ctypes.c_uint32, elem or [1] * rank), int(cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE),
+        int(cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B),
+        int(cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B),
+        int(cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE))
+    return cu.CUresult(code), ctypes.string_at(out, 128)
+
+
+@pytest.mark.parametrize("rank", [1, 3, 4, 5])
+def test_every_rank_round_trips_through_the_encoded_bytes(rank):
+    cu = EmulatedDriver()
+    dims = (64, 70, 3, 2, 5)[:rank]
+    strides = (1152, 128, 161280, 322560)[: rank - 1]
+    box = (64, 32, 1, 2, 1)[:rank]
+    err, raw = _encode(cu, rank, dims, strides, box)
+    assert err == cu.CUresult.CUDA_SUCCESS
+    tm = decode_tensor_map(raw)
+    assert (tm.dims, tm.strides, tm.box, tm.rank) == (dims, strides, box, rank)
+    assert tm == TensorMap.tiled(0x7F00_0000_0000, dims, strides, box, 2)
+    assert tm.box_bytes == int(np.prod(box)) * 2
+    if rank == 1:
+        assert (tm.rows, tm.box_rows, tm.row_pitch) == (1, 1, 128)
+
+
+def test_a_2d_map_is_the_same_in_both_spellings():
+    """The 2-D constructor the GEMM runner's maps use and the general form are one map."""
+    a = TensorMap(0x7F00_0000_0000, 256, 128, 64, 64, 2, pitch=512)
+    assert a == TensorMap.tiled(0x7F00_0000_0000, (128, 256), (512,), (64, 64), 2)
+    assert (a.dims, a.strides, a.box, a.row_pitch, a.box_bytes) == ((128, 256), (512,), (64, 64), 512, 8192)
+
+
+@pytest.mark.parametrize("rank,dims,strides,box,elem,code,why", [
+    (4, (64, 70, 3, 2), (1152, 120, 161280), (64, 64, 1, 1), None, "INVALID_VALUE", "multiple of 16"),
+    (3, (64, 70, 3), (1152, 128), (64, 257, 1), None, "INVALID_VALUE", "1..256"),
+    (3, (64, 70, 3), (1152, 128), (128, 64, 1), None, "INVALID_VALUE", "exceeds the 128-byte swizzle"),
+    (3, (64, 0, 3), (1152, 128), (64, 64, 1), None, "INVALID_VALUE", "globalDim"),
+    (3, (64, 70, 3), (64, 128), (64, 64, 1), None, "INVALID_VALUE", "shorter than a row"),
+    (3, (64, 70, 3), (1152, 128), (64, 64, 1), [1, 1, 2], "NOT_SUPPORTED", "unit element strides"),
+])
+def test_the_emulated_driver_holds_nd_maps_to_the_rules(rank, dims, strides, box, elem, code, why):
+    cu = EmulatedDriver()
+    err, raw = _encode(cu, rank, dims, strides, box, elem=elem)
+    assert err.name == f"CUDA_ERROR_{code}" and raw == bytes(128)
+    assert why in cu.cuGetErrorString(err)[1].decode()
+
+
+@pytest.mark.parametrize("kw,why", [
+    ({"ptr": 0x7F00_0000_0008}, r"TMA base 0x7f0000000008 is not 16-byte aligned"),
+    ({"strides": (1152, 120, 161280)}, r"TMA strides \(1152, 120, 161280\) \(bytes\) must be multiples of 16"),
+    ({"box": (32, 64, 1, 1)}, r"TMA box \(32, 64, 1, 1\): the inner extent is 64 bytes"),
+    ({"box": (64, 300, 1, 1)}, r"TMA box \(64, 300, 1, 1\): each extent must be 1..256"),
+    ({"strides": (1152, 128)}, r"TMA strides \(1152, 128\): a rank-4 tensor takes 3"),
+    ({"box": (64, 64)}, r"TMA box \(64, 64\): a rank-4 tensor takes 4 extents"),
+    ({"dims": (64,) * 6, "strides": (128,) * 5, "box": (64,) * 6}, r"the rank must be 1..5"),
+    ({"dtype": "f64"}, r"TMA dtype 'f64'"),
+])
+def test_the_context_refuses_nd_maps_naming_the_argument(kw, why):
+    ctx = emulated_context()
+    args = dict(ptr=0x7F00_0000_0000, dtype="bf16", dims=DIMS, strides=STRIDES, box=BOX)
+    args.update(kw)
+    with pytest.raises(DeviceError, match=why) as e:
+        ctx.tensor_map_nd(args["ptr"], args["dtype"], args["dims"], args["strides"], args["box"])
+    assert "\n" not in str(e.value)
+
+
+def test_the_2d_wrapper_encodes_what_the_nd_call_does():
+    ctx = emulated_context()
+    ptr = ctx.alloc(256 * 512)
+    assert ctx.tensor_map(ptr, "bf16", 256, 128, 64, 64, pitch=256) == ctx.tensor_map_nd(
+        ptr, "bf16", (128, 256), (512,), (64, 64))
+    assert decode_tensor_map(ctx.tensor_map(ptr, "fp16", 256, 64, 32, 64)) == TensorMap(ptr, 256, 64, 32, 64, 2)
+
+
+def test_a_tma_whose_rank_differs_from_its_map_is_refused():
+    rng = np.random.default_rng(2)
+    flat = _bf16_ints(rng, (B_, T_, ROW))
+    ctx = emulated_context()
+    src = _upload(ctx, flat)
+    out = ctx.alloc(B_ * H_ * BOX_BYTES)
+    tmap = ctx.tensor_map_nd(src, "bf16", DIMS[:3], STRIDES[:2], BOX[:3])  # a rank-3 map for a .4d copy
+    fn = _load_tma_kernel(ctx, store=False)
+    with pytest.raises(EmulationError, match=r"\.4d\..* through a tensor map of rank 3"):
+        ctx.launch(fn, (1, 1, 1), (128, 1, 1), [tmap, ("u64", out), ("u32", 0)])

@@ -585,7 +585,9 @@ def _wgmma(cta, ins, lanes):
         while len(st.groups) > keep:
             for op in st.groups.pop(0):
                 _wgmma_retire(cta, lanes, op)
-        st.locked = {r for g in st.groups for op in g for r in op.acc} | {r for op in st.open_ops for r in op.acc}
+        flying = [op for g in st.groups for op in g] + st.open_ops
+        st.locked = {r for op in flying for r in op.acc}
+        st.inputs = {r for op in flying for r in op.a_regs}
     else:
         raise cta.fail(f"{ins.op} is not modelled")
 
@@ -597,6 +599,15 @@ def _uniform(cta, vals: np.ndarray, what: str) -> int:
 
 
 def _wgmma_issue(cta, ins, lanes) -> None:
+    """``wgmma.mma_async`` by the 128 threads of a warpgroup: check the operands, queue the op.
+
+    Two forms: A from shared memory (``d, a-desc, b-desc, scale-d, imm-scale-a, imm-scale-b
+    [, imm-trans-a, imm-trans-b]``) or, for 16-bit inputs, A from registers (``d, {a0, a1,
+    a2, a3}, b-desc, scale-d, imm-scale-a, imm-scale-b, imm-trans-b``; the fragment of
+    :func:`layout.wgmma_a_map`).  Register A is read here, and its registers may not be
+    written until the wgmma retires (the tensor core reads them asynchronously); like the
+    accumulators, they must not have been written since the last ``wgmma.fence``.
+    """
     p = ins.parts
     shape = next(x for x in p if x.startswith("m64n"))
     n = int(shape[4: shape.index("k")])
@@ -608,28 +619,44 @@ def _wgmma_issue(cta, ins, lanes) -> None:
     acc = [r.name for r in _vec_regs(args[0])]
     if len(acc) != n // 2:
         raise cta.fail(f"m64n{n} needs {n // 2} accumulator registers, got {len(acc)}")
+    a_in_regs = isinstance(args[1], VecArg)
+    a_regs = [r.name for r in _vec_regs(args[1])] if a_in_regs else []
+    if a_in_regs and (in_dtype not in ("bf16", "f16") or k != 16):
+        raise cta.fail(f"wgmma with A in registers is modelled for m64nNk16 bf16/f16 only, not .{shape}.{in_dtype}")
+    if a_in_regs and len(a_regs) != 4:
+        raise cta.fail(f"A in registers takes four .b32 registers per thread, got {len(a_regs)}")
     warps = [cta.wgmma[w] for w in sorted({int(t) // 32 for t in lanes})]
     for st in warps:
-        for r in acc:
+        for r in acc + a_regs:
             if r in st.dirty:
-                raise cta.fail(f"accumulator {r} was written by an ordinary instruction after the last wgmma.fence")
-    da = _uniform(cta, cta.read(args[1], lanes, "u64"), "descriptor A")
+                what = "accumulator" if r in acc else "A-fragment register"
+                raise cta.fail(f"{what} {r} was written by an ordinary instruction after the last wgmma.fence")
+    # read now: every A register must have been written (cta.read checks) and is held fixed below
+    a_frag = np.stack([cta.read(RegArg(r), lanes, "b32") for r in a_regs], axis=1) if a_in_regs else None
+    da = None if a_in_regs else _uniform(cta, cta.read(args[1], lanes, "u64"), "descriptor A")
     db = _uniform(cta, cta.read(args[2], lanes, "u64"), "descriptor B")
     scale_d = bool(_uniform(cta, cta.read(args[3], lanes, "pred").astype(np.int64), "scale-d"))
     rest = [int(a.value) for a in args[4:]]
     if rest[:2] != [1, 1]:
         raise cta.fail("imm-scale-a/b other than 1 are not modelled")
-    trans_a, trans_b = (rest[2], rest[3]) if len(rest) == 4 else (0, 0)
+    if a_in_regs:
+        if len(rest) != 3:
+            raise cta.fail("wgmma with A in registers takes imm-scale-a, imm-scale-b and imm-trans-b (7 operands)")
+        trans_a, trans_b = 0, rest[2]
+    else:
+        trans_a, trans_b = (rest[2], rest[3]) if len(rest) == 4 else (0, 0)
     if in_dtype == "e4m3" and len(rest) != 2:
         raise cta.fail("fp8 wgmma takes no transpose arguments")
     itemsize = 1 if in_dtype == "e4m3" else 2
     for r in acc:
         if not cta.written[r][lanes].all() and scale_d:
             raise cta.fail(f"accumulator {r} read (scale-d=1) before anything wrote it")
-    op = WgmmaOp(acc, da, db, scale_d, n, k * itemsize, in_dtype, bool(trans_b), ins.line, bool(trans_a))
+    op = WgmmaOp(acc, da, db, scale_d, n, k * itemsize, in_dtype, bool(trans_b), ins.line, bool(trans_a),
+                 a_regs, a_frag)
     for st in warps:
         st.open_ops.append(op)
         st.locked.update(acc)
+        st.inputs.update(a_regs)
 
 
 def _decode(raw: np.ndarray, in_dtype: str) -> np.ndarray:
@@ -642,16 +669,26 @@ def _decode(raw: np.ndarray, in_dtype: str) -> np.ndarray:
     raise EmulationError(f"wgmma input type {in_dtype} is not modelled")
 
 
+def _a_from_registers(frag: np.ndarray, in_dtype: str) -> np.ndarray:
+    """The 64 x 16 A tile (float64) that 128 threads' four ``.b32`` registers (``frag[thread, reg]``) hold."""
+    rows, cols = L.wgmma_a_map()
+    a = np.zeros((64, 16), np.float64)
+    a[rows, cols] = _unpack16(frag, "bf16" if in_dtype == "bf16" else "f16")
+    return a
+
+
 def _wgmma_retire(cta, lanes, op) -> None:
     """Retire one warp's share: read the operands the descriptors name *now*, accumulate its 16 rows."""
     raw_t = np.uint8 if op.in_dtype == "e4m3" else np.uint16
     for d in (op.desc_a, op.desc_b):
-        if L.decode_desc(d)["start"] < SMEM_BASE:
+        if d is not None and L.decode_desc(d)["start"] < SMEM_BASE:
             raise cta.fail(f"wgmma descriptor (line {op.line}) starts at {L.decode_desc(d)['start']:#x}, "
                            f"below the shared block at {SMEM_BASE:#x}")
     try:
         k = op.k_bytes // np.dtype(raw_t).itemsize
-        if op.trans_a:
+        if op.a_frag is not None:
+            a = _a_from_registers(op.a_frag, op.in_dtype)  # 64 x 16
+        elif op.trans_a:
             a = _decode(L.wgmma_gather_mn(cta.smem, op.desc_a, 64, k, raw_t), op.in_dtype)  # 64 x k
         else:
             a = _decode(L.wgmma_gather(cta.smem, op.desc_a, 64, op.k_bytes, raw_t), op.in_dtype)  # 64 x k

@@ -261,10 +261,14 @@ class MBarrier:
 
 @dataclass
 class WgmmaOp:
-    """One ``wgmma.mma_async`` waiting to be retired."""
+    """One ``wgmma.mma_async`` waiting to be retired.
+
+    A comes from shared memory through ``desc_a``, or (the register form) from the
+    registers ``a_regs``, whose values the warpgroup's 128 threads held at issue are
+    ``a_frag`` (``[thread in warpgroup, register]``, uint32); ``desc_a`` is then None."""
 
     acc: list[str]
-    desc_a: int
+    desc_a: int | None
     desc_b: int
     scale_d: bool
     n: int
@@ -273,6 +277,8 @@ class WgmmaOp:
     trans_b: bool
     line: int
     trans_a: bool = False
+    a_regs: list[str] = field(default_factory=list)
+    a_frag: np.ndarray | None = None
 
 
 @dataclass
@@ -287,6 +293,9 @@ class WarpWgmma:
     open_ops: list[WgmmaOp] = field(default_factory=list)
     groups: list[list[WgmmaOp]] = field(default_factory=list)
     locked: set[str] = field(default_factory=set)  # accumulators of in-flight wgmmas
+    # A-fragment registers of in-flight register-form wgmmas: the tensor core reads them
+    # asynchronously, so nothing may write them until the wgmma retires (reading is fine)
+    inputs: set[str] = field(default_factory=set)
     dirty: set[str] = field(default_factory=set)  # written by ordinary instructions since the last fence
 
 

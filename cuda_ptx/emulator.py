@@ -201,6 +201,9 @@ class Cta:
         st = self.wgmma_state(lanes)
         if arg.name in st.locked:
             raise self.fail(f"register {arg.name} written while a wgmma accumulating into it is in flight")
+        if arg.name in st.inputs:
+            raise self.fail(f"register {arg.name} written while an in-flight wgmma reads it as part of its A fragment "
+                            "(no wgmma.wait_group retired it)")
         st.dirty.add(arg.name)
         value = np.asarray(value)
         if r.dtype == np.bool_:

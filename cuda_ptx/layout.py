@@ -9,7 +9,7 @@
   :func:`decode_desc`, :func:`wgmma_gather` -- which bytes a descriptor names for a
   K-major operand -- and :func:`wgmma_gather_mn`, the same for an MN-major one.
 * fragment maps: ``mma.sync.m16n8k16`` A/B/C, ``ldmatrix`` (plain and ``.trans``),
-  and the wgmma ``m64nNk16`` accumulator.
+  the wgmma ``m64nNk16`` accumulator and its A operand held in registers.
 """
 
 from __future__ import annotations
@@ -225,3 +225,20 @@ def wgmma_d_map(n: int) -> tuple[np.ndarray, np.ndarray]:
     row = 16 * (th // 32) + GROUP(lane) + 8 * ((i // 2) % 2)
     col = 8 * (i // 4) + QUAD2(lane) + i % 2
     return np.broadcast_to(row, (128, n // 2)), np.broadcast_to(col, (128, n // 2))
+
+
+@functools.lru_cache(maxsize=None)  # read-only views: safe to share
+def wgmma_a_map() -> tuple[np.ndarray, np.ndarray]:
+    """A of ``wgmma m64nNk16`` (16-bit types) from registers: ``(row, col)[thread, reg, half]``
+    of the 64 x 16 tile for 128 threads x 4 ``.b32`` registers x 2 halves (low half first).
+
+    Warp w holds rows 16w..16w+15 in the ``mma.sync.m16n8k16`` A pattern: with g = lane//4,
+    q = lane%4, reg j holds row 16w + g + 8*(j%2), cols 8*(j//2) + 2q + half.
+    """
+    th = np.arange(128)[:, None, None]
+    j = np.arange(4)[None, :, None]
+    h = np.arange(2)[None, None, :]
+    lane = th % 32
+    row = 16 * (th // 32) + GROUP(lane) + 8 * (j % 2)
+    col = 8 * (j // 2) + QUAD2(lane) + h
+    return np.broadcast_to(row, (128, 4, 2)), np.broadcast_to(col, (128, 4, 2))

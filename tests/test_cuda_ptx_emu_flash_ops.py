@@ -271,3 +271,155 @@ def test_a_tma_whose_rank_differs_from_its_map_is_refused():
     fn = _load_tma_kernel(ctx, store=False)
     with pytest.raises(EmulationError, match=r"\.4d\..* through a tensor map of rank 3"):
         ctx.launch(fn, (1, 1, 1), (128, 1, 1), [tmap, ("u64", out), ("u32", 0)])
+
+
+# -- 2. wgmma with A from registers ---------------------------------------------------------
+
+K_RS = 64  # four k16 steps, so the accumulation across register-form wgmmas is exercised too
+
+
+def _rs_kernel(n: int, ptx_in: str, b_major: str, edit: str = "") -> tuple[str, int]:
+    """128 threads: B (n x 64 K-major, or 64 x n N-major) lands by TMA in 128B-swizzled shared
+    memory; each thread loads its A fragments of a 64 x 64 row-major A from global (four
+    k16 steps of four .b32 registers, the mma.m16n8k16 A pattern per warp); D starts at 1
+    and gains A @ B through four ``wgmma ... {a0..a3}, b-desc`` with scale-d = 1; each
+    thread stores its accumulators to a row-major 64 x n f32 D.
+
+    ``edit`` plants a bug: "write_a_in_flight" (an A register written between the
+    mma_async and the wait), "write_a_after_fence" (one written after the fence),
+    "unwritten_a" (one never loaded); "read_a_in_flight" is no bug (the tensor core only
+    reads them too).  Returns (PTX, shared bytes)."""
+    b = Builder("rs", "sm_90a", "8.0", 128)
+    tmap = b.param("tmap_b", "tmap")
+    pa, pd = b.param("a", "u64"), b.param("d", "u64")
+    b_bytes = n * 128
+    b.shared("b", b_bytes, align=1024)
+    bar_t = b.shared("bar", 8, align=8)
+    tid = b.sreg("%tid.x")
+    smem = ops.smem_base(b)
+    bar = b.binop("add", "u32", smem, bar_t.offset)
+    is_t0 = b.setp("eq", "u32", tid, 0)
+    tm = _tmap_reg(b, tmap)
+    _init_barrier(b, is_t0, bar)
+    with b.if_(is_t0):
+        b.emit("mbarrier.arrive.expect_tx.shared::cta.b64", "_", f"[{bar}]", b_bytes)
+        if b_major == "k":  # B stored n x 64: one box of n rows x 128 bytes
+            b.emit(TMA.format(r=2), f"[{smem}]", f"[{tm}, {{0, 0}}]", f"[{bar}]")
+        else:  # B stored 64 x n: boxes of 64 K-rows x 64 N-columns, 8 KiB apart
+            for j in range(n // 64):
+                b.emit(TMA.format(r=2), f"[{smem}+{j * 8192}]", f"[{tm}, {{{64 * j}, 0}}]", f"[{bar}]")
+    # A fragments: lane = 32w + 4g + q holds rows 16w+g (+8), cols 2q, 2q+1 (+8) of each k16 step
+    lane = b.binop("and", "b32", tid, 31)
+    row0 = b.mad("u32", b.binop("shr", "u32", tid, 5), 16, b.binop("shr", "u32", lane, 2))
+    col0 = b.binop("shl", "b32", b.binop("and", "b32", lane, 3), 1)
+    a_g = ops.addr(b, ops.ld_param_ptr(b, pa), b.mad("u32", row0, K_RS, col0), 2)
+    a_regs = [[b.reg("b32") for _ in range(4)] for _ in range(K_RS // 16)]
+    for kk, regs in enumerate(a_regs):
+        for j, r in enumerate(regs):
+            if edit == "unwritten_a" and (kk, j) == (1, 2):
+                continue
+            off = 2 * (8 * (j % 2) * K_RS + 8 * (j // 2) + 16 * kk)
+            b.emit("ld.global.b32", r, f"[{a_g}+{off}]")
+    acc = [b.mov("f32", 1.0) for _ in range(n // 2)]
+    one = b.setp("ne", "u32", tid, 1000)  # scale-d: true
+    _wait(b, bar, 0)
+    b.emit("wgmma.fence.sync.aligned")
+    if edit == "write_a_after_fence":
+        b.emit("mov.b32", a_regs[2][0], 0)
+    if b_major == "k":
+        desc, step, trans = L.encode_desc(0, 16, 1024, 128), 32, 0
+    else:
+        desc, step, trans = L.encode_desc(0, 8192, 1024, 128), 2048, 1
+    db = b.reg("b64")
+    dbk = b.reg("b64")
+    t = b.binop("shr", "u32", b.binop("and", "b32", smem, 0x3FFFF), 4)
+    b.emit("cvt.u64.u32", db, t)
+    b.emit("or.b64", db, db, desc)
+    vec = lambda regs: "{" + ", ".join(map(str, regs)) + "}"  # noqa: E731
+    for kk, regs in enumerate(a_regs):
+        b.emit("add.s64", dbk, db, kk * step >> 4)
+        b.emit(f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx_in}.{ptx_in}", vec(acc), vec(regs), dbk, one,
+               1, 1, trans)
+    b.emit("wgmma.commit_group.sync.aligned")
+    if edit == "write_a_in_flight":
+        b.emit("mov.b32", a_regs[3][1], 0)
+    if edit == "read_a_in_flight":
+        b.emit("mov.b32", b.reg("b32"), a_regs[3][1])
+    b.emit("wgmma.wait_group.sync.aligned", 0)
+    # D: register 2p, 2p+1 of a thread hold row 16w + g + 8(p%2), cols 8(p//2) + 2q, +1
+    d_g = ops.addr(b, ops.ld_param_ptr(b, pd), b.mad("u32", row0, n, col0), 4)
+    for p in range(n // 4):
+        off = 4 * (8 * (p % 2) * n + 8 * (p // 2))
+        b.emit("st.global.v2.f32", f"[{d_g}+{off}]", vec(acc[2 * p: 2 * p + 2]))
+    k = b.build()
+    return render(k), k.shared_bytes
+
+
+def _run_rs(n, dtype, b_major, edit="", seed=0):
+    """(D the kernel computed, A, B as f32): A 64 x 64, B 64 x n, integer-valued."""
+    rng = np.random.default_rng(seed)
+    ptx_in, tdt = {"bf16": ("bf16", "bf16"), "fp16": ("f16", "fp16")}[dtype]
+    a = rng.integers(-8, 9, (64, K_RS)).astype(np.float32)
+    bm = rng.integers(-8, 9, (K_RS, n)).astype(np.float32)
+    enc = lambda x: dtypes.encode(x, dtype).view(np.uint16)  # noqa: E731
+    ctx = emulated_context(seed=seed)
+    a_ptr, d_ptr = _upload(ctx, enc(a)), ctx.alloc(64 * n * 4)
+    if b_major == "k":  # stored n x K, K contiguous
+        b_ptr = _upload(ctx, enc(np.ascontiguousarray(bm.T)))
+        tmap = ctx.tensor_map(b_ptr, tdt, n, K_RS, n, 64)
+    else:  # stored K x n, n contiguous
+        b_ptr = _upload(ctx, enc(bm))
+        tmap = ctx.tensor_map(b_ptr, tdt, K_RS, n, 64, 64)
+    ptx, smem = _rs_kernel(n, ptx_in, b_major, edit)
+    fn = ctx.load_kernel(ptx, "rs", smem, "sm_90a")
+    ctx.launch(fn, (1, 1, 1), (128, 1, 1), [tmap, ("u64", a_ptr), ("u64", d_ptr)])
+    d = np.empty((64, n), np.float32)
+    ctx.download(d, d_ptr)
+    return d, a, bm
+
+
+@pytest.mark.parametrize("n", [64, 128])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("b_major", ["k", "n"])
+def test_register_a_wgmma_computes_the_exact_product(n, dtype, b_major):
+    d, a, bm = _run_rs(n, dtype, b_major)
+    np.testing.assert_array_equal(d, a @ bm + 1)
+
+
+def test_reading_a_registers_while_the_wgmma_runs_is_allowed():
+    d, a, bm = _run_rs(64, "bf16", "n", "read_a_in_flight", seed=4)
+    np.testing.assert_array_equal(d, a @ bm + 1)
+
+
+@pytest.mark.parametrize("edit,why", [
+    ("write_a_in_flight", r"written while an in-flight wgmma reads it as part of its A fragment"),
+    ("write_a_after_fence", r"A-fragment register %r\d+ was written by an ordinary instruction after the last wgmma.fence"),
+    ("unwritten_a", r"read by thread 0 before anything wrote it"),
+])
+def test_register_a_misuse_is_reported(edit, why):
+    with pytest.raises(EmulationError, match=why):
+        _run_rs(64, "bf16", "k", edit)
+
+
+def test_the_register_a_map_is_mma_m16n8k16s_a_per_warp():
+    """Each warp's 16 rows of wgmma's A fragment follow mma.sync's A pattern, and the 128
+    threads x 4 registers x 2 halves cover the 64 x 16 tile exactly once."""
+    rows, cols = L.wgmma_a_map()
+    assert rows.shape == cols.shape == (128, 4, 2)
+    hit = np.zeros((64, 16), int)
+    np.add.at(hit, (rows, cols), 1)
+    assert (hit == 1).all()
+    tile = np.arange(64 * 16, dtype=np.float64).reshape(64, 16)
+    for w in range(4):
+        frag = tile[rows[32 * w: 32 * w + 32], cols[32 * w: 32 * w + 32]]  # (32, 4, 2)
+        eye = np.zeros((32, 2, 2))  # B = I (16 x 8, then the next 8 columns) through the mma model
+        t = np.arange(32)
+        for half_n in range(2):
+            for j in range(2):
+                for h in range(2):
+                    eye[:, j, h] = (2 * (t % 4) + 8 * j + h == t // 4 + 8 * half_n)
+            got = L.mma_m16n8k16(frag, eye, np.zeros((32, 4)))
+            want = tile[16 * w: 16 * w + 16, 8 * half_n: 8 * half_n + 8]
+            g, q = t // 4, 2 * (t % 4)
+            for j in range(4):
+                np.testing.assert_array_equal(got[:, j], want[g + 8 * (j // 2), q + j % 2])

@@ -64,7 +64,7 @@ def _c_unsigned(v, bits: int, what: str) -> int:
     return v
 DEFAULT_DYN_SMEM = 48 * 1024  # dynamic shared memory a function gets without opting in
 MAX_CLUSTER = 8  # portable cluster size
-PARAM_BYTES = {"u64": 8, "s64": 8, "b64": 8, "u32": 4, "s32": 4, "b32": 4, "tmap": 128}
+PARAM_BYTES = {"u64": 8, "s64": 8, "b64": 8, "u32": 4, "s32": 4, "b32": 4, "f32": 4, "tmap": 128}  # f32: its bits, read by ld.param.f32
 
 # Element sizes of the tensor map data types (CUtensorMapDataType), by enum name.
 TMAP_ELEMENT_BYTES = {

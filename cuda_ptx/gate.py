@@ -17,8 +17,10 @@ hang, fault or misuse reported.
 N-major-B twin of each 16-bit wgmma rung (``wgmma_tma_nmajor``...), the form
 ``gemm()`` runs them in, plus the persistent rung reading A M-major (``.tnspA`` on every HGMMA),
 as the tensor-core matmul of ``cuda:N`` runs a weight gradient, and with the bias epilogue
-(bf16 and fp16 inputs) as it runs a Linear layer.  ``python -m helios.cuda_ptx.gate`` gates those and prints
-one JSON line each.
+(bf16 and fp16 inputs) as it runs a Linear layer.  :func:`flash_gate_configs` adds the flash-attention
+kernels of :mod:`gen_flash` (every pass, dtype and head dim: both products on HGMMA, 4-D TMA loads, no
+spills or notes, and their numerics on the emulated driver against float64 attention).
+``python -m helios.cuda_ptx.gate`` gates all of those and prints one JSON line each.
 """
 
 from __future__ import annotations
@@ -150,12 +152,10 @@ def count_prefixed(sass_text: str, prefix: str, contains: str | None = None) -> 
     return n
 
 
-def run_gate(cfg: GemmConfig, ptx: str | None = None, emulate: bool = True) -> GateReport:
-    """Compile ``cfg``'s kernel (or the given ``ptx`` for it; cached), read ptxas -v and the SASS, judge
-    them, and (``emulate``) run the PTX on the CPU emulator."""
-    if ptx is None:
-        ptx = emit_gemm(cfg)
-    comp = toolchain.compile_ptx(ptx, cfg.target)
+def _judge(ptx: str, target: str, expected: dict[str, str]):
+    """Compile ``ptx`` (cached), read ptxas -v and the SASS: (ptxas info, SASS text, counts of the
+    ``expected`` opcodes, failures: spills, forbidden notes, missing opcodes)."""
+    comp = toolchain.compile_ptx(ptx, target)
     text = toolchain.sass(comp.cubin)
     info = comp.info
     failures = []
@@ -167,10 +167,20 @@ def run_gate(cfg: GemmConfig, ptx: str | None = None, emulate: bool = True) -> G
         lines = [ln for ln in info.log.splitlines() if any(n in ln for n in bad)]
         failures.append("ptxas notes " + ", ".join(bad) + ": " + " | ".join(lines))
     found = {}
-    for prefix, why in expected_opcodes(cfg).items():
+    for prefix, why in expected.items():
         found[prefix] = count_prefixed(text, prefix)
         if not found[prefix]:
             failures.append(f"SASS lacks {prefix} ({why})")
+    return info, text, found, failures
+
+
+def run_gate(cfg: GemmConfig, ptx: str | None = None, emulate: bool = True) -> GateReport:
+    """Compile ``cfg``'s kernel (or the given ``ptx`` for it; cached), read ptxas -v and the SASS, judge
+    them, and (``emulate``) run the PTX on the CPU emulator."""
+    if ptx is None:
+        ptx = emit_gemm(cfg)
+    info, text, found, failures = _judge(ptx, cfg.target, expected_opcodes(cfg))
+    spill = info.spill_stores + info.spill_loads
     # GPU-scope fences belong only to barrier.cluster.arrive.release (one before the exit; the
     # arrive after init is .relaxed); a cluster-scope release on the per-slot arrives would put
     # one in every k-tile.
@@ -197,20 +207,101 @@ def run_gate(cfg: GemmConfig, ptx: str | None = None, emulate: bool = True) -> G
     return GateReport(cfg.name, cfg.target, not failures, info.registers, spill, info.notes, found, failures, emulated)
 
 
+# -- flash attention (helios.cuda_ptx.gen_flash) -------------------------------------------------
+
+
+def flash_gate_configs() -> dict:
+    """The flash kernels the tensor-core attention of ``cuda:N`` runs: every pass, dtype and head dim."""
+    from . import gen_flash
+
+    out = {}
+    for pass_ in gen_flash.PASSES:
+        for dtype in gen_flash.DTYPES:
+            for d in gen_flash.HEAD_DIMS:
+                cfg = gen_flash.default_config(pass_, dtype, d)
+                out[cfg.name] = cfg
+    return out
+
+
+def flash_expected_opcodes(cfg) -> dict[str, str]:
+    """SASS a flash kernel must contain: both products on wgmma, 4-D TMA loads, mbarriers,
+    register hand-over, the exponentials on the SFU."""
+    first = cfg.bn  # S = Q K^T (fwd, dq) or S^T = K Q^T (dkv): N = the streamed block's rows
+    return {
+        f"HGMMA.64x{first}x16": "the scores' wgmma (m64nNk16, N = the streamed block)",
+        f"HGMMA.64x{cfg.head_dim}x16": "the second product's wgmma (N = head dim, A from registers)",
+        "UTMALDG.4D": "TMA loads of [B, H, T, D] tiles",
+        "SYNCS": "mbarrier",
+        "WARPGROUP.ARRIVE": "wgmma.fence",
+        "USETMAXREG": "setmaxnreg",
+        "MUFU.EX2": "ex2 of the softmax",
+    }
+
+
+def flash_emulation_check(cfg, seed: int = 0) -> tuple[dict, str | None]:
+    """Run the kernel's pass on the emulated driver against float64 attention: 2 query heads
+    sharing 1 K/V head, causal, ragged lengths (a tail in every block walk); forward for
+    ``fwd``, forward + backward for the backward passes.  (what ran, failure text or None)."""
+    from . import tensor_flash as tf
+    from .emu_driver import emulated_context
+
+    dtype = {"bf16": "bfloat16", "fp16": "float16"}[cfg.dtype]
+    tq, tk = 100, 100
+    shape = (1, 2, 1, tq, tk, cfg.head_dim)
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((1, 2, tq, cfg.head_dim))
+    k, v = (rng.standard_normal((1, 1, tk, cfg.head_dim)) for _ in range(2))
+    do = rng.standard_normal(q.shape) if cfg.pass_ != "fwd" else None
+    t0 = time.perf_counter()
+    ran = {"shape": list(shape), "causal": True, "seed": seed}
+    try:
+        got = tf.attention_numpy(emulated_context(sm_count=4, seed=seed), q, k, v, do, causal=True, dtype=dtype)
+    except (EmulationError, DeviceError) as e:
+        return ran, f"emulator: {e}"
+    ran["seconds"] = round(time.perf_counter() - t0, 2)
+    r = [None if x is None else tf.rounded(x, dtype) for x in (q, k, v, do)]
+    want = tf.reference(*r, causal=True)
+    keys = {"fwd": ("o", "lse"), "dq": ("dq",), "dkv": ("dk", "dv")}[cfg.pass_]
+    bad = []
+    for key in keys:
+        err = float(np.abs(got[key] - want[key]).max())
+        tol = 0.02 * max(1.0, float(np.abs(want[key]).max()))  # 16-bit inputs, P and dS rounded to 16 bits
+        ran[f"{key}_max_err"] = round(err, 5)
+        if not err <= tol:
+            bad.append(f"{key} max error {err:.3g} > {tol:.3g}")
+    return ran, ("emulator: " + "; ".join(bad) if bad else None)
+
+
+def run_flash_gate(cfg, emulate: bool = True) -> GateReport:
+    """The gate for one flash kernel (:mod:`gen_flash`): ptxas, spills and notes, SASS, and (``emulate``)
+    its numerics on the emulated driver against float64 attention."""
+    from .gen_flash import generate
+    from .render import render
+
+    info, _, found, failures = _judge(render(generate(cfg)), "sm_90a", flash_expected_opcodes(cfg))
+    emulated = {}
+    if emulate:
+        emulated, why = flash_emulation_check(cfg)
+        if why:
+            failures.append(why)
+    return GateReport(cfg.name, "sm_90a", not failures, info.registers, info.spill_stores + info.spill_loads,
+                      info.notes, found, failures, emulated)
+
+
 def main(argv: list[str] | None = None) -> int:
     """CLI: gate every config of :func:`gate_configs` (or those named), one JSON line each; exit 1 on any failure."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("names", nargs="*", help="configs to gate (default: all of gate_configs())")
     ap.add_argument("--no-emulate", action="store_true", help="skip running each kernel on the CPU emulator")
     args = ap.parse_args(argv)
-    vs = gate_configs()
-    unknown = [n for n in args.names if n not in vs]
+    vs, fl = gate_configs(), flash_gate_configs()
+    unknown = [n for n in args.names if n not in vs and n not in fl]
     if unknown:
-        ap.error(f"unknown config(s) {unknown}; choose from {list(vs)}")
-    names = args.names or list(vs)
+        ap.error(f"unknown config(s) {unknown}; choose from {list(vs) + list(fl)}")
+    names = args.names or list(vs) + list(fl)
     ok = True
     for n in names:
-        rep = run_gate(vs[n], emulate=not args.no_emulate)
+        rep = run_gate(vs[n], emulate=not args.no_emulate) if n in vs else run_flash_gate(fl[n], not args.no_emulate)
         ok &= rep.ok
         print(json.dumps(asdict(rep)))
     return 0 if ok else 1

@@ -62,3 +62,16 @@ def log_kernel(name: str, shape: str, device_ns: int, flops: int, bytes_moved: i
     print(format_kernel_line(name, shape, device_ns, flops, bytes_moved, dtype, lvl, source, binary),
           file=stream if stream is not None else sys.stderr, flush=True)
     return True
+
+
+_noted: set[str] = set()
+
+
+def log_choice(text: str, stream: TextIO | None = None) -> bool:
+    """Print ``helios: <text>`` to stderr once per distinct text when ``HELIOS_DEBUG >= 1`` (which
+    kernel an op took and why, e.g. a fallback from the tensor-core path); returns whether it printed."""
+    if debug_level() < 1 or text in _noted:
+        return False
+    _noted.add(text)
+    print(f"helios: {text}", file=stream if stream is not None else sys.stderr, flush=True)
+    return True

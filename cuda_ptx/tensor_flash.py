@@ -1,0 +1,301 @@
+"""Tensor-core flash attention for ``cuda:N`` tensors: the :mod:`gen_flash` kernels on device memory.
+
+:meth:`CudaRuntime.flash <helios.cuda_ptx.tensor_runtime.CudaRuntime.flash>` hands the
+operands of a 16-bit attention here, as addresses and element strides, instead of running
+the translated GLSL kernel (SIMT fp32 arithmetic).  Each of Q, K, V and dO is read through
+a 4-D tensor map (D, T, H, B) built from its own strides, so per-head views of a packed
+QKV tensor are read in place and TMA zero-fills the rows past T.  O, L, dQ, dK and dV are
+written contiguous ([B, H, T, D] and [B, H, T]).
+
+What it takes (:meth:`TensorCoreFlash.accepts`): a Hopper GPU (sm_90), bf16 or fp16, head
+dim 64 or 128, the head-dim stride 1 and every other stride and each base a multiple of
+16 bytes (TMA's rules), as many query heads as a multiple of the K/V heads (grouped-query
+attention reads the shared K/V head in place), and extents below 2^31.  Anything else runs
+the generic kernel; ``HELIOS_DEBUG=1`` says which ran and why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from dataclasses import dataclass
+
+from . import gen_flash
+from .driver import Context, check
+from .render import render
+
+DTYPES = {"bfloat16": "bf16", "float16": "fp16"}  # Helios dtype names -> the generator's
+
+
+@dataclass(frozen=True)
+class Operand:
+    """A [B, H, T, D] tensor on the device: its address and element strides of B, H and T
+    (D's stride is 1)."""
+
+    ptr: int
+    strides: tuple[int, int, int]
+
+
+@dataclass(frozen=True)
+class Problem:
+    """The shape of one attention: batch, query heads, K/V heads, query and key lengths, head dim."""
+
+    B: int
+    H: int
+    Hk: int
+    Tq: int
+    Tk: int
+    D: int
+
+    @property
+    def group(self) -> int:
+        """Query heads per K/V head."""
+        return self.H // self.Hk
+
+
+class _Kernel:
+    """One loaded flash kernel: its config, function and threads per CTA."""
+
+    __slots__ = ("cfg", "fn", "threads")
+
+    def __init__(self, cfg, fn, threads: int):
+        self.cfg, self.fn, self.threads = cfg, fn, threads
+
+
+def why_not(dtype: str, pb: Problem, operands: list[Operand]) -> str | None:
+    """Why this attention cannot run on the tensor-core kernels (one phrase), or None if it can."""
+    if dtype not in DTYPES:
+        return f"dtype {dtype} (bf16 / fp16 only)"
+    if pb.D not in gen_flash.HEAD_DIMS:
+        return f"head dim {pb.D} (the kernels take {gen_flash.HEAD_DIMS})"
+    if pb.Hk < 1 or pb.H % pb.Hk:
+        return f"{pb.H} query heads are not a multiple of {pb.Hk} K/V heads"
+    if min(pb.B, pb.H, pb.Tq, pb.Tk) < 1 or max(pb.Tq, pb.Tk, pb.B * pb.H) >= 1 << 31:
+        return f"extents B={pb.B} H={pb.H} Tq={pb.Tq} Tk={pb.Tk}"
+    for op in operands:
+        if op.ptr % 16 or any((s * 2) % 16 or s < 0 for s in op.strides):
+            return f"an operand's base or strides are not multiples of 16 bytes ({op.ptr:#x}, {op.strides})"
+    return None
+
+
+class TensorCoreFlash:
+    """The three flash kernels (forward, dQ, dK/dV) on one driver context (see the module docstring)."""
+
+    MAX_MAPS = 4096  # tensor maps kept for reuse (a model's steps see the same operands again)
+
+    def __init__(self, ctx: Context):
+        self.ctx = ctx
+        self._kernels: dict[tuple, _Kernel] = {}
+        self._maps: dict[tuple, bytes] = {}
+        self._lock = threading.Lock()
+
+    def kernel(self, pass_: str, dtype: str, head_dim: int) -> _Kernel:
+        """The loaded kernel of one pass (built and loaded on first use)."""
+        key = (pass_, dtype, head_dim)
+        kern = self._kernels.get(key)
+        if kern is None:
+            cfg = gen_flash.default_config(pass_, DTYPES[dtype], head_dim)
+            built = gen_flash.generate(cfg)
+            fn = self.ctx.load_kernel(render(built), built.name, built.shared_bytes, "sm_90a")
+            kern = self._kernels[key] = _Kernel(cfg, fn, built.threads)
+        return kern
+
+    def _map(self, dtype: str, op: Operand, heads: int, pb: Problem, t_len: int, rows: int) -> bytes:
+        """The 4-D tensor map (D, T, heads, B) of an operand, boxes of 64 columns x ``rows`` rows."""
+        sb, sh, st = op.strides
+        key = (op.ptr, dtype, heads, pb.B, t_len, pb.D, op.strides, rows)
+        m = self._maps.get(key)
+        if m is None:
+            if len(self._maps) >= self.MAX_MAPS:
+                self._maps.clear()
+            m = self._maps[key] = self.ctx.tensor_map_nd(
+                op.ptr, DTYPES[dtype], (pb.D, t_len, heads, pb.B), (st * 2, sh * 2, sb * 2),
+                (gen_flash.BOX_COLS, rows, 1, 1))
+        return m
+
+    def _launch(self, kern: _Kernel, grid: tuple[int, int, int], args: list) -> None:
+        """Launch with ``args``: tensor maps (bytes), ("u64" | "u32" | "f32", value) pairs."""
+        keep, ptrs = [], []
+        for a in args:
+            if isinstance(a, (bytes, bytearray)):
+                buf = (ctypes.c_byte * 256)()  # a CUtensorMap must be 64- (CUDA 13: 128-) byte aligned
+                at = (ctypes.addressof(buf) + 127) // 128 * 128
+                ctypes.memmove(at, bytes(a), 128)
+                keep.append(buf)
+                ptrs.append(at)
+            else:
+                kind, v = a
+                c = {"u64": ctypes.c_uint64, "u32": ctypes.c_uint32, "f32": ctypes.c_float}[kind](v)
+                keep.append(c)
+                ptrs.append(ctypes.addressof(c))
+        block = (ctypes.c_void_p * len(ptrs))(*ptrs)
+        fn = kern.fn
+        with self._lock:
+            res = self.ctx.cu.cuLaunchKernel(fn.handle, *grid, kern.threads, 1, 1, fn.shared_bytes, 0,
+                                             ctypes.addressof(block), 0)
+        check(f"cuLaunchKernel({fn.name})", res, cu=self.ctx.cu)
+
+    def forward(self, dtype: str, pb: Problem, q: Operand, k: Operand, v: Operand, o: int, lse: int, scale: float,
+                causal: bool) -> None:
+        """O (contiguous [B, H, Tq, D] at ``o``) and L (float32 [B, H, Tq] at ``lse``) of
+        softmax(Q K^T * scale) V; asynchronous, on the default stream."""
+        kern = self.kernel("fwd", dtype, pb.D)
+        cfg = kern.cfg
+        args = [self._map(dtype, q, pb.H, pb, pb.Tq, cfg.bm), self._map(dtype, k, pb.Hk, pb, pb.Tk, cfg.bn),
+                self._map(dtype, v, pb.Hk, pb, pb.Tk, cfg.bn), ("u64", o), ("u64", lse),
+                *self._dims(pb), ("f32", scale * gen_flash.LOG2E), ("u32", int(causal))]
+        self._launch(kern, (-(-pb.Tq // cfg.bm), pb.H, pb.B), args)
+
+    def backward(self, dtype: str, pb: Problem, q: Operand, k: Operand, v: Operand, do: Operand, lse: int,
+                 delta: int, dq: int | None, dk: int | None, dv: int | None, scale: float, causal: bool) -> None:
+        """dQ ([B, H, Tq, D] at ``dq``) and dK, dV ([B, Hk, Tk, D]) given the forward's L and
+        D = rowsum(dO * O) (float32 [B, H, Tq] at ``lse`` and ``delta``); a pass whose outputs
+        are None is skipped.  Asynchronous, on the default stream."""
+        tail = [*self._dims(pb), ("f32", scale * gen_flash.LOG2E), ("f32", scale), ("u32", int(causal))]
+        if dq is not None:
+            kern = self.kernel("dq", dtype, pb.D)
+            bm, bn = kern.cfg.bm, kern.cfg.bn
+            args = [self._map(dtype, q, pb.H, pb, pb.Tq, bm), self._map(dtype, k, pb.Hk, pb, pb.Tk, bn),
+                    self._map(dtype, v, pb.Hk, pb, pb.Tk, bn), self._map(dtype, do, pb.H, pb, pb.Tq, bm),
+                    ("u64", lse), ("u64", delta), ("u64", dq), ("u64", 0), *tail]
+            self._launch(kern, (-(-pb.Tq // bm), pb.H, pb.B), args)
+        if dk is not None or dv is not None:
+            if dk is None or dv is None:
+                raise ValueError("backward: dk and dv are computed together; pass both addresses")
+            kern = self.kernel("dkv", dtype, pb.D)
+            bm, bn = kern.cfg.bm, kern.cfg.bn
+            args = [self._map(dtype, q, pb.H, pb, pb.Tq, bn), self._map(dtype, k, pb.Hk, pb, pb.Tk, bm),
+                    self._map(dtype, v, pb.Hk, pb, pb.Tk, bm), self._map(dtype, do, pb.H, pb, pb.Tq, bn),
+                    ("u64", lse), ("u64", delta), ("u64", dk), ("u64", dv), *tail]
+            self._launch(kern, (-(-pb.Tk // bm), pb.Hk, pb.B), args)
+
+    @staticmethod
+    def _dims(pb: Problem) -> list:
+        return [("u32", pb.Tq), ("u32", pb.Tk), ("u32", pb.H), ("u32", pb.group)]
+
+
+def flops(pb: Problem, causal: bool, backward: bool = False) -> int:
+    """FLOPs an attention's products take (forward: 2; backward: the 5 of a fused backward, not the
+    7 these kernels run, so rates compare with other implementations): 2 D per product per pair."""
+    pairs = pb.Tq * pb.Tk if not causal else _causal_pairs(pb.Tq, pb.Tk)
+    return (5 if backward else 2) * 2 * pb.D * pairs * pb.B * pb.H
+
+
+def _causal_pairs(tq: int, tk: int) -> int:
+    full = min(tq, tk)
+    return full * (full + 1) // 2 + max(0, tq - tk) * tk
+
+
+
+
+# -- numpy in, numpy out (tests, and checks on a GPU) ---------------------------------------------
+
+
+def _bits(x, dtype: str):
+    import numpy as np
+
+    from .dtypes import f32_to_bf16_bits
+
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    return f32_to_bf16_bits(x) if dtype == "bfloat16" else x.astype(np.float16).view(np.uint16)
+
+
+def _values(bits, dtype: str):
+    import numpy as np
+
+    from .dtypes import bf16_bits_to_f32
+
+    return (bf16_bits_to_f32(bits) if dtype == "bfloat16" else bits.view(np.float16)).astype(np.float64)
+
+
+def rounded(x, dtype: str = "bfloat16"):
+    """``x`` rounded to the 16-bit ``dtype`` and widened to float64: the values the kernels see."""
+    return _values(_bits(x, dtype), dtype)
+
+
+def attention_numpy(ctx: Context, q, k, v, do=None, scale: float | None = None, causal: bool = False,
+                    dtype: str = "bfloat16", engine: TensorCoreFlash | None = None) -> dict:
+    """Run the kernels on numpy [B, H, T, D] arrays (k and v may have fewer heads): returns
+    ``{"o", "lse"}`` and, with ``do`` (the upstream gradient), ``{"dq", "dk", "dv", "delta"}``,
+    all float64; inputs are rounded to ``dtype`` first (see :func:`rounded`).  D = rowsum(dO * O)
+    is computed here from the kernel's O in float64, then rounded to float32 as the device keeps it.
+    ``ctx`` may be a GPU's context or an emulated one (``emu_driver.emulated_context``)."""
+    import numpy as np
+
+    engine = engine or TensorCoreFlash(ctx)
+    B, H, Tq, D = q.shape
+    Hk, Tk = k.shape[1], k.shape[2]
+    pb = Problem(B, H, Hk, Tq, Tk, D)
+    scale = D ** -0.5 if scale is None else float(scale)
+    held = []
+
+    def upload(arr) -> int:
+        ptr = ctx.alloc(max(arr.nbytes, 16))
+        held.append(ptr)
+        ctx.upload(ptr, np.ascontiguousarray(arr))
+        return ptr
+
+    def operand(x) -> Operand:
+        ptr = upload(_bits(x, dtype))
+        return Operand(ptr, (x.shape[1] * x.shape[2] * D, x.shape[2] * D, D))
+
+    def fetch(ptr: int, shape, kind: str):
+        host = np.empty(int(np.prod(shape)), np.float32 if kind == "f32" else np.uint16)
+        ctx.download(host, ptr)
+        return (host.astype(np.float64) if kind == "f32" else _values(host, dtype)).reshape(shape)
+
+    try:
+        ops = [operand(x) for x in (q, k, v)]
+        o, lse = upload(np.zeros(B * H * Tq * D, np.uint16)), upload(np.zeros(B * H * Tq, np.float32))
+        engine.forward(dtype, pb, *ops, o, lse, scale, causal)
+        ctx.synchronize()
+        out = {"o": fetch(o, (B, H, Tq, D), dtype), "lse": fetch(lse, (B, H, Tq), "f32")}
+        if do is None:
+            return out
+        delta = np.float32((rounded(do, dtype) * out["o"]).sum(-1))
+        dop = operand(do)
+        grads = [upload(np.zeros(n * D, np.uint16)) for n in (B * H * Tq, B * Hk * Tk, B * Hk * Tk)]
+        engine.backward(dtype, pb, *ops, dop, lse, upload(delta), *grads, scale, causal)
+        ctx.synchronize()
+        out["delta"] = delta.astype(np.float64)
+        for name, ptr, shape in zip(("dq", "dk", "dv"), grads, ((B, H, Tq, D), (B, Hk, Tk, D), (B, Hk, Tk, D))):
+            out[name] = fetch(ptr, shape, dtype)
+        return out
+    finally:
+        for ptr in held:
+            ctx.free(ptr)
+
+
+def reference(q, k, v, do=None, scale: float | None = None, causal: bool = False) -> dict:
+    """float64 attention (and its gradients given ``do``) with K/V heads shared by groups of query
+    heads; causal rows see keys j <= i.  The oracle of :func:`attention_numpy`."""
+    import numpy as np
+
+    H, Hk, D = q.shape[1], k.shape[1], q.shape[3]
+    scale = D ** -0.5 if scale is None else float(scale)
+    kk, vv = np.repeat(k, H // Hk, axis=1), np.repeat(v, H // Hk, axis=1)
+    s = np.einsum("bhtd,bhsd->bhts", q, kk) * scale
+    if causal:
+        tq, tk = s.shape[-2:]
+        s = np.where(np.arange(tk)[None, :] <= np.arange(tq)[:, None], s, -np.inf)
+    m = s.max(-1, keepdims=True)
+    e = np.exp(s - m)
+    l_ = e.sum(-1, keepdims=True)
+    p = e / l_
+    out = {"o": p @ vv, "lse": (m + np.log(l_))[..., 0]}
+    if do is None:
+        return out
+    dv = np.einsum("bhts,bhtd->bhsd", p, do)
+    dp = do @ vv.transpose(0, 1, 3, 2)
+    ds = p * (dp - (dp * p).sum(-1, keepdims=True))
+    dq = ds @ kk * scale
+    dk = np.einsum("bhts,bhtd->bhsd", ds, q) * scale
+    B, Tk = k.shape[0], k.shape[2]
+    out["dq"] = dq
+    out["dk"] = dk.reshape(B, Hk, H // Hk, Tk, D).sum(2)
+    out["dv"] = dv.reshape(B, Hk, H // Hk, Tk, D).sum(2)
+    return out
+
+
+__all__ = ["DTYPES", "Operand", "Problem", "TensorCoreFlash", "attention_numpy", "flops", "reference", "rounded",
+           "why_not"]

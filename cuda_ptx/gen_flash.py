@@ -352,14 +352,13 @@ class _Flash:
             b.emit("selp.f32", v, v, NEG_INF, p)
 
 
-def _geometry(f: _Flash):
-    """(block index, head, batch) of this CTA: grid (blocks, heads, batches), heavy blocks first
-    where the block count runs in ``ctaid``'s x (causal rows late in T do the most work)."""
+def _geometry(f: _Flash, heads: Reg):
+    """(block index, head, batch) of this CTA: grid (blocks, batches x ``heads``), the last blocks
+    launched first (causal query blocks late in T do the most work)."""
     b = f.b
-    nblk = b.sreg("%nctaid.x")
-    x = b.sreg("%ctaid.x")
-    blk = b.binop("sub", "u32", b.binop("sub", "u32", nblk, 1), x)
-    return blk, b.sreg("%ctaid.y"), b.sreg("%ctaid.z")
+    blk = b.binop("sub", "u32", b.binop("sub", "u32", b.sreg("%nctaid.x"), 1), b.sreg("%ctaid.x"))
+    y = b.sreg("%ctaid.y")
+    return blk, b.binop("rem", "u32", y, heads), b.binop("div", "u32", y, heads)
 
 
 def generate(cfg: FlashConfig) -> Kernel:
@@ -508,10 +507,10 @@ FWD_PARAMS = [("tmap_q", "tmap"), ("tmap_k", "tmap"), ("tmap_v", "tmap"), ("o", 
 
 def _query_block_setup(f: _Flash, p: dict):
     """(m0, head, kv head, batch, causal predicate, key blocks to visit) of a query-block CTA
-    (``fwd``, ``dq``): grid (query blocks, H, B), the last query blocks (the most keys, when
+    (``fwd``, ``dq``): grid (query blocks, B x H), the last query blocks (the most keys, when
     causal) launched first."""
     b, cfg = f.b, f.cfg
-    qblk, head, batch = _geometry(f)
+    qblk, head, batch = _geometry(f, p["H"])
     m0 = b.binop("mul.lo", "u32", qblk, cfg.bm)
     kv_head = b.binop("div", "u32", head, p["group"])
     causal = b.setp("ne", "u32", p["causal"], 0)
@@ -549,7 +548,7 @@ def _forward_consumer(f: _Flash, p: dict, m0, head, batch, causal, n_kv) -> None
     o_acc = f.zeros(f.D // 2)
     m_run = [b.mov("f32", NEG_INF) for _ in range(2)]
     l_run = f.zeros(2)
-    s_acc = [b.reg("f32") for _ in range(cfg.bn // 2)]
+    s_acc = f.zeros(cfg.bn // 2)  # written once so the first scale-d = 0 wgmma reads defined registers
     lims, lim_min = _key_limits(f, rows.rows, rows.first, p["Tk"], causal)
 
     def body(it, slot):
@@ -670,7 +669,7 @@ def _backward_dq(cfg: FlashConfig) -> Kernel:
             delta.append(_row_stat(f, p["delta"], idx, inside, 0.0))
         lims, lim_min = _key_limits(f, rows.rows, rows.first, p["Tk"], causal)
         dq = f.zeros(f.D // 2)
-        s, dp = [b.reg("f32") for _ in range(cfg.bn // 2)], [b.reg("f32") for _ in range(cfg.bn // 2)]
+        s, dp = f.zeros(cfg.bn // 2), f.zeros(cfg.bn // 2)
 
         def body(it, slot):
             k_addr = b.binop("add", "u32", slot, f.in_slot["k"])
@@ -699,13 +698,13 @@ def _backward_dkv(cfg: FlashConfig) -> Kernel:
     """dK and dV of one key block of one K/V head: per query block of every query head sharing it,
     S^T = K Q^T, dP^T = V dO^T, P^T and dS^T = P^T (dP^T - D) with each column's (query's) L and D,
     dV += P^T dO, dK += dS^T Q; dK scaled once at the end.  ``out0`` is dK, ``out1`` dV
-    ([B, H / group, Tk, D]).  Grid (key blocks, K/V heads, B)."""
+    ([B, H / group, Tk, D]).  Grid (key blocks, B x K/V heads)."""
     f = _Flash(cfg)
     b = f.b
     p = f.params(BWD_PARAMS)
     f.layout_shared([("k", cfg.bm), ("v", cfg.bm)], [("q", cfg.bn), ("do", cfg.bn)])
     f.init_barriers(b.sreg("%tid.x"))
-    kblk, kv_head, batch = _geometry(f)
+    kblk, kv_head, batch = _geometry(f, b.binop("div", "u32", p["H"], p["group"]))
     k0 = b.binop("mul.lo", "u32", kblk, cfg.bm)
     causal = b.setp("ne", "u32", p["causal"], 0)
     # query blocks that see this key block: all, or (causal) those from the one holding row k0
@@ -734,7 +733,7 @@ def _backward_dkv(cfg: FlashConfig) -> Kernel:
         rows = _Rows(f, k0)
         k_addr, v_addr = rows.slice_addr(f, "k"), rows.slice_addr(f, "v")
         dk, dv = f.zeros(f.D // 2), f.zeros(f.D // 2)
-        s, dp = [b.reg("f32") for _ in range(cfg.bn // 2)], [b.reg("f32") for _ in range(cfg.bn // 2)]
+        s, dp = f.zeros(cfg.bn // 2), f.zeros(cfg.bn // 2)
 
         def body(it, slot):
             head, q0 = which(it)

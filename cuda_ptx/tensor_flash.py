@@ -70,7 +70,7 @@ def why_not(dtype: str, pb: Problem, operands: list[Operand]) -> str | None:
         return f"head dim {pb.D} (the kernels take {gen_flash.HEAD_DIMS})"
     if pb.Hk < 1 or pb.H % pb.Hk:
         return f"{pb.H} query heads are not a multiple of {pb.Hk} K/V heads"
-    if min(pb.B, pb.H, pb.Tq, pb.Tk) < 1 or max(pb.Tq, pb.Tk, pb.B * pb.H) >= 1 << 31:
+    if min(pb.B, pb.H, pb.Tq, pb.Tk) < 1 or max(pb.Tq, pb.Tk) >= 1 << 31 or pb.B * pb.H > 65535:
         return f"extents B={pb.B} H={pb.H} Tq={pb.Tq} Tk={pb.Tk}"
     for op in operands:
         if op.ptr % 16 or any((s * 2) % 16 or s < 0 for s in op.strides):
@@ -144,7 +144,7 @@ class TensorCoreFlash:
         args = [self._map(dtype, q, pb.H, pb, pb.Tq, cfg.bm), self._map(dtype, k, pb.Hk, pb, pb.Tk, cfg.bn),
                 self._map(dtype, v, pb.Hk, pb, pb.Tk, cfg.bn), ("u64", o), ("u64", lse),
                 *self._dims(pb), ("f32", scale * gen_flash.LOG2E), ("u32", int(causal))]
-        self._launch(kern, (-(-pb.Tq // cfg.bm), pb.H, pb.B), args)
+        self._launch(kern, (-(-pb.Tq // cfg.bm), pb.B * pb.H, 1), args)
 
     def backward(self, dtype: str, pb: Problem, q: Operand, k: Operand, v: Operand, do: Operand, lse: int,
                  delta: int, dq: int | None, dk: int | None, dv: int | None, scale: float, causal: bool) -> None:
@@ -158,7 +158,7 @@ class TensorCoreFlash:
             args = [self._map(dtype, q, pb.H, pb, pb.Tq, bm), self._map(dtype, k, pb.Hk, pb, pb.Tk, bn),
                     self._map(dtype, v, pb.Hk, pb, pb.Tk, bn), self._map(dtype, do, pb.H, pb, pb.Tq, bm),
                     ("u64", lse), ("u64", delta), ("u64", dq), ("u64", 0), *tail]
-            self._launch(kern, (-(-pb.Tq // bm), pb.H, pb.B), args)
+            self._launch(kern, (-(-pb.Tq // bm), pb.B * pb.H, 1), args)
         if dk is not None or dv is not None:
             if dk is None or dv is None:
                 raise ValueError("backward: dk and dv are computed together; pass both addresses")
@@ -167,7 +167,7 @@ class TensorCoreFlash:
             args = [self._map(dtype, q, pb.H, pb, pb.Tq, bn), self._map(dtype, k, pb.Hk, pb, pb.Tk, bm),
                     self._map(dtype, v, pb.Hk, pb, pb.Tk, bm), self._map(dtype, do, pb.H, pb, pb.Tq, bn),
                     ("u64", lse), ("u64", delta), ("u64", dk), ("u64", dv), *tail]
-            self._launch(kern, (-(-pb.Tk // bm), pb.Hk, pb.B), args)
+            self._launch(kern, (-(-pb.Tk // bm), pb.B * pb.Hk, 1), args)
 
     @staticmethod
     def _dims(pb: Problem) -> list:

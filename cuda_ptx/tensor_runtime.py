@@ -162,6 +162,7 @@ class CudaRuntime(Runtime):
         self._success = self.cu.CUresult.CUDA_SUCCESS
         self._pipelines: dict[tuple, int] = {}
         self._tensor_cores = None  # tensor_gemm.TensorCoreGemm on first gemm(), False where there is none
+        self._flash_kernels = None  # tensor_flash.TensorCoreFlash on first flash(), False where there is none
         # run_commands' launches prepared per command list (a graph's replays): id -> (list, slots)
         self._prepared: dict[int, tuple] = {}
         self._stats = {"dispatches": 0, "copies": 0, "fills": 0, "fence_waits": 0}
@@ -397,9 +398,10 @@ class CudaRuntime(Runtime):
         return in_dtype in INPUTS and bool(self._engine())
 
     def gemm(self, a: tuple, b: tuple, c: tuple, m: int, n: int, k: int, in_dtype: str, out_dtype: str,
-             bias: tuple | None = None) -> bool:
+             bias: tuple | None = None, batch: tuple = ()) -> bool:
         """C = A @ B on the tensor cores (``tensor_gemm``: the ladder's wgmma kernel) where this GPU and
-        these operands allow it; False otherwise (see the contract's ``gemm``)."""
+        these operands allow it, every product of ``batch`` in one launch; False otherwise (see the
+        contract's ``gemm``)."""
         if not self.has_gemm(in_dtype):
             return False
         engine = self._engine()
@@ -408,16 +410,90 @@ class CudaRuntime(Runtime):
         osz = 4 if out_dtype == "float32" else 2
         arows, acols = (m, k) if a_major == "k" else (k, m)
         brows, bcols = (k, n) if major == "n" else (n, k)
-        pa = self._address(ha, oa, ((arows - 1) * lda + acols) * isz, "gemm")
-        pb = self._address(hb, ob, ((brows - 1) * ldb + bcols) * isz, "gemm")
-        pc = self._address(hc, oc, ((m - 1) * ldc + n) * osz, "gemm")
+        # each operand's span: its matrix, plus the farthest batch offset from the first
+        reach = [sum((d[0] - 1) * d[i] for d in batch) for i in (1, 2, 3)]
+        pa = self._address(ha, oa, ((arows - 1) * lda + acols + reach[0]) * isz, "gemm")
+        pb = self._address(hb, ob, ((brows - 1) * ldb + bcols + reach[1]) * isz, "gemm")
+        pc = self._address(hc, oc, ((m - 1) * ldc + n + reach[2]) * osz, "gemm")
         pbias = None if bias is None else self._address(bias[0], bias[1], n * isz, "gemm")
-        if not engine.accepts(in_dtype, out_dtype, (pa, lda), (pb, ldb), (pc, ldc), m, n, k, pbias):
+        if not engine.accepts(in_dtype, out_dtype, (pa, lda), (pb, ldb), (pc, ldc), m, n, k, pbias, batch):
             return False
         self._use()
-        timed = self._begin("matmul_wgmma", 2 * m * n * k, (m * k + k * n) * isz + m * n * osz) if self._timing else None
-        engine.run(in_dtype, out_dtype, (pa, lda), a_major, (pb, ldb), major, (pc, ldc), m, n, k, pbias)
+        products = 1
+        for d in batch:
+            products *= d[0]
+        timed = (self._begin("matmul_wgmma", 2 * m * n * k * products,
+                             products * ((m * k + k * n) * isz + m * n * osz)) if self._timing else None)
+        engine.run(in_dtype, out_dtype, (pa, lda), a_major, (pb, ldb), major, (pc, ldc), m, n, k, pbias, batch)
         self._stats["dispatches"] += 1
+        if timed is not None:
+            self._end(timed)
+        return True
+
+    def _flash_engine(self):
+        """The tensor-core flash kernels (``tensor_flash.TensorCoreFlash``), or False where this GPU has
+        none or HELIOS_TENSOR_CORES=0 (decided once, at first use)."""
+        if self._flash_kernels is None:
+            from . import tensor_flash, tensor_gemm
+
+            self._flash_kernels = (tensor_flash.TensorCoreFlash(self.ctx)
+                                   if tensor_gemm.enabled() and tensor_gemm.runs_on(self.ctx) else False)
+        return self._flash_kernels
+
+    def has_flash(self, dtype: str, head_dim: int) -> bool:
+        """Whether bf16 / fp16 attention can go to the tensor-core flash kernels here (sm_90, not
+        switched off); other head dims run the SIMT kernel, said once at ``HELIOS_DEBUG=1``."""
+        from . import tensor_flash
+
+        if dtype not in tensor_flash.DTYPES or not self._flash_engine():
+            return False
+        if head_dim not in tensor_flash.gen_flash.HEAD_DIMS:
+            _debug.log_choice(f"flash attention: head dim {head_dim} runs the SIMT kernel (flash_attn); the "
+                              f"tensor-core kernels take {tensor_flash.gen_flash.HEAD_DIMS}")
+            return False
+        return True
+
+    def flash(self, pass_: str, dtype: str, problem: tuple, inputs: tuple, outputs: tuple, scale: float,
+              causal: bool) -> bool:
+        """Flash attention on the tensor cores (``tensor_flash``: the ``gen_flash`` kernels) where
+        these operands allow it; False otherwise (see the contract's ``flash``)."""
+        from . import tensor_flash as tf
+
+        if not self.has_flash(dtype, problem[5]):
+            return False
+        engine = self._flash_engine()
+        pb = tf.Problem(*problem)
+        n_ops = 3 if pass_ == "fwd" else 4
+        isz = 2
+        ops = []
+        for i, (h, off, strides) in enumerate(inputs[:n_ops]):
+            heads, t_len = (pb.H, pb.Tq) if i in (0, 3) else (pb.Hk, pb.Tk)
+            span = sum((n - 1) * s for n, s in zip((pb.B, heads, t_len), strides)) + pb.D  # elements it reaches
+            ops.append(tf.Operand(self._address(h, off, span * isz, "flash"), tuple(strides)))
+        why = tf.why_not(dtype, pb, ops)
+        if why is not None:
+            _debug.log_choice(f"flash attention {pass_}: {why}: runs the SIMT kernel (flash_attn)")
+            return False
+        rows_q, rows_k = pb.B * pb.H * pb.Tq, pb.B * pb.Hk * pb.Tk
+        self._use()
+        if pass_ == "fwd":
+            (ho, oo), (hl, ol) = outputs
+            o = self._address(ho, oo, rows_q * pb.D * isz, "flash")
+            lse = self._address(hl, ol, rows_q * 4, "flash")
+            timed = self._begin("flash_wgmma_fwd", tf.flops(pb, causal), (2 * rows_q + 2 * rows_k) * pb.D * isz) \
+                if self._timing else None
+            engine.forward(dtype, pb, *ops, o, lse, scale, causal)
+        else:
+            (hl, ol), (hd, od) = inputs[4], inputs[5]
+            lse = self._address(hl, ol, rows_q * 4, "flash")
+            delta = self._address(hd, od, rows_q * 4, "flash")
+            sizes = (rows_q, rows_k, rows_k)
+            outs = [None if t is None else self._address(t[0], t[1], n * pb.D * isz, "flash")
+                    for t, n in zip(outputs, sizes)]
+            timed = self._begin("flash_wgmma_bwd", tf.flops(pb, causal, backward=True),
+                                (3 * rows_q + 4 * rows_k) * pb.D * isz) if self._timing else None
+            engine.backward(dtype, pb, *ops, lse, delta, *outs, scale, causal)
+        self._stats["dispatches"] += 1 if pass_ == "fwd" else sum(x is not None for x in outputs[:2])
         if timed is not None:
             self._end(timed)
         return True
@@ -443,7 +519,7 @@ class CudaRuntime(Runtime):
         slots = entry[1]
         if len(slots) != len(commands):  # the list changed length: prepare it afresh
             slots[:] = [None] * len(commands)
-        others = (None, self.copy, self.fill, self.gemm)
+        others = (None, self.copy, self.fill, self.gemm, self.flash)
         launch, ok = self.cu.cuLaunchKernel, self._success
         self._use()
         n = 0

@@ -50,8 +50,8 @@ from abc import ABC, abstractmethod
 # The memory pools every backend accounts separately (by lifetime), as pool_stats() keys.
 POOLS = ("weights", "activations", "staging")
 
-# The kinds of command run_commands() takes: (kind, the arguments of dispatch / copy / fill / gemm).
-DISPATCH, COPY, FILL, GEMM = 0, 1, 2, 3
+# The kinds of command run_commands() takes: (kind, the arguments of dispatch / copy / fill / gemm / flash).
+DISPATCH, COPY, FILL, GEMM, FLASH = 0, 1, 2, 3, 4
 
 
 class Runtime(ABC):
@@ -138,7 +138,7 @@ class Runtime(ABC):
         return False
 
     def gemm(self, a: tuple, b: tuple, c: tuple, m: int, n: int, k: int, in_dtype: str, out_dtype: str,
-             bias: tuple | None = None) -> bool:
+             bias: tuple | None = None, batch: tuple = ()) -> bool:
         """C = A @ B (+ bias) on the device's matrix engine, where it has one for this product; returns
         whether it recorded it (False: nothing was done, the caller runs its generic kernel).
 
@@ -147,14 +147,39 @@ class Runtime(ABC):
         byte offset, row pitch, major): ``"n"`` for row-major ``K x N``, ``"k"`` for its transpose
         stored row-major ``N x K``; ``c`` = (handle, byte offset, row pitch) of row-major ``M x N``.
         ``bias`` = (handle, byte offset) of an N-vector of ``in_dtype`` added to every row before C
-        is rounded.  ``in_dtype`` / ``out_dtype`` are Helios dtype names.  None by default."""
+        is rounded.  ``batch``: a batch of such products, all in one call: one ``(extent, A's stride,
+        B's stride, C's stride)`` per batch dimension, outermost first, strides in elements from
+        the offsets above (0: that operand is broadcast along the dimension; C's is never 0);
+        ``()``, the default, is one product.  ``in_dtype`` / ``out_dtype`` are Helios dtype names.
+        None by default."""
+        return False
+
+    def has_flash(self, dtype: str, head_dim: int) -> bool:
+        """Whether :meth:`flash` may take attentions of this dtype (a Helios dtype name) and head
+        dim at all, so callers prepare operands for it only then.  False by default."""
+        return False
+
+    def flash(self, pass_: str, dtype: str, problem: tuple, inputs: tuple, outputs: tuple, scale: float,
+              causal: bool) -> bool:
+        """Flash attention on the device's own kernels (tensor cores), where it has them for these
+        operands; returns whether it recorded the work (False: nothing was done, the caller runs
+        its generic kernel).  ``dtype``: the operands' Helios dtype name.  ``problem`` = (B, H, Hk, Tq, Tk, D): H query heads share Hk K/V
+        heads (grouped-query attention when Hk < H).  Operands are (handle, byte offset,
+        (stride B, stride H, stride T) in elements) of [B, heads, T, D] tensors with D's stride 1;
+        outputs (and L, D) are (handle, byte offset) of contiguous tensors.
+
+        ``pass_ = "fwd"``: inputs (q, k, v), outputs (O [B, H, Tq, D] in q's dtype, L float32
+        [B, H, Tq], the log-sum-exp of each row's scaled scores).  ``pass_ = "bwd"``: inputs
+        (q, k, v, dO, L, D = rowsum(dO * O)), outputs (dQ, dK, dV), dK and dV with K's heads; a
+        None output is not computed (dK and dV come together).  Deterministic: the same inputs
+        give the same bits.  False by default."""
         return False
 
     def run_commands(self, commands) -> None:
         """Issue recorded commands in order: ``(DISPATCH, dispatch's arguments)``, ``(COPY, copy's)``,
-        ``(FILL, fill's)``, ``(GEMM, gemm's)`` (``helios.graph``'s replay).  A backend may override
+        ``(FILL, fill's)``, ``(GEMM, gemm's)``, ``(FLASH, flash's)`` (``helios.graph``'s replay).  A backend may override
         this with a tighter loop."""
-        calls = (self.dispatch, self.copy, self.fill, self.gemm)
+        calls = (self.dispatch, self.copy, self.fill, self.gemm, self.flash)
         for kind, args in commands:
             calls[kind](*args)
 

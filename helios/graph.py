@@ -54,6 +54,7 @@ import numpy as np
 from helios.backend import COPY as _COPY  # a recorded command: (kind, the runtime call's arguments)
 from helios.backend import DISPATCH as _DISPATCH
 from helios.backend import FILL as _FILL
+from helios.backend import FLASH as _FLASH
 from helios.backend import GEMM as _GEMM
 from helios.errors import HeliosError, ShapeError
 
@@ -207,12 +208,20 @@ class Graph:
         self._handles.add(handle)
         self.ops.append((_FILL, (handle, offset, nbytes, word)))
 
-    def _gemm(self, a, b, c, m, n, k, in_dtype, out_dtype, bias=None):
-        took = self._real["gemm"](a, b, c, m, n, k, in_dtype, out_dtype, bias)
+    def _gemm(self, a, b, c, m, n, k, in_dtype, out_dtype, bias=None, batch=()):
+        took = self._real["gemm"](a, b, c, m, n, k, in_dtype, out_dtype, bias, batch)
         if took:  # a product the matrix engine declined was not recorded: the caller's kernel is
             self._handles.update((a[0], b[0], c[0]) + ((bias[0],) if bias is not None else ()))
             self.ops.append((_GEMM, (tuple(a), tuple(b), tuple(c), m, n, k, in_dtype, out_dtype,
-                                     None if bias is None else tuple(bias))))
+                                     None if bias is None else tuple(bias), tuple(tuple(d) for d in batch))))
+        return took
+
+    def _flash(self, pass_, dtype, problem, inputs, outputs, scale, causal):
+        took = self._real["flash"](pass_, dtype, problem, inputs, outputs, scale, causal)
+        if took:  # declined: the caller's own kernels are recorded instead
+            outs = tuple(None if o is None else tuple(o) for o in outputs)
+            self._handles.update(t[0] for t in (*inputs, *outs) if t is not None)
+            self.ops.append((_FLASH, (pass_, dtype, tuple(problem), tuple(tuple(t) for t in inputs), outs, scale, causal)))
         return took
 
     def _alloc(self, nbytes, pool="activations"):
@@ -240,7 +249,7 @@ class Graph:
 
     # The contract's methods a capture stands in for (``free`` is _Holds'; host writes are
     # constants an op uploads for itself, kept: the public upload paths refuse first).
-    _INTERPOSED = ("dispatch", "copy", "fill", "gemm", "alloc", "read", "map")
+    _INTERPOSED = ("dispatch", "copy", "fill", "gemm", "flash", "alloc", "read", "map")
 
     def _begin(self) -> None:
         rt = self.rt
@@ -276,6 +285,9 @@ class Graph:
                     return True
             elif kind == _GEMM:
                 if args[2][0] == h:
+                    return True
+            elif kind == _FLASH:
+                if any(o is not None and o[0] == h for o in args[4]):
                     return True
             elif (args[2] if kind == _COPY else args[0]) == h:
                 return True

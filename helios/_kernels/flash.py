@@ -47,14 +47,81 @@ def _fa_cpu(rt) -> bool:
 
 
 def flash_attn_supported(q: Tensor, k: Tensor, v: Tensor) -> bool:
-    """Whether the flash kernel takes these [B, H, T, D] operands: one float dtype, a compiled
-    head dim shared by q, k and v, the same B and H, non-empty, and B * H within one dispatch."""
+    """Whether the flash kernels take these [B, H, T, D] operands: one float dtype, a compiled
+    head dim shared by q, k and v, the same B and H, non-empty, and B * H within one dispatch.
+    k and v may have fewer heads than q (grouped-query attention, each shared by H / Hk query
+    heads) where the device's tensor-core flash kernels run them (they read the shared head in
+    place; the SIMT kernel needs as many heads as q)."""
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4 or q._st.rt.is_host:
         return False
     B, H, Tq, D = q.shape
+    Hk = k.shape[1]
+    heads_ok = Hk == H or (0 < Hk and H % Hk == 0 and _engine_takes(q, k, v))
     return (q.dtype is k.dtype is v.dtype and q.dtype.kind == "float" and D in FLASH_HEAD_DIMS
-            and k.shape[:2] == v.shape[:2] == (B, H) and k.shape[3] == v.shape[3] == D and k.shape[2] == v.shape[2]
+            and k.shape[0] == v.shape[0] == B and v.shape[1] == Hk and heads_ok
+            and k.shape[3] == v.shape[3] == D and k.shape[2] == v.shape[2]
             and Tq > 0 and k.shape[2] > 0 and 0 < B * H <= 65535)
+
+
+# -- the device's own flash kernels (tensor cores: cuda:N on Hopper) ---------------------------
+
+
+def _engine_operand(t: Tensor) -> tuple:
+    """(handle, byte offset, element strides of B, H, T) of a [B, H, T, D] operand (D's stride 1)."""
+    return (t._st.handle, t._off * t.dtype.itemsize, tuple(t._strides[:3]))
+
+
+def _engine_out(t: Tensor) -> tuple:
+    """(handle, byte offset) of a contiguous output."""
+    return (t._st.handle, t._off * t.dtype.itemsize)
+
+
+def _engine_takes(q: Tensor, k: Tensor, v: Tensor, block_mask=None) -> bool:
+    """Whether the runtime's flash engine may take these operands at all (its dtype and head dim,
+    no block mask, unit head-dim strides); the engine checks addresses and strides itself."""
+    rt = q._st.rt
+    if block_mask is not None or not rt.has_flash(q.dtype.name, q.shape[-1]):
+        return False
+    return all(t._strides[-1] == 1 or t.shape[-1] == 1 for t in (q, k, v))
+
+
+def _problem(q: Tensor, k: Tensor) -> tuple:
+    """(B, H, Hk, Tq, Tk, D) of an attention."""
+    B, H, Tq, D = q.shape
+    return (B, H, k.shape[1], Tq, k.shape[2], D)
+
+
+def _engine_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, block_mask):
+    """(O, L) from the device's flash engine, or None where it declines (the caller runs flash_attn)."""
+    if not _engine_takes(q, k, v, block_mask):
+        return None
+    rt = q._st.rt
+    B, H, Tq, D = q.shape
+    o = empty((B, H, Tq, D), q.dtype, rt)
+    lse = empty((B, H, Tq), dt.float32, rt)
+    if _run_engine("fwd", (q, k, v), (), (o, lse), scale, causal):
+        return o, lse
+    return None
+
+
+def _run_engine(pass_: str, qkvg: tuple, stats: tuple, outs: tuple, scale: float, causal: bool) -> bool:
+    """Hand one pass to the runtime's flash engine: ``qkvg`` the [B, H, T, D] operands (q, k, v
+    and, backward, dO), ``stats`` contiguous L and D, ``outs`` the outputs (None: not wanted).
+    Where it declines grouped-query operands (bases or strides TMA cannot read), it runs on
+    contiguous copies: the SIMT kernel cannot share K/V heads."""
+    q, k = qkvg[0], qkvg[1]
+    rt = q._st.rt
+    args = (pass_, q.dtype.name, _problem(q, k), tuple(_engine_operand(t) for t in qkvg) + tuple(_engine_out(t) for t in stats),
+            tuple(None if t is None else _engine_out(t) for t in outs), float(scale), bool(causal))
+    if rt.flash(*args):
+        return True
+    if k.shape[1] == q.shape[1]:
+        return False
+    copies = tuple(kern.copy(t) for t in qkvg)
+    if not rt.flash(*args[:3], tuple(_engine_operand(t) for t in copies) + args[3][len(qkvg):], *args[4:]):
+        raise RuntimeError(f"flash attention: the tensor-core kernel declined grouped-query operands {args[2]} "
+                           "even as contiguous copies, and the SIMT kernel needs as many K/V heads as query heads")
+    return True
 
 
 def _fa_operand(t: Tensor) -> Tensor:
@@ -195,6 +262,9 @@ def flash_attn_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, 
     ``causal``: query i sees keys j <= i.  Nothing of size T x T is allocated.
     ``block_mask`` (a FlashBlockMask built for these Tq, Tk and ``causal``, shared by every
     batch and head): only its blocks are computed, the others skipped whole."""
+    took = _engine_fwd(q, k, v, scale, causal, block_mask)
+    if took is not None:
+        return took
     fl = _FlashLaunch(q, k, v, scale, causal, block_mask)
     rt, B, H, Tq, D = fl.rt, fl.B, fl.H, fl.Tq, fl.D
     o = empty((B, H, Tq, D), q.dtype, rt)
@@ -216,10 +286,12 @@ def flash_attn_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, g: T
     (their results are None).  ``block_mask``: the forward's.  ``dlse`` (float32 [B, H, Tq]):
     the gradient reaching L itself, for callers that use L (dL/ds_ij = P_ij adds dlse * P to
     dS: the kernel's D = rowsum(dO * O) becomes D - dlse)."""
-    fl = _FlashLaunch(q, k, v, scale, causal, block_mask)
-    rt, B, H, Tq, Tk, D = fl.rt, fl.B, fl.H, fl.Tq, fl.Tk, fl.D
     if not g.is_contiguous() or g._off % 4:
         g = kern.copy(g)
+    engine = _engine_takes(q, k, v, block_mask)
+    # the preprocess pass reads only O and dO: with K/V heads shared (GQA) it is launched over q
+    fl = _FlashLaunch(q, q if engine else k, q if engine else v, scale, causal, block_mask)
+    rt, B, H, Tq, Tk, D = fl.rt, fl.B, fl.H, fl.Tq, k.shape[2], fl.D
     (bo, oo), (bg, og) = bind(o), bind(g)
     bl = bind(lse)[0]
     isz = q.dtype.itemsize
@@ -238,6 +310,11 @@ def flash_attn_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, g: T
         pre[5] = bd
     fl.dispatch(_FA_PRE, rows, pre, oo, og, "flash_attn_bwd_pre", 2 * rows * D + (rows if dlse is not None else 0),
                 2 * rows * D * isz + rows * (8 if dlse is not None else 4), per_head=False, dlse=dlse is not None)
+    if engine:
+        took = _engine_bwd(q, k, v, g, lse, dsum, scale, causal, need_q, need_kv)
+        if took is not None:
+            return took
+        fl = _FlashLaunch(q, k, v, scale, causal, block_mask)  # the SIMT passes read K and V
     pairs = B * H * fl.pairs()
     dq = dk = dv = None
     stats = {4: bg, 5: bl, 6: bind(dsum)[0]}
@@ -251,3 +328,18 @@ def flash_attn_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, g: T
         fl.dispatch(_FA_DKV, Tk, {**stats, 8: bind(dk, True)[0], 9: bind(dv, True)[0]}, oo, og, "flash_attn_bwd_dkv",
                     8 * pairs * D, B * H * (2 * Tq + 2 * Tk + 2 * fl.key_rows()) * D * isz)
     return dq, dk, dv
+
+
+def _engine_bwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, lse: Tensor, dsum: Tensor, scale: float, causal: bool,
+                need_q: bool, need_kv: bool):
+    """(dQ, dK, dV) from the device's flash engine given L and D = rowsum(dO * O), or None where
+    it declines.  dK and dV have K's heads (a GQA group's gradients summed in the kernel)."""
+    rt = q._st.rt
+    if not lse.is_contiguous():
+        lse = kern.copy(lse)
+    dq = empty(q.shape, q.dtype, rt) if need_q else None
+    dk = empty(k.shape, k.dtype, rt) if need_kv else None
+    dv = empty(v.shape, v.dtype, rt) if need_kv else None
+    if _run_engine("bwd", (q, k, v, g), (lse, dsum), (dq, dk, dv), scale, causal):
+        return dq, dk, dv
+    return None

@@ -75,6 +75,9 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
         hq, hk = query.shape[-3], key.shape[-3]
         if hq % hk:
             raise ShapeError(f"scaled_dot_product_attention: {hq} query heads are not a multiple of {hk} key/value heads")
+        if attn_mask is None and dropout_p == 0.0 and query.ndim == 4 and key.ndim == value.ndim == 4 \
+                and K.flash_attn_supported(query, key, value):  # kernels that share K/V heads: no copies
+            return _FlashAttention.apply(query, key, value, s, bool(is_causal))
         key = F.repeat_interleave(key, hq // hk, dim=-3)
         value = F.repeat_interleave(value, hq // hk, dim=-3)
     if (attn_mask is None and dropout_p == 0.0 and not query._st.rt.is_host and query.dtype is key.dtype is value.dtype

@@ -1,0 +1,164 @@
+"""Tensor-core flash attention (helios.cuda_ptx.gen_flash / tensor_flash): the gate, numerics on the
+emulated sm_90 driver against float64 attention, determinism, and the cuda:N device's SDPA taking it.
+
+The emulated driver runs the very PTX ptxas gets (TMA, mbarriers, wgmma with A in registers), so
+a wrong parity, a missing wait or a wrong layout shows here without a GPU.  The ``gpu`` cases run
+the same checks on a real Hopper GPU when one is present."""
+
+import numpy as np
+import pytest
+
+import helios as hl
+import helios.nn.functional as F
+from helios.cuda_ptx import driver, gate, gen_flash, toolchain
+from helios.cuda_ptx import tensor_flash as tf
+from helios.cuda_ptx.emu_driver import emulated_context
+
+needs_ptxas = pytest.mark.skipif(toolchain.find_tool("ptxas") is None, reason="ptxas is not installed")
+needs_sass = pytest.mark.skipif(toolchain.find_tool("cuobjdump") is None and toolchain.find_tool("nvdisasm") is None,
+                                reason="neither cuobjdump nor nvdisasm is installed")
+
+
+@needs_ptxas
+@needs_sass
+@pytest.mark.parametrize("name", list(gate.flash_gate_configs()))
+def test_gate_compiles_every_flash_kernel_clean(name):
+    """ptxas for sm_90a: no spills, no serialisation or injected-wait notes, HGMMA for both products,
+    4-D TMA loads, setmaxnreg and the SFU's ex2 in the SASS (numerics are checked below)."""
+    rep = gate.run_flash_gate(gate.flash_gate_configs()[name], emulate=False)
+    assert rep.ok, rep.failures
+
+
+def _inputs(B, H, Hk, Tq, Tk, D, seed=0):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((B, H, Tq, D))
+    k, v = rng.standard_normal((B, Hk, Tk, D)), rng.standard_normal((B, Hk, Tk, D))
+    return q, k, v, rng.standard_normal((B, H, Tq, D))
+
+
+def _check(got, q, k, v, do, causal, dtype):
+    r = [tf.rounded(x, dtype) for x in (q, k, v, do)]
+    want = tf.reference(*r, causal=causal)
+    # P and dS are rounded to the 16-bit type before the second products: a few units of its
+    # precision relative to the largest value (fp16 has 3 more mantissa bits than bf16)
+    rel = 8e-3 if dtype == "bfloat16" else 1.5e-3
+    for key in ("o", "dq", "dk", "dv"):
+        err = np.abs(got[key] - want[key]).max()
+        assert err <= rel * np.abs(want[key]).max(), (key, err, np.abs(want[key]).max())
+    np.testing.assert_allclose(got["lse"], want["lse"], rtol=0, atol=1e-5)
+
+
+# (B, H, Hk, Tq, Tk, D, causal, dtype): tails everywhere (no length is a block multiple), grouped-
+# query heads, Tq != Tk both ways, the K/V ring wrapping (3 key blocks through 2 slots), both head
+# dims and dtypes.
+CASES = [
+    (1, 2, 1, 100, 100, 64, True, "bfloat16"),
+    (2, 2, 2, 70, 150, 128, False, "float16"),
+    (1, 2, 1, 130, 300, 128, True, "bfloat16"),
+    (1, 1, 1, 300, 130, 64, False, "float16"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"B{c[0]}H{c[1]}Hk{c[2]}T{c[3]}S{c[4]}D{c[5]}{'c' if c[6] else ''}-{c[7]}"
+                                             for c in CASES])
+def test_forward_and_backward_match_float64_on_the_emulator(case):
+    B, H, Hk, Tq, Tk, D, causal, dtype = case
+    q, k, v, do = _inputs(B, H, Hk, Tq, Tk, D)
+    got = tf.attention_numpy(emulated_context(sm_count=4), q, k, v, do, causal=causal, dtype=dtype)
+    _check(got, q, k, v, do, causal, dtype)
+
+
+def test_reruns_are_bit_identical_whatever_the_warp_order():
+    """No atomics: dQ is summed in one warpgroup's registers and dK, dV likewise, so another warp
+    schedule (another emulator seed) and TMA landing order give the same bits."""
+    q, k, v, do = _inputs(1, 2, 1, 100, 100, 64, seed=3)
+    runs = [tf.attention_numpy(emulated_context(sm_count=2, seed=s), q, k, v, do, causal=True) for s in (1, 2)]
+    for key in ("o", "lse", "dq", "dk", "dv"):
+        assert np.array_equal(runs[0][key], runs[1][key]), key
+
+
+def test_a_config_over_the_register_or_shared_budget_is_refused():
+    with pytest.raises(Exception, match="head_dim"):
+        gen_flash.FlashConfig(head_dim=96).validate()
+    with pytest.raises(Exception, match="shared memory"):
+        gen_flash.generate(gen_flash.FlashConfig(head_dim=128, bn=256, stages=4))
+
+
+def test_why_not_names_what_the_kernels_do_not_take():
+    pb = tf.Problem(1, 4, 3, 64, 64, 64)
+    assert "multiple" in tf.why_not("bfloat16", pb, [])
+    assert "head dim 96" in tf.why_not("bfloat16", tf.Problem(1, 1, 1, 64, 64, 96), [])
+    assert "16 bytes" in tf.why_not("bfloat16", tf.Problem(1, 1, 1, 64, 64, 64), [tf.Operand(0x1000, (0, 0, 68))])
+    assert tf.why_not("float32", tf.Problem(1, 1, 1, 64, 64, 64), []).startswith("dtype")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES + [(2, 8, 2, 1000, 1000, 128, True, "bfloat16"),
+                                          (1, 4, 4, 2048, 2048, 64, False, "bfloat16")])
+def test_forward_and_backward_on_the_gpu(case):
+    ok, why = driver.driver_status()
+    if not ok:
+        pytest.skip(why)
+    ctx = driver.context()
+    if tuple(ctx.cc) != (9, 0):
+        pytest.skip(f"the wgmma kernels need sm_90, this GPU is sm_{ctx.cc[0]}{ctx.cc[1]}")
+    B, H, Hk, Tq, Tk, D, causal, dtype = case
+    q, k, v, do = _inputs(B, H, Hk, Tq, Tk, D)
+    got = tf.attention_numpy(ctx, q, k, v, do, causal=causal, dtype=dtype)
+    _check(got, q, k, v, do, causal, dtype)
+    again = tf.attention_numpy(ctx, q, k, v, do, causal=causal, dtype=dtype)
+    for key in ("o", "dq", "dk", "dv"):
+        assert np.array_equal(got[key], again[key]), key
+
+
+@pytest.fixture
+def cuda0(monkeypatch):
+    """The emulated cuda:0 as the current device, with the flash passes its tensor cores took."""
+    from helios.runtime import close_device, get_runtime, set_device
+
+    monkeypatch.setenv("HELIOS_CUDA_DEVICE", "emulator")
+    before = get_runtime().name
+    close_device("cuda:0")
+    driver.context.cache_clear()
+    set_device("cuda:0")
+    rt = get_runtime()
+    took = []
+    real = type(rt).flash
+
+    def counted(self, pass_, *args):
+        ok = real(self, pass_, *args)
+        took.append((pass_, ok))
+        return ok
+
+    monkeypatch.setattr(type(rt), "flash", counted)
+    yield took
+    set_device(before)
+    close_device("cuda:0")
+    driver.context.cache_clear()
+
+
+@pytest.mark.vulkan
+@pytest.mark.parametrize("gqa", [False, True], ids=["mha", "gqa"])
+def test_sdpa_on_cuda0_runs_the_tensor_core_kernels(cuda0, gqa):
+    """F.scaled_dot_product_attention of bf16 cuda:0 tensors goes to the wgmma kernels forward and
+    backward (K/V heads shared in place with enable_gqa), q, k, v being per-head views of one packed
+    [B, T, 3, H, D] tensor as a GPT's attention makes them; values and gradients match float64."""
+    B, H, T, D = 1, 2, 80, 64
+    Hk = 1 if gqa else H
+    rng = np.random.default_rng(5)
+    packed = rng.standard_normal((B, T, H + 2 * Hk, D)).astype(np.float32)
+    x = hl.tensor(packed).to(hl.bfloat16).requires_grad_(True)
+    q, k, v = (x[:, :, a:b].transpose(1, 2) for a, b in ((0, H), (H, H + Hk), (H + Hk, H + 2 * Hk)))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    do = rng.standard_normal((B, H, T, D)).astype(np.float32)
+    (out.float() * hl.tensor(do)).sum().backward()
+    assert [p for p, ok in cuda0 if ok] == ["fwd", "bwd"], cuda0
+    r = tf.rounded(packed)
+    qn, kn, vn = (r[:, :, a:b].transpose(0, 2, 1, 3) for a, b in ((0, H), (H, H + Hk), (H + Hk, H + 2 * Hk)))
+    want = tf.reference(qn, kn, vn, do, causal=True)
+    got_o = out.float().numpy()
+    assert np.abs(got_o - want["o"]).max() <= 8e-3 * np.abs(want["o"]).max()
+    g = x.grad.float().numpy()
+    for name, (a, b) in (("dq", (0, H)), ("dk", (H, H + Hk)), ("dv", (H + Hk, H + 2 * Hk))):
+        got = g[:, :, a:b].transpose(0, 2, 1, 3)
+        assert np.abs(got - want[name]).max() <= 1e-2 * np.abs(want[name]).max(), name

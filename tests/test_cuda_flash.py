@@ -179,3 +179,36 @@ def test_a_captured_attention_replays_on_new_inputs(cuda0):
     g.replay(hl.tensor(q1).to(hl.bfloat16))
     fresh = F.scaled_dot_product_attention(hl.tensor(q1).to(hl.bfloat16), k, k, is_causal=True)
     assert np.array_equal(out.float().numpy(), fresh.float().numpy())
+
+
+@pytest.mark.vulkan
+def test_bf16_gpt_trains_on_cuda0_through_the_tensor_core_attention(cuda0):
+    """A bf16-autocast GPT (head dim 64) on the emulated cuda:0 takes the wgmma flash kernels in both
+    directions even below FLASH_MIN_TRAIN_T, and its losses are the Vulkan device's (the SIMT flash
+    kernel on the same bf16 values) to bf16 noise."""
+    from helios.nn import GPT, GPTConfig
+    from helios.optim import AdamW
+    from helios.runtime import get_runtime, set_device
+
+    def losses(device):
+        set_device(device)
+        cfg = GPTConfig(vocab_size=64, block_size=32, n_layer=1, n_head=2, n_embd=128, dropout=0.0)
+        hl.manual_seed(0)
+        model = GPT(cfg, seed=0)
+        opt = AdamW(model.parameters(), lr=3e-3)
+        data = np.random.default_rng(1).integers(0, 64, (2, 4, 33))
+        out = []
+        for s in range(2):
+            with hl.amp.autocast(dtype=hl.bfloat16):
+                _, loss = model(hl.tensor(data[s, :, :-1]), hl.tensor(data[s, :, 1:]))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            out.append(loss.item())
+        return out
+
+    cuda = losses("cuda:0")
+    assert [p for p, ok in cuda0 if ok] == ["fwd", "bwd"] * 2, cuda0
+    np.testing.assert_allclose(cuda, losses("vulkan:0"), rtol=2e-3)
+    set_device("cuda:0")
+    assert get_runtime().name == "cuda:0"

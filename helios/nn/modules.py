@@ -748,7 +748,7 @@ class CausalSelfAttention(Module):
 
             segments, dilations = self.sparse_pattern
             y = dilated_attention(q, k, v, segments=segments, dilations=dilations, is_causal=True)
-        elif self._flash(T):
+        elif self._flash(q):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             # scale, causal mask (query i sees keys 0..i) and softmax in one kernel
@@ -757,10 +757,17 @@ class CausalSelfAttention(Module):
         y = y.transpose(1, 2).reshape(B, T, C)
         return _project(self.c_proj, self.resid_dropout, y, residual)
 
-    def _flash(self, T: int) -> bool:
+    def _flash(self, q: Tensor) -> bool:
+        """Whether the attention of ``q`` ([B, H, T, D]) runs the flash kernel: always with "flash",
+        with "auto" at inference, from FLASH_MIN_TRAIN_T tokens, or wherever the device has its own
+        (tensor-core) flash kernels for q's dtype and head dim."""
         if self.attention == "dense" or (self.training and self.attn_dropout.p > 0):
             return False
-        return self.attention == "flash" or not is_grad_enabled() or T >= FLASH_MIN_TRAIN_T
+        if self.attention == "flash" or not is_grad_enabled() or q.shape[2] >= FLASH_MIN_TRAIN_T:
+            return True
+        from helios.runtime import get_runtime
+
+        return get_runtime(q.device).has_flash(q.dtype.name, q.shape[3])
 
 
 class MLP(Module):

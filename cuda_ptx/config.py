@@ -62,6 +62,14 @@ class GemmConfig:
     of C in the epilogue, in fp32 before C is rounded to the output dtype: a Linear layer's
     ``x @ W^T + b`` in one kernel.  It takes two more parameters, the vector's address and
     length (columns past it add 0).
+    ``batched`` = d > 0 (persistent wgmma with ``tma_store``, no clusters) computes a batch of
+    products in one launch: ``d`` batch dimensions (1..3, TMA's rank limit of 5 less the two matrix
+    dimensions), each operand's tensor maps ``2 + d``-dimensional with the batch indices as their
+    outer coordinates, so every operand has its own batch strides.  The tile walk runs over
+    (batch, tile) with the batch outermost.  Kernel parameters ``batch0 .. batch{d-1}`` (the
+    extents, outermost first) and ``batch_mask`` follow: bit ``2 i`` (A) or ``2 i + 1`` (B) is set
+    when that operand has batch dimension ``i``; a broadcast operand (its bit clear) always loads
+    batch coordinate 0 of a map whose extent there is 1 (TMA strides of 0 are not relied on).
     """
 
     name: str
@@ -85,6 +93,7 @@ class GemmConfig:
     tma_store: bool = False
     cluster: int = 1
     bias: bool = False
+    batched: int = 0
 
     # -- derived --------------------------------------------------------------------
     @property
@@ -121,6 +130,7 @@ class GemmConfig:
             f"{f'_f{self.inflight}' if self.inflight else ''}{f'_g{self.group_m}' if self.group_m else ''}"
             f"{'_p' if self.persistent else ''}{'_ts' if self.tma_store else ''}"
             f"{f'_x{self.cluster}' if self.cluster > 1 else ''}{'_bias' if self.bias else ''}"
+            f"{f'_B{self.batched}' if self.batched else ''}"
         )
 
     def flops(self, m: int, n: int, k: int) -> int:
@@ -182,6 +192,11 @@ class GemmConfig:
         if self.bias and not (self.kind == "wgmma" and self.tma_store and self.in_bytes == 2):
             raise ValueError("bias (an N-vector added in the epilogue) is generated for 16-bit wgmma configs with "
                              "tma_store only")
+        if not 0 <= self.batched <= 3:
+            raise ValueError(f"batched must be 0..3 batch dimensions (TMA maps have at most 5), got {self.batched}")
+        if self.batched and not (self.kind == "wgmma" and self.persistent and self.tma_store and self.cluster == 1):
+            raise ValueError("batched products are generated for persistent wgmma configs with tma_store and no "
+                             "clusters only (their tile walk carries the batch index; C is stored by coordinates)")
         if self.persistent and not (self.kind == "wgmma" and self.producer):
             raise ValueError("persistent needs the warp-specialised wgmma layout (kind='wgmma', producer=True)")
         if self.cluster not in (1, 2):

@@ -120,13 +120,24 @@ def emulate_gemm(a: np.ndarray, b: np.ndarray, variant: str | GemmConfig = "wgmm
     some ``(x, y)`` CTAs (the rest of C stays NaN); ``sm_count`` is the emulated
     device's SM count, which sets how many CTAs a persistent kernel gets (default: one
     CTA, or one cluster, which then walks every tile, so its ring runs on from tile to
-    tile).
+    tile).  A batched config (``batched`` = d) takes ``a`` [*, M, K] and ``b`` [*, K, N] whose
+    leading dims broadcast (numpy's rules) to at most d batch dims, and returns [*batch, M, N]
+    (2-D operands: one product, batch extents 1).
     Raises :class:`EmulationError` for hangs, faults and misuse the GPU would not report.
     """
     a, b = np.asarray(a), np.asarray(b)
-    m, n, k = operands.matmul_shape(a, b)
     cfg = with_dtypes(resolve(variant), in_dtype, out_dtype)  # GemmLaunch validates it
-    launch = GemmLaunch(cfg, m, n, k, emulated_context(sm_count or cfg.cluster, seed, ctas), ptx=ptx)
+    batch = ()
+    if cfg.batched and min(a.ndim, b.ndim) >= 2:
+        lead = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+        if len(lead) > cfg.batched:
+            raise ShapeError(f"{cfg.name} has {cfg.batched} batch dimensions; the operands broadcast to {lead}")
+        batch = (1,) * (cfg.batched - len(lead)) + tuple(lead)
+        a2, b2 = a[(0,) * (a.ndim - 2)], b[(0,) * (b.ndim - 2)]  # one matrix of each, for M, N, K
+    else:
+        a2, b2 = a, b
+    m, n, k = operands.matmul_shape(a2, b2)
+    launch = GemmLaunch(cfg, m, n, k, emulated_context(sm_count or cfg.cluster, seed, ctas), ptx=ptx, batch=batch)
     try:
         launch.upload(a, b)
         launch.run()

@@ -13,7 +13,11 @@ One generator covers the Hopper rungs; the config picks the shape:
   carried across them (:func:`_persistent_walk`);
 * clusters (``cluster=2``, ``wgmma_cluster``): pairs of CTAs on vertically adjacent tiles,
   each loading half of their shared B tile and multicasting it into both, and releasing
-  each slot to both producers (:func:`_cluster_walk`, ``load_b_share``).
+  each slot to both producers (:func:`_cluster_walk`, ``load_b_share``);
+* batched (``batched=d``, persistent with ``tma_store``): one launch for a batch of products;
+  the tile walk runs over (batch, tile), batch outermost, and every TMA load and store is
+  ``2 + d``-dimensional with the batch indices as its outer coordinates (a broadcast
+  operand's are 0: ``batch_mask``, see :class:`config.GemmConfig`).
 
 Shared memory per ring slot: the A tile (``bm`` rows x 128 bytes, K-major) then the
 B tile, both written by TMA with the 128-byte swizzle and read by wgmma through
@@ -205,6 +209,9 @@ def generate(cfg: GemmConfig) -> Kernel:
     pc = b.param("c", "u64")
     pm, pn, pk = b.param("M", "u32"), b.param("N", "u32"), b.param("K", "u32")
     pbias, pbias_n = (b.param("bias", "u64"), b.param("bias_n", "u32")) if cfg.bias else (None, None)
+    # batched: the batch extents (outermost first) and which batch dimensions A and B have
+    pbatch = [b.param(f"batch{i}", "u32") for i in range(cfg.batched)]
+    pbatch_mask = b.param("batch_mask", "u32") if cfg.batched else None
     b.shared("ring", plan.stage_bytes * S, align=1024, shape=(S, plan.stage_bytes), dtype=cfg.in_dtype,
              swizzle=SWIZZLE)
     bars = b.shared("bars", 16 * S, align=8, shape=(2, S), dtype="b64")
@@ -231,7 +238,7 @@ def generate(cfg: GemmConfig) -> Kernel:
         for_each_tile, origin = _cluster_walk(b, cfg, pm, n_r, rank)
     else:
         origin = None if cfg.persistent else ops.tile_origin(b, cfg)
-        for_each_tile = _persistent_walk(b, cfg, pm, n_r) if cfg.persistent else (lambda body: body(*origin))
+        for_each_tile = _persistent_walk(b, cfg, pm, n_r, pbatch) if cfg.persistent else (lambda body: body(*origin))
     ring = ops.smem_base(b)
     full0 = b.binop("add", "u32", ring, bars.offset)
     empty0 = b.binop("add", "u32", full0, 8 * S)
@@ -259,33 +266,37 @@ def generate(cfg: GemmConfig) -> Kernel:
     else:
         ops.bar_sync(b, 0)
 
-    tma = "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+    # A batched kernel's maps have the batch dimensions outside the matrix's two.
+    tma = f"cp.async.bulk.tensor.{2 + cfg.batched}d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
     tma_multicast = tma + ".multicast::cluster"
     if cfg.cluster > 1:
         everyone = b.reg("b16")  # ctaMask: B's copies land in every CTA of the cluster
         b.emit("mov.b16", everyone, (1 << cfg.cluster) - 1)
 
-    def load_tile(kt, slot, m0, n0) -> None:
-        """Arm ``full[slot]`` with the slot's byte count and start its TMA copies (A, then B's boxes)."""
+    def load_tile(kt, slot, m0, n0, a_co: str = "", b_co: str = "") -> None:
+        """Arm ``full[slot]`` with the slot's byte count and start its TMA copies (A, then B's boxes).
+
+        ``a_co`` / ``b_co``: a batched kernel's outer coordinates of A's / B's copies, as
+        ``", c2, c3.."`` (appended after the matrix coordinates); empty otherwise."""
         fb = b.mad("u32", slot, 8, full0)
         # expect_tx = every byte the copies below write: A + all of B's boxes.
         b.emit("mbarrier.arrive.expect_tx.shared::cta.b64", "_", f"[{fb}]", plan.stage_bytes)
         dst = b.mad("u32", slot, plan.stage_bytes, ring)
         k0 = b.binop("mul.lo", "u32", kt, cfg.bk)
         if not plan.m_major:  # tensor coordinates are innermost first: A is M x K (K contiguous)
-            b.emit(tma, f"[{dst}]", f"[{tmaps[0]}, {{{k0}, {m0}}}]", f"[{fb}]")
+            b.emit(tma, f"[{dst}]", f"[{tmaps[0]}, {{{k0}, {m0}{a_co}}}]", f"[{fb}]")
         for j in range(plan.a_boxes if plan.m_major else 0):  # A stored K x M: bk x 64 boxes along M
             mj = b.binop("add", "u32", m0, 64 * j) if j else m0
-            b.emit(tma, f"[{dst}+{j * 64 * 128}]", f"[{tmaps[0]}, {{{mj}, {k0}}}]", f"[{fb}]")
+            b.emit(tma, f"[{dst}+{j * 64 * 128}]", f"[{tmaps[0]}, {{{mj}, {k0}{a_co}}}]", f"[{fb}]")
         if cfg.cluster > 1:
             load_b_share(k0, dst, fb, n0)
             return
         if not plan.n_major:  # B stored N x K: one bn x bk box
-            b.emit(tma, f"[{dst}+{plan.a_bytes}]", f"[{tmaps[1]}, {{{k0}, {n0}}}]", f"[{fb}]")
+            b.emit(tma, f"[{dst}+{plan.a_bytes}]", f"[{tmaps[1]}, {{{k0}, {n0}{b_co}}}]", f"[{fb}]")
             return
         for j in range(plan.b_boxes):  # B stored K x N: bk x 64 boxes side by side along N
             nj = b.binop("add", "u32", n0, j * plan.b_box_cols) if j else n0
-            b.emit(tma, f"[{dst}+{plan.b_box_offset(j)}]", f"[{tmaps[1]}, {{{nj}, {k0}}}]", f"[{fb}]")
+            b.emit(tma, f"[{dst}+{plan.b_box_offset(j)}]", f"[{tmaps[1]}, {{{nj}, {k0}{b_co}}}]", f"[{fb}]")
 
     def load_b_share(k0, dst, fb, n0) -> None:
         """This CTA's 1/cluster of the B tile, multicast to the same slot offset in every CTA
@@ -341,7 +352,7 @@ def generate(cfg: GemmConfig) -> Kernel:
         addr = b.reg("u32")
         prev = b.mov("u32", 0)  # slot of the previous k-tile, released one tile late when inflight
 
-        def tile(m0, n0) -> None:
+        def tile(m0, n0, batch=()) -> None:
             with b.loop(kt, 0, kt_n, 1):
                 wait(b.mad("u32", slot, 8, full0), phase)
                 b.emit("mad.lo.u32", addr, slot, plan.stage_bytes, ring)
@@ -385,7 +396,7 @@ def generate(cfg: GemmConfig) -> Kernel:
                 if cfg.persistent:  # the next tile's loads need the last k-tile's slot back
                     release(None, prev)  # persistent is warp-specialised: release_ws needs no k-tile
             if cfg.tma_store:
-                _epilogue_tma(b, cfg, plan, tmaps[2], ring, cstage, m0, n0, cidx, wtid, acc, bias)
+                _epilogue_tma(b, cfg, plan, tmaps[2], ring, cstage, m0, n0, cidx, wtid, acc, bias, batch)
             else:
                 _epilogue(b, cfg, plan, c_g, n_r, m0, n0, cidx, wtid, acc)
 
@@ -405,14 +416,20 @@ def generate(cfg: GemmConfig) -> Kernel:
                 slot, phase = b.mov("u32", 0), b.mov("u32", 0)
                 kt = b.reg("u32")
                 par = b.reg("u32")
+                # batched: 1 where A (B) has batch dimension i, 0 where it is broadcast there
+                has = _batch_flags(b, pbatch_mask, cfg.batched)
 
-                def produce(m0, n0) -> None:
+                def produce(m0, n0, batch=()) -> None:
+                    # a broadcast operand reads batch coordinate 0 (its map's extent there is 1);
+                    # TMA coordinates are innermost first, so the batch indices go innermost first
+                    a_co, b_co = ("".join(f", {b.binop('mul.lo', 'u32', batch[i], flags[i])}"
+                                          for i in reversed(range(len(batch)))) for flags in has)
                     with b.loop(kt, 0, kt_n, 1):
                         # A fresh barrier counts as having completed the phase before phase 0,
                         # so the first lap's wait on parity 1 passes at once.
                         b.emit("xor.b32", par, phase, 1)
                         wait(b.mad("u32", slot, 8, empty0), par)
-                        load_tile(kt, slot, m0, n0)
+                        load_tile(kt, slot, m0, n0, a_co, b_co)
                         advance(slot, phase)
 
                 for_each_tile(produce)
@@ -507,24 +524,52 @@ def _cluster_walk(b: Builder, cfg: GemmConfig, pm, n_r, rank):
     return walk, None
 
 
-def _persistent_walk(b: Builder, cfg: GemmConfig, pm, n_r):
+def _persistent_walk(b: Builder, cfg: GemmConfig, pm, n_r, pbatch=()):
     """``for_each_tile(body)`` of a persistent kernel: emit a loop over tiles ``ctaid.x,
     ctaid.x + nctaid.x, ...`` (in the order of :func:`ops.tile_at`) around ``body(m0, n0)``.
 
     Each role (producer, consumers) runs its own copy of the loop, so all see the same
-    tiles in the same order.
+    tiles in the same order.  A batched kernel (``pbatch``: the batch extents' parameters,
+    outermost first) walks ``batch x tiles`` with the batch outermost, so consecutive CTAs
+    share one product's A and B panels as without a batch, and calls ``body(m0, n0,
+    batch)`` with the tile's batch indices (registers, outermost first).
     """
     m_r = ops.ld_param(b, pm, "u32")
     tiles_n = b.binop("div", "u32", n_r, cfg.bn)
     tiles_m = b.binop("div", "u32", m_r, cfg.bm)
     n_tiles = b.binop("mul.lo", "u32", tiles_n, tiles_m)
+    extents = [ops.ld_param(b, p, "u32") for p in pbatch]
+    total = n_tiles
+    for e in extents:
+        total = b.binop("mul.lo", "u32", total, e)
 
     def walk(body) -> None:
         t = b.reg("u32")
-        with b.loop(t, b.sreg("%ctaid.x"), n_tiles, b.sreg("%nctaid.x")):
-            body(*ops.tile_at(b, cfg, t, tiles_n, tiles_m))
+        with b.loop(t, b.sreg("%ctaid.x"), total, b.sreg("%nctaid.x")):
+            if not extents:
+                body(*ops.tile_at(b, cfg, t, tiles_n, tiles_m))
+                return
+            flat = b.binop("div", "u32", t, n_tiles)  # the product this tile belongs to
+            m0, n0 = ops.tile_at(b, cfg, b.binop("rem", "u32", t, n_tiles), tiles_n, tiles_m)
+            batch = []
+            for e in reversed(extents[1:]):  # innermost dimension first; the outermost takes what is left
+                batch.append(b.binop("rem", "u32", flat, e))
+                flat = b.binop("div", "u32", flat, e)
+            batch.append(flat)
+            body(m0, n0, batch[::-1])
 
     return walk
+
+
+def _batch_flags(b: Builder, pmask, dims: int) -> tuple[list, list]:
+    """Per batch dimension (outermost first), 1 where A has it and 0 where A is broadcast along it,
+    and the same for B: bits ``2 i`` and ``2 i + 1`` of the ``batch_mask`` parameter.  Empty
+    lists for an unbatched kernel (``dims`` = 0)."""
+    if not dims:
+        return [], []
+    mask = ops.ld_param(b, pmask, "u32")
+    flags = [b.binop("and", "b32", b.binop("shr", "u32", mask, bit), 1) for bit in range(2 * dims)]
+    return flags[0::2], flags[1::2]
 
 
 def _desc(b: Builder, out, addr, const: int) -> None:
@@ -537,8 +582,11 @@ def _desc(b: Builder, out, addr, const: int) -> None:
 
 
 def _epilogue_tma(b: Builder, cfg: GemmConfig, plan: WgmmaPlan, tmap_c, smem, cstage, m0, n0, cidx, wtid,
-                  acc, bias=None) -> None:
+                  acc, bias=None, batch=()) -> None:
     """Write a consumer's accumulators through shared memory and TMA bulk stores.
+
+    ``batch``: a batched kernel's batch indices of this tile (outermost first), C's outer
+    coordinates (C always has every batch dimension).
 
     ``bias`` (``cfg.bias``): (global address, length) of an N-vector of the input dtype; each
     thread loads the pair of it under its pair of columns (one 32-bit load, predicated off past
@@ -570,7 +618,8 @@ def _epilogue_tma(b: Builder, cfg: GemmConfig, plan: WgmmaPlan, tmap_c, smem, cs
     is_w0 = b.setp("eq", "u32", wtid, 0)
     row0 = b.mad("u32", cidx, plan.rows_per_consumer, m0)
     chunk, t = b.reg("u32"), b.reg("u32")
-    store = "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group"
+    store = f"cp.async.bulk.tensor.{2 + len(batch)}d.global.shared::cta.bulk_group"
+    outer = "".join(f", {r}" for r in reversed(batch))  # TMA coordinates are innermost first
     if bias is not None:
         bias_g, bias_n = bias
         col_q = b.binop("add", "u32", n0, L.QUAD2.emit(b, lane))  # this thread's first column of each 8
@@ -610,7 +659,7 @@ def _epilogue_tma(b: Builder, cfg: GemmConfig, plan: WgmmaPlan, tmap_c, smem, cs
             with b.if_(is_w0):
                 col = b.binop("add", "u32", n0, box * box_cols)
                 row = b.binop("add", "u32", row0, mb * 64)
-                b.emit(store, f"[{tmap_c}, {{{col}, {row}}}]", f"[{buf}]")
+                b.emit(store, f"[{tmap_c}, {{{col}, {row}{outer}}}]", f"[{buf}]")
                 b.emit("cp.async.bulk.commit_group")
             i += 1
 

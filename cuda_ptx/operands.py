@@ -27,10 +27,13 @@ class Padded:
 
 @dataclass(frozen=True)
 class TmaBox:
-    """A 2-D TMA tensor map over a row-major ``rows x cols`` matrix (``cols`` contiguous).
+    """A TMA tensor map over a row-major ``rows x cols`` matrix (``cols`` contiguous).
 
-    ``operand`` is ``"a"`` or ``"b"``; the box copied per TMA instruction is
+    ``operand`` is ``"a"``, ``"b"`` or ``"c"``; the box copied per TMA instruction is
     ``box_rows x box_cols`` elements, 128-byte swizzled (``box_cols * itemsize == 128``).
+    ``batch`` > 0 (a batched kernel): the map has that many more dimensions outside the
+    matrix's two, the batch dimensions, whose box extent is 1 (one matrix per copy); their
+    extents and strides are the caller's (see :meth:`box`).
     """
 
     operand: str
@@ -39,11 +42,17 @@ class TmaBox:
     box_rows: int
     box_cols: int
     dtype: str = "bf16"  # element type: an input dtype, or "f32"/"bf16" for C
+    batch: int = 0
 
     @property
     def itemsize(self) -> int:
         """Bytes per element."""
         return OUT_DTYPES[self.dtype] if self.dtype in OUT_DTYPES else IN_DTYPES[self.dtype][0]
+
+    def box(self) -> tuple[int, ...]:
+        """The box extents innermost first, as ``Context.tensor_map_nd`` takes them: the matrix's
+        ``box_cols, box_rows``, then 1 for each batch dimension."""
+        return (self.box_cols, self.box_rows) + (1,) * self.batch
 
 
 def matmul_shape(a: np.ndarray, b: np.ndarray) -> tuple[int, int, int]:
@@ -91,9 +100,10 @@ def check_extents(cfg: GemmConfig, p: Padded) -> None:
                              f"the kernel's 32-bit element offsets reach 2^32{hint}")
 
 
-def grid(cfg: GemmConfig, p: Padded, sm_count: int, clusters: int | None = None) -> tuple[int, int]:
+def grid(cfg: GemmConfig, p: Padded, sm_count: int, clusters: int | None = None, batch: int = 1) -> tuple[int, int]:
     """CTAs to launch, ``(x, y)``: one per tile of C (x along N), or for a persistent
-    kernel one per SM, never more than there are tiles (each CTA takes at least one).
+    kernel one per SM, never more than there are tiles (each CTA takes at least one;
+    a batched kernel has ``batch`` products' tiles: ``batch`` is the product of its extents).
 
     Cluster kernels (``cfg.cluster > 1``) get a 1-D grid in whole clusters: one cluster
     per ``cluster x 1`` block of tiles, or for a persistent kernel ``clusters`` of them
@@ -115,7 +125,7 @@ def grid(cfg: GemmConfig, p: Padded, sm_count: int, clusters: int | None = None)
             blocks = min(blocks, resident)
         return blocks * cfg.cluster, 1
     if cfg.persistent:
-        return min(tiles_n * tiles_m, sm_count), 1
+        return min(tiles_n * tiles_m * batch, sm_count), 1
     return tiles_n, tiles_m
 
 
@@ -155,19 +165,20 @@ def tma_boxes(cfg: GemmConfig, p: Padded) -> list[TmaBox]:
     (``bn / 64 / cluster`` copied by each CTA of a cluster), which the kernel copies side
     by side and reads N-major.  With
     ``tma_store``, C (``M x N``, the output dtype) follows, stored in boxes of 64 rows x
-    128 bytes.
+    128 bytes.  A batched config's maps each have its ``batched`` batch dimensions too.
     """
     if cfg.kind != "wgmma":
         return []
     d = cfg.in_dtype
+    nb = cfg.batched
     if cfg.a_major == "m":  # A stored K x M: bk x 64 boxes, bm / 64 of them per k-tile
-        a = TmaBox("a", p.k, p.m, cfg.bk, 128 // cfg.in_bytes, d)
+        a = TmaBox("a", p.k, p.m, cfg.bk, 128 // cfg.in_bytes, d, nb)
     else:
-        a = TmaBox("a", p.m, p.k, cfg.bm, cfg.bk, d)
+        a = TmaBox("a", p.m, p.k, cfg.bm, cfg.bk, d, nb)
     if cfg.b_major == "k":  # a cluster's CTAs each load (and multicast) bn / cluster rows
-        b = TmaBox("b", p.n, p.k, cfg.bn // cfg.cluster, cfg.bk, d)
+        b = TmaBox("b", p.n, p.k, cfg.bn // cfg.cluster, cfg.bk, d, nb)
     else:
-        b = TmaBox("b", p.k, p.n, cfg.bk, 128 // cfg.in_bytes, d)
+        b = TmaBox("b", p.k, p.n, cfg.bk, 128 // cfg.in_bytes, d, nb)
     if not cfg.tma_store:
         return [a, b]
-    return [a, b, TmaBox("c", p.m, p.n, 64, 128 // OUT_DTYPES[cfg.out_dtype], cfg.out_dtype)]
+    return [a, b, TmaBox("c", p.m, p.n, 64, 128 // OUT_DTYPES[cfg.out_dtype], cfg.out_dtype, nb)]

@@ -58,14 +58,24 @@ class GemmLaunch:
     The config runs as given: :meth:`upload` takes B as ``K x N`` and stores it that way
     for ``b_major="n"``, transposed to ``N x K`` for ``b_major="k"``.  ``ptx`` replaces
     the generated text (an edited kernel: same entry name and parameters) for experiments.
+
+    A batched config (``cfg.batched`` = d) computes ``batch`` products (d extents, outermost
+    first; all 1 by default) in its one launch: :meth:`upload` then takes A ``[*, M, K]`` and
+    B ``[*, K, N]`` whose leading dims broadcast to ``batch`` as numpy's do (an operand of
+    extent 1 in a batch dim, or without it, is stored once and read by every product: its
+    ``batch_mask`` bit is clear), and :meth:`result` is ``[*batch, M, N]``.
     """
 
     def __init__(self, cfg: GemmConfig, m: int, n: int, k: int, ctx: Context | None = None,
-                 ptx: str | None = None) -> None:
+                 ptx: str | None = None, batch: tuple[int, ...] = ()) -> None:
         cfg.validate()
         self.cfg, self.ctx = cfg, ctx or context()
         check_device(cfg, self.ctx)
         self.m, self.n, self.k = m, n, k
+        self.batch = tuple(batch) if batch else (1,) * cfg.batched
+        if len(self.batch) != cfg.batched or min(self.batch, default=1) < 1:
+            raise ValueError(f"{cfg.name} has {cfg.batched} batch dimensions; batch extents {batch} do not match")
+        nb = int(np.prod(self.batch))
         self.padded = operands.padded(cfg, m, n, k)
         self.mp, self.np_, self.kp = self.padded.m, self.padded.n, self.padded.k
         kern = build_kernel(cfg)
@@ -74,20 +84,31 @@ class GemmLaunch:
         # A persistent cluster kernel gets as many clusters as the device can hold at once.
         clusters = (self.ctx.max_active_clusters(self.fn, cfg.cluster, self.threads)
                     if cfg.cluster > 1 and cfg.persistent else None)
-        self.grid = operands.grid(cfg, self.padded, self.ctx.sm_count, clusters)
+        self.grid = operands.grid(cfg, self.padded, self.ctx.sm_count, clusters, nb)
         esz, osz = cfg.in_bytes, 4 if cfg.out_dtype == "f32" else 2
-        self.a_ptr = self.ctx.alloc(self.mp * self.kp * esz)
-        self.b_ptr = self.ctx.alloc(self.kp * self.np_ * esz)
-        self.c_ptr = self.ctx.alloc(self.mp * self.np_ * osz)
+        # room for every product's operands (a broadcast operand uses the first matrix only)
+        self.a_ptr = self.ctx.alloc(nb * self.mp * self.kp * esz)
+        self.b_ptr = self.ctx.alloc(nb * self.kp * self.np_ * esz)
+        self.c_ptr = self.ctx.alloc(nb * self.mp * self.np_ * osz)
         self.bias_ptr = self.ctx.alloc(self.np_ * esz) if cfg.bias else None
         self._args: list | None = None
 
     def upload(self, a: np.ndarray, b: np.ndarray, bias: np.ndarray | None = None) -> None:
         """Encode, pad and copy A (M x K) and B (K x N, float) to the device, and for a ``bias``
-        config the N-vector ``bias`` (zeros when None)."""
-        ra, rb = operands.encode_operands(self.cfg, a, b, self.padded)
-        self.ctx.upload(self.a_ptr, ra)
-        self.ctx.upload(self.b_ptr, rb)
+        config the N-vector ``bias`` (zeros when None).  A batched config takes leading batch
+        dims that broadcast to its ``batch`` (see the class docstring)."""
+        a, b = np.asarray(a), np.asarray(b)
+        nd = self.cfg.batched
+        a_batch, b_batch = self._operand_batch(a, "A"), self._operand_batch(b, "B")
+        # each operand's own matrices, densely one after the other in C order (the maps' strides)
+        a3, b3 = a.reshape((-1,) + a.shape[-2:]), b.reshape((-1,) + b.shape[-2:])
+        for i in range(max(len(a3), len(b3))):
+            ra, rb = operands.encode_operands(self.cfg, a3[min(i, len(a3) - 1)], b3[min(i, len(b3) - 1)],
+                                              self.padded)
+            if i < len(a3):
+                self.ctx.upload(self.a_ptr + i * ra.nbytes, ra)
+            if i < len(b3):
+                self.ctx.upload(self.b_ptr + i * rb.nbytes, rb)
         dims = [("u32", self.mp), ("u32", self.np_), ("u32", self.kp)]
         if self.cfg.bias:
             vec = np.zeros(self.np_, np.float32)
@@ -99,12 +120,37 @@ class GemmLaunch:
             raise ValueError(f"{self.cfg.name} adds no bias (its config has bias=False)")
         ptrs = {"a": self.a_ptr, "b": self.b_ptr, "c": self.c_ptr}
         boxes = operands.tma_boxes(self.cfg, self.padded)
-        if boxes:
+        if nd:
+            own = {"a": a_batch, "b": b_batch, "c": self.batch}
+            tmaps = [self._batched_map(ptrs[t.operand], t, own[t.operand]) for t in boxes]
+            mask = sum(1 << (2 * i + j) for i in range(nd) for j, o in enumerate("ab") if own[o][i] > 1)
+            self._args = [*tmaps, ("u64", self.c_ptr), *dims, *(("u32", e) for e in self.batch), ("u32", mask)]
+        elif boxes:
             tmaps = [self.ctx.tensor_map(ptrs[t.operand], t.dtype, t.rows, t.cols, t.box_rows, t.box_cols)
                      for t in boxes]
             self._args = [*tmaps, ("u64", self.c_ptr), *dims]
         else:
             self._args = [("u64", self.a_ptr), ("u64", self.b_ptr), ("u64", self.c_ptr), *dims]
+
+    def _operand_batch(self, x: np.ndarray, what: str) -> tuple[int, ...]:
+        """The batch extents operand ``x`` is stored with: its leading dims, padded with 1s to the
+        config's batch dims; each must be 1 (broadcast) or the launch's extent."""
+        lead = x.shape[:-2]
+        if len(lead) > self.cfg.batched:
+            raise ValueError(f"{self.cfg.name}: {what} of shape {x.shape} has more batch dims than the config's "
+                             f"{self.cfg.batched}")
+        own = (1,) * (self.cfg.batched - len(lead)) + lead
+        if any(s not in (1, e) for s, e in zip(own, self.batch)):
+            raise ValueError(f"{self.cfg.name}: {what}'s batch dims {lead} do not broadcast to {self.batch}")
+        return own
+
+    def _batched_map(self, ptr: int, t: operands.TmaBox, own: tuple[int, ...]) -> bytes:
+        """The tensor map of one operand of a batched launch, stored as ``own`` dense padded matrices:
+        a broadcast dimension has extent 1 (the kernel reads its coordinate 0)."""
+        matrix = t.rows * t.cols * t.itemsize
+        strides = [int(np.prod(own[i + 1:])) * matrix for i in range(len(own))]
+        return self.ctx.tensor_map_nd(ptr, t.dtype, (t.cols, t.rows, *own[::-1]),
+                                      (t.cols * t.itemsize, *strides[::-1]), t.box())
 
     def run(self) -> None:
         """Launch once (asynchronously)."""
@@ -113,16 +159,18 @@ class GemmLaunch:
         self.ctx.launch(self.fn, (*self.grid, 1), (self.threads, 1, 1), self._args)
 
     def result(self) -> np.ndarray:
-        """Synchronise and return C (M x N) as float32 (bf16 outputs widened exactly)."""
+        """Synchronise and return C (M x N; ``[*batch, M, N]`` for a batched config) as float32
+        (bf16 outputs widened exactly)."""
         self.ctx.synchronize()
+        shape = self.batch + (self.mp, self.np_)
         if self.cfg.out_dtype == "f32":
-            c = np.empty((self.mp, self.np_), np.float32)
+            c = np.empty(shape, np.float32)
             self.ctx.download(c, self.c_ptr)
         else:
-            raw = np.empty((self.mp, self.np_), np.uint16)
+            raw = np.empty(shape, np.uint16)
             self.ctx.download(raw, self.c_ptr)
             c = dtypes.bf16_bits_to_f32(raw)
-        return c[: self.m, : self.n]
+        return c[..., : self.m, : self.n]
 
     def close(self) -> None:
         """Free the device buffers."""

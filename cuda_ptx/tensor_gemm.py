@@ -17,10 +17,18 @@ wider matrix) is the map's stride.
 A Linear layer's bias is added in the same kernel's epilogue (``bias=True`` configs), in
 fp32 before C is rounded, so ``x @ W^T + b`` is one launch.
 
+A batch of products (``batch``: up to three batch dimensions, each with its extent and each
+operand's stride along it: a bmm, attention's per-head ``q @ k^T`` on views of one ``[B, T,
+3C]`` projection) is one launch of the ``batched`` form of the same kernel: its tensor maps
+have the batch dimensions outside the matrix's two, and its tile walk covers every product.
+An operand broadcast along a batch dimension (stride 0) gets extent 1 there, and the kernel
+reads its batch coordinate 0 (``batch_mask``), rather than a stride-0 map, which TMA's
+documented rules do not promise.
+
 What it takes (:meth:`TensorCoreGemm.accepts`; anything else stays on the generic kernel):
 a Hopper GPU (sm_90, what the wgmma rungs are built for), bf16 or fp16 inputs, an fp32 or
-bf16 output, base addresses 16-byte aligned and row pitches multiples of 16 bytes (TMA's
-rules).  ``HELIOS_TENSOR_CORES=0`` turns it off (every matmul then runs the GLSL kernel).
+bf16 output, base addresses 16-byte aligned and row pitches and batch strides multiples of 16
+bytes (TMA's rules).  ``HELIOS_TENSOR_CORES=0`` turns it off (every matmul then runs the GLSL kernel).
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ import os
 import threading
 
 from . import operands
-from .config import IN_DTYPES, OUT_DTYPES
+from .config import IN_DTYPES, LADDER, OUT_DTYPES
 from .driver import Context, aligned_buffer, check
 from .emit import build_kernel, resolve
 from .render import render
@@ -55,22 +63,26 @@ class _Kernel:
     """One loaded config: its function, threads per CTA, the config, and its kernel-parameter block.
 
     The block (three 128-byte tensor maps, 128-byte aligned as CUDA 13 asks, C's pointer,
-    M, N, K) is built once and refilled in place for each launch: cuLaunchKernel copies the
-    parameters when it is called, and building them anew costs more host time than a small
-    product takes on the GPU."""
+    M, N, K, then a bias config's and a batched config's parameters) is built once and refilled
+    in place for each launch: cuLaunchKernel copies the parameters when it is called, and
+    building them anew costs more host time than a small product takes on the GPU."""
 
-    __slots__ = ("cfg", "fn", "threads", "grids", "_owner", "maps_at", "c", "dims", "bias", "params", "last_maps")
+    __slots__ = ("cfg", "fn", "threads", "grids", "_owner", "maps_at", "c", "dims", "bias", "batch", "params",
+                 "last_maps")
 
     def __init__(self, cfg, fn, threads: int):
         self.cfg, self.fn, self.threads = cfg, fn, threads
-        self.grids: dict[tuple, tuple] = {}  # (m, n, k) -> (padded extents, grid, TMA boxes)
+        self.grids: dict[tuple, tuple] = {}  # (m, n, k, batch extents) -> (padded extents, grid, TMA boxes)
         self._owner, base = aligned_buffer(3 * 128, 128)
         self.maps_at = [base + 128 * i for i in range(3)]
         self.c = ctypes.c_uint64(0)
         self.dims = [ctypes.c_uint32(0) for _ in range(3)]
         # a bias config's two more parameters: the vector's address and its length
         self.bias = (ctypes.c_uint64(0), ctypes.c_uint32(0)) if cfg.bias else ()
-        slots = [*self.maps_at, ctypes.addressof(self.c), *(ctypes.addressof(d) for d in (*self.dims, *self.bias))]
+        # a batched config's: the batch extents (outermost first), then batch_mask
+        self.batch = tuple(ctypes.c_uint32(0) for _ in range(cfg.batched + 1)) if cfg.batched else ()
+        slots = [*self.maps_at, ctypes.addressof(self.c),
+                 *(ctypes.addressof(d) for d in (*self.dims, *self.bias, *self.batch))]
         self.params = (ctypes.c_void_p * len(slots))(*slots)
         self.last_maps: tuple = ()
 
@@ -82,7 +94,9 @@ class TensorCoreGemm:
     (``a_major="k"``) or its transpose stored row-major ``K x M`` (``a_major="m"``: read with
     wgmma's transpose bit, as a weight gradient's X^T is); B row-major ``K x N``
     (``b_major="n"``) or its transpose stored row-major ``N x K`` (``b_major="k"``); C
-    row-major ``M x N`` in the output dtype.
+    row-major ``M x N`` in the output dtype.  ``batch`` (optional): one ``(extent, A's stride,
+    B's stride, C's stride)`` per batch dimension, outermost first, strides in elements; a
+    stride of 0 broadcasts that operand (never C's).
     """
 
     # Tensor maps kept for reuse (the caching allocator hands the same addresses out again, and a
@@ -96,20 +110,23 @@ class TensorCoreGemm:
         self._lock = threading.Lock()  # a kernel's parameter block is shared by its launches
 
     def _map(self, *key) -> bytes:
-        """``ctx.tensor_map(*key)``, encoded once per distinct operand."""
+        """``ctx.tensor_map(*key)``, or for a key that starts with ``"nd"`` ``ctx.tensor_map_nd(*key[1:])``,
+        encoded once per distinct operand."""
         m = self._maps.get(key)
         if m is None:
             if len(self._maps) >= self.MAX_MAPS:
                 self._maps.clear()
-            m = self._maps[key] = self.ctx.tensor_map(*key)
+            m = self._maps[key] = (self.ctx.tensor_map_nd(*key[1:]) if key[0] == "nd" else
+                                   self.ctx.tensor_map(*key))
         return m
 
     @staticmethod
     def accepts(in_dtype: str, out_dtype: str, a: tuple, b: tuple, c: tuple, m: int, n: int, k: int,
-                bias: int | None = None) -> bool:
+                bias: int | None = None, batch: tuple = ()) -> bool:
         """Whether this product can run here: dtypes the kernel has, TMA's alignment rules (and a
         4-byte aligned bias: its pairs are loaded as words), and extents the kernel's 32-bit
-        parameters and TMA's signed coordinates hold."""
+        parameters and TMA's signed coordinates hold (the tiles of every product of a batch
+        counted together)."""
         if in_dtype not in INPUTS or out_dtype not in OUTPUTS or min(m, n, k) < 1:
             return False
         if bias is not None and (bias % 4 or n % 2):
@@ -118,15 +135,27 @@ class TensorCoreGemm:
         for (addr, pitch), size in ((a, isz), (b, isz), (c, osz)):
             if addr % 16 or (pitch * size) % 16 or pitch < 1:
                 return False
-        return max(m, n, k) < 1 << 30
+        batch = _batch_dims(batch)
+        if len(batch) > 3:  # TMA maps have at most 5 dimensions
+            return False
+        products = 1
+        for extent, sa, sb, sc in batch:
+            if extent < 1 or min(sa, sb) < 0 or sc < 1 or (sa * isz) % 16 or (sb * isz) % 16 or (sc * osz) % 16:
+                return False
+            products *= extent
+        tile = LADDER[VARIANT]
+        tiles = -(-m // tile.bm) * -(-n // tile.bn) * products  # the kernel counts them in 32 bits
+        return max(m, n, k) < 1 << 30 and tiles < 1 << 31
 
-    def kernel(self, in_dtype: str, out_dtype: str, a_major: str, b_major: str, bias: bool = False) -> _Kernel:
-        """The loaded kernel for these dtypes, operand layouts and bias (built and loaded on first use)."""
-        key = (in_dtype, out_dtype, a_major, b_major, bias)
+    def kernel(self, in_dtype: str, out_dtype: str, a_major: str, b_major: str, bias: bool = False,
+               batched: int = 0) -> _Kernel:
+        """The loaded kernel for these dtypes, operand layouts, bias and number of batch dimensions
+        (built and loaded on first use)."""
+        key = (in_dtype, out_dtype, a_major, b_major, bias, batched)
         kern = self._kernels.get(key)
         if kern is None:
             cfg = resolve(VARIANT).with_(in_dtype=INPUTS[in_dtype], out_dtype=OUTPUTS[out_dtype], a_major=a_major,
-                                         b_major=b_major, bias=bias)
+                                         b_major=b_major, bias=bias, batched=batched)
             cfg.validate()
             built = build_kernel(cfg)
             fn = self.ctx.load_kernel(render(built), built.name, built.shared_bytes, cfg.target)
@@ -134,21 +163,33 @@ class TensorCoreGemm:
         return kern
 
     def run(self, in_dtype: str, out_dtype: str, a: tuple, a_major: str, b: tuple, b_major: str, c: tuple,
-            m: int, n: int, k: int, bias: int | None = None) -> None:
+            m: int, n: int, k: int, bias: int | None = None, batch: tuple = ()) -> None:
         """Launch C = A @ B (+ the N-vector of the input dtype at address ``bias``, added before C is
-        rounded) asynchronously, on the default stream; the caller checked :meth:`accepts`."""
-        kern = self.kernel(in_dtype, out_dtype, a_major, b_major, bias is not None)
+        rounded) asynchronously, on the default stream, for every product of ``batch`` (see the
+        class docstring); the caller checked :meth:`accepts`."""
+        batch = _batch_dims(batch)
+        kern = self.kernel(in_dtype, out_dtype, a_major, b_major, bias is not None, len(batch))
         cfg = kern.cfg
-        shape = kern.grids.get((m, n, k))
+        extents = tuple(d[0] for d in batch)
+        shape = kern.grids.get((m, n, k, extents))
         if shape is None:
             p = operands.padded(cfg, m, n, k)
             # the kernel's boxes over the real extents: TMA fills and clips what lies past them
             boxes = operands.tma_boxes(cfg, operands.Padded(m, n, k))
-            shape = kern.grids[(m, n, k)] = (p, operands.grid(cfg, p, self.ctx.sm_count), boxes)
+            products = 1
+            for e in extents:
+                products *= e
+            grid = operands.grid(cfg, p, self.ctx.sm_count, batch=products)
+            shape = kern.grids[(m, n, k, extents)] = (p, grid, boxes)
         p, (gx, gy), boxes = shape
         at = {"a": a, "b": b, "c": c}  # operand -> (address, pitch)
-        maps = tuple(self._map(at[t.operand][0], t.dtype, t.rows, t.cols, t.box_rows, t.box_cols, at[t.operand][1])
-                     for t in boxes)
+        if batch:
+            stride_at = {"a": 1, "b": 2, "c": 3}  # where an operand's stride sits in a batch entry
+            maps = tuple(self._batched_map(t, *at[t.operand], extents, [d[stride_at[t.operand]] for d in batch])
+                         for t in boxes)
+        else:
+            maps = tuple(self._map(at[t.operand][0], t.dtype, t.rows, t.cols, t.box_rows, t.box_cols,
+                                   at[t.operand][1]) for t in boxes)
         cu = self.ctx.cu
         with self._lock:
             if maps != kern.last_maps:
@@ -160,10 +201,31 @@ class TensorCoreGemm:
             kern.dims[0].value, kern.dims[1].value, kern.dims[2].value = p.m, p.n, p.k
             if kern.bias:
                 kern.bias[0].value, kern.bias[1].value = bias, n
+            if batch:  # the extents, then which batch dimensions A (bit 2 i) and B (bit 2 i + 1) have
+                for slot, e in zip(kern.batch, extents):
+                    slot.value = e
+                kern.batch[-1].value = sum((bool(sa) << 2 * i) | (bool(sb) << 2 * i + 1)
+                                           for i, (_, sa, sb, _) in enumerate(batch))
             fn = kern.fn
             res = cu.cuLaunchKernel(fn.handle, gx, gy, 1, kern.threads, 1, 1, fn.shared_bytes, 0,
                                     ctypes.addressof(kern.params), 0)
         check(f"cuLaunchKernel({fn.name})", res, cu=cu)
+
+    def _batched_map(self, t: operands.TmaBox, addr: int, pitch: int, extents: list, strides: list) -> bytes:
+        """The tensor map of one operand of a batched launch: the matrix's two dimensions, then the batch
+        dimensions innermost first (TMA's order).  Where the operand is broadcast (stride 0) the
+        dimension has extent 1 and the kernel reads coordinate 0; its stride is then never applied,
+        so it is given as one whole matrix, a value any TMA accepts."""
+        isz = t.itemsize
+        outer = [(e, s * isz) if s else (1, t.rows * pitch * isz) for e, s in zip(extents, strides)][::-1]
+        return self._map("nd", addr, t.dtype, (t.cols, t.rows, *(e for e, _ in outer)),
+                         (pitch * isz, *(s for _, s in outer)), t.box())
+
+
+def _batch_dims(batch) -> tuple:
+    """``batch`` as a tuple of ``(extent, A's stride, B's stride, C's stride)`` without the dimensions of
+    extent 1 (they index nothing), so a batch of one product is the plain kernel's launch."""
+    return tuple(tuple(d) for d in batch if d[0] != 1)
 
 
 __all__ = ["INPUTS", "OUTPUTS", "TensorCoreGemm", "VARIANT", "enabled", "runs_on"]

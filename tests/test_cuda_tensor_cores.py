@@ -109,13 +109,95 @@ def test_views_of_wider_matrices_and_a_transposed_out(cuda):
 
 def test_what_the_engine_cannot_take_runs_the_generic_kernel(cuda):
     rng = np.random.default_rng(3)
-    a, b = _t(rng.standard_normal((16, 12))), _t(rng.standard_normal((12, 16)))  # rows of 24 bytes
-    _close(_exact(a @ b), _exact(a) @ _exact(b))
     f = hl.tensor(rng.standard_normal((16, 16)).astype(np.float32))
     np.testing.assert_allclose((f @ f).numpy(), f.numpy() @ f.numpy(), rtol=1e-5, atol=1e-5)  # fp32: never
-    x = _t(rng.standard_normal((3, 16, 16)))
-    _close(_exact(x @ x), _exact(x) @ _exact(x))  # a batch of matrices: the generic kernel
+    # an odd number of columns with a bias: the epilogue loads the bias in pairs
+    x, w, bias = _t(rng.standard_normal((8, 16))), _t(rng.standard_normal((16, 15))), _t(rng.standard_normal(15))
+    _close(_exact(hl.nn.functional.linear(x, w.t(), bias)), _exact(x) @ _exact(w) + _exact(bias))
     assert cuda == []
+
+
+def test_rows_off_the_16_byte_grid_are_copied_into_padded_rows(cuda):
+    rng = np.random.default_rng(3)
+    a, b = _t(rng.standard_normal((16, 12))), _t(rng.standard_normal((12, 16)))  # A's rows are 24 bytes
+    rt = get_runtime()
+    d0 = rt.stats()["dispatches"]
+    c = a @ b
+    assert rt.stats()["dispatches"] - d0 == 2  # A copied into 32-byte rows, then the product
+    _close(_exact(c), _exact(a) @ _exact(b))
+    assert cuda == [True]
+
+
+@pytest.mark.parametrize("dtype", [hl.bfloat16, hl.float16], ids=["bf16", "fp16"])
+def test_a_batch_of_products_is_one_tensor_core_launch(cuda, dtype):
+    rng = np.random.default_rng(6)
+    a = _t(rng.standard_normal((3, 70, 50)), dtype)  # rows of 100 bytes: copied into padded rows first
+    b = _t(rng.standard_normal((3, 50, 40)), dtype)
+    c = hl.bmm(a, b)
+    assert c.shape == (3, 70, 40) and c.dtype is dtype
+    _close(_exact(c), _exact(a) @ _exact(b), dtype)
+    assert cuda == [True]  # every product of the batch in one call of the engine
+
+
+@pytest.mark.parametrize("layout", ["tn", "nt", "tt"])
+def test_batched_transposed_operands_are_read_in_place(cuda, layout):
+    rng = np.random.default_rng(7)
+    B, M, K, N = 3, 72, 56, 40
+    a = _t(rng.standard_normal((B, K, M) if layout[0] == "t" else (B, M, K)))
+    b = _t(rng.standard_normal((B, N, K) if layout[1] == "t" else (B, K, N)))
+    a = a.mT if layout[0] == "t" else a
+    b = b.mT if layout[1] == "t" else b
+    rt = get_runtime()
+    d0 = rt.stats()["dispatches"]
+    c = a @ b
+    assert rt.stats()["dispatches"] - d0 == 1  # no copy: the kernel reads the transposes itself
+    _close(_exact(c), _exact(a) @ _exact(b))
+    assert cuda == [True]
+
+
+def test_a_broadcast_operand_is_read_once_for_every_product(cuda):
+    rng = np.random.default_rng(8)
+    a2 = _t(rng.standard_normal((70, 56)))
+    b3 = _t(rng.standard_normal((3, 56, 40)))
+    _close(_exact(a2 @ b3), _exact(a2) @ _exact(b3))  # A broadcast over the batch (its stride is 0)
+    a3 = _t(rng.standard_normal((3, 56, 72))).mT  # not foldable into one product: A's batches are transposes
+    w = _t(rng.standard_normal((56, 40)))
+    _close(_exact(a3 @ w), _exact(a3) @ _exact(w))  # B broadcast
+    assert cuda == [True, True]
+
+
+def test_per_head_attention_products_on_views_of_one_projection(cuda):
+    # attention's q @ k^T and att @ v on [B, H, T, D] views of a [B, T, 3C] projection (two batch
+    # dims whose strides do not merge), the dense path of the GPT's CausalSelfAttention
+    rng = np.random.default_rng(9)
+    B, T, H, D = 2, 70, 2, 32
+    qkv = _t(rng.standard_normal((B, T, 3 * H * D)))
+    q, k, v = hl.nn.functional.split_heads(qkv, H)
+    scores = q @ k.mT  # rows of T = 70 elements: written through a float32 buffer with padded rows
+    assert scores.shape == (B, H, T, T)
+    _close(_exact(scores), _exact(q) @ np.swapaxes(_exact(k), -1, -2))
+    y = scores @ v  # stored with the heads interleaved in rows of C, as the projection after reads it
+    _close(_exact(y), _exact(scores) @ _exact(v))
+    e = hl.einsum("bhtd,bhsd->bhts", q, k)  # an einsum that lowers to one batched product
+    _close(_exact(e), _exact(scores))
+    assert cuda == [True, True, True]
+
+
+def test_batched_kernel_broadcasts_each_batch_dimension_on_its_own():
+    # the generator's batched kernel on the emulated driver, 2 batch dims, A broadcast along one and
+    # B along the other; small integers, so the product is exact.  Two CTAs walk the six products'
+    # tiles, three each, with three k-tiles a tile: the 4-slot ring wraps from product to product.
+    from helios.cuda_ptx.emulate import emulate_gemm
+    from helios.cuda_ptx.tensor_gemm import VARIANT
+    from helios.cuda_ptx.emit import resolve
+
+    rng = np.random.default_rng(10)
+    a = rng.integers(-3, 4, (2, 1, 70, 136)).astype(np.float32)
+    b = rng.integers(-3, 4, (1, 3, 136, 40)).astype(np.float32)
+    for cfg in (resolve(VARIANT).with_(batched=2, b_major="n"), resolve(VARIANT).with_(batched=2, a_major="m")):
+        c = emulate_gemm(a, b, cfg, sm_count=2)
+        assert c.shape == (2, 3, 70, 40)
+        np.testing.assert_array_equal(c, a @ b)
 
 
 def test_autocast_linear_gradients_match_the_generic_kernel(cuda, monkeypatch):
@@ -151,11 +233,15 @@ def test_a_captured_step_replays_its_tensor_core_products(cuda):
     rng = np.random.default_rng(5)
     a0, a1 = (rng.standard_normal((24, 32)).astype(np.float32) for _ in range(2))
     b = _t(rng.standard_normal((32, 16)))
+    b3 = _t(rng.standard_normal((2, 32, 16)))
     x = _t(a0)
     with hl.graph.capture(inputs=(x,)) as g:
         y = (x @ b).float()
+        y3 = (x @ b3).float()  # a batched product: recorded with its batch
     _close(y.numpy(), _exact(x) @ _exact(b))
+    _close(y3.numpy(), _exact(x) @ _exact(b3))
     g.replay(_t(a1))
     _close(y.numpy(), _exact(_t(a1)) @ _exact(b))  # the replay ran the product again, on the new input
-    assert cuda == [True, True]  # once captured, once replayed
+    _close(y3.numpy(), _exact(_t(a1)) @ _exact(b3))
+    assert cuda == [True, True, True, True]  # each once captured, once replayed
     g.release()

@@ -240,12 +240,14 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None 
         M, nb, cshape, ca, cb = M * nb, 1, [], [], []
     while len(cshape) < 2:
         cshape, ca, cb = [1] + cshape, [0] + ca, [0] + cb
-    if (_epi is None and not cld and nb == 1 and a.dtype in _ENGINE_DTYPES and rt.has_gemm(a.dtype.name)
-            and _on_matrix_engine(Tensor(a._st, (M, K), (a._strides[-2], a._strides[-1]), a._off, a.dtype),
-                                  Tensor(b._st, (K, N), (b._strides[-2], b._strides[-1]), b._off, b.dtype),
-                                  bias, Tensor(out._st, (M, N), (out._strides[-2], out._strides[-1]), out._off,
-                                               out.dtype))):
-        return out
+    if _epi is None and a.dtype in _ENGINE_DTYPES and rt.has_gemm(a.dtype.name):
+        if nb == 1:  # one product (a Linear's batch folded into M above): the three matrices as 2-D views
+            a2, b2, c2 = (Tensor(t._st, shape, t._strides[-2:], t._off, t.dtype)
+                          for t, shape in ((a, (M, K)), (b, (K, N)), (out, (M, N))))
+            if _on_matrix_engine(a2, b2, bias, c2):
+                return out
+        elif _on_matrix_engine(a, b, bias, out):  # a batch of products: one launch for all
+            return out
     if nb > 65535:
         raise ShapeError(f"matmul: {nb} batch matrices exceed the 65535 the kernel dispatches at once; reshape the batch")
     (ba, oa), (bb, ob) = bind(a), bind(b)
@@ -313,45 +315,51 @@ _ENGINE_DTYPES = (dt.bfloat16, dt.float16)
 
 
 def _on_matrix_engine(a: Tensor, b: Tensor, bias: Tensor | None, out: Tensor) -> bool:
-    """out = a @ b (+ bias) for 2-D views a [M, K], b [K, N], out [M, N] (any strides) on the
-    device's matrix engine (``rt.gemm``); False, with nothing recorded, where it cannot take them.
+    """out = a @ b (+ bias) on the device's matrix engine (``rt.gemm``), every product of the batch
+    in one call: a [..., M, K] and b [..., K, N] of any strides, whose batch dims broadcast to
+    those of out [*batch, M, N] (2-D for one product); False, with nothing recorded, where the
+    engine cannot take them.
 
-    The engine reads A and B row-major or transposed and writes a row-major C, each with
-    16-byte aligned rows: an operand in another layout (a broadcast, a pitch off the 16-byte
-    grid) is copied first.  A bfloat16 product is stored straight into ``out`` (or, without bias,
-    into its transpose, as out^T = b^T a^T, for a transposed ``out``), the bias added in the
-    kernel's epilogue before the one rounding; otherwise (float16, whose output the kernel
-    does not write) C is float32, bias included, and ``out`` gets it rounded once."""
+    The engine reads each matrix of A and B row-major or transposed and writes C row-major, with
+    rows, offsets and batch strides on the 16-byte grid (TMA's rules; a batch stride of 0
+    broadcasts an operand).  An operand in another layout (rows whose length or pitch is off
+    that grid, neither dim contiguous) is first copied into rows padded to it.  A bfloat16
+    product is stored straight into ``out`` (or, without bias, into its transpose, as out^T =
+    b^T a^T, for a transposed ``out``), the bias added in the kernel's epilogue before the one
+    rounding; otherwise (float16, whose output the kernel does not write, or an ``out`` it
+    cannot write) C is a float32 buffer, bias included, and ``out`` gets it rounded once."""
     rt = a._st.rt
-    M, K = a.shape
-    N = b.shape[1]
-    if K % 8 or N % 8:  # a row of 16-bit A or B, or of C, must be a whole number of 16-byte units
+    batch, (M, N), K = out.shape[:-2], out.shape[-2:], a.shape[-1]
+    isz = a.dtype.itemsize
+    if bias is not None and (N % 2 or (bias._off * isz) % 4):  # the epilogue loads the bias in pairs, as words
         return False
     target, swapped = None, False
     if a.dtype is dt.bfloat16:
         if _engine_rows(out) is not None:
             target = out
-        elif bias is None and M % 8 == 0 and _engine_rows(_swap_last(out)) is not None:
+        elif bias is None and _engine_rows(_swap_last(out)) is not None:
             target, swapped = _swap_last(out), True
     if target is None:
-        target = empty((M, N), dt.float32, rt)
+        target = _engine_buffer(out.shape, dt.float32, rt)
     if swapped:  # out^T = b^T @ a^T
         a, b = _swap_last(b), _swap_last(a)
         M, N = N, M
     ra, a_major = _engine_operand(a, "k", "m")
     if ra is None:
-        a = kern.copy(a)
+        a = _engine_copy(a)
         ra, a_major = _engine_rows(a), "k"
     rb, b_major = _engine_operand(b, "n", "k")
     if rb is None:
-        b = kern.copy(b)
+        b = _engine_copy(b)
         rb, b_major = _engine_rows(b), "n"
     rc = _engine_rows(target)
-    isz = a.dtype.itemsize
+    # the batch dims, merged where all three operands allow: (extent, A's, B's and C's strides)
+    shape, strides = collapse(batch, broadcast_strides(a.shape[:-2], a._strides[:-2], batch),
+                              broadcast_strides(b.shape[:-2], b._strides[:-2], batch), target._strides[:-2])
     vec = None if bias is None else (bias._st.handle, bias._off * isz)
     if not rt.gemm((a._st.handle, ra[0] * isz, ra[1], a_major), (b._st.handle, rb[0] * isz, rb[1], b_major),
                    (target._st.handle, rc[0] * target.dtype.itemsize, rc[1]), M, N, K, a.dtype.name,
-                   target.dtype.name, vec):
+                   target.dtype.name, vec, tuple(zip(shape, *strides))):
         return False
     if target is not out and not swapped:
         kern.copy_into(out, target)
@@ -359,25 +367,46 @@ def _on_matrix_engine(a: Tensor, b: Tensor, bias: Tensor | None, out: Tensor) ->
 
 
 def _engine_operand(x: Tensor, rows_major: str, cols_major: str) -> tuple:
-    """((element offset, row pitch), major) for 2-D operand ``x`` as the engine reads it: its rows
-    (``rows_major``) where they are contiguous, else its transpose's (``cols_major``: a
-    transposed view of a row-major matrix); (None, None) where neither is readable."""
-    if x.shape[1] == 1 or x._strides[1] == 1:
+    """((element offset, row pitch), major) for operand ``x`` [..., R, C] as the engine reads each of its
+    matrices: their rows (``rows_major``) where they are contiguous, else their transposes'
+    (``cols_major``: a transposed view of row-major matrices); (None, None) where neither is readable."""
+    if x.shape[-1] == 1 or x._strides[-1] == 1:
         return _engine_rows(x), rows_major
     return _engine_rows(_swap_last(x)), cols_major
 
 
 def _engine_rows(x: Tensor) -> tuple | None:
-    """(element offset, row pitch) of 2-D ``x`` stored as rows with unit inner stride, the pitch
-    at least a row, both 16-byte aligned; None otherwise (the engine cannot read it as it is)."""
-    rows, cols = x.shape
-    if cols > 1 and x._strides[1] != 1:
+    """(element offset, row pitch) of ``x`` [..., R, C] whose matrices are stored as rows with unit inner
+    stride, the pitch at least a row, the offset, pitch and batch strides (of dims longer than 1)
+    16-byte aligned; None otherwise (the engine cannot read it as it is)."""
+    rows, cols = x.shape[-2:]
+    if cols > 1 and x._strides[-1] != 1:
         return None
-    pitch = x._strides[0] if rows > 1 else cols
     isz = x.dtype.itemsize
+    # a single row's pitch is never stepped over: any value on the 16-byte grid will do
+    pitch = x._strides[-2] if rows > 1 else -(-cols * isz // 16) * 16 // isz
     if pitch < cols or (pitch * isz) % 16 or (x._off * isz) % 16:
         return None
+    if any((st * isz) % 16 for n, st in zip(x.shape[:-2], x._strides[:-2]) if n > 1):
+        return None
     return x._off, pitch
+
+
+def _engine_buffer(shape: tuple, dtype: dt.DType, rt) -> Tensor:
+    """A new tensor of ``shape`` [..., R, C] whose rows are padded to whole 16-byte units, so the engine
+    can read or write it whatever C is; the padding is never touched (the tensor maps end at C)."""
+    unit = 16 // dtype.itemsize
+    pitch = -(-shape[-1] // unit) * unit
+    buf = empty(tuple(shape[:-1]) + (pitch,), dtype, rt)
+    return Tensor(buf._st, tuple(shape), buf._strides, buf._off, dtype)
+
+
+def _engine_copy(x: Tensor) -> Tensor:
+    """``x`` [..., R, C] copied into an :func:`_engine_buffer` (its own batch dims: a broadcast stays one
+    copy)."""
+    y = _engine_buffer(x.shape, x.dtype, x._st.rt)
+    kern.copy_into(y, x)
+    return y
 
 
 def _check_epi(epi: tuple, out: Tensor, shape: tuple, strided: bool) -> None:

@@ -7,6 +7,11 @@ the instruction (after the guard predicate), ``cta`` gives operand access
 (:meth:`Cta.read` / :meth:`Cta.write` / :meth:`Cta.address`) and the state.  A
 handler returns ``"spin"`` when the warp should give up its turn (a failed
 ``mbarrier.try_wait``).  Unknown opcodes are refused at load time, naming the line.
+
+Comparisons, selects, conversions and float arithmetic have one definition, the
+compiled form of the second half: the warp scheduler runs it through
+:class:`_CtaOperands`, which reads and writes the CTA's registers with the same checks
+as every other handler.
 """
 
 from __future__ import annotations
@@ -90,14 +95,6 @@ def _fma(cta, ins, lanes):
     cta.write(ins.args[0], lanes, (a * b + c).astype(np.float32))
 
 
-def _setp(cta, ins, lanes):
-    cmp, t = ins.parts[1], ins.parts[2]
-    a, b = cta.read(ins.args[1], lanes, t), cta.read(ins.args[2], lanes, t)
-    fn = {"eq": np.equal, "ne": np.not_equal, "lt": np.less, "le": np.less_equal,
-          "gt": np.greater, "ge": np.greater_equal}[cmp]
-    cta.write(ins.args[0], lanes, fn(a, b))
-
-
 def _pred_logic(cta, ins, lanes):
     a, b = cta.read(ins.args[1], lanes, "pred"), cta.read(ins.args[2], lanes, "pred")
     fn = {"and": np.logical_and, "or": np.logical_or, "xor": np.logical_xor}[ins.parts[0]]
@@ -107,23 +104,6 @@ def _pred_logic(cta, ins, lanes):
 def _mov(cta, ins, lanes):
     t = ins.parts[-1]
     cta.write(ins.args[0], lanes, cta.read(ins.args[1], lanes, t))
-
-
-def _cvt(cta, ins, lanes):
-    p = ins.parts
-    if p[1:] == ["u64", "u32"]:
-        cta.write(ins.args[0], lanes, cta.read(ins.args[1], lanes, "u32").astype(np.uint64))
-    elif p[1:] == ["rn", "bf16x2", "f32"]:  # d = {hi: a, lo: b}
-        hi = D.f32_to_bf16_bits(cta.read(ins.args[1], lanes, "f32")).astype(np.uint32)
-        lo = D.f32_to_bf16_bits(cta.read(ins.args[2], lanes, "f32")).astype(np.uint32)
-        cta.write(ins.args[0], lanes, (hi << np.uint32(16)) | lo)
-    elif p[1:] == ["rn", "bf16", "f32"]:
-        cta.write(ins.args[0], lanes, D.f32_to_bf16_bits(cta.read(ins.args[1], lanes, "f32")))
-    elif p[1:] == ["f32", "f16"]:
-        h = cta.read(ins.args[1], lanes, "b16")
-        cta.write(ins.args[0], lanes, h.view(np.float16).astype(np.float32))
-    else:
-        raise cta.fail(f"{ins.op} is not modelled")
 
 
 def _cvta(cta, ins, lanes):
@@ -145,7 +125,7 @@ def _nop(cta, ins, lanes):
 
 # -- memory ----------------------------------------------------------------------------
 
-_LD_TYPES = {"u16": 2, "b16": 2, "u32": 4, "b32": 4, "f32": 4, "u64": 8, "b64": 8}
+_LD_TYPES = {"u16": 2, "b16": 2, "u32": 4, "s32": 4, "b32": 4, "f32": 4, "u64": 8, "b64": 8}
 
 
 def _ld_param(cta, ins, lanes):
@@ -159,21 +139,31 @@ def _vec_regs(arg) -> list:
 
 
 def _ld(cta, ins, lanes):
-    space, t = ins.parts[1], ins.parts[-1]
+    """``ld.{global,shared,param}[.v2|.v4].TYPE``: a vector load reads its ``vec * size``
+    bytes at once (aligned to the whole vector, as PTX requires)."""
+    space, t = ins.parts[1].split("::")[0], ins.parts[-1]
     if space == "param":
         return _ld_param(cta, ins, lanes)
+    if t not in _LD_TYPES:
+        raise cta.fail(f"{ins.op}: type .{t} is not modelled")
     size = _LD_TYPES[t]
+    dsts = _vec_regs(ins.args[0])
+    vec = next((int(x[1:]) for x in ins.parts[2:-1] if x in ("v2", "v4")), 1)
+    if len(dsts) != vec:
+        raise cta.fail(f"{ins.op} needs {vec} destinations, got {len(dsts)}")
     addr = cta.address(ins.args[1], lanes)
     if space == "global":
-        raw = cta.mem.load(addr.astype(np.uint64), size)
+        raw = cta.mem.load(addr.astype(np.uint64), size * vec)
     elif space == "shared":
-        raw = cta.smem[cta.smem_index(addr, size)]
+        raw = cta.smem[cta.smem_index(addr, size * vec)]
     else:
         raise cta.fail(f"ld.{space} is not modelled")
-    val = raw.copy().view({2: np.uint16, 4: np.uint32, 8: np.uint64}[size]).reshape(-1)
-    if size == 2 and cta.prog.reg_type(ins.args[0].name) == "b32":
-        val = val.astype(np.uint32)  # ld.u16 into a 32-bit register zero-extends
-    cta.write(ins.args[0], lanes, val)
+    words = raw.copy().view({2: np.uint16, 4: np.uint32, 8: np.uint64}[size]).reshape(lanes.size, vec)
+    for j, dst in enumerate(dsts):
+        val = words[:, j]
+        if size == 2 and cta.prog.reg_type(dst.name) == "b32":
+            val = val.astype(np.uint32)  # ld.u16 into a 32-bit register zero-extends
+        cta.write(dst, lanes, val)
 
 
 def _st(cta, ins, lanes):
@@ -281,6 +271,59 @@ def _mma_sync(cta, ins, lanes):
     d = L.mma_m16n8k16(a, b, c).astype(np.float32)
     for j, r in enumerate(dregs):
         cta.write(r, lanes, d[:, j])
+
+
+def _shfl(cta, ins, lanes):
+    """``shfl.sync.{bfly,idx,up,down}.b32 d, a, b, c, membermask`` within one 32-lane warp.
+
+    Every live lane ``membermask`` names must execute it together (the lanes at the warp's
+    lowest PC; a lane elsewhere would make the GPU wait or misbehave), and no lane outside
+    the mask may.  Each lane reads ``a`` of its source lane (:func:`shfl_source_lane`); a
+    source that executes it must have written ``a``.
+    """
+    p = ins.parts
+    if "sync" not in p or p[-1] != "b32" or len(ins.args) != 5:
+        raise cta.fail(f"{ins.op} is not modelled (shfl.sync.{{idx,bfly,down,up}}.b32 d, a, b, c, membermask)")
+    mode = p[2]
+    src = ins.args[1]
+    if mode not in ("idx", "bfly", "down", "up") or not isinstance(src, RegArg):
+        raise cta.fail(f"{ins.op}: expected shfl.sync.{{idx,bfly,down,up}}.b32 with a register source")
+    masks = cta.read(ins.args[4], lanes, "u32")
+    mask = int(masks[0])
+    if np.any(masks != masks[0]):
+        raise cta.fail("shfl.sync: the lanes disagree on membermask")
+    w = int(lanes[0]) // 32
+    warp = np.arange(32 * w, 32 * w + 32)
+    named = warp[(mask >> (warp % 32) & 1).astype(bool) & cta.alive[warp]]
+    if not np.array_equal(np.sort(lanes), named):
+        missing, extra = np.setdiff1d(named, lanes), np.setdiff1d(lanes, named)
+        why = (f"lanes {lane_ranges(missing)} named in membermask {mask:#x} are not executing it with the others"
+               if missing.size else f"lanes {lane_ranges(extra)} execute it outside membermask {mask:#x}")
+        raise cta.fail(f"shfl.sync: {why}")
+    lane = lanes.astype(np.int64) % 32
+    j = shfl_source_lane(mode, lane, cta.read(ins.args[2], lanes, "u32"), cta.read(ins.args[3], lanes, "u32"))
+    source = 32 * w + j
+    reg = cta.regs.get(src.name)
+    if reg is None or reg.dtype != np.uint32:
+        cta.read(src, lanes, "b32")  # raises: never written, or not a 32-bit register
+    if src.name in cta.wgmma_state(lanes).locked:
+        raise cta.fail(f"register {src.name} read while a wgmma writing it is in flight (no wgmma.wait_group)")
+    unwritten = source[~cta.written[src.name][source]]
+    if unwritten.size:
+        raise cta.fail(f"shfl reads register {src.name} of lane {int(unwritten[0]) % 32}, which never wrote it")
+    cta.write(ins.args[0], lanes, reg[source].copy())
+
+
+def lane_ranges(lanes: np.ndarray) -> str:
+    """Compact text for a set of thread ids as lanes of their warp (``0-3,8``)."""
+    ids = sorted({int(x) % 32 for x in lanes})
+    out, start = [], None
+    for i, v in enumerate(ids):
+        start = v if start is None else start
+        if i + 1 == len(ids) or ids[i + 1] != v + 1:
+            out.append(f"{start}" if start == v else f"{start}-{v}")
+            start = None
+    return ",".join(out)
 
 
 # -- Hopper: mbarrier, TMA, wgmma, setmaxnreg ---------------------------------------------
@@ -743,9 +786,7 @@ _TABLE = {
     "mul": _mul,
     "mad": _mad,
     "fma": _fma,
-    "setp": _setp,
     "mov": _mov,
-    "cvt": _cvt,
     "cvta": _cvta,
     "bra": _bra,
     "ret": _ret,
@@ -763,12 +804,41 @@ _TABLE = {
 }
 
 
-def handler_for(ins: PtxInstr):
-    """The handler for one instruction; raises for opcodes the emulator does not model."""
+def _compiled_on_cta(ins: PtxInstr) -> bool:
+    """Whether the warp scheduler runs ``ins`` through the vectorised executor's compiled form:
+    comparisons, selects, conversions and float arithmetic (``fma.f32`` keeps its own handler;
+    arithmetic on 16-bit floats is refused there, not run as integer arithmetic)."""
+    head, t = ins.parts[0], ins.parts[-1]
+    if head in ("setp", "selp", "testp", "cvt"):
+        return True
+    return head in _FLOAT_HEADS and t in FLOATS and not (head == "fma" and t == "f32")
+
+
+def _compile_for_cta(c: _CtaOperands, ins: PtxInstr):
+    """The vectorised executor's compiler of ``ins``, over the CTA's operands."""
+    head = ins.parts[0]
+    if head == "setp":
+        return _setp_c(c, ins)
+    if head == "selp":
+        return _selp_c(c, ins)
+    if head == "testp":
+        return _testp(c, ins)
+    if head == "cvt":
+        return _cvt_c(c, ins)
+    return _float_op(c, ins)
+
+
+def handler_for(ins: PtxInstr, prog):
+    """The handler for one instruction of ``prog`` on the warp scheduler; raises for opcodes
+    the emulator does not model."""
     p = ins.parts
     head = p[0]
     if head in ("and", "or", "xor") and p[-1] == "pred":
         return _pred_logic
+    if _compiled_on_cta(ins):
+        return _for_cta(ins, prog)
+    if head == "shfl":
+        return _shfl
     if head == "cp" and p[1] == "async":
         if p[2] == "bulk":
             if p[3] == "commit_group":
@@ -871,20 +941,7 @@ class _Compiler:
             return lambda ex, sel: ~inner(ex, sel)
         if isinstance(arg, RegArg):
             s = self.slot(arg.name)
-            st = self.store[s]
-            rb = np.dtype(st).itemsize * 8 if st is not np.bool_ else 1
-            want = tbits(t)
-            if (t == "pred") != (st is np.bool_):
-                raise EmulationError(f"register {arg.name} used as .{t}")
-            if want > rb:
-                raise EmulationError(f"register {arg.name} ({rb}-bit) read as .{t}")
-            if want == rb:
-                conv = None if vt is st else (lambda v: v.view(vt))
-            elif t in FLOATS:  # a 16-bit float in the low half of a wider register
-                low = UNSIGNED[want]
-                conv = lambda v: v.astype(low).view(vt)  # noqa: E731
-            else:  # the low bits of a wider register (astype wraps)
-                conv = lambda v: v.astype(vt)  # noqa: E731
+            conv = _read_conv(arg.name, self.store[s], t)
 
             def rd(ex, sel, s=s, conv=conv):
                 u = ex.uni[s]
@@ -951,24 +1008,7 @@ class _Compiler:
             raise EmulationError(f"destination {arg} is not a register")
         s = self.slot(arg.name)
         st = self.store[s]
-        rb = np.dtype(st).itemsize * 8 if st is not np.bool_ else 1
-        want = tbits(t)
-        if (t == "pred") != (st is np.bool_):
-            raise EmulationError(f"register {arg.name} written as .{t}")
-        if want > rb:
-            raise EmulationError(f"a .{t} value written into {arg.name} ({rb}-bit)")
-        if want == rb or t == "pred":
-            def conv(v, st=st):
-                v = np.asarray(v)
-                return v if v.dtype == st else v.view(st) if v.dtype.itemsize == np.dtype(st).itemsize else v.astype(st)
-        elif t.startswith("s"):
-            sw = SIGNED[rb]
-            conv = lambda v: np.asarray(v).astype(VIEW_T[t]).astype(sw).view(st)  # noqa: E731
-        else:
-            low = UNSIGNED[want]
-            conv = lambda v: np.asarray(v).view(low).astype(st) if np.asarray(v).dtype.itemsize * 8 == want \
-                else np.asarray(v).astype(low).astype(st)  # noqa: E731
-
+        conv = _write_conv(arg.name, st, t)
         st_dt = np.dtype(st)
 
         def wr(ex, sel, v, s=s, conv=conv, st_dt=st_dt, st=st):
@@ -996,6 +1036,110 @@ class _Compiler:
             if not ex.complete[s]:
                 ex.written[s][sel] = True
         return wr
+
+
+def _read_conv(name: str, st, t: str):
+    """How a register stored as ``st`` reads as PTX type ``t``: None (as it is) or a function
+    of the stored values; a type wider than the register, or a predicate read as a number
+    (or the reverse), raises."""
+    vt = VIEW_T[t]
+    rb = np.dtype(st).itemsize * 8 if st is not np.bool_ else 1
+    want = tbits(t)
+    if (t == "pred") != (st is np.bool_):
+        raise EmulationError(f"register {name} used as .{t}")
+    if want > rb:
+        raise EmulationError(f"register {name} ({rb}-bit) read as .{t}")
+    if want == rb:
+        return None if vt is st else (lambda v: v.view(vt))
+    if t in FLOATS:  # a 16-bit float in the low half of a wider register
+        low = UNSIGNED[want]
+        return lambda v: v.astype(low).view(vt)
+    return lambda v: v.astype(vt)  # the low bits of a wider register (astype wraps)
+
+
+def _write_conv(name: str, st, t: str):
+    """How a value of PTX type ``t`` goes into a register stored as ``st``: the same bits, or
+    (narrower integers) sign- or zero-extended, as PTX says."""
+    rb = np.dtype(st).itemsize * 8 if st is not np.bool_ else 1
+    want = tbits(t)
+    if (t == "pred") != (st is np.bool_):
+        raise EmulationError(f"register {name} written as .{t}")
+    if want > rb:
+        raise EmulationError(f"a .{t} value written into {name} ({rb}-bit)")
+    if want == rb or t == "pred":
+        def conv(v, st=st):
+            v = np.asarray(v)
+            return v if v.dtype == st else v.view(st) if v.dtype.itemsize == np.dtype(st).itemsize else v.astype(st)
+        return conv
+    if t.startswith("s"):
+        sw = SIGNED[rb]
+        return lambda v: np.asarray(v).astype(VIEW_T[t]).astype(sw).view(st)
+    low = UNSIGNED[want]
+    return lambda v: np.asarray(v).view(low).astype(st) if np.asarray(v).dtype.itemsize * 8 == want \
+        else np.asarray(v).astype(low).astype(st)
+
+
+class _CtaOperands:
+    """Operand readers and writers over an :class:`emulator.Cta`, with the interface of
+    :class:`_Compiler`'s, so the vectorised executor's instruction compilers (``_float_op``,
+    ``_setp_c``, ``_selp_c``, ``_cvt_c`` ...) also give the warp scheduler its semantics:
+    one definition of each instruction.  A compiled op is ``fn(cta, lanes)``; reads go
+    through :meth:`Cta.read` and writes through :meth:`Cta.write`, so the written bits and
+    the wgmma register checks apply as to every other handler."""
+
+    _RAW = {1: "pred", 16: "b16", 32: "b32", 64: "b64"}  # Cta.read's raw view of a register of this width
+
+    def __init__(self, prog) -> None:
+        self.prog = prog
+        self._consts = _Compiler(prog)  # immediates and symbols: the same constants as on the Grid
+
+    def _store(self, name: str):
+        t = self.prog.reg_type(name)
+        return STORE_T[tbits(t)] if t != "pred" else np.bool_
+
+    def src(self, arg, t: str):
+        """A reader ``(cta, lanes) -> array or numpy scalar`` of operand ``arg`` as PTX type ``t``."""
+        if isinstance(arg, NotArg):
+            inner = self.src(arg.reg, "pred")
+            return lambda cta, lanes: ~inner(cta, lanes)
+        if isinstance(arg, RegArg):
+            st = self._store(arg.name)
+            conv = _read_conv(arg.name, st, t)
+            raw = self._RAW[np.dtype(st).itemsize * 8 if st is not np.bool_ else 1]
+            if conv is None:
+                return lambda cta, lanes: cta.read(arg, lanes, raw)
+            return lambda cta, lanes: conv(cta.read(arg, lanes, raw))
+        if isinstance(arg, SpecialArg):
+            vt = VIEW_T[t]
+            return lambda cta, lanes: cta.read(arg, lanes, "u32").astype(vt)
+        return self._consts.src(arg, t)  # a constant: ignores its arguments
+
+    def dst(self, arg, t: str):
+        """A writer ``(cta, lanes, value)`` into register ``arg`` of a value of PTX type ``t``."""
+        if isinstance(arg, SymArg) and arg.name == "_":
+            return lambda cta, lanes, v: None
+        if not isinstance(arg, RegArg):
+            raise EmulationError(f"destination {arg} is not a register")
+        conv = _write_conv(arg.name, self._store(arg.name), t)
+
+        def wr(cta, lanes, v):
+            v = conv(v)
+            cta.write(arg, lanes, np.broadcast_to(v, lanes.shape) if v.ndim == 0 else v)
+        return wr
+
+
+def _for_cta(ins, prog):
+    """A warp-scheduler handler that runs the vectorised executor's compiled form of ``ins``
+    (compiled once per instruction of a parsed program)."""
+    fn = getattr(ins, "_cta_fn", None)
+    if fn is None:
+        c = _CtaOperands(prog)
+        try:
+            fn = _compile_for_cta(c, ins)
+        except (EmulationError, PtxParseError) as e:
+            raise EmulationError(f"PTX line {ins.line}: {ins.text}: {e}") from None
+        ins._cta_fn = fn
+    return lambda cta, ins_, lanes: fn(cta, lanes)
 
 
 def _mulhi(a, b, bits: int, signed: bool):
@@ -1607,25 +1751,8 @@ def _shfl_c(c, ins):
 
     def shfl(ex, sel):
         lane = ex.lane if sel is None else ex.lane[sel]
-        b = np.asarray(bsrc(ex, sel)).astype(np.int64) & 31
-        cv = np.asarray(csrc(ex, sel)).astype(np.int64)
-        clamp, seg = cv & 31, (cv >> 8) & 31
         lane64 = lane.astype(np.int64)
-        max_lane = (lane64 & seg) | (clamp & ~seg)
-        min_lane = lane64 & seg
-        if mode == "up":
-            j = lane64 - b
-            ok = j >= max_lane
-        elif mode == "down":
-            j = lane64 + b
-            ok = j <= max_lane
-        elif mode == "bfly":
-            j = lane64 ^ b
-            ok = j <= max_lane
-        else:
-            j = min_lane | (b & ~seg)
-            ok = j <= max_lane
-        j = np.where(ok, j, lane64)
+        j = shfl_source_lane(mode, lane64, bsrc(ex, sel), csrc(ex, sel))
         tid = ex.tid_lin if sel is None else ex.tid_lin[sel]
         src_tid = tid - lane64 + j
         j = np.where(src_tid < ex.T, j, lane64)  # a lane past the end of the block: its own value
@@ -1634,6 +1761,30 @@ def _shfl_c(c, ins):
         u = ex.uni[s]
         d(ex, sel, np.full(g.size, u) if u is not None else ex.regs[s][g - lane64 + j])
     return shfl
+
+
+def shfl_source_lane(mode: str, lane: np.ndarray, b, c) -> np.ndarray:
+    """``shfl.sync.{up,down,bfly,idx}``: the lane (0..31, int64) each of ``lane`` reads, from
+    operands ``b`` (lane or offset) and ``c`` (clamp in bits 0-4, segment mask in bits 8-12),
+    as the PTX ISA defines it; a lane whose source falls outside its segment reads its own value."""
+    b = np.asarray(b).astype(np.int64) & 31
+    cv = np.asarray(c).astype(np.int64)
+    clamp, seg = cv & 31, (cv >> 8) & 31
+    max_lane = (lane & seg) | (clamp & ~seg)
+    min_lane = lane & seg
+    if mode == "up":
+        j = lane - b
+        ok = j >= max_lane
+    elif mode == "down":
+        j = lane + b
+        ok = j <= max_lane
+    elif mode == "bfly":
+        j = lane ^ b
+        ok = j <= max_lane
+    else:
+        j = min_lane | (b & ~seg)
+        ok = j <= max_lane
+    return np.where(ok, j, lane)
 
 
 def _warp_reduce(ex, sel, bits):

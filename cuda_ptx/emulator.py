@@ -122,7 +122,7 @@ class Cta:
         self.round = 0
         self.step = 0  # warp turns so far: the clock asynchronous copies land by
         self.kinds = [instr_kind(i.op) for i in prog.instrs]
-        self.handlers = [emu_ops.handler_for(i) for i in prog.instrs]
+        self.handlers = [emu_ops.handler_for(i, prog) for i in prog.instrs]
         self.current = None  # (warp, instr) being executed, for messages
         # Cluster membership; a CTA launched without a cluster is a cluster of one.
         self.peers: list[Cta] = [self]
@@ -334,6 +334,10 @@ class Cta:
     # -- scheduling ----------------------------------------------------------------------
     def run(self) -> None:
         """Run the CTA to completion (every thread executed ``ret``)."""
+        with np.errstate(all="ignore"):  # float results overflow, divide by zero ... as on the GPU: no warnings
+            self._run()
+
+    def _run(self) -> None:
         order = np.arange(self.nwarps)
         while self.alive.any():
             progress = self.run_round(order)
@@ -552,6 +556,10 @@ class Cluster:
 
     def run(self) -> None:
         """Run every CTA of the cluster to completion."""
+        with np.errstate(all="ignore"):  # as Cta.run: float exceptions are results, not warnings
+            self._run()
+
+    def _run(self) -> None:
         orders = [np.arange(c.nwarps) for c in self.ctas]
         rnd = 0
         while not all(c.exited for c in self.ctas):
@@ -580,17 +588,7 @@ class Cluster:
                                                      for c in self.ctas if not c.exited))
 
 
-def _ranges(lanes: np.ndarray) -> str:
-    """Compact text for a set of lane ids (``0-3,8``)."""
-    ids = sorted(int(x) % 32 for x in lanes)
-    out, start = [], None
-    for i, v in enumerate(ids):
-        if start is None:
-            start = v
-        if i + 1 == len(ids) or ids[i + 1] != v + 1:
-            out.append(f"{start}" if start == v else f"{start}-{v}")
-            start = None
-    return ",".join(out)
+_ranges = emu_ops.lane_ranges  # one definition, shared with the instruction handlers
 
 
 class Grid:

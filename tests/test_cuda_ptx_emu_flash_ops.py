@@ -423,3 +423,262 @@ def test_the_register_a_map_is_mma_m16n8k16s_a_per_warp():
             g, q = t // 4, 2 * (t % 4)
             for j in range(4):
                 np.testing.assert_array_equal(got[:, j], want[g + 8 * (j // 2), q + j % 2])
+
+
+# -- 3. the warp scheduler's f32, select, convert, load/store and shuffle instructions -------------
+
+def _plain_kernel(threads: int, body, n_in: int = 2) -> str:
+    """An sm_90a kernel of plain instructions: ``body(b, tid, ins, out)`` gets the input
+    pointers ``ins`` and the output pointer (all global u64 registers).  Such a kernel
+    would run on the vectorised Grid; :func:`_run_both` runs it on both executors."""
+    b = Builder("k", "sm_90a", "8.0", threads)
+    ps = [b.param(f"in{i}", "u64") for i in range(n_in)]
+    po = b.param("out", "u64")
+    tid = b.sreg("%tid.x")
+    body(b, tid, [ops.ld_param_ptr(b, p) for p in ps], ops.ld_param_ptr(b, po))
+    return render(b.build())
+
+
+def _run_both(ptx: str, threads: int, inputs: list[np.ndarray], out_bytes: int, shared: int = 0) -> np.ndarray:
+    """Run ``ptx`` on the warp scheduler (emulator.Cta) and on the vectorised Grid over the
+    same inputs; the two outputs must agree byte for byte (one definition of each
+    instruction).  Returns the warp scheduler's output bytes."""
+    from helios.cuda_ptx.emu_state import GlobalMemory
+    from helios.cuda_ptx.emulate import emulate_kernel
+    from helios.cuda_ptx.emulator import Cta
+    from helios.cuda_ptx.ptx_parse import parse
+
+    outs = []
+    for executor in ("cta", "grid"):
+        mem = GlobalMemory()
+        params = {f"in{i}": mem.alloc_array(x) for i, x in enumerate(inputs)}
+        params["out"] = mem.alloc(out_bytes, fill=0xAB)
+        if executor == "cta":
+            Cta(parse(ptx), threads, shared, params, mem, (0, 0, 0), (1, 1, 1)).run()
+        else:
+            emulate_kernel(ptx, threads, shared, params, mem)
+        outs.append(mem.view(params["out"], out_bytes).copy())
+    np.testing.assert_array_equal(outs[0], outs[1], err_msg="the warp scheduler and the Grid disagree")
+    return outs[0]
+
+
+SPECIAL = np.array([0.0, -0.0, 1.0, -1.5, 3.25, 1e-40, -1e-40, np.inf, -np.inf, np.nan, 7.0, -2.0,
+                    0.5, 100.0, -126.5, 2.0 ** -130, 1e30, -1e-30, 0.1, 8.0, 1.0, -0.0, np.nan, np.inf,
+                    5.0, 0.25, -7.75, 1e-38, 2.0, 9.0, -3.0, 64.0], np.float32)
+OTHER = np.roll(SPECIAL, 5)[::-1].copy()
+
+F32_OPS = {  # PTX opcode -> what it must compute on f32 (ftz: subnormal inputs and results flushed to 0)
+    "add.f32": lambda x, y: x + y,
+    "add.rn.ftz.f32": lambda x, y: _ftz(_ftz(x) + _ftz(y)),
+    "sub.rn.f32": lambda x, y: x - y,
+    "mul.f32": lambda x, y: x * y,
+    "mul.rn.ftz.f32": lambda x, y: _ftz(_ftz(x) * _ftz(y)),
+    "max.f32": np.fmax,  # the number when one operand is NaN
+    "min.f32": np.fmin,
+    "div.rn.f32": lambda x, y: x / y,
+    "div.approx.f32": lambda x, y: x / y,
+    "neg.f32": lambda x, y: -x,
+    "abs.f32": lambda x, y: np.abs(x),
+    "rcp.rn.f32": lambda x, y: np.float32(1) / x,
+    "rcp.approx.ftz.f32": lambda x, y: _ftz(np.float32(1) / _ftz(x)),
+    "ex2.approx.f32": lambda x, y: np.exp2(x),
+    "ex2.approx.ftz.f32": lambda x, y: _ftz(np.exp2(_ftz(x))),
+    "lg2.approx.f32": lambda x, y: np.log2(x),
+    "lg2.approx.ftz.f32": lambda x, y: np.log2(_ftz(x)),
+}
+
+
+def _ftz(x):
+    x = np.asarray(x, np.float32)
+    return np.where(np.abs(x) < np.finfo(np.float32).tiny, np.copysign(np.float32(0), x), x).astype(np.float32)
+
+
+def test_f32_arithmetic_on_the_warp_scheduler():
+    names = list(F32_OPS)
+
+    def body(b, tid, ins, out):
+        x, y = b.reg("f32"), b.reg("f32")
+        b.emit("ld.global.f32", x, f"[{ops.addr(b, ins[0], tid, 4)}]")
+        b.emit("ld.global.f32", y, f"[{ops.addr(b, ins[1], tid, 4)}]")
+        for k, op in enumerate(names):
+            r = b.reg("f32")
+            binary = op.split(".")[0] in ("add", "sub", "mul", "max", "min", "div")
+            b.emit(op, r, *((x, y) if binary else (x,)))
+            b.emit("st.global.f32", f"[{ops.addr(b, out, b.binop('add', 'u32', tid, 32 * k), 4)}]", r)
+
+    got = _run_both(_plain_kernel(32, body), 32, [SPECIAL, OTHER], 4 * 32 * len(names)).view(np.float32)
+    with np.errstate(all="ignore"):
+        for k, op in enumerate(names):
+            want = np.asarray(F32_OPS[op](SPECIAL, OTHER), np.float32)
+            np.testing.assert_array_equal(got[32 * k: 32 * k + 32].view(np.uint32), want.view(np.uint32), err_msg=op)
+    ex2 = got[names.index("ex2.approx.f32") * 32:][:32]
+    assert ex2[SPECIAL == -np.inf].tolist() == [0.0] and ex2[SPECIAL == np.inf].tolist() == [np.inf, np.inf]
+
+
+def test_ordered_and_unordered_f32_compares_and_selects():
+    cmps = ["lt", "le", "gt", "ge", "eq", "ne", "ltu", "neu", "equ", "num", "nan"]
+
+    def body(b, tid, ins, out):
+        x, y = b.reg("f32"), b.reg("f32")
+        b.emit("ld.global.f32", x, f"[{ops.addr(b, ins[0], tid, 4)}]")
+        b.emit("ld.global.f32", y, f"[{ops.addr(b, ins[1], tid, 4)}]")
+        for k, cmp in enumerate(cmps):
+            p = b.setp(cmp, "f32", x, y)
+            r = b.reg("u32")
+            b.emit("selp.u32", r, 1, 0, p)
+            b.emit("st.global.u32", f"[{ops.addr(b, out, b.binop('add', 'u32', tid, 32 * k), 4)}]", r)
+        lt = b.setp("lt", "f32", x, 0.0)
+        f, w = b.reg("f32"), b.reg("b32")
+        b.emit("selp.f32", f, x, y, lt)
+        b.emit("selp.b32", w, 7, 9, lt)
+        b.emit("st.global.f32", f"[{ops.addr(b, out, b.binop('add', 'u32', tid, 32 * len(cmps)), 4)}]", f)
+        b.emit("st.global.b32", f"[{ops.addr(b, out, b.binop('add', 'u32', tid, 32 * len(cmps) + 32), 4)}]", w)
+
+    got = _run_both(_plain_kernel(32, body), 32, [SPECIAL, OTHER], 4 * 32 * (len(cmps) + 2))
+    words = got.view(np.uint32).reshape(-1, 32)
+    x, y = SPECIAL, OTHER
+    nan = np.isnan(x) | np.isnan(y)
+    want = {"lt": x < y, "le": x <= y, "gt": x > y, "ge": x >= y, "eq": x == y, "ne": (x != y) & ~nan,
+            "ltu": (x < y) | nan, "neu": x != y, "equ": (x == y) | nan, "num": ~nan, "nan": nan}
+    for k, cmp in enumerate(cmps):
+        np.testing.assert_array_equal(words[k], want[cmp].astype(np.uint32), err_msg=cmp)
+    assert words[cmps.index("ne")][np.isnan(x)].sum() == 0  # ordered: NaN compares unequal to nothing
+    neg = x < 0
+    np.testing.assert_array_equal(words[len(cmps)].view(np.float32), np.where(neg, x, y))
+    np.testing.assert_array_equal(words[len(cmps) + 1], np.where(neg, 7, 9))
+
+
+def test_conversions_on_the_warp_scheduler():
+    vals = np.array([1.5, -2.25, 3e9, -3e9, np.nan, 0.7, -0.7, 65504.0, 1e6, 2.5, -2.5, 1.0 / 3.0] * 2 + [0.0] * 8,
+                     np.float32)
+    ints = np.array([0, 1, -1, 2**31 - 1, -(2**31), 123456789, 16777217, -7] * 4, np.int32)
+
+    def body(b, tid, ins, out):
+        x, y, f = b.reg("f32"), b.reg("f32"), b.reg("f32")
+        b.emit("ld.global.f32", x, f"[{ops.addr(b, ins[0], tid, 4)}]")
+        b.emit("ld.global.f32", y, f"[{ops.addr(b, ins[0], b.binop('xor', 'b32', tid, 1), 4)}]")
+        i = b.reg("s32")
+        b.emit("ld.global.s32", i, f"[{ops.addr(b, ins[1], tid, 4)}]")
+        h = b.reg("b16")
+        b.emit("ld.global.b16", h, f"[{ops.addr(b, ins[0], tid, 4)}+2]")  # x's upper half: x as bf16, truncated
+        results = []
+        r = b.reg("b32")
+        b.emit("cvt.rn.f16x2.f32", r, x, y)  # hi: x, lo: y
+        results.append(r)
+        b.emit("cvt.f32.bf16", f, h)
+        results.append(f)
+        for op, src in (("cvt.rn.f32.u32", i), ("cvt.rn.f32.s32", i)):
+            g = b.reg("f32")
+            b.emit(op, g, src)
+            results.append(g)
+        z = b.reg("s32")
+        b.emit("cvt.rzi.s32.f32", z, x)
+        results.append(z)
+        for k, r in enumerate(results):
+            b.emit("st.global.b32", f"[{ops.addr(b, out, b.binop('add', 'u32', tid, 32 * k), 4)}]", r)
+
+    got = _run_both(_plain_kernel(32, body), 32, [vals, ints], 4 * 32 * 5).view(np.uint32).reshape(5, 32)
+    swapped = vals[np.arange(32) ^ 1]
+    with np.errstate(all="ignore"):
+        half = lambda v: v.astype(np.float16).view(np.uint16).astype(np.uint32)  # noqa: E731
+        np.testing.assert_array_equal(got[0], (half(vals) << 16) | half(swapped))
+        np.testing.assert_array_equal(got[1], vals.view(np.uint32) & 0xFFFF0000)
+        np.testing.assert_array_equal(got[2].view(np.float32), ints.view(np.uint32).astype(np.float32))
+        np.testing.assert_array_equal(got[3].view(np.float32), ints.astype(np.float32))
+        want = np.where(np.isnan(vals), 0, np.clip(np.trunc(vals.astype(np.float64)), -2**31, 2**31 - 1))
+        np.testing.assert_array_equal(got[4].view(np.int32), want.astype(np.int32))
+
+
+def test_vector_and_shared_loads_and_stores_and_integer_min_max():
+    """ld.global.v2.f32 / v4.b32, st/ld.shared.f32 across threads (a barrier between),
+    st.global.v4.b32, and min/max on u32 and s32 with negative values."""
+    data = np.arange(-64, 64, dtype=np.int32)
+
+    def body(b, tid, ins, out):
+        v = b.regs("b32", 4)
+        b.emit("ld.global.v4.b32", "{" + ", ".join(map(str, v)) + "}", f"[{ops.addr(b, ins[0], tid, 16)}]")
+        f = b.regs("f32", 2)
+        b.emit("ld.global.v2.f32", "{" + ", ".join(map(str, f)) + "}", f"[{ops.addr(b, ins[0], tid, 8)}]")
+        s = b.reg("f32")
+        b.emit("add.f32", s, f[0], f[1])
+        b.shared("s", 128)
+        smem = ops.smem_base(b)
+        b.emit("st.shared.f32", f"[{b.mad('u32', tid, 4, smem)}]", s)
+        ops.bar_sync(b, 0)
+        other = b.reg("f32")
+        b.emit("ld.shared.f32", other, f"[{b.mad('u32', b.binop('xor', 'b32', tid, 31), 4, smem)}]")
+        mins = [b.binop(op, t, v[0], v[1]) for op, t in (("min", "u32"), ("max", "u32"), ("min", "s32"), ("max", "s32"))]
+        b.emit("st.global.v4.b32", f"[{ops.addr(b, out, tid, 16)}]", "{" + ", ".join(map(str, mins)) + "}")
+        b.emit("st.global.f32", f"[{ops.addr(b, out, b.binop('add', 'u32', tid, 128), 4)}]", other)
+        b.emit("st.global.v4.b32", f"[{ops.addr(b, out, b.binop('add', 'u32', tid, 40), 16)}]",
+               "{" + ", ".join(map(str, v[::-1])) + "}")
+
+    got = _run_both(_plain_kernel(32, body, n_in=1), 32, [data], 4 * 288, shared=128).view(np.int32)
+    quads = data.reshape(32, 4)
+    a, c = quads[:, 0], quads[:, 1]
+    ua, uc = a.view(np.uint32), c.view(np.uint32)
+    want = np.stack([np.minimum(ua, uc).view(np.int32), np.maximum(ua, uc).view(np.int32),
+                     np.minimum(a, c), np.maximum(a, c)], axis=1)
+    np.testing.assert_array_equal(got[:128].reshape(32, 4), want)
+    pairs = data.view(np.float32)[:64].reshape(32, 2)
+    sums = pairs[:, 0] + pairs[:, 1]
+    np.testing.assert_array_equal(got[128:160].view(np.float32), sums[np.arange(32) ^ 31])
+    np.testing.assert_array_equal(got[160:288].reshape(32, 4), quads[:, ::-1])
+
+
+def _shfl_kernel(threads: int, edit: str = "") -> str:
+    """Each thread's value x[tid]: the max over its quad (bfly 1, 2), over its warp (bfly 16 ..
+    1), and lane 5's value of its warp (idx) -- stored as three rows of ``out``.  ``edit``:
+    "diverged" runs the quad reduction only in lanes 0-15 with a full membermask,
+    "outside" names lanes 0-15 in membermask but runs it in every lane."""
+    def body(b, tid, ins, out):
+        x = b.reg("f32")
+        b.emit("ld.global.f32", x, f"[{ops.addr(b, ins[0], tid, 4)}]")
+
+        def reduce(v, masks, member=0xFFFFFFFF):
+            for m in masks:
+                t = b.reg("f32")
+                b.emit("shfl.sync.bfly.b32", t, v, m, 0x1F, member)
+                b.emit("max.f32", v, v, t)
+
+        q = b.reg("f32")
+        b.emit("mov.f32", q, x)
+        if edit == "diverged":
+            with b.if_(b.setp("lt", "u32", b.binop("and", "b32", tid, 31), 16)):
+                reduce(q, (1, 2))
+        else:
+            reduce(q, (1, 2), 0xFFFF if edit == "outside" else 0xFFFFFFFF)
+        w = b.reg("f32")
+        b.emit("mov.f32", w, x)
+        reduce(w, (16, 8, 4, 2, 1))
+        five = b.reg("b32")
+        b.emit("shfl.sync.idx.b32", five, x, 5, 0x1F, 0xFFFFFFFF)
+        for k, r in enumerate((q, w, five)):
+            b.emit("st.global.b32", f"[{ops.addr(b, out, b.binop('add', 'u32', tid, threads * k), 4)}]", r)
+
+    return _plain_kernel(threads, body, n_in=1)
+
+
+def test_shfl_reduces_a_quad_and_a_warp_and_broadcasts_a_lane():
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal(64).astype(np.float32)
+    x[9] = np.nan  # max.f32 takes the number: the NaN does not spread
+    got = _run_both(_shfl_kernel(64), 64, [x], 4 * 64 * 3).view(np.float32).reshape(3, 64)
+    np.testing.assert_array_equal(got[0], np.repeat(np.fmax.reduce(x.reshape(16, 4), axis=1), 4))
+    np.testing.assert_array_equal(got[1], np.repeat(np.fmax.reduce(x.reshape(2, 32), axis=1), 32))
+    np.testing.assert_array_equal(got[2], np.repeat(x.reshape(2, 32)[:, 5], 32))
+
+
+@pytest.mark.parametrize("edit,why", [
+    ("diverged", r"lanes 16-31 named in membermask 0xffffffff are not executing it with the others"),
+    ("outside", r"lanes 16-31 execute it outside membermask 0xffff"),
+])
+def test_shfl_lanes_must_match_the_membermask(edit, why):
+    from helios.cuda_ptx.emu_state import GlobalMemory
+    from helios.cuda_ptx.emulator import Cta
+    from helios.cuda_ptx.ptx_parse import parse
+
+    mem = GlobalMemory()
+    params = {"in0": mem.alloc_array(np.zeros(32, np.float32)), "out": mem.alloc(4 * 32 * 3)}
+    with pytest.raises(EmulationError, match=why):
+        Cta(parse(_shfl_kernel(32, edit)), 32, 0, params, mem, (0, 0, 0), (1, 1, 1)).run()

@@ -62,6 +62,9 @@ def gate_configs() -> dict[str, GemmConfig]:
     for suffix, in_dtype, out_dtype in (("_bias", "bf16", "bf16"), ("_bias_fp16", "fp16", "f32")):
         name = VARIANT + suffix  # a Linear layer's x @ W^T + b in one kernel
         out[name] = out[VARIANT].with_(name=name, in_dtype=in_dtype, out_dtype=out_dtype, bias=True)
+    # batched products (bmm, per-head attention products): the batch walk and (2 + d)-D tensor maps
+    for name, extra in (("_batched", {"batched": 1}), ("_batched2_nmajor", {"batched": 2, "b_major": "n"})):
+        out[VARIANT + name] = out[VARIANT].with_(name=VARIANT + name, **extra)
     return out
 
 

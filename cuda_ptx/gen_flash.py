@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from helios.errors import ShapeError
 
 from . import layout as L
+from . import ops
 from .config import MAX_DYN_SMEM
 from .ir import Builder, Kernel, Reg
 
@@ -148,24 +149,6 @@ def _desc(b: Builder, addr: Reg, const: int) -> Reg:
     b.emit("cvt.u64.u32", out, t)
     b.emit("or.b64", out, out, const)
     return out
-
-
-def _wait(b: Builder, bar: Reg, parity: Reg) -> None:
-    """Spin on ``mbarrier.try_wait.parity`` until the phase with ``parity`` has completed."""
-    lbl = b.label("wait")
-    done = b.reg("pred")
-    b.place(lbl)
-    b.emit("mbarrier.try_wait.parity.shared::cta.b64", done, f"[{bar}]", parity)
-    b.emit("bra", lbl, pred=done, negate=True)
-
-
-def _advance(b: Builder, slot: Reg, phase: Reg, stages: int) -> None:
-    """slot += 1; on wrap slot = 0 and the expected parity flips."""
-    wrap = b.reg("pred")
-    b.emit("add.u32", slot, slot, 1)
-    b.emit("setp.eq.u32", wrap, slot, stages)
-    b.emit("mov.u32", slot, 0, pred=wrap)
-    b.emit("xor.b32", phase, phase, 1, pred=wrap)
 
 
 def _quad_reduce(b: Builder, x: Reg, op: str) -> None:
@@ -387,11 +370,11 @@ def _producer(f: _Flash, stationary, n_iter: Reg, stream) -> None:
             with b.loop(it, 0, n_iter, 1):
                 # a fresh barrier counts the phase before 0 as complete: the first lap passes at once
                 b.emit("xor.b32", par, phase, 1)
-                _wait(b, b.mad("u32", slot, 8, f.empty0), par)
+                ops.mbar_wait(b, b.mad("u32", slot, 8, f.empty0), par)
                 full = b.mad("u32", slot, 8, f.full0)
                 b.emit("mbarrier.arrive.expect_tx.shared::cta.b64", "_", f"[{full}]", f.slot_bytes)
                 stream(it, b.mad("u32", slot, f.slot_bytes, b.binop("add", "u32", f.smem, f.ring_off)), full)
-                _advance(b, slot, phase, f.S)
+                ops.ring_advance(b, slot, phase, f.S)
 
 
 def _consume(f: _Flash, n_iter: Reg, body) -> None:
@@ -400,13 +383,13 @@ def _consume(f: _Flash, n_iter: Reg, body) -> None:
     b = f.b
     slot, phase, it = b.mov("u32", 0), b.mov("u32", 0), b.reg("u32")
     lane0 = b.setp("eq", "u32", b.binop("and", "b32", b.sreg("%tid.x"), 31), 0)
-    _wait(b, f.once, b.mov("u32", 0))
+    ops.mbar_wait(b, f.once, b.mov("u32", 0))
     with b.if_(b.setp("ne", "u32", n_iter, 0)):
         with b.loop(it, 0, n_iter, 1):
-            _wait(b, b.mad("u32", slot, 8, f.full0), phase)
+            ops.mbar_wait(b, b.mad("u32", slot, 8, f.full0), phase)
             body(it, b.mad("u32", slot, f.slot_bytes, b.binop("add", "u32", f.smem, f.ring_off)))
             b.emit("mbarrier.arrive.shared::cta.b64", "_", f"[{b.mad('u32', slot, 8, f.empty0)}]", pred=lane0)
-            _advance(b, slot, phase, f.S)
+            ops.ring_advance(b, slot, phase, f.S)
 
 
 class _Rows:

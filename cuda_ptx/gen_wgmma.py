@@ -317,20 +317,10 @@ def generate(cfg: GemmConfig) -> Kernel:
                    everyone)
 
     def wait(bar_addr, parity) -> None:
-        """Spin on ``mbarrier.try_wait.parity`` until the phase with ``parity`` completed."""
-        lbl = b.label("wait")
-        done = b.reg("pred")
-        b.place(lbl)
-        b.emit("mbarrier.try_wait.parity.shared::cta.b64", done, f"[{bar_addr}]", parity)
-        b.emit("bra", lbl, pred=done, negate=True)
+        ops.mbar_wait(b, bar_addr, parity)
 
     def advance(slot, phase) -> None:
-        """slot += 1; on wrap slot = 0 and the expected parity flips."""
-        wrap = b.reg("pred")
-        b.emit("add.u32", slot, slot, 1)
-        b.emit("setp.eq.u32", wrap, slot, S)
-        b.emit("mov.u32", slot, 0, pred=wrap)
-        b.emit("xor.b32", phase, phase, 1, pred=wrap)
+        ops.ring_advance(b, slot, phase, S)
 
     def consumer(cidx, wtid, release) -> None:
         """Math warpgroup ``cidx`` (a register or int), thread ``wtid`` within it: main loop + epilogue per tile.

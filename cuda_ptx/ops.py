@@ -121,3 +121,22 @@ def bar_sync(b: Builder, barrier: int = 0, count: int | None = None) -> None:
         b.emit("bar.sync", barrier)
     else:
         b.emit("bar.sync", barrier, count)
+
+
+def mbar_wait(b: Builder, bar: Reg, parity: Reg) -> None:
+    """Spin on ``mbarrier.try_wait.parity`` until the phase with ``parity`` of the barrier at shared
+    address ``bar`` has completed."""
+    lbl = b.label("wait")
+    done = b.reg("pred")
+    b.place(lbl)
+    b.emit("mbarrier.try_wait.parity.shared::cta.b64", done, f"[{bar}]", parity)
+    b.emit("bra", lbl, pred=done, negate=True)
+
+
+def ring_advance(b: Builder, slot: Reg, phase: Reg, stages: int) -> None:
+    """Move a ring position on: slot += 1; on wrap slot = 0 and the expected parity flips."""
+    wrap = b.reg("pred")
+    b.emit("add.u32", slot, slot, 1)
+    b.emit("setp.eq.u32", wrap, slot, stages)
+    b.emit("mov.u32", slot, 0, pred=wrap)
+    b.emit("xor.b32", phase, phase, 1, pred=wrap)

@@ -1,9 +1,13 @@
-"""Flash attention against Helios' dense attention and PyTorch CPU, in the same run.
+"""Flash attention against Helios' dense attention and PyTorch CPU, in the same run; on
+``--device cuda:N``, Helios' tensor-core flash attention against PyTorch's on the same GPU.
 
     python bench/attention.py [--T 64 256 1024 2048] [--batch 1] [--heads 4] [--head-dim 64]
-                              [--rounds 5] [--no-causal] [--no-memory]
+                              [--rounds 5] [--no-causal] [--no-memory] [--device vulkan:N]
                               [--sparse] [--density 0.1] [--block-size 64]
                               [--dilated] [--segments 512 1024 2048] [--dilations 1 2 4]
+    python bench/attention.py --device cuda:0 [--dtype bf16|fp16] [--T 1024 2048 4096 8192 16384]
+                              [--head-dim 64 128] [--causal | --no-causal] [--batch B] [--heads H]
+                              [--rounds 5] [--tol 0.05] [--require-wgmma] [--smoke]
 
 Three implementations on the same float32 values, q, k, v of shape [batch, heads, T, head_dim]:
 
@@ -46,6 +50,49 @@ each round as above (forward, forward + backward):
 * ``--dilated``: ``dilated_attention`` with ``--segments`` and ``--dilations`` (each clipped
   to T).  One line per T: {"bench": "attention_dilated", "segments", "dilations",
   "dilated_fwd_ms", "flash_fwd_ms", ..., "time_ratio"}.
+
+``--device cuda:N`` (``gpu_main``): ``helios.nn.functional.scaled_dot_product_attention`` on
+``cuda:N`` with [B, H, T, D] operands in ``--dtype`` (bf16 by default; on Hopper these run the
+tensor-core kernels ``flash_wgmma_fwd`` / ``flash_wgmma_bwd``) against
+``torch.nn.functional.scaled_dot_product_attention`` on the same GPU in the same dtype, its
+flash backend forced (``torch.nn.attention.sdpa_kernel(SDPBackend.FLASH_ATTENTION)``: an error
+rather than another backend if it cannot run).  Defaults: T = 1024 ... 16384, D = 64 and 128,
+causal and not, and, as FlashAttention's benchmark sizes its runs, 16384 tokens of a 2048-wide
+model in each: B = 16384 // T and H = 2048 // D (``--batch`` / ``--heads`` override them).
+
+* Inputs: q, k, v and the upstream gradient drawn by torch (seed 0), rounded to the dtype,
+  the same values on both sides.
+* Check, once per configuration, before any timing: one forward + backward on each side; the
+  output and dq, dk, dv compared element by element: ``max_abs_diff_{fwd,dq,dk,dv}`` (max
+  |helios - peer|) and ``rel_diff_*`` (that over max |peer|).  ``numerics_ok`` is every
+  ``rel_diff_*`` within ``--tol`` (0.05); a configuration that is not ok makes the exit status 1,
+  so a wrong kernel cannot post a fast number unnoticed.  Helios' forward and backward run
+  under ``helios.profile`` there: ``helios_kernels_fwd`` / ``helios_kernels_bwd`` name the
+  kernels that ran, ``tensor_cores`` is whether they were ``flash_wgmma_fwd`` and
+  ``flash_wgmma_bwd`` (``--require-wgmma``: exit 1 when not).
+* Time: rounds (``--rounds``, median kept), each timing Helios' forward, Helios' forward +
+  backward, then the peer's, as blocks of calls in a row lasting ~0.1 s.  The forward runs
+  with autograd recording (inputs requiring grad, as in training); forward + backward is
+  that forward and ``o.backward(g)``, the gradients dropped after each.  Helios: wall time
+  of the block, ended by ``helios.synchronize()`` and a read-back of one element (as
+  bench/matmul.py and bench/train_step.py time ``cuda:N``); the peer: CUDA events around
+  the block.  **Backward time = (forward + backward) - forward**, not timed on its own.
+* FLOPs (the FlashAttention papers' convention): forward 4 B H T^2 D (Q K^T and P V),
+  halved when causal; backward 2.5 x the forward.  ``*_tflops`` are those over the times;
+  ``ratio_{fwd,bwd,fwd_bwd}`` = Helios' TFLOP/s over the peer's (> 1: Helios faster).
+
+One JSON line per (D, causal, T): {"bench": "attention_gpu", "dtype", "B", "H", "T", "D",
+"causal", "max_abs_diff_fwd", ..., "numerics_ok", "helios_kernels_fwd", "tensor_cores",
+"helios_fwd_ms", "helios_fwd_tflops", "helios_bwd_ms", "helios_bwd_tflops",
+"helios_fwd_bwd_ms", ..., "peer_fwd_ms", ..., "ratio_fwd", "ratio_bwd", "ratio_fwd_bwd",
+"device", "device_name", "peer", ...}; a configuration that raised gets "failed" instead.
+Without a CUDA driver (or torch without CUDA) it prints one "skipped" line and exits 0.
+
+``--smoke``: T = 128, B = 1, H = 1, D = 64, causal, one round of one call.  With
+``HELIOS_CUDA_DEVICE=emulator`` the whole GPU path runs without a GPU: Helios' kernels on the
+CPU emulator, the peer PyTorch on the CPU in float32 (on the same rounded values); its lines
+carry ``"emulated": true`` and only the check's fields (no times: the emulator's mean
+nothing).
 """
 
 from __future__ import annotations
@@ -294,14 +341,251 @@ def bench_sparse(kind: str, B: int, H: int, T: int, D: int, causal: bool, rounds
     return res
 
 
+# -- cuda:N: the tensor-core flash kernels against PyTorch's flash backend on the same GPU --------
+
+GPU_TOKENS = 16384     # B * T of every GPU configuration (FlashAttention's benchmark: batch = 16384 // T)
+GPU_MODEL_DIM = 2048   # H * D (its heads = 2048 // head dim)
+GPU_TOL = 5e-2         # largest max |helios - peer| / max |peer| a result may show (bf16 and fp16 alike)
+
+
+def attention_flops(B: int, H: int, T: int, D: int, causal: bool) -> tuple[float, float]:
+    """(forward, backward) FLOPs of one attention by the FlashAttention papers' convention:
+    forward 4 B H Tq Tk D (Q K^T and P V, 2 FLOPs a multiply-add), halved when causal;
+    backward 2.5 x the forward (its five products against the forward's two)."""
+    fwd = 4.0 * B * H * T * T * D / (2 if causal else 1)
+    return fwd, 2.5 * fwd
+
+
+def gpu_shape(T: int, D: int, batch: int | None, heads: int | None) -> tuple[int, int]:
+    """(B, H) of a GPU configuration: --batch / --heads where given, else B = 16384 // T and
+    H = 2048 // D (at least 1 each), so every configuration holds 16384 tokens of a
+    2048-wide model, as FlashAttention's benchmark sizes its runs."""
+    return batch or max(1, GPU_TOKENS // T), heads or max(1, GPU_MODEL_DIM // D)
+
+
+def _skip_gpu(reason: str) -> int:
+    print(json.dumps({"bench": "attention_gpu", "skipped": True, "reason": reason}))
+    return 0
+
+
+def _max_diff(got, ref) -> tuple[float, float]:
+    """(max |got - ref|, that over max |ref|) of two float32 arrays; NaN anywhere gives NaN."""
+    d = float(np.abs(got - ref).max())
+    return d, d / max(float(np.abs(ref).max()), 1e-30)
+
+
+def _kernel_names(col) -> list[str]:
+    return sorted({e.name for e in col.events})
+
+
+def bench_gpu(B: int, H: int, T: int, D: int, causal: bool, dtype: str, rounds: int, peer_dev: str,
+              emulated: bool, smoke: bool, tol: float) -> dict:
+    """One configuration on the current cuda:N device against torch on ``peer_dev`` (see the
+    module docstring): the numerics check, the kernels the profiler saw, and (unless emulated)
+    the timed rounds."""
+    import torch
+    import torch.nn.functional as TF
+
+    import helios as hl
+    import helios.nn.functional as F
+    from helios.profile import profile
+
+    hdt = {"bf16": hl.bfloat16, "fp16": hl.float16}[dtype]
+    cuda = peer_dev == "cuda"
+    tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype] if cuda else torch.float32
+    res = {"bench": "attention_gpu", "dtype": dtype, "B": B, "H": H, "T": T, "D": D, "causal": causal}
+    # The inputs: drawn by torch on the peer's device, rounded to the dtype, the same values on
+    # both sides (the emulated run's float32 peer gets the rounded values too).
+    gen = torch.Generator(device=peer_dev).manual_seed(0)
+    lowp = torch.bfloat16 if dtype == "bf16" else torch.float16
+    host = [torch.randn((B, H, T, D), generator=gen, device=peer_dev).to(lowp).float().cpu().numpy() for _ in range(4)]
+    # (uploaded as float32 and cast on the device: exact, and no host-side rounding of 33M values)
+    q, k, v, g = (hl.tensor(a).to(hdt).requires_grad_(i < 3) for i, a in enumerate(host))
+    tq, tk, tv, tg = (torch.from_numpy(a).to(device=peer_dev, dtype=tdt).requires_grad_(i < 3) for i, a in enumerate(host))
+    del host
+
+    def h_fwd():
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    def h_fwd_bwd():
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        o.backward(g)
+        r = q.grad
+        q.grad = k.grad = v.grad = None
+        return r
+
+    def t_fwd():
+        return TF.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
+
+    def t_fwd_bwd():
+        o = TF.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
+        o.backward(tg)
+        r = tq.grad
+        tq.grad = tk.grad = tv.grad = None
+        return r
+
+    if cuda:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        forced = sdpa_kernel(SDPBackend.FLASH_ATTENTION)  # an error, not a silent fallback, if it cannot run
+    else:
+        import contextlib
+
+        forced = contextlib.nullcontext()
+    with forced:
+        # The check, once per configuration: one forward + backward on each side, Helios' profiled
+        # (which kernels ran: flash_wgmma_fwd / flash_wgmma_bwd are the tensor-core ones).
+        with profile() as pf:
+            o = h_fwd()
+            hl.synchronize()
+        with profile() as pb:
+            o.backward(g)
+            hl.synchronize()
+        got = [t.numpy().astype(np.float32, copy=False) for t in (o, q.grad, k.grad, v.grad)]
+        q.grad = k.grad = v.grad = None
+        del o
+        to = t_fwd()
+        to.backward(tg)
+        ref = [t.detach().float().cpu().numpy() for t in (to, tq.grad, tk.grad, tv.grad)]
+        tq.grad = tk.grad = tv.grad = None
+        del to
+        rels = []
+        for name, a, b in zip(("fwd", "dq", "dk", "dv"), got, ref):
+            d, rel = _max_diff(a, b)
+            res[f"max_abs_diff_{name}"] = float(f"{d:.3e}")
+            res[f"rel_diff_{name}"] = float(f"{rel:.3e}")
+            rels.append(rel)
+        del got, ref
+        res["numerics_ok"] = all(rel <= tol for rel in rels)  # (a NaN is not)
+        res["tol"] = tol
+        res["helios_kernels_fwd"], res["helios_kernels_bwd"] = _kernel_names(pf.collector), _kernel_names(pb.collector)
+        res["tensor_cores"] = ("flash_wgmma_fwd" in res["helios_kernels_fwd"]
+                               and "flash_wgmma_bwd" in res["helios_kernels_bwd"])
+        if emulated:  # the CPU emulator's times mean nothing: the check is the point
+            return res
+
+        def helios_block(fn, n: int) -> float:
+            t0 = time.perf_counter()
+            for _ in range(n):
+                r = fn()
+            hl.synchronize()
+            r[0, 0, 0, 0].item()
+            return (time.perf_counter() - t0) / n
+
+        def torch_block(fn, n: int) -> float:
+            if not cuda:  # (a float32 peer on the CPU: only a dry run of this path uses one)
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    fn()
+                return (time.perf_counter() - t0) / n
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            for _ in range(n):
+                fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3 / n
+
+        fns = {("helios", "fwd"): (helios_block, h_fwd), ("helios", "fwd_bwd"): (helios_block, h_fwd_bwd),
+               ("peer", "fwd"): (torch_block, t_fwd), ("peer", "fwd_bwd"): (torch_block, t_fwd_bwd)}
+        reps = {}
+        for key, (block, fn) in fns.items():
+            block(fn, 1)  # warm-up (the peer's first call; Helios' ran in the check)
+            one = block(fn, 1)
+            reps[key] = 1 if smoke else max(1, min(100, int(0.1 / max(one, 1e-6))))
+        times = {key: [] for key in fns}
+        for _ in range(rounds):  # interleaved, so both sides see the same clocks and temperature
+            for key, (block, fn) in fns.items():
+                times[key].append(block(fn, reps[key]))
+    f_fwd, f_bwd = attention_flops(B, H, T, D, causal)
+    flops = {"fwd": f_fwd, "bwd": f_bwd, "fwd_bwd": f_fwd + f_bwd}
+    rate = {}
+    for side in ("helios", "peer"):
+        fwd = statistics.median(times[(side, "fwd")])
+        both = statistics.median(times[(side, "fwd_bwd")])
+        secs = {"fwd": fwd, "bwd": both - fwd, "fwd_bwd": both}
+        for part, t in secs.items():
+            res[f"{side}_{part}_ms"] = round(t * 1e3, 4)
+            rate[(side, part)] = flops[part] / t if t > 0 else None  # (a backward within the noise: none)
+            res[f"{side}_{part}_tflops"] = round(rate[(side, part)] / 1e12, 2) if rate[(side, part)] else None
+    for part in flops:
+        h, p = rate[("helios", part)], rate[("peer", part)]
+        res[f"ratio_{part}"] = round(h / p, 3) if h and p else None
+    res["reps"] = {f"{s}_{p}": n for (s, p), n in reps.items()}
+    res["rounds"] = rounds
+    return res
+
+
+def gpu_main(args) -> int:
+    """--device cuda:N: one JSON line per (D, causal, T); exit status 1 when a result is off."""
+    from helios.cuda_ptx import driver
+
+    emulated = driver.emulator_requested()
+    ok, why = driver.driver_status()
+    if not ok and not emulated:
+        return _skip_gpu(f"no usable CUDA driver: {why}")
+    try:
+        import torch
+    except ImportError:
+        return _skip_gpu("torch is not installed (the peer)")
+    if not emulated and not torch.cuda.is_available():
+        return _skip_gpu("torch has no CUDA device (the peer needs one)")
+    from helios.runtime import get_runtime, set_device
+
+    set_device(args.device)
+    rt = get_runtime()
+    peer_dev = "cpu" if emulated else "cuda"
+    torch.backends.cuda.matmul.allow_tf32 = False
+    common = {"device": rt.name, "device_name": rt.info["name"],
+              "peer": f"torch_sdpa_flash_{args.dtype}" if peer_dev == "cuda" else "torch_cpu_float32",
+              **({"emulated": True} if emulated else {}), **({"smoke": True} if args.smoke else {})}
+    if peer_dev == "cuda":
+        common["peer_device_name"] = torch.cuda.get_device_name()
+    causals = [args.causal] if args.causal is not None else ([True] if args.smoke else [True, False])
+    bad = []
+    for D in args.head_dim:
+        for causal in causals:
+            for T in args.T:
+                B, H = gpu_shape(T, D, args.batch, args.heads)
+                try:
+                    res = bench_gpu(B, H, T, D, causal, args.dtype, args.rounds, peer_dev, emulated, args.smoke, args.tol)
+                except Exception as e:  # one configuration's failure is its line, not the run's end
+                    msg = str(e).strip().splitlines()
+                    res = {"bench": "attention_gpu", "dtype": args.dtype, "B": B, "H": H, "T": T, "D": D,
+                           "causal": causal, "failed": f"{type(e).__name__}: {msg[0] if msg else ''}"}
+                print(json.dumps({**res, **common}), flush=True)
+                if "failed" in res or not res["numerics_ok"] or (args.require_wgmma and not res["tensor_cores"]):
+                    bad.append(f"T={T} D={D} causal={causal}")
+    if bad:
+        print(f"attention: off (failed, numerics beyond --tol{', or not on the tensor-core kernels' if args.require_wgmma else ''}):"
+              f" {'; '.join(bad)}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="Helios flash vs dense attention vs PyTorch CPU, same run")
-    ap.add_argument("--T", type=int, nargs="+", default=[64, 256, 1024, 2048])
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--no-causal", dest="causal", action="store_false")
+    ap = argparse.ArgumentParser(description="Helios flash vs dense attention vs PyTorch CPU, same run; with --device "
+                                             "cuda:N, the tensor-core flash kernels vs PyTorch's flash backend on the GPU")
+    ap.add_argument("--device", default=None,
+                    help="Helios device (default: HELIOS_DEVICE or the best one); cuda:N runs the GPU comparison")
+    ap.add_argument("--dtype", choices=("bf16", "fp16"), default=None, help="--device cuda:N: the operands' dtype (bf16)")
+    ap.add_argument("--T", type=int, nargs="+", default=None,
+                    help="sequence lengths (default 64 256 1024 2048; cuda:N 1024 2048 4096 8192 16384)")
+    ap.add_argument("--batch", type=int, default=None, help="default 1; cuda:N 16384 // T")
+    ap.add_argument("--heads", type=int, default=None, help="default 4; cuda:N 2048 // head dim")
+    ap.add_argument("--head-dim", type=int, nargs="+", default=None, help="one run each (default 64; cuda:N 64 128)")
+    ap.add_argument("--rounds", type=int, default=None, help="timed rounds, the median kept (default 5; --smoke 1)")
+    ap.add_argument("--causal", dest="causal", action="store_const", const=True, default=None,
+                    help="causal only (the default on the default device; cuda:N runs both)")
+    ap.add_argument("--no-causal", dest="causal", action="store_const", const=False, help="non-causal only")
+    ap.add_argument("--smoke", action="store_true",
+                    help="cuda:N: one tiny causal configuration (T 128, B 1, H 1, D 64), one round; with "
+                         "HELIOS_CUDA_DEVICE=emulator it runs without a GPU (the check only, against torch CPU)")
+    ap.add_argument("--tol", type=float, default=GPU_TOL,
+                    help="cuda:N: largest max |helios - peer| / max |peer| of the output and each gradient")
+    ap.add_argument("--require-wgmma", action="store_true",
+                    help="cuda:N: exit 1 unless the profiler saw flash_wgmma_fwd and flash_wgmma_bwd run")
     ap.add_argument("--no-memory", dest="memory", action="store_false", help="skip the per-process peak memory runs")
     ap.add_argument("--sparse", action="store_true", help="block-sparse attention vs dense flash instead")
     ap.add_argument("--density", type=float, default=0.1, help="--sparse: fraction of the block grid computed")
@@ -314,18 +598,40 @@ def main(argv: list[str] | None = None) -> int:
                          "kernel's own choice)")
     ap.add_argument("--child", choices=("flash", "dense"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.device and args.device.startswith("cuda"):
+        if args.sparse or args.dilated or args.gpu_rows or args.child:
+            ap.error("--sparse, --dilated and --gpu-rows time the Vulkan kernels; not with --device cuda:N")
+        args.dtype = args.dtype or "bf16"
+        if args.smoke:
+            args.T, args.batch, args.heads = args.T or [128], args.batch or 1, args.heads or 1
+            args.head_dim, args.rounds = args.head_dim or [64], args.rounds or 1
+        args.T = args.T or [1024, 2048, 4096, 8192, 16384]
+        args.head_dim = args.head_dim or [64, 128]
+        args.rounds = args.rounds or 5
+        return gpu_main(args)
+    if args.dtype or args.smoke or args.require_wgmma:
+        ap.error("--dtype, --smoke and --require-wgmma go with --device cuda:N")
+    args.T = args.T or [64, 256, 1024, 2048]
+    args.batch, args.heads = args.batch or 1, args.heads or 4
+    args.head_dim = args.head_dim or [64]
+    args.rounds = args.rounds or 5
+    args.causal = True if args.causal is None else args.causal
     if args.child:
-        print(json.dumps(_child(args.child, args.batch, args.heads, args.T[0], args.head_dim, args.causal)))
+        print(json.dumps(_child(args.child, args.batch, args.heads, args.T[0], args.head_dim[0], args.causal)))
         return 0
-    from helios.runtime import get_runtime
+    from helios.runtime import get_runtime, set_device
 
+    if args.device:
+        set_device(args.device)
+        os.environ["HELIOS_DEVICE"] = args.device  # the peak-memory children's device too
     info = get_runtime().info
     common = {"device": info["name"], "lp_num_threads": os.environ.get("LP_NUM_THREADS", f"default ({os.cpu_count()})")}
     if args.sparse or args.dilated:
-        for T in args.T:
-            for kind in ("sparse",) * args.sparse + ("dilated",) * args.dilated:
-                res = bench_sparse(kind, args.batch, args.heads, T, args.head_dim, args.causal, args.rounds, args)
-                print(json.dumps({**res, **common}), flush=True)
+        for D in args.head_dim:
+            for T in args.T:
+                for kind in ("sparse",) * args.sparse + ("dilated",) * args.dilated:
+                    res = bench_sparse(kind, args.batch, args.heads, T, D, args.causal, args.rounds, args)
+                    print(json.dumps({**res, **common}), flush=True)
         return 0
     from helios._kernels import flash
 
@@ -336,9 +642,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps({**common, "skipped": "--gpu-rows: a CPU device runs the subgroup kernel"}))
                 return 0
             flash._FA_GPU_WG = rows  # read at each dispatch
-            for T in args.T:
-                res = bench_T(args.batch, args.heads, T, args.head_dim, args.causal, args.rounds, args.memory)
-                print(json.dumps({**res, **common, "gpu_rows": rows}), flush=True)
+            for D in args.head_dim:
+                for T in args.T:
+                    res = bench_T(args.batch, args.heads, T, D, args.causal, args.rounds, args.memory)
+                    print(json.dumps({**res, **common, "gpu_rows": rows}), flush=True)
     finally:
         flash._FA_GPU_WG = default_rows
     return 0

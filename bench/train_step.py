@@ -9,10 +9,27 @@ others replayed (``replay_*``, what helios-train does by default on one device).
 flush; not the wait for the loss), median over the timed steps.
 
     python bench/train_step.py [--config tiny] [--steps 5] [--device cuda:0 --peer cuda] [--dtype bf16]
+                               [--compile | --no-compile]
 
 ``--dtype bf16`` runs both sides under autocast (Helios' ``hl.autocast``, PyTorch's
 ``torch.autocast``): the matmuls in bfloat16 (on ``cuda:N`` Helios' tensor-core kernel, on
 ``--peer cuda`` cuBLAS's), the rest in float32.
+
+The PyTorch twin (``torch_loss_fn``) is the same GPT over Helios' initial weights, eager.  With
+``--peer cuda`` its attention goes through ``scaled_dot_product_attention`` (PyTorch's flash
+kernel; ``peer_attention: "sdpa"``), on the CPU it is written out (scores, mask, softmax;
+``"explicit"``), as the CPU figures in bench/README.md were measured.  With ``--peer cuda``
+(or ``--compile``) a second peer times the same step with the forward through
+``torch.compile`` (default mode; the backward is the compiled graph's, clip and AdamW eager):
+``compile_tok_s``, ``compile_ms_per_step``, ``compile_mfu``, ``ratio_vs_compile`` (Helios every
+step through Python over it), ``replay_ratio_vs_compile``, and ``compile_first_step_s`` (the
+step that compiled).  Where torch.compile fails (no Triton, an unsupported op) the line has
+``"compile_failed": "<type: first line>"`` instead and the rest runs as before; a step
+capture that fails likewise gives ``replay_failed``.  ``*_mfu`` (``helios``, ``replay``,
+``peer``, ``compile``): the GPT's model FLOPs a token (``flops_per_token``, 6N + 12LTC, see
+helios.profile.mfu) times tokens/s over the device's peak for ``--dtype`` from
+``helios.profile.mfu.peak_flops`` (``peak``; an H200 SXM: 989.4 TFLOP/s bf16, 66.9 fp32), the
+same peak for every side.
 """
 
 from __future__ import annotations
@@ -26,8 +43,10 @@ import time
 import numpy as np
 
 
-def torch_loss_fn(cfg, B, T, params):
-    """The GPT's loss in PyTorch over the parameter dict ``params`` (Helios' names), on their device."""
+def torch_loss_fn(cfg, B, T, params, sdpa: bool = False):
+    """The GPT's loss in PyTorch over the parameter dict ``params`` (Helios' names), on their device;
+    the attention written out (scores, mask, softmax), or with ``sdpa`` through
+    ``scaled_dot_product_attention`` (on a GPU its flash kernel, as Helios' flash attention)."""
     import torch
     import torch.nn.functional as TF
 
@@ -46,8 +65,12 @@ def torch_loss_fn(cfg, B, T, params):
             a = TF.layer_norm(h, (C,), params[p + "ln_1.weight"], params[p + "ln_1.bias"])
             q, k, v = lin(a, p + "attn.c_attn").split(C, dim=2)
             q, k, v = (t.reshape(B, T, H, C // H).transpose(1, 2) for t in (q, k, v))
-            att = ((q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(C // H))).masked_fill(~mask, float("-inf")).softmax(-1)
-            h = h + lin((att @ v).transpose(1, 2).reshape(B, T, C), p + "attn.c_proj")
+            if sdpa:
+                o = TF.scaled_dot_product_attention(q, k, v, is_causal=True)
+            else:
+                att = ((q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(C // H))).masked_fill(~mask, float("-inf")).softmax(-1)
+                o = att @ v
+            h = h + lin(o.transpose(1, 2).reshape(B, T, C), p + "attn.c_proj")
             m = TF.layer_norm(h, (C,), params[p + "ln_2.weight"], params[p + "ln_2.bias"])
             h = h + lin(TF.gelu(lin(m, p + "mlp.c_fc"), approximate="tanh"), p + "mlp.c_proj")
         h = TF.layer_norm(h, (C,), params["ln_f.weight"], params["ln_f.bias"])
@@ -56,17 +79,25 @@ def torch_loss_fn(cfg, B, T, params):
     return loss_fn
 
 
-def torch_step_fn(cfg, B, T, params, opt, dtype: str = "fp32"):
+def torch_step_fn(cfg, B, T, params, opt, dtype: str = "fp32", sdpa: bool = False, compiled: bool = False):
+    """One PyTorch training step (forward under autocast with ``dtype`` bf16, backward, clip,
+    AdamW), the loss read back; ``compiled``: the forward (the loss) through ``torch.compile``."""
     import contextlib
 
     import torch
 
-    loss_fn = torch_loss_fn(cfg, B, T, params)
+    inner = torch_loss_fn(cfg, B, T, params, sdpa)
     dev = next(iter(params.values())).device.type
 
-    def step(x, y):
+    def loss_fn(x, y):
         with (torch.autocast(dev, torch.bfloat16) if dtype == "bf16" else contextlib.nullcontext()):
-            loss = loss_fn(x, y)
+            return inner(x, y)
+
+    if compiled:
+        loss_fn = torch.compile(loss_fn)
+
+    def step(x, y):
+        loss = loss_fn(x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(list(params.values()), 1.0)
         opt.step()
@@ -95,7 +126,12 @@ def main() -> None:
                     help="PyTorch eager on the host's CPU threads, or on the GPU (cuda, TF32 off: fp32 as Helios)")
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
                     help="bf16: both sides under autocast (matmuls in bfloat16, as helios-train --dtype bf16)")
+    ap.add_argument("--compile", dest="compile", action="store_true", default=None,
+                    help="also time the PyTorch twin through torch.compile (default: with --peer cuda)")
+    ap.add_argument("--no-compile", dest="compile", action="store_false", help="leave the torch.compile peer out")
     args = ap.parse_args()
+    if args.compile is None:
+        args.compile = args.peer == "cuda"
 
     import torch
 
@@ -162,39 +198,89 @@ def main() -> None:
         host["replay"].append(time.perf_counter() - t0)
         return captured["loss"].item()
 
-    tparams = {n: torch.tensor(p.numpy(), device=tdev, requires_grad=True) for n, p in model.named_parameters()}
-    topt = torch.optim.AdamW(list(tparams.values()), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
-    tstep = torch_step_fn(cfg, B, T, tparams, topt, args.dtype)
+    # The PyTorch twin from the same weights; on the GPU its attention through SDPA (the flash kernel).
+    sdpa = args.peer == "cuda"
     tbatches = [(torch.tensor(x, device=tdev), torch.tensor(y, device=tdev)) for x, y in batches]
 
-    # Interleave to share the machine's noise: helios, replay, torch, twice; keep the best of each.
-    h_times, r_times, t_times = [], [], []
+    def twin(compiled: bool):
+        tparams = {n: torch.tensor(p.numpy(), device=tdev, requires_grad=True) for n, p in model.named_parameters()}
+        topt = torch.optim.AdamW(list(tparams.values()), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+        return torch_step_fn(cfg, B, T, tparams, topt, args.dtype, sdpa=sdpa, compiled=compiled)
+
+    tstep = twin(False)
+    failed = {}
+    cstep = None
+    if args.compile:  # a second peer: the same step with its forward through torch.compile, where that works
+        try:
+            cstep = twin(True)
+            t0 = time.perf_counter()
+            cstep(*tbatches[0])  # compiles (forward and backward graphs)
+            compile_s = time.perf_counter() - t0
+        except Exception as e:
+            failed["compile"], cstep = _one_line(e), None
+
+    # Interleave to share the machine's noise: helios, replay, torch (eager, compiled), twice; keep the best of each.
+    times = {"helios": [], "replay": [], "peer": [], "compile": []}
     for _ in range(2):
-        h_times.append(time_steps(helios_step, batches, args.warmup))
-        r_times.append(time_steps(replay_step, batches, args.warmup))
-        t_times.append(time_steps(tstep, tbatches, args.warmup))
-    h, r, t = min(h_times), min(r_times), min(t_times)
+        times["helios"].append(time_steps(helios_step, batches, args.warmup))
+        if "replay" not in failed:
+            try:
+                times["replay"].append(time_steps(replay_step, batches, args.warmup))
+            except Exception as e:  # a capture that fails on this device: its line says so, the rest still runs
+                failed["replay"] = _one_line(e)
+        times["peer"].append(time_steps(tstep, tbatches, args.warmup))
+        if cstep is not None and "compile" not in failed:
+            try:
+                times["compile"].append(time_steps(cstep, tbatches, args.warmup))
+            except Exception as e:
+                failed["compile"] = _one_line(e)
+    best = {k: min(v) for k, v in times.items() if v and k not in failed}
     tokens = B * T
     fpt = model.flops_per_token()
     peak = peak_flops(rt.info["name"], args.dtype, rt.info["type"])
-    h_tps, r_tps, t_tps = tokens / h, tokens / r, tokens / t
+    tps = {k: tokens / v for k, v in best.items()}
     d0 = rt.stats()["dispatches"]
     helios_step(*batches[0])
     per_step = rt.stats()["dispatches"] - d0  # kernel launches in one step (copies and fills not counted)
     host_eager = statistics.median(host["eager"][args.warmup:])
-    host_replay = statistics.median(host["replay"])
-    print(json.dumps({
+    out = {
         "bench": "train_step", "config": args.config, "dtype": args.dtype, "params": model.num_parameters(),
         "tokens_per_step": tokens,
-        "device": rt.name, "device_name": rt.info["name"], "helios_tok_s": round(h_tps, 1),
-        "peer": f"torch_{args.peer}", "peer_tok_s": round(t_tps, 1),
-        "ratio": round(h_tps / t_tps, 4), "helios_ms_per_step": round(h * 1e3, 1), "peer_ms_per_step": round(t * 1e3, 1),
-        "replay_tok_s": round(r_tps, 1), "replay_ratio": round(r_tps / t_tps, 4), "replay_ms_per_step": round(r * 1e3, 1),
-        "dispatches_per_step": per_step, "host_ms_eager": round(host_eager * 1e3, 3), "host_ms_replay": round(host_replay * 1e3, 3),
-        "host_replay_share": round(host_replay / host_eager, 4),
-        "helios_mfu": compute_mfu(fpt, h_tps, peak), "peer_mfu": compute_mfu(fpt, t_tps, peak),
-        "peak": peak.label if peak else None, "torch_threads": torch.get_num_threads(),
-    }))
+        "device": rt.name, "device_name": rt.info["name"], "helios_tok_s": round(tps["helios"], 1),
+        "peer": f"torch_{args.peer}", "peer_attention": "sdpa" if sdpa else "explicit", "peer_tok_s": round(tps["peer"], 1),
+        "ratio": round(tps["helios"] / tps["peer"], 4), "helios_ms_per_step": round(best["helios"] * 1e3, 1),
+        "peer_ms_per_step": round(best["peer"] * 1e3, 1),
+    }
+    if "replay" in tps:
+        host_replay = statistics.median(host["replay"])
+        out.update(replay_tok_s=round(tps["replay"], 1), replay_ratio=round(tps["replay"] / tps["peer"], 4),
+                   replay_ms_per_step=round(best["replay"] * 1e3, 1))
+    else:
+        out["replay_failed"] = failed["replay"]
+    out.update(dispatches_per_step=per_step, host_ms_eager=round(host_eager * 1e3, 3))
+    if "replay" in tps:
+        out.update(host_ms_replay=round(host_replay * 1e3, 3), host_replay_share=round(host_replay / host_eager, 4))
+    if "compile" in tps:
+        out.update(compile_peer=f"torch_compile_{args.peer}", compile_tok_s=round(tps["compile"], 1),
+                   compile_ms_per_step=round(best["compile"] * 1e3, 1), compile_first_step_s=round(compile_s, 1),
+                   ratio_vs_compile=round(tps["helios"] / tps["compile"], 4))
+        if "replay" in tps:
+            out["replay_ratio_vs_compile"] = round(tps["replay"] / tps["compile"], 4)
+    elif "compile" in failed:
+        out["compile_failed"] = failed["compile"]
+    # MFU of each against the device's peak (helios.profile.mfu: 6N + 12LTC FLOPs a token)
+    for k in ("helios", "replay", "peer", "compile"):
+        if k in tps:
+            mfu = compute_mfu(fpt, tps[k], peak)
+            out[f"{k}_mfu"] = round(mfu, 5) if mfu is not None else None
+    out.update(flops_per_token=fpt, peak=peak.label if peak else None, torch_threads=torch.get_num_threads())
+    print(json.dumps(out))
+
+
+def _one_line(e: BaseException) -> str:
+    """An exception as one line: its type and its message's first line."""
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"[:400]
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Every GPU check of helios.cuda_ptx in one command, for a machine with an NVIDIA GPU:
 #
-#   ./scripts/gpu_check.sh [RESULTS_DIR] [all|tests|bench|device]   (defaults: ./gpu-results, all)
+#   ./scripts/gpu_check.sh [RESULTS_DIR] [all|tests|bench|device|attention]   (defaults: ./gpu-results, all)
 #
 # "tests" runs steps 1-3, "bench" steps 2, 4 and 5 (the smoke run decides what is left
-# out of the benchmark), "device" step 6 alone, so the whole can be split over shorter sessions.
+# out of the benchmark), "device" step 6 alone, "attention" step 7 alone (under 8 minutes),
+# so the whole can be split over shorter sessions.
 #
 # It downloads nothing: the machine needs its driver, ptxas (the CUDA toolkit or the
 # nvidia-cuda-nvcc wheel), and a Python ($PYTHON, default python3) with numpy,
@@ -27,16 +28,30 @@
 #   6. the CUDA device for tensors (cuda:0: the Vulkan kernels translated to PTX): the op suite
 #      with cuda:0 as the device, the tiny GPT for 200 steps on cuda:0, and its training step
 #      against PyTorch CUDA eager (bench/train_step.py --device cuda:0 --peer cuda).  It needs the
-#      SPIR-V kernels built (kernels_spirv/spv, or glslc on the machine).
+#      SPIR-V kernels built (kernels_spirv/spv, or glslc on the machine);
+#   7. flash attention on cuda:0's tensor cores (flash_wgmma_fwd / flash_wgmma_bwd), each part
+#      bounded by its own timeout, cut to what is left of HELIOS_GPU_ATTN_BUDGET seconds (450) for
+#      the whole step (a part that finds under 30 s left is not run, and counts as failed):
+#      a. its numerics on the GPU (pytest -m gpu tests/test_cuda_flash.py), 150 s;
+#      b. bench/attention.py --device cuda:0 in bf16 against PyTorch's flash SDPA, T = 1024 ... 16384,
+#         causal and not, one process per head dim (64, 128), 150 s each; a result off the peer's
+#         beyond its --tol, or one not run by the tensor-core kernels (--require-wgmma), fails it;
+#      c. GPT-2's training step, bf16, against PyTorch CUDA eager (SDPA, autocast) and torch.compile
+#         (bench/train_step.py --device cuda:0 --peer cuda --config gpt2 --dtype bf16), 180 s;
+#      d. helios-train --device cuda:0 --config gpt2 --dtype bf16 --steps 200, its losses next to a
+#         PyTorch twin's from the same initial weights and batches (bench/train_parity.py), 240 s.
 # RESULTS_DIR gets env.txt, gate.log, smoke.jsonl, gpu_tests.log, bench.log, ptx_gemm.jsonl,
-# cuda_device.log, cuda_train.log and train_step.jsonl.
+# cuda_device.log, cuda_train.log and train_step.jsonl; step 7 flash_tests.log,
+# attention_bench.log, attention.jsonl, gpt2.log, gpt2_train_step.jsonl, train_parity.jsonl and
+# gpt2_parity/ (helios-train's run folder, both loss curves in curves.json).
 set -uo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 out=$(mkdir -p "${1:-$repo/gpu-results}" && cd "${1:-$repo/gpu-results}" && pwd)
 part=${2:-all}
-case $part in all|tests|bench|device) ;; *) echo "gpu_check: the second argument is all, tests, bench or device, not '$part'" >&2; exit 1 ;; esac
+case $part in all|tests|bench|device|attention) ;; *) echo "gpu_check: the second argument is all, tests, bench or device, or attention, not '$part'" >&2; exit 1 ;; esac
 py=${PYTHON:-python3}
 bench_timeout=${HELIOS_GPU_BENCH_TIMEOUT:-240}
+attn_budget=${HELIOS_GPU_ATTN_BUDGET:-450}
 [ -d /usr/local/cuda/bin ] && export PATH=$PATH:/usr/local/cuda/bin
 failed=()
 
@@ -67,6 +82,7 @@ cd "$site"
 : >"$out/smoke.jsonl"
 [ "$part" = all ] || [ "$part" = bench ] && : >"$out/bench.log"
 : >"$out/cuda_device.log"
+[ "$part" = all ] || [ "$part" = attention ] && : >"$out/flash_tests.log" && : >"$out/attention_bench.log" && : >"$out/gpt2.log"
 
 step() {  # step NAME LOG CMD...: run CMD, tee its output to LOG, remember a failure
     local name=$1 log=$2
@@ -87,6 +103,37 @@ cuda_device() {  # step 6
     grep '^{' "$out/cuda_device.log" >"$out/train_step.jsonl" || true
 }
 
+attn_end=0
+attn() {  # attn NAME LOG CAP CMD...: a part of step 7 under a timeout of CAP s, cut to what is left of its budget
+    local name=$1 log=$2 cap=$3 left=$((attn_end - SECONDS))
+    shift 3
+    if [ "$left" -lt 30 ]; then
+        echo "== $name: not run (${left} s left of the attention step's ${attn_budget})" | tee -a "$log"
+        failed+=("$name (no time left)")
+        return
+    fi
+    [ "$left" -lt "$cap" ] && cap=$left
+    step "$name" "$log" timeout -k 10 "$cap" "$@"
+}
+
+attention() {  # step 7
+    local d
+    attn_end=$((SECONDS + attn_budget))
+    attn flash-tests "$out/flash_tests.log" 150 "$py" -m pytest -q -p no:cacheprovider -m gpu \
+        "$repo/tests/test_cuda_flash.py"
+    for d in 64 128; do  # causal and not in each
+        attn "attention-d$d" "$out/attention_bench.log" 150 "$py" -u "$repo/bench/attention.py" --device cuda:0 \
+            --dtype bf16 --head-dim "$d" --T 1024 2048 4096 8192 16384 --rounds 3 --require-wgmma
+    done
+    grep '^{' "$out/attention_bench.log" >"$out/attention.jsonl" || true
+    attn gpt2-train-step "$out/gpt2.log" 180 "$py" -u "$repo/bench/train_step.py" --device cuda:0 --peer cuda \
+        --config gpt2 --dtype bf16
+    attn gpt2-train-parity "$out/gpt2.log" 240 "$py" -u "$repo/bench/train_parity.py" --device cuda:0 --peer cuda \
+        --config gpt2 --dtype bf16 --steps 200 --out "$out/gpt2_parity"
+    grep '^{"bench": "train_step"' "$out/gpt2.log" >"$out/gpt2_train_step.jsonl" || true
+    grep '^{"bench": "train_parity"' "$out/gpt2.log" >"$out/train_parity.jsonl" || true
+}
+
 # HELIOS_GATE_ARGS: extra arguments of the gate (--no-emulate skips its CPU emulation runs)
 [ "$part" = all ] || [ "$part" = tests ] && step gate "$out/gate.log" "$py" -m helios.cuda_ptx.gate ${HELIOS_GATE_ARGS:-}
 if ! why=$("$py" -c "from helios.cuda_ptx import driver; ok, why = driver.driver_status(); print(why); raise SystemExit(0 if ok else 1)"); then
@@ -100,6 +147,13 @@ if [ "$part" = device ]; then
     cuda_device
     [ ${#failed[@]} -ne 0 ] && { echo "gpu_check: failed: ${failed[*]}" >&2; exit 1; }
     echo "gpu_check: the CUDA device's op suite, training run and benchmark passed"
+    exit 0
+fi
+if [ "$part" = attention ]; then
+    attention
+    [ ${#failed[@]} -ne 0 ] && { echo "gpu_check: failed: ${failed[*]}" >&2; exit 1; }
+    echo "gpu_check: flash attention's GPU tests, benchmark, GPT-2 step and training parity passed; lines in" \
+        "$out/attention.jsonl, $out/gpt2_train_step.jsonl and $out/train_parity.jsonl"
     exit 0
 fi
 step smoke "$out/smoke.jsonl" "$py" -m helios.cuda_ptx.smoke --timeout 60
@@ -136,7 +190,10 @@ done
 bench wgmma_persistent k --sizes 4096 8192 --set tma_store=0
 bench wgmma_fp8 k --sizes 4096 8192 --set persistent=1 --set tma_store=1 --set cluster=2
 grep '^{' "$out/bench.log" >"$out/ptx_gemm.jsonl" || true
-[ "$part" = all ] && cuda_device
+if [ "$part" = all ]; then
+    cuda_device
+    attention
+fi
 
 if [ ${#failed[@]} -ne 0 ]; then
     echo "gpu_check: failed: ${failed[*]}" >&2

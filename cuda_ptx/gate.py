@@ -223,6 +223,9 @@ def flash_gate_configs() -> dict:
             for d in gen_flash.HEAD_DIMS:
                 cfg = gen_flash.default_config(pass_, dtype, d)
                 out[cfg.name] = cfg
+    for dtype in gen_flash.DTYPES:  # the block-mask form of dK / dV at D = 128 (32-query blocks)
+        cfg = gen_flash.default_config("dkv", dtype, 128, block_mask=True)
+        out[cfg.name] = cfg
     return out
 
 

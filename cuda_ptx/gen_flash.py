@@ -41,6 +41,7 @@ the saved L is the natural log-sum-exp of the scaled scores, as the other kernel
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -83,8 +84,10 @@ class FlashConfig:
 
     @property
     def name(self) -> str:
-        """The kernel's entry name, as the trace shows it (``flash_wgmma_fwd_bf16_d64``)."""
-        return f"flash_wgmma_{self.pass_}_{self.dtype}_d{self.head_dim}"
+        """The kernel's entry name, as the trace shows it (``flash_wgmma_fwd_bf16_d64``; ``_n32`` where
+        the streamed block is not the pass's default)."""
+        base = f"flash_wgmma_{self.pass_}_{self.dtype}_d{self.head_dim}"
+        return base if self.bn == default_config(self.pass_, self.dtype, self.head_dim).bn else f"{base}_n{self.bn}"
 
     @property
     def consumers(self) -> int:
@@ -119,7 +122,7 @@ class FlashConfig:
             raise ShapeError(f"stages: at least 1, got {self.stages}")
 
 
-def default_config(pass_: str, dtype: str, head_dim: int) -> FlashConfig:
+def default_config(pass_: str, dtype: str, head_dim: int, block_mask: bool = False) -> FlashConfig:
     """The block shape each pass runs at: what fits the consumers' 240 registers.
 
     ``fwd``: S (bn/2) + O (D/2) + P (bn/4) accumulator registers a thread; ``dq``: S, dP
@@ -130,7 +133,7 @@ def default_config(pass_: str, dtype: str, head_dim: int) -> FlashConfig:
     elif pass_ == "dq":
         bn = 128 if head_dim == 64 else 64
     else:  # dK and dV take 128 registers at D = 128: 48-query blocks leave room for S^T and dP^T
-        bn = 64 if head_dim == 64 else 48
+        bn = 64 if head_dim == 64 else 32 if block_mask else 48  # block masks: blocks inside 64-row groups
     return FlashConfig(pass_=pass_, dtype=dtype, head_dim=head_dim, bn=bn)
 
 
@@ -357,9 +360,10 @@ def generate(cfg: FlashConfig) -> Kernel:
 # -- pieces shared by the passes -------------------------------------------------------------
 
 
-def _producer(f: _Flash, stationary, n_iter: Reg, stream) -> None:
+def _producer(f: _Flash, stationary, n_iter: Reg, stream, live=None) -> None:
     """Warpgroup 0: give registers away; thread 0 loads the stationary tiles once (``stationary(bar)``)
-    and then ``n_iter`` streamed slots (``stream(it, dst, full)``), each into a free ring slot."""
+    and then ``n_iter`` streamed slots (``stream(it, dst, full)``), each into a free ring slot;
+    ``live(it)`` (a predicate) skips the blocks a block mask leaves out for the whole CTA."""
     b, cfg = f.b, f.cfg
     b.emit("setmaxnreg.dec.sync.aligned.u32", cfg.maxnreg[0])
     with b.if_(b.setp("eq", "u32", b.sreg("%tid.x"), 0)):
@@ -367,7 +371,7 @@ def _producer(f: _Flash, stationary, n_iter: Reg, stream) -> None:
         stationary(f.once)
         slot, phase, par, it = b.mov("u32", 0), b.mov("u32", 0), b.reg("u32"), b.reg("u32")
         with b.if_(b.setp("ne", "u32", n_iter, 0)):
-            with b.loop(it, 0, n_iter, 1):
+            with b.loop(it, 0, n_iter, 1), _only_if(b, live, it):
                 # a fresh barrier counts the phase before 0 as complete: the first lap passes at once
                 b.emit("xor.b32", par, phase, 1)
                 ops.mbar_wait(b, b.mad("u32", slot, 8, f.empty0), par)
@@ -377,15 +381,26 @@ def _producer(f: _Flash, stationary, n_iter: Reg, stream) -> None:
                 ops.ring_advance(b, slot, phase, f.S)
 
 
-def _consume(f: _Flash, n_iter: Reg, body) -> None:
+@contextlib.contextmanager
+def _only_if(b: Builder, live, it):
+    """The statements inside run where ``live(it)`` holds (all of them without ``live``)."""
+    if live is None:
+        yield
+        return
+    with b.if_(live(it)):
+        yield
+
+
+def _consume(f: _Flash, n_iter: Reg, body, live=None) -> None:
     """A consumer warpgroup's loop: wait for the stationary tiles, then per streamed slot wait until
-    it is full, run ``body(it, slot_addr)`` and hand the slot back (lane 0 of each warp)."""
+    it is full, run ``body(it, slot_addr)`` and hand the slot back (lane 0 of each warp); the blocks
+    where ``live(it)`` fails were never loaded (the producer's ``live``) and are passed over."""
     b = f.b
     slot, phase, it = b.mov("u32", 0), b.mov("u32", 0), b.reg("u32")
     lane0 = b.setp("eq", "u32", b.binop("and", "b32", b.sreg("%tid.x"), 31), 0)
     ops.mbar_wait(b, f.once, b.mov("u32", 0))
     with b.if_(b.setp("ne", "u32", n_iter, 0)):
-        with b.loop(it, 0, n_iter, 1):
+        with b.loop(it, 0, n_iter, 1), _only_if(b, live, it):
             ops.mbar_wait(b, b.mad("u32", slot, 8, f.full0), phase)
             body(it, b.mad("u32", slot, f.slot_bytes, b.binop("add", "u32", f.smem, f.ring_off)))
             b.emit("mbarrier.arrive.shared::cta.b64", "_", f"[{b.mad('u32', slot, 8, f.empty0)}]", pred=lane0)
@@ -412,6 +427,62 @@ class _Rows:
         """Shared address of this warpgroup's 64-row slice of a stationary tile."""
         b = f.b
         return b.mad("u32", self.cidx, CONSUMER_ROWS * ROW_BYTES, b.binop("add", "u32", f.smem, f.stat_off[tile]))
+
+
+class _BlockMask:
+    """A block mask (``mask``: int32 [ceil(Tq / bs), ceil(Tk / bs)], 0 = skipped; a null pointer: no
+    mask) read by the kernel: whether the block pair holding a query and a key position is computed.
+
+    The mask's block size is a multiple of 64 and every block the kernels stream or hold starts on
+    a multiple of 64 rows and spans 64-row chunks that each lie in one mask block, so a chunk's
+    liveness is one lookup.  Positions past the end are clamped to the last row / key."""
+
+    def __init__(self, f: _Flash, p: dict):
+        b = self.b = f.b
+        self.ptr, self.bs, self.nk = p["mask"], p["mask_bs"], p["mask_nk"]
+        self.on = b.setp("ne", "u64", self.ptr, 0)
+        self.q_last = b.binop("sub", "u32", p["Tq"], 1)
+        self.k_last = b.binop("sub", "u32", p["Tk"], 1)
+
+    def live(self, qpos: Reg, kpos: Reg) -> Reg:
+        """A predicate: the mask keeps the block pair of (``qpos``, ``kpos``) (true without a mask)."""
+        b = self.b
+        qi = b.binop("div", "u32", b.binop("min", "u32", qpos, self.q_last), self.bs)
+        ki = b.binop("div", "u32", b.binop("min", "u32", kpos, self.k_last), self.bs)
+        a = b.reg("u64")
+        b.emit("mul.wide.u32", a, b.mad("u32", qi, self.nk, ki), 4)
+        b.emit("add.u64", a, a, self.ptr)
+        v = b.mov("u32", 1)
+        b.emit("ld.global.u32", v, f"[{a}]", pred=self.on)
+        return b.setp("ne", "u32", v, 0)
+
+    def any(self, pairs) -> Reg:
+        """Whether any of the (query position, key position) pairs' blocks is kept."""
+        b = self.b
+        out = None
+        for q, k in pairs:
+            p = self.live(q, k)
+            if out is not None:
+                b.emit("or.pred", p, p, out)
+            out = p
+        return out
+
+
+def _chunk_starts(b: Builder, n0: Reg, rows: int) -> list[Reg]:
+    """The first row of each 64-row chunk of a block of ``rows`` rows starting at ``n0``."""
+    return [n0] + [b.binop("add", "u32", n0, 64 * j) for j in range(1, -(-rows // 64))]
+
+
+def _kill_dead_chunks(f: _Flash, s: list[Reg], chunk_live: list[Reg]) -> None:
+    """-inf for the scores of 64-key chunks of the block the mask leaves out (registers 32 j .. 32 j +
+    31 hold chunk j's columns, ``layout.wgmma_d_map``)."""
+    b = f.b
+    if len(chunk_live) < 2:
+        return  # the chunk is the block: a dead one was skipped whole
+    for j, live in enumerate(chunk_live):
+        with b.if_(live, negate=True):
+            for r in s[32 * j: 32 * (j + 1)]:
+                b.emit("mov.f32", r, NEG_INF)
 
 
 def _key_limits(f: _Flash, rows: list[Reg], first: Reg, tk: Reg, causal: Reg) -> tuple[list[Reg], Reg]:
@@ -485,7 +556,7 @@ def _roles(f: _Flash, producer, consumer) -> None:
 
 FWD_PARAMS = [("tmap_q", "tmap"), ("tmap_k", "tmap"), ("tmap_v", "tmap"), ("o", "u64"), ("lse", "u64"),
               ("Tq", "u32"), ("Tk", "u32"), ("H", "u32"), ("group", "u32"), ("scale_log2", "f32"),
-              ("causal", "u32")]
+              ("causal", "u32"), ("mask", "u64"), ("mask_bs", "u32"), ("mask_nk", "u32")]
 
 
 def _query_block_setup(f: _Flash, p: dict):
@@ -511,6 +582,8 @@ def _forward(cfg: FlashConfig) -> Kernel:
     f.layout_shared([("q", cfg.bm)], [("k", cfg.bn), ("v", cfg.bn)])
     f.init_barriers(b.sreg("%tid.x"))
     m0, head, kv_head, batch, causal, n_kv = _query_block_setup(f, p)
+    mask = _BlockMask(f, p)
+    live = _query_block_live(f, mask, m0)
 
     def stream(it, dst, full):
         t0 = b.binop("mul.lo", "u32", it, cfg.bn)
@@ -518,12 +591,35 @@ def _forward(cfg: FlashConfig) -> Kernel:
         f.load_tile(p["tmap_v"], dst, f.in_slot["v"], cfg.bn, t0, kv_head, batch, full)
 
     _roles(f, lambda: _producer(f, lambda bar: f.load_tile(p["tmap_q"], f.smem, f.stat_off["q"], cfg.bm, m0, head,
-                                                            batch, bar), n_kv, stream),
-           lambda: _forward_consumer(f, p, m0, head, batch, causal, n_kv))
+                                                            batch, bar), n_kv, stream, live),
+           lambda: _forward_consumer(f, p, m0, head, batch, causal, n_kv, mask, live))
     return b.build()
 
 
-def _forward_consumer(f: _Flash, p: dict, m0, head, batch, causal, n_kv) -> None:
+def _query_block_live(f: _Flash, mask: _BlockMask, m0: Reg):
+    """``live(it)`` of a query-block CTA: some 64-row group of it keeps some 64-key chunk of block ``it``."""
+    b, cfg = f.b, f.cfg
+
+    def live(it):
+        n0 = b.binop("mul.lo", "u32", it, cfg.bn)
+        return mask.any([(r, c) for r in _chunk_starts(b, m0, cfg.bm) for c in _chunk_starts(b, n0, cfg.bn)])
+
+    return live
+
+
+def _warpgroup_chunks(f: _Flash, mask: _BlockMask, rows: "_Rows", it: Reg):
+    """(start of key block ``it``, each of its 64-key chunks' liveness for this warpgroup's rows, any)."""
+    b, cfg = f.b, f.cfg
+    n0 = b.binop("mul.lo", "u32", it, cfg.bn)
+    chunks = [mask.live(rows.first, c) for c in _chunk_starts(b, n0, cfg.bn)]
+    any_ = b.reg("pred")
+    b.emit("mov.pred", any_, chunks[0])
+    for c in chunks[1:]:
+        b.emit("or.pred", any_, any_, c)
+    return n0, chunks, any_
+
+
+def _forward_consumer(f: _Flash, p: dict, m0, head, batch, causal, n_kv, mask, live) -> None:
     """One consumer warpgroup: its 64 query rows against every key block, then O and L stored."""
     b, cfg = f.b, f.cfg
     rows = _Rows(f, m0)
@@ -535,19 +631,22 @@ def _forward_consumer(f: _Flash, p: dict, m0, head, batch, causal, n_kv) -> None
     lims, lim_min = _key_limits(f, rows.rows, rows.first, p["Tk"], causal)
 
     def body(it, slot):
-        b.emit("wgmma.fence.sync.aligned")
-        f.mma_ss(s_acc, q_addr, cfg.bm, b.binop("add", "u32", slot, f.in_slot["k"]), cfg.bn, cfg.bn, first=True)
-        b.emit("wgmma.commit_group.sync.aligned")
-        b.emit("wgmma.wait_group.sync.aligned", 0)
-        _mask_keys(f, s_acc, b.binop("mul.lo", "u32", it, cfg.bn), cfg.bn, rows, lims, lim_min)
-        _online_softmax(f, s_acc, o_acc, m_run, l_run, p["scale_log2"])
-        probs = f.pack(s_acc)
-        b.emit("wgmma.fence.sync.aligned")
-        f.mma_rs(o_acc, probs, b.binop("add", "u32", slot, f.in_slot["v"]), cfg.bn)
-        b.emit("wgmma.commit_group.sync.aligned")
-        b.emit("wgmma.wait_group.sync.aligned", 0)
+        n0, chunks, any_live = _warpgroup_chunks(f, mask, rows, it)
+        with b.if_(any_live):
+            b.emit("wgmma.fence.sync.aligned")
+            f.mma_ss(s_acc, q_addr, cfg.bm, b.binop("add", "u32", slot, f.in_slot["k"]), cfg.bn, cfg.bn, first=True)
+            b.emit("wgmma.commit_group.sync.aligned")
+            b.emit("wgmma.wait_group.sync.aligned", 0)
+            _kill_dead_chunks(f, s_acc, chunks)
+            _mask_keys(f, s_acc, n0, cfg.bn, rows, lims, lim_min)
+            _online_softmax(f, s_acc, o_acc, m_run, l_run, p["scale_log2"])
+            probs = f.pack(s_acc)
+            b.emit("wgmma.fence.sync.aligned")
+            f.mma_rs(o_acc, probs, b.binop("add", "u32", slot, f.in_slot["v"]), cfg.bn)
+            b.emit("wgmma.commit_group.sync.aligned")
+            b.emit("wgmma.wait_group.sync.aligned", 0)
 
-    _consume(f, n_kv, body)
+    _consume(f, n_kv, body, live)
     bh = b.mad("u32", batch, p["H"], head)
     inv = []
     for h in range(2):
@@ -608,7 +707,8 @@ def _online_softmax(f: _Flash, s: list[Reg], o: list[Reg], m_run: list[Reg], l_r
 
 BWD_PARAMS = [("tmap_q", "tmap"), ("tmap_k", "tmap"), ("tmap_v", "tmap"), ("tmap_do", "tmap"), ("lse", "u64"),
               ("delta", "u64"), ("out0", "u64"), ("out1", "u64"), ("Tq", "u32"), ("Tk", "u32"), ("H", "u32"),
-              ("group", "u32"), ("scale_log2", "f32"), ("scale", "f32"), ("causal", "u32")]
+              ("group", "u32"), ("scale_log2", "f32"), ("scale", "f32"), ("causal", "u32"), ("mask", "u64"),
+              ("mask_bs", "u32"), ("mask_nk", "u32")]
 
 
 def _prob_and_grad(f: _Flash, s: Reg, dp: Reg, neg_lse2: Reg, delta: Reg, scale_log2) -> None:
@@ -630,6 +730,8 @@ def _backward_dq(cfg: FlashConfig) -> Kernel:
     f.layout_shared([("q", cfg.bm), ("do", cfg.bm)], [("k", cfg.bn), ("v", cfg.bn)])
     f.init_barriers(b.sreg("%tid.x"))
     m0, head, kv_head, batch, causal, n_kv = _query_block_setup(f, p)
+    mask = _BlockMask(f, p)
+    live = _query_block_live(f, mask, m0)
 
     def stationary(bar):
         f.load_tile(p["tmap_q"], f.smem, f.stat_off["q"], cfg.bm, m0, head, batch, bar)
@@ -655,25 +757,28 @@ def _backward_dq(cfg: FlashConfig) -> Kernel:
         s, dp = f.zeros(cfg.bn // 2), f.zeros(cfg.bn // 2)
 
         def body(it, slot):
-            k_addr = b.binop("add", "u32", slot, f.in_slot["k"])
-            b.emit("wgmma.fence.sync.aligned")
-            f.mma_ss(s, q_addr, cfg.bm, k_addr, cfg.bn, cfg.bn, first=True)
-            f.mma_ss(dp, do_addr, cfg.bm, b.binop("add", "u32", slot, f.in_slot["v"]), cfg.bn, cfg.bn, first=True)
-            b.emit("wgmma.commit_group.sync.aligned")
-            b.emit("wgmma.wait_group.sync.aligned", 0)
-            _mask_keys(f, s, b.binop("mul.lo", "u32", it, cfg.bn), cfg.bn, rows, lims, lim_min)
-            for i in range(len(s)):
-                _prob_and_grad(f, s[i], dp[i], lse2[_row_of(i)], delta[_row_of(i)], p["scale_log2"])
-            ds = f.pack(dp)
-            b.emit("wgmma.fence.sync.aligned")
-            f.mma_rs(dq, ds, k_addr, cfg.bn)
-            b.emit("wgmma.commit_group.sync.aligned")
-            b.emit("wgmma.wait_group.sync.aligned", 0)
+            n0, chunks, any_live = _warpgroup_chunks(f, mask, rows, it)
+            with b.if_(any_live):
+                k_addr = b.binop("add", "u32", slot, f.in_slot["k"])
+                b.emit("wgmma.fence.sync.aligned")
+                f.mma_ss(s, q_addr, cfg.bm, k_addr, cfg.bn, cfg.bn, first=True)
+                f.mma_ss(dp, do_addr, cfg.bm, b.binop("add", "u32", slot, f.in_slot["v"]), cfg.bn, cfg.bn, first=True)
+                b.emit("wgmma.commit_group.sync.aligned")
+                b.emit("wgmma.wait_group.sync.aligned", 0)
+                _kill_dead_chunks(f, s, chunks)
+                _mask_keys(f, s, n0, cfg.bn, rows, lims, lim_min)
+                for i in range(len(s)):
+                    _prob_and_grad(f, s[i], dp[i], lse2[_row_of(i)], delta[_row_of(i)], p["scale_log2"])
+                ds = f.pack(dp)
+                b.emit("wgmma.fence.sync.aligned")
+                f.mma_rs(dq, ds, k_addr, cfg.bn)
+                b.emit("wgmma.commit_group.sync.aligned")
+                b.emit("wgmma.wait_group.sync.aligned", 0)
 
-        _consume(f, n_kv, body)
+        _consume(f, n_kv, body, live)
         _store_rows(f, dq, rows, p["out0"], bh, p["Tq"], [p["scale"]] * 2)
 
-    _roles(f, lambda: _producer(f, stationary, n_kv, stream), consumer)
+    _roles(f, lambda: _producer(f, stationary, n_kv, stream, live), consumer)
     return b.build()
 
 
@@ -696,12 +801,18 @@ def _backward_dkv(cfg: FlashConfig) -> Kernel:
     n_q = b.binop("div", "u32", b.binop("add", "u32", p["Tq"], cfg.bn - 1), cfg.bn)
     per_head = b.binop("sub", "u32", b.binop("max", "u32", n_q, first_q), first_q)
     n_iter = b.binop("mul.lo", "u32", per_head, p["group"])
+    mask = _BlockMask(f, p)
 
     def which(it):
         """(query head, first query row) of iteration ``it``: heads of the group outermost."""
         hq = b.binop("div", "u32", it, per_head)
         qb = b.binop("add", "u32", first_q, b.binop("rem", "u32", it, per_head))
         return b.mad("u32", kv_head, p["group"], hq), b.binop("mul.lo", "u32", qb, cfg.bn)
+
+    def live(it):
+        """Whether a block mask keeps query block ``it`` against either 64-key group of the CTA (the
+        streamed block lies in one 64-row group: bn divides 64 with a mask)."""
+        return mask.any([(which(it)[1], c) for c in _chunk_starts(b, k0, cfg.bm)])
 
     def stationary(bar):
         f.load_tile(p["tmap_k"], f.smem, f.stat_off["k"], cfg.bm, k0, kv_head, batch, bar)
@@ -720,41 +831,42 @@ def _backward_dkv(cfg: FlashConfig) -> Kernel:
 
         def body(it, slot):
             head, q0 = which(it)
-            q_slot, do_slot = (b.binop("add", "u32", slot, f.in_slot[t]) for t in ("q", "do"))
-            b.emit("wgmma.fence.sync.aligned")
-            f.mma_ss(s, k_addr, cfg.bm, q_slot, cfg.bn, cfg.bn, first=True)
-            f.mma_ss(dp, v_addr, cfg.bm, do_slot, cfg.bn, cfg.bn, first=True)
-            b.emit("wgmma.commit_group.sync.aligned")
-            b.emit("wgmma.wait_group.sync.aligned", 0)
-            col0 = b.binop("add", "u32", q0, rows.col2q)
-            # causal: query (column) c sees key (row) r only when r <= c
-            with b.if_(causal):
-                with b.if_(b.setp("lt", "u32", q0, b.binop("add", "u32", rows.first, CONSUMER_ROWS))):
-                    lo = [b.binop("sub", "s32", r, col0) for r in rows.rows]
-                    big = b.mov("s32", 1 << 30)
-                    f.mask(s, lo, [big, big])
-            # each column's (query's) L and D, loaded just before the values that use them (registers
-            # i and i + 2 share a column); +inf / 0 past Tq, so that P is 0 there
-            stat0 = b.mad("u32", b.mad("u32", batch, p["H"], head), p["Tq"], col0)
-            for off in sorted({_col_off(i) for i in range(len(s))}):
-                inside = b.setp("lt", "u32", b.binop("add", "u32", col0, off), p["Tq"])
-                at = b.binop("add", "u32", stat0, off)
-                neg_lse2 = _row_stat(f, p["lse"], at, inside, math.inf, -LOG2E)
-                delta = _row_stat(f, p["delta"], at, inside, 0.0)
-                for i in range(len(s)):
-                    if _col_off(i) == off:
-                        _prob_and_grad(f, s[i], dp[i], neg_lse2, delta, p["scale_log2"])
-            probs, ds = f.pack(s), f.pack(dp)
-            b.emit("wgmma.fence.sync.aligned")
-            f.mma_rs(dv, probs, do_slot, cfg.bn)
-            f.mma_rs(dk, ds, q_slot, cfg.bn)
-            b.emit("wgmma.commit_group.sync.aligned")
-            b.emit("wgmma.wait_group.sync.aligned", 0)
+            with b.if_(mask.live(q0, rows.first)):
+                q_slot, do_slot = (b.binop("add", "u32", slot, f.in_slot[t]) for t in ("q", "do"))
+                b.emit("wgmma.fence.sync.aligned")
+                f.mma_ss(s, k_addr, cfg.bm, q_slot, cfg.bn, cfg.bn, first=True)
+                f.mma_ss(dp, v_addr, cfg.bm, do_slot, cfg.bn, cfg.bn, first=True)
+                b.emit("wgmma.commit_group.sync.aligned")
+                b.emit("wgmma.wait_group.sync.aligned", 0)
+                col0 = b.binop("add", "u32", q0, rows.col2q)
+                # causal: query (column) c sees key (row) r only when r <= c
+                with b.if_(causal):
+                    with b.if_(b.setp("lt", "u32", q0, b.binop("add", "u32", rows.first, CONSUMER_ROWS))):
+                        lo = [b.binop("sub", "s32", r, col0) for r in rows.rows]
+                        big = b.mov("s32", 1 << 30)
+                        f.mask(s, lo, [big, big])
+                # each column's (query's) L and D, loaded just before the values that use them (registers
+                # i and i + 2 share a column); +inf / 0 past Tq, so that P is 0 there
+                stat0 = b.mad("u32", b.mad("u32", batch, p["H"], head), p["Tq"], col0)
+                for off in sorted({_col_off(i) for i in range(len(s))}):
+                    inside = b.setp("lt", "u32", b.binop("add", "u32", col0, off), p["Tq"])
+                    at = b.binop("add", "u32", stat0, off)
+                    neg_lse2 = _row_stat(f, p["lse"], at, inside, math.inf, -LOG2E)
+                    delta = _row_stat(f, p["delta"], at, inside, 0.0)
+                    for i in range(len(s)):
+                        if _col_off(i) == off:
+                            _prob_and_grad(f, s[i], dp[i], neg_lse2, delta, p["scale_log2"])
+                probs, ds = f.pack(s), f.pack(dp)
+                b.emit("wgmma.fence.sync.aligned")
+                f.mma_rs(dv, probs, do_slot, cfg.bn)
+                f.mma_rs(dk, ds, q_slot, cfg.bn)
+                b.emit("wgmma.commit_group.sync.aligned")
+                b.emit("wgmma.wait_group.sync.aligned", 0)
 
-        _consume(f, n_iter, body)
+        _consume(f, n_iter, body, live)
         bh = b.mad("u32", batch, b.binop("div", "u32", p["H"], p["group"]), kv_head)
         _store_rows(f, dk, rows, p["out0"], bh, p["Tk"], [p["scale"]] * 2)
         _store_rows(f, dv, rows, p["out1"], bh, p["Tk"], [None, None])
 
-    _roles(f, lambda: _producer(f, stationary, n_iter, stream), consumer)
+    _roles(f, lambda: _producer(f, stationary, n_iter, stream, live), consumer)
     return b.build()

@@ -89,12 +89,13 @@ class TensorCoreFlash:
         self._maps: dict[tuple, bytes] = {}
         self._lock = threading.Lock()
 
-    def kernel(self, pass_: str, dtype: str, head_dim: int) -> _Kernel:
-        """The loaded kernel of one pass (built and loaded on first use)."""
-        key = (pass_, dtype, head_dim)
+    def kernel(self, pass_: str, dtype: str, head_dim: int, block_mask: bool = False) -> _Kernel:
+        """The loaded kernel of one pass (built and loaded on first use); ``block_mask``: the form
+        whose streamed blocks each lie in one 64-row group (see ``gen_flash.default_config``)."""
+        cfg = gen_flash.default_config(pass_, DTYPES[dtype], head_dim, block_mask)
+        key = cfg.name
         kern = self._kernels.get(key)
         if kern is None:
-            cfg = gen_flash.default_config(pass_, DTYPES[dtype], head_dim)
             built = gen_flash.generate(cfg)
             fn = self.ctx.load_kernel(render(built), built.name, built.shared_bytes, "sm_90a")
             kern = self._kernels[key] = _Kernel(cfg, fn, built.threads)
@@ -136,24 +137,28 @@ class TensorCoreFlash:
         check(f"cuLaunchKernel({fn.name})", res, cu=self.ctx.cu)
 
     def forward(self, dtype: str, pb: Problem, q: Operand, k: Operand, v: Operand, o: int, lse: int, scale: float,
-                causal: bool) -> None:
+                causal: bool, mask: tuple | None = None) -> None:
         """O (contiguous [B, H, Tq, D] at ``o``) and L (float32 [B, H, Tq] at ``lse``) of
-        softmax(Q K^T * scale) V; asynchronous, on the default stream."""
-        kern = self.kernel("fwd", dtype, pb.D)
+        softmax(Q K^T * scale) V; asynchronous, on the default stream.  ``mask`` = (address, block
+        size): an int32 [ceil(Tq / bs), ceil(Tk / bs)] block mask (0 = skipped), bs a multiple of 64."""
+        kern = self.kernel("fwd", dtype, pb.D, mask is not None)
         cfg = kern.cfg
         args = [self._map(dtype, q, pb.H, pb, pb.Tq, cfg.bm), self._map(dtype, k, pb.Hk, pb, pb.Tk, cfg.bn),
                 self._map(dtype, v, pb.Hk, pb, pb.Tk, cfg.bn), ("u64", o), ("u64", lse),
-                *self._dims(pb), ("f32", scale * gen_flash.LOG2E), ("u32", int(causal))]
+                *self._dims(pb), ("f32", scale * gen_flash.LOG2E), ("u32", int(causal)), *self._mask(pb, mask)]
         self._launch(kern, (-(-pb.Tq // cfg.bm), pb.B * pb.H, 1), args)
 
     def backward(self, dtype: str, pb: Problem, q: Operand, k: Operand, v: Operand, do: Operand, lse: int,
-                 delta: int, dq: int | None, dk: int | None, dv: int | None, scale: float, causal: bool) -> None:
+                 delta: int, dq: int | None, dk: int | None, dv: int | None, scale: float, causal: bool,
+                 mask: tuple | None = None) -> None:
         """dQ ([B, H, Tq, D] at ``dq``) and dK, dV ([B, Hk, Tk, D]) given the forward's L and
         D = rowsum(dO * O) (float32 [B, H, Tq] at ``lse`` and ``delta``); a pass whose outputs
-        are None is skipped.  Asynchronous, on the default stream."""
-        tail = [*self._dims(pb), ("f32", scale * gen_flash.LOG2E), ("f32", scale), ("u32", int(causal))]
+        are None is skipped; ``mask``: the forward's.  Asynchronous, on the default stream."""
+        tail = [*self._dims(pb), ("f32", scale * gen_flash.LOG2E), ("f32", scale), ("u32", int(causal)),
+                *self._mask(pb, mask)]
+        sparse = mask is not None
         if dq is not None:
-            kern = self.kernel("dq", dtype, pb.D)
+            kern = self.kernel("dq", dtype, pb.D, sparse)
             bm, bn = kern.cfg.bm, kern.cfg.bn
             args = [self._map(dtype, q, pb.H, pb, pb.Tq, bm), self._map(dtype, k, pb.Hk, pb, pb.Tk, bn),
                     self._map(dtype, v, pb.Hk, pb, pb.Tk, bn), self._map(dtype, do, pb.H, pb, pb.Tq, bm),
@@ -162,12 +167,22 @@ class TensorCoreFlash:
         if dk is not None or dv is not None:
             if dk is None or dv is None:
                 raise ValueError("backward: dk and dv are computed together; pass both addresses")
-            kern = self.kernel("dkv", dtype, pb.D)
+            kern = self.kernel("dkv", dtype, pb.D, sparse)
             bm, bn = kern.cfg.bm, kern.cfg.bn
             args = [self._map(dtype, q, pb.H, pb, pb.Tq, bn), self._map(dtype, k, pb.Hk, pb, pb.Tk, bm),
                     self._map(dtype, v, pb.Hk, pb, pb.Tk, bm), self._map(dtype, do, pb.H, pb, pb.Tq, bn),
                     ("u64", lse), ("u64", delta), ("u64", dk), ("u64", dv), *tail]
             self._launch(kern, (-(-pb.Tk // bm), pb.B * pb.Hk, 1), args)
+
+    @staticmethod
+    def _mask(pb: Problem, mask: tuple | None) -> list:
+        """The kernels' block-mask parameters: address (0: none), block size, key blocks per row."""
+        if mask is None:
+            return [("u64", 0), ("u32", 64), ("u32", 1)]
+        ptr, bs = mask
+        if bs <= 0 or bs % 64:
+            raise ValueError(f"block mask: the block size must be a positive multiple of 64, got {bs}")
+        return [("u64", ptr), ("u32", bs), ("u32", -(-pb.Tk // bs))]
 
     @staticmethod
     def _dims(pb: Problem) -> list:
@@ -214,12 +229,14 @@ def rounded(x, dtype: str = "bfloat16"):
 
 
 def attention_numpy(ctx: Context, q, k, v, do=None, scale: float | None = None, causal: bool = False,
-                    dtype: str = "bfloat16", engine: TensorCoreFlash | None = None) -> dict:
+                    dtype: str = "bfloat16", engine: TensorCoreFlash | None = None, block_mask=None,
+                    block_size: int = 128) -> dict:
     """Run the kernels on numpy [B, H, T, D] arrays (k and v may have fewer heads): returns
     ``{"o", "lse"}`` and, with ``do`` (the upstream gradient), ``{"dq", "dk", "dv", "delta"}``,
     all float64; inputs are rounded to ``dtype`` first (see :func:`rounded`).  D = rowsum(dO * O)
     is computed here from the kernel's O in float64, then rounded to float32 as the device keeps it.
-    ``ctx`` may be a GPU's context or an emulated one (``emu_driver.emulated_context``)."""
+    ``ctx`` may be a GPU's context or an emulated one (``emu_driver.emulated_context``).
+    ``block_mask``: boolean [ceil(Tq / block_size), ceil(Tk / block_size)], the blocks computed."""
     import numpy as np
 
     engine = engine or TensorCoreFlash(ctx)
@@ -247,7 +264,8 @@ def attention_numpy(ctx: Context, q, k, v, do=None, scale: float | None = None, 
     try:
         ops = [operand(x) for x in (q, k, v)]
         o, lse = upload(np.zeros(B * H * Tq * D, np.uint16)), upload(np.zeros(B * H * Tq, np.float32))
-        engine.forward(dtype, pb, *ops, o, lse, scale, causal)
+        mask = None if block_mask is None else (upload(np.asarray(block_mask, np.int32)), block_size)
+        engine.forward(dtype, pb, *ops, o, lse, scale, causal, mask)
         ctx.synchronize()
         out = {"o": fetch(o, (B, H, Tq, D), dtype), "lse": fetch(lse, (B, H, Tq), "f32")}
         if do is None:
@@ -255,7 +273,7 @@ def attention_numpy(ctx: Context, q, k, v, do=None, scale: float | None = None, 
         delta = np.float32((rounded(do, dtype) * out["o"]).sum(-1))
         dop = operand(do)
         grads = [upload(np.zeros(n * D, np.uint16)) for n in (B * H * Tq, B * Hk * Tk, B * Hk * Tk)]
-        engine.backward(dtype, pb, *ops, dop, lse, upload(delta), *grads, scale, causal)
+        engine.backward(dtype, pb, *ops, dop, lse, upload(delta), *grads, scale, causal, mask)
         ctx.synchronize()
         out["delta"] = delta.astype(np.float64)
         for name, ptr, shape in zip(("dq", "dk", "dv"), grads, ((B, H, Tq, D), (B, Hk, Tk, D), (B, Hk, Tk, D))):
@@ -266,18 +284,23 @@ def attention_numpy(ctx: Context, q, k, v, do=None, scale: float | None = None, 
             ctx.free(ptr)
 
 
-def reference(q, k, v, do=None, scale: float | None = None, causal: bool = False) -> dict:
+def reference(q, k, v, do=None, scale: float | None = None, causal: bool = False, block_mask=None,
+              block_size: int = 128) -> dict:
     """float64 attention (and its gradients given ``do``) with K/V heads shared by groups of query
-    heads; causal rows see keys j <= i.  The oracle of :func:`attention_numpy`."""
+    heads; causal rows see keys j <= i; ``block_mask`` keeps only its blocks of ``block_size``.  The
+    oracle of :func:`attention_numpy`."""
     import numpy as np
 
     H, Hk, D = q.shape[1], k.shape[1], q.shape[3]
     scale = D ** -0.5 if scale is None else float(scale)
     kk, vv = np.repeat(k, H // Hk, axis=1), np.repeat(v, H // Hk, axis=1)
     s = np.einsum("bhtd,bhsd->bhts", q, kk) * scale
+    tq, tk = s.shape[-2:]
     if causal:
-        tq, tk = s.shape[-2:]
         s = np.where(np.arange(tk)[None, :] <= np.arange(tq)[:, None], s, -np.inf)
+    if block_mask is not None:
+        keep = np.asarray(block_mask, bool)[np.arange(tq)[:, None] // block_size, np.arange(tk)[None, :] // block_size]
+        s = np.where(keep, s, -np.inf)
     m = s.max(-1, keepdims=True)
     e = np.exp(s - m)
     l_ = e.sum(-1, keepdims=True)

@@ -454,7 +454,7 @@ class CudaRuntime(Runtime):
         return True
 
     def flash(self, pass_: str, dtype: str, problem: tuple, inputs: tuple, outputs: tuple, scale: float,
-              causal: bool) -> bool:
+              causal: bool, block_mask: tuple | None = None) -> bool:
         """Flash attention on the tensor cores (``tensor_flash``: the ``gen_flash`` kernels) where
         these operands allow it; False otherwise (see the contract's ``flash``)."""
         from . import tensor_flash as tf
@@ -475,6 +475,10 @@ class CudaRuntime(Runtime):
             _debug.log_choice(f"flash attention {pass_}: {why}: runs the SIMT kernel (flash_attn)")
             return False
         rows_q, rows_k = pb.B * pb.H * pb.Tq, pb.B * pb.Hk * pb.Tk
+        mask = None
+        if block_mask is not None:
+            hm, om, bs = block_mask
+            mask = (self._address(hm, om, 4 * -(-pb.Tq // bs) * -(-pb.Tk // bs), "flash"), bs)
         self._use()
         if pass_ == "fwd":
             (ho, oo), (hl, ol) = outputs
@@ -482,7 +486,7 @@ class CudaRuntime(Runtime):
             lse = self._address(hl, ol, rows_q * 4, "flash")
             timed = self._begin("flash_wgmma_fwd", tf.flops(pb, causal), (2 * rows_q + 2 * rows_k) * pb.D * isz) \
                 if self._timing else None
-            engine.forward(dtype, pb, *ops, o, lse, scale, causal)
+            engine.forward(dtype, pb, *ops, o, lse, scale, causal, mask)
         else:
             (hl, ol), (hd, od) = inputs[4], inputs[5]
             lse = self._address(hl, ol, rows_q * 4, "flash")
@@ -492,7 +496,7 @@ class CudaRuntime(Runtime):
                     for t, n in zip(outputs, sizes)]
             timed = self._begin("flash_wgmma_bwd", tf.flops(pb, causal, backward=True),
                                 (3 * rows_q + 4 * rows_k) * pb.D * isz) if self._timing else None
-            engine.backward(dtype, pb, *ops, lse, delta, *outs, scale, causal)
+            engine.backward(dtype, pb, *ops, lse, delta, *outs, scale, causal, mask)
         self._stats["dispatches"] += 1 if pass_ == "fwd" else sum(x is not None for x in outputs[:2])
         if timed is not None:
             self._end(timed)

@@ -160,7 +160,7 @@ class Runtime(ABC):
         return False
 
     def flash(self, pass_: str, dtype: str, problem: tuple, inputs: tuple, outputs: tuple, scale: float,
-              causal: bool) -> bool:
+              causal: bool, block_mask: tuple | None = None) -> bool:
         """Flash attention on the device's own kernels (tensor cores), where it has them for these
         operands; returns whether it recorded the work (False: nothing was done, the caller runs
         its generic kernel).  ``dtype``: the operands' Helios dtype name.  ``problem`` = (B, H, Hk, Tq, Tk, D): H query heads share Hk K/V
@@ -171,8 +171,10 @@ class Runtime(ABC):
         ``pass_ = "fwd"``: inputs (q, k, v), outputs (O [B, H, Tq, D] in q's dtype, L float32
         [B, H, Tq], the log-sum-exp of each row's scaled scores).  ``pass_ = "bwd"``: inputs
         (q, k, v, dO, L, D = rowsum(dO * O)), outputs (dQ, dK, dV), dK and dV with K's heads; a
-        None output is not computed (dK and dV come together).  Deterministic: the same inputs
-        give the same bits.  False by default."""
+        None output is not computed (dK and dV come together).  ``block_mask`` = (handle, byte offset,
+        block size): an int32 [ceil(Tq / bs), ceil(Tk / bs)] mask of the block pairs computed (bs a
+        multiple of 64), the others skipped whole.  Deterministic: the same inputs give the same
+        bits.  False by default."""
         return False
 
     def run_commands(self, commands) -> None:

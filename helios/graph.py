@@ -216,12 +216,13 @@ class Graph:
                                      None if bias is None else tuple(bias), tuple(tuple(d) for d in batch))))
         return took
 
-    def _flash(self, pass_, dtype, problem, inputs, outputs, scale, causal):
-        took = self._real["flash"](pass_, dtype, problem, inputs, outputs, scale, causal)
+    def _flash(self, pass_, dtype, problem, inputs, outputs, scale, causal, block_mask=None):
+        took = self._real["flash"](pass_, dtype, problem, inputs, outputs, scale, causal, block_mask)
         if took:  # declined: the caller's own kernels are recorded instead
             outs = tuple(None if o is None else tuple(o) for o in outputs)
-            self._handles.update(t[0] for t in (*inputs, *outs) if t is not None)
-            self.ops.append((_FLASH, (pass_, dtype, tuple(problem), tuple(tuple(t) for t in inputs), outs, scale, causal)))
+            self._handles.update(t[0] for t in (*inputs, *outs, block_mask) if t is not None)
+            self.ops.append((_FLASH, (pass_, dtype, tuple(problem), tuple(tuple(t) for t in inputs), outs, scale, causal,
+                                      None if block_mask is None else tuple(block_mask))))
         return took
 
     def _alloc(self, nbytes, pool="activations"):

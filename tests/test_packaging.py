@@ -48,7 +48,7 @@ def test_gpu_check_script_installs_without_native_parts_and_runs_the_gate(tmp_pa
     assert r.returncode == 2, r.stdout + r.stderr
     assert "no usable CUDA driver" in r.stderr
     lines = [json.loads(x) for x in (out / "gate.log").read_text().splitlines() if x.startswith("{")]
-    assert [x["name"] for x in lines] == list(gate.gate_configs())
+    assert [x["name"] for x in lines] == list(gate.gate_configs()) + list(gate.flash_gate_configs())
     assert all(x["ok"] for x in lines), lines
     assert "ptxas" in (out / "env.txt").read_text()
     bad = subprocess.run([os.path.join(ROOT, "scripts", "gpu_check.sh"), str(out), "everything"], capture_output=True,

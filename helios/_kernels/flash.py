@@ -76,11 +76,11 @@ def _engine_out(t: Tensor) -> tuple:
     return (t._st.handle, t._off * t.dtype.itemsize)
 
 
-def _engine_takes(q: Tensor, k: Tensor, v: Tensor, block_mask=None) -> bool:
+def _engine_takes(q: Tensor, k: Tensor, v: Tensor) -> bool:
     """Whether the runtime's flash engine may take these operands at all (its dtype and head dim,
-    no block mask, unit head-dim strides); the engine checks addresses and strides itself."""
+    unit head-dim strides); the engine checks addresses and strides itself."""
     rt = q._st.rt
-    if block_mask is not None or not rt.has_flash(q.dtype.name, q.shape[-1]):
+    if not rt.has_flash(q.dtype.name, q.shape[-1]):
         return False
     return all(t._strides[-1] == 1 or t.shape[-1] == 1 for t in (q, k, v))
 
@@ -93,26 +93,29 @@ def _problem(q: Tensor, k: Tensor) -> tuple:
 
 def _engine_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, block_mask):
     """(O, L) from the device's flash engine, or None where it declines (the caller runs flash_attn)."""
-    if not _engine_takes(q, k, v, block_mask):
+    if not _engine_takes(q, k, v):
         return None
     rt = q._st.rt
     B, H, Tq, D = q.shape
     o = empty((B, H, Tq, D), q.dtype, rt)
     lse = empty((B, H, Tq), dt.float32, rt)
-    if _run_engine("fwd", (q, k, v), (), (o, lse), scale, causal):
+    if _run_engine("fwd", (q, k, v), (), (o, lse), scale, causal, block_mask):
         return o, lse
     return None
 
 
-def _run_engine(pass_: str, qkvg: tuple, stats: tuple, outs: tuple, scale: float, causal: bool) -> bool:
+def _run_engine(pass_: str, qkvg: tuple, stats: tuple, outs: tuple, scale: float, causal: bool,
+                block_mask: FlashBlockMask | None) -> bool:
     """Hand one pass to the runtime's flash engine: ``qkvg`` the [B, H, T, D] operands (q, k, v
-    and, backward, dO), ``stats`` contiguous L and D, ``outs`` the outputs (None: not wanted).
+    and, backward, dO), ``stats`` contiguous L and D, ``outs`` the outputs (None: not wanted),
+    ``block_mask`` the blocks computed (None: all).
     Where it declines grouped-query operands (bases or strides TMA cannot read), it runs on
     contiguous copies: the SIMT kernel cannot share K/V heads."""
     q, k = qkvg[0], qkvg[1]
     rt = q._st.rt
     args = (pass_, q.dtype.name, _problem(q, k), tuple(_engine_operand(t) for t in qkvg) + tuple(_engine_out(t) for t in stats),
-            tuple(None if t is None else _engine_out(t) for t in outs), float(scale), bool(causal))
+            tuple(None if t is None else _engine_out(t) for t in outs), float(scale), bool(causal),
+            None if block_mask is None else (*_engine_out(block_mask.dev), block_mask.block_size))
     if rt.flash(*args):
         return True
     if k.shape[1] == q.shape[1]:
@@ -288,9 +291,9 @@ def flash_attn_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, g: T
     dS: the kernel's D = rowsum(dO * O) becomes D - dlse)."""
     if not g.is_contiguous() or g._off % 4:
         g = kern.copy(g)
-    engine = _engine_takes(q, k, v, block_mask)
+    engine = _engine_takes(q, k, v)
     # the preprocess pass reads only O and dO: with K/V heads shared (GQA) it is launched over q
-    fl = _FlashLaunch(q, q if engine else k, q if engine else v, scale, causal, block_mask)
+    fl = _FlashLaunch(q, q, q, scale, causal) if engine else _FlashLaunch(q, k, v, scale, causal, block_mask)
     rt, B, H, Tq, Tk, D = fl.rt, fl.B, fl.H, fl.Tq, k.shape[2], fl.D
     (bo, oo), (bg, og) = bind(o), bind(g)
     bl = bind(lse)[0]
@@ -311,7 +314,7 @@ def flash_attn_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, g: T
     fl.dispatch(_FA_PRE, rows, pre, oo, og, "flash_attn_bwd_pre", 2 * rows * D + (rows if dlse is not None else 0),
                 2 * rows * D * isz + rows * (8 if dlse is not None else 4), per_head=False, dlse=dlse is not None)
     if engine:
-        took = _engine_bwd(q, k, v, g, lse, dsum, scale, causal, need_q, need_kv)
+        took = _engine_bwd(q, k, v, g, lse, dsum, scale, causal, need_q, need_kv, block_mask)
         if took is not None:
             return took
         fl = _FlashLaunch(q, k, v, scale, causal, block_mask)  # the SIMT passes read K and V
@@ -331,7 +334,7 @@ def flash_attn_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, g: T
 
 
 def _engine_bwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, lse: Tensor, dsum: Tensor, scale: float, causal: bool,
-                need_q: bool, need_kv: bool):
+                need_q: bool, need_kv: bool, block_mask: FlashBlockMask | None):
     """(dQ, dK, dV) from the device's flash engine given L and D = rowsum(dO * O), or None where
     it declines.  dK and dV have K's heads (a GQA group's gradients summed in the kernel)."""
     rt = q._st.rt
@@ -340,6 +343,6 @@ def _engine_bwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, lse: Tensor, dsum: T
     dq = empty(q.shape, q.dtype, rt) if need_q else None
     dk = empty(k.shape, k.dtype, rt) if need_kv else None
     dv = empty(v.shape, v.dtype, rt) if need_kv else None
-    if _run_engine("bwd", (q, k, v, g), (lse, dsum), (dq, dk, dv), scale, causal):
+    if _run_engine("bwd", (q, k, v, g), (lse, dsum), (dq, dk, dv), scale, causal, block_mask):
         return dq, dk, dv
     return None

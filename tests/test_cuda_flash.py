@@ -255,3 +255,23 @@ def test_block_sparse_attention_on_cuda0_runs_the_tensor_core_kernels(cuda0):
     for name, got in (("o", out), ("dq", qt.grad), ("dk", kt.grad), ("dv", vt.grad)):
         g = got.float().numpy()
         assert np.abs(g - want[name]).max() <= 1e-2 * np.abs(want[name]).max(), name
+
+
+@pytest.mark.vulkan
+def test_the_gpu_attention_benchmark_smoke_runs_on_the_emulator():
+    """bench/attention.py --device cuda:0 --smoke (CI's seconds-long run of the GPU benchmark): on the
+    emulated device it takes the wgmma kernels and agrees with its PyTorch peer."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("torch")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, HELIOS_CUDA_DEVICE="emulator")
+    r = subprocess.run([sys.executable, os.path.join(root, "bench", "attention.py"), "--device", "cuda:0", "--smoke"],
+                       capture_output=True, text=True, env=env, timeout=600, cwd=root)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    line = json.loads([x for x in r.stdout.splitlines() if x.startswith("{")][-1])
+    assert line["numerics_ok"] and line["tensor_cores"], line
+    assert "flash_wgmma_fwd" in line["helios_kernels_fwd"] and "flash_wgmma_bwd" in line["helios_kernels_bwd"]

@@ -45,7 +45,7 @@ import itertools
 import re
 import threading
 
-from helios import runtime as _runtime
+from helios import op_trace
 from helios.profile.profiler import current_collector
 
 _state = threading.local()
@@ -254,8 +254,8 @@ class Function:
 
     @classmethod
     def apply(cls, *args):
-        if _runtime._debug_on[0]:  # HELIOS_DEBUG: note the operands for the kernel lines
-            _runtime.note_operands(_operands_text(args))
+        if _TRACE.notes_on:  # HELIOS_DEBUG: note the operands for the kernel lines
+            _TRACE.operands = _operands_text(args)
         if current_collector() is not None and not _in_profiled_op[0]:
             return _apply_profiled(cls, args)  # records the op with the kernels it launches
         # The hot path of every op: a plain loop finds out whether anything records
@@ -283,6 +283,7 @@ class Function:
 
 
 _Tensor = None
+_TRACE = op_trace.current()  # the op being recorded, which HELIOS_DEBUG lines and the trace attribute kernels to
 
 
 def _tensor_class():
@@ -321,9 +322,7 @@ class _OpScope:
     def __enter__(self):
         import time
 
-        from helios import runtime
-
-        self.prev = runtime.collect_dispatch_ids(self.ids)
+        self.prev = op_trace.collect_dispatch_ids(self.ids)
         _in_profiled_op[0] = True
         self.t0 = time.monotonic_ns()
         return self
@@ -331,10 +330,8 @@ class _OpScope:
     def close(self, ref) -> None:
         import time
 
-        from helios import runtime
-
         _in_profiled_op[0] = False
-        runtime.collect_dispatch_ids(self.prev)
+        op_trace.collect_dispatch_ids(self.prev)
         if type(ref) is tuple:
             ref = next((x for x in ref if x is not None), None)
         self.col.record_op(self.name, ref.shape if ref is not None else (), ref.dtype.name if ref is not None else "",
@@ -612,9 +609,19 @@ def _is_slot(g, slot) -> bool:
     return g._st is slot._st and g._off == slot._off and g.shape == slot.shape and g._strides == slot._strides
 
 
-def _accumulate_leaf(t, g, given: set) -> None:
-    from helios import _kernels as K
+# How a gradient reaches an optimizer's packed slot: slot_writer(slot, g, add) sets (add=False) or
+# adds to it.  The layer that launches kernels registers it (helios._kernels, at import): the tape
+# itself imports no launcher.
+_slot_writer: list = [None]
 
+
+def set_grad_slot_writer(fn) -> None:
+    """Register ``fn(slot, g, add)``, which writes (``add=False``) or adds (``add=True``) the
+    gradient ``g`` into a parameter's packed gradient slot."""
+    _slot_writer[0] = fn
+
+
+def _accumulate_leaf(t, g, given: set) -> None:
     if g.dtype != t.dtype:
         g = g.to(t.dtype)
     slot = getattr(t, "_grad_slot", None)
@@ -624,14 +631,9 @@ def _accumulate_leaf(t, g, given: set) -> None:
             return
         # The optimizer packed this parameter: its gradient lives in a flat buffer.
         if t.grad is None or t.grad._st is not slot._st:
-            K.copy_into(slot, g if t.grad is None else t.grad + g)
+            _slot_writer[0](slot, g if t.grad is None else t.grad + g, False)
         else:
-            from helios import fusion
-
-            if fusion.ENABLED and g.shape == slot.shape and g.dtype is slot.dtype and slot.is_contiguous():
-                K.binary_("add", slot, g)  # a later contribution (the tied table's), added in the slot itself
-            else:
-                K.copy_into(slot, slot + g)
+            _slot_writer[0](slot, g, True)  # a later contribution (the tied table's), added in the slot itself
         t.grad = slot
         return
     if t.grad is None:

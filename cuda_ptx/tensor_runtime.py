@@ -33,6 +33,7 @@ import time
 
 import numpy as np
 
+from helios import op_trace
 from helios.backend import DISPATCH, POOLS, Runtime
 from helios.errors import DeviceError, OutOfMemoryError
 from helios.profile import debug as _debug
@@ -179,9 +180,7 @@ class CudaRuntime(Runtime):
         if self.debug or (col is not None and col.device_timestamps):  # opened inside a profiling session
             self._start_timing()
         if self.debug:
-            from helios import runtime as _rt
-
-            _rt._debug_on[0] = True  # autograd then notes each op's operands for the kernel lines
+            op_trace.enable_operand_notes()  # autograd then notes each op's operands for the kernel lines
 
     # -- driver plumbing ------------------------------------------------------------------
     def _use(self) -> None:
@@ -634,18 +633,12 @@ class CudaRuntime(Runtime):
         if col is not None:
             # Sequence numbers in recording order, as the Vulkan runtime gives them: the host op
             # being recorded (autograd's scope) claims them, or each becomes a host op of its own.
-            from helios import runtime as _rt
-
             seq = col.next_dispatch_seq()
-            if _rt._op_dispatches is not None:
-                _rt._op_dispatches.append(seq)
-            else:
+            if not op_trace.file_dispatch(seq):
                 col.record_op(name, "", "", host_ns, time.monotonic_ns(), (seq,))
         operands = ("", "")
         if self.debug:
-            from helios import runtime as _rt
-
-            operands = _rt._debug_operand[0] if name not in ("fill", "copy") else (f"{nbytes} B", "")
+            operands = op_trace.current().operands if name not in ("fill", "copy") else (f"{nbytes} B", "")
         self._pending.append((seq, name, flops, nbytes, start, stop, host_ns, operands))
 
     def _drain(self, col, done_ns: int) -> None:

@@ -70,6 +70,7 @@ import struct
 import threading
 import warnings
 
+from helios import op_trace
 from helios.kernels_spirv import ew_ops, registry
 
 ENABLED = True  # this fusion alone (fusion.ENABLED, HELIOS_FUSION, turns every fusion off)
@@ -108,7 +109,7 @@ class EwOp:
         self.bcast = bcast  # None, or per operand whether it is one element seen everywhere
 
 
-_RT: list = []  # [helios.runtime] once imported
+_TRACE = op_trace.current()  # the op being recorded (a queued op records under its own)
 
 
 _CORE: list = []  # [helios._kernels.core] once imported
@@ -123,13 +124,6 @@ def _kernels_core():
     return _CORE[0]
 
 
-def _runtime():
-    """helios.runtime (imported on first use: it imports this module)."""
-    if not _RT:
-        from helios import runtime
-
-        _RT.append(runtime)
-    return _RT[0]
 
 
 class Queue:
@@ -201,20 +195,20 @@ class Queue:
         if not ops:
             return
         self.ops = []  # the dispatches below must not emit again
-        runtime = _RT[0] if _RT else _runtime()
+        trace = _TRACE
         # the op being recorded now keeps its own operands and dispatch ids
-        operand, ids = runtime._debug_operand[0], runtime._op_dispatches
+        operand, ids = trace.operands, trace.dispatch_ids
         try:
             if len(ops) == 1 and not self.dead and not self.rt.debug:  # the common case: it fused with nothing
-                runtime._op_dispatches = ops[0].ids  # the trace links the kernel to the op that made it
+                trace.dispatch_ids = ops[0].ids  # the trace links the kernel to the op that made it
                 self.rt.dispatch(*ops[0].args)
             elif len(ops) == 1:
                 self._unfused(ops[0])
             else:
                 self._emit_groups(ops, set(self.dead))
         finally:
-            runtime._debug_operand[0] = operand
-            runtime._op_dispatches = ids
+            trace.operands = operand
+            trace.dispatch_ids = ids
             self.names.clear()
             self.outs.clear()
             dead, self.dead = self.dead, []
@@ -238,14 +232,12 @@ class Queue:
                 self._fused(ops[start:start + length], tmpl)
 
     def _unfused(self, op: EwOp) -> None:
-        runtime = _runtime()
         if self.rt.debug:  # the HELIOS_DEBUG line shows the operands of the op that made it
-            runtime._debug_operand[0] = op.operand
-        runtime._op_dispatches = op.ids  # the trace links the kernel to the op that made it
+            _TRACE.operands = op.operand
+        _TRACE.dispatch_ids = op.ids  # the trace links the kernel to the op that made it
         self.rt.dispatch(*op.args)
 
     def _fused(self, group: list, tmpl: _Template) -> None:
-        runtime = _runtime()
         rt = self.rt
         bindings, offs, scalars = tmpl.fill(group)
         n, tag = group[0].n, group[0].tag
@@ -271,8 +263,8 @@ class Queue:
         name = "ew_fused"
         if rt.debug:
             name = f"ew_fused[{' > '.join(op.name for op in group)}]"
-            runtime._debug_operand[0] = group[-1].operand
-        runtime._op_dispatches = group[-1].ids
+            _TRACE.operands = group[-1].operand
+        _TRACE.dispatch_ids = group[-1].ids
         flops = sum(op.args[5] for op in group)
         nbytes = n * _ITEMSIZE[tag] * len(bindings)
         rt.dispatch(pid, bindings, push.pack(n, 0, *offs, *scalars), _kernels_core().grid(n // vec), name, flops, nbytes)

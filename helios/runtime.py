@@ -22,33 +22,15 @@ import numpy as np
 
 from helios.backend import POOLS, Runtime  # noqa: F401  (Runtime: the contract, imported from here too)
 from helios import ew_fusion
+from helios import op_trace
 from helios.errors import DeviceError, OutOfMemoryError
 from helios.kernels_spirv import registry
 from helios.profile import debug as _debug
 from helios.profile import profiler as _prof
 from helios.profile.profiler import current_collector
 
-# HELIOS_DEBUG: set when a runtime logs kernels; autograd's Function.apply then notes the
-# operands of each op here (note_operands), so each kernel line can show the shapes it worked on.
-_debug_on = [False]
-_debug_operand = [("", "")]  # (shapes text, dtype name) of the op being recorded
-
-# Dispatch ids of the host op being recorded (set through collect_dispatch_ids() by autograd's
-# Function.apply while a profiling session is open), so the trace links each op to its kernels.
-_op_dispatches: list | None = None
-
-
-def collect_dispatch_ids(ids: list | None) -> list | None:
-    """File the sequence numbers of the dispatches recorded from now on into ``ids`` (None: record
-    each as its own host op); returns the list that was collecting before, to restore it."""
-    global _op_dispatches
-    prev, _op_dispatches = _op_dispatches, ids
-    return prev
-
-
-def note_operands(text: tuple) -> None:
-    """(shapes text, dtype name) of the op being recorded, for the HELIOS_DEBUG kernel lines."""
-    _debug_operand[0] = text
+# The op each dispatch belongs to (HELIOS_DEBUG operands, the profiler's op -> kernels links).
+_TRACE = op_trace.current()
 
 
 INSTALL_HINT = (
@@ -258,7 +240,7 @@ class VulkanRuntime(Runtime):
         if self.debug or (col is not None and col.device_timestamps):  # opened inside a profiling session
             self.dev.set_profiling(True)
         if self.debug:
-            _debug_on[0] = True
+            op_trace.enable_operand_notes()  # autograd then notes each op's operands for the kernel lines
         # Elementwise ops wait here to be fused (helios.ew_fusion); every method below that
         # records, reads or waits emits them first (``q = self.ew_queue; if q.ops: q.emit()``).
         self.ew_queue = ew_fusion.Queue(self)
@@ -357,7 +339,7 @@ class VulkanRuntime(Runtime):
             q.emit()
         col = current_collector()
         if self.debug:
-            self._debug_kernels.append((self._kernel_of_pipeline.get(pid), _debug_operand[0]))
+            self._debug_kernels.append((self._kernel_of_pipeline.get(pid), _TRACE.operands))
         try:
             if col is None:
                 self.dev.dispatch(pid, buffers, push, groups, name, flops, nbytes)
@@ -388,9 +370,7 @@ class VulkanRuntime(Runtime):
         # Every timestamped command gets a sequence number in recording order, which is
         # also the order of the addon's events: the collector pairs them up by it.
         seq = col.next_dispatch_seq()
-        if _op_dispatches is not None:
-            _op_dispatches.append(seq)
-        else:
+        if not op_trace.file_dispatch(seq):
             col.record_op(name, "", "", t0, time.monotonic_ns(), (seq,))
 
     # -- stream ---------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import helios as hl
-from helios import backend, runtime
+from helios import backend, op_trace, runtime
 from helios.cuda_ptx import driver, emu_driver
 from helios.cuda_ptx import tensor_runtime as tr
 
@@ -336,11 +336,12 @@ def test_profiler_gets_device_events_from_cuda_launches(rt, fake_translator, mon
 
 def test_helios_debug_prints_a_line_per_cuda_launch(fake_translator, monkeypatch, capsys):
     monkeypatch.setenv("HELIOS_DEBUG", "1")
-    monkeypatch.setattr(runtime, "_debug_on", [False])
-    monkeypatch.setattr(runtime, "_debug_operand", [("", "")])
+    trace = op_trace.current()
+    monkeypatch.setattr(trace, "notes_on", False)
+    monkeypatch.setattr(trace, "operands", ("", ""))
     rt = tr.CudaRuntime(0, ctx=emu_driver.emulated_context(sm_count=1))
-    assert runtime._debug_on[0] and rt._timing
-    runtime.note_operands(("(100,)", "float32"))
+    assert trace.notes_on and rt._timing
+    op_trace.note_operands(("(100,)", "float32"))
     _launch_add(rt)
     h = rt.alloc(64)
     rt.fill(h, 0, 64, 0)

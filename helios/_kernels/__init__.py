@@ -21,7 +21,7 @@ from helios._kernels.core import (  # noqa: F401
 from helios._kernels.elementwise import (  # noqa: F401
     UNARY, BINARY, COMPARE, INT_UNARY, _P_UNARY, _P_BINARY, _P_WHERE, _P_COPY, unary, _unary_into, _too_wide,
     _split_outer, _flat_window, binary, binary_, _binary_into, _binary_args, _broadcast, where, copy, copy_into,
-    fill, _scalar_host, from_numpy,
+    fill, _scalar_host, from_numpy, write_grad_slot,
 )
 from helios._kernels.reductions import (  # noqa: F401
     REDUCE, _P_REDUCE, _value_dtype, reduce, _reduce_dest, _reduce_rows, sum_squares_fits, sum_squares, clip_coef,
@@ -48,3 +48,7 @@ from helios._kernels.flash import (  # noqa: F401
     _FlashLaunch, flash_attn_fwd, flash_attn_bwd,
 )
 
+# autograd writes packed gradient slots through this launcher (it imports no launcher itself)
+from helios.autograd.tape import set_grad_slot_writer  # noqa: E402
+
+set_grad_slot_writer(write_grad_slot)

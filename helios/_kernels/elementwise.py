@@ -7,11 +7,10 @@ import struct
 
 from helios import dtypes as dt
 from helios import ew_fusion, fusion
-from helios import runtime as _runtime
 from helios._shape import broadcast_strides, collapse
 from helios.errors import DTypeError, ShapeError
 from helios.kernels_spirv import ew_ops
-from helios.runtime import _debug_operand
+from helios.op_trace import current as _op_trace
 from helios.tensor import Tensor
 from helios._kernels.core import MAX_DIMS, _PAD6, _ZERO14, _elems_per_dispatch, _pad, bind, empty, grid
 
@@ -61,7 +60,7 @@ def unary(op: str, x: Tensor, p0: float = 0.0, p1: float = 0.0, out_dtype: dt.DT
                     and ew_fusion.fusible("unary", op, x.dtype.tag)):
                 # held back to be fused with the elementwise ops around it (helios.ew_fusion)
                 q.add(ew_fusion.EwOp("unary", op, x.dtype.tag, m, ((bx, ox),), (bo, oo), (p0, p1), args,
-                                     _debug_operand[0], _runtime._op_dispatches))
+                                     _op_trace().operands, _op_trace().dispatch_ids))
             else:
                 rt.dispatch(*args)
         return out
@@ -156,7 +155,7 @@ def binary(op: str, a: Tensor, b: Tensor, alpha: float = 1.0) -> Tensor:
                     and ew_fusion.fusible("binary", op, variant)):
                 # held back to be fused with the elementwise ops around it (helios.ew_fusion)
                 q.add(ew_fusion.EwOp("binary", op, variant, m, ((ba, oa), (bb, ob)), (bo, oo), (alpha,), args,
-                                     _debug_operand[0], _runtime._op_dispatches))
+                                     _op_trace().operands, _op_trace().dispatch_ids))
             else:
                 rt.dispatch(*args)
         return out
@@ -177,8 +176,9 @@ def binary(op: str, a: Tensor, b: Tensor, alpha: float = 1.0) -> Tensor:
         full = b if bcast[0] else a
         if bcast in ((False, True), (True, False)) and full.shape == shape and full.is_contiguous():
             args, ins, o = _binary_args(op, pid, ae, be, out, alpha)
-            q.add(ew_fusion.EwOp("binary", op, variant, n, ins, o, (alpha,), args, _debug_operand[0],
-                                 _runtime._op_dispatches, bcast))
+            tr = _op_trace()
+            q.add(ew_fusion.EwOp("binary", op, variant, n, ins, o, (alpha,), args, tr.operands, tr.dispatch_ids,
+                                 bcast))
             return out
     _binary_into(op, pid, ae, be, out, alpha)
     return out
@@ -261,6 +261,19 @@ def where(cond: Tensor, a: Tensor, b: Tensor) -> Tensor:
     rt.dispatch(pid, [bc, ba, bb, bo], _P_WHERE.pack(n, len(cshape), oc, oa, ob, oo, *_pad(cshape), *_pad(sc), *_pad(sa), *_pad(sb)),
                 grid(n), "where", 0, n * (3 * a.dtype.itemsize + 1))
     return out
+
+
+def write_grad_slot(slot: Tensor, g: Tensor, add: bool) -> None:
+    """Put a gradient into a parameter's packed gradient slot (a view of an optimizer's flat
+    buffer): ``slot[...] = g``, or with ``add`` ``slot += g`` (a later contribution, e.g. a tied
+    table's) in the slot itself where one in-place kernel can.  autograd calls this through the
+    writer it is given (helios.autograd.tape.set_grad_slot_writer): the tape launches nothing."""
+    if not add:
+        copy_into(slot, g)
+    elif fusion.ENABLED and g.shape == slot.shape and g.dtype is slot.dtype and slot.is_contiguous():
+        binary_("add", slot, g)
+    else:
+        copy_into(slot, slot + g)
 
 
 def copy(x: Tensor, dtype: dt.DType | None = None) -> Tensor:

@@ -666,6 +666,56 @@ class CudaRuntime(Runtime):
                                   level=self.debug)
 
 
+# -- the cuda backend's entry points (helios.backends) ---------------------------------------
+
+CUDA_HINT = ("install NVIDIA's driver; or HELIOS_CUDA_DEVICE=emulator runs the CUDA path on the CPU emulator, "
+             "slowly, for tests")
+
+
+def cuda_status() -> tuple[bool, str]:
+    """(usable, reason): whether ``cuda:N`` can open here -- a CUDA driver with a device, or the
+    emulator that ``HELIOS_CUDA_DEVICE=emulator`` selects; the reason is the driver's own."""
+    from . import driver
+
+    if driver.emulator_requested():
+        return True, "emulator"
+    return driver.driver_status()
+
+
+def list_devices() -> list:
+    """The CUDA devices a driver (or the emulator) answers for; nothing where none does."""
+    from helios.backends import DeviceInfo
+
+    from . import driver
+
+    ok, _ = cuda_status()
+    if not ok:
+        return []
+    if driver.emulator_requested():
+        names = ["Helios PTX emulator (sm_90a)"]
+    else:
+        try:
+            cu = driver._cu()
+            n = driver.check("cuDeviceGetCount", cu.cuDeviceGetCount(), cu=cu)
+            names = []
+            for i in range(int(n)):
+                dev = driver.check("cuDeviceGet", cu.cuDeviceGet(i), cu=cu)
+                raw = driver.check("cuDeviceGetName", cu.cuDeviceGetName(128, dev), cu=cu)
+                names.append(raw.split(b"\0")[0].decode())
+        except DeviceError:
+            return []
+    return [DeviceInfo(f"cuda:{i}", n, "discrete", dict(CUDA_INFO, name=n, index=i)) for i, n in enumerate(names)]
+
+
+def open_device(index: int) -> CudaRuntime:
+    """A CudaRuntime for cuda:``index``, or a one-line DeviceError saying why not and what to do."""
+    ok, why = cuda_status()
+    if not ok:
+        why = " ".join(str(why).split())  # the driver's reason, on one line
+        raise DeviceError(f"cannot open cuda:{index}: {why}. To use it: {CUDA_HINT}")
+    return CudaRuntime(index)
+
+
 def _open_context(index: int):
     """The driver context of cuda:``index``: the process-wide one (``driver.context()``, shared with
     the GEMM runner) for the device HELIOS_CUDA_DEVICE selects, else a context of its own."""

@@ -16,13 +16,13 @@ from __future__ import annotations
 import collections
 import os
 import time
-from dataclasses import dataclass
 
 import numpy as np
 
 from helios.backend import POOLS, Runtime  # noqa: F401  (Runtime: the contract, imported from here too)
 from helios import ew_fusion
-from helios import op_trace
+from helios import backends, op_trace
+from helios.backends import DeviceInfo
 from helios.errors import DeviceError, OutOfMemoryError
 from helios.kernels_spirv import registry
 from helios.profile import debug as _debug
@@ -37,11 +37,6 @@ INSTALL_HINT = (
     "Helios needs a Vulkan 1.2 device. On Debian/Ubuntu install the loader and the CPU driver "
     "(lavapipe): apt-get install libvulkan1 mesa-vulkan-drivers; check with `vulkaninfo --summary`."
 )
-CUDA_HINT = ("install NVIDIA's driver; or HELIOS_CUDA_DEVICE=emulator runs the CUDA path on the CPU emulator, "
-             "slowly, for tests")
-KINDS = ("cpu", "vulkan", "cuda")
-_SPELLINGS = "'cpu', 'vulkan', 'vulkan:N', 'cuda' or 'cuda:N'"
-
 _vk = None
 
 
@@ -56,83 +51,47 @@ def _addon():
     return _vk
 
 
-@dataclass(frozen=True)
-class DeviceInfo:
-    """One device as ``helios.devices()`` lists it."""
-
-    name: str  # "vulkan:N" or "cuda:N"
-    description: str
-    type: str  # discrete | integrated | virtual | cpu | other
-    info: dict
-
-    def __repr__(self) -> str:
-        return f"<{self.name}: {self.description} ({self.type})>"
+def _vulkan_devices() -> list[DeviceInfo]:
+    """Every Vulkan device, GPUs first (lavapipe shows as a ``cpu`` device); DeviceError where the
+    addon cannot load (it says what to install)."""
+    return [DeviceInfo(f"vulkan:{d['index']}", d["name"], d["type"], d) for d in _addon().enumerate_devices()]
 
 
 def cuda_status() -> tuple[bool, str]:
-    """(usable, reason): whether ``cuda:N`` can open here -- a CUDA driver with a device, or the
-    emulator that ``HELIOS_CUDA_DEVICE=emulator`` selects; the reason is the driver's own."""
+    """(usable, reason): whether ``cuda:N`` can open here (see helios.cuda_ptx.tensor_runtime.cuda_status)."""
     try:
-        from helios.cuda_ptx import driver
+        from helios.cuda_ptx.tensor_runtime import cuda_status as status
     except Exception as e:  # noqa: BLE001 - a broken install must not break Vulkan users
         return False, f"cannot import helios.cuda_ptx ({type(e).__name__}: {e})"
-    if driver.emulator_requested():
-        return True, "emulator"
-    return driver.driver_status()
-
-
-def _cuda_devices() -> list[DeviceInfo]:
-    """The CUDA devices a driver (or the emulator) answers for; nothing where none does."""
-    ok, _ = cuda_status()
-    if not ok:
-        return []
-    from helios.cuda_ptx import driver
-
-    if driver.emulator_requested():
-        names = ["Helios PTX emulator (sm_90a)"]
-    else:
-        try:
-            cu = driver._cu()
-            n = driver.check("cuDeviceGetCount", cu.cuDeviceGetCount(), cu=cu)
-            names = []
-            for i in range(int(n)):
-                dev = driver.check("cuDeviceGet", cu.cuDeviceGet(i), cu=cu)
-                raw = driver.check("cuDeviceGetName", cu.cuDeviceGetName(128, dev), cu=cu)
-                names.append(raw.split(b"\0")[0].decode())
-        except DeviceError:
-            return []
-    from helios.cuda_ptx.tensor_runtime import CUDA_INFO
-
-    return [DeviceInfo(f"cuda:{i}", n, "discrete", dict(CUDA_INFO, name=n, index=i)) for i, n in enumerate(names)]
+    return status()
 
 
 def devices() -> list[DeviceInfo]:
-    """Every Vulkan device (GPUs first; lavapipe shows as a ``cpu`` device), then every CUDA
-    device when a CUDA driver answers (or ``HELIOS_CUDA_DEVICE=emulator`` selects the emulator).
-    A machine with CUDA devices and no Vulkan (the addon not built or no loader) lists those;
-    with neither, the Vulkan addon's DeviceError says what to install."""
-    try:
-        vk = _addon()
-    except DeviceError:
-        cuda = _cuda_devices()
-        if cuda:
-            return cuda
-        raise
-    found = [DeviceInfo(f"vulkan:{d['index']}", d["name"], d["type"], d) for d in vk.enumerate_devices()]
-    return found + _cuda_devices()
-
-
-def _vulkan_names() -> list[str]:
-    """"vulkan:N (name)" of every Vulkan device, or nothing where the addon cannot load."""
-    try:
-        return [f"vulkan:{d['index']} ({d['name']})" for d in _addon().enumerate_devices()]
-    except DeviceError:
-        return []
+    """Every device of every registered backend (helios.backends), in registration order: the
+    Vulkan devices (GPUs first; lavapipe shows as a ``cpu`` device), then the CUDA devices when a
+    CUDA driver answers (or ``HELIOS_CUDA_DEVICE=emulator`` selects the emulator).  A backend that
+    cannot run here is left out; with no device at all, the first such backend's DeviceError (the
+    Vulkan addon's: what to install) is raised."""
+    found, first_error = [], None
+    for kind in backends.kinds():
+        try:
+            found += backends.backend(kind).list()
+        except DeviceError as e:
+            first_error = first_error or e
+    if not found and first_error is not None:
+        raise first_error
+    return found
 
 
 def device_names() -> str:
     """The devices a tensor can live on, for error messages: "cpu, vulkan:0 (llvmpipe ...), cuda:0 (...)"."""
-    return ", ".join(["cpu"] + _vulkan_names() + [f"{d.name} ({d.description})" for d in _cuda_devices()])
+    names = ["cpu"]
+    for kind in backends.kinds():
+        try:
+            names += [f"{d.name} ({d.description})" for d in backends.backend(kind).list()]
+        except DeviceError:
+            pass
+    return ", ".join(names)
 
 
 def _parse_device(spec) -> tuple[str, int] | None:
@@ -146,12 +105,12 @@ def _parse_device(spec) -> tuple[str, int] | None:
     if not isinstance(spec, str):  # torch.device and the like: their str() is the name
         spec = str(spec) if type(spec).__name__ == "device" else spec
     if not isinstance(spec, str):
-        raise DeviceError(f"unknown device {spec!r} ({type(spec).__name__}): expected {_SPELLINGS}; "
+        raise DeviceError(f"unknown device {spec!r} ({type(spec).__name__}): expected {backends.spellings()}; "
                           f"devices here: {device_names()}")
     kind, sep, num = spec.strip().partition(":")
     if kind == "cpu" and (not sep or num == "0"):
         return None
-    if kind in ("vulkan", "cuda"):
+    if kind in backends.kinds():
         if not sep:
             if _current is not None and _current.name.startswith(kind + ":"):
                 return (kind, _current.index)
@@ -160,7 +119,7 @@ def _parse_device(spec) -> tuple[str, int] | None:
         if num.isdigit():
             return (kind, int(num))
         raise DeviceError(f"bad device {spec!r}: expected '{kind}:N' with N an integer; devices here: {device_names()}")
-    raise DeviceError(f"unknown device {spec!r}: expected {_SPELLINGS}; devices here: {device_names()}")
+    raise DeviceError(f"unknown device {spec!r}: expected {backends.spellings()}; devices here: {device_names()}")
 
 
 class device(str):
@@ -177,7 +136,7 @@ class device(str):
             type_or_name = f"vulkan:{type_or_name}"
         name = str(type_or_name) if type(type_or_name).__name__ == "device" else type_or_name
         if not isinstance(name, str):
-            raise DeviceError(f"unknown device {type_or_name!r}: expected {_SPELLINGS}; devices here: {device_names()}")
+            raise DeviceError(f"unknown device {type_or_name!r}: expected {backends.spellings()}; devices here: {device_names()}")
         if index is not None:
             if ":" in name:
                 raise DeviceError(f"device({name!r}, {index}): give the index once, in the name or as the second argument")
@@ -530,24 +489,18 @@ _runtimes: dict[str, Runtime] = {}  # every open device runtime, by name ("vulka
 
 
 def _open(kind: str, index: int) -> Runtime:
-    """The runtime of (kind, index), opened on first use."""
+    """The runtime of (kind, index), opened on first use through its backend (helios.backends)."""
     name = f"{kind}:{index}"
     rt = _runtimes.get(name)
     if rt is None:
-        rt = VulkanRuntime(index) if kind == "vulkan" else _open_cuda(index)
+        try:
+            rt = backends.backend(kind).open(index)
+        except DeviceError as e:
+            if "devices here" in str(e):
+                raise
+            raise DeviceError(f"{e}; devices here: {device_names()}") from None
         _runtimes[name] = rt
     return rt
-
-
-def _open_cuda(index: int) -> Runtime:
-    """A CudaRuntime for cuda:``index``, or a one-line DeviceError saying why not and what to do."""
-    ok, why = cuda_status()
-    if not ok:
-        why = " ".join(str(why).split())  # the driver's reason, on one line
-        raise DeviceError(f"cannot open cuda:{index}: {why}. To use it: {CUDA_HINT}; devices here: {device_names()}")
-    from helios.cuda_ptx.tensor_runtime import CudaRuntime
-
-    return CudaRuntime(index)
 
 
 def set_device(spec: str) -> None:
@@ -615,3 +568,8 @@ def _profiling_stopping(col) -> None:
 
 
 _prof.register_runtime_hooks(_profiling_started, _profiling_stopping)
+
+# The built-in backends, in the order devices() lists them: Vulkan (this module), then CUDA
+# (helios.cuda_ptx, imported when a cuda device is first named or listed).
+backends.register("vulkan", lambda index: VulkanRuntime(index), _vulkan_devices)
+backends.register_module("cuda", "helios.cuda_ptx.tensor_runtime")

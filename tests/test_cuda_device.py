@@ -121,7 +121,7 @@ def test_data_parallel_on_emulated_cuda_equals_vulkan(tmp_path):
 def test_devices_lists_cuda_where_vulkan_is_missing(monkeypatch):
     # A GPU machine with the package installed without its Vulkan parts: devices() lists the
     # CUDA devices instead of failing on the missing addon (seen on such a machine).
-    from helios import runtime
+    from helios import backends, runtime
     from helios.errors import DeviceError
 
     def no_addon():
@@ -130,6 +130,7 @@ def test_devices_lists_cuda_where_vulkan_is_missing(monkeypatch):
     monkeypatch.setattr(runtime, "_addon", no_addon)
     monkeypatch.setenv("HELIOS_CUDA_DEVICE", "emulator")
     assert [d.name for d in hl.devices()] == ["cuda:0"]
-    monkeypatch.setattr(runtime, "_cuda_devices", lambda: [])
+    cuda = backends.backend("cuda")
+    monkeypatch.setitem(backends._BACKENDS, "cuda", backends.Backend("cuda", cuda.open, lambda: []))
     with pytest.raises(DeviceError, match="Vulkan addon"):
         hl.devices()

@@ -62,6 +62,42 @@ def test_every_backend_implements_the_whole_contract():
     assert runtime.Runtime is backend.Runtime and isinstance(runtime.HOST, runtime.Runtime)
 
 
+def test_a_registered_backend_is_a_device_like_the_others(monkeypatch):
+    """helios.backends.register is all a new backend needs: its devices are spelled, listed, opened,
+    chosen and closed by helios.runtime like vulkan's and cuda's (here a "fake" kind whose runtime
+    is a CudaRuntime on the emulated driver)."""
+    from helios import backends
+
+    opened = []
+
+    def open_fake(index):
+        if index > 0:
+            raise hl.DeviceError(f"cannot open fake:{index}: only fake:0 exists")
+        opened.append(index)
+        rt = tr.CudaRuntime(0, ctx=emu_driver.emulated_context(sm_count=1))
+        rt.name, rt.device = f"fake:{index}", hl.device(f"fake:{index}")
+        return rt
+
+    listing = [backends.DeviceInfo("fake:0", "a test backend", "virtual", {})]
+    monkeypatch.setitem(backends._BACKENDS, "fake", backends.Backend("fake", open_fake, lambda: listing))
+    before = runtime.get_runtime().name
+    try:
+        assert "fake" in backends.kinds() and "'fake:N'" in backends.spellings()
+        assert hl.device("fake:0").type == "fake" and "fake:0" in [d.name for d in hl.devices()]
+        assert "fake:0 (a test backend)" in runtime.device_names()
+        hl.set_device("fake:0")
+        assert runtime.get_runtime().name == "fake:0" and opened == [0]
+        x = hl.tensor([1.0, 2.0]) * 3
+        assert x.device == "fake:0" and x.tolist() == [3.0, 6.0]
+        with pytest.raises(hl.DeviceError, match=r"only fake:0 exists; devices here: cpu.*fake:0"):
+            runtime.get_runtime("fake:1")
+    finally:
+        hl.set_device(before)
+        runtime.close_device("fake:0")
+    with pytest.raises(ValueError, match="identifier other than 'cpu'"):
+        backends.register("cpu", open_fake, lambda: [])
+
+
 def test_cuda_device_names():
     d = hl.device("cuda:0")
     assert (d.type, d.index, str(d), repr(d)) == ("cuda", 0, "cuda:0", "device(type='cuda', index=0)")

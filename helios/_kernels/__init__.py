@@ -7,7 +7,8 @@ travel as push constants, dims are collapsed first so most ops index 1-3 dims.
 One module per kernel family, each with the push-constant layouts it packs: ``core``
 (allocation, grids, binding), ``elementwise`` (op codes from kernels_spirv/ew_ops.py, copies,
 fills), ``reductions``, ``gemm``, ``rows`` (softmax, LayerNorm, cross entropy, embedding),
-``creation`` (random numbers, ranges), ``indexing`` (sort, scan, gather, scatter), ``flash``.
+``creation`` (random numbers, ranges), ``indexing`` (sort, scan, gather, scatter), ``flash``,
+``optim`` (the AdamW update).
 Every name is re-exported here; a family's tuning knobs are set on its module
 (``helios._kernels.gemm._MM_CPU_TILE``).
 """
@@ -42,9 +43,10 @@ from helios._kernels.creation import (  # noqa: F401
 from helios._kernels.indexing import (  # noqa: F401
     _P_SORT, _P_SCAN, _P_GATHER, _P_SCATTER, _SORT_BLOCK, sort_rows, _SCAN_OUT, scan, gather, scatter_rows,
 )
+from helios._kernels.optim import _P_ADAMW, adamw_constants, adamw_dispatch, adamw_push  # noqa: F401
 from helios._kernels.flash import (  # noqa: F401
     _P_FLASH, FLASH_HEAD_DIMS, _FA_FWD, _FA_PRE, _FA_DQ, _FA_DKV, _FA_SG_ROWS, _FA_GPU_WG, _FA_KERNEL, _FA_CPU_WY,
-    fa_subgroup_kernel_runs_on, _fa_cpu, flash_attn_supported, _fa_operand, _fa_pairs, FLASH_BLOCK, FlashBlockMask,
+    fa_subgroup_kernel_runs_on, _fa_cpu, flash_attn_supported, _fa_operand, _fa_pairs, flash_attn_pairs, FLASH_BLOCK, FlashBlockMask,
     _FlashLaunch, flash_attn_fwd, flash_attn_bwd,
 )
 

@@ -143,6 +143,12 @@ def _fa_pairs(Tq: int, Tk: int, causal: bool) -> int:
     return full * (full + 1) // 2 + max(0, Tq - Tk) * Tk
 
 
+def flash_attn_pairs(Tq: int, Tk: int, causal: bool) -> int:
+    """(query, key) pairs one head of flash_attn_fwd computes (the public name of ``_fa_pairs``):
+    causal rows i see min(i + 1, Tk) keys."""
+    return _fa_pairs(Tq, Tk, causal)
+
+
 FLASH_BLOCK = 64  # block sizes of a block mask are multiples of this: every tile and row group of both kernels
 
 

@@ -10,8 +10,8 @@
 
 from .config import GemmConfig, variants
 from .emit import build_kernel, emit_gemm
-from .emu_state import EmulationError
-from .emulate import emulate_gemm
+from .emu.state import EmulationError
+from .emu.launch import emulate_gemm
 
 __all__ = ["EmulationError", "GemmConfig", "build_kernel", "emit_gemm", "emulate_gemm", "gemm", "variants"]
 

@@ -104,7 +104,7 @@ class Context:
     """The primary context of one device, made current on this thread.
 
     ``cu`` is the driver module to use: by default the real one (``cuda.bindings.driver``),
-    or a stand-in with the same calls, such as :class:`helios.cuda_ptx.emu_driver.EmulatedDriver`.
+    or a stand-in with the same calls, such as :class:`helios.cuda_ptx.emu.driver.EmulatedDriver`.
     ``jit`` loads kernels as PTX for the driver to compile instead of as cubins built by
     ``ptxas``; by default only where ``ptxas`` is not installed or ``HELIOS_CUDA_JIT=1``.
     """
@@ -392,7 +392,7 @@ context.cache_clear = _reset_contexts  # as when context() itself was the cached
 @functools.lru_cache(maxsize=None)
 def _context_for(which: str) -> Context:
     if which == "emulator" or which.startswith("emulator:"):
-        from .emu_driver import emulated_context  # here, not at the top: emu_driver imports this module
+        from .emu.driver import emulated_context  # here, not at the top: the emulated driver imports this module
 
         sms = which.partition(":")[2] or "4"
         if not sms.isdigit() or int(sms) < 1:

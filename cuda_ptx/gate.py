@@ -38,8 +38,8 @@ from helios.errors import DeviceError
 from . import toolchain
 from .config import GemmConfig, variants
 from .emit import emit_gemm
-from .emu_state import EmulationError
-from .emulate import emulate_gemm
+from .emu.state import EmulationError
+from .emu.launch import emulate_gemm
 
 FORBIDDEN_NOTES = ("C7508", "C7510", "C7511", "C7517", "C7519")
 TNSP_B = ".tnspB"  # SASS marks an HGMMA that reads B MN-major (imm-trans-b = 1)
@@ -249,7 +249,7 @@ def flash_emulation_check(cfg, seed: int = 0) -> tuple[dict, str | None]:
     sharing 1 K/V head, causal, ragged lengths (a tail in every block walk); forward for
     ``fwd``, forward + backward for the backward passes.  (what ran, failure text or None)."""
     from . import tensor_flash as tf
-    from .emu_driver import emulated_context
+    from .emu.driver import emulated_context
 
     dtype = {"bf16": "bfloat16", "fp16": "float16"}[cfg.dtype]
     tq, tk = 100, 100

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from helios.cuda_ptx import dtypes
-from helios.cuda_ptx.emu_driver import EmulatedDriver
-from helios.cuda_ptx.emu_state import EmulationError, GlobalMemory
-from helios.cuda_ptx.emulate import emulate_kernel
+from helios.cuda_ptx.emu.driver import EmulatedDriver
+from helios.cuda_ptx.emu.state import EmulationError, GlobalMemory
+from helios.cuda_ptx.emu.launch import emulate_kernel
 
 # the numpy references overflow on purpose (f16 infinities, out-of-range casts)
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
@@ -945,14 +945,14 @@ def test_the_new_driver_calls_take_what_the_real_bindings_take():
 
 
 def test_the_parse_is_cached_per_text():
-    from helios.cuda_ptx.ptx_parse import parse
+    from helios.cuda_ptx.emu.ptx_parse import parse
 
     text = kernel(TREE, bufs=2, block=(128, 1, 1), shared=True)
     assert parse(text) is parse(text)
 
 
 def test_a_grid_larger_than_one_batch_runs_in_several(monkeypatch):
-    from helios.cuda_ptx import emulate
+    from helios.cuda_ptx.emu import launch as emulate
 
     block, grid, n = (8, 4, 2), (3, 2, 2), 1000
     x = np.random.default_rng(9).standard_normal(n).astype(np.float32)
@@ -965,7 +965,7 @@ def test_a_grid_larger_than_one_batch_runs_in_several(monkeypatch):
 
 
 def test_an_endless_loop_is_reported_and_an_unknown_instruction_refused_at_load(monkeypatch):
-    from helios.cuda_ptx import emulator
+    from helios.cuda_ptx.emu import executor as emulator
 
     monkeypatch.setattr(emulator.Grid, "MAX_STEPS", 2000)
     with pytest.raises(EmulationError, match="no end after 2000 instruction steps"):

@@ -12,7 +12,7 @@ import helios as hl
 import helios.nn.functional as F
 from helios.cuda_ptx import driver, gate, gen_flash, toolchain
 from helios.cuda_ptx import tensor_flash as tf
-from helios.cuda_ptx.emu_driver import emulated_context
+from helios.cuda_ptx.emu.driver import emulated_context
 
 needs_ptxas = pytest.mark.skipif(toolchain.find_tool("ptxas") is None, reason="ptxas is not installed")
 needs_sass = pytest.mark.skipif(toolchain.find_tool("cuobjdump") is None and toolchain.find_tool("nvdisasm") is None,

@@ -72,7 +72,7 @@ def test_configs_the_device_cannot_load_are_refused_by_name():
 
 
 def test_emulating_some_ctas_of_a_cluster_kernel_runs_their_whole_clusters():
-    from helios.cuda_ptx.emulate import emulate_gemm
+    from helios.cuda_ptx.emu.launch import emulate_gemm
 
     cfg = cp.variants()["wgmma_cluster"].with_(persistent=False, tma_store=False)
     rng = np.random.default_rng(0)

@@ -13,8 +13,8 @@ import pytest
 import helios.cuda_ptx as cp
 from helios.cuda_ptx import driver, dtypes, operands, smoke
 from helios.cuda_ptx.emit import build_kernel
-from helios.cuda_ptx.emu_driver import EmulatedDriver, decode_tensor_map, emulated_context
-from helios.cuda_ptx.emu_state import EmulationError, TensorMap
+from helios.cuda_ptx.emu.driver import EmulatedDriver, decode_tensor_map, emulated_context
+from helios.cuda_ptx.emu.state import EmulationError, TensorMap
 from helios.cuda_ptx.render import render
 from helios.cuda_ptx.runner import GemmLaunch
 from helios.errors import DeviceError

@@ -11,8 +11,8 @@ import pytest
 
 from helios.cuda_ptx import dtypes, driver, ops
 from helios.cuda_ptx import layout as L
-from helios.cuda_ptx.emu_driver import EmulatedDriver, decode_tensor_map, emulated_context
-from helios.cuda_ptx.emu_state import EmulationError, TensorMap
+from helios.cuda_ptx.emu.driver import EmulatedDriver, decode_tensor_map, emulated_context
+from helios.cuda_ptx.emu.state import EmulationError, TensorMap
 from helios.cuda_ptx.ir import Builder
 from helios.cuda_ptx.render import render
 from helios.errors import DeviceError
@@ -443,10 +443,10 @@ def _run_both(ptx: str, threads: int, inputs: list[np.ndarray], out_bytes: int, 
     """Run ``ptx`` on the warp scheduler (emulator.Cta) and on the vectorised Grid over the
     same inputs; the two outputs must agree byte for byte (one definition of each
     instruction).  Returns the warp scheduler's output bytes."""
-    from helios.cuda_ptx.emu_state import GlobalMemory
-    from helios.cuda_ptx.emulate import emulate_kernel
-    from helios.cuda_ptx.emulator import Cta
-    from helios.cuda_ptx.ptx_parse import parse
+    from helios.cuda_ptx.emu.state import GlobalMemory
+    from helios.cuda_ptx.emu.launch import emulate_kernel
+    from helios.cuda_ptx.emu.executor import Cta
+    from helios.cuda_ptx.emu.ptx_parse import parse
 
     outs = []
     for executor in ("cta", "grid"):
@@ -674,9 +674,9 @@ def test_shfl_reduces_a_quad_and_a_warp_and_broadcasts_a_lane():
     ("outside", r"lanes 16-31 execute it outside membermask 0xffff"),
 ])
 def test_shfl_lanes_must_match_the_membermask(edit, why):
-    from helios.cuda_ptx.emu_state import GlobalMemory
-    from helios.cuda_ptx.emulator import Cta
-    from helios.cuda_ptx.ptx_parse import parse
+    from helios.cuda_ptx.emu.state import GlobalMemory
+    from helios.cuda_ptx.emu.executor import Cta
+    from helios.cuda_ptx.emu.ptx_parse import parse
 
     mem = GlobalMemory()
     params = {"in0": mem.alloc_array(np.zeros(32, np.float32)), "out": mem.alloc(4 * 32 * 3)}

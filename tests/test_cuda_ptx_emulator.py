@@ -14,10 +14,10 @@ import pytest
 
 import helios.cuda_ptx as cp
 from helios.cuda_ptx import dtypes, ops
-from helios.cuda_ptx.emu_state import EmulationError, GlobalMemory
-from helios.cuda_ptx.emulate import emulate_gemm, emulate_kernel
+from helios.cuda_ptx.emu.state import EmulationError, GlobalMemory
+from helios.cuda_ptx.emu.launch import emulate_gemm, emulate_kernel
 from helios.cuda_ptx.ir import Builder
-from helios.cuda_ptx.ptx_parse import PtxParseError, parse
+from helios.cuda_ptx.emu.ptx_parse import PtxParseError, parse
 from helios.cuda_ptx.render import render
 
 # Small problems that still run several k-tiles (so the rings wrap) for each rung.
@@ -130,7 +130,7 @@ def test_m_major_a_through_the_transpose_bit(variant, b_major):
 
 @pytest.mark.parametrize("in_dtype,out_dtype", [("bf16", "bf16"), ("fp16", "f32")])
 def test_bias_is_added_in_the_epilogue_before_the_rounding(in_dtype, out_dtype):
-    from helios.cuda_ptx.emu_driver import emulated_context
+    from helios.cuda_ptx.emu.driver import emulated_context
     from helios.cuda_ptx.runner import GemmLaunch
 
     cfg = cp.variants()["wgmma_persistent"].with_(bias=True, in_dtype=in_dtype, out_dtype=out_dtype)

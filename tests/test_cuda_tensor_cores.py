@@ -187,7 +187,7 @@ def test_batched_kernel_broadcasts_each_batch_dimension_on_its_own():
     # the generator's batched kernel on the emulated driver, 2 batch dims, A broadcast along one and
     # B along the other; small integers, so the product is exact.  Two CTAs walk the six products'
     # tiles, three each, with three k-tiles a tile: the 4-slot ring wraps from product to product.
-    from helios.cuda_ptx.emulate import emulate_gemm
+    from helios.cuda_ptx.emu.launch import emulate_gemm
     from helios.cuda_ptx.tensor_gemm import VARIANT
     from helios.cuda_ptx.emit import resolve
 

@@ -18,7 +18,8 @@ import pytest
 
 import helios as hl
 from helios import backend, op_trace, runtime
-from helios.cuda_ptx import driver, emu_driver
+from helios.cuda_ptx import driver
+from helios.cuda_ptx.emu import driver as emu_driver
 from helios.cuda_ptx import tensor_runtime as tr
 
 NO_GPU = "cuInit failed: CUDA_ERROR_NO_DEVICE: no CUDA-capable device is detected"

@@ -326,7 +326,7 @@ def test_a_gpu_is_listed_with_its_compute_capability():
 
 
 def test_gpus_are_read_through_the_driver_api():
-    from helios.cuda_ptx.emu_driver import EmulatedDriver
+    from helios.cuda_ptx.emu.driver import EmulatedDriver
 
     class Driver(EmulatedDriver):  # the emulator lacks the two calls only the doctor makes
         def cuDriverGetVersion(self):

@@ -31,10 +31,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .config import MAX_DYN_SMEM
-from .driver import ENCODE_TILED, Context
-from .emu_ops import compile_program, is_compute_program
-from .emu_state import EmulationError, GlobalMemory, TensorMap
+from ..config import MAX_DYN_SMEM
+from ..driver import ENCODE_TILED, Context
+from .ops import compile_program, is_compute_program
+from .state import EmulationError, GlobalMemory, TensorMap
 from .ptx_parse import PtxParseError, PtxProgram, parse
 
 MAX_THREADS = 1024
@@ -542,7 +542,7 @@ class EmulatedDriver:
             params = self._read_params(fn.prog, int(kernel_params))
         except _DriverError as e:
             return self._fail(e)
-        from .emulate import emulate_kernel  # here, not at the top: emulate imports this module
+        from .launch import emulate_kernel  # here, not at the top: emulate imports this module
 
         self.launches.append({"kernel": fn.prog.name, "grid": (gx, gy, gz), "block": (bx, by, bz),
                               "shared_bytes": shared, "params": params})

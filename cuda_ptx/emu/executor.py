@@ -25,7 +25,7 @@ Model
   each warp waits on: the emulator's version of a GPU hang.
 * Clusters (``.reqnctapercluster``): the CTAs of a cluster run together, their warps'
   turns interleaved (:class:`Cluster`).  ``mapa`` gives shared::cluster addresses of a
-  peer's shared memory (``emu_state.SMEM_CLUSTER_BASE``); ``mbarrier.arrive`` may target
+  peer's shared memory (``state.SMEM_CLUSTER_BASE``); ``mbarrier.arrive`` may target
   a peer's barrier; a multicast TMA copy lands in each CTA of its mask separately, each
   at its own random time; ``barrier.cluster.arrive/wait`` is the cluster-wide barrier.
   Touching a peer's barrier before it was initialised and published (``fence.mbarrier_init``
@@ -35,7 +35,7 @@ Model
   before the exit by that thread's releasing ``barrier.cluster.arrive``.
 
 * Compute kernels (what the SPIR-V -> PTX translator writes: no async copies, tensor
-  cores, mbarriers or clusters; :func:`emu_ops.is_compute_program`) run on :class:`Grid`
+  cores, mbarriers or clusters; :func:`ops.is_compute_program`) run on :class:`Grid`
   instead: every CTA of a launch in one numpy vector, the threads at the lowest PC
   together, with handlers compiled once per program -- fast enough for thousands of
   launches (a tiny GPT's training step).  See :class:`Grid` for its barrier and
@@ -48,8 +48,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import emu_ops
-from .emu_state import (PARAM_BASE, SMEM_BASE, SMEM_CLUSTER_BASE, SMEM_CLUSTER_STRIDE, BulkStore, ClusterBarrier,
+from . import ops as emu_ops
+from .state import (PARAM_BASE, SMEM_BASE, SMEM_CLUSTER_BASE, SMEM_CLUSTER_STRIDE, BulkStore, ClusterBarrier,
                         CpAsyncOp, EmulationError, GlobalMemory, MBarrier, TensorMap, WarpWgmma)
 from .ptx_parse import FloatArg, ImmArg, MemArg, PtxProgram, RegArg, SpecialArg, SymArg
 
@@ -594,10 +594,10 @@ _ranges = emu_ops.lane_ranges  # one definition, shared with the instruction han
 class Grid:
     """A launch of a compute kernel run as one numpy vector: every thread of every CTA given.
 
-    For programs :func:`emu_ops.is_compute_program` accepts (no async copies, tensor
+    For programs :func:`ops.is_compute_program` accepts (no async copies, tensor
     cores, mbarriers or clusters: nothing that communicates across CTAs), the threads of
     all CTAs execute together: each step, every live thread at the lowest program counter
-    runs that instruction as one vector operation (``emu_ops.compile_program`` compiled
+    runs that instruction as one vector operation (``ops.compile_program`` compiled
     it once per program).  Lanes that branch apart wait at their higher PCs and rejoin
     when the lowest ones reach them, which reconverges structured code.  ``bar.sync 0``
     holds a thread until every thread of every CTA of the vector that had not exited

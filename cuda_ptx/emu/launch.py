@@ -7,7 +7,7 @@ Every CTA of the grid runs (or only ``ctas``), so use small problems: the gate's
 128 x 512 x 384 ``wgmma_ws`` problem (two tiles) takes about half a second.
 
 ``emulate_kernel`` runs any kernel in the emulated subset: compute kernels (the SPIR-V
-translator's, the SIMT rung) on the vectorised :class:`emulator.Grid`, the rest on the
+translator's, the SIMT rung) on the vectorised :class:`executor.Grid`, the rest on the
 warp scheduler.
 """
 
@@ -17,15 +17,15 @@ import numpy as np
 
 from helios.errors import ShapeError
 
-from . import operands
-from .config import GemmConfig, with_dtypes
-from .emit import resolve
-from .emu_driver import emulated_context
-from .emu_state import EmulationError, GlobalMemory, TensorMap
-from .emu_ops import compile_program, is_compute_program
-from .emulator import Cluster, Cta, Grid
+from .. import operands
+from ..config import GemmConfig, with_dtypes
+from ..emit import resolve
+from .driver import emulated_context
+from .state import EmulationError, GlobalMemory, TensorMap
+from .ops import compile_program, is_compute_program
+from .executor import Cluster, Cta, Grid
 from .ptx_parse import PtxProgram, parse
-from .runner import GemmLaunch
+from ..runner import GemmLaunch
 
 # A batch of CTAs run together by the vectorised executor holds at most this many threads
 # and about this many bytes of registers (the rest of the grid runs in further batches).
@@ -45,10 +45,10 @@ def emulate_kernel(ptx: str | PtxProgram, threads, shared_bytes: int, params: di
     """Run any kernel in the emulated subset over a ``grid`` of CTAs (or only the
     ``(x, y[, z])`` in ``ctas``).
 
-    A compute kernel (:func:`emu_ops.is_compute_program`: no async copies, tensor cores,
-    mbarriers or clusters) runs on :class:`emulator.Grid`, the CTAs together in batches of
+    A compute kernel (:func:`ops.is_compute_program`: no async copies, tensor cores,
+    mbarriers or clusters) runs on :class:`executor.Grid`, the CTAs together in batches of
     up to ``BATCH_THREADS`` threads; ``threads`` (the block) and ``grid`` may be 3-D.
-    Any other kernel runs CTA after CTA on the warp scheduler (:class:`emulator.Cta`), or,
+    Any other kernel runs CTA after CTA on the warp scheduler (:class:`executor.Cta`), or,
     for a kernel with ``.reqnctapercluster``, one cluster after another, the CTAs of each
     running together (a CTA in ``ctas`` brings its whole cluster); those take 1-D blocks
     and 2-D grids.
@@ -112,7 +112,7 @@ def emulate_gemm(a: np.ndarray, b: np.ndarray, variant: str | GemmConfig = "wgmm
     """``a @ b`` computed by emulating the generated kernel for ``variant`` thread by thread.
 
     It runs exactly what the GPU runner runs: a :class:`runner.GemmLaunch` on a
-    :class:`driver.Context` whose driver is :class:`emu_driver.EmulatedDriver`, so the
+    :class:`driver.Context` whose driver is :class:`driver.EmulatedDriver`, so the
     operand encoding, tensor maps, kernel parameters and grid are the runner's own.
     Arguments mirror :func:`helios.cuda_ptx.gemm`, but the config runs as given (its
     ``b_major`` too); ``seed`` varies the warp order and TMA latencies; ``ptx``

@@ -1,5 +1,5 @@
-"""Semantics of each PTX instruction the emulator models: for :class:`emulator.Cta` (the
-GEMM generators' kernels) and, compiled per program, for :class:`emulator.Grid` (compute
+"""Semantics of each PTX instruction the emulator models: for :class:`executor.Cta` (the
+GEMM generators' kernels) and, compiled per program, for :class:`executor.Grid` (compute
 kernels; the second half of this file).
 
 A handler is ``fn(cta, ins, lanes)``: ``lanes`` are the thread ids that execute
@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import dtypes as D
-from . import layout as L
-from .emu_state import (SMEM_BASE, SMEM_CLUSTER_BASE, SMEM_CLUSTER_STRIDE, BulkStore, CpAsyncOp, EmulationError,
+from .. import dtypes as D
+from .. import layout as L
+from .state import (SMEM_BASE, SMEM_CLUSTER_BASE, SMEM_CLUSTER_STRIDE, BulkStore, CpAsyncOp, EmulationError,
                         MBarrier, WgmmaOp)
 from .ptx_parse import (DoubleArg, FloatArg, ImmArg, MemArg, NotArg, PtxInstr, PtxParseError, RegArg, SpecialArg, SymArg,
                         TensorArg, VecArg)
@@ -861,7 +861,7 @@ def handler_for(ins: PtxInstr, prog):
 
 # == compute kernels: handlers compiled once per program for the vectorised executor ==========
 #
-# :class:`emulator.Grid` runs every thread of a launch (all its CTAs) as one numpy vector.
+# :class:`executor.Grid` runs every thread of a launch (all its CTAs) as one numpy vector.
 # Each instruction is compiled here, once per parsed program, into a closure
 # ``fn(ex, sel)``: ``ex`` is the Grid, ``sel`` the threads that execute it -- ``None`` for
 # every thread of the vector (no gather, no scatter: the common, converged case) or an
@@ -869,7 +869,7 @@ def handler_for(ins: PtxInstr, prog):
 # by name while a kernel runs.
 
 class NotCompute(Exception):
-    """The program uses instructions only the warp scheduler (:class:`emulator.Cta`) models."""
+    """The program uses instructions only the warp scheduler (:class:`executor.Cta`) models."""
 
 
 # Instructions that need the warp-by-warp scheduler: async copies, tensor cores, mbarriers,
@@ -994,7 +994,7 @@ class _Compiler:
         if name in self.local_off:
             return LMEM_BASE + self.local_off[name]
         if name in self.param_names:
-            from .emu_state import PARAM_BASE
+            from .state import PARAM_BASE
             return PARAM_BASE + 256 * self.param_names.index(name)
         raise EmulationError(f"unknown symbol {name}")
 
@@ -1080,7 +1080,7 @@ def _write_conv(name: str, st, t: str):
 
 
 class _CtaOperands:
-    """Operand readers and writers over an :class:`emulator.Cta`, with the interface of
+    """Operand readers and writers over an :class:`executor.Cta`, with the interface of
     :class:`_Compiler`'s, so the vectorised executor's instruction compilers (``_float_op``,
     ``_setp_c``, ``_selp_c``, ``_cvt_c`` ...) also give the warp scheduler its semantics:
     one definition of each instruction.  A compiled op is ``fn(cta, lanes)``; reads go

@@ -46,7 +46,7 @@ import numbers
 
 import numpy as np
 
-from helios import _transfer
+from helios import device_transfer
 from helios import dtypes as dt
 from helios import functional as F
 from helios.autograd.tape import Function
@@ -264,7 +264,7 @@ class ComplexTensor:
                 rest.append(a)
         if kwargs.get("dtype") is complex64:
             kwargs.pop("dtype")
-        device, dtype, copy = _transfer.parse_to_args(tuple(rest), dict(kwargs))
+        device, dtype, copy = device_transfer.parse_to_args(tuple(rest), dict(kwargs))
         if dtype is not None:
             raise DTypeError(f"to: a complex64 tensor cannot be cast to {dtype}; take .real, .imag or view_as_real(z)")
         re, im = self._re.to(device, copy=copy), self._im.to(device, copy=copy)

@@ -64,7 +64,7 @@ class _Writer:
         if isinstance(obj, float):
             return obj if math.isfinite(obj) else {"float": repr(obj)}
         if isinstance(obj, Tensor):
-            from helios._transfer import raw
+            from helios.device_transfer import raw
             from helios.nn import Parameter
 
             name = self.seen.get(id(obj))
@@ -138,7 +138,7 @@ class _Reader:
         return m
 
     def tensor(self, node: dict) -> Tensor:
-        from helios import _transfer
+        from helios import device_transfer
         from helios.runtime import HOST, get_runtime
 
         name = node["tensor"]
@@ -153,7 +153,7 @@ class _Reader:
             raise self.bad(f"tensor {name!r} is stored as {self.logical.get(name)}, its entry says {d.name}")
         saved = node.get("device", "cpu")
         if callable(self.map_location):
-            t = self.map_location(_transfer.from_raw(bits, d, HOST), saved)
+            t = self.map_location(device_transfer.from_raw(bits, d, HOST), saved)
             if not isinstance(t, Tensor):
                 raise TypeError(f"helios.load: map_location returned a {type(t).__name__}, expected a Tensor")
         else:
@@ -162,7 +162,7 @@ class _Reader:
             except DeviceError as e:
                 raise DeviceError(f"helios.load({self.path!r}): {e}; choose where the tensors go with "
                                   "map_location='cpu' or 'vulkan:0'") from None
-            t = _transfer.from_raw(bits, d, rt)
+            t = device_transfer.from_raw(bits, d, rt)
         if node.get("parameter"):
             from helios.nn import Parameter
 

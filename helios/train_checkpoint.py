@@ -12,7 +12,7 @@ import os
 import sys
 import warnings
 
-from helios import checkpoint as ckpt
+from helios import legacy_checkpoint as ckpt
 from helios.errors import CheckpointError
 from helios.schedule import checkpoint as sharded
 from helios.schedule import train_state

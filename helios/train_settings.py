@@ -313,7 +313,7 @@ def cli_settings(args) -> dict:
 
 def checkpoint_meta(run_dir: str) -> dict | None:
     """The meta of the checkpoint ``--resume`` would continue from (None when there is none)."""
-    from helios import checkpoint as single
+    from helios import legacy_checkpoint as single
     from helios.fileio import read_checkpoint_meta
     from helios.schedule import checkpoint as sharded
 

@@ -290,7 +290,7 @@ def copy_into(dst: Tensor, src: Tensor) -> None:
         return
     rt = dst._st.rt
     if rt.is_host or src._st.rt is not rt:  # cpu tensors, or two devices: through the host
-        from helios._transfer import copy_across
+        from helios.device_transfer import copy_across
 
         return copy_across(dst, src)
     ss = broadcast_strides(src.shape, src._strides, dst.shape)

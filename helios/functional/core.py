@@ -9,7 +9,7 @@ from collections import namedtuple
 import numpy as np
 
 from helios import _kernels as K
-from helios import _transfer
+from helios import device_transfer
 from helios import dtypes as dt
 from helios.autograd.tape import Function
 from helios.errors import ShapeError
@@ -145,9 +145,9 @@ def to(x: Tensor, *args, dtype=None, device=None, non_blocking: bool = False, co
     Devices: "cpu" (host memory: see helios.runtime.HostRuntime) and "vulkan:N"; a move is
     differentiable (the gradient moves back) and is followed by the dtype cast, if any."""
     _check_tensor(x, "to")
-    device, dtype, copy = _transfer.parse_to_args(args, {"device": device, "dtype": dtype, "copy": copy})
+    device, dtype, copy = device_transfer.parse_to_args(args, {"device": device, "dtype": dtype, "copy": copy})
     if device is not None and get_runtime(device) is not x._st.rt:
-        x, copy = _transfer.to_device(x, device), False  # a new tensor already
+        x, copy = device_transfer.to_device(x, device), False  # a new tensor already
     d = x.dtype if dtype is None else dtype
     check_memory_format("to", memory_format)
     if d is x.dtype:

@@ -26,7 +26,7 @@ import helios.functional as F
 from helios import _kernels as K
 from helios import dtypes as dt
 from helios import fusion
-from helios._transfer import parse_to_args
+from helios.device_transfer import parse_to_args
 from helios.autograd.tape import is_grad_enabled, no_grad
 from helios.creation import normal, ones, zeros
 from helios.errors import CheckpointError

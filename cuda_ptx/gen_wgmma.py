@@ -193,95 +193,119 @@ def _vec(regs) -> str:
 
 def generate(cfg: GemmConfig) -> Kernel:
     """Build the wgmma kernel for ``cfg``."""
-    cfg.validate()  # refuses fp8 with N-major B: wgmma has no transpose for 8-bit types
-    plan = WgmmaPlan(cfg)
-    T = cfg.threads
-    S = cfg.stages
-    ptx_in = IN_DTYPES[cfg.in_dtype][1]
-    b = Builder(cfg.kernel_name, cfg.target, cfg.version, T)
-    # .maxntid + .minnctapersm 1 are what lets ptxas honour setmaxnreg (else note C7508).
-    b.kernel.maxntid = (T, 1, 1)
-    b.kernel.minnctapersm = 1
-    if cfg.cluster > 1:
-        b.kernel.cluster = (cfg.cluster, 1, 1)
-    tma_a, tma_b = b.param("tmap_a", "tmap"), b.param("tmap_b", "tmap")
-    tma_c = b.param("tmap_c", "tmap") if cfg.tma_store else None
-    pc = b.param("c", "u64")
-    pm, pn, pk = b.param("M", "u32"), b.param("N", "u32"), b.param("K", "u32")
-    pbias, pbias_n = (b.param("bias", "u64"), b.param("bias_n", "u32")) if cfg.bias else (None, None)
-    # batched: the batch extents (outermost first) and which batch dimensions A and B have
-    pbatch = [b.param(f"batch{i}", "u32") for i in range(cfg.batched)]
-    pbatch_mask = b.param("batch_mask", "u32") if cfg.batched else None
-    b.shared("ring", plan.stage_bytes * S, align=1024, shape=(S, plan.stage_bytes), dtype=cfg.in_dtype,
-             swizzle=SWIZZLE)
-    bars = b.shared("bars", 16 * S, align=8, shape=(2, S), dtype="b64")
-    # tma_store: per consumer warpgroup, two C boxes (64 rows x 128 B) filled in turn
-    cstage = b.shared("cstage", cfg.consumers * 2 * C_BOX_BYTES, align=1024) if cfg.tma_store else None
-    if b.kernel.shared_bytes > MAX_DYN_SMEM:
-        raise ShapeError(f"{cfg.name}: {b.kernel.shared_bytes} B of shared memory exceed the {MAX_DYN_SMEM} B "
-                         "an sm_90 CTA can have; use fewer stages or a smaller tile")
+    return _WgmmaKernel(cfg).build()
 
-    # C's pointer stays a parameter either way (the runner passes the same list); TMA stores use tmap_c.
-    c_g = None if cfg.tma_store else ops.ld_param_ptr(b, pc)
-    bias = (ops.ld_param_ptr(b, pbias), ops.ld_param(b, pbias_n, "u32")) if cfg.bias else None
-    n_r, k_r = ops.ld_param(b, pn, "u32"), ops.ld_param(b, pk, "u32")
-    tmaps = []
-    for p in (t for t in (tma_a, tma_b, tma_c) if t is not None):
-        g = b.reg("u64")
-        b.emit("mov.b64", g, p)
-        b.emit("cvta.param.u64", g, g)
-        tmaps.append(g)
-    tid = b.sreg("%tid.x")
-    # Where this CTA's tile starts (one tile per CTA), or a loop over its tiles (persistent).
-    rank = b.sreg("%cluster_ctarank") if cfg.cluster > 1 else None
-    if cfg.cluster > 1:
-        for_each_tile, origin = _cluster_walk(b, cfg, pm, n_r, rank)
-    else:
-        origin = None if cfg.persistent else ops.tile_origin(b, cfg)
-        for_each_tile = _persistent_walk(b, cfg, pm, n_r, pbatch) if cfg.persistent else (lambda body: body(*origin))
-    ring = ops.smem_base(b)
-    full0 = b.binop("add", "u32", ring, bars.offset)
-    empty0 = b.binop("add", "u32", full0, 8 * S)
-    kt_n = b.binop("shr", "u32", k_r, cfg.bk.bit_length() - 1)
-    is_t0 = b.setp("eq", "u32", tid, 0)
-    n_consumer_threads = 128 * cfg.consumers
-    # A persistent or cluster kernel's consumers release a slot once per warp (lane 0, after
-    # the warp's own wgmma.wait_group) instead of once per thread: 8 arrivals a slot instead
-    # of 256.  In a cluster every CTA's consumers arrive on every CTA's empty barriers: the
-    # producers multicast B into all of them, so a slot is free only when all are done.
-    per_warp_release = cfg.persistent or cfg.cluster > 1
-    release_arrivals = (4 * cfg.consumers if per_warp_release else n_consumer_threads) * cfg.cluster
 
-    b.comment("thread 0 initialises the barriers; the fences publish them to the async (TMA) proxy")
-    with b.if_(is_t0):
-        for s in range(S):
-            b.emit("mbarrier.init.shared::cta.b64", f"[{full0}+{8 * s}]", 1)
-            b.emit("mbarrier.init.shared::cta.b64", f"[{empty0}+{8 * s}]", release_arrivals)
-        b.emit("fence.mbarrier_init.release.cluster")
-        b.emit("fence.proxy.async.shared::cta")
-    if cfg.cluster > 1:
-        # Every CTA's barriers exist before a peer arrives on them or multicasts into them;
-        # fence.mbarrier_init.release.cluster above published them, so .relaxed suffices.
-        _cluster_sync(b, "relaxed")
-    else:
-        ops.bar_sync(b, 0)
+class _WgmmaKernel:
+    """Emits one wgmma kernel: the declarations and barriers (``__init__``), then the roles --
+    a producer and consumer warpgroups (warp-specialised), or one warpgroup that is both."""
 
-    # A batched kernel's maps have the batch dimensions outside the matrix's two.
-    tma = f"cp.async.bulk.tensor.{2 + cfg.batched}d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-    tma_multicast = tma + ".multicast::cluster"
-    if cfg.cluster > 1:
-        everyone = b.reg("b16")  # ctaMask: B's copies land in every CTA of the cluster
-        b.emit("mov.b16", everyone, (1 << cfg.cluster) - 1)
+    def __init__(self, cfg: GemmConfig):
+        cfg.validate()  # refuses fp8 with N-major B: wgmma has no transpose for 8-bit types
+        self.cfg, self.plan, self.S = cfg, WgmmaPlan(cfg), cfg.stages
+        self.ptx_in = IN_DTYPES[cfg.in_dtype][1]
+        b = self.b = Builder(cfg.kernel_name, cfg.target, cfg.version, cfg.threads)
+        # .maxntid + .minnctapersm 1 are what lets ptxas honour setmaxnreg (else note C7508).
+        b.kernel.maxntid = (cfg.threads, 1, 1)
+        b.kernel.minnctapersm = 1
+        if cfg.cluster > 1:
+            b.kernel.cluster = (cfg.cluster, 1, 1)
+        self._declare()
+        self._prologue()
+        self._init_barriers()
 
-    def load_tile(kt, slot, m0, n0, a_co: str = "", b_co: str = "") -> None:
+    def _declare(self) -> None:
+        """Kernel parameters and shared memory (ring, barriers, C staging)."""
+        b, cfg, plan, S = self.b, self.cfg, self.plan, self.S
+        self.tma_params = [b.param("tmap_a", "tmap"), b.param("tmap_b", "tmap")]
+        if cfg.tma_store:
+            self.tma_params.append(b.param("tmap_c", "tmap"))
+        self.pc = b.param("c", "u64")
+        self.pm, self.pn, self.pk = b.param("M", "u32"), b.param("N", "u32"), b.param("K", "u32")
+        self.pbias = (b.param("bias", "u64"), b.param("bias_n", "u32")) if cfg.bias else None
+        # batched: the batch extents (outermost first) and which batch dimensions A and B have
+        self.pbatch = [b.param(f"batch{i}", "u32") for i in range(cfg.batched)]
+        self.pbatch_mask = b.param("batch_mask", "u32") if cfg.batched else None
+        b.shared("ring", plan.stage_bytes * S, align=1024, shape=(S, plan.stage_bytes), dtype=cfg.in_dtype,
+                 swizzle=SWIZZLE)
+        self.bars = b.shared("bars", 16 * S, align=8, shape=(2, S), dtype="b64")
+        # tma_store: per consumer warpgroup, two C boxes (64 rows x 128 B) filled in turn
+        self.cstage = b.shared("cstage", cfg.consumers * 2 * C_BOX_BYTES, align=1024) if cfg.tma_store else None
+        if b.kernel.shared_bytes > MAX_DYN_SMEM:
+            raise ShapeError(f"{cfg.name}: {b.kernel.shared_bytes} B of shared memory exceed the {MAX_DYN_SMEM} B "
+                             "an sm_90 CTA can have; use fewer stages or a smaller tile")
+
+    def _prologue(self) -> None:
+        """Parameters loaded, tensor maps made generic, the tile walk, barrier addresses."""
+        b, cfg = self.b, self.cfg
+        # C's pointer stays a parameter either way (the runner passes the same list); TMA stores use tmap_c.
+        self.c_g = None if cfg.tma_store else ops.ld_param_ptr(b, self.pc)
+        self.bias = (ops.ld_param_ptr(b, self.pbias[0]), ops.ld_param(b, self.pbias[1], "u32")) if cfg.bias else None
+        self.n_r, k_r = ops.ld_param(b, self.pn, "u32"), ops.ld_param(b, self.pk, "u32")
+        self.tmaps = []
+        for p in self.tma_params:
+            g = b.reg("u64")
+            b.emit("mov.b64", g, p)
+            b.emit("cvta.param.u64", g, g)
+            self.tmaps.append(g)
+        self.tid = b.sreg("%tid.x")
+        # Where this CTA's tile starts (one tile per CTA), or a loop over its tiles (persistent).
+        self.rank = b.sreg("%cluster_ctarank") if cfg.cluster > 1 else None
+        if cfg.cluster > 1:
+            self.for_each_tile, self.origin = _cluster_walk(b, cfg, self.pm, self.n_r, self.rank)
+        else:
+            self.origin = None if cfg.persistent else ops.tile_origin(b, cfg)
+            self.for_each_tile = (_persistent_walk(b, cfg, self.pm, self.n_r, self.pbatch) if cfg.persistent
+                                  else (lambda body: body(*self.origin)))
+        self.ring = ops.smem_base(b)
+        self.full0 = b.binop("add", "u32", self.ring, self.bars.offset)
+        self.empty0 = b.binop("add", "u32", self.full0, 8 * self.S)
+        self.kt_n = b.binop("shr", "u32", k_r, cfg.bk.bit_length() - 1)
+        self.is_t0 = b.setp("eq", "u32", self.tid, 0)
+
+    def _init_barriers(self) -> None:
+        """Thread 0 initialises the ring's barriers; everyone (every CTA of a cluster) meets after."""
+        b, cfg, S = self.b, self.cfg, self.S
+        n_consumer_threads = 128 * cfg.consumers
+        # A persistent or cluster kernel's consumers release a slot once per warp (lane 0, after
+        # the warp's own wgmma.wait_group) instead of once per thread: 8 arrivals a slot instead
+        # of 256.  In a cluster every CTA's consumers arrive on every CTA's empty barriers: the
+        # producers multicast B into all of them, so a slot is free only when all are done.
+        self.per_warp_release = cfg.persistent or cfg.cluster > 1
+        release_arrivals = (4 * cfg.consumers if self.per_warp_release else n_consumer_threads) * cfg.cluster
+
+        b.comment("thread 0 initialises the barriers; the fences publish them to the async (TMA) proxy")
+        with b.if_(self.is_t0):
+            for s in range(S):
+                b.emit("mbarrier.init.shared::cta.b64", f"[{self.full0}+{8 * s}]", 1)
+                b.emit("mbarrier.init.shared::cta.b64", f"[{self.empty0}+{8 * s}]", release_arrivals)
+            b.emit("fence.mbarrier_init.release.cluster")
+            b.emit("fence.proxy.async.shared::cta")
+        if cfg.cluster > 1:
+            # Every CTA's barriers exist before a peer arrives on them or multicasts into them;
+            # fence.mbarrier_init.release.cluster above published them, so .relaxed suffices.
+            _cluster_sync(b, "relaxed")
+        else:
+            ops.bar_sync(b, 0)
+
+        # A batched kernel's maps have the batch dimensions outside the matrix's two.
+        self.tma = f"cp.async.bulk.tensor.{2 + cfg.batched}d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+        self.tma_multicast = self.tma + ".multicast::cluster"
+        if cfg.cluster > 1:
+            self.everyone = b.reg("b16")  # ctaMask: B's copies land in every CTA of the cluster
+            b.emit("mov.b16", self.everyone, (1 << cfg.cluster) - 1)
+
+    # -- loads ---------------------------------------------------------------------------------
+    def load_tile(self, kt, slot, m0, n0, a_co: str = "", b_co: str = "") -> None:
         """Arm ``full[slot]`` with the slot's byte count and start its TMA copies (A, then B's boxes).
 
         ``a_co`` / ``b_co``: a batched kernel's outer coordinates of A's / B's copies, as
         ``", c2, c3.."`` (appended after the matrix coordinates); empty otherwise."""
-        fb = b.mad("u32", slot, 8, full0)
+        b, cfg, plan, tma, tmaps = self.b, self.cfg, self.plan, self.tma, self.tmaps
+        fb = b.mad("u32", slot, 8, self.full0)
         # expect_tx = every byte the copies below write: A + all of B's boxes.
         b.emit("mbarrier.arrive.expect_tx.shared::cta.b64", "_", f"[{fb}]", plan.stage_bytes)
-        dst = b.mad("u32", slot, plan.stage_bytes, ring)
+        dst = b.mad("u32", slot, plan.stage_bytes, self.ring)
         k0 = b.binop("mul.lo", "u32", kt, cfg.bk)
         if not plan.m_major:  # tensor coordinates are innermost first: A is M x K (K contiguous)
             b.emit(tma, f"[{dst}]", f"[{tmaps[0]}, {{{k0}, {m0}{a_co}}}]", f"[{fb}]")
@@ -289,7 +313,7 @@ def generate(cfg: GemmConfig) -> Kernel:
             mj = b.binop("add", "u32", m0, 64 * j) if j else m0
             b.emit(tma, f"[{dst}+{j * 64 * 128}]", f"[{tmaps[0]}, {{{mj}, {k0}{a_co}}}]", f"[{fb}]")
         if cfg.cluster > 1:
-            load_b_share(k0, dst, fb, n0)
+            self.load_b_share(k0, dst, fb, n0)
             return
         if not plan.n_major:  # B stored N x K: one bn x bk box
             b.emit(tma, f"[{dst}+{plan.a_bytes}]", f"[{tmaps[1]}, {{{k0}, {n0}{b_co}}}]", f"[{fb}]")
@@ -298,37 +322,41 @@ def generate(cfg: GemmConfig) -> Kernel:
             nj = b.binop("add", "u32", n0, j * plan.b_box_cols) if j else n0
             b.emit(tma, f"[{dst}+{plan.b_box_offset(j)}]", f"[{tmaps[1]}, {{{nj}, {k0}{b_co}}}]", f"[{fb}]")
 
-    def load_b_share(k0, dst, fb, n0) -> None:
+    def load_b_share(self, k0, dst, fb, n0) -> None:
         """This CTA's 1/cluster of the B tile, multicast to the same slot offset in every CTA
         of the cluster; each copy also counts its bytes on every CTA's ``full`` barrier, so
         the ``expect_tx`` of the whole slot is met once all the CTAs' shares have landed."""
+        b, cfg, plan, rank = self.b, self.cfg, self.plan, self.rank
         if not plan.n_major:  # bn / cluster rows of the N x K box each
             rows = cfg.bn // cfg.cluster
             nb = b.mad("u32", rank, rows, n0)
             db_ = b.mad("u32", rank, rows * 128, dst)
-            b.emit(tma_multicast, f"[{db_}+{plan.a_bytes}]", f"[{tmaps[1]}, {{{k0}, {nb}}}]", f"[{fb}]", everyone)
+            b.emit(self.tma_multicast, f"[{db_}+{plan.a_bytes}]", f"[{self.tmaps[1]}, {{{k0}, {nb}}}]", f"[{fb}]",
+                   self.everyone)
             return
         per = plan.b_boxes // cfg.cluster  # 64-column boxes each
         nb = b.mad("u32", rank, per * plan.b_box_cols, n0)
         db_ = b.mad("u32", rank, per * plan.b_box_bytes, dst)
         for jj in range(per):
             nj = b.binop("add", "u32", nb, jj * plan.b_box_cols) if jj else nb
-            b.emit(tma_multicast, f"[{db_}+{plan.b_box_offset(jj)}]", f"[{tmaps[1]}, {{{nj}, {k0}}}]", f"[{fb}]",
-                   everyone)
+            b.emit(self.tma_multicast, f"[{db_}+{plan.b_box_offset(jj)}]", f"[{self.tmaps[1]}, {{{nj}, {k0}}}]",
+                   f"[{fb}]", self.everyone)
 
-    def wait(bar_addr, parity) -> None:
-        ops.mbar_wait(b, bar_addr, parity)
+    def wait(self, bar_addr, parity) -> None:
+        ops.mbar_wait(self.b, bar_addr, parity)
 
-    def advance(slot, phase) -> None:
-        ops.ring_advance(b, slot, phase, S)
+    def advance(self, slot, phase) -> None:
+        ops.ring_advance(self.b, slot, phase, self.S)
 
-    def consumer(cidx, wtid, release) -> None:
+    # -- the consumers' main loop and epilogue ---------------------------------------------------------
+    def consumer(self, cidx, wtid, release) -> None:
         """Math warpgroup ``cidx`` (a register or int), thread ``wtid`` within it: main loop + epilogue per tile.
 
         The ring position (``slot``, ``phase``) runs on across the tiles of a persistent
         kernel.  There the first k-step of each tile's wgmmas passes ``scale-d = 0``
         (D = A B, not D + A B), which clears the previous tile's accumulators for free.
         """
+        b, cfg, plan, ptx_in = self.b, self.cfg, self.plan, self.ptx_in
         n_acc = cfg.bn // 2
         acc = [[b.mov("f32", 0.0) for _ in range(n_acc)] for _ in range(plan.mblocks)]
         one = b.mov("u32", 1)
@@ -343,12 +371,12 @@ def generate(cfg: GemmConfig) -> Kernel:
         prev = b.mov("u32", 0)  # slot of the previous k-tile, released one tile late when inflight
 
         def tile(m0, n0, batch=()) -> None:
-            with b.loop(kt, 0, kt_n, 1):
-                wait(b.mad("u32", slot, 8, full0), phase)
-                b.emit("mad.lo.u32", addr, slot, plan.stage_bytes, ring)
+            with b.loop(kt, 0, self.kt_n, 1):
+                self.wait(b.mad("u32", slot, 8, self.full0), phase)
+                b.emit("mad.lo.u32", addr, slot, plan.stage_bytes, self.ring)
                 b.emit("add.u32", addr, addr, cons_a)
                 _desc(b, da, addr, plan.desc_a_const)
-                b.emit("mad.lo.u32", addr, slot, plan.stage_bytes, ring)
+                b.emit("mad.lo.u32", addr, slot, plan.stage_bytes, self.ring)
                 b.emit("add.u32", addr, addr, plan.a_bytes)
                 _desc(b, db, addr, plan.desc_b_const)
                 if cfg.persistent:
@@ -380,57 +408,39 @@ def generate(cfg: GemmConfig) -> Kernel:
                         # only the single-warpgroup release refills, so only it needs the k-tile
                         release(None if cfg.producer else b.binop("sub", "u32", kt, 1), prev)
                     b.emit("mov.u32", prev, slot)
-                advance(slot, phase)
+                self.advance(slot, phase)
             if cfg.inflight:
                 b.emit("wgmma.wait_group.sync.aligned", 0)
                 if cfg.persistent:  # the next tile's loads need the last k-tile's slot back
                     release(None, prev)  # persistent is warp-specialised: release_ws needs no k-tile
             if cfg.tma_store:
-                _epilogue_tma(b, cfg, plan, tmaps[2], ring, cstage, m0, n0, cidx, wtid, acc, bias, batch)
+                _epilogue_tma(b, cfg, plan, self.tmaps[2], self.ring, self.cstage, m0, n0, cidx, wtid, acc, self.bias,
+                              batch)
             else:
-                _epilogue(b, cfg, plan, c_g, n_r, m0, n0, cidx, wtid, acc)
+                _epilogue(b, cfg, plan, self.c_g, self.n_r, m0, n0, cidx, wtid, acc)
 
-        for_each_tile(tile)
+        self.for_each_tile(tile)
         if cfg.tma_store:
             # The stores read this CTA's shared memory: it must outlive them.
             with b.if_(b.setp("eq", "u32", wtid, 0)):
                 b.emit("cp.async.bulk.wait_group", 0)
 
-    if cfg.producer:
-        wg = b.binop("shr", "u32", tid, 7)
+    # -- roles ----------------------------------------------------------------------------------
+    def warp_specialised(self) -> None:
+        """Warpgroup 0 produces (thread 0 streams every tile's k-tiles), the others consume."""
+        b, cfg = self.b, self.cfg
+        wg = b.binop("shr", "u32", self.tid, 7)
         is_prod = b.setp("eq", "u32", wg, 0)
         with b.if_(is_prod):
-            b.comment("producer warpgroup: hand registers to the consumers, thread 0 streams tiles")
-            b.emit("setmaxnreg.dec.sync.aligned.u32", cfg.maxnreg[0])
-            with b.if_(is_t0):
-                slot, phase = b.mov("u32", 0), b.mov("u32", 0)
-                kt = b.reg("u32")
-                par = b.reg("u32")
-                # batched: 1 where A (B) has batch dimension i, 0 where it is broadcast there
-                has = _batch_flags(b, pbatch_mask, cfg.batched)
-
-                def produce(m0, n0, batch=()) -> None:
-                    # a broadcast operand reads batch coordinate 0 (its map's extent there is 1);
-                    # TMA coordinates are innermost first, so the batch indices go innermost first
-                    a_co, b_co = ("".join(f", {b.binop('mul.lo', 'u32', batch[i], flags[i])}"
-                                          for i in reversed(range(len(batch)))) for flags in has)
-                    with b.loop(kt, 0, kt_n, 1):
-                        # A fresh barrier counts as having completed the phase before phase 0,
-                        # so the first lap's wait on parity 1 passes at once.
-                        b.emit("xor.b32", par, phase, 1)
-                        wait(b.mad("u32", slot, 8, empty0), par)
-                        load_tile(kt, slot, m0, n0, a_co, b_co)
-                        advance(slot, phase)
-
-                for_each_tile(produce)
+            self._producer()
         with b.if_(is_prod, negate=True):
             b.emit("setmaxnreg.inc.sync.aligned.u32", cfg.maxnreg[1])
             cidx = b.binop("sub", "u32", wg, 1)
-            wtid = b.binop("and", "b32", tid, 127)
-            lane0 = b.setp("eq", "u32", b.binop("and", "b32", tid, 31), 0) if per_warp_release else None
+            wtid = b.binop("and", "b32", self.tid, 127)
+            lane0 = b.setp("eq", "u32", b.binop("and", "b32", self.tid, 31), 0) if self.per_warp_release else None
 
             def release_ws(kt, slot) -> None:
-                bar = b.mad("u32", slot, 8, empty0)
+                bar = b.mad("u32", slot, 8, self.empty0)
                 if cfg.cluster == 1:
                     b.emit("mbarrier.arrive.shared::cta.b64", "_", f"[{bar}]", pred=lane0)
                     return
@@ -439,31 +449,68 @@ def generate(cfg: GemmConfig) -> Kernel:
                     b.emit("mapa.shared::cluster.u32", remote, bar, r)
                     b.emit("mbarrier.arrive.shared::cluster.b64", "_", f"[{remote}]", pred=lane0)
 
-            consumer(cidx, wtid, release_ws)
-    else:
-        m0, n0 = origin
-        with b.if_(is_t0):
+            self.consumer(cidx, wtid, release_ws)
+
+    def _producer(self) -> None:
+        b, cfg = self.b, self.cfg
+        b.comment("producer warpgroup: hand registers to the consumers, thread 0 streams tiles")
+        b.emit("setmaxnreg.dec.sync.aligned.u32", cfg.maxnreg[0])
+        with b.if_(self.is_t0):
+            slot, phase = b.mov("u32", 0), b.mov("u32", 0)
+            kt = b.reg("u32")
+            par = b.reg("u32")
+            # batched: 1 where A (B) has batch dimension i, 0 where it is broadcast there
+            has = _batch_flags(b, self.pbatch_mask, cfg.batched)
+
+            def produce(m0, n0, batch=()) -> None:
+                # a broadcast operand reads batch coordinate 0 (its map's extent there is 1);
+                # TMA coordinates are innermost first, so the batch indices go innermost first
+                a_co, b_co = ("".join(f", {b.binop('mul.lo', 'u32', batch[i], flags[i])}"
+                                      for i in reversed(range(len(batch)))) for flags in has)
+                with b.loop(kt, 0, self.kt_n, 1):
+                    # A fresh barrier counts as having completed the phase before phase 0,
+                    # so the first lap's wait on parity 1 passes at once.
+                    b.emit("xor.b32", par, phase, 1)
+                    self.wait(b.mad("u32", slot, 8, self.empty0), par)
+                    self.load_tile(kt, slot, m0, n0, a_co, b_co)
+                    self.advance(slot, phase)
+
+            self.for_each_tile(produce)
+
+    def single_warpgroup(self) -> None:
+        """One warpgroup: thread 0 fills the ring before the loop and refills each slot as it is freed."""
+        b, cfg, S = self.b, self.cfg, self.S
+        m0, n0 = self.origin
+        with b.if_(self.is_t0):
             for s in range(S):
-                g = b.setp("lt", "u32", s, kt_n)
+                g = b.setp("lt", "u32", s, self.kt_n)
                 with b.if_(g):
-                    load_tile(b.mov("u32", s), b.mov("u32", s), m0, n0)
+                    self.load_tile(b.mov("u32", s), b.mov("u32", s), m0, n0)
         nxt = b.reg("u32")
 
         def release_single(kt, slot) -> None:
             # All consumer threads are done with the slot before thread 0 refills it.
-            ops.bar_sync(b, 1, n_consumer_threads)
+            ops.bar_sync(b, 1, 128 * cfg.consumers)
             b.emit("add.u32", nxt, kt, S)
-            more = b.setp("lt", "u32", nxt, kt_n)
+            more = b.setp("lt", "u32", nxt, self.kt_n)
             refill = b.reg("pred")
-            b.emit("and.pred", refill, more, is_t0)
+            b.emit("and.pred", refill, more, self.is_t0)
             with b.if_(refill):
-                load_tile(nxt, slot, m0, n0)
+                self.load_tile(nxt, slot, m0, n0)
 
-        consumer(b.mov("u32", 0), tid, release_single)
-    if cfg.cluster > 1:
-        b.comment("no CTA leaves while a peer may still arrive on its barriers")
-        _cluster_sync(b)
-    return b.build()
+        self.consumer(b.mov("u32", 0), self.tid, release_single)
+
+    def build(self) -> Kernel:
+        """Emit the roles and finish the kernel."""
+        b = self.b
+        if self.cfg.producer:
+            self.warp_specialised()
+        else:
+            self.single_warpgroup()
+        if self.cfg.cluster > 1:
+            b.comment("no CTA leaves while a peer may still arrive on its barriers")
+            _cluster_sync(b)
+        return b.build()
 
 
 def _cluster_sync(b: Builder, sem: str = "release") -> None:

@@ -7,4 +7,6 @@ cd "$(dirname "$0")/.."
 .venv/bin/ruff check .   # lint first: pyflakes + pycodestyle (config in pyproject.toml)
 # .venv/bin/pytest, not `python -m pytest`: -m would put the checkout root on sys.path,
 # where the folder profile/ would shadow the standard library module of that name.
-exec .venv/bin/pytest -q "$@"
+# --durations=20: the 20 slowest tests, printed at the end of every run (CI's log too), so a test
+# that grows past its share of the 12-minute budget shows up where it is paid for.
+exec .venv/bin/pytest -q --durations=20 "$@"

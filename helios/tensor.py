@@ -24,7 +24,14 @@ F = None
 
 class Storage:
     """One device allocation (a handle of its runtime's allocator); freed, deferred by the backend, when no
-    tensor uses it."""
+    tensor uses it.
+
+    Public attributes: ``rt`` (the device runtime that owns the memory: the device contract,
+    :class:`helios.backend.Runtime`), ``nbytes``, ``handle`` (the allocator's handle) and
+    ``version`` (counts writes that autograd must see: an in-place op adds one, and a node that
+    saved a tensor of this storage refuses to run backward after a later write).  A tensor
+    returns its storage from :meth:`Tensor.untyped_storage`; :meth:`view` makes a tensor over
+    any part of it.  :class:`helios.flat.LazyStorage` is one whose memory comes and goes."""
 
     __slots__ = ("rt", "handle", "nbytes", "version", "__weakref__")
 
@@ -39,6 +46,30 @@ class Storage:
             self.rt.free(self.handle)
         except Exception:  # interpreter exit: the device may already be closed
             pass
+
+    def view(self, offset: int, shape: tuple, dtype: dt.DType, strides: tuple | None = None) -> Tensor:
+        """A tensor of ``shape`` and ``dtype`` over this storage, its first element at element
+        ``offset`` (counted in ``dtype``'s elements from the start of the storage), contiguous
+        unless ``strides`` are given.  No copy, no device work and no autograd history: the
+        flat-buffer view of data-parallel buckets, ZeRO shards and fused optimizers' packed
+        parameters.  Refuses (ShapeError) a view that reaches outside the storage."""
+        from helios._shape import contiguous_strides
+
+        shape = tuple(int(s) for s in shape)
+        strides = contiguous_strides(shape) if strides is None else tuple(int(s) for s in strides)
+        if len(strides) != len(shape):
+            from helios.errors import ShapeError
+
+            raise ShapeError(f"Storage.view: {len(strides)} strides for a {len(shape)}-dim shape {shape}")
+        if numel(shape):
+            lo = offset + sum((n - 1) * st for n, st in zip(shape, strides) if st < 0)
+            hi = offset + sum((n - 1) * st for n, st in zip(shape, strides) if st > 0) + 1
+            if lo < 0 or hi * dtype.itemsize > self.nbytes:
+                from helios.errors import ShapeError
+
+                raise ShapeError(f"Storage.view: elements [{lo}, {hi}) of {dtype.name} reach outside the storage's "
+                                 f"{self.nbytes} bytes ({self.nbytes // dtype.itemsize} elements)")
+        return Tensor(self, shape, strides, int(offset), dtype)
 
 
 class Tensor:
@@ -101,6 +132,51 @@ class Tensor:
 
     def element_size(self) -> int:
         return self.dtype.itemsize
+
+    def storage_offset(self) -> int:
+        """The element offset of this tensor's first element in its storage (PyTorch's name):
+        a view of a flat buffer starts where it starts in the buffer."""
+        return self._off
+
+    def untyped_storage(self) -> Storage:
+        """The :class:`Storage` this tensor views (PyTorch's name).  Views of one buffer return
+        the same object, so ``a.untyped_storage() is b.untyped_storage()`` says whether two
+        tensors share memory; ``untyped_storage().view(offset, shape, dtype)`` makes another view."""
+        return self._st
+
+    def set_(self, source, storage_offset: int = 0, size: tuple | None = None, stride: tuple | None = None) -> Tensor:
+        """Make this tensor view other memory, in place (PyTorch's ``set_``): ``source`` a
+        :class:`Storage` (at element ``storage_offset``, of ``size``, contiguous unless ``stride``
+        is given; ``size`` defaults to this tensor's shape) or a Tensor (its storage, offset, shape
+        and strides).  The tensor keeps its identity, autograd flags and hooks (a parameter
+        moved into a flat buffer stays the parameter); its values are whatever that memory holds
+        (copy them there first).  Not recorded by autograd and not counted as a write."""
+        if isinstance(source, Tensor):
+            st, off, shape, strides, dtype = source._st, source._off, source.shape, source._strides, source.dtype
+            if dtype is not self.dtype:
+                raise DTypeError(f"set_: the source is {dtype.name}, this tensor {self.dtype.name}")
+        else:
+            t = source.view(storage_offset, self.shape if size is None else size, self.dtype, stride)
+            st, off, shape, strides = t._st, t._off, t.shape, t._strides
+        self._st, self._off, self.shape, self._strides, self._host = st, off, shape, strides, None
+        return self
+
+    @property
+    def grad_slot(self):
+        """Where backward accumulates this parameter's gradient: a view of a flat gradient buffer
+        (set by a fused optimizer, DistributedDataParallel or ZeRO, which then treat the buffer's
+        ranges as buckets or shards), or None (the gradient gets memory of its own).  Only
+        parameters (:class:`helios.nn.Parameter`) can be given one."""
+        return getattr(self, "_grad_slot", None)
+
+    @grad_slot.setter
+    def grad_slot(self, slot) -> None:
+        if slot is not None and (slot.shape != self.shape or slot.dtype is not self.dtype):
+            from helios.errors import ShapeError
+
+            raise ShapeError(f"grad_slot: a {slot.dtype.name} {slot.shape} slot for a {self.dtype.name} "
+                             f"{self.shape} tensor")
+        self._grad_slot = slot
 
     def is_contiguous(self) -> bool:
         expected = 1

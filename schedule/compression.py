@@ -77,7 +77,7 @@ class CompressionHook:
             self.steps += 1
         buf = as_buffer(bucket.view)  # reached on the communicator's thread, once backward produced it
         key, group = f"b{bucket.index}", ddp.group
-        params = [(p, p._grad_slot._off - bucket.lo) for p in bucket.params]
+        params = [(p, p.grad_slot.storage_offset() - bucket.lo) for p in bucket.params]
 
         def program() -> None:
             self.reduce(buf.flat, key, step, group, params)

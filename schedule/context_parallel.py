@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 import helios.comm as dist
+from helios.schedule.grid import new_groups, rank_lists
 from helios.schedule.ring_attention import LAYOUTS, ring_attention, ring_positions, ring_shard
 
 
@@ -42,13 +43,13 @@ class ContextParallel:
 
     def positions(self, local_T: int, rt):
         """The global positions of this rank's ``local_T`` tokens, as a device int64 tensor."""
-        from helios import _kernels as K
         from helios import dtypes as dt
+        from helios import flat
 
         key = (local_T, id(rt))
         if key not in self._pos:
             pos = ring_positions(local_T * self.world, self.layout, self.rank, self.world)
-            self._pos[key] = K.from_numpy(pos.astype(np.int64), dt.int64, rt)
+            self._pos[key] = flat.from_numpy(pos.astype(np.int64), dt.int64, rt)
         return self._pos[key]
 
     def attention(self, q, k, v):
@@ -59,15 +60,12 @@ class ContextParallel:
 def context_parallel_group(cp: int):
     """This rank's group of ``cp`` neighbouring ranks (ranks r // cp alike share sequences).
     Every rank builds every group, in one order (helios.comm.new_group is collective)."""
+    # Superseded by ParallelGrid(cp=...).cp_group, which builds the same groups (grid.rank_lists)
+    # with the rest of the grid; kept for callers that build this one alone.
     world, rank = dist.get_world_size(), dist.get_rank()
     if cp < 1 or world % cp:
         raise ValueError(f"context_parallel_group: cp = {cp} does not divide the world size {world}")
-    mine = None
-    for first in range(0, world, cp):
-        g = dist.new_group(list(range(first, first + cp)), role="cp")
-        if first <= rank < first + cp:
-            mine = g
-    return mine
+    return new_groups(rank_lists("cp", dp=world // cp, cp=cp), "cp", rank)
 
 
 def use_context_parallel(gpt, group=None, layout: str = "zigzag") -> ContextParallel:

@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 import helios.comm as dist
-from helios import _kernels as K
 from helios import dtypes as dt
+from helios import flat
 from helios.autograd import tape
 from helios.errors import ShapeError
 from helios.nn import Module
@@ -55,7 +55,7 @@ class Bucket:
     @property
     def view(self) -> Tensor:
         """The bucket's gradients as one contiguous 1-D tensor over the flat buffer."""
-        return Tensor(self.flat._st, (self.hi - self.lo,), (1,), self.flat._off + self.lo, self.flat.dtype)
+        return flat.elements(self.flat, self.lo, self.hi - self.lo)
 
     @property
     def nbytes(self) -> int:
@@ -211,9 +211,9 @@ class DistributedDataParallel(Module):
     # ---- buckets -------------------------------------------------------------------------
     def _prepare_buckets(self) -> None:
         """(Re)build buckets when the parameters' gradient slots changed (an optimizer packed them)."""
-        for dtype in {p.dtype for _, p in self._named if getattr(p, "_grad_slot", None) is None}:
+        for dtype in {p.dtype for _, p in self._named if p.grad_slot is None}:
             self._give_slots(dtype)
-        key = tuple((id(p._grad_slot._st), p._grad_slot._off) for _, p in self._named)
+        key = tuple((id(p.grad_slot.untyped_storage()), p.grad_slot.storage_offset()) for _, p in self._named)
         if key == self._layout_key:
             return
         self._layout_key = key
@@ -222,14 +222,13 @@ class DistributedDataParallel(Module):
 
     def _give_slots(self, dtype: dt.DType) -> None:
         """Gradients of parameters no fused optimizer packed land in one flat buffer of DDP's own."""
-        params = [p for _, p in self._named if p.dtype is dtype and getattr(p, "_grad_slot", None) is None]
+        params = [p for _, p in self._named if p.dtype is dtype and p.grad_slot is None]
         n = sum(p.numel() for p in params)
-        flat = K.fill(K.empty((n,), dtype, params[0]._st.rt, pool="weights"), 0)
-        self._own_flat[dtype.name] = flat
+        buf = flat.zeros((n,), dtype, params[0].device, pool="weights")
+        self._own_flat[dtype.name] = buf
         off = 0
         for p in params:
-            strides = _contiguous(p.shape)
-            p._grad_slot = Tensor(flat._st, p.shape, strides, flat._off + off, dtype)
+            p.grad_slot = buf.untyped_storage().view(buf.storage_offset() + off, p.shape, dtype)
             off += p.numel()
 
     def _on_grad_ready(self, p: Tensor) -> None:
@@ -246,9 +245,9 @@ class DistributedDataParallel(Module):
         if b is None:
             raise RuntimeError("DistributedDataParallel: a parameter's gradient arrived before forward() built the "
                                "buckets; call the DDP-wrapped model, not the inner module")
-        if p.grad is None or p.grad._st is not p._grad_slot._st:
-            K.copy_into(p._grad_slot, p.grad)  # a gradient that missed its slot (dtype cast): put it in place
-            p.grad = p._grad_slot
+        if p.grad is None or p.grad.untyped_storage() is not p.grad_slot.untyped_storage():
+            flat.copy_into(p.grad_slot, p.grad)  # a gradient that missed its slot (dtype cast): put it in place
+            p.grad = p.grad_slot
         self._ready_ids.add(id(p))
         b.ready += 1
         self._launch_ready()
@@ -266,7 +265,7 @@ class DistributedDataParallel(Module):
             self.bucket_log.append(BucketEvent(b.index, "launched", time.monotonic_ns(), done, total))
             # Submit what is recorded: the bucket's gradients then end a submission of their own,
             # whose completion the communicator sees while the device runs the rest of backward.
-            b.flat._st.rt.flush()
+            flat.flush(b.flat.device)
             b.work = self.comm_hook(self, b)
             self._next_launch = self._next_launch + 1
 
@@ -282,9 +281,9 @@ class DistributedDataParallel(Module):
                                f"pass: {names}. Every rank must reduce every bucket; pass "
                                "find_unused_parameters=True to count them as zero, or use them in the loss.")
         for _, p in missing:
-            if p.grad is None or p.grad._st is not p._grad_slot._st:
-                K.fill(p._grad_slot, 0)  # no gradient at all yet: it counts as zero
-                p.grad = p._grad_slot
+            if p.grad is None or p.grad.untyped_storage() is not p.grad_slot.untyped_storage():
+                flat.fill_(p.grad_slot, 0)  # no gradient at all yet: it counts as zero
+                p.grad = p.grad_slot
             self._bucket_of[id(p)].ready += 1
         self._launch_ready()
         self._drain()
@@ -320,15 +319,16 @@ def build_buckets(named: list, cap_bytes: int, first_cap_bytes: int | None = Non
     order = {id(p): i for i, (_, p) in enumerate(named)}
     by_storage: dict[int, list] = {}
     for _, p in named:
-        by_storage.setdefault(id(p._grad_slot._st), []).append(p)
+        by_storage.setdefault(id(p.grad_slot.untyped_storage()), []).append(p)
     buckets: list[Bucket] = []
     for key, params in by_storage.items():
-        params.sort(key=lambda p: p._grad_slot._off, reverse=True)
-        first = params[0]._grad_slot
-        base = Tensor(first._st, (first._st.nbytes // first.dtype.itemsize,), (1,), 0, first.dtype)
+        params.sort(key=lambda p: p.grad_slot.storage_offset(), reverse=True)
+        first = params[0].grad_slot
+        st = first.untyped_storage()
+        base = st.view(0, (st.nbytes // first.dtype.itemsize,), first.dtype)  # the whole buffer
         cut: list[Bucket] = []  # this buffer's buckets, the one being filled last
         for p in params:
-            lo = p._grad_slot._off
+            lo = p.grad_slot.storage_offset()
             hi = lo + p.numel()
             cap = first_cap_bytes if first_cap_bytes is not None and len(cut) == 1 else cap_bytes
             if cut and hi == cut[-1].lo and (cut[-1].hi - lo) * first.dtype.itemsize <= cap:
@@ -341,12 +341,6 @@ def build_buckets(named: list, cap_bytes: int, first_cap_bytes: int | None = Non
     for i, b in enumerate(buckets):
         b.index = i
     return buckets
-
-
-def _contiguous(shape: tuple) -> tuple:
-    from helios._shape import contiguous_strides
-
-    return contiguous_strides(shape)
 
 
 def verify_same_parameters(named: list, group=None) -> None:

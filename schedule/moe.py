@@ -63,20 +63,20 @@ import math
 import numpy as np
 
 import helios.comm as dist
-from helios import _kernels as K
 from helios import dtypes as dt
+from helios import flat
 from helios import functional as F
 from helios.autograd.tape import Function, no_grad
 from helios.creation import arange, full, normal, tensor, zeros
 from helios.nn import Linear, Module, Parameter
-from helios.schedule.grid import group_rank, group_size
+from helios.schedule.grid import group_rank, group_size, new_groups, rank_lists
 from helios.schedule.tensor_parallel import (TPLayout, copy_to_tp, gather_sequence, reduce_from_tp,
                                              reduce_scatter_sequence, with_transpose)
 from helios.tensor import Tensor
 
 
 def _exchange(x: Tensor, group) -> Tensor:
-    src = K.copy(x)  # contiguous, and not a tensor autograd may hold
+    src = flat.copy(x)  # contiguous, and not a tensor autograd may hold
     out = zeros(*x.shape, dtype=x.dtype, device=x.device)
     dist.all_to_all(out, src, group=group)
     return out
@@ -225,15 +225,15 @@ class MoEMLP(Module):
         if self.sequence_parallel:
             return self._forward_sequence_parallel(x)
         shape = x.shape
-        flat = x.reshape(-1, self.n_embd)
-        n, E, k, C = flat.shape[0], self.n_experts, self.top_k, self.n_embd
+        tokens = x.reshape(-1, self.n_embd)
+        n, E, k, C = tokens.shape[0], self.n_experts, self.top_k, self.n_embd
         cap = self.capacity(n)
-        slot, weight, probs, first = self.route(flat, cap)
+        slot, weight, probs, first = self.route(tokens, cap)
         token = arange(n).repeat(k)
         # Split over tensor-parallel ranks, each rank's experts give a part of the input's gradient
-        # (their hidden features'): summed over the group backward.  The router reads ``flat``
+        # (their hidden features'): summed over the group backward.  The router reads ``tokens``
         # itself, whose gradient is already whole on every rank.
-        into = flat if self.tp == 1 else copy_to_tp(flat, self.tp_group)
+        into = tokens if self.tp == 1 else copy_to_tp(tokens, self.tp_group)
         buf = F.index_add(zeros(E * cap + 1, C), 0, slot, F.index_select(into, 0, token))
         xin = buf[: E * cap].reshape(E, cap, C)
         out = self._run_experts(xin)  # [E, cap, C], in this rank's expert order
@@ -261,12 +261,12 @@ class MoEMLP(Module):
         group, tp = self.tp_group, self.tp
         whole = gather_sequence(x, group)  # [B, T, C]
         b, t, C = whole.shape
-        flat = whole.reshape(-1, C)
-        n, E, k = flat.shape[0], self.n_experts, self.top_k
+        tokens = whole.reshape(-1, C)
+        n, E, k = tokens.shape[0], self.n_experts, self.top_k
         cap = self.capacity(n)
-        slot, weight, probs, first = self.route(_scale_grad(flat, 1.0 / tp), cap)
+        slot, weight, probs, first = self.route(_scale_grad(tokens, 1.0 / tp), cap)
         token = arange(n).repeat(k)
-        buf = F.index_add(zeros(E * cap + 1, C), 0, slot, F.index_select(flat, 0, token))
+        buf = F.index_add(zeros(E * cap + 1, C), 0, slot, F.index_select(tokens, 0, token))
         out = self._run_experts(buf[: E * cap].reshape(E, cap, C))  # this rank's hidden part
         rows = F.cat([out.reshape(E * cap, C), zeros(1, C)], 0)
         gates = copy_to_tp(weight, group)
@@ -291,7 +291,7 @@ class _OnFirstRank(Function):
 
     @staticmethod
     def forward(ctx, x, first):
-        return K.copy(x) if first else x * 0.0
+        return flat.copy(x) if first else x * 0.0
 
     @staticmethod
     def backward(ctx, g):
@@ -403,22 +403,12 @@ def expert_groups(ep: int, pp: int = 1, tp: int = 1):
     between them (neighbours, as Megatron-LM and DeepSpeed-MoE place them), and the ranks with
     the same place in those groups hold the same experts (their gradients are averaged over
     it).  Every rank builds every group, in one order (helios.comm.new_group is collective)."""
+    # Superseded by ParallelGrid(tp=, pp=, ep=), which builds these groups (grid.ep_group,
+    # grid.edp_group) with the rest of the grid, from the same layout (grid.rank_lists); kept
+    # for callers that build them alone.
     world, rank, d, dp = _stage_ranks(ep, pp, tp)
-    ep_group = edp_group = None
-    for base in range(0, world, d):
-        for t in range(tp):
-            for first in range(0, dp, ep):
-                members = [base + (first + j) * tp + t for j in range(ep)]
-                g = dist.new_group(members, role="ep")
-                if rank in members:
-                    ep_group = g
-    for base in range(0, world, d):
-        for t in range(tp):
-            for j in range(ep):
-                members = [base + i * tp + t for i in range(j, dp, ep)]
-                g = dist.new_group(members, role="edp")
-                if rank in members:
-                    edp_group = g
+    ep_group = new_groups(rank_lists("ep", tp=tp, dp=dp, pp=pp, ep=ep), "ep", rank)
+    edp_group = new_groups(rank_lists("edp", tp=tp, dp=dp, pp=pp, ep=ep), "edp", rank)
     return ep_group, edp_group
 
 
@@ -427,15 +417,9 @@ def expert_tp_group(ep: int, tp: int, pp: int = 1):
     parallelism (an expert-parallel group and its tensor-parallel peers), in rank order, so
     this rank is ``ep_rank * tp + tp_rank`` in it: the group a checkpoint gathers the expert
     tensors over and the clip sums their squares over.  Collective, as :func:`expert_groups`."""
+    # Superseded by ParallelGrid(tp=, pp=, ep=).expert_tp_group (see expert_groups).
     world, rank, d, dp = _stage_ranks(ep, pp, tp)
-    mine = None
-    for base in range(0, world, d):
-        for first in range(0, dp, ep):
-            members = [base + (first + j) * tp + t for j in range(ep) for t in range(tp)]
-            g = dist.new_group(members, role="ep")
-            if rank in members:
-                mine = g
-    return mine
+    return new_groups(rank_lists("expert_tp", tp=tp, dp=dp, pp=pp, ep=ep), "ep", rank)
 
 
 def expert_parameter_names(model: Module) -> list[str]:
@@ -449,7 +433,7 @@ def expert_gradient_copies(model: Module) -> list[tuple[Parameter, Tensor]]:
     """Copies of the experts' gradients in ``model`` (to put back with
     :func:`restore_expert_gradients` after an average over flat buffers that hold them too
     would mix different ranks' experts, as a pipeline stage's data-parallel average does)."""
-    return [(p, K.copy(p.grad)) for m in model.modules() if isinstance(m, MoEMLP) for p in m.expert_parameters()
+    return [(p, flat.copy(p.grad)) for m in model.modules() if isinstance(m, MoEMLP) for p in m.expert_parameters()
             if p.grad is not None]
 
 
@@ -472,7 +456,7 @@ def average_expert_gradients(model: Module, edp_group, data_parallel: int) -> No
     with no_grad():
         for g in grads:
             if replicas > 1:
-                total = K.copy(g)  # contiguous, for the collective
+                total = flat.copy(g)  # contiguous, for the collective
                 dist.all_reduce(total, group=edp_group)
                 g_new = total * (1.0 / data_parallel)
             else:

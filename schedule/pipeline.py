@@ -72,8 +72,8 @@ import time
 import numpy as np
 
 import helios.comm as dist
-from helios import _kernels as K
 from helios import dtypes as dt
+from helios import flat
 from helios import functional as F
 from helios.autograd.tape import is_grad_enabled, no_grad
 from helios.creation import arange, tensor
@@ -361,15 +361,8 @@ class PipelineStage(Module):
         if self.last:
             self.ln_f = gpt.ln_f
         # The tied table's two gradients are summed between the first and the last stage of
-        # each pipeline; every rank creates every such group, in one order.
-        self.embedding_group = None
-        if self.pp > 1:
-            for d in range(grid.dp):
-                for t in range(grid.tp):
-                    pair = [grid.rank_of(t, d, 0), grid.rank_of(t, d, self.pp - 1)]
-                    g = dist.new_group(pair)
-                    if grid.rank in pair:
-                        self.embedding_group = g
+        # each pipeline: the grid's embedding group.
+        self.embedding_group = grid.embedding_group if self.pp > 1 else None
 
     # ---- one micro-batch --------------------------------------------------------------
     def _forward(self, x_in, idx_or_none, targets, scale: float):
@@ -516,7 +509,7 @@ class PipelineStage(Module):
             with timed("forward"):
                 x_in = None
                 if not self.first:
-                    x_in = K.empty(shape, dt.float32)
+                    x_in = flat.empty(shape, dt.float32)
                     receive(x_in, prev)
                     x_in.requires_grad = True
                 idx = tensor(np.asarray(inputs[i], np.int64), dtype=dt.int64) if self.first else None
@@ -537,7 +530,7 @@ class PipelineStage(Module):
                 if self.last:
                     self._seeded(out).backward()
                 else:
-                    g = K.empty(shape, dt.float32)
+                    g = flat.empty(shape, dt.float32)
                     receive(g, nxt)
                     out.backward(g)
                 if not self.first:
@@ -588,7 +581,7 @@ class PipelineStage(Module):
             return
         with no_grad():
             g = self.wte.weight.grad
-            whole = g if g.is_contiguous() else K.copy(g)  # the output layer's gradient is a transposed view
+            whole = g if g.is_contiguous() else flat.copy(g)  # the output layer's gradient is a transposed view
             dist.all_reduce(whole, group=self.embedding_group)
             self.wte.weight.grad = whole
 
@@ -603,7 +596,7 @@ class PipelineStage(Module):
         for i in range(m):
             x_in = None
             if not self.first:
-                x_in = K.empty(self._activation_shape(inputs[i]), dt.float32)
+                x_in = flat.empty(self._activation_shape(inputs[i]), dt.float32)
                 dist.recv(x_in, prev)
             idx = tensor(np.asarray(inputs[i], np.int64), dtype=dt.int64) if self.first else None
             tgt = None
@@ -815,7 +808,7 @@ class _Inbox:
                 raise RuntimeError(f"pipeline: internal: {key} is not in pp rank {sender}'s schedule")
             nxt = queue[self.cursor[sender]]
             self.cursor[sender] += 1
-            buf = K.empty(self.shapes[nxt[1]], dt.float32)
+            buf = flat.empty(self.shapes[nxt[1]], dt.float32)
             self.receive(buf, self.ranks[sender])
             self.kept[nxt] = buf
         return self.kept.pop(key)

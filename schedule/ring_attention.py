@@ -46,8 +46,8 @@ import math
 import numpy as np
 
 import helios.comm as dist
-from helios import _kernels as K
 from helios import dtypes as dt
+from helios import flash, flat
 from helios import functional as F
 from helios.autograd.tape import Function, no_grad
 from helios.tensor import Tensor
@@ -153,7 +153,7 @@ def _rows(x: Tensor, start: int, length: int, full: int) -> Tensor:
     log-sum-exp and gradient operands as dense arrays)."""
     if start == 0 and length == full:
         return x
-    return K.copy(F.narrow(x, 2, start, length))
+    return flat.copy(F.narrow(x, 2, start, length))
 
 
 def _place(part: Tensor, start: int, full: int) -> Tensor:
@@ -163,11 +163,10 @@ def _place(part: Tensor, start: int, full: int) -> Tensor:
         return part
     pieces = []
     if start:
-        pieces.append(K.fill(K.empty(part.shape[:2] + (start,) + part.shape[3:], part.dtype, part._st.rt), 0))
+        pieces.append(flat.zeros(part.shape[:2] + (start,) + part.shape[3:], part.dtype, part.device))
     pieces.append(part)
     if full - start - m:
-        pieces.append(K.fill(K.empty(part.shape[:2] + (full - start - m,) + part.shape[3:], part.dtype,
-                                     part._st.rt), 0))
+        pieces.append(flat.zeros(part.shape[:2] + (full - start - m,) + part.shape[3:], part.dtype, part.device))
     return F.cat(pieces, 2)
 
 
@@ -192,7 +191,7 @@ def _exchange(sends: list, recvs: list, me: int, nxt: int, prv: int, group) -> l
 
 
 def _empty_like(t: Tensor) -> Tensor:
-    return K.empty(t.shape, t.dtype, t._st.rt)
+    return flat.empty(t.shape, t.dtype, t.device)
 
 
 def _add_rows(acc: Tensor | None, part: Tensor, start: int, full: int) -> Tensor:
@@ -203,9 +202,9 @@ def _add_rows(acc: Tensor | None, part: Tensor, start: int, full: int) -> Tensor
         return _place(part, start, full)
     m = part.shape[2]
     if m == full:
-        return K.binary_("add", acc, part)
+        return flat.add_(acc, part)
     rows = F.narrow(acc, 2, start, m)
-    K.copy_into(rows, rows + part)
+    flat.copy_into(rows, rows + part)
     return acc
 
 
@@ -245,7 +244,7 @@ class _RingAttention(Function):
             me, W, nxt, prv = _peers(group)
             n = q.shape[2]
             # k and v are the caller's tensors: contiguous ones travel as they are.
-            kv = [t if t.is_contiguous() else K.copy(t) for t in (k, v)]
+            kv = [t if t.is_contiguous() else flat.copy(t) for t in (k, v)]
             o = lse = None
             pairs, blocks = 0, 0
             for step in range(W):
@@ -259,9 +258,9 @@ class _RingAttention(Function):
                     qa, qm, ka, km, c = plan
                     qs = q if qm == n else F.narrow(q, 2, qa, qm)
                     ks, vs = (t if km == n else F.narrow(t, 2, ka, km) for t in kv)
-                    ob, lb = K.flash_attn_fwd(qs, ks, vs, scale, c)
+                    ob, lb = flash.forward(qs, ks, vs, scale, c)
                     ob = ob if ob.dtype is dt.float32 else F.to(ob, dt.float32)
-                    pairs += K._fa_pairs(qm, km, c)
+                    pairs += flash.pairs(qm, km, c)
                     blocks += 1
                     if o is None:  # step 0 is the diagonal block: every row sees at least its own key
                         o, lse = ob, lb
@@ -274,8 +273,8 @@ class _RingAttention(Function):
                 if nkv is not None:
                     kv = nkv
             out = o if o.dtype is q.dtype else F.to(o, q.dtype)
-            out = K.copy(out) if not out.is_contiguous() else out
-            lse = K.copy(lse) if not lse.is_contiguous() else lse
+            out = flat.copy(out) if not out.is_contiguous() else out
+            lse = flat.copy(lse) if not lse.is_contiguous() else lse
         _STATS.clear()
         _STATS.update(layout=layout, world=W, rank=me, causal=causal, tokens=n, blocks=blocks,
                       pairs=pairs * q.shape[0] * q.shape[1])
@@ -291,8 +290,8 @@ class _RingAttention(Function):
         with no_grad():
             me, W, nxt, prv = _peers(group)
             n = q.shape[2]
-            g = g if g.is_contiguous() and g.dtype is q.dtype else K.copy(g, q.dtype)
-            kv = [t if t.is_contiguous() else K.copy(t) for t in (k, v)]
+            g = g if g.is_contiguous() and g.dtype is q.dtype else flat.copy(g, q.dtype)
+            kv = [t if t.is_contiguous() else flat.copy(t) for t in (k, v)]
             dq = None
             cache: dict = {}  # the row slices of q, O, L and dO a layout reuses at every step
 
@@ -315,7 +314,7 @@ class _RingAttention(Function):
                     qa, qm, ka, km, c = plan
                     qs, os_, ls, gs = rows(qa, qm)
                     ks, vs = (t if km == n else F.narrow(t, 2, ka, km) for t in kv)
-                    dqb, dkb, dvb = K.flash_attn_bwd(qs, ks, vs, os_, ls, gs, scale, c)
+                    dqb, dkb, dvb = flash.backward(qs, ks, vs, os_, ls, gs, scale, c)
                     dq = _add_rows(dq, dqb, qa, n)
                     part = (dkb, dvb, ka)
                 # Block s's dK/dV accumulators arrive (while the kernel ran) from the rank that
@@ -324,7 +323,7 @@ class _RingAttention(Function):
                 acc = acc_in
                 if part is not None:
                     acc = [_add_rows(acc[0], part[0], part[2], n), _add_rows(acc[1], part[1], part[2], n)]
-                acc = [a if a is not None else K.fill(_empty_like(k), 0) for a in acc]
+                acc = [a if a is not None else flat.fill_(_empty_like(k), 0) for a in acc]
                 if W > 1:  # pass them on with the block; after the last step they go home to their owner
                     acc_in = [_empty_like(a) for a in acc]
                     acc_works = _exchange(acc, acc_in, me, nxt, prv, group)
@@ -337,7 +336,7 @@ class _RingAttention(Function):
                     kv = nkv
             _wait(acc_works)
             if dq is None:
-                dq = K.fill(_empty_like(q), 0)
+                dq = flat.fill_(_empty_like(q), 0)
         return dq, acc_in[0], acc_in[1], None, None, None, None, None
 
 
@@ -363,9 +362,9 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, group=None, layout: str = "c
             raise ValueError(f"ring_attention: {name} must be [batch, heads, T/W, head_dim], got shape {t.shape}")
     if k.shape != q.shape or v.shape != q.shape:
         raise ValueError(f"ring_attention: q, k and v shards must have one shape, got {q.shape}, {k.shape}, {v.shape}")
-    if not K.flash_attn_supported(q, k, v):
+    if not flash.supported(q, k, v):
         raise ValueError(f"ring_attention: q (shape {q.shape}, {q.dtype.name}) is not something the flash kernel takes: "
-                         f"a device tensor, one float dtype for q, k and v, head dim in {K.FLASH_HEAD_DIMS}")
+                         f"a device tensor, one float dtype for q, k and v, head dim in {flash.HEAD_DIMS}")
     if layout == "zigzag" and q.shape[2] % 2:
         raise ValueError(f"ring_attention: a zigzag shard holds two equal chunks, but q has an odd {q.shape[2]} tokens")
     s = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)

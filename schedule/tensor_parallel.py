@@ -42,8 +42,8 @@ import math
 import numpy as np
 
 import helios.comm as dist
-from helios import _kernels as K
 from helios import dtypes as dt
+from helios import flat
 from helios import functional as F
 from helios.autograd.tape import Function, no_grad
 from helios.creation import arange, tensor
@@ -54,7 +54,7 @@ from helios.tensor import Tensor
 
 def _all_reduce(t: Tensor, group, op: str = "sum") -> Tensor:
     """A contiguous copy of ``t`` reduced over ``group`` (the copy: autograd may hold ``t``)."""
-    out = K.copy(t)
+    out = flat.copy(t)
     if group_size(group) > 1:
         dist.all_reduce(out, op=op, group=group)
     return out
@@ -64,7 +64,7 @@ class _CopyToTP(Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return Tensor(x._st, x.shape, x._strides, x._off, x.dtype)  # the same values (a new handle)
+        return x.detach()  # the same values (a new handle)
 
     @staticmethod
     def backward(ctx, g):
@@ -95,17 +95,17 @@ def _gather_sequence(x: Tensor, group) -> Tensor:
     """[B, T/tp, C] shards of every rank -> the whole [B, T, C], in rank order along T."""
     tp = group_size(group)
     b, ts, c = x.shape
-    every = K.empty((tp, b, ts, c), x.dtype)
-    dist.all_gather(every, K.copy(x), group=group)
-    return K.copy(every.permute(1, 0, 2, 3)).reshape(b, tp * ts, c)
+    every = flat.empty((tp, b, ts, c), x.dtype)
+    dist.all_gather(every, flat.copy(x), group=group)
+    return flat.copy(every.permute(1, 0, 2, 3)).reshape(b, tp * ts, c)
 
 
 def _reduce_scatter_sequence(x: Tensor, group) -> Tensor:
     """[B, T, C] partial sums on every rank -> this rank's T/tp positions of their sum."""
     tp = group_size(group)
     b, t, c = x.shape
-    chunks = K.copy(x.reshape(b, tp, t // tp, c).permute(1, 0, 2, 3))  # [tp, B, T/tp, C]: chunk q goes to rank q
-    out = K.empty((b, t // tp, c), x.dtype)
+    chunks = flat.copy(x.reshape(b, tp, t // tp, c).permute(1, 0, 2, 3))  # [tp, B, T/tp, C]: chunk q goes to rank q
+    out = flat.empty((b, t // tp, c), x.dtype)
     dist.reduce_scatter(out, chunks, group=group)
     return out
 
@@ -536,7 +536,7 @@ def clip_grad_norm_(params, max_norm: float, group) -> Tensor:
                 part = _all_reduce(squares(ps), g)
                 total = part if total is None else total + part
         if total is None:
-            return K.fill(K.empty((), dt.float32), 0.0)
+            return flat.zeros((), dt.float32)
         norm = F.sqrt(total)
         coef = F.clamp(F.rdiv(norm + 1e-6, float(max_norm)), max=1.0)
         for p in params:

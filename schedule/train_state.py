@@ -107,13 +107,9 @@ def model_shards(gpt, rank: int, world: int, tp_group=None) -> dict[str, C.Shard
 def _raw(t, lo: int, hi: int) -> np.ndarray:
     """Elements [lo, hi) of a tensor's flattened stored elements, read from the device alone
     (bfloat16 as its uint16 bits): each rank reads only the part it writes."""
-    from helios import _kernels as K
+    from helios import flat
 
-    src = t if t.is_contiguous() else K.copy(t)
-    out = np.empty(hi - lo, t.dtype.np_storage)
-    if out.size:
-        src._st.rt.read(src._st.handle, (src._off + lo) * t.dtype.itemsize, out.view(np.uint8))
-    return out
+    return flat.read(t, lo, hi)
 
 
 def optimizer_shards(gpt, opt, rank: int, world: int, tp_group=None) -> dict[str, C.ShardedArray]:
@@ -160,7 +156,7 @@ def load_training(ckpt_dir: str, gpt, opt, loader, tp_rank: int = 0) -> dict:
     """Restore parameters, moments, RNG and loader position from a sharded checkpoint; returns its meta.
 
     A tensor-parallel model reads each whole tensor and keeps the shard of ``tp_rank``."""
-    from helios import _kernels as K
+    from helios import flat
     from helios.autograd.tape import no_grad
     from helios.schedule.tensor_parallel import full_shape, take_shard
 
@@ -194,13 +190,13 @@ def load_training(ckpt_dir: str, gpt, opt, loader, tp_rank: int = 0) -> dict:
     mine = {k: take_shard(p, arrays[k], tp_rank) for n, p in named for k in [f"model.{n}"] + [f"optim.{m}.{n}" for m in MOMENTS]}
     with no_grad():
         for n, p in named:
-            K.copy_into(p, K.from_numpy(mine[f"model.{n}"].reshape(p.shape), p.dtype, p._st.rt))
-            p._st.version += 1
+            flat.copy_into(p, flat.from_numpy(mine[f"model.{n}"].reshape(p.shape), p.dtype, p.device))
+            flat.mark_written(p)
     moments = {id(p): [mine[f"optim.{m}.{n}"] for m in MOMENTS] for n, p in named}
     for fg in opt.flat:
         for j in range(2):
             host = np.concatenate([moments[id(p)][j] for p in fg.params]) if fg.params else np.empty(0, np.float32)
-            K.copy_into(fg.moments[j], K.from_numpy(host.astype(np.float32), fg.moments[j].dtype, fg.p._st.rt))
+            flat.copy_into(fg.moments[j], flat.from_numpy(host.astype(np.float32), fg.moments[j].dtype, fg.p.device))
     o = meta["optimizer"]
     opt.step_count = int(o["step"])
     for g, h in zip(opt.param_groups, o["groups"]):

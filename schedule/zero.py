@@ -173,100 +173,29 @@ import numpy as np
 
 import helios.comm as dist
 import helios.functional as F
-from helios import _kernels as K
 from helios import dtypes as dt
+from helios import flat
 from helios.autograd import tape
 from helios.autograd.tape import Function, no_grad
 from helios.errors import CheckpointError, HeliosError
+from helios.flat import LazyStorage
 from helios.nn import Module, ModuleList
-from helios.optim import Optimizer, adamw_constants, adamw_dispatch
+from helios.optim import Optimizer, adamw_constants
 from helios.schedule.ddp import DistributedDataParallel
 from helios.tensor import Storage, Tensor
 
 _F32 = dt.float32
 
 
-# ---- storage allocated on demand ---------------------------------------------------------------
-class _LazyStorage(Storage):
-    """A storage whose device memory exists only between ``materialize()`` and ``release()``.
-
-    Tensors viewing it keep their identity while the memory comes and goes (a gradient slot,
-    a sharded parameter).  Touching ``handle`` while released calls ``on_demand(self)``, which
-    must materialize it (or raise); so does touching it from the thread named by ``waiter``
-    while a collective that fills it is in flight (``on_demand`` then waits for it; the
-    communicator's thread, which fills it, passes)."""
-
-    __slots__ = ("_h", "pool", "on_demand", "owner", "waiter", "_v", "filling")
-
-    def __init__(self, rt, nbytes: int, pool: str, on_demand, owner) -> None:
-        self._v, self.filling = 0, False
-        self.rt, self.nbytes, self.version = rt, nbytes, 0
-        self._h = None
-        self.pool, self.on_demand, self.owner = pool, on_demand, owner
-        self.waiter = None
-
-    @property
-    def version(self) -> int:
-        return self._v
-
-    @version.setter
-    def version(self, v: int) -> None:
-        # While a gather refills it (``filling``) the values are the ones it held before: an op
-        # that saves the parameter for backward then (a prefetched unit read outside its own
-        # forward, as a pipeline's last stage reads the tied table) sees the version backward will.
-        if not self.filling:
-            self._v = v
-
-    @property
-    def handle(self) -> int:
-        if self._h is None or (self.waiter is not None and self.waiter == threading.get_ident()):
-            self.on_demand(self)
-            if self._h is None:
-                raise HeliosError("a sharded buffer was used while it was not materialized")
-        return self._h
-
-    @property
-    def materialized(self) -> bool:
-        return self._h is not None
-
-    def materialize(self) -> int:
-        """Allocate the memory (uninitialised) if it is not there; the pool bytes it took (0 if it was there)."""
-        if self._h is not None:
-            return 0
-        before = _pool_in_use(self.rt, self.pool)
-        self._h = self.rt.alloc(self.nbytes, self.pool)
-        return _pool_in_use(self.rt, self.pool) - before
-
-    def release(self) -> int:
-        """Free the memory (reused once the work recorded so far is done); the pool bytes given back."""
-        if self._h is None:
-            return 0
-        before = _pool_in_use(self.rt, self.pool)
-        h, self._h = self._h, None
-        self.rt.free(h)
-        return before - _pool_in_use(self.rt, self.pool)
-
-    def __del__(self):
-        try:
-            if self._h is not None:
-                self.rt.free(self._h)
-                self._h = None
-        except Exception:  # interpreter exit: the device may already be closed
-            pass
-
-
-def _pool_in_use(rt, pool: str) -> int:
-    return int(rt.pool_stats()[pool]["in_use_bytes"])
-
-
 def _view(st: Storage, off: int, n: int) -> Tensor:
-    return Tensor(st, (n,), (1,), off, _F32)
+    """Elements [off, off + n) of a float32 storage, as a 1-D view."""
+    return st.view(off, (n,), _F32)
 
 
-def _cstrides(shape: tuple) -> tuple:
-    from helios._shape import contiguous_strides
-
-    return contiguous_strides(shape)
+def _in_slot(p: Tensor) -> bool:
+    """Whether ``p``'s gradient is its gradient slot's memory (else it landed elsewhere: a cast)."""
+    g, slot = p.grad, p.grad_slot
+    return g.untyped_storage() is slot.untyped_storage() and g.storage_offset() == slot.storage_offset()
 
 
 # ---- layout --------------------------------------------------------------------------------------
@@ -357,7 +286,7 @@ class _PreBackward(Function):
     @staticmethod
     def forward(ctx, x, opt, unit):
         ctx.opt, ctx.unit = opt, unit
-        return Tensor(x._st, x.shape, x._strides, x._off, x.dtype)
+        return x.detach()  # the same values (a new handle)
 
     @staticmethod
     def backward(ctx, g):
@@ -396,8 +325,8 @@ class ZeroAdamW(Optimizer):
             raise RuntimeError("ZeroAdamW: the model already ran a forward pass with gradient buffers of its own; "
                                "build the optimizer right after wrapping the model")
         p0 = self.param_groups[0]["params"][0]
-        self.rt = p0._st.rt
-        self._q = max(1, int(self.rt.info["limits"]["min_storage_buffer_offset_alignment"]) // 4)
+        self.rt = p0.untyped_storage().rt  # the device runtime (helios.backend's contract) the parameters live on
+        self._q = max(1, flat.alignment(self.rt) // 4)
         self._bytes = {k: {"requested": 0, "pool": 0, "buffers": []} for k in ("params", "grads", "moments")}
         self._transient = {k: {"now": 0, "peak": 0} for k in ("grad_staging", "gathered_params")}
         self._inflight: list[_SegmentWork] = []
@@ -562,9 +491,9 @@ class ZeroAdamW(Optimizer):
 
     def _persist(self, category: str, n: int) -> Tensor:
         """A zero-filled float32 buffer of n elements in the weights pool, counted under ``category``."""
-        before = _pool_in_use(self.rt, "weights")
-        t = K.fill(K.empty((n,), _F32, self.rt, pool="weights"), 0)
-        got = _pool_in_use(self.rt, "weights") - before
+        before = flat.pool_in_use(self.rt, "weights")
+        t = flat.zeros((n,), _F32, self.rt, pool="weights")
+        got = flat.pool_in_use(self.rt, "weights") - before
         b = self._bytes[category]
         b["requested"] += n * 4
         b["pool"] += got
@@ -591,29 +520,29 @@ class ZeroAdamW(Optimizer):
         g.v = self._persist("moments", g.shard_n)
         for s in segs:
             if st3:
-                s.pfull = _LazyStorage(self.rt, s.world * s.c * 4, "activations", self._gather_on_demand, s)
+                s.pfull = LazyStorage(self.rt, s.world * s.c * 4, "activations", self._gather_on_demand, s)
                 r = s.rank
                 for p, a in zip(s.params, s.rel):  # this rank's chunk of the current values
                     lo, hi = max(a, r * s.c), min(a + p.numel(), (r + 1) * s.c)
                     if lo < hi:
-                        K.copy_into(_view(g.pshard._st, s.so + lo - r * s.c, hi - lo),
-                                    _view(p._st, p._off + lo - a, hi - lo))
+                        flat.copy_into(flat.elements(g.pshard, s.so + lo - r * s.c, hi - lo),
+                                       flat.elements(p, lo - a, hi - lo))
             else:
-                s.pfull = g.pflat._st
+                s.pfull = g.pflat.untyped_storage()
                 for p, a in zip(s.params, s.rel):
-                    K.copy_into(Tensor(s.pfull, p.shape, _cstrides(p.shape), s.po + a, _F32), p)
+                    flat.copy_into(s.pfull.view(s.po + a, p.shape, _F32), p)
             if self.stage == 1:
-                s.gfull, s.go = g.gflat._st, s.po
+                s.gfull, s.go = g.gflat.untyped_storage(), s.po
             else:
-                s.gfull = _LazyStorage(self.rt, s.world * s.c * 4, "activations", self._stage_on_demand, s)
+                s.gfull = LazyStorage(self.rt, s.world * s.c * 4, "activations", self._stage_on_demand, s)
             for p, a in zip(s.params, s.rel):
-                p._st, p._off, p._strides, p._host = s.pfull, s.po + a, _cstrides(p.shape), None
-                p._grad_slot = Tensor(s.gfull, p.shape, _cstrides(p.shape), s.go + a, _F32)
+                p.set_(s.pfull, s.po + a)  # the parameter now lives in the segment's full buffer
+                p.grad_slot = s.gfull.view(s.go + a, p.shape, _F32)
                 p.grad = None
         return g
 
     # ---- stage 2/3 gradients -------------------------------------------------------------------
-    def _stage_on_demand(self, st: _LazyStorage) -> None:
+    def _stage_on_demand(self, st: LazyStorage) -> None:
         """The first gradient of a segment lands: give it a staging buffer (its padding zeroed)."""
         s = st.owner
         # The host records backward far ahead of the device: bound the staging it allocates by
@@ -624,7 +553,7 @@ class ZeroAdamW(Optimizer):
         s.staged_bytes = got
         self._count("grad_staging", got)
         if s.c * s.world > s.numel:
-            K.fill(_view(st, s.numel, s.c * s.world - s.numel), 0)
+            flat.fill_(_view(st, s.numel, s.c * s.world - s.numel), 0)
 
     def _count(self, kind: str, delta: int) -> None:
         t = self._transient[kind]
@@ -655,9 +584,9 @@ class ZeroAdamW(Optimizer):
         the model group's size when it completes, ``_finish_reduce``)."""
         g = self.groups[s.gi]
         temp = None
-        out = _view(g.gshard._st, s.so, s.c)
+        out = flat.elements(g.gshard, s.so, s.c)
         if s.has_grad:  # gradients are accumulating over backward passes: reduce beside, then add
-            temp = K.empty((s.c,), _F32, self.rt)
+            temp = flat.empty((s.c,), _F32, self.rt)
             out = temp
         if not s.gfull.materialized:  # no gradient at all reached it (cannot happen under DDP, which fills them)
             self._stage_on_demand(s.gfull)
@@ -673,7 +602,7 @@ class ZeroAdamW(Optimizer):
         rank of the subgroup summed gradients of tokens from all of the model group's losses
         (expert parallelism), so this is the mean loss's gradient, as data parallel's average
         is for the other parameters (helios.schedule.moe.average_expert_gradients)."""
-        K.binary_("mul", t, F.scalar_tensor(1.0 / self.world, _F32, self.rt))
+        flat.mul_(t, 1.0 / self.world)
 
     def _reap(self) -> None:
         """Finish the reductions that are already done (frees their staging buffers early)."""
@@ -684,9 +613,9 @@ class ZeroAdamW(Optimizer):
         sw.work.wait()
         s = sw.seg
         if s.sub:  # summed over the subgroup: now the mean over the model group's losses
-            self._mean_over_model(sw.temp if sw.temp is not None else _view(self.groups[s.gi].gshard._st, s.so, s.c))
+            self._mean_over_model(sw.temp if sw.temp is not None else flat.elements(self.groups[s.gi].gshard, s.so, s.c))
         if sw.temp is not None:
-            K.binary_("add", _view(self.groups[s.gi].gshard._st, s.so, s.c), sw.temp)
+            flat.add_(flat.elements(self.groups[s.gi].gshard, s.so, s.c), sw.temp)
         s.has_grad = True
         for p in s.params:  # the full-size gradient is gone: its reduced shard is what is left
             p.grad = None
@@ -696,7 +625,7 @@ class ZeroAdamW(Optimizer):
             self._inflight.remove(sw)
 
     def _drop_staging(self, s: _Segment) -> None:
-        if isinstance(s.gfull, _LazyStorage) and s.gfull.materialized:
+        if isinstance(s.gfull, LazyStorage) and s.gfull.materialized:
             self._count("grad_staging", -s.gfull.release())
 
     # ---- stage 3 parameters --------------------------------------------------------------------
@@ -798,9 +727,9 @@ class ZeroAdamW(Optimizer):
                     start, stop = 0, p.numel()
                 if stop > start:  # (the ranks of the group own the same range: empty on all of them, or on none)
                     v = self._grad_range(s, a, start, stop)
-                    whole = K.copy(v)
+                    whole = flat.copy(v)
                     dist.all_reduce(whole, group=group)
-                    K.copy_into(v, whole)
+                    flat.copy_into(v, whole)
                 return
         raise KeyError(f"ZeroAdamW: no parameter {name!r}")
 
@@ -851,8 +780,8 @@ class ZeroAdamW(Optimizer):
                 u.bytes += got
                 self._count("gathered_params", got)
                 g = self.groups[s.gi]
-                s.pfull.filling = True  # the gather's write keeps the version (see _LazyStorage.version)
-                w = dist.all_gather(_view(s.pfull, 0, s.c * s.world), _view(g.pshard._st, s.so, s.c),
+                s.pfull.filling = True  # the gather's write keeps the version (see LazyStorage)
+                w = dist.all_gather(_view(s.pfull, 0, s.c * s.world), flat.elements(g.pshard, s.so, s.c),
                                     group=s.pg, async_op=True)
                 s.pfull.waiter = threading.get_ident()  # a read on this thread waits for the gather
                 u.pending.append((w, s.pfull, s.pfull.version))
@@ -881,7 +810,7 @@ class ZeroAdamW(Optimizer):
         for u in self.units:
             self._release(u)
 
-    def _gather_on_demand(self, st: _LazyStorage) -> None:
+    def _gather_on_demand(self, st: LazyStorage) -> None:
         u = st.owner.unit
         if u.state == "pending":  # read while its gather is in flight: wait for it
             self._gather(u, wait=True)
@@ -914,12 +843,12 @@ class ZeroAdamW(Optimizer):
         here once all its gradients are complete, as DDP's buckets are for the others (and, like
         them, not inside ``no_sync()``: the staging keeps the local sum until a synchronised
         backward).  Every rank of the subgroup runs the same backward: the same order."""
-        if p.grad._st is not s.gfull or p.grad._off != p._grad_slot._off:
-            K.copy_into(p._grad_slot, p.grad)  # a gradient outside its slot: put it in place
-            p.grad = p._grad_slot
+        if not _in_slot(p):
+            flat.copy_into(p.grad_slot, p.grad)  # a gradient outside its slot: put it in place
+            p.grad = p.grad_slot
         s.ready += 1
         if s.ready == len(s.params) and self.ddp.synchronizing:
-            self.rt.flush()  # the gradients end a submission of their own, as DDP's buckets do
+            flat.flush(self.rt)  # the gradients end a submission of their own, as DDP's buckets do
             self._reap()
             self._launch_reduce(s)
 
@@ -934,18 +863,7 @@ class ZeroAdamW(Optimizer):
     # ---- the update ----------------------------------------------------------------------------
     def _adamw(self, consts: tuple, ops: list, off: int, n: int) -> None:
         """Record ``adamw`` over elements [off, off + n) of four (storage, aligned base) operands."""
-        rt, q = self.rt, self._q
-        lim = rt.max_range // 4 - q
-        bases = [b for _, b in ops]
-        while n > 0:
-            adv = off - off % q
-            bases = [b + adv for b in bases]
-            off -= adv
-            m = min(n, lim - off)
-            bufs = [(st.handle, b * 4, (off + m) * 4, w) for (st, _), b, w in zip(ops, bases, (True, False, True, True))]
-            adamw_dispatch(rt, bufs, m, off, consts)
-            off += m
-            n -= m
+        flat.adamw_(*(_view(st, base + off, n) for st, base in ops), consts)
 
     @no_grad()
     def step(self) -> None:
@@ -961,20 +879,21 @@ class ZeroAdamW(Optimizer):
             consts = adamw_constants(hp, self.step_count)
             if self.stage == 3:
                 if all(s.has_grad for s in g.segs):
-                    self._adamw(consts, [(g.pshard._st, 0), (g.gshard._st, 0), (g.m._st, 0), (g.v._st, 0)], 0, g.shard_n)
+                    self._adamw(consts, [(g.pshard.untyped_storage(), 0), (g.gshard.untyped_storage(), 0),
+                                         (g.m.untyped_storage(), 0), (g.v.untyped_storage(), 0)], 0, g.shard_n)
                 else:
                     for s in g.segs:
                         if s.has_grad:
-                            self._adamw(consts, [(g.pshard._st, s.so), (g.gshard._st, s.so), (g.m._st, s.so),
-                                                 (g.v._st, s.so)], 0, s.c)
+                            self._adamw(consts, [(g.pshard.untyped_storage(), s.so), (g.gshard.untyped_storage(), s.so),
+                                                 (g.m.untyped_storage(), s.so), (g.v.untyped_storage(), s.so)], 0, s.c)
                 continue
             updated = []
             for s in g.segs:
-                ops = [(s.pfull, s.po + s.rank * s.c), None, (g.m._st, s.so), (g.v._st, s.so)]
+                ops = [(s.pfull, s.po + s.rank * s.c), None, (g.m.untyped_storage(), s.so), (g.v.untyped_storage(), s.so)]
                 if self.stage == 2:
                     if not s.has_grad:
                         continue
-                    ops[1] = (g.gshard._st, s.so)
+                    ops[1] = (g.gshard.untyped_storage(), s.so)
                     self._adamw(consts, ops, 0, s.c)
                 else:
                     ops[1] = (s.gfull, s.go + s.rank * s.c)
@@ -991,7 +910,7 @@ class ZeroAdamW(Optimizer):
             w.wait()
         for g in self.groups:
             for s in g.segs:
-                s.pfull.version += 1  # graphs recorded before the update must not be differentiated after it
+                flat.mark_written(s.pfull)  # graphs recorded before the update must not be differentiated after it
 
     def _stage1_ranges(self, s: _Segment) -> list:
         """(offset in this rank's chunk, count) to update: the whole chunk when every parameter has a gradient."""
@@ -1003,8 +922,8 @@ class ZeroAdamW(Optimizer):
         for p, a, h in zip(s.params, s.rel, have):
             if not h:
                 continue
-            if p.grad._st is not s.gfull:
-                K.copy_into(p._grad_slot, p.grad)
+            if p.grad.untyped_storage() is not s.gfull:
+                flat.copy_into(p.grad_slot, p.grad)
             lo, hi = max(a, r * c), min(a + p.numel(), (r + 1) * c)
             if lo < hi:
                 out.append((lo - r * c, hi - lo))
@@ -1067,17 +986,17 @@ class ZeroAdamW(Optimizer):
             for s in g.segs:
                 if self.stage == 2 and not s.gfull.materialized:
                     self._stage_on_demand(s.gfull)  # no gradient reached this segment: it counts as zero
-                    K.fill(_view(s.gfull, 0, s.numel), 0)
+                    flat.fill_(_view(s.gfull, 0, s.numel), 0)
                 for p in s.params:
                     if p.grad is None:
                         # no gradient: zero, as DDP's find_unused_parameters counts it (the slot may
                         # hold a stale sum at stage 1, or uninitialised staging memory at stage 2)
-                        K.fill(p._grad_slot, 0)
-                    elif p.grad._st is not s.gfull or p.grad._off != p._grad_slot._off:
-                        K.copy_into(p._grad_slot, p.grad)  # a gradient outside its slot: put it in place
-                    p.grad = p._grad_slot
+                        flat.fill_(p.grad_slot, 0)
+                    elif not _in_slot(p):
+                        flat.copy_into(p.grad_slot, p.grad)  # a gradient outside its slot: put it in place
+                    p.grad = p.grad_slot
             if self.stage == 1:
-                self.rt.flush()
+                flat.flush(self.rt)
                 if not any(s.sub for s in g.segs):
                     works.append(dist.all_reduce(g.gflat, op="avg", group=self.pg, async_op=True))
                     continue
@@ -1092,7 +1011,7 @@ class ZeroAdamW(Optimizer):
             # The segments in one order on every rank (collectives must match), as the comm hook does.
             for g in self.groups:
                 for s in g.segs:
-                    self.rt.flush()
+                    flat.flush(self.rt)
                     self._launch_reduce(s)
         for w in works:
             w.wait()
@@ -1104,7 +1023,7 @@ class ZeroAdamW(Optimizer):
         if self.stage == 1:
             return _view(s.gfull, s.go + a + start, stop - start)
         g = self.groups[s.gi]
-        return _view(g.gshard._st, g.gshard._off + s.so + a + start - s.rank * s.c, stop - start)
+        return flat.elements(g.gshard, s.so + a + start - s.rank * s.c, stop - start)
 
     @no_grad()
     def clip_grad_norm_(self, max_norm: float, tp_group=None, pp_group=None, counted=None) -> Tensor:
@@ -1132,12 +1051,12 @@ class ZeroAdamW(Optimizer):
                     sharded = self._split_over_tp(p, s)
                     parts.append(F.sum(v * v) if sharded or tp == 1 else F.sum(v * v) * (1.0 / tp))
         if not parts:
-            parts = [K.fill(K.empty((), _F32, self.rt), 0.0)]
+            parts = [flat.zeros((), _F32, self.rt)]
         total = parts[0]
         for x in parts[1:]:
             total = total + x
         total = F.reshape(total, (1,)) if total.ndim == 0 else total
-        total = K.copy(total)
+        total = flat.copy(total)
         dist.all_reduce(total, op="sum", group=self.pg)
         if tp > 1:
             dist.all_reduce(total, op="sum", group=tp_group)
@@ -1146,7 +1065,7 @@ class ZeroAdamW(Optimizer):
         norm = F.sqrt(F.reshape(total, ()))
         coef = F.clamp(F.rdiv(norm + 1e-6, float(max_norm)), max=1.0)
         for t in self.local_gradients():
-            K.binary_("mul", t, coef)
+            flat.mul_(t, coef)
         return norm
 
     def _split_over_tp(self, p: Tensor, s: _Segment) -> bool:
@@ -1203,7 +1122,7 @@ class ZeroAdamW(Optimizer):
         g = self.groups[s.gi]
         shard_off = s.so + a + start - s.rank * s.c
         if self.stage == 3:
-            return g.pshard._st, shard_off
+            return g.pshard.untyped_storage(), shard_off
         return s.pfull, s.po + a + start
 
     def state_dict(self) -> dict:
@@ -1259,9 +1178,9 @@ class ZeroAdamW(Optimizer):
             g = self.groups[s.gi]
             so = s.so + a + start - s.rank * s.c
             st, off = self._where(s, a, start)
-            for (dst, doff), key in (((st, off), f"param.{name}"), ((g.m._st, so), f"exp_avg.{name}"),
-                                     ((g.v._st, so), f"exp_avg_sq.{name}")):
-                K.copy_into(_view(dst, doff, n), K.from_numpy(arrays[key], _F32, self.rt))
+            for (dst, doff), key in (((st, off), f"param.{name}"), ((g.m.untyped_storage(), so), f"exp_avg.{name}"),
+                                     ((g.v.untyped_storage(), so), f"exp_avg_sq.{name}")):
+                flat.copy_into(_view(dst, doff, n), flat.from_numpy(arrays[key], _F32, self.rt))
         if self.stage <= 2:
             works = [dist.all_gather(_view(s.pfull, s.po, s.world * s.c),
                                      _view(s.pfull, s.po + s.rank * s.c, s.c), group=s.pg, async_op=True)
@@ -1270,7 +1189,7 @@ class ZeroAdamW(Optimizer):
                 w.wait()
         for g in self.groups:
             for s in g.segs:
-                s.pfull.version += 1
+                flat.mark_written(s.pfull)  # the all-gathers wrote behind the ops' back
         if groups is not None:
             for g, h in zip(self.param_groups, groups):
                 g.update({k: (tuple(v) if k == "betas" else v) for k, v in h.items() if k != "params"})
@@ -1303,7 +1222,8 @@ class ZeroAdamW(Optimizer):
             so = s.so + a + start - s.rank * s.c
             for t, x in zip((g.m, g.v), arrs):
                 if n:
-                    K.copy_into(_view(t._st, so, n), K.from_numpy(np.asarray(x, np.float32).reshape(-1), _F32, self.rt))
+                    flat.copy_into(flat.elements(t, so, n),
+                                   flat.from_numpy(np.asarray(x, np.float32).reshape(-1), _F32, self.rt))
 
     def expected_memory(self) -> dict:
         """The ZeRO formula's bytes per category at the padded Psi this layout uses (what ``requested`` is).
@@ -1360,7 +1280,7 @@ def memory_report(opt: ZeroAdamW) -> dict:
     held["total"] = {k: sum(held[c][k] for c in ("params", "grads", "moments"))
                      for k in ("formula", "formula_padded", "requested", "pool")}
     return {"stage": opt.stage, "world_size": n, "rank": opt.rank, "numel": psi, "padded_numel": opt.padded_numel,
-            "held": held, "weights_pool_in_use": _pool_in_use(opt.rt, "weights"),
+            "held": held, "weights_pool_in_use": flat.pool_in_use(opt.rt, "weights"),
             "transient": {k: dict(v) for k, v in opt._transient.items()},
             "largest_unit_bytes": opt.largest_unit_bytes() if opt.stage == 3 else 0}
 

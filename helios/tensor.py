@@ -14,8 +14,8 @@ import numpy as np
 
 from helios import dtypes as dt
 from helios.profile.profiler import current_collector
-from helios._shape import norm_dim, numel
-from helios.errors import DTypeError
+from helios._shape import contiguous_strides, norm_dim, numel
+from helios.errors import DTypeError, ShapeError
 
 # Submodules import each other lazily (functional needs Tensor and Tensor's operators need
 # functional); this module-level handle is set when the helios.functional package has loaded.
@@ -53,20 +53,14 @@ class Storage:
         unless ``strides`` are given.  No copy, no device work and no autograd history: the
         flat-buffer view of data-parallel buckets, ZeRO shards and fused optimizers' packed
         parameters.  Refuses (ShapeError) a view that reaches outside the storage."""
-        from helios._shape import contiguous_strides
-
         shape = tuple(int(s) for s in shape)
         strides = contiguous_strides(shape) if strides is None else tuple(int(s) for s in strides)
         if len(strides) != len(shape):
-            from helios.errors import ShapeError
-
             raise ShapeError(f"Storage.view: {len(strides)} strides for a {len(shape)}-dim shape {shape}")
         if numel(shape):
             lo = offset + sum((n - 1) * st for n, st in zip(shape, strides) if st < 0)
             hi = offset + sum((n - 1) * st for n, st in zip(shape, strides) if st > 0) + 1
             if lo < 0 or hi * dtype.itemsize > self.nbytes:
-                from helios.errors import ShapeError
-
                 raise ShapeError(f"Storage.view: elements [{lo}, {hi}) of {dtype.name} reach outside the storage's "
                                  f"{self.nbytes} bytes ({self.nbytes // dtype.itemsize} elements)")
         return Tensor(self, shape, strides, int(offset), dtype)
@@ -172,8 +166,6 @@ class Tensor:
     @grad_slot.setter
     def grad_slot(self, slot) -> None:
         if slot is not None and (slot.shape != self.shape or slot.dtype is not self.dtype):
-            from helios.errors import ShapeError
-
             raise ShapeError(f"grad_slot: a {slot.dtype.name} {slot.shape} slot for a {self.dtype.name} "
                              f"{self.shape} tensor")
         self._grad_slot = slot

@@ -1,8 +1,11 @@
-"""Tokenizers for the training script: raw bytes, and our own byte-level BPE.
+"""Tokenizers for the training script: raw bytes, our own byte-level BPE, and a Hugging Face
+``tokenizer.json`` (``hf:PATH``, through the ``tokenizers`` package).
 
-Both map any byte string to int32 token ids and back without loss:
+The first two map any byte string to int32 token ids and back without loss:
 ``decode(encode(x)) == x`` for every ``bytes`` value, including invalid UTF-8,
-NULs and the empty string.
+NULs and the empty string.  A Hugging Face tokenizer decodes what its own
+normalizer and decoder give back (for GPT-2's byte-level BPE that is the text
+itself); bytes that are not UTF-8 are read with U+FFFD in their place.
 
 Byte-level BPE
 --------------
@@ -58,6 +61,7 @@ __all__ = [
     "Tokenizer",
     "ByteTokenizer",
     "BPETokenizer",
+    "HFTokenizer",
     "SPLIT_PATTERN",
     "get_tokenizer",
     "training_sample",
@@ -413,11 +417,84 @@ class BPETokenizer:
         return f"BPETokenizer(vocab_size={self.vocab_size}, identity={self.identity!r})"
 
 
+# ---------------------------------------------------------------------- Hugging Face tokenizer.json
+
+
+def _hf_file(path: str | os.PathLike[str]) -> Path:
+    """The ``tokenizer.json`` that ``hf:PATH`` names: the file itself, or ``PATH/tokenizer.json``."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        p = p / "tokenizer.json"
+    return p
+
+
+class HFTokenizer:
+    """A Hugging Face ``tokenizer.json`` run by the ``tokenizers`` package (``--tokenizer hf:PATH``).
+
+    ``PATH`` is the file or the folder holding it (a model folder).  Text is encoded without
+    the tokenizer's special tokens (documents are joined by the corpus's separator, as with the
+    other tokenizers); ``vocab_size`` is one more than the largest id of the vocabulary,
+    added tokens included; ``identity`` hashes the file's bytes, so a changed tokenizer is a
+    new token cache and a run refuses to resume with it.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        p = _hf_file(path)
+        try:
+            from tokenizers import Tokenizer as _Tokenizer
+        except ImportError:
+            raise DataError("--tokenizer hf: needs the tokenizers package: pip install tokenizers") from None
+        try:
+            raw = p.read_bytes()
+        except OSError as e:
+            raise DataError(f"--tokenizer hf:{path}: cannot read {str(p)!r} ({e.strerror or e}); pass a "
+                            "tokenizer.json or the folder holding one") from None
+        try:
+            self._tok = _Tokenizer.from_str(raw.decode("utf-8"))
+        except Exception as e:  # the package raises its own Exception for any malformed file
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise DataError(f"--tokenizer hf:{path}: {str(p)!r} is not a tokenizers tokenizer.json ({first})") from None
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        self.path = p
+        self.vocab_size: int = max(vocab.values()) + 1 if vocab else 0
+        if self.vocab_size < 1:
+            raise DataError(f"--tokenizer hf:{path}: {str(p)!r} has an empty vocabulary")
+        self.identity: str = f"hf{self.vocab_size}-{hashlib.sha256(raw).hexdigest()[:16]}"
+
+    @staticmethod
+    def _text(data: bytes | str) -> str:
+        if isinstance(data, str):
+            return data
+        return _as_bytes(data).decode("utf-8", errors="replace")
+
+    def encode(self, data: bytes | str) -> np.ndarray:
+        """Token ids (int32) of ``data`` (bytes are read as UTF-8), without special tokens."""
+        ids = self._tok.encode(self._text(data), add_special_tokens=False).ids
+        return np.asarray(ids, dtype=np.int32)
+
+    def encode_batch(self, docs: list[bytes | str]) -> list[np.ndarray]:
+        """``encode`` of each document, run in parallel by the tokenizers package."""
+        encs = self._tok.encode_batch([self._text(d) for d in docs], add_special_tokens=False)
+        return [np.asarray(e.ids, dtype=np.int32) for e in encs]
+
+    def decode(self, ids: object) -> bytes:
+        """The UTF-8 bytes of the text the tokenizer decodes ``ids`` to (special tokens kept)."""
+        a = _as_ids(ids, self.vocab_size)
+        return self._tok.decode(a.tolist(), skip_special_tokens=False).encode("utf-8")
+
+    def decode_text(self, ids: object) -> str:
+        """``decode`` as text."""
+        return self.decode(ids).decode("utf-8", errors="replace")
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer({str(self.path)!r}, vocab_size={self.vocab_size})"
+
+
 # ---------------------------------------------------------------------- spec -> tokenizer
 
 _SPEC_HELP = (
     "'byte', 'bpe:N' (train or reuse a byte-level BPE with vocabulary N >= 256), "
-    "or a path to a saved BPE .json"
+    "'hf:PATH' (a Hugging Face tokenizer.json, or the folder holding one), or a path to a saved BPE .json"
 )
 
 
@@ -447,7 +524,7 @@ def get_tokenizer(
     corpus_key: str | None = None,
     sample_bytes: int = 4 << 20,
     progress: bool = False,
-) -> ByteTokenizer | BPETokenizer:
+) -> ByteTokenizer | BPETokenizer | HFTokenizer:
     """Build the tokenizer named by ``spec`` (see ``_SPEC_HELP``).
 
     For ``bpe:N`` a tokenizer saved under the tokenizer cache
@@ -481,6 +558,8 @@ def get_tokenizer(
         tok = BPETokenizer.train(sample, n, progress=progress)
         tok.save(path)
         return tok
+    if spec.startswith("hf:"):
+        return HFTokenizer(spec[3:])
     return BPETokenizer.load(spec)
 
 
@@ -494,6 +573,25 @@ def check_spec(spec) -> None:
         if not spec[4:].isdigit() or int(spec[4:]) < 256:
             raise DataError(f"--tokenizer {spec}: N must be an integer >= 256; accepted forms: {_SPEC_HELP}")
         return
+    if spec.startswith("hf:"):
+        p = _hf_file(spec[3:])
+        if not spec[3:] or not p.is_file():
+            what = "no tokenizer.json in that folder" if Path(spec[3:]).expanduser().is_dir() else "no such file"
+            raise DataError(f"--tokenizer {spec}: {what}; pass hf: with a Hugging Face tokenizer.json or the "
+                            "folder holding one")
+        try:
+            import tokenizers  # noqa: F401
+        except ImportError:
+            raise DataError(f"--tokenizer {spec} needs the tokenizers package: pip install tokenizers") from None
+        return
     if spec.endswith(".json") and os.path.exists(spec):
         return
     raise DataError(f"--tokenizer {spec}: unknown tokenizer spec; accepted forms: {_SPEC_HELP}")
+
+
+def normalize_spec(spec: str) -> str:
+    """``spec`` as a run saves it: ``hf:PATH`` with an absolute path (a resumed run may start
+    elsewhere); other specs unchanged."""
+    if isinstance(spec, str) and spec.startswith("hf:") and spec[3:]:
+        return "hf:" + os.path.abspath(os.path.expanduser(spec[3:]))
+    return spec

@@ -17,6 +17,9 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from helios.errors import DataError
+from helios.tokenizer import HFTokenizer, normalize_spec
+
 _UNSET = object()
 
 
@@ -308,7 +311,7 @@ def check_context_parallel(cp: int, layout: str, world: int, block_size: int, n_
 def cli_settings(args) -> dict:
     """What the checkpoint keeps of the command line besides the model and training settings."""
     return {"config": args.config, "data": os.path.abspath(args.data) if args.data is not None else None,
-            "tokenizer": args.tokenizer, "dtype": args.dtype}
+            "tokenizer": normalize_spec(args.tokenizer), "dtype": args.dtype}
 
 
 def checkpoint_meta(run_dir: str) -> dict | None:
@@ -346,6 +349,8 @@ def adopt_saved_settings(args, given: set[str], meta: dict, run_dir: str) -> dic
         mine = getattr(args, s.dest)
         if s.dest == "data" and mine is not None:
             mine = os.path.abspath(mine)
+        if s.dest == "tokenizer":  # hf:PATH is saved with an absolute path
+            mine = normalize_spec(mine)
         if s.dest in given and not _same(mine, value):
             shown = "the standard library" if s.dest == "data" and value is None else value
             usage(f"{s.flag} {getattr(args, s.dest)}: the run in {run_dir} was trained with {s.flag} {shown}; "
@@ -391,9 +396,15 @@ def check_fits(limit: int, batch: int, block: int, n_head: int, n_embd: int, voc
 
 
 def vocab_of_spec(spec: str) -> int | None:
-    """The vocabulary a --tokenizer spec gives, when known without building it."""
+    """The vocabulary a --tokenizer spec gives, when known without training it (a Hugging Face
+    tokenizer.json is read: it takes milliseconds)."""
     if spec == "byte":
         return 256
     if spec.startswith("bpe:") and spec[4:].isdigit():
         return int(spec[4:])
+    if spec.startswith("hf:"):
+        try:
+            return HFTokenizer(spec[3:]).vocab_size
+        except DataError:
+            return None  # said when the data is loaded
     return None

@@ -21,7 +21,7 @@ import numpy as np
 import helios as hl
 import helios.comm as dist
 from helios import train_settings as settings
-from helios.data import open_corpus, prepare_dataset
+from helios.data import ShardSet, check_token_data, open_data, prepare_dataset, shard_tokenizer
 from helios.nn import GPT, GPTConfig
 from helios.nn.modules import FLASH_MIN_TRAIN_T
 from helios.optim import AdamW
@@ -84,12 +84,7 @@ def resolve_settings(args: argparse.Namespace, given: set[str], configs: dict) -
     warmup = args.warmup if args.warmup is not None else max(1, steps // 20)
     check_bounds({"steps": steps, "batch_size": bs, "block_size": T})
     profile_window(args, int(meta.get("step", 0)) if saved_cfg is not None else 0, steps, quiet)  # checked early
-    if args.data is not None:
-        try:
-            open_corpus(args.data)  # exists and is not empty (a DataError names what is wrong)
-        except FileNotFoundError as e:
-            usage(str(e))
-    check_spec(args.tokenizer)
+    _check_data(args, T)
     try:
         comm_hook = parse_spec(args.grad_compression)
     except ValueError as e:
@@ -113,6 +108,23 @@ def resolve_settings(args: argparse.Namespace, given: set[str], configs: dict) -
               f"{args.pp} a stage's gradients are all-reduced once after the pipeline flushes, uncompressed (use "
               "--grad-compression none)")
     return Settings(cfgd, steps, bs, T, lr_max, warmup, comm_hook, world, layout)
+
+
+def _check_data(args: argparse.Namespace, T: int) -> None:
+    """--data exists and is not empty, and --tokenizer is a spec (a DataError names what is
+    wrong); token shards' headers are read, and their ids checked against the tokenizer's
+    vocabulary and their lengths against the block size, here on every rank (cheap after the
+    first run: the largest id of a shard set is cached)."""
+    source = None
+    if args.data is not None:
+        try:
+            source = open_data(args.data)
+        except FileNotFoundError as e:
+            usage(str(e))
+    check_spec(args.tokenizer)
+    if isinstance(source, ShardSet):
+        check_token_data(source, shard_tokenizer(source, args.tokenizer), T, spec=args.tokenizer,
+                         progress=not args.no_progress)
 
 
 # ---- the job: process group and device -----------------------------------------------------

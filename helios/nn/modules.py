@@ -152,17 +152,19 @@ class Module:
         for _, m in self.named_modules():
             yield m
 
-    def named_parameters(self, prefix: str = ""):
-        """(name, parameter) pairs, each parameter once (tied weights under their first name)."""
-        return self._named_tensors("_parameters", prefix)
+    def named_parameters(self, prefix: str = "", remove_duplicate: bool = True):
+        """(name, parameter) pairs, each parameter once (tied weights under their first name);
+        ``remove_duplicate=False`` gives a parameter held under several names under each of them."""
+        return self._named_tensors("_parameters", prefix, remove_duplicate)
 
-    def _named_tensors(self, table: str, prefix: str):
+    def _named_tensors(self, table: str, prefix: str, remove_duplicate: bool = True):
         seen = set()
         for mname, m in self.named_modules(prefix):
             for tname, t in getattr(m, table).items():
-                if id(t) not in seen:
-                    seen.add(id(t))
-                    yield (f"{mname}.{tname}" if mname else tname), t
+                if remove_duplicate and id(t) in seen:
+                    continue
+                seen.add(id(t))
+                yield (f"{mname}.{tname}" if mname else tname), t
 
     def parameters(self):
         for _, p in self.named_parameters():
@@ -239,16 +241,24 @@ class Module:
                     F.zero_(p.grad)
 
     def state_dict(self) -> "OrderedDict[str, Tensor]":
-        """Name -> parameter tensor (detached; shares storage)."""
-        return OrderedDict((n, p.detach()) for n, p in self.named_parameters())
+        """Name -> parameter tensor (detached; shares storage).  A parameter held under several
+        names (tied weights, a shared module) is listed under each of them, as PyTorch lists it."""
+        return OrderedDict((n, p.detach()) for n, p in self.named_parameters(remove_duplicate=False))
 
     def load_state_dict(self, state: dict, strict: bool = True) -> None:
         """Copy tensors (or numpy arrays) from ``state`` into the parameters.
 
         With ``strict`` every key must match; the error lists missing keys, unexpected
-        keys and shape mismatches together, and nothing is copied unless all is well."""
-        own = dict(self.named_parameters())
-        missing = [k for k in own if k not in state]
+        keys and shape mismatches together, and nothing is copied unless all is well.  A
+        parameter held under several names (tied weights) loads from any one of them: a state
+        dict that lists it under each name (PyTorch's, this module's) and one that lists it
+        under one name both load strictly; it is missing only when none of its names is there."""
+        named = list(self.named_parameters(remove_duplicate=False))
+        own = dict(named)
+        aliases: dict[int, list[str]] = {}
+        for n, p in named:
+            aliases.setdefault(id(p), []).append(n)
+        missing = [k for k, p in named if not any(a in state for a in aliases[id(p)])]
         unexpected = [k for k in state if k not in own]
         mismatched = [f"{k}: checkpoint {tuple(np.shape(state[k]) if not isinstance(state[k], Tensor) else state[k].shape)} "
                       f"vs model {own[k].shape}" for k in own if k in state and
@@ -263,9 +273,10 @@ class Module:
                 parts.append(f"shape mismatches: {'; '.join(mismatched)}")
             raise CheckpointError(f"load_state_dict into {type(self).__name__} failed: " + " | ".join(parts))
         with no_grad():
-            for k, p in own.items():
-                if k in state:
-                    F.copy_(p, state[k])
+            for names in aliases.values():
+                given = next((a for a in names if a in state), None)
+                if given is not None:  # one copy per tensor, from the first of its names given
+                    F.copy_(own[given], state[given])
 
 
 def _new_param(t: Tensor, device, dtype, requires_grad: bool = True) -> "Parameter":

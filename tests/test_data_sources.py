@@ -324,12 +324,10 @@ def test_train_and_resume_exactly(sources, tmp_path, source):
     assert [a[s] for s in range(1, 6)] == [b[s] for s in range(1, 6)]  # exact float equality
 
 
-@pytest.mark.vulkan
-def test_cli_refuses_bad_data_in_one_line(sources, tmp_path, hf_tok):
+def _refusals(tmp_path, hf_tok, glob):
     write_nanogpt(tmp_path / "wide.bin", [1, 2, 300, 4] * 100)
     (tmp_path / "cut.bin").write_bytes(GOOD[:-1])
-    glob = sources["llm.c glob"][1]
-    for extra, needle in (
+    return (
         (["--data", str(tmp_path / "cut.bin")], "truncated at byte 1223"),
         (["--data", str(tmp_path / "wide.bin")], "token id 300 at byte 4 is outside the vocabulary of --tokenizer byte"),
         (["--data", glob], "token id 299 at byte"),
@@ -337,8 +335,26 @@ def test_cli_refuses_bad_data_in_one_line(sources, tmp_path, hf_tok):
         (["--data", glob, "--tokenizer", f"hf:{tmp_path}"], "no tokenizer.json in that folder"),
         (["--data", glob, "--tokenizer", f"hf:{hf_tok}", "--block-size", "4000"], "holds no shard of more than"),
         (["--data", str(tmp_path / "none_*.bin")], "the pattern matches no file"),
-    ):
-        r = run(BASE + ["--steps", "2", "--out", str(tmp_path / "x"), *extra], tmp_path)
-        assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
-        assert needle in r.stderr and "Traceback" not in r.stderr, r.stderr
-        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    )
+
+
+def test_cli_refuses_bad_data_in_one_line(sources, tmp_path, hf_tok, monkeypatch, capsys):
+    """Each refusal is one line and exit status 2, before any device is opened (run in this
+    process: the command line's checks come first)."""
+    from helios.train import main
+
+    monkeypatch.setenv("HELIOS_CACHE_DIR", str(tmp_path / "cache"))
+    for extra, needle in _refusals(tmp_path, hf_tok, sources["llm.c glob"][1]):
+        with pytest.raises(SystemExit) as e:
+            main(BASE + ["--steps", "2", "--out", str(tmp_path / "x"), *extra])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.vulkan
+def test_cli_refusal_is_one_line_without_traceback(tmp_path):
+    (tmp_path / "cut.bin").write_bytes(GOOD[:-1])
+    r = run(BASE + ["--steps", "2", "--out", str(tmp_path / "x"), "--data", str(tmp_path / "cut.bin")], tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip() == (f"helios-train: error: --data '{tmp_path / 'cut.bin'}': truncated at byte 1223: the "
+                                "llm.c header (byte 8) counts 100 tokens, which end at byte 1224")

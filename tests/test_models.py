@@ -63,7 +63,10 @@ def folders(tmp_path_factory):
     """name -> (folder written by transformers, the transformers model)."""
     out = {}
     torch.manual_seed(0)
-    made = {"gpt2": _hf_gpt2(), **{n: _hf_llama(n) for n in LLAMAS}}
+    made = {"gpt2": _hf_gpt2(),
+            "gpt2_untied_gelu": _hf_gpt2(tie_word_embeddings=False, activation_function="gelu", n_inner=80,
+                                         layer_norm_epsilon=1e-4),
+            **{n: _hf_llama(n) for n in LLAMAS}}
     for name, m in made.items():
         path = tmp_path_factory.mktemp(name)
         m.save_pretrained(path, safe_serialization=True)
@@ -91,15 +94,17 @@ def _close(a, b):
     assert err <= RTOL * scale, f"max abs difference {err:.3g} vs logits up to {scale:.3g}"
 
 
-@pytest.mark.parametrize("name", ["gpt2", *LLAMAS])
+@pytest.mark.parametrize("name", ["gpt2", "gpt2_untied_gelu", *LLAMAS])
 def test_from_pretrained_logits_equal_transformers(folders, name):
     path, ref = folders[name]
     model = from_pretrained(path)
-    assert isinstance(model, GPT2LMHeadModel if name == "gpt2" else LlamaForCausalLM)
+    assert isinstance(model, GPT2LMHeadModel if name.startswith("gpt2") else LlamaForCausalLM)
     assert not model.training
     ids = _ids()
     _close(_helios_logits(model, ids), _torch_logits(ref, ids))
-    if name != "gpt2":  # the config's shape came through
+    if name == "gpt2_untied_gelu":
+        assert model.lm_head.weight is not model.transformer.wte.weight
+    if not name.startswith("gpt2"):  # the config's shape came through
         c = model.config
         rc = ref.config
         assert c.head_dim == (getattr(rc, "head_dim", None) or rc.hidden_size // rc.num_attention_heads)
@@ -285,3 +290,58 @@ def test_refusals_are_one_line(tmp_path, folders):
     with pytest.raises(CheckpointError, match="no model.safetensors"):
         from_pretrained(bad)
     assert read_safetensors(path / "model.safetensors")["transformer.wte.weight"].shape == (VOCAB, 64)
+
+
+@pytest.mark.parametrize("name", ["gpt2_untied_gelu", "llama_d80_gqa"])
+def test_training_gradients_equal_transformers_and_a_captured_step_replays(folders, name):
+    path, ref = folders[name]
+    ids = _ids(T=10, seed=4)
+    x, y = ids[:, :-1], ids[:, 1:]
+    tm = transformers.AutoModelForCausalLM.from_pretrained(path)
+    tm.train()
+    for m in tm.modules():  # dropout off on both sides (Helios' models load with the config's)
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    tl = torch.nn.functional.cross_entropy(tm(torch.tensor(x)).logits.reshape(-1, VOCAB), torch.tensor(y).reshape(-1))
+    tl.backward()
+    grads = {n: p.grad.numpy() for n, p in tm.named_parameters()}
+
+    def fresh():
+        m = from_pretrained(path)
+        for mod in m.modules():
+            if isinstance(mod, nn.Dropout):
+                mod.p = 0.0
+        return m.train()
+
+    model = fresh()
+    _, loss = model(x, y)
+    loss.backward()
+    assert abs(loss.item() - tl.item()) <= 1e-5 * abs(tl.item())
+    for n, p in model.named_parameters():
+        want = grads[n].T if name.startswith("gpt2") and n.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")) \
+            else grads[n]
+        _close(p.grad.numpy(), want)
+    # the training step captured once and replayed gives the eager steps' losses
+    eager, captured = fresh(), fresh()
+    opt_e = hl.optim.AdamW(eager.parameters(), lr=1e-2)
+    want = []
+    for _ in range(3):
+        _, loss = eager(x, y)
+        loss.backward()
+        opt_e.step()
+        opt_e.zero_grad()
+        want.append(loss.item())
+    opt_c = hl.optim.AdamW(captured.parameters(), lr=1e-2)
+    xt, yt = hl.tensor(x), hl.tensor(y)
+    with hl.graph.capture(inputs=(xt, yt)) as g:
+        _, loss = captured(xt, yt)
+        loss.backward()
+        opt_c.step()
+        opt_c.zero_grad()
+    got = [loss.item()]
+    for _ in range(2):
+        g.replay(x, y)
+        got.append(loss.item())
+    g.release()
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert got[2] < got[0]

@@ -20,7 +20,7 @@ import numpy as np
 import helios.functional as F
 from helios import dtypes as dt
 from helios.creation import tensor
-from helios.nn.modules import GELU, GPT, GPTConfig, LayerNorm, Linear, Module, ReLU, SiLU
+from helios.nn.modules import GELU, GPT, GPTConfig, LayerNorm, Linear, Module, ReLU, SiLU, _positions
 from helios.tensor import Tensor
 
 from helios.models.generation import GenerationMixin
@@ -127,14 +127,17 @@ class GPT2LMHeadModel(Module, GenerationMixin):
 
     def forward(self, idx, targets=None):
         t = self.transformer
+        if self.config.tie_word_embeddings:  # exactly helios.nn.GPT's forward (what helios-train trains)
+            return t(idx, targets)
         w = self.lm_head.weight
         if not isinstance(idx, Tensor):
             idx = tensor(np.asarray(idx, np.int64), dtype=dt.int64, device=w.device)
         B, T = idx.shape
         if T > self.config.n_positions:
             raise ValueError(f"sequence length {T} exceeds n_positions {self.config.n_positions}")
-        pos = tensor(np.arange(T), dtype=dt.int64, device=w.device)
-        x = t.drop(t.wte(idx) + t.wpe(pos))
+        # GPT's cached positions: a constant with its host copy (the embedding's backward groups
+        # indices on the host), uploaded once, so a captured step uploads nothing
+        x = t.drop(t.wte(idx) + t.wpe(_positions(T, w._st.rt)))
         for block in t.h:
             x = block(x)
         logits = F.matmul(t.ln_f(x), w.mT)

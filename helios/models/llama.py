@@ -260,29 +260,30 @@ class LlamaForCausalLM(Module, GenerationMixin):
                               seed=seed * 1000 + 2)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # the rotary tables are buffers (Module.to moves and casts them with the weights), made
+        # here so that a captured step never uploads them; a longer sequence grows them
+        cos, sin = self._rotary_tables(min(config.max_position_embeddings, 4096), None, None)
+        self.register_buffer("rope_cos", cos)
+        self.register_buffer("rope_sin", sin)
         if device is not None or dtype is not None:
             self.to(device=device, dtype=dtype)
-        object.__setattr__(self, "_rope_cache", {})
 
     # -- rotary tables ---------------------------------------------------------------------
+    def _rotary_tables(self, n: int, dtype, device) -> tuple[Tensor, Tensor]:
+        inv = inv_frequencies(self.config)
+        freqs = np.arange(n, dtype=np.float32)[:, None] * inv[None, :]
+        emb = np.concatenate([freqs, freqs], axis=-1)
+        cos, sin = np.cos(emb).astype(np.float32), np.sin(emb).astype(np.float32)
+        sin[:, :sin.shape[1] // 2] *= -1
+        return tensor(cos, dtype=dtype, device=device), tensor(sin, dtype=dtype, device=device)
+
     def rotary(self, n: int) -> tuple[Tensor, Tensor]:
-        """(cos, sin with its first half negated), [>= n, head_dim] in the weights' dtype on their
-        device; grown (to a power of two) when a longer sequence comes."""
-        w = self.lm_head.weight
-        key = (str(w.device), w.dtype.name)
-        have = self._rope_cache.get(key)
-        if have is None or have[0].shape[0] < n:
-            m = max(64, 1 << max(0, n - 1).bit_length())
-            inv = inv_frequencies(self.config)
-            freqs = np.arange(m, dtype=np.float32)[:, None] * inv[None, :]
-            emb = np.concatenate([freqs, freqs], axis=-1)
-            cos = np.cos(emb).astype(np.float32)
-            sin = np.sin(emb).astype(np.float32)
-            half = sin.shape[1] // 2
-            sin[:, :half] = -sin[:, :half]
-            have = self._rope_cache[key] = (tensor(cos, dtype=w.dtype, device=w.device),
-                                            tensor(sin, dtype=w.dtype, device=w.device))
-        return have
+        """(cos, sin with its first half negated): [>= n, head_dim] tables in the weights' dtype on
+        their device, transformers' values; grown (to a power of two rows) for a longer sequence."""
+        if self.rope_cos.shape[0] < n:
+            w = self.lm_head.weight
+            self.rope_cos, self.rope_sin = self._rotary_tables(1 << max(0, n - 1).bit_length(), w.dtype, w.device)
+        return self.rope_cos, self.rope_sin
 
     def _check_length(self, n: int) -> None:
         sw = self.config.sliding_window

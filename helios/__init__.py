@@ -25,11 +25,11 @@ from helios.runtime import current_device, device, devices, set_device, synchron
 from helios.tensor import Tensor  # noqa: F401
 from helios import functional  # noqa: F401  (attaches Tensor methods)
 from helios.functional import (  # noqa: F401
-    abs, add, argmax, argmin, cat, chunk, clamp, clone, contiguous, cos, cross_entropy, div, dropout, embedding, eq, exp,
-    expand, flatten, full_like, ge, gelu, gt, index_select, layer_norm, le, log, log_softmax, logical_and,
+    add, argmax, argmin, cat, chunk, clamp, clone, contiguous, cross_entropy, div, dropout, embedding, eq,
+    expand, flatten, full_like, ge, gelu, gt, index_select, layer_norm, le, log_softmax, logical_and,
     logical_not, logical_or, lt, masked_fill, matmul, max, maximum, mean, min, minimum, mul, ne, neg, ones_like,
-    permute, pow, relu, reshape, rsqrt, sigmoid, sin, softmax, split, sqrt, square, squeeze, stack, std, sub, sum,
-    tanh, transpose, tril, triu, unsqueeze, var, where, zeros_like,
+    permute, pow, relu, reshape, softmax, split, square, squeeze, stack, std, sub, sum,
+    transpose, tril, triu, unsqueeze, var, where, zeros_like,
 )
 from helios.functional import (  # noqa: F401  (indexing, sorting, scans, products: PyTorch's torch.* names)
     addmm, amax, amin, argsort, baddbmm, bmm, cumprod, cumsum, einsum, flip, gather, index_add, mm, movedim, msort,
@@ -49,3 +49,6 @@ from helios.amp import autocast  # noqa: F401,E402
 from helios import graph  # noqa: F401,E402  (step capture and replay: hl.graph.capture)
 
 __version__ = "0.1.0"
+
+# exp, log, sqrt, rsqrt, tanh, sigmoid, abs, sin, cos: the public unary ops of the op table (torch.exp, ...)
+globals().update({name: getattr(functional, name) for name in functional.PUBLIC_UNARY})

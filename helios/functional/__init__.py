@@ -24,9 +24,9 @@ from helios.functional.core import (  # noqa: F401
 from helios.functional.elementwise import (  # noqa: F401
     _binary_fn, _bwd_add, _bwd_sub, _bwd_mul, _bwd_div, _bwd_pow, _tie_weights, _bwd_maximum, _bwd_minimum, _Add,
     _Sub, _Mul, _Div, _Pow, _Maximum, _Minimum, _UnaryScalar, _float_result, add, sub, rsub, mul, div, _div_rounded,
-    _DivRounded, _host_has_zero, rdiv, pow, rpow, maximum, minimum, _ClampT, clamp, _Unary, _unary, exp, log, sqrt,
-    rsqrt, tanh, sigmoid, _relu, abs, sin, cos, _neg, neg, relu, gelu, square, _compare, eq, ne, lt, le, gt, ge,
-    _logical, logical_and, logical_or, logical_xor, logical_not, _Where, where, masked_fill, silu, leaky_relu,
+    _DivRounded, _host_has_zero, rdiv, pow, rpow, maximum, minimum, _ClampT, clamp, _Unary, _unary, UNARY_RULES,
+    UNARY_FUNCTIONS, PUBLIC_UNARY, neg, relu, gelu, square, _compare, eq, ne, lt, le, gt, ge, _logical, logical_and,
+    logical_or, logical_xor, logical_not, _Where, where, masked_fill, silu, leaky_relu,
 )
 from helios.functional.reduce import (  # noqa: F401
     _keep, _Sum, _reduce_dims, sum, mean, _var_args, var, _StdSqrt, std, _MaxMin, _MaxMinAll, _maxmin, max, min,
@@ -64,12 +64,15 @@ from helios.functional.sdpa import (  # noqa: F401
     _FlashAttention, _as_bhtd, scaled_dot_product_attention, _sdpa_dense,
 )
 
+globals().update(UNARY_FUNCTIONS)  # exp, log, sqrt, ... (and _neg, _relu): made from the unary op table
+
+
 # -- attach the methods to Tensor ----------------------------------------------------------------
 def _install_methods() -> None:
     import helios.tensor as tensor_mod
 
     tensor_mod.F = __import__("helios.functional", fromlist=["_"])
-    direct = ["exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "relu", "abs", "sin", "cos", "neg", "gelu", "square",
+    direct = [*PUBLIC_UNARY, "relu", "neg", "gelu", "square",
               "maximum", "minimum", "clamp", "clamp_", "sum", "mean", "var", "std", "max", "min", "argmax", "argmin",
               "reshape", "view", "permute", "transpose", "expand", "squeeze", "unsqueeze", "flatten", "narrow",
               "contiguous", "clone", "to", "matmul", "softmax", "log_softmax", "masked_fill", "masked_fill_",

@@ -5,6 +5,8 @@ the op table (kernels_spirv/ew_ops.py); its backward sits next to its forward he
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from helios import _kernels as K
 from helios import dtypes as dt
@@ -59,7 +61,7 @@ def _bwd_pow(ctx, g):
     if ctx.needs_input_grad[0]:
         ga = g * where(eq(b, 0.0), 0.0, b * pow(a, b - 1.0))
     if ctx.needs_input_grad[1]:
-        gb = g * where(logical_and(eq(a, 0.0), ge(b, 0.0)), 0.0, pow(a, b) * log(a))
+        gb = g * where(logical_and(eq(a, 0.0), ge(b, 0.0)), 0.0, pow(a, b) * F.log(a))
     return ga, gb
 
 
@@ -360,84 +362,85 @@ def clamp(x: Tensor, min=None, max=None) -> Tensor:
     return _UnaryScalar.apply(x, "clamp", lo, hi)
 
 
+@dataclass(frozen=True)
+class UnaryRule:
+    """How a unary kernel op (kernels_spirv/ew_ops.py) becomes a differentiable function.
+
+    ``saves``: what its backward needs ("output", "input" or "nothing"); ``grad(g, saved)``:
+    the gradient of the input given the upstream gradient ``g`` (the backward rule, beside its
+    forward); ``keeps_ints``: integer tensors stay integer (else they are computed in float32);
+    ``public``: exported as ``helios.functional.<name>``, ``helios.<name>`` and the Tensor method
+    (False: an internal building block of a public function of another name)."""
+
+    saves: str
+    grad: Callable
+    keeps_ints: bool = False
+    public: bool = True
+
+
+# Every unary kernel op with its backward: adding one is this entry (after its kernel-table entry)
+# and a parity test.  The functions, the exports and the Tensor methods are made from this table.
+UNARY_RULES: dict[str, UnaryRule] = {
+    "exp": UnaryRule("output", lambda g, y: g * y),
+    "log": UnaryRule("input", lambda g, x: g / x),
+    "sqrt": UnaryRule("output", lambda g, y: g / (y * 2.0)),
+    "rsqrt": UnaryRule("output", lambda g, y: g * (y * y * y) * -0.5),
+    "tanh": UnaryRule("output", lambda g, y: K.binary("tanh_bwd", y, g)),
+    "sigmoid": UnaryRule("output", lambda g, y: K.binary("sigmoid_bwd", y, g)),
+    "relu": UnaryRule("input", lambda g, x: K.binary("relu_bwd", x, g), public=False),  # F.relu: ints too
+    "gelu": UnaryRule("input", lambda g, x: K.binary("gelu_bwd", x, g), public=False),  # F.gelu(approximate=)
+    "gelu_tanh": UnaryRule("input", lambda g, x: K.binary("gelu_tanh_bwd", x, g), public=False),
+    "abs": UnaryRule("input", lambda g, x: g * K.unary("clamp", x * 1e30, -1.0, 1.0), keeps_ints=True),  # sign(x)
+    "sin": UnaryRule("input", lambda g, x: g * F.cos(x)),
+    "cos": UnaryRule("input", lambda g, x: F.neg(g * F.sin(x))),
+    "neg": UnaryRule("nothing", lambda g, _: F.neg(g), keeps_ints=True, public=False),  # F.neg refuses bool
+}
+
+
 class _Unary(Function):
-    """exp, log, sqrt, rsqrt, tanh, sigmoid, relu, gelu, gelu_tanh, abs, neg, sin, cos."""
+    """A unary kernel op of :data:`UNARY_RULES`, differentiable by its rule."""
 
     @staticmethod
     def forward(ctx, x, op):
         ctx.op = op
         y = K.unary(op, x)
-        if op in ("exp", "sqrt", "rsqrt", "tanh", "sigmoid"):
-            ctx.save_for_backward(y)
-        elif op not in ("neg",):
-            ctx.save_for_backward(x)
+        saves = UNARY_RULES[op].saves
+        if saves != "nothing":
+            ctx.save_for_backward(y if saves == "output" else x)
         return y
 
     @staticmethod
     def backward(ctx, g):
-        op = ctx.op
-        if op == "neg":
-            return neg(g), None
-        (s,) = ctx.saved_tensors
-        if op == "exp":
-            r = g * s
-        elif op == "log":
-            r = g / s
-        elif op == "sqrt":
-            r = g / (s * 2.0)
-        elif op == "rsqrt":
-            r = g * (s * s * s) * -0.5
-        elif op == "tanh":
-            r = K.binary("tanh_bwd", s, g)
-        elif op == "sigmoid":
-            r = K.binary("sigmoid_bwd", s, g)
-        elif op == "relu":
-            r = K.binary("relu_bwd", s, g)
-        elif op == "gelu":
-            r = K.binary("gelu_bwd", s, g)
-        elif op == "gelu_tanh":
-            r = K.binary("gelu_tanh_bwd", s, g)
-        elif op == "abs":
-            r = g * K.unary("clamp", s * 1e30, -1.0, 1.0)  # sign(x), 0 at 0
-        elif op == "sin":
-            r = g * cos(s)
-        elif op == "cos":
-            r = neg(g * sin(s))
-        else:
-            raise AssertionError(op)
-        return r, None
+        rule = UNARY_RULES[ctx.op]
+        saved = ctx.saved_tensors[0] if rule.saves != "nothing" else None
+        return rule.grad(g, saved), None
 
 
 def _unary(op):
+    keeps_ints = UNARY_RULES[op].keeps_ints
+
     def f(x: Tensor) -> Tensor:
         F._check_tensor(x, op)
-        if x.dtype.kind != "float" and op != "neg" and op != "abs":
+        if x.dtype.kind != "float" and not keeps_ints:
             x = F.to(x, dt.float32)
         return _Unary.apply(x, op)
 
-    f.__name__ = op
+    f.__name__ = f.__qualname__ = op
     f.__doc__ = f"Elementwise {op}."
     return f
 
 
-exp = _unary("exp")
-log = _unary("log")
-sqrt = _unary("sqrt")
-rsqrt = _unary("rsqrt")
-tanh = _unary("tanh")
-sigmoid = _unary("sigmoid")
-_relu = _unary("relu")
-abs = _unary("abs")
-sin = _unary("sin")
-cos = _unary("cos")
-_neg = _unary("neg")
+# The functions of the table: public ones under their name, the others as _name.
+UNARY_FUNCTIONS = {(op if rule.public else f"_{op}"): _unary(op) for op, rule in UNARY_RULES.items()}
+globals().update(UNARY_FUNCTIONS)
+PUBLIC_UNARY = tuple(op for op, rule in UNARY_RULES.items() if rule.public)
 
 
 def neg(x: Tensor) -> Tensor:
     """-x."""
     if x.dtype is dt.bool_:
         raise DTypeError("neg: negation of a bool tensor is not supported; use logical_not")
-    return _neg(x)
+    return _Unary.apply(x, "neg")
 
 
 def relu(x: Tensor) -> Tensor:
@@ -447,7 +450,7 @@ def relu(x: Tensor) -> Tensor:
         if x.dtype is dt.bool_:
             raise DTypeError("relu: bool tensors are not supported; convert to an integer or float dtype")
         return K.binary("maximum", x, F.scalar_tensor(0, x.dtype, x._st.rt))
-    return _relu(x)
+    return _Unary.apply(x, "relu")
 
 
 def gelu(x: Tensor, approximate: str = "none") -> Tensor:
@@ -548,7 +551,7 @@ def silu(x: Tensor, inplace: bool = False) -> Tensor:
     F._check_tensor(x, "silu")
     if x.dtype.kind != "float":
         raise DTypeError(f"silu: expected a floating-point tensor, got {x.dtype.name}")
-    return x * sigmoid(x)
+    return x * F.sigmoid(x)
 
 
 def leaky_relu(x: Tensor, negative_slope: float = 0.01, inplace: bool = False) -> Tensor:

@@ -195,7 +195,7 @@ def _train(args: argparse.Namespace, given: set[str]) -> int:
     summ = ds.summary()
     m = build_model(args, s, job, ds)
     # fp16 on a split model or sharded gradients: every rank holds other gradients, so the ranks
-    # agree on inf/nan
+    # agree on inf/nan.  (_mixed_precision is looked up here at call time: tests/test_amp.py replaces it.)
     m.autocast, m.scaler = _mixed_precision(args.dtype, split=args.tp > 1 or args.pp > 1 or m.zero > 0 or args.ep > 1)
     loader = BatchLoader(ds.train, s.bs, s.T, seed=args.seed)
     val_loader = BatchLoader(ds.val, s.bs, s.T, seed=args.seed + 1)

@@ -14,10 +14,15 @@ import argparse
 import math
 import os
 import sys
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from helios import _kernels as K
+from helios import legacy_checkpoint as single
 from helios.errors import DataError
+from helios.fileio import read_checkpoint_meta
+from helios.schedule import checkpoint as sharded
 from helios.tokenizer import HFTokenizer, normalize_spec
 
 _UNSET = object()
@@ -296,8 +301,6 @@ def check_context_parallel(cp: int, layout: str, world: int, block_size: int, n_
     if args.attention not in ("auto", "flash"):
         usage(f"--cp {cp} with --attention {args.attention}: ring attention runs the flash kernel on each block "
               "(drop --attention)")
-    from helios import _kernels as K
-
     head_dim = n_embd // n_head
     if head_dim not in K.FLASH_HEAD_DIMS:
         usage(f"--cp {cp}: ring attention needs a head dim of {', '.join(map(str, K.FLASH_HEAD_DIMS))}; this model's "
@@ -316,12 +319,6 @@ def cli_settings(args) -> dict:
 
 def checkpoint_meta(run_dir: str) -> dict | None:
     """The meta of the checkpoint ``--resume`` would continue from (None when there is none)."""
-    from helios import legacy_checkpoint as single
-    from helios.fileio import read_checkpoint_meta
-    from helios.schedule import checkpoint as sharded
-
-    import warnings
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a newer incomplete one: the trainer reports it when it loads
         found = sharded.latest_complete(run_dir)

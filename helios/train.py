@@ -96,8 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "skipping a step whose gradients overflow)")
     p.add_argument("--device", default=None, help="vulkan:N or cuda:N (default: HELIOS_DEVICE or the best Vulkan device; "
                    "cuda:N needs NVIDIA's driver, or HELIOS_CUDA_DEVICE=emulator for the slow CPU emulator)")
-    p.add_argument("--data", default=None, help="a text file or folder (default: this Python's standard library source)")
-    p.add_argument("--tokenizer", default="byte", help="byte | bpe:N")
+    p.add_argument("--data", default=None,
+                   help="text files (a file, folder or glob), jsonl with a 'text' field, or token shards (llm.c's or "
+                        "nanoGPT's .bin, a file or glob); default: this Python's standard library source")
+    p.add_argument("--tokenizer", default="byte", help="byte | bpe:N | hf:PATH (a tokenizer.json or its folder)")
     p.add_argument("--out", default="runs/default", help="run directory: checkpoint, run database, trace")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
     p.add_argument("--seed", type=int, default=1337)

@@ -19,14 +19,14 @@ pytestmark = pytest.mark.vulkan
 def bad_data(tmp_path_factory):
     d = tmp_path_factory.mktemp("bad")
     (d / "empty.txt").write_bytes(b"")
-    (d / "blob.bin").write_bytes(bytes(range(256)) * 40)  # NUL bytes: skipped as binary
+    (d / "blob.dat").write_bytes(bytes(range(256)) * 40)  # NUL bytes: skipped as binary
     (d / "folder").mkdir()
     return d
 
 
 @pytest.mark.parametrize("bad,needle", [
     (["--data", "{d}/empty.txt"], "--data '{d}/empty.txt': the file is empty"),
-    (["--data", "{d}/blob.bin"], "no text found (1 files skipped as binary); pass --data"),
+    (["--data", "{d}/blob.dat"], "no text found (1 files skipped as binary); pass --data"),
     (["--data", "{d}/folder"], "the folder holds no non-empty regular files"),
     (["--tokenizer", "bpe:12"], "--tokenizer bpe:12: N must be an integer >= 256"),
     (["--tokenizer", "wordpiece"], "--tokenizer wordpiece: unknown tokenizer spec"),

@@ -213,7 +213,7 @@ class Queue:
             self.outs.clear()
             dead, self.dead = self.dead, []
             if dead:
-                free = self.rt.dev.free
+                free = self.rt.free  # a graph being captured holds what its commands name (helios.graph)
                 for h in dead:
                     free(h)
 

@@ -195,23 +195,23 @@ class Graph:
     def _dispatch(self, pid, buffers, push, groups, name, flops=0, nbytes=0):
         self._real["dispatch"](pid, buffers, push, groups, name, flops, nbytes)
         bufs = [tuple(b) for b in buffers]
-        self._handles.update(b[0] for b in bufs)
+        self._touch(b[0] for b in bufs)
         self.ops.append((_DISPATCH, (pid, bufs, bytes(push), tuple(groups), name, flops, nbytes)))
 
     def _copy(self, src, src_offset, dst, dst_offset, nbytes):
         self._real["copy"](src, src_offset, dst, dst_offset, nbytes)
-        self._handles.update((src, dst))
+        self._touch((src, dst))
         self.ops.append((_COPY, (src, src_offset, dst, dst_offset, nbytes)))
 
     def _fill(self, handle, offset, nbytes, word):
         self._real["fill"](handle, offset, nbytes, word)
-        self._handles.add(handle)
+        self._touch((handle,))
         self.ops.append((_FILL, (handle, offset, nbytes, word)))
 
     def _gemm(self, a, b, c, m, n, k, in_dtype, out_dtype, bias=None, batch=()):
         took = self._real["gemm"](a, b, c, m, n, k, in_dtype, out_dtype, bias, batch)
         if took:  # a product the matrix engine declined was not recorded: the caller's kernel is
-            self._handles.update((a[0], b[0], c[0]) + ((bias[0],) if bias is not None else ()))
+            self._touch((a[0], b[0], c[0]) + ((bias[0],) if bias is not None else ()))
             self.ops.append((_GEMM, (tuple(a), tuple(b), tuple(c), m, n, k, in_dtype, out_dtype,
                                      None if bias is None else tuple(bias), tuple(tuple(d) for d in batch))))
         return took
@@ -220,16 +220,14 @@ class Graph:
         took = self._real["flash"](pass_, dtype, problem, inputs, outputs, scale, causal, block_mask)
         if took:  # declined: the caller's own kernels are recorded instead
             outs = tuple(None if o is None else tuple(o) for o in outputs)
-            self._handles.update(t[0] for t in (*inputs, *outs, block_mask) if t is not None)
+            self._touch(t[0] for t in (*inputs, *outs, block_mask) if t is not None)
             self.ops.append((_FLASH, (pass_, dtype, tuple(problem), tuple(tuple(t) for t in inputs), outs, scale, causal,
                                       None if block_mask is None else tuple(block_mask))))
         return took
 
     def _alloc(self, nbytes, pool="activations"):
         h = self._real["alloc"](nbytes, pool)
-        self._handles.add(h)  # held from the start: its free is deferred like any held handle's
-        self._holds.hold((h,))
-        self._born.add(h)
+        self._touch((h,))  # held from the start: its free is deferred like any held handle's
         return h
 
     def _read(self, handle, offset, out):
@@ -240,7 +238,7 @@ class Graph:
     def _map(self, handle, offset, nbytes, for_write=False):
         if not for_write:
             self._read(handle, offset, None)
-        self._handles.add(handle)
+        self._touch((handle,))
         return self._real["map"](handle, offset, nbytes, for_write)
 
     def _dynamic_push(self, fn) -> None:
@@ -256,20 +254,25 @@ class Graph:
         rt = self.rt
         rt.emit_pending()  # elementwise ops queued before the capture are not part of it (helios.ew_fusion)
         self._holds = _holds_for(rt)
-        self._born: set = set()
         self._real = {m: getattr(rt, m) for m in self._INTERPOSED}
         for m in self._INTERPOSED:
             setattr(rt, m, getattr(self, "_" + m))
-        for t in self.inputs:
-            self._handles.add(t._st.handle)
+        self._held = True  # from here every handle the capture touches is held at once (_touch)
+        self._touch(t._st.handle for t in self.inputs)
+
+    def _touch(self, handles) -> None:
+        """Hold each handle the first time the capture touches it, so that an owner freeing it later
+        in the captured step (a gradient dropped by zero_grad, a temporary) leaves its bytes to the
+        graph instead of giving them back to the allocator while the commands still name them."""
+        for h in handles:
+            if h not in self._handles:
+                self._handles.add(h)
+                self._holds.hold((h,))
 
     def _end(self, failed: bool) -> None:
         for m in self._INTERPOSED:
             delattr(self.rt, m)  # the class's methods again
         del self._real
-        # Hold what the commands touch (allocations made during the capture are held already).
-        self._holds.hold(self._handles - self._born)
-        self._held = True
         if failed:
             self.release()
         self._state = "failed (the capture raised)" if failed else "ready"

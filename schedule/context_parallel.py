@@ -1,9 +1,11 @@
 """Context parallelism for the GPT: the sequence of every training example split over the
 ranks of a group, attention computed by ring attention (helios.schedule.ring_attention).
 
-    cp = use_context_parallel(gpt, context_parallel_group(2), layout="zigzag")  # ring attention
-    x_shard = cp.shard(x)                                      # [B, T] token ids -> [B, T / W]
-    _, loss = gpt(x_shard, cp.shard(y))                        # this rank's tokens' mean loss
+    grid = ParallelGrid(cp=2)                                        # cp peers: neighbouring ranks
+    cp = use_context_parallel(gpt, grid.cp_group, layout="zigzag")   # ring attention
+    model = DistributedDataParallel(gpt, group=grid.dp_cp_group)     # gradients averaged over dp x cp
+    x_shard = cp.shard(x)                                            # [B, T] token ids -> [B, T / W]
+    _, loss = model(x_shard, cp.shard(y))                            # this rank's tokens' mean loss
 
 Everything but attention is per token, so a rank runs the whole model on its T / W tokens:
 the embeddings take the tokens' global positions (``ContextParallel.positions``), and the

@@ -21,7 +21,13 @@ from helios.comm.api import (
     destroy_process_group,
     enqueue,
     get_backend,
+    get_host_group,
+    get_local_rank,
+    get_local_world_size,
+    get_node_rank,
+    get_num_nodes,
     get_rank,
+    get_topology,
     get_world_size,
     init_process_group,
     irecv,
@@ -39,6 +45,8 @@ from helios.errors import CommError
 
 __all__ = [
     "BACKENDS", "CommError", "ProcessGroup", "Work", "all_gather", "all_reduce", "all_to_all", "barrier", "broadcast",
-    "comm_counters", "destroy_process_group", "enqueue", "get_backend", "get_rank", "get_world_size", "init_process_group", "irecv",
+    "comm_counters", "destroy_process_group", "enqueue", "get_backend", "get_host_group",
+    "get_local_rank", "get_local_world_size", "get_node_rank", "get_num_nodes", "get_rank", "get_topology",
+    "get_world_size", "init_process_group", "irecv",
     "is_initialized", "isend", "new_group", "recv", "reduce", "reduce_scatter", "send",
 ]

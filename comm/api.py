@@ -16,6 +16,7 @@ from typing import Any
 from helios.comm import algorithms as A
 from helios.comm import env as envmod
 from helios.comm import shm as shmmod
+from helios.comm import topology as topomod
 from helios.comm.buffers import Buffer, as_buffer
 from helios.comm.group import ProcessGroup, Work
 from helios.comm.reduce_ops import check_op
@@ -48,6 +49,8 @@ class _State:
         self.local_addr = "127.0.0.1"
         self.backend = ""
         self.timeout = 300.0
+        self.topo: topomod.Topology | None = None
+        self.host_group: ProcessGroup | None = None
 
 
 _S = _State()
@@ -106,23 +109,40 @@ def init_process_group(backend: str = "auto", timeout: float = 300.0, *, rank: i
             ps.set("token", shmmod.new_token().encode())
         token = ps.get("token", timeout).decode()
         local_addr = pick_address(os.environ.get("HELIOS_SOCKET_IFNAME"), store._sock.getsockname()[0])
-        info = {"host": socket.gethostname(), "boot": _boot_id(), "pid": os.getpid(),
-                "shm": shmmod.available() is None, "ib": backend in ("auto", "ibverbs") and _ibverbs_ok()}
-        ps.set(f"info/{cfg.rank}", json.dumps(info).encode())
-        infos = [json.loads(ps.get(f"info/{r}", timeout)) for r in range(cfg.world_size)]
-        one_host = len({(i["host"], i["boot"]) for i in infos}) == 1
+        probe = topomod.Probe()
+        try:
+            info = {"host": socket.gethostname(), "boot": _boot_id(), "pid": os.getpid(),
+                    "shm": shmmod.available() is None, "ib": backend in ("auto", "ibverbs") and _ibverbs_ok(),
+                    **probe.info()}
+            ps.set(f"info/{cfg.rank}", json.dumps(info).encode())
+            infos = [json.loads(ps.get(f"info/{r}", timeout)) for r in range(cfg.world_size)]
+            # Hosts by fact: the ranks that can open each other's shared memory (comm/topology.py).
+            topo = topomod.discover(ps, cfg.rank, cfg.world_size, infos, timeout)
+        finally:
+            probe.close()
+        one_host = topo.nnodes == 1
         if backend == "auto":
             backend = "shm" if one_host and all(i["shm"] for i in infos) else (
                 "ibverbs" if all(i["ib"] for i in infos) else "tcp")
         elif backend == "shm" and not one_host:
-            hosts = sorted({i["host"] for i in infos})
-            raise CommError(f"helios.comm: backend='shm' needs every rank on one host; the ranks run on {hosts}. "
-                            "Use backend='tcp' or 'auto'.")
+            raise CommError(f"helios.comm: backend='shm' needs every rank on one host (ranks that can open each "
+                            f"other's shared memory); the ranks are on {topo.describe()} "
+                            f"(hostnames {sorted({i['host'] for i in infos})}). Use backend='tcp' or 'auto'.")
         _S.store, _S.pstore, _S.rank, _S.infos = store, ps, cfg.rank, infos
         _S.token, _S.local_addr, _S.backend, _S.timeout = token, local_addr, backend, timeout
+        _S.topo = topo
         _S.world = _make_group(ps, "world", list(range(cfg.world_size)), backend, timeout)
+        if topo.nnodes > 1:
+            # The ranks of this host, over shared memory where every one of them has it.
+            hranks = list(topo.local_ranks)
+            hb = "shm" if all(infos[r]["shm"] for r in hranks) and topo.by_probe else backend
+            _S.host_group = _make_group(ps, f"host{topo.node_rank}", hranks, hb, timeout)
+            _S.host_group.role = "host"
     except BaseException:
         _S.world = None
+        if _S.host_group is not None:
+            _S.host_group.close()
+            _S.host_group = None
         store.close()
         _S.store = None
         raise
@@ -154,6 +174,10 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
     for g in _S.groups:
         g.close()
     _S.groups = []
+    if _S.host_group is not None:
+        _S.host_group.close()
+        _S.host_group = None
+    _S.topo = None
     if _S.world is not None:
         _S.world.close()
         _S.world = None
@@ -199,6 +223,45 @@ def get_world_size(group: Any = None) -> int:
 def get_backend(group: Any = None) -> str:
     """Transport of ``group``: shm, tcp or ibverbs."""
     return _group(group).backend
+
+
+def get_topology() -> topomod.Topology:
+    """The hosts of the job (:class:`helios.comm.topology.Topology`): ``hosts``, ``node_of``, ...
+
+    Ranks share a host when they can open each other's shared memory (probed in
+    ``init_process_group``), not merely when their hostnames agree.
+    """
+    _group(None)
+    assert _S.topo is not None
+    return _S.topo
+
+
+def get_local_rank() -> int:
+    """This rank's index among the ranks of its host (ascending global ranks)."""
+    return get_topology().local_rank
+
+
+def get_local_world_size() -> int:
+    """Number of ranks on this rank's host."""
+    return get_topology().local_world_size
+
+
+def get_node_rank() -> int:
+    """Index of this rank's host; hosts are numbered by their lowest global rank."""
+    return get_topology().node_rank
+
+
+def get_num_nodes() -> int:
+    """Number of hosts in the job."""
+    return get_topology().nnodes
+
+
+def get_host_group() -> ProcessGroup:
+    """The group of the ranks on this rank's host: shared memory where they all have it (the world
+    itself when the job runs on one host).  Made by ``init_process_group`` on every rank; its
+    collectives are this host's alone (the other hosts run theirs on their own host groups)."""
+    world = _group(None)
+    return _S.host_group if _S.host_group is not None else world
 
 
 def new_group(ranks: list[int] | None = None, timeout: float | None = None,

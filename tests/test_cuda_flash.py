@@ -134,28 +134,22 @@ def test_forward_and_backward_on_the_gpu(case):
 
 
 @pytest.fixture
-def cuda0(monkeypatch):
-    """The emulated cuda:0 as the current device, with the flash passes its tensor cores took."""
-    from helios.runtime import close_device, get_runtime, set_device
+def cuda0(emulated_cuda, monkeypatch):
+    """The emulated cuda:0 (conftest's emulated_cuda) as the current device, with the flash passes
+    its tensor cores took: (pass, taken) per call."""
+    from helios.runtime import get_runtime, set_device
 
-    monkeypatch.setenv("HELIOS_CUDA_DEVICE", "emulator")
-    before = get_runtime().name
-    close_device("cuda:0")
     driver.context.cache_clear()
     set_device("cuda:0")
-    rt = get_runtime()
     took = []
-    real = type(rt).flash
+    real = type(get_runtime()).flash
 
     def counted(self, pass_, *args):
-        ok = real(self, pass_, *args)
-        took.append((pass_, ok))
-        return ok
+        took.append((pass_, real(self, pass_, *args)))
+        return took[-1][1]
 
-    monkeypatch.setattr(type(rt), "flash", counted)
+    monkeypatch.setattr(type(get_runtime()), "flash", counted)
     yield took
-    set_device(before)
-    close_device("cuda:0")
     driver.context.cache_clear()
 
 

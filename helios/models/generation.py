@@ -58,6 +58,15 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, causa
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=Hq != Hk)
 
 
+def lm_loss(logits: Tensor, targets, device) -> Tensor:
+    """Mean cross entropy of [B, T, V] ``logits`` against ``targets`` ([B, T] ids: a Tensor, or an
+    array sent to ``device``), the trainer's ``model(idx, targets) -> (logits, loss)`` loss."""
+    B, T = logits.shape[:2]
+    if not isinstance(targets, Tensor):
+        targets = tensor(np.asarray(targets, np.int64), dtype=dt.int64, device=device)
+    return F.cross_entropy(F.reshape(logits, (B * T, -1)), F.reshape(targets, (B * T,)))
+
+
 class KVCache:
     """The keys and values of one generation, ``[B, Hk, S, D]`` per layer, and how the forward
     running now writes and reads them (see the module docstring).

@@ -23,7 +23,7 @@ from helios.creation import tensor
 from helios.nn.modules import GELU, GPT, GPTConfig, LayerNorm, Linear, Module, ReLU, SiLU, _positions
 from helios.tensor import Tensor
 
-from helios.models.generation import GenerationMixin
+from helios.models.generation import GenerationMixin, lm_loss
 
 __all__ = ["GPT2Config", "GPT2LMHeadModel", "CONV1D_WEIGHTS"]
 
@@ -141,12 +141,7 @@ class GPT2LMHeadModel(Module, GenerationMixin):
         for block in t.h:
             x = block(x)
         logits = F.matmul(t.ln_f(x), w.mT)
-        loss = None
-        if targets is not None:
-            if not isinstance(targets, Tensor):
-                targets = tensor(np.asarray(targets, np.int64), dtype=dt.int64, device=w.device)
-            loss = F.cross_entropy(F.reshape(logits, (B * T, -1)), F.reshape(targets, (B * T,)))
-        return logits, loss
+        return logits, None if targets is None else lm_loss(logits, targets, w.device)
 
     def flops_per_token(self) -> int:
         """Training FLOPs per token (helios.nn.GPT's count, plus an untied head's parameters)."""

@@ -26,7 +26,7 @@ from helios.creation import tensor
 from helios.nn.modules import Embedding, Linear, Module, ModuleList, RMSNorm
 from helios.tensor import Tensor
 
-from helios.models.generation import GenerationMixin, attention
+from helios.models.generation import GenerationMixin, attention, lm_loss
 
 __all__ = ["LlamaConfig", "LlamaForCausalLM"]
 
@@ -300,12 +300,7 @@ class LlamaForCausalLM(Module, GenerationMixin):
         cos, sin = self.rotary(T)
         x = self.model(idx, cos[:T], sin[:T])
         logits = self.lm_head(x)
-        loss = None
-        if targets is not None:
-            if not isinstance(targets, Tensor):
-                targets = tensor(np.asarray(targets, np.int64), dtype=dt.int64, device=w.device)
-            loss = F.cross_entropy(F.reshape(logits, (B * T, -1)), F.reshape(targets, (B * T,)))
-        return logits, loss
+        return logits, None if targets is None else lm_loss(logits, targets, w.device)
 
     def flops_per_token(self) -> int:
         """Training FLOPs per token: 6 * N (parameters but the embedding table) + 12 * L * T * H * D

@@ -1,6 +1,9 @@
-"""helios-train: train a GPT from scratch on the default device.
+"""helios-train: train a GPT (or a LLaMA: --arch llama) on the default device, from scratch or from
+a Hugging Face folder or another run (--init-from DIR).
 
     helios-train                          # the `tiny` config on the Python standard library's source
+    helios-train --arch llama --config small
+    helios-train --init-from models/gpt2 --data notes.txt --steps 200 --lr 1e-4   # fine-tune (models/gpt2/tokenizer.json)
     helios-train --steps 50 --out runs/a --trace runs/a/trace.json --profile-steps 10:20
     helios-train --out runs/a --resume    # continue bit-exactly from runs/a's checkpoint
     helios-run --nproc-per-node 2 -m helios.train --out runs/dp2   # data parallel over 2 ranks
@@ -56,6 +59,7 @@ from helios.errors import CheckpointError, CommError, DataError, DeviceError, Sh
 from helios.nn.modules import ATTENTION_KINDS, FLASH_MIN_TRAIN_T, parse_attention
 from helios.train_checkpoint import Checkpointer, resume
 from helios.train_loop import TrainLoop
+from helios.train_model import ARCHS
 from helios.train_report import describe_run, open_run_db
 from helios.train_settings import explicit_flags, usage
 from helios.train_setup import build_model, load_data, open_job, resolve_settings
@@ -80,8 +84,20 @@ CONFIGS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="helios-train", description="Train a GPT from scratch with Helios.")
+    p = argparse.ArgumentParser(prog="helios-train", description="Train a GPT or a LLaMA with Helios, from scratch "
+                                "or from a Hugging Face folder or another run (--init-from).")
     p.add_argument("--config", default="tiny", choices=sorted(CONFIGS), help="named model/training size (default tiny)")
+    p.add_argument("--arch", default="gpt", choices=ARCHS,
+                   help="gpt: a GPT-2 style model (LayerNorm, learned positions, GELU MLP, tied head); llama: a "
+                        "LLaMA-style one (RMSNorm, rotary positions, grouped-query attention, SwiGLU MLP, untied head) "
+                        "at the --config preset's layers, heads and width (default gpt)")
+    p.add_argument("--init-from", default=None, metavar="DIR",
+                   help="start from a Hugging Face model folder (config.json + model.safetensors: gpt2, llama, mistral, "
+                        "qwen2; its tokenizer.json by default) or a helios-train run directory (its newest checkpoint's "
+                        "weights, not its optimizer state or step): fine-tuning")
+    p.add_argument("--dropout", type=float, default=0.0,
+                   help="dropout probability of the GPT (also of a GPT-2 loaded by --init-from, whatever its config "
+                        "says); default 0")
     p.add_argument("--steps", type=int, help="optimizer steps (default: the config's)")
     p.add_argument("--batch-size", type=int, help="sequences per micro-batch")
     p.add_argument("--block-size", type=int, help="context length in tokens")
@@ -193,7 +209,7 @@ def _train(args: argparse.Namespace, given: set[str]) -> int:
     precision, a resumed run's state, the banner and run database, then the loop."""
     s = resolve_settings(args, given, CONFIGS)
     job = open_job(args, s)
-    ds = load_data(args, job)
+    ds = load_data(args, job, s)
     summ = ds.summary()
     m = build_model(args, s, job, ds)
     # fp16 on a split model or sharded gradients: every rank holds other gradients, so the ranks

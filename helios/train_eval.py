@@ -43,10 +43,20 @@ def evaluate(args: argparse.Namespace, s, run, m, val_loader) -> float:
     return run.all_mean(total, count) if share > 1 or s.pipeline else total / count
 
 
-def sample(model, tok, T: int, n: int, step: int) -> str:
-    """Text continued from a fixed prompt with temperature 0.8 (numpy RNG seeded by step: deterministic)."""
-    rng = np.random.default_rng(step)
+def sample(model, tok, T: int, n: int, step: int, collective: bool = False) -> str:
+    """Text continued from a fixed prompt with temperature 0.8 (seeded by step: deterministic).
+
+    A model with ``stream`` (helios.models': a LLaMA, a GPT-2 with an untied head) generates with
+    its key/value cache, its context sliding at T tokens (helios.sample.stream_tokens); the others
+    (helios.nn.GPT, a tensor-parallel or pipeline model, or any whose forward is a collective)
+    recompute the last T tokens for every new one."""
     ids = list(tok.encode(b"def "))
+    if hasattr(model, "stream") and not collective:
+        from helios.sample import stream_tokens
+
+        ids += list(stream_tokens(model, ids, n, T, temperature=0.8, seed=step))
+        return tok.decode(np.array(ids)).decode("utf-8", errors="replace")
+    rng = np.random.default_rng(step)
     model.eval()
     whole = contextlib.nullcontext()
     if getattr(model, "context_parallel", None) is not None:  # one rank continues whole sequences

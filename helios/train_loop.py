@@ -266,7 +266,7 @@ class TrainLoop:
                 self.val_loss = evaluated = evaluate(args, self.s, run, self.m, self.val_loader)
         if args.sample_every and n % args.sample_every == 0 and n < steps and (run.is_main or self.collective):
             with timer.phase("sample_gen"):  # ZeRO-3: every rank samples alike (its forwards gather)
-                text = sample(self.m.gpt, self.ds.tokenizer, self.s.T, args.sample_tokens, n)
+                text = sample(self.m.gpt, self.ds.tokenizer, self.s.T, args.sample_tokens, n, self.collective)
                 if run.is_main:
                     self.bar.write(f"--- sample at step {n} ---\n{text}\n---")
         leaving = (self.stopper.stop and not newer) or (args.stop_after is not None
@@ -318,8 +318,8 @@ class TrainLoop:
         say(f"step {step}/{self.s.steps} loss {last.get('loss', float('nan')):.4f} val {val_loss:.4f} (final)",
             flush=True)
         wall = time.monotonic() - self.job.t_start
-        text = sample(m.gpt, self.ds.tokenizer, self.s.T, args.sample_tokens, step) if run.is_main or self.collective \
-            else ""
+        text = sample(m.gpt, self.ds.tokenizer, self.s.T, args.sample_tokens, step, self.collective) \
+            if run.is_main or self.collective else ""
         if run.is_main:
             print(breakdown(self.timer.records))
             print(f"--- sample ---\n{text}\n---")

@@ -14,6 +14,7 @@ from helios.profile.timers import ALL_PHASES, StepRecord
 from helios.profile.trace import build_trace, write_trace
 from helios.schedule.dist_run import merge_rank_traces
 from helios.schedule.pipeline import describe_stages
+from helios.train_model import describe_config
 from helios.train_settings import usage
 
 
@@ -37,7 +38,7 @@ def describe_run(args: argparse.Namespace, s, job, m, summ: dict, capture_reason
         extras += f", context parallel {m.cp.world} ({m.cp.layout}: {s.T // m.cp.world} tokens of each sequence a rank)"
     ranks = f" x {run.world} ranks ({layout.describe()}{extras})" if run.active else ""
     say(f"device: {rt.name} {dev['name']} ({dev['type']}){ranks}; peak for MFU: {peak_label}")
-    say(f"model: {m.n_params / 1e6:.2f}M parameters, {m.cfg}")
+    say(f"model: {m.n_params / 1e6:.2f}M parameters, {describe_config(m.cfg)}")
     if args.dtype != "fp32":
         say(f"mixed precision: --dtype {args.dtype}, matmuls in {'bfloat16' if args.dtype == 'bf16' else 'float16'}, "
             "float32 master weights" + (f", loss scale {m.scaler.get_scale():g}" if m.scaler.is_enabled() else ""))

@@ -93,6 +93,7 @@ BOUNDS = (
     Bound("ep", "--ep", _at_least(1), "at least 1"),
     Bound("dp", "--dp", _at_least(1), "at least 1"),
     Bound("cp", "--cp", _at_least(1), "at least 1 (1: off)"),
+    Bound("dropout", "--dropout", lambda v: 0 <= v < 1, "in [0, 1)"),
 )
 
 
@@ -135,15 +136,21 @@ class Layout:
 
 
 def check_layout(world: int, tp: int, pp: int, microbatches: int | None, zero: int, batch: int, n_layer: int,
-                 n_head: int, n_embd: int, virtual: int = 1) -> Layout:
+                 n_head: int, n_embd: int, virtual: int = 1, n_kv_head: int | None = None,
+                 mlp: int | None = None) -> Layout:
     """The layout of ``world`` ranks for --tp, --pp, --microbatches (default: --pp, or 1 without
     a pipeline) and --pp-virtual (``virtual``); a layout that cannot work is refused in one line
     naming its flag.  Every rank runs this before any rank waits for another, so every rank
-    refuses alike."""
+    refuses alike.  ``n_kv_head`` and ``mlp``: a LLaMA's key/value heads and MLP width (its
+    intermediate_size), which --tp splits too (a GPT: its heads, and 4 x n_embd)."""
     if world % tp:
         usage(f"--tp {tp} must divide the number of ranks ({world}): the ranks left over, world / tp, are the "
               "data-parallel replicas")
-    for what, n in (("heads (n_head)", n_head), ("MLP width (4 x n_embd)", 4 * n_embd)):
+    split = [("heads (n_head)", n_head)]
+    if n_kv_head is not None:
+        split.append(("key/value heads (n_kv_head)", n_kv_head))
+    split.append(("MLP width (4 x n_embd)", 4 * n_embd) if mlp is None else ("MLP width (intermediate_size)", mlp))
+    for what, n in split:
         if n % tp:
             usage(f"--tp {tp} must divide the model's {what}, {n}")
     if (world // tp) % pp:
@@ -202,12 +209,16 @@ class Saved:
 
 
 SAVED = (
+    Saved("arch", "--arch", "cli", "arch"),
+    Saved("init_from", "--init-from", "cli", "init_from"),
+    Saved("dropout", "--dropout", "cli", "dropout"),
     Saved("config", "--config", "cli", "config"),
     Saved("data", "--data", "cli", "data"),
     Saved("tokenizer", "--tokenizer", "cli", "tokenizer"),
     Saved("steps", "--steps", "train", "steps"),
     Saved("batch_size", "--batch-size", "train", "batch_size"),
     Saved("block_size", "--block-size", "config", "block_size"),
+    Saved("block_size", "--block-size", "cli", "block_size"),  # (a LLaMA's or Hugging Face model's config has none)
     Saved("lr", "--lr", "train", "lr"),
     Saved("warmup", "--warmup", "train", "warmup"),
     Saved("grad_accum", "--grad-accum", "train", "grad_accum"),
@@ -311,10 +322,12 @@ def check_context_parallel(cp: int, layout: str, world: int, block_size: int, n_
               f"rank holds {'two' if layout == 'zigzag' else 'one'} of {chunks} equal chunks of every sequence)")
 
 
-def cli_settings(args) -> dict:
+def cli_settings(args, block_size: int) -> dict:
     """What the checkpoint keeps of the command line besides the model and training settings."""
     return {"config": args.config, "data": os.path.abspath(args.data) if args.data is not None else None,
-            "tokenizer": normalize_spec(args.tokenizer), "dtype": args.dtype}
+            "tokenizer": normalize_spec(args.tokenizer), "dtype": args.dtype, "arch": args.arch,
+            "init_from": os.path.abspath(args.init_from) if args.init_from is not None else None,
+            "dropout": args.dropout, "block_size": block_size}
 
 
 def checkpoint_meta(run_dir: str) -> dict | None:
@@ -344,7 +357,7 @@ def adopt_saved_settings(args, given: set[str], meta: dict, run_dir: str) -> dic
             continue  # a checkpoint of an earlier Helios: the flag (or its default) stands
         value = section[s.key]
         mine = getattr(args, s.dest)
-        if s.dest == "data" and mine is not None:
+        if s.dest in ("data", "init_from") and mine is not None:
             mine = os.path.abspath(mine)
         if s.dest == "tokenizer":  # hf:PATH is saved with an absolute path
             mine = normalize_spec(mine)
@@ -359,12 +372,14 @@ def adopt_saved_settings(args, given: set[str], meta: dict, run_dir: str) -> dic
 
 # ---- what the device can hold --------------------------------------------------------------
 def largest_activation(batch: int, block: int, n_head: int, n_embd: int, vocab: int,
-                       dense_attention: bool = True) -> tuple[int, str]:
+                       dense_attention: bool = True, mlp: int | None = None) -> tuple[int, str]:
     """Bytes and name of the largest fp32 tensor one micro-batch's forward makes (each must fit
     one storage-buffer binding): attention scores B·H·T² (only on the dense attention path:
-    the flash kernel keeps none), logits B·T·V, MLP hidden B·T·4C."""
+    the flash kernel keeps none), logits B·T·V, MLP hidden B·T·4C (``mlp``: another MLP width,
+    a LLaMA's intermediate_size)."""
+    width = "4 x embedding" if mlp is None else "intermediate size"
     sizes = {"logits (batch x block x vocabulary)": batch * block * vocab * 4,
-             "MLP activations (batch x block x 4 x embedding)": batch * block * 4 * n_embd * 4}
+             f"MLP activations (batch x block x {width})": batch * block * (4 * n_embd if mlp is None else mlp) * 4}
     if dense_attention:
         sizes["attention scores (batch x heads x block x block)"] = batch * n_head * block * block * 4
     name = max(sizes, key=sizes.get)
@@ -372,20 +387,20 @@ def largest_activation(batch: int, block: int, n_head: int, n_embd: int, vocab: 
 
 
 def largest_block_that_fits(limit: int, batch: int, n_head: int, n_embd: int, vocab: int,
-                            dense_attention: bool = True) -> int:
+                            dense_attention: bool = True, mlp: int | None = None) -> int:
     """The largest block size whose activations each fit ``limit`` bytes."""
     t = int(math.isqrt(limit // (4 * batch * n_head))) if dense_attention else limit
-    return min(t, limit // (4 * batch * vocab), limit // (16 * batch * n_embd))
+    return min(t, limit // (4 * batch * vocab), limit // (4 * batch * (4 * n_embd if mlp is None else mlp)))
 
 
 def check_fits(limit: int, batch: int, block: int, n_head: int, n_embd: int, vocab: int | None,
-               dense_attention: bool = True, cp: int = 1) -> None:
+               dense_attention: bool = True, cp: int = 1, mlp: int | None = None) -> None:
     """Refuse a --block-size / --batch-size whose activations exceed the device's largest binding
     (with --cp N a rank holds block / N tokens of each sequence)."""
     v = vocab or 256
-    need, what = largest_activation(batch, block // cp, n_head, n_embd, v, dense_attention)
+    need, what = largest_activation(batch, block // cp, n_head, n_embd, v, dense_attention, mlp)
     if need > limit:
-        best = largest_block_that_fits(limit, batch, n_head, n_embd, v, dense_attention) * cp
+        best = largest_block_that_fits(limit, batch, n_head, n_embd, v, dense_attention, mlp) * cp
         hint = " or --attention flash" if dense_attention else ""
         usage(f"--block-size {block}: one micro-batch of {batch} sequences makes {what} of {need:,} bytes, more than "
               f"this device binds at once ({limit:,} bytes, its maxStorageBufferRange); the largest block size that "

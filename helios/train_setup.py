@@ -33,8 +33,9 @@ from helios.schedule.dist_run import DistRun
 from helios.schedule.grid import ParallelGrid
 from helios.schedule.moe import expert_groups, expert_parameter_names, expert_tp_group, use_experts
 from helios.schedule.pipeline import InterleavedPipelineStage, PipelineStage, layer_times
-from helios.schedule.tensor_parallel import TensorParallelGPT, full_shape
+from helios.schedule.tensor_parallel import TensorParallelGPT, TensorParallelLlama, full_shape
 from helios.schedule.zero import ZeroDataParallel
+from helios import train_model
 from helios.tokenizer import check_spec
 from helios.train_report import profile_window, quiet
 from helios.train_settings import check_bounds, usage
@@ -54,6 +55,7 @@ class Settings:
     comm_hook: Any  # --grad-compression's hook; None: uncompressed (also on one rank)
     world: int  # ranks the launcher started
     layout: settings.Layout  # tensor x pipeline x data parallel, micro-batches
+    spec: train_model.ModelSpec = None  # what the run trains (--arch, --config, --init-from, a resumed run's)
 
     @property
     def pipeline(self) -> bool:
@@ -76,13 +78,24 @@ def resolve_settings(args: argparse.Namespace, given: set[str], configs: dict) -
             saved_cfg = settings.adopt_saved_settings(args, given, meta, args.out)
     cfgd = dict(configs[args.config])
     if saved_cfg is not None:
-        cfgd.update({k: saved_cfg[k] for k in ("n_layer", "n_head", "n_embd") if k in saved_cfg})
+        if "model_type" in saved_cfg:  # a LLaMA's, or a Hugging Face GPT-2's: rebuilt from its config
+            spec = train_model.spec_of_config(saved_cfg, f"the run in {args.out}")
+        else:
+            cfgd.update({k: saved_cfg[k] for k in ("n_layer", "n_head", "n_embd") if k in saved_cfg})
+            spec = train_model.preset_spec("gpt", args.config, {args.config: cfgd})
+    elif args.init_from is not None:
+        spec = train_model.init_spec(args.init_from, args, given, configs)
+    else:
+        spec = train_model.preset_spec(args.arch, args.config, configs)
+    cfgd.update(n_layer=spec.n_layer, n_head=spec.n_head, n_embd=spec.n_embd)
     steps = args.steps if args.steps is not None else cfgd["steps"]
     bs = args.batch_size if args.batch_size is not None else cfgd["batch_size"]
     T = args.block_size if args.block_size is not None else cfgd["block_size"]
     lr_max = args.lr if args.lr is not None else cfgd["lr"]
     warmup = args.warmup if args.warmup is not None else max(1, steps // 20)
     check_bounds({"steps": steps, "batch_size": bs, "block_size": T})
+    train_model.check_spec(spec, args, T)
+    train_model.check_vocab(spec, args.tokenizer, settings.vocab_of_spec(args.tokenizer))
     profile_window(args, int(meta.get("step", 0)) if saved_cfg is not None else 0, steps, quiet)  # checked early
     _check_data(args, T)
     try:
@@ -98,7 +111,8 @@ def resolve_settings(args: argparse.Namespace, given: set[str], configs: dict) -
     settings.check_data_parallel(args.dp, world, args.tp, args.pp, args.cp)
     # Context-parallel peers hold one replica's sequences between them: to the layout, one rank.
     layout = settings.check_layout(world // args.cp, args.tp, args.pp, args.microbatches, args.zero, bs,
-                                   cfgd["n_layer"], cfgd["n_head"], cfgd["n_embd"], virtual=args.pp_virtual)
+                                   cfgd["n_layer"], cfgd["n_head"], cfgd["n_embd"], virtual=args.pp_virtual,
+                                   n_kv_head=spec.n_kv_head, mlp=spec.mlp)
     settings.check_pp_balance(args.pp_balance, args.pp)
     settings.check_experts(args.moe_experts, args.moe_top_k, args.ep, args.tp, args.pp, world, args.zero)
     if args.sequence_parallel:
@@ -107,7 +121,7 @@ def resolve_settings(args: argparse.Namespace, given: set[str], configs: dict) -
         usage(f"--grad-compression {args.grad_compression} compresses DistributedDataParallel's buckets; with --pp "
               f"{args.pp} a stage's gradients are all-reduced once after the pipeline flushes, uncompressed (use "
               "--grad-compression none)")
-    return Settings(cfgd, steps, bs, T, lr_max, warmup, comm_hook, world, layout)
+    return Settings(cfgd, steps, bs, T, lr_max, warmup, comm_hook, world, layout, spec)
 
 
 def _check_data(args: argparse.Namespace, T: int) -> None:
@@ -158,25 +172,31 @@ def open_job(args: argparse.Namespace, s: Settings) -> Job:
     rt = get_runtime()
     # Before the data is read: a block or batch the device cannot hold is the user's to change.
     cfgd, T, layout, world = s.cfgd, s.T, s.layout, s.world
-    head_dim = cfgd["n_embd"] // cfgd["n_head"]
-    dense_attention = args.cp == 1 and (args.attention == "dense" or head_dim not in hl._kernels.FLASH_HEAD_DIMS
-                                        or (args.attention == "auto" and T < FLASH_MIN_TRAIN_T))
+    head_dim = s.spec.head_dim
+    if s.spec.arch == "llama":  # scaled_dot_product_attention: flash where it takes the head dim
+        dense_attention = head_dim not in hl._kernels.FLASH_HEAD_DIMS
+    else:
+        dense_attention = args.cp == 1 and (args.attention == "dense" or head_dim not in hl._kernels.FLASH_HEAD_DIMS
+                                            or (args.attention == "auto" and T < FLASH_MIN_TRAIN_T))
     settings.check_fits(rt.max_range, max(1, s.bs // (world // args.cp // layout.pp) // layout.microbatches), T,
-                        cfgd["n_head"], cfgd["n_embd"], settings.vocab_of_spec(args.tokenizer), dense_attention, args.cp)
+                        cfgd["n_head"], cfgd["n_embd"], s.spec.vocab or settings.vocab_of_spec(args.tokenizer),
+                        dense_attention, args.cp, mlp=s.spec.mlp)
     os.makedirs(args.out, exist_ok=True)
     return Job(run, rt, say, time.monotonic())
 
 
 # ---- data ----------------------------------------------------------------------------------
-def load_data(args: argparse.Namespace, job: Job):
+def load_data(args: argparse.Namespace, job: Job, s: Settings | None = None):
     """The tokenized corpus (helios.data.Dataset).  Rank 0 tokenizes first (and fills the cache);
-    the others then read it."""
+    the others then read it.  An --init-from model's vocabulary must be the tokenizer's."""
     run = job.run
     if not run.is_main:
         run.barrier()
     ds = prepare_dataset(args.data, args.tokenizer, progress=not args.no_progress and run.is_main)
     if run.is_main:
         run.barrier()
+    if s is not None and not args.resume:
+        train_model.check_vocab(s.spec, args.tokenizer, ds.tokenizer.vocab_size, ds.tokenizer.identity)
     V = ds.tokenizer.vocab_size
     if V % args.tp:
         usage(f"--tp {args.tp} must divide the vocabulary size, {V} (--tokenizer {args.tokenizer})")
@@ -212,32 +232,46 @@ class Model:
 def build_model(args: argparse.Namespace, s: Settings, job: Job, ds) -> Model:
     """The GPT (seeded by --seed), split over the ranks as the layout says and wrapped for data
     parallelism, with its optimizer; every rank first checks that all agree on the run."""
-    run, cfgd = job.run, s.cfgd
-    cfg = GPTConfig(vocab_size=ds.tokenizer.vocab_size, block_size=s.T, n_layer=cfgd["n_layer"],
-                    n_head=cfgd["n_head"], n_embd=cfgd["n_embd"], attention=args.attention)
-    run_meta = _run_meta(args, s, cfg, ds)
+    run = job.run
+    built = None
+    if s.spec.arch != "gpt" or s.spec.hf is not None or s.spec.init is not None or s.spec.gpt is not None:
+        # a LLaMA, a Hugging Face model, or a GPT of another run: helios.train_model builds it
+        built = train_model.build(s.spec, ds.tokenizer.vocab_size, s.T, args, args.seed)
+        cfg = built.cfg
+        run_meta = _run_meta(args, s, built.meta_config, ds)
+    else:
+        cfgd = s.cfgd
+        cfg = GPTConfig(vocab_size=ds.tokenizer.vocab_size, block_size=s.T, n_layer=cfgd["n_layer"],
+                        n_head=cfgd["n_head"], n_embd=cfgd["n_embd"], dropout=args.dropout, attention=args.attention)
+        # The attention kernel changes no weight: a run may resume with another one.
+        run_meta = _run_meta(args, s, {k: v for k, v in cfg.to_dict().items() if k != "attention"}, ds)
     run.check_same({**run_meta, "zero": args.zero, "bucket_cap_mb": args.bucket_cap_mb, "resume": args.resume,
                     "out": os.path.abspath(args.out),
                     "grad_compression": s.comm_hook.spec if s.comm_hook else "none",
                     "tp": args.tp, "pp": args.pp, "pp_virtual": args.pp_virtual, "microbatches": s.layout.microbatches,
                     "sequence_parallel": args.sequence_parallel, "pp_balance": args.pp_balance})
     hl.manual_seed(args.seed)
-    gpt = GPT(cfg, seed=args.seed)
-    m = Model(cfg, run_meta, gpt, gpt.num_parameters(), gpt.flops_per_token(),  # the whole model's, whatever the split
+    if built is None:
+        gpt = GPT(cfg, seed=args.seed)
+        fpt = gpt.flops_per_token()
+    else:
+        gpt, fpt = built.module, built.fpt
+        for note in built.notes:
+            job.say(f"--init-from: {note}")
+    m = Model(cfg, run_meta, gpt, gpt.num_parameters(), fpt,  # the whole model's, whatever the split
               zero=args.zero if run.active else 0)
     _split_model(args, s, job, m)
     _wrap_data_parallel(args, s, job, m)
     return m
 
 
-def _run_meta(args: argparse.Namespace, s: Settings, cfg: GPTConfig, ds) -> dict:
-    """The settings that define the run, as every checkpoint saves them."""
-    # The attention kernel changes no weight: a run may resume with another one.
-    model_config = {k: v for k, v in cfg.to_dict().items() if k != "attention"}
+def _run_meta(args: argparse.Namespace, s: Settings, model_config: dict, ds) -> dict:
+    """The settings that define the run, as every checkpoint saves them (``model_config``: the
+    model's, see helios.train_model)."""
     run_meta = {"config": model_config, "train": {"steps": s.steps, "batch_size": s.bs, "lr": s.lr_max,
                 "warmup": s.warmup, "grad_accum": args.grad_accum, "seed": args.seed,
                 "tokenizer": ds.tokenizer.identity, "weight_decay": args.weight_decay, "grad_clip": args.grad_clip},
-                "data": ds.corpus.fingerprint, "cli": settings.cli_settings(args)}
+                "data": ds.corpus.fingerprint, "cli": settings.cli_settings(args, s.T)}
     if args.moe_experts:  # only then: a dense run's checkpoint meta stays as it was
         run_meta["train"].update(moe_experts=args.moe_experts, moe_top_k=args.moe_top_k,
                                  moe_capacity=args.moe_capacity, moe_aux_alpha=args.moe_aux_alpha)
@@ -261,13 +295,19 @@ def _split_model(args: argparse.Namespace, s: Settings, job: Job, m: Model) -> N
         mlp_weights = 8 * cfg.n_embd * cfg.n_embd * cfg.n_layer
         m.fpt += 6 * ((args.moe_top_k - 1) * mlp_weights + cfg.n_embd * args.moe_experts * cfg.n_layer)
         m.n_params = sum(int(np.prod(full_shape(p))) for p in m.gpt.parameters())  # every expert, wherever it lives
+    init = s.spec.init
+    if init is not None and init[0] == "run" and not args.resume:
+        # another run's weights (with its experts, if it had them), before they are split over the ranks
+        train_model.load_run_weights(init[1], m.gpt)
     if run.active:
         m.grid = ParallelGrid(tp=args.tp, pp=args.pp)
         run.use_data_parallel_coords(m.grid.dp_rank, m.grid.dp)
         if args.cp > 1:  # (with tp = pp = 1) context-parallel peers are neighbouring ranks, as Megatron-LM puts them
             m.cp = use_context_parallel(m.gpt, context_parallel_group(args.cp), args.cp_layout)
             run.use_data_parallel_coords(run.rank // args.cp, run.world // args.cp)
-        if args.tp > 1:
+        if args.tp > 1 and s.spec.arch == "llama":  # this rank's heads, MLP features and vocabulary rows
+            m.gpt = TensorParallelLlama(m.gpt, m.grid.tp_group)
+        elif args.tp > 1:
             m.gpt = TensorParallelGPT(m.gpt, m.grid.tp_group, sequence_parallel=args.sequence_parallel,
                                       expert_group=expert_group)  # this rank's shards (experts' hidden features too)
     m.whole = m.gpt  # the whole model (a resumed run loads it by name; then only the stage's layers stay)

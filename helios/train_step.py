@@ -37,6 +37,8 @@ def capture_refusal(args: argparse.Namespace, run, pipeline: bool, zero: int) ->
         return "mixture of experts counts dropped tokens on the host"
     if zero:
         return "--zero"
+    if args.dropout:
+        return "--dropout draws new random masks every step"
     return None
 
 

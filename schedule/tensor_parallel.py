@@ -543,3 +543,146 @@ def clip_grad_norm_(params, max_norm: float, group) -> Tensor:
             F.copy_(p.grad, p.grad * coef)
     return norm
 
+
+
+# ---- LLaMA ----------------------------------------------------------------------------------------
+class ParallelLlamaAttention(Module):
+    """Grouped-query attention over this rank's heads: q_proj keeps the rows of this rank's H/tp
+    query heads, k_proj and v_proj those of its Hk/tp key/value heads (column-parallel; with
+    contiguous head ranges, query head h's key/value head h // (H/Hk) is on the same rank), o_proj
+    the matching input columns (row-parallel).  The rotary tables are the whole model's."""
+
+    def __init__(self, attn, group) -> None:
+        super().__init__()
+        tp = group_size(group)
+        d = attn.head_dim
+        self.n_head = _split(attn.n_head, tp, "the number of attention heads")
+        self.n_kv_head = _split(attn.n_kv_head, tp, "the number of key/value heads")
+        self.head_dim = d
+
+        def heads(n: int):
+            return lambda q: np.arange(q * n * d, (q + 1) * n * d)
+
+        self.q_proj = ColumnParallelLinear.from_linear(attn.q_proj, group, heads(self.n_head))
+        self.k_proj = ColumnParallelLinear.from_linear(attn.k_proj, group, heads(self.n_kv_head))
+        self.v_proj = ColumnParallelLinear.from_linear(attn.v_proj, group, heads(self.n_kv_head))
+        self.o_proj = RowParallelLinear.from_linear(attn.o_proj, group, heads(self.n_head))
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        from helios.models.generation import attention
+        from helios.models.llama import apply_rotary
+
+        b, t, _ = x.shape
+        h, hk, d = self.n_head, self.n_kv_head, self.head_dim
+        q = F.transpose(F.reshape(self.q_proj(x), (b, t, h, d)), 1, 2)
+        k = F.transpose(F.reshape(self.k_proj(x), (b, t, hk, d)), 1, 2)
+        v = F.transpose(F.reshape(self.v_proj(x), (b, t, hk, d)), 1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        y = attention(q, k, v, causal=True)
+        return self.o_proj(F.reshape(F.transpose(y, 1, 2), (b, t, h * d)))
+
+
+class ParallelSwiGLU(Module):
+    """down(silu(gate(x)) * up(x)) with gate and up column-parallel (this rank's intermediate
+    features) and down row-parallel."""
+
+    def __init__(self, mlp, group) -> None:
+        super().__init__()
+        inner = _split(mlp.gate_proj.out_features, group_size(group), "the MLP width (intermediate_size)")
+
+        def mine(q: int) -> np.ndarray:
+            return np.arange(q * inner, (q + 1) * inner)
+
+        self.gate_proj = ColumnParallelLinear.from_linear(mlp.gate_proj, group, mine)
+        self.up_proj = ColumnParallelLinear.from_linear(mlp.up_proj, group, mine)
+        self.down_proj = RowParallelLinear.from_linear(mlp.down_proj, group, mine)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _copy_rms_norm(norm):
+    out = type(norm)(norm.weight.shape[0], eps=norm.eps)
+    out.weight = _param(norm.weight.numpy())
+    return out
+
+
+class ParallelLlamaLayer(Module):
+    """A LLaMA decoder layer with tensor-parallel attention and MLP (2 all-reduces forward, 2
+    backward); its RMSNorms replicated."""
+
+    def __init__(self, layer, group) -> None:
+        super().__init__()
+        self.self_attn = ParallelLlamaAttention(layer.self_attn, group)
+        self.mlp = ParallelSwiGLU(layer.mlp, group)
+        self.input_layernorm = _copy_rms_norm(layer.input_layernorm)
+        self.post_attention_layernorm = _copy_rms_norm(layer.post_attention_layernorm)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class _LlamaStack(Module):
+    """``model`` of TensorParallelLlama: embed_tokens (vocabulary-parallel), layers, norm."""
+
+    def __init__(self, llama_model, group) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(llama_model.embed_tokens.weight.numpy(), group)
+        self.layers = ModuleList([ParallelLlamaLayer(layer, group) for layer in llama_model.layers])
+        self.norm = _copy_rms_norm(llama_model.norm)
+
+
+class TensorParallelLlama(Module):
+    """A :class:`helios.models.LlamaForCausalLM` split over ``group`` as Megatron-LM splits a
+    LLaMA (torchtitan's plan): ``model(idx, targets) -> (this rank's vocabulary slice of the
+    logits, the whole model's mean loss)``.  q, k and v are column-parallel over the heads (the
+    key/value heads too: ``num_key_value_heads`` must be a multiple of the group's size), o_proj
+    row-parallel; gate and up column-parallel, down row-parallel; the embedding and the output
+    head split by vocabulary rows (a tied head shares the embedding's shard), the loss the
+    vocabulary-parallel cross entropy; RMSNorms and the rotary tables replicated.  Parameter names
+    are the whole model's, so a checkpoint holds one device's tensors and resumes on any grid."""
+
+    def __init__(self, llama, group) -> None:
+        super().__init__()
+        cfg = llama.config
+        self.config, self.group = cfg, group
+        self.model = _LlamaStack(llama.model, group)
+        self.vocab_lo = self.model.embed_tokens.lo
+        rows = _split(cfg.vocab_size, group_size(group), "the vocabulary size")
+        if not cfg.tie_word_embeddings:  # (tied: the embedding's own shard, below)
+            self.lm_head = ColumnParallelLinear.from_linear(llama.lm_head, group,
+                                                            lambda q: slice(q * rows, (q + 1) * rows))
+        self.register_buffer("rope_cos", llama.rope_cos)
+        self.register_buffer("rope_sin", llama.rope_sin)
+
+    def rotary(self, n: int) -> tuple[Tensor, Tensor]:
+        """The whole model's rotary tables, [>= n, head_dim] (grown for a longer sequence)."""
+        if self.rope_cos.shape[0] < n:
+            from helios.models.llama import LlamaForCausalLM
+
+            w = self.model.norm.weight
+            self.rope_cos, self.rope_sin = LlamaForCausalLM._rotary_tables(self, 1 << max(0, n - 1).bit_length(),
+                                                                           w.dtype, w.device)
+        return self.rope_cos, self.rope_sin
+
+    full_logits = TensorParallelGPT.full_logits
+
+    def forward(self, idx, targets=None):
+        if not isinstance(idx, Tensor):
+            idx = tensor(np.asarray(idx, np.int64), dtype=dt.int64)
+        if targets is not None and not isinstance(targets, Tensor):
+            targets = tensor(np.asarray(targets, np.int64), dtype=dt.int64)
+        b, t = idx.shape
+        cos, sin = self.rotary(t)
+        x = self.model.embed_tokens(idx)
+        for layer in self.model.layers:
+            x = layer(x, cos[:t], sin[:t])
+        x = copy_to_tp(self.model.norm(x), self.group)
+        head = self.model.embed_tokens if self.config.tie_word_embeddings else self.lm_head
+        logits = F.matmul(x, head.weight.mT)  # this rank's vocabulary rows
+        loss = None
+        if targets is not None:
+            loss = vocab_parallel_cross_entropy(logits.reshape(b * t, -1), targets.reshape(b * t), self.vocab_lo,
+                                                self.group)
+        return logits, loss

@@ -138,6 +138,8 @@ def init_process_group(backend: str = "auto", timeout: float = 300.0, *, rank: i
             hb = "shm" if all(infos[r]["shm"] for r in hranks) and topo.by_probe else backend
             _S.host_group = _make_group(ps, f"host{topo.node_rank}", hranks, hb, timeout)
             _S.host_group.role = "host"
+            if topo.uniform and topo.local_world_size > 1 and hb == "shm":
+                _S.world.hier = _make_hierarchy(ps, topo, backend, timeout)
     except BaseException:
         _S.world = None
         if _S.host_group is not None:
@@ -161,6 +163,30 @@ def _make_group(store: PrefixStore, name: str, ranks: list[int], backend: str, t
 
         t = ibverbs.IbvTransport(gstore, me, len(ranks), _S.token, timeout)
     return ProcessGroup(t, ranks, name, timeout)
+
+
+def _make_hierarchy(ps: PrefixStore, topo: topomod.Topology, backend: str, timeout: float):
+    """The two private levels of the world's hierarchical collectives, calibrated (comm/hierarchical.py)."""
+    from helios.comm.hierarchical import Hierarchy
+
+    intra = _make_group(ps, f"hier-intra{topo.node_rank}", list(topo.local_ranks), "shm", timeout)
+    try:
+        inter = _make_group(ps, f"hier-inter{topo.local_rank}", [h[topo.local_rank] for h in topo.hosts], backend,
+                            timeout)
+    except BaseException:
+        intra.close()
+        raise
+    h = Hierarchy(topo, intra, inter)
+    try:
+        if os.environ.get("HELIOS_COMM_HIER_CALIBRATE", "1") != "0":
+            h.calibrate(ps, timeout)
+            # Nobody leaves (rank 0 may close the store) before every rank has read the figures.
+            assert _S.world is not None
+            _S.world.run_op("barrier", 0, A.barrier, "barrier")
+    except BaseException:
+        h.close()
+        raise
+    return h
 
 
 def destroy_process_group(group: ProcessGroup | None = None) -> None:
@@ -327,17 +353,38 @@ def _finish(g: ProcessGroup, name: str, nbytes: int, body, desc: str, bufs: list
     return g.submit(name, run, async_op)
 
 
+def _hier(g: ProcessGroup, op: str, nbytes: int, algorithm: str) -> str | None:
+    """The inter-host algorithm when ``op`` runs hierarchically on ``g`` (see comm/hierarchical.py), else None."""
+    if g.hier is None:
+        return None
+    if algorithm not in ("auto", "ring", "tree", "halving_doubling", "hierarchical"):
+        return None  # g.pick reports it
+    return g.hier.choose(op, nbytes, algorithm, g.seg_bytes)
+
+
+def _run_hier(g: ProcessGroup, fn) -> None:
+    """Run a hierarchical operation; its two levels' bytes count as ``g``'s."""
+    before = g.hier.bytes_sent()
+    try:
+        fn()
+    finally:
+        g.counters.bytes_sent += g.hier.bytes_sent() - before
+
+
 def all_reduce(x: Any, op: str = "sum", group: Any = None, async_op: bool = False, algorithm: str = "auto",
                dtype: str | None = None) -> Work | None:
     """In-place all-reduce of ``x`` with ``op`` in sum | avg | max | min | prod."""
     g = _group(group)
     b = as_buffer(x, dtype)
     check_op(op, b.dtype)
+    hier = _hier(g, "all_reduce", b.nbytes, algorithm)
     alg = g.pick("all_reduce", b.nbytes, algorithm)
 
     def body(c: A.Ctx) -> None:
         flat = b.flat  # a device tensor is reached here, on the thread that runs the operation
-        if alg == "direct":
+        if hier is not None:
+            _run_hier(g, lambda: g.hier.all_reduce(flat, op, b.dtype, hier))
+        elif alg == "direct":
             g.direct.all_reduce(flat, op, b.dtype)
         elif alg == "ring":
             A.ring_all_reduce(c, flat, op, b.dtype)
@@ -363,10 +410,13 @@ def all_gather(out: Any, x: Any, group: Any = None, async_op: bool = False, algo
     if bo.count != bx.count * g.size:
         raise ShapeError(f"helios.comm: all_gather: output has {bo.count} elements, expected {g.size} x {bx.count} "
                          f"= {g.size * bx.count} (world size times the input).")
+    hier = _hier(g, "all_gather", bo.nbytes, algorithm)
     alg = g.pick("all_gather", bo.nbytes, algorithm)
 
     def body(c: A.Ctx) -> None:
-        if alg == "direct":
+        if hier is not None:
+            _run_hier(g, lambda: g.hier.all_gather(bo.flat, bx.flat, hier))
+        elif alg == "direct":
             g.direct.all_gather(bo.flat, bx.flat)
         elif alg == "ring":
             A.ring_all_gather(c, bo.flat, bx.flat)
@@ -386,10 +436,13 @@ def reduce_scatter(out: Any, x: Any, op: str = "sum", group: Any = None, async_o
     if bx.count != bo.count * g.size:
         raise ShapeError(f"helios.comm: reduce_scatter: input has {bx.count} elements, expected {g.size} x {bo.count} "
                          f"= {g.size * bo.count} (world size times the output).")
+    hier = _hier(g, "reduce_scatter", bx.nbytes, algorithm)
     alg = g.pick("reduce_scatter", bx.nbytes, algorithm)
 
     def body(c: A.Ctx) -> None:
-        if alg == "direct":
+        if hier is not None:
+            _run_hier(g, lambda: g.hier.reduce_scatter(bo.flat, bx.flat, op, bx.dtype, hier))
+        elif alg == "direct":
             g.direct.reduce_scatter(bo.flat, bx.flat, op, bx.dtype)
         elif alg == "ring":
             A.ring_reduce_scatter(c, bo.flat, bx.flat, op, bx.dtype)
@@ -406,10 +459,13 @@ def broadcast(x: Any, src: int = 0, group: Any = None, async_op: bool = False, a
     g = _group(group)
     b = as_buffer(x, dtype)
     root = g.group_rank(src, "src")
+    hier = _hier(g, "broadcast", b.nbytes, algorithm)
     alg = g.pick("broadcast", b.nbytes, algorithm)
 
     def body(c: A.Ctx) -> None:
-        if alg == "direct":
+        if hier is not None:
+            _run_hier(g, lambda: g.hier.broadcast(b.flat, src, hier))
+        elif alg == "direct":
             g.direct.broadcast(b.flat, root)
         elif alg == "ring":
             A.tree_broadcast(c, b.flat, root, A.chain)

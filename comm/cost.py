@@ -42,9 +42,11 @@ def params(transport: str) -> tuple[float, float]:
     return alpha, beta
 
 
-def estimate(op: str, algorithm: str, nbytes: int, n: int, transport: str, seg_bytes: int = 1 << 20) -> float:
-    """Modelled seconds of ``op`` with ``algorithm`` on ``n`` ranks for ``nbytes``."""
-    a, b = params(transport)
+def estimate(op: str, algorithm: str, nbytes: int, n: int, transport: str, seg_bytes: int = 1 << 20,
+             ab: tuple[float, float] | None = None) -> float:
+    """Modelled seconds of ``op`` with ``algorithm`` on ``n`` ranks for ``nbytes``
+    (``ab``: measured (alpha, beta) instead of the transport's defaults)."""
+    a, b = ab if ab is not None else params(transport)
     S = float(nbytes)
     if n <= 1:
         return 0.0
@@ -81,9 +83,56 @@ CHOICES = {
 }
 
 
-def choose(op: str, nbytes: int, n: int, transport: str, seg_bytes: int = 1 << 20) -> str:
+def choose(op: str, nbytes: int, n: int, transport: str, seg_bytes: int = 1 << 20,
+           ab: tuple[float, float] | None = None) -> str:
     """The cheapest algorithm for ``op`` by the model (ties go to the first listed)."""
     cands = CHOICES.get(op)
     if not cands:
         return "ring"
-    return min(cands, key=lambda alg: estimate(op, alg, nbytes, n, transport, seg_bytes))
+    return min(cands, key=lambda alg: estimate(op, alg, nbytes, n, transport, seg_bytes, ab))
+
+
+# ------------------------------------------------------------------ two levels (hosts)
+# Across hosts, a rank's link is the host's: the L ranks of a host share it.  Per host and
+# all_reduce of S bytes, the flat ring (ranks of a host adjacent) crosses each host boundary
+# once per step, so the host's link carries 2(n-1)/n·S; the hierarchical algorithm
+# (intra-host reduce-scatter, L concurrent inter-host all-reduces of S/L, intra-host
+# all-gather) carries 2(h-1)/h·S.  Model, with (alpha_s, beta_s) inside a host and
+# (alpha_i, beta_i) the link between hosts:
+#
+#   flat          best flat algorithm on n = L·h ranks at (alpha_i, beta_i)
+#   hierarchical  2·(alpha_s + (L-1)/L·S·beta_s)                       (shm reduce-scatter, all-gather)
+#                 + best flat algorithm on h ranks for S/L bytes at (alpha_i, L·beta_i)
+#
+# (the L inter-host exchanges run at once over the one link, so each sees 1/L of it).
+def estimate_flat_multihost(op: str, nbytes: int, n: int, inter: tuple[float, float],
+                            seg_bytes: int = 1 << 20) -> tuple[str, float]:
+    """(algorithm, seconds): the best flat algorithm over ``n`` ranks on links ``inter``."""
+    cands = CHOICES.get(op, ("ring",))
+    t = {alg: estimate(op, alg, nbytes, n, "tcp", seg_bytes, inter) for alg in cands}
+    best = min(cands, key=lambda alg: t[alg])
+    return best, t[best]
+
+
+def estimate_hierarchical(op: str, nbytes: int, local: int, hosts: int, intra: tuple[float, float],
+                          inter: tuple[float, float], seg_bytes: int = 1 << 20) -> tuple[str, float]:
+    """(inter-host algorithm, seconds) of the hierarchical ``op`` (see above)."""
+    a_s, b_s = intra
+    S = float(nbytes)
+    inner = 2 * (a_s + (local - 1) / local * S * b_s)
+    if op == "broadcast":
+        inner = a_s + S * b_s + a_s + (local - 1) / local * S * b_s
+    elif op in ("reduce_scatter", "all_gather"):
+        inner /= 2
+    a_i, b_i = inter
+    inter_op = "all_reduce" if op == "all_reduce" else op
+    alg, t = estimate_flat_multihost(inter_op, int(S / local), hosts, (a_i, local * b_i), seg_bytes)
+    return alg, inner + t
+
+
+def choose_multihost(op: str, nbytes: int, local: int, hosts: int, intra: tuple[float, float],
+                     inter: tuple[float, float], seg_bytes: int = 1 << 20) -> tuple[bool, str]:
+    """(hierarchical?, algorithm): the hierarchical form and its inter-host algorithm, or the best flat one."""
+    flat_alg, tf = estimate_flat_multihost(op, nbytes, local * hosts, inter, seg_bytes)
+    hier_alg, th = estimate_hierarchical(op, nbytes, local, hosts, intra, inter, seg_bytes)
+    return (True, hier_alg) if th <= tf else (False, flat_alg)

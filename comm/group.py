@@ -31,7 +31,7 @@ from helios.profile.profiler import current_collector
 
 from helios.errors import CommError
 
-ALGORITHMS = ("auto", "ring", "tree", "halving_doubling")
+ALGORITHMS = ("auto", "ring", "tree", "halving_doubling", "hierarchical")
 _DEBUG_STEP = 0x8000
 _DESC = 160
 
@@ -92,6 +92,7 @@ class ProcessGroup:
         self.backend = transport.name
         self.engine = Engine(transport)
         self.direct = None
+        self.hier = None  # a helios.comm.hierarchical.Hierarchy when the group spans hosts (the world)
         if transport.name == "shm":
             from helios.comm.shm_direct import ShmDirect
 
@@ -331,6 +332,8 @@ class ProcessGroup:
         """The algorithm to run: forced, or direct on shm, or the cost model's choice."""
         if algorithm not in ALGORITHMS:
             raise ValueError(f"helios.comm: algorithm {algorithm!r} is not one of {', '.join(ALGORITHMS)}.")
+        if algorithm == "hierarchical":  # flat here (the hierarchical form is chosen before, by the caller)
+            algorithm = "auto"
         if algorithm != "auto":
             return algorithm
         if self.direct is not None:
@@ -356,6 +359,9 @@ class ProcessGroup:
                     return
         if self.direct is not None:
             self.direct.release()
+        if self.hier is not None:
+            self.hier.close()
+            self.hier = None
         self.engine.reset()
         self.t.close()
 

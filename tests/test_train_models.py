@@ -157,12 +157,42 @@ def test_init_from_a_transformers_folder_continues_from_its_weights(work, kind):
     got = _db_losses(out)
     assert len(got) == 3
     np.testing.assert_allclose(got[0], want, rtol=2e-5)
-    # A run of it continues from its weights in turn (not its step or optimizer state).
-    again = _run("helios.train", ["--init-from", out, "--steps", "1", *BASE, "--data", work / "words.txt",
-                                  "--sample-tokens", "0", "--out", work / f"ft2_{kind}"], work)
-    assert again.returncode == 0, _text(again)[-3000:]
-    assert "(not its optimizer state or step)" in again.stdout.decode()
-    assert _db_losses(work / f"ft2_{kind}")[0] < got[0]
+
+
+@pytest.fixture(scope="module")
+def gpt_run(work):
+    """A GPT trained by helios-train (helios.nn.GPT, byte tokenizer), 2 steps."""
+    run_dir = work / "gpt_run"
+    r = _run("helios.train", ["--config", "nano", "--steps", "2", *BASE, "--data", work / "words.txt",
+                              "--sample-tokens", "0", "--out", run_dir], work)
+    assert r.returncode == 0, _text(r)[-3000:]
+    return run_dir
+
+
+def test_init_from_a_run_takes_its_weights_not_its_step(work, gpt_run):
+    """--init-from RUN_DIR: the first loss is the run's final weights' on the batch (its block size and
+    tokenizer taken too), from step 1 with a fresh optimizer."""
+    import helios as hl
+    from helios.data import BatchLoader, prepare_dataset
+    from helios.nn import GPT, GPTConfig
+    from helios.train_model import latest_run_checkpoint, run_meta_of, run_weights
+
+    out = work / "from_run"
+    r = _run("helios.train", ["--init-from", gpt_run, "--steps", "2", "--no-progress", "--eval-every", "0",
+                              "--batch-size", "4", "--data", work / "words.txt", "--sample-tokens", "0", "--out", out],
+             work)
+    assert r.returncode == 0, _text(r)[-3000:]
+    assert "(not its optimizer state or step)" in r.stdout.decode()
+    ckpt = latest_run_checkpoint(str(gpt_run))
+    model = GPT(GPTConfig(**run_meta_of(ckpt)["config"]))
+    model.load_state_dict(run_weights(ckpt))
+    x, y = BatchLoader(prepare_dataset(str(work / "words.txt"), "byte", cache_root=work).train, 4, 16,
+                       seed=1337).next_batch()
+    with hl.no_grad():
+        want = model(x, y)[1].item()
+    got = _db_losses(out)
+    assert len(got) == 2  # steps 1 and 2: the run's step and optimizer state stay behind
+    np.testing.assert_allclose(got[0], want, rtol=1e-5)
 
 
 # ---- helios-export and helios-sample --------------------------------------------------------------
@@ -182,16 +212,11 @@ def _logits_of_run(run_dir, ids) -> np.ndarray:
 
 
 @pytest.mark.parametrize("arch", ["gpt", "llama"])
-def test_export_loads_in_transformers_with_equal_logits(work, llama_run, arch):
+def test_export_loads_in_transformers_with_equal_logits(work, llama_run, gpt_run, arch):
     import torch
     import transformers
 
-    run_dir = llama_run[0]
-    if arch == "gpt":
-        run_dir = work / "gpt_run"
-        r = _run("helios.train", ["--config", "nano", "--steps", "2", *BASE, "--data", work / "words.txt",
-                                  "--sample-tokens", "0", "--out", run_dir], work)
-        assert r.returncode == 0, _text(r)[-3000:]
+    run_dir = gpt_run if arch == "gpt" else llama_run[0]
     out = work / f"export_{arch}"
     r = _run("helios.export", [run_dir, out], work)
     assert r.returncode == 0, _text(r)

@@ -258,6 +258,24 @@ def test_sample_of_a_byte_run_slides_past_its_context(llama_run, work):
     assert r.stdout.startswith(b"def ") and len(r.stdout) >= 4 + 1
 
 
+def test_sample_exits_130_on_ctrl_c(llama_run, work):
+    import signal
+    import time
+
+    env = dict(_env(), HELIOS_CACHE_DIR=str(work))
+    p = subprocess.Popen([sys.executable, "-m", "helios.sample", str(llama_run[0]), "--prompt", "def ", "-n", "100000"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=ROOT)
+    try:
+        assert p.stdout.read(8)  # the prompt, then tokens as they come
+        time.sleep(0.5)
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 130 and b"Traceback" not in err, err.decode()[-2000:]
+
+
 # ---- refusals ---------------------------------------------------------------------------------------
 def _one_line(main, argv, capsys, needle, code=2):
     with pytest.raises(SystemExit) as e:

@@ -127,7 +127,7 @@ def init_spec(path: str, args, given: set, configs: dict) -> ModelSpec:
             if not isinstance(cfg, dict):
                 raise ValueError("not a JSON object")
             spec = _spec_of_hf(cfg, f"the Hugging Face model in {path}")
-        except ValueError as e:
+        except (ValueError, TypeError) as e:
             usage(f"--init-from {path}: {folder / 'config.json'}: {e}")
         spec.init = ("hf", str(folder.resolve()))
         tok = folder / "tokenizer.json"

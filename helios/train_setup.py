@@ -256,7 +256,7 @@ def build_model(args: argparse.Namespace, s: Settings, job: Job, ds) -> Model:
         fpt = gpt.flops_per_token()
     else:
         gpt, fpt = built.module, built.fpt
-        for note in built.notes:
+        for note in s.spec.notes + built.notes:  # the tokenizer and weights it brings
             job.say(f"--init-from: {note}")
     m = Model(cfg, run_meta, gpt, gpt.num_parameters(), fpt,  # the whole model's, whatever the split
               zero=args.zero if run.active else 0)

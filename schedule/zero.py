@@ -169,19 +169,18 @@ import contextlib
 import threading
 from dataclasses import dataclass, field
 
-import numpy as np
-
 import helios.comm as dist
 import helios.functional as F
 from helios import dtypes as dt
 from helios import flat
 from helios.autograd import tape
 from helios.autograd.tape import Function, no_grad
-from helios.errors import CheckpointError, HeliosError
+from helios.errors import HeliosError
 from helios.flat import LazyStorage
 from helios.nn import Module, ModuleList
 from helios.optim import Optimizer, adamw_constants
 from helios.schedule.ddp import DistributedDataParallel
+from helios.schedule.zero_state import ZeroStateIO, _formula, memory_report  # noqa: F401  (re-exported)
 from helios.tensor import Storage, Tensor
 
 _F32 = dt.float32
@@ -319,6 +318,7 @@ class ZeroAdamW(Optimizer):
         self.rank = dist.get_rank(self.pg)
         self._name = {id(p): n for n, p in named}
         self._check_params(named)
+        self._io = ZeroStateIO(self)
         self._replicas = self._check_replicas(param_replicas or {}, model)
         self._replicas_reduced = False  # reduce_gradients() ran since zero_grad (param_replicas need it)
         if getattr(model, "_own_flat", None):
@@ -1078,25 +1078,11 @@ class ZeroAdamW(Optimizer):
         layout = getattr(p, "tp_layout", None)
         return layout is not None and layout.tp > self.world // s.world
 
-    # ---- parameters, checkpoints, bytes --------------------------------------------------------
+    # ---- parameters, checkpoints, bytes (ZeroStateIO, zero_state.py) --------------------------
     def full_parameters(self) -> dict:
         """``{name: ndarray}`` of every trainable parameter, full size (at stage 3 every rank must call
         it: it gathers one unit at a time)."""
-        self._settle()
-        out = {}
-        if self.stage == 3:
-            for u in self.units:
-                self._gather(u, wait=True)
-                for s in u.segs:
-                    for p in s.params:
-                        out[self._name[id(p)]] = p.numpy()
-                self._release(u)
-        else:
-            for g in self.groups:
-                for s in g.segs:
-                    for p in s.params:
-                        out[self._name[id(p)]] = p.numpy()
-        return {n: out[n] for n in self._name.values() if n in out}
+        return self._io.full_parameters()
 
     def _ranges(self):
         """Yield (name, parameter, segment, offset of the parameter in the segment, start, stop) for this rank."""
@@ -1111,129 +1097,32 @@ class ZeroAdamW(Optimizer):
 
     def shard_ranges(self) -> dict:
         """``{KEY: (global shape, start, stop)}``: the flat range of each tensor this rank owns."""
-        out = {}
-        for name, p, _, _, start, stop in self._ranges():
-            for kind in ("param", "exp_avg", "exp_avg_sq"):
-                out[f"{kind}.{name}"] = (tuple(p.shape), start, stop)
-        return out
-
-    def _where(self, s: _Segment, a: int, start: int) -> tuple:
-        """(storage, element offset) of the parameter element ``start`` of a parameter at ``a`` in ``s``."""
-        g = self.groups[s.gi]
-        shard_off = s.so + a + start - s.rank * s.c
-        if self.stage == 3:
-            return g.pshard.untyped_storage(), shard_off
-        return s.pfull, s.po + a + start
+        return self._io.shard_ranges()
 
     def state_dict(self) -> dict:
         """This rank's shard of the parameters and moments, with the global ranges (module docstring)."""
-        self._settle()
-        host = {id(g.m): g.m.numpy() for g in self.groups}
-        host.update({id(g.v): g.v.numpy() for g in self.groups})
-        pshard = {gi: g.pshard.numpy() for gi, g in enumerate(self.groups) if g.pshard is not None}
-        pflat = {gi: g.pflat.numpy() for gi, g in enumerate(self.groups) if g.pflat is not None}
-        tensors = {}
-        for name, p, s, a, start, stop in self._ranges():
-            g = self.groups[s.gi]
-            so = s.so + a + start - s.rank * s.c
-            n = stop - start
-            if self.stage == 3:
-                pdata = pshard[s.gi][so: so + n]
-            else:
-                pdata = pflat[s.gi][s.po + a + start: s.po + a + start + n]
-            for kind, data in (("param", pdata), ("exp_avg", host[id(g.m)][so: so + n]),
-                               ("exp_avg_sq", host[id(g.v)][so: so + n])):
-                tensors[f"{kind}.{name}"] = {"shape": tuple(p.shape), "dtype": "float32", "start": start, "stop": stop,
-                                             "data": np.array(data, np.float32)}
-        groups = [{**h, "params": [self._name[id(p)] for p in g["params"]]}
-                  for h, g in zip(self._hyper(), self.param_groups)]
-        return {"stage": self.stage, "world_size": self.world, "rank": self.rank, "step": self.step_count,
-                "param_groups": groups, "tensors": tensors}
+        return self._io.state_dict()
 
-    @no_grad()
     def load_shard_state(self, sd: dict) -> None:
         """Load this rank's ranges (``shard_ranges()``) of every tensor; collective (module docstring)."""
-        self._settle()
-        tensors = sd.get("tensors", {})
-        arrays = {}
-        for key, (shape, start, stop) in self.shard_ranges().items():
-            if key not in tensors:
-                raise CheckpointError(f"ZeroAdamW.load_shard_state: {key} is missing (this rank needs its elements "
-                                      f"[{start}, {stop}) of shape {shape})")
-            x = tensors[key]
-            x = x["data"] if isinstance(x, dict) else x
-            x = np.ascontiguousarray(np.asarray(x, np.float32).reshape(-1))
-            if x.size != stop - start:
-                raise CheckpointError(f"ZeroAdamW.load_shard_state: {key} has {x.size} elements, this rank's range "
-                                      f"[{start}, {stop}) of shape {shape} needs {stop - start}")
-            arrays[key] = x
-        groups = sd.get("param_groups")
-        if groups is not None and len(groups) != len(self.param_groups):
-            raise CheckpointError(f"ZeroAdamW.load_shard_state: {len(groups)} parameter groups in the state, "
-                                  f"{len(self.param_groups)} in this optimizer")
-        for name, p, s, a, start, stop in self._ranges():
-            n = stop - start
-            if not n:
-                continue
-            g = self.groups[s.gi]
-            so = s.so + a + start - s.rank * s.c
-            st, off = self._where(s, a, start)
-            for (dst, doff), key in (((st, off), f"param.{name}"), ((g.m.untyped_storage(), so), f"exp_avg.{name}"),
-                                     ((g.v.untyped_storage(), so), f"exp_avg_sq.{name}")):
-                flat.copy_into(_view(dst, doff, n), flat.from_numpy(arrays[key], _F32, self.rt))
-        if self.stage <= 2:
-            works = [dist.all_gather(_view(s.pfull, s.po, s.world * s.c),
-                                     _view(s.pfull, s.po + s.rank * s.c, s.c), group=s.pg, async_op=True)
-                     for g in self.groups for s in g.segs]
-            for w in works:
-                w.wait()
-        for g in self.groups:
-            for s in g.segs:
-                flat.mark_written(s.pfull)  # the all-gathers wrote behind the ops' back
-        if groups is not None:
-            for g, h in zip(self.param_groups, groups):
-                g.update({k: (tuple(v) if k == "betas" else v) for k, v in h.items() if k != "params"})
-        if "step" in sd:
-            self.step_count = int(sd["step"])
+        self._io.load_shard_state(sd)
 
     # The interface of helios-train's checkpoint code (schedule/train_state.py): the moments by parameter.
     def moment_ranges(self) -> dict:
         """``{id(parameter): (start, stop)}``: the flat range of each parameter whose moments this rank holds."""
-        return {id(p): (start, stop) for _, p, _, _, start, stop in self._ranges()}
+        return self._io.moment_ranges()
 
     def moment_shards(self) -> list:
         """``[(parameter, "exp_avg" | "exp_avg_sq", start, stop, float32 ndarray)]`` for this rank's ranges."""
-        sd = self.state_dict()["tensors"]
-        out = []
-        for name, p, _, _, start, stop in self._ranges():
-            for kind in ("exp_avg", "exp_avg_sq"):
-                out.append((p, kind, start, stop, sd[f"{kind}.{name}"]["data"]))
-        return out
+        return self._io.moment_shards()
 
-    @no_grad()
     def load_moment_shards(self, moments: dict) -> None:
         """Load ``{id(parameter): [exp_avg, exp_avg_sq]}``, each the ``moment_ranges()`` range of the moment."""
-        for name, p, s, a, start, stop in self._ranges():
-            n = stop - start
-            arrs = moments.get(id(p))
-            if arrs is None or any(np.asarray(x).size != n for x in arrs):
-                raise CheckpointError(f"ZeroAdamW: the moments of {name} must cover elements [{start}, {stop})")
-            g = self.groups[s.gi]
-            so = s.so + a + start - s.rank * s.c
-            for t, x in zip((g.m, g.v), arrs):
-                if n:
-                    flat.copy_into(flat.elements(t, so, n),
-                                   flat.from_numpy(np.asarray(x, np.float32).reshape(-1), _F32, self.rt))
+        self._io.load_moment_shards(moments)
 
     def expected_memory(self) -> dict:
-        """The ZeRO formula's bytes per category at the padded Psi this layout uses (what ``requested`` is).
-        With ``param_replicas`` each segment counts over its own group: full 4 x N_s x c, shard 4 x c."""
-        if not self._replicas:
-            return _formula(self.stage, self.padded_numel, self.world)
-        full = 4 * sum(g.full_n for g in self.groups)
-        shard = 4 * sum(g.shard_n for g in self.groups)
-        return {"params": shard if self.stage == 3 else full, "grads": full if self.stage == 1 else shard,
-                "moments": 2 * shard}
+        """The ZeRO formula's bytes per category at the padded Psi this layout uses (what ``requested`` is)."""
+        return self._io.expected_memory()
 
     def memory_report(self) -> dict:
         return memory_report(self)
@@ -1251,38 +1140,6 @@ class ZeroAdamW(Optimizer):
     def largest_unit_bytes(self) -> int:
         """Stage 3: bytes of the largest unit's gathered parameters (padded)."""
         return max((sum(s.c * s.world * 4 for s in u.segs) for u in self.units), default=0)
-
-
-def _formula(stage: int, psi: int, n: int) -> dict:
-    full, shard = 4 * psi, 4 * psi // n
-    return {"params": shard if stage == 3 else full, "grads": full if stage == 1 else shard, "moments": 2 * shard}
-
-
-def memory_report(opt: ZeroAdamW) -> dict:
-    """Bytes this rank holds for the model states, by category, beside the ZeRO formulas.
-
-    ``held[cat]`` has ``formula`` (the fp32 formula at Psi: params 4Psi or 4Psi/N, grads 4Psi
-    or 4Psi/N, moments 8Psi/N), ``formula_padded`` (the same at the padded Psi this layout
-    uses), ``requested`` (bytes asked of the pool), ``pool`` (bytes the pool's size classes
-    hold for them, measured from ``pool_stats()`` as each buffer was allocated) and
-    ``buffers`` (the requested size of each buffer).  ``weights_pool_in_use`` is the weights
-    pool's current total (this optimizer's buffers are all it holds unless something else put
-    tensors there).  ``transient`` has the staging bytes of stage-2/3 gradients and the
-    gathered stage-3 parameters, now and at their peak, and ``largest_unit_bytes``.
-    """
-    psi, n = opt.numel, opt.world
-    f, fp = _formula(opt.stage, psi, n), _formula(opt.stage, opt.padded_numel, n)
-    held = {}
-    for cat in ("params", "grads", "moments"):
-        b = opt._bytes[cat]
-        held[cat] = {"formula": f[cat], "formula_padded": fp[cat], "requested": b["requested"], "pool": b["pool"],
-                     "buffers": list(b["buffers"])}
-    held["total"] = {k: sum(held[c][k] for c in ("params", "grads", "moments"))
-                     for k in ("formula", "formula_padded", "requested", "pool")}
-    return {"stage": opt.stage, "world_size": n, "rank": opt.rank, "numel": psi, "padded_numel": opt.padded_numel,
-            "held": held, "weights_pool_in_use": flat.pool_in_use(opt.rt, "weights"),
-            "transient": {k: dict(v) for k, v in opt._transient.items()},
-            "largest_unit_bytes": opt.largest_unit_bytes() if opt.stage == 3 else 0}
 
 
 class ZeroDataParallel(DistributedDataParallel):

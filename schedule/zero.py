@@ -167,7 +167,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from dataclasses import dataclass, field
 
 import helios.comm as dist
 import helios.functional as F
@@ -177,9 +176,10 @@ from helios.autograd import tape
 from helios.autograd.tape import Function, no_grad
 from helios.errors import HeliosError
 from helios.flat import LazyStorage
-from helios.nn import Module, ModuleList
+from helios.nn import Module
 from helios.optim import Optimizer, adamw_constants
 from helios.schedule.ddp import DistributedDataParallel
+from helios.schedule.zero_plan import ZeroPlan, _Group, _Segment, _Unit
 from helios.schedule.zero_state import ZeroStateIO, _formula, memory_report  # noqa: F401  (re-exported)
 from helios.tensor import Storage, Tensor
 
@@ -195,62 +195,6 @@ def _in_slot(p: Tensor) -> bool:
     """Whether ``p``'s gradient is its gradient slot's memory (else it landed elsewhere: a cast)."""
     g, slot = p.grad, p.grad_slot
     return g.untyped_storage() is slot.untyped_storage() and g.storage_offset() == slot.storage_offset()
-
-
-# ---- layout --------------------------------------------------------------------------------------
-@dataclass
-class _Segment:
-    """Parameters of one group laid out contiguously, padded to N chunks of c elements."""
-
-    gi: int
-    params: list
-    rel: list  # offset of each parameter inside the segment
-    numel: int  # L: elements of the parameters
-    c: int  # chunk per rank
-    so: int = 0  # offset of this segment's chunk in the group's shard buffers
-    po: int = 0  # offset of the segment in its full parameter storage
-    go: int = 0  # offset of the segment in its full gradient storage (stage 1: the group's; else its own staging)
-    unit: object = None  # stage 3: the _Unit it belongs to
-    pfull: Storage = None  # storage of the full parameters (the group's flat buffer, or lazy at stage 3)
-    gfull: Storage = None  # storage of the full gradients (the group's flat buffer at stage 1, else lazy staging)
-    # runtime
-    launched: int = 0  # DDP buckets of this segment handed to the comm hook in this backward
-    ready: int = 0  # stage 3, subgroup segments: parameters whose gradient is complete in this backward
-    has_grad: bool = False  # the shard holds reduced gradients not yet consumed by zero_grad
-    staged_bytes: int = 0
-    # the ranks this segment is sharded over: the model's group, or a subgroup (param_replicas)
-    pg: object = None
-    world: int = 1
-    rank: int = 0
-    sub: bool = False  # sharded over a subgroup: its gradients summed there, then divided by the model group's size
-
-
-@dataclass
-class _Group:
-    segs: list
-    full_n: int = 0  # elements of the full flat buffers (sum of N*c)
-    shard_n: int = 0  # elements of the shard buffers (sum of c)
-    pflat: Tensor = None  # stages 1-2: full parameters
-    gflat: Tensor = None  # stage 1: full gradients
-    pshard: Tensor = None  # stage 3
-    gshard: Tensor = None  # stages 2-3
-    m: Tensor = None
-    v: Tensor = None
-
-
-@dataclass
-class _Unit:
-    """Stage 3: a top-level child module whose parameters are gathered together."""
-
-    index: int
-    name: str
-    module: Module | None
-    segs: list = field(default_factory=list)
-    n_params: int = 0
-    state: str = "released"  # released | pending | gathered
-    pending: list = field(default_factory=list)  # (work, storage, version before) of a gather in flight
-    arrived: int = 0  # gradients complete in this backward
-    bytes: int = 0  # pool bytes of its gathered parameters
 
 
 class _DoneWork:
@@ -316,10 +260,9 @@ class ZeroAdamW(Optimizer):
         self.ddp, self.stage, self.pg = model, stage, model.group
         self.world = dist.get_world_size(self.pg)
         self.rank = dist.get_rank(self.pg)
-        self._name = {id(p): n for n, p in named}
-        self._check_params(named)
+        self.plan = ZeroPlan(model, self.param_groups, named, stage, param_replicas or {})
+        self._name, self._replicas = self.plan.name, self.plan.replicas
         self._io = ZeroStateIO(self)
-        self._replicas = self._check_replicas(param_replicas or {}, model)
         self._replicas_reduced = False  # reduce_gradients() ran since zero_grad (param_replicas need it)
         if getattr(model, "_own_flat", None):
             raise RuntimeError("ZeroAdamW: the model already ran a forward pass with gradient buffers of its own; "
@@ -327,10 +270,12 @@ class ZeroAdamW(Optimizer):
         p0 = self.param_groups[0]["params"][0]
         self.rt = p0.untyped_storage().rt  # the device runtime (helios.backend's contract) the parameters live on
         self._q = max(1, flat.alignment(self.rt) // 4)
+        self.plan.q = self._q
         self._bytes = {k: {"requested": 0, "pool": 0, "buffers": []} for k in ("params", "grads", "moments")}
         self._transient = {k: {"now": 0, "peak": 0} for k in ("grad_staging", "gathered_params")}
         self._inflight: list[_SegmentWork] = []
-        self.units: list[_Unit] = []
+        self.units: list[_Unit] = self.plan.units  # stage 3 (filled as the layout is made)
+        self._unit_of = self.plan.unit_of
         self._fwd_depth = 0
         self._fwd_order: list[_Unit] = []
         self._recording: list[_Unit] | None = None
@@ -353,141 +298,11 @@ class ZeroAdamW(Optimizer):
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
             self._wrap_forwards()
 
-    # ---- construction ------------------------------------------------------------------------
-    def _check_params(self, named: list) -> None:
-        seen: dict[int, int] = {}
-        for g in self.param_groups:
-            for p in g["params"]:
-                if id(p) not in self._name:
-                    raise ValueError("ZeroAdamW: a parameter in the groups is not a trainable parameter of the model")
-                if id(p) in seen:
-                    raise ValueError(f"ZeroAdamW: parameter {self._name[id(p)]} appears in more than one group")
-                if p.dtype is not _F32:
-                    raise ValueError(f"ZeroAdamW takes float32 parameters; {self._name[id(p)]} is {p.dtype.name}")
-                if not p.is_contiguous():
-                    raise ValueError(f"ZeroAdamW: parameter {self._name[id(p)]} is not contiguous")
-                seen[id(p)] = 1
-        missing = [n for n, p in named if id(p) not in seen]
-        if missing:
-            raise ValueError(f"ZeroAdamW: the groups leave out {len(missing)} trainable parameter(s) of the model "
-                             f"({', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}); DDP reduces every "
-                             "trainable parameter, so the optimizer must own them all")
-
-    def _check_replicas(self, replicas: dict, model) -> dict:
-        """``{id(parameter): group}`` of the parameters sharded over a subgroup of the model's
-        ranks (``param_replicas``: names to groups), checked."""
-        if not replicas:
-            return {}
-        by_name = {n: p for p, n in ((p, self._name[id(p)]) for g in self.param_groups for p in g["params"])}
-        unknown = sorted(set(replicas) - set(by_name))
-        if unknown:
-            raise ValueError(f"ZeroAdamW: param_replicas names no parameter of the optimizer: {', '.join(unknown[:5])}")
-        ignored = {n for n, _ in model.module.named_parameters()} - {n for n, _ in model._named}
-        kept = sorted(set(replicas) - ignored)
-        if kept:
-            raise ValueError(f"ZeroAdamW: {kept[0]} is in param_replicas but the DDP model averages it over every "
-                             "rank; leave it to the optimizer (DistributedDataParallel(params_to_ignore=...))")
-        return {id(by_name[n]): g for n, g in replicas.items()}
-
-    def _chunk(self, n: int, world: int | None = None) -> int:
-        per = self._q * (self.world if world is None else world)
-        return (n + per - 1) // per * self._q
-
+    # ---- construction (the layout: ZeroPlan, zero_plan.py) ----------------------------------------
     def replica_group(self, name: str):
         """The process group parameter ``name`` is sharded over: the model's, or its subgroup
         from ``param_replicas``."""
-        for g in self.param_groups:
-            for p in g["params"]:
-                if self._name[id(p)] == name:
-                    return self._replicas.get(id(p), self.pg)
-        raise KeyError(f"ZeroAdamW: no parameter {name!r}")
-
-    def _segments_of(self, gi: int, params: list) -> list[_Segment]:
-        if self.stage <= 2:
-            runs = []
-            for part in self._by_replica_group(params):
-                runs += [part] if self.stage == 1 else self._buckets(part)
-        else:
-            if not self.units:
-                self._find_units()
-            unit_of = self._unit_of
-            runs = []
-            for u in self.units:
-                # a unit's parameters of each group they are replicated over apart (param_replicas:
-                # a block's experts are gathered over their subgroup, the rest over the model's)
-                runs += self._by_replica_group([p for p in params if unit_of[id(p)] is u])
-        segs = []
-        for run in runs:
-            rel, n = [], 0
-            for p in run:
-                rel.append(n)
-                n += p.numel()
-            pg = self._replicas.get(id(run[0]), self.pg)
-            world = self.world if pg is self.pg else dist.get_world_size(pg)
-            s = _Segment(gi, run, rel, n, self._chunk(n, world))
-            s.pg, s.world, s.sub = pg, world, pg is not self.pg
-            s.rank = self.rank if pg is self.pg else dist.get_rank(pg)
-            if self.stage == 3:
-                s.unit = unit_of[id(run[0])]
-                s.unit.segs.append(s)
-            segs.append(s)
-        return segs
-
-    def _by_replica_group(self, params: list) -> list[list]:
-        """``params`` split by the group they are sharded over (``param_replicas``), in order of
-        first appearance: a segment is sharded over one group."""
-        parts: dict[int, list] = {}
-        for p in params:
-            parts.setdefault(id(self._replicas.get(id(p), self.pg)), []).append(p)
-        return list(parts.values())
-
-    def _buckets(self, params: list) -> list[list]:
-        """Stage 2's segments of ``params``: DDP's buckets (reverse registration order, at most
-        the bucket size), so a segment is complete when its buckets are."""
-        cap = self.ddp.bucket_cap_bytes
-        runs, cur, size = [], [], 0
-        for p in reversed(params):  # DDP's rule: reverse registration order, at most cap bytes
-            nb = p.numel() * 4
-            if cur and size + nb > cap:
-                runs.append(cur[::-1])
-                cur, size = [], 0
-            cur.append(p)
-            size += nb
-        if cur:
-            runs.append(cur[::-1])
-        runs.reverse()
-        return runs
-
-    def _find_units(self) -> None:
-        """Top-level children of the model (a ModuleList's children each), then a root unit."""
-        root = self.ddp.module
-        mods: list = []
-
-        def visit(prefix: str, m: Module) -> None:
-            for name, child in m._modules.items():
-                full = f"{prefix}.{name}" if prefix else name
-                # (a container whose children are called one by one: a pipeline stage's blocks)
-                if isinstance(child, ModuleList) or getattr(child, "children_are_units", False):
-                    visit(full, child)
-                else:
-                    mods.append((full, child))
-
-        visit("", root)
-        self._unit_of: dict[int, _Unit] = {}
-        trainable = set(self._name)
-        for name, m in mods:
-            ps = [p for _, p in m.named_parameters() if id(p) in trainable and id(p) not in self._unit_of]
-            if ps:
-                u = _Unit(len(self.units), name, m, n_params=len(ps))
-                self.units.append(u)
-                for p in ps:
-                    self._unit_of[id(p)] = u
-        rest = [p for _, p in root.named_parameters() if id(p) in trainable and id(p) not in self._unit_of]
-        if rest:
-            u = _Unit(len(self.units), "", None, n_params=len(rest))
-            self.units.append(u)
-            for p in rest:
-                self._unit_of[id(p)] = u
+        return self.plan.replica_group(name)
 
     def _persist(self, category: str, n: int) -> Tensor:
         """A zero-filled float32 buffer of n elements in the weights pool, counted under ``category``."""
@@ -501,13 +316,10 @@ class ZeroAdamW(Optimizer):
         return t
 
     def _build_group(self, gi: int, params: list) -> _Group:
+        """Group ``gi``'s buffers for the plan's layout, the parameters moved into them."""
         st3 = self.stage == 3
-        segs = self._segments_of(gi, params)
-        g = _Group(segs)
-        for s in segs:
-            s.so, s.po = g.shard_n, (0 if st3 else g.full_n)
-            g.shard_n += s.c
-            g.full_n += s.world * s.c
+        g = self.plan.layout(gi, params)
+        segs = g.segs
         if self.stage <= 2:
             g.pflat = self._persist("params", g.full_n)
         if self.stage == 1:
@@ -1086,14 +898,7 @@ class ZeroAdamW(Optimizer):
 
     def _ranges(self):
         """Yield (name, parameter, segment, offset of the parameter in the segment, start, stop) for this rank."""
-        for g in self.groups:
-            for s in g.segs:
-                r = s.rank
-                for p, a in zip(s.params, s.rel):
-                    lo, hi = max(a, r * s.c), min(a + p.numel(), (r + 1) * s.c)
-                    if hi < lo:
-                        hi = lo = min(max(a, r * s.c), a + p.numel())
-                    yield self._name[id(p)], p, s, a, lo - a, hi - a
+        return self.plan.ranges(self.groups)
 
     def shard_ranges(self) -> dict:
         """``{KEY: (global shape, start, stop)}``: the flat range of each tensor this rank owns."""

@@ -65,16 +65,21 @@ def test_a_flash_gpt_learns():
     assert losses[-1] < 0.7 * losses[0]
 
 
+def _q(T: int):
+    """A [1, 2, T, 32] query: what the attention's flash choice looks at (its length, dtype, head dim)."""
+    return hl.zeros((1, 2, T, 32))
+
+
 def test_auto_takes_flash_only_where_it_is_faster():
     attn = _model("auto").h[0].attn
-    assert not attn._flash(64) and attn._flash(FLASH_MIN_TRAIN_T)  # training: by context length
+    assert not attn._flash(_q(64)) and attn._flash(_q(FLASH_MIN_TRAIN_T))  # training: by context length
     with hl.no_grad():
-        assert attn._flash(64)  # the forward alone is faster with flash at every length
-    assert not _model("dense").h[0].attn._flash(4096)
+        assert attn._flash(_q(64))  # the forward alone is faster with flash at every length
+    assert not _model("dense").h[0].attn._flash(_q(4096))
     dropped = _model("flash", dropout=0.1).h[0].attn
-    assert not dropped._flash(64)  # attention dropout needs the dense weights
+    assert not dropped._flash(_q(64))  # attention dropout needs the dense weights
     dropped.eval()
-    assert dropped._flash(64)
+    assert dropped._flash(_q(64))
 
 
 def test_an_unknown_attention_kind_is_refused():

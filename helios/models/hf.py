@@ -189,6 +189,7 @@ def _write_safetensors(target: Path, arrays: dict) -> None:
     tmp = target.with_name(f".{target.name}.{secrets.token_hex(4)}.tmp")
     try:
         serialize_file(specs, str(tmp), metadata={"format": "pt"})
+        os.chmod(tmp, 0o644)  # the serializer creates 0600; the folder's other files are 0644
         fd = os.open(tmp, os.O_RDONLY)
         try:
             os.fsync(fd)

@@ -4,7 +4,7 @@
     python bench/attention.py [--T 64 256 1024 2048] [--batch 1] [--heads 4] [--head-dim 64]
                               [--rounds 5] [--no-causal] [--no-memory] [--device vulkan:N]
                               [--sparse] [--density 0.1] [--block-size 64]
-                              [--dilated] [--segments 512 1024 2048] [--dilations 1 2 4]
+                              [--dilated] [--segments 512 1024 2048] [--dilations 1 2 4] [--smoke]
     python bench/attention.py --device cuda:0 [--dtype bf16|fp16] [--T 1024 2048 4096 8192 16384]
                               [--head-dim 64 128] [--causal | --no-causal] [--batch B] [--heads H]
                               [--rounds 5] [--tol 0.05] [--require-wgmma] [--smoke]
@@ -34,6 +34,11 @@ One JSON line per T: {"bench": "attention", "B", "H", "T", "D", "causal", "<impl
 "flash_fwd_speedup_vs_<other>", ...}; a speedup is the other side's time over flash's (> 1:
 flash is faster).  A path that cannot run the shape (the dense scores of 4 heads at T = 4096
 are 256 MiB, over lavapipe's 128 MiB binding range) gets "<impl>_failed" with the error.
+
+``--smoke`` (CI's seconds-long run, tests/test_bench_smoke.py; the GPU path's is below): T = 64,
+B = 1, H = 2, D = 32, causal, one round of one call per block (no block sizing), the memory
+runs included (``--no-memory`` leaves them out); with ``--sparse`` / ``--dilated`` the same
+one-call rounds.  The same lines, their figures meaningless.
 
 ``--sparse`` / ``--dilated`` (either or both) time, instead, the sparse attentions of
 helios/attention.py against Helios' dense flash attention on the same values, interleaved in
@@ -235,7 +240,7 @@ def _peak_mib(impl: str, B: int, H: int, T: int, D: int, causal: bool) -> float 
     return round(res["peak_bytes"] / 2**20, 2)
 
 
-def bench_T(B: int, H: int, T: int, D: int, causal: bool, rounds: int, memory: bool) -> dict:
+def bench_T(B: int, H: int, T: int, D: int, causal: bool, rounds: int, memory: bool, smoke: bool = False) -> dict:
     import torch
 
     from helios import HeliosError
@@ -249,7 +254,7 @@ def bench_T(B: int, H: int, T: int, D: int, causal: bool, rounds: int, memory: b
             for part in (0, 1):
                 fns[impl][part]()  # warm-up: pipeline JIT, first touch of memory
                 one = _time(fns[impl][part])
-                reps[(impl, part)] = max(1, min(50, int(0.3 / max(one, 1e-6))))
+                reps[(impl, part)] = 1 if smoke else max(1, min(50, int(0.3 / max(one, 1e-6))))
         except HeliosError as e:  # e.g. the dense scores exceed one binding range
             failed[impl] = f"{type(e).__name__}: {e}"
             reps.pop((impl, 0), None)
@@ -327,7 +332,7 @@ def bench_sparse(kind: str, B: int, H: int, T: int, D: int, causal: bool, rounds
     for impl in fns:
         for part in (0, 1):
             fns[impl][part]()  # warm-up
-            reps[(impl, part)] = max(1, min(50, int(0.3 / max(_time(fns[impl][part]), 1e-6))))
+            reps[(impl, part)] = 1 if args.smoke else max(1, min(50, int(0.3 / max(_time(fns[impl][part]), 1e-6))))
     times = {key: [] for key in reps}
     for _ in range(rounds):
         for key, n in reps.items():
@@ -580,8 +585,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="causal only (the default on the default device; cuda:N runs both)")
     ap.add_argument("--no-causal", dest="causal", action="store_const", const=False, help="non-causal only")
     ap.add_argument("--smoke", action="store_true",
-                    help="cuda:N: one tiny causal configuration (T 128, B 1, H 1, D 64), one round; with "
-                         "HELIOS_CUDA_DEVICE=emulator it runs without a GPU (the check only, against torch CPU)")
+                    help="one tiny causal configuration, one round of one call: T 64, B 1, H 2, D 32 (cuda:N: T 128, "
+                         "B 1, H 1, D 64; with HELIOS_CUDA_DEVICE=emulator it runs without a GPU, the check only, "
+                         "against torch CPU)")
     ap.add_argument("--tol", type=float, default=GPU_TOL,
                     help="cuda:N: largest max |helios - peer| / max |peer| of the output and each gradient")
     ap.add_argument("--require-wgmma", action="store_true",
@@ -609,8 +615,11 @@ def main(argv: list[str] | None = None) -> int:
         args.head_dim = args.head_dim or [64, 128]
         args.rounds = args.rounds or 5
         return gpu_main(args)
-    if args.dtype or args.smoke or args.require_wgmma:
-        ap.error("--dtype, --smoke and --require-wgmma go with --device cuda:N")
+    if args.dtype or args.require_wgmma:
+        ap.error("--dtype and --require-wgmma go with --device cuda:N")
+    if args.smoke:
+        args.T, args.batch, args.heads = args.T or [64], args.batch or 1, args.heads or 2
+        args.head_dim, args.rounds = args.head_dim or [32], args.rounds or 1
     args.T = args.T or [64, 256, 1024, 2048]
     args.batch, args.heads = args.batch or 1, args.heads or 4
     args.head_dim = args.head_dim or [64]
@@ -644,7 +653,7 @@ def main(argv: list[str] | None = None) -> int:
             flash._FA_GPU_WG = rows  # read at each dispatch
             for D in args.head_dim:
                 for T in args.T:
-                    res = bench_T(args.batch, args.heads, T, D, args.causal, args.rounds, args.memory)
+                    res = bench_T(args.batch, args.heads, T, D, args.causal, args.rounds, args.memory, args.smoke)
                     print(json.dumps({**res, **common, "gpu_rows": rows}), flush=True)
     finally:
         flash._FA_GPU_WG = default_rows

@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/collectives.py                      # 2 and 4 ranks, 4 KiB .. 64 MiB
     .venv/bin/python bench/collectives.py --ranks 2 --sizes 4096,33554432 --ops all_reduce
+    .venv/bin/python bench/collectives.py --smoke              # CI's seconds-long run
 
 For each (ranks, backend) one set of processes initialises both helios.comm and
 torch.distributed (gloo) and, for each (op, size), alternates short bursts of the two on
@@ -14,6 +15,10 @@ nccl-tests: algbw = S / t (GB = 1e9 bytes), busbw = algbw * 2(n-1)/n for all_red
 gives the memory-bandwidth reference.  Output: one JSON line per measurement, then one
 line per target with its verdict; the exit status is 1 when a target is missed and
 ``--gate`` is given.
+
+``--smoke`` (tests/test_bench_smoke.py): 2 ranks, 4 KiB, every op on shm (the bench's code is
+the same for every backend), one round of 3 calls a side (``--iters``: the timed calls per round, overriding the size's count); the
+same lines, their figures meaningless (no target applies at these sizes).
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ def _busbw_factor(op: str, n: int) -> float:
 
 
 # ------------------------------------------------------------------------------- worker
-def worker(backend: str, ops: list[str], sizes: list[int], rounds: int) -> None:
+def worker(backend: str, ops: list[str], sizes: list[int], rounds: int, iters: int | None = None) -> None:
     """One rank: both helios.comm (``backend``) and gloo in this process, measured in alternation."""
     import helios.comm as dist
     import torch
@@ -83,7 +88,7 @@ def worker(backend: str, ops: list[str], sizes: list[int], rounds: int) -> None:
             small = count if op == "all_reduce" else max(1, count // n)
             ha, hb = np.ones(small, np.float32), np.ones(small * n, np.float32)
             ga, gb = torch.ones(small), torch.ones(small * n)
-            it = max(2, _iters(nbytes) // rounds)
+            it = iters or max(2, _iters(nbytes) // rounds)
             times: dict[str, list[float]] = {"helios": [], "gloo": []}
             for _ in range(2):
                 run_helios(op, ha, hb)
@@ -108,7 +113,7 @@ def worker(backend: str, ops: list[str], sizes: list[int], rounds: int) -> None:
 
 
 # ------------------------------------------------------------------------------- parent
-def launch(backend: str, n: int, ops: list[str], sizes: list[int], rounds: int) -> list[dict]:
+def launch(backend: str, n: int, ops: list[str], sizes: list[int], rounds: int, iters: int | None = None) -> list[dict]:
     """Run ``n`` ranks measuring helios ``backend`` and gloo; rank 0's results."""
     port, hport = free_port("127.0.0.1"), free_port("127.0.0.1")
     procs = []
@@ -116,7 +121,8 @@ def launch(backend: str, n: int, ops: list[str], sizes: list[int], rounds: int) 
         env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                    HELIOS_BENCH_PORT=str(hport))
         procs.append(subprocess.Popen([sys.executable, HERE, "--worker", backend, "--ops", ",".join(ops),
-                                       "--sizes", ",".join(map(str, sizes)), "--rounds", str(rounds)], env=env,
+                                       "--sizes", ",".join(map(str, sizes)), "--rounds", str(rounds)]
+                                      + (["--iters", str(iters)] if iters else []), env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     out = []
     try:
@@ -153,15 +159,22 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--worker", default=None)
     p.add_argument("--ops", default=",".join(OPS))
-    p.add_argument("--sizes", default=",".join(map(str, SIZES)))
-    p.add_argument("--ranks", default="2,4")
-    p.add_argument("--backends", default="shm,tcp")
+    p.add_argument("--sizes", default=None, help="comma list of bytes (default 4 KiB .. 64 MiB; --smoke 4096)")
+    p.add_argument("--ranks", default=None, help="comma list of world sizes (default 2,4; --smoke 2)")
+    p.add_argument("--backends", default=None, help="comma list (default shm,tcp; --smoke shm)")
     p.add_argument("--gate", action="store_true", help="exit 1 when a target is missed")
-    p.add_argument("--rounds", type=int, default=4, help="alternating helios / gloo bursts per size")
+    p.add_argument("--rounds", type=int, default=None, help="alternating helios / gloo bursts per size (default 4; --smoke 1)")
+    p.add_argument("--iters", type=int, default=None, help="timed calls per burst (default: by size; --smoke 3)")
+    p.add_argument("--smoke", action="store_true", help="CI's quick run: 2 ranks, 4 KiB, shm, one round of 3 calls")
     a = p.parse_args()
+    a.sizes = a.sizes or ("4096" if a.smoke else ",".join(map(str, SIZES)))
+    a.ranks = a.ranks or ("2" if a.smoke else "2,4")
+    a.backends = a.backends or ("shm" if a.smoke else "shm,tcp")
+    a.rounds = a.rounds or (1 if a.smoke else 4)
+    a.iters = a.iters or (3 if a.smoke else None)
     ops, sizes = a.ops.split(","), [int(s) for s in a.sizes.split(",")]
     if a.worker:
-        worker(a.worker, ops, sizes, a.rounds)
+        worker(a.worker, ops, sizes, a.rounds, a.iters)
         return 0
     mem = {s: memcpy_bw(s) for s in sizes}
     for s in sizes:
@@ -169,7 +182,7 @@ def main() -> int:
     table: dict[tuple, dict] = {}
     for n in [int(x) for x in a.ranks.split(",")]:
         for backend in a.backends.split(","):
-            for r in launch(backend, n, ops, sizes, a.rounds):
+            for r in launch(backend, n, ops, sizes, a.rounds, a.iters):
                 f = _busbw_factor(r["op"], n)
                 h, g = r["helios"], r["gloo"]
                 algbw, galgbw = r["bytes"] / h["t"] / 1e9, r["bytes"] / g["t"] / 1e9

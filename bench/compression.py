@@ -18,6 +18,13 @@ validation batches.
 
     python bench/compression.py [--steps 300] [--hooks none,powersgd,torch-powersgd] [--skip-torch]
                                 [--powersgd-start 10] [--out-svg bench/compression_loss.svg] [--work-dir DIR]
+                                [--config tiny] [--smoke]
+
+``--smoke`` (CI's seconds-long run, tests/test_bench_smoke.py): the nano config, 4 steps, the
+configurations ``none,powersgd,torch-powersgd`` with PowerSGD from step 2 (PyTorch's hook wants
+more than 1 warm-up step), the first step left out of the medians, and the plot into the work
+folder (not over bench/compression_loss.svg); every line as below (the summary's peer fields
+need ``torch-none`` too), its figures meaningless.
 
 Each configuration's wall time goes to stderr as it finishes; at the end come JSON lines,
 one per configuration (``bench: "compression"``):
@@ -47,7 +54,8 @@ its validation-loss gap in %, for Helios and for the peer, against the issue's t
 (<= 10 % of the bytes, within 3 % of the loss).  Each configuration's training loss (a
 running mean over ``--smooth`` steps) is drawn into ``--out-svg``.
 
-The PyTorch ranks are this file run with ``--torch-rank R`` (started by the script).
+The PyTorch ranks are this file run with ``--torch-rank R`` (started by the script); their GPT is
+bench/torch_twin.py's, from Helios' initial weights.
 """
 
 from __future__ import annotations
@@ -67,11 +75,11 @@ import tempfile
 import time
 from xml.sax.saxutils import escape
 
-from data_parallel import BIN, HERE, ROOT, _env, _Names
-from train_step import torch_loss_fn
+from data_parallel import BIN, HERE, ROOT, _env
+from torch_twin import gpt_config, helios_weights, loss_module, torch_loss_fn
 
 WORLD = 2
-CONFIG = "tiny"
+CONFIG = "tiny"  # helios-train's config; --config (--smoke: nano) sets it
 SEED = 1337  # helios-train's default --seed
 EVAL_BATCHES = 8  # helios-train's default --eval-batches
 
@@ -82,6 +90,7 @@ HELIOS_HOOKS = {"none": "none", "bf16": "bf16", "fp16": "fp16", "onebit": "onebi
 TORCH_HOOKS = {"torch-none": "none (the reducer's all-reduce)", "torch-fp16": "default_hooks.fp16_compress_hook",
                "torch-powersgd": "powerSGD_hook.powerSGD_hook(matrix_approximation_rank=4, start_powerSGD_iter={start})"}
 DEFAULT_HOOKS = "none,bf16,onebit,topk,powersgd,torch-none,torch-fp16,torch-powersgd"
+SMOKE_HOOKS = "none,powersgd,torch-powersgd"
 
 
 # ------------------------------------------------------------------------------------ Helios
@@ -155,7 +164,6 @@ def torch_rank(rank: int, port: int, hook: str, steps: int, start: int, init_pat
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
     from helios.data import BatchLoader, prepare_dataset
-    from helios.nn import GPTConfig
     from helios.optim import cosine_lr
     from helios.train import CONFIGS
 
@@ -165,28 +173,15 @@ def torch_rank(rank: int, port: int, hook: str, steps: int, start: int, init_pat
     per = bs // WORLD
     warmup = max(1, steps // 20)  # helios-train's default --warmup
     ds = prepare_dataset(None, "byte")
-    cfg = GPTConfig(vocab_size=ds.tokenizer.vocab_size, block_size=T, n_layer=c["n_layer"], n_head=c["n_head"],
-                    n_embd=c["n_embd"])
+    cfg = gpt_config(CONFIG, ds.tokenizer.vocab_size)
     loader = BatchLoader(ds.train, bs, T, seed=SEED)
     val_loader = BatchLoader(ds.val, bs, T, seed=SEED + 1)
     tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
                              timeout=datetime.timedelta(minutes=5))  # a lost peer fails the run instead of hanging it
 
-    init = np.load(init_path)  # Helios' initial parameters, in its order (the file keeps it)
-    pd = torch.nn.ParameterDict({n.replace(".", "__"): torch.nn.Parameter(torch.tensor(init[n])) for n in init.files})
-
-    class GPTLoss(torch.nn.Module):
-        """The GPT's training loss over a per-rank batch (parameters under Helios' names)."""
-
-        def __init__(self):
-            super().__init__()
-            self.p = pd
-            self.loss = torch_loss_fn(cfg, per, T, _Names(pd))
-
-        def forward(self, x, y):
-            return self.loss(x, y)
-
-    module = GPTLoss()
+    init = np.load(init_path)  # Helios' initial parameters (the file keeps Helios' order; the module sorts them)
+    # The GPT's training loss over a per-rank batch (bench/torch_twin.py), parameters under Helios' names.
+    module = loss_module(cfg, per, T, {n: init[n] for n in init.files})
     # 25 MiB given explicitly (helios-train's --bucket-cap-mb default) also lifts DDP's 1 MiB cap on its
     # first bucket: the tiny GPT's gradients make one bucket.  With several, powerSGD_hook's chained
     # all-reduces (issued from future callbacks) of two buckets can reach gloo in different orders on
@@ -231,7 +226,7 @@ def torch_rank(rank: int, port: int, hook: str, steps: int, start: int, init_pat
     tdist.all_reduce(mean_losses)
     mean_losses /= WORLD
     if rank == 0:
-        evaluate = torch_loss_fn(cfg, bs, T, _Names(pd))
+        evaluate = torch_loss_fn(cfg, bs, T, module.params)
         with torch.no_grad():
             val = [evaluate(torch.from_numpy(vx), torch.from_numpy(vy)).item()
                    for vx, vy in val_loader.iter_eval(EVAL_BATCHES)]
@@ -295,7 +290,7 @@ def run_torch(name: str, a, work: str) -> dict:
     s.close()
     procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--torch-rank", str(r), "--port", str(port),
                                "--hooks", name, "--steps", str(a.steps), "--powersgd-start", str(a.powersgd_start),
-                               "--init", os.path.join(work, "init.npz")],
+                               "--init", os.path.join(work, "init.npz"), "--config", CONFIG],
                               env=_env(), stdout=subprocess.PIPE, text=True, cwd=ROOT)
              for r in range(WORLD)]
     try:
@@ -325,18 +320,10 @@ def write_init(path: str) -> None:
     """
     import numpy as np
 
-    import helios as hl
     from helios.data import prepare_dataset
-    from helios.nn import GPT, GPTConfig
-    from helios.train import CONFIGS
 
-    c = CONFIGS[CONFIG]
     ds = prepare_dataset(None, "byte")
-    cfg = GPTConfig(vocab_size=ds.tokenizer.vocab_size, block_size=c["block_size"], n_layer=c["n_layer"],
-                    n_head=c["n_head"], n_embd=c["n_embd"])
-    hl.manual_seed(SEED)
-    gpt = GPT(cfg, seed=SEED)
-    np.savez(path, **{n: p.numpy() for n, p in gpt.named_parameters()})
+    np.savez(path, **helios_weights(gpt_config(CONFIG, ds.tokenizer.vocab_size), SEED, manual_seed=True))
 
 
 # -------------------------------------------------------------------------------------- plot
@@ -488,20 +475,30 @@ def summary_line(results: list[dict], steps: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=300, help="training steps of each configuration (default 300)")
-    ap.add_argument("--hooks", default=DEFAULT_HOOKS,
-                    help=f"comma list of configurations to run (default {DEFAULT_HOOKS}); a Helios entry may also be "
-                         "a --grad-compression spec without commas, e.g. onebit:warmup=5")
+    ap.add_argument("--steps", type=int, default=None, help="training steps of each configuration (default 300; --smoke 4)")
+    ap.add_argument("--hooks", default=None,
+                    help=f"comma list of configurations to run (default {DEFAULT_HOOKS}; --smoke {SMOKE_HOOKS}); a Helios "
+                         "entry may also be a --grad-compression spec without commas, e.g. onebit:warmup=5")
+    ap.add_argument("--config", default=None, help="helios-train config (default tiny; --smoke nano)")
+    ap.add_argument("--smoke", action="store_true", help="CI's quick run (see the docstring)")
     ap.add_argument("--skip-torch", action="store_true", help="run only the Helios configurations")
-    ap.add_argument("--powersgd-start", type=int, default=10, help="uncompressed warm-up steps of PowerSGD (both sides)")
-    ap.add_argument("--skip", type=int, default=3, help="first steps left out of the per-step medians (default 3)")
+    ap.add_argument("--powersgd-start", type=int, default=None,
+                    help="uncompressed warm-up steps of PowerSGD (both sides; default 10, --smoke 2)")
+    ap.add_argument("--skip", type=int, default=None, help="first steps left out of the per-step medians (default 3; --smoke 1)")
     ap.add_argument("--smooth", type=int, default=10, help="running-mean window of the plotted losses (1: raw)")
-    ap.add_argument("--out-svg", default=os.path.join(HERE, "compression_loss.svg"), help="where the loss plot goes")
+    ap.add_argument("--out-svg", default=None,
+                    help="where the loss plot goes (default bench/compression_loss.svg; --smoke: the work folder)")
     ap.add_argument("--work-dir", default=None, help="keep the runs here (default: a temporary folder, removed)")
     ap.add_argument("--torch-rank", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--init", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    global CONFIG
+    CONFIG = a.config or ("nano" if a.smoke else CONFIG)
+    a.steps = a.steps if a.steps is not None else (4 if a.smoke else 300)
+    a.hooks = a.hooks or (SMOKE_HOOKS if a.smoke else DEFAULT_HOOKS)
+    a.powersgd_start = a.powersgd_start if a.powersgd_start is not None else (2 if a.smoke else 10)
+    a.skip = a.skip if a.skip is not None else (1 if a.smoke else 3)
     if a.torch_rank is not None:
         torch_rank(a.torch_rank, a.port, a.hooks, a.steps, a.powersgd_start, a.init)
         return
@@ -528,16 +525,18 @@ def main() -> None:
             t0 = time.monotonic()
             results.append(run_torch(h, a, work) if h.startswith("torch-") else run_helios(h, a, work))
             print(f"{h}: {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
-    relative_to_baseline(results)
-    for r in results:
-        print(json.dumps({"bench": "compression", "config": CONFIG, "world": WORLD, "steps": a.steps,
-                          **{k: v for k, v in r.items() if k != "curve"}}), flush=True)
-    print(json.dumps(summary_line(results, a.steps)), flush=True)
-    if results and a.out_svg:
-        plot_losses(results, a.out_svg, a.steps, a.smooth, a.powersgd_start)
-        inside = os.path.abspath(a.out_svg).startswith(ROOT + os.sep)
-        print(json.dumps({"bench": "compression_plot", "svg": os.path.relpath(a.out_svg, ROOT) if inside else a.out_svg}),
-              flush=True)
+        relative_to_baseline(results)
+        for r in results:
+            print(json.dumps({"bench": "compression", "config": CONFIG, "world": WORLD, "steps": a.steps,
+                              **{k: v for k, v in r.items() if k != "curve"}}), flush=True)
+        print(json.dumps(summary_line(results, a.steps)), flush=True)
+        out_svg = a.out_svg if a.out_svg is not None else (os.path.join(work, "compression_loss.svg") if a.smoke
+                                                            else os.path.join(HERE, "compression_loss.svg"))
+        if results and out_svg:  # (a smoke run's plot goes with its temporary work folder)
+            plot_losses(results, out_svg, a.steps, a.smooth, a.powersgd_start)
+            inside = os.path.abspath(out_svg).startswith(ROOT + os.sep)
+            print(json.dumps({"bench": "compression_plot", "svg": os.path.relpath(out_svg, ROOT) if inside else out_svg}),
+                  flush=True)
 
 
 if __name__ == "__main__":

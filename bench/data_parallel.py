@@ -11,7 +11,15 @@ run of this script.  Printed as JSON lines:
   the collectives track against the backward phase minus its end-of-backward wait);
 * ``zero``: step time of each ZeRO stage over plain data parallel, and bytes per rank.
 
-    python bench/data_parallel.py [--config tiny] [--steps 30] [--warmup 5]
+    python bench/data_parallel.py [--config tiny] [--steps 30] [--warmup 5] [--zero 1,2,3] [--smoke]
+
+``--smoke`` (CI's seconds-long run, tests/test_bench_smoke.py): the nano config, 4 steps (the
+first left out of the medians), one validation batch, and the scaling line's 2-rank run also
+profiled and checkpointing every 2 steps, so it gives the overlap, checkpoint and ZeRO stage 0
+lines too; no ZeRO stage runs unless ``--zero`` names some.  Every line as above, its figures
+meaningless.
+
+The PyTorch ranks are this file run with ``--torch-rank R``, their GPT bench/torch_twin.py's.
 """
 
 from __future__ import annotations
@@ -131,33 +139,17 @@ def torch_rank(rank: int, world: int, port: int, config: str, per_rank_batch: in
     import torch
     import torch.distributed as tdist
 
-    sys.path.insert(0, HERE)
-    from train_step import torch_loss_fn
-
-    from helios.nn import GPTConfig
-    from helios.train import CONFIGS
+    from torch_twin import gpt_config, loss_module
 
     torch.set_num_threads(1)
-    c = CONFIGS[config]
-    T = c["block_size"]
-    cfg = GPTConfig(vocab_size=256, block_size=T, n_layer=c["n_layer"], n_head=c["n_head"], n_embd=c["n_embd"])
+    cfg = gpt_config(config)
+    T = cfg.block_size
     if world > 1:
         tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     gen = torch.Generator().manual_seed(0)
-
-    class GPTLoss(torch.nn.Module):
-        """The same GPT as Helios' (parameters under Helios' names, dots as double underscores)."""
-
-        def __init__(self):
-            super().__init__()
-            self.p = torch.nn.ParameterDict({n.replace(".", "__"): torch.nn.Parameter(torch.randn(*s, generator=gen) * 0.02)
-                                             for n, s in _gpt_shapes(cfg).items()})
-            self.loss = torch_loss_fn(cfg, per_rank_batch, T, _Names(self.p))
-
-        def forward(self, x, y):
-            return self.loss(x, y)
-
-    module = GPTLoss()
+    # The same GPT as Helios' (bench/torch_twin.py), its weights drawn here: only the step time is measured.
+    module = loss_module(cfg, per_rank_batch, T, {n: torch.randn(*s, generator=gen) * 0.02
+                                                  for n, s in _gpt_shapes(cfg).items()})
     model = torch.nn.parallel.DistributedDataParallel(module) if world > 1 else module
     opt = torch.optim.AdamW(module.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
 
@@ -186,16 +178,6 @@ def torch_rank(rank: int, world: int, port: int, config: str, per_rank_batch: in
         tdist.destroy_process_group()
 
 
-class _Names:
-    """Helios' parameter names over a ParameterDict keyed with double underscores."""
-
-    def __init__(self, pd):
-        self.pd = pd
-
-    def __getitem__(self, name):
-        return self.pd[name.replace(".", "__")]
-
-
 def _gpt_shapes(cfg) -> dict:
     from helios.nn import GPT
 
@@ -219,15 +201,21 @@ def torch_ddp(world: int, config: str, per_rank_batch: int, steps: int, warmup: 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--config", default="tiny")
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--config", default=None, help="helios-train config (default tiny; --smoke nano)")
+    ap.add_argument("--steps", type=int, default=None, help="steps of each run (default 30; --smoke 4)")
+    ap.add_argument("--warmup", type=int, default=None, help="first steps left out of the medians (default 5; --smoke 1)")
     ap.add_argument("--per-rank-batch", type=int, default=None)
-    ap.add_argument("--zero", default="1,2,3", help="ZeRO stages to time against plain DP ('' for none)")
+    ap.add_argument("--zero", default=None, help="ZeRO stages to time against plain DP ('' for none; default 1,2,3, "
+                                                 "--smoke none)")
+    ap.add_argument("--smoke", action="store_true", help="CI's quick run: nano, 4 steps, 3 runs (see the docstring)")
     ap.add_argument("--torch-rank", type=int, default=None)
     ap.add_argument("--world", type=int, default=1)
     ap.add_argument("--port", type=int, default=0)
     a = ap.parse_args()
+    a.config = a.config or ("nano" if a.smoke else "tiny")
+    a.steps = a.steps if a.steps is not None else (4 if a.smoke else 30)
+    a.warmup = a.warmup if a.warmup is not None else (1 if a.smoke else 5)
+    a.zero = a.zero if a.zero is not None else ("" if a.smoke else "1,2,3")
     from helios.train import CONFIGS
 
     c = CONFIGS[a.config]
@@ -236,10 +224,18 @@ def main() -> None:
         torch_rank(a.torch_rank, a.world, a.port, a.config, per, a.steps, a.warmup)
         return
     T = c["block_size"]
+    # A smoke run evaluates on one batch, and its 2-rank run of the scaling line is also the traced
+    # and the checkpointing run (and ZeRO's stage 0): every line from 2 helios-train runs.
+    quick = ("--eval-batches", "1") if a.smoke else ()
+    prof_from = max(a.warmup, a.steps - 5)
+    ck_every = "2" if a.smoke else "5"
     with tempfile.TemporaryDirectory() as tmp:
-        res = {}
+        trace = os.path.join(tmp, "trace.json")
+        traced = ("--profile-steps", f"{prof_from}:{a.steps}", "--trace", trace, "--profile-host-only")
+        res, runs = {}, {}
         for world in (1, 2):
-            run = helios_run(world, per, a.config, a.steps, os.path.join(tmp, f"h{world}"))
+            also = (*traced, "--ckpt-every", ck_every) if a.smoke and world == 2 else ()
+            run = runs[world] = helios_run(world, per, a.config, a.steps, os.path.join(tmp, f"h{world}"), *quick, *also)
             res[f"helios_{world}"] = per * T * world / step_seconds(run, a.warmup)
             res[f"torch_{world}"] = per * T * world / torch_ddp(world, a.config, per, a.steps, a.warmup)
         h_eff = res["helios_2"] / (2 * res["helios_1"])
@@ -250,25 +246,23 @@ def main() -> None:
                           "peer_tok_s_2": round(res["torch_2"], 1), "helios_efficiency": round(h_eff, 3),
                           "peer_efficiency": round(t_eff, 3), "ratio": round(h_eff / t_eff, 3)}), flush=True)
 
-        trace = os.path.join(tmp, "trace.json")
-        prof_from = max(a.warmup, a.steps - 5)
-        helios_run(2, per, a.config, a.steps, os.path.join(tmp, "traced"), "--profile-steps", f"{prof_from}:{a.steps}",
-                   "--trace", trace, "--profile-host-only")
+        if not a.smoke:
+            helios_run(2, per, a.config, a.steps, os.path.join(tmp, "traced"), *traced)
         print(json.dumps({"bench": "data_parallel_overlap", "config": a.config, "world": 2, **overlap_share(trace)}),
               flush=True)
 
-        ck = helios_run(2, per, a.config, a.steps, os.path.join(tmp, "ckpt"), "--ckpt-every", "5")
+        ck = runs[2] if a.smoke else helios_run(2, per, a.config, a.steps, os.path.join(tmp, "ckpt"), "--ckpt-every", ck_every)
         print(json.dumps({"bench": "checkpoint_step", "config": a.config, "world": 2, **checkpoint_cost(ck, a.warmup)}),
               flush=True)
 
         stages = [int(s) for s in a.zero.split(",") if s.strip()]
-        if stages:
-            z0 = helios_run(2, per, a.config, a.steps, os.path.join(tmp, "z0"))
+        if stages or a.smoke:
+            z0 = runs[2] if a.smoke else helios_run(2, per, a.config, a.steps, os.path.join(tmp, "z0"))
             base = step_seconds(z0, a.warmup)
             print(json.dumps({"bench": "zero", "config": a.config, "world": 2, "stage": 0, "step_ms": round(base * 1e3, 2),
                               **_zero_bytes(z0)}), flush=True)
             for st in stages:
-                run = helios_run(2, per, a.config, a.steps, os.path.join(tmp, f"z{st}"), "--zero", str(st))
+                run = helios_run(2, per, a.config, a.steps, os.path.join(tmp, f"z{st}"), *quick, "--zero", str(st))
                 t = step_seconds(run, a.warmup)
                 print(json.dumps({"bench": "zero", "config": a.config, "world": 2, "stage": st,
                                   "step_ms": round(t * 1e3, 2), "dp_step_ms": round(base * 1e3, 2),

@@ -18,7 +18,10 @@ Also printed: the host-only recording cost per op (auto-submit raised so nothing
 submitted while recording), and the cost of calling the addon's ``dispatch`` from a
 bare Python loop (the floor any Python caller pays).
 
-    .venv/bin/python bench/dispatch.py [--n 10000] [--numel 16] [--reps 5]
+    .venv/bin/python bench/dispatch.py [--n 10000] [--numel 16] [--reps 5] [--smoke]
+
+``--smoke`` (CI's seconds-long run, tests/test_bench_smoke.py): 200 ops a run, one run a side;
+the same lines, their figures meaningless.
 """
 
 from __future__ import annotations
@@ -123,10 +126,14 @@ def time_addon_calls(args: tuple, n: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--n", type=int, default=10_000, help="ops per timed run")
+    ap.add_argument("--n", type=int, default=None, help="ops per timed run (default 10000; --smoke 200)")
     ap.add_argument("--numel", type=int, default=16, help="elements of the tiny tensor")
-    ap.add_argument("--reps", type=int, default=5, help="timed runs per side (median reported, best too)")
+    ap.add_argument("--reps", type=int, default=None, help="timed runs per side, median reported, best too (default 5; "
+                                                          "--smoke 1)")
+    ap.add_argument("--smoke", action="store_true", help="CI's quick run: 200 ops, one run a side")
     a = ap.parse_args()
+    a.n = a.n or (200 if a.smoke else 10_000)
+    a.reps = a.reps or (1 if a.smoke else 5)
 
     rt = get_runtime()
     x = hl.tensor(np.arange(a.numel, dtype=np.float32))

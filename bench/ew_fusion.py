@@ -16,7 +16,10 @@ Second line, the host cost of the queue: recording 3,000 ops on 16-element tenso
 in this process, process CPU µs per op with nothing submitted while recording (as
 bench/dispatch.py's recording figure), median over the reps.
 
-    .venv/bin/python bench/ew_fusion.py [--n 1048576] [--iters 20] [--reps 5]
+    .venv/bin/python bench/ew_fusion.py [--n 1048576] [--iters 20] [--reps 5] [--smoke]
+
+``--smoke`` (CI's seconds-long run, tests/test_bench_smoke.py): 4096 floats, 2 chains a rep, one
+rep, 300 recorded ops; the same lines, their figures meaningless.
 """
 
 from __future__ import annotations
@@ -83,10 +86,15 @@ def record_cpu_us(x, n: int, chain: bool, fused: bool) -> float:
 def main() -> None:
     """Print one JSON line: fused vs unfused seconds per chain on this device."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--n", type=int, default=1 << 20)
-    ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--n", type=int, default=None, help="floats a vector (default 1048576; --smoke 4096)")
+    ap.add_argument("--iters", type=int, default=None, help="chains a rep (default 20; --smoke 2)")
+    ap.add_argument("--reps", type=int, default=None, help="reps, interleaved, median kept (default 5; --smoke 1)")
+    ap.add_argument("--smoke", action="store_true", help="CI's quick run: 4096 floats, 2 chains, one rep, 300 recorded ops")
     args = ap.parse_args()
+    args.n = args.n or (4096 if args.smoke else 1 << 20)
+    args.iters = args.iters or (2 if args.smoke else 20)
+    args.reps = args.reps or (1 if args.smoke else 5)
+    record_ops = 300 if args.smoke else 3000
     rt = get_runtime()
     rng = np.random.default_rng(0)
     x = hl.tensor(rng.standard_normal(args.n).astype(np.float32))
@@ -120,10 +128,10 @@ def main() -> None:
     for _ in range(args.reps):
         for is_chain in (False, True):
             for fused_ in (True, False):
-                rec.setdefault((is_chain, fused_), []).append(record_cpu_us(tiny, 3000, is_chain, fused_))
+                rec.setdefault((is_chain, fused_), []).append(record_cpu_us(tiny, record_ops, is_chain, fused_))
     med = {k: round(statistics.median(v), 2) for k, v in rec.items()}
     print(json.dumps({
-        "bench": "ew_fusion_record", "device": rt.info["name"], "unit": "cpu_us/op", "ops": 3000, "numel": 16,
+        "bench": "ew_fusion_record", "device": rt.info["name"], "unit": "cpu_us/op", "ops": record_ops, "numel": 16,
         "independent_fused": med[(False, True)], "independent_unfused": med[(False, False)],
         "chain_fused": med[(True, True)], "chain_unfused": med[(True, False)],
         "loadavg": open("/proc/loadavg").read().split()[:3],

@@ -1,7 +1,7 @@
 """Helios matmul GFLOP/s against numpy (its BLAS) on the same shapes, in the same process.
 
     python bench/matmul.py [--sizes 256 512 1024 2048] [--gpt 8 256 768] [--rounds 7]
-                           [--layouts nn tn nt] [--dtype float32] [--tiles 8x8 16x8 --wy 4]
+                           [--layouts nn tn nt] [--dtype float32] [--tiles 8x8 16x8 --wy 4] [--smoke]
 
 Shapes: fp32 squares and a GPT MLP projection (B*T x C) @ (C x 4C).  Layouts: ``nn``
 row-major operands (the forward), ``nt`` A @ B^T and ``tn`` A^T @ B as transposed views
@@ -25,6 +25,10 @@ runs in that dtype (cuBLAS on tensor cores), as Helios does on ``cuda:N`` (its p
 16-bit tensors run the wgmma kernel there; ``HELIOS_TENSOR_CORES=0`` for the SIMT one).
 ``--tiles`` (CPU devices only) repeats the square shapes for
 each TM x TN register block listed, to re-tune ``_MM_CPU_TILE`` on a new host.
+
+``--smoke`` (CI's seconds-long run, tests/test_bench_smoke.py): 64^3 and a GPT MLP shape of
+(2*16 x 32) @ (32 x 128), layouts nn, nt and tn, one round; the same lines, their figures
+meaningless.
 """
 
 from __future__ import annotations
@@ -152,17 +156,24 @@ def cuda_peer_gflops(M: int, Kd: int, N: int, layout: str, rounds: int, dtype: s
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Helios matmul vs numpy, same process")
-    ap.add_argument("--sizes", type=int, nargs="*", default=[256, 512, 1024, 2048])
-    ap.add_argument("--gpt", type=int, nargs=3, default=[8, 256, 768], metavar=("B", "T", "C"),
-                    help="GPT MLP shape (B*T x C) @ (C x 4C); --gpt 0 0 0 skips it")
-    ap.add_argument("--layouts", nargs="+", default=["nn"], choices=["nn", "nt", "tn", "tt"])
+    ap.add_argument("--sizes", type=int, nargs="*", default=None, help="squares (default 256 512 1024 2048; --smoke 64)")
+    ap.add_argument("--gpt", type=int, nargs=3, default=None, metavar=("B", "T", "C"),
+                    help="GPT MLP shape (B*T x C) @ (C x 4C), default 8 256 768 (--smoke 2 16 32); --gpt 0 0 0 skips it")
+    ap.add_argument("--layouts", nargs="+", default=None, choices=["nn", "nt", "tn", "tt"],
+                    help="default nn; --smoke nn nt tn")
     ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--rounds", type=int, default=None, help="timed rounds, median kept (default 7; --smoke 1)")
     ap.add_argument("--tiles", nargs="*", default=None, help="CPU register blocks to compare, e.g. 8x8 16x8")
     ap.add_argument("--wy", type=int, nargs="*", default=None, help="CPU subgroups per workgroup to compare")
     ap.add_argument("--cuda-peer", action="store_true", help="also time torch.matmul on CUDA (a GPU's peer)")
     ap.add_argument("--no-numpy", action="store_true", help="leave numpy out (with --cuda-peer: the GPU's peer only)")
+    ap.add_argument("--smoke", action="store_true", help="CI's quick run: 64^3 and a small GPT MLP shape, 3 layouts, one round")
     args = ap.parse_args(argv)
+    smoke = args.smoke
+    args.sizes = args.sizes if args.sizes is not None else ([64] if smoke else [256, 512, 1024, 2048])
+    args.gpt = args.gpt or ([2, 16, 32] if smoke else [8, 256, 768])
+    args.layouts = args.layouts or (["nn", "nt", "tn"] if smoke else ["nn"])
+    args.rounds = args.rounds or (1 if smoke else 7)
 
     rt = get_runtime()
     common = {"bench": "matmul", "dtype": args.dtype, "device": rt.info["name"], "device_type": rt.info["type"],

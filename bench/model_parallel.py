@@ -53,7 +53,13 @@ formula counts fp16 activations and dropout masks, Helios keeps fp32 and has no 
 here, so only the ratios compare).
 
     python bench/model_parallel.py [--steps 30] [--warmup 5] [--skip-train] [--skip-torch] [--skip-pipeline]
-                                   [--skip-balance] [--skip-activations]
+                                   [--skip-balance] [--skip-activations] [--config tiny] [--smoke]
+
+``--smoke`` (CI's seconds-long run, tests/test_bench_smoke.py): the nano config (2 layers), 4
+steps (the first left out of the medians), Helios' rows for 1 rank and tp 2 (no dp 2) and
+PyTorch's for tp 2 (no 1 rank), the pipeline with m = 2 only (1F1B: nano's 2 layers make no
+interleaved stages), no balance or activation rows; every line as above, its figures
+meaningless.  PyTorch's GPT is bench/torch_twin.py's ``tp_gpt_module``.
 """
 
 from __future__ import annotations
@@ -223,10 +229,10 @@ def activations(config: str) -> None:
         print(json.dumps(line), flush=True)
 
 
-def pipeline(config: str) -> None:
+def pipeline(config: str, smoke: bool = False) -> None:
     """The pipeline rows: 2 ranks of this script per micro-batch count, 1F1B then interleaved
-    with 2 chunks per rank (m a multiple of the 2 ranks)."""
-    for virtual, ms in ((1, (1, 4, 8)), (2, (4, 8))):
+    with 2 chunks per rank (m a multiple of the 2 ranks); ``smoke``: 1F1B with m = 2 only."""
+    for virtual, ms in ((1, (2,)),) if smoke else ((1, (1, 4, 8)), (2, (4, 8))):
         for m in ms:
             for line in sorted(_ranks_of_this_script(2, "--pipeline-rank", str(m), "--pipeline-virtual", str(virtual),
                                                      "--config", config)):
@@ -246,9 +252,10 @@ def pipeline_balance(config: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--config", default="tiny")
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--config", default=None, help="helios-train config (default tiny; --smoke nano)")
+    ap.add_argument("--steps", type=int, default=None, help="steps of each training run (default 30; --smoke 4)")
+    ap.add_argument("--warmup", type=int, default=None, help="first steps left out of the medians (default 5; --smoke 1)")
+    ap.add_argument("--smoke", action="store_true", help="CI's quick run (see the docstring)")
     ap.add_argument("--skip-pipeline", action="store_true")
     ap.add_argument("--skip-activations", action="store_true")
     ap.add_argument("--skip-train", action="store_true", help="leave out the helios-train rows (1 rank, dp 2, tp 2)")
@@ -264,6 +271,9 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    a.config = a.config or ("nano" if a.smoke else "tiny")
+    a.steps = a.steps if a.steps is not None else (4 if a.smoke else 30)
+    a.warmup = a.warmup if a.warmup is not None else (1 if a.smoke else 5)
     if a.torch_tp_rank is not None:
         torch_tp_rank(a.torch_tp_rank, a.world, a.port, a.config, a.steps, a.warmup)
         return
@@ -276,10 +286,10 @@ def main() -> None:
     if not a.skip_train:
         train_rows(a)
     if not a.skip_pipeline:
-        pipeline(a.config)
-    if not a.skip_balance:
+        pipeline(a.config, a.smoke)
+    if not a.skip_balance and not a.smoke:
         pipeline_balance(a.config)
-    if not a.skip_activations:
+    if not a.skip_activations and not a.smoke:
         activations(a.config)
 
 
@@ -291,6 +301,8 @@ def train_rows(a) -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         runs = {"1 rank": (1, ()), "dp 2": (2, ()), "tp 2": (2, ("--tp", "2"))}
+        if a.smoke:  # the layouts PyTorch's rows have (data parallel: bench/data_parallel.py's smoke)
+            del runs["dp 2"]
         base, helios = None, {}
         for name, (world, extra) in runs.items():
             out = os.path.join(tmp, name.replace(" ", ""))
@@ -313,9 +325,10 @@ def train_rows(a) -> None:
 
 def torch_rows(a, helios: dict) -> None:
     """PyTorch's rows: the same GPT on 1 process and tensor parallel over 2 (gloo), each with
-    Helios' step time and weights pool of the same layout from this run."""
+    Helios' step time and weights pool of the same layout from this run (``--smoke``: tp 2 only,
+    its own base)."""
     torch_one = None
-    for world, name in ((1, "1 rank"), (2, "tp 2")):
+    for world, name in ((2, "tp 2"),) if a.smoke else ((1, "1 rank"), (2, "tp 2")):
         res = torch_tp(world, a.config, a.steps, a.warmup)
         torch_one = torch_one or res
         line = {"bench": "model_parallel", "config": a.config, "layout": f"torch {name}", "ranks": world, **res,
@@ -358,54 +371,16 @@ def torch_tp_rank(rank: int, world: int, port: int, config: str, steps: int, war
     import numpy as np
     import torch
     import torch.distributed as tdist
-    import torch.nn as nn
     import torch.nn.functional as TF
+
+    from torch_twin import tp_gpt_module
 
     torch.set_num_threads(1)
     c = CONFIGS[config]
-    C, H, T, V, B = c["n_embd"], c["n_head"], c["block_size"], 256, c["batch_size"]
+    T, V, B = c["block_size"], 256, c["batch_size"]
     torch.manual_seed(0)
-
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.ln_1, self.ln_2 = nn.LayerNorm(C), nn.LayerNorm(C)
-            # q, k and v apart (Helios' c_attn is one [3C, C] matrix): a column split of each
-            # gives every rank whole heads.
-            self.q, self.k, self.v, self.c_proj = nn.Linear(C, C), nn.Linear(C, C), nn.Linear(C, C), nn.Linear(C, C)
-            self.c_fc, self.mlp_proj = nn.Linear(C, 4 * C), nn.Linear(4 * C, C)
-            self.register_buffer("mask", torch.tril(torch.ones(T, T, dtype=torch.bool)), persistent=False)
-
-        def forward(self, x):
-            b, t, _ = x.shape
-            a = self.ln_1(x)
-            # this rank's heads: the local width over the head size
-            q, k, v = (f(a).reshape(b, t, -1, C // H).transpose(1, 2) for f in (self.q, self.k, self.v))
-            att = ((q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(C // H))).masked_fill(~self.mask, float("-inf"))
-            x = x + self.c_proj((att.softmax(-1) @ v).transpose(1, 2).reshape(b, t, -1))
-            return x + self.mlp_proj(TF.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
-
-    class GPT(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.wte, self.wpe = nn.Embedding(V, C), nn.Embedding(T, C)
-            self.h = nn.ModuleList(Block() for _ in range(c["n_layer"]))
-            self.ln_f = nn.LayerNorm(C)
-            self.lm_head = nn.Linear(C, V, bias=False)
-
-        def forward(self, x):
-            h = self.wte(x) + self.wpe(torch.arange(x.shape[1]))
-            for blk in self.h:
-                h = blk(h)
-            return self.lm_head(self.ln_f(h))
-
-    model = GPT()
-    with torch.no_grad():  # Helios' GPT init: N(0, 0.02) weights (tied table included), zero biases
-        for mod in model.modules():
-            if isinstance(mod, (nn.Linear, nn.Embedding)):
-                mod.weight.normal_(0.0, 0.02)
-            if isinstance(mod, nn.Linear) and mod.bias is not None:
-                mod.bias.zero_()
+    # The GPT as PyTorch layers, q, k and v apart (bench/torch_twin.py): what parallelize_module splits.
+    model = tp_gpt_module(_gpt_config(config, V))
     loss_ctx = __import__("contextlib").nullcontext
     mesh = None
     if world > 1:

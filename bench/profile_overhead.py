@@ -1,10 +1,13 @@
 """Cost of profiling a training step: off, step timers only, and per-dispatch timestamps.
 
-    python bench/profile_overhead.py [--config nano] [--steps 10]
+    python bench/profile_overhead.py [--config nano] [--steps 10] [--rounds 5] [--smoke]
 
 Prints one JSON line with the median step time of each mode and the overheads
 relative to profiling off (targets: timers < 2 %, full per-dispatch timing < 15 %).
 The modes are interleaved round by round so machine noise hits them alike.
+
+``--smoke`` (CI's seconds-long run, tests/test_bench_smoke.py): 2 steps per mode, one round,
+200 steps of the isolated timer loop; the same line, its figures meaningless.
 """
 
 from __future__ import annotations
@@ -20,9 +23,12 @@ import numpy as np
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="nano")
-    ap.add_argument("--steps", type=int, default=10, help="steps per mode per round")
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=None, help="steps per mode per round (default 10; --smoke 2)")
+    ap.add_argument("--rounds", type=int, default=None, help="rounds over the modes (default 5; --smoke 1)")
+    ap.add_argument("--smoke", action="store_true", help="CI's quick run: 2 steps per mode, one round")
     args = ap.parse_args()
+    args.steps = args.steps or (2 if args.smoke else 10)
+    args.rounds = args.rounds or (1 if args.smoke else 5)
 
     import helios as hl
     from helios.nn import GPT, GPTConfig
@@ -88,7 +94,7 @@ def main() -> None:
     # The timers' own cost, isolated from machine noise: the phase bookkeeping of one step
     # without the work, in a tight loop.
     timer = StepTimer()
-    n_iso = 2000
+    n_iso = 200 if args.smoke else 2000
     t0 = time.perf_counter()
     for _ in range(n_iso):
         timer.start_step()

@@ -1,7 +1,7 @@
 """Ring attention on W ranks against one device and PyTorch CPU, in the same run.
 
     python bench/ring_attention.py [--T 8192] [--world 2] [--layout zigzag] [--batch 1] [--heads 2]
-                                   [--head-dim 32] [--rounds 3] [--no-causal] [--threads 1 2]
+                                   [--head-dim 32] [--rounds 3] [--no-causal] [--threads 1 2] [--smoke]
 
 The same float32 q, k, v and upstream gradient ([batch, heads, T, head_dim]) through:
 
@@ -36,6 +36,10 @@ One JSON line per measurement ({"bench": "ring_attention", "impl", "threads" or 
 "fwd_bwd_ms", "fwd_ms", "peak_mib", ...}) and a summary line with the ring's speedup over
 each peer (the peer's time over the ring's: > 1, the ring is faster) and each rank's peak
 over the single device's.
+
+``--smoke`` (CI's seconds-long run, tests/test_bench_smoke.py): T = 256 on 2 ranks, one timed
+round, the single device and the peer on 1 thread only; the same lines, their figures
+meaningless.
 """
 
 from __future__ import annotations
@@ -239,18 +243,23 @@ def _ms(ts: list[float]) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="ring attention on W ranks vs one device vs PyTorch CPU, same run")
-    ap.add_argument("--T", type=int, default=8192)
+    ap.add_argument("--T", type=int, default=None, help="sequence length (default 8192; --smoke 256)")
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--layout", default="zigzag", choices=("contiguous", "zigzag", "stripe"))
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--heads", type=int, default=2)
     ap.add_argument("--head-dim", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=None, help="timed rounds, median kept (default 3; --smoke 1)")
     ap.add_argument("--no-causal", dest="causal", action="store_false")
-    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2],
-                    help="LP_NUM_THREADS of the single device and torch threads of the peer, each measured")
+    ap.add_argument("--threads", type=int, nargs="+", default=None,
+                    help="LP_NUM_THREADS of the single device and torch threads of the peer, each measured "
+                         "(default 1 2; --smoke 1)")
+    ap.add_argument("--smoke", action="store_true", help="CI's quick run: T 256 on 2 ranks, one round, 1 thread")
     ap.add_argument("--role", choices=("rank", "single", "torch"), help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    a.T = a.T or (256 if a.smoke else 8192)
+    a.rounds = a.rounds or (1 if a.smoke else 3)
+    a.threads = a.threads or ([1] if a.smoke else [1, 2])
     if a.role == "rank":
         print(json.dumps(_rank(a)))
         return 0

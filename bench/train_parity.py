@@ -1,7 +1,7 @@
 """Training-loss parity: helios-train against a PyTorch twin, same initial weights, same batches.
 
     python bench/train_parity.py [--config gpt2] [--dtype bf16] [--steps 200] [--device cuda:0]
-                                 [--peer cuda] [--out DIR] [--tolerance 0.05]
+                                 [--peer cuda] [--out DIR] [--tolerance 0.05] [--smoke]
 
 Helios: ``helios-train --config C --dtype D --steps N [--device DEV]`` as a child process
 (``--eval-every 0 --ckpt-every 0 --sample-tokens 1 --no-progress``, run folder ``--out``/helios;
@@ -9,7 +9,7 @@ its output goes to this script's stderr), every step's loss read from its run da
 final checkpoint deleted afterwards unless ``--keep-checkpoint``).
 
 The twin: the same GPT in PyTorch eager on ``--peer`` (``cuda``: the GPU, TF32 off; ``cpu``),
-written as bench/train_step.py's ``torch_loss_fn`` with the attention through
+bench/torch_twin.py's ``torch_loss_fn`` with the attention through
 ``scaled_dot_product_attention``, trained as helios-train trains: Helios' initial parameters
 (``hl.manual_seed(seed)`` and ``GPT(cfg, seed=seed)`` on the device helios-train uses),
 the same batches (``helios.data.BatchLoader`` over the same corpus, helios-train's seed),
@@ -27,6 +27,10 @@ agree to rounding), "helios_final_train_loss", "peer_final_train_loss" (the last
 "same_start", "ok"}.  ``same_start``: the first losses within 2 % of each other; ``ok``: that and
 ``rel_diff_last10`` within ``--tolerance`` (5 %); the exit status is 1 when not ok (or when
 helios-train failed).  Both curves in full go to ``--out``/curves.json.
+
+``--smoke`` (CI's seconds-long run, tests/test_bench_smoke.py): ``--config nano --dtype fp32
+--steps 5 --peer cpu`` on the default device (each of them still settable); the same line and
+the same check (fp32 on the same weights and batches: the two curves agree to rounding).
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ import time
 
 import numpy as np
 
-from train_step import torch_loss_fn
+from torch_twin import gpt_config, helios_weights, torch_loss_fn
 
 SEED = 1337  # helios-train's default --seed
 EVAL_BATCHES = 8  # helios-train's default --eval-batches
@@ -134,20 +138,24 @@ def curve_points(losses: list[float]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="helios-train vs a PyTorch twin: same initial weights, same batches")
-    ap.add_argument("--config", default="gpt2")
-    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="bf16")
-    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--config", default=None, help="helios-train config (default gpt2; --smoke nano)")
+    ap.add_argument("--dtype", choices=("fp32", "bf16"), default=None, help="default bf16; --smoke fp32")
+    ap.add_argument("--steps", type=int, default=None, help="training steps (default 200; --smoke 5)")
     ap.add_argument("--device", default=None, help="Helios' device, e.g. cuda:0 (default: helios-train's)")
-    ap.add_argument("--peer", choices=("cuda", "cpu"), default="cuda", help="where the PyTorch twin trains")
+    ap.add_argument("--peer", choices=("cuda", "cpu"), default=None,
+                    help="where the PyTorch twin trains (default cuda; --smoke cpu)")
     ap.add_argument("--out", default=None, help="helios-train's run folder and curves.json (default: a temporary one)")
     ap.add_argument("--tolerance", type=float, default=0.05,
                     help="largest relative difference of the last 10 steps' mean loss")
     ap.add_argument("--keep-checkpoint", action="store_true", help="keep helios-train's final checkpoint in --out")
+    ap.add_argument("--smoke", action="store_true", help="CI's quick run: nano, fp32, 5 steps, the twin on the CPU")
     args = ap.parse_args(argv)
+    args.config = args.config or ("nano" if args.smoke else "gpt2")
+    args.dtype = args.dtype or ("fp32" if args.smoke else "bf16")
+    args.steps = args.steps or (5 if args.smoke else 200)
+    args.peer = args.peer or ("cpu" if args.smoke else "cuda")
 
-    import helios as hl
     from helios.data import prepare_dataset
-    from helios.nn import GPT, GPTConfig
     from helios.runtime import get_runtime, set_device
     from helios.train import CONFIGS
 
@@ -168,14 +176,11 @@ def main(argv: list[str] | None = None) -> int:
         # The corpus helios-train reads (its token cache filled here, before the child reads it) and
         # Helios' initial weights, made on the device helios-train uses, as it makes them.
         ds = prepare_dataset(None, "byte")
-        cfg = GPTConfig(vocab_size=ds.tokenizer.vocab_size, block_size=c["block_size"], n_layer=c["n_layer"],
-                        n_head=c["n_head"], n_embd=c["n_embd"])
+        cfg = gpt_config(args.config, ds.tokenizer.vocab_size)
         if args.device:
             set_device(args.device)
         rt = get_runtime()
-        hl.manual_seed(SEED)
-        init = {n: p.numpy() for n, p in GPT(cfg, seed=SEED).named_parameters()}
-        hl.synchronize()
+        init = helios_weights(cfg, SEED, manual_seed=True)
 
         summary, h_losses, h_wall = run_helios(args, os.path.join(out, "helios"))
         p_losses, p_val, p_wall = run_twin(args, cfg, init, ds, c)

@@ -9,14 +9,18 @@ others replayed (``replay_*``, what helios-train does by default on one device).
 flush; not the wait for the loss), median over the timed steps.
 
     python bench/train_step.py [--config tiny] [--steps 5] [--device cuda:0 --peer cuda] [--dtype bf16]
-                               [--compile | --no-compile]
+                               [--compile | --no-compile] [--smoke]
+
+``--smoke`` (CI's seconds-long run, tests/test_bench_smoke.py): the nano config, 2 timed steps
+after 1 warm-up, one round of each side instead of the best of two, no torch.compile peer
+unless ``--compile``; the same line, its figures meaningless.
 
 ``--dtype bf16`` runs both sides under autocast (Helios' ``hl.autocast``, PyTorch's
 ``torch.autocast``): the matmuls in bfloat16 (on ``cuda:N`` Helios' tensor-core kernel, on
 ``--peer cuda`` cuBLAS's), the rest in float32.
 
-The PyTorch twin (``torch_loss_fn``) is the same GPT over Helios' initial weights, eager.  With
-``--peer cuda`` its attention goes through ``scaled_dot_product_attention`` (PyTorch's flash
+The PyTorch twin (bench/torch_twin.py's ``torch_loss_fn``) is the same GPT over Helios' initial
+weights, eager.  With ``--peer cuda`` its attention goes through ``scaled_dot_product_attention`` (PyTorch's flash
 kernel; ``peer_attention: "sdpa"``), on the CPU it is written out (scores, mask, softmax;
 ``"explicit"``), as the CPU figures in bench/README.md were measured.  With ``--peer cuda``
 (or ``--compile``) a second peer times the same step with the forward through
@@ -36,48 +40,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import time
 
 import numpy as np
 
-
-def torch_loss_fn(cfg, B, T, params, sdpa: bool = False):
-    """The GPT's loss in PyTorch over the parameter dict ``params`` (Helios' names), on their device;
-    the attention written out (scores, mask, softmax), or with ``sdpa`` through
-    ``scaled_dot_product_attention`` (on a GPU its flash kernel, as Helios' flash attention)."""
-    import torch
-    import torch.nn.functional as TF
-
-    C, H = cfg.n_embd, cfg.n_head
-    dev = next(iter(params.values())).device
-    mask = torch.tril(torch.ones(T, T, dtype=torch.bool, device=dev))
-    pos = torch.arange(T, device=dev)
-
-    def lin(t, name):
-        return t @ params[name + ".weight"].T + params[name + ".bias"]
-
-    def loss_fn(x, y):
-        h = params["wte.weight"][x] + params["wpe.weight"][pos]
-        for i in range(cfg.n_layer):
-            p = f"h.{i}."
-            a = TF.layer_norm(h, (C,), params[p + "ln_1.weight"], params[p + "ln_1.bias"])
-            q, k, v = lin(a, p + "attn.c_attn").split(C, dim=2)
-            q, k, v = (t.reshape(B, T, H, C // H).transpose(1, 2) for t in (q, k, v))
-            if sdpa:
-                o = TF.scaled_dot_product_attention(q, k, v, is_causal=True)
-            else:
-                att = ((q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(C // H))).masked_fill(~mask, float("-inf")).softmax(-1)
-                o = att @ v
-            h = h + lin(o.transpose(1, 2).reshape(B, T, C), p + "attn.c_proj")
-            m = TF.layer_norm(h, (C,), params[p + "ln_2.weight"], params[p + "ln_2.bias"])
-            h = h + lin(TF.gelu(lin(m, p + "mlp.c_fc"), approximate="tanh"), p + "mlp.c_proj")
-        h = TF.layer_norm(h, (C,), params["ln_f.weight"], params["ln_f.bias"])
-        return TF.cross_entropy((h @ params["wte.weight"].T).reshape(B * T, -1), y.reshape(-1))
-
-    return loss_fn
-
+from torch_twin import torch_loss_fn  # bench/torch_twin.py, beside this script
 
 def torch_step_fn(cfg, B, T, params, opt, dtype: str = "fp32", sdpa: bool = False, compiled: bool = False):
     """One PyTorch training step (forward under autocast with ``dtype`` bf16, backward, clip,
@@ -118,9 +86,9 @@ def time_steps(step, batches, warmup: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--config", default="tiny")
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--config", default=None, help="helios-train config (default tiny; --smoke nano)")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps (default 5; --smoke 2)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 2; --smoke 1)")
     ap.add_argument("--device", default=None, help="Helios device (default: HELIOS_DEVICE or the best one), e.g. cuda:0")
     ap.add_argument("--peer", choices=("cpu", "cuda"), default="cpu",
                     help="PyTorch eager on the host's CPU threads, or on the GPU (cuda, TF32 off: fp32 as Helios)")
@@ -129,9 +97,14 @@ def main() -> None:
     ap.add_argument("--compile", dest="compile", action="store_true", default=None,
                     help="also time the PyTorch twin through torch.compile (default: with --peer cuda)")
     ap.add_argument("--no-compile", dest="compile", action="store_false", help="leave the torch.compile peer out")
+    ap.add_argument("--smoke", action="store_true",
+                    help="CI's quick run: nano, 2 steps after 1 warm-up, one round, no torch.compile unless --compile")
     args = ap.parse_args()
+    args.config = args.config or ("nano" if args.smoke else "tiny")
+    args.steps = args.steps if args.steps is not None else (2 if args.smoke else 5)
+    args.warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 2)
     if args.compile is None:
-        args.compile = args.peer == "cuda"
+        args.compile = args.peer == "cuda" and not args.smoke
 
     import torch
 
@@ -221,7 +194,7 @@ def main() -> None:
 
     # Interleave to share the machine's noise: helios, replay, torch (eager, compiled), twice; keep the best of each.
     times = {"helios": [], "replay": [], "peer": [], "compile": []}
-    for _ in range(2):
+    for _ in range(1 if args.smoke else 2):
         times["helios"].append(time_steps(helios_step, batches, args.warmup))
         if "replay" not in failed:
             try:

@@ -1,0 +1,152 @@
+"""Every benchmark's smoke mode runs, both sides: the benchmarks cannot rot unnoticed.
+
+Each bench/*.py script runs as a subprocess with ``--smoke`` (tiny sizes, one round, Helios and
+its peer; see each script's docstring) and must exit 0 and print JSON lines whose fields say
+that both sides ran.  The multi-rank benchmarks run 2 ranks with ``LP_NUM_THREADS=1`` each.
+The GPU-only benchmarks have their own tests: bench/ptx_gemm.py in tests/test_bench_ptx_gemm.py,
+bench/attention.py --device cuda:0 in tests/test_cuda_flash.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "bench")
+HAVE_TORCH = importlib.util.find_spec("torch") is not None
+
+
+def _has(line: dict, *fields: str) -> bool:
+    return all(line.get(f) is not None for f in fields)
+
+
+def _check_attention(lines):
+    (row,) = [x for x in lines if x.get("bench") == "attention"]
+    assert _has(row, "flash_fwd_bwd_ms", "dense_fwd_bwd_ms", "torch_fwd_bwd_ms", "flash_speedup_vs_torch"), row
+    assert all(isinstance(row[f"{k}_peak_mib"], float) for k in ("flash", "dense", "torch")), row
+
+
+def _check_collectives(lines):
+    rows = [x for x in lines if x.get("bench") in ("all_reduce", "all_gather", "reduce_scatter")]
+    assert {x["bench"] for x in rows} == {"all_reduce", "all_gather", "reduce_scatter"}, lines
+    for x in rows:
+        assert x["ranks"] == 2 and x["helios"]["time_us"] > 0 and x["peer"]["time_us"] > 0 and _has(x, "ratio"), x
+
+
+def _check_compression(lines):
+    rows = [x for x in lines if x.get("bench") == "compression"]
+    assert {(x["side"], x["hook"]) for x in rows} == {("helios", "none"), ("helios", "powersgd"), ("peer", "torch-powersgd")}
+    for x in rows:
+        assert _has(x, "wire_bytes_per_step", "payload_bytes_per_step", "step_ms", "final_val_loss"), x
+    (summary,) = [x for x in lines if x.get("bench") == "compression_summary"]
+    assert _has(summary, "helios_powersgd_bytes_share", "helios_powersgd_val_gap_pct"), summary
+    assert [x["bench"] for x in lines][-1] == "compression_plot"
+
+
+def _check_data_parallel(lines):
+    (row,) = [x for x in lines if x.get("bench") == "data_parallel_scaling"]
+    assert _has(row, "helios_tok_s_1", "helios_tok_s_2", "peer_tok_s_1", "peer_tok_s_2", "ratio"), row
+    (overlap,) = [x for x in lines if x.get("bench") == "data_parallel_overlap"]
+    assert overlap["all_reduces"] > 0, overlap
+    (ck,) = [x for x in lines if x.get("bench") == "checkpoint_step"]
+    assert ck.get("checkpoint_steps", 0) > 0, ck
+    (zero,) = [x for x in lines if x.get("bench") == "zero"]
+    assert zero["stage"] == 0 and zero["bytes_per_rank"], zero
+
+
+def _check_dispatch(lines):
+    rows = {x["bench"]: x for x in lines}
+    for name in ("dispatch_independent", "dispatch_chain"):
+        assert _has(rows[name], "helios", "peer", "ratio"), rows
+
+
+def _check_ew_fusion(lines):
+    rows = {x["bench"]: x for x in lines}
+    assert _has(rows["ew_fusion_chain4"], "fused_ms", "unfused_ms", "speedup"), rows
+    assert rows["ew_fusion_chain4"]["fused_dispatches"] < rows["ew_fusion_chain4"]["unfused_dispatches"]
+    assert _has(rows["ew_fusion_record"], "chain_fused", "chain_unfused"), rows
+
+
+def _check_matmul(lines):
+    assert len(lines) == 6, lines  # 2 shapes x 3 layouts
+    for x in lines:
+        assert _has(x, "helios_gflops", "numpy_gflops", "ratio") and x["rel_err"] < 1e-3, x
+
+
+def _check_model_parallel(lines):
+    rows = {x["layout"]: x for x in lines if "measure" not in x and x["layout"] != "pp 2"}
+    assert set(rows) == {"1 rank", "tp 2", "torch tp 2"}, rows
+    assert _has(rows["tp 2"], "step_ms", "measured_over_formula"), rows["tp 2"]
+    assert _has(rows["torch tp 2"], "step_ms", "helios_step_ms", "final_loss"), rows["torch tp 2"]
+    assert sorted(x["stage"] for x in lines if x["layout"] == "pp 2") == [0, 1]
+
+
+def _check_profile_overhead(lines):
+    (row,) = lines
+    assert _has(row, "off_ms", "timers_ms", "full_ms", "timers_overhead_pct"), row
+
+
+def _check_ring_attention(lines):
+    rows = {x["impl"]: x for x in lines}
+    assert set(rows) == {"ring", "single", "torch", "summary"}, rows
+    assert _has(rows["ring"], "fwd_bwd_ms") and _has(rows["torch"], "fwd_bwd_ms", "peak_mib"), rows
+    assert _has(rows["summary"], "ring_speedup_vs_single_1t", "ring_speedup_vs_torch_1t"), rows["summary"]
+
+
+def _check_train_parity(lines):
+    (row,) = lines
+    assert row["ok"] and row["same_start"] and _has(row, "helios_final_val_loss", "peer_final_val_loss"), row
+
+
+def _check_train_step(lines):
+    (row,) = lines
+    assert _has(row, "helios_tok_s", "replay_tok_s", "peer_tok_s", "ratio", "peer_mfu"), row
+
+
+VK, MP = pytest.mark.vulkan, pytest.mark.multiproc
+# script: (its check, whether its peer is PyTorch, whether it runs several ranks, pytest marks)
+BENCHES = {
+    "attention.py": (_check_attention, True, False, [VK]),
+    "collectives.py": (_check_collectives, True, True, [MP]),  # helios.comm on host arrays: no device
+    "compression.py": (_check_compression, True, True, [VK, MP]),
+    "data_parallel.py": (_check_data_parallel, True, True, [VK, MP]),
+    "dispatch.py": (_check_dispatch, False, False, [VK]),  # peer: the addon's raw C++ loop
+    "ew_fusion.py": (_check_ew_fusion, False, False, [VK]),  # peer: the same ops unfused
+    "matmul.py": (_check_matmul, False, False, [VK]),  # peer: numpy
+    "model_parallel.py": (_check_model_parallel, True, True, [VK, MP]),
+    "profile_overhead.py": (_check_profile_overhead, False, False, [VK]),  # peer: profiling off
+    "ring_attention.py": (_check_ring_attention, True, True, [VK, MP]),
+    "train_parity.py": (_check_train_parity, True, False, [VK]),
+    "train_step.py": (_check_train_step, True, False, [VK]),
+}
+
+
+def test_every_benchmark_has_a_smoke_test():
+    """A new bench/*.py gets a smoke mode and a row here (GPU-only ones are tested elsewhere)."""
+    gpu_only = {"ptx_gemm.py"}
+    scripts = {f for f in os.listdir(BENCH) if f.endswith(".py") and f != "torch_twin.py"}
+    assert scripts - gpu_only == set(BENCHES)
+
+
+@pytest.mark.parametrize("script", [pytest.param(s, marks=m[3], id=s.removesuffix(".py")) for s, m in BENCHES.items()])
+def test_benchmark_smoke_mode_runs_both_sides(script, tmp_path):
+    check, needs_torch, multirank, _ = BENCHES[script]
+    if needs_torch and not HAVE_TORCH:
+        pytest.skip(f"bench/{script}'s peer is PyTorch, which is not installed")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if multirank:
+        env.update(LP_NUM_THREADS="1", OMP_NUM_THREADS="1")  # each of the 2 ranks on one thread
+    # cwd: a scratch folder, so a script that wrote beside itself or into its working folder shows
+    r = subprocess.run([sys.executable, os.path.join(BENCH, script), "--smoke"], capture_output=True, text=True,
+                       env=env, cwd=tmp_path, timeout=600)
+    assert r.returncode == 0, f"bench/{script} --smoke exited {r.returncode}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    lines = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
+    assert lines, f"bench/{script} --smoke printed no JSON line:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    check(lines)
+    assert not os.listdir(tmp_path), f"bench/{script} --smoke left files in its working folder: {os.listdir(tmp_path)}"

@@ -111,8 +111,8 @@ def _training_shards(gpt, opt, run, grid, tp_group) -> dict:
     whole model's names; the tied table once, by the first stage."""
     if grid is None:
         return train_state.training_shards(gpt, opt, run.rank, run.world, tp_group)
-    writer = grid.dp_rank * grid.tp + grid.tp_rank
-    shards = train_state.training_shards(gpt, opt, writer, grid.dp * grid.tp, tp_group)
+    writer = (grid.dp_rank * grid.cp + grid.cp_rank) * grid.tp + grid.tp_rank
+    shards = train_state.training_shards(gpt, opt, writer, grid.dp * grid.cp * grid.tp, tp_group)
     return {k: v for k, v in shards.items() if gpt.owns(_param_of(k))}
 
 

@@ -28,10 +28,10 @@ from helios.optim import AdamW
 from helios.runtime import get_runtime
 from helios.schedule import DistributedDataParallel
 from helios.schedule.compression import parse_spec
-from helios.schedule.context_parallel import context_parallel_group, use_context_parallel
+from helios.schedule.context_parallel import use_context_parallel
 from helios.schedule.dist_run import DistRun
 from helios.schedule.grid import ParallelGrid
-from helios.schedule.moe import expert_groups, expert_parameter_names, expert_tp_group, use_experts
+from helios.schedule.moe import expert_parameter_names, use_experts
 from helios.schedule.pipeline import InterleavedPipelineStage, PipelineStage, layer_times
 from helios.schedule.tensor_parallel import TensorParallelGPT, TensorParallelLlama, full_shape
 from helios.schedule.zero import ZeroDataParallel
@@ -283,12 +283,15 @@ def _split_model(args: argparse.Namespace, s: Settings, job: Job, m: Model) -> N
     this rank's part and the groups its tensors are sharded over."""
     run, cfg, layout = job.run, m.cfg, s.layout
     expert_group = None
+    if run.active:  # every group of the job, in one place (TP innermost, then CP, DP, PP)
+        m.grid = ParallelGrid(tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep if args.moe_experts else 1)
+        run.use_data_parallel_coords(m.grid.dp_rank, m.grid.dp)  # context-parallel peers read the same rows
     if args.moe_experts:
         if args.ep > 1:  # each rank holds 1/ep of every layer's experts
             # over each stage's data-parallel ranks (with --tp, those of this rank's tensor-parallel place)
-            m.ep_group, m.edp_group = expert_groups(args.ep, pp=args.pp, tp=args.tp)
+            m.ep_group, m.edp_group = m.grid.ep_group, m.grid.edp_group
             if args.tp > 1:  # the ranks that hold the pieces of one replica's experts
-                expert_group = expert_tp_group(args.ep, args.tp, pp=args.pp)
+                expert_group = m.grid.expert_tp_group
         use_experts(m.gpt, args.moe_experts, args.moe_top_k, args.moe_capacity, args.moe_aux_alpha,
                     ep_group=m.ep_group)
         # a token runs top-k experts (each the size of the dense MLP) and the router
@@ -300,11 +303,8 @@ def _split_model(args: argparse.Namespace, s: Settings, job: Job, m: Model) -> N
         # another run's weights (with its experts, if it had them), before they are split over the ranks
         train_model.load_run_weights(init[1], m.gpt)
     if run.active:
-        m.grid = ParallelGrid(tp=args.tp, pp=args.pp)
-        run.use_data_parallel_coords(m.grid.dp_rank, m.grid.dp)
         if args.cp > 1:  # (with tp = pp = 1) context-parallel peers are neighbouring ranks, as Megatron-LM puts them
-            m.cp = use_context_parallel(m.gpt, context_parallel_group(args.cp), args.cp_layout)
-            run.use_data_parallel_coords(run.rank // args.cp, run.world // args.cp)
+            m.cp = use_context_parallel(m.gpt, m.grid.cp_group, args.cp_layout)
         if args.tp > 1 and s.spec.arch == "llama":  # this rank's heads, MLP features and vocabulary rows
             m.gpt = TensorParallelLlama(m.gpt, m.grid.tp_group)
         elif args.tp > 1:
@@ -353,17 +353,17 @@ def _wrap_data_parallel(args: argparse.Namespace, s: Settings, job: Job, m: Mode
             replicas = {n: m.edp_group for n in expert_parameter_names(gpt)}
         m.model = m.opt = ZeroDataParallel(gpt, m.zero, groups, lr=s.lr_max, betas=(0.9, 0.95),
                                            bucket_cap_mb=args.bucket_cap_mb,
-                                           group=m.grid.dp_group if args.tp > 1 or pipeline else None,
+                                           group=m.grid.dp_cp_group if args.tp > 1 or pipeline else None,
                                            param_replicas=replicas)
         if pipeline and m.zero == 3:  # the stage runs its blocks itself: each pass in the optimizer's forward scope
             gpt.pass_scope, gpt.sum_tied_locally = m.opt.forward_scope, False
             # (interleaved: each backward runs one chunk, and reduces that chunk's gradients only)
             gpt.chunk_scope = m.opt.chunk_scope
         return
-    if run.active and m.grid.dp > 1 and not pipeline:  # a pipeline averages after its flush (train_step)
+    if run.active and m.grid.dp * m.grid.cp > 1 and not pipeline:  # a pipeline averages after its flush (train_step)
         experts = []
         if m.ep_group is not None:  # each rank's own experts: averaged over their replicas after backward
             experts = expert_parameter_names(gpt)
         m.model = DistributedDataParallel(gpt, bucket_cap_mb=args.bucket_cap_mb, comm_hook=s.comm_hook,
-                                          group=m.grid.dp_group, params_to_ignore=experts)
+                                          group=m.grid.dp_cp_group, params_to_ignore=experts)
     m.opt = AdamW(groups, lr=s.lr_max, betas=(0.9, 0.95))

@@ -73,6 +73,12 @@ def _check_ew_fusion(lines):
     assert _has(rows["ew_fusion_record"], "chain_fused", "chain_unfused"), rows
 
 
+def _check_generate(lines):
+    (row,) = lines
+    assert _has(row, "kv_tok_s", "full_tok_s", "peer_tok_s", "kv_over_full", "kv_over_peer"), row
+    assert isinstance(row["same_tokens"], bool), row
+
+
 def _check_matmul(lines):
     assert len(lines) == 6, lines  # 2 shapes x 3 layouts
     for x in lines:
@@ -118,6 +124,7 @@ BENCHES = {
     "data_parallel.py": (_check_data_parallel, True, True, [VK, MP]),
     "dispatch.py": (_check_dispatch, False, False, [VK]),  # peer: the addon's raw C++ loop
     "ew_fusion.py": (_check_ew_fusion, False, False, [VK]),  # peer: the same ops unfused
+    "generate.py": (_check_generate, True, False, [VK]),  # peer: transformers' generate on PyTorch CPU
     "matmul.py": (_check_matmul, False, False, [VK]),  # peer: numpy
     "model_parallel.py": (_check_model_parallel, True, True, [VK, MP]),
     "profile_overhead.py": (_check_profile_overhead, False, False, [VK]),  # peer: profiling off

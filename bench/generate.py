@@ -15,10 +15,13 @@ generated greedily three ways:
 * ``peer``: transformers' ``generate(do_sample=False, use_cache=True)`` on PyTorch CPU.
 
 Each figure is the median over ``--rounds`` of new tokens per second (prefill included: the
-time from the prompt to the last token), after one warm-up call of each.  One JSON line:
-{"bench": "generate", "arch", "context", "new", "kv_tok_s", "full_tok_s", "peer_tok_s",
-"kv_over_full", "kv_over_peer", "same_tokens"}; ``same_tokens`` says the three agreed token
-for token.  ``--smoke``: a 2-layer model, 32-token context, 4 new tokens, one round (CI).
+time from the prompt to the last token), after one warm-up call of each; ``kv_decode_tok_s``
+is the cache's decode rate alone (the time of ``--new`` tokens less that of the prompt and one
+token, over ``--new`` - 1 tokens), ``kv_decode_over_full`` its ratio to full-context sampling.
+One JSON line: {"bench": "generate", "arch", "context", "new", "kv_tok_s", "full_tok_s",
+"peer_tok_s", "kv_over_full", "kv_decode_tok_s", "kv_decode_over_full", "kv_over_peer",
+"same_tokens"}; ``same_tokens`` says the three agreed token for token.  ``--smoke``: a 2-layer
+model, 32-token context, 4 new tokens, one round (CI).
 """
 
 from __future__ import annotations
@@ -101,6 +104,7 @@ def main(argv=None) -> int:
         peer = _hf_folder(args, folder)
         model = from_pretrained(folder)
     t_kv, kv = _timed(lambda: model.generate(prompt, args.new, temperature=0.0), args.rounds)
+    t_prefill, _ = _timed(lambda: model.generate(prompt, 1, temperature=0.0), args.rounds)  # the prompt + 1 token
     t_full, full = _timed(lambda: _full_context(model, prompt, args.new), args.rounds)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
 
@@ -113,6 +117,8 @@ def main(argv=None) -> int:
     row = {"bench": "generate", "arch": args.arch, "layers": args.layers, "width": args.width, "context": args.context,
            "new": args.new, "kv_tok_s": round(args.new / t_kv, 2), "full_tok_s": round(args.new / t_full, 2),
            "peer_tok_s": round(args.new / t_peer, 2), "kv_over_full": round(t_full / t_kv, 2),
+           "kv_decode_tok_s": round((args.new - 1) / max(t_kv - t_prefill, 1e-9), 2),
+           "kv_decode_over_full": round((args.new - 1) / max(t_kv - t_prefill, 1e-9) / (args.new / t_full), 2),
            "kv_over_peer": round(t_peer / t_kv, 3),
            "same_tokens": bool(np.array_equal(kv, full) and np.array_equal(kv, ref))}
     print(json.dumps(row), flush=True)

@@ -329,7 +329,7 @@ class Context:
 
     # -- launch ----------------------------------------------------------------------
     def launch(self, fn: Function, grid: tuple[int, int, int], block: tuple[int, int, int], args: list) -> None:
-        """Launch ``fn``; ``args`` are ("u64"|"u32", int) pairs or 128-byte tensor maps (bytes)."""
+        """Launch ``fn``; ``args`` are ("u64" | "u32", int) or ("f32", float) pairs, or 128-byte tensor maps (bytes)."""
         store = []
         for a in args:
             if isinstance(a, (bytes, bytearray)):
@@ -338,7 +338,7 @@ class Context:
                 store.append((raw, base))
             else:
                 kind, v = a
-                c = ctypes.c_uint64(v) if kind == "u64" else ctypes.c_uint32(v)
+                c = {"u64": ctypes.c_uint64, "u32": ctypes.c_uint32, "f32": ctypes.c_float}[kind](v)
                 store.append((c, ctypes.addressof(c)))
         ptrs = (ctypes.c_void_p * len(store))(*[p for _, p in store])
         self._check(

@@ -140,17 +140,10 @@ def default_config(pass_: str, dtype: str, head_dim: int, block_mask: bool = Fal
 # -- small emitters ------------------------------------------------------------------------
 
 
-def _vec(regs) -> str:
-    return "{" + ", ".join(str(r) for r in regs) + "}"
-
-
 def _desc(b: Builder, addr: Reg, const: int) -> Reg:
-    """A wgmma descriptor for the tile at shared ``addr``: ``const | ((addr & 0x3FFFF) >> 4)``."""
-    t, out = b.reg("u32"), b.reg("b64")
-    b.emit("and.b32", t, addr, 0x3FFFF)
-    b.emit("shr.u32", t, t, 4)
-    b.emit("cvt.u64.u32", out, t)
-    b.emit("or.b64", out, out, const)
+    """A fresh register holding the wgmma descriptor of the tile at shared ``addr`` (ops.smem_desc)."""
+    out = b.reg("b64")
+    ops.smem_desc(b, out, addr, const)
     return out
 
 
@@ -280,7 +273,7 @@ class _Flash:
             chunk, within = divmod(kk, 4)
             dak = b.binop("add", "s64", da, (chunk * a_rows * ROW_BYTES + within * 32) >> 4) if kk else da
             dbk = b.binop("add", "s64", db, (chunk * b_rows * ROW_BYTES + within * 32) >> 4) if kk else db
-            b.emit(f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{self.ptx_t}.{self.ptx_t}", _vec(acc), dak, dbk,
+            b.emit(f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{self.ptx_t}.{self.ptx_t}", ops.reg_vector(acc), dak, dbk,
                    zero if first and kk == 0 else one, 1, 1, 0, 0)
 
     def mma_rs(self, acc: list[Reg], a_frags: list[list[Reg]], b_addr: Reg, b_rows: int) -> None:
@@ -292,8 +285,8 @@ class _Flash:
         _, one = self._scale_preds()
         for kk, frag in enumerate(a_frags):
             dbk = b.binop("add", "s64", db, (kk * 16 * ROW_BYTES) >> 4) if kk else db
-            b.emit(f"wgmma.mma_async.sync.aligned.m64n{self.D}k16.f32.{self.ptx_t}.{self.ptx_t}", _vec(acc),
-                   _vec(frag), dbk, one, 1, 1, 1)
+            b.emit(f"wgmma.mma_async.sync.aligned.m64n{self.D}k16.f32.{self.ptx_t}.{self.ptx_t}", ops.reg_vector(acc),
+                   ops.reg_vector(frag), dbk, one, 1, 1, 1)
 
     def _scale_preds(self) -> tuple[Reg, Reg]:
         if not hasattr(self, "_preds"):

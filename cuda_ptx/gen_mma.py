@@ -189,15 +189,15 @@ def generate(cfg: GemmConfig) -> Kernel:
         for kk in range(cfg.bk // 16):
             for i in range(mt):
                 off = i * 16 * plan.a_stride + kk * 32
-                b.emit("ldmatrix.sync.aligned.m8n8.x4.shared.b16", _vec(af[i]), f"[{ld_a}+{off}]")
+                b.emit("ldmatrix.sync.aligned.m8n8.x4.shared.b16", ops.reg_vector(af[i]), f"[{ld_a}+{off}]")
             for p in range(nt // 2):
                 off = (kk * 16 * plan.b_stride + p * 32) if cfg.b_major == "n" else (p * 16 * plan.b_stride + kk * 32)
-                b.emit(f"ldmatrix.sync.aligned.m8n8.x4{trans}.shared.b16", _vec(bf[p]), f"[{ld_b}+{off}]")
+                b.emit(f"ldmatrix.sync.aligned.m8n8.x4{trans}.shared.b16", ops.reg_vector(bf[p]), f"[{ld_b}+{off}]")
             for i in range(mt):
                 for j in range(nt):
                     bj = bf[j // 2][2 * (j % 2): 2 * (j % 2) + 2]
                     b.emit(f"mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32",
-                           _vec(acc[i][j]), _vec(af[i]), _vec(bj), _vec(acc[i][j]))
+                           ops.reg_vector(acc[i][j]), ops.reg_vector(af[i]), ops.reg_vector(bj), ops.reg_vector(acc[i][j]))
         b.emit("add.u32", rd, rd, plan.stage_bytes)
         b.emit("setp.ge.u32", wrap, rd, ring_end)
         b.emit("sub.u32", rd, rd, ring_end, pred=wrap)
@@ -215,10 +215,6 @@ def generate(cfg: GemmConfig) -> Kernel:
                 off = b.binop("add", "u32", rbase, 8 * j)
                 ops.store_c(b, cfg, c_g, off, acc[i][j][2 * half: 2 * half + 2])
     return b.build()
-
-
-def _vec(regs) -> str:
-    return "{" + ", ".join(str(r) for r in regs) + "}"
 
 
 # ---------------------------------------------------------------------------------------

@@ -187,10 +187,6 @@ class WgmmaPlan:
         return self.a_bytes + j * self.b_box_bytes
 
 
-def _vec(regs) -> str:
-    return "{" + ", ".join(str(r) for r in regs) + "}"
-
-
 def generate(cfg: GemmConfig) -> Kernel:
     """Build the wgmma kernel for ``cfg``."""
     return _WgmmaKernel(cfg).build()
@@ -375,10 +371,10 @@ class _WgmmaKernel:
                 self.wait(b.mad("u32", slot, 8, self.full0), phase)
                 b.emit("mad.lo.u32", addr, slot, plan.stage_bytes, self.ring)
                 b.emit("add.u32", addr, addr, cons_a)
-                _desc(b, da, addr, plan.desc_a_const)
+                ops.smem_desc(b, da, addr, plan.desc_a_const)
                 b.emit("mad.lo.u32", addr, slot, plan.stage_bytes, self.ring)
                 b.emit("add.u32", addr, addr, plan.a_bytes)
-                _desc(b, db, addr, plan.desc_b_const)
+                ops.smem_desc(b, db, addr, plan.desc_b_const)
                 if cfg.persistent:
                     b.emit("setp.ne.u32", keep, kt, 0)
                 b.emit("wgmma.fence.sync.aligned")
@@ -390,11 +386,11 @@ class _WgmmaKernel:
                         shape = f"m64n{cfg.bn}k{plan.k_inst}"
                         if cfg.in_dtype == "e4m3":
                             b.emit(f"wgmma.mma_async.sync.aligned.{shape}.f32.{ptx_in}.{ptx_in}",
-                                   _vec(acc[mb]), dak, dbk, sd, 1, 1)
+                                   ops.reg_vector(acc[mb]), dak, dbk, sd, 1, 1)
                         else:
                             # imm-trans-a = 1 reads A M-major; imm-trans-b = 1 reads B N-major.
                             b.emit(f"wgmma.mma_async.sync.aligned.{shape}.f32.{ptx_in}.{ptx_in}",
-                                   _vec(acc[mb]), dak, dbk, sd, 1, 1, plan.trans_a, plan.trans_b)
+                                   ops.reg_vector(acc[mb]), dak, dbk, sd, 1, 1, plan.trans_a, plan.trans_b)
                 b.emit("wgmma.commit_group.sync.aligned")
                 if cfg.inflight == 0:
                     b.emit("wgmma.wait_group.sync.aligned", 0)
@@ -607,15 +603,6 @@ def _batch_flags(b: Builder, pmask, dims: int) -> tuple[list, list]:
     mask = ops.ld_param(b, pmask, "u32")
     flags = [b.binop("and", "b32", b.binop("shr", "u32", mask, bit), 1) for bit in range(2 * dims)]
     return flags[0::2], flags[1::2]
-
-
-def _desc(b: Builder, out, addr, const: int) -> None:
-    """``out = const | ((addr & 0x3FFFF) >> 4)``: a descriptor for the tile at shared ``addr``."""
-    t = b.reg("u32")
-    b.emit("and.b32", t, addr, 0x3FFFF)
-    b.emit("shr.u32", t, t, 4)
-    b.emit("cvt.u64.u32", out, t)
-    b.emit("or.b64", out, out, const)
 
 
 def _epilogue_tma(b: Builder, cfg: GemmConfig, plan: WgmmaPlan, tmap_c, smem, cstage, m0, n0, cidx, wtid,

@@ -140,3 +140,18 @@ def ring_advance(b: Builder, slot: Reg, phase: Reg, stages: int) -> None:
     b.emit("setp.eq.u32", wrap, slot, stages)
     b.emit("mov.u32", slot, 0, pred=wrap)
     b.emit("xor.b32", phase, phase, 1, pred=wrap)
+
+
+def reg_vector(regs) -> str:
+    """A PTX vector operand ``{%r1, %r2, ...}`` (accumulators, A fragments, stored pairs)."""
+    return "{" + ", ".join(str(r) for r in regs) + "}"
+
+
+def smem_desc(b: Builder, out: Reg, addr: Reg, const: int) -> None:
+    """``out = const | ((addr & 0x3FFFF) >> 4)``: a wgmma descriptor for the tile at shared ``addr``
+    (``const``: the layout's fields with a zero start, :func:`layout.encode_desc`)."""
+    t = b.reg("u32")
+    b.emit("and.b32", t, addr, 0x3FFFF)
+    b.emit("shr.u32", t, t, 4)
+    b.emit("cvt.u64.u32", out, t)
+    b.emit("or.b64", out, out, const)

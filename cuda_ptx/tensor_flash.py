@@ -16,12 +16,10 @@ the generic kernel; ``HELIOS_DEBUG=1`` says which ran and why.
 
 from __future__ import annotations
 
-import ctypes
-import threading
 from dataclasses import dataclass
 
 from . import gen_flash
-from .driver import Context, check
+from .driver import Context
 from .render import render
 
 DTYPES = {"bfloat16": "bf16", "float16": "fp16"}  # Helios dtype names -> the generator's
@@ -87,7 +85,6 @@ class TensorCoreFlash:
         self.ctx = ctx
         self._kernels: dict[tuple, _Kernel] = {}
         self._maps: dict[tuple, bytes] = {}
-        self._lock = threading.Lock()
 
     def kernel(self, pass_: str, dtype: str, head_dim: int, block_mask: bool = False) -> _Kernel:
         """The loaded kernel of one pass (built and loaded on first use); ``block_mask``: the form
@@ -115,26 +112,8 @@ class TensorCoreFlash:
         return m
 
     def _launch(self, kern: _Kernel, grid: tuple[int, int, int], args: list) -> None:
-        """Launch with ``args``: tensor maps (bytes), ("u64" | "u32" | "f32", value) pairs."""
-        keep, ptrs = [], []
-        for a in args:
-            if isinstance(a, (bytes, bytearray)):
-                buf = (ctypes.c_byte * 256)()  # a CUtensorMap must be 64- (CUDA 13: 128-) byte aligned
-                at = (ctypes.addressof(buf) + 127) // 128 * 128
-                ctypes.memmove(at, bytes(a), 128)
-                keep.append(buf)
-                ptrs.append(at)
-            else:
-                kind, v = a
-                c = {"u64": ctypes.c_uint64, "u32": ctypes.c_uint32, "f32": ctypes.c_float}[kind](v)
-                keep.append(c)
-                ptrs.append(ctypes.addressof(c))
-        block = (ctypes.c_void_p * len(ptrs))(*ptrs)
-        fn = kern.fn
-        with self._lock:
-            res = self.ctx.cu.cuLaunchKernel(fn.handle, *grid, kern.threads, 1, 1, fn.shared_bytes, 0,
-                                             ctypes.addressof(block), 0)
-        check(f"cuLaunchKernel({fn.name})", res, cu=self.ctx.cu)
+        """Launch with ``args``: tensor maps (bytes), ("u64" | "u32" | "f32", value) pairs (Context.launch)."""
+        self.ctx.launch(kern.fn, grid, (kern.threads, 1, 1), args)
 
     def forward(self, dtype: str, pb: Problem, q: Operand, k: Operand, v: Operand, o: int, lse: int, scale: float,
                 causal: bool, mask: tuple | None = None) -> None:
@@ -189,10 +168,12 @@ class TensorCoreFlash:
         return [("u32", pb.Tq), ("u32", pb.Tk), ("u32", pb.H), ("u32", pb.group)]
 
 
-def flops(pb: Problem, causal: bool, backward: bool = False) -> int:
+def flops(pb: Problem, causal: bool, backward: bool = False, pairs: int | None = None) -> int:
     """FLOPs an attention's products take (forward: 2; backward: the 5 of a fused backward, not the
-    7 these kernels run, so rates compare with other implementations): 2 D per product per pair."""
-    pairs = pb.Tq * pb.Tk if not causal else _causal_pairs(pb.Tq, pb.Tk)
+    7 these kernels run, so rates compare with other implementations): 2 D per product per
+    (query, key) pair; ``pairs``: those one head computes (a block mask's), else all (causal: half)."""
+    if pairs is None:
+        pairs = pb.Tq * pb.Tk if not causal else _causal_pairs(pb.Tq, pb.Tk)
     return (5 if backward else 2) * 2 * pb.D * pairs * pb.B * pb.H
 
 

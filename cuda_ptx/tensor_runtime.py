@@ -474,16 +474,16 @@ class CudaRuntime(Runtime):
             _debug.log_choice(f"flash attention {pass_}: {why}: runs the SIMT kernel (flash_attn)")
             return False
         rows_q, rows_k = pb.B * pb.H * pb.Tq, pb.B * pb.Hk * pb.Tk
-        mask = None
+        mask, pairs = None, None
         if block_mask is not None:
-            hm, om, bs = block_mask
+            hm, om, bs, pairs = block_mask
             mask = (self._address(hm, om, 4 * -(-pb.Tq // bs) * -(-pb.Tk // bs), "flash"), bs)
         self._use()
         if pass_ == "fwd":
             (ho, oo), (hl, ol) = outputs
             o = self._address(ho, oo, rows_q * pb.D * isz, "flash")
             lse = self._address(hl, ol, rows_q * 4, "flash")
-            timed = self._begin("flash_wgmma_fwd", tf.flops(pb, causal), (2 * rows_q + 2 * rows_k) * pb.D * isz) \
+            timed = self._begin("flash_wgmma_fwd", tf.flops(pb, causal, pairs=pairs), (2 * rows_q + 2 * rows_k) * pb.D * isz) \
                 if self._timing else None
             engine.forward(dtype, pb, *ops, o, lse, scale, causal, mask)
         else:
@@ -493,7 +493,7 @@ class CudaRuntime(Runtime):
             sizes = (rows_q, rows_k, rows_k)
             outs = [None if t is None else self._address(t[0], t[1], n * pb.D * isz, "flash")
                     for t, n in zip(outputs, sizes)]
-            timed = self._begin("flash_wgmma_bwd", tf.flops(pb, causal, backward=True),
+            timed = self._begin("flash_wgmma_bwd", tf.flops(pb, causal, backward=True, pairs=pairs),
                                 (3 * rows_q + 4 * rows_k) * pb.D * isz) if self._timing else None
             engine.backward(dtype, pb, *ops, lse, delta, *outs, scale, causal, mask)
         self._stats["dispatches"] += 1 if pass_ == "fwd" else sum(x is not None for x in outputs[:2])

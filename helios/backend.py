@@ -172,8 +172,9 @@ class Runtime(ABC):
         [B, H, Tq], the log-sum-exp of each row's scaled scores).  ``pass_ = "bwd"``: inputs
         (q, k, v, dO, L, D = rowsum(dO * O)), outputs (dQ, dK, dV), dK and dV with K's heads; a
         None output is not computed (dK and dV come together).  ``block_mask`` = (handle, byte offset,
-        block size): an int32 [ceil(Tq / bs), ceil(Tk / bs)] mask of the block pairs computed (bs a
-        multiple of 64), the others skipped whole.  Deterministic: the same inputs give the same
+        block size, pairs): an int32 [ceil(Tq / bs), ceil(Tk / bs)] mask of the block pairs computed
+        (bs a multiple of 64), the others skipped whole; ``pairs``: the (query, key) pairs one head
+        computes under it (the FLOPs the profiler counts).  Deterministic: the same inputs give the same
         bits.  False by default."""
         return False
 

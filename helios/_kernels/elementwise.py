@@ -10,9 +10,11 @@ from helios import ew_fusion, fusion
 from helios._shape import broadcast_strides, collapse
 from helios.errors import DTypeError, ShapeError
 from helios.kernels_spirv import ew_ops
-from helios.op_trace import current as _op_trace
+from helios import op_trace
 from helios.tensor import Tensor
 from helios._kernels.core import MAX_DIMS, _PAD6, _ZERO14, _elems_per_dispatch, _pad, bind, empty, grid
+
+_TRACE = op_trace.current()  # the op being recorded: a queued op records under its own operands and ids
 
 
 # Elementwise op codes, from the op table (kernels_spirv/ew_ops.py: it generates the GLSL switch too).
@@ -60,7 +62,7 @@ def unary(op: str, x: Tensor, p0: float = 0.0, p1: float = 0.0, out_dtype: dt.DT
                     and ew_fusion.fusible("unary", op, x.dtype.tag)):
                 # held back to be fused with the elementwise ops around it (helios.ew_fusion)
                 q.add(ew_fusion.EwOp("unary", op, x.dtype.tag, m, ((bx, ox),), (bo, oo), (p0, p1), args,
-                                     _op_trace().operands, _op_trace().dispatch_ids))
+                                     _TRACE.operands, _TRACE.dispatch_ids))
             else:
                 rt.dispatch(*args)
         return out
@@ -155,7 +157,7 @@ def binary(op: str, a: Tensor, b: Tensor, alpha: float = 1.0) -> Tensor:
                     and ew_fusion.fusible("binary", op, variant)):
                 # held back to be fused with the elementwise ops around it (helios.ew_fusion)
                 q.add(ew_fusion.EwOp("binary", op, variant, m, ((ba, oa), (bb, ob)), (bo, oo), (alpha,), args,
-                                     _op_trace().operands, _op_trace().dispatch_ids))
+                                     _TRACE.operands, _TRACE.dispatch_ids))
             else:
                 rt.dispatch(*args)
         return out
@@ -176,9 +178,8 @@ def binary(op: str, a: Tensor, b: Tensor, alpha: float = 1.0) -> Tensor:
         full = b if bcast[0] else a
         if bcast in ((False, True), (True, False)) and full.shape == shape and full.is_contiguous():
             args, ins, o = _binary_args(op, pid, ae, be, out, alpha)
-            tr = _op_trace()
-            q.add(ew_fusion.EwOp("binary", op, variant, n, ins, o, (alpha,), args, tr.operands, tr.dispatch_ids,
-                                 bcast))
+            q.add(ew_fusion.EwOp("binary", op, variant, n, ins, o, (alpha,), args, _TRACE.operands,
+                                 _TRACE.dispatch_ids, bcast))
             return out
     _binary_into(op, pid, ae, be, out, alpha)
     return out

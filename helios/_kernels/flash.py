@@ -115,7 +115,7 @@ def _run_engine(pass_: str, qkvg: tuple, stats: tuple, outs: tuple, scale: float
     rt = q._st.rt
     args = (pass_, q.dtype.name, _problem(q, k), tuple(_engine_operand(t) for t in qkvg) + tuple(_engine_out(t) for t in stats),
             tuple(None if t is None else _engine_out(t) for t in outs), float(scale), bool(causal),
-            None if block_mask is None else (*_engine_out(block_mask.dev), block_mask.block_size))
+            None if block_mask is None else (*_engine_out(block_mask.dev), block_mask.block_size, block_mask.pairs))
     if rt.flash(*args):
         return True
     if k.shape[1] == q.shape[1]:

@@ -25,7 +25,7 @@ Pending gradients taken over: a non-leaf used twice (the residual stream feeds a
 add and a LayerNorm) gets its gradient as the sum of two contributions, which the tape adds
 when the second arrives.  ``ctx.grad_pending(i)`` hands a backward the contribution input i
 has gathered so far; a backward that takes it returns its own gradient plus that tensor (the
-LayerNorm's input-gradient kernel adds it in its store: helios.fusion's
+LayerNorm's input-gradient kernel adds it in its store: helios.fused_kernels's
 "layer_norm_bwd+acc"), and the tape keeps the result as the input's pending gradient
 instead of recording the add.  The sum is the one the tape would compute (the same two
 operands; float addition commutes), so the bits are the same.

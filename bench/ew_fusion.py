@@ -1,8 +1,8 @@
-"""Elementwise chain fusion: a 4-op chain on 1M floats, fused (helios.ew_fusion) vs unfused.
+"""Elementwise chain fusion: a 4-op chain on 1M floats, fused (helios.elementwise_jit) vs unfused.
 
     y = (x * 2.0 + 1.0).relu() - z        # mul_s, add_s, relu, sub
 
-Unfused (the peer, ``helios.fusion.ENABLED = False`` as HELIOS_FUSION=0 sets it, in the same
+Unfused (the peer, ``helios.fused_kernels.ENABLED = False`` as HELIOS_FUSION=0 sets it, in the same
 process) is four dispatches, each reading and writing 1M floats; fused is one generated kernel
 that reads x and z and writes y.  Each variant runs ``--iters`` chains and one
 synchronize per rep; the figure is the median over ``--reps`` of seconds per chain, plus the
@@ -33,7 +33,7 @@ import time
 import numpy as np
 
 import helios as hl
-from helios import fusion
+from helios import fused_kernels
 from helios.runtime import get_runtime
 
 
@@ -45,7 +45,7 @@ def chain(x, z):
 def run(x, z, iters: int, fused: bool) -> tuple[float, int]:
     """(seconds per chain, dispatches per chain) over ``iters`` chains and one synchronize."""
     rt = get_runtime()
-    fusion.ENABLED = fused
+    fused_kernels.ENABLED = fused
     try:
         rt.synchronize()
         d0 = rt.stats()["dispatches"]
@@ -56,7 +56,7 @@ def run(x, z, iters: int, fused: bool) -> tuple[float, int]:
         dt = time.perf_counter() - t0
         d = rt.stats()["dispatches"] - d0
     finally:
-        fusion.ENABLED = True
+        fused_kernels.ENABLED = True
     del y
     return dt / iters, d / iters
 
@@ -68,7 +68,7 @@ def record_cpu_us(x, n: int, chain: bool, fused: bool) -> float:
     rt.synchronize()
     old = dev.auto_submit_dispatches
     dev.auto_submit_dispatches = max(old, n + 10)
-    fusion.ENABLED = fused
+    fused_kernels.ENABLED = fused
     try:
         y = x
         c0 = time.process_time()
@@ -78,7 +78,7 @@ def record_cpu_us(x, n: int, chain: bool, fused: bool) -> float:
         del y
         rt.synchronize()
     finally:
-        fusion.ENABLED = True
+        fused_kernels.ENABLED = True
         dev.auto_submit_dispatches = old
     return c / n * 1e6
 
@@ -102,9 +102,9 @@ def main() -> None:
     t0 = time.perf_counter()
     fused_y = chain(x, z).numpy()  # compiles (or loads) the fused kernel
     jit_s = time.perf_counter() - t0
-    fusion.ENABLED = False
+    fused_kernels.ENABLED = False
     ref_y = chain(x, z).numpy()
-    fusion.ENABLED = True
+    fused_kernels.ENABLED = True
     if fused_y.tobytes() != ref_y.tobytes():  # a benchmark of wrong results is no benchmark
         raise AssertionError("the fused chain differs from the unfused ops")
     run(x, z, 2, True), run(x, z, 2, False)  # warm both paths

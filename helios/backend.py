@@ -67,7 +67,7 @@ class Runtime(ABC):
     align: int = 256
     debug: int = 0  # HELIOS_DEBUG level the runtime logs kernels at (0: off)
     has_marks: bool = False  # whether mark() returns marks (device timestamps in the stream)
-    # The queue of elementwise ops not yet recorded (helios.ew_fusion.Queue), or None where the
+    # The queue of elementwise ops not yet recorded (helios.elementwise_jit.Queue), or None where the
     # backend dispatches them at once; a backend with one emits it before any other command.
     ew_queue = None
 

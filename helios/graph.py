@@ -252,7 +252,7 @@ class Graph:
 
     def _begin(self) -> None:
         rt = self.rt
-        rt.emit_pending()  # elementwise ops queued before the capture are not part of it (helios.ew_fusion)
+        rt.emit_pending()  # elementwise ops queued before the capture are not part of it (helios.elementwise_jit)
         self._holds = _holds_for(rt)
         self._real = {m: getattr(rt, m) for m in self._INTERPOSED}
         for m in self._INTERPOSED:
@@ -405,7 +405,7 @@ def capture(inputs=(), device=None):
     ok = False
     try:
         yield g
-        rt.emit_pending()  # the step's last elementwise ops are part of it (helios.ew_fusion)
+        rt.emit_pending()  # the step's last elementwise ops are part of it (helios.elementwise_jit)
         ok = True
     finally:
         _state.graph = None

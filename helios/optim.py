@@ -16,7 +16,7 @@ import weakref
 import helios.functional as F
 from helios import _kernels as K
 from helios import dtypes as dt
-from helios import fusion
+from helios import fused_kernels
 from helios import graph
 from helios.autograd.tape import no_grad
 from helios.errors import CheckpointError
@@ -246,9 +246,9 @@ def clip_grad_norm_(params, max_norm: float) -> Tensor:
                 flat_views.append(fg.g)
         else:
             flat_views.append(p.grad)
-    # Fused (helios.fusion): each contiguous view's sum of squares as one reduction, and the
+    # Fused (helios.fused_kernels): each contiguous view's sum of squares as one reduction, and the
     # scalar chain in the last reduction's final step; the same bits as the separate ops.
-    fuse = fusion.ENABLED and all(K.sum_squares_fits(g) for g in flat_views)
+    fuse = fused_kernels.ENABLED and all(K.sum_squares_fits(g) for g in flat_views)
     if fuse and len(flat_views) == 1:
         norm, coef = K.clip_coef(flat_views[0], max_norm)
     else:

@@ -20,7 +20,7 @@ import time
 import numpy as np
 
 from helios.backend import POOLS, Runtime  # noqa: F401  (Runtime: the contract, imported from here too)
-from helios import ew_fusion
+from helios import elementwise_jit
 from helios import backends, op_trace
 from helios.backends import DeviceInfo
 from helios.errors import DeviceError, OutOfMemoryError
@@ -200,9 +200,9 @@ class VulkanRuntime(Runtime):
             self.dev.set_profiling(True)
         if self.debug:
             op_trace.enable_operand_notes()  # autograd then notes each op's operands for the kernel lines
-        # Elementwise ops wait here to be fused (helios.ew_fusion); every method below that
+        # Elementwise ops wait here to be fused (helios.elementwise_jit); every method below that
         # records, reads or waits emits them first (``q = self.ew_queue; if q.ops: q.emit()``).
-        self.ew_queue = ew_fusion.Queue(self)
+        self.ew_queue = elementwise_jit.Queue(self)
 
     # -- allocator ------------------------------------------------------------------------
     def alloc(self, nbytes: int, pool: str = "activations") -> int:

@@ -21,7 +21,7 @@ kind, so codes are never written down by hand.  :func:`generate` turns the table
 the GLSL helper functions the expressions call; ``ew_unary.comp`` and ``ew_binary.comp``
 include it.  build.py regenerates the file before compiling (and a test checks the committed
 file equals what :func:`generate` writes now).  helios._kernels takes UNARY, BINARY, COMPARE
-and INT_UNARY from here, and the run-time elementwise fusion compiler (helios.ew_fusion)
+and INT_UNARY from here, and the run-time elementwise fusion compiler (helios.elementwise_jit)
 reads each op's float expression from here to generate its fused kernels.
 
 Adding an elementwise op is: one entry here (then ``python kernels_spirv/build.py``), one

@@ -47,7 +47,7 @@ KERNELS: dict[str, KernelInfo] = {
         KernelInfo("rng", 1, 36),
         KernelInfo("iota", 1, 32),
         KernelInfo("matmul", 4, 64),
-        KernelInfo("matmul_epi", 6, 72),  # matmul.glsl with a fused epilogue (helios.fusion)
+        KernelInfo("matmul_epi", 6, 72),  # matmul.glsl with a fused epilogue (helios.fused_kernels)
         KernelInfo("adamw", 4, 48),
         KernelInfo("sort", 3, 24),
         KernelInfo("scan", 2, 16),

@@ -11,7 +11,7 @@ from helios.runtime import get_runtime
 
 @contextlib.contextmanager
 def switched(module, name: str, value):
-    """``module.name = value`` inside the block (helios.fusion.ENABLED, tape.GRADS_IN_PLACE, ...)."""
+    """``module.name = value`` inside the block (helios.fused_kernels.ENABLED, tape.GRADS_IN_PLACE, ...)."""
     prev = getattr(module, name)
     setattr(module, name, value)
     try:

@@ -1,4 +1,4 @@
-"""A Linear layer's bias gradient computed in its weight gradient's matmul (helios.fusion
+"""A Linear layer's bias gradient computed in its weight gradient's matmul (helios.fused_kernels
 "matmul+bias_grad"): bit for bit the separate column reduction, one dispatch fewer, and the
 two unfused dispatches wherever the kernel cannot take the operands."""
 
@@ -13,7 +13,7 @@ import pytest
 import helios as hl
 import helios.functional as F
 from helios import _kernels as K
-from helios import fusion
+from helios import fused_kernels
 from helios.nn import Parameter
 from helios.optim import AdamW
 from helios.runtime import get_runtime
@@ -34,7 +34,7 @@ def _grads(x, w, b, fusion_on: bool, kernel_refuses: bool = False, slots: bool =
     ``slots``: the gradients have free slots in the optimizer's flat buffer."""
     opt = AdamW([w, b], lr=0.0) if slots else None  # packs the gradients into flat slots
     refuse = (lambda *a: False) if kernel_refuses else K.matmul_bias_grad
-    with switched(fusion, "ENABLED", fusion_on), switched(K, "matmul_bias_grad", refuse):
+    with switched(fused_kernels, "ENABLED", fusion_on), switched(K, "matmul_bias_grad", refuse):
         y = (F.linear(x, w, b) ** 2).sum()
         with count_dispatches() as names:
             y.backward()
@@ -127,4 +127,4 @@ def test_the_fused_dispatch_names_its_parts_at_debug():
     class Rt:
         debug = 1
 
-    assert fusion.dispatch_name("matmul+bias_grad", Rt()) == "matmul+bias_grad[matmul > sum]"
+    assert fused_kernels.dispatch_name("matmul+bias_grad", Rt()) == "matmul+bias_grad[matmul > sum]"

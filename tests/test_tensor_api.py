@@ -129,10 +129,10 @@ def test_deferred_chain_of_1000_ops_does_not_wait():
     hl.synchronize()
     rt.dev.reset_stats()  # the Vulkan addon's own counters
     y = x
-    from helios import ew_fusion
+    from helios import elementwise_jit
     from switches import switched
 
-    with switched(ew_fusion, "ENABLED", False):  # one dispatch per op here (chains fused: test_ew_fusion.py)
+    with switched(elementwise_jit, "ENABLED", False):  # one dispatch per op here (chains fused: test_elementwise_jit.py)
         for _ in range(1000):
             y = y + 1.0
     s = _stats()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import struct
 
 from helios import dtypes as dt
-from helios import ew_fusion, fusion
+from helios import elementwise_jit, fused_kernels
 from helios._shape import broadcast_strides, collapse
 from helios.errors import DTypeError, ShapeError
 from helios.kernels_spirv import ew_ops
@@ -58,10 +58,10 @@ def unary(op: str, x: Tensor, p0: float = 0.0, p1: float = 0.0, out_dtype: dt.DT
             args = (pid if vec == 1 else rt.pipeline("ew_unary", "f32", (code, 1, 4)), [bx, bo],
                     _P_UNARY.pack(m, 1, ox, oo, p0, p1, *_ZERO14), grid(m // vec), op, m, 2 * m * x.dtype.itemsize)
             q = rt.ew_queue
-            if (q is not None and m == n and fusion.ENABLED and ew_fusion.ENABLED and out.dtype is x.dtype
-                    and ew_fusion.fusible("unary", op, x.dtype.tag)):
-                # held back to be fused with the elementwise ops around it (helios.ew_fusion)
-                q.add(ew_fusion.EwOp("unary", op, x.dtype.tag, m, ((bx, ox),), (bo, oo), (p0, p1), args,
+            if (q is not None and m == n and fused_kernels.ENABLED and elementwise_jit.ENABLED and out.dtype is x.dtype
+                    and elementwise_jit.fusible("unary", op, x.dtype.tag)):
+                # held back to be fused with the elementwise ops around it (helios.elementwise_jit)
+                q.add(elementwise_jit.EwOp("unary", op, x.dtype.tag, m, ((bx, ox),), (bo, oo), (p0, p1), args,
                                      _TRACE.operands, _TRACE.dispatch_ids))
             else:
                 rt.dispatch(*args)
@@ -153,10 +153,10 @@ def binary(op: str, a: Tensor, b: Tensor, alpha: float = 1.0) -> Tensor:
                     _P_BINARY.pack(m, 1, oa, ob, oo, alpha, 0, 0, *_PAD6, *_PAD6, *_PAD6),
                     grid(m // vec), op, m, nbytes)
             q = rt.ew_queue
-            if (q is not None and m == n and fusion.ENABLED and ew_fusion.ENABLED
-                    and ew_fusion.fusible("binary", op, variant)):
-                # held back to be fused with the elementwise ops around it (helios.ew_fusion)
-                q.add(ew_fusion.EwOp("binary", op, variant, m, ((ba, oa), (bb, ob)), (bo, oo), (alpha,), args,
+            if (q is not None and m == n and fused_kernels.ENABLED and elementwise_jit.ENABLED
+                    and elementwise_jit.fusible("binary", op, variant)):
+                # held back to be fused with the elementwise ops around it (helios.elementwise_jit)
+                q.add(elementwise_jit.EwOp("binary", op, variant, m, ((ba, oa), (bb, ob)), (bo, oo), (alpha,), args,
                                      _TRACE.operands, _TRACE.dispatch_ids))
             else:
                 rt.dispatch(*args)
@@ -170,7 +170,7 @@ def binary(op: str, a: Tensor, b: Tensor, alpha: float = 1.0) -> Tensor:
     be = Tensor(b._st, shape, sb, b._off, b.dtype)
     pid = rt.pipeline("ew_binary", variant, (code, 0))
     q = rt.ew_queue
-    if (q is not None and fusion.ENABLED and ew_fusion.ENABLED and ew_fusion.fusible("binary", op, variant)
+    if (q is not None and fused_kernels.ENABLED and elementwise_jit.ENABLED and elementwise_jit.fusible("binary", op, variant)
             and not (_too_wide(ae) or _too_wide(be) or _too_wide(out))):
         # one operand with the output's shape, contiguous, the other a single element seen
         # everywhere (a 0-d tensor): fusible too, the single element loaded once per element
@@ -178,7 +178,7 @@ def binary(op: str, a: Tensor, b: Tensor, alpha: float = 1.0) -> Tensor:
         full = b if bcast[0] else a
         if bcast in ((False, True), (True, False)) and full.shape == shape and full.is_contiguous():
             args, ins, o = _binary_args(op, pid, ae, be, out, alpha)
-            q.add(ew_fusion.EwOp("binary", op, variant, n, ins, o, (alpha,), args, _TRACE.operands,
+            q.add(elementwise_jit.EwOp("binary", op, variant, n, ins, o, (alpha,), args, _TRACE.operands,
                                  _TRACE.dispatch_ids, bcast))
             return out
     _binary_into(op, pid, ae, be, out, alpha)
@@ -271,7 +271,7 @@ def write_grad_slot(slot: Tensor, g: Tensor, add: bool) -> None:
     writer it is given (helios.autograd.tape.set_grad_slot_writer): the tape launches nothing."""
     if not add:
         copy_into(slot, g)
-    elif fusion.ENABLED and g.shape == slot.shape and g.dtype is slot.dtype and slot.is_contiguous():
+    elif fused_kernels.ENABLED and g.shape == slot.shape and g.dtype is slot.dtype and slot.is_contiguous():
         binary_("add", slot, g)
     else:
         copy_into(slot, slot + g)

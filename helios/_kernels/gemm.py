@@ -1,12 +1,12 @@
 """The matmul kernels: the lavapipe register-block kernel (its tile choice and layouts) and the
-shared-memory GPU kernel, bias and the fused epilogues of helios.fusion."""
+shared-memory GPU kernel, bias and the fused epilogues of helios.fused_kernels."""
 
 from __future__ import annotations
 
 import struct
 
 from helios import dtypes as dt
-from helios import fusion
+from helios import fused_kernels
 from helios._shape import broadcast_strides, collapse, numel
 from helios.errors import ShapeError
 from helios.tensor import Tensor
@@ -130,7 +130,7 @@ _MM_EPI = {"linear+residual": 1, "linear+gelu": 2, "matmul+gelu_tanh_bwd": 3}
 
 def matmul_epilogue(name: str, a: Tensor, b: Tensor, bias: Tensor | None, e: Tensor | None,
                     out: Tensor | None = None) -> tuple:
-    """One fused matmul kernel (helios.fusion): ``name`` is "linear+residual" (a @ b + bias,
+    """One fused matmul kernel (helios.fused_kernels): ``name`` is "linear+residual" (a @ b + bias,
     rounded to the dtype, + ``e``), "linear+gelu" (u = a @ b + bias; gelu_tanh(u)) or
     "matmul+gelu_tanh_bwd" ((a @ b) * gelu_tanh'(``e``)).  ``e`` has the output's shape and
     dtype and is contiguous, as is ``out`` when given.  Returns (out, u) with u the stored
@@ -150,7 +150,7 @@ def matmul_epilogue(name: str, a: Tensor, b: Tensor, bias: Tensor | None, e: Ten
 
 
 def matmul_bias_grad(a: Tensor, b: Tensor, out: Tensor, bsum: Tensor) -> bool:
-    """out = a @ b and bsum = b summed over its rows, in one dispatch (helios.fusion
+    """out = a @ b and bsum = b summed over its rows, in one dispatch (helios.fused_kernels
     "matmul+bias_grad": a Linear layer's weight gradient x^T g and bias gradient, g = ``b``);
     True when done, False, with nothing dispatched, where this kernel cannot take them (the
     caller then runs the matmul and the reduction).
@@ -296,7 +296,7 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None 
     nbytes = (nb * (M * K + K * N + M * N)) * a.dtype.itemsize
     words = (M, N, K, cshape[1], oa, ob, oc, oz, ca[0], ca[1], sam, sak, cb[0], cb[1], sbk, sbn)
     if _bsum is not None:
-        rt.dispatch(pid, [ba, bb, bc, bz], _P_MATMUL.pack(*words), groups, fusion.dispatch_name("matmul+bias_grad", rt),
+        rt.dispatch(pid, [ba, bb, bc, bz], _P_MATMUL.pack(*words), groups, fused_kernels.dispatch_name("matmul+bias_grad", rt),
                     flops + K * N, nbytes + N * a.dtype.itemsize)
         return out
     if _epi is None:
@@ -306,7 +306,7 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None 
     name, _, e, u = _epi
     nbytes += (e is not None) * nb * M * N * a.dtype.itemsize + (u is not None) * nb * M * N * a.dtype.itemsize
     rt.dispatch(pid, [ba, bb, bc, bz, be, bu], _P_MATMUL_EPI.pack(*words, oe, ou), groups,
-                fusion.dispatch_name(name, rt), flops, nbytes)
+                fused_kernels.dispatch_name(name, rt), flops, nbytes)
     return out
 
 

@@ -97,9 +97,9 @@ def _reduce_rows(op, x, rows, R, s_row, s_k, off, out_shape, scale, idx_in=None,
     final_scale = clip if final_clip else scale if nchunks == 1 else 1.0  # CLIP: max_norm in `scale`
     name = op
     if op == "sumsq" or final_clip:
-        from helios import fusion
+        from helios import fused_kernels
 
-        name = fusion.dispatch_name(("sum_squares" if op == "sumsq" else "sum") + ("+clip_coef" if final_clip else ""), rt)
+        name = fused_kernels.dispatch_name(("sum_squares" if op == "sumsq" else "sum") + ("+clip_coef" if final_clip else ""), rt)
     rt.dispatch(pid, [bx, bi, bo, bind(idx, True)[0]],
                 _P_REDUCE.pack(R, rows, 1, nchunks, chunk, ox + off - x._off, s_row, s_k, 0, final_scale, oi, oo),
                 groups_for(total), name, rows * R, rows * R * x.dtype.itemsize)
@@ -124,7 +124,7 @@ def sum_squares_fits(x: Tensor) -> bool:
 
 def sum_squares(x: Tensor) -> Tensor:
     """sum(x * x) over all of ``x`` (float32, shape ()) in one reduction, each square
-    rounded to float32 before it is added (helios.fusion "sum_squares"): bit for bit
+    rounded to float32 before it is added (helios.fused_kernels "sum_squares"): bit for bit
     reduce("sum") of x * x.  ``x`` must pass sum_squares_fits."""
     if not sum_squares_fits(x):
         raise ShapeError(f"sum_squares: x must be a contiguous float tensor in one binding window, got {x.dtype.name} "
@@ -136,7 +136,7 @@ def clip_coef(x: Tensor, max_norm: float, square: bool = True) -> tuple:
     """(norm, coef) of the gradient clip over ``x`` in one reduction (two when x is long):
     norm = sqrt(sum(x * x)) (``square`` False: of sum(x), x already a sum of squares) and
     coef = clamp(max_norm / (norm + 1e-6), max=1), both float32 scalars on the device, bit
-    for bit the separate sqrt, add_s, rdiv_s and clamp (helios.fusion "clip_coef").  ``x``
+    for bit the separate sqrt, add_s, rdiv_s and clamp (helios.fused_kernels "clip_coef").  ``x``
     must pass sum_squares_fits."""
     if not sum_squares_fits(x):
         raise ShapeError(f"clip_coef: x must be a contiguous float tensor in one binding window, got {x.dtype.name} "

@@ -88,7 +88,7 @@ def layer_norm_bwd_input(x: Tensor, w: Tensor | None, g: Tensor, mean: Tensor, r
                          acc: Tensor | None = None) -> Tensor:
     """dL/dx of LayerNorm (contiguous x and g).  With ``acc`` (a contiguous tensor of x's
     shape and dtype: a pending gradient of x) the kernel returns dx + acc, the add done in
-    its store (helios.fusion "layer_norm_bwd+acc"), bit for bit the separate add."""
+    its store (helios.fused_kernels "layer_norm_bwd+acc"), bit for bit the separate add."""
     _check_acc("layer_norm_bwd_input", x, acc)
     rt = x._st.rt
     C = x.shape[-1]
@@ -104,9 +104,9 @@ def layer_norm_bwd_input(x: Tensor, w: Tensor | None, g: Tensor, mean: Tensor, r
     bp, op = bind(acc) if acc is not None else (bx, 0)  # binding 2 (the bias slot) holds acc
     name = "layer_norm_bwd"
     if acc is not None:
-        from helios import fusion
+        from helios import fused_kernels
 
-        name = fusion.dispatch_name("layer_norm_bwd+acc", rt)
+        name = fused_kernels.dispatch_name("layer_norm_bwd+acc", rt)
     rt.dispatch(pid, [bx, bw, bp, bind(dx, True)[0], bind(mean)[0], bind(rstd)[0], bg, bx],
                 _P_LN.pack(C, rows, ox, og, 0.0, ow, op, 0, 0, 0), groups, name, *_bwd_input_cost(x, acc))
     return dx
@@ -189,7 +189,7 @@ def layer_norm_bwd(x: Tensor, w: Tensor | None, g: Tensor, mean: Tensor, rstd: T
     :func:`layer_norm_bwd_params` (with ``dw_out`` / ``db_out``), the same values bit for bit.
 
     Where both kernels would run an invocation a row / a column in workgroups of 64 (CPU
-    devices; very many short rows elsewhere) they run as one dispatch (helios.fusion
+    devices; very many short rows elsewhere) they run as one dispatch (helios.fused_kernels
     "layer_norm_bwd+params", "layer_norm_bwd+acc+params"): some workgroups do the rows, the
     others (spread among them) the columns, each with the code of its own kernel.  Otherwise,
     or with neither parameter gradient needed, the two kernels run as before."""
@@ -204,7 +204,7 @@ def layer_norm_bwd(x: Tensor, w: Tensor | None, g: Tensor, mean: Tensor, rstd: T
         if need_w or need_b:
             dw, db = layer_norm_bwd_params(x, g, mean, rstd, need_w, need_b, dw_out, db_out)
         return dx, dw, db
-    from helios import fusion
+    from helios import fused_kernels
 
     dx = empty(x.shape, x.dtype, rt)
     dw, db, bo, offs, direct = _param_grads_out(x, need_w, need_b, dw_out, db_out)
@@ -214,7 +214,7 @@ def layer_norm_bwd(x: Tensor, w: Tensor | None, g: Tensor, mean: Tensor, rstd: T
     bg, og = bind(g)
     bw, ow = bind(w) if w is not None else (bx, 0)
     bp, op = bind(acc) if acc is not None else (bx, 0)  # binding 2 (the bias slot) holds acc, as in MODE 1
-    name = fusion.dispatch_name("layer_norm_bwd+acc+params" if acc is not None else "layer_norm_bwd+params", rt)
+    name = fused_kernels.dispatch_name("layer_norm_bwd+acc+params" if acc is not None else "layer_norm_bwd+params", rt)
     (f1, n1), (f2, n2) = _bwd_input_cost(x, acc), _bwd_params_cost(x)
     rt.dispatch(pid, [bx, bw, bp, bind(dx, True)[0], bind(mean)[0], bind(rstd)[0], bg, bo],
                 _P_LN.pack(C, rows, ox, og, 0.0, ow, op, offs[0], offs[1], row_wgs),

@@ -153,7 +153,7 @@ class _LayerNorm(Function):
 
     @staticmethod
     def backward(ctx, g):
-        from helios import fusion
+        from helios import fused_kernels
 
         x, w, mean_, rstd = ctx.saved_tensors
         g = F.contiguous(g)
@@ -162,8 +162,8 @@ class _LayerNorm(Function):
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
             # the gradient x already has from its other uses, added in the kernel's store
-            acc = ctx.grad_pending(0) if fusion.ENABLED and hasattr(ctx, "grad_pending") else None
-            if fusion.ENABLED and (need_w or need_b):  # both gradients in one dispatch where it can
+            acc = ctx.grad_pending(0) if fused_kernels.ENABLED and hasattr(ctx, "grad_pending") else None
+            if fused_kernels.ENABLED and (need_w or need_b):  # both gradients in one dispatch where it can
                 dx, dw, db = K.layer_norm_bwd(x, w, g, mean_, rstd, need_w, need_b, acc,
                                               ctx.grad_out(1), ctx.grad_out(2))
                 return dx, dw, db, None

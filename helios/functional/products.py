@@ -1,5 +1,5 @@
 """Matrix products: matmul (batched, broadcast), linear and its fused variants (the epilogues
-of helios.fusion), mm/bmm/addmm/baddbmm/outer, einsum."""
+of helios.fused_kernels), mm/bmm/addmm/baddbmm/outer, einsum."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import builtins
 
 from helios import _kernels as K
 from helios import amp as _amp
-from helios import fusion
+from helios import fused_kernels
 from helios import dtypes as dt
 from helios._shape import broadcast_shapes, numel
 from helios.autograd.tape import Function, is_grad_enabled
@@ -134,7 +134,7 @@ def _linear_grads(ctx, g, x, w, idx: tuple = (0, 1, 2)) -> tuple:
         # Into the weight's free slot, the transposed product is stored transposed.
         dest = _direct_dest(ctx, idx[1], w.shape, g2, x2)
         # With both free slots (float32 for the bias) the first form also yields the bias
-        # gradient (helios.fusion "matmul+bias_grad"): the kernel adds up the columns of g2
+        # gradient (helios.fused_kernels "matmul+bias_grad"): the kernel adds up the columns of g2
         # it loads anyway, the column reduction's sums, in the product's dispatch.  Every
         # weight takes it then, whatever its shape: on lavapipe the fused first form measured
         # 2.48 ms against 2.89 ms for the second form plus the reduction at 1024 rows, 512 in,
@@ -142,7 +142,7 @@ def _linear_grads(ctx, g, x, w, idx: tuple = (0, 1, 2)) -> tuple:
         # second form's product alone for square weights.  (matmul_bias_grad dispatches nothing
         # and returns False where it cannot fuse: then the forms below.)
         bdest = (_direct_dest(ctx, idx[2], (g.shape[-1],), g)
-                 if fusion.ENABLED and dest is not None and n[idx[2]] and g.ndim >= 2 and g.is_contiguous() else None)
+                 if fused_kernels.ENABLED and dest is not None and n[idx[2]] and g.ndim >= 2 and g.is_contiguous() else None)
         if bdest is not None and bdest.dtype is not dt.float32:
             bdest = None
         if bdest is not None and K.matmul_bias_grad(F.transpose(x2, 0, 1), g2, F.transpose(dest, 0, 1), bdest):
@@ -168,7 +168,7 @@ def _linear_grads(ctx, g, x, w, idx: tuple = (0, 1, 2)) -> tuple:
 
 
 class _LinearResidual(Function):
-    """residual + linear(x, w, b) as one matmul (helios.fusion "linear+residual")."""
+    """residual + linear(x, w, b) as one matmul (helios.fused_kernels "linear+residual")."""
 
     op_name = "linear+residual"
 
@@ -186,7 +186,7 @@ class _LinearResidual(Function):
 
 
 class _LinearGelu(Function):
-    """gelu_tanh(linear(x, w, b)) as one matmul (helios.fusion "linear+gelu"): the kernel
+    """gelu_tanh(linear(x, w, b)) as one matmul (helios.fused_kernels "linear+gelu"): the kernel
     stores the pre-activation u for backward along with gelu(u)."""
 
     op_name = "linear+gelu"
@@ -207,7 +207,7 @@ class _LinearGelu(Function):
 class _MLPResidual(Function):
     """residual + linear(gelu_tanh(linear(x, w1, b1)), w2, b2): the forward is the two fused
     matmuls (linear+gelu, linear+residual); backward computes the hidden gradient with
-    gelu_tanh_bwd in the product's epilogue (helios.fusion "matmul+gelu_tanh_bwd")."""
+    gelu_tanh_bwd in the product's epilogue (helios.fused_kernels "matmul+gelu_tanh_bwd")."""
 
     op_name = "mlp+residual"
 
@@ -233,7 +233,7 @@ class _MLPResidual(Function):
 
 def mlp_residual(x: Tensor, w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tensor | None, residual: Tensor) -> Tensor:
     """residual + linear(gelu(linear(x, w1, b1), approximate="tanh"), w2, b2), the GPT MLP
-    block with its residual add, in fused kernels (helios.fusion: linear+gelu and
+    block with its residual add, in fused kernels (helios.fused_kernels: linear+gelu and
     linear+residual forward, matmul+gelu_tanh_bwd backward), bit for bit the separate ops;
     where the fused kernels do not apply the separate ops run."""
     hidden = x.shape[:-1] + (w1.shape[0],) if isinstance(x, Tensor) and isinstance(w1, Tensor) else None
@@ -252,9 +252,9 @@ def _fusible_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
     extend: fusion on, no autocast conversion, one float dtype, a [..., K] input with K > 0,
     a unit-stride bias, and a device whose matrix engine does not take the dtype (there the
     engine's product, bias in its epilogue, beats the fused kernels' SIMT matmul)."""
-    from helios import fusion
+    from helios import fused_kernels
 
-    return (fusion.ENABLED and _amp.state.dtype is None and isinstance(x, Tensor) and isinstance(weight, Tensor)
+    return (fused_kernels.ENABLED and _amp.state.dtype is None and isinstance(x, Tensor) and isinstance(weight, Tensor)
             and x.ndim >= 2 and weight.ndim == 2 and x.shape[-1] == weight.shape[1] and x.shape[-1] > 0
             and x.numel() > 0 and x.dtype is weight.dtype and x.dtype.kind == "float"
             and (bias is None or (isinstance(bias, Tensor) and bias.shape == (weight.shape[0],)
@@ -264,7 +264,7 @@ def _fusible_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
 
 def linear_residual(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor) -> Tensor:
     """residual + linear(x, weight, bias): one matmul whose epilogue adds the residual
-    (helios.fusion "linear+residual"), bit for bit the separate ops; where the fused kernel
+    (helios.fused_kernels "linear+residual"), bit for bit the separate ops; where the fused kernel
     does not apply (fusion off, autocast, mixed dtypes, a residual of another shape or
     layout) the separate ops run."""
     if (_fusible_linear(x, weight, bias) and isinstance(residual, Tensor) and residual.dtype is x.dtype
@@ -275,7 +275,7 @@ def linear_residual(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Te
 
 def linear_gelu(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """gelu(linear(x, weight, bias), approximate="tanh"): one matmul that stores the
-    pre-activation and its GELU (helios.fusion "linear+gelu"), bit for bit the separate ops;
+    pre-activation and its GELU (helios.fused_kernels "linear+gelu"), bit for bit the separate ops;
     where the fused kernel does not apply the separate ops run."""
     if _fusible_linear(x, weight, bias):
         return _LinearGelu.apply(x, weight, bias)

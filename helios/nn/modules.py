@@ -25,7 +25,7 @@ import numpy as np
 import helios.functional as F
 from helios import _kernels as K
 from helios import dtypes as dt
-from helios import fusion
+from helios import fused_kernels
 from helios.device_transfer import parse_to_args
 from helios.autograd.tape import is_grad_enabled, no_grad
 from helios.creation import normal, ones, zeros
@@ -793,12 +793,12 @@ class MLP(Module):
         """c_proj(gelu(c_fc(x))); with ``residual``, residual + that.  Where the parts are the
         plain ones, c_fc and the GELU run as one "linear+gelu" kernel and c_proj and the
         residual add as one "linear+residual" kernel, and backward multiplies by GELU's
-        derivative in the product that makes the hidden gradient (helios.fusion)."""
+        derivative in the product that makes the hidden gradient (helios.fused_kernels)."""
         plain_gelu = type(self.gelu) is GELU and self.gelu.approximate == "tanh"
-        if (fusion.ENABLED and residual is not None and plain_gelu and _plain_linear(self.c_fc)
+        if (fused_kernels.ENABLED and residual is not None and plain_gelu and _plain_linear(self.c_fc)
                 and _plain_linear(self.c_proj) and _identity(self.dropout)):
             return F.mlp_residual(x, self.c_fc.weight, self.c_fc.bias, self.c_proj.weight, self.c_proj.bias, residual)
-        if fusion.ENABLED and _plain_linear(self.c_fc) and plain_gelu:
+        if fused_kernels.ENABLED and _plain_linear(self.c_fc) and plain_gelu:
             h = F.linear_gelu(x, self.c_fc.weight, self.c_fc.bias)
         else:
             h = self.gelu(self.c_fc(x))
@@ -817,10 +817,10 @@ def _identity(dropout) -> bool:
 
 def _project(proj, dropout, y: Tensor, residual: Tensor | None) -> Tensor:
     """dropout(proj(y)), plus ``residual`` when given: one "linear+residual" kernel when the
-    projection is a plain Linear and the dropout the identity (helios.fusion)."""
+    projection is a plain Linear and the dropout the identity (helios.fused_kernels)."""
     if residual is None:
         return dropout(proj(y))
-    if fusion.ENABLED and _plain_linear(proj) and _identity(dropout):
+    if fused_kernels.ENABLED and _plain_linear(proj) and _identity(dropout):
         return F.linear_residual(y, proj.weight, proj.bias, residual)
     return residual + dropout(proj(y))
 
@@ -834,8 +834,8 @@ class Block(Module):
         self.mlp = MLP(cfg, seed + 2)
 
     def forward(self, x: Tensor) -> Tensor:
-        if fusion.ENABLED and type(self.attn) is CausalSelfAttention and type(self.mlp) is MLP:
-            # the residual adds ride in the projections' matmuls (helios.fusion)
+        if fused_kernels.ENABLED and type(self.attn) is CausalSelfAttention and type(self.mlp) is MLP:
+            # the residual adds ride in the projections' matmuls (helios.fused_kernels)
             x = self.attn(self.ln_1(x), residual=x)
             return self.mlp(self.ln_2(x), residual=x)
         x = x + self.attn(self.ln_1(x))

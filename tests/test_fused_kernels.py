@@ -1,4 +1,4 @@
-"""Fused kernels of the training step (helios.fusion): each fused pattern against its unfused
+"""Fused kernels of the training step (helios.fused_kernels): each fused pattern against its unfused
 twin bit for bit (forward values and every gradient), GPT AdamW steps with fusion on and off
 (fp32 and bf16 autocast) bit for bit, and the dispatches the fusion removes."""
 
@@ -14,7 +14,7 @@ import pytest
 import helios as hl
 import helios.functional as F
 from helios import _kernels as K
-from helios import ew_fusion, fusion
+from helios import elementwise_jit, fused_kernels
 from helios.errors import ShapeError
 from helios.nn import GPT, GPTConfig, Parameter
 from helios.optim import AdamW, clip_grad_norm_
@@ -28,10 +28,10 @@ pytestmark = pytest.mark.vulkan
 
 @contextlib.contextmanager
 def fused(enabled: bool):
-    """The fused kernels on or off (helios.fusion.ENABLED) inside the block; the run-time
-    elementwise chain fusion (helios.ew_fusion, tested in test_ew_fusion.py) off, so the
+    """The fused kernels on or off (helios.fused_kernels.ENABLED) inside the block; the run-time
+    elementwise chain fusion (helios.elementwise_jit, tested in test_elementwise_jit.py) off, so the
     counts here are the fused patterns' alone."""
-    with switched(fusion, "ENABLED", enabled), switched(ew_fusion, "ENABLED", False):
+    with switched(fused_kernels, "ENABLED", enabled), switched(elementwise_jit, "ENABLED", False):
         yield
 
 
@@ -138,10 +138,10 @@ def test_fused_kernels_name_their_parts_at_debug_and_refuse_bad_arguments():
         debug = 0
 
     rt = Rt()
-    assert fusion.dispatch_name("linear+gelu", rt) == "linear+gelu"
+    assert fused_kernels.dispatch_name("linear+gelu", rt) == "linear+gelu"
     rt.debug = 1
-    assert fusion.dispatch_name("linear+gelu", rt) == "linear+gelu[matmul > +bias > gelu_tanh]"
-    assert fusion.dispatch_name("linear+residual", rt) == "linear+residual[matmul > +bias > add]"
+    assert fused_kernels.dispatch_name("linear+gelu", rt) == "linear+gelu[matmul > +bias > gelu_tanh]"
+    assert fused_kernels.dispatch_name("linear+residual", rt) == "linear+residual[matmul > +bias > add]"
     x, w = hl.ones((4, 8)), hl.ones((8, 8))
     with pytest.raises(ValueError, match="matmul_epilogue: name must be one of"):
         K.matmul_epilogue("linear+relu", x, w, None, None)
@@ -241,7 +241,7 @@ def test_layer_norm_backward_in_one_dispatch_writes_the_parameter_slots():
     class Rt:
         debug = 1
 
-    assert fusion.dispatch_name("layer_norm_bwd+acc+params", Rt()) == \
+    assert fused_kernels.dispatch_name("layer_norm_bwd+acc+params", Rt()) == \
         "layer_norm_bwd+acc+params[layer_norm_bwd > add > layer_norm_bwd_params]"
 
 

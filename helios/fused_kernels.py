@@ -42,7 +42,7 @@ arithmetic in the same order, so its results are bit for bit those of the chain:
   added into a temporary that is then copied there.
 
 Elementwise chains are fused at run time as well, into kernels generated from the op table
-(``ew_fused``): their rules live in :mod:`helios.ew_fusion`, under the same switch.
+(``ew_fused``): their rules live in :mod:`helios.elementwise_jit`, under the same switch.
 
 The linear fusions run without autocast (under autocast the unfused ops convert their
 operands between the parts); the LayerNorm and clip fusions run either way.

@@ -1,4 +1,4 @@
-"""Run-time fusion of elementwise chains (helios.ew_fusion): random chains of table ops fused
+"""Run-time fusion of elementwise chains (helios.elementwise_jit): random chains of table ops fused
 against HELIOS_FUSION=0 bit for bit, one dispatch per chain, intermediates the user keeps,
 freed intermediates never reused under a queued op, capture and replay, the kernel cache."""
 
@@ -12,7 +12,7 @@ import pytest
 
 import helios as hl
 from helios import _kernels as K
-from helios import ew_fusion, fusion
+from helios import elementwise_jit, fused_kernels
 from helios.runtime import get_runtime
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -81,7 +81,7 @@ def test_random_chains_equal_the_unfused_ops_bit_for_bit(dtype):
         # first a multiply feeding an add (a driver contracting them into an fma would differ)
         steps = FIXED[trial] if trial < len(FIXED) else _chain(rng, int(rng.integers(2, 7)))
         keep = {int(rng.integers(len(steps)))} if trial % 3 == 0 else set()
-        with switched(fusion, "ENABLED", False):
+        with switched(fused_kernels, "ENABLED", False):
             ref, ref_kept = _run(steps, xs, keep)
             ref_bits = [_bits(t) for t in [ref, *ref_kept]]
         q = rt.ew_queue
@@ -107,7 +107,7 @@ def test_every_fusible_table_op_fuses_bit_for_bit():
     for i in range(0, len(ops), 4):
         steps = [("u", op.name, 0.75, 1.25) if op.kind == "unary" else ("b", op.name, 0.5, j % 2, bool(j % 3))
                  for j, op in enumerate(ops[i:i + 4])]
-        with switched(fusion, "ENABLED", False):
+        with switched(fused_kernels, "ENABLED", False):
             ref = _bits(_run(steps, xs)[0])
         with count_dispatches() as names:
             got = _bits(_run(steps, xs)[0])
@@ -125,14 +125,14 @@ def test_a_chain_of_k_ops_is_one_dispatch_and_kept_intermediates_stay_right():
             for _ in range(k):
                 y = y * 0.9 + z if k % 2 else (y * 0.5).relu()
             out = y.numpy()
-        with switched(fusion, "ENABLED", False):
+        with switched(fused_kernels, "ENABLED", False):
             y = x
             for _ in range(k):
                 y = y * 0.9 + z if k % 2 else (y * 0.5).relu()
             ref = y.numpy()
         assert np.array_equal(out.view(np.uint8), ref.view(np.uint8))
         ops = 2 * k
-        assert sum(names.values()) == (ops + ew_fusion.MAX_OPS - 1) // ew_fusion.MAX_OPS, names
+        assert sum(names.values()) == (ops + elementwise_jit.MAX_OPS - 1) // elementwise_jit.MAX_OPS, names
         assert set(names) == {"ew_fused"}
     # the brief's example, with the intermediate after relu kept by the user
     with count_dispatches() as names:
@@ -140,7 +140,7 @@ def test_a_chain_of_k_ops_is_one_dispatch_and_kept_intermediates_stay_right():
         y = (a - z).exp()
         got_y, got_a = y.numpy(), a.numpy()
     assert names == {"ew_fused": 1}
-    with switched(fusion, "ENABLED", False):
+    with switched(fused_kernels, "ENABLED", False):
         a = (x * 2.0 + 1.0).relu()
         y = (a - z).exp()
         assert np.array_equal(got_y.view(np.uint8), y.numpy().view(np.uint8))
@@ -159,7 +159,7 @@ def test_a_zero_dim_operand_fuses_as_one_element_seen_everywhere(n):
     with count_dispatches() as names:
         got = chain().numpy()
     assert names == {"ew_fused": 1}, names
-    with switched(fusion, "ENABLED", False):
+    with switched(fused_kernels, "ENABLED", False):
         ref = chain().numpy()
     assert got.tobytes() == ref.tobytes()
 
@@ -202,19 +202,19 @@ def test_fused_kernel_names_list_the_ops_at_debug_level():
 
 def test_the_fused_kernel_is_cached_on_disk_by_its_source(tmp_path, monkeypatch):
     sig = ("f32", 1, ((0, False),), 1, (("unary", "add_s", (("b", 0),), -1, (0,)), ("unary", "exp", (("v", 0),), 0, ())))
-    src = ew_fusion.source(sig)
+    src = elementwise_jit.source(sig)
     assert "x + p0" in src and "exp(x)" in src  # the table's expressions
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    path = ew_fusion.cache_path(src)
+    path = elementwise_jit.cache_path(src)
     assert path.startswith(str(tmp_path)) and not os.path.exists(path)
-    code = ew_fusion.spirv(src)
+    code = elementwise_jit.spirv(src)
     assert os.path.exists(path) and code[:4] == b"\x03\x02\x23\x07"
     os.utime(path, (1, 1))
-    assert ew_fusion.spirv(src) == code and os.path.getmtime(path) == 1  # read back, not rebuilt
-    assert ew_fusion.cache_path(src + "\n") != path
+    assert elementwise_jit.spirv(src) == code and os.path.getmtime(path) == 1  # read back, not rebuilt
+    assert elementwise_jit.cache_path(src + "\n") != path
 
 
-@pytest.mark.parametrize("switch", [fusion, ew_fusion])
+@pytest.mark.parametrize("switch", [fused_kernels, elementwise_jit])
 def test_off_switch_queues_nothing(switch):
     rt = get_runtime()
     x = hl.tensor(np.ones(64, np.float32))
@@ -243,7 +243,7 @@ def test_a_captured_step_with_a_chain_replays_bit_identically():
         zb = rng.standard_normal(3000).astype(np.float32)
         g.replay(xb, zb)
         got = loss.numpy()
-        with switched(fusion, "ENABLED", False):
+        with switched(fused_kernels, "ENABLED", False):
             ref = step(hl.tensor(xb), hl.tensor(zb)).numpy()
         assert got.tobytes() == ref.tobytes()
     g.release()

@@ -115,6 +115,14 @@ def _check_train_step(lines):
     assert _has(row, "helios_tok_s", "replay_tok_s", "peer_tok_s", "ratio", "peer_mfu"), row
 
 
+def _check_vulkan_coopmat(lines):
+    assert [(x["size"], x["layout"]) for x in lines] == [(64, "nn"), (64, "nt")], lines
+    for x in lines:
+        assert _has(x, "kernel", "reason", "coopmat_gflops", "plain_gflops", "speedup_vs_plain") and x["rel_err"] < 1e-2, x
+        assert x["kernel"] == ("matmul_coop" if x["coopmat_shapes"] and x["tile"] else "matmul"), x
+        assert _has(x, "cublas_fp16_gflops", "ratio_vs_cublas") or _has(x, "cublas_skipped"), x
+
+
 VK, MP = pytest.mark.vulkan, pytest.mark.multiproc
 # script: (its check, whether its peer is PyTorch, whether it runs several ranks, pytest marks)
 BENCHES = {
@@ -131,6 +139,7 @@ BENCHES = {
     "ring_attention.py": (_check_ring_attention, True, True, [VK, MP]),
     "train_parity.py": (_check_train_parity, True, False, [VK]),
     "train_step.py": (_check_train_step, True, False, [VK]),
+    "vulkan_coopmat.py": (_check_vulkan_coopmat, False, False, [VK]),  # peers: the shared-memory kernel, cuBLAS where there is CUDA
 }
 
 

@@ -11,6 +11,7 @@ from helios._shape import broadcast_strides, collapse, numel
 from helios.errors import ShapeError
 from helios.tensor import Tensor
 from helios._kernels.core import bind, empty
+from helios._kernels import coopmat
 import helios._kernels as kern  # the other kernel families (bound once the package has loaded)
 
 
@@ -156,25 +157,28 @@ def matmul_bias_grad(a: Tensor, b: Tensor, out: Tensor, bsum: Tensor) -> bool:
     caller then runs the matmul and the reduction).
 
     It takes float32 2-D a [M, K] (K > 0) and b [K, N] with b contiguous along N, on the
-    CPU-driver kernel; ``out`` as matmul()'s (contiguous or a transposed contiguous [M, N])
-    and ``bsum`` a contiguous float32 [N] in the same storage as ``out`` (the kernel stores
-    both through C's binding), apart from it.  The sums are the column reduction's
-    (reduce.comp MODE 1: k = 0 .. K-1 in order from 0.0), bit for bit."""
+    CPU-driver kernel, or float16 ones where the cooperative-matrix kernel runs the product
+    (coopmat.choice_for); ``out`` as matmul()'s (contiguous or a transposed contiguous [M, N])
+    and ``bsum`` a contiguous [N] of the same dtype in the same storage as ``out`` (the kernel
+    stores both through C's binding), apart from it.  The sums are the column reduction's
+    (reduce.comp MODE 1: k = 0 .. K-1 in order from 0.0, in float32), bit for bit."""
     if not (a.ndim == 2 and b.ndim == 2 and out.ndim == 2 and bsum.ndim == 1):
         return False
     (M, K), N = a.shape, b.shape[1]
     rt = out._st.rt
     if (K == 0 or M == 0 or N < 2 or b.shape[0] != K or out.shape != (M, N) or bsum.shape != (N,)
-            or any(t.dtype is not dt.float32 for t in (a, b, out, bsum)) or b._strides[1] != 1
-            or bsum._strides[0] != 1 or bsum._st is not out._st or a._st.rt is not rt or b._st.rt is not rt
-            or not _cpu_mm_kernel(rt)):
+            or any(t.dtype is not a.dtype for t in (b, out, bsum)) or b._strides[1] != 1
+            or bsum._strides[0] != 1 or bsum._st is not out._st or a._st.rt is not rt or b._st.rt is not rt):
+        return False
+    if not (a.dtype is dt.float32 and _cpu_mm_kernel(rt)) and not (
+            a.dtype is dt.float16 and not _cpu_mm_kernel(rt) and coopmat.choice_for(rt, "float16", M, N, K).coopmat):
         return False
     if not (out.is_contiguous() or _swap_last(out).is_contiguous()):
         return False
     lo, hi = min(out._off, bsum._off), max(out._off + M * N, bsum._off + N)
     if bsum._off < out._off + M * N and out._off < bsum._off + N:  # overlapping slots
         return False
-    if (hi - lo) * 4 > rt.max_range - rt.align:  # C's binding must cover both
+    if (hi - lo) * a.dtype.itemsize > rt.max_range - rt.align:  # C's binding must cover both
         return False
     matmul(a, b, out=out, _bsum=bsum)
     return True
@@ -240,7 +244,7 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None 
         M, nb, cshape, ca, cb = M * nb, 1, [], [], []
     while len(cshape) < 2:
         cshape, ca, cb = [1] + cshape, [0] + ca, [0] + cb
-    if _epi is None and a.dtype in _ENGINE_DTYPES and rt.has_gemm(a.dtype.name):
+    if _epi is None and _bsum is None and a.dtype in _ENGINE_DTYPES and rt.has_gemm(a.dtype.name):
         if nb == 1:  # one product (a Linear's batch folded into M above): the three matrices as 2-D views
             a2, b2, c2 = (Tensor(t._st, shape, t._strides[-2:], t._off, t.dtype)
                           for t, shape in ((a, (M, K)), (b, (K, N)), (out, (M, N))))
@@ -288,6 +292,14 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None 
                 spec = spec + (0, 1)
         pid = rt.pipeline(kernel, f"{a.dtype.tag}_sg{tm}x{tn}", spec)
         groups = ((N + _MM_SG * tn - 1) // (_MM_SG * tn), (M + tm * spec[0] - 1) // (tm * spec[0]), nb)
+    elif (tile := coopmat.choice_for(rt, a.dtype.name, M, N, K).tile) is not None:  # tensor cores (coopmat.py)
+        kernel = coopmat.KERNEL
+        modes = coopmat.load_modes(M, N, K, (oa, ob), (sam, sak, *ca), (sbk, sbn, *cb))
+        spec = tile.spec(has_bias, ct, cld, _epi[1] if _epi else 0, int(_bsum is not None), *modes)
+        pid = rt.pipeline(kernel, a.dtype.tag, spec)
+        groups = tile.grid(M, N, nb)
+        if _epi is None:  # matmul_epi's six bindings and words whatever the epilogue: unused ones repeat C
+            be, oe, bu, ou = bc, 0, bc, 0
     else:
         spec = _MM_GPU_SPEC + (has_bias,) + ((ct, cld) if ct or cld else ()) + ((0,) + epi_spec if _epi else ())
         pid = rt.pipeline(kernel, a.dtype.tag, spec)
@@ -295,12 +307,15 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None 
     flops = 2 * nb * M * N * K
     nbytes = (nb * (M * K + K * N + M * N)) * a.dtype.itemsize
     words = (M, N, K, cshape[1], oa, ob, oc, oz, ca[0], ca[1], sam, sak, cb[0], cb[1], sbk, sbn)
+    bufs, push = [ba, bb, bc, bz], _P_MATMUL.pack(*words)
+    if kernel == coopmat.KERNEL:
+        bufs, push = bufs + [be, bu], _P_MATMUL_EPI.pack(*words, oe, ou)
     if _bsum is not None:
-        rt.dispatch(pid, [ba, bb, bc, bz], _P_MATMUL.pack(*words), groups, fused_kernels.dispatch_name("matmul+bias_grad", rt),
+        rt.dispatch(pid, bufs, push, groups, fused_kernels.dispatch_name("matmul+bias_grad", rt),
                     flops + K * N, nbytes + N * a.dtype.itemsize)
         return out
     if _epi is None:
-        rt.dispatch(pid, [ba, bb, bc, bz], _P_MATMUL.pack(*words), groups, "matmul", flops, nbytes)
+        rt.dispatch(pid, bufs, push, groups, "matmul", flops, nbytes)
         return out
 
     name, _, e, u = _epi

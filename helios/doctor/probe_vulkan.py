@@ -56,6 +56,27 @@ def kernel_needs(dev: dict) -> list[tuple[str, bool, str, bool, str]]:
     ]
 
 
+def coopmat_text(dev: dict, extra: dict | None) -> str:
+    """The cooperative-matrix line of ``dev`` (an addon-style dict; ``extra`` the bindings' extra facts or
+    None): the shapes and types it lists and whether Helios' matmul uses them (helios._kernels.coopmat
+    decides, here for a 4096^3 product of each 16-bit dtype)."""
+    from helios._kernels import coopmat
+
+    listed = coopmat.shapes_of(dev)
+    if listed:
+        lim = dev["limits"]
+        choice = {dt: coopmat.choose(listed, dt, 4096, 4096, 4096, int(lim["subgroup_size"]), int(lim["max_shared_memory"]),
+                                     coopmat.kernel_built()) for dt in ("float16", "bfloat16")}
+        uses = "; ".join(f"{dt}: " + (f"used ({c.tile.label()})" if c.coopmat else f"not used ({c.reason})")
+                         for dt, c in choice.items())
+        return f"{', '.join(x.label() for x in listed)} -- {uses}"
+    if extra and (extra.get("cooperative_matrix_khr") or extra.get("cooperative_matrix_nv")):
+        shapes = ", ".join(extra.get("cooperative_matrix_shapes", [])[:8])
+        return (f"the driver has it{' (' + shapes + ')' if shapes else ''}, but not used: Helios' coopmat kernel needs "
+                "VK_KHR_cooperative_matrix with Vulkan 1.3 and vulkanMemoryModel")
+    return "none listed (not used: matmul runs Helios' GLSL kernels)"
+
+
 def _describe_memory(extra: dict) -> str:
     heaps = ", ".join(f"heap{i} {human_bytes(h['size'])}{' device-local' if h['device_local'] else ''}"
                       for i, h in enumerate(extra["memory_heaps"]))
@@ -145,11 +166,7 @@ def _device_lines(d: dict, extra: dict | None, s: Section) -> None:
     arith = f"float16 {'yes' if feat['float16'] else 'no'}, int16 {'yes' if feat['int16'] else 'no'} " \
             "(not needed: Helios' kernels load 16-bit values and compute in float32)"
     s.info(f"{tag} 16-bit arithmetic", arith)
-    if extra:
-        coop = extra["cooperative_matrix_khr"] or extra["cooperative_matrix_nv"]
-        shapes = ", ".join(extra["cooperative_matrix_shapes"][:6])
-        s.info(f"{tag} cooperative matrix", (f"yes{' (' + shapes + ')' if shapes else ''}" if coop else "no") +
-               " (not used: Helios' Vulkan matmul is plain GLSL; tensor cores are reached through cuda_ptx)")
+    s.info(f"{tag} cooperative matrix", coopmat_text(d, extra))
     if d["type"] == "cpu" and lim["subgroup_size"] == LAVAPIPE_SUBGROUP:
         s.ok(f"{tag} CPU matmul", f"subgroup size {LAVAPIPE_SUBGROUP}: matmul uses its register-blocked CPU kernel")
     for name, met, detail, required, advice in kernel_needs(d):

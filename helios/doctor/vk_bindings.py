@@ -181,6 +181,8 @@ class _Reader:
                              sType=S.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_KHR)
         coop_nv = self._new("VkPhysicalDeviceCooperativeMatrixFeaturesNV",
                             sType=S.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_NV)
+        vmm = self._new("VkPhysicalDeviceVulkanMemoryModelFeatures",
+                        sType=S.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_MEMORY_MODEL_FEATURES)
         has_khr_coop, has_nv_coop = "VK_KHR_cooperative_matrix" in exts, "VK_NV_cooperative_matrix" in exts
         if v11:
             chain = [s16]
@@ -188,6 +190,7 @@ class _Reader:
             chain += [f16] if v12 or "VK_KHR_shader_float16_int8" in exts else []
             chain += [coop_khr] if has_khr_coop else []
             chain += [coop_nv] if has_nv_coop else []
+            chain += [vmm] if v12 else []
             self._chain(f2, *chain)
             lib.vkGetPhysicalDeviceFeatures2(pd, f2)
         else:
@@ -224,7 +227,11 @@ class _Reader:
         L = base.limits
         name, rank = _TYPES.get(int(base.deviceType), ("other", 4))
         uuid = bytes(ffi.buffer(base.pipelineCacheUUID, 16)).hex()
-        coop_ops = self._coop_shapes(pd) if has_khr_coop and coop_khr.cooperativeMatrix else []
+        coop_list = self._coop_list(pd) if has_khr_coop and coop_khr.cooperativeMatrix else []
+        coop_ops = [_coop_label(c) for c in coop_list]
+        # The addon's rule: the shapes are listed where Helios' coopmat kernels can run (Vulkan 1.3, the
+        # extension's feature and vulkanMemoryModel), else [].
+        usable = v13 and bool(coop_list) and bool(vmm.vulkanMemoryModel)
         return {
             "name": ffi.string(base.deviceName).decode(errors="replace"),
             "type": name,
@@ -258,6 +265,7 @@ class _Reader:
                 "unified_memory": unified,
             },
             "device_local_bytes": sum(heaps[h]["size"] for h in local),
+            "cooperative_matrix": coop_list if usable else [],
             "_rank": rank,
             "extra": {
                 "driver_name": ffi.string(driver.driverName).decode(errors="replace") if have_driver and v11 else "",
@@ -303,8 +311,9 @@ class _Reader:
                 best, best_score = i, score
         return best, (out[best]["timestamp_valid_bits"] if best is not None else 0), out
 
-    def _coop_shapes(self, pd) -> list[str]:
-        """"MxNxK A*B+C" of each cooperative-matrix shape the device offers (VK_KHR_cooperative_matrix)."""
+    def _coop_list(self, pd) -> list[dict]:
+        """Each cooperative-matrix shape the device offers (VK_KHR_cooperative_matrix), as the addon lists it:
+        {"m", "n", "k", "a", "b", "c", "result", "scope", "saturating"}."""
         get = self._proc("vkGetPhysicalDeviceCooperativeMatrixPropertiesKHR", "PFN_vkGetPhysicalDeviceCooperativeMatrixPropertiesKHR")
         if get is None:
             return []
@@ -315,13 +324,24 @@ class _Reader:
         for i in range(n[0]):
             arr[i].sType = self.vk.VK_STRUCTURE_TYPE_COOPERATIVE_MATRIX_PROPERTIES_KHR
         get(pd, n, arr)
-        names = {0: "f16", 1: "f32", 2: "f64", 3: "i8", 4: "i16", 5: "i32", 6: "i64", 7: "u8", 8: "u16", 9: "u32", 10: "u64"}
-        out = []
-        for i in range(n[0]):
-            p = arr[i]
-            ty = lambda t: names.get(int(t), str(int(t)))
-            out.append(f"{p.MSize}x{p.NSize}x{p.KSize} {ty(p.AType)}*{ty(p.BType)}+{ty(p.CType)}")
-        return out
+        return [{"m": int(p.MSize), "n": int(p.NSize), "k": int(p.KSize), "a": _component(p.AType), "b": _component(p.BType),
+                 "c": _component(p.CType), "result": _component(p.ResultType), "scope": _SCOPES.get(int(p.scope), str(int(p.scope))),
+                 "saturating": bool(p.saturatingAccumulation)} for p in (arr[i] for i in range(n[0]))]
+
+
+# VkComponentTypeKHR and VkScopeKHR values by the addon's short names (helios/native/module.cpp).
+_COMPONENTS = {0: "f16", 1: "f32", 2: "f64", 3: "i8", 4: "i16", 5: "i32", 6: "i64", 7: "u8", 8: "u16", 9: "u32", 10: "u64",
+               1000141000: "bf16", 1000491000: "i8_packed", 1000491001: "u8_packed", 1000491002: "e4m3", 1000491003: "e5m2"}
+_SCOPES = {1: "device", 2: "workgroup", 3: "subgroup", 5: "queue_family"}
+
+
+def _component(t) -> str:
+    return _COMPONENTS.get(int(t), str(int(t)))
+
+
+def _coop_label(c: dict) -> str:
+    """"MxNxK A*B+C" of one shape."""
+    return f"{c['m']}x{c['n']}x{c['k']} {c['a']}*{c['b']}+{c['c']}"
 
 
 def read_devices(vk=None) -> dict:

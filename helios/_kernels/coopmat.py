@@ -1,0 +1,223 @@
+"""Which kernel a Vulkan device's matmul runs on: the cooperative-matrix kernel (matmul_coop.comp,
+tensor cores through GL_KHR_cooperative_matrix) or the shared-memory kernel, and the coopmat
+kernel's tile.
+
+The addon lists what ``vkGetPhysicalDeviceCooperativeMatrixPropertiesKHR`` says of a device
+(its facts' ``"cooperative_matrix"``: one dict per shape, empty where the device has no usable
+VK_KHR_cooperative_matrix: lavapipe, older GPUs).  :func:`choose` is the decision, pure: the
+listed shapes, the operands' dtype and the product's size in, a :class:`Choice` out, so tests
+hand it any device's list.  gemm.matmul asks :func:`choice_for` (the runtime's facts) and says
+the choice once per kind at ``HELIOS_DEBUG=1``; helios-doctor lists what each device offers.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+
+# The kernel's fixed costs: its staged rows are padded by 8 halves, and the epilogue's scratch
+# tile per subgroup is fp32 (matmul_coop.comp).
+_PAD = 8
+# Tiles tried, biggest first: (BM, BN, BK, subgroups along M, subgroups along N).  The large
+# tile reuses each staged slice for 4x4 accumulators a subgroup; products under 128 rows or
+# columns take the small one, so fewer workgroups compute padding.
+_TILES = ((128, 128, 32, 2, 2), (64, 64, 32, 2, 2))
+# Below this many rows or columns the product is mostly padding in a cooperative-matrix tile.
+MIN_DIM = 16
+KERNEL = "matmul_coop"
+
+
+@dataclass(frozen=True)
+class CoopShape:
+    """One cooperative-matrix shape a device lists: C[m x n] += A[m x k] @ B[k x n], component types
+    as short names ("f16", "f32", "bf16", "i8", ...), and its scope ("subgroup", "workgroup", ...)."""
+
+    m: int
+    n: int
+    k: int
+    a: str
+    b: str
+    c: str
+    result: str
+    scope: str
+
+    def label(self) -> str:
+        """"16x16x16 f16*f16+f32 (subgroup)" (A*B+C; the result's type where it differs from C's)."""
+        res = "" if self.result == self.c else f"->{self.result}"
+        return f"{self.m}x{self.n}x{self.k} {self.a}*{self.b}+{self.c}{res} ({self.scope})"
+
+
+@dataclass(frozen=True)
+class Tile:
+    """The coopmat kernel's workgroup tile: BM x BN outputs, K in slices of BK, wgm x wgn subgroups of
+    ``subgroup`` invocations, each holding (BM/wgm) x (BN/wgn) outputs as accumulators of ``shape``."""
+
+    bm: int
+    bn: int
+    bk: int
+    wgm: int
+    wgn: int
+    subgroup: int
+    shape: CoopShape
+
+    @property
+    def threads(self) -> int:
+        """Invocations per workgroup."""
+        return self.wgm * self.wgn * self.subgroup
+
+    def shared_bytes(self) -> int:
+        """Shared memory the kernel declares (two stages of A and B in either orientation, fp16, plus one
+        fp32 scratch tile per subgroup)."""
+        a = max(self.bm * (self.bk + _PAD), self.bk * (self.bm + _PAD))
+        b = max(self.bn * (self.bk + _PAD), self.bk * (self.bn + _PAD))
+        return 2 * 2 * (a + b) + 4 * self.wgm * self.wgn * self.shape.m * self.shape.n
+
+    def fits(self, max_shared: int) -> bool:
+        """Whether the shape divides the tile, every invocation stages whole runs of 8 and single
+        elements alike, and the shared memory fits."""
+        s, t = self.shape, self.threads
+        return (self.bm % (self.wgm * s.m) == 0 and self.bn % (self.wgn * s.n) == 0 and self.bk % s.k == 0
+                and self.bk % 8 == 0 and all(x * self.bk % (8 * t) == 0 for x in (self.bm, self.bn))
+                and self.shared_bytes() <= max_shared)
+
+    def spec(self, has_bias: int = 0, ct: int = 0, cld: int = 0, epi: int = 0, bsum: int = 0, amode: int = 0,
+             bmode: int = 0) -> tuple:
+        """matmul_coop.comp's specialization constants 0-15 (matmul.glsl's ids where they mean the same:
+        HAS_BIAS 5, CT 6, CLD 7, EPI 9, BSUM 10); ``amode`` / ``bmode`` how A and B are read (the
+        kernel's top comment)."""
+        return (self.bm, self.bn, self.bk, self.threads, self.wgm, has_bias, ct, cld, self.wgn, epi, bsum,
+                self.shape.m, self.shape.n, self.shape.k, amode, bmode)
+
+    def grid(self, M: int, N: int, batch: int) -> tuple:
+        """Workgroups of an M x N output (times ``batch`` matrices)."""
+        return (-(-N // self.bn), -(-M // self.bm), batch)
+
+    def label(self) -> str:
+        """"128x128x32 tiles of 2x2 subgroups, 16x16x16 f16*f16+f32 (subgroup)"."""
+        return f"{self.bm}x{self.bn}x{self.bk} tiles of {self.wgm}x{self.wgn} subgroups, {self.shape.label()}"
+
+
+@dataclass(frozen=True)
+class Choice:
+    """``kernel`` ("matmul_coop" or "matmul"), its ``tile`` (None for "matmul") and why."""
+
+    kernel: str
+    tile: Tile | None
+    reason: str
+
+    @property
+    def coopmat(self) -> bool:
+        """Whether the cooperative-matrix kernel runs it."""
+        return self.tile is not None
+
+    def line(self, device: str, dtype: str) -> str:
+        """The HELIOS_DEBUG line: which kernel a ``dtype`` matmul on ``device`` runs and why."""
+        what = f"{KERNEL}, {self.tile.label()}" if self.tile else "matmul (shared-memory kernel)"
+        return f"helios: matmul {dtype} on {device}: {what}: {self.reason}"
+
+
+def load_modes(M: int, N: int, K: int, offsets: tuple, a_strides: tuple, b_strides: tuple) -> tuple:
+    """(AMODE, BMODE) of matmul_coop: 1 reads A's rows (``sak`` 1) / B^T's rows (``sbk`` 1) along K, 2 reads
+    A^T's rows along M / B's rows along N, 8 halves a load; where the run's dim, the other stride,
+    the offset and the batch strides are all multiples of 8 (a run is then inside the matrix or
+    outside it whole, and 16-byte aligned); else 0, one element a load.  ``offsets`` = (A's, B's);
+    ``a_strides`` = (sam, sak, *batch strides), ``b_strides`` = (sbk, sbn, *batch strides)."""
+    def by8(*xs):
+        return all(x % 8 == 0 for x in xs)
+
+    (oa, ob), (sam, sak, *ca), (sbk, sbn, *cb) = offsets, a_strides, b_strides
+    amode = 1 if sak == 1 and by8(sam, K, oa, *ca) else 2 if sam == 1 and by8(sak, M, oa, *ca) else 0
+    bmode = 1 if sbk == 1 and by8(sbn, K, ob, *cb) else 2 if sbn == 1 and by8(sbk, N, ob, *cb) else 0
+    return amode, bmode
+
+
+def shapes_of(info: dict) -> list[CoopShape]:
+    """The cooperative-matrix shapes of a device's facts (the addon's ``"cooperative_matrix"`` list of
+    dicts with m, n, k, a, b, c, result, scope); [] where it lists none or does not say."""
+    return [CoopShape(int(d["m"]), int(d["n"]), int(d["k"]), str(d["a"]), str(d["b"]), str(d["c"]),
+                      str(d["result"]), str(d["scope"])) for d in info.get("cooperative_matrix", ()) or ()]
+
+
+def _fp16_fp32(s: CoopShape) -> bool:
+    return s.scope == "subgroup" and s.a == s.b == "f16" and s.c == s.result == "f32"
+
+
+def choose(shapes: list[CoopShape], dtype: str, M: int, N: int, K: int, subgroup_size: int,
+           max_shared: int = 49152, kernel_built: bool = True) -> Choice:
+    """The kernel of an ``M x N x K`` product of ``dtype`` operands (a Helios dtype name) on a device
+    listing ``shapes`` with subgroups of ``subgroup_size`` and ``max_shared`` bytes of shared memory.
+
+    The coopmat kernel takes float16 operands with float32 sums on a subgroup-scope shape: 16x16x16
+    where listed (every vendor's tensor-core shape), else the largest listed shape that divides a
+    tile; the tile is the largest of :data:`_TILES` that fits.  ``kernel_built`` False (no compiler
+    for its SPIR-V) keeps the shared-memory kernel.  Every "no" says why."""
+    if not shapes:
+        return Choice("matmul", None, "the device lists no cooperative-matrix shapes")
+    if dtype == "bfloat16":
+        if any(s.a == "bf16" for s in shapes):
+            return Choice("matmul", None, "bf16 cooperative-matrix shapes are listed, but no bf16 coopmat kernel is "
+                                          "built (its compiler needs GL_EXT_bfloat16)")
+        return Choice("matmul", None, "bfloat16 operands and the device lists no bf16 cooperative-matrix shape")
+    if dtype != "float16":
+        return Choice("matmul", None, f"{dtype} operands: the cooperative-matrix kernel takes float16")
+    usable = [s for s in shapes if _fp16_fp32(s)]
+    if not usable:
+        listed = ", ".join(sorted({s.label() for s in shapes}))
+        return Choice("matmul", None, f"no subgroup-scope f16*f16+f32 shape (fp32 sums) among those listed: {listed}")
+    if not kernel_built:
+        return Choice("matmul", None, f"{KERNEL} is not built: no shader compiler here knows GL_KHR_cooperative_matrix")
+    if min(M, N) < MIN_DIM:
+        return Choice("matmul", None, f"{min(M, N)} rows or columns: a cooperative-matrix tile would be mostly padding")
+    usable.sort(key=lambda s: ((s.m, s.n, s.k) == (16, 16, 16), s.m * s.n * s.k), reverse=True)
+    tiles = _TILES if min(M, N) >= _TILES[0][0] else _TILES[1:]
+    for shape in usable:
+        for bm, bn, bk, wgm, wgn in tiles:
+            tile = Tile(bm, bn, bk, wgm, wgn, subgroup_size, shape)
+            if subgroup_size > 0 and tile.fits(max_shared):
+                why = "16x16x16 listed" if (shape.m, shape.n, shape.k) == (16, 16, 16) else "the largest listed shape that fits"
+                return Choice(KERNEL, tile, f"float16 operands, fp32 sums, {why}")
+    return Choice("matmul", None, f"no tile fits: subgroups of {subgroup_size}, {max_shared} bytes of shared memory")
+
+
+def kernel_built() -> bool:
+    """Whether matmul_coop's SPIR-V is there or can be compiled here (a compiler that knows the
+    extension)."""
+    from helios.kernels_spirv import registry
+
+    return registry.can_build(KERNEL)
+
+
+_said: set = set()  # (device, dtype, kernel, tile, reason) already printed at HELIOS_DEBUG
+_enabled = os.environ.get("HELIOS_COOPMAT", "1") != "0"
+
+
+def set_enabled(on: bool) -> bool:
+    """Let matmuls use the cooperative-matrix kernel (True, the default; ``HELIOS_COOPMAT=0`` starts
+    with False) or keep every one on the shared-memory kernel, e.g. to compare the two; returns
+    the previous setting."""
+    global _enabled
+    was, _enabled = _enabled, bool(on)
+    return was
+
+
+def choice_for(rt, dtype: str, M: int, N: int, K: int) -> Choice:
+    """:func:`choose` for runtime ``rt``'s device (its facts' shapes, subgroup size and shared
+    memory); prints the choice once per kind at ``HELIOS_DEBUG >= 1`` where the device lists shapes
+    (a device listing none, lavapipe, has no choice to make and prints nothing)."""
+    info = getattr(rt, "info", None) or {}
+    shapes = shapes_of(info)
+    if not shapes:
+        return Choice("matmul", None, "the device lists no cooperative-matrix shapes")
+    if not _enabled:
+        ch = Choice("matmul", None, "cooperative matrices switched off (HELIOS_COOPMAT=0 or coopmat.set_enabled)")
+    else:
+        lim = info.get("limits", {})
+        built = dtype != "float16" or kernel_built()
+        ch = choose(shapes, dtype, M, N, K, int(lim.get("subgroup_size", 0)), int(lim.get("max_shared_memory", 0)), built)
+    if getattr(rt, "debug", 0):
+        key = (getattr(rt, "name", "?"), dtype, ch.kernel, ch.tile, ch.reason)
+        if key not in _said:
+            _said.add(key)
+            print(ch.line(key[0], dtype), file=sys.stderr)
+    return ch

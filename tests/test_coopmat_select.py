@@ -1,0 +1,133 @@
+"""The cooperative-matrix kernel choice (helios/_kernels/coopmat.py) with device property lists
+handed in at its seam: which kernel each kind of device gets and why, the tile it picks and
+that the tile fits the kernel's rules; the HELIOS_DEBUG line; lavapipe keeps today's kernel."""
+
+import io
+import contextlib
+
+import pytest
+
+from helios._kernels import coopmat
+from helios._kernels.coopmat import CoopShape, choose
+
+
+def _shapes(*rows):
+    return [CoopShape(m, n, k, a, b, c, r, scope) for m, n, k, a, b, c, r, scope in rows]
+
+
+# As NVIDIA's Vulkan driver lists them (fp16 with both accumulators, three shapes; int8; bf16 absent).
+NVIDIA = _shapes(*[(m, n, k, "f16", "f16", acc, acc, "subgroup") for m, n, k in ((16, 8, 8), (16, 8, 16), (16, 16, 16))
+                   for acc in ("f16", "f32")], (16, 8, 32, "i8", "i8", "i32", "i32", "subgroup"))
+# As RADV lists RDNA3's: 16x16x16 only.
+AMD = _shapes((16, 16, 16, "f16", "f16", "f16", "f16", "subgroup"), (16, 16, 16, "f16", "f16", "f32", "f32", "subgroup"),
+              (16, 16, 16, "i8", "i8", "i32", "i32", "subgroup"))
+NO_FP32_SUMS = _shapes((16, 16, 16, "f16", "f16", "f16", "f16", "subgroup"), (16, 8, 16, "f16", "f16", "f16", "f16", "subgroup"))
+
+
+def test_an_empty_list_keeps_the_shared_memory_kernel():
+    ch = choose([], "float16", 4096, 4096, 4096, subgroup_size=8)
+    assert ch.kernel == "matmul" and not ch.coopmat and "lists no cooperative-matrix" in ch.reason
+
+
+def test_nvidia_like_list_takes_16x16x16_fp32_sums_and_the_large_tile():
+    ch = choose(NVIDIA, "float16", 4096, 4096, 4096, subgroup_size=32, max_shared=49152)
+    assert ch.kernel == "matmul_coop" and ch.coopmat
+    t = ch.tile
+    assert (t.shape.m, t.shape.n, t.shape.k, t.shape.c, t.shape.result) == (16, 16, 16, "f32", "f32")
+    assert (t.bm, t.bn, t.bk, t.threads) == (128, 128, 32, 128)
+    assert t.fits(49152) and t.shared_bytes() <= 49152
+    assert "16x16x16 listed" in ch.reason
+    # a product under 128 rows takes the small tile
+    small = choose(NVIDIA, "float16", 64, 3072, 768, subgroup_size=32, max_shared=49152).tile
+    assert (small.bm, small.bn) == (64, 64) and small.fits(49152)
+
+
+def test_amd_like_list_with_wave64_subgroups():
+    ch = choose(AMD, "float16", 1024, 1024, 1024, subgroup_size=64, max_shared=65536)
+    assert ch.kernel == "matmul_coop"
+    assert (ch.tile.shape.m, ch.tile.shape.n, ch.tile.shape.k) == (16, 16, 16) and ch.tile.threads == 256
+    spec = ch.tile.spec(amode=1, bmode=2)
+    assert len(spec) == 16 and spec[3] == 256 and spec[14:] == (1, 2)
+
+
+def test_without_16x16x16_the_largest_listed_shape_that_fits():
+    shapes = _shapes((8, 16, 16, "f16", "f16", "f32", "f32", "subgroup"), (8, 8, 16, "f16", "f16", "f32", "f32", "subgroup"),
+                     (32, 32, 16, "f16", "f16", "f32", "f32", "workgroup"))  # workgroup scope: not this kernel's
+    ch = choose(shapes, "float16", 512, 512, 512, subgroup_size=16, max_shared=65536)
+    assert (ch.tile.shape.m, ch.tile.shape.n, ch.tile.shape.k) == (8, 16, 16)
+    assert "largest listed shape" in ch.reason
+
+
+def test_a_list_without_fp32_accumulation_keeps_the_shared_memory_kernel():
+    ch = choose(NO_FP32_SUMS, "float16", 4096, 4096, 4096, subgroup_size=32)
+    assert ch.kernel == "matmul" and "fp32 sums" in ch.reason and "16x16x16 f16*f16+f16" in ch.reason
+
+
+def test_bf16_asked_but_not_offered():
+    ch = choose(NVIDIA, "bfloat16", 4096, 4096, 4096, subgroup_size=32)
+    assert ch.kernel == "matmul" and "no bf16" in ch.reason
+    offered = NVIDIA + _shapes((16, 16, 16, "bf16", "bf16", "f32", "f32", "subgroup"))
+    ch = choose(offered, "bfloat16", 4096, 4096, 4096, subgroup_size=32)
+    assert ch.kernel == "matmul" and "no bf16 coopmat kernel is built" in ch.reason
+
+
+@pytest.mark.parametrize("dtype,M,N,built,reason", [
+    ("float32", 4096, 4096, True, "takes float16"),
+    ("float16", 8, 4096, True, "mostly padding"),
+    ("float16", 4096, 4096, False, "not built"),
+])
+def test_other_reasons_to_keep_the_shared_memory_kernel(dtype, M, N, built, reason):
+    ch = choose(NVIDIA, dtype, M, N, 64, subgroup_size=32, kernel_built=built)
+    assert ch.kernel == "matmul" and reason in ch.reason
+
+
+def test_a_tile_that_does_not_fit_shared_memory_is_refused():
+    ch = choose(AMD, "float16", 4096, 4096, 4096, subgroup_size=32, max_shared=16384)
+    assert ch.kernel == "matmul" and "no tile fits" in ch.reason
+
+
+def test_load_modes_follow_strides_and_alignment():
+    # nn: A K-contiguous, B N-contiguous; nt: B^T K-contiguous; tn: A^T M-contiguous
+    assert coopmat.load_modes(64, 64, 64, (0, 0), (64, 1), (64, 1)) == (1, 2)
+    assert coopmat.load_modes(64, 64, 64, (0, 0), (64, 1), (1, 64)) == (1, 1)
+    assert coopmat.load_modes(64, 64, 64, (0, 0), (1, 64), (64, 1)) == (2, 2)
+    # a ragged K (not a multiple of 8) or an odd offset reads one element a load
+    assert coopmat.load_modes(64, 64, 63, (0, 0), (63, 1), (64, 1)) == (0, 2)
+    assert coopmat.load_modes(64, 64, 64, (3, 0), (64, 1), (64, 1)) == (0, 2)
+    assert coopmat.load_modes(64, 64, 64, (0, 0), (64, 1, 4100), (64, 1, 0)) == (0, 2)  # batch stride off the grid
+
+
+class _FakeRuntime:
+    """A runtime as choice_for sees one: its name, HELIOS_DEBUG level and device facts."""
+
+    def __init__(self, shapes, debug=1):
+        self.name, self.debug = "vulkan:7", debug
+        rows = [dict(m=s.m, n=s.n, k=s.k, a=s.a, b=s.b, c=s.c, result=s.result, scope=s.scope) for s in shapes]
+        self.info = {"cooperative_matrix": rows, "limits": {"subgroup_size": 32, "max_shared_memory": 49152}}
+
+
+def test_the_choice_is_one_debug_line_once_per_kind():
+    rt = _FakeRuntime(NVIDIA)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        for _ in range(3):
+            ch = coopmat.choice_for(rt, "bfloat16", 512, 512, 512)
+    assert ch.kernel == "matmul"
+    lines = err.getvalue().splitlines()
+    assert lines == ["helios: matmul bfloat16 on vulkan:7: matmul (shared-memory kernel): bfloat16 operands and the "
+                     "device lists no bf16 cooperative-matrix shape"]
+    quiet = io.StringIO()
+    with contextlib.redirect_stderr(quiet):
+        coopmat.choice_for(_FakeRuntime([], debug=1), "float16", 512, 512, 512)
+        coopmat.choice_for(_FakeRuntime(NVIDIA, debug=0), "float32", 512, 512, 512)
+    assert quiet.getvalue() == ""  # no list, no choice to tell; debug off, nothing printed
+
+
+def test_set_enabled_switches_the_kernel_off_and_back():
+    rt = _FakeRuntime(NVIDIA, debug=0)
+    was = coopmat.set_enabled(False)
+    try:
+        ch = coopmat.choice_for(rt, "float16", 512, 512, 512)
+        assert ch.kernel == "matmul" and "switched off" in ch.reason
+    finally:
+        coopmat.set_enabled(was)

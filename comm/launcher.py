@@ -124,6 +124,10 @@ def main(argv: list[str] | None = None) -> int:
     first_port = a.master_port if a.master_port is not None else (29500 if a.nnodes > 1 else free_port())
     job = os.environ.get("HELIOS_JOB_ID") or os.environ.get("SLURM_JOB_ID") or (
         secrets.token_hex(4) if a.nnodes == 1 else f"{addr}:{first_port}")
+    if a.nnodes == 1 and not (os.environ.get("HELIOS_JOB_SECRET") or os.environ.get("HELIOS_JOB_SECRET_FILE")):
+        # Only this job's ranks may use its store and TCP links (comm/auth.py); the ranks inherit
+        # it.  Across hosts every node needs the same one, so there it comes from the user.
+        os.environ["HELIOS_JOB_SECRET"] = secrets.token_hex(16)
     lock = threading.Lock()
     received: list[int] = []
     procs: list[subprocess.Popen] = []  # the running attempt's ranks (the signal handler reads it)

@@ -14,6 +14,7 @@ import socket
 from typing import Any
 
 from helios.comm import algorithms as A
+from helios.comm import auth
 from helios.comm import env as envmod
 from helios.comm import shm as shmmod
 from helios.comm import topology as topomod
@@ -157,7 +158,9 @@ def _make_group(store: PrefixStore, name: str, ranks: list[int], backend: str, t
         pids = [int(_S.infos[r]["pid"]) for r in ranks]
         t = shmmod.ShmTransport(gstore, me, len(ranks), pids, _S.token, name, timeout)
     elif backend == "tcp":
-        t = TcpTransport(gstore, me, len(ranks), _S.local_addr, _S.token.encode(), timeout)
+        assert _S.store is not None
+        key = auth.link_key(_S.store.secret, _S.token.encode())  # only peers holding the job secret get in
+        t = TcpTransport(gstore, me, len(ranks), _S.local_addr, key, timeout)
     else:
         from helios.comm import ibverbs
 

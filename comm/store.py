@@ -3,9 +3,17 @@
 Operations: ``set``, ``get`` (waits for the key up to a deadline), ``add`` (atomic counter),
 ``wait`` (several keys), ``check`` and ``delete``.  Every call has a deadline and raises
 :class:`helios.errors.CommError` naming the key and the store's address when it passes.
-The wire format is a fixed binary frame (never pickle: the port is reachable from the
-network).  A handshake carries the world size and job id, so a rank that reached another
-job's store fails at once instead of waiting on keys that never come.
+The wire format is a fixed binary frame (never pickle).  A handshake carries the world size
+and job id, so a rank that reached another job's store fails at once instead of waiting on
+keys that never come.
+
+Only the job's ranks get in: the server listens on the master address (not every
+interface), and every connection must first prove the job's secret (comm/auth.py) within
+:data:`helios.comm.auth.AUTH_TIMEOUT_S`; until then nothing it sends is read as a request.
+Keys are at most :data:`MAX_KEY_BYTES`, values :data:`MAX_VALUE_BYTES`; connections, those
+still proving and those proven, are bounded (4 x world size + 16 each).  A connection
+refused for any of these reasons is closed and counted (``StoreServer.rejected``), and the
+first one is logged at ``HELIOS_DEBUG=1``.
 """
 
 from __future__ import annotations
@@ -13,8 +21,12 @@ from __future__ import annotations
 import errno
 import socket
 import struct
+import sys
 import threading
 import time
+
+from helios.comm import auth
+from helios.profile.debug import debug_level
 
 from helios.errors import CommError
 
@@ -22,6 +34,9 @@ _SET, _GET, _ADD, _CHECK, _DELETE, _HELLO = range(1, 7)
 _OK, _MISSING, _BAD = 0, 1, 2
 _REQ = struct.Struct("!BIIq")  # op, key length, value length, integer argument
 _RESP = struct.Struct("!BIq")  # status, payload length, integer result
+_LABEL = b"helios-store"
+MAX_KEY_BYTES = 4096
+MAX_VALUE_BYTES = 64 << 20
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -36,33 +51,51 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-class StoreServer:
-    """The store's server: one thread per connected rank, a condition variable for waits."""
+def resolve(host: str) -> str:
+    """The IPv4 address ``host`` (MASTER_ADDR) names here; CommError (one line) when it names none."""
+    try:
+        return socket.gethostbyname(host)
+    except OSError as e:
+        raise CommError(f"helios.comm: MASTER_ADDR={host} does not resolve to an IPv4 address here ({e}); "
+                        "give rank 0's address or a host name every rank can resolve.") from None
 
-    def __init__(self, host: str, port: int, world_size: int, job_id: str = "", bind_retry_s: float = 5.0) -> None:
+
+def listen_address(host: str, resolved: str, world_size: int, secret: bytes) -> str:
+    """Where rank 0's store listens: the master address itself (loopback for a one-host job).
+
+    The one exception: a host *name* that resolves to loopback on rank 0's host (a Debian-style
+    ``127.0.1.1 node01`` line in /etc/hosts) may name a routable address on the other hosts,
+    so a job with a secret (every connection authenticated) listens on every interface then."""
+    try:
+        socket.inet_aton(host)
+        literal = host.count(".") == 3
+    except OSError:
+        literal = False
+    if secret and world_size > 1 and auth.is_loopback(resolved) and not literal and host != "localhost":
+        return "0.0.0.0"
+    return resolved
+
+
+class StoreServer:
+    """The store's server: one thread per connection (bounded), a condition variable for waits.
+
+    ``rejected`` counts the connections closed without serving them: strangers (no proof of
+    ``secret`` within ``auth_timeout_s``), connections over the bound, oversized frames."""
+
+    def __init__(self, host: str, port: int, world_size: int, job_id: str = "", bind_retry_s: float = 5.0,
+                 secret: bytes = b"", auth_timeout_s: float = auth.AUTH_TIMEOUT_S) -> None:
         self.world_size = world_size
         self.job_id = job_id
+        self.max_connections = 4 * world_size + 16
+        self.rejected = 0
+        self._secret, self._auth_timeout = secret, auth_timeout_s
+        self._proving = self._proven = 0  # connections in each phase (under _count_lock)
+        self._count_lock = threading.Lock()
         self._data: dict[bytes, bytes] = {}
         self._cond = threading.Condition()
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        deadline = time.monotonic() + bind_retry_s
-        while True:
-            try:
-                self._sock.bind((host, port))
-                break
-            except OSError as e:
-                # A port held by a socket in TIME_WAIT or by a job that is just exiting frees
-                # itself within seconds; a port held by a live server does not.
-                if e.errno != errno.EADDRINUSE or time.monotonic() > deadline:
-                    self._sock.close()
-                    raise CommError(
-                        f"helios.comm: the store cannot listen on {host}:{port}: {e.strerror}. Another job holds "
-                        "the port: pick a free one with MASTER_PORT (helios-run picks one when --master-port is 0)."
-                    ) from None
-                time.sleep(0.2)
+        self._sock = _bind(host, port, bind_retry_s)
         self._sock.listen(256)
-        self.port = self._sock.getsockname()[1]
+        self.host, self.port = host, self._sock.getsockname()[1]
         self._closed = False
         self._thread = threading.Thread(target=self._accept_loop, name="helios-store", daemon=True)
         self._thread.start()
@@ -70,24 +103,61 @@ class StoreServer:
     def _accept_loop(self) -> None:
         while not self._closed:
             try:
-                conn, _ = self._sock.accept()
+                conn, peer = self._sock.accept()
             except OSError:
                 return
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+            with self._count_lock:
+                room = self._proving < self.max_connections
+                self._proving += room
+            if not room:  # closed at once: a flood of strangers never blocks this loop
+                conn.close()
+                self._reject(peer, "over the connection bound")
+                continue
+            threading.Thread(target=self._serve, args=(conn, peer), daemon=True).start()
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, conn: socket.socket, peer) -> None:
+        proven = False
         try:
-            while True:
-                op, klen, vlen, arg = _REQ.unpack(_recv_exact(conn, _REQ.size))
-                key = _recv_exact(conn, klen) if klen else b""
-                val = _recv_exact(conn, vlen) if vlen else b""
-                status, payload, result = self._handle(op, key, val, arg)
-                conn.sendall(_RESP.pack(status, len(payload), result) + payload)
+            conn.settimeout(self._auth_timeout)
+            ok = auth.accept(conn, self._secret, _LABEL) is not None
+            with self._count_lock:
+                self._proving -= 1
+                proven = ok and self._proven < self.max_connections
+                self._proven += proven
+            if not proven:
+                self._reject(peer, "did not prove the job's secret" if not ok else "over the connection bound")
+                return
+            conn.settimeout(None)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._serve_frames(conn, peer)
         except (ConnectionError, OSError, struct.error):
             pass
         finally:
+            if proven:
+                with self._count_lock:
+                    self._proven -= 1
             conn.close()
+
+    def _serve_frames(self, conn: socket.socket, peer) -> None:
+        while True:
+            op, klen, vlen, arg = _REQ.unpack(_recv_exact(conn, _REQ.size))
+            if klen > MAX_KEY_BYTES or vlen > MAX_VALUE_BYTES:
+                msg = f"frame over the store's limits ({MAX_KEY_BYTES} B keys, {MAX_VALUE_BYTES} B values)".encode()
+                conn.sendall(_RESP.pack(_BAD, len(msg), 0) + msg)
+                self._reject(peer, "sent an oversized frame")
+                return
+            key = _recv_exact(conn, klen) if klen else b""
+            val = _recv_exact(conn, vlen) if vlen else b""
+            status, payload, result = self._handle(op, key, val, arg)
+            conn.sendall(_RESP.pack(status, len(payload), result) + payload)
+
+    def _reject(self, peer, why: str) -> None:
+        with self._count_lock:
+            self.rejected += 1
+            first = self.rejected == 1
+        if first and debug_level() >= 1:
+            print(f"helios: the store at {self.host}:{self.port} closed a connection from {peer[0]}:{peer[1]} "
+                  f"that {why} (later ones are only counted: StoreServer.rejected)", file=sys.stderr, flush=True)
 
     def _handle(self, op: int, key: bytes, val: bytes, arg: int) -> tuple[int, bytes, int]:
         with self._cond:
@@ -128,13 +198,46 @@ class StoreServer:
         self._sock.close()
 
 
+def _bind(host: str, port: int, retry_s: float) -> socket.socket:
+    """A socket bound to ``host:port``, retrying a port in use for ``retry_s`` seconds."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    deadline = time.monotonic() + retry_s
+    while True:
+        try:
+            sock.bind((host, port))
+            return sock
+        except OSError as e:
+            # A port held by a socket in TIME_WAIT or by a job that is just exiting frees
+            # itself within seconds; a port held by a live server does not.
+            if e.errno != errno.EADDRINUSE or time.monotonic() > deadline:
+                sock.close()
+                hint = ("Another job holds the port: pick a free one with MASTER_PORT (helios-run picks one when "
+                        "--master-port is 0)." if e.errno == errno.EADDRINUSE else
+                        "MASTER_ADDR must be an address of rank 0's host.")
+                raise CommError(f"helios.comm: the store cannot listen on {host}:{port}: {e.strerror}. {hint}") from None
+            time.sleep(0.2)
+
+
 class TCPStore:
-    """Client of a :class:`StoreServer`; rank 0 also starts the server (``is_server=True``)."""
+    """Client of a :class:`StoreServer`; rank 0 also starts the server (``is_server=True``).
+
+    ``secret`` is the job's (comm/auth.py; None: :func:`helios.comm.auth.job_secret`, from the
+    environment); every rank must hold the same one.  A job of several ranks without one runs
+    only when ``host`` is a loopback address; a one-rank job without one makes up its own
+    (nobody else joins)."""
 
     def __init__(self, host: str, port: int, world_size: int, *, is_server: bool = False, timeout: float = 300.0,
-                 job_id: str = "", bind_retry_s: float = 5.0) -> None:
+                 job_id: str = "", bind_retry_s: float = 5.0, secret: bytes | None = None) -> None:
         self.host, self.timeout = host, timeout
-        self.server = StoreServer("0.0.0.0", port, world_size, job_id, bind_retry_s) if is_server else None
+        secret = auth.job_secret() if secret is None else secret
+        resolved = resolve(host)
+        auth.check_exposure(secret, host, resolved, world_size)
+        if not secret and world_size == 1 and is_server:
+            secret = auth.new_secret().encode()
+        self.secret = secret
+        self.server = StoreServer(listen_address(host, resolved, world_size, secret), port, world_size, job_id,
+                                  bind_retry_s, secret) if is_server else None
         self.port = self.server.port if self.server else port
         self._lock = threading.Lock()
         self._sock = self._connect(timeout)
@@ -152,12 +255,21 @@ class TCPStore:
         deadline = time.monotonic() + timeout
         delay, last = 0.05, None
         while True:
+            why = None
             try:
                 s = socket.create_connection((self.host, self.port), timeout=max(0.1, min(5.0, deadline - time.monotonic())))
-                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                return s
+                s.settimeout(max(0.1, min(auth.AUTH_TIMEOUT_S, deadline - time.monotonic())))
+                why = auth.connect(s, self.secret, _LABEL)
+                if why is None:
+                    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    return s
+                s.close()
+                last = why
             except OSError as e:
                 last = e
+            if why is not None and why != auth.UNGREETED:  # a store that refuses our proof will keep refusing it
+                raise CommError(f"helios.comm: the store at {self.host}:{self.port} {why}: every rank needs the same "
+                                "HELIOS_JOB_SECRET (helios-run hands its ranks one), or another job holds MASTER_PORT.")
             if time.monotonic() + delay > deadline:
                 raise CommError(
                     f"helios.comm: could not reach the store at {self.host}:{self.port} within {timeout:.0f} s "
@@ -167,11 +279,17 @@ class TCPStore:
             delay = min(delay * 2, 1.0)
 
     def _call(self, op: int, key: bytes, val: bytes, arg: int, timeout: float) -> tuple[int, bytes, int]:
+        if len(key) > MAX_KEY_BYTES or len(val) > MAX_VALUE_BYTES:
+            raise CommError(f"helios.comm: store key {key[:64].decode(errors='replace')!r} ({len(key)} B, value "
+                            f"{len(val)} B) is over the store's limits ({MAX_KEY_BYTES} B keys, {MAX_VALUE_BYTES} B "
+                            "values); keep large data off the store.")
         with self._lock:
             try:
                 self._sock.settimeout(timeout + 5.0)
                 self._sock.sendall(_REQ.pack(op, len(key), len(val), arg) + key + val)
                 status, plen, result = _RESP.unpack(_recv_exact(self._sock, _RESP.size))
+                if plen > MAX_VALUE_BYTES:
+                    raise ConnectionError(f"a {plen}-byte answer, over the store's value limit")
                 payload = _recv_exact(self._sock, plen) if plen else b""
                 return status, payload, result
             except (OSError, ConnectionError) as e:

@@ -2,7 +2,11 @@
 
 Each rank listens on an ephemeral port of the chosen interface and publishes
 ``host:port`` in the store; the higher rank of each pair connects, the lower accepts,
-and a handshake (rank, job token) pairs them, so there is no port to collide on.
+and a handshake pairs them, so there is no port to collide on.  The handshake is the
+mutual challenge-response of comm/auth.py over the communicator's key (the job secret
+bound to its token) carrying the connecting rank: a peer that cannot prove the key is
+closed, and strangers are answered in threads of their own, each within
+:data:`helios.comm.auth.AUTH_TIMEOUT_S`, so they cannot hold up the mesh.
 ``HELIOS_SOCKET_IFNAME`` picks the interface: ``eth0``, a list ``eth0,eth1`` (first that
 exists), or an exclusion ``^lo,docker0``.  Without it, the interface that routes to the
 store is used.
@@ -11,17 +15,20 @@ store is used.
 from __future__ import annotations
 
 import fcntl
+import queue
 import select
 import socket
 import struct
+import threading
 import time
 
+from helios.comm import auth
 from helios.comm.engine import Fault, Link, PeerLost, Transport
 
 from helios.errors import CommError
 
-_HELLO = struct.Struct("<II16s")  # magic, rank, job token
-_HELLO_MAGIC = 0x48544350
+_RANK = struct.Struct("<I")  # the connecting rank, carried (and authenticated) by the handshake
+_LABEL = b"helios-tcp"
 _BUF = 4 * 1024 * 1024
 _SIOCOUTQ = 0x5411  # bytes in a socket's send queue not yet acknowledged by the peer
 _ABORT_FLUSH = 0.2  # seconds an aborting rank waits for its last bytes (the abort frame) to leave
@@ -93,49 +100,30 @@ class TcpTransport(Transport):
 
     name = "tcp"
 
-    def __init__(self, store, rank: int, world: int, local_addr: str, token: bytes, timeout: float) -> None:
+    def __init__(self, store, rank: int, world: int, local_addr: str, key: bytes, timeout: float) -> None:
+        """Connect the mesh; ``key`` is this communicator's handshake key (``auth.link_key``)."""
         self.rank, self.world = rank, world
         self.links: list[Link] = [None] * world  # type: ignore[list-item]
         lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         _size_buffers(lsock)  # inherited by accepted sockets, before the window scale is negotiated
         lsock.bind((local_addr, 0))
-        lsock.listen(world)
+        lsock.listen(4 * world + 16)
+        # Higher ranks are admitted from now on, while this rank connects to the lower ones.
+        admission = _Admission(lsock, rank, world, key)
         store.set(f"tcp/{rank}", f"{local_addr}:{lsock.getsockname()[1]}".encode())
         deadline = time.monotonic() + timeout
         socks: dict[int, socket.socket] = {}
-        token = token[:16].ljust(16, b"\0")
         try:
             for peer in range(rank):  # connect to every lower rank
                 host, port = store.get(f"tcp/{peer}", timeout).decode().rsplit(":", 1)
-                s = self._connect(host, int(port), deadline, peer)
-                s.sendall(_HELLO.pack(_HELLO_MAGIC, rank, token))
-                socks[peer] = s
-            lsock.settimeout(1.0)
-            while len(socks) < world - 1:
-                if time.monotonic() > deadline:
-                    missing = [p for p in range(world) if p != rank and p not in socks]
-                    raise CommError(f"helios.comm: tcp mesh: ranks {missing} never connected to rank {rank} "
-                                    f"within {timeout:.0f} s; check HELIOS_SOCKET_IFNAME and firewalls.")
-                try:
-                    conn, _ = lsock.accept()
-                except TimeoutError:
-                    continue
-                conn.settimeout(max(1.0, deadline - time.monotonic()))
-                try:
-                    magic, peer, their = _HELLO.unpack(_recv_all(conn, _HELLO.size))
-                except (OSError, ConnectionError, struct.error):
-                    conn.close()
-                    continue
-                if magic != _HELLO_MAGIC or their != token or not rank < peer < world or peer in socks:
-                    conn.close()  # a stray connection (another job, a port scan): ignore it
-                    continue
-                socks[peer] = conn
+                socks[peer] = self._connect(host, int(port), deadline, peer, key, rank)
+            admission.collect(socks, deadline, timeout)
         except BaseException:
             for s in socks.values():
                 s.close()
             raise
         finally:
-            lsock.close()
+            admission.close()
         for peer, s in socks.items():
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             s.setblocking(False)
@@ -144,7 +132,8 @@ class TcpTransport(Transport):
         self._fd_peer = {link.fd: p for p, link in enumerate(self.links) if link is not None}
 
     @staticmethod
-    def _connect(host: str, port: int, deadline: float, peer: int) -> socket.socket:
+    def _connect(host: str, port: int, deadline: float, peer: int, key: bytes, rank: int) -> socket.socket:
+        """A socket to ``peer`` that proved ``key`` (and to which this rank proved it, with its rank)."""
         delay = 0.02
         while True:
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -152,14 +141,21 @@ class TcpTransport(Transport):
             s.settimeout(max(0.5, deadline - time.monotonic()))
             try:
                 s.connect((host, port))
-                return s
+                why = auth.connect(s, key, _LABEL, _RANK.pack(rank))
+                if why is None:
+                    return s
+                err: object = why
             except OSError as e:
-                s.close()
-                if time.monotonic() + delay > deadline:
-                    raise CommError(f"helios.comm: tcp mesh: cannot connect to rank {peer} at {host}:{port}: {e}. "
-                                    "Check HELIOS_SOCKET_IFNAME and that the address is reachable.") from None
-                time.sleep(delay)
-                delay = min(2 * delay, 0.5)
+                err, why = e, None
+            s.close()
+            if why is not None and why != auth.UNGREETED:
+                raise CommError(f"helios.comm: tcp mesh: rank {peer} at {host}:{port} {why}; every rank needs the "
+                                "same HELIOS_JOB_SECRET.")
+            if time.monotonic() + delay > deadline:
+                raise CommError(f"helios.comm: tcp mesh: cannot connect to rank {peer} at {host}:{port}: {err}. "
+                                "Check HELIOS_SOCKET_IFNAME and that the address is reachable.") from None
+            time.sleep(delay)
+            delay = min(2 * delay, 0.5)
 
     def wait_activity(self, send_peers: list[int], recv_peers: list[int], timeout: float) -> None:
         masks: dict[int, int] = {}
@@ -237,20 +233,73 @@ class TcpTransport(Transport):
         self.links = [None] * self.world  # type: ignore[list-item]
 
 
+class _Admission:
+    """The accepting side of the mesh: a thread accepts, and each connection proves the key in a
+    thread of its own (at most 4 x world + 16 at once, each within ``auth.AUTH_TIMEOUT_S``), so a
+    stranger that connects and stays silent delays no peer; proven peers come out of a queue."""
+
+    def __init__(self, lsock: socket.socket, rank: int, world: int, key: bytes) -> None:
+        self.lsock, self.rank, self.world, self.key = lsock, rank, world, key
+        self.proven: queue.Queue = queue.Queue()
+        self.slots = threading.BoundedSemaphore(4 * world + 16)
+        self.done = threading.Event()
+        threading.Thread(target=self._accept_loop, name="helios-tcp-admit", daemon=True).start()
+
+    def _accept_loop(self) -> None:
+        while not self.done.is_set():
+            try:
+                conn, _ = self.lsock.accept()
+            except OSError:
+                return  # closed: the mesh is complete or given up
+            if not self.slots.acquire(blocking=False):
+                conn.close()  # a flood of connections: drop what is over the bound
+                continue
+            threading.Thread(target=self._prove, args=(conn,), daemon=True).start()
+
+    def _prove(self, conn: socket.socket) -> None:
+        try:
+            conn.settimeout(auth.AUTH_TIMEOUT_S)
+            extra = auth.accept(conn, self.key, _LABEL, _RANK.size)
+            peer = _RANK.unpack(extra)[0] if extra is not None else -1
+            if self.rank < peer < self.world and not self.done.is_set():
+                self.proven.put((peer, conn))
+            else:
+                conn.close()  # a stranger, or a rank that cannot be a peer of this side
+        finally:
+            self.slots.release()
+
+    def collect(self, socks: dict[int, socket.socket], deadline: float, timeout: float) -> None:
+        """Add every higher rank's proven socket to ``socks``, or raise CommError at ``deadline``."""
+        while len(socks) < self.world - 1:
+            try:
+                peer, conn = self.proven.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                missing = [p for p in range(self.world) if p != self.rank and p not in socks]
+                raise CommError(f"helios.comm: tcp mesh: ranks {missing} never connected to rank {self.rank} "
+                                f"within {timeout:.0f} s; check HELIOS_SOCKET_IFNAME and firewalls.") from None
+            if peer in socks:
+                conn.close()
+            else:
+                socks[peer] = conn
+
+    def close(self) -> None:
+        """Stop admitting: close the listening socket and any proven socket nobody took."""
+        self.done.set()
+        try:
+            self.lsock.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept
+        except OSError:
+            pass
+        self.lsock.close()
+        while True:
+            try:
+                self.proven.get_nowait()[1].close()
+            except queue.Empty:
+                return
+
+
 def _size_buffers(s: socket.socket) -> None:
     # Large buffers let a whole pipeline segment sit in the kernel, so a rank blocks (and
     # waits to be scheduled again) less often.  They must be set before connect/listen for
     # the TCP window scale to allow them.
     s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _BUF)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _BUF)
-
-
-def _recv_all(sock: socket.socket, n: int) -> bytes:
-    buf = b""
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("closed during handshake")
-        buf += chunk
-    return buf
-

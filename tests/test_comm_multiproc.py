@@ -478,8 +478,9 @@ def test_two_hosts_tcp_in_network_namespaces():
             _sh(f"ip -n {ns[i]} link set {tag}{i} up && ip -n {ns[i]} link set lo up")
         prefix = [["ip", "netns", "exec", ns[i]] for i in range(2)]
         # "^lo": every interface but loopback, i.e. the veth end inside each namespace.
-        procs = _spawn(2, "matrix", {"TEST_BACKEND": "tcp", "HELIOS_SOCKET_IFNAME": "^lo"}, prefix=prefix,
-                       addr="10.213.7.1")
+        # A store reachable from the network admits only ranks holding the job's secret.
+        procs = _spawn(2, "matrix", {"TEST_BACKEND": "tcp", "HELIOS_SOCKET_IFNAME": "^lo",
+                                     "HELIOS_JOB_SECRET": "two-hosts-test-secret"}, prefix=prefix, addr="10.213.7.1")
         res = finish(procs, 150)
         for rc, o, e in res:
             assert rc == 0 and "OK" in o, f"{o}\n{e[-3000:]}"

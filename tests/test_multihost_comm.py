@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import subprocess
 import sys
 import time
@@ -139,7 +140,9 @@ def rank_bytes() -> None:
 # ============================================================================== test side
 def _launch(hosts, nproc: int, mode: str, extra_env: dict | None = None, timeout: float = 120) -> dict[int, dict]:
     """Start ``nproc`` ranks of ``mode`` on each of ``hosts`` (helios-run per host); return each rank's RESULT."""
-    env = dict(os.environ, LP_NUM_THREADS="1", OMP_NUM_THREADS="1", **(extra_env or {}))
+    # One secret for the job's ranks on every host (helios-run makes one up only on a single host).
+    env = dict(os.environ, LP_NUM_THREADS="1", OMP_NUM_THREADS="1", HELIOS_JOB_SECRET=secrets.token_hex(16),
+               **(extra_env or {}))
     env.pop("HELIOS_COMM_BACKEND", None)
     procs = []
     for k, h in enumerate(hosts):

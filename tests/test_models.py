@@ -269,6 +269,58 @@ def test_generate_sampling_eos_and_arguments(folders):
         model.generate(ids, 100)
 
 
+def _attention_upto(q, keys, vals, pos):
+    """numpy reference: each query head's softmax attention over the keys 0..pos of its group's head."""
+    B, Hq, _, D = q.shape
+    group = Hq // keys.shape[1]
+    out = np.zeros_like(q)
+    for b in range(B):
+        for h in range(Hq):
+            s = keys[b, h // group, :pos + 1] @ q[b, h, 0] / np.sqrt(D)
+            p = np.exp(s - s.max())
+            out[b, h, 0] = (p / p.sum()) @ vals[b, h // group, :pos + 1]
+    return out
+
+
+def test_captured_decode_step_writes_one_row_and_attends_up_to_its_position():
+    """KVCache's captured decode step (what generate replays for every token): each layer's new
+    keys and values land in the position's row of each (batch, head) pair and nowhere else (no
+    command rewrites a whole cache), the rows after the position stay zero, and the attention
+    (grouped-query here) counts only the keys up to the position, replay after replay."""
+    from helios.backend import DISPATCH
+    from helios.models.generation import KVCache
+
+    rng = np.random.default_rng(3)
+    B, Hq, Hk, S, D, T0 = 2, 4, 2, 7, 8, 3
+
+    def rand(*shape):
+        return rng.standard_normal(shape).astype(np.float32)
+
+    kv = KVCache(1, B, Hk, S, D, hl.float32, None)
+    keys, vals = np.zeros((B, Hk, S, D), np.float32), np.zeros((B, Hk, S, D), np.float32)
+    keys[:, :, :T0], vals[:, :, :T0] = rand(B, Hk, T0, D), rand(B, Hk, T0, D)
+    new = [rand(B, Hq, 1, D), rand(B, Hk, 1, D), rand(B, Hk, 1, D), np.array([T0])]
+    with hl.no_grad():
+        kv.attend(0, hl.tensor(rand(B, Hq, T0, D)), hl.tensor(keys[:, :, :T0]), hl.tensor(vals[:, :, :T0]))  # prefill
+        inputs = [hl.tensor(a) for a in new]
+        with hl.graph.capture(inputs=inputs) as g:  # the step at T0 runs, then replays at T0 + 1 ...
+            kv.begin_step(inputs[3])
+            y = kv.attend(0, *inputs[:3])
+        kv.end_step()
+    cache = {kv.k[0]._st.handle, kv.v[0]._st.handle}
+    writes = [args for kind, args in g.ops if kind == DISPATCH and any(b[0] in cache and b[3] for b in args[1])]
+    assert len(writes) == 2 and all(args[6] < kv.k[0].numel() * 4 // 2 for args in writes), \
+        [(a[4], a[6]) for a in writes]  # two row writes, each moving less than half a cache's bytes
+    for pos in range(T0, S):
+        if pos > T0:
+            new = [rand(B, Hq, 1, D), rand(B, Hk, 1, D), rand(B, Hk, 1, D), np.array([pos])]
+            g.replay(*new)
+        keys[:, :, pos], vals[:, :, pos] = new[1][:, :, 0], new[2][:, :, 0]
+        assert np.array_equal(kv.k[0].numpy(), keys) and np.array_equal(kv.v[0].numpy(), vals), pos
+        np.testing.assert_allclose(y.numpy(), _attention_upto(new[0], keys, vals, pos), rtol=1e-5, atol=1e-6)
+    g.release()
+
+
 def test_refusals_are_one_line(tmp_path, folders):
     with pytest.raises(CheckpointError) as e:
         from_pretrained("gpt2")

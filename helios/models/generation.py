@@ -13,12 +13,16 @@ as helios-train replays a training step: its inputs are the token ids ``[batch, 
 position ``[1]`` (int64 tensors refilled at each replay); what depends on the position is
 computed on the device from it (the rotary rows or the learned position row, the slot the new
 keys and values land in, and the mask of the keys attended), so the recorded commands are the
-same for every step.  For that the captured step attends over the whole cache with a mask
-(the keys beyond the position count for nothing) and writes its keys with a select over the
-cache; both cost about what reading the cache costs, which attention does anyway.  Where a
-capture is refused (``capture=False``, or a device or op the graph cannot repeat), each step
-runs eagerly: keys written into the cache's slice at the position, attention over the filled
-part.  The two give the same tokens (tested).
+same for every step.  For that the captured step writes each layer's new keys and values
+with one row scatter each (the rows at the position, found on the device; the rest of the
+cache is not touched) and attends over the whole cache with an additive mask (the keys beyond
+the position count for nothing: matmul, mask add, the scaled softmax kernel, matmul).  An
+earlier form wrote the keys with a select over the whole cache and a copy back: that read and
+wrote every layer's cache twice a step and took three quarters of GPT-2's decode step at a
+512-token context (bench/README.md, "generation with the KV cache").  Where a capture is
+refused (``capture=False``, or a device or op the graph cannot repeat), each step runs
+eagerly: keys written into the cache's slice at the position, attention over the filled part.
+The two give the same tokens (tested).
 
 A model provides ``_kv_layout()`` ((layers, kv heads, head dim)), ``_max_positions()`` (None
 where any length works), ``_prepare_generation(length)`` (host uploads the step needs, done
@@ -34,6 +38,7 @@ from collections.abc import Iterator
 import numpy as np
 
 import helios.functional as F
+from helios import _kernels as K
 from helios import dtypes as dt
 from helios.autograd.tape import no_grad
 from helios.creation import arange, tensor, zeros
@@ -53,9 +58,22 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, causa
     if Hq % Hk:
         raise ShapeError(f"attention: {Hq} query heads are not a multiple of {Hk} key/value heads")
     if Hq != Hk and T == 1 and not causal:
-        y = F.scaled_dot_product_attention(F.reshape(q, (B, Hk, Hq // Hk, D)), k, v, attn_mask=mask)
+        y = _masked_attention(F.reshape(q, (B, Hk, Hq // Hk, D)), k, v, mask)
         return F.reshape(y, (B, Hq, 1, D))
+    if Hq == Hk and not causal:
+        return _masked_attention(q, k, v, mask)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=Hq != Hk)
+
+
+def _masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+    """softmax(q k^T / sqrt(D) + mask) v over as many heads in k, v as in q.  With a float32
+    additive ``mask`` of zeros and -infs (the captured decode step's), the scale is applied in
+    the softmax kernel after the mask is added (attention_softmax): (s + m) / sqrt(D) is
+    s / sqrt(D) + m for such m, one kernel fewer than the dense path's scale, add and softmax."""
+    if mask is None or not (q.dtype is k.dtype is v.dtype is mask.dtype is dt.float32):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    scores = F.matmul(q, F.transpose(k, -2, -1)) + mask
+    return F.matmul(F.attention_softmax(scores, 1.0 / math.sqrt(q.shape[-1])), v)
 
 
 def lm_loss(logits: Tensor, targets, device) -> Tensor:
@@ -71,25 +89,54 @@ class KVCache:
     """The keys and values of one generation, ``[B, Hk, S, D]`` per layer, and how the forward
     running now writes and reads them (see the module docstring).
 
-    Eager forwards (``slot`` None) cover positions ``start .. start + T - 1``: a prefill
-    (``start`` 0, causal over its own keys) or one token.  A captured decode step sets
-    ``slot`` (bool [1, 1, S, 1], True at the position) and ``keep`` (bool [S], True up to it)."""
+    Eager forwards cover positions ``start .. start + T - 1``: a prefill (``start`` 0, causal
+    over its own keys) or one token.  Between :meth:`begin_step` and :meth:`end_step` (a
+    captured decode step) the position is a device tensor: ``rows`` says where its keys and
+    values go and ``keep`` is the additive mask [S] of the keys it attends (0 up to the
+    position, -inf after it).  The rows after the position hold zeros (the cache starts as
+    zeros and is written in position order), so their scores are finite and the mask's -inf
+    takes them out of the softmax."""
 
     def __init__(self, n_layer: int, batch: int, n_kv_head: int, length: int, head_dim: int, dtype, device):
         self.length = length
         self.k = [zeros(batch, n_kv_head, length, head_dim, dtype=dtype, device=device) for _ in range(n_layer)]
         self.v = [zeros(batch, n_kv_head, length, head_dim, dtype=dtype, device=device) for _ in range(n_layer)]
         self.start = 0
-        self.slot: Tensor | None = None
+        self.rows: Tensor | None = None
         self.keep: Tensor | None = None
+        # constants of the cache's shape, made before any capture: each key's position, the
+        # first row of each (batch, head) pair in a cache seen as [B * Hk * S, D], and the
+        # source order of the scatter that writes one row into each pair
+        self._positions = arange(length, dtype=dt.int64, device=device)
+        self._row0 = arange(0, batch * n_kv_head * length, length, dtype=dt.int64, device=device)
+        self._order = arange(batch * n_kv_head, dtype=dt.int32, device=device)
+
+    def begin_step(self, pos: Tensor) -> None:
+        """Make the next forwards one-token decode steps at ``pos`` (int64 [1] on the device, so
+        that a captured step replays for any position): the rows they write and the mask of the
+        keys they attend are computed from it on the device."""
+        self.rows = self._row0 + pos  # one row per (batch, head) pair, ascending
+        self.keep = F.where(F.le(self._positions, pos), 0.0, -math.inf).to(self.k[0].dtype)
+
+    def end_step(self) -> None:
+        """Back to eager forwards (positions from ``start``)."""
+        self.rows = self.keep = None
+
+    def _write_row(self, cache: Tensor, new: Tensor) -> None:
+        """cache[:, :, pos] = new ([B, Hk, 1, D]) at the device position of ``rows``: one
+        kernel writing B * Hk rows of D values, the rest of the cache untouched (a select
+        over the whole cache would cost a read and a write of all of it, every layer, every step)."""
+        B, Hk, S, D = cache.shape
+        src = F.reshape(F.contiguous(new), (B * Hk, D))
+        K.scatter_rows(F.reshape(cache, (B * Hk * S, D)), self.rows, self._order, src, "replace")
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """Store this forward's ``k``, ``v`` ([B, Hk, T, D]) for ``layer`` and return the attention
         of ``q`` ([B, Hq, T, D]) over every key cached up to its position."""
         ck, cv = self.k[layer], self.v[layer]
-        if self.slot is not None:  # captured decode step: one token, position on the device
-            F.copy_(ck, F.where(self.slot, k, ck))
-            F.copy_(cv, F.where(self.slot, v, cv))
+        if self.rows is not None:  # captured decode step: one token, position on the device
+            self._write_row(ck, k)
+            self._write_row(cv, v)
             return attention(q, ck, cv, mask=self.keep)
         T, s = q.shape[2], self.start
         if s + T > self.length:
@@ -245,17 +292,15 @@ class GenerationMixin:
         B = tok.shape[0]
         idx_t = tensor(tok[:, None], dtype=dt.int64, device=device)
         pos_t = tensor(np.array([pos]), dtype=dt.int64, device=device)
-        positions = arange(kv.length, dtype=dt.int64, device=device)
         try:
             with hgraph.capture(inputs=(idx_t, pos_t), device=device) as g:
-                kv.slot = F.reshape(F.eq(positions, pos_t), (1, 1, kv.length, 1))
-                kv.keep = F.le(positions, pos_t)
+                kv.begin_step(pos_t)
                 logits = self._decode(idx_t, pos_t, kv)
         except hgraph.GraphCaptureError as e:
             self.generation_eager_reason = str(e)
             return None, None, None
         finally:
-            kv.slot = kv.keep = None
+            kv.end_step()
 
         def replay(t: np.ndarray, p: int) -> None:
             g.replay(t.reshape(B, 1), np.array([p], np.int64))

@@ -169,7 +169,7 @@ class GPT2LMHeadModel(Module, GenerationMixin):
             B, T, C = x.shape
             q, k, v = F.split_heads(block.attn.c_attn(block.ln_1(x)), block.attn.n_head)
             y = F.reshape(F.transpose(kv.attend(i, q, k, v), 1, 2), (B, T, C))
-            x = x + block.attn.c_proj(y)
+            x = F.linear_residual(y, block.attn.c_proj.weight, block.attn.c_proj.bias, x)  # one kernel, as GPT's Block
             x = block.mlp(block.ln_2(x), residual=x)
         return F.matmul(t.ln_f(x[:, -1]), self.lm_head.weight.mT)
 

@@ -17,11 +17,15 @@ generated greedily three ways:
 Each figure is the median over ``--rounds`` of new tokens per second (prefill included: the
 time from the prompt to the last token), after one warm-up call of each; ``kv_decode_tok_s``
 is the cache's decode rate alone (the time of ``--new`` tokens less that of the prompt and one
-token, over ``--new`` - 1 tokens), ``kv_decode_over_full`` its ratio to full-context sampling.
-One JSON line: {"bench": "generate", "arch", "context", "new", "kv_tok_s", "full_tok_s",
-"peer_tok_s", "kv_over_full", "kv_decode_tok_s", "kv_decode_over_full", "kv_over_peer",
-"same_tokens"}; ``same_tokens`` says the three agreed token for token.  ``--smoke``: a 2-layer
-model, 32-token context, 4 new tokens, one round (CI).
+token, over ``--new`` - 1 tokens: the first decode step, which captures the graph, included),
+``kv_decode_over_full`` its ratio to full-context sampling.  ``kv_step_ms`` is the median time
+of one replayed decode step (the replay, the logits read back, the token chosen: the time
+between two tokens of ``model.stream`` after the captured one) over every round.  One JSON
+line: {"bench": "generate", "arch", "context", "new", "kv_tok_s", "full_tok_s", "peer_tok_s",
+"kv_over_full", "kv_decode_tok_s", "kv_decode_over_full", "kv_step_ms", "kv_over_peer",
+"same_tokens", "load"}; ``same_tokens`` says the three agreed token for token, ``load`` is the
+1-minute load average at the start and at the end (the machine may be shared).  ``--smoke``:
+a 2-layer model, 32-token context, 4 new tokens, one round (CI).
 """
 
 from __future__ import annotations
@@ -68,6 +72,16 @@ def _timed(fn, rounds: int) -> tuple[float, object]:
     return statistics.median(times), out
 
 
+def _stream_steps(model, prompt: np.ndarray, n: int) -> tuple[np.ndarray, list[float]]:
+    """(greedy tokens from ``model.stream``, the seconds between consecutive tokens after the
+    first two: the replayed decode steps, the first one being the capture)."""
+    stamps, toks = [], []
+    for tok in model.stream(prompt, n, temperature=0.0):
+        stamps.append(time.perf_counter())
+        toks.append(tok)
+    return np.concatenate([prompt, np.stack(toks, 1)], axis=1), list(np.diff(stamps)[1:])
+
+
 def _full_context(model, prompt: np.ndarray, n: int) -> np.ndarray:
     """Greedy tokens from a forward over the whole context at every step (no cache)."""
     import helios as hl
@@ -99,12 +113,17 @@ def main(argv=None) -> int:
 
     from helios.models import from_pretrained
 
+    load0 = round(os.getloadavg()[0], 2)
     prompt = np.random.default_rng(0).integers(0, args.vocab, (1, args.context)).astype(np.int64)
     with tempfile.TemporaryDirectory() as folder:
         peer = _hf_folder(args, folder)
         model = from_pretrained(folder)
     t_kv, kv = _timed(lambda: model.generate(prompt, args.new, temperature=0.0), args.rounds)
     t_prefill, _ = _timed(lambda: model.generate(prompt, 1, temperature=0.0), args.rounds)  # the prompt + 1 token
+    steps = []
+    for _ in range(args.rounds):
+        streamed, s = _stream_steps(model, prompt, args.new)
+        steps += s
     t_full, full = _timed(lambda: _full_context(model, prompt, args.new), args.rounds)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
 
@@ -119,8 +138,10 @@ def main(argv=None) -> int:
            "peer_tok_s": round(args.new / t_peer, 2), "kv_over_full": round(t_full / t_kv, 2),
            "kv_decode_tok_s": round((args.new - 1) / max(t_kv - t_prefill, 1e-9), 2),
            "kv_decode_over_full": round((args.new - 1) / max(t_kv - t_prefill, 1e-9) / (args.new / t_full), 2),
+           "kv_step_ms": round(statistics.median(steps) * 1e3, 2) if steps else None,
            "kv_over_peer": round(t_peer / t_kv, 3),
-           "same_tokens": bool(np.array_equal(kv, full) and np.array_equal(kv, ref))}
+           "same_tokens": bool(np.array_equal(kv, full) and np.array_equal(kv, ref) and np.array_equal(kv, streamed)),
+           "load": [load0, round(os.getloadavg()[0], 2)]}
     print(json.dumps(row), flush=True)
     return 0
 

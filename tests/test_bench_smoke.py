@@ -123,6 +123,13 @@ def _check_vulkan_coopmat(lines):
         assert _has(x, "cublas_fp16_gflops", "ratio_vs_cublas") or _has(x, "cublas_skipped"), x
 
 
+def _check_store_attack(lines):
+    rows = {x["window"]: x for x in lines if x.get("bench") == "store_attack"}
+    assert set(rows) == {"quiet", "attack"} and all(x["steps"] > 0 for x in rows.values()), lines
+    (summary,) = [x for x in lines if x.get("bench") == "store_attack_summary"]
+    assert summary["connections"] > 0 and summary["rejected"] == summary["connections"], summary  # all refused
+
+
 VK, MP = pytest.mark.vulkan, pytest.mark.multiproc
 # script: (its check, whether its peer is PyTorch, whether it runs several ranks, pytest marks)
 BENCHES = {
@@ -137,6 +144,7 @@ BENCHES = {
     "model_parallel.py": (_check_model_parallel, True, True, [VK, MP]),
     "profile_overhead.py": (_check_profile_overhead, False, False, [VK]),  # peer: profiling off
     "ring_attention.py": (_check_ring_attention, True, True, [VK, MP]),
+    "store_attack.py": (_check_store_attack, False, True, [MP]),  # peer: the same job's quiet windows
     "train_parity.py": (_check_train_parity, True, False, [VK]),
     "train_step.py": (_check_train_step, True, False, [VK]),
     "vulkan_coopmat.py": (_check_vulkan_coopmat, False, False, [VK]),  # peers: the shared-memory kernel, cuBLAS where there is CUDA

@@ -112,7 +112,7 @@ def init_process_group(backend: str = "auto", timeout: float = 300.0, *, rank: i
         local_addr = pick_address(os.environ.get("HELIOS_SOCKET_IFNAME"), store._sock.getsockname()[0])
         probe = topomod.Probe()
         try:
-            info = {"host": socket.gethostname(), "boot": _boot_id(), "pid": os.getpid(),
+            info = {"host": socket.gethostname(), "addr": local_addr, "boot": _boot_id(), "pid": os.getpid(),
                     "shm": shmmod.available() is None, "ib": backend in ("auto", "ibverbs") and _ibverbs_ok(),
                     **probe.info()}
             ps.set(f"info/{cfg.rank}", json.dumps(info).encode())
@@ -165,7 +165,9 @@ def _make_group(store: PrefixStore, name: str, ranks: list[int], backend: str, t
         from helios.comm import ibverbs
 
         t = ibverbs.IbvTransport(gstore, me, len(ranks), _S.token, timeout)
-    return ProcessGroup(t, ranks, name, timeout)
+    g = ProcessGroup(t, ranks, name, timeout)
+    g.name_hosts([f"{_S.infos[r]['host']} ({_S.infos[r]['addr']})" for r in ranks])
+    return g
 
 
 def _make_hierarchy(ps: PrefixStore, topo: topomod.Topology, backend: str, timeout: float):
@@ -368,9 +370,11 @@ def _hier(g: ProcessGroup, op: str, nbytes: int, algorithm: str) -> str | None:
 def _run_hier(g: ProcessGroup, fn) -> None:
     """Run a hierarchical operation; its two levels' bytes count as ``g``'s."""
     before = g.hier.bytes_sent()
+    g.hier.deadline = g.op_deadline  # both levels within the one timeout of g's operation
     try:
         fn()
     finally:
+        g.hier.deadline = None
         g.counters.bytes_sent += g.hier.bytes_sent() - before
 
 

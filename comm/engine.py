@@ -140,6 +140,11 @@ class Engine:
         self._scratch = np.empty(0, np.uint8)
         self._soff = 0
         self.bytes_sent = 0  # payload bytes handed to the links, ever (the communicator's counters read it)
+        self.peers: list[str] = []  # per rank of the transport, where it runs (set by the group; errors name it)
+        self.agree_s = 0.0  # the end of a timeout spent hearing whom the peers wait for (set by the group)
+        # The very end of a timeout goes to the abort frames and the transport's flush of them
+        # (ABORT_BUDGET each at most), so the CommError is raised by the deadline, not after it.
+        self.abort_s = 2 * ABORT_BUDGET if transport.abort_frames else 0.0
 
     def scratch(self, count: int, dtype) -> np.ndarray:
         """Temporary array for the running operation, carved from a block reused across operations.
@@ -214,9 +219,9 @@ class Engine:
                 now = time.monotonic()
                 if self._pending_sends and not stuck:
                     stuck = now
-                left = deadline - now
+                left = deadline - self.agree_s - self.abort_s - now
                 if left <= 0:
-                    self._raise_timeout()
+                    self._raise_timeout(deadline)
                 wait = min(left, 0.1 if drain or not self._pending_sends else _DRAIN_AFTER)
                 self.t.wait_activity(self._wanted_send(), self._wanted_recv(drain), wait)
         except PeerLost as e:
@@ -362,7 +367,7 @@ class Engine:
                 f"rank {peer} sent {came} bytes for message tag {tag:#x} where this rank expected {expected}: the "
                 "ranks called the collective with different sizes (HELIOS_COMM_DEBUG=1 checks every call)", peer))
 
-    def _raise_timeout(self) -> None:
+    def _raise_timeout(self, deadline: float) -> None:
         peer, pending = -1, 0
         for p in range(self.t.world):
             b = sum(r.nbytes - r.got for r in self._posted[p].values())
@@ -373,17 +378,66 @@ class Engine:
             if b > pending or (peer < 0 and (self._posted[p] or self._sendq[p])):
                 peer, pending = p, b
         stash = {p: sorted(s) for p, s in enumerate(self._stash) if s}
-        if peer >= 0:
-            self.fault = Fault(peer, f"stopped responding (rank {self.t.rank} timed out waiting for it)", self.t.rank)
         hint = f"; early messages parked from {stash}" if stash else ""
+        waited = f"timed out waiting for rank {peer} ({pending} bytes still pending with it){hint}"
+        if peer < 0:
+            raise CommError(self._describe(f"{waited}; the peer is stuck, stopped or slower than the timeout", peer))
+        self.fault = Fault(peer, f"stopped responding (rank {self.t.rank} timed out waiting for it)", self.t.rank)
+        root, via = self._agree_on_culprit(self.fault, deadline - self.abort_s)
+        if root == peer:
+            raise CommError(self._describe(f"{waited}; the peer is stuck, stopped or slower than the timeout", peer))
+        self.fault = Fault(root, f"stopped responding (rank {via} timed out waiting for it)", via)
+        chain = "" if via == peer else f" (through rank {via})"
         raise CommError(self._describe(
-            f"timed out waiting for rank {peer} ({pending} bytes still pending with it){hint}; the peer is stuck, "
-            "stopped or slower than the timeout", peer))
+            f"{waited}, which was itself waiting for rank {root}{chain}: rank {root} stopped responding (it is "
+            "stuck, stopped or unreachable)", root))
+
+    def _agree_on_culprit(self, fault: Fault, deadline: float) -> tuple[int, int]:
+        """After a timeout: whom the peers were waiting for, so every rank names the same rank at fault.
+
+        In a ring, a rank waits on its neighbour, which may itself be waiting on a rank behind
+        a dead link: each would blame the one it waits for.  Until ``deadline`` (the last
+        ``agree_s`` of the timeout) this rank sends its abort frame (whom it waits for) and
+        reads the peers' ones; following "A waits for B" from the rank it blamed leads to a
+        rank it did not hear from, which is the one at fault.  Returns ``(that rank, the rank
+        that named it)``.  (The abort this rank sends later, when the group is poisoned, names
+        that rank.)"""
+        if self.agree_s <= 0:
+            return fault.culprit, self.t.rank
+        blames: dict[int, int] = {}
+        self.send_abort(fault, budget=min(ABORT_BUDGET, self.agree_s / 2))
+        todo = [p for p in range(self.t.world)
+                if p != self.t.rank and p not in self._gone and self.t.links[p] is not None]
+        while todo and time.monotonic() < deadline:
+            for p in list(todo):
+                try:
+                    while self._recv_frame(p):
+                        pass
+                except PeerLost as e:
+                    todo.remove(p)
+                    if e.reporter is not None and e.reporter == p:
+                        blames[p] = e.peer  # "p waits for e.peer"
+                except CommError:
+                    todo.remove(p)
+            if todo:
+                try:
+                    self.t.wait_activity([], todo, max(0.0, min(0.05, deadline - time.monotonic())))
+                except PeerLost as e:
+                    if e.peer in todo:
+                        todo.remove(e.peer)
+        root, via, seen = fault.culprit, self.t.rank, {self.t.rank}
+        while root in blames and root not in seen:
+            seen.add(root)
+            root, via = blames[root], root
+        return (root, via) if root not in seen else (fault.culprit, self.t.rank)
 
     def _describe(self, what: str, peer: int) -> str:
         i = self.info
+        # Across hosts, a peer's rank alone does not say which machine or link to look at.
+        where = f" (rank {peer} {self.peers[peer]})" if 0 <= peer < len(self.peers) and peer != self.t.rank else ""
         return (f"helios.comm: {i.name} #{i.seq} on group {i.group} ({i.nbytes} bytes) failed on rank {self.t.rank}: "
-                f"{what}. The communicator is now unusable: destroy_process_group() and init_process_group() again.")
+                f"{what}{where}. The communicator is now unusable: destroy_process_group() and init_process_group() "
+                "again.")
 
     def send_abort(self, fault: Fault, budget: float = ABORT_BUDGET) -> None:
         """Best effort, before the transport closes: tell every peer who is at fault.

@@ -91,6 +91,10 @@ class ProcessGroup:
         self.timeout = timeout
         self.backend = transport.name
         self.engine = Engine(transport)
+        if transport.abort_frames and self.size > 2:
+            # Ranks that time out hear, in the last tenth of the timeout (1 s at most), whom their
+            # peers wait for, so all of them name the rank really at fault (engine._agree_on_culprit).
+            self.engine.agree_s = min(1.0, 0.1 * timeout)
         self.direct = None
         self.hier = None  # a helios.comm.hierarchical.Hierarchy when the group spans hosts (the world)
         if transport.name == "shm":
@@ -103,6 +107,7 @@ class ProcessGroup:
         self._p2p_send = [0] * self.size
         self._p2p_recv = [0] * self.size
         self.broken: str | None = None
+        self.op_deadline = 0.0  # of the operation running (or last run), time.monotonic()
         self._cv = threading.Condition()
         self._queue: deque[tuple[Callable[[], None], Work, bool, int]] = deque()
         self._running = False
@@ -113,6 +118,12 @@ class ProcessGroup:
         self._program_thread = 0  # ident of the thread running an enqueued program (0: none)
 
     # ---- ranks -------------------------------------------------------------------------
+    def name_hosts(self, hosts: list[str]) -> None:
+        """Where each member runs (``hosts[i]`` for group rank i, e.g. ``"node7 (10.0.0.7)"``): a
+        failure blamed on a peer then names its host, and its global rank."""
+        self.engine.peers = [(f"is on host {h}" if g == i else f"is global rank {g}, on host {h}")
+                             for i, (g, h) in enumerate(zip(self.ranks, hosts))]
+
     def group_rank(self, global_rank: int, what: str = "rank") -> int:
         """Group rank of a global rank (ValueError when it is not a member)."""
         try:
@@ -211,17 +222,21 @@ class ProcessGroup:
                 "Call destroy_process_group() and init_process_group() to re-create it."
             )
 
-    def run_op(self, name: str, nbytes: int, body: Callable[[A.Ctx], None], desc: str, p2p: bool = False) -> None:
-        """Execute one operation with a fresh deadline, sequence number and error handling."""
+    def run_op(self, name: str, nbytes: int, body: Callable[[A.Ctx], None], desc: str, p2p: bool = False,
+               deadline: float | None = None) -> None:
+        """Execute one operation with a fresh deadline, sequence number and error handling.
+
+        ``deadline`` (a ``time.monotonic()`` value): when the operation is a step of a larger one
+        (a level of a hierarchical collective), that one's; default: now + the group's timeout."""
         self._check_usable()
         col = current_collector()
         if col is None:
-            self._run_op(name, nbytes, body, desc, p2p)
+            self._run_op(name, nbytes, body, desc, p2p, deadline)
             return
         seq, t0, ok = self.seq, time.monotonic_ns(), False
         take_device_ready_ns()
         try:
-            self._run_op(name, nbytes, body, desc, p2p)
+            self._run_op(name, nbytes, body, desc, p2p, deadline)
             ok = True
         finally:
             t1 = time.monotonic_ns()
@@ -233,7 +248,8 @@ class ProcessGroup:
                             device_wait_ns=ready - t0, role=self.role)
             self._op_async, self._op_issued = False, 0
 
-    def _run_op(self, name: str, nbytes: int, body: Callable[[A.Ctx], None], desc: str, p2p: bool) -> None:
+    def _run_op(self, name: str, nbytes: int, body: Callable[[A.Ctx], None], desc: str, p2p: bool,
+                deadline: float | None = None) -> None:
         seq = self.seq
         if not p2p:
             self.seq += 1
@@ -241,7 +257,8 @@ class ProcessGroup:
         self.engine.info = info
         if self.direct is not None:
             self.direct.info = info
-        deadline = time.monotonic() + self.timeout
+        deadline = time.monotonic() + self.timeout if deadline is None else deadline
+        self.op_deadline = deadline
         if self.direct is not None:
             self.direct.deadline = deadline
         self.engine.reset_scratch()

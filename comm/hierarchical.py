@@ -37,8 +37,11 @@ import numpy as np
 from helios.comm import algorithms as A
 from helios.comm import cost
 from helios.comm import reduce_ops as R
+from helios.comm.engine import Fault
 from helios.comm.group import ProcessGroup
 from helios.comm.topology import Topology
+
+from helios.errors import CommError
 
 INTER_RUN = {
     "ring": A.ring_all_reduce,
@@ -70,6 +73,9 @@ class Hierarchy:
         self.intra_ab = cost.params("shm")
         self.inter_ab = cost.params(inter.backend)
         self.measured = False
+        # The deadline of the world's operation running now: its levels share it, so a
+        # hierarchical collective fails within one timeout, like a flat one (None: each its own).
+        self.deadline: float | None = None
 
     # ---- cost ------------------------------------------------------------------------
     def calibrate(self, store, timeout: float) -> None:
@@ -142,10 +148,20 @@ class Hierarchy:
 
     # ---- the operations ---------------------------------------------------------------
     def _in(self, name: str, nbytes: int, fn: Callable[[], None]) -> None:
-        self.intra.run_op(name, nbytes, lambda c: fn(), name)
+        self.intra.run_op(name, nbytes, lambda c: fn(), name, deadline=self.deadline)
 
     def _across(self, name: str, nbytes: int, fn: Callable[[A.Ctx], None]) -> None:
-        self.inter.run_op(name, nbytes, fn, name)
+        try:
+            self.inter.run_op(name, nbytes, fn, name, deadline=self.deadline)
+        except CommError as e:
+            # The host's other ranks may be waiting for this one in the intra-host level (their
+            # own exchange done): tell them which peer across hosts was lost, not just that we left.
+            f, peers = self.inter.engine.fault, self.inter.engine.peers
+            lost = (f"rank {f.culprit} of group {self.inter.name} {peers[f.culprit]}"
+                    if f is not None and 0 <= f.culprit < len(peers) and f.culprit != self.inter.rank else str(e)[:300])
+            self.intra.poison(f"{name}: {str(e)[:300]}",
+                              Fault(self.intra.rank, f"gave up on the exchange between hosts ({lost})", self.intra.rank))
+            raise
 
     def all_reduce(self, buf: np.ndarray, op: str, dtype: str, alg: str) -> None:
         """In-place all-reduce of the flat ``buf`` over every host."""

@@ -33,6 +33,12 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
+
+from helios.comm import auth
+from helios.comm.node_rendezvous import NodeRendezvous, RendezvousError
+
+from helios.errors import CommError
 
 
 def free_port(host: str = "") -> int:
@@ -42,6 +48,13 @@ def free_port(host: str = "") -> int:
     port = s.getsockname()[1]
     s.close()
     return port
+
+
+def _nnodes(text: str) -> int | None:
+    """``--nnodes``: ``N``, or torchrun's ``MIN:MAX`` with MIN == MAX (None when the two differ)."""
+    lo, _, hi = text.partition(":")
+    n = int(lo)
+    return n if not hi or int(hi) == n else None
 
 
 def _pump(stream, out, prefix: bytes, lock: threading.Lock) -> None:
@@ -67,20 +80,29 @@ def _describe(code: int) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options of helios-run."""
     p = argparse.ArgumentParser(prog="helios-run", description="Start the ranks of a Helios job on this host.")
-    p.add_argument("--nproc-per-node", type=int, required=True, help="ranks to start on this host")
-    p.add_argument("--nnodes", type=int, default=1, help="hosts in the job (default 1)")
-    p.add_argument("--node-rank", type=int, default=0, help="index of this host, 0..nnodes-1")
-    p.add_argument("--master-addr", default=None, help="address of node 0 (default 127.0.0.1 on one host)")
-    p.add_argument("--master-port", type=int, default=None,
-                   help="store port on node 0 (default: a free port on one host, 29500 across hosts)")
+    # torchrun's spellings (--nproc_per_node, --node_rank, ...) are accepted beside helios-run's own.
+    p.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", type=int, required=True,
+                   help="ranks to start on this host")
+    p.add_argument("--nnodes", type=_nnodes, default=1, help="hosts in the job, N or torchrun's N:N (default 1)")
+    p.add_argument("--node-rank", "--node_rank", dest="node_rank", type=int, default=0,
+                   help="index of this host, 0..nnodes-1")
+    p.add_argument("--master-addr", "--master_addr", dest="master_addr", default=None,
+                   help="address of node 0 (default 127.0.0.1 on one host)")
+    p.add_argument("--master-port", "--master_port", dest="master_port", type=int, default=None,
+                   help="store port on node 0 (default: a free port on one host, 29500 across hosts, where it is "
+                        "the port of the nodes' rendezvous)")
     p.add_argument("--grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL when stopping ranks")
-    p.add_argument("--max-restarts", type=int, default=0,
+    p.add_argument("--max-restarts", "--max_restarts", dest="max_restarts", type=int, default=0,
                    help="when a rank fails, stop the job and start it again up to this many times (default 0); "
                         "the ranks see HELIOS_RESTART_COUNT (0 on the first run) and resume from their checkpoint")
+    p.add_argument("--join-timeout", type=float, default=600.0,
+                   help="across hosts: seconds to wait for every node's helios-run to join a round (default 600)")
     p.add_argument("-m", dest="module", action="store_true", help="run the target as a module (python -m)")
     p.add_argument("script", help="the Python script (or module with -m)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the script")
     a = p.parse_args(argv)
+    if a.nnodes is None:
+        p.error("--nnodes takes N or N:N (helios-run does not grow or shrink a job between attempts)")
     if a.nproc_per_node < 1 or a.nnodes < 1 or not 0 <= a.node_rank < a.nnodes:
         p.error("need --nproc-per-node >= 1, --nnodes >= 1 and 0 <= --node-rank < --nnodes")
     if a.max_restarts < 0:
@@ -100,7 +122,8 @@ def _launch(a: argparse.Namespace, world: int, addr: str, port: int, job: str, a
         rank = a.node_rank * a.nproc_per_node + local
         env = dict(os.environ)
         env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local),
-                   LOCAL_WORLD_SIZE=str(a.nproc_per_node), GROUP_RANK=str(a.node_rank), MASTER_ADDR=addr,
+                   LOCAL_WORLD_SIZE=str(a.nproc_per_node), GROUP_RANK=str(a.node_rank), NODE_RANK=str(a.node_rank),
+                   MASTER_ADDR=addr,
                    MASTER_PORT=str(port), HELIOS_JOB_ID=job, HELIOS_LAUNCHER="1", PYTHONUNBUFFERED="1",
                    HELIOS_RESTART_COUNT=str(attempt), HELIOS_MAX_RESTARTS=str(a.max_restarts),
                    HELIOS_SHM_PREFIX=shm_prefix)
@@ -139,19 +162,64 @@ def main(argv: list[str] | None = None) -> int:
     for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(s, forward)
 
+    nodes = None
+    if a.nnodes > 1:
+        try:
+            nodes = NodeRendezvous(addr, first_port, a.nnodes, a.node_rank, job,
+                                   {"nproc_per_node": a.nproc_per_node, "max_restarts": a.max_restarts},
+                                   a.join_timeout, lambda: _rank_store_port(addr), lambda: bool(received),
+                                   _shared_secret())
+        except RendezvousError as e:
+            sys.stderr.write(f"{e}\n")
+            return 128 + received[0] if received else 1
+    try:
+        return _attempts(a, world, addr, first_port, job, nodes, procs, received, lock)
+    finally:
+        if nodes is not None:
+            nodes.close()
+
+
+@dataclass
+class Failure:
+    """Why an attempt ended: a rank of this node (``rank``, its exit ``code``) or another node's report."""
+
+    what: str
+    code: int
+    rank: int | None = None
+
+
+def _attempts(a: argparse.Namespace, world: int, addr: str, first_port: int, job: str, nodes: NodeRendezvous | None,
+              procs: list[subprocess.Popen], received: list[int], lock: threading.Lock) -> int:
+    """Run the job, restarting it after a failure up to ``--max-restarts`` times; the exit status."""
+    cancelled = lambda: bool(received)
     attempt = 0
     while True:
-        if received:  # a signal came while the job was being torn down for a restart
+        if received:  # a signal came while the job was being torn down for a restart, or while joining
+            if nodes is not None:
+                try:
+                    _tell_nodes(nodes, attempt, None, received)
+                except RendezvousError:
+                    pass  # node 0 is gone: nobody is left to tell
             sys.stderr.write(f"helios-run: got {signal.Signals(received[0]).name}; not restarting the job.\n")
             return 128 + received[0]
-        # A relaunch on one host takes a fresh store port: the old one may linger in TIME_WAIT.
-        port = first_port if attempt == 0 or a.master_port is not None or a.nnodes > 1 else free_port()
         shm_prefix = secrets.token_hex(4)  # names this attempt's shared-memory segments
-        started, pumps = _launch(a, world, addr, port, job, attempt, shm_prefix, lock)
-        procs[:] = started
-        if received:  # a signal that came while the ranks were starting
-            _signal_groups(procs, received[0], running_only=True)
-        failed = _watch(procs, a, received)
+        try:
+            if nodes is not None:  # every node's helios-run meets on node 0, which names the ranks' port
+                port = nodes.join(attempt, cancelled)
+                if port is None:
+                    continue
+            else:  # a relaunch on one host takes a fresh store port: the old one may linger in TIME_WAIT
+                port = first_port if attempt == 0 or a.master_port is not None else free_port()
+            started, pumps = _launch(a, world, addr, port, job, attempt, shm_prefix, lock)
+            procs[:] = started
+            if received:  # a signal that came while the ranks were starting
+                _signal_groups(procs, received[0], running_only=True)
+            failed = _watch(procs, a, received, nodes, attempt)
+        except RendezvousError as e:
+            _stop(procs, a.grace, every_group=True)
+            _remove_segments([p.pid for p in procs], shm_prefix)
+            sys.stderr.write(f"{e}\n")
+            return 1
         if failed is not None or received:
             # Whatever the ranks left behind: processes they started, segments they never unlinked.
             if received:
@@ -159,26 +227,73 @@ def main(argv: list[str] | None = None) -> int:
             _remove_segments([p.pid for p in procs], shm_prefix)
         for t in pumps:
             t.join(timeout=10.0)  # the last lines a rank printed before it exited (a loaded machine is slow)
+        try:
+            failed = _tell_nodes(nodes, attempt, failed, received)
+        except RendezvousError as e:
+            sys.stderr.write(f"{e}\n")
+            return 1
         if failed is None:
             return 128 + received[0] if received else 0
-        rank, code = failed
-        pid = procs[rank - a.node_rank * a.nproc_per_node].pid
-        if received or attempt >= a.max_restarts:
-            sys.stderr.write(f"helios-run: rank {rank} (pid {pid}) {_describe(code)}; stopped the other ranks.\n")
+        stopped = nodes.stopped() if nodes is not None else None
+        if received or attempt >= a.max_restarts or stopped:
+            where = "the other ranks" if nodes is None else ("this node's ranks" if failed.rank is None else
+                                                             "the job on every node")
+            sys.stderr.write(f"helios-run: {failed.what}; stopped {where}.\n")
             sys.stderr.flush()
-            return code if code > 0 else 128 - code
+            return failed.code
         attempt += 1
-        sys.stderr.write(f"helios-run: rank {rank} (pid {pid}) {_describe(code)}; restarting the job "
-                         f"(restart {attempt} of {a.max_restarts})\n")
+        sys.stderr.write(f"helios-run: {failed.what}; restarting the job (restart {attempt} of {a.max_restarts})\n")
         sys.stderr.flush()
 
 
-def _watch(procs: list[subprocess.Popen], a: argparse.Namespace, received: list[int]) -> tuple[int, int] | None:
+def _tell_nodes(nodes: NodeRendezvous | None, attempt: int, failed: Failure | None,
+                received: list[int]) -> Failure | None:
+    """Across hosts: report this node's failure, or wait for the other nodes to end the attempt too.
+
+    Returns the attempt's failure as this node sees it (another node's when only that one failed)."""
+    if nodes is None:
+        return failed
+    if received:  # stopped by a signal: the job ends on every node, none restarts it
+        nodes.report_failure(attempt, f"node {nodes.node}'s helios-run got {signal.Signals(received[0]).name}",
+                             final=True)
+        return failed
+    if failed is not None:  # reported by _watch the moment it was seen
+        return failed
+    why = nodes.finish(attempt, lambda: bool(received))
+    return Failure(why, 1) if why else None
+
+
+def _shared_secret() -> bytes:
+    """The secret every node of a multi-node job holds: HELIOS_JOB_SECRET or HELIOS_JOB_SECRET_FILE.
+
+    One helios-run cannot make it up for the others, so a multi-node launch without one stops."""
+    try:
+        secret = auth.job_secret()
+    except CommError as e:
+        raise RendezvousError(f"helios-run: {str(e).removeprefix('helios.comm: ')}") from None
+    if not secret:
+        raise RendezvousError(f"helios-run: a job over several nodes needs one secret on every node: {auth.HOW_TO_SET}.")
+    return secret
+
+
+def _rank_store_port(addr: str) -> int:
+    """Node 0: a free port for the ranks' store on the master address (any interface if it is not ours)."""
+    try:
+        return free_port(addr)
+    except OSError:
+        return free_port()
+
+
+def _watch(procs: list[subprocess.Popen], a: argparse.Namespace, received: list[int],
+           nodes: NodeRendezvous | None = None, attempt: int = 0) -> Failure | None:
     """Wait for every rank to end; on the first failure (not caused by a forwarded signal) stop the others.
 
-    Returns ``(rank, exit code)`` of the rank that failed first, or None.
+    Across hosts (``nodes``) a failure here is reported to every node at once, and a failure
+    another node reported stops this node's ranks too.  Returns the failure that ended the
+    attempt, or None.
     """
-    failed: tuple[int, int] | None = None
+    failed: Failure | None = None
+    next_look = 0.0
     while True:
         codes = [p.poll() for p in procs]
         if failed is None and not received:
@@ -187,7 +302,20 @@ def _watch(procs: list[subprocess.Popen], a: argparse.Namespace, received: list[
                 # Several seen at once: a rank killed by a signal is more likely the cause than
                 # ranks that exited with an error (a CommError) because of it.
                 i, c = min(bad, key=lambda ic: (ic[1] > 0, ic[0]))
-                failed = (a.node_rank * a.nproc_per_node + i, c)
+                rank = a.node_rank * a.nproc_per_node + i
+                where = f", node {a.node_rank} ({socket.gethostname()})" if a.nnodes > 1 else ""
+                failed = Failure(f"rank {rank} (pid {procs[i].pid}{where}) {_describe(c)}", c if c > 0 else 128 - c,
+                                 rank)
+                if nodes is not None:
+                    # A rank that failed on another node first is the cause: every node names that one.
+                    first = nodes.report_failure(attempt, failed.what)
+                    if first != failed.what:
+                        failed = Failure(first, failed.code, rank)
+            elif nodes is not None and time.monotonic() >= next_look and any(c is None for c in codes):
+                next_look = time.monotonic() + 0.25
+                what = nodes.failure(attempt)
+                if what is not None:
+                    failed = Failure(what, 1)
             if failed is not None:
                 _stop(procs, a.grace, every_group=True)
                 continue

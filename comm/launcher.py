@@ -19,6 +19,11 @@ what ended it.
 fresh ``MASTER_PORT``), at most K times, with ``HELIOS_RESTART_COUNT`` counting the
 restarts so the program can resume from its checkpoint.  A signal sent to helios-run
 (Ctrl-C, SIGTERM, SIGHUP) is forwarded and never leads to a restart.
+
+Across hosts (``--nnodes > 1``, torchrun's flags and spellings) the helios-run of every node
+meet through node 0's (``comm/node_rendezvous.py``): they start each attempt together, a
+failure on any node stops the ranks of every node, and restarts happen on all nodes at once.
+The job's secret must then come from ``HELIOS_JOB_SECRET`` or ``HELIOS_JOB_SECRET_FILE``.
 """
 
 from __future__ import annotations

@@ -126,7 +126,7 @@ class DistributedDataParallel(Module):
 
     # ---- the Module surface ------------------------------------------------------------
     def forward(self, *args, **kwargs):
-        self._prepare_buckets()
+        self.prepare_buckets()
         return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
@@ -209,8 +209,9 @@ class DistributedDataParallel(Module):
         return list(self._buckets)
 
     # ---- buckets -------------------------------------------------------------------------
-    def _prepare_buckets(self) -> None:
-        """(Re)build buckets when the parameters' gradient slots changed (an optimizer packed them)."""
+    def prepare_buckets(self) -> None:
+        """(Re)build buckets when the parameters' gradient slots changed (an optimizer packed them); the
+        model's forward does it, and a caller that runs the module's parts itself (a ZeRO forward scope)."""
         for dtype in {p.dtype for _, p in self._named if p.grad_slot is None}:
             self._give_slots(dtype)
         key = tuple((id(p.grad_slot.untyped_storage()), p.grad_slot.storage_offset()) for _, p in self._named)

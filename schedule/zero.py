@@ -166,81 +166,33 @@ parameters).
 from __future__ import annotations
 
 import contextlib
-import threading
 
 import helios.comm as dist
 import helios.functional as F
 from helios import dtypes as dt
 from helios import flat
-from helios.autograd import tape
-from helios.autograd.tape import Function, no_grad
-from helios.errors import HeliosError
-from helios.flat import LazyStorage
+from helios.autograd.tape import no_grad
 from helios.nn import Module
 from helios.optim import Optimizer, adamw_constants
 from helios.schedule.ddp import DistributedDataParallel
-from helios.schedule.zero_plan import ZeroPlan, _Group, _Segment, _Unit
-from helios.schedule.zero_state import ZeroStateIO, _formula, memory_report  # noqa: F401  (re-exported)
-from helios.tensor import Storage, Tensor
+from helios.schedule.zero_grads import GradientReducer
+from helios.schedule.zero_plan import Group, Segment, Unit, ZeroPlan, view_f32
+from helios.schedule.zero_stage3 import UnitParameters
+from helios.schedule.zero_state import TransientBytes, ZeroStateIO, _formula, memory_report  # noqa: F401  (re-exported)
+from helios.tensor import Tensor
 
 _F32 = dt.float32
-
-
-def _view(st: Storage, off: int, n: int) -> Tensor:
-    """Elements [off, off + n) of a float32 storage, as a 1-D view."""
-    return st.view(off, (n,), _F32)
-
-
-def _in_slot(p: Tensor) -> bool:
-    """Whether ``p``'s gradient is its gradient slot's memory (else it landed elsewhere: a cast)."""
-    g, slot = p.grad, p.grad_slot
-    return g.untyped_storage() is slot.untyped_storage() and g.storage_offset() == slot.storage_offset()
-
-
-class _DoneWork:
-    """The Work of a DDP bucket that only completes part of a segment: nothing to wait for."""
-
-    def wait(self, timeout=None) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-
-class _SegmentWork:
-    """The reduce-scatter of one segment's gradients: ``wait()`` also frees its staging buffer."""
-
-    def __init__(self, opt: "ZeroAdamW", seg: _Segment, work, temp: Tensor | None) -> None:
-        self.opt, self.seg, self.work, self.temp = opt, seg, work, temp
-        self.done = False
-
-    def is_completed(self) -> bool:
-        return self.done or self.work.is_completed()
-
-    def wait(self, timeout=None) -> bool:
-        if not self.done:
-            self.opt._finish_reduce(self)
-        return True
-
-
-class _PreBackward(Function):
-    """Identity on a unit's output; its backward (run before any of the unit's own) gathers the unit."""
-
-    @staticmethod
-    def forward(ctx, x, opt, unit):
-        ctx.opt, ctx.unit = opt, unit
-        return x.detach()  # the same values (a new handle)
-
-    @staticmethod
-    def backward(ctx, g):
-        ctx.opt._pre_backward(ctx.unit)
-        return g, None, None
 
 
 # ---- the optimizer -------------------------------------------------------------------------------
 class ZeroAdamW(Optimizer):
     """AdamW whose state (stage 1), gradients (stage 2) and parameters (stage 3) are sharded
-    over the ranks of a ``DistributedDataParallel`` model; see the module docstring."""
+    over the ranks of a ``DistributedDataParallel`` model; see the module docstring.
+
+    It owns the buffers and the update; the layout is its ``plan`` (``ZeroPlan``, zero_plan.py),
+    the gradients' reduction its ``reducer`` (``GradientReducer``, zero_grads.py), stage 3's
+    gathers and releases its ``unit_params`` (``UnitParameters``, zero_stage3.py) and the state
+    going in and out its ``ZeroStateIO`` (zero_state.py)."""
 
     def __init__(self, model: DistributedDataParallel, params=None, stage: int = 1, lr: float = 1e-3,
                  betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
@@ -261,7 +213,6 @@ class ZeroAdamW(Optimizer):
         self.world = dist.get_world_size(self.pg)
         self.rank = dist.get_rank(self.pg)
         self.plan = ZeroPlan(model, self.param_groups, named, stage, param_replicas or {})
-        self._name, self._replicas = self.plan.name, self.plan.replicas
         self._io = ZeroStateIO(self)
         self._replicas_reduced = False  # reduce_gradients() ran since zero_grad (param_replicas need it)
         if getattr(model, "_own_flat", None):
@@ -272,31 +223,26 @@ class ZeroAdamW(Optimizer):
         self._q = max(1, flat.alignment(self.rt) // 4)
         self.plan.q = self._q
         self._bytes = {k: {"requested": 0, "pool": 0, "buffers": []} for k in ("params", "grads", "moments")}
-        self._transient = {k: {"now": 0, "peak": 0} for k in ("grad_staging", "gathered_params")}
-        self._inflight: list[_SegmentWork] = []
-        self.units: list[_Unit] = self.plan.units  # stage 3 (filled as the layout is made)
-        self._unit_of = self.plan.unit_of
-        self._fwd_depth = 0
-        self._fwd_order: list[_Unit] = []
-        self._recording: list[_Unit] | None = None
-        self._armed = False
-        self._backward_units = None  # ids of the units backward covers now (None: all; see chunk_scope)
+        self.transient = TransientBytes(("grad_staging", "gathered_params"))
         # Counts since construction: unit gathers issued (stage 3), those issued ahead of use
         # (prefetches), those forced by a read of an ungathered parameter, reduce-scatters.
         self.stats = {"gathers": 0, "prefetches": 0, "on_demand_gathers": 0, "reduce_scatters": 0}
-        with no_grad():
-            self.groups = [self._build_group(gi, g["params"]) for gi, g in enumerate(self.param_groups)]
-        self._seg_of_storage = {id(s.gfull): s for g in self.groups for s in g.segs}
-        self._seg_of_param = {id(p): s for g in self.groups for s in g.segs for p in s.params}
+        self.groups: list[Group] = [self.plan.layout(gi, g["params"]) for gi, g in enumerate(self.param_groups)]
+        self.units: list[Unit] = self.plan.units  # stage 3 (made with the layout)
         largest = max(s.c * s.world * 4 for g in self.groups for s in g.segs)
-        self.staging_limit = (max(2 * model.bucket_cap_bytes, largest) if staging_limit_mb is None
-                              else int(staging_limit_mb * (1 << 20)))
+        staging_limit = (max(2 * model.bucket_cap_bytes, largest) if staging_limit_mb is None
+                         else int(staging_limit_mb * (1 << 20)))
+        self.reducer = GradientReducer(model, stage, self.groups, self.rt, staging_limit, self.transient, self.stats)
+        self.unit_params = UnitParameters(model, stage, self.units, self.plan.unit_of, self.groups, self.rt,
+                                          self.transient, self.stats)
+        with no_grad():
+            for g in self.groups:
+                self._allocate(g)
         if stage >= 2:
-            model.register_comm_hook(self._comm_hook)
+            model.register_comm_hook(self.reducer.comm_hook)
         if stage == 3:
-            for _, p in named:
-                p.register_post_accumulate_grad_hook(self._on_grad_ready)
-            self._wrap_forwards()
+            self.reducer.watch_replica_gradients()
+            self.unit_params.install(p for _, p in named)
 
     # ---- construction (the layout: ZeroPlan, zero_plan.py) ----------------------------------------
     def replica_group(self, name: str):
@@ -315,11 +261,9 @@ class ZeroAdamW(Optimizer):
         b["buffers"].append(n * 4)
         return t
 
-    def _build_group(self, gi: int, params: list) -> _Group:
-        """Group ``gi``'s buffers for the plan's layout, the parameters moved into them."""
+    def _allocate(self, g: Group) -> None:
+        """Group ``g``'s buffers for the plan's layout, the parameters moved into them."""
         st3 = self.stage == 3
-        g = self.plan.layout(gi, params)
-        segs = g.segs
         if self.stage <= 2:
             g.pflat = self._persist("params", g.full_n)
         if self.stage == 1:
@@ -330,9 +274,9 @@ class ZeroAdamW(Optimizer):
             g.pshard = self._persist("params", g.shard_n)
         g.m = self._persist("moments", g.shard_n)
         g.v = self._persist("moments", g.shard_n)
-        for s in segs:
+        for s in g.segs:
             if st3:
-                s.pfull = LazyStorage(self.rt, s.world * s.c * 4, "activations", self._gather_on_demand, s)
+                s.pfull = self.unit_params.gather_buffer(s)
                 r = s.rank
                 for p, a in zip(s.params, s.rel):  # this rank's chunk of the current values
                     lo, hi = max(a, r * s.c), min(a + p.numel(), (r + 1) * s.c)
@@ -346,137 +290,13 @@ class ZeroAdamW(Optimizer):
             if self.stage == 1:
                 s.gfull, s.go = g.gflat.untyped_storage(), s.po
             else:
-                s.gfull = LazyStorage(self.rt, s.world * s.c * 4, "activations", self._stage_on_demand, s)
+                s.gfull = self.reducer.staging_buffer(s)
             for p, a in zip(s.params, s.rel):
                 p.set_(s.pfull, s.po + a)  # the parameter now lives in the segment's full buffer
                 p.grad_slot = s.gfull.view(s.go + a, p.shape, _F32)
                 p.grad = None
-        return g
 
-    # ---- stage 2/3 gradients -------------------------------------------------------------------
-    def _stage_on_demand(self, st: LazyStorage) -> None:
-        """The first gradient of a segment lands: give it a staging buffer (its padding zeroed)."""
-        s = st.owner
-        # The host records backward far ahead of the device: bound the staging it allocates by
-        # waiting for the oldest reduction in flight (the same order on every rank: no deadlock).
-        while self._inflight and self._transient["grad_staging"]["now"] + st.nbytes > self.staging_limit:
-            self._inflight[0].wait()
-        got = st.materialize()
-        s.staged_bytes = got
-        self._count("grad_staging", got)
-        if s.c * s.world > s.numel:
-            flat.fill_(_view(st, s.numel, s.c * s.world - s.numel), 0)
-
-    def _count(self, kind: str, delta: int) -> None:
-        t = self._transient[kind]
-        t["now"] += delta
-        t["peak"] = max(t["peak"], t["now"])
-
-    def _buckets_per_segment(self, ddp: DistributedDataParallel) -> dict:
-        counts: dict[int, int] = {}
-        for b in ddp.buckets:
-            counts[b.storage_key] = counts.get(b.storage_key, 0) + 1
-        return counts
-
-    def _comm_hook(self, ddp: DistributedDataParallel, bucket):
-        """DDP hands over a complete bucket; once all buckets of a segment are in, reduce-scatter it."""
-        s = self._seg_of_storage.get(bucket.storage_key)
-        if s is None:
-            raise RuntimeError("ZeroAdamW: DDP handed over a gradient bucket outside the optimizer's buffers")
-        s.launched += 1
-        if s.launched < self._buckets_per_segment(ddp)[bucket.storage_key]:
-            return _DoneWork()
-        s.launched = 0
-        self._reap()
-        return self._launch_reduce(s)
-
-    def _launch_reduce(self, s: _Segment) -> _SegmentWork:
-        """Reduce-scatter segment ``s``'s staged gradients over its group into this rank's shard,
-        asynchronously: averaged over the model's group, or summed over a subgroup (divided by
-        the model group's size when it completes, ``_finish_reduce``)."""
-        g = self.groups[s.gi]
-        temp = None
-        out = flat.elements(g.gshard, s.so, s.c)
-        if s.has_grad:  # gradients are accumulating over backward passes: reduce beside, then add
-            temp = flat.empty((s.c,), _F32, self.rt)
-            out = temp
-        if not s.gfull.materialized:  # no gradient at all reached it (cannot happen under DDP, which fills them)
-            self._stage_on_demand(s.gfull)
-        work = dist.reduce_scatter(out, _view(s.gfull, 0, s.c * s.world), op="sum" if s.sub else "avg",
-                                   group=s.pg, async_op=True)
-        self.stats["reduce_scatters"] += 1
-        sw = _SegmentWork(self, s, work, temp)
-        self._inflight.append(sw)
-        return sw
-
-    def _mean_over_model(self, t: Tensor) -> None:
-        """A subgroup segment's reduced sum (in place) divided by the model group's size: every
-        rank of the subgroup summed gradients of tokens from all of the model group's losses
-        (expert parallelism), so this is the mean loss's gradient, as data parallel's average
-        is for the other parameters (helios.schedule.moe.average_expert_gradients)."""
-        flat.mul_(t, 1.0 / self.world)
-
-    def _reap(self) -> None:
-        """Finish the reductions that are already done (frees their staging buffers early)."""
-        while self._inflight and self._inflight[0].is_completed():
-            self._inflight[0].wait()
-
-    def _finish_reduce(self, sw: _SegmentWork) -> None:
-        sw.work.wait()
-        s = sw.seg
-        if s.sub:  # summed over the subgroup: now the mean over the model group's losses
-            self._mean_over_model(sw.temp if sw.temp is not None else flat.elements(self.groups[s.gi].gshard, s.so, s.c))
-        if sw.temp is not None:
-            flat.add_(flat.elements(self.groups[s.gi].gshard, s.so, s.c), sw.temp)
-        s.has_grad = True
-        for p in s.params:  # the full-size gradient is gone: its reduced shard is what is left
-            p.grad = None
-        self._drop_staging(s)
-        sw.done = True
-        if sw in self._inflight:
-            self._inflight.remove(sw)
-
-    def _drop_staging(self, s: _Segment) -> None:
-        if isinstance(s.gfull, LazyStorage) and s.gfull.materialized:
-            self._count("grad_staging", -s.gfull.release())
-
-    # ---- stage 3 parameters --------------------------------------------------------------------
-    def _wrap_forwards(self) -> None:
-        for u in self.units:
-            if u.module is not None:
-                self._wrap(u.module, u)
-        self._wrap(self.ddp.module, None)
-
-    def _wrap(self, module: Module, unit: _Unit | None) -> None:
-        inner = module.forward
-        opt = self
-
-        def forward(*args, **kwargs):
-            if unit is None:
-                return opt._root_forward(inner, args, kwargs)
-            opt._pre_forward(unit)
-            out = inner(*args, **kwargs)
-            out = opt._mark_outputs(unit, out)
-            opt._release(unit)
-            return out
-
-        object.__setattr__(module, "forward", forward)
-
-    def _root_forward(self, inner, args, kwargs):
-        self._fwd_depth += 1
-        if self._fwd_depth == 1:
-            self._recording = []
-        try:
-            return inner(*args, **kwargs)
-        finally:
-            self._fwd_depth -= 1
-            if self._fwd_depth == 0:
-                if self._recording and not self._fwd_order:
-                    self._fwd_order = self._recording
-                self._recording = None
-                if not tape.is_grad_enabled():  # no backward follows: give everything back now
-                    self._release_all()
-
+    # ---- passes run by the caller (stage 3's gathers: UnitParameters, zero_stage3.py) --------------
     @contextlib.contextmanager
     def forward_scope(self):
         """The bookkeeping of the model's own forward (and of DDP's, which builds the gradient
@@ -485,24 +305,9 @@ class ZeroAdamW(Optimizer):
         in 1F1B order): stage 3 records the units' order from the first one and allows a
         parameter read outside its unit (the tied output layer) to be gathered on the spot;
         without gradients everything is released at the end."""
-        depth = self._fwd_depth
-        if depth == 0:
-            self.ddp._prepare_buckets()  # as DDP's forward does (a caller that runs the units never calls it)
-        self._fwd_depth = depth + 1
-        if depth == 0:
-            self._recording = []
-        try:
+        with self.unit_params.forward_scope():
             yield self
-        finally:
-            self._fwd_depth = depth
-            if depth == 0:
-                if self._recording and not self._fwd_order:
-                    self._fwd_order = self._recording
-                self._recording = None
-                if not tape.is_grad_enabled():
-                    self._release_all()
 
-    @contextlib.contextmanager
     def chunk_scope(self, params):
         """Backward passes inside give gradients to ``params`` only: one chunk of an interleaved
         pipeline stage's layers (helios-train ``--pp-virtual --zero 3``), whose backward runs
@@ -510,221 +315,128 @@ class ZeroAdamW(Optimizer):
         chunks' segments wait for their own backward, instead of counting as unused), and stage
         3 prefetches only their units.  A unit must lie wholly inside ``params`` or outside;
         every rank of the group gives the same ones."""
-        ids = {id(p) for p in params}
-        units = None
+        return self.unit_params.chunk_scope(params)
+
+    # ---- gradients (GradientReducer, zero_grads.py) ------------------------------------------------
+    def settle(self) -> None:
+        """Finish every reduction still in flight (a step right after backward finds none) and,
+        at stage 3, give back every gathered unit."""
+        self.reducer.finish_all()
         if self.stage == 3:
-            units = {id(self._unit_of[i]) for i in ids if i in self._unit_of}
-            split = [u.name for u in self.units if id(u) in units
-                     and any(id(p) not in ids for s in u.segs for p in s.params)]
-            if split:
-                raise ValueError(f"ZeroAdamW.chunk_scope: unit {split[0] or 'root'} has parameters inside and "
-                                 "outside the ones given; its gradients would be reduced half complete")
-        prev = self._backward_units
-        self._backward_units = units
-        try:
-            with self.ddp.reducing_only(params):
-                yield
-        finally:
-            self._backward_units = prev
+            self.unit_params.release_all()
+
+    def local_gradients(self) -> list:
+        """The gradient buffers this rank's step reads, whole: each group's full flat buffer at
+        stage 1 (every gradient, so ``p.grad`` stays consistent), this rank's shard at stages 2
+        and 3; the reductions in flight finish first.  The clip scales these, and a loss scaler
+        unscales them (its inf/nan test then needs the other ranks' findings: a shard is one
+        rank's part)."""
+        self.settle()
+        return self.reducer.gradient_buffers()
+
+    def reduce_gradients(self) -> None:
+        """Reduce, now, the gradients that backward passes accumulated locally (inside the model's
+        ``no_sync()``), as DDP's next synchronised backward would: stage 1 averages the flat
+        gradient buffers over the ranks, stage 2 reduce-scatters each segment's staging buffer
+        into this rank's shard.  For a caller that runs backward itself and must touch the local
+        sums before they are reduced: a pipeline stage (its micro-batches in 1F1B order, then the
+        tied embedding's two gradients summed between the first and the last stage).  Every rank
+        of the group calls it, after the same backward passes."""
+        self.reducer.reduce_gradients()
+        self._replicas_reduced = True
 
     @no_grad()
     def all_reduce_gradient(self, name: str, group) -> None:
         """Sum this rank's reduced gradient of parameter ``name`` over ``group`` (in place): for a
         parameter held by two models sharded alike, whose gradients add up (a pipeline's tied
         table on its first and last stage, each stage's rank i owning the same range)."""
-        self._settle()
+        self.settle()
         for n, p, s, a, start, stop in self._ranges():
             if n == name:
                 if self.stage == 1:  # every rank holds the whole reduced gradient
                     start, stop = 0, p.numel()
                 if stop > start:  # (the ranks of the group own the same range: empty on all of them, or on none)
-                    v = self._grad_range(s, a, start, stop)
+                    v = self.reducer.grad_range(s, a, start, stop)
                     whole = flat.copy(v)
                     dist.all_reduce(whole, group=group)
                     flat.copy_into(v, whole)
                 return
         raise KeyError(f"ZeroAdamW: no parameter {name!r}")
 
-    def _order(self) -> list:
-        return self._fwd_order or [u for u in self.units if u.module is not None]
-
-    def _neighbour(self, u: _Unit, step: int) -> _Unit | None:
-        order = self._order()
-        if u not in order:
-            return None
-        i = order.index(u) + step
-        return order[i] if 0 <= i < len(order) else None
-
-    def _pre_forward(self, u: _Unit) -> None:
-        if self._recording is not None and u not in self._recording:
-            self._recording.append(u)
-        self._gather(u, wait=True)
-        nxt = self._neighbour(u, 1)
-        if nxt is not None:
-            self._gather(nxt, wait=False)
-
-    def _mark_outputs(self, u: _Unit, out):
-        if not tape.is_grad_enabled():
-            return out
-        if isinstance(out, Tensor):
-            return _PreBackward.apply(out, self, u) if out.requires_grad else out
-        if isinstance(out, tuple):
-            return tuple(self._mark_outputs(u, o) for o in out)
-        return out
-
-    def _pre_backward(self, u: _Unit) -> None:
-        self._arm()
-        self._gather(u, wait=True)
-        prev = self._neighbour(u, -1)
-        if prev is not None and prev.arrived < prev.n_params and self._covers(prev):
-            self._gather(prev, wait=False)
-
-    def _covers(self, u: _Unit) -> bool:
-        """Whether the backward running covers unit ``u`` (see ``chunk_scope``): one of another
-        chunk is not prefetched, since no gradient of this backward reaches it."""
-        return self._backward_units is None or id(u) in self._backward_units
-
-    def _gather(self, u: _Unit, wait: bool) -> None:
-        """All-gather the unit's full parameters (asynchronously unless ``wait``)."""
-        if u.state == "released":
-            for s in u.segs:
-                got = s.pfull.materialize()
-                u.bytes += got
-                self._count("gathered_params", got)
-                g = self.groups[s.gi]
-                s.pfull.filling = True  # the gather's write keeps the version (see LazyStorage)
-                w = dist.all_gather(_view(s.pfull, 0, s.c * s.world), flat.elements(g.pshard, s.so, s.c),
-                                    group=s.pg, async_op=True)
-                s.pfull.waiter = threading.get_ident()  # a read on this thread waits for the gather
-                u.pending.append((w, s.pfull, s.pfull.version))
-            u.state = "pending"
-            self.stats["gathers"] += 1
-            self.stats["prefetches"] += not wait
-        if wait and u.state == "pending":
-            for w, st, version in u.pending:
-                w.wait()
-                st.waiter, st.filling = None, False
-                st.version = version  # same values as before: saved-for-backward checks must not trip
-            u.pending = []
-            u.state = "gathered"
-
-    def _release(self, u: _Unit) -> None:
-        if u.state == "released":
-            return
-        self._gather(u, wait=True)  # a gather in flight finishes before its buffer is freed
-        for s in u.segs:
-            s.pfull.release()
-        self._count("gathered_params", -u.bytes)
-        u.bytes = 0
-        u.state = "released"
-
-    def _release_all(self) -> None:
-        for u in self.units:
-            self._release(u)
-
-    def _gather_on_demand(self, st: LazyStorage) -> None:
-        u = st.owner.unit
-        if u.state == "pending":  # read while its gather is in flight: wait for it
-            self._gather(u, wait=True)
-            return
-        if self._fwd_depth == 0 and tape.backward_progress()[1] == 0:
-            raise HeliosError(f"ZeroAdamW stage 3: the parameters of {u.name or 'the root module'} are sharded over "
-                              "the ranks and were read outside a forward or backward pass; call "
-                              "opt.full_parameters() on every rank to read them")
-        self.stats["on_demand_gathers"] += 1
-        self._gather(u, wait=True)
-
-    def _arm(self) -> None:
-        if not self._armed:
-            self._armed = True
-            tape.queue_callback(self._end_backward)
-
-    def _on_grad_ready(self, p: Tensor) -> None:
-        self._arm()
-        s = self._seg_of_param[id(p)]
-        if s.sub:
-            self._replica_grad_ready(s, p)
-        u = self._unit_of[id(p)]
-        u.arrived += 1
-        if u.arrived == u.n_params:
-            self._release(u)
-
-    def _replica_grad_ready(self, s: _Segment, p: Tensor) -> None:
-        """Stage 3: ``p``'s gradient is complete, ``p`` in a subgroup segment (``param_replicas``).
-        DDP leaves these parameters alone, so the segment is reduce-scattered over its subgroup
-        here once all its gradients are complete, as DDP's buckets are for the others (and, like
-        them, not inside ``no_sync()``: the staging keeps the local sum until a synchronised
-        backward).  Every rank of the subgroup runs the same backward: the same order."""
-        if not _in_slot(p):
-            flat.copy_into(p.grad_slot, p.grad)  # a gradient outside its slot: put it in place
-            p.grad = p.grad_slot
-        s.ready += 1
-        if s.ready == len(s.params) and self.ddp.synchronizing:
-            flat.flush(self.rt)  # the gradients end a submission of their own, as DDP's buckets do
-            self._reap()
-            self._launch_reduce(s)
-
-    def _end_backward(self) -> None:
-        self._armed = False
-        for u in self.units:
-            u.arrived = 0
-            for s in u.segs:
-                s.ready = 0
-        self._release_all()
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the gradients: the shards are overwritten by the next reduction, staging buffers freed."""
+        self.settle()
+        self._replicas_reduced = False
+        for g in self.groups:
+            for s in g.segs:
+                s.has_grad = False
+                s.launched = 0
+                for p in s.params:
+                    p.grad = None
+                if self.stage >= 2:
+                    self.reducer.drop_staging(s)
 
     # ---- the update ----------------------------------------------------------------------------
     def _adamw(self, consts: tuple, ops: list, off: int, n: int) -> None:
         """Record ``adamw`` over elements [off, off + n) of four (storage, aligned base) operands."""
-        flat.adamw_(*(_view(st, base + off, n) for st, base in ops), consts)
+        flat.adamw_(*(view_f32(st, base + off, n) for st, base in ops), consts)
 
     @no_grad()
     def step(self) -> None:
         """One AdamW update of this rank's shard (then stages 1-2 all-gather the parameters)."""
-        if self._replicas and self.stage < 3 and not self._replicas_reduced:
+        if self.plan.replicas and self.stage < 3 and not self._replicas_reduced:
             # DDP's hooks reduce only the model group's parameters: the others would step on local sums.
             raise RuntimeError("ZeroAdamW.step: the parameters of param_replicas are reduced by reduce_gradients() "
                                "only; run backward inside no_sync(), then call reduce_gradients() before step()")
-        self._settle()
+        self.settle()
         self.step_count += 1
         works = []
         for hp, g in zip(self.param_groups, self.groups):
             consts = adamw_constants(hp, self.step_count)
             if self.stage == 3:
-                if all(s.has_grad for s in g.segs):
-                    self._adamw(consts, [(g.pshard.untyped_storage(), 0), (g.gshard.untyped_storage(), 0),
-                                         (g.m.untyped_storage(), 0), (g.v.untyped_storage(), 0)], 0, g.shard_n)
-                else:
-                    for s in g.segs:
-                        if s.has_grad:
-                            self._adamw(consts, [(g.pshard.untyped_storage(), s.so), (g.gshard.untyped_storage(), s.so),
-                                                 (g.m.untyped_storage(), s.so), (g.v.untyped_storage(), s.so)], 0, s.c)
-                continue
-            updated = []
-            for s in g.segs:
-                ops = [(s.pfull, s.po + s.rank * s.c), None, (g.m.untyped_storage(), s.so), (g.v.untyped_storage(), s.so)]
-                if self.stage == 2:
-                    if not s.has_grad:
-                        continue
-                    ops[1] = (g.gshard.untyped_storage(), s.so)
-                    self._adamw(consts, ops, 0, s.c)
-                else:
-                    ops[1] = (s.gfull, s.go + s.rank * s.c)
-                    ranges = self._stage1_ranges(s)
-                    for off, n in ranges:
-                        self._adamw(consts, ops, off, n)
-                    if not ranges:
-                        continue
-                updated.append(s)
-            for s in updated:
-                works.append(dist.all_gather(_view(s.pfull, s.po, s.world * s.c),
-                                             _view(s.pfull, s.po + s.rank * s.c, s.c), group=s.pg, async_op=True))
+                self._step_shard(consts, g)
+            else:
+                works += self._step_full(consts, g)
         for w in works:
             w.wait()
         for g in self.groups:
             for s in g.segs:
                 flat.mark_written(s.pfull)  # graphs recorded before the update must not be differentiated after it
 
-    def _stage1_ranges(self, s: _Segment) -> list:
+    def _step_shard(self, consts: tuple, g: Group) -> None:
+        """Stage 3: update the parameter shard of group ``g`` where it has reduced gradients."""
+        if all(s.has_grad for s in g.segs):
+            self._adamw(consts, [(g.pshard.untyped_storage(), 0), (g.gshard.untyped_storage(), 0),
+                                 (g.m.untyped_storage(), 0), (g.v.untyped_storage(), 0)], 0, g.shard_n)
+            return
+        for s in g.segs:
+            if s.has_grad:
+                self._adamw(consts, [(g.pshard.untyped_storage(), s.so), (g.gshard.untyped_storage(), s.so),
+                                     (g.m.untyped_storage(), s.so), (g.v.untyped_storage(), s.so)], 0, s.c)
+
+    def _step_full(self, consts: tuple, g: Group) -> list:
+        """Stages 1-2: update this rank's chunk of each segment of group ``g`` in the full
+        parameters, then start all-gathering the updated segments; their Works."""
+        updated = []
+        for s in g.segs:
+            ops = [(s.pfull, s.po + s.rank * s.c), None, (g.m.untyped_storage(), s.so), (g.v.untyped_storage(), s.so)]
+            if self.stage == 2:
+                if not s.has_grad:
+                    continue
+                ops[1] = (g.gshard.untyped_storage(), s.so)
+                self._adamw(consts, ops, 0, s.c)
+            else:
+                ops[1] = (s.gfull, s.go + s.rank * s.c)
+                ranges = self._stage1_ranges(s)
+                for off, n in ranges:
+                    self._adamw(consts, ops, off, n)
+                if not ranges:
+                    continue
+            updated.append(s)
+        return [dist.all_gather(view_f32(s.pfull, s.po, s.world * s.c), view_f32(s.pfull, s.po + s.rank * s.c, s.c),
+                                group=s.pg, async_op=True) for s in updated]
+
+    def _stage1_ranges(self, s: Segment) -> list:
         """(offset in this rank's chunk, count) to update: the whole chunk when every parameter has a gradient."""
         r, c = s.rank, s.c
         have = [p.grad is not None for p in s.params]
@@ -741,102 +453,7 @@ class ZeroAdamW(Optimizer):
                 out.append((lo - r * c, hi - lo))
         return out
 
-    def _settle(self) -> None:
-        """Finish every reduction still in flight (a step right after backward finds none)."""
-        for sw in list(self._inflight):
-            sw.wait()
-        if self.stage == 3:
-            self._release_all()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop the gradients: the shards are overwritten by the next reduction, staging buffers freed."""
-        self._settle()
-        self._replicas_reduced = False
-        for g in self.groups:
-            for s in g.segs:
-                s.has_grad = False
-                s.launched = 0
-                for p in s.params:
-                    p.grad = None
-                if self.stage >= 2:
-                    self._drop_staging(s)
-
-    def local_gradients(self) -> list:
-        """The gradient buffers this rank's step reads, whole: each group's full flat buffer at
-        stage 1 (every gradient, so ``p.grad`` stays consistent), this rank's shard at stages 2
-        and 3; the reductions in flight finish first.  The clip scales these, and a loss scaler
-        unscales them (its inf/nan test then needs the other ranks' findings: a shard is one
-        rank's part)."""
-        self._settle()
-        return [g.gflat for g in self.groups] if self.stage == 1 else [g.gshard for g in self.groups]
-
-    def _grad_shards(self) -> list:
-        """This rank's gradients: views of the chunks it owns."""
-        views = []
-        for g in self.groups:
-            if self.stage == 1:
-                views += [_view(s.gfull, s.go + s.rank * s.c, s.c) for s in g.segs]
-            else:
-                views.append(g.gshard)
-        return views
-
-    @no_grad()
-    def reduce_gradients(self) -> None:
-        """Reduce, now, the gradients that backward passes accumulated locally (inside the model's
-        ``no_sync()``), as DDP's next synchronised backward would: stage 1 averages the flat
-        gradient buffers over the ranks, stage 2 reduce-scatters each segment's staging buffer
-        into this rank's shard.  For a caller that runs backward itself and must touch the local
-        sums before they are reduced: a pipeline stage (its micro-batches in 1F1B order, then the
-        tied embedding's two gradients summed between the first and the last stage).  Every rank
-        of the group calls it, after the same backward passes."""
-        if self.stage == 3:
-            raise ValueError("ZeroAdamW.reduce_gradients: stage 3 gathers and reduces each unit during backward; "
-                             "it cannot run backward outside the model's hooks (use stage 1 or 2)")
-        self._settle()
-        works = []
-        for g in self.groups:
-            for s in g.segs:
-                if self.stage == 2 and not s.gfull.materialized:
-                    self._stage_on_demand(s.gfull)  # no gradient reached this segment: it counts as zero
-                    flat.fill_(_view(s.gfull, 0, s.numel), 0)
-                for p in s.params:
-                    if p.grad is None:
-                        # no gradient: zero, as DDP's find_unused_parameters counts it (the slot may
-                        # hold a stale sum at stage 1, or uninitialised staging memory at stage 2)
-                        flat.fill_(p.grad_slot, 0)
-                    elif not _in_slot(p):
-                        flat.copy_into(p.grad_slot, p.grad)  # a gradient outside its slot: put it in place
-                    p.grad = p.grad_slot
-            if self.stage == 1:
-                flat.flush(self.rt)
-                if not any(s.sub for s in g.segs):
-                    works.append(dist.all_reduce(g.gflat, op="avg", group=self.pg, async_op=True))
-                    continue
-                for s in g.segs:  # each segment over its own group (param_replicas)
-                    whole = _view(s.gfull, s.go, s.world * s.c)
-                    if s.sub:
-                        dist.all_reduce(whole, op="sum", group=s.pg)
-                        self._mean_over_model(whole)
-                    else:
-                        works.append(dist.all_reduce(whole, op="avg", group=self.pg, async_op=True))
-        if self.stage == 2:
-            # The segments in one order on every rank (collectives must match), as the comm hook does.
-            for g in self.groups:
-                for s in g.segs:
-                    flat.flush(self.rt)
-                    self._launch_reduce(s)
-        for w in works:
-            w.wait()
-        self._settle()
-        self._replicas_reduced = True
-
-    def _grad_range(self, s: _Segment, a: int, start: int, stop: int) -> Tensor:
-        """This rank's gradient elements [start, stop) of the parameter at ``a`` in segment ``s``."""
-        if self.stage == 1:
-            return _view(s.gfull, s.go + a + start, stop - start)
-        g = self.groups[s.gi]
-        return flat.elements(g.gshard, s.so + a + start - s.rank * s.c, stop - start)
-
+    # ---- the clip ------------------------------------------------------------------------------
     @no_grad()
     def clip_grad_norm_(self, max_norm: float, tp_group=None, pp_group=None, counted=None) -> Tensor:
         """Scale the gradients so their global L2 norm is at most ``max_norm``; returns the norm (a device scalar).
@@ -849,16 +466,16 @@ class ZeroAdamW(Optimizer):
         model is one pipeline stage (``PipelineStage``); the squares are summed over the stages
         too, each counting only the parameters whose name ``counted(name)`` accepts (the stage's
         ``owns``: a tied table held by two stages counts once)."""
-        self._settle()
+        self.settle()
         tp = 1 if tp_group is None else dist.get_world_size(tp_group)
         parts = []
         if tp == 1 and counted is None:
-            for v in self._grad_shards():
+            for v in self.reducer.grad_shards():
                 parts.append(F.sum(v * v))
         else:
             for name, p, s, a, start, stop in self._ranges():
                 if stop > start and (counted is None or counted(name)):
-                    v = self._grad_range(s, a, start, stop)
+                    v = self.reducer.grad_range(s, a, start, stop)
                     # summed over the tp ranks below: a replicated parameter's 1/tp shares add to one
                     sharded = self._split_over_tp(p, s)
                     parts.append(F.sum(v * v) if sharded or tp == 1 else F.sum(v * v) * (1.0 / tp))
@@ -880,7 +497,7 @@ class ZeroAdamW(Optimizer):
             flat.mul_(t, coef)
         return norm
 
-    def _split_over_tp(self, p: Tensor, s: _Segment) -> bool:
+    def _split_over_tp(self, p: Tensor, s: Segment) -> bool:
         """Whether ``p`` (in segment ``s``) is a tensor-parallel shard whose tensor-parallel peers
         hold other parts of it, not the same values.  Its layout counts ``tp`` parts in all; the
         model group's ranks hold world / (s's group size) of them (an expert tensor's parts over

@@ -7,8 +7,8 @@ parameters are sharded over (``param_replicas``), padded to N chunks of c elemen
 multiple of the storage-offset alignment) and placed one after the other in the group's
 shard buffers (``so``) and full buffers (``po``).  ``ranges()`` says which slice of each
 parameter this rank owns.  ``ZeroAdamW`` (``helios.schedule.zero``) allocates the buffers
-of this plan and runs the collectives over it; the module docstring there describes the
-layout.
+of this plan, its ``GradientReducer`` (zero_grads.py) and ``UnitParameters`` (zero_stage3.py)
+run the collectives over it; the module docstring there describes the layout.
 """
 
 from __future__ import annotations
@@ -23,8 +23,13 @@ from helios.tensor import Storage, Tensor
 _F32 = dt.float32
 
 
+def view_f32(st: Storage, off: int, n: int) -> Tensor:
+    """Elements [off, off + n) of a float32 storage (a segment's full buffer, a group's), as a 1-D view."""
+    return st.view(off, (n,), _F32)
+
+
 @dataclass
-class _Segment:
+class Segment:
     """Parameters of one group laid out contiguously, padded to N chunks of c elements."""
 
     gi: int
@@ -35,7 +40,7 @@ class _Segment:
     so: int = 0  # offset of this segment's chunk in the group's shard buffers
     po: int = 0  # offset of the segment in its full parameter storage
     go: int = 0  # offset of the segment in its full gradient storage (stage 1: the group's; else its own staging)
-    unit: object = None  # stage 3: the _Unit it belongs to
+    unit: object = None  # stage 3: the Unit it belongs to
     pfull: Storage = None  # storage of the full parameters (the group's flat buffer, or lazy at stage 3)
     gfull: Storage = None  # storage of the full gradients (the group's flat buffer at stage 1, else lazy staging)
     # runtime
@@ -51,7 +56,9 @@ class _Segment:
 
 
 @dataclass
-class _Group:
+class Group:
+    """One parameter group's segments and the buffers that hold them (allocated by the optimizer)."""
+
     segs: list
     full_n: int = 0  # elements of the full flat buffers (sum of N*c)
     shard_n: int = 0  # elements of the shard buffers (sum of c)
@@ -64,7 +71,7 @@ class _Group:
 
 
 @dataclass
-class _Unit:
+class Unit:
     """Stage 3: a top-level child module whose parameters are gathered together."""
 
     index: int
@@ -83,7 +90,7 @@ class ZeroPlan:
 
     ``ZeroPlan(model, param_groups, named, stage, param_replicas)`` checks the groups (every
     trainable parameter once, float32, contiguous) and ``param_replicas``; ``layout(gi,
-    params, q)`` then returns group ``gi``'s ``_Group`` with its segments and offsets (no
+    params, q)`` then returns group ``gi``'s ``Group`` with its segments and offsets (no
     buffers yet)."""
 
     def __init__(self, model, param_groups: list, named: list, stage: int, param_replicas: dict) -> None:
@@ -93,8 +100,8 @@ class ZeroPlan:
         self.rank = dist.get_rank(self.pg)
         self.name = {id(p): n for n, p in named}
         self.q = 1  # the chunk's alignment in elements (set by the optimizer from its device)
-        self.units: list[_Unit] = []
-        self.unit_of: dict[int, _Unit] = {}
+        self.units: list[Unit] = []
+        self.unit_of: dict[int, Unit] = {}
         self._check_params(named)
         self.replicas = self._check_replicas(param_replicas, model)
 
@@ -149,17 +156,17 @@ class ZeroPlan:
                     return self.replicas.get(id(p), self.pg)
         raise KeyError(f"ZeroAdamW: no parameter {name!r}")
 
-    def layout(self, gi: int, params: list) -> _Group:
+    def layout(self, gi: int, params: list) -> Group:
         """Group ``gi``'s segments with their offsets in the shard and full buffers."""
         segs = self._segments_of(gi, params)
-        g = _Group(segs)
+        g = Group(segs)
         for s in segs:
             s.so, s.po = g.shard_n, (0 if self.stage == 3 else g.full_n)
             g.shard_n += s.c
             g.full_n += s.world * s.c
         return g
 
-    def _segments_of(self, gi: int, params: list) -> list[_Segment]:
+    def _segments_of(self, gi: int, params: list) -> list[Segment]:
         if self.stage <= 2:
             runs = []
             for part in self._by_replica_group(params):
@@ -181,7 +188,7 @@ class ZeroPlan:
                 n += p.numel()
             pg = self.replicas.get(id(run[0]), self.pg)
             world = self.world if pg is self.pg else dist.get_world_size(pg)
-            s = _Segment(gi, run, rel, n, self.chunk(n, world))
+            s = Segment(gi, run, rel, n, self.chunk(n, world))
             s.pg, s.world, s.sub = pg, world, pg is not self.pg
             s.rank = self.rank if pg is self.pg else dist.get_rank(pg)
             if self.stage == 3:
@@ -234,13 +241,13 @@ class ZeroPlan:
         for name, m in mods:
             ps = [p for _, p in m.named_parameters() if id(p) in trainable and id(p) not in self.unit_of]
             if ps:
-                u = _Unit(len(self.units), name, m, n_params=len(ps))
+                u = Unit(len(self.units), name, m, n_params=len(ps))
                 self.units.append(u)
                 for p in ps:
                     self.unit_of[id(p)] = u
         rest = [p for _, p in root.named_parameters() if id(p) in trainable and id(p) not in self.unit_of]
         if rest:
-            u = _Unit(len(self.units), "", None, n_params=len(rest))
+            u = Unit(len(self.units), "", None, n_params=len(rest))
             self.units.append(u)
             for p in rest:
                 self.unit_of[id(p)] = u
@@ -259,4 +266,4 @@ class ZeroPlan:
                     yield self.name[id(p)], p, s, a, lo - a, hi - a
 
 
-__all__ = ["ZeroPlan"]
+__all__ = ["Group", "Segment", "Unit", "ZeroPlan", "view_f32"]

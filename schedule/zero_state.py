@@ -5,9 +5,11 @@ formulas.
 
 Its one job is reading and writing the buffers a ``ZeroAdamW`` built; it decides no layout
 and launches no reduction of its own.  ``ZeroStateIO(opt)`` reads the optimizer's plan
-(``opt.groups``, ``opt.units``, ``opt._ranges()``: which elements this rank owns and where
-they live) and uses its stage-3 gather / release and ``_settle()`` (finish the reductions in
-flight) before it reads.  The formats are the module docstring of ``helios.schedule.zero``.
+(``opt.groups``, ``opt.units``, ``opt.plan.ranges()``: which elements this rank owns and where
+they live) and uses its stage-3 gather / release (``opt.unit_params``) and ``settle()`` (finish
+the reductions in flight) before it reads.  The formats are the module docstring of
+``helios.schedule.zero``.  ``TransientBytes`` counts the buffers that come and go (gradient
+staging, gathered units) for ``memory_report``.
 """
 
 from __future__ import annotations
@@ -21,16 +23,12 @@ from helios import dtypes as dt
 from helios import flat
 from helios.autograd.tape import no_grad
 from helios.errors import CheckpointError
+from helios.schedule.zero_plan import view_f32
 
 if TYPE_CHECKING:
     from helios.schedule.zero import ZeroAdamW
 
 _F32 = dt.float32
-
-
-def _view(st, off: int, n: int):
-    """Elements [off, off + n) of a float32 storage, as a 1-D view."""
-    return st.view(off, (n,), _F32)
 
 
 class ZeroStateIO:
@@ -43,26 +41,26 @@ class ZeroStateIO:
         """``{name: ndarray}`` of every trainable parameter, full size (at stage 3 every rank must call
         it: it gathers one unit at a time)."""
         opt = self.opt
-        opt._settle()
+        opt.settle()
         out = {}
         if opt.stage == 3:
             for u in opt.units:
-                opt._gather(u, wait=True)
+                opt.unit_params.gather(u, wait=True)
                 for s in u.segs:
                     for p in s.params:
-                        out[opt._name[id(p)]] = p.numpy()
-                opt._release(u)
+                        out[opt.plan.name[id(p)]] = p.numpy()
+                opt.unit_params.release(u)
         else:
             for g in opt.groups:
                 for s in g.segs:
                     for p in s.params:
-                        out[opt._name[id(p)]] = p.numpy()
-        return {n: out[n] for n in opt._name.values() if n in out}
+                        out[opt.plan.name[id(p)]] = p.numpy()
+        return {n: out[n] for n in opt.plan.name.values() if n in out}
 
     def shard_ranges(self) -> dict:
         """``{KEY: (global shape, start, stop)}``: the flat range of each tensor this rank owns."""
         out = {}
-        for name, p, _, _, start, stop in self.opt._ranges():
+        for name, p, _, _, start, stop in self.opt.plan.ranges(self.opt.groups):
             for kind in ("param", "exp_avg", "exp_avg_sq"):
                 out[f"{kind}.{name}"] = (tuple(p.shape), start, stop)
         return out
@@ -79,13 +77,13 @@ class ZeroStateIO:
     def state_dict(self) -> dict:
         """This rank's shard of the parameters and moments, with the global ranges (module docstring)."""
         opt = self.opt
-        opt._settle()
+        opt.settle()
         host = {id(g.m): g.m.numpy() for g in opt.groups}
         host.update({id(g.v): g.v.numpy() for g in opt.groups})
         pshard = {gi: g.pshard.numpy() for gi, g in enumerate(opt.groups) if g.pshard is not None}
         pflat = {gi: g.pflat.numpy() for gi, g in enumerate(opt.groups) if g.pflat is not None}
         tensors = {}
-        for name, p, s, a, start, stop in opt._ranges():
+        for name, p, s, a, start, stop in opt.plan.ranges(opt.groups):
             g = opt.groups[s.gi]
             so = s.so + a + start - s.rank * s.c
             n = stop - start
@@ -97,7 +95,7 @@ class ZeroStateIO:
                                ("exp_avg_sq", host[id(g.v)][so: so + n])):
                 tensors[f"{kind}.{name}"] = {"shape": tuple(p.shape), "dtype": "float32", "start": start, "stop": stop,
                                              "data": np.array(data, np.float32)}
-        groups = [{**h, "params": [opt._name[id(p)] for p in g["params"]]}
+        groups = [{**h, "params": [opt.plan.name[id(p)] for p in g["params"]]}
                   for h, g in zip(opt._hyper(), opt.param_groups)]
         return {"stage": opt.stage, "world_size": opt.world, "rank": opt.rank, "step": opt.step_count,
                 "param_groups": groups, "tensors": tensors}
@@ -106,7 +104,7 @@ class ZeroStateIO:
     def load_shard_state(self, sd: dict) -> None:
         """Load this rank's ranges (``shard_ranges()``) of every tensor; collective (module docstring)."""
         opt = self.opt
-        opt._settle()
+        opt.settle()
         tensors = sd.get("tensors", {})
         arrays = {}
         for key, (shape, start, stop) in self.shard_ranges().items():
@@ -124,7 +122,7 @@ class ZeroStateIO:
         if groups is not None and len(groups) != len(opt.param_groups):
             raise CheckpointError(f"ZeroAdamW.load_shard_state: {len(groups)} parameter groups in the state, "
                                   f"{len(opt.param_groups)} in this optimizer")
-        for name, p, s, a, start, stop in opt._ranges():
+        for name, p, s, a, start, stop in opt.plan.ranges(opt.groups):
             n = stop - start
             if not n:
                 continue
@@ -133,10 +131,10 @@ class ZeroStateIO:
             st, off = self._where(s, a, start)
             for (dst, doff), key in (((st, off), f"param.{name}"), ((g.m.untyped_storage(), so), f"exp_avg.{name}"),
                                      ((g.v.untyped_storage(), so), f"exp_avg_sq.{name}")):
-                flat.copy_into(_view(dst, doff, n), flat.from_numpy(arrays[key], _F32, opt.rt))
+                flat.copy_into(view_f32(dst, doff, n), flat.from_numpy(arrays[key], _F32, opt.rt))
         if opt.stage <= 2:
-            works = [dist.all_gather(_view(s.pfull, s.po, s.world * s.c),
-                                     _view(s.pfull, s.po + s.rank * s.c, s.c), group=s.pg, async_op=True)
+            works = [dist.all_gather(view_f32(s.pfull, s.po, s.world * s.c),
+                                     view_f32(s.pfull, s.po + s.rank * s.c, s.c), group=s.pg, async_op=True)
                      for g in opt.groups for s in g.segs]
             for w in works:
                 w.wait()
@@ -152,13 +150,13 @@ class ZeroStateIO:
     # The interface of helios-train's checkpoint code (schedule/train_state.py): the moments by parameter.
     def moment_ranges(self) -> dict:
         """``{id(parameter): (start, stop)}``: the flat range of each parameter whose moments this rank holds."""
-        return {id(p): (start, stop) for _, p, _, _, start, stop in self.opt._ranges()}
+        return {id(p): (start, stop) for _, p, _, _, start, stop in self.opt.plan.ranges(self.opt.groups)}
 
     def moment_shards(self) -> list:
         """``[(parameter, "exp_avg" | "exp_avg_sq", start, stop, float32 ndarray)]`` for this rank's ranges."""
         sd = self.state_dict()["tensors"]
         out = []
-        for name, p, _, _, start, stop in self.opt._ranges():
+        for name, p, _, _, start, stop in self.opt.plan.ranges(self.opt.groups):
             for kind in ("exp_avg", "exp_avg_sq"):
                 out.append((p, kind, start, stop, sd[f"{kind}.{name}"]["data"]))
         return out
@@ -167,7 +165,7 @@ class ZeroStateIO:
     def load_moment_shards(self, moments: dict) -> None:
         """Load ``{id(parameter): [exp_avg, exp_avg_sq]}``, each the ``moment_ranges()`` range of the moment."""
         opt = self.opt
-        for name, p, s, a, start, stop in opt._ranges():
+        for name, p, s, a, start, stop in opt.plan.ranges(opt.groups):
             n = stop - start
             arrs = moments.get(id(p))
             if arrs is None or any(np.asarray(x).size != n for x in arrs):
@@ -184,12 +182,34 @@ class ZeroStateIO:
         """The ZeRO formula's bytes per category at the padded Psi this layout uses (what ``requested`` is).
         With ``param_replicas`` each segment counts over its own group: full 4 x N_s x c, shard 4 x c."""
         opt = self.opt
-        if not opt._replicas:
+        if not opt.plan.replicas:
             return _formula(opt.stage, opt.padded_numel, opt.world)
         full = 4 * sum(g.full_n for g in opt.groups)
         shard = 4 * sum(g.shard_n for g in opt.groups)
         return {"params": shard if opt.stage == 3 else full, "grads": full if opt.stage == 1 else shard,
                 "moments": 2 * shard}
+
+
+class TransientBytes:
+    """Pool bytes of the buffers that come and go, by kind (``"grad_staging"``,
+    ``"gathered_params"``): now and at their peak."""
+
+    def __init__(self, kinds) -> None:
+        self._by_kind = {k: {"now": 0, "peak": 0} for k in kinds}
+
+    def count(self, kind: str, delta: int) -> None:
+        """``delta`` bytes of ``kind`` taken (positive) or given back (negative)."""
+        t = self._by_kind[kind]
+        t["now"] += delta
+        t["peak"] = max(t["peak"], t["now"])
+
+    def now(self, kind: str) -> int:
+        """Bytes of ``kind`` held now."""
+        return self._by_kind[kind]["now"]
+
+    def report(self) -> dict:
+        """``{kind: {"now": bytes, "peak": bytes}}`` (a copy)."""
+        return {k: dict(v) for k, v in self._by_kind.items()}
 
 
 def _formula(stage: int, psi: int, n: int) -> dict:
@@ -220,8 +240,8 @@ def memory_report(opt: ZeroAdamW) -> dict:
                      for k in ("formula", "formula_padded", "requested", "pool")}
     return {"stage": opt.stage, "world_size": n, "rank": opt.rank, "numel": psi, "padded_numel": opt.padded_numel,
             "held": held, "weights_pool_in_use": flat.pool_in_use(opt.rt, "weights"),
-            "transient": {k: dict(v) for k, v in opt._transient.items()},
+            "transient": opt.transient.report(),
             "largest_unit_bytes": opt.largest_unit_bytes() if opt.stage == 3 else 0}
 
 
-__all__ = ["ZeroStateIO", "memory_report"]
+__all__ = ["TransientBytes", "ZeroStateIO", "memory_report"]

@@ -19,8 +19,9 @@ import argparse
 import os
 import sys
 
-from helios.errors import CheckpointError, DeviceError, HeliosError
+from helios.errors import CheckpointError, HeliosError
 from helios.fileio import atomic_write_bytes
+from helios.train_settings import set_device_flag
 
 
 def _fail(message: str, code: int = 2) -> None:
@@ -95,13 +96,7 @@ def main(argv=None) -> int:
     if not os.path.isdir(os.path.join(a.run_dir, "ckpt")):
         _fail(f"RUN_DIR {a.run_dir} is not a helios-train run directory (no ckpt/ folder)")
     try:
-        if a.device:
-            import helios as hl
-
-            try:
-                hl.set_device(a.device)
-            except DeviceError as e:
-                _fail(f"--device {a.device}: {e}")
+        set_device_flag(a.device, _fail)
         export(a.run_dir, a.out_dir, a.dtype, a.max_shard_size)
     except ValueError as e:  # a --max-shard-size that is not a size
         _fail(str(e))

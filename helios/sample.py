@@ -27,7 +27,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from helios.errors import CheckpointError, DataError, DeviceError, HeliosError
+from helios.errors import CheckpointError, DataError, HeliosError
+from helios.train_settings import set_device_flag
 
 
 def _fail(message: str, code: int = 2) -> None:
@@ -183,13 +184,7 @@ def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
     _check_args(a)
     try:
-        if a.device:
-            import helios as hl
-
-            try:
-                hl.set_device(a.device)
-            except DeviceError as e:
-                _fail(f"--device {a.device}: {e}")
+        set_device_flag(a.device, _fail)
         model, tok, prefix, eos, _ = load_source(a.source, a.tokenizer)
         text_ids = [int(t) for t in tok.encode(a.prompt)]
         ids = prefix + text_ids

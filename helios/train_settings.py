@@ -20,8 +20,9 @@ from typing import Any, Callable
 
 from helios import _kernels as K
 from helios import legacy_checkpoint as single
-from helios.errors import DataError
+from helios.errors import DataError, DeviceError
 from helios.fileio import read_checkpoint_meta
+from helios.runtime import set_device
 from helios.schedule import checkpoint as sharded
 from helios.tokenizer import HFTokenizer, normalize_spec
 
@@ -32,6 +33,18 @@ def usage(message: str) -> None:
     """A user's mistake on the command line: one line, exit status 2 (as argparse does)."""
     print(f"helios-train: error: {message}", file=sys.stderr)
     raise SystemExit(2)
+
+
+def set_device_flag(spec: str | None, fail: Callable[[str], None]) -> None:
+    """A command-line program's ``--device``: make ``spec`` ("vulkan:N", "cuda:N") the current
+    device; nothing when it was not given.  A device that cannot open here is the user's flag to
+    change: ``fail("--device SPEC: why")`` (one line; ``usage`` here, the program's own elsewhere)."""
+    if not spec:
+        return
+    try:
+        set_device(spec)
+    except DeviceError as e:
+        fail(f"--device {spec}: {e}")
 
 
 def explicit_flags(parser: argparse.ArgumentParser, argv) -> set[str]:

@@ -38,7 +38,7 @@ from helios.schedule.zero import ZeroDataParallel
 from helios import train_model
 from helios.tokenizer import check_spec
 from helios.train_report import profile_window, quiet
-from helios.train_settings import check_bounds, usage
+from helios.train_settings import check_bounds, set_device_flag, usage
 
 
 # ---- settings ------------------------------------------------------------------------------
@@ -164,11 +164,7 @@ def open_job(args: argparse.Namespace, s: Settings) -> Job:
               file=sys.stderr)
         s.comm_hook = None
     say = print if run.is_main else quiet
-    if args.device:
-        try:
-            hl.set_device(args.device)
-        except hl.DeviceError as e:  # a device the user named that cannot open here: their flag to change
-            usage(f"--device {args.device}: {e}")
+    set_device_flag(args.device, usage)
     rt = get_runtime()
     # Before the data is read: a block or batch the device cannot hold is the user's to change.
     cfgd, T, layout, world = s.cfgd, s.T, s.layout, s.world

@@ -132,14 +132,20 @@ def test_cuda_reason_is_the_drivers_own_here(monkeypatch):
     assert " ".join(why.split()) in str(ei.value) and "\n" not in str(ei.value)
 
 
-def test_helios_train_device_cuda_without_a_gpu_exits_2_with_one_line(no_driver, capsys, tmp_path):
-    from helios import train
+@pytest.mark.parametrize("program", ["train", "export", "sample"])
+def test_device_cuda_without_a_gpu_exits_2_with_one_line(no_driver, capsys, tmp_path, program):
+    """Each program's --device goes through one helper (train_settings.set_device_flag)."""
+    import importlib
 
+    (tmp_path / "run" / "ckpt").mkdir(parents=True)  # helios-export checks its RUN_DIR first
+    rest = {"train": ["--steps", "1", "--out", str(tmp_path / "run")],
+            "export": [str(tmp_path / "run"), str(tmp_path / "hf")],
+            "sample": [str(tmp_path / "run"), "--prompt", "hi"]}[program]
     with pytest.raises(SystemExit) as ei:
-        train.main(["--device", "cuda:0", "--steps", "1", "--out", str(tmp_path / "run")])
+        importlib.import_module(f"helios.{program}").main(["--device", "cuda:0", *rest])
     assert ei.value.code == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("helios-train: error: --device cuda:0: ") and "\n" not in err, err
+    assert err.startswith(f"helios-{program}: error: --device cuda:0: ") and "\n" not in err, err
     assert NO_GPU in err and "HELIOS_CUDA_DEVICE=emulator" in err
 
 

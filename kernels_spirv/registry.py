@@ -48,6 +48,7 @@ KERNELS: dict[str, KernelInfo] = {
         KernelInfo("iota", 1, 32),
         KernelInfo("matmul", 4, 64),
         KernelInfo("matmul_epi", 6, 72),  # matmul.glsl with a fused epilogue (helios.fused_kernels)
+        KernelInfo("matmul_coop", 6, 72),  # cooperative matrices (GPUs listing them): matmul_epi's bindings and words
         KernelInfo("adamw", 4, 48),
         KernelInfo("sort", 3, 24),
         KernelInfo("scan", 2, 16),
@@ -75,6 +76,31 @@ def _load_builder():
 def variants(name: str) -> list[str]:
     """The variant names of kernel ``name``, as its .variants file lists them."""
     return list(_load_builder().kernel_variants(name))
+
+
+def needs_coopmat(name: str) -> bool:
+    """Whether kernel ``name`` is a cooperative-matrix kernel (GL_KHR_cooperative_matrix: run only on
+    Vulkan GPUs that list cooperative matrices, built for Vulkan 1.3)."""
+    return _load_builder().needs_coopmat(name)
+
+
+_buildable: dict[str, bool] = {}
+
+
+def can_build(name: str) -> bool:
+    """Whether every variant of kernel ``name`` has current SPIR-V here or a compiler that can build it
+    (matmul_coop needs one that knows GL_KHR_cooperative_matrix, which glslc may not); asked once."""
+    ok = _buildable.get(name)
+    if ok is None:
+        builder = _load_builder()
+        current = all(os.path.exists(p) and os.path.getmtime(p) >= builder.source_mtime(name)
+                      for p in (spirv_path(name, v) for v in variants(name)))
+        try:
+            ok = current or bool(builder.find_coopmat_compiler() if builder.needs_coopmat(name) else builder.find_glslc())
+        except RuntimeError:
+            ok = False
+        _buildable[name] = ok
+    return ok
 
 
 def source_path(name: str) -> str:

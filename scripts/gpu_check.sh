@@ -1,11 +1,19 @@
 #!/usr/bin/env bash
 # Every GPU check of helios.cuda_ptx in one command, for a machine with an NVIDIA GPU:
 #
-#   ./scripts/gpu_check.sh [RESULTS_DIR] [all|tests|bench|device|attention]   (defaults: ./gpu-results, all)
+#   ./scripts/gpu_check.sh [RESULTS_DIR] [all|tests|bench|device|attention|coopmat]   (defaults: ./gpu-results, all)
 #
 # "tests" runs steps 1-3, "bench" steps 2, 4 and 5 (the smoke run decides what is left
 # out of the benchmark), "device" step 6 alone, "attention" step 7 alone (under 8 minutes),
-# so the whole can be split over shorter sessions.
+# so the whole can be split over shorter sessions.  "coopmat" is the Vulkan part, on its own
+# (not in "all"): matmul on cooperative matrices (VK_KHR_cooperative_matrix) through the GPU's
+# Vulkan driver.  It runs in the checkout with $PYTHON's helios as it is (built by
+# ./scripts/setup.sh --test: the Vulkan addon, and matmul_coop's SPIR-V, which needs glslang 13
+# or newer), not the install below: first the device's facts (RESULTS_DIR/coopmat_env.json; exit
+# 2 where the device lists no cooperative matrices), then correctness against PyTorch
+# (tests/test_coopmat_gpu.py, test_coopmat_select.py, test_coopmat_kernel.py ->
+# coopmat_tests.log), then speed (bench/vulkan_coopmat.py at 4096^3, nn nt tn: coopmat, the
+# shared-memory kernel and cuBLAS fp16 -> coopmat_bench.log, coopmat.jsonl).
 #
 # It downloads nothing: the machine needs its driver, ptxas (the CUDA toolkit or the
 # nvidia-cuda-nvcc wheel), and a Python ($PYTHON, default python3) with numpy,
@@ -48,12 +56,54 @@ set -uo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 out=$(mkdir -p "${1:-$repo/gpu-results}" && cd "${1:-$repo/gpu-results}" && pwd)
 part=${2:-all}
-case $part in all|tests|bench|device|attention) ;; *) echo "gpu_check: the second argument is all, tests, bench or device, or attention, not '$part'" >&2; exit 1 ;; esac
+case $part in all|tests|bench|device|attention|coopmat) ;; *) echo "gpu_check: the second argument is all, tests, bench or device, attention or coopmat, not '$part'" >&2; exit 1 ;; esac
 py=${PYTHON:-python3}
 bench_timeout=${HELIOS_GPU_BENCH_TIMEOUT:-240}
 attn_budget=${HELIOS_GPU_ATTN_BUDGET:-450}
 [ -d /usr/local/cuda/bin ] && export PATH=$PATH:/usr/local/cuda/bin
 failed=()
+
+step() {  # step NAME LOG CMD...: run CMD, tee its output to LOG, remember a failure
+    local name=$1 log=$2
+    shift 2
+    echo "== $name"
+    if ! "$@" 2>&1 | tee -a "$log"; then
+        failed+=("$name")
+    fi
+}
+
+coopmat() {  # the "coopmat" part (see the top)
+    local facts rc=0
+    cd "$repo" || return 1
+    : >"$out/coopmat_tests.log"
+    : >"$out/coopmat_bench.log"
+    facts=$("$py" -c "import json
+from helios._kernels import coopmat
+from helios.runtime import get_runtime
+rt = get_runtime()
+shapes = coopmat.shapes_of(getattr(rt, 'info', None) or {})
+ch = coopmat.choice_for(rt, 'float16', 4096, 4096, 4096)
+print(json.dumps({'device': rt.name, 'name': rt.info.get('name'), 'shapes': [s.label() for s in shapes],
+                  'kernel': ch.kernel, 'tile': ch.tile.label() if ch.tile else None, 'reason': ch.reason}))
+raise SystemExit(0 if shapes else 3)") || rc=$?
+    echo "$facts" | tee "$out/coopmat_env.json"
+    if [ "$rc" -ne 0 ]; then
+        [ "$rc" -eq 3 ] && echo "gpu_check: the device lists no cooperative matrices: nothing to check" >&2
+        [ "$rc" -ne 3 ] && echo "gpu_check: helios with its Vulkan addon does not run here (PYTHON=$py; see above)" >&2
+        return 2
+    fi
+    step coopmat-tests "$out/coopmat_tests.log" "$py" -m pytest -q -p no:cacheprovider tests/test_coopmat_gpu.py \
+        tests/test_coopmat_select.py tests/test_coopmat_kernel.py
+    step coopmat-bench "$out/coopmat_bench.log" timeout "$bench_timeout" "$py" -u bench/vulkan_coopmat.py --sizes 4096 \
+        --layouts nn nt tn
+    grep '^{' "$out/coopmat_bench.log" >"$out/coopmat.jsonl" || true
+    [ ${#failed[@]} -ne 0 ] && { echo "gpu_check: failed: ${failed[*]}" >&2; return 1; }
+    echo "gpu_check: the cooperative-matrix op tests passed; bench lines in $out/coopmat.jsonl"
+}
+if [ "$part" = coopmat ]; then
+    coopmat
+    exit $?
+fi
 
 site=$(mktemp -d)
 trap 'rm -rf "$site"' EXIT
@@ -83,15 +133,6 @@ cd "$site"
 [ "$part" = all ] || [ "$part" = bench ] && : >"$out/bench.log"
 : >"$out/cuda_device.log"
 [ "$part" = all ] || [ "$part" = attention ] && : >"$out/flash_tests.log" && : >"$out/attention_bench.log" && : >"$out/gpt2.log"
-
-step() {  # step NAME LOG CMD...: run CMD, tee its output to LOG, remember a failure
-    local name=$1 log=$2
-    shift 2
-    echo "== $name"
-    if ! "$@" 2>&1 | tee -a "$log"; then
-        failed+=("$name")
-    fi
-}
 
 cuda_device() {  # step 6
     step cuda-device-ops "$out/cuda_device.log" env HELIOS_DEVICE=cuda:0 "$py" -m pytest -q -p no:cacheprovider \

@@ -51,6 +51,25 @@ def mesa_shader_cache(env: Mapping[str, str]) -> tuple[str | None, str]:
     return os.path.join(base, "mesa_shader_cache"), "default location (not created yet)"
 
 
+def _coopmat_kernels(builder, st: dict, s: Section) -> None:
+    """Take the cooperative-matrix kernels' unbuilt variants out of ``st`` (only GPUs listing cooperative
+    matrices run them, and the registry builds them on first use) and say whether they can be built."""
+    needs = getattr(builder, "needs_coopmat", lambda name: False)
+    names = sorted({k.split(".")[0] for v in st.values() for k in v if needs(k.split(".")[0])})
+    if not names:
+        return
+    unbuilt = [k for b in ("stale", "missing") for k in st[b] if needs(k.split(".")[0])]
+    for b in ("stale", "missing"):
+        st[b] = [k for k in st[b] if k not in unbuilt]
+    try:
+        kind, path = builder.find_coopmat_compiler()
+        s.ok("cooperative-matrix kernels", f"{', '.join(names)}: built with {kind} ({path})"
+             + (f"; {len(unbuilt)} variant(s) built on first use" if unbuilt else ""))
+    except RuntimeError as e:
+        s.info("cooperative-matrix kernels", f"{', '.join(names)} not built ({e}); only GPUs listing cooperative "
+                                             "matrices run them, the others' matmuls are unaffected")
+
+
 def probe(env: Mapping[str, str] | None = None) -> Section:
     """The kernels section."""
     env = os.environ if env is None else env
@@ -59,6 +78,7 @@ def probe(env: Mapping[str, str] | None = None) -> Section:
 
     builder = registry._load_builder()  # build.py: the one place that knows kernels and variants
     st = kernel_status(registry, builder)
+    _coopmat_kernels(builder, st, s)
     s.data["spirv"] = {k: v for k, v in st.items()}
     s.data["packaged_dir"] = registry.PACKAGED_SPV
     total = sum(len(v) for v in st.values())

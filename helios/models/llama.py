@@ -172,6 +172,24 @@ def apply_rotary(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
     return x * cos + F.roll(x, x.shape[-1] // 2, -1) * sin_signed
 
 
+def rotary_qkv(attn, x: Tensor, cos: Tensor, sin_signed: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """q [B, H, T, D], k and v [B, Hk, T, D] of x [B, T, C], q and k rotated: ``attn``'s
+    ``q_proj``/``k_proj``/``v_proj`` cut into its ``n_head``/``n_kv_head`` heads of ``head_dim``
+    (a ``LlamaAttention``, or a tensor-parallel one over this rank's heads)."""
+    B, T, _ = x.shape
+    H, Hk, D = attn.n_head, attn.n_kv_head, attn.head_dim
+    q = F.transpose(F.reshape(attn.q_proj(x), (B, T, H, D)), 1, 2)
+    k = F.transpose(F.reshape(attn.k_proj(x), (B, T, Hk, D)), 1, 2)
+    v = F.transpose(F.reshape(attn.v_proj(x), (B, T, Hk, D)), 1, 2)
+    return apply_rotary(q, cos, sin_signed), apply_rotary(k, cos, sin_signed), v
+
+
+def merge_heads(y: Tensor) -> Tensor:
+    """The attention's output [B, H, T, D] as [B, T, H * D], the output projection's input."""
+    B, H, T, D = y.shape
+    return F.reshape(F.transpose(y, 1, 2), (B, T, H * D))
+
+
 class LlamaRMSNorm(RMSNorm):
     """transformers' LlamaRMSNorm: normalised in float32, cast back to the input's dtype, then
     times the weight (the order matters in 16-bit)."""
@@ -193,14 +211,9 @@ class LlamaAttention(Module):
         self.o_proj = Linear(H * D, C, bias=cfg.o_bias, std=std, seed=seed + 3)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv=None, layer: int = 0) -> Tensor:
-        B, T, _ = x.shape
-        H, Hk, D = self.n_head, self.n_kv_head, self.head_dim
-        q = F.transpose(F.reshape(self.q_proj(x), (B, T, H, D)), 1, 2)
-        k = F.transpose(F.reshape(self.k_proj(x), (B, T, Hk, D)), 1, 2)
-        v = F.transpose(F.reshape(self.v_proj(x), (B, T, Hk, D)), 1, 2)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k, v = rotary_qkv(self, x, cos, sin)
         y = kv.attend(layer, q, k, v) if kv is not None else attention(q, k, v, causal=True)
-        return self.o_proj(F.reshape(F.transpose(y, 1, 2), (B, T, H * D)))
+        return self.o_proj(merge_heads(y))
 
 
 class LlamaMLP(Module):

@@ -147,7 +147,7 @@ def test_addon_and_bindings_agree_field_by_field():
     assert unchecked == [], "every field the addon reports must be recomputed by the bindings"
     assert len(addon) == len(seen["devices"]) >= 1
     assert seen["loader_library"] and "libvulkan.so" in seen["loader_library"]
-    assert vk_compare.count_fields(addon[0]) == 28
+    assert vk_compare.count_fields(addon[0]) == 29  # cooperative_matrix included (compared too: [] on lavapipe)
 
 
 def test_the_bindings_read_lavapipe_as_it_is():
@@ -415,3 +415,19 @@ def test_text_rendering_of_a_required_failure():
     assert "1 required check(s) failed" in text
     with pytest.raises(ValueError):
         s.checks.append(type(s.checks[0])("d", "maybe", "?"))
+
+
+def test_cooperative_matrix_line_lists_the_shapes_and_whether_they_are_used():
+    from helios._kernels import coopmat
+
+    rows = [dict(m=16, n=16, k=16, a="f16", b="f16", c="f32", result="f32", scope="subgroup", saturating=False),
+            dict(m=16, n=8, k=32, a="i8", b="i8", c="i32", result="i32", scope="subgroup", saturating=False)]
+    gpu = dict(LAVAPIPE, type="discrete", cooperative_matrix=rows,
+               limits=dict(LAVAPIPE["limits"], subgroup_size=32, max_shared_memory=49152))
+    text = probe_vulkan.coopmat_text(gpu, None)
+    assert text.startswith("16x16x16 f16*f16+f32 (subgroup), 16x8x32 i8*i8+i32 (subgroup) -- ")
+    assert ("float16: used (128x128x32 tiles" in text) == coopmat.kernel_built(), text
+    assert "bfloat16: not used (bfloat16 operands and the device lists no bf16" in text
+    assert probe_vulkan.coopmat_text(LAVAPIPE, EXTRA).startswith("none listed (not used")
+    nv_only = dict(EXTRA, cooperative_matrix_nv=True, cooperative_matrix_shapes=["16x8x16 f16*f16+f32"])
+    assert "the driver has it (16x8x16 f16*f16+f32), but not used" in probe_vulkan.coopmat_text(LAVAPIPE, nv_only)

@@ -49,6 +49,7 @@ Device::Device(int index, const std::string& pipeline_cache_dir) {
   if (!v12 && info_.storage8 && info_.has_ext_8bit_storage) exts.push_back(VK_KHR_8BIT_STORAGE_EXTENSION_NAME);
   if (!v12 && (info_.float16 || info_.int8) && info_.has_ext_float16_int8)
     exts.push_back(VK_KHR_SHADER_FLOAT16_INT8_EXTENSION_NAME);
+  if (!info_.coopmat.empty()) exts.push_back(kCoopMatExtension);  // listed only where it can be enabled
 
   // Enable exactly the features the device has (enabling a missing one fails creation).
   VkPhysicalDeviceFeatures2 f2{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2};
@@ -57,6 +58,10 @@ Device::Device(int index, const std::string& pipeline_cache_dir) {
   VkPhysicalDeviceShaderFloat16Int8Features f16{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SHADER_FLOAT16_INT8_FEATURES};
   VkPhysicalDeviceTimelineSemaphoreFeatures timeline{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_TIMELINE_SEMAPHORE_FEATURES};
   timeline.timelineSemaphore = VK_TRUE;
+  VkPhysicalDeviceVulkanMemoryModelFeatures vmm{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_MEMORY_MODEL_FEATURES};
+  vmm.vulkanMemoryModel = VK_TRUE;  // the cooperative-matrix kernels' SPIR-V uses the Vulkan memory model
+  CoopMatFeaturesKHR coop;
+  coop.cooperativeMatrix = VK_TRUE;
   f2.features.shaderInt64 = info_.int64;
   f2.features.shaderInt16 = info_.int16;
   s16.storageBuffer16BitAccess = info_.storage16;
@@ -69,6 +74,7 @@ Device::Device(int index, const std::string& pipeline_cache_dir) {
   if (info_.float16 || info_.int8) *tail = &f16, tail = &f16.pNext;
   if (info_.timeline_semaphore && v12) *tail = &timeline, tail = &timeline.pNext;
   else info_.timeline_semaphore = false;
+  if (!info_.coopmat.empty()) *tail = &vmm, tail = &vmm.pNext, *tail = &coop, tail = &coop.pNext;
 
   float priority = 1.0f;
   VkDeviceQueueCreateInfo qci{VK_STRUCTURE_TYPE_DEVICE_QUEUE_CREATE_INFO};

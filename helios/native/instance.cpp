@@ -54,6 +54,24 @@ bool pick_queue_family(VkPhysicalDevice pd, uint32_t& family, uint32_t& ts_bits)
   return true;
 }
 
+// The cooperative-matrix shapes of ``pd`` (vkGetPhysicalDeviceCooperativeMatrixPropertiesKHR).
+std::vector<CoopMatShape> coopmat_shapes(VkPhysicalDevice pd) {
+  using Get = VkResult(VKAPI_PTR*)(VkPhysicalDevice, uint32_t*, CoopMatPropertiesKHR*);
+  auto get = reinterpret_cast<Get>(vkGetInstanceProcAddr(g_instance ? g_instance->handle : VK_NULL_HANDLE,
+                                                         "vkGetPhysicalDeviceCooperativeMatrixPropertiesKHR"));
+  std::vector<CoopMatShape> out;
+  uint32_t n = 0;
+  if (!get || get(pd, &n, nullptr) < 0 || n == 0) return out;
+  std::vector<CoopMatPropertiesKHR> props(n);
+  if (get(pd, &n, props.data()) < 0) return out;
+  for (uint32_t i = 0; i < n; ++i) {
+    const auto& p = props[i];
+    out.push_back({p.MSize, p.NSize, p.KSize, p.AType, p.BType, p.CType, p.ResultType, p.scope,
+                   p.saturatingAccumulation == VK_TRUE});
+  }
+  return out;
+}
+
 PhysicalDeviceInfo describe(VkPhysicalDevice pd, uint32_t instance_api) {
   PhysicalDeviceInfo d;
   d.handle = pd;
@@ -124,12 +142,16 @@ PhysicalDeviceInfo describe(VkPhysicalDevice pd, uint32_t instance_api) {
   VkPhysicalDevice8BitStorageFeatures s8{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_8BIT_STORAGE_FEATURES};
   VkPhysicalDeviceShaderFloat16Int8Features f16{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SHADER_FLOAT16_INT8_FEATURES};
   VkPhysicalDeviceTimelineSemaphoreFeatures timeline{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_TIMELINE_SEMAPHORE_FEATURES};
+  VkPhysicalDeviceVulkanMemoryModelFeatures vmm{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_MEMORY_MODEL_FEATURES};
+  CoopMatFeaturesKHR coop;
+  const bool has_coop = api >= VK_API_VERSION_1_3 && has_extension(exts, kCoopMatExtension);
   if (v11) {
     void** tail = &f2.pNext;
     *tail = &s16, tail = &s16.pNext;  // core in 1.1
     if (api >= VK_API_VERSION_1_2 || d.has_ext_8bit_storage) *tail = &s8, tail = &s8.pNext;
     if (api >= VK_API_VERSION_1_2 || d.has_ext_float16_int8) *tail = &f16, tail = &f16.pNext;
     if (api >= VK_API_VERSION_1_2) *tail = &timeline, tail = &timeline.pNext;  // core in 1.2
+    if (has_coop) *tail = &vmm, tail = &vmm.pNext, *tail = &coop, tail = &coop.pNext;
     vkGetPhysicalDeviceFeatures2(pd, &f2);
   } else {
     vkGetPhysicalDeviceFeatures(pd, &f2.features);
@@ -141,6 +163,7 @@ PhysicalDeviceInfo describe(VkPhysicalDevice pd, uint32_t instance_api) {
   d.float16 = f16.shaderFloat16;
   d.int8 = f16.shaderInt8;
   d.timeline_semaphore = api >= VK_API_VERSION_1_2 && timeline.timelineSemaphore;
+  if (has_coop && coop.cooperativeMatrix && vmm.vulkanMemoryModel) d.coopmat = coopmat_shapes(pd);
 
   // Calibrated timestamps count only if both the device and CLOCK_MONOTONIC domains exist.
   if (has_calibrated) {

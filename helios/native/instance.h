@@ -11,6 +11,34 @@
 
 namespace helios_vk {
 
+// VK_KHR_cooperative_matrix, spelled out here: the headers this addon may be built against
+// (1.3.239) predate it (1.3.255).  The values and layouts are the registry's.
+constexpr const char* kCoopMatExtension = "VK_KHR_cooperative_matrix";
+constexpr VkStructureType kCoopMatFeaturesSType = VkStructureType(1000506000);
+constexpr VkStructureType kCoopMatPropertiesSType = VkStructureType(1000506001);
+struct CoopMatFeaturesKHR {  // VkPhysicalDeviceCooperativeMatrixFeaturesKHR
+  VkStructureType sType = kCoopMatFeaturesSType;
+  void* pNext = nullptr;
+  VkBool32 cooperativeMatrix = VK_FALSE;
+  VkBool32 cooperativeMatrixRobustBufferAccess = VK_FALSE;
+};
+struct CoopMatPropertiesKHR {  // VkCooperativeMatrixPropertiesKHR
+  VkStructureType sType = kCoopMatPropertiesSType;
+  void* pNext = nullptr;
+  uint32_t MSize = 0, NSize = 0, KSize = 0;
+  int32_t AType = 0, BType = 0, CType = 0, ResultType = 0;  // VkComponentTypeKHR
+  VkBool32 saturatingAccumulation = VK_FALSE;
+  int32_t scope = 0;  // VkScopeKHR
+};
+
+// One cooperative-matrix shape the device lists: C[M x N] += A[M x K] B[K x N].
+struct CoopMatShape {
+  uint32_t m = 0, n = 0, k = 0;
+  int32_t a = 0, b = 0, c = 0, result = 0;  // VkComponentTypeKHR
+  int32_t scope = 0;                         // VkScopeKHR
+  bool saturating = false;
+};
+
 // Everything the rest of the addon (and Python, via info dicts) needs to know
 // about one physical device.  Filled once per instance.
 struct PhysicalDeviceInfo {
@@ -45,6 +73,11 @@ struct PhysicalDeviceInfo {
   bool float16 = false, storage16 = false, storage8 = false, int64 = false, int16 = false;
   bool push_descriptor = false, calibrated_timestamps = false, unified_memory = false;
   bool timeline_semaphore = false;  // Vulkan 1.2's timelineSemaphore feature (the stream's completion tracking)
+  // VK_KHR_cooperative_matrix's shapes, listed where the device can run Helios' cooperative-matrix
+  // kernel: the extension with its cooperativeMatrix feature, Vulkan 1.3 (SPIR-V 1.6) and the
+  // vulkanMemoryModel feature its shaders declare; the Device enables all three then.  Empty
+  // otherwise (lavapipe, older GPUs and drivers).
+  std::vector<CoopMatShape> coopmat;
   uint64_t device_local_bytes = 0;
 
   // How to enable them: core (api >= 1.2) or via the KHR extension names.

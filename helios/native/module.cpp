@@ -70,6 +70,48 @@ std::string hex(const uint8_t* p, size_t n) {
   return s;
 }
 
+// Short names of VkComponentTypeKHR values (and the bfloat16 / fp8 ones of later extensions).
+std::string component_name(int32_t t) {
+  static const char* base[] = {"f16", "f32", "f64", "i8", "i16", "i32", "i64", "u8", "u16", "u32", "u64"};
+  if (t >= 0 && t <= 10) return base[t];
+  switch (t) {
+    case 1000141000: return "bf16";
+    case 1000491000: return "i8_packed";
+    case 1000491001: return "u8_packed";
+    case 1000491002: return "e4m3";
+    case 1000491003: return "e5m2";
+    default: return std::to_string(t);
+  }
+}
+
+std::string scope_name(int32_t s) {
+  switch (s) {
+    case 1: return "device";
+    case 2: return "workgroup";
+    case 3: return "subgroup";
+    case 5: return "queue_family";
+    default: return std::to_string(s);
+  }
+}
+
+py::list coopmat_list(const PhysicalDeviceInfo& d) {
+  py::list out;
+  for (const auto& c : d.coopmat) {
+    py::dict x;
+    x["m"] = c.m;
+    x["n"] = c.n;
+    x["k"] = c.k;
+    x["a"] = component_name(c.a);
+    x["b"] = component_name(c.b);
+    x["c"] = component_name(c.c);
+    x["result"] = component_name(c.result);
+    x["scope"] = scope_name(c.scope);
+    x["saturating"] = c.saturating;
+    out.append(x);
+  }
+  return out;
+}
+
 py::dict info_dict(const PhysicalDeviceInfo& d) {
   py::dict limits;
   limits["max_storage_buffer_range"] = d.max_storage_buffer_range;
@@ -105,6 +147,7 @@ py::dict info_dict(const PhysicalDeviceInfo& d) {
   out["limits"] = limits;
   out["features"] = features;
   out["device_local_bytes"] = d.device_local_bytes;
+  out["cooperative_matrix"] = coopmat_list(d);  // [] where the device cannot run the coopmat kernels
   return out;
 }
 

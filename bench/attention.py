@@ -310,7 +310,7 @@ def bench_sparse(kind: str, B: int, H: int, T: int, D: int, causal: bool, rounds
         m = _sparse_mask(T, args.block_size, args.density, causal)
         pairs = K.FlashBlockMask(m, args.block_size, T, T, causal).pairs
         res.update(block_size=args.block_size, density=round(float(m.mean()), 4),
-                   pair_ratio=round(pairs / K._fa_pairs(T, T, causal), 4))
+                   pair_ratio=round(pairs / K.flash_attn_pairs(T, T, causal), 4))
 
         def other():
             return F.block_sparse_attention(q, k, v, block_mask=m, block_size=args.block_size, is_causal=causal)

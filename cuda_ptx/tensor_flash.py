@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from helios.backend import attention_pairs
+
 from . import gen_flash
 from .driver import Context
 from .render import render
@@ -173,15 +175,8 @@ def flops(pb: Problem, causal: bool, backward: bool = False, pairs: int | None =
     7 these kernels run, so rates compare with other implementations): 2 D per product per
     (query, key) pair; ``pairs``: those one head computes (a block mask's), else all (causal: half)."""
     if pairs is None:
-        pairs = pb.Tq * pb.Tk if not causal else _causal_pairs(pb.Tq, pb.Tk)
+        pairs = attention_pairs(pb.Tq, pb.Tk, causal)
     return (5 if backward else 2) * 2 * pb.D * pairs * pb.B * pb.H
-
-
-def _causal_pairs(tq: int, tk: int) -> int:
-    full = min(tq, tk)
-    return full * (full + 1) // 2 + max(0, tq - tk) * tk
-
-
 
 
 # -- numpy in, numpy out (tests, and checks on a GPU) ---------------------------------------------

@@ -54,6 +54,16 @@ POOLS = ("weights", "activations", "staging")
 DISPATCH, COPY, FILL, GEMM, FLASH = 0, 1, 2, 3, 4
 
 
+def attention_pairs(tq: int, tk: int, causal: bool) -> int:
+    """The (query, key) pairs one head of an attention computes without a block mask (what the
+    FLOPs of :meth:`Runtime.flash` and of the generic flash kernels count): all tq * tk, or,
+    causal, min(i + 1, tk) keys for query row i."""
+    if not causal:
+        return tq * tk
+    full = min(tq, tk)
+    return full * (full + 1) // 2 + max(0, tq - tk) * tk
+
+
 class Runtime(ABC):
     """One open device behind the contract (see the module docstring)."""
 

@@ -181,7 +181,7 @@ def test_block_mask_counts_computed_pairs(causal):
     el = _elements(m, bs, Tq, Tk) & (np.tril(np.ones((Tq, Tk), dtype=bool)) if causal else True)
     assert bm.pairs == int(el.sum())
     ones = K.FlashBlockMask(np.ones((5, 4), dtype=bool), bs, Tq, Tk, causal)
-    assert ones.pairs == K._fa_pairs(Tq, Tk, causal)
+    assert ones.pairs == K.flash_attn_pairs(Tq, Tk, causal)
     # what the profiler sees: 4 / 6 / 8 FLOPs per computed pair and head-dim step
     q, k, v, g = _operands(1, 2, Tq, 32, Tk)
     hq, hk, hv = (hl.tensor(x, requires_grad=True) for x in (q, k, v))

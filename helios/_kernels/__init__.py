@@ -46,7 +46,7 @@ from helios._kernels.indexing import (  # noqa: F401
 from helios._kernels.optim import _P_ADAMW, adamw_constants, adamw_dispatch, adamw_push  # noqa: F401
 from helios._kernels.flash import (  # noqa: F401
     _P_FLASH, FLASH_HEAD_DIMS, _FA_FWD, _FA_PRE, _FA_DQ, _FA_DKV, _FA_SG_ROWS, _FA_GPU_WG, _FA_KERNEL, _FA_CPU_WY,
-    fa_subgroup_kernel_runs_on, _fa_cpu, flash_attn_supported, _fa_operand, _fa_pairs, flash_attn_pairs, FLASH_BLOCK, FlashBlockMask,
+    fa_subgroup_kernel_runs_on, _fa_cpu, flash_attn_supported, _fa_operand, flash_attn_pairs, FLASH_BLOCK, FlashBlockMask,
     _FlashLaunch, flash_attn_fwd, flash_attn_bwd,
 )
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import struct
 
 from helios import dtypes as dt
+from helios.backend import attention_pairs
 from helios.errors import ShapeError
 from helios.runtime import get_runtime
 from helios.tensor import Tensor
@@ -135,18 +136,10 @@ def _fa_operand(t: Tensor) -> Tensor:
     return kern.copy(t)
 
 
-def _fa_pairs(Tq: int, Tk: int, causal: bool) -> int:
-    """(query, key) pairs an attention computes: causal rows i see min(i + 1, Tk) keys."""
-    if not causal:
-        return Tq * Tk
-    full = min(Tq, Tk)
-    return full * (full + 1) // 2 + max(0, Tq - Tk) * Tk
-
-
 def flash_attn_pairs(Tq: int, Tk: int, causal: bool) -> int:
-    """(query, key) pairs one head of flash_attn_fwd computes (the public name of ``_fa_pairs``):
-    causal rows i see min(i + 1, Tk) keys."""
-    return _fa_pairs(Tq, Tk, causal)
+    """(query, key) pairs one head of flash_attn_fwd computes: causal rows i see min(i + 1, Tk)
+    keys (the device contract's ``attention_pairs``, which the CUDA backend counts too)."""
+    return attention_pairs(Tq, Tk, causal)
 
 
 FLASH_BLOCK = 64  # block sizes of a block mask are multiples of this: every tile and row group of both kernels
@@ -227,7 +220,7 @@ class _FlashLaunch:
 
     def pairs(self) -> int:
         """(query, key) pairs one head computes: the mask's blocks only."""
-        return self.bm.pairs if self.bm is not None else _fa_pairs(self.Tq, self.Tk, self.causal)
+        return self.bm.pairs if self.bm is not None else attention_pairs(self.Tq, self.Tk, self.causal)
 
     def key_rows(self) -> int:
         return self.bm.key_rows if self.bm is not None else self.Tk

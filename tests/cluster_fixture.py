@@ -1,7 +1,8 @@
 """A fake cluster for tests: N "hosts" made of Linux namespaces (scripts/fake_cluster.sh).
 
 Each host has its own network namespace (address ``10.77.0.(i+1)``), hostname (UTS
-namespace) and ``/dev/shm`` (a private tmpfs in its mount namespace); the hosts' links go
+namespace), ``/dev/shm`` (a private tmpfs in its mount namespace) and ``/etc/hosts`` naming
+every host of the cluster; the hosts' links go
 through a bridge in a namespace of its own and may be shaped with ``tc ... tbf rate R``.
 Commands run inside a host through ``nsenter`` on the host's holder process.
 
@@ -48,10 +49,11 @@ def unavailable() -> str | None:
 
 
 class Host:
-    """One fake host: ``index``, ``addr``, the holder's ``pid``; run commands inside it."""
+    """One fake host: ``index``, ``addr``, ``name`` (its hostname, which every host resolves), the
+    holder's ``pid``; run commands inside it."""
 
-    def __init__(self, cluster: FakeCluster, index: int, pid: int, addr: str) -> None:
-        self.cluster, self.index, self.pid, self.addr = cluster, index, pid, addr
+    def __init__(self, cluster: FakeCluster, index: int, pid: int, addr: str, name: str) -> None:
+        self.cluster, self.index, self.pid, self.addr, self.name = cluster, index, pid, addr, name
 
     def argv(self, cmd: Sequence[str]) -> list[str]:
         """``cmd`` prefixed to run in this host's network, UTS and mount namespaces."""
@@ -96,7 +98,7 @@ class Container(Host):
             raise RuntimeError(f"container on host {host.index} did not start")
         # nsenter, unshare and sh each exec the next: the Popen's pid is the holder (sleep, in the end).
         pid = self.proc.pid
-        super().__init__(host.cluster, host.index, pid, host.addr)
+        super().__init__(host.cluster, host.index, pid, host.addr, host.name)
 
     def close(self) -> None:
         self.proc.kill()
@@ -121,6 +123,11 @@ class FakeCluster:
     def __exit__(self, *exc) -> None:
         self.down()
 
+    def rsh_agent(self) -> str:
+        """The command line of this cluster's ssh (``fake_cluster.sh rsh --prefix P``), for
+        ``mpirun --mca plm_rsh_agent``: ``<agent> HOST CMD...`` runs CMD in the host named HOST."""
+        return f"{SCRIPT} rsh --prefix {self.prefix}"
+
     def _script(self, *args: str, check: bool = True) -> str:
         r = subprocess.run([SCRIPT, *args, "--prefix", self.prefix], capture_output=True, text=True, timeout=60)
         if check and r.returncode != 0:
@@ -141,7 +148,9 @@ class FakeCluster:
                     pid = int(f.read())
                 with open(f"{d}/addr-{i}") as f:
                     addr = f.read().strip()
-                self.hosts.append(Host(self, i, pid, addr))
+                with open(f"{d}/name-{i}") as f:
+                    name = f.read().strip()
+                self.hosts.append(Host(self, i, pid, addr, name))
         except BaseException:
             self.down()
             raise

@@ -1,6 +1,7 @@
 """The fake cluster itself (scripts/fake_cluster.sh, tests/cluster_fixture.py): hosts made of
-namespaces reach each other, have their own hostnames and /dev/shm, and their links carry
-about the rate they are shaped to."""
+namespaces reach each other, have their own hostnames and /dev/shm, resolve each other's
+names, are entered by name as over ssh (``rsh``), and their links carry about the rate they
+are shaped to."""
 
 from __future__ import annotations
 
@@ -62,8 +63,20 @@ def test_hosts_ping_have_own_hostname_and_shm(fake_cluster):
     assert h0.run([sys.executable, "-c", PING, h1.addr]).returncode == 0
     assert h1.run([sys.executable, "-c", PING, h0.addr]).returncode == 0
     names = [h.run(["hostname"]).stdout.strip() for h in c.hosts]
-    assert names[0] != names[1], names
+    assert names[0] != names[1] and names == [h.name for h in c.hosts], names
     assert os.uname().nodename not in names
+    # Every host resolves every host's name (its own /etc/hosts); the real host's is untouched.
+    assert h0.run(["getent", "hosts", h1.name]).stdout.split() == [h1.addr, h1.name]
+    assert h1.run(["getent", "hosts", h0.name]).stdout.split() == [h0.addr, h0.name]
+    assert h1.name not in open("/etc/hosts").read()
+    # rsh, the launch agent: one shell command line, in the named host, with a login's environment only.
+    agent = c.rsh_agent().split()
+    r = subprocess.run([*agent, h1.name, "echo", "$(hostname)", '"[$HELIOS_PROBE]"'], capture_output=True,
+                       text=True, env=dict(os.environ, HELIOS_PROBE="leaked"), timeout=30)
+    assert r.returncode == 0 and r.stdout.split() == [h1.name, "[]"], r
+    assert subprocess.run([*agent, h0.addr, "hostname"], capture_output=True, text=True).stdout.strip() == h0.name
+    r = subprocess.run([*agent, "nohost", "true"], capture_output=True, text=True)
+    assert r.returncode != 0 and "no host named nohost" in r.stderr, r
     h0.run(["sh", "-c", "echo hello > /dev/shm/helios-fake-probe"])
     assert h0.run(["cat", "/dev/shm/helios-fake-probe"]).stdout.strip() == "hello"
     assert h1.run(["test", "-e", "/dev/shm/helios-fake-probe"], check=False).returncode == 1

@@ -1,17 +1,21 @@
-"""Real launchers for tests: a throwaway single-node Slurm cluster, srun, sbatch and mpirun.
+"""Real launchers for tests: a throwaway Slurm cluster, srun, sbatch and mpirun.
 
 ``slurm_cluster_session`` (the body of a module-scoped fixture) starts munged,
 slurmctld and slurmd in a temporary directory and stops them afterwards.  The daemons use
 their own munge key and socket, free ports and a configuration free of cgroups
 (``proctrack/linuxproc``, ``task/none``), so the cluster runs as root in a container as well
 as on a plain host, next to any Slurm or munge already installed, and leaves nothing behind.
+``start_slurm(hosts=...)`` makes the nodes fake hosts (tests/cluster_fixture.py) instead: one
+slurmd in each host, named by the host's name with its own address, slurmctld and the client
+commands on the first.
 
 ``run_srun``, ``run_sbatch`` and ``run_mpirun`` run any command (``[sys.executable, "-m",
 "helios.train", ...]``) as N tasks and return a :class:`LaunchResult` that holds each task's
 stdout and stderr.  The children get a clean launch environment (no ``RANK``, ``SLURM_*`` or
 ``OMPI_*`` from the caller), ``LP_NUM_THREADS=1`` and unbuffered Python output.  Every run
 has a deadline; whatever a run started is killed afterwards, found by a token in its
-environment, so no task outlives its test.
+environment, so no task outlives its test.  ``run_mpirun(where=host.argv([]))`` starts mpirun
+inside a fake host.
 
 The packages come from ``scripts/setup.sh --test`` (Debian: slurmd, slurmctld,
 slurm-client, munge, openmpi-bin).  When a program is missing the tests fail, naming it.
@@ -62,6 +66,17 @@ def tool(name: str) -> str:
     return path
 
 
+def missing(*names: str) -> str | None:
+    """None when every program is installed, else a skip reason naming the first that is not."""
+    for name in names:
+        if shutil.which(name, path=_SBIN_PATH) is None:
+            return f"`{name}` is not installed (Debian package {_PACKAGES.get(name, name)}; ./scripts/setup.sh --test)"
+    return None
+
+
+SLURM_PROGRAMS = ("munged", "munge", "slurmctld", "slurmd", "srun", "sbatch", "sinfo", "squeue", "scancel", "scontrol")
+
+
 class LaunchResult(subprocess.CompletedProcess):
     """A finished launch: the launcher's command line, exit code and output, plus each task's.
 
@@ -98,7 +113,8 @@ class LaunchResult(subprocess.CompletedProcess):
 
 @dataclass
 class SlurmCluster:
-    """A running single-node Slurm cluster (see :func:`start_slurm`)."""
+    """A running Slurm cluster (see :func:`start_slurm`): ``node`` is the first of ``nodes``;
+    ``login`` prefixes the client commands (a fake host's nsenter line; empty: here)."""
 
     root: str
     conf: str
@@ -108,6 +124,8 @@ class SlurmCluster:
     token: str
     partition: str = "debug"
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    nodes: list[str] = field(default_factory=list)
+    login: list[str] = field(default_factory=list)
 
     def env(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
         """Environment for Slurm commands against this cluster (``SLURM_CONF`` set; jobs inherit the
@@ -128,15 +146,20 @@ class SlurmCluster:
 
     def command(self, *argv: str, timeout: float = 30.0) -> subprocess.CompletedProcess:
         """Run a Slurm client command (``sinfo``, ``squeue``, ...) against this cluster."""
-        return subprocess.run([tool(argv[0]), *argv[1:]], env=self.env(), capture_output=True, text=True,
+        return subprocess.run([*self.login, tool(argv[0]), *argv[1:]], env=self.env(), capture_output=True, text=True,
                               timeout=timeout, stdin=subprocess.DEVNULL)
 
     def node_state(self) -> str:
+        """The nodes' states as sinfo gives them (``idle``; one word per node, by name, for several)."""
         try:
-            r = self.command("sinfo", "-h", "-N", "-n", self.node, "-o", "%t", timeout=10)
+            r = self.command("sinfo", "-h", "-N", "-n", ",".join(self.nodes or [self.node]), "-o", "%t", timeout=10)
         except subprocess.TimeoutExpired:
             return "(sinfo timed out)"
-        return r.stdout.strip() if r.returncode == 0 else f"(sinfo failed: {r.stderr.strip()})"
+        return " ".join(r.stdout.split()) if r.returncode == 0 else f"(sinfo failed: {r.stderr.strip()})"
+
+    def idle(self) -> bool:
+        """True once every node is idle."""
+        return self.node_state().split() == ["idle"] * len(self.nodes or [self.node])
 
     def stop(self) -> None:
         """Cancel every job, stop the daemons (SIGTERM, then SIGKILL) and kill anything left."""
@@ -146,13 +169,14 @@ class SlurmCluster:
                 deadline = time.monotonic() + 10
                 while time.monotonic() < deadline and self.command("squeue", "-h", timeout=10).stdout.strip():
                     time.sleep(0.2)
-        for name in ("slurmd", "slurmctld", "munged"):
+        daemons = [n for n in self.procs if n.startswith("slurmd")] + ["slurmctld", "munged"]
+        for name in daemons:
             p = self.procs.get(name)
             if p is not None and p.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(p.pid, signal.SIGTERM)
         deadline = time.monotonic() + 15
-        for name in ("slurmd", "slurmctld", "munged"):
+        for name in daemons:
             p = self.procs.get(name)
             if p is None:
                 continue
@@ -262,16 +286,8 @@ def _spawn(cluster: SlurmCluster, name: str, argv: list[str], env: dict[str, str
         log.close()
 
 
-def start_slurm(root: str | None = None, timeout: float = 60.0) -> SlurmCluster:
-    """Start munged, slurmctld and slurmd on this host; return once the node is idle.
-
-    Everything lives under ``root`` (a new temporary directory by default): the munge key
-    (mode 0400, owned by the user the daemons run as, i.e. this one), munge's socket, the
-    configuration, state, spool, pid and log files.  Raises RuntimeError with the daemons'
-    logs when the node is not idle within ``timeout`` seconds (after stopping what started)."""
-    for name in ("munged", "munge", "slurmctld", "slurmd", "srun", "sbatch", "sinfo", "squeue", "scancel", "scontrol"):
-        tool(name)
-    made_root = root is None
+def _slurm_root(root: str | None) -> str:
+    """The cluster's directory, made (a new temporary one when ``root`` is None) with its subdirectories."""
     if root is None:
         # Short paths: slurmd puts Unix sockets in its spool directory (108-byte limit).
         base = tempfile.gettempdir()
@@ -281,24 +297,30 @@ def start_slurm(root: str | None = None, timeout: float = 60.0) -> SlurmCluster:
         os.makedirs(os.path.join(root, d), exist_ok=True)
     os.chmod(os.path.join(root, "munge"), 0o700)
     os.chmod(os.path.join(root, "jobs"), 0o1777)
-    user = pwd.getpwuid(os.getuid()).pw_name
-    node = _node_name()
-    cpus = len(os.sched_getaffinity(0))
-    cluster = SlurmCluster(root=root, conf=os.path.join(root, "slurm.conf"), node=node, cpus=cpus, user=user,
-                           token=secrets.token_hex(8))
+    return root
+
+
+def _munge_key(root: str) -> str:
+    """A fresh munge key under ``root`` (mode 0400, owned by this user, who runs the daemons)."""
     key = os.path.join(root, "munge", "munge.key")
     fd = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o400)
     with os.fdopen(fd, "wb") as f:
         f.write(os.urandom(1024))
     os.chmod(key, 0o400)
-    sock = os.path.join(root, "munge.sock")
+    return key
+
+
+def _slurm_conf(root: str, user: str, sock: str, controller: tuple[str, str], nodes: Sequence[tuple[str, str]],
+                cpus: int) -> str:
+    """slurm.conf of a test cluster: slurmctld on ``controller`` (name, address), one
+    ``NodeName=name NodeAddr=address`` line per node, everything else under ``root``."""
     ctld_port, slurmd_port = free_port(), free_port()
     while slurmd_port == ctld_port:
         slurmd_port = free_port()
-    controller = socket.gethostname().split(".")[0]  # slurmctld only runs where SlurmctldHost names this host
-    conf = f"""\
+    node_lines = "\n".join(f"NodeName={n} NodeAddr={a} CPUs={cpus} State=UNKNOWN" for n, a in nodes)
+    return f"""\
 ClusterName=helios-test
-SlurmctldHost={controller}(127.0.0.1)
+SlurmctldHost={controller[0]}({controller[1]})
 SlurmctldPort={ctld_port}
 SlurmdPort={slurmd_port}
 SlurmUser={user}
@@ -333,21 +355,60 @@ FirstJobId={_first_job_id()}
 KillWait=2
 InactiveLimit=0
 MinJobAge=300
-NodeName={node} NodeAddr=127.0.0.1 CPUs={cpus} State=UNKNOWN
+{node_lines}
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """
+
+
+def start_slurm(root: str | None = None, timeout: float = 60.0, hosts: Sequence | None = None) -> SlurmCluster:
+    """Start munged, slurmctld and slurmd; return once every node is idle.
+
+    Without ``hosts`` this host is the one node.  With ``hosts`` (fake hosts of
+    tests/cluster_fixture.py) each is a node: ``NodeName`` its name, ``NodeAddr`` its address,
+    one slurmd inside it; slurmctld runs on the first host and so do the client commands
+    (srun, sinfo, ...: the root namespace cannot reach the hosts); munged runs here, its
+    socket reached through the shared filesystem.  Everything lives under ``root`` (a new
+    temporary directory by default): the munge key (mode 0400, owned by the user the daemons
+    run as, i.e. this one), munge's socket, the configuration, state, spool, pid and log files.
+    Raises RuntimeError with the daemons' logs when the nodes are not idle within ``timeout``
+    seconds (after stopping what started)."""
+    for name in SLURM_PROGRAMS:
+        tool(name)
+    made_root = root is None
+    root = _slurm_root(root)
+    cpus = len(os.sched_getaffinity(0))
+    if hosts:
+        nodes = [(h.name, h.addr) for h in hosts]
+        controller, places, login = nodes[0], [h.argv([]) for h in hosts], hosts[0].argv([])
+    else:
+        # slurmctld only runs where SlurmctldHost names this host.
+        nodes = [(_node_name(), "127.0.0.1")]
+        controller, places, login = (socket.gethostname().split(".")[0], "127.0.0.1"), [[]], []
+    cluster = SlurmCluster(root=root, conf=os.path.join(root, "slurm.conf"), node=nodes[0][0], cpus=cpus,
+                           user=pwd.getpwuid(os.getuid()).pw_name, token=secrets.token_hex(8),
+                           nodes=[n for n, _ in nodes], login=login)
+    key, sock = _munge_key(root), os.path.join(root, "munge.sock")
     with open(cluster.conf, "w") as f:
-        f.write(conf)
+        f.write(_slurm_conf(root, cluster.user, sock, controller, nodes, cpus))
+    if hosts:
+        # slurmd 22.05 initialises a cgroup plugin even with proctrack/linuxproc and task/none, and
+        # its autodetection finds nothing on /sys/fs/cgroup in a host (/sys there is the network
+        # namespace's sysfs): naming the v1 plugin skips the detection.
+        with open(os.path.join(root, "cgroup.conf"), "w") as f:
+            f.write("CgroupPlugin=cgroup/v1\n")
+    for n, _ in nodes:
+        os.makedirs(os.path.join(root, "spool", n), exist_ok=True)  # slurmd's Unix sockets go there
     env = cluster.env()
     try:
         _spawn(cluster, "munged", [tool("munged"), "--foreground", "--force", f"--socket={sock}", f"--key-file={key}",
                                    f"--pid-file={root}/run/munged.pid", f"--log-file={root}/log/munged.log",
                                    f"--seed-file={root}/munge/munged.seed"], env)
         _wait_for(lambda: os.path.exists(sock), 10, cluster, lambda: "munged did not create its socket")
-        _spawn(cluster, "slurmctld", [tool("slurmctld"), "-D", "-i", "-f", cluster.conf], env)
-        _spawn(cluster, "slurmd", [tool("slurmd"), "-D", "-N", node, "-f", cluster.conf], env)
-        _wait_for(lambda: cluster.node_state() == "idle", timeout, cluster,
-                  lambda: f"node {node} did not become idle (sinfo says {cluster.node_state()!r})")
+        _spawn(cluster, "slurmctld", [*login, tool("slurmctld"), "-D", "-i", "-f", cluster.conf], env)
+        for (n, _), place in zip(nodes, places):
+            _spawn(cluster, f"slurmd-{n}", [*place, tool("slurmd"), "-D", "-N", n, "-f", cluster.conf], env)
+        _wait_for(cluster.idle, timeout, cluster,
+                  lambda: f"nodes {','.join(cluster.nodes)} did not become idle (sinfo says {cluster.node_state()!r})")
     except BaseException:
         cluster.stop()
         if made_root:
@@ -357,9 +418,10 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 
 
 @contextlib.contextmanager
-def slurm_cluster_running(timeout: float = 60.0) -> Iterator[SlurmCluster]:
-    """Context manager: a started cluster, stopped and its directory removed on exit."""
-    cluster = start_slurm(timeout=timeout)
+def slurm_cluster_running(timeout: float = 60.0, hosts: Sequence | None = None) -> Iterator[SlurmCluster]:
+    """Context manager: a started cluster (on fake ``hosts`` if given, see :func:`start_slurm`),
+    stopped and its directory removed on exit."""
+    cluster = start_slurm(timeout=timeout, hosts=hosts)
     try:
         yield cluster
     finally:
@@ -450,7 +512,7 @@ def run_srun(cluster: SlurmCluster, ntasks: int, argv: Sequence[str], env: Mappi
     token = secrets.token_hex(8)
     name = f"helios-{token}"
     e = cluster.env({**(env or {}), TOKEN_VAR: token})
-    cmd = [tool("srun"), f"--ntasks={ntasks}", f"--job-name={name}", f"--output={run}/task-%t.out",
+    cmd = [*cluster.login, tool("srun"), f"--ntasks={ntasks}", f"--job-name={name}", f"--output={run}/task-%t.out",
            f"--error={run}/task-%t.err", "--kill-on-bad-exit=1", f"--time={max(1, int(timeout // 60) + 1)}",
            *(["--overcommit"] if ntasks > cluster.cpus else []), *srun_args, "--", *argv]
     code, out, err, timed_out, secs = _run(cmd, e, timeout, cwd or run,
@@ -481,7 +543,7 @@ def run_sbatch(cluster: SlurmCluster, ntasks: int, argv: Sequence[str], env: Map
     with open(script, "w") as f:
         f.write("\n".join(lines) + "\n")
     e = cluster.env({**(env or {}), TOKEN_VAR: token})
-    cmd = [tool("sbatch"), "--parsable", f"--chdir={cwd or run}", *sbatch_args, script]
+    cmd = [*cluster.login, tool("sbatch"), "--parsable", f"--chdir={cwd or run}", *sbatch_args, script]
     t0 = time.monotonic()
     sub = subprocess.run(cmd, env=e, cwd=cwd or run, capture_output=True, text=True, timeout=30,
                          stdin=subprocess.DEVNULL)
@@ -516,13 +578,16 @@ def run_sbatch(cluster: SlurmCluster, ntasks: int, argv: Sequence[str], env: Map
 
 
 def run_mpirun(ntasks: int, argv: Sequence[str], env: Mapping[str, str] | None = None, timeout: float = 120.0,
-               cwd: str | None = None, master_port: int | None = None, mpirun_args: Sequence[str] = ()) -> LaunchResult:
+               cwd: str | None = None, master_port: int | None = None, mpirun_args: Sequence[str] = (),
+               where: Sequence[str] = ()) -> LaunchResult:
     """``mpirun -n N argv...`` (Open MPI) on this host, with rank 0's address given as Helios expects.
 
     Sets ``MASTER_ADDR=127.0.0.1`` and ``MASTER_PORT`` (a free port unless given) and exports
     them and every variable of ``env`` with ``-x``; runs as root with ``--allow-run-as-root``;
     ``--oversubscribe`` so N may exceed the cores.  Each rank's output is read from
-    ``--output-filename``."""
+    ``--output-filename`` (a directory every host must see: here, a shared filesystem).
+    ``where`` prefixes mpirun (a fake host's ``host.argv([])``: mpirun runs inside that host;
+    give the other hosts and the launch agent in ``mpirun_args``)."""
     run = _run_dir(None)
     try:
         token = secrets.token_hex(8)
@@ -531,7 +596,7 @@ def run_mpirun(ntasks: int, argv: Sequence[str], env: Mapping[str, str] | None =
         e = clean_env(extra)
         exported = sorted({*extra, "LP_NUM_THREADS", "PYTHONUNBUFFERED"})
         outdir = os.path.join(run, "output")
-        cmd = [tool("mpirun"), "-n", str(ntasks), "--oversubscribe", "--bind-to", "none", "--output-filename", outdir,
+        cmd = [*where, tool("mpirun"), "-n", str(ntasks), "--oversubscribe", "--bind-to", "none", "--output-filename", outdir,
                *(["--allow-run-as-root"] if os.getuid() == 0 else []),
                *[a for k in exported for a in ("-x", k)], *mpirun_args, *argv]
         code, out, err, timed_out, secs = _run(cmd, e, timeout, cwd or run)

@@ -123,6 +123,16 @@ def test_the_choice_is_one_debug_line_once_per_kind():
     assert quiet.getvalue() == ""  # no list, no choice to tell; debug off, nothing printed
 
 
+def test_choice_for_answers_per_size_and_dtype():
+    rt = _FakeRuntime(NVIDIA, debug=0)
+    big, small = coopmat.choice_for(rt, "float16", 4096, 4096, 4096), coopmat.choice_for(rt, "float16", 64, 4096, 64)
+    if coopmat.kernel_built():
+        assert (big.tile.bm, small.tile.bm) == (128, 64)
+    assert coopmat.choice_for(rt, "float16", 8, 4096, 64).kernel == "matmul"
+    assert coopmat.choice_for(rt, "float32", 4096, 4096, 4096).kernel == "matmul"
+    assert coopmat.choice_for(_FakeRuntime([]), "float16", 4096, 4096, 4096).kernel == "matmul"
+
+
 def test_set_enabled_switches_the_kernel_off_and_back():
     rt = _FakeRuntime(NVIDIA, debug=0)
     was = coopmat.set_enabled(False)
@@ -131,3 +141,53 @@ def test_set_enabled_switches_the_kernel_off_and_back():
         assert ch.kernel == "matmul" and "switched off" in ch.reason
     finally:
         coopmat.set_enabled(was)
+    assert "switched off" not in coopmat.choice_for(rt, "float16", 512, 512, 512).reason
+
+
+@pytest.mark.vulkan
+def test_lavapipe_keeps_todays_kernels_and_their_bits():
+    import numpy as np
+
+    import helios as hl
+    from helios import _kernels as K
+    from helios.runtime import get_runtime
+
+    rt = get_runtime()
+    if rt.info.get("type") != "cpu":
+        pytest.skip(f"{rt.name} is not a CPU driver: lavapipe's check")
+    assert coopmat.shapes_of(rt.info) == [] and rt.info.get("cooperative_matrix", []) == []
+    assert coopmat.choice_for(rt, "float16", 512, 512, 512).kernel == "matmul"
+    rng = np.random.default_rng(5)
+    a, b, bias = (rng.uniform(-1, 1, s).astype(np.float32) for s in ((40, 72), (48, 72), (48,)))
+    for dtype in ("float32", "float16", "bfloat16"):
+        ha, hb, hbias = (hl.tensor(x, dtype=dtype) for x in (a, b, bias))
+        on = K.matmul(ha, hb.transpose(0, 1), hbias).numpy()
+        was = coopmat.set_enabled(False)
+        try:
+            off = K.matmul(ha, hb.transpose(0, 1), hbias).numpy()
+        finally:
+            coopmat.set_enabled(was)
+        assert on.tobytes() == off.tobytes(), dtype
+
+
+@pytest.mark.vulkan
+def test_lavapipe_runs_the_glsl_matmul_and_prints_no_choice_line():
+    import os
+    import subprocess
+    import sys
+
+    code = ("import numpy as np, helios as hl\n"
+            "from helios.runtime import get_runtime\n"
+            "rt = get_runtime()\n"
+            "if rt.info.get('type') != 'cpu': raise SystemExit(3)\n"
+            "a = hl.tensor(np.ones((32, 32), np.float32), dtype='float16')\n"
+            "a @ a\n"
+            "hl.synchronize()\n")
+    r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, HELIOS_DEBUG="2"), capture_output=True, text=True,
+                       timeout=300)
+    if r.returncode == 3:
+        pytest.skip("not lavapipe")
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = [x for x in r.stderr.splitlines() if x.startswith("helios: matmul")]
+    assert lines and all("matmul.comp" in x and "matmul_coop" not in x for x in lines), r.stderr[-2000:]
+    assert "cooperative" not in r.stderr and "shared-memory kernel" not in r.stderr

@@ -189,6 +189,8 @@ def kernel_built() -> bool:
 
 
 _said: set = set()  # (device, dtype, kernel, tile, reason) already printed at HELIOS_DEBUG
+_memo: dict = {}  # choice_for's answers by (facts' id, dtype, switch, size bucket), with the facts they were for
+_NONE = Choice("matmul", None, "the device lists no cooperative-matrix shapes")
 _enabled = os.environ.get("HELIOS_COOPMAT", "1") != "0"
 
 
@@ -206,15 +208,22 @@ def choice_for(rt, dtype: str, M: int, N: int, K: int) -> Choice:
     memory); prints the choice once per kind at ``HELIOS_DEBUG >= 1`` where the device lists shapes
     (a device listing none, lavapipe, has no choice to make and prints nothing)."""
     info = getattr(rt, "info", None) or {}
-    shapes = shapes_of(info)
-    if not shapes:
-        return Choice("matmul", None, "the device lists no cooperative-matrix shapes")
-    if not _enabled:
+    if not info.get("cooperative_matrix"):
+        return _NONE
+    # choose() looks at M and N only through MIN_DIM and the large tile's side: one answer per bucket
+    small = min(M, N)
+    key = (id(info), dtype, _enabled, small < MIN_DIM, small >= _TILES[0][0])
+    hit = _memo.get(key)
+    if hit is not None and hit[0] is info:
+        ch = hit[1]
+    elif not _enabled:
         ch = Choice("matmul", None, "cooperative matrices switched off (HELIOS_COOPMAT=0 or coopmat.set_enabled)")
     else:
         lim = info.get("limits", {})
         built = dtype != "float16" or kernel_built()
-        ch = choose(shapes, dtype, M, N, K, int(lim.get("subgroup_size", 0)), int(lim.get("max_shared_memory", 0)), built)
+        ch = choose(shapes_of(info), dtype, M, N, K, int(lim.get("subgroup_size", 0)), int(lim.get("max_shared_memory", 0)),
+                    built)
+    _memo[key] = (info, ch)
     if getattr(rt, "debug", 0):
         key = (getattr(rt, "name", "?"), dtype, ch.kernel, ch.tile, ch.reason)
         if key not in _said:

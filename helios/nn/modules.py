@@ -776,9 +776,8 @@ class CausalSelfAttention(Module):
             return False
         if self.attention == "flash" or not is_grad_enabled() or q.shape[2] >= FLASH_MIN_TRAIN_T:
             return True
-        from helios.runtime import get_runtime
-
-        return get_runtime(q.device).has_flash(q.dtype.name, q.shape[3])
+        # q's storage holds its device's runtime: no device name to parse on every forward
+        return q.untyped_storage().rt.has_flash(q.dtype.name, q.shape[3])
 
 
 class MLP(Module):

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install what Helios needs, idempotently: system packages (Vulkan loader, lavapipe,
-# glslc, a C++ compiler), a virtual environment in .venv, and the package itself
+# glslc, spirv-opt (kernels specialized before the driver builds them), a C++ compiler), a virtual environment in .venv, and the package itself
 # (which builds the Vulkan addon and compiles the SPIR-V kernels).  Quick when nothing
 # is missing.  `--test` also installs what the test suite needs.
 set -euo pipefail
@@ -11,7 +11,7 @@ want_tests=0
 
 missing=()
 have_pkg() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
-for pkg in libvulkan1 libvulkan-dev mesa-vulkan-drivers glslc vulkan-tools g++ python3-venv python3-dev; do
+for pkg in libvulkan1 libvulkan-dev mesa-vulkan-drivers glslc spirv-tools vulkan-tools g++ python3-venv python3-dev; do
   have_pkg "$pkg" || missing+=("$pkg")
 done
 if [ "$want_tests" = 1 ]; then

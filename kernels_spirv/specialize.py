@@ -31,6 +31,12 @@ from collections.abc import Sequence
 
 ENABLED = os.environ.get("HELIOS_SPECIALIZE", "1") != "0"
 
+# Smaller modules go to the driver as they are.  Measured on lavapipe (one pipeline, cold
+# cache): spirv-opt costs about twice what the driver spends on a module, and the driver then
+# builds the frozen one 2-20x faster; below ~64 KB (copies, reductions, softmax, binary ops)
+# the driver's whole cost is 1-15 ms, so a cold spirv-opt run would not pay for itself.
+MIN_BYTES = 64 * 1024
+
 # Only specialization and dead-code removal: no pass that changes arithmetic.
 PASSES = ("--freeze-spec-const", "--fold-spec-const-op-composite", "--eliminate-dead-branches",
           "--merge-blocks", "--eliminate-dead-code-aggressive", "--eliminate-dead-functions")
@@ -97,8 +103,9 @@ def _cache_path(key: str) -> str:
 def specialize(code: bytes, spec: Sequence[int]) -> bytes | None:
     """``code`` with specialization constant i set to ``spec[i]``, frozen, and the code it makes
     dead removed; None where the driver should specialize instead (switched off, no spirv-opt,
-    nothing to specialize, a constant of a kind not handled, or spirv-opt failing)."""
-    if not ENABLED or not spec:
+    nothing to specialize, a module under MIN_BYTES, a constant of a kind not handled, or
+    spirv-opt failing)."""
+    if not ENABLED or not spec or len(code) < MIN_BYTES:
         return None
     key = hashlib.sha256(code + repr(tuple(int(s) for s in spec)).encode()).hexdigest()
     memo_key = key.encode()

@@ -31,8 +31,17 @@
 // its weight gradient; no batch).
 // Built for Vulkan 1.3 (SPIR-V 1.6, the Vulkan memory model) by a compiler that knows
 // GL_KHR_cooperative_matrix (kernels_spirv/build.py).
+//
+// COOP_EMU (variant f16_emu, for tests only: tests/test_coopmat_gpu.py runs it on lavapipe, which
+// has no cooperative matrices) does the three cooperative-matrix operations with plain code of the
+// same meaning: a load notes where its tile starts in shared memory (and the layout says how it
+// lies there), a multiply-add reads both tiles from there, and lane l of a subgroup owns
+// accumulator elements l, l + SG, l + 2 SG, ... of the row-major CM x CN tile.  Everything around
+// them (staging, double buffering, edges, epilogues, bias sums, stores) is the same code.
+#ifndef COOP_EMU
 #extension GL_KHR_cooperative_matrix : require
 #extension GL_KHR_memory_scope_semantics : require
+#endif
 #extension GL_KHR_shader_subgroup_basic : require
 #extension GL_EXT_shader_explicit_arithmetic_types_float16 : require
 #extension GL_EXT_control_flow_attributes : require
@@ -200,6 +209,24 @@ void column_sums(uint s) {
     }
 }
 
+#ifdef COOP_EMU
+const uint SGE = NT / (WGM * WGN), PER = CM * CN / SGE;  // lanes a subgroup, accumulator elements a lane
+float accv[FM * FN * PER];
+uint fa_at[FM], fb_at[FN];                                // where each A / B tile starts in As / Bs
+
+float a_elem(uint at, uint r, uint c) { return float(AMODE == 2 ? As[at + c * A_LD + r] : As[at + r * A_LD + c]); }
+float b_elem(uint at, uint r, uint c) { return float(BMODE == 1 ? Bs[at + c * B_LD + r] : Bs[at + r * B_LD + c]); }
+
+void emu_mul_add(uint i, uint j) {
+    for (uint q = 0; q < PER; ++q) {
+        uint e = gl_SubgroupInvocationID + q * SGE, r = e / CN, c = e - r * CN;
+        float v = accv[(i * FN + j) * PER + q];
+        for (uint k = 0; k < CK; ++k) v += a_elem(fa_at[i], r, k) * b_elem(fb_at[j], k, c);
+        accv[(i * FN + j) * PER + q] = v;
+    }
+}
+#endif
+
 void main() {
     uint z = gl_WorkGroupID.z;
     uint z0 = z / p.nb1, z1 = z - z0 * p.nb1;
@@ -213,9 +240,13 @@ void main() {
     const bool sums = BSUM == 1 && gl_WorkGroupID.y == 0u;
     [[unroll]] for (uint j = 0; j < BS_N; ++j) bs[j] = 0.0;
 
+#ifdef COOP_EMU
+    for (uint i = 0; i < FM * FN * PER; ++i) accv[i] = 0.0;
+#else
     coopmat<float, gl_ScopeSubgroup, CM, CN, gl_MatrixUseAccumulator> acc[FM * FN];
     [[unroll]] for (uint i = 0; i < FM * FN; ++i)
         acc[i] = coopmat<float, gl_ScopeSubgroup, CM, CN, gl_MatrixUseAccumulator>(0.0);
+#endif
 
     uint steps = (p.K + BK - 1) / BK;
     load_slice(0u);
@@ -226,6 +257,14 @@ void main() {
         if (t + 1u < steps) load_slice((t + 1u) * BK);   // in flight while this slice is multiplied
         if (sums) column_sums(s);
         [[unroll]] for (uint kk = 0; kk < BK; kk += CK) {
+#ifdef COOP_EMU
+            [[unroll]] for (uint i = 0; i < FM; ++i)
+                fa_at[i] = s * A_STAGE + (AMODE == 2 ? kk * A_LD + wm + i * CM : (wm + i * CM) * A_LD + kk);
+            [[unroll]] for (uint j = 0; j < FN; ++j)
+                fb_at[j] = s * B_STAGE + (BMODE == 1 ? (wn + j * CN) * B_LD + kk : kk * B_LD + wn + j * CN);
+            [[unroll]] for (uint i = 0; i < FM; ++i)
+                [[unroll]] for (uint j = 0; j < FN; ++j) emu_mul_add(i, j);
+#else
             coopmat<float16_t, gl_ScopeSubgroup, CM, CK, gl_MatrixUseA> fa[FM];
             coopmat<float16_t, gl_ScopeSubgroup, CK, CN, gl_MatrixUseB> fb[FN];
             [[unroll]] for (uint i = 0; i < FM; ++i) {
@@ -245,6 +284,7 @@ void main() {
             [[unroll]] for (uint i = 0; i < FM; ++i)
                 [[unroll]] for (uint j = 0; j < FN; ++j)
                     acc[i * FN + j] = coopMatMulAdd(fa[i], fb[j], acc[i * FN + j]);
+#endif
         }
         if (t + 1u < steps) store_slice(s ^ 1u);   // the other stage: last read a step ago
         barrier();
@@ -262,7 +302,11 @@ void main() {
     const uint scratch = sg * CM * CN;
     [[unroll]] for (uint i = 0; i < FM; ++i)
         [[unroll]] for (uint j = 0; j < FN; ++j) {
+#ifdef COOP_EMU
+            for (uint q = 0; q < PER; ++q) Cs[scratch + gl_SubgroupInvocationID + q * SGE] = accv[(i * FN + j) * PER + q];
+#else
             coopMatStore(acc[i * FN + j], Cs, scratch, CN, gl_CooperativeMatrixLayoutRowMajor);
+#endif
             barrier();
             for (uint x = gl_SubgroupInvocationID; x < CM * CN; x += gl_SubgroupSize) {
                 uint r = x / CN, q = x - r * CN;

@@ -301,6 +301,28 @@ def test_impossible_request_from_the_command_line() -> None:
     assert r.returncode == 2 and r.stderr.startswith("helios-plan: no plan fits") and "Traceback" not in r.stderr
 
 
+def test_measured_links_replace_the_device_table(tmp_path, capsys) -> None:
+    """--calibrate: the DP all-reduce of a 2 hosts x 2 ranks job runs on the measured link between
+    hosts at the ring formula, and the 4 ranks share the one machine's compute."""
+    links = tmp_path / "links.json"
+    a_i, bw_i = 2e-4, 1.25e8
+    links.write_text(json.dumps({"per_node": 2, "compute_ranks": 4, "intra": {"alpha_s": 4e-5, "bytes_per_s": 2e9},
+                                 "inter": {"alpha_s": a_i, "bytes_per_s": bw_i}, "source": "a test"}))
+    argv = ["--model", "tiny", "--gpu", "lavapipe", "--gpus", "4", "--dp", "4", "--zero", "0", "--no-overlap", "--json"]
+    assert main([*argv, "--calibrate", str(links)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    (plan,) = [p for p in doc["plans"] if p["parallel"]["mb"] == 4 and p["parallel"]["recompute"] == "none"]
+    assert plan["links"]["dp"] == "inter" and doc["device"]["inter_alpha"] == a_i
+    assert plan["parts_s"]["dp"] == pytest.approx(all_reduce(4 * 834_304, 4, a_i, 1 / bw_i))
+    assert doc["device"]["links_source"].endswith("a test") and doc["device"]["compute_ranks"] == 4
+    assert main(argv) == 0  # the table's lavapipe: 8 ranks a node, so the same 4 ranks talk inside one
+    assert json.loads(capsys.readouterr().out)["plans"][0]["links"]["dp"] == "intra"
+    links.write_text(json.dumps({"per_node": 2, "intra": {"alpha_s": 4e-5}, "inter": {"alpha_s": 1, "bytes_per_s": 1}}))
+    assert main([*argv, "--calibrate", str(links)]) == 2
+    err = capsys.readouterr().err
+    assert "intra.bytes_per_s must be a positive number" in err and err.count("\n") == 1
+
+
 # ---------------------------------------------------------------------------- a measured run
 
 

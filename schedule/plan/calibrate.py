@@ -1,4 +1,5 @@
-"""The plan beside a real helios-train run: ``helios-plan --model tiny --gpu lavapipe --run-db RUN_DIR``.
+"""The plan beside a real helios-train run: ``helios-plan --model tiny --gpu lavapipe --run-db RUN_DIR``,
+and measured links in place of the device table's: ``--calibrate LINKS_JSON``.
 
 Reads ``RUN_DIR/run.db`` (helios.profile.rundb): the run's model and batch (its
 ``config_json``), the median step wall time and tokens/s after the first two steps (the
@@ -8,12 +9,27 @@ made for exactly that run (same shape, batch, data-parallel degree and ZeRO stag
 materialized attention as helios-train computes it today), and both are printed with their
 ratio.  Where the run profiled kernels (``--profile-steps``), the matmul rate it reached is
 printed beside the table's rate.
+
+``--calibrate LINKS_JSON`` (bench/multihost.py writes one per cluster it measures) replaces the
+device's links by measured α-β per level, as the planner's ring formulas use them::
+
+    {"per_node": 2, "compute_ranks": 4,
+     "intra": {"alpha_s": 4.1e-05, "bytes_per_s": 2.3e9},
+     "inter": {"alpha_s": 2.2e-04, "bytes_per_s": 1.2e8},
+     "source": "bench/multihost.py ..."}
+
+``per_node``: ranks per host; ``intra``/``inter``: the α (seconds per message) and bandwidth
+(bytes/s, per rank and direction) fitted to all-reduces inside a host and between hosts
+(efficiency included: the planner applies none on top); ``compute_ranks`` (optional, CPU
+devices): the ranks that share the machine's cores, when the hosts are namespaces of one machine.
 """
 
 from __future__ import annotations
 
 import json
 import statistics
+
+from dataclasses import replace
 
 from .hardware import Device
 from .layout import Parallel, Settings
@@ -22,6 +38,38 @@ from .model import ModelShape, PlanError
 from .timing import step_time
 
 WARMUP_STEPS = 2
+
+
+def _positive(doc: dict, path: str, *keys: str) -> float:
+    v = doc
+    for k in keys:
+        v = v.get(k) if isinstance(v, dict) else None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+        raise PlanError(f"--calibrate {path}: {'.'.join(keys)} must be a positive number, got {v!r}")
+    return float(v)
+
+
+def with_measured_links(dev: Device, path: str) -> Device:
+    """``dev`` with the links (and ranks per node) measured in ``path`` (see the module docstring)."""
+    with open(path) as f:
+        try:
+            doc = json.load(f)
+        except ValueError as e:
+            raise PlanError(f"--calibrate {path}: not JSON ({e})") from None
+    if not isinstance(doc, dict):
+        raise PlanError(f"--calibrate {path}: expected a JSON object with per_node, intra and inter")
+    per_node = _positive(doc, path, "per_node")
+    shared = doc.get("compute_ranks")
+    if shared is not None:
+        shared = _positive(doc, path, "compute_ranks")
+    if per_node != int(per_node) or (shared is not None and shared != int(shared)):
+        raise PlanError(f"--calibrate {path}: per_node and compute_ranks must be whole numbers")
+    return replace(dev, per_node=int(per_node), compute_ranks=int(shared or 0), link_efficiency=1.0,
+                   intra_alpha=_positive(doc, path, "intra", "alpha_s"),
+                   intra_bw=_positive(doc, path, "intra", "bytes_per_s"),
+                   inter_alpha=_positive(doc, path, "inter", "alpha_s"),
+                   inter_bw=_positive(doc, path, "inter", "bytes_per_s"),
+                   sources={**dev.sources, "links": f"measured, {path}" + (f": {doc['source']}" if doc.get("source") else "")})
 
 
 def calibrate(run_dir: str, dev: Device, dtype: str = "fp32") -> dict:

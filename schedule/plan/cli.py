@@ -2,6 +2,7 @@
 
     helios-plan --params 1e12 --tokens 2e13 --gpu h100-sxm --gpus 4096 --seq 8192
     helios-plan --model tiny --gpu lavapipe --gpus 1 [--run-db RUN_DIR]
+    helios-plan --model tiny --gpu lavapipe --gpus 4 --calibrate links.json --run-db RUN_DIR
     helios-plan --params 7e9 --gpu h100-sxm --gpus 64 --show 10 --html plan.html
     helios-plan --check "1e12 params, 400 H100, 17 s/step, 8.4e6 tokens/step"
     helios-plan --validate
@@ -93,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--html", metavar="PATH", help="also write a self-contained HTML page with the charts")
     o.add_argument("--check", metavar="TEXT", help="check claims: \"1e12 params, 400 H100, 17 s/step, 8.4e6 tokens/step\"")
     o.add_argument("--run-db", metavar="RUN_DIR", help="compare the plan with a helios-train run (its --out folder)")
+    o.add_argument("--calibrate", metavar="LINKS_JSON", help="measured alpha-beta per level (in a host, between "
+                   "hosts) and ranks per host in place of the device's links (bench/multihost.py writes one)")
     o.add_argument("--validate", action="store_true", help="the model against published runs (Megatron-LM, ZeRO)")
     o.add_argument("--list-gpus", action="store_true", help="the hardware table")
     return p
@@ -104,6 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
 def resolve(args: argparse.Namespace) -> tuple[ModelShape, Settings, Device, int, str, dict]:
     """(shape, settings, device, gpus, dtype, fixed degrees) from the flags, or PlanError."""
     dev = get_device(args.gpu)
+    if args.calibrate:
+        from .calibrate import with_measured_links
+
+        dev = with_measured_links(dev, args.calibrate)
     cpu = dev.key == "lavapipe"
     dtype = args.dtype or ("fp32" if cpu else "bf16")
     dev.peak_for(dtype)
@@ -193,9 +200,10 @@ def header(shape: ModelShape, st: Settings, dev: Device, gpus: int, dtype: str, 
         f"budget {_g(st.tokens)} tokens",
         f"hardware: {gpus} x {dev.label(dtype)}; GEMMs at {100 * dev.achievable:.1f} % of peak "
         f"({dev.achievable_source})",
-        f"  links per device each way: {dev.intra_bw / 1e9:.0f} GB/s in a node of {dev.per_node}, "
-        f"{dev.inter_bw / 1e9:.0f} GB/s between nodes, x{dev.link_efficiency:.2f} efficiency; "
+        f"  links per device each way: {dev.intra_bw / 1e9:.3g} GB/s in a node of {dev.per_node}, "
+        f"{dev.inter_bw / 1e9:.3g} GB/s between nodes, x{dev.link_efficiency:.2f} efficiency; "
         f"{dtype}, attention {st.attention}, overlap {'on' if st.overlap else 'off'}",
+        *([f"  links: {dev.sources['links']}"] if "links" in dev.sources else []),
         f"searched {res.evaluated:,} legal layouts: {len(res.plans):,} fit in {dev.memory / 1e9:.0f} GB, "
         f"{res.rejected.get('memory', 0):,} do not",
     ]
@@ -214,7 +222,9 @@ def plan_json(shape, st, dev, gpus, dtype, res, show) -> dict:
     return {"model": shape.to_dict(), "settings": st.to_dict(), "device": {
         "key": dev.key, "name": dev.name, "peak_flops": dev.peak_for(dtype), "dtype": dtype, "memory": dev.memory,
         "hbm_bw": dev.hbm_bw, "intra_bw": dev.intra_bw, "inter_bw": dev.inter_bw, "per_node": dev.per_node,
-        "achievable": dev.achievable, "achievable_source": dev.achievable_source}, "gpus": gpus,
+        "achievable": dev.achievable, "achievable_source": dev.achievable_source, "intra_alpha": dev.intra_alpha,
+        "inter_alpha": dev.inter_alpha, "compute_ranks": dev.compute_ranks, "links_source": dev.sources.get("links")},
+        "gpus": gpus,
         "evaluated": res.evaluated, "fitting": len(res.plans), "rejected": dict(res.rejected),
         "plans": [one(p) for p in res.plans[:show]]}
 

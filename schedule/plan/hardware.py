@@ -65,6 +65,7 @@ class Device:
     reserve: float = GPU_RESERVE
     link_efficiency: float = LINK_EFFICIENCY
     shared_host: bool = False  # devices of a node share one compute engine (CPU devices)
+    compute_ranks: int = 0  # with shared_host: ranks sharing that engine (0: a node's); fake hosts on one machine share it
     sources: dict = field(default_factory=dict)
 
     def peak_for(self, dtype: str) -> float:

@@ -128,7 +128,7 @@ def step_time(shape: ModelShape, par: Parallel, st: Settings, dev: Device, dtype
     """Modelled seconds of one optimizer step of ``par`` (see the module docstring)."""
     peak = dev.peak_for(dtype)
     m = max(1, par.micro_batches(st.global_batch))
-    ranks_here = min(par.gpus, dev.per_node) if dev.shared_host else 1
+    ranks_here = min(par.gpus, dev.compute_ranks or dev.per_node) if dev.shared_host else 1
     rate = dev.achievable * peak / ranks_here
     hbm = dev.hbm_bw / ranks_here
     t, cp, b = par.tp, par.cp, par.mb

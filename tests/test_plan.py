@@ -323,6 +323,23 @@ def test_measured_links_replace_the_device_table(tmp_path, capsys) -> None:
     assert "intra.bytes_per_s must be a positive number" in err and err.count("\n") == 1
 
 
+def test_run_db_of_a_data_parallel_run_plans_its_global_batch(monkeypatch) -> None:
+    """helios-train's --batch-size is the global batch: a 4-rank run of 32 sequences is planned as 32
+    sequences a step, 8 a rank (not 32 a rank)."""
+    from helios.profile import rundb
+    from helios.schedule.plan.calibrate import calibrate
+
+    cfg = {"config": {"n_layer": 4, "n_embd": 128, "n_head": 4, "vocab_size": 256, "block_size": 64},
+           "train": {"batch_size": 32, "grad_accum": 1}, "world_size": 4}
+    steps = [{"wall_ns": 1e9, "tokens_per_s": 2048.0} for _ in range(5)]
+    monkeypatch.setattr(rundb, "read_run", lambda d: {"run": {"run_id": 1, "config_json": json.dumps(cfg)},
+                                                      "steps": steps})
+    c = calibrate("somewhere", get_device("lavapipe"))
+    assert c["parallel"]["dp"] == 4 and c["parallel"]["mb"] == 8
+    rows = {r["quantity"]: r for r in c["rows"]}
+    assert rows["tokens/s"]["planned"] * rows["step time (s)"]["planned"] == pytest.approx(32 * 64)
+
+
 # ---------------------------------------------------------------------------- a measured run
 
 

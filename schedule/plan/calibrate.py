@@ -96,9 +96,10 @@ def calibrate(run_dir: str, dev: Device, dtype: str = "fp32") -> dict:
     zero = int(cfg.get("zero") or 0)
     shape = ModelShape(int(mc["n_layer"]), int(mc["n_embd"]), int(mc["n_head"]), int(mc["vocab_size"]),
                        int(mc["block_size"]), name="run")
-    per_rank = int(tr["batch_size"]) * int(tr.get("grad_accum") or 1)
-    st = Settings(global_batch=per_rank * world, tokens=1.0, dtype=dtype, attention="materialized")
-    par = Parallel(dp=world, zero=zero, mb=int(tr["batch_size"]), recompute="none")
+    # helios-train's --batch-size is the global batch (every rank takes its slice of it)
+    batch = int(tr["batch_size"])
+    st = Settings(global_batch=batch * int(tr.get("grad_accum") or 1), tokens=1.0, dtype=dtype, attention="materialized")
+    par = Parallel(dp=world, zero=zero, mb=max(1, batch // world), recompute="none")
     t = step_time(shape, par, st, dev, dtype)
     mem = memory_per_rank(shape, par, st, dev)
     wall = statistics.median(s["wall_ns"] for s in steady) / 1e9

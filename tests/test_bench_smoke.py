@@ -16,6 +16,7 @@ import subprocess
 import sys
 
 import pytest
+from cluster_fixture import unavailable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "bench")
@@ -98,6 +99,22 @@ def _check_profile_overhead(lines):
     assert _has(row, "off_ms", "timers_ms", "full_ms", "timers_overhead_pct"), row
 
 
+def _check_multihost(lines):
+    rows = {}
+    for x in lines:
+        rows.setdefault(x["bench"], []).append(x)
+    (lv,) = rows["multihost_levels"]
+    assert all(_has(lv[k], "alpha_us", "GBps") for k in ("intra", "inter")), lv
+    (ar,) = rows["multihost_all_reduce"]
+    for side in ("hierarchical", "ring", "gloo"):  # Helios both ways and the peer, bytes from both hosts' links
+        assert ar[side]["time_ms"] > 0 and len(ar[side]["host_tx_over_S"]) == 2, ar
+    (tr,) = rows["multihost_train"]
+    assert _has(tr, "one_host_2_ranks_tok_s", "two_hosts_2_ranks_tok_s", "scaling"), tr
+    assert all(_has(tr[k], "step_ms_planned", "step_ms_measured") for k in ("plan_one_host", "plan_two_hosts")), tr
+    (ld,) = rows["multihost_linkdown"]
+    assert ld["trials"] == 1 and _has(ld, "all_ranks_commerror", "hangs", "all_within_timeout_of_op"), ld
+
+
 def _check_ring_attention(lines):
     rows = {x["impl"]: x for x in lines}
     assert set(rows) == {"ring", "single", "torch", "summary"}, rows
@@ -131,6 +148,8 @@ def _check_store_attack(lines):
 
 
 VK, MP = pytest.mark.vulkan, pytest.mark.multiproc
+_NO_CLUSTER = unavailable()
+CLUSTER = pytest.mark.skipif(_NO_CLUSTER is not None, reason=f"no fake cluster here: {_NO_CLUSTER}")
 # script: (its check, whether its peer is PyTorch, whether it runs several ranks, pytest marks)
 BENCHES = {
     "attention.py": (_check_attention, True, False, [VK]),
@@ -142,6 +161,7 @@ BENCHES = {
     "generate.py": (_check_generate, True, False, [VK]),  # peer: transformers' generate on PyTorch CPU
     "matmul.py": (_check_matmul, False, False, [VK]),  # peer: numpy
     "model_parallel.py": (_check_model_parallel, True, True, [VK, MP]),
+    "multihost.py": (_check_multihost, True, True, [VK, MP, CLUSTER]),  # namespace hosts: root and ip netns
     "profile_overhead.py": (_check_profile_overhead, False, False, [VK]),  # peer: profiling off
     "ring_attention.py": (_check_ring_attention, True, True, [VK, MP]),
     "store_attack.py": (_check_store_attack, False, True, [MP]),  # peer: the same job's quiet windows

@@ -36,7 +36,7 @@ this file run with ``--worker MODE``.  All figures are JSON lines:
   down; counted: trials where every rank raised CommError within the timeout of the failed
   operation's start, and of the link going down, trials where every message named the other
   host, and hangs (a rank still running 4 x the timeout + 10 s after the link went down:
-  killed).
+  killed); ``misses`` lists every rank that missed one of these, with its message.
 
 ``--smoke`` (tests/test_bench_smoke.py): 2 hosts x 2 ranks unshaped, 4 KiB, one round of one
 call a side; a nano helios-train of 4 steps on each layout with the plan; one link-down trial
@@ -430,7 +430,7 @@ def _one_trial(timeout: float, rate: str | None) -> dict:
         ranks.append({"rank": r, "hung": code is None, "commerror": e is not None,
                       "after_op_s": round(e["t"] - e["t_op"], 3) if e else None,
                       "after_down_s": round(e["t"] - t_down, 3) if e else None,
-                      "names_other_host": bool(e) and where[1 - r // 2] in e["msg"]})
+                      "names_other_host": bool(e) and where[1 - r // 2] in e["msg"], "msg": e["msg"] if e else None})
     return {"ranks": ranks}
 
 
@@ -448,7 +448,11 @@ def linkdown(trials: int, timeout: float, rate: str | None) -> dict:
             "hangs": sum(any(x["hung"] for x in r["ranks"]) for r in runs),
             "max_after_op_s": max(times("after_op_s"), default=None),
             "max_after_down_s": max(times("after_down_s"), default=None),
-            "median_after_down_s": statistics.median(times("after_down_s")) if times("after_down_s") else None}
+            "median_after_down_s": statistics.median(times("after_down_s")) if times("after_down_s") else None,
+            # every rank that missed something: late, silent, hung, or not naming the other host
+            "misses": [{"trial": i, **{k: v for k, v in x.items() if k != "msg"}, "msg": (x["msg"] or "")[:400]}
+                       for i, run in enumerate(runs) for x in run["ranks"]
+                       if x["hung"] or not x["names_other_host"] or not (x["after_op_s"] or 1e9) <= timeout]}
 
 
 # ==================================================================================== main

@@ -164,20 +164,25 @@ def test_a_link_taken_down_mid_collective_fails_every_rank_naming_the_other_host
             if p.poll() is None:
                 p.kill()
             p.wait()
+    first = {}
     for r, (o, e) in enumerate(outs):
         assert procs[r].returncode == 0, e[-2000:]
         err = [json.loads(line[4:]) for line in o.splitlines() if line.startswith("ERR ")]
         assert err, f"rank {r} raised no CommError:\n{o[-1000:]}\n{e[-2000:]}"
-        other = c.hosts[1 - r // 2]
-        msg = err[0]["msg"]
+        first[r] = err[0]
         print(f"rank {r}: CommError {err[0]['t'] - t_down:.2f} s after the link went down "
               f"({err[0]['t'] - t_before:.2f} s after the command started, {err[0]['t'] - err[0]['t_op']:.2f} s "
-              f"after the failed all_reduce started): {msg}")
+              f"after the failed all_reduce started): {err[0]['msg']}")
+    for r, err in first.items():
+        other, msg = c.hosts[1 - r // 2], err["msg"]
+        assert f"{names[1 - r // 2]} ({other.addr})" in msg, msg  # the host it can no longer reach
         # Within the timeout of the failed operation (a little later than the link, whose last
-        # bytes may still complete an operation after the command).
-        assert err[0]["t"] - err[0]["t_op"] <= timeout + 0.1, msg
-        assert err[0]["t"] - t_down <= timeout + 0.3, msg
-        assert f"on host {names[1 - r // 2]} ({other.addr})" in msg, msg
+        # bytes may still complete an operation after the command).  A rank whose host-mate
+        # raised first and left sees that rank go, its error passing on the host the mate lost,
+        # as the mate leaves: up to 0.13 s past the timeout in 40 trials of bench/multihost.py.
+        late = 0.5 if "is dead" in msg else 0.1
+        assert err["t"] - err["t_op"] <= timeout + late, msg
+        assert err["t"] - t_down <= timeout + 0.2 + late, msg
     for h in c.hosts:
         assert "helios-" not in h.run(["ls", "/dev/shm"]).stdout
 

@@ -21,6 +21,7 @@ import pytest
 HERE = os.path.abspath(__file__)
 sys.path.insert(0, os.path.dirname(HERE))
 from cluster_fixture import clusters  # noqa: E402
+from ranks import finish  # noqa: E402
 
 from helios.comm.launcher import free_port  # noqa: E402
 
@@ -84,22 +85,7 @@ def _start(argvs: list[list[str]], env: dict, hosts=None) -> list[subprocess.Pop
 
 def _nodes(argvs: list[list[str]], env: dict, hosts=None, timeout: float = 60) -> list[tuple[int, str, str]]:
     """Run one helios-run per node (see ``_start``); (exit code, stdout, stderr) of each."""
-    return _finish(_start(argvs, env, hosts), timeout)
-
-
-def _finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str, str]]:
-    out = []
-    deadline = time.monotonic() + timeout
-    try:
-        for p in procs:
-            o, e = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            out.append((p.returncode, o, e))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return out
+    return finish(_start(argvs, env, hosts), timeout)
 
 
 def _results(stdout: str) -> list[dict]:
@@ -246,7 +232,7 @@ def test_a_node_whose_ranks_all_die_restarts_the_job_on_every_node_from_the_chec
         assert None not in victims, victims
         for pid in victims:
             os.kill(pid, signal.SIGKILL)
-        runs = _finish(procs, timeout=300)
+        runs = finish(procs, timeout=300)
     finally:
         for p in procs:
             if p.poll() is None:

@@ -439,6 +439,15 @@ def output_layer_input(x: Tensor, group, sequence_parallel: bool) -> Tensor:
     return copy_to_tp(x, group)
 
 
+def _index_tensors(idx, targets):
+    """Token ids and targets (arrays or lists) as int64 Tensors; Tensors and None pass through."""
+    if not isinstance(idx, Tensor):
+        idx = tensor(np.asarray(idx, np.int64), dtype=dt.int64)
+    if targets is not None and not isinstance(targets, Tensor):
+        targets = tensor(np.asarray(targets, np.int64), dtype=dt.int64)
+    return idx, targets
+
+
 class TensorParallelGPT(Module):
     """``gpt`` split over ``group`` (see the module docstring): ``model(idx, targets) ->
     (this rank's vocabulary slice of the logits, the whole model's mean loss)``.
@@ -474,10 +483,7 @@ class TensorParallelGPT(Module):
         return np.concatenate(list(every), axis=-1)
 
     def forward(self, idx, targets=None):
-        if not isinstance(idx, Tensor):
-            idx = tensor(np.asarray(idx, np.int64), dtype=dt.int64)
-        if targets is not None and not isinstance(targets, Tensor):
-            targets = tensor(np.asarray(targets, np.int64), dtype=dt.int64)
+        idx, targets = _index_tensors(idx, targets)
         b, t = idx.shape
         if t > self.config.block_size:
             raise ValueError(f"sequence length {t} exceeds block_size {self.config.block_size}")
@@ -663,10 +669,7 @@ class TensorParallelLlama(Module):
     full_logits = TensorParallelGPT.full_logits
 
     def forward(self, idx, targets=None):
-        if not isinstance(idx, Tensor):
-            idx = tensor(np.asarray(idx, np.int64), dtype=dt.int64)
-        if targets is not None and not isinstance(targets, Tensor):
-            targets = tensor(np.asarray(targets, np.int64), dtype=dt.int64)
+        idx, targets = _index_tensors(idx, targets)
         b, t = idx.shape
         cos, sin = self.rotary(t)
         x = self.model.embed_tokens(idx)

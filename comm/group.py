@@ -313,6 +313,8 @@ class ProcessGroup:
             self.broken = reason
             if fault is None:
                 fault = Fault(self.rank, f"gave up after its own failure ({reason[:200]})", self.rank)
+            if self.hier is not None:  # the world across hosts: host-mates may wait on us in a level.
+                self.hier.tell_host_mates(self, reason, fault)  # first: the frames below may take a while
             if frames and self.t.abort_frames:
                 try:
                     self.engine.send_abort(fault)

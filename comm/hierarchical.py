@@ -154,14 +154,22 @@ class Hierarchy:
         try:
             self.inter.run_op(name, nbytes, fn, name, deadline=self.deadline)
         except CommError as e:
-            # The host's other ranks may be waiting for this one in the intra-host level (their
-            # own exchange done): tell them which peer across hosts was lost, not just that we left.
-            f, peers = self.inter.engine.fault, self.inter.engine.peers
-            lost = (f"rank {f.culprit} of group {self.inter.name} {peers[f.culprit]}"
-                    if f is not None and 0 <= f.culprit < len(peers) and f.culprit != self.inter.rank else str(e)[:300])
-            self.intra.poison(f"{name}: {str(e)[:300]}",
-                              Fault(self.intra.rank, f"gave up on the exchange between hosts ({lost})", self.intra.rank))
+            self.tell_host_mates(self.inter, f"{name}: {str(e)[:300]}", self.inter.engine.fault)
             raise
+
+    def tell_host_mates(self, failed: ProcessGroup, reason: str, fault: Fault | None) -> None:
+        """Poison the intra-host level after ``failed`` (the world or the level between hosts) failed.
+
+        The host's other ranks may be waiting for this one in the intra-host level (a collective
+        this rank has not reached, or the next one): they learn which peer on another host was
+        lost, at once, instead of finding this rank gone and blaming it.
+        """
+        peers = failed.engine.peers
+        lost = (f"rank {fault.culprit} of group {failed.name} {peers[fault.culprit]}"
+                if fault is not None and 0 <= fault.culprit < len(peers) and fault.culprit != failed.rank
+                else reason[:300])
+        self.intra.poison(reason, Fault(self.intra.rank, f"gave up on an operation between hosts ({lost})",
+                                        self.intra.rank))
 
     def all_reduce(self, buf: np.ndarray, op: str, dtype: str, alg: str) -> None:
         """In-place all-reduce of the flat ``buf`` over every host."""

@@ -137,6 +137,31 @@ def rank_bytes() -> None:
     dist.destroy_process_group()
 
 
+def rank_mate() -> None:
+    """Rank 2 gives up on the world, blaming rank 1 (host 0), while its host-mate rank 3 waits
+    for it in a hierarchical all_reduce's intra-host level: rank 3 must hear which host was lost."""
+    import helios.comm as dist
+    from helios.comm import api
+    from helios.comm.engine import Fault
+    from helios.errors import CommError
+
+    dist.init_process_group(timeout=30)
+    r = dist.get_rank()
+    dist.barrier()
+    if r == 2:
+        time.sleep(0.5)  # rank 3 is waiting in the intra-host reduce-scatter by now
+        api._group(None).poison("test", Fault(1, "stopped responding (declared by the test)", 2))
+        time.sleep(3)  # alive while rank 3 reads the notice: it must not learn of it by our exit
+    elif r == 3:
+        t0 = time.monotonic()
+        try:
+            dist.all_reduce(np.ones(1 << 16, np.float32), algorithm="hierarchical")
+            _emit(rank=r, msg=None, s=time.monotonic() - t0)
+        except CommError as e:
+            _emit(rank=r, msg=str(e), s=time.monotonic() - t0)
+    os._exit(0)  # no destroy: the world is poisoned on purpose
+
+
 # ============================================================================== test side
 def _launch(hosts, nproc: int, mode: str, extra_env: dict | None = None, timeout: float = 120) -> dict[int, dict]:
     """Start ``nproc`` ranks of ``mode`` on each of ``hosts`` (helios-run per host); return each rank's RESULT."""
@@ -211,6 +236,15 @@ def test_hierarchical_collectives_exact_over_two_hosts(fake_cluster):
         assert x["measured"]
     print("alpha, beta measured (intra, inter):", res[0]["ab"])
     assert len({json.dumps(x["ab"]) for x in res.values()}) == 1  # every rank has rank 0's figures
+
+
+def test_a_rank_giving_up_on_the_world_tells_its_host_mate_which_host_was_lost(fake_cluster):
+    c = fake_cluster(2)
+    names = [h.run(["hostname"]).stdout.strip() for h in c.hosts]
+    x = _launch(c.hosts, 2, "mate")[3]
+    assert x["msg"] is not None, "the all_reduce succeeded with a poisoned host-mate"
+    assert f"{names[0]} ({c.hosts[0].addr})" in x["msg"] and "is dead" not in x["msg"], x["msg"]
+    assert x["s"] < 3, f"rank 3 waited {x['s']:.1f} s: it timed out instead of hearing from its mate"
 
 
 def test_hierarchical_floats_are_deterministic(fake_cluster):

@@ -146,3 +146,18 @@ def check_ok(results: list[RankResult]) -> None:
     if bad:
         text = "\n".join(f"--- rank {r.rank} exit {r.code}\n{r.out[-3000:]}\n{r.err[-3000:]}" for r in results)
         raise AssertionError(f"ranks {[r.rank for r in bad]} failed:\n{text}")
+
+
+def shm_job() -> dict[str, str]:
+    """Environment naming a job's shared-memory segments with a prefix of its own: ``shm_left(env)``
+    then finds what the job left behind, whatever else runs on the machine (tests in parallel)."""
+    return {"HELIOS_SHM_PREFIX": secrets.token_hex(4)}
+
+
+def shm_left(job: dict[str, str] | str) -> list[str]:
+    """The segments in /dev/shm of the job started with ``job`` (``shm_job()``'s env, or its prefix)."""
+    from helios.comm import shm
+
+    prefix = job if isinstance(job, str) else job["HELIOS_SHM_PREFIX"]
+    start = f"helios-{os.getuid()}-{prefix}"
+    return sorted(n for n in os.listdir(shm.SHM_DIR) if n.startswith(start))

@@ -26,7 +26,7 @@ import pytest
 from helios.comm.launcher import free_port
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ranks import finish, sigterm_launcher_when_ready  # noqa: E402
+from ranks import finish, shm_job, shm_left, sigterm_launcher_when_ready  # noqa: E402
 
 HERE = os.path.abspath(__file__)
 PY = sys.executable
@@ -85,10 +85,6 @@ def rank_relay() -> None:
 
 
 # ================================================================================ test side
-def _segments() -> set[str]:
-    return {f for f in os.listdir("/dev/shm") if f.startswith(f"helios-{os.getuid()}-")}
-
-
 def _spawn(n: int, env: dict[str, str], mode: str = "loop") -> list[subprocess.Popen]:
     port = free_port("127.0.0.1")
     procs = []
@@ -103,8 +99,8 @@ def _spawn(n: int, env: dict[str, str], mode: str = "loop") -> list[subprocess.P
 
 
 def _kill_one(backend: str, victim: int, n: int = 3, timeout: float = 3.0) -> list[dict]:
-    before = _segments()
-    procs = _spawn(n, {"TEST_BACKEND": backend, "TEST_TIMEOUT": str(timeout)})
+    job = shm_job()
+    procs = _spawn(n, {"TEST_BACKEND": backend, "TEST_TIMEOUT": str(timeout), **job})
     try:
         for p in procs:
             line = p.stdout.readline()
@@ -133,7 +129,7 @@ def _kill_one(backend: str, victim: int, n: int = 3, timeout: float = 3.0) -> li
         info = json.loads(m.group(1))
         info["elapsed"] = info["t"] - t_kill
         infos.append(info)
-    assert _segments() == before, "shared-memory segments left behind"
+    assert not shm_left(job), f"shared-memory segments left behind: {shm_left(job)}"
     return infos
 
 
@@ -167,7 +163,8 @@ from helios.comm import shm
 how = sys.argv[1]
 attempt = int(os.environ["HELIOS_RESTART_COUNT"])
 rank = int(os.environ["RANK"])
-print("attempt", attempt, "port", os.environ["MASTER_PORT"], "of", os.environ["HELIOS_MAX_RESTARTS"], flush=True)
+print("attempt", attempt, "port", os.environ["MASTER_PORT"], "of", os.environ["HELIOS_MAX_RESTARTS"],
+      "shm", os.environ["HELIOS_SHM_PREFIX"], flush=True)
 doomed = attempt == 0 and rank == 1
 if doomed:
     child = subprocess.Popen(["sleep", "120"])  # must not outlive the job
@@ -215,20 +212,22 @@ def _run_launcher(tmp_path, how: str, restarts: int, n: int = 3) -> tuple[subpro
     return p, time.monotonic() - t0
 
 
-def _no_leftovers(out: str, before: set[str]) -> None:
+def _no_leftovers(out: str) -> None:
     for pid in map(int, re.findall(r"\[rank 1\] child (\d+)", out)):
         deadline = time.monotonic() + 5
         while _alive(pid) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not _alive(pid), f"process {pid}, started by a failed rank, outlived the job"
-    assert _segments() == before, f"shared-memory segments left behind: {_segments() - before}"
+    prefixes = re.findall(r"\] attempt \d+ port \d+ of \d+ shm (\w+)", out)
+    assert prefixes, out
+    left = [n for prefix in prefixes for n in shm_left(prefix)]
+    assert not left, f"shared-memory segments left behind: {left}"
 
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("how,died", [("kill", "was killed by SIGKILL"), ("exit", "exited with code 7"),
                                       ("setup", "was killed by SIGKILL")])
 def test_launcher_restarts_the_job_after_a_rank_fails(tmp_path, how, died):
-    before = _segments()
     p, took = _run_launcher(tmp_path, how, restarts=2)
     out, err = p.stdout, p.stderr
     assert p.returncode == 0, (out, err)
@@ -241,18 +240,17 @@ def test_launcher_restarts_the_job_after_a_rank_fails(tmp_path, how, died):
     assert len(ports) == 2, f"a restart on one host takes a fresh MASTER_PORT: {ports}"
     assert "attempt 2" not in out
     assert took < 45
-    _no_leftovers(out, before)
+    _no_leftovers(out)
 
 
 @pytest.mark.multiproc
 def test_launcher_without_restarts_exits_naming_the_rank(tmp_path):
-    before = _segments()
     p, _ = _run_launcher(tmp_path, "kill", restarts=0)
     assert p.returncode == 128 + signal.SIGKILL, (p.stdout, p.stderr)
     assert re.search(r"helios-run: rank 1 \(pid \d+\) was killed by SIGKILL; stopped the other ranks", p.stderr), \
         p.stderr
     assert "restarting" not in p.stderr and "attempt 1" not in p.stdout
-    _no_leftovers(p.stdout, before)
+    _no_leftovers(p.stdout)
 
 
 @pytest.mark.multiproc
@@ -283,8 +281,8 @@ def test_launcher_sigterm_never_restarts(tmp_path):
 @pytest.mark.parametrize("backend,alg", [("tcp", "auto"), ("shm", "auto"), ("shm", "ring")])
 def test_abort_relays_the_culprit(backend, alg):
     """An abort names the rank at fault, not the aborting rank: even that rank itself hears it."""
-    before = _segments()
-    procs = _spawn(3, {"TEST_BACKEND": backend, "TEST_TIMEOUT": "10", "TEST_ALG": alg}, mode="relay")
+    job = shm_job()
+    procs = _spawn(3, {"TEST_BACKEND": backend, "TEST_TIMEOUT": "10", "TEST_ALG": alg, **job}, mode="relay")
     res = finish(procs, 40)
     for r, (rc, o, e) in enumerate(res):
         assert rc == 0 and "ERR" in o, f"rank {r}: {o}\n{e[-2000:]}"
@@ -292,7 +290,7 @@ def test_abort_relays_the_culprit(backend, alg):
             continue
         msg = json.loads(re.search(r"ERR (.*)", o).group(1))["msg"]
         assert f"failed on rank {r}: rank 1 was declared lost by the test (reported by rank 2)" in msg, msg
-    assert _segments() == before, "shared-memory segments left behind"
+    assert not shm_left(job), f"shared-memory segments left behind: {shm_left(job)}"
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import pytest
 from helios.comm.launcher import free_port
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ranks import finish, sigterm_launcher_when_ready  # noqa: E402
+from ranks import finish, shm_job, shm_left, sigterm_launcher_when_ready  # noqa: E402
 
 HERE = os.path.abspath(__file__)
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -293,10 +293,6 @@ def rank_debug() -> None:
 
 
 # ================================================================================ test side
-def _segments() -> set[str]:
-    return {f for f in os.listdir("/dev/shm") if f.startswith(f"helios-{os.getuid()}-")}
-
-
 def _spawn(n: int, mode: str, env: dict[str, str], prefix: list[str] | None = None,
            addr: str = "127.0.0.1") -> list[subprocess.Popen]:
     port = free_port("127.0.0.1")
@@ -314,11 +310,11 @@ def _spawn(n: int, mode: str, env: dict[str, str], prefix: list[str] | None = No
 
 
 def _run_matrix(backend: str, n: int, full: bool, timeout: float = 150) -> int:
-    before = _segments()
-    res = finish(_spawn(n, "matrix_full" if full else "matrix", {"TEST_BACKEND": backend}), timeout)
+    job = shm_job()
+    res = finish(_spawn(n, "matrix_full" if full else "matrix", {"TEST_BACKEND": backend, **job}), timeout)
     for rc, o, e in res:
         assert rc == 0 and "OK" in o, f"rank failed (rc={rc}):\n{o}\n{e[-3000:]}"
-    assert _segments() == before, "shared-memory segments left behind"
+    assert not shm_left(job), f"shared-memory segments left behind: {shm_left(job)}"
     return int(re.search(r"OK (\d+)", res[0][1]).group(1))
 
 
@@ -338,8 +334,8 @@ def test_collectives_exact_world_sizes(backend, n):
 
 
 def _fault(backend: str, sig: int, n: int = 3, timeout: float = 2.0) -> None:
-    before = _segments()
-    procs = _spawn(n, "fault", {"TEST_BACKEND": backend, "TEST_TIMEOUT": str(timeout),
+    job = shm_job()
+    procs = _spawn(n, "fault", {"TEST_BACKEND": backend, "TEST_TIMEOUT": str(timeout), **job,
                                 "HELIOS_COMM_SEGMENT_BYTES": str(1 << 20), "HELIOS_SHM_SLOT_BYTES": str(1 << 20),
                                 "HELIOS_SHM_RING_BYTES": str(1 << 20)})
     victim = n - 1
@@ -367,7 +363,7 @@ def _fault(backend: str, sig: int, n: int = 3, timeout: float = 2.0) -> None:
             # Whoever noticed first names the dead rank; the others learn it from an abort.
             assert f"rank {victim}" in msg or "abort" in msg or "closed" in msg, msg
         assert "unusable" in info["again"], info["again"]
-    assert _segments() == before, "shared-memory segments left behind"
+    assert not shm_left(job), f"shared-memory segments left behind: {shm_left(job)}"
 
 
 @pytest.mark.multiproc

@@ -9,4 +9,7 @@ cd "$(dirname "$0")/.."
 # where the folder profile/ would shadow the standard library module of that name.
 # --durations=20: the 20 slowest tests, printed at the end of every run (CI's log too), so a test
 # that grows past its share of the 12-minute budget shows up where it is paid for.
-exec .venv/bin/pytest -q --durations=20 "$@"
+# -n 2 --dist loadgroup: two workers, one per core; the multi-rank tests run one at a time on one
+# of them (tests/conftest.py), the single-process tests spread over both.  `-n 0` after it: one
+# process (a debugger, or reading one test's output in order).
+exec .venv/bin/pytest -q --durations=20 -n 2 --dist loadgroup "$@"

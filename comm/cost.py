@@ -104,7 +104,10 @@ def choose(op: str, nbytes: int, n: int, transport: str, seg_bytes: int = 1 << 2
 #   hierarchical  2·(alpha_s + (L-1)/L·S·beta_s)                       (shm reduce-scatter, all-gather)
 #                 + best flat algorithm on h ranks for S/L bytes at (alpha_i, L·beta_i)
 #
-# (the L inter-host exchanges run at once over the one link, so each sees 1/L of it).
+# (the L inter-host exchanges run at once over the one link, so each sees 1/L of it).  A large
+# all_reduce goes in P pieces, pipelined (comm/hierarchical.py): the host's shared memory and
+# the link work at once, so its time is that of the busier of the two plus one piece of the
+# other (the first reduce-scatter before the link starts, the last all-gather after it ends).
 def estimate_flat_multihost(op: str, nbytes: int, n: int, inter: tuple[float, float],
                             seg_bytes: int = 1 << 20) -> tuple[str, float]:
     """(algorithm, seconds): the best flat algorithm over ``n`` ranks on links ``inter``."""
@@ -125,9 +128,29 @@ def estimate_hierarchical(op: str, nbytes: int, local: int, hosts: int, intra: t
     elif op in ("reduce_scatter", "all_gather"):
         inner /= 2
     a_i, b_i = inter
-    inter_op = "all_reduce" if op == "all_reduce" else op
-    alg, t = estimate_flat_multihost(inter_op, int(S / local), hosts, (a_i, local * b_i), seg_bytes)
-    return alg, inner + t
+    P = pieces(int(S), local) if op == "all_reduce" else 1
+    alg, t = estimate_flat_multihost(op, int(S / local / P), hosts, (a_i, local * b_i), seg_bytes)
+    if P == 1:
+        return alg, inner + t
+    inner = 2 * (a_s + (local - 1) / local * S / P * b_s)  # one piece's reduce-scatter and all-gather
+    return alg, P * max(inner, t) + min(inner, t)
+
+
+# A pipelined hierarchical all_reduce's pieces: at least PIECE_BYTES of each local rank's shard a
+# piece (smaller ones pay the levels' latencies more than the overlap gains), at most MAX_PIECES.
+# 64 MiB on 2 namespace hosts x 4 ranks at 1 Gbit/s (bench/multihost.py): 1, 4, 8, 16 pieces ran
+# 743, 638, 590, 575 ms.
+PIECE_BYTES = 512 << 10
+MAX_PIECES = 16
+
+
+def pieces(nbytes: int, local: int) -> int:
+    """How many pieces a hierarchical all_reduce of ``nbytes`` over hosts of ``local`` ranks pipelines
+    (``HELIOS_COMM_HIER_PIECES`` overrides; 1: the three levels one after another)."""
+    v = os.environ.get("HELIOS_COMM_HIER_PIECES", "").strip()
+    if v.isdigit() and int(v) >= 1:
+        return int(v)
+    return max(1, min(MAX_PIECES, nbytes // local // PIECE_BYTES))
 
 
 def choose_multihost(op: str, nbytes: int, local: int, hosts: int, intra: tuple[float, float],

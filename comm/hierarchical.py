@@ -11,7 +11,10 @@ world communicator gets two private communicators per rank:
 all_reduce of S bytes is intra-host reduce-scatter (local rank j holds chunk j, reduced over
 the host) -> all-reduce of the S/L-byte chunk over ``inter`` (ring, tree or
 halving-doubling, by the cost model) -> intra-host all-gather.  Each host sends 2(h-1)/h·S
-bytes over its link, where the flat ring over all L·h ranks sends 2(n-1)/n·S.
+bytes over its link, where the flat ring over all L·h ranks sends 2(n-1)/n·S.  A large
+all_reduce runs in pieces through the three levels at once (the link exchanges piece k on a
+thread while shared memory reduces piece k+1 and gathers piece k-1), so the link does not
+idle while the host's ranks reduce and gather.
 reduce_scatter and all_gather are the same two halves with the chunks packed so that local
 rank j's block holds the chunks of the ranks with local rank j; broadcast is an
 intra-host broadcast on the root's host, a broadcast of chunk j over ``inter`` j, and an
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from collections.abc import Callable
 
@@ -58,6 +62,56 @@ def wanted() -> str:
     if v in ("0", "never", "false", "no"):
         return "0"
     return "auto"
+
+
+def _pipelined(P: int, reduce_piece: Callable[[int], None], exchange_piece: Callable[[int], None],
+               gather_piece: Callable[[int], None]) -> None:
+    """Run P pieces through the three levels: this thread reduces pieces 0..P-1, then gathers
+    each once its exchange is done; a thread exchanges each once it is reduced.
+
+    Every rank of a host issues the intra-host operations in the same order, and every rank
+    of an inter-host group its exchanges, whatever the timing (the order never depends on
+    which piece is ready first).  A failure on either side ends both: the exchange thread
+    stops before its next piece, and this thread waits for it (bounded by the operation's
+    deadline) before raising the first error (an exchange's, when the host-mates then gave
+    up on this rank's intra-host level because of it)."""
+    reduced = [threading.Event() for _ in range(P)]
+    exchanged = [threading.Event() for _ in range(P)]
+    failed: list[BaseException] = []
+
+    def exchanges() -> None:
+        try:
+            for k in range(P):
+                reduced[k].wait()
+                if failed:
+                    return
+                exchange_piece(k)
+                exchanged[k].set()
+        except BaseException as e:  # noqa: BLE001 - handed to the calling thread below
+            failed.append(e)
+        finally:
+            for ev in exchanged:
+                ev.set()
+
+    t = threading.Thread(target=exchanges, name="helios-hier-exchange", daemon=True)
+    t.start()
+    try:
+        for k in range(P):
+            reduce_piece(k)
+            reduced[k].set()
+        for k in range(P):
+            exchanged[k].wait()
+            if failed:
+                break
+            gather_piece(k)
+    except BaseException as e:  # noqa: BLE001 - re-raised once the exchange thread is done
+        failed.append(e)  # after an exchange's error, if any: that one is the cause
+    finally:
+        for ev in reduced:
+            ev.set()
+        t.join()
+    if failed:
+        raise failed[0]
 
 
 class Hierarchy:
@@ -172,24 +226,43 @@ class Hierarchy:
                                         self.intra.rank))
 
     def all_reduce(self, buf: np.ndarray, op: str, dtype: str, alg: str) -> None:
-        """In-place all-reduce of the flat ``buf`` over every host."""
+        """In-place all-reduce of the flat ``buf`` over every host.
+
+        A large buffer goes in ``cost.pieces(...)`` pieces, pipelined: while the link carries piece
+        k's exchange (on a thread of its own), the host's shared memory reduces piece k+1 and
+        gathers piece k-1, so the link does not idle during the intra-host levels."""
         count = buf.size
         if count == 0:
             return
-        L = self.L
         red = "sum" if op == "avg" else op
-        q = -(-count // L)
+        P = cost.pieces(count * buf.itemsize, self.L)
+        q = -(-count // (P * self.L))  # elements of a local rank's shard of one piece
         x = buf
-        if q * L != count:
-            x = np.zeros(q * L, buf.dtype)
+        if q * P * self.L != count:
+            x = np.zeros(q * P * self.L, buf.dtype)
             x[:count] = buf
-        shard = np.empty(q, buf.dtype)
-        self._in("all_reduce:reduce_scatter", x.nbytes, lambda: self.intra.direct.reduce_scatter(shard, x, red, dtype))
-        self._across("all_reduce:inter", shard.nbytes, lambda c: INTER_RUN[alg](c, shard, red, dtype))
-        R.finish_avg(shard, self.n, op, dtype)
-        self._in("all_reduce:all_gather", x.nbytes, lambda: self.intra.direct.all_gather(x, shard))
+        segs = x.reshape(P, self.L * q)
+        shards = np.empty((P, q), buf.dtype)
+
+        def reduce_piece(k: int) -> None:
+            self._in("all_reduce:reduce_scatter", segs[k].nbytes,
+                     lambda: self.intra.direct.reduce_scatter(shards[k], segs[k], red, dtype))
+
+        def exchange_piece(k: int) -> None:
+            self._across("all_reduce:inter", shards[k].nbytes, lambda c: INTER_RUN[alg](c, shards[k], red, dtype))
+            R.finish_avg(shards[k], self.n, op, dtype)
+
+        def gather_piece(k: int) -> None:
+            self._in("all_reduce:all_gather", segs[k].nbytes, lambda: self.intra.direct.all_gather(segs[k], shards[k]))
+
+        if P == 1:
+            reduce_piece(0)
+            exchange_piece(0)
+            gather_piece(0)
+        else:
+            _pipelined(P, reduce_piece, exchange_piece, gather_piece)
         if x is not buf:
-            buf[:] = x[:count]
+            buf[:] = x.reshape(-1)[:count]
 
     def reduce_scatter(self, out: np.ndarray, x: np.ndarray, op: str, dtype: str, alg: str) -> None:
         """``out`` = chunk ``rank`` of ``x`` reduced over every rank (x: n chunks of out's size)."""

@@ -223,11 +223,14 @@ def test_containers_with_own_shm_but_one_hostname_are_two_hosts(fake_cluster):
         assert x["host_sum"] == sum(q + 1 for q in x["host_ranks"])
 
 
-def test_hierarchical_collectives_exact_over_two_hosts(fake_cluster):
+@pytest.mark.parametrize("pieces", ["", "3"], ids=["auto_pieces", "3_pieces"])
+def test_hierarchical_collectives_exact_over_two_hosts(fake_cluster, pieces):
     # A 1 Gbit/s link: slower than shared memory even with 4 ranks on 2 cores, so the model's
-    # choice for large messages, from the measured figures, is the hierarchical form.
+    # choice for large messages, from the measured figures, is the hierarchical form.  The
+    # largest all_reduce is pipelined in 2 pieces by default; "3" pipelines every size (one
+    # element, sizes that do not divide) through the pieces' padding.
     c = fake_cluster(2, rate="1gbit")
-    res = _launch(c.hosts, 2, "exact", timeout=240)
+    res = _launch(c.hosts, 2, "exact", {"HELIOS_COMM_HIER_PIECES": pieces} if pieces else None, timeout=240)
     assert sorted(res) == [0, 1, 2, 3]
     for r, x in res.items():
         assert x["hier"], x
@@ -249,7 +252,7 @@ def test_a_rank_giving_up_on_the_world_tells_its_host_mate_which_host_was_lost(f
 
 def test_hierarchical_floats_are_deterministic(fake_cluster):
     c = fake_cluster(2)
-    runs = [_launch(c.hosts, 2, "floats") for _ in range(2)]
+    runs = [_launch(c.hosts, 2, "floats", {"HELIOS_COMM_HIER_PIECES": "4"}) for _ in range(2)]  # pipelined
     digests = {x["digest"] for run in runs for x in run.values()}
     assert len(digests) == 1, digests
 

@@ -123,9 +123,11 @@ def test_torchrun_flags_and_launch_mistakes_across_nodes():
     assert code == 1 and e.count("\n") == 1 and "HELIOS_JOB_SECRET" in e, e
 
 
-def test_a_link_taken_down_mid_collective_fails_every_rank_naming_the_other_host(fake_cluster):
+@pytest.mark.parametrize("pieces", ["1", "4"], ids=["levels_in_turn", "pipelined"])
+def test_a_link_taken_down_mid_collective_fails_every_rank_naming_the_other_host(fake_cluster, pieces):
     """2 hosts x 2 ranks all-reducing; host 1's link goes down: every rank raises CommError within
-    the timeout, naming the host (and address) it can no longer reach."""
+    the timeout, naming the host (and address) it can no longer reach (the hierarchical calls'
+    levels one after another, or pipelined, the exchange on a thread of its own)."""
     timeout = 3.0
     c = fake_cluster(2, rate="1gbit")
     names = [h.run(["hostname"]).stdout.strip() for h in c.hosts]
@@ -133,7 +135,8 @@ def test_a_link_taken_down_mid_collective_fails_every_rank_naming_the_other_host
     procs = []
     for r in range(4):
         env = _env(RANK=str(r), WORLD_SIZE="4", LOCAL_RANK=str(r % 2), MASTER_ADDR=c.hosts[0].addr,
-                   MASTER_PORT=str(port), HELIOS_JOB_ID="linkdown", TEST_TIMEOUT=str(timeout))
+                   MASTER_PORT=str(port), HELIOS_JOB_ID="linkdown", TEST_TIMEOUT=str(timeout),
+                   HELIOS_COMM_HIER_PIECES=pieces)
         procs.append(c.hosts[r // 2].popen([PY, HERE, "loop"], env=env, stdout=subprocess.PIPE,
                                            stderr=subprocess.PIPE, text=True))
     try:

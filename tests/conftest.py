@@ -5,6 +5,11 @@ import shutil
 
 import pytest
 
+# Under pytest-xdist (scripts/test.sh) each worker has a core: one lavapipe thread each, as the
+# multi-rank tests give each rank, instead of every worker's threads contending for both cores.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("LP_NUM_THREADS", "1")
+
 
 def _nvidia_gpu_present() -> bool:
     return os.path.exists("/dev/nvidia0") or shutil.which("nvidia-smi") is not None and os.system("nvidia-smi -L >/dev/null 2>&1") == 0

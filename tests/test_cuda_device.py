@@ -20,6 +20,7 @@ pytestmark = pytest.mark.vulkan
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow  # one of the longest single-process tests: full runs only, not the inner loop
 def test_op_suite_on_the_emulated_cuda_device():
     # Every op test of tests/test_ops.py (forward and backward against PyTorch, odd shapes,
     # broadcasting, strided views, float32/float16/bfloat16) with cuda:0 as the device.
@@ -50,6 +51,7 @@ def _nano_losses(device: str, steps: int = 3) -> list[float]:
     return losses
 
 
+@pytest.mark.slow  # one of the longest single-process tests: full runs only, not the inner loop
 def test_nano_gpt_trains_on_emulated_cuda_as_on_vulkan(emulated_cuda):
     # 2 steps: the emulator runs ~7 s a step; the second step already reads AdamW's update
     vulkan = _nano_losses(get_runtime().name, steps=2)

@@ -197,6 +197,7 @@ def test_a_captured_attention_replays_on_new_inputs(cuda0):
     assert np.array_equal(out.float().numpy(), fresh.float().numpy())
 
 
+@pytest.mark.slow  # one of the longest single-process tests: full runs only, not the inner loop
 @pytest.mark.vulkan
 def test_bf16_gpt_trains_on_cuda0_through_the_tensor_core_attention(cuda0):
     """A bf16-autocast GPT (head dim 64) on the emulated cuda:0 takes the wgmma flash kernels in both

@@ -34,6 +34,7 @@ def test_every_kernel_variant_has_spirv():
             assert code[:4] == b"\x03\x02\x23\x07", f"{name}.{variant} is not SPIR-V"
 
 
+@pytest.mark.slow  # one of the longest single-process tests: full runs only, not the inner loop
 def test_gpu_check_script_installs_without_native_parts_and_runs_the_gate(tmp_path):
     from helios.cuda_ptx import driver, gate
 

@@ -121,18 +121,17 @@ def estimate_hierarchical(op: str, nbytes: int, local: int, hosts: int, intra: t
                           inter: tuple[float, float], seg_bytes: int = 1 << 20) -> tuple[str, float]:
     """(inter-host algorithm, seconds) of the hierarchical ``op`` (see above)."""
     a_s, b_s = intra
-    S = float(nbytes)
+    P = pieces(nbytes, local) if op == "all_reduce" else 1
+    S = float(nbytes) / P  # one piece
     inner = 2 * (a_s + (local - 1) / local * S * b_s)
     if op == "broadcast":
         inner = a_s + S * b_s + a_s + (local - 1) / local * S * b_s
     elif op in ("reduce_scatter", "all_gather"):
         inner /= 2
     a_i, b_i = inter
-    P = pieces(int(S), local) if op == "all_reduce" else 1
-    alg, t = estimate_flat_multihost(op, int(S / local / P), hosts, (a_i, local * b_i), seg_bytes)
+    alg, t = estimate_flat_multihost(op, int(S / local), hosts, (a_i, local * b_i), seg_bytes)
     if P == 1:
         return alg, inner + t
-    inner = 2 * (a_s + (local - 1) / local * S / P * b_s)  # one piece's reduce-scatter and all-gather
     return alg, P * max(inner, t) + min(inner, t)
 
 

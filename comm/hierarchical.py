@@ -262,7 +262,7 @@ class Hierarchy:
         else:
             _pipelined(P, reduce_piece, exchange_piece, gather_piece)
         if x is not buf:
-            buf[:] = x.reshape(-1)[:count]
+            buf[:] = x[:count]
 
     def reduce_scatter(self, out: np.ndarray, x: np.ndarray, op: str, dtype: str, alg: str) -> None:
         """``out`` = chunk ``rank`` of ``x`` reduced over every rank (x: n chunks of out's size)."""

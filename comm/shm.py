@@ -183,8 +183,7 @@ class ShmTransport(Transport):
         self.fault: Fault | None = None
         self.slots_off = self.ctrl + world * self.ring_bytes
         size = self.slots_off + 2 * self.slot_bytes
-        uid = os.getuid()
-        self.names = [f"{SHM_DIR}/helios-{uid}-{token}-{group}-r{r}" for r in range(world)]
+        self.names = [f"{SHM_DIR}/{name_prefix(token)}-{group}-r{r}" for r in range(world)]
         self.segs: list[Segment] = [None] * world  # type: ignore[list-item]
         self._linked = False
         try:
@@ -317,6 +316,11 @@ class ShmTransport(Transport):
             if s is not None:
                 s.close()
                 self.segs[i] = None  # type: ignore[call-overload]
+
+
+def name_prefix(token: str = "") -> str:
+    """How the names in SHM_DIR of this user's segments (of job token ``token``) begin."""
+    return f"helios-{os.getuid()}-{token}"
 
 
 def new_token() -> str:

@@ -81,7 +81,7 @@ class Probe:
         self.nonce = secrets.token_bytes(NONCE_BYTES)
         if shmmod.available() is not None:
             return
-        path = os.path.join(shmmod.SHM_DIR, f"helios-{os.getuid()}-{shmmod.new_token()}-probe")
+        path = os.path.join(shmmod.SHM_DIR, shmmod.name_prefix(shmmod.new_token()) + "-probe")
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         except OSError:

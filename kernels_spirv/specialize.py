@@ -19,10 +19,10 @@ spirv-opt itself costs about twice what the driver spends on the whole module, s
 in the background (``HELIOS_SPECIALIZE=1``, the default): a process that misses the cache
 has the driver specialize as before and, from the second process that asks for the same
 pipeline on, leaves the frozen module for the processes after it (the ranks of the next run,
-the next run); a pipeline built by one process only is never frozen.  It never waits: a tool sweeping many shapes
-in one process pays only the background jobs' share of the cores, at the lowest priority
-(tests/test_matmul_tuning.py 22.6 s -> 28.9 s with a cold cache on 2 cores).  ``HELIOS_SPECIALIZE=sync``
-waits for spirv-opt instead; ``0`` (or no spirv-opt installed) leaves it to the driver.
+the next run); a pipeline built by one process only is never frozen, so a tool sweeping many
+shapes in one process starts no job.  It never waits; the jobs run at the lowest priority.
+``HELIOS_SPECIALIZE=sync`` waits for spirv-opt instead; ``0`` (or no spirv-opt installed)
+leaves it to the driver.
 
 Run as a script (``python specialize.py IN OUT SPEC...``) it is the background job.
 """
@@ -149,14 +149,14 @@ def _first_sight(key: str) -> bool:
     built again, and spirv-opt on it would cost twice what the driver spent.  The test suite
     on a fresh cache started 434 background jobs before this rule and 222 with it (its CPU
     time within the runs' noise: 1921 s and 1948 s user+system)."""
-    mark = os.path.join(os.path.dirname(_cache_path(key)), "..", "seen", key)
+    from helios.kernels_spirv.registry import cache_dir
+
+    mark = os.path.join(cache_dir(), "spv", "seen", key)
     try:
         os.makedirs(os.path.dirname(mark), exist_ok=True)
         os.close(os.open(mark, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
-    except FileExistsError:
+    except OSError:  # marked already (or no mark can be left): freeze it now
         return False
-    except OSError:
-        return False  # no mark can be left: behave as before (freeze now)
     return True
 
 

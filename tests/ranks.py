@@ -158,6 +158,5 @@ def shm_left(job: dict[str, str] | str) -> list[str]:
     """The segments in /dev/shm of the job started with ``job`` (``shm_job()``'s env, or its prefix)."""
     from helios.comm import shm
 
-    prefix = job if isinstance(job, str) else job["HELIOS_SHM_PREFIX"]
-    start = f"helios-{os.getuid()}-{prefix}"
+    start = shm.name_prefix(job if isinstance(job, str) else job["HELIOS_SHM_PREFIX"])
     return sorted(n for n in os.listdir(shm.SHM_DIR) if n.startswith(start))

@@ -30,7 +30,11 @@ this file run with ``--worker MODE``.  All figures are JSON lines:
   helios-plan's run.db reader takes them); ``scaling`` = tokens/s on 2 hosts / (2 x on 1 host).
   Beside each, helios-plan's prediction for exactly that run (``--run-db``) with the links
   measured on that cluster (``--calibrate``; every fake host shares the machine's cores, and the
-  links file says so).
+  links file says so) and the table's compute rate; and ``plan_two_hosts_from_one_host``: the
+  median 2-host run planned with the compute rate fitted to the median 1-host run
+  (``--compute-from``), so the prediction tests what the model says a second host changes, not
+  the day's load (``from_one_host_measured_over_planned_rounds``: each round's 2-host run
+  planned from the 1-host run just before it).
 * ``multihost_linkdown``: ``--trials`` times a fresh 2-host cluster, 2 ranks a host
   all-reducing 1 MiB (flat ring and hierarchical in turn) with ``--timeout``; host 1's eth0 is set
   down; counted: trials where every rank raised CommError within the timeout of the failed
@@ -362,11 +366,13 @@ def _train_once(c: FakeCluster, nodes: int, a: argparse.Namespace, out: str, por
         raise RuntimeError(f"helios-train on {nodes} host(s): node {i} exited {codes[i]}:\n{job.tail(i)}")
 
 
-def _plan(run_dir: str, links: str, world: int, a: argparse.Namespace) -> dict:
-    """helios-plan's prediction for the run in ``run_dir`` with the measured links, beside its measurement."""
+def _plan(run_dir: str, links: str, world: int, a: argparse.Namespace, compute_from: str | None = None) -> dict:
+    """helios-plan's prediction for the run in ``run_dir`` with the measured links (and the compute
+    rate fitted to the run in ``compute_from``, else the device table's), beside its measurement."""
+    fit = ["--compute-from", compute_from] if compute_from else []
     r = subprocess.run([os.path.join(BIN, "helios-plan"), "--model", a.train_config, "--gpu", "lavapipe", "--gpus",
-                        str(world), "--global-batch", str(a.per_rank_batch * world), "--calibrate", links, "--run-db",
-                        run_dir, "--json"], capture_output=True, text=True, timeout=120)
+                        str(world), "--global-batch", str(a.per_rank_batch * world), "--calibrate", links, *fit,
+                        "--run-db", run_dir, "--json"], capture_output=True, text=True, timeout=120)
     if r.returncode != 0:
         raise RuntimeError(f"helios-plan failed ({r.returncode}): {r.stderr.strip()}")
     cal = json.loads(r.stdout)["calibration"]
@@ -374,7 +380,7 @@ def _plan(run_dir: str, links: str, world: int, a: argparse.Namespace) -> dict:
     st, tps = rows["step time (s)"], rows["tokens/s"]
     return {"step_ms_planned": round(st["planned"] * 1e3, 1), "step_ms_measured": round(st["measured"] * 1e3, 1),
             "measured_over_planned": round(st["ratio"], 3), "tok_s_planned": round(tps["planned"], 1),
-            "tok_s_measured": round(tps["measured"], 1),
+            "tok_s_measured": round(tps["measured"], 1), "compute": cal["compute_source"],
             "planned_parts_ms": {k: round(v * 1e3, 2) for k, v in cal["planned_parts_s"].items() if v > 0}}
 
 
@@ -392,6 +398,7 @@ def train(a: argparse.Namespace, rate: str | None, levels: dict | None, tmp: str
         write_links(links, levels, 2, 2, rate)
         tok: dict[int, list[float]] = {1: [], 2: []}
         plans: dict[int, list[dict]] = {1: [], 2: []}
+        fitted: list[dict] = []  # the 2-host run planned from the 1-host run just before it
         for k in range(a.train_rounds):
             for nodes in (1, 2):
                 out = os.path.join(tmp, f"train-{nodes}-{k}")
@@ -399,13 +406,19 @@ def train(a: argparse.Namespace, rate: str | None, levels: dict | None, tmp: str
                 p = _plan(out, links, 2 * nodes, a)
                 plans[nodes].append(p)
                 tok[nodes].append(p["tok_s_measured"])
+                if nodes == 2:
+                    fitted.append(_plan(out, links, 4, a, compute_from=os.path.join(tmp, f"train-1-{k}")))
     med = {n: statistics.median(v) for n, v in tok.items()}
     best = {n: min(plans[n], key=lambda p: abs(p["tok_s_measured"] - med[n])) for n in plans}  # the median round's
+    ratios = [p["measured_over_planned"] for p in fitted]
+    median_run = {n: os.path.join(tmp, f"train-{n}-{plans[n].index(best[n])}") for n in plans}
+    from_median = _plan(median_run[2], links, 4, a, compute_from=median_run[1])
     return {"bench": "multihost_train", "rate": rate or "unshaped", "config": a.train_config,
             "per_rank_batch": a.per_rank_batch, "steps": a.train_steps, "rounds": a.train_rounds,
             "one_host_2_ranks_tok_s": med[1], "two_hosts_2_ranks_tok_s": med[2],
             "scaling": round(med[2] / (2 * med[1]), 3), "tok_s_rounds": {"1x2": tok[1], "2x2": tok[2]},
-            "plan_one_host": best[1], "plan_two_hosts": best[2]}
+            "plan_one_host": best[1], "plan_two_hosts": best[2],
+            "plan_two_hosts_from_one_host": from_median, "from_one_host_measured_over_planned_rounds": ratios}
 
 
 # ------------------------------------------------------------------------------ link down

@@ -21,7 +21,7 @@ from helios.schedule.plan.layout import Parallel, Settings
 from helios.schedule.plan.memory import layer_activation_bytes, memory_per_rank, zero_states
 from helios.schedule.plan.model import ModelShape, helios_config, shape_for_params
 from helios.schedule.plan.search import search
-from helios.schedule.plan.timing import all_gather, all_reduce, step_time
+from helios.schedule.plan.timing import all_gather, all_reduce, bucketed_exposure, step_time
 
 H100 = get_device("h100-sxm")
 A100 = get_device("a100")
@@ -145,6 +145,44 @@ def test_compute_by_hand_on_one_gpu() -> None:
     assert t.parts["tp"] == t.parts["dp"] == t.parts["bubble"] == 0
     assert t.step == pytest.approx(sum(t.parts.values()))
     assert t.tokens_per_s == pytest.approx(tokens / t.step)
+
+
+def _queue_by_hand(total, reduce_s, backward_s, first, cap):
+    """The bucket queue of bucketed_exposure, bucket by bucket."""
+    sizes, left = [min(first, total)], total - min(first, total)
+    while left > 0:
+        sizes.append(min(cap, left))
+        left -= sizes[-1]
+    end = done = 0.0
+    for b in sizes:
+        done += b
+        end = max(end, backward_s * done / total) + reduce_s * b / total
+    return max(0.0, end - backward_s)
+
+
+@pytest.mark.parametrize("total,reduce_s,backward_s", [
+    (0.5e6, 0.03, 0.2), (3.3e6, 0.03, 0.2), (3.3e6, 0.5, 0.2), (60e6, 0.03, 0.2), (60e6, 0.3, 0.2),
+    (1e9, 0.3, 1.0), (1e9, 3.0, 1.0), (26e6 + 1, 0.1, 0.1), (1 << 20, 0.1, 0.05)])
+def test_bucketed_overlap_exposes_what_the_queue_leaves(total, reduce_s, backward_s) -> None:
+    """The closed form's few candidate buckets give the queue's end, bucket by bucket: a model in one
+    bucket exposes its whole reduction, a compute-bound one the last bucket's, a link-bound one all
+    but what ran during backward."""
+    got = bucketed_exposure(total, reduce_s, backward_s, 1 << 20, 25 << 20)
+    assert got == pytest.approx(_queue_by_hand(total, reduce_s, backward_s, 1 << 20, 25 << 20), abs=1e-12)
+    if total <= 1 << 20:
+        assert got == pytest.approx(reduce_s)
+
+
+def test_plan_buckets_are_ddps_defaults() -> None:
+    """One fact in two places: the planner's buckets are DistributedDataParallel's defaults."""
+    import inspect
+
+    from helios.schedule.ddp import DistributedDataParallel
+
+    sig = inspect.signature(DistributedDataParallel.__init__).parameters
+    st = Settings(global_batch=1, tokens=1)
+    assert st.bucket_bytes == int(sig["bucket_cap_mb"].default * (1 << 20))
+    assert st.first_bucket_bytes == int(sig["first_bucket_cap_mb"].default * (1 << 20))
 
 
 def test_zero3_moves_1_5x_the_all_reduce() -> None:
@@ -338,6 +376,42 @@ def test_run_db_of_a_data_parallel_run_plans_its_global_batch(monkeypatch) -> No
     assert c["parallel"]["dp"] == 4 and c["parallel"]["mb"] == 8
     rows = {r["quantity"]: r for r in c["rows"]}
     assert rows["tokens/s"]["planned"] * rows["step time (s)"]["planned"] == pytest.approx(32 * 64)
+
+
+def _fake_run(monkeypatch, world: int, wall_s: float) -> None:
+    from helios.profile import rundb
+
+    cfg = {"config": {"n_layer": 4, "n_embd": 128, "n_head": 4, "vocab_size": 256, "block_size": 64},
+           "train": {"batch_size": 8 * world, "grad_accum": 1}, "world_size": world}
+    steps = [{"wall_ns": wall_s * 1e9, "tokens_per_s": 8 * world * 64 / wall_s} for _ in range(5)]
+    monkeypatch.setattr(rundb, "read_run", lambda d: {"run": {"run_id": 7, "config_json": json.dumps(cfg)},
+                                                      "steps": steps})
+
+
+def test_compute_fitted_to_a_run_plans_that_run_at_its_step(monkeypatch, capsys) -> None:
+    """--compute-from: the fitted rate makes the reference run's plan take its measured step, and a
+    plan for twice the ranks on the same cores takes about twice as long; a run faster than the
+    device's peak allows, or a missing one, is one line."""
+    from helios.schedule.plan.calibrate import calibrate, with_fitted_compute
+
+    _fake_run(monkeypatch, 2, 0.150)
+    dev = with_fitted_compute(get_device("lavapipe"), "one-host")
+    assert "fitted to run 7 in one-host" in dev.achievable_source
+    c = calibrate("one-host", dev)
+    rows = {r["quantity"]: r for r in c["rows"]}
+    assert rows["step time (s)"]["planned"] == pytest.approx(0.150, rel=1e-6)
+    _fake_run(monkeypatch, 4, 0.150)  # the same steps, read as a 4-rank run's
+    four = {r["quantity"]: r for r in calibrate("two-hosts", dev)["rows"]}["step time (s)"]["planned"]
+    assert 1.9 * 0.150 < four < 2.1 * 0.150  # 4 ranks share the cores that 2 had
+    _fake_run(monkeypatch, 2, 1e-6)
+    argv = ["--model", "tiny", "--gpu", "lavapipe", "--gpus", "2", "--compute-from", "fast"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("helios-plan: --compute-from fast: the run's step") and err.count("\n") == 1
+    monkeypatch.undo()
+    assert main([*argv[:-1], "/nonexistent/run"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("helios-plan: --compute-from") and err.count("\n") == 1
 
 
 # ---------------------------------------------------------------------------- a measured run

@@ -1,5 +1,6 @@
 """The plan beside a real helios-train run: ``helios-plan --model tiny --gpu lavapipe --run-db RUN_DIR``,
-and measured links in place of the device table's: ``--calibrate LINKS_JSON``.
+measured links in place of the device table's: ``--calibrate LINKS_JSON``, and a compute rate
+fitted to another run on the same machine: ``--compute-from RUN_DIR``.
 
 Reads ``RUN_DIR/run.db`` (helios.profile.rundb): the run's model and batch (its
 ``config_json``), the median step wall time and tokens/s after the first two steps (the
@@ -22,6 +23,12 @@ device's links by measured α-β per level, as the planner's ring formulas use t
 (bytes/s, per rank and direction) fitted to all-reduces inside a host and between hosts
 (efficiency included: the planner applies none on top); ``compute_ranks`` (optional, CPU
 devices): the ranks that share the machine's cores, when the hosts are namespaces of one machine.
+
+``--compute-from RUN_DIR`` replaces the table's compute rate (``achievable``) by the one that
+makes the plan of that run take its measured median step.  A CPU device's rate swings several
+times with the machine's load (lavapipe's table figure is a quiet day's), so a plan for two hosts
+made from a one-host run of the same hour predicts what the extra host and its links change,
+not what the day's load was.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from __future__ import annotations
 import json
 import statistics
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from .hardware import Device
 from .layout import Parallel, Settings
@@ -72,42 +79,93 @@ def with_measured_links(dev: Device, path: str) -> Device:
                    sources={**dev.sources, "links": f"measured, {path}" + (f": {doc['source']}" if doc.get("source") else "")})
 
 
-def calibrate(run_dir: str, dev: Device, dtype: str = "fp32") -> dict:
-    """Planned vs measured for the latest run in ``run_dir``."""
+@dataclass(frozen=True)
+class MeasuredRun:
+    """A helios-train run read from its run.db, as the planner sees it."""
+
+    run_dir: str
+    data: dict  # helios.profile.rundb.read_run's document
+    cfg: dict  # the run's config_json
+    shape: ModelShape
+    par: Parallel
+    settings: Settings
+    steps: int
+    steady: list  # the steps after WARMUP_STEPS
+    wall_s: float  # median step wall time of the steady steps
+
+
+def read_measured_run(run_dir: str, dtype: str = "fp32", flag: str = "--run-db") -> MeasuredRun:
+    """The model, batch, layout and median step time of the latest run in ``run_dir``, or PlanError
+    naming ``flag``."""
     from helios.profile.errors import ProfileError
     from helios.profile.rundb import read_run
 
     try:
         data = read_run(run_dir)
     except ProfileError as e:
-        raise PlanError(f"--run-db: {e}") from None
+        raise PlanError(f"{flag}: {e}") from None
     run = data["run"]
     try:
         cfg = json.loads(run.get("config_json") or "{}")
         mc, tr = cfg["config"], cfg["train"]
     except (ValueError, KeyError, TypeError):
-        raise PlanError(f"--run-db {run_dir}: the run records no model configuration (not a helios-train run?)") from None
+        raise PlanError(f"{flag} {run_dir}: the run records no model configuration (not a helios-train run?)") from None
     steps = [s for s in data["steps"] if s.get("wall_ns")]
     if len(steps) <= WARMUP_STEPS:
-        raise PlanError(f"--run-db {run_dir}: {len(steps)} step(s) recorded; need more than {WARMUP_STEPS} "
+        raise PlanError(f"{flag} {run_dir}: {len(steps)} step(s) recorded; need more than {WARMUP_STEPS} "
                         "(the first ones compile kernels)")
-    steady = steps[WARMUP_STEPS:]
     world = int(cfg.get("world_size") or run.get("n_devices") or 1)
-    zero = int(cfg.get("zero") or 0)
     shape = ModelShape(int(mc["n_layer"]), int(mc["n_embd"]), int(mc["n_head"]), int(mc["vocab_size"]),
                        int(mc["block_size"]), name="run")
     # helios-train's --batch-size is the global batch (every rank takes its slice of it)
     batch = int(tr["batch_size"])
     st = Settings(global_batch=batch * int(tr.get("grad_accum") or 1), tokens=1.0, dtype=dtype, attention="materialized")
-    par = Parallel(dp=world, zero=zero, mb=max(1, batch // world), recompute="none")
+    par = Parallel(dp=world, zero=int(cfg.get("zero") or 0), mb=max(1, batch // world), recompute="none")
+    steady = steps[WARMUP_STEPS:]
+    wall = statistics.median(s["wall_ns"] for s in steady) / 1e9
+    return MeasuredRun(str(run_dir), data, cfg, shape, par, st, len(steps), steady, wall)
+
+
+def with_fitted_compute(dev: Device, run_dir: str, dtype: str = "fp32") -> Device:
+    """``dev`` with its compute rate (``achievable``) fitted so that the plan of the helios-train run
+    in ``run_dir`` takes that run's measured step time (``--compute-from``).
+
+    The step time falls as the rate rises (the GEMMs shrink, an overlapped reduction can only be
+    exposed less), so the rate is found by bisection.  Everything else -- memory-bound kernels,
+    launches, links -- stays the device's (or ``--calibrate``'s), so a plan for another layout on
+    the same machine differs from the measured run by what the model says the layout changes."""
+    ref = read_measured_run(run_dir, dtype, flag="--compute-from")
+
+    def step(x: float) -> float:
+        return step_time(ref.shape, ref.par, ref.settings, replace(dev, achievable=x), dtype).step
+
+    lo, hi = 1e-9, 1.0
+    if step(hi) > ref.wall_s:
+        raise PlanError(f"--compute-from {run_dir}: the run's step ({1e3 * ref.wall_s:.1f} ms) is shorter than the "
+                        f"plan at the device's peak ({1e3 * step(hi):.1f} ms): not a run of this --gpu?")
+    for _ in range(200):  # geometric bisection: the rate may be any power of ten below peak
+        mid = (lo * hi) ** 0.5
+        lo, hi = (mid, hi) if step(mid) > ref.wall_s else (lo, mid)
+        if hi / lo < 1 + 1e-9:
+            break
+    rate = hi * dev.peak_for(dtype)
+    run_id = ref.data["run"].get("run_id")
+    return replace(dev, achievable=hi, achievable_source=(
+        f"fitted to run {run_id} in {run_dir}: {rate / 1e9:.1f} GFLOP/s makes its planned step its measured "
+        f"{1e3 * ref.wall_s:.1f} ms"), sources={**dev.sources, "compute": f"fitted, {run_dir}"})
+
+
+def calibrate(run_dir: str, dev: Device, dtype: str = "fp32") -> dict:
+    """Planned vs measured for the latest run in ``run_dir``."""
+    ref = read_measured_run(run_dir, dtype)
+    data, cfg, shape, par, st = ref.data, ref.cfg, ref.shape, ref.par, ref.settings
     t = step_time(shape, par, st, dev, dtype)
     mem = memory_per_rank(shape, par, st, dev)
-    wall = statistics.median(s["wall_ns"] for s in steady) / 1e9
-    tps = statistics.median(s["tokens_per_s"] for s in steady if s.get("tokens_per_s"))
-    mfus = [s["mfu"] for s in steady if s.get("mfu") is not None]
+    tps = statistics.median(s["tokens_per_s"] for s in ref.steady if s.get("tokens_per_s"))
+    mfus = [s["mfu"] for s in ref.steady if s.get("mfu") is not None]
     pool = (cfg.get("memory") or {}).get("weights_pool_in_use")
     rows = [
-        ("step time (s)", t.step, wall),
+        ("step time (s)", t.step, ref.wall_s),
         ("tokens/s", t.tokens_per_s, tps),
         ("MFU", t.mfu, statistics.median(mfus) if mfus else None),
         ("model states (bytes)", mem.states, pool),
@@ -116,9 +174,10 @@ def calibrate(run_dir: str, dev: Device, dtype: str = "fp32") -> dict:
     if ops:
         rate = sum(o["flops"] for o in ops) / (sum(o["device_ns"] for o in ops) / 1e9)
         rows.append(("matmul FLOP/s", dev.achievable * dev.peak_for(dtype), rate))
-    out = {"run_dir": str(run_dir), "run_id": run["run_id"], "device": run.get("device"), "steps": len(steps),
-           "steady_steps": len(steady), "shape": shape.to_dict(), "parallel": par.to_dict(),
-           "planned_parts_s": dict(t.parts),
+    run = data["run"]
+    out = {"run_dir": str(run_dir), "run_id": run["run_id"], "device": run.get("device"), "steps": ref.steps,
+           "steady_steps": len(ref.steady), "shape": shape.to_dict(), "parallel": par.to_dict(),
+           "planned_parts_s": dict(t.parts), "compute_source": dev.achievable_source,
            "rows": [{"quantity": q, "planned": p, "measured": m, "ratio": (m / p if (m and p) else None)} for q, p, m in rows]}
     return out
 

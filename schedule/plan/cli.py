@@ -3,6 +3,7 @@
     helios-plan --params 1e12 --tokens 2e13 --gpu h100-sxm --gpus 4096 --seq 8192
     helios-plan --model tiny --gpu lavapipe --gpus 1 [--run-db RUN_DIR]
     helios-plan --model tiny --gpu lavapipe --gpus 4 --calibrate links.json --run-db RUN_DIR
+    helios-plan --model tiny --gpu lavapipe --gpus 4 --calibrate links.json --compute-from ONE_HOST_RUN --run-db RUN_DIR
     helios-plan --params 7e9 --gpu h100-sxm --gpus 64 --show 10 --html plan.html
     helios-plan --check "1e12 params, 400 H100, 17 s/step, 8.4e6 tokens/step"
     helios-plan --validate
@@ -96,6 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--run-db", metavar="RUN_DIR", help="compare the plan with a helios-train run (its --out folder)")
     o.add_argument("--calibrate", metavar="LINKS_JSON", help="measured alpha-beta per level (in a host, between "
                    "hosts) and ranks per host in place of the device's links (bench/multihost.py writes one)")
+    o.add_argument("--compute-from", metavar="RUN_DIR", help="fit the device's compute rate to a helios-train run on "
+                   "this machine (its --out folder), e.g. one host's, to plan another layout from it")
     o.add_argument("--validate", action="store_true", help="the model against published runs (Megatron-LM, ZeRO)")
     o.add_argument("--list-gpus", action="store_true", help="the hardware table")
     return p
@@ -114,6 +117,10 @@ def resolve(args: argparse.Namespace) -> tuple[ModelShape, Settings, Device, int
     cpu = dev.key == "lavapipe"
     dtype = args.dtype or ("fp32" if cpu else "bf16")
     dev.peak_for(dtype)
+    if args.compute_from:
+        from .calibrate import with_fitted_compute
+
+        dev = with_fitted_compute(dev, args.compute_from, dtype)
     gpus = args.gpus if args.gpus is not None else (1 if cpu else dev.per_node)
     if gpus < 1:
         raise PlanError(f"--gpus must be at least 1, got {gpus}")

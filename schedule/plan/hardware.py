@@ -130,19 +130,20 @@ def _host_memory() -> float:
 
 
 #: lavapipe on this machine (2-core AMD EPYC VM, Mesa lavapipe 22.3.6), measured rather than assumed:
-#: * matmul: 28.4 GFLOP/s fp32 on the GPT MLP shape (8*256x768)@(768x3072), 21.5 at 1024^3
-#:   (bench/README.md, `python bench/matmul.py --rounds 7`, 2026-11-21, quiet machine).  On a loaded
-#:   machine (load average ~3) the same shapes gave 4.5-7.8 GFLOP/s: times on this host vary ~5x.
-#: * 58 us per dispatch, executed one after another (bench/README.md, `bench/dispatch.py`, same day;
-#:   30 us under load on 2026-11-24: lavapipe runs them on the cores the host shares).
+#: * matmul: 40.1 GFLOP/s fp32 on the GPT MLP shape (8*256x768)@(768x3072), 43.5 at 1024^3
+#:   (`python bench/matmul.py --rounds 7 --sizes 1024 --layouts nn`, 2026-11-28, load average ~3;
+#:   28.4 and 21.5 on 2026-11-21, before later kernel work).  Times on this host swing several
+#:   times with its load: ``helios-plan --compute-from RUN_DIR`` fits the rate to a run instead.
+#: * 34 us per dispatch of independent kernels (`python bench/dispatch.py`, helios_us_per_op,
+#:   2026-11-28; 58 us on 2026-11-21): lavapipe runs them on the cores the host shares.
 #: * 247 launches per step of helios-train's tiny (4 layers; run.db ``dispatches``, 2026-11-24):
 #:   62 per layer, the embedding, head, loss and optimizer folded in.
 #: * 27 GB/s memory copy (read + write, one numpy stream; measured 2026-11-24).
 #: * memory: the host's RAM (lavapipe allocates device memory from it).
 #: * links: helios.comm's shm and tcp transports, α and β from helios.comm.cost.params (one source).
 #: Peak: helios.profile.mfu's CPU estimate (cores x clock x FLOPs/cycle), which MFU divides by too.
-LAVAPIPE_MATMUL_FLOPS = 28.4e9
-LAVAPIPE_DISPATCH_S = 58e-6
+LAVAPIPE_MATMUL_FLOPS = 40.1e9
+LAVAPIPE_DISPATCH_S = 34e-6
 LAVAPIPE_KERNELS_PER_LAYER = 62
 LAVAPIPE_MEM_BW = 27e9
 

@@ -54,7 +54,8 @@ class Settings:
     ``fp32`` is helios-train today (weights 4, gradients 4, moments 8).
     ``attention``: ``flash`` never stores the s x s scores (its backward recomputes them);
     ``materialized`` stores them (Megatron-LM 2021), the 5as/h term of Korthikanti et al.
-    ``overlap``: gradient reduction hides behind backward compute as stated in timing.py;
+    ``overlap``: gradient reduction hides behind backward compute as stated in timing.py, in
+    buckets of ``bucket_bytes`` (the first ``first_bucket_bytes``);
     False puts every collective on the critical path (Megatron-LM 2021 reduced gradients
     after the pipeline flush).
     """
@@ -66,6 +67,10 @@ class Settings:
     attention: str = "flash"
     sequence_parallel: bool = True
     overlap: bool = True
+    # DistributedDataParallel's bucket sizes (schedule/ddp.py's defaults, as PyTorch's; a test checks they agree):
+    # gradients reduce in buckets as backward completes them, the first one small.
+    bucket_bytes: int = 25 << 20
+    first_bucket_bytes: int = 1 << 20
     price: float = 2.0  # $ per GPU-hour
     frag: float = 0.10  # allowance for fragmentation, fraction of activations + transient buffers
 

@@ -10,7 +10,8 @@ the scores; the whole layer forward for full recomputation) run at ``achievable 
 softmax, residual adds) move ``MEM_PASSES_FWD`` (forward) and ``MEM_PASSES_BWD`` (backward)
 times the layer's activation bytes (memory.py, the unrecomputed form) through the device's
 memory at its full bandwidth; a full recomputation moves the forward's share again.
-Devices that run launches one after another (lavapipe) add ``launch_s`` per kernel.
+Devices that run launches one after another (lavapipe) add ``launch_s`` per kernel; where the
+ranks share one machine's cores (``shared_host``), launches share them as the GEMMs do.
 These add up: GEMMs and memory-bound kernels do not overlap.
 
 Communication: α-β
@@ -43,7 +44,11 @@ link, otherwise the network's per-device bandwidth.
   section 7; one more all-gather under full recomputation).
 
 Overlap (``Settings.overlap``): gradient reduction overlaps the backward compute of the last
-micro-batch (earlier micro-batches accumulate locally, as DDP's no_sync); ZeRO-2's earlier
+micro-batch (earlier micro-batches accumulate locally, as DDP's no_sync), bucket by bucket: the
+gradient bytes complete evenly through that backward, cut in DDP's order into buckets (a
+small first one, then ``bucket_bytes`` each), and each bucket's reduction starts when both it
+is complete and the one before it is done, so at least the last bucket's reduction is
+exposed (:func:`bucketed_exposure`); ZeRO-2's earlier
 reduce-scatters and ZeRO-3's gathers overlap the compute of their own micro-batch; what
 exceeds the compute it hides behind is exposed.  The post-step parameter all-gather of
 ZeRO 1/2 is exposed.  With ``overlap=False`` every DP byte is on the critical path.
@@ -146,7 +151,7 @@ def step_time(shape: ModelShape, par: Parallel, st: Settings, dev: Device, dtype
     act_layer = layer_activation_bytes(shape, par, st, "none" if st.attention == "materialized" else "selective")
     mem_f = layers * MEM_PASSES_FWD * act_layer / hbm
     mem_b = layers * (MEM_PASSES_BWD + (MEM_PASSES_FWD if par.recompute == "full" else 0.0)) * act_layer / hbm
-    launch = dev.launch_s * dev.kernels_per_layer * shape.n_layer / par.pp
+    launch = dev.launch_s * dev.kernels_per_layer * shape.n_layer / par.pp * ranks_here
     gemm_f, gemm_b = fwd_flops / rate, bwd_flops / rate
 
     act_b = st.param_bytes  # activations travel in the compute dtype
@@ -212,10 +217,13 @@ def step_time(shape: ModelShape, par: Parallel, st: Settings, dev: Device, dtype
         end, fw, bw = end_d + end_e, fw_d + fw_e, bw_d + bw_e
         comp_f, comp_b = gemm_f + mem_f, gemm_b + mem_b
         if par.zero <= 1:
-            # the gradient reduction (first half for ZeRO-1) hides behind the last micro-batch's backward
+            # the gradient reduction (the reduce-scatter for ZeRO-1) hides behind the last micro-batch's
+            # backward, bucket by bucket; ZeRO-1's parameter all-gather after the step is exposed
             red = end if par.zero == 0 else (end_d + end_e) / 2
             rest = end - red
-            dp_t = (max(0.0, red - comp_b) + rest) if st.overlap else end
+            grad_bytes = (dense + expert) * st.grad_b
+            dp_t = (bucketed_exposure(grad_bytes, red, comp_b, st.first_bucket_bytes, st.bucket_bytes) + rest
+                    if st.overlap else end)
         elif par.zero == 2:
             dp_t = (m * max(0.0, bw - comp_b) + end) if st.overlap else m * bw + end
         else:
@@ -237,6 +245,38 @@ def step_time(shape: ModelShape, par: Parallel, st: Settings, dev: Device, dtype
     mfu = shape.flops_per_token() * tps / (peak * gpus)
     hfu = shape.hardware_flops_per_token(rc) * tps / (peak * gpus)
     return StepTime(parts, step, tps, mfu, hfu, m, links)
+
+
+def bucketed_exposure(total_bytes: float, reduce_s: float, backward_s: float, first_bytes: float,
+                      bucket_bytes: float) -> float:
+    """Seconds of a gradient reduction of ``reduce_s`` in all left after a backward of ``backward_s``.
+
+    The ``total_bytes`` of gradients complete evenly through the backward and are cut into a first
+    bucket of ``first_bytes``, then buckets of ``bucket_bytes``, the last one the remainder; a
+    bucket's reduction takes its share of ``reduce_s`` and starts once it is complete and the
+    bucket before it is reduced.  One queue: the reduction ends at the latest, over buckets i,
+    of (bucket i complete + the reductions of buckets i, i+1, ...).  Within the run of equal
+    buckets that sum is linear in i, so only the first, second, last full and last buckets can
+    give the latest end."""
+    if total_bytes <= 0 or reduce_s <= 0:
+        return 0.0
+    first = min(first_bytes, total_bytes)
+    n_full = int((total_bytes - first) // bucket_bytes)
+    tail = total_bytes - first - n_full * bucket_bytes
+    sizes_at = {0: first}  # bucket index -> bytes, for the candidate indices
+    for i in (1, n_full):
+        if 1 <= i <= n_full:
+            sizes_at[i] = bucket_bytes
+    last = n_full + (1 if tail > 0 else 0)
+    if tail > 0:
+        sizes_at[last] = tail
+
+    def done_before(i: int) -> float:  # bytes in buckets 0 .. i-1
+        return 0.0 if i == 0 else first + min(i - 1, n_full) * bucket_bytes
+
+    latest = max(backward_s * (done_before(i) + sizes_at[i]) / total_bytes
+                 + reduce_s * (total_bytes - done_before(i)) / total_bytes for i in sizes_at)
+    return max(0.0, latest - backward_s)
 
 
 def binding(parts: dict) -> str:

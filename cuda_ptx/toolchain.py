@@ -3,7 +3,9 @@
 Cubins are cached under ``$XDG_CACHE_HOME/helios/cubin`` (else ``~/.cache/helios``),
 keyed by the SHA-256 of (PTX text, ptxas version, arch, flags); each entry is the
 cubin plus the ptxas ``-v`` log, both written to a temporary name, fsynced and
-renamed, so a crash never leaves a torn cubin behind.
+renamed, so a crash never leaves a torn cubin behind.  A cached cubin's disassembly is
+cached beside it (``sass``), keyed by the disassembler's path, size and mtime: the gate
+reads every kernel's SASS, and ``cuobjdump`` takes about half a second a kernel.
 """
 
 from __future__ import annotations
@@ -166,15 +168,25 @@ def compile_ptx(ptx: str, arch: str, extra: tuple[str, ...] = ()) -> Compiled:
 
 
 def sass(cubin: Path) -> str:
-    """Disassemble a cubin: ``cuobjdump -sass`` where present, else ``nvdisasm``."""
+    """Disassemble a cubin: ``cuobjdump -sass`` where present, else ``nvdisasm``; a listing made
+    before by the same tool for a cubin of the cache is read back (see the module doc)."""
     tool = find_tool("cuobjdump")
     if tool:
         cmd = [tool, "-sass", str(cubin)]
     else:
         cmd = [require_tool("nvdisasm"), str(cubin)]
+    st = os.stat(cmd[0])
+    tool_key = hashlib.sha256(f"{cmd[0]}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    cubin = Path(cubin)
+    listing = cubin.with_name(f"{cubin.stem}.{tool_key}.sass")
+    cacheable = cubin.parent == cache_dir() / "cubin"  # named by content: the listing cannot go stale
+    if cacheable and listing.exists():
+        return listing.read_text()
     r = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if r.returncode != 0:
         raise DeviceError(f"{cmd[0]} failed on {cubin}: {r.stderr.strip()}")
+    if cacheable:
+        atomic_write(listing, r.stdout.encode())
     return r.stdout
 
 

@@ -156,6 +156,16 @@ def test_cubin_cache_key_and_atomic_files(tmp_path, monkeypatch):
     assert other_arch.cubin != first.cubin
     assert not [p for p in os.listdir(first.cubin.parent) if p.endswith(".tmp")]
     assert first.cubin.read_bytes()[:4] == b"\x7fELF"
+    # the disassembly of a cached cubin is kept beside it and read back as it was written
+    listing = toolchain.sass(first.cubin)
+    (kept,) = [p for p in os.listdir(first.cubin.parent) if p.endswith(".sass")]
+    assert kept.startswith(first.cubin.stem + ".") and "FFMA" in listing
+    (first.cubin.parent / kept).write_text(listing + "/* read back */")
+    assert toolchain.sass(first.cubin).endswith("/* read back */")
+    # a cubin outside the cache (not named by its content) is disassembled afresh, nothing kept
+    elsewhere = tmp_path / "k.cubin"
+    elsewhere.write_bytes(first.cubin.read_bytes())
+    assert toolchain.sass(elsewhere) == listing and not list(tmp_path.glob("*.sass"))
 
 
 def test_parse_ptxas_log():

@@ -951,8 +951,9 @@ class Dataset:
     train: np.ndarray | TokenStream
     val: np.ndarray | TokenStream
 
-    def summary(self) -> dict[str, Any]:
-        """Numbers worth logging at the start of a run."""
+    def summary(self, entropy: bool = True) -> dict[str, Any]:
+        """Numbers worth logging at the start of a run; ``entropy=False`` leaves the unigram
+        entropy out (None): it reads every training token, and only the rank that logs needs it."""
         return {
             "corpus": self.corpus.description,
             "files": len(self.corpus.files),
@@ -961,7 +962,7 @@ class Dataset:
             "tokens": len(self.tokens),
             "train_tokens": len(self.train),
             "val_tokens": len(self.val),
-            "unigram_entropy_nats": unigram_entropy(self.train, self.tokenizer.vocab_size),
+            "unigram_entropy_nats": unigram_entropy(self.train, self.tokenizer.vocab_size) if entropy else None,
             "uniform_loss_nats": math.log(self.tokenizer.vocab_size),
         }
 

@@ -210,7 +210,7 @@ def _train(args: argparse.Namespace, given: set[str]) -> int:
     s = resolve_settings(args, given, CONFIGS)
     job = open_job(args, s)
     ds = load_data(args, job, s)
-    summ = ds.summary()
+    summ = ds.summary(entropy=job.run.is_main)  # rank 0 logs it
     m = build_model(args, s, job, ds)
     # fp16 on a split model or sharded gradients: every rank holds other gradients, so the ranks
     # agree on inf/nan.  (_mixed_precision is looked up here at call time: tests/test_amp.py replaces it.)

@@ -53,9 +53,10 @@ def describe_run(args: argparse.Namespace, s, job, m, summ: dict, capture_reason
         stages = f"pipeline stages: {describe_stages(m.gpt.bounds, m.cfg.n_layer, layout.pp, m.times)}"
         # Balanced by time, every rank says the split it built (they must not disagree).
         (print if m.times is not None else say)(stages)
-    say(f"data: {summ['corpus']}, {summ['train_tokens']:,} train / {summ['val_tokens']:,} val tokens, "
-        f"tokenizer {summ['tokenizer']}; unigram entropy {summ['unigram_entropy_nats']:.3f} nats "
-        f"(uniform {summ['uniform_loss_nats']:.3f})")
+    if run.is_main:  # (the other ranks' summaries leave the entropy out)
+        say(f"data: {summ['corpus']}, {summ['train_tokens']:,} train / {summ['val_tokens']:,} val tokens, "
+            f"tokenizer {summ['tokenizer']}; unigram entropy {summ['unigram_entropy_nats']:.3f} nats "
+            f"(uniform {summ['uniform_loss_nats']:.3f})")
     return peak, peak_label
 
 

@@ -407,7 +407,8 @@ def test_compute_fitted_to_a_run_plans_that_run_at_its_step(monkeypatch, capsys)
     argv = ["--model", "tiny", "--gpu", "lavapipe", "--gpus", "2", "--compute-from", "fast"]
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert err.startswith("helios-plan: --compute-from fast: the run's step") and err.count("\n") == 1
+    assert err.startswith("helios-plan: --compute-from fast: no compute rate up to the device's peak fits") \
+        and err.count("\n") == 1
     monkeypatch.undo()
     assert main([*argv[:-1], "/nonexistent/run"]) == 2
     err = capsys.readouterr().err

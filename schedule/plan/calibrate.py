@@ -141,8 +141,11 @@ def with_fitted_compute(dev: Device, run_dir: str, dtype: str = "fp32") -> Devic
 
     lo, hi = 1e-9, 1.0
     if step(hi) > ref.wall_s:
-        raise PlanError(f"--compute-from {run_dir}: the run's step ({1e3 * ref.wall_s:.1f} ms) is shorter than the "
-                        f"plan at the device's peak ({1e3 * step(hi):.1f} ms): not a run of this --gpu?")
+        at_peak = step_time(ref.shape, ref.par, ref.settings, replace(dev, achievable=hi), dtype).parts
+        rest = sum(v for k, v in at_peak.items() if k != "compute")
+        raise PlanError(f"--compute-from {run_dir}: no compute rate up to the device's peak fits the run's "
+                        f"{1e3 * ref.wall_s:.1f} ms step (the plan's other parts -- launches, memory-bound kernels, "
+                        f"links, optimizer -- take {1e3 * rest:.1f} ms of it): a run too short to fit, or of another --gpu")
     for _ in range(200):  # geometric bisection: the rate may be any power of ten below peak
         mid = (lo * hi) ** 0.5
         lo, hi = (mid, hi) if step(mid) > ref.wall_s else (lo, mid)

@@ -422,8 +422,9 @@ def train(a: argparse.Namespace, rate: str | None, levels: dict | None, tmp: str
     med = {n: statistics.median(v) for n, v in tok.items()}
     best = {n: min(plans[n], key=lambda p: abs(p["tok_s_measured"] - med[n])) for n in plans}  # the median round's
     ratios = [p.get("measured_over_planned") for p in fitted]
-    median_run = {n: os.path.join(tmp, f"train-{n}-{plans[n].index(best[n])}") for n in plans}
-    from_median = _fitted_plan(median_run[2], median_run[1], links, a)
+    i1, i2 = plans[1].index(best[1]), plans[2].index(best[2])
+    from_median = fitted[i2] if i1 == i2 else _fitted_plan(os.path.join(tmp, f"train-2-{i2}"),
+                                                           os.path.join(tmp, f"train-1-{i1}"), links, a)
     return {"bench": "multihost_train", "rate": rate or "unshaped", "config": a.train_config,
             "per_rank_batch": a.per_rank_batch, "steps": a.train_steps, "rounds": a.train_rounds,
             "one_host_2_ranks_tok_s": med[1], "two_hosts_2_ranks_tok_s": med[2],

@@ -410,21 +410,23 @@ def train(a: argparse.Namespace, rate: str | None, levels: dict | None, tmp: str
         tok: dict[int, list[float]] = {1: [], 2: []}
         plans: dict[int, list[dict]] = {1: [], 2: []}
         fitted: list[dict] = []  # the 2-host run planned from the 1-host run just before it
+
+        def run_dir(nodes: int, k: int) -> str:
+            return os.path.join(tmp, f"train-{nodes}-{k}")
+
         for k in range(a.train_rounds):
             for nodes in (1, 2):
-                out = os.path.join(tmp, f"train-{nodes}-{k}")
-                _train_once(c, nodes, a, out, 29700 + 10 * k + nodes)
-                p = _plan(out, links, 2 * nodes, a)
+                _train_once(c, nodes, a, run_dir(nodes, k), 29700 + 10 * k + nodes)
+                p = _plan(run_dir(nodes, k), links, 2 * nodes, a)
                 plans[nodes].append(p)
                 tok[nodes].append(p["tok_s_measured"])
                 if nodes == 2:
-                    fitted.append(_fitted_plan(out, os.path.join(tmp, f"train-1-{k}"), links, a))
+                    fitted.append(_fitted_plan(run_dir(2, k), run_dir(1, k), links, a))
     med = {n: statistics.median(v) for n, v in tok.items()}
     best = {n: min(plans[n], key=lambda p: abs(p["tok_s_measured"] - med[n])) for n in plans}  # the median round's
     ratios = [p.get("measured_over_planned") for p in fitted]
     i1, i2 = plans[1].index(best[1]), plans[2].index(best[2])
-    from_median = fitted[i2] if i1 == i2 else _fitted_plan(os.path.join(tmp, f"train-2-{i2}"),
-                                                           os.path.join(tmp, f"train-1-{i1}"), links, a)
+    from_median = fitted[i2] if i1 == i2 else _fitted_plan(run_dir(2, i2), run_dir(1, i1), links, a)
     return {"bench": "multihost_train", "rate": rate or "unshaped", "config": a.train_config,
             "per_rank_batch": a.per_rank_batch, "steps": a.train_steps, "rounds": a.train_rounds,
             "one_host_2_ranks_tok_s": med[1], "two_hosts_2_ranks_tok_s": med[2],

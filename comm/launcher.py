@@ -387,7 +387,7 @@ def _remove_segments(pids: list[int], prefix: str) -> None:
     """
     from helios.comm import shm
 
-    start = shm.name_prefix()
+    start, job_start = shm.name_prefix(), shm.name_prefix(prefix)
     mine = set(pids)
     try:
         names = [n for n in os.listdir(shm.SHM_DIR) if n.startswith(start)]
@@ -395,7 +395,7 @@ def _remove_segments(pids: list[int], prefix: str) -> None:
         return
     for n in names:
         path = os.path.join(shm.SHM_DIR, n)
-        ours = n.startswith(shm.name_prefix(prefix))
+        ours = n.startswith(job_start)
         if not ours:
             try:
                 with open(path, "rb") as f:

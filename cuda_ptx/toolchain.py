@@ -82,6 +82,11 @@ def cache_dir() -> Path:
     return Path(base) / "helios"
 
 
+def cubin_dir() -> Path:
+    """Where compiled cubins (and their ptxas logs and SASS listings) are cached, named by content."""
+    return cache_dir() / "cubin"
+
+
 def atomic_write(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` via a temporary file in the same folder, fsync, rename."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -143,7 +148,7 @@ def compile_ptx(ptx: str, arch: str, extra: tuple[str, ...] = ()) -> Compiled:
     ptxas = require_tool("ptxas")
     flags = ("-v", "-O3", *extra)
     key = hashlib.sha256("\0".join([ptx, ptxas_version(), arch, *flags]).encode()).hexdigest()[:32]
-    d = cache_dir() / "cubin"
+    d = cubin_dir()
     cubin, logf = d / f"{key}.cubin", d / f"{key}.json"
     if cubin.exists() and logf.exists():
         try:
@@ -179,7 +184,7 @@ def sass(cubin: Path) -> str:
     tool_key = hashlib.sha256(f"{cmd[0]}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:12]
     cubin = Path(cubin)
     listing = cubin.with_name(f"{cubin.stem}.{tool_key}.sass")
-    cacheable = cubin.parent == cache_dir() / "cubin"  # named by content: the listing cannot go stale
+    cacheable = cubin.parent == cubin_dir()  # named by content: the listing cannot go stale
     if cacheable and listing.exists():
         return listing.read_text()
     r = subprocess.run(cmd, capture_output=True, text=True, check=False)

@@ -5,13 +5,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh --test
 .venv/bin/ruff check .   # lint first: pyflakes + pycodestyle (config in pyproject.toml)
-# .venv/bin/pytest, not `python -m pytest`: -m would put the checkout root on sys.path,
-# where the folder profile/ would shadow the standard library module of that name.
-# --durations=20: the 20 slowest tests, printed at the end of every run (CI's log too), so a test
-# that grows past its share of the 12-minute budget shows up where it is paid for.
-# -n 2 --dist loadgroup: two workers, one per core; the multi-rank tests run one at a time on one
-# of them (tests/conftest.py), the single-process tests spread over both.  `-n 0` after it: one
-# process (a debugger, or reading one test's output in order).
 # Warm the kernel caches first: on a fresh machine (CI's clone) every rank of every multi-rank test
 # would otherwise build the same pipelines from unfrozen SPIR-V (HELIOS_SPECIALIZE=sync freezes them
 # now, once).  Measured on tests/test_train_dist.py with empty caches: 55.1 s and 81 CPU-s without,
@@ -21,4 +14,11 @@ HELIOS_SPECIALIZE=sync LP_NUM_THREADS=1 .venv/bin/python -m helios.train --confi
     --block-size 16 --no-progress --eval-every 0 --sample-tokens 4 --ckpt-every 0 --out "$warm" >/dev/null \
     || echo "test.sh: warming the kernel caches failed; the tests will say why" >&2
 rm -rf "$warm"
+# .venv/bin/pytest, not `python -m pytest`: -m would put the checkout root on sys.path,
+# where the folder profile/ would shadow the standard library module of that name.
+# --durations=20: the 20 slowest tests, printed at the end of every run (CI's log too), so a test
+# that grows past its share of the 12-minute budget shows up where it is paid for.
+# -n 2 --dist loadgroup: two workers, one per core; the multi-rank tests run one at a time on one
+# of them (tests/conftest.py), the single-process tests spread over both.  `-n 0` after it: one
+# process (a debugger, or reading one test's output in order).
 exec .venv/bin/pytest -q --durations=20 -n 2 --dist loadgroup "$@"

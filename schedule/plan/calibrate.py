@@ -83,7 +83,6 @@ def with_measured_links(dev: Device, path: str) -> Device:
 class MeasuredRun:
     """A helios-train run read from its run.db, as the planner sees it."""
 
-    run_dir: str
     data: dict  # helios.profile.rundb.read_run's document
     cfg: dict  # the run's config_json
     shape: ModelShape
@@ -123,32 +122,33 @@ def read_measured_run(run_dir: str, dtype: str = "fp32", flag: str = "--run-db")
     par = Parallel(dp=world, zero=int(cfg.get("zero") or 0), mb=max(1, batch // world), recompute="none")
     steady = steps[WARMUP_STEPS:]
     wall = statistics.median(s["wall_ns"] for s in steady) / 1e9
-    return MeasuredRun(str(run_dir), data, cfg, shape, par, st, len(steps), steady, wall)
+    return MeasuredRun(data, cfg, shape, par, st, len(steps), steady, wall)
 
 
 def with_fitted_compute(dev: Device, run_dir: str, dtype: str = "fp32") -> Device:
     """``dev`` with its compute rate (``achievable``) fitted so that the plan of the helios-train run
     in ``run_dir`` takes that run's measured step time (``--compute-from``).
 
-    The step time falls as the rate rises (the GEMMs shrink, an overlapped reduction can only be
-    exposed less), so the rate is found by bisection.  Everything else -- memory-bound kernels,
+    The step time does not rise with the rate (the backward shrinks faster than the gradient
+    reduction it hides can become exposed: compute plus exposure is the later of backward's end
+    and the reduction's), so the rate is found by bisection.  Everything else -- memory-bound kernels,
     launches, links -- stays the device's (or ``--calibrate``'s), so a plan for another layout on
     the same machine differs from the measured run by what the model says the layout changes."""
     ref = read_measured_run(run_dir, dtype, flag="--compute-from")
 
-    def step(x: float) -> float:
-        return step_time(ref.shape, ref.par, ref.settings, replace(dev, achievable=x), dtype).step
+    def plan(x: float):
+        return step_time(ref.shape, ref.par, ref.settings, replace(dev, achievable=x), dtype)
 
     lo, hi = 1e-9, 1.0
-    if step(hi) > ref.wall_s:
-        at_peak = step_time(ref.shape, ref.par, ref.settings, replace(dev, achievable=hi), dtype).parts
-        rest = sum(v for k, v in at_peak.items() if k != "compute")
+    at_peak = plan(hi)
+    if at_peak.step > ref.wall_s:
+        rest = sum(v for k, v in at_peak.parts.items() if k != "compute")
         raise PlanError(f"--compute-from {run_dir}: no compute rate up to the device's peak fits the run's "
                         f"{1e3 * ref.wall_s:.1f} ms step (the plan's other parts -- launches, memory-bound kernels, "
                         f"links, optimizer -- take {1e3 * rest:.1f} ms of it): a run too short to fit, or of another --gpu")
     for _ in range(200):  # geometric bisection: the rate may be any power of ten below peak
         mid = (lo * hi) ** 0.5
-        lo, hi = (mid, hi) if step(mid) > ref.wall_s else (lo, mid)
+        lo, hi = (mid, hi) if plan(mid).step > ref.wall_s else (lo, mid)
         if hi / lo < 1 + 1e-9:
             break
     rate = hi * dev.peak_for(dtype)

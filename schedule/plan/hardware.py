@@ -132,7 +132,7 @@ def _host_memory() -> float:
 #: lavapipe on this machine (2-core AMD EPYC VM, Mesa lavapipe 22.3.6), measured rather than assumed:
 #: * matmul: 40.1 GFLOP/s fp32 on the GPT MLP shape (8*256x768)@(768x3072), 43.5 at 1024^3
 #:   (`python bench/matmul.py --rounds 7 --sizes 1024 --layouts nn`, 2026-11-28, load average ~3;
-#:   28.4 and 21.5 on 2026-11-21, before later kernel work).  Times on this host swing several
+#:   28.4 and 21.5 on 2026-11-21, load unrecorded).  Times on this host swing several
 #:   times with its load: ``helios-plan --compute-from RUN_DIR`` fits the rate to a run instead.
 #: * 34 us per dispatch of independent kernels (`python bench/dispatch.py`, helios_us_per_op,
 #:   2026-11-28; 58 us on 2026-11-21): lavapipe runs them on the cores the host shares.

@@ -217,8 +217,8 @@ def step_time(shape: ModelShape, par: Parallel, st: Settings, dev: Device, dtype
         end, fw, bw = end_d + end_e, fw_d + fw_e, bw_d + bw_e
         comp_f, comp_b = gemm_f + mem_f, gemm_b + mem_b
         if par.zero <= 1:
-            # the gradient reduction (the reduce-scatter for ZeRO-1) hides behind the last micro-batch's
-            # backward, bucket by bucket; ZeRO-1's parameter all-gather after the step is exposed
+            # the gradient reduction (for ZeRO-1, half the end's traffic: its reduce-scatter) hides behind
+            # the last micro-batch's backward, bucket by bucket; the rest (ZeRO-1's all-gather) is exposed
             red = end if par.zero == 0 else (end_d + end_e) / 2
             rest = end - red
             grad_bytes = (dense + expert) * st.grad_b

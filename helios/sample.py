@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import codecs
 import os
+import signal
 import sys
 from collections.abc import Iterator
 
@@ -179,10 +180,32 @@ def load_source(source: str, tokenizer: str | None = None):
     return model, tok, prefix, eos, what
 
 
+class _CtrlC:
+    """Ctrl-C raises KeyboardInterrupt as usual and is also remembered, so the loop stops at the
+    next token even when the exception was raised inside code that swallowed it (a finaliser, a
+    library's ``except``): once, in the full test suite, a sample went on for a minute after it."""
+
+    def __init__(self):
+        self.pressed = False
+        self._prev = signal.signal(signal.SIGINT, self._handler)
+
+    def _handler(self, signum, frame):
+        self.pressed = True
+        raise KeyboardInterrupt
+
+    def check(self) -> None:
+        if self.pressed:
+            raise KeyboardInterrupt
+
+    def restore(self) -> None:
+        signal.signal(signal.SIGINT, self._prev)
+
+
 def main(argv=None) -> int:
     """Entry point of helios-sample; returns the exit status."""
     a = build_parser().parse_args(argv)
     _check_args(a)
+    ctrl_c = _CtrlC()
     try:
         set_device_flag(a.device, _fail)
         model, tok, prefix, eos, _ = load_source(a.source, a.tokenizer)
@@ -194,6 +217,7 @@ def main(argv=None) -> int:
         printer._write(a.prompt)
         for t in stream_tokens(model, ids, a.n, model_context(model), a.temperature, a.top_k, a.top_p, a.seed,
                                eos_token_id=eos, capture=not a.no_capture):
+            ctrl_c.check()
             printer.add(t)
         printer.finish()
         return 0
@@ -205,6 +229,8 @@ def main(argv=None) -> int:
         _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
     except (CheckpointError, HeliosError) as e:
         _fail(f"{type(e).__name__}: {e}", code=1)
+    finally:
+        ctrl_c.restore()
     return 0
 
 

@@ -15,18 +15,8 @@ def _nvidia_gpu_present() -> bool:
     return os.path.exists("/dev/nvidia0") or shutil.which("nvidia-smi") is not None and os.system("nvidia-smi -L >/dev/null 2>&1") == 0
 
 
-# Under ``pytest -n N --dist loadgroup`` (scripts/test.sh) the tests that start ranks run one after
-# another on one worker, the rest spread over the workers: a multi-rank test already fills the
-# cores with its ranks, and the timeouts that fault tests measure must not compete with another
-# multi-rank test (or a fake cluster's namespaces with another's).
-RANKS_GROUP = "ranks"
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups from the markers
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if item.get_closest_marker("multiproc"):
-            item.add_marker(pytest.mark.xdist_group(RANKS_GROUP))
     if not _nvidia_gpu_present():
         skip_gpu = pytest.mark.skip(reason="no NVIDIA GPU on this machine (gpu tier)")
         for item in items:

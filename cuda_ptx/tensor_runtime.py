@@ -350,7 +350,7 @@ class CudaRuntime(Runtime):
             raise DeviceError(f"{kernel}.{variant}: {self.name} runs kernels as PTX translated from their SPIR-V, and "
                               f"the translator (helios.cuda_ptx.spirv_ptx) cannot be imported ({e})") from None
         entry = re.sub(r"\W", "_", f"{kernel}_{variant}")
-        t = spirv_ptx.translate(registry.spirv(kernel, variant), tuple(int(s) for s in spec), entry, self.target)
+        t = spirv_ptx.translate_cached(registry.spirv(kernel, variant), tuple(int(s) for s in spec), entry, self.target)
         self._use()
         fn = self.ctx.load_kernel(t.ptx, t.entry, t.shared_bytes, self.target)
         pid = len(self._programs)

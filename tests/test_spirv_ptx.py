@@ -84,3 +84,20 @@ def test_subgroup_variants_and_foreign_modules_are_refused_by_name():
         read_module(b"\0" * 40)
     with pytest.raises(SpirvError, match="not a SPIR-V module"):
         read_module(b"\0" * 6)
+
+
+def test_a_cached_translation_is_the_translation_and_a_changed_translator_misses(tmp_path, monkeypatch):
+    from helios.cuda_ptx import spirv_ptx
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    code = registry.spirv("softmax", "f32")
+    fresh = translate(code, (0, 128), "s")
+    assert spirv_ptx.translate_cached(code, (0, 128), "s") == fresh  # translated, then written
+    (cached,) = (tmp_path / "helios" / "ptx").iterdir()
+    assert spirv_ptx.translate_cached(code, (0, 128), "s") == fresh  # read back
+    cached.write_text(cached.read_text().replace(".maxntid 128", ".maxntid 128 /* from the cache */"))
+    assert "from the cache" in spirv_ptx.translate_cached(code, (0, 128), "s").ptx
+    assert spirv_ptx.translate_cached(code, (0, 64), "s").block == (64, 1, 1)  # another key
+    monkeypatch.setattr(spirv_ptx, "_translator_fingerprint", lambda: "an edited translator")
+    spirv_ptx.translate_cached(code, (0, 128), "s")
+    assert len(list((tmp_path / "helios" / "ptx").iterdir())) == 3  # not the old file

@@ -57,7 +57,8 @@ def cache_folders(env: Mapping[str, str]) -> dict[str, str]:
     data = env.get("HELIOS_CACHE_DIR") or xdg
     # Data caches follow HELIOS_CACHE_DIR (helios.fileio.cache_dir); the kernel caches live under XDG only.
     return {"tokens": os.path.join(data, "tokens"), "tokenizers": os.path.join(data, "tokenizers"),
-            "spv": os.path.join(xdg, "spv"), "pipelines": os.path.join(xdg, "pipelines"), "cubin": os.path.join(xdg, "cubin")}
+            "spv": os.path.join(xdg, "spv"), "pipelines": os.path.join(xdg, "pipelines"), "cubin": os.path.join(xdg, "cubin"),
+            "ptx": os.path.join(xdg, "ptx")}
 
 
 def probe(env: Mapping[str, str] | None = None) -> Section:

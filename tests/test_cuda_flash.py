@@ -209,7 +209,7 @@ def test_bf16_gpt_trains_on_cuda0_through_the_tensor_core_attention(cuda0):
 
     def losses(device):
         set_device(device)
-        cfg = GPTConfig(vocab_size=64, block_size=32, n_layer=1, n_head=2, n_embd=128, dropout=0.0)
+        cfg = GPTConfig(vocab_size=64, block_size=32, n_layer=1, n_head=1, n_embd=64, dropout=0.0)
         hl.manual_seed(0)
         model = GPT(cfg, seed=0)
         opt = AdamW(model.parameters(), lr=3e-3)

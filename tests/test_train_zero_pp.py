@@ -106,12 +106,11 @@ def test_a_zero3_pipeline_checkpoint_resumes_on_one_rank(tmp_path, one_rank):
 @pytest.mark.slow
 def test_zero_over_a_tensor_and_pipeline_parallel_grid_trains_what_the_grid_trains_without_it(tmp_path):
     """tp 2 x pp 2 x dp 2 on 8 ranks: ZeRO-2 over each (stage, tensor-parallel shard)'s two replicas
-    equals the same grid without ZeRO (tensor parallelism alone differs from one rank by its
-    own float noise); the clip's norm also sums the tensor-parallel shards once."""
-    grid = ("--tp", "2", "--pp", "2", "--dp", "2")
+    equals the tp 2 x pp 2 grid on 4 ranks taking the whole batch (tensor parallelism alone differs
+    from one rank by its own float noise); the clip's norm also sums the tensor-parallel shards once."""
     plain, zero = tmp_path / "plain", tmp_path / "zero"
-    for out, z in ((plain, "0"), (zero, "2")):
-        r = launch(8, out, *ARGS, *grid, "--zero", z)
+    for out, world, dp in ((plain, 4, ()), (zero, 8, ("--dp", "2", "--zero", "2"))):
+        r = launch(world, out, *ARGS, "--tp", "2", "--pp", "2", *dp)
         assert r.returncode == 0, r.stderr[-3000:]
     assert "x tensor parallel 2 x data parallel 2, ZeRO-2" in r.stdout
     _same_run(plain, zero)

@@ -9,6 +9,10 @@ import pytest
 # multi-rank tests give each rank, instead of every worker's threads contending for both cores.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("LP_NUM_THREADS", "1")
+# Every process a test starts (ranks, launchers, helios-train, benchmarks) imports numpy, whose
+# OpenBLAS starts a thread per core that spins a while: 60-110 ms of CPU per process, ~1000
+# processes a run, on cores the other processes need.  The tests' numpy work is small.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 
 def _nvidia_gpu_present() -> bool:

@@ -254,6 +254,18 @@ def test_launcher_without_restarts_exits_naming_the_rank(tmp_path):
 
 
 @pytest.mark.multiproc
+def test_launcher_gives_each_rank_one_blas_thread_unless_the_user_chose(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text("import os\nprint(os.environ.get('OPENBLAS_NUM_THREADS'), os.environ.get('OMP_NUM_THREADS'))\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")}
+    for user, want in (({}, "1 1"), ({"OPENBLAS_NUM_THREADS": "3", "OMP_NUM_THREADS": "2"}, "3 2")):
+        p = subprocess.run([PY, "-m", "helios.comm.launcher", "--nproc-per-node", "2", str(script)],
+                           env={**env, **user}, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+        assert p.returncode == 0, p.stderr
+        assert sorted(p.stdout.splitlines()) == [f"[rank 0] {want}", f"[rank 1] {want}"], p.stdout
+
+
+@pytest.mark.multiproc
 def test_launcher_restarts_run_out(tmp_path):
     """A rank that fails on every attempt: K restarts, then helios-run exits with its code."""
     script = tmp_path / "job.py"

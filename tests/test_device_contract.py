@@ -305,7 +305,7 @@ class _Translated:
 
 @pytest.fixture
 def fake_translator(monkeypatch):
-    """spirv_ptx.translate() stood in by a handwritten kernel: out[i] = in[i] + push word 1 for
+    """spirv_ptx's translation (translate and translate_cached) stood in by a handwritten kernel: out[i] = in[i] + push word 1 for
     i < push word 0, with parameters (binding 1, binding 0, binding 2, 2 push words)."""
     calls = []
 
@@ -315,7 +315,7 @@ def fake_translator(monkeypatch):
         return _Translated(ADD_PTX.format(name=name), name, (64, 1, 1), (1, 0, 2), 2, 0)
 
     fake = types.ModuleType("helios.cuda_ptx.spirv_ptx")
-    fake.translate = translate
+    fake.translate = fake.translate_cached = translate
     import helios.cuda_ptx as pkg
 
     monkeypatch.setitem(sys.modules, "helios.cuda_ptx.spirv_ptx", fake)

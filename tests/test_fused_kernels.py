@@ -316,6 +316,13 @@ def test_gpt_under_bf16_autocast_with_fusion_on_and_off_is_bit_identical():
     off = _gpt_run(False, dtype="bfloat16")
     assert on[0] == off[0]
     _assert_bits_equal(on[1], off[1])
+    # c_fc's GELU rides in its bf16 product (its backward is gelu_tanh_bwd either way; the
+    # projections add an fp32 residual to a bf16 product: separate ops, as autocast promotes)
+    if not get_runtime().has_gemm("bfloat16"):
+        n_layer = 2
+        assert on[2]["linear+gelu"] == n_layer and off[2]["linear+gelu"] == 0
+        assert off[2]["gelu_tanh"] - on[2]["gelu_tanh"] == n_layer
+        assert on[2]["matmul+gelu_tanh_bwd"] == 0 and on[2]["gelu_tanh_bwd"] == n_layer
 
 
 def _clip_run(enabled: bool, arrays, dtype: str, max_norm: float, flat: bool):

@@ -236,6 +236,8 @@ def mlp_residual(x: Tensor, w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tenso
     block with its residual add, in fused kernels (helios.fused_kernels: linear+gelu and
     linear+residual forward, matmul+gelu_tanh_bwd backward), bit for bit the separate ops;
     where the fused kernels do not apply the separate ops run."""
+    if _amp.state.dtype is not None:  # autocast: c_fc in the low dtype, as linear() would cast it
+        x, w1, b1 = _amp.low(x, w1, b1)
     hidden = x.shape[:-1] + (w1.shape[0],) if isinstance(x, Tensor) and isinstance(w1, Tensor) else None
     if (_fusible_linear(x, w1, b1) and isinstance(w2, Tensor) and w2.ndim == 2 and w2.shape[1] == w1.shape[0]
             and w2.dtype is x.dtype and w1.shape[0] > 0
@@ -249,12 +251,14 @@ def mlp_residual(x: Tensor, w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tenso
 
 def _fusible_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
     """Whether linear(x, weight, bias) is the plain one-kernel linear a fused kernel can
-    extend: fusion on, no autocast conversion, one float dtype, a [..., K] input with K > 0,
-    a unit-stride bias, and a device whose matrix engine does not take the dtype (there the
-    engine's product, bias in its epilogue, beats the fused kernels' SIMT matmul)."""
+    extend: fusion on, no autocast conversion (none active, or every operand already in its
+    dtype), one float dtype, a [..., K] input with K > 0, a unit-stride bias, and a device whose
+    matrix engine does not take the dtype (there the engine's product, bias in its epilogue,
+    beats the fused kernels' SIMT matmul)."""
     from helios import fused_kernels
 
-    return (fused_kernels.ENABLED and _amp.state.dtype is None and isinstance(x, Tensor) and isinstance(weight, Tensor)
+    return (fused_kernels.ENABLED and _amp.state.dtype in (None, getattr(x, "dtype", None))
+            and isinstance(x, Tensor) and isinstance(weight, Tensor)
             and x.ndim >= 2 and weight.ndim == 2 and x.shape[-1] == weight.shape[1] and x.shape[-1] > 0
             and x.numel() > 0 and x.dtype is weight.dtype and x.dtype.kind == "float"
             and (bias is None or (isinstance(bias, Tensor) and bias.shape == (weight.shape[0],)
@@ -277,6 +281,8 @@ def linear_gelu(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor
     """gelu(linear(x, weight, bias), approximate="tanh"): one matmul that stores the
     pre-activation and its GELU (helios.fused_kernels "linear+gelu"), bit for bit the separate ops;
     where the fused kernel does not apply the separate ops run."""
+    if _amp.state.dtype is not None:  # autocast: the product in the low dtype (gelu, on neither list, follows it)
+        x, weight, bias = _amp.low(x, weight, bias)
     if _fusible_linear(x, weight, bias):
         return _LinearGelu.apply(x, weight, bias)
     return F.gelu(linear(x, weight, bias), approximate="tanh")

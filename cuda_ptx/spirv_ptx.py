@@ -70,8 +70,8 @@ def _translator_fingerprint() -> str:
 def translate_cached(spirv: bytes, spec: tuple = (), name: str = "kernel", target: str = "sm_90") -> Translated:
     """:func:`translate`, kept on disk (``~/.cache/helios/ptx``) by the SPIR-V, the specialization,
     the name, the target and the translator's source: a process opening ``cuda:0`` translates
-    each of its ~300 kernels once per machine instead of once per process (about 12 ms each in
-    Python, 3.5 s for the op suite's kernels)."""
+    each of its kernels once per machine instead of once per process (the op suite on the
+    emulated device, 288 kernels: 26.7 -> 25.1 s)."""
     from .toolchain import atomic_write, cache_dir
 
     spec = tuple(int(s) for s in spec)

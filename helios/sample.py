@@ -182,8 +182,9 @@ def load_source(source: str, tokenizer: str | None = None):
 
 class _CtrlC:
     """Ctrl-C raises KeyboardInterrupt as usual and is also remembered, so the loop stops at the
-    next token even when the exception was raised inside code that swallowed it (a finaliser, a
-    library's ``except``): once, in the full test suite, a sample went on for a minute after it."""
+    next token should the exception be lost on its way up (raised inside code that swallows it:
+    a finaliser, a library's ``except``).  Once, in the full test suite, a sample ran on for a
+    minute after SIGINT; where the exception went was not found."""
 
     def __init__(self):
         self.pressed = False

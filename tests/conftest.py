@@ -13,6 +13,11 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # OpenBLAS starts a thread per core that spins a while: 60-110 ms of CPU per process, ~1000
 # processes a run, on cores the other processes need.  The tests' numpy work is small.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+# A process missing a kernel's frozen module waits for spirv-opt (kernels_spirv/specialize.py)
+# instead of building the unfrozen one and freezing it in the background: on empty caches (CI's
+# fresh clone) the ranks of a test all miss the same modules at once.  Measured on four
+# training test files with empty caches: 106 s / 187 CPU-s -> 84 s / 146 CPU-s; warm, the same.
+os.environ.setdefault("HELIOS_SPECIALIZE", "sync")
 
 
 def _nvidia_gpu_present() -> bool:

@@ -366,6 +366,14 @@ def _train_once(c: FakeCluster, nodes: int, a: argparse.Namespace, out: str, por
         raise RuntimeError(f"helios-train on {nodes} host(s): node {i} exited {codes[i]}:\n{job.tail(i)}")
 
 
+class PlanFailed(RuntimeError):
+    """helios-plan refused; ``reason`` is the refusal's kind from its --json output (None if absent)."""
+
+    def __init__(self, message: str, reason: str | None):
+        super().__init__(message)
+        self.reason = reason
+
+
 def _plan(run_dir: str, links: str, world: int, a: argparse.Namespace, compute_from: str | None = None) -> dict:
     """helios-plan's prediction for the run in ``run_dir`` with the measured links (and the compute
     rate fitted to the run in ``compute_from``, else the device table's), beside its measurement."""
@@ -374,7 +382,11 @@ def _plan(run_dir: str, links: str, world: int, a: argparse.Namespace, compute_f
                         str(world), "--global-batch", str(a.per_rank_batch * world), "--calibrate", links, *fit,
                         "--run-db", run_dir, "--json"], capture_output=True, text=True, timeout=120)
     if r.returncode != 0:
-        raise RuntimeError(f"helios-plan failed ({r.returncode}): {r.stderr.strip()}")
+        try:
+            reason = json.loads(r.stdout)["reason"]  # --json says why
+        except (ValueError, KeyError, TypeError):
+            reason = None
+        raise PlanFailed(f"helios-plan failed ({r.returncode}): {r.stderr.strip()}", reason)
     cal = json.loads(r.stdout)["calibration"]
     rows = {x["quantity"]: x for x in cal["rows"]}
     st, tps = rows["step time (s)"], rows["tokens/s"]
@@ -389,8 +401,8 @@ def _fitted_plan(run_dir: str, one_host_run: str, links: str, a: argparse.Namesp
     of a few milliseconds a step, shorter than the plan's launches: --smoke's), the reason."""
     try:
         return _plan(run_dir, links, 4, a, compute_from=one_host_run)
-    except RuntimeError as e:
-        if "no compute rate" not in str(e):
+    except PlanFailed as e:
+        if e.reason != "no_compute_rate_fits":
             raise
         return {"error": str(e)}
 

@@ -409,6 +409,11 @@ def test_compute_fitted_to_a_run_plans_that_run_at_its_step(monkeypatch, capsys)
     err = capsys.readouterr().err
     assert err.startswith("helios-plan: --compute-from fast: no compute rate up to the device's peak fits") \
         and err.count("\n") == 1
+    assert main([*argv, "--json"]) == 2  # and a program reading --json learns the kind of refusal
+    out, err = capsys.readouterr()
+    assert json.loads(out) == {"error": err.strip().removeprefix("helios-plan: "), "reason": "no_compute_rate_fits"}
+    assert main(["--model", "tiny", "--gpu", "lavapipe", "--gpus", "0", "--json"]) == 2
+    assert json.loads(capsys.readouterr().out)["reason"] == "bad_request"
     monkeypatch.undo()
     assert main([*argv[:-1], "/nonexistent/run"]) == 2
     err = capsys.readouterr().err

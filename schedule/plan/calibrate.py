@@ -47,6 +47,13 @@ from .timing import step_time
 WARMUP_STEPS = 2
 
 
+class NoComputeRateFits(PlanError):
+    """--compute-from names a run whose step is shorter than the plan's other parts at the
+    device's peak (a run of a few milliseconds, or one of another --gpu)."""
+
+    reason = "no_compute_rate_fits"
+
+
 def _positive(doc: dict, path: str, *keys: str) -> float:
     v = doc
     for k in keys:
@@ -143,7 +150,7 @@ def with_fitted_compute(dev: Device, run_dir: str, dtype: str = "fp32") -> Devic
     at_peak = plan(hi)
     if at_peak.step > ref.wall_s:
         rest = sum(v for k, v in at_peak.parts.items() if k != "compute")
-        raise PlanError(f"--compute-from {run_dir}: no compute rate up to the device's peak fits the run's "
+        raise NoComputeRateFits(f"--compute-from {run_dir}: no compute rate up to the device's peak fits the run's "
                         f"{1e3 * ref.wall_s:.1f} ms step (the plan's other parts -- launches, memory-bound kernels, "
                         f"links, optimizer -- take {1e3 * rest:.1f} ms of it): a run too short to fit, or of another --gpu")
     for _ in range(200):  # geometric bisection: the rate may be any power of ten below peak

@@ -249,6 +249,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _main(args)
     except PlanError as e:
+        if args.json:  # a program reading the JSON learns why from it, not from the message's words
+            print(json.dumps({"error": str(e), "reason": e.reason}))
         return _err(str(e))
     except OSError as e:
         return _err(f"{e.filename or ''}: {e.strerror or e}")

@@ -44,7 +44,10 @@ from helios.profile.mfu import gpt_flops_per_token, gpt_hardware_flops_per_token
 
 
 class PlanError(ValueError):
-    """A request the planner cannot answer: one line saying what was asked and what would work."""
+    """A request the planner cannot answer: one line saying what was asked and what would work.
+    ``reason`` names the kind of refusal for programs (helios-plan --json prints it)."""
+
+    reason = "bad_request"
 
 
 @dataclass(frozen=True)

@@ -180,13 +180,14 @@ def sass(cubin: Path) -> str:
         cmd = [tool, "-sass", str(cubin)]
     else:
         cmd = [require_tool("nvdisasm"), str(cubin)]
-    st = os.stat(cmd[0])
-    tool_key = hashlib.sha256(f"{cmd[0]}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:12]
     cubin = Path(cubin)
-    listing = cubin.with_name(f"{cubin.stem}.{tool_key}.sass")
     cacheable = cubin.parent == cubin_dir()  # named by content: the listing cannot go stale
-    if cacheable and listing.exists():
-        return listing.read_text()
+    if cacheable:
+        st = os.stat(cmd[0])
+        tool_key = hashlib.sha256(f"{cmd[0]}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:12]
+        listing = cubin.with_name(f"{cubin.stem}.{tool_key}.sass")
+        if listing.exists():
+            return listing.read_text()
     r = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if r.returncode != 0:
         raise DeviceError(f"{cmd[0]} failed on {cubin}: {r.stderr.strip()}")

@@ -19,6 +19,6 @@ rm -rf "$warm"
 # --durations=20: the 20 slowest tests, printed at the end of every run (CI's log too), so a test
 # that grows past its share of the 12-minute budget shows up where it is paid for.
 # -n 2: two workers, one per core, each taking the next test as it finishes one; a multi-rank test
-# on one worker runs beside whatever the other runs (their timeouts allow for it).  `-n 0` after it: one
-# process (a debugger, or reading one test's output in order).
+# on one worker runs beside whatever the other runs (as in every run measured so far).  `-n 0` after
+# it: one process (a debugger, or reading one test's output in order).
 exec .venv/bin/pytest -q --durations=20 -n 2 "$@"

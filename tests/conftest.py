@@ -10,8 +10,8 @@ import pytest
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("LP_NUM_THREADS", "1")
 # Every process a test starts (ranks, launchers, helios-train, benchmarks) imports numpy, whose
-# OpenBLAS starts a thread per core that spins a while: 60-110 ms of CPU per process, ~1000
-# processes a run, on cores the other processes need.  The tests' numpy work is small.
+# OpenBLAS starts a thread per core that spins a while: 60-110 ms of CPU per process, hundreds
+# of processes a run, on cores the other processes need.  The tests' numpy work is small.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 # A process missing a kernel's frozen module waits for spirv-opt (kernels_spirv/specialize.py)
 # instead of building the unfrozen one and freezing it in the background: on empty caches (CI's

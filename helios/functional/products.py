@@ -257,8 +257,8 @@ def _fusible_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
     beats the fused kernels' SIMT matmul)."""
     from helios import fused_kernels
 
-    return (fused_kernels.ENABLED and _amp.state.dtype in (None, getattr(x, "dtype", None))
-            and isinstance(x, Tensor) and isinstance(weight, Tensor)
+    return (fused_kernels.ENABLED and isinstance(x, Tensor) and isinstance(weight, Tensor)
+            and _amp.state.dtype in (None, x.dtype)
             and x.ndim >= 2 and weight.ndim == 2 and x.shape[-1] == weight.shape[1] and x.shape[-1] > 0
             and x.numel() > 0 and x.dtype is weight.dtype and x.dtype.kind == "float"
             and (bias is None or (isinstance(bias, Tensor) and bias.shape == (weight.shape[0],)

@@ -150,9 +150,10 @@ def with_fitted_compute(dev: Device, run_dir: str, dtype: str = "fp32") -> Devic
     at_peak = plan(hi)
     if at_peak.step > ref.wall_s:
         rest = sum(v for k, v in at_peak.parts.items() if k != "compute")
-        raise NoComputeRateFits(f"--compute-from {run_dir}: no compute rate up to the device's peak fits the run's "
-                        f"{1e3 * ref.wall_s:.1f} ms step (the plan's other parts -- launches, memory-bound kernels, "
-                        f"links, optimizer -- take {1e3 * rest:.1f} ms of it): a run too short to fit, or of another --gpu")
+        raise NoComputeRateFits(
+            f"--compute-from {run_dir}: no compute rate up to the device's peak fits the run's "
+            f"{1e3 * ref.wall_s:.1f} ms step (the plan's other parts -- launches, memory-bound kernels, "
+            f"links, optimizer -- take {1e3 * rest:.1f} ms of it): a run too short to fit, or of another --gpu")
     for _ in range(200):  # geometric bisection: the rate may be any power of ten below peak
         mid = (lo * hi) ** 0.5
         lo, hi = (mid, hi) if plan(mid).step > ref.wall_s else (lo, mid)

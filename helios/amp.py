@@ -118,11 +118,16 @@ def get_autocast_dtype():
     return state.dtype
 
 
-def _active():
+def active_dtype():
+    """The dtype autocast casts low-precision ops to at this point: None outside ``autocast`` and
+    inside a backward pass (which runs without it)."""
     d = state.dtype
     if d is None or getattr(tape._state, "in_backward", False):
         return None
     return d
+
+
+_active = active_dtype
 
 
 def low(*ts) -> tuple:

@@ -44,7 +44,19 @@ arithmetic in the same order, so its results are bit for bit those of the chain:
 Elementwise chains are fused at run time as well, into kernels generated from the op table
 (``ew_fused``): their rules live in :mod:`helios.elementwise_jit`, under the same switch.
 
-The linear fusions run without autocast (under autocast the unfused ops convert their
+* ``cast+matmul``, ``cast+linear+gelu``, ``cast+linear+residual``: under bf16 / fp16 autocast,
+  a linear layer whose input, weight or bias is float32 (the master weights; a LayerNorm's
+  output) runs as one product in the autocast dtype that rounds its float32 operands to it as
+  it loads them, what the cast kernels would store (helios.functional's _AutocastLinear and
+  its fused forms, the mixed storage of kernels_spirv/glsl/matmul.glsl).  Backward, each
+  gradient is a product of that kind written in its input's dtype: a float32 input gets the
+  rounded gradient widened, what its cast's backward would give.  The projections add their
+  float32 residual to the rounded product in the epilogue, as the promoting add would.  On a
+  device whose matrix engine takes the autocast dtype (``cuda:N``) the casts stay separate;
+  where the cooperative-matrix kernel runs a product, the product's casts run as cast kernels
+  around it, inside the same op.
+
+The other linear fusions run without autocast (under autocast the unfused ops convert their
 operands between the parts); the LayerNorm and clip fusions run either way.
 
 Who fuses: the GPT modules (helios.nn.modules Block / MLP / CausalSelfAttention) call the
@@ -78,6 +90,9 @@ PARTS = {
     "layer_norm_bwd+acc": ("layer_norm_bwd", "add"),
     "layer_norm_bwd+params": ("layer_norm_bwd", "layer_norm_bwd_params"),
     "layer_norm_bwd+acc+params": ("layer_norm_bwd", "add", "layer_norm_bwd_params"),
+    "cast+matmul": ("cast", "matmul", "cast"),
+    "cast+linear+gelu": ("cast", "matmul", "+bias", "gelu_tanh", "cast"),
+    "cast+linear+residual": ("cast", "matmul", "+bias", "cast", "add"),
     "sum_squares": ("mul", "sum"),
     "sum_squares+clip_coef": ("mul", "sum", "sqrt", "add_s", "rdiv_s", "clamp"),
     "sum+clip_coef": ("sum", "sqrt", "add_s", "rdiv_s", "clamp"),

@@ -43,4 +43,6 @@ def test_bf16_with_tp_trains_what_one_rank_trains_in_bf16(tmp_path):
             assert r.returncode == 0, r.stderr[-3000:]
         np.testing.assert_allclose(losses(runs["bf16"]), losses(one), rtol=2e-4, err_msg=name)
         bf16, fp32 = _dispatches(runs["bf16"]), _dispatches(runs["fp32"])
-        assert bf16 > fp32 + 40, (name, bf16, fp32)  # autocast casts weights and activations (about 60 a step)
+        # autocast's casts that are still kernels of their own (the attention scores to fp32 for the
+        # softmax and back, the logits; the linears' casts ride in their products): 34 a step here
+        assert bf16 > fp32 + 20, (name, bf16, fp32)

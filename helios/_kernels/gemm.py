@@ -130,12 +130,13 @@ _MM_EPI = {"linear+residual": 1, "linear+gelu": 2, "matmul+gelu_tanh_bwd": 3}
 
 
 def matmul_epilogue(name: str, a: Tensor, b: Tensor, bias: Tensor | None, e: Tensor | None,
-                    out: Tensor | None = None) -> tuple:
+                    out: Tensor | None = None, compute: dt.DType | None = None) -> tuple:
     """One fused matmul kernel (helios.fused_kernels): ``name`` is "linear+residual" (a @ b + bias,
     rounded to the dtype, + ``e``), "linear+gelu" (u = a @ b + bias; gelu_tanh(u)) or
     "matmul+gelu_tanh_bwd" ((a @ b) * gelu_tanh'(``e``)).  ``e`` has the output's shape and
     dtype and is contiguous, as is ``out`` when given.  Returns (out, u) with u the stored
-    pre-activation of "linear+gelu", else None.  Bit for bit the unfused kernels."""
+    pre-activation of "linear+gelu", else None.  Bit for bit the unfused kernels.  ``compute``:
+    as matmul()'s (float32 slots in a 16-bit product; u is then of ``compute``)."""
     code = _MM_EPI.get(name)
     if code is None:
         raise ValueError(f"matmul_epilogue: name must be one of {sorted(_MM_EPI)}, got {name!r}")
@@ -143,10 +144,10 @@ def matmul_epilogue(name: str, a: Tensor, b: Tensor, bias: Tensor | None, e: Ten
         raise ShapeError(f"matmul_epilogue: expected a [..., K] @ [K, N] product with K > 0, got {a.shape} and {b.shape}")
     u = None
     if code == 2:
-        u = empty(a.shape[:-1] + (b.shape[1],), a.dtype, a._st.rt)
+        u = empty(a.shape[:-1] + (b.shape[1],), compute or a.dtype, a._st.rt)
     elif e is None:
         raise ValueError(f"matmul_epilogue: {name} needs e (the tensor its epilogue reads)")
-    r = matmul(a, b, bias, out, _epi=(name, code, e, u))
+    r = matmul(a, b, bias, out, _epi=(name, code, e, u), compute=compute)
     return r, u
 
 
@@ -185,11 +186,20 @@ def matmul_bias_grad(a: Tensor, b: Tensor, out: Tensor, bsum: Tensor) -> bool:
 
 
 def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None = None, _epi: tuple | None = None,
-           _bsum: Tensor | None = None) -> Tensor:
+           _bsum: Tensor | None = None, compute: dt.DType | None = None) -> Tensor:
     """Batched a @ b (+ ``bias`` over the last dim) with broadcast batch dims; both >= 2-D
     and of the same float dtype; ``bias`` 1-D of size N with unit stride, added in the
     kernel's epilogue.  (``_epi``: matmul_epilogue's fused epilogue; ``_bsum``:
     matmul_bias_grad's column sums of b, checked there.)
+
+    ``compute`` (bfloat16 or float16; autocast's products): the product in that dtype where
+    a, b, the bias, ``out`` and the epilogue's e may each be it or float32, bit for bit casts
+    around the product in ``compute``: float32 operands rounded to it, a float32 ``out`` (new
+    when not given: ``compute``) getting the rounded result widened, and linear+residual's
+    float32 e added to the rounded product in float32 (so ``out`` must then be float32).
+    The 16-bit kernels do the casts as they load and store (the mixed storage of
+    kernels_spirv/glsl/matmul.glsl); elsewhere (a matrix engine, cooperative matrices) the
+    cast kernels run around the product.
 
     Operands may be any strided views (transposes, broadcast batches): the kernel variant
     and its load paths are chosen here from strides and alignment.  ``out`` (optional, the
@@ -207,15 +217,22 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None 
         raise ShapeError(f"matmul: shapes {a.shape} and {b.shape} are not aligned (inner dims {K} != {K2})")
     batch = broadcast_shapes("matmul", a.shape[:-2], b.shape[:-2])
     rt = a._st.rt
+    mixed = _mixed_slots(compute, a, b, bias, out, _epi)
+    if mixed is not None:
+        if _bsum is not None or K == 0 or not _mixed_in_kernel(rt, compute, mixed, M, N, K):
+            return _matmul_with_casts(a, b, bias, out, _epi, compute)
+        a_dtype = compute  # the kernel's (its variant's) dtype; the slots flagged in ``mixed`` hold float32
+    else:
+        a_dtype = a.dtype
     ct = cld = 0
     if out is None:
-        out = empty(batch + (M, N), a.dtype, rt)
+        out = empty(batch + (M, N), a_dtype, rt)
     else:
-        ct, cld = _check_mm_out(out, batch + (M, N), a.dtype)
+        ct, cld = _check_mm_out(out, batch + (M, N), out.dtype if mixed else a_dtype)
     nb = numel(batch)
     if out.numel() == 0:
         return out
-    if bias is not None and (bias.shape != (N,) or bias.dtype is not a.dtype or (N > 1 and bias._strides[0] != 1)):
+    if bias is not None and (bias.shape != (N,) or (bias.dtype is not a.dtype and not mixed) or (N > 1 and bias._strides[0] != 1)):
         raise ShapeError(f"matmul: bias must be a unit-stride {a.dtype.name} vector of shape ({N},), "
                          f"got {bias.dtype.name} {bias.shape} with strides {bias._strides}")
     if K == 0:
@@ -233,9 +250,10 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None 
     else:
         cshape, (ca, cb) = collapse(batch, sa, sb)
     if len(cshape) > 2:  # three or more unmergeable batch dims: make the operands contiguous
-        return matmul(kern.copy(a.expand(batch + (M, K))), kern.copy(b.expand(batch + (K, N))), bias, out)
+        return matmul(kern.copy(a.expand(batch + (M, K))), kern.copy(b.expand(batch + (K, N))), bias, out, _epi,
+                      compute=compute)
     if _epi is not None:
-        _check_epi(_epi, out, batch + (M, N), ct or cld)
+        _check_epi(_epi, out, batch + (M, N), ct or cld, a_dtype)
     if len(cshape) == 1 and cb[0] == 0 and ca[0] == M * a._strides[-2] and not (ct or cld):
         # B is shared by every batch matrix and A's batches follow each other along M (a
         # Linear layer on [B, T, C]): one [nb*M, K] @ [K, N] product.  Each output is the
@@ -279,18 +297,18 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None 
         be, oe = bind(_epi[2]) if _epi[2] is not None else (bc, 0)
         bu, ou = bind(_epi[3], True) if _epi[3] is not None else (bc, 0)
     if _cpu_mm_kernel(rt):
-        tm, tn, wy = _mm_cpu_tile(M, N, a.dtype)
+        tm, tn, wy = _mm_cpu_tile(M, N, a_dtype)
         spec = _mm_cpu_config(M, N, oa, ob, oc, ca, cb, sam, sak, sbk, sbn, bool(rt.features.get("int64")), (tm, tn, wy))
         if ct or cld:  # vec4 stores run along C's contiguous dim (M when transposed)
             spec = spec[:3] + (int((M if ct else N) % 4 == 0 and oc % 4 == 0 and cld % 4 == 0),) + spec[4:]
         spec = spec + (has_bias,) + ((ct, cld) if ct or cld or _bsum is not None else ()) + epi_spec
         if _bsum is not None:  # BSUM at constant id 10 (9 is matmul_epi's EPI)
             spec = spec + (0, 1)
-        elif _epi is not None and _MM_EPI_VEC and a.dtype is dt.float32 and spec[3] and not (ct or cld):
+        elif _epi is not None and _MM_EPI_VEC and a_dtype is dt.float32 and spec[3] and not (ct or cld):
             # EVEC (constant id 11): the fp32 epilogue on vec4s when E's and U's offsets allow
             if oe % 4 == 0 and ou % 4 == 0:
                 spec = spec + (0, 1)
-        pid = rt.pipeline(kernel, f"{a.dtype.tag}_sg{tm}x{tn}", spec)
+        pid = rt.pipeline(kernel, f"{a_dtype.tag}{_texel_mix(mixed)}_sg{tm}x{tn}", _with_mixed(spec, mixed))
         groups = ((N + _MM_SG * tn - 1) // (_MM_SG * tn), (M + tm * spec[0] - 1) // (tm * spec[0]), nb)
     elif (tile := coopmat.choice_for(rt, a.dtype.name, M, N, K).tile) is not None:  # tensor cores (coopmat.py)
         kernel = coopmat.KERNEL
@@ -302,10 +320,10 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None 
             be, oe, bu, ou = bc, 0, bc, 0
     else:
         spec = _MM_GPU_SPEC + (has_bias,) + ((ct, cld) if ct or cld else ()) + ((0,) + epi_spec if _epi else ())
-        pid = rt.pipeline(kernel, a.dtype.tag, spec)
+        pid = rt.pipeline(kernel, a_dtype.tag, _with_mixed(spec, mixed))
         groups = ((N + _MM_GPU_SPEC[1] - 1) // _MM_GPU_SPEC[1], (M + _MM_GPU_SPEC[0] - 1) // _MM_GPU_SPEC[0], nb)
     flops = 2 * nb * M * N * K
-    nbytes = (nb * (M * K + K * N + M * N)) * a.dtype.itemsize
+    nbytes = nb * (M * K * a.dtype.itemsize + K * N * b.dtype.itemsize + M * N * out.dtype.itemsize)
     words = (M, N, K, cshape[1], oa, ob, oc, oz, ca[0], ca[1], sam, sak, cb[0], cb[1], sbk, sbn)
     bufs, push = [ba, bb, bc, bz], _P_MATMUL.pack(*words)
     if kernel == coopmat.KERNEL:
@@ -315,13 +333,86 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None 
                     flops + K * N, nbytes + N * a.dtype.itemsize)
         return out
     if _epi is None:
-        rt.dispatch(pid, bufs, push, groups, "matmul", flops, nbytes)
+        rt.dispatch(pid, bufs, push, groups, fused_kernels.dispatch_name("cast+matmul", rt) if mixed else "matmul",
+                    flops, nbytes)
         return out
 
     name, _, e, u = _epi
-    nbytes += (e is not None) * nb * M * N * a.dtype.itemsize + (u is not None) * nb * M * N * a.dtype.itemsize
+    nbytes += nb * M * N * sum(t.dtype.itemsize for t in (e, u) if t is not None)
     rt.dispatch(pid, [ba, bb, bc, bz, be, bu], _P_MATMUL_EPI.pack(*words, oe, ou), groups,
-                fused_kernels.dispatch_name(name, rt), flops, nbytes)
+                fused_kernels.dispatch_name("cast+" + name if mixed else name, rt), flops, nbytes)
+    return out
+
+
+# -- autocast's casts in the product (matmul(..., compute=)) ------------------------------------
+def _mixed_slots(compute: dt.DType | None, a: Tensor, b: Tensor, bias: Tensor | None, out: Tensor | None,
+                 epi: tuple | None) -> tuple | None:
+    """The mixed-storage flags (AF32, BF32, CF32, BIASF32, EF32) of a product in ``compute`` whose
+    float32 slots get them; None when every slot is ``compute`` (a plain product) or ``compute`` is
+    None.  A ValueError for a slot of a third dtype, or linear+residual's float32 e without a
+    float32 out (the sum would be rounded twice)."""
+    if compute is None:
+        return None
+    if compute not in (dt.bfloat16, dt.float16):
+        raise ValueError(f"matmul: compute must be bfloat16 or float16, got {compute.name}")
+    e = epi[2] if epi is not None else None
+    slots = (a, b, out, bias, e)
+    for name, t in zip(("a", "b", "out", "bias", "e"), slots):
+        if t is not None and t.dtype not in (compute, dt.float32):
+            raise ValueError(f"matmul: {name} must be {compute.name} or float32 in a {compute.name} product, "
+                             f"got {t.dtype.name}")
+    flags = tuple(int(t is not None and t.dtype is dt.float32) for t in slots)
+    if not any(flags):
+        return None
+    if flags[4] and (epi[1] != 1 or not flags[2]):
+        raise ValueError("matmul: a float32 e is linear+residual's, with a float32 out")
+    return flags
+
+
+def _mixed_in_kernel(rt, compute: dt.DType, mixed: tuple, M: int, N: int, K: int) -> bool:
+    """Whether the 16-bit kernel matmul() dispatches for this product takes its float32 slots
+    ``mixed`` (the shared-memory kernel does; the CPU-driver kernel has variants for a float32 A
+    or B in bfloat16 only (matmul.variants); a matrix engine and the cooperative-matrix kernel
+    take none)."""
+    if _cpu_mm_kernel(rt):
+        return compute is dt.bfloat16 or not (mixed[0] or mixed[1])
+    return not rt.has_gemm(compute.name) and not coopmat.choice_for(rt, compute.name, M, N, K).coopmat
+
+
+def _texel_mix(mixed: tuple | None) -> str:
+    """The CPU kernel's variant suffix for a float32 A and / or B ("a32", "b32", "ab32"; "" for
+    none): those are read through texel views, which a variant declares."""
+    return "" if mixed is None else ("", "a32", "b32", "ab32")[mixed[0] + 2 * mixed[1]]
+
+
+def _with_mixed(spec: tuple, mixed: tuple | None) -> tuple:
+    """The kernel's constants with the mixed-storage flags at ids 12-16 (the ids between left at
+    their defaults, 0); ``spec`` unchanged for a plain product."""
+    if mixed is None:
+        return spec
+    return spec + (0,) * (12 - len(spec)) + mixed
+
+
+def _matmul_with_casts(a: Tensor, b: Tensor, bias: Tensor | None, out: Tensor | None, epi: tuple | None,
+                       compute: dt.DType) -> Tensor:
+    """matmul(..., compute=) as separate kernels where the product's kernel takes no float32
+    slots: each float32 operand cast to ``compute``, the product, then the result cast into a
+    float32 ``out`` (linear+residual: the rounded product cast to float32 and added to e)."""
+    def low(t):
+        return t if t is None or t.dtype is compute else kern.copy(t, compute)
+
+    a, b, bias = low(a), low(b), low(bias)
+    e = epi[2] if epi is not None else None
+    residual32 = epi is not None and epi[1] == 1 and e.dtype is dt.float32
+    if epi is not None and not residual32:
+        epi = (epi[0], epi[1], low(e), epi[3])
+    if out is None or out.dtype is compute:  # (a float32 e has a float32 out: _mixed_slots)
+        return matmul(a, b, bias, out, epi)
+    y = matmul(a, b, bias, None, None if residual32 else epi)
+    if residual32:
+        kern.copy_into(out, kern.binary("add", e, kern.copy(y, dt.float32)))
+    else:
+        kern.copy_into(out, y)
     return out
 
 
@@ -424,14 +515,15 @@ def _engine_copy(x: Tensor) -> Tensor:
     return y
 
 
-def _check_epi(epi: tuple, out: Tensor, shape: tuple, strided: bool) -> None:
-    """A ShapeError unless the fused epilogue's C and its E / U are contiguous [.., M, N]."""
+def _check_epi(epi: tuple, out: Tensor, shape: tuple, strided: bool, dtype: dt.DType) -> None:
+    """A ShapeError unless the fused epilogue's C and its E / U are contiguous [.., M, N], U of the
+    product's ``dtype`` and E of out's (either, in a product with float32 slots)."""
     name, _, e, u = epi
     if strided:
         raise ShapeError(f"{name}: out must be contiguous")
-    for what, t in (("e", e), ("u", u)):
-        if t is not None and (t.shape != shape or t.dtype is not out.dtype or not t.is_contiguous()):
-            raise ShapeError(f"{name}: {what} must be a contiguous {out.dtype.name} tensor of shape {shape}, "
+    for what, t, want in (("e", e, (out.dtype, dtype)), ("u", u, (dtype,))):
+        if t is not None and (t.shape != shape or t.dtype not in want or not t.is_contiguous()):
+            raise ShapeError(f"{name}: {what} must be a contiguous {want[0].name} tensor of shape {shape}, "
                              f"got {t.dtype.name} {t.shape} with strides {t._strides}")
 
 

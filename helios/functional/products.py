@@ -231,11 +231,127 @@ class _MLPResidual(Function):
         return gx, gw1, gb1, gw2, gb2, (g if n[5] else None)
 
 
+class _AutocastLinear(Function):
+    """linear(x, w, b) under autocast, in the autocast dtype ``low``, with the casts of its float32
+    operands done by the product's kernel (K.matmul's ``compute``): no cast kernels forward and
+    none for their gradients backward, bit for bit linear()'s casts, product and the casts'
+    backward.  x, w and b may each be float32 or ``low``; the result is ``low``."""
+
+    op_name = "linear"
+
+    @staticmethod
+    def forward(ctx, x, w, b, low):
+        ctx.save_for_backward(x, w)
+        _keep_dtypes(ctx, low, b)
+        return K.matmul(x, F.transpose(w, 0, 1), b, compute=low)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return _autocast_linear_grads(ctx, _in_dtype(g, ctx.low), x, w, ctx.low) + (None,)
+
+
+class _AutocastLinearGelu(Function):
+    """gelu_tanh(linear(x, w, b)) under autocast: _AutocastLinear's product with linear+gelu's
+    epilogue (the pre-activation u stored in ``low`` for backward), bit for bit the casts, the
+    product and the GELU."""
+
+    op_name = "linear+gelu"
+
+    @staticmethod
+    def forward(ctx, x, w, b, low):
+        y, u = K.matmul_epilogue("linear+gelu", x, F.transpose(w, 0, 1), b, None, compute=low)
+        ctx.save_for_backward(x, w, u)
+        _keep_dtypes(ctx, low, b)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w, u = ctx.saved_tensors
+        gu = K.binary("gelu_tanh_bwd", u, _in_dtype(g, ctx.low))  # gelu's backward, as _LinearGelu's
+        return _autocast_linear_grads(ctx, gu, x, w, ctx.low) + (None,)
+
+
+class _AutocastLinearResidual(Function):
+    """residual + linear(x, w, b) under autocast with a float32 residual: the product in ``low``
+    rounded and added to the residual in float32 in its kernel's epilogue (linear+residual), the
+    result float32, bit for bit the casts, the product, the promoting cast and the add."""
+
+    op_name = "linear+residual"
+
+    @staticmethod
+    def forward(ctx, x, w, b, residual, low):
+        ctx.save_for_backward(x, w)
+        _keep_dtypes(ctx, low, b)
+        out = K.empty(residual.shape, residual.dtype, residual._st.rt)
+        K.matmul_epilogue("linear+residual", x, F.transpose(w, 0, 1), b, residual, out=out, compute=low)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        # the add's backward passes g to both; the product's share goes through the promoting
+        # cast's backward (g rounded to low), as the separate ops do
+        grads = _autocast_linear_grads(ctx, _in_dtype(g, ctx.low), x, w, ctx.low)
+        return grads + ((g if ctx.needs_input_grad[3] else None), None)
+
+
+def _keep_dtypes(ctx, low, b) -> None:
+    """What an autocast linear's backward needs besides its saved tensors: the autocast dtype and
+    the bias's dtype (its gradient's)."""
+    ctx.low, ctx.bias_dtype = low, (b.dtype if b is not None else None)
+
+
+def _in_dtype(g: Tensor, dtype) -> Tensor:
+    """``g`` as ``dtype`` (a cast kernel only where it is another dtype)."""
+    return g if g.dtype is dtype else K.copy(g, dtype)
+
+
+def _autocast_linear_grads(ctx, g: Tensor, x: Tensor, w: Tensor, low) -> tuple:
+    """(gx, gw, gb) of an autocast linear (inputs 0, 1, 2 of ctx) for its output gradient g (in
+    ``low``): each gradient the product of g and the other operand rounded to ``low``, stored in
+    its input's dtype (a float32 input gets the rounded gradient widened, as its cast's backward
+    gives it), into the input's free gradient slot where it has one."""
+    n = ctx.needs_input_grad
+    gx = gw = gb = None
+    if n[0]:
+        gx = K.matmul(g, w, out=_slot(ctx, 0, x), compute=low)
+    if n[1]:
+        g2, x2 = F._rows(g), F._rows(x)
+        dest = _slot(ctx, 1, w)
+        # the wide-output weight as (x^T g)^T, as _linear_grads picks (the same sums either way)
+        if w.shape[0] > w.shape[1]:
+            gw = F.transpose(K.matmul(F.transpose(x2, 0, 1), g2, out=F.transpose(dest, 0, 1), compute=low), 0, 1)
+        else:
+            gw = K.matmul(F.transpose(g2, 0, 1), x2, out=dest, compute=low)
+    if n[2]:
+        gb = F.sum_to_shape(g, (g.shape[-1],))  # in low, as the separate product's bias gradient
+        if ctx.bias_dtype is not low:  # its cast's backward
+            dest = ctx.grad_out(2)
+            if dest is not None and dest.shape == gb.shape and dest.dtype is ctx.bias_dtype:
+                K.copy_into(dest, gb)
+                gb = dest
+            else:
+                gb = K.copy(gb, ctx.bias_dtype)
+    return gx, gw, gb
+
+
+def _slot(ctx, i: int, t: Tensor) -> Tensor:
+    """Where input i's (``t``'s) gradient goes: its free gradient slot (ctx.grad_out), else a new
+    contiguous tensor of its shape and dtype."""
+    dest = ctx.grad_out(i)
+    if dest is not None and dest.shape == t.shape and dest.dtype is t.dtype:
+        return dest
+    return K.empty(t.shape, t.dtype, t._st.rt)
+
+
 def mlp_residual(x: Tensor, w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tensor | None, residual: Tensor) -> Tensor:
     """residual + linear(gelu(linear(x, w1, b1), approximate="tanh"), w2, b2), the GPT MLP
     block with its residual add, in fused kernels (helios.fused_kernels: linear+gelu and
     linear+residual forward, matmul+gelu_tanh_bwd backward), bit for bit the separate ops;
     where the fused kernels do not apply the separate ops run."""
+    if _autocast_in_product(x, w1, b1) is not None:  # autocast: each linear with its casts in its kernel
+        return linear_residual(linear_gelu(x, w1, b1), w2, b2, residual)
     if _amp.state.dtype is not None:  # autocast: c_fc in the low dtype, as linear() would cast it
         x, w1, b1 = _amp.low(x, w1, b1)
     hidden = x.shape[:-1] + (w1.shape[0],) if isinstance(x, Tensor) and isinstance(w1, Tensor) else None
@@ -266,11 +382,38 @@ def _fusible_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
             and not x._st.rt.has_gemm(x.dtype.name))
 
 
+def _autocast_in_product(x: Tensor, weight: Tensor, bias: Tensor | None):
+    """The autocast dtype when linear(x, weight, bias) runs as an autocast linear whose kernel does
+    the casts (_AutocastLinear and its fused forms), else None: autocast and fusion on, a [..., K]
+    input with K > 0 and a 2-D weight, each of x, weight and a unit-stride bias float32 or the
+    autocast dtype and at least one float32 (else there is no cast to fuse), all on one device
+    whose matrix engine does not take the autocast dtype (there the engine runs the product)."""
+    low = _amp.active_dtype()
+    if low is None or not fused_kernels.ENABLED or not (isinstance(x, Tensor) and isinstance(weight, Tensor)):
+        return None
+    ok = (low, dt.float32)
+    if not (x.ndim >= 2 and weight.ndim == 2 and x.shape[-1] == weight.shape[1] > 0 and x.numel() > 0
+            and x.dtype in ok and weight.dtype in ok and weight._st.rt is x._st.rt):
+        return None
+    if bias is not None and not (isinstance(bias, Tensor) and bias.shape == (weight.shape[0],) and bias.dtype in ok
+                                 and bias._st.rt is x._st.rt and (bias.shape[0] == 1 or bias._strides[0] == 1)):
+        return None
+    if dt.float32 not in (x.dtype, weight.dtype, bias.dtype if bias is not None else low):
+        return None
+    return None if x._st.rt.has_gemm(low.name) else low
+
+
 def linear_residual(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor) -> Tensor:
     """residual + linear(x, weight, bias): one matmul whose epilogue adds the residual
-    (helios.fused_kernels "linear+residual"), bit for bit the separate ops; where the fused kernel
-    does not apply (fusion off, autocast, mixed dtypes, a residual of another shape or
-    layout) the separate ops run."""
+    (helios.fused_kernels "linear+residual"), bit for bit the separate ops; under autocast, with
+    a float32 residual, the operands' casts ride in the kernel too; where the fused kernel does
+    not apply (fusion off, mixed dtypes, a residual of another shape or layout) the separate
+    ops run."""
+    low = _autocast_in_product(x, weight, bias)
+    if (low is not None and isinstance(residual, Tensor) and residual.dtype is dt.float32
+            and residual._st.rt is x._st.rt and residual.shape == x.shape[:-1] + (weight.shape[0],)
+            and residual.is_contiguous()):
+        return _AutocastLinearResidual.apply(x, weight, bias, residual, low)
     if (_fusible_linear(x, weight, bias) and isinstance(residual, Tensor) and residual.dtype is x.dtype
             and residual.shape == x.shape[:-1] + (weight.shape[0],) and residual.is_contiguous()):
         return _LinearResidual.apply(x, weight, bias, residual)
@@ -281,6 +424,9 @@ def linear_gelu(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor
     """gelu(linear(x, weight, bias), approximate="tanh"): one matmul that stores the
     pre-activation and its GELU (helios.fused_kernels "linear+gelu"), bit for bit the separate ops;
     where the fused kernel does not apply the separate ops run."""
+    low = _autocast_in_product(x, weight, bias)
+    if low is not None:  # autocast, the casts in the product's kernel
+        return _AutocastLinearGelu.apply(x, weight, bias, low)
     if _amp.state.dtype is not None:  # autocast: the product in the low dtype (gelu, on neither list, follows it)
         x, weight, bias = _amp.low(x, weight, bias)
     if _fusible_linear(x, weight, bias):
@@ -291,12 +437,15 @@ def linear_gelu(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """x @ weight^T + bias (PyTorch's F.linear); the bias is added in the matmul's epilogue."""
     F._check_tensor(x, "linear"), F._check_tensor(weight, "linear")
-    if _amp.state.dtype is not None:  # autocast: in the low dtype (the bias too: one rounding in the epilogue)
-        x, weight, bias = _amp.low(x, weight, bias)
     if weight.ndim != 2 or x.ndim < 1 or x.shape[-1] != weight.shape[1]:
         raise ShapeError(f"linear: expected input [..., {weight.shape[-1]}] and a 2-D weight, got {x.shape} and {weight.shape}")
     if bias is not None and bias.shape != (weight.shape[0],):
         raise ShapeError(f"linear: expected a bias of shape ({weight.shape[0]},), got {bias.shape}")
+    low = _autocast_in_product(x, weight, bias)
+    if low is not None:  # autocast, the casts in the product's kernel (one dispatch, the same bits)
+        return _AutocastLinear.apply(x, weight, bias, low)
+    if _amp.state.dtype is not None:  # autocast: in the low dtype (the bias too: one rounding in the epilogue)
+        x, weight, bias = _amp.low(x, weight, bias)
     # Mixed dtypes and 1-D inputs take the general path (promotion, vector matmul).
     if (x.ndim < 2 or x.dtype is not weight.dtype or x.dtype.kind != "float"
             or (bias is not None and bias.dtype is not x.dtype)):

@@ -52,14 +52,20 @@
 #include "common.glsl"
 #extension GL_EXT_control_flow_attributes : require
 
-#if defined(MM_SG) && TA == T_F32
 // The CPU kernel reads fp32 A and B through rgba32f texel views (the addon binds a
 // samplerBuffer as a uniform texel buffer): llvmpipe fetches a texel for all 8 lanes as one
-// gather, where a storage-buffer load is a loop over the lanes (see MM_SG below).
+// gather, where a storage-buffer load is a loop over the lanes (see MM_SG below).  So do its
+// 16-bit variants for a float32 A or B (MM_AF32 / MM_BF32: the mixed storage below).
+#if defined(MM_SG) && (TA == T_F32 || defined(MM_AF32))
+#define MM_TEXEL_A
 layout(binding = 0) uniform samplerBuffer ta;
-layout(binding = 1) uniform samplerBuffer tb;
 #else
 layout(std430, binding = 0) readonly buffer BA { HL_ST(TA) a[]; };
+#endif
+#if defined(MM_SG) && (TA == T_F32 || defined(MM_BF32))
+#define MM_TEXEL_B
+layout(binding = 1) uniform samplerBuffer tb;
+#else
 layout(std430, binding = 1) readonly buffer BB { HL_ST(TA) b[]; };
 #endif
 layout(std430, binding = 2) writeonly buffer BC { HL_ST(TA) c[]; };
@@ -74,19 +80,8 @@ layout(push_constant) uniform P {
 #endif
 } p;
 
-#ifdef MM_EPI
-#if defined(MM_SG) && TA == T_F32
-layout(binding = 4) uniform samplerBuffer te;  // read through a texel view, as A and B
-#define LDE(i) texelFetch(te, int((i) >> 2))[(i) & 3u]
-#else
-layout(std430, binding = 4) readonly buffer BE { HL_ST(TA) e[]; };
-#define LDE(i) HL_LDF(TA, e[i])
-#endif
-layout(std430, binding = 5) writeonly buffer BU { HL_ST(TA) u[]; };
-layout(constant_id = 9) const int EPI = 0;
-
 // v rounded to the storage type, as a store then a load would (the unfused ops read the
-// product back from memory).
+// product back from memory; a cast to TA is such a store).
 float mm_round(float v) {
 #if TA == T_F32
     return v;
@@ -96,6 +91,44 @@ float mm_round(float v) {
     return bf16_to_f(f_to_bf16(v));
 #endif
 }
+
+#if TA != T_F32
+// Mixed storage (16-bit kernels): autocast's casts fused into the product.  Each slot
+// flagged here holds float32 instead of TA: A, B and the bias are rounded to TA as they are
+// loaded (what a cast to TA before the product stores), and C receives the TA-rounded
+// result widened to float32 (what a cast back after it stores), except that linear+residual's
+// sum of the rounded product and a float32 E (EF32) is stored as it is, the add of a TA
+// product and a float32 residual being a float32 add.  So each value is bit for bit the
+// one the separate casts give.  Offsets and strides count each slot's own elements.
+// The CPU kernel's float32 A and B are variants (MM_AF32 / MM_BF32: texel views, above);
+// the GPU kernel's, like every other slot's, specialization constants.
+#ifndef MM_SG
+layout(constant_id = 12) const int AF32 = 0;
+layout(constant_id = 13) const int BF32 = 0;
+layout(std430, binding = 0) readonly buffer BAF { float af[]; };
+layout(std430, binding = 1) readonly buffer BBF { float bf[]; };
+#endif
+layout(constant_id = 14) const int CF32 = 0;
+layout(constant_id = 15) const int BIASF32 = 0;
+layout(constant_id = 16) const int EF32 = 0;
+layout(std430, binding = 2) writeonly buffer BCF { float cf[]; };
+layout(std430, binding = 3) readonly buffer BBiasF { float biasf[]; };
+#endif
+
+#ifdef MM_EPI
+#if defined(MM_SG) && TA == T_F32
+layout(binding = 4) uniform samplerBuffer te;  // read through a texel view, as A and B
+#define LDE(i) texelFetch(te, int((i) >> 2))[(i) & 3u]
+#elif TA == T_F32
+layout(std430, binding = 4) readonly buffer BE { HL_ST(TA) e[]; };
+#define LDE(i) HL_LDF(TA, e[i])
+#else
+layout(std430, binding = 4) readonly buffer BE { HL_ST(TA) e[]; };
+layout(std430, binding = 4) readonly buffer BEF { float ef[]; };
+#define LDE(i) (EF32 == 1 ? ef[i] : HL_LDF(TA, e[i]))
+#endif
+layout(std430, binding = 5) writeonly buffer BU { HL_ST(TA) u[]; };
+layout(constant_id = 9) const int EPI = 0;
 
 // The epilogue on C's element idx (z * M * N + m * N + n) holding v (bias already added);
 // the pre-activation is stored only when ``inside`` (clamped rows / columns are not).
@@ -109,6 +142,43 @@ float mm_epi(float v, uint idx, bool inside) {
     if (EPI == 3) return v * gelu_tanh_grad(LDE(p.off_e + idx));
     return v;
 }
+#endif
+
+// Element loads of A, B and the bias and the store of C's element i, by slot storage.
+#if TA != T_F32
+#if defined(MM_TEXEL_A)
+float mm_lda(uint i) { return mm_round(texelFetch(ta, int(i >> 2))[i & 3u]); }
+#elif defined(MM_SG)
+float mm_lda(uint i) { return HL_LDF(TA, a[i]); }
+#else
+float mm_lda(uint i) { return AF32 == 1 ? mm_round(af[i]) : HL_LDF(TA, a[i]); }
+#endif
+#if defined(MM_TEXEL_B)
+float mm_ldb(uint i) { return mm_round(texelFetch(tb, int(i >> 2))[i & 3u]); }
+#elif defined(MM_SG)
+float mm_ldb(uint i) { return HL_LDF(TA, b[i]); }
+#else
+float mm_ldb(uint i) { return BF32 == 1 ? mm_round(bf[i]) : HL_LDF(TA, b[i]); }
+#endif
+float mm_ldbias(uint i) { return BIASF32 == 1 ? mm_round(biasf[i]) : HL_LDF(TA, bias[i]); }
+// A float32 C's value: the result rounded to TA, or linear+residual's float32 sum.
+float mm_cf(float v) {
+#ifdef MM_EPI
+    if (EPI == 1) return v;
+#endif
+    return mm_round(v);
+}
+void mm_stc(uint i, float v) {
+    if (CF32 == 1) cf[i] = mm_cf(v);
+    else c[i] = HL_STF(TA, v);
+}
+#else
+#ifndef MM_SG
+float mm_lda(uint i) { return a[i]; }
+float mm_ldb(uint i) { return b[i]; }
+#endif
+float mm_ldbias(uint i) { return bias[i]; }
+void mm_stc(uint i, float v) { c[i] = v; }
 #endif
 
 #ifndef MM_SG
@@ -146,12 +216,12 @@ void main() {
         for (uint e = tid; e < uint(BM * BK); e += NT) {
             uint mm = e / uint(BK), kk = e - mm * uint(BK);
             uint gm = m0 + mm, gk = k0 + kk;
-            As[kk][mm] = (gm < p.M && gk < p.K) ? HL_LDF(TA, a[abase + gm * p.sam + gk * p.sak]) : 0.0;
+            As[kk][mm] = (gm < p.M && gk < p.K) ? mm_lda(abase + gm * p.sam + gk * p.sak) : 0.0;
         }
         for (uint e = tid; e < uint(BN * BK); e += NT) {
             uint kk = e / uint(BN), nn = e - kk * uint(BN);
             uint gk = k0 + kk, gn = n0 + nn;
-            Bs[kk][nn] = (gk < p.K && gn < p.N) ? HL_LDF(TA, b[bbase + gk * p.sbk + gn * p.sbn]) : 0.0;
+            Bs[kk][nn] = (gk < p.K && gn < p.N) ? mm_ldb(bbase + gk * p.sbk + gn * p.sbn) : 0.0;
         }
         barrier();
         for (int kk = 0; kk < BK; ++kk) {
@@ -172,11 +242,11 @@ void main() {
         for (int j = 0; j < TN; ++j) {
             uint gn = n0 + tx + uint(j * WX);
             if (gn >= p.N) continue;
-            float v = acc[i][j] + (HAS_BIAS == 1 ? HL_LDF(TA, bias[p.off_bias + gn]) : 0.0);
+            float v = acc[i][j] + (HAS_BIAS == 1 ? mm_ldbias(p.off_bias + gn) : 0.0);
 #ifdef MM_EPI
             v = mm_epi(v, z * p.M * p.N + gm * p.N + gn, true);  // C contiguous (no CT / CLD)
 #endif
-            c[CT == 1 ? cbase + gn * ldc + gm : cbase + gm * ldc + gn] = HL_STF(TA, v);
+            mm_stc(CT == 1 ? cbase + gn * ldc + gm : cbase + gm * ldc + gn, v);
         }
     }
 }
@@ -264,10 +334,6 @@ float ldb(uint i) { return texelFetch(tb, int(i >> 2))[i & 3u]; }
 #else
 // 16-bit storage: 4 values are two 32-bit words and 8 values two 64-bit words, unpacked in
 // registers (no 16-bit arithmetic needed).
-layout(std430, binding = 0) readonly buffer BA4 { uvec2 a4[]; };
-layout(std430, binding = 1) readonly buffer BB4 { uvec2 b4[]; };
-layout(std430, binding = 0) readonly buffer BA8 { u64vec2 a8[]; };
-layout(std430, binding = 1) readonly buffer BB8 { u64vec2 b8[]; };
 layout(std430, binding = 2) writeonly buffer BC4 { uvec2 c4[]; };
 vec4 unpack4(uvec2 w) {
 #if TA == T_F16
@@ -284,16 +350,36 @@ uvec2 pack4(vec4 v) {
     return uvec2(f_to_bf16(v.x) | (f_to_bf16(v.y) << 16), f_to_bf16(v.z) | (f_to_bf16(v.w) << 16));
 #endif
 }
+// A float32 A or B of the mixed storage (MM_AF32 / MM_BF32) as texels, each value rounded to TA.
+vec4 round4(vec4 v) { return vec4(mm_round(v.x), mm_round(v.y), mm_round(v.z), mm_round(v.w)); }
+#ifdef MM_TEXEL_A
+vec4 lda4(uint i) { return round4(texelFetch(ta, int(i >> 2))); }
+void lda8w(uint i, out vec4 lo, out vec4 hi) { lo = lda4(i); hi = lda4(i + 4u); }
+#else
+layout(std430, binding = 0) readonly buffer BA4 { uvec2 a4[]; };
+layout(std430, binding = 0) readonly buffer BA8 { u64vec2 a8[]; };
 vec4 lda4(uint i) { return unpack4(a4[i >> 2]); }
-vec4 ldb4(uint i) { return unpack4(b4[i >> 2]); }
 void lda8w(uint i, out vec4 lo, out vec4 hi) { u64vec2 w = a8[i >> 3]; lo = unpack4(unpackUint2x32(w.x)); hi = unpack4(unpackUint2x32(w.y)); }
+#endif
+#ifdef MM_TEXEL_B
+vec4 ldb4(uint i) { return round4(texelFetch(tb, int(i >> 2))); }
+void ldb8w(uint i, out vec4 lo, out vec4 hi) { lo = ldb4(i); hi = ldb4(i + 4u); }
+#else
+layout(std430, binding = 1) readonly buffer BB4 { uvec2 b4[]; };
+layout(std430, binding = 1) readonly buffer BB8 { u64vec2 b8[]; };
+vec4 ldb4(uint i) { return unpack4(b4[i >> 2]); }
 void ldb8w(uint i, out vec4 lo, out vec4 hi) { u64vec2 w = b8[i >> 3]; lo = unpack4(unpackUint2x32(w.x)); hi = unpack4(unpackUint2x32(w.y)); }
-void stc4(uint i, vec4 v) { c4[i >> 2] = pack4(v); }
+#endif
+layout(std430, binding = 2) writeonly buffer BCF4 { vec4 cf4[]; };
+void stc4(uint i, vec4 v) {
+    if (CF32 == 1) cf4[i >> 2] = vec4(mm_cf(v.x), mm_cf(v.y), mm_cf(v.z), mm_cf(v.w));
+    else c4[i >> 2] = pack4(v);
+}
 #endif
 
 #if TA != T_F32
-float lda(uint i) { return HL_LDF(TA, a[i]); }
-float ldb(uint i) { return HL_LDF(TA, b[i]); }
+float lda(uint i) { return mm_lda(i); }
+float ldb(uint i) { return mm_ldb(i); }
 #endif
 // 8 consecutive values from element i (i a multiple of 8 when wide, else of 4).
 void lda8(uint i, out vec4 lo, out vec4 hi) {
@@ -415,7 +501,7 @@ void main() {
 
     if (HAS_BIAS == 1) {  // this lane's TN bias values, loaded once for all TM rows
         [[unroll]] for (int j = 0; j < TN; ++j) {
-            float bj = HL_LDF(TA, bias[p.off_bias + min(n0 + uint(j), p.N - 1u)]);
+            float bj = mm_ldbias(p.off_bias + min(n0 + uint(j), p.N - 1u));
             [[unroll]] for (int i = 0; i < TM; ++i) acc[i][j / 4][j % 4] += bj;
         }
     }
@@ -467,7 +553,7 @@ void main() {
                 [[unroll]] for (int i = 0; i < TM; ++i) {
                     uint m = m0 + uint(i);
                     if (m >= p.M) break;
-                    c[ccol + m] = HL_STF(TA, acc[i][j / 4][j % 4]);
+                    mm_stc(ccol + m, acc[i][j / 4][j % 4]);
                 }
             }
         }
@@ -485,7 +571,7 @@ void main() {
         } else {
             [[unroll]] for (int j = 0; j < TN; ++j) {
                 uint n = n0 + uint(j);
-                if (n < p.N) c[crow + n] = HL_STF(TA, acc[i][j / 4][j % 4]);
+                if (n < p.N) mm_stc(crow + n, acc[i][j / 4][j % 4]);
             }
         }
     }

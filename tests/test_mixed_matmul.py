@@ -1,0 +1,176 @@
+"""Autocast's casts in the product (K.matmul(..., compute=), the mixed storage of
+kernels_spirv/glsl/matmul.glsl, and the autocast linears of helios.functional built on it):
+every float32 slot rounded or widened exactly as the cast kernels around a 16-bit product do,
+bit for bit, in one dispatch, on the CPU-driver kernel and the GPU shared-memory kernel."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+import helios as hl
+import helios.functional as F
+from helios import _kernels as K
+from helios import dtypes as dt
+from helios import elementwise_jit, fused_kernels
+from helios._kernels import gemm
+from helios.runtime import get_runtime
+
+sys.path.insert(0, os.path.dirname(__file__))
+from switches import count_dispatches, switched  # noqa: E402
+
+pytestmark = pytest.mark.vulkan
+
+R = np.random.default_rng(7)
+
+
+def _need_16bit():
+    if not get_runtime().features.get("storage16", False):
+        pytest.skip("no 16-bit storage on this device")
+
+
+@pytest.fixture(params=["cpu", "gpu"])
+def kernel(request, monkeypatch):
+    """The matmul kernel under test: the device's own, or the GPU shared-memory kernel forced on
+    (it runs on lavapipe too)."""
+    _need_16bit()
+    rt = get_runtime()
+    if request.param == "gpu":
+        monkeypatch.setattr(gemm, "_cpu_mm_kernel", lambda rt: False)
+    elif not gemm._cpu_mm_kernel(rt):
+        pytest.skip("the device does not run the CPU-driver kernel")
+    if rt.has_gemm("bfloat16"):
+        pytest.skip("a matrix engine runs 16-bit products here")
+    return request.param
+
+
+def _t(shape, dtype, transposed=False):
+    """A tensor of ``shape`` in ``dtype`` (a transposed view of a contiguous one when asked)."""
+    arr = R.standard_normal(shape[::-1] if transposed else shape).astype(np.float32)
+    t = hl.tensor(arr if not transposed else arr)
+    t = t if dtype is dt.float32 else K.copy(t, dtype)
+    return t.mT if transposed else t
+
+
+def _low(t, low):
+    return t if t is None or t.dtype is low else K.copy(t, low)
+
+
+def _bits(t) -> np.ndarray:
+    return np.ascontiguousarray(t.float().numpy()).view(np.uint32)
+
+
+# (M, N, K): tall (the 32-row blocks, vector loads), ragged (scalar loads, clamped tiles),
+# wide (16 columns a lane) and a K tail
+SHAPES = [(64, 96, 40), (7, 13, 5), (3, 512, 8), (80, 64, 33)]
+
+
+@pytest.mark.parametrize("low", [dt.bfloat16, dt.float16], ids=["bf16", "fp16"])
+def test_float32_slots_equal_casts_around_the_product(kernel, low):
+    for M, N, Kd in SHAPES:
+        for da, db, dout in ((dt.float32, dt.float32, low), (low, dt.float32, dt.float32),
+                             (dt.float32, low, dt.float32), (dt.float32, dt.float32, dt.float32)):
+            for b_t in (False, True):
+                a = _t((M, Kd), da)
+                b = _t((Kd, N), db, transposed=b_t)
+                bias = _t((N,), dt.float32) if b_t else None
+                out = None if dout is low else K.empty((M, N), dt.float32, a._st.rt)
+                with count_dispatches() as names:
+                    got = gemm.matmul(a, b, bias, out, compute=low)
+                want = gemm.matmul(_low(a, low), _low(b, low), _low(bias, low))
+                assert got.dtype is dout
+                assert np.array_equal(_bits(got), _bits(want)), (M, N, Kd, da.name, db.name, dout.name, b_t)
+                if low is dt.bfloat16 or kernel == "gpu":  # fp16 on the CPU kernel: the casts apart
+                    assert dict(names) == {"cast+matmul": 1}
+
+
+def test_transposed_out_and_batches(kernel):
+    low = dt.bfloat16
+    # a weight's gradient slot written transposed (CT), and a batch of products
+    a, b = _t((40, 24), dt.float32), _t((24, 56), low)
+    out = K.empty((56, 40), dt.float32, a._st.rt).mT
+    gemm.matmul(a, b, out=out, compute=low)
+    want = gemm.matmul(_low(a, low), b)
+    assert np.array_equal(_bits(out), _bits(want))
+    a3, b3 = _t((3, 20, 16), low), _t((3, 16, 12), dt.float32)
+    got = gemm.matmul(a3, b3, compute=low)
+    assert np.array_equal(_bits(got), _bits(gemm.matmul(a3, _low(b3, low))))
+
+
+def test_fused_epilogues_with_float32_slots(kernel):
+    low = dt.bfloat16
+    x, w = _t((2, 9, 24), dt.float32), _t((24, 40), dt.float32)
+    bias, res = _t((40,), dt.float32), _t((2, 9, 40), dt.float32)
+    y, u = K.matmul_epilogue("linear+gelu", x, w, bias, None, compute=low)
+    u_want = gemm.matmul(_low(x, low), _low(w, low), _low(bias, low))
+    assert y.dtype is low and u.dtype is low
+    assert np.array_equal(_bits(u), _bits(u_want))
+    assert np.array_equal(_bits(y), _bits(K.unary("gelu_tanh", u_want)))
+    out, x_low = K.empty(res.shape, dt.float32, x._st.rt), _low(x, low)
+    with count_dispatches() as names:
+        K.matmul_epilogue("linear+residual", x_low, w, bias, res, out=out, compute=low)
+    want = K.binary("add", res, K.copy(u_want, dt.float32))
+    assert np.array_equal(_bits(out), _bits(want)) and dict(names) == {"cast+linear+residual": 1}
+
+
+def test_bad_slots_are_refused():
+    _need_16bit()
+    a, b = _t((4, 8), dt.float32), _t((8, 4), dt.float32)
+    with pytest.raises(ValueError, match="compute must be bfloat16 or float16"):
+        gemm.matmul(a, b, compute=dt.float32)
+    with pytest.raises(ValueError, match="a must be float16 or float32"):
+        gemm.matmul(K.copy(a, dt.bfloat16), b, compute=dt.float16)
+    res = _t((4, 4), dt.float32)
+    with pytest.raises(ValueError, match="a float32 e is linear\\+residual's, with a float32 out"):
+        K.matmul_epilogue("linear+residual", a, b, None, res, compute=dt.bfloat16)
+
+
+def _linear_run(enabled: bool, fn, x_dtype, with_bias: bool):
+    rng = np.random.default_rng(3)
+    arrs = [rng.standard_normal((2, 12, 32)), rng.standard_normal((48, 32)) * 0.2, rng.standard_normal(48),
+            rng.standard_normal((2, 12, 48))]
+    ts = [hl.tensor(a.astype(np.float32)).requires_grad_() for a in arrs]
+    x, w, b, r = ts
+    xin = x if x_dtype is dt.float32 else x.to(x_dtype)
+    # (the run-time elementwise fusion off: the counts are this fusion's alone)
+    with switched(fused_kernels, "ENABLED", enabled), switched(elementwise_jit, "ENABLED", False), \
+            count_dispatches() as names:
+        with hl.autocast("bfloat16"):
+            y = fn(xin, w, b if with_bias else None, r)
+        (y.float() * y.float()).sum().backward()
+    outs = [y] + [t.grad for t in ts if t.grad is not None]
+    return [o.dtype for o in outs], [_bits(o) for o in outs], names
+
+
+AUTOCAST_LINEARS = {
+    "linear": lambda x, w, b, r: F.linear(x, w, b),
+    "linear+gelu": lambda x, w, b, r: F.linear_gelu(x, w, b),
+    "linear+residual": lambda x, w, b, r: F.linear_residual(x, w, b, r),
+}
+
+
+@pytest.mark.parametrize("name", sorted(AUTOCAST_LINEARS))
+def test_autocast_linears_equal_the_casts_and_products_bit_for_bit(kernel, name):
+    fn = AUTOCAST_LINEARS[name]
+    for x_dtype in (dt.float32, dt.bfloat16):
+        for with_bias in (True, False):
+            dt_on, on, names_on = _linear_run(True, fn, x_dtype, with_bias)
+            dt_off, off, names_off = _linear_run(False, fn, x_dtype, with_bias)
+            assert dt_on == dt_off
+            for u, v in zip(on, off):
+                assert np.array_equal(u, v), (name, x_dtype.name, with_bias)
+            # the casts the product does: forward x's (when float32), w's, the bias's and the
+            # residual add's promotion of the product; backward x's and w's (the bias gradient is
+            # a bf16 sum cast to float32 either way, g rounded to bf16 once either way)
+            x32 = int(x_dtype is dt.float32)
+            fused_casts = (x32 + 1 + with_bias + (name == "linear+residual")) + (x32 + 1)
+            assert names_off["copy"] - names_on["copy"] == fused_casts
+            # forward, then backward's two products, each one "cast+" kernel
+            if name == "linear":
+                assert names_on["cast+matmul"] == 3 and names_on["matmul"] == 0
+            else:
+                assert names_on["cast+" + name] == 1 and names_on["cast+matmul"] == 2 and names_on["matmul"] == 0
+            assert names_off["add"] - names_on["add"] == (name == "linear+residual")

@@ -174,3 +174,33 @@ def test_autocast_linears_equal_the_casts_and_products_bit_for_bit(kernel, name)
             else:
                 assert names_on["cast+" + name] == 1 and names_on["cast+matmul"] == 2 and names_on["matmul"] == 0
             assert names_off["add"] - names_on["add"] == (name == "linear+residual")
+
+
+def _matmul_run(enabled: bool, a_arr, b_arr, a_dtype, b_dtype, b_view):
+    ts = [hl.tensor(x.astype(np.float32)).requires_grad_() for x in (a_arr, b_arr)]
+    a = ts[0] if a_dtype is dt.float32 else ts[0].to(a_dtype)
+    b = ts[1] if b_dtype is dt.float32 else ts[1].to(b_dtype)
+    with switched(fused_kernels, "ENABLED", enabled), switched(elementwise_jit, "ENABLED", False), \
+            count_dispatches() as names:
+        with hl.autocast("bfloat16"):
+            y = F.matmul(a, b_view(b))
+        (y.float() * y.float()).sum().backward()
+    return [_bits(t) for t in (y, ts[0].grad, ts[1].grad)], y.dtype, names
+
+
+def test_autocast_matmul_with_a_float32_operand_equals_the_casts_bit_for_bit(kernel):
+    rng = np.random.default_rng(5)
+    cases = [  # attention's fp32 softmax times v (heads), the tied output embedding (x @ W^T)
+        (rng.standard_normal((2, 3, 16, 16)), rng.standard_normal((2, 3, 16, 8)), dt.float32, dt.bfloat16,
+         lambda b: b),
+        (rng.standard_normal((2, 16, 24)), rng.standard_normal((40, 24)), dt.float32, dt.float32, lambda b: b.mT),
+    ]
+    for a_arr, b_arr, da, db, view in cases:
+        on, y_dtype, names_on = _matmul_run(True, a_arr, b_arr, da, db, view)
+        off, _, names_off = _matmul_run(False, a_arr, b_arr, da, db, view)
+        assert y_dtype is dt.bfloat16
+        for u, v in zip(on, off):
+            assert np.array_equal(u, v)
+        assert names_on["cast+matmul"] == 3 and names_on["matmul"] == 0
+        n32 = int(da is dt.float32) + int(db is dt.float32)
+        assert names_off["copy"] - names_on["copy"] == 2 * n32  # each fp32 operand's cast, both ways

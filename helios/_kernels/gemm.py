@@ -100,22 +100,23 @@ def _cpu_mm_kernel(rt) -> bool:
     return rt.info.get("type") == "cpu" and int(rt.info["limits"].get("subgroup_size", 0)) == _MM_SG
 
 
-def matmul_any_layout(a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:
+def matmul_any_layout(a: Tensor, b: Tensor, out: Tensor | None = None, compute: dt.DType | None = None) -> Tensor:
     """a @ b like matmul (no bias), possibly returned as a transposed view.
 
     The CPU kernel gives each subgroup 8 lanes x TN >= 8 columns, so an output narrower
     than 64 columns leaves lanes idle; a narrow, tall product is then computed as
     (b^T a^T)^T, the same sums with the wide dim as N (an attention [64, 64] @ [64, 32]
     measured ~1.1 ms instead of 1.3-2.2 ms).  For callers that accept any strides; ``out``
-    as in matmul() (then returned, the product stored in its layout either way)."""
+    as in matmul() (then returned, the product stored in its layout either way); ``compute`` as
+    matmul()'s."""
     rt = a._st.rt
     M, N = a.shape[-2], b.shape[-1]
     if N < 8 * _MM_SG and M >= 2 * N and N % 8 == 0 and _cpu_mm_kernel(rt):
         if out is not None:
-            matmul(_swap_last(b), _swap_last(a), out=_swap_last(out))
+            matmul(_swap_last(b), _swap_last(a), out=_swap_last(out), compute=compute)
             return out
-        return _swap_last(matmul(_swap_last(b), _swap_last(a)))
-    return matmul(a, b, out=out)
+        return _swap_last(matmul(_swap_last(b), _swap_last(a), compute=compute))
+    return matmul(a, b, out=out, compute=compute)
 
 
 def _swap_last(x: Tensor) -> Tensor:

@@ -43,20 +43,22 @@ class _Matmul(Function):
         return ga, gb
 
 
-def _heads_out(a: Tensor, b: Tensor):
+def _heads_out(a: Tensor, b: Tensor, dtype=None):
     """Where a [B, H, M, K] @ [B, H, K, N] product goes when B's heads are interleaved in rows
     (split_heads' v: head h is columns h*N .. h*N+N-1 of rows L >= H*N elements apart): a
     new [B, M, H*N] buffer with the heads interleaved the same way, viewed as [B, H, M, N].
     Attention's y.transpose(1, 2).reshape(B, T, C) is then a view, not a copy.  None for
-    any other operands (a new contiguous result)."""
-    if a.ndim != 4 or b.ndim != 4 or a.shape[:2] != b.shape[:2] or a.dtype is not b.dtype:
+    any other operands (a new contiguous result).  ``dtype``: the product's, where a and b
+    may differ (autocast's mixed products); else their one dtype."""
+    if a.ndim != 4 or b.ndim != 4 or a.shape[:2] != b.shape[:2] or (dtype is None and a.dtype is not b.dtype):
         return None
     Bn, H, M, N = a.shape[0], a.shape[1], a.shape[2], b.shape[3]
     if H < 2 or b._strides[3] != 1 or b._strides[1] != N or b._strides[2] < H * N:
         return None
     L = H * N
-    buf = K.empty((Bn, M, L), a.dtype, a._st.rt)
-    return Tensor(buf._st, (Bn, H, M, N), (M * L, N, L, 1), buf._off, a.dtype)
+    dtype = dtype or a.dtype
+    buf = K.empty((Bn, M, L), dtype, a._st.rt)
+    return Tensor(buf._st, (Bn, H, M, N), (M * L, N, L, 1), buf._off, dtype)
 
 
 def _direct_dest(ctx, i: int, shape: tuple, *operands: Tensor):
@@ -82,9 +84,69 @@ def _mm_grad(ctx, i: int, a: Tensor, b: Tensor) -> Tensor:
     return matmul(a, b)
 
 
+class _AutocastMatmul(Function):
+    """a @ b under autocast, in the autocast dtype ``low``, where a or b is float32 (the tied
+    output embedding, attention's float32 softmax times v): one product that rounds the float32
+    operand as it loads it, and backward writes each gradient in its operand's dtype, bit for
+    bit matmul()'s casts, product and the casts' backward (as _AutocastLinear).  Operands are
+    >= 2-D with equal batch dims, or b 2-D (a weight shared by every batch matrix)."""
+
+    op_name = "matmul"
+
+    @staticmethod
+    def forward(ctx, a, b, low):
+        ctx.save_for_backward(a, b)
+        ctx.low = low
+        if a.ndim > 2 and b.ndim > 2:  # as _Matmul: heads interleaved, any layout
+            return K.matmul_any_layout(a, b, out=_heads_out(a, b, low), compute=low)
+        return K.matmul(a, b, compute=low)
+
+    @staticmethod
+    def backward(ctx, g):
+        a, b = ctx.saved_tensors
+        g, low = _in_dtype(g, ctx.low), ctx.low
+        n = ctx.needs_input_grad
+        ga = gb = None
+        if n[0]:
+            ga = _batched_grad(g, F.transpose(b, -1, -2), _slot(ctx, 0, a), low)
+        if n[1]:
+            if b.ndim == 2 and a.ndim > 2:  # the shared weight's gradient as one product, as _Matmul's
+                gb = _batched_grad(F.transpose(F._rows(a), 0, 1), F._rows(g), _slot(ctx, 1, b), low)
+            else:
+                gb = _batched_grad(F.transpose(a, -1, -2), g, _slot(ctx, 1, b), low)
+        return ga, gb, None
+
+
+def _batched_grad(a: Tensor, b: Tensor, out: Tensor, low) -> Tensor:
+    """a @ b in ``low`` stored into ``out`` (a gradient slot: any dtype matmul(compute=) takes), the
+    batched products through matmul_any_layout as _mm_grad sends them (the same sums)."""
+    if a.ndim > 2:
+        return K.matmul_any_layout(a, b, out=out, compute=low)
+    return K.matmul(a, b, out=out, compute=low)
+
+
+def _autocast_matmul_dtype(a: Tensor, b: Tensor):
+    """The autocast dtype when a @ b runs as an _AutocastMatmul (autocast and fusion on, a and b
+    >= 2-D with equal batch dims or b 2-D, aligned with K > 0, each float32 or the autocast
+    dtype and one float32, on one device whose matrix engine does not take the dtype), else
+    None."""
+    low = _amp.active_dtype()
+    if low is None or not fused_kernels.ENABLED or not (isinstance(a, Tensor) and isinstance(b, Tensor)):
+        return None
+    ok = (low, dt.float32)
+    if not (a.ndim >= 2 and b.ndim >= 2 and (b.ndim == 2 or a.shape[:-2] == b.shape[:-2])
+            and a.shape[-1] == b.shape[-2] > 0 and a.numel() > 0 and b.numel() > 0
+            and a.dtype in ok and b.dtype in ok and dt.float32 in (a.dtype, b.dtype) and b._st.rt is a._st.rt):
+        return None
+    return None if a._st.rt.has_gemm(low.name) else low
+
+
 def matmul(a: Tensor, b: Tensor) -> Tensor:
     """Matrix product with PyTorch's rules: 1-D operands, batched and broadcast batch dims."""
     F._check_tensor(a, "matmul"), F._check_tensor(b, "matmul")
+    low = _autocast_matmul_dtype(a, b)
+    if low is not None:  # autocast, the casts in the product's kernel
+        return _AutocastMatmul.apply(a, b, low)
     if _amp.state.dtype is not None:  # autocast: in the low dtype
         a, b = _amp.low(a, b)
     if a.ndim == 0 or b.ndim == 0:

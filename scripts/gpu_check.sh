@@ -11,9 +11,11 @@
 # ./scripts/setup.sh --test: the Vulkan addon, and matmul_coop's SPIR-V, which needs glslang 13
 # or newer), not the install below: first the device's facts (RESULTS_DIR/coopmat_env.json; exit
 # 2 where the device lists no cooperative matrices), then correctness against PyTorch
-# (tests/test_coopmat_gpu.py, test_coopmat_select.py, test_coopmat_kernel.py ->
-# coopmat_tests.log), then speed (bench/vulkan_coopmat.py at 4096^3, nn nt tn: coopmat, the
-# shared-memory kernel and cuBLAS fp16 -> coopmat_bench.log, coopmat.jsonl).
+# (tests/test_coopmat_gpu.py, test_coopmat_select.py, test_coopmat_kernel.py, and
+# test_mixed_matmul.py for autocast's casts in the shared-memory kernel -> coopmat_tests.log),
+# then speed (bench/vulkan_coopmat.py at 4096^3, nn nt tn: coopmat, the shared-memory kernel
+# and cuBLAS fp16; bench/autocast_step.py: helios-train --dtype bf16 against fp32 at tiny,
+# small and gpt2 -> coopmat_bench.log, coopmat.jsonl).
 #
 # It downloads nothing: the machine needs its driver, ptxas (the CUDA toolkit or the
 # nvidia-cuda-nvcc wheel), and a Python ($PYTHON, default python3) with numpy,
@@ -93,9 +95,11 @@ raise SystemExit(0 if shapes else 3)") || rc=$?
         return 2
     fi
     step coopmat-tests "$out/coopmat_tests.log" "$py" -m pytest -q -p no:cacheprovider tests/test_coopmat_gpu.py \
-        tests/test_coopmat_select.py tests/test_coopmat_kernel.py
+        tests/test_coopmat_select.py tests/test_coopmat_kernel.py tests/test_mixed_matmul.py
     step coopmat-bench "$out/coopmat_bench.log" timeout "$bench_timeout" "$py" -u bench/vulkan_coopmat.py --sizes 4096 \
         --layouts nn nt tn
+    step autocast-bench "$out/coopmat_bench.log" timeout "$bench_timeout" "$py" -u bench/autocast_step.py \
+        --device vulkan:0 --configs tiny small gpt2 --rounds 1 --steps 12
     grep '^{' "$out/coopmat_bench.log" >"$out/coopmat.jsonl" || true
     [ ${#failed[@]} -ne 0 ] && { echo "gpu_check: failed: ${failed[*]}" >&2; return 1; }
     echo "gpu_check: the cooperative-matrix op tests passed; bench lines in $out/coopmat.jsonl"

@@ -33,6 +33,15 @@ def _check_attention(lines):
     assert all(isinstance(row[f"{k}_peak_mib"], float) for k in ("flash", "dense", "torch")), row
 
 
+def _check_autocast_step(lines):
+    runs = [x for x in lines if x.get("bench") == "autocast_step"]
+    assert {x["dtype"] for x in runs} == {"fp32", "bf16"}, lines
+    for x in runs:
+        assert x["tok_s"] > 0 and x["dispatches_per_step"] > 0 and x["device_ms_per_step"] > 0, x
+    (summary,) = [x for x in lines if x.get("bench") == "autocast_step_summary"]
+    assert _has(summary, "bf16_over_fp32_tok_s", "bf16_over_fp32_device_ms", "bf16_over_fp32_dispatches"), summary
+
+
 def _check_collectives(lines):
     rows = [x for x in lines if x.get("bench") in ("all_reduce", "all_gather", "reduce_scatter")]
     assert {x["bench"] for x in rows} == {"all_reduce", "all_gather", "reduce_scatter"}, lines
@@ -157,6 +166,7 @@ BENCHES = {
     "compression.py": (_check_compression, True, True, [VK, MP]),
     "data_parallel.py": (_check_data_parallel, True, True, [VK, MP]),
     "dispatch.py": (_check_dispatch, False, False, [VK]),  # peer: the addon's raw C++ loop
+    "autocast_step.py": (_check_autocast_step, False, False, [VK]),  # peer: the same run in fp32
     "ew_fusion.py": (_check_ew_fusion, False, False, [VK]),  # peer: the same ops unfused
     "generate.py": (_check_generate, True, False, [VK]),  # peer: transformers' generate on PyTorch CPU
     "matmul.py": (_check_matmul, False, False, [VK]),  # peer: numpy

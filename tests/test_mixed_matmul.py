@@ -16,7 +16,7 @@ import helios.functional as F
 from helios import _kernels as K
 from helios import dtypes as dt
 from helios import elementwise_jit, fused_kernels
-from helios._kernels import gemm
+from helios._kernels import coopmat, gemm
 from helios.runtime import get_runtime
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -34,12 +34,15 @@ def _need_16bit():
 
 @pytest.fixture(params=["cpu", "gpu"])
 def kernel(request, monkeypatch):
-    """The matmul kernel under test: the device's own, or the GPU shared-memory kernel forced on
-    (it runs on lavapipe too)."""
+    """The matmul kernel under test: the CPU-driver kernel where the device runs it, or the GPU
+    shared-memory kernel, forced on (it runs on lavapipe too; on a GPU instead of the
+    cooperative-matrix kernel, which takes no float32 slots)."""
     _need_16bit()
     rt = get_runtime()
     if request.param == "gpu":
         monkeypatch.setattr(gemm, "_cpu_mm_kernel", lambda rt: False)
+        was = coopmat.set_enabled(False)
+        request.addfinalizer(lambda: coopmat.set_enabled(was))
     elif not gemm._cpu_mm_kernel(rt):
         pytest.skip("the device does not run the CPU-driver kernel")
     if rt.has_gemm("bfloat16"):

@@ -51,7 +51,9 @@ Elementwise chains are fused at run time as well, into kernels generated from th
   its fused forms, the mixed storage of kernels_spirv/glsl/matmul.glsl).  Backward, each
   gradient is a product of that kind written in its input's dtype: a float32 input gets the
   rounded gradient widened, what its cast's backward would give.  The projections add their
-  float32 residual to the rounded product in the epilogue, as the promoting add would.  On a
+  float32 residual to the rounded product in the epilogue, as the promoting add would; with
+  both free slots, the weight gradient's product also sums the bias gradient
+  (``cast+matmul+bias_grad``, the CPU-driver kernel, as ``matmul+bias_grad``).  On a
   device whose matrix engine takes the autocast dtype (``cuda:N``) the casts stay separate;
   where the cooperative-matrix kernel runs a product, the product's casts run as cast kernels
   around it, inside the same op.
@@ -93,6 +95,7 @@ PARTS = {
     "cast+matmul": ("cast", "matmul", "cast"),
     "cast+linear+gelu": ("cast", "matmul", "+bias", "gelu_tanh", "cast"),
     "cast+linear+residual": ("cast", "matmul", "+bias", "cast", "add"),
+    "cast+matmul+bias_grad": ("cast", "matmul", "sum", "cast", "cast"),
     "sum_squares": ("mul", "sum"),
     "sum_squares+clip_coef": ("mul", "sum", "sqrt", "add_s", "rdiv_s", "clamp"),
     "sum+clip_coef": ("sum", "sqrt", "add_s", "rdiv_s", "clamp"),

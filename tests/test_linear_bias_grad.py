@@ -105,13 +105,16 @@ def test_matmul_bias_grad_takes_only_what_it_can_store():
     assert _bits_equal(got[3 + N:3 + N + M * N].reshape(M, N), ref_c.numpy())
     assert _bits_equal(got[3:3 + N], ref_s.numpy())
     assert np.all(got[:3] == 7.0) and np.all(got[3 + N + M * N:] == 7.0)  # nothing else written
-    # refused, with nothing dispatched: a bsum elsewhere, overlapping the product, of another
-    # dtype or length, a B not contiguous along N, a batched or a one-column product
+    # a bsum in another tensor (a bias in its own flat buffer, as AdamW's no-decay group keeps
+    # it): the CPU kernel stores the sums through the bias binding
     other = hl.zeros((N,))
+    assert K.matmul_bias_grad(a, b, out, other)
+    assert _bits_equal(other.numpy(), ref_s.numpy()) and _bits_equal(got[3 + N:3 + N + M * N].reshape(M, N), ref_c.numpy())
+    # refused, with nothing dispatched: a bsum overlapping the product, of another dtype or
+    # length, a B not contiguous along N, a batched or a one-column product
     overlapping = Tensor(flat._st, (N,), (1,), 3 + N + 5, flat.dtype)
     bt = hl.tensor(rng.standard_normal((N, Kd)).astype(np.float32)).transpose(0, 1)
     with count_dispatches() as names:
-        assert not K.matmul_bias_grad(a, b, out, other)
         assert not K.matmul_bias_grad(a, b, out, overlapping)
         assert not K.matmul_bias_grad(a, b, out, Tensor(flat._st, (N - 1,), (1,), 0, flat.dtype))
         assert not K.matmul_bias_grad(a, b, out, hl.zeros((N,), dtype="float16").to(rt.name)

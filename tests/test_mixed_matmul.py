@@ -207,3 +207,26 @@ def test_autocast_matmul_with_a_float32_operand_equals_the_casts_bit_for_bit(ker
         assert names_on["cast+matmul"] == 3 and names_on["matmul"] == 0
         n32 = int(da is dt.float32) + int(db is dt.float32)
         assert names_off["copy"] - names_on["copy"] == 2 * n32  # each fp32 operand's cast, both ways
+
+
+def test_weight_and_bias_gradients_in_one_product_with_float32_slots():
+    _need_16bit()
+    rt = get_runtime()
+    if not gemm._cpu_mm_kernel(rt):
+        pytest.skip("the bias gradient rides in the CPU-driver kernel's product only")
+    low = dt.bfloat16
+    for rows, n_in, n_out in ((64, 24, 40), (37, 8, 13)):
+        x, g = _t((rows, n_in), dt.float32), _t((rows, n_out), low)
+        flat = K.empty((n_in * n_out + n_out + 3,), dt.float32, rt)  # the slots of a flat gradient buffer
+        w_slot = flat[: n_in * n_out].reshape(n_out, n_in)
+        b_slot = flat[n_in * n_out + 3:]
+        with count_dispatches() as names:
+            assert K.matmul_bias_grad(x.mT, g, w_slot.mT, b_slot, compute=low)
+        assert dict(names) == {"cast+matmul+bias_grad": 1}
+        want_w = K.copy(gemm.matmul(K.copy(x, low).mT, g), dt.float32)
+        want_b = K.copy(K.copy(K.reduce("sum", g, (0,))[0], low), dt.float32)  # bf16's sum, rounded, widened
+        assert np.array_equal(_bits(w_slot.mT), _bits(want_w)) and np.array_equal(_bits(b_slot), _bits(want_b))
+    # refused (nothing dispatched) where the kernel cannot take it: a float16 product here
+    with count_dispatches() as names:
+        assert not K.matmul_bias_grad(x.mT, g, w_slot.mT, b_slot, compute=dt.float16)
+    assert not names

@@ -152,7 +152,7 @@ def matmul_epilogue(name: str, a: Tensor, b: Tensor, bias: Tensor | None, e: Ten
     return r, u
 
 
-def matmul_bias_grad(a: Tensor, b: Tensor, out: Tensor, bsum: Tensor) -> bool:
+def matmul_bias_grad(a: Tensor, b: Tensor, out: Tensor, bsum: Tensor, compute: dt.DType | None = None) -> bool:
     """out = a @ b and bsum = b summed over its rows, in one dispatch (helios.fused_kernels
     "matmul+bias_grad": a Linear layer's weight gradient x^T g and bias gradient, g = ``b``);
     True when done, False, with nothing dispatched, where this kernel cannot take them (the
@@ -161,28 +161,41 @@ def matmul_bias_grad(a: Tensor, b: Tensor, out: Tensor, bsum: Tensor) -> bool:
     It takes float32 2-D a [M, K] (K > 0) and b [K, N] with b contiguous along N, on the
     CPU-driver kernel, or float16 ones where the cooperative-matrix kernel runs the product
     (coopmat.choice_for); ``out`` as matmul()'s (contiguous or a transposed contiguous [M, N])
-    and ``bsum`` a contiguous [N] of the same dtype in the same storage as ``out`` (the kernel
-    stores both through C's binding), apart from it.  The sums are the column reduction's
-    (reduce.comp MODE 1: k = 0 .. K-1 in order from 0.0, in float32), bit for bit."""
+    and ``bsum`` a contiguous [N] of the same dtype apart from it (the CPU kernel stores it
+    through the bias binding; the cooperative-matrix kernel through C's, so there it must be in
+    ``out``'s storage, both in one binding's range).  The sums are the column reduction's
+    (reduce.comp MODE 1: k = 0 .. K-1 in order from 0.0, in float32), bit for bit.
+
+    ``compute`` bfloat16 (autocast's weight gradient, on the CPU-driver kernel): a and b each
+    bfloat16 or float32 (rounded as they are loaded, as matmul()'s ``compute``), ``out`` and
+    ``bsum`` float32 gradient slots, each receiving its bfloat16-rounded value widened: bit for
+    bit the bfloat16 product and column sum (a sum of bfloat16 values is float32, rounded to
+    bfloat16 by the sum's own cast) cast to float32."""
     if not (a.ndim == 2 and b.ndim == 2 and out.ndim == 2 and bsum.ndim == 1):
         return False
     (M, K), N = a.shape, b.shape[1]
     rt = out._st.rt
     if (K == 0 or M == 0 or N < 2 or b.shape[0] != K or out.shape != (M, N) or bsum.shape != (N,)
-            or any(t.dtype is not a.dtype for t in (b, out, bsum)) or b._strides[1] != 1
-            or bsum._strides[0] != 1 or bsum._st is not out._st or a._st.rt is not rt or b._st.rt is not rt):
+            or b._strides[1] != 1 or bsum._strides[0] != 1 or a._st.rt is not rt or b._st.rt is not rt
+            or bsum._st.rt is not rt):
         return False
-    if not (a.dtype is dt.float32 and _cpu_mm_kernel(rt)) and not (
+    if compute is not None:  # float32 slots of a bfloat16 product (the mixed CPU kernel's variants)
+        if not (compute is dt.bfloat16 and _cpu_mm_kernel(rt) and out.dtype is dt.float32 and bsum.dtype is dt.float32
+                and a.dtype in (compute, dt.float32) and b.dtype in (compute, dt.float32)):
+            return False
+    elif any(t.dtype is not a.dtype for t in (b, out, bsum)):
+        return False
+    elif not (a.dtype is dt.float32 and _cpu_mm_kernel(rt)) and not (
             a.dtype is dt.float16 and not _cpu_mm_kernel(rt) and coopmat.choice_for(rt, "float16", M, N, K).coopmat):
         return False
     if not (out.is_contiguous() or _swap_last(out).is_contiguous()):
         return False
+    if bsum._st is out._st and bsum._off < out._off + M * N and out._off < bsum._off + N:  # overlapping slots
+        return False
     lo, hi = min(out._off, bsum._off), max(out._off + M * N, bsum._off + N)
-    if bsum._off < out._off + M * N and out._off < bsum._off + N:  # overlapping slots
-        return False
-    if (hi - lo) * a.dtype.itemsize > rt.max_range - rt.align:  # C's binding must cover both
-        return False
-    matmul(a, b, out=out, _bsum=bsum)
+    if not _cpu_mm_kernel(rt) and (bsum._st is not out._st or (hi - lo) * out.dtype.itemsize > rt.max_range - rt.align):
+        return False  # the cooperative-matrix kernel's C binding must cover both
+    matmul(a, b, out=out, _bsum=bsum, compute=compute)
     return True
 
 
@@ -220,7 +233,7 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None 
     rt = a._st.rt
     mixed = _mixed_slots(compute, a, b, bias, out, _epi)
     if mixed is not None:
-        if _bsum is not None or K == 0 or not _mixed_in_kernel(rt, compute, mixed, M, N, K):
+        if K == 0 or not _mixed_in_kernel(rt, compute, mixed, M, N, K) or (_bsum is not None and not _cpu_mm_kernel(rt)):
             return _matmul_with_casts(a, b, bias, out, _epi, compute)
         a_dtype = compute  # the kernel's (its variant's) dtype; the slots flagged in ``mixed`` hold float32
     else:
@@ -277,16 +290,24 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None 
     if cld:  # bind the span the strided C covers
         span = 1 + sum((sz - 1) * st for sz, st in zip(out.shape, out._strides))
         bc, oc = bind(Tensor(out._st, (span,), (1,), out._off, out.dtype), True)
-    elif _bsum is not None:  # C's binding covers the product and the column sums' slot
+    elif _bsum is not None and not _cpu_mm_kernel(rt):  # coopmat: C's binding covers the product and the sums' slot
         lo = min(out._off, _bsum._off)
         hi = max(out._off + M * N, _bsum._off + N)
         bc, o_lo = bind(Tensor(out._st, (hi - lo,), (1,), lo, out.dtype), True)
         oc = o_lo + out._off - lo
     else:
         bc, oc = bind(_swap_last(out) if ct else out, True)
-    # Without a bias, binding 3 repeats A (read-only, never read: HAS_BIAS = 0).  With
-    # _bsum, the bias offset word is where the column sums go in C's binding.
-    bz, oz = bind(bias) if bias is not None else (ba, 0 if _bsum is None else o_lo + _bsum._off - lo)
+    # Without a bias, binding 3 repeats A (read-only, never read: HAS_BIAS = 0).  With _bsum,
+    # the CPU kernel stores the column sums through binding 3; the cooperative-matrix kernel
+    # through C's, the bias offset word saying where.
+    if bias is not None:
+        bz, oz = bind(bias)
+    elif _bsum is None:
+        bz, oz = ba, 0
+    elif _cpu_mm_kernel(rt):
+        bz, oz = bind(_bsum, True)
+    else:
+        bz, oz = ba, o_lo + _bsum._off - lo
     has_bias = int(bias is not None)
     sam, sak = a._strides[-2], a._strides[-1]
     sbk, sbn = b._strides[-2], b._strides[-1]
@@ -330,8 +351,8 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None 
     if kernel == coopmat.KERNEL:
         bufs, push = bufs + [be, bu], _P_MATMUL_EPI.pack(*words, oe, ou)
     if _bsum is not None:
-        rt.dispatch(pid, bufs, push, groups, fused_kernels.dispatch_name("matmul+bias_grad", rt),
-                    flops + K * N, nbytes + N * a.dtype.itemsize)
+        rt.dispatch(pid, bufs, push, groups, fused_kernels.dispatch_name("cast+matmul+bias_grad" if mixed else "matmul+bias_grad", rt),
+                    flops + K * N, nbytes + N * out.dtype.itemsize)
         return out
     if _epi is None:
         rt.dispatch(pid, bufs, push, groups, fused_kernels.dispatch_name("cast+matmul", rt) if mixed else "matmul",

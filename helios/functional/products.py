@@ -381,6 +381,10 @@ def _autocast_linear_grads(ctx, g: Tensor, x: Tensor, w: Tensor, low) -> tuple:
     if n[1]:
         g2, x2 = F._rows(g), F._rows(x)
         dest = _slot(ctx, 1, w)
+        bdest = ctx.grad_out(2) if n[2] and fused_kernels.ENABLED and g.is_contiguous() else None
+        if (bdest is not None and bdest.shape == (g.shape[-1],) and bdest.dtype is ctx.bias_dtype
+                and K.matmul_bias_grad(F.transpose(x2, 0, 1), g2, F.transpose(dest, 0, 1), bdest, compute=low)):
+            return gx, dest, bdest  # the bias gradient summed in the weight gradient's product
         # the wide-output weight as (x^T g)^T, as _linear_grads picks (the same sums either way)
         if w.shape[0] > w.shape[1]:
             gw = F.transpose(K.matmul(F.transpose(x2, 0, 1), g2, out=F.transpose(dest, 0, 1), compute=low), 0, 1)

@@ -287,13 +287,23 @@ layout(constant_id = 5) const int BWIDE = 0;
 layout(constant_id = 6) const int HAS_BIAS = 0;
 layout(constant_id = 7) const int CT = 0;
 layout(constant_id = 8) const int CLD = 0;
-// BSUM 1 (fp32, no batch, bias or epilogue; matmul_bias_grad() in helios/_kernels/gemm.py):
+// BSUM 1 (no batch, bias or epilogue; fp32, or bf16 with float32 slots; matmul_bias_grad() in helios/_kernels/gemm.py):
 // B's column sums over K as well, a Linear layer's bias gradient in the weight gradient's
 // dispatch (B = the output gradient).  Each lane adds the B values it loads for its TN
 // columns, k = 0 .. K-1 in order from 0.0 (the column reduction's adds, reduce.comp MODE 1),
-// and the subgroup at m0 == 0 stores the in-range columns at C[off_bias + n] (the bias slot
-// is in the buffer C binds; the bias offset word is free without HAS_BIAS).
+// and the subgroup at m0 == 0 stores the in-range columns at element off_bias + n of binding 3
+// (the bias binding and offset word, free without HAS_BIAS), in C's storage type.
 layout(constant_id = 10) const int BSUM = 0;
+layout(std430, binding = 3) writeonly buffer BSumOut { HL_ST(TA) bsum_out[]; };
+#if TA != T_F32
+layout(std430, binding = 3) writeonly buffer BSumOutF { float bsum_outf[]; };
+#endif
+void mm_st_bsum(uint i, float v) {
+#if TA != T_F32
+    if (CF32 == 1) { bsum_outf[i] = mm_round(v); return; }  // float32 slots: rounded to TA, widened
+#endif
+    bsum_out[i] = HL_STF(TA, v);
+}
 #ifdef MM_EPI
 // EVEC 1 (fp32, CVEC, E / U offsets multiples of 4): the epilogue runs on each lane's vec4s of
 // 4 adjacent columns, E fetched a texel at a time and U stored as vec4s, the same arithmetic
@@ -532,7 +542,7 @@ void main() {
     if (BSUM == 1 && m0 == 0u) {  // one subgroup per column block; clamped columns are not stored
         [[unroll]] for (int j = 0; j < TN; ++j) {
             uint n = n0 + uint(j);
-            if (n < p.N) c[p.off_bias + n] = HL_STF(TA, bs[j / 4][j % 4]);
+            if (n < p.N) mm_st_bsum(p.off_bias + n, bs[j / 4][j % 4]);
         }
     }
     uint ldc = CLD > 0 ? uint(CLD) : (CT == 1 ? p.M : p.N);

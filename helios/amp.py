@@ -128,13 +128,11 @@ def active_dtype():
     return d
 
 
-_active = active_dtype
-
 
 def low(*ts) -> tuple:
     """``ts`` with every floating-point tensor cast to the autocast dtype (the hook of the ops in
     LOW_PRECISION_OPS; None and non-float arguments pass unchanged)."""
-    d = _active()
+    d = active_dtype()
     if d is None:
         return ts
     from helios.functional import to
@@ -146,7 +144,7 @@ def low(*ts) -> tuple:
 def fp32(*ts) -> tuple:
     """``ts`` with every 16-bit floating-point tensor cast to float32 (the hook of the ops in
     FLOAT32_OPS)."""
-    if _active() is None:
+    if active_dtype() is None:
         return ts
     from helios.functional import to
     from helios.tensor import Tensor

@@ -250,13 +250,7 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None 
         raise ShapeError(f"matmul: bias must be a unit-stride {a.dtype.name} vector of shape ({N},), "
                          f"got {bias.dtype.name} {bias.shape} with strides {bias._strides}")
     if K == 0:
-        if ct or cld:
-            kern.copy_into(out, scalar_zero(out.dtype, rt))
-        else:
-            kern.fill(out, 0)
-        if bias is not None:
-            kern.copy_into(out, kern.binary("add", out, bias))
-        return out
+        return _empty_sum(out, bias, bool(ct or cld))
     sa = broadcast_strides(a.shape[:-2], a._strides[:-2], batch)
     sb = broadcast_strides(b.shape[:-2], b._strides[:-2], batch)
     if cld:  # the kernel's z0 / z1 must be the out's two batch dims, unmerged
@@ -287,27 +281,7 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None 
     if nb > 65535:
         raise ShapeError(f"matmul: {nb} batch matrices exceed the 65535 the kernel dispatches at once; reshape the batch")
     (ba, oa), (bb, ob) = bind(a), bind(b)
-    if cld:  # bind the span the strided C covers
-        span = 1 + sum((sz - 1) * st for sz, st in zip(out.shape, out._strides))
-        bc, oc = bind(Tensor(out._st, (span,), (1,), out._off, out.dtype), True)
-    elif _bsum is not None and not _cpu_mm_kernel(rt):  # coopmat: C's binding covers the product and the sums' slot
-        lo = min(out._off, _bsum._off)
-        hi = max(out._off + M * N, _bsum._off + N)
-        bc, o_lo = bind(Tensor(out._st, (hi - lo,), (1,), lo, out.dtype), True)
-        oc = o_lo + out._off - lo
-    else:
-        bc, oc = bind(_swap_last(out) if ct else out, True)
-    # Without a bias, binding 3 repeats A (read-only, never read: HAS_BIAS = 0).  With _bsum,
-    # the CPU kernel stores the column sums through binding 3; the cooperative-matrix kernel
-    # through C's, the bias offset word saying where.
-    if bias is not None:
-        bz, oz = bind(bias)
-    elif _bsum is None:
-        bz, oz = ba, 0
-    elif _cpu_mm_kernel(rt):
-        bz, oz = bind(_bsum, True)
-    else:
-        bz, oz = ba, o_lo + _bsum._off - lo
+    (bc, oc), (bz, oz) = _bind_c_and_bias(out, bias, _bsum, ct, cld, M, N, (ba, oa))
     has_bias = int(bias is not None)
     sam, sak = a._strides[-2], a._strides[-1]
     sbk, sbn = b._strides[-2], b._strides[-1]
@@ -332,11 +306,11 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None 
                 spec = spec + (0, 1)
         pid = rt.pipeline(kernel, f"{a_dtype.tag}{_texel_mix(mixed)}_sg{tm}x{tn}", _with_mixed(spec, mixed))
         groups = ((N + _MM_SG * tn - 1) // (_MM_SG * tn), (M + tm * spec[0] - 1) // (tm * spec[0]), nb)
-    elif (tile := coopmat.choice_for(rt, a.dtype.name, M, N, K).tile) is not None:  # tensor cores (coopmat.py)
+    elif (tile := coopmat.choice_for(rt, a_dtype.name, M, N, K).tile) is not None:  # tensor cores (coopmat.py)
         kernel = coopmat.KERNEL
         modes = coopmat.load_modes(M, N, K, (oa, ob), (sam, sak, *ca), (sbk, sbn, *cb))
         spec = tile.spec(has_bias, ct, cld, _epi[1] if _epi else 0, int(_bsum is not None), *modes)
-        pid = rt.pipeline(kernel, a.dtype.tag, spec)
+        pid = rt.pipeline(kernel, a_dtype.tag, spec)
         groups = tile.grid(M, N, nb)
         if _epi is None:  # matmul_epi's six bindings and words whatever the epilogue: unused ones repeat C
             be, oe, bu, ou = bc, 0, bc, 0
@@ -350,20 +324,59 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None 
     bufs, push = [ba, bb, bc, bz], _P_MATMUL.pack(*words)
     if kernel == coopmat.KERNEL:
         bufs, push = bufs + [be, bu], _P_MATMUL_EPI.pack(*words, oe, ou)
+    name = "matmul+bias_grad" if _bsum is not None else "matmul" if _epi is None else _epi[0]
     if _bsum is not None:
-        rt.dispatch(pid, bufs, push, groups, fused_kernels.dispatch_name("cast+matmul+bias_grad" if mixed else "matmul+bias_grad", rt),
-                    flops + K * N, nbytes + N * out.dtype.itemsize)
-        return out
-    if _epi is None:
-        rt.dispatch(pid, bufs, push, groups, fused_kernels.dispatch_name("cast+matmul", rt) if mixed else "matmul",
-                    flops, nbytes)
-        return out
-
-    name, _, e, u = _epi
-    nbytes += nb * M * N * sum(t.dtype.itemsize for t in (e, u) if t is not None)
-    rt.dispatch(pid, [ba, bb, bc, bz, be, bu], _P_MATMUL_EPI.pack(*words, oe, ou), groups,
-                fused_kernels.dispatch_name("cast+" + name if mixed else name, rt), flops, nbytes)
+        flops, nbytes = flops + K * N, nbytes + N * out.dtype.itemsize
+    elif _epi is not None:
+        bufs, push = [ba, bb, bc, bz, be, bu], _P_MATMUL_EPI.pack(*words, oe, ou)
+        nbytes += nb * M * N * sum(t.dtype.itemsize for t in _epi[2:] if t is not None)
+    if mixed:  # the casts it does are named in the trace
+        name = fused_kernels.dispatch_name("cast+" + name, rt)
+    elif name != "matmul":
+        name = fused_kernels.dispatch_name(name, rt)
+    rt.dispatch(pid, bufs, push, groups, name, flops, nbytes)
     return out
+
+
+def _empty_sum(out: Tensor, bias: Tensor | None, strided: bool) -> Tensor:
+    """``out`` of a product with K = 0: zeros, plus the bias where there is one."""
+    if strided:
+        kern.copy_into(out, scalar_zero(out.dtype, out._st.rt))
+    else:
+        kern.fill(out, 0)
+    if bias is not None:
+        kern.copy_into(out, kern.binary("add", out, bias))
+    return out
+
+
+def _bind_c_and_bias(out: Tensor, bias: Tensor | None, bsum: Tensor | None, ct: int, cld: int, M: int, N: int,
+                     a_binding: tuple) -> tuple:
+    """((binding, element offset) of C, (binding, offset) of binding 3) for matmul's kernels.
+
+    C: the span a strided (CLD) C covers, the transposed view's contiguous tensor (CT), or, for
+    the cooperative-matrix kernel's column sums (``bsum``), a range covering both the product and
+    the sums' slot.  Binding 3: the bias; else the CPU kernel's column sums (BSUM stores through
+    it); else A again (read-only, never read: HAS_BIAS = 0), its offset word telling the
+    cooperative-matrix kernel where in C's binding the sums go."""
+    rt = out._st.rt
+    cpu = _cpu_mm_kernel(rt)
+    c_lo = None
+    if cld:
+        span = 1 + sum((sz - 1) * st for sz, st in zip(out.shape, out._strides))
+        c = bind(Tensor(out._st, (span,), (1,), out._off, out.dtype), True)
+    elif bsum is not None and not cpu:
+        lo, hi = min(out._off, bsum._off), max(out._off + M * N, bsum._off + N)
+        bc, o_lo = bind(Tensor(out._st, (hi - lo,), (1,), lo, out.dtype), True)
+        c, c_lo = (bc, o_lo + out._off - lo), o_lo - lo
+    else:
+        c = bind(_swap_last(out) if ct else out, True)
+    if bias is not None:
+        z = bind(bias)
+    elif bsum is not None and cpu:
+        z = bind(bsum, True)
+    else:
+        z = (a_binding[0], 0 if bsum is None else c_lo + bsum._off)
+    return c, z
 
 
 # -- autocast's casts in the product (matmul(..., compute=)) ------------------------------------

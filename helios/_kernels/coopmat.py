@@ -1,6 +1,7 @@
 """Which kernel a Vulkan device's matmul runs on: the cooperative-matrix kernel (matmul_coop.comp,
 tensor cores through GL_KHR_cooperative_matrix) or the shared-memory kernel, and the coopmat
-kernel's tile.
+kernel's tile; the same for float16 flash attention (flash_coop.comp or flash_attn.comp, and the
+plan of each pass: :func:`choose_flash`, :func:`flash_choice_for`).
 
 The addon lists what ``vkGetPhysicalDeviceCooperativeMatrixPropertiesKHR`` says of a device
 (its facts' ``"cooperative_matrix"``: one dict per shape, empty where the device has no usable
@@ -180,12 +181,12 @@ def choose(shapes: list[CoopShape], dtype: str, M: int, N: int, K: int, subgroup
     return Choice("matmul", None, f"no tile fits: subgroups of {subgroup_size}, {max_shared} bytes of shared memory")
 
 
-def kernel_built() -> bool:
-    """Whether matmul_coop's SPIR-V is there or can be compiled here (a compiler that knows the
-    extension)."""
+def kernel_built(name: str = KERNEL) -> bool:
+    """Whether cooperative-matrix kernel ``name``'s SPIR-V (matmul_coop's, or flash_coop's) is there or
+    can be compiled here (a compiler that knows the extension)."""
     from helios.kernels_spirv import registry
 
-    return registry.can_build(KERNEL)
+    return registry.can_build(name)
 
 
 _said: set = set()  # (device, dtype, kernel, tile, reason) already printed at HELIOS_DEBUG
@@ -230,3 +231,134 @@ def choice_for(rt, dtype: str, M: int, N: int, K: int) -> Choice:
             _said.add(key)
             print(ch.line(key[0], dtype), file=sys.stderr)
     return ch
+
+
+# -- flash attention on cooperative matrices (flash_coop.comp) -------------------------------------
+
+FLASH_KERNEL = "flash_coop"
+FLASH_HEAD_DIMS = (32, 64, 128)  # its variants (flash_coop.variants)
+# Plans tried, largest first: (subgroups a workgroup, streamed rows a tile).  More subgroups share
+# each staged tile among more rows; longer tiles mean fewer barriers.  Every workgroup's rows (16
+# a subgroup) and every tile divide 64, the block size of a block mask.
+_FLASH_PLANS = ((4, 64), (4, 32), (2, 64), (2, 32), (4, 16), (2, 16), (1, 32), (1, 16))
+_FLASH_PASSES = (0, 2, 3)  # flash_attn.comp's numbers: forward, dQ, dK and dV
+
+
+def flash_shared_bytes(head_dim: int, mode: int, nsg: int, bt: int) -> int:
+    """Shared memory flash_coop.comp declares for one pass (``mode`` 0, 2 or 3) with ``nsg``
+    subgroups and tiles of ``bt`` streamed rows: its fixed rows, streamed tile, per-subgroup fp32
+    scratch and fp16 tiles, and row statistics (the arrays at the kernel's top)."""
+    xld, pld = head_dim + _PAD, bt + _PAD
+    nfix = ns = 1 if mode == 0 else 2
+    return (2 * nfix * 16 * nsg * xld + 2 * 2 * bt * xld + 4 * nsg * ns * 16 * bt + 2 * nsg * ns * 16 * pld
+            + 4 * nsg * 48 + 4 * 2 * bt)
+
+
+@dataclass(frozen=True)
+class FlashPlan:
+    """One pass of flash_coop: ``nsg`` subgroups of ``subgroup`` lanes own 16 rows each, the other
+    operand streams through in tiles of ``bt`` rows."""
+
+    mode: int
+    nsg: int
+    bt: int
+    subgroup: int
+
+    @property
+    def rows(self) -> int:
+        """The rows a workgroup owns."""
+        return 16 * self.nsg
+
+    def spec(self, wide: bool) -> tuple:
+        """flash_coop.comp's specialization constants 0-4: invocations, MODE, BT, NSG, WIDE (16-byte
+        loads: every staged row starts 8-aligned)."""
+        return (self.nsg * self.subgroup, self.mode, self.bt, self.nsg, int(wide))
+
+    def label(self) -> str:
+        """"4 subgroups x 16 rows, 32-row tiles"."""
+        return f"{self.nsg} subgroups x 16 rows, {self.bt}-row tiles"
+
+
+@dataclass(frozen=True)
+class FlashChoice:
+    """``kernel`` ("flash_coop" or "flash_attn"), the plan of each pass (empty for "flash_attn") and why."""
+
+    kernel: str
+    plans: tuple
+    reason: str
+
+    @property
+    def coopmat(self) -> bool:
+        """Whether the cooperative-matrix kernel runs the passes."""
+        return bool(self.plans)
+
+    def plan(self, mode: int) -> FlashPlan:
+        """The plan of pass ``mode``."""
+        return next(p for p in self.plans if p.mode == mode)
+
+    def line(self, device: str, dtype: str, head_dim: int) -> str:
+        """The HELIOS_DEBUG line: which kernel ``dtype`` attention with this head dim runs on ``device`` and why."""
+        what = (f"{FLASH_KERNEL}, " + "; ".join(f"pass {p.mode}: {p.label()}" for p in self.plans) if self.plans
+                else "flash_attn (shared-memory kernel)")
+        return f"helios: flash attention {dtype} d{head_dim} on {device}: {what}: {self.reason}"
+
+
+def choose_flash(shapes: list[CoopShape], dtype: str, head_dim: int, subgroup_size: int, max_shared: int = 49152,
+                 kernel_built: bool = True) -> FlashChoice:
+    """The kernel of flash attention with ``dtype`` operands and head dim ``head_dim`` on a device listing
+    ``shapes`` (subgroups of ``subgroup_size``, ``max_shared`` bytes of shared memory): flash_coop
+    where it lists a 16x16x16 f16*f16+f32 subgroup shape for float16 operands and every pass has a
+    plan that fits (the first of :data:`_FLASH_PLANS`), else flash_attn; every "no" says why."""
+    def no(why):
+        return FlashChoice("flash_attn", (), why)
+
+    if not shapes:
+        return no("the device lists no cooperative-matrix shapes")
+    if dtype != "float16":
+        return no(f"{dtype} operands: the cooperative-matrix flash kernel takes float16")
+    if head_dim not in FLASH_HEAD_DIMS:
+        return no(f"head dim {head_dim}: its variants are {FLASH_HEAD_DIMS}")
+    if not any(_fp16_fp32(s) and (s.m, s.n, s.k) == (16, 16, 16) for s in shapes):
+        return no("no subgroup-scope 16x16x16 f16*f16+f32 shape listed")
+    if not kernel_built:
+        return no(f"{FLASH_KERNEL} is not built: no shader compiler here knows GL_KHR_cooperative_matrix")
+    if subgroup_size <= 0 or 256 % subgroup_size:
+        return no(f"subgroups of {subgroup_size} lanes: a lane must hold a whole share of a 16x16 block")
+    plans = []
+    for mode in _FLASH_PASSES:
+        fit = [(n, bt) for n, bt in _FLASH_PLANS if flash_shared_bytes(head_dim, mode, n, bt) <= max_shared]
+        if not fit:
+            return no(f"no plan of pass {mode} fits {max_shared} bytes of shared memory at head dim {head_dim}")
+        plans.append(FlashPlan(mode, fit[0][0], fit[0][1], subgroup_size))
+    return FlashChoice(FLASH_KERNEL, tuple(plans), "float16 operands, 16x16x16 listed")
+
+
+_flash_memo: dict = {}  # flash_choice_for's answers by (facts' id, dtype, head dim, switch), with the facts
+_FLASH_NONE = FlashChoice("flash_attn", (), "the device lists no cooperative-matrix shapes")
+
+
+def flash_choice_for(rt, dtype: str, head_dim: int) -> FlashChoice:
+    """:func:`choose_flash` for runtime ``rt``'s device; prints the choice once per kind at
+    ``HELIOS_DEBUG >= 1`` where the device lists shapes (as :func:`choice_for`)."""
+    info = getattr(rt, "info", None) or {}
+    if not info.get("cooperative_matrix"):
+        return _FLASH_NONE
+    key = (id(info), dtype, head_dim, _enabled)
+    hit = _flash_memo.get(key)
+    if hit is not None and hit[0] is info:
+        ch = hit[1]
+    elif not _enabled:
+        ch = FlashChoice("flash_attn", (), "cooperative matrices switched off (HELIOS_COOPMAT=0 or coopmat.set_enabled)")
+    else:
+        lim = info.get("limits", {})
+        built = dtype != "float16" or kernel_built(FLASH_KERNEL)
+        ch = choose_flash(shapes_of(info), dtype, head_dim, int(lim.get("subgroup_size", 0)),
+                          int(lim.get("max_shared_memory", 0)), built)
+    _flash_memo[key] = (info, ch)
+    if getattr(rt, "debug", 0):
+        line = ch.line(getattr(rt, "name", "?"), dtype, head_dim)
+        if line not in _said:
+            _said.add(line)
+            print(line, file=sys.stderr)
+    return ch
+

@@ -10,6 +10,7 @@ from helios.backend import attention_pairs
 from helios.errors import ShapeError
 from helios.runtime import get_runtime
 from helios.tensor import Tensor
+from helios._kernels import coopmat
 from helios._kernels.core import bind, empty, groups_for
 import helios._kernels as kern  # the other kernel families (bound once the package has loaded)
 
@@ -207,10 +208,16 @@ class _FlashLaunch:
         self.offs = [oq, ok, ov]
         self.cpu = _fa_cpu(rt)
         self.variant = f"{q.dtype.tag}_{'sg_' if self.cpu else ''}d{self.D}"
+        # passes 0, 2 and 3 on cooperative matrices where the device lists them (float16 on GPUs)
+        self.coop = None if self.cpu else coopmat.flash_choice_for(rt, q.dtype.name, self.D)
+        if self.coop is not None and not self.coop.coopmat:
+            self.coop = None
         strides = [s for t in (self.q, self.k, self.v) for s in t._strides[:3]]
         self.strides = strides
-        # 8-wide loads need every row start 8-aligned (see WIDE in the GLSL)
-        self.wide = int(self.cpu and all(x % 8 == 0 for x in strides + self.offs))
+        # 8-wide loads need every row start 8-aligned (see WIDE in the GLSL); the coopmat kernel
+        # decides per pass (dO's offset joins in the backward)
+        self.aligned8 = all(x % 8 == 0 for x in strides + self.offs)
+        self.wide = int(self.cpu and self.aligned8)
         self.bm = block_mask
         if block_mask is not None:
             if (block_mask.Tq, block_mask.Tk, block_mask.causal) != (self.Tq, self.Tk, self.causal):
@@ -236,15 +243,22 @@ class _FlashLaunch:
         """Record one pass over ``rows`` rows (per head, or in all with ``per_head=False``)."""
         rt = self.rt
         BH = self.B * self.H
+        kernel, variant = "flash_attn", self.variant
         if self.cpu:
             wy = self._wy(rows) if per_head else 4
             spec = (wy, mode, self.wide)
             per_group = _FA_SG_ROWS * wy
+        elif self.coop is not None and mode != _FA_PRE:
+            plan = self.coop.plan(mode)
+            spec = plan.spec(self.aligned8 and (mode == _FA_FWD or off_do % 8 == 0))
+            per_group = plan.rows
+            kernel, variant = coopmat.FLASH_KERNEL, f"f16_d{self.D}"
+            name = kernel + name[len("flash_attn"):]  # flash_coop, flash_coop_bwd_dq, flash_coop_bwd_dkv
         else:
             spec = (_FA_GPU_WG, mode, 0)
             per_group = _FA_GPU_WG
         groups = (1, -(-rows // per_group), BH) if per_head else groups_for(-(-rows // per_group))
-        pid = rt.pipeline("flash_attn", self.variant, spec)
+        pid = rt.pipeline(kernel, variant, spec)
         flags = int(self.causal) | (2 if dlse else 0)
         if self.bm is not None and mode != _FA_PRE:
             # the mask goes through a binding this pass leaves unused (see flash_attn.comp)

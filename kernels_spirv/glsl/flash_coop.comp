@@ -56,14 +56,6 @@
 #ifndef HD
 #define HD 64       // head dim: a multiple of 16
 #endif
-// The loops over a lane's elements of a block: unrolled on a GPU, so its sums stay in registers;
-// left as loops in the emulation, whose CPU driver keeps such arrays in memory (unrolled, its
-// compiler takes minutes over the hundreds of values live across every loop).
-#ifdef COOP_EMU
-#define UNROLL
-#else
-#define UNROLL [[unroll]]
-#endif
 const float LOG2E = 1.4426950408889634;
 const float LN2 = 0.6931471805599453;
 const float NEG_INF = -1.0 / 0.0;
@@ -200,15 +192,10 @@ void stage(const int b, const int arr, uint first, uint z, uint t0, uint n, uint
     }
 }
 
-// One subgroup's shared-memory writes made visible to its other lanes.  The emulation leaves out
-// the execution barrier: its CPU driver runs a subgroup as one SIMD vector, in step, and makes
-// every barrier a suspension point of a coroutine that saves all live values, which is minutes
-// of compiling with the lanes' sums live across dozens of them.
+// One subgroup's shared-memory writes made visible to its other lanes.
 void sg_sync() {
     subgroupMemoryBarrierShared();
-#ifndef COOP_EMU
     subgroupBarrier();
-#endif
 }
 
 #ifdef COOP_EMU
@@ -258,15 +245,14 @@ void block_product(const int ar, uint aoff, uint lda, const int br, uint boff, u
 
 // The lane's sums: result a's elements of head-dim block j at acc[a * HB + j][e] (O, dQ, or dK
 // and dV), a private array of spec-constant size (not a parameter: such array types do not
-// match across calls).  The loops over j are unrolled everywhere, so each block is an array
-// of its own to the driver's compiler.
+// match across calls).  Every loop over j and e is unrolled, so the sums stay in registers.
 const uint NACC = MODE == 3 ? 2 : 1;
 float acc[NACC * HB][PER];
 
 // Block j of result a = itself * f[row] + Sc's 16 x 16 block at dst (row stride 16), for the
 // lane's elements; f from Rw at fsrc (rows), or 1 where fsrc is ~0u.
 void add_block(uint a, uint j, uint dst, uint fsrc) {
-    UNROLL for (uint e = 0; e < PER; ++e) {
+    [[unroll]] for (uint e = 0; e < PER; ++e) {
         uint x = gl_SubgroupInvocationID + e * SGE;
         float f = fsrc == ~0u ? 1.0 : Rw[fsrc + (x >> 4)];
         acc[a * HB + j][e] = acc[a * HB + j][e] * f + Sc[dst + x];
@@ -278,7 +264,7 @@ void add_block(uint a, uint j, uint dst, uint fsrc) {
 // divided by Rw[lsrc + r] where lsrc != ~0u) to output `which` (0 O, 1 dQ, 2 dK, 3 dV).
 void store_rows(int which, uint a, uint z, uint row, uint T, float f, uint lsrc) {
     [[unroll]] for (uint j = 0; j < HB; ++j)
-        UNROLL for (uint e = 0; e < PER; ++e) {
+        [[unroll]] for (uint e = 0; e < PER; ++e) {
             uint x = gl_SubgroupInvocationID + e * SGE, r = x >> 4, t = row + r;
             if (t >= T) continue;
             float v = acc[a * HB + j][e] * f / (lsrc == ~0u ? 1.0 : Rw[lsrc + r]);
@@ -292,7 +278,7 @@ void store_rows(int which, uint a, uint z, uint row, uint T, float f, uint lsrc)
 
 void zero_acc() {
     [[unroll]] for (uint i = 0; i < NACC * HB; ++i)
-        UNROLL for (uint e = 0; e < PER; ++e) acc[i][e] = 0.0;
+        [[unroll]] for (uint e = 0; e < PER; ++e) acc[i][e] = 0.0;
 }
 
 void forward_pass(uint z, uint r0, uint g) {

@@ -12,10 +12,12 @@
 # or newer), not the install below: first the device's facts (RESULTS_DIR/coopmat_env.json; exit
 # 2 where the device lists no cooperative matrices), then correctness against PyTorch
 # (tests/test_coopmat_gpu.py, test_coopmat_select.py, test_coopmat_kernel.py, and
-# test_mixed_matmul.py for autocast's casts in the shared-memory kernel -> coopmat_tests.log),
-# then speed (bench/vulkan_coopmat.py at 4096^3, nn nt tn: coopmat, the shared-memory kernel
-# and cuBLAS fp16; bench/autocast_step.py: helios-train --dtype bf16 against fp32 at tiny,
-# small and gpt2 -> coopmat_bench.log, coopmat.jsonl).
+# test_mixed_matmul.py for autocast's casts in the shared-memory kernel, test_flash_coop.py for
+# fp16 flash attention on cooperative matrices -> coopmat_tests.log), then speed
+# (bench/vulkan_coopmat.py at 4096^3, nn nt tn: coopmat, the shared-memory kernel and cuBLAS
+# fp16; then its fp16 attention at T 1024 and 4096, head dims 64 and 128: flash_coop, the
+# shared-memory flash kernel and PyTorch's CUDA SDPA; bench/autocast_step.py: helios-train
+# --dtype bf16 against fp32 at tiny, small and gpt2 -> coopmat_bench.log, coopmat.jsonl).
 #
 # It downloads nothing: the machine needs its driver, ptxas (the CUDA toolkit or the
 # nvidia-cuda-nvcc wheel), and a Python ($PYTHON, default python3) with numpy,
@@ -95,9 +97,11 @@ raise SystemExit(0 if shapes else 3)") || rc=$?
         return 2
     fi
     step coopmat-tests "$out/coopmat_tests.log" "$py" -m pytest -q -p no:cacheprovider tests/test_coopmat_gpu.py \
-        tests/test_coopmat_select.py tests/test_coopmat_kernel.py tests/test_mixed_matmul.py
+        tests/test_coopmat_select.py tests/test_coopmat_kernel.py tests/test_mixed_matmul.py tests/test_flash_coop.py
     step coopmat-bench "$out/coopmat_bench.log" timeout "$bench_timeout" "$py" -u bench/vulkan_coopmat.py --sizes 4096 \
-        --layouts nn nt tn
+        --layouts nn nt tn --attn-T
+    step flash-coop-bench "$out/coopmat_bench.log" timeout "$bench_timeout" "$py" -u bench/vulkan_coopmat.py --sizes \
+        --attn-T 1024 4096 --attn-head-dims 64 128 --rounds 3
     step autocast-bench "$out/coopmat_bench.log" timeout "$bench_timeout" "$py" -u bench/autocast_step.py \
         --device vulkan:0 --configs tiny small gpt2 --rounds 1 --steps 12
     grep '^{' "$out/coopmat_bench.log" >"$out/coopmat.jsonl" || true

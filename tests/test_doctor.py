@@ -428,6 +428,8 @@ def test_cooperative_matrix_line_lists_the_shapes_and_whether_they_are_used():
     assert text.startswith("16x16x16 f16*f16+f32 (subgroup), 16x8x32 i8*i8+i32 (subgroup) -- ")
     assert ("float16: used (128x128x32 tiles" in text) == coopmat.kernel_built(), text
     assert "bfloat16: not used (bfloat16 operands and the device lists no bf16" in text
+    assert ("float16 flash attention: used (4 subgroups x 16 rows, 32-row tiles forward)" in text) == \
+        coopmat.kernel_built(coopmat.FLASH_KERNEL), text
     assert probe_vulkan.coopmat_text(LAVAPIPE, EXTRA).startswith("none listed (not used")
     nv_only = dict(EXTRA, cooperative_matrix_nv=True, cooperative_matrix_shapes=["16x8x16 f16*f16+f32"])
     assert "the driver has it (16x8x16 f16*f16+f32), but not used" in probe_vulkan.coopmat_text(LAVAPIPE, nv_only)

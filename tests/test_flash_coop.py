@@ -1,0 +1,209 @@
+"""Flash attention on cooperative matrices (kernels_spirv/glsl/flash_coop.comp): the forward, dQ and
+dK/dV passes against float64 attention (causal or not, Tq != Tk, rows and keys that do not fill a
+tile, every head dim, strided views read 8 or 4 halves a load, block masks), bit-identical reruns,
+the trace naming the kernel, scaled_dot_product_attention's backward through it, and the choice of
+kernel and plan (coopmat.choose_flash) for devices described by their facts.
+
+On a GPU that lists a 16x16x16 f16*f16+f32 shape the real kernel runs (./scripts/gpu_check.sh . coopmat).
+On lavapipe, which lists none, the device's facts are made to list one and to say "discrete" (past
+the CPU kernels), and flash_coop's pipelines are built from its f16_emu variants, where plain code
+does the cooperative-matrix operations; staging, softmax, masks, the lanes' sums and the stores are
+the code a GPU runs.  Other devices skip."""
+
+import numpy as np
+import pytest
+
+import helios as hl
+import helios.nn.functional as F
+from helios import _kernels as K
+from helios._kernels import coopmat
+from helios.profile import profile
+
+R = np.random.default_rng(33)
+SHAPE = dict(m=16, n=16, k=16, a="f16", b="f16", c="f32", result="f32", scope="subgroup", saturating=False)
+
+
+def _nv(m=16, n=16, k=16):
+    return [coopmat.CoopShape(m, n, k, "f16", "f16", "f32", "f32", "subgroup")]
+
+
+# -- the choice (pure: no device) --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+def test_every_pass_gets_the_largest_plan_that_fits(head_dim):
+    ch = coopmat.choose_flash(_nv(), "float16", head_dim, 32, 49152)
+    assert ch.coopmat and ch.kernel == "flash_coop", ch.reason
+    for mode in (0, 2, 3):
+        plan = ch.plan(mode)
+        assert coopmat.flash_shared_bytes(head_dim, mode, plan.nsg, plan.bt) <= 49152
+        # no earlier (larger) plan fits
+        earlier = coopmat._FLASH_PLANS[:coopmat._FLASH_PLANS.index((plan.nsg, plan.bt))]
+        assert all(coopmat.flash_shared_bytes(head_dim, mode, n, bt) > 49152 for n, bt in earlier)
+        assert 64 % plan.rows == 0 and 64 % plan.bt == 0  # block masks: tiles never straddle a block
+        assert plan.spec(True) == (plan.nsg * 32, mode, plan.bt, plan.nsg, 1)
+    # the forward holds one fixed operand, the backward passes two: more room for the forward
+    assert ch.plan(0).rows * ch.plan(0).bt >= ch.plan(2).rows * ch.plan(2).bt
+
+
+@pytest.mark.parametrize("shapes, dtype, head_dim, sg, shared, why", [
+    ([], "float16", 64, 32, 49152, "lists no cooperative-matrix shapes"),
+    (_nv(), "bfloat16", 64, 32, 49152, "bfloat16 operands"),
+    (_nv(), "float32", 64, 32, 49152, "float32 operands"),
+    (_nv(), "float16", 80, 32, 49152, "head dim 80"),
+    (_nv(16, 8, 16), "float16", 64, 32, 49152, "no subgroup-scope 16x16x16"),
+    (_nv(), "float16", 64, 48, 49152, "subgroups of 48 lanes"),
+    (_nv(), "float16", 128, 32, 16384, "no plan of pass"),
+])
+def test_the_choice_says_why_not(shapes, dtype, head_dim, sg, shared, why):
+    ch = coopmat.choose_flash(shapes, dtype, head_dim, sg, shared)
+    assert not ch.coopmat and ch.kernel == "flash_attn" and why in ch.reason
+    assert why in ch.line("vulkan:0", dtype, head_dim) and "flash_attn (shared-memory kernel)" in ch.line("x", dtype, 1)
+
+
+def test_unbuilt_kernel_keeps_the_shared_memory_kernel():
+    ch = coopmat.choose_flash(_nv(), "float16", 64, 32, 49152, kernel_built=False)
+    assert not ch.coopmat and "not built" in ch.reason
+
+
+# -- the kernel (the emulated variant on lavapipe, the real one on a GPU listing shapes) --------
+
+
+@pytest.fixture(scope="module")
+def rt():
+    from helios.runtime import get_runtime
+
+    r = get_runtime()
+    with pytest.MonkeyPatch.context() as mp:
+        if not coopmat.shapes_of(getattr(r, "info", None) or {}):
+            if (getattr(r, "info", None) or {}).get("type") != "cpu" or not coopmat.kernel_built(coopmat.FLASH_KERNEL):
+                pytest.skip(f"{r.name} lists no cooperative matrices")
+            mp.setitem(r.info, "cooperative_matrix", [SHAPE])
+            mp.setitem(r.info, "type", "discrete")
+            real = r.pipeline
+            mp.setattr(r, "pipeline", lambda kernel, variant, spec=(): real(
+                kernel, variant.replace("f16_", "f16_emu_") if kernel == coopmat.FLASH_KERNEL else variant, spec))
+        if not coopmat.flash_choice_for(r, "float16", 64).coopmat:
+            pytest.skip(f"{r.name}: flash_coop is not chosen: {coopmat.flash_choice_for(r, 'float16', 64).reason}")
+        yield r
+
+
+pytestmark = pytest.mark.vulkan
+
+
+def _operands(B, H, Tq, Tk, D):
+    q = R.standard_normal((B, H, Tq, D)).astype(np.float16)
+    k = R.standard_normal((B, H, Tk, D)).astype(np.float16)
+    v = R.standard_normal((B, H, Tk, D)).astype(np.float16)
+    g = R.standard_normal((B, H, Tq, D)).astype(np.float16)
+    return q, k, v, g
+
+
+def _reference(q, k, v, g, scale, causal, allowed=None):
+    """O, L, dQ, dK, dV of softmax(q k^T scale) v in float64; ``allowed`` [Tq, Tk] (True = attends)."""
+    q, k, v, g = (x.astype(np.float64) for x in (q, k, v, g))
+    s = q @ k.swapaxes(-1, -2) * scale
+    Tq, Tk = s.shape[-2:]
+    keep = np.ones((Tq, Tk), dtype=bool) if allowed is None else allowed
+    if causal:
+        keep = keep & (np.arange(Tk)[None, :] <= np.arange(Tq)[:, None])
+    s = np.where(keep, s, -np.inf)
+    m = s.max(-1, keepdims=True)
+    p = np.exp(s - m)
+    l_ = p.sum(-1, keepdims=True)
+    p /= l_
+    dp = g @ v.swapaxes(-1, -2)
+    ds = p * (dp - (dp * p).sum(-1, keepdims=True))
+    return p @ v, (m + np.log(l_))[..., 0], ds @ k * scale, ds.swapaxes(-1, -2) @ q * scale, p.swapaxes(-1, -2) @ g
+
+
+def _close(got, want, what):
+    # fp16 operands and results, P and dS rounded to fp16 before their products, fp32 sums
+    np.testing.assert_allclose(np.asarray(got, dtype=np.float64), want, rtol=1e-2,
+                               atol=2e-3 * max(1.0, float(np.abs(want).max())), err_msg=what)
+
+
+def _run(q, k, v, g, scale, causal, block_mask=None):
+    o, lse = K.flash_attn_fwd(q, k, v, scale, causal, block_mask=block_mask)
+    dq, dk, dv = K.flash_attn_bwd(q, k, v, o, lse, g, scale, causal, block_mask=block_mask)
+    return [t.numpy() for t in (o, lse, dq, dk, dv)]
+
+
+def _h(x):
+    return hl.tensor(x, dtype="float16")
+
+
+@pytest.mark.parametrize("D, causal, Tq, Tk", [
+    (64, False, 40, 40), (64, True, 100, 100), (32, True, 70, 53), (32, False, 17, 90), (128, True, 50, 50),
+    (128, False, 24, 40),
+])
+def test_passes_match_float64_attention(rt, D, causal, Tq, Tk):
+    q, k, v, g = _operands(2, 2, Tq, Tk, D)
+    scale = D ** -0.5
+    with profile() as prof:
+        got = _run(*(_h(x) for x in (q, k, v, g)), scale, causal)
+        hl.synchronize()
+    for name, a, b in zip(("O", "L", "dQ", "dK", "dV"), got, _reference(q, k, v, g, scale, causal)):
+        _close(a, b, f"{name} D={D} causal={causal} Tq={Tq} Tk={Tk}")
+    names = {e.name for e in prof.collector.events if e.name.startswith("flash")}
+    assert names == {"flash_coop", "flash_attn_bwd_pre", "flash_coop_bwd_dq", "flash_coop_bwd_dkv"}
+
+
+def test_reruns_are_bit_identical_and_close_to_the_shared_memory_kernel(rt):
+    q, k, v, g = (_h(x) for x in _operands(1, 3, 90, 90, 64))
+    first = _run(q, k, v, g, 0.125, True)
+    again = _run(q, k, v, g, 0.125, True)
+    for a, b in zip(first, again):
+        assert a.tobytes() == b.tobytes()  # no atomics: every sum in a fixed order
+    was = coopmat.set_enabled(False)
+    try:
+        with profile() as prof:
+            simt = _run(q, k, v, g, 0.125, True)
+            hl.synchronize()
+    finally:
+        coopmat.set_enabled(was)
+    assert {e.name for e in prof.collector.events if e.name.startswith("flash")} == {
+        "flash_attn", "flash_attn_bwd_pre", "flash_attn_bwd_dq", "flash_attn_bwd_dkv"}
+    for a, b in zip(first, simt):
+        _close(a, b.astype(np.float64), "coopmat vs shared-memory kernel")
+
+
+@pytest.mark.parametrize("pad", [0, 4])
+def test_strided_views_are_read_in_place(rt, pad):
+    """Heads of a packed QKV projection (rows 8-aligned: 16-byte loads) and rows padded by 4 halves
+    (8-byte loads)."""
+    B, T, H, D = 2, 45, 2, 64
+    qkv = R.standard_normal((B, T, 3, H, D + pad)).astype(np.float16)
+    hq = _h(qkv)
+    views = [F.transpose(hq[:, :, i, :, :D], 1, 2) for i in range(3)]  # [B, H, T, D] with strides
+    g = R.standard_normal((B, H, T, D)).astype(np.float16)
+    got = _run(*views, _h(g), 0.125, True)
+    want = _reference(*(qkv[:, :, i, :, :D].transpose(0, 2, 1, 3) for i in range(3)), g, 0.125, True)
+    for name, a, b in zip(("O", "L", "dQ", "dK", "dV"), got, want):
+        _close(a, b, f"{name} pad={pad}")
+
+
+def test_block_mask_skips_blocks(rt):
+    Tq = Tk = 150
+    m = np.array([[1, 0, 0], [1, 1, 0], [0, 1, 1]], dtype=bool)
+    allowed = np.repeat(np.repeat(m, 64, 0), 64, 1)[:Tq, :Tk]
+    q, k, v, g = _operands(1, 2, Tq, Tk, 32)
+    bm = K.FlashBlockMask(m, 64, Tq, Tk, False)
+    got = _run(*(_h(x) for x in (q, k, v, g)), 0.2, False, block_mask=bm)
+    for name, a, b in zip(("O", "L", "dQ", "dK", "dV"), got, _reference(q, k, v, g, 0.2, False, allowed)):
+        _close(a, b, f"{name} block mask")
+
+
+def test_sdpa_backward_runs_on_it(rt):
+    """scaled_dot_product_attention of float16 tensors with autograd: forward and backward through
+    flash_coop, gradients as float64 attention's."""
+    q, k, v, g = _operands(1, 2, 64, 64, 64)
+    hq, hk, hv = (hl.tensor(x, dtype="float16", requires_grad=True) for x in (q, k, v))
+    with profile() as prof:
+        o = F.scaled_dot_product_attention(hq, hk, hv, is_causal=True)
+        o.backward(_h(g))
+        hl.synchronize()
+    assert {"flash_coop", "flash_coop_bwd_dq", "flash_coop_bwd_dkv"} <= {e.name for e in prof.collector.events}
+    want = _reference(q, k, v, g, 0.125, True)
+    for name, a, b in zip(("O", "dQ", "dK", "dV"), (o, hq.grad, hk.grad, hv.grad), (want[0], *want[2:])):
+        _close(a.numpy(), b, name)

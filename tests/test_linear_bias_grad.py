@@ -1,6 +1,8 @@
 """A Linear layer's bias gradient computed in its weight gradient's matmul (helios.fused_kernels
 "matmul+bias_grad"): bit for bit the separate column reduction, one dispatch fewer, and the
-two unfused dispatches wherever the kernel cannot take the operands."""
+two unfused dispatches wherever the kernel cannot take the operands.  Both kernels that sum
+through the bias binding are tested: the CPU-driver kernel where the device runs it, and the
+GPU shared-memory kernel, forced on (it runs on lavapipe too)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import helios as hl
 import helios.functional as F
 from helios import _kernels as K
 from helios import fused_kernels
+from helios._kernels import coopmat, gemm
 from helios.nn import Parameter
 from helios.optim import AdamW
 from helios.runtime import get_runtime
@@ -23,6 +26,21 @@ sys.path.insert(0, os.path.dirname(__file__))
 from switches import count_dispatches, switched  # noqa: E402
 
 pytestmark = pytest.mark.vulkan
+
+
+@pytest.fixture(params=["cpu", "gpu"])
+def kernel(request, monkeypatch):
+    """The matmul kernel under test (as tests/test_mixed_matmul.py's fixture)."""
+    rt = get_runtime()
+    if request.param == "gpu":
+        monkeypatch.setattr(gemm, "_cpu_mm_kernel", lambda rt: False)
+        was = coopmat.set_enabled(False)
+        request.addfinalizer(lambda: coopmat.set_enabled(was))
+    elif not gemm._cpu_mm_kernel(rt):
+        pytest.skip("the device does not run the CPU-driver kernel")
+    if rt.has_gemm("float32"):
+        pytest.skip("a matrix engine runs the products here")
+    return request.param
 
 
 def _bits_equal(x: np.ndarray, y: np.ndarray) -> bool:
@@ -50,7 +68,7 @@ def _grads(x, w, b, fusion_on: bool, kernel_refuses: bool = False, slots: bool =
 # past N; 18: no vec4 loads of B either), a square weight, and a 32-row tile with two column
 # blocks (out 72 > 64 columns a workgroup).
 @pytest.mark.parametrize("rows,out,inp", [(60, 20, 12), (64, 24, 24), (37, 18, 12), (50, 72, 64)])
-def test_bias_grad_in_the_weight_grad_matmul_is_bit_identical(rows, out, inp):
+def test_bias_grad_in_the_weight_grad_matmul_is_bit_identical(kernel, rows, out, inp):
     rng = np.random.default_rng(rows)
     w = Parameter(hl.tensor(rng.standard_normal((out, inp)).astype(np.float32)))
     b = Parameter(hl.tensor(rng.standard_normal((out,)).astype(np.float32)))
@@ -64,13 +82,10 @@ def test_bias_grad_in_the_weight_grad_matmul_is_bit_identical(rows, out, inp):
     y = x.numpy().reshape(rows, inp) @ w.numpy().T + b.numpy()
     np.testing.assert_allclose(on[1], (2 * y).sum(0), rtol=1e-4, atol=1e-3)
     assert ref[2]["matmul+bias_grad"] == 0 and refused[2]["matmul+bias_grad"] == 0
-    if K._cpu_mm_kernel(get_runtime()):
-        # one dispatch for the weight and bias gradients instead of a matmul and a sum
-        assert on[2]["matmul+bias_grad"] == 1
-        assert refused[2]["matmul"] - on[2]["matmul"] == 1 and refused[2]["sum"] - on[2]["sum"] == 1
-        assert sum(refused[2].values()) - sum(on[2].values()) == 1
-    else:  # the GPU kernel does not fuse
-        assert on[2]["matmul+bias_grad"] == 0
+    # one dispatch for the weight and bias gradients instead of a matmul and a sum
+    assert on[2]["matmul+bias_grad"] == 1
+    assert refused[2]["matmul"] - on[2]["matmul"] == 1 and refused[2]["sum"] - on[2]["sum"] == 1
+    assert sum(refused[2].values()) - sum(on[2].values()) == 1
 
 
 def test_without_free_slots_the_bias_grad_is_a_reduction():
@@ -84,7 +99,7 @@ def test_without_free_slots_the_bias_grad_is_a_reduction():
     assert _bits_equal(on[0], off[0]) and _bits_equal(on[1], off[1])
 
 
-def test_matmul_bias_grad_takes_only_what_it_can_store():
+def test_matmul_bias_grad_takes_only_what_it_can_store(kernel):
     rt = get_runtime()
     rng = np.random.default_rng(1)
     M, Kd, N = 12, 21, 20
@@ -93,9 +108,6 @@ def test_matmul_bias_grad_takes_only_what_it_can_store():
     flat = hl.tensor(np.full(3 + N + M * N + 5, 7.0, np.float32))
     bsum = Tensor(flat._st, (N,), (1,), 3, flat.dtype)  # before the product's slot
     out = Tensor(flat._st, (M, N), (N, 1), 3 + N, flat.dtype)  # contiguous: no transposed store
-    if not K._cpu_mm_kernel(rt):
-        assert not K.matmul_bias_grad(a, b, out, bsum)
-        return
     with count_dispatches() as names:
         assert K.matmul_bias_grad(a, b, out, bsum)
     assert dict(names) == {"matmul+bias_grad": 1}
@@ -106,7 +118,7 @@ def test_matmul_bias_grad_takes_only_what_it_can_store():
     assert _bits_equal(got[3:3 + N], ref_s.numpy())
     assert np.all(got[:3] == 7.0) and np.all(got[3 + N + M * N:] == 7.0)  # nothing else written
     # a bsum in another tensor (a bias in its own flat buffer, as AdamW's no-decay group keeps
-    # it): the CPU kernel stores the sums through the bias binding
+    # it): both kernels store the sums through the bias binding
     other = hl.zeros((N,))
     assert K.matmul_bias_grad(a, b, out, other)
     assert _bits_equal(other.numpy(), ref_s.numpy()) and _bits_equal(got[3 + N:3 + N + M * N].reshape(M, N), ref_c.numpy())

@@ -209,13 +209,18 @@ def test_autocast_matmul_with_a_float32_operand_equals_the_casts_bit_for_bit(ker
         assert names_off["copy"] - names_on["copy"] == 2 * n32  # each fp32 operand's cast, both ways
 
 
-def test_weight_and_bias_gradients_in_one_product_with_float32_slots():
-    _need_16bit()
+@pytest.mark.parametrize("low", [dt.bfloat16, dt.float16], ids=["bf16", "fp16"])
+def test_weight_and_bias_gradients_in_one_product_with_float32_slots(kernel, low):
     rt = get_runtime()
-    if not gemm._cpu_mm_kernel(rt):
-        pytest.skip("the bias gradient rides in the CPU-driver kernel's product only")
-    low = dt.bfloat16
-    for rows, n_in, n_out in ((64, 24, 40), (37, 8, 13)):
+    if kernel == "cpu" and low is dt.float16:
+        # refused (nothing dispatched): the CPU kernel has no float16 texel variants
+        x, g = _t((8, 4), dt.float32), _t((8, 5), low)
+        flat = K.empty((4 * 5 + 5,), dt.float32, rt)
+        with count_dispatches() as names:
+            assert not K.matmul_bias_grad(x.mT, g, flat[:20].reshape(5, 4).mT, flat[20:], compute=low)
+        assert not names
+        return
+    for rows, n_in, n_out in ((64, 24, 40), (37, 8, 13), (70, 16, 72)):
         x, g = _t((rows, n_in), dt.float32), _t((rows, n_out), low)
         flat = K.empty((n_in * n_out + n_out + 3,), dt.float32, rt)  # the slots of a flat gradient buffer
         w_slot = flat[: n_in * n_out].reshape(n_out, n_in)
@@ -224,9 +229,5 @@ def test_weight_and_bias_gradients_in_one_product_with_float32_slots():
             assert K.matmul_bias_grad(x.mT, g, w_slot.mT, b_slot, compute=low)
         assert dict(names) == {"cast+matmul+bias_grad": 1}
         want_w = K.copy(gemm.matmul(K.copy(x, low).mT, g), dt.float32)
-        want_b = K.copy(K.copy(K.reduce("sum", g, (0,))[0], low), dt.float32)  # bf16's sum, rounded, widened
+        want_b = K.copy(K.copy(K.reduce("sum", g, (0,))[0], low), dt.float32)  # the 16-bit sum, rounded, widened
         assert np.array_equal(_bits(w_slot.mT), _bits(want_w)) and np.array_equal(_bits(b_slot), _bits(want_b))
-    # refused (nothing dispatched) where the kernel cannot take it: a float16 product here
-    with count_dispatches() as names:
-        assert not K.matmul_bias_grad(x.mT, g, w_slot.mT, b_slot, compute=dt.float16)
-    assert not names

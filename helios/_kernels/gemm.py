@@ -158,19 +158,21 @@ def matmul_bias_grad(a: Tensor, b: Tensor, out: Tensor, bsum: Tensor, compute: d
     True when done, False, with nothing dispatched, where this kernel cannot take them (the
     caller then runs the matmul and the reduction).
 
-    It takes float32 2-D a [M, K] (K > 0) and b [K, N] with b contiguous along N, on the
-    CPU-driver kernel, or float16 ones where the cooperative-matrix kernel runs the product
-    (coopmat.choice_for); ``out`` as matmul()'s (contiguous or a transposed contiguous [M, N])
-    and ``bsum`` a contiguous [N] of the same dtype apart from it (the CPU kernel stores it
-    through the bias binding; the cooperative-matrix kernel through C's, so there it must be in
-    ``out``'s storage, both in one binding's range).  The sums are the column reduction's
-    (reduce.comp MODE 1: k = 0 .. K-1 in order from 0.0, in float32), bit for bit.
+    It takes 2-D a [M, K] (K > 0) and b [K, N] with b contiguous along N: float32 ones on the
+    CPU-driver kernel; float32, float16 or bfloat16 ones on the GPU shared-memory kernel (not
+    where a matrix engine takes the dtype); float16 ones where the cooperative-matrix kernel runs
+    the product (coopmat.choice_for).  ``out`` as matmul()'s (contiguous or a transposed
+    contiguous [M, N]) and ``bsum`` a contiguous [N] of the same dtype apart from it (the CPU and
+    shared-memory kernels store it through the bias binding; the cooperative-matrix kernel
+    through C's, so there it must be in ``out``'s storage, both in one binding's range).  The
+    sums are the column reduction's (reduce.comp MODE 1: k = 0 .. K-1 in order from 0.0, in
+    float32), bit for bit.
 
-    ``compute`` bfloat16 (autocast's weight gradient, on the CPU-driver kernel): a and b each
-    bfloat16 or float32 (rounded as they are loaded, as matmul()'s ``compute``), ``out`` and
-    ``bsum`` float32 gradient slots, each receiving its bfloat16-rounded value widened: bit for
-    bit the bfloat16 product and column sum (a sum of bfloat16 values is float32, rounded to
-    bfloat16 by the sum's own cast) cast to float32."""
+    ``compute`` (autocast's weight gradient: bfloat16 on the CPU-driver kernel, bfloat16 or
+    float16 on the shared-memory kernel): a and b each ``compute`` or float32 (rounded as they
+    are loaded, as matmul()'s ``compute``), ``out`` and ``bsum`` float32 gradient slots, each
+    receiving its rounded value widened: bit for bit the 16-bit product and column sum (a sum
+    of 16-bit values is float32, rounded by the sum's own cast) cast to float32."""
     if not (a.ndim == 2 and b.ndim == 2 and out.ndim == 2 and bsum.ndim == 1):
         return False
     (M, K), N = a.shape, b.shape[1]
@@ -179,21 +181,25 @@ def matmul_bias_grad(a: Tensor, b: Tensor, out: Tensor, bsum: Tensor, compute: d
             or b._strides[1] != 1 or bsum._strides[0] != 1 or a._st.rt is not rt or b._st.rt is not rt
             or bsum._st.rt is not rt):
         return False
-    if compute is not None:  # float32 slots of a bfloat16 product (the mixed CPU kernel's variants)
-        if not (compute is dt.bfloat16 and _cpu_mm_kernel(rt) and out.dtype is dt.float32 and bsum.dtype is dt.float32
-                and a.dtype in (compute, dt.float32) and b.dtype in (compute, dt.float32)):
+    cpu = _cpu_mm_kernel(rt)
+    coop = not cpu and coopmat.choice_for(rt, (compute or a.dtype).name, M, N, K).coopmat
+    shared = not cpu and not coop and not rt.has_gemm((compute or a.dtype).name)  # the GPU shared-memory kernel
+    if compute is not None:  # float32 slots of a 16-bit product (the mixed CPU kernel's variants, the GPU kernel's constants)
+        if not ((compute is dt.bfloat16 and cpu) or (compute in (dt.bfloat16, dt.float16) and shared)) or not (
+                out.dtype is dt.float32 and bsum.dtype is dt.float32 and a.dtype in (compute, dt.float32)
+                and b.dtype in (compute, dt.float32)):
             return False
     elif any(t.dtype is not a.dtype for t in (b, out, bsum)):
         return False
-    elif not (a.dtype is dt.float32 and _cpu_mm_kernel(rt)) and not (
-            a.dtype is dt.float16 and not _cpu_mm_kernel(rt) and coopmat.choice_for(rt, "float16", M, N, K).coopmat):
+    elif not (a.dtype is dt.float32 and cpu) and not (a.dtype.kind == "float" and shared) and not (
+            a.dtype is dt.float16 and coop):
         return False
     if not (out.is_contiguous() or _swap_last(out).is_contiguous()):
         return False
     if bsum._st is out._st and bsum._off < out._off + M * N and out._off < bsum._off + N:  # overlapping slots
         return False
     lo, hi = min(out._off, bsum._off), max(out._off + M * N, bsum._off + N)
-    if not _cpu_mm_kernel(rt) and (bsum._st is not out._st or (hi - lo) * out.dtype.itemsize > rt.max_range - rt.align):
+    if coop and (bsum._st is not out._st or (hi - lo) * out.dtype.itemsize > rt.max_range - rt.align):
         return False  # the cooperative-matrix kernel's C binding must cover both
     matmul(a, b, out=out, _bsum=bsum, compute=compute)
     return True
@@ -233,7 +239,7 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None 
     rt = a._st.rt
     mixed = _mixed_slots(compute, a, b, bias, out, _epi)
     if mixed is not None:
-        if K == 0 or not _mixed_in_kernel(rt, compute, mixed, M, N, K) or (_bsum is not None and not _cpu_mm_kernel(rt)):
+        if K == 0 or not _mixed_in_kernel(rt, compute, mixed, M, N, K):
             return _matmul_with_casts(a, b, bias, out, _epi, compute)
         a_dtype = compute  # the kernel's (its variant's) dtype; the slots flagged in ``mixed`` hold float32
     else:
@@ -280,8 +286,9 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None 
             return out
     if nb > 65535:
         raise ShapeError(f"matmul: {nb} batch matrices exceed the 65535 the kernel dispatches at once; reshape the batch")
+    tile = None if _cpu_mm_kernel(rt) else coopmat.choice_for(rt, a_dtype.name, M, N, K).tile  # tensor cores (coopmat.py)
     (ba, oa), (bb, ob) = bind(a), bind(b)
-    (bc, oc), (bz, oz) = _bind_c_and_bias(out, bias, _bsum, ct, cld, M, N, (ba, oa))
+    (bc, oc), (bz, oz) = _bind_c_and_bias(out, bias, _bsum, ct, cld, M, N, (ba, oa), tile is not None)
     has_bias = int(bias is not None)
     sam, sak = a._strides[-2], a._strides[-1]
     sbk, sbn = b._strides[-2], b._strides[-1]
@@ -306,7 +313,7 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None 
                 spec = spec + (0, 1)
         pid = rt.pipeline(kernel, f"{a_dtype.tag}{_texel_mix(mixed)}_sg{tm}x{tn}", _with_mixed(spec, mixed))
         groups = ((N + _MM_SG * tn - 1) // (_MM_SG * tn), (M + tm * spec[0] - 1) // (tm * spec[0]), nb)
-    elif (tile := coopmat.choice_for(rt, a_dtype.name, M, N, K).tile) is not None:  # tensor cores (coopmat.py)
+    elif tile is not None:
         kernel = coopmat.KERNEL
         modes = coopmat.load_modes(M, N, K, (oa, ob), (sam, sak, *ca), (sbk, sbn, *cb))
         spec = tile.spec(has_bias, ct, cld, _epi[1] if _epi else 0, int(_bsum is not None), *modes)
@@ -315,7 +322,10 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None 
         if _epi is None:  # matmul_epi's six bindings and words whatever the epilogue: unused ones repeat C
             be, oe, bu, ou = bc, 0, bc, 0
     else:
-        spec = _MM_GPU_SPEC + (has_bias,) + ((ct, cld) if ct or cld else ()) + ((0,) + epi_spec if _epi else ())
+        spec = _MM_GPU_SPEC + (has_bias,) + ((ct, cld) if ct or cld or _bsum is not None else ()) + (
+            (0,) + epi_spec if _epi else ())
+        if _bsum is not None:  # BSUM at constant id 10 (8 unused, 9 matmul_epi's EPI)
+            spec = spec + (0, 0, 1)
         pid = rt.pipeline(kernel, a_dtype.tag, _with_mixed(spec, mixed))
         groups = ((N + _MM_GPU_SPEC[1] - 1) // _MM_GPU_SPEC[1], (M + _MM_GPU_SPEC[0] - 1) // _MM_GPU_SPEC[0], nb)
     flops = 2 * nb * M * N * K
@@ -350,21 +360,20 @@ def _empty_sum(out: Tensor, bias: Tensor | None, strided: bool) -> Tensor:
 
 
 def _bind_c_and_bias(out: Tensor, bias: Tensor | None, bsum: Tensor | None, ct: int, cld: int, M: int, N: int,
-                     a_binding: tuple) -> tuple:
-    """((binding, element offset) of C, (binding, offset) of binding 3) for matmul's kernels.
+                     a_binding: tuple, coop: bool) -> tuple:
+    """((binding, element offset) of C, (binding, offset) of binding 3) for matmul's kernels
+    (``coop``: the cooperative-matrix kernel's).
 
     C: the span a strided (CLD) C covers, the transposed view's contiguous tensor (CT), or, for
     the cooperative-matrix kernel's column sums (``bsum``), a range covering both the product and
-    the sums' slot.  Binding 3: the bias; else the CPU kernel's column sums (BSUM stores through
-    it); else A again (read-only, never read: HAS_BIAS = 0), its offset word telling the
-    cooperative-matrix kernel where in C's binding the sums go."""
-    rt = out._st.rt
-    cpu = _cpu_mm_kernel(rt)
+    the sums' slot.  Binding 3: the bias; else the CPU and shared-memory kernels' column sums
+    (BSUM stores through it); else A again (read-only, never read: HAS_BIAS = 0), its offset
+    word telling the cooperative-matrix kernel where in C's binding the sums go."""
     c_lo = None
     if cld:
         span = 1 + sum((sz - 1) * st for sz, st in zip(out.shape, out._strides))
         c = bind(Tensor(out._st, (span,), (1,), out._off, out.dtype), True)
-    elif bsum is not None and not cpu:
+    elif bsum is not None and coop:
         lo, hi = min(out._off, bsum._off), max(out._off + M * N, bsum._off + N)
         bc, o_lo = bind(Tensor(out._st, (hi - lo,), (1,), lo, out.dtype), True)
         c, c_lo = (bc, o_lo + out._off - lo), o_lo - lo
@@ -372,7 +381,7 @@ def _bind_c_and_bias(out: Tensor, bias: Tensor | None, bsum: Tensor | None, ct: 
         c = bind(_swap_last(out) if ct else out, True)
     if bias is not None:
         z = bind(bias)
-    elif bsum is not None and cpu:
+    elif bsum is not None and not coop:
         z = bind(bsum, True)
     else:
         z = (a_binding[0], 0 if bsum is None else c_lo + bsum._off)

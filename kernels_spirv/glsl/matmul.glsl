@@ -181,6 +181,26 @@ float mm_ldbias(uint i) { return bias[i]; }
 void mm_stc(uint i, float v) { c[i] = v; }
 #endif
 
+// BSUM 1 (constant id 10 in both kernels; no batch, bias or epilogue; matmul_bias_grad() in
+// helios/_kernels/gemm.py): B's column sums over K as well, a Linear layer's bias gradient in
+// the weight gradient's dispatch (B = the output gradient).  Each column's B values are added
+// k = 0 .. K-1 in order from 0.0 (the column reduction's adds, reduce.comp MODE 1), and the
+// workgroups (CPU kernel: subgroups) at m0 == 0 store the in-range columns at element
+// off_bias + n of binding 3 (the bias binding and offset word, free without HAS_BIAS), in C's
+// storage type.  The CPU kernel's lanes add the B values they load for their columns; the GPU
+// kernel's invocations add their columns of each staged B tile.
+layout(constant_id = 10) const int BSUM = 0;
+layout(std430, binding = 3) writeonly buffer BSumOut { HL_ST(TA) bsum_out[]; };
+#if TA != T_F32
+layout(std430, binding = 3) writeonly buffer BSumOutF { float bsum_outf[]; };
+#endif
+void mm_st_bsum(uint i, float v) {
+#if TA != T_F32
+    if (CF32 == 1) { bsum_outf[i] = mm_round(v); return; }  // float32 slots: rounded to TA, widened
+#endif
+    bsum_out[i] = HL_STF(TA, v);
+}
+
 #ifndef MM_SG
 // ---------------------------------------------------------------- shared-memory tiles (GPU)
 layout(local_size_x_id = 3, local_size_y_id = 4) in;
@@ -194,6 +214,7 @@ layout(constant_id = 6) const int CT = 0;
 layout(constant_id = 7) const int CLD = 0;
 const int TM = BM / WY;
 const int TN = BN / WX;
+const int BSN = (BN + WX * WY - 1) / (WX * WY);  // BSUM columns an invocation sums
 
 shared float As[BK][BM];
 shared float Bs[BK][BN];
@@ -211,6 +232,9 @@ void main() {
     float acc[TM][TN];
     for (int i = 0; i < TM; ++i)
         for (int j = 0; j < TN; ++j) acc[i][j] = 0.0;
+    const bool sums = BSUM == 1 && gl_WorkGroupID.y == 0u;
+    float bs[BSN];  // BSUM: this invocation's columns tid, tid + NT, ... of the tile
+    for (int j = 0; j < BSN; ++j) bs[j] = 0.0;
 
     for (uint k0 = 0u; k0 < p.K; k0 += uint(BK)) {
         for (uint e = tid; e < uint(BM * BK); e += NT) {
@@ -224,6 +248,13 @@ void main() {
             Bs[kk][nn] = (gk < p.K && gn < p.N) ? mm_ldb(bbase + gk * p.sbk + gn * p.sbn) : 0.0;
         }
         barrier();
+        if (sums) {  // zeros past K and N leave a sum as it is
+            for (int j = 0; j < BSN; ++j) {
+                uint nn = tid + uint(j) * NT;
+                if (nn < uint(BN))
+                    for (int kk = 0; kk < BK; ++kk) bs[j] += Bs[kk][nn];
+            }
+        }
         for (int kk = 0; kk < BK; ++kk) {
             float ra[TM], rb[TN];
             for (int i = 0; i < TM; ++i) ra[i] = As[kk][int(ty) + i * WY];
@@ -232,6 +263,12 @@ void main() {
                 for (int j = 0; j < TN; ++j) acc[i][j] += ra[i] * rb[j];
         }
         barrier();
+    }
+    if (sums) {
+        for (int j = 0; j < BSN; ++j) {
+            uint nn = tid + uint(j) * NT;
+            if (nn < uint(BN) && n0 + nn < p.N) mm_st_bsum(p.off_bias + n0 + nn, bs[j]);
+        }
     }
     uint ldc = CLD > 0 ? uint(CLD) : (CT == 1 ? p.M : p.N);
     uint cbase = CLD > 0 ? p.off_c + z0 * (CT == 1 ? p.N : p.M) * ldc + z1 * (CT == 1 ? p.M : p.N)
@@ -287,23 +324,6 @@ layout(constant_id = 5) const int BWIDE = 0;
 layout(constant_id = 6) const int HAS_BIAS = 0;
 layout(constant_id = 7) const int CT = 0;
 layout(constant_id = 8) const int CLD = 0;
-// BSUM 1 (no batch, bias or epilogue; fp32, or bf16 with float32 slots; matmul_bias_grad() in helios/_kernels/gemm.py):
-// B's column sums over K as well, a Linear layer's bias gradient in the weight gradient's
-// dispatch (B = the output gradient).  Each lane adds the B values it loads for its TN
-// columns, k = 0 .. K-1 in order from 0.0 (the column reduction's adds, reduce.comp MODE 1),
-// and the subgroup at m0 == 0 stores the in-range columns at element off_bias + n of binding 3
-// (the bias binding and offset word, free without HAS_BIAS), in C's storage type.
-layout(constant_id = 10) const int BSUM = 0;
-layout(std430, binding = 3) writeonly buffer BSumOut { HL_ST(TA) bsum_out[]; };
-#if TA != T_F32
-layout(std430, binding = 3) writeonly buffer BSumOutF { float bsum_outf[]; };
-#endif
-void mm_st_bsum(uint i, float v) {
-#if TA != T_F32
-    if (CF32 == 1) { bsum_outf[i] = mm_round(v); return; }  // float32 slots: rounded to TA, widened
-#endif
-    bsum_out[i] = HL_STF(TA, v);
-}
 #ifdef MM_EPI
 // EVEC 1 (fp32, CVEC, E / U offsets multiples of 4): the epilogue runs on each lane's vec4s of
 // 4 adjacent columns, E fetched a texel at a time and U stored as vec4s, the same arithmetic

@@ -15,10 +15,12 @@ arithmetic in the same order, so its results are bit for bit those of the chain:
   hidden gradient g @ W2 rounded to the storage type and multiplied by gelu_tanh'(u) in the
   product's epilogue (EPI 3), u being the pre-activation linear+gelu stored.
 * ``matmul+bias_grad``: a Linear layer's bias gradient (the output gradient g summed over
-  its rows) in the weight gradient's matmul x^T g, where both gradients have free slots of
-  one flat float32 buffer and the CPU (subgroup) matmul kernel runs: each lane adds up the
-  columns of g it loads anyway, row by row from 0.0 as the column reduction does
-  (kernels_spirv/glsl/matmul.glsl, BSUM), and the bias slot is stored through C's binding.
+  its rows) in the weight gradient's matmul x^T g, where both gradients have free slots
+  and the CPU (subgroup), GPU shared-memory or cooperative-matrix kernel runs the product
+  (not a matrix engine): the CPU kernel's lanes add up the columns of g they load anyway, the
+  GPU kernels' invocations the columns of each staged tile of g, row by row from 0.0 as the
+  column reduction does (kernels_spirv/glsl/matmul.glsl, BSUM); the bias slot is stored
+  through the bias binding (the cooperative-matrix kernel: C's).
 * ``layer_norm_bwd+acc``: where a tensor's gradient is a pending gradient plus a
   LayerNorm's input gradient (the residual stream feeds the residual add and ln_1 / ln_2),
   the LayerNorm input-gradient kernel adds the pending gradient in its store (the tape
@@ -53,7 +55,8 @@ Elementwise chains are fused at run time as well, into kernels generated from th
   rounded gradient widened, what its cast's backward would give.  The projections add their
   float32 residual to the rounded product in the epilogue, as the promoting add would; with
   both free slots, the weight gradient's product also sums the bias gradient
-  (``cast+matmul+bias_grad``, the CPU-driver kernel, as ``matmul+bias_grad``).  On a
+  (``cast+matmul+bias_grad``: the CPU-driver kernel in bfloat16, the GPU shared-memory
+  kernel in bfloat16 or float16).  On a
   device whose matrix engine takes the autocast dtype (``cuda:N``) the casts stay separate;
   where the cooperative-matrix kernel runs a product, the product's casts run as cast kernels
   around it, inside the same op.

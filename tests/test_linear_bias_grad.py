@@ -16,30 +16,21 @@ import helios as hl
 import helios.functional as F
 from helios import _kernels as K
 from helios import fused_kernels
-from helios._kernels import coopmat, gemm
 from helios.nn import Parameter
 from helios.optim import AdamW
 from helios.runtime import get_runtime
 from helios.tensor import Tensor
 
 sys.path.insert(0, os.path.dirname(__file__))
-from switches import count_dispatches, switched  # noqa: E402
+from switches import count_dispatches, switched, use_matmul_kernel  # noqa: E402
 
 pytestmark = pytest.mark.vulkan
 
 
 @pytest.fixture(params=["cpu", "gpu"])
 def kernel(request, monkeypatch):
-    """The matmul kernel under test (as tests/test_mixed_matmul.py's fixture)."""
-    rt = get_runtime()
-    if request.param == "gpu":
-        monkeypatch.setattr(gemm, "_cpu_mm_kernel", lambda rt: False)
-        was = coopmat.set_enabled(False)
-        request.addfinalizer(lambda: coopmat.set_enabled(was))
-    elif not gemm._cpu_mm_kernel(rt):
-        pytest.skip("the device does not run the CPU-driver kernel")
-    if rt.has_gemm("float32"):
-        pytest.skip("a matrix engine runs the products here")
+    """The matmul kernel under test (switches.use_matmul_kernel)."""
+    use_matmul_kernel(request.param, monkeypatch, request, "float32")
     return request.param
 
 

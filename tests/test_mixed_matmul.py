@@ -16,11 +16,11 @@ import helios.functional as F
 from helios import _kernels as K
 from helios import dtypes as dt
 from helios import elementwise_jit, fused_kernels
-from helios._kernels import coopmat, gemm
+from helios._kernels import gemm
 from helios.runtime import get_runtime
 
 sys.path.insert(0, os.path.dirname(__file__))
-from switches import count_dispatches, switched  # noqa: E402
+from switches import count_dispatches, switched, use_matmul_kernel  # noqa: E402
 
 pytestmark = pytest.mark.vulkan
 
@@ -38,15 +38,7 @@ def kernel(request, monkeypatch):
     shared-memory kernel, forced on (it runs on lavapipe too; on a GPU instead of the
     cooperative-matrix kernel, which takes no float32 slots)."""
     _need_16bit()
-    rt = get_runtime()
-    if request.param == "gpu":
-        monkeypatch.setattr(gemm, "_cpu_mm_kernel", lambda rt: False)
-        was = coopmat.set_enabled(False)
-        request.addfinalizer(lambda: coopmat.set_enabled(was))
-    elif not gemm._cpu_mm_kernel(rt):
-        pytest.skip("the device does not run the CPU-driver kernel")
-    if rt.has_gemm("bfloat16"):
-        pytest.skip("a matrix engine runs 16-bit products here")
+    use_matmul_kernel(request.param, monkeypatch, request, "bfloat16")
     return request.param
 
 

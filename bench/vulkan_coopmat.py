@@ -131,7 +131,7 @@ def _torch_attention(q, k, v, g, causal: bool, rounds: int):
 
 def bench_attention(T: int, D: int, causal: bool, B: int, H: int, rounds: int, rng) -> dict:
     """The line of one attention shape: flash_coop allowed, switched off, and PyTorch CUDA."""
-    from helios import _kernels as K
+    from helios import flash
 
     rt = get_runtime()
     ch = coopmat.flash_choice_for(rt, "float16", D)
@@ -144,7 +144,7 @@ def bench_attention(T: int, D: int, causal: bool, B: int, H: int, rounds: int, r
         pf, pfb, want = _helios_attention(q, k, v, g, causal, rounds)
     finally:
         coopmat.set_enabled(was)
-    flops = 4 * B * H * K.flash_attn_pairs(T, T, causal) * D  # the forward; the backward is 2.5x it
+    flops = 4 * B * H * flash.pairs(T, T, causal) * D  # the forward; the backward is 2.5x it
     row.update(coop_fwd_ms=round(cf, 3), coop_fwd_bwd_ms=round(cfb, 3), plain_fwd_ms=round(pf, 3),
                plain_fwd_bwd_ms=round(pfb, 3), coop_fwd_tflops=round(flops / cf / 1e9, 3),
                coop_fwd_bwd_tflops=round(3.5 * flops / cfb / 1e9, 3),
@@ -185,8 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         for T in attn_T:
             for causal in ((True,) if args.smoke else (False, True)):
                 B, H = (1, 2) if args.smoke else (max(1, 16384 // T), max(1, 2048 // D))
-                print(json.dumps({**common, **bench_attention(T, D, causal, B, H, rounds, rng), "bench": "vulkan_flash_coop"}),
-                      flush=True)
+                print(json.dumps({**common, **bench_attention(T, D, causal, B, H, rounds, rng)}), flush=True)
     return 0
 
 

@@ -189,10 +189,11 @@ def kernel_built(name: str = KERNEL) -> bool:
     return registry.can_build(name)
 
 
-_said: set = set()  # (device, dtype, kernel, tile, reason) already printed at HELIOS_DEBUG
-_memo: dict = {}  # choice_for's answers by (facts' id, dtype, switch, size bucket), with the facts they were for
+_said: set = set()  # HELIOS_DEBUG lines already printed
+_memo: dict = {}  # _for_device's answers by (facts' id, switch, *key), with the facts they were for
 _NONE = Choice("matmul", None, "the device lists no cooperative-matrix shapes")
 _enabled = os.environ.get("HELIOS_COOPMAT", "1") != "0"
+_OFF = "cooperative matrices switched off (HELIOS_COOPMAT=0 or coopmat.set_enabled)"
 
 
 def set_enabled(on: bool) -> bool:
@@ -204,33 +205,47 @@ def set_enabled(on: bool) -> bool:
     return was
 
 
-def choice_for(rt, dtype: str, M: int, N: int, K: int) -> Choice:
-    """:func:`choose` for runtime ``rt``'s device (its facts' shapes, subgroup size and shared
-    memory); prints the choice once per kind at ``HELIOS_DEBUG >= 1`` where the device lists shapes
-    (a device listing none, lavapipe, has no choice to make and prints nothing)."""
-    info = getattr(rt, "info", None) or {}
-    if not info.get("cooperative_matrix"):
-        return _NONE
-    # choose() looks at M and N only through MIN_DIM and the large tile's side: one answer per bucket
-    small = min(M, N)
-    key = (id(info), dtype, _enabled, small < MIN_DIM, small >= _TILES[0][0])
+def _lists_shapes(rt) -> bool:
+    """Whether runtime ``rt``'s device lists cooperative-matrix shapes (the choices' fast way out)."""
+    return bool((getattr(rt, "info", None) or {}).get("cooperative_matrix"))
+
+
+def _for_device(rt, key: tuple, off, decide, line):
+    """The part :func:`choice_for` and :func:`flash_choice_for` share, for a device that lists shapes:
+    the answer remembered for ``key`` (and the switch), ``off`` where cooperative matrices are
+    switched off, or ``decide(shapes, subgroup_size, max_shared)``; at ``HELIOS_DEBUG >= 1`` the
+    answer's ``line(answer, device name)`` is printed once."""
+    info = rt.info
+    key = (id(info), _enabled) + key
     hit = _memo.get(key)
     if hit is not None and hit[0] is info:
         ch = hit[1]
     elif not _enabled:
-        ch = Choice("matmul", None, "cooperative matrices switched off (HELIOS_COOPMAT=0 or coopmat.set_enabled)")
+        ch = off
     else:
         lim = info.get("limits", {})
-        built = dtype != "float16" or kernel_built()
-        ch = choose(shapes_of(info), dtype, M, N, K, int(lim.get("subgroup_size", 0)), int(lim.get("max_shared_memory", 0)),
-                    built)
+        ch = decide(shapes_of(info), int(lim.get("subgroup_size", 0)), int(lim.get("max_shared_memory", 0)))
     _memo[key] = (info, ch)
     if getattr(rt, "debug", 0):
-        key = (getattr(rt, "name", "?"), dtype, ch.kernel, ch.tile, ch.reason)
-        if key not in _said:
-            _said.add(key)
-            print(ch.line(key[0], dtype), file=sys.stderr)
+        text = line(ch, getattr(rt, "name", "?"))
+        if text not in _said:
+            _said.add(text)
+            print(text, file=sys.stderr)
     return ch
+
+
+
+def choice_for(rt, dtype: str, M: int, N: int, K: int) -> Choice:
+    """:func:`choose` for runtime ``rt``'s device (its facts' shapes, subgroup size and shared
+    memory); prints the choice once per kind at ``HELIOS_DEBUG >= 1`` where the device lists shapes
+    (a device listing none, lavapipe, has no choice to make and prints nothing)."""
+    if not _lists_shapes(rt):
+        return _NONE
+    small = min(M, N)  # choose() looks at M and N only through MIN_DIM and the large tile's side
+    return _for_device(rt, ("matmul", dtype, small < MIN_DIM, small >= _TILES[0][0]), Choice("matmul", None, _OFF),
+                       lambda shapes, sg, shared: choose(shapes, dtype, M, N, K, sg, shared,
+                                                         dtype != "float16" or kernel_built()),
+                       lambda ch, device: ch.line(device, dtype))
 
 
 # -- flash attention on cooperative matrices (flash_coop.comp) -------------------------------------
@@ -333,32 +348,15 @@ def choose_flash(shapes: list[CoopShape], dtype: str, head_dim: int, subgroup_si
     return FlashChoice(FLASH_KERNEL, tuple(plans), "float16 operands, 16x16x16 listed")
 
 
-_flash_memo: dict = {}  # flash_choice_for's answers by (facts' id, dtype, head dim, switch), with the facts
 _FLASH_NONE = FlashChoice("flash_attn", (), "the device lists no cooperative-matrix shapes")
 
 
 def flash_choice_for(rt, dtype: str, head_dim: int) -> FlashChoice:
     """:func:`choose_flash` for runtime ``rt``'s device; prints the choice once per kind at
     ``HELIOS_DEBUG >= 1`` where the device lists shapes (as :func:`choice_for`)."""
-    info = getattr(rt, "info", None) or {}
-    if not info.get("cooperative_matrix"):
+    if not _lists_shapes(rt):
         return _FLASH_NONE
-    key = (id(info), dtype, head_dim, _enabled)
-    hit = _flash_memo.get(key)
-    if hit is not None and hit[0] is info:
-        ch = hit[1]
-    elif not _enabled:
-        ch = FlashChoice("flash_attn", (), "cooperative matrices switched off (HELIOS_COOPMAT=0 or coopmat.set_enabled)")
-    else:
-        lim = info.get("limits", {})
-        built = dtype != "float16" or kernel_built(FLASH_KERNEL)
-        ch = choose_flash(shapes_of(info), dtype, head_dim, int(lim.get("subgroup_size", 0)),
-                          int(lim.get("max_shared_memory", 0)), built)
-    _flash_memo[key] = (info, ch)
-    if getattr(rt, "debug", 0):
-        line = ch.line(getattr(rt, "name", "?"), dtype, head_dim)
-        if line not in _said:
-            _said.add(line)
-            print(line, file=sys.stderr)
-    return ch
-
+    return _for_device(rt, ("flash", dtype, head_dim), FlashChoice("flash_attn", (), _OFF),
+                       lambda shapes, sg, shared: choose_flash(shapes, dtype, head_dim, sg, shared,
+                                                               dtype != "float16" or kernel_built(FLASH_KERNEL)),
+                       lambda ch, device: ch.line(device, dtype, head_dim))

@@ -209,9 +209,8 @@ class _FlashLaunch:
         self.cpu = _fa_cpu(rt)
         self.variant = f"{q.dtype.tag}_{'sg_' if self.cpu else ''}d{self.D}"
         # passes 0, 2 and 3 on cooperative matrices where the device lists them (float16 on GPUs)
-        self.coop = None if self.cpu else coopmat.flash_choice_for(rt, q.dtype.name, self.D)
-        if self.coop is not None and not self.coop.coopmat:
-            self.coop = None
+        choice = None if self.cpu else coopmat.flash_choice_for(rt, q.dtype.name, self.D)
+        self.coop = choice if choice is not None and choice.coopmat else None
         strides = [s for t in (self.q, self.k, self.v) for s in t._strides[:3]]
         self.strides = strides
         # 8-wide loads need every row start 8-aligned (see WIDE in the GLSL); the coopmat kernel

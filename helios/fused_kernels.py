@@ -64,6 +64,14 @@ Elementwise chains are fused at run time as well, into kernels generated from th
 The other linear fusions run without autocast (under autocast the unfused ops convert their
 operands between the parts); the LayerNorm and clip fusions run either way.
 
+* ``cast+cross_entropy`` / ``cross_entropy_bwd+cast``: under autocast the loss is float32
+  (cross_entropy is one of its float32 ops), so 16-bit logits were cast to a float32 copy
+  first and the float32 gradient cast back.  The cross-entropy kernel reads 16-bit logits
+  as the float32 values the cast stores (widening is exact) and computes in float32 either
+  way, and its backward rounds each gradient as it stores it, as the cast back does: the
+  same bits without the two copies of the logits (helios.functional.nn_ops.cross_entropy,
+  the mean over index targets without class weights).
+
 Who fuses: the GPT modules (helios.nn.modules Block / MLP / CausalSelfAttention) call the
 fused functions of helios.functional where the pattern is present and the unfused parts
 are the plain ones (a Linear module without a replaced forward, dropout that is the
@@ -99,6 +107,8 @@ PARTS = {
     "cast+linear+gelu": ("cast", "matmul", "+bias", "gelu_tanh", "cast"),
     "cast+linear+residual": ("cast", "matmul", "+bias", "cast", "add"),
     "cast+matmul+bias_grad": ("cast", "matmul", "sum", "cast", "cast"),
+    "cast+cross_entropy": ("cast", "cross_entropy"),
+    "cross_entropy_bwd+cast": ("cross_entropy_bwd", "cast"),
     "sum_squares": ("mul", "sum"),
     "sum_squares+clip_coef": ("mul", "sum", "sqrt", "add_s", "rdiv_s", "clamp"),
     "sum+clip_coef": ("sum", "sqrt", "add_s", "rdiv_s", "clamp"),

@@ -223,3 +223,34 @@ def test_weight_and_bias_gradients_in_one_product_with_float32_slots(kernel, low
         want_w = K.copy(gemm.matmul(K.copy(x, low).mT, g), dt.float32)
         want_b = K.copy(K.copy(K.reduce("sum", g, (0,))[0], low), dt.float32)  # the 16-bit sum, rounded, widened
         assert np.array_equal(_bits(w_slot.mT), _bits(want_w)) and np.array_equal(_bits(b_slot), _bits(want_b))
+
+
+@pytest.mark.parametrize("low", [dt.bfloat16, dt.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("shape", [(37, 50), (3, 11, 5)], ids=["rows", "classes-on-dim-1"])
+def test_autocast_cross_entropy_reads_16bit_logits_with_the_casts_bits(low, shape):
+    # Under autocast the loss is float32: 16-bit logits are read by the kernel itself instead
+    # of a float32 copy, and their gradient is rounded as it is stored instead of cast back.
+    rng = np.random.default_rng(3)
+    logits = K.copy(hl.tensor(rng.standard_normal(shape).astype(np.float32) * 3), low)
+    index_shape = shape[:1] + shape[2:]
+    targets = rng.integers(0, shape[1], index_shape)
+    targets.reshape(-1)[::4] = -100  # ignored rows: no loss, no gradient, not counted
+    runs = {}
+    for fuse in (True, False):
+        x = logits.detach().requires_grad_()
+        with switched(fused_kernels, "ENABLED", fuse), count_dispatches() as names:
+            with hl.autocast(low.name):
+                loss = F.cross_entropy(x, hl.tensor(targets))
+            loss.backward()
+        runs[fuse] = (loss, x.grad, names)
+    (loss, grad, names), (ref_loss, ref_grad, ref_names) = runs[True], runs[False]
+    assert loss.dtype is dt.float32 and grad.dtype is low
+    assert np.array_equal(_bits(loss), _bits(ref_loss)) and np.array_equal(_bits(grad), _bits(ref_grad))
+    assert names["cast+cross_entropy"] == 1 and names["cross_entropy_bwd+cast"] == 1
+    assert ref_names["cross_entropy"] == 1 and ref_names["cross_entropy_bwd"] == 1
+    assert ref_names["copy"] - names["copy"] == 2  # the logits' cast and its gradient's cast back
+    # and what PyTorch's autocast gives (float32 loss of the widened logits)
+    import torch
+
+    want = torch.nn.functional.cross_entropy(torch.tensor(logits.float().numpy()), torch.tensor(targets))
+    np.testing.assert_allclose(loss.item(), want.item(), rtol=1e-6)

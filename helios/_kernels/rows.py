@@ -224,8 +224,10 @@ def layer_norm_bwd(x: Tensor, w: Tensor | None, g: Tensor, mean: Tensor, rstd: T
     return dx, dw, db
 
 
-def cross_entropy_fwd(x: Tensor, t: Tensor):
-    """Per-row loss and logsumexp for contiguous logits x[N, V] and int64 targets t[N]."""
+def cross_entropy_fwd(x: Tensor, t: Tensor, cast: bool = False):
+    """Per-row loss and logsumexp for contiguous logits x[N, V] and int64 targets t[N].
+    ``cast``: the dispatch is named as the fused "cast+cross_entropy" (16-bit logits read as the
+    float32 values a cast to float32 would store; the kernel is the same)."""
     rt = x._st.rt
     N, V = x.shape
     loss = empty((N,), dt.float32, rt)
@@ -239,13 +241,16 @@ def cross_entropy_fwd(x: Tensor, t: Tensor):
     bx, ox = bind(x)
     bt, ot = bind(t)
     rt.dispatch(pid, [bx, bt, bind(lse, True)[0], bind(loss, True)[0], bx, bx], _P_ROWS.pack(V, N, ox, ot),
-                groups, "cross_entropy", 4 * x.numel(), x.numel() * x.dtype.itemsize)
+                groups, _ce_name("cast+cross_entropy" if cast else None, "cross_entropy", rt), 4 * x.numel(),
+                x.numel() * x.dtype.itemsize)
     return loss, lse
 
 
-def cross_entropy_bwd(x: Tensor, t: Tensor, lse: Tensor, gl: Tensor) -> Tensor:
+def cross_entropy_bwd(x: Tensor, t: Tensor, lse: Tensor, gl: Tensor, cast: bool = False) -> Tensor:
     """d loss / d logits given the per-row upstream gradient ``gl`` (float32 [N]: contiguous,
-    or one value expanded to N rows with stride 0, read once per row by the kernel)."""
+    or one value expanded to N rows with stride 0, read once per row by the kernel), in x's
+    dtype: computed in float32 and rounded as it is stored.  ``cast``: named as the fused
+    "cross_entropy_bwd+cast" (the float32 gradient's cast back to 16-bit logits)."""
     rt = x._st.rt
     N, V = x.shape
     dx = empty(x.shape, x.dtype, rt)
@@ -261,8 +266,17 @@ def cross_entropy_bwd(x: Tensor, t: Tensor, lse: Tensor, gl: Tensor) -> Tensor:
     bx, ox = bind(x)
     bt, ot = bind(t)
     rt.dispatch(pid, [bx, bt, bind(lse)[0], bind(lse)[0], bg, bind(dx, True)[0]], _P_ROWS.pack(V, N, ox, ot),
-                groups, "cross_entropy_bwd", 4 * x.numel(), 2 * x.numel() * x.dtype.itemsize)
+                groups, _ce_name("cross_entropy_bwd+cast" if cast else None, "cross_entropy_bwd", rt), 4 * x.numel(),
+                2 * x.numel() * x.dtype.itemsize)
     return dx
+
+
+def _ce_name(fused: str | None, plain: str, rt) -> str:
+    if fused is None:
+        return plain
+    from helios import fused_kernels
+
+    return fused_kernels.dispatch_name(fused, rt)
 
 
 def embedding_fwd(w: Tensor, idx: Tensor) -> Tensor:

@@ -11,6 +11,7 @@ import numpy as np
 from helios import _kernels as K
 from helios import amp as _amp
 from helios import dtypes as dt
+from helios import fused_kernels
 from helios import graph
 from helios._shape import norm_dim, numel
 from helios.autograd.tape import NO_CONTEXT, Function
@@ -153,8 +154,6 @@ class _LayerNorm(Function):
 
     @staticmethod
     def backward(ctx, g):
-        from helios import fused_kernels
-
         x, w, mean_, rstd = ctx.saved_tensors
         g = F.contiguous(g)
         need_w = w is not None and ctx.needs_input_grad[1]
@@ -288,20 +287,25 @@ def _same_targets(targets: Tensor, C: int, ignore_index: int, captured: tuple) -
 
 
 class _CrossEntropy(Function):
+    """The mean cross entropy over index targets, one kernel each way.  ``cast`` (autocast with
+    16-bit logits): the loss is float32 and the 16-bit logits are read as the float32 values a
+    cast would store (helios.fused_kernels "cast+cross_entropy")."""
+
     @staticmethod
-    def forward(ctx, x, t, n_valid):
-        loss, lse = K.cross_entropy_fwd(x, t)
+    def forward(ctx, x, t, n_valid, cast=False):
+        loss, lse = K.cross_entropy_fwd(x, t, cast)
         ctx.save_for_backward(x, t, lse)
-        ctx.n = n_valid
+        ctx.n, ctx.cast = n_valid, cast
         # the mean over no valid target is nan, as in PyTorch (its gradient stays 0)
         total, _ = K.reduce("sum", loss, (0,), 1.0 / n_valid if n_valid else math.nan)
-        return total if x.dtype is dt.float32 else K.copy(total, x.dtype)
+        return total if x.dtype is dt.float32 or cast else K.copy(total, x.dtype)
 
     @staticmethod
     def backward(ctx, g):
         x, t, lse = ctx.saved_tensors
         gl = F.expand(F.reshape(F.to(g, dt.float32) * (1.0 / builtins.max(ctx.n, 1)), (1,)), (x.shape[0],))
-        return K.cross_entropy_bwd(x, t, lse, gl), None, None  # the kernel reads the expanded value once per row
+        # the kernel reads the expanded value once per row
+        return K.cross_entropy_bwd(x, t, lse, gl, ctx.cast), None, None, None
 
 
 def cross_entropy(logits: Tensor, targets, weight: Tensor | None = None, size_average=None, ignore_index: int = -100,
@@ -315,8 +319,6 @@ def cross_entropy(logits: Tensor, targets, weight: Tensor | None = None, size_av
     ``reduction``: "mean" (over the targets' total weight, or the number of rows for
     probabilities), "sum", or "none" (one loss per target)."""
     F._check_tensor(logits, "cross_entropy")
-    if _amp.state.dtype is not None:  # autocast: in float32
-        logits, weight = _amp.fp32(logits, weight)
     if size_average is not None or reduce is not None:
         raise TypeError("cross_entropy: size_average and reduce are deprecated; use reduction='mean', 'sum' or 'none'")
     if reduction not in ("mean", "sum", "none"):
@@ -338,6 +340,13 @@ def cross_entropy(logits: Tensor, targets, weight: Tensor | None = None, size_av
         raise ShapeError(f"cross_entropy: logits {logits.shape} need targets of shape {index_shape}, got {targets.shape}")
     if weight is not None and weight.shape != (C,):
         raise ShapeError(f"cross_entropy: weight must have shape ({C},) (one per class), got {weight.shape}")
+    # Autocast computes the loss in float32.  The mean over index targets without class weights
+    # reads 16-bit logits in its kernel instead of a float32 copy of them (fused_kernels
+    # "cast+cross_entropy"); everything else casts first.
+    cast_in_kernel = (_amp.active_dtype() is not None and logits.dtype in (dt.bfloat16, dt.float16) and not probs
+                      and weight is None and reduction == "mean" and fused_kernels.enabled())
+    if not cast_in_kernel:
+        logits, weight = _amp.fp32(logits, weight)
     rows = numel(index_shape)
 
     def classes_last(t: Tensor) -> Tensor:
@@ -375,7 +384,7 @@ def cross_entropy(logits: Tensor, targets, weight: Tensor | None = None, size_av
             if ignore_index >= 0:  # the kernel skips negative targets only: ignored ones become -1
                 t = F.where(F.eq(t, ignore_index), -1, t)
             n_valid = int(K.reduce("sum", K.binary("ge", t, F.scalar_tensor(0, dt.int64, t._st.rt)), (0,))[0].item())
-        return _CrossEntropy.apply(x, t, n_valid)
+        return _CrossEntropy.apply(x, t, n_valid, cast_in_kernel)
     valid = F.logical_and(F.ne(t, ignore_index), F.ge(t, 0))
     safe = F.where(valid, t, 0)
     logp = log_softmax(x, -1)

@@ -22,13 +22,13 @@ from __future__ import annotations
 import argparse
 import codecs
 import os
-import signal
 import sys
 from collections.abc import Iterator
 
 import numpy as np
 
 from helios.errors import CheckpointError, DataError, HeliosError
+from helios.interrupt import StopFlag
 from helios.train_settings import set_device_flag
 
 
@@ -180,36 +180,16 @@ def load_source(source: str, tokenizer: str | None = None):
     return model, tok, prefix, eos, what
 
 
-class _CtrlC:
-    """Ctrl-C raises KeyboardInterrupt as usual and is also remembered, so the loop stops at the
-    next token should the exception be lost on its way up (raised inside code that swallows it:
-    a finaliser, a library's ``except``).  Once, in the full test suite, a sample ran on for a
-    minute after SIGINT; where the exception went was not found."""
-
-    def __init__(self):
-        self.pressed = False
-        self._prev = signal.signal(signal.SIGINT, self._handler)
-
-    def _handler(self, signum, frame):
-        self.pressed = True
-        raise KeyboardInterrupt
-
-    def check(self) -> None:
-        if self.pressed:
-            raise KeyboardInterrupt
-
-    def restore(self) -> None:
-        signal.signal(signal.SIGINT, self._prev)
-
-
 def main(argv=None) -> int:
     """Entry point of helios-sample; returns the exit status."""
     a = build_parser().parse_args(argv)
     _check_args(a)
-    ctrl_c = _CtrlC()
+    ctrl_c = StopFlag("stopping after this token")
     try:
         set_device_flag(a.device, _fail)
         model, tok, prefix, eos, _ = load_source(a.source, a.tokenizer)
+        if ctrl_c.stop:  # pressed while the model loaded
+            raise KeyboardInterrupt
         text_ids = [int(t) for t in tok.encode(a.prompt)]
         ids = prefix + text_ids
         if not ids:
@@ -218,7 +198,8 @@ def main(argv=None) -> int:
         printer._write(a.prompt)
         for t in stream_tokens(model, ids, a.n, model_context(model), a.temperature, a.top_k, a.top_p, a.seed,
                                eos_token_id=eos, capture=not a.no_capture):
-            ctrl_c.check()
+            if ctrl_c.stop:
+                raise KeyboardInterrupt
             printer.add(t)
         printer.finish()
         return 0

@@ -11,36 +11,18 @@ import argparse
 import json
 import math
 import os
-import signal
 import sys
 import time
 
 from tqdm import tqdm
 
 import helios as hl
+from helios.interrupt import StopFlag
 from helios.profile.mfu import compute_mfu, format_mfu
 from helios.profile.timers import StepTimer, device_phase_ns
 from helios.train_eval import evaluate, sample
 from helios.train_report import breakdown, finish_profile, profile_window, record_of_row, timing_row
 from helios.train_step import StepRunner
-
-
-class StopFlag:
-    """Ctrl-C sets the flag; the loop finishes the step, saves and exits 130."""
-
-    def __init__(self):
-        self.stop = False
-        self._prev = signal.signal(signal.SIGINT, self._handler)
-
-    def _handler(self, signum, frame):
-        if self.stop:  # a second Ctrl-C: give up at once
-            signal.signal(signal.SIGINT, self._prev)
-            raise KeyboardInterrupt
-        self.stop = True
-        print("\ninterrupt: finishing the step, saving a checkpoint, then exiting (Ctrl-C again to abort)", file=sys.stderr)
-
-    def restore(self):
-        signal.signal(signal.SIGINT, self._prev)
 
 
 def defer_steps(rt) -> bool:
@@ -103,7 +85,7 @@ class TrainLoop:
         self.collective = m.zero == 3 or m.tensor_parallel or s.pipeline
         if m.model is not m.gpt:  # a data-parallel wrapper: time its end-of-backward wait as "comm"
             m.model.wait_context = lambda: timer.phase("comm")
-        self.stopper = StopFlag()
+        self.stopper = StopFlag("finishing the step, saving a checkpoint, then exiting")
         self.window = profile_window(args, start_step, s.steps, say)
         self.prof = None  # (session, profiler) while the profiled window is open
         self.tokens_per_step = s.bs * s.T * args.grad_accum  # the global batch, over every rank

@@ -2,6 +2,7 @@
 installed copy of the package (the checkout's folders become helios.autograd, helios.comm, ...
 only at install time, so lint-imports cannot read the checkout itself)."""
 
+import fcntl
 import os
 import shutil
 import subprocess
@@ -14,13 +15,22 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory):
-    """The package installed without its native parts into a temporary folder (a few seconds)."""
-    site = tmp_path_factory.mktemp("site")
-    env = dict(os.environ, HELIOS_NO_NATIVE="1")
-    r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-                        "--no-index", "--target", str(site), ROOT], capture_output=True, text=True, env=env,
-                       timeout=300)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    """The package installed without its native parts into a temporary folder (a few seconds), once
+    a run: pytest-xdist's workers share it, under a lock, since two builds at once in the
+    checkout's build/ folder trip over each other's files."""
+    run_dir = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        run_dir = run_dir.parent  # this run's folder, above each worker's own
+    site = run_dir / "installed-site"
+    with open(run_dir / "installed-site.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (site / ".complete").exists():
+            env = dict(os.environ, HELIOS_NO_NATIVE="1")
+            r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                                "--no-index", "--target", str(site), ROOT], capture_output=True, text=True, env=env,
+                               timeout=300)
+            assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+            (site / ".complete").touch()
     return site
 
 

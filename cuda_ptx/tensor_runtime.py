@@ -335,9 +335,12 @@ class CudaRuntime(Runtime):
             self._end(timed)
 
     # -- program --------------------------------------------------------------------------
-    def pipeline(self, kernel: str, variant: str, spec: tuple = ()) -> int:
+    def pipeline(self, kernel: str, variant: str, spec: tuple = (), subgroup_size: int = 0) -> int:
         """Program id for (kernel, variant, specialization constants): the registry's SPIR-V
-        translated to PTX and loaded, once."""
+        translated to PTX and loaded, once.  Warps are 32 threads: ``subgroup_size`` may only be
+        0 or 32 (the translator refuses subgroup kernels anyway)."""
+        if subgroup_size not in (0, 32):
+            raise DeviceError(f"{kernel}.{variant}: {self.name} runs warps of 32 threads, not subgroups of {subgroup_size}")
         key = (kernel, variant, spec)
         pid = self._pipelines.get(key)
         if pid is not None:

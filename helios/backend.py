@@ -134,8 +134,10 @@ class Runtime(ABC):
 
     # -- program --------------------------------------------------------------------------
     @abstractmethod
-    def pipeline(self, kernel: str, variant: str, spec: tuple = ()):
-        """An id for (kernel, variant, specialization constants), built on first use and cached."""
+    def pipeline(self, kernel: str, variant: str, spec: tuple = (), subgroup_size: int = 0):
+        """An id for (kernel, variant, specialization constants), built on first use and cached.
+        ``subgroup_size`` > 0: the kernel must run in full subgroups of exactly that many
+        invocations (a kernel planned for one size); 0 leaves the size to the driver."""
 
     @abstractmethod
     def dispatch(self, pid, buffers: list, push: bytes, groups: tuple, name: str, flops: int = 0,

@@ -280,9 +280,10 @@ class VulkanRuntime(Runtime):
         return self.dev.pool_stats()
 
     # -- program --------------------------------------------------------------------------
-    def pipeline(self, kernel: str, variant: str, spec: tuple = ()) -> int:
-        """Pipeline id for (kernel, variant, specialization constants), built once."""
-        key = (kernel, variant, spec)
+    def pipeline(self, kernel: str, variant: str, spec: tuple = (), subgroup_size: int = 0) -> int:
+        """Pipeline id for (kernel, variant, specialization constants), built once.  ``subgroup_size``:
+        the required subgroup size (limits min_subgroup_size..max_subgroup_size; 0: the driver's)."""
+        key = (kernel, variant, spec) if not subgroup_size else (kernel, variant, spec, subgroup_size)
         pid = self._pipelines.get(key)
         if pid is None:
             info = registry.KERNELS[kernel]
@@ -292,7 +293,8 @@ class VulkanRuntime(Runtime):
                 code, driver_spec = frozen, []
             else:
                 driver_spec = [int(s) for s in spec]
-            pid = self.dev.pipeline(code, info.num_buffers, info.push_size, driver_spec, f"{kernel}.{variant}")
+            pid = self.dev.pipeline(code, info.num_buffers, info.push_size, driver_spec, f"{kernel}.{variant}",
+                                    subgroup_size)
             self._pipelines[key] = pid
             self._kernel_of_pipeline[pid] = (kernel, variant)
         return pid
@@ -477,7 +479,7 @@ class HostRuntime(Runtime):
         """No stream: nothing is ever dispatched here."""
         return {"dispatches": 0}
 
-    def pipeline(self, kernel: str, variant: str, spec: tuple = ()):
+    def pipeline(self, kernel: str, variant: str, spec: tuple = (), subgroup_size: int = 0):
         """Refused: the cpu device runs no kernels (a DeviceError saying where to move the tensor)."""
         target = _current.name if _current is not None else "vulkan:0"
         raise DeviceError(f"{kernel}: the tensor is on cpu, where Helios keeps data but runs no kernels "

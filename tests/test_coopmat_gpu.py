@@ -37,8 +37,8 @@ def rt():
             mp.setitem(r.info, "cooperative_matrix", [EMULATED_SHAPE])
             mp.setitem(r.info, "type", "discrete")
             real = r.pipeline
-            mp.setattr(r, "pipeline", lambda kernel, variant, spec=(): real(kernel, "f16_emu" if kernel == coopmat.KERNEL
-                                                                            else variant, spec))
+            mp.setattr(r, "pipeline", lambda kernel, variant, spec=(), subgroup_size=0: real(
+                kernel, "f16_emu" if kernel == coopmat.KERNEL else variant, spec, subgroup_size))
         ch = coopmat.choice_for(r, "float16", 256, 256, 256)
         if not ch.coopmat:
             pytest.skip(f"{r.name}: the cooperative-matrix kernel is not chosen: {ch.reason}")

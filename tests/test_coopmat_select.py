@@ -191,3 +191,16 @@ def test_lavapipe_runs_the_glsl_matmul_and_prints_no_choice_line():
     lines = [x for x in r.stderr.splitlines() if x.startswith("helios: matmul")]
     assert lines and all("matmul.comp" in x and "matmul_coop" not in x for x in lines), r.stderr[-2000:]
     assert "cooperative" not in r.stderr and "shared-memory kernel" not in r.stderr
+
+
+def test_the_planned_subgroup_size_is_required_where_the_device_can_require_it():
+    from types import SimpleNamespace
+
+    def rt(lo, hi):
+        return SimpleNamespace(info={"limits": {"subgroup_size": 32, "min_subgroup_size": lo, "max_subgroup_size": hi}})
+
+    assert coopmat.required_subgroup(rt(16, 64), 32) == 32  # Intel-like: 8..32 or AMD-like 32..64 drivers pick per shader
+    assert coopmat.required_subgroup(rt(32, 32), 32) == 32
+    assert coopmat.required_subgroup(rt(16, 64), 128) == 0  # outside the range: the driver's (reported) size
+    assert coopmat.required_subgroup(rt(0, 0), 32) == 0  # no subgroupSizeControl: the driver's size
+    assert coopmat.required_subgroup(SimpleNamespace(info={}), 32) == 0

@@ -35,7 +35,8 @@ LAVAPIPE = {
     "limits": {"max_storage_buffer_range": 1 << 27, "max_shared_memory": 32768, "max_workgroup_invocations": 1024,
                "max_workgroup_size": (1024, 1024, 1024), "max_workgroup_count": (65535, 65535, 65535),
                "max_push_constants": 128, "min_storage_buffer_offset_alignment": 16, "timestamp_period": 1.0,
-               "timestamp_valid_bits": 64, "subgroup_size": 8, "max_memory_allocation_size": 1 << 31},
+               "timestamp_valid_bits": 64, "subgroup_size": 8, "min_subgroup_size": 8, "max_subgroup_size": 8,
+               "max_memory_allocation_size": 1 << 31},
     "features": {"float16": True, "storage16": True, "storage8": True, "int64": True, "int16": True,
                  "push_descriptor": True, "calibrated_timestamps": True, "unified_memory": True},
     "device_local_bytes": 1 << 31,
@@ -147,7 +148,7 @@ def test_addon_and_bindings_agree_field_by_field():
     assert unchecked == [], "every field the addon reports must be recomputed by the bindings"
     assert len(addon) == len(seen["devices"]) >= 1
     assert seen["loader_library"] and "libvulkan.so" in seen["loader_library"]
-    assert vk_compare.count_fields(addon[0]) == 29  # cooperative_matrix included (compared too: [] on lavapipe)
+    assert vk_compare.count_fields(addon[0]) == 31  # cooperative_matrix and the required-subgroup-size range included (compared too)
 
 
 def test_the_bindings_read_lavapipe_as_it_is():

@@ -81,8 +81,9 @@ def rt():
             mp.setitem(r.info, "cooperative_matrix", [SHAPE])
             mp.setitem(r.info, "type", "discrete")
             real = r.pipeline
-            mp.setattr(r, "pipeline", lambda kernel, variant, spec=(): real(
-                kernel, variant.replace("f16_", "f16_emu_") if kernel == coopmat.FLASH_KERNEL else variant, spec))
+            mp.setattr(r, "pipeline", lambda kernel, variant, spec=(), subgroup_size=0: real(
+                kernel, variant.replace("f16_", "f16_emu_") if kernel == coopmat.FLASH_KERNEL else variant, spec,
+                subgroup_size))
         if not coopmat.flash_choice_for(r, "float16", 64).coopmat:
             pytest.skip(f"{r.name}: flash_coop is not chosen: {coopmat.flash_choice_for(r, 'float16', 64).reason}")
         yield r

@@ -72,6 +72,15 @@ void main() {
 }
 """
 
+# y[i] = the size of the subgroup invocation i ran in (a pipeline may require it).
+SUBGROUP_GLSL = """
+#version 450
+#extension GL_KHR_shader_subgroup_basic : require
+layout(local_size_x = 64) in;
+layout(std430, binding = 0) writeonly buffer Y { uint y[]; };
+void main() { y[gl_GlobalInvocationID.x] = gl_SubgroupSize; }
+"""
+
 # A storage image: not a binding kind Helios makes (refused when the pipeline is made).
 IMAGE_GLSL = """
 #version 450
@@ -82,11 +91,11 @@ void main() { y[0] = imageLoad(img, 0); }
 """
 
 
-def _compile(tmp, name: str, src: str) -> bytes:
+def _compile(tmp, name: str, src: str, target: str = "vulkan1.0") -> bytes:
     path = tmp / f"{name}.comp"
     path.write_text(src)
     out = tmp / f"{name}.spv"
-    subprocess.run(["glslc", "-O", str(path), "-o", str(out)], check=True, capture_output=True)
+    subprocess.run(["glslc", f"--target-env={target}", "-O", str(path), "-o", str(out)], check=True, capture_output=True)
     return out.read_bytes()
 
 
@@ -97,7 +106,8 @@ def shaders(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("spv")
     return {"add": _compile(tmp, "add", ADD_GLSL), "sum": _compile(tmp, "sum", SUM_GLSL),
             "wide": _compile(tmp, "wide", WIDE_GLSL), "texel": _compile(tmp, "texel", TEXEL_GLSL),
-            "image": _compile(tmp, "image", IMAGE_GLSL)}
+            "image": _compile(tmp, "image", IMAGE_GLSL),
+            "subgroup": _compile(tmp, "subgroup", SUBGROUP_GLSL, "vulkan1.1")}  # subgroup built-ins: SPIR-V 1.3
 
 
 @pytest.fixture(scope="module")
@@ -689,6 +699,31 @@ def test_bad_pipeline_and_transfer_arguments(fresh, shaders):
     with pytest.raises(ValueError):
         d.alloc(-1)
     d.free(h)
+
+
+def test_a_pipeline_runs_in_the_subgroup_size_it_requires(fresh, shaders):
+    # The cooperative-matrix kernels' lane shares are planned for one subgroup size; the addon
+    # makes the driver keep to it (Vulkan 1.3's required subgroup size, full subgroups).
+    d = fresh
+    lim = v.enumerate_devices()[0]["limits"]
+    lo, hi = lim["min_subgroup_size"], lim["max_subgroup_size"]
+    if lo == 0:
+        with pytest.raises(ValueError, match="cannot require a subgroup size"):
+            d.pipeline(shaders["subgroup"], 1, 0, [], "sg", subgroup_size=32)
+        return
+    n = 256
+    for size in sorted({lo, hi}):
+        p = d.pipeline(shaders["subgroup"], 1, 0, [], f"sg{size}", subgroup_size=size)
+        assert p != d.pipeline(shaders["subgroup"], 1, 0, [], "sg-any")  # its own pipeline, not the driver's choice
+        y = d.alloc(n * 4)
+        d.dispatch(p, [(y, 0, n * 4, True)], b"", groups_for(n), "sg")
+        np.testing.assert_array_equal(download(d, y, n).view(np.uint32), np.full(n, size, np.uint32))
+        d.free(y)
+    for bad in (lo // 2, hi * 2, lo + 1 if hi > lo + 1 else 3 * hi):
+        with pytest.raises(ValueError, match=f"subgroup_size {bad} is not a power of two in the device's {lo}..{hi}"):
+            d.pipeline(shaders["subgroup"], 1, 0, [], "sg-bad", subgroup_size=bad)
+    with pytest.raises(ValueError, match="subgroup_size must be 0"):
+        d.pipeline(shaders["subgroup"], 1, 0, [], "sg-neg", subgroup_size=-1)
 
 
 # ---------------------------------------------------------------- paths of other hardware

@@ -235,6 +235,18 @@ def _for_device(rt, key: tuple, off, decide, line):
 
 
 
+def required_subgroup(rt, size: int) -> int:
+    """The subgroup size to require of ``rt``'s driver for a kernel planned for subgroups of ``size``
+    lanes: ``size`` where the device can require it (Vulkan 1.3's subgroupSizeControl for compute:
+    limits min_subgroup_size..max_subgroup_size), else 0, the driver's choice (the size it reports,
+    which the plan was made for).  Drivers that pick a size per shader (Intel's SIMD8/16/32, AMD's
+    wave32/64) could otherwise run a kernel in subgroups of another size than its lane shares
+    assume."""
+    lim = rt.info.get("limits", {})
+    lo, hi = int(lim.get("min_subgroup_size", 0)), int(lim.get("max_subgroup_size", 0))
+    return size if 0 < lo <= size <= hi else 0
+
+
 def choice_for(rt, dtype: str, M: int, N: int, K: int) -> Choice:
     """:func:`choose` for runtime ``rt``'s device (its facts' shapes, subgroup size and shared
     memory); prints the choice once per kind at ``HELIOS_DEBUG >= 1`` where the device lists shapes

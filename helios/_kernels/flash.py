@@ -242,7 +242,7 @@ class _FlashLaunch:
         """Record one pass over ``rows`` rows (per head, or in all with ``per_head=False``)."""
         rt = self.rt
         BH = self.B * self.H
-        kernel, variant = "flash_attn", self.variant
+        kernel, variant, subgroup = "flash_attn", self.variant, 0
         if self.cpu:
             wy = self._wy(rows) if per_head else 4
             spec = (wy, mode, self.wide)
@@ -252,12 +252,13 @@ class _FlashLaunch:
             spec = plan.spec(self.aligned8 and (mode == _FA_FWD or off_do % 8 == 0))
             per_group = plan.rows
             kernel, variant = coopmat.FLASH_KERNEL, f"f16_d{self.D}"
+            subgroup = coopmat.required_subgroup(rt, plan.subgroup)
             name = kernel + name[len("flash_attn"):]  # flash_coop, flash_coop_bwd_dq, flash_coop_bwd_dkv
         else:
             spec = (_FA_GPU_WG, mode, 0)
             per_group = _FA_GPU_WG
         groups = (1, -(-rows // per_group), BH) if per_head else groups_for(-(-rows // per_group))
-        pid = rt.pipeline(kernel, variant, spec)
+        pid = rt.pipeline(kernel, variant, spec, subgroup)
         flags = int(self.causal) | (2 if dlse else 0)
         if self.bm is not None and mode != _FA_PRE:
             # the mask goes through a binding this pass leaves unused (see flash_attn.comp)

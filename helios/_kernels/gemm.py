@@ -317,7 +317,7 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None 
         kernel = coopmat.KERNEL
         modes = coopmat.load_modes(M, N, K, (oa, ob), (sam, sak, *ca), (sbk, sbn, *cb))
         spec = tile.spec(has_bias, ct, cld, _epi[1] if _epi else 0, int(_bsum is not None), *modes)
-        pid = rt.pipeline(kernel, a_dtype.tag, spec)
+        pid = rt.pipeline(kernel, a_dtype.tag, spec, coopmat.required_subgroup(rt, tile.subgroup))
         groups = tile.grid(M, N, nb)
         if _epi is None:  # matmul_epi's six bindings and words whatever the epilogue: unused ones repeat C
             be, oe, bu, ou = bc, 0, bc, 0

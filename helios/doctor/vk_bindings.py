@@ -22,6 +22,7 @@ INSTALL_HINT = "pip install 'helios[doctor]' (the `vulkan` bindings, an independ
 _TYPES = {2: ("discrete", 0), 1: ("integrated", 1), 3: ("virtual", 2), 4: ("cpu", 3)}
 _DEVICE_LOCAL, _HOST_VISIBLE, _HOST_COHERENT, _HOST_CACHED = 0x1, 0x2, 0x4, 0x8
 _HEAP_DEVICE_LOCAL = 0x1
+_STAGE_COMPUTE = 0x20  # VK_SHADER_STAGE_COMPUTE_BIT
 _QUEUE_GRAPHICS, _QUEUE_COMPUTE = 0x1, 0x2
 _TIME_DOMAIN_DEVICE, _TIME_DOMAIN_CLOCK_MONOTONIC = 0, 1
 _VENDOR_NVIDIA = 0x10DE
@@ -183,6 +184,8 @@ class _Reader:
                             sType=S.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_NV)
         vmm = self._new("VkPhysicalDeviceVulkanMemoryModelFeatures",
                         sType=S.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_MEMORY_MODEL_FEATURES)
+        sgsize_f = self._new("VkPhysicalDeviceSubgroupSizeControlFeatures",
+                             sType=S.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SUBGROUP_SIZE_CONTROL_FEATURES)
         has_khr_coop, has_nv_coop = "VK_KHR_cooperative_matrix" in exts, "VK_NV_cooperative_matrix" in exts
         if v11:
             chain = [s16]
@@ -191,6 +194,7 @@ class _Reader:
             chain += [coop_khr] if has_khr_coop else []
             chain += [coop_nv] if has_nv_coop else []
             chain += [vmm] if v12 else []
+            chain += [sgsize_f] if v13 else []
             self._chain(f2, *chain)
             lib.vkGetPhysicalDeviceFeatures2(pd, f2)
         else:
@@ -232,6 +236,10 @@ class _Reader:
         # The addon's rule: the shapes are listed where Helios' coopmat kernels can run (Vulkan 1.3, the
         # extension's feature and vulkanMemoryModel), else [].
         usable = v13 and bool(coop_list) and bool(vmm.vulkanMemoryModel)
+        # The addon's rule: a pipeline may require a subgroup size on Vulkan 1.3 with the
+        # subgroupSizeControl feature and compute among requiredSubgroupSizeStages, else 0..0.
+        sg_control = (v13 and bool(sgsize_f.subgroupSizeControl) and bool(sgsize.requiredSubgroupSizeStages & _STAGE_COMPUTE)
+                      and 0 < int(sgsize.minSubgroupSize) <= int(sgsize.maxSubgroupSize))
         return {
             "name": ffi.string(base.deviceName).decode(errors="replace"),
             "type": name,
@@ -251,6 +259,8 @@ class _Reader:
                 "timestamp_period": float(L.timestampPeriod),
                 "timestamp_valid_bits": int(ts_bits),
                 "subgroup_size": int(subgroup.subgroupSize) if v11 else 0,
+                "min_subgroup_size": int(sgsize.minSubgroupSize) if sg_control else 0,
+                "max_subgroup_size": int(sgsize.maxSubgroupSize) if sg_control else 0,
                 # Before 1.1 there is no portable limit; the addon assumes the spec's 1 GiB.
                 "max_memory_allocation_size": int(maint3.maxMemoryAllocationSize) if v11 else 1 << 30,
             },

@@ -62,6 +62,9 @@ Device::Device(int index, const std::string& pipeline_cache_dir) {
   vmm.vulkanMemoryModel = VK_TRUE;  // the cooperative-matrix kernels' SPIR-V uses the Vulkan memory model
   CoopMatFeaturesKHR coop;
   coop.cooperativeMatrix = VK_TRUE;
+  VkPhysicalDeviceSubgroupSizeControlFeatures sgctl{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SUBGROUP_SIZE_CONTROL_FEATURES};
+  sgctl.subgroupSizeControl = VK_TRUE;  // only chained where the device has it (describe(): min_subgroup_size > 0)
+  sgctl.computeFullSubgroups = info_.compute_full_subgroups;
   f2.features.shaderInt64 = info_.int64;
   f2.features.shaderInt16 = info_.int16;
   s16.storageBuffer16BitAccess = info_.storage16;
@@ -75,6 +78,7 @@ Device::Device(int index, const std::string& pipeline_cache_dir) {
   if (info_.timeline_semaphore && v12) *tail = &timeline, tail = &timeline.pNext;
   else info_.timeline_semaphore = false;
   if (!info_.coopmat.empty()) *tail = &vmm, tail = &vmm.pNext, *tail = &coop, tail = &coop.pNext;
+  if (info_.min_subgroup_size > 0) *tail = &sgctl, tail = &sgctl.pNext;
 
   float priority = 1.0f;
   VkDeviceQueueCreateInfo qci{VK_STRUCTURE_TYPE_DEVICE_QUEUE_CREATE_INFO};
@@ -367,9 +371,9 @@ void Device::fill(uint64_t handle, uint64_t offset, uint64_t nbytes, uint32_t va
 // ---------------------------------------------------------------- pipelines and dispatch
 
 uint32_t Device::pipeline(const uint8_t* spirv, size_t n, uint32_t num_buffers, uint32_t push_size,
-                          const std::vector<uint32_t>& spec, const std::string& name) {
+                          const std::vector<uint32_t>& spec, const std::string& name, uint32_t subgroup_size) {
   ensure_open();
-  return pipelines_->get_or_create(spirv, n, num_buffers, push_size, spec, name);
+  return pipelines_->get_or_create(spirv, n, num_buffers, push_size, spec, name, subgroup_size);
 }
 
 void Device::save_pipeline_cache() {

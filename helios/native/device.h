@@ -61,8 +61,10 @@ class Device {
   void fill(uint64_t handle, uint64_t offset, uint64_t nbytes, uint32_t value);
 
   // Pipelines and dispatch.
+  // subgroup_size > 0: the pipeline runs in full subgroups of exactly that many invocations
+  // (Vulkan 1.3's required subgroup size; ArgError where the device cannot require it).
   uint32_t pipeline(const uint8_t* spirv, size_t n, uint32_t num_buffers, uint32_t push_size,
-                    const std::vector<uint32_t>& spec, const std::string& name);
+                    const std::vector<uint32_t>& spec, const std::string& name, uint32_t subgroup_size = 0);
   void save_pipeline_cache();
   std::string pipeline_cache_path() const { return pipelines_ ? pipelines_->cache_path() : ""; }
   bool pipeline_cache_loaded() const { return pipelines_ && pipelines_->cache_loaded(); }

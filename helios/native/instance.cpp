@@ -97,13 +97,15 @@ PhysicalDeviceInfo describe(VkPhysicalDevice pd, uint32_t instance_api) {
   VkPhysicalDevicePushDescriptorPropertiesKHR pushdesc{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PUSH_DESCRIPTOR_PROPERTIES_KHR};
   VkPhysicalDeviceMaintenance4Properties maint4{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_MAINTENANCE_4_PROPERTIES};
   VkPhysicalDeviceMaintenance3Properties maint3{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_MAINTENANCE_3_PROPERTIES};
+  VkPhysicalDeviceSubgroupSizeControlProperties sgctl{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SUBGROUP_SIZE_CONTROL_PROPERTIES};
   const bool v11 = api >= VK_API_VERSION_1_1;
+  const bool v13 = api >= VK_API_VERSION_1_3;
   if (v11) {
     void** tail = &props2.pNext;
     *tail = &subgroup, tail = &subgroup.pNext;
     *tail = &maint3, tail = &maint3.pNext;
     if (d.push_descriptor) *tail = &pushdesc, tail = &pushdesc.pNext;
-    if (api >= VK_API_VERSION_1_3) *tail = &maint4, tail = &maint4.pNext;
+    if (v13) *tail = &maint4, tail = &maint4.pNext, *tail = &sgctl, tail = &sgctl.pNext;
     vkGetPhysicalDeviceProperties2(pd, &props2);
   }
 
@@ -144,6 +146,7 @@ PhysicalDeviceInfo describe(VkPhysicalDevice pd, uint32_t instance_api) {
   VkPhysicalDeviceTimelineSemaphoreFeatures timeline{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_TIMELINE_SEMAPHORE_FEATURES};
   VkPhysicalDeviceVulkanMemoryModelFeatures vmm{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_MEMORY_MODEL_FEATURES};
   CoopMatFeaturesKHR coop;
+  VkPhysicalDeviceSubgroupSizeControlFeatures sgctl_f{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SUBGROUP_SIZE_CONTROL_FEATURES};
   const bool has_coop = api >= VK_API_VERSION_1_3 && has_extension(exts, kCoopMatExtension);
   if (v11) {
     void** tail = &f2.pNext;
@@ -152,6 +155,7 @@ PhysicalDeviceInfo describe(VkPhysicalDevice pd, uint32_t instance_api) {
     if (api >= VK_API_VERSION_1_2 || d.has_ext_float16_int8) *tail = &f16, tail = &f16.pNext;
     if (api >= VK_API_VERSION_1_2) *tail = &timeline, tail = &timeline.pNext;  // core in 1.2
     if (has_coop) *tail = &vmm, tail = &vmm.pNext, *tail = &coop, tail = &coop.pNext;
+    if (v13) *tail = &sgctl_f, tail = &sgctl_f.pNext;  // core in 1.3
     vkGetPhysicalDeviceFeatures2(pd, &f2);
   } else {
     vkGetPhysicalDeviceFeatures(pd, &f2.features);
@@ -164,6 +168,12 @@ PhysicalDeviceInfo describe(VkPhysicalDevice pd, uint32_t instance_api) {
   d.int8 = f16.shaderInt8;
   d.timeline_semaphore = api >= VK_API_VERSION_1_2 && timeline.timelineSemaphore;
   if (has_coop && coop.cooperativeMatrix && vmm.vulkanMemoryModel) d.coopmat = coopmat_shapes(pd);
+  if (v13 && sgctl_f.subgroupSizeControl && (sgctl.requiredSubgroupSizeStages & VK_SHADER_STAGE_COMPUTE_BIT) &&
+      sgctl.minSubgroupSize > 0 && sgctl.minSubgroupSize <= sgctl.maxSubgroupSize) {
+    d.min_subgroup_size = sgctl.minSubgroupSize;
+    d.max_subgroup_size = sgctl.maxSubgroupSize;
+    d.compute_full_subgroups = sgctl_f.computeFullSubgroups;
+  }
 
   // Calibrated timestamps count only if both the device and CLOCK_MONOTONIC domains exist.
   if (has_calibrated) {

@@ -63,6 +63,9 @@ struct PhysicalDeviceInfo {
   float timestamp_period = 0.f;
   uint32_t timestamp_valid_bits = 0;  // of the chosen queue family
   uint32_t subgroup_size = 0;
+  // Subgroup sizes a compute pipeline may require (Vulkan 1.3's subgroupSizeControl with the
+  // compute stage among requiredSubgroupSizeStages); 0 where it cannot require one.
+  uint32_t min_subgroup_size = 0, max_subgroup_size = 0;
   uint64_t max_memory_allocation_size = 0;
   // Limits used internally only.
   uint64_t max_buffer_size = 0;  // 0 = unknown (pre-1.3 device)
@@ -73,6 +76,9 @@ struct PhysicalDeviceInfo {
   bool float16 = false, storage16 = false, storage8 = false, int64 = false, int16 = false;
   bool push_descriptor = false, calibrated_timestamps = false, unified_memory = false;
   bool timeline_semaphore = false;  // Vulkan 1.2's timelineSemaphore feature (the stream's completion tracking)
+  // Vulkan 1.3's computeFullSubgroups: a pipeline that requires a subgroup size may also require
+  // every subgroup to be full (enabled with subgroupSizeControl where min_subgroup_size > 0).
+  bool compute_full_subgroups = false;
   // VK_KHR_cooperative_matrix's shapes, listed where the device can run Helios' cooperative-matrix
   // kernel: the extension with its cooperativeMatrix feature, Vulkan 1.3 (SPIR-V 1.6) and the
   // vulkanMemoryModel feature its shaders declare; the Device enables all three then.  Empty

@@ -125,6 +125,8 @@ py::dict info_dict(const PhysicalDeviceInfo& d) {
   limits["timestamp_period"] = d.timestamp_period;
   limits["timestamp_valid_bits"] = d.timestamp_valid_bits;
   limits["subgroup_size"] = d.subgroup_size;
+  limits["min_subgroup_size"] = d.min_subgroup_size;  // 0: no pipeline may require a subgroup size
+  limits["max_subgroup_size"] = d.max_subgroup_size;
   limits["max_memory_allocation_size"] = d.max_memory_allocation_size;
   py::dict features;
   features["float16"] = d.float16;
@@ -463,8 +465,12 @@ PYBIND11_MODULE(_vulkan, m) {
       // ---- pipelines
       .def(
           "pipeline",
-          [](PyDevice& s, py::handle spirv, int64_t num_buffers, int64_t push_size, py::handle spec, const std::string& name) {
+          [](PyDevice& s, py::handle spirv, int64_t num_buffers, int64_t push_size, py::handle spec, const std::string& name,
+             int64_t subgroup_size) {
             if (num_buffers < 0 || push_size < 0) throw ArgError("pipeline: num_buffers and push_size must be >= 0");
+            if (subgroup_size < 0 || subgroup_size > 65536)
+              throw ArgError(strf("pipeline '%s': subgroup_size must be 0 (the driver's choice) or a subgroup size, got %lld",
+                                  name.c_str(), (long long)subgroup_size));
             Bytes code(spirv.ptr(), PyBUF_SIMPLE, "pipeline", "spirv");
             std::vector<uint32_t> sc;
             if (!spec.is_none()) {
@@ -477,12 +483,13 @@ PYBIND11_MODULE(_vulkan, m) {
               }
             }
             return s.d().pipeline(reinterpret_cast<const uint8_t*>(code.data), size_t(code.size), uint32_t(num_buffers),
-                                  uint32_t(push_size), sc, name);
+                                  uint32_t(push_size), sc, name, uint32_t(subgroup_size));
           },
           py::arg("spirv"), py::arg("num_buffers"), py::arg("push_size"), py::arg("spec") = py::list(),
-          py::arg("name") = "",
+          py::arg("name") = "", py::arg("subgroup_size") = 0,
           "Pipeline id for SPIR-V with num_buffers storage buffers, push_size bytes of push constants and "
-          "specialization constants spec[i] (constant_id i); cached.")
+          "specialization constants spec[i] (constant_id i); cached.  subgroup_size > 0: it runs in full "
+          "subgroups of exactly that size (limits min_subgroup_size..max_subgroup_size; ValueError elsewhere).")
       .def("save_pipeline_cache", [](PyDevice& s) { s.d().save_pipeline_cache(); },
            "Write the pipeline cache file (temp file, fsync, rename).")
       // ---- dispatch (hot path)

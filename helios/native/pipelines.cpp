@@ -250,8 +250,8 @@ VkPipelineLayout Pipelines::pipeline_layout(uint32_t num_buffers, uint32_t texel
 }
 
 uint32_t Pipelines::get_or_create(const uint8_t* spirv, size_t nbytes, uint32_t num_buffers, uint32_t push_size,
-                                  const std::vector<uint32_t>& spec, const std::string& name) {
-  Key key{hash_bytes(spirv, nbytes), num_buffers, push_size, spec};
+                                  const std::vector<uint32_t>& spec, const std::string& name, uint32_t subgroup_size) {
+  Key key{hash_bytes(spirv, nbytes), num_buffers, push_size, subgroup_size, spec};
   auto hit = by_key_.find(key);
   if (hit != by_key_.end())
     for (const auto& cand : hit->second)
@@ -262,6 +262,13 @@ uint32_t Pipelines::get_or_create(const uint8_t* spirv, size_t nbytes, uint32_t 
   if (push_size % 4 || push_size > info_.max_push_constants)
     throw ArgError(strf("pipeline '%s': push_size %u must be a multiple of 4 and at most the device's %u bytes",
                         name.c_str(), push_size, info_.max_push_constants));
+  if (subgroup_size &&
+      (subgroup_size < info_.min_subgroup_size || subgroup_size > info_.max_subgroup_size || (subgroup_size & (subgroup_size - 1))))
+    throw ArgError(info_.min_subgroup_size
+                       ? strf("pipeline '%s': subgroup_size %u is not a power of two in the device's %u..%u", name.c_str(),
+                              subgroup_size, info_.min_subgroup_size, info_.max_subgroup_size)
+                       : strf("pipeline '%s': subgroup_size %u asked of a device that cannot require a subgroup size "
+                              "(Vulkan 1.3's subgroupSizeControl for compute)", name.c_str(), subgroup_size));
   uint32_t texel_mask = 0;
   std::string entry = check_spirv(spirv, nbytes, num_buffers, name, &texel_mask);
 
@@ -291,6 +298,17 @@ uint32_t Pipelines::get_or_create(const uint8_t* spirv, size_t nbytes, uint32_t 
   ci.stage.module = module;
   ci.stage.pName = entry.c_str();
   ci.stage.pSpecializationInfo = spec.empty() ? nullptr : &si;
+  // A kernel written for subgroups of one size (the cooperative-matrix kernels' lane shares)
+  // runs in exactly those: drivers that pick a size per shader (Intel's SIMD8/16/32, AMD's
+  // wave32/64) may otherwise run it in another than the one they report.  Full subgroups too,
+  // where the device can promise them: a workgroup of whole subgroups has no partial one.
+  VkPipelineShaderStageRequiredSubgroupSizeCreateInfo rss{
+      VK_STRUCTURE_TYPE_PIPELINE_SHADER_STAGE_REQUIRED_SUBGROUP_SIZE_CREATE_INFO};
+  if (subgroup_size) {
+    rss.requiredSubgroupSize = subgroup_size;
+    ci.stage.pNext = &rss;
+    if (info_.compute_full_subgroups) ci.stage.flags |= VK_PIPELINE_SHADER_STAGE_CREATE_REQUIRE_FULL_SUBGROUPS_BIT;
+  }
   ci.layout = p.layout;
   VkResult r = vkCreateComputePipelines(dev_, cache_, 1, &ci, nullptr, &p.pipeline);
   vkDestroyShaderModule(dev_, module, nullptr);  // the pipeline keeps what it needs

@@ -37,8 +37,9 @@ class Pipelines {
   Pipelines& operator=(const Pipelines&) = delete;
 
   // The id of the pipeline for this SPIR-V and layout, creating it on first use.
+  // subgroup_size > 0: the required subgroup size (full subgroups where the device can promise them).
   uint32_t get_or_create(const uint8_t* spirv, size_t nbytes, uint32_t num_buffers, uint32_t push_size,
-                         const std::vector<uint32_t>& spec, const std::string& name);
+                         const std::vector<uint32_t>& spec, const std::string& name, uint32_t subgroup_size = 0);
 
   const Pipeline* find(uint64_t id) const { return id < pipelines_.size() ? &pipelines_[id] : nullptr; }
   size_t size() const { return pipelines_.size(); }
@@ -53,12 +54,13 @@ class Pipelines {
  private:
   struct Key {
     uint64_t hash;
-    uint32_t num_buffers, push_size;
+    uint32_t num_buffers, push_size, subgroup_size;
     std::vector<uint32_t> spec;
     bool operator<(const Key& o) const {
       if (hash != o.hash) return hash < o.hash;
       if (num_buffers != o.num_buffers) return num_buffers < o.num_buffers;
       if (push_size != o.push_size) return push_size < o.push_size;
+      if (subgroup_size != o.subgroup_size) return subgroup_size < o.subgroup_size;
       return spec < o.spec;
     }
   };

@@ -71,6 +71,11 @@ operands between the parts); the LayerNorm and clip fusions run either way.
   way, and its backward rounds each gradient as it stores it, as the cast back does: the
   same bits without the two copies of the logits (helios.functional.nn_ops.cross_entropy,
   the mean over index targets without class weights).
+* ``cast+softmax`` / ``softmax_bwd+cast``: likewise for attention's softmax under autocast
+  (helios.functional.nn_ops.attention_softmax, the dense attention path): 16-bit scores are
+  read as their float32 values and the float32 probabilities stored (what backward and the
+  product with V read), and backward stores the float32 gradient rounded to the scores' dtype,
+  as the cast back does (softmax.comp's mixed variants, e.g. ``bf16_f32``).
 
 Who fuses: the GPT modules (helios.nn.modules Block / MLP / CausalSelfAttention) call the
 fused functions of helios.functional where the pattern is present and the unfused parts
@@ -108,6 +113,8 @@ PARTS = {
     "cast+linear+residual": ("cast", "matmul", "+bias", "cast", "add"),
     "cast+matmul+bias_grad": ("cast", "matmul", "sum", "cast", "cast"),
     "cast+cross_entropy": ("cast", "cross_entropy"),
+    "cast+softmax": ("cast", "softmax"),
+    "softmax_bwd+cast": ("softmax_bwd", "cast"),
     "cross_entropy_bwd+cast": ("cross_entropy_bwd", "cast"),
     "sum_squares": ("mul", "sum"),
     "sum_squares+clip_coef": ("mul", "sum", "sqrt", "add_s", "rdiv_s", "clamp"),

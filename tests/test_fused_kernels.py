@@ -335,9 +335,11 @@ def test_gpt_under_bf16_autocast_with_fusion_on_and_off_is_bit_identical():
         # of the projections, att's (20); the head's x and table both ways (4); and the tied
         # table's second gradient copy, as in fp32; with the bias gradients in the products, each
         # one's bf16 rounding and widening casts and its column sum too; the logits' float32 copy
-        # for the loss and its gradient's cast back (2)
-        assert off[2]["copy"] - on[2]["copy"] == 20 * n_layer + 4 + 1 + 2 * bias_grads + 2
+        # for the loss and its gradient's cast back (2); each layer's attention scores to the
+        # float32 softmax and their gradient back (2 a layer)
+        assert off[2]["copy"] - on[2]["copy"] == 20 * n_layer + 4 + 1 + 2 * bias_grads + 2 + 2 * n_layer
         assert on[2]["cast+cross_entropy"] == on[2]["cross_entropy_bwd+cast"] == 1
+        assert on[2]["cast+softmax"] == on[2]["softmax_bwd+cast"] == n_layer
         assert off[2]["sum"] - on[2]["sum"] == bias_grads + 2  # (+ the clip's two passes' sums)
 
 

@@ -254,3 +254,39 @@ def test_autocast_cross_entropy_reads_16bit_logits_with_the_casts_bits(low, shap
 
     want = torch.nn.functional.cross_entropy(torch.tensor(logits.float().numpy()), torch.tensor(targets))
     np.testing.assert_allclose(loss.item(), want.item(), rtol=1e-6)
+
+
+@pytest.mark.parametrize("low", [dt.bfloat16, dt.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("causal,shape", [(True, (2, 3, 37, 37)), (False, (5, 9, 64)), (True, (1, 2, 64, 64))],
+                         ids=["causal-odd", "plain", "causal-texel-rows"])
+def test_autocast_attention_softmax_reads_16bit_scores_with_the_casts_bits(low, causal, shape):
+    # Under autocast attention's softmax is float32: the kernel reads 16-bit scores itself and
+    # its backward rounds the gradient as it stores it, instead of two cast kernels.
+    rng = np.random.default_rng(5)
+    scores = K.copy(hl.tensor(rng.standard_normal(shape).astype(np.float32) * 4), low)
+    up = hl.tensor(rng.standard_normal(shape).astype(np.float32))  # the upstream gradient (float32, as y)
+    runs = {}
+    for fuse in (True, False):
+        x = scores.detach().requires_grad_()
+        with switched(fused_kernels, "ENABLED", fuse), count_dispatches() as names:
+            with hl.autocast(low.name):
+                y = F.attention_softmax(x, 0.125, causal=causal)
+            (y * up).sum().backward()
+        runs[fuse] = (y, x.grad, names)
+    (y, grad, names), (ref_y, ref_grad, ref_names) = runs[True], runs[False]
+    assert y.dtype is dt.float32 and grad.dtype is low
+    assert np.array_equal(_bits(y), _bits(ref_y)) and np.array_equal(_bits(grad), _bits(ref_grad))
+    assert names["cast+softmax"] == 1 and names["softmax_bwd+cast"] == 1
+    assert ref_names["softmax"] == 1 and ref_names["softmax_bwd"] == 1
+    assert ref_names["copy"] - names["copy"] == 2  # the scores' cast and their gradient's cast back
+    import torch
+
+    t = torch.tensor(scores.float().numpy(), requires_grad=True)
+    s = t * 0.125
+    if causal:
+        s = s.masked_fill(torch.ones(shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+    want = torch.softmax(s, -1)
+    np.testing.assert_allclose(y.numpy(), want.detach().numpy(), rtol=1e-5, atol=1e-7)
+    (want * torch.tensor(up.numpy())).sum().backward()
+    np.testing.assert_allclose(grad.float().numpy(), t.grad.to(getattr(torch, low.name)).float().numpy(),
+                               rtol=2e-2, atol=1e-3)

@@ -34,33 +34,43 @@ def _row_plan(rt, rows: int, R: int):
     return _row_wg(R), False, groups_for(rows)
 
 
-def _row_variant(rt, dtype: dt.DType, per_thread: bool) -> str:
+def _row_variant(rt, dtype: dt.DType, per_thread: bool, out: dt.DType | None = None) -> str:
     """The kernel variant of a row kernel: ``f32_tx`` (fp32 rows read through texel views) where
     each invocation owns a row (or a column) on a CPU device, since llvmpipe gathers a texel for the 8 lanes'
-    rows at once but loops over the lanes for a storage-buffer load; else the dtype's."""
-    if per_thread and dtype is dt.float32 and rt.info["type"] == "cpu":
-        return "f32_tx"
-    return dtype.tag
+    rows at once but loops over the lanes for a storage-buffer load; else the dtype's.  ``out``: an
+    output dtype other than the input's (softmax's casts in the kernel, e.g. ``bf16_f32``)."""
+    base = "f32_tx" if per_thread and dtype is dt.float32 and rt.info["type"] == "cpu" else dtype.tag
+    return base if out is None or out is dtype else f"{base}_{out.tag}"
 
 
-def softmax_rows(mode: int, x: Tensor, g: Tensor | None = None, scale: float = 1.0, causal: bool = False) -> Tensor:
+def softmax_rows(mode: int, x: Tensor, g: Tensor | None = None, scale: float = 1.0, causal: bool = False,
+                 out_dtype: dt.DType | None = None) -> Tensor:
     """Softmax family over the last dim of contiguous ``x`` (see softmax.comp for modes).
 
     ``scale`` multiplies the inputs (forward modes) or the result (backward modes);
-    ``causal`` masks column k of query row q (the second-to-last dim) where k > q."""
+    ``causal`` masks column k of query row q (the second-to-last dim) where k > q.
+    ``out_dtype`` (softmax and its backward): the result in another dtype than x's, computed
+    in float32 as ever and rounded as it is stored, for autocast's casts in the kernel
+    (helios.fused_kernels "cast+softmax": 16-bit x, float32 out; "softmax_bwd+cast": float32 y
+    and g, a 16-bit out)."""
     rt = x._st.rt
     R = x.shape[-1]
     rows = x.numel() // R if R else 0
-    out = empty(x.shape, x.dtype, rt)
+    out_dtype = out_dtype or x.dtype
+    out = empty(x.shape, out_dtype, rt)
     if out.numel() == 0:
         return out
     wg, per_thread, groups = _row_plan(rt, rows, R)
-    pid = rt.pipeline("softmax", _row_variant(rt, x.dtype, per_thread), (mode, wg, per_thread))
+    pid = rt.pipeline("softmax", _row_variant(rt, x.dtype, per_thread, out_dtype), (mode, wg, per_thread))
     bx, ox = bind(x)
     bg, og = bind(g) if g is not None else (bx, 0)
     name = ("softmax", "log_softmax", "softmax_bwd", "log_softmax_bwd")[mode]
+    if out_dtype is not x.dtype:
+        from helios import fused_kernels
+
+        name = fused_kernels.dispatch_name({0: "cast+softmax", 2: "softmax_bwd+cast"}[mode], rt)
     rt.dispatch(pid, [bx, bg, bind(out, True)[0]], _P_SOFTMAX.pack(R, rows, ox, og, scale, x.shape[-2] if causal else 0), groups, name,
-                5 * x.numel(), 3 * x.numel() * x.dtype.itemsize)
+                5 * x.numel(), x.numel() * (2 * x.dtype.itemsize + out_dtype.itemsize))
     return out
 
 

@@ -115,10 +115,14 @@ def split_heads(qkv: Tensor, n_head: int) -> tuple:
 
 
 class _AttentionSoftmax(Function):
+    """softmax(x * scale) with an optional causal mask, one kernel each way.  ``cast`` (autocast
+    with 16-bit scores): float32 probabilities from the 16-bit scores, and backward rounds the
+    gradient to the scores' dtype, in the kernels (helios.fused_kernels "cast+softmax")."""
+
     @staticmethod
-    def forward(ctx, x, scale, causal):
-        y = K.softmax_rows(0, x, scale=scale, causal=causal)
-        ctx.scale, ctx.causal = scale, causal
+    def forward(ctx, x, scale, causal, cast=False):
+        y = K.softmax_rows(0, x, scale=scale, causal=causal, out_dtype=dt.float32 if cast else None)
+        ctx.scale, ctx.causal, ctx.grad_dtype = scale, causal, x.dtype
         ctx.save_for_backward(y)
         return y
 
@@ -127,7 +131,9 @@ class _AttentionSoftmax(Function):
         (y,) = ctx.saved_tensors
         # Masked entries have y = 0, so the mask needs no separate backward: the kernel
         # writes their gradient as 0 and scales the rest.
-        return K.softmax_rows(2, y, F.contiguous(g), scale=ctx.scale, causal=ctx.causal), None, None
+        dx = K.softmax_rows(2, y, F.contiguous(g), scale=ctx.scale, causal=ctx.causal,
+                            out_dtype=ctx.grad_dtype)
+        return dx, None, None, None
 
 
 def attention_softmax(scores: Tensor, scale: float = 1.0, causal: bool = False) -> Tensor:
@@ -135,13 +141,16 @@ def attention_softmax(scores: Tensor, scale: float = 1.0, causal: bool = False) 
     (query i sees keys 0..i) when ``causal``: one kernel for what is otherwise a scale, a
     where and a softmax (the same arithmetic, so the same values)."""
     F._check_tensor(scores, "attention_softmax")
-    if _amp.state.dtype is not None:  # autocast: in float32, as softmax
+    # Autocast computes it in float32, as softmax: 16-bit scores are read by the kernel itself
+    # instead of a float32 copy of them (fused_kernels "cast+softmax").
+    cast = _amp.active_dtype() is not None and scores.dtype in (dt.bfloat16, dt.float16) and fused_kernels.enabled()
+    if not cast:
         (scores,) = _amp.fp32(scores)
     if scores.dtype.kind != "float":
         raise DTypeError(f"attention_softmax: expected floating-point scores, got {scores.dtype.name}")
     if causal and (scores.ndim < 2 or scores.shape[-1] != scores.shape[-2]):
         raise ShapeError(f"attention_softmax: a causal mask needs square [..., T, T] scores, got {scores.shape}")
-    return _AttentionSoftmax.apply(F.contiguous(scores), float(scale), bool(causal))
+    return _AttentionSoftmax.apply(F.contiguous(scores), float(scale), bool(causal), cast)
 
 
 class _LayerNorm(Function):

@@ -9,7 +9,13 @@
 // k <= r % causal_q (a causal mask over [.., Tq, Tk] scores): the others come out as
 // softmax 0 / log_softmax -inf / gradient 0 and are never loaded.  This is the same
 // arithmetic as x * scale, then where(mask, ., -inf), then softmax (exp(-inf) adds 0).
+// TO (variants like bf16_f32): the output's type where it is not the input's, autocast's casts
+// in the kernel (the forward reads 16-bit scores into float32 probabilities, the backward writes
+// the float32 gradient rounded to the scores' 16-bit type); the arithmetic is float32 either way.
 #include "common.glsl"
+#ifndef TO
+#define TO TA
+#endif
 layout(local_size_x_id = 1) in;
 layout(constant_id = 0) const int MODE = 0;
 layout(constant_id = 1) const int WG = 256;
@@ -29,7 +35,7 @@ layout(std430, binding = 1) readonly buffer BG { HL_ST(TA) g[]; };
 #define LDX(i) HL_LDF(TA, x[i])
 #define LDG(i) HL_LDF(TA, g[i])
 #endif
-layout(std430, binding = 2) writeonly buffer BO { HL_ST(TA) o[]; };
+layout(std430, binding = 2) writeonly buffer BO { HL_ST(TO) o[]; };
 layout(push_constant) uniform P { uint R; uint rows; uint off_x; uint off_g; float scale; uint causal_q; } p;
 
 // Columns [0, live_cols(row)) are unmasked.
@@ -38,7 +44,7 @@ float masked_out() { return MODE == 1 ? -1.0 / 0.0 : 0.0; }
 
 #include "rowblock.glsl"
 
-#ifdef ROW_TEXEL
+#if defined(ROW_TEXEL) && TO == T_F32
 layout(std430, binding = 2) writeonly buffer BO4 { vec4 o4[]; };
 // row_serial on whole texels (R and the offsets multiples of 4): the live columns' whole texels
 // a vec4 at a time, then the rest one by one, each value computed as row_serial computes it and
@@ -63,11 +69,11 @@ void row_serial4(uint row) {
         if (MODE == 0) {
             float inv = 1.0 / s;
             for (uint k = 0u; k < L4; ++k) o4[bo4 + k] = exp(texelFetch(tx, int(bx4 + k)) * p.scale - m) * inv;
-            for (uint k = 4u * L4; k < L; ++k) o[bo + k] = HL_STF(TA, exp(LDX(bx + k) * p.scale - m) * inv);
+            for (uint k = 4u * L4; k < L; ++k) o[bo + k] = HL_STF(TO, exp(LDX(bx + k) * p.scale - m) * inv);
         } else {
             float lse = m + log(s);
             for (uint k = 0u; k < L4; ++k) o4[bo4 + k] = texelFetch(tx, int(bx4 + k)) * p.scale - lse;
-            for (uint k = 4u * L4; k < L; ++k) o[bo + k] = HL_STF(TA, LDX(bx + k) * p.scale - lse);
+            for (uint k = 4u * L4; k < L; ++k) o[bo + k] = HL_STF(TO, LDX(bx + k) * p.scale - lse);
         }
     } else {
         float s = 0.0;
@@ -86,15 +92,15 @@ void row_serial4(uint row) {
         }
         for (uint k = 4u * L4; k < L; ++k) {
             float y = LDX(bx + k), gv = LDG(bg + k);
-            o[bo + k] = HL_STF(TA, ((MODE == 2) ? y * (gv - s) : gv - exp(y) * s) * p.scale);
+            o[bo + k] = HL_STF(TO, ((MODE == 2) ? y * (gv - s) : gv - exp(y) * s) * p.scale);
         }
     }
-    for (uint k = L; k < p.R; ++k) o[bo + k] = HL_STF(TA, MODE <= 1 ? masked_out() : 0.0);
+    for (uint k = L; k < p.R; ++k) o[bo + k] = HL_STF(TO, MODE <= 1 ? masked_out() : 0.0);
 }
 #endif
 
 void row_serial(uint row) {
-#ifdef ROW_TEXEL
+#if defined(ROW_TEXEL) && TO == T_F32
     if (((p.R | p.off_x | p.off_g) & 3u) == 0u) {
         row_serial4(row);
         return;
@@ -109,10 +115,10 @@ void row_serial(uint row) {
         for (uint k = 0u; k < L; ++k) s += exp(LDX(bx + k) * p.scale - m);
         if (MODE == 0) {
             float inv = 1.0 / s;
-            for (uint k = 0u; k < L; ++k) o[bo + k] = HL_STF(TA, exp(LDX(bx + k) * p.scale - m) * inv);
+            for (uint k = 0u; k < L; ++k) o[bo + k] = HL_STF(TO, exp(LDX(bx + k) * p.scale - m) * inv);
         } else {
             float lse = m + log(s);
-            for (uint k = 0u; k < L; ++k) o[bo + k] = HL_STF(TA, LDX(bx + k) * p.scale - lse);
+            for (uint k = 0u; k < L; ++k) o[bo + k] = HL_STF(TO, LDX(bx + k) * p.scale - lse);
         }
     } else {
         float s = 0.0;
@@ -122,10 +128,10 @@ void row_serial(uint row) {
         }
         for (uint k = 0u; k < L; ++k) {
             float y = LDX(bx + k), gv = LDG(bg + k);
-            o[bo + k] = HL_STF(TA, ((MODE == 2) ? y * (gv - s) : gv - exp(y) * s) * p.scale);
+            o[bo + k] = HL_STF(TO, ((MODE == 2) ? y * (gv - s) : gv - exp(y) * s) * p.scale);
         }
     }
-    for (uint k = L; k < p.R; ++k) o[bo + k] = HL_STF(TA, MODE <= 1 ? masked_out() : 0.0);
+    for (uint k = L; k < p.R; ++k) o[bo + k] = HL_STF(TO, MODE <= 1 ? masked_out() : 0.0);
 }
 
 void main() {
@@ -148,10 +154,10 @@ void main() {
         s = block_sum(s);
         if (MODE == 0) {
             float inv = 1.0 / s;
-            for (uint k = tid; k < L; k += uint(WG)) o[bo + k] = HL_STF(TA, exp(LDX(bx + k) * p.scale - m) * inv);
+            for (uint k = tid; k < L; k += uint(WG)) o[bo + k] = HL_STF(TO, exp(LDX(bx + k) * p.scale - m) * inv);
         } else {
             float lse = m + log(s);
-            for (uint k = tid; k < L; k += uint(WG)) o[bo + k] = HL_STF(TA, LDX(bx + k) * p.scale - lse);
+            for (uint k = tid; k < L; k += uint(WG)) o[bo + k] = HL_STF(TO, LDX(bx + k) * p.scale - lse);
         }
     } else {
         float s = 0.0;
@@ -162,8 +168,8 @@ void main() {
         s = block_sum(s);
         for (uint k = tid; k < L; k += uint(WG)) {
             float y = LDX(bx + k), gv = LDG(bg + k);
-            o[bo + k] = HL_STF(TA, ((MODE == 2) ? y * (gv - s) : gv - exp(y) * s) * p.scale);
+            o[bo + k] = HL_STF(TO, ((MODE == 2) ? y * (gv - s) : gv - exp(y) * s) * p.scale);
         }
     }
-    for (uint k = L + tid; k < p.R; k += uint(WG)) o[bo + k] = HL_STF(TA, MODE <= 1 ? masked_out() : 0.0);
+    for (uint k = L + tid; k < p.R; k += uint(WG)) o[bo + k] = HL_STF(TO, MODE <= 1 ? masked_out() : 0.0);
 }

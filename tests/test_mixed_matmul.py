@@ -225,6 +225,27 @@ def test_weight_and_bias_gradients_in_one_product_with_float32_slots(kernel, low
         assert np.array_equal(_bits(w_slot.mT), _bits(want_w)) and np.array_equal(_bits(b_slot), _bits(want_b))
 
 
+def _with_and_without_fusion(inp, low, op, backward, fused: tuple, plain: tuple):
+    """Run ``op`` on a fresh leaf of 16-bit ``inp`` under autocast and ``backward(out)``, with the
+    fused kernels on and off: the outputs and the input's gradients must be the same bits, the
+    fused run dispatch the kernels ``fused`` once each, the plain one ``plain`` and two more cast
+    kernels (the input's cast to float32 and its gradient's cast back).  Returns (out, grad)."""
+    runs = {}
+    for fuse in (True, False):
+        x = inp.detach().requires_grad_()
+        with switched(fused_kernels, "ENABLED", fuse), count_dispatches() as names:
+            with hl.autocast(low.name):
+                out = op(x)
+            backward(out)
+        runs[fuse] = (out, x.grad, names)
+    (out, grad, names), (ref_out, ref_grad, ref_names) = runs[True], runs[False]
+    assert out.dtype is dt.float32 and grad.dtype is low
+    assert np.array_equal(_bits(out), _bits(ref_out)) and np.array_equal(_bits(grad), _bits(ref_grad))
+    assert all(names[n] == 1 for n in fused) and all(ref_names[n] == 1 for n in plain)
+    assert ref_names["copy"] - names["copy"] == 2
+    return out, grad
+
+
 @pytest.mark.parametrize("low", [dt.bfloat16, dt.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("shape", [(37, 50), (3, 11, 5)], ids=["rows", "classes-on-dim-1"])
 def test_autocast_cross_entropy_reads_16bit_logits_with_the_casts_bits(low, shape):
@@ -235,20 +256,9 @@ def test_autocast_cross_entropy_reads_16bit_logits_with_the_casts_bits(low, shap
     index_shape = shape[:1] + shape[2:]
     targets = rng.integers(0, shape[1], index_shape)
     targets.reshape(-1)[::4] = -100  # ignored rows: no loss, no gradient, not counted
-    runs = {}
-    for fuse in (True, False):
-        x = logits.detach().requires_grad_()
-        with switched(fused_kernels, "ENABLED", fuse), count_dispatches() as names:
-            with hl.autocast(low.name):
-                loss = F.cross_entropy(x, hl.tensor(targets))
-            loss.backward()
-        runs[fuse] = (loss, x.grad, names)
-    (loss, grad, names), (ref_loss, ref_grad, ref_names) = runs[True], runs[False]
-    assert loss.dtype is dt.float32 and grad.dtype is low
-    assert np.array_equal(_bits(loss), _bits(ref_loss)) and np.array_equal(_bits(grad), _bits(ref_grad))
-    assert names["cast+cross_entropy"] == 1 and names["cross_entropy_bwd+cast"] == 1
-    assert ref_names["cross_entropy"] == 1 and ref_names["cross_entropy_bwd"] == 1
-    assert ref_names["copy"] - names["copy"] == 2  # the logits' cast and its gradient's cast back
+    loss, _ = _with_and_without_fusion(logits, low, lambda x: F.cross_entropy(x, hl.tensor(targets)),
+                                       lambda loss: loss.backward(), ("cast+cross_entropy", "cross_entropy_bwd+cast"),
+                                       ("cross_entropy", "cross_entropy_bwd"))
     # and what PyTorch's autocast gives (float32 loss of the widened logits)
     import torch
 
@@ -265,20 +275,9 @@ def test_autocast_attention_softmax_reads_16bit_scores_with_the_casts_bits(low, 
     rng = np.random.default_rng(5)
     scores = K.copy(hl.tensor(rng.standard_normal(shape).astype(np.float32) * 4), low)
     up = hl.tensor(rng.standard_normal(shape).astype(np.float32))  # the upstream gradient (float32, as y)
-    runs = {}
-    for fuse in (True, False):
-        x = scores.detach().requires_grad_()
-        with switched(fused_kernels, "ENABLED", fuse), count_dispatches() as names:
-            with hl.autocast(low.name):
-                y = F.attention_softmax(x, 0.125, causal=causal)
-            (y * up).sum().backward()
-        runs[fuse] = (y, x.grad, names)
-    (y, grad, names), (ref_y, ref_grad, ref_names) = runs[True], runs[False]
-    assert y.dtype is dt.float32 and grad.dtype is low
-    assert np.array_equal(_bits(y), _bits(ref_y)) and np.array_equal(_bits(grad), _bits(ref_grad))
-    assert names["cast+softmax"] == 1 and names["softmax_bwd+cast"] == 1
-    assert ref_names["softmax"] == 1 and ref_names["softmax_bwd"] == 1
-    assert ref_names["copy"] - names["copy"] == 2  # the scores' cast and their gradient's cast back
+    y, grad = _with_and_without_fusion(scores, low, lambda x: F.attention_softmax(x, 0.125, causal=causal),
+                                       lambda y: (y * up).sum().backward(), ("cast+softmax", "softmax_bwd+cast"),
+                                       ("softmax", "softmax_bwd"))
     import torch
 
     t = torch.tensor(scores.float().numpy(), requires_grad=True)

@@ -283,7 +283,7 @@ class VulkanRuntime(Runtime):
     def pipeline(self, kernel: str, variant: str, spec: tuple = (), subgroup_size: int = 0) -> int:
         """Pipeline id for (kernel, variant, specialization constants), built once.  ``subgroup_size``:
         the required subgroup size (limits min_subgroup_size..max_subgroup_size; 0: the driver's)."""
-        key = (kernel, variant, spec) if not subgroup_size else (kernel, variant, spec, subgroup_size)
+        key = (kernel, variant, spec, subgroup_size)
         pid = self._pipelines.get(key)
         if pid is None:
             info = registry.KERNELS[kernel]

@@ -44,7 +44,7 @@ ENABLED = MODE != "0"
 MAX_BACKGROUND = 8  # spirv-opt jobs a process runs at once (at the lowest priority); a miss beyond that waits for a later process
 
 # Smaller modules go to the driver as they are.  Measured on lavapipe (one pipeline each,
-# nano training's constants): frozen, a module of 10-40 KB builds 1.5-9x faster (ew_binary
+# nano training's constants): frozen, a module of 10-40 KB builds 1.8-9x faster (ew_binary
 # 6.6 -> 0.7 ms, layer_norm 7.0 -> 2.8 ms, softmax 4.9 -> 2.7 ms), and every rank of every
 # later run pays the driver's cost again while spirv-opt runs once per machine, in the
 # background, from the second process on (_first_sight).  Below ~10 KB (copies, embeddings,

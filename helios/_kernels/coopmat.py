@@ -234,7 +234,6 @@ def _for_device(rt, key: tuple, off, decide, line):
     return ch
 
 
-
 def required_subgroup(rt, size: int) -> int:
     """The subgroup size to require of ``rt``'s driver for a kernel planned for subgroups of ``size``
     lanes: ``size`` where the device can require it (Vulkan 1.3's subgroupSizeControl for compute:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import struct
 
 from helios import dtypes as dt
+from helios import fused_kernels
 from helios.errors import ShapeError
 from helios.tensor import Tensor
 from helios._kernels.core import bind, empty, groups_for
@@ -66,8 +67,6 @@ def softmax_rows(mode: int, x: Tensor, g: Tensor | None = None, scale: float = 1
     bg, og = bind(g) if g is not None else (bx, 0)
     name = ("softmax", "log_softmax", "softmax_bwd", "log_softmax_bwd")[mode]
     if out_dtype is not x.dtype:
-        from helios import fused_kernels
-
         name = fused_kernels.dispatch_name({0: "cast+softmax", 2: "softmax_bwd+cast"}[mode], rt)
     rt.dispatch(pid, [bx, bg, bind(out, True)[0]], _P_SOFTMAX.pack(R, rows, ox, og, scale, x.shape[-2] if causal else 0), groups, name,
                 5 * x.numel(), x.numel() * (2 * x.dtype.itemsize + out_dtype.itemsize))
@@ -114,8 +113,6 @@ def layer_norm_bwd_input(x: Tensor, w: Tensor | None, g: Tensor, mean: Tensor, r
     bp, op = bind(acc) if acc is not None else (bx, 0)  # binding 2 (the bias slot) holds acc
     name = "layer_norm_bwd"
     if acc is not None:
-        from helios import fused_kernels
-
         name = fused_kernels.dispatch_name("layer_norm_bwd+acc", rt)
     rt.dispatch(pid, [bx, bw, bp, bind(dx, True)[0], bind(mean)[0], bind(rstd)[0], bg, bx],
                 _P_LN.pack(C, rows, ox, og, 0.0, ow, op, 0, 0, 0), groups, name, *_bwd_input_cost(x, acc))
@@ -214,8 +211,6 @@ def layer_norm_bwd(x: Tensor, w: Tensor | None, g: Tensor, mean: Tensor, rstd: T
         if need_w or need_b:
             dw, db = layer_norm_bwd_params(x, g, mean, rstd, need_w, need_b, dw_out, db_out)
         return dx, dw, db
-    from helios import fused_kernels
-
     dx = empty(x.shape, x.dtype, rt)
     dw, db, bo, offs, direct = _param_grads_out(x, need_w, need_b, dw_out, db_out)
     row_wgs = (rows + 63) // 64
@@ -251,7 +246,7 @@ def cross_entropy_fwd(x: Tensor, t: Tensor, cast: bool = False):
     bx, ox = bind(x)
     bt, ot = bind(t)
     rt.dispatch(pid, [bx, bt, bind(lse, True)[0], bind(loss, True)[0], bx, bx], _P_ROWS.pack(V, N, ox, ot),
-                groups, _ce_name("cast+cross_entropy" if cast else None, "cross_entropy", rt), 4 * x.numel(),
+                groups, fused_kernels.dispatch_name("cast+cross_entropy", rt) if cast else "cross_entropy", 4 * x.numel(),
                 x.numel() * x.dtype.itemsize)
     return loss, lse
 
@@ -276,17 +271,9 @@ def cross_entropy_bwd(x: Tensor, t: Tensor, lse: Tensor, gl: Tensor, cast: bool 
     bx, ox = bind(x)
     bt, ot = bind(t)
     rt.dispatch(pid, [bx, bt, bind(lse)[0], bind(lse)[0], bg, bind(dx, True)[0]], _P_ROWS.pack(V, N, ox, ot),
-                groups, _ce_name("cross_entropy_bwd+cast" if cast else None, "cross_entropy_bwd", rt), 4 * x.numel(),
+                groups, fused_kernels.dispatch_name("cross_entropy_bwd+cast", rt) if cast else "cross_entropy_bwd", 4 * x.numel(),
                 2 * x.numel() * x.dtype.itemsize)
     return dx
-
-
-def _ce_name(fused: str | None, plain: str, rt) -> str:
-    if fused is None:
-        return plain
-    from helios import fused_kernels
-
-    return fused_kernels.dispatch_name(fused, rt)
 
 
 def embedding_fwd(w: Tensor, idx: Tensor) -> Tensor:

@@ -142,6 +142,34 @@ class _Reader:
         fp = self.lib.vkGetInstanceProcAddr(self.instance, name.encode())
         return None if fp == self.ffi.NULL else self.ffi.cast(pfn_type, fp)
 
+    def _calibrated(self, pd) -> bool:
+        """Whether ``pd`` calibrates its timestamps against CLOCK_MONOTONIC (the addon's rule: both
+        the device and the monotonic domains listed)."""
+        ffi = self.ffi
+        get = self._proc("vkGetPhysicalDeviceCalibrateableTimeDomainsEXT", "PFN_vkGetPhysicalDeviceCalibrateableTimeDomainsEXT")
+        if get is None:
+            return False
+        n = ffi.new("uint32_t *")
+        get(pd, n, ffi.NULL)
+        doms = ffi.new("VkTimeDomainKHR[]", n[0])
+        get(pd, n, doms)
+        found = {int(doms[i]) for i in range(n[0])}
+        return _TIME_DOMAIN_DEVICE in found and _TIME_DOMAIN_CLOCK_MONOTONIC in found
+
+    def _memory(self, pd) -> tuple[list[dict], list[dict]]:
+        """``pd``'s memory heaps (size, device-local) and memory types (heap and property flags)."""
+        mem = self.ffi.new("VkPhysicalDeviceMemoryProperties *")
+        self.lib.vkGetPhysicalDeviceMemoryProperties(pd, mem)
+        heaps = [{"size": int(mem.memoryHeaps[h].size), "device_local": bool(mem.memoryHeaps[h].flags & _HEAP_DEVICE_LOCAL)}
+                 for h in range(mem.memoryHeapCount)]
+        types = []
+        for t in range(mem.memoryTypeCount):
+            fl = mem.memoryTypes[t].propertyFlags
+            types.append({"heap": int(mem.memoryTypes[t].heapIndex), "device_local": bool(fl & _DEVICE_LOCAL),
+                          "host_visible": bool(fl & _HOST_VISIBLE), "host_coherent": bool(fl & _HOST_COHERENT),
+                          "host_cached": bool(fl & _HOST_CACHED)})
+        return heaps, types
+
     def describe(self, pd) -> dict | None:
         """The addon's dict for ``pd`` (same keys, same rules) plus an ``extra`` dict; None if ``pd`` has no compute queue."""
         vk, ffi, lib = self.vk, self.ffi, self.lib
@@ -200,27 +228,8 @@ class _Reader:
         else:
             lib.vkGetPhysicalDeviceFeatures(pd, ffi.addressof(f2.features))
 
-        calibrated = False
-        if "VK_EXT_calibrated_timestamps" in exts:
-            get = self._proc("vkGetPhysicalDeviceCalibrateableTimeDomainsEXT", "PFN_vkGetPhysicalDeviceCalibrateableTimeDomainsEXT")
-            if get is not None:
-                n = ffi.new("uint32_t *")
-                get(pd, n, ffi.NULL)
-                doms = ffi.new("VkTimeDomainKHR[]", n[0])
-                get(pd, n, doms)
-                found = {int(doms[i]) for i in range(n[0])}
-                calibrated = _TIME_DOMAIN_DEVICE in found and _TIME_DOMAIN_CLOCK_MONOTONIC in found
-
-        mem = ffi.new("VkPhysicalDeviceMemoryProperties *")
-        lib.vkGetPhysicalDeviceMemoryProperties(pd, mem)
-        heaps = [{"size": int(mem.memoryHeaps[h].size), "device_local": bool(mem.memoryHeaps[h].flags & _HEAP_DEVICE_LOCAL)}
-                 for h in range(mem.memoryHeapCount)]
-        types = []
-        for t in range(mem.memoryTypeCount):
-            fl = mem.memoryTypes[t].propertyFlags
-            types.append({"heap": int(mem.memoryTypes[t].heapIndex), "device_local": bool(fl & _DEVICE_LOCAL),
-                          "host_visible": bool(fl & _HOST_VISIBLE), "host_coherent": bool(fl & _HOST_COHERENT),
-                          "host_cached": bool(fl & _HOST_CACHED)})
+        calibrated = "VK_EXT_calibrated_timestamps" in exts and self._calibrated(pd)
+        heaps, types = self._memory(pd)
         local = [h for h, hp in enumerate(heaps) if hp["device_local"]]
         largest = max(local, key=lambda h: heaps[h]["size"]) if local else -1
         unified = any(t["device_local"] and t["host_visible"] and t["heap"] == largest for t in types)

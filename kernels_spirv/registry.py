@@ -41,7 +41,7 @@ KERNELS: dict[str, KernelInfo] = {
         KernelInfo("copy", 2, 112),
         KernelInfo("reduce", 4, 48),
         KernelInfo("softmax", 3, 24),
-        KernelInfo("layernorm", 8, 40),
+        KernelInfo("layernorm", 9, 44),
         KernelInfo("cross_entropy", 6, 16),
         KernelInfo("embedding", 4, 20),
         KernelInfo("rng", 1, 36),

@@ -70,7 +70,7 @@ def test_driver_specializes_where_spirv_opt_cannot_help(tmp_path, monkeypatch):
     S._memo.clear()
     code = registry.spirv("matmul_epi", "f32_sg16x8")
     assert S.specialize(code, ()) is None  # nothing to freeze
-    assert S.specialize(registry.spirv("reduce", "f32"), (0,)) is None  # small: freezing gains nothing
+    assert S.specialize(registry.spirv("scan", "f32"), (0,)) is None  # small: freezing gains nothing
     monkeypatch.setenv("SPIRV_OPT", str(tmp_path / "no-such-tool"))
     assert S.specialize(code, EPI_SPEC, wait=True) is None
     S._memo.clear()

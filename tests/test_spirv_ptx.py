@@ -36,18 +36,34 @@ def test_every_variant_translates(kernel):
         assert t.push_words * 4 >= registry.KERNELS[kernel].push_size > (t.push_words - 1) * 4
 
 
+def _assemble_without_spills(kernel: str, variant: str, spec: tuple, tmp_path) -> None:
+    """Translate one pipeline of ``kernel`` and have ptxas assemble it for sm_90: no error, no spill."""
+    t = translate(registry.spirv(kernel, variant), spec, f"{kernel}_{variant}")
+    src = tmp_path / f"{kernel}_{variant}.ptx"
+    src.write_text(t.ptx)
+    r = subprocess.run([toolchain.require_tool("ptxas"), "-v", "-arch=sm_90", str(src), "-o", os.devnull],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, f"{kernel}.{variant} {spec}: {r.stderr}"
+    info = toolchain.parse_ptxas_log(r.stderr)
+    assert info.spill_stores == 0 and info.spill_loads == 0, f"{kernel}.{variant} {spec}: {r.stderr}"
+
+
 @needs_ptxas
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_ptxas_accepts_every_variant_without_spills(kernel, tmp_path):
-    ptxas = toolchain.require_tool("ptxas")
     for v in _variants(kernel):
-        t = translate(registry.spirv(kernel, v), (), f"{kernel}_{v}")
-        src = tmp_path / f"{kernel}_{v}.ptx"
-        src.write_text(t.ptx)
-        r = subprocess.run([ptxas, "-v", "-arch=sm_90", str(src), "-o", os.devnull], capture_output=True, text=True)
-        assert r.returncode == 0, f"{kernel}.{v}: {r.stderr}"
-        info = toolchain.parse_ptxas_log(r.stderr)
-        assert info.spill_stores == 0 and info.spill_loads == 0, f"{kernel}.{v}: {r.stderr}"
+        _assemble_without_spills(kernel, v, (), tmp_path)
+
+
+@needs_ptxas
+def test_ptxas_accepts_the_column_runs(tmp_path):
+    # the column reductions' runs (helios._kernels.core.column_chunks), which GPUs take: LayerNorm's
+    # partials (MODE 2 with PARTIALS) and their sum (MODE 4), reduce's second pass with arg indices
+    for v in ("f32", "bf16"):
+        _assemble_without_spills("layernorm", v, (2, False, 64, False, False, True, True, True), tmp_path)
+        _assemble_without_spills("layernorm", v, (4, False, 64, False, False, True, True), tmp_path)
+    for v, op in (("f32", 3), ("i64", 4), ("f32", 0)):
+        _assemble_without_spills("reduce", v, (op, 1, 256, op != 0), tmp_path)
 
 
 def test_specialization_constants_fold_the_op_switch():

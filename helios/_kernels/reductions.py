@@ -9,7 +9,7 @@ from helios import dtypes as dt
 from helios._shape import collapse, numel
 from helios.errors import ShapeError
 from helios.tensor import Tensor
-from helios._kernels.core import _elems_per_dispatch, bind, empty, grid, groups_for
+from helios._kernels.core import _elems_per_dispatch, bind, column_chunks, empty, grid, groups_for
 import helios._kernels as kern  # the other kernel families (bound once the package has loaded)
 
 
@@ -144,18 +144,26 @@ def clip_coef(x: Tensor, max_norm: float, square: bool = True) -> tuple:
     return _reduce_rows("sumsq" if square else "sum", x, 1, x.numel(), 0, 1, x._off, (), 1.0, clip=float(max_norm))
 
 
-def _reduce_cols(op, x, outer, R, inner, s_row, s_k, s_in, out_shape, scale, out=None):
+def _reduce_cols(op, x, outer, R, inner, s_row, s_k, s_in, out_shape, scale, out=None, idx_in=None):
+    """Reduce element (o, k, i) at s_row*o + s_k*k + s_in*i over k, an invocation per output
+    (o, i); on GPUs long columns go in runs (:func:`column_chunks`) whose [runs, n] partials a
+    second pass reduces in order (``idx_in``: the partials' arg indices)."""
     rt = x._st.rt
     vdt = _value_dtype(x)
     arg = op in ("argmax", "argmin")
     n = outer * inner
-    vals, bo, oo = _reduce_dest(out, n, vdt, rt)
-    idx = empty((n,), dt.int64, rt) if arg else vals
-    pid = rt.pipeline("reduce", x.dtype.tag, (REDUCE[op], 1, 256, False))
+    runs, per_run = column_chunks(rt, R, n)
+    vals, bo, oo = _reduce_dest(out if runs == 1 else None, runs * n, vdt, rt)
+    idx = empty((runs * n,), dt.int64, rt) if arg else vals
+    pid = rt.pipeline("reduce", x.dtype.tag, (REDUCE[op], 1, 256, idx_in is not None))
     bx, ox = bind(x)
-    rt.dispatch(pid, [bx, bx, bo, bind(idx, True)[0]],
-                _P_REDUCE.pack(R, outer, inner, 1, R, ox, s_row, s_k, s_in, scale, 0, oo),
-                grid(n), op, n * R, n * R * x.dtype.itemsize)
+    bi, oi = bind(idx_in) if idx_in is not None else (bx, 0)
+    rt.dispatch(pid, [bx, bi, bo, bind(idx, True)[0]],
+                _P_REDUCE.pack(R, outer, inner, runs, per_run, ox, s_row, s_k, s_in, scale if runs == 1 else 1.0, oi, oo),
+                grid(runs * n), op, n * R, n * R * x.dtype.itemsize)
+    if runs > 1:  # the partials are reduced as they are (already squared)
+        second = {"sumsq": "sum"}.get(op, op)
+        return _reduce_cols(second, vals, 1, runs, n, 0, n, 1, out_shape, scale, out, idx if arg else None)
     if out is not None:
         out._st.version += 1
         return out, None

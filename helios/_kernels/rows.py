@@ -9,14 +9,14 @@ from helios import dtypes as dt
 from helios import fused_kernels
 from helios.errors import ShapeError
 from helios.tensor import Tensor
-from helios._kernels.core import bind, empty, groups_for
+from helios._kernels.core import bind, column_chunks, empty, groups_for
 import helios._kernels as kern  # the other kernel families (bound once the package has loaded)
 
 
 _P_ROWS = struct.Struct("<4I")
 _P_SOFTMAX = struct.Struct("<4IfI")
-# C, rows, off_x, off_g, eps, off_w, off_b, off_dw, off_db, row_wgs (layernorm.comp's push constants)
-_P_LN = struct.Struct("<4If5I")
+# C, rows, off_x, off_g, eps, off_w, off_b, off_dw, off_db, row_wgs, chunk (layernorm.comp's push constants)
+_P_LN = struct.Struct("<4If6I")
 _P_EMB = struct.Struct("<5I")
 
 
@@ -88,8 +88,8 @@ def layer_norm_fwd(x: Tensor, w: Tensor | None, b: Tensor | None, eps: float):
     bx, ox = bind(x)
     bw, ow = bind(w) if w is not None else (bx, 0)
     bb, ob = bind(b) if b is not None else (bx, 0)
-    rt.dispatch(pid, [bx, bw, bb, bind(y, True)[0], bind(mean, True)[0], bind(rstd, True)[0], bx, bx],
-                _P_LN.pack(C, rows, ox, 0, eps, ow, ob, 0, 0, 0), groups, "layer_norm", 8 * x.numel(), 3 * x.numel() * x.dtype.itemsize)
+    rt.dispatch(pid, [bx, bw, bb, bind(y, True)[0], bind(mean, True)[0], bind(rstd, True)[0], bx, bx, bx],
+                _P_LN.pack(C, rows, ox, 0, eps, ow, ob, 0, 0, 0, 0), groups, "layer_norm", 8 * x.numel(), 3 * x.numel() * x.dtype.itemsize)
     return y, mean, rstd
 
 
@@ -114,8 +114,8 @@ def layer_norm_bwd_input(x: Tensor, w: Tensor | None, g: Tensor, mean: Tensor, r
     name = "layer_norm_bwd"
     if acc is not None:
         name = fused_kernels.dispatch_name("layer_norm_bwd+acc", rt)
-    rt.dispatch(pid, [bx, bw, bp, bind(dx, True)[0], bind(mean)[0], bind(rstd)[0], bg, bx],
-                _P_LN.pack(C, rows, ox, og, 0.0, ow, op, 0, 0, 0), groups, name, *_bwd_input_cost(x, acc))
+    rt.dispatch(pid, [bx, bw, bp, bind(dx, True)[0], bind(mean)[0], bind(rstd)[0], bg, bx, bx],
+                _P_LN.pack(C, rows, ox, og, 0.0, ow, op, 0, 0, 0, 0), groups, name, *_bwd_input_cost(x, acc))
     return dx
 
 
@@ -167,7 +167,8 @@ def _param_grads_out(x: Tensor, need_w: bool, need_b: bool, dw_out: Tensor | Non
 def layer_norm_bwd_params(x: Tensor, g: Tensor, mean: Tensor, rstd: Tensor, need_w: bool, need_b: bool,
                           dw_out: Tensor | None = None, db_out: Tensor | None = None):
     """(dw, db) of LayerNorm (contiguous x and g; None where not needed): per-column sums
-    over the rows of g * xhat and of g, in one pass.
+    over the rows of g * xhat and of g, in one pass (on GPUs, long columns in runs whose
+    partial sums a second dispatch adds up in order: :func:`helios._kernels.core.column_chunks`).
 
     ``dw_out`` / ``db_out`` (optional, contiguous [C] tensors of x's dtype) receive them
     instead of new memory when every needed one is given and they share a storage (one
@@ -179,12 +180,20 @@ def layer_norm_bwd_params(x: Tensor, g: Tensor, mean: Tensor, rstd: Tensor, need
     dw, db, bo, offs, direct = _param_grads_out(x, need_w, need_b, dw_out, db_out)
     if bo is None:
         return dw, db
-    pid = rt.pipeline("layernorm", _row_variant(rt, x.dtype, True), (2, False, 64, False, False, need_w, need_b))
+    runs, per_run = column_chunks(rt, rows, C)
+    part = empty((runs, 2, C), dt.float32, rt) if runs > 1 else None
+    variant = _row_variant(rt, x.dtype, True)
+    pid = rt.pipeline("layernorm", variant, (2, False, 64, False, False, need_w, need_b, part is not None))
     bx, ox = bind(x)
     bg, og = bind(g)
-    rt.dispatch(pid, [bx, bx, bx, bo, bind(mean)[0], bind(rstd)[0], bg, bx],
-                _P_LN.pack(C, rows, ox, og, 0.0, 0, 0, offs[0], offs[1], 0), groups_for((C + 63) // 64),
-                "layer_norm_bwd_params", *_bwd_params_cost(x))
+    ncol = (C + 63) // 64
+    push = _P_LN.pack(C, rows, ox, og, 0.0, 0, 0, offs[0], offs[1], 0, per_run)
+    rt.dispatch(pid, [bx, bx, bx, bo, bind(mean)[0], bind(rstd)[0], bg, bx, bind(part, True)[0] if part is not None else bx],
+                push, groups_for(runs * ncol), "layer_norm_bwd_params", *_bwd_params_cost(x))
+    if part is not None:  # each column's partials added in run order, stored as one pass stores
+        pid = rt.pipeline("layernorm", variant, (4, False, 64, False, False, need_w, need_b))
+        rt.dispatch(pid, [bx, bx, bx, bo, bx, bx, bx, bx, bind(part)[0]], push, groups_for(ncol),
+                    "layer_norm_bwd_params", 2 * runs * C, (2 * runs * 4 + 2 * x.dtype.itemsize) * C)
     if direct is not None:
         direct.version += 1
     return dw, db
@@ -205,7 +214,8 @@ def layer_norm_bwd(x: Tensor, w: Tensor | None, g: Tensor, mean: Tensor, rstd: T
     C = x.shape[-1]
     rows = x.numel() // C if C else 0
     plan = _row_plan(rt, rows, C) if rows and C else None
-    if plan is None or not (need_w or need_b) or plan[:2] != (64, True):
+    # One dispatch for both only where the columns take one pass (the fused kernel has no runs).
+    if plan is None or not (need_w or need_b) or plan[:2] != (64, True) or column_chunks(rt, rows, C)[0] > 1:
         dx = layer_norm_bwd_input(x, w, g, mean, rstd, acc)
         dw = db = None
         if need_w or need_b:
@@ -221,8 +231,8 @@ def layer_norm_bwd(x: Tensor, w: Tensor | None, g: Tensor, mean: Tensor, rstd: T
     bp, op = bind(acc) if acc is not None else (bx, 0)  # binding 2 (the bias slot) holds acc, as in MODE 1
     name = fused_kernels.dispatch_name("layer_norm_bwd+acc+params" if acc is not None else "layer_norm_bwd+params", rt)
     (f1, n1), (f2, n2) = _bwd_input_cost(x, acc), _bwd_params_cost(x)
-    rt.dispatch(pid, [bx, bw, bp, bind(dx, True)[0], bind(mean)[0], bind(rstd)[0], bg, bo],
-                _P_LN.pack(C, rows, ox, og, 0.0, ow, op, offs[0], offs[1], row_wgs),
+    rt.dispatch(pid, [bx, bw, bp, bind(dx, True)[0], bind(mean)[0], bind(rstd)[0], bg, bo, bx],
+                _P_LN.pack(C, rows, ox, og, 0.0, ow, op, offs[0], offs[1], row_wgs, 0),
                 groups_for(row_wgs + (C + 63) // 64), name, f1 + f2, n1 + n2)
     if direct is not None:
         direct.version += 1

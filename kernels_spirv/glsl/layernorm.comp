@@ -11,6 +11,11 @@
 //   off_dw / off_db place dw and db anywhere in binding 3: the rows of one [2, C] buffer, or the
 //   two parameters' slots of a flat gradient buffer.  (PARAM_W / PARAM_B, not AFFINE / HAS_BIAS,
 //   say which: MODE 3 needs both pairs, as a weight may be used without its gradient.)
+//   With PARTIALS (GPUs, long columns: helios._kernels.core.column_chunks) the rows are cut in
+//   runs of p.chunk: workgroup q * ceil(C / WG) + b sums run q of columns b * WG.. and stores the
+//   float partials part[q * 2C + c] (dw) and part[q * 2C + C + c] (db) to binding 8; MODE 4 then
+//   adds each column's partials in order and stores dw and db as MODE 2 does.  Without it
+//   p.chunk = rows: one run, the sums of one pass.
 // MODE 3 (helios.fusion "layer_norm_bwd+params"): MODE 1 and MODE 2 in one dispatch, only with
 //   ROW_PER_THREAD and WG 64 (MODE 2's size).  row_wgs workgroups run MODE 1's code, an
 //   invocation a row, writing dx to binding 3; the ceil(C / 64) others run MODE 2's, an
@@ -36,6 +41,8 @@ layout(constant_id = 4) const bool ROW_PER_THREAD = false;
 // MODE 2 / 3: which parameter gradients to compute.
 layout(constant_id = 5) const bool PARAM_W = true;
 layout(constant_id = 6) const bool PARAM_B = true;
+// MODE 2: write each run's float partial sums to binding 8 (MODE 4 adds them up).
+layout(constant_id = 7) const bool PARTIALS = false;
 
 #ifdef ROW_TEXEL
 // fp32 on CPU drivers (variant f32_tx): x and g are read through rgba32f texel views, one
@@ -62,11 +69,13 @@ layout(std430, binding = 3) buffer BO { HL_ST(TA) o[]; };
 layout(std430, binding = 4) buffer BM { float mean_[]; };
 layout(std430, binding = 5) buffer BR { float rstd_[]; };
 layout(std430, binding = 7) writeonly buffer BD { HL_ST(TA) dp[]; };  // MODE 3: dw, db
+layout(std430, binding = 8) buffer BP { float part[]; };  // MODE 2 with PARTIALS, MODE 4
 // off_w / off_b: w's and b's (MODE 1: the pending gradient's) offsets; off_dw / off_db (MODE 2, 3):
-// where dw and db go in the parameter-gradient output; row_wgs (MODE 3): the row part's workgroups.
+// where dw and db go in the parameter-gradient output; row_wgs (MODE 3): the row part's workgroups;
+// chunk (MODE 2, 4): the rows of one run.
 layout(push_constant) uniform P {
     uint C; uint rows; uint off_x; uint off_g; float eps; uint off_w; uint off_b;
-    uint off_dw; uint off_db; uint row_wgs;
+    uint off_dw; uint off_db; uint row_wgs; uint chunk;
 } p;
 
 #include "rowblock.glsl"
@@ -179,13 +188,31 @@ void store_param(uint i, float v) {
     else o[i] = HL_STF(TA, v);
 }
 
-void column_grads(uint c) {
+// Column c's sums over rows [r0, r1): to the parameter gradients, or as run q's partials.
+void column_grads(uint c, uint r0, uint r1, uint q) {
     float sw = 0.0, sb = 0.0;
     uint bx = p.off_x + c, bg = p.off_g + c;
-    for (uint r = 0u; r < p.rows; ++r) {
+    for (uint r = r0; r < r1; ++r) {
         float gv = LDG(bg + r * p.C);
         if (PARAM_W) sw += gv * ((LDX(bx + r * p.C) - mean_[r]) * rstd_[r]);
         if (PARAM_B) sb += gv;
+    }
+    if (PARTIALS) {
+        if (PARAM_W) part[q * 2u * p.C + c] = sw;
+        if (PARAM_B) part[q * 2u * p.C + p.C + c] = sb;
+        return;
+    }
+    if (PARAM_W) store_param(p.off_dw + c, sw);
+    if (PARAM_B) store_param(p.off_db + c, sb);
+}
+
+// MODE 4: column c's partials of every run, added in run order.
+void sum_partials(uint c) {
+    float sw = 0.0, sb = 0.0;
+    uint runs = (p.rows + p.chunk - 1u) / p.chunk;
+    for (uint q = 0u; q < runs; ++q) {
+        if (PARAM_W) sw += part[q * 2u * p.C + c];
+        if (PARAM_B) sb += part[q * 2u * p.C + p.C + c];
     }
     if (PARAM_W) store_param(p.off_dw + c, sw);
     if (PARAM_B) store_param(p.off_db + c, sb);
@@ -193,8 +220,16 @@ void column_grads(uint c) {
 
 void main() {
     if (MODE == 2) {
+        uint wg = gl_WorkGroupID.y * gl_NumWorkGroups.x + gl_WorkGroupID.x;
+        uint ncol = (p.C + gl_WorkGroupSize.x - 1u) / gl_WorkGroupSize.x;
+        uint q = wg / ncol, c = (wg - q * ncol) * gl_WorkGroupSize.x + gl_LocalInvocationID.x;
+        uint r0 = q * p.chunk;
+        if (c < p.C && r0 < p.rows) column_grads(c, r0, min(r0 + p.chunk, p.rows), q);
+        return;
+    }
+    if (MODE == 4) {
         uint c = flat_invocation();
-        if (c < p.C) column_grads(c);
+        if (c < p.C) sum_partials(c);
         return;
     }
     if (MODE == 3) {
@@ -208,7 +243,7 @@ void main() {
         uint before = wg * ncol / n;
         if ((wg + 1u) * ncol / n > before) {
             uint c = before * gl_WorkGroupSize.x + gl_LocalInvocationID.x;
-            if (c < p.C) column_grads(c);
+            if (c < p.C) column_grads(c, 0u, p.rows, 0u);
         } else {
             uint r = (wg - before) * gl_WorkGroupSize.x + gl_LocalInvocationID.x;
             if (r < p.rows) row_serial(r);

@@ -6,7 +6,11 @@
 //   and writes out[w].  Several chunks per row spread a long row over many workgroups;
 //   the caller reduces the partials with a second pass (HAS_IDX_IN carries arg indices).
 // MODE 1 (columns): element (o, k, i) lives at off + o*s_row + k*s_k + i*s_in.  Each
-//   invocation owns one output (o, i) and walks k: coalesced when i is the fast axis.
+//   invocation owns one output (o, i) and walks k: coalesced when i is the fast axis.  With
+//   nchunks > 1 (GPUs: few outputs over long columns would leave most of the device idle) the
+//   k axis is cut in nchunks runs of `chunk`: invocation q * n + j (n = rows * inner outputs)
+//   walks run q of output j and writes partial q * n + j; the caller reduces the [nchunks, n]
+//   partials with a second MODE 1 pass (HAS_IDX_IN carries arg indices), in order: no atomics.
 // Values accumulate in float for float inputs and in int64 for integer/bool inputs.
 // OP 5 (sumsq, floats): a sum of the squared values, each square rounded to float before it
 //   is added, as a separate x * x then sum would (helios.fusion "sum_squares").
@@ -76,15 +80,22 @@ void main() {
     uint wg = gl_WorkGroupID.y * gl_NumWorkGroups.x + gl_WorkGroupID.x;
     if (MODE == 1) {
         uint gidx = wg * uint(WG) + tid;
-        if (gidx >= p.rows * p.inner) return;
-        uint or_ = gidx / p.inner, ii = gidx - or_ * p.inner;
-        uint base = p.off + or_ * p.s_row + ii * p.s_in;
+        uint n = p.rows * p.inner;
+        if (gidx >= n * p.nchunks) return;
+        uint q = gidx / n, j = gidx - q * n;
+        uint or_ = j / p.inner, ii = j - or_ * p.inner;
+        uint rel = or_ * p.s_row + ii * p.s_in;
+        uint k0 = q * p.chunk;
+        uint k1 = min(k0 + p.chunk, p.R);
         VT acc = init_val();
         int64_t bi = int64_t(0x7FFFFFFFFFFFFFFFul);
-        for (uint k = 0; k < p.R; ++k) {
-            VT v = load_val(base + k * p.s_k);
+        for (uint k = k0; k < k1; ++k) {
+            VT v = load_val(p.off + rel + k * p.s_k);
             if (OP == 0 || OP == 5) acc += v;
-            else if (better(v, int64_t(k), acc, bi)) { acc = v; bi = int64_t(k); }
+            else {
+                int64_t ki = HAS_IDX_IN ? idx_in[p.off_idx + rel + k * p.s_k] : int64_t(k);
+                if (better(v, ki, acc, bi)) { acc = v; bi = ki; }
+            }
         }
 #if TA == T_F32 || TA == T_F16 || TA == T_BF16
         if (OP == 0 || OP == 5) acc *= p.scale;

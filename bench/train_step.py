@@ -13,7 +13,7 @@ flush; not the wait for the loss), median over the timed steps.
 
 ``--smoke`` (CI's seconds-long run, tests/test_bench_smoke.py): the nano config, 2 timed steps
 after 1 warm-up, one round of each side instead of the best of two, no torch.compile peer
-unless ``--compile``; the same line, its figures meaningless.
+unless ``--compile``, and ``--kernels 3``; the same lines, their figures meaningless.
 
 ``--dtype bf16`` runs both sides under autocast (Helios' ``hl.autocast``, PyTorch's
 ``torch.autocast``): the matmuls in bfloat16 (on ``cuda:N`` Helios' tensor-core kernel, on
@@ -34,6 +34,11 @@ capture that fails likewise gives ``replay_failed``.  ``*_mfu`` (``helios``, ``r
 helios.profile.mfu) times tokens/s over the device's peak for ``--dtype`` from
 ``helios.profile.mfu.peak_flops`` (``peak``; an H200 SXM: 989.4 TFLOP/s bf16, 66.9 fp32), the
 same peak for every side.
+
+``--kernels N`` adds a second line, ``"bench": "train_step_kernels"``: one more Helios step, every
+step through Python, under ``helios.profile`` with device timestamps, and its N kernels of the most
+device time (name, dispatches, ms, share of the step's device time, GFLOP/s and GB/s where the
+kernel reports its work): where a step's time goes, to fix the largest first.
 """
 
 from __future__ import annotations
@@ -97,12 +102,15 @@ def main() -> None:
     ap.add_argument("--compile", dest="compile", action="store_true", default=None,
                     help="also time the PyTorch twin through torch.compile (default: with --peer cuda)")
     ap.add_argument("--no-compile", dest="compile", action="store_false", help="leave the torch.compile peer out")
+    ap.add_argument("--kernels", type=int, default=0, metavar="N",
+                    help="also profile one step and print its N kernels of the most device time (a second JSON line)")
     ap.add_argument("--smoke", action="store_true",
                     help="CI's quick run: nano, 2 steps after 1 warm-up, one round, no torch.compile unless --compile")
     args = ap.parse_args()
     args.config = args.config or ("nano" if args.smoke else "tiny")
     args.steps = args.steps if args.steps is not None else (2 if args.smoke else 5)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 2)
+    args.kernels = args.kernels or (3 if args.smoke else 0)
     if args.compile is None:
         args.compile = args.peer == "cuda" and not args.smoke
 
@@ -248,6 +256,42 @@ def main() -> None:
             out[f"{k}_mfu"] = round(mfu, 5) if mfu is not None else None
     out.update(flops_per_token=fpt, peak=peak.label if peak else None, torch_threads=torch.get_num_threads())
     print(json.dumps(out))
+    if args.kernels > 0:
+        print(json.dumps(kernel_profile(lambda: helios_step(*batches[0]), args.kernels, args.config, args.dtype, rt.name)))
+
+
+def kernel_profile(run_step, top: int, config: str, dtype: str, device: str) -> dict:
+    """One step under helios.profile: its ``top`` kernels (dispatch names) by device time, and the
+    ops (autograd's forward and backward names) they ran for, as one JSON-able dict."""
+    from collections import defaultdict
+
+    from helios.profile import profile
+
+    with profile() as prof:
+        run_step()
+    kernels = defaultdict(lambda: [0, 0, 0, 0])  # name -> dispatches, device ns, flops, bytes
+    for ev in prof.collector.events:
+        k = kernels[ev.name]
+        k[0] += 1
+        k[1] += ev.device_ns
+        k[2] += ev.flops
+        k[3] += ev.bytes
+    total = sum(k[1] for k in kernels.values())
+
+    def line(name: str, dispatches: int, ns: int, flops: int, nbytes: int) -> dict:
+        k = {"name": name, "dispatches": dispatches, "ms": round(ns / 1e6, 3), "share": round(ns / total, 4) if total else None}
+        if ns > 0 and flops:
+            k["gflop_s"] = round(flops / ns, 1)
+        if ns > 0 and nbytes:
+            k["gb_s"] = round(nbytes / ns, 1)
+        return k
+
+    ranked = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:top]
+    ops = prof.key_averages().sorted_by("device_time")[:top]
+    return {"bench": "train_step_kernels", "config": config, "dtype": dtype, "device": device,
+            "device_ms": round(total / 1e6, 3), "dispatches": sum(k[0] for k in kernels.values()),
+            "kernels": [line(n, *k) for n, k in ranked],
+            "ops": [line(r.name, r.dispatches, r.device_time_ns, r.flops, r.bytes) for r in ops]}
 
 
 def _one_line(e: BaseException) -> str:

@@ -137,8 +137,11 @@ def _check_train_parity(lines):
 
 
 def _check_train_step(lines):
-    (row,) = lines
+    row, prof = lines
     assert _has(row, "helios_tok_s", "replay_tok_s", "peer_tok_s", "ratio", "peer_mfu"), row
+    assert prof["bench"] == "train_step_kernels" and len(prof["kernels"]) == len(prof["ops"]) == 3, prof
+    assert prof["dispatches"] >= sum(k["dispatches"] for k in prof["kernels"]) > 0, prof
+    assert prof["kernels"][0]["ms"] >= prof["kernels"][-1]["ms"] > 0 and 0 < prof["kernels"][0]["share"] <= 1, prof
 
 
 def _check_vulkan_coopmat(lines):

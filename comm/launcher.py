@@ -235,6 +235,7 @@ def _attempts(a: argparse.Namespace, world: int, addr: str, first_port: int, job
             if received:
                 _stop(procs, a.grace, every_group=True)
             _remove_segments([p.pid for p in procs], shm_prefix)
+        _reap(procs)
         for t in pumps:
             t.join(timeout=10.0)  # the last lines a rank printed before it exited (a loaded machine is slow)
         try:
@@ -305,7 +306,7 @@ def _watch(procs: list[subprocess.Popen], a: argparse.Namespace, received: list[
     failed: Failure | None = None
     next_look = 0.0
     while True:
-        codes = [p.poll() for p in procs]
+        codes = [_exit_status(p) for p in procs]
         if failed is None and not received:
             bad = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
             if bad:
@@ -334,25 +335,66 @@ def _watch(procs: list[subprocess.Popen], a: argparse.Namespace, received: list[
         time.sleep(0.05)
 
 
+def _exit_status(p: subprocess.Popen) -> int | None:
+    """A rank's exit code (minus the signal that killed it), or None while it runs, without
+    reaping it.
+
+    Until it is reaped an exited rank stays a zombie that holds its pid, which is its process
+    group's id, so no other process can be given that number while helios-run may still signal
+    the group (what the rank started).  A rank reaped first, and its number then reused by a
+    new group (a shell's job, another job's rank), would get the signals meant for this job's.
+    """
+    if p.returncode is not None:
+        return p.returncode
+    try:
+        info = os.waitid(os.P_PID, p.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:  # reaped already (by Popen, a moment ago): not running, whatever its code
+        code = p.poll()
+        return 0 if code is None else code
+    if info is None:
+        return None
+    return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+
+
+def _reap(procs: list[subprocess.Popen]) -> None:
+    """Reap the ranks once nothing will signal their groups any more (they have all exited)."""
+    for p in procs:
+        p.wait()
+
+
 def _group_alive(pgid: int) -> bool:
+    """Whether a live process is still in process group ``pgid`` (a rank's zombie leader is not)."""
     try:
         os.killpg(pgid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        pids = [n for n in os.listdir("/proc") if n.isdigit()]
+    except OSError:  # no /proc: the group exists, count it alive
+        return True
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        state, _ppid, pgrp = stat[stat.rindex(b")") + 2:].split()[:3]
+        if int(pgrp) == pgid and state != b"Z":
+            return True
+    return False
 
 
 def _signal_groups(procs: list[subprocess.Popen], sig: int, running_only: bool = False) -> None:
     """Send ``sig`` to the process group of every rank (only of the ranks still running with ``running_only``).
 
     A rank's group is its own session (pgid = its pid), so this reaches what the rank started
-    too, even after the rank itself has exited.
+    too, even after the rank itself has exited (not reaped yet: :func:`_exit_status`).
     """
     for p in procs:
-        if running_only and p.poll() is not None:
-            continue
+        if p.returncode is not None or (running_only and _exit_status(p) is not None):
+            continue  # reaped: its number may be another process's now
         try:
             os.killpg(p.pid, sig)
         except (ProcessLookupError, PermissionError):
@@ -360,27 +402,29 @@ def _signal_groups(procs: list[subprocess.Popen], sig: int, running_only: bool =
 
 
 def _stop(procs: list[subprocess.Popen], grace: float, every_group: bool = False) -> None:
-    """SIGTERM every running rank's group, give them ``grace`` seconds, then SIGKILL and reap.
+    """SIGTERM every running rank's group, give them ``grace`` seconds, then SIGKILL, and reap.
 
     ``every_group``: also the groups of ranks that already exited (what they started), and wait
-    (a few seconds at most) until every group is empty, so nothing outlives the job.
+    (a few seconds at most) until every group is empty, so nothing outlives the job.  The ranks
+    are reaped last, so each group's id stays this job's until then.
     """
     _signal_groups(procs, signal.SIGTERM, running_only=not every_group)
 
     def busy() -> bool:
-        running = [p.poll() is None for p in procs]  # poll() also reaps an exited leader
+        running = [_exit_status(p) is None for p in procs]
         return any(running) or (every_group and any(_group_alive(p.pid) for p in procs))
 
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline and busy():
         time.sleep(0.05)
     _signal_groups(procs, signal.SIGKILL, running_only=not every_group)
-    for p in procs:
-        p.wait()
+    while any(_exit_status(p) is None for p in procs):  # SIGKILL: a moment
+        time.sleep(0.01)
     if every_group:
         deadline = time.monotonic() + 5.0
         while time.monotonic() < deadline and any(_group_alive(p.pid) for p in procs):
             time.sleep(0.02)
+    _reap(procs)
 
 
 def _remove_segments(pids: list[int], prefix: str) -> None:

@@ -180,12 +180,14 @@ class SlurmCluster:
             p = self.procs.get(name)
             if p is None:
                 continue
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)  # the daemon and anything left in its process group
+            # Wait without reaping: while the daemon is unreaped its pid, its group's id, is still
+            # its own, so the SIGKILL below cannot reach a group that got the number since.
+            while p.returncode is None and time.monotonic() < deadline and \
+                    os.waitid(os.P_PID, p.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+                time.sleep(0.05)
+            if p.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)  # the daemon and anything left in its process group
             p.wait()
         kill_tagged(self.token, CLUSTER_VAR)
         kill_using(self.root)  # slurmstepd rewrites its environment (process title) but keeps slurmd's log open

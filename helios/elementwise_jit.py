@@ -241,7 +241,7 @@ class Queue:
         rt = self.rt
         bindings, offs, scalars = tmpl.fill(group)
         n, tag = group[0].n, group[0].tag
-        vec = 4 if tag == "f32" and n % 4 == 0 and all(offs[i] % 4 == 0 for i in tmpl.aligned) else 1
+        vec = _kernels_core().vec_width(tag, n, *(offs[i] for i in tmpl.aligned))
         entry = tmpl.pipelines.get(vec)
         if entry is None:
             entry = self._kernels.get((tmpl.sig, vec))
@@ -510,6 +510,11 @@ def source(sig: tuple) -> str:
         for m in range(nout):
             L.append(f"        o{m}v[(p.off{nloads + m} + j) >> 2] = W{m};")
         L += ["        return;", "    }"]
+    if T == 3:
+        decls, body = _vec8(nin, nout, load_binding)
+        at = L.index("layout(constant_id = 0) const int VEC = 1;")
+        L[at:at] = decls
+        L += body
     L += ["    uint i = flat_invocation();",
           "    if (i >= p.n) return;"]
     L += [f"    float w{m};" for m in range(nout)]
@@ -519,6 +524,32 @@ def source(sig: tuple) -> str:
         L.append(f"    o{m}[p.off{nloads + m} + i] = HL_STF(TO, w{m});")
     L.append("}")
     return "\n".join(L) + "\n"
+
+
+def _vec8(nin: int, nout: int, load_binding) -> tuple[list[str], list[str]]:
+    """(declarations, main's branch) of a bfloat16 chain's VEC 8 path (every offset and n a multiple
+    of 8): 8 elements an invocation through uvec4 views of the buffers (common.glsl's bf16_lo /
+    bf16_hi / bf16_pair), the chain per element as on the one-element path."""
+    decls = [f"layout(std430, binding = {k}) readonly buffer B{k}w {{ uvec4 b{k}w[]; }};" for k in range(nin)]
+    decls += [f"layout(std430, binding = {nin + m}) writeonly buffer O{m}w {{ uvec4 o{m}w[]; }};" for m in range(nout)]
+    nloads = len(load_binding)
+    body = ["    if (VEC == 8) {",
+            "        uint j = flat_invocation() * 8u;",
+            "        if (j >= p.n) return;"]
+    for li, (k, one) in enumerate(load_binding):
+        body.append(f"        float S{li} = HL_LDF(TA, b{k}[p.off{li}]);" if one else
+                    f"        uvec4 L{li} = b{k}w[(p.off{li} + j) >> 3];")
+    body += [f"        uvec4 W{m};" for m in range(nout)]
+    body.append("        for (int k = 0; k < 4; ++k) {")
+    body += [f"            float lo{m}, hi{m};" for m in range(nout)]
+    for half in ("lo", "hi"):
+        args = [f"S{li}" if one else f"bf16_{half}(L{li}[k])" for li, (_, one) in enumerate(load_binding)]
+        body.append(f"            chain({', '.join(args + [f'{half}{m}' for m in range(nout)])});")
+    body += [f"            W{m}[k] = bf16_pair(lo{m}, hi{m});" for m in range(nout)]
+    body.append("        }")
+    body += [f"        o{m}w[(p.off{nloads + m} + j) >> 3] = W{m};" for m in range(nout)]
+    body += ["        return;", "    }"]
+    return decls, body
 
 
 def _pipeline(rt, sig: tuple, vec: int) -> tuple:

@@ -117,3 +117,14 @@ def test_a_cached_translation_is_the_translation_and_a_changed_translator_misses
     monkeypatch.setattr(spirv_ptx, "_translator_fingerprint", lambda: "an edited translator")
     spirv_ptx.translate_cached(code, (0, 128), "s")
     assert len(list((tmp_path / "helios" / "ptx").iterdir())) == 3  # not the old file
+
+
+def test_the_wide_elementwise_paths_are_sixteen_byte_accesses(tmp_path):
+    # bf16 ops 8 elements an invocation and copies 16 bytes an invocation (uvec4 views): one
+    # ld.global.v4.u32 per operand and one st.global.v4.u32, where the one-element path has u16s
+    for kernel, variant, spec, loads in (("ew_unary", "bf16", (0, 1, 8), 1), ("ew_binary", "bf16", (0, 1, 8), 2),
+                                         ("copy", "bf16_bf16", (8,), 1), ("copy", "f32_f32", (4,), 1)):
+        ptx = translate(registry.spirv(kernel, variant), spec, f"{kernel}_{variant}").ptx
+        assert ptx.count("ld.global.v4.u32") == loads and ptx.count("st.global.v4.u32") == 1, (kernel, variant)
+        if toolchain.find_tool("ptxas") is not None:
+            _assemble_without_spills(kernel, variant, spec, tmp_path)

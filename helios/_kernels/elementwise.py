@@ -12,7 +12,7 @@ from helios.errors import DTypeError, ShapeError
 from helios.kernels_spirv import ew_ops
 from helios import op_trace
 from helios.tensor import Tensor
-from helios._kernels.core import MAX_DIMS, _PAD6, _ZERO14, _elems_per_dispatch, _pad, bind, empty, grid
+from helios._kernels.core import MAX_DIMS, _PAD6, _ZERO14, _elems_per_dispatch, _pad, bind, empty, grid, vec_width
 
 _TRACE = op_trace.current()  # the op being recorded: a queued op records under its own operands and ids
 
@@ -52,10 +52,9 @@ def unary(op: str, x: Tensor, p0: float = 0.0, p1: float = 0.0, out_dtype: dt.DT
             # The first window starts at the tensor itself: no view object on the hot path.
             bx, ox = bind(x if s == 0 else _flat_window(x, s), span=m)
             bo, oo = bind(out if s == 0 else _flat_window(out, s), True, span=m)
-            # vec4 path (see ew_unary.comp): 4 aligned elements an invocation
-            vec = 4 if (x.dtype is dt.float32 and out.dtype is dt.float32 and m % 4 == 0 and ox % 4 == 0
-                        and oo % 4 == 0) else 1
-            args = (pid if vec == 1 else rt.pipeline("ew_unary", "f32", (code, 1, 4)), [bx, bo],
+            # vec4 / vec8 path (see ew_unary.comp): 4 or 8 aligned elements an invocation
+            vec = vec_width(x.dtype.tag, m, ox, oo) if out.dtype is x.dtype else 1
+            args = (pid if vec == 1 else rt.pipeline("ew_unary", x.dtype.tag, (code, 1, vec)), [bx, bo],
                     _P_UNARY.pack(m, 1, ox, oo, p0, p1, *_ZERO14), grid(m // vec), op, m, 2 * m * x.dtype.itemsize)
             q = rt.ew_queue
             if (q is not None and m == n and fused_kernels.ENABLED and elementwise_jit.ENABLED and out.dtype is x.dtype
@@ -146,10 +145,9 @@ def binary(op: str, a: Tensor, b: Tensor, alpha: float = 1.0) -> Tensor:
             ba, oa = bind(a if s == 0 else _flat_window(a, s), span=m)
             bb, ob = bind(b if s == 0 else _flat_window(b, s), span=m)
             bo, oo = bind(out if s == 0 else _flat_window(out, s), True, span=m)
-            # vec4 path (see ew_binary.comp): 4 aligned elements an invocation
-            vec = 4 if (a.dtype is dt.float32 and not compare and m % 4 == 0 and oa % 4 == 0 and ob % 4 == 0
-                        and oo % 4 == 0) else 1
-            args = (pid if vec == 1 else rt.pipeline("ew_binary", variant, (code, 1, 4)), [ba, bb, bo],
+            # vec4 / vec8 path (see ew_binary.comp): 4 or 8 aligned elements an invocation
+            vec = 1 if compare else vec_width(a.dtype.tag, m, oa, ob, oo)
+            args = (pid if vec == 1 else rt.pipeline("ew_binary", variant, (code, 1, vec)), [ba, bb, bo],
                     _P_BINARY.pack(m, 1, oa, ob, oo, alpha, 0, 0, *_PAD6, *_PAD6, *_PAD6),
                     grid(m // vec), op, m, nbytes)
             q = rt.ew_queue
@@ -201,7 +199,7 @@ def binary_(op: str, a: Tensor, b: Tensor) -> Tensor:
             # invocation when aligned (ew_binary's B_ONE), the same op per element
             ba, oa = bind(a, True)
             bb, ob = bind(b)
-            vec = 4 if a.dtype is dt.float32 and n % 4 == 0 and oa % 4 == 0 else 1
+            vec = vec_width(a.dtype.tag, n, oa)
             pid = rt.pipeline("ew_binary", a.dtype.tag, (BINARY[op], 1, vec, 1))
             rt.dispatch(pid, [ba, bb, ba], _P_BINARY.pack(n, 1, oa, ob, oa, 1.0, 0, 0, *_PAD6, *_PAD6, *_PAD6),
                         grid(n // vec), op, n, n * (2 * a.dtype.itemsize))
@@ -321,12 +319,17 @@ def copy_into(dst: Tensor, src: Tensor) -> None:
             return
     bs, os_ = bind(src)
     bd, od = bind(dst, True)
-    # vec4 path (see copy.comp): inner runs contiguous on both sides and everything 4-aligned
-    vec = 4 if (src.dtype is dt.float32 and dst.dtype is dt.float32 and cs[-1] == 1 and cd[-1] == 1
-                and cshape[-1] % 4 == 0 and os_ % 4 == 0 and od % 4 == 0
-                and all(x % 4 == 0 for x in cs[:-1] + cd[:-1])) else 1
-    if vec == 4:
-        pid = rt.pipeline("copy", "f32_f32", (4,))
+    # 16 bytes an invocation (see copy.comp): a copy without conversion of a 4- or 2-byte dtype, or
+    # 8 elements between float32 and bfloat16; inner runs contiguous on both sides and everything
+    # aligned to that many elements
+    vec = 16 // src.dtype.itemsize if src.dtype is dst.dtype and src.dtype.itemsize in (2, 4) else 1
+    if {src.dtype, dst.dtype} == {dt.float32, dt.bfloat16}:
+        vec = 8
+    if not (cs[-1] == 1 and cd[-1] == 1 and cshape[-1] % vec == 0 and os_ % vec == 0 and od % vec == 0
+            and all(x % vec == 0 for x in cs[:-1] + cd[:-1])):
+        vec = 1
+    if vec > 1:
+        pid = rt.pipeline("copy", f"{src.dtype.tag}_{dst.dtype.tag}", (vec,))
     rt.dispatch(pid, [bs, bd], _P_COPY.pack(n, len(cshape), os_, od, *_pad(cshape, 8), *_pad(cs, 8), *_pad(cd, 8)),
                 grid(n // vec), "copy", 0, n * (src.dtype.itemsize + dst.dtype.itemsize))
     dst._st.version += 1

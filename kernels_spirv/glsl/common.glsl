@@ -31,6 +31,13 @@ uint f_to_bf16(float f) {
     return u >> 16;
 }
 
+// bfloat16 8 at a time: a uvec4 view of a bf16 buffer holds elements 8j..8j+7 in word k's low
+// (element 2k) and high (2k + 1) halves; the conversions are bf16_to_f / f_to_bf16, as one at a time.
+// (One 16-byte access a lane: one load on CPU drivers instead of 8, a 16-byte access on GPUs.)
+float bf16_lo(uint w) { return uintBitsToFloat(w << 16); }
+float bf16_hi(uint w) { return uintBitsToFloat(w & 0xFFFF0000u); }
+uint bf16_pair(float lo, float hi) { return f_to_bf16(lo) | (f_to_bf16(hi) << 16); }
+
 // Storage type and load/store for slot X = A, B, C, O.
 #define HL_ST_1 float
 #define HL_ST_2 float16_t

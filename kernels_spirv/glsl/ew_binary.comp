@@ -55,6 +55,13 @@ layout(std430, binding = 0) readonly buffer BA4 { vec4 a4[]; };
 layout(std430, binding = 1) readonly buffer BB4 { vec4 b4[]; };
 layout(std430, binding = 2) writeonly buffer BO4 { vec4 o4[]; };
 #endif
+// VEC 8 (bf16, CONTIG only): 8 consecutive elements an invocation through uvec4 views (common.glsl's
+// bf16_lo / bf16_hi / bf16_pair); binary() checks n and the offsets are multiples of 8.
+#if TA == T_BF16 && TO == T_BF16 && !defined(COMPARE)
+layout(std430, binding = 0) readonly buffer BA8 { uvec4 a8[]; };
+layout(std430, binding = 1) readonly buffer BB8 { uvec4 b8[]; };
+layout(std430, binding = 2) writeonly buffer BO8 { uvec4 o8[]; };
+#endif
 
 void main() {
 #if TA == T_F32 && TO == T_F32 && !defined(COMPARE)
@@ -63,6 +70,19 @@ void main() {
         if (j >= p.n) return;
         vec4 x4 = a4[(p.off_a + j) >> 2], y4 = B_ONE ? vec4(b[p.off_b]) : b4[(p.off_b + j) >> 2];
         o4[(p.off_o + j) >> 2] = vec4(fop(x4.x, y4.x), fop(x4.y, y4.y), fop(x4.z, y4.z), fop(x4.w, y4.w));
+        return;
+    }
+#endif
+#if TA == T_BF16 && TO == T_BF16 && !defined(COMPARE)
+    if (VEC == 8) {
+        uint j = flat_invocation() * 8u;
+        if (j >= p.n) return;
+        uvec4 x8 = a8[(p.off_a + j) >> 3];
+        uvec4 y8 = B_ONE ? uvec4((uint(b[p.off_b]) << 16) | uint(b[p.off_b])) : b8[(p.off_b + j) >> 3];
+        uvec4 r8;
+        for (int k = 0; k < 4; ++k)
+            r8[k] = bf16_pair(fop(bf16_lo(x8[k]), bf16_lo(y8[k])), fop(bf16_hi(x8[k]), bf16_hi(y8[k])));
+        o8[(p.off_o + j) >> 3] = r8;
         return;
     }
 #endif

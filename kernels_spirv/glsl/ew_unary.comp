@@ -34,6 +34,12 @@ layout(constant_id = 2) const int VEC = 1;
 layout(std430, binding = 0) readonly buffer BA4 { vec4 a4[]; };
 layout(std430, binding = 1) writeonly buffer BO4 { vec4 o4[]; };
 #endif
+// VEC 8 (bf16 -> bf16, contiguous only): 8 aligned elements an invocation through uvec4 views
+// (common.glsl's bf16_lo / bf16_hi / bf16_pair), the op per element as on the scalar path.
+#if TA == T_BF16 && TO == T_BF16
+layout(std430, binding = 0) readonly buffer BA8 { uvec4 a8[]; };
+layout(std430, binding = 1) writeonly buffer BO8 { uvec4 o8[]; };
+#endif
 
 void main() {
 #if TA == T_F32 && TO == T_F32
@@ -42,6 +48,17 @@ void main() {
         if (j >= p.n) return;
         vec4 x4 = a4[(p.off_a + j) >> 2];
         o4[(p.off_o + j) >> 2] = vec4(fop(x4.x), fop(x4.y), fop(x4.z), fop(x4.w));
+        return;
+    }
+#endif
+#if TA == T_BF16 && TO == T_BF16
+    if (VEC == 8) {
+        uint j = flat_invocation() * 8u;
+        if (j >= p.n) return;
+        uvec4 x8 = a8[(p.off_a + j) >> 3];
+        uvec4 r8;
+        for (int k = 0; k < 4; ++k) r8[k] = bf16_pair(fop(bf16_lo(x8[k])), fop(bf16_hi(x8[k])));
+        o8[(p.off_o + j) >> 3] = r8;
         return;
     }
 #endif

@@ -30,6 +30,7 @@ import re
 import struct
 import threading
 import time
+import warnings
 
 import numpy as np
 
@@ -40,6 +41,7 @@ from helios.profile import debug as _debug
 from helios.profile.profiler import current_collector
 
 from . import driver as _driver
+from . import replay_graphs
 
 MIN_BLOCK = 512  # the smallest size class; above it classes are powers of two
 
@@ -164,8 +166,10 @@ class CudaRuntime(Runtime):
         self._pipelines: dict[tuple, int] = {}
         self._tensor_cores = None  # tensor_gemm.TensorCoreGemm on first gemm(), False where there is none
         self._flash_kernels = None  # tensor_flash.TensorCoreFlash on first flash(), False where there is none
-        # run_commands' launches prepared per command list (a graph's replays): id -> (list, slots)
+        # run_commands' launches prepared per command list (a graph's replays): id -> (list, slots,
+        # its runs' CUDA graphs where HELIOS_CUDA_GRAPHS=1: cuda_ptx/replay_graphs.py)
         self._prepared: dict[int, tuple] = {}
+        self._cuda_graphs = replay_graphs.enabled()
         self._stats = {"dispatches": 0, "copies": 0, "fills": 0, "fence_waits": 0}
         self.last_wait_ns = 0
         # Profiling: events bracketing each timed command until synchronize() reads them.
@@ -519,15 +523,22 @@ class CudaRuntime(Runtime):
             return super().run_commands(commands)
         entry = self._prepared.get(id(commands))
         if entry is None or entry[0] is not commands:
+            if entry is not None:  # another list under a reused id
+                entry[2].release()
             if len(self._prepared) >= self.MAX_PREPARED:
-                self._prepared.pop(next(iter(self._prepared)))
-            entry = self._prepared[id(commands)] = (commands, [None] * len(commands))
+                self._prepared.pop(next(iter(self._prepared)))[2].release()
+            entry = self._prepared[id(commands)] = (commands, [None] * len(commands),
+                                                    replay_graphs.RunGraphs(self.cu, self._check))
         slots = entry[1]
         if len(slots) != len(commands):  # the list changed length: prepare it afresh
             slots[:] = [None] * len(commands)
+            entry[2].release()
         others = (None, self.copy, self.fill, self.gemm, self.flash)
-        launch, ok = self.cu.cuLaunchKernel, self._success
         self._use()
+        if self._cuda_graphs:
+            self._stats["dispatches"] += self._run_in_graphs(commands, slots, entry[2], others)
+            return
+        launch, ok = self.cu.cuLaunchKernel, self._success
         n = 0
         for i, (kind, args) in enumerate(commands):
             if kind != DISPATCH:
@@ -542,6 +553,40 @@ class CudaRuntime(Runtime):
                 self._check(f"cuLaunchKernel({args[4]})", res)
             n += 1
         self._stats["dispatches"] += n
+
+    def _run_in_graphs(self, commands, slots: list, graphs: replay_graphs.RunGraphs, others: tuple) -> int:
+        """:meth:`run_commands` with each run of two or more consecutive dispatches issued as one
+        CUDA graph (cuda_ptx/replay_graphs.py); the number of dispatches issued."""
+        i, total, n = 0, len(commands), 0
+        while i < total:
+            kind, args = commands[i]
+            if kind != DISPATCH:
+                others[kind](*args)
+                i += 1
+                continue
+            end = i + 1
+            while end < total and commands[end][0] == DISPATCH:
+                end += 1
+            changed = []  # positions in the run whose command is new since the last replay
+            for j in range(i, end):
+                slot, a = slots[j], commands[j][1]
+                if slot is None or slot[0] is not a:
+                    slots[j] = (a, self._prepare_launch(*a))
+                    changed.append(j - i)
+            launches = [slots[j][1] for j in range(i, end)]
+            as_graph = end - i >= 2 and self._cuda_graphs
+            if as_graph and not graphs.launch(i, launches, changed):
+                as_graph = self._cuda_graphs = False  # the driver could not build it: one by one from now on
+                warnings.warn(f"{self.name}: a replay's launches cannot run as a CUDA graph here "
+                              f"({replay_graphs.ENV}=1); they go one by one", RuntimeWarning, stacklevel=3)
+            if not as_graph:
+                for j, (handle, gx, gy, gz, bx, by, bz, shared, params, _keep) in enumerate(launches):
+                    res = self.cu.cuLaunchKernel(handle, gx, gy, gz, bx, by, bz, shared, 0, params, 0)
+                    if res[0] != self._success:
+                        self._check(f"cuLaunchKernel({commands[i + j][1][4]})", res)
+            n += end - i
+            i = end
+        return n
 
     def _prepare_launch(self, pid: int, buffers: list, push: bytes, groups: tuple, name: str, flops: int = 0,
                         nbytes: int = 0) -> tuple:

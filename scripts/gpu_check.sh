@@ -39,7 +39,9 @@
 #      fp8 made persistent with TMA stores and clusters at 4096 and 8192;
 #   6. the CUDA device for tensors (cuda:0: the Vulkan kernels translated to PTX): the op suite
 #      with cuda:0 as the device, the tiny GPT for 200 steps on cuda:0, and its training step
-#      against PyTorch CUDA eager (bench/train_step.py --device cuda:0 --peer cuda).  It needs the
+#      against PyTorch CUDA eager (bench/train_step.py --device cuda:0 --peer cuda); replays as
+#      CUDA graphs (HELIOS_CUDA_GRAPHS=1: tests/test_graph.py's replays, then the small config's
+#      bf16 step with the variable 0 and 1, its replay_tok_s the A/B).  It needs the
 #      SPIR-V kernels built (kernels_spirv/spv, or glslc on the machine);
 #   7. flash attention on cuda:0's tensor cores (flash_wgmma_fwd / flash_wgmma_bwd), each part
 #      bounded by its own timeout, cut to what is left of HELIOS_GPU_ATTN_BUDGET seconds (450) for
@@ -150,6 +152,14 @@ cuda_device() {  # step 6
         --no-progress --out "$out/cuda_train"
     step cuda-device-bench "$out/cuda_device.log" "$py" -u "$repo/bench/train_step.py" --device cuda:0 --peer cuda \
         --config tiny --steps 20 --warmup 5
+    # replays as CUDA graphs (cuda_ptx/replay_graphs.py): correct on the GPU, then against prepared launches
+    step cuda-graphs-tests "$out/cuda_device.log" env HELIOS_DEVICE=cuda:0 HELIOS_CUDA_GRAPHS=1 "$py" -m pytest -q \
+        -p no:cacheprovider "$repo/tests/test_graph.py" -k replay
+    local g
+    for g in 0 1; do
+        step "cuda-graphs-$g" "$out/cuda_device.log" env HELIOS_CUDA_GRAPHS=$g "$py" -u "$repo/bench/train_step.py" \
+            --device cuda:0 --peer cuda --config small --dtype bf16 --steps 10 --warmup 3 --no-compile
+    done
     grep '^{' "$out/cuda_device.log" >"$out/train_step.jsonl" || true
 }
 

@@ -11,7 +11,10 @@ the kernel runs thread by thread.
 It also answers what a tensor runtime needs: ``cuMemcpyDtoD``, ``cuMemsetD32``, the
 ``...Async`` copies and sets, streams (``cuStreamCreate/Synchronize/Destroy``; work runs
 at once, so a stream only has to exist), ``cuModuleUnload``, ``cuMemGetInfo`` and
-``cuDeviceTotalMem``; 3-D blocks and grids for compute kernels.
+``cuDeviceTotalMem``; 3-D blocks and grids for compute kernels; graphs of kernel nodes
+(``cuGraphCreate``, ``cuGraphAddKernelNode`` reading each node's parameters when it is added,
+``cuGraphInstantiate`` as a snapshot, ``cuGraphExecKernelNodeSetParams``, ``cuGraphLaunch``
+running the nodes in the order added, the destroy calls).
 
 What the real driver refuses, this one refuses with the same ``CUresult`` (and says
 exactly why in ``cuGetErrorString``); arguments the bindings themselves refuse (a
@@ -147,7 +150,7 @@ class EmulatedDriver:
         for enum in ("CUresult", "CUdevice_attribute", "CUjit_option", "CUfunction_attribute", "CUtensorMapDataType",
                      "CUtensorMapInterleave", "CUtensorMapSwizzle", "CUtensorMapL2promotion",
                      "CUtensorMapFloatOOBfill", "CUlaunchConfig", "CUdriverProcAddress_flags",
-                     "CUdriverProcAddressQueryResult"):
+                     "CUdriverProcAddressQueryResult", "CUDA_KERNEL_NODE_PARAMS"):
             setattr(self, enum, getattr(real, enum))
         # Handles are the bindings' own types (CUmodule, CUfunction, ...) holding an id, so the
         # host code gets back exactly the types it gets from a real driver.
@@ -529,24 +532,122 @@ class EmulatedDriver:
             self._stream(stream)
             if extra:
                 raise _DriverError("NOT_SUPPORTED", "parameters through `extra` are not emulated")
-            if min(gx, gy, gz) < 1 or gx > MAX_GRID[0] or gy > MAX_GRID[1] or gz > MAX_GRID[2]:
-                raise _DriverError("INVALID_VALUE", f"grid ({gx}, {gy}, {gz}): each extent must be at least 1 and at "
-                                                    f"most {MAX_GRID}")
-            if gz != 1 and not is_compute_program(fn.prog):
-                raise _DriverError("NOT_SUPPORTED", f"grid ({gx}, {gy}, {gz}): {fn.prog.name} runs on the emulator's "
-                                                    "warp scheduler, which takes 2-D grids")
-            size = (fn.prog.cluster or (1, 1, 1))[0]
-            if size > MAX_CLUSTER or gx % size:
-                raise _DriverError("INVALID_CLUSTER_SIZE", f"grid x {gx} is not a whole number of clusters of "
-                                                           f"{size} CTAs (at most {MAX_CLUSTER})")
+            self._check_grid(fn, (gx, gy, gz))
             params = self._read_params(fn.prog, int(kernel_params))
         except _DriverError as e:
             return self._fail(e)
+        self._run(fn, (gx, gy, gz), (bx, by, bz), shared, params)
+        return self._ok()
+
+    def _check_grid(self, fn: _Function, grid: tuple) -> None:
+        """A launch's (or a graph kernel node's) grid, checked as the driver checks it."""
+        gx, gy, gz = grid
+        if min(gx, gy, gz) < 1 or gx > MAX_GRID[0] or gy > MAX_GRID[1] or gz > MAX_GRID[2]:
+            raise _DriverError("INVALID_VALUE", f"grid ({gx}, {gy}, {gz}): each extent must be at least 1 and at "
+                                                f"most {MAX_GRID}")
+        if gz != 1 and not is_compute_program(fn.prog):
+            raise _DriverError("NOT_SUPPORTED", f"grid ({gx}, {gy}, {gz}): {fn.prog.name} runs on the emulator's "
+                                                "warp scheduler, which takes 2-D grids")
+        size = (fn.prog.cluster or (1, 1, 1))[0]
+        if size > MAX_CLUSTER or gx % size:
+            raise _DriverError("INVALID_CLUSTER_SIZE", f"grid x {gx} is not a whole number of clusters of "
+                                                       f"{size} CTAs (at most {MAX_CLUSTER})")
+
+    def _run(self, fn: _Function, grid: tuple, block: tuple, shared: int, params: dict, graph: bool = False) -> None:
+        """Emulate one launch to completion (recorded in :attr:`launches`)."""
         from .launch import emulate_kernel  # here, not at the top: emulate imports this module
 
-        self.launches.append({"kernel": fn.prog.name, "grid": (gx, gy, gz), "block": (bx, by, bz),
-                              "shared_bytes": shared, "params": params})
-        emulate_kernel(fn.prog, (bx, by, bz), shared, params, self.memory, (gx, gy, gz), self.seed, self.ctas)
+        self.launches.append({"kernel": fn.prog.name, "grid": grid, "block": block, "shared_bytes": shared,
+                              "params": params, "graph": graph})
+        emulate_kernel(fn.prog, block, shared, params, self.memory, grid, self.seed, self.ctas)
+
+    # -- graphs: kernel nodes only; a launch runs an instantiated graph's nodes in the order added
+    # (each node's dependencies were added before it), on the stream at once ---------------------
+    def cuGraphCreate(self, flags):
+        _c_unsigned(flags, 32, "unsigned int")
+        if flags:
+            return self._fail(_DriverError("INVALID_VALUE", "cuGraphCreate's flags must be 0"), None)
+        return self._ok(self._handle("graph", {"nodes": []}))
+
+    def cuGraphAddKernelNode(self, graph, dependencies, num_dependencies, params):
+        """A kernel node; its parameters' values are read now, as the driver copies them."""
+        try:
+            g = self._lookup("graph", graph)
+            deps = list(dependencies or [])
+            if len(deps) != num_dependencies or len({int(d) for d in deps}) != len(deps):
+                raise _DriverError("INVALID_VALUE", f"{num_dependencies} dependencies declared, {len(deps)} distinct given")
+            for d in deps:
+                if self._lookup("graphNode", d)["graph"] is not g:
+                    raise _DriverError("INVALID_VALUE", f"dependency {d!r} is a node of another graph")
+            node = dict(self._kernel_node(params), graph=g)
+        except _DriverError as e:
+            return self._fail(e, None)
+        node["index"] = len(g["nodes"])
+        g["nodes"].append(node)
+        return self._ok(self._handle("graphNode", node))
+
+    def cuGraphInstantiate(self, graph, flags):
+        try:
+            g = self._lookup("graph", graph)
+        except _DriverError as e:
+            return self._fail(e, None)
+        # the executable graph is a snapshot: later changes to the graph do not reach it
+        return self._ok(self._handle("graphExec", {"graph": g, "nodes": [dict(n) for n in g["nodes"]]}))
+
+    def cuGraphExecKernelNodeSetParams(self, graph_exec, node, params):
+        """New parameters (read now) for one kernel node of an executable graph."""
+        try:
+            e = self._lookup("graphExec", graph_exec)
+            n = self._lookup("graphNode", node)
+            if n["graph"] is not e["graph"]:
+                raise _DriverError("INVALID_VALUE", f"{node!r} is not a node of the graph this one was instantiated from")
+            launch = self._kernel_node(params)
+        except _DriverError as err:
+            return self._fail(err)
+        e["nodes"][n["index"]] = dict(n, **launch)
+        return self._ok()
+
+    def _kernel_node(self, params) -> dict:
+        """A CUDA_KERNEL_NODE_PARAMS checked as a launch is, its parameter values read now."""
+        if params.extra:
+            raise _DriverError("NOT_SUPPORTED", "parameters through `extra` are not emulated")
+        grid = (params.gridDimX, params.gridDimY, params.gridDimZ)
+        block = (params.blockDimX, params.blockDimY, params.blockDimZ)
+        fn = self._lookup("function", params.func)
+        self._check_block(fn, *block, params.sharedMemBytes)
+        self._check_grid(fn, grid)
+        return {"fn": fn, "grid": grid, "block": block, "shared": params.sharedMemBytes,
+                "params": self._read_params(fn.prog, int(params.kernelParams))}
+
+    def cuGraphLaunch(self, graph_exec, stream):
+        try:
+            e = self._lookup("graphExec", graph_exec)
+            self._stream(stream)
+        except _DriverError as err:
+            return self._fail(err)
+        for n in e["nodes"]:
+            self._run(n["fn"], n["grid"], n["block"], n["shared"], n["params"], graph=True)
+        return self._ok()
+
+    def cuGraphExecDestroy(self, graph_exec):
+        return self._destroy("graphExec", graph_exec)
+
+    def cuGraphDestroy(self, graph):
+        """Destroy a graph and its nodes (executable graphs made from it live on)."""
+        try:
+            g = self._lookup("graph", graph)
+        except _DriverError as e:
+            return self._fail(e)
+        for key in [k for k, v in self._handles.items() if k[0] == "graphNode" and v["graph"] is g]:
+            del self._handles[key]
+        return self._destroy("graph", graph)
+
+    def _destroy(self, kind: str, handle):
+        try:
+            self._lookup(kind, handle)
+        except _DriverError as e:
+            return self._fail(e)
+        del self._handles[(kind, int(handle))]
         return self._ok()
 
     def _read_params(self, prog: PtxProgram, array: int) -> dict[str, object]:

@@ -1,0 +1,110 @@
+"""Replayed steps on cuda:0 as CUDA graphs (HELIOS_CUDA_GRAPHS=1, cuda_ptx/replay_graphs.py), on
+the emulated driver: the same bits as launches one by one; each run of launches goes as one graph,
+AdamW's per-step push constants update their node in place; a driver that cannot build graphs
+falls back with one warning."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import helios as hl
+import helios.nn.functional as F
+from helios.cuda_ptx import replay_graphs
+from helios.nn import Parameter
+from helios.optim import AdamW
+from helios.runtime import close_device, get_runtime
+
+pytestmark = pytest.mark.vulkan
+
+RNG = np.random.default_rng(0)
+X = RNG.standard_normal((3, 16, 32)).astype(np.float32)  # a batch per step: captured, then 2 replays
+Y = RNG.standard_normal((3, 16, 8)).astype(np.float32)
+W1, B1, W2 = (RNG.standard_normal(s).astype(np.float32) * 0.2 for s in ((32, 64), (64,), (64, 8)))
+
+
+def _replays(graphs: bool, monkeypatch, calls: list | None = None) -> tuple:
+    """Losses and final parameters of a two-layer step captured on cuda:0 and replayed twice."""
+    monkeypatch.setenv(replay_graphs.ENV, "1" if graphs else "0")
+    close_device("cuda:0")  # the runtime reads the switch when it opens
+    hl.set_device("cuda:0")
+    drv = get_runtime().cu
+    params = [Parameter(hl.tensor(a)) for a in (W1, B1, W2)]
+    opt = AdamW(params, lr=1e-2, weight_decay=0.1)
+    x, y = hl.tensor(X[0]), hl.tensor(Y[0])
+
+    def step():
+        h = F.gelu(x @ params[0] + params[1])
+        loss = ((h @ params[2] - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    with hl.graph.capture(inputs=(x, y)) as g:
+        loss = step()
+    losses = [loss.item()]
+    first = len(drv.launches)
+    for k in (1, 2):
+        g.replay(X[k], Y[k])
+        losses.append(loss.item())
+    replayed = drv.launches[first:]
+    if calls is not None:
+        calls += replayed
+    return losses, [p.numpy() for p in params], sum(launch["graph"] for launch in replayed), len(replayed)
+
+
+def test_graph_replays_equal_launches_one_by_one(emulated_cuda, monkeypatch):
+    plain = _replays(False, monkeypatch)
+    calls, built, updated = [], [], []
+    real_build, real_update = replay_graphs.RunGraphs._build, None
+
+    def build(self, launches):
+        built.append(len(launches))
+        return real_build(self, launches)
+
+    monkeypatch.setattr(replay_graphs.RunGraphs, "_build", build)
+    from helios.cuda_ptx.emu import driver as emu
+
+    real_update = emu.EmulatedDriver.cuGraphExecKernelNodeSetParams
+    monkeypatch.setattr(emu.EmulatedDriver, "cuGraphExecKernelNodeSetParams",
+                        lambda self, *a: updated.append(1) or real_update(self, *a))
+    graphed = _replays(True, monkeypatch, calls)
+    # each run built once, on the first replay; the second only set AdamW's new step in its node
+    assert len(built) >= 1 and sum(built) == graphed[3] // 2 and updated == [1], (built, updated)
+    assert plain[0] == graphed[0]  # the losses, bit for bit
+    for a, b in zip(plain[1], graphed[1]):
+        assert a.tobytes() == b.tobytes()
+    assert plain[2] == 0 and plain[3] == graphed[3]  # as many kernels ran either way
+    assert graphed[2] == graphed[3], calls  # every replayed launch ran inside a graph here
+
+
+def test_a_driver_without_graphs_falls_back_once(emulated_cuda, monkeypatch):
+    plain = _replays(False, monkeypatch)
+    from helios.cuda_ptx.emu import driver as emu
+
+    def refuse(self, flags):
+        return self._fail(emu._DriverError("NOT_SUPPORTED", "no graphs here"), None)
+
+    monkeypatch.setattr(emu.EmulatedDriver, "cuGraphCreate", refuse)
+    with pytest.warns(RuntimeWarning, match="cannot run as a CUDA graph"):
+        fallback = _replays(True, monkeypatch)
+    assert fallback[0] == plain[0] and fallback[2] == 0
+
+
+def test_a_node_of_a_destroyed_graph_cannot_be_updated(emulated_cuda):
+    # what RunGraphs keeps its graphs alive for: the emulated driver refuses, as the driver documents
+    hl.set_device("cuda:0")
+    rt = get_runtime()
+    x = hl.tensor(np.ones(64, np.float32))
+    with hl.graph.capture() as g:
+        (x * 2.0).exp()
+    graphs = replay_graphs.RunGraphs(rt.cu, rt._check)
+    launches = [rt._prepare_launch(*args) for kind, args in g.ops if kind == 0]
+    assert launches
+    graph_exec, nodes, graph = graphs._build(launches * 2)
+    assert rt.cu.cuGraphDestroy(graph)[0] == rt.cu.CUresult.CUDA_SUCCESS
+    res = rt.cu.cuGraphExecKernelNodeSetParams(graph_exec, nodes[0], graphs._node(launches[0]))
+    assert res[0] == rt.cu.CUresult.CUDA_ERROR_INVALID_HANDLE
+    rt.cu.cuGraphExecDestroy(graph_exec)
+    g.release()

@@ -109,12 +109,52 @@ def sigterm_launcher_when_ready(script, cwd, marker: str, launcher_args: tuple =
             assert line, p.stderr.read()
             seen += marker in line
         p.send_signal(signal.SIGTERM)
-        out, err = p.communicate(timeout=timeout)
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired as e:  # say what every process of the job was doing
+            raise AssertionError(f"helios-run still running {timeout} s after SIGTERM; its processes:\n"
+                                 f"{process_states(p.pid)}\nstdout so far: {e.stdout!r}") from None
     finally:
         if p.poll() is None:
             p.kill()
             p.wait()
     return p.returncode, out, err
+
+
+def process_states(root: int) -> str:
+    """One line per process under ``root`` (itself included): pid, parent, process group, state,
+    and its pending, blocked, ignored and caught signal masks, from /proc."""
+    lines, groups = [], _children(root)
+    for pid in sorted(int(n) for n in os.listdir("/proc") if n.isdigit()):
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                status = dict(line.rstrip("\n").split(":\t", 1) for line in f if ":\t" in line)
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(b")") + 2:].split()
+        ppid, pgrp = int(fields[1]), int(fields[2])
+        if pid != root and ppid != root and pgrp not in groups:
+            continue
+        masks = " ".join(f"{k}={status.get(k, '?')}" for k in ("SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt"))
+        lines.append(f"pid {pid} ppid {ppid} pgrp {pgrp} {status.get('State', '?')} {masks}")
+    return "\n".join(lines)
+
+
+def _children(root: int) -> set[int]:
+    """The pids whose parent is ``root`` (a launcher's ranks, each its own process group)."""
+    kids = set()
+    for n in os.listdir("/proc"):
+        if n.isdigit():
+            try:
+                with open(f"/proc/{n}/stat", "rb") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            if int(stat[stat.rindex(b")") + 2:].split()[1]) == root:
+                kids.add(int(n))
+    return kids
 
 
 def kill_all(procs: list[subprocess.Popen]) -> None:

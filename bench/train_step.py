@@ -35,6 +35,11 @@ helios.profile.mfu) times tokens/s over the device's peak for ``--dtype`` from
 ``helios.profile.mfu.peak_flops`` (``peak``; an H200 SXM: 989.4 TFLOP/s bf16, 66.9 fp32), the
 same peak for every side.
 
+``--cuda-graphs-ab`` (``cuda:N``): the replayed step is also timed with each run of launches as one
+CUDA graph (``HELIOS_CUDA_GRAPHS``, cuda_ptx/replay_graphs.py), interleaved with the one-by-one
+replays: ``replay_graphs_tok_s``, ``graphs_over_launches`` (> 1: graphs are faster) and
+``host_ms_replay_graphs``.
+
 ``--kernels N`` adds a second line, ``"bench": "train_step_kernels"``: one more Helios step, every
 step through Python, under ``helios.profile`` with device timestamps, and its N kernels of the most
 device time (name, dispatches, ms, share of the step's device time, GFLOP/s and GB/s where the
@@ -102,6 +107,9 @@ def main() -> None:
     ap.add_argument("--compile", dest="compile", action="store_true", default=None,
                     help="also time the PyTorch twin through torch.compile (default: with --peer cuda)")
     ap.add_argument("--no-compile", dest="compile", action="store_false", help="leave the torch.compile peer out")
+    ap.add_argument("--cuda-graphs-ab", action="store_true",
+                    help="cuda:N: also time the replayed step with its launches as CUDA graphs (HELIOS_CUDA_GRAPHS), "
+                         "interleaved with the one-by-one replays")
     ap.add_argument("--kernels", type=int, default=0, metavar="N",
                     help="also profile one step and print its N kernels of the most device time (a second JSON line)")
     ap.add_argument("--smoke", action="store_true",
@@ -125,6 +133,8 @@ def main() -> None:
 
     if args.device:
         set_device(args.device)
+    if args.cuda_graphs_ab and not hasattr(get_runtime(), "use_cuda_graphs"):
+        ap.error(f"--cuda-graphs-ab times CUDA graphs: it needs a cuda:N --device, not {get_runtime().name}")
     tdev = torch.device(args.peer)
     if args.peer == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False
@@ -140,7 +150,7 @@ def main() -> None:
     opt = AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
 
     rt = get_runtime()
-    host = {"eager": [], "replay": []}
+    host = {"eager": [], "replay": [], "replay_graphs": []}
 
     def step(m, o, x, y):
         """One training step of model ``m`` with optimizer ``o`` on device tensors; the loss."""
@@ -167,7 +177,7 @@ def main() -> None:
     opt_r = AdamW(model_r.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
     captured = {}
 
-    def replay_step(x, y):
+    def replay_step(x, y, key: str = "replay"):
         if not captured:
             xt, yt = hl.tensor(x), hl.tensor(y)
             with hl.graph.capture(inputs=(xt, yt)) as g:
@@ -176,7 +186,7 @@ def main() -> None:
             return loss.item()
         t0 = time.perf_counter()
         captured["graph"].replay(x, y)
-        host["replay"].append(time.perf_counter() - t0)
+        host[key].append(time.perf_counter() - t0)
         return captured["loss"].item()
 
     # The PyTorch twin from the same weights; on the GPU its attention through SDPA (the flash kernel).
@@ -201,7 +211,7 @@ def main() -> None:
             failed["compile"], cstep = _one_line(e), None
 
     # Interleave to share the machine's noise: helios, replay, torch (eager, compiled), twice; keep the best of each.
-    times = {"helios": [], "replay": [], "peer": [], "compile": []}
+    times = {"helios": [], "replay": [], "replay_graphs": [], "peer": [], "compile": []}
     for _ in range(1 if args.smoke else 2):
         times["helios"].append(time_steps(helios_step, batches, args.warmup))
         if "replay" not in failed:
@@ -209,6 +219,13 @@ def main() -> None:
                 times["replay"].append(time_steps(replay_step, batches, args.warmup))
             except Exception as e:  # a capture that fails on this device: its line says so, the rest still runs
                 failed["replay"] = _one_line(e)
+        if args.cuda_graphs_ab and "replay" not in failed:  # the same replays, each run of launches one graph
+            rt.use_cuda_graphs(True)
+            try:
+                times["replay_graphs"].append(time_steps(lambda x, y: replay_step(x, y, "replay_graphs"), batches,
+                                                         args.warmup))
+            finally:
+                rt.use_cuda_graphs(False)
         times["peer"].append(time_steps(tstep, tbatches, args.warmup))
         if cstep is not None and "compile" not in failed:
             try:
@@ -232,6 +249,10 @@ def main() -> None:
         "ratio": round(tps["helios"] / tps["peer"], 4), "helios_ms_per_step": round(best["helios"] * 1e3, 1),
         "peer_ms_per_step": round(best["peer"] * 1e3, 1),
     }
+    if "replay_graphs" in tps:
+        out.update(replay_graphs_tok_s=round(tps["replay_graphs"], 1),
+                   graphs_over_launches=round(tps["replay_graphs"] / tps["replay"], 4),
+                   host_ms_replay_graphs=round(statistics.median(host["replay_graphs"]) * 1e3, 3))
     if "replay" in tps:
         host_replay = statistics.median(host["replay"])
         out.update(replay_tok_s=round(tps["replay"], 1), replay_ratio=round(tps["replay"] / tps["peer"], 4),

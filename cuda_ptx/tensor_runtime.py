@@ -554,6 +554,11 @@ class CudaRuntime(Runtime):
             n += 1
         self._stats["dispatches"] += n
 
+    def use_cuda_graphs(self, on: bool) -> None:
+        """Issue replays' runs of launches as CUDA graphs (True) or one launch at a time (False) from
+        now on; ``HELIOS_CUDA_GRAPHS`` sets what a new runtime starts with (cuda_ptx/replay_graphs.py)."""
+        self._cuda_graphs = bool(on)
+
     def _run_in_graphs(self, commands, slots: list, graphs: replay_graphs.RunGraphs, others: tuple) -> int:
         """:meth:`run_commands` with each run of two or more consecutive dispatches issued as one
         CUDA graph (cuda_ptx/replay_graphs.py); the number of dispatches issued."""

@@ -41,7 +41,7 @@
 #      with cuda:0 as the device, the tiny GPT for 200 steps on cuda:0, and its training step
 #      against PyTorch CUDA eager (bench/train_step.py --device cuda:0 --peer cuda); replays as
 #      CUDA graphs (HELIOS_CUDA_GRAPHS=1: tests/test_graph.py's replays, then the small config's
-#      bf16 step with the variable 0 and 1, its replay_tok_s the A/B).  It needs the
+#      bf16 step with --cuda-graphs-ab: graphs_over_launches is the A/B).  It needs the
 #      SPIR-V kernels built (kernels_spirv/spv, or glslc on the machine);
 #   7. flash attention on cuda:0's tensor cores (flash_wgmma_fwd / flash_wgmma_bwd), each part
 #      bounded by its own timeout, cut to what is left of HELIOS_GPU_ATTN_BUDGET seconds (450) for
@@ -155,11 +155,8 @@ cuda_device() {  # step 6
     # replays as CUDA graphs (cuda_ptx/replay_graphs.py): correct on the GPU, then against prepared launches
     step cuda-graphs-tests "$out/cuda_device.log" env HELIOS_DEVICE=cuda:0 HELIOS_CUDA_GRAPHS=1 "$py" -m pytest -q \
         -p no:cacheprovider "$repo/tests/test_graph.py" -k replay
-    local g
-    for g in 0 1; do
-        step "cuda-graphs-$g" "$out/cuda_device.log" env HELIOS_CUDA_GRAPHS=$g "$py" -u "$repo/bench/train_step.py" \
-            --device cuda:0 --peer cuda --config small --dtype bf16 --steps 10 --warmup 3 --no-compile
-    done
+    step cuda-graphs-ab "$out/cuda_device.log" "$py" -u "$repo/bench/train_step.py" --device cuda:0 --peer cuda \
+        --config small --dtype bf16 --steps 10 --warmup 3 --no-compile --cuda-graphs-ab
     grep '^{' "$out/cuda_device.log" >"$out/train_step.jsonl" || true
 }
 

@@ -108,3 +108,23 @@ def test_a_node_of_a_destroyed_graph_cannot_be_updated(emulated_cuda):
     assert res[0] == rt.cu.CUresult.CUDA_ERROR_INVALID_HANDLE
     rt.cu.cuGraphExecDestroy(graph_exec)
     g.release()
+
+
+def test_an_open_device_switches_between_graphs_and_launches(emulated_cuda, monkeypatch):
+    # what bench/train_step.py --cuda-graphs-ab does: the same captured step, replayed both ways
+    monkeypatch.setenv(replay_graphs.ENV, "0")
+    hl.set_device("cuda:0")
+    rt = get_runtime()
+    x = hl.tensor(np.linspace(-1, 1, 256, dtype=np.float32))
+    with hl.graph.capture(inputs=(x,)) as g:
+        y = ((x * 1.5 + 0.25).tanh() * x).exp()
+        z = y.sum()
+    outs = []
+    for on in (False, True, False):
+        rt.use_cuda_graphs(on)
+        first = len(rt.cu.launches)
+        g.replay(X[1, 0, :8].repeat(32))
+        outs.append((y.numpy().tobytes(), z.item(), sum(launch["graph"] for launch in rt.cu.launches[first:])))
+    assert outs[0][:2] == outs[1][:2] == outs[2][:2]
+    assert outs[0][2] == outs[2][2] == 0 and outs[1][2] >= 2
+    g.release()

@@ -143,12 +143,27 @@ def _transformers_loss(folder, corpus, tokenizer: str, cache) -> float:
         return float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), torch.tensor(y).reshape(-1)))
 
 
+@pytest.fixture(scope="module")
+def init_from_run(work):
+    """``init_from_run(kind)``: (run folder, finished process) of a 3-step helios-train
+    ``--init-from`` the transformers folder ``kind``, run once per module (on each worker that asks)."""
+    done = {}
+
+    def run(kind: str):
+        if kind not in done:
+            out = work / f"ft_{kind}"
+            tok = ["--tokenizer", "byte"] if kind == "gpt2" else []  # the llama folder's own tokenizer.json by default
+            done[kind] = out, _run("helios.train", ["--init-from", work / kind, "--steps", "3", "--lr", "1e-3", *BASE,
+                                                    *tok, "--data", work / "words.txt", "--sample-tokens", "4",
+                                                    "--out", out], work)
+        return done[kind]
+
+    return run
+
+
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
-def test_init_from_a_transformers_folder_continues_from_its_weights(work, kind):
-    out = work / f"ft_{kind}"
-    tok = ["--tokenizer", "byte"] if kind == "gpt2" else []  # the llama folder's own tokenizer.json by default
-    r = _run("helios.train", ["--init-from", work / kind, "--steps", "3", "--lr", "1e-3", *BASE, *tok,
-                              "--data", work / "words.txt", "--sample-tokens", "4", "--out", out], work)
+def test_init_from_a_transformers_folder_continues_from_its_weights(work, init_from_run, kind):
+    out, r = init_from_run(kind)
     assert r.returncode == 0, _text(r)[-3000:]
     stdout = r.stdout.decode()
     assert f"--init-from: weights from {work / kind}" in stdout
@@ -230,13 +245,12 @@ def test_export_loads_in_transformers_with_equal_logits(work, llama_run, gpt_run
     np.testing.assert_allclose(theirs, _logits_of_run(run_dir, ids), rtol=1e-4, atol=1e-4)
 
 
-def test_export_copies_an_hf_tokenizer_and_sample_streams_greedy_generate(work):
+def test_export_copies_an_hf_tokenizer_and_sample_streams_greedy_generate(work, init_from_run):
     from helios.models import from_pretrained
     from helios.tokenizer import HFTokenizer
 
-    run_dir = work / "ft_llama"  # test_init_from_...: a run with --tokenizer hf:
-    if not run_dir.exists():
-        pytest.skip("needs the --init-from llama run")
+    run_dir, r = init_from_run("llama")  # a run with --tokenizer hf: (the llama folder's tokenizer.json)
+    assert r.returncode == 0, _text(r)[-3000:]
     out = work / "export_ft"
     r = _run("helios.export", [run_dir, out], work)
     assert r.returncode == 0 and (out / "tokenizer.json").read_bytes() == (work / "llama" / "tokenizer.json").read_bytes()

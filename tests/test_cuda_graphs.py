@@ -10,7 +10,7 @@ import pytest
 
 import helios as hl
 import helios.nn.functional as F
-from helios.cuda_ptx import replay_graphs
+from helios.cuda_ptx import driver, replay_graphs
 from helios.nn import Parameter
 from helios.optim import AdamW
 from helios.runtime import close_device, get_runtime
@@ -127,4 +127,30 @@ def test_an_open_device_switches_between_graphs_and_launches(emulated_cuda, monk
         outs.append((y.numpy().tobytes(), z.item(), sum(launch["graph"] for launch in rt.cu.launches[first:])))
     assert outs[0][:2] == outs[1][:2] == outs[2][:2]
     assert outs[0][2] == outs[2][2] == 0 and outs[1][2] >= 2
+    g.release()
+
+
+@pytest.mark.skipif(driver.driver_status()[0], reason="a CUDA driver is present: the real calls would run")
+def test_every_graph_call_fits_the_real_bindings(emulated_cuda, monkeypatch):
+    # each graph call's arguments go to the real cuda.bindings first (which convert them, then find
+    # no driver library): an argument they would refuse on a GPU machine fails here
+    from test_cuda_ptx_emu_driver import _BindingsProbe
+
+    monkeypatch.setenv(replay_graphs.ENV, "1")
+    close_device("cuda:0")
+    hl.set_device("cuda:0")
+    rt = get_runtime()
+    probe = _BindingsProbe(rt.cu)
+    monkeypatch.setattr(rt, "cu", probe)
+    w = Parameter(hl.tensor(W2))
+    opt = AdamW([w], lr=1e-2)
+    x = hl.tensor(X[0, :, :8] @ np.ones((8, 64), np.float32))
+    with hl.graph.capture(inputs=(x,)) as g:
+        ((x @ w).tanh() ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    for k in (1, 2):  # built, then AdamW's node updated in place
+        g.replay(X[k, :, :8] @ np.ones((8, 64), np.float32))
+    assert probe.probed >= {"cuGraphCreate", "cuGraphAddKernelNode", "cuGraphInstantiate", "cuGraphLaunch",
+                            "cuGraphExecKernelNodeSetParams"}, probe.probed
     g.release()

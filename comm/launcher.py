@@ -362,6 +362,18 @@ def _reap(procs: list[subprocess.Popen]) -> None:
         p.wait()
 
 
+def proc_stat(pid: int) -> tuple[str, int, int] | None:
+    """(state letter, parent pid, process group) of process ``pid`` from /proc; None where it is
+    gone (or there is no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    state, ppid, pgrp = stat[stat.rindex(b")") + 2:].split()[:3]  # the name may hold spaces and ")"
+    return state.decode(), int(ppid), int(pgrp)
+
+
 def _group_alive(pgid: int) -> bool:
     """Whether a live process is still in process group ``pgid`` (a rank's zombie leader is not)."""
     try:
@@ -371,17 +383,12 @@ def _group_alive(pgid: int) -> bool:
     except PermissionError:
         return True
     try:
-        pids = [n for n in os.listdir("/proc") if n.isdigit()]
+        pids = [int(n) for n in os.listdir("/proc") if n.isdigit()]
     except OSError:  # no /proc: the group exists, count it alive
         return True
     for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        state, _ppid, pgrp = stat[stat.rindex(b")") + 2:].split()[:3]
-        if int(pgrp) == pgid and state != b"Z":
+        st = proc_stat(pid)
+        if st is not None and st[2] == pgid and st[0] != "Z":
             return True
     return False
 

@@ -553,8 +553,8 @@ def _vec8(nin: int, nout: int, load_binding) -> tuple[list[str], list[str]]:
 
 
 def _pipeline(rt, sig: tuple, vec: int) -> tuple:
-    """(pipeline id, push struct) of the fused kernel ``sig`` on ``rt`` with ``vec`` (1 or 4)
-    elements an invocation: SPIR-V from the disk cache, compiled by glslc on a miss."""
+    """(pipeline id, push struct) of the fused kernel ``sig`` on ``rt`` with ``vec`` (1, 4 or 8:
+    :func:`helios._kernels.core.vec_width`) elements an invocation: SPIR-V from the disk cache, compiled by glslc on a miss."""
     code = spirv(source(sig))
     tag, nin, load_binding, nout, steps = sig
     nscal = sum(len(s[4]) for s in steps)

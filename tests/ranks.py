@@ -16,7 +16,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from helios.comm.launcher import free_port
+from helios.comm.launcher import free_port, proc_stat
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -122,39 +122,24 @@ def sigterm_launcher_when_ready(script, cwd, marker: str, launcher_args: tuple =
 
 
 def process_states(root: int) -> str:
-    """One line per process under ``root`` (itself included): pid, parent, process group, state,
-    and its pending, blocked, ignored and caught signal masks, from /proc."""
-    lines, groups = [], _children(root)
-    for pid in sorted(int(n) for n in os.listdir("/proc") if n.isdigit()):
+    """One line per process under ``root`` (itself, its children, and their process groups):
+    pid, parent, process group, state, and its pending, blocked, ignored and caught signal masks,
+    from /proc."""
+    procs = {pid: st for pid in (int(n) for n in os.listdir("/proc") if n.isdigit())
+             if (st := proc_stat(pid)) is not None}
+    groups = {pid for pid, (_, ppid, _) in procs.items() if ppid == root}  # a launcher's ranks lead their groups
+    lines = []
+    for pid, (_, ppid, pgrp) in sorted(procs.items()):
+        if pid != root and ppid != root and pgrp not in groups:
+            continue
         try:
             with open(f"/proc/{pid}/status") as f:
                 status = dict(line.rstrip("\n").split(":\t", 1) for line in f if ":\t" in line)
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                stat = f.read()
         except OSError:
-            continue
-        fields = stat[stat.rindex(b")") + 2:].split()
-        ppid, pgrp = int(fields[1]), int(fields[2])
-        if pid != root and ppid != root and pgrp not in groups:
             continue
         masks = " ".join(f"{k}={status.get(k, '?')}" for k in ("SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt"))
         lines.append(f"pid {pid} ppid {ppid} pgrp {pgrp} {status.get('State', '?')} {masks}")
     return "\n".join(lines)
-
-
-def _children(root: int) -> set[int]:
-    """The pids whose parent is ``root`` (a launcher's ranks, each its own process group)."""
-    kids = set()
-    for n in os.listdir("/proc"):
-        if n.isdigit():
-            try:
-                with open(f"/proc/{n}/stat", "rb") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            if int(stat[stat.rindex(b")") + 2:].split()[1]) == root:
-                kids.add(int(n))
-    return kids
 
 
 def kill_all(procs: list[subprocess.Popen]) -> None:

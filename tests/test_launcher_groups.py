@@ -26,12 +26,8 @@ def _until_exited(p: subprocess.Popen, timeout: float = 20.0) -> int:
 
 
 def _state(pid: int) -> str | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    return stat[stat.rindex(b")") + 2:].split()[0].decode()
+    st = launcher.proc_stat(pid)
+    return None if st is None else st[0]
 
 
 def test_an_exited_rank_stays_unreaped_until_reaped_on_purpose():

@@ -328,8 +328,12 @@ class Context:
         return n
 
     # -- launch ----------------------------------------------------------------------
-    def launch(self, fn: Function, grid: tuple[int, int, int], block: tuple[int, int, int], args: list) -> None:
-        """Launch ``fn``; ``args`` are ("u64" | "u32", int) or ("f32", float) pairs, or 128-byte tensor maps (bytes)."""
+    def prepare_launch(self, fn: Function, grid: tuple[int, int, int], block: tuple[int, int, int], args: list) -> tuple:
+        """A prepared launch of ``fn``: the arguments of ``cuLaunchKernel`` but the stream and ``extra``,
+        as (function handle, grid x, y, z, block x, y, z, shared bytes, parameter-array address, the
+        owners of the parameter block), built once and launchable any number of times (the runtime's
+        replays and CUDA graphs take this form).  ``args``: ("u64" | "u32", int) or ("f32", float)
+        pairs, or 128-byte tensor maps (bytes)."""
         store = []
         for a in args:
             if isinstance(a, (bytes, bytearray)):
@@ -341,10 +345,16 @@ class Context:
                 c = {"u64": ctypes.c_uint64, "u32": ctypes.c_uint32, "f32": ctypes.c_float}[kind](v)
                 store.append((c, ctypes.addressof(c)))
         ptrs = (ctypes.c_void_p * len(store))(*[p for _, p in store])
-        self._check(
-            f"cuLaunchKernel({fn.name})",
-            self.cu.cuLaunchKernel(fn.handle, *grid, *block, fn.shared_bytes, 0, ctypes.addressof(ptrs), 0),
-        )
+        return (fn.handle, *grid, *block, fn.shared_bytes, ctypes.addressof(ptrs), (store, ptrs))
+
+    def launch_prepared(self, launch: tuple, name: str) -> None:
+        """Issue one :meth:`prepare_launch` launch on the default stream (``name`` for the error)."""
+        handle, gx, gy, gz, bx, by, bz, shared, params, _keep = launch
+        self._check(f"cuLaunchKernel({name})", self.cu.cuLaunchKernel(handle, gx, gy, gz, bx, by, bz, shared, 0, params, 0))
+
+    def launch(self, fn: Function, grid: tuple[int, int, int], block: tuple[int, int, int], args: list) -> None:
+        """Launch ``fn``; ``args`` are ("u64" | "u32", int) or ("f32", float) pairs, or 128-byte tensor maps (bytes)."""
+        self.launch_prepared(self.prepare_launch(fn, grid, block, args), fn.name)
 
     # -- timing ----------------------------------------------------------------------
     def time_ms(self, body, iters: int) -> float:

@@ -1,13 +1,13 @@
 """CUDA graphs for replayed steps (``HELIOS_CUDA_GRAPHS=1``).
 
 A replayed step (``hl.graph``) is a command list that ``CudaRuntime.run_commands`` issues with
-launches prepared once (each dispatch's parameter block kept): one ``cuLaunchKernel`` from Python
-per dispatch, 5-7 us of host time each on an H200.  With ``HELIOS_CUDA_GRAPHS=1`` each run of
-two or more consecutive dispatches in the list becomes a CUDA graph instead, built from the
-prepared launches (a chain of kernel nodes, each depending on the one before, as the stream
-orders them), instantiated on the first replay and then issued with one ``cuGraphLaunch`` a run
-on the default stream; the commands between runs (copies, fills, the tensor-core products and
-attention) are issued as before, so the order on the stream is the list's.
+launches prepared once (each kernel's parameter block kept: a dispatch's, a tensor-core product's,
+a flash pass's): one ``cuLaunchKernel`` from Python per launch, 5-7 us of host time each on an
+H200.  With ``HELIOS_CUDA_GRAPHS=1`` each run of consecutive kernel commands that holds two or
+more launches becomes a CUDA graph instead, built from the prepared launches (a chain of kernel
+nodes, each depending on the one before, as the stream orders them), instantiated on the first
+replay and then issued with one ``cuGraphLaunch`` a run on the default stream; the copies and
+fills between runs are issued as before, so the order on the stream is the list's.
 
 The driver copies a node's parameter values when the node is added; the prepared blocks hold the
 replay's fixed addresses, so a graph stays valid across replays.  A command the replay rewrote (a
@@ -48,6 +48,9 @@ class RunGraphs:
         first if it is new, or with the nodes at positions ``changed`` given their new launches.
         False where the driver could not build it (nothing issued)."""
         built = self.execs.get(start)
+        if built is not None and len(built[1]) != len(launches):  # a replaced command launches more or fewer kernels
+            self.drop(start)
+            built = None
         if built is not None and changed:
             try:
                 for k in changed:

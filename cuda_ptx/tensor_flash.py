@@ -113,47 +113,56 @@ class TensorCoreFlash:
                 (gen_flash.BOX_COLS, rows, 1, 1))
         return m
 
-    def _launch(self, kern: _Kernel, grid: tuple[int, int, int], args: list) -> None:
-        """Launch with ``args``: tensor maps (bytes), ("u64" | "u32" | "f32", value) pairs (Context.launch)."""
-        self.ctx.launch(kern.fn, grid, (kern.threads, 1, 1), args)
+    def _prepared(self, kern: _Kernel, grid: tuple[int, int, int], args: list) -> tuple:
+        """A prepared launch (``Context.prepare_launch``) with ``args``: tensor maps (bytes), ("u64" | "u32" | "f32",
+        value) pairs."""
+        return self.ctx.prepare_launch(kern.fn, grid, (kern.threads, 1, 1), args)
 
-    def forward(self, dtype: str, pb: Problem, q: Operand, k: Operand, v: Operand, o: int, lse: int, scale: float,
-                causal: bool, mask: tuple | None = None) -> None:
-        """O (contiguous [B, H, Tq, D] at ``o``) and L (float32 [B, H, Tq] at ``lse``) of
-        softmax(Q K^T * scale) V; asynchronous, on the default stream.  ``mask`` = (address, block
-        size): an int32 [ceil(Tq / bs), ceil(Tk / bs)] block mask (0 = skipped), bs a multiple of 64."""
+    def run(self, launches: list[tuple]) -> None:
+        """Issue the launches of :meth:`forward_launches` or :meth:`backward_launches` on the default stream (asynchronously)."""
+        for launch in launches:
+            self.ctx.launch_prepared(launch, "flash_wgmma")
+
+    def forward_launches(self, dtype: str, pb: Problem, q: Operand, k: Operand, v: Operand, o: int, lse: int, scale: float,
+                causal: bool, mask: tuple | None = None) -> list[tuple]:
+        """The prepared launch (one, in a list; :meth:`run` issues it) that writes O (contiguous
+        [B, H, Tq, D] at ``o``) and L (float32 [B, H, Tq] at ``lse``) of softmax(Q K^T * scale) V.
+        ``mask`` = (address, block size): an int32 [ceil(Tq / bs), ceil(Tk / bs)] block mask
+        (0 = skipped), bs a multiple of 64."""
         kern = self.kernel("fwd", dtype, pb.D, mask is not None)
         cfg = kern.cfg
         args = [self._map(dtype, q, pb.H, pb, pb.Tq, cfg.bm), self._map(dtype, k, pb.Hk, pb, pb.Tk, cfg.bn),
                 self._map(dtype, v, pb.Hk, pb, pb.Tk, cfg.bn), ("u64", o), ("u64", lse),
                 *self._dims(pb), ("f32", scale * gen_flash.LOG2E), ("u32", int(causal)), *self._mask(pb, mask)]
-        self._launch(kern, (-(-pb.Tq // cfg.bm), pb.B * pb.H, 1), args)
+        return [self._prepared(kern, (-(-pb.Tq // cfg.bm), pb.B * pb.H, 1), args)]
 
-    def backward(self, dtype: str, pb: Problem, q: Operand, k: Operand, v: Operand, do: Operand, lse: int,
+    def backward_launches(self, dtype: str, pb: Problem, q: Operand, k: Operand, v: Operand, do: Operand, lse: int,
                  delta: int, dq: int | None, dk: int | None, dv: int | None, scale: float, causal: bool,
-                 mask: tuple | None = None) -> None:
-        """dQ ([B, H, Tq, D] at ``dq``) and dK, dV ([B, Hk, Tk, D]) given the forward's L and
-        D = rowsum(dO * O) (float32 [B, H, Tq] at ``lse`` and ``delta``); a pass whose outputs
-        are None is skipped; ``mask``: the forward's.  Asynchronous, on the default stream."""
+                 mask: tuple | None = None) -> list[tuple]:
+        """The prepared launches (:meth:`run` issues them) that write dQ ([B, H, Tq, D] at ``dq``) and
+        dK, dV ([B, Hk, Tk, D]) given the forward's L and D = rowsum(dO * O) (float32 [B, H, Tq] at
+        ``lse`` and ``delta``); a pass whose outputs are None has no launch; ``mask``: the forward's."""
         tail = [*self._dims(pb), ("f32", scale * gen_flash.LOG2E), ("f32", scale), ("u32", int(causal)),
                 *self._mask(pb, mask)]
         sparse = mask is not None
+        launches = []
         if dq is not None:
             kern = self.kernel("dq", dtype, pb.D, sparse)
             bm, bn = kern.cfg.bm, kern.cfg.bn
             args = [self._map(dtype, q, pb.H, pb, pb.Tq, bm), self._map(dtype, k, pb.Hk, pb, pb.Tk, bn),
                     self._map(dtype, v, pb.Hk, pb, pb.Tk, bn), self._map(dtype, do, pb.H, pb, pb.Tq, bm),
                     ("u64", lse), ("u64", delta), ("u64", dq), ("u64", 0), *tail]
-            self._launch(kern, (-(-pb.Tq // bm), pb.B * pb.H, 1), args)
+            launches.append(self._prepared(kern, (-(-pb.Tq // bm), pb.B * pb.H, 1), args))
         if dk is not None or dv is not None:
             if dk is None or dv is None:
-                raise ValueError("backward: dk and dv are computed together; pass both addresses")
+                raise ValueError("backward_launches: dk and dv are computed together; pass both addresses")
             kern = self.kernel("dkv", dtype, pb.D, sparse)
             bm, bn = kern.cfg.bm, kern.cfg.bn
             args = [self._map(dtype, q, pb.H, pb, pb.Tq, bn), self._map(dtype, k, pb.Hk, pb, pb.Tk, bm),
                     self._map(dtype, v, pb.Hk, pb, pb.Tk, bm), self._map(dtype, do, pb.H, pb, pb.Tq, bn),
                     ("u64", lse), ("u64", delta), ("u64", dk), ("u64", dv), *tail]
-            self._launch(kern, (-(-pb.Tk // bm), pb.B * pb.Hk, 1), args)
+            launches.append(self._prepared(kern, (-(-pb.Tk // bm), pb.B * pb.Hk, 1), args))
+        return launches
 
     @staticmethod
     def _mask(pb: Problem, mask: tuple | None) -> list:
@@ -241,7 +250,7 @@ def attention_numpy(ctx: Context, q, k, v, do=None, scale: float | None = None, 
         ops = [operand(x) for x in (q, k, v)]
         o, lse = upload(np.zeros(B * H * Tq * D, np.uint16)), upload(np.zeros(B * H * Tq, np.float32))
         mask = None if block_mask is None else (upload(np.asarray(block_mask, np.int32)), block_size)
-        engine.forward(dtype, pb, *ops, o, lse, scale, causal, mask)
+        engine.run(engine.forward_launches(dtype, pb, *ops, o, lse, scale, causal, mask))
         ctx.synchronize()
         out = {"o": fetch(o, (B, H, Tq, D), dtype), "lse": fetch(lse, (B, H, Tq), "f32")}
         if do is None:
@@ -249,7 +258,7 @@ def attention_numpy(ctx: Context, q, k, v, do=None, scale: float | None = None, 
         delta = np.float32((rounded(do, dtype) * out["o"]).sum(-1))
         dop = operand(do)
         grads = [upload(np.zeros(n * D, np.uint16)) for n in (B * H * Tq, B * Hk * Tk, B * Hk * Tk)]
-        engine.backward(dtype, pb, *ops, dop, lse, upload(delta), *grads, scale, causal, mask)
+        engine.run(engine.backward_launches(dtype, pb, *ops, dop, lse, upload(delta), *grads, scale, causal, mask))
         ctx.synchronize()
         out["delta"] = delta.astype(np.float64)
         for name, ptr, shape in zip(("dq", "dk", "dv"), grads, ((B, H, Tq, D), (B, Hk, Tk, D), (B, Hk, Tk, D))):

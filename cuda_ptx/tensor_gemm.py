@@ -59,20 +59,14 @@ def runs_on(ctx: Context) -> bool:
     return tuple(ctx.cc) == (9, 0)
 
 
-class _Kernel:
-    """One loaded config: its function, threads per CTA, the config, and its kernel-parameter block.
+class _Block:
+    """One kernel-parameter block: three 128-byte tensor maps (128-byte aligned, as CUDA 13 asks),
+    C's pointer, M, N, K, then a bias config's and a batched config's parameters.  ``params`` is
+    the array of pointers to them that ``cuLaunchKernel`` takes."""
 
-    The block (three 128-byte tensor maps, 128-byte aligned as CUDA 13 asks, C's pointer,
-    M, N, K, then a bias config's and a batched config's parameters) is built once and refilled
-    in place for each launch: cuLaunchKernel copies the parameters when it is called, and
-    building them anew costs more host time than a small product takes on the GPU."""
+    __slots__ = ("_owner", "maps_at", "c", "dims", "bias", "batch", "params", "last_maps")
 
-    __slots__ = ("cfg", "fn", "threads", "grids", "_owner", "maps_at", "c", "dims", "bias", "batch", "params",
-                 "last_maps")
-
-    def __init__(self, cfg, fn, threads: int):
-        self.cfg, self.fn, self.threads = cfg, fn, threads
-        self.grids: dict[tuple, tuple] = {}  # (m, n, k, batch extents) -> (padded extents, grid, TMA boxes)
+    def __init__(self, cfg):
         self._owner, base = aligned_buffer(3 * 128, 128)
         self.maps_at = [base + 128 * i for i in range(3)]
         self.c = ctypes.c_uint64(0)
@@ -85,6 +79,36 @@ class _Kernel:
                  *(ctypes.addressof(d) for d in (*self.dims, *self.bias, *self.batch))]
         self.params = (ctypes.c_void_p * len(slots))(*slots)
         self.last_maps: tuple = ()
+
+    def fill(self, maps: tuple, c: int, dims: tuple, bias: int | None, n: int, batch_words: tuple) -> None:
+        """Write one launch's parameters (a map is copied only where it is not the one already there)."""
+        if maps != self.last_maps:
+            for at, raw, old in zip(self.maps_at, maps, self.last_maps or (None,) * 3):
+                if raw is not old:
+                    ctypes.memmove(at, raw, 128)
+            self.last_maps = maps
+        self.c.value = c
+        self.dims[0].value, self.dims[1].value, self.dims[2].value = dims
+        if self.bias:
+            self.bias[0].value, self.bias[1].value = bias, n
+        for slot, word in zip(self.batch, batch_words):
+            slot.value = word
+
+
+class _Kernel:
+    """One loaded config: its function, threads per CTA, the config, the grids of the shapes it ran,
+    and the parameter block its eager launches share.
+
+    That block is refilled in place for each launch (cuLaunchKernel copies the parameters when it is
+    called, and building them anew costs more host time than a small product takes on the GPU); a
+    prepared launch (:meth:`TensorCoreGemm.prepare`) gets a block of its own."""
+
+    __slots__ = ("cfg", "fn", "threads", "grids", "block")
+
+    def __init__(self, cfg, fn, threads: int):
+        self.cfg, self.fn, self.threads = cfg, fn, threads
+        self.grids: dict[tuple, tuple] = {}  # (m, n, k, batch extents) -> (padded extents, grid, TMA boxes)
+        self.block = _Block(cfg)
 
 
 class TensorCoreGemm:
@@ -162,11 +186,9 @@ class TensorCoreGemm:
             kern = self._kernels[key] = _Kernel(cfg, fn, built.threads)
         return kern
 
-    def run(self, in_dtype: str, out_dtype: str, a: tuple, a_major: str, b: tuple, b_major: str, c: tuple,
-            m: int, n: int, k: int, bias: int | None = None, batch: tuple = ()) -> None:
-        """Launch C = A @ B (+ the N-vector of the input dtype at address ``bias``, added before C is
-        rounded) asynchronously, on the default stream, for every product of ``batch`` (see the
-        class docstring); the caller checked :meth:`accepts`."""
+    def _plan(self, in_dtype: str, out_dtype: str, a: tuple, a_major: str, b: tuple, b_major: str, c: tuple,
+              m: int, n: int, k: int, bias: int | None, batch: tuple) -> tuple:
+        """(kernel, grid, the arguments of ``_Block.fill``) of one product."""
         batch = _batch_dims(batch)
         kern = self.kernel(in_dtype, out_dtype, a_major, b_major, bias is not None, len(batch))
         cfg = kern.cfg
@@ -181,35 +203,42 @@ class TensorCoreGemm:
                 products *= e
             grid = operands.grid(cfg, p, self.ctx.sm_count, batch=products)
             shape = kern.grids[(m, n, k, extents)] = (p, grid, boxes)
-        p, (gx, gy), boxes = shape
+        p, grid, boxes = shape
         at = {"a": a, "b": b, "c": c}  # operand -> (address, pitch)
+        words: tuple = ()
         if batch:
             stride_at = {"a": 1, "b": 2, "c": 3}  # where an operand's stride sits in a batch entry
             maps = tuple(self._batched_map(t, *at[t.operand], extents, [d[stride_at[t.operand]] for d in batch])
                          for t in boxes)
+            # the extents, then which batch dimensions A (bit 2 i) and B (bit 2 i + 1) have
+            words = (*extents, sum((bool(sa) << 2 * i) | (bool(sb) << 2 * i + 1) for i, (_, sa, sb, _) in enumerate(batch)))
         else:
             maps = tuple(self._map(at[t.operand][0], t.dtype, t.rows, t.cols, t.box_rows, t.box_cols,
                                    at[t.operand][1]) for t in boxes)
-        cu = self.ctx.cu
+        return kern, grid, (maps, c[0], (p.m, p.n, p.k), bias, n, words)
+
+    def run(self, in_dtype: str, out_dtype: str, a: tuple, a_major: str, b: tuple, b_major: str, c: tuple,
+            m: int, n: int, k: int, bias: int | None = None, batch: tuple = ()) -> None:
+        """Launch C = A @ B (+ the N-vector of the input dtype at address ``bias``, added before C is
+        rounded) asynchronously, on the default stream, for every product of ``batch`` (see the
+        class docstring); the caller checked :meth:`accepts`."""
+        kern, (gx, gy), fill = self._plan(in_dtype, out_dtype, a, a_major, b, b_major, c, m, n, k, bias, batch)
+        fn, cu = kern.fn, self.ctx.cu
         with self._lock:
-            if maps != kern.last_maps:
-                for at, raw, old in zip(kern.maps_at, maps, kern.last_maps or (None,) * 3):
-                    if raw is not old:
-                        ctypes.memmove(at, raw, 128)
-                kern.last_maps = maps
-            kern.c.value = c[0]
-            kern.dims[0].value, kern.dims[1].value, kern.dims[2].value = p.m, p.n, p.k
-            if kern.bias:
-                kern.bias[0].value, kern.bias[1].value = bias, n
-            if batch:  # the extents, then which batch dimensions A (bit 2 i) and B (bit 2 i + 1) have
-                for slot, e in zip(kern.batch, extents):
-                    slot.value = e
-                kern.batch[-1].value = sum((bool(sa) << 2 * i) | (bool(sb) << 2 * i + 1)
-                                           for i, (_, sa, sb, _) in enumerate(batch))
-            fn = kern.fn
+            kern.block.fill(*fill)
             res = cu.cuLaunchKernel(fn.handle, gx, gy, 1, kern.threads, 1, 1, fn.shared_bytes, 0,
-                                    ctypes.addressof(kern.params), 0)
+                                    ctypes.addressof(kern.block.params), 0)
         check(f"cuLaunchKernel({fn.name})", res, cu=cu)
+
+    def prepare(self, in_dtype: str, out_dtype: str, a: tuple, a_major: str, b: tuple, b_major: str, c: tuple,
+                m: int, n: int, k: int, bias: int | None = None, batch: tuple = ()) -> tuple:
+        """:meth:`run`'s launch prepared once, in a parameter block of its own, to be issued any number of
+        times (``Context.prepare_launch``'s form: a replayed step's products, or nodes of a CUDA graph)."""
+        kern, (gx, gy), fill = self._plan(in_dtype, out_dtype, a, a_major, b, b_major, c, m, n, k, bias, batch)
+        block = _Block(kern.cfg)
+        block.fill(*fill)
+        fn = kern.fn
+        return (fn.handle, gx, gy, 1, kern.threads, 1, 1, fn.shared_bytes, ctypes.addressof(block.params), block)
 
     def _batched_map(self, t: operands.TmaBox, addr: int, pitch: int, extents: list, strides: list) -> bytes:
         """The tensor map of one operand of a batched launch: the matrix's two dimensions, then the batch

@@ -35,7 +35,7 @@ import warnings
 import numpy as np
 
 from helios import op_trace
-from helios.backend import DISPATCH, POOLS, Runtime
+from helios.backend import COPY, DISPATCH, FILL, GEMM, POOLS, Runtime
 from helios.errors import DeviceError, OutOfMemoryError
 from helios.profile import debug as _debug
 from helios.profile.profiler import current_collector
@@ -132,6 +132,13 @@ class _Program:
         if self.push_bytes:
             raw = push if len(push) >= self.push_bytes else bytes(push).ljust(self.push_bytes, b"\0")
             vals[self.nbind:] = self.words.unpack_from(raw)
+
+
+def _command_name(kind: int, args: tuple) -> str:
+    """The kernel a recorded command launches, for errors: a dispatch's name, or the tensor-core kernel's."""
+    if kind == DISPATCH:
+        return args[4]
+    return "matmul_wgmma" if kind == GEMM else f"flash_wgmma_{args[0]}"
 
 
 class CudaRuntime(Runtime):
@@ -403,14 +410,12 @@ class CudaRuntime(Runtime):
 
         return in_dtype in INPUTS and bool(self._engine())
 
-    def gemm(self, a: tuple, b: tuple, c: tuple, m: int, n: int, k: int, in_dtype: str, out_dtype: str,
-             bias: tuple | None = None, batch: tuple = ()) -> bool:
-        """C = A @ B on the tensor cores (``tensor_gemm``: the ladder's wgmma kernel) where this GPU and
-        these operands allow it, every product of ``batch`` in one launch; False otherwise (see the
-        contract's ``gemm``)."""
+    def _gemm_plan(self, a: tuple, b: tuple, c: tuple, m: int, n: int, k: int, in_dtype: str, out_dtype: str,
+                   bias: tuple | None, batch: tuple) -> tuple | None:
+        """The tensor-core GEMM's arguments for one product (``TensorCoreGemm.run`` / ``prepare``), with
+        the operands' addresses resolved; None where the engine does not take it."""
         if not self.has_gemm(in_dtype):
-            return False
-        engine = self._engine()
+            return None
         (ha, oa, lda, a_major), (hb, ob, ldb, major), (hc, oc, ldc) = a, b, c
         isz = 2
         osz = 4 if out_dtype == "float32" else 2
@@ -422,15 +427,26 @@ class CudaRuntime(Runtime):
         pb = self._address(hb, ob, ((brows - 1) * ldb + bcols + reach[1]) * isz, "gemm")
         pc = self._address(hc, oc, ((m - 1) * ldc + n + reach[2]) * osz, "gemm")
         pbias = None if bias is None else self._address(bias[0], bias[1], n * isz, "gemm")
-        if not engine.accepts(in_dtype, out_dtype, (pa, lda), (pb, ldb), (pc, ldc), m, n, k, pbias, batch):
+        if not self._engine().accepts(in_dtype, out_dtype, (pa, lda), (pb, ldb), (pc, ldc), m, n, k, pbias, batch):
+            return None
+        return in_dtype, out_dtype, (pa, lda), a_major, (pb, ldb), major, (pc, ldc), m, n, k, pbias, batch
+
+    def gemm(self, a: tuple, b: tuple, c: tuple, m: int, n: int, k: int, in_dtype: str, out_dtype: str,
+             bias: tuple | None = None, batch: tuple = ()) -> bool:
+        """C = A @ B on the tensor cores (``tensor_gemm``: the ladder's wgmma kernel) where this GPU and
+        these operands allow it, every product of ``batch`` in one launch; False otherwise (see the
+        contract's ``gemm``)."""
+        plan = self._gemm_plan(a, b, c, m, n, k, in_dtype, out_dtype, bias, batch)
+        if plan is None:
             return False
         self._use()
         products = 1
         for d in batch:
             products *= d[0]
+        osz = 4 if out_dtype == "float32" else 2
         timed = (self._begin("matmul_wgmma", 2 * m * n * k * products,
-                             products * ((m * k + k * n) * isz + m * n * osz)) if self._timing else None)
-        engine.run(in_dtype, out_dtype, (pa, lda), a_major, (pb, ldb), major, (pc, ldc), m, n, k, pbias, batch)
+                             products * ((m * k + k * n) * 2 + m * n * osz)) if self._timing else None)
+        self._engine().run(*plan)
         self._stats["dispatches"] += 1
         if timed is not None:
             self._end(timed)
@@ -459,14 +475,14 @@ class CudaRuntime(Runtime):
             return False
         return True
 
-    def flash(self, pass_: str, dtype: str, problem: tuple, inputs: tuple, outputs: tuple, scale: float,
-              causal: bool, block_mask: tuple | None = None) -> bool:
-        """Flash attention on the tensor cores (``tensor_flash``: the ``gen_flash`` kernels) where
-        these operands allow it; False otherwise (see the contract's ``flash``)."""
+    def _flash_plan(self, pass_: str, dtype: str, problem: tuple, inputs: tuple, outputs: tuple, scale: float,
+                    causal: bool, block_mask: tuple | None) -> tuple | None:
+        """(the engine's method for the pass, its arguments with the addresses resolved, the trace's name,
+        FLOPs, bytes) of one flash pass on the tensor cores; None where they do not take it."""
         from . import tensor_flash as tf
 
         if not self.has_flash(dtype, problem[5]):
-            return False
+            return None
         engine = self._flash_engine()
         pb = tf.Problem(*problem)
         n_ops = 3 if pass_ == "fwd" else 4
@@ -479,31 +495,39 @@ class CudaRuntime(Runtime):
         why = tf.why_not(dtype, pb, ops)
         if why is not None:
             _debug.log_choice(f"flash attention {pass_}: {why}: runs the SIMT kernel (flash_attn)")
-            return False
+            return None
         rows_q, rows_k = pb.B * pb.H * pb.Tq, pb.B * pb.Hk * pb.Tk
         mask, pairs = None, None
         if block_mask is not None:
             hm, om, bs, pairs = block_mask
             mask = (self._address(hm, om, 4 * -(-pb.Tq // bs) * -(-pb.Tk // bs), "flash"), bs)
-        self._use()
         if pass_ == "fwd":
             (ho, oo), (hl, ol) = outputs
             o = self._address(ho, oo, rows_q * pb.D * isz, "flash")
             lse = self._address(hl, ol, rows_q * 4, "flash")
-            timed = self._begin("flash_wgmma_fwd", tf.flops(pb, causal, pairs=pairs), (2 * rows_q + 2 * rows_k) * pb.D * isz) \
-                if self._timing else None
-            engine.forward(dtype, pb, *ops, o, lse, scale, causal, mask)
-        else:
-            (hl, ol), (hd, od) = inputs[4], inputs[5]
-            lse = self._address(hl, ol, rows_q * 4, "flash")
-            delta = self._address(hd, od, rows_q * 4, "flash")
-            sizes = (rows_q, rows_k, rows_k)
-            outs = [None if t is None else self._address(t[0], t[1], n * pb.D * isz, "flash")
-                    for t, n in zip(outputs, sizes)]
-            timed = self._begin("flash_wgmma_bwd", tf.flops(pb, causal, backward=True, pairs=pairs),
-                                (3 * rows_q + 4 * rows_k) * pb.D * isz) if self._timing else None
-            engine.backward(dtype, pb, *ops, lse, delta, *outs, scale, causal, mask)
-        self._stats["dispatches"] += 1 if pass_ == "fwd" else sum(x is not None for x in outputs[:2])
+            return (engine.forward_launches, (dtype, pb, *ops, o, lse, scale, causal, mask), "flash_wgmma_fwd",
+                    tf.flops(pb, causal, pairs=pairs), (2 * rows_q + 2 * rows_k) * pb.D * isz)
+        (hl, ol), (hd, od) = inputs[4], inputs[5]
+        lse = self._address(hl, ol, rows_q * 4, "flash")
+        delta = self._address(hd, od, rows_q * 4, "flash")
+        outs = [None if t is None else self._address(t[0], t[1], n * pb.D * isz, "flash")
+                for t, n in zip(outputs, (rows_q, rows_k, rows_k))]
+        return (engine.backward_launches, (dtype, pb, *ops, lse, delta, *outs, scale, causal, mask), "flash_wgmma_bwd",
+                tf.flops(pb, causal, backward=True, pairs=pairs), (3 * rows_q + 4 * rows_k) * pb.D * isz)
+
+    def flash(self, pass_: str, dtype: str, problem: tuple, inputs: tuple, outputs: tuple, scale: float,
+              causal: bool, block_mask: tuple | None = None) -> bool:
+        """Flash attention on the tensor cores (``tensor_flash``: the ``gen_flash`` kernels) where
+        these operands allow it; False otherwise (see the contract's ``flash``)."""
+        plan = self._flash_plan(pass_, dtype, problem, inputs, outputs, scale, causal, block_mask)
+        if plan is None:
+            return False
+        launches_of, args, name, flops, nbytes = plan
+        self._use()
+        timed = self._begin(name, flops, nbytes) if self._timing else None
+        launches = launches_of(*args)
+        self._flash_engine().run(launches)
+        self._stats["dispatches"] += len(launches)
         if timed is not None:
             self._end(timed)
         return True
@@ -514,11 +538,12 @@ class CudaRuntime(Runtime):
     def run_commands(self, commands) -> None:
         """Issue recorded commands (a graph's replay; see helios.backend.Runtime.run_commands).
 
-        Each dispatch's launch is prepared once per command list and kept: its parameter block
-        (the bound addresses and push words) built in its own memory, so a replay is one
-        ``cuLaunchKernel`` per dispatch with nothing rebuilt.  A command the graph replaced
-        since (a dynamic push constant) is prepared again.  Timed (profiling, HELIOS_DEBUG) runs
-        go through :meth:`dispatch` one by one."""
+        Each kernel command's launches (a dispatch's one, a tensor-core product's one, a flash pass's
+        one or two) are prepared once per command list and kept: their parameter blocks (the bound
+        addresses, push words, tensor maps) built in memory of their own, so a replay is one
+        ``cuLaunchKernel`` per launch with nothing rebuilt.  A command the graph replaced since (a
+        dynamic push constant) is prepared again.  Timed (profiling, HELIOS_DEBUG) runs go through
+        :meth:`dispatch`, :meth:`gemm` and :meth:`flash` one by one."""
         if self._timing or self.debug or current_collector() is not None:
             return super().run_commands(commands)
         entry = self._prepared.get(id(commands))
@@ -533,63 +558,79 @@ class CudaRuntime(Runtime):
         if len(slots) != len(commands):  # the list changed length: prepare it afresh
             slots[:] = [None] * len(commands)
             entry[2].release()
-        others = (None, self.copy, self.fill, self.gemm, self.flash)
         self._use()
         if self._cuda_graphs:
-            self._stats["dispatches"] += self._run_in_graphs(commands, slots, entry[2], others)
+            self._stats["dispatches"] += self._run_in_graphs(commands, slots, entry[2])
             return
         launch, ok = self.cu.cuLaunchKernel, self._success
         n = 0
         for i, (kind, args) in enumerate(commands):
-            if kind != DISPATCH:
-                others[kind](*args)
+            if kind == COPY or kind == FILL:
+                (self.copy if kind == COPY else self.fill)(*args)
                 continue
             slot = slots[i]
             if slot is None or slot[0] is not args:
-                slot = slots[i] = (args, self._prepare_launch(*args))
-            handle, gx, gy, gz, bx, by, bz, shared, params, _keep = slot[1]
-            res = launch(handle, gx, gy, gz, bx, by, bz, shared, 0, params, 0)
-            if res[0] != ok:
-                self._check(f"cuLaunchKernel({args[4]})", res)
-            n += 1
+                slot = slots[i] = (args, self._command_launches(kind, args))
+            for handle, gx, gy, gz, bx, by, bz, shared, params, _keep in slot[1]:
+                res = launch(handle, gx, gy, gz, bx, by, bz, shared, 0, params, 0)
+                if res[0] != ok:
+                    self._check(f"cuLaunchKernel({_command_name(kind, args)})", res)
+            n += len(slot[1])
         self._stats["dispatches"] += n
+
+    def _command_launches(self, kind: int, args: tuple) -> list[tuple]:
+        """The prepared launches of one recorded kernel command (DISPATCH, GEMM or FLASH)."""
+        if kind == DISPATCH:
+            return [self._prepare_launch(*args)]
+        if kind == GEMM:
+            plan = self._gemm_plan(*args)
+            if plan is not None:
+                return [self._engine().prepare(*plan)]
+        else:
+            plan = self._flash_plan(*args)
+            if plan is not None:
+                return plan[0](*plan[1])
+        # the engine took this command when it was recorded, so it takes the same operands now
+        raise DeviceError(f"{self.name}: a recorded {_command_name(kind, args)} no longer runs on the tensor cores")
 
     def use_cuda_graphs(self, on: bool) -> None:
         """Issue replays' runs of launches as CUDA graphs (True) or one launch at a time (False) from
         now on; ``HELIOS_CUDA_GRAPHS`` sets what a new runtime starts with (cuda_ptx/replay_graphs.py)."""
         self._cuda_graphs = bool(on)
 
-    def _run_in_graphs(self, commands, slots: list, graphs: replay_graphs.RunGraphs, others: tuple) -> int:
-        """:meth:`run_commands` with each run of two or more consecutive dispatches issued as one
-        CUDA graph (cuda_ptx/replay_graphs.py); the number of dispatches issued."""
+    def _run_in_graphs(self, commands, slots: list, graphs: replay_graphs.RunGraphs) -> int:
+        """:meth:`run_commands` with each run of consecutive kernel commands (dispatches, tensor-core
+        products, flash passes) that holds two or more launches issued as one CUDA graph
+        (cuda_ptx/replay_graphs.py); the number of launches issued."""
         i, total, n = 0, len(commands), 0
         while i < total:
             kind, args = commands[i]
-            if kind != DISPATCH:
-                others[kind](*args)
+            if kind == COPY or kind == FILL:
+                (self.copy if kind == COPY else self.fill)(*args)
                 i += 1
                 continue
             end = i + 1
-            while end < total and commands[end][0] == DISPATCH:
+            while end < total and commands[end][0] not in (COPY, FILL):
                 end += 1
-            changed = []  # positions in the run whose command is new since the last replay
+            launches, names, changed = [], [], []  # changed: positions in the run of launches new since the last replay
             for j in range(i, end):
-                slot, a = slots[j], commands[j][1]
+                slot, (kind, a) = slots[j], commands[j]
                 if slot is None or slot[0] is not a:
-                    slots[j] = (a, self._prepare_launch(*a))
-                    changed.append(j - i)
-            launches = [slots[j][1] for j in range(i, end)]
-            as_graph = end - i >= 2 and self._cuda_graphs
+                    slot = slots[j] = (a, self._command_launches(kind, a))
+                    changed += range(len(launches), len(launches) + len(slot[1]))
+                launches += slot[1]
+                names += [_command_name(kind, a)] * len(slot[1])
+            as_graph = len(launches) >= 2 and self._cuda_graphs
             if as_graph and not graphs.launch(i, launches, changed):
                 as_graph = self._cuda_graphs = False  # the driver could not build it: one by one from now on
                 warnings.warn(f"{self.name}: a replay's launches cannot run as a CUDA graph here "
                               f"({replay_graphs.ENV}=1); they go one by one", RuntimeWarning, stacklevel=3)
             if not as_graph:
-                for j, (handle, gx, gy, gz, bx, by, bz, shared, params, _keep) in enumerate(launches):
+                for name, (handle, gx, gy, gz, bx, by, bz, shared, params, _keep) in zip(names, launches):
                     res = self.cu.cuLaunchKernel(handle, gx, gy, gz, bx, by, bz, shared, 0, params, 0)
                     if res[0] != self._success:
-                        self._check(f"cuLaunchKernel({commands[i + j][1][4]})", res)
-            n += end - i
+                        self._check(f"cuLaunchKernel({name})", res)
+            n += len(launches)
             i = end
         return n
 

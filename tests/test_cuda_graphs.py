@@ -10,6 +10,7 @@ import pytest
 
 import helios as hl
 import helios.nn.functional as F
+from helios.backend import COPY, DISPATCH, FILL
 from helios.cuda_ptx import driver, replay_graphs
 from helios.nn import Parameter
 from helios.optim import AdamW
@@ -110,6 +111,26 @@ def test_a_node_of_a_destroyed_graph_cannot_be_updated(emulated_cuda):
     g.release()
 
 
+def test_a_run_whose_launch_count_changed_is_built_again(emulated_cuda):
+    # a replaced command may launch more or fewer kernels (a flash backward without dQ): the run's
+    # graph then has the wrong nodes, and is rebuilt rather than updated
+    hl.set_device("cuda:0")
+    rt = get_runtime()
+    x = hl.tensor(np.ones(64, np.float32))
+    with hl.graph.capture() as g:
+        (x * 2.0).exp()
+    launches = [rt._prepare_launch(*args) for kind, args in g.ops if kind == 0]
+    graphs = replay_graphs.RunGraphs(rt.cu, rt._check)
+    first = len(rt.cu.launches)
+    assert graphs.launch(0, launches * 3, [])
+    old = graphs.execs[0]
+    assert graphs.launch(0, launches * 2, [0])
+    assert graphs.execs[0] is not old and len(graphs.execs[0][1]) == 2 * len(launches)
+    assert len(rt.cu.launches) - first == 5 * len(launches)
+    graphs.release()
+    g.release()
+
+
 def test_an_open_device_switches_between_graphs_and_launches(emulated_cuda, monkeypatch):
     # what bench/train_step.py --cuda-graphs-ab does: the same captured step, replayed both ways
     monkeypatch.setenv(replay_graphs.ENV, "0")
@@ -153,4 +174,46 @@ def test_every_graph_call_fits_the_real_bindings(emulated_cuda, monkeypatch):
         g.replay(X[k, :, :8] @ np.ones((8, 64), np.float32))
     assert probe.probed >= {"cuGraphCreate", "cuGraphAddKernelNode", "cuGraphInstantiate", "cuGraphLaunch",
                             "cuGraphExecKernelNodeSetParams"}, probe.probed
+    g.release()
+
+
+def test_tensor_core_products_and_attention_are_nodes_of_the_graphs(emulated_cuda, monkeypatch):
+    # the wgmma products and flash passes of a replayed bf16 step are prepared launches like the
+    # dispatches, so they sit inside the graphs instead of cutting the runs of launches apart: a bf16
+    # autocast attention block (forward and backward) captured once, replayed without then with graphs
+    monkeypatch.setenv(replay_graphs.ENV, "0")
+    hl.set_device("cuda:0")
+    rt = get_runtime()
+    rng = np.random.default_rng(3)
+    B, T, H, D = 1, 64, 1, 64
+    C = H * D
+    params = [Parameter(hl.tensor(rng.standard_normal(s).astype(np.float32) * 0.1)) for s in ((C, 3 * C), (C, C))]
+    x = hl.tensor(rng.standard_normal((B, T, C)).astype(np.float32))
+    with hl.graph.capture(inputs=(x,)) as g:
+        with hl.amp.autocast(dtype=hl.bfloat16):
+            qkv = (x @ params[0]).reshape(B, T, 3, H, D)
+            q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, C)
+            y = o @ params[1]
+        loss = (y.float() ** 2).mean()
+        loss.backward()
+    new_x = rng.standard_normal((B, T, C)).astype(np.float32)
+    runs = []
+    for on in (False, True):  # the same replay, one launch at a time, then as graphs
+        rt.use_cuda_graphs(on)
+        first = len(rt.cu.launches)
+        g.replay(new_x)
+        runs.append(([t.numpy().tobytes() for t in (loss, *(p.grad for p in params))],
+                     [(launch["kernel"], launch["graph"]) for launch in rt.cu.launches[first:]]))
+    (plain, plain_launches), (graphed, launches) = runs
+    assert plain == graphed  # the loss and the gradients, bit for bit
+    assert [n for n, _ in launches] == [n for n, _ in plain_launches]  # the same kernels, in the same order
+    assert not any(inside for _, inside in plain_launches)
+    tensor_cores = [(name, inside) for name, inside in launches if "wgmma" in name]
+    assert all(inside for _, inside in tensor_cores), tensor_cores
+    for kind in ("gemm_wgmma", "flash_wgmma_fwd", "flash_wgmma_dq", "flash_wgmma_dkv"):  # each kind ran, in a graph
+        assert any(kind in name for name, _ in tensor_cores), (kind, launches)
+    # outside the graphs: the runs of one launch only (a lone dispatch between copies or fills)
+    kinds = "".join("|" if kind in (COPY, FILL) else str(kind) for kind, _ in g.ops).split("|")
+    assert sum(not inside for _, inside in launches) == sum(run == str(DISPATCH) for run in kinds), launches
     g.release()

@@ -229,7 +229,14 @@ def test_vulkan_has_no_matrix_engine():
     assert not get_runtime().has_gemm("bfloat16") or get_runtime().name.startswith("cuda")
 
 
-def test_a_captured_step_replays_its_tensor_core_products(cuda):
+def test_a_captured_step_replays_its_tensor_core_products(cuda, monkeypatch):
+    # the replays launch the products prepared once (TensorCoreGemm.prepare: a parameter block of
+    # their own), on the new inputs
+    from helios.cuda_ptx.tensor_gemm import TensorCoreGemm
+
+    prepared = []
+    real_prepare = TensorCoreGemm.prepare
+    monkeypatch.setattr(TensorCoreGemm, "prepare", lambda self, *a: prepared.append(a) or real_prepare(self, *a))
     rng = np.random.default_rng(5)
     a0, a1 = (rng.standard_normal((24, 32)).astype(np.float32) for _ in range(2))
     b = _t(rng.standard_normal((32, 16)))
@@ -240,8 +247,10 @@ def test_a_captured_step_replays_its_tensor_core_products(cuda):
         y3 = (x @ b3).float()  # a batched product: recorded with its batch
     _close(y.numpy(), _exact(x) @ _exact(b))
     _close(y3.numpy(), _exact(x) @ _exact(b3))
-    g.replay(_t(a1))
-    _close(y.numpy(), _exact(_t(a1)) @ _exact(b))  # the replay ran the product again, on the new input
-    _close(y3.numpy(), _exact(_t(a1)) @ _exact(b3))
-    assert cuda == [True, True, True, True]  # each once captured, once replayed
+    for a in (a1, a0):
+        g.replay(_t(a))
+        _close(y.numpy(), _exact(_t(a)) @ _exact(b))  # the replay ran the product again, on the new input
+        _close(y3.numpy(), _exact(_t(a)) @ _exact(b3))
+    assert cuda == [True, True]  # each taken by the tensor cores when captured
+    assert len(prepared) == 2 and prepared[1][-1], prepared  # prepared on the first replay only, the batch kept
     g.release()

@@ -93,16 +93,22 @@ def test_a_driver_without_graphs_falls_back_once(emulated_cuda, monkeypatch):
     assert fallback[0] == plain[0] and fallback[2] == 0
 
 
-def test_a_node_of_a_destroyed_graph_cannot_be_updated(emulated_cuda):
-    # what RunGraphs keeps its graphs alive for: the emulated driver refuses, as the driver documents
+def _prepared_launches() -> tuple:
+    """(runtime, a captured two-kernel graph, its dispatches' prepared launches) on cuda:0."""
     hl.set_device("cuda:0")
     rt = get_runtime()
     x = hl.tensor(np.ones(64, np.float32))
     with hl.graph.capture() as g:
         (x * 2.0).exp()
-    graphs = replay_graphs.RunGraphs(rt.cu, rt._check)
-    launches = [rt._prepare_launch(*args) for kind, args in g.ops if kind == 0]
+    launches = [rt._prepare_launch(*args) for kind, args in g.ops if kind == DISPATCH]
     assert launches
+    return rt, g, launches
+
+
+def test_a_node_of_a_destroyed_graph_cannot_be_updated(emulated_cuda):
+    # what RunGraphs keeps its graphs alive for: the emulated driver refuses, as the driver documents
+    rt, g, launches = _prepared_launches()
+    graphs = replay_graphs.RunGraphs(rt.cu, rt._check)
     graph_exec, nodes, graph = graphs._build(launches * 2)
     assert rt.cu.cuGraphDestroy(graph)[0] == rt.cu.CUresult.CUDA_SUCCESS
     res = rt.cu.cuGraphExecKernelNodeSetParams(graph_exec, nodes[0], graphs._node(launches[0]))
@@ -114,12 +120,7 @@ def test_a_node_of_a_destroyed_graph_cannot_be_updated(emulated_cuda):
 def test_a_run_whose_launch_count_changed_is_built_again(emulated_cuda):
     # a replaced command may launch more or fewer kernels (a flash backward without dQ): the run's
     # graph then has the wrong nodes, and is rebuilt rather than updated
-    hl.set_device("cuda:0")
-    rt = get_runtime()
-    x = hl.tensor(np.ones(64, np.float32))
-    with hl.graph.capture() as g:
-        (x * 2.0).exp()
-    launches = [rt._prepare_launch(*args) for kind, args in g.ops if kind == 0]
+    rt, g, launches = _prepared_launches()
     graphs = replay_graphs.RunGraphs(rt.cu, rt._check)
     first = len(rt.cu.launches)
     assert graphs.launch(0, launches * 3, [])

@@ -51,8 +51,9 @@
 #         causal and not, one process per head dim (64, 128), 150 s each; a result off the peer's
 #         beyond its --tol, or one not run by the tensor-core kernels (--require-wgmma), fails it;
 #      c. GPT-2's training step, bf16, against PyTorch CUDA eager (SDPA, autocast) and torch.compile
-#         (bench/train_step.py --device cuda:0 --peer cuda --config gpt2 --dtype bf16), and one
-#         profiled step's 20 kernels of the most device time (--kernels 20), 180 s;
+#         (bench/train_step.py --device cuda:0 --peer cuda --config gpt2 --dtype bf16), its replays
+#         also as CUDA graphs (--cuda-graphs-ab), and one profiled step's 20 kernels of the most
+#         device time (--kernels 20), 180 s;
 #      d. helios-train --device cuda:0 --config gpt2 --dtype bf16 --steps 200, its losses next to a
 #         PyTorch twin's from the same initial weights and batches (bench/train_parity.py), 240 s.
 # RESULTS_DIR gets env.txt, gate.log, smoke.jsonl, gpu_tests.log, bench.log, ptx_gemm.jsonl,
@@ -184,7 +185,7 @@ attention() {  # step 7
     done
     grep '^{' "$out/attention_bench.log" >"$out/attention.jsonl" || true
     attn gpt2-train-step "$out/gpt2.log" 180 "$py" -u "$repo/bench/train_step.py" --device cuda:0 --peer cuda \
-        --config gpt2 --dtype bf16 --kernels 20
+        --config gpt2 --dtype bf16 --kernels 20 --cuda-graphs-ab
     attn gpt2-train-parity "$out/gpt2.log" 240 "$py" -u "$repo/bench/train_parity.py" --device cuda:0 --peer cuda \
         --config gpt2 --dtype bf16 --steps 200 --out "$out/gpt2_parity"
     grep '^{"bench": "train_step' "$out/gpt2.log" >"$out/gpt2_train_step.jsonl" || true

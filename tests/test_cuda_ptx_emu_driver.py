@@ -89,10 +89,10 @@ def test_parameters_out_of_order_are_caught_at_launch():
     ctx = emulated_context()
     launch = GemmLaunch(cfg, 64, 128, 64, ctx)
     launch.upload(np.ones((64, 64), np.float32), np.ones((64, 128), np.float32))
-    tmap_a, tmap_b, c, *dims = launch._args
-    launch._args = [("u64", launch.c_ptr), tmap_b, tmap_a, *dims]  # a pointer where tensor map A belongs
+    tmap_a, tmap_b, c, *dims = launch.args
+    wrong = [("u64", launch.c_ptr), tmap_b, tmap_a, *dims]  # a pointer where tensor map A belongs
     with pytest.raises(EmulationError, match="not bytes cuTensorMapEncodeTiled made"):
-        launch.run()
+        ctx.launch(launch.fn, (*launch.grid, 1), (launch.threads, 1, 1), wrong)
 
 
 @pytest.mark.parametrize("change,code,why", [

@@ -306,7 +306,7 @@ def _watch(procs: list[subprocess.Popen], a: argparse.Namespace, received: list[
     failed: Failure | None = None
     next_look = 0.0
     while True:
-        codes = [_exit_status(p) for p in procs]
+        codes = [exit_status(p) for p in procs]
         if failed is None and not received:
             bad = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
             if bad:
@@ -335,9 +335,9 @@ def _watch(procs: list[subprocess.Popen], a: argparse.Namespace, received: list[
         time.sleep(0.05)
 
 
-def _exit_status(p: subprocess.Popen) -> int | None:
+def exit_status(p: subprocess.Popen) -> int | None:
     """A rank's exit code (minus the signal that killed it), or None while it runs, without
-    reaping it.
+    reaping it (any child started in a session of its own: tests/launchers.py's daemons too).
 
     Until it is reaped an exited rank stays a zombie that holds its pid, which is its process
     group's id, so no other process can be given that number while helios-run may still signal
@@ -374,21 +374,27 @@ def proc_stat(pid: int) -> tuple[str, int, int] | None:
     return state.decode(), int(ppid), int(pgrp)
 
 
-def _group_alive(pgid: int) -> bool:
-    """Whether a live process is still in process group ``pgid`` (a rank's zombie leader is not)."""
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
+def _groups_alive(pgids: list[int]) -> bool:
+    """Whether a live process is still in any of the process groups ``pgids`` (a rank's zombie
+    leader is not one); /proc is read once for all of them."""
+    candidates = set()
+    for pgid in pgids:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            continue
+        except PermissionError:
+            return True
+        candidates.add(pgid)
+    if not candidates:
         return False
-    except PermissionError:
-        return True
     try:
         pids = [int(n) for n in os.listdir("/proc") if n.isdigit()]
-    except OSError:  # no /proc: the group exists, count it alive
+    except OSError:  # no /proc: the groups exist, count them alive
         return True
     for pid in pids:
         st = proc_stat(pid)
-        if st is not None and st[2] == pgid and st[0] != "Z":
+        if st is not None and st[2] in candidates and st[0] != "Z":
             return True
     return False
 
@@ -397,10 +403,10 @@ def _signal_groups(procs: list[subprocess.Popen], sig: int, running_only: bool =
     """Send ``sig`` to the process group of every rank (only of the ranks still running with ``running_only``).
 
     A rank's group is its own session (pgid = its pid), so this reaches what the rank started
-    too, even after the rank itself has exited (not reaped yet: :func:`_exit_status`).
+    too, even after the rank itself has exited (not reaped yet: :func:`exit_status`).
     """
     for p in procs:
-        if p.returncode is not None or (running_only and _exit_status(p) is not None):
+        if p.returncode is not None or (running_only and exit_status(p) is not None):
             continue  # reaped: its number may be another process's now
         try:
             os.killpg(p.pid, sig)
@@ -418,18 +424,18 @@ def _stop(procs: list[subprocess.Popen], grace: float, every_group: bool = False
     _signal_groups(procs, signal.SIGTERM, running_only=not every_group)
 
     def busy() -> bool:
-        running = [_exit_status(p) is None for p in procs]
-        return any(running) or (every_group and any(_group_alive(p.pid) for p in procs))
+        running = [exit_status(p) is None for p in procs]
+        return any(running) or (every_group and _groups_alive([p.pid for p in procs]))
 
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline and busy():
         time.sleep(0.05)
     _signal_groups(procs, signal.SIGKILL, running_only=not every_group)
-    while any(_exit_status(p) is None for p in procs):  # SIGKILL: a moment
+    while any(exit_status(p) is None for p in procs):  # SIGKILL: a moment
         time.sleep(0.01)
     if every_group:
         deadline = time.monotonic() + 5.0
-        while time.monotonic() < deadline and any(_group_alive(p.pid) for p in procs):
+        while time.monotonic() < deadline and _groups_alive([p.pid for p in procs]):
             time.sleep(0.02)
     _reap(procs)
 

@@ -123,8 +123,8 @@ class TensorCoreFlash:
         for launch in launches:
             self.ctx.launch_prepared(launch, "flash_wgmma")
 
-    def forward_launches(self, dtype: str, pb: Problem, q: Operand, k: Operand, v: Operand, o: int, lse: int, scale: float,
-                causal: bool, mask: tuple | None = None) -> list[tuple]:
+    def forward_launches(self, dtype: str, pb: Problem, q: Operand, k: Operand, v: Operand, o: int, lse: int,
+                         scale: float, causal: bool, mask: tuple | None = None) -> list[tuple]:
         """The prepared launch (one, in a list; :meth:`run` issues it) that writes O (contiguous
         [B, H, Tq, D] at ``o``) and L (float32 [B, H, Tq] at ``lse``) of softmax(Q K^T * scale) V.
         ``mask`` = (address, block size): an int32 [ceil(Tq / bs), ceil(Tk / bs)] block mask
@@ -137,8 +137,8 @@ class TensorCoreFlash:
         return [self._prepared(kern, (-(-pb.Tq // cfg.bm), pb.B * pb.H, 1), args)]
 
     def backward_launches(self, dtype: str, pb: Problem, q: Operand, k: Operand, v: Operand, do: Operand, lse: int,
-                 delta: int, dq: int | None, dk: int | None, dv: int | None, scale: float, causal: bool,
-                 mask: tuple | None = None) -> list[tuple]:
+                          delta: int, dq: int | None, dk: int | None, dv: int | None, scale: float, causal: bool,
+                          mask: tuple | None = None) -> list[tuple]:
         """The prepared launches (:meth:`run` issues them) that write dQ ([B, H, Tq, D] at ``dq``) and
         dK, dV ([B, Hk, Tk, D]) given the forward's L and D = rowsum(dO * O) (float32 [B, H, Tq] at
         ``lse`` and ``delta``); a pass whose outputs are None has no launch; ``mask``: the forward's."""

@@ -562,21 +562,32 @@ class CudaRuntime(Runtime):
         if self._cuda_graphs:
             self._stats["dispatches"] += self._run_in_graphs(commands, slots, entry[2])
             return
-        launch, ok = self.cu.cuLaunchKernel, self._success
         n = 0
         for i, (kind, args) in enumerate(commands):
             if kind == COPY or kind == FILL:
                 (self.copy if kind == COPY else self.fill)(*args)
                 continue
-            slot = slots[i]
-            if slot is None or slot[0] is not args:
-                slot = slots[i] = (args, self._command_launches(kind, args))
-            for handle, gx, gy, gz, bx, by, bz, shared, params, _keep in slot[1]:
-                res = launch(handle, gx, gy, gz, bx, by, bz, shared, 0, params, 0)
-                if res[0] != ok:
-                    self._check(f"cuLaunchKernel({_command_name(kind, args)})", res)
-            n += len(slot[1])
+            launches, _ = self._slot_launches(slots, i, kind, args)
+            self._launch_each(kind, args, launches)
+            n += len(launches)
         self._stats["dispatches"] += n
+
+    def _slot_launches(self, slots: list, i: int, kind: int, args: tuple) -> tuple[list, bool]:
+        """(the prepared launches of command ``i``, whether they were prepared now): kept in ``slots``
+        while the command is the same object, prepared again when the replay replaced it."""
+        slot = slots[i]
+        if slot is not None and slot[0] is args:
+            return slot[1], False
+        slots[i] = (args, self._command_launches(kind, args))
+        return slots[i][1], True
+
+    def _launch_each(self, kind: int, args: tuple, launches: list) -> None:
+        """``cuLaunchKernel`` each prepared launch of one command on the default stream."""
+        launch, ok = self.cu.cuLaunchKernel, self._success
+        for handle, gx, gy, gz, bx, by, bz, shared, params, _keep in launches:
+            res = launch(handle, gx, gy, gz, bx, by, bz, shared, 0, params, 0)
+            if res[0] != ok:
+                self._check(f"cuLaunchKernel({_command_name(kind, args)})", res)
 
     def _command_launches(self, kind: int, args: tuple) -> list[tuple]:
         """The prepared launches of one recorded kernel command (DISPATCH, GEMM or FLASH)."""
@@ -612,24 +623,21 @@ class CudaRuntime(Runtime):
             end = i + 1
             while end < total and commands[end][0] not in (COPY, FILL):
                 end += 1
-            launches, names, changed = [], [], []  # changed: positions in the run of launches new since the last replay
+            launches, changed = [], []  # changed: positions in the run of launches new since the last replay
             for j in range(i, end):
-                slot, (kind, a) = slots[j], commands[j]
-                if slot is None or slot[0] is not a:
-                    slot = slots[j] = (a, self._command_launches(kind, a))
-                    changed += range(len(launches), len(launches) + len(slot[1]))
-                launches += slot[1]
-                names += [_command_name(kind, a)] * len(slot[1])
+                kind, a = commands[j]
+                more, new = self._slot_launches(slots, j, kind, a)
+                if new:
+                    changed += range(len(launches), len(launches) + len(more))
+                launches += more
             as_graph = len(launches) >= 2 and self._cuda_graphs
             if as_graph and not graphs.launch(i, launches, changed):
                 as_graph = self._cuda_graphs = False  # the driver could not build it: one by one from now on
                 warnings.warn(f"{self.name}: a replay's launches cannot run as a CUDA graph here "
                               f"({replay_graphs.ENV}=1); they go one by one", RuntimeWarning, stacklevel=3)
             if not as_graph:
-                for name, (handle, gx, gy, gz, bx, by, bz, shared, params, _keep) in zip(names, launches):
-                    res = self.cu.cuLaunchKernel(handle, gx, gy, gz, bx, by, bz, shared, 0, params, 0)
-                    if res[0] != self._success:
-                        self._check(f"cuLaunchKernel({name})", res)
+                for j in range(i, end):
+                    self._launch_each(*commands[j], slots[j][1])
             n += len(launches)
             i = end
         return n

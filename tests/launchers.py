@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from helios.comm.launcher import free_port
+from helios.comm.launcher import exit_status, free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKEN_VAR = "HELIOS_LAUNCH_TOKEN"  # marks what one run started
@@ -182,8 +182,7 @@ class SlurmCluster:
                 continue
             # Wait without reaping: while the daemon is unreaped its pid, its group's id, is still
             # its own, so the SIGKILL below cannot reach a group that got the number since.
-            while p.returncode is None and time.monotonic() < deadline and \
-                    os.waitid(os.P_PID, p.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+            while exit_status(p) is None and time.monotonic() < deadline:
                 time.sleep(0.05)
             if p.returncode is None:
                 with contextlib.suppress(ProcessLookupError):

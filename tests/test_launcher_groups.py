@@ -1,6 +1,6 @@
 """helios-run keeps an exited rank unreaped (a zombie holding its pid, which is its process group's
 id) until it has stopped what the rank started, so its signals never reach a process that was
-given the number again (comm/launcher.py: _exit_status, _group_alive, _stop)."""
+given the number again (comm/launcher.py: exit_status, _groups_alive, _stop)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def _start(code: str) -> subprocess.Popen:
 
 def _until_exited(p: subprocess.Popen, timeout: float = 20.0) -> int:
     deadline = time.monotonic() + timeout
-    while (code := launcher._exit_status(p)) is None:
+    while (code := launcher.exit_status(p)) is None:
         assert time.monotonic() < deadline, "the stand-in rank did not exit"
         time.sleep(0.01)
     return code
@@ -35,7 +35,7 @@ def test_an_exited_rank_stays_unreaped_until_reaped_on_purpose():
     try:
         assert _until_exited(p) == 3 and _until_exited(p) == 3  # read twice: still there
         assert p.returncode is None and _state(p.pid) == "Z"  # its pid, its group's id, still held
-        assert not launcher._group_alive(p.pid)  # the zombie leader alone is no live group
+        assert not launcher._groups_alive([p.pid])  # the zombie leader alone is no live group
     finally:
         launcher._reap([p])
     assert p.returncode == 3 and _state(p.pid) is None
@@ -44,7 +44,7 @@ def test_an_exited_rank_stays_unreaped_until_reaped_on_purpose():
 def test_a_rank_killed_by_a_signal_reads_as_minus_the_signal():
     p = _start("import time; time.sleep(60)")
     try:
-        assert launcher._exit_status(p) is None
+        assert launcher.exit_status(p) is None
         p.send_signal(signal.SIGKILL)
         assert _until_exited(p) == -signal.SIGKILL
     finally:
@@ -57,9 +57,9 @@ def test_stop_ends_what_an_exited_rank_left_in_its_group_then_reaps_it(monkeypat
     p = _start("import subprocess; subprocess.Popen(['sleep', '60'])")
     try:
         assert _until_exited(p) == 0
-        assert launcher._group_alive(p.pid)  # the child
+        assert launcher._groups_alive([p.pid])  # the child
         launcher._stop([p], grace=2.0, every_group=True)
-        assert p.returncode == 0 and not launcher._group_alive(p.pid) and _state(p.pid) is None
+        assert p.returncode == 0 and not launcher._groups_alive([p.pid]) and _state(p.pid) is None
         sent = []
         monkeypatch.setattr(launcher.os, "killpg", lambda pgid, sig: sent.append((pgid, sig)))
         launcher._signal_groups([p], signal.SIGTERM)  # reaped: its number may be another's now

@@ -62,6 +62,10 @@ class GemmConfig:
     of C in the epilogue, in fp32 before C is rounded to the output dtype: a Linear layer's
     ``x @ W^T + b`` in one kernel.  It takes two more parameters, the vector's address and
     length (columns past it add 0).
+    ``round_out`` (16-bit wgmma with ``tma_store`` and an ``f32`` C) rounds each fp32 result to the
+    input dtype and stores it widened back to fp32: autocast's product in the 16-bit dtype with the
+    cast of its result to float32 (a float32 parameter's or input's gradient) in the same kernel,
+    bit for bit the two.
     ``batched`` = d > 0 (persistent wgmma with ``tma_store``, no clusters) computes a batch of
     products in one launch: ``d`` batch dimensions (1..3, TMA's rank limit of 5 less the two matrix
     dimensions), each operand's tensor maps ``2 + d``-dimensional with the batch indices as their
@@ -93,6 +97,7 @@ class GemmConfig:
     tma_store: bool = False
     cluster: int = 1
     bias: bool = False
+    round_out: bool = False
     batched: int = 0
 
     # -- derived --------------------------------------------------------------------
@@ -130,7 +135,7 @@ class GemmConfig:
             f"{f'_f{self.inflight}' if self.inflight else ''}{f'_g{self.group_m}' if self.group_m else ''}"
             f"{'_p' if self.persistent else ''}{'_ts' if self.tma_store else ''}"
             f"{f'_x{self.cluster}' if self.cluster > 1 else ''}{'_bias' if self.bias else ''}"
-            f"{f'_B{self.batched}' if self.batched else ''}"
+            f"{'_r' if self.round_out else ''}{f'_B{self.batched}' if self.batched else ''}"
         )
 
     def flops(self, m: int, n: int, k: int) -> int:
@@ -192,6 +197,10 @@ class GemmConfig:
         if self.bias and not (self.kind == "wgmma" and self.tma_store and self.in_bytes == 2):
             raise ValueError("bias (an N-vector added in the epilogue) is generated for 16-bit wgmma configs with "
                              "tma_store only")
+        if self.round_out and not (self.kind == "wgmma" and self.tma_store and self.in_bytes == 2
+                                   and self.out_dtype == "f32"):
+            raise ValueError("round_out (fp32 C rounded to the input dtype) is generated for 16-bit wgmma configs "
+                             "with tma_store and out_dtype 'f32' only")
         if not 0 <= self.batched <= 3:
             raise ValueError(f"batched must be 0..3 batch dimensions (TMA maps have at most 5), got {self.batched}")
         if self.batched and not (self.kind == "wgmma" and self.persistent and self.tma_store and self.cluster == 1):

@@ -62,6 +62,10 @@ def gate_configs() -> dict[str, GemmConfig]:
     for suffix, in_dtype, out_dtype in (("_bias", "bf16", "bf16"), ("_bias_fp16", "fp16", "f32")):
         name = VARIANT + suffix  # a Linear layer's x @ W^T + b in one kernel
         out[name] = out[VARIANT].with_(name=name, in_dtype=in_dtype, out_dtype=out_dtype, bias=True)
+    # autocast's gradients into float32 slots: the product rounded to the input dtype, stored widened
+    for suffix, in_dtype in (("_round", "bf16"), ("_round_fp16", "fp16")):
+        out[VARIANT + suffix] = out[VARIANT].with_(name=VARIANT + suffix, in_dtype=in_dtype, out_dtype="f32",
+                                                   round_out=True)
     # batched products (bmm, per-head attention products): the batch walk and (2 + d)-D tensor maps
     for name, extra in (("_batched", {"batched": 1}), ("_batched2_nmajor", {"batched": 2, "b_major": "n"})):
         out[VARIANT + name] = out[VARIANT].with_(name=VARIANT + name, **extra)
@@ -133,10 +137,11 @@ def emulation_check(cfg: GemmConfig, ptx: str, seed: int = 0) -> tuple[dict, str
         return ran, f"emulator: {e}"
     ran["seconds"] = round(time.perf_counter() - t0, 2)
     want = a @ b
-    if cfg.out_dtype == "bf16":
+    rounded_to = "bf16" if cfg.out_dtype == "bf16" else cfg.in_dtype if cfg.round_out else None
+    if rounded_to is not None:  # the kernel rounds C to a 16-bit type (round_out: and widens it again)
         from .dtypes import decode, encode
 
-        want = decode(encode(want, "bf16"), "bf16")
+        want = decode(encode(want, rounded_to), rounded_to)
     bad = int(np.sum(~(c == want)))
     return ran, (f"emulator: {bad} of {c.size} elements of C differ from A @ B" if bad else None)
 

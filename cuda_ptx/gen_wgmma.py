@@ -673,6 +673,8 @@ def _epilogue_tma(b: Builder, cfg: GemmConfig, plan: WgmmaPlan, tmap_c, smem, cs
                         lo, hi = b.binop("add", "f32", lo, blo), b.binop("add", "f32", hi, bhi)
                     dst = f"[{t}+{half * 8 * C_BOX_ROW}]"  # row + 8: same chunk order (r % 8 unchanged)
                     if cfg.out_dtype == "f32":
+                        if cfg.round_out:
+                            lo, hi = _round_pair(b, cfg.in_dtype, lo, hi)
                         b.emit("st.shared.v2.f32", dst, f"{{{lo}, {hi}}}")
                     else:
                         r = b.reg("b32")
@@ -686,6 +688,23 @@ def _epilogue_tma(b: Builder, cfg: GemmConfig, plan: WgmmaPlan, tmap_c, smem, cs
                 b.emit(store, f"[{tmap_c}, {{{col}, {row}{outer}}}]", f"[{buf}]")
                 b.emit("cp.async.bulk.commit_group")
             i += 1
+
+
+def _round_pair(b: Builder, in_dtype: str, lo, hi) -> tuple:
+    """``lo``, ``hi`` (f32) rounded to the 16-bit ``in_dtype`` (to nearest even) and widened back to
+    f32: new registers, exact in f32 (``round_out``)."""
+    wlo, whi = b.reg("f32"), b.reg("f32")
+    if in_dtype == "bf16":  # one cvt for the pair; bf16 is the top half of an f32: a shift and a mask widen it
+        r = b.reg("b32")
+        b.emit("cvt.rn.bf16x2.f32", r, hi, lo)
+        b.emit("shl.b32", wlo, r, 16)
+        b.emit("and.b32", whi, r, 0xFFFF0000)
+        return wlo, whi
+    for src, dst in ((lo, wlo), (hi, whi)):  # fp16: value by value, narrowed and widened by cvt
+        h = b.reg("b16")
+        b.emit("cvt.rn.f16.f32", h, src)
+        b.emit("cvt.f32.f16", dst, h)
+    return wlo, whi
 
 
 def _load_pair(b: Builder, in_dtype: str, ptr, pred, word, lo, hi) -> None:

@@ -15,7 +15,9 @@ real ones.  No operand is padded or copied, and a row pitch wider than the row (
 wider matrix) is the map's stride.
 
 A Linear layer's bias is added in the same kernel's epilogue (``bias=True`` configs), in
-fp32 before C is rounded, so ``x @ W^T + b`` is one launch.
+fp32 before C is rounded, so ``x @ W^T + b`` is one launch.  ``round_out`` rounds a float32 C
+to the input dtype in the epilogue and stores it widened: autocast's 16-bit product and the
+cast of its result to float32 (a float32 operand's gradient) in one launch, the same bits.
 
 A batch of products (``batch``: up to three batch dimensions, each with its extent and each
 operand's stride along it: a bmm, attention's per-head ``q @ k^T`` on views of one ``[B, T,
@@ -146,12 +148,14 @@ class TensorCoreGemm:
 
     @staticmethod
     def accepts(in_dtype: str, out_dtype: str, a: tuple, b: tuple, c: tuple, m: int, n: int, k: int,
-                bias: int | None = None, batch: tuple = ()) -> bool:
-        """Whether this product can run here: dtypes the kernel has, TMA's alignment rules (and a
-        4-byte aligned bias: its pairs are loaded as words), and extents the kernel's 32-bit
-        parameters and TMA's signed coordinates hold (the tiles of every product of a batch
-        counted together)."""
+                bias: int | None = None, batch: tuple = (), round_out: bool = False) -> bool:
+        """Whether this product can run here: dtypes the kernel has (``round_out``: a float32 C),
+        TMA's alignment rules (and a 4-byte aligned bias: its pairs are loaded as words), and
+        extents the kernel's 32-bit parameters and TMA's signed coordinates hold (the tiles of
+        every product of a batch counted together)."""
         if in_dtype not in INPUTS or out_dtype not in OUTPUTS or min(m, n, k) < 1:
+            return False
+        if round_out and out_dtype != "float32":
             return False
         if bias is not None and (bias % 4 or n % 2):
             return False
@@ -172,14 +176,14 @@ class TensorCoreGemm:
         return max(m, n, k) < 1 << 30 and tiles < 1 << 31
 
     def kernel(self, in_dtype: str, out_dtype: str, a_major: str, b_major: str, bias: bool = False,
-               batched: int = 0) -> _Kernel:
-        """The loaded kernel for these dtypes, operand layouts, bias and number of batch dimensions
-        (built and loaded on first use)."""
-        key = (in_dtype, out_dtype, a_major, b_major, bias, batched)
+               batched: int = 0, round_out: bool = False) -> _Kernel:
+        """The loaded kernel for these dtypes, operand layouts, bias, number of batch dimensions and
+        rounding of a float32 C to the input dtype (built and loaded on first use)."""
+        key = (in_dtype, out_dtype, a_major, b_major, bias, batched, round_out)
         kern = self._kernels.get(key)
         if kern is None:
             cfg = resolve(VARIANT).with_(in_dtype=INPUTS[in_dtype], out_dtype=OUTPUTS[out_dtype], a_major=a_major,
-                                         b_major=b_major, bias=bias, batched=batched)
+                                         b_major=b_major, bias=bias, batched=batched, round_out=round_out)
             cfg.validate()
             built = build_kernel(cfg)
             fn = self.ctx.load_kernel(render(built), built.name, built.shared_bytes, cfg.target)
@@ -187,10 +191,10 @@ class TensorCoreGemm:
         return kern
 
     def _plan(self, in_dtype: str, out_dtype: str, a: tuple, a_major: str, b: tuple, b_major: str, c: tuple,
-              m: int, n: int, k: int, bias: int | None, batch: tuple) -> tuple:
+              m: int, n: int, k: int, bias: int | None, batch: tuple, round_out: bool) -> tuple:
         """(kernel, grid, the arguments of ``_Block.fill``) of one product."""
         batch = _batch_dims(batch)
-        kern = self.kernel(in_dtype, out_dtype, a_major, b_major, bias is not None, len(batch))
+        kern = self.kernel(in_dtype, out_dtype, a_major, b_major, bias is not None, len(batch), round_out)
         cfg = kern.cfg
         extents = tuple(d[0] for d in batch)
         shape = kern.grids.get((m, n, k, extents))
@@ -218,11 +222,13 @@ class TensorCoreGemm:
         return kern, grid, (maps, c[0], (p.m, p.n, p.k), bias, n, words)
 
     def run(self, in_dtype: str, out_dtype: str, a: tuple, a_major: str, b: tuple, b_major: str, c: tuple,
-            m: int, n: int, k: int, bias: int | None = None, batch: tuple = ()) -> None:
+            m: int, n: int, k: int, bias: int | None = None, batch: tuple = (), round_out: bool = False) -> None:
         """Launch C = A @ B (+ the N-vector of the input dtype at address ``bias``, added before C is
         rounded) asynchronously, on the default stream, for every product of ``batch`` (see the
-        class docstring); the caller checked :meth:`accepts`."""
-        kern, (gx, gy), fill = self._plan(in_dtype, out_dtype, a, a_major, b, b_major, c, m, n, k, bias, batch)
+        class docstring); ``round_out``: a float32 C gets each result rounded to the input dtype
+        (widened back: exact in float32).  The caller checked :meth:`accepts`."""
+        kern, (gx, gy), fill = self._plan(in_dtype, out_dtype, a, a_major, b, b_major, c, m, n, k, bias, batch,
+                                          round_out)
         fn, cu = kern.fn, self.ctx.cu
         with self._lock:
             kern.block.fill(*fill)
@@ -231,10 +237,11 @@ class TensorCoreGemm:
         check(f"cuLaunchKernel({fn.name})", res, cu=cu)
 
     def prepare(self, in_dtype: str, out_dtype: str, a: tuple, a_major: str, b: tuple, b_major: str, c: tuple,
-                m: int, n: int, k: int, bias: int | None = None, batch: tuple = ()) -> tuple:
+                m: int, n: int, k: int, bias: int | None = None, batch: tuple = (), round_out: bool = False) -> tuple:
         """:meth:`run`'s launch prepared once, in a parameter block of its own, to be issued any number of
         times (``Context.prepare_launch``'s form: a replayed step's products, or nodes of a CUDA graph)."""
-        kern, (gx, gy), fill = self._plan(in_dtype, out_dtype, a, a_major, b, b_major, c, m, n, k, bias, batch)
+        kern, (gx, gy), fill = self._plan(in_dtype, out_dtype, a, a_major, b, b_major, c, m, n, k, bias, batch,
+                                          round_out)
         block = _Block(kern.cfg)
         block.fill(*fill)
         fn = kern.fn

@@ -411,7 +411,7 @@ class CudaRuntime(Runtime):
         return in_dtype in INPUTS and bool(self._engine())
 
     def _gemm_plan(self, a: tuple, b: tuple, c: tuple, m: int, n: int, k: int, in_dtype: str, out_dtype: str,
-                   bias: tuple | None, batch: tuple) -> tuple | None:
+                   bias: tuple | None, batch: tuple, round_out: bool = False) -> tuple | None:
         """The tensor-core GEMM's arguments for one product (``TensorCoreGemm.run`` / ``prepare``), with
         the operands' addresses resolved; None where the engine does not take it."""
         if not self.has_gemm(in_dtype):
@@ -427,16 +427,17 @@ class CudaRuntime(Runtime):
         pb = self._address(hb, ob, ((brows - 1) * ldb + bcols + reach[1]) * isz, "gemm")
         pc = self._address(hc, oc, ((m - 1) * ldc + n + reach[2]) * osz, "gemm")
         pbias = None if bias is None else self._address(bias[0], bias[1], n * isz, "gemm")
-        if not self._engine().accepts(in_dtype, out_dtype, (pa, lda), (pb, ldb), (pc, ldc), m, n, k, pbias, batch):
+        if not self._engine().accepts(in_dtype, out_dtype, (pa, lda), (pb, ldb), (pc, ldc), m, n, k, pbias, batch,
+                                      round_out):
             return None
-        return in_dtype, out_dtype, (pa, lda), a_major, (pb, ldb), major, (pc, ldc), m, n, k, pbias, batch
+        return in_dtype, out_dtype, (pa, lda), a_major, (pb, ldb), major, (pc, ldc), m, n, k, pbias, batch, round_out
 
     def gemm(self, a: tuple, b: tuple, c: tuple, m: int, n: int, k: int, in_dtype: str, out_dtype: str,
-             bias: tuple | None = None, batch: tuple = ()) -> bool:
+             bias: tuple | None = None, batch: tuple = (), round_out: bool = False) -> bool:
         """C = A @ B on the tensor cores (``tensor_gemm``: the ladder's wgmma kernel) where this GPU and
         these operands allow it, every product of ``batch`` in one launch; False otherwise (see the
         contract's ``gemm``)."""
-        plan = self._gemm_plan(a, b, c, m, n, k, in_dtype, out_dtype, bias, batch)
+        plan = self._gemm_plan(a, b, c, m, n, k, in_dtype, out_dtype, bias, batch, round_out)
         if plan is None:
             return False
         self._use()

@@ -23,7 +23,9 @@ layer_norm and sums in the low dtype; Helios follows the CUDA lists, which keep 
 The matmul kernels accumulate in float32 whatever the storage dtype
 (kernels_spirv/glsl/matmul.comp), and so do the reduction, softmax, layer-norm and
 cross-entropy kernels.  Where the product's kernel can, a linear or matmul with a float32
-operand does its casts itself, with the same bits (helios.fused_kernels "cast+matmul").
+operand does its casts itself, with the same bits (helios.fused_kernels "cast+matmul"); on a
+matrix engine (cuda:N's tensor cores) the operands are cast once and the gradients' casts ride
+in the products (helios.functional.products._autocast_operands).
 
 The state is per thread and nests: an inner ``autocast(enabled=False)`` turns casting off
 for a region, an inner ``autocast("float16")`` changes the dtype.  A backward pass never

@@ -208,12 +208,12 @@ class Graph:
         self._touch((handle,))
         self.ops.append((_FILL, (handle, offset, nbytes, word)))
 
-    def _gemm(self, a, b, c, m, n, k, in_dtype, out_dtype, bias=None, batch=()):
-        took = self._real["gemm"](a, b, c, m, n, k, in_dtype, out_dtype, bias, batch)
+    def _gemm(self, a, b, c, m, n, k, in_dtype, out_dtype, bias=None, batch=(), round_out=False):
+        took = self._real["gemm"](a, b, c, m, n, k, in_dtype, out_dtype, bias, batch, round_out)
         if took:  # a product the matrix engine declined was not recorded: the caller's kernel is
             self._touch((a[0], b[0], c[0]) + ((bias[0],) if bias is not None else ()))
             self.ops.append((_GEMM, (tuple(a), tuple(b), tuple(c), m, n, k, in_dtype, out_dtype,
-                                     None if bias is None else tuple(bias), tuple(tuple(d) for d in batch))))
+                                     None if bias is None else tuple(bias), tuple(tuple(d) for d in batch), round_out)))
         return took
 
     def _flash(self, pass_, dtype, problem, inputs, outputs, scale, causal, block_mask=None):

@@ -252,5 +252,52 @@ def test_a_captured_step_replays_its_tensor_core_products(cuda, monkeypatch):
         _close(y.numpy(), _exact(_t(a)) @ _exact(b))  # the replay ran the product again, on the new input
         _close(y3.numpy(), _exact(_t(a)) @ _exact(b3))
     assert cuda == [True, True]  # each taken by the tensor cores when captured
-    assert len(prepared) == 2 and prepared[1][-1], prepared  # prepared on the first replay only, the batch kept
+    assert len(prepared) == 2 and prepared[1][-2], prepared  # prepared on the first replay only, the batch kept
     g.release()
+
+
+@pytest.mark.parametrize("dtype", [hl.bfloat16, hl.float16], ids=["bf16", "fp16"])
+def test_autocast_gradient_casts_ride_in_the_tensor_core_products(cuda, monkeypatch, dtype):
+    # Under autocast on cuda:0 a float32 operand is cast once, forward, and its gradient comes out of
+    # the backward product rounded and widened in the kernel's epilogue (round_out): bit for bit the
+    # separate casts around each product (the routing before: casts as autograd ops), with fewer
+    # cast kernels.  A GPT block's shapes: c_fc + GELU, c_proj + residual, the tied output embedding.
+    from helios._kernels import elementwise
+    from helios.functional import products
+
+    rng = np.random.default_rng(6)
+    shapes = {"x": (2, 8, 32), "w1": (64, 32), "b1": (64,), "w2": (32, 64), "b2": (32,), "emb": (48, 32)}
+    values = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+    gs = rng.standard_normal((2, 8, 48)).astype(np.float32)
+    casts = []
+    real_copy_into = elementwise.copy_into
+
+    def counted(dst, src):
+        casts.append(dst.dtype is not src.dtype)
+        return real_copy_into(dst, src)
+
+    monkeypatch.setattr(elementwise, "copy_into", counted)  # K.copy's
+    monkeypatch.setattr(K, "copy_into", counted)
+
+    def step():
+        casts.clear()
+        t = {k: hl.tensor(v, requires_grad=True) for k, v in values.items()}
+        with hl.autocast(dtype):
+            h = hl.nn.functional.linear_gelu(t["x"], t["w1"], t["b1"])
+            y = hl.nn.functional.linear_residual(h, t["w2"], t["b2"], t["x"])
+            logits = y @ t["emb"].mT
+        (logits.float() * hl.tensor(gs)).sum().backward()
+        return [y.numpy(), logits.float().numpy()] + [t[k].grad.numpy() for k in shapes], sum(casts)
+
+    fused, fused_casts = step()
+    monkeypatch.setattr(products, "_autocast_in_product", lambda *a: None)
+    monkeypatch.setattr(products, "_autocast_matmul_dtype", lambda *a: None)
+    separate, separate_casts = step()
+    for f, s in zip(fused, separate):
+        np.testing.assert_array_equal(f, s)
+    # Six products store float32 rounded: c_fc's input and weight gradients, c_proj's result (the
+    # residual's promotion) and weight gradient, the output embedding's input and weight gradients.
+    # Each was a 16-bit product and a cast; an fp16 one was two casts (the kernel writes no fp16: a
+    # float32 buffer, then a cast to fp16, then the cast to float32).
+    assert separate_casts - fused_casts == 6 * (2 if dtype is hl.float16 else 1), (separate_casts, fused_casts)
+    assert all(cuda)

@@ -238,7 +238,11 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None 
     batch = broadcast_shapes("matmul", a.shape[:-2], b.shape[:-2])
     rt = a._st.rt
     mixed = _mixed_slots(compute, a, b, bias, out, _epi)
-    if mixed is not None:
+    # A 16-bit product whose one float32 slot is out: a matrix engine rounds and widens it itself.
+    widen = mixed == _OUT_F32 and K > 0 and _bsum is None and rt.has_gemm(compute.name)
+    if widen:
+        a_dtype = compute
+    elif mixed is not None:
         if K == 0 or not _mixed_in_kernel(rt, compute, mixed, M, N, K):
             return _matmul_with_casts(a, b, bias, out, _epi, compute)
         a_dtype = compute  # the kernel's (its variant's) dtype; the slots flagged in ``mixed`` hold float32
@@ -280,10 +284,13 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None 
         if nb == 1:  # one product (a Linear's batch folded into M above): the three matrices as 2-D views
             a2, b2, c2 = (Tensor(t._st, shape, t._strides[-2:], t._off, t.dtype)
                           for t, shape in ((a, (M, K)), (b, (K, N)), (out, (M, N))))
-            if _on_matrix_engine(a2, b2, bias, c2):
+            if _on_matrix_engine(a2, b2, bias, c2, widen):
                 return out
-        elif _on_matrix_engine(a, b, bias, out):  # a batch of products: one launch for all
+        elif _on_matrix_engine(a, b, bias, out, widen):  # a batch of products: one launch for all
             return out
+    if widen:  # the engine declined it: the product, then its cast
+        kern.copy_into(out, matmul(a, b, bias))
+        return out
     if nb > 65535:
         raise ShapeError(f"matmul: {nb} batch matrices exceed the 65535 the kernel dispatches at once; reshape the batch")
     tile = None if _cpu_mm_kernel(rt) else coopmat.choice_for(rt, a_dtype.name, M, N, K).tile  # tensor cores (coopmat.py)
@@ -452,6 +459,13 @@ def _matmul_with_casts(a: Tensor, b: Tensor, bias: Tensor | None, out: Tensor | 
         epi = (epi[0], epi[1], low(e), epi[3])
     if out is None or out.dtype is compute:  # (a float32 e has a float32 out: _mixed_slots)
         return matmul(a, b, bias, out, epi)
+    if a.shape[-1] and a._st.rt.has_gemm(compute.name) and (epi is None or (residual32 and out.is_contiguous())):
+        # the matrix engine stores the rounded product widened into out (matmul's ``widen``); the
+        # residual is then added in place (the same float32 sum as e + the widened product)
+        matmul(a, b, bias, out, compute=compute)
+        if residual32:
+            kern.binary_("add", out, e)
+        return out
     y = matmul(a, b, bias, None, None if residual32 else epi)
     if residual32:
         kern.copy_into(out, kern.binary("add", e, kern.copy(y, dt.float32)))
@@ -462,13 +476,16 @@ def _matmul_with_casts(a: Tensor, b: Tensor, bias: Tensor | None, out: Tensor | 
 
 # Input dtypes a device's matrix engine (Runtime.gemm: tensor cores on cuda:N) may take.
 _ENGINE_DTYPES = (dt.bfloat16, dt.float16)
+# _mixed_slots' flags of a 16-bit product whose only float32 slot is its output.
+_OUT_F32 = (0, 0, 1, 0, 0)
 
 
-def _on_matrix_engine(a: Tensor, b: Tensor, bias: Tensor | None, out: Tensor) -> bool:
+def _on_matrix_engine(a: Tensor, b: Tensor, bias: Tensor | None, out: Tensor, widen: bool = False) -> bool:
     """out = a @ b (+ bias) on the device's matrix engine (``rt.gemm``), every product of the batch
     in one call: a [..., M, K] and b [..., K, N] of any strides, whose batch dims broadcast to
     those of out [*batch, M, N] (2-D for one product); False, with nothing recorded, where the
-    engine cannot take them.
+    engine cannot take them.  ``widen``: out is float32 and gets each result rounded to a's
+    dtype and widened (the engine's ``round_out``), the product and its cast in one launch.
 
     The engine reads each matrix of A and B row-major or transposed and writes C row-major, with
     rows, offsets and batch strides on the 16-byte grid (TMA's rules; a batch stride of 0
@@ -484,7 +501,7 @@ def _on_matrix_engine(a: Tensor, b: Tensor, bias: Tensor | None, out: Tensor) ->
     if bias is not None and (N % 2 or (bias._off * isz) % 4):  # the epilogue loads the bias in pairs, as words
         return False
     target, swapped = None, False
-    if a.dtype is dt.bfloat16:
+    if a.dtype is dt.bfloat16 or widen:
         if _engine_rows(out) is not None:
             target = out
         elif bias is None and _engine_rows(_swap_last(out)) is not None:
@@ -509,7 +526,7 @@ def _on_matrix_engine(a: Tensor, b: Tensor, bias: Tensor | None, out: Tensor) ->
     vec = None if bias is None else (bias._st.handle, bias._off * isz)
     if not rt.gemm((a._st.handle, ra[0] * isz, ra[1], a_major), (b._st.handle, rb[0] * isz, rb[1], b_major),
                    (target._st.handle, rc[0] * target.dtype.itemsize, rc[1]), M, N, K, a.dtype.name,
-                   target.dtype.name, vec, tuple(zip(shape, *strides))):
+                   target.dtype.name, vec, tuple(zip(shape, *strides)), widen):
         return False
     if target is not out and not swapped:
         kern.copy_into(out, target)

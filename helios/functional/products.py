@@ -95,8 +95,8 @@ class _AutocastMatmul(Function):
 
     @staticmethod
     def forward(ctx, a, b, low):
+        a, b = _autocast_operands(ctx, low, a, b)
         ctx.save_for_backward(a, b)
-        ctx.low = low
         if a.ndim > 2 and b.ndim > 2:  # as _Matmul: heads interleaved, any layout
             return K.matmul_any_layout(a, b, out=_heads_out(a, b, low), compute=low)
         return K.matmul(a, b, compute=low)
@@ -108,12 +108,12 @@ class _AutocastMatmul(Function):
         n = ctx.needs_input_grad
         ga = gb = None
         if n[0]:
-            ga = _batched_grad(g, F.transpose(b, -1, -2), _slot(ctx, 0, a), low)
+            ga = _batched_grad(g, F.transpose(b, -1, -2), _slot(ctx, 0, a, ctx.dtypes[0]), low)
         if n[1]:
             if b.ndim == 2 and a.ndim > 2:  # the shared weight's gradient as one product, as _Matmul's
-                gb = _batched_grad(F.transpose(F._rows(a), 0, 1), F._rows(g), _slot(ctx, 1, b), low)
+                gb = _batched_grad(F.transpose(F._rows(a), 0, 1), F._rows(g), _slot(ctx, 1, b, ctx.dtypes[1]), low)
             else:
-                gb = _batched_grad(F.transpose(a, -1, -2), g, _slot(ctx, 1, b), low)
+                gb = _batched_grad(F.transpose(a, -1, -2), g, _slot(ctx, 1, b, ctx.dtypes[1]), low)
         return ga, gb, None
 
 
@@ -128,8 +128,7 @@ def _batched_grad(a: Tensor, b: Tensor, out: Tensor, low) -> Tensor:
 def _autocast_matmul_dtype(a: Tensor, b: Tensor):
     """The autocast dtype when a @ b runs as an _AutocastMatmul (autocast and fusion on, a and b
     >= 2-D with equal batch dims or b 2-D, aligned with K > 0, each float32 or the autocast
-    dtype and one float32, on one device whose matrix engine does not take the dtype), else
-    None."""
+    dtype and one float32, on one device), else None."""
     low = _amp.active_dtype()
     if low is None or not fused_kernels.ENABLED or not (isinstance(a, Tensor) and isinstance(b, Tensor)):
         return None
@@ -138,7 +137,7 @@ def _autocast_matmul_dtype(a: Tensor, b: Tensor):
             and a.shape[-1] == b.shape[-2] > 0 and a.numel() > 0 and b.numel() > 0
             and a.dtype in ok and b.dtype in ok and dt.float32 in (a.dtype, b.dtype) and b._st.rt is a._st.rt):
         return None
-    return None if a._st.rt.has_gemm(low.name) else low
+    return low
 
 
 def matmul(a: Tensor, b: Tensor) -> Tensor:
@@ -297,14 +296,16 @@ class _AutocastLinear(Function):
     """linear(x, w, b) under autocast, in the autocast dtype ``low``, with the casts of its float32
     operands done by the product's kernel (K.matmul's ``compute``): no cast kernels forward and
     none for their gradients backward, bit for bit linear()'s casts, product and the casts'
-    backward.  x, w and b may each be float32 or ``low``; the result is ``low``."""
+    backward.  x, w and b may each be float32 or ``low``; the result is ``low``.  On a matrix
+    engine the operands' casts are kernels of their own, made once (_autocast_operands), and the
+    gradients' casts ride in the backward products."""
 
     op_name = "linear"
 
     @staticmethod
     def forward(ctx, x, w, b, low):
+        x, w, b = _autocast_operands(ctx, low, x, w, b)
         ctx.save_for_backward(x, w)
-        _keep_dtypes(ctx, low, b)
         return K.matmul(x, F.transpose(w, 0, 1), b, compute=low)
 
     @staticmethod
@@ -322,9 +323,9 @@ class _AutocastLinearGelu(Function):
 
     @staticmethod
     def forward(ctx, x, w, b, low):
+        x, w, b = _autocast_operands(ctx, low, x, w, b)
         y, u = K.matmul_epilogue("linear+gelu", x, F.transpose(w, 0, 1), b, None, compute=low)
         ctx.save_for_backward(x, w, u)
-        _keep_dtypes(ctx, low, b)
         return y
 
     @staticmethod
@@ -337,14 +338,15 @@ class _AutocastLinearGelu(Function):
 class _AutocastLinearResidual(Function):
     """residual + linear(x, w, b) under autocast with a float32 residual: the product in ``low``
     rounded and added to the residual in float32 in its kernel's epilogue (linear+residual), the
-    result float32, bit for bit the casts, the product, the promoting cast and the add."""
+    result float32, bit for bit the casts, the product, the promoting cast and the add.  (On a
+    matrix engine: the product rounded and widened into the result, then the add in place.)"""
 
     op_name = "linear+residual"
 
     @staticmethod
     def forward(ctx, x, w, b, residual, low):
+        x, w, b = _autocast_operands(ctx, low, x, w, b)
         ctx.save_for_backward(x, w)
-        _keep_dtypes(ctx, low, b)
         out = K.empty(residual.shape, residual.dtype, residual._st.rt)
         K.matmul_epilogue("linear+residual", x, F.transpose(w, 0, 1), b, residual, out=out, compute=low)
         return out
@@ -358,10 +360,19 @@ class _AutocastLinearResidual(Function):
         return grads + ((g if ctx.needs_input_grad[3] else None), None)
 
 
-def _keep_dtypes(ctx, low, b) -> None:
-    """What an autocast linear's backward needs besides its saved tensors: the autocast dtype and
-    the bias's dtype (its gradient's)."""
-    ctx.low, ctx.bias_dtype = low, (b.dtype if b is not None else None)
+def _autocast_operands(ctx, low, *operands: Tensor | None) -> tuple:
+    """An autocast product's operands (a linear's x, w, b; a matmul's a, b) as its kernel reads
+    them, keeping on ctx what its backward needs besides the saved tensors: the autocast dtype
+    and the operands' dtypes (their gradients').
+
+    A kernel that rounds float32 operands as it loads them (K.matmul's ``compute``) takes them
+    as they are.  A matrix engine reads memory as it is (cuda:N's TMA), so its float32 operands
+    are cast to ``low`` here, once: backward's products then read these copies instead of
+    casting them again, and store float32 gradients rounded and widened in their epilogue."""
+    ctx.low, ctx.dtypes = low, tuple(t.dtype if t is not None else None for t in operands)
+    if not operands[0]._st.rt.has_gemm(low.name):
+        return operands
+    return tuple(_in_dtype(t, low) if t is not None else None for t in operands)
 
 
 def _in_dtype(g: Tensor, dtype) -> Tensor:
@@ -376,13 +387,14 @@ def _autocast_linear_grads(ctx, g: Tensor, x: Tensor, w: Tensor, low) -> tuple:
     gives it), into the input's free gradient slot where it has one."""
     n = ctx.needs_input_grad
     gx = gw = gb = None
+    x_dtype, w_dtype, bias_dtype = ctx.dtypes
     if n[0]:
-        gx = K.matmul(g, w, out=_slot(ctx, 0, x), compute=low)
+        gx = K.matmul(g, w, out=_slot(ctx, 0, x, x_dtype), compute=low)
     if n[1]:
         g2, x2 = F._rows(g), F._rows(x)
-        dest = _slot(ctx, 1, w)
+        dest = _slot(ctx, 1, w, w_dtype)
         bdest = ctx.grad_out(2) if n[2] and fused_kernels.ENABLED and g.is_contiguous() else None
-        if (bdest is not None and bdest.shape == (g.shape[-1],) and bdest.dtype is ctx.bias_dtype
+        if (bdest is not None and bdest.shape == (g.shape[-1],) and bdest.dtype is bias_dtype
                 and K.matmul_bias_grad(F.transpose(x2, 0, 1), g2, F.transpose(dest, 0, 1), bdest, compute=low)):
             return gx, dest, bdest  # the bias gradient summed in the weight gradient's product
         # the wide-output weight as (x^T g)^T, as _linear_grads picks (the same sums either way)
@@ -392,23 +404,25 @@ def _autocast_linear_grads(ctx, g: Tensor, x: Tensor, w: Tensor, low) -> tuple:
             gw = K.matmul(F.transpose(g2, 0, 1), x2, out=dest, compute=low)
     if n[2]:
         gb = F.sum_to_shape(g, (g.shape[-1],))  # in low, as the separate product's bias gradient
-        if ctx.bias_dtype is not low:  # its cast's backward
+        if bias_dtype is not low:  # its cast's backward
             dest = ctx.grad_out(2)
-            if dest is not None and dest.shape == gb.shape and dest.dtype is ctx.bias_dtype:
+            if dest is not None and dest.shape == gb.shape and dest.dtype is bias_dtype:
                 K.copy_into(dest, gb)
                 gb = dest
             else:
-                gb = K.copy(gb, ctx.bias_dtype)
+                gb = K.copy(gb, bias_dtype)
     return gx, gw, gb
 
 
-def _slot(ctx, i: int, t: Tensor) -> Tensor:
+def _slot(ctx, i: int, t: Tensor, dtype=None) -> Tensor:
     """Where input i's (``t``'s) gradient goes: its free gradient slot (ctx.grad_out), else a new
-    contiguous tensor of its shape and dtype."""
+    contiguous tensor of its shape and dtype (``dtype``, where the input was of another dtype than
+    ``t``, its saved copy)."""
+    dtype = dtype or t.dtype
     dest = ctx.grad_out(i)
-    if dest is not None and dest.shape == t.shape and dest.dtype is t.dtype:
+    if dest is not None and dest.shape == t.shape and dest.dtype is dtype:
         return dest
-    return K.empty(t.shape, t.dtype, t._st.rt)
+    return K.empty(t.shape, dtype, t._st.rt)
 
 
 def mlp_residual(x: Tensor, w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tensor | None, residual: Tensor) -> Tensor:
@@ -449,11 +463,12 @@ def _fusible_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
 
 
 def _autocast_in_product(x: Tensor, weight: Tensor, bias: Tensor | None):
-    """The autocast dtype when linear(x, weight, bias) runs as an autocast linear whose kernel does
+    """The autocast dtype when linear(x, weight, bias) runs as an autocast linear whose kernels do
     the casts (_AutocastLinear and its fused forms), else None: autocast and fusion on, a [..., K]
     input with K > 0 and a 2-D weight, each of x, weight and a unit-stride bias float32 or the
-    autocast dtype and at least one float32 (else there is no cast to fuse), all on one device
-    whose matrix engine does not take the autocast dtype (there the engine runs the product)."""
+    autocast dtype and at least one float32 (else there is no cast to fuse), all on one device.
+    (Where a matrix engine takes the autocast dtype, the operands' casts stay kernels of their
+    own and the gradients' casts ride in the products: _autocast_operands.)"""
     low = _amp.active_dtype()
     if low is None or not fused_kernels.ENABLED or not (isinstance(x, Tensor) and isinstance(weight, Tensor)):
         return None
@@ -466,7 +481,7 @@ def _autocast_in_product(x: Tensor, weight: Tensor, bias: Tensor | None):
         return None
     if dt.float32 not in (x.dtype, weight.dtype, bias.dtype if bias is not None else low):
         return None
-    return None if x._st.rt.has_gemm(low.name) else low
+    return low
 
 
 def linear_residual(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor) -> Tensor:
@@ -491,6 +506,8 @@ def linear_gelu(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor
     pre-activation and its GELU (helios.fused_kernels "linear+gelu"), bit for bit the separate ops;
     where the fused kernel does not apply the separate ops run."""
     low = _autocast_in_product(x, weight, bias)
+    if low is not None and x._st.rt.has_gemm(low.name):  # the engine's product, then the GELU kernel
+        return F.gelu(_AutocastLinear.apply(x, weight, bias, low), approximate="tanh")
     if low is not None:  # autocast, the casts in the product's kernel
         return _AutocastLinearGelu.apply(x, weight, bias, low)
     if _amp.state.dtype is not None:  # autocast: the product in the low dtype (gelu, on neither list, follows it)

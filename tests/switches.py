@@ -58,3 +58,37 @@ def use_matmul_kernel(which: str, monkeypatch, request, dtype: str) -> None:
         import pytest
 
         pytest.skip(f"a matrix engine runs {dtype} products here")
+
+
+def autocast_block(dtype, seed: int = 6) -> tuple[list, int]:
+    """A GPT block's autocast products on the current device from float32 leaves, forward and
+    backward: c_fc with its GELU, c_proj with its float32 residual, the tied output embedding.
+    Returns (the outputs and every gradient as arrays, the number of cast kernels it ran: copies
+    between dtypes, K.copy's included)."""
+    import numpy as np
+
+    import helios as hl
+    from helios import _kernels as K
+    from helios._kernels import elementwise
+
+    rng = np.random.default_rng(seed)
+    shapes = {"x": (2, 8, 32), "w1": (64, 32), "b1": (64,), "w2": (32, 64), "b2": (32,), "emb": (48, 32)}
+    t = {k: hl.tensor(rng.standard_normal(s).astype(np.float32), requires_grad=True) for k, s in shapes.items()}
+    gs = hl.tensor(rng.standard_normal((2, 8, 48)).astype(np.float32))
+    casts = []
+    real = elementwise.copy_into
+
+    def counted(dst, src):
+        casts.append(dst.dtype is not src.dtype)
+        return real(dst, src)
+
+    elementwise.copy_into = K.copy_into = counted  # K.copy's, and the callers' of K.copy_into
+    try:
+        with hl.autocast(dtype):
+            h = hl.nn.functional.linear_gelu(t["x"], t["w1"], t["b1"])
+            y = hl.nn.functional.linear_residual(h, t["w2"], t["b2"], t["x"])
+            logits = y @ t["emb"].mT
+        (logits.float() * gs).sum().backward()
+    finally:
+        elementwise.copy_into = K.copy_into = real
+    return [y.numpy(), logits.float().numpy()] + [t[k].grad.numpy() for k in shapes], sum(casts)

@@ -6,6 +6,9 @@ parameter runs the same checks on a real GPU.  The reference is float64 arithmet
 16-bit inputs, and the generic (SIMT) kernel the product ran on before, with
 HELIOS_TENSOR_CORES=0."""
 
+import os
+import sys
+
 import numpy as np
 import pytest
 
@@ -13,6 +16,9 @@ import helios as hl
 from helios import _kernels as K
 from helios.cuda_ptx import driver
 from helios.runtime import close_device, get_runtime, set_device
+
+sys.path.insert(0, os.path.dirname(__file__))
+from switches import autocast_block  # noqa: E402
 
 pytestmark = pytest.mark.vulkan
 
@@ -261,38 +267,13 @@ def test_autocast_gradient_casts_ride_in_the_tensor_core_products(cuda, monkeypa
     # Under autocast on cuda:0 a float32 operand is cast once, forward, and its gradient comes out of
     # the backward product rounded and widened in the kernel's epilogue (round_out): bit for bit the
     # separate casts around each product (the routing before: casts as autograd ops), with fewer
-    # cast kernels.  A GPT block's shapes: c_fc + GELU, c_proj + residual, the tied output embedding.
-    from helios._kernels import elementwise
+    # cast kernels.
     from helios.functional import products
 
-    rng = np.random.default_rng(6)
-    shapes = {"x": (2, 8, 32), "w1": (64, 32), "b1": (64,), "w2": (32, 64), "b2": (32,), "emb": (48, 32)}
-    values = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
-    gs = rng.standard_normal((2, 8, 48)).astype(np.float32)
-    casts = []
-    real_copy_into = elementwise.copy_into
-
-    def counted(dst, src):
-        casts.append(dst.dtype is not src.dtype)
-        return real_copy_into(dst, src)
-
-    monkeypatch.setattr(elementwise, "copy_into", counted)  # K.copy's
-    monkeypatch.setattr(K, "copy_into", counted)
-
-    def step():
-        casts.clear()
-        t = {k: hl.tensor(v, requires_grad=True) for k, v in values.items()}
-        with hl.autocast(dtype):
-            h = hl.nn.functional.linear_gelu(t["x"], t["w1"], t["b1"])
-            y = hl.nn.functional.linear_residual(h, t["w2"], t["b2"], t["x"])
-            logits = y @ t["emb"].mT
-        (logits.float() * hl.tensor(gs)).sum().backward()
-        return [y.numpy(), logits.float().numpy()] + [t[k].grad.numpy() for k in shapes], sum(casts)
-
-    fused, fused_casts = step()
+    fused, fused_casts = autocast_block(dtype)
     monkeypatch.setattr(products, "_autocast_in_product", lambda *a: None)
     monkeypatch.setattr(products, "_autocast_matmul_dtype", lambda *a: None)
-    separate, separate_casts = step()
+    separate, separate_casts = autocast_block(dtype)
     for f, s in zip(fused, separate):
         np.testing.assert_array_equal(f, s)
     # Six products store float32 rounded: c_fc's input and weight gradients, c_proj's result (the

@@ -20,7 +20,7 @@ from helios._kernels import gemm
 from helios.runtime import get_runtime
 
 sys.path.insert(0, os.path.dirname(__file__))
-from switches import count_dispatches, switched, use_matmul_kernel  # noqa: E402
+from switches import autocast_block, count_dispatches, switched, use_matmul_kernel  # noqa: E402
 
 pytestmark = pytest.mark.vulkan
 
@@ -289,3 +289,32 @@ def test_autocast_attention_softmax_reads_16bit_scores_with_the_casts_bits(low, 
     (want * torch.tensor(up.numpy())).sum().backward()
     np.testing.assert_allclose(grad.float().numpy(), t.grad.to(getattr(torch, low.name)).float().numpy(),
                                rtol=2e-2, atol=1e-3)
+
+
+def test_float16_operands_the_cpu_kernel_cannot_read_are_cast_once(monkeypatch):
+    # lavapipe's kernel reads float32 A or B in bfloat16 products only: under float16 autocast a
+    # linear's float32 input and weight are cast once, forward, and backward's products read those
+    # copies instead of casting x and w again (K.casts_operands_first), bit for bit the same
+    if not gemm._cpu_mm_kernel(get_runtime()):
+        pytest.skip("the CPU-driver kernel's float16 products (lavapipe)")
+    once, once_casts = autocast_block(hl.float16)
+    monkeypatch.setattr(K, "casts_operands_first", lambda *a: False)
+    again, again_casts = autocast_block(hl.float16)
+    for u, v in zip(once, again):
+        assert np.array_equal(u, v)
+    # Backward's products cast x, w1, w2 (c_fc's and c_proj's) and emb, y (the tied embedding's)
+    # again, and each such product then also cast its result into its float32 gradient, where
+    # with 16-bit operands the kernel widens it as it stores: 5 + 5
+    assert again_casts - once_casts == 10, (again_casts, once_casts)
+
+
+def test_casts_first_where_the_product_kernel_reads_16_bit_only(monkeypatch):
+    rt = get_runtime()
+    assert not K.casts_operands_first(rt, dt.bfloat16, 64, 64, 64, False, False)  # nothing to cast
+    # the cooperative-matrix kernel takes no float32 operands: a device whose choice is coopmat casts first
+    tile = object()  # any tile: Choice.coopmat asks only whether there is one
+    monkeypatch.setattr(gemm, "_cpu_mm_kernel", lambda rt: False)
+    monkeypatch.setattr(gemm.coopmat, "choice_for", lambda *a: gemm.coopmat.Choice("matmul_coop", tile, "faked"))
+    assert K.casts_operands_first(rt, dt.float16, 64, 64, 64, True, False)
+    monkeypatch.setattr(gemm.coopmat, "choice_for", lambda *a: gemm.coopmat.Choice("matmul", None, "faked"))
+    assert not K.casts_operands_first(rt, dt.float16, 64, 64, 64, True, False)  # the shared-memory kernel rounds on load

@@ -31,7 +31,7 @@ from helios._kernels.reductions import (  # noqa: F401
 from helios._kernels.gemm import (  # noqa: F401
     _P_MATMUL, _P_MATMUL_EPI, _MM_GPU_SPEC, _MM_CPU_TILE, _MM_CPU_WY, _MM_SG, _mm_cpu_tile, _mm_cpu_config,
     _cpu_mm_kernel, matmul_any_layout, _swap_last, _MM_EPI, matmul_epilogue, matmul_bias_grad, matmul, _check_epi,
-    _check_mm_out, scalar_zero,
+    _check_mm_out, scalar_zero, casts_operands_first,
 )
 from helios._kernels.rows import (  # noqa: F401
     _P_ROWS, _P_SOFTMAX, _P_LN, _P_EMB, _row_wg, _row_plan, softmax_rows, layer_norm_fwd, layer_norm_bwd_input,

@@ -420,6 +420,15 @@ def _mixed_slots(compute: dt.DType | None, a: Tensor, b: Tensor, bias: Tensor | 
     return flags
 
 
+def casts_operands_first(rt, compute: dt.DType, M: int, N: int, K: int, a32: bool, b32: bool) -> bool:
+    """Whether matmul(a, b, compute=) of an ``M x K`` by ``K x N`` product, A and / or B float32 as
+    flagged, casts them to ``compute`` with kernels of their own before the product (its kernel
+    reads ``compute`` only: a matrix engine, the cooperative-matrix kernel, float16 on the
+    CPU-driver kernel), rather than rounding them as it loads them.  Where it does, a caller
+    that uses an operand in several products casts it once itself."""
+    return (a32 or b32) and not _mixed_in_kernel(rt, compute, (int(a32), int(b32), 0, 0, 0), M, N, K)
+
+
 def _mixed_in_kernel(rt, compute: dt.DType, mixed: tuple, M: int, N: int, K: int) -> bool:
     """Whether the 16-bit kernel matmul() dispatches for this product takes its float32 slots
     ``mixed`` (the shared-memory kernel does; the CPU-driver kernel has variants for a float32 A

@@ -55,7 +55,10 @@
 #         also as CUDA graphs (--cuda-graphs-ab), and one profiled step's 20 kernels of the most
 #         device time (--kernels 20), 180 s;
 #      d. helios-train --device cuda:0 --config gpt2 --dtype bf16 --steps 200, its losses next to a
-#         PyTorch twin's from the same initial weights and batches (bench/train_parity.py), 240 s.
+#         PyTorch twin's from the same initial weights and batches (bench/train_parity.py), 240 s;
+#      e. autocast's tensor-core products on the GPU (pytest -m gpu -k autocast
+#         tests/test_cuda_tensor_cores.py: gradients stored rounded by round_out, bit for bit the
+#         separate casts), 60 s.
 # RESULTS_DIR gets env.txt, gate.log, smoke.jsonl, gpu_tests.log, bench.log, ptx_gemm.jsonl,
 # cuda_device.log, cuda_train.log and train_step.jsonl; step 7 flash_tests.log,
 # attention_bench.log, attention.jsonl, gpt2.log, gpt2_train_step.jsonl, train_parity.jsonl and
@@ -190,6 +193,9 @@ attention() {  # step 7
         --config gpt2 --dtype bf16 --steps 200 --out "$out/gpt2_parity"
     grep '^{"bench": "train_step' "$out/gpt2.log" >"$out/gpt2_train_step.jsonl" || true
     grep '^{"bench": "train_parity"' "$out/gpt2.log" >"$out/train_parity.jsonl" || true
+    # last, where time is left: autocast's products on the GPU (round_out's gradients, bit for bit the casts)
+    attn autocast-products "$out/flash_tests.log" 60 "$py" -m pytest -q -p no:cacheprovider -m gpu -k autocast \
+        "$repo/tests/test_cuda_tensor_cores.py"
 }
 
 # HELIOS_GATE_ARGS: extra arguments of the gate (--no-emulate skips its CPU emulation runs)

@@ -128,22 +128,27 @@ def test_m_major_a_through_the_transpose_bit(variant, b_major):
     np.testing.assert_array_equal(emulate_gemm(a, b, cfg), a @ b)
 
 
-@pytest.mark.parametrize("in_dtype,out_dtype", [("bf16", "bf16"), ("fp16", "f32")])
-def test_bias_is_added_in_the_epilogue_before_the_rounding(in_dtype, out_dtype):
+@pytest.mark.parametrize("in_dtype,out_dtype,round_out", [("bf16", "bf16", False), ("fp16", "f32", False),
+                                                         ("fp16", "f32", True)])
+def test_bias_is_added_in_the_epilogue_before_the_rounding(in_dtype, out_dtype, round_out):
     from helios.cuda_ptx.emu.driver import emulated_context
     from helios.cuda_ptx.runner import GemmLaunch
 
-    cfg = cp.variants()["wgmma_persistent"].with_(bias=True, in_dtype=in_dtype, out_dtype=out_dtype)
+    cfg = cp.variants()["wgmma_persistent"].with_(bias=True, in_dtype=in_dtype, out_dtype=out_dtype,
+                                                  round_out=round_out)
     rng = np.random.default_rng(10)
     m, n, k = 130, 300, 128  # N past one tile, not a multiple of it: the clipped columns add nothing
     a, b = rng.integers(-3, 4, (m, k)).astype(np.float32), rng.integers(-3, 4, (k, n)).astype(np.float32)
     bias = rng.integers(-50, 50, n).astype(np.float32) + 0.25
+    if round_out:  # f32 C holds each sum rounded to fp16: sums on a quarter grid near 600, where fp16 steps by halves
+        a, bias = a / 4, bias - 0.25 + 600
     launch = GemmLaunch(cfg, m, n, k, emulated_context(sm_count=2))
     launch.upload(a, b, bias)
     launch.run()
     want = a @ b + bias
-    if out_dtype == "bf16":
-        want = dtypes.decode(dtypes.encode(want, "bf16"), "bf16")
+    if out_dtype == "bf16" or round_out:
+        want = dtypes.decode(dtypes.encode(want, in_dtype), in_dtype)
+        assert not round_out or np.any(want != a @ b + bias)  # some sums were rounded
     np.testing.assert_array_equal(launch.result(), want)
     launch.close()
 

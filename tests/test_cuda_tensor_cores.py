@@ -231,6 +231,21 @@ def test_autocast_linear_gradients_match_the_generic_kernel(cuda, monkeypatch):
         np.testing.assert_allclose(e, g, rtol=2e-2, atol=2e-2 * np.abs(g).max())
 
 
+def test_a_float32_out_of_a_16_bit_product_is_rounded_in_the_tensor_core_kernel(cuda):
+    # matmul(compute=) with 16-bit operands and a float32 out: one tensor-core launch with round_out,
+    # bit for bit the bf16 product widened; a fused epilogue's product keeps its own kernel and the cast
+    rng = np.random.default_rng(8)
+    a, b, bias = _t(rng.standard_normal((24, 32))), _t(rng.standard_normal((32, 16))), _t(rng.standard_normal(16))
+    out = K.empty((24, 16), hl.float32, get_runtime())
+    K.matmul(a, b, bias, out=out, compute=hl.bfloat16)
+    assert cuda == [True]
+    np.testing.assert_array_equal(out.numpy(), K.matmul(a, b, bias).float().numpy())
+    y, u = K.matmul_epilogue("linear+gelu", a, b, bias, None, out=out, compute=hl.bfloat16)
+    want, want_u = K.matmul_epilogue("linear+gelu", a, b, bias, None)
+    np.testing.assert_array_equal(out.numpy(), want.float().numpy())
+    np.testing.assert_array_equal(u.float().numpy(), want_u.float().numpy())
+
+
 def test_vulkan_has_no_matrix_engine():
     assert not get_runtime().has_gemm("bfloat16") or get_runtime().name.startswith("cuda")
 

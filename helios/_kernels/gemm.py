@@ -238,8 +238,9 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None 
     batch = broadcast_shapes("matmul", a.shape[:-2], b.shape[:-2])
     rt = a._st.rt
     mixed = _mixed_slots(compute, a, b, bias, out, _epi)
-    # A 16-bit product whose one float32 slot is out: a matrix engine rounds and widens it itself.
-    widen = mixed == _OUT_F32 and K > 0 and _bsum is None and rt.has_gemm(compute.name)
+    # A 16-bit product whose one float32 slot is out: a matrix engine rounds and widens it itself
+    # (a fused epilogue's product is not the engine's: it takes the casts around it below).
+    widen = mixed == _OUT_F32 and K > 0 and _epi is None and _bsum is None and rt.has_gemm(compute.name)
     if widen:
         a_dtype = compute
     elif mixed is not None:

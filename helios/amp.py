@@ -25,7 +25,7 @@ The matmul kernels accumulate in float32 whatever the storage dtype
 cross-entropy kernels.  Where the product's kernel can, a linear or matmul with a float32
 operand does its casts itself, with the same bits (helios.fused_kernels "cast+matmul"); on a
 matrix engine (cuda:N's tensor cores) the operands are cast once and the gradients' casts ride
-in the products (helios.functional.products, K.casts_operands_first).
+in the products (helios.functional.products, helios._kernels.casts_operands_first).
 
 The state is per thread and nests: an inner ``autocast(enabled=False)`` turns casting off
 for a region, an inner ``autocast("float16")`` changes the dtype.  A backward pass never

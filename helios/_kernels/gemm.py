@@ -218,8 +218,9 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None 
     when not given: ``compute``) getting the rounded result widened, and linear+residual's
     float32 e added to the rounded product in float32 (so ``out`` must then be float32).
     The 16-bit kernels do the casts as they load and store (the mixed storage of
-    kernels_spirv/glsl/matmul.glsl); elsewhere (a matrix engine, cooperative matrices) the
-    cast kernels run around the product.
+    kernels_spirv/glsl/matmul.glsl).  A matrix engine rounds and widens a float32 ``out``
+    in its epilogue (its ``round_out``); its float32 operands, and every float32 slot of the
+    cooperative-matrix kernel, are cast by kernels around the product.
 
     Operands may be any strided views (transposes, broadcast batches): the kernel variant
     and its load paths are chosen here from strides and alignment.  ``out`` (optional, the
@@ -241,10 +242,8 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None 
     # A 16-bit product whose one float32 slot is out: a matrix engine rounds and widens it itself
     # (a fused epilogue's product is not the engine's: it takes the casts around it below).
     widen = mixed == _OUT_F32 and K > 0 and _epi is None and _bsum is None and rt.has_gemm(compute.name)
-    if widen:
-        a_dtype = compute
-    elif mixed is not None:
-        if K == 0 or not _mixed_in_kernel(rt, compute, mixed, M, N, K):
+    if mixed is not None:
+        if not widen and (K == 0 or not _mixed_in_kernel(rt, compute, mixed, M, N, K)):
             return _matmul_with_casts(a, b, bias, out, _epi, compute)
         a_dtype = compute  # the kernel's (its variant's) dtype; the slots flagged in ``mixed`` hold float32
     else:
@@ -458,7 +457,9 @@ def _matmul_with_casts(a: Tensor, b: Tensor, bias: Tensor | None, out: Tensor | 
                        compute: dt.DType) -> Tensor:
     """matmul(..., compute=) as separate kernels where the product's kernel takes no float32
     slots: each float32 operand cast to ``compute``, the product, then the result cast into a
-    float32 ``out`` (linear+residual: the rounded product cast to float32 and added to e)."""
+    float32 ``out`` (linear+residual: the rounded product cast to float32 and added to e).  On a
+    matrix engine the product itself stores the rounded result widened into ``out`` (matmul's
+    ``widen``), and linear+residual adds e to it in place."""
     def low(t):
         return t if t is None or t.dtype is compute else kern.copy(t, compute)
 

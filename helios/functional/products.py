@@ -296,9 +296,9 @@ class _AutocastLinear(Function):
     """linear(x, w, b) under autocast, in the autocast dtype ``low``, with the casts of its float32
     operands done by the product's kernel (K.matmul's ``compute``): no cast kernels forward and
     none for their gradients backward, bit for bit linear()'s casts, product and the casts'
-    backward.  x, w and b may each be float32 or ``low``; the result is ``low``.  On a matrix
-    engine the operands' casts are kernels of their own, made once (_autocast_operands), and the
-    gradients' casts ride in the backward products."""
+    backward.  x, w and b may each be float32 or ``low``; the result is ``low``.  Where the
+    product's kernel reads ``low`` only, the operands' casts are kernels of their own, made once
+    (_autocast_operands); on a matrix engine the gradients' casts ride in the backward products."""
 
     op_name = "linear"
 
@@ -419,11 +419,9 @@ def _autocast_linear_grads(ctx, g: Tensor, x: Tensor, w: Tensor, low) -> tuple:
     return gx, gw, gb
 
 
-def _slot(ctx, i: int, t: Tensor, dtype=None) -> Tensor:
-    """Where input i's (``t``'s) gradient goes: its free gradient slot (ctx.grad_out), else a new
-    contiguous tensor of its shape and dtype (``dtype``, where the input was of another dtype than
-    ``t``, its saved copy)."""
-    dtype = dtype or t.dtype
+def _slot(ctx, i: int, t: Tensor, dtype: dt.DType) -> Tensor:
+    """Where input i's gradient goes: its free gradient slot (ctx.grad_out), else a new contiguous
+    tensor of ``t``'s shape (``t``: the input or its saved 16-bit copy) and the input's ``dtype``."""
     dest = ctx.grad_out(i)
     if dest is not None and dest.shape == t.shape and dest.dtype is dtype:
         return dest

@@ -7,6 +7,9 @@ import pytest
 from parity import check
 
 import helios as hl
+from helios import _kernels as K
+from helios._kernels import reductions
+from helios.runtime import get_runtime
 
 pytestmark = pytest.mark.vulkan
 
@@ -131,6 +134,45 @@ def test_max_min_argmax_var(dim):
 def test_argmax_ties_pick_first():
     x = np.array([[1.0, 3.0, 3.0, 0.0], [2.0, 2.0, 2.0, 2.0]], np.float32)
     assert hl.tensor(x).argmax(dim=1).numpy().tolist() == [1, 0]
+
+
+def _row_reductions(x):
+    """Every row reduction of ``x`` over its last dim, as numpy arrays."""
+    out = {"sum": x.sum(-1), "max": x.max(-1).values, "min": x.min(-1).values, "argmax": x.argmax(-1),
+           "argmin": x.argmin(-1)}
+    if x.dtype.is_floating_point:
+        out.update(mean=x.mean(-1), sumsq=K.reduce("sumsq", x, (x.ndim - 1,))[0])
+    return {k: v.numpy() for k, v in out.items()}
+
+
+def test_short_rows_reduced_an_invocation_a_row_give_the_workgroup_bits(monkeypatch):
+    """On a CPU device rows shorter than 256 take reduce.comp's MODE 2, which replays MODE 0's
+    shared-memory tree in one invocation's registers: the same bits, for every op, dtype and
+    length around the tree widths (16 below 64, 64 below 256), strided rows, signed zeros,
+    NaNs and ties, and the in-order second pass of a long row's arg reduction."""
+    rt = get_runtime()
+    assert reductions.rows_in_registers(rt, 255) and not reductions.rows_in_registers(rt, 256)
+    rng = np.random.default_rng(7)
+    cases = []
+    for R in (1, 2, 15, 16, 17, 63, 64, 65, 100, 255):
+        v = rng.standard_normal((37, R)).astype(np.float32) * 1e3
+        v[::5, ::3] = -0.0
+        v[1, R // 2] = v[1, 0] = 7e3  # a tie for the max
+        if R > 2:
+            v[2, R - 1] = np.nan
+        for dtype in (hl.float32, hl.bfloat16, hl.float16):
+            cases.append(hl.tensor(v).to(dtype))
+        cases.append(hl.tensor((v[:, :R] * 10).astype(np.int64)))
+    cases.append(hl.tensor(rng.standard_normal((9, 200)).astype(np.float32))[:, ::3])  # strided rows of 67
+    long_row = rng.standard_normal((2, 20000)).astype(np.float32)
+    long_row[1, 9000] = long_row[1, 19000] = 50.0  # a tie across the chunks of the first pass
+    cases.append(hl.tensor(long_row))
+    got = [_row_reductions(x) for x in cases]
+    monkeypatch.setattr(reductions, "rows_in_registers", lambda rt, R: False)  # a workgroup a row (MODE 0)
+    for x, mine in zip(cases, got):
+        want = _row_reductions(x)
+        for op in want:
+            assert mine[op].tobytes() == want[op].tobytes(), (op, x.dtype, x.shape)
 
 
 @pytest.mark.parametrize("dtype", FLOATS)

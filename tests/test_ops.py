@@ -151,6 +151,9 @@ def test_short_rows_reduced_an_invocation_a_row_give_the_workgroup_bits(monkeypa
     length around the tree widths (16 below 64, 64 below 256), strided rows, signed zeros,
     NaNs and ties, and the in-order second pass of a long row's arg reduction."""
     rt = get_runtime()
+    if rt.info["type"] != "cpu":  # e.g. the op suite on the emulated cuda:0
+        assert not reductions.rows_in_registers(rt, 255)
+        pytest.skip("rows are reduced a workgroup a row on GPUs")
     assert reductions.rows_in_registers(rt, 255) and not reductions.rows_in_registers(rt, 256)
     rng = np.random.default_rng(7)
     cases = []

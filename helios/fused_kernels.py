@@ -31,7 +31,8 @@ arithmetic in the same order, so its results are bit for bit those of the chain:
   workgroups of 64 (CPU devices): some workgroups run the input-gradient kernel's rows, the
   others (spread among them) the parameter-gradient kernel's columns, each with its own code
   (kernels_spirv/glsl/layernorm.comp, MODE 3).  The two parts read the same inputs and write
-  disjoint outputs, so nothing orders them.
+  disjoint outputs, so nothing orders them.  ``rms_norm_bwd+acc``, ``rms_norm_bwd+params`` and
+  ``rms_norm_bwd+acc+params`` are the same for ``F.rms_norm``'s kernel (layernorm.comp's RMS).
 * ``sum_squares`` and ``sum_squares+clip_coef`` / ``sum+clip_coef``
   (helios.optim.clip_grad_norm_): the sum of squares over a flat gradient buffer as one
   reduction (no g * g temporary; each square rounded to float32 before it is added, as the
@@ -108,6 +109,9 @@ PARTS = {
     "layer_norm_bwd+acc": ("layer_norm_bwd", "add"),
     "layer_norm_bwd+params": ("layer_norm_bwd", "layer_norm_bwd_params"),
     "layer_norm_bwd+acc+params": ("layer_norm_bwd", "add", "layer_norm_bwd_params"),
+    "rms_norm_bwd+acc": ("rms_norm_bwd", "add"),
+    "rms_norm_bwd+params": ("rms_norm_bwd", "layer_norm_bwd_params"),
+    "rms_norm_bwd+acc+params": ("rms_norm_bwd", "add", "layer_norm_bwd_params"),
     "cast+matmul": ("cast", "matmul", "cast"),
     "cast+linear+gelu": ("cast", "matmul", "+bias", "gelu_tanh", "cast"),
     "cast+linear+residual": ("cast", "matmul", "+bias", "cast", "add"),

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from parity import check
+from switches import count_dispatches
 
 import helios as hl
 from helios import _kernels as K
@@ -165,7 +166,7 @@ def test_short_rows_reduced_an_invocation_a_row_give_the_workgroup_bits(monkeypa
             v[2, R - 1] = np.nan
         for dtype in (hl.float32, hl.bfloat16, hl.float16):
             cases.append(hl.tensor(v).to(dtype))
-        cases.append(hl.tensor((v[:, :R] * 10).astype(np.int64)))
+        cases.append(hl.tensor(np.nan_to_num(v * 10).astype(np.int64)))
     cases.append(hl.tensor(rng.standard_normal((9, 200)).astype(np.float32))[:, ::3])  # strided rows of 67
     long_row = rng.standard_normal((2, 20000)).astype(np.float32)
     long_row[1, 9000] = long_row[1, 19000] = 50.0  # a tie across the chunks of the first pass
@@ -206,6 +207,31 @@ def test_layer_norm(shape, dtype):
     C = shape[-1]
     check(lambda L, x, w, b: L.nn.functional.layer_norm(x, (C,), w, b) if L.__name__ == "torch" else L.layer_norm(x, (C,), w, b),
           rn(*shape), rn(C), rn(C), dtype=dtype, scale=4)
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("shape,ns", [((4, 16), (16,)), ((2, 3, 33), (33,)), ((1, 1000), (1000,)), ((40, 64), (64,)),
+                                      ((2, 3, 4, 6), (4, 6))])
+def test_rms_norm(shape, ns, dtype):
+    # layernorm.comp's RMS kernels: a workgroup a row, and on CPU devices an invocation a row
+    # from 16 rows on (40 x 64), the texel path in float32; with and without the weight.
+    check(lambda L, x, w: L.nn.functional.rms_norm(x, ns, w, eps=1e-5), rn(*shape), rn(*ns), dtype=dtype, scale=4)
+    check(lambda L, x: L.nn.functional.rms_norm(x, ns), rn(*shape), dtype=dtype, scale=4)
+
+
+@pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")
+def test_rms_norm_is_one_kernel_each_way():
+    x = hl.tensor(rn(40, 64), requires_grad=True)
+    w = hl.tensor(rn(64), requires_grad=True)
+    with count_dispatches() as forward:
+        y = hl.nn.functional.rms_norm(x, (64,), w)
+    with count_dispatches() as backward:
+        y.backward(hl.tensor(rn(40, 64)))
+    assert forward == {"rms_norm": 1}
+    on_cpu = get_runtime().info["type"] == "cpu"  # dx, dw in one dispatch where both go a row / column an invocation
+    assert backward == ({"rms_norm_bwd+params": 1} if on_cpu else {"rms_norm_bwd": 1, "layer_norm_bwd_params": 1})
+    # a weight of another dtype: the ops one by one, in float32, as before
+    check(lambda L, x, w: L.nn.functional.rms_norm(x, (8,), w.half()), rn(5, 8), rn(8), scale=4)
 
 
 @pytest.mark.parametrize("dtype", FLOATS)

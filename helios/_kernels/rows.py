@@ -73,8 +73,24 @@ def softmax_rows(mode: int, x: Tensor, g: Tensor | None = None, scale: float = 1
     return out
 
 
-def layer_norm_fwd(x: Tensor, w: Tensor | None, b: Tensor | None, eps: float):
-    """y, mean, rstd of LayerNorm over the last dim of contiguous ``x``."""
+def _ln_spec(spec: tuple, rms: bool) -> tuple:
+    """layernorm.comp's specialization constants ``spec`` (MODE, AFFINE, WG, HAS_BIAS, ...), with
+    RMS (constant 8) set where ``rms``: the constants between filled with their defaults
+    (PARAM_W, PARAM_B true, PARTIALS false).  LayerNorm's tuples stay as they were."""
+    if not rms:
+        return spec
+    return spec + (True, True, False)[len(spec) - 5:] + (True,)
+
+
+def _ln_name(name: str, rms: bool) -> str:
+    """A LayerNorm dispatch's name, or its RMSNorm twin's (``layer_norm_bwd+acc`` ->
+    ``rms_norm_bwd+acc``)."""
+    return name.replace("layer_norm", "rms_norm", 1) if rms else name
+
+
+def layer_norm_fwd(x: Tensor, w: Tensor | None, b: Tensor | None, eps: float, rms: bool = False):
+    """y, mean, rstd of LayerNorm over the last dim of contiguous ``x``; with ``rms`` RMSNorm's
+    (no mean subtracted: y = x * rstd * w (+ b), rstd = 1 / sqrt(mean(x^2) + eps), mean all 0)."""
     rt = x._st.rt
     C = x.shape[-1]
     rows = x.numel() // C if C else 0
@@ -84,20 +100,21 @@ def layer_norm_fwd(x: Tensor, w: Tensor | None, b: Tensor | None, eps: float):
     if rows == 0:
         return y, mean, rstd
     wg, per_thread, groups = _row_plan(rt, rows, C)
-    pid = rt.pipeline("layernorm", _row_variant(rt, x.dtype, per_thread), (0, w is not None, wg, b is not None, per_thread))
+    pid = rt.pipeline("layernorm", _row_variant(rt, x.dtype, per_thread), _ln_spec((0, w is not None, wg, b is not None, per_thread), rms))
     bx, ox = bind(x)
     bw, ow = bind(w) if w is not None else (bx, 0)
     bb, ob = bind(b) if b is not None else (bx, 0)
     rt.dispatch(pid, [bx, bw, bb, bind(y, True)[0], bind(mean, True)[0], bind(rstd, True)[0], bx, bx, bx],
-                _P_LN.pack(C, rows, ox, 0, eps, ow, ob, 0, 0, 0, 0), groups, "layer_norm", 8 * x.numel(), 3 * x.numel() * x.dtype.itemsize)
+                _P_LN.pack(C, rows, ox, 0, eps, ow, ob, 0, 0, 0, 0), groups, _ln_name("layer_norm", rms), 8 * x.numel(),
+                3 * x.numel() * x.dtype.itemsize)
     return y, mean, rstd
 
 
 def layer_norm_bwd_input(x: Tensor, w: Tensor | None, g: Tensor, mean: Tensor, rstd: Tensor,
-                         acc: Tensor | None = None) -> Tensor:
-    """dL/dx of LayerNorm (contiguous x and g).  With ``acc`` (a contiguous tensor of x's
-    shape and dtype: a pending gradient of x) the kernel returns dx + acc, the add done in
-    its store (helios.fused_kernels "layer_norm_bwd+acc"), bit for bit the separate add."""
+                         acc: Tensor | None = None, rms: bool = False) -> Tensor:
+    """dL/dx of LayerNorm (contiguous x and g; ``rms``: of RMSNorm).  With ``acc`` (a contiguous
+    tensor of x's shape and dtype: a pending gradient of x) the kernel returns dx + acc, the add
+    done in its store (helios.fused_kernels "layer_norm_bwd+acc"), bit for bit the separate add."""
     _check_acc("layer_norm_bwd_input", x, acc)
     rt = x._st.rt
     C = x.shape[-1]
@@ -106,14 +123,15 @@ def layer_norm_bwd_input(x: Tensor, w: Tensor | None, g: Tensor, mean: Tensor, r
         return dx
     rows = x.numel() // C
     wg, per_thread, groups = _row_plan(rt, rows, C)
-    pid = rt.pipeline("layernorm", _row_variant(rt, x.dtype, per_thread), (1, w is not None, wg, acc is not None, per_thread))
+    spec = _ln_spec((1, w is not None, wg, acc is not None, per_thread), rms)
+    pid = rt.pipeline("layernorm", _row_variant(rt, x.dtype, per_thread), spec)
     bx, ox = bind(x)
     bg, og = bind(g)
     bw, ow = bind(w) if w is not None else (bx, 0)
     bp, op = bind(acc) if acc is not None else (bx, 0)  # binding 2 (the bias slot) holds acc
-    name = "layer_norm_bwd"
+    name = _ln_name("layer_norm_bwd", rms)
     if acc is not None:
-        name = fused_kernels.dispatch_name("layer_norm_bwd+acc", rt)
+        name = fused_kernels.dispatch_name(_ln_name("layer_norm_bwd+acc", rms), rt)
     rt.dispatch(pid, [bx, bw, bp, bind(dx, True)[0], bind(mean)[0], bind(rstd)[0], bg, bx, bx],
                 _P_LN.pack(C, rows, ox, og, 0.0, ow, op, 0, 0, 0, 0), groups, name, *_bwd_input_cost(x, acc))
     return dx
@@ -200,8 +218,10 @@ def layer_norm_bwd_params(x: Tensor, g: Tensor, mean: Tensor, rstd: Tensor, need
 
 
 def layer_norm_bwd(x: Tensor, w: Tensor | None, g: Tensor, mean: Tensor, rstd: Tensor, need_w: bool, need_b: bool,
-                   acc: Tensor | None = None, dw_out: Tensor | None = None, db_out: Tensor | None = None):
-    """(dx, dw, db) of LayerNorm: :func:`layer_norm_bwd_input` (with ``acc``) and
+                   acc: Tensor | None = None, dw_out: Tensor | None = None, db_out: Tensor | None = None,
+                   rms: bool = False):
+    """(dx, dw, db) of LayerNorm (``rms``: RMSNorm's dx; its dw is LayerNorm's with mean 0, the
+    mean RMSNorm's forward stores): :func:`layer_norm_bwd_input` (with ``acc``) and
     :func:`layer_norm_bwd_params` (with ``dw_out`` / ``db_out``), the same values bit for bit.
 
     Where both kernels would run an invocation a row / a column in workgroups of 64 (CPU
@@ -216,7 +236,7 @@ def layer_norm_bwd(x: Tensor, w: Tensor | None, g: Tensor, mean: Tensor, rstd: T
     plan = _row_plan(rt, rows, C) if rows and C else None
     # One dispatch for both only where the columns take one pass (the fused kernel has no runs).
     if plan is None or not (need_w or need_b) or plan[:2] != (64, True) or column_chunks(rt, rows, C)[0] > 1:
-        dx = layer_norm_bwd_input(x, w, g, mean, rstd, acc)
+        dx = layer_norm_bwd_input(x, w, g, mean, rstd, acc, rms)
         dw = db = None
         if need_w or need_b:
             dw, db = layer_norm_bwd_params(x, g, mean, rstd, need_w, need_b, dw_out, db_out)
@@ -224,12 +244,13 @@ def layer_norm_bwd(x: Tensor, w: Tensor | None, g: Tensor, mean: Tensor, rstd: T
     dx = empty(x.shape, x.dtype, rt)
     dw, db, bo, offs, direct = _param_grads_out(x, need_w, need_b, dw_out, db_out)
     row_wgs = (rows + 63) // 64
-    pid = rt.pipeline("layernorm", _row_variant(rt, x.dtype, True), (3, w is not None, 64, acc is not None, True, need_w, need_b))
+    pid = rt.pipeline("layernorm", _row_variant(rt, x.dtype, True),
+                      _ln_spec((3, w is not None, 64, acc is not None, True, need_w, need_b), rms))
     bx, ox = bind(x)
     bg, og = bind(g)
     bw, ow = bind(w) if w is not None else (bx, 0)
     bp, op = bind(acc) if acc is not None else (bx, 0)  # binding 2 (the bias slot) holds acc, as in MODE 1
-    name = fused_kernels.dispatch_name("layer_norm_bwd+acc+params" if acc is not None else "layer_norm_bwd+params", rt)
+    name = fused_kernels.dispatch_name(_ln_name("layer_norm_bwd+acc+params" if acc is not None else "layer_norm_bwd+params", rms), rt)
     (f1, n1), (f2, n2) = _bwd_input_cost(x, acc), _bwd_params_cost(x)
     rt.dispatch(pid, [bx, bw, bp, bind(dx, True)[0], bind(mean)[0], bind(rstd)[0], bg, bo, bx],
                 _P_LN.pack(C, rows, ox, og, 0.0, ow, op, offs[0], offs[1], row_wgs, 0),

@@ -154,11 +154,15 @@ def attention_softmax(scores: Tensor, scale: float = 1.0, causal: bool = False) 
 
 
 class _LayerNorm(Function):
+    """LayerNorm over the last dim of contiguous x; with ``rms`` RMSNorm (the same kernels
+    with the mean taken as 0: layernorm.comp's RMS)."""
+
     @staticmethod
-    def forward(ctx, x, w, b, eps):
-        y, mean_, rstd = K.layer_norm_fwd(x, w, b, eps)
+    def forward(ctx, x, w, b, eps, rms=False):
+        y, mean_, rstd = K.layer_norm_fwd(x, w, b, eps, rms)
         ctx.save_for_backward(x, w, mean_, rstd)
         ctx.has_b = b is not None
+        ctx.rms = rms
         return y
 
     @staticmethod
@@ -173,12 +177,12 @@ class _LayerNorm(Function):
             acc = ctx.grad_pending(0) if fused_kernels.ENABLED and hasattr(ctx, "grad_pending") else None
             if fused_kernels.ENABLED and (need_w or need_b):  # both gradients in one dispatch where it can
                 dx, dw, db = K.layer_norm_bwd(x, w, g, mean_, rstd, need_w, need_b, acc,
-                                              ctx.grad_out(1), ctx.grad_out(2))
-                return dx, dw, db, None
-            dx = K.layer_norm_bwd_input(x, w, g, mean_, rstd, acc)
+                                              ctx.grad_out(1), ctx.grad_out(2), ctx.rms)
+                return dx, dw, db, None, None
+            dx = K.layer_norm_bwd_input(x, w, g, mean_, rstd, acc, ctx.rms)
         if need_w or need_b:  # into the parameters' free slots when both share one buffer
             dw, db = K.layer_norm_bwd_params(x, g, mean_, rstd, need_w, need_b, ctx.grad_out(1), ctx.grad_out(2))
-        return dx, dw, db, None
+        return dx, dw, db, None, None
 
 
 def layer_norm(x: Tensor, normalized_shape, weight: Tensor | None = None, bias: Tensor | None = None, eps: float = 1e-5) -> Tensor:
@@ -462,7 +466,12 @@ def rms_norm(x: Tensor, normalized_shape, weight: Tensor | None = None, eps: flo
     if x.dtype.kind != "float":
         raise DTypeError(f"rms_norm: expected a floating-point tensor, got {x.dtype.name}")
     e = _EPS.get(x.dtype.name, _EPS["float32"]) if eps is None else float(eps)
-    xf = F.to(x, dt.float32)
+    if ns and (weight is None or weight.dtype is x.dtype):  # one kernel a pass (layernorm.comp's RMS)
+        C = numel(ns)
+        x2 = F.reshape(F.contiguous(x), x.shape[: x.ndim - len(ns)] + (C,))
+        w = F.reshape(F.contiguous(weight), (C,)) if weight is not None else None
+        return F.reshape(_LayerNorm.apply(x2, w, None, e, True), x.shape)
+    xf = F.to(x, dt.float32)  # a scalar normalized shape, or a weight of another dtype
     dims = list(range(x.ndim - len(ns), x.ndim))
     y = xf * F.rsqrt(F.mean(xf * xf, dim=dims, keepdim=True) + e) if dims else xf * F.rsqrt(xf * xf + e)
     if weight is not None:

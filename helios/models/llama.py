@@ -192,9 +192,12 @@ def merge_heads(y: Tensor) -> Tensor:
 
 class LlamaRMSNorm(RMSNorm):
     """transformers' LlamaRMSNorm: normalised in float32, cast back to the input's dtype, then
-    times the weight (the order matters in 16-bit)."""
+    times the weight (the order matters in 16-bit).  In float32 the cast is none and the
+    product the same, so the weight goes into the kernel (F.rms_norm's) and its gradient too."""
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.dtype is dt.float32 and self.weight.dtype is dt.float32:
+            return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
         y = F.rms_norm(x, self.normalized_shape, None, self.eps)
         return y * self.weight
 

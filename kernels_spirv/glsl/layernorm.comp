@@ -27,6 +27,10 @@
 //   contiguous run of workgroup ids, so the last thread would get them all.  A workgroup takes
 //   one side as a whole; llvmpipe still runs both sides with lanes masked, so all of each side's
 //   work is in its loops, which end at once with no lane active.
+// RMS (F.rms_norm, MODES 0, 1, 3): RMSNorm, LayerNorm without the mean: the forward takes mean = 0
+//   (y = x * rstd * w, rstd = 1 / sqrt(mean(x^2) + eps); mean_ is stored as 0, so MODE 2's
+//   xhat = (x - mean) * rstd is RMSNorm's) and the backward drops the mean(gw) term:
+//   dx = rstd * (gw - xhat * mean(gw * xhat)).
 // gw is `precise`: fused into a later fma(g, w, -mean(gw)) its rounding error would survive
 // where gw - mean(gw) is exactly 0 (one column), which a GPU's true fma shows and lavapipe's
 // mul + add hides.
@@ -43,6 +47,7 @@ layout(constant_id = 5) const bool PARAM_W = true;
 layout(constant_id = 6) const bool PARAM_B = true;
 // MODE 2: write each run's float partial sums to binding 8 (MODE 4 adds them up).
 layout(constant_id = 7) const bool PARTIALS = false;
+layout(constant_id = 8) const bool RMS = false;
 
 #ifdef ROW_TEXEL
 // fp32 on CPU drivers (variant f32_tx): x and g are read through rgba32f texel views, one
@@ -102,8 +107,9 @@ void row_serial4(uint row) {
     float invC = 1.0 / float(p.C);
     if (MODE == 0) {
         float s = 0.0;
-        for (uint k = 0u; k < C4; ++k) { vec4 xv = texelFetch(tx, int(bx + k)); s += xv.x; s += xv.y; s += xv.z; s += xv.w; }
-        float mu = s * invC;
+        if (!RMS)
+            for (uint k = 0u; k < C4; ++k) { vec4 xv = texelFetch(tx, int(bx + k)); s += xv.x; s += xv.y; s += xv.z; s += xv.w; }
+        float mu = RMS ? 0.0 : s * invC;
         float v = 0.0;
         for (uint k = 0u; k < C4; ++k) {
             vec4 d = texelFetch(tx, int(bx + k)) - mu;
@@ -127,7 +133,7 @@ void row_serial4(uint row) {
             s1 += gw.x; s2 += gw.x * xh.x; s1 += gw.y; s2 += gw.y * xh.y;
             s1 += gw.z; s2 += gw.z * xh.z; s1 += gw.w; s2 += gw.w * xh.w;
         }
-        s1 *= invC; s2 *= invC;
+        s1 = RMS ? 0.0 : s1 * invC; s2 *= invC;
         for (uint k = 0u; k < C4; ++k) {
             precise vec4 gw = texelFetch(tg, int(bg + k)) * (AFFINE ? texelFetch(tw, int(bw + k)) : vec4(1.0));
             vec4 xh = (texelFetch(tx, int(bx + k)) - mu) * rs;
@@ -150,8 +156,9 @@ void row_serial(uint row) {
     float invC = 1.0 / float(p.C);
     if (MODE == 0) {
         float s = 0.0;
-        for (uint k = 0u; k < p.C; ++k) s += LDX(bx + k);
-        float mu = s * invC;
+        if (!RMS)
+            for (uint k = 0u; k < p.C; ++k) s += LDX(bx + k);
+        float mu = RMS ? 0.0 : s * invC;
         float v = 0.0;
         for (uint k = 0u; k < p.C; ++k) { float d = LDX(bx + k) - mu; v += d * d; }
         float rs = inversesqrt(v * invC + p.eps);
@@ -171,7 +178,7 @@ void row_serial(uint row) {
             float xh = (LDX(bx + k) - mu) * rs;
             s1 += gw; s2 += gw * xh;
         }
-        s1 *= invC; s2 *= invC;
+        s1 = RMS ? 0.0 : s1 * invC; s2 *= invC;
         for (uint k = 0u; k < p.C; ++k) {
             precise float gw = LDG(bg + k) * (AFFINE ? LDW(p.off_w + k) : 1.0);
             float xh = (LDX(bx + k) - mu) * rs;
@@ -261,9 +268,12 @@ void main() {
     uint bx = p.off_x + row * p.C, bo = row * p.C;
     float invC = 1.0 / float(p.C);
     if (MODE == 0) {
-        float s = 0.0;
-        for (uint k = tid; k < p.C; k += uint(WG)) s += LDX(bx + k);
-        float mu = block_sum(s) * invC;
+        float mu = 0.0;
+        if (!RMS) {
+            float s = 0.0;
+            for (uint k = tid; k < p.C; k += uint(WG)) s += LDX(bx + k);
+            mu = block_sum(s) * invC;
+        }
         float v = 0.0;
         for (uint k = tid; k < p.C; k += uint(WG)) { float d = LDX(bx + k) - mu; v += d * d; }
         float rs = inversesqrt(block_sum(v) * invC + p.eps);
@@ -283,7 +293,7 @@ void main() {
             float xh = (LDX(bx + k) - mu) * rs;
             s1 += gw; s2 += gw * xh;
         }
-        s1 = block_sum(s1) * invC;
+        s1 = RMS ? 0.0 : block_sum(s1) * invC;
         s2 = block_sum(s2) * invC;
         for (uint k = tid; k < p.C; k += uint(WG)) {
             precise float gw = LDG(bg + k) * (AFFINE ? LDW(p.off_w + k) : 1.0);

@@ -17,6 +17,8 @@ transformers = pytest.importorskip("transformers")
 
 import helios as hl  # noqa: E402
 import helios.nn as nn  # noqa: E402
+from switches import count_dispatches, switched  # noqa: E402
+from helios import fused_kernels  # noqa: E402
 from helios.errors import CheckpointError  # noqa: E402
 from helios.models import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, from_pretrained,  # noqa: E402
                            read_safetensors)
@@ -397,3 +399,25 @@ def test_training_gradients_equal_transformers_and_a_captured_step_replays(folde
     g.release()
     np.testing.assert_allclose(got, want, rtol=1e-5)
     assert got[2] < got[0]
+
+
+def test_llama_residual_adds_ride_in_the_output_projections():
+    """LlamaDecoderLayer adds the residual stream in o_proj's and down_proj's matmuls
+    (helios.nn.modules.project_residual: "linear+residual"), no add kernel of their own, and
+    trains to the same bits as the adds one by one (fused kernels switched off)."""
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    ids = _ids(T=10, seed=5)
+
+    def step():
+        model = LlamaForCausalLM(cfg, seed=3)
+        with count_dispatches() as names:
+            _, loss = model(ids[:, :-1], ids[:, 1:])
+        loss.backward()
+        return loss.numpy().tobytes(), [p.grad.numpy().tobytes() for p in model.parameters()], names
+
+    fused = step()
+    with switched(fused_kernels, "ENABLED", False):
+        separate = step()
+    assert fused[2]["linear+residual"] == 2 * cfg.num_hidden_layers and separate[2]["linear+residual"] == 0
+    assert fused[0] == separate[0] and fused[1] == separate[1]

@@ -23,7 +23,7 @@ import numpy as np
 import helios.functional as F
 from helios import dtypes as dt
 from helios.creation import tensor
-from helios.nn.modules import Embedding, Linear, Module, ModuleList, RMSNorm
+from helios.nn.modules import Embedding, Linear, Module, ModuleList, RMSNorm, project_residual
 from helios.tensor import Tensor
 
 from helios.models.generation import GenerationMixin, attention, lm_loss
@@ -213,10 +213,12 @@ class LlamaAttention(Module):
         self.v_proj = Linear(C, Hk * D, bias=cfg.qkv_bias, std=std, seed=seed + 2)
         self.o_proj = Linear(H * D, C, bias=cfg.o_bias, std=std, seed=seed + 3)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv=None, layer: int = 0) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv=None, layer: int = 0, residual: Tensor | None = None) -> Tensor:
+        """o_proj of the attention over x's heads; with ``residual``, residual + that (the add
+        in o_proj's matmul where it can be: helios.nn.modules.project_residual)."""
         q, k, v = rotary_qkv(self, x, cos, sin)
         y = kv.attend(layer, q, k, v) if kv is not None else attention(q, k, v, causal=True)
-        return self.o_proj(merge_heads(y))
+        return project_residual(self.o_proj, merge_heads(y), residual)
 
 
 class LlamaMLP(Module):
@@ -227,8 +229,10 @@ class LlamaMLP(Module):
         self.up_proj = Linear(C, inner, bias=cfg.mlp_bias, std=std, seed=seed + 1)
         self.down_proj = Linear(inner, C, bias=cfg.mlp_bias, std=std, seed=seed + 2)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
+        """down_proj(silu(gate_proj(x)) * up_proj(x)); with ``residual``, residual + that (as
+        LlamaAttention's)."""
+        return project_residual(self.down_proj, F.silu(self.gate_proj(x)) * self.up_proj(x), residual)
 
 
 class LlamaDecoderLayer(Module):
@@ -240,6 +244,10 @@ class LlamaDecoderLayer(Module):
         self.post_attention_layernorm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv=None, layer: int = 0) -> Tensor:
+        if type(self.self_attn) is LlamaAttention and type(self.mlp) is LlamaMLP:  # (not a module swapped in)
+            # the residual adds ride in the projections' matmuls where they can (project_residual)
+            x = self.self_attn(self.input_layernorm(x), cos, sin, kv, layer, residual=x)
+            return self.mlp(self.post_attention_layernorm(x), residual=x)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, layer)
         return x + self.mlp(self.post_attention_layernorm(x))
 

@@ -766,7 +766,7 @@ class CausalSelfAttention(Module):
             att = self.attn_dropout(F.attention_softmax(F.matmul(q, k.mT), 1.0 / math.sqrt(D), causal=True))
             y = F.matmul(att, v)
         y = y.transpose(1, 2).reshape(B, T, C)
-        return _project(self.c_proj, self.resid_dropout, y, residual)
+        return project_residual(self.c_proj, y, residual, self.resid_dropout)
 
     def _flash(self, q: Tensor) -> bool:
         """Whether the attention of ``q`` ([B, H, T, D]) runs the flash kernel: always with "flash",
@@ -801,7 +801,7 @@ class MLP(Module):
             h = F.linear_gelu(x, self.c_fc.weight, self.c_fc.bias)
         else:
             h = self.gelu(self.c_fc(x))
-        return _project(self.c_proj, self.dropout, h, residual)
+        return project_residual(self.c_proj, h, residual, self.dropout)
 
 
 def _plain_linear(m) -> bool:
@@ -810,18 +810,19 @@ def _plain_linear(m) -> bool:
 
 
 def _identity(dropout) -> bool:
-    """Whether ``dropout`` is a Dropout that passes its input through (p == 0 or eval mode)."""
-    return type(dropout) is Dropout and (dropout.p == 0 or not dropout.training)
+    """Whether ``dropout`` passes its input through: None, or a Dropout with p == 0 or in eval mode."""
+    return dropout is None or (type(dropout) is Dropout and (dropout.p == 0 or not dropout.training))
 
 
-def _project(proj, dropout, y: Tensor, residual: Tensor | None) -> Tensor:
-    """dropout(proj(y)), plus ``residual`` when given: one "linear+residual" kernel when the
-    projection is a plain Linear and the dropout the identity (helios.fused_kernels)."""
-    if residual is None:
-        return dropout(proj(y))
-    if fused_kernels.ENABLED and _plain_linear(proj) and _identity(dropout):
+def project_residual(proj, y: Tensor, residual: Tensor | None, dropout=None) -> Tensor:
+    """dropout(proj(y)) (no ``dropout``: proj(y)), plus ``residual`` when given: one
+    "linear+residual" kernel when the projection is a plain Linear and the dropout the identity
+    (helios.fused_kernels), bit for bit the separate ops, which run otherwise.  A block's output
+    projection with its residual add (GPT's c_proj, LLaMA's o_proj and down_proj)."""
+    if residual is not None and fused_kernels.ENABLED and _plain_linear(proj) and _identity(dropout):
         return F.linear_residual(y, proj.weight, proj.bias, residual)
-    return residual + dropout(proj(y))
+    out = proj(y) if dropout is None else dropout(proj(y))
+    return out if residual is None else residual + out
 
 
 class Block(Module):

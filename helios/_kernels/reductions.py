@@ -103,7 +103,7 @@ def _reduce_rows(op, x, rows, R, s_row, s_k, off, out_shape, scale, idx_in=None,
     vals, bo, oo = _reduce_dest(out if nchunks == 1 else None, 2 if final_clip else total, vdt, rt)
     idx = empty((total,), dt.int64, rt) if arg else vals
     wg = 256 if R >= 256 else 64 if R >= 64 else 16
-    in_registers = nchunks == 1 and not final_clip and rows_in_registers(rt, R)
+    in_registers = not final_clip and rows_in_registers(rt, R)  # (rows that short take one chunk)
     if in_registers:  # MODE 2: an invocation a row, the tree of a wg-wide workgroup replayed in its registers
         spec = (REDUCE[op], 2, ROWS_PER_GROUP, idx_in is not None, False, wg)
     else:

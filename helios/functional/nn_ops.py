@@ -197,12 +197,19 @@ def layer_norm(x: Tensor, normalized_shape, weight: Tensor | None = None, bias: 
     for name, p in (("weight", weight), ("bias", bias)):
         if p is not None and p.shape != normalized_shape:
             raise ShapeError(f"layer_norm: {name} has shape {p.shape}, expected {normalized_shape}")
-    C = numel(normalized_shape)
-    x2 = F.reshape(F.contiguous(x), x.shape[: x.ndim - len(normalized_shape)] + (C,))
-    w = F.reshape(F.contiguous(weight), (C,)) if weight is not None else None
-    b = F.reshape(F.contiguous(bias), (C,)) if bias is not None else None
-    y = _LayerNorm.apply(x2, w, b, float(eps))
-    return F.reshape(y, x.shape)
+    return _normalize_rows(x, normalized_shape, weight, bias, eps, False)
+
+
+def _normalize_rows(x: Tensor, ns: tuple, weight: Tensor | None, bias: Tensor | None, eps: float, rms: bool) -> Tensor:
+    """_LayerNorm (``rms``: RMSNorm) over x's last dims ``ns``, flattened into rows of their
+    product; weight and bias (None: none) of shape ``ns``."""
+    C = numel(ns)
+
+    def flat(p):
+        return F.reshape(F.contiguous(p), (C,)) if p is not None else None
+
+    x2 = F.reshape(F.contiguous(x), x.shape[: x.ndim - len(ns)] + (C,))
+    return F.reshape(_LayerNorm.apply(x2, flat(weight), flat(bias), float(eps), rms), x.shape)
 
 
 class _Embedding(Function):
@@ -466,11 +473,8 @@ def rms_norm(x: Tensor, normalized_shape, weight: Tensor | None = None, eps: flo
     if x.dtype.kind != "float":
         raise DTypeError(f"rms_norm: expected a floating-point tensor, got {x.dtype.name}")
     e = _EPS.get(x.dtype.name, _EPS["float32"]) if eps is None else float(eps)
-    if ns and (weight is None or weight.dtype is x.dtype):  # one kernel a pass (layernorm.comp's RMS)
-        C = numel(ns)
-        x2 = F.reshape(F.contiguous(x), x.shape[: x.ndim - len(ns)] + (C,))
-        w = F.reshape(F.contiguous(weight), (C,)) if weight is not None else None
-        return F.reshape(_LayerNorm.apply(x2, w, None, e, True), x.shape)
+    if ns and (weight is None or weight.dtype is x.dtype):  # LayerNorm's kernels with RMS (layernorm.comp)
+        return _normalize_rows(x, ns, weight, None, e, True)
     xf = F.to(x, dt.float32)  # a scalar normalized shape, or a weight of another dtype
     dims = list(range(x.ndim - len(ns), x.ndim))
     y = xf * F.rsqrt(F.mean(xf * xf, dim=dims, keepdim=True) + e) if dims else xf * F.rsqrt(xf * xf + e)

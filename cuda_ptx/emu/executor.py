@@ -59,6 +59,8 @@ VIEW = {"pred": np.bool_, "b16": np.uint16, "u16": np.uint16, "f16": np.uint16, 
         "b32": np.uint32, "u32": np.uint32, "s32": np.int32, "f32": np.float32, "bf16x2": np.uint32,
         "b64": np.uint64, "u64": np.uint64, "s64": np.int64, "f64": np.float64}
 
+VIEW_SIZE = {t: np.dtype(v).itemsize for t, v in VIEW.items()}
+
 KIND_PLAIN, KIND_WARP, KIND_WARPGROUP, KIND_BAR = 0, 1, 2, 3
 TMA_MAX_DELAY = 48  # rounds; a quarter of the copies land at once, all whenever nothing else can move
 TURN_BUDGET = 64  # instructions a warp runs per turn before the next warp gets one
@@ -94,6 +96,7 @@ class Cta:
         self.rng = np.random.default_rng(seed)
         self.max_tma_delay = max_tma_delay
         self.regs: dict[str, np.ndarray] = {}
+        self._constants: dict[tuple, np.ndarray] = {}  # (immediate, lanes, type) -> its array
         self.written: dict[str, np.ndarray] = {}
         self.pc = np.zeros(threads, np.int64)
         self.alive = np.ones(threads, bool)
@@ -123,6 +126,7 @@ class Cta:
         self.step = 0  # warp turns so far: the clock asynchronous copies land by
         self.kinds = [instr_kind(i.op) for i in prog.instrs]
         self.handlers = [emu_ops.handler_for(i, prog) for i in prog.instrs]
+        self.is_branch = [i.op.startswith("bra") for i in prog.instrs]
         self.current = None  # (warp, instr) being executed, for messages
         # Cluster membership; a CTA launched without a cluster is a cluster of one.
         self.peers: list[Cta] = [self]
@@ -164,55 +168,75 @@ class Cta:
     def read(self, arg, lanes: np.ndarray, typ: str) -> np.ndarray:
         """Operand ``arg`` for ``lanes`` as a numpy array of PTX type ``typ``."""
         view = VIEW[typ]
-        if isinstance(arg, RegArg):
-            r = self._reg(arg.name)
-            if not self.written[arg.name][lanes].all():
-                bad = lanes[~self.written[arg.name][lanes]]
-                raise self.fail(f"register {arg.name} read by thread {int(bad[0])} before anything wrote it")
-            if arg.name in self.wgmma_state(lanes).locked:
-                raise self.fail(f"register {arg.name} read while a wgmma writing it is in flight (no wgmma.wait_group)")
+        if arg.__class__ is RegArg:  # the common case first: every check, fewest numpy calls
+            name = arg.name
+            r = self.regs.get(name)
+            if r is None:
+                r = self._reg(name)
+            written = self.written[name][lanes]
+            if np.count_nonzero(written) != lanes.size:
+                raise self.fail(f"register {name} read by thread {int(lanes[~written][0])} before anything wrote it")
+            if name in self.wgmma[int(lanes[0]) >> 5].locked:
+                raise self.fail(f"register {name} read while a wgmma writing it is in flight (no wgmma.wait_group)")
             v = r[lanes]
-            if v.dtype.itemsize != np.dtype(view).itemsize:
-                raise self.fail(f"register {arg.name} ({v.dtype.itemsize * 8}-bit) used as .{typ}")
-            return v.view(view) if view is not np.bool_ else v
+            if v.itemsize != VIEW_SIZE[typ]:
+                raise self.fail(f"register {name} ({v.itemsize * 8}-bit) used as .{typ}")
+            return v if v.dtype.type is view else v.view(view)
         n = lanes.size
-        if isinstance(arg, ImmArg):
-            if np.issubdtype(view, np.floating):
-                return np.full(n, arg.value, view)
-            bits = np.dtype(view).itemsize * 8
-            return np.full(n, arg.value & ((1 << bits) - 1), VIEW["u64"] if bits == 64 else np.uint32).astype(view)
-        if isinstance(arg, FloatArg):
-            return np.full(n, arg.bits, np.uint32).view(np.float32)
+        if arg.__class__ is ImmArg or arg.__class__ is FloatArg:
+            # The same constant every time: made once, read-only (a handler may not change it in place).
+            key = (arg, n, typ)
+            v = self._constants.get(key)
+            if v is None:
+                v = self._constant(arg, n, typ)
+                v.flags.writeable = False
+                self._constants[key] = v
+            return v
         if isinstance(arg, SpecialArg):
             return self._special(arg.name, lanes).astype(view)
         if isinstance(arg, SymArg):
             return np.full(n, self.symbol(arg.name), np.uint64).astype(view)
         raise self.fail(f"operand {arg} cannot be read as a value")
 
+    @staticmethod
+    def _constant(arg, n: int, typ: str) -> np.ndarray:
+        """Immediate ``arg`` for ``n`` lanes as PTX type ``typ``."""
+        view = VIEW[typ]
+        if isinstance(arg, FloatArg):
+            return np.full(n, arg.bits, np.uint32).view(np.float32)
+        if np.issubdtype(view, np.floating):
+            return np.full(n, arg.value, view)
+        bits = VIEW_SIZE[typ] * 8
+        return np.full(n, arg.value & ((1 << bits) - 1), VIEW["u64"] if bits == 64 else np.uint32).astype(view)
+
     def write(self, arg, lanes: np.ndarray, value: np.ndarray) -> None:
         """Store ``value`` (one per lane) into register operand ``arg``; ``_`` discards."""
-        if isinstance(arg, SymArg) and arg.name == "_":
-            return
-        if not isinstance(arg, RegArg):
+        if arg.__class__ is not RegArg:
+            if isinstance(arg, SymArg) and arg.name == "_":
+                return
             raise self.fail(f"destination {arg} is not a register")
-        r = self._reg(arg.name)
+        name = arg.name
+        r = self.regs.get(name)
+        if r is None:
+            r = self._reg(name)
         if lanes.size == 0:
             return
-        st = self.wgmma_state(lanes)
-        if arg.name in st.locked:
-            raise self.fail(f"register {arg.name} written while a wgmma accumulating into it is in flight")
-        if arg.name in st.inputs:
-            raise self.fail(f"register {arg.name} written while an in-flight wgmma reads it as part of its A fragment "
+        st = self.wgmma[int(lanes[0]) >> 5]
+        if name in st.locked:
+            raise self.fail(f"register {name} written while a wgmma accumulating into it is in flight")
+        if name in st.inputs:
+            raise self.fail(f"register {name} written while an in-flight wgmma reads it as part of its A fragment "
                             "(no wgmma.wait_group retired it)")
-        st.dirty.add(arg.name)
-        value = np.asarray(value)
-        if r.dtype == np.bool_:
+        st.dirty.add(name)
+        if value.__class__ is not np.ndarray:
+            value = np.asarray(value)
+        if r.dtype.type is np.bool_:
             r[lanes] = value.astype(bool)
         else:
-            if value.dtype.itemsize != r.dtype.itemsize:
-                raise self.fail(f"writing {value.dtype.itemsize * 8}-bit value into {arg.name}")
-            r[lanes] = value.view(r.dtype)
-        self.written[arg.name][lanes] = True
+            if value.itemsize != r.itemsize:
+                raise self.fail(f"writing {value.itemsize * 8}-bit value into {name}")
+            r[lanes] = value if value.dtype == r.dtype else value.view(r.dtype)
+        self.written[name][lanes] = True
 
     def _special(self, name: str, lanes: np.ndarray) -> np.ndarray:
         axis = "xyz".index(name[-1]) if name[-2] == "." else 0
@@ -381,21 +405,30 @@ class Cta:
         """Run warp ``w`` for up to TURN_BUDGET instructions; returns how many made progress."""
         useful = 0
         lanes_all = np.arange(32 * w, 32 * w + 32)
+        alive_w = self.alive[32 * w:32 * w + 32]  # views: they see what handlers change
+        pc_w = self.pc[32 * w:32 * w + 32]
         blk = self.blocked[w]
         if blk is not None and self.kinds[blk[1]] == KIND_WARPGROUP:
             useful += self._release_warpgroup(w // 4)  # e.g. setmaxnreg.inc once registers were freed
+        instrs = self.prog.instrs
         for _ in range(TURN_BUDGET):
             if self.blocked[w] is not None:
                 break
-            lanes = lanes_all[self.alive[lanes_all]]
-            if lanes.size == 0:
+            # The lanes at the lowest PC run; a converged warp (the usual case) is all of them,
+            # found with list operations, which cost less than numpy's on 32 values.
+            live = np.count_nonzero(alive_w)
+            if live == 32:
+                lanes, pcs = lanes_all, pc_w
+            elif live:
+                lanes, pcs = lanes_all[alive_w], pc_w[alive_w]
+            else:
                 break
-            pcs = self.pc[lanes]
-            p = int(pcs.min())
-            if p >= len(self.prog.instrs):
+            pc_list = pcs.tolist()
+            p = min(pc_list)
+            if p >= len(instrs):
                 raise EmulationError(f"CTA {self.ctaid[:2]} warp {w}: ran off the end of the kernel without ret")
-            grp = lanes[pcs == p]
-            ins = self.prog.instrs[p]
+            grp = lanes if pc_list.count(p) == live else lanes[pcs == p]
+            ins = instrs[p]
             self.current = (w, ins)
             kind = self.kinds[p]
             if kind != KIND_PLAIN:
@@ -413,17 +446,20 @@ class Cta:
                     break
             act = grp
             if ins.pred is not None:
-                g = self.read(RegArg(ins.pred), grp, "pred")
+                g = self.read(ins.pred_arg, grp, "pred")
                 act = grp[~g] if ins.negate else grp[g]
                 if ins.op == "bra.uni" and 0 < act.size < grp.size:
                     raise self.fail("bra.uni with lanes that disagree on the guard (a divergent branch marked uniform)")
-            self.pc[grp] += 1
+            if grp is lanes_all:
+                pc_w += 1
+            else:
+                self.pc[grp] += 1
             if act.size == 0:
                 continue  # guarded off for every lane: nothing happens, not even progress
             result = self.handlers[p](self, ins, act)
             if result == "spin":
                 break
-            if not ins.op.startswith("bra"):
+            if not self.is_branch[p]:
                 useful += 1
         self.current = None
         return useful

@@ -184,11 +184,13 @@ def _st(cta, ins, lanes):
         cta.mem.store(addr.astype(np.uint64), data)
     elif space == "shared":
         idx = cta.smem_index(addr, size * vec)
+        lo, hi = int(idx.min()), int(idx.max())  # one span test first: most stores touch neither
         for a in cta.mbars:
-            if np.any((idx >= a) & (idx < a + 8)):
+            if lo < a + 8 and a <= hi and np.any((idx >= a) & (idx < a + 8)):
                 raise cta.fail(f"store overwrites the mbarrier at {a:#x}")
         for op in cta.bulk_pending:
-            if np.any((idx >= op.src) & (idx < op.src + op.tmap.box_bytes)):
+            if lo < op.src + op.tmap.box_bytes and op.src <= hi and \
+                    np.any((idx >= op.src) & (idx < op.src + op.tmap.box_bytes)):
                 raise cta.fail(f"st.shared overwrites the box at {op.src:#x} that a bulk (TMA) store still reads "
                                "(wait for it with cp.async.bulk.wait_group.read first)")
         cta.smem[idx] = data
@@ -365,7 +367,9 @@ def _mbarrier(cta, ins, lanes):
             raise cta.fail("only mbarrier.try_wait.parity is modelled")
         addr = cta.address(ins.args[1], lanes)
         parity = cta.read(ins.args[2], lanes, "u32")
-        ok = np.array([cta.mbar(int(a)).test_parity(int(q)) for a, q in zip(addr, parity)], bool)
+        tested: dict = {}  # (address, parity) -> passed: a warp usually asks one question 32 times
+        ok = np.array([tested[k] if k in tested else tested.setdefault(k, cta.mbar(k[0]).test_parity(k[1]))
+                       for k in zip(addr.tolist(), parity.tolist())], bool)
         cta.write(ins.args[0], lanes, ok)
         return None if ok.any() else "spin"
     raise cta.fail(f"{ins.op} is not modelled")
@@ -744,13 +748,17 @@ def _wgmma_retire(cta, lanes, op) -> None:
     prod = a @ b.T  # 64 x n
     rows, cols = L.wgmma_d_map(op.n)
     rows, cols = rows[lanes % 128], cols[lanes % 128]
-    acc = np.stack([cta.regs[r][lanes].view(np.float32) for r in op.acc], axis=1).astype(np.float64)
-    out = (prod[rows, cols] + (acc if op.scale_d else 0.0)).astype(np.float32)
+    # A warp's lanes are contiguous: a slice reads and writes each register without a gather.
+    at = slice(int(lanes[0]), int(lanes[-1]) + 1) if int(lanes[-1]) - int(lanes[0]) + 1 == lanes.size else lanes
+    regs, written = cta.regs, cta.written
+    out = prod[rows, cols]
+    if op.scale_d:
+        out += np.stack([regs[r][at] for r in op.acc], axis=1).view(np.float32)
+    out = out.astype(np.float32).view(np.uint32)
     # Straight into the registers: the wgmma owns them, so cta.write's in-flight checks do not apply.
     for j, r in enumerate(op.acc):
-        reg = cta.regs[r]
-        reg[lanes] = out[:, j].view(reg.dtype)
-        cta.written[r][lanes] = True
+        regs[r][at] = out[:, j]
+        written[r][at] = True
 
 
 def _setmaxnreg(cta, ins, lanes):

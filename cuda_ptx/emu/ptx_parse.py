@@ -118,10 +118,12 @@ class PtxInstr:
     line: int = 0
     text: str = ""
     parts: list[str] = field(init=False, repr=False)
+    pred_arg: RegArg | None = field(init=False, repr=False, compare=False)  # the guard as an operand
 
     def __post_init__(self) -> None:
         # split once here: the handlers look at the parts on every execution
         self.parts = self.op.split(".")
+        self.pred_arg = RegArg(self.pred) if self.pred is not None else None
 
 
 @dataclass

@@ -304,7 +304,8 @@ class Cta:
     def smem_index(self, addrs: np.ndarray, size: int) -> np.ndarray:
         """Byte indices into the shared array for per-lane accesses of ``size`` bytes (checked)."""
         addrs = np.asarray(addrs, np.int64)
-        if addrs.size and (addrs.min() < SMEM_BASE or addrs.max() + size > self.smem.size):
+        listed = addrs.tolist()  # min and max of a warp's addresses cost less on a list
+        if listed and (min(listed) < SMEM_BASE or max(listed) + size > self.smem.size):
             bad = addrs[(addrs < SMEM_BASE) | (addrs + size > self.smem.size)][0]
             raise self.fail(f"shared address {int(bad):#x} (+{size}) outside the "
                             f"{self.smem.size - SMEM_BASE}-byte dynamic shared block at {SMEM_BASE:#x}")

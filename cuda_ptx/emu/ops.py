@@ -55,6 +55,12 @@ def _div(cta, ins, lanes):
 def _shift(cta, ins, lanes):
     t = ins.parts[-1]
     a = cta.read(ins.args[1], lanes, t)
+    amount = ins.args[2]
+    if amount.__class__ is ImmArg and 0 <= amount.value < _width(t):
+        # An immediate inside the width (the usual case): the shift in the operand's own type
+        # wraps (shl) or fills with the sign (shr.s) as PTX says, with no widening.
+        cta.write(ins.args[0], lanes, (a << amount.value) if ins.parts[0] == "shl" else (a >> amount.value))
+        return
     s = cta.read(ins.args[2], lanes, "u32").astype(np.uint64)
     bits = _width(t)
     wide = a.astype(np.uint64) if t[0] != "s" else a.astype(np.int64)
@@ -184,7 +190,7 @@ def _st(cta, ins, lanes):
         cta.mem.store(addr.astype(np.uint64), data)
     elif space == "shared":
         idx = cta.smem_index(addr, size * vec)
-        lo, hi = int(idx.min()), int(idx.max())  # one span test first: most stores touch neither
+        lo, hi = int(idx[:, 0].min()), int(idx[:, -1].max())  # one span test first: most stores touch neither
         for a in cta.mbars:
             if lo < a + 8 and a <= hi and np.any((idx >= a) & (idx < a + 8)):
                 raise cta.fail(f"store overwrites the mbarrier at {a:#x}")

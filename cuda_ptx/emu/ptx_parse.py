@@ -186,8 +186,10 @@ def _split_top(s: str) -> list[str]:
     return out
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def parse_operand(tok: str):
-    """One operand token to its :class:`RegArg`/``ImmArg``/... form."""
+    """One operand token to its :class:`RegArg`/``ImmArg``/... form (immutable, so cached per token:
+    a kernel names the same registers over and over)."""
     tok = tok.strip()
     if tok.startswith("{") and tok.endswith("}"):
         return VecArg(tuple(parse_operand(t) for t in _split_top(tok[1:-1])))

@@ -1852,7 +1852,15 @@ _FLOAT_HEADS = {"add", "sub", "mul", "fma", "mad", "div", "neg", "abs", "min", "
 def is_compute_program(prog) -> bool:
     """True when ``prog`` uses no instruction that needs the warp scheduler (async copies,
     tensor cores, mbarriers, clusters, barriers with thread counts): the vectorised
-    executor runs it, every CTA of a launch in one vector."""
+    executor runs it, every CTA of a launch in one vector.  (Asked at every launch: the answer is
+    kept on the program, which parse() shares read-only.)"""
+    known = getattr(prog, "_is_compute", None)
+    if known is None:
+        known = prog._is_compute = _needs_no_warp_scheduler(prog)
+    return known
+
+
+def _needs_no_warp_scheduler(prog) -> bool:
     if prog.cluster is not None:
         return False
     for ins in prog.instrs:

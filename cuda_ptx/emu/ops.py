@@ -182,7 +182,8 @@ def _st(cta, ins, lanes):
         raise cta.fail(f"{ins.op} needs {vec} values, got {len(regs)}")
     size = _LD_TYPES[t]
     vals = [cta.read(r, lanes, t).view({2: np.uint16, 4: np.uint32, 8: np.uint64}[size]) for r in regs]
-    data = np.stack(vals, axis=1).copy().view(np.uint8).reshape(lanes.size, size * vec)
+    # each lane's bytes, its vector's elements in order (one value: its own bytes, no stacking)
+    data = (vals[0] if vec == 1 else np.stack(vals, axis=1)).view(np.uint8).reshape(lanes.size, size * vec)
     addr = cta.address(ins.args[0], lanes)
     if space == "global":
         if np.any(addr % (size * vec)):
@@ -190,7 +191,8 @@ def _st(cta, ins, lanes):
         cta.mem.store(addr.astype(np.uint64), data)
     elif space == "shared":
         idx = cta.smem_index(addr, size * vec)
-        lo, hi = int(idx[:, 0].min()), int(idx[:, -1].max())  # one span test first: most stores touch neither
+        listed = addr.tolist()  # one span test first: most stores touch neither
+        lo, hi = min(listed), max(listed) + size * vec - 1
         for a in cta.mbars:
             if lo < a + 8 and a <= hi and np.any((idx >= a) & (idx < a + 8)):
                 raise cta.fail(f"store overwrites the mbarrier at {a:#x}")

@@ -439,6 +439,64 @@ def test_integer_semantics_match_ptx():
     np.testing.assert_array_equal(mem.view(out, 256).view(np.uint32), (want & 0xFFFFFFFF).astype(np.uint32))
 
 
+# (op, type, shift): immediates inside and at the edge of the width, and past it
+SHIFTS = [("shl", "b32", 0), ("shl", "b32", 5), ("shl", "b32", 31), ("shl", "b32", 40), ("shr", "u32", 7),
+          ("shr", "u32", 31), ("shr", "s32", 1), ("shr", "s32", 31), ("shr", "s32", 33), ("shl", "b64", 63),
+          ("shr", "u64", 40), ("shr", "s64", 63), ("shl", "b16", 9), ("shr", "u16", 11)]
+
+
+def _shift_reference(v: np.ndarray, op: str, typ: str, k: int) -> np.ndarray:
+    bits = int(typ[1:])
+    x = [int(a) & ((1 << bits) - 1) for a in v.astype(np.uint64)]
+    if typ[0] == "s":
+        x = [a - (1 << bits) if a >> (bits - 1) else a for a in x]
+    out = [(a << k) if op == "shl" else (a >> k) for a in x] if k < bits else \
+        [0 if op == "shl" or a >= 0 else -1 for a in x]
+    return np.array([a & ((1 << bits) - 1) & 0xFFFFFFFF for a in out], np.uint32)  # the low 32 bits, as stored
+
+
+@pytest.mark.parametrize("scheduler", ["warp", "vector"])
+def test_shifts_by_an_immediate_match_ptx_on_both_executors(scheduler):
+    """The warp scheduler's and the vectorised executor's shifts give PTX's bits for every
+    width and signedness: a left shift wraps, an arithmetic right shift fills with the sign,
+    and a count of the width or more gives 0 (or all sign bits)."""
+    def body(b, ps, tid):
+        v32 = b.mad("u32", tid, 0x9E3779B9, 0x80000001)  # spread values, half of them negative as s32
+        v64 = b.reg("u64")
+        b.emit("mul.wide.u32", v64, v32, 0x9E3779B9)
+        v64 = b.binop("xor", "b64", v64, b.binop("shl", "b64", v64, 32))  # the top half's bits too
+        v16 = b.reg("b16")
+        b.emit("cvt.u16.u32", v16, v32)
+        base = ops.ld_param_ptr(b, ps[0])
+        for j, (op, typ, k) in enumerate(SHIFTS):
+            src = {"32": v32, "64": v64, "16": v16}[typ[1:]]
+            r = b.reg("b16" if typ[1:] == "16" else typ)  # (16-bit registers are all .b16)
+            b.emit(f"{op}.{typ}", r, src, k)
+            low = b.reg("u32")
+            if typ[1:] == "32":
+                b.emit("mov.u32", low, r)
+            else:  # the low 32 bits of a 64-bit result, or a 16-bit one zero-extended
+                b.emit("cvt.u32.u64" if typ[1:] == "64" else "cvt.u32.u16", low, r)
+            b.emit("st.global.u32", f"[{ops.addr(b, base, b.binop('add', 'u32', tid, 64 * j), 4)}]", low)
+
+    prog = parse(_kernel(64, body))
+    mem = GlobalMemory()
+    out = mem.alloc(4 * 64 * len(SHIFTS))
+    if scheduler == "warp":  # the scheduler that runs the tensor-core kernels, on a program the other one would take
+        from helios.cuda_ptx.emu.executor import Cta
+        Cta(prog, 64, 0, {"out": out}, mem, (0, 0, 0), (1, 1, 1)).run()
+    else:
+        emulate_kernel(prog, 64, 0, {"out": out}, mem)
+    got = mem.view(out, 4 * 64 * len(SHIFTS)).view(np.uint32).reshape(len(SHIFTS), 64)
+    t = np.arange(64, dtype=np.uint64)
+    v32 = (t * 0x9E3779B9 + 0x80000001) & 0xFFFFFFFF
+    w = (v32 * 0x9E3779B9) & 0xFFFFFFFFFFFFFFFF
+    v64 = w ^ ((w << np.uint64(32)) & np.uint64(0xFFFFFFFFFFFFFFFF))
+    for j, (op, typ, k) in enumerate(SHIFTS):
+        src = {"32": v32, "64": v64, "16": v32 & 0xFFFF}[typ[1:]]
+        np.testing.assert_array_equal(got[j], _shift_reference(src, op, typ, k), err_msg=f"{op}.{typ} {k}")
+
+
 def test_reading_an_unwritten_register_is_refused():
     def body(b, ps, tid):
         r = b.reg("u32")

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from helios.data import (
+    _relative_posix,
     BatchLoader,
     Corpus,
     load_tokens,
@@ -101,6 +102,27 @@ def test_fingerprint_tracks_file_changes(folder):
     assert f2 != f1
     (folder / "new.txt").write_bytes(b"x")
     assert open_corpus(folder).fingerprint not in (f1, f2)
+
+
+def test_fingerprint_keys_files_by_their_names_under_the_root(folder):
+    """The fingerprint's file names are pathlib's relative_to(root).as_posix() (the token caches'
+    keys depend on them), however the root is spelled."""
+    import hashlib
+    import struct
+
+    (folder / "deeper" / "still").mkdir(parents=True)
+    (folder / "deeper" / "still" / "c.txt").write_bytes(b"nested\n")
+    c = open_corpus(folder)
+    assert any(p.parent.name == "still" for p in c.files)
+    h = hashlib.sha256(b"helios-corpus-v1\0" + c.separator + b"\0" + os.fsencode(c.root))
+    for p in c.files:
+        h.update(b"\0" + os.fsencode(p.relative_to(c.root).as_posix()))
+        h.update(struct.pack("<qq", p.stat().st_size, p.stat().st_mtime_ns))
+    assert c.fingerprint == h.hexdigest()[:16]
+    for path, root in [("/a/b/c.txt", "/a"), ("/a/b/c.txt", "/a/"), ("x/y.txt", "x"), ("x.txt", "."), ("/r/x", "/")]:
+        assert _relative_posix(Path(path), Path(root)) == Path(path).relative_to(Path(root)).as_posix()
+    with pytest.raises(ValueError):
+        _relative_posix(Path("/a/bc/d"), Path("/a/b"))  # a sibling whose name starts like the root is not under it
 
 
 def test_stdlib_default_corpus():

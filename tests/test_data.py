@@ -341,6 +341,11 @@ def test_unigram_entropy():
     assert unigram_entropy(np.arange(256), 256) == pytest.approx(math.log(256))
     t = np.array([0, 0, 0, 1], dtype=np.uint16)
     assert unigram_entropy(t, 2) == pytest.approx(-(0.75 * math.log(0.75) + 0.25 * math.log(0.25)))
+    # counted in chunks of a million tokens: the bits of counting them all at once, tail chunk included
+    big = np.random.default_rng(0).integers(0, 300, (5 << 20) // 2 + 7).astype(np.uint16)
+    counts = np.bincount(big, minlength=300)
+    p = counts[counts > 0] / big.size
+    assert unigram_entropy(big, 300) == float(-(p * np.log(p)).sum())
     with pytest.raises(ValueError, match=r"\[0, 4\)"):
         unigram_entropy(np.array([5]), 4)
     with pytest.raises(ValueError, match="no tokens"):

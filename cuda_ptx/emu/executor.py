@@ -170,13 +170,11 @@ class Cta:
         view = VIEW[typ]
         if arg.__class__ is RegArg:  # the common case first: every check, fewest numpy calls
             name = arg.name
-            r = self.regs.get(name)
-            if r is None:
-                r = self._reg(name)
+            r = self._reg(name)
             written = self.written[name][lanes]
             if np.count_nonzero(written) != lanes.size:
                 raise self.fail(f"register {name} read by thread {int(lanes[~written][0])} before anything wrote it")
-            if name in self.wgmma[int(lanes[0]) >> 5].locked:
+            if name in self.wgmma_state(lanes).locked:
                 raise self.fail(f"register {name} read while a wgmma writing it is in flight (no wgmma.wait_group)")
             v = r[lanes]
             if v.itemsize != VIEW_SIZE[typ]:
@@ -216,12 +214,10 @@ class Cta:
                 return
             raise self.fail(f"destination {arg} is not a register")
         name = arg.name
-        r = self.regs.get(name)
-        if r is None:
-            r = self._reg(name)
+        r = self._reg(name)
         if lanes.size == 0:
             return
-        st = self.wgmma[int(lanes[0]) >> 5]
+        st = self.wgmma_state(lanes)
         if name in st.locked:
             raise self.fail(f"register {name} written while a wgmma accumulating into it is in flight")
         if name in st.inputs:

@@ -375,9 +375,9 @@ def _mbarrier(cta, ins, lanes):
             raise cta.fail("only mbarrier.try_wait.parity is modelled")
         addr = cta.address(ins.args[1], lanes)
         parity = cta.read(ins.args[2], lanes, "u32")
-        tested: dict = {}  # (address, parity) -> passed: a warp usually asks one question 32 times
-        ok = np.array([tested[k] if k in tested else tested.setdefault(k, cta.mbar(k[0]).test_parity(k[1]))
-                       for k in zip(addr.tolist(), parity.tolist())], bool)
+        asked = list(zip(addr.tolist(), parity.tolist()))  # a warp usually asks one question 32 times
+        answer = {k: cta.mbar(k[0]).test_parity(k[1]) for k in dict.fromkeys(asked)}
+        ok = np.array([answer[k] for k in asked], bool)
         cta.write(ins.args[0], lanes, ok)
         return None if ok.any() else "spin"
     raise cta.fail(f"{ins.op} is not modelled")
@@ -1856,10 +1856,9 @@ def is_compute_program(prog) -> bool:
     tensor cores, mbarriers, clusters, barriers with thread counts): the vectorised
     executor runs it, every CTA of a launch in one vector.  (Asked at every launch: the answer is
     kept on the program, which parse() shares read-only.)"""
-    known = getattr(prog, "_is_compute", None)
-    if known is None:
-        known = prog._is_compute = _needs_no_warp_scheduler(prog)
-    return known
+    if prog.compute is None:
+        prog.compute = _needs_no_warp_scheduler(prog)
+    return prog.compute
 
 
 def _needs_no_warp_scheduler(prog) -> bool:

@@ -149,6 +149,8 @@ class PtxProgram:
     cluster: tuple[int, int, int] | None = None  # .reqnctapercluster
     locals: dict[str, int] = field(default_factory=dict)  # .local arrays: name -> bytes per thread
     shared_name: str = "smem"  # the dynamic shared block (.extern .shared ... NAME[])
+    # ops.is_compute_program's answer, kept once asked (a parsed program is shared read-only)
+    compute: bool | None = field(default=None, repr=False, compare=False)
 
     def reg_type(self, name: str) -> str:
         """The declared type of register ``name`` (``%rd3`` -> ``b64``)."""

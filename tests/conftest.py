@@ -2,7 +2,9 @@
 
 import os
 import shutil
+import zlib
 
+import numpy as np
 import pytest
 
 # Under pytest-xdist (scripts/test.sh) each worker has a core: one lavapipe thread each, as the
@@ -31,6 +33,26 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if item.get_closest_marker("gpu"):  # not `in item.keywords`: that holds parameter ids too
                 item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True)
+def _order_free_module_generators(request):
+    """Reseed each numpy Generator that the test's module keeps at module level (``RNG =
+    np.random.default_rng(seed)``) from its seed and the test's name.
+
+    Under pytest-xdist a worker runs whichever tests of a file it is handed, so a test shared
+    its module's generator with a different set of earlier tests each run: its operands, and so
+    its rounding errors, changed between runs, and a failure in CI did not reproduce alone.
+    Now a test draws the same numbers alone, in a full run and on either worker."""
+    module = getattr(request, "module", None)
+    test_key = zlib.crc32(request.node.name.encode())
+    for value in vars(module).values() if module else ():
+        if isinstance(value, np.random.Generator):
+            # In place, so the generator keeps its own seed and anything holding it sees the new state.
+            bits = value.bit_generator
+            seed = bits.seed_seq.entropy
+            seeds = [*seed, test_key] if isinstance(seed, (list, tuple)) else [seed, test_key]
+            bits.state = type(bits)(np.random.SeedSequence(seeds)).state
 
 
 @pytest.fixture

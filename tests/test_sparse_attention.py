@@ -242,7 +242,9 @@ def test_dilated_matches_biased_dense(H, T, segs, dils, causal):
     bias = _dilated_bias(H, T, segs, dils, causal)
     got = _run(F.dilated_attention, q, k, v, g, segments=segs, dilations=dils, is_causal=causal)
     want = _ref(q, k, v, g, bias=bias, causal=causal)
-    _close(got[:1], want[:1], 1e-6)
+    # O in fp32 merges a softmax pass per pattern: 72 draws (12 seeds) erred at most 5.5e-7, one
+    # draw in CI 1.01e-6, so 2e-6 (about 16 ulps at 1) bounds the rounding without hiding a wrong weight.
+    _close(got[:1], want[:1], 2e-6)
     _close(got, want, 1e-5)
 
 

@@ -2,6 +2,7 @@
 
 import os
 import shutil
+import sys
 import zlib
 
 import numpy as np
@@ -36,14 +37,18 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
-def _order_free_module_generators(request):
+def _order_free_generators(request):
     """Reseed each numpy Generator that the test's module keeps at module level (``RNG =
-    np.random.default_rng(seed)``) from its seed and the test's name.
+    np.random.default_rng(seed)``) from its seed and the test's name, and start Helios' default
+    generator where a fresh process starts it (seed 0, offset 0).
 
     Under pytest-xdist a worker runs whichever tests of a file it is handed, so a test shared
-    its module's generator with a different set of earlier tests each run: its operands, and so
-    its rounding errors, changed between runs, and a failure in CI did not reproduce alone.
-    Now a test draws the same numbers alone, in a full run and on either worker."""
+    these generators with a different set of earlier tests each run: its operands, and so its
+    rounding errors, changed between runs, and a failure in CI did not reproduce alone.  Now a
+    test draws the same numbers alone, in a full run and on either worker."""
+    helios = sys.modules.get("helios")
+    if helios is not None:  # not imported yet: its generator is still where a process starts it
+        helios.manual_seed(0)
     module = getattr(request, "module", None)
     test_key = zlib.crc32(request.node.name.encode())
     for value in vars(module).values() if module else ():
@@ -76,8 +81,6 @@ def one_rank_run(tmp_path_factory):
     Many multi-rank tests compare N ranks with the same run on one rank; sharing that reference
     keeps the suite inside its time budget.  Tests only read the folder: a test that resumes or
     extends a run copies it first."""
-    import sys
-
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from test_train_dist import launch
 

@@ -1,4 +1,5 @@
-"""Shared pytest setup: markers and the skip rules of each test tier."""
+"""Shared pytest setup: markers, the skip rules of each test tier, and random draws that do not
+depend on the order tests run in."""
 
 import os
 import shutil

@@ -81,11 +81,11 @@ def test_sg32_bias_and_batch():
 
 def test_tile_picker_rows():
     # fp32 (texel loads): 64 rows or more take the 16-row block, 64 rows a workgroup
-    assert K._mm_cpu_tile(64, 64) == (16, 8, 1)
+    assert K._mm_cpu_tile(64, 64) == (16, 8, 4)
     assert K._mm_cpu_tile(256, 64) == (16, 8, 4)
     assert K._mm_cpu_tile(4096, 4096) == (16, 8, 4)
-    # 16-bit (storage-buffer loads): the 32-row block, WY ~128 rows a workgroup
-    assert K._mm_cpu_tile(64, 64, hl.bfloat16) == (32, 8, 1)
+    # 16-bit (storage-buffer loads): the 32-row block, 64 rows a workgroup, 128 from 512 rows
+    assert K._mm_cpu_tile(64, 64, hl.bfloat16) == (32, 8, 2)
     assert K._mm_cpu_tile(256, 64, hl.float16) == (32, 8, 2)
     assert K._mm_cpu_tile(4096, 4096, hl.bfloat16) == (32, 8, 4)
     # fewer rows keep 8-row blocks

@@ -112,7 +112,7 @@ def test_matmul_vector_operands():
 def test_tile_picker():
     assert K._mm_cpu_tile(1024, 1024) == (16, 8, 4)
     assert K._mm_cpu_tile(1024, 1024, hl.bfloat16) == (32, 8, 4)
-    assert K._mm_cpu_tile(64, 100, hl.float16) == (32, 8, 1)
+    assert K._mm_cpu_tile(64, 100, hl.float16) == (32, 8, 2)
     assert K._mm_cpu_tile(40, 600) == (8, 16, 2)
     assert K._mm_cpu_tile(40, 100) == (8, 8, 2)
     K.gemm._MM_CPU_TILE, K.gemm._MM_CPU_WY = (32, 8), 2  # a forced block and height win

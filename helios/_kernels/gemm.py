@@ -47,7 +47,10 @@ def _mm_cpu_tile(M: int, N: int, dtype: dt.DType = dt.float32) -> tuple:
     shapes and 1024^3 (bench/README.md "matmul"), in workgroups of 64 rows.  Outputs shorter
     than 64 rows keep 8-row blocks (a taller block would compute mostly clamped rows), with
     16 columns a lane when N >= 512.  WY keeps ~128 rows a workgroup on tall 16-bit outputs
-    (one B panel reused from cache) and fewer on short ones so both threads get workgroups.
+    (one B panel reused from cache) and 64 on shorter ones.  WY is one per block size wherever
+    it made no measurable difference (fp32, and 16-bit below 512 rows): each WY is a pipeline of
+    its own, 15-80 ms to build on lavapipe in every process, and a product of 64-127 rows ran
+    as fast with WY 4 as with 1.
     The block does not change any sum: every output is the same K loop in the same order.
     """
     texel = dtype is dt.float32
@@ -58,9 +61,9 @@ def _mm_cpu_tile(M: int, N: int, dtype: dt.DType = dt.float32) -> tuple:
     else:
         tm, tn = 8, 16 if N >= 512 else 8
     if texel:
-        rows = 64 if M >= 128 else 16
+        rows = 64 if M >= 64 else 16
     else:
-        rows = 128 if M >= 512 else 64 if M >= 128 else 16
+        rows = 128 if M >= 512 else 64 if M >= 64 else 16
     wy = _MM_CPU_WY or max(1, rows // tm)
     return tm, tn, wy
 

@@ -31,16 +31,16 @@ def _modes(a, b, M, N):
     return (cfg[1], cfg[4]), (cfg[2], cfg[5])
 
 
-# (layout, M, K, N, expected (AMODE, AWIDE), (BMODE, BWIDE)); M >= 64 takes the 16x8 block (fp32).
+# (layout, M, K, N, expected (AMODE, AWIDE), (BMODE, BWIDE)); M >= 256 takes the 16x8 block (fp32).
 # Ragged: M not a multiple of 16 leaves clamped rows, N not a multiple of 64 clamped lanes,
 # K not a multiple of 8 a tail.
 CASES = [
-    ("nn", 96, 64, 128, (1, 1), (1, 1)),    # aligned, 8-wide loads of both
-    ("nn", 70, 37, 72, (0, 0), (1, 1)),     # A rows of 37: scalar A loads, K tail of 5
-    ("nn", 68, 20, 36, (1, 0), (1, 0)),     # 4-aligned rows: 4-wide loads
-    ("tn", 72, 40, 64, (2, 1), (1, 1)),     # A^T @ B (the weight gradient X^T @ g)
-    ("nt", 64, 48, 70, (1, 1), (2, 1)),     # A @ B^T (the input gradient g @ W^T)
-    ("tt", 100, 24, 66, (2, 0), (2, 1)),    # M % 8 == 4: 4-wide transposed A
+    ("nn", 288, 64, 128, (1, 1), (1, 1)),    # aligned, 8-wide loads of both
+    ("nn", 262, 37, 72, (0, 0), (1, 1)),     # A rows of 37: scalar A loads, K tail of 5
+    ("nn", 260, 20, 36, (1, 0), (1, 0)),     # 4-aligned rows: 4-wide loads
+    ("tn", 264, 40, 64, (2, 1), (1, 1)),     # A^T @ B (the weight gradient X^T @ g)
+    ("nt", 256, 48, 70, (1, 1), (2, 1)),     # A @ B^T (the input gradient g @ W^T)
+    ("tt", 292, 24, 66, (2, 0), (2, 1)),    # M % 8 == 4: 4-wide transposed A
 ]
 
 
@@ -71,7 +71,7 @@ def test_sg32_16bit_storage(dtype, layout):
 
 def test_sg32_bias_and_batch():
     # the bias epilogue on a Linear-shaped product ([B, T, C] @ [C, N] runs as one [B*T, C] @ [C, N])
-    x = R.uniform(-1, 1, size=(3, 40, 48)).astype(np.float32)
+    x = R.uniform(-1, 1, size=(3, 90, 48)).astype(np.float32)  # 270 rows: the 16x8 block
     w = R.uniform(-1, 1, size=(48, 72)).astype(np.float32)
     bias = R.uniform(-1, 1, size=(72,)).astype(np.float32)
     got = K.matmul(hl.tensor(x), hl.tensor(w), hl.tensor(bias)).numpy()
@@ -80,9 +80,10 @@ def test_sg32_bias_and_batch():
 
 
 def test_tile_picker_rows():
-    # fp32 (texel loads): 64 rows or more take the 16-row block, 64 rows a workgroup
-    assert K._mm_cpu_tile(64, 64) == (16, 8, 4)
+    # fp32 (texel loads): 256 rows or more take the 16-row block, 64 rows a workgroup
     assert K._mm_cpu_tile(256, 64) == (16, 8, 4)
+    assert K._mm_cpu_tile(255, 64) == (8, 8, 2)
+    assert K._mm_cpu_tile(64, 600) == (8, 8, 2)
     assert K._mm_cpu_tile(4096, 4096) == (16, 8, 4)
     # 16-bit (storage-buffer loads): the 32-row block, 64 rows a workgroup, 128 from 512 rows
     assert K._mm_cpu_tile(64, 64, hl.bfloat16) == (32, 8, 2)

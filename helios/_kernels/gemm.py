@@ -29,6 +29,7 @@ _MM_GPU_SPEC = (64, 64, 16, 16, 16)
 _MM_CPU_TILE: tuple | None = None
 _MM_CPU_WY: int | None = None
 _MM_SG = 8  # the subgroup size the CPU kernel is written for
+_MM_CPU_TALL_F32 = 256  # fp32 outputs of this many rows or more take the 16-row block
 # Whether the CPU kernel's fp32 epilogues run on vec4s where offsets allow (EVEC); False forces
 # the per-element epilogue (tests/test_cpu_fast_paths.py compares the two bit for bit).
 _MM_EPI_VEC = True
@@ -44,24 +45,26 @@ def _mm_cpu_tile(M: int, N: int, dtype: dt.DType = dt.float32) -> tuple:
     1.35-1.45x faster at 1024^3; 64x8 is ~10 % faster again but JITs ~5x longer.  fp32
     operands are texel fetches (one gather for the 8 lanes), cheap enough that the smaller
     16x8 block, with fewer accumulators to spill, is faster: 1.03-1.35x over 32x8 at the GPT
-    shapes and 1024^3 (bench/README.md "matmul"), in workgroups of 64 rows.  Outputs shorter
-    than 64 rows keep 8-row blocks (a taller block would compute mostly clamped rows), with
-    16 columns a lane when N >= 512.  WY keeps ~128 rows a workgroup on tall 16-bit outputs
-    (one B panel reused from cache) and 64 on shorter ones.  WY is one per block size wherever
-    it made no measurable difference (fp32, and 16-bit below 512 rows): each WY is a pipeline of
-    its own, 15-80 ms to build on lavapipe in every process, and a product of 64-127 rows ran
-    as fast with WY 4 as with 1.
+    shapes and 1024^3 (bench/README.md "matmul"), in workgroups of 64 rows.  Shorter outputs
+    keep 8-row blocks in workgroups of 16 rows (below 64 rows a taller block would compute
+    mostly clamped rows), with 16 columns a lane when N >= 512 and M < 64.  fp32 takes the
+    16-row block from 256 rows (_MM_CPU_TALL_F32) because below that the two blocks ran
+    equally fast (64-255 rows at the GPT shapes, within this machine's noise) while each block
+    and each workgroup height is a pipeline of its own, which lavapipe builds again in every
+    process (16x8: 25-95 ms, 8x8: 11-35 ms): one family of small-M kernels instead of two
+    roughly halved a multi-rank training test's pipeline building.  WY keeps ~128 rows a
+    workgroup on tall 16-bit outputs (one B panel reused from cache) and 64 on shorter ones.
     The block does not change any sum: every output is the same K loop in the same order.
     """
     texel = dtype is dt.float32
     if _MM_CPU_TILE is not None:
         tm, tn = _MM_CPU_TILE
-    elif M >= 64:
+    elif M >= (_MM_CPU_TALL_F32 if texel else 64):
         tm, tn = (16, 8) if texel else (32, 8)
     else:
-        tm, tn = 8, 16 if N >= 512 else 8
+        tm, tn = 8, 16 if N >= 512 and M < 64 else 8
     if texel:
-        rows = 64 if M >= 64 else 16
+        rows = 64 if tm == 16 else 16
     else:
         rows = 128 if M >= 512 else 64 if M >= 64 else 16
     wy = _MM_CPU_WY or max(1, rows // tm)

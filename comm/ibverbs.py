@@ -159,8 +159,27 @@ def _load():
     return _ffi, _lib
 
 
+# Where the kernel lists RDMA devices and their verbs interfaces (libibverbs finds its devices
+# from the same lists).  When both are empty there is nothing to open, and saying so needs no
+# cffi: parsing the declarations costs ~50 ms of CPU, which every rank paid at init.
+SYSFS_CLASSES = ("/sys/class/infiniband", "/sys/class/infiniband_verbs")
+
+
+def _kernel_lists_devices() -> bool:
+    """Whether the kernel lists any RDMA device or verbs interface (SYSFS_CLASSES)."""
+    for folder in SYSFS_CLASSES:
+        try:
+            if os.listdir(folder):
+                return True
+        except OSError:
+            pass
+    return False
+
+
 def available() -> str | None:
     """None when an RDMA device with an active port can be used, else the reason it cannot."""
+    if not _kernel_lists_devices():
+        return f"no RDMA devices (none listed under {SYSFS_CLASSES[0]})"
     try:
         ffi, lib = _load()
     except ImportError:

@@ -154,3 +154,25 @@ def test_cost_model_prefers_latency_algorithms_small_and_ring_large():
 def test_helpers_bounds_and_binomial():
     assert bounds(10, 3) == [0, 4, 7, 10] and bounds(2, 4) == [0, 1, 2, 2, 2]
     assert binomial(8, 0) == (None, [4, 2, 1]) and binomial(8, 6) == (4, [7]) and binomial(5, 4) == (0, [])
+
+
+def test_ibverbs_probe_reads_the_kernels_device_lists_before_loading_cffi(tmp_path, monkeypatch):
+    # Every rank asks at init whether ibverbs can be used; where the kernel lists no RDMA
+    # device the answer comes from sysfs alone, without parsing the cffi declarations.
+    from helios.comm import ibverbs
+
+    empty, missing = tmp_path / "infiniband", tmp_path / "infiniband_verbs"
+    empty.mkdir()
+    monkeypatch.setattr(ibverbs, "SYSFS_CLASSES", (str(empty), str(missing)))
+    loads = []
+
+    def load():
+        loads.append(1)
+        raise OSError("cannot load library 'libibverbs.so.1'")
+
+    monkeypatch.setattr(ibverbs, "_load", load)
+    assert ibverbs.available() == f"no RDMA devices (none listed under {empty})"
+    assert loads == []
+    (empty / "mlx5_0").mkdir()  # a listed device: the verbs library decides
+    assert ibverbs.available().startswith("libibverbs is not installed")
+    assert loads == [1]

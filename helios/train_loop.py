@@ -14,8 +14,6 @@ import os
 import sys
 import time
 
-from tqdm import tqdm
-
 import helios as hl
 from helios.interrupt import StopFlag
 from helios.profile.mfu import compute_mfu, format_mfu
@@ -56,6 +54,26 @@ def phase_marks_refusal(args: argparse.Namespace, run, pipeline: bool, zero: int
     if not rt.has_marks:
         return f"{rt.name} writes no device timestamps"
     return None
+
+
+class _NoBar:
+    """The progress bar where none is drawn (``--no-progress``, a log file, ranks other than 0):
+    the calls the loop makes on a tqdm bar, drawing nothing; ``write`` prints, as tqdm's does."""
+
+    disable = True
+
+    def set_postfix(self, *args, **kwargs) -> None:
+        pass
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    @staticmethod
+    def write(text: str) -> None:
+        print(text, flush=True)
 
 
 class TrainLoop:
@@ -99,8 +117,12 @@ class TrainLoop:
         self.runner = StepRunner(args, s, job, m, loader, timer, capture, self.defer, self.hold_submit, say)
         # A log file (stderr not a terminal) gets plain lines, not a carriage-return progress bar.
         self.plain = args.no_progress or not sys.stderr.isatty()
-        self.bar = tqdm(total=s.steps, initial=start_step, disable=self.plain or not run.is_main, dynamic_ncols=True,
-                        unit="step")
+        if self.plain or not run.is_main:
+            self.bar = _NoBar()
+        else:
+            from tqdm import tqdm  # here: importing tqdm costs ~30 ms, which ranks without a bar need not pay
+
+            self.bar = tqdm(total=s.steps, initial=start_step, dynamic_ncols=True, unit="step")
         self.val_loss = None  # the latest validation loss
         self.last = {}  # the latest step's loss, lr, tokens/s and MFU
         self.step = start_step  # steps recorded

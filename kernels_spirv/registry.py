@@ -46,8 +46,8 @@ KERNELS: dict[str, KernelInfo] = {
         KernelInfo("embedding", 4, 20),
         KernelInfo("rng", 1, 36),
         KernelInfo("iota", 1, 32),
-        KernelInfo("matmul", 4, 64),
-        KernelInfo("matmul_epi", 6, 72),  # matmul.glsl with a fused epilogue (helios.fused_kernels)
+        KernelInfo("matmul", 4, 72),
+        KernelInfo("matmul_epi", 6, 80),  # matmul.glsl with a fused epilogue (helios.fused_kernels)
         KernelInfo("matmul_coop", 6, 72),  # cooperative matrices (GPUs listing them): matmul_epi's bindings and words
         KernelInfo("adamw", 4, 48),
         KernelInfo("sort", 3, 24),

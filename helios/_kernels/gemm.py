@@ -15,8 +15,11 @@ from helios._kernels import coopmat
 import helios._kernels as kern  # the other kernel families (bound once the package has loaded)
 
 
-_P_MATMUL = struct.Struct("<16I")
-_P_MATMUL_EPI = struct.Struct("<18I")  # matmul's words, then the offsets of E and U
+# Push words: the product's 16 (shapes, offsets, strides); matmul_epi's then the offsets of E and
+# U; both kernels' last, C's row length when strided (0: contiguous) and whether a bias is added.
+_P_MATMUL = struct.Struct("<18I")
+_P_MATMUL_EPI = struct.Struct("<20I")
+_P_MATMUL_COOP = struct.Struct("<18I")  # the cooperative-matrix kernel's: matmul_epi's without the last two
 
 
 # -- matmul ----------------------------------------------------------------------------------
@@ -306,7 +309,8 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None 
     sam, sak = a._strides[-2], a._strides[-1]
     sbk, sbn = b._strides[-2], b._strides[-1]
     kernel = "matmul" if _epi is None else "matmul_epi"
-    # matmul_epi: CT, CLD (0 there) and the epilogue code at constant id 9 (GPU: id 8 unused)
+    # matmul.glsl's constants: the bias and C's row length are push words, so their old ids (GPU 5
+    # and 7, CPU 6 and 8) stay 0.  matmul_epi: CT (0 there), id 8 and the epilogue code at id 9.
     epi_spec = () if _epi is None else (0, 0, _epi[1])
     if _epi is not None:
         # Unused E / U bindings repeat C (never read / written: EPI picks what the epilogue touches).
@@ -317,7 +321,7 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None 
         spec = _mm_cpu_config(M, N, oa, ob, oc, ca, cb, sam, sak, sbk, sbn, bool(rt.features.get("int64")), (tm, tn, wy))
         if ct or cld:  # vec4 stores run along C's contiguous dim (M when transposed)
             spec = spec[:3] + (int((M if ct else N) % 4 == 0 and oc % 4 == 0 and cld % 4 == 0),) + spec[4:]
-        spec = spec + (has_bias,) + ((ct, cld) if ct or cld or _bsum is not None else ()) + epi_spec
+        spec = spec + (0,) + ((ct, 0) if ct or _bsum is not None else ()) + epi_spec
         if _bsum is not None:  # BSUM at constant id 10 (9 is matmul_epi's EPI)
             spec = spec + (0, 1)
         elif _epi is not None and _MM_EPI_VEC and a_dtype is dt.float32 and spec[3] and not (ct or cld):
@@ -335,8 +339,7 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None 
         if _epi is None:  # matmul_epi's six bindings and words whatever the epilogue: unused ones repeat C
             be, oe, bu, ou = bc, 0, bc, 0
     else:
-        spec = _MM_GPU_SPEC + (has_bias,) + ((ct, cld) if ct or cld or _bsum is not None else ()) + (
-            (0,) + epi_spec if _epi else ())
+        spec = _MM_GPU_SPEC + (0,) + ((ct, 0) if ct or _bsum is not None else ()) + ((0,) + epi_spec if _epi else ())
         if _bsum is not None:  # BSUM at constant id 10 (8 unused, 9 matmul_epi's EPI)
             spec = spec + (0, 0, 1)
         pid = rt.pipeline(kernel, a_dtype.tag, _with_mixed(spec, mixed))
@@ -344,14 +347,16 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None 
     flops = 2 * nb * M * N * K
     nbytes = nb * (M * K * a.dtype.itemsize + K * N * b.dtype.itemsize + M * N * out.dtype.itemsize)
     words = (M, N, K, cshape[1], oa, ob, oc, oz, ca[0], ca[1], sam, sak, cb[0], cb[1], sbk, sbn)
-    bufs, push = [ba, bb, bc, bz], _P_MATMUL.pack(*words)
-    if kernel == coopmat.KERNEL:
-        bufs, push = bufs + [be, bu], _P_MATMUL_EPI.pack(*words, oe, ou)
+    if kernel == coopmat.KERNEL:  # bias, CT and CLD are its constants
+        bufs, push = [ba, bb, bc, bz, be, bu], _P_MATMUL_COOP.pack(*words, oe, ou)
+    elif _epi is not None:
+        bufs, push = [ba, bb, bc, bz, be, bu], _P_MATMUL_EPI.pack(*words, oe, ou, cld, has_bias)
+    else:
+        bufs, push = [ba, bb, bc, bz], _P_MATMUL.pack(*words, cld, has_bias)
     name = "matmul+bias_grad" if _bsum is not None else "matmul" if _epi is None else _epi[0]
     if _bsum is not None:
         flops, nbytes = flops + K * N, nbytes + N * out.dtype.itemsize
     elif _epi is not None:
-        bufs, push = [ba, bb, bc, bz, be, bu], _P_MATMUL_EPI.pack(*words, oe, ou)
         nbytes += nb * M * N * sum(t.dtype.itemsize for t in _epi[2:] if t is not None)
     if mixed:  # the casts it does are named in the trace
         name = fused_kernels.dispatch_name("cast+" + name, rt)
@@ -380,7 +385,7 @@ def _bind_c_and_bias(out: Tensor, bias: Tensor | None, bsum: Tensor | None, ct: 
     C: the span a strided (CLD) C covers, the transposed view's contiguous tensor (CT), or, for
     the cooperative-matrix kernel's column sums (``bsum``), a range covering both the product and
     the sums' slot.  Binding 3: the bias; else the CPU and shared-memory kernels' column sums
-    (BSUM stores through it); else A again (read-only, never read: HAS_BIAS = 0), its offset
+    (BSUM stores through it); else A again (read-only, never read: has_bias 0), its offset
     word telling the cooperative-matrix kernel where in C's binding the sums go."""
     c_lo = None
     if cld:

@@ -3,17 +3,18 @@
 // Batched matmul C[z] = A[z] @ B[z] on strided operands (so transposed views and
 // broadcast batch dims need no copies).  z runs over two batch dims (z = z0 * nb1 + z1),
 // each with its own stride per operand (0 = broadcast).  C is contiguous [batch, M, N].
-// Every dtype is stored as itself and computed in fp32.  With HAS_BIAS (a specialization
-// constant of both kernels) C[.., m, n] = A@B + bias[off_bias + n]: a Linear layer's bias
-// added in registers before the store instead of by a separate broadcast add.  With CT (a
-// specialization constant of both kernels) each C[z] is stored transposed, element (m, n)
-// at off_c + z*M*N + n*M + m: C is the transposed view of a contiguous [batch, N, M], so a
-// product computed the other way round (b^T a^T, for speed) lands in a row-major buffer
-// (a weight's gradient slot) without a copy.  The sums are the same either way.  With
-// CLD > 0 (a specialization constant of both kernels) C is strided, for attention heads
-// kept interleaved in a [B, T, ...] buffer: element (z0, z1, m, n) lives at
-// off_c + z0 * M * CLD + z1 * N + m * CLD + n (with CT: z0 * N * CLD + z1 * M + n * CLD + m),
-// so head z1 of batch z0 is a column block of rows CLD elements apart.
+// Every dtype is stored as itself and computed in fp32.  With the push word has_bias = 1
+// C[.., m, n] = A@B + bias[off_bias + n]: a Linear layer's bias added in registers before
+// the store instead of by a separate broadcast add.  With CT (a specialization constant of
+// both kernels) each C[z] is stored transposed, element (m, n) at off_c + z*M*N + n*M + m: C
+// is the transposed view of a contiguous [batch, N, M], so a product computed the other way
+// round (b^T a^T, for speed) lands in a row-major buffer (a weight's gradient slot) without
+// a copy.  The sums are the same either way.  With the push word ldc > 0 C is strided, for
+// attention heads kept interleaved in a [B, T, ...] buffer: element (z0, z1, m, n) lives at
+// off_c + z0 * M * ldc + z1 * N + m * ldc + n (with CT: z0 * N * ldc + z1 * M + n * ldc + m),
+// so head z1 of batch z0 is a column block of rows ldc elements apart.  The bias and the row
+// length are push words, not specialization constants, because every constant's value is a
+// pipeline of its own, which lavapipe builds again in every process (10-40 ms for these).
 //
 // Two kernels live here, picked by the variant (see matmul.variants and matmul() in
 // helios/_kernels.py):
@@ -42,7 +43,7 @@
 //
 // MM_EPI (matmul_epi.comp: two more bindings and two more push-constant words) adds a fused
 // epilogue after the bias, picked by the specialization constant EPI (id 9 in both kernels);
-// C is then contiguous (no CT / CLD) and E / U are contiguous like C:
+// C is then contiguous (no CT / ldc) and E / U are contiguous like C:
 //   EPI 1 (linear+residual): C = (A@B + bias) + E, the sum first rounded to the storage
 //         type, so it is bit for bit the separate matmul then ew_binary's add.
 //   EPI 2 (linear+gelu): U = A@B + bias (the pre-activation backward needs) and
@@ -78,6 +79,8 @@ layout(push_constant) uniform P {
 #ifdef MM_EPI
     uint off_e; uint off_u;
 #endif
+    uint ldc;       // C's row length when strided (heads interleaved), else 0
+    uint has_bias;  // 1: + bias[off_bias + n]
 } p;
 
 // v rounded to the storage type, as a store then a load would (the unfused ops read the
@@ -186,7 +189,7 @@ void mm_stc(uint i, float v) { c[i] = v; }
 // the weight gradient's dispatch (B = the output gradient).  Each column's B values are added
 // k = 0 .. K-1 in order from 0.0 (the column reduction's adds, reduce.comp MODE 1), and the
 // workgroups (CPU kernel: subgroups) at m0 == 0 store the in-range columns at element
-// off_bias + n of binding 3 (the bias binding and offset word, free without HAS_BIAS), in C's
+// off_bias + n of binding 3 (the bias binding and offset word, free without a bias), in C's
 // storage type.  The CPU kernel's lanes add the B values they load for their columns; the GPU
 // kernel's invocations add their columns of each staged B tile.
 layout(constant_id = 10) const int BSUM = 0;
@@ -209,9 +212,7 @@ layout(constant_id = 1) const int BN = 64;
 layout(constant_id = 2) const int BK = 16;
 layout(constant_id = 3) const int WX = 16;   // = BN / TN
 layout(constant_id = 4) const int WY = 16;   // = BM / TM
-layout(constant_id = 5) const int HAS_BIAS = 0;
-layout(constant_id = 6) const int CT = 0;
-layout(constant_id = 7) const int CLD = 0;
+layout(constant_id = 6) const int CT = 0;  // ids 5 and 7 are free (were the bias and C's row length)
 const int TM = BM / WY;
 const int TN = BN / WX;
 const int BSN = (BN + WX * WY - 1) / (WX * WY);  // BSUM columns an invocation sums
@@ -270,18 +271,18 @@ void main() {
             if (nn < uint(BN) && n0 + nn < p.N) mm_st_bsum(p.off_bias + n0 + nn, bs[j]);
         }
     }
-    uint ldc = CLD > 0 ? uint(CLD) : (CT == 1 ? p.M : p.N);
-    uint cbase = CLD > 0 ? p.off_c + z0 * (CT == 1 ? p.N : p.M) * ldc + z1 * (CT == 1 ? p.M : p.N)
-                         : p.off_c + z * p.M * p.N;
+    uint ldc = p.ldc > 0u ? p.ldc : (CT == 1 ? p.M : p.N);
+    uint cbase = p.ldc > 0u ? p.off_c + z0 * (CT == 1 ? p.N : p.M) * ldc + z1 * (CT == 1 ? p.M : p.N)
+                            : p.off_c + z * p.M * p.N;
     for (int i = 0; i < TM; ++i) {
         uint gm = m0 + ty + uint(i * WY);
         if (gm >= p.M) continue;
         for (int j = 0; j < TN; ++j) {
             uint gn = n0 + tx + uint(j * WX);
             if (gn >= p.N) continue;
-            float v = acc[i][j] + (HAS_BIAS == 1 ? mm_ldbias(p.off_bias + gn) : 0.0);
+            float v = acc[i][j] + (p.has_bias != 0u ? mm_ldbias(p.off_bias + gn) : 0.0);
 #ifdef MM_EPI
-            v = mm_epi(v, z * p.M * p.N + gm * p.N + gn, true);  // C contiguous (no CT / CLD)
+            v = mm_epi(v, z * p.M * p.N + gm * p.N + gn, true);  // C contiguous (no CT / ldc)
 #endif
             mm_stc(CT == 1 ? cbase + gn * ldc + gm : cbase + gm * ldc + gn, v);
         }
@@ -313,7 +314,7 @@ layout(constant_id = 0) const int WY = 4;      // subgroups per workgroup, stack
 //   AWIDE / BWIDE 1: the contiguous runs are 8-aligned and read as 8 values per load
 //            (one 32-byte u64vec4 for fp32), else as vec4s (4-aligned).
 //   CVEC  1: C is written as vec4s along its contiguous dim (N % 4 == 0, or M % 4 == 0 with CT).
-//   CT    1: C[z] stored transposed; CLD > 0: C strided (see the top of the file).
+//   CT    1: C[z] stored transposed (and p.ldc > 0: C strided, see the top of the file).
 // llvmpipe's per-lane load loop costs about the same per component whatever its width,
 // so fewer, wider components per load is what makes the loads cheap.
 layout(constant_id = 1) const int AMODE = 0;
@@ -321,9 +322,7 @@ layout(constant_id = 2) const int BMODE = 0;
 layout(constant_id = 3) const int CVEC = 0;
 layout(constant_id = 4) const int AWIDE = 0;
 layout(constant_id = 5) const int BWIDE = 0;
-layout(constant_id = 6) const int HAS_BIAS = 0;
-layout(constant_id = 7) const int CT = 0;
-layout(constant_id = 8) const int CLD = 0;
+layout(constant_id = 7) const int CT = 0;  // ids 6 and 8 are free (were the bias and C's row length)
 #ifdef MM_EPI
 // EVEC 1 (fp32, CVEC, E / U offsets multiples of 4): the epilogue runs on each lane's vec4s of
 // 4 adjacent columns, E fetched a texel at a time and U stored as vec4s, the same arithmetic
@@ -529,7 +528,7 @@ void main() {
         }
     }
 
-    if (HAS_BIAS == 1) {  // this lane's TN bias values, loaded once for all TM rows
+    if (p.has_bias != 0u) {  // this lane's TN bias values, loaded once for all TM rows
         [[unroll]] for (int j = 0; j < TN; ++j) {
             float bj = mm_ldbias(p.off_bias + min(n0 + uint(j), p.N - 1u));
             [[unroll]] for (int i = 0; i < TM; ++i) acc[i][j / 4][j % 4] += bj;
@@ -548,7 +547,7 @@ void main() {
         }
     } else
 #endif
-    if (EPI != 0) {  // C contiguous (no CT / CLD); clamped elements are computed, never stored
+    if (EPI != 0) {  // C contiguous (no CT / ldc); clamped elements are computed, never stored
         [[unroll]] for (int i = 0; i < TM; ++i) {
             uint m = min(m0 + uint(i), p.M - 1u);
             [[unroll]] for (int j = 0; j < TN; ++j) {
@@ -565,9 +564,9 @@ void main() {
             if (n < p.N) mm_st_bsum(p.off_bias + n, bs[j / 4][j % 4]);
         }
     }
-    uint ldc = CLD > 0 ? uint(CLD) : (CT == 1 ? p.M : p.N);
-    uint cbase = CLD > 0 ? p.off_c + z0 * (CT == 1 ? p.N : p.M) * ldc + z1 * (CT == 1 ? p.M : p.N)
-                         : p.off_c + z * p.M * p.N;
+    uint ldc = p.ldc > 0u ? p.ldc : (CT == 1 ? p.M : p.N);
+    uint cbase = p.ldc > 0u ? p.off_c + z0 * (CT == 1 ? p.N : p.M) * ldc + z1 * (CT == 1 ? p.M : p.N)
+                            : p.off_c + z * p.M * p.N;
     if (CT == 1) {  // column n of this lane is a run of TM rows: stored along m
         [[unroll]] for (int j = 0; j < TN; ++j) {
             uint n = n0 + uint(j);

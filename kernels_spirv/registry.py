@@ -48,7 +48,7 @@ KERNELS: dict[str, KernelInfo] = {
         KernelInfo("iota", 1, 32),
         KernelInfo("matmul", 4, 72),
         KernelInfo("matmul_epi", 6, 80),  # matmul.glsl with a fused epilogue (helios.fused_kernels)
-        KernelInfo("matmul_coop", 6, 72),  # cooperative matrices (GPUs listing them): matmul_epi's bindings and words
+        KernelInfo("matmul_coop", 6, 72),  # cooperative matrices (GPUs listing them): matmul_epi's bindings, its first 18 words
         KernelInfo("adamw", 4, 48),
         KernelInfo("sort", 3, 24),
         KernelInfo("scan", 2, 16),

@@ -336,7 +336,7 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None 
         spec = tile.spec(has_bias, ct, cld, _epi[1] if _epi else 0, int(_bsum is not None), *modes)
         pid = rt.pipeline(kernel, a_dtype.tag, spec, coopmat.required_subgroup(rt, tile.subgroup))
         groups = tile.grid(M, N, nb)
-        if _epi is None:  # matmul_epi's six bindings and words whatever the epilogue: unused ones repeat C
+        if _epi is None:  # matmul_epi's six bindings and E / U offsets whatever the epilogue: unused ones repeat C
             be, oe, bu, ou = bc, 0, bc, 0
     else:
         spec = _MM_GPU_SPEC + (0,) + ((ct, 0) if ct or _bsum is not None else ()) + ((0,) + epi_spec if _epi else ())

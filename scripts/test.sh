@@ -9,8 +9,8 @@ cd "$(dirname "$0")/.."
 # suite starts ~1,100 Python processes (workers, ranks, launchers, benchmarks), and where
 # PYTHONDONTWRITEBYTECODE is set none of them writes what it compiled, so each one compiled every
 # Helios module it imported from source: +0.5 CPU-s a process (importing helios.train: 0.9
-# against 0.4 s); tests/test_train_dist.py took 74 CPU-s against 52.  compileall writes the
-# files whatever that variable says; up to date, it costs ~0.5 s.  A file that does not compile is
+# against 0.4 CPU-s); tests/test_train_dist.py took 74 CPU-s against 52.  compileall writes the
+# files whatever that variable says; up to date, it costs 0.5-0.8 s.  A file that does not compile is
 # named here and the tests still run (pytest reports it where a test imports it).
 .venv/bin/python -m compileall -q -x '(^|/)(\.venv|build|\.git)(/|$)' . \
     || echo "test.sh: the files above do not compile; running the tests anyway" >&2

@@ -54,8 +54,8 @@ def _mm_cpu_tile(M: int, N: int, dtype: dt.DType = dt.float32) -> tuple:
     16-row block from 256 rows (_MM_CPU_TALL_F32) because below that the two blocks ran
     equally fast (64-255 rows at the GPT shapes, within this machine's noise) while each block
     and each workgroup height is a pipeline of its own, which lavapipe builds again in every
-    process (16x8: 25-95 ms, 8x8: 11-35 ms): one family of small-M kernels instead of two
-    roughly halved a multi-rank training test's pipeline building.  WY keeps ~128 rows a
+    process (16x8: 25-95 ms, 8x8: 11-35 ms): one family of small-M kernels instead of two took
+    a multi-rank training test's matmul pipeline building from 14.0 to 8.0 CPU-s.  WY keeps ~128 rows a
     workgroup on tall 16-bit outputs (one B panel reused from cache) and 64 on shorter ones.
     The block does not change any sum: every output is the same K loop in the same order.
     """
@@ -310,7 +310,8 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None 
     sbk, sbn = b._strides[-2], b._strides[-1]
     kernel = "matmul" if _epi is None else "matmul_epi"
     # matmul.glsl's constants: the bias and C's row length are push words, so their old ids (GPU 5
-    # and 7, CPU 6 and 8) stay 0.  matmul_epi: CT (0 there), id 8 and the epilogue code at id 9.
+    # and 7, CPU 6 and 8) stay 0 around CT.  matmul_epi: CT (0 there), id 8 and the epilogue code at id 9.
+    ct_spec = (0, ct, 0) if ct or _bsum is not None else (0,)
     epi_spec = () if _epi is None else (0, 0, _epi[1])
     if _epi is not None:
         # Unused E / U bindings repeat C (never read / written: EPI picks what the epilogue touches).
@@ -321,7 +322,7 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None 
         spec = _mm_cpu_config(M, N, oa, ob, oc, ca, cb, sam, sak, sbk, sbn, bool(rt.features.get("int64")), (tm, tn, wy))
         if ct or cld:  # vec4 stores run along C's contiguous dim (M when transposed)
             spec = spec[:3] + (int((M if ct else N) % 4 == 0 and oc % 4 == 0 and cld % 4 == 0),) + spec[4:]
-        spec = spec + (0,) + ((ct, 0) if ct or _bsum is not None else ()) + epi_spec
+        spec = spec + ct_spec + epi_spec
         if _bsum is not None:  # BSUM at constant id 10 (9 is matmul_epi's EPI)
             spec = spec + (0, 1)
         elif _epi is not None and _MM_EPI_VEC and a_dtype is dt.float32 and spec[3] and not (ct or cld):
@@ -339,7 +340,7 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None 
         if _epi is None:  # matmul_epi's six bindings and E / U offsets whatever the epilogue: unused ones repeat C
             be, oe, bu, ou = bc, 0, bc, 0
     else:
-        spec = _MM_GPU_SPEC + (0,) + ((ct, 0) if ct or _bsum is not None else ()) + ((0,) + epi_spec if _epi else ())
+        spec = _MM_GPU_SPEC + ct_spec + ((0,) + epi_spec if _epi else ())
         if _bsum is not None:  # BSUM at constant id 10 (8 unused, 9 matmul_epi's EPI)
             spec = spec + (0, 0, 1)
         pid = rt.pipeline(kernel, a_dtype.tag, _with_mixed(spec, mixed))

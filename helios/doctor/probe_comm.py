@@ -12,7 +12,6 @@ from .util import human_bytes
 
 SHM_DIR = "/dev/shm"
 SHM_MIN = 1 << 30  # below 1 GiB (Docker's default is 64 MiB) the ring segments of a few ranks do not fit
-IB_SYSFS = "/sys/class/infiniband"
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS",
                "SLURM_LOCALID", "SLURM_JOB_ID", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "HELIOS_LAUNCHER")
 BACKENDS = ("auto", "shm", "tcp", "ibverbs")
@@ -32,8 +31,13 @@ def ibverbs_reason() -> str | None:
     return ibverbs.available()
 
 
-def rdma_devices(root: str = IB_SYSFS) -> list[dict]:
-    """RDMA devices as the kernel lists them (sysfs): name and each port's state, link layer and rate."""
+def rdma_devices(root: str | None = None) -> list[dict]:
+    """RDMA devices as the kernel lists them (sysfs, ``root`` by default where the ibverbs transport
+    looks: :data:`helios.comm.ibverbs.SYSFS_CLASSES`): name and each port's state, link layer and rate."""
+    if root is None:
+        from helios.comm import ibverbs
+
+        root = ibverbs.SYSFS_CLASSES[0]
     out = []
     if not os.path.isdir(root):
         return out

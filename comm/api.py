@@ -16,6 +16,7 @@ from typing import Any
 from helios.comm import algorithms as A
 from helios.comm import auth
 from helios.comm import env as envmod
+from helios.comm.env import BACKENDS  # noqa: F401  (re-exported: helios.comm.BACKENDS)
 from helios.comm import shm as shmmod
 from helios.comm import topology as topomod
 from helios.comm.buffers import Buffer, as_buffer
@@ -25,8 +26,6 @@ from helios.comm.store import PrefixStore, TCPStore
 from helios.comm.tcp import TcpTransport, pick_address
 
 from helios.errors import CommError, DTypeError, ShapeError
-
-BACKENDS = ("auto", "shm", "tcp", "ibverbs")
 
 
 class _NonMember:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from helios.errors import CommError
 
 DEFAULT_PORT = 29500
+BACKENDS = ("auto", "shm", "tcp", "ibverbs")  # what HELIOS_COMM_BACKEND (and init_process_group's backend) may name
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+import helios.comm as dist
 from helios.doctor import cli, probe_comm, probe_cuda, probe_kernels, probe_vulkan, vk_bindings, vk_compare
 from helios.doctor.report import MARKS, Section, to_json_dict, to_text
 
@@ -305,6 +306,17 @@ def test_launcher_environment(env, ok, text):
     assert c.status == {None: "info", True: "ok", False: "fail"}[ok] and text in c.summary
     if ok is False:
         assert "helios-run" in c.advice and not c.summary.startswith("helios.comm:")
+
+
+@pytest.mark.parametrize("value", ["tcp", "verbs"])
+def test_comm_backend_variable_is_checked_against_the_backends_comm_accepts(value):
+    s = probe_comm.probe(env={"HELIOS_COMM_BACKEND": value}, shm=lambda: None, ib=lambda: None, rdma=lambda: [])
+    c = _check(s, "HELIOS_COMM_BACKEND")
+    if value in dist.BACKENDS:
+        assert c.status == "ok" and c.summary == value
+    else:
+        assert c.status == "fail" and "'verbs' is not one of auto, shm, tcp, ibverbs" in c.summary
+        assert c.advice.endswith("set it to auto, shm, tcp or ibverbs")
 
 
 def test_no_cuda_driver_and_no_toolkit():

@@ -14,7 +14,6 @@ SHM_DIR = "/dev/shm"
 SHM_MIN = 1 << 30  # below 1 GiB (Docker's default is 64 MiB) the ring segments of a few ranks do not fit
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS",
                "SLURM_LOCALID", "SLURM_JOB_ID", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "HELIOS_LAUNCHER")
-BACKENDS = ("auto", "shm", "tcp", "ibverbs")
 
 
 def shm_reason() -> str | None:
@@ -126,10 +125,12 @@ def probe(env: Mapping[str, str] | None = None, shm: Callable = shm_reason, ib: 
         ports = ", ".join(f"port {p['port']} {p['state'] or '?'} {p['link_layer']} {p['rate']}".strip() for p in d["ports"])
         s.info(f"RDMA {d['name']}", ports or "no ports")
 
+    from helios.comm.env import BACKENDS  # the names helios.comm accepts (imported here, as the probes above import comm)
+
     backend = env.get("HELIOS_COMM_BACKEND")
     if backend and backend not in BACKENDS:
         s.fail("HELIOS_COMM_BACKEND", f"{backend!r} is not one of {', '.join(BACKENDS)}",
-               "unset HELIOS_COMM_BACKEND or set it to auto, shm, tcp or ibverbs")
+               f"unset HELIOS_COMM_BACKEND or set it to {', '.join(BACKENDS[:-1])} or {BACKENDS[-1]}")
     elif backend:
         s.ok("HELIOS_COMM_BACKEND", backend)
     ifname = env.get("HELIOS_SOCKET_IFNAME")

@@ -149,7 +149,7 @@ class Corpus:
     """An ordered list of text files read as one byte stream (documents joined by ``separator``).
 
     ``fingerprint`` hashes the file list with each file's size and mtime (no
-    file is opened), so it changes when a file is added, removed or edited.
+    file is opened), so a corpus opened after a file is added, removed or edited has another.
     ``skipped`` lists the files found to be binary by the last read.  ``kind``
     ``"jsonl"``: each file holds JSON lines, and each line's ``text`` is a document.
     """
@@ -161,9 +161,11 @@ class Corpus:
     skipped: list[Path] = field(default_factory=list)
     kind: str = "text"  # "text" | "jsonl"
 
-    @property
+    @functools.cached_property
     def fingerprint(self) -> str:
-        """A 16-hex-digit key for caches derived from this corpus."""
+        """A 16-hex-digit key for caches derived from this corpus: the files as they were when it was
+        first asked for (one walk of stat calls; the token cache's name, the trainer's data key and the
+        checkpoint's record then name the same state)."""
         h = hashlib.sha256(b"helios-corpus-v1\0" + self.separator + b"\0" + os.fsencode(self.root))
         if self.kind != "text":  # (text corpora keep the key they always had)
             h.update(b"\0kind=" + self.kind.encode())

@@ -299,15 +299,21 @@ class Cta:
     # -- shared memory -------------------------------------------------------------------
     def smem_index(self, addrs: np.ndarray, size: int) -> np.ndarray:
         """Byte indices into the shared array for per-lane accesses of ``size`` bytes (checked)."""
+        return self.smem_span(addrs, size)[0]
+
+    def smem_span(self, addrs: np.ndarray, size: int) -> tuple[np.ndarray, int, int]:
+        """(:meth:`smem_index`'s byte indices, the lowest byte, the highest byte) of per-lane accesses
+        of ``size`` bytes (checked): the span lets a store test what it may overlap at once."""
         addrs = np.asarray(addrs, np.int64)
         listed = addrs.tolist()  # min and max of a warp's addresses cost less on a list
-        if listed and (min(listed) < SMEM_BASE or max(listed) + size > self.smem.size):
+        lo, hi = (min(listed), max(listed) + size - 1) if listed else (0, -1)
+        if listed and (lo < SMEM_BASE or hi >= self.smem.size):
             bad = addrs[(addrs < SMEM_BASE) | (addrs + size > self.smem.size)][0]
             raise self.fail(f"shared address {int(bad):#x} (+{size}) outside the "
                             f"{self.smem.size - SMEM_BASE}-byte dynamic shared block at {SMEM_BASE:#x}")
         if np.any(addrs % size):
             raise self.fail(f"misaligned shared access of {size} bytes at {int(addrs[addrs % size != 0][0]):#x}")
-        return addrs[:, None] + np.arange(size)
+        return addrs[:, None] + np.arange(size), lo, hi
 
     def resolve_shared(self, addr: int) -> tuple[Cta, int]:
         """The CTA and shared::cta address a shared::cluster address names (a shared::cta

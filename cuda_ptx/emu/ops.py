@@ -190,9 +190,7 @@ def _st(cta, ins, lanes):
             raise cta.fail(f"misaligned {ins.op} at {int(addr[addr % (size * vec) != 0][0]):#x}")
         cta.mem.store(addr.astype(np.uint64), data)
     elif space == "shared":
-        idx = cta.smem_index(addr, size * vec)
-        listed = addr.tolist()  # one span test first: most stores touch neither
-        lo, hi = min(listed), max(listed) + size * vec - 1
+        idx, lo, hi = cta.smem_span(addr, size * vec)  # one span test first: most stores touch neither
         for a in cta.mbars:
             if lo < a + 8 and a <= hi and np.any((idx >= a) & (idx < a + 8)):
                 raise cta.fail(f"store overwrites the mbarrier at {a:#x}")

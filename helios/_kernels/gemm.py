@@ -302,30 +302,42 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None 
         return out
     if nb > 65535:
         raise ShapeError(f"matmul: {nb} batch matrices exceed the 65535 the kernel dispatches at once; reshape the batch")
+    _dispatch(a, b, bias, out, _epi, _bsum, mixed, a_dtype, (M, N, K, nb), (cshape, ca, cb), (ct, cld))
+    return out
+
+
+def _dispatch(a: Tensor, b: Tensor, bias: Tensor | None, out: Tensor, epi: tuple | None, bsum: Tensor | None,
+              mixed: tuple | None, a_dtype: dt.DType, mnk: tuple, batch: tuple, cstore: tuple) -> None:
+    """One dispatch of matmul.glsl (``matmul``, ``matmul_epi``) or the cooperative-matrix kernel for
+    :func:`matmul`'s checked product: ``mnk`` = (M, N, K, batch matrices), ``batch`` = the two
+    collapsed batch dims (their shape, A's strides, B's strides), ``cstore`` = (CT, CLD), how C is
+    stored (_check_mm_out); ``a_dtype`` the kernel's dtype, ``mixed`` its float32 slots."""
+    rt = a._st.rt
+    M, N, K, nb = mnk
+    cshape, ca, cb = batch
+    ct, cld = cstore
     tile = None if _cpu_mm_kernel(rt) else coopmat.choice_for(rt, a_dtype.name, M, N, K).tile  # tensor cores (coopmat.py)
     (ba, oa), (bb, ob) = bind(a), bind(b)
-    (bc, oc), (bz, oz) = _bind_c_and_bias(out, bias, _bsum, ct, cld, M, N, (ba, oa), tile is not None)
-    has_bias = int(bias is not None)
-    sam, sak = a._strides[-2], a._strides[-1]
-    sbk, sbn = b._strides[-2], b._strides[-1]
-    kernel = "matmul" if _epi is None else "matmul_epi"
+    (bc, oc), (bz, oz) = _bind_c_and_bias(out, bias, bsum, ct, cld, M, N, (ba, oa), tile is not None)
+    # matmul_epi's and the cooperative-matrix kernel's E / U bindings: unused ones repeat C (never read
+    # or written: EPI picks what the epilogue touches).
+    be, oe = bind(epi[2]) if epi is not None and epi[2] is not None else (bc, 0)
+    bu, ou = bind(epi[3], True) if epi is not None and epi[3] is not None else (bc, 0)
+    strides = (a._strides[-2], a._strides[-1], b._strides[-2], b._strides[-1])  # sam, sak, sbk, sbn
+    kernel = "matmul" if epi is None else "matmul_epi"
     # matmul.glsl's constants: the bias and C's row length are push words, so their old ids (GPU 5
     # and 7, CPU 6 and 8) stay 0 around CT.  matmul_epi: CT (0 there), id 8 and the epilogue code at id 9.
-    ct_spec = (0, ct, 0) if ct or _bsum is not None else (0,)
-    epi_spec = () if _epi is None else (0, 0, _epi[1])
-    if _epi is not None:
-        # Unused E / U bindings repeat C (never read / written: EPI picks what the epilogue touches).
-        be, oe = bind(_epi[2]) if _epi[2] is not None else (bc, 0)
-        bu, ou = bind(_epi[3], True) if _epi[3] is not None else (bc, 0)
+    ct_spec = (0, ct, 0) if ct or bsum is not None else (0,)
+    epi_spec = () if epi is None else (0, 0, epi[1])
     if _cpu_mm_kernel(rt):
         tm, tn, wy = _mm_cpu_tile(M, N, a_dtype)
-        spec = _mm_cpu_config(M, N, oa, ob, oc, ca, cb, sam, sak, sbk, sbn, bool(rt.features.get("int64")), (tm, tn, wy))
+        spec = _mm_cpu_config(M, N, oa, ob, oc, ca, cb, *strides, bool(rt.features.get("int64")), (tm, tn, wy))
         if ct or cld:  # vec4 stores run along C's contiguous dim (M when transposed)
             spec = spec[:3] + (int((M if ct else N) % 4 == 0 and oc % 4 == 0 and cld % 4 == 0),) + spec[4:]
         spec = spec + ct_spec + epi_spec
-        if _bsum is not None:  # BSUM at constant id 10 (9 is matmul_epi's EPI)
+        if bsum is not None:  # BSUM at constant id 10 (9 is matmul_epi's EPI)
             spec = spec + (0, 1)
-        elif _epi is not None and _MM_EPI_VEC and a_dtype is dt.float32 and spec[3] and not (ct or cld):
+        elif epi is not None and _MM_EPI_VEC and a_dtype is dt.float32 and spec[3] and not (ct or cld):
             # EVEC (constant id 11): the fp32 epilogue on vec4s when E's and U's offsets allow
             if oe % 4 == 0 and ou % 4 == 0:
                 spec = spec + (0, 1)
@@ -333,38 +345,43 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None 
         groups = ((N + _MM_SG * tn - 1) // (_MM_SG * tn), (M + tm * spec[0] - 1) // (tm * spec[0]), nb)
     elif tile is not None:
         kernel = coopmat.KERNEL
-        modes = coopmat.load_modes(M, N, K, (oa, ob), (sam, sak, *ca), (sbk, sbn, *cb))
-        spec = tile.spec(has_bias, ct, cld, _epi[1] if _epi else 0, int(_bsum is not None), *modes)
+        modes = coopmat.load_modes(M, N, K, (oa, ob), (strides[0], strides[1], *ca), (strides[2], strides[3], *cb))
+        spec = tile.spec(int(bias is not None), ct, cld, epi[1] if epi else 0, int(bsum is not None), *modes)
         pid = rt.pipeline(kernel, a_dtype.tag, spec, coopmat.required_subgroup(rt, tile.subgroup))
         groups = tile.grid(M, N, nb)
-        if _epi is None:  # matmul_epi's six bindings and E / U offsets whatever the epilogue: unused ones repeat C
-            be, oe, bu, ou = bc, 0, bc, 0
     else:
-        spec = _MM_GPU_SPEC + ct_spec + ((0,) + epi_spec if _epi else ())
-        if _bsum is not None:  # BSUM at constant id 10 (8 unused, 9 matmul_epi's EPI)
+        spec = _MM_GPU_SPEC + ct_spec + ((0,) + epi_spec if epi else ())
+        if bsum is not None:  # BSUM at constant id 10 (8 unused, 9 matmul_epi's EPI)
             spec = spec + (0, 0, 1)
         pid = rt.pipeline(kernel, a_dtype.tag, _with_mixed(spec, mixed))
         groups = ((N + _MM_GPU_SPEC[1] - 1) // _MM_GPU_SPEC[1], (M + _MM_GPU_SPEC[0] - 1) // _MM_GPU_SPEC[0], nb)
-    flops = 2 * nb * M * N * K
-    nbytes = nb * (M * K * a.dtype.itemsize + K * N * b.dtype.itemsize + M * N * out.dtype.itemsize)
-    words = (M, N, K, cshape[1], oa, ob, oc, oz, ca[0], ca[1], sam, sak, cb[0], cb[1], sbk, sbn)
+    words = (M, N, K, cshape[1], oa, ob, oc, oz, ca[0], ca[1], *strides[:2], cb[0], cb[1], *strides[2:])
     if kernel == coopmat.KERNEL:  # bias, CT and CLD are its constants
         bufs, push = [ba, bb, bc, bz, be, bu], _P_MATMUL_COOP.pack(*words, oe, ou)
-    elif _epi is not None:
-        bufs, push = [ba, bb, bc, bz, be, bu], _P_MATMUL_EPI.pack(*words, oe, ou, cld, has_bias)
+    elif epi is not None:
+        bufs, push = [ba, bb, bc, bz, be, bu], _P_MATMUL_EPI.pack(*words, oe, ou, cld, int(bias is not None))
     else:
-        bufs, push = [ba, bb, bc, bz], _P_MATMUL.pack(*words, cld, has_bias)
-    name = "matmul+bias_grad" if _bsum is not None else "matmul" if _epi is None else _epi[0]
-    if _bsum is not None:
+        bufs, push = [ba, bb, bc, bz], _P_MATMUL.pack(*words, cld, int(bias is not None))
+    rt.dispatch(pid, bufs, push, groups, *_name_and_cost(rt, a, b, out, epi, bsum, mixed, mnk))
+
+
+def _name_and_cost(rt, a: Tensor, b: Tensor, out: Tensor, epi: tuple | None, bsum: Tensor | None,
+                   mixed: tuple | None, mnk: tuple) -> tuple:
+    """(the trace's name, FLOPs, bytes moved) of a matmul.glsl dispatch: a fused epilogue, a bias
+    gradient or the casts of float32 slots are named (fused_kernels.dispatch_name) and counted."""
+    M, N, K, nb = mnk
+    flops = 2 * nb * M * N * K
+    nbytes = nb * (M * K * a.dtype.itemsize + K * N * b.dtype.itemsize + M * N * out.dtype.itemsize)
+    name = "matmul+bias_grad" if bsum is not None else "matmul" if epi is None else epi[0]
+    if bsum is not None:
         flops, nbytes = flops + K * N, nbytes + N * out.dtype.itemsize
-    elif _epi is not None:
-        nbytes += nb * M * N * sum(t.dtype.itemsize for t in _epi[2:] if t is not None)
+    elif epi is not None:
+        nbytes += nb * M * N * sum(t.dtype.itemsize for t in epi[2:] if t is not None)
     if mixed:  # the casts it does are named in the trace
         name = fused_kernels.dispatch_name("cast+" + name, rt)
     elif name != "matmul":
         name = fused_kernels.dispatch_name(name, rt)
-    rt.dispatch(pid, bufs, push, groups, name, flops, nbytes)
-    return out
+    return name, flops, nbytes
 
 
 def _empty_sum(out: Tensor, bias: Tensor | None, strided: bool) -> Tensor:

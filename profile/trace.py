@@ -69,29 +69,51 @@ def _rate(num: int, ns: int) -> float | None:
     return round(num / ns, 3) if ns > 0 else None  # per ns == G per s
 
 
+class _Clock:
+    """The trace's time base: microseconds since the session's earliest timestamp ``t0`` (ns)."""
+
+    def __init__(self, t0: int):
+        self.t0 = t0
+
+    def us(self, ns: int) -> float:
+        return round((ns - self.t0) / 1000.0, 3)
+
+    @staticmethod
+    def dur(a: int, b: int) -> float:
+        return round(max(0, b - a) / 1000.0, 3)
+
+
+Threads = dict[tuple[int, int], tuple[str, int]]  # (pid, tid) -> (track name, sort index)
+
+
 def build_trace(col: Collector, process_name: str = "helios") -> dict[str, Any]:
     """Build the Trace Event Format object of a collector's session (see the module docstring)."""
+    comm = col.comm_events()
     times = [col.start_ns]
     times += [op.host_start_ns for op in col.ops]
     times += [ev.start_ns for ev in col.events] + [ev.host_record_ns for ev in col.events]
     times += [s.host_submit_ns for s in col.submits] + [m.time_ns for m in col.memory]
     times += [r.start_ns for r in col.steps]
-    comm = col.comm_events()
     times += [c.start_ns for c in comm]
-    t0 = min(times)
+    clock = _Clock(min(times))
+    threads: Threads = {}
+    op_events, op_tid = _op_events(col, clock, threads)
+    ev_out = (op_events + _step_events(col, clock, threads) + _comm_events(comm, clock, threads)
+              + _submit_events(col, clock, threads) + _kernel_events(col, clock, threads, op_tid)
+              + _memory_events(col, clock))
+    return {
+        "traceEvents": _metadata(threads, process_name) + ev_out,
+        "displayTimeUnit": "ns",
+        "otherData": {"clock": "CLOCK_MONOTONIC", "t0_ns": clock.t0, "ops": len(col.ops), "dispatches": len(col.events),
+                      "submits": len(col.submits), "steps": len(col.steps), "collectives": len(comm)},
+    }
 
-    def us(ns: int) -> float:
-        return round((ns - t0) / 1000.0, 3)
 
-    def dur(a: int, b: int) -> float:
-        return round(max(0, b - a) / 1000.0, 3)
-
-    ev_out: list[dict[str, Any]] = []
-    threads: dict[tuple[int, int], tuple[str, int]] = {}  # (pid, tid) -> (name, sort index)
-
-    # Host ops.
-    op_lanes = _assign_lanes([(op.host_start_ns, max(op.host_end_ns, op.host_start_ns)) for op in col.ops])
+def _op_events(col: Collector, clock: _Clock, threads: Threads) -> tuple[list[dict], dict[int, int]]:
+    """The host ops' slices (lanes where ops overlap), and each op's track by its sequence number."""
+    out: list[dict[str, Any]] = []
     op_tid: dict[int, int] = {}
+    op_lanes = _assign_lanes([(op.host_start_ns, max(op.host_end_ns, op.host_start_ns)) for op in col.ops])
     for op, lane in zip(col.ops, op_lanes):
         tid = TID_OPS + lane
         op_tid[op.seq] = tid
@@ -100,10 +122,14 @@ def build_trace(col: Collector, process_name: str = "helios") -> dict[str, Any]:
         if op.dispatch_ids:
             args["dispatch_seq"] = op.dispatch_ids if len(op.dispatch_ids) <= 8 else \
                 f"{op.dispatch_ids[0]}..{op.dispatch_ids[-1]}"
-        ev_out.append({"ph": "X", "cat": "op", "name": op.name, "pid": HOST_PID, "tid": tid,
-                       "ts": us(op.host_start_ns), "dur": dur(op.host_start_ns, op.host_end_ns), "args": args})
+        out.append({"ph": "X", "cat": "op", "name": op.name, "pid": HOST_PID, "tid": tid,
+                    "ts": clock.us(op.host_start_ns), "dur": clock.dur(op.host_start_ns, op.host_end_ns), "args": args})
+    return out, op_tid
 
-    # Steps and their phases.
+
+def _step_events(col: Collector, clock: _Clock, threads: Threads) -> list[dict]:
+    """Each training step's slice and its phases' slices, on the "step phases" track."""
+    out: list[dict[str, Any]] = []
     for rec in col.steps:
         threads[(HOST_PID, TID_STEPS)] = ("step phases", TID_STEPS)
         args = {"wall_ms": round(rec.wall_ns / 1e6, 4), "tokens": rec.tokens}
@@ -114,15 +140,19 @@ def build_trace(col: Collector, process_name: str = "helios") -> dict[str, Any]:
         for ph in ALL_PHASES:
             if rec.phases_ns.get(ph):
                 args[f"{ph}_ms"] = round(rec.phases_ns[ph] / 1e6, 4)
-        ev_out.append({"ph": "X", "cat": "step", "name": f"step {rec.step}", "pid": HOST_PID, "tid": TID_STEPS,
-                       "ts": us(rec.start_ns), "dur": dur(rec.start_ns, rec.end_ns), "args": args})
+        out.append({"ph": "X", "cat": "step", "name": f"step {rec.step}", "pid": HOST_PID, "tid": TID_STEPS,
+                    "ts": clock.us(rec.start_ns), "dur": clock.dur(rec.start_ns, rec.end_ns), "args": args})
         for sp in rec.spans:
-            ev_out.append({"ph": "X", "cat": "phase", "name": sp.name, "pid": HOST_PID, "tid": TID_STEPS,
-                           "ts": us(sp.start_ns), "dur": dur(sp.start_ns, sp.end_ns), "args": {"step": rec.step}})
+            out.append({"ph": "X", "cat": "phase", "name": sp.name, "pid": HOST_PID, "tid": TID_STEPS,
+                        "ts": clock.us(sp.start_ns), "dur": clock.dur(sp.start_ns, sp.end_ns), "args": {"step": rec.step}})
+    return out
 
-    # Collectives on a track per group role (tensor, data, pipeline, expert, context parallel:
-    # new_group(role=)), the world's and unnamed groups' on "collectives"; lanes where
-    # operations overlap within a track.
+
+def _comm_events(comm: list, clock: _Clock, threads: Threads) -> list[dict]:
+    """Collectives on a track per group role (tensor, data, pipeline, expert, context parallel:
+    new_group(role=)), the world's and unnamed groups' on "collectives"; lanes where operations
+    overlap within a track."""
+    out: list[dict[str, Any]] = []
     roles = sorted({c.role for c in comm})
     for ri, role in enumerate(roles):
         of_role = [c for c in comm if c.role == role]
@@ -133,33 +163,42 @@ def build_trace(col: Collector, process_name: str = "helios") -> dict[str, Any]:
             threads[(HOST_PID, tid)] = (label + (f" (lane {lane})" if lane else ""), tid)
             args = {"group": c.group, "seq": c.seq, "bytes": c.nbytes, "async": c.async_op, "thread": c.thread,
                     "thread_id": c.thread_id, "backend": c.backend, "GB/s": _rate(c.nbytes, c.duration_ns),
-                    "queued_us": dur(c.issue_ns, c.start_ns), "device_wait_us": c.device_wait_ns / 1e3, "ok": c.ok}
+                    "queued_us": clock.dur(c.issue_ns, c.start_ns), "device_wait_us": c.device_wait_ns / 1e3, "ok": c.ok}
             if c.p2p:
                 args["p2p"] = True
             if c.role:
                 args["role"] = c.role
-            ev_out.append({"ph": "X", "cat": "comm", "name": c.name, "pid": HOST_PID, "tid": tid,
-                           "ts": us(c.start_ns), "dur": dur(c.start_ns, c.end_ns), "args": args})
+            out.append({"ph": "X", "cat": "comm", "name": c.name, "pid": HOST_PID, "tid": tid,
+                        "ts": clock.us(c.start_ns), "dur": clock.dur(c.start_ns, c.end_ns), "args": args})
+    return out
 
-    # Submits, one track per queue (lanes if two submits of one queue overlap).
-    by_queue_sub: dict[int, list] = {}
+
+def _submit_events(col: Collector, clock: _Clock, threads: Threads) -> list[dict]:
+    """Submits, one track per queue (lanes if two submits of one queue overlap)."""
+    out: list[dict[str, Any]] = []
+    by_queue: dict[int, list] = {}
     for s in col.submits:
-        by_queue_sub.setdefault(s.queue, []).append(s)
-    for q, subs in by_queue_sub.items():
+        by_queue.setdefault(s.queue, []).append(s)
+    for q, subs in by_queue.items():
         lanes = _assign_lanes([(s.host_submit_ns, max(s.host_done_ns, s.host_submit_ns)) for s in subs])
         for s, lane in zip(subs, lanes):
             tid = 10000 * (q + 1) + 5000 + lane
             threads[(DEVICE_PID, tid)] = (f"queue {q}: submits" + (f" (lane {lane})" if lane else ""), tid)
-            ev_out.append({"ph": "X", "cat": "submit", "name": f"submit {s.submit}", "pid": DEVICE_PID, "tid": tid,
-                           "ts": us(s.host_submit_ns), "dur": dur(s.host_submit_ns, s.host_done_ns),
-                           "args": {"submit": s.submit, "dispatches": s.dispatches}})
+            out.append({"ph": "X", "cat": "submit", "name": f"submit {s.submit}", "pid": DEVICE_PID, "tid": tid,
+                        "ts": clock.us(s.host_submit_ns), "dur": clock.dur(s.host_submit_ns, s.host_done_ns),
+                        "args": {"submit": s.submit, "dispatches": s.dispatches}})
+    return out
 
-    # Device dispatches at their device time, with flow arrows from the recording op.
+
+def _kernel_events(col: Collector, clock: _Clock, threads: Threads, op_tid: dict[int, int]) -> list[dict]:
+    """Device dispatches at their device time, a track per queue, with flow arrows from the op that
+    recorded each (``op_tid``: the ops' tracks)."""
+    out: list[dict[str, Any]] = []
     owner = col.op_of_dispatch()
-    by_queue_ev: dict[int, list] = {}
+    by_queue: dict[int, list] = {}
     for e in col.events:
-        by_queue_ev.setdefault(e.queue, []).append(e)
-    for q, evs in by_queue_ev.items():
+        by_queue.setdefault(e.queue, []).append(e)
+    for q, evs in by_queue.items():
         lanes = _assign_lanes([(e.start_ns, max(e.end_ns, e.start_ns)) for e in evs])
         for e, lane in zip(evs, lanes):
             tid = 10000 * (q + 1) + lane
@@ -169,23 +208,31 @@ def build_trace(col: Collector, process_name: str = "helios") -> dict[str, Any]:
                     "dtype": op.dtype if op else None, "flops": e.flops, "bytes": e.bytes,
                     "GFLOP/s": _rate(e.flops, e.device_ns), "GB/s": _rate(e.bytes, e.device_ns),
                     "submit": e.submit, "dispatch_seq": e.dispatch_seq}
-            ev_out.append({"ph": "X", "cat": "kernel", "name": e.name, "pid": DEVICE_PID, "tid": tid,
-                           "ts": us(e.start_ns), "dur": dur(e.start_ns, e.end_ns), "args": args})
+            out.append({"ph": "X", "cat": "kernel", "name": e.name, "pid": DEVICE_PID, "tid": tid,
+                        "ts": clock.us(e.start_ns), "dur": clock.dur(e.start_ns, e.end_ns), "args": args})
             if op is not None:
                 # The arrow leaves the op where the dispatch was recorded (clamped into the op's slice).
                 t_rec = min(max(e.host_record_ns, op.host_start_ns), max(op.host_end_ns, op.host_start_ns))
-                ev_out.append({"ph": "s", "cat": "dispatch", "name": "dispatch", "id": e.dispatch_seq,
-                               "pid": HOST_PID, "tid": op_tid[op.seq], "ts": us(t_rec)})
-                ev_out.append({"ph": "f", "bp": "e", "cat": "dispatch", "name": "dispatch", "id": e.dispatch_seq,
-                               "pid": DEVICE_PID, "tid": tid, "ts": us(e.start_ns)})
+                out.append({"ph": "s", "cat": "dispatch", "name": "dispatch", "id": e.dispatch_seq,
+                            "pid": HOST_PID, "tid": op_tid[op.seq], "ts": clock.us(t_rec)})
+                out.append({"ph": "f", "bp": "e", "cat": "dispatch", "name": "dispatch", "id": e.dispatch_seq,
+                            "pid": DEVICE_PID, "tid": tid, "ts": clock.us(e.start_ns)})
+    return out
 
-    # Memory counters: each sample carries every pool's latest value, so the series stay continuous.
+
+def _memory_events(col: Collector, clock: _Clock) -> list[dict]:
+    """Memory counters: each sample carries every pool's latest value, so the series stay continuous."""
+    out: list[dict[str, Any]] = []
     current: dict[str, int] = {}
     for m in sorted(col.memory, key=lambda m: m.time_ns):
         current[m.pool] = m.in_use_bytes
-        ev_out.append({"ph": "C", "name": "memory in use (bytes)", "pid": HOST_PID, "ts": us(m.time_ns),
-                       "args": dict(current)})
+        out.append({"ph": "C", "name": "memory in use (bytes)", "pid": HOST_PID, "ts": clock.us(m.time_ns),
+                    "args": dict(current)})
+    return out
 
+
+def _metadata(threads: Threads, process_name: str) -> list[dict]:
+    """The processes' and tracks' names and sort order."""
     meta: list[dict[str, Any]] = [
         {"ph": "M", "name": "process_name", "pid": HOST_PID, "tid": 0, "args": {"name": f"{process_name} host"}},
         {"ph": "M", "name": "process_sort_index", "pid": HOST_PID, "tid": 0, "args": {"sort_index": 0}},
@@ -195,13 +242,7 @@ def build_trace(col: Collector, process_name: str = "helios") -> dict[str, Any]:
     for (pid, tid), (name, idx) in sorted(threads.items()):
         meta.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name}})
         meta.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid, "args": {"sort_index": idx}})
-
-    return {
-        "traceEvents": meta + ev_out,
-        "displayTimeUnit": "ns",
-        "otherData": {"clock": "CLOCK_MONOTONIC", "t0_ns": t0, "ops": len(col.ops), "dispatches": len(col.events),
-                      "submits": len(col.submits), "steps": len(col.steps), "collectives": len(comm)},
-    }
+    return meta
 
 
 def write_trace(path: str, trace: dict[str, Any]) -> str:

@@ -15,6 +15,7 @@ the binding's Python wrappers cannot chain ``pNext`` structs.
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 INSTALL_HINT = "pip install 'helios[doctor]' (the `vulkan` bindings, an independent check of the addon)"
 
@@ -172,7 +173,7 @@ class _Reader:
 
     def describe(self, pd) -> dict | None:
         """The addon's dict for ``pd`` (same keys, same rules) plus an ``extra`` dict; None if ``pd`` has no compute queue."""
-        vk, ffi, lib = self.vk, self.ffi, self.lib
+        ffi, lib = self.ffi, self.lib
         base = ffi.new("VkPhysicalDeviceProperties *")
         lib.vkGetPhysicalDeviceProperties(pd, base)
         api = min(base.apiVersion, self.instance_api)
@@ -180,53 +181,9 @@ class _Reader:
         exts = self.device_extensions(pd)
         push_desc = "VK_KHR_push_descriptor" in exts
 
-        S = vk  # the sType constants live on the module
-        subgroup = self._new("VkPhysicalDeviceSubgroupProperties", sType=S.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SUBGROUP_PROPERTIES)
-        maint3 = self._new("VkPhysicalDeviceMaintenance3Properties", sType=S.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_MAINTENANCE_3_PROPERTIES)
-        maint4 = self._new("VkPhysicalDeviceMaintenance4Properties", sType=S.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_MAINTENANCE_4_PROPERTIES)
-        pushp = self._new("VkPhysicalDevicePushDescriptorPropertiesKHR",
-                          sType=S.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PUSH_DESCRIPTOR_PROPERTIES_KHR)
-        driver = self._new("VkPhysicalDeviceDriverProperties", sType=S.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_DRIVER_PROPERTIES)
-        sgsize = self._new("VkPhysicalDeviceSubgroupSizeControlProperties",
-                           sType=S.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SUBGROUP_SIZE_CONTROL_PROPERTIES)
-        have_driver = v12 or "VK_KHR_driver_properties" in exts
-        have_sgsize = v13 or "VK_EXT_subgroup_size_control" in exts
-        if v11:
-            props2 = self._new("VkPhysicalDeviceProperties2", sType=S.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PROPERTIES_2)
-            chain = [subgroup, maint3]
-            chain += [pushp] if push_desc else []
-            chain += [maint4] if v13 else []
-            chain += [driver] if have_driver else []
-            chain += [sgsize] if have_sgsize else []
-            self._chain(props2, *chain)
-            lib.vkGetPhysicalDeviceProperties2(pd, props2)
-
-        f2 = self._new("VkPhysicalDeviceFeatures2", sType=S.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2)
-        s16 = self._new("VkPhysicalDevice16BitStorageFeatures", sType=S.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_16BIT_STORAGE_FEATURES)
-        s8 = self._new("VkPhysicalDevice8BitStorageFeatures", sType=S.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_8BIT_STORAGE_FEATURES)
-        f16 = self._new("VkPhysicalDeviceShaderFloat16Int8Features",
-                        sType=S.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SHADER_FLOAT16_INT8_FEATURES)
-        coop_khr = self._new("VkPhysicalDeviceCooperativeMatrixFeaturesKHR",
-                             sType=S.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_KHR)
-        coop_nv = self._new("VkPhysicalDeviceCooperativeMatrixFeaturesNV",
-                            sType=S.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_NV)
-        vmm = self._new("VkPhysicalDeviceVulkanMemoryModelFeatures",
-                        sType=S.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_MEMORY_MODEL_FEATURES)
-        sgsize_f = self._new("VkPhysicalDeviceSubgroupSizeControlFeatures",
-                             sType=S.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SUBGROUP_SIZE_CONTROL_FEATURES)
+        props = self._properties2(pd, exts, v11, v12, v13)
+        feats = self._features2(pd, exts, v11, v12, v13)
         has_khr_coop, has_nv_coop = "VK_KHR_cooperative_matrix" in exts, "VK_NV_cooperative_matrix" in exts
-        if v11:
-            chain = [s16]
-            chain += [s8] if v12 or "VK_KHR_8bit_storage" in exts else []
-            chain += [f16] if v12 or "VK_KHR_shader_float16_int8" in exts else []
-            chain += [coop_khr] if has_khr_coop else []
-            chain += [coop_nv] if has_nv_coop else []
-            chain += [vmm] if v12 else []
-            chain += [sgsize_f] if v13 else []
-            self._chain(f2, *chain)
-            lib.vkGetPhysicalDeviceFeatures2(pd, f2)
-        else:
-            lib.vkGetPhysicalDeviceFeatures(pd, ffi.addressof(f2.features))
 
         calibrated = "VK_EXT_calibrated_timestamps" in exts and self._calibrated(pd)
         heaps, types = self._memory(pd)
@@ -240,15 +197,15 @@ class _Reader:
         L = base.limits
         name, rank = _TYPES.get(int(base.deviceType), ("other", 4))
         uuid = bytes(ffi.buffer(base.pipelineCacheUUID, 16)).hex()
-        coop_list = self._coop_list(pd) if has_khr_coop and coop_khr.cooperativeMatrix else []
+        coop_list = self._coop_list(pd) if has_khr_coop and feats.coop_khr.cooperativeMatrix else []
         coop_ops = [_coop_label(c) for c in coop_list]
         # The addon's rule: the shapes are listed where Helios' coopmat kernels can run (Vulkan 1.3, the
         # extension's feature and vulkanMemoryModel), else [].
-        usable = v13 and bool(coop_list) and bool(vmm.vulkanMemoryModel)
+        usable = v13 and bool(coop_list) and bool(feats.vmm.vulkanMemoryModel)
         # The addon's rule: a pipeline may require a subgroup size on Vulkan 1.3 with the
         # subgroupSizeControl feature and compute among requiredSubgroupSizeStages, else 0..0.
-        sg_control = (v13 and bool(sgsize_f.subgroupSizeControl) and bool(sgsize.requiredSubgroupSizeStages & _STAGE_COMPUTE)
-                      and 0 < int(sgsize.minSubgroupSize) <= int(sgsize.maxSubgroupSize))
+        sg_control = (v13 and bool(feats.sgsize_f.subgroupSizeControl) and bool(props.sgsize.requiredSubgroupSizeStages & _STAGE_COMPUTE)
+                      and 0 < int(props.sgsize.minSubgroupSize) <= int(props.sgsize.maxSubgroupSize))
         return {
             "name": ffi.string(base.deviceName).decode(errors="replace"),
             "type": name,
@@ -267,18 +224,18 @@ class _Reader:
                 "min_storage_buffer_offset_alignment": int(L.minStorageBufferOffsetAlignment),
                 "timestamp_period": float(L.timestampPeriod),
                 "timestamp_valid_bits": int(ts_bits),
-                "subgroup_size": int(subgroup.subgroupSize) if v11 else 0,
-                "min_subgroup_size": int(sgsize.minSubgroupSize) if sg_control else 0,
-                "max_subgroup_size": int(sgsize.maxSubgroupSize) if sg_control else 0,
+                "subgroup_size": int(props.subgroup.subgroupSize) if v11 else 0,
+                "min_subgroup_size": int(props.sgsize.minSubgroupSize) if sg_control else 0,
+                "max_subgroup_size": int(props.sgsize.maxSubgroupSize) if sg_control else 0,
                 # Before 1.1 there is no portable limit; the addon assumes the spec's 1 GiB.
-                "max_memory_allocation_size": int(maint3.maxMemoryAllocationSize) if v11 else 1 << 30,
+                "max_memory_allocation_size": int(props.maint3.maxMemoryAllocationSize) if v11 else 1 << 30,
             },
             "features": {
-                "float16": bool(f16.shaderFloat16),
-                "storage16": bool(s16.storageBuffer16BitAccess),
-                "storage8": bool(s8.storageBuffer8BitAccess),
-                "int64": bool(f2.features.shaderInt64),
-                "int16": bool(f2.features.shaderInt16),
+                "float16": bool(feats.f16.shaderFloat16),
+                "storage16": bool(feats.s16.storageBuffer16BitAccess),
+                "storage8": bool(feats.s8.storageBuffer8BitAccess),
+                "int64": bool(feats.f2.features.shaderInt64),
+                "int16": bool(feats.f2.features.shaderInt16),
                 "push_descriptor": push_desc and v11,
                 "calibrated_timestamps": calibrated,
                 "unified_memory": unified,
@@ -287,20 +244,20 @@ class _Reader:
             "cooperative_matrix": coop_list if usable else [],
             "_rank": rank,
             "extra": {
-                "driver_name": ffi.string(driver.driverName).decode(errors="replace") if have_driver and v11 else "",
-                "driver_info": ffi.string(driver.driverInfo).decode(errors="replace") if have_driver and v11 else "",
+                "driver_name": ffi.string(props.driver.driverName).decode(errors="replace") if props.have_driver and v11 else "",
+                "driver_info": ffi.string(props.driver.driverInfo).decode(errors="replace") if props.have_driver and v11 else "",
                 "driver_version_text": driver_version_string(int(base.vendorID), int(base.driverVersion)),
                 "effective_api_version": version_string(api),
                 "memory_heaps": heaps,
                 "memory_types": types,
-                "subgroup_size_min": int(sgsize.minSubgroupSize) if have_sgsize and v11 else None,
-                "subgroup_size_max": int(sgsize.maxSubgroupSize) if have_sgsize and v11 else None,
-                "max_compute_workgroup_subgroups": int(sgsize.maxComputeWorkgroupSubgroups) if have_sgsize and v11 else None,
+                "subgroup_size_min": int(props.sgsize.minSubgroupSize) if props.have_sgsize and v11 else None,
+                "subgroup_size_max": int(props.sgsize.maxSubgroupSize) if props.have_sgsize and v11 else None,
+                "max_compute_workgroup_subgroups": int(props.sgsize.maxComputeWorkgroupSubgroups) if props.have_sgsize and v11 else None,
                 "timestamp_compute_and_graphics": bool(L.timestampComputeAndGraphics),
-                "shader_int8": bool(f16.shaderInt8),
-                "max_buffer_size": int(maint4.maxBufferSize) if v13 else None,
-                "cooperative_matrix_khr": bool(has_khr_coop and coop_khr.cooperativeMatrix),
-                "cooperative_matrix_nv": bool(has_nv_coop and coop_nv.cooperativeMatrix),
+                "shader_int8": bool(feats.f16.shaderInt8),
+                "max_buffer_size": int(props.maint4.maxBufferSize) if v13 else None,
+                "cooperative_matrix_khr": bool(has_khr_coop and feats.coop_khr.cooperativeMatrix),
+                "cooperative_matrix_nv": bool(has_nv_coop and feats.coop_nv.cooperativeMatrix),
                 "cooperative_matrix_shapes": coop_ops,
                 "queue_family": family,
                 "queue_families": families,
@@ -310,6 +267,68 @@ class _Reader:
                     "VK_KHR_16bit_storage", "VK_KHR_8bit_storage", "VK_EXT_memory_budget"}),
             },
         }
+
+    def _properties2(self, pd, exts: set, v11: bool, v12: bool, v13: bool) -> SimpleNamespace:
+        """The property structs ``describe`` reads, filled by one vkGetPhysicalDeviceProperties2 where
+        Vulkan 1.1 is there (each struct chained only where its version or extension is): subgroup,
+        maint3, maint4, driver, sgsize, and have_driver / have_sgsize (whether those two were asked for)."""
+        S = self.vk  # the sType constants live on the module
+        p = SimpleNamespace(
+            subgroup=self._new("VkPhysicalDeviceSubgroupProperties", sType=S.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SUBGROUP_PROPERTIES),
+            maint3=self._new("VkPhysicalDeviceMaintenance3Properties",
+                             sType=S.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_MAINTENANCE_3_PROPERTIES),
+            maint4=self._new("VkPhysicalDeviceMaintenance4Properties",
+                             sType=S.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_MAINTENANCE_4_PROPERTIES),
+            pushp=self._new("VkPhysicalDevicePushDescriptorPropertiesKHR",
+                            sType=S.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PUSH_DESCRIPTOR_PROPERTIES_KHR),
+            driver=self._new("VkPhysicalDeviceDriverProperties", sType=S.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_DRIVER_PROPERTIES),
+            sgsize=self._new("VkPhysicalDeviceSubgroupSizeControlProperties",
+                             sType=S.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SUBGROUP_SIZE_CONTROL_PROPERTIES),
+            have_driver=v12 or "VK_KHR_driver_properties" in exts,
+            have_sgsize=v13 or "VK_EXT_subgroup_size_control" in exts)
+        if v11:
+            props2 = self._new("VkPhysicalDeviceProperties2", sType=S.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PROPERTIES_2)
+            chain = [p.subgroup, p.maint3]
+            chain += [p.pushp] if "VK_KHR_push_descriptor" in exts else []
+            chain += [p.maint4] if v13 else []
+            chain += [p.driver] if p.have_driver else []
+            chain += [p.sgsize] if p.have_sgsize else []
+            self._chain(props2, *chain)
+            self.lib.vkGetPhysicalDeviceProperties2(pd, props2)
+        return p
+
+    def _features2(self, pd, exts: set, v11: bool, v12: bool, v13: bool) -> SimpleNamespace:
+        """The feature structs ``describe`` reads: f2 (core features), s16, s8, f16, coop_khr, coop_nv,
+        vmm, sgsize_f; one vkGetPhysicalDeviceFeatures2 where Vulkan 1.1 is there (each struct chained
+        only where its version or extension is), else the 1.0 call for the core features alone."""
+        S, ffi = self.vk, self.ffi
+        f = SimpleNamespace(
+            f2=self._new("VkPhysicalDeviceFeatures2", sType=S.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2),
+            s16=self._new("VkPhysicalDevice16BitStorageFeatures", sType=S.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_16BIT_STORAGE_FEATURES),
+            s8=self._new("VkPhysicalDevice8BitStorageFeatures", sType=S.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_8BIT_STORAGE_FEATURES),
+            f16=self._new("VkPhysicalDeviceShaderFloat16Int8Features",
+                          sType=S.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SHADER_FLOAT16_INT8_FEATURES),
+            coop_khr=self._new("VkPhysicalDeviceCooperativeMatrixFeaturesKHR",
+                               sType=S.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_KHR),
+            coop_nv=self._new("VkPhysicalDeviceCooperativeMatrixFeaturesNV",
+                              sType=S.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_NV),
+            vmm=self._new("VkPhysicalDeviceVulkanMemoryModelFeatures",
+                          sType=S.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_MEMORY_MODEL_FEATURES),
+            sgsize_f=self._new("VkPhysicalDeviceSubgroupSizeControlFeatures",
+                               sType=S.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SUBGROUP_SIZE_CONTROL_FEATURES))
+        if v11:
+            chain = [f.s16]
+            chain += [f.s8] if v12 or "VK_KHR_8bit_storage" in exts else []
+            chain += [f.f16] if v12 or "VK_KHR_shader_float16_int8" in exts else []
+            chain += [f.coop_khr] if "VK_KHR_cooperative_matrix" in exts else []
+            chain += [f.coop_nv] if "VK_NV_cooperative_matrix" in exts else []
+            chain += [f.vmm] if v12 else []
+            chain += [f.sgsize_f] if v13 else []
+            self._chain(f.f2, *chain)
+            self.lib.vkGetPhysicalDeviceFeatures2(pd, f.f2)
+        else:
+            self.lib.vkGetPhysicalDeviceFeatures(pd, ffi.addressof(f.f2.features))
+        return f
 
     def _queue_family(self, pd) -> tuple[int | None, int, list[dict]]:
         """The addon's choice of compute queue family: compute-only preferred, timestamps break ties."""

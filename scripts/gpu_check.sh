@@ -67,7 +67,7 @@ set -uo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 out=$(mkdir -p "${1:-$repo/gpu-results}" && cd "${1:-$repo/gpu-results}" && pwd)
 part=${2:-all}
-case $part in all|tests|bench|device|attention|coopmat) ;; *) echo "gpu_check: the second argument is all, tests, bench or device, attention or coopmat, not '$part'" >&2; exit 1 ;; esac
+case $part in all|tests|bench|device|attention|coopmat) ;; *) echo "gpu_check: the second argument is one of all, tests, bench, device, attention, coopmat; not '$part'" >&2; exit 1 ;; esac
 py=${PYTHON:-python3}
 bench_timeout=${HELIOS_GPU_BENCH_TIMEOUT:-240}
 attn_budget=${HELIOS_GPU_ATTN_BUDGET:-450}

@@ -269,21 +269,15 @@ def parse(ptx: str) -> PtxProgram:
     """Parse one module's ``.entry`` into a :class:`PtxProgram` (cached per text: treat it as read-only)."""
     target = ""
     prog: PtxProgram | None = None
-    in_params = False
-    pending = ""  # parameter text not yet closed by ')'
+    pending: str | None = None  # the .entry's parameter text not yet closed by ')' (None: not in the list)
     depth = 0  # brace depth of the kernel body
     shared_name = "smem"
     for no, line, raw in _statements(ptx):
-        if in_params:
+        if pending is not None:
             pending += " " + line
             if ")" not in pending:
                 continue
-            inside, _, rest = pending.partition(")")
-            in_params = False
-            for piece in inside.split(","):
-                if piece.strip():
-                    prog.params.append(_param(piece, no))
-            line = rest.strip()
+            line, pending = _close_params(prog, pending, no), None
             if not line:
                 continue
         if line.startswith(".target"):
@@ -292,10 +286,7 @@ def parse(ptx: str) -> PtxProgram:
         if line.startswith((".version", ".address_size")):
             continue
         if line.startswith(".extern"):
-            sm = re.match(r"\.extern\s+\.shared\s+(?:\.align\s+\d+\s+)?\.\w+\s+(\w+)\s*\[\s*\]\s*;", line)
-            if not sm:
-                raise PtxParseError(f"line {no}: only an .extern .shared array NAME[] is supported: {line!r}")
-            shared_name = sm.group(1)
+            shared_name = _extern_shared(line, no)
             if prog is not None:
                 prog.shared_name = shared_name
             continue
@@ -304,40 +295,20 @@ def parse(ptx: str) -> PtxProgram:
             if prog is not None:
                 raise PtxParseError(f"line {no}: only one .entry per module is supported")
             prog = PtxProgram(m.group(1), target, shared_name=shared_name)
-            in_params = True
             pending = m.group(3) if m.group(2) else m.group(3).lstrip("(")
-            if ")" in pending:  # the whole list on this line
-                inside, _, rest = pending.partition(")")
-                in_params = False
-                for piece in inside.split(","):
-                    if piece.strip():
-                        prog.params.append(_param(piece, no))
-                rest = rest.strip()
-                if rest == "{":
-                    depth += 1
-                elif rest and not rest.startswith("."):
-                    raise PtxParseError(f"line {no}: unexpected {rest!r} after the parameters")
-                elif rest:
-                    line = rest
-                    m = None
-            if m is not None:
+            if ")" not in pending:
                 continue
+            rest, pending = _close_params(prog, pending, no), None  # the whole list on this line
+            if rest == "{":
+                depth += 1
+            elif rest and not rest.startswith("."):
+                raise PtxParseError(f"line {no}: unexpected {rest!r} after the parameters")
+            if not rest.startswith("."):
+                continue
+            line = rest  # a directive after the list: read below
         if prog is None:
             raise PtxParseError(f"line {no}: unexpected {line!r} before the .entry")
-        if line.startswith(".maxntid"):
-            dims = [int(x) for x in line.split(None, 1)[1].replace(",", " ").replace(";", " ").split()]
-            if not 1 <= len(dims) <= 3:
-                raise PtxParseError(f"line {no}: .maxntid needs one to three extents, got {line!r}")
-            prog.ntid = tuple(dims + [1] * (3 - len(dims)))
-            prog.maxntid = dims[0] * (dims[1] if len(dims) > 1 else 1) * (dims[2] if len(dims) > 2 else 1)
-            continue
-        if line.startswith((".minnctapersm", ".reqntid", ".pragma")):
-            continue
-        if line.startswith(".reqnctapercluster"):
-            dims = tuple(int(x) for x in line.split(None, 1)[1].replace(",", " ").split())
-            if len(dims) != 3:
-                raise PtxParseError(f"line {no}: .reqnctapercluster needs three extents, got {line!r}")
-            prog.cluster = dims
+        if _kernel_directive(prog, line, no):
             continue
         if line == "{":
             depth += 1
@@ -347,38 +318,7 @@ def parse(ptx: str) -> PtxProgram:
             continue
         if depth <= 0:
             raise PtxParseError(f"line {no}: unexpected {line!r} outside the kernel body")
-        if line.startswith(".reg"):
-            rm = re.fullmatch(r"\.reg\s+\.(\w+)\s+%([a-z]+)<\d+>;", line)
-            if not rm:
-                raise PtxParseError(f"line {no}: cannot parse register declaration {line!r}")
-            prog.reg_types[rm.group(2)] = rm.group(1)
-            continue
-        if line.startswith(".local"):
-            lm = re.fullmatch(r"\.local\s+(?:\.align\s+(\d+)\s+)?\.(\w+)\s+(\w+)\s*\[\s*(\d+)\s*\];", line)
-            if not lm or lm.group(2) not in ("b8", "u8", "s8"):
-                raise PtxParseError(f"line {no}: only .local .align A .b8 NAME[N] arrays are supported: {line!r}")
-            prog.locals[lm.group(3)] = int(lm.group(4))
-            continue
-        if line.startswith("."):
-            raise PtxParseError(f"line {no}: directive {line.split()[0]} is not supported: {line!r}")
-        if line.endswith(":"):
-            prog.labels[line[:-1]] = len(prog.instrs)
-            continue
-        if not line.endswith(";"):
-            raise PtxParseError(f"line {no}: instruction without ';': {line!r}")
-        body = line[:-1].strip()
-        pred, negate = None, False
-        if body.startswith("@"):
-            g, body = body.split(None, 1)
-            negate = g.startswith("@!")
-            pred = g[2:] if negate else g[1:]
-        op, *rest = body.split(None, 1)
-        rest = rest[0] if rest else ""
-        try:
-            args = tuple(parse_operand(t) for t in _split_top(rest)) if rest.strip() else ()
-        except PtxParseError as e:
-            raise PtxParseError(f"line {no}: {e}") from e
-        prog.instrs.append(PtxInstr(op, args, pred, negate, no, raw.strip()))
+        _body_statement(prog, line, raw, no)
     if prog is None:
         raise PtxParseError("no .visible .entry in the module")
     for ins in prog.instrs:
@@ -387,3 +327,78 @@ def parse(ptx: str) -> PtxProgram:
             if not isinstance(tgt, SymArg) or tgt.name not in prog.labels:
                 raise PtxParseError(f"line {ins.line}: branch to unknown label {ins.args[0]}")
     return prog
+
+
+def _close_params(prog: PtxProgram, pending: str, no: int) -> str:
+    """Add the parameters of ``pending`` (the list's text up to its ')') to ``prog``; the text after it."""
+    inside, _, rest = pending.partition(")")
+    for piece in inside.split(","):
+        if piece.strip():
+            prog.params.append(_param(piece, no))
+    return rest.strip()
+
+
+def _extern_shared(line: str, no: int) -> str:
+    """The name of the dynamic shared array an ``.extern .shared`` line declares."""
+    sm = re.match(r"\.extern\s+\.shared\s+(?:\.align\s+\d+\s+)?\.\w+\s+(\w+)\s*\[\s*\]\s*;", line)
+    if not sm:
+        raise PtxParseError(f"line {no}: only an .extern .shared array NAME[] is supported: {line!r}")
+    return sm.group(1)
+
+
+def _kernel_directive(prog: PtxProgram, line: str, no: int) -> bool:
+    """Read a performance directive of the kernel (.maxntid, .reqnctapercluster; .minnctapersm,
+    .reqntid and .pragma are skipped) into ``prog``; False where ``line`` is none of them."""
+    if line.startswith(".maxntid"):
+        dims = [int(x) for x in line.split(None, 1)[1].replace(",", " ").replace(";", " ").split()]
+        if not 1 <= len(dims) <= 3:
+            raise PtxParseError(f"line {no}: .maxntid needs one to three extents, got {line!r}")
+        prog.ntid = tuple(dims + [1] * (3 - len(dims)))
+        prog.maxntid = dims[0] * (dims[1] if len(dims) > 1 else 1) * (dims[2] if len(dims) > 2 else 1)
+        return True
+    if line.startswith((".minnctapersm", ".reqntid", ".pragma")):
+        return True
+    if line.startswith(".reqnctapercluster"):
+        dims = tuple(int(x) for x in line.split(None, 1)[1].replace(",", " ").split())
+        if len(dims) != 3:
+            raise PtxParseError(f"line {no}: .reqnctapercluster needs three extents, got {line!r}")
+        prog.cluster = dims
+        return True
+    return False
+
+
+def _body_statement(prog: PtxProgram, line: str, raw: str, no: int) -> None:
+    """One statement of the kernel body into ``prog``: a register or local-array declaration, a
+    label, or an instruction (its guard, opcode and operands)."""
+    if line.startswith(".reg"):
+        rm = re.fullmatch(r"\.reg\s+\.(\w+)\s+%([a-z]+)<\d+>;", line)
+        if not rm:
+            raise PtxParseError(f"line {no}: cannot parse register declaration {line!r}")
+        prog.reg_types[rm.group(2)] = rm.group(1)
+        return
+    if line.startswith(".local"):
+        lm = re.fullmatch(r"\.local\s+(?:\.align\s+(\d+)\s+)?\.(\w+)\s+(\w+)\s*\[\s*(\d+)\s*\];", line)
+        if not lm or lm.group(2) not in ("b8", "u8", "s8"):
+            raise PtxParseError(f"line {no}: only .local .align A .b8 NAME[N] arrays are supported: {line!r}")
+        prog.locals[lm.group(3)] = int(lm.group(4))
+        return
+    if line.startswith("."):
+        raise PtxParseError(f"line {no}: directive {line.split()[0]} is not supported: {line!r}")
+    if line.endswith(":"):
+        prog.labels[line[:-1]] = len(prog.instrs)
+        return
+    if not line.endswith(";"):
+        raise PtxParseError(f"line {no}: instruction without ';': {line!r}")
+    body = line[:-1].strip()
+    pred, negate = None, False
+    if body.startswith("@"):
+        g, body = body.split(None, 1)
+        negate = g.startswith("@!")
+        pred = g[2:] if negate else g[1:]
+    op, *rest = body.split(None, 1)
+    rest = rest[0] if rest else ""
+    try:
+        args = tuple(parse_operand(t) for t in _split_top(rest)) if rest.strip() else ()
+    except PtxParseError as e:
+        raise PtxParseError(f"line {no}: {e}") from e
+    prog.instrs.append(PtxInstr(op, args, pred, negate, no, raw.strip()))

@@ -73,7 +73,6 @@ def generate(cfg: GemmConfig) -> Kernel:
     cfg.validate()
     plan = MmaPlan(cfg)
     T = cfg.threads
-    ty = IN_DTYPES[cfg.in_dtype][1]
     b = Builder(cfg.kernel_name, cfg.target, cfg.version, T)
     b.kernel.maxntid = (T, 1, 1)
     pa, pb, pc = b.param("a", "u64"), b.param("b", "u64"), b.param("c", "u64")
@@ -92,7 +91,33 @@ def generate(cfg: GemmConfig) -> Kernel:
     ring = ops.smem_base(b)
     kt_n = b.binop("shr", "u32", k_r, cfg.bk.bit_length() - 1)  # K / bk (bk is a power of two)
 
-    # ---- cp.async producers: thread tid copies chunks idx = tid + T*i -------------------
+    issue = _copy_issuer(b, plan, tid, ring, (a_g, b_g), (m0, n0), (n_r, k_r))
+    a_ld, b_ld = _ldmatrix_bases(b, plan, lane, wm, wn)
+    mt, nt = plan.wm // 16, plan.wn // 8
+    acc = [[[b.mov("f32", 0.0) for _ in range(4)] for _ in range(nt)] for _ in range(mt)]
+    _main_loop(b, plan, issue, ring, kt_n, (a_ld, b_ld), acc)
+
+    # ---- epilogue: C fragment (row g / g+8, cols q, q+1) -------------------------------
+    row0 = b.binop("add", "u32", m0, b.mad("u32", wm, plan.wm, L.GROUP.emit(b, lane)))
+    col0 = b.binop("add", "u32", n0, b.mad("u32", wn, plan.wn, L.QUAD2.emit(b, lane)))
+    base = b.mad("u32", row0, n_r, col0)
+    n8 = b.binop("shl", "b32", n_r, 3)
+    for i in range(mt):
+        for half in range(2):
+            rbase = b.mad("u32", n8, 2 * i + half, base)  # +(16i + 8half) rows
+            for j in range(nt):
+                off = b.binop("add", "u32", rbase, 8 * j)
+                ops.store_c(b, cfg, c_g, off, acc[i][j][2 * half: 2 * half + 2])
+    return b.build()
+
+
+def _copy_issuer(b: Builder, plan: MmaPlan, tid, ring, ptrs: tuple, origin: tuple, nk: tuple):
+    """The cp.async producers: thread tid copies the 16-byte chunks tid + T*i of each k-tile of A
+    and B (``ptrs``: their global pointers, ``origin``: the tile's m0, n0, ``nk``: N and K).  Emits
+    the per-thread addresses; returns ``issue(slot_off, guard)``, which emits one k-tile's copies
+    into the ring slot at byte offset ``slot_off`` and advances the sources."""
+    cfg, T = plan.cfg, plan.cfg.threads
+    (a_g, b_g), (m0, n0), (n_r, k_r) = ptrs, origin, nk
     a_per_row, a_n = plan.chunks(cfg.bm, cfg.bk)
     a_row = b.binop("div", "u32", tid, a_per_row)
     a_col = b.binop("mul.lo", "u32", b.binop("rem", "u32", tid, a_per_row), 8)
@@ -144,7 +169,12 @@ def generate(cfg: GemmConfig) -> Kernel:
         b.emit("add.u64", a_src, a_src, cfg.bk * 2)
         b.emit("add.u64", b_src, b_src, b_ktile)
 
-    # ---- ldmatrix lane bases (bytes within a stage) -----------------------------------
+    return issue
+
+
+def _ldmatrix_bases(b: Builder, plan: MmaPlan, lane, wm, wn) -> tuple:
+    """(A's, B's) ldmatrix lane base addresses: bytes within a stage, the warp's sub-tile included."""
+    cfg = plan.cfg
     a_ld = b.mad("u32", b.binop("add", "u32", b.binop("mul.lo", "u32", wm, plan.wm), L.LDM_A_ROW.emit(b, lane)),
                  plan.a_stride, b.binop("shl", "b32", L.LDM_A_COL.emit(b, lane), 1))
     if cfg.b_major == "n":
@@ -154,14 +184,18 @@ def generate(cfg: GemmConfig) -> Kernel:
         b_ld_row = b.mad("u32", wn, plan.wn, L.LDM_BK_ROW.emit(b, lane))
         b_ld_col = L.LDM_BK_COL.emit(b, lane)
     b_ld = b.mad("u32", b_ld_row, plan.b_stride, b.binop("shl", "b32", b_ld_col, 1))
-    b_ld = b.binop("add", "u32", b_ld, plan.a_bytes)
+    return a_ld, b.binop("add", "u32", b_ld, plan.a_bytes)
 
-    mt, nt = plan.wm // 16, plan.wn // 8
-    acc = [[[b.mov("f32", 0.0) for _ in range(4)] for _ in range(nt)] for _ in range(mt)]
+
+def _main_loop(b: Builder, plan: MmaPlan, issue, ring, kt_n, ld_bases: tuple, acc: list) -> None:
+    """The prologue (stages-1 k-tiles in flight), then per k-tile: wait for its copies, issue the
+    tile stages-1 ahead, and run its ldmatrix loads and mma.sync products into ``acc``."""
+    cfg = plan.cfg
+    ty = IN_DTYPES[cfg.in_dtype][1]
+    a_ld, b_ld = ld_bases
+    mt, nt = len(acc), len(acc[0])
     af = [b.regs("b32", 4) for _ in range(mt)]
     bf = [b.regs("b32", 4) for _ in range(nt // 2)]
-
-    # ---- prologue: stages-1 tiles in flight --------------------------------------------
     for s in range(cfg.stages - 1):
         guard = b.setp("lt", "u32", s, kt_n) if s else None
         issue(s * plan.stage_bytes, guard)
@@ -202,19 +236,6 @@ def generate(cfg: GemmConfig) -> Kernel:
         b.emit("setp.ge.u32", wrap, rd, ring_end)
         b.emit("sub.u32", rd, rd, ring_end, pred=wrap)
     b.emit("cp.async.wait_group", 0)
-
-    # ---- epilogue: C fragment (row g / g+8, cols q, q+1) -------------------------------
-    row0 = b.binop("add", "u32", m0, b.mad("u32", wm, plan.wm, L.GROUP.emit(b, lane)))
-    col0 = b.binop("add", "u32", n0, b.mad("u32", wn, plan.wn, L.QUAD2.emit(b, lane)))
-    base = b.mad("u32", row0, n_r, col0)
-    n8 = b.binop("shl", "b32", n_r, 3)
-    for i in range(mt):
-        for half in range(2):
-            rbase = b.mad("u32", n8, 2 * i + half, base)  # +(16i + 8half) rows
-            for j in range(nt):
-                off = b.binop("add", "u32", rbase, 8 * j)
-                ops.store_c(b, cfg, c_g, off, acc[i][j][2 * half: 2 * half + 2])
-    return b.build()
 
 
 # ---------------------------------------------------------------------------------------

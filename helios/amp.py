@@ -295,7 +295,7 @@ def _grad_views(optimizer) -> list:
     """The gradients to unscale: the optimizer's own ``local_gradients()`` where it has them (a
     ZeRO optimizer's flat buffers or shards); a fused optimizer's flat gradient buffer once when
     every parameter of the group has its gradient there (one dispatch), else each ``p.grad``."""
-    from helios.optim import _flat_by_grad_storage
+    from helios.optim import complete_flat_grad
 
     local = getattr(optimizer, "local_gradients", None)
     if local is not None:
@@ -307,11 +307,11 @@ def _grad_views(optimizer) -> list:
             g = p.grad
             if g is None:
                 continue
-            fg = _flat_by_grad_storage.get(id(g._st))
-            if fg is not None and fg.g._st is g._st and fg.grads_complete():
+            flat = complete_flat_grad(g)
+            if flat is not None:
                 if id(g._st) not in seen:
                     seen.add(id(g._st))
-                    views.append(fg.g)
+                    views.append(flat)
             elif id(g) not in seen:
                 seen.add(id(g))
                 views.append(g)

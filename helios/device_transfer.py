@@ -111,7 +111,7 @@ def parse_to_args(args: tuple, kwargs: dict, op: str = "to"):
     ``to(dtype)``, ``to(device, dtype)``, ``to(other_tensor)``, keywords ``device=``,
     ``dtype=``, ``non_blocking=``, ``copy=``.  A string that is neither a dtype nor a device is one
     DeviceError naming it, the devices that exist and the dtypes."""
-    from helios.runtime import _parse_device, device_names
+    from helios.runtime import parse_device, device_names
 
     device = kwargs.pop("device", None)
     dtype = kwargs.pop("dtype", None)
@@ -132,7 +132,7 @@ def parse_to_args(args: tuple, kwargs: dict, op: str = "to"):
             dtype = a  # as_dtype below refuses the ones Helios lacks ("float64") as a DTypeError
         elif isinstance(a, (str, int)) or type(a).__name__ == "device":
             try:
-                _parse_device(a)
+                parse_device(a)
             except Exception:
                 raise _not_device_or_dtype(op, a, device_names()) from None
             device = a

@@ -44,9 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
 def copy_tokenizer(spec: str, out_dir: str) -> list[str]:
     """Copy an ``hf:PATH`` tokenizer's tokenizer.json (and a tokenizer_config.json beside it) into
     ``out_dir``; the names copied."""
-    from helios.tokenizer import _hf_file
+    from helios.tokenizer import hf_tokenizer_file
 
-    src = _hf_file(spec[3:])
+    src = hf_tokenizer_file(spec[3:])
     if not src.is_file():
         raise CheckpointError(f"the run's tokenizer {src} is not there any more; copy its tokenizer.json into "
                               f"{out_dir} yourself")

@@ -226,6 +226,14 @@ class SGD(Optimizer):
         self.step_count = int(sd["step"])
 
 
+def complete_flat_grad(grad: Tensor) -> Tensor | None:
+    """The flat gradient buffer of the fused parameter group whose storage holds ``grad``, where every
+    parameter of that group has its current gradient there (one view then covers them all); else None."""
+    st = grad._st
+    fg = _flat_by_grad_storage.get(id(st))
+    return fg.g if fg is not None and fg.g._st is st and fg.grads_complete() else None
+
+
 @no_grad()
 def clip_grad_norm_(params, max_norm: float) -> Tensor:
     """Scale gradients in place so their global L2 norm is at most ``max_norm``; returns the norm (a device scalar).
@@ -238,14 +246,12 @@ def clip_grad_norm_(params, max_norm: float) -> Tensor:
     seen, parts = set(), []
     flat_views = []
     for p in params:
-        st = p.grad._st
-        fg = _flat_by_grad_storage.get(id(st))
-        if fg is not None and fg.g._st is st and fg.grads_complete():
-            if id(st) not in seen:  # the whole flat buffer holds current gradients
-                seen.add(id(st))
-                flat_views.append(fg.g)
-        else:
+        flat = complete_flat_grad(p.grad)
+        if flat is None:
             flat_views.append(p.grad)
+        elif id(flat._st) not in seen:  # the whole flat buffer holds current gradients: once
+            seen.add(id(flat._st))
+            flat_views.append(flat)
     # Fused (helios.fused_kernels): each contiguous view's sum of squares as one reduction, and the
     # scalar chain in the last reduction's final step; the same bits as the separate ops.
     fuse = fused_kernels.ENABLED and all(K.sum_squares_fits(g) for g in flat_views)

@@ -95,7 +95,7 @@ def device_names() -> str:
     return ", ".join(names)
 
 
-def _parse_device(spec) -> tuple[str, int] | None:
+def parse_device(spec) -> tuple[str, int] | None:
     """(kind, index) that ``spec`` names -- ("vulkan", N) or ("cuda", N) -- or None for "cpu".
 
     ``spec``: "cpu", "vulkan" / "cuda" (the current device of that kind, else index 0),
@@ -116,7 +116,7 @@ def _parse_device(spec) -> tuple[str, int] | None:
             if _current is not None and _current.name.startswith(kind + ":"):
                 return (kind, _current.index)
             env = os.environ.get("HELIOS_DEVICE", "")
-            return _parse_device(env) if env.startswith(kind + ":") else (kind, 0)
+            return parse_device(env) if env.startswith(kind + ":") else (kind, 0)
         if num.isdigit():
             return (kind, int(num))
         raise DeviceError(f"bad device {spec!r}: expected '{kind}:N' with N an integer; devices here: {device_names()}")
@@ -144,7 +144,7 @@ class device(str):
             name = f"{name}:{int(index)}"
         if name.strip() == "cpu:0":
             name = "cpu"
-        parsed = _parse_device(name)  # validates the spelling
+        parsed = parse_device(name)  # validates the spelling
         kind, idx = ("cpu", None) if parsed is None else parsed
         out = str.__new__(cls, kind if ":" not in name else f"{kind}:{idx}")
         out._type, out._index = kind, (idx if ":" in name else None)
@@ -514,7 +514,7 @@ def _open(kind: str, index: int) -> Runtime:
 def set_device(spec: str) -> None:
     """Make ``spec`` ("vulkan:N" or "cuda:N") the device new tensors go to."""
     global _current
-    parsed = _parse_device(spec)
+    parsed = parse_device(spec)
     if parsed is None:
         raise DeviceError("set_device('cpu'): the current device runs the ops, and cpu tensors only hold data; "
                           f"choose a Vulkan device or a CUDA device ({device_names()}) and move results with .to('cpu')")
@@ -526,7 +526,7 @@ def get_runtime(spec: str | None = None) -> Runtime:
     if spec is not None:
         if isinstance(spec, Runtime):
             return spec
-        parsed = _parse_device(spec)
+        parsed = parse_device(spec)
         if parsed is None:
             return HOST
         return _open(*parsed)

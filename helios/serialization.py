@@ -222,9 +222,9 @@ def load(f: str | os.PathLike[str], map_location=None, *, weights_only: bool | N
     if path is None:
         raise TypeError(f"helios.load: the source must be a file path, got {type(f).__name__}")
     if map_location is not None and not (callable(map_location) or isinstance(map_location, dict)):
-        from helios.runtime import _parse_device
+        from helios.runtime import parse_device
 
-        _parse_device(map_location)  # a bad name fails here, before the file is read
+        parse_device(map_location)  # a bad name fails here, before the file is read
         map_location = str(map_location)
     if os.path.isfile(path):
         with open(path, "rb") as fh:

@@ -420,7 +420,7 @@ class BPETokenizer:
 # ---------------------------------------------------------------------- Hugging Face tokenizer.json
 
 
-def _hf_file(path: str | os.PathLike[str]) -> Path:
+def hf_tokenizer_file(path: str | os.PathLike[str]) -> Path:
     """The ``tokenizer.json`` that ``hf:PATH`` names: the file itself, or ``PATH/tokenizer.json``."""
     p = Path(path).expanduser()
     if p.is_dir():
@@ -439,7 +439,7 @@ class HFTokenizer:
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        p = _hf_file(path)
+        p = hf_tokenizer_file(path)
         try:
             from tokenizers import Tokenizer as _Tokenizer
         except ImportError:
@@ -574,7 +574,7 @@ def check_spec(spec) -> None:
             raise DataError(f"--tokenizer {spec}: N must be an integer >= 256; accepted forms: {_SPEC_HELP}")
         return
     if spec.startswith("hf:"):
-        p = _hf_file(spec[3:])
+        p = hf_tokenizer_file(spec[3:])
         if not spec[3:] or not p.is_file():
             what = "no tokenizer.json in that folder" if Path(spec[3:]).expanduser().is_dir() else "no such file"
             raise DataError(f"--tokenizer {spec}: {what}; pass hf: with a Hugging Face tokenizer.json or the "

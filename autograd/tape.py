@@ -391,14 +391,19 @@ def queue_callback(fn) -> None:
     Called from a hook during backward; data parallel uses it to wait for the gradient
     all-reduces it started, so ``loss.backward()`` returns with synchronised gradients.
     """
-    if not getattr(_state, "in_backward", False):
+    if not in_backward():
         raise RuntimeError("queue_callback(): no backward pass is running on this thread")
     _state.callbacks.append(fn)
 
 
+def in_backward() -> bool:
+    """True while a backward pass runs on this thread (its nodes' functions are being called)."""
+    return getattr(_state, "in_backward", False)
+
+
 def backward_progress() -> tuple[int, int]:
     """(nodes processed, nodes in the pass) of the backward pass running on this thread, or (0, 0)."""
-    return getattr(_state, "progress", (0, 0)) if getattr(_state, "in_backward", False) else (0, 0)
+    return getattr(_state, "progress", (0, 0)) if in_backward() else (0, 0)
 
 
 def backward(root, grad=None, retain_graph: bool = False) -> None:

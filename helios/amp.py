@@ -125,7 +125,7 @@ def active_dtype():
     """The dtype autocast casts low-precision ops to at this point: None outside ``autocast`` and
     inside a backward pass (which runs without it)."""
     d = state.dtype
-    if d is None or getattr(tape._state, "in_backward", False):
+    if d is None or tape.in_backward():
         return None
     return d
 

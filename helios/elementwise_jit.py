@@ -571,7 +571,7 @@ def cache_path(src: str) -> str:
     """Where the SPIR-V of fused kernel source ``src`` is cached (named by a hash of the
     source and of the GLSL it includes)."""
     if not _includes:
-        builder = registry._load_builder()
+        builder = registry.load_builder()
         builder.generate_sources()
         for f in ("common.glsl", ew_ops.GEN_NAME):
             with open(os.path.join(builder.GLSL_DIR, f)) as fh:
@@ -586,7 +586,7 @@ def spirv(src: str) -> bytes:
     if not os.path.exists(path):
         import subprocess
 
-        builder = registry._load_builder()
+        builder = registry.load_builder()
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.{os.getpid()}.{threading.get_ident()}"
         with open(tmp + ".comp", "w") as f:

@@ -64,7 +64,9 @@ _spirv_cache: dict[tuple[str, str], bytes] = {}
 _spirv_paths: dict[tuple[str, str], str] = {}  # the file each cached entry was read from
 
 
-def _load_builder():
+def load_builder():
+    """kernels_spirv/build.py as a module (loaded once): the one place that knows the kernels, their
+    variants and how to compile them."""
     global _builder
     if _builder is None:
         spec = importlib.util.spec_from_file_location("helios_kernel_build", os.path.join(_HERE, "build.py"))
@@ -76,13 +78,13 @@ def _load_builder():
 
 def variants(name: str) -> list[str]:
     """The variant names of kernel ``name``, as its .variants file lists them."""
-    return list(_load_builder().kernel_variants(name))
+    return list(load_builder().kernel_variants(name))
 
 
 def needs_coopmat(name: str) -> bool:
     """Whether kernel ``name`` is a cooperative-matrix kernel (GL_KHR_cooperative_matrix: run only on
     Vulkan GPUs that list cooperative matrices, built for Vulkan 1.3)."""
-    return _load_builder().needs_coopmat(name)
+    return load_builder().needs_coopmat(name)
 
 
 _buildable: dict[str, bool] = {}
@@ -93,7 +95,7 @@ def can_build(name: str) -> bool:
     (matmul_coop needs one that knows GL_KHR_cooperative_matrix, which glslc may not); asked once."""
     ok = _buildable.get(name)
     if ok is None:
-        builder = _load_builder()
+        builder = load_builder()
         current = all(os.path.exists(p) and os.path.getmtime(p) >= builder.source_mtime(name)
                       for p in (spirv_path(name, v) for v in variants(name)))
         try:
@@ -134,7 +136,7 @@ def spirv(name: str, variant: str) -> bytes:
     src = source_path(name)
     builder = None
     if os.path.exists(src):
-        builder = _load_builder()
+        builder = load_builder()
         if variant not in builder.kernel_variants(name):
             raise KeyError(f"kernel {name!r} has no variant {variant!r}: known {sorted(builder.kernel_variants(name))}")
         stale = not os.path.exists(path) or os.path.getmtime(path) < builder.source_mtime(name)

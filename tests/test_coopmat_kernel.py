@@ -17,7 +17,7 @@ from helios._kernels import coopmat
 from helios.kernels_spirv import registry
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BUILD = registry._load_builder()
+BUILD = registry.load_builder()
 
 
 def _coopmat_compiler():

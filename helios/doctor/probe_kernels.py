@@ -76,7 +76,7 @@ def probe(env: Mapping[str, str] | None = None) -> Section:
     s = Section("kernels", "Kernels (SPIR-V)")
     from helios.kernels_spirv import registry
 
-    builder = registry._load_builder()  # build.py: the one place that knows kernels and variants
+    builder = registry.load_builder()  # build.py: the one place that knows kernels and variants
     st = kernel_status(registry, builder)
     _coopmat_kernels(builder, st, s)
     s.data["spirv"] = {k: v for k, v in st.items()}

@@ -25,6 +25,7 @@ from typing import Any
 from helios.profile._atomic import atomic_write_text
 from helios.profile.errors import ProfileError
 from helios.profile.mfu import format_mfu
+from helios.profile.page import CSS, DONE, SENTINEL, card, empty, section
 from helios.profile.profiler import fmt_ns
 from helios.profile.rundb import read_run
 from helios.profile.svg import hbars, line_chart, stacked_bars
@@ -37,79 +38,6 @@ PHASE_COLOURS = {
     "checkpoint": "#756bb1", "sample_gen": "#c994c7", "idle": "#bdbdbd",
 }
 MAX_BARS = 120  # beyond this many steps the waterfall shows bucket means
-
-_CSS = """
-:root { --fg:#1d2330; --muted:#5b6577; --line:#e3e7ee; --card:#ffffff; --bg:#f5f7fa; --accent:#2b8cbe; }
-* { box-sizing: border-box; }
-body { margin:0; background:var(--bg); color:var(--fg);
-       font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,"Helvetica Neue",Arial,sans-serif; }
-header { background:#1d2330; color:#fff; padding:22px 32px 18px; }
-header h1 { margin:0 0 4px; font-size:22px; font-weight:600; }
-header .sub { color:#c4cad6; font-size:13px; }
-main { max-width:1000px; margin:0 auto; padding:20px 24px 40px; }
-.cards { display:grid; grid-template-columns:repeat(auto-fit,minmax(150px,1fr)); gap:12px; margin-bottom:18px; }
-.card { background:var(--card); border:1px solid var(--line); border-radius:8px; padding:10px 14px; }
-.card .k { color:var(--muted); font-size:12px; text-transform:uppercase; letter-spacing:.04em; }
-.card .v { font-size:20px; font-weight:600; margin-top:2px; }
-.card .n { color:var(--muted); font-size:11px; }
-section.chart { background:var(--card); border:1px solid var(--line); border-radius:8px; padding:14px 18px 10px;
-                margin:0 0 18px; }
-section.chart h2 { font-size:16px; margin:0 0 2px; font-weight:600; }
-section.chart p.note { margin:0 0 8px; color:var(--muted); font-size:12.5px; }
-.empty { padding:26px; text-align:center; color:var(--muted); border:1px dashed var(--line); border-radius:6px;
-         margin:8px 0 12px; }
-.chart-svg { width:100%; height:auto; display:block; }
-.chart-svg .grid { stroke:#edf0f5; stroke-width:1; }
-.chart-svg .axis { stroke:#9aa3b2; stroke-width:1; }
-.chart-svg .tick { fill:#5b6577; font-size:11px; }
-.chart-svg .axis-label { fill:#5b6577; font-size:12px; }
-.chart-svg .bar-label { fill:#1d2330; font-size:12px; font-family:ui-monospace,Menlo,Consolas,monospace; }
-.chart-svg .bar-value { fill:#5b6577; font-size:11px; }
-.chart-svg g.bar:hover rect { opacity:.8; }
-.legend { display:flex; flex-wrap:wrap; gap:6px 16px; margin:4px 0 8px; font-size:12.5px; }
-.legend span { display:inline-flex; align-items:center; gap:6px; }
-.legend i { width:12px; height:12px; border-radius:2px; display:inline-block; }
-table { border-collapse:collapse; width:100%; font-size:12.5px; margin:6px 0 8px; }
-th, td { padding:5px 8px; border-bottom:1px solid var(--line); text-align:right; white-space:nowrap; }
-th { color:var(--muted); font-weight:600; background:#fafbfc; }
-td.l, th.l { text-align:left; }
-td.mono { font-family:ui-monospace,Menlo,Consolas,monospace; }
-footer { color:var(--muted); font-size:12px; text-align:center; padding:8px 0 24px; }
-#js-errors:empty { display:none; }
-#js-errors { background:#fde8e8; color:#8a1f1f; padding:8px 12px; border-radius:6px; margin-bottom:12px; }
-"""
-
-# The sentinel: any script error on the page becomes visible text; the last script marks the page rendered.
-_SENTINEL = """<script>
-window.addEventListener('error', function (e) {
-  var box = document.getElementById('js-errors');
-  var li = document.createElement('div'); li.className = 'js-error';
-  li.textContent = 'script error: ' + (e.message || e.type);
-  if (box) { box.appendChild(li); }
-});
-</script>"""
-_DONE = """<script>
-(function () {
-  var n = document.querySelectorAll('section.chart').length;
-  document.body.setAttribute('data-rendered', 'ok');
-  document.getElementById('render-status').textContent = 'rendered ' + n + ' charts';
-})();
-</script>"""
-
-
-def _section(cid: str, title: str, note: str, body: str) -> str:
-    return (f'<section class="chart" id="{cid}"><h2>{escape(title)}</h2>'
-            f'<p class="note">{note}</p>{body}</section>')
-
-
-def _empty(msg: str) -> str:
-    return f'<div class="empty">{escape(msg)}</div>'
-
-
-def _card(k: str, v: str, n: str = "") -> str:
-    return f'<div class="card"><div class="k">{escape(k)}</div><div class="v">{escape(v)}</div>' \
-           f'<div class="n">{escape(n)}</div></div>'
-
 
 def _median(xs: Sequence[float]) -> float | None:
     xs = [x for x in xs if x is not None]
@@ -130,7 +58,7 @@ def _buckets(steps: list[dict[str, Any]]) -> list[tuple[str, list[dict[str, Any]
 def waterfall(steps: list[dict[str, Any]]) -> str:
     """The step-time waterfall chart (with its legend)."""
     if not steps:
-        return _empty("No steps recorded yet.")
+        return empty("No steps recorded yet.")
     groups = _buckets(steps)
     used = [p for p in ALL_PHASES if any(s[f"{p}_ns"] for s in steps)]
     series = [(p, PHASE_COLOURS[p], [sum(s[f"{p}_ns"] for s in g) / len(g) / 1e6 for _, g in groups]) for p in used]
@@ -188,7 +116,7 @@ def top_ops(data: dict[str, Any]) -> str:
     rows, _src = _op_rows(data)
     rows = [r for r in rows if r["device_ns"] > 0][:10]
     if not rows:
-        return _empty("No profiled window in this run (train with --profile-steps START:STOP).")
+        return empty("No profiled window in this run (train with --profile-steps START:STOP).")
     total = sum(r["device_ns"] for r in _op_rows(data)[0]) or 1
     bars = [(r["name"], r["device_ns"] / 1e6, "#2b8cbe",
              (f"{r['name']}: {fmt_ns(r['device_ns'])} device, {r['dispatches']} launches, "
@@ -217,7 +145,7 @@ def launches(data: dict[str, Any]) -> str:
                 counts[r["step"]] = counts.get(r["step"], 0) + 1
         pts = sorted(counts.items())
     if not pts:
-        return _empty("The runtime did not count kernel launches in this run.")
+        return empty("The runtime did not count kernel launches in this run.")
     xs = [str(s) for s, _ in pts]
     if len(pts) > MAX_BARS:
         size = -(-len(pts) // MAX_BARS)
@@ -243,7 +171,7 @@ def bandwidth(data: dict[str, Any]) -> str:
             agg[r["name"]] = [r["device_ns"], r["bytes"], r["flops"], r["dispatches"]]
     rows = sorted(((k, v) for k, v in agg.items() if v[0] > 0), key=lambda kv: -kv[1][0])[:10]
     if not rows:
-        return _empty("No device timings in this run (train with --profile-steps START:STOP).")
+        return empty("No device timings in this run (train with --profile-steps START:STOP).")
     bars = []
     for name, (ns, by, fl, n) in rows:
         gb = by / ns
@@ -268,14 +196,14 @@ def render(data: dict[str, Any]) -> str:
     med_disp = _median([s["dispatches"] for s in steps])
     peak_note = run["peak_label"] or ("peak unknown for this device" if not run["peak_flops"] else "")
     cards = "".join([
-        _card("steps", str(len(steps)), f"{steps[0]['step']}–{steps[-1]['step']}" if steps else ""),
-        _card("step time (median)", fmt_ns(med_wall) if med_wall is not None else "n/a"),
-        _card("tokens / s (median)", f"{med_tps:,.0f}" if med_tps is not None else "n/a"),
-        _card("MFU (median)", format_mfu(med_mfu), peak_note),
-        _card("HFU (median)", format_mfu(med_hfu)),
-        _card("last loss", f"{last_loss:.4f}" if last_loss is not None else "n/a"),
-        _card("last validation loss", f"{last_val:.4f}" if last_val is not None else "n/a"),
-        _card("launches / step", f"{med_disp:.0f}" if med_disp is not None else "n/a"),
+        card("steps", str(len(steps)), f"{steps[0]['step']}–{steps[-1]['step']}" if steps else ""),
+        card("step time (median)", fmt_ns(med_wall) if med_wall is not None else "n/a"),
+        card("tokens / s (median)", f"{med_tps:,.0f}" if med_tps is not None else "n/a"),
+        card("MFU (median)", format_mfu(med_mfu), peak_note),
+        card("HFU (median)", format_mfu(med_hfu)),
+        card("last loss", f"{last_loss:.4f}" if last_loss is not None else "n/a"),
+        card("last validation loss", f"{last_val:.4f}" if last_val is not None else "n/a"),
+        card("launches / step", f"{med_disp:.0f}" if med_disp is not None else "n/a"),
     ])
 
     mfu_pts = [(s["step"], 100 * s["mfu"]) for s in steps if s["mfu"] is not None]
@@ -286,7 +214,7 @@ def render(data: dict[str, Any]) -> str:
         mfu_body = f'<div class="legend">{legend}</div>' + line_chart(ser, "% of peak", y_min=0.0, title="MFU",
                                                                        y_fmt=lambda v: f"{v:.2f}%")
     else:
-        mfu_body = _empty("MFU is n/a: " + (peak_note or "no peak FLOP/s or FLOPs per token recorded") + ".")
+        mfu_body = empty("MFU is n/a: " + (peak_note or "no peak FLOP/s or FLOPs per token recorded") + ".")
     loss_pts = [(s["step"], s["loss"]) for s in steps if s["loss"] is not None]
     val_pts = [(s["step"], s["val_loss"]) for s in steps if s.get("val_loss") is not None]
     if loss_pts:
@@ -294,23 +222,23 @@ def render(data: dict[str, Any]) -> str:
         legend = "".join(f'<span><i style="background:{c}"></i>{n}</span>' for n, c, _ in ser)
         loss_body = f'<div class="legend">{legend}</div>' + line_chart(ser, "loss", title="loss")
     else:
-        loss_body = _empty("No loss values recorded.")
+        loss_body = empty("No loss values recorded.")
 
     sections = [
-        _section("chart-waterfall", "Step time by phase",
+        section("chart-waterfall", "Step time by phase",
                  "Each bar is one step; the phases add up to the step's wall time (idle = time outside every "
                  "phase). Hover a bar for its breakdown.", waterfall(steps) + phase_table(steps)),
-        _section("chart-mfu", "Model FLOPs utilisation",
+        section("chart-mfu", "Model FLOPs utilisation",
                  "MFU = model FLOPs per token × tokens/s ÷ (peak FLOP/s × devices); HFU counts recomputed "
                  f"FLOPs too. Peak: {escape(peak_note or 'n/a')}.", mfu_body),
-        _section("chart-loss", "Loss", "Training loss at each step; validation loss where it was measured "
+        section("chart-loss", "Loss", "Training loss at each step; validation loss where it was measured "
                  "(--eval-every, and at the end).", loss_body),
-        _section("chart-top-ops", "Top 10 ops by device time",
+        section("chart-top-ops", "Top 10 ops by device time",
                  "Summed over the profiled steps; a launch no host op claimed is listed under its kernel name.",
                  top_ops(data)),
-        _section("chart-launches", "Kernel launches per step", "Dispatches the runtime recorded in each step.",
+        section("chart-launches", "Kernel launches per step", "Dispatches the runtime recorded in each step.",
                  launches(data)),
-        _section("chart-bandwidth", "Achieved bandwidth of the top kernels",
+        section("chart-bandwidth", "Achieved bandwidth of the top kernels",
                  "Bytes moved ÷ device time for the 10 kernels with the most device time; hover for GFLOP/s.",
                  bandwidth(data)),
     ]
@@ -322,13 +250,13 @@ def render(data: dict[str, Any]) -> str:
     return (
         "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
         "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">"
-        f"<title>Helios report: {escape(run['name'] or '')}</title><style>{_CSS}</style>{_SENTINEL}</head><body>"
+        f"<title>Helios report: {escape(run['name'] or '')}</title><style>{CSS}</style>{SENTINEL}</head><body>"
         f"<header><h1>Helios run report: {escape(run['name'] or '')}</h1><div class=\"sub\">{escape(sub)}</div>"
         "</header><main><div id=\"js-errors\"></div>"
         f"<div class=\"cards\">{cards}</div>{''.join(sections)}"
         + (f'<details><summary>configuration</summary><pre>{escape(cfg)}</pre></details>' if cfg else "")
         + f"<footer>run {run['run_id']} · <span id=\"render-status\">rendered without scripts</span></footer>"
-        f"</main>{_DONE}</body></html>\n"
+        f"</main>{DONE}</body></html>\n"
     )
 
 

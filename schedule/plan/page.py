@@ -12,7 +12,7 @@ from __future__ import annotations
 from html import escape
 
 from helios.profile._atomic import atomic_write_text
-from helios.profile.report import _CSS, _DONE, _SENTINEL, _card, _section
+from helios.profile.page import CSS, DONE, SENTINEL, card, section
 from helios.profile.svg import stacked_bars
 
 from .hardware import Device
@@ -46,13 +46,13 @@ def render(shape: ModelShape, st: Settings, dev: Device, gpus: int, dtype: str, 
     best = plans[0]
     rs = run_summary(best, shape, st)
     cards = "".join([
-        _card("model", f"{shape.n_params() / 1e9:.3g} B params" if shape.n_params() >= 1e9 else f"{shape.n_params():,}",
+        card("model", f"{shape.n_params() / 1e9:.3g} B params" if shape.n_params() >= 1e9 else f"{shape.n_params():,}",
               f"{shape.n_layer} x {shape.d_model}, context {shape.seq}"),
-        _card("hardware", f"{gpus} x {dev.key}", f"{dev.peak_for(dtype) / 1e12:.1f} TFLOP/s {dtype}, {dev.memory / 1e9:.0f} GB"),
-        _card("best step", f"{best.time.step:.3g} s", best.par.label()),
-        _card("tokens / s", f"{best.time.tokens_per_s:,.0f}", f"MFU {100 * best.time.mfu:.1f} %"),
-        _card("run", f"{rs['days']:.3g} days", f"{st.tokens:.3g} tokens"),
-        _card("cost", f"${rs['cost']:,.0f}", f"{rs['gpu_hours']:,.0f} GPU-hours at ${st.price:.2f}"),
+        card("hardware", f"{gpus} x {dev.key}", f"{dev.peak_for(dtype) / 1e12:.1f} TFLOP/s {dtype}, {dev.memory / 1e9:.0f} GB"),
+        card("best step", f"{best.time.step:.3g} s", best.par.label()),
+        card("tokens / s", f"{best.time.tokens_per_s:,.0f}", f"MFU {100 * best.time.mfu:.1f} %"),
+        card("run", f"{rs['days']:.3g} days", f"{st.tokens:.3g} tokens"),
+        card("cost", f"${rs['cost']:,.0f}", f"{rs['gpu_hours']:,.0f} GPU-hours at ${st.price:.2f}"),
     ])
     head = ("<tr>" + "".join(f'<th class="{c}">{escape(n)}</th>' for n, c in (
         ("#", "l"), ("layout", "l"), ("GB/GPU", ""), ("step s", ""), ("tokens/s", ""), ("MFU", ""), ("days", ""),
@@ -63,16 +63,16 @@ def render(shape: ModelShape, st: Settings, dev: Device, gpus: int, dtype: str, 
         f'<td>{run_summary(p, shape, st)["days"]:.3g}</td><td class="l">{escape(p.bound)}</td></tr>'
         for i, p in enumerate(plans, 1))
     sections = [
-        _section("chart-memory", "Memory per rank by kind",
+        section("chart-memory", "Memory per rank by kind",
                  f"The fullest rank of each plan (GB); the device holds {dev.memory / 1e9:.0f} GB. Hover a bar for its "
                  "breakdown.", _legend(MEM_COLOURS, mem_kinds) + stacked_bars(xs, mem_series, "GB", "plan", "memory")),
-        _section("chart-time", "Step time by component",
+        section("chart-time", "Step time by component",
                  "Seconds per optimizer step; the components add up to the step (communication shown is what is not "
                  "hidden behind compute).", _legend(TIME_COLOURS, t_kinds) +
                  stacked_bars(xs, t_series, "s", "plan", "step time")),
-        _section("table-plans", "Plans", f"{len(res.plans):,} of {res.evaluated:,} legal layouts fit; fastest first.",
+        section("table-plans", "Plans", f"{len(res.plans):,} of {res.evaluated:,} legal layouts fit; fastest first.",
                  f"<table>{head}{body}</table>"),
-        _section("assumptions", "Assumptions",
+        section("assumptions", "Assumptions",
                  escape(f"GEMMs at {100 * dev.achievable:.1f} % of peak ({dev.achievable_source}); links at "
                         f"{100 * dev.link_efficiency:.0f} % of {dev.intra_bw / 1e9:.0f} GB/s in a node of {dev.per_node} and "
                         f"{dev.inter_bw / 1e9:.0f} GB/s between nodes; {dtype}; attention {st.attention}; gradient "
@@ -83,18 +83,18 @@ def render(shape: ModelShape, st: Settings, dev: Device, gpus: int, dtype: str, 
         rows = "".join(f'<tr><td class="l">{escape(r["quantity"])}</td><td>{r["planned"]:.4g}</td>'
                        f'<td>{"n/a" if r["measured"] is None else format(r["measured"], ".4g")}</td>'
                        f'<td>{"n/a" if r["ratio"] is None else format(r["ratio"], ".2f")}</td></tr>' for r in calib["rows"])
-        sections.append(_section("calibration", "Planned vs measured", escape(f"run {calib['run_id']} in {calib['run_dir']}"),
+        sections.append(section("calibration", "Planned vs measured", escape(f"run {calib['run_id']} in {calib['run_dir']}"),
                                  '<table><tr><th class="l">quantity</th><th>planned</th><th>measured</th>'
                                  f"<th>measured / planned</th></tr>{rows}</table>"))
     title = f"Helios plan: {shape.describe()} on {gpus} x {dev.name}"
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">"
-            f"<title>{escape(title)}</title><style>{_CSS}</style>{_SENTINEL}</head><body>"
+            f"<title>{escape(title)}</title><style>{CSS}</style>{SENTINEL}</head><body>"
             f"<header><h1>Helios training plan</h1><div class=\"sub\">{escape(title)}</div></header>"
             "<main><div id=\"js-errors\"></div>"
             f"<div class=\"cards\">{cards}</div>{''.join(sections)}"
             f"<footer>helios-plan · <span id=\"render-status\">rendered without scripts</span></footer>"
-            f"</main>{_DONE}</body></html>\n")
+            f"</main>{DONE}</body></html>\n")
 
 
 def write_page(path: str, shape: ModelShape, st: Settings, dev: Device, gpus: int, dtype: str, res: SearchResult,

@@ -659,11 +659,10 @@ class TensorParallelLlama(Module):
     def rotary(self, n: int) -> tuple[Tensor, Tensor]:
         """The whole model's rotary tables, [>= n, head_dim] (grown for a longer sequence)."""
         if self.rope_cos.shape[0] < n:
-            from helios.models.llama import LlamaForCausalLM
+            from helios.models.llama import rotary_tables
 
             w = self.model.norm.weight
-            self.rope_cos, self.rope_sin = LlamaForCausalLM._rotary_tables(self, 1 << max(0, n - 1).bit_length(),
-                                                                           w.dtype, w.device)
+            self.rope_cos, self.rope_sin = rotary_tables(self.config, 1 << max(0, n - 1).bit_length(), w.dtype, w.device)
         return self.rope_cos, self.rope_sin
 
     full_logits = TensorParallelGPT.full_logits

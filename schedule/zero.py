@@ -178,7 +178,7 @@ from helios.schedule.ddp import DistributedDataParallel
 from helios.schedule.zero_grads import GradientReducer
 from helios.schedule.zero_plan import Group, Segment, Unit, ZeroPlan, view_f32
 from helios.schedule.zero_stage3 import UnitParameters
-from helios.schedule.zero_state import TransientBytes, ZeroStateIO, _formula, memory_report  # noqa: F401  (re-exported)
+from helios.schedule.zero_state import TransientBytes, ZeroStateIO, state_bytes_formula, memory_report  # noqa: F401  (re-exported)
 from helios.tensor import Tensor
 
 _F32 = dt.float32

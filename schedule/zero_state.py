@@ -183,7 +183,7 @@ class ZeroStateIO:
         With ``param_replicas`` each segment counts over its own group: full 4 x N_s x c, shard 4 x c."""
         opt = self.opt
         if not opt.plan.replicas:
-            return _formula(opt.stage, opt.padded_numel, opt.world)
+            return state_bytes_formula(opt.stage, opt.padded_numel, opt.world)
         full = 4 * sum(g.full_n for g in opt.groups)
         shard = 4 * sum(g.shard_n for g in opt.groups)
         return {"params": shard if opt.stage == 3 else full, "grads": full if opt.stage == 1 else shard,
@@ -212,7 +212,9 @@ class TransientBytes:
         return {k: dict(v) for k, v in self._by_kind.items()}
 
 
-def _formula(stage: int, psi: int, n: int) -> dict:
+def state_bytes_formula(stage: int, psi: int, n: int) -> dict:
+    """ZeRO's bytes of model states a rank holds, by category (params, grads, moments), for ``psi``
+    float32 parameters over ``n`` ranks at ``stage`` (1, 2 or 3)."""
     full, shard = 4 * psi, 4 * psi // n
     return {"params": shard if stage == 3 else full, "grads": full if stage == 1 else shard, "moments": 2 * shard}
 
@@ -230,7 +232,7 @@ def memory_report(opt: ZeroAdamW) -> dict:
     gathered stage-3 parameters, now and at their peak, and ``largest_unit_bytes``.
     """
     psi, n = opt.numel, opt.world
-    f, fp = _formula(opt.stage, psi, n), _formula(opt.stage, opt.padded_numel, n)
+    f, fp = state_bytes_formula(opt.stage, psi, n), state_bytes_formula(opt.stage, opt.padded_numel, n)
     held = {}
     for cat in ("params", "grads", "moments"):
         b = opt._bytes[cat]

@@ -89,11 +89,11 @@ def test_1f1b_first_stage_holds_p_micro_batches() -> None:
 
 def test_zero_states_agree_with_helios_zero() -> None:
     """schedule/zero.py's expected_memory (fp32: params 4, grads 4, moments 8) is what the planner uses for fp32."""
-    from helios.schedule.zero import _formula
+    from helios.schedule.zero import state_bytes_formula
 
     for stage in (1, 2, 3):
         for psi, n in ((834_304, 2), (10_000_000, 8)):
-            f = _formula(stage, psi, n)
+            f = state_bytes_formula(stage, psi, n)
             assert sum(zero_states(psi, n, stage, 4, 4, 8)) == pytest.approx(f["params"] + f["grads"] + f["moments"], abs=8)
     # and the whole-rank model states of a plan use them over dp x cp
     sh, _ = helios_config("tiny")

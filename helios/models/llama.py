@@ -269,6 +269,17 @@ class LlamaModel(Module):
         return self.norm(x)
 
 
+def rotary_tables(config, n: int, dtype, device) -> tuple[Tensor, Tensor]:
+    """(cos, sin with its first half negated): the [n, head_dim] rotary tables of ``config``'s
+    frequencies (transformers' values), in ``dtype`` on ``device`` (None: the defaults)."""
+    inv = inv_frequencies(config)
+    freqs = np.arange(n, dtype=np.float32)[:, None] * inv[None, :]
+    emb = np.concatenate([freqs, freqs], axis=-1)
+    cos, sin = np.cos(emb).astype(np.float32), np.sin(emb).astype(np.float32)
+    sin[:, :sin.shape[1] // 2] *= -1
+    return tensor(cos, dtype=dtype, device=device), tensor(sin, dtype=dtype, device=device)
+
+
 class LlamaForCausalLM(Module, GenerationMixin):
     """A LLaMA-style language model: ``model(idx, targets=None) -> (logits, loss)`` (targets
     already shifted, as helios-train and nanoGPT give them), ``generate``, ``save_pretrained``.
@@ -286,27 +297,19 @@ class LlamaForCausalLM(Module, GenerationMixin):
             self.lm_head.weight = self.model.embed_tokens.weight
         # the rotary tables are buffers (Module.to moves and casts them with the weights), made
         # here so that a captured step never uploads them; a longer sequence grows them
-        cos, sin = self._rotary_tables(min(config.max_position_embeddings, 4096), None, None)
+        cos, sin = rotary_tables(config, min(config.max_position_embeddings, 4096), None, None)
         self.register_buffer("rope_cos", cos)
         self.register_buffer("rope_sin", sin)
         if device is not None or dtype is not None:
             self.to(device=device, dtype=dtype)
 
     # -- rotary tables ---------------------------------------------------------------------
-    def _rotary_tables(self, n: int, dtype, device) -> tuple[Tensor, Tensor]:
-        inv = inv_frequencies(self.config)
-        freqs = np.arange(n, dtype=np.float32)[:, None] * inv[None, :]
-        emb = np.concatenate([freqs, freqs], axis=-1)
-        cos, sin = np.cos(emb).astype(np.float32), np.sin(emb).astype(np.float32)
-        sin[:, :sin.shape[1] // 2] *= -1
-        return tensor(cos, dtype=dtype, device=device), tensor(sin, dtype=dtype, device=device)
-
     def rotary(self, n: int) -> tuple[Tensor, Tensor]:
         """(cos, sin with its first half negated): [>= n, head_dim] tables in the weights' dtype on
         their device, transformers' values; grown (to a power of two rows) for a longer sequence."""
         if self.rope_cos.shape[0] < n:
             w = self.lm_head.weight
-            self.rope_cos, self.rope_sin = self._rotary_tables(1 << max(0, n - 1).bit_length(), w.dtype, w.device)
+            self.rope_cos, self.rope_sin = rotary_tables(self.config, 1 << max(0, n - 1).bit_length(), w.dtype, w.device)
         return self.rope_cos, self.rope_sin
 
     def _check_length(self, n: int) -> None:

@@ -866,7 +866,7 @@ class GPT(Module):
         if T * (cp.world if cp is not None else 1) > self.config.block_size:
             raise ValueError(f"sequence length {T * (cp.world if cp else 1)} exceeds block_size {self.config.block_size}")
         rt = self.wte.weight._st.rt
-        pos = cp.positions(T, rt) if cp is not None else _positions(T, rt)
+        pos = cp.positions(T, rt) if cp is not None else position_ids(T, rt)
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.h:
             x = block(x)
@@ -889,7 +889,9 @@ class GPT(Module):
 _pos_cache: dict = {}
 
 
-def _positions(T: int, rt) -> Tensor:
+def position_ids(T: int, rt) -> Tensor:
+    """The int64 positions 0 .. T-1 on runtime ``rt``: a constant made once per (T, runtime) and kept,
+    so a captured step uploads nothing (the embedding's backward groups indices on the host)."""
     key = (T, id(rt))
     t = _pos_cache.get(key)
     if t is None:

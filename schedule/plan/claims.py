@@ -114,11 +114,11 @@ def _fmt(v: float, unit: str = "") -> str:
     if v == 0:
         return f"0{unit}"
     if abs(v) >= 1e4 or abs(v) < 1e-2:
-        return f"{_g(v)}{unit}"
+        return f"{fmt_g(v)}{unit}"
     return f"{v:.4g}{unit}" if abs(v) < 100 else f"{v:.1f}{unit}"
 
 
-def _g(v: float) -> str:
+def fmt_g(v: float) -> str:
     """1e12 -> '1e12', 8.4e6 -> '8.4e6', 127.3 -> '127'."""
     return re.sub(r"e\+?(-?)0*(\d)", r"e\1\2", f"{v:.3g}")
 
@@ -164,7 +164,7 @@ def check(text: str, gpu: str | None = None, dtype: str = "bf16", price: float =
         else:
             flops = 6 * N * c["tokens_per_step"]
             floor = flops / (G * peak)
-            head = (f"6 x {_g(N)} params x {_g(c['tokens_per_step'])} tokens = {_g(flops)} FLOP per step over "
+            head = (f"6 x {fmt_g(N)} params x {fmt_g(c['tokens_per_step'])} tokens = {fmt_g(flops)} FLOP per step over "
                     f"{fleet} needs >= {_fmt(floor)} s of compute at 100 % of peak")
             vs.append(util(ph["step_s"], head, floor / c["step_s"], "faster"))
     if "tokens_per_s" in c:
@@ -182,7 +182,7 @@ def check(text: str, gpu: str | None = None, dtype: str = "bf16", price: float =
         else:
             floor = 16 * N / G
             claim = c["mem_per_gpu"] * 1e9
-            head = (f"weights, gradients and Adam states are 16 bytes per parameter = {_g(16 * N / 1e12)} TB, "
+            head = (f"weights, gradients and Adam states are 16 bytes per parameter = {fmt_g(16 * N / 1e12)} TB, "
                     f">= {floor / 1e9:.1f} GB per GPU even fully sharded over {G} (weights alone {2 * N / G / 1e9:.1f} GB)")
             if claim < floor:
                 vs.append(Verdict(ph["mem_per_gpu"], "BREAKS", f"{head}: the claim is {_factor(floor / claim)} too small",
@@ -198,7 +198,7 @@ def check(text: str, gpu: str | None = None, dtype: str = "bf16", price: float =
             else:
                 floor = 6 * N * c["tokens"] / (G * peak)
                 floor_text = fmt_duration(floor, seconds_digits=1)
-                head = f"6 x {_g(N)} x {_g(c['tokens'])} tokens over {fleet} needs >= {floor_text} at 100 % of peak"
+                head = f"6 x {fmt_g(N)} x {fmt_g(c['tokens'])} tokens over {fleet} needs >= {floor_text} at 100 % of peak"
                 vs.append(util(ph["days"], head, floor / (c["days"] * 86400), "faster"))
         if "cost" in c:
             if k:
@@ -206,22 +206,22 @@ def check(text: str, gpu: str | None = None, dtype: str = "bf16", price: float =
             else:
                 hours = 6 * N * c["tokens"] / peak / 3600
                 floor = hours * price
-                head = f">= {_g(hours)} GPU-hours at 100 % of peak x ${price:g}/GPU-hour (--price) = ${floor:,.0f}"
+                head = f">= {fmt_g(hours)} GPU-hours at 100 % of peak x ${price:g}/GPU-hour (--price) = ${floor:,.0f}"
                 vs.append(util(ph["cost"], head, floor / c["cost"], "cheaper"))
     if "mfu" in c:
         vs.append(util(ph["mfu"], "utilisation is at most 100 % of peak", c["mfu"] / 100, "faster"))
     if "flops_per_token" in c:
         claim = c["flops_per_token"]
         if N is None:
-            vs.append(Verdict(ph["flops_per_token"], "?", f"{_g(claim)} x tokens is 6N for N = {_g(claim / 6)} "
+            vs.append(Verdict(ph["flops_per_token"], "?", f"{fmt_g(claim)} x tokens is 6N for N = {fmt_g(claim / 6)} "
                               "parameters; " + missing(["params"])))
         else:
             right = 6 * N
             r = claim / right
             st = "BREAKS" if not (0.5 <= r <= 2.0) else "ok"
             what = f"{_factor(r)} too large" if r > 1 else f"{_factor(1 / r)} too small"
-            vs.append(Verdict(ph["flops_per_token"], st, f"training costs 6N = 6 x {_g(N)} = {_g(right)} FLOP per token "
-                              f"(+ 12 L T h of attention); {_g(claim)} x tokens is 6N for N = {_g(claim / 6)}: "
+            vs.append(Verdict(ph["flops_per_token"], st, f"training costs 6N = 6 x {fmt_g(N)} = {fmt_g(right)} FLOP per token "
+                              f"(+ 12 L T h of attention); {fmt_g(claim)} x tokens is 6N for N = {fmt_g(claim / 6)}: "
                               + (what if st == "BREAKS" else "consistent"), r))
     if "context" in c:
         k = need("params")
@@ -233,12 +233,12 @@ def check(text: str, gpu: str | None = None, dtype: str = "bf16", price: float =
             attn = 12 * sh.n_layer * T * sh.d_model
             inputs = 2 * T * sh.d_model * sh.n_layer
             total_mem = (G or 1) * dev.memory
-            head = (f"with {sh.n_layer} layers x {sh.d_model} (a {_g(N)}-param GPT), attention costs 12 L T h = "
-                    f"{_g(attn)} FLOP per token, {_g(attn / (6 * N))}x the 6N of the weights; one sequence's layer "
-                    f"inputs alone (full recomputation) are 2 T h L = {_g(inputs / 1e12)} TB")
+            head = (f"with {sh.n_layer} layers x {sh.d_model} (a {fmt_g(N)}-param GPT), attention costs 12 L T h = "
+                    f"{fmt_g(attn)} FLOP per token, {fmt_g(attn / (6 * N))}x the 6N of the weights; one sequence's layer "
+                    f"inputs alone (full recomputation) are 2 T h L = {fmt_g(inputs / 1e12)} TB")
             st = "BREAKS" if inputs > total_mem else "ok"
-            tail = (f", more than the {_g(total_mem / 1e12)} TB of all {G or 1} GPU(s)" if st == "BREAKS"
-                    else f", within the {_g(total_mem / 1e12)} TB of {G or 1} GPU(s) only if context-parallel over them")
+            tail = (f", more than the {fmt_g(total_mem / 1e12)} TB of all {G or 1} GPU(s)" if st == "BREAKS"
+                    else f", within the {fmt_g(total_mem / 1e12)} TB of {G or 1} GPU(s) only if context-parallel over them")
             vs.append(Verdict(ph["context"], st, head + tail, inputs / total_mem))
     facts = {k: v for k, v in c.items() if k != "phrases"}
     facts["device"] = dev.key

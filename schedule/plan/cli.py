@@ -20,7 +20,7 @@ import math
 import sys
 from collections.abc import Sequence
 
-from .claims import _g, check, parse_number
+from .claims import fmt_g, check, parse_number
 from .hardware import Device, device_names, get_device
 from .layout import RECOMPUTE, Settings
 from .memory import KINDS
@@ -202,9 +202,9 @@ def header(shape: ModelShape, st: Settings, dev: Device, gpus: int, dtype: str, 
     peak = dev.peak_for(dtype)
     lines = [
         f"model: {shape.describe()}" + (f" [{shape.name}]" if shape.name else ""),
-        f"  FLOPs per token {_g(shape.flops_per_token())} (6N + 12LTC, as helios-train's MFU); "
+        f"  FLOPs per token {fmt_g(shape.flops_per_token())} (6N + 12LTC, as helios-train's MFU); "
         f"global batch {st.global_batch} x {shape.seq} = {fmt_count(st.global_batch * shape.seq)} tokens/step; "
-        f"budget {_g(st.tokens)} tokens",
+        f"budget {fmt_g(st.tokens)} tokens",
         f"hardware: {gpus} x {dev.label(dtype)}; GEMMs at {100 * dev.achievable:.1f} % of peak "
         f"({dev.achievable_source})",
         f"  links per device each way: {dev.intra_bw / 1e9:.3g} GB/s in a node of {dev.per_node}, "
@@ -298,7 +298,7 @@ def _main(args: argparse.Namespace) -> int:
         print(f"best: {best.par.label()}")
         for line in breakdown(best):
             print("  " + line)
-        print(f"  run: {_g(st.tokens)} tokens = {rs['steps']:,} steps in {fmt_duration(rs['seconds'])} on {gpus} GPU(s), "
+        print(f"  run: {fmt_g(st.tokens)} tokens = {rs['steps']:,} steps in {fmt_duration(rs['seconds'])} on {gpus} GPU(s), "
               f"{rs['gpu_hours']:,.0f} GPU-hours, ${rs['cost']:,.0f} at ${st.price:.2f}/GPU-hour (--price); "
               f"MFU {100 * best.time.mfu:.1f} %, HFU {100 * best.time.hfu:.1f} %")
         if calib is not None:

@@ -146,7 +146,7 @@ def parse_to_args(args: tuple, kwargs: dict, op: str = "to"):
 
 
 def _names_a_dtype(name: str) -> bool:
-    if name in dt._BY_NAME:
+    if dt.is_dtype_name(name):
         return True
     try:
         np.dtype(name)

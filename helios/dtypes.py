@@ -79,6 +79,11 @@ def as_dtype(d) -> DType:
     raise DTypeError(f"numpy dtype {npd} has no Helios equivalent: expected one of {', '.join(x.name for x in ALL)}")
 
 
+def is_dtype_name(name: str) -> bool:
+    """Whether ``name`` is a Helios dtype's name or one of its aliases (float, half, long, int, bf16, fp32, fp16)."""
+    return name in _BY_NAME
+
+
 def from_numpy_dtype(npd: np.dtype) -> DType:
     """The Helios dtype a numpy array of dtype ``npd`` becomes."""
     npd = np.dtype(npd)

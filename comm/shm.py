@@ -48,6 +48,12 @@ MAGIC = 0x48454C494F53484D  # "HELIOSHM"
 SHM_DIR = "/dev/shm"
 
 
+def native():
+    """The native module of the shared-memory transport (helios.comm._shm: the ring's atomics and
+    doorbells), or None where it was not built (:func:`available` says why)."""
+    return _shm
+
+
 def available() -> str | None:
     """None when the shared-memory transport can run here, else the reason it cannot."""
     if _shm is None:

@@ -21,7 +21,9 @@ from .config import MAX_DYN_SMEM
 
 
 
-def _cu():
+def driver_api():
+    """The CUDA driver API bindings (``cuda.bindings.driver``); a DeviceError saying how to install them
+    where they are missing."""
     try:
         from cuda.bindings import driver as cu
     except ImportError as e:  # pragma: no cover - depends on the environment
@@ -43,7 +45,7 @@ def check(call: str, result, log: str = "", cu=None):
     ``cu`` is the driver module that gave ``result`` (by default the real one): it also
     names the error.
     """
-    cu = cu or _cu()
+    cu = cu or driver_api()
     err, *rest = result if isinstance(result, tuple) else (result,)
     if err != cu.CUresult.CUDA_SUCCESS:
         msg = f"{call} failed: {_err_text(cu, err)}"
@@ -61,7 +63,7 @@ def check(call: str, result, log: str = "", cu=None):
 def driver_status() -> tuple[bool, str]:
     """(usable, reason): whether cuInit succeeds and a device exists here."""
     try:
-        cu = _cu()
+        cu = driver_api()
     except DeviceError as e:
         return False, str(e)
     try:
@@ -114,7 +116,7 @@ class Context:
             ok, why = driver_status()
             if not ok:
                 raise DeviceError(f"cannot use the CUDA driver: {why}")
-            cu = _cu()
+            cu = driver_api()
         else:
             check("cuInit", cu.cuInit(0), cu=cu)
         self.cu = cu

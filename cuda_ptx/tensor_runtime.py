@@ -798,7 +798,7 @@ def list_devices() -> list:
         names = ["Helios PTX emulator (sm_90a)"]
     else:
         try:
-            cu = driver._cu()
+            cu = driver.driver_api()
             n = driver.check("cuDeviceGetCount", cu.cuDeviceGetCount(), cu=cu)
             names = []
             for i in range(int(n)):
@@ -829,7 +829,7 @@ def _open_context(index: int):
     ok, why = _driver.driver_status()
     if not ok:
         raise DeviceError(f"cannot open cuda:{index}: {' '.join(why.split())}")
-    cu = _driver._cu()
+    cu = _driver.driver_api()
     count = int(_driver.check("cuDeviceGetCount", cu.cuDeviceGetCount(), cu=cu))
     if not 0 <= index < count:
         raise DeviceError(f"no device cuda:{index}: the CUDA driver reports {count} device(s), cuda:0..cuda:{count - 1}")

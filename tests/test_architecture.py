@@ -57,3 +57,118 @@ def test_a_broken_layer_is_caught(installed, tmp_path):
     tape.write_text(tape.read_text() + "\n\ndef _launch():\n    from helios import _kernels\n    return _kernels\n")
     r = _lint(site, tmp_path)
     assert r.returncode != 0 and "helios.autograd is not allowed to import helios._kernels" in r.stdout, r.stdout[-2000:]
+
+
+# -- private names stay in their package ------------------------------------------------------------
+
+# The checkout's folders and the packages they become (pyproject.toml's package-dir).
+_PACKAGE_DIRS = {"helios": "helios", "autograd": "helios.autograd", "comm": "helios.comm",
+                 "cuda_ptx": "helios.cuda_ptx", "kernels_spirv": "helios.kernels_spirv", "profile": "helios.profile",
+                 "schedule": "helios.schedule"}
+
+
+def _module_file(module: str) -> str | None:
+    """The checkout path of module or package ``module`` (helios.comm.api -> comm/api.py), or None."""
+    for folder, package in sorted(_PACKAGE_DIRS.items(), key=lambda kv: -len(kv[1])):
+        if module == package or module.startswith(package + "."):
+            rest = module[len(package):].lstrip(".").replace(".", os.sep)
+            base = os.path.join(ROOT, folder, rest)
+            for path in (base + ".py", os.path.join(base, "__init__.py")):
+                if os.path.exists(path):
+                    return path
+            return None
+    return None
+
+
+def _is_module(module: str, name: str) -> bool:
+    """Whether ``module.name`` is a module (a private submodule such as helios._kernels, or a native
+    extension built beside the sources) rather than a private global."""
+    path = _module_file(module)
+    folder = os.path.dirname(path) if path else None
+    return folder is not None and path.endswith("__init__.py") and (
+        _module_file(f"{module}.{name}") is not None or any(
+            f.startswith(name + ".") and f.endswith(".so") for f in os.listdir(folder)) or name in ("_vulkan", "_shm"))
+
+
+# Packages whose modules share underscore helpers among themselves by design (the kernel layer, and
+# the ops' common checks); outside them a private name stays in its module.
+_SHARING = ("helios._kernels", "helios.functional")
+
+
+def _in(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def _private_reads(path: str, module_name: str) -> list[str]:
+    """``from X import _name`` and ``X._name`` (X an imported Helios module) in the module
+    ``module_name`` at ``path``, where X is another module, not one of the same sharing package,
+    and ``X._name`` is not a module."""
+    import ast
+
+    tree = ast.parse(open(path).read())
+    is_package = path.endswith("__init__.py")
+    parts = module_name.split(".")
+    aliases, found = {}, []
+
+    def resolve(node) -> str:
+        if node.level == 0:
+            return node.module or ""
+        base = parts if is_package else parts[:-1]
+        base = base[:len(base) - node.level + 1]
+        return ".".join(base + ([node.module] if node.module else []))
+
+    def foreign(module: str, name: str) -> bool:
+        if not name.startswith("_") or name.startswith("__") or not module.startswith("helios"):
+            return False
+        if module == module_name or any(_in(module, p) and _in(module_name, p) for p in _SHARING):
+            return False
+        return not _is_module(module, name)
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            module = resolve(node)
+            for a in node.names:
+                if module.startswith("helios") and _module_file(f"{module}.{a.name}") is not None:
+                    aliases[a.asname or a.name] = f"{module}.{a.name}"
+                if foreign(module, a.name):
+                    found.append(f"{path}:{node.lineno}: from {module} import {a.name}")
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("helios"):
+                    aliases[a.asname or a.name] = a.name if a.asname else "helios"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
+            module = aliases[node.value.id]
+            if foreign(module, node.attr):
+                found.append(f"{path}:{node.lineno}: {node.value.id}.{node.attr} ({module})")
+    return found
+
+
+def _library_modules():
+    """(path, module name) of every Python file of the package, from the checkout's folders."""
+    for folder, package in _PACKAGE_DIRS.items():
+        for dirpath, dirnames, files in os.walk(os.path.join(ROOT, folder)):
+            dirnames[:] = [d for d in dirnames if d != "__pycache__" and (folder != "helios" or d not in _PACKAGE_DIRS)]
+            rel = os.path.relpath(dirpath, os.path.join(ROOT, folder))
+            pkg = package if rel == "." else package + "." + rel.replace(os.sep, ".")
+            for f in sorted(files):
+                if f.endswith(".py"):
+                    yield os.path.join(dirpath, f), pkg if f == "__init__.py" else f"{pkg}.{f[:-3]}"
+
+
+def test_no_module_reads_another_modules_private_names():
+    """DESIGN.md's rule that layers talk through public functions: a leading underscore is private to
+    its module (the modules of helios._kernels and of helios.functional share helpers among themselves)."""
+    found = [hit for path, name in _library_modules() for hit in _private_reads(path, name)]
+    assert not found, "private names read across modules (make them public, with a docstring):\n" + "\n".join(found)
+
+
+def test_a_private_read_is_caught(tmp_path):
+    """The check is not vacuous: autocast asking the tape's private state (as it once did) is found."""
+    src = tmp_path / "amp.py"
+    src.write_text("from helios.autograd import tape\n\n\ndef f():\n    return tape._state\n")
+    assert _private_reads(str(src), "helios.amp") == [f"{src}:5: tape._state (helios.autograd.tape)"]
+    src.write_text("from helios.dtypes import _BY_NAME\n")
+    assert _private_reads(str(src), "helios.device_transfer") == [f"{src}:1: from helios.dtypes import _BY_NAME"]
+    src.write_text("from helios import _kernels\nfrom helios._kernels.core import _split\n")
+    assert _private_reads(str(src), "helios._kernels.gemm") == []  # a private module; the kernel layer's own helper

@@ -101,6 +101,11 @@ class _Reader:
             setattr(obj, k, v)
         return obj
 
+    def _structs(self, **specs: tuple[str, str]) -> SimpleNamespace:
+        """New zeroed structs by name, each given as (C type, its sType without VK_STRUCTURE_TYPE_)."""
+        return SimpleNamespace(**{name: self._new(ctype, sType=getattr(self.vk, "VK_STRUCTURE_TYPE_" + stype))
+                                  for name, (ctype, stype) in specs.items()})
+
     def _str(self, s: str):
         b = self.ffi.new("char[]", s.encode())
         self._keep.append(b)
@@ -272,22 +277,17 @@ class _Reader:
         """The property structs ``describe`` reads, filled by one vkGetPhysicalDeviceProperties2 where
         Vulkan 1.1 is there (each struct chained only where its version or extension is): subgroup,
         maint3, maint4, driver, sgsize, and have_driver / have_sgsize (whether those two were asked for)."""
-        S = self.vk  # the sType constants live on the module
-        p = SimpleNamespace(
-            subgroup=self._new("VkPhysicalDeviceSubgroupProperties", sType=S.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SUBGROUP_PROPERTIES),
-            maint3=self._new("VkPhysicalDeviceMaintenance3Properties",
-                             sType=S.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_MAINTENANCE_3_PROPERTIES),
-            maint4=self._new("VkPhysicalDeviceMaintenance4Properties",
-                             sType=S.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_MAINTENANCE_4_PROPERTIES),
-            pushp=self._new("VkPhysicalDevicePushDescriptorPropertiesKHR",
-                            sType=S.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PUSH_DESCRIPTOR_PROPERTIES_KHR),
-            driver=self._new("VkPhysicalDeviceDriverProperties", sType=S.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_DRIVER_PROPERTIES),
-            sgsize=self._new("VkPhysicalDeviceSubgroupSizeControlProperties",
-                             sType=S.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SUBGROUP_SIZE_CONTROL_PROPERTIES),
-            have_driver=v12 or "VK_KHR_driver_properties" in exts,
-            have_sgsize=v13 or "VK_EXT_subgroup_size_control" in exts)
+        p = self._structs(
+            subgroup=("VkPhysicalDeviceSubgroupProperties", "PHYSICAL_DEVICE_SUBGROUP_PROPERTIES"),
+            maint3=("VkPhysicalDeviceMaintenance3Properties", "PHYSICAL_DEVICE_MAINTENANCE_3_PROPERTIES"),
+            maint4=("VkPhysicalDeviceMaintenance4Properties", "PHYSICAL_DEVICE_MAINTENANCE_4_PROPERTIES"),
+            pushp=("VkPhysicalDevicePushDescriptorPropertiesKHR", "PHYSICAL_DEVICE_PUSH_DESCRIPTOR_PROPERTIES_KHR"),
+            driver=("VkPhysicalDeviceDriverProperties", "PHYSICAL_DEVICE_DRIVER_PROPERTIES"),
+            sgsize=("VkPhysicalDeviceSubgroupSizeControlProperties", "PHYSICAL_DEVICE_SUBGROUP_SIZE_CONTROL_PROPERTIES"))
+        p.have_driver = v12 or "VK_KHR_driver_properties" in exts
+        p.have_sgsize = v13 or "VK_EXT_subgroup_size_control" in exts
         if v11:
-            props2 = self._new("VkPhysicalDeviceProperties2", sType=S.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PROPERTIES_2)
+            props2 = self._new("VkPhysicalDeviceProperties2", sType=self.vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PROPERTIES_2)
             chain = [p.subgroup, p.maint3]
             chain += [p.pushp] if "VK_KHR_push_descriptor" in exts else []
             chain += [p.maint4] if v13 else []
@@ -301,21 +301,15 @@ class _Reader:
         """The feature structs ``describe`` reads: f2 (core features), s16, s8, f16, coop_khr, coop_nv,
         vmm, sgsize_f; one vkGetPhysicalDeviceFeatures2 where Vulkan 1.1 is there (each struct chained
         only where its version or extension is), else the 1.0 call for the core features alone."""
-        S, ffi = self.vk, self.ffi
-        f = SimpleNamespace(
-            f2=self._new("VkPhysicalDeviceFeatures2", sType=S.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2),
-            s16=self._new("VkPhysicalDevice16BitStorageFeatures", sType=S.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_16BIT_STORAGE_FEATURES),
-            s8=self._new("VkPhysicalDevice8BitStorageFeatures", sType=S.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_8BIT_STORAGE_FEATURES),
-            f16=self._new("VkPhysicalDeviceShaderFloat16Int8Features",
-                          sType=S.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SHADER_FLOAT16_INT8_FEATURES),
-            coop_khr=self._new("VkPhysicalDeviceCooperativeMatrixFeaturesKHR",
-                               sType=S.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_KHR),
-            coop_nv=self._new("VkPhysicalDeviceCooperativeMatrixFeaturesNV",
-                              sType=S.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_NV),
-            vmm=self._new("VkPhysicalDeviceVulkanMemoryModelFeatures",
-                          sType=S.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_MEMORY_MODEL_FEATURES),
-            sgsize_f=self._new("VkPhysicalDeviceSubgroupSizeControlFeatures",
-                               sType=S.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SUBGROUP_SIZE_CONTROL_FEATURES))
+        f = self._structs(
+            f2=("VkPhysicalDeviceFeatures2", "PHYSICAL_DEVICE_FEATURES_2"),
+            s16=("VkPhysicalDevice16BitStorageFeatures", "PHYSICAL_DEVICE_16BIT_STORAGE_FEATURES"),
+            s8=("VkPhysicalDevice8BitStorageFeatures", "PHYSICAL_DEVICE_8BIT_STORAGE_FEATURES"),
+            f16=("VkPhysicalDeviceShaderFloat16Int8Features", "PHYSICAL_DEVICE_SHADER_FLOAT16_INT8_FEATURES"),
+            coop_khr=("VkPhysicalDeviceCooperativeMatrixFeaturesKHR", "PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_KHR"),
+            coop_nv=("VkPhysicalDeviceCooperativeMatrixFeaturesNV", "PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_NV"),
+            vmm=("VkPhysicalDeviceVulkanMemoryModelFeatures", "PHYSICAL_DEVICE_VULKAN_MEMORY_MODEL_FEATURES"),
+            sgsize_f=("VkPhysicalDeviceSubgroupSizeControlFeatures", "PHYSICAL_DEVICE_SUBGROUP_SIZE_CONTROL_FEATURES"))
         if v11:
             chain = [f.s16]
             chain += [f.s8] if v12 or "VK_KHR_8bit_storage" in exts else []
@@ -327,7 +321,7 @@ class _Reader:
             self._chain(f.f2, *chain)
             self.lib.vkGetPhysicalDeviceFeatures2(pd, f.f2)
         else:
-            self.lib.vkGetPhysicalDeviceFeatures(pd, ffi.addressof(f.f2.features))
+            self.lib.vkGetPhysicalDeviceFeatures(pd, self.ffi.addressof(f.f2.features))
         return f
 
     def _queue_family(self, pd) -> tuple[int | None, int, list[dict]]:

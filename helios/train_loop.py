@@ -60,8 +60,6 @@ class _NoBar:
     """The progress bar where none is drawn (``--no-progress``, a log file, ranks other than 0):
     the calls the loop makes on a tqdm bar, drawing nothing; ``write`` prints, as tqdm's does."""
 
-    disable = True
-
     def set_postfix(self, *args, **kwargs) -> None:
         pass
 
@@ -216,8 +214,7 @@ class TrainLoop:
             rec = timer.complete_step(closed, device_ns, loss=loss_val)
         self._log(p, rec, loss_val, evaluated)
         if self.prof is not None and self.window and n >= self.window[1]:
-            bar = self.bar
-            finish_profile(self.prof, self.args, self.db, n, self.run, bar.write if not bar.disable else print)
+            finish_profile(self.prof, self.args, self.db, n, self.run, self.bar.write)
             self.prof = None
         return leaving
 

@@ -658,12 +658,9 @@ class TensorParallelLlama(Module):
 
     def rotary(self, n: int) -> tuple[Tensor, Tensor]:
         """The whole model's rotary tables, [>= n, head_dim] (grown for a longer sequence)."""
-        if self.rope_cos.shape[0] < n:
-            from helios.models.llama import rotary_tables
+        from helios.models.llama import grow_rotary
 
-            w = self.model.norm.weight
-            self.rope_cos, self.rope_sin = rotary_tables(self.config, 1 << max(0, n - 1).bit_length(), w.dtype, w.device)
-        return self.rope_cos, self.rope_sin
+        return grow_rotary(self, n, self.model.norm.weight)
 
     full_logits = TensorParallelGPT.full_logits
 

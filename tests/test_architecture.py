@@ -80,14 +80,13 @@ def _module_file(module: str) -> str | None:
     return None
 
 
+_NATIVE = ("helios._vulkan", "helios.comm._shm")  # setup.py's extension modules (built or not)
+
+
 def _is_module(module: str, name: str) -> bool:
     """Whether ``module.name`` is a module (a private submodule such as helios._kernels, or a native
-    extension built beside the sources) rather than a private global."""
-    path = _module_file(module)
-    folder = os.path.dirname(path) if path else None
-    return folder is not None and path.endswith("__init__.py") and (
-        _module_file(f"{module}.{name}") is not None or any(
-            f.startswith(name + ".") and f.endswith(".so") for f in os.listdir(folder)) or name in ("_vulkan", "_shm"))
+    extension) rather than a private global."""
+    return f"{module}.{name}" in _NATIVE or _module_file(f"{module}.{name}") is not None
 
 
 # Packages whose modules share underscore helpers among themselves by design (the kernel layer, and

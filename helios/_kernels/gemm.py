@@ -316,7 +316,8 @@ def _dispatch(a: Tensor, b: Tensor, bias: Tensor | None, out: Tensor, epi: tuple
     M, N, K, nb = mnk
     cshape, ca, cb = batch
     ct, cld = cstore
-    tile = None if _cpu_mm_kernel(rt) else coopmat.choice_for(rt, a_dtype.name, M, N, K).tile  # tensor cores (coopmat.py)
+    cpu = _cpu_mm_kernel(rt)
+    tile = None if cpu else coopmat.choice_for(rt, a_dtype.name, M, N, K).tile  # tensor cores (coopmat.py)
     (ba, oa), (bb, ob) = bind(a), bind(b)
     (bc, oc), (bz, oz) = _bind_c_and_bias(out, bias, bsum, ct, cld, M, N, (ba, oa), tile is not None)
     # matmul_epi's and the cooperative-matrix kernel's E / U bindings: unused ones repeat C (never read
@@ -329,7 +330,7 @@ def _dispatch(a: Tensor, b: Tensor, bias: Tensor | None, out: Tensor, epi: tuple
     # and 7, CPU 6 and 8) stay 0 around CT.  matmul_epi: CT (0 there), id 8 and the epilogue code at id 9.
     ct_spec = (0, ct, 0) if ct or bsum is not None else (0,)
     epi_spec = () if epi is None else (0, 0, epi[1])
-    if _cpu_mm_kernel(rt):
+    if cpu:
         tm, tn, wy = _mm_cpu_tile(M, N, a_dtype)
         spec = _mm_cpu_config(M, N, oa, ob, oc, ca, cb, *strides, bool(rt.features.get("int64")), (tm, tn, wy))
         if ct or cld:  # vec4 stores run along C's contiguous dim (M when transposed)

@@ -280,6 +280,15 @@ def rotary_tables(config, n: int, dtype, device) -> tuple[Tensor, Tensor]:
     return tensor(cos, dtype=dtype, device=device), tensor(sin, dtype=dtype, device=device)
 
 
+def grow_rotary(module, n: int, like: Tensor) -> tuple[Tensor, Tensor]:
+    """``module``'s rotary tables (its rope_cos / rope_sin buffers, from its config), [>= n, head_dim]:
+    remade with a power of two rows in ``like``'s dtype on its device when they are shorter than ``n``."""
+    if module.rope_cos.shape[0] < n:
+        module.rope_cos, module.rope_sin = rotary_tables(module.config, 1 << max(0, n - 1).bit_length(), like.dtype,
+                                                         like.device)
+    return module.rope_cos, module.rope_sin
+
+
 class LlamaForCausalLM(Module, GenerationMixin):
     """A LLaMA-style language model: ``model(idx, targets=None) -> (logits, loss)`` (targets
     already shifted, as helios-train and nanoGPT give them), ``generate``, ``save_pretrained``.
@@ -307,10 +316,7 @@ class LlamaForCausalLM(Module, GenerationMixin):
     def rotary(self, n: int) -> tuple[Tensor, Tensor]:
         """(cos, sin with its first half negated): [>= n, head_dim] tables in the weights' dtype on
         their device, transformers' values; grown (to a power of two rows) for a longer sequence."""
-        if self.rope_cos.shape[0] < n:
-            w = self.lm_head.weight
-            self.rope_cos, self.rope_sin = rotary_tables(self.config, 1 << max(0, n - 1).bit_length(), w.dtype, w.device)
-        return self.rope_cos, self.rope_sin
+        return grow_rotary(self, n, self.lm_head.weight)
 
     def _check_length(self, n: int) -> None:
         sw = self.config.sliding_window

@@ -383,126 +383,131 @@ def _kernel_names(col) -> list[str]:
     return sorted({e.name for e in col.events})
 
 
-def bench_gpu(B: int, H: int, T: int, D: int, causal: bool, dtype: str, rounds: int, peer_dev: str,
-              emulated: bool, smoke: bool, tol: float) -> dict:
-    """One configuration on the current cuda:N device against torch on ``peer_dev`` (see the
-    module docstring): the numerics check, the kernels the profiler saw, and (unless emulated)
-    the timed rounds."""
+def _gpu_operands(B: int, H: int, T: int, D: int, dtype: str, peer_dev: str) -> tuple:
+    """(Helios' q, k, v, g on the current device in ``dtype``, the peer's on ``peer_dev``): drawn by
+    torch (seed 0) and rounded to the dtype, the same values on both sides (the emulated run's
+    float32 peer gets the rounded values too); q, k, v require grad."""
     import torch
-    import torch.nn.functional as TF
 
     import helios as hl
-    import helios.nn.functional as F
-    from helios.profile import profile
 
     hdt = {"bf16": hl.bfloat16, "fp16": hl.float16}[dtype]
-    cuda = peer_dev == "cuda"
-    tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype] if cuda else torch.float32
-    res = {"bench": "attention_gpu", "dtype": dtype, "B": B, "H": H, "T": T, "D": D, "causal": causal}
-    # The inputs: drawn by torch on the peer's device, rounded to the dtype, the same values on
-    # both sides (the emulated run's float32 peer gets the rounded values too).
+    tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype] if peer_dev == "cuda" else torch.float32
     gen = torch.Generator(device=peer_dev).manual_seed(0)
     lowp = torch.bfloat16 if dtype == "bf16" else torch.float16
     host = [torch.randn((B, H, T, D), generator=gen, device=peer_dev).to(lowp).float().cpu().numpy() for _ in range(4)]
     # (uploaded as float32 and cast on the device: exact, and no host-side rounding of 33M values)
-    q, k, v, g = (hl.tensor(a).to(hdt).requires_grad_(i < 3) for i, a in enumerate(host))
-    tq, tk, tv, tg = (torch.from_numpy(a).to(device=peer_dev, dtype=tdt).requires_grad_(i < 3) for i, a in enumerate(host))
-    del host
+    ours = tuple(hl.tensor(a).to(hdt).requires_grad_(i < 3) for i, a in enumerate(host))
+    theirs = tuple(torch.from_numpy(a).to(device=peer_dev, dtype=tdt).requires_grad_(i < 3) for i, a in enumerate(host))
+    return ours, theirs
 
-    def h_fwd():
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
-    def h_fwd_bwd():
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-        o.backward(g)
+def _sdpa_calls(sdpa, operands, causal: bool) -> tuple:
+    """(forward, forward + backward) of ``sdpa`` (Helios' or torch's) on ``operands`` (q, k, v, g):
+    the forward records autograd, as in training; forward + backward drops the gradients after
+    and returns dq."""
+    q, k, v, g = operands
+
+    def fwd():
+        return sdpa(q, k, v, is_causal=causal)
+
+    def fwd_bwd():
+        sdpa(q, k, v, is_causal=causal).backward(g)
         r = q.grad
         q.grad = k.grad = v.grad = None
         return r
 
-    def t_fwd():
-        return TF.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
+    return fwd, fwd_bwd
 
-    def t_fwd_bwd():
-        o = TF.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
-        o.backward(tg)
-        r = tq.grad
-        tq.grad = tk.grad = tv.grad = None
-        return r
 
-    if cuda:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
+def _check(res: dict, ours, theirs, fwd_h, fwd_t, tol: float) -> None:
+    """One forward + backward on each side, Helios' profiled: fills ``res`` with the differences of
+    the output and dq, dk, dv, ``numerics_ok``, and the kernels that ran (``tensor_cores``:
+    whether they were flash_wgmma_fwd / flash_wgmma_bwd)."""
+    import helios as hl
+    from helios.profile import profile
 
-        forced = sdpa_kernel(SDPBackend.FLASH_ATTENTION)  # an error, not a silent fallback, if it cannot run
-    else:
-        import contextlib
+    with profile() as pf:
+        o = fwd_h()
+        hl.synchronize()
+    with profile() as pb:
+        o.backward(ours[3])
+        hl.synchronize()
+    q, k, v, _ = ours
+    got = [t.numpy().astype(np.float32, copy=False) for t in (o, q.grad, k.grad, v.grad)]
+    q.grad = k.grad = v.grad = None
+    del o
+    to = fwd_t()
+    to.backward(theirs[3])
+    tq, tk, tv, _ = theirs
+    ref = [t.detach().float().cpu().numpy() for t in (to, tq.grad, tk.grad, tv.grad)]
+    tq.grad = tk.grad = tv.grad = None
+    del to
+    rels = []
+    for name, a, b in zip(("fwd", "dq", "dk", "dv"), got, ref):
+        d, rel = _max_diff(a, b)
+        res[f"max_abs_diff_{name}"] = float(f"{d:.3e}")
+        res[f"rel_diff_{name}"] = float(f"{rel:.3e}")
+        rels.append(rel)
+    res["numerics_ok"] = all(rel <= tol for rel in rels)  # (a NaN is not)
+    res["tol"] = tol
+    res["helios_kernels_fwd"], res["helios_kernels_bwd"] = _kernel_names(pf.collector), _kernel_names(pb.collector)
+    res["tensor_cores"] = ("flash_wgmma_fwd" in res["helios_kernels_fwd"]
+                           and "flash_wgmma_bwd" in res["helios_kernels_bwd"])
 
-        forced = contextlib.nullcontext()
-    with forced:
-        # The check, once per configuration: one forward + backward on each side, Helios' profiled
-        # (which kernels ran: flash_wgmma_fwd / flash_wgmma_bwd are the tensor-core ones).
-        with profile() as pf:
-            o = h_fwd()
-            hl.synchronize()
-        with profile() as pb:
-            o.backward(g)
-            hl.synchronize()
-        got = [t.numpy().astype(np.float32, copy=False) for t in (o, q.grad, k.grad, v.grad)]
-        q.grad = k.grad = v.grad = None
-        del o
-        to = t_fwd()
-        to.backward(tg)
-        ref = [t.detach().float().cpu().numpy() for t in (to, tq.grad, tk.grad, tv.grad)]
-        tq.grad = tk.grad = tv.grad = None
-        del to
-        rels = []
-        for name, a, b in zip(("fwd", "dq", "dk", "dv"), got, ref):
-            d, rel = _max_diff(a, b)
-            res[f"max_abs_diff_{name}"] = float(f"{d:.3e}")
-            res[f"rel_diff_{name}"] = float(f"{rel:.3e}")
-            rels.append(rel)
-        del got, ref
-        res["numerics_ok"] = all(rel <= tol for rel in rels)  # (a NaN is not)
-        res["tol"] = tol
-        res["helios_kernels_fwd"], res["helios_kernels_bwd"] = _kernel_names(pf.collector), _kernel_names(pb.collector)
-        res["tensor_cores"] = ("flash_wgmma_fwd" in res["helios_kernels_fwd"]
-                               and "flash_wgmma_bwd" in res["helios_kernels_bwd"])
-        if emulated:  # the CPU emulator's times mean nothing: the check is the point
-            return res
 
-        def helios_block(fn, n: int) -> float:
-            t0 = time.perf_counter()
-            for _ in range(n):
-                r = fn()
-            hl.synchronize()
-            r[0, 0, 0, 0].item()
-            return (time.perf_counter() - t0) / n
+def _helios_block(fn, n: int) -> float:
+    """Seconds a call of ``fn`` (Helios) over ``n`` calls in a row, ended by a synchronize and a
+    read-back of one element."""
+    import helios as hl
 
-        def torch_block(fn, n: int) -> float:
-            if not cuda:  # (a float32 peer on the CPU: only a dry run of this path uses one)
-                t0 = time.perf_counter()
-                for _ in range(n):
-                    fn()
-                return (time.perf_counter() - t0) / n
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            start.record()
-            for _ in range(n):
-                fn()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / 1e3 / n
+    t0 = time.perf_counter()
+    for _ in range(n):
+        r = fn()
+    hl.synchronize()
+    r[0, 0, 0, 0].item()
+    return (time.perf_counter() - t0) / n
 
-        fns = {("helios", "fwd"): (helios_block, h_fwd), ("helios", "fwd_bwd"): (helios_block, h_fwd_bwd),
-               ("peer", "fwd"): (torch_block, t_fwd), ("peer", "fwd_bwd"): (torch_block, t_fwd_bwd)}
-        reps = {}
-        for key, (block, fn) in fns.items():
-            block(fn, 1)  # warm-up (the peer's first call; Helios' ran in the check)
-            one = block(fn, 1)
-            reps[key] = 1 if smoke else max(1, min(100, int(0.1 / max(one, 1e-6))))
-        times = {key: [] for key in fns}
-        for _ in range(rounds):  # interleaved, so both sides see the same clocks and temperature
-            for key, (block, fn) in fns.items():
-                times[key].append(block(fn, reps[key]))
+
+def _torch_block(fn, n: int, cuda: bool) -> float:
+    """Seconds a call of ``fn`` (torch) over ``n`` calls in a row: CUDA events around the block
+    with ``cuda``, else wall time (a float32 peer on the CPU: only a dry run of this path has one)."""
+    import torch
+
+    if not cuda:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        return (time.perf_counter() - t0) / n
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(n):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / n
+
+
+def _timed_rounds(calls: dict, rounds: int, smoke: bool) -> tuple[dict, dict]:
+    """(seconds a call in each round, calls a block) by (side, part) for ``calls``: (side, part) ->
+    (block timer, fn).  Blocks last ~0.1 s (one call with --smoke); the rounds interleave every
+    (side, part), so both sides see the same clocks and temperature."""
+    reps = {}
+    for key, (block, fn) in calls.items():
+        block(fn, 1)  # warm-up (the peer's first call; Helios' ran in the check)
+        one = block(fn, 1)
+        reps[key] = 1 if smoke else max(1, min(100, int(0.1 / max(one, 1e-6))))
+    times = {key: [] for key in calls}
+    for _ in range(rounds):
+        for key, (block, fn) in calls.items():
+            times[key].append(block(fn, reps[key]))
+    return times, reps
+
+
+def _rates(res: dict, times: dict, B: int, H: int, T: int, D: int, causal: bool) -> None:
+    """Fills ``res`` with each side's ms and TFLOP/s of the forward, the backward ((forward +
+    backward) - forward) and both, from the median of ``times``, and Helios' ratios to the peer."""
     f_fwd, f_bwd = attention_flops(B, H, T, D, causal)
     flops = {"fwd": f_fwd, "bwd": f_bwd, "fwd_bwd": f_fwd + f_bwd}
     rate = {}
@@ -517,6 +522,39 @@ def bench_gpu(B: int, H: int, T: int, D: int, causal: bool, dtype: str, rounds: 
     for part in flops:
         h, p = rate[("helios", part)], rate[("peer", part)]
         res[f"ratio_{part}"] = round(h / p, 3) if h and p else None
+
+
+def bench_gpu(B: int, H: int, T: int, D: int, causal: bool, dtype: str, rounds: int, peer_dev: str,
+              emulated: bool, smoke: bool, tol: float) -> dict:
+    """One configuration on the current cuda:N device against torch on ``peer_dev`` (see the
+    module docstring): the numerics check, the kernels the profiler saw, and (unless emulated)
+    the timed rounds."""
+    import contextlib
+    import functools
+
+    import torch.nn.functional as TF
+
+    import helios.nn.functional as F
+
+    res = {"bench": "attention_gpu", "dtype": dtype, "B": B, "H": H, "T": T, "D": D, "causal": causal}
+    ours, theirs = _gpu_operands(B, H, T, D, dtype, peer_dev)
+    h_fwd, h_fwd_bwd = _sdpa_calls(F.scaled_dot_product_attention, ours, causal)
+    t_fwd, t_fwd_bwd = _sdpa_calls(TF.scaled_dot_product_attention, theirs, causal)
+    if peer_dev == "cuda":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        forced = sdpa_kernel(SDPBackend.FLASH_ATTENTION)  # an error, not a silent fallback, if it cannot run
+    else:
+        forced = contextlib.nullcontext()
+    with forced:
+        _check(res, ours, theirs, h_fwd, t_fwd, tol)
+        if emulated:  # the CPU emulator's times mean nothing: the check is the point
+            return res
+        torch_block = functools.partial(_torch_block, cuda=peer_dev == "cuda")
+        calls = {("helios", "fwd"): (_helios_block, h_fwd), ("helios", "fwd_bwd"): (_helios_block, h_fwd_bwd),
+                 ("peer", "fwd"): (torch_block, t_fwd), ("peer", "fwd_bwd"): (torch_block, t_fwd_bwd)}
+        times, reps = _timed_rounds(calls, rounds, smoke)
+    _rates(res, times, B, H, T, D, causal)
     res["reps"] = {f"{s}_{p}": n for (s, p), n in reps.items()}
     res["rounds"] = rounds
     return res

@@ -94,7 +94,8 @@ def time_steps(step, batches, warmup: int) -> float:
     return (time.perf_counter() - t0) / (len(batches) - warmup)
 
 
-def main() -> None:
+def _parse_args() -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    """The parser (for errors only the device can tell) and the command line, with --smoke's defaults filled in."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default=None, help="helios-train config (default tiny; --smoke nano)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps (default 5; --smoke 2)")
@@ -121,86 +122,88 @@ def main() -> None:
     args.kernels = args.kernels or (3 if args.smoke else 0)
     if args.compile is None:
         args.compile = args.peer == "cuda" and not args.smoke
+    return ap, args
 
-    import torch
 
-    import helios as hl
-    from helios.nn import GPT, GPTConfig
-    from helios.optim import AdamW, clip_grad_norm_
-    from helios.profile.mfu import compute_mfu, peak_flops
-    from helios.runtime import get_runtime, set_device
-    from helios.train import CONFIGS
+class HeliosSide:
+    """The Helios model twice from one seed: ``eager`` runs every step through Python and
+    autograd; ``replay`` captures its first step with ``hl.graph`` and replays the others (what
+    helios-train does on one device), optionally as CUDA graphs.  ``host`` keeps each timed call's
+    time to issue the step (up to the flush), by mode."""
 
-    if args.device:
-        set_device(args.device)
-    if args.cuda_graphs_ab and not hasattr(get_runtime(), "use_cuda_graphs"):
-        ap.error(f"--cuda-graphs-ab times CUDA graphs: it needs a cuda:N --device, not {get_runtime().name}")
-    tdev = torch.device(args.peer)
-    if args.peer == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
+    def __init__(self, cfg, dtype: str):
+        import helios as hl
+        from helios.nn import GPT
+        from helios.optim import AdamW, clip_grad_norm_
+        from helios.runtime import get_runtime
 
-    c = CONFIGS[args.config]
-    B, T = c["batch_size"], c["block_size"]
-    cfg = GPTConfig(vocab_size=256, block_size=T, n_layer=c["n_layer"], n_head=c["n_head"], n_embd=c["n_embd"])
-    rng = np.random.default_rng(0)
-    batches = [(rng.integers(0, 256, (B, T)), rng.integers(0, 256, (B, T))) for _ in range(args.steps + args.warmup)]
+        self.hl, self.clip, self.dtype, self.rt = hl, clip_grad_norm_, dtype, get_runtime()
+        self.model = GPT(cfg, seed=0)
+        self.opt = AdamW(self.model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+        self.model_r = GPT(cfg, seed=0)
+        self.opt_r = AdamW(self.model_r.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+        self.captured = {}
+        self.host = {"eager": [], "replay": [], "replay_graphs": []}
 
-    model = GPT(cfg, seed=0)
-    opt = AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
-
-    rt = get_runtime()
-    host = {"eager": [], "replay": [], "replay_graphs": []}
-
-    def step(m, o, x, y):
+    def _step(self, m, o, x, y):
         """One training step of model ``m`` with optimizer ``o`` on device tensors; the loss."""
-        if args.dtype == "bf16":
-            with hl.autocast("bfloat16"):
+        if self.dtype == "bf16":
+            with self.hl.autocast("bfloat16"):
                 _, loss = m(x, y)
         else:
             _, loss = m(x, y)
         loss.backward()
-        clip_grad_norm_(m.parameters(), 1.0)
+        self.clip(m.parameters(), 1.0)
         o.step()
         o.zero_grad()
         return loss
 
-    def helios_step(x, y):
+    def eager(self, x, y) -> float:
+        """One step of the eager model on host batches ``x``, ``y``; the loss."""
         t0 = time.perf_counter()
-        loss = step(model, opt, hl.tensor(x), hl.tensor(y))
-        rt.flush()
-        host["eager"].append(time.perf_counter() - t0)
+        loss = self._step(self.model, self.opt, self.hl.tensor(x), self.hl.tensor(y))
+        self.rt.flush()
+        self.host["eager"].append(time.perf_counter() - t0)
         return loss.item()
 
-    # The same model again, its step captured on the first call and replayed after.
-    model_r = GPT(cfg, seed=0)
-    opt_r = AdamW(model_r.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
-    captured = {}
-
-    def replay_step(x, y, key: str = "replay"):
-        if not captured:
-            xt, yt = hl.tensor(x), hl.tensor(y)
-            with hl.graph.capture(inputs=(xt, yt)) as g:
-                loss = step(model_r, opt_r, xt, yt)
-            captured.update(graph=g, loss=loss)
+    def replay(self, x, y, key: str = "replay") -> float:
+        """One step of the replayed model: captured on the first call, replayed after; its host
+        time is kept under ``key``."""
+        if not self.captured:
+            xt, yt = self.hl.tensor(x), self.hl.tensor(y)
+            with self.hl.graph.capture(inputs=(xt, yt)) as g:
+                loss = self._step(self.model_r, self.opt_r, xt, yt)
+            self.captured.update(graph=g, loss=loss)
             return loss.item()
         t0 = time.perf_counter()
-        captured["graph"].replay(x, y)
-        host[key].append(time.perf_counter() - t0)
-        return captured["loss"].item()
+        self.captured["graph"].replay(x, y)
+        self.host[key].append(time.perf_counter() - t0)
+        return self.captured["loss"].item()
 
-    # The PyTorch twin from the same weights; on the GPU its attention through SDPA (the flash kernel).
-    sdpa = args.peer == "cuda"
-    tbatches = [(torch.tensor(x, device=tdev), torch.tensor(y, device=tdev)) for x, y in batches]
+    def replay_as_graphs(self, x, y) -> float:
+        """:meth:`replay` with each run of launches issued as one CUDA graph."""
+        self.rt.use_cuda_graphs(True)
+        try:
+            return self.replay(x, y, "replay_graphs")
+        finally:
+            self.rt.use_cuda_graphs(False)
+
+
+def _torch_peers(args, cfg, B: int, T: int, model, tbatches, failed: dict) -> tuple:
+    """(eager step, compiled step or None, seconds the compiled step's first call took or None)
+    of the PyTorch twin from ``model``'s weights; a torch.compile that fails (on its first batch of
+    ``tbatches``) is recorded in ``failed``."""
+    import torch
+
+    tdev = torch.device(args.peer)
+    sdpa = args.peer == "cuda"  # on the GPU the twin's attention goes through SDPA (the flash kernel)
 
     def twin(compiled: bool):
         tparams = {n: torch.tensor(p.numpy(), device=tdev, requires_grad=True) for n, p in model.named_parameters()}
         topt = torch.optim.AdamW(list(tparams.values()), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
         return torch_step_fn(cfg, B, T, tparams, topt, args.dtype, sdpa=sdpa, compiled=compiled)
 
-    tstep = twin(False)
-    failed = {}
-    cstep = None
+    tstep, cstep, compile_s = twin(False), None, None
     if args.compile:  # a second peer: the same step with its forward through torch.compile, where that works
         try:
             cstep = twin(True)
@@ -209,43 +212,50 @@ def main() -> None:
             compile_s = time.perf_counter() - t0
         except Exception as e:
             failed["compile"], cstep = _one_line(e), None
+    return tstep, cstep, compile_s
 
-    # Interleave to share the machine's noise: helios, replay, torch (eager, compiled), twice; keep the best of each.
+
+def _timed_rounds(args, side: HeliosSide, tstep, cstep, batches, tbatches, failed: dict) -> dict:
+    """Each side's seconds a step, by name, in rounds that interleave them (helios, replay, graphs,
+    torch eager, compiled) to share the machine's noise: one round with --smoke, else two."""
     times = {"helios": [], "replay": [], "replay_graphs": [], "peer": [], "compile": []}
+
+    def attempt(key: str, step, data, fail_key: str) -> None:
+        if fail_key in failed:
+            return
+        try:
+            times[key].append(time_steps(step, data, args.warmup))
+        except Exception as e:  # e.g. a capture that fails on this device: its line says so, the rest still runs
+            failed[fail_key] = _one_line(e)
+
     for _ in range(1 if args.smoke else 2):
-        times["helios"].append(time_steps(helios_step, batches, args.warmup))
-        if "replay" not in failed:
-            try:
-                times["replay"].append(time_steps(replay_step, batches, args.warmup))
-            except Exception as e:  # a capture that fails on this device: its line says so, the rest still runs
-                failed["replay"] = _one_line(e)
+        times["helios"].append(time_steps(side.eager, batches, args.warmup))
+        attempt("replay", side.replay, batches, "replay")
         if args.cuda_graphs_ab and "replay" not in failed:  # the same replays, each run of launches one graph
-            rt.use_cuda_graphs(True)
-            try:
-                times["replay_graphs"].append(time_steps(lambda x, y: replay_step(x, y, "replay_graphs"), batches,
-                                                         args.warmup))
-            finally:
-                rt.use_cuda_graphs(False)
+            times["replay_graphs"].append(time_steps(side.replay_as_graphs, batches, args.warmup))
         times["peer"].append(time_steps(tstep, tbatches, args.warmup))
-        if cstep is not None and "compile" not in failed:
-            try:
-                times["compile"].append(time_steps(cstep, tbatches, args.warmup))
-            except Exception as e:
-                failed["compile"] = _one_line(e)
-    best = {k: min(v) for k, v in times.items() if v and k not in failed}
-    tokens = B * T
+        if cstep is not None:
+            attempt("compile", cstep, tbatches, "compile")
+    return {k: min(v) for k, v in times.items() if v and k not in failed}
+
+
+def _result_line(args, side: HeliosSide, best: dict, failed: dict, compile_s, per_step: int, tokens: int) -> dict:
+    """The benchmark's JSON line: tokens/s, ratios, host times and MFU of each side that ran."""
+    import torch
+
+    from helios.profile.mfu import compute_mfu, peak_flops
+
+    rt, model, host = side.rt, side.model, side.host
     fpt = model.flops_per_token()
     peak = peak_flops(rt.info["name"], args.dtype, rt.info["type"])
     tps = {k: tokens / v for k, v in best.items()}
-    d0 = rt.stats()["dispatches"]
-    helios_step(*batches[0])
-    per_step = rt.stats()["dispatches"] - d0  # kernel launches in one step (copies and fills not counted)
     host_eager = statistics.median(host["eager"][args.warmup:])
     out = {
         "bench": "train_step", "config": args.config, "dtype": args.dtype, "params": model.num_parameters(),
         "tokens_per_step": tokens,
         "device": rt.name, "device_name": rt.info["name"], "helios_tok_s": round(tps["helios"], 1),
-        "peer": f"torch_{args.peer}", "peer_attention": "sdpa" if sdpa else "explicit", "peer_tok_s": round(tps["peer"], 1),
+        "peer": f"torch_{args.peer}", "peer_attention": "sdpa" if args.peer == "cuda" else "explicit",
+        "peer_tok_s": round(tps["peer"], 1),
         "ratio": round(tps["helios"] / tps["peer"], 4), "helios_ms_per_step": round(best["helios"] * 1e3, 1),
         "peer_ms_per_step": round(best["peer"] * 1e3, 1),
     }
@@ -254,13 +264,13 @@ def main() -> None:
                    graphs_over_launches=round(tps["replay_graphs"] / tps["replay"], 4),
                    host_ms_replay_graphs=round(statistics.median(host["replay_graphs"]) * 1e3, 3))
     if "replay" in tps:
-        host_replay = statistics.median(host["replay"])
         out.update(replay_tok_s=round(tps["replay"], 1), replay_ratio=round(tps["replay"] / tps["peer"], 4),
                    replay_ms_per_step=round(best["replay"] * 1e3, 1))
     else:
         out["replay_failed"] = failed["replay"]
     out.update(dispatches_per_step=per_step, host_ms_eager=round(host_eager * 1e3, 3))
     if "replay" in tps:
+        host_replay = statistics.median(host["replay"])
         out.update(host_ms_replay=round(host_replay * 1e3, 3), host_replay_share=round(host_replay / host_eager, 4))
     if "compile" in tps:
         out.update(compile_peer=f"torch_compile_{args.peer}", compile_tok_s=round(tps["compile"], 1),
@@ -276,9 +286,44 @@ def main() -> None:
             mfu = compute_mfu(fpt, tps[k], peak)
             out[f"{k}_mfu"] = round(mfu, 5) if mfu is not None else None
     out.update(flops_per_token=fpt, peak=peak.label if peak else None, torch_threads=torch.get_num_threads())
-    print(json.dumps(out))
+    return out
+
+
+def main() -> None:
+    ap, args = _parse_args()
+
+    import torch
+
+    from helios.nn import GPTConfig
+    from helios.runtime import get_runtime, set_device
+    from helios.train import CONFIGS
+
+    if args.device:
+        set_device(args.device)
+    if args.cuda_graphs_ab and not hasattr(get_runtime(), "use_cuda_graphs"):
+        ap.error(f"--cuda-graphs-ab times CUDA graphs: it needs a cuda:N --device, not {get_runtime().name}")
+    if args.peer == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+
+    c = CONFIGS[args.config]
+    B, T = c["batch_size"], c["block_size"]
+    cfg = GPTConfig(vocab_size=256, block_size=T, n_layer=c["n_layer"], n_head=c["n_head"], n_embd=c["n_embd"])
+    rng = np.random.default_rng(0)
+    batches = [(rng.integers(0, 256, (B, T)), rng.integers(0, 256, (B, T))) for _ in range(args.steps + args.warmup)]
+    tbatches = [(torch.tensor(x, device=args.peer), torch.tensor(y, device=args.peer)) for x, y in batches]
+
+    side = HeliosSide(cfg, args.dtype)
+    failed = {}
+    tstep, cstep, compile_s = _torch_peers(args, cfg, B, T, side.model, tbatches, failed)
+    best = _timed_rounds(args, side, tstep, cstep, batches, tbatches, failed)
+    d0 = side.rt.stats()["dispatches"]
+    side.eager(*batches[0])
+    per_step = side.rt.stats()["dispatches"] - d0  # kernel launches in one step (copies and fills not counted)
+    print(json.dumps(_result_line(args, side, best, failed, compile_s, per_step, B * T)))
     if args.kernels > 0:
-        print(json.dumps(kernel_profile(lambda: helios_step(*batches[0]), args.kernels, args.config, args.dtype, rt.name)))
+        print(json.dumps(kernel_profile(lambda: side.eager(*batches[0]), args.kernels, args.config, args.dtype,
+                                        side.rt.name)))
 
 
 def kernel_profile(run_step, top: int, config: str, dtype: str, device: str) -> dict:

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from helios.errors import DTypeError
+from helios.flat import mark_written
 
 # Storage dtype of each dtype name the collectives accept.
 _STORAGE: dict[str, np.dtype] = {
@@ -200,7 +201,7 @@ class DeviceBuffer(Buffer):
         # The work that makes the tensor is recorded here, on the caller's thread: ops held back
         # for fusion would otherwise wait for that thread's next command, and the operation's
         # thread (which polls the tensor) never records them.
-        t._st.rt.emit_pending()
+        t.untyped_storage().rt.emit_pending()
         self.tensor = t
         self.dtype = name
         self.writable = writable
@@ -224,7 +225,8 @@ class DeviceBuffer(Buffer):
 
     def _range(self) -> tuple[Any, int, int, int]:
         t = self.tensor
-        return t._st.rt, t._st.handle, t._off * t.dtype.itemsize, self.nbytes
+        st = t.untyped_storage()
+        return st.rt, st.handle, t.storage_offset() * t.dtype.itemsize, self.nbytes
 
     @property
     def flat(self) -> np.ndarray:  # type: ignore[override]
@@ -257,4 +259,4 @@ class DeviceBuffer(Buffer):
             dev.write(handle, off, self._flat.view(np.uint8))
         else:
             dev.host_wrote(handle, off, n)
-        self.tensor._st.version += 1
+        mark_written(self.tensor)

@@ -309,8 +309,8 @@ def _grad_views(optimizer) -> list:
                 continue
             flat = complete_flat_grad(g)
             if flat is not None:
-                if id(g._st) not in seen:
-                    seen.add(id(g._st))
+                if id(g.untyped_storage()) not in seen:
+                    seen.add(id(g.untyped_storage()))
                     views.append(flat)
             elif id(g) not in seen:
                 seen.add(id(g))
@@ -335,7 +335,7 @@ def _unscale_grads(optimizer, inv_scale: float) -> bool:
         for g in views:
             part = F.sum(F.to(g, dt.float32) * 0.0)
             probe = part if probe is None else probe + part
-            s = F.scalar_tensor(inv_scale, g.dtype, g._st.rt)
+            s = F.scalar_tensor(inv_scale, g.dtype, g.untyped_storage().rt)
             if g.is_contiguous():
                 K.binary_("mul", g, s)  # in place: the flat buffer is the optimizer's gradient
             else:

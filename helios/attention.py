@@ -226,7 +226,7 @@ def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, block_mask=None, pat
         m = pattern.block_mask(Tq, block_size, Tk)
     else:
         m = _host_bool(block_mask, "block_sparse_attention")
-    bm = K.FlashBlockMask(m, block_size, Tq, Tk, bool(is_causal), q._st.rt)
+    bm = K.FlashBlockMask(m, block_size, Tq, Tk, bool(is_causal), q.untyped_storage().rt)
     s = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
     o, _ = FlashAttentionLSE.apply(q, k, v, s, bool(is_causal), bm)
     return o
@@ -288,7 +288,7 @@ def dilated_attention(q: Tensor, k: Tensor, v: Tensor, segments, dilations, is_c
         h, t = (int(x[0]) for x in np.nonzero(~covered))
         raise ValueError(f"dilated_attention: with segments {segs} and dilations {dils} no pattern keeps token {t} of "
                          f"head {h}; add a pattern with dilation 1")
-    rt = q._st.rt
+    rt = q.untyped_storage().rt
     outs, lses = [], []
     for w, r in zip(segs, dils):
         o_groups, l_groups = [], []

@@ -20,6 +20,7 @@ from helios import fused_kernels
 from helios import graph
 from helios.autograd.tape import no_grad
 from helios.errors import CheckpointError
+from helios.flat import mark_written
 from helios.tensor import Tensor
 
 # The AdamW kernel's launch (its push constants and dispatch) lives with the launchers; these are
@@ -70,7 +71,7 @@ class FlatGroup:
     """One parameter group packed into flat float32 buffers (params, grads, moments)."""
 
     def __init__(self, params: list, n_moments: int):
-        rt = params[0]._st.rt
+        rt = params[0].untyped_storage().rt
         self.params = params
         self.offsets = []
         n = 0
@@ -84,22 +85,16 @@ class FlatGroup:
         self.g = K.fill(K.empty((n,), dt.float32, rt, pool="weights"), 0)
         self.moments = [K.fill(K.empty((n,), dt.float32, rt, pool="weights"), 0) for _ in range(n_moments)]
         for p, off in zip(params, self.offsets):
-            K.copy_into(Tensor(self.p._st, p.shape, p.shape and _cstrides(p.shape), off, dt.float32), p)
+            K.copy_into(self.p.untyped_storage().view(off, p.shape, dt.float32), p)
         for p, off in zip(params, self.offsets):
             # The parameter now lives in the flat buffer; its gradient lands in the flat gradient buffer.
-            p._st, p._off, p._strides = self.p._st, off, _cstrides(p.shape)
-            p._grad_slot = Tensor(self.g._st, p.shape, _cstrides(p.shape), off, dt.float32)
-            p._host = None
-        _flat_by_grad_storage[id(self.g._st)] = self
+            p.set_(self.p.untyped_storage(), off)
+            p.grad_slot = self.g.untyped_storage().view(off, p.shape, dt.float32)
+        _flat_by_grad_storage[id(self.g.untyped_storage())] = self
 
     def grads_complete(self) -> bool:
-        return all(p.grad is not None and p.grad._st is self.g._st for p in self.params)
-
-
-def _cstrides(shape):
-    from helios._shape import contiguous_strides
-
-    return contiguous_strides(shape)
+        st = self.g.untyped_storage()
+        return all(p.grad is not None and p.grad.untyped_storage() is st for p in self.params)
 
 
 class AdamW(Optimizer):
@@ -118,21 +113,21 @@ class AdamW(Optimizer):
         t = self.step_count
         for g, fg in zip(self.param_groups, self.flat):
             consts = adamw_constants(g, t)
-            rt = fg.p._st.rt
+            rt = fg.p.untyped_storage().rt
             if fg.grads_complete():
                 ranges = [(0, fg.n)]
             else:  # some parameters got no gradient: update only those that did (as PyTorch skips them)
                 ranges = [(off, p.numel()) for p, off in zip(fg.params, fg.offsets) if p.grad is not None]
                 for p, off in zip(fg.params, fg.offsets):
-                    if p.grad is not None and p.grad._st is not fg.g._st:
-                        K.copy_into(p._grad_slot, p.grad)
+                    if p.grad is not None and p.grad.untyped_storage() is not fg.g.untyped_storage():
+                        K.copy_into(p.grad_slot, p.grad)
             bufs = [K.bind(fg.p, True)[0], K.bind(fg.g)[0], K.bind(fg.moments[0], True)[0], K.bind(fg.moments[1], True)[0]]
             for off, n in ranges:
                 if n:
                     adamw_dispatch(rt, bufs, n, off, consts)
                     # A replayed step: the step count and the group's learning rate as they are then.
                     graph.dynamic_push(lambda g=g, n=n, off=off: adamw_push(n, off, adamw_constants(g, self.step_count)))
-            fg.p._st.version += 1
+            mark_written(fg.p)
         graph.before_replay(self._count_step)
 
     def _count_step(self) -> None:
@@ -158,8 +153,8 @@ class AdamW(Optimizer):
                     if arr is None or tuple(arr.shape) != p.shape:
                         raise CheckpointError(f"optimizer state for group {gi} parameter {pi} ({name}) is missing or "
                                               f"has the wrong shape (expected {p.shape})")
-                    K.copy_into(Tensor(fg.moments[j]._st, p.shape, _cstrides(p.shape), off, dt.float32),
-                                K.from_numpy(arr, dt.float32, fg.p._st.rt))
+                    K.copy_into(fg.moments[j].untyped_storage().view(off, p.shape, dt.float32),
+                                K.from_numpy(arr, dt.float32, fg.p.untyped_storage().rt))
         for g, h in zip(self.param_groups, sd["groups"]):
             g.update({k: (tuple(v) if k == "betas" else v) for k, v in h.items()})
         self.step_count = int(sd["step"])
@@ -220,7 +215,7 @@ class SGD(Optimizer):
         for i, p in enumerate(params):
             arr = sd["state"].get(f"{i}.momentum_buffer")
             if arr is not None:
-                self.buffers[id(p)] = K.from_numpy(arr, p.dtype, p._st.rt)
+                self.buffers[id(p)] = K.from_numpy(arr, p.dtype, p.untyped_storage().rt)
         for g, h in zip(self.param_groups, sd["groups"]):
             g.update(h)
         self.step_count = int(sd["step"])
@@ -229,9 +224,9 @@ class SGD(Optimizer):
 def complete_flat_grad(grad: Tensor) -> Tensor | None:
     """The flat gradient buffer of the fused parameter group whose storage holds ``grad``, where every
     parameter of that group has its current gradient there (one view then covers them all); else None."""
-    st = grad._st
+    st = grad.untyped_storage()
     fg = _flat_by_grad_storage.get(id(st))
-    return fg.g if fg is not None and fg.g._st is st and fg.grads_complete() else None
+    return fg.g if fg is not None and fg.g.untyped_storage() is st and fg.grads_complete() else None
 
 
 @no_grad()
@@ -249,8 +244,8 @@ def clip_grad_norm_(params, max_norm: float) -> Tensor:
         flat = complete_flat_grad(p.grad)
         if flat is None:
             flat_views.append(p.grad)
-        elif id(flat._st) not in seen:  # the whole flat buffer holds current gradients: once
-            seen.add(id(flat._st))
+        elif id(flat.untyped_storage()) not in seen:  # the whole flat buffer holds current gradients: once
+            seen.add(id(flat.untyped_storage()))
             flat_views.append(flat)
     # Fused (helios.fused_kernels): each contiguous view's sum of squares as one reduction, and the
     # scalar chain in the last reduction's final step; the same bits as the separate ops.

@@ -156,6 +156,22 @@ class Tensor:
         return self
 
     @property
+    def data(self) -> Tensor:
+        """This tensor's values without autograd history: :meth:`detach` (PyTorch's ``.data``)."""
+        return self.detach()
+
+    @data.setter
+    def data(self, new: Tensor) -> None:
+        """Make this tensor the view ``new`` is (its storage, shape, strides, offset and dtype), in
+        place: PyTorch's ``t.data = new``, which ``Module.to`` does to each parameter.  The tensor
+        keeps its identity, autograd flags and hooks; unlike :meth:`set_`, the dtype may change.
+        Not recorded by autograd and not counted as a write."""
+        if not isinstance(new, Tensor):
+            raise TypeError(f"Tensor.data: the new data must be a helios Tensor, got {type(new).__name__}")
+        self._st, self.shape, self._strides, self._off, self.dtype, self._host = (
+            new._st, new.shape, new._strides, new._off, new.dtype, new._host)
+
+    @property
     def grad_slot(self):
         """Where backward accumulates this parameter's gradient: a view of a flat gradient buffer
         (set by a fused optimizer, DistributedDataParallel or ZeRO, which then treat the buffer's

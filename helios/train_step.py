@@ -256,7 +256,7 @@ def _average_gradients(opt, group) -> None:
     flushed (as Megatron-LM does): one all-reduce per flat gradient buffer of the optimizer."""
     for fg in opt.flat:
         for p in fg.params:
-            if p.grad is not None and p.grad._st is not fg.g._st:
-                K.copy_into(p._grad_slot, p.grad)  # a gradient outside its slot: put it in place first
-                p.grad = p._grad_slot
+            if p.grad is not None and p.grad.untyped_storage() is not fg.g.untyped_storage():
+                K.copy_into(p.grad_slot, p.grad)  # a gradient outside its slot: put it in place first
+                p.grad = p.grad_slot
         dist.all_reduce(fg.g, op="avg", group=group)

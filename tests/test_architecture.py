@@ -171,3 +171,43 @@ def test_a_private_read_is_caught(tmp_path):
     assert _private_reads(str(src), "helios.device_transfer") == [f"{src}:1: from helios.dtypes import _BY_NAME"]
     src.write_text("from helios import _kernels\nfrom helios._kernels.core import _split\n")
     assert _private_reads(str(src), "helios._kernels.gemm") == []  # a private module; the kernel layer's own helper
+
+
+# -- a Tensor's internals stay in the tensor core ------------------------------------------------------
+
+# helios.Tensor's private slots (tensor.py) and the attributes the tape and fused optimizers set.
+_TENSOR_INTERNALS = frozenset({"_st", "_strides", "_off", "_host", "_node", "_grad_slot", "_grad_hooks",
+                               "_out_index", "_history"})
+# What a Tensor is made of and made by: the class, autograd, the kernels and the ops, the copies between
+# devices and the capture, which keep the host copy (``_host``) coherent with the device's writes.
+_TENSOR_CORE = ("helios.tensor", "helios.autograd", "helios._kernels", "helios.functional", "helios.device_transfer",
+                "helios.graph")
+
+
+def _tensor_internal_reads(path: str) -> list[str]:
+    """``x._st``, ``x._off``, ... (a Tensor's private attributes) on anything but ``self`` in the file at ``path``."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.Attribute) and node.attr in _TENSOR_INTERNALS and not (
+                isinstance(node.value, ast.Name) and node.value.id == "self"):
+            found.append(f"{path}:{node.lineno}: .{node.attr}")
+    return found
+
+
+def test_only_the_tensor_core_touches_a_tensors_internals():
+    """Outside the tensor core (nn, optim, amp, attention, models, the training step, comm, the
+    schedules) a tensor is used through its public API: ``untyped_storage()`` (its Storage's ``rt``,
+    ``handle``, ``version``), ``storage_offset()``, ``stride()``, ``grad_slot``, ``set_``, ``.data``."""
+    found = [hit for path, name in _library_modules() if not any(_in(name, p) for p in _TENSOR_CORE)
+             for hit in _tensor_internal_reads(path)]
+    assert not found, "a Tensor's internals read outside the tensor core (use its public API):\n" + "\n".join(found)
+
+
+def test_a_tensor_internal_read_is_caught(tmp_path):
+    """The check is not vacuous: the optimizer's old reads (``p._st.rt``, ``p._grad_slot``) are found, a
+    class's own ``self._node`` is not."""
+    src = tmp_path / "optim.py"
+    src.write_text("def f(p, fg):\n    rt = p._st.rt\n    fg.copy(p._grad_slot)\n    return self._node\n")
+    assert _tensor_internal_reads(str(src)) == [f"{src}:2: ._st", f"{src}:3: ._grad_slot"]

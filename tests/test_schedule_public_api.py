@@ -97,6 +97,25 @@ def test_set_moves_a_parameter_into_a_flat_buffer_and_keeps_its_identity():
     assert p.untyped_storage() is other.untyped_storage() and p.storage_offset() == 0
 
 
+def test_data_reads_detached_and_assigning_it_swaps_the_view_dtype_too():
+    """``t.data`` (PyTorch's): the values without history; ``t.data = new`` makes ``t`` the view
+    ``new`` is, dtype included (what Module.to(dtype) does to a parameter), keeping its identity."""
+    import helios as hl
+    from helios.nn import Parameter
+
+    p = Parameter(hl.tensor(np.arange(6, dtype=np.float32).reshape(2, 3)))
+    d = p.data
+    assert d is not p and not d.requires_grad and d.grad_fn is None
+    assert d.untyped_storage() is p.untyped_storage()
+    new = hl.tensor(np.full((3, 2), 0.5, np.float32)).to(hl.bfloat16)
+    p.data = new
+    assert p.dtype is hl.bfloat16 and p.shape == (3, 2) and p.requires_grad
+    assert p.untyped_storage() is new.untyped_storage()
+    np.testing.assert_array_equal(p.float().numpy(), np.full((3, 2), 0.5, np.float32))
+    with pytest.raises(TypeError, match="Tensor.data: the new data must be a helios Tensor, got ndarray"):
+        p.data = np.zeros(3)
+
+
 def test_grad_slot_takes_the_gradient_in_place():
     import helios as hl
     from helios.errors import ShapeError

@@ -137,7 +137,7 @@ class GPT2LMHeadModel(Module, GenerationMixin):
             raise ValueError(f"sequence length {T} exceeds n_positions {self.config.n_positions}")
         # GPT's cached positions: a constant with its host copy (the embedding's backward groups
         # indices on the host), uploaded once, so a captured step uploads nothing
-        x = t.drop(t.wte(idx) + t.wpe(position_ids(T, w._st.rt)))
+        x = t.drop(t.wte(idx) + t.wpe(position_ids(T, w.untyped_storage().rt)))
         for block in t.h:
             x = block(x)
         logits = F.matmul(t.ln_f(x), w.mT)

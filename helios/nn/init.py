@@ -43,7 +43,7 @@ def _draw(tensor: Tensor, mode: int, p0: float, p1: float, generator, op: str, d
         raise TypeError(f"{op}: generator must be a helios.random.Generator, got {type(generator).__name__}")
     seed, offset = (generator or default_generator()).next_offset()
     # A host tensor runs no kernels: the draw happens on the default device, copy_ brings it over.
-    rt = None if tensor.is_cpu else tensor._st.rt
+    rt = None if tensor.is_cpu else tensor.untyped_storage().rt
     return K.rng(tensor.shape, dtype or tensor.dtype, mode, seed, offset, float(p0), float(p1), rt)
 
 

@@ -37,7 +37,7 @@ class Parameter(Tensor):
     """A leaf tensor that a Module registers as a learnable parameter."""
 
     def __init__(self, data: Tensor, requires_grad: bool = True):
-        super().__init__(data._st, data.shape, data._strides, data._off, data.dtype)
+        super().__init__(data.untyped_storage(), data.shape, data.stride(), data.storage_offset(), data.dtype)
         self.requires_grad = requires_grad
 
 
@@ -203,9 +203,8 @@ class Module:
                 new = F.to(new, device=device)
             if dtype is not None and new.dtype.is_floating_point:
                 new = F.to(new, dtype)
-            if new._st is not t._st or new.dtype is not t.dtype:
-                t._st, t.shape, t._strides, t._off, t.dtype, t._host = (new._st, new.shape, new._strides, new._off,
-                                                                        new.dtype, new._host)
+            if new.untyped_storage() is not t.untyped_storage() or new.dtype is not t.dtype:
+                t.data = new
 
         seen = set()
         with no_grad():
@@ -605,7 +604,7 @@ def _smoothed_cross_entropy(input: Tensor, target, weight, ignore_index: int, re
     C = input.shape[cdim]
     if not isinstance(target, Tensor):
         arr = np.asarray(target)
-        target = K.from_numpy(arr, input.dtype if arr.dtype.kind == "f" else dt.int64, input._st.rt)
+        target = K.from_numpy(arr, input.dtype if arr.dtype.kind == "f" else dt.int64, input.untyped_storage().rt)
     if target.dtype.kind == "float":  # probabilities: smooth the target itself
         return F.cross_entropy(input, target * (1.0 - s) + s / C, weight=weight, reduction=reduction)
     # F.cross_entropy checks the shapes and the class range, and gives the loss at the target.
@@ -860,12 +859,12 @@ class GPT(Module):
 
     def forward(self, idx, targets=None):
         if not isinstance(idx, Tensor):
-            idx = K.from_numpy(np.asarray(idx, np.int64), dt.int64, self.wte.weight._st.rt)
+            idx = K.from_numpy(np.asarray(idx, np.int64), dt.int64, self.wte.weight.untyped_storage().rt)
         B, T = idx.shape
         cp = self.context_parallel
         if T * (cp.world if cp is not None else 1) > self.config.block_size:
             raise ValueError(f"sequence length {T * (cp.world if cp else 1)} exceeds block_size {self.config.block_size}")
-        rt = self.wte.weight._st.rt
+        rt = self.wte.weight.untyped_storage().rt
         pos = cp.positions(T, rt) if cp is not None else position_ids(T, rt)
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.h:
@@ -875,7 +874,7 @@ class GPT(Module):
         loss = None
         if targets is not None:
             if not isinstance(targets, Tensor):
-                targets = K.from_numpy(np.asarray(targets, np.int64), dt.int64, idx._st.rt)
+                targets = K.from_numpy(np.asarray(targets, np.int64), dt.int64, idx.untyped_storage().rt)
             loss = F.cross_entropy(logits.reshape(B * T, -1), targets.reshape(B * T))
         return logits, loss
 

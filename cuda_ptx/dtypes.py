@@ -21,6 +21,21 @@ def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
     return out
 
 
+def f32_pair_to_bf16x2(hi, lo) -> np.ndarray:
+    """Two float32 values (arrays or scalars, broadcast) -> bf16 pairs packed in uint32, ``hi`` in the
+    upper 16 bits, each rounded as :func:`f32_to_bf16_bits` rounds (PTX's ``cvt.rn.bf16x2.f32``), in
+    one pass: the emulator runs it for every pair a 16-bit product's epilogue stores."""
+    hi, lo = np.asarray(hi, np.float32), np.asarray(lo, np.float32)
+    u_hi, u_lo = hi.view(np.uint32), lo.view(np.uint32)
+    one, half, s16, top = np.uint32(1), np.uint32(0x7FFF), np.uint32(16), np.uint32(0xFFFF0000)
+    word = ((u_hi + (half + ((u_hi >> s16) & one))) & top) | ((u_lo + (half + ((u_lo >> s16) & one))) >> s16)
+    nan_hi, nan_lo = np.isnan(hi), np.isnan(lo)
+    if nan_hi.any() or nan_lo.any():
+        word = (np.where(nan_hi, np.uint32(0x7FC00000), word & top)
+                | np.where(nan_lo, np.uint32(0x7FC0), word & np.uint32(0xFFFF)))
+    return word
+
+
 def bf16_bits_to_f32(b: np.ndarray) -> np.ndarray:
     """bf16 bit patterns (uint16) -> float32 (exact)."""
     return (np.asarray(b, dtype=np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)

@@ -119,10 +119,17 @@ def wgmma_gather(smem: np.ndarray, desc: int, rows: int, k_bytes: int, dtype) ->
     d = decode_desc(desc)
     if d["swizzle"] != 128:
         raise NotImplementedError("model covers the 128-byte swizzle the generators use")
+    return smem[_k_major_index(d["start"], d["sbo"], rows, k_bytes)].view(dtype).reshape(rows, -1)
+
+
+@functools.lru_cache(maxsize=256)  # read-only: the emulator gathers the same few tiles (stages x k-steps) again and again
+def _k_major_index(start: int, sbo: int, rows: int, k_bytes: int) -> np.ndarray:
+    """The swizzled byte addresses :func:`wgmma_gather` reads, ``[row, byte]``."""
     r = np.arange(rows)[:, None]
     j = np.arange(k_bytes)[None, :]
-    lin = d["start"] + (r // 8) * d["sbo"] + (r % 8) * 128 + j
-    return smem[swizzle(lin, 3)].copy().view(dtype).reshape(rows, -1)
+    idx = swizzle(start + (r // 8) * sbo + (r % 8) * 128 + j, 3)
+    idx.flags.writeable = False
+    return idx
 
 
 def wgmma_gather_mn(smem: np.ndarray, desc: int, mn: int, k: int, dtype) -> np.ndarray:
@@ -148,12 +155,19 @@ def wgmma_gather_mn(smem: np.ndarray, desc: int, mn: int, k: int, dtype) -> np.n
     if d["swizzle"] != 128:
         raise NotImplementedError("model covers the 128-byte swizzle the generators use")
     itemsize = np.dtype(dtype).itemsize
+    return smem[_mn_major_index(d["start"], d["lbo"], d["sbo"], mn, k, itemsize)].view(dtype).reshape(mn, k)
+
+
+@functools.lru_cache(maxsize=256)
+def _mn_major_index(start: int, lbo: int, sbo: int, mn: int, k: int, itemsize: int) -> np.ndarray:
+    """The swizzled byte addresses :func:`wgmma_gather_mn` reads, ``[n, kk, byte]``."""
     w = 128 // itemsize  # MN-elements per swizzle atom row
     n = np.arange(mn)[:, None, None]
     kk = np.arange(k)[None, :, None]
     byte = np.arange(itemsize)[None, None, :]
-    lin = d["start"] + (n // w) * d["lbo"] + (kk // 8) * d["sbo"] + (kk % 8) * 128 + (n % w) * itemsize + byte
-    return smem[swizzle(lin, 3)].copy().view(dtype).reshape(mn, k)
+    idx = swizzle(start + (n // w) * lbo + (kk // 8) * sbo + (kk % 8) * 128 + (n % w) * itemsize + byte, 3)
+    idx.flags.writeable = False
+    return idx
 
 
 # --------------------------------------------------------------------------------------

@@ -565,6 +565,9 @@ def test_conversions_on_the_warp_scheduler():
         r = b.reg("b32")
         b.emit("cvt.rn.f16x2.f32", r, x, y)  # hi: x, lo: y
         results.append(r)
+        r2 = b.reg("b32")
+        b.emit("cvt.rn.bf16x2.f32", r2, x, y)
+        results.append(r2)
         b.emit("cvt.f32.bf16", f, h)
         results.append(f)
         for op, src in (("cvt.rn.f32.u32", i), ("cvt.rn.f32.s32", i)):
@@ -577,16 +580,18 @@ def test_conversions_on_the_warp_scheduler():
         for k, r in enumerate(results):
             b.emit("st.global.b32", f"[{ops.addr(b, out, b.binop('add', 'u32', tid, 32 * k), 4)}]", r)
 
-    got = _run_both(_plain_kernel(32, body), 32, [vals, ints], 4 * 32 * 5).view(np.uint32).reshape(5, 32)
+    got = _run_both(_plain_kernel(32, body), 32, [vals, ints], 4 * 32 * 6).view(np.uint32).reshape(6, 32)
     swapped = vals[np.arange(32) ^ 1]
     with np.errstate(all="ignore"):
         half = lambda v: v.astype(np.float16).view(np.uint16).astype(np.uint32)  # noqa: E731
         np.testing.assert_array_equal(got[0], (half(vals) << 16) | half(swapped))
-        np.testing.assert_array_equal(got[1], vals.view(np.uint32) & 0xFFFF0000)
-        np.testing.assert_array_equal(got[2].view(np.float32), ints.view(np.uint32).astype(np.float32))
-        np.testing.assert_array_equal(got[3].view(np.float32), ints.astype(np.float32))
+        bf = lambda v: dtypes.f32_to_bf16_bits(v).astype(np.uint32)  # noqa: E731  (each value on its own)
+        np.testing.assert_array_equal(got[1], (bf(vals) << 16) | bf(swapped))
+        np.testing.assert_array_equal(got[2], vals.view(np.uint32) & 0xFFFF0000)
+        np.testing.assert_array_equal(got[3].view(np.float32), ints.view(np.uint32).astype(np.float32))
+        np.testing.assert_array_equal(got[4].view(np.float32), ints.astype(np.float32))
         want = np.where(np.isnan(vals), 0, np.clip(np.trunc(vals.astype(np.float64)), -2**31, 2**31 - 1))
-        np.testing.assert_array_equal(got[4].view(np.int32), want.astype(np.int32))
+        np.testing.assert_array_equal(got[5].view(np.int32), want.astype(np.int32))
 
 
 def test_vector_and_shared_loads_and_stores_and_integer_min_max():

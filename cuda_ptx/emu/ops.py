@@ -16,6 +16,8 @@ as every other handler.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from .. import dtypes as D
@@ -636,8 +638,8 @@ def _wgmma(cta, ins, lanes):
     elif verb == "wait_group":
         keep = int(ins.args[0].value)
         while len(st.groups) > keep:
-            for op in st.groups.pop(0):
-                _wgmma_retire(cta, lanes, op)
+            for run in _same_acc_runs(st.groups.pop(0)):
+                _wgmma_retire(cta, lanes, run)
         flying = [op for g in st.groups for op in g] + st.open_ops
         st.locked = {r for op in flying for r in op.acc}
         st.inputs = {r for op in flying for r in op.a_regs}
@@ -730,8 +732,9 @@ def _a_from_registers(frag: np.ndarray, in_dtype: str) -> np.ndarray:
     return a
 
 
-def _wgmma_retire(cta, lanes, op) -> None:
-    """Retire one warp's share: read the operands the descriptors name *now*, accumulate its 16 rows."""
+def _warp_rows(cta, lanes, op, r0: int) -> np.ndarray:
+    """Rows ``r0 .. r0 + 15`` (one warp's) of ``op``'s 64 x n product, float64, from the operands the
+    descriptors name *now* (a warp retires its share when it waits, and reads what is there then)."""
     raw_t = np.uint8 if op.in_dtype == "e4m3" else np.uint16
     for d in (op.desc_a, op.desc_b):
         if d is not None and L.decode_desc(d)["start"] < SMEM_BASE:
@@ -740,29 +743,62 @@ def _wgmma_retire(cta, lanes, op) -> None:
     try:
         k = op.k_bytes // np.dtype(raw_t).itemsize
         if op.a_frag is not None:
-            a = _a_from_registers(op.a_frag, op.in_dtype)  # 64 x 16
+            a = _a_from_registers(op.a_frag, op.in_dtype)[r0:r0 + 16]
         elif op.trans_a:
-            a = _decode(L.wgmma_gather_mn(cta.smem, op.desc_a, 64, k, raw_t), op.in_dtype)  # 64 x k
+            a = _decode(L.wgmma_gather_mn(cta.smem, op.desc_a, 64, k, raw_t)[r0:r0 + 16], op.in_dtype)
         else:
-            a = _decode(L.wgmma_gather(cta.smem, op.desc_a, 64, op.k_bytes, raw_t), op.in_dtype)  # 64 x k
+            a = _decode(L.wgmma_gather(cta.smem, op.desc_a, 64, op.k_bytes, raw_t)[r0:r0 + 16], op.in_dtype)
         if op.trans_b:
             b = _decode(L.wgmma_gather_mn(cta.smem, op.desc_b, op.n, k, raw_t), op.in_dtype)  # n x k
         else:
             b = _decode(L.wgmma_gather(cta.smem, op.desc_b, op.n, op.k_bytes, raw_t), op.in_dtype)  # n x k
     except IndexError as e:
         raise cta.fail(f"wgmma operand (line {op.line}) runs past the shared block: {e}") from e
-    prod = a @ b.T  # 64 x n
-    rows, cols = L.wgmma_d_map(op.n)
-    rows, cols = rows[lanes % 128], cols[lanes % 128]
+    return a @ b.T  # 16 x n
+
+
+@functools.lru_cache(maxsize=None)
+def _d_pick(n: int) -> np.ndarray:
+    """``[lane, register]``: where each accumulator register of a ``wgmma m64nN`` lies in its warp's
+    16 x n rows of the product, as flat indices (layout.wgmma_d_map: the same for every warp, less
+    the warp's 16 w rows)."""
+    rows, cols = L.wgmma_d_map(n)
+    idx = rows[:32] * n + cols[:32]
+    idx.flags.writeable = False
+    return idx
+
+
+def _same_acc_runs(group: list) -> list:
+    """A commit group's ops in issue order, cut into runs of consecutive ops with the same accumulators."""
+    runs = []
+    for op in group:
+        if runs and runs[-1][0].acc == op.acc:
+            runs[-1].append(op)
+        else:
+            runs.append([op])
+    return runs
+
+
+def _wgmma_retire(cta, lanes, ops: list) -> None:
+    """Retire one warp's share of ``ops`` (consecutive ops of one commit group with the same
+    accumulators, in issue order): each adds its product to the accumulators in float32, as one
+    op at a time would, but the registers are read and written once for the run."""
+    r0 = (int(lanes[0]) % 128) // 32 * 16  # the warp's 16 rows of the 64
+    pick = _d_pick(ops[0].n)[lanes % 32]
     # A warp's lanes are contiguous: a slice reads and writes each register without a gather.
     at = slice(int(lanes[0]), int(lanes[-1]) + 1) if int(lanes[-1]) - int(lanes[0]) + 1 == lanes.size else lanes
     regs, written = cta.regs, cta.written
-    out = prod[rows, cols]
-    if op.scale_d:
-        out += np.stack([regs[r][at] for r in op.acc], axis=1).view(np.float32)
-    out = out.astype(np.float32).view(np.uint32)
+    acc = None
+    for op in ops:
+        out = np.take(_warp_rows(cta, lanes, op, r0), pick)  # [lane, register]
+        if op.scale_d:
+            if acc is None:
+                acc = np.stack([regs[r][at] for r in op.acc], axis=1).view(np.float32)
+            out += acc
+        acc = out.astype(np.float32)
+    out = acc.view(np.uint32)
     # Straight into the registers: the wgmma owns them, so cta.write's in-flight checks do not apply.
-    for j, r in enumerate(op.acc):
+    for j, r in enumerate(ops[0].acc):
         regs[r][at] = out[:, j]
         written[r][at] = True
 
@@ -1564,12 +1600,13 @@ def _cvt_c(c, ins):
             raise EmulationError(f"{ins.op} is not modelled")
         a, b, d = c.src(ins.args[1], "f32"), c.src(ins.args[2], "f32"), c.dst(ins.args[0], "u32")
 
-        def half(x):
-            x = np.asarray(x, np.float32)
-            return D.f32_to_bf16_bits(x) if dt == "bf16x2" else x.astype(np.float16).view(np.uint16)
+        if dt == "bf16x2":
+            return lambda ex, sel: d(ex, sel, D.f32_pair_to_bf16x2(a(ex, sel), b(ex, sel)))
 
-        return lambda ex, sel: d(ex, sel, (half(a(ex, sel)).astype(np.uint32) << np.uint32(16))
-                                 | half(b(ex, sel)).astype(np.uint32))
+        def half(x):
+            return np.asarray(x, np.float32).astype(np.float16).view(np.uint16).astype(np.uint32)
+
+        return lambda ex, sel: d(ex, sel, (half(a(ex, sel)) << np.uint32(16)) | half(b(ex, sel)))
     for t in (dt, at):
         if t not in VIEW_T or t in ("pred", "b8", "b16", "b32", "b64"):
             raise EmulationError(f"{ins.op}: conversion type .{t} is not modelled")

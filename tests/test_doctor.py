@@ -400,6 +400,25 @@ def test_kernel_status_finds_stale_missing_and_corrupt_spirv(tmp_path):
     assert st == {"current": ["k.good"], "rebuilt": ["k.fixed"], "stale": ["k.old"], "missing": ["k.gone"], "corrupt": ["k.junk"]}
 
 
+def test_the_pipeline_cache_line_says_when_the_driver_saves_nothing_and_names_leftovers(tmp_path):
+    """A blob of the 32-byte header alone (what lavapipe saves) holds no pipelines; a temporary file of a
+    save that never finished is named, not counted as a blob."""
+    uuid = "76616c2d257300000000000000000000"
+    (tmp_path / f"pipeline_cache_{uuid}.bin").write_bytes(b"\0" * probe_kernels.VK_CACHE_HEADER_BYTES)
+    (tmp_path / f"pipeline_cache_{uuid}.bin.tmp.4242").write_bytes(b"\0" * 32)
+    pc = probe_kernels.pipeline_cache(str(tmp_path))
+    assert pc == {"path": str(tmp_path), "files": 1, "bytes": 32, "header_only": 1,
+                  "leftovers": [f"pipeline_cache_{uuid}.bin.tmp.4242"]}
+    text = probe_kernels.pipeline_cache_text(pc)
+    assert "1 blob(s), 32 B holding no pipelines: the driver saves only the blob's header" in text
+    assert f"1 temporary file(s) of a save that never finished (pipeline_cache_{uuid}.bin.tmp.4242" in text
+    (tmp_path / f"pipeline_cache_{uuid}.bin").write_bytes(b"\0" * 4096)  # a driver that caches pipelines
+    (tmp_path / f"pipeline_cache_{uuid}.bin.tmp.4242").unlink()
+    text = probe_kernels.pipeline_cache_text(probe_kernels.pipeline_cache(str(tmp_path)))
+    assert text.endswith("1 blob(s), 4.0 KiB (VkPipelineCache per device, keyed by pipelineCacheUUID)"), text
+    assert probe_kernels.pipeline_cache(str(tmp_path / "none"))["files"] == 0
+
+
 def test_mesa_shader_cache_location(tmp_path):
     assert probe_kernels.mesa_shader_cache({"MESA_SHADER_CACHE_DISABLE": "true"})[0] is None
     assert probe_kernels.mesa_shader_cache({"MESA_SHADER_CACHE_DIR": "/x"}) == ("/x", "MESA_SHADER_CACHE_DIR")

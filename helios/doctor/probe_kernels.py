@@ -37,6 +37,38 @@ def kernel_status(registry, builder) -> dict:
     return out
 
 
+# A VkPipelineCache blob's header (its length, version, vendor, device and 16-byte UUID): a blob of
+# this size holds no pipeline.  Mesa 22.3's lavapipe saves nothing more; llvmpipe keeps its compiled
+# code in Mesa's shader cache instead.
+VK_CACHE_HEADER_BYTES = 32
+
+
+def pipeline_cache(pipes: str) -> dict:
+    """What the pipeline cache folder holds: the saved VkPipelineCache blobs (one per device, keyed by
+    pipelineCacheUUID) and their bytes, how many hold the header alone, and the temporary files of
+    saves that never finished (a process killed while writing one)."""
+    names = sorted(os.listdir(pipes)) if os.path.isdir(pipes) else []
+    blobs = [n for n in names if n.startswith("pipeline_cache_") and n.endswith(".bin")]
+    sizes = [os.path.getsize(os.path.join(pipes, n)) for n in blobs]
+    return {"path": pipes, "files": len(blobs), "bytes": sum(sizes),
+            "header_only": sum(size <= VK_CACHE_HEADER_BYTES for size in sizes),
+            "leftovers": [n for n in names if ".bin.tmp." in n]}
+
+
+def pipeline_cache_text(pc: dict) -> str:
+    """The doctor's line for :func:`pipeline_cache`'s findings."""
+    text = f"{pc['path']}: {pc['files']} blob(s), {human_bytes(pc['bytes'])}"
+    if pc["files"] and pc["header_only"] == pc["files"]:
+        text += (" holding no pipelines: the driver saves only the blob's header (lavapipe does; its compiled "
+                 "kernels are in Mesa's shader cache)")
+    else:
+        text += " (VkPipelineCache per device, keyed by pipelineCacheUUID)"
+    if pc["leftovers"]:
+        text += (f"; {len(pc['leftovers'])} temporary file(s) of a save that never finished ({pc['leftovers'][0]}: "
+                 "a process stopped while writing it), safe to delete")
+    return text
+
+
 def mesa_shader_cache(env: Mapping[str, str]) -> tuple[str | None, str]:
     """(folder, note) of Mesa's on-disk shader cache as Mesa resolves it (None when disabled)."""
     if env.get("MESA_SHADER_CACHE_DISABLE", "").lower() in ("1", "true", "yes"):
@@ -109,13 +141,12 @@ def probe(env: Mapping[str, str] | None = None) -> Section:
                "apt-get install glslc (or set GLSLC=/path/to/glslc)")
 
     pipes = os.path.join(registry.cache_dir(), "pipelines")
-    files, size = dir_usage(pipes)
-    s.data["pipeline_cache"] = {"path": pipes, "files": files, "bytes": size}
+    pc = s.data["pipeline_cache"] = pipeline_cache(pipes)
     if os.path.isdir(pipes) and not os.access(pipes, os.W_OK):
         s.fail("pipeline cache", f"{pipes} is not writable: pipelines are rebuilt in every process",
                f"chmod u+w {pipes}, or point XDG_CACHE_HOME at a writable folder")
     else:
-        s.ok("pipeline cache", f"{pipes}: {files} file(s), {human_bytes(size)} (VkPipelineCache per device, keyed by pipelineCacheUUID)")
+        s.ok("pipeline cache", pipeline_cache_text(pc))
 
     mesa, note = mesa_shader_cache(env)
     if mesa is None:

@@ -63,6 +63,7 @@ writes the parameter: ``(2K + G + P)`` bytes per parameter it updates, at memory
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from .hardware import Device
 from .layout import Parallel, Settings, group_link
@@ -129,121 +130,149 @@ def effective_recompute(recompute: str, attention: str) -> str:
     return "selective" if (recompute == "none" and attention == "flash") else recompute
 
 
+class _Rank(NamedTuple):
+    """What one rank works with: its compute rate and memory bandwidth (shared where ranks share a
+    host), the tokens of its micro-batch, its layers (the heaviest stage's) and the recompute class."""
+
+    ranks_here: int
+    rate: float
+    hbm: float
+    tok: float
+    layers: float
+    recompute: str
+
+
+class _MicroBatch(NamedTuple):
+    """Seconds of one micro-batch on one rank of the heaviest stage, by kind."""
+
+    gemm_f: float
+    gemm_b: float
+    mem_f: float
+    mem_b: float
+    launch: float
+
+
+def _rank(shape: ModelShape, par: Parallel, st: Settings, dev: Device, peak: float) -> _Rank:
+    ranks_here = min(par.gpus, dev.compute_ranks or dev.per_node) if dev.shared_host else 1
+    return _Rank(ranks_here, dev.achievable * peak / ranks_here, dev.hbm_bw / ranks_here,
+                 par.mb * shape.seq / par.cp,  # split over tp in the work, not the count
+                 shape.n_layer / par.pp, effective_recompute(par.recompute, st.attention))
+
+
+def _micro_batch(shape: ModelShape, par: Parallel, st: Settings, dev: Device, r: _Rank) -> _MicroBatch:
+    """FLOPs of the heaviest stage (the last: layers + LM head) at the rank's rate, the memory-bound
+    kernels' passes over the activations, and the launches."""
+    t, s, h = par.tp, shape.seq, shape.d_model
+    f_layer = r.tok * (2 * shape.layer_active_params() + 4 * s * h) / t
+    extra = {"none": 0.0, "selective": r.tok * 4 * s * h / t, "full": f_layer}[r.recompute]
+    head = r.tok * 2 * shape.vocab * h / t
+    fwd_flops = r.layers * f_layer + head
+    bwd_flops = 2 * fwd_flops + r.layers * extra
+    act_layer = layer_activation_bytes(shape, par, st, "none" if st.attention == "materialized" else "selective")
+    mem_f = r.layers * MEM_PASSES_FWD * act_layer / r.hbm
+    mem_b = r.layers * (MEM_PASSES_BWD + (MEM_PASSES_FWD if par.recompute == "full" else 0.0)) * act_layer / r.hbm
+    launch = dev.launch_s * dev.kernels_per_layer * shape.n_layer / par.pp * r.ranks_here
+    return _MicroBatch(fwd_flops / r.rate, bwd_flops / r.rate, mem_f, mem_b, launch)
+
+
+def _group_links(par: Parallel, per_node: int) -> dict:
+    """``intra`` or ``inter`` for each parallel group (rank order TP, CP, DP, PP; layout.py)."""
+    t, cp = par.tp, par.cp
+    return {"tp": group_link(1, t, per_node), "cp": group_link(t, cp, per_node),
+            "dp": group_link(t * cp, par.dp * cp if cp > 1 else par.dp, per_node),
+            "ep": group_link(t * cp, par.ep, per_node), "pp": group_link(t * cp * par.dp, par.pp, per_node)}
+
+
+def _model_parallel(shape: ModelShape, par: Parallel, st: Settings, dev: Device, links: dict, r: _Rank) -> dict:
+    """Seconds of the tensor-, context-, expert- and pipeline-parallel traffic of one micro-batch."""
+    t, cp, h = par.tp, par.cp, shape.d_model
+    act_b = st.param_bytes  # activations travel in the compute dtype
+    out = {"tp": 0.0, "cp": 0.0, "ep": 0.0, "pp_p2p": 0.0}
+    if t > 1:  # 2 + 2 all-reduce volumes per layer (+2 under full recomputation)
+        a, bt = link(dev, links["tp"])
+        n_ar = 4 + (2 if par.recompute == "full" else 0)
+        out["tp"] = r.layers * n_ar * all_reduce(r.tok * h * act_b, t, a, bt)
+    if cp > 1:  # ring attention, each step hidden behind the attention on the chunk in hand
+        a, bt = link(dev, links["cp"])
+        chunk = 2 * r.tok * h / t * act_b  # K and V of the local tokens
+        attn_step = 4 * r.tok * r.tok * h / t / r.rate  # local queries against one chunk, forward
+        fwd = max(0.0, send_recv(chunk, a, bt) - attn_step) if st.overlap else send_recv(chunk, a, bt)
+        bwd = max(0.0, send_recv(2 * chunk, a, bt) - 2 * attn_step) if st.overlap else send_recv(2 * chunk, a, bt)
+        out["cp"] = r.layers * (cp - 1) * (fwd + bwd)
+    if shape.moe and par.ep > 1:  # dispatch + combine, forward and backward
+        a, bt = link(dev, links["ep"])
+        tok_rank = r.tok / t if (st.sequence_parallel and t > 1) else r.tok
+        out["ep"] = r.layers * 4 * all_to_all(tok_rank * shape.top_k * h * act_b, par.ep, a, bt)
+    if par.pp > 1:  # activations forward and gradients backward (scatter/gather: 1/t per rank)
+        a, bt = link(dev, links["pp"])
+        out["pp_p2p"] = 2 * send_recv(r.tok * h * act_b / t, a, bt)
+    return out
+
+
+def _data_parallel(par: Parallel, st: Settings, dev: Device, links: dict, m: int, dense: float, expert: float,
+                   mb: _MicroBatch) -> float:
+    """Exposed seconds of the data-parallel traffic over dp x cp ranks for the rank's (last stage's)
+    ``dense`` and ``expert`` parameters, by ZeRO stage, hidden behind the backward where it overlaps."""
+    nd = par.dp * par.cp
+    if nd <= 1:
+        return 0.0
+    a, bt = link(dev, links["dp"])
+    P, G = st.param_bytes, st.grad_b
+
+    def cost(psi: float, n: int) -> tuple[float, float, float]:
+        """(reduction at the end, per-micro-batch forward gathers, per-micro-batch backward traffic)"""
+        if n <= 1 or psi <= 0:
+            return 0.0, 0.0, 0.0
+        if par.zero == 0:
+            return all_reduce(G * psi, n, a, bt), 0.0, 0.0
+        if par.zero == 1:
+            return reduce_scatter(G * psi, n, a, bt) + all_gather(P * psi, n, a, bt), 0.0, 0.0
+        if par.zero == 2:
+            return all_gather(P * psi, n, a, bt), 0.0, reduce_scatter(G * psi, n, a, bt)
+        ag = all_gather(P * psi, n, a, bt)
+        return 0.0, ag, ag * (2 if par.recompute == "full" else 1) + reduce_scatter(G * psi, n, a, bt)
+
+    end_d, fw_d, bw_d = cost(dense, nd)
+    end_e, fw_e, bw_e = cost(expert, max(1, nd // par.ep))
+    end, fw, bw = end_d + end_e, fw_d + fw_e, bw_d + bw_e
+    comp_f, comp_b = mb.gemm_f + mb.mem_f, mb.gemm_b + mb.mem_b
+    if par.zero <= 1:
+        # the gradient reduction (for ZeRO-1, half the end's traffic: its reduce-scatter) hides behind
+        # the last micro-batch's backward, bucket by bucket; the rest (ZeRO-1's all-gather) is exposed
+        red = end if par.zero == 0 else (end_d + end_e) / 2
+        rest = end - red
+        grad_bytes = (dense + expert) * st.grad_b
+        return (bucketed_exposure(grad_bytes, red, comp_b, st.first_bucket_bytes, st.bucket_bytes) + rest
+                if st.overlap else end)
+    if par.zero == 2:
+        return (m * max(0.0, bw - comp_b) + end) if st.overlap else m * bw + end
+    return m * (max(0.0, fw - comp_f) + max(0.0, bw - comp_b)) if st.overlap else m * (fw + bw)
+
+
 def step_time(shape: ModelShape, par: Parallel, st: Settings, dev: Device, dtype: str) -> StepTime:
     """Modelled seconds of one optimizer step of ``par`` (see the module docstring)."""
     peak = dev.peak_for(dtype)
     m = max(1, par.micro_batches(st.global_batch))
-    ranks_here = min(par.gpus, dev.compute_ranks or dev.per_node) if dev.shared_host else 1
-    rate = dev.achievable * peak / ranks_here
-    hbm = dev.hbm_bw / ranks_here
-    t, cp, b = par.tp, par.cp, par.mb
-    s, h = shape.seq, shape.d_model
-    layers = shape.n_layer / par.pp
-    tok = b * s / cp  # tokens a rank's micro-batch holds (split over tp in the work, not the count)
-    rc = effective_recompute(par.recompute, st.attention)
-
-    # FLOPs of the heaviest stage (the last: layers + LM head) per micro-batch on one rank.
-    f_layer = tok * (2 * shape.layer_active_params() + 4 * s * h) / t
-    extra = {"none": 0.0, "selective": tok * 4 * s * h / t, "full": f_layer}[rc]
-    head = tok * 2 * shape.vocab * h / t
-    fwd_flops = layers * f_layer + head
-    bwd_flops = 2 * fwd_flops + layers * extra
-    act_layer = layer_activation_bytes(shape, par, st, "none" if st.attention == "materialized" else "selective")
-    mem_f = layers * MEM_PASSES_FWD * act_layer / hbm
-    mem_b = layers * (MEM_PASSES_BWD + (MEM_PASSES_FWD if par.recompute == "full" else 0.0)) * act_layer / hbm
-    launch = dev.launch_s * dev.kernels_per_layer * shape.n_layer / par.pp * ranks_here
-    gemm_f, gemm_b = fwd_flops / rate, bwd_flops / rate
-
-    act_b = st.param_bytes  # activations travel in the compute dtype
-    per_node = dev.per_node
-    links = {
-        "tp": group_link(1, t, per_node), "cp": group_link(t, cp, per_node),
-        "dp": group_link(t * cp, par.dp * cp if cp > 1 else par.dp, per_node),
-        "ep": group_link(t * cp, par.ep, per_node), "pp": group_link(t * cp * par.dp, par.pp, per_node),
-    }
-    # TP: 2 + 2 all-reduce volumes per layer (+2 under full recomputation).
-    tp_t = 0.0
-    if t > 1:
-        a, bt = link(dev, links["tp"])
-        n_ar = 4 + (2 if par.recompute == "full" else 0)
-        tp_t = layers * n_ar * all_reduce(tok * h * act_b, t, a, bt)
-    # CP: ring attention, each step hidden behind the attention on the chunk in hand.
-    cp_t = 0.0
-    if cp > 1:
-        a, bt = link(dev, links["cp"])
-        chunk = 2 * tok * h / t * act_b  # K and V of the local tokens
-        attn_step = 4 * tok * tok * h / t / rate  # local queries against one chunk, forward
-        fwd = max(0.0, send_recv(chunk, a, bt) - attn_step) if st.overlap else send_recv(chunk, a, bt)
-        bwd = max(0.0, send_recv(2 * chunk, a, bt) - 2 * attn_step) if st.overlap else send_recv(2 * chunk, a, bt)
-        cp_t = layers * (cp - 1) * (fwd + bwd)
-    # EP: dispatch + combine, forward and backward.
-    ep_t = 0.0
-    if shape.moe and par.ep > 1:
-        a, bt = link(dev, links["ep"])
-        tok_rank = tok / t if (st.sequence_parallel and t > 1) else tok
-        ep_t = layers * 4 * all_to_all(tok_rank * shape.top_k * h * act_b, par.ep, a, bt)
-    # PP: activations forward and gradients backward per micro-batch (scatter/gather: 1/t per rank).
-    pp_t = 0.0
-    if par.pp > 1:
-        a, bt = link(dev, links["pp"])
-        pp_t = 2 * send_recv(tok * h * act_b / t, a, bt)
-
-    slot = gemm_f + gemm_b + mem_f + mem_b + launch + tp_t + cp_t + ep_t + pp_t
-    bubble = (par.pp - 1) * slot
-
-    # DP over dp x cp ranks, the rank's (last stage) parameters.
-    nd = par.dp * cp
+    r = _rank(shape, par, st, dev, peak)
+    mb = _micro_batch(shape, par, st, dev, r)
+    links = _group_links(par, dev.per_node)
+    comm = _model_parallel(shape, par, st, dev, links, r)
+    slot = (mb.gemm_f + mb.gemm_b + mb.mem_f + mb.mem_b + mb.launch
+            + comm["tp"] + comm["cp"] + comm["ep"] + comm["pp_p2p"])  # (in this order: the same float sums)
     dense, expert = rank_params(shape, par, "last" if par.pp > 1 else "only")
-    dp_t = 0.0
-    if nd > 1:
-        a, bt = link(dev, links["dp"])
-        P, G = st.param_bytes, st.grad_b
-
-        def cost(psi: float, n: int) -> tuple[float, float, float]:
-            """(reduction at the end, per-micro-batch forward gathers, per-micro-batch backward traffic)"""
-            if n <= 1 or psi <= 0:
-                return 0.0, 0.0, 0.0
-            if par.zero == 0:
-                return all_reduce(G * psi, n, a, bt), 0.0, 0.0
-            if par.zero == 1:
-                return reduce_scatter(G * psi, n, a, bt) + all_gather(P * psi, n, a, bt), 0.0, 0.0
-            if par.zero == 2:
-                return all_gather(P * psi, n, a, bt), 0.0, reduce_scatter(G * psi, n, a, bt)
-            ag = all_gather(P * psi, n, a, bt)
-            return 0.0, ag, ag * (2 if par.recompute == "full" else 1) + reduce_scatter(G * psi, n, a, bt)
-
-        end_d, fw_d, bw_d = cost(dense, nd)
-        end_e, fw_e, bw_e = cost(expert, max(1, nd // par.ep))
-        end, fw, bw = end_d + end_e, fw_d + fw_e, bw_d + bw_e
-        comp_f, comp_b = gemm_f + mem_f, gemm_b + mem_b
-        if par.zero <= 1:
-            # the gradient reduction (for ZeRO-1, half the end's traffic: its reduce-scatter) hides behind
-            # the last micro-batch's backward, bucket by bucket; the rest (ZeRO-1's all-gather) is exposed
-            red = end if par.zero == 0 else (end_d + end_e) / 2
-            rest = end - red
-            grad_bytes = (dense + expert) * st.grad_b
-            dp_t = (bucketed_exposure(grad_bytes, red, comp_b, st.first_bucket_bytes, st.bucket_bytes) + rest
-                    if st.overlap else end)
-        elif par.zero == 2:
-            dp_t = (m * max(0.0, bw - comp_b) + end) if st.overlap else m * bw + end
-        else:
-            dp_t = m * (max(0.0, fw - comp_f) + max(0.0, bw - comp_b)) if st.overlap else m * (fw + bw)
-
+    dp_t = _data_parallel(par, st, dev, links, m, dense, expert, mb)
     # Optimizer: Adam over the parameters this rank updates.
+    nd = par.dp * par.cp
     psi_opt = (dense / (nd if par.zero >= 1 else 1)) + (expert / (max(1, nd // par.ep) if par.zero >= 1 else 1))
-    opt_t = (2 * st.opt_bytes + st.grad_b + st.param_bytes) * psi_opt / hbm
-
+    opt_t = (2 * st.opt_bytes + st.grad_b + st.param_bytes) * psi_opt / r.hbm
     parts = {
-        "compute": m * (gemm_f + gemm_b), "memory_bound": m * (mem_f + mem_b), "launch": m * launch,
-        "tp": m * tp_t, "cp": m * cp_t, "ep": m * ep_t, "pp_p2p": m * pp_t, "bubble": bubble,
-        "dp": dp_t, "optimizer": opt_t,
+        "compute": m * (mb.gemm_f + mb.gemm_b), "memory_bound": m * (mb.mem_f + mb.mem_b), "launch": m * mb.launch,
+        **{k: m * v for k, v in comm.items()}, "bubble": (par.pp - 1) * slot, "dp": dp_t, "optimizer": opt_t,
     }
     step = sum(parts.values())
-    tokens = st.global_batch * s
-    tps = tokens / step
-    gpus = par.gpus
-    mfu = shape.flops_per_token() * tps / (peak * gpus)
-    hfu = shape.hardware_flops_per_token(rc) * tps / (peak * gpus)
+    tps = st.global_batch * shape.seq / step
+    mfu = shape.flops_per_token() * tps / (peak * par.gpus)
+    hfu = shape.hardware_flops_per_token(r.recompute) * tps / (peak * par.gpus)
     return StepTime(parts, step, tps, mfu, hfu, m, links)
 
 

@@ -128,6 +128,129 @@ def _factor(r: float) -> str:
     return f"{r:,.0f}x" if r >= 100 else f"{r:.2g}x" if r < 10 else f"{r:.1f}x"
 
 
+# What each needed number is called in a "?" verdict.
+_NEEDED = {"params": "the parameter count (e.g. '1e12 params')", "gpus": "the GPU count (e.g. '400 H100')",
+           "tokens_per_step": "tokens per step", "tokens": "the token budget (e.g. '2e13 tokens')"}
+
+
+class _Claims:
+    """The parsed claims of one text on one device, and a verdict for each kind (the methods below,
+    each None where the text makes no claim of its kind)."""
+
+    def __init__(self, c: dict, dev, dtype: str, price: float):
+        self.c, self.dev, self.price = c, dev, price
+        self.peak = dev.peak_for(dtype)
+        self.N, self.G, self.ph = c.get("params"), c.get("gpus"), c["phrases"]
+        self.fleet = f"{self.G} x {self.peak / 1e12:.1f} TFLOP/s ({dev.name} {dtype} dense peak)" if self.G else ""
+
+    def need(self, *keys: str) -> list[str]:
+        """The numbers among ``keys`` the text does not give."""
+        return [k for k in keys if self.c.get(k) is None]
+
+    def unknown(self, kind: str, keys: list[str]) -> Verdict:
+        """The "?" verdict of a ``kind`` claim that needs the numbers ``keys``."""
+        return Verdict(self.ph[kind], "?", "needs " + " and ".join(_NEEDED.get(k, k) for k in keys))
+
+    def util(self, phrase: str, head: str, u: float, what: str) -> Verdict:
+        """A claim that implies ``u`` of the fleet's peak: over 1 breaks physics, over the achievable GEMM rate is unlikely."""
+        if u > 1:
+            return Verdict(phrase, "BREAKS", f"{head}: the claim is {_factor(u)} {what} than the hardware "
+                           f"(it implies {100 * u:.0f} % of peak)", u)
+        if u > self.dev.achievable:
+            return Verdict(phrase, "unlikely", f"{head}: it implies {100 * u:.0f} % of peak for the whole run, above the "
+                           f"~{100 * self.dev.achievable:.0f} % a large GEMM sustains before any communication", u)
+        return Verdict(phrase, "ok", f"{head}; it implies {100 * u:.0f} % of peak (published large runs reach 40-55 %)", u)
+
+    def step_s(self) -> Verdict:
+        k = self.need("params", "gpus", "tokens_per_step")
+        if k:
+            return self.unknown("step_s", k)
+        c, N = self.c, self.N
+        flops = 6 * N * c["tokens_per_step"]
+        floor = flops / (self.G * self.peak)
+        head = (f"6 x {fmt_g(N)} params x {fmt_g(c['tokens_per_step'])} tokens = {fmt_g(flops)} FLOP per step over "
+                f"{self.fleet} needs >= {_fmt(floor)} s of compute at 100 % of peak")
+        return self.util(self.ph["step_s"], head, floor / c["step_s"], "faster")
+
+    def tokens_per_s(self) -> Verdict:
+        k = self.need("params", "gpus")
+        if k:
+            return self.unknown("tokens_per_s", k)
+        cap = self.G * self.peak / (6 * self.N)
+        return self.util(self.ph["tokens_per_s"], f"{self.fleet} / 6N caps throughput at {_fmt(cap)} tokens/s",
+                         self.c["tokens_per_s"] / cap, "faster")
+
+    def mem_per_gpu(self) -> Verdict:
+        k = self.need("params", "gpus")
+        if k:
+            return self.unknown("mem_per_gpu", k)
+        N, G = self.N, self.G
+        floor = 16 * N / G
+        claim = self.c["mem_per_gpu"] * 1e9
+        head = (f"weights, gradients and Adam states are 16 bytes per parameter = {fmt_g(16 * N / 1e12)} TB, "
+                f">= {floor / 1e9:.1f} GB per GPU even fully sharded over {G} (weights alone {2 * N / G / 1e9:.1f} GB)")
+        if claim < floor:
+            return Verdict(self.ph["mem_per_gpu"], "BREAKS", f"{head}: the claim is {_factor(floor / claim)} too small",
+                           floor / claim)
+        return Verdict(self.ph["mem_per_gpu"], "ok", f"{head}; activations come on top", floor / claim)
+
+    def days(self) -> Verdict:
+        k = self.need("params", "tokens") + self.need("gpus")
+        if k:
+            return self.unknown("days", k)
+        floor = 6 * self.N * self.c["tokens"] / (self.G * self.peak)
+        floor_text = fmt_duration(floor, seconds_digits=1)
+        head = f"6 x {fmt_g(self.N)} x {fmt_g(self.c['tokens'])} tokens over {self.fleet} needs >= {floor_text} at 100 % of peak"
+        return self.util(self.ph["days"], head, floor / (self.c["days"] * 86400), "faster")
+
+    def cost(self) -> Verdict:
+        k = self.need("params", "tokens")
+        if k:
+            return self.unknown("cost", k)
+        hours = 6 * self.N * self.c["tokens"] / self.peak / 3600
+        floor = hours * self.price
+        head = f">= {fmt_g(hours)} GPU-hours at 100 % of peak x ${self.price:g}/GPU-hour (--price) = ${floor:,.0f}"
+        return self.util(self.ph["cost"], head, floor / self.c["cost"], "cheaper")
+
+    def mfu(self) -> Verdict:
+        return self.util(self.ph["mfu"], "utilisation is at most 100 % of peak", self.c["mfu"] / 100, "faster")
+
+    def flops_per_token(self) -> Verdict:
+        claim, N = self.c["flops_per_token"], self.N
+        if N is None:
+            return Verdict(self.ph["flops_per_token"], "?", f"{fmt_g(claim)} x tokens is 6N for N = {fmt_g(claim / 6)} "
+                           "parameters; needs " + _NEEDED["params"])
+        right = 6 * N
+        r = claim / right
+        st = "BREAKS" if not (0.5 <= r <= 2.0) else "ok"
+        what = f"{_factor(r)} too large" if r > 1 else f"{_factor(1 / r)} too small"
+        return Verdict(self.ph["flops_per_token"], st, f"training costs 6N = 6 x {fmt_g(N)} = {fmt_g(right)} FLOP per token "
+                       f"(+ 12 L T h of attention); {fmt_g(claim)} x tokens is 6N for N = {fmt_g(claim / 6)}: "
+                       + (what if st == "BREAKS" else "consistent"), r)
+
+    def context(self) -> Verdict:
+        k = self.need("params")
+        if k:
+            return self.unknown("context", k)
+        N, G = self.N, self.G
+        T = int(self.c["context"])
+        sh = shape_for_params(N, 2048)  # the shape of an N-parameter GPT; the context only changes T below
+        attn = 12 * sh.n_layer * T * sh.d_model
+        inputs = 2 * T * sh.d_model * sh.n_layer
+        total_mem = (G or 1) * self.dev.memory
+        head = (f"with {sh.n_layer} layers x {sh.d_model} (a {fmt_g(N)}-param GPT), attention costs 12 L T h = "
+                f"{fmt_g(attn)} FLOP per token, {fmt_g(attn / (6 * N))}x the 6N of the weights; one sequence's layer "
+                f"inputs alone (full recomputation) are 2 T h L = {fmt_g(inputs / 1e12)} TB")
+        st = "BREAKS" if inputs > total_mem else "ok"
+        tail = (f", more than the {fmt_g(total_mem / 1e12)} TB of all {G or 1} GPU(s)" if st == "BREAKS"
+                else f", within the {fmt_g(total_mem / 1e12)} TB of {G or 1} GPU(s) only if context-parallel over them")
+        return Verdict(self.ph["context"], st, head + tail, inputs / total_mem)
+
+
+# The claim kinds with a bound, in the order their verdicts are listed.
+_KINDS = ("step_s", "tokens_per_s", "mem_per_gpu", "days", "cost", "mfu", "flops_per_token", "context")
+
+
 def check(text: str, gpu: str | None = None, dtype: str = "bf16", price: float = 2.0, seq: int | None = None) -> dict:
     """Each claim of ``text`` against its physical bound: {"facts": ..., "verdicts": [Verdict...]}."""
     c = parse_claims(text)
@@ -135,114 +258,13 @@ def check(text: str, gpu: str | None = None, dtype: str = "bf16", price: float =
         raise PlanError(f"--check: no claim recognised in {text!r}; write e.g. "
                         "\"1e12 params, 400 H100, 17 s/step, 8.4e6 tokens/step\"")
     dev = get_device(c.get("device") or gpu or "h100-sxm")
-    peak = dev.peak_for(dtype)
-    N, G = c.get("params"), c.get("gpus")
-    ph = c["phrases"]
-    vs: list[Verdict] = []
-    need = lambda *ks: [k for k in ks if c.get(k) is None]
-    name = {"params": "the parameter count (e.g. '1e12 params')", "gpus": "the GPU count (e.g. '400 H100')",
-            "tokens_per_step": "tokens per step", "tokens": "the token budget (e.g. '2e13 tokens')"}
-    missing = lambda ks: "needs " + " and ".join(name.get(k, k) for k in ks)
-    fleet = f"{G} x {peak / 1e12:.1f} TFLOP/s ({dev.name} {dtype} dense peak)" if G else ""
-
-    if G is not None and G < 1:
-        raise PlanError(f"--check: {G} GPUs cannot train anything")
-    def util(phrase: str, head: str, u: float, what: str) -> Verdict:
-        """A claim that implies ``u`` of the fleet's peak: over 1 breaks physics, over the achievable GEMM rate is unlikely."""
-        if u > 1:
-            return Verdict(phrase, "BREAKS", f"{head}: the claim is {_factor(u)} {what} than the hardware "
-                           f"(it implies {100 * u:.0f} % of peak)", u)
-        if u > dev.achievable:
-            return Verdict(phrase, "unlikely", f"{head}: it implies {100 * u:.0f} % of peak for the whole run, above the "
-                           f"~{100 * dev.achievable:.0f} % a large GEMM sustains before any communication", u)
-        return Verdict(phrase, "ok", f"{head}; it implies {100 * u:.0f} % of peak (published large runs reach 40-55 %)", u)
-
-    if "step_s" in c:
-        k = need("params", "gpus", "tokens_per_step")
-        if k:
-            vs.append(Verdict(ph["step_s"], "?", missing(k)))
-        else:
-            flops = 6 * N * c["tokens_per_step"]
-            floor = flops / (G * peak)
-            head = (f"6 x {fmt_g(N)} params x {fmt_g(c['tokens_per_step'])} tokens = {fmt_g(flops)} FLOP per step over "
-                    f"{fleet} needs >= {_fmt(floor)} s of compute at 100 % of peak")
-            vs.append(util(ph["step_s"], head, floor / c["step_s"], "faster"))
-    if "tokens_per_s" in c:
-        k = need("params", "gpus")
-        if k:
-            vs.append(Verdict(ph["tokens_per_s"], "?", missing(k)))
-        else:
-            cap = G * peak / (6 * N)
-            vs.append(util(ph["tokens_per_s"], f"{fleet} / 6N caps throughput at {_fmt(cap)} tokens/s",
-                           c["tokens_per_s"] / cap, "faster"))
-    if "mem_per_gpu" in c:
-        k = need("params", "gpus")
-        if k:
-            vs.append(Verdict(ph["mem_per_gpu"], "?", missing(k)))
-        else:
-            floor = 16 * N / G
-            claim = c["mem_per_gpu"] * 1e9
-            head = (f"weights, gradients and Adam states are 16 bytes per parameter = {fmt_g(16 * N / 1e12)} TB, "
-                    f">= {floor / 1e9:.1f} GB per GPU even fully sharded over {G} (weights alone {2 * N / G / 1e9:.1f} GB)")
-            if claim < floor:
-                vs.append(Verdict(ph["mem_per_gpu"], "BREAKS", f"{head}: the claim is {_factor(floor / claim)} too small",
-                                  floor / claim))
-            else:
-                vs.append(Verdict(ph["mem_per_gpu"], "ok", f"{head}; activations come on top", floor / claim))
-    if "days" in c or "cost" in c:
-        k = need("params", "tokens")
-        if "days" in c:
-            kk = k + need("gpus")
-            if kk:
-                vs.append(Verdict(ph["days"], "?", missing(kk)))
-            else:
-                floor = 6 * N * c["tokens"] / (G * peak)
-                floor_text = fmt_duration(floor, seconds_digits=1)
-                head = f"6 x {fmt_g(N)} x {fmt_g(c['tokens'])} tokens over {fleet} needs >= {floor_text} at 100 % of peak"
-                vs.append(util(ph["days"], head, floor / (c["days"] * 86400), "faster"))
-        if "cost" in c:
-            if k:
-                vs.append(Verdict(ph["cost"], "?", missing(k)))
-            else:
-                hours = 6 * N * c["tokens"] / peak / 3600
-                floor = hours * price
-                head = f">= {fmt_g(hours)} GPU-hours at 100 % of peak x ${price:g}/GPU-hour (--price) = ${floor:,.0f}"
-                vs.append(util(ph["cost"], head, floor / c["cost"], "cheaper"))
-    if "mfu" in c:
-        vs.append(util(ph["mfu"], "utilisation is at most 100 % of peak", c["mfu"] / 100, "faster"))
-    if "flops_per_token" in c:
-        claim = c["flops_per_token"]
-        if N is None:
-            vs.append(Verdict(ph["flops_per_token"], "?", f"{fmt_g(claim)} x tokens is 6N for N = {fmt_g(claim / 6)} "
-                              "parameters; " + missing(["params"])))
-        else:
-            right = 6 * N
-            r = claim / right
-            st = "BREAKS" if not (0.5 <= r <= 2.0) else "ok"
-            what = f"{_factor(r)} too large" if r > 1 else f"{_factor(1 / r)} too small"
-            vs.append(Verdict(ph["flops_per_token"], st, f"training costs 6N = 6 x {fmt_g(N)} = {fmt_g(right)} FLOP per token "
-                              f"(+ 12 L T h of attention); {fmt_g(claim)} x tokens is 6N for N = {fmt_g(claim / 6)}: "
-                              + (what if st == "BREAKS" else "consistent"), r))
-    if "context" in c:
-        k = need("params")
-        if k:
-            vs.append(Verdict(ph["context"], "?", missing(k)))
-        else:
-            T = int(c["context"])
-            sh = shape_for_params(N, 2048)  # the shape of an N-parameter GPT; the context only changes T below
-            attn = 12 * sh.n_layer * T * sh.d_model
-            inputs = 2 * T * sh.d_model * sh.n_layer
-            total_mem = (G or 1) * dev.memory
-            head = (f"with {sh.n_layer} layers x {sh.d_model} (a {fmt_g(N)}-param GPT), attention costs 12 L T h = "
-                    f"{fmt_g(attn)} FLOP per token, {fmt_g(attn / (6 * N))}x the 6N of the weights; one sequence's layer "
-                    f"inputs alone (full recomputation) are 2 T h L = {fmt_g(inputs / 1e12)} TB")
-            st = "BREAKS" if inputs > total_mem else "ok"
-            tail = (f", more than the {fmt_g(total_mem / 1e12)} TB of all {G or 1} GPU(s)" if st == "BREAKS"
-                    else f", within the {fmt_g(total_mem / 1e12)} TB of {G or 1} GPU(s) only if context-parallel over them")
-            vs.append(Verdict(ph["context"], st, head + tail, inputs / total_mem))
+    claims = _Claims(c, dev, dtype, price)
+    if claims.G is not None and claims.G < 1:
+        raise PlanError(f"--check: {claims.G} GPUs cannot train anything")
+    vs = [getattr(claims, kind)() for kind in _KINDS if kind in c]
     facts = {k: v for k, v in c.items() if k != "phrases"}
     facts["device"] = dev.key
-    facts["peak_flops"] = peak
+    facts["peak_flops"] = claims.peak
     if not vs:
         vs.append(Verdict(text.strip(), "?", "stated no claim with a bound (a step time, throughput, memory, "
                           "duration, cost, MFU, FLOPs formula or context)"))

@@ -651,65 +651,8 @@ def einsum(equation: str, *operands) -> Tensor:
         raise ValueError("einsum: expected at least one operand")
     for o in operands:
         F._check_tensor(o, "einsum")
-    eq_ = equation.replace(" ", "")
-    lhs, arrow, rhs = eq_.partition("->")
-    terms = lhs.split(",")
-    if len(terms) != len(operands):
-        raise ValueError(f"einsum: the equation has {len(terms)} operands, {len(operands)} tensors were given")
-    n_ell = 0
-    parsed = []
-    for term, op in zip(terms, operands):
-        if term.count("...") > 1 or "." in term.replace("...", ""):
-            raise ValueError(f"einsum: malformed subscripts {term!r}")
-        letters = term.replace("...", "")
-        if letters and not letters.isalpha():
-            raise ValueError(f"einsum: subscripts must be letters, got {term!r}")
-        if ("..." in term and op.ndim < len(letters)) or ("..." not in term and op.ndim != len(letters)):
-            raise ShapeError(f"einsum: subscripts {term!r} do not match an operand of {op.ndim} dims")
-        k = op.ndim - len(letters) if "..." in term else 0
-        n_ell = builtins.max(n_ell, k)
-        parsed.append((term, k))
-    labels = []
-    for term, k in parsed:
-        pre, has_e, post = term.partition("...")
-        labels.append(list(pre) + ([f"\0{n_ell - k + i}" for i in range(k)] if has_e else []) + list(post))
-    ell = [f"\0{i}" for i in range(n_ell)]
-    if arrow:
-        if rhs.count("...") > 1:
-            raise ValueError(f"einsum: malformed output {rhs!r}")
-        pre, has_e, post = rhs.partition("...")
-        out = list(pre) + (ell if has_e else []) + list(post)
-        for c in out:
-            if not c.startswith("\0") and not builtins.any(c in lab for lab in labels):
-                raise ValueError(f"einsum: output label {c!r} does not appear in any operand")
-        if len(set(out)) != len(out):
-            raise ValueError(f"einsum: output subscripts {rhs!r} repeat a label")
-    else:
-        counts = {}
-        for lab in labels:
-            for c in lab:
-                counts[c] = counts.get(c, 0) + 1
-        out = ell + sorted(c for c, n in counts.items() if n == 1 and not c.startswith("\0"))
-    # sizes (1 broadcasts) and per-operand diagonals
-    sizes: dict = {}
-    ops = []
-    for lab, op in zip(labels, operands):
-        lab = list(lab)
-        while True:
-            dup = next(((i, j) for i in range(len(lab)) for j in range(i + 1, len(lab)) if lab[i] == lab[j]), None)
-            if dup is None:
-                break
-            i, j = dup
-            if op.shape[i] != op.shape[j]:
-                raise ShapeError(f"einsum: label {lab[i]!r} repeats with sizes {op.shape[i]} and {op.shape[j]}")
-            op = _diagonal_view(op, i, j)
-            del lab[j]
-        for c, s in zip(lab, op.shape):
-            if sizes.get(c, 1) != 1 and s != 1 and sizes[c] != s:
-                raise ShapeError(f"einsum: label {c!r} has sizes {sizes[c]} and {s}")
-            if s != 1 or c not in sizes:
-                sizes[c] = s
-        ops.append((op, lab))
+    labels, out = _einsum_labels(equation, operands)
+    ops, sizes = _einsum_diagonals(labels, operands)
 
     def needed(i: int) -> set:
         keep = set(out)
@@ -743,6 +686,77 @@ def einsum(equation: str, *operands) -> Tensor:
     if cur.dtype is not rdt:  # integer products are summed in int64
         cur = F.to(cur, rdt)
     return F.permute(cur, *[clab.index(c) for c in out]) if clab != out else cur
+
+
+def _einsum_labels(equation: str, operands) -> tuple[list, list]:
+    """(each operand's labels, the output's labels) of an einsum equation: a ``...`` becomes one label
+    per broadcast dim ("\\0i", the same i for the same trailing dim of every operand), and an implicit
+    output is the broadcast dims then the labels used once, sorted."""
+    eq_ = equation.replace(" ", "")
+    lhs, arrow, rhs = eq_.partition("->")
+    terms = lhs.split(",")
+    if len(terms) != len(operands):
+        raise ValueError(f"einsum: the equation has {len(terms)} operands, {len(operands)} tensors were given")
+    n_ell = 0
+    parsed = []
+    for term, op in zip(terms, operands):
+        if term.count("...") > 1 or "." in term.replace("...", ""):
+            raise ValueError(f"einsum: malformed subscripts {term!r}")
+        letters = term.replace("...", "")
+        if letters and not letters.isalpha():
+            raise ValueError(f"einsum: subscripts must be letters, got {term!r}")
+        if ("..." in term and op.ndim < len(letters)) or ("..." not in term and op.ndim != len(letters)):
+            raise ShapeError(f"einsum: subscripts {term!r} do not match an operand of {op.ndim} dims")
+        k = op.ndim - len(letters) if "..." in term else 0
+        n_ell = builtins.max(n_ell, k)
+        parsed.append((term, k))
+    labels = []
+    for term, k in parsed:
+        pre, has_e, post = term.partition("...")
+        labels.append(list(pre) + ([f"\0{n_ell - k + i}" for i in range(k)] if has_e else []) + list(post))
+    ell = [f"\0{i}" for i in range(n_ell)]
+    if not arrow:
+        counts = {}
+        for lab in labels:
+            for c in lab:
+                counts[c] = counts.get(c, 0) + 1
+        return labels, ell + sorted(c for c, n in counts.items() if n == 1 and not c.startswith("\0"))
+    if rhs.count("...") > 1:
+        raise ValueError(f"einsum: malformed output {rhs!r}")
+    pre, has_e, post = rhs.partition("...")
+    out = list(pre) + (ell if has_e else []) + list(post)
+    for c in out:
+        if not c.startswith("\0") and not builtins.any(c in lab for lab in labels):
+            raise ValueError(f"einsum: output label {c!r} does not appear in any operand")
+    if len(set(out)) != len(out):
+        raise ValueError(f"einsum: output subscripts {rhs!r} repeat a label")
+    return labels, out
+
+
+def _einsum_diagonals(labels: list, operands) -> tuple[list, dict]:
+    """([(operand, its labels)], {label: size}): a label repeated within one operand becomes that
+    operand's diagonal view (its sizes must agree), and a label's size is the one above 1 of its dims
+    (1 broadcasts; two other sizes disagree)."""
+    sizes: dict = {}
+    ops = []
+    for lab, op in zip(labels, operands):
+        lab = list(lab)
+        while True:
+            dup = next(((i, j) for i in range(len(lab)) for j in range(i + 1, len(lab)) if lab[i] == lab[j]), None)
+            if dup is None:
+                break
+            i, j = dup
+            if op.shape[i] != op.shape[j]:
+                raise ShapeError(f"einsum: label {lab[i]!r} repeats with sizes {op.shape[i]} and {op.shape[j]}")
+            op = _diagonal_view(op, i, j)
+            del lab[j]
+        for c, s in zip(lab, op.shape):
+            if sizes.get(c, 1) != 1 and s != 1 and sizes[c] != s:
+                raise ShapeError(f"einsum: label {c!r} has sizes {sizes[c]} and {s}")
+            if s != 1 or c not in sizes:
+                sizes[c] = s
+        ops.append((op, lab))
+    return ops, sizes
 
 
 def _contract(a: Tensor, la: list, b: Tensor, lb: list, keep: set, sizes: dict):

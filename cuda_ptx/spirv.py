@@ -180,6 +180,30 @@ def read_module(spirv: bytes, spec: tuple = ()) -> Module:
     m = Module()
     cur_fn = None
     block = None
+    for op, args in _instructions(words):
+        if op in _SKIPPED or _declare_type(m, op, args):
+            continue
+        if op == "Function":
+            cur_fn = args[1]
+        elif op == "FunctionEnd":
+            cur_fn = None
+        elif op == "Label":
+            block = Block(args[0])
+            m.blocks.append(block)
+        elif not _declare(m, op, args, spec, in_function=cur_fn is not None):
+            _body_instr(m, op, args, cur_fn, block)
+    _resolve_sizes(m)
+    return m
+
+
+# Instructions the translator has no use for.
+_SKIPPED = frozenset(("Nop", "Source", "SourceExtension", "Name", "MemberName", "String", "Line", "NoLine",
+                      "ModuleProcessed", "Capability", "Extension", "MemoryModel"))
+
+
+def _instructions(words: tuple):
+    """(op name, operand words) of each instruction after the header; raises for an opcode the
+    translator does not handle (a texel-view kernel's, named as such)."""
     i = 5
     while i < len(words):
         n, code = words[i] >> 16, words[i] & 0xFFFF
@@ -193,90 +217,104 @@ def read_module(spirv: bytes, spec: tuple = ()) -> Module:
                              "drivers; the CUDA runtime picks the storage-buffer variants")
         if op is None:
             raise SpirvError(f"SPIR-V opcode {code} is not handled by the PTX translator")
-        if op in ("Nop", "Source", "SourceExtension", "Name", "MemberName", "String", "Line", "NoLine",
-                  "ModuleProcessed", "Capability", "Extension", "MemoryModel"):
-            continue
-        if op == "ExtInstImport":
-            name, _ = _string(args, 1)
-            if name != "GLSL.std.450":
-                raise SpirvError(f"extended instruction set {name!r} is not handled")
-            m.ext_glsl = args[0]
-        elif op == "EntryPoint":
-            if args[0] != 5:  # GLCompute
-                raise SpirvError("only compute shaders are translated")
-            m.entry_id = args[1]
-            m.entry_name, _ = _string(args, 2)
-        elif op == "ExecutionMode":
-            if args[1] == EXEC_LOCAL_SIZE:
-                m.local_size = tuple(args[2:5])
-        elif op == "Decorate":
-            m.decorations.setdefault(args[0], {})[args[1]] = list(args[2:])
-        elif op == "MemberDecorate":
-            if args[2] == DEC_OFFSET:
-                m.member_offsets.setdefault(args[0], {})[args[1]] = args[3]
-        elif op == "TypeVoid":
-            m.types[args[0]] = Type("void")
-        elif op == "TypeBool":
-            m.types[args[0]] = Type("bool")
-        elif op == "TypeInt":
-            m.types[args[0]] = Type("int", width=args[1], signed=bool(args[2]))
-        elif op == "TypeFloat":
-            m.types[args[0]] = Type("float", width=args[1])
-        elif op == "TypeVector":
-            m.types[args[0]] = Type("vector", elem=args[1], count=args[2])
-        elif op == "TypeArray":
-            m.types[args[0]] = Type("array", elem=args[1], count=-args[2])  # length id: resolved below
-        elif op == "TypeRuntimeArray":
-            m.types[args[0]] = Type("rtarray", elem=args[1])
-        elif op == "TypeStruct":
-            m.types[args[0]] = Type("struct", members=tuple(args[1:]))
-        elif op == "TypePointer":
-            m.types[args[0]] = Type("pointer", storage=args[1], elem=args[2])
-        elif op == "TypeFunction":
-            m.types[args[0]] = Type("function")
-        elif op in ("ConstantTrue", "ConstantFalse"):
-            m.set_const(args[1], op == "ConstantTrue", args[0])
-        elif op == "Constant":
-            m.set_const(args[1], _const_value(m.types[args[0]], args[2:]), args[0])
-        elif op == "ConstantComposite":
-            m.set_const(args[1], tuple(m.consts[c] for c in args[2:]), args[0])
-        elif op == "ConstantNull":
-            m.set_const(args[1], null_value(m, args[0]), args[0])
-        elif op.startswith("SpecConstant"):
-            _resolve_spec(m, (args[0], args[1], op, args[2:]), spec)
-        elif op == "Variable" and cur_fn is None:
-            m.variables[args[1]] = (args[0], args[2])
-        elif op == "Function":
-            cur_fn = args[1]
-        elif op == "FunctionEnd":
-            cur_fn = None
-        elif op == "Label":
-            block = Block(args[0])
-            m.blocks.append(block)
-        elif op == "Undef" and cur_fn is None:
-            m.set_const(args[1], null_value(m, args[0]), args[0])
-        else:
-            if cur_fn is None or block is None:
-                raise SpirvError(f"Op{op} outside a function body")
-            if cur_fn != m.entry_id:
-                raise SpirvError("function calls are not translated: the module has more than one function")
-            if op in _NO_RESULT:
-                ins = Instr(op, 0, 0, tuple(args))
-            elif op in _RESULT_ONLY:
-                ins = Instr(op, 0, args[0], tuple(args[1:]))
-            else:
-                ins = Instr(op, args[0], args[1], tuple(args[2:]))
-            if op == "Variable":
-                m.function_vars.append(ins)
-            else:
-                block.instrs.append(ins)
+        yield op, args
+
+
+def _declare_type(m: Module, op: str, args: tuple) -> bool:
+    """Record an OpType* in ``m``; False for any other instruction."""
+    if op == "TypeVoid":
+        m.types[args[0]] = Type("void")
+    elif op == "TypeBool":
+        m.types[args[0]] = Type("bool")
+    elif op == "TypeInt":
+        m.types[args[0]] = Type("int", width=args[1], signed=bool(args[2]))
+    elif op == "TypeFloat":
+        m.types[args[0]] = Type("float", width=args[1])
+    elif op == "TypeVector":
+        m.types[args[0]] = Type("vector", elem=args[1], count=args[2])
+    elif op == "TypeArray":
+        m.types[args[0]] = Type("array", elem=args[1], count=-args[2])  # length id: resolved by _resolve_sizes
+    elif op == "TypeRuntimeArray":
+        m.types[args[0]] = Type("rtarray", elem=args[1])
+    elif op == "TypeStruct":
+        m.types[args[0]] = Type("struct", members=tuple(args[1:]))
+    elif op == "TypePointer":
+        m.types[args[0]] = Type("pointer", storage=args[1], elem=args[2])
+    elif op == "TypeFunction":
+        m.types[args[0]] = Type("function")
+    else:
+        return False
+    return True
+
+
+def _declare(m: Module, op: str, args: tuple, spec: tuple, in_function: bool) -> bool:
+    """Record a module-level declaration in ``m`` (the entry point, its workgroup size, decorations,
+    constants and specialization constants, global variables); False for anything else."""
+    if op == "ExtInstImport":
+        name, _ = _string(args, 1)
+        if name != "GLSL.std.450":
+            raise SpirvError(f"extended instruction set {name!r} is not handled")
+        m.ext_glsl = args[0]
+    elif op == "EntryPoint":
+        if args[0] != 5:  # GLCompute
+            raise SpirvError("only compute shaders are translated")
+        m.entry_id = args[1]
+        m.entry_name, _ = _string(args, 2)
+    elif op == "ExecutionMode":
+        if args[1] == EXEC_LOCAL_SIZE:
+            m.local_size = tuple(args[2:5])
+    elif op == "Decorate":
+        m.decorations.setdefault(args[0], {})[args[1]] = list(args[2:])
+    elif op == "MemberDecorate":
+        if args[2] == DEC_OFFSET:
+            m.member_offsets.setdefault(args[0], {})[args[1]] = args[3]
+    elif op in ("ConstantTrue", "ConstantFalse"):
+        m.set_const(args[1], op == "ConstantTrue", args[0])
+    elif op == "Constant":
+        m.set_const(args[1], _const_value(m.types[args[0]], args[2:]), args[0])
+    elif op == "ConstantComposite":
+        m.set_const(args[1], tuple(m.consts[c] for c in args[2:]), args[0])
+    elif op == "ConstantNull":
+        m.set_const(args[1], null_value(m, args[0]), args[0])
+    elif op.startswith("SpecConstant"):
+        _resolve_spec(m, (args[0], args[1], op, args[2:]), spec)
+    elif op == "Variable" and not in_function:
+        m.variables[args[1]] = (args[0], args[2])
+    elif op == "Undef" and not in_function:
+        m.set_const(args[1], null_value(m, args[0]), args[0])
+    else:
+        return False
+    return True
+
+
+def _body_instr(m: Module, op: str, args: tuple, cur_fn: int | None, block: Block | None) -> None:
+    """Append an instruction of the entry function's body to ``block`` (a function variable to
+    ``m.function_vars``); raises outside a function body or in a second function."""
+    if cur_fn is None or block is None:
+        raise SpirvError(f"Op{op} outside a function body")
+    if cur_fn != m.entry_id:
+        raise SpirvError("function calls are not translated: the module has more than one function")
+    if op in _NO_RESULT:
+        ins = Instr(op, 0, 0, tuple(args))
+    elif op in _RESULT_ONLY:
+        ins = Instr(op, 0, args[0], tuple(args[1:]))
+    else:
+        ins = Instr(op, args[0], args[1], tuple(args[2:]))
+    if op == "Variable":
+        m.function_vars.append(ins)
+    else:
+        block.instrs.append(ins)
+
+
+def _resolve_sizes(m: Module) -> None:
+    """Array lengths from their constants' ids, and the workgroup size from a WorkgroupSize builtin
+    constant where the module has one (it overrides the execution mode)."""
     for tid, t in m.types.items():
         if t.kind == "array" and t.count <= 0:
             t.count = int(m.consts[-t.count])
     ws = [v for v, d in m.decorations.items() if DEC_BUILTIN in d and d[DEC_BUILTIN][0] == 25 and v in m.consts]
     if ws:
         m.local_size = tuple(int(x) for x in m.consts[ws[0]])
-    return m
 
 
 def null_value(m: Module, tid: int):

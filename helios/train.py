@@ -84,110 +84,144 @@ CONFIGS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """helios-train's command line, its flags in groups (``--help`` lists them so)."""
     p = argparse.ArgumentParser(prog="helios-train", description="Train a GPT or a LLaMA with Helios, from scratch "
                                 "or from a Hugging Face folder or another run (--init-from).")
-    p.add_argument("--config", default="tiny", choices=sorted(CONFIGS), help="named model/training size (default tiny)")
-    p.add_argument("--arch", default="gpt", choices=ARCHS,
+    _model_flags(p.add_argument_group("model"))
+    _data_flags(p.add_argument_group("data"))
+    _optimizer_flags(p.add_argument_group("optimization"))
+    _parallel_flags(p.add_argument_group("device and parallelism"))
+    _run_flags(p.add_argument_group("run directory, evaluation and output"))
+    _profile_flags(p.add_argument_group("profiling"))
+    return p
+
+
+def _model_flags(g) -> None:
+    """What is trained: the model's size and architecture, where its weights start, its attention and experts."""
+    g.add_argument("--config", default="tiny", choices=sorted(CONFIGS), help="named model/training size (default tiny)")
+    g.add_argument("--arch", default="gpt", choices=ARCHS,
                    help="gpt: a GPT-2 style model (LayerNorm, learned positions, GELU MLP, tied head); llama: a "
                         "LLaMA-style one (RMSNorm, rotary positions, grouped-query attention, SwiGLU MLP, untied head) "
                         "at the --config preset's layers, heads and width (default gpt)")
-    p.add_argument("--init-from", default=None, metavar="DIR",
+    g.add_argument("--init-from", default=None, metavar="DIR",
                    help="start from a Hugging Face model folder (config.json + model.safetensors: gpt2, llama, mistral, "
                         "qwen2; its tokenizer.json by default) or a helios-train run directory (its newest checkpoint's "
                         "weights, not its optimizer state or step): fine-tuning")
-    p.add_argument("--dropout", type=float, default=0.0,
+    g.add_argument("--dropout", type=float, default=0.0,
                    help="dropout probability of the GPT (also of a GPT-2 loaded by --init-from, whatever its config "
                         "says); default 0")
-    p.add_argument("--steps", type=int, help="optimizer steps (default: the config's)")
-    p.add_argument("--batch-size", type=int, help="sequences per micro-batch")
-    p.add_argument("--block-size", type=int, help="context length in tokens")
-    p.add_argument("--lr", type=float, help="peak learning rate (cosine schedule with linear warmup)")
-    p.add_argument("--warmup", type=int, default=None, help="warmup steps (default: 5%% of steps)")
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--grad-clip", type=float, default=1.0, help="clip the global gradient norm (0: off)")
-    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
-    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"),
-                   help="compute precision: bf16 / fp16 run the matmuls in 16 bits under hl.autocast (float32 "
-                        "master weights, softmax, norms and loss); fp16 scales the loss (hl.amp.GradScaler, "
-                        "skipping a step whose gradients overflow)")
-    p.add_argument("--device", default=None, help="vulkan:N or cuda:N (default: HELIOS_DEVICE or the best Vulkan device; "
-                   "cuda:N needs NVIDIA's driver, or HELIOS_CUDA_DEVICE=emulator for the slow CPU emulator)")
-    p.add_argument("--data", default=None,
-                   help="text files (a file, folder or glob), jsonl with a 'text' field, or token shards (llm.c's or "
-                        "nanoGPT's .bin, a file or glob); default: this Python's standard library source")
-    p.add_argument("--tokenizer", default="byte", help="byte | bpe:N | hf:PATH (a tokenizer.json or its folder)")
-    p.add_argument("--out", default="runs/default", help="run directory: checkpoint, run database, trace")
-    p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
-    p.add_argument("--seed", type=int, default=1337)
-    p.add_argument("--eval-every", type=int, default=100, help="validation loss every N steps (0: only at the end)")
-    p.add_argument("--eval-batches", type=int, default=8)
-    p.add_argument("--sample-every", type=int, default=0, help="print a text sample every N steps (0: only at the end)")
-    p.add_argument("--sample-tokens", type=int, default=120)
-    p.add_argument("--ckpt-every", type=int, default=200, help="checkpoint every N steps (and at the end)")
-    p.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU (default: from the device table)")
-    p.add_argument("--trace", default=None, help="write a Chrome trace of the profiled steps to this path")
-    p.add_argument("--profile-steps", default=None, help="steps to profile per dispatch, e.g. 10:20")
-    p.add_argument("--profile-host-only", action="store_true",
-                   help="profile without per-dispatch device timestamps (which serialise lavapipe's queue and "
-                        "hide the overlap of backward and gradient communication)")
-    p.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
-    p.add_argument("--no-capture", action="store_true",
-                   help="run every step through Python and autograd; by default a one-rank fp32/bf16 step (all its "
-                        "micro-batches) is captured once (hl.graph) and its device work replayed (same losses)")
-    p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3),
-                   help="ZeRO stage across data-parallel ranks: 0 plain DDP, 1 shard AdamW moments, "
-                        "2 also gradients, 3 also parameters")
-    p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="gradient bucket size for data parallel (MiB)")
-    p.add_argument("--attention", default="auto", type=_attention_spec, metavar="|".join(ATTENTION_KINDS),
+    g.add_argument("--attention", default="auto", type=_attention_spec, metavar="|".join(ATTENTION_KINDS),
                    help="attention kernel: flash (memory linear in the context), dense (T x T scores), auto "
                         "(flash where it is faster: from a context of %d tokens on, and when not training), or "
                         "block_sparse:local=256,global=64 (also dilated=N, random=N, block=64: only the key blocks "
                         "the pattern allows), or dilated:segments=256/512,dilations=1/2 (LongNet)" % FLASH_MIN_TRAIN_T)
-    p.add_argument("--dp", type=int, default=None,
+    g.add_argument("--moe-experts", type=int, default=0,
+                   help="replace every block's MLP by this many experts behind a top-k router (0: dense MLP)")
+    g.add_argument("--moe-top-k", type=int, default=2, help="experts per token (1: Switch, 2: GShard)")
+    g.add_argument("--moe-capacity", type=float, default=1.25,
+                   help="capacity factor: places per expert = factor x top-k x tokens / experts")
+    g.add_argument("--moe-aux-alpha", type=float, default=0.01, help="weight of the load-balancing loss")
+
+
+def _data_flags(g) -> None:
+    """What it reads: the corpus, the tokenizer, the batch and the seed."""
+    g.add_argument("--data", default=None,
+                   help="text files (a file, folder or glob), jsonl with a 'text' field, or token shards (llm.c's or "
+                        "nanoGPT's .bin, a file or glob); default: this Python's standard library source")
+    g.add_argument("--tokenizer", default="byte", help="byte | bpe:N | hf:PATH (a tokenizer.json or its folder)")
+    g.add_argument("--batch-size", type=int, help="sequences per micro-batch")
+    g.add_argument("--block-size", type=int, help="context length in tokens")
+    g.add_argument("--seed", type=int, default=1337,
+                   help="seed of the weights' initialisation, dropout and the batches' order (default 1337)")
+
+
+def _optimizer_flags(g) -> None:
+    """How it steps: the schedule, the optimizer, the precision."""
+    g.add_argument("--steps", type=int, help="optimizer steps (default: the config's)")
+    g.add_argument("--lr", type=float, help="peak learning rate (cosine schedule with linear warmup)")
+    g.add_argument("--warmup", type=int, default=None, help="warmup steps (default: 5%% of steps)")
+    g.add_argument("--weight-decay", type=float, default=0.1,
+                   help="AdamW's decoupled weight decay of every matrix, embeddings included (not of biases or norms); "
+                        "default 0.1")
+    g.add_argument("--grad-clip", type=float, default=1.0, help="clip the global gradient norm (0: off)")
+    g.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    g.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"),
+                   help="compute precision: bf16 / fp16 run the matmuls in 16 bits under hl.autocast (float32 "
+                        "master weights, softmax, norms and loss); fp16 scales the loss (hl.amp.GradScaler, "
+                        "skipping a step whose gradients overflow)")
+    g.add_argument("--no-capture", action="store_true",
+                   help="run every step through Python and autograd; by default a one-rank fp32/bf16 step (all its "
+                        "micro-batches) is captured once (hl.graph) and its device work replayed (same losses)")
+
+
+def _parallel_flags(g) -> None:
+    """Where it runs: the device and the split of the job's ranks."""
+    g.add_argument("--device", default=None, help="vulkan:N or cuda:N (default: HELIOS_DEVICE or the best Vulkan device; "
+                   "cuda:N needs NVIDIA's driver, or HELIOS_CUDA_DEVICE=emulator for the slow CPU emulator)")
+    g.add_argument("--dp", type=int, default=None,
                    help="data-parallel replicas (default: the ranks left over, world / (tp x pp x cp); given, it "
                         "must match the job's ranks)")
-    p.add_argument("--cp", type=int, default=1,
-                   help="context parallel: split every sequence over this many ranks, attention by ring attention "
-                        "(composes with data parallel: the ranks left over)")
-    p.add_argument("--cp-layout", default="zigzag", choices=("contiguous", "zigzag", "stripe"),
-                   help="which tokens a context-parallel rank holds (zigzag balances the causal work)")
-    p.add_argument("--tp", type=int, default=1,
+    g.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel ranks per model replica (Megatron-style: heads, MLP and vocabulary split); "
                         "the ranks left over are data parallel")
-    p.add_argument("--pp", type=int, default=1,
+    g.add_argument("--pp", type=int, default=1,
                    help="pipeline stages per model replica (the layers split by parameter count, or by measured time "
                         "with --pp-balance time, trained with the 1F1B schedule); the ranks left over are data parallel")
-    p.add_argument("--pp-virtual", type=int, default=1,
+    g.add_argument("--pp-virtual", type=int, default=1,
                    help="with --pp: model chunks (virtual stages) per pipeline rank, the layers round-robin over the "
                         "ranks, trained with Megatron-LM's interleaved 1F1B (bubble (pp-1)/(v*m+pp-1); --microbatches "
                         "a multiple of --pp); 1: plain 1F1B")
-    p.add_argument("--pp-balance", default="params", metavar="params|time",
+    g.add_argument("--pp-balance", default="params", metavar="params|time",
                    help="with --pp: split the layers into stages by parameter count (params), or by each layer's "
                         "forward + backward time measured on this device with the run's micro-batch before training "
                         "(time: the output layer and the loss weigh what they cost)")
-    p.add_argument("--microbatches", type=int, default=None,
+    g.add_argument("--microbatches", type=int, default=None,
                    help="micro-batches each replica's batch is split into (default: --pp): the pipeline's, or "
                         "gradient accumulation within the batch without --pp")
-    p.add_argument("--sequence-parallel", action="store_true",
+    g.add_argument("--sequence-parallel", action="store_true",
                    help="with --tp: LayerNorms and the residual stream hold 1/tp of the sequence per rank "
                         "(all-gather/reduce-scatter instead of all-reduce; less activation memory)")
-    p.add_argument("--moe-experts", type=int, default=0,
-                   help="replace every block's MLP by this many experts behind a top-k router (0: dense MLP)")
-    p.add_argument("--moe-top-k", type=int, default=2, help="experts per token (1: Switch, 2: GShard)")
-    p.add_argument("--moe-capacity", type=float, default=1.25,
-                   help="capacity factor: places per expert = factor x top-k x tokens / experts")
-    p.add_argument("--moe-aux-alpha", type=float, default=0.01, help="weight of the load-balancing loss")
-    p.add_argument("--ep", type=int, default=1,
+    g.add_argument("--cp", type=int, default=1,
+                   help="context parallel: split every sequence over this many ranks, attention by ring attention "
+                        "(composes with data parallel: the ranks left over)")
+    g.add_argument("--cp-layout", default="zigzag", choices=("contiguous", "zigzag", "stripe"),
+                   help="which tokens a context-parallel rank holds (zigzag balances the causal work)")
+    g.add_argument("--ep", type=int, default=1,
                    help="expert-parallel ranks: each layer's experts split over this many data-parallel ranks, "
                         "tokens exchanged by all_to_all (1: every rank holds every expert)")
-    p.add_argument("--grad-compression", default="none", metavar="SPEC",
+    g.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3),
+                   help="ZeRO stage across data-parallel ranks: 0 plain DDP, 1 shard AdamW moments, "
+                        "2 also gradients, 3 also parameters")
+    g.add_argument("--bucket-cap-mb", type=float, default=25.0, help="gradient bucket size for data parallel (MiB)")
+    g.add_argument("--grad-compression", default="none", metavar="SPEC",
                    help="compress data-parallel gradients: none | fp16 | bf16 | onebit[:warmup=N] | topk:FRACTION | "
                         "powersgd:rank=R[,start=S] (see schedule/README.md)")
-    p.add_argument("--comm-timeout", type=float, default=300.0,
+    g.add_argument("--comm-timeout", type=float, default=300.0,
                    help="seconds any wait for other ranks may take before the run stops with an error")
-    p.add_argument("--stop-after", type=int, default=None,
+
+
+def _run_flags(g) -> None:
+    """What it keeps and says: checkpoints, evaluation, samples, progress."""
+    g.add_argument("--out", default="runs/default", help="run directory: checkpoint, run database, trace")
+    g.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+    g.add_argument("--ckpt-every", type=int, default=200, help="checkpoint every N steps (and at the end)")
+    g.add_argument("--stop-after", type=int, default=None,
                    help="leave after this many steps of this invocation (checkpoint saved; continue with --resume)")
-    return p
+    g.add_argument("--eval-every", type=int, default=100, help="validation loss every N steps (0: only at the end)")
+    g.add_argument("--eval-batches", type=int, default=8, help="validation batches in each evaluation (default 8)")
+    g.add_argument("--sample-every", type=int, default=0, help="print a text sample every N steps (0: only at the end)")
+    g.add_argument("--sample-tokens", type=int, default=120, help="tokens in each text sample (default 120; 0: none)")
+    g.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
+
+
+def _profile_flags(g) -> None:
+    """What it measures: the trace, the profiled steps, the peak for MFU."""
+    g.add_argument("--trace", default=None, help="write a Chrome trace of the profiled steps to this path")
+    g.add_argument("--profile-steps", default=None, help="steps to profile per dispatch, e.g. 10:20")
+    g.add_argument("--profile-host-only", action="store_true",
+                   help="profile without per-dispatch device timestamps (which serialise lavapipe's queue and "
+                        "hide the overlap of backward and gradient communication)")
+    g.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU (default: from the device table)")
 
 
 def main(argv=None) -> int:

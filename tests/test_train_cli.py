@@ -108,3 +108,17 @@ def test_a_log_file_gets_plain_lines_and_the_final_validation_loss(corpus, tmp_p
 
     html = render(read_run(str(out)))
     assert "validation" in html and "last validation loss" in html
+
+
+def test_help_lists_every_flag_with_a_help_text_under_its_topic():
+    from helios.train import build_parser
+
+    parser = build_parser()
+    flags = [a for a in parser._actions if a.option_strings and a.dest != "help"]
+    assert [a.option_strings[0] for a in flags if not a.help] == []
+    # Every flag sits in a topic group (model, data, ...), none in argparse's catch-all "options".
+    grouped = {a.dest for g in parser._action_groups[2:] for a in g._group_actions}
+    assert [a.option_strings[0] for a in flags if a.dest not in grouped] == []
+    text = parser.format_help()
+    for title in ("model:", "data:", "optimization:", "device and parallelism:", "profiling:"):
+        assert "\n" + title in text

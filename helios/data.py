@@ -195,14 +195,16 @@ class Corpus:
         """The whole corpus as one byte string; ValueError if no text is left after skipping binaries."""
         data = self.separator.join(self.documents())
         if not data:
-            if self.kind == "jsonl":
-                raise DataError(f"corpus {self.description}: no text found (every record's \"text\" is empty); "
-                                "pass --data with JSON lines holding text")
-            raise DataError(
-                f"corpus {self.description}: no text found ({len(self.files)} files, "
-                f"{len(self.skipped)} skipped as binary); pass --data with a text file or folder"
-            )
+            raise self.no_text_error()
         return data
+
+    def no_text_error(self) -> DataError:
+        """The error of a corpus that gave no text, after :meth:`documents` read it."""
+        if self.kind == "jsonl":
+            return DataError(f"corpus {self.description}: no text found (every record's \"text\" is empty); "
+                             "pass --data with JSON lines holding text")
+        return DataError(f"corpus {self.description}: no text found ({len(self.files)} files, {len(self.skipped)} "
+                         "skipped as binary); pass --data with a text file or folder")
 
     def total_size(self) -> int:
         """Sum of the file sizes in bytes (from stat, not read)."""
@@ -716,13 +718,7 @@ def _tokenize(corpus: Corpus, tokenizer: Any, progress: bool) -> np.ndarray:
         if bar is not None:
             bar.close()
     if not parts:
-        if corpus.kind == "jsonl":
-            raise DataError(f"corpus {corpus.description}: no text found (every record's \"text\" is empty); "
-                            "pass --data with JSON lines holding text")
-        raise DataError(
-            f"corpus {corpus.description}: no text found ({len(corpus.skipped)} files skipped as binary); "
-            "pass --data with a text file or folder"
-        )
+        raise corpus.no_text_error()
     return np.concatenate(parts)
 
 

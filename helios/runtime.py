@@ -247,29 +247,25 @@ class VulkanRuntime(Runtime):
 
     def copy(self, src: int, src_offset: int, dst: int, dst_offset: int, nbytes: int) -> None:
         """Record a buffer-to-buffer copy (hazard-tracked; returns at once)."""
-        q = self.ew_queue
-        if q.ops:
-            q.emit()
-        col = current_collector()
-        t0 = time.monotonic_ns() if col is not None else 0
-        if self.debug:
-            self._debug_kernels.append((None, (f"{nbytes} B", "")))  # a buffer copy: no shader
-        self.dev.copy(src, src_offset, dst, dst_offset, nbytes)
-        if col is not None:
-            self._traced(col, "copy", t0)
+        self._transfer("copy", nbytes, self.dev.copy, src, src_offset, dst, dst_offset, nbytes)
 
     def fill(self, handle: int, offset: int, nbytes: int, word: int) -> None:
         """Record a fill of ``nbytes`` at ``offset`` with a repeated 32-bit ``word``."""
+        self._transfer("fill", nbytes, self.dev.fill, handle, offset, nbytes, word)
+
+    def _transfer(self, name: str, nbytes: int, record, *args) -> None:
+        """Record a command that moves bytes without a shader (a copy, a fill) after the queued
+        element-wise work, in the debug list and, when profiling, in the trace as ``name``."""
         q = self.ew_queue
         if q.ops:
             q.emit()
         col = current_collector()
         t0 = time.monotonic_ns() if col is not None else 0
         if self.debug:
-            self._debug_kernels.append((None, (f"{nbytes} B", "")))  # a buffer fill: no shader
-        self.dev.fill(handle, offset, nbytes, word)
+            self._debug_kernels.append((None, (f"{nbytes} B", "")))
+        record(*args)
         if col is not None:
-            self._traced(col, "fill", t0)
+            self._traced(col, name, t0)
 
     def pool_stats(self) -> dict:
         """Per pool: blocks, dedicated, reserved_bytes, in_use_bytes, peak_in_use_bytes, pending_free_bytes,

@@ -26,7 +26,7 @@ def bad_data(tmp_path_factory):
 
 @pytest.mark.parametrize("bad,needle", [
     (["--data", "{d}/empty.txt"], "--data '{d}/empty.txt': the file is empty"),
-    (["--data", "{d}/blob.dat"], "no text found (1 files skipped as binary); pass --data"),
+    (["--data", "{d}/blob.dat"], "no text found (1 files, 1 skipped as binary); pass --data"),
     (["--data", "{d}/folder"], "the folder holds no non-empty regular files"),
     (["--tokenizer", "bpe:12"], "--tokenizer bpe:12: N must be an integer >= 256"),
     (["--tokenizer", "wordpiece"], "--tokenizer wordpiece: unknown tokenizer spec"),

@@ -235,6 +235,28 @@ def _hd_ag(c: Ctx, hd: _HD, work: np.ndarray, vb: list[int]) -> None:
         step += 1
 
 
+def _sit_out(c: Ctx, partner: int, give: np.ndarray, result: np.ndarray) -> None:
+    """A rank the fix-up leaves out: it gives its data to its pair's other rank, then receives
+    the finished ``result`` from it."""
+    c.e.post_send(partner, c.tag(0), give)
+    c.e.post_recv(partner, c.tag(LAST_STEP), result)
+    c.run()
+
+
+def _fold_in(c: Ctx, partner: int, work: np.ndarray, op: str, dtype: str) -> None:
+    """The pair's staying rank reduces the data of the rank that sits out into ``work``."""
+    tmp = c.e.scratch(work.size, work.dtype)
+    c.e.post_recv(partner, c.tag(0), tmp)
+    c.run()
+    R.reduce_many(work, (tmp, work), op, dtype)
+
+
+def _hand_back(c: Ctx, partner: int, result: np.ndarray) -> None:
+    """The pair's staying rank sends the finished ``result`` to the rank that sat out."""
+    c.e.post_send(partner, c.tag(LAST_STEP), result)
+    c.run()
+
+
 def hd_all_reduce(c: Ctx, buf: np.ndarray, op: str, dtype: str) -> None:
     """Recursive halving-doubling all-reduce (any n, with the fix-up)."""
     n = c.n
@@ -245,21 +267,15 @@ def hd_all_reduce(c: Ctx, buf: np.ndarray, op: str, dtype: str) -> None:
     partner = hd.extra_partner
     if partner is not None:
         if hd.nr < 0:
-            c.e.post_send(partner, c.tag(0), buf)
-            c.e.post_recv(partner, c.tag(LAST_STEP), buf)
-            c.run()
+            _sit_out(c, partner, buf, buf)
             return
-        tmp = c.e.scratch(buf.size, buf.dtype)
-        c.e.post_recv(partner, c.tag(0), tmp)
-        c.run()
-        R.reduce_many(buf, (tmp, buf), op, dtype)
+        _fold_in(c, partner, buf, op, dtype)
     vb = bounds(buf.size, hd.p2)
     a, b = _hd_rs(c, hd, buf, vb, op, dtype)
     R.finish_avg(buf[a:b], n, op, dtype)
     _hd_ag(c, hd, buf, vb)
     if partner is not None:
-        c.e.post_send(partner, c.tag(LAST_STEP), buf)
-        c.run()
+        _hand_back(c, partner, buf)
 
 
 def hd_all_gather(c: Ctx, out: np.ndarray, x: np.ndarray) -> None:
@@ -272,17 +288,14 @@ def hd_all_gather(c: Ctx, out: np.ndarray, x: np.ndarray) -> None:
     partner = hd.extra_partner
     if partner is not None:
         if hd.nr < 0:
-            c.e.post_send(partner, c.tag(0), x)
-            c.e.post_recv(partner, c.tag(LAST_STEP), out)
-            c.run()
+            _sit_out(c, partner, x, out)
             return
         c.e.post_recv(partner, c.tag(0), out[partner * m:(partner + 1) * m])
         c.run()
     vb = [hd.first_block(v) * m for v in range(hd.p2 + 1)]
     _hd_ag(c, hd, out, vb)
     if partner is not None:
-        c.e.post_send(partner, c.tag(LAST_STEP), out)
-        c.run()
+        _hand_back(c, partner, out)
 
 
 def hd_reduce_scatter(c: Ctx, out: np.ndarray, x: np.ndarray, op: str, dtype: str) -> None:
@@ -298,20 +311,14 @@ def hd_reduce_scatter(c: Ctx, out: np.ndarray, x: np.ndarray, op: str, dtype: st
     partner = hd.extra_partner
     if partner is not None:
         if hd.nr < 0:
-            c.e.post_send(partner, c.tag(0), work)
-            c.e.post_recv(partner, c.tag(LAST_STEP), out)
-            c.run()
+            _sit_out(c, partner, work, out)
             return
-        tmp = c.e.scratch(work.size, work.dtype)
-        c.e.post_recv(partner, c.tag(0), tmp)
-        c.run()
-        R.reduce_many(work, (tmp, work), op, dtype)
+        _fold_in(c, partner, work, op, dtype)
     vb = [hd.first_block(v) * m for v in range(hd.p2 + 1)]
     a, b = _hd_rs(c, hd, work, vb, op, dtype)
     R.finish_avg(work[a:b], n, op, dtype)
     if partner is not None:
-        c.e.post_send(partner, c.tag(LAST_STEP), work[partner * m:(partner + 1) * m])
-        c.run()
+        _hand_back(c, partner, work[partner * m:(partner + 1) * m])
     out[...] = work[r * m:(r + 1) * m]
 
 

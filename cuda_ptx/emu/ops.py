@@ -17,6 +17,7 @@ as every other handler.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import numpy as np
 
@@ -1265,122 +1266,170 @@ def _bfi(f, b, pos, ln, bits: int):
     return ((b & ~mask) | ((f << sh) & mask)).astype(UNSIGNED[bits])
 
 
+class _IntType(NamedTuple):
+    """An integer instruction's type: as written (``t``), its unsigned view, width, signedness."""
+
+    t: str
+    ut: str
+    bits: int
+    signed: bool
+
+    @property
+    def st(self) -> str:
+        """The type the values are read as: ``t`` when signed, else the unsigned view."""
+        return self.t if self.signed else self.ut
+
+
 def _int_op(c, ins):
     """Integer arithmetic and logic: add sub mul mad div rem min max abs neg and or xor not
     shl shr popc clz brev bfe bfi (types u/s/b 16, 32, 64)."""
-    p = ins.parts
-    head, t = p[0], p[-1]
+    t = ins.parts[-1]
     bits = tbits(t)
-    signed = t.startswith("s")
-    ut = {16: "u16", 32: "u32", 64: "u64"}[bits] if bits in (16, 32, 64) else None
-    if ut is None:
+    if bits not in (16, 32, 64):
         raise EmulationError(f"{ins.op}: integer type .{t} is not modelled")
+    build = _INT_FAMILIES.get(ins.parts[0])
+    if build is None:
+        raise EmulationError(f"{ins.op} is not modelled")
+    return build(c, ins, _IntType(t, f"u{bits}", bits, t.startswith("s")))
+
+
+def _int_elementwise(c, ins, it: _IntType):
+    """add sub and or xor, which wrap alike whatever the signedness."""
+    if "sat" in ins.parts or "cc" in ins.parts:
+        raise EmulationError(f"{ins.op}: .sat/.cc are not modelled")
     A = ins.args
-    if head in ("add", "sub", "and", "or", "xor"):
-        if "sat" in p or "cc" in p:
-            raise EmulationError(f"{ins.op}: .sat/.cc are not modelled")
-        a, b, d = c.src(A[1], ut), c.src(A[2], ut), c.dst(A[0], ut)
-        fn = {"add": np.add, "sub": np.subtract, "and": np.bitwise_and, "or": np.bitwise_or,
-              "xor": np.bitwise_xor}[head]
-        return lambda ex, sel: d(ex, sel, fn(a(ex, sel), b(ex, sel)))
-    if head in ("mul", "mad"):
-        mode = p[1]
-        st = t if signed else ut
-        a, b = c.src(A[1], st), c.src(A[2], st)
-        cc = None
-        if mode == "lo":
-            a, b = c.src(A[1], ut), c.src(A[2], ut)
-            d = c.dst(A[0], ut)
-            f = lambda x, y: x * y  # noqa: E731
-            if head == "mad":
-                cc = c.src(A[3], ut)
-        elif mode == "hi":
-            d = c.dst(A[0], st)
-            f = lambda x, y: _mulhi(x, y, bits, signed)  # noqa: E731
-            if head == "mad":
-                cc = c.src(A[3], st)
-        elif mode == "wide":
-            if bits == 64:
-                raise EmulationError(f"{ins.op}: mul.wide takes 16- or 32-bit operands")
-            wt = ("s" if signed else "u") + str(2 * bits)
-            wide = VIEW_T[wt]
-            d = c.dst(A[0], wt)
-            f = lambda x, y: np.asarray(x).astype(wide) * np.asarray(y).astype(wide)  # noqa: E731
-            if head == "mad":
-                cc = c.src(A[3], wt)
+    a, b, d = c.src(A[1], it.ut), c.src(A[2], it.ut), c.dst(A[0], it.ut)
+    fn = {"add": np.add, "sub": np.subtract, "and": np.bitwise_and, "or": np.bitwise_or,
+          "xor": np.bitwise_xor}[ins.parts[0]]
+    return lambda ex, sel: d(ex, sel, fn(a(ex, sel), b(ex, sel)))
+
+
+def _int_mul(c, ins, it: _IntType):
+    """mul and mad, .lo (wrapping), .hi (the product's upper half) and .wide (twice the width)."""
+    A, mode, mad = ins.args, ins.parts[1], ins.parts[0] == "mad"
+    if mode == "lo":
+        a, b, d = c.src(A[1], it.ut), c.src(A[2], it.ut), c.dst(A[0], it.ut)
+        f = lambda x, y: x * y  # noqa: E731
+        addend = it.ut
+    elif mode == "hi":
+        a, b, d = c.src(A[1], it.st), c.src(A[2], it.st), c.dst(A[0], it.st)
+        f = lambda x, y: _mulhi(x, y, it.bits, it.signed)  # noqa: E731
+        addend = it.st
+    elif mode == "wide":
+        if it.bits == 64:
+            raise EmulationError(f"{ins.op}: mul.wide takes 16- or 32-bit operands")
+        addend = ("s" if it.signed else "u") + str(2 * it.bits)
+        wide = VIEW_T[addend]
+        a, b, d = c.src(A[1], it.st), c.src(A[2], it.st), c.dst(A[0], addend)
+        f = lambda x, y: np.asarray(x).astype(wide) * np.asarray(y).astype(wide)  # noqa: E731
+    else:
+        raise EmulationError(f"{ins.op} is not modelled")
+    if not mad:
+        return lambda ex, sel: d(ex, sel, f(a(ex, sel), b(ex, sel)))
+    cc = c.src(A[3], addend)
+    return lambda ex, sel: d(ex, sel, f(a(ex, sel), b(ex, sel)) + cc(ex, sel))
+
+
+def _int_divrem(c, ins, it: _IntType):
+    """div and rem: C's truncation for signed types; by zero, all ones (PTX leaves it unspecified)."""
+    A, st, head = ins.args, it.st, ins.parts[0]
+    a, b, d = c.src(A[1], st), c.src(A[2], st), c.dst(A[0], st)
+    ones = VIEW_T[st](-1) if it.signed else UNSIGNED[it.bits](-1 & ((1 << it.bits) - 1))
+
+    def divrem(ex, sel):
+        x, y = np.asarray(a(ex, sel)), np.asarray(b(ex, sel))
+        zero = y == 0
+        ys = np.where(zero, VIEW_T[st](1), y)
+        if it.signed:  # C semantics: the quotient truncates, the remainder takes the dividend's sign
+            r = np.fmod(x, ys)
+            out = r if head == "rem" else (x - r) // ys
         else:
-            raise EmulationError(f"{ins.op} is not modelled")
-        if cc is None:
-            return lambda ex, sel: d(ex, sel, f(a(ex, sel), b(ex, sel)))
-        return lambda ex, sel: d(ex, sel, f(a(ex, sel), b(ex, sel)) + cc(ex, sel))
-    if head in ("div", "rem"):
-        st = t if signed else ut
-        a, b, d = c.src(A[1], st), c.src(A[2], st), c.dst(A[0], st)
-        ones = VIEW_T[st](-1) if signed else UNSIGNED[bits](-1 & ((1 << bits) - 1))
+            out = x % ys if head == "rem" else x // ys
+        # PTX leaves x / 0 unspecified; all ones, without failing (a select may discard it)
+        d(ex, sel, np.where(zero, ones, out).astype(VIEW_T[st]))
+    return divrem
 
-        def divrem(ex, sel):
-            x, y = np.asarray(a(ex, sel)), np.asarray(b(ex, sel))
-            zero = y == 0
-            ys = np.where(zero, VIEW_T[st](1), y)
-            if signed:  # C semantics: the quotient truncates, the remainder takes the dividend's sign
-                r = np.fmod(x, ys)
-                out = r if head == "rem" else (x - r) // ys
-            else:
-                out = x % ys if head == "rem" else x // ys
-            # PTX leaves x / 0 unspecified; all ones, without failing (a select may discard it)
-            d(ex, sel, np.where(zero, ones, out).astype(VIEW_T[st]))
-        return divrem
-    if head in ("min", "max"):
-        st = t if signed else ut
-        a, b, d = c.src(A[1], st), c.src(A[2], st), c.dst(A[0], st)
-        fn = np.minimum if head == "min" else np.maximum
-        return lambda ex, sel: d(ex, sel, fn(a(ex, sel), b(ex, sel)))
-    if head in ("abs", "neg", "not"):
-        st = t if signed else ut
-        a, d = c.src(A[1], st), c.dst(A[0], st)
-        if head == "abs":
-            return lambda ex, sel: d(ex, sel, np.abs(a(ex, sel)))
-        if head == "neg":
-            a = c.src(A[1], ut)
-            d = c.dst(A[0], ut)
-            return lambda ex, sel: d(ex, sel, np.subtract(UNSIGNED[bits](0), a(ex, sel)))
-        return lambda ex, sel: d(ex, sel, np.invert(a(ex, sel)))
-    if head in ("shl", "shr"):
-        st = t if head == "shr" and signed else ut
-        a, s, d = c.src(A[1], st), c.src(A[2], "u32"), c.dst(A[0], st)
-        w = bits
 
-        def shift(ex, sel):
-            x = np.asarray(a(ex, sel))
-            n = np.asarray(s(ex, sel)).astype(np.uint64)
-            big = n >= w
-            k = np.minimum(n, w - 1).astype(x.dtype if x.dtype.kind == "u" else UNSIGNED[w]).astype(x.dtype)
-            if head == "shl":
-                out = np.where(big, x.dtype.type(0), x << k)
-            elif signed:
-                out = x >> np.where(big, x.dtype.type(w - 1), k)
-            else:
-                out = np.where(big, x.dtype.type(0), x >> k)
-            d(ex, sel, out.astype(x.dtype))
-        return shift
-    if head in ("popc", "clz", "brev"):
-        a = c.src(A[1], ut)
-        if head == "brev":
-            d = c.dst(A[0], ut)
-            return lambda ex, sel: d(ex, sel, _brev(a(ex, sel), bits))
-        d = c.dst(A[0], "u32")
-        if head == "popc":
-            return lambda ex, sel: d(ex, sel, np.bitwise_count(np.asarray(a(ex, sel))).astype(np.uint32))
-        return lambda ex, sel: d(ex, sel, _clz(a(ex, sel), bits))
-    if head == "bfe":
-        a, pos, ln = c.src(A[1], ut), c.src(A[2], "u32"), c.src(A[3], "u32")
-        d = c.dst(A[0], t if signed else ut)
-        return lambda ex, sel: d(ex, sel, _bfe(a(ex, sel), pos(ex, sel), ln(ex, sel), bits, signed))
-    if head == "bfi":
-        f, b, pos, ln = c.src(A[1], ut), c.src(A[2], ut), c.src(A[3], "u32"), c.src(A[4], "u32")
-        d = c.dst(A[0], ut)
-        return lambda ex, sel: d(ex, sel, _bfi(f(ex, sel), b(ex, sel), pos(ex, sel), ln(ex, sel), bits))
-    raise EmulationError(f"{ins.op} is not modelled")
+def _int_minmax(c, ins, it: _IntType):
+    """min and max in the type's signedness."""
+    A = ins.args
+    a, b, d = c.src(A[1], it.st), c.src(A[2], it.st), c.dst(A[0], it.st)
+    fn = np.minimum if ins.parts[0] == "min" else np.maximum
+    return lambda ex, sel: d(ex, sel, fn(a(ex, sel), b(ex, sel)))
+
+
+def _int_unary(c, ins, it: _IntType):
+    """abs, neg (wrapping: -x mod 2^bits) and not."""
+    A, head = ins.args, ins.parts[0]
+    if head == "neg":
+        a, d = c.src(A[1], it.ut), c.dst(A[0], it.ut)
+        return lambda ex, sel: d(ex, sel, np.subtract(UNSIGNED[it.bits](0), a(ex, sel)))
+    a, d = c.src(A[1], it.st), c.dst(A[0], it.st)
+    fn = np.abs if head == "abs" else np.invert
+    return lambda ex, sel: d(ex, sel, fn(a(ex, sel)))
+
+
+def _int_shift(c, ins, it: _IntType):
+    """shl and shr (arithmetic for signed types); a count of the width or more shifts everything out."""
+    A, head, w = ins.args, ins.parts[0], it.bits
+    st = it.t if head == "shr" and it.signed else it.ut
+    a, s, d = c.src(A[1], st), c.src(A[2], "u32"), c.dst(A[0], st)
+
+    def shift(ex, sel):
+        x = np.asarray(a(ex, sel))
+        n = np.asarray(s(ex, sel)).astype(np.uint64)
+        big = n >= w
+        k = np.minimum(n, w - 1).astype(x.dtype if x.dtype.kind == "u" else UNSIGNED[w]).astype(x.dtype)
+        if head == "shl":
+            out = np.where(big, x.dtype.type(0), x << k)
+        elif it.signed:
+            out = x >> np.where(big, x.dtype.type(w - 1), k)
+        else:
+            out = np.where(big, x.dtype.type(0), x >> k)
+        d(ex, sel, out.astype(x.dtype))
+    return shift
+
+
+def _int_bits(c, ins, it: _IntType):
+    """popc and clz (a u32 count), brev (the bits reversed)."""
+    A, head = ins.args, ins.parts[0]
+    a = c.src(A[1], it.ut)
+    if head == "brev":
+        d = c.dst(A[0], it.ut)
+        return lambda ex, sel: d(ex, sel, _brev(a(ex, sel), it.bits))
+    d = c.dst(A[0], "u32")
+    if head == "popc":
+        return lambda ex, sel: d(ex, sel, np.bitwise_count(np.asarray(a(ex, sel))).astype(np.uint32))
+    return lambda ex, sel: d(ex, sel, _clz(a(ex, sel), it.bits))
+
+
+def _int_bfe(c, ins, it: _IntType):
+    """bfe: a bit field extracted, sign-extended for signed types."""
+    A = ins.args
+    a, pos, ln = c.src(A[1], it.ut), c.src(A[2], "u32"), c.src(A[3], "u32")
+    d = c.dst(A[0], it.st)
+    return lambda ex, sel: d(ex, sel, _bfe(a(ex, sel), pos(ex, sel), ln(ex, sel), it.bits, it.signed))
+
+
+def _int_bfi(c, ins, it: _IntType):
+    """bfi: a bit field inserted."""
+    A = ins.args
+    f, b, pos, ln = c.src(A[1], it.ut), c.src(A[2], it.ut), c.src(A[3], "u32"), c.src(A[4], "u32")
+    d = c.dst(A[0], it.ut)
+    return lambda ex, sel: d(ex, sel, _bfi(f(ex, sel), b(ex, sel), pos(ex, sel), ln(ex, sel), it.bits))
+
+
+_INT_FAMILIES = {
+    **dict.fromkeys(("add", "sub", "and", "or", "xor"), _int_elementwise),
+    **dict.fromkeys(("mul", "mad"), _int_mul),
+    **dict.fromkeys(("div", "rem"), _int_divrem),
+    **dict.fromkeys(("min", "max"), _int_minmax),
+    **dict.fromkeys(("abs", "neg", "not"), _int_unary),
+    **dict.fromkeys(("shl", "shr"), _int_shift),
+    **dict.fromkeys(("popc", "clz", "brev"), _int_bits),
+    "bfe": _int_bfe,
+    "bfi": _int_bfi,
+}
 
 
 _F32_TINY = np.float32(1.17549435e-38)
@@ -1591,103 +1640,129 @@ def _as_f64(v, t: str):
     return np.asarray(v).astype(np.float64)
 
 
+_ROUND_TO_INTEGRAL = {"rzi": np.trunc, "rni": np.rint, "rmi": np.floor, "rpi": np.ceil}
+
+
+class _CvtMods(NamedTuple):
+    """A cvt's modifiers: flush subnormals, saturate, round to an integral value (``rzi``...,
+    or None), round to the destination float (``rn``..., or None)."""
+
+    ftz: bool
+    sat: bool
+    irnd: str | None
+    frnd: str | None
+
+
 def _cvt_c(c, ins):
+    """cvt: between integer and float types of every width, and two f32 into one bf16x2/f16x2."""
     p = ins.parts
     dt, at = p[-2], p[-1]
     mods = set(p[1:-2])
-    if dt in ("bf16x2", "f16x2"):  # d = {hi: a, lo: b}
-        if mods - {"rn", "relu", "satfinite"} or at != "f32" or mods & {"relu", "satfinite"}:
-            raise EmulationError(f"{ins.op} is not modelled")
-        a, b, d = c.src(ins.args[1], "f32"), c.src(ins.args[2], "f32"), c.dst(ins.args[0], "u32")
-
-        if dt == "bf16x2":
-            return lambda ex, sel: d(ex, sel, D.f32_pair_to_bf16x2(a(ex, sel), b(ex, sel)))
-
-        def half(x):
-            return np.asarray(x, np.float32).astype(np.float16).view(np.uint16).astype(np.uint32)
-
-        return lambda ex, sel: d(ex, sel, (half(a(ex, sel)) << np.uint32(16)) | half(b(ex, sel)))
+    if dt in ("bf16x2", "f16x2"):
+        return _cvt_pair(c, ins, dt, at, mods)
     for t in (dt, at):
         if t not in VIEW_T or t in ("pred", "b8", "b16", "b32", "b64"):
             raise EmulationError(f"{ins.op}: conversion type .{t} is not modelled")
-    ftz = "ftz" in mods
-    sat = "sat" in mods
-    irnd = mods & {"rzi", "rni", "rmi", "rpi"}
+    irnd = mods & set(_ROUND_TO_INTEGRAL)
     frnd = mods & {"rn", "rz", "rm", "rp"}
-    unknown = mods - {"ftz", "sat", "rzi", "rni", "rmi", "rpi", "rn", "rz", "rm", "rp"}
+    unknown = mods - {"ftz", "sat", *_ROUND_TO_INTEGRAL, "rn", "rz", "rm", "rp"}
     if unknown or len(irnd) + len(frnd) > 1:
         raise EmulationError(f"{ins.op}: modifiers {sorted(unknown or mods)} are not modelled")
-    a = c.src(ins.args[1], at)
-    d = c.dst(ins.args[0], dt)
-    rnd_int = {"rzi": np.trunc, "rni": np.rint, "rmi": np.floor, "rpi": np.ceil}
-    src_float, dst_float = at in FLOATS, dt in FLOATS
-    if src_float and not dst_float:
-        if not irnd:
-            raise EmulationError(f"{ins.op}: float -> integer needs .rzi, .rni, .rmi or .rpi")
-        rf = rnd_int[irnd.pop()]
-        lo, hi = _INT_RANGE[dt]
+    m = _CvtMods("ftz" in mods, "sat" in mods, next(iter(irnd), None), next(iter(frnd), None))
+    a, d = c.src(ins.args[1], at), c.dst(ins.args[0], dt)
+    build = {(True, False): _cvt_f2i, (False, True): _cvt_i2f, (True, True): _cvt_f2f,
+             (False, False): _cvt_i2i}[(at in FLOATS, dt in FLOATS)]
+    return build(ins, dt, at, m, a, d)
 
-        def f2i(ex, sel):
-            x = _as_f64(a(ex, sel), at)
-            if ftz and at == "f32":
-                x = _flush(x.astype(np.float32)).astype(np.float64)
-            r = rf(x)
-            nan = np.isnan(r)
-            if tbits(dt) == 64:  # the range ends are not all f64 values: compare, then convert
-                top = r >= float(hi + 1)
-                bot = r < float(lo)
-                safe = np.where(nan | top | bot, 0.0, r)
-                out = safe.astype(VIEW_T[dt])
-                out = np.where(top, VIEW_T[dt](hi), np.where(bot, VIEW_T[dt](lo), out))
-            else:
-                out = np.clip(np.where(nan, 0.0, r), lo, hi).astype(np.int64).astype(VIEW_T[dt])
-            d(ex, sel, np.where(nan, VIEW_T[dt](0), out).astype(VIEW_T[dt]))
-        return f2i
-    if not src_float and dst_float:
-        if irnd or (frnd and frnd != {"rn"}):
-            raise EmulationError(f"{ins.op}: integer -> float rounds .rn only here")
-        if tbits(at) == 64 and dt != "f64":
-            def i2f(ex, sel):  # int64 -> f32 rounds once in numpy's cast; f16/bf16 go through it
-                v = np.asarray(a(ex, sel))
-                r = v.astype(np.float32) if dt == "f32" else _to_float(v.astype(np.float64), dt)
-                d(ex, sel, r)
-            return i2f
-        return lambda ex, sel: d(ex, sel, _to_float(np.asarray(a(ex, sel)).astype(np.float64), dt))
-    if src_float and dst_float:
-        if irnd:  # round to an integral value in the same type
-            if dt != at:
-                raise EmulationError(f"{ins.op}: integer rounding between different float types")
-            rf = rnd_int[irnd.pop()]
 
-            def fround(ex, sel):
-                x = _as_f64(a(ex, sel), at)
-                if ftz and at == "f32":
-                    x = _flush(x.astype(np.float32)).astype(np.float64)
-                d(ex, sel, _to_float(rf(x), dt))
-            return fround
-        if frnd - {"rn"}:
-            raise EmulationError(f"{ins.op}: float rounding .{frnd.pop()} is not modelled (only .rn)")
-        if tbits(dt) < tbits(at) and not frnd:
-            raise EmulationError(f"{ins.op}: a narrowing float conversion needs a rounding modifier (.rn)")
+def _cvt_pair(c, ins, dt: str, at: str, mods: set):
+    """cvt.rn.bf16x2.f32 / cvt.rn.f16x2.f32 d, a, b: d = {hi: a, lo: b}, each rounded to nearest even."""
+    if mods - {"rn", "relu", "satfinite"} or at != "f32" or mods & {"relu", "satfinite"}:
+        raise EmulationError(f"{ins.op} is not modelled")
+    a, b, d = c.src(ins.args[1], "f32"), c.src(ins.args[2], "f32"), c.dst(ins.args[0], "u32")
+    if dt == "bf16x2":
+        return lambda ex, sel: d(ex, sel, D.f32_pair_to_bf16x2(a(ex, sel), b(ex, sel)))
 
-        def f2f(ex, sel):
-            x = _as_f64(a(ex, sel), at)
-            if ftz and at == "f32":
-                x = _flush(x.astype(np.float32)).astype(np.float64)
-            r = _to_float(x, dt)
-            if sat:
-                r = np.where(np.isnan(_as_f64(r, dt)), _to_float(0.0, dt),
-                             _to_float(np.clip(_as_f64(r, dt), 0.0, 1.0), dt))
-            if ftz and dt == "f32":
-                r = _flush(r)
+    def half(x):
+        return np.asarray(x, np.float32).astype(np.float16).view(np.uint16).astype(np.uint32)
+
+    return lambda ex, sel: d(ex, sel, (half(a(ex, sel)) << np.uint32(16)) | half(b(ex, sel)))
+
+
+def _source_f64(x, at: str, m: _CvtMods):
+    """A float source as float64, its f32 subnormals flushed under ``.ftz``."""
+    x = _as_f64(x, at)
+    if m.ftz and at == "f32":
+        x = _flush(x.astype(np.float32)).astype(np.float64)
+    return x
+
+
+def _cvt_f2i(ins, dt: str, at: str, m: _CvtMods, a, d):
+    """Float to integer: rounded as ``.rzi``/``.rni``/``.rmi``/``.rpi`` says, clamped to the range, NaN to 0."""
+    if m.irnd is None:
+        raise EmulationError(f"{ins.op}: float -> integer needs .rzi, .rni, .rmi or .rpi")
+    rf = _ROUND_TO_INTEGRAL[m.irnd]
+    lo, hi = _INT_RANGE[dt]
+
+    def f2i(ex, sel):
+        r = rf(_source_f64(a(ex, sel), at, m))
+        nan = np.isnan(r)
+        if tbits(dt) == 64:  # the range ends are not all f64 values: compare, then convert
+            top = r >= float(hi + 1)
+            bot = r < float(lo)
+            safe = np.where(nan | top | bot, 0.0, r)
+            out = safe.astype(VIEW_T[dt])
+            out = np.where(top, VIEW_T[dt](hi), np.where(bot, VIEW_T[dt](lo), out))
+        else:
+            out = np.clip(np.where(nan, 0.0, r), lo, hi).astype(np.int64).astype(VIEW_T[dt])
+        d(ex, sel, np.where(nan, VIEW_T[dt](0), out).astype(VIEW_T[dt]))
+    return f2i
+
+
+def _cvt_i2f(ins, dt: str, at: str, m: _CvtMods, a, d):
+    """Integer to float, rounded to nearest even."""
+    if m.irnd or (m.frnd and m.frnd != "rn"):
+        raise EmulationError(f"{ins.op}: integer -> float rounds .rn only here")
+    if tbits(at) == 64 and dt != "f64":
+        def i2f(ex, sel):  # int64 -> f32 rounds once in numpy's cast; f16/bf16 go through it
+            v = np.asarray(a(ex, sel))
+            r = v.astype(np.float32) if dt == "f32" else _to_float(v.astype(np.float64), dt)
             d(ex, sel, r)
-        return f2f
-    # integer -> integer: extend by the source's signedness, then truncate (or clamp with .sat)
+        return i2f
+    return lambda ex, sel: d(ex, sel, _to_float(np.asarray(a(ex, sel)).astype(np.float64), dt))
+
+
+def _cvt_f2f(ins, dt: str, at: str, m: _CvtMods, a, d):
+    """Float to float: to an integral value in the same type, or to another width (``.rn`` when
+    it narrows), with ``.sat`` clamping to [0, 1] and ``.ftz`` flushing f32 subnormals."""
+    if m.irnd:  # round to an integral value in the same type
+        if dt != at:
+            raise EmulationError(f"{ins.op}: integer rounding between different float types")
+        rf = _ROUND_TO_INTEGRAL[m.irnd]
+        return lambda ex, sel: d(ex, sel, _to_float(rf(_source_f64(a(ex, sel), at, m)), dt))
+    if m.frnd not in (None, "rn"):
+        raise EmulationError(f"{ins.op}: float rounding .{m.frnd} is not modelled (only .rn)")
+    if tbits(dt) < tbits(at) and not m.frnd:
+        raise EmulationError(f"{ins.op}: a narrowing float conversion needs a rounding modifier (.rn)")
+
+    def f2f(ex, sel):
+        r = _to_float(_source_f64(a(ex, sel), at, m), dt)
+        if m.sat:
+            r = np.where(np.isnan(_as_f64(r, dt)), _to_float(0.0, dt),
+                         _to_float(np.clip(_as_f64(r, dt), 0.0, 1.0), dt))
+        if m.ftz and dt == "f32":
+            r = _flush(r)
+        d(ex, sel, r)
+    return f2f
+
+
+def _cvt_i2i(ins, dt: str, at: str, m: _CvtMods, a, d):
+    """Integer to integer: extended by the source's signedness, then truncated (clamped with ``.sat``)."""
     lo, hi = _INT_RANGE[dt]
 
     def i2i(ex, sel):
         v = np.asarray(a(ex, sel))
-        if sat:
+        if m.sat:
             wide = v.astype(np.int64) if at[0] == "s" or tbits(at) < 64 else v
             if v.dtype == np.uint64:
                 out = np.minimum(v, np.uint64(hi)) if hi >= 0 else v

@@ -184,12 +184,8 @@ class _Reader:
         api = min(base.apiVersion, self.instance_api)
         v11, v12, v13 = api >= (1 << 22 | 1 << 12), api >= (1 << 22 | 2 << 12), api >= (1 << 22 | 3 << 12)
         exts = self.device_extensions(pd)
-        push_desc = "VK_KHR_push_descriptor" in exts
-
         props = self._properties2(pd, exts, v11, v12, v13)
         feats = self._features2(pd, exts, v11, v12, v13)
-        has_khr_coop, has_nv_coop = "VK_KHR_cooperative_matrix" in exts, "VK_NV_cooperative_matrix" in exts
-
         calibrated = "VK_EXT_calibrated_timestamps" in exts and self._calibrated(pd)
         heaps, types = self._memory(pd)
         local = [h for h, hp in enumerate(heaps) if hp["device_local"]]
@@ -199,18 +195,11 @@ class _Reader:
         family, ts_bits, families = self._queue_family(pd)
         if family is None:
             return None
-        L = base.limits
         name, rank = _TYPES.get(int(base.deviceType), ("other", 4))
-        uuid = bytes(ffi.buffer(base.pipelineCacheUUID, 16)).hex()
-        coop_list = self._coop_list(pd) if has_khr_coop and feats.coop_khr.cooperativeMatrix else []
-        coop_ops = [_coop_label(c) for c in coop_list]
+        coop_list = self._coop_list(pd) if "VK_KHR_cooperative_matrix" in exts and feats.coop_khr.cooperativeMatrix else []
         # The addon's rule: the shapes are listed where Helios' coopmat kernels can run (Vulkan 1.3, the
         # extension's feature and vulkanMemoryModel), else [].
         usable = v13 and bool(coop_list) and bool(feats.vmm.vulkanMemoryModel)
-        # The addon's rule: a pipeline may require a subgroup size on Vulkan 1.3 with the
-        # subgroupSizeControl feature and compute among requiredSubgroupSizeStages, else 0..0.
-        sg_control = (v13 and bool(feats.sgsize_f.subgroupSizeControl) and bool(props.sgsize.requiredSubgroupSizeStages & _STAGE_COMPUTE)
-                      and 0 < int(props.sgsize.minSubgroupSize) <= int(props.sgsize.maxSubgroupSize))
         return {
             "name": ffi.string(base.deviceName).decode(errors="replace"),
             "type": name,
@@ -218,30 +207,15 @@ class _Reader:
             "device_id": int(base.deviceID),
             "driver_version": int(base.driverVersion),
             "api_version": version_string(base.apiVersion),
-            "pipeline_cache_uuid": uuid,
-            "limits": {
-                "max_storage_buffer_range": int(L.maxStorageBufferRange),
-                "max_shared_memory": int(L.maxComputeSharedMemorySize),
-                "max_workgroup_invocations": int(L.maxComputeWorkGroupInvocations),
-                "max_workgroup_size": [int(L.maxComputeWorkGroupSize[i]) for i in range(3)],
-                "max_workgroup_count": [int(L.maxComputeWorkGroupCount[i]) for i in range(3)],
-                "max_push_constants": int(L.maxPushConstantsSize),
-                "min_storage_buffer_offset_alignment": int(L.minStorageBufferOffsetAlignment),
-                "timestamp_period": float(L.timestampPeriod),
-                "timestamp_valid_bits": int(ts_bits),
-                "subgroup_size": int(props.subgroup.subgroupSize) if v11 else 0,
-                "min_subgroup_size": int(props.sgsize.minSubgroupSize) if sg_control else 0,
-                "max_subgroup_size": int(props.sgsize.maxSubgroupSize) if sg_control else 0,
-                # Before 1.1 there is no portable limit; the addon assumes the spec's 1 GiB.
-                "max_memory_allocation_size": int(props.maint3.maxMemoryAllocationSize) if v11 else 1 << 30,
-            },
+            "pipeline_cache_uuid": bytes(ffi.buffer(base.pipelineCacheUUID, 16)).hex(),
+            "limits": _limits(base.limits, props, feats, ts_bits, v11, v13),
             "features": {
                 "float16": bool(feats.f16.shaderFloat16),
                 "storage16": bool(feats.s16.storageBuffer16BitAccess),
                 "storage8": bool(feats.s8.storageBuffer8BitAccess),
                 "int64": bool(feats.f2.features.shaderInt64),
                 "int16": bool(feats.f2.features.shaderInt16),
-                "push_descriptor": push_desc and v11,
+                "push_descriptor": "VK_KHR_push_descriptor" in exts and v11,
                 "calibrated_timestamps": calibrated,
                 "unified_memory": unified,
             },
@@ -249,28 +223,31 @@ class _Reader:
             "cooperative_matrix": coop_list if usable else [],
             "_rank": rank,
             "extra": {
-                "driver_name": ffi.string(props.driver.driverName).decode(errors="replace") if props.have_driver and v11 else "",
-                "driver_info": ffi.string(props.driver.driverInfo).decode(errors="replace") if props.have_driver and v11 else "",
-                "driver_version_text": driver_version_string(int(base.vendorID), int(base.driverVersion)),
-                "effective_api_version": version_string(api),
+                **self._driver_extra(base, api, props, v11, v13),
                 "memory_heaps": heaps,
                 "memory_types": types,
-                "subgroup_size_min": int(props.sgsize.minSubgroupSize) if props.have_sgsize and v11 else None,
-                "subgroup_size_max": int(props.sgsize.maxSubgroupSize) if props.have_sgsize and v11 else None,
-                "max_compute_workgroup_subgroups": int(props.sgsize.maxComputeWorkgroupSubgroups) if props.have_sgsize and v11 else None,
-                "timestamp_compute_and_graphics": bool(L.timestampComputeAndGraphics),
                 "shader_int8": bool(feats.f16.shaderInt8),
-                "max_buffer_size": int(props.maint4.maxBufferSize) if v13 else None,
-                "cooperative_matrix_khr": bool(has_khr_coop and feats.coop_khr.cooperativeMatrix),
-                "cooperative_matrix_nv": bool(has_nv_coop and feats.coop_nv.cooperativeMatrix),
-                "cooperative_matrix_shapes": coop_ops,
+                **_cooperative_extra(exts, feats, coop_list),
                 "queue_family": family,
                 "queue_families": families,
-                "extensions_of_interest": sorted(exts & {
-                    "VK_KHR_push_descriptor", "VK_EXT_calibrated_timestamps", "VK_KHR_cooperative_matrix",
-                    "VK_NV_cooperative_matrix", "VK_EXT_subgroup_size_control", "VK_KHR_shader_float16_int8",
-                    "VK_KHR_16bit_storage", "VK_KHR_8bit_storage", "VK_EXT_memory_budget"}),
+                "extensions_of_interest": sorted(exts & _EXTENSIONS_OF_INTEREST),
             },
+        }
+
+    def _driver_extra(self, base, api: int, props: SimpleNamespace, v11: bool, v13: bool) -> dict:
+        """The doctor's own fields on the driver, the API it is used at and the subgroup limits."""
+        ffi, L = self.ffi, base.limits
+        have_driver, have_sgsize = props.have_driver and v11, props.have_sgsize and v11
+        return {
+            "driver_name": ffi.string(props.driver.driverName).decode(errors="replace") if have_driver else "",
+            "driver_info": ffi.string(props.driver.driverInfo).decode(errors="replace") if have_driver else "",
+            "driver_version_text": driver_version_string(int(base.vendorID), int(base.driverVersion)),
+            "effective_api_version": version_string(api),
+            "subgroup_size_min": int(props.sgsize.minSubgroupSize) if have_sgsize else None,
+            "subgroup_size_max": int(props.sgsize.maxSubgroupSize) if have_sgsize else None,
+            "max_compute_workgroup_subgroups": int(props.sgsize.maxComputeWorkgroupSubgroups) if have_sgsize else None,
+            "timestamp_compute_and_graphics": bool(L.timestampComputeAndGraphics),
+            "max_buffer_size": int(props.maint4.maxBufferSize) if v13 else None,
         }
 
     def _properties2(self, pd, exts: set, v11: bool, v12: bool, v13: bool) -> SimpleNamespace:
@@ -365,6 +342,46 @@ class _Reader:
 _COMPONENTS = {0: "f16", 1: "f32", 2: "f64", 3: "i8", 4: "i16", 5: "i32", 6: "i64", 7: "u8", 8: "u16", 9: "u32", 10: "u64",
                1000141000: "bf16", 1000491000: "i8_packed", 1000491001: "u8_packed", 1000491002: "e4m3", 1000491003: "e5m2"}
 _SCOPES = {1: "device", 2: "workgroup", 3: "subgroup", 5: "queue_family"}
+
+
+_EXTENSIONS_OF_INTEREST = frozenset({
+    "VK_KHR_push_descriptor", "VK_EXT_calibrated_timestamps", "VK_KHR_cooperative_matrix", "VK_NV_cooperative_matrix",
+    "VK_EXT_subgroup_size_control", "VK_KHR_shader_float16_int8", "VK_KHR_16bit_storage", "VK_KHR_8bit_storage",
+    "VK_EXT_memory_budget"})
+
+
+def _limits(L, props: SimpleNamespace, feats: SimpleNamespace, ts_bits: int, v11: bool, v13: bool) -> dict:
+    """The addon's ``limits`` of a device, by the addon's rules."""
+    # A pipeline may require a subgroup size on Vulkan 1.3 with the subgroupSizeControl feature
+    # and compute among requiredSubgroupSizeStages, else 0..0.
+    sg = props.sgsize
+    sg_control = (v13 and bool(feats.sgsize_f.subgroupSizeControl) and bool(sg.requiredSubgroupSizeStages & _STAGE_COMPUTE)
+                  and 0 < int(sg.minSubgroupSize) <= int(sg.maxSubgroupSize))
+    return {
+        "max_storage_buffer_range": int(L.maxStorageBufferRange),
+        "max_shared_memory": int(L.maxComputeSharedMemorySize),
+        "max_workgroup_invocations": int(L.maxComputeWorkGroupInvocations),
+        "max_workgroup_size": [int(L.maxComputeWorkGroupSize[i]) for i in range(3)],
+        "max_workgroup_count": [int(L.maxComputeWorkGroupCount[i]) for i in range(3)],
+        "max_push_constants": int(L.maxPushConstantsSize),
+        "min_storage_buffer_offset_alignment": int(L.minStorageBufferOffsetAlignment),
+        "timestamp_period": float(L.timestampPeriod),
+        "timestamp_valid_bits": int(ts_bits),
+        "subgroup_size": int(props.subgroup.subgroupSize) if v11 else 0,
+        "min_subgroup_size": int(sg.minSubgroupSize) if sg_control else 0,
+        "max_subgroup_size": int(sg.maxSubgroupSize) if sg_control else 0,
+        # Before 1.1 there is no portable limit; the addon assumes the spec's 1 GiB.
+        "max_memory_allocation_size": int(props.maint3.maxMemoryAllocationSize) if v11 else 1 << 30,
+    }
+
+
+def _cooperative_extra(exts: set, feats: SimpleNamespace, coop_list: list[dict]) -> dict:
+    """The doctor's own cooperative-matrix fields: each extension's feature and the shapes offered."""
+    return {
+        "cooperative_matrix_khr": bool("VK_KHR_cooperative_matrix" in exts and feats.coop_khr.cooperativeMatrix),
+        "cooperative_matrix_nv": bool("VK_NV_cooperative_matrix" in exts and feats.coop_nv.cooperativeMatrix),
+        "cooperative_matrix_shapes": [_coop_label(c) for c in coop_list],
+    }
 
 
 def _component(t) -> str:

@@ -58,7 +58,8 @@ def _applicable(cfg, overrides: dict) -> dict:
     return {k: v for k, v in overrides.items() if cfg.producer or k not in WS_ONLY}
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict]:
+    """The command line, and the ``--set`` overrides as {field: value}."""
     ap = argparse.ArgumentParser(description="helios.cuda_ptx GEMM vs cuBLAS")
     ap.add_argument("--sizes", type=int, nargs="+", default=[4096, 8192])
     ap.add_argument("--variants", nargs="+", default=None)
@@ -76,9 +77,71 @@ def main(argv: list[str] | None = None) -> int:
         if field not in SETTABLE or not value.lstrip("-").isdigit():
             ap.error(f"--set takes {'=, '.join(SETTABLE)}= with an integer, got {item!r}")
         overrides[field] = bool(int(value)) if field in ("tma_store", "persistent") else int(value)
+    return args, overrides
 
-    from helios.cuda_ptx import driver, dtypes, variants
+
+def _peer(torch, cfg, ra, rb, b_major: str, dev: str):
+    """The peer's product on the same rounded inputs: torch._scaled_mm for fp8, else
+    torch.matmul (cuBLAS) on B stored as the kernel stores it."""
+    if cfg.in_dtype == "e4m3":
+        pa = ra.to(torch.float8_e4m3fn)
+        pb = rb.t().contiguous().to(torch.float8_e4m3fn).t()  # column-major B for _scaled_mm
+        one = torch.ones((), device=dev)
+        out_t = torch.float32 if cfg.out_dtype == "f32" else torch.bfloat16
+        return lambda: torch._scaled_mm(pa, pb, scale_a=one, scale_b=one, out_dtype=out_t)
+    tdt = torch.bfloat16 if cfg.in_dtype == "bf16" else torch.float16
+    pa, pb = ra.to(tdt), rb.to(tdt)
+    if b_major == "k":  # the same storage as the kernel's: N x K, multiplied transposed
+        pb = pb.t().contiguous().t()
+    return lambda: torch.matmul(pa, pb)
+
+
+def _measure(torch, ctx, cfg, a, b, iters: int, dev: str) -> dict:
+    """One variant at one size: the kernel's and the peer's times and errors against the fp32
+    reference of the inputs as rounded to the kernel's input dtype, as the result line's fields."""
+    from helios.cuda_ptx import dtypes
     from helios.cuda_ptx.runner import GemmLaunch
+
+    (m, k), n = a.shape, b.shape[1]
+    launch = GemmLaunch(cfg, m, n, k, ctx)
+    launch.upload(a, b)
+    launch.run()
+    c = launch.result()
+    ms = ctx.time_ms(launch.run, iters)
+    launch.close()
+    ra = torch.from_numpy(dtypes.decode(dtypes.encode(a, cfg.in_dtype), cfg.in_dtype)).to(dev)
+    rb = torch.from_numpy(dtypes.decode(dtypes.encode(b, cfg.in_dtype), cfg.in_dtype)).to(dev)
+    ref = ra @ rb  # fp32, TF32 off
+    scale = ref.abs().max().item()
+    err = (torch.from_numpy(c).to(dev) - ref).abs().max().item() / scale
+    peer = _peer(torch, cfg, ra, rb, cfg.b_major, dev)
+    pms = _torch_time_ms(torch, peer, iters, dev)
+    perr = (peer().float() - ref).abs().max().item() / scale
+    flops = 2.0 * m * n * k
+    h, p = flops / ms / 1e9, flops / pms / 1e9
+    return {
+        "bench": f"gemm_{cfg.name}_{cfg.in_dtype}_{m}", "helios": round(h, 1), "peer": round(p, 1),
+        "ratio": round(h / p, 3), "unit": "TFLOP/s", "rel_err": err, "peer_rel_err": perr,
+        "peer_name": "torch._scaled_mm" if cfg.in_dtype == "e4m3" else "torch.matmul (cuBLAS)",
+        "b_major": cfg.b_major, "inflight": cfg.inflight, "group_m": cfg.group_m, "stages": cfg.stages,
+        "persistent": cfg.persistent, "tma_store": cfg.tma_store, "cluster": cfg.cluster,
+        "ctas": launch.grid[0] * launch.grid[1], "device": ctx.name,
+    }
+
+
+def _skip_reason(cfg, name: str, b_major: str, ctx) -> str | None:
+    """Why a variant cannot run here as asked, or None."""
+    if cfg.in_dtype == "e4m3" and b_major == "n":
+        return "fp8 wgmma reads B K-major only; run it with --b-major k"
+    if cfg.target == "sm_90a" and ctx.cc != (9, 0):
+        return f"{name} needs sm_90a, device is sm_{ctx.cc[0]}{ctx.cc[1]}"
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Every variant at every size, one JSON line each (or one line saying why none ran)."""
+    args, overrides = _parse_args(argv)
+    from helios.cuda_ptx import driver, variants
 
     emulated = driver.emulator_requested()
     ok, why = driver.driver_status()
@@ -93,69 +156,23 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
 
     dev = "cpu" if emulated else "cuda"
-
     torch.backends.cuda.matmul.allow_tf32 = False
     ctx = driver.context()
     vs = variants()
-    names = args.variants or list(vs)
     bmaj = args.b_major
     for size in args.sizes:
-        m = n = k = size
         rng = np.random.default_rng(0)
-        a = rng.standard_normal((m, k), dtype=np.float32)
-        b = rng.standard_normal((k, n), dtype=np.float32)
-        for name in names:
+        a = rng.standard_normal((size, size), dtype=np.float32)
+        b = rng.standard_normal((size, size), dtype=np.float32)
+        for name in args.variants or list(vs):
             cfg = vs[name]
-            if cfg.in_dtype == "e4m3" and bmaj == "n":
-                print(json.dumps({"bench": f"gemm_{name}_{size}", "skipped": True, "b_major": bmaj,
-                                  "reason": "fp8 wgmma reads B K-major only; run it with --b-major k"}))
+            reason = _skip_reason(cfg, name, bmaj, ctx)
+            if reason is not None:
+                print(json.dumps({"bench": f"gemm_{name}_{size}", "skipped": True, "b_major": bmaj, "reason": reason}))
                 continue
             cfg = cfg.with_(b_major=bmaj, **_applicable(cfg, overrides))
-            if cfg.target == "sm_90a" and ctx.cc != (9, 0):
-                print(json.dumps({"bench": f"gemm_{name}_{size}", "skipped": True, "b_major": bmaj,
-                                  "reason": f"{name} needs sm_90a, device is sm_{ctx.cc[0]}{ctx.cc[1]}"}))
-                continue
-            launch = GemmLaunch(cfg, m, n, k, ctx)
-            launch.upload(a, b)
-            launch.run()
-            c = launch.result()
-            ms = ctx.time_ms(launch.run, args.iters)
-            launch.close()
-            ra = torch.from_numpy(dtypes.decode(dtypes.encode(a, cfg.in_dtype), cfg.in_dtype)).to(dev)
-            rb = torch.from_numpy(dtypes.decode(dtypes.encode(b, cfg.in_dtype), cfg.in_dtype)).to(dev)
-            ref = ra @ rb  # fp32, TF32 off
-            scale = ref.abs().max().item()
-            err = (torch.from_numpy(c).to(dev) - ref).abs().max().item() / scale
-            # peer: cuBLAS on the same rounded inputs
-            if cfg.in_dtype == "e4m3":
-                pa = ra.to(torch.float8_e4m3fn)
-                pb = rb.t().contiguous().to(torch.float8_e4m3fn).t()  # column-major B for _scaled_mm
-                one = torch.ones((), device=dev)
-                out_t = torch.float32 if cfg.out_dtype == "f32" else torch.bfloat16
-
-                def peer(pa=pa, pb=pb, one=one, out_t=out_t):
-                    return torch._scaled_mm(pa, pb, scale_a=one, scale_b=one, out_dtype=out_t)
-            else:
-                tdt = torch.bfloat16 if cfg.in_dtype == "bf16" else torch.float16
-                pa, pb = ra.to(tdt), rb.to(tdt)
-                if bmaj == "k":  # the same storage as the kernel's: N x K, multiplied transposed
-                    pb = pb.t().contiguous().t()
-
-                def peer(pa=pa, pb=pb):
-                    return torch.matmul(pa, pb)
-            pms = _torch_time_ms(torch, peer, args.iters, dev)
-            perr = (peer().float() - ref).abs().max().item() / scale
-            flops = 2.0 * m * n * k
-            h, p = flops / ms / 1e9, flops / pms / 1e9
-            print(json.dumps({
-                "bench": f"gemm_{name}_{cfg.in_dtype}_{size}", "helios": round(h, 1), "peer": round(p, 1),
-                "ratio": round(h / p, 3), "unit": "TFLOP/s", "rel_err": err, "peer_rel_err": perr,
-                "peer_name": "torch._scaled_mm" if cfg.in_dtype == "e4m3" else "torch.matmul (cuBLAS)",
-                "b_major": bmaj, "inflight": cfg.inflight, "group_m": cfg.group_m, "stages": cfg.stages,
-                "persistent": cfg.persistent, "tma_store": cfg.tma_store, "cluster": cfg.cluster,
-                "ctas": launch.grid[0] * launch.grid[1],
-                "device": ctx.name, **({"emulated": True} if emulated else {}),
-            }), flush=True)
+            line = _measure(torch, ctx, cfg, a, b, args.iters, dev)
+            print(json.dumps({**line, **({"emulated": True} if emulated else {})}), flush=True)
     return 0
 
 

@@ -20,7 +20,11 @@ import time
 import numpy as np
 
 
-def main() -> None:
+# The phases Workload.step opens, in its order (of helios.profile.timers.PHASES, those a plain step has).
+STEP_PHASES = ("host_to_device", "forward", "backward", "grad_clip", "optimizer", "device_to_host")
+
+
+def _parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="nano")
     ap.add_argument("--steps", type=int, default=None, help="steps per mode per round (default 10; --smoke 2)")
@@ -29,80 +33,102 @@ def main() -> None:
     args = ap.parse_args()
     args.steps = args.steps or (2 if args.smoke else 10)
     args.rounds = args.rounds or (1 if args.smoke else 5)
+    return args
 
-    import helios as hl
-    from helios.nn import GPT, GPTConfig
-    from helios.optim import AdamW, clip_grad_norm_
-    from helios.profile.timers import StepTimer
-    from helios.train import CONFIGS
 
-    c = CONFIGS[args.config]
-    B, T = c["batch_size"], c["block_size"]
-    cfg = GPTConfig(vocab_size=256, block_size=T, n_layer=c["n_layer"], n_head=c["n_head"], n_embd=c["n_embd"])
-    model = GPT(cfg, seed=0)
-    opt = AdamW(model.parameters(), lr=1e-3)
-    rng = np.random.default_rng(0)
-    x, y = rng.integers(0, 256, (B, T)), rng.integers(0, 256, (B, T))
+class Workload:
+    """A helios-train config's GPT, its AdamW and one fixed batch: the step each mode times."""
 
-    def step(timer=None):
+    def __init__(self, config: str) -> None:
+        from helios.nn import GPT, GPTConfig
+        from helios.optim import AdamW
+        from helios.train import CONFIGS
+
+        c = CONFIGS[config]
+        self.B, self.T = c["batch_size"], c["block_size"]
+        cfg = GPTConfig(vocab_size=256, block_size=self.T, n_layer=c["n_layer"], n_head=c["n_head"], n_embd=c["n_embd"])
+        self.model = GPT(cfg, seed=0)
+        self.opt = AdamW(self.model.parameters(), lr=1e-3)
+        rng = np.random.default_rng(0)
+        self.x, self.y = rng.integers(0, 256, (self.B, self.T)), rng.integers(0, 256, (self.B, self.T))
+
+    def step(self, timer=None) -> float:
+        """One training step, each phase under ``timer`` when one is given; the loss."""
+        import helios as hl
+        from helios.optim import clip_grad_norm_
+
         if timer is None:
-            _, loss = model(hl.tensor(x), hl.tensor(y))
+            _, loss = self.model(hl.tensor(self.x), hl.tensor(self.y))
             loss.backward()
-            clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad()
+            clip_grad_norm_(self.model.parameters(), 1.0)
+            self.opt.step()
+            self.opt.zero_grad()
             return loss.item()
         timer.start_step()
         with timer.phase("host_to_device"):
-            xt, yt = hl.tensor(x), hl.tensor(y)
+            xt, yt = hl.tensor(self.x), hl.tensor(self.y)
         with timer.phase("forward"):
-            _, loss = model(xt, yt)
+            _, loss = self.model(xt, yt)
         with timer.phase("backward"):
             loss.backward()
         with timer.phase("grad_clip"):
-            clip_grad_norm_(model.parameters(), 1.0)
+            clip_grad_norm_(self.model.parameters(), 1.0)
         with timer.phase("optimizer"):
-            opt.step()
-            opt.zero_grad()
+            self.opt.step()
+            self.opt.zero_grad()
         with timer.phase("device_to_host"):
             v = loss.item()
-        timer.end_step(0, B * T, loss=v)
+        timer.end_step(0, self.B * self.T, loss=v)
         return v
 
-    def run(mode: str) -> list[float]:
+    def run(self, mode: str, steps: int) -> list[float]:
+        """``steps`` step times in ``mode``: off, timers (a StepTimer), or full (timers inside one
+        profiling session, as helios-train --profile-steps opens)."""
+        import helios as hl
+        from helios.profile.timers import StepTimer
+
         out = []
         timer = StepTimer() if mode != "off" else None
-        # "full": one profiling session over the steps, as helios-train --profile-steps opens
         session = hl.profile.profile() if mode == "full" else None
         prof = session.__enter__() if session else None
-        for _ in range(args.steps):
+        for _ in range(steps):
             t0 = time.perf_counter()
-            step(timer)
+            self.step(timer)
             out.append(time.perf_counter() - t0)
         if session:
             session.__exit__(None, None, None)
             assert len(prof.collector.events) > 0
         return out
 
+
+def _isolated_timer_cost(n: int, tokens: int) -> float:
+    """The timers' own cost, isolated from machine noise: seconds of one step's phase
+    bookkeeping without the work, over ``n`` steps in a tight loop."""
+    from helios.profile.timers import StepTimer
+
+    timer = StepTimer()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        timer.start_step()
+        for ph in STEP_PHASES:
+            with timer.phase(ph):
+                pass
+        timer.end_step(0, tokens)
+    return (time.perf_counter() - t0) / n
+
+
+def main() -> None:
+    """The three modes interleaved round by round; one JSON line of medians and overheads."""
+    args = _parse_args()
+    w = Workload(args.config)
     for _ in range(3):
-        step()  # warm up pipelines
+        w.step()  # warm up pipelines
     times = {"off": [], "timers": [], "full": []}
     for _ in range(args.rounds):
         for mode in times:
-            times[mode] += run(mode)
+            times[mode] += w.run(mode, args.steps)
     med = {m: statistics.median(v) for m, v in times.items()}
-    # The timers' own cost, isolated from machine noise: the phase bookkeeping of one step
-    # without the work, in a tight loop.
-    timer = StepTimer()
-    n_iso = 200 if args.smoke else 2000
-    t0 = time.perf_counter()
-    for _ in range(n_iso):
-        timer.start_step()
-        for ph in ("host_to_device", "forward", "backward", "grad_clip", "optimizer", "device_to_host"):
-            with timer.phase(ph):
-                pass
-        timer.end_step(0, B * T)
-    timer_cost = (time.perf_counter() - t0) / n_iso
+    timer_cost = _isolated_timer_cost(200 if args.smoke else 2000, w.B * w.T)
     print(json.dumps({
         "bench": "profile_overhead", "config": args.config,
         "off_ms": round(med["off"] * 1e3, 2), "timers_ms": round(med["timers"] * 1e3, 2), "full_ms": round(med["full"] * 1e3, 2),

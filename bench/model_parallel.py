@@ -361,28 +361,19 @@ def torch_tp(world: int, config: str, steps: int, warmup: int) -> dict:
     return json.loads(outs[0][0].strip().splitlines()[-1])
 
 
-def torch_tp_rank(rank: int, world: int, port: int, config: str, steps: int, warmup: int) -> None:
-    """One process of PyTorch's tensor-parallel GPT (see the module docstring); rank 0 prints
-    its median step time, model-state bytes and peak resident memory."""
-    import math
-    import resource
-    import time
+def _torch_tp_model(config: str, rank: int, world: int, port: int):
+    """PyTorch's GPT (bench/torch_twin.py: q, k and v apart, what parallelize_module splits),
+    split Megatron-style over ``world`` gloo ranks; (model, the loss's context: loss_parallel
+    under tp, so the vocabulary-sharded logits are never gathered)."""
+    import contextlib
 
-    import numpy as np
-    import torch
     import torch.distributed as tdist
-    import torch.nn.functional as TF
 
     from torch_twin import tp_gpt_module
 
-    torch.set_num_threads(1)
     c = CONFIGS[config]
-    T, V, B = c["block_size"], 256, c["batch_size"]
-    torch.manual_seed(0)
-    # The GPT as PyTorch layers, q, k and v apart (bench/torch_twin.py): what parallelize_module splits.
-    model = tp_gpt_module(_gpt_config(config, V))
-    loss_ctx = __import__("contextlib").nullcontext
-    mesh = None
+    model = tp_gpt_module(_gpt_config(config, 256))
+    loss_ctx = contextlib.nullcontext
     if world > 1:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import Replicate, Shard
@@ -397,33 +388,60 @@ def torch_tp_rank(rank: int, world: int, port: int, config: str, steps: int, war
             plan.update({f"h.{i}.{n}": ColwiseParallel() for n in ("q", "k", "v", "c_fc")})
             plan.update({f"h.{i}.{n}": RowwiseParallel() for n in ("c_proj", "mlp_proj")})
         parallelize_module(model, mesh, plan)
-        loss_ctx = loss_parallel  # the cross entropy of vocabulary-sharded logits, never gathered
+        loss_ctx = loss_parallel
     model.lm_head.weight = model.wte.weight  # tied: both [V, C], rows split the same way under tp
+    return model, loss_ctx
+
+
+def _local(t):
+    """A rank's part of a split (DTensor) tensor; a plain tensor as it is."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _torch_clip_(params: list, world: int, max_norm: float) -> None:
+    """Clip by the whole model's norm: the split tensors' squares summed over the ranks, the
+    replicated ones counted once."""
+    import math
+
+    import torch
+    import torch.distributed as tdist
+
+    split = sum(float(_local(p.grad).pow(2).sum()) for p in params if hasattr(p.grad, "to_local"))
+    if world > 1:
+        buf = torch.tensor([split], dtype=torch.float64)
+        tdist.all_reduce(buf)
+        split = float(buf[0])
+    whole = split + sum(float(p.grad.pow(2).sum()) for p in params if not hasattr(p.grad, "to_local"))
+    coef = min(1.0, max_norm / (math.sqrt(whole) + 1e-6))
+    if coef < 1.0:
+        with torch.no_grad():
+            for p in params:
+                p.grad.mul_(coef)
+
+
+def torch_tp_rank(rank: int, world: int, port: int, config: str, steps: int, warmup: int) -> None:
+    """One process of PyTorch's tensor-parallel GPT (see the module docstring); rank 0 prints
+    its median step time, model-state bytes and peak resident memory."""
+    import math
+    import resource
+    import time
+
+    import numpy as np
+    import torch
+    import torch.distributed as tdist
+    import torch.nn.functional as TF
+
+    torch.set_num_threads(1)
+    c = CONFIGS[config]
+    T, V, B = c["block_size"], 256, c["batch_size"]
+    torch.manual_seed(0)
+    model, loss_ctx = _torch_tp_model(config, rank, world, port)
     params = list(model.parameters())
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
     # foreach=False: the per-tensor loop takes split (DTensor) and replicated tensors alike
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=1e-3, betas=(0.9, 0.95), foreach=False)
-
-    def local(t):
-        return t.to_local() if hasattr(t, "to_local") else t
-
-    def clip(max_norm: float) -> None:
-        # The whole model's norm: the split tensors' squares summed over the ranks, the
-        # replicated ones counted once.
-        split = sum(float(local(p.grad).pow(2).sum()) for p in params if hasattr(p.grad, "to_local"))
-        if world > 1:
-            buf = torch.tensor([split], dtype=torch.float64)
-            tdist.all_reduce(buf)
-            split = float(buf[0])
-        whole = split + sum(float(p.grad.pow(2).sum()) for p in params if not hasattr(p.grad, "to_local"))
-        coef = min(1.0, max_norm / (math.sqrt(whole) + 1e-6))
-        if coef < 1.0:
-            with torch.no_grad():
-                for p in params:
-                    p.grad.mul_(coef)
-
     rng = np.random.default_rng(0)  # the same batch on both tensor-parallel ranks
     batches = [(torch.tensor(rng.integers(0, V, (B, T))), torch.tensor(rng.integers(0, V, (B, T))))
                for _ in range(steps)]
@@ -434,7 +452,7 @@ def torch_tp_rank(rank: int, world: int, port: int, config: str, steps: int, war
         with loss_ctx():
             loss = TF.cross_entropy(logits.reshape(B * T, V), y.reshape(-1))
             loss.backward()
-        clip(1.0)
+        _torch_clip_(params, world, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=False)  # the gradients stay allocated, as Helios' flat buffers
         if world > 1:
@@ -444,8 +462,8 @@ def torch_tp_rank(rank: int, world: int, port: int, config: str, steps: int, war
         value = float((loss if world == 1 else loss.full_tensor()).detach())
         if not math.isfinite(value):
             raise SystemExit(f"torch tp: loss became non-finite at step {i}")
-    state = sum(local(p).numel() for p in params) + sum(local(p.grad).numel() for p in params)
-    state += sum(local(v).numel() for st in opt.state.values() for k, v in st.items() if k in ("exp_avg", "exp_avg_sq"))
+    state = sum(_local(p).numel() for p in params) + sum(_local(p.grad).numel() for p in params)
+    state += sum(_local(v).numel() for st in opt.state.values() for k, v in st.items() if k in ("exp_avg", "exp_avg_sq"))
     if rank == 0:
         print(json.dumps({"step_ms": round(1e3 * statistics.median(times), 2), "model_state_bytes": 4 * state,
                           "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,

@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 ./scripts/setup.sh --test
 .venv/bin/ruff check .   # lint first: pyflakes + pycodestyle (config in pyproject.toml)
 # Byte-compile the checkout's Python once (a fresh clone has none; edited files are redone).  The
-# suite starts ~1,100 Python processes (workers, ranks, launchers, benchmarks), and where
+# suite starts ~1,300 Python processes (workers, ranks, launchers, benchmarks), and where
 # PYTHONDONTWRITEBYTECODE is set none of them writes what it compiled, so each one compiled every
 # Helios module it imported from source: +0.5 CPU-s a process (importing helios.train: 0.9
 # against 0.4 CPU-s); tests/test_train_dist.py took 74 CPU-s against 52.  compileall writes the

@@ -1,10 +1,12 @@
 """Shared pytest setup: markers, the skip rules of each test tier, and random draws that do not
 depend on the order tests run in."""
 
+import fcntl
 import os
 import shutil
 import sys
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -75,7 +77,40 @@ def emulated_cuda(monkeypatch):
 
 
 @pytest.fixture(scope="session")
-def one_rank_run(tmp_path_factory):
+def shared_dir(tmp_path_factory):
+    """``shared_dir(key, make)``: a folder that ``make(folder)`` filled, made once per test session
+    for ``key``, whichever worker asks first; the others wait for it and reuse it.
+
+    A module-scoped fixture runs once per pytest-xdist worker that runs a test of its module, and
+    the two workers split most modules, so a reference run made in a fixture (a one-rank run, a
+    launch of four ranks) was often made twice.  The folder sits under the session's temporary root,
+    which the workers share; an advisory lock on ``key.lock`` orders them.  A ``make`` that raises
+    leaves nothing behind: the next asker tries again (and fails as the test should).  Tests only
+    read the folder (copy it to change it)."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    made: dict[str, Path] = {}
+
+    def get(key: str, make) -> Path:
+        if key in made:
+            return made[key]
+        folder = root / "shared" / key
+        folder.parent.mkdir(exist_ok=True)
+        with open(folder.parent / f"{key}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if make raises
+            if not (folder / ".done").exists():
+                shutil.rmtree(folder, ignore_errors=True)  # what a failed make left
+                folder.mkdir()
+                make(folder)
+                (folder / ".done").touch()
+        made[key] = folder
+        return folder
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def one_rank_run(shared_dir):
     """``one_rank_run(*flags)``: the folder of a one-rank ``helios-train`` run (test_train_dist's
     nano settings plus ``flags``), launched once per session for each distinct set of flags.
 
@@ -85,14 +120,11 @@ def one_rank_run(tmp_path_factory):
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from test_train_dist import launch
 
-    runs: dict[tuple, object] = {}
-
     def run(*flags: str):
-        if flags not in runs:
-            out = tmp_path_factory.mktemp("one_rank")
+        def make(out):
             r = launch(1, out, *flags)
             assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-            runs[flags] = out
-        return runs[flags]
+
+        return shared_dir("one_rank-" + format(zlib.crc32("\0".join(flags).encode()), "08x"), make)
 
     return run

@@ -130,19 +130,20 @@ def _losses(out) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def helios_run_losses(tmp_path_factory):
+def helios_run_losses(shared_dir):
     """The losses of the same training under helios-run, the reference the launchers must give."""
     import subprocess
 
-    out = tmp_path_factory.mktemp("helios-run")
-    env = dict(os.environ, LP_NUM_THREADS="1")
-    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "HELIOS_LAUNCHER", "HELIOS_JOB_ID"):
-        env.pop(k, None)
-    r = subprocess.run([os.path.join(os.path.dirname(sys.executable), "helios-run"), "--nproc-per-node", "2", "-m",
-                        "helios.train", *TRAIN_ARGS, "--out", str(out)], env=env, capture_output=True, text=True,
-                       timeout=300, cwd=str(out))
-    assert r.returncode == 0, r.stderr[-3000:]
-    return _losses(out)
+    def make(out):
+        env = dict(os.environ, LP_NUM_THREADS="1")
+        for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "HELIOS_LAUNCHER", "HELIOS_JOB_ID"):
+            env.pop(k, None)
+        r = subprocess.run([os.path.join(os.path.dirname(sys.executable), "helios-run"), "--nproc-per-node", "2",
+                            "-m", "helios.train", *TRAIN_ARGS, "--out", str(out)], env=env, capture_output=True,
+                           text=True, timeout=300, cwd=str(out))
+        assert r.returncode == 0, r.stderr[-3000:]
+
+    return _losses(shared_dir("launchers_real-helios_run", make))
 
 
 def _check_training(res, out, reference) -> None:

@@ -104,16 +104,11 @@ def _rank_main(out_dir: str) -> None:
 
 
 # -- the test process ------------------------------------------------------------------------------
-_RUNS: dict = {}
-
-
-def _run(world: int, tmp_path_factory) -> str:
-    """One launch of ``world`` ranks running every case (shared by the tests of that size)."""
-    if world not in _RUNS:
-        out = tmp_path_factory.mktemp(f"ring{world}")
-        check_ok(run_ranks([__file__, str(out)], world, timeout=300))
-        _RUNS[world] = str(out)
-    return _RUNS[world]
+def _run(world: int, shared_dir) -> str:
+    """One launch of ``world`` ranks running every case (shared by the tests of that size, on
+    every worker)."""
+    return str(shared_dir(f"ring_attention-{world}",
+                          lambda out: check_ok(run_ranks([__file__, str(out)], world, timeout=300))))
 
 
 def _single_device(T: int, causal: bool) -> dict:
@@ -179,8 +174,8 @@ def _reports(out_dir: str, world: int) -> list[dict]:
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_ring_equals_one_device(layout, causal, world, tmp_path_factory):
-    out = _run(world, tmp_path_factory)
+def test_ring_equals_one_device(layout, causal, world, shared_dir):
+    out = _run(world, shared_dir)
     got = _gathered(out, world, layout, causal, SMALL_T)
     want, exact = _single_device(SMALL_T, causal), _float64(SMALL_T, causal)
     worst = {key: _rel(got[key], want[key]) for key in ("o", "lse", "dq", "dk", "dv")}
@@ -193,9 +188,9 @@ def test_ring_equals_one_device(layout, causal, world, tmp_path_factory):
 @pytest.mark.vulkan
 @pytest.mark.multiproc
 @pytest.mark.parametrize("world", [2, 4])
-def test_long_sequence_equals_one_device_and_splits_the_memory(world, tmp_path_factory):
+def test_long_sequence_equals_one_device_and_splits_the_memory(world, shared_dir):
     layout, causal = LONG[world]
-    out = _run(world, tmp_path_factory)
+    out = _run(world, shared_dir)
     got = _gathered(out, world, layout, causal, LONG_T)
     want = _single_device(LONG_T, causal)
     worst = {key: _rel(got[key], want[key]) for key in ("o", "lse", "dq", "dk", "dv")}
@@ -210,8 +205,8 @@ def test_long_sequence_equals_one_device_and_splits_the_memory(world, tmp_path_f
 @pytest.mark.vulkan
 @pytest.mark.multiproc
 @pytest.mark.parametrize("world", [2, 4])
-def test_zigzag_balances_causal_work_and_contiguous_does_not(world, tmp_path_factory):
-    reps = _reports(_run(world, tmp_path_factory), world)
+def test_zigzag_balances_causal_work_and_contiguous_does_not(world, shared_dir):
+    reps = _reports(_run(world, shared_dir), world)
     zig = [rep[_case_name("zigzag", True, SMALL_T)] for rep in reps]
     con = [rep[_case_name("contiguous", True, SMALL_T)] for rep in reps]
     n = SMALL_T // world
@@ -228,10 +223,10 @@ def test_zigzag_balances_causal_work_and_contiguous_does_not(world, tmp_path_fac
 
 @pytest.mark.vulkan
 @pytest.mark.multiproc
-def test_two_rings_over_groups_in_one_job(tmp_path_factory):
+def test_two_rings_over_groups_in_one_job(shared_dir):
     from helios.schedule.ring_attention import ring_unshard
 
-    out = _run(4, tmp_path_factory)
+    out = _run(4, shared_dir)
     want = _single_device(SMALL_T, True)
     for ranks in ([0, 1], [2, 3]):
         shards = [np.load(os.path.join(out, f"pairs-rank{r}.npz")) for r in ranks]

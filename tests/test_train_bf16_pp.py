@@ -50,19 +50,24 @@ def _first_loss_is_bf16(out, bf16_ref, fp32_ref) -> None:
 
 
 @pytest.fixture(scope="module")
-def refs(tmp_path_factory):
+def refs(shared_dir):
     """One rank in bf16 and in fp32, 4 micro-batches of 2 sequences (dense and MoE), and MoE in
     bf16 over 8 micro-batches of one sequence (what 2 ranks x 4 micro-batches each see)."""
-    base = tmp_path_factory.mktemp("refs")
     runs = {"bf16": ("--dtype", "bf16", "--microbatches", "4"), "fp32": ("--steps", "1", "--microbatches", "4"),
             "moe_bf16": (*MOE, "--dtype", "bf16", "--microbatches", "4"),
             "moe_fp32": (*MOE, "--steps", "1", "--microbatches", "4"),
             "moe_bf16_8": (*MOE, "--dtype", "bf16", "--microbatches", "8")}
+
+    def make(base):
+        for name, flags in runs.items():
+            r = launch(1, base / name, *STEPS, *flags)
+            assert r.returncode == 0, r.stderr[-3000:]
+            (base / f"{name}.stdout").write_text(r.stdout)
+
+    base = shared_dir("bf16_pp-refs", make)
     out = {}
-    for name, flags in runs.items():
-        r = launch(1, base / name, *STEPS, *flags)
-        assert r.returncode == 0, r.stderr[-3000:]
-        out[name], out[name + "_stdout"] = base / name, r.stdout
+    for name in runs:
+        out[name], out[name + "_stdout"] = base / name, (base / f"{name}.stdout").read_text()
     return out
 
 

@@ -21,10 +21,12 @@ TINY = ("--config", "tiny", "--attention", "flash", "--steps", "4", "--sample-to
 
 
 @pytest.fixture(scope="module")
-def one_rank(tmp_path_factory):
-    out = tmp_path_factory.mktemp("one") / "run"
-    r = launch(1, out, *TINY)
-    assert r.returncode == 0, r.stderr[-3000:]
+def one_rank(shared_dir):
+    def make(folder):
+        r = launch(1, folder / "run", *TINY)
+        assert r.returncode == 0, r.stderr[-3000:]
+
+    out = shared_dir("cp-one_rank", make) / "run"
     return losses(out), final_params(out)
 
 

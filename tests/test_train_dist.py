@@ -86,14 +86,15 @@ def test_two_and_four_ranks_train_what_one_rank_trains(tmp_path, one_rank_run):
 
 
 @pytest.fixture(scope="module")
-def stopped_two_rank_run(tmp_path_factory):
+def stopped_two_rank_run(shared_dir):
     """A 2-rank, 10-step run stopped after step 5 (each resuming test copies it)."""
-    split = tmp_path_factory.mktemp("split")
-    first = launch(2, split, "--steps", "10", "--stop-after", "5")
-    assert first.returncode == 0 and "stopped at step 5" in first.stdout, first.stderr[-2000:]
-    assert sorted(os.listdir(split / "ckpt" / "step-00000005")) == [
-        "metadata.json", "shard-00000-of-00002.helios", "shard-00001-of-00002.helios"]
-    return split
+    def make(split):
+        first = launch(2, split, "--steps", "10", "--stop-after", "5")
+        assert first.returncode == 0 and "stopped at step 5" in first.stdout, first.stderr[-2000:]
+        assert sorted(os.listdir(split / "ckpt" / "step-00000005")) == [
+            "metadata.json", "shard-00000-of-00002.helios", "shard-00001-of-00002.helios"]
+
+    return shared_dir("dist-stopped_two_rank_run", make)
 
 
 @pytest.mark.parametrize("resume_world", [1, 2, 4])

@@ -32,13 +32,14 @@ def _clipped_on_every_step(out) -> None:
 
 
 @pytest.fixture(scope="module")
-def one_rank(tmp_path_factory):
+def one_rank(shared_dir):
     """One rank over the whole batch: the run to reproduce."""
-    out = tmp_path_factory.mktemp("one")
-    r = launch(1, out, *ARGS)
-    assert r.returncode == 0, r.stderr[-3000:]
-    _clipped_on_every_step(out)
-    return out
+    def make(out):
+        r = launch(1, out, *ARGS)
+        assert r.returncode == 0, r.stderr[-3000:]
+        _clipped_on_every_step(out)
+
+    return shared_dir("zero3_tp-one_rank", make)
 
 
 def test_zero3_over_the_data_parallel_ranks_of_a_tp_model_trains_what_one_rank_trains(tmp_path, one_rank):

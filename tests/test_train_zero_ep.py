@@ -39,13 +39,14 @@ def _same_model(ref, out, exact: bool) -> None:
 
 
 @pytest.fixture(scope="module")
-def zero0(tmp_path_factory):
+def zero0(shared_dir):
     """4 ranks, --ep 2 --zero 0, without and with the clip: the runs ZeRO must reproduce."""
-    base = tmp_path_factory.mktemp("zero0")
-    for name, extra in (("no_clip", NO_CLIP), ("clip", ())):
-        r = launch(4, base / name, *MOE, "--zero", "0", *extra)
-        assert r.returncode == 0, r.stderr[-3000:]
-    return base
+    def make(base):
+        for name, extra in (("no_clip", NO_CLIP), ("clip", ())):
+            r = launch(4, base / name, *MOE, "--zero", "0", *extra)
+            assert r.returncode == 0, r.stderr[-3000:]
+
+    return shared_dir("zero_ep-zero0", make)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

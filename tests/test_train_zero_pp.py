@@ -47,13 +47,14 @@ def _clipped_on_every_step(out, steps: int = STEPS, max_norm: float = MAX_NORM) 
 
 
 @pytest.fixture(scope="module")
-def one_rank(tmp_path_factory):
+def one_rank(shared_dir):
     """One rank accumulating the same 4 micro-batches over the whole batch: the run to reproduce."""
-    out = tmp_path_factory.mktemp("one")
-    r = launch(1, out, *ARGS)
-    assert r.returncode == 0, r.stderr[-3000:]
-    _clipped_on_every_step(out)
-    return out
+    def make(out):
+        r = launch(1, out, *ARGS)
+        assert r.returncode == 0, r.stderr[-3000:]
+        _clipped_on_every_step(out)
+
+    return shared_dir("zero_pp-one_rank", make)
 
 
 # ZeRO-2 over a plain pipeline is the next test's first run (its steps before and after the resume).

@@ -131,6 +131,7 @@ def _rank_main(out_dir: str, stage: int, save_to: str, load_from: str, accum: in
 
 def _run(out, world: int, stage: int, save_to: str = "", load_from: str = "", accum: int = 1,
          accum_mode: str = "no_sync", backend: str = "shm") -> dict:
+    """Launch ``world`` ranks of this file's training into ``out``; their :func:`_results`."""
     os.makedirs(out, exist_ok=True)
     if save_to:
         os.makedirs(save_to, exist_ok=True)
@@ -145,6 +146,11 @@ def _run(out, world: int, stage: int, save_to: str = "", load_from: str = "", ac
             meta["step"], meta["param_groups"] = m["step"], m["param_groups"]
         with open(os.path.join(save_to, "shards.json"), "w") as f:
             json.dump(meta, f)
+    return _results(out, world)
+
+
+def _results(out, world: int) -> dict:
+    """Rank 0's losses and norms, every rank's report (``ranks``) and the final ``params``."""
     ranks = []
     for r in range(world):
         with open(os.path.join(out, f"result-r{r}.json")) as f:
@@ -206,10 +212,14 @@ def _check_bytes(res: dict, world: int, stage: int, no_sync: bool = False) -> No
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(shared_dir):
     """Plain DDP and AdamW on 1, 2 and 4 ranks."""
-    out = tmp_path_factory.mktemp("ref")
-    return {world: _run(out / f"n{world}", world, 0) for world in (1, 2, 4)}
+    def make(out):
+        for world in (1, 2, 4):
+            _run(out / f"n{world}", world, 0)
+
+    out = shared_dir("zero-reference", make)
+    return {world: _results(out / f"n{world}", world) for world in (1, 2, 4)}
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

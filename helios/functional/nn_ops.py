@@ -345,21 +345,8 @@ def cross_entropy(logits: Tensor, targets, weight: Tensor | None = None, size_av
         raise ValueError(f"cross_entropy: reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
     if not isinstance(targets, Tensor):
         targets = K.from_numpy(np.asarray(targets, np.int64), dt.int64, logits._st.rt)
-    if logits.ndim == 0:
-        raise ShapeError("cross_entropy: logits need at least 1 dim (the classes), got a 0-d tensor")
-    cdim = 0 if logits.ndim == 1 else 1
+    cdim, index_shape, probs = _cross_entropy_layout(logits, targets, weight)
     C = logits.shape[cdim]
-    probs = targets.dtype.kind == "float"
-    if probs and targets.shape != logits.shape:
-        raise DTypeError(f"cross_entropy: {targets.dtype.name} targets are class probabilities and need the logits' shape "
-                         f"{logits.shape}, got {targets.shape}; class indices must be int32 or int64")
-    if not probs and targets.dtype.kind != "int":
-        raise DTypeError(f"cross_entropy: targets must be integer class indices or float probabilities, got {targets.dtype.name}")
-    index_shape = logits.shape[:cdim] + logits.shape[cdim + 1:]
-    if not probs and targets.shape != index_shape:
-        raise ShapeError(f"cross_entropy: logits {logits.shape} need targets of shape {index_shape}, got {targets.shape}")
-    if weight is not None and weight.shape != (C,):
-        raise ShapeError(f"cross_entropy: weight must have shape ({C},) (one per class), got {weight.shape}")
     # Autocast computes the loss in float32.  The mean over index targets without class weights
     # reads 16-bit logits in its kernel instead of a float32 copy of them (fused_kernels
     # "cast+cross_entropy"); everything else casts first.
@@ -378,10 +365,7 @@ def cross_entropy(logits: Tensor, targets, weight: Tensor | None = None, size_av
     if x.dtype.kind != "float":
         x = F.to(x, dt.float32)
     if probs:
-        t = F.to(classes_last(targets), x.dtype)
-        if weight is not None:
-            t = t * F.reshape(F.to(weight, x.dtype), (1, C))
-        per = F.neg(F.sum(log_softmax(x, -1) * t, dim=1))
+        per = _soft_target_losses(x, F.to(classes_last(targets), x.dtype), weight)
         if reduction == "none":
             return F.reshape(per, index_shape)
         total = F.sum(per)
@@ -393,18 +377,64 @@ def cross_entropy(logits: Tensor, targets, weight: Tensor | None = None, size_av
         host = host.reshape(-1)
         _check_targets(host, C, ignore_index)
     if weight is None and reduction == "mean":
-        # the fused kernel: a negative target contributes nothing and is not counted
-        if host is not None:
-            n_valid, remap = _valid_targets(host, C, ignore_index)
-            if remap:
-                t = F.where(F.eq(t, ignore_index), -1, t)
-            if graph.capturing() is not None:  # the count is a constant of the kernels: a replay checks it holds
-                graph.before_replay(lambda: _same_targets(targets, C, ignore_index, (n_valid, remap)))
-        else:
-            if ignore_index >= 0:  # the kernel skips negative targets only: ignored ones become -1
-                t = F.where(F.eq(t, ignore_index), -1, t)
-            n_valid = int(K.reduce("sum", K.binary("ge", t, F.scalar_tensor(0, dt.int64, t._st.rt)), (0,))[0].item())
-        return _CrossEntropy.apply(x, t, n_valid, cast_in_kernel)
+        return _fused_mean_loss(x, t, targets, host, ignore_index, cast_in_kernel)
+    per, w = _index_target_losses(x, t, weight, ignore_index)
+    if reduction == "none":
+        return F.reshape(per, index_shape)
+    total = F.sum(per)
+    return total if reduction == "sum" else total / F.sum(w)
+
+
+def _cross_entropy_layout(logits: Tensor, targets: Tensor, weight: Tensor | None) -> tuple[int, tuple, bool]:
+    """The class dim, the shape of one loss per target, and whether the targets are class
+    probabilities (else indices); a mismatch of the three arguments is one error naming it."""
+    if logits.ndim == 0:
+        raise ShapeError("cross_entropy: logits need at least 1 dim (the classes), got a 0-d tensor")
+    cdim = 0 if logits.ndim == 1 else 1
+    C = logits.shape[cdim]
+    probs = targets.dtype.kind == "float"
+    if probs and targets.shape != logits.shape:
+        raise DTypeError(f"cross_entropy: {targets.dtype.name} targets are class probabilities and need the logits' shape "
+                         f"{logits.shape}, got {targets.shape}; class indices must be int32 or int64")
+    if not probs and targets.dtype.kind != "int":
+        raise DTypeError(f"cross_entropy: targets must be integer class indices or float probabilities, got {targets.dtype.name}")
+    index_shape = logits.shape[:cdim] + logits.shape[cdim + 1:]
+    if not probs and targets.shape != index_shape:
+        raise ShapeError(f"cross_entropy: logits {logits.shape} need targets of shape {index_shape}, got {targets.shape}")
+    if weight is not None and weight.shape != (C,):
+        raise ShapeError(f"cross_entropy: weight must have shape ({C},) (one per class), got {weight.shape}")
+    return cdim, index_shape, probs
+
+
+def _soft_target_losses(x: Tensor, t: Tensor, weight: Tensor | None) -> Tensor:
+    """One loss per row of [rows, C] logits against [rows, C] class probabilities."""
+    if weight is not None:
+        t = t * F.reshape(F.to(weight, x.dtype), (1, x.shape[1]))
+    return F.neg(F.sum(log_softmax(x, -1) * t, dim=1))
+
+
+def _fused_mean_loss(x: Tensor, t: Tensor, targets: Tensor, host, ignore_index: int, cast_in_kernel: bool) -> Tensor:
+    """The mean over unweighted index targets ``t`` in one kernel pair: a negative target
+    contributes nothing and is not counted.  The count comes from the targets' host copy where
+    there is one (under capture a replay checks that it still holds), else from the device."""
+    C = x.shape[1]
+    if host is not None:
+        n_valid, remap = _valid_targets(host, C, ignore_index)
+        if remap:
+            t = F.where(F.eq(t, ignore_index), -1, t)
+        if graph.capturing() is not None:  # the count is a constant of the kernels: a replay checks it holds
+            graph.before_replay(lambda: _same_targets(targets, C, ignore_index, (n_valid, remap)))
+    else:
+        if ignore_index >= 0:  # the kernel skips negative targets only: ignored ones become -1
+            t = F.where(F.eq(t, ignore_index), -1, t)
+        n_valid = int(K.reduce("sum", K.binary("ge", t, F.scalar_tensor(0, dt.int64, t._st.rt)), (0,))[0].item())
+    return _CrossEntropy.apply(x, t, n_valid, cast_in_kernel)
+
+
+def _index_target_losses(x: Tensor, t: Tensor, weight: Tensor | None, ignore_index: int) -> tuple[Tensor, Tensor]:
+    """(one weighted loss per row, each row's weight) of [rows, C] logits against index targets;
+    an ignored or negative target weighs 0."""
+    rows, C = x.shape
     valid = F.logical_and(F.ne(t, ignore_index), F.ge(t, 0))
     safe = F.where(valid, t, 0)
     logp = log_softmax(x, -1)
@@ -413,11 +443,7 @@ def cross_entropy(logits: Tensor, targets, weight: Tensor | None = None, size_av
     w = F.to(valid, nll.dtype)
     if weight is not None:
         w = w * F._gather(F.to(weight, nll.dtype), 0, safe)
-    per = nll * w
-    if reduction == "none":
-        return F.reshape(per, index_shape)
-    total = F.sum(per)
-    return total if reduction == "sum" else total / F.sum(w)
+    return nll * w, w
 
 
 class _Dropout(Function):

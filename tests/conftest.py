@@ -2,6 +2,7 @@
 depend on the order tests run in."""
 
 import fcntl
+import hashlib
 import os
 import shutil
 import sys
@@ -85,8 +86,8 @@ def shared_dir(tmp_path_factory):
     the two workers split most modules, so a reference run made in a fixture (a one-rank run, a
     launch of four ranks) was often made twice.  The folder sits under the session's temporary root,
     which the workers share; an advisory lock on ``key.lock`` orders them.  A ``make`` that raises
-    leaves nothing behind: the next asker tries again (and fails as the test should).  Tests only
-    read the folder (copy it to change it)."""
+    leaves no completion mark: the next asker clears the folder and tries again (and fails as the
+    test should).  Tests only read the folder (copy it to change it)."""
     base = tmp_path_factory.getbasetemp()
     root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
     made: dict[str, Path] = {}
@@ -125,6 +126,6 @@ def one_rank_run(shared_dir):
             r = launch(1, out, *flags)
             assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
 
-        return shared_dir("one_rank-" + format(zlib.crc32("\0".join(flags).encode()), "08x"), make)
+        return shared_dir("one_rank-" + hashlib.sha256("\0".join(flags).encode()).hexdigest()[:16], make)
 
     return run

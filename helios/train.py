@@ -84,7 +84,7 @@ CONFIGS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """helios-train's command line, its flags in groups (``--help`` lists them so)."""
+    """helios-train's command line: its flags in one group a topic, as ``--help`` lists them."""
     p = argparse.ArgumentParser(prog="helios-train", description="Train a GPT or a LLaMA with Helios, from scratch "
                                 "or from a Hugging Face folder or another run (--init-from).")
     _model_flags(p.add_argument_group("model"))

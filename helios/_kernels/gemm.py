@@ -262,26 +262,49 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None 
         out = empty(batch + (M, N), a_dtype, rt)
     else:
         ct, cld = _check_mm_out(out, batch + (M, N), out.dtype if mixed else a_dtype)
-    nb = numel(batch)
     if out.numel() == 0:
         return out
-    if bias is not None and (bias.shape != (N,) or (bias.dtype is not a.dtype and not mixed) or (N > 1 and bias._strides[0] != 1)):
-        raise ShapeError(f"matmul: bias must be a unit-stride {a.dtype.name} vector of shape ({N},), "
-                         f"got {bias.dtype.name} {bias.shape} with strides {bias._strides}")
+    _check_bias(bias, a.dtype, N, mixed)
     if K == 0:
         return _empty_sum(out, bias, bool(ct or cld))
+    plan = _batch_plan(a, b, batch, M, bool(ct or cld), bool(cld))
+    if plan is None:  # three or more unmergeable batch dims: make the operands contiguous
+        return matmul(kern.copy(a.expand(batch + (M, K))), kern.copy(b.expand(batch + (K, N))), bias, out, _epi,
+                      compute=compute)
+    Mc, nb, cbatch = plan
+    if _epi is not None:
+        _check_epi(_epi, out, batch + (M, N), ct or cld, a_dtype)
+    if _epi is None and _bsum is None and _engine_took(a, b, bias, out, widen, nb, Mc, N, K):
+        return out
+    if widen:  # the engine declined it: the product, then its cast
+        kern.copy_into(out, matmul(a, b, bias))
+        return out
+    if nb > 65535:
+        raise ShapeError(f"matmul: {nb} batch matrices exceed the 65535 the kernel dispatches at once; reshape the batch")
+    _dispatch(a, b, bias, out, _epi, _bsum, mixed, a_dtype, (Mc, N, K, nb), cbatch, (ct, cld))
+    return out
+
+
+def _check_bias(bias: Tensor | None, dtype: dt.DType, N: int, mixed: tuple | None) -> None:
+    """A bias is a unit-stride vector of N elements, of the operands' dtype (or a float32 slot of a mixed product)."""
+    if bias is not None and (bias.shape != (N,) or (bias.dtype is not dtype and not mixed) or (N > 1 and bias._strides[0] != 1)):
+        raise ShapeError(f"matmul: bias must be a unit-stride {dtype.name} vector of shape ({N},), "
+                         f"got {bias.dtype.name} {bias.shape} with strides {bias._strides}")
+
+
+def _batch_plan(a: Tensor, b: Tensor, batch: tuple, M: int, strided_out: bool, cld: bool) -> tuple | None:
+    """How the kernel walks the batch: (rows M, batch matrices, (the two batch dims' shape, A's
+    strides, B's strides)), or None where three or more batch dims do not merge."""
+    nb = numel(batch)
     sa = broadcast_strides(a.shape[:-2], a._strides[:-2], batch)
     sb = broadcast_strides(b.shape[:-2], b._strides[:-2], batch)
     if cld:  # the kernel's z0 / z1 must be the out's two batch dims, unmerged
         cshape, ca, cb = list(batch), list(sa), list(sb)
     else:
         cshape, (ca, cb) = collapse(batch, sa, sb)
-    if len(cshape) > 2:  # three or more unmergeable batch dims: make the operands contiguous
-        return matmul(kern.copy(a.expand(batch + (M, K))), kern.copy(b.expand(batch + (K, N))), bias, out, _epi,
-                      compute=compute)
-    if _epi is not None:
-        _check_epi(_epi, out, batch + (M, N), ct or cld, a_dtype)
-    if len(cshape) == 1 and cb[0] == 0 and ca[0] == M * a._strides[-2] and not (ct or cld):
+    if len(cshape) > 2:
+        return None
+    if len(cshape) == 1 and cb[0] == 0 and ca[0] == M * a._strides[-2] and not strided_out:
         # B is shared by every batch matrix and A's batches follow each other along M (a
         # Linear layer on [B, T, C]): one [nb*M, K] @ [K, N] product.  Each output is the
         # same K-loop as before, so results are bit-identical; the taller grid lets the
@@ -289,21 +312,20 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None 
         M, nb, cshape, ca, cb = M * nb, 1, [], [], []
     while len(cshape) < 2:
         cshape, ca, cb = [1] + cshape, [0] + ca, [0] + cb
-    if _epi is None and _bsum is None and a.dtype in _ENGINE_DTYPES and rt.has_gemm(a.dtype.name):
-        if nb == 1:  # one product (a Linear's batch folded into M above): the three matrices as 2-D views
-            a2, b2, c2 = (Tensor(t._st, shape, t._strides[-2:], t._off, t.dtype)
-                          for t, shape in ((a, (M, K)), (b, (K, N)), (out, (M, N))))
-            if _on_matrix_engine(a2, b2, bias, c2, widen):
-                return out
-        elif _on_matrix_engine(a, b, bias, out, widen):  # a batch of products: one launch for all
-            return out
-    if widen:  # the engine declined it: the product, then its cast
-        kern.copy_into(out, matmul(a, b, bias))
-        return out
-    if nb > 65535:
-        raise ShapeError(f"matmul: {nb} batch matrices exceed the 65535 the kernel dispatches at once; reshape the batch")
-    _dispatch(a, b, bias, out, _epi, _bsum, mixed, a_dtype, (M, N, K, nb), (cshape, ca, cb), (ct, cld))
-    return out
+    return M, nb, (cshape, ca, cb)
+
+
+def _engine_took(a: Tensor, b: Tensor, bias: Tensor | None, out: Tensor, widen: bool, nb: int, M: int, N: int,
+                 K: int) -> bool:
+    """Run the product on the device's matrix engine where it takes the dtype and the layout;
+    False, with nothing run, where it does not.  ``M`` is the batch-folded row count of one product."""
+    if a.dtype not in _ENGINE_DTYPES or not a._st.rt.has_gemm(a.dtype.name):
+        return False
+    if nb == 1:  # one product (a Linear's batch folded into M above): the three matrices as 2-D views
+        a2, b2, c2 = (Tensor(t._st, shape, t._strides[-2:], t._off, t.dtype)
+                      for t, shape in ((a, (M, K)), (b, (K, N)), (out, (M, N))))
+        return _on_matrix_engine(a2, b2, bias, c2, widen)
+    return _on_matrix_engine(a, b, bias, out, widen)  # a batch of products: one launch for all
 
 
 def _dispatch(a: Tensor, b: Tensor, bias: Tensor | None, out: Tensor, epi: tuple | None, bsum: Tensor | None,

@@ -40,10 +40,14 @@ class Workload:
     """A helios-train config's GPT, its AdamW and one fixed batch: the step each mode times."""
 
     def __init__(self, config: str) -> None:
+        import helios as hl
         from helios.nn import GPT, GPTConfig
-        from helios.optim import AdamW
+        from helios.optim import AdamW, clip_grad_norm_
+        from helios.profile.timers import StepTimer
         from helios.train import CONFIGS
 
+        # Kept here, not imported in step(): an import statement there would run inside the timed loop.
+        self.hl, self.clip, self.StepTimer = hl, clip_grad_norm_, StepTimer
         c = CONFIGS[config]
         self.B, self.T = c["batch_size"], c["block_size"]
         cfg = GPTConfig(vocab_size=256, block_size=self.T, n_layer=c["n_layer"], n_head=c["n_head"], n_embd=c["n_embd"])
@@ -54,9 +58,7 @@ class Workload:
 
     def step(self, timer=None) -> float:
         """One training step, each phase under ``timer`` when one is given; the loss."""
-        import helios as hl
-        from helios.optim import clip_grad_norm_
-
+        hl, clip_grad_norm_ = self.hl, self.clip
         if timer is None:
             _, loss = self.model(hl.tensor(self.x), hl.tensor(self.y))
             loss.backward()
@@ -84,12 +86,9 @@ class Workload:
     def run(self, mode: str, steps: int) -> list[float]:
         """``steps`` step times in ``mode``: off, timers (a StepTimer), or full (timers inside one
         profiling session, as helios-train --profile-steps opens)."""
-        import helios as hl
-        from helios.profile.timers import StepTimer
-
         out = []
-        timer = StepTimer() if mode != "off" else None
-        session = hl.profile.profile() if mode == "full" else None
+        timer = self.StepTimer() if mode != "off" else None
+        session = self.hl.profile.profile() if mode == "full" else None
         prof = session.__enter__() if session else None
         for _ in range(steps):
             t0 = time.perf_counter()

@@ -134,8 +134,8 @@ _NEEDED = {"params": "the parameter count (e.g. '1e12 params')", "gpus": "the GP
 
 
 class _Claims:
-    """The parsed claims of one text on one device, and a verdict for each kind (the methods below,
-    each None where the text makes no claim of its kind)."""
+    """The parsed claims of one text on one device, and one method per claim kind giving its verdict
+    (``check`` calls a kind's method only where the text makes a claim of that kind)."""
 
     def __init__(self, c: dict, dev, dtype: str, price: float):
         self.c, self.dev, self.price = c, dev, price
@@ -195,7 +195,7 @@ class _Claims:
         return Verdict(self.ph["mem_per_gpu"], "ok", f"{head}; activations come on top", floor / claim)
 
     def days(self) -> Verdict:
-        k = self.need("params", "tokens") + self.need("gpus")
+        k = self.need("params", "tokens", "gpus")
         if k:
             return self.unknown("days", k)
         floor = 6 * self.N * self.c["tokens"] / (self.G * self.peak)

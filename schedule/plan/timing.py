@@ -239,7 +239,7 @@ def _data_parallel(par: Parallel, st: Settings, dev: Device, links: dict, m: int
     if par.zero <= 1:
         # the gradient reduction (for ZeRO-1, half the end's traffic: its reduce-scatter) hides behind
         # the last micro-batch's backward, bucket by bucket; the rest (ZeRO-1's all-gather) is exposed
-        red = end if par.zero == 0 else (end_d + end_e) / 2
+        red = end if par.zero == 0 else end / 2
         rest = end - red
         grad_bytes = (dense + expert) * st.grad_b
         return (bucketed_exposure(grad_bytes, red, comp_b, st.first_bucket_bytes, st.bucket_bytes) + rest

@@ -127,6 +127,14 @@ class Cta:
         self.kinds = [instr_kind(i.op) for i in prog.instrs]
         self.handlers = [emu_ops.handler_for(i, prog) for i in prog.instrs]
         self.is_branch = [i.op.startswith("bra") for i in prog.instrs]
+        # Straight-line instructions (see _straight_run), and False past the last one.
+        self.straight = [k == KIND_PLAIN and emu_ops.runs_straight(i) for k, i in zip(self.kinds, prog.instrs)] + [False]
+        self.warp_lanes = [np.arange(32 * w, 32 * w + 32) for w in range(self.nwarps)]
+        for lanes in self.warp_lanes:
+            lanes.flags.writeable = False  # handed to every handler, turn after turn
+        # Per warp, the registers all 32 of its lanes have written (``written`` never clears):
+        # a read or write by the whole warp skips the per-lane check or mark for them.
+        self.warp_wrote: list[set[str]] = [set() for _ in range(self.nwarps)]
         self.current = None  # (warp, instr) being executed, for messages
         # Cluster membership; a CTA launched without a cluster is a cluster of one.
         self.peers: list[Cta] = [self]
@@ -170,11 +178,18 @@ class Cta:
         view = VIEW[typ]
         if arg.__class__ is RegArg:  # the common case first: every check, fewest numpy calls
             name = arg.name
-            r = self._reg(name)
-            written = self.written[name][lanes]
-            if np.count_nonzero(written) != lanes.size:
-                raise self.fail(f"register {name} read by thread {int(lanes[~written][0])} before anything wrote it")
-            if name in self.wgmma_state(lanes).locked:
+            r = self.regs.get(name)
+            if r is None:
+                r = self._reg(name)
+            w = int(lanes[0]) >> 5
+            whole_warp = lanes is self.warp_lanes[w]
+            if not whole_warp or name not in self.warp_wrote[w]:
+                written = self.written[name][lanes]
+                if np.count_nonzero(written) != lanes.size:
+                    raise self.fail(f"register {name} read by thread {int(lanes[~written][0])} before anything wrote it")
+                if whole_warp:
+                    self.warp_wrote[w].add(name)
+            if name in self.wgmma[w].locked:
                 raise self.fail(f"register {name} read while a wgmma writing it is in flight (no wgmma.wait_group)")
             v = r[lanes]
             if v.itemsize != VIEW_SIZE[typ]:
@@ -214,10 +229,13 @@ class Cta:
                 return
             raise self.fail(f"destination {arg} is not a register")
         name = arg.name
-        r = self._reg(name)
+        r = self.regs.get(name)
+        if r is None:
+            r = self._reg(name)
         if lanes.size == 0:
             return
-        st = self.wgmma_state(lanes)
+        w = int(lanes[0]) >> 5
+        st = self.wgmma[w]
         if name in st.locked:
             raise self.fail(f"register {name} written while a wgmma accumulating into it is in flight")
         if name in st.inputs:
@@ -232,7 +250,11 @@ class Cta:
             if value.itemsize != r.itemsize:
                 raise self.fail(f"writing {value.itemsize * 8}-bit value into {name}")
             r[lanes] = value if value.dtype == r.dtype else value.view(r.dtype)
-        self.written[name][lanes] = True
+        if lanes is not self.warp_lanes[w]:
+            self.written[name][lanes] = True
+        elif name not in self.warp_wrote[w]:
+            self.written[name][lanes] = True
+            self.warp_wrote[w].add(name)
 
     def _special(self, name: str, lanes: np.ndarray) -> np.ndarray:
         axis = "xyz".index(name[-1]) if name[-2] == "." else 0
@@ -407,14 +429,16 @@ class Cta:
     def _turn(self, w: int) -> int:
         """Run warp ``w`` for up to TURN_BUDGET instructions; returns how many made progress."""
         useful = 0
-        lanes_all = np.arange(32 * w, 32 * w + 32)
+        lanes_all = self.warp_lanes[w]
         alive_w = self.alive[32 * w:32 * w + 32]  # views: they see what handlers change
         pc_w = self.pc[32 * w:32 * w + 32]
         blk = self.blocked[w]
         if blk is not None and self.kinds[blk[1]] == KIND_WARPGROUP:
             useful += self._release_warpgroup(w // 4)  # e.g. setmaxnreg.inc once registers were freed
         instrs = self.prog.instrs
-        for _ in range(TURN_BUDGET):
+        budget = TURN_BUDGET
+        while budget > 0:
+            budget -= 1
             if self.blocked[w] is not None:
                 break
             # The lanes at the lowest PC run; a converged warp (the usual case) is all of them,
@@ -431,6 +455,11 @@ class Cta:
             if p >= len(instrs):
                 raise EmulationError(f"CTA {self.ctaid[:2]} warp {w}: ran off the end of the kernel without ret")
             grp = lanes if pc_list.count(p) == live else lanes[pcs == p]
+            if grp is lanes_all and self.straight[p]:
+                ran, made_progress = self._straight_run(w, p, budget + 1)
+                useful += made_progress
+                budget -= ran - 1
+                continue
             ins = instrs[p]
             self.current = (w, ins)
             kind = self.kinds[p]
@@ -466,6 +495,36 @@ class Cta:
                 useful += 1
         self.current = None
         return useful
+
+    def _straight_run(self, w: int, p: int, budget: int) -> tuple[int, int]:
+        """Run converged warp ``w`` from instruction ``p`` through the straight-line instructions
+        after it, at most ``budget`` of them; returns how many it passed and how many of those
+        some lane executed (the others were guarded off for every lane).
+
+        What the scheduler's loop would do one instruction at a time, without finding the warp's
+        lanes and lowest PC again after each: none of these instructions branches, exits,
+        blocks or waits, so the whole warp stays at the next one."""
+        instrs, handlers, straight = self.prog.instrs, self.handlers, self.straight
+        lanes_all = self.warp_lanes[w]
+        n = executed = 0
+        try:
+            while n < budget and straight[p]:
+                ins = instrs[p]
+                self.current = (w, ins)
+                n += 1
+                p += 1
+                if ins.pred is None:
+                    handlers[p - 1](self, ins, lanes_all)
+                else:
+                    g = self.read(ins.pred_arg, lanes_all, "pred")
+                    act = lanes_all[~g] if ins.negate else lanes_all[g]
+                    if not act.size:
+                        continue
+                    handlers[p - 1](self, ins, act)
+                executed += 1
+        finally:
+            self.pc[32 * w:32 * w + 32] += n
+        return n, executed
 
     def _release_warpgroup(self, g: int) -> int:
         """If all four warps of warpgroup ``g`` wait at the same instruction, run it for 128 lanes."""

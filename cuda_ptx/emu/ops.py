@@ -1961,6 +1961,19 @@ _FLOAT_HEADS = {"add", "sub", "mul", "fma", "mad", "div", "neg", "abs", "min", "
                 "ex2", "lg2", "sin", "cos", "tanh", "copysign"}
 
 
+# Opcodes whose warp-scheduler handlers only compute into registers or load and store memory:
+# none moves a thread's PC, ends a thread, blocks its warp or waits (returns "spin").
+_STRAIGHT_HEADS = {"add", "sub", "and", "or", "xor", "min", "max", "div", "rem", "shl", "shr", "mul", "mad",
+                   "fma", "mov", "cvta", "ld", "st", "setp", "selp", "testp", "cvt"} | _FLOAT_HEADS
+
+
+def runs_straight(ins: PtxInstr) -> bool:
+    """Whether ``ins`` is straight-line code for the warp scheduler: a converged warp that runs
+    it is still converged, at the next instruction, and free to go on (no branch, exit, wait,
+    barrier or warp-collective).  The scheduler runs such runs back to back."""
+    return ins.parts[0] in _STRAIGHT_HEADS
+
+
 def is_compute_program(prog) -> bool:
     """True when ``prog`` uses no instruction that needs the warp scheduler (async copies,
     tensor cores, mbarriers, clusters, barriers with thread counts): the vectorised

@@ -798,11 +798,11 @@ class Grid:
 
     def check_written(self, s: int, sel) -> None:
         w = self.written[s]
-        if w.all():
+        if np.count_nonzero(w) == w.size:
             self.complete[s] = True
             return
         sub = w if sel is None else w[sel]
-        if not sub.all():
+        if np.count_nonzero(sub) != sub.size:
             g = int(self.gid(sel)[np.flatnonzero(~sub)[0]])
             c = self.ctas[int(self.cta_idx[g])]
             raise EmulationError(f"register {self.comp.names[s]} read by thread {int(self.tid_lin[g])} before "
@@ -965,7 +965,7 @@ class Grid:
             else:
                 cand = alive & ~waiting if nwait else alive
                 pcm = np.where(cand, pc, BIG)
-                p = int(pcm.min())
+                p = int(np.minimum.reduce(pcm))
                 if p == BIG:
                     if nwait == 0:
                         self.steps = steps
@@ -990,9 +990,10 @@ class Grid:
                 g = self._pred(op.guard, sel)
                 if op.negate:
                     g = ~g
-                if g.all():
+                on = np.count_nonzero(g)  # one count instead of all() and any(): fewer numpy calls
+                if on == g.size:
                     act = sel
-                elif not g.any():
+                elif on == 0:
                     act = _EMPTY
                 else:
                     act = np.flatnonzero(g) if sel is None else sel[g]

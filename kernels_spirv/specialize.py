@@ -55,7 +55,16 @@ MIN_BYTES = 10 * 1024
 PASSES = ("--freeze-spec-const", "--fold-spec-const-op-composite", "--eliminate-dead-branches",
           "--merge-blocks", "--eliminate-dead-code-aggressive", "--eliminate-dead-functions")
 
+# For the PTX translation (helios.cuda_ptx.spirv_ptx), which runs a loop as a loop and a
+# function-scope array as per-thread memory: after the freeze, loops marked [[unroll]] are unrolled
+# (twice: a pass unrolls the innermost of nested loops), the now constant indices propagated
+# (--ccp), and the arrays they index split into SSA values.  Still no pass that reorders,
+# contracts or re-rounds arithmetic.
+UNROLL_PASSES = PASSES + ("--loop-unroll", "--loop-unroll", "--ccp", "--scalar-replacement=0", "--ssa-rewrite",
+                          "--eliminate-dead-code-aggressive", "--merge-blocks")
+
 _OP_DECORATE, _DECORATION_SPEC_ID = 71, 1
+_OP_LOOP_MERGE, _LOOP_CONTROL_UNROLL = 246, 0x1
 _OP_TYPE_BOOL, _OP_TYPE_INT, _OP_TYPE_FLOAT = 20, 21, 22
 _OP_SPEC_TRUE, _OP_SPEC_FALSE, _OP_SPEC = 48, 49, 50
 _MAGIC = 0x07230203
@@ -143,6 +152,39 @@ def specialize(code: bytes, spec: Sequence[int], wait: bool | None = None) -> by
     return None
 
 
+def has_unroll_loops(code: bytes) -> bool:
+    """Whether a SPIR-V module has a loop marked [[unroll]] (an OpLoopMerge with the Unroll control)."""
+    n = len(code) // 4
+    words = struct.unpack(f"<{n}I", code[:4 * n])
+    i = 5
+    while i < n:
+        count, op = words[i] >> 16, words[i] & 0xFFFF
+        if op == _OP_LOOP_MERGE and words[i + 3] & _LOOP_CONTROL_UNROLL:
+            return True
+        i += max(count, 1)
+    return False
+
+
+def unrolled(code: bytes, spec: Sequence[int]) -> bytes | None:
+    """``code`` with its specialization constants set to ``spec`` and frozen, and its [[unroll]]
+    loops unrolled, their arrays split into values (UNROLL_PASSES), from the disk cache or made
+    now; None where the module has no such loop, or spirv-opt is missing or fails."""
+    if not has_unroll_loops(code):
+        return None
+    key = hashlib.sha256(code + repr(("unrolled", tuple(int(s) for s in spec))).encode()).hexdigest()
+    if key in _memo:
+        return _memo[key]
+    path = _cache_path(key)
+    try:
+        with open(path, "rb") as f:
+            _memo[key] = out = f.read()
+        return out
+    except OSError:
+        pass
+    _memo[key] = out = _freeze(code, [int(v) for v in spec], path, UNROLL_PASSES) if spirv_opt() else None
+    return out
+
+
 def _first_sight(key: str) -> bool:
     """True the first time any process misses ``key`` (it leaves a mark for the next one).
 
@@ -188,9 +230,10 @@ def _start_background(code: bytes, spec: Sequence[int], path: str) -> None:
                                         stderr=subprocess.DEVNULL, start_new_session=True))
 
 
-def _freeze(code: bytes, spec: list[int], path: str) -> bytes | None:
-    """spirv-opt over ``code`` with ``spec`` frozen in; the result written to ``path`` (temp name,
-    fsync, rename) and returned; None where a constant's kind is not handled or spirv-opt fails."""
+def _freeze(code: bytes, spec: list[int], path: str, passes: Sequence[str] = PASSES) -> bytes | None:
+    """spirv-opt ``passes`` over ``code`` with ``spec`` frozen in; the result written to ``path``
+    (temp name, fsync, rename) and returned; None where a constant's kind is not handled or
+    spirv-opt fails."""
     kinds = spec_constant_kinds(code)
     values = []
     for sid, v in enumerate(spec):
@@ -199,15 +242,15 @@ def _freeze(code: bytes, spec: list[int], path: str) -> bytes | None:
             if text is None:
                 return None
             values.append(f"{sid}:{text}")
-    if not values:
+    if not values and passes is PASSES:
         return None
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with tempfile.TemporaryDirectory() as d:
         src, dst = os.path.join(d, "in.spv"), os.path.join(d, "out.spv")
         with open(src, "wb") as f:
             f.write(code)
-        res = subprocess.run([spirv_opt(), "--set-spec-const-default-value", " ".join(values), *PASSES, src, "-o", dst],
-                             capture_output=True, timeout=300)
+        setting = ["--set-spec-const-default-value", " ".join(values)] if values else []
+        res = subprocess.run([spirv_opt(), *setting, *passes, src, "-o", dst], capture_output=True, timeout=300)
         if res.returncode != 0 or not os.path.exists(dst):
             return None
         with open(dst, "rb") as f:

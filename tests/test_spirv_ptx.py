@@ -7,10 +7,10 @@ import subprocess
 
 import pytest
 
-from helios.cuda_ptx import toolchain
+from helios.cuda_ptx import spirv_ptx, toolchain
 from helios.cuda_ptx.spirv import SpirvError, read_module
 from helios.cuda_ptx.spirv_ptx import translate
-from helios.kernels_spirv import registry
+from helios.kernels_spirv import registry, specialize
 
 needs_ptxas = pytest.mark.skipif(toolchain.find_tool("ptxas") is None,
                                  reason="ptxas not found (CUDA toolkit or `pip install nvidia-cuda-nvcc`)")
@@ -128,3 +128,38 @@ def test_the_wide_elementwise_paths_are_sixteen_byte_accesses(tmp_path):
         assert ptx.count("ld.global.v4.u32") == loads and ptx.count("st.global.v4.u32") == 1, (kernel, variant)
         if toolchain.find_tool("ptxas") is not None:
             _assemble_without_spills(kernel, variant, spec, tmp_path)
+
+
+def _linear_on_cuda0(x, w, b) -> list[bytes]:
+    """A Linear's output and its three gradients on cuda:0 (a device opened for this call)."""
+    import numpy as np
+
+    import helios as hl
+    import helios.nn.functional as F
+    from helios.runtime import close_device, set_device
+
+    close_device("cuda:0")
+    set_device("cuda:0")
+    xs, ws, bs = (hl.tensor(v, requires_grad=True) for v in (x, w, b))
+    y = F.linear(xs, ws, bs)
+    (y * y).sum().backward()
+    return [np.ascontiguousarray(t.numpy()).tobytes() for t in (y, xs.grad, ws.grad, bs.grad)]
+
+
+@pytest.mark.skipif(specialize.spirv_opt() is None, reason="spirv-opt is not installed")
+def test_unrolled_loops_leave_no_per_thread_arrays_and_compute_the_same_bits(emulated_cuda, monkeypatch):
+    """matmul's GPU kernel marks its register-tile loops [[unroll]]: the translation unrolls them,
+    so its accumulators are registers instead of per-thread .local memory, and the emulated cuda:0
+    gives the loop form's bits (several tiles, ragged edges, the bias gradient's column sums)."""
+    import numpy as np
+
+    code, spec = registry.spirv("matmul", "f32"), (64, 64, 16, 16, 16, 0)
+    assert specialize.has_unroll_loops(code) and not specialize.has_unroll_loops(registry.spirv("ew_binary", "f32"))
+    assert ".local" not in translate(code, spec, "mm").ptx
+    rng = np.random.default_rng(0)
+    x, w, b = (rng.standard_normal(s).astype(np.float32) for s in ((2, 70, 130), (67, 130), (67,)))
+    monkeypatch.setattr(spirv_ptx, "translate_cached", lambda s, sp=(), name="k", target="sm_90": translate(s, sp, name, target))
+    unrolled = _linear_on_cuda0(x, w, b)
+    monkeypatch.setattr(spirv_ptx, "unrolled", lambda *a: None)  # the loops as they are
+    assert ".local" in translate(code, spec, "mm").ptx
+    assert _linear_on_cuda0(x, w, b) == unrolled

@@ -231,11 +231,11 @@ void main() {
     const uint NT = uint(WX * WY);
 
     float acc[TM][TN];
-    for (int i = 0; i < TM; ++i)
-        for (int j = 0; j < TN; ++j) acc[i][j] = 0.0;
+    [[unroll]] for (int i = 0; i < TM; ++i)
+        [[unroll]] for (int j = 0; j < TN; ++j) acc[i][j] = 0.0;
     const bool sums = BSUM == 1 && gl_WorkGroupID.y == 0u;
     float bs[BSN];  // BSUM: this invocation's columns tid, tid + NT, ... of the tile
-    for (int j = 0; j < BSN; ++j) bs[j] = 0.0;
+    [[unroll]] for (int j = 0; j < BSN; ++j) bs[j] = 0.0;
 
     for (uint k0 = 0u; k0 < p.K; k0 += uint(BK)) {
         for (uint e = tid; e < uint(BM * BK); e += NT) {
@@ -250,23 +250,23 @@ void main() {
         }
         barrier();
         if (sums) {  // zeros past K and N leave a sum as it is
-            for (int j = 0; j < BSN; ++j) {
+            [[unroll]] for (int j = 0; j < BSN; ++j) {
                 uint nn = tid + uint(j) * NT;
                 if (nn < uint(BN))
-                    for (int kk = 0; kk < BK; ++kk) bs[j] += Bs[kk][nn];
+                    [[unroll]] for (int kk = 0; kk < BK; ++kk) bs[j] += Bs[kk][nn];
             }
         }
         for (int kk = 0; kk < BK; ++kk) {
             float ra[TM], rb[TN];
-            for (int i = 0; i < TM; ++i) ra[i] = As[kk][int(ty) + i * WY];
-            for (int j = 0; j < TN; ++j) rb[j] = Bs[kk][int(tx) + j * WX];
-            for (int i = 0; i < TM; ++i)
-                for (int j = 0; j < TN; ++j) acc[i][j] += ra[i] * rb[j];
+            [[unroll]] for (int i = 0; i < TM; ++i) ra[i] = As[kk][int(ty) + i * WY];
+            [[unroll]] for (int j = 0; j < TN; ++j) rb[j] = Bs[kk][int(tx) + j * WX];
+            [[unroll]] for (int i = 0; i < TM; ++i)
+                [[unroll]] for (int j = 0; j < TN; ++j) acc[i][j] += ra[i] * rb[j];
         }
         barrier();
     }
     if (sums) {
-        for (int j = 0; j < BSN; ++j) {
+        [[unroll]] for (int j = 0; j < BSN; ++j) {
             uint nn = tid + uint(j) * NT;
             if (nn < uint(BN) && n0 + nn < p.N) mm_st_bsum(p.off_bias + n0 + nn, bs[j]);
         }
@@ -274,17 +274,19 @@ void main() {
     uint ldc = p.ldc > 0u ? p.ldc : (CT == 1 ? p.M : p.N);
     uint cbase = p.ldc > 0u ? p.off_c + z0 * (CT == 1 ? p.N : p.M) * ldc + z1 * (CT == 1 ? p.M : p.N)
                             : p.off_c + z * p.M * p.N;
-    for (int i = 0; i < TM; ++i) {
+    // No `continue` in these loops: a loop that has one is not unrolled (by spirv-opt, for the
+    // PTX translation), and acc[] would stay an array in memory.
+    [[unroll]] for (int i = 0; i < TM; ++i) {
         uint gm = m0 + ty + uint(i * WY);
-        if (gm >= p.M) continue;
-        for (int j = 0; j < TN; ++j) {
+        [[unroll]] for (int j = 0; j < TN; ++j) {
             uint gn = n0 + tx + uint(j * WX);
-            if (gn >= p.N) continue;
-            float v = acc[i][j] + (p.has_bias != 0u ? mm_ldbias(p.off_bias + gn) : 0.0);
+            if (gm < p.M && gn < p.N) {
+                float v = acc[i][j] + (p.has_bias != 0u ? mm_ldbias(p.off_bias + gn) : 0.0);
 #ifdef MM_EPI
-            v = mm_epi(v, z * p.M * p.N + gm * p.N + gn, true);  // C contiguous (no CT / ldc)
+                v = mm_epi(v, z * p.M * p.N + gm * p.N + gn, true);  // C contiguous (no CT / ldc)
 #endif
-            mm_stc(CT == 1 ? cbase + gn * ldc + gm : cbase + gm * ldc + gn, v);
+                mm_stc(CT == 1 ? cbase + gn * ldc + gm : cbase + gm * ldc + gn, v);
+            }
         }
     }
 }

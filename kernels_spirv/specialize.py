@@ -123,6 +123,22 @@ def _cache_path(key: str) -> str:
     return os.path.join(cache_dir(), "spv", "specialized", key + ".spv")
 
 
+_UNKNOWN = object()  # _known's "neither this process nor the disk cache has an answer"
+
+
+def _known(key: str):
+    """This process's earlier answer for ``key`` (a module, or None: the driver's), else the module
+    cached on disk (remembered from now on), else _UNKNOWN."""
+    if key in _memo:
+        return _memo[key]
+    try:
+        with open(_cache_path(key), "rb") as f:
+            _memo[key] = out = f.read()
+        return out
+    except OSError:
+        return _UNKNOWN
+
+
 def specialize(code: bytes, spec: Sequence[int], wait: bool | None = None) -> bytes | None:
     """``code`` with specialization constant i set to ``spec[i]``, frozen, and the code it makes
     dead removed, from the disk cache; None where the driver should specialize this time
@@ -132,15 +148,10 @@ def specialize(code: bytes, spec: Sequence[int], wait: bool | None = None) -> by
     if not ENABLED or not spec or len(code) < MIN_BYTES:
         return None
     key = hashlib.sha256(code + repr(tuple(int(s) for s in spec)).encode()).hexdigest()
-    if key in _memo:
-        return _memo[key]
-    path = _cache_path(key)
-    try:
-        with open(path, "rb") as f:
-            _memo[key] = out = f.read()
+    out = _known(key)
+    if out is not _UNKNOWN:
         return out
-    except OSError:
-        pass
+    path = _cache_path(key)
     if wait is None:
         wait = MODE == "sync"
     if wait:
@@ -172,16 +183,9 @@ def unrolled(code: bytes, spec: Sequence[int]) -> bytes | None:
     if not has_unroll_loops(code):
         return None
     key = hashlib.sha256(code + repr(("unrolled", tuple(int(s) for s in spec))).encode()).hexdigest()
-    if key in _memo:
-        return _memo[key]
-    path = _cache_path(key)
-    try:
-        with open(path, "rb") as f:
-            _memo[key] = out = f.read()
-        return out
-    except OSError:
-        pass
-    _memo[key] = out = _freeze(code, [int(v) for v in spec], path, UNROLL_PASSES) if spirv_opt() else None
+    out = _known(key)
+    if out is _UNKNOWN:
+        _memo[key] = out = _freeze(code, [int(v) for v in spec], _cache_path(key), UNROLL_PASSES) if spirv_opt() else None
     return out
 
 

@@ -24,6 +24,9 @@ shapes in one process starts no job.  It never waits; the jobs run at the lowest
 ``HELIOS_SPECIALIZE=sync`` waits for spirv-opt instead; ``0`` (or no spirv-opt installed)
 leaves it to the driver.
 
+``unrolled`` freezes a kernel the same way for the PTX translation (helios.cuda_ptx.spirv_ptx),
+in the process that asks, and also unrolls its [[unroll]] loops (UNROLL_PASSES).
+
 Run as a script (``python specialize.py IN OUT SPEC...``) it is the background job.
 """
 
@@ -246,7 +249,7 @@ def _freeze(code: bytes, spec: list[int], path: str, passes: Sequence[str] = PAS
             if text is None:
                 return None
             values.append(f"{sid}:{text}")
-    if not values and passes is PASSES:
+    if not values and passes == PASSES:  # nothing to freeze: the driver gets the module as it is
         return None
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with tempfile.TemporaryDirectory() as d:

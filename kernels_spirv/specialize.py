@@ -60,10 +60,10 @@ PASSES = ("--freeze-spec-const", "--fold-spec-const-op-composite", "--eliminate-
 
 # For the PTX translation (helios.cuda_ptx.spirv_ptx), which runs a loop as a loop and a
 # function-scope array as per-thread memory: after the freeze, loops marked [[unroll]] are unrolled
-# (twice: a pass unrolls the innermost of nested loops), the now constant indices propagated
-# (--ccp), and the arrays they index split into SSA values.  Still no pass that reorders,
-# contracts or re-rounds arithmetic.
-UNROLL_PASSES = PASSES + ("--loop-unroll", "--loop-unroll", "--ccp", "--scalar-replacement=0", "--ssa-rewrite",
+# (nested ones too: a second --loop-unroll gives the same bytes on every matmul kernel), the now
+# constant indices propagated (--ccp), and the arrays they index split into SSA values.  Still no
+# pass that reorders, contracts or re-rounds arithmetic.
+UNROLL_PASSES = PASSES + ("--loop-unroll", "--ccp", "--scalar-replacement=0", "--ssa-rewrite",
                           "--eliminate-dead-code-aggressive", "--merge-blocks")
 
 _OP_DECORATE, _DECORATION_SPEC_ID = 71, 1
@@ -126,6 +126,12 @@ def _cache_path(key: str) -> str:
     return os.path.join(cache_dir(), "spv", "specialized", key + ".spv")
 
 
+def _key(code: bytes, spec: Sequence[int], passes: Sequence[str]) -> str:
+    """The cache key of ``code`` frozen at ``spec`` through ``passes`` (a changed pass list is
+    another module, never the one cached before it)."""
+    return hashlib.sha256(code + repr((tuple(int(s) for s in spec), tuple(passes))).encode()).hexdigest()
+
+
 _UNKNOWN = object()  # _known's "neither this process nor the disk cache has an answer"
 
 
@@ -150,7 +156,7 @@ def specialize(code: bytes, spec: Sequence[int], wait: bool | None = None) -> by
     ``sync`` mode) asks to wait for it).  None too where spirv-opt is missing or fails."""
     if not ENABLED or not spec or len(code) < MIN_BYTES:
         return None
-    key = hashlib.sha256(code + repr(tuple(int(s) for s in spec)).encode()).hexdigest()
+    key = _key(code, spec, PASSES)
     out = _known(key)
     if out is not _UNKNOWN:
         return out
@@ -185,7 +191,7 @@ def unrolled(code: bytes, spec: Sequence[int]) -> bytes | None:
     now; None where the module has no such loop, or spirv-opt is missing or fails."""
     if not has_unroll_loops(code):
         return None
-    key = hashlib.sha256(code + repr(("unrolled", tuple(int(s) for s in spec))).encode()).hexdigest()
+    key = _key(code, spec, UNROLL_PASSES)
     out = _known(key)
     if out is _UNKNOWN:
         _memo[key] = out = _freeze(code, [int(v) for v in spec], _cache_path(key), UNROLL_PASSES) if spirv_opt() else None

@@ -24,7 +24,7 @@ def _stats() -> dict:
 # -- tensors larger than one binding window -----------------------------------------------------
 # One test fills, reduces, reads back and uploads a tensor past the device's own window (lavapipe's
 # 128 MiB maxStorageBufferRange); the others run the window-splitting paths at a 4 MiB window
-# (``windowed``) on tensors of a few windows, as on any device, at a fortieth of the cost.
+# (``windowed``) on tensors of a few windows, as on any device, a sixteenth of the size.
 BIG = 40_000_000  # float32: 160 MB, more than lavapipe's 128 MiB maxStorageBufferRange
 WINDOW = 4 << 20
 LONG = 2_500_000  # float32: 10 MB, 2.4 windows of 4 MiB

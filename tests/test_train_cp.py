@@ -21,12 +21,8 @@ TINY = ("--config", "tiny", "--attention", "flash", "--steps", "4", "--sample-to
 
 
 @pytest.fixture(scope="module")
-def one_rank(shared_dir):
-    def make(folder):
-        r = launch(1, folder / "run", *TINY)
-        assert r.returncode == 0, r.stderr[-3000:]
-
-    out = shared_dir("cp-one_rank", make) / "run"
+def one_rank(one_rank_run):
+    out = one_rank_run(*TINY)
     return losses(out), final_params(out)
 
 

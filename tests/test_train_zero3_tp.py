@@ -17,7 +17,7 @@ from ranks import run_ranks  # noqa: E402
 from test_train_dist import _one_line_error, _train_args, final_params, launch  # noqa: E402
 from test_train_tp import _same_run  # noqa: E402
 from test_train_zero import _memory  # noqa: E402
-from test_train_zero_pp import _clipped_on_every_step as clipped_on_every_step, one_rank_reference  # noqa: E402
+from test_train_zero_pp import _clipped_on_every_step as clipped_on_every_step  # noqa: E402
 
 pytestmark = [pytest.mark.vulkan, pytest.mark.multiproc]
 
@@ -32,9 +32,11 @@ def _clipped_on_every_step(out) -> None:
 
 
 @pytest.fixture(scope="module")
-def one_rank(shared_dir):
+def one_rank(one_rank_run):
     """One rank over the whole batch: the run to reproduce."""
-    return one_rank_reference(shared_dir, "zero3_tp-one_rank", ARGS, _clipped_on_every_step)
+    out = one_rank_run(*ARGS)
+    _clipped_on_every_step(out)
+    return out
 
 
 def test_zero3_over_the_data_parallel_ranks_of_a_tp_model_trains_what_one_rank_trains(tmp_path, one_rank):

@@ -46,21 +46,12 @@ def _clipped_on_every_step(out, steps: int = STEPS, max_norm: float = MAX_NORM) 
     np.testing.assert_allclose(total, (1 - 0.95 ** steps) * max_norm ** 2, rtol=1e-5)
 
 
-def one_rank_reference(shared_dir, key: str, args, check):
-    """The folder of a one-rank run of ``args`` that ``check(folder)`` accepted, made once per
-    session (conftest's ``shared_dir``, under ``key``)."""
-    def make(out):
-        r = launch(1, out, *args)
-        assert r.returncode == 0, r.stderr[-3000:]
-        check(out)
-
-    return shared_dir(key, make)
-
-
 @pytest.fixture(scope="module")
-def one_rank(shared_dir):
+def one_rank(one_rank_run):
     """One rank accumulating the same 4 micro-batches over the whole batch: the run to reproduce."""
-    return one_rank_reference(shared_dir, "zero_pp-one_rank", ARGS, _clipped_on_every_step)
+    out = one_rank_run(*ARGS)
+    _clipped_on_every_step(out)
+    return out
 
 
 # ZeRO-2 over a plain pipeline is the next test's first run (its steps before and after the resume).

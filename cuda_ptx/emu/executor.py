@@ -80,6 +80,20 @@ def instr_kind(op: str) -> int:
     return KIND_PLAIN
 
 
+def warp_tables(prog: PtxProgram) -> tuple[list, list, list, list]:
+    """Per instruction of ``prog``, what the warp scheduler needs: its kind (instr_kind), its
+    handler, whether it branches, and whether it is straight-line code (see Cta._straight_run;
+    False past the last one).  Made once per program and kept on it: a launch makes a Cta per
+    CTA, and the lists only read the program."""
+    if prog.warp_tables is None:
+        kinds = [instr_kind(i.op) for i in prog.instrs]
+        handlers = [emu_ops.handler_for(i, prog) for i in prog.instrs]
+        is_branch = [i.op.startswith("bra") for i in prog.instrs]
+        straight = [k == KIND_PLAIN and emu_ops.runs_straight(i) for k, i in zip(kinds, prog.instrs)] + [False]
+        prog.warp_tables = (kinds, handlers, is_branch, straight)
+    return prog.warp_tables
+
+
 class Cta:
     """One CTA of a kernel: registers, shared memory, barriers, async queues, and the scheduler."""
 
@@ -124,11 +138,7 @@ class Cta:
         self.wgmma = [WarpWgmma() for _ in range(self.nwarps)]
         self.round = 0
         self.step = 0  # warp turns so far: the clock asynchronous copies land by
-        self.kinds = [instr_kind(i.op) for i in prog.instrs]
-        self.handlers = [emu_ops.handler_for(i, prog) for i in prog.instrs]
-        self.is_branch = [i.op.startswith("bra") for i in prog.instrs]
-        # Straight-line instructions (see _straight_run), and False past the last one.
-        self.straight = [k == KIND_PLAIN and emu_ops.runs_straight(i) for k, i in zip(self.kinds, prog.instrs)] + [False]
+        self.kinds, self.handlers, self.is_branch, self.straight = warp_tables(prog)
         self.warp_lanes = [np.arange(32 * w, 32 * w + 32) for w in range(self.nwarps)]
         for lanes in self.warp_lanes:
             lanes.flags.writeable = False  # handed to every handler, turn after turn

@@ -151,6 +151,8 @@ class PtxProgram:
     shared_name: str = "smem"  # the dynamic shared block (.extern .shared ... NAME[])
     # ops.is_compute_program's answer, kept once asked (a parsed program is shared read-only)
     compute: bool | None = field(default=None, repr=False, compare=False)
+    # executor.warp_tables' answer, kept once made (every CTA of every launch reads it)
+    warp_tables: tuple | None = field(default=None, repr=False, compare=False)
 
     def reg_type(self, name: str) -> str:
         """The declared type of register ``name`` (``%rd3`` -> ``b64``)."""

@@ -54,12 +54,47 @@ COLUMN_THREADS = 65536
 COLUMN_RUN = 64
 
 
+# Mesa's llvmpipe (lavapipe) ends every loop of an invocation once that invocation has run
+# 65,535 loop iterations in all, its loops together (gallivm's LP_MAX_TGSI_LOOP_ITERATIONS, a
+# guard against endless loops), and the kernel goes on with what it has: a column sum of a
+# [70000, 8] tensor came out 16 % off, a [8, 600000] @ [600000, 8] product 31 %.  On such a
+# driver a launcher gives no loop of an invocation more than LOOP_RUN iterations, which leaves
+# the kernel's other loops (a workgroup tree's, an epilogue's) room under the limit.
+LOOP_RUN = 60000
+
+
+def loop_run(rt) -> int | None:
+    """The most iterations a launcher may give one loop of an invocation on ``rt``'s driver
+    (:data:`LOOP_RUN` on llvmpipe), or None where the driver ends no loop early."""
+    info = getattr(rt, "info", None) or {}
+    return LOOP_RUN if str(info.get("name", "")).startswith("llvmpipe") else None
+
+
+def workgroup_for_run(rt, n: int, wg: int, loops: int, what: str) -> int:
+    """The workgroup size for a kernel that gives a workgroup ``n`` elements (a row), each
+    invocation walking ``loops`` times over its share, plus up to ``wg`` steps of other loops:
+    ``wg``, or where that would pass :func:`loop_run` the device's largest workgroup; where even
+    that would, a ShapeError that names ``what`` and the longest row it takes."""
+    cap = loop_run(rt)
+    if cap is None or loops * -(-n // wg) + wg <= cap:
+        return wg
+    big = int(rt.info["limits"].get("max_workgroup_invocations", wg))
+    if loops * -(-n // big) + big <= cap:
+        return big
+    raise ShapeError(f"{what}: a row of {n} elements is longer than the {(cap - big) // loops * big} one workgroup takes "
+                     f"on {rt.info['name']}, which ends a kernel's loops after 65,535 iterations; split the row")
+
+
 def column_chunks(rt, R: int, n: int) -> tuple[int, int]:
     """(runs, rows per run) to cut a reduction of ``n`` outputs over ``R`` rows into: (1, R)
     on CPU devices (their few cores are busy with the outputs alone, and results stay those
-    of one pass) and wherever one pass already fills a GPU.  A function of the shape and the
-    device type only, so a rerun sums in the same order."""
+    of one pass) and wherever one pass already fills a GPU, except that no run is longer than
+    :func:`loop_run` allows.  A function of the shape and the device only, so a rerun sums in
+    the same order."""
     runs = 1 if rt.info["type"] == "cpu" else max(1, min(R // COLUMN_RUN, COLUMN_THREADS // max(n, 1), 1024))
+    cap = loop_run(rt)
+    if cap is not None and R > cap * runs:
+        runs = -(-R // cap)
     per_run = -(-R // runs) if R else 0
     return (-(-R // per_run) if per_run else 1), per_run
 

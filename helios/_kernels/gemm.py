@@ -10,7 +10,7 @@ from helios import fused_kernels
 from helios._shape import broadcast_strides, collapse, numel
 from helios.errors import ShapeError
 from helios.tensor import Tensor
-from helios._kernels.core import bind, empty
+from helios._kernels.core import bind, empty, loop_run
 from helios._kernels import coopmat
 import helios._kernels as kern  # the other kernel families (bound once the package has loaded)
 
@@ -32,6 +32,7 @@ _MM_GPU_SPEC = (64, 64, 16, 16, 16)
 _MM_CPU_TILE: tuple | None = None
 _MM_CPU_WY: int | None = None
 _MM_SG = 8  # the subgroup size the CPU kernel is written for
+_MM_KB = 8  # the K step of its main loop (KB in matmul.glsl)
 _MM_CPU_TALL_F32 = 256  # fp32 outputs of this many rows or more take the 16-row block
 # Whether the CPU kernel's fp32 epilogues run on vec4s where offsets allow (EVEC); False forces
 # the per-element epilogue (tests/test_cpu_fast_paths.py compares the two bit for bit).
@@ -191,6 +192,8 @@ def matmul_bias_grad(a: Tensor, b: Tensor, out: Tensor, bsum: Tensor, compute: d
             or bsum._st.rt is not rt):
         return False
     cpu = _cpu_mm_kernel(rt)
+    if _k_runs(rt, K) > 1:  # matmul() cuts the product; the column sums are then the reduction's own
+        return False
     coop = not cpu and coopmat.choice_for(rt, (compute or a.dtype).name, M, N, K).coopmat
     shared = not cpu and not coop and not rt.has_gemm((compute or a.dtype).name)  # the GPU shared-memory kernel
     if compute is not None:  # float32 slots of a 16-bit product (the mixed CPU kernel's variants, the GPU kernel's constants)
@@ -281,8 +284,67 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None 
         return out
     if nb > 65535:
         raise ShapeError(f"matmul: {nb} batch matrices exceed the 65535 the kernel dispatches at once; reshape the batch")
+    runs = _k_runs(rt, K)
+    if runs > 1:
+        return _matmul_split_k(a, b, bias, out, _epi, compute, runs)
     _dispatch(a, b, bias, out, _epi, _bsum, mixed, a_dtype, (Mc, N, K, nb), cbatch, (ct, cld))
     return out
+
+
+def _k_runs(rt, K: int) -> int:
+    """The runs the CPU kernel's K loop is cut into on ``rt``: 1 unless its loop of K // 8 steps
+    and K % 8 tail steps would pass the driver's loop limit (core.loop_run)."""
+    cap = loop_run(rt)
+    if cap is None or not _cpu_mm_kernel(rt) or K // _MM_KB + K % _MM_KB <= cap:
+        return 1
+    return -(-K // (cap * _MM_KB))
+
+
+def _k_part(x: Tensor, k0: int, n: int, dim: int) -> Tensor:
+    """A raw view of ``n`` indices of ``x`` from ``k0`` along ``dim`` (-1 for a, -2 for b)."""
+    shape = list(x.shape)
+    shape[dim] = n
+    return Tensor(x._st, tuple(shape), x._strides, x._off + k0 * x._strides[dim], x.dtype)
+
+
+def _matmul_split_k(a: Tensor, b: Tensor, bias: Tensor | None, out: Tensor, epi: tuple | None,
+                    compute: dt.DType | None, runs: int) -> Tensor:
+    """matmul() where one pass over K would outrun the driver's loop limit (:func:`_k_runs`):
+    float32 products of ``runs`` runs of K, summed in order (the bias in the first), then the
+    rounding to the product's dtype and the epilogue as kernels of their own.  The same sums in
+    float32 as one pass, added in another order.  ``out`` is filled and returned."""
+    dtype = compute or a.dtype
+
+    def wide(x):  # an operand as the product reads it: a float32 slot rounded to ``compute``, then float32
+        if x is not None and compute is not None and x.dtype is dt.float32:
+            x = kern.copy(x, compute)
+        return x if x is None or x.dtype is dt.float32 else kern.copy(x, dt.float32)
+
+    K = a.shape[-1]
+    per = -(-K // runs)
+    acc = None
+    for k0 in range(0, K, per):
+        n = min(per, K - k0)
+        part = matmul(wide(_k_part(a, k0, n, -1)), wide(_k_part(b, k0, n, -2)), wide(bias) if acc is None else None)
+        acc = part if acc is None else kern.binary_("add", acc, part)
+    r = acc if dtype is dt.float32 else kern.copy(acc, dtype)
+    if epi is not None:
+        r = _unfused_epilogue(epi, r)
+    kern.copy_into(out, r)
+    return out
+
+
+def _unfused_epilogue(epi: tuple, r: Tensor) -> Tensor:
+    """matmul_epi's epilogue ``epi`` = (name, code, e, u) on the rounded product ``r``, as the
+    unfused kernels it matches bit for bit: + e (in e's dtype), gelu_tanh (u gets r), or gelu_tanh's
+    backward at e."""
+    _, code, e, u = epi
+    if code == 1:
+        return kern.binary("add", r if r.dtype is e.dtype else kern.copy(r, e.dtype), e)
+    if code == 2:
+        kern.copy_into(u, r)
+        return kern.unary("gelu_tanh", r)
+    return kern.binary("gelu_tanh_bwd", e, r)
 
 
 def _check_bias(bias: Tensor | None, dtype: dt.DType, N: int, mixed: tuple | None) -> None:

@@ -8,7 +8,7 @@ from helios import dtypes as dt
 from helios._shape import numel
 from helios.errors import ShapeError
 from helios.tensor import Tensor
-from helios._kernels.core import _pad, bind, empty, grid, groups_for
+from helios._kernels.core import _pad, bind, empty, grid, groups_for, loop_run, workgroup_for_run
 import helios._kernels as kern  # the other kernel families (bound once the package has loaded)
 
 
@@ -72,8 +72,10 @@ def scan(op: str, x: Tensor, dim: int, reverse: bool = False) -> Tensor:
     n = x.shape[dim]
     inner = numel(x.shape[dim + 1:])
     rows = out.numel() // n
-    per_thread = rows >= 64 or n <= 64
-    wg = 64 if per_thread else 256
+    cap = loop_run(rt)  # an invocation a row walks all n of it
+    per_thread = (rows >= 64 or n <= 64) and (cap is None or n <= cap)
+    # a workgroup a row: each invocation walks its share twice, the first its WG partials once
+    wg = 64 if per_thread else workgroup_for_run(rt, n, 256, 2, "cum" + op)
     groups = groups_for((rows + wg - 1) // wg) if per_thread else groups_for(rows)
     bx, ox = bind(x)
     pid = rt.pipeline("scan", x.dtype.tag, ({"sum": 0, "prod": 1}[op], reverse, wg, per_thread))

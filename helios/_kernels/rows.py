@@ -9,7 +9,7 @@ from helios import dtypes as dt
 from helios import fused_kernels
 from helios.errors import ShapeError
 from helios.tensor import Tensor
-from helios._kernels.core import bind, column_chunks, empty, groups_for
+from helios._kernels.core import bind, column_chunks, empty, groups_for, workgroup_for_run
 import helios._kernels as kern  # the other kernel families (bound once the package has loaded)
 
 
@@ -21,18 +21,23 @@ _P_EMB = struct.Struct("<5I")
 
 
 # -- row ops ---------------------------------------------------------------------------------
+_ROW_LOOPS = 4
+
+
 def _row_wg(R: int) -> int:
     return 256 if R >= 1024 else 128 if R >= 256 else 64 if R >= 64 else 32
 
 
-def _row_plan(rt, rows: int, R: int):
-    """(workgroup size, one-row-per-invocation?, workgroup counts) for a row kernel.
+def _row_plan(rt, rows: int, R: int, what: str = "a row kernel"):
+    """(workgroup size, one-row-per-invocation?, workgroup counts) for a row kernel (``what``,
+    named by an error for a row too long for the driver: core.workgroup_for_run).
 
     On CPU devices (lavapipe) workgroup barriers are expensive and many rows give enough
     parallelism, so short rows go one per invocation; elsewhere a workgroup shares a row."""
     if (rt.info["type"] == "cpu" and R <= 4096 and rows >= 16) or (R <= 128 and rows >= 4096):
         return 64, True, groups_for((rows + 63) // 64)
-    return _row_wg(R), False, groups_for(rows)
+    # each invocation walks its share of the row at most _ROW_LOOPS times (softmax: max, sum, store)
+    return workgroup_for_run(rt, R, _row_wg(R), _ROW_LOOPS, what), False, groups_for(rows)
 
 
 def _row_variant(rt, dtype: dt.DType, per_thread: bool, out: dt.DType | None = None) -> str:
@@ -61,11 +66,11 @@ def softmax_rows(mode: int, x: Tensor, g: Tensor | None = None, scale: float = 1
     out = empty(x.shape, out_dtype, rt)
     if out.numel() == 0:
         return out
-    wg, per_thread, groups = _row_plan(rt, rows, R)
+    name = ("softmax", "log_softmax", "softmax_bwd", "log_softmax_bwd")[mode]
+    wg, per_thread, groups = _row_plan(rt, rows, R, name)
     pid = rt.pipeline("softmax", _row_variant(rt, x.dtype, per_thread, out_dtype), (mode, wg, per_thread))
     bx, ox = bind(x)
     bg, og = bind(g) if g is not None else (bx, 0)
-    name = ("softmax", "log_softmax", "softmax_bwd", "log_softmax_bwd")[mode]
     if out_dtype is not x.dtype:
         name = fused_kernels.dispatch_name({0: "cast+softmax", 2: "softmax_bwd+cast"}[mode], rt)
     rt.dispatch(pid, [bx, bg, bind(out, True)[0]], _P_SOFTMAX.pack(R, rows, ox, og, scale, x.shape[-2] if causal else 0), groups, name,
@@ -99,7 +104,7 @@ def layer_norm_fwd(x: Tensor, w: Tensor | None, b: Tensor | None, eps: float, rm
     rstd = empty((rows,), dt.float32, rt)
     if rows == 0:
         return y, mean, rstd
-    wg, per_thread, groups = _row_plan(rt, rows, C)
+    wg, per_thread, groups = _row_plan(rt, rows, C, "layer_norm")
     pid = rt.pipeline("layernorm", _row_variant(rt, x.dtype, per_thread), _ln_spec((0, w is not None, wg, b is not None, per_thread), rms))
     bx, ox = bind(x)
     bw, ow = bind(w) if w is not None else (bx, 0)
@@ -122,7 +127,7 @@ def layer_norm_bwd_input(x: Tensor, w: Tensor | None, g: Tensor, mean: Tensor, r
     if dx.numel() == 0:  # no rows (or no columns): nothing to compute, nothing to bind
         return dx
     rows = x.numel() // C
-    wg, per_thread, groups = _row_plan(rt, rows, C)
+    wg, per_thread, groups = _row_plan(rt, rows, C, "layer_norm backward")
     spec = _ln_spec((1, w is not None, wg, acc is not None, per_thread), rms)
     pid = rt.pipeline("layernorm", _row_variant(rt, x.dtype, per_thread), spec)
     bx, ox = bind(x)
@@ -233,7 +238,7 @@ def layer_norm_bwd(x: Tensor, w: Tensor | None, g: Tensor, mean: Tensor, rstd: T
     rt = x._st.rt
     C = x.shape[-1]
     rows = x.numel() // C if C else 0
-    plan = _row_plan(rt, rows, C) if rows and C else None
+    plan = _row_plan(rt, rows, C, "layer_norm backward") if rows and C else None
     # One dispatch for both only where the columns take one pass (the fused kernel has no runs).
     if plan is None or not (need_w or need_b) or plan[:2] != (64, True) or column_chunks(rt, rows, C)[0] > 1:
         dx = layer_norm_bwd_input(x, w, g, mean, rstd, acc, rms)
@@ -272,7 +277,7 @@ def cross_entropy_fwd(x: Tensor, t: Tensor, cast: bool = False):
         return loss, lse
     if V == 0:  # no classes: logsumexp of nothing is -inf (PyTorch gives nan losses)
         return kern.fill(loss, float("nan")), kern.fill(lse, float("-inf"))
-    wg, per_thread, groups = _row_plan(rt, N, V)
+    wg, per_thread, groups = _row_plan(rt, N, V, "cross_entropy")
     pid = rt.pipeline("cross_entropy", x.dtype.tag, (0, wg, per_thread))
     bx, ox = bind(x)
     bt, ot = bind(t)
@@ -297,7 +302,7 @@ def cross_entropy_bwd(x: Tensor, t: Tensor, lse: Tensor, gl: Tensor, cast: bool 
     if og != 0 or not (one or gl.is_contiguous()):  # the kernel reads gl from its binding's start
         gl, one = kern.copy(gl), False
         bg, og = bind(gl)
-    wg, per_thread, groups = _row_plan(rt, N, V)
+    wg, per_thread, groups = _row_plan(rt, N, V, "cross_entropy backward")
     pid = rt.pipeline("cross_entropy", x.dtype.tag, (1, wg, per_thread) + ((True,) if one else ()))
     bx, ox = bind(x)
     bt, ot = bind(t)

@@ -230,7 +230,18 @@ def compile_all(out_dir: str, jobs: int | None = None) -> int:
     return len(todo)
 
 
+def main(argv: list[str] | None = None) -> int:
+    """``python kernels_spirv/build.py [OUT_DIR]``: compile the variants whose .spv is missing or
+    older than its source (into kernels_spirv/spv by default)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Compile every GLSL kernel variant to SPIR-V (those out of date).")
+    ap.add_argument("out_dir", nargs="?", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "spv"),
+                    help="where the .spv files go (default: kernels_spirv/spv)")
+    out = ap.parse_args(argv).out_dir
+    print(f"compiled {compile_all(out)} kernel variant(s) into {out}")
+    return 0
+
+
 if __name__ == "__main__":
-    out = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(os.path.abspath(__file__)), "spv")
-    n = compile_all(out)
-    print(f"compiled {n} kernel variant(s) into {out}")
+    sys.exit(main())

@@ -251,6 +251,14 @@ def test_the_device_helios_would_pick(spec, ok, text):
         assert c.required and "vulkan:0 (llvmpipe" in c.advice and "vulkan:1 (Fake GPU)" in c.advice
 
 
+def test_lavapipe_says_its_loop_limit_and_a_gpu_does_not():
+    gpu = dict(copy.deepcopy(LAVAPIPE), index=1, name="Fake GPU", type="discrete")
+    s = probe_vulkan.probe(env={}, addon_loader=lambda: FakeAddon([LAVAPIPE, gpu]), bindings_reader=_bindings_of(LAVAPIPE, gpu))
+    assert "after 65,535 iterations" in _check(s, "vulkan:0 loops").summary
+    assert "under 60,000" in _check(s, "vulkan:0 loops").summary
+    assert not [c for c in s.checks if c.name == "vulkan:1 loops"]
+
+
 @pytest.mark.parametrize("env, ok, text", [
     ({}, True, "one thread per CPU"), ({"LP_NUM_THREADS": "1"}, True, "LP_NUM_THREADS=1"),
     ({"LP_NUM_THREADS": "lots"}, False, "is not a number"), ({"LP_NUM_THREADS": "100000"}, False, "exceeds"),

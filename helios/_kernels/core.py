@@ -66,7 +66,12 @@ LOOP_RUN = 60000
 def loop_run(rt) -> int | None:
     """The most iterations a launcher may give one loop of an invocation on ``rt``'s driver
     (:data:`LOOP_RUN` on llvmpipe), or None where the driver ends no loop early."""
-    info = getattr(rt, "info", None) or {}
+    return device_loop_run(getattr(rt, "info", None) or {})
+
+
+def device_loop_run(info) -> int | None:
+    """:func:`loop_run` for a device described by its facts (a runtime's ``info``, or a device as
+    helios-doctor enumerates it)."""
     return LOOP_RUN if str(info.get("name", "")).startswith("llvmpipe") else None
 
 

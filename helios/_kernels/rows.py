@@ -21,6 +21,8 @@ _P_EMB = struct.Struct("<5I")
 
 
 # -- row ops ---------------------------------------------------------------------------------
+# The most times a row kernel's invocation walks its share of a row, a workgroup sharing the row
+# (softmax: max, sum, store and the masked tail; layer_norm: mean, variance, store).
 _ROW_LOOPS = 4
 
 
@@ -36,7 +38,6 @@ def _row_plan(rt, rows: int, R: int, what: str = "a row kernel"):
     parallelism, so short rows go one per invocation; elsewhere a workgroup shares a row."""
     if (rt.info["type"] == "cpu" and R <= 4096 and rows >= 16) or (R <= 128 and rows >= 4096):
         return 64, True, groups_for((rows + 63) // 64)
-    # each invocation walks its share of the row at most _ROW_LOOPS times (softmax: max, sum, store)
     return workgroup_for_run(rt, R, _row_wg(R), _ROW_LOOPS, what), False, groups_for(rows)
 
 

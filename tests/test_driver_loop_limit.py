@@ -2,7 +2,8 @@
 65,535 loop iterations in all, and the kernel goes on with what it has (helios._kernels.core.loop_run).
 The launchers keep each invocation under that: column reductions in runs, the CPU matmul kernel's
 K in runs, a row kernel's workgroup grown for long rows (or a ShapeError past what it can take),
-cumsum's long columns a workgroup each.  Each test here gave wrong numbers before, with no error.
+cumsum's long columns a workgroup each.  Each test on real shapes here gave wrong numbers before,
+with no error.
 
 The shapes that pass the real limit run where the device has it (lavapipe, as in CI); the split
 product's every form (dtypes, float32 slots, fused epilogues) runs with the limit lowered, against

@@ -60,6 +60,7 @@ COLUMN_RUN = 64
 # [70000, 8] tensor came out 16 % off, a [8, 600000] @ [600000, 8] product 31 %.  On such a
 # driver a launcher gives no loop of an invocation more than LOOP_RUN iterations, which leaves
 # the kernel's other loops (a workgroup tree's, an epilogue's) room under the limit.
+DRIVER_LOOP_LIMIT = 65535
 LOOP_RUN = 60000
 
 
@@ -87,7 +88,7 @@ def workgroup_for_run(rt, n: int, wg: int, loops: int, what: str) -> int:
     if loops * -(-n // big) + big <= cap:
         return big
     raise ShapeError(f"{what}: a row of {n} elements is longer than the {(cap - big) // loops * big} one workgroup takes "
-                     f"on {rt.info['name']}, which ends a kernel's loops after 65,535 iterations; split the row")
+                     f"on {rt.info['name']}, which ends a kernel's loops after {DRIVER_LOOP_LIMIT:,} iterations; split the row")
 
 
 def column_chunks(rt, R: int, n: int) -> tuple[int, int]:

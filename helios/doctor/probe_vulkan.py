@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping
 from . import vk_bindings, vk_compare
 from .report import Section
 from .util import cpu_count, human_bytes
-from helios._kernels.core import device_loop_run
+from helios._kernels.core import DRIVER_LOOP_LIMIT, device_loop_run
 
 LOADER_ADVICE = "apt-get install libvulkan1 mesa-vulkan-drivers (the Vulkan loader and lavapipe, Mesa's CPU driver)"
 ADDON_ADVICE = "rebuild the addon: pip install -e . (or ./scripts/setup.sh), with libvulkan-dev and g++ installed"
@@ -175,7 +175,7 @@ def _device_lines(d: dict, extra: dict | None, s: Section) -> None:
         s.ok(f"{tag} CPU matmul", f"subgroup size {LAVAPIPE_SUBGROUP}: matmul uses its register-blocked CPU kernel")
     run = device_loop_run(d)
     if run is not None:
-        s.info(f"{tag} loops", f"the driver ends an invocation's loops after 65,535 iterations in all; Helios keeps each "
+        s.info(f"{tag} loops", f"the driver ends an invocation's loops after {DRIVER_LOOP_LIMIT:,} iterations in all; Helios keeps each "
                                f"loop under {run:,} (long column reductions and products go in runs, long rows on "
                                f"bigger workgroups, rows too long for those refused)")
     for name, met, detail, required, advice in kernel_needs(d):

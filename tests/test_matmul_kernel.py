@@ -27,7 +27,7 @@ def _operand(rows, cols, transposed, dtype):
 
 def _modes(a, b, M, N):
     cfg = K._mm_cpu_config(M, N, a._off, b._off, 0, [0, 0], [0, 0], a._strides[-2], a._strides[-1],
-                           b._strides[-2], b._strides[-1], True, K._mm_cpu_tile(M, N, a.dtype))
+                           b._strides[-2], b._strides[-1], K._mm_cpu_tile(M, N, a.dtype))
     return (cfg[1], cfg[4]), (cfg[2], cfg[5])
 
 

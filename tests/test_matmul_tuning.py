@@ -31,7 +31,7 @@ def _config(a, b):
     """The CPU kernel's (WY, AMODE, BMODE, CVEC, AWIDE, BWIDE) for helios views a, b (2-D)."""
     M, N = a.shape[-2], b.shape[-1]
     return K._mm_cpu_config(M, N, a._off, b._off, 0, [0, 0], [0, 0], a._strides[-2], a._strides[-1],
-                            b._strides[-2], b._strides[-1], True, K._mm_cpu_tile(M, N, a.dtype))
+                            b._strides[-2], b._strides[-1], K._mm_cpu_tile(M, N, a.dtype))
 
 
 # (name, A view, B view, M, K, N, expected (AMODE, AWIDE), (BMODE, BWIDE))
@@ -122,25 +122,24 @@ def test_tile_picker():
         K.gemm._MM_CPU_TILE = K.gemm._MM_CPU_WY = None
 
 
-@pytest.mark.parametrize("wide", [True, False])
-def test_mode_picker(wide):
+def test_mode_picker():
     # row-major A and B, 8-aligned: K-contiguous A, N-contiguous B
-    cfg = K._mm_cpu_config(64, 64, 0, 0, 0, [0, 0], [0, 0], 64, 1, 64, 1, wide)
-    assert cfg[1:] == (1, 1, 1, int(wide), int(wide))
+    cfg = K._mm_cpu_config(64, 64, 0, 0, 0, [0, 0], [0, 0], 64, 1, 64, 1)
+    assert cfg[1:] == (1, 1, 1, 1, 1)
     # an offset that is not a multiple of 4 forces scalar loads for that operand only
-    cfg = K._mm_cpu_config(64, 64, 2, 0, 0, [0, 0], [0, 0], 64, 1, 64, 1, wide)
+    cfg = K._mm_cpu_config(64, 64, 2, 0, 0, [0, 0], [0, 0], 64, 1, 64, 1)
     assert (cfg[1], cfg[2]) == (0, 1)
     # a batch stride that is a multiple of 4 but not of 8 gives 4-wide loads, of neither scalar loads
-    cfg = K._mm_cpu_config(64, 64, 0, 0, 0, [4, 0], [0, 0], 64, 1, 64, 1, wide)
+    cfg = K._mm_cpu_config(64, 64, 0, 0, 0, [4, 0], [0, 0], 64, 1, 64, 1)
     assert (cfg[1], cfg[4]) == (1, 0)
-    cfg = K._mm_cpu_config(64, 64, 0, 0, 0, [6, 0], [0, 0], 64, 1, 64, 1, wide)
+    cfg = K._mm_cpu_config(64, 64, 0, 0, 0, [6, 0], [0, 0], 64, 1, 64, 1)
     assert cfg[1] == 0
     # transposed views: M-contiguous A needs M % width == 0, K-contiguous B any N
-    cfg = K._mm_cpu_config(64, 62, 0, 0, 0, [0, 0], [0, 0], 1, 64, 1, 64, wide)
-    assert cfg[1:] == (2, 2, 0, int(wide), int(wide))
-    assert K._mm_cpu_config(66, 8, 0, 0, 0, [0, 0], [0, 0], 1, 64, 8, 1, wide)[1] == 0
+    cfg = K._mm_cpu_config(64, 62, 0, 0, 0, [0, 0], [0, 0], 1, 64, 1, 64)
+    assert cfg[1:] == (2, 2, 0, 1, 1)
+    assert K._mm_cpu_config(66, 8, 0, 0, 0, [0, 0], [0, 0], 1, 64, 8, 1)[1] == 0
     # C written as vec4 only when N % 4 == 0
-    assert K._mm_cpu_config(8, 6, 0, 0, 0, [0, 0], [0, 0], 8, 1, 6, 1, wide)[3] == 0
+    assert K._mm_cpu_config(8, 6, 0, 0, 0, [0, 0], [0, 0], 8, 1, 6, 1)[3] == 0
 
 
 @pytest.mark.parametrize("tile", [(8, 8), (8, 16), (16, 8), (32, 8)])

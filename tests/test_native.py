@@ -72,6 +72,20 @@ void main() {
 }
 """
 
+# y[i] = word i of x read through a usamplerBuffer: the addon binds it as an rgba32ui view,
+# whose texels are the stored words as they are (packed 16-bit values, in the matmul kernels).
+UTEXEL_GLSL = """
+#version 450
+layout(local_size_x = 64) in;
+layout(binding = 0) uniform usamplerBuffer x;
+layout(std430, binding = 1) writeonly buffer Y { uint y[]; };
+layout(push_constant) uniform P { uint n; } p;
+void main() {
+  uint i = gl_GlobalInvocationID.x;
+  if (i < p.n) y[i] = texelFetch(x, int(i >> 2))[i & 3u];
+}
+"""
+
 # y[i] = the size of the subgroup invocation i ran in (a pipeline may require it).
 SUBGROUP_GLSL = """
 #version 450
@@ -106,6 +120,7 @@ def shaders(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("spv")
     return {"add": _compile(tmp, "add", ADD_GLSL), "sum": _compile(tmp, "sum", SUM_GLSL),
             "wide": _compile(tmp, "wide", WIDE_GLSL), "texel": _compile(tmp, "texel", TEXEL_GLSL),
+            "utexel": _compile(tmp, "utexel", UTEXEL_GLSL),
             "image": _compile(tmp, "image", IMAGE_GLSL),
             "subgroup": _compile(tmp, "subgroup", SUBGROUP_GLSL, "vulkan1.1")}  # subgroup built-ins: SPIR-V 1.3
 
@@ -379,6 +394,35 @@ def test_sampler_buffer_binding_reads_through_a_texel_view(fresh, shaders):
         d.pipeline(shaders["image"], 2, 0, [], "image")
     d.free(a)
     d.free(y)
+
+
+def test_usampler_buffer_binding_reads_raw_words_through_an_rgba32ui_view(fresh, shaders):
+    """A usamplerBuffer binding is bound as an rgba32ui view: every word comes back as stored,
+    those that are NaNs or denormals as floats included, and the same range read through an
+    rgba32f view by another pipeline (a view per format) keeps its float values."""
+    d = fresh
+    pu = d.pipeline(shaders["utexel"], 2, 4, [], "utexel")
+    pf = d.pipeline(shaders["texel"], 2, 8, [], "texel")
+    words = np.array([0x7F800001, 0xFFFFFFFF, 0x00000001, 0x3F800000, 0xFF80FFC1, 0x80000000, 0x7FC00000,
+                      0x12345678] * 5, dtype=np.uint32)
+    n = words.size
+    a = upload(d, words)
+    y = d.alloc(n * 4)
+    for off in (0, 16):
+        m = n - off // 4
+        d.dispatch(pu, [(a, off, m * 4, False), (y, 0, m * 4, True)], struct.pack("<I", m), groups_for(m), "utexel")
+        got = np.empty(m, np.uint32)
+        d.read(y, 0, got)
+        np.testing.assert_array_equal(got, words[off // 4:])
+    floats = upload(d, np.arange(n, dtype=np.float32))
+    d.dispatch(pu, [(floats, 0, n * 4, False), (y, 0, n * 4, True)], struct.pack("<I", n), groups_for(n), "utexel")
+    got = np.empty(n, np.uint32)
+    d.read(y, 0, got)
+    np.testing.assert_array_equal(got, np.arange(n, dtype=np.float32).view(np.uint32))
+    d.dispatch(pf, [(floats, 0, n * 4, False), (y, 0, n * 4, True)], add_push(n, 0.0), groups_for(n), "texel")
+    np.testing.assert_array_equal(download(d, y, n), np.arange(n, dtype=np.float32))
+    for h in (a, y, floats):
+        d.free(h)
 
 
 def test_barriers_independent_raw_war(fresh, shaders):
@@ -808,10 +852,12 @@ VALIDATION_SCENARIO = r"""
 import struct, sys
 import numpy as np
 import helios._vulkan as v
-add, total = open(sys.argv[1], "rb").read(), open(sys.argv[2], "rb").read()
+add, total, texel, utexel = (open(path, "rb").read() for path in sys.argv[1:5])
 d = v.Device(0, "")
 p = d.pipeline(add, 2, 8, [1], "add")
 s = d.pipeline(total, 3, 0, [], "sum")
+t = d.pipeline(texel, 2, 8, [], "texel")    # rgba32f and rgba32ui views of one range
+u = d.pipeline(utexel, 2, 4, [], "utexel")
 n = 1024
 nb = n * 4
 push = struct.pack("<If", n, 1.0)
@@ -840,6 +886,8 @@ d.synchronize()
 d.free(e)
 f = d.alloc(nb)                                        # reused range after completion
 d.dispatch(p, [(b, 0, nb, False), (f, 0, nb, True)], push, (16, 1, 1), "reuse")
+d.dispatch(t, [(f, 0, nb, False), (wide, 0, nb, True)], push, (16, 1, 1), "texel")
+d.dispatch(u, [(f, 0, nb, False), (wide, nb, nb, True)], push[:4], (16, 1, 1), "utexel")
 d.read(f, 0, out)
 d.take_events()
 d.close()
@@ -850,14 +898,15 @@ print("SCENARIO-OK")
 @pytest.mark.parametrize("env", [{}, {"HELIOS_VK_NO_PUSH_DESCRIPTOR": "1", "HELIOS_VK_FORCE_STAGING": "1",
                                       "HELIOS_VK_NO_TIMELINE_SEMAPHORE": "1"}])
 def test_clean_under_validation_layers(tmp_path, shaders, env):
-    """The stream's barriers satisfy Khronos synchronization validation (skipped without the layer)."""
-    add, total = tmp_path / "add.spv", tmp_path / "sum.spv"
-    add.write_bytes(shaders["add"])
-    total.write_bytes(shaders["sum"])
+    """The stream's barriers satisfy Khronos synchronization validation, and texel views have the
+    format their shader reads (skipped without the layer)."""
+    paths = [tmp_path / f"{name}.spv" for name in ("add", "sum", "texel", "utexel")]
+    for path in paths:
+        path.write_bytes(shaders[path.stem])
     run_env = dict(os.environ, VK_INSTANCE_LAYERS="VK_LAYER_KHRONOS_validation", VK_LOADER_DEBUG="layer",
                    VK_LAYER_ENABLES="VK_VALIDATION_FEATURE_ENABLE_SYNCHRONIZATION_VALIDATION_EXT",
                    VK_LAYER_REPORT_FLAGS="error,warn", VK_LAYER_DEBUG_ACTION="VK_DBG_LAYER_ACTION_LOG_MSG", **env)
-    out = subprocess.run([sys.executable, "-c", VALIDATION_SCENARIO, str(add), str(total)], env=run_env,
+    out = subprocess.run([sys.executable, "-c", VALIDATION_SCENARIO, *map(str, paths)], env=run_env,
                          capture_output=True, text=True, timeout=120)
     text = out.stdout + out.stderr
     if 'Insert instance layer "VK_LAYER_KHRONOS_validation"' not in text:

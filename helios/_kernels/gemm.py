@@ -42,15 +42,15 @@ _MM_EPI_VEC = True
 def _mm_cpu_tile(M: int, N: int, dtype: dt.DType = dt.float32) -> tuple:
     """(TM, TN, WY) of the CPU kernel for an M x N output of ``dtype``.
 
-    16-bit operands are storage-buffer loads, which llvmpipe turns into a loop over the 8
-    lanes (~45 instructions a lane for one 32-byte load), so what a register block costs is
-    mostly its loads: per K step a subgroup loads TM values of A and 8 * TN of B for TM * TN
-    vector multiply-adds, and 32x8 (2.8x fewer loads per multiply-add than 8x16) ran
-    1.35-1.45x faster at 1024^3; 64x8 is ~10 % faster again but JITs ~5x longer.  fp32
-    operands are texel fetches (one gather for the 8 lanes), cheap enough that the smaller
-    16x8 block, with fewer accumulators to spill, is faster: 1.03-1.35x over 32x8 at the GPT
-    shapes and 1024^3 (bench/README.md "matmul"), in workgroups of 64 rows.  Shorter outputs
-    keep 8-row blocks in workgroups of 16 rows (below 64 rows a taller block would compute
+    Per K step a subgroup loads TM values of A and 8 * TN of B for TM * TN vector
+    multiply-adds.  16-bit operands are unpacked from their texels after each load, so their
+    loads stay the larger cost: 32x8 (2.8x fewer loads per multiply-add than 8x16) ran
+    1.35-1.45x faster at 1024^3 when they were storage-buffer loads, and still beats 16x8 as
+    rgba32ui texel fetches (1.1-1.35x, bench/README.md "matmul"); 64x8 is ~10 % faster again
+    but JITs ~5x longer.  fp32 operands are rgba32f texels, used as fetched, cheap enough that
+    the smaller 16x8 block, with fewer accumulators to spill, is faster: 1.03-1.35x over 32x8
+    at the GPT shapes and 1024^3 (bench/README.md "matmul"), in workgroups of 64 rows.
+    Shorter outputs keep 8-row blocks in workgroups of 16 rows (below 64 rows a taller block would compute
     mostly clamped rows), with 16 columns a lane when N >= 512 and M < 64.  fp32 takes the
     16-row block from 256 rows (_MM_CPU_TALL_F32) because below that the two blocks ran
     equally fast (64-255 rows at the GPT shapes, within this machine's noise) while each block
@@ -60,14 +60,14 @@ def _mm_cpu_tile(M: int, N: int, dtype: dt.DType = dt.float32) -> tuple:
     workgroup on tall 16-bit outputs (one B panel reused from cache) and 64 on shorter ones.
     The block does not change any sum: every output is the same K loop in the same order.
     """
-    texel = dtype is dt.float32
+    f32 = dtype is dt.float32
     if _MM_CPU_TILE is not None:
         tm, tn = _MM_CPU_TILE
-    elif M >= (_MM_CPU_TALL_F32 if texel else 64):
-        tm, tn = (16, 8) if texel else (32, 8)
+    elif M >= (_MM_CPU_TALL_F32 if f32 else 64):
+        tm, tn = (16, 8) if f32 else (32, 8)
     else:
         tm, tn = 8, 16 if N >= 512 and M < 64 else 8
-    if texel:
+    if f32:
         rows = 64 if tm == 16 else 16
     else:
         rows = 128 if M >= 512 else 64 if M >= 64 else 16
@@ -76,12 +76,12 @@ def _mm_cpu_tile(M: int, N: int, dtype: dt.DType = dt.float32) -> tuple:
 
 
 def _mm_cpu_config(M: int, N: int, oa: int, ob: int, oc: int, ca, cb, sam: int, sak: int, sbk: int, sbn: int,
-                   wide_ok: bool, tile: tuple = (8, 8, 4)) -> tuple:
+                   tile: tuple = (8, 8, 4)) -> tuple:
     """Specialization constants (WY, AMODE, BMODE, CVEC, AWIDE, BWIDE) of the CPU kernel.
 
     A K-contiguous A (row-major) or N-contiguous B is read in vectors along that dim, an
     M-contiguous A (a transposed view) or K-contiguous B (B^T) along the other; 8-wide
-    when 8-aligned (and int64 exists), 4-wide when 4-aligned, else with scalar loads.
+    when 8-aligned, 4-wide when 4-aligned, else with scalar loads.
     """
     tm, tn, wy = tile
 
@@ -90,7 +90,7 @@ def _mm_cpu_config(M: int, N: int, oa: int, ob: int, oc: int, ca, cb, sam: int, 
 
     def pick(k_inner, k_outer, t_inner, t_outer, offs, t_run, t_tile):
         # -> (mode, wide): mode 1 = K-contiguous, 2 = the M/N dim contiguous
-        for e in ((8, 4) if wide_ok else (4,)):
+        for e in (8, 4):
             if fits(k_inner, k_outer, offs, 0, e):
                 return 1, int(e == 8)
             if t_tile % e == 0 and fits(t_inner, t_outer, offs, t_run, e):
@@ -416,7 +416,7 @@ def _dispatch(a: Tensor, b: Tensor, bias: Tensor | None, out: Tensor, epi: tuple
     epi_spec = () if epi is None else (0, 0, epi[1])
     if cpu:
         tm, tn, wy = _mm_cpu_tile(M, N, a_dtype)
-        spec = _mm_cpu_config(M, N, oa, ob, oc, ca, cb, *strides, bool(rt.features.get("int64")), (tm, tn, wy))
+        spec = _mm_cpu_config(M, N, oa, ob, oc, ca, cb, *strides, (tm, tn, wy))
         if ct or cld:  # vec4 stores run along C's contiguous dim (M when transposed)
             spec = spec[:3] + (int((M if ct else N) % 4 == 0 and oc % 4 == 0 and cld % 4 == 0),) + spec[4:]
         spec = spec + ct_spec + epi_spec
@@ -555,7 +555,8 @@ def _mixed_in_kernel(rt, compute: dt.DType, mixed: tuple, M: int, N: int, K: int
 
 def _texel_mix(mixed: tuple | None) -> str:
     """The CPU kernel's variant suffix for a float32 A and / or B ("a32", "b32", "ab32"; "" for
-    none): those are read through texel views, which a variant declares."""
+    none): a variant declares how it reads each operand (an rgba32f view for float32, rgba32ui
+    for 16-bit)."""
     return "" if mixed is None else ("", "a32", "b32", "ab32")[mixed[0] + 2 * mixed[1]]
 
 

@@ -381,11 +381,12 @@ void Device::save_pipeline_cache() {
   pipelines_->save_cache();
 }
 
-VkBufferView Device::texel_view(Block& block, uint64_t offset, uint64_t nbytes, const char* opname, size_t binding) {
+VkBufferView Device::texel_view(Block& block, uint64_t offset, uint64_t nbytes, bool uint_texels, const char* opname,
+                                size_t binding) {
   // The range is rounded up to whole 16-byte texels (a tensor's last elements may end inside
   // one); blocks are multiples of 256 bytes, so the rounded range stays inside the block.
   uint64_t range = std::min<uint64_t>((nbytes + 15) & ~uint64_t(15), (block.size - offset) & ~uint64_t(15));
-  auto key = std::make_pair(offset, range);
+  auto key = std::make_tuple(offset, range, uint_texels);
   auto it = block.texel_views.find(key);
   if (it != block.texel_views.end()) return it->second;
   uint64_t align = std::max<uint64_t>(1, info_.min_texel_buffer_offset_alignment);
@@ -398,7 +399,7 @@ VkBufferView Device::texel_view(Block& block, uint64_t offset, uint64_t nbytes, 
                         opname, binding, (unsigned long long)(range / 16), (unsigned long long)info_.max_texel_buffer_elements));
   VkBufferViewCreateInfo ci{VK_STRUCTURE_TYPE_BUFFER_VIEW_CREATE_INFO};
   ci.buffer = block.buffer;
-  ci.format = VK_FORMAT_R32G32B32A32_SFLOAT;
+  ci.format = uint_texels ? VK_FORMAT_R32G32B32A32_UINT : VK_FORMAT_R32G32B32A32_SFLOAT;
   ci.offset = offset;
   ci.range = range;
   VkBufferView view;
@@ -447,7 +448,8 @@ void Device::dispatch(uint64_t pipeline, const BufArg* bufs, size_t nbufs, const
     // bytes (rounded allocations are at least 256 bytes); nothing is accessed.
     infos[i] = ba.nbytes ? VkDescriptorBufferInfo{a.block->buffer, abs, ba.nbytes}
                          : VkDescriptorBufferInfo{a.block->buffer, a.offset, std::min<uint64_t>(a.rounded, 16)};
-    if ((p->texel_mask >> i) & 1) views[i] = texel_view(*a.block, infos[i].offset, infos[i].range, opname, i);
+    if ((p->texel_mask >> i) & 1)
+      views[i] = texel_view(*a.block, infos[i].offset, infos[i].range, (p->texel_uint_mask >> i) & 1, opname, i);
   }
   if (groups[0] == 0 || groups[1] == 0 || groups[2] == 0) return;  // empty tensor: nothing to run
 

@@ -102,9 +102,10 @@ class Device {
     if (dev_ == VK_NULL_HANDLE) throw std::runtime_error("this Device is closed; create a new helios._vulkan.Device");
   }
   Allocation& lookup(uint64_t handle, const char* op, uint32_t name_id);
-  // The rgba32f view of [offset, offset + nbytes) of block's buffer for a uniform texel buffer binding
-  // (made once per range, owned by the block).
-  VkBufferView texel_view(Block& block, uint64_t offset, uint64_t nbytes, const char* opname, size_t binding);
+  // The rgba32f (or, with uint_texels, rgba32ui) view of [offset, offset + nbytes) of block's buffer
+  // for a uniform texel buffer binding (made once per range and format, owned by the block).
+  VkBufferView texel_view(Block& block, uint64_t offset, uint64_t nbytes, bool uint_texels, const char* opname,
+                          size_t binding);
   void check_range(const Allocation& a, uint64_t handle, uint64_t offset, uint64_t n, const char* op) const;
   void record_copy(Block* src, uint64_t src_abs, Block* dst, uint64_t dst_abs, uint64_t n, uint32_t name_id);
   void staged_write(Block* dst, uint64_t dst_abs, const uint8_t* data, uint64_t n);

@@ -10,6 +10,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -38,9 +39,9 @@ struct Block {
   uint32_t live = 0;  // ranges handed out and not yet reclaimed
   uint64_t last_serial = 0;  // newest submission serial that recorded an access (set by the stream)
   BufferHazards hazards;     // owned by the stream's HazardTracker
-  // rgba32f views of ranges of `buffer` bound as uniform texel buffers, by (offset, range);
-  // made on first use by a dispatch, destroyed with the block.
-  std::map<std::pair<uint64_t, uint64_t>, VkBufferView> texel_views;
+  // rgba32f / rgba32ui views of ranges of `buffer` bound as uniform texel buffers, by (offset,
+  // range, rgba32ui); made on first use by a dispatch, destroyed with the block.
+  std::map<std::tuple<uint64_t, uint64_t, bool>, VkBufferView> texel_views;
 };
 
 struct Allocation {

@@ -10,6 +10,7 @@
 #include <fstream>
 #include <iterator>
 #include <map>
+#include <set>
 #include <tuple>
 
 #include "vk_util.h"
@@ -37,9 +38,12 @@ namespace {
 // descriptor binding is in set 0 and below num_buffers (a shader reading a binding the
 // layout lacks is undefined behaviour in the driver, so refuse it), and which bindings are
 // uniform texel buffers (a `samplerBuffer`: Dim Buffer, sampled) rather than storage
-// buffers: *texel_mask gets bit b for each.  The shader is the one place that says so.
+// buffers: *texel_mask gets bit b for each, and *uint_mask bit b where the sampler's texels are
+// integers (a `usamplerBuffer`: bound as an rgba32ui view, whose texels carry raw words such as
+// packed 16-bit values, where an rgba32f view is for float32 data).  The shader is the one place
+// that says so.
 std::string check_spirv(const uint8_t* bytes, size_t n, uint32_t num_buffers, const std::string& name,
-                        uint32_t* texel_mask) {
+                        uint32_t* texel_mask, uint32_t* uint_mask) {
   if (n < 20 || n % 4)
     throw ArgError(strf("pipeline '%s': SPIR-V must be a non-empty multiple of 4 bytes, got %zu bytes", name.c_str(), n));
   std::vector<uint32_t> w(n / 4);
@@ -49,6 +53,8 @@ std::string check_spirv(const uint8_t* bytes, size_t n, uint32_t num_buffers, co
   std::string entry;
   std::map<uint32_t, uint32_t> binding_of, pointee_of, var_type, image_of_sampled;
   std::map<uint32_t, std::pair<uint32_t, uint32_t>> image_dim_sampled;  // OpTypeImage id -> (Dim, Sampled)
+  std::map<uint32_t, uint32_t> image_texel_type;  // OpTypeImage id -> its sampled (texel component) type
+  std::set<uint32_t> int_types;                   // OpTypeInt ids
   for (size_t i = 5; i < w.size();) {
     uint32_t count = w[i] >> 16, op = w[i] & 0xffff;
     if (count == 0 || i + count > w.size()) throw ArgError(strf("pipeline '%s': truncated SPIR-V at word %zu", name.c_str(), i));
@@ -62,8 +68,11 @@ std::string check_spirv(const uint8_t* bytes, size_t n, uint32_t num_buffers, co
         throw ArgError(strf("pipeline '%s': shader uses binding %u but num_buffers is %u", name.c_str(), w[i + 3],
                             num_buffers));
       if (w[i + 2] == 33) binding_of[w[i + 1]] = w[i + 3];
+    } else if (op == 21 && count >= 4) {  // OpTypeInt result width signedness
+      int_types.insert(w[i + 1]);
     } else if (op == 25 && count >= 9) {  // OpTypeImage result sampled-type Dim Depth Arrayed MS Sampled
       image_dim_sampled[w[i + 1]] = {w[i + 3], w[i + 7]};
+      image_texel_type[w[i + 1]] = w[i + 2];
     } else if (op == 27 && count >= 3) {  // OpTypeSampledImage result image
       image_of_sampled[w[i + 1]] = w[i + 2];
     } else if (op == 32 && count >= 4) {  // OpTypePointer result storage-class type
@@ -75,6 +84,7 @@ std::string check_spirv(const uint8_t* bytes, size_t n, uint32_t num_buffers, co
   }
   if (entry.empty()) throw ArgError(strf("pipeline '%s': SPIR-V has no GLCompute entry point", name.c_str()));
   *texel_mask = 0;
+  *uint_mask = 0;
   for (const auto& [var, binding] : binding_of) {
     auto t = var_type.find(var);
     if (t == var_type.end()) continue;
@@ -88,6 +98,7 @@ std::string check_spirv(const uint8_t* bytes, size_t n, uint32_t num_buffers, co
       throw ArgError(strf("pipeline '%s': binding %u is an image other than a samplerBuffer; Helios binds storage "
                           "buffers and uniform texel buffers only", name.c_str(), binding));
     *texel_mask |= 1u << binding;
+    if (int_types.count(image_texel_type[image])) *uint_mask |= 1u << binding;
   }
   return entry;
 }
@@ -269,13 +280,14 @@ uint32_t Pipelines::get_or_create(const uint8_t* spirv, size_t nbytes, uint32_t 
                               subgroup_size, info_.min_subgroup_size, info_.max_subgroup_size)
                        : strf("pipeline '%s': subgroup_size %u asked of a device that cannot require a subgroup size "
                               "(Vulkan 1.3's subgroupSizeControl for compute)", name.c_str(), subgroup_size));
-  uint32_t texel_mask = 0;
-  std::string entry = check_spirv(spirv, nbytes, num_buffers, name, &texel_mask);
+  uint32_t texel_mask = 0, uint_mask = 0;
+  std::string entry = check_spirv(spirv, nbytes, num_buffers, name, &texel_mask, &uint_mask);
 
   Pipeline p;
   p.num_buffers = num_buffers;
   p.push_size = push_size;
   p.texel_mask = texel_mask;
+  p.texel_uint_mask = uint_mask;
   p.name = name;
   p.layout = pipeline_layout(num_buffers, texel_mask, push_size);
   p.set_layout = set_layout(num_buffers, texel_mask, p.push_descriptor);

@@ -23,7 +23,8 @@ struct Pipeline {
   VkDescriptorSetLayout set_layout = VK_NULL_HANDLE;
   uint32_t num_buffers = 0;
   uint32_t push_size = 0;
-  uint32_t texel_mask = 0;       // bit b: binding b is a uniform texel buffer (rgba32f view), not a storage buffer
+  uint32_t texel_mask = 0;       // bit b: binding b is a uniform texel buffer, not a storage buffer
+  uint32_t texel_uint_mask = 0;  // bit b: that texel buffer is an rgba32ui view (a usamplerBuffer), else rgba32f
   bool push_descriptor = false;  // bindings go through vkCmdPushDescriptorSetKHR
   std::string name;
 };

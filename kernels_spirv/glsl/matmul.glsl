@@ -31,9 +31,9 @@
 //   each subgroup of SG lanes computes a TM x (SG*TN) tile: lane l owns TN adjacent
 //   columns and all TM rows; the A panel (TM x 8 per step) is loaded once, spread over the
 //   lanes as vec4s, and handed to every lane by shuffles; B is read as vec4s along its
-//   contiguous dim.  fp32 operands are read through rgba32f texel views instead of
-//   storage buffers: llvmpipe fetches one texel for all 8 lanes as a gather, without the
-//   per-lane loop (1.25-1.33x at 1024^3).  Each load then moves 4-8 useful values per lane and nothing is
+//   contiguous dim.  A and B are read through texel views instead of storage buffers
+//   (rgba32f for fp32, rgba32ui for 16-bit): llvmpipe fetches one texel for all 8 lanes as a
+//   gather, without the per-lane loop (1.25-1.33x for fp32 at 1024^3, 1.15-1.3x for 16-bit).  Each load then moves 4-8 useful values per lane and nothing is
 //   loaded twice inside a subgroup; a tall block (32x8) loads TM + 8*TN values per K step
 //   for TM*TN vector multiply-adds.  llvmpipe lowers fma() to a multiply and an add, so
 //   the sums are written as such.  TM / TN are compile-time (the register block must be
@@ -53,19 +53,25 @@
 #include "common.glsl"
 #extension GL_EXT_control_flow_attributes : require
 
-// The CPU kernel reads fp32 A and B through rgba32f texel views (the addon binds a
-// samplerBuffer as a uniform texel buffer): llvmpipe fetches a texel for all 8 lanes as one
-// gather, where a storage-buffer load is a loop over the lanes (see MM_SG below).  So do its
-// 16-bit variants for a float32 A or B (MM_AF32 / MM_BF32: the mixed storage below).
+// The CPU kernel reads A and B through texel views (the addon binds a samplerBuffer as a
+// uniform texel buffer): llvmpipe fetches a texel for all 8 lanes as one gather, where a
+// storage-buffer load is a loop over the lanes (see MM_SG below).  A float32 operand (fp32, or
+// a float32 slot of a 16-bit product: MM_AF32 / MM_BF32, the mixed storage below) is a
+// samplerBuffer, an rgba32f view, 4 values a texel (MM_TEXEL_A / MM_TEXEL_B); a 16-bit one a
+// usamplerBuffer, which the addon binds as an rgba32ui view: 8 packed values a texel.
 #if defined(MM_SG) && (TA == T_F32 || defined(MM_AF32))
 #define MM_TEXEL_A
 layout(binding = 0) uniform samplerBuffer ta;
+#elif defined(MM_SG)
+layout(binding = 0) uniform usamplerBuffer ta;
 #else
 layout(std430, binding = 0) readonly buffer BA { HL_ST(TA) a[]; };
 #endif
 #if defined(MM_SG) && (TA == T_F32 || defined(MM_BF32))
 #define MM_TEXEL_B
 layout(binding = 1) uniform samplerBuffer tb;
+#elif defined(MM_SG)
+layout(binding = 1) uniform usamplerBuffer tb;
 #else
 layout(std430, binding = 1) readonly buffer BB { HL_ST(TA) b[]; };
 #endif
@@ -149,18 +155,15 @@ float mm_epi(float v, uint idx, bool inside) {
 
 // Element loads of A, B and the bias and the store of C's element i, by slot storage.
 #if TA != T_F32
+// (The CPU kernel's 16-bit A and B are read in its own section, by texel.)
 #if defined(MM_TEXEL_A)
 float mm_lda(uint i) { return mm_round(texelFetch(ta, int(i >> 2))[i & 3u]); }
-#elif defined(MM_SG)
-float mm_lda(uint i) { return HL_LDF(TA, a[i]); }
-#else
+#elif !defined(MM_SG)
 float mm_lda(uint i) { return AF32 == 1 ? mm_round(af[i]) : HL_LDF(TA, a[i]); }
 #endif
 #if defined(MM_TEXEL_B)
 float mm_ldb(uint i) { return mm_round(texelFetch(tb, int(i >> 2))[i & 3u]); }
-#elif defined(MM_SG)
-float mm_ldb(uint i) { return HL_LDF(TA, b[i]); }
-#else
+#elif !defined(MM_SG)
 float mm_ldb(uint i) { return BF32 == 1 ? mm_round(bf[i]) : HL_LDF(TA, b[i]); }
 #endif
 float mm_ldbias(uint i) { return BIASF32 == 1 ? mm_round(biasf[i]) : HL_LDF(TA, bias[i]); }
@@ -295,7 +298,6 @@ void main() {
 // ---------------------------------------------------------------- subgroup register blocks (CPU)
 #extension GL_KHR_shader_subgroup_basic : require
 #extension GL_KHR_shader_subgroup_shuffle : require
-#extension GL_EXT_shader_explicit_arithmetic_types_int64 : require
 #ifndef SG
 #define SG 8        // lanes per subgroup (lavapipe: SIMD width / 32); matmul() checks the device
 #endif
@@ -314,7 +316,8 @@ layout(constant_id = 0) const int WY = 4;      // subgroups per workgroup, stack
 //            (sam = 1: A is a transposed view).
 //   BMODE 0: any strides; 1: N-contiguous (sbn = 1); 2: K-contiguous (sbk = 1: B^T view).
 //   AWIDE / BWIDE 1: the contiguous runs are 8-aligned and read as 8 values per load
-//            (one 32-byte u64vec4 for fp32), else as vec4s (4-aligned).
+//            (two rgba32f texels for fp32, one rgba32ui texel for 16-bit), else as vec4s
+//            (4-aligned).
 //   CVEC  1: C is written as vec4s along its contiguous dim (N % 4 == 0, or M % 4 == 0 with CT).
 //   CT    1: C[z] stored transposed (and p.ldc > 0: C strided, see the top of the file).
 // llvmpipe's per-lane load loop costs about the same per component whatever its width,
@@ -363,7 +366,7 @@ void stc4(uint i, vec4 v) { c4[i >> 2] = v; }
 float lda(uint i) { return texelFetch(ta, int(i >> 2))[i & 3u]; }
 float ldb(uint i) { return texelFetch(tb, int(i >> 2))[i & 3u]; }
 #else
-// 16-bit storage: 4 values are two 32-bit words and 8 values two 64-bit words, unpacked in
+// 16-bit storage: 4 values are two 32-bit words and 8 values a texel of four, unpacked in
 // registers (no 16-bit arithmetic needed).
 layout(std430, binding = 2) writeonly buffer BC4 { uvec2 c4[]; };
 vec4 unpack4(uvec2 w) {
@@ -381,25 +384,37 @@ uvec2 pack4(vec4 v) {
     return uvec2(f_to_bf16(v.x) | (f_to_bf16(v.y) << 16), f_to_bf16(v.z) | (f_to_bf16(v.w) << 16));
 #endif
 }
+// The value in half h (0: low, 1: high) of a word.
+float unpack1(uint w, uint h) {
+#if TA == T_F16
+    return unpackHalf2x16(w >> (16u * h)).x;
+#else
+    return uintBitsToFloat(h == 0u ? w << 16 : w & 0xFFFF0000u);
+#endif
+}
 // A float32 A or B of the mixed storage (MM_AF32 / MM_BF32) as texels, each value rounded to TA.
 vec4 round4(vec4 v) { return vec4(mm_round(v.x), mm_round(v.y), mm_round(v.z), mm_round(v.w)); }
+// A 16-bit A or B: the rgba32ui texel holding element i is its 8 values i & ~7 .. (i & ~7) + 7,
+// two to a word, so a 4-aligned run is half a texel and an 8-aligned run all of it.
 #ifdef MM_TEXEL_A
 vec4 lda4(uint i) { return round4(texelFetch(ta, int(i >> 2))); }
 void lda8w(uint i, out vec4 lo, out vec4 hi) { lo = lda4(i); hi = lda4(i + 4u); }
+float lda(uint i) { return mm_lda(i); }
 #else
-layout(std430, binding = 0) readonly buffer BA4 { uvec2 a4[]; };
-layout(std430, binding = 0) readonly buffer BA8 { u64vec2 a8[]; };
-vec4 lda4(uint i) { return unpack4(a4[i >> 2]); }
-void lda8w(uint i, out vec4 lo, out vec4 hi) { u64vec2 w = a8[i >> 3]; lo = unpack4(unpackUint2x32(w.x)); hi = unpack4(unpackUint2x32(w.y)); }
+uvec4 a_texel8(uint i) { return texelFetch(ta, int(i >> 3)); }
+vec4 lda4(uint i) { uvec4 t = a_texel8(i); return unpack4((i & 4u) == 0u ? t.xy : t.zw); }
+void lda8w(uint i, out vec4 lo, out vec4 hi) { uvec4 t = a_texel8(i); lo = unpack4(t.xy); hi = unpack4(t.zw); }
+float lda(uint i) { return unpack1(a_texel8(i)[(i >> 1) & 3u], i & 1u); }
 #endif
 #ifdef MM_TEXEL_B
 vec4 ldb4(uint i) { return round4(texelFetch(tb, int(i >> 2))); }
 void ldb8w(uint i, out vec4 lo, out vec4 hi) { lo = ldb4(i); hi = ldb4(i + 4u); }
+float ldb(uint i) { return mm_ldb(i); }
 #else
-layout(std430, binding = 1) readonly buffer BB4 { uvec2 b4[]; };
-layout(std430, binding = 1) readonly buffer BB8 { u64vec2 b8[]; };
-vec4 ldb4(uint i) { return unpack4(b4[i >> 2]); }
-void ldb8w(uint i, out vec4 lo, out vec4 hi) { u64vec2 w = b8[i >> 3]; lo = unpack4(unpackUint2x32(w.x)); hi = unpack4(unpackUint2x32(w.y)); }
+uvec4 b_texel8(uint i) { return texelFetch(tb, int(i >> 3)); }
+vec4 ldb4(uint i) { uvec4 t = b_texel8(i); return unpack4((i & 4u) == 0u ? t.xy : t.zw); }
+void ldb8w(uint i, out vec4 lo, out vec4 hi) { uvec4 t = b_texel8(i); lo = unpack4(t.xy); hi = unpack4(t.zw); }
+float ldb(uint i) { return unpack1(b_texel8(i)[(i >> 1) & 3u], i & 1u); }
 #endif
 layout(std430, binding = 2) writeonly buffer BCF4 { vec4 cf4[]; };
 void stc4(uint i, vec4 v) {
@@ -408,10 +423,6 @@ void stc4(uint i, vec4 v) {
 }
 #endif
 
-#if TA != T_F32
-float lda(uint i) { return mm_lda(i); }
-float ldb(uint i) { return mm_ldb(i); }
-#endif
 // 8 consecutive values from element i (i a multiple of 8 when wide, else of 4).
 void lda8(uint i, out vec4 lo, out vec4 hi) {
     if (AWIDE == 1) lda8w(i, lo, hi);

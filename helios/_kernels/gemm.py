@@ -45,8 +45,8 @@ def _mm_cpu_tile(M: int, N: int, dtype: dt.DType = dt.float32) -> tuple:
     Per K step a subgroup loads TM values of A and 8 * TN of B for TM * TN vector
     multiply-adds.  16-bit operands are unpacked from their texels after each load, so their
     loads stay the larger cost: 32x8 (2.8x fewer loads per multiply-add than 8x16) ran
-    1.35-1.45x faster at 1024^3 when they were storage-buffer loads, and still beats 16x8 as
-    rgba32ui texel fetches (1.1-1.35x, bench/README.md "matmul"); 64x8 is ~10 % faster again
+    1.35-1.45x faster at 1024^3 when they were storage-buffer loads, and as rgba32ui texel
+    fetches still beats 16x8 at 5 of 6 shapes (0.95-1.19x, bench/README.md "matmul"); 64x8 is ~10 % faster again
     but JITs ~5x longer.  fp32 operands are rgba32f texels, used as fetched, cheap enough that
     the smaller 16x8 block, with fewer accumulators to spill, is faster: 1.03-1.35x over 32x8
     at the GPT shapes and 1024^3 (bench/README.md "matmul"), in workgroups of 64 rows.

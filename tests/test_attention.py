@@ -113,6 +113,21 @@ def test_flash_16bit_storage(monkeypatch, kernel, dtype, tol):
     _close(_helios(q, k, v, g, dtype=getattr(hl, dtype), is_causal=True), _ref(q, k, v, g, is_causal=True), tol)
 
 
+@pytest.mark.parametrize("dtype,D,pad,tol", [("bfloat16", 32, 0, 1.6e-2), ("float16", 64, 4, 2e-3)])
+def test_flash_16bit_texel_reads(dtype, D, pad, tol):
+    # The CPU kernel reads 16-bit Q, K, V and dO 8 values a texel: head dim 32 takes each lane's
+    # 4 columns from one half of a texel or the other, and rows `pad` elements into a wider
+    # array (a row stride and offset 4-aligned, not 8-aligned) take 4-value loads throughout.
+    tdt, hdt = getattr(torch, dtype), getattr(hl, dtype)
+    q, k, v, g = (torch.tensor(x).to(tdt).double().numpy() for x in _operands(1, 2, 45, D + pad))
+    hq, hk, hv = (hl.tensor(x, dtype=hdt, requires_grad=True) for x in (q, k, v))
+    o = F.scaled_dot_product_attention(hq[..., pad:], hk[..., pad:], hv[..., pad:], is_causal=True)
+    assert any(n.name == "_FlashAttention" for n in _nodes(o))
+    o.backward(hl.tensor(g[..., pad:], dtype=hdt))
+    got = [t.float().numpy().astype(np.float64) for t in (o, hq.grad[..., pad:], hk.grad[..., pad:], hv.grad[..., pad:])]
+    _close(got, _ref(q[..., pad:], k[..., pad:], v[..., pad:], g[..., pad:], is_causal=True), tol)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("Tq,Tk", [(5, 70), (70, 5), (64, 200)])
 def test_flash_cross_attention_lengths(Tq, Tk, causal):

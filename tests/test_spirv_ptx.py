@@ -3,6 +3,7 @@ sm_90 without spills, specialization constants fold away the code they rule out,
 translate is refused by name.  (Numerics: tests/test_cuda_device.py runs the kernels.)"""
 
 import os
+import shutil
 import subprocess
 
 import pytest
@@ -87,15 +88,32 @@ def test_workgroup_size_follows_its_specialization_constant():
     assert ".maxntid 64, 1, 1" in translate(code, (0, 64), "s").ptx
 
 
-def test_subgroup_variants_and_foreign_modules_are_refused_by_name():
-    sg = [v for v in registry.variants("matmul") if "_sg" in v]
-    assert sg
-    with pytest.raises(SpirvError, match="subgroup"):
-        translate(registry.spirv("matmul", next(v for v in sg if not v.startswith("f32"))), (), "m")
-    with pytest.raises(SpirvError, match="texel-view kernels"):  # fp32 CPU variants read through texel views
-        translate(registry.spirv("matmul", next(v for v in sg if v.startswith("f32"))), (), "m")
+SUBGROUP_GLSL = """#version 450
+#extension GL_KHR_shader_subgroup_shuffle : require
+layout(local_size_x = 8) in;
+layout(std430, binding = 0) buffer B { float b[]; };
+void main() { b[gl_LocalInvocationID.x] = subgroupShuffle(b[gl_LocalInvocationID.x], 0u); }
+"""
+
+
+def test_subgroup_variants_and_foreign_modules_are_refused_by_name(tmp_path):
+    # the CPU-driver variants (subgroup register blocks) read their operands through texel views
+    for kernel in ("matmul", "flash_attn"):
+        sg = [v for v in registry.variants(kernel) if "_sg" in v]
+        assert sg
+        for variant in (sg[0], sg[-1]):  # an fp32 one and a 16-bit one
+            with pytest.raises(SpirvError, match="texel-view kernels"):
+                translate(registry.spirv(kernel, variant), (), "m")
     with pytest.raises(SpirvError, match="texel-view kernels"):
         translate(registry.spirv("softmax", "f32_tx"), (), "s")
+    # a subgroup kernel without texel views is refused at its subgroup instruction
+    glslc = shutil.which(os.environ.get("GLSLC", "glslc"))
+    if glslc is not None:
+        src, spv = tmp_path / "sg.comp", tmp_path / "sg.spv"
+        src.write_text(SUBGROUP_GLSL)
+        subprocess.run([glslc, "--target-env=vulkan1.1", str(src), "-o", str(spv)], check=True)
+        with pytest.raises(SpirvError, match="subgroup"):
+            translate(spv.read_bytes(), (), "sg")
     with pytest.raises(SpirvError, match="magic"):
         read_module(b"\0" * 40)
     with pytest.raises(SpirvError, match="not a SPIR-V module"):

@@ -41,8 +41,9 @@
 // flash_attn_fwd() in helios/_kernels.py):
 //
 // * FA_SG (lavapipe and other CPU drivers): no shared memory and no barriers, for the
-//   reasons matmul.comp gives (a subgroup is one 8-wide SIMD vector; buffer loads are
-//   per-lane loops, a broadcast from a lane is one register shuffle).  A subgroup owns
+//   reasons matmul.glsl gives (a subgroup is one 8-wide SIMD vector; buffer loads are
+//   per-lane loops, so Q, K, V and dO are read through texel views, and a broadcast from a
+//   lane is one register shuffle).  A subgroup owns
 //   NR = 8 rows (one per lane) and meets tiles of SG * TN columns, TN per lane.  The two
 //   products of every pass are then matmul.comp's register blocks:
 //     rowdot: S[i][j] += X[row i] . Y[col j]: the 8 X values of a head-dim step are loaded
@@ -69,11 +70,23 @@ const float LOG2E = 1.4426950408889634;
 const float LN2 = 0.6931471805599453;
 const float NEG_INF = -1.0 / 0.0;
 
+#ifdef FA_SG
+// The CPU kernel reads Q, K, V and dO through texel views (usamplerBuffers, which the addon
+// binds as rgba32ui views): llvmpipe fetches a texel for the 8 lanes as one gather, where a
+// storage-buffer load is a loop over the lanes (matmul.glsl reads its operands so too).  A
+// texel is 4 float32 values or 8 16-bit ones, as raw words.  O stays a storage buffer: the
+// forward writes it.
+layout(binding = 0) uniform usamplerBuffer tq;
+layout(binding = 1) uniform usamplerBuffer tk;
+layout(binding = 2) uniform usamplerBuffer tv;
+layout(binding = 4) uniform usamplerBuffer tdo;
+#else
 layout(std430, binding = 0) readonly buffer BQ { HL_ST(TA) q[]; };
 layout(std430, binding = 1) readonly buffer BK { HL_ST(TA) k[]; };
 layout(std430, binding = 2) readonly buffer BV { HL_ST(TA) v[]; };
-layout(std430, binding = 3) buffer BO { HL_ST(TA) o[]; };
 layout(std430, binding = 4) readonly buffer BDO { HL_ST(TA) dout[]; };
+#endif
+layout(std430, binding = 3) buffer BO { HL_ST(TA) o[]; };
 layout(std430, binding = 5) buffer BL { float lse[]; };
 layout(std430, binding = 6) buffer BD { float dsum[]; };
 layout(std430, binding = 7) writeonly buffer BDQ { HL_ST(TA) dq[]; };
@@ -100,6 +113,30 @@ const int BUF_V = 2;
 const int BUF_O = 3;
 const int BUF_DO = 4;
 
+#ifdef FA_SG
+// The texel of operand b (not O) that holds element i: 4 values a texel for float32, 8 for 16-bit.
+uvec4 texel_of(const int b, uint i) {
+    int t = int(TA == T_F32 ? i >> 2 : i >> 3);
+    if (b == BUF_Q) return texelFetch(tq, t);
+    if (b == BUF_K) return texelFetch(tk, t);
+    if (b == BUF_V) return texelFetch(tv, t);
+    return texelFetch(tdo, t);
+}
+
+float ld1(const int b, uint i) {
+    if (b == BUF_O) return HL_LDF(TA, o[i]);
+#if TA == T_F32
+    return uintBitsToFloat(texel_of(b, i)[i & 3u]);
+#else
+    uint w = texel_of(b, i)[(i >> 1) & 3u];
+#if TA == T_F16
+    return unpackHalf2x16(w >> (16u * (i & 1u))).x;
+#else
+    return uintBitsToFloat((i & 1u) == 0u ? w << 16 : w & 0xFFFF0000u);
+#endif
+#endif
+}
+#else
 float ld1(const int b, uint i) {
     if (b == BUF_Q) return HL_LDF(TA, q[i]);
     if (b == BUF_K) return HL_LDF(TA, k[i]);
@@ -107,6 +144,7 @@ float ld1(const int b, uint i) {
     if (b == BUF_O) return HL_LDF(TA, o[i]);
     return HL_LDF(TA, dout[i]);
 }
+#endif
 
 // Element (z, t, 0) of Q, K or V; of the contiguous O and dO.
 uint qrow(uint z, uint t) { uint b = z / p.H; return p.off_q + b * p.sqb + (z - b * p.H) * p.sqh + t * p.sqt; }
@@ -150,7 +188,6 @@ uint next_q(uint kr, uint q0, uint qend) {
 #extension GL_KHR_shader_subgroup_basic : require
 #extension GL_KHR_shader_subgroup_ballot : require
 #extension GL_KHR_shader_subgroup_arithmetic : require
-#extension GL_EXT_shader_explicit_arithmetic_types_int64 : require
 #define SG 8        // lanes per subgroup; flash_attn_fwd() checks the device
 #define NR 8        // rows a subgroup owns: one per lane
 #ifndef TN
@@ -161,44 +198,23 @@ uint next_q(uint kr, uint q0, uint qend) {
 
 layout(local_size_x = SG, local_size_y_id = 0) in;
 layout(constant_id = 0) const int WY = 4;      // subgroups per workgroup
-// 1: every row start is 8-aligned: 8 values per load (one 32-byte u64vec4 for fp32), as
-// matmul.comp's AWIDE; else two 4-value loads (row starts are always 4-aligned).
+// 1: every row start is 8-aligned: 8 16-bit values per load (one texel), as matmul.glsl's
+// AWIDE; else two 4-value loads (row starts are always 4-aligned).  fp32 takes two texels either way.
 layout(constant_id = 2) const int WIDE = 0;
 
 #if TA == T_F32
-layout(std430, binding = 0) readonly buffer BQ4 { vec4 q4[]; };
-layout(std430, binding = 1) readonly buffer BK4 { vec4 k4[]; };
-layout(std430, binding = 2) readonly buffer BV4 { vec4 v4[]; };
 layout(std430, binding = 3) buffer BO4 { vec4 o4[]; };
-layout(std430, binding = 4) readonly buffer BDO4 { vec4 do4[]; };
 layout(std430, binding = 7) writeonly buffer BDQ4 { vec4 dq4[]; };
 layout(std430, binding = 8) writeonly buffer BDK4 { vec4 dk4[]; };
 layout(std430, binding = 9) writeonly buffer BDV4 { vec4 dv4[]; };
-layout(std430, binding = 0) readonly buffer BQ8 { u64vec4 q8[]; };
-layout(std430, binding = 1) readonly buffer BK8 { u64vec4 k8[]; };
-layout(std430, binding = 2) readonly buffer BV8 { u64vec4 v8[]; };
-layout(std430, binding = 3) readonly buffer BO8 { u64vec4 o8[]; };
-layout(std430, binding = 4) readonly buffer BDO8 { u64vec4 do8[]; };
-vec4 f2x2(uint64_t x, uint64_t y) { return vec4(uintBitsToFloat(unpackUint2x32(x)), uintBitsToFloat(unpackUint2x32(y))); }
-vec4 un4(vec4 w) { return w; }
 vec4 pk4(vec4 x) { return x; }
-void un8(u64vec4 w, out vec4 lo, out vec4 hi) { lo = f2x2(w.x, w.y); hi = f2x2(w.z, w.w); }
 #else
-// 16-bit storage: 4 values are two 32-bit words, 8 values two 64-bit words, unpacked in
-// registers (no 16-bit arithmetic needed), as in matmul.comp.
-layout(std430, binding = 0) readonly buffer BQ4 { uvec2 q4[]; };
-layout(std430, binding = 1) readonly buffer BK4 { uvec2 k4[]; };
-layout(std430, binding = 2) readonly buffer BV4 { uvec2 v4[]; };
+// 16-bit storage: 4 values are two 32-bit words, 8 values a texel of four, unpacked in
+// registers (no 16-bit arithmetic needed), as in matmul.glsl.
 layout(std430, binding = 3) buffer BO4 { uvec2 o4[]; };
-layout(std430, binding = 4) readonly buffer BDO4 { uvec2 do4[]; };
 layout(std430, binding = 7) writeonly buffer BDQ4 { uvec2 dq4[]; };
 layout(std430, binding = 8) writeonly buffer BDK4 { uvec2 dk4[]; };
 layout(std430, binding = 9) writeonly buffer BDV4 { uvec2 dv4[]; };
-layout(std430, binding = 0) readonly buffer BQ8 { u64vec2 q8[]; };
-layout(std430, binding = 1) readonly buffer BK8 { u64vec2 k8[]; };
-layout(std430, binding = 2) readonly buffer BV8 { u64vec2 v8[]; };
-layout(std430, binding = 3) readonly buffer BO8 { u64vec2 o8[]; };
-layout(std430, binding = 4) readonly buffer BDO8 { u64vec2 do8[]; };
 vec4 un4(uvec2 w) {
 #if TA == T_F16
     return vec4(unpackHalf2x16(w.x), unpackHalf2x16(w.y));
@@ -214,30 +230,33 @@ uvec2 pk4(vec4 x) {
     return uvec2(f_to_bf16(x.x) | (f_to_bf16(x.y) << 16), f_to_bf16(x.z) | (f_to_bf16(x.w) << 16));
 #endif
 }
-void un8(u64vec2 w, out vec4 lo, out vec4 hi) { lo = un4(unpackUint2x32(w.x)); hi = un4(unpackUint2x32(w.y)); }
 #endif
 
-// 4 values from element i (a multiple of 4) of operand b.
+// 4 values from element i (a multiple of 4) of operand b (Q, K, V or dO).
 vec4 ld4(const int b, uint i) {
-    if (b == BUF_Q) return un4(q4[i >> 2]);
-    if (b == BUF_K) return un4(k4[i >> 2]);
-    if (b == BUF_V) return un4(v4[i >> 2]);
-    if (b == BUF_O) return un4(o4[i >> 2]);
-    return un4(do4[i >> 2]);
+    uvec4 t = texel_of(b, i);
+#if TA == T_F32
+    return uintBitsToFloat(t);
+#else
+    return un4((i & 4u) == 0u ? t.xy : t.zw);
+#endif
 }
 
-// 8 values from element i (a multiple of 8 when WIDE).
+// 8 values from element i (a multiple of 8 when WIDE, else of 4).
 void ld8(const int b, uint i, out vec4 lo, out vec4 hi) {
+#if TA == T_F32
+    lo = ld4(b, i);
+    hi = ld4(b, i + 4u);
+#else
     if (WIDE == 1) {
-        if (b == BUF_Q) un8(q8[i >> 3], lo, hi);
-        else if (b == BUF_K) un8(k8[i >> 3], lo, hi);
-        else if (b == BUF_V) un8(v8[i >> 3], lo, hi);
-        else if (b == BUF_O) un8(o8[i >> 3], lo, hi);
-        else un8(do8[i >> 3], lo, hi);
+        uvec4 t = texel_of(b, i);
+        lo = un4(t.xy);
+        hi = un4(t.zw);
     } else {
         lo = ld4(b, i);
         hi = ld4(b, i + 4u);
     }
+#endif
 }
 
 // s[i][j] += X[row i] . Y[row j] over the head dim.  Row i of X starts at xs on lane i

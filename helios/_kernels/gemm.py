@@ -42,22 +42,22 @@ _MM_EPI_VEC = True
 def _mm_cpu_tile(M: int, N: int, dtype: dt.DType = dt.float32) -> tuple:
     """(TM, TN, WY) of the CPU kernel for an M x N output of ``dtype``.
 
-    Per K step a subgroup loads TM values of A and 8 * TN of B for TM * TN vector
-    multiply-adds.  16-bit operands are unpacked from their texels after each load, so their
-    loads stay the larger cost: 32x8 (2.8x fewer loads per multiply-add than 8x16) ran
-    1.35-1.45x faster at 1024^3 when they were storage-buffer loads, and as rgba32ui texel
-    fetches still beats 16x8 at 5 of 6 shapes (0.95-1.19x, bench/README.md "matmul"); 64x8 is ~10 % faster again
-    but JITs ~5x longer.  fp32 operands are rgba32f texels, used as fetched, cheap enough that
-    the smaller 16x8 block, with fewer accumulators to spill, is faster: 1.03-1.35x over 32x8
-    at the GPT shapes and 1024^3 (bench/README.md "matmul"), in workgroups of 64 rows.
-    Shorter outputs keep 8-row blocks in workgroups of 16 rows (below 64 rows a taller block would compute
-    mostly clamped rows), with 16 columns a lane when N >= 512 and M < 64.  fp32 takes the
-    16-row block from 256 rows (_MM_CPU_TALL_F32) because below that the two blocks ran
-    equally fast (64-255 rows at the GPT shapes, within this machine's noise) while each block
-    and each workgroup height is a pipeline of its own, which lavapipe builds again in every
-    process (16x8: 25-95 ms, 8x8: 11-35 ms): one family of small-M kernels instead of two took
-    a multi-rank training test's matmul pipeline building from 14.0 to 8.0 CPU-s.  WY keeps ~128 rows a
-    workgroup on tall 16-bit outputs (one B panel reused from cache) and 64 on shorter ones.
+    Per K step a subgroup loads TM values of A and 8 * TN of B for TM * TN vector multiply-adds.
+    16-bit operands are unpacked from their texels after each load, so their loads stay the
+    larger cost: 32x8 (2.8x fewer loads per multiply-add than 8x16) ran 1.35-1.45x faster at
+    1024^3 when they were storage-buffer loads, and as rgba32ui texel fetches still beats 16x8
+    at 5 of 6 shapes (0.95-1.19x, bench/README.md "matmul"); 64x8 is ~10 % faster again but JITs
+    ~5x longer.  fp32 operands are rgba32f texels, used as fetched, cheap enough that the smaller
+    16x8 block, with fewer accumulators to spill, is faster: 1.03-1.35x over 32x8 at the GPT
+    shapes and 1024^3 (bench/README.md "matmul"), in workgroups of 64 rows.  Shorter outputs keep
+    8-row blocks in workgroups of 16 rows (below 64 rows a taller block would compute mostly
+    clamped rows), with 16 columns a lane when N >= 512 and M < 64.  fp32 takes the 16-row block
+    from 256 rows (_MM_CPU_TALL_F32) because below that the two blocks ran equally fast (64-255
+    rows at the GPT shapes, within this machine's noise) while each block and each workgroup
+    height is a pipeline of its own, which lavapipe builds again in every process (16x8: 25-95
+    ms, 8x8: 11-35 ms): one family of small-M kernels instead of two took a multi-rank training
+    test's matmul pipeline building from 14.0 to 8.0 CPU-s.  WY keeps ~128 rows a workgroup on
+    tall 16-bit outputs (one B panel reused from cache) and 64 on shorter ones.
     The block does not change any sum: every output is the same K loop in the same order.
     """
     f32 = dtype is dt.float32

@@ -55,8 +55,8 @@ Allocator::Allocator(VkDevice dev, const PhysicalDeviceInfo& info, bool force_st
   block_size_ = std::min<uint64_t>(block_size, info.max_memory_allocation_size);
   if (info.max_buffer_size) block_size_ = std::min<uint64_t>(block_size_, info.max_buffer_size);
   block_size_ = std::max<uint64_t>(block_size_ / align_ * align_, align_);
-  // Uniform texel buffer too: kernels may read an operand through an rgba32f or rgba32ui view (a samplerBuffer), which
-  // CPU drivers load as one gather per vec4 where a storage-buffer load is a loop over the lanes.
+  // Uniform texel buffer too: kernels may read an operand through an rgba32f or rgba32ui view (a samplerBuffer or
+  // usamplerBuffer), which CPU drivers load as one gather per texel where a storage-buffer load is a loop over the lanes.
   usage_ = VK_BUFFER_USAGE_STORAGE_BUFFER_BIT | VK_BUFFER_USAGE_UNIFORM_TEXEL_BUFFER_BIT | VK_BUFFER_USAGE_TRANSFER_SRC_BIT |
            VK_BUFFER_USAGE_TRANSFER_DST_BIT;
 

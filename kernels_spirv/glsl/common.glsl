@@ -37,6 +37,12 @@ uint f_to_bf16(float f) {
 float bf16_lo(uint w) { return uintBitsToFloat(w << 16); }
 float bf16_hi(uint w) { return uintBitsToFloat(w & 0xFFFF0000u); }
 uint bf16_pair(float lo, float hi) { return f_to_bf16(lo) | (f_to_bf16(hi) << 16); }
+// Half h (0: low, 1: high) of a word holding two 16-bit values of type t (T_F16 or T_BF16), as
+// float: an element of a 16-bit texel view (the CPU-driver matmul and flash kernels' scalar loads).
+float half_of_word(int t, uint w, uint h) {
+    if (t == T_F16) return unpackHalf2x16(w >> (16u * h)).x;
+    return h == 0u ? bf16_lo(w) : bf16_hi(w);
+}
 
 // Storage type and load/store for slot X = A, B, C, O.
 #define HL_ST_1 float

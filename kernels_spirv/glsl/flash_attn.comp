@@ -128,12 +128,7 @@ float ld1(const int b, uint i) {
 #if TA == T_F32
     return uintBitsToFloat(texel_of(b, i)[i & 3u]);
 #else
-    uint w = texel_of(b, i)[(i >> 1) & 3u];
-#if TA == T_F16
-    return unpackHalf2x16(w >> (16u * (i & 1u))).x;
-#else
-    return uintBitsToFloat((i & 1u) == 0u ? w << 16 : w & 0xFFFF0000u);
-#endif
+    return half_of_word(TA, texel_of(b, i)[(i >> 1) & 3u], i & 1u);
 #endif
 }
 #else

@@ -33,8 +33,9 @@
 //   lanes as vec4s, and handed to every lane by shuffles; B is read as vec4s along its
 //   contiguous dim.  A and B are read through texel views instead of storage buffers
 //   (rgba32f for fp32, rgba32ui for 16-bit): llvmpipe fetches one texel for all 8 lanes as a
-//   gather, without the per-lane loop (1.25-1.33x for fp32 at 1024^3, 1.15-1.3x for 16-bit).  Each load then moves 4-8 useful values per lane and nothing is
-//   loaded twice inside a subgroup; a tall block (32x8) loads TM + 8*TN values per K step
+//   gather, without the per-lane loop (1.25-1.33x for fp32 at 1024^3, 1.15-1.3x for 16-bit).
+//   Each load then moves 4-8 useful values per lane and nothing is loaded twice inside a
+//   subgroup; a tall block (32x8) loads TM + 8*TN values per K step
 //   for TM*TN vector multiply-adds.  llvmpipe lowers fma() to a multiply and an add, so
 //   the sums are written as such.  TM / TN are compile-time (the register block must be
 //   fully unrolled: llvmpipe keeps arrays indexed by a loop variable in memory); the
@@ -384,14 +385,6 @@ uvec2 pack4(vec4 v) {
     return uvec2(f_to_bf16(v.x) | (f_to_bf16(v.y) << 16), f_to_bf16(v.z) | (f_to_bf16(v.w) << 16));
 #endif
 }
-// The value in half h (0: low, 1: high) of a word.
-float unpack1(uint w, uint h) {
-#if TA == T_F16
-    return unpackHalf2x16(w >> (16u * h)).x;
-#else
-    return uintBitsToFloat(h == 0u ? w << 16 : w & 0xFFFF0000u);
-#endif
-}
 // A float32 A or B of the mixed storage (MM_AF32 / MM_BF32) as texels, each value rounded to TA.
 vec4 round4(vec4 v) { return vec4(mm_round(v.x), mm_round(v.y), mm_round(v.z), mm_round(v.w)); }
 // A 16-bit A or B: the rgba32ui texel holding element i is its 8 values i & ~7 .. (i & ~7) + 7,
@@ -404,7 +397,7 @@ float lda(uint i) { return mm_lda(i); }
 uvec4 a_texel8(uint i) { return texelFetch(ta, int(i >> 3)); }
 vec4 lda4(uint i) { uvec4 t = a_texel8(i); return unpack4((i & 4u) == 0u ? t.xy : t.zw); }
 void lda8w(uint i, out vec4 lo, out vec4 hi) { uvec4 t = a_texel8(i); lo = unpack4(t.xy); hi = unpack4(t.zw); }
-float lda(uint i) { return unpack1(a_texel8(i)[(i >> 1) & 3u], i & 1u); }
+float lda(uint i) { return half_of_word(TA, a_texel8(i)[(i >> 1) & 3u], i & 1u); }
 #endif
 #ifdef MM_TEXEL_B
 vec4 ldb4(uint i) { return round4(texelFetch(tb, int(i >> 2))); }
@@ -414,7 +407,7 @@ float ldb(uint i) { return mm_ldb(i); }
 uvec4 b_texel8(uint i) { return texelFetch(tb, int(i >> 3)); }
 vec4 ldb4(uint i) { uvec4 t = b_texel8(i); return unpack4((i & 4u) == 0u ? t.xy : t.zw); }
 void ldb8w(uint i, out vec4 lo, out vec4 hi) { uvec4 t = b_texel8(i); lo = unpack4(t.xy); hi = unpack4(t.zw); }
-float ldb(uint i) { return unpack1(b_texel8(i)[(i >> 1) & 3u], i & 1u); }
+float ldb(uint i) { return half_of_word(TA, b_texel8(i)[(i >> 1) & 3u], i & 1u); }
 #endif
 layout(std430, binding = 2) writeonly buffer BCF4 { vec4 cf4[]; };
 void stc4(uint i, vec4 v) {

@@ -25,6 +25,13 @@ def empty(shape: tuple, dtype: dt.DType, rt=None, pool: str = "activations") -> 
     return Tensor(Storage(rt, n * dtype.itemsize, pool), tuple(shape), contiguous_strides(shape), 0, dtype)
 
 
+def narrow_view(t: Tensor, dim: int, start: int, length: int) -> Tensor:
+    """A raw (untracked) view of ``length`` indices of ``t`` from ``start`` along ``dim``: the same
+    storage and strides, no copy (for launchers that cut an operand into parts)."""
+    d = dim % t.ndim
+    return Tensor(t._st, t.shape[:d] + (length,) + t.shape[d + 1:], t._strides, t._off + start * t._strides[d], t.dtype)
+
+
 def _check_dtype_supported(rt, dtype: dt.DType) -> None:
     f = rt.features
     if dtype.itemsize == 2 and not f.get("storage16", False):

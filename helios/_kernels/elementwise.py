@@ -12,7 +12,7 @@ from helios.errors import DTypeError, ShapeError
 from helios.kernels_spirv import ew_ops
 from helios import op_trace
 from helios.tensor import Tensor
-from helios._kernels.core import MAX_DIMS, _PAD6, _ZERO14, _elems_per_dispatch, _pad, bind, empty, grid, vec_width
+from helios._kernels.core import MAX_DIMS, _PAD6, _ZERO14, _elems_per_dispatch, _pad, bind, empty, grid, narrow_view, vec_width
 
 _TRACE = op_trace.current()  # the op being recorded: a queued op records under its own operands and ids
 
@@ -107,10 +107,7 @@ def _split_outer(shape: tuple, *views: Tensor) -> tuple[list, list]:
     d = next(i for i, s in enumerate(shape) if s > 1)
     h = shape[d] // 2
 
-    def part(t: Tensor, start: int, length: int) -> Tensor:
-        return Tensor(t._st, t.shape[:d] + (length,) + t.shape[d + 1:], t._strides, t._off + start * t._strides[d], t.dtype)
-
-    return [part(v, 0, h) for v in views], [part(v, h, shape[d] - h) for v in views]
+    return [narrow_view(v, d, 0, h) for v in views], [narrow_view(v, d, h, shape[d] - h) for v in views]
 
 
 def _flat_window(t: Tensor, start: int) -> Tensor:

@@ -216,7 +216,8 @@ class _FlashLaunch:
         # 8-wide loads need every row start 8-aligned (see WIDE in the GLSL); the coopmat kernel
         # decides per pass (dO's offset joins in the backward)
         self.aligned8 = all(x % 8 == 0 for x in strides + self.offs)
-        self.wide = int(self.cpu and self.aligned8)
+        # (the CPU kernel reads fp32 two texels per 8 values either way: one pipeline, not two)
+        self.wide = int(self.cpu and self.aligned8 and q.dtype is not dt.float32)
         self.bm = block_mask
         if block_mask is not None:
             if (block_mask.Tq, block_mask.Tk, block_mask.causal) != (self.Tq, self.Tk, self.causal):

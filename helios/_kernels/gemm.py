@@ -10,7 +10,7 @@ from helios import fused_kernels
 from helios._shape import broadcast_strides, collapse, numel
 from helios.errors import ShapeError
 from helios.tensor import Tensor
-from helios._kernels.core import bind, empty, loop_run
+from helios._kernels.core import bind, empty, loop_run, narrow_view
 from helios._kernels import coopmat
 import helios._kernels as kern  # the other kernel families (bound once the package has loaded)
 
@@ -42,22 +42,23 @@ _MM_EPI_VEC = True
 def _mm_cpu_tile(M: int, N: int, dtype: dt.DType = dt.float32) -> tuple:
     """(TM, TN, WY) of the CPU kernel for an M x N output of ``dtype``.
 
-    Per K step a subgroup loads TM values of A and 8 * TN of B for TM * TN vector multiply-adds.
-    16-bit operands are unpacked from their texels after each load, so their loads stay the
-    larger cost: 32x8 (2.8x fewer loads per multiply-add than 8x16) ran 1.35-1.45x faster at
-    1024^3 when they were storage-buffer loads, and as rgba32ui texel fetches still beats 16x8
-    at 5 of 6 shapes (0.95-1.19x, bench/README.md "matmul"); 64x8 is ~10 % faster again but JITs
-    ~5x longer.  fp32 operands are rgba32f texels, used as fetched, cheap enough that the smaller
+    Per K step a subgroup loads TM values of A and 8 * TN of B for TM * TN vector
+    multiply-adds.  16-bit operands are unpacked in registers after each texel load.  For them
+    32x8 (2.8x fewer loads per multiply-add than 8x16) ran 1.35-1.45x faster at 1024^3 when
+    they were storage-buffer loads, and with rgba32ui texel fetches still beats 16x8 at 5 of 6
+    shapes (0.95-1.19x, bench/README.md "matmul"); 64x8 is ~10 % faster again but JITs ~5x
+    longer.  fp32 operands are rgba32f texels, used as fetched, cheap enough that the smaller
     16x8 block, with fewer accumulators to spill, is faster: 1.03-1.35x over 32x8 at the GPT
-    shapes and 1024^3 (bench/README.md "matmul"), in workgroups of 64 rows.  Shorter outputs keep
-    8-row blocks in workgroups of 16 rows (below 64 rows a taller block would compute mostly
-    clamped rows), with 16 columns a lane when N >= 512 and M < 64.  fp32 takes the 16-row block
-    from 256 rows (_MM_CPU_TALL_F32) because below that the two blocks ran equally fast (64-255
-    rows at the GPT shapes, within this machine's noise) while each block and each workgroup
-    height is a pipeline of its own, which lavapipe builds again in every process (16x8: 25-95
-    ms, 8x8: 11-35 ms): one family of small-M kernels instead of two took a multi-rank training
-    test's matmul pipeline building from 14.0 to 8.0 CPU-s.  WY keeps ~128 rows a workgroup on
-    tall 16-bit outputs (one B panel reused from cache) and 64 on shorter ones.
+    shapes and 1024^3 (bench/README.md "matmul"), in workgroups of 64 rows.  Shorter outputs
+    keep 8-row blocks in workgroups of 16 rows (below 64 rows a taller block would compute
+    mostly clamped rows), with 16 columns a lane when N >= 512 and M < 64.  fp32 takes the
+    16-row block from 256 rows (_MM_CPU_TALL_F32) because below that the two blocks ran equally
+    fast (64-255 rows at the GPT shapes, within this machine's noise) while each block and each
+    workgroup height is a pipeline of its own, which lavapipe builds again in every process
+    (16x8: 25-95 ms, 8x8: 11-35 ms): one family of small-M kernels instead of two took a
+    multi-rank training test's matmul pipeline building from 14.0 to 8.0 CPU-s.  WY keeps ~128
+    rows a workgroup on tall 16-bit outputs (one B panel reused from cache) and 64 on shorter
+    ones.
     The block does not change any sum: every output is the same K loop in the same order.
     """
     f32 = dtype is dt.float32
@@ -300,13 +301,6 @@ def _k_runs(rt, K: int) -> int:
     return -(-K // (cap * _MM_KB))
 
 
-def _k_part(x: Tensor, k0: int, n: int, dim: int) -> Tensor:
-    """A raw view of ``n`` indices of ``x`` from ``k0`` along ``dim`` (-1 for a, -2 for b)."""
-    shape = list(x.shape)
-    shape[dim] = n
-    return Tensor(x._st, tuple(shape), x._strides, x._off + k0 * x._strides[dim], x.dtype)
-
-
 def _matmul_split_k(a: Tensor, b: Tensor, bias: Tensor | None, out: Tensor, epi: tuple | None,
                     compute: dt.DType | None, runs: int) -> Tensor:
     """matmul() where one pass over K would outrun the driver's loop limit (:func:`_k_runs`):
@@ -325,7 +319,7 @@ def _matmul_split_k(a: Tensor, b: Tensor, bias: Tensor | None, out: Tensor, epi:
     acc = None
     for k0 in range(0, K, per):
         n = min(per, K - k0)
-        part = matmul(wide(_k_part(a, k0, n, -1)), wide(_k_part(b, k0, n, -2)), wide(bias) if acc is None else None)
+        part = matmul(wide(narrow_view(a, -1, k0, n)), wide(narrow_view(b, -2, k0, n)), wide(bias) if acc is None else None)
         acc = part if acc is None else kern.binary_("add", acc, part)
     r = acc if dtype is dt.float32 else kern.copy(acc, dtype)
     if epi is not None:

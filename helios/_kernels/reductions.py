@@ -9,7 +9,7 @@ from helios import dtypes as dt
 from helios._shape import collapse, numel
 from helios.errors import ShapeError
 from helios.tensor import Tensor
-from helios._kernels.core import _elems_per_dispatch, bind, column_chunks, empty, grid, groups_for
+from helios._kernels.core import _elems_per_dispatch, bind, column_chunks, empty, grid, groups_for, narrow_view
 import helios._kernels as kern  # the other kernel families (bound once the package has loaded)
 
 
@@ -196,8 +196,7 @@ def _reduce_wide(op, x, dims, kept, out_shape, scale):
         return v.reshape(out_shape), (i.reshape(out_shape) if i is not None else None)
     d = max((k for k in kept if x.shape[k] > 1), key=lambda k: (x.shape[k] - 1) * abs(x._strides[k]))
     h = x.shape[d] // 2
-    res = [reduce(op, Tensor(x._st, x.shape[:d] + (n,) + x.shape[d + 1:], x._strides, x._off + s * x._strides[d], x.dtype),
-                  dims, scale) for s, n in ((0, h), (h, x.shape[d] - h))]
+    res = [reduce(op, narrow_view(x, d, s, n), dims, scale) for s, n in ((0, h), (h, x.shape[d] - h))]
     j = kept.index(d)
     return cat_raw([r[0] for r in res], j), (cat_raw([r[1] for r in res], j) if res[0][1] is not None else None)
 

@@ -151,13 +151,15 @@ def _f32_hex(x: float) -> str:
 @dataclass
 class _Ptr:
     """A pointer value: state space, base address register (None: a push-constant offset), constant
-    byte offset, pointee type id, and for built-ins the built-in's name."""
+    byte offset, pointee type id, for built-ins the built-in's name, and for a push constant
+    indexed by a register that index (``dyn``: register, byte step, element count)."""
 
     space: str        # global | shared | local | param | builtin
     base: str | None
     offset: int
     tid: int
     builtin: str = ""
+    dyn: tuple | None = None
 
 
 class _Translator:
@@ -311,7 +313,6 @@ class _Translator:
     def setup_variables(self) -> None:
         m = self.m
         binding_regs: dict[int, str] = {}
-        dynamic_push = self._push_indexed_dynamically()
         for vid, (ptid, sc) in sorted(m.variables.items()):
             pointee = m.types[ptid].elem
             dec = m.decorations.get(vid, {})
@@ -333,16 +334,7 @@ class _Translator:
             elif sc == SC_PUSH:
                 size, _ = self.size_align(pointee)
                 self.push_words = -(-size // 4)
-                if dynamic_push:  # indexed by a register somewhere: copy the words where they can be
-                    off = self._local_alloc(pointee)
-                    base = self._lmem()
-                    for w in range(self.push_words):
-                        r = self.reg("b32")
-                        self.prologue.append(f"\tld.param.u32 {r}, [pc{w}];")
-                        self.prologue.append(f"\tst.local.u32 [{base}+{off + 4 * w}], {r};")
-                    self.ptrs[vid] = _Ptr("local", base, off, pointee)
-                else:
-                    self.ptrs[vid] = _Ptr("param", None, 0, pointee)
+                self.ptrs[vid] = _Ptr("param", None, 0, pointee)
             elif sc == SC_INPUT:
                 if DEC_BUILTIN not in dec:
                     raise SpirvError(f"input variable %{vid} is not a built-in")
@@ -371,15 +363,6 @@ class _Translator:
         self.store(p, self.regs(vid))
         self.prologue.extend(self.body)
         self.body = saved
-
-    def _push_indexed_dynamically(self) -> bool:
-        push_vars = {v for v, (_, sc) in self.m.variables.items() if sc == SC_PUSH}
-        for b in self.m.blocks:
-            for ins in b.instrs:
-                if ins.op in ("AccessChain", "InBoundsAccessChain") and ins.ops[0] in push_vars:
-                    if any(i not in self.m.consts for i in ins.ops[1:]):
-                        return True
-        return False
 
     def _smem(self) -> str:
         if self.smem_base is None:
@@ -452,7 +435,7 @@ class _Translator:
 
     # -- loads and stores ----------------------------------------------------------------------
     def access_chain(self, base: _Ptr, indices) -> _Ptr:
-        tid, off, addr = base.tid, base.offset, base.base
+        tid, off, addr, dyn = base.tid, base.offset, base.base, base.dyn
         comp = None
         for idx in indices:
             t = self.m.types[tid]
@@ -471,15 +454,47 @@ class _Translator:
                 off += int(self.m.consts[idx]) * step
                 if base.space == "builtin":
                     comp = int(self.m.consts[idx])
+            elif base.space == "param" and dyn is None and t.kind == "array":
+                dyn = (self._index_u32(idx), step, t.count)
+            elif base.space in ("param", "builtin"):
+                raise SpirvError("a built-in, a push constant's vector or a push constant twice indexed by a register")
             else:
-                if base.space in ("param", "builtin"):
-                    raise SpirvError("a push constant or built-in indexed by a register")
                 addr = self.add_scaled(base.space, addr, idx, step)
             tid = nxt
-        out = _Ptr(base.space, addr, off, tid, base.builtin)
+        out = _Ptr(base.space, addr, off, tid, base.builtin, dyn)
         if comp is not None:
             out.offset = comp
         return out
+
+    def _index_u32(self, idx: int) -> str:
+        """The index value ``idx`` as a 32-bit register (a 64-bit index is narrowed)."""
+        (i,) = self.regs(idx)
+        if self.scalar(self.type_of(idx)).width == 64:
+            j = self.reg("b32")
+            self.emit(f"cvt.u32.u64 {j}, {i};")
+            return j
+        return i
+
+    def _param_word(self, off: int, dyn: tuple | None) -> str:
+        """The push-constant word at byte ``off`` as a register.  For a pointer indexed by a register
+        (``dyn``), the word of the element that register picks, chosen by selects among the array's
+        elements: a kernel parameter indexed by a register would make ptxas copy the parameters
+        to per-thread local memory, which costs every thread of a memory-bound kernel about 100
+        bytes of stores and loads before its first useful access."""
+        if off % 4:
+            raise SpirvError(f"push constant at byte {off}: not a whole word")
+        r = self.reg("b32")
+        self.emit(f"ld.param.u32 {r}, [pc{off // 4}];")
+        if dyn is None:
+            return r
+        idx, step, count = dyn
+        for k in range(1, count):
+            w, p, picked = self.reg("b32"), self.reg("pred"), self.reg("b32")
+            self.emit(f"ld.param.u32 {w}, [pc{(off + k * step) // 4}];")
+            self.emit(f"setp.eq.u32 {p}, {idx}, {k};")
+            self.emit(f"selp.b32 {picked}, {w}, {r}, {p};")
+            r = picked
+        return r
 
     def add_scaled(self, space: str, addr: str, idx: int, step: int) -> str:
         """``addr + idx * step`` in the space's address width."""
@@ -515,13 +530,11 @@ class _Translator:
             regs = self.builtin(p.builtin)
             t = self.m.types[p.tid]
             return regs if t.kind == "vector" else [regs[p.offset]]
+        if p.space == "param":
+            return self._load_param(p.offset, p.tid, p.dyn)
         return self._load(p.space, p.base, p.offset, p.tid)
 
     def _addr(self, space: str, base: str | None, off: int) -> str:
-        if space == "param":
-            if off % 4:
-                raise SpirvError(f"push constant at byte {off}: not a whole word")
-            return f"[pc{off // 4}]"
         return f"[{base}+{off}]" if off else f"[{base}]"
 
     def _load(self, space, base, off, tid) -> list[str]:
@@ -537,7 +550,7 @@ class _Translator:
         if t.kind == "vector":
             et = self.m.types[t.elem]
             size = et.width // 8
-            if space != "param" and t.count in (2, 4) and et.kind != "bool" and size * t.count <= 16 and size >= 4:
+            if t.count in (2, 4) and et.kind != "bool" and size * t.count <= 16 and size >= 4:
                 regs = [self.reg(self.cls(et)) for _ in range(t.count)]
                 self.emit(f"ld.{space}.v{t.count}.{self.mem_type(et)} {{{', '.join(regs)}}}, "
                           f"{self._addr(space, base, off)};")
@@ -545,24 +558,32 @@ class _Translator:
             return [r for i in range(t.count) for r in self._load(space, base, off + i * size, t.elem)]
         return [self._load_scalar(space, base, off, t)]
 
+    def _load_param(self, off: int, tid: int, dyn: tuple | None) -> list[str]:
+        """Registers of the push constant of type ``tid`` at byte ``off`` (``dyn``: see _param_word)."""
+        t = self.m.types[tid]
+        if t.kind in ("array", "struct", "vector"):
+            out = []
+            n = t.count if t.kind != "struct" else len(t.members)
+            for i in range(n):
+                et = t.members[i] if t.kind == "struct" else t.elem
+                eo = (self.member_offset(tid, i) if t.kind == "struct"
+                      else i * (self.stride(tid) if t.kind == "array" else self.size_align(t.elem)[0]))
+                out += self._load_param(off + eo, et, dyn)
+            return out
+        if t.kind == "bool" or (t.kind == "int" and t.width == 32):
+            r = self._param_word(off, dyn)
+            return [self._to_bool(r) if t.kind == "bool" else r]
+        if t.kind == "float" and t.width == 32:
+            r = self.reg("f32")
+            self.emit(f"mov.b32 {r}, {self._param_word(off, dyn)};")
+            return [r]
+        if t.width == 64:
+            lo, hi, r = self._param_word(off, dyn), self._param_word(off + 4, dyn), self.reg(self.cls(t))
+            self.emit(f"mov.b64 {r}, {{{lo}, {hi}}};")
+            return [r]
+        raise SpirvError(f"a {t.width}-bit push constant")
+
     def _load_scalar(self, space, base, off, t: Type) -> str:
-        if space == "param":
-            if t.kind == "bool" or (t.kind == "int" and t.width == 32):
-                r = self.reg("b32")
-                self.emit(f"ld.param.u32 {r}, {self._addr(space, base, off)};")
-                return self._to_bool(r) if t.kind == "bool" else r
-            if t.kind == "float" and t.width == 32:
-                w, r = self.reg("b32"), self.reg("f32")
-                self.emit(f"ld.param.u32 {w}, {self._addr(space, base, off)};")
-                self.emit(f"mov.b32 {r}, {w};")
-                return r
-            if t.width == 64:
-                lo, hi, r = self.reg("b32"), self.reg("b32"), self.reg(self.cls(t))
-                self.emit(f"ld.param.u32 {lo}, {self._addr(space, base, off)};")
-                self.emit(f"ld.param.u32 {hi}, {self._addr(space, base, off + 4)};")
-                self.emit(f"mov.b64 {r}, {{{lo}, {hi}}};")
-                return r
-            raise SpirvError(f"a {t.width}-bit push constant")
         if t.kind == "bool":
             r = self.reg("b32")
             self.emit(f"ld.{space}.u32 {r}, {self._addr(space, base, off)};")

@@ -31,7 +31,7 @@ def describe_run(args: argparse.Namespace, s, job, m, summ: dict, capture_reason
         peak = args.peak_tflops * 1e12
         peak_label = f"{args.peak_tflops} TFLOP/s (--peak-tflops)"
     else:
-        pk = peak_flops(dev["name"], "fp32", dev["type"])
+        pk = peak_flops(dev["name"], args.dtype, dev["type"])  # bf16 / fp16 products run at their own peak
         peak, peak_label = (pk.flops, pk.label) if pk else (None, "n/a (unknown device: pass --peak-tflops)")
     extras = (", sequence parallel" if args.sequence_parallel else "") + (f", ZeRO-{args.zero}" if args.zero else "")
     if m.cp is not None:

@@ -261,6 +261,8 @@ def test_train_dtype_flag_is_checked(tmp_path):
 def test_train_fp16_saves_the_scaler_and_resumes_bit_exactly(corpus, tmp_path):  # noqa: F811
     import json
 
+    from helios.profile.mfu import peak_flops
+    from helios.runtime import get_runtime
     from helios.train_settings import checkpoint_meta
 
     own = ["--steps", "6", "--batch-size", "4", "--block-size", "16", "--seed", "2", "--data", corpus, "--dtype", "fp16"]
@@ -268,6 +270,9 @@ def test_train_fp16_saves_the_scaler_and_resumes_bit_exactly(corpus, tmp_path): 
     r = run(BASE + own + ["--out", str(full)], tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "mixed precision: --dtype fp16, matmuls in float16, float32 master weights, loss scale 65536" in r.stdout
+    info = get_runtime().info  # MFU against the fp16 products' peak, not fp32's
+    peak = peak_flops(info["name"], "fp16", info["type"])
+    assert f"peak for MFU: {peak.label if peak else 'n/a'}" in r.stdout, r.stdout
     summary = json.loads(r.stdout.strip().splitlines()[-1])
     assert summary["dtype"] == "fp16" and summary["loss_scale"] == 65536.0 and summary["skipped_steps"] == 0
     first = run(BASE + own + ["--out", str(split), "--stop-after", "3"], tmp_path)

@@ -148,6 +148,53 @@ def test_the_wide_elementwise_paths_are_sixteen_byte_accesses(tmp_path):
             _assemble_without_spills(kernel, variant, spec, tmp_path)
 
 
+# The kernels that walk a shape and strides held in push constants (``p.shape[d]`` with d a register).
+STRIDED = (("copy", "f32_bf16", (8,)), ("copy", "bf16_bf16", ()), ("ew_binary", "f32", ()), ("ew_unary", "bf16", ()),
+           ("ew_where", "f32", ()), ("gather", "f32", ()))
+
+
+@pytest.mark.parametrize("kernel, variant, spec", STRIDED)
+def test_push_constants_indexed_by_a_register_stay_parameters(kernel, variant, spec, tmp_path):
+    """A push-constant array indexed by a register is read by selects among its words, not through
+    a per-thread copy of the parameters in .local memory (ptxas: no stack frame), which cost every
+    thread of these memory-bound kernels ~100 bytes of local stores and loads."""
+    ptx = translate(registry.spirv(kernel, variant), spec, f"{kernel}_{variant}").ptx
+    assert ".local" not in ptx and "selp.b32" in ptx
+    if toolchain.find_tool("ptxas") is not None:
+        src = tmp_path / "k.ptx"
+        src.write_text(ptx)
+        r = subprocess.run([toolchain.require_tool("ptxas"), "-v", "-arch=sm_90", str(src), "-o", os.devnull],
+                           capture_output=True, text=True)
+        assert r.returncode == 0 and toolchain.parse_ptxas_log(r.stderr).stack_frame == 0, r.stderr
+
+
+def test_strided_kernels_pick_each_dimension_s_shape_and_strides(emulated_cuda):
+    """On the emulated cuda:0, the selects give every dimension its own extent and strides: an
+    8-dim permuted copy with a cast, a 6-dim broadcast product, where() and gather over views."""
+    import numpy as np
+
+    import helios as hl
+    from helios.runtime import set_device
+
+    set_device("cuda:0")
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal((2, 3, 1, 2, 3, 2, 2, 3)).astype(np.float32)
+    perm = (7, 0, 5, 3, 1, 6, 4, 2)
+    t = hl.tensor(a).permute(*perm)
+    np.testing.assert_array_equal(t.contiguous().numpy(), a.transpose(perm))
+    np.testing.assert_array_equal(t.to(hl.bfloat16).float().numpy(), hl.tensor(a.transpose(perm)).to(hl.bfloat16).float().numpy())
+    x = rng.standard_normal((3, 1, 4, 1, 5, 2)).astype(np.float32)
+    y = rng.standard_normal((1, 2, 1, 3, 5, 1)).astype(np.float32)
+    np.testing.assert_array_equal((hl.tensor(x) * hl.tensor(y)).numpy(), x * y)
+    c = rng.standard_normal((4, 3, 5)) > 0
+    xt = hl.tensor(x[:, 0, :, 0, :, 0]).transpose(0, 1)
+    np.testing.assert_array_equal(hl.where(hl.tensor(c), xt, hl.tensor(-1.0)).numpy(),
+                                  np.where(c, x[:, 0, :, 0, :, 0].transpose(1, 0, 2), np.float32(-1.0)))
+    idx = rng.integers(0, 4, (3, 2, 5))
+    np.testing.assert_array_equal(hl.gather(xt.transpose(0, 1), 1, hl.tensor(idx)).numpy(),
+                                  np.take_along_axis(x[:, 0, :, 0, :, 0], idx, 1))
+
+
 def _linear_on_cuda0(x, w, b) -> list[bytes]:
     """A Linear's output and its three gradients on cuda:0 (a device opened for this call)."""
     import numpy as np

@@ -113,6 +113,29 @@ def test_flash_16bit_storage(monkeypatch, kernel, dtype, tol):
     _close(_helios(q, k, v, g, dtype=getattr(hl, dtype), is_causal=True), _ref(q, k, v, g, is_causal=True), tol)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_flash_gpu_preprocess_wide_and_scalar_loads_agree(monkeypatch, dtype):
+    # The GPU kernel's preprocess pass (D = rowsum(dO * O)) reads 16 bytes a load where O's and
+    # dO's rows start 8-aligned, and one value a load otherwise, summing in the same order: a
+    # gradient handed in 4 elements into its buffer takes the scalar loads and must give the same
+    # bits, and both the reference's values.
+    monkeypatch.setattr(K.flash, "_FA_KERNEL", "gpu")
+    hdt, tdt = getattr(hl, dtype), getattr(torch, dtype)
+    q, k, v, g = (torch.tensor(x).to(tdt).double().numpy() for x in _operands(2, 2, 37, 64))
+    runs = []
+    for pad in (0, 4):
+        hq, hk, hv = (hl.tensor(x, dtype=hdt, requires_grad=True) for x in (q, k, v))
+        o = F.scaled_dot_product_attention(hq, hk, hv, is_causal=True)
+        flat = np.concatenate([np.zeros(pad), g.ravel()])
+        go = hl.tensor(flat, dtype=hdt)[pad:].reshape(*g.shape)
+        assert go._off == pad and go.is_contiguous()
+        o.backward(go)
+        runs.append([t.float().numpy().astype(np.float64) for t in (o, hq.grad, hk.grad, hv.grad)])
+    for a, b in zip(*runs):
+        np.testing.assert_array_equal(a, b)
+    _close(runs[0], _ref(q, k, v, g, is_causal=True), 2e-5 if dtype == "float32" else 1.6e-2)
+
+
 @pytest.mark.parametrize("dtype,D,pad,tol", [("bfloat16", 32, 0, 1.6e-2), ("float16", 64, 4, 2e-3)])
 def test_flash_16bit_texel_reads(dtype, D, pad, tol):
     # The CPU kernel reads 16-bit Q, K, V and dO 8 values a texel: head dim 32 takes each lane's

@@ -255,8 +255,8 @@ class _FlashLaunch:
             kernel, variant = coopmat.FLASH_KERNEL, f"f16_d{self.D}"
             subgroup = coopmat.required_subgroup(rt, plan.subgroup)
             name = kernel + name[len("flash_attn"):]  # flash_coop, flash_coop_bwd_dq, flash_coop_bwd_dkv
-        else:
-            spec = (_FA_GPU_WG, mode, 0)
+        else:  # WIDE: the preprocess pass's 16-byte loads, where O's and dO's rows start 8-aligned
+            spec = (_FA_GPU_WG, mode, int(mode == _FA_PRE and off_o % 8 == 0 and off_do % 8 == 0))
             per_group = _FA_GPU_WG
         groups = (1, -(-rows // per_group), BH) if per_head else groups_for(-(-rows // per_group))
         pid = rt.pipeline(kernel, variant, spec, subgroup)

@@ -464,11 +464,60 @@ uint flat_row() {
     return (gl_WorkGroupID.y * gl_NumWorkGroups.x + gl_WorkGroupID.x) * uint(SG * WY) + gl_LocalInvocationIndex;
 }
 
+// rowsum(dO * O) of flat row r (the backward's D), over the head dim in order.
+float row_dsum(uint r) {
+    uint io = orow(0u, r), id = dorow(0u, r);
+    float s = 0.0;
+    for (uint d = 0u; d < uint(HD); ++d) s += ld1(BUF_DO, id + d) * ld1(BUF_O, io + d);
+    return s;
+}
+
 #else
 // ---------------------------------------------------------------- shared-memory tiles (GPU)
 layout(local_size_x_id = 0) in;
 layout(constant_id = 0) const int WG = 64;     // rows (invocations) per workgroup
-layout(constant_id = 2) const int WIDE = 0;    // unused here (scalar loads)
+// 1 (the preprocess pass only): O's and dO's rows start 8-aligned, so row_dsum reads them 16
+// bytes a load; the other passes load scalars either way.
+layout(constant_id = 2) const int WIDE = 0;
+#if TA == T_F32
+layout(std430, binding = 3) readonly buffer BOW { vec4 o_w[]; };
+layout(std430, binding = 4) readonly buffer BDOW { vec4 do_w[]; };
+#else
+layout(std430, binding = 3) readonly buffer BOW { uvec4 o_w[]; };
+layout(std430, binding = 4) readonly buffer BDOW { uvec4 do_w[]; };
+#define DOT2(wa, wb) s += half_of_word(TA, wa, 0u) * half_of_word(TA, wb, 0u); \
+                     s += half_of_word(TA, wa, 1u) * half_of_word(TA, wb, 1u);
+#endif
+
+// rowsum(dO * O) of flat row r (the backward's D), over the head dim in order (the same sums as
+// the scalar loop).  One thread a row: 16-byte loads cut its 2 x HD scalar loads, which touch
+// 32 rows' lines a warp instruction, to 2 x HD / 8 (16-bit) or 2 x HD / 4 (fp32).
+float row_dsum(uint r) {
+    uint io = orow(0u, r), id = dorow(0u, r);
+    float s = 0.0;
+    if (WIDE == 1) {
+#if TA == T_F32
+        for (uint d = 0u; d < uint(HD); d += 4u) {
+            vec4 a = do_w[(id + d) >> 2], b = o_w[(io + d) >> 2];
+            s += a.x * b.x;
+            s += a.y * b.y;
+            s += a.z * b.z;
+            s += a.w * b.w;
+        }
+#else
+        for (uint d = 0u; d < uint(HD); d += 8u) {
+            uvec4 a = do_w[(id + d) >> 3], b = o_w[(io + d) >> 3];
+            DOT2(a.x, b.x)
+            DOT2(a.y, b.y)
+            DOT2(a.z, b.z)
+            DOT2(a.w, b.w)
+        }
+#endif
+        return s;
+    }
+    for (uint d = 0u; d < uint(HD); ++d) s += ld1(BUF_DO, id + d) * ld1(BUF_O, io + d);
+    return s;
+}
 #define BKT (2048 / HD)                        // streamed rows per tile: 2 x 8 KiB of fp32 tiles
 
 shared float ta[BKT][HD];
@@ -614,8 +663,7 @@ void main() {
         // D = rowsum(dO * O), one flat row of the BH * Tq rows (this pass's Tq) each
         uint r = flat_row();
         if (r >= p.Tq) return;
-        float s = 0.0;
-        for (uint d = 0u; d < uint(HD); ++d) s += ld1(BUF_DO, p.off_do + r * uint(HD) + d) * ld1(BUF_O, p.off_o + r * uint(HD) + d);
+        float s = row_dsum(r);
         if ((p.flags & 2u) != 0u) s -= lse[r];  // dL, bound where L is in the other passes
         dsum[r] = s;
     }

@@ -1,6 +1,6 @@
 """Helios matmul GFLOP/s against numpy (its BLAS) on the same shapes, in the same process.
 
-    python bench/matmul.py [--sizes 256 512 1024 2048] [--gpt 8 256 768] [--rounds 7]
+    python bench/matmul.py [--sizes 256 512 1024 2048] [--gpt 8 256 768] [--shapes MxKxN ...] [--rounds 7]
                            [--layouts nn tn nt] [--dtype float32] [--tiles 8x8 16x8 --wy 4] [--smoke]
 
 Shapes: fp32 squares and a GPT MLP projection (B*T x C) @ (C x 4C).  Layouts: ``nn``
@@ -23,6 +23,9 @@ times torch.matmul on CUDA (fp32, TF32 off, same shape and layout) in the same r
 peer for a GPU (``--no-numpy`` leaves it out).  With ``--dtype bfloat16/float16`` the CUDA peer
 runs in that dtype (cuBLAS on tensor cores), as Helios does on ``cuda:N`` (its products of
 16-bit tensors run the wgmma kernel there; ``HELIOS_TENSOR_CORES=0`` for the SIMT one).
+``--shapes`` adds products of any M x K by K x N (GPT-2's weight gradients: ``768x8192x2304
+--layouts tn``); ``--no-k-splits`` runs a matrix engine's products in one pass over K where
+the runtime would split a long K over a small output (``gemm_k_splits``), the A/B of that split.
 ``--tiles`` (CPU devices only) repeats the square shapes for
 each TM x TN register block listed, to re-tune ``_MM_CPU_TILE`` on a new host.
 
@@ -159,6 +162,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", type=int, nargs="*", default=None, help="squares (default 256 512 1024 2048; --smoke 64)")
     ap.add_argument("--gpt", type=int, nargs=3, default=None, metavar=("B", "T", "C"),
                     help="GPT MLP shape (B*T x C) @ (C x 4C), default 8 256 768 (--smoke 2 16 32); --gpt 0 0 0 skips it")
+    ap.add_argument("--shapes", nargs="*", default=[], metavar="MxKxN",
+                    help="more products of M x K by K x N, e.g. GPT-2's weight gradients 768x8192x2304 (with --layouts tn)")
+    ap.add_argument("--no-k-splits", action="store_true",
+                    help="a matrix engine's products in one pass over K, never split (the A/B of rt.gemm_k_splits)")
     ap.add_argument("--layouts", nargs="+", default=None, choices=["nn", "nt", "tn", "tt"],
                     help="default nn; --smoke nn nt tn")
     ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
@@ -176,13 +183,22 @@ def main(argv: list[str] | None = None) -> int:
     args.rounds = args.rounds or (1 if smoke else 7)
 
     rt = get_runtime()
-    common = {"bench": "matmul", "dtype": args.dtype, "device": rt.info["name"], "device_type": rt.info["type"],
+    if args.no_k_splits:
+        rt.gemm_k_splits = lambda m, n, k: 1  # this process's runtime only
+    common = {"bench": "matmul", "dtype": args.dtype, "k_splits": not args.no_k_splits, "device": rt.info["name"],
+              "device_type": rt.info["type"],
               "numpy_threads": numpy_threads(), "lp_num_threads": os.environ.get("LP_NUM_THREADS", f"default ({os.cpu_count()})")}
     rng = np.random.default_rng(0)
     shapes = [(f"{n}x{n}x{n}", n, n, n) for n in args.sizes]
     if args.gpt and all(args.gpt):
         Bsz, T, C = args.gpt
         shapes.append((f"gpt_mlp({Bsz}*{T}x{C})@({C}x{4 * C})", Bsz * T, C, 4 * C))
+    for text in args.shapes:
+        try:
+            M, Kd, N = (int(x) for x in text.lower().split("x"))
+        except ValueError:
+            ap.error(f"--shapes: {text!r} is not MxKxN (three integers, e.g. 768x8192x2304)")
+        shapes.append((text, M, Kd, N))
     configs = [(None, None)]
     if args.tiles is not None or args.wy is not None:
         if rt.info["type"] != "cpu":

@@ -24,8 +24,7 @@ peer for a GPU (``--no-numpy`` leaves it out).  With ``--dtype bfloat16/float16`
 runs in that dtype (cuBLAS on tensor cores), as Helios does on ``cuda:N`` (its products of
 16-bit tensors run the wgmma kernel there; ``HELIOS_TENSOR_CORES=0`` for the SIMT one).
 ``--shapes`` adds products of any M x K by K x N (GPT-2's weight gradients: ``768x8192x2304
---layouts tn``); ``--no-k-splits`` runs a matrix engine's products in one pass over K where
-the runtime would split a long K over a small output (``gemm_k_splits``), the A/B of that split.
+--layouts tn``).
 ``--tiles`` (CPU devices only) repeats the square shapes for
 each TM x TN register block listed, to re-tune ``_MM_CPU_TILE`` on a new host.
 
@@ -164,8 +163,6 @@ def main(argv: list[str] | None = None) -> int:
                     help="GPT MLP shape (B*T x C) @ (C x 4C), default 8 256 768 (--smoke 2 16 32); --gpt 0 0 0 skips it")
     ap.add_argument("--shapes", nargs="*", default=[], metavar="MxKxN",
                     help="more products of M x K by K x N, e.g. GPT-2's weight gradients 768x8192x2304 (with --layouts tn)")
-    ap.add_argument("--no-k-splits", action="store_true",
-                    help="a matrix engine's products in one pass over K, never split (the A/B of rt.gemm_k_splits)")
     ap.add_argument("--layouts", nargs="+", default=None, choices=["nn", "nt", "tn", "tt"],
                     help="default nn; --smoke nn nt tn")
     ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
@@ -183,9 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     args.rounds = args.rounds or (1 if smoke else 7)
 
     rt = get_runtime()
-    if args.no_k_splits:
-        rt.gemm_k_splits = lambda m, n, k: 1  # this process's runtime only
-    common = {"bench": "matmul", "dtype": args.dtype, "k_splits": not args.no_k_splits, "device": rt.info["name"],
+    common = {"bench": "matmul", "dtype": args.dtype, "device": rt.info["name"],
               "device_type": rt.info["type"],
               "numpy_threads": numpy_threads(), "lp_num_threads": os.environ.get("LP_NUM_THREADS", f"default ({os.cpu_count()})")}
     rng = np.random.default_rng(0)

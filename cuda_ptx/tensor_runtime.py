@@ -410,23 +410,6 @@ class CudaRuntime(Runtime):
 
         return in_dtype in INPUTS and bool(self._engine())
 
-    def gemm_k_splits(self, m: int, n: int, k: int) -> int:
-        """K runs for one product (see the contract): where its output tiles fill under half of the
-        SMs the persistent kernel runs one CTA per SM on, and K is long (a weight's gradient, over
-        every token of the batch: GPT-2's 768 x 768 one is 18 tiles of 128 x 256 for 132 SMs), the
-        largest power of two that keeps a tile per SM, runs of whole 64-deep K steps and at least
-        512 deep each; 1 otherwise."""
-        from .tensor_gemm import LADDER, VARIANT
-
-        if not self._engine():
-            return 1
-        tile = LADDER[VARIANT]
-        tiles, sms = -(-m // tile.bm) * -(-n // tile.bn), self.ctx.sm_count
-        splits = 1
-        while tiles * splits * 2 <= sms and k % (splits * 2 * tile.bk) == 0 and k // (splits * 2) >= 512:
-            splits *= 2
-        return splits
-
     def _gemm_plan(self, a: tuple, b: tuple, c: tuple, m: int, n: int, k: int, in_dtype: str, out_dtype: str,
                    bias: tuple | None, batch: tuple, round_out: bool = False) -> tuple | None:
         """The tensor-core GEMM's arguments for one product (``TensorCoreGemm.run`` / ``prepare``), with

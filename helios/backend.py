@@ -149,12 +149,6 @@ class Runtime(ABC):
         so callers prepare operands for it only then.  False by default."""
         return False
 
-    def gemm_k_splits(self, m: int, n: int, k: int) -> int:
-        """Into how many equal runs of K one ``m x n x k`` product on :meth:`gemm` is best cut (each run
-        a product of one batched call, the partial sums added afterwards in order): more than 1
-        where the product's output alone would leave most of the engine idle.  1 by default."""
-        return 1
-
     def gemm(self, a: tuple, b: tuple, c: tuple, m: int, n: int, k: int, in_dtype: str, out_dtype: str,
              bias: tuple | None = None, batch: tuple = (), round_out: bool = False) -> bool:
         """C = A @ B (+ bias) on the device's matrix engine, where it has one for this product; returns

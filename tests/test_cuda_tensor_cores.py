@@ -134,45 +134,6 @@ def test_rows_off_the_16_byte_grid_are_copied_into_padded_rows(cuda):
     assert cuda == [True]
 
 
-def test_a_long_product_with_a_small_output_is_split_over_k(cuda, monkeypatch):
-    """A product whose output would leave most SMs idle and whose K is long (a weight's gradient
-    over every token) runs as one batch of products over runs of K, summed in order.  With
-    integer operands every partial sum is exact, so the split product, the unsplit one and the
-    exact result rounded once agree bit for bit: a bf16 result, and autocast's float32 weight
-    gradient (rounded to bf16, stored widened)."""
-    rt = get_runtime()
-    M, N, K = 64, 48, 2048
-    splits = rt.gemm_k_splits(M, N, K)
-    assert splits > 1 and rt.gemm_k_splits(M, N, 1000) == 1 and rt.gemm_k_splits(4096, 4096, K) == 1
-    batches = []
-    counted = type(rt).gemm
-
-    def seen(self, *args):
-        batches.append(args[9])  # (a, b, c, m, n, k, in, out, bias, batch, round_out)
-        return counted(self, *args)
-
-    monkeypatch.setattr(type(rt), "gemm", seen)
-    rng = np.random.default_rng(8)
-    g, x = rng.integers(-2, 3, (K, M)).astype(np.float32), rng.integers(-2, 3, (K, N)).astype(np.float32)
-    exact = g.T.astype(np.float64) @ x
-    want = _exact(_t(exact))  # the exact sums rounded once to bf16
-    gb, xb = _t(g), _t(x)
-    split = gb.t() @ xb  # A read M-major
-    assert batches[-1] == ((splits, K // splits * M, K // splits * N, M * N),)
-    np.testing.assert_array_equal(_exact(split), want)
-    monkeypatch.setattr(type(rt), "gemm_k_splits", lambda self, m, n, k: 1)
-    np.testing.assert_array_equal(_exact(gb.t() @ xb), want)
-    assert batches[-1] == ()
-    monkeypatch.undo()
-    monkeypatch.setattr(type(rt), "gemm", seen)
-    w = hl.tensor(rng.standard_normal((M, N)).astype(np.float32), requires_grad=True)
-    with hl.autocast("bfloat16"):
-        y = hl.nn.functional.linear(hl.tensor(x), w)
-    y.backward(_t(g))
-    assert w.grad.dtype is hl.float32 and batches[-1][0][0] == splits  # the weight's gradient: split
-    np.testing.assert_array_equal(w.grad.numpy().astype(np.float64), want)
-
-
 @pytest.mark.parametrize("dtype", [hl.bfloat16, hl.float16], ids=["bf16", "fp16"])
 def test_a_batch_of_products_is_one_tensor_core_launch(cuda, dtype):
     rng = np.random.default_rng(6)

@@ -218,6 +218,24 @@ def test_two_nodes_of_two_ranks_train_what_one_rank_trains(fake_cluster, tmp_pat
 
 @pytest.mark.vulkan
 @pytest.mark.slow
+def _wait_for_a_complete_checkpoint(out, procs, deadline_s: float = 120) -> None:
+    """Wait until the run in ``out`` has a complete checkpoint (a loaded host may still be writing it)."""
+    import warnings
+
+    from helios.schedule.checkpoint import latest_complete
+
+    t_end = time.monotonic() + deadline_s
+    while time.monotonic() < t_end:
+        if any(p.poll() is not None for p in procs):
+            raise AssertionError("a node's helios-run ended early")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a checkpoint still being written is reported as unusable
+            if latest_complete(str(out)) is not None:
+                return
+        time.sleep(0.1)
+    raise AssertionError(f"no complete checkpoint in {out} within {deadline_s} s")
+
+
 def test_a_node_whose_ranks_all_die_restarts_the_job_on_every_node_from_the_checkpoint(fake_cluster, tmp_path,
                                                                                        one_rank_run):
     """Host 1's ranks are killed at step >= 6 (checkpoints every 4 steps): both helios-run stop their
@@ -231,6 +249,7 @@ def test_a_node_whose_ranks_all_die_restarts_the_job_on_every_node_from_the_chec
     procs = _start(_train_nodes(c, out, *steps, restarts=1), _env(), c.hosts)
     try:
         _wait_for_steps(out, 6, procs)
+        _wait_for_a_complete_checkpoint(out, procs)  # step 4's is written in the background
         victims = [_rank_pid(procs[1].pid, r) for r in (2, 3)]
         assert None not in victims, victims
         for pid in victims:

@@ -620,8 +620,6 @@ def _on_matrix_engine(a: Tensor, b: Tensor, bias: Tensor | None, out: Tensor, wi
     isz = a.dtype.itemsize
     if bias is not None and (N % 2 or (bias._off * isz) % 4):  # the epilogue loads the bias in pairs, as words
         return False
-    if not batch and bias is None and (splits := rt.gemm_k_splits(M, N, K)) > 1:
-        return _engine_split_k(a, b, out, widen, splits)
     target, swapped = None, False
     if a.dtype is dt.bfloat16 or widen:
         if _engine_rows(out) is not None:
@@ -652,26 +650,6 @@ def _on_matrix_engine(a: Tensor, b: Tensor, bias: Tensor | None, out: Tensor, wi
         return False
     if target is not out and not swapped:
         kern.copy_into(out, target)
-    return True
-
-
-def _engine_split_k(a: Tensor, b: Tensor, out: Tensor, widen: bool, splits: int) -> bool:
-    """out = a @ b (2-D) on the matrix engine as ``splits`` products over equal runs of K, one batched
-    call into a float32 [splits, M, N] buffer (``rt.gemm_k_splits``: a product whose output is too
-    small to keep the engine busy), the partials summed in order (no atomics: the same bits on
-    every run), then rounded once to a's dtype (``widen``: and stored widened).  The same float32
-    sums as one pass, added in another order.  False, with nothing recorded, where the engine
-    declines the batch."""
-    rt = a._st.rt
-    (M, K), N = a.shape, b.shape[-1]
-    run = K // splits
-    parts = _engine_buffer((splits, M, N), dt.float32, rt)
-    a_runs = Tensor(a._st, (splits, M, run), (run * a._strides[1], *a._strides), a._off, a.dtype)
-    b_runs = Tensor(b._st, (splits, run, N), (run * b._strides[0], *b._strides), b._off, b.dtype)
-    if not _on_matrix_engine(a_runs, b_runs, None, parts):
-        return False
-    total, _ = kern.reduce("sum", parts, (0,))
-    kern.copy_into(out, kern.copy(total, a.dtype) if widen else total)  # out is a's dtype, or widen's float32
     return True
 
 

@@ -35,10 +35,11 @@ helios.profile.mfu) times tokens/s over the device's peak for ``--dtype`` from
 ``helios.profile.mfu.peak_flops`` (``peak``; an H200 SXM: 989.4 TFLOP/s bf16, 66.9 fp32), the
 same peak for every side.
 
-``--cuda-graphs-ab`` (``cuda:N``): the replayed step is also timed with each run of launches as one
-CUDA graph (``HELIOS_CUDA_GRAPHS``, cuda_ptx/replay_graphs.py), interleaved with the one-by-one
-replays: ``replay_graphs_tok_s``, ``graphs_over_launches`` (> 1: graphs are faster) and
-``host_ms_replay_graphs``.
+On ``cuda:N`` the ``replay_*`` fields time the prepared launches issued one by one
+(``HELIOS_CUDA_GRAPHS=0``); ``--cuda-graphs-ab`` also times the replayed step with each run of
+launches as one CUDA graph (cuda_ptx/replay_graphs.py: what helios-train does there by default),
+interleaved with the one-by-one replays: ``replay_graphs_tok_s``, ``graphs_over_launches`` (> 1:
+graphs are faster) and ``host_ms_replay_graphs``.
 
 ``--kernels N`` adds a second line, ``"bench": "train_step_kernels"``: one more Helios step, every
 step through Python, under ``helios.profile`` with device timestamps, and its N kernels of the most
@@ -168,7 +169,10 @@ class HeliosSide:
 
     def replay(self, x, y, key: str = "replay") -> float:
         """One step of the replayed model: captured on the first call, replayed after; its host
-        time is kept under ``key``."""
+        time is kept under ``key``.  On ``cuda:N`` its launches go one by one (``replay_as_graphs``:
+        as CUDA graphs)."""
+        if hasattr(self.rt, "use_cuda_graphs"):
+            self.rt.use_cuda_graphs(key == "replay_graphs")
         if not self.captured:
             xt, yt = self.hl.tensor(x), self.hl.tensor(y)
             with self.hl.graph.capture(inputs=(xt, yt)) as g:
@@ -182,11 +186,7 @@ class HeliosSide:
 
     def replay_as_graphs(self, x, y) -> float:
         """:meth:`replay` with each run of launches issued as one CUDA graph."""
-        self.rt.use_cuda_graphs(True)
-        try:
-            return self.replay(x, y, "replay_graphs")
-        finally:
-            self.rt.use_cuda_graphs(False)
+        return self.replay(x, y, "replay_graphs")
 
 
 def _torch_peers(args, cfg, B: int, T: int, model, tbatches, failed: dict) -> tuple:

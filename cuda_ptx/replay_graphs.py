@@ -1,9 +1,9 @@
-"""CUDA graphs for replayed steps (``HELIOS_CUDA_GRAPHS=1``).
+"""CUDA graphs for replayed steps (the default on ``cuda:N``; ``HELIOS_CUDA_GRAPHS=0`` turns them off).
 
 A replayed step (``hl.graph``) is a command list that ``CudaRuntime.run_commands`` issues with
 launches prepared once (each kernel's parameter block kept: a dispatch's, a tensor-core product's,
 a flash pass's): one ``cuLaunchKernel`` from Python per launch, 5-7 us of host time each on an
-H200.  With ``HELIOS_CUDA_GRAPHS=1`` each run of consecutive kernel commands that holds two or
+H200.  With graphs (the default) each run of consecutive kernel commands that holds two or
 more launches becomes a CUDA graph instead, built from the prepared launches (a chain of kernel
 nodes, each depending on the one before, as the stream orders them), instantiated on the first
 replay and then issued with one ``cuGraphLaunch`` a run on the default stream; the copies and
@@ -16,8 +16,10 @@ executable graph (``cuGraphExecKernelNodeSetParams``), not the graph rebuilt.  A
 (an error from ``cuGraphCreate``, ``cuGraphAddKernelNode`` or ``cuGraphInstantiate``) turns
 graphs off for the runtime with one warning, and the launches go one by one.
 
-Which is faster, graphs or prepared launches, is a GPU measurement (``bench/train_step.py``
-with and without the variable, ``./scripts/gpu_check.sh``); until then the default is off.
+Graphs are the default because they measured faster on an H200 (``bench/train_step.py
+--cuda-graphs-ab``, 2026-11-30, six runs): the small config's bf16 step 1.15x the prepared
+launches (twice), GPT-2's 1.03-1.05x (four times), with host time to issue a replayed GPT-2
+step 1.4-1.8 ms instead of 4.9-7.8.  ``HELIOS_CUDA_GRAPHS=0`` issues the prepared launches.
 """
 
 from __future__ import annotations
@@ -30,8 +32,8 @@ ENV = "HELIOS_CUDA_GRAPHS"
 
 
 def enabled() -> bool:
-    """Whether replays run their runs of launches as CUDA graphs (``HELIOS_CUDA_GRAPHS=1``)."""
-    return os.environ.get(ENV, "0").strip() == "1"
+    """Whether replays run their runs of launches as CUDA graphs: yes unless ``HELIOS_CUDA_GRAPHS=0``."""
+    return os.environ.get(ENV, "1").strip() != "0"
 
 
 class RunGraphs:

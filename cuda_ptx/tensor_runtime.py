@@ -174,7 +174,7 @@ class CudaRuntime(Runtime):
         self._tensor_cores = None  # tensor_gemm.TensorCoreGemm on first gemm(), False where there is none
         self._flash_kernels = None  # tensor_flash.TensorCoreFlash on first flash(), False where there is none
         # run_commands' launches prepared per command list (a graph's replays): id -> (list, slots,
-        # its runs' CUDA graphs where HELIOS_CUDA_GRAPHS=1: cuda_ptx/replay_graphs.py)
+        # its runs' CUDA graphs unless HELIOS_CUDA_GRAPHS=0: cuda_ptx/replay_graphs.py)
         self._prepared: dict[int, tuple] = {}
         self._cuda_graphs = replay_graphs.enabled()
         self._stats = {"dispatches": 0, "copies": 0, "fills": 0, "fence_waits": 0}

@@ -8,7 +8,8 @@ translation is direct, since glslc's output is already low level:
   the specialization constants decide are folded (:mod:`spirv_fold`), so a branch or an
   ``OpSwitch`` on a constant becomes one jump and the blocks it skips are never emitted;
 * storage buffers become ``.u64`` parameters (one per descriptor binding: aliased
-  bindings share it), push constants ``.u32`` parameters, one per 32-bit word, shared
+  bindings share it), push constants ``.u32`` parameters, one per 32-bit word (an array of them
+  indexed by a register is read by selects among its words: no copy in local memory), shared
   memory one dynamic ``smem`` block, and function-scope arrays per-thread ``.local``
   memory (unless spirv-opt unrolled the [[unroll]] loops that index them: :func:`translate`);
 * ``OpPhi`` becomes moves on the incoming edges (through temporaries when a phi reads

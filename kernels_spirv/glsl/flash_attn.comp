@@ -148,6 +148,14 @@ uint vrow(uint z, uint t) { uint b = z / p.H; return p.off_v + b * p.svb + (z - 
 uint orow(uint z, uint t) { return p.off_o + (z * p.Tq + t) * uint(HD); }
 uint dorow(uint z, uint t) { return p.off_do + (z * p.Tq + t) * uint(HD); }
 
+// rowsum(dO * O) of flat row r (the backward's D), over the head dim in order, a value a load.
+float row_dsum_scalar(uint r) {
+    uint io = orow(0u, r), id = dorow(0u, r);
+    float s = 0.0;
+    for (uint d = 0u; d < uint(HD); ++d) s += ld1(BUF_DO, id + d) * ld1(BUF_O, io + d);
+    return s;
+}
+
 layout(constant_id = 1) const int MODE = 0;  // the pass
 
 bool causal_on() { return (p.flags & 1u) != 0u; }
@@ -464,13 +472,7 @@ uint flat_row() {
     return (gl_WorkGroupID.y * gl_NumWorkGroups.x + gl_WorkGroupID.x) * uint(SG * WY) + gl_LocalInvocationIndex;
 }
 
-// rowsum(dO * O) of flat row r (the backward's D), over the head dim in order.
-float row_dsum(uint r) {
-    uint io = orow(0u, r), id = dorow(0u, r);
-    float s = 0.0;
-    for (uint d = 0u; d < uint(HD); ++d) s += ld1(BUF_DO, id + d) * ld1(BUF_O, io + d);
-    return s;
-}
+float row_dsum(uint r) { return row_dsum_scalar(r); }
 
 #else
 // ---------------------------------------------------------------- shared-memory tiles (GPU)
@@ -489,13 +491,12 @@ layout(std430, binding = 4) readonly buffer BDOW { uvec4 do_w[]; };
                      s += half_of_word(TA, wa, 1u) * half_of_word(TA, wb, 1u);
 #endif
 
-// rowsum(dO * O) of flat row r (the backward's D), over the head dim in order (the same sums as
-// the scalar loop).  One thread a row: 16-byte loads cut its 2 x HD scalar loads, which touch
-// 32 rows' lines a warp instruction, to 2 x HD / 8 (16-bit) or 2 x HD / 4 (fp32).
+// row_dsum_scalar's sums in its order.  One thread a row: 16-byte loads cut its 2 x HD scalar
+// loads, which touch 32 rows' lines a warp instruction, to 2 x HD / 8 (16-bit) or 2 x HD / 4 (fp32).
 float row_dsum(uint r) {
-    uint io = orow(0u, r), id = dorow(0u, r);
-    float s = 0.0;
     if (WIDE == 1) {
+        uint io = orow(0u, r), id = dorow(0u, r);
+        float s = 0.0;
 #if TA == T_F32
         for (uint d = 0u; d < uint(HD); d += 4u) {
             vec4 a = do_w[(id + d) >> 2], b = o_w[(io + d) >> 2];
@@ -515,9 +516,9 @@ float row_dsum(uint r) {
 #endif
         return s;
     }
-    for (uint d = 0u; d < uint(HD); ++d) s += ld1(BUF_DO, id + d) * ld1(BUF_O, io + d);
-    return s;
+    return row_dsum_scalar(r);
 }
+
 #define BKT (2048 / HD)                        // streamed rows per tile: 2 x 8 KiB of fp32 tiles
 
 shared float ta[BKT][HD];

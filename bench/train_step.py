@@ -44,7 +44,10 @@ graphs are faster) and ``host_ms_replay_graphs``.
 ``--kernels N`` adds a second line, ``"bench": "train_step_kernels"``: one more Helios step, every
 step through Python, under ``helios.profile`` with device timestamps, and its N kernels of the most
 device time (name, dispatches, ms, share of the step's device time, GFLOP/s and GB/s where the
-kernel reports its work): where a step's time goes, to fix the largest first.
+kernel reports its work): where a step's time goes, to fix the largest first.  ``--dispatches PATH``
+also writes that step's every dispatch to PATH as tab-separated lines (its order, kernel, the op
+that recorded it with the op's shape and dtype, bytes moved, device microseconds): which copies,
+which reductions (implies ``--kernels 20`` when ``--kernels`` is not given).
 """
 
 from __future__ import annotations
@@ -114,13 +117,15 @@ def _parse_args() -> tuple[argparse.ArgumentParser, argparse.Namespace]:
                          "interleaved with the one-by-one replays")
     ap.add_argument("--kernels", type=int, default=0, metavar="N",
                     help="also profile one step and print its N kernels of the most device time (a second JSON line)")
+    ap.add_argument("--dispatches", default=None, metavar="PATH",
+                    help="also write the profiled step's every dispatch to PATH (tab-separated; implies --kernels 20)")
     ap.add_argument("--smoke", action="store_true",
                     help="CI's quick run: nano, 2 steps after 1 warm-up, one round, no torch.compile unless --compile")
     args = ap.parse_args()
     args.config = args.config or ("nano" if args.smoke else "tiny")
     args.steps = args.steps if args.steps is not None else (2 if args.smoke else 5)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 2)
-    args.kernels = args.kernels or (3 if args.smoke else 0)
+    args.kernels = args.kernels or (3 if args.smoke else 20 if args.dispatches else 0)
     if args.compile is None:
         args.compile = args.peer == "cuda" and not args.smoke
     return ap, args
@@ -323,12 +328,27 @@ def main() -> None:
     print(json.dumps(_result_line(args, side, best, failed, compile_s, per_step, B * T)))
     if args.kernels > 0:
         print(json.dumps(kernel_profile(lambda: side.eager(*batches[0]), args.kernels, args.config, args.dtype,
-                                        side.rt.name)))
+                                        side.rt.name, args.dispatches)))
 
 
-def kernel_profile(run_step, top: int, config: str, dtype: str, device: str) -> dict:
+def write_dispatches(path: str, collector) -> None:
+    """Every dispatch the profiler ``collector`` holds, in order, as tab-separated lines at ``path``
+    (written to a temporary name, then renamed)."""
+    from helios.fileio import atomic_open
+
+    op_of = collector.op_of_dispatch()
+    with atomic_open(path, "w") as f:
+        f.write("seq\tkernel\top\tshape\tdtype\tbytes\tdevice_us\n")
+        for ev in sorted(collector.events, key=lambda e: e.dispatch_seq):
+            op = op_of.get(ev.dispatch_seq)
+            name, shape, dtype = (op.name, op.shape, op.dtype) if op is not None else ("", "", "")
+            f.write(f"{ev.dispatch_seq}\t{ev.name}\t{name}\t{shape}\t{dtype}\t{ev.bytes}\t{ev.device_ns / 1e3:.2f}\n")
+
+
+def kernel_profile(run_step, top: int, config: str, dtype: str, device: str, dispatches: str | None = None) -> dict:
     """One step under helios.profile: its ``top`` kernels (dispatch names) by device time, and the
-    ops (autograd's forward and backward names) they ran for, as one JSON-able dict."""
+    ops (autograd's forward and backward names) they ran for, as one JSON-able dict; with
+    ``dispatches`` (a path), every dispatch of the step written there too (write_dispatches)."""
     from collections import defaultdict
 
     from helios.profile import profile
@@ -352,6 +372,8 @@ def kernel_profile(run_step, top: int, config: str, dtype: str, device: str) -> 
             k["gb_s"] = round(nbytes / ns, 1)
         return k
 
+    if dispatches:
+        write_dispatches(dispatches, prof.collector)
     ranked = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:top]
     ops = prof.key_averages().sorted_by("device_time")[:top]
     return {"bench": "train_step_kernels", "config": config, "dtype": dtype, "device": device,

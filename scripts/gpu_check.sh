@@ -53,16 +53,17 @@
 #      c. GPT-2's training step, bf16, against PyTorch CUDA eager (SDPA, autocast) and torch.compile
 #         (bench/train_step.py --device cuda:0 --peer cuda --config gpt2 --dtype bf16), its replays
 #         also as CUDA graphs (--cuda-graphs-ab), and one profiled step's 20 kernels of the most
-#         device time (--kernels 20), 180 s;
+#         device time (--kernels 20) and its every dispatch (gpt2_dispatches.tsv), 180 s;
 #      d. helios-train --device cuda:0 --config gpt2 --dtype bf16 --steps 200, its losses next to a
 #         PyTorch twin's from the same initial weights and batches (bench/train_parity.py), 240 s;
+#         then the step's four weight-gradient products against cuBLAS (bench/matmul.py --shapes), 60 s;
 #      e. autocast's tensor-core products on the GPU (pytest -m gpu -k autocast
 #         tests/test_cuda_tensor_cores.py: gradients stored rounded by round_out, bit for bit the
 #         separate casts), 60 s.
 # RESULTS_DIR gets env.txt, gate.log, smoke.jsonl, gpu_tests.log, bench.log, ptx_gemm.jsonl,
 # cuda_device.log, cuda_train.log and train_step.jsonl; step 7 flash_tests.log,
-# attention_bench.log, attention.jsonl, gpt2.log, gpt2_train_step.jsonl, train_parity.jsonl and
-# gpt2_parity/ (helios-train's run folder, both loss curves in curves.json).
+# attention_bench.log, attention.jsonl, gpt2.log, gpt2_train_step.jsonl, gpt2_dispatches.tsv,
+# train_parity.jsonl and gpt2_parity/ (helios-train's run folder, both loss curves in curves.json).
 set -uo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 out=$(mkdir -p "${1:-$repo/gpu-results}" && cd "${1:-$repo/gpu-results}" && pwd)
@@ -188,9 +189,13 @@ attention() {  # step 7
     done
     grep '^{' "$out/attention_bench.log" >"$out/attention.jsonl" || true
     attn gpt2-train-step "$out/gpt2.log" 180 "$py" -u "$repo/bench/train_step.py" --device cuda:0 --peer cuda \
-        --config gpt2 --dtype bf16 --kernels 20 --cuda-graphs-ab
+        --config gpt2 --dtype bf16 --kernels 20 --cuda-graphs-ab --dispatches "$out/gpt2_dispatches.tsv"
     attn gpt2-train-parity "$out/gpt2.log" 240 "$py" -u "$repo/bench/train_parity.py" --device cuda:0 --peer cuda \
         --config gpt2 --dtype bf16 --steps 200 --out "$out/gpt2_parity"
+    # the step's weight-gradient products (small outputs over 8,192 tokens: the GEMM's weakest shapes)
+    attn gpt2-weight-grads "$out/gpt2.log" 60 env HELIOS_DEVICE=cuda:0 "$py" -u "$repo/bench/matmul.py" --sizes \
+        --gpt 0 0 0 --shapes 768x8192x2304 768x8192x768 3072x8192x768 768x8192x3072 --layouts tn --dtype bfloat16 \
+        --rounds 3 --no-numpy --cuda-peer
     grep '^{"bench": "train_step' "$out/gpt2.log" >"$out/gpt2_train_step.jsonl" || true
     grep '^{"bench": "train_parity"' "$out/gpt2.log" >"$out/train_parity.jsonl" || true
     # last, where time is left: autocast's products on the GPU (round_out's gradients, bit for bit the casts)

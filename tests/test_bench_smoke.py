@@ -214,3 +214,26 @@ def test_benchmark_smoke_mode_runs_both_sides(script, tmp_path):
     assert lines, f"bench/{script} --smoke printed no JSON line:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     check(lines)
     assert not os.listdir(tmp_path), f"bench/{script} --smoke left files in its working folder: {os.listdir(tmp_path)}"
+
+
+def test_train_step_writes_every_profiled_dispatch(tmp_path, monkeypatch):
+    """``train_step.py --dispatches PATH``: the profiled step's every dispatch, in order, one
+    tab-separated line each with the op that recorded it, as many as the profile counted."""
+    import numpy as np
+
+    import helios as hl
+
+    monkeypatch.syspath_prepend(BENCH)  # the script imports torch_twin from beside it
+    spec = importlib.util.spec_from_file_location("bench_train_step", os.path.join(BENCH, "train_step.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    x = hl.tensor(np.arange(12, dtype=np.float32).reshape(3, 4))
+    path = tmp_path / "dispatches.tsv"
+    prof = mod.kernel_profile(lambda: ((x * 2.0).exp() + x).sum().item(), 3, "none", "fp32", "test", str(path))
+    rows = [line.split("\t") for line in path.read_text().splitlines()]
+    assert rows[0] == ["seq", "kernel", "op", "shape", "dtype", "bytes", "device_us"]
+    assert len(rows) - 1 == prof["dispatches"] >= 2  # the chain fuses into one kernel, then the sum
+    assert [int(r[0]) for r in rows[1:]] == sorted(int(r[0]) for r in rows[1:])
+    assert rows[-1][1:5] == ["sum", "sum", "()", "float32"] and all(float(r[6]) >= 0 for r in rows[1:])
+    assert os.listdir(tmp_path) == ["dispatches.tsv"]  # no temporary file left beside it
+

@@ -710,14 +710,18 @@ class CudaRuntime(Runtime):
         self._spare_events.extend(events)
 
     def _start_timing(self) -> None:
-        # The anchor: an event known to have completed at a known host time; every device
-        # time is its elapsed time from this event plus that host time.
+        # The anchor: an event recorded on the idle device at a known host time; every device
+        # time is its elapsed time from this event plus that host time.  The host time is read
+        # before the record: the event completes at it or just after, so device times are never
+        # placed later than they happened (after the wait they were, by however long the host
+        # took to resume, and a busy host pushed a session's last launches past its end).
         self._use()
         self.ctx.synchronize()
         ev = self._anchor[0] if self._anchor is not None else self._event()
+        recorded_ns = time.monotonic_ns()
         self._check("cuEventRecord", self.cu.cuEventRecord(ev, 0))
         self._check("cuEventSynchronize", self.cu.cuEventSynchronize(ev))
-        self._anchor = (ev, time.monotonic_ns())
+        self._anchor = (ev, recorded_ns)
         self._timing = True
 
     def _begin(self, name: str, flops: int, nbytes: int) -> tuple:

@@ -10,6 +10,7 @@ what to do, from ``set_device`` and from ``helios-train --device``.
 import inspect
 import struct
 import sys
+import time
 import types
 from dataclasses import dataclass
 
@@ -375,6 +376,26 @@ def test_profiler_gets_device_events_from_cuda_launches(rt, fake_translator, mon
     assert "add_k" in prof.key_averages().table(sort_by="device_time")
     assert (tmp_path / "t.json").exists() is False and prof.export_chrome_trace(str(tmp_path / "t.json"))
     assert not rt._timing and not rt._pending
+
+
+def test_device_times_stay_inside_the_session_when_the_host_resumes_late(rt, fake_translator, monkeypatch):
+    # The device clock is anchored by an event recorded on the idle device: were the anchor's host
+    # time read after the wait for it, a host slow to resume (here 50 ms) would place every
+    # device time that much later, the session's last launches past its end.
+    monkeypatch.setitem(runtime._runtimes, "cuda:7", rt)
+    wait = rt.cu.cuEventSynchronize
+
+    def slow_to_resume(event):
+        res = wait(event)
+        time.sleep(0.05)
+        return res
+
+    monkeypatch.setattr(rt.cu, "cuEventSynchronize", slow_to_resume)
+    with hl.profile.profile() as prof:
+        _launch_add(rt, n=10)
+    col = prof.collector
+    assert [e.name for e in col.events] == ["add_k"]
+    assert all(col.start_ns <= e.start_ns <= e.end_ns <= col.end_ns for e in col.events)
 
 
 def test_helios_debug_prints_a_line_per_cuda_launch(fake_translator, monkeypatch, capsys):

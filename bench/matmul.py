@@ -180,8 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     args.rounds = args.rounds or (1 if smoke else 7)
 
     rt = get_runtime()
-    common = {"bench": "matmul", "dtype": args.dtype, "device": rt.info["name"],
-              "device_type": rt.info["type"],
+    common = {"bench": "matmul", "dtype": args.dtype, "device": rt.info["name"], "device_type": rt.info["type"],
               "numpy_threads": numpy_threads(), "lp_num_threads": os.environ.get("LP_NUM_THREADS", f"default ({os.cpu_count()})")}
     rng = np.random.default_rng(0)
     shapes = [(f"{n}x{n}x{n}", n, n, n) for n in args.sizes]

@@ -479,9 +479,10 @@ class _Translator:
     def _param_word(self, off: int, dyn: tuple | None) -> str:
         """The push-constant word at byte ``off`` as a register.  For a pointer indexed by a register
         (``dyn``), the word of the element that register picks, chosen by selects among the array's
-        elements: a kernel parameter indexed by a register would make ptxas copy the parameters
-        to per-thread local memory, which costs every thread of a memory-bound kernel about 100
-        bytes of stores and loads before its first useful access."""
+        elements: kernel parameters cannot be indexed by a register, and copying them all to
+        per-thread .local memory to index them there (what this translator did before) cost every
+        thread of a memory-bound kernel about 100 bytes of stores and loads before its first
+        useful access."""
         if off % 4:
             raise SpirvError(f"push constant at byte {off}: not a whole word")
         r = self.reg("b32")

@@ -236,4 +236,3 @@ def test_train_step_writes_every_profiled_dispatch(tmp_path, monkeypatch):
     assert [int(r[0]) for r in rows[1:]] == sorted(int(r[0]) for r in rows[1:])
     assert rows[-1][1:5] == ["sum", "sum", "()", "float32"] and all(float(r[6]) >= 0 for r in rows[1:])
     assert os.listdir(tmp_path) == ["dispatches.tsv"]  # no temporary file left beside it
-

@@ -216,8 +216,6 @@ def test_two_nodes_of_two_ranks_train_what_one_rank_trains(fake_cluster, tmp_pat
     _no_leftovers(c)
 
 
-@pytest.mark.vulkan
-@pytest.mark.slow
 def _wait_for_a_complete_checkpoint(out, procs, deadline_s: float = 120) -> None:
     """Wait until the run in ``out`` has a complete checkpoint (a loaded host may still be writing it)."""
     import warnings
@@ -236,6 +234,8 @@ def _wait_for_a_complete_checkpoint(out, procs, deadline_s: float = 120) -> None
     raise AssertionError(f"no complete checkpoint in {out} within {deadline_s} s")
 
 
+@pytest.mark.vulkan
+@pytest.mark.slow
 def test_a_node_whose_ranks_all_die_restarts_the_job_on_every_node_from_the_checkpoint(fake_cluster, tmp_path,
                                                                                        one_rank_run):
     """Host 1's ranks are killed at step >= 6 (checkpoints every 4 steps): both helios-run stop their

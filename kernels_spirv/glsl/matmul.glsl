@@ -33,7 +33,7 @@
 //   lanes as vec4s, and handed to every lane by shuffles; B is read as vec4s along its
 //   contiguous dim.  A and B are read through texel views instead of storage buffers
 //   (rgba32f for fp32, rgba32ui for 16-bit): llvmpipe fetches one texel for all 8 lanes as a
-//   gather, without the per-lane loop (1.25-1.33x for fp32 at 1024^3, 1.15-1.3x for 16-bit).
+//   gather, without the per-lane loop (1.25-1.33x for fp32 at 1024^3, 1.14-1.3x for 16-bit).
 //   Each load then moves 4-8 useful values per lane and nothing is loaded twice inside a
 //   subgroup; a tall block (32x8) loads TM + 8*TN values per K step
 //   for TM*TN vector multiply-adds.  llvmpipe lowers fma() to a multiply and an add, so

@@ -39,7 +39,13 @@
 //
 // COOP_EMU (variants f16_emu_d*, tests only: lavapipe has no cooperative matrices) does the
 // three cooperative-matrix operations of block_product with plain code of the same meaning, as
-// matmul_coop.comp's COOP_EMU does; everything around them is the same code.
+// matmul_coop.comp's COOP_EMU does; everything around them is the same code.  Its loops over a
+// lane's elements stay rolled (LANE_LOOP): the same sums in the same order, built by lavapipe in
+// 10 s instead of 82 for the test file's pipelines.  They count against lavapipe's loop limit
+// (docs/devices.md, "Vulkan"): ~1,600 iterations a streamed tile at head dim 64, so the
+// emulation is right up to about 40 tiles of an invocation (T ~ 1,000 at head dim 64, ~450 at
+// 128; past that its sums silently stop short).  The tests stay far below; the GPU variants
+// have no emulated loops.
 #ifndef COOP_EMU
 #extension GL_KHR_cooperative_matrix : require
 #extension GL_KHR_memory_scope_semantics : require
@@ -216,11 +222,11 @@ void block_product(const int ar, uint aoff, uint lda, const int br, uint boff, u
 #ifdef COOP_EMU
     // lane l computes elements l, l + SGE, ... of the row-major block, each summed over s and k
     // in order (a cooperative-matrix product's order within a step is the driver's)
-    for (uint e = 0; e < PER; ++e) {
+    [[dont_unroll]] for (uint e = 0; e < PER; ++e) {
         uint x = gl_SubgroupInvocationID + e * SGE, r = x >> 4, c = x & 15u;
         float v = 0.0;
-        for (uint s = 0; s < nk; ++s)
-            for (uint kk = 0; kk < 16; ++kk) {
+        [[dont_unroll]] for (uint s = 0; s < nk; ++s)
+            [[unroll]] for (uint kk = 0; kk < 16; ++kk) {
                 float bv = bt ? float(sh(br, boff + 16u * s + c * ldb + kk)) : float(sh(br, boff + (16u * s + kk) * ldb + c));
                 v += float(sh(ar, aoff + 16u * s + r * lda + kk)) * bv;
             }
@@ -245,14 +251,20 @@ void block_product(const int ar, uint aoff, uint lda, const int br, uint boff, u
 
 // The lane's sums: result a's elements of head-dim block j at acc[a * HB + j][e] (O, dQ, or dK
 // and dV), a private array of spec-constant size (not a parameter: such array types do not
-// match across calls).  Every loop over j and e is unrolled, so the sums stay in registers.
+// match across calls).  Every loop over j and e is unrolled, so the sums stay in registers (not
+// in the emulation: see COOP_EMU at the top).
+#ifdef COOP_EMU
+#define LANE_LOOP [[dont_unroll]]
+#else
+#define LANE_LOOP [[unroll]]
+#endif
 const uint NACC = MODE == 3 ? 2 : 1;
 float acc[NACC * HB][PER];
 
 // Block j of result a = itself * f[row] + Sc's 16 x 16 block at dst (row stride 16), for the
 // lane's elements; f from Rw at fsrc (rows), or 1 where fsrc is ~0u.
 void add_block(uint a, uint j, uint dst, uint fsrc) {
-    [[unroll]] for (uint e = 0; e < PER; ++e) {
+    LANE_LOOP for (uint e = 0; e < PER; ++e) {
         uint x = gl_SubgroupInvocationID + e * SGE;
         float f = fsrc == ~0u ? 1.0 : Rw[fsrc + (x >> 4)];
         acc[a * HB + j][e] = acc[a * HB + j][e] * f + Sc[dst + x];
@@ -264,7 +276,7 @@ void add_block(uint a, uint j, uint dst, uint fsrc) {
 // divided by Rw[lsrc + r] where lsrc != ~0u) to output `which` (0 O, 1 dQ, 2 dK, 3 dV).
 void store_rows(int which, uint a, uint z, uint row, uint T, float f, uint lsrc) {
     [[unroll]] for (uint j = 0; j < HB; ++j)
-        [[unroll]] for (uint e = 0; e < PER; ++e) {
+        LANE_LOOP for (uint e = 0; e < PER; ++e) {
             uint x = gl_SubgroupInvocationID + e * SGE, r = x >> 4, t = row + r;
             if (t >= T) continue;
             float v = acc[a * HB + j][e] * f / (lsrc == ~0u ? 1.0 : Rw[lsrc + r]);
@@ -278,7 +290,7 @@ void store_rows(int which, uint a, uint z, uint row, uint T, float f, uint lsrc)
 
 void zero_acc() {
     [[unroll]] for (uint i = 0; i < NACC * HB; ++i)
-        [[unroll]] for (uint e = 0; e < PER; ++e) acc[i][e] = 0.0;
+        LANE_LOOP for (uint e = 0; e < PER; ++e) acc[i][e] = 0.0;
 }
 
 void forward_pass(uint z, uint r0, uint g) {

@@ -1,20 +1,20 @@
-"""float16 GEMM on a Vulkan GPU's cooperative matrices (matmul_coop.comp) against the shared-memory
-kernel and cuBLAS float16 (torch.matmul on CUDA), on the same GPU, in one process.
+"""float16 and bfloat16 GEMM on a Vulkan GPU's cooperative matrices (matmul_coop.comp) against the
+shared-memory kernel and cuBLAS in the same dtype (torch.matmul on CUDA), on the same GPU, in one process.
 
-    python bench/vulkan_coopmat.py [--sizes 4096] [--layouts nn nt tn] [--rounds 5]
-                                   [--attn-T 1024 4096] [--attn-head-dims 64 128] [--smoke]
+    python bench/vulkan_coopmat.py [--sizes 4096] [--layouts nn nt tn] [--dtypes float16 bfloat16]
+                                   [--rounds 5] [--attn-T 1024 4096] [--attn-head-dims 64 128] [--smoke]
 
-For each square size and layout (``nt`` = A @ B^T, ``tn`` = A^T @ B, transposed views as in
+For each dtype, square size and layout (``nt`` = A @ B^T, ``tn`` = A^T @ B, transposed views as in
 bench/matmul.py, whose timing this reuses: warm-up, then rounds of back-to-back products timed
 to ``helios.synchronize()``, the median kept) it times the default device's product three
 ways: with the cooperative-matrix kernel allowed (what helios.matmul chooses: ``kernel`` and
 ``tile`` say which it took and ``reason`` why), with it switched off (``coopmat.set_enabled(False)``:
-the shared-memory kernel), and cuBLAS in float16 on CUDA.  Each line also carries the coopmat
-run's error against numpy's fp32 product of the same fp16 values (``rel_err``: max |diff| /
-max |ref|), so speed is never reported for a wrong result.  One JSON line per shape and layout:
-{"bench": "vulkan_coopmat", "device", "size", "layout", "kernel", "tile", "reason",
-"coopmat_gflops", "plain_gflops", "cublas_fp16_gflops", "ratio_vs_cublas", "speedup_vs_plain",
-"rel_err"}; ``cublas_skipped`` says why there is no peer (no torch, no CUDA).
+the shared-memory kernel), and cuBLAS in the same dtype on CUDA.  Each line also carries the
+coopmat run's error against numpy's fp32 product of the same 16-bit values (``rel_err``: max
+|diff| / max |ref|), so speed is never reported for a wrong result.  One JSON line per dtype,
+shape and layout: {"bench": "vulkan_coopmat", "device", "dtype", "size", "layout", "kernel",
+"tile", "reason", "coopmat_gflops", "plain_gflops", "cublas_gflops", "ratio_vs_cublas",
+"speedup_vs_plain", "rel_err"}; ``cublas_skipped`` says why there is no peer (no torch, no CUDA).
 
 Then float16 flash attention (``--attn-T``, ``--attn-head-dims``, causal and not; batch x heads =
 16384 // T x 2048 // head dim, as bench/attention.py's GPU runs): ``scaled_dot_product_attention``'s
@@ -49,25 +49,25 @@ from helios._kernels import coopmat  # noqa: E402
 from helios.runtime import get_runtime  # noqa: E402
 
 
-def bench_one(size: int, layout: str, rounds: int, rng) -> dict:
-    """The line of one square product: coopmat allowed, switched off, and cuBLAS fp16."""
+def bench_one(size: int, layout: str, rounds: int, rng, dtype: str = "float16") -> dict:
+    """The line of one square product of ``dtype`` operands: coopmat allowed, switched off, and cuBLAS."""
     rt = get_runtime()
-    choice = coopmat.choice_for(rt, "float16", size, size, size)
-    row = {"size": size, "layout": layout, "kernel": choice.kernel,
+    choice = coopmat.choice_for(rt, dtype, size, size, size)
+    row = {"dtype": dtype, "size": size, "layout": layout, "kernel": choice.kernel,
            "tile": choice.tile.label() if choice.tile else None, "reason": choice.reason}
-    fast = mm.bench_shape(size, size, size, layout, "float16", rounds, rng, numpy_peer=False)
+    fast = mm.bench_shape(size, size, size, layout, dtype, rounds, rng, numpy_peer=False)
     was = coopmat.set_enabled(False)
     try:
-        plain = mm.bench_shape(size, size, size, layout, "float16", rounds, rng, numpy_peer=False)
+        plain = mm.bench_shape(size, size, size, layout, dtype, rounds, rng, numpy_peer=False)
     finally:
         coopmat.set_enabled(was)
     row.update(coopmat_gflops=fast["helios_gflops"], plain_gflops=plain["helios_gflops"], rel_err=fast["rel_err"],
                plain_rel_err=plain["rel_err"], speedup_vs_plain=round(fast["helios_gflops"] / plain["helios_gflops"], 3))
-    peer = mm.cuda_peer_gflops(size, size, size, layout, rounds, "float16")
+    peer = mm.cuda_peer_gflops(size, size, size, layout, rounds, dtype)
     if isinstance(peer, str):
         row["cublas_skipped"] = peer
     else:
-        row.update(cublas_fp16_gflops=round(peer, 1), ratio_vs_cublas=round(fast["helios_gflops"] / peer, 4))
+        row.update(cublas_gflops=round(peer, 1), ratio_vs_cublas=round(fast["helios_gflops"] / peer, 4))
     return row
 
 
@@ -160,10 +160,12 @@ def bench_attention(T: int, D: int, causal: bool, B: int, H: int, rounds: int, r
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="Helios fp16 matmul on cooperative matrices vs its shared-memory kernel and cuBLAS")
+    ap = argparse.ArgumentParser(description="Helios 16-bit matmul on cooperative matrices vs its shared-memory kernel and cuBLAS")
     ap.add_argument("--sizes", type=int, nargs="*", default=None, help="square sizes (default 4096; --smoke 64; none: no GEMM)")
     ap.add_argument("--layouts", nargs="+", default=None, choices=["nn", "nt", "tn", "tt"],
                     help="default nn nt tn; --smoke nn nt")
+    ap.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16"], choices=["float16", "bfloat16"],
+                    help="operand dtypes of the GEMMs (default both)")
     ap.add_argument("--rounds", type=int, default=None, help="timed rounds, median kept (default 5; --smoke 1)")
     ap.add_argument("--attn-T", type=int, nargs="*", default=None,
                     help="float16 attention sequence lengths (default 1024 4096; --smoke 64; none: no attention)")
@@ -177,9 +179,10 @@ def main(argv: list[str] | None = None) -> int:
     common = {"bench": "vulkan_coopmat", "device": rt.name, "device_name": (getattr(rt, "info", None) or {}).get("name"),
               "coopmat_shapes": [s.label() for s in coopmat.shapes_of(getattr(rt, "info", None) or {})]}
     rng = np.random.default_rng(0)
-    for size in sizes:
-        for layout in layouts:
-            print(json.dumps({**common, **bench_one(size, layout, rounds, rng)}), flush=True)
+    for dtype in args.dtypes:
+        for size in sizes:
+            for layout in layouts:
+                print(json.dumps({**common, **bench_one(size, layout, rounds, rng, dtype)}), flush=True)
     attn_T = args.attn_T if args.attn_T is not None else ([64] if args.smoke else [1024, 4096])
     for D in args.attn_head_dims or ([64] if args.smoke else [64, 128]):
         for T in attn_T:

@@ -34,20 +34,31 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 GLSL_DIR = os.path.join(_HERE, "glsl")
 TARGET_ENV = "--target-env=vulkan1.2"
 EW_OPS = os.path.join(_HERE, "ew_ops.py")  # the elementwise op table, source of glsl/ew_ops.gen.glsl
+BF16_RETYPE = os.path.join(_HERE, "bf16_retype.py")  # declares an F16_AS_BF16 variant's fp16 type bfloat16
+F16_AS_BF16 = "-DF16_AS_BF16"  # a variant's define: its float16_t stands for bfloat16 (bf16_retype.py)
 
-_ew_ops = None
+_by_path: dict[str, object] = {}
 
 
-def ew_ops():
-    """The op table module (kernels_spirv/ew_ops.py), loaded by path: the package may not exist yet."""
-    global _ew_ops
-    if _ew_ops is None:
-        spec = importlib.util.spec_from_file_location("helios_ew_ops_build", EW_OPS)
+def _load(path: str, name: str):
+    """The module at ``path``, loaded by path once: the package may not exist yet."""
+    if path not in _by_path:
+        spec = importlib.util.spec_from_file_location(name, path)
         mod = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = mod  # dataclasses look their module up there
         spec.loader.exec_module(mod)
-        _ew_ops = mod
-    return _ew_ops
+        _by_path[path] = mod
+    return _by_path[path]
+
+
+def ew_ops():
+    """The op table module (kernels_spirv/ew_ops.py)."""
+    return _load(EW_OPS, "helios_ew_ops_build")
+
+
+def bf16_retype():
+    """kernels_spirv/bf16_retype.py."""
+    return _load(BF16_RETYPE, "helios_bf16_retype_build")
 
 
 def generate_sources() -> bool:
@@ -92,6 +103,8 @@ def source_mtime(name: str) -> float:
     paths = [os.path.join(GLSL_DIR, name + ".comp"), os.path.join(GLSL_DIR, name + ".variants")]
     paths += [os.path.join(GLSL_DIR, f) for f in os.listdir(GLSL_DIR) if f.endswith(".glsl")]
     paths.append(EW_OPS)  # the table the generated include comes from
+    if any(F16_AS_BF16 in d for d in kernel_variants(name).values()):
+        paths.append(BF16_RETYPE)
     return max(os.path.getmtime(p) for p in paths if os.path.exists(p))
 
 
@@ -200,6 +213,16 @@ def compile_variant(name: str, variant: str, defines: list[str], out_path: str, 
     if res.returncode != 0:
         raise RuntimeError(f"{os.path.basename(cmd[0])} failed for kernel {name} variant {variant}:\n{' '.join(cmd)}\n"
                            f"{res.stderr}{res.stdout if res.returncode and not res.stderr else ''}")
+    if F16_AS_BF16 in defines:
+        with open(tmp, "rb") as f:
+            code = f.read()
+        try:
+            code = bf16_retype().retype(code)
+        except ValueError as e:
+            os.unlink(tmp)
+            raise RuntimeError(f"kernel {name} variant {variant}: its fp16 type cannot stand for bfloat16: {e}") from None
+        with open(tmp, "wb") as f:
+            f.write(code)
     os.replace(tmp, out_path)
     return out_path
 

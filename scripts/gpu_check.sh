@@ -14,8 +14,8 @@
 # (tests/test_coopmat_gpu.py, test_coopmat_select.py, test_coopmat_kernel.py, and
 # test_mixed_matmul.py for autocast's casts in the shared-memory kernel, test_flash_coop.py for
 # fp16 flash attention on cooperative matrices -> coopmat_tests.log), then speed
-# (bench/vulkan_coopmat.py at 4096^3, nn nt tn: coopmat, the shared-memory kernel and cuBLAS
-# fp16; then its fp16 attention at T 1024 and 4096, head dims 64 and 128: flash_coop, the
+# (bench/vulkan_coopmat.py at 4096^3, nn nt tn, fp16 and bf16 where listed: coopmat, the
+# shared-memory kernel and cuBLAS in the same dtype; then its fp16 attention at T 1024 and 4096, head dims 64 and 128: flash_coop, the
 # shared-memory flash kernel and PyTorch's CUDA SDPA; bench/autocast_step.py: helios-train
 # --dtype bf16 against fp32 at tiny, small and gpt2 -> coopmat_bench.log, coopmat.jsonl).
 #
@@ -94,9 +94,10 @@ from helios._kernels import coopmat
 from helios.runtime import get_runtime
 rt = get_runtime()
 shapes = coopmat.shapes_of(getattr(rt, 'info', None) or {})
-ch = coopmat.choice_for(rt, 'float16', 4096, 4096, 4096)
+chs = {dt: coopmat.choice_for(rt, dt, 4096, 4096, 4096) for dt in ('float16', 'bfloat16')}
 print(json.dumps({'device': rt.name, 'name': rt.info.get('name'), 'shapes': [s.label() for s in shapes],
-                  'kernel': ch.kernel, 'tile': ch.tile.label() if ch.tile else None, 'reason': ch.reason}))
+                  **{dt: {'kernel': ch.kernel, 'tile': ch.tile.label() if ch.tile else None, 'reason': ch.reason}
+                     for dt, ch in chs.items()}}))
 raise SystemExit(0 if shapes else 3)") || rc=$?
     echo "$facts" | tee "$out/coopmat_env.json"
     if [ "$rc" -ne 0 ]; then

@@ -152,11 +152,12 @@ def _check_vulkan_coopmat(lines):
         assert _has(x, "coop_fwd_ms", "coop_fwd_bwd_ms", "plain_fwd_ms", "plain_fwd_bwd_ms") and x["rel_err"] < 2e-2, x
         assert x["kernel"] == ("flash_coop" if x["plan"] else "flash_attn"), x
         assert _has(x, "torch_fwd_ms", "ratio_fwd_vs_torch") or _has(x, "torch_skipped"), x
-    assert [(x["size"], x["layout"]) for x in lines] == [(64, "nn"), (64, "nt")], lines
+    assert [(x["dtype"], x["size"], x["layout"]) for x in lines] == [
+        (dt, 64, lay) for dt in ("float16", "bfloat16") for lay in ("nn", "nt")], lines
     for x in lines:
         assert _has(x, "kernel", "reason", "coopmat_gflops", "plain_gflops", "speedup_vs_plain") and x["rel_err"] < 1e-2, x
         assert x["kernel"] == ("matmul_coop" if x["coopmat_shapes"] and x["tile"] else "matmul"), x
-        assert _has(x, "cublas_fp16_gflops", "ratio_vs_cublas") or _has(x, "cublas_skipped"), x
+        assert _has(x, "cublas_gflops", "ratio_vs_cublas") or _has(x, "cublas_skipped"), x
 
 
 def _check_store_attack(lines):

@@ -3,12 +3,14 @@
 head-interleaved outputs; the fused epilogues and the bias gradient bit for bit against the
 unfused kernels; the shared-memory kernel (switched to with coopmat.set_enabled) close to it.
 
+float16 and bfloat16 operands alike (the bfloat16 ones where the device lists a bf16 shape).
+
 On a GPU that lists cooperative matrices the real kernel runs (./scripts/gpu_check.sh . coopmat).
-On lavapipe, which lists none, the same tests run its f16_emu variant through helios.matmul: the
-device's facts are made to list one 16x16x16 f16*f16+f32 shape and to say "discrete" (past the
-CPU-driver kernel), and matmul_coop's pipelines are built from f16_emu, where plain code does the
-three cooperative-matrix operations; everything else in the kernel and its dispatch is what a GPU
-runs.  Other devices skip."""
+On lavapipe, which lists none, the same tests run its f16_emu and bf16_emu variants through
+helios.matmul: the device's facts are made to list a 16x16x16 f16*f16+f32 and a bf16*bf16+f32
+shape and to say "discrete" (past the CPU-driver kernel), and matmul_coop's pipelines are built
+from the _emu variants, where plain code does the three cooperative-matrix operations; everything
+else in the kernel and its dispatch is what a GPU runs.  Other devices skip."""
 
 import numpy as np
 import pytest
@@ -23,6 +25,8 @@ R = np.random.default_rng(37)
 
 
 EMULATED_SHAPE = dict(m=16, n=16, k=16, a="f16", b="f16", c="f32", result="f32", scope="subgroup", saturating=False)
+EMULATED_BF16 = dict(EMULATED_SHAPE, a="bf16", b="bf16")
+DTYPES = ("float16", "bfloat16")
 
 
 @pytest.fixture(scope="module")
@@ -34,23 +38,33 @@ def rt():
         if not coopmat.shapes_of(getattr(r, "info", None) or {}):
             if (getattr(r, "info", None) or {}).get("type") != "cpu" or not coopmat.kernel_built():
                 pytest.skip(f"{r.name} lists no cooperative matrices")
-            mp.setitem(r.info, "cooperative_matrix", [EMULATED_SHAPE])
+            mp.setitem(r.info, "cooperative_matrix", [EMULATED_SHAPE, EMULATED_BF16])
             mp.setitem(r.info, "type", "discrete")
             real = r.pipeline
             mp.setattr(r, "pipeline", lambda kernel, variant, spec=(), subgroup_size=0: real(
-                kernel, "f16_emu" if kernel == coopmat.KERNEL else variant, spec, subgroup_size))
+                kernel, variant + "_emu" if kernel == coopmat.KERNEL else variant, spec, subgroup_size))
         ch = coopmat.choice_for(r, "float16", 256, 256, 256)
         if not ch.coopmat:
             pytest.skip(f"{r.name}: the cooperative-matrix kernel is not chosen: {ch.reason}")
         yield r
 
 
-def rn(*shape):
-    return R.uniform(-1.0, 1.0, size=shape).astype(np.float16)
+def rn(*shape, dtype="float16"):
+    """Uniform values in [-1, 1) that ``dtype`` holds exactly (float16 or float32 arrays)."""
+    x = R.uniform(-1.0, 1.0, size=shape).astype(np.float32)
+    if dtype == "bfloat16":
+        return (x.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)  # bf16 by truncation: exact
+    return x.astype(np.float16)
 
 
-def h16(x):
-    return hl.tensor(x, dtype="float16")
+def h16(x, dtype="float16"):
+    return hl.tensor(x, dtype=dtype)
+
+
+def has(rt, dtype):
+    """Skip where ``rt``'s device lists no shape for ``dtype`` operands."""
+    if not coopmat.choice_for(rt, dtype, 256, 256, 256).coopmat:
+        pytest.skip(f"{rt.name}: no cooperative-matrix kernel for {dtype}: {coopmat.choice_for(rt, dtype, 256, 256, 256).reason}")
 
 
 def f32(t):
@@ -66,50 +80,61 @@ def ref(a, b, bias=None):
     return r.cpu().numpy()
 
 
-def close(got, want, k):
-    # fp32 sums in another order, then one fp16 rounding: half an fp16 ulp of |want| plus the order's share
-    np.testing.assert_allclose(got, want, rtol=1e-3, atol=2e-3 * max(1.0, np.sqrt(k) / 4))
+def close(got, want, k, dtype="float16"):
+    # fp32 sums in another order, then one 16-bit rounding: half an ulp of |want| plus the order's share
+    half_ulp = 1e-3 if dtype == "float16" else 4e-3
+    np.testing.assert_allclose(got, want, rtol=half_ulp, atol=2 * half_ulp * max(1.0, np.sqrt(k) / 4))
 
 
-def _view(x, kind):
+def _view(x, kind, dtype="float16"):
     """(numpy operand, helios view) of stored array ``x`` seen as ``kind``: "n" as is, "t" transposed, "off" from its second column."""
     if kind == "n":
-        return x, h16(x)
+        return x, h16(x, dtype)
     if kind == "t":
-        return x.T, h16(x).transpose(0, 1)
-    return x[:, 1:], h16(x)[:, 1:]
+        return x.T, h16(x, dtype).transpose(0, 1)
+    return x[:, 1:], h16(x, dtype)[:, 1:]
 
 
-@pytest.mark.parametrize("M,N,Kd", [(192, 320, 256), (77, 91, 45), (136, 200, 72), (16, 1000, 24)])
+# bfloat16 runs the same staging code with other elements: the vector-load shape and a ragged one
+_CASES = [(dtype, *mnk) for dtype in DTYPES for mnk in [(192, 320, 256), (77, 91, 45), (136, 200, 72), (16, 1000, 24)]
+          if dtype == "float16" or mnk[0] in (192, 77)]
+
+
+@pytest.mark.parametrize("dtype,M,N,Kd", _CASES)
 @pytest.mark.parametrize("la,lb", [("n", "n"), ("n", "t"), ("t", "n"), ("t", "t"), ("off", "off")])
-def test_layouts_and_ragged_shapes_against_torch(rt, M, N, Kd, la, lb):
-    xa = rn(M, Kd) if la == "n" else rn(Kd, M) if la == "t" else rn(M, Kd + 1)
-    xb = rn(Kd, N) if lb == "n" else rn(N, Kd) if lb == "t" else rn(Kd, N + 1)
-    (na, ha), (nb, hb) = _view(xa, la), _view(xb, lb)
-    assert coopmat.choice_for(rt, "float16", M, N, Kd).coopmat
-    close(f32(ha @ hb), ref(na, nb), Kd)
+def test_layouts_and_ragged_shapes_against_torch(rt, dtype, M, N, Kd, la, lb):
+    has(rt, dtype)
+    xa = rn(M, Kd, dtype=dtype) if la == "n" else rn(Kd, M, dtype=dtype) if la == "t" else rn(M, Kd + 1, dtype=dtype)
+    xb = rn(Kd, N, dtype=dtype) if lb == "n" else rn(N, Kd, dtype=dtype) if lb == "t" else rn(Kd, N + 1, dtype=dtype)
+    (na, ha), (nb, hb) = _view(xa, la, dtype), _view(xb, lb, dtype)
+    assert coopmat.choice_for(rt, dtype, M, N, Kd).coopmat
+    close(f32(ha @ hb), ref(na, nb), Kd, dtype)
 
 
-def test_batches_bias_and_outputs(rt):
-    a, b = rn(3, 1, 40, 64), rn(2, 64, 48)
-    close(f32(h16(a) @ h16(b)), ref(a, b), 64)
-    x, w, bias = rn(4, 33, 96), rn(96, 80), rn(80)
-    close(f32(K.matmul(h16(x), h16(w), h16(bias))), ref(x, w, bias), 96)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_batches_bias_and_outputs(rt, dtype):
+    has(rt, dtype)
+    a, b = rn(3, 1, 40, 64, dtype=dtype), rn(2, 64, 48, dtype=dtype)
+    close(f32(h16(a, dtype) @ h16(b, dtype)), ref(a, b), 64, dtype)
+    x, w, bias = rn(4, 33, 96, dtype=dtype), rn(96, 80, dtype=dtype), rn(80, dtype=dtype)
+    close(f32(K.matmul(h16(x, dtype), h16(w, dtype), h16(bias, dtype))), ref(x, w, bias), 96, dtype)
     # C stored transposed (a weight gradient's slot), then heads interleaved in rows (CLD)
-    a, b = rn(72, 40), rn(40, 56)
-    slot = hl.tensor(np.zeros((56, 72), np.float16), dtype="float16")
-    K.matmul(h16(a), h16(b), out=slot.transpose(0, 1))
-    close(f32(slot).T, ref(a, b), 40)
-    q, k = rn(2, 3, 32, 16), rn(2, 3, 16, 24)
-    buf = hl.tensor(np.zeros((2, 32, 3 * 24), np.float16), dtype="float16")
+    a, b = rn(72, 40, dtype=dtype), rn(40, 56, dtype=dtype)
+    slot = hl.tensor(np.zeros((56, 72), np.float32), dtype=dtype)
+    K.matmul(h16(a, dtype), h16(b, dtype), out=slot.transpose(0, 1))
+    close(f32(slot).T, ref(a, b), 40, dtype)
+    q, k = rn(2, 3, 32, 16, dtype=dtype), rn(2, 3, 16, 24, dtype=dtype)
+    buf = hl.tensor(np.zeros((2, 32, 3 * 24), np.float32), dtype=dtype)
     heads = buf.reshape(2, 32, 3, 24).permute(0, 2, 1, 3)
-    K.matmul(h16(q), h16(k), out=heads)
-    close(f32(buf).reshape(2, 32, 3, 24).transpose(0, 2, 1, 3), ref(q, k), 16)
+    K.matmul(h16(q, dtype), h16(k, dtype), out=heads)
+    close(f32(buf).reshape(2, 32, 3, 24).transpose(0, 2, 1, 3), ref(q, k), 16, dtype)
 
 
-def test_fused_epilogues_equal_the_unfused_kernels(rt):
-    x, w, bias, e = rn(70, 96), rn(96, 136), rn(136), rn(70, 136)
-    hx, hw, hb, he = h16(x), h16(w), h16(bias), h16(e)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_epilogues_equal_the_unfused_kernels(rt, dtype):
+    has(rt, dtype)
+    x, w, bias, e = (rn(*s, dtype=dtype) for s in ((70, 96), (96, 136), (136,), (70, 136)))
+    hx, hw, hb, he = (h16(t, dtype) for t in (x, w, bias, e))
     plain = K.matmul(hx, hw, hb)
     out, _ = K.matmul_epilogue("linear+residual", hx, hw, hb, he)
     assert np.array_equal(out.numpy(), K.binary("add", plain, he).numpy())
@@ -120,25 +145,29 @@ def test_fused_epilogues_equal_the_unfused_kernels(rt):
     assert np.array_equal(out.numpy(), K.binary("gelu_tanh_bwd", he, K.matmul(hx, hw)).numpy())
 
 
-def test_bias_gradient_in_the_weight_gradient_dispatch(rt):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_bias_gradient_in_the_weight_gradient_dispatch(rt, dtype):
+    has(rt, dtype)
     # weight gradient x^T g, bias gradient g summed over rows (autograd fuses them for float32 slots only)
-    x, g = rn(200, 64), rn(200, 48)
-    hx, hg = h16(x), h16(g)
-    store = hl.tensor(np.zeros(64 * 48 + 48, np.float16), dtype="float16")
+    x, g = rn(200, 64, dtype=dtype), rn(200, 48, dtype=dtype)
+    hx, hg = h16(x, dtype), h16(g, dtype)
+    store = hl.tensor(np.zeros(64 * 48 + 48, np.float32), dtype=dtype)
     out, bsum = store[:64 * 48].reshape(64, 48), store[64 * 48:]
     assert K.matmul_bias_grad(hx.transpose(0, 1), hg, out, bsum)
     assert np.array_equal(out.numpy(), K.matmul(hx.transpose(0, 1), hg).numpy())
-    sums, _ = K.reduce("sum", hg, (0,))  # float32 sums of the fp16 column, then one rounding to fp16
-    assert np.array_equal(bsum.numpy(), K.copy(sums, hl.float16).numpy())
+    sums, _ = K.reduce("sum", hg, (0,))  # float32 sums of the 16-bit column, then one rounding to 16 bits
+    assert np.array_equal(f32(bsum), f32(K.copy(sums, hg.dtype)))
 
 
-def test_the_shared_memory_kernel_agrees(rt):
-    a, b = rn(300, 200), rn(200, 260)
-    fast = f32(h16(a) @ h16(b))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_shared_memory_kernel_agrees(rt, dtype):
+    has(rt, dtype)
+    a, b = rn(300, 200, dtype=dtype), rn(200, 260, dtype=dtype)
+    fast = f32(h16(a, dtype) @ h16(b, dtype))
     was = coopmat.set_enabled(False)
     try:
-        assert not coopmat.choice_for(rt, "float16", 300, 260, 200).coopmat
-        plain = f32(h16(a) @ h16(b))
+        assert not coopmat.choice_for(rt, dtype, 300, 260, 200).coopmat
+        plain = f32(h16(a, dtype) @ h16(b, dtype))
     finally:
         coopmat.set_enabled(was)
-    close(fast, plain, 200)
+    close(fast, plain, 200, dtype)

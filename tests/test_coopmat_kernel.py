@@ -27,13 +27,30 @@ def _coopmat_compiler():
         pytest.skip(str(e))
 
 
-@pytest.fixture(scope="module")
-def spirv(tmp_path_factory):
-    """matmul_coop.f16's SPIR-V file, compiled by the build step."""
+@pytest.fixture(scope="module", params=["f16", "bf16"])
+def spirv(request, tmp_path_factory):
+    """matmul_coop's SPIR-V file of the fp16 or the bf16 variant, compiled by the build step."""
     _coopmat_compiler()
-    path = tmp_path_factory.mktemp("coop") / "matmul_coop.f16.spv"
-    path.write_bytes(registry.spirv("matmul_coop", "f16"))
+    path = tmp_path_factory.mktemp("coop") / f"matmul_coop.{request.param}.spv"
+    path.write_bytes(registry.spirv("matmul_coop", request.param))
     return path
+
+
+def _operand(path) -> str:
+    """The component name of a matmul_coop variant's operands ("f16" / "bf16") from its file name."""
+    return path.name.split(".")[1]
+
+
+def _float16_types(code: bytes) -> list:
+    """The operand words of each OpTypeFloat 16 in SPIR-V ``code`` (a bf16 one carries its encoding)."""
+    words = struct.unpack(f"<{len(code) // 4}I", code)
+    out, at = [], 5
+    while at < len(words):
+        n, op = words[at] >> 16, words[at] & 0xFFFF
+        if op == 22 and words[at + 2] == 16:
+            out.append(words[at + 1:at + n])
+        at += n
+    return out
 
 
 def _tool(name):
@@ -55,14 +72,18 @@ def test_the_kernel_is_built_for_vulkan_1_3_and_passes_spirv_val(spirv):
     assert registry.can_build("matmul_coop") and registry.needs_coopmat("matmul_coop")
     rc, out = _val(spirv)
     assert rc == 0, out
+    # the bf16 variant's one 16-bit float type is bfloat16 (encoding 0, BFloat16KHR); fp16's has none
+    (ftype,) = _float16_types(code)
+    assert len(ftype) == (3 if _operand(spirv) == "bf16" else 2)
+    assert (b"SPV_KHR_bfloat16" in code) == (_operand(spirv) == "bf16")
     # every glslc kernel keeps its Vulkan 1.2 target (SPIR-V 1.5)
     assert struct.unpack_from("<I", registry.spirv("matmul", "f16"), 4)[0] == 0x00010500
     assert not registry.needs_coopmat("matmul")
 
 
-def _lists():
-    nv = [coopmat.CoopShape(m, n, k, "f16", "f16", "f32", "f32", "subgroup") for m, n, k in ((16, 8, 16), (16, 16, 16))]
-    intel = [coopmat.CoopShape(8, 16, 16, "f16", "f16", "f32", "f32", "subgroup")]
+def _lists(t="f16"):
+    nv = [coopmat.CoopShape(m, n, k, t, t, "f32", "f32", "subgroup") for m, n, k in ((16, 8, 16), (16, 16, 16))]
+    intel = [coopmat.CoopShape(8, 16, 16, t, t, "f32", "f32", "subgroup")]
     return [(nv, 32, 49152, 4096), (nv, 32, 49152, 64), (nv[:1], 32, 49152, 4096), (nv, 64, 65536, 4096),
             (intel, 16, 65536, 1024)]
 
@@ -70,8 +91,9 @@ def _lists():
 def test_every_tile_the_choice_makes_specialises_to_valid_spirv(spirv, tmp_path):
     opt, env = _tool("spirv-opt")
     tiles = []
-    for shapes, sg, shared, size in _lists():
-        ch = coopmat.choose(shapes, "float16", size, size, size, sg, shared)
+    dtype = {v: k for k, v in coopmat.OPERAND_TYPES.items()}[_operand(spirv)]
+    for shapes, sg, shared, size in _lists(_operand(spirv)):
+        ch = coopmat.choose(shapes, dtype, size, size, size, sg, shared)
         assert ch.coopmat, ch.reason
         tiles.append(ch.tile)
     cases = [(t, dict(amode=a, bmode=b)) for t in tiles for a, b in ((0, 0), (1, 2), (2, 1))]
@@ -136,3 +158,54 @@ def test_gpu_check_coopmat_part_parses_and_stops_without_cooperative_matrices(tm
                        env=dict(os.environ, PYTHON=sys.executable))
     assert r.returncode == 2, r.stdout + r.stderr
     assert "lists no cooperative matrices" in r.stderr and (tmp_path / "res" / "coopmat_env.json").exists()
+
+
+# -- kernels_spirv/bf16_retype.py: an fp16-typed module declared bfloat16 -------------------------
+
+_RETYPE_HEAD = """#version 450
+#extension GL_EXT_shader_explicit_arithmetic_types_float16 : require
+#extension GL_EXT_shader_16bit_storage : require
+layout(local_size_x = 32) in;
+layout(std430, binding = 0) buffer B { float16_t h[]; };
+layout(std430, binding = 1) buffer F { float f[]; };
+void main() {
+    uint i = gl_LocalInvocationID.x;
+"""
+
+
+def _compiled(body, tmp_path):
+    tool = _coopmat_compiler()
+    src, out = tmp_path / "k.comp", tmp_path / "k.spv"
+    src.write_text(_RETYPE_HEAD + body + "\n}\n")
+    r = subprocess.run(BUILD._compile_cmd(tool, str(src), [], str(out)), capture_output=True, text=True,
+                       env=BUILD._tool_env(tool[1]), timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return out.read_bytes()
+
+
+def test_retype_declares_bfloat16_where_values_are_only_moved_and_converted(tmp_path):
+    code = _compiled("h[i] = h[i + 32u] ; f[i] = float(h[i]); h[i + 64u] = float16_t(0.0);", tmp_path)
+    out = BUILD.bf16_retype().retype(code)
+    (ftype,) = _float16_types(out)
+    assert ftype[2:] == (0,)  # BFloat16KHR
+    path = tmp_path / "bf16.spv"
+    path.write_bytes(out)
+    rc, msg = _val(path)
+    assert rc == 0, msg
+
+
+@pytest.mark.parametrize("body, why", [
+    ("h[i] = h[i] + h[i + 1u];", "not allowed on bfloat16"),                 # arithmetic
+    ("f[i] = float(h[i] < h[i + 1u]);", "not allowed on bfloat16"),          # a comparison taking bf16 operands
+    ("h[i] = float16_t(1.0);", "would change its value"),                    # fp16's 1.0 is another bf16 value
+])
+def test_retype_refuses_what_relies_on_fp16(tmp_path, body, why):
+    retype = BUILD.bf16_retype()
+    with pytest.raises(retype.RetypeError, match=why):
+        retype.retype(_compiled(body, tmp_path))
+
+
+def test_retype_refuses_a_module_without_a_16_bit_float(tmp_path):
+    retype = BUILD.bf16_retype()
+    with pytest.raises(retype.RetypeError, match="no 16-bit float"):
+        retype.retype(registry.spirv("matmul", "f32"))

@@ -65,10 +65,24 @@ def test_a_list_without_fp32_accumulation_keeps_the_shared_memory_kernel():
 
 def test_bf16_asked_but_not_offered():
     ch = choose(NVIDIA, "bfloat16", 4096, 4096, 4096, subgroup_size=32)
-    assert ch.kernel == "matmul" and "no bf16" in ch.reason
-    offered = NVIDIA + _shapes((16, 16, 16, "bf16", "bf16", "f32", "f32", "subgroup"))
-    ch = choose(offered, "bfloat16", 4096, 4096, 4096, subgroup_size=32)
-    assert ch.kernel == "matmul" and "no bf16 coopmat kernel is built" in ch.reason
+    assert ch.kernel == "matmul" and "no subgroup-scope bf16*bf16+f32 shape" in ch.reason
+
+
+# As a driver with VK_KHR_shader_bfloat16 lists its shapes (the addon lists bf16 ones only where it
+# can enable the extension's cooperative-matrix feature).
+BF16 = NVIDIA + _shapes((16, 16, 16, "bf16", "bf16", "f32", "f32", "subgroup"), (16, 8, 16, "bf16", "bf16", "f32", "f32", "subgroup"))
+
+
+def test_bf16_offered_takes_its_own_shape_and_variant():
+    ch = choose(BF16, "bfloat16", 4096, 4096, 4096, subgroup_size=32)
+    assert ch.kernel == "matmul_coop" and "bfloat16 operands, fp32 sums, 16x16x16 listed" in ch.reason
+    assert (ch.tile.shape.a, ch.tile.shape.m, ch.tile.shape.n, ch.tile.shape.k) == ("bf16", 16, 16, 16)
+    assert choose(BF16, "float16", 4096, 4096, 4096, subgroup_size=32).tile.shape.a == "f16"
+    assert not choose(BF16, "bfloat16", 4096, 4096, 4096, subgroup_size=32, kernel_built=False).coopmat
+    # bf16 products with fp16 or bf16 sums only are not this kernel's
+    ch = choose(NVIDIA + _shapes((16, 16, 16, "bf16", "bf16", "bf16", "bf16", "subgroup")), "bfloat16", 4096, 4096, 4096,
+                subgroup_size=32)
+    assert not ch.coopmat and "16x16x16 bf16*bf16+bf16" in ch.reason
 
 
 @pytest.mark.parametrize("dtype,M,N,built,reason", [
@@ -114,8 +128,8 @@ def test_the_choice_is_one_debug_line_once_per_kind():
             ch = coopmat.choice_for(rt, "bfloat16", 512, 512, 512)
     assert ch.kernel == "matmul"
     lines = err.getvalue().splitlines()
-    assert lines == ["helios: matmul bfloat16 on vulkan:7: matmul (shared-memory kernel): bfloat16 operands and the "
-                     "device lists no bf16 cooperative-matrix shape"]
+    assert lines == ["helios: matmul bfloat16 on vulkan:7: matmul (shared-memory kernel): no subgroup-scope "
+                     "bf16*bf16+f32 shape (fp32 sums) among those listed: " + ", ".join(sorted({s.label() for s in NVIDIA}))]
     quiet = io.StringIO()
     with contextlib.redirect_stderr(quiet):
         coopmat.choice_for(_FakeRuntime([], debug=1), "float16", 512, 512, 512)

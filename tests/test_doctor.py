@@ -467,7 +467,9 @@ def test_cooperative_matrix_line_lists_the_shapes_and_whether_they_are_used():
     text = probe_vulkan.coopmat_text(gpu, None)
     assert text.startswith("16x16x16 f16*f16+f32 (subgroup), 16x8x32 i8*i8+i32 (subgroup) -- ")
     assert ("float16: used (128x128x32 tiles" in text) == coopmat.kernel_built(), text
-    assert "bfloat16: not used (bfloat16 operands and the device lists no bf16" in text
+    assert "bfloat16: not used (no subgroup-scope bf16*bf16+f32 shape (fp32 sums) among those listed" in text
+    bf16 = dict(gpu, cooperative_matrix=rows + [dict(rows[0], a="bf16", b="bf16")])
+    assert ("bfloat16: used (128x128x32 tiles" in probe_vulkan.coopmat_text(bf16, None)) == coopmat.kernel_built()
     assert ("float16 flash attention: used (4 subgroups x 16 rows, 32-row tiles forward)" in text) == \
         coopmat.kernel_built(coopmat.FLASH_KERNEL), text
     assert probe_vulkan.coopmat_text(LAVAPIPE, EXTRA).startswith("none listed (not used")

@@ -140,8 +140,13 @@ def shapes_of(info: dict) -> list[CoopShape]:
                       str(d["result"]), str(d["scope"])) for d in info.get("cooperative_matrix", ()) or ()]
 
 
-def _fp16_fp32(s: CoopShape) -> bool:
-    return s.scope == "subgroup" and s.a == s.b == "f16" and s.c == s.result == "f32"
+# The operand dtypes the cooperative-matrix kernel has a variant for, and their component names.
+OPERAND_TYPES = {"float16": "f16", "bfloat16": "bf16"}
+
+
+def _fp32_sums(s: CoopShape, operand: str = "f16") -> bool:
+    """Whether ``s`` is a subgroup-scope shape of ``operand`` x ``operand`` with float32 sums."""
+    return s.scope == "subgroup" and s.a == s.b == operand and s.c == s.result == "f32"
 
 
 def choose(shapes: list[CoopShape], dtype: str, M: int, N: int, K: int, subgroup_size: int,
@@ -149,23 +154,21 @@ def choose(shapes: list[CoopShape], dtype: str, M: int, N: int, K: int, subgroup
     """The kernel of an ``M x N x K`` product of ``dtype`` operands (a Helios dtype name) on a device
     listing ``shapes`` with subgroups of ``subgroup_size`` and ``max_shared`` bytes of shared memory.
 
-    The coopmat kernel takes float16 operands with float32 sums on a subgroup-scope shape: 16x16x16
-    where listed (every vendor's tensor-core shape), else the largest listed shape that divides a
-    tile; the tile is the largest of :data:`_TILES` that fits.  ``kernel_built`` False (no compiler
-    for its SPIR-V) keeps the shared-memory kernel.  Every "no" says why."""
+    The coopmat kernel takes float16 or bfloat16 operands with float32 sums on a subgroup-scope
+    shape of that type: 16x16x16 where listed (every vendor's tensor-core shape), else the largest
+    listed shape that divides a tile; the tile is the largest of :data:`_TILES` that fits.
+    ``kernel_built`` False (no compiler for its SPIR-V) keeps the shared-memory kernel.  Every "no"
+    says why."""
     if not shapes:
         return Choice("matmul", None, "the device lists no cooperative-matrix shapes")
-    if dtype == "bfloat16":
-        if any(s.a == "bf16" for s in shapes):
-            return Choice("matmul", None, "bf16 cooperative-matrix shapes are listed, but no bf16 coopmat kernel is "
-                                          "built (its compiler needs GL_EXT_bfloat16)")
-        return Choice("matmul", None, "bfloat16 operands and the device lists no bf16 cooperative-matrix shape")
-    if dtype != "float16":
-        return Choice("matmul", None, f"{dtype} operands: the cooperative-matrix kernel takes float16")
-    usable = [s for s in shapes if _fp16_fp32(s)]
+    operand = OPERAND_TYPES.get(dtype)
+    if operand is None:
+        return Choice("matmul", None, f"{dtype} operands: the cooperative-matrix kernel takes float16 or bfloat16")
+    usable = [s for s in shapes if _fp32_sums(s, operand)]
     if not usable:
         listed = ", ".join(sorted({s.label() for s in shapes}))
-        return Choice("matmul", None, f"no subgroup-scope f16*f16+f32 shape (fp32 sums) among those listed: {listed}")
+        return Choice("matmul", None,
+                      f"no subgroup-scope {operand}*{operand}+f32 shape (fp32 sums) among those listed: {listed}")
     if not kernel_built:
         return Choice("matmul", None, f"{KERNEL} is not built: no shader compiler here knows GL_KHR_cooperative_matrix")
     if min(M, N) < MIN_DIM:
@@ -177,7 +180,7 @@ def choose(shapes: list[CoopShape], dtype: str, M: int, N: int, K: int, subgroup
             tile = Tile(bm, bn, bk, wgm, wgn, subgroup_size, shape)
             if subgroup_size > 0 and tile.fits(max_shared):
                 why = "16x16x16 listed" if (shape.m, shape.n, shape.k) == (16, 16, 16) else "the largest listed shape that fits"
-                return Choice(KERNEL, tile, f"float16 operands, fp32 sums, {why}")
+                return Choice(KERNEL, tile, f"{dtype} operands, fp32 sums, {why}")
     return Choice("matmul", None, f"no tile fits: subgroups of {subgroup_size}, {max_shared} bytes of shared memory")
 
 
@@ -255,7 +258,7 @@ def choice_for(rt, dtype: str, M: int, N: int, K: int) -> Choice:
     small = min(M, N)  # choose() looks at M and N only through MIN_DIM and the large tile's side
     return _for_device(rt, ("matmul", dtype, small < MIN_DIM, small >= _TILES[0][0]), Choice("matmul", None, _OFF),
                        lambda shapes, sg, shared: choose(shapes, dtype, M, N, K, sg, shared,
-                                                         dtype != "float16" or kernel_built()),
+                                                         dtype not in OPERAND_TYPES or kernel_built()),
                        lambda ch, device: ch.line(device, dtype))
 
 
@@ -344,7 +347,7 @@ def choose_flash(shapes: list[CoopShape], dtype: str, head_dim: int, subgroup_si
         return no(f"{dtype} operands: the cooperative-matrix flash kernel takes float16")
     if head_dim not in FLASH_HEAD_DIMS:
         return no(f"head dim {head_dim}: its variants are {FLASH_HEAD_DIMS}")
-    if not any(_fp16_fp32(s) and (s.m, s.n, s.k) == (16, 16, 16) for s in shapes):
+    if not any(_fp32_sums(s) and (s.m, s.n, s.k) == (16, 16, 16) for s in shapes):
         return no("no subgroup-scope 16x16x16 f16*f16+f32 shape listed")
     if not kernel_built:
         return no(f"{FLASH_KERNEL} is not built: no shader compiler here knows GL_KHR_cooperative_matrix")

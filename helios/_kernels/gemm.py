@@ -171,8 +171,8 @@ def matmul_bias_grad(a: Tensor, b: Tensor, out: Tensor, bsum: Tensor, compute: d
 
     It takes 2-D a [M, K] (K > 0) and b [K, N] with b contiguous along N: float32 ones on the
     CPU-driver kernel; float32, float16 or bfloat16 ones on the GPU shared-memory kernel (not
-    where a matrix engine takes the dtype); float16 ones where the cooperative-matrix kernel runs
-    the product (coopmat.choice_for).  ``out`` as matmul()'s (contiguous or a transposed
+    where a matrix engine takes the dtype); float16 or bfloat16 ones where the cooperative-matrix
+    kernel runs the product (coopmat.choice_for).  ``out`` as matmul()'s (contiguous or a transposed
     contiguous [M, N]) and ``bsum`` a contiguous [N] of the same dtype apart from it (the CPU and
     shared-memory kernels store it through the bias binding; the cooperative-matrix kernel
     through C's, so there it must be in ``out``'s storage, both in one binding's range).  The
@@ -204,8 +204,7 @@ def matmul_bias_grad(a: Tensor, b: Tensor, out: Tensor, bsum: Tensor, compute: d
             return False
     elif any(t.dtype is not a.dtype for t in (b, out, bsum)):
         return False
-    elif not (a.dtype is dt.float32 and cpu) and not (a.dtype.kind == "float" and shared) and not (
-            a.dtype is dt.float16 and coop):
+    elif not (a.dtype is dt.float32 and cpu) and not (a.dtype.kind == "float" and shared) and not coop:
         return False
     if not (out.is_contiguous() or _swap_last(out).is_contiguous()):
         return False

@@ -198,8 +198,11 @@ class _Reader:
         name, rank = _TYPES.get(int(base.deviceType), ("other", 4))
         coop_list = self._coop_list(pd) if "VK_KHR_cooperative_matrix" in exts and feats.coop_khr.cooperativeMatrix else []
         # The addon's rule: the shapes are listed where Helios' coopmat kernels can run (Vulkan 1.3, the
-        # extension's feature and vulkanMemoryModel), else [].
+        # extension's feature and vulkanMemoryModel), else []; bf16 ones where VK_KHR_shader_bfloat16's
+        # features are there too (these bindings predate its feature struct: the extension stands for them).
         usable = v13 and bool(coop_list) and bool(feats.vmm.vulkanMemoryModel)
+        if "VK_KHR_shader_bfloat16" not in exts:
+            coop_list = [c for c in coop_list if "bf16" not in (c["a"], c["b"])]
         return {
             "name": ffi.string(base.deviceName).decode(errors="replace"),
             "type": name,
@@ -346,8 +349,8 @@ _SCOPES = {1: "device", 2: "workgroup", 3: "subgroup", 5: "queue_family"}
 
 _EXTENSIONS_OF_INTEREST = frozenset({
     "VK_KHR_push_descriptor", "VK_EXT_calibrated_timestamps", "VK_KHR_cooperative_matrix", "VK_NV_cooperative_matrix",
-    "VK_EXT_subgroup_size_control", "VK_KHR_shader_float16_int8", "VK_KHR_16bit_storage", "VK_KHR_8bit_storage",
-    "VK_EXT_memory_budget"})
+    "VK_KHR_shader_bfloat16", "VK_EXT_subgroup_size_control", "VK_KHR_shader_float16_int8", "VK_KHR_16bit_storage",
+    "VK_KHR_8bit_storage", "VK_EXT_memory_budget"})
 
 
 def _limits(L, props: SimpleNamespace, feats: SimpleNamespace, ts_bits: int, v11: bool, v13: bool) -> dict:

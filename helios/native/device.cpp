@@ -50,6 +50,7 @@ Device::Device(int index, const std::string& pipeline_cache_dir) {
   if (!v12 && (info_.float16 || info_.int8) && info_.has_ext_float16_int8)
     exts.push_back(VK_KHR_SHADER_FLOAT16_INT8_EXTENSION_NAME);
   if (!info_.coopmat.empty()) exts.push_back(kCoopMatExtension);  // listed only where it can be enabled
+  if (info_.bf16_coopmat) exts.push_back(kBf16Extension);
 
   // Enable exactly the features the device has (enabling a missing one fails creation).
   VkPhysicalDeviceFeatures2 f2{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2};
@@ -62,6 +63,9 @@ Device::Device(int index, const std::string& pipeline_cache_dir) {
   vmm.vulkanMemoryModel = VK_TRUE;  // the cooperative-matrix kernels' SPIR-V uses the Vulkan memory model
   CoopMatFeaturesKHR coop;
   coop.cooperativeMatrix = VK_TRUE;
+  Bf16FeaturesKHR bf16;  // matmul_coop's bf16 variant: bfloat16 values and cooperative matrices of them
+  bf16.shaderBFloat16Type = VK_TRUE;
+  bf16.shaderBFloat16CooperativeMatrix = VK_TRUE;
   VkPhysicalDeviceSubgroupSizeControlFeatures sgctl{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SUBGROUP_SIZE_CONTROL_FEATURES};
   sgctl.subgroupSizeControl = VK_TRUE;  // only chained where the device has it (describe(): min_subgroup_size > 0)
   sgctl.computeFullSubgroups = info_.compute_full_subgroups;
@@ -78,6 +82,7 @@ Device::Device(int index, const std::string& pipeline_cache_dir) {
   if (info_.timeline_semaphore && v12) *tail = &timeline, tail = &timeline.pNext;
   else info_.timeline_semaphore = false;
   if (!info_.coopmat.empty()) *tail = &vmm, tail = &vmm.pNext, *tail = &coop, tail = &coop.pNext;
+  if (info_.bf16_coopmat) *tail = &bf16, tail = &bf16.pNext;
   if (info_.min_subgroup_size > 0) *tail = &sgctl, tail = &sgctl.pNext;
 
   float priority = 1.0f;

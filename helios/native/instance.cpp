@@ -146,8 +146,10 @@ PhysicalDeviceInfo describe(VkPhysicalDevice pd, uint32_t instance_api) {
   VkPhysicalDeviceTimelineSemaphoreFeatures timeline{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_TIMELINE_SEMAPHORE_FEATURES};
   VkPhysicalDeviceVulkanMemoryModelFeatures vmm{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_MEMORY_MODEL_FEATURES};
   CoopMatFeaturesKHR coop;
+  Bf16FeaturesKHR bf16;
   VkPhysicalDeviceSubgroupSizeControlFeatures sgctl_f{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SUBGROUP_SIZE_CONTROL_FEATURES};
   const bool has_coop = api >= VK_API_VERSION_1_3 && has_extension(exts, kCoopMatExtension);
+  const bool has_bf16 = has_coop && has_extension(exts, kBf16Extension);
   if (v11) {
     void** tail = &f2.pNext;
     *tail = &s16, tail = &s16.pNext;  // core in 1.1
@@ -155,6 +157,7 @@ PhysicalDeviceInfo describe(VkPhysicalDevice pd, uint32_t instance_api) {
     if (api >= VK_API_VERSION_1_2 || d.has_ext_float16_int8) *tail = &f16, tail = &f16.pNext;
     if (api >= VK_API_VERSION_1_2) *tail = &timeline, tail = &timeline.pNext;  // core in 1.2
     if (has_coop) *tail = &vmm, tail = &vmm.pNext, *tail = &coop, tail = &coop.pNext;
+    if (has_bf16) *tail = &bf16, tail = &bf16.pNext;
     if (v13) *tail = &sgctl_f, tail = &sgctl_f.pNext;  // core in 1.3
     vkGetPhysicalDeviceFeatures2(pd, &f2);
   } else {
@@ -168,6 +171,11 @@ PhysicalDeviceInfo describe(VkPhysicalDevice pd, uint32_t instance_api) {
   d.int8 = f16.shaderInt8;
   d.timeline_semaphore = api >= VK_API_VERSION_1_2 && timeline.timelineSemaphore;
   if (has_coop && coop.cooperativeMatrix && vmm.vulkanMemoryModel) d.coopmat = coopmat_shapes(pd);
+  // bf16 shapes only where the kernels can use them (the Device enables both features then)
+  d.bf16_coopmat = has_bf16 && bf16.shaderBFloat16Type && bf16.shaderBFloat16CooperativeMatrix;
+  auto bf16_shape = [](const CoopMatShape& c) { return c.a == kComponentBf16 || c.b == kComponentBf16; };
+  if (!d.bf16_coopmat) d.coopmat.erase(std::remove_if(d.coopmat.begin(), d.coopmat.end(), bf16_shape), d.coopmat.end());
+  d.bf16_coopmat = d.bf16_coopmat && std::any_of(d.coopmat.begin(), d.coopmat.end(), bf16_shape);
   if (v13 && sgctl_f.subgroupSizeControl && (sgctl.requiredSubgroupSizeStages & VK_SHADER_STAGE_COMPUTE_BIT) &&
       sgctl.minSubgroupSize > 0 && sgctl.minSubgroupSize <= sgctl.maxSubgroupSize) {
     d.min_subgroup_size = sgctl.minSubgroupSize;

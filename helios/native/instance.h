@@ -31,6 +31,19 @@ struct CoopMatPropertiesKHR {  // VkCooperativeMatrixPropertiesKHR
   int32_t scope = 0;  // VkScopeKHR
 };
 
+// VK_KHR_shader_bfloat16 (1.4.311 headers and later), spelled out the same way: bfloat16 as a
+// cooperative-matrix component type (VK_COMPONENT_TYPE_BFLOAT16_KHR).
+constexpr const char* kBf16Extension = "VK_KHR_shader_bfloat16";
+constexpr VkStructureType kBf16FeaturesSType = VkStructureType(1000141000);
+constexpr int32_t kComponentBf16 = 1000141000;
+struct Bf16FeaturesKHR {  // VkPhysicalDeviceShaderBfloat16FeaturesKHR
+  VkStructureType sType = kBf16FeaturesSType;
+  void* pNext = nullptr;
+  VkBool32 shaderBFloat16Type = VK_FALSE;
+  VkBool32 shaderBFloat16DotProduct = VK_FALSE;
+  VkBool32 shaderBFloat16CooperativeMatrix = VK_FALSE;
+};
+
 // One cooperative-matrix shape the device lists: C[M x N] += A[M x K] B[K x N].
 struct CoopMatShape {
   uint32_t m = 0, n = 0, k = 0;
@@ -84,6 +97,10 @@ struct PhysicalDeviceInfo {
   // vulkanMemoryModel feature its shaders declare; the Device enables all three then.  Empty
   // otherwise (lavapipe, older GPUs and drivers).
   std::vector<CoopMatShape> coopmat;
+  // Whether coopmat lists bf16 shapes: VK_KHR_shader_bfloat16 with its shaderBFloat16Type and
+  // shaderBFloat16CooperativeMatrix features, which the Device then enables (bf16 shapes are
+  // dropped from coopmat where it cannot).
+  bool bf16_coopmat = false;
   uint64_t device_local_bytes = 0;
 
   // How to enable them: core (api >= 1.2) or via the KHR extension names.

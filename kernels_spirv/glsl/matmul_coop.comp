@@ -48,18 +48,45 @@
 #extension GL_GOOGLE_include_directive : require
 #include "common.glsl"
 
-#if TA != T_F16
-#error "matmul_coop: only fp16 operands (TA=2) have a cooperative-matrix type here"
+#if TA == T_BF16 && !defined(COOP_EMU) && !defined(F16_AS_BF16)
+#error "matmul_coop: bf16 operands (TA=3) are built with F16_AS_BF16 (or emulated with COOP_EMU)"
+#elif TA != T_F16 && TA != T_BF16
+#error "matmul_coop: fp16 (TA=2) or bf16 (TA=3) operands"
 #endif
 
-layout(std430, binding = 0) readonly buffer BA { float16_t a[]; };
+// ELEM: an operand element as it sits in A / B, the registers and the stages; elem_f(x) its value
+// as float, ELEM_ZERO past the matrix, split2(w) the two ELEMs of a 32-bit word (low half first).
+// fp16 is float16_t.  bf16 (TA=3) is written as float16_t too, with F16_AS_BF16: the compiler here
+// has no bfloat16 type, so kernels_spirv/bf16_retype.py declares the module's 16-bit float type
+// bfloat16 after compiling (SPV_KHR_bfloat16).  That variant only moves, bitcasts and converts
+// such values, and feeds them to the cooperative matrices: nothing else is allowed on bf16.
+// Emulated bf16 (COOP_EMU, lavapipe has no bfloat16 type) keeps the bits as uint16_t.
+#if TA == T_BF16 && defined(COOP_EMU)
+#extension GL_EXT_shader_explicit_arithmetic_types_int16 : require
+#define ELEM uint16_t
+#define ELEM_ZERO uint16_t(0)
+float elem_f(ELEM x) { return bf16_to_f(uint(x)); }
+void split2(uint w, out ELEM lo, out ELEM hi) { lo = uint16_t(w & 0xFFFFu); hi = uint16_t(w >> 16); }
+#else
+#define ELEM float16_t
+#define ELEM_ZERO float16_t(0.0)
+float elem_f(ELEM x) { return float(x); }
+void split2(uint w, out ELEM lo, out ELEM hi) { f16vec2 v = unpackFloat2x16(w); lo = v.x; hi = v.y; }
+#endif
+// C, the bias, E and U: TA's storage type (bf16 as uint16_t bits, common.glsl's rounding), so
+// every variant stores what the other kernels store.
+#define OUT_T HL_ST(TA)
+#define out_f(x) HL_LDF(TA, x)
+#define f_out(v) HL_STF(TA, v)
+
+layout(std430, binding = 0) readonly buffer BA { ELEM a[]; };
 layout(std430, binding = 0) readonly buffer BA8 { uvec4 a8[]; };   // 8 halves a load
-layout(std430, binding = 1) readonly buffer BB { float16_t b[]; };
+layout(std430, binding = 1) readonly buffer BB { ELEM b[]; };
 layout(std430, binding = 1) readonly buffer BB8 { uvec4 b8[]; };
-layout(std430, binding = 2) writeonly buffer BC { float16_t c[]; };
-layout(std430, binding = 3) readonly buffer BBias { float16_t bias[]; };
-layout(std430, binding = 4) readonly buffer BE { float16_t e[]; };
-layout(std430, binding = 5) writeonly buffer BU { float16_t u[]; };
+layout(std430, binding = 2) writeonly buffer BC { OUT_T c[]; };
+layout(std430, binding = 3) readonly buffer BBias { OUT_T bias[]; };
+layout(std430, binding = 4) readonly buffer BE { OUT_T e[]; };
+layout(std430, binding = 5) writeonly buffer BU { OUT_T u[]; };
 layout(push_constant) uniform P {
     uint M; uint N; uint K; uint nb1;
     uint off_a; uint off_b; uint off_c; uint off_bias;
@@ -95,8 +122,8 @@ const uint A_STAGE = AMODE == 2 ? BK * (BM + PAD) : BM * (BK + PAD);
 // B stage: row-major [BK][BN + PAD] (BMODE 0 / 2) or column-major [BN][BK + PAD] (BMODE 1).
 const uint B_LD = BMODE == 1 ? BK + PAD : BN + PAD;
 const uint B_STAGE = BMODE == 1 ? BN * (BK + PAD) : BK * (BN + PAD);
-shared float16_t As[2 * A_STAGE];
-shared float16_t Bs[2 * B_STAGE];
+shared ELEM As[2 * A_STAGE];
+shared ELEM Bs[2 * B_STAGE];
 shared float Cs[WGM * WGN * CM * CN];            // one CM x CN scratch tile per subgroup
 
 // The next K slice in flight: 8-wide runs (AMODE / BMODE 1, 2) or single elements (0).
@@ -104,8 +131,8 @@ const uint A_RUNS = BM * BK / 8 / NT, B_RUNS = BN * BK / 8 / NT;
 const uint A_ONE = BM * BK / NT, B_ONE = BN * BK / NT;
 uvec4 ra8[A_RUNS];
 uvec4 rb8[B_RUNS];
-float16_t ra1[A_ONE];
-float16_t rb1[B_ONE];
+ELEM ra1[A_ONE];
+ELEM rb1[B_ONE];
 
 uint abase, bbase, m0, n0, tid;
 
@@ -115,7 +142,7 @@ void load_slice(uint k0) {
         [[unroll]] for (uint i = 0; i < A_ONE; ++i) {
             uint id = tid + i * NT, r = id / BK, kk = id - r * BK;   // row-major stage
             uint gm = m0 + r, gk = k0 + kk;
-            ra1[i] = gm < p.M && gk < p.K ? a[abase + gm * p.sam + gk * p.sak] : float16_t(0.0);
+            ra1[i] = gm < p.M && gk < p.K ? a[abase + gm * p.sam + gk * p.sak] : ELEM_ZERO;
         }
     } else {
         const uint runs = (AMODE == 1 ? BK : BM) / 8;                 // runs per staged row
@@ -130,7 +157,7 @@ void load_slice(uint k0) {
         [[unroll]] for (uint i = 0; i < B_ONE; ++i) {
             uint id = tid + i * NT, kk = id / BN, nn = id - kk * BN;   // row-major stage
             uint gk = k0 + kk, gn = n0 + nn;
-            rb1[i] = gk < p.K && gn < p.N ? b[bbase + gk * p.sbk + gn * p.sbn] : float16_t(0.0);
+            rb1[i] = gk < p.K && gn < p.N ? b[bbase + gk * p.sbk + gn * p.sbn] : ELEM_ZERO;
         }
     } else {
         const uint runs = (BMODE == 1 ? BK : BN) / 8;
@@ -156,9 +183,7 @@ void store_slice(uint s) {
             uint id = tid + i * NT, r = id / runs, q = (id - r * runs) * 8;
             uint at = s * A_STAGE + r * A_LD + q;
             [[unroll]] for (uint h = 0; h < 4; ++h) {
-                f16vec2 v = unpackFloat2x16(ra8[i][h]);
-                As[at + 2 * h] = v.x;
-                As[at + 2 * h + 1] = v.y;
+                split2(ra8[i][h], As[at + 2 * h], As[at + 2 * h + 1]);
             }
         }
     }
@@ -173,26 +198,24 @@ void store_slice(uint s) {
             uint id = tid + i * NT, r = id / runs, q = (id - r * runs) * 8;
             uint at = s * B_STAGE + r * B_LD + q;
             [[unroll]] for (uint h = 0; h < 4; ++h) {
-                f16vec2 v = unpackFloat2x16(rb8[i][h]);
-                Bs[at + 2 * h] = v.x;
-                Bs[at + 2 * h + 1] = v.y;
+                split2(rb8[i][h], Bs[at + 2 * h], Bs[at + 2 * h + 1]);
             }
         }
     }
 }
 
-// v rounded to fp16, as a store then a load would (the unfused ops read the product back).
-float round16(float v) { return float(float16_t(v)); }
+// v rounded to C's type, as a store then a load would (the unfused ops read the product back).
+float round16(float v) { return out_f(f_out(v)); }
 
 // matmul.glsl's epilogue on C's element idx (z * M * N + m * N + n) holding v (bias added).
 float epilogue(float v, uint idx) {
     v = round16(v);
-    if (EPI == 1) return v + float(e[p.off_e + idx]);
+    if (EPI == 1) return v + out_f(e[p.off_e + idx]);
     if (EPI == 2) {
-        u[p.off_u + idx] = float16_t(v);
+        u[p.off_u + idx] = f_out(v);
         return gelu_tanh(v);
     }
-    if (EPI == 3) return v * gelu_tanh_grad(float(e[p.off_e + idx]));
+    if (EPI == 3) return v * gelu_tanh_grad(out_f(e[p.off_e + idx]));
     return v;
 }
 
@@ -205,7 +228,7 @@ void column_sums(uint s) {
         uint nn = tid + j * NT;
         if (nn >= BN) break;
         for (uint kk = 0; kk < BK; ++kk)   // zeros past K leave a sum as it is
-            bs[j] += float(BMODE == 1 ? Bs[s * B_STAGE + nn * B_LD + kk] : Bs[s * B_STAGE + kk * B_LD + nn]);
+            bs[j] += elem_f(BMODE == 1 ? Bs[s * B_STAGE + nn * B_LD + kk] : Bs[s * B_STAGE + kk * B_LD + nn]);
     }
 }
 
@@ -214,8 +237,8 @@ const uint SGE = NT / (WGM * WGN), PER = CM * CN / SGE;  // lanes a subgroup, ac
 float accv[FM * FN * PER];
 uint fa_at[FM], fb_at[FN];                                // where each A / B tile starts in As / Bs
 
-float a_elem(uint at, uint r, uint c) { return float(AMODE == 2 ? As[at + c * A_LD + r] : As[at + r * A_LD + c]); }
-float b_elem(uint at, uint r, uint c) { return float(BMODE == 1 ? Bs[at + c * B_LD + r] : Bs[at + r * B_LD + c]); }
+float a_elem(uint at, uint r, uint c) { return elem_f(AMODE == 2 ? As[at + c * A_LD + r] : As[at + r * A_LD + c]); }
+float b_elem(uint at, uint r, uint c) { return elem_f(BMODE == 1 ? Bs[at + c * B_LD + r] : Bs[at + r * B_LD + c]); }
 
 void emu_mul_add(uint i, uint j) {
     for (uint q = 0; q < PER; ++q) {
@@ -265,8 +288,8 @@ void main() {
             [[unroll]] for (uint i = 0; i < FM; ++i)
                 [[unroll]] for (uint j = 0; j < FN; ++j) emu_mul_add(i, j);
 #else
-            coopmat<float16_t, gl_ScopeSubgroup, CM, CK, gl_MatrixUseA> fa[FM];
-            coopmat<float16_t, gl_ScopeSubgroup, CK, CN, gl_MatrixUseB> fb[FN];
+            coopmat<ELEM, gl_ScopeSubgroup, CM, CK, gl_MatrixUseA> fa[FM];
+            coopmat<ELEM, gl_ScopeSubgroup, CK, CN, gl_MatrixUseB> fb[FN];
             [[unroll]] for (uint i = 0; i < FM; ++i) {
                 uint row = wm + i * CM;
                 if (AMODE == 2)
@@ -293,7 +316,7 @@ void main() {
     if (sums) {
         [[unroll]] for (uint j = 0; j < BS_N; ++j) {
             uint n = n0 + tid + j * NT;
-            if (tid + j * NT < BN && n < p.N) c[p.off_bias + n] = float16_t(bs[j]);
+            if (tid + j * NT < BN && n < p.N) c[p.off_bias + n] = f_out(bs[j]);
         }
     }
     uint ldc = CLD > 0 ? uint(CLD) : (CT == 1 ? p.M : p.N);
@@ -312,9 +335,9 @@ void main() {
                 uint r = x / CN, q = x - r * CN;
                 uint gm = m0 + wm + i * CM + r, gn = n0 + wn + j * CN + q;
                 if (gm >= p.M || gn >= p.N) continue;
-                float v = Cs[scratch + x] + (HAS_BIAS == 1 ? float(bias[p.off_bias + gn]) : 0.0);
+                float v = Cs[scratch + x] + (HAS_BIAS == 1 ? out_f(bias[p.off_bias + gn]) : 0.0);
                 if (EPI != 0) v = epilogue(v, z * p.M * p.N + gm * p.N + gn);  // C contiguous (no CT / CLD)
-                c[CT == 1 ? cbase + gn * ldc + gm : cbase + gm * ldc + gn] = float16_t(v);
+                c[CT == 1 ? cbase + gn * ldc + gm : cbase + gm * ldc + gn] = f_out(v);
             }
             barrier();   // the scratch tile is reused by the next accumulator
         }

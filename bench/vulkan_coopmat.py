@@ -16,11 +16,11 @@ shape and layout: {"bench": "vulkan_coopmat", "device", "dtype", "size", "layout
 "tile", "reason", "coopmat_gflops", "plain_gflops", "cublas_gflops", "ratio_vs_cublas",
 "speedup_vs_plain", "rel_err"}; ``cublas_skipped`` says why there is no peer (no torch, no CUDA).
 
-Then float16 flash attention (``--attn-T``, ``--attn-head-dims``, causal and not; batch x heads =
+Then flash attention in each dtype (``--attn-T``, ``--attn-head-dims``, causal and not; batch x heads =
 16384 // T x 2048 // head dim, as bench/attention.py's GPU runs): ``scaled_dot_product_attention``'s
 forward, and forward + backward, with cooperative matrices allowed (flash_coop.comp where the device
 lists them) and switched off (flash_attn.comp's shared-memory kernel), against PyTorch's SDPA in
-float16 on CUDA.  One JSON line each: {"bench": "vulkan_flash_coop", "T", "D", "causal", "kernel",
+the same dtype on CUDA.  One JSON line each: {"bench": "vulkan_flash_coop", "dtype", "T", "D", "causal", "kernel",
 "plan", "reason", "coop_fwd_ms", "coop_fwd_bwd_ms", "plain_fwd_ms", "plain_fwd_bwd_ms",
 "torch_fwd_ms", "torch_fwd_bwd_ms", "coop_fwd_tflops", "coop_fwd_bwd_tflops", "ratio_fwd_vs_torch",
 "ratio_fwd_bwd_vs_torch", "rel_err"} (rel_err: the coopmat run's output and gradients against the
@@ -82,13 +82,13 @@ def _timed(fn, rounds: int) -> float:
     return statistics.median(times)
 
 
-def _helios_attention(q, k, v, g, causal: bool, rounds: int) -> tuple:
-    """(forward ms, forward + backward ms, [O, dQ, dK, dV] as numpy) of helios SDPA on float16 operands."""
+def _helios_attention(q, k, v, g, causal: bool, rounds: int, dtype: str = "float16") -> tuple:
+    """(forward ms, forward + backward ms, [O, dQ, dK, dV] as numpy) of helios SDPA on ``dtype`` operands."""
     import helios as hl
     import helios.nn.functional as F
 
-    hq, hk, hv = (hl.tensor(x, dtype="float16", requires_grad=True) for x in (q, k, v))
-    hg = hl.tensor(g, dtype="float16")
+    hq, hk, hv = (hl.tensor(x, dtype=dtype, requires_grad=True) for x in (q, k, v))
+    hg = hl.tensor(g, dtype=dtype)
 
     def fwd():
         with hl.no_grad():
@@ -106,16 +106,16 @@ def _helios_attention(q, k, v, g, causal: bool, rounds: int) -> tuple:
     return f, fb, [o.numpy()] + [t.grad.numpy() for t in (hq, hk, hv)]
 
 
-def _torch_attention(q, k, v, g, causal: bool, rounds: int):
-    """(forward ms, forward + backward ms) of PyTorch's SDPA in float16 on CUDA, or why not."""
+def _torch_attention(q, k, v, g, causal: bool, rounds: int, dtype: str = "float16"):
+    """(forward ms, forward + backward ms) of PyTorch's SDPA in ``dtype`` on CUDA, or why not."""
     try:
         import torch
     except ImportError:
         return "torch is not installed"
     if not torch.cuda.is_available():
         return "no CUDA device for the PyTorch peer"
-    tq, tk, tv = (torch.tensor(x, device="cuda", requires_grad=True) for x in (q, k, v))
-    tg = torch.tensor(g, device="cuda")
+    tq, tk, tv = (torch.tensor(x, dtype=getattr(torch, dtype), device="cuda", requires_grad=True) for x in (q, k, v))
+    tg = torch.tensor(g, dtype=getattr(torch, dtype), device="cuda")
 
     def fwd():
         with torch.no_grad():
@@ -129,19 +129,20 @@ def _torch_attention(q, k, v, g, causal: bool, rounds: int):
     return _timed(fwd, rounds), _timed(fwd_bwd, rounds)
 
 
-def bench_attention(T: int, D: int, causal: bool, B: int, H: int, rounds: int, rng) -> dict:
+def bench_attention(T: int, D: int, causal: bool, B: int, H: int, rounds: int, rng, dtype: str = "float16") -> dict:
     """The line of one attention shape: flash_coop allowed, switched off, and PyTorch CUDA."""
     from helios import flash
 
     rt = get_runtime()
-    ch = coopmat.flash_choice_for(rt, "float16", D)
-    row = {"bench": "vulkan_flash_coop", "B": B, "H": H, "T": T, "D": D, "causal": causal, "kernel": ch.kernel,
-           "plan": "; ".join(f"pass {p.mode}: {p.label()}" for p in ch.plans) or None, "reason": ch.reason}
-    q, k, v, g = (rng.standard_normal((B, H, T, D)).astype(np.float16) for _ in range(4))
-    cf, cfb, got = _helios_attention(q, k, v, g, causal, rounds)
+    ch = coopmat.flash_choice_for(rt, dtype, D)
+    row = {"bench": "vulkan_flash_coop", "dtype": dtype, "B": B, "H": H, "T": T, "D": D, "causal": causal,
+           "kernel": ch.kernel, "plan": "; ".join(f"pass {p.mode}: {p.label()}" for p in ch.plans) or None,
+           "reason": ch.reason}
+    q, k, v, g = (rng.standard_normal((B, H, T, D)).astype(np.float32) for _ in range(4))
+    cf, cfb, got = _helios_attention(q, k, v, g, causal, rounds, dtype)
     was = coopmat.set_enabled(False)
     try:
-        pf, pfb, want = _helios_attention(q, k, v, g, causal, rounds)
+        pf, pfb, want = _helios_attention(q, k, v, g, causal, rounds, dtype)
     finally:
         coopmat.set_enabled(was)
     flops = 4 * B * H * flash.pairs(T, T, causal) * D  # the forward; the backward is 2.5x it
@@ -150,7 +151,7 @@ def bench_attention(T: int, D: int, causal: bool, B: int, H: int, rounds: int, r
                coop_fwd_bwd_tflops=round(3.5 * flops / cfb / 1e9, 3),
                rel_err=max(float(np.abs(a.astype(np.float32) - b.astype(np.float32)).max() / max(1e-6, np.abs(b).max()))
                            for a, b in zip(got, want)))
-    peer = _torch_attention(q, k, v, g, causal, rounds)
+    peer = _torch_attention(q, k, v, g, causal, rounds, dtype)
     if isinstance(peer, str):
         row["torch_skipped"] = peer
     else:
@@ -165,10 +166,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layouts", nargs="+", default=None, choices=["nn", "nt", "tn", "tt"],
                     help="default nn nt tn; --smoke nn nt")
     ap.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16"], choices=["float16", "bfloat16"],
-                    help="operand dtypes of the GEMMs (default both)")
+                    help="operand dtypes of the GEMMs and the attention (default both)")
     ap.add_argument("--rounds", type=int, default=None, help="timed rounds, median kept (default 5; --smoke 1)")
     ap.add_argument("--attn-T", type=int, nargs="*", default=None,
-                    help="float16 attention sequence lengths (default 1024 4096; --smoke 64; none: no attention)")
+                    help="attention sequence lengths (default 1024 4096; --smoke 64; none: no attention)")
     ap.add_argument("--attn-head-dims", type=int, nargs="+", default=None, help="default 64 128; --smoke 64")
     ap.add_argument("--smoke", action="store_true", help="CI's quick run: 64^3, nn and nt, attention at T 64; one round")
     args = ap.parse_args(argv)
@@ -184,11 +185,12 @@ def main(argv: list[str] | None = None) -> int:
             for layout in layouts:
                 print(json.dumps({**common, **bench_one(size, layout, rounds, rng, dtype)}), flush=True)
     attn_T = args.attn_T if args.attn_T is not None else ([64] if args.smoke else [1024, 4096])
-    for D in args.attn_head_dims or ([64] if args.smoke else [64, 128]):
-        for T in attn_T:
-            for causal in ((True,) if args.smoke else (False, True)):
-                B, H = (1, 2) if args.smoke else (max(1, 16384 // T), max(1, 2048 // D))
-                print(json.dumps({**common, **bench_attention(T, D, causal, B, H, rounds, rng)}), flush=True)
+    for dtype in args.dtypes:
+        for D in args.attn_head_dims or ([64] if args.smoke else [64, 128]):
+            for T in attn_T:
+                for causal in ((True,) if args.smoke else (False, True)):
+                    B, H = (1, 2) if args.smoke else (max(1, 16384 // T), max(1, 2048 // D))
+                    print(json.dumps({**common, **bench_attention(T, D, causal, B, H, rounds, rng, dtype)}), flush=True)
     return 0
 
 

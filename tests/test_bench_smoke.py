@@ -147,7 +147,7 @@ def _check_train_step(lines):
 def _check_vulkan_coopmat(lines):
     attn = [x for x in lines if x["bench"] == "vulkan_flash_coop"]
     lines = [x for x in lines if x["bench"] == "vulkan_coopmat"]
-    assert [(x["T"], x["D"], x["causal"]) for x in attn] == [(64, 64, True)], attn
+    assert [(x["dtype"], x["T"], x["D"], x["causal"]) for x in attn] == [(dt, 64, 64, True) for dt in ("float16", "bfloat16")], attn
     for x in attn:
         assert _has(x, "coop_fwd_ms", "coop_fwd_bwd_ms", "plain_fwd_ms", "plain_fwd_bwd_ms") and x["rel_err"] < 2e-2, x
         assert x["kernel"] == ("flash_coop" if x["plan"] else "flash_attn"), x

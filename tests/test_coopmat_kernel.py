@@ -119,21 +119,24 @@ def test_every_tile_the_choice_makes_specialises_to_valid_spirv(spirv, tmp_path)
     assert rc != 0 and "at least 1" in msg
 
 
+@pytest.mark.parametrize("operand", ["f16", "bf16"])
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
-def test_flash_coop_builds_and_every_plan_specialises_to_valid_spirv(head_dim, tmp_path):
-    """flash_coop.comp's variant for ``head_dim``: Vulkan 1.3 SPIR-V that passes spirv-val, and so does
+def test_flash_coop_builds_and_every_plan_specialises_to_valid_spirv(head_dim, operand, tmp_path):
+    """flash_coop.comp's variant for ``head_dim`` and fp16 or bf16 operands: Vulkan 1.3 SPIR-V that passes spirv-val, and so does
     each pass's plan for NVIDIA-like (32 lanes, 48 KiB), AMD-like (64 lanes, 64 KiB) and Intel-like
     (16 lanes, 64 KiB) devices, with 16-byte and 8-byte loads."""
     _coopmat_compiler()
     opt, env = _tool("spirv-opt")
     path = tmp_path / "flash.spv"
-    path.write_bytes(registry.spirv(coopmat.FLASH_KERNEL, f"f16_d{head_dim}"))
+    path.write_bytes(registry.spirv(coopmat.FLASH_KERNEL, f"{operand}_d{head_dim}"))
     assert struct.unpack_from("<I", path.read_bytes(), 4)[0] == 0x00010600
+    assert len(_float16_types(path.read_bytes())[0]) == (3 if operand == "bf16" else 2)  # bf16: its encoding
     rc, out = _val(path)
     assert rc == 0, out
     for sg, shared in ((32, 49152), (64, 65536), (16, 65536)):
         ch = coopmat.choose_flash(coopmat.shapes_of({"cooperative_matrix": [dict(
-            m=16, n=16, k=16, a="f16", b="f16", c="f32", result="f32", scope="subgroup")]}), "float16", head_dim, sg, shared)
+            m=16, n=16, k=16, a=operand, b=operand, c="f32", result="f32", scope="subgroup")]}),
+            {v: k for k, v in coopmat.OPERAND_TYPES.items()}[operand], head_dim, sg, shared)
         assert ch.coopmat, ch.reason
         for plan in ch.plans:
             for wide in (True, False):

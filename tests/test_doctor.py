@@ -470,6 +470,9 @@ def test_cooperative_matrix_line_lists_the_shapes_and_whether_they_are_used():
     assert "bfloat16: not used (no subgroup-scope bf16*bf16+f32 shape (fp32 sums) among those listed" in text
     bf16 = dict(gpu, cooperative_matrix=rows + [dict(rows[0], a="bf16", b="bf16")])
     assert ("bfloat16: used (128x128x32 tiles" in probe_vulkan.coopmat_text(bf16, None)) == coopmat.kernel_built()
+    assert "bfloat16 flash attention: not used (no subgroup-scope 16x16x16 bf16*bf16+f32" in text
+    assert ("bfloat16 flash attention: used (4 subgroups" in probe_vulkan.coopmat_text(bf16, None)) == \
+        coopmat.kernel_built(coopmat.FLASH_KERNEL)
     assert ("float16 flash attention: used (4 subgroups x 16 rows, 32-row tiles forward)" in text) == \
         coopmat.kernel_built(coopmat.FLASH_KERNEL), text
     assert probe_vulkan.coopmat_text(LAVAPIPE, EXTRA).startswith("none listed (not used")

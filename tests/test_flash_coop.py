@@ -2,11 +2,13 @@
 dK/dV passes against float64 attention (causal or not, Tq != Tk, rows and keys that do not fill a
 tile, every head dim, strided views read 8 or 4 halves a load, block masks), bit-identical reruns,
 the trace naming the kernel, scaled_dot_product_attention's backward through it, and the choice of
-kernel and plan (coopmat.choose_flash) for devices described by their facts.
+kernel and plan (coopmat.choose_flash) for devices described by their facts; float16 operands, and
+bfloat16 ones where the device lists a bf16 shape.
 
 On a GPU that lists a 16x16x16 f16*f16+f32 shape the real kernel runs (./scripts/gpu_check.sh . coopmat).
-On lavapipe, which lists none, the device's facts are made to list one and to say "discrete" (past
-the CPU kernels), and flash_coop's pipelines are built from its f16_emu variants, where plain code
+On lavapipe, which lists none, the device's facts are made to list it and its bf16 twin and to say
+"discrete" (past the CPU kernels), and flash_coop's pipelines are built from its f16_emu and
+bf16_emu variants, where plain code
 does the cooperative-matrix operations; staging, softmax, masks, the lanes' sums and the stores are
 the code a GPU runs.  Other devices skip."""
 
@@ -21,6 +23,7 @@ from helios.profile import profile
 
 R = np.random.default_rng(33)
 SHAPE = dict(m=16, n=16, k=16, a="f16", b="f16", c="f32", result="f32", scope="subgroup", saturating=False)
+SHAPE_BF16 = dict(SHAPE, a="bf16", b="bf16")
 
 
 def _nv(m=16, n=16, k=16):
@@ -48,7 +51,8 @@ def test_every_pass_gets_the_largest_plan_that_fits(head_dim):
 
 @pytest.mark.parametrize("shapes, dtype, head_dim, sg, shared, why", [
     ([], "float16", 64, 32, 49152, "lists no cooperative-matrix shapes"),
-    (_nv(), "bfloat16", 64, 32, 49152, "bfloat16 operands"),
+    (_nv(), "bfloat16", 64, 32, 49152, "no subgroup-scope 16x16x16 bf16*bf16+f32 shape"),
+    (_nv(), "float32", 64, 32, 49152, "float32 operands"),
     (_nv(), "float32", 64, 32, 49152, "float32 operands"),
     (_nv(), "float16", 80, 32, 49152, "head dim 80"),
     (_nv(16, 8, 16), "float16", 64, 32, 49152, "no subgroup-scope 16x16x16"),
@@ -78,11 +82,11 @@ def rt():
         if not coopmat.shapes_of(getattr(r, "info", None) or {}):
             if (getattr(r, "info", None) or {}).get("type") != "cpu" or not coopmat.kernel_built(coopmat.FLASH_KERNEL):
                 pytest.skip(f"{r.name} lists no cooperative matrices")
-            mp.setitem(r.info, "cooperative_matrix", [SHAPE])
+            mp.setitem(r.info, "cooperative_matrix", [SHAPE, SHAPE_BF16])
             mp.setitem(r.info, "type", "discrete")
             real = r.pipeline
             mp.setattr(r, "pipeline", lambda kernel, variant, spec=(), subgroup_size=0: real(
-                kernel, variant.replace("f16_", "f16_emu_") if kernel == coopmat.FLASH_KERNEL else variant, spec,
+                kernel, variant.replace("_d", "_emu_d") if kernel == coopmat.FLASH_KERNEL else variant, spec,
                 subgroup_size))
         if not coopmat.flash_choice_for(r, "float16", 64).coopmat:
             pytest.skip(f"{r.name}: flash_coop is not chosen: {coopmat.flash_choice_for(r, 'float16', 64).reason}")
@@ -92,12 +96,15 @@ def rt():
 pytestmark = pytest.mark.vulkan
 
 
-def _operands(B, H, Tq, Tk, D):
-    q = R.standard_normal((B, H, Tq, D)).astype(np.float16)
-    k = R.standard_normal((B, H, Tk, D)).astype(np.float16)
-    v = R.standard_normal((B, H, Tk, D)).astype(np.float16)
-    g = R.standard_normal((B, H, Tq, D)).astype(np.float16)
-    return q, k, v, g
+def _exact(x, dtype):
+    """``x`` as values ``dtype`` holds exactly (float16, or float32 ones truncated to bfloat16)."""
+    if dtype == "bfloat16":
+        return (x.astype(np.float32).view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
+    return x.astype(np.float16)
+
+
+def _operands(B, H, Tq, Tk, D, dtype="float16"):
+    return tuple(_exact(R.standard_normal((B, H, T, D)), dtype) for T in (Tq, Tk, Tk, Tq))
 
 
 def _reference(q, k, v, g, scale, causal, allowed=None):
@@ -118,10 +125,14 @@ def _reference(q, k, v, g, scale, causal, allowed=None):
     return p @ v, (m + np.log(l_))[..., 0], ds @ k * scale, ds.swapaxes(-1, -2) @ q * scale, p.swapaxes(-1, -2) @ g
 
 
-def _close(got, want, what):
-    # fp16 operands and results, P and dS rounded to fp16 before their products, fp32 sums
-    np.testing.assert_allclose(np.asarray(got, dtype=np.float64), want, rtol=1e-2,
-                               atol=2e-3 * max(1.0, float(np.abs(want).max())), err_msg=what)
+def _close(got, want, what, dtype="float16"):
+    # 16-bit operands and results, P and dS rounded to 16 bits before their products, fp32 sums:
+    # bf16 keeps 8 bits of mantissa to fp16's 11.  Element by element, then as a whole (the
+    # roundings average out there, a systematic error does not: measured 3e-4 fp16, 2.5e-3 bf16)
+    rtol, atol, whole = (1e-2, 2e-3, 1.5e-3) if dtype == "float16" else (4e-2, 1.6e-2, 8e-3)
+    got = np.asarray(got, dtype=np.float64)
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=atol * max(1.0, float(np.abs(want).max())), err_msg=what)
+    assert np.linalg.norm(got - want) <= whole * np.linalg.norm(want), what
 
 
 def _run(q, k, v, g, scale, causal, block_mask=None):
@@ -130,24 +141,34 @@ def _run(q, k, v, g, scale, causal, block_mask=None):
     return [t.numpy() for t in (o, lse, dq, dk, dv)]
 
 
-def _h(x):
-    return hl.tensor(x, dtype="float16")
+def _h(x, dtype="float16"):
+    return hl.tensor(x, dtype=dtype)
+
+
+def _has(rt, dtype):
+    """Skip where ``rt``'s device has no flash_coop for ``dtype`` operands."""
+    ch = coopmat.flash_choice_for(rt, dtype, 64)
+    if not ch.coopmat:
+        pytest.skip(f"{rt.name}: flash_coop does not take {dtype}: {ch.reason}")
 
 
 # On lavapipe the emulated variants stay right up to T ~ 450 at head dim 128 (flash_coop.comp,
 # COOP_EMU: lavapipe's loop limit); every size here is far below.
-@pytest.mark.parametrize("D, causal, Tq, Tk", [
-    (64, False, 40, 40), (64, True, 100, 100), (32, True, 70, 53), (32, False, 17, 90), (128, True, 50, 50),
-    (128, False, 24, 40),
+# bfloat16 runs the same code with other elements: every head dim, causal or not, ragged tiles
+@pytest.mark.parametrize("dtype, D, causal, Tq, Tk", [
+    ("float16", 64, False, 40, 40), ("float16", 64, True, 100, 100), ("float16", 32, True, 70, 53),
+    ("float16", 32, False, 17, 90), ("float16", 128, True, 50, 50), ("float16", 128, False, 24, 40),
+    ("bfloat16", 64, True, 100, 100), ("bfloat16", 32, False, 17, 90), ("bfloat16", 128, True, 50, 50),
 ])
-def test_passes_match_float64_attention(rt, D, causal, Tq, Tk):
-    q, k, v, g = _operands(2, 2, Tq, Tk, D)
+def test_passes_match_float64_attention(rt, dtype, D, causal, Tq, Tk):
+    _has(rt, dtype)
+    q, k, v, g = _operands(2, 2, Tq, Tk, D, dtype)
     scale = D ** -0.5
     with profile() as prof:
-        got = _run(*(_h(x) for x in (q, k, v, g)), scale, causal)
+        got = _run(*(_h(x, dtype) for x in (q, k, v, g)), scale, causal)
         hl.synchronize()
     for name, a, b in zip(("O", "L", "dQ", "dK", "dV"), got, _reference(q, k, v, g, scale, causal)):
-        _close(a, b, f"{name} D={D} causal={causal} Tq={Tq} Tk={Tk}")
+        _close(a, b, f"{name} {dtype} D={D} causal={causal} Tq={Tq} Tk={Tk}", dtype)
     names = {e.name for e in prof.collector.events if e.name.startswith("flash")}
     assert names == {"flash_coop", "flash_attn_bwd_pre", "flash_coop_bwd_dq", "flash_coop_bwd_dkv"}
 
@@ -171,19 +192,20 @@ def test_reruns_are_bit_identical_and_close_to_the_shared_memory_kernel(rt):
         _close(a, b.astype(np.float64), "coopmat vs shared-memory kernel")
 
 
-@pytest.mark.parametrize("pad", [0, 4])
-def test_strided_views_are_read_in_place(rt, pad):
+@pytest.mark.parametrize("dtype, pad", [("float16", 0), ("float16", 4), ("bfloat16", 0), ("bfloat16", 4)])
+def test_strided_views_are_read_in_place(rt, dtype, pad):
     """Heads of a packed QKV projection (rows 8-aligned: 16-byte loads) and rows padded by 4 halves
     (8-byte loads)."""
+    _has(rt, dtype)
     B, T, H, D = 2, 45, 2, 64
-    qkv = R.standard_normal((B, T, 3, H, D + pad)).astype(np.float16)
-    hq = _h(qkv)
+    qkv = _exact(R.standard_normal((B, T, 3, H, D + pad)), dtype)
+    hq = _h(qkv, dtype)
     views = [F.transpose(hq[:, :, i, :, :D], 1, 2) for i in range(3)]  # [B, H, T, D] with strides
-    g = R.standard_normal((B, H, T, D)).astype(np.float16)
-    got = _run(*views, _h(g), 0.125, True)
+    g = _exact(R.standard_normal((B, H, T, D)), dtype)
+    got = _run(*views, _h(g, dtype), 0.125, True)
     want = _reference(*(qkv[:, :, i, :, :D].transpose(0, 2, 1, 3) for i in range(3)), g, 0.125, True)
     for name, a, b in zip(("O", "L", "dQ", "dK", "dV"), got, want):
-        _close(a, b, f"{name} pad={pad}")
+        _close(a, b, f"{name} {dtype} pad={pad}", dtype)
 
 
 def test_block_mask_skips_blocks(rt):
@@ -197,16 +219,18 @@ def test_block_mask_skips_blocks(rt):
         _close(a, b, f"{name} block mask")
 
 
-def test_sdpa_backward_runs_on_it(rt):
-    """scaled_dot_product_attention of float16 tensors with autograd: forward and backward through
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_sdpa_backward_runs_on_it(rt, dtype):
+    """scaled_dot_product_attention of 16-bit tensors with autograd: forward and backward through
     flash_coop, gradients as float64 attention's."""
-    q, k, v, g = _operands(1, 2, 64, 64, 64)
-    hq, hk, hv = (hl.tensor(x, dtype="float16", requires_grad=True) for x in (q, k, v))
+    _has(rt, dtype)
+    q, k, v, g = _operands(1, 2, 64, 64, 64, dtype)
+    hq, hk, hv = (hl.tensor(x, dtype=dtype, requires_grad=True) for x in (q, k, v))
     with profile() as prof:
         o = F.scaled_dot_product_attention(hq, hk, hv, is_causal=True)
-        o.backward(_h(g))
+        o.backward(_h(g, dtype))
         hl.synchronize()
     assert {"flash_coop", "flash_coop_bwd_dq", "flash_coop_bwd_dkv"} <= {e.name for e in prof.collector.events}
     want = _reference(q, k, v, g, 0.125, True)
     for name, a, b in zip(("O", "dQ", "dK", "dV"), (o, hq.grad, hk.grad, hv.grad), (want[0], *want[2:])):
-        _close(a.numpy(), b, name)
+        _close(a.numpy(), b, f"{name} {dtype}", dtype)

@@ -336,19 +336,21 @@ def choose_flash(shapes: list[CoopShape], dtype: str, head_dim: int, subgroup_si
                  kernel_built: bool = True) -> FlashChoice:
     """The kernel of flash attention with ``dtype`` operands and head dim ``head_dim`` on a device listing
     ``shapes`` (subgroups of ``subgroup_size``, ``max_shared`` bytes of shared memory): flash_coop
-    where it lists a 16x16x16 f16*f16+f32 subgroup shape for float16 operands and every pass has a
-    plan that fits (the first of :data:`_FLASH_PLANS`), else flash_attn; every "no" says why."""
+    where it lists a 16x16x16 subgroup shape of ``dtype`` (float16 or bfloat16) with fp32 sums and
+    every pass has a plan that fits (the first of :data:`_FLASH_PLANS`), else flash_attn; every
+    "no" says why."""
     def no(why):
         return FlashChoice("flash_attn", (), why)
 
     if not shapes:
         return no("the device lists no cooperative-matrix shapes")
-    if dtype != "float16":
-        return no(f"{dtype} operands: the cooperative-matrix flash kernel takes float16")
+    operand = OPERAND_TYPES.get(dtype)
+    if operand is None:
+        return no(f"{dtype} operands: the cooperative-matrix flash kernel takes float16 or bfloat16")
     if head_dim not in FLASH_HEAD_DIMS:
         return no(f"head dim {head_dim}: its variants are {FLASH_HEAD_DIMS}")
-    if not any(_fp32_sums(s) and (s.m, s.n, s.k) == (16, 16, 16) for s in shapes):
-        return no("no subgroup-scope 16x16x16 f16*f16+f32 shape listed")
+    if not any(_fp32_sums(s, operand) and (s.m, s.n, s.k) == (16, 16, 16) for s in shapes):
+        return no(f"no subgroup-scope 16x16x16 {operand}*{operand}+f32 shape listed")
     if not kernel_built:
         return no(f"{FLASH_KERNEL} is not built: no shader compiler here knows GL_KHR_cooperative_matrix")
     if subgroup_size <= 0 or 256 % subgroup_size:
@@ -359,7 +361,7 @@ def choose_flash(shapes: list[CoopShape], dtype: str, head_dim: int, subgroup_si
         if not fit:
             return no(f"no plan of pass {mode} fits {max_shared} bytes of shared memory at head dim {head_dim}")
         plans.append(FlashPlan(mode, fit[0][0], fit[0][1], subgroup_size))
-    return FlashChoice(FLASH_KERNEL, tuple(plans), "float16 operands, 16x16x16 listed")
+    return FlashChoice(FLASH_KERNEL, tuple(plans), f"{dtype} operands, 16x16x16 listed")
 
 
 _FLASH_NONE = FlashChoice("flash_attn", (), "the device lists no cooperative-matrix shapes")
@@ -372,5 +374,5 @@ def flash_choice_for(rt, dtype: str, head_dim: int) -> FlashChoice:
         return _FLASH_NONE
     return _for_device(rt, ("flash", dtype, head_dim), FlashChoice("flash_attn", (), _OFF),
                        lambda shapes, sg, shared: choose_flash(shapes, dtype, head_dim, sg, shared,
-                                                               dtype != "float16" or kernel_built(FLASH_KERNEL)),
+                                                               dtype not in OPERAND_TYPES or kernel_built(FLASH_KERNEL)),
                        lambda ch, device: ch.line(device, dtype, head_dim))

@@ -208,7 +208,7 @@ class _FlashLaunch:
         self.offs = [oq, ok, ov]
         self.cpu = _fa_cpu(rt)
         self.variant = f"{q.dtype.tag}_{'sg_' if self.cpu else ''}d{self.D}"
-        # passes 0, 2 and 3 on cooperative matrices where the device lists them (float16 on GPUs)
+        # passes 0, 2 and 3 on cooperative matrices where the device lists them (float16, bfloat16 on GPUs)
         choice = None if self.cpu else coopmat.flash_choice_for(rt, q.dtype.name, self.D)
         self.coop = choice if choice is not None and choice.coopmat else None
         strides = [s for t in (self.q, self.k, self.v) for s in t._strides[:3]]
@@ -252,7 +252,7 @@ class _FlashLaunch:
             plan = self.coop.plan(mode)
             spec = plan.spec(self.aligned8 and (mode == _FA_FWD or off_do % 8 == 0))
             per_group = plan.rows
-            kernel, variant = coopmat.FLASH_KERNEL, f"f16_d{self.D}"
+            kernel, variant = coopmat.FLASH_KERNEL, f"{self.q.dtype.tag}_d{self.D}"
             subgroup = coopmat.required_subgroup(rt, plan.subgroup)
             name = kernel + name[len("flash_attn"):]  # flash_coop, flash_coop_bwd_dq, flash_coop_bwd_dkv
         else:  # WIDE: the preprocess pass's 16-byte loads, where O's and dO's rows start 8-aligned

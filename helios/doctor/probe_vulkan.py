@@ -60,7 +60,7 @@ def kernel_needs(dev: dict) -> list[tuple[str, bool, str, bool, str]]:
 def coopmat_text(dev: dict, extra: dict | None) -> str:
     """The cooperative-matrix line of ``dev`` (an addon-style dict; ``extra`` the bindings' extra facts or
     None): the shapes and types it lists and whether Helios' matmul uses them (helios._kernels.coopmat
-    decides, here for a 4096^3 product of each 16-bit dtype), and float16 flash attention (head dim 64)."""
+    decides, here for a 4096^3 product of each 16-bit dtype), and flash attention of each (head dim 64)."""
     from helios._kernels import coopmat
 
     listed = coopmat.shapes_of(dev)
@@ -70,10 +70,11 @@ def coopmat_text(dev: dict, extra: dict | None) -> str:
                                      coopmat.kernel_built()) for dt in ("float16", "bfloat16")}
         uses = "; ".join(f"{dt}: " + (f"used ({c.tile.label()})" if c.coopmat else f"not used ({c.reason})")
                          for dt, c in choice.items())
-        fl = coopmat.choose_flash(listed, "float16", 64, int(lim["subgroup_size"]), int(lim["max_shared_memory"]),
-                                  coopmat.kernel_built(coopmat.FLASH_KERNEL))
-        flash = f"used ({fl.plan(0).label()} forward)" if fl.coopmat else f"not used ({fl.reason})"
-        return f"{', '.join(x.label() for x in listed)} -- {uses}; float16 flash attention: {flash}"
+        flash = {dt: coopmat.choose_flash(listed, dt, 64, int(lim["subgroup_size"]), int(lim["max_shared_memory"]),
+                                          coopmat.kernel_built(coopmat.FLASH_KERNEL)) for dt in ("float16", "bfloat16")}
+        attn = "; ".join(f"{dt} flash attention: " + (f"used ({f.plan(0).label()} forward)" if f.coopmat else f"not used ({f.reason})")
+                         for dt, f in flash.items())
+        return f"{', '.join(x.label() for x in listed)} -- {uses}; {attn}"
     if extra and (extra.get("cooperative_matrix_khr") or extra.get("cooperative_matrix_nv")):
         shapes = ", ".join(extra.get("cooperative_matrix_shapes", [])[:8])
         return (f"the driver has it{' (' + shapes + ')' if shapes else ''}, but not used: Helios' coopmat kernel needs "

@@ -1,6 +1,7 @@
 #version 450
 // Flash attention's products on cooperative matrices (GL_KHR_cooperative_matrix: tensor cores
-// through a GPU's Vulkan driver) for float16 operands.  It computes what flash_attn.comp's
+// through a GPU's Vulkan driver) for float16 or bfloat16 operands (ELEM, coop_elem.glsl; "16-bit"
+// below is the operands' type: fp16 or bf16).  It computes what flash_attn.comp's
 // passes 0, 2 and 3 compute (forward; backward dQ; backward dK and dV), with the same bindings,
 // push constants, block mask and causal rule, so the host swaps one kernel for the other pass by
 // pass; the backward's preprocess (D = rowsum(dO * O)) stays flash_attn.comp's pass 1.  See the
@@ -10,19 +11,19 @@
 // key rows in pass 3), 16 a subgroup: one cooperative-matrix height.  Those rows (Q; Q and dO;
 // K and V) are staged in shared memory once.  The streamed operand (K and V; Q, dO and their L
 // and D) comes through shared memory BT rows at a time.  Every product is a 16 x 16 block of a
-// subgroup's result, summed over 16-wide steps of cooperative matrices (16x16x16, f16 * f16 +
+// subgroup's result, summed over 16-wide steps of cooperative matrices (16x16x16, 16-bit * 16-bit +
 // f32) and stored in the subgroup's fp32 scratch tile (block_product):
 //   pass 0:  S = Q K^T  ->  each lane takes whole rows of S: running max, rescale factor alpha,
-//            P = exp2(S - max) rounded to fp16;  then O's block P V, added by the lanes to their
+//            P = exp2(S - max) rounded to 16 bits;  then O's block P V, added by the lanes to their
 //            fp32 share of O (O = alpha * O + P V).  Cooperative-matrix accumulators cannot be
 //            scaled by row (their element-to-lane mapping is the driver's), so O lives in lanes
 //            and each step's P V goes through the scratch tile.
-//   pass 2:  S = Q K^T, dP = dO V^T  ->  dS = P * (dP - D), fp16;  dQ += dS K.
-//   pass 3:  S^T = K Q^T, dP^T = V dO^T  ->  P^T, dS^T, fp16;  dV += P^T dO, dK += dS^T Q.
+//   pass 2:  S = Q K^T, dP = dO V^T  ->  dS = P * (dP - D), 16-bit;  dQ += dS K.
+//   pass 3:  S^T = K Q^T, dP^T = V dO^T  ->  P^T, dS^T, 16-bit;  dV += P^T dO, dK += dS^T Q.
 // The sums dQ, dK, dV are kept in lanes like O: each row of an output belongs to one subgroup
 // and every sum runs in a fixed order, so the backward needs no atomics and reruns are
 // bit-identical.  Lane l of a subgroup of SGE lanes holds elements l, l + SGE, ... of each
-// row-major 16 x 16 block of its accumulator.  P and dS are rounded to fp16 before their
+// row-major 16 x 16 block of its accumulator.  P and dS are rounded to 16 bits before their
 // product (the operand type), as FlashAttention does for 16-bit inputs; sums, softmax and
 // statistics are fp32.
 //
@@ -32,12 +33,12 @@
 // clamped to the last row when staged and never stored.
 //
 // Shared memory (all sizes from the specialization constants; helios/_kernels/coopmat.py's
-// flash_shared_bytes says the same): the fixed rows NFIX x [WR][XLD] fp16, the streamed tile
-// 2 x [BT][XLD] fp16, per subgroup NS fp32 scratch tiles [16][BT] and NS fp16 tiles [16][PLD]
+// flash_shared_bytes says the same): the fixed rows NFIX x [WR][XLD] 16-bit, the streamed tile
+// 2 x [BT][XLD] 16-bit, per subgroup NS fp32 scratch tiles [16][BT] and NS 16-bit tiles [16][PLD]
 // (P, dS), and the row statistics.  Rows are padded by 8 halves (16 bytes: every
 // cooperative-matrix load starts 16-byte aligned, and rows spread over banks).
 //
-// COOP_EMU (variants f16_emu_d*, tests only: lavapipe has no cooperative matrices) does the
+// COOP_EMU (variants f16_emu_d* and bf16_emu_d*, tests only: lavapipe has no cooperative matrices) does the
 // three cooperative-matrix operations of block_product with plain code of the same meaning, as
 // matmul_coop.comp's COOP_EMU does; everything around them is the same code.  Its loops over a
 // lane's elements stay rolled (LANE_LOOP): the same sums in the same order, built by lavapipe in
@@ -56,9 +57,7 @@
 #extension GL_GOOGLE_include_directive : require
 #include "common.glsl"
 
-#if TA != T_F16
-#error "flash_coop: only fp16 operands (TA=2) have a cooperative-matrix type here"
-#endif
+#include "coop_elem.glsl"   // ELEM: the fp16 / bf16 operand element; OUT_T: O, dQ, dK, dV
 #ifndef HD
 #define HD 64       // head dim: a multiple of 16
 #endif
@@ -74,12 +73,12 @@ layout(std430, binding = 0) readonly buffer BQ8 { uvec4 q8[]; };
 layout(std430, binding = 1) readonly buffer BK8 { uvec4 k8[]; };
 layout(std430, binding = 2) readonly buffer BV8 { uvec4 v8[]; };
 layout(std430, binding = 4) readonly buffer BDO8 { uvec4 do8[]; };
-layout(std430, binding = 3) writeonly buffer BO { float16_t o[]; };
+layout(std430, binding = 3) writeonly buffer BO { OUT_T o[]; };
 layout(std430, binding = 5) buffer BL { float lse[]; };
 layout(std430, binding = 6) readonly buffer BD { float dsum[]; };
-layout(std430, binding = 7) writeonly buffer BDQ { float16_t dq[]; };
-layout(std430, binding = 8) writeonly buffer BDK { float16_t dk[]; };
-layout(std430, binding = 9) writeonly buffer BDV { float16_t dv[]; };
+layout(std430, binding = 7) writeonly buffer BDQ { OUT_T dq[]; };
+layout(std430, binding = 8) writeonly buffer BDK { OUT_T dk[]; };
+layout(std430, binding = 9) writeonly buffer BDV { OUT_T dv[]; };
 // the block mask's aliases (flash_attn.comp: each pass reads it through a binding it leaves unused)
 layout(std430, binding = 6) readonly buffer BM6 { uint bm6[]; };
 layout(std430, binding = 7) readonly buffer BM7 { uint bm7[]; };
@@ -105,13 +104,13 @@ const uint WR = 16 * NSG;                      // the workgroup's own rows
 const uint PAD = 8;
 const uint XLD = HD + PAD, PLD = BT + PAD;
 const uint NFIX = MODE == 0 ? 1 : 2;           // fixed operands: Q | Q, dO | K, V
-const uint NS = MODE == 0 ? 1 : 2;             // scratch / fp16 tiles a subgroup: S | S, dP
+const uint NS = MODE == 0 ? 1 : 2;             // scratch / 16-bit tiles a subgroup: S | S, dP
 const uint PER = 256 / SGE;                    // elements of a 16 x 16 block a lane holds
 const uint HB = HD / 16;                       // 16-column blocks of the head dim
-shared float16_t Fx[NFIX * WR * XLD];          // fixed rows: operand f, row r at (f * WR + r) * XLD
-shared float16_t St[2 * BT * XLD];             // streamed tile: operand s, row r at (s * BT + r) * XLD
+shared ELEM Fx[NFIX * WR * XLD];          // fixed rows: operand f, row r at (f * WR + r) * XLD
+shared ELEM St[2 * BT * XLD];             // streamed tile: operand s, row r at (s * BT + r) * XLD
 shared float Sc[NSG * NS * 16 * BT];           // scratch: subgroup g's tile s at (g * NS + s) * 16 * BT
-shared float16_t Pt[NSG * NS * 16 * PLD];      // fp16 tiles: subgroup g's tile s at (g * NS + s) * 16 * PLD
+shared ELEM Pt[NSG * NS * 16 * PLD];           // 16-bit tiles: subgroup g's tile s at (g * NS + s) * 16 * PLD
 shared float Rw[NSG * 16 * 3];                 // per own row: pass 0 max, sum, alpha; pass 2 L, D
 shared float Tw[2 * BT];                       // pass 3: L and D of the streamed query rows
 
@@ -162,9 +161,8 @@ uint next_q(uint kr, uint q0, uint qend) {
 }
 
 void put4(const int arr, uint at, uvec2 w) {
-    f16vec2 x = unpackFloat2x16(w.x), y = unpackFloat2x16(w.y);
-    if (arr == SH_FX) { Fx[at] = x.x; Fx[at + 1u] = x.y; Fx[at + 2u] = y.x; Fx[at + 3u] = y.y; }
-    else { St[at] = x.x; St[at + 1u] = x.y; St[at + 2u] = y.x; St[at + 3u] = y.y; }
+    if (arr == SH_FX) { split2(w.x, Fx[at], Fx[at + 1u]); split2(w.y, Fx[at + 2u], Fx[at + 3u]); }
+    else { split2(w.x, St[at], St[at + 1u]); split2(w.y, St[at + 2u], St[at + 3u]); }
 }
 
 uvec2 get4(const int b, uint i) {
@@ -205,7 +203,7 @@ void sg_sync() {
 }
 
 #ifdef COOP_EMU
-float16_t sh(const int arr, uint i) {
+ELEM sh(const int arr, uint i) {
     if (arr == SH_FX) return Fx[i];
     if (arr == SH_ST) return St[i];
     return Pt[i];
@@ -227,8 +225,8 @@ void block_product(const int ar, uint aoff, uint lda, const int br, uint boff, u
         float v = 0.0;
         [[dont_unroll]] for (uint s = 0; s < nk; ++s)
             [[unroll]] for (uint kk = 0; kk < 16; ++kk) {
-                float bv = bt ? float(sh(br, boff + 16u * s + c * ldb + kk)) : float(sh(br, boff + (16u * s + kk) * ldb + c));
-                v += float(sh(ar, aoff + 16u * s + r * lda + kk)) * bv;
+                float bv = elem_f(bt ? sh(br, boff + 16u * s + c * ldb + kk) : sh(br, boff + (16u * s + kk) * ldb + c));
+                v += elem_f(sh(ar, aoff + 16u * s + r * lda + kk)) * bv;
             }
         Sc[dst + r * ldc + c] = v;
     }
@@ -236,8 +234,8 @@ void block_product(const int ar, uint aoff, uint lda, const int br, uint boff, u
     coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator> acc =
         coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>(0.0);
     for (uint s = 0; s < nk; ++s) {
-        coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA> fa;
-        coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB> fb;
+        coopmat<ELEM, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA> fa;
+        coopmat<ELEM, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB> fb;
         if (ar == SH_FX) coopMatLoad(fa, Fx, aoff + 16u * s, lda, gl_CooperativeMatrixLayoutRowMajor);
         else coopMatLoad(fa, Pt, aoff + 16u * s, lda, gl_CooperativeMatrixLayoutRowMajor);
         if (bt) coopMatLoad(fb, St, boff + 16u * s, ldb, gl_CooperativeMatrixLayoutColumnMajor);
@@ -281,10 +279,10 @@ void store_rows(int which, uint a, uint z, uint row, uint T, float f, uint lsrc)
             if (t >= T) continue;
             float v = acc[a * HB + j][e] * f / (lsrc == ~0u ? 1.0 : Rw[lsrc + r]);
             uint at = (z * T + t) * uint(HD) + j * 16u + (x & 15u);
-            if (which == 0) o[at] = float16_t(v);
-            else if (which == 1) dq[at] = float16_t(v);
-            else if (which == 2) dk[at] = float16_t(v);
-            else dv[at] = float16_t(v);
+            if (which == 0) o[at] = f_out(v);
+            else if (which == 1) dq[at] = f_out(v);
+            else if (which == 2) dk[at] = f_out(v);
+            else dv[at] = f_out(v);
         }
 }
 
@@ -323,7 +321,7 @@ void forward_pass(uint z, uint r0, uint g) {
             for (uint j = 0; j < BT; ++j) {
                 float s = Sc[sc + r * BT + j], pj = s == NEG_INF ? 0.0 : exp2(s - mx);
                 l += pj;
-                Pt[pt + r * PLD + j] = float16_t(pj);
+                Pt[pt + r * PLD + j] = to_elem(pj);
             }
             Rw[rw + r] = mx;
             Rw[rw + 16u + r] = l;
@@ -370,7 +368,7 @@ void dq_pass(uint z, uint r0, uint g) {
             uint r = x / BT, j = x - r * BT;
             uint lim = causal_on() ? min(p.Tk, R0 + r + 1u) : p.Tk;
             float pj = k0 + j < lim ? exp2(Sc[sc + x] * c - Rw[rw + r]) : 0.0;
-            Pt[pt + r * PLD + j] = float16_t(pj * (Sc[sc + 16u * BT + x] - Rw[rw + 16u + r]));
+            Pt[pt + r * PLD + j] = to_elem(pj * (Sc[sc + 16u * BT + x] - Rw[rw + 16u + r]));
         }
         sg_sync();
         [[unroll]] for (uint j = 0; j < HB; ++j) {           // dQ += dS K
@@ -411,8 +409,8 @@ void dkv_pass(uint z, uint n0, uint g) {
             uint i = x / BT, j = x - i * BT, t = q0 + j;
             bool live = t < p.Tq && (!causal_on() || N0 + i <= t);
             float pt_ = live ? exp2(Sc[sc + x] * c - Tw[j]) : 0.0;
-            Pt[pt + i * PLD + j] = float16_t(pt_);
-            Pt[pt + 16u * PLD + i * PLD + j] = float16_t(pt_ * (Sc[sc + 16u * BT + x] - Tw[BT + j]));
+            Pt[pt + i * PLD + j] = to_elem(pt_);
+            Pt[pt + 16u * PLD + i * PLD + j] = to_elem(pt_ * (Sc[sc + 16u * BT + x] - Tw[BT + j]));
         }
         sg_sync();
         [[unroll]] for (uint j = 0; j < HB; ++j) {           // dV += P^T dO, dK += dS^T Q

@@ -48,36 +48,7 @@
 #extension GL_GOOGLE_include_directive : require
 #include "common.glsl"
 
-#if TA == T_BF16 && !defined(COOP_EMU) && !defined(F16_AS_BF16)
-#error "matmul_coop: bf16 operands (TA=3) are built with F16_AS_BF16 (or emulated with COOP_EMU)"
-#elif TA != T_F16 && TA != T_BF16
-#error "matmul_coop: fp16 (TA=2) or bf16 (TA=3) operands"
-#endif
-
-// ELEM: an operand element as it sits in A / B, the registers and the stages; elem_f(x) its value
-// as float, ELEM_ZERO past the matrix, split2(w) the two ELEMs of a 32-bit word (low half first).
-// fp16 is float16_t.  bf16 (TA=3) is written as float16_t too, with F16_AS_BF16: the compiler here
-// has no bfloat16 type, so kernels_spirv/bf16_retype.py declares the module's 16-bit float type
-// bfloat16 after compiling (SPV_KHR_bfloat16).  That variant only moves, bitcasts and converts
-// such values, and feeds them to the cooperative matrices: nothing else is allowed on bf16.
-// Emulated bf16 (COOP_EMU, lavapipe has no bfloat16 type) keeps the bits as uint16_t.
-#if TA == T_BF16 && defined(COOP_EMU)
-#extension GL_EXT_shader_explicit_arithmetic_types_int16 : require
-#define ELEM uint16_t
-#define ELEM_ZERO uint16_t(0)
-float elem_f(ELEM x) { return bf16_to_f(uint(x)); }
-void split2(uint w, out ELEM lo, out ELEM hi) { lo = uint16_t(w & 0xFFFFu); hi = uint16_t(w >> 16); }
-#else
-#define ELEM float16_t
-#define ELEM_ZERO float16_t(0.0)
-float elem_f(ELEM x) { return float(x); }
-void split2(uint w, out ELEM lo, out ELEM hi) { f16vec2 v = unpackFloat2x16(w); lo = v.x; hi = v.y; }
-#endif
-// C, the bias, E and U: TA's storage type (bf16 as uint16_t bits, common.glsl's rounding), so
-// every variant stores what the other kernels store.
-#define OUT_T HL_ST(TA)
-#define out_f(x) HL_LDF(TA, x)
-#define f_out(v) HL_STF(TA, v)
+#include "coop_elem.glsl"   // ELEM: the fp16 / bf16 operand element; OUT_T: C, bias, E, U
 
 layout(std430, binding = 0) readonly buffer BA { ELEM a[]; };
 layout(std430, binding = 0) readonly buffer BA8 { uvec4 a8[]; };   // 8 halves a load

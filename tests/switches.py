@@ -38,25 +38,61 @@ def count_dispatches():
         del rt.dispatch  # the instance attribute goes; the method is back
 
 
+# Cooperative-matrix shapes a lavapipe emulating them lists (emulate_coopmat): 16x16x16 with fp32 sums
+EMULATED_COOPMAT = [dict(m=16, n=16, k=16, a=t, b=t, c="f32", result="f32", scope="subgroup", saturating=False)
+                    for t in ("f16", "bf16")]
+
+
+def emulate_coopmat(monkeypatch, rt) -> bool:
+    """Make lavapipe (``rt``, a CPU Vulkan driver) run the cooperative-matrix kernels' emulated
+    variants: its facts list :data:`EMULATED_COOPMAT` and say "discrete" (past the CPU-driver
+    kernels), and matmul_coop's and flash_coop's pipelines are built from their ``_emu`` variants,
+    where plain code does the cooperative-matrix operations and the rest is what a GPU runs.
+    Through ``monkeypatch`` (undone with it); False, with nothing changed, on any other device
+    or where the kernels are not built."""
+    from helios._kernels import coopmat
+
+    info = getattr(rt, "info", None) or {}
+    if info.get("type") != "cpu" or not (coopmat.kernel_built() and coopmat.kernel_built(coopmat.FLASH_KERNEL)):
+        return False
+    monkeypatch.setitem(rt.info, "cooperative_matrix", EMULATED_COOPMAT)
+    monkeypatch.setitem(rt.info, "type", "discrete")
+    real = rt.pipeline
+
+    def emulated(kernel, variant, spec=(), subgroup_size=0):
+        if kernel == coopmat.KERNEL:
+            variant += "_emu"
+        elif kernel == coopmat.FLASH_KERNEL:
+            variant = variant.replace("_d", "_emu_d")
+        return real(kernel, variant, spec, subgroup_size)
+
+    monkeypatch.setattr(rt, "pipeline", emulated)
+    return True
+
+
 def use_matmul_kernel(which: str, monkeypatch, request, dtype: str) -> None:
     """Run the test's products on matmul kernel ``which``: "cpu" (the CPU-driver kernel; skips where the
-    device does not run it) or "gpu" (the GPU shared-memory kernel, forced on: it runs on lavapipe
-    too, and on a GPU instead of the cooperative-matrix kernel).  Skips where a matrix engine takes
-    ``dtype`` products."""
+    device does not run it), "gpu" (the GPU shared-memory kernel, forced on: it runs on lavapipe
+    too, and on a GPU instead of the cooperative-matrix kernel) or "coop" (the cooperative-matrix
+    kernel: a GPU's that lists shapes, or lavapipe's emulation, emulate_coopmat).  Skips where a
+    matrix engine takes ``dtype`` products."""
+    import pytest
+
     from helios._kernels import coopmat, gemm
 
     rt = get_runtime()
-    if which == "gpu":
+    if which == "coop":
+        if not coopmat.shapes_of(getattr(rt, "info", None) or {}) and not emulate_coopmat(monkeypatch, rt):
+            pytest.skip(f"{rt.name} lists no cooperative matrices")
+        if not coopmat.choice_for(rt, dtype, 256, 256, 256).coopmat:
+            pytest.skip(f"{rt.name}: no cooperative-matrix kernel for {dtype}")
+    elif which == "gpu":
         monkeypatch.setattr(gemm, "_cpu_mm_kernel", lambda rt: False)
         was = coopmat.set_enabled(False)
         request.addfinalizer(lambda: coopmat.set_enabled(was))
     elif not gemm._cpu_mm_kernel(rt):
-        import pytest
-
         pytest.skip("the device does not run the CPU-driver kernel")
     if rt.has_gemm(dtype):
-        import pytest
-
         pytest.skip(f"a matrix engine runs {dtype} products here")
 
 

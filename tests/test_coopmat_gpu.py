@@ -12,6 +12,9 @@ shape and to say "discrete" (past the CPU-driver kernel), and matmul_coop's pipe
 from the _emu variants, where plain code does the three cooperative-matrix operations; everything
 else in the kernel and its dispatch is what a GPU runs.  Other devices skip."""
 
+import os
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -20,12 +23,13 @@ import helios as hl
 from helios import _kernels as K
 from helios._kernels import coopmat
 
+sys.path.insert(0, os.path.dirname(__file__))
+from switches import emulate_coopmat  # noqa: E402
+
 pytestmark = pytest.mark.vulkan
 R = np.random.default_rng(37)
 
 
-EMULATED_SHAPE = dict(m=16, n=16, k=16, a="f16", b="f16", c="f32", result="f32", scope="subgroup", saturating=False)
-EMULATED_BF16 = dict(EMULATED_SHAPE, a="bf16", b="bf16")
 DTYPES = ("float16", "bfloat16")
 
 
@@ -35,14 +39,8 @@ def rt():
 
     r = get_runtime()
     with pytest.MonkeyPatch.context() as mp:
-        if not coopmat.shapes_of(getattr(r, "info", None) or {}):
-            if (getattr(r, "info", None) or {}).get("type") != "cpu" or not coopmat.kernel_built():
-                pytest.skip(f"{r.name} lists no cooperative matrices")
-            mp.setitem(r.info, "cooperative_matrix", [EMULATED_SHAPE, EMULATED_BF16])
-            mp.setitem(r.info, "type", "discrete")
-            real = r.pipeline
-            mp.setattr(r, "pipeline", lambda kernel, variant, spec=(), subgroup_size=0: real(
-                kernel, variant + "_emu" if kernel == coopmat.KERNEL else variant, spec, subgroup_size))
+        if not coopmat.shapes_of(getattr(r, "info", None) or {}) and not emulate_coopmat(mp, r):
+            pytest.skip(f"{r.name} lists no cooperative matrices")
         ch = coopmat.choice_for(r, "float16", 256, 256, 256)
         if not ch.coopmat:
             pytest.skip(f"{r.name}: the cooperative-matrix kernel is not chosen: {ch.reason}")

@@ -12,6 +12,9 @@ bf16_emu variants, where plain code
 does the cooperative-matrix operations; staging, softmax, masks, the lanes' sums and the stores are
 the code a GPU runs.  Other devices skip."""
 
+import os
+import sys
+
 import numpy as np
 import pytest
 
@@ -21,9 +24,11 @@ from helios import _kernels as K
 from helios._kernels import coopmat
 from helios.profile import profile
 
+sys.path.insert(0, os.path.dirname(__file__))
+from switches import emulate_coopmat  # noqa: E402
+
 R = np.random.default_rng(33)
 SHAPE = dict(m=16, n=16, k=16, a="f16", b="f16", c="f32", result="f32", scope="subgroup", saturating=False)
-SHAPE_BF16 = dict(SHAPE, a="bf16", b="bf16")
 
 
 def _nv(m=16, n=16, k=16):
@@ -79,15 +84,8 @@ def rt():
 
     r = get_runtime()
     with pytest.MonkeyPatch.context() as mp:
-        if not coopmat.shapes_of(getattr(r, "info", None) or {}):
-            if (getattr(r, "info", None) or {}).get("type") != "cpu" or not coopmat.kernel_built(coopmat.FLASH_KERNEL):
-                pytest.skip(f"{r.name} lists no cooperative matrices")
-            mp.setitem(r.info, "cooperative_matrix", [SHAPE, SHAPE_BF16])
-            mp.setitem(r.info, "type", "discrete")
-            real = r.pipeline
-            mp.setattr(r, "pipeline", lambda kernel, variant, spec=(), subgroup_size=0: real(
-                kernel, variant.replace("_d", "_emu_d") if kernel == coopmat.FLASH_KERNEL else variant, spec,
-                subgroup_size))
+        if not coopmat.shapes_of(getattr(r, "info", None) or {}) and not emulate_coopmat(mp, r):
+            pytest.skip(f"{r.name} lists no cooperative matrices")
         if not coopmat.flash_choice_for(r, "float16", 64).coopmat:
             pytest.skip(f"{r.name}: flash_coop is not chosen: {coopmat.flash_choice_for(r, 'float16', 64).reason}")
         yield r

@@ -1,7 +1,8 @@
 """Autocast's casts in the product (K.matmul(..., compute=), the mixed storage of
-kernels_spirv/glsl/matmul.glsl, and the autocast linears of helios.functional built on it):
-every float32 slot rounded or widened exactly as the cast kernels around a 16-bit product do,
-bit for bit, in one dispatch, on the CPU-driver kernel and the GPU shared-memory kernel."""
+kernels_spirv/glsl/matmul.glsl and matmul_coop.comp, and the autocast linears of
+helios.functional built on it): every float32 slot rounded or widened exactly as the cast
+kernels around a 16-bit product do, bit for bit, in one dispatch, on the CPU-driver kernel, the
+GPU shared-memory kernel and the cooperative-matrix kernel (lavapipe: its emulation)."""
 
 from __future__ import annotations
 
@@ -32,11 +33,11 @@ def _need_16bit():
         pytest.skip("no 16-bit storage on this device")
 
 
-@pytest.fixture(params=["cpu", "gpu"])
+@pytest.fixture(params=["cpu", "gpu", "coop"])
 def kernel(request, monkeypatch):
-    """The matmul kernel under test: the CPU-driver kernel where the device runs it, or the GPU
+    """The matmul kernel under test: the CPU-driver kernel where the device runs it, the GPU
     shared-memory kernel, forced on (it runs on lavapipe too; on a GPU instead of the
-    cooperative-matrix kernel, which takes no float32 slots)."""
+    cooperative-matrix kernel), or the cooperative-matrix kernel (switches.use_matmul_kernel)."""
     _need_16bit()
     use_matmul_kernel(request.param, monkeypatch, request, "bfloat16")
     return request.param
@@ -66,6 +67,8 @@ SHAPES = [(64, 96, 40), (7, 13, 5), (3, 512, 8), (80, 64, 33)]
 @pytest.mark.parametrize("low", [dt.bfloat16, dt.float16], ids=["bf16", "fp16"])
 def test_float32_slots_equal_casts_around_the_product(kernel, low):
     for M, N, Kd in SHAPES:
+        if kernel == "coop" and min(M, N) < gemm.coopmat.MIN_DIM:
+            continue  # the shared-memory kernel's ("gpu")
         for da, db, dout in ((dt.float32, dt.float32, low), (low, dt.float32, dt.float32),
                              (dt.float32, low, dt.float32), (dt.float32, dt.float32, dt.float32)):
             for b_t in (False, True):
@@ -73,12 +76,13 @@ def test_float32_slots_equal_casts_around_the_product(kernel, low):
                 b = _t((Kd, N), db, transposed=b_t)
                 bias = _t((N,), dt.float32) if b_t else None
                 out = None if dout is low else K.empty((M, N), dt.float32, a._st.rt)
+                assert kernel != "coop" or gemm.coopmat.choice_for(get_runtime(), low.name, M, N, Kd).coopmat
                 with count_dispatches() as names:
                     got = gemm.matmul(a, b, bias, out, compute=low)
                 want = gemm.matmul(_low(a, low), _low(b, low), _low(bias, low))
                 assert got.dtype is dout
                 assert np.array_equal(_bits(got), _bits(want)), (M, N, Kd, da.name, db.name, dout.name, b_t)
-                if low is dt.bfloat16 or kernel == "gpu":  # fp16 on the CPU kernel: the casts apart
+                if low is dt.bfloat16 or kernel != "cpu":  # fp16 on the CPU kernel: the casts apart
                     assert dict(names) == {"cast+matmul": 1}
 
 
@@ -311,10 +315,12 @@ def test_float16_operands_the_cpu_kernel_cannot_read_are_cast_once(monkeypatch):
 def test_casts_first_where_the_product_kernel_reads_16_bit_only(monkeypatch):
     rt = get_runtime()
     assert not K.casts_operands_first(rt, dt.bfloat16, 64, 64, 64, False, False)  # nothing to cast
-    # the cooperative-matrix kernel takes no float32 operands: a device whose choice is coopmat casts first
+    # the shared-memory and cooperative-matrix kernels round float32 operands as they load them
     tile = object()  # any tile: Choice.coopmat asks only whether there is one
     monkeypatch.setattr(gemm, "_cpu_mm_kernel", lambda rt: False)
-    monkeypatch.setattr(gemm.coopmat, "choice_for", lambda *a: gemm.coopmat.Choice("matmul_coop", tile, "faked"))
+    for choice in (gemm.coopmat.Choice("matmul_coop", tile, "faked"), gemm.coopmat.Choice("matmul", None, "faked")):
+        monkeypatch.setattr(gemm.coopmat, "choice_for", lambda *a, c=choice: c)
+        assert not K.casts_operands_first(rt, dt.float16, 64, 64, 64, True, False)
+    # a matrix engine reads 16-bit operands only
+    monkeypatch.setattr(rt, "has_gemm", lambda name: True)
     assert K.casts_operands_first(rt, dt.float16, 64, 64, 64, True, False)
-    monkeypatch.setattr(gemm.coopmat, "choice_for", lambda *a: gemm.coopmat.Choice("matmul", None, "faked"))
-    assert not K.casts_operands_first(rt, dt.float16, 64, 64, 64, True, False)  # the shared-memory kernel rounds on load

@@ -83,12 +83,13 @@ class Tile:
                 and self.shared_bytes() <= max_shared)
 
     def spec(self, has_bias: int = 0, ct: int = 0, cld: int = 0, epi: int = 0, bsum: int = 0, amode: int = 0,
-             bmode: int = 0) -> tuple:
+             bmode: int = 0, mixed: tuple | None = None) -> tuple:
         """matmul_coop.comp's specialization constants 0-15 (matmul.glsl's ids where they mean the same:
         HAS_BIAS 5, CT 6, CLD 7, EPI 9, BSUM 10); ``amode`` / ``bmode`` how A and B are read (the
-        kernel's top comment)."""
+        kernel's top comment); ``mixed`` the float32 slots (AF32, BF32, CF32, BIASF32, EF32 as
+        matmul.glsl's: ids 16-20, absent for a plain product)."""
         return (self.bm, self.bn, self.bk, self.threads, self.wgm, has_bias, ct, cld, self.wgn, epi, bsum,
-                self.shape.m, self.shape.n, self.shape.k, amode, bmode)
+                self.shape.m, self.shape.n, self.shape.k, amode, bmode) + tuple(mixed or ())
 
     def grid(self, M: int, N: int, batch: int) -> tuple:
         """Workgroups of an M x N output (times ``batch`` matrices)."""

@@ -180,7 +180,7 @@ def matmul_bias_grad(a: Tensor, b: Tensor, out: Tensor, bsum: Tensor, compute: d
     float32), bit for bit.
 
     ``compute`` (autocast's weight gradient: bfloat16 on the CPU-driver kernel, bfloat16 or
-    float16 on the shared-memory kernel): a and b each ``compute`` or float32 (rounded as they
+    float16 on the shared-memory and cooperative-matrix kernels): a and b each ``compute`` or float32 (rounded as they
     are loaded, as matmul()'s ``compute``), ``out`` and ``bsum`` float32 gradient slots, each
     receiving its rounded value widened: bit for bit the 16-bit product and column sum (a sum
     of 16-bit values is float32, rounded by the sum's own cast) cast to float32."""
@@ -197,8 +197,8 @@ def matmul_bias_grad(a: Tensor, b: Tensor, out: Tensor, bsum: Tensor, compute: d
         return False
     coop = not cpu and coopmat.choice_for(rt, (compute or a.dtype).name, M, N, K).coopmat
     shared = not cpu and not coop and not rt.has_gemm((compute or a.dtype).name)  # the GPU shared-memory kernel
-    if compute is not None:  # float32 slots of a 16-bit product (the mixed CPU kernel's variants, the GPU kernel's constants)
-        if not ((compute is dt.bfloat16 and cpu) or (compute in (dt.bfloat16, dt.float16) and shared)) or not (
+    if compute is not None:  # float32 slots of a 16-bit product (the mixed CPU kernel's variants, the GPU kernels' constants)
+        if not ((compute is dt.bfloat16 and cpu) or (compute in (dt.bfloat16, dt.float16) and (shared or coop))) or not (
                 out.dtype is dt.float32 and bsum.dtype is dt.float32 and a.dtype in (compute, dt.float32)
                 and b.dtype in (compute, dt.float32)):
             return False
@@ -230,9 +230,9 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None 
     when not given: ``compute``) getting the rounded result widened, and linear+residual's
     float32 e added to the rounded product in float32 (so ``out`` must then be float32).
     The 16-bit kernels do the casts as they load and store (the mixed storage of
-    kernels_spirv/glsl/matmul.glsl).  A matrix engine rounds and widens a float32 ``out``
-    in its epilogue (its ``round_out``); its float32 operands, and every float32 slot of the
-    cooperative-matrix kernel, are cast by kernels around the product.
+    kernels_spirv/glsl/matmul.glsl and matmul_coop.comp).  A matrix engine rounds and widens a
+    float32 ``out`` in its epilogue (its ``round_out``); its float32 operands are cast by
+    kernels around the product.
 
     Operands may be any strided views (transposes, broadcast batches): the kernel variant
     and its load paths are chosen here from strides and alignment.  ``out`` (optional, the
@@ -424,7 +424,7 @@ def _dispatch(a: Tensor, b: Tensor, bias: Tensor | None, out: Tensor, epi: tuple
     elif tile is not None:
         kernel = coopmat.KERNEL
         modes = coopmat.load_modes(M, N, K, (oa, ob), (strides[0], strides[1], *ca), (strides[2], strides[3], *cb))
-        spec = tile.spec(int(bias is not None), ct, cld, epi[1] if epi else 0, int(bsum is not None), *modes)
+        spec = tile.spec(int(bias is not None), ct, cld, epi[1] if epi else 0, int(bsum is not None), *modes, mixed)
         pid = rt.pipeline(kernel, a_dtype.tag, spec, coopmat.required_subgroup(rt, tile.subgroup))
         groups = tile.grid(M, N, nb)
     else:
@@ -530,20 +530,19 @@ def _mixed_slots(compute: dt.DType | None, a: Tensor, b: Tensor, bias: Tensor | 
 def casts_operands_first(rt, compute: dt.DType, M: int, N: int, K: int, a32: bool, b32: bool) -> bool:
     """Whether matmul(a, b, compute=) of an ``M x K`` by ``K x N`` product, A and / or B float32 as
     flagged, casts them to ``compute`` with kernels of their own before the product (its kernel
-    reads ``compute`` only: a matrix engine, the cooperative-matrix kernel, float16 on the
-    CPU-driver kernel), rather than rounding them as it loads them.  Where it does, a caller
+    reads ``compute`` only: a matrix engine, float16 on the CPU-driver kernel), rather than
+    rounding them as it loads them.  Where it does, a caller
     that uses an operand in several products casts it once itself."""
     return (a32 or b32) and not _mixed_in_kernel(rt, compute, (int(a32), int(b32), 0, 0, 0), M, N, K)
 
 
 def _mixed_in_kernel(rt, compute: dt.DType, mixed: tuple, M: int, N: int, K: int) -> bool:
     """Whether the 16-bit kernel matmul() dispatches for this product takes its float32 slots
-    ``mixed`` (the shared-memory kernel does; the CPU-driver kernel has variants for a float32 A
-    or B in bfloat16 only (matmul.variants); a matrix engine and the cooperative-matrix kernel
-    take none)."""
+    ``mixed`` (the shared-memory and cooperative-matrix kernels do; the CPU-driver kernel has
+    variants for a float32 A or B in bfloat16 only (matmul.variants); a matrix engine takes none)."""
     if _cpu_mm_kernel(rt):
         return compute is dt.bfloat16 or not (mixed[0] or mixed[1])
-    return not rt.has_gemm(compute.name) and not coopmat.choice_for(rt, compute.name, M, N, K).coopmat
+    return not rt.has_gemm(compute.name)
 
 
 def _texel_mix(mixed: tuple | None) -> str:

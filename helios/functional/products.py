@@ -367,7 +367,7 @@ def _autocast_operands(ctx, low, a: Tensor, b: Tensor, *rest: Tensor | None, tra
 
     A kernel that rounds float32 operands as it loads them (K.matmul's ``compute``) takes them
     as they are.  Where the product's kernel reads ``low`` only (K.casts_operands_first: a matrix
-    engine, whose TMA reads memory as it is, the cooperative-matrix kernel), the float32
+    engine, whose TMA reads memory as it is; float16 on the CPU-driver kernel), the float32
     operands are cast to ``low`` here, once: backward's products then read these copies
     instead of casting them again (a matrix engine also stores float32 gradients rounded and
     widened in its epilogue), and the saved activation is the 16-bit one."""

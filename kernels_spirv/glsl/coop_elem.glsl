@@ -3,7 +3,7 @@
 //   ELEM           its GLSL type;  ELEM_ZERO its zero
 //   elem_f(x)      its value as float
 //   to_elem(v)     float v rounded to it (bf16: common.glsl's f_to_bf16, round to nearest even)
-//   split2(w, ...) the two ELEMs a 32-bit word holds (low half first)
+//   split2(w, ...) the two ELEMs a 32-bit word holds (low half first); pack2(lo, hi) the word
 // fp16 is float16_t.  bf16 is written as float16_t too, with F16_AS_BF16: the compiler here has
 // no bfloat16 type, so kernels_spirv/bf16_retype.py declares the module's 16-bit float type
 // bfloat16 after compiling (SPV_KHR_bfloat16).  Such a kernel only moves, bitcasts and converts
@@ -29,6 +29,7 @@
 float elem_f(ELEM x) { return bf16_to_f(uint(x)); }
 ELEM to_elem(float v) { return uint16_t(f_to_bf16(v)); }
 void split2(uint w, out ELEM lo, out ELEM hi) { lo = uint16_t(w & 0xFFFFu); hi = uint16_t(w >> 16); }
+uint pack2(ELEM lo, ELEM hi) { return uint(lo) | (uint(hi) << 16); }
 #else
 #define ELEM float16_t
 #define ELEM_ZERO float16_t(0.0)
@@ -39,6 +40,7 @@ ELEM to_elem(float v) { return unpackFloat2x16(f_to_bf16(v)).x; }  // the bits, 
 ELEM to_elem(float v) { return float16_t(v); }
 #endif
 void split2(uint w, out ELEM lo, out ELEM hi) { f16vec2 v = unpackFloat2x16(w); lo = v.x; hi = v.y; }
+uint pack2(ELEM lo, ELEM hi) { return packFloat2x16(f16vec2(lo, hi)); }
 #endif
 
 #define OUT_T HL_ST(TA)

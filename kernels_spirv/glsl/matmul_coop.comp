@@ -83,6 +83,24 @@ layout(constant_id = 12) const uint CN = 16;
 layout(constant_id = 13) const uint CK = 16;
 layout(constant_id = 14) const int AMODE = 0;
 layout(constant_id = 15) const int BMODE = 0;
+// Mixed storage (ids 16-20, matmul.glsl's AF32 .. EF32: autocast's casts fused into the product):
+// each slot flagged holds float32 instead of TA.  A, B and the bias are rounded to TA as they are
+// loaded (what a cast before the product stores), C receives the TA-rounded result widened to
+// float32 (what a cast after it stores) except linear+residual's sum with a float32 E, stored as
+// it is, and the bias sums are rounded and widened; so each value is bit for bit the one the
+// separate casts give.  U stays TA.  Offsets and strides count each slot's own elements.
+layout(constant_id = 16) const int AF32 = 0;
+layout(constant_id = 17) const int BF32 = 0;
+layout(constant_id = 18) const int CF32 = 0;
+layout(constant_id = 19) const int BIASF32 = 0;
+layout(constant_id = 20) const int EF32 = 0;
+layout(std430, binding = 0) readonly buffer BAF { float af[]; };
+layout(std430, binding = 0) readonly buffer BAF4 { vec4 af4[]; };
+layout(std430, binding = 1) readonly buffer BBF { float bf[]; };
+layout(std430, binding = 1) readonly buffer BBF4 { vec4 bf4[]; };
+layout(std430, binding = 2) writeonly buffer BCF { float cf[]; };
+layout(std430, binding = 3) readonly buffer BBiasF { float biasf[]; };
+layout(std430, binding = 4) readonly buffer BEF { float ef[]; };
 
 const uint PAD = 8;                              // halves a staged row is padded by (bank spread)
 const uint WM = BM / WGM, WN = BN / WGN;         // one subgroup's block
@@ -107,36 +125,54 @@ ELEM rb1[B_ONE];
 
 uint abase, bbase, m0, n0, tid;
 
+// The staging loops over a thread's elements: unrolled (registers) on a GPU; rolled in the
+// emulation, where lavapipe otherwise takes seconds to build each pipeline (the same values).
+// Rolled, they count against lavapipe's loop limit (docs/devices.md, "Vulkan"): the emulation
+// is right up to K ~ 4,000 (measured: 4,096 right, 8,192 not); the tests' K stay under 300.
+#ifdef COOP_EMU
+#define STAGE_LOOP [[dont_unroll]]
+#else
+#define STAGE_LOOP [[unroll]]
+#endif
+
+// Eight float32 values (a run of a float32 A or B) rounded to ELEM, as a 16-byte run of them.
+uvec4 pack8(vec4 x, vec4 y) {
+    return uvec4(pack2(to_elem(x.x), to_elem(x.y)), pack2(to_elem(x.z), to_elem(x.w)),
+                 pack2(to_elem(y.x), to_elem(y.y)), pack2(to_elem(y.z), to_elem(y.w)));
+}
+
 // Global -> registers: the K slice at k0 (zeros outside the matrix).
 void load_slice(uint k0) {
     if (AMODE == 0) {
-        [[unroll]] for (uint i = 0; i < A_ONE; ++i) {
+        STAGE_LOOP for (uint i = 0; i < A_ONE; ++i) {
             uint id = tid + i * NT, r = id / BK, kk = id - r * BK;   // row-major stage
             uint gm = m0 + r, gk = k0 + kk;
-            ra1[i] = gm < p.M && gk < p.K ? a[abase + gm * p.sam + gk * p.sak] : ELEM_ZERO;
+            uint g = abase + gm * p.sam + gk * p.sak;
+            ra1[i] = gm < p.M && gk < p.K ? (AF32 == 1 ? to_elem(af[g]) : a[g]) : ELEM_ZERO;
         }
     } else {
         const uint runs = (AMODE == 1 ? BK : BM) / 8;                 // runs per staged row
-        [[unroll]] for (uint i = 0; i < A_RUNS; ++i) {
+        STAGE_LOOP for (uint i = 0; i < A_RUNS; ++i) {
             uint id = tid + i * NT, r = id / runs, q = (id - r * runs) * 8;
             bool in_ = AMODE == 1 ? m0 + r < p.M && k0 + q < p.K : k0 + r < p.K && m0 + q < p.M;
             uint g = AMODE == 1 ? abase + (m0 + r) * p.sam + k0 + q : abase + (k0 + r) * p.sak + m0 + q;
-            ra8[i] = in_ ? a8[g >> 3] : uvec4(0u);
+            ra8[i] = in_ ? (AF32 == 1 ? pack8(af4[g >> 2], af4[(g >> 2) + 1u]) : a8[g >> 3]) : uvec4(0u);
         }
     }
     if (BMODE == 0) {
-        [[unroll]] for (uint i = 0; i < B_ONE; ++i) {
+        STAGE_LOOP for (uint i = 0; i < B_ONE; ++i) {
             uint id = tid + i * NT, kk = id / BN, nn = id - kk * BN;   // row-major stage
             uint gk = k0 + kk, gn = n0 + nn;
-            rb1[i] = gk < p.K && gn < p.N ? b[bbase + gk * p.sbk + gn * p.sbn] : ELEM_ZERO;
+            uint g = bbase + gk * p.sbk + gn * p.sbn;
+            rb1[i] = gk < p.K && gn < p.N ? (BF32 == 1 ? to_elem(bf[g]) : b[g]) : ELEM_ZERO;
         }
     } else {
         const uint runs = (BMODE == 1 ? BK : BN) / 8;
-        [[unroll]] for (uint i = 0; i < B_RUNS; ++i) {
+        STAGE_LOOP for (uint i = 0; i < B_RUNS; ++i) {
             uint id = tid + i * NT, r = id / runs, q = (id - r * runs) * 8;
             bool in_ = BMODE == 1 ? n0 + r < p.N && k0 + q < p.K : k0 + r < p.K && n0 + q < p.N;
             uint g = BMODE == 1 ? bbase + (n0 + r) * p.sbn + k0 + q : bbase + (k0 + r) * p.sbk + n0 + q;
-            rb8[i] = in_ ? b8[g >> 3] : uvec4(0u);
+            rb8[i] = in_ ? (BF32 == 1 ? pack8(bf4[g >> 2], bf4[(g >> 2) + 1u]) : b8[g >> 3]) : uvec4(0u);
         }
     }
 }
@@ -144,13 +180,13 @@ void load_slice(uint k0) {
 // Registers -> shared stage s.
 void store_slice(uint s) {
     if (AMODE == 0) {
-        [[unroll]] for (uint i = 0; i < A_ONE; ++i) {
+        STAGE_LOOP for (uint i = 0; i < A_ONE; ++i) {
             uint id = tid + i * NT, r = id / BK, kk = id - r * BK;
             As[s * A_STAGE + r * A_LD + kk] = ra1[i];
         }
     } else {
         const uint runs = (AMODE == 1 ? BK : BM) / 8;
-        [[unroll]] for (uint i = 0; i < A_RUNS; ++i) {
+        STAGE_LOOP for (uint i = 0; i < A_RUNS; ++i) {
             uint id = tid + i * NT, r = id / runs, q = (id - r * runs) * 8;
             uint at = s * A_STAGE + r * A_LD + q;
             [[unroll]] for (uint h = 0; h < 4; ++h) {
@@ -159,13 +195,13 @@ void store_slice(uint s) {
         }
     }
     if (BMODE == 0) {
-        [[unroll]] for (uint i = 0; i < B_ONE; ++i) {
+        STAGE_LOOP for (uint i = 0; i < B_ONE; ++i) {
             uint id = tid + i * NT, kk = id / BN, nn = id - kk * BN;
             Bs[s * B_STAGE + kk * B_LD + nn] = rb1[i];
         }
     } else {
         const uint runs = (BMODE == 1 ? BK : BN) / 8;
-        [[unroll]] for (uint i = 0; i < B_RUNS; ++i) {
+        STAGE_LOOP for (uint i = 0; i < B_RUNS; ++i) {
             uint id = tid + i * NT, r = id / runs, q = (id - r * runs) * 8;
             uint at = s * B_STAGE + r * B_LD + q;
             [[unroll]] for (uint h = 0; h < 4; ++h) {
@@ -181,12 +217,12 @@ float round16(float v) { return out_f(f_out(v)); }
 // matmul.glsl's epilogue on C's element idx (z * M * N + m * N + n) holding v (bias added).
 float epilogue(float v, uint idx) {
     v = round16(v);
-    if (EPI == 1) return v + out_f(e[p.off_e + idx]);
+    if (EPI == 1) return v + (EF32 == 1 ? ef[p.off_e + idx] : out_f(e[p.off_e + idx]));
     if (EPI == 2) {
         u[p.off_u + idx] = f_out(v);
         return gelu_tanh(v);
     }
-    if (EPI == 3) return v * gelu_tanh_grad(out_f(e[p.off_e + idx]));
+    if (EPI == 3) return v * gelu_tanh_grad(EF32 == 1 ? ef[p.off_e + idx] : out_f(e[p.off_e + idx]));
     return v;
 }
 
@@ -287,7 +323,10 @@ void main() {
     if (sums) {
         [[unroll]] for (uint j = 0; j < BS_N; ++j) {
             uint n = n0 + tid + j * NT;
-            if (tid + j * NT < BN && n < p.N) c[p.off_bias + n] = f_out(bs[j]);
+            if (tid + j * NT < BN && n < p.N) {
+                if (CF32 == 1) cf[p.off_bias + n] = round16(bs[j]);
+                else c[p.off_bias + n] = f_out(bs[j]);
+            }
         }
     }
     uint ldc = CLD > 0 ? uint(CLD) : (CT == 1 ? p.M : p.N);
@@ -306,9 +345,12 @@ void main() {
                 uint r = x / CN, q = x - r * CN;
                 uint gm = m0 + wm + i * CM + r, gn = n0 + wn + j * CN + q;
                 if (gm >= p.M || gn >= p.N) continue;
-                float v = Cs[scratch + x] + (HAS_BIAS == 1 ? out_f(bias[p.off_bias + gn]) : 0.0);
+                float v = Cs[scratch + x] + (HAS_BIAS == 0 ? 0.0 : BIASF32 == 1 ? round16(biasf[p.off_bias + gn])
+                                                                  : out_f(bias[p.off_bias + gn]));
                 if (EPI != 0) v = epilogue(v, z * p.M * p.N + gm * p.N + gn);  // C contiguous (no CT / CLD)
-                c[CT == 1 ? cbase + gn * ldc + gm : cbase + gm * ldc + gn] = f_out(v);
+                uint at = CT == 1 ? cbase + gn * ldc + gm : cbase + gm * ldc + gn;
+                if (CF32 == 1) cf[at] = EPI == 1 ? v : round16(v);  // linear+residual's float32 sum as it is
+                else c[at] = f_out(v);
             }
             barrier();   // the scratch tile is reused by the next accumulator
         }

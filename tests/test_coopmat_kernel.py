@@ -99,6 +99,9 @@ def test_every_tile_the_choice_makes_specialises_to_valid_spirv(spirv, tmp_path)
     cases = [(t, dict(amode=a, bmode=b)) for t in tiles for a, b in ((0, 0), (1, 2), (2, 1))]
     cases += [(tiles[0], dict(epi=e, has_bias=1)) for e in (1, 2, 3)] + [(tiles[1], dict(bsum=1, amode=2, bmode=2))]
     cases += [(tiles[0], dict(ct=1)), (tiles[0], dict(cld=96))]
+    # autocast's float32 slots (AF32 .. EF32): operands in runs and elements, bias, residual, sums
+    cases += [(tiles[0], dict(amode=1, bmode=2, mixed=(1, 1, 1, 1, 0))), (tiles[1], dict(mixed=(1, 1, 0, 0, 0))),
+              (tiles[0], dict(epi=1, has_bias=1, mixed=(0, 1, 1, 1, 1))), (tiles[1], dict(bsum=1, mixed=(1, 0, 1, 0, 0)))]
 
     def specialised(spec, out):
         # the constants set, frozen and folded: array lengths and loop bounds become numbers spirv-val checks

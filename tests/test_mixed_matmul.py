@@ -312,6 +312,18 @@ def test_float16_operands_the_cpu_kernel_cannot_read_are_cast_once(monkeypatch):
     assert again_casts - once_casts == 10, (again_casts, once_casts)
 
 
+def test_a_gpt_block_on_the_cooperative_matrix_kernel_runs_its_casts_in_the_products(monkeypatch, request):
+    # autocast's float32 operands and gradient slots rounded and widened by matmul_coop itself: the
+    # same bits as the cast kernels around it (what it ran before it took float32 slots), 13 casts fewer
+    use_matmul_kernel("coop", monkeypatch, request, "bfloat16")
+    fused, fused_casts = autocast_block(hl.bfloat16)
+    monkeypatch.setattr(gemm, "_mixed_in_kernel", lambda *a: False)
+    apart, apart_casts = autocast_block(hl.bfloat16)
+    for u, v in zip(fused, apart):
+        assert np.array_equal(u, v)
+    assert (fused_casts, apart_casts) == (7, 20)
+
+
 def test_casts_first_where_the_product_kernel_reads_16_bit_only(monkeypatch):
     rt = get_runtime()
     assert not K.casts_operands_first(rt, dt.bfloat16, 64, 64, 64, False, False)  # nothing to cast

@@ -43,6 +43,16 @@ def kernel(request, monkeypatch):
     return request.param
 
 
+@pytest.fixture(params=["cpu", "gpu"])
+def simt_kernel(request, monkeypatch):
+    """``kernel`` without the cooperative-matrix kernel: for the autocast linears and matmuls, which
+    it runs in test_a_gpt_block_on_the_cooperative_matrix_kernel_runs_its_casts_in_the_products
+    (each pipeline the emulation builds costs lavapipe about a second on a fresh machine)."""
+    _need_16bit()
+    use_matmul_kernel(request.param, monkeypatch, request, "bfloat16")
+    return request.param
+
+
 def _t(shape, dtype, transposed=False):
     """A tensor of ``shape`` in ``dtype`` (a transposed view of a contiguous one when asked)."""
     arr = R.standard_normal(shape[::-1] if transposed else shape).astype(np.float32)
@@ -152,7 +162,7 @@ AUTOCAST_LINEARS = {
 
 
 @pytest.mark.parametrize("name", sorted(AUTOCAST_LINEARS))
-def test_autocast_linears_equal_the_casts_and_products_bit_for_bit(kernel, name):
+def test_autocast_linears_equal_the_casts_and_products_bit_for_bit(simt_kernel, name):
     fn = AUTOCAST_LINEARS[name]
     for x_dtype in (dt.float32, dt.bfloat16):
         for with_bias in (True, False):
@@ -187,7 +197,7 @@ def _matmul_run(enabled: bool, a_arr, b_arr, a_dtype, b_dtype, b_view):
     return [_bits(t) for t in (y, ts[0].grad, ts[1].grad)], y.dtype, names
 
 
-def test_autocast_matmul_with_a_float32_operand_equals_the_casts_bit_for_bit(kernel):
+def test_autocast_matmul_with_a_float32_operand_equals_the_casts_bit_for_bit(simt_kernel):
     rng = np.random.default_rng(5)
     cases = [  # attention's fp32 softmax times v (heads), the tied output embedding (x @ W^T)
         (rng.standard_normal((2, 3, 16, 16)), rng.standard_normal((2, 3, 16, 8)), dt.float32, dt.bfloat16,

@@ -7,9 +7,13 @@
 # out of the benchmark), "device" step 6 alone, "attention" step 7 alone (under 8 minutes),
 # so the whole can be split over shorter sessions.  "coopmat" is the Vulkan part, on its own
 # (not in "all"): matmul on cooperative matrices (VK_KHR_cooperative_matrix) through the GPU's
-# Vulkan driver.  It runs in the checkout with $PYTHON's helios as it is (built by
-# ./scripts/setup.sh --test: the Vulkan addon, and matmul_coop's SPIR-V, which needs glslang 13
-# or newer), not the install below: first the device's facts (RESULTS_DIR/coopmat_env.json; exit
+# Vulkan driver.  It runs with $PYTHON's helios where that has its Vulkan addon (built by
+# ./scripts/setup.sh --test), else with one it installs into a temporary folder with the addon
+# built there (a C++ compiler, pybind11 importable by $PYTHON, the Vulkan headers and loader;
+# VULKAN_SDK names an SDK's include/ and lib/; the log is coopmat_build.log) and the SPIR-V of
+# kernels_spirv/spv as it is (the coopmat kernels need glslang 13 or newer to build, so bring
+# them built; HELIOS_GPU_BUILD_ADDON=1 builds even where $PYTHON's has one): first the
+# device's facts (RESULTS_DIR/coopmat_env.json; exit
 # 2 where the device lists no cooperative matrices), then correctness against PyTorch
 # (tests/test_coopmat_gpu.py, test_coopmat_select.py, test_coopmat_kernel.py, and
 # test_mixed_matmul.py for autocast's casts in the shared-memory kernel, test_flash_coop.py for
@@ -84,9 +88,35 @@ step() {  # step NAME LOG CMD...: run CMD, tee its output to LOG, remember a fai
     fi
 }
 
+coopmat_helios() {  # a helios with its Vulkan addon for the coopmat part: $py's, or one installed here
+    local lib
+    if [ "${HELIOS_GPU_BUILD_ADDON:-0}" != 1 ] && (cd / && "$py" -c "import helios._vulkan") 2>/dev/null; then
+        cd "$repo" || return 1
+        return 0
+    fi
+    if ! "$py" -c "import pybind11" 2>/dev/null; then
+        echo "gpu_check: $py has no helios with its Vulkan addon, and no pybind11 to build one (put it on PYTHONPATH)" >&2
+        return 1
+    fi
+    coop_site=$(mktemp -d)
+    trap 'rm -rf "$coop_site"' EXIT
+    lib=$coop_site/lib
+    echo "gpu_check: building helios with its Vulkan addon into $lib (log: $out/coopmat_build.log)"
+    if ! CFLAGS="${VULKAN_SDK:+-I$VULKAN_SDK/include }${CFLAGS:-}" LDFLAGS="${VULKAN_SDK:+-L$VULKAN_SDK/lib }${LDFLAGS:-}" \
+            HELIOS_SKIP_KERNEL_BUILD=1 "$py" -m pip install -q --no-deps --no-build-isolation --no-index \
+            --target "$lib" "$repo" >"$out/coopmat_build.log" 2>&1; then
+        tail -n 20 "$out/coopmat_build.log"
+        echo "gpu_check: building the Vulkan addon failed (see above: a compiler, pybind11, the Vulkan headers and loader)" >&2
+        return 1
+    fi
+    export PYTHONPATH=$lib${PYTHONPATH:+:$PYTHONPATH}
+    export LD_LIBRARY_PATH=${VULKAN_SDK:+$VULKAN_SDK/lib:}${LD_LIBRARY_PATH:-}
+    cd "$lib" || return 1  # not the checkout: its root on sys.path would shadow the installed package
+}
+
 coopmat() {  # the "coopmat" part (see the top)
     local facts rc=0
-    cd "$repo" || return 1
+    coopmat_helios || return 1
     : >"$out/coopmat_tests.log"
     : >"$out/coopmat_bench.log"
     facts=$("$py" -c "import json
@@ -105,13 +135,14 @@ raise SystemExit(0 if shapes else 3)") || rc=$?
         [ "$rc" -ne 3 ] && echo "gpu_check: helios with its Vulkan addon does not run here (PYTHON=$py; see above)" >&2
         return 2
     fi
-    step coopmat-tests "$out/coopmat_tests.log" "$py" -m pytest -q -p no:cacheprovider tests/test_coopmat_gpu.py \
-        tests/test_coopmat_select.py tests/test_coopmat_kernel.py tests/test_mixed_matmul.py tests/test_flash_coop.py
-    step coopmat-bench "$out/coopmat_bench.log" timeout "$bench_timeout" "$py" -u bench/vulkan_coopmat.py --sizes 4096 \
+    step coopmat-tests "$out/coopmat_tests.log" "$py" -m pytest -q -p no:cacheprovider "$repo/tests/test_coopmat_gpu.py" \
+        "$repo/tests/test_coopmat_select.py" "$repo/tests/test_coopmat_kernel.py" "$repo/tests/test_mixed_matmul.py" \
+        "$repo/tests/test_flash_coop.py"
+    step coopmat-bench "$out/coopmat_bench.log" timeout "$bench_timeout" "$py" -u "$repo/bench/vulkan_coopmat.py" --sizes 4096 \
         --layouts nn nt tn --attn-T
-    step flash-coop-bench "$out/coopmat_bench.log" timeout "$bench_timeout" "$py" -u bench/vulkan_coopmat.py --sizes \
+    step flash-coop-bench "$out/coopmat_bench.log" timeout "$bench_timeout" "$py" -u "$repo/bench/vulkan_coopmat.py" --sizes \
         --attn-T 1024 4096 --attn-head-dims 64 128 --rounds 3
-    step autocast-bench "$out/coopmat_bench.log" timeout "$bench_timeout" "$py" -u bench/autocast_step.py \
+    step autocast-bench "$out/coopmat_bench.log" timeout "$bench_timeout" "$py" -u "$repo/bench/autocast_step.py" \
         --device vulkan:0 --configs tiny small gpt2 --rounds 1 --steps 12
     grep '^{' "$out/coopmat_bench.log" >"$out/coopmat.jsonl" || true
     [ ${#failed[@]} -ne 0 ] && { echo "gpu_check: failed: ${failed[*]}" >&2; return 1; }

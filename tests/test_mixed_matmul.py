@@ -336,13 +336,13 @@ def test_a_gpt_block_on_the_cooperative_matrix_kernel_runs_its_casts_in_the_prod
 
 def test_casts_first_where_the_product_kernel_reads_16_bit_only(monkeypatch):
     rt = get_runtime()
-    assert not K.casts_operands_first(rt, dt.bfloat16, 64, 64, 64, False, False)  # nothing to cast
+    assert not K.casts_operands_first(rt, dt.bfloat16, False, False)  # nothing to cast
     # the shared-memory and cooperative-matrix kernels round float32 operands as they load them
     tile = object()  # any tile: Choice.coopmat asks only whether there is one
     monkeypatch.setattr(gemm, "_cpu_mm_kernel", lambda rt: False)
     for choice in (gemm.coopmat.Choice("matmul_coop", tile, "faked"), gemm.coopmat.Choice("matmul", None, "faked")):
         monkeypatch.setattr(gemm.coopmat, "choice_for", lambda *a, c=choice: c)
-        assert not K.casts_operands_first(rt, dt.float16, 64, 64, 64, True, False)
+        assert not K.casts_operands_first(rt, dt.float16, True, False)
     # a matrix engine reads 16-bit operands only
     monkeypatch.setattr(rt, "has_gemm", lambda name: True)
-    assert K.casts_operands_first(rt, dt.float16, 64, 64, 64, True, False)
+    assert K.casts_operands_first(rt, dt.float16, True, False)

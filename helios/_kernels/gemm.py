@@ -180,10 +180,10 @@ def matmul_bias_grad(a: Tensor, b: Tensor, out: Tensor, bsum: Tensor, compute: d
     float32), bit for bit.
 
     ``compute`` (autocast's weight gradient: bfloat16 on the CPU-driver kernel, bfloat16 or
-    float16 on the shared-memory and cooperative-matrix kernels): a and b each ``compute`` or float32 (rounded as they
-    are loaded, as matmul()'s ``compute``), ``out`` and ``bsum`` float32 gradient slots, each
-    receiving its rounded value widened: bit for bit the 16-bit product and column sum (a sum
-    of 16-bit values is float32, rounded by the sum's own cast) cast to float32."""
+    float16 on the shared-memory and cooperative-matrix kernels): a and b each ``compute`` or
+    float32 (rounded as they are loaded, as matmul()'s ``compute``), ``out`` and ``bsum`` float32
+    gradient slots, each receiving its rounded value widened: bit for bit the 16-bit product and
+    column sum (a sum of 16-bit values is float32, rounded by the sum's own cast) cast to float32."""
     if not (a.ndim == 2 and b.ndim == 2 and out.ndim == 2 and bsum.ndim == 1):
         return False
     (M, K), N = a.shape, b.shape[1]
@@ -255,7 +255,7 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None 
     # (a fused epilogue's product is not the engine's: it takes the casts around it below).
     widen = mixed == _OUT_F32 and K > 0 and _epi is None and _bsum is None and rt.has_gemm(compute.name)
     if mixed is not None:
-        if not widen and (K == 0 or not _mixed_in_kernel(rt, compute, mixed, M, N, K)):
+        if not widen and (K == 0 or not _mixed_in_kernel(rt, compute, mixed)):
             return _matmul_with_casts(a, b, bias, out, _epi, compute)
         a_dtype = compute  # the kernel's (its variant's) dtype; the slots flagged in ``mixed`` hold float32
     else:
@@ -527,16 +527,15 @@ def _mixed_slots(compute: dt.DType | None, a: Tensor, b: Tensor, bias: Tensor | 
     return flags
 
 
-def casts_operands_first(rt, compute: dt.DType, M: int, N: int, K: int, a32: bool, b32: bool) -> bool:
-    """Whether matmul(a, b, compute=) of an ``M x K`` by ``K x N`` product, A and / or B float32 as
-    flagged, casts them to ``compute`` with kernels of their own before the product (its kernel
-    reads ``compute`` only: a matrix engine, float16 on the CPU-driver kernel), rather than
-    rounding them as it loads them.  Where it does, a caller
-    that uses an operand in several products casts it once itself."""
-    return (a32 or b32) and not _mixed_in_kernel(rt, compute, (int(a32), int(b32), 0, 0, 0), M, N, K)
+def casts_operands_first(rt, compute: dt.DType, a32: bool, b32: bool) -> bool:
+    """Whether matmul(a, b, compute=) on ``rt``, A and / or B float32 as flagged, casts them to
+    ``compute`` with kernels of their own before the product (its kernel reads ``compute`` only:
+    a matrix engine, float16 on the CPU-driver kernel), rather than rounding them as it loads
+    them.  Where it does, a caller that uses an operand in several products casts it once itself."""
+    return (a32 or b32) and not _mixed_in_kernel(rt, compute, (int(a32), int(b32), 0, 0, 0))
 
 
-def _mixed_in_kernel(rt, compute: dt.DType, mixed: tuple, M: int, N: int, K: int) -> bool:
+def _mixed_in_kernel(rt, compute: dt.DType, mixed: tuple) -> bool:
     """Whether the 16-bit kernel matmul() dispatches for this product takes its float32 slots
     ``mixed`` (the shared-memory and cooperative-matrix kernels do; the CPU-driver kernel has
     variants for a float32 A or B in bfloat16 only (matmul.variants); a matrix engine takes none)."""

@@ -304,7 +304,7 @@ class _AutocastLinear(Function):
 
     @staticmethod
     def forward(ctx, x, w, b, low):
-        x, w, b = _autocast_operands(ctx, low, x, w, b, transposed=True)
+        x, w, b = _autocast_operands(ctx, low, x, w, b)
         ctx.save_for_backward(x, w)
         return K.matmul(x, F.transpose(w, 0, 1), b, compute=low)
 
@@ -323,7 +323,7 @@ class _AutocastLinearGelu(Function):
 
     @staticmethod
     def forward(ctx, x, w, b, low):
-        x, w, b = _autocast_operands(ctx, low, x, w, b, transposed=True)
+        x, w, b = _autocast_operands(ctx, low, x, w, b)
         y, u = K.matmul_epilogue("linear+gelu", x, F.transpose(w, 0, 1), b, None, compute=low)
         ctx.save_for_backward(x, w, u)
         return y
@@ -345,7 +345,7 @@ class _AutocastLinearResidual(Function):
 
     @staticmethod
     def forward(ctx, x, w, b, residual, low):
-        x, w, b = _autocast_operands(ctx, low, x, w, b, transposed=True)
+        x, w, b = _autocast_operands(ctx, low, x, w, b)
         ctx.save_for_backward(x, w)
         out = K.empty(residual.shape, residual.dtype, residual._st.rt)
         K.matmul_epilogue("linear+residual", x, F.transpose(w, 0, 1), b, residual, out=out, compute=low)
@@ -360,10 +360,10 @@ class _AutocastLinearResidual(Function):
         return grads + ((g if ctx.needs_input_grad[3] else None), None)
 
 
-def _autocast_operands(ctx, low, a: Tensor, b: Tensor, *rest: Tensor | None, transposed: bool = False) -> tuple:
-    """An autocast product's operands (a linear's x, w, b with ``transposed``: x @ w^T; a matmul's
-    a, b) as its kernel reads them, keeping on ctx what its backward needs besides the saved
-    tensors: the autocast dtype and the operands' dtypes (their gradients').
+def _autocast_operands(ctx, low, a: Tensor, b: Tensor, *rest: Tensor | None) -> tuple:
+    """An autocast product's operands (a linear's x, w, b; a matmul's a, b) as its kernel reads
+    them, keeping on ctx what its backward needs besides the saved tensors: the autocast dtype
+    and the operands' dtypes (their gradients').
 
     A kernel that rounds float32 operands as it loads them (K.matmul's ``compute``) takes them
     as they are.  Where the product's kernel reads ``low`` only (K.casts_operands_first: a matrix
@@ -373,9 +373,7 @@ def _autocast_operands(ctx, low, a: Tensor, b: Tensor, *rest: Tensor | None, tra
     widened in its epilogue), and the saved activation is the 16-bit one."""
     operands = (a, b, *rest)
     ctx.low, ctx.dtypes = low, tuple(t.dtype if t is not None else None for t in operands)
-    n, k = (b.shape[0], b.shape[1]) if transposed else (b.shape[-1], b.shape[-2])
-    if not K.casts_operands_first(a._st.rt, low, a.numel() // max(k, 1), n, k, a.dtype is dt.float32,
-                                  b.dtype is dt.float32):
+    if not K.casts_operands_first(a._st.rt, low, a.dtype is dt.float32, b.dtype is dt.float32):
         return operands
     return tuple(_in_dtype(t, low) if t is not None else None for t in operands)
 

@@ -41,16 +41,27 @@ def _operand(path) -> str:
     return path.name.split(".")[1]
 
 
-def _float16_types(code: bytes) -> list:
-    """The operand words of each OpTypeFloat 16 in SPIR-V ``code`` (a bf16 one carries its encoding)."""
+def _instructions(code: bytes):
+    """(opcode, operand words) of each instruction of SPIR-V ``code``."""
     words = struct.unpack(f"<{len(code) // 4}I", code)
-    out, at = [], 5
+    at = 5
     while at < len(words):
         n, op = words[at] >> 16, words[at] & 0xFFFF
-        if op == 22 and words[at + 2] == 16:
-            out.append(words[at + 1:at + n])
+        yield op, words[at + 1:at + n]
         at += n
-    return out
+
+
+def _float16_types(code: bytes) -> list:
+    """The operand words of each OpTypeFloat 16 in SPIR-V ``code`` (a bf16 one carries its encoding)."""
+    return [ops for op, ops in _instructions(code) if op == 22 and ops[1] == 16]
+
+
+def _rounds_to_16_bit_by_the_driver(code: bytes) -> bool:
+    """Whether ``code`` has an OpFConvert to its 16-bit float type (scalar or vector): a rounding the
+    driver chooses.  The bf16 kernels round with common.glsl's f_to_bf16 and bitcast instead."""
+    ids = {ops[0] for ops in _float16_types(code)}
+    ids |= {ops[0] for op, ops in _instructions(code) if op == 23 and ops[1] in ids}  # vectors of it
+    return any(op == 115 and ops[0] in ids for op, ops in _instructions(code))
 
 
 def _tool(name):
@@ -75,6 +86,7 @@ def test_the_kernel_is_built_for_vulkan_1_3_and_passes_spirv_val(spirv):
     # the bf16 variant's one 16-bit float type is bfloat16 (encoding 0, BFloat16KHR); fp16's has none
     (ftype,) = _float16_types(code)
     assert len(ftype) == (3 if _operand(spirv) == "bf16" else 2)
+    assert not (_operand(spirv) == "bf16" and _rounds_to_16_bit_by_the_driver(code))
     assert (b"SPV_KHR_bfloat16" in code) == (_operand(spirv) == "bf16")
     # every glslc kernel keeps its Vulkan 1.2 target (SPIR-V 1.5)
     assert struct.unpack_from("<I", registry.spirv("matmul", "f16"), 4)[0] == 0x00010500
@@ -134,6 +146,8 @@ def test_flash_coop_builds_and_every_plan_specialises_to_valid_spirv(head_dim, o
     path.write_bytes(registry.spirv(coopmat.FLASH_KERNEL, f"{operand}_d{head_dim}"))
     assert struct.unpack_from("<I", path.read_bytes(), 4)[0] == 0x00010600
     assert len(_float16_types(path.read_bytes())[0]) == (3 if operand == "bf16" else 2)  # bf16: its encoding
+    # bf16's P and dS rounded to nearest even by f_to_bf16 (fp16's by the driver's conversion)
+    assert _rounds_to_16_bit_by_the_driver(path.read_bytes()) == (operand == "f16")
     rc, out = _val(path)
     assert rc == 0, out
     for sg, shared in ((32, 49152), (64, 65536), (16, 65536)):

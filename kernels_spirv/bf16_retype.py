@@ -5,7 +5,8 @@ The shader compiler this project can install (glslang 13) has no ``bfloat16_t``
 ``float16_t`` standing for bfloat16 (``-DF16_AS_BF16``) and compiled as fp16.  Its
 SPIR-V then differs from the bf16 module only in how the 16-bit float type is
 declared: ``retype`` adds the BFloat16KHR encoding to that ``OpTypeFloat 16``, the
-capabilities BFloat16TypeKHR and BFloat16CooperativeMatrixKHR and the extension.
+capabilities BFloat16TypeKHR and BFloat16CooperativeMatrixKHR and the extension, and drops
+the Float16 capability (no IEEE fp16 type is left, so a device without fp16 arithmetic runs it).
 
 That is only sound where the kernel never relies on fp16's encoding: a 16-bit
 float constant other than zero would change its value (its bits are kept), and
@@ -26,6 +27,7 @@ MAGIC = 0x07230203
 OP_EXTENSION, OP_CAPABILITY, OP_TYPE_FLOAT = 10, 17, 22
 OP_CONSTANT, OP_SPEC_CONSTANT = 43, 50
 CAP_BF16_TYPE, CAP_BF16_COOPMAT = 5116, 5118  # BFloat16TypeKHR, BFloat16CooperativeMatrixKHR
+CAP_FLOAT16 = 9  # IEEE fp16 arithmetic: no such type is left, so no device need have it
 ENCODING_BF16 = 0  # the FP Encoding operand of OpTypeFloat: BFloat16KHR
 EXTENSION = "SPV_KHR_bfloat16"
 
@@ -121,6 +123,8 @@ def retype(spirv: bytes) -> bytes:
             caps_done = True
         if op == OP_TYPE_FLOAT and ops[1] == 16:
             out += [(4 << 16) | OP_TYPE_FLOAT, ops[0], 16, ENCODING_BF16]
+        elif op == OP_CAPABILITY and ops[0] == CAP_FLOAT16:
+            continue
         else:
             out += words[at:at + 1 + len(ops)]
     return struct.pack(f"<{len(out)}I", *out)

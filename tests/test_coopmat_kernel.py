@@ -87,6 +87,8 @@ def test_the_kernel_is_built_for_vulkan_1_3_and_passes_spirv_val(spirv):
     (ftype,) = _float16_types(code)
     assert len(ftype) == (3 if _operand(spirv) == "bf16" else 2)
     assert not (_operand(spirv) == "bf16" and _rounds_to_16_bit_by_the_driver(code))
+    # the Float16 capability (IEEE fp16 arithmetic) only where an fp16 type is left
+    assert ((17, (9,)) in set(_instructions(code))) == (_operand(spirv) == "f16")
     assert (b"SPV_KHR_bfloat16" in code) == (_operand(spirv) == "bf16")
     # every glslc kernel keeps its Vulkan 1.2 target (SPIR-V 1.5)
     assert struct.unpack_from("<I", registry.spirv("matmul", "f16"), 4)[0] == 0x00010500

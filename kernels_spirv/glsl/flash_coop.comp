@@ -43,10 +43,10 @@
 // matmul_coop.comp's COOP_EMU does; everything around them is the same code.  Its loops over a
 // lane's elements stay rolled (LANE_LOOP): the same sums in the same order, built by lavapipe in
 // 10 s instead of 82 for the test file's pipelines.  They count against lavapipe's loop limit
-// (docs/devices.md, "Vulkan"): ~1,600 iterations a streamed tile at head dim 64, so the
-// emulation is right up to about 40 tiles of an invocation (T ~ 1,000 at head dim 64, ~450 at
-// 128; past that its sums silently stop short).  The tests stay far below; the GPU variants
-// have no emulated loops.
+// (docs/devices.md, "Vulkan"), so the emulation is right only for short sequences: measured
+// right at T = 600 and wrong at 1,000 (head dim 64), right at 300 and wrong at 500 (head dim
+// 128); past the limit its sums silently stop short.  The tests stay at T <= 150; the GPU
+// variants have no emulated loops.
 #ifndef COOP_EMU
 #extension GL_KHR_cooperative_matrix : require
 #extension GL_KHR_memory_scope_semantics : require

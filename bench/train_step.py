@@ -172,12 +172,13 @@ class HeliosSide:
         self.host["eager"].append(time.perf_counter() - t0)
         return loss.item()
 
-    def replay(self, x, y, key: str = "replay") -> float:
-        """One step of the replayed model: captured on the first call, replayed after; its host
-        time is kept under ``key``.  On ``cuda:N`` its launches go one by one (``replay_as_graphs``:
-        as CUDA graphs)."""
+    def replay(self, x, y, graphs: bool = False) -> float:
+        """One step of the replayed model: captured on the first call, replayed after.  On ``cuda:N``
+        its launches go one by one, or with ``graphs`` each run of them as one CUDA graph; its host
+        time is kept under "replay" or "replay_graphs"."""
+        key = "replay_graphs" if graphs else "replay"
         if hasattr(self.rt, "use_cuda_graphs"):
-            self.rt.use_cuda_graphs(key == "replay_graphs")
+            self.rt.use_cuda_graphs(graphs)
         if not self.captured:
             xt, yt = self.hl.tensor(x), self.hl.tensor(y)
             with self.hl.graph.capture(inputs=(xt, yt)) as g:
@@ -191,7 +192,7 @@ class HeliosSide:
 
     def replay_as_graphs(self, x, y) -> float:
         """:meth:`replay` with each run of launches issued as one CUDA graph."""
-        return self.replay(x, y, "replay_graphs")
+        return self.replay(x, y, graphs=True)
 
 
 def _torch_peers(args, cfg, B: int, T: int, model, tbatches, failed: dict) -> tuple:

@@ -34,6 +34,7 @@ nt, and attention at T 64, head dim 64, causal, batch 1, 2 heads; one round; fig
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -180,17 +181,13 @@ def main(argv: list[str] | None = None) -> int:
     common = {"bench": "vulkan_coopmat", "device": rt.name, "device_name": (getattr(rt, "info", None) or {}).get("name"),
               "coopmat_shapes": [s.label() for s in coopmat.shapes_of(getattr(rt, "info", None) or {})]}
     rng = np.random.default_rng(0)
-    for dtype in args.dtypes:
-        for size in sizes:
-            for layout in layouts:
-                print(json.dumps({**common, **bench_one(size, layout, rounds, rng, dtype)}), flush=True)
+    for dtype, size, layout in itertools.product(args.dtypes, sizes, layouts):
+        print(json.dumps({**common, **bench_one(size, layout, rounds, rng, dtype)}), flush=True)
     attn_T = args.attn_T if args.attn_T is not None else ([64] if args.smoke else [1024, 4096])
-    for dtype in args.dtypes:
-        for D in args.attn_head_dims or ([64] if args.smoke else [64, 128]):
-            for T in attn_T:
-                for causal in ((True,) if args.smoke else (False, True)):
-                    B, H = (1, 2) if args.smoke else (max(1, 16384 // T), max(1, 2048 // D))
-                    print(json.dumps({**common, **bench_attention(T, D, causal, B, H, rounds, rng, dtype)}), flush=True)
+    head_dims = args.attn_head_dims or ([64] if args.smoke else [64, 128])
+    for dtype, D, T, causal in itertools.product(args.dtypes, head_dims, attn_T, (True,) if args.smoke else (False, True)):
+        B, H = (1, 2) if args.smoke else (max(1, 16384 // T), max(1, 2048 // D))
+        print(json.dumps({**common, **bench_attention(T, D, causal, B, H, rounds, rng, dtype)}), flush=True)
     return 0
 
 

@@ -47,8 +47,18 @@ class RetypeError(ValueError):
     """The module cannot be declared bfloat16 as it is."""
 
 
-def _instructions(words: list[int]):
-    """(offset, opcode, operand words) of each instruction after the 5-word header."""
+def words_of(spirv: bytes) -> tuple:
+    """The 32-bit words of a little-endian SPIR-V module; a RetypeError for anything else."""
+    if len(spirv) % 4 or len(spirv) < 20:
+        raise RetypeError("not a SPIR-V module (length)")
+    words = struct.unpack(f"<{len(spirv) // 4}I", spirv)
+    if words[0] != MAGIC:
+        raise RetypeError("not a little-endian SPIR-V module")
+    return words
+
+
+def instructions(words: tuple):
+    """(offset, opcode, operand words) of each instruction of a module's ``words`` after the header."""
     at = 5
     while at < len(words):
         count, op = words[at] >> 16, words[at] & 0xFFFF
@@ -65,10 +75,10 @@ def _string_words(text: str) -> list[int]:
     return list(struct.unpack(f"<{len(raw) // 4}I", raw))
 
 
-def _bf16_types(words: list[int]) -> set[int]:
+def _bf16_types(words: tuple) -> set[int]:
     """Ids of the 16-bit float type and of every type built on it (vectors, arrays, pointers, ...)."""
     ids: set[int] = set()
-    for _, op, ops in _instructions(words):
+    for _, op, ops in instructions(words):
         if op == OP_TYPE_FLOAT and ops[1] == 16:
             if len(ops) > 2:
                 raise RetypeError("the module already declares a 16-bit float encoding")
@@ -78,12 +88,12 @@ def _bf16_types(words: list[int]) -> set[int]:
     return ids
 
 
-def _check_uses(words: list[int], scalar: int, types: set[int]) -> None:
+def _check_uses(words: tuple, scalar: int, types: set[int]) -> None:
     """Refuse a 16-bit float constant other than +-0, a specialization constant of that type, and
     any function-body instruction outside ALLOWED that gives or takes a value of ``types``."""
     values: set[int] = set()
     in_body = False
-    for at, op, ops in _instructions(words):
+    for at, op, ops in instructions(words):
         if op == OP_SPEC_CONSTANT and ops[0] == scalar:
             raise RetypeError(f"a 16-bit float specialization constant (word {at}) would change its value")
         if op == OP_CONSTANT and ops[0] == scalar and ops[2] & 0x7FFF:
@@ -103,19 +113,15 @@ def _check_uses(words: list[int], scalar: int, types: set[int]) -> None:
 def retype(spirv: bytes) -> bytes:
     """``spirv`` with its 16-bit float type declared bfloat16 (see the module docstring); a
     RetypeError where the module has no such type or relies on fp16's encoding."""
-    if len(spirv) % 4 or len(spirv) < 20:
-        raise RetypeError("not a SPIR-V module (length)")
-    words = list(struct.unpack(f"<{len(spirv) // 4}I", spirv))
-    if words[0] != MAGIC:
-        raise RetypeError("not a little-endian SPIR-V module")
+    words = words_of(spirv)
     types = _bf16_types(words)
-    scalars = [ops[0] for _, op, ops in _instructions(words) if op == OP_TYPE_FLOAT and ops[1] == 16]
+    scalars = [ops[0] for _, op, ops in instructions(words) if op == OP_TYPE_FLOAT and ops[1] == 16]
     if not scalars:
         raise RetypeError("the module has no 16-bit float type")
     _check_uses(words, scalars[0], types)
-    out = words[:5]
+    out = list(words[:5])
     caps_done = False
-    for at, op, ops in _instructions(words):
+    for at, op, ops in instructions(words):
         if not caps_done and op != OP_CAPABILITY:
             out += [(2 << 16) | OP_CAPABILITY, CAP_BF16_TYPE, (2 << 16) | OP_CAPABILITY, CAP_BF16_COOPMAT]
             ext = _string_words(EXTENSION)

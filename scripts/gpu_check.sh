@@ -12,15 +12,15 @@
 # built there (a C++ compiler, pybind11 importable by $PYTHON, the Vulkan headers and loader;
 # VULKAN_SDK names an SDK's include/ and lib/; the log is coopmat_build.log) and the SPIR-V of
 # kernels_spirv/spv as it is (the coopmat kernels need glslang 13 or newer to build, so bring
-# them built; HELIOS_GPU_BUILD_ADDON=1 builds even where $PYTHON's has one): first the
-# device's facts (RESULTS_DIR/coopmat_env.json; exit
-# 2 where the device lists no cooperative matrices), then correctness against PyTorch
-# (tests/test_coopmat_gpu.py, test_coopmat_select.py, test_coopmat_kernel.py, and
-# test_mixed_matmul.py for autocast's casts in the shared-memory kernel, test_flash_coop.py for
-# fp16 flash attention on cooperative matrices -> coopmat_tests.log), then speed
-# (bench/vulkan_coopmat.py at 4096^3, nn nt tn, fp16 and bf16 where listed: coopmat, the
-# shared-memory kernel and cuBLAS in the same dtype; then its fp16 attention at T 1024 and 4096, head dims 64 and 128: flash_coop, the
-# shared-memory flash kernel and PyTorch's CUDA SDPA; bench/autocast_step.py: helios-train
+# them built; HELIOS_GPU_BUILD_ADDON=1 builds even where $PYTHON's has one): first the device's
+# facts (RESULTS_DIR/coopmat_env.json; exit 2 where the device lists no cooperative matrices),
+# then correctness against PyTorch (tests/test_coopmat_gpu.py, test_coopmat_select.py,
+# test_coopmat_kernel.py, test_mixed_matmul.py for autocast's casts in the shared-memory and
+# cooperative-matrix kernels, test_flash_coop.py for fp16 and bf16 flash attention on
+# cooperative matrices -> coopmat_tests.log), then speed (bench/vulkan_coopmat.py at 4096^3, nn
+# nt tn, fp16 and bf16 where listed: coopmat, the shared-memory kernel and cuBLAS in the same
+# dtype; then its fp16 and bf16 attention at T 1024 and 4096, head dims 64 and 128: flash_coop,
+# the shared-memory flash kernel and PyTorch's CUDA SDPA; bench/autocast_step.py: helios-train
 # --dtype bf16 against fp32 at tiny, small and gpt2 -> coopmat_bench.log, coopmat.jsonl).
 #
 # It downloads nothing: the machine needs its driver, ptxas (the CUDA toolkit or the

@@ -22,6 +22,7 @@ import torch
 import helios as hl
 from helios import _kernels as K
 from helios._kernels import coopmat
+from helios.comm.reduce_ops import bf16_to_f32, f32_to_bf16
 
 sys.path.insert(0, os.path.dirname(__file__))
 from switches import emulate_coopmat  # noqa: E402
@@ -50,9 +51,7 @@ def rt():
 def rn(*shape, dtype="float16"):
     """Uniform values in [-1, 1) that ``dtype`` holds exactly (float16 or float32 arrays)."""
     x = R.uniform(-1.0, 1.0, size=shape).astype(np.float32)
-    if dtype == "bfloat16":
-        return (x.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)  # bf16 by truncation: exact
-    return x.astype(np.float16)
+    return bf16_to_f32(f32_to_bf16(x)) if dtype == "bfloat16" else x.astype(np.float16)
 
 
 def h16(x, dtype="float16"):

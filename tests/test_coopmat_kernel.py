@@ -42,13 +42,9 @@ def _operand(path) -> str:
 
 
 def _instructions(code: bytes):
-    """(opcode, operand words) of each instruction of SPIR-V ``code``."""
-    words = struct.unpack(f"<{len(code) // 4}I", code)
-    at = 5
-    while at < len(words):
-        n, op = words[at] >> 16, words[at] & 0xFFFF
-        yield op, words[at + 1:at + n]
-        at += n
+    """(opcode, operand words) of each instruction of SPIR-V ``code`` (bf16_retype's reader)."""
+    retype = BUILD.bf16_retype()
+    return ((op, ops) for _, op, ops in retype.instructions(retype.words_of(code)))
 
 
 def _float16_types(code: bytes) -> list:

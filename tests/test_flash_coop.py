@@ -22,6 +22,7 @@ import helios as hl
 import helios.nn.functional as F
 from helios import _kernels as K
 from helios._kernels import coopmat
+from helios.comm.reduce_ops import bf16_to_f32, f32_to_bf16
 from helios.profile import profile
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -95,10 +96,8 @@ pytestmark = pytest.mark.vulkan
 
 
 def _exact(x, dtype):
-    """``x`` as values ``dtype`` holds exactly (float16, or float32 ones truncated to bfloat16)."""
-    if dtype == "bfloat16":
-        return (x.astype(np.float32).view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
-    return x.astype(np.float16)
+    """``x`` as values ``dtype`` holds exactly (float16, or float32 ones rounded to bfloat16)."""
+    return bf16_to_f32(f32_to_bf16(x.astype(np.float32))) if dtype == "bfloat16" else x.astype(np.float16)
 
 
 def _operands(B, H, Tq, Tk, D, dtype="float16"):

@@ -47,7 +47,7 @@ def kernel(request, monkeypatch):
 def simt_kernel(request, monkeypatch):
     """``kernel`` without the cooperative-matrix kernel: for the autocast linears and matmuls, which
     it runs in test_a_gpt_block_on_the_cooperative_matrix_kernel_runs_its_casts_in_the_products
-    (each pipeline the emulation builds costs lavapipe about a second on a fresh machine)."""
+    (their own cases would build its emulation ten more pipelines on a fresh machine)."""
     _need_16bit()
     use_matmul_kernel(request.param, monkeypatch, request, "bfloat16")
     return request.param

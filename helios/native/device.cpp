@@ -63,7 +63,7 @@ Device::Device(int index, const std::string& pipeline_cache_dir) {
   vmm.vulkanMemoryModel = VK_TRUE;  // the cooperative-matrix kernels' SPIR-V uses the Vulkan memory model
   CoopMatFeaturesKHR coop;
   coop.cooperativeMatrix = VK_TRUE;
-  Bf16FeaturesKHR bf16;  // matmul_coop's bf16 variant: bfloat16 values and cooperative matrices of them
+  Bf16FeaturesKHR bf16;  // the bf16 cooperative-matrix kernels: bfloat16 values and cooperative matrices of them
   bf16.shaderBFloat16Type = VK_TRUE;
   bf16.shaderBFloat16CooperativeMatrix = VK_TRUE;
   VkPhysicalDeviceSubgroupSizeControlFeatures sgctl{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SUBGROUP_SIZE_CONTROL_FEATURES};

@@ -172,10 +172,10 @@ PhysicalDeviceInfo describe(VkPhysicalDevice pd, uint32_t instance_api) {
   d.timeline_semaphore = api >= VK_API_VERSION_1_2 && timeline.timelineSemaphore;
   if (has_coop && coop.cooperativeMatrix && vmm.vulkanMemoryModel) d.coopmat = coopmat_shapes(pd);
   // bf16 shapes only where the kernels can use them (the Device enables both features then)
-  d.bf16_coopmat = has_bf16 && bf16.shaderBFloat16Type && bf16.shaderBFloat16CooperativeMatrix;
   auto bf16_shape = [](const CoopMatShape& c) { return c.a == kComponentBf16 || c.b == kComponentBf16; };
-  if (!d.bf16_coopmat) d.coopmat.erase(std::remove_if(d.coopmat.begin(), d.coopmat.end(), bf16_shape), d.coopmat.end());
-  d.bf16_coopmat = d.bf16_coopmat && std::any_of(d.coopmat.begin(), d.coopmat.end(), bf16_shape);
+  if (!(has_bf16 && bf16.shaderBFloat16Type && bf16.shaderBFloat16CooperativeMatrix))
+    d.coopmat.erase(std::remove_if(d.coopmat.begin(), d.coopmat.end(), bf16_shape), d.coopmat.end());
+  d.bf16_coopmat = std::any_of(d.coopmat.begin(), d.coopmat.end(), bf16_shape);
   if (v13 && sgctl_f.subgroupSizeControl && (sgctl.requiredSubgroupSizeStages & VK_SHADER_STAGE_COMPUTE_BIT) &&
       sgctl.minSubgroupSize > 0 && sgctl.minSubgroupSize <= sgctl.maxSubgroupSize) {
     d.min_subgroup_size = sgctl.minSubgroupSize;

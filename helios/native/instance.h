@@ -31,7 +31,7 @@ struct CoopMatPropertiesKHR {  // VkCooperativeMatrixPropertiesKHR
   int32_t scope = 0;  // VkScopeKHR
 };
 
-// VK_KHR_shader_bfloat16 (1.4.311 headers and later), spelled out the same way: bfloat16 as a
+// VK_KHR_shader_bfloat16, spelled out the same way (the headers predate it too): bfloat16 as a
 // cooperative-matrix component type (VK_COMPONENT_TYPE_BFLOAT16_KHR).
 constexpr const char* kBf16Extension = "VK_KHR_shader_bfloat16";
 constexpr VkStructureType kBf16FeaturesSType = VkStructureType(1000141000);

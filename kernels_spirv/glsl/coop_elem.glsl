@@ -13,8 +13,18 @@
 // Results, biases and epilogue operands in buffers are TA's storage type: OUT_T, read with
 // out_f(x) and written with f_out(v) (common.glsl's conversions), so every variant stores what
 // the other kernels store.
+// LANE_LOOP marks a loop over a thread's elements: unrolled on a GPU (the values stay in
+// registers), rolled in the emulation, where lavapipe otherwise takes seconds to build each
+// pipeline; the same values either way.  Rolled loops count against lavapipe's loop limit
+// (docs/devices.md, "Vulkan"): each kernel says how far its emulation stays right.
 #ifndef HELIOS_COOP_ELEM_GLSL
 #define HELIOS_COOP_ELEM_GLSL
+
+#ifdef COOP_EMU
+#define LANE_LOOP [[dont_unroll]]
+#else
+#define LANE_LOOP [[unroll]]
+#endif
 
 #if TA == T_BF16 && !defined(COOP_EMU) && !defined(F16_AS_BF16)
 #error "bf16 operands (TA=3) are built with F16_AS_BF16 (or emulated with COOP_EMU)"

@@ -38,15 +38,15 @@
 // (P, dS), and the row statistics.  Rows are padded by 8 halves (16 bytes: every
 // cooperative-matrix load starts 16-byte aligned, and rows spread over banks).
 //
-// COOP_EMU (variants f16_emu_d* and bf16_emu_d*, tests only: lavapipe has no cooperative matrices) does the
-// three cooperative-matrix operations of block_product with plain code of the same meaning, as
-// matmul_coop.comp's COOP_EMU does; everything around them is the same code.  Its loops over a
-// lane's elements stay rolled (LANE_LOOP): the same sums in the same order, built by lavapipe in
-// 10 s instead of 82 for the test file's pipelines.  They count against lavapipe's loop limit
-// (docs/devices.md, "Vulkan"), so the emulation is right only for short sequences: measured
-// right at T = 600 and wrong at 1,000 (head dim 64), right at 300 and wrong at 500 (head dim
-// 128); past the limit its sums silently stop short.  The tests stay at T <= 150; the GPU
-// variants have no emulated loops.
+// COOP_EMU (variants f16_emu_d* and bf16_emu_d*, tests only: lavapipe has no cooperative
+// matrices) does the three cooperative-matrix operations of block_product with plain code of the
+// same meaning, as matmul_coop.comp's COOP_EMU does; everything around them is the same code.
+// Its loops over a lane's elements stay rolled (LANE_LOOP, coop_elem.glsl): the same sums in the
+// same order, and lavapipe built the fp16 tests' pipelines in 10 s instead of 82 (an empty shader
+// cache).  Rolled, the emulation is right only for short sequences: measured right at T = 600
+// and wrong at 1,000 (head dim 64), right at 300 and wrong at 500 (head dim 128); past the loop
+// limit its sums silently stop short.  The tests stay at T <= 150; the GPU variants have no
+// emulated loops.
 #ifndef COOP_EMU
 #extension GL_KHR_cooperative_matrix : require
 #extension GL_KHR_memory_scope_semantics : require
@@ -107,8 +107,8 @@ const uint NFIX = MODE == 0 ? 1 : 2;           // fixed operands: Q | Q, dO | K,
 const uint NS = MODE == 0 ? 1 : 2;             // scratch / 16-bit tiles a subgroup: S | S, dP
 const uint PER = 256 / SGE;                    // elements of a 16 x 16 block a lane holds
 const uint HB = HD / 16;                       // 16-column blocks of the head dim
-shared ELEM Fx[NFIX * WR * XLD];          // fixed rows: operand f, row r at (f * WR + r) * XLD
-shared ELEM St[2 * BT * XLD];             // streamed tile: operand s, row r at (s * BT + r) * XLD
+shared ELEM Fx[NFIX * WR * XLD];               // fixed rows: operand f, row r at (f * WR + r) * XLD
+shared ELEM St[2 * BT * XLD];                  // streamed tile: operand s, row r at (s * BT + r) * XLD
 shared float Sc[NSG * NS * 16 * BT];           // scratch: subgroup g's tile s at (g * NS + s) * 16 * BT
 shared ELEM Pt[NSG * NS * 16 * PLD];           // 16-bit tiles: subgroup g's tile s at (g * NS + s) * 16 * PLD
 shared float Rw[NSG * 16 * 3];                 // per own row: pass 0 max, sum, alpha; pass 2 L, D
@@ -249,13 +249,8 @@ void block_product(const int ar, uint aoff, uint lda, const int br, uint boff, u
 
 // The lane's sums: result a's elements of head-dim block j at acc[a * HB + j][e] (O, dQ, or dK
 // and dV), a private array of spec-constant size (not a parameter: such array types do not
-// match across calls).  Every loop over j and e is unrolled, so the sums stay in registers (not
-// in the emulation: see COOP_EMU at the top).
-#ifdef COOP_EMU
-#define LANE_LOOP [[dont_unroll]]
-#else
-#define LANE_LOOP [[unroll]]
-#endif
+// match across calls).  Every loop over j and e is unrolled on a GPU (LANE_LOOP), so the sums
+// stay in registers.
 const uint NACC = MODE == 3 ? 2 : 1;
 float acc[NACC * HB][PER];
 

@@ -125,15 +125,8 @@ ELEM rb1[B_ONE];
 
 uint abase, bbase, m0, n0, tid;
 
-// The staging loops over a thread's elements: unrolled (registers) on a GPU; rolled in the
-// emulation, where lavapipe otherwise takes seconds to build each pipeline (the same values).
-// Rolled, they count against lavapipe's loop limit (docs/devices.md, "Vulkan"): the emulation
-// is right up to K ~ 4,000 (measured: 4,096 right, 8,192 not); the tests' K stay under 300.
-#ifdef COOP_EMU
-#define STAGE_LOOP [[dont_unroll]]
-#else
-#define STAGE_LOOP [[unroll]]
-#endif
+// The staging loops are LANE_LOOPs (coop_elem.glsl): rolled, the emulation is right up to
+// K ~ 4,000 (measured: 4,096 right, 8,192 not); the tests' K stay under 300.
 
 // Eight float32 values (a run of a float32 A or B) rounded to ELEM, as a 16-byte run of them.
 uvec4 pack8(vec4 x, vec4 y) {
@@ -144,7 +137,7 @@ uvec4 pack8(vec4 x, vec4 y) {
 // Global -> registers: the K slice at k0 (zeros outside the matrix).
 void load_slice(uint k0) {
     if (AMODE == 0) {
-        STAGE_LOOP for (uint i = 0; i < A_ONE; ++i) {
+        LANE_LOOP for (uint i = 0; i < A_ONE; ++i) {
             uint id = tid + i * NT, r = id / BK, kk = id - r * BK;   // row-major stage
             uint gm = m0 + r, gk = k0 + kk;
             uint g = abase + gm * p.sam + gk * p.sak;
@@ -152,7 +145,7 @@ void load_slice(uint k0) {
         }
     } else {
         const uint runs = (AMODE == 1 ? BK : BM) / 8;                 // runs per staged row
-        STAGE_LOOP for (uint i = 0; i < A_RUNS; ++i) {
+        LANE_LOOP for (uint i = 0; i < A_RUNS; ++i) {
             uint id = tid + i * NT, r = id / runs, q = (id - r * runs) * 8;
             bool in_ = AMODE == 1 ? m0 + r < p.M && k0 + q < p.K : k0 + r < p.K && m0 + q < p.M;
             uint g = AMODE == 1 ? abase + (m0 + r) * p.sam + k0 + q : abase + (k0 + r) * p.sak + m0 + q;
@@ -160,7 +153,7 @@ void load_slice(uint k0) {
         }
     }
     if (BMODE == 0) {
-        STAGE_LOOP for (uint i = 0; i < B_ONE; ++i) {
+        LANE_LOOP for (uint i = 0; i < B_ONE; ++i) {
             uint id = tid + i * NT, kk = id / BN, nn = id - kk * BN;   // row-major stage
             uint gk = k0 + kk, gn = n0 + nn;
             uint g = bbase + gk * p.sbk + gn * p.sbn;
@@ -168,7 +161,7 @@ void load_slice(uint k0) {
         }
     } else {
         const uint runs = (BMODE == 1 ? BK : BN) / 8;
-        STAGE_LOOP for (uint i = 0; i < B_RUNS; ++i) {
+        LANE_LOOP for (uint i = 0; i < B_RUNS; ++i) {
             uint id = tid + i * NT, r = id / runs, q = (id - r * runs) * 8;
             bool in_ = BMODE == 1 ? n0 + r < p.N && k0 + q < p.K : k0 + r < p.K && n0 + q < p.N;
             uint g = BMODE == 1 ? bbase + (n0 + r) * p.sbn + k0 + q : bbase + (k0 + r) * p.sbk + n0 + q;
@@ -180,13 +173,13 @@ void load_slice(uint k0) {
 // Registers -> shared stage s.
 void store_slice(uint s) {
     if (AMODE == 0) {
-        STAGE_LOOP for (uint i = 0; i < A_ONE; ++i) {
+        LANE_LOOP for (uint i = 0; i < A_ONE; ++i) {
             uint id = tid + i * NT, r = id / BK, kk = id - r * BK;
             As[s * A_STAGE + r * A_LD + kk] = ra1[i];
         }
     } else {
         const uint runs = (AMODE == 1 ? BK : BM) / 8;
-        STAGE_LOOP for (uint i = 0; i < A_RUNS; ++i) {
+        LANE_LOOP for (uint i = 0; i < A_RUNS; ++i) {
             uint id = tid + i * NT, r = id / runs, q = (id - r * runs) * 8;
             uint at = s * A_STAGE + r * A_LD + q;
             [[unroll]] for (uint h = 0; h < 4; ++h) {
@@ -195,13 +188,13 @@ void store_slice(uint s) {
         }
     }
     if (BMODE == 0) {
-        STAGE_LOOP for (uint i = 0; i < B_ONE; ++i) {
+        LANE_LOOP for (uint i = 0; i < B_ONE; ++i) {
             uint id = tid + i * NT, kk = id / BN, nn = id - kk * BN;
             Bs[s * B_STAGE + kk * B_LD + nn] = rb1[i];
         }
     } else {
         const uint runs = (BMODE == 1 ? BK : BN) / 8;
-        STAGE_LOOP for (uint i = 0; i < B_RUNS; ++i) {
+        LANE_LOOP for (uint i = 0; i < B_RUNS; ++i) {
             uint id = tid + i * NT, r = id / runs, q = (id - r * runs) * 8;
             uint at = s * B_STAGE + r * B_LD + q;
             [[unroll]] for (uint h = 0; h < 4; ++h) {

@@ -54,13 +54,20 @@ Elementwise chains are fused at run time as well, into kernels generated from th
   its fused forms, the mixed storage of kernels_spirv/glsl/matmul.glsl).  Backward, each
   gradient is a product of that kind written in its input's dtype: a float32 input gets the
   rounded gradient widened, what its cast's backward would give.  The projections add their
-  float32 residual to the rounded product in the epilogue, as the promoting add would; with
-  both free slots, the weight gradient's product also sums the bias gradient
-  (``cast+matmul+bias_grad``: the CPU-driver kernel in bfloat16, the GPU shared-memory
-  kernel in bfloat16 or float16).  On a
-  device whose matrix engine takes the autocast dtype (``cuda:N``) the casts stay separate;
-  where the cooperative-matrix kernel runs a product, the product's casts run as cast kernels
-  around it, inside the same op.
+  float32 residual to the rounded product in the epilogue, as the promoting add would, and
+  backward's products read their float32 output gradient (the residual stream's), rounding it
+  as they load it, what the promoting add's backward would cast; with both free slots, the
+  weight gradient's product also sums the bias gradient (``cast+matmul+bias_grad``: the
+  CPU-driver kernel in bfloat16, the GPU shared-memory and cooperative-matrix kernels in
+  bfloat16 or float16).  On a device whose matrix engine takes the autocast dtype
+  (``cuda:N``) the operands' casts stay separate, made once (the engine rounds and widens
+  float32 gradient slots in its own epilogue).
+* ``cast+matmul+gelu_tanh_bwd``: the GPT MLP's backward under autocast
+  (helios.functional.mlp_residual with a float32 residual), matmul+gelu_tanh_bwd's product
+  with the casts above: c_proj's input gradient rounded to the autocast dtype and multiplied
+  by gelu_tanh'(u) in its epilogue, not stored apart and read again by gelu_tanh_bwd.  With
+  the two above, a ``--dtype bf16`` GPT step runs as many dispatches as a float32 one (135 at
+  the tiny config on the cooperative-matrix kernel; counted on lavapipe's emulation).
 
 The other linear fusions run without autocast (under autocast the unfused ops convert their
 operands between the parts); the LayerNorm and clip fusions run either way.
@@ -116,6 +123,7 @@ PARTS = {
     "cast+linear+gelu": ("cast", "matmul", "+bias", "gelu_tanh", "cast"),
     "cast+linear+residual": ("cast", "matmul", "+bias", "cast", "add"),
     "cast+matmul+bias_grad": ("cast", "matmul", "sum", "cast", "cast"),
+    "cast+matmul+gelu_tanh_bwd": ("cast", "matmul", "cast", "gelu_tanh_bwd"),
     "cast+cross_entropy": ("cast", "cross_entropy"),
     "cast+softmax": ("cast", "softmax"),
     "softmax_bwd+cast": ("softmax_bwd", "cast"),

@@ -172,10 +172,11 @@ def test_autocast_linears_equal_the_casts_and_products_bit_for_bit(simt_kernel, 
             for u, v in zip(on, off):
                 assert np.array_equal(u, v), (name, x_dtype.name, with_bias)
             # the casts the product does: forward x's (when float32), w's, the bias's and the
-            # residual add's promotion of the product; backward x's and w's (the bias gradient is
-            # a bf16 sum cast to float32 either way, g rounded to bf16 once either way)
-            x32 = int(x_dtype is dt.float32)
-            fused_casts = (x32 + 1 + with_bias + (name == "linear+residual")) + (x32 + 1)
+            # residual add's promotion of the product; backward x's and w's, and linear+residual's
+            # float32 output gradient g, rounded by backward's products as they load it (the bias
+            # gradient is a bf16 sum cast to float32 either way: the sum reads g cast to bf16)
+            x32, res = int(x_dtype is dt.float32), int(name == "linear+residual")
+            fused_casts = (x32 + 1 + with_bias + res) + (x32 + 1 + res * (not with_bias))
             assert names_off["copy"] - names_on["copy"] == fused_casts
             # forward, then backward's two products, each one "cast+" kernel
             if name == "linear":
@@ -183,6 +184,50 @@ def test_autocast_linears_equal_the_casts_and_products_bit_for_bit(simt_kernel, 
             else:
                 assert names_on["cast+" + name] == 1 and names_on["cast+matmul"] == 2 and names_on["matmul"] == 0
             assert names_off["add"] - names_on["add"] == (name == "linear+residual")
+
+
+def _mlp_steps(fused_mlp: bool) -> tuple:
+    """Two AdamW steps of a GPT MLP with its float32 residual under bf16 autocast: F.mlp_residual
+    (``fused_mlp``), else its two linears apart.  float32 parameters, which the optimizer gives flat
+    gradient slots from its first step (the second step's bias gradients then ride in the weight
+    gradients' products).  Returns every output's, gradient's and parameter's bits, and the
+    second step's dispatches by name."""
+    from helios.optim import AdamW
+
+    rng = np.random.default_rng(8)
+    shapes = {"w1": (64, 32), "b1": (64,), "w2": (32, 64), "b2": (32,)}
+    p = {k: hl.nn.Parameter(hl.tensor((rng.standard_normal(s) * 0.2).astype(np.float32))) for k, s in shapes.items()}
+    opt = AdamW(list(p.values()), lr=1e-2)
+    bits = []
+    for _ in range(2):
+        x, r = (hl.tensor(rng.standard_normal((2, 8, 32)).astype(np.float32), requires_grad=True) for _ in range(2))
+        with switched(elementwise_jit, "ENABLED", False), count_dispatches() as names:
+            with hl.autocast("bfloat16"):
+                if fused_mlp:
+                    y = F.mlp_residual(x, p["w1"], p["b1"], p["w2"], p["b2"], r)
+                else:
+                    y = F.linear_residual(F.linear_gelu(x, p["w1"], p["b1"]), p["w2"], p["b2"], r)
+            (y * y).sum().backward()
+        bits += [_bits(y), _bits(x.grad), _bits(r.grad)]
+        opt.step()
+        opt.zero_grad()
+    return bits + [_bits(t) for t in p.values()], names
+
+
+def test_the_autocast_mlp_multiplies_by_gelus_derivative_in_a_product(kernel):
+    # Under autocast the GPT MLP's backward makes c_proj's input gradient and multiplies it by
+    # gelu'(u) in one product, as the float32 MLP does: bit for bit its two linears apart (the
+    # hidden gradient rounded to bf16, then gelu_tanh_bwd), one dispatch fewer; c_proj's float32
+    # output gradient is rounded by the products as they load it, in both
+    fused, names = _mlp_steps(True)
+    apart, names_apart = _mlp_steps(False)
+    for u, v in zip(fused, apart):
+        assert np.array_equal(u, v)
+    assert names["cast+matmul+gelu_tanh_bwd"] == 1 and names["gelu_tanh_bwd"] == 0
+    assert names_apart["gelu_tanh_bwd"] == 1 and names["copy"] == names_apart["copy"] == 0
+    assert sum(names.values()) == sum(names_apart.values()) - 1
+    assert names["cast+matmul+bias_grad"] == 2  # each bias gradient in its weight gradient's product
+    assert all(n in fused_kernels.PARTS for n in names if "+" in n)  # HELIOS_DEBUG's names of the parts
 
 
 def _matmul_run(enabled: bool, a_arr, b_arr, a_dtype, b_dtype, b_view):
@@ -318,8 +363,10 @@ def test_float16_operands_the_cpu_kernel_cannot_read_are_cast_once(monkeypatch):
         assert np.array_equal(u, v)
     # Backward's products cast x, w1, w2 (c_fc's and c_proj's) and emb, y (the tied embedding's)
     # again, and each such product then also cast its result into its float32 gradient, where
-    # with 16-bit operands the kernel widens it as it stores: 5 + 5
-    assert again_casts - once_casts == 10, (again_casts, once_casts)
+    # with 16-bit operands the kernel widens it as it stores: 5 + 5.  c_proj's float32 output
+    # gradient, cast once for its two products and its bias sum, is cast by each of them: + 2;
+    # and its weight gradient's product, float32 g in, casts its result too: + 1
+    assert again_casts - once_casts == 13, (again_casts, once_casts)
 
 
 def test_a_gpt_block_on_the_cooperative_matrix_kernel_runs_its_casts_in_the_products(monkeypatch, request):

@@ -311,7 +311,7 @@ class _AutocastLinear(Function):
     @staticmethod
     def backward(ctx, g):
         x, w = ctx.saved_tensors
-        return _autocast_linear_grads(ctx, _in_dtype(g, ctx.low), x, w, ctx.low) + (None,)
+        return _autocast_linear_grads(ctx, _grad_operand(g, ctx.low), x, w, ctx.low) + (None,)
 
 
 class _AutocastLinearGelu(Function):
@@ -355,9 +355,40 @@ class _AutocastLinearResidual(Function):
     def backward(ctx, g):
         x, w = ctx.saved_tensors
         # the add's backward passes g to both; the product's share goes through the promoting
-        # cast's backward (g rounded to low), as the separate ops do
-        grads = _autocast_linear_grads(ctx, _in_dtype(g, ctx.low), x, w, ctx.low)
+        # cast's backward (g rounded to low), as the separate ops do: the products round it
+        grads = _autocast_linear_grads(ctx, _grad_operand(g, ctx.low), x, w, ctx.low)
         return grads + ((g if ctx.needs_input_grad[3] else None), None)
+
+
+class _AutocastMLPResidual(Function):
+    """residual + linear(gelu_tanh(linear(x, w1, b1)), w2, b2) under autocast with a float32
+    residual: _AutocastLinearGelu's and _AutocastLinearResidual's forward kernels, and a backward
+    that multiplies c_proj's input gradient by gelu'(u) in the product that makes it (its
+    "matmul+gelu_tanh_bwd" epilogue, as _MLPResidual's) instead of a kernel of its own: bit for bit
+    those two Functions, one dispatch fewer and no hidden gradient stored."""
+
+    op_name = "mlp+residual"
+
+    @staticmethod
+    def forward(ctx, x, w1, b1, w2, b2, residual, low):
+        x, w1, b1, w2, b2 = _autocast_operands(ctx, low, x, w1, b1, w2, b2)
+        h, u = K.matmul_epilogue("linear+gelu", x, F.transpose(w1, 0, 1), b1, None, compute=low)
+        out = K.empty(residual.shape, residual.dtype, residual._st.rt)
+        K.matmul_epilogue("linear+residual", h, F.transpose(w2, 0, 1), b2, residual, out=out, compute=low)
+        ctx.save_for_backward(x, w1, u, h, w2)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w1, u, h, w2 = ctx.saved_tensors
+        n, low = ctx.needs_input_grad, ctx.low
+        gp = _grad_operand(g, low)  # c_proj's output gradient as its products read it
+        _, gw2, gb2 = _autocast_linear_grads(ctx, gp, h, w2, low, (None, 3, 4))
+        gx = gw1 = gb1 = None
+        if n[0] or n[1] or n[2]:
+            gu, _ = K.matmul_epilogue("matmul+gelu_tanh_bwd", gp, w2, None, u, compute=low)
+            gx, gw1, gb1 = _autocast_linear_grads(ctx, gu, x, w1, low)
+        return gx, gw1, gb1, gw2, gb2, (g if n[5] else None), None
 
 
 def _autocast_operands(ctx, low, a: Tensor, b: Tensor, *rest: Tensor | None) -> tuple:
@@ -383,20 +414,32 @@ def _in_dtype(g: Tensor, dtype) -> Tensor:
     return g if g.dtype is dtype else K.copy(g, dtype)
 
 
-def _autocast_linear_grads(ctx, g: Tensor, x: Tensor, w: Tensor, low) -> tuple:
-    """(gx, gw, gb) of an autocast linear (inputs 0, 1, 2 of ctx) for its output gradient g (in
-    ``low``): each gradient the product of g and the other operand rounded to ``low``, stored in
-    its input's dtype (a float32 input gets the rounded gradient widened, as its cast's backward
-    gives it), into the input's free gradient slot where it has one."""
+def _grad_operand(g: Tensor, low) -> Tensor:
+    """An autocast product's output gradient ``g`` as the products of its backward read it: a
+    float32 ``g`` as it is where their kernel rounds float32 operands to ``low`` as it loads them
+    (the same bits as the cast kernel it saves: a residual stream's gradient), else ``g`` in
+    ``low``, cast once for them all (K.casts_operands_first)."""
+    if g.dtype is dt.float32 and not K.casts_operands_first(g._st.rt, low, True, False):
+        return g
+    return _in_dtype(g, low)
+
+
+def _autocast_linear_grads(ctx, g: Tensor, x: Tensor, w: Tensor, low, idx: tuple = (0, 1, 2)) -> tuple:
+    """(gx, gw, gb) of an autocast linear (inputs ``idx`` of ctx: x's, w's, b's; None for one
+    not wanted) for its output gradient g (``low``, or float32 where the products round it:
+    _grad_operand): each gradient the product of g and the other operand rounded to ``low``,
+    stored in its input's dtype (a float32 input gets the rounded gradient widened, as its cast's
+    backward gives it), into the input's free gradient slot where it has one."""
     n = ctx.needs_input_grad
+    ix, iw, ib = idx
     gx = gw = gb = None
-    x_dtype, w_dtype, bias_dtype = ctx.dtypes
-    if n[0]:
-        gx = K.matmul(g, w, out=_slot(ctx, 0, x, x_dtype), compute=low)
-    if n[1]:
+    x_dtype, w_dtype, bias_dtype = (ctx.dtypes[i] if i is not None else None for i in idx)
+    if ix is not None and n[ix]:
+        gx = K.matmul(g, w, out=_slot(ctx, ix, x, x_dtype), compute=low)
+    if n[iw]:
         g2, x2 = F._rows(g), F._rows(x)
-        dest = _slot(ctx, 1, w, w_dtype)
-        bdest = ctx.grad_out(2) if n[2] and fused_kernels.ENABLED and g.is_contiguous() else None
+        dest = _slot(ctx, iw, w, w_dtype)
+        bdest = ctx.grad_out(ib) if n[ib] and fused_kernels.ENABLED and g.is_contiguous() else None
         if (bdest is not None and bdest.shape == (g.shape[-1],) and bdest.dtype is bias_dtype
                 and K.matmul_bias_grad(F.transpose(x2, 0, 1), g2, F.transpose(dest, 0, 1), bdest, compute=low)):
             return gx, dest, bdest  # the bias gradient summed in the weight gradient's product
@@ -405,10 +448,10 @@ def _autocast_linear_grads(ctx, g: Tensor, x: Tensor, w: Tensor, low) -> tuple:
             gw = F.transpose(K.matmul(F.transpose(x2, 0, 1), g2, out=F.transpose(dest, 0, 1), compute=low), 0, 1)
         else:
             gw = K.matmul(F.transpose(g2, 0, 1), x2, out=dest, compute=low)
-    if n[2]:
-        gb = F.sum_to_shape(g, (g.shape[-1],))  # in low, as the separate product's bias gradient
+    if n[ib]:
+        gb = F.sum_to_shape(_in_dtype(g, low), (g.shape[-1],))  # in low, as the separate product's bias gradient
         if bias_dtype is not low:  # its cast's backward
-            dest = ctx.grad_out(2)
+            dest = ctx.grad_out(ib)
             if dest is not None and dest.shape == gb.shape and dest.dtype is bias_dtype:
                 K.copy_into(dest, gb)
                 gb = dest
@@ -430,8 +473,15 @@ def mlp_residual(x: Tensor, w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tenso
     """residual + linear(gelu(linear(x, w1, b1), approximate="tanh"), w2, b2), the GPT MLP
     block with its residual add, in fused kernels (helios.fused_kernels: linear+gelu and
     linear+residual forward, matmul+gelu_tanh_bwd backward), bit for bit the separate ops;
-    where the fused kernels do not apply the separate ops run."""
-    if _autocast_in_product(x, w1, b1) is not None:  # autocast: each linear with its casts in its kernel
+    where the fused kernels do not apply the separate ops run.  Under autocast, with a float32
+    residual, the casts ride in the products' kernels, and backward's gelu_tanh_bwd in a product
+    too, except where a matrix engine takes the autocast dtype (linear_gelu's engine product)."""
+    low = _autocast_in_product(x, w1, b1)
+    if low is not None:  # autocast: the linears with their casts in their kernels
+        rt = x._st.rt
+        if (not rt.has_gemm(low.name) and _autocast_weights_fit(low, low, w1.shape[0], rt, w2, b2)
+                and _float32_residual(residual, rt, x.shape[:-1] + (w2.shape[0],))):
+            return _AutocastMLPResidual.apply(x, w1, b1, w2, b2, residual, low)
         return linear_residual(linear_gelu(x, w1, b1), w2, b2, residual)
     if _amp.state.dtype is not None:  # autocast: c_fc in the low dtype, as linear() would cast it
         x, w1, b1 = _amp.low(x, w1, b1)
@@ -471,18 +521,31 @@ def _autocast_in_product(x: Tensor, weight: Tensor, bias: Tensor | None):
     (Where a matrix engine takes the autocast dtype, the operands' casts stay kernels of their
     own and the gradients' casts ride in the products: _autocast_operands.)"""
     low = _amp.active_dtype()
-    if low is None or not fused_kernels.ENABLED or not (isinstance(x, Tensor) and isinstance(weight, Tensor)):
+    if low is None or not fused_kernels.ENABLED or not isinstance(x, Tensor):
         return None
+    if not (x.ndim >= 2 and x.numel() > 0 and x.dtype in (low, dt.float32)):
+        return None
+    return low if _autocast_weights_fit(low, x.dtype, x.shape[-1], x._st.rt, weight, bias) else None
+
+
+def _autocast_weights_fit(low, x_dtype: dt.DType, k: int, rt, weight: Tensor, bias: Tensor | None) -> bool:
+    """Whether ``weight`` and ``bias`` make an autocast linear (_autocast_in_product) of an input
+    of ``x_dtype`` with ``k`` > 0 features on ``rt``, in autocast dtype ``low``."""
     ok = (low, dt.float32)
-    if not (x.ndim >= 2 and weight.ndim == 2 and x.shape[-1] == weight.shape[1] > 0 and x.numel() > 0
-            and x.dtype in ok and weight.dtype in ok and weight._st.rt is x._st.rt):
-        return None
+    if not (isinstance(weight, Tensor) and weight.ndim == 2 and weight.shape[1] == k > 0 and weight.dtype in ok
+            and weight._st.rt is rt):
+        return False
     if bias is not None and not (isinstance(bias, Tensor) and bias.shape == (weight.shape[0],) and bias.dtype in ok
-                                 and bias._st.rt is x._st.rt and (bias.shape[0] == 1 or bias._strides[0] == 1)):
-        return None
-    if dt.float32 not in (x.dtype, weight.dtype, bias.dtype if bias is not None else low):
-        return None
-    return low
+                                 and bias._st.rt is rt and (bias.shape[0] == 1 or bias._strides[0] == 1)):
+        return False
+    return dt.float32 in (x_dtype, weight.dtype, bias.dtype if bias is not None else low)
+
+
+def _float32_residual(residual, rt, shape: tuple) -> bool:
+    """Whether ``residual`` is what an autocast linear+residual adds in float32: a contiguous
+    float32 tensor of the product's ``shape`` on ``rt``."""
+    return (isinstance(residual, Tensor) and residual.dtype is dt.float32 and residual._st.rt is rt
+            and residual.shape == shape and residual.is_contiguous())
 
 
 def linear_residual(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor) -> Tensor:
@@ -492,9 +555,7 @@ def linear_residual(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Te
     not apply (fusion off, mixed dtypes, a residual of another shape or layout) the separate
     ops run."""
     low = _autocast_in_product(x, weight, bias)
-    if (low is not None and isinstance(residual, Tensor) and residual.dtype is dt.float32
-            and residual._st.rt is x._st.rt and residual.shape == x.shape[:-1] + (weight.shape[0],)
-            and residual.is_contiguous()):
+    if low is not None and _float32_residual(residual, x._st.rt, x.shape[:-1] + (weight.shape[0],)):
         return _AutocastLinearResidual.apply(x, weight, bias, residual, low)
     if (_fusible_linear(x, weight, bias) and isinstance(residual, Tensor) and residual.dtype is x.dtype
             and residual.shape == x.shape[:-1] + (weight.shape[0],) and residual.is_contiguous()):

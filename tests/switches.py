@@ -70,6 +70,26 @@ def emulate_coopmat(monkeypatch, rt) -> bool:
     return True
 
 
+@contextlib.contextmanager
+def coopmat_device(chosen):
+    """The current device with its cooperative-matrix kernels on, inside the block (a test module's
+    fixture): a GPU that lists shapes as it is, lavapipe through emulate_coopmat (undone on exit).
+    Skips where neither can, or where ``chosen(rt)``, the choice (a coopmat.Choice) the module's
+    kernel makes there, is not a cooperative-matrix one."""
+    import pytest
+
+    from helios._kernels import coopmat
+
+    rt = get_runtime()
+    with pytest.MonkeyPatch.context() as mp:
+        if not coopmat.shapes_of(getattr(rt, "info", None) or {}) and not emulate_coopmat(mp, rt):
+            pytest.skip(f"{rt.name} lists no cooperative matrices")
+        choice = chosen(rt)
+        if not choice.coopmat:
+            pytest.skip(f"{rt.name}: the cooperative-matrix kernel is not chosen: {choice.reason}")
+        yield rt
+
+
 def use_matmul_kernel(which: str, monkeypatch, request, dtype: str) -> None:
     """Run the test's products on matmul kernel ``which``: "cpu" (the CPU-driver kernel; skips where the
     device does not run it), "gpu" (the GPU shared-memory kernel, forced on: it runs on lavapipe

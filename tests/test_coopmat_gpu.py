@@ -25,7 +25,7 @@ from helios._kernels import coopmat
 from helios.comm.reduce_ops import bf16_to_f32, f32_to_bf16
 
 sys.path.insert(0, os.path.dirname(__file__))
-from switches import emulate_coopmat  # noqa: E402
+from switches import coopmat_device  # noqa: E402
 
 pytestmark = pytest.mark.vulkan
 R = np.random.default_rng(37)
@@ -36,15 +36,7 @@ DTYPES = ("float16", "bfloat16")
 
 @pytest.fixture(scope="module")
 def rt():
-    from helios.runtime import get_runtime
-
-    r = get_runtime()
-    with pytest.MonkeyPatch.context() as mp:
-        if not coopmat.shapes_of(getattr(r, "info", None) or {}) and not emulate_coopmat(mp, r):
-            pytest.skip(f"{r.name} lists no cooperative matrices")
-        ch = coopmat.choice_for(r, "float16", 256, 256, 256)
-        if not ch.coopmat:
-            pytest.skip(f"{r.name}: the cooperative-matrix kernel is not chosen: {ch.reason}")
+    with coopmat_device(lambda r: coopmat.choice_for(r, "float16", 256, 256, 256)) as r:
         yield r
 
 

@@ -26,7 +26,7 @@ from helios.comm.reduce_ops import bf16_to_f32, f32_to_bf16
 from helios.profile import profile
 
 sys.path.insert(0, os.path.dirname(__file__))
-from switches import emulate_coopmat  # noqa: E402
+from switches import coopmat_device  # noqa: E402
 
 R = np.random.default_rng(33)
 SHAPE = dict(m=16, n=16, k=16, a="f16", b="f16", c="f32", result="f32", scope="subgroup", saturating=False)
@@ -81,14 +81,7 @@ def test_unbuilt_kernel_keeps_the_shared_memory_kernel():
 
 @pytest.fixture(scope="module")
 def rt():
-    from helios.runtime import get_runtime
-
-    r = get_runtime()
-    with pytest.MonkeyPatch.context() as mp:
-        if not coopmat.shapes_of(getattr(r, "info", None) or {}) and not emulate_coopmat(mp, r):
-            pytest.skip(f"{r.name} lists no cooperative matrices")
-        if not coopmat.flash_choice_for(r, "float16", 64).coopmat:
-            pytest.skip(f"{r.name}: flash_coop is not chosen: {coopmat.flash_choice_for(r, 'float16', 64).reason}")
+    with coopmat_device(lambda r: coopmat.flash_choice_for(r, "float16", 64)) as r:
         yield r
 
 

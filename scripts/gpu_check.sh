@@ -10,7 +10,9 @@
 # Vulkan driver.  It runs with $PYTHON's helios where that has its Vulkan addon (built by
 # ./scripts/setup.sh --test), else with one it installs into a temporary folder with the addon
 # built there (a C++ compiler, pybind11 importable by $PYTHON, the Vulkan headers and loader;
-# VULKAN_SDK names an SDK's include/ and lib/; the log is coopmat_build.log) and the SPIR-V of
+# VULKAN_SDK names an SDK's include/ and lib/, or the usr/ of Debian's libvulkan1 and
+# libvulkan-dev unpacked into a folder; the log is coopmat_build.log), the GPU's Vulkan driver
+# (VK_DRIVER_FILES names its ICD json where the loader does not find it) and the SPIR-V of
 # kernels_spirv/spv as it is (the coopmat kernels need glslang 13 or newer to build, so bring
 # them built; HELIOS_GPU_BUILD_ADDON=1 builds even where $PYTHON's has one): first the device's
 # facts (RESULTS_DIR/coopmat_env.json; exit 2 where the device lists no cooperative matrices),
@@ -89,7 +91,7 @@ step() {  # step NAME LOG CMD...: run CMD, tee its output to LOG, remember a fai
 }
 
 coopmat_helios() {  # a helios with its Vulkan addon for the coopmat part: $py's, or one installed here
-    local lib
+    local lib d sdk_libs=""
     if [ "${HELIOS_GPU_BUILD_ADDON:-0}" != 1 ] && (cd / && "$py" -c "import helios._vulkan") 2>/dev/null; then
         cd "$repo" || return 1
         return 0
@@ -101,8 +103,13 @@ coopmat_helios() {  # a helios with its Vulkan addon for the coopmat part: $py's
     coop_site=$(mktemp -d)
     trap 'rm -rf "$coop_site"' EXIT
     lib=$coop_site/lib
+    # VULKAN_SDK's libraries: an SDK's lib/, or a Debian tree's lib/<multiarch>/ (libvulkan1 and
+    # libvulkan-dev unpacked into a folder with dpkg -x: VULKAN_SDK=<folder>/usr)
+    for d in "${VULKAN_SDK:-/nonexistent}/lib" "${VULKAN_SDK:-/nonexistent}"/lib/*-linux-gnu; do
+        [ -d "$d" ] && sdk_libs=${sdk_libs:+$sdk_libs:}$d
+    done
     echo "gpu_check: building helios with its Vulkan addon into $lib (log: $out/coopmat_build.log)"
-    if ! CFLAGS="${VULKAN_SDK:+-I$VULKAN_SDK/include }${CFLAGS:-}" LDFLAGS="${VULKAN_SDK:+-L$VULKAN_SDK/lib }${LDFLAGS:-}" \
+    if ! CPPFLAGS="${VULKAN_SDK:+-I$VULKAN_SDK/include }${CPPFLAGS:-}" LDFLAGS="${sdk_libs:+-L${sdk_libs//:/ -L} }${LDFLAGS:-}" \
             HELIOS_SKIP_KERNEL_BUILD=1 "$py" -m pip install -q --no-deps --no-build-isolation --no-index \
             --target "$lib" "$repo" >"$out/coopmat_build.log" 2>&1; then
         tail -n 20 "$out/coopmat_build.log"
@@ -110,7 +117,7 @@ coopmat_helios() {  # a helios with its Vulkan addon for the coopmat part: $py's
         return 1
     fi
     export PYTHONPATH=$lib${PYTHONPATH:+:$PYTHONPATH}
-    export LD_LIBRARY_PATH=${VULKAN_SDK:+$VULKAN_SDK/lib:}${LD_LIBRARY_PATH:-}
+    export LD_LIBRARY_PATH=${sdk_libs:+$sdk_libs:}${LD_LIBRARY_PATH:-}
     cd "$lib" || return 1  # not the checkout: its root on sys.path would shadow the installed package
 }
 

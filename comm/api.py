@@ -201,6 +201,7 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
             if group in _S.groups:
                 _S.groups.remove(group)
         return
+    closed = [*_S.groups, _S.host_group, _S.world]
     for g in _S.groups:
         g.close()
     _S.groups = []
@@ -212,7 +213,8 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
         _S.world.close()
         _S.world = None
     if _S.store is not None:
-        _S.store.close()
+        # a failed job's host does not wait at exit for ranks that may never leave the store
+        _S.store.close(linger=not any(g is not None and g.broken is not None for g in closed))
         _S.store = None
     _S.ngroups = 0
 

@@ -14,16 +14,26 @@ Keys are at most :data:`MAX_KEY_BYTES`, values :data:`MAX_VALUE_BYTES`; connecti
 still proving and those proven, are bounded (4 x world size + 16 each).  A connection
 refused for any of these reasons is closed and counted (``StoreServer.rejected``), and the
 first one is logged at ``HELIOS_DEBUG=1``.
+
+The store lives in rank 0's process, so a rank 0 that finished its work first would take it
+away from ranks still using it (forming a group, waiting on a key).  At a clean exit the
+hosting process therefore waits, up to the store's timeout, until every other rank has closed
+its connection (done with the job, or dead: a dead rank's connection closes too); it says so
+on stderr after a second.  It does not wait when it exits on an uncaught exception, nor after
+its communicator failed (helios.comm closes the store with ``linger=False`` then): the other
+ranks then learn at once that the store is gone.
 """
 
 from __future__ import annotations
 
+import atexit
 import errno
 import socket
 import struct
 import sys
 import threading
 import time
+import weakref
 
 from helios.comm import auth
 from helios.profile.debug import debug_level
@@ -37,6 +47,10 @@ _RESP = struct.Struct("!BIq")  # status, payload length, integer result
 _LABEL = b"helios-store"
 MAX_KEY_BYTES = 4096
 MAX_VALUE_BYTES = 64 << 20
+
+_CLIENTS: weakref.WeakSet = weakref.WeakSet()  # every TCPStore of this process (their connections close at exit)
+_HOSTED: list[StoreServer] = []  # the servers this process hosts, drained at its exit (_drain_at_exit)
+_uncaught = False  # whether the process is exiting on an uncaught exception (_flag_uncaught)
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -83,8 +97,9 @@ class StoreServer:
     ``secret`` within ``auth_timeout_s``), connections over the bound, oversized frames."""
 
     def __init__(self, host: str, port: int, world_size: int, job_id: str = "", bind_retry_s: float = 5.0,
-                 secret: bytes = b"", auth_timeout_s: float = auth.AUTH_TIMEOUT_S) -> None:
+                 secret: bytes = b"", auth_timeout_s: float = auth.AUTH_TIMEOUT_S, linger_s: float = 300.0) -> None:
         self.world_size = world_size
+        self.linger_s = linger_s  # the longest this process waits at exit for the ranks still connected
         self.job_id = job_id
         self.max_connections = 4 * world_size + 16
         self.rejected = 0
@@ -188,8 +203,26 @@ class StoreServer:
                 return _OK, self._data[key], 0
         return _BAD, b"unknown op", 0
 
+    def connected(self) -> int:
+        """The connections that proved the job's secret and are open now."""
+        with self._count_lock:
+            return self._proven
+
+    def wait_idle(self, timeout: float) -> int:
+        """Wait until no proven connection is open, at most ``timeout`` seconds, saying on stderr
+        after a second that it waits; the connections still open then."""
+        deadline, told = time.monotonic() + timeout, False
+        start = time.monotonic()
+        while (n := self.connected()) and time.monotonic() < deadline:
+            if not told and time.monotonic() - start > 1.0:
+                print(f"helios.comm: this process hosts the job's store; waiting up to {timeout:.0f} s for the {n} "
+                      "rank(s) still connected to it to finish", file=sys.stderr, flush=True)
+                told = True
+            time.sleep(0.05)
+        return self.connected()
+
     def close(self) -> None:
-        """Stop accepting connections."""
+        """Stop accepting connections (the open ones are served until they close or the process exits)."""
         self._closed = True
         try:
             self._sock.shutdown(socket.SHUT_RDWR)
@@ -237,10 +270,13 @@ class TCPStore:
             secret = auth.new_secret().encode()
         self.secret = secret
         self.server = StoreServer(listen_address(host, resolved, world_size, secret), port, world_size, job_id,
-                                  bind_retry_s, secret) if is_server else None
+                                  bind_retry_s, secret, linger_s=timeout) if is_server else None
+        if self.server is not None:
+            _host(self.server)
         self.port = self.server.port if self.server else port
         self._lock = threading.Lock()
         self._sock = self._connect(timeout)
+        _CLIENTS.add(self)
         status, payload, _ = self._call(_HELLO, b"", job_id.encode(), world_size, timeout)
         if status != _OK:
             their_world, their_job = payload.decode().split("|", 1)
@@ -332,13 +368,52 @@ class TCPStore:
         for k in keys:
             self.get(k, max(0.0, deadline - time.monotonic()))
 
-    def close(self) -> None:
-        """Close the connection (and the server, on rank 0)."""
+    def close(self, linger: bool = True) -> None:
+        """Close the connection (and the server, on rank 0: no new connections; the other ranks'
+        open ones are served until they close, and waited for at a clean exit unless ``linger`` is
+        False: the job failed, and its other ranks may never close theirs)."""
         try:
             self._sock.close()
         finally:
             if self.server is not None:
                 self.server.close()
+                if not linger and self.server in _HOSTED:
+                    _HOSTED.remove(self.server)
+
+
+def _host(server: StoreServer) -> None:
+    """Keep ``server`` (hosted by this process) for the wait at exit, hooking the first time the
+    exception hook that tells a clean exit from a crash."""
+    if not _HOSTED:
+        sys.excepthook = _flag_uncaught(sys.excepthook)
+    _HOSTED.append(server)
+
+
+def _flag_uncaught(previous):
+    """An exception hook that notes the process is exiting on an uncaught exception, then calls ``previous``."""
+    def hook(*exc_info):
+        global _uncaught
+        _uncaught = True
+        previous(*exc_info)
+    return hook
+
+
+def _drain_at_exit() -> None:
+    """At exit: close this process's own connections to any store, then, unless exiting on an
+    uncaught exception, wait for the other processes' connections to each store this process
+    hosts to close (StoreServer.wait_idle, up to the server's wait).  Registered when this module
+    is imported, before helios.comm's destroy_process_group, so it runs after that (atexit runs
+    last-registered first): this rank's groups are closed, and ranks waiting on it in a collective
+    learn it has left, before it waits for them."""
+    for client in list(_CLIENTS):
+        client._sock.close()
+    for server in _HOSTED:
+        if not _uncaught:
+            server.wait_idle(server.linger_s)
+        server.close()
+
+
+atexit.register(_drain_at_exit)
 
 
 class PrefixStore:

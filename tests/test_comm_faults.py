@@ -7,7 +7,8 @@ gone.  The abort carries the original culprit, so every survivor's CommError nam
 twice the timeout.  Ranks are this file run as a script, as in test_comm_multiproc.py.
 
 Also ``helios-run --max-restarts``: a failed rank restarts the whole job (fresh port,
-``HELIOS_RESTART_COUNT``), with no process or shared-memory segment outliving an attempt.
+``HELIOS_RESTART_COUNT``), with no process or shared-memory segment outliving an attempt; and
+the store's host (rank 0) finishing before a rank that still uses the store.
 """
 
 from __future__ import annotations
@@ -312,3 +313,59 @@ if __name__ == "__main__":
         rank_relay()
     else:
         raise SystemExit(f"unknown mode {sys.argv[1]}")
+
+
+# ======================================================= the store's host leaving before the others
+_HOST = ("import sys\n"
+         "from helios.comm.store import TCPStore\n"
+         "s = TCPStore('127.0.0.1', 0, 2, is_server=True, timeout=20, job_id='j')\n"
+         "print(s.port, flush=True)\n"
+         "sys.stdin.readline()\n"
+         "if sys.argv[1] == 'fail': raise RuntimeError('the host fails')\n"
+         "if sys.argv[1] == 'failed': s.close(linger=False)\n")
+
+
+def _host_and_client(how: str):
+    """A store host process (this file's _HOST, ending as ``how`` says once told to) and this
+    process's client of it."""
+    from helios.comm.store import TCPStore
+
+    host = subprocess.Popen([PY, "-c", _HOST, how], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    client = TCPStore("127.0.0.1", int(host.stdout.readline()), 2, timeout=5, job_id="j")
+    host.stdin.write("go\n")
+    host.stdin.flush()
+    return host, client
+
+
+def test_the_store_host_waits_at_exit_for_ranks_still_using_it():
+    # rank 0 done first (its script ends) while another rank still has store work to do (forming
+    # a group): the store stays until that rank leaves it, then rank 0 exits
+    host, client = _host_and_client("clean")
+    try:
+        time.sleep(1.5)
+        assert host.poll() is None  # still there, serving
+        client.set("k", b"v")
+        assert client.get("k", 1) == b"v" and client.add("n", 1) == 1
+        t0 = time.monotonic()
+        client.close()
+        assert host.wait(10) == 0 and time.monotonic() - t0 < 3
+        assert "waiting up to 20 s for the 1 rank(s) still connected" in host.stderr.read()
+    finally:
+        host.kill()
+
+
+@pytest.mark.parametrize("how", ["fail", "failed"])
+def test_a_failed_store_host_leaves_at_once(how):
+    # on an uncaught exception, or after its communicator failed (close(linger=False)), the host
+    # does not wait for ranks that may never leave: they learn at once that the store is gone
+    from helios.errors import CommError
+
+    host, client = _host_and_client(how)
+    try:
+        assert host.wait(5) == (1 if how == "fail" else 0)
+        with pytest.raises(CommError, match="lost the store"):
+            client.get("k", 1)
+    finally:
+        client.close()
+        host.kill()

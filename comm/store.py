@@ -17,9 +17,9 @@ first one is logged at ``HELIOS_DEBUG=1``.
 
 The store lives in rank 0's process, so a rank 0 that finished its work first would take it
 away from ranks still using it (forming a group, waiting on a key).  At a clean exit the
-hosting process therefore waits, up to the store's timeout, until every other rank has closed
-its connection (done with the job, or dead: a dead rank's connection closes too); it says so
-on stderr after a second.  It does not wait when it exits on an uncaught exception, nor after
+hosting process therefore waits, up to the store's timeout or :data:`LINGER_MAX_S`, until
+every other rank has closed its connection (done with the job, or dead: a dead rank's
+connection closes too); it says so on stderr after a second.  It does not wait when it exits on an uncaught exception, nor after
 its communicator failed (helios.comm closes the store with ``linger=False`` then): the other
 ranks then learn at once that the store is gone.
 """
@@ -48,6 +48,11 @@ _LABEL = b"helios-store"
 MAX_KEY_BYTES = 4096
 MAX_VALUE_BYTES = 64 << 20
 
+# The longest a store's host waits at exit for the ranks still connected (also bounded by the
+# store's timeout).  Enough for ranks a few steps behind; bounded because a rank 0 that exits with
+# an error through sys.exit (not an uncaught exception) may leave ranks waiting on a key only it
+# would have set: they then fail this much later instead of at once.
+LINGER_MAX_S = 60.0
 _CLIENTS: weakref.WeakSet = weakref.WeakSet()  # every TCPStore of this process (their connections close at exit)
 _HOSTED: list[StoreServer] = []  # the servers this process hosts, drained at its exit (_drain_at_exit)
 _uncaught = False  # whether the process is exiting on an uncaught exception (_flag_uncaught)
@@ -97,7 +102,7 @@ class StoreServer:
     ``secret`` within ``auth_timeout_s``), connections over the bound, oversized frames."""
 
     def __init__(self, host: str, port: int, world_size: int, job_id: str = "", bind_retry_s: float = 5.0,
-                 secret: bytes = b"", auth_timeout_s: float = auth.AUTH_TIMEOUT_S, linger_s: float = 300.0) -> None:
+                 secret: bytes = b"", auth_timeout_s: float = auth.AUTH_TIMEOUT_S, linger_s: float = LINGER_MAX_S) -> None:
         self.world_size = world_size
         self.linger_s = linger_s  # the longest this process waits at exit for the ranks still connected
         self.job_id = job_id
@@ -270,7 +275,7 @@ class TCPStore:
             secret = auth.new_secret().encode()
         self.secret = secret
         self.server = StoreServer(listen_address(host, resolved, world_size, secret), port, world_size, job_id,
-                                  bind_retry_s, secret, linger_s=timeout) if is_server else None
+                                  bind_retry_s, secret, linger_s=min(timeout, LINGER_MAX_S)) if is_server else None
         if self.server is not None:
             _host(self.server)
         self.port = self.server.port if self.server else port

@@ -20,7 +20,7 @@ arithmetic in the same order, so its results are bit for bit those of the chain:
   (not a matrix engine): the CPU kernel's lanes add up the columns of g they load anyway, the
   GPU kernels' invocations the columns of each staged tile of g, row by row from 0.0 as the
   column reduction does (kernels_spirv/glsl/matmul.glsl, BSUM); the bias slot is stored
-  through the bias binding (the cooperative-matrix kernel: C's).
+  through the bias binding, wherever that slot is.
 * ``layer_norm_bwd+acc``: where a tensor's gradient is a pending gradient plus a
   LayerNorm's input gradient (the residual stream feeds the residual add and ln_1 / ln_2),
   the LayerNorm input-gradient kernel adds the pending gradient in its store (the tape
@@ -66,8 +66,9 @@ Elementwise chains are fused at run time as well, into kernels generated from th
   (helios.functional.mlp_residual with a float32 residual), matmul+gelu_tanh_bwd's product
   with the casts above: c_proj's input gradient rounded to the autocast dtype and multiplied
   by gelu_tanh'(u) in its epilogue, not stored apart and read again by gelu_tanh_bwd.  With
-  the two above, a ``--dtype bf16`` GPT step runs as many dispatches as a float32 one (135 at
-  the tiny config on the cooperative-matrix kernel; counted on lavapipe's emulation).
+  the two above, a ``--dtype bf16`` GPT step runs as many dispatches as a float32 one (the tiny
+  config with helios-train's two parameter groups: 140 on the cooperative-matrix kernel; counted
+  on lavapipe's emulation).
 
 The other linear fusions run without autocast (under autocast the unfused ops convert their
 operands between the parts); the LayerNorm and clip fusions run either way.

@@ -188,16 +188,18 @@ def test_autocast_linears_equal_the_casts_and_products_bit_for_bit(simt_kernel, 
 
 def _mlp_steps(fused_mlp: bool) -> tuple:
     """Two AdamW steps of a GPT MLP with its float32 residual under bf16 autocast: F.mlp_residual
-    (``fused_mlp``), else its two linears apart.  float32 parameters, which the optimizer gives flat
-    gradient slots from its first step (the second step's bias gradients then ride in the weight
-    gradients' products).  Returns every output's, gradient's and parameter's bits, and the
-    second step's dispatches by name."""
+    (``fused_mlp``), else its two linears apart.  float32 parameters in helios-train's two groups,
+    weights decayed and biases not, which the optimizer gives flat gradient slots in a buffer each
+    from its first step (the second step's bias gradients then ride in the weight gradients'
+    products, their slots in another buffer).  Returns every output's, gradient's and
+    parameter's bits, and the second step's dispatches by name."""
     from helios.optim import AdamW
 
     rng = np.random.default_rng(8)
     shapes = {"w1": (64, 32), "b1": (64,), "w2": (32, 64), "b2": (32,)}
     p = {k: hl.nn.Parameter(hl.tensor((rng.standard_normal(s) * 0.2).astype(np.float32))) for k, s in shapes.items()}
-    opt = AdamW(list(p.values()), lr=1e-2)
+    opt = AdamW([{"params": [p["w1"], p["w2"]], "weight_decay": 0.1}, {"params": [p["b1"], p["b2"]], "weight_decay": 0.0}],
+                lr=1e-2)
     bits = []
     for _ in range(2):
         x, r = (hl.tensor(rng.standard_normal((2, 8, 32)).astype(np.float32), requires_grad=True) for _ in range(2))

@@ -173,11 +173,9 @@ def matmul_bias_grad(a: Tensor, b: Tensor, out: Tensor, bsum: Tensor, compute: d
     CPU-driver kernel; float32, float16 or bfloat16 ones on the GPU shared-memory kernel (not
     where a matrix engine takes the dtype); float16 or bfloat16 ones where the cooperative-matrix
     kernel runs the product (coopmat.choice_for).  ``out`` as matmul()'s (contiguous or a transposed
-    contiguous [M, N]) and ``bsum`` a contiguous [N] of the same dtype apart from it (the CPU and
-    shared-memory kernels store it through the bias binding; the cooperative-matrix kernel
-    through C's, so there it must be in ``out``'s storage, both in one binding's range).  The
-    sums are the column reduction's (reduce.comp MODE 1: k = 0 .. K-1 in order from 0.0, in
-    float32), bit for bit.
+    contiguous [M, N]) and ``bsum`` a contiguous [N] of the same dtype apart from it, in any
+    storage (every kernel stores it through the bias binding).  The sums are the column
+    reduction's (reduce.comp MODE 1: k = 0 .. K-1 in order from 0.0, in float32), bit for bit.
 
     ``compute`` (autocast's weight gradient: bfloat16 on the CPU-driver kernel, bfloat16 or
     float16 on the shared-memory and cooperative-matrix kernels): a and b each ``compute`` or
@@ -210,9 +208,6 @@ def matmul_bias_grad(a: Tensor, b: Tensor, out: Tensor, bsum: Tensor, compute: d
         return False
     if bsum._st is out._st and bsum._off < out._off + M * N and out._off < bsum._off + N:  # overlapping slots
         return False
-    lo, hi = min(out._off, bsum._off), max(out._off + M * N, bsum._off + N)
-    if coop and (bsum._st is not out._st or (hi - lo) * out.dtype.itemsize > rt.max_range - rt.align):
-        return False  # the cooperative-matrix kernel's C binding must cover both
     matmul(a, b, out=out, _bsum=bsum, compute=compute)
     return True
 
@@ -396,7 +391,7 @@ def _dispatch(a: Tensor, b: Tensor, bias: Tensor | None, out: Tensor, epi: tuple
     cpu = _cpu_mm_kernel(rt)
     tile = None if cpu else coopmat.choice_for(rt, a_dtype.name, M, N, K).tile  # tensor cores (coopmat.py)
     (ba, oa), (bb, ob) = bind(a), bind(b)
-    (bc, oc), (bz, oz) = _bind_c_and_bias(out, bias, bsum, ct, cld, M, N, (ba, oa), tile is not None)
+    (bc, oc), (bz, oz) = _bind_c_and_bias(out, bias, bsum, ct, cld, (ba, oa))
     # matmul_epi's and the cooperative-matrix kernel's E / U bindings: unused ones repeat C (never read
     # or written: EPI picks what the epilogue touches).
     be, oe = bind(epi[2]) if epi is not None and epi[2] is not None else (bc, 0)
@@ -473,32 +468,24 @@ def _empty_sum(out: Tensor, bias: Tensor | None, strided: bool) -> Tensor:
     return out
 
 
-def _bind_c_and_bias(out: Tensor, bias: Tensor | None, bsum: Tensor | None, ct: int, cld: int, M: int, N: int,
-                     a_binding: tuple, coop: bool) -> tuple:
-    """((binding, element offset) of C, (binding, offset) of binding 3) for matmul's kernels
-    (``coop``: the cooperative-matrix kernel's).
+def _bind_c_and_bias(out: Tensor, bias: Tensor | None, bsum: Tensor | None, ct: int, cld: int,
+                     a_binding: tuple) -> tuple:
+    """((binding, element offset) of C, (binding, offset) of binding 3) for matmul's kernels.
 
-    C: the span a strided (CLD) C covers, the transposed view's contiguous tensor (CT), or, for
-    the cooperative-matrix kernel's column sums (``bsum``), a range covering both the product and
-    the sums' slot.  Binding 3: the bias; else the CPU and shared-memory kernels' column sums
-    (BSUM stores through it); else A again (read-only, never read: has_bias 0), its offset
-    word telling the cooperative-matrix kernel where in C's binding the sums go."""
-    c_lo = None
+    C: the span a strided (CLD) C covers, or the transposed view's contiguous tensor (CT).
+    Binding 3: the bias; else the column sums (``bsum``: BSUM stores through it); else A again
+    (read-only, never read: has_bias 0)."""
     if cld:
         span = 1 + sum((sz - 1) * st for sz, st in zip(out.shape, out._strides))
         c = bind(Tensor(out._st, (span,), (1,), out._off, out.dtype), True)
-    elif bsum is not None and coop:
-        lo, hi = min(out._off, bsum._off), max(out._off + M * N, bsum._off + N)
-        bc, o_lo = bind(Tensor(out._st, (hi - lo,), (1,), lo, out.dtype), True)
-        c, c_lo = (bc, o_lo + out._off - lo), o_lo - lo
     else:
         c = bind(_swap_last(out) if ct else out, True)
     if bias is not None:
         z = bind(bias)
-    elif bsum is not None and not coop:
+    elif bsum is not None:
         z = bind(bsum, True)
     else:
-        z = (a_binding[0], 0 if bsum is None else c_lo + bsum._off)
+        z = (a_binding[0], 0)
     return c, z
 
 

@@ -27,8 +27,8 @@
 // Epilogues (EPI, id 9, as matmul.glsl): 1 = + E after rounding, 2 = U = pre-activation and
 // C = gelu_tanh(U), 3 = C = product * gelu_tanh'(E).  BSUM (id 10): B's column sums over K as
 // well, k = 0 .. K-1 in order from 0.0 in fp32 (reduce.comp MODE 1's order), stored by the
-// workgroups of the first row of tiles at C[off_bias + n] (a Linear's bias gradient next to
-// its weight gradient; no batch).
+// workgroups of the first row of tiles through binding 3 (the bias's, unused then) at off_bias +
+// n, as matmul.glsl stores them: a Linear's bias gradient, wherever its slot is (no batch).
 // Built for Vulkan 1.3 (SPIR-V 1.6, the Vulkan memory model) by a compiler that knows
 // GL_KHR_cooperative_matrix (kernels_spirv/build.py).
 //
@@ -56,6 +56,7 @@ layout(std430, binding = 1) readonly buffer BB { ELEM b[]; };
 layout(std430, binding = 1) readonly buffer BB8 { uvec4 b8[]; };
 layout(std430, binding = 2) writeonly buffer BC { OUT_T c[]; };
 layout(std430, binding = 3) readonly buffer BBias { OUT_T bias[]; };
+layout(std430, binding = 3) writeonly buffer BSumOut { OUT_T bsum_out[]; };   // BSUM's column sums
 layout(std430, binding = 4) readonly buffer BE { OUT_T e[]; };
 layout(std430, binding = 5) writeonly buffer BU { OUT_T u[]; };
 layout(push_constant) uniform P {
@@ -100,6 +101,7 @@ layout(std430, binding = 1) readonly buffer BBF { float bf[]; };
 layout(std430, binding = 1) readonly buffer BBF4 { vec4 bf4[]; };
 layout(std430, binding = 2) writeonly buffer BCF { float cf[]; };
 layout(std430, binding = 3) readonly buffer BBiasF { float biasf[]; };
+layout(std430, binding = 3) writeonly buffer BSumOutF { float bsum_outf[]; };
 layout(std430, binding = 4) readonly buffer BEF { float ef[]; };
 
 const uint PAD = 8;                              // halves a staged row is padded by (bank spread)
@@ -317,8 +319,8 @@ void main() {
         [[unroll]] for (uint j = 0; j < BS_N; ++j) {
             uint n = n0 + tid + j * NT;
             if (tid + j * NT < BN && n < p.N) {
-                if (CF32 == 1) cf[p.off_bias + n] = round16(bs[j]);
-                else c[p.off_bias + n] = f_out(bs[j]);
+                if (CF32 == 1) bsum_outf[p.off_bias + n] = round16(bs[j]);
+                else bsum_out[p.off_bias + n] = f_out(bs[j]);
             }
         }
     }

@@ -19,9 +19,9 @@ The store lives in rank 0's process, so a rank 0 that finished its work first wo
 away from ranks still using it (forming a group, waiting on a key).  At a clean exit the
 hosting process therefore waits, up to the store's timeout or :data:`LINGER_MAX_S`, until
 every other rank has closed its connection (done with the job, or dead: a dead rank's
-connection closes too); it says so on stderr after a second.  It does not wait when it exits on an uncaught exception, nor after
-its communicator failed (helios.comm closes the store with ``linger=False`` then): the other
-ranks then learn at once that the store is gone.
+connection closes too); it says so on stderr after a second.  It does not wait when it exits
+on an uncaught exception, nor after its communicator failed (helios.comm closes the store with
+``linger=False`` then): the other ranks then learn at once that the store is gone.
 """
 
 from __future__ import annotations
@@ -387,8 +387,8 @@ class TCPStore:
 
 
 def _host(server: StoreServer) -> None:
-    """Keep ``server`` (hosted by this process) for the wait at exit, hooking the first time the
-    exception hook that tells a clean exit from a crash."""
+    """Keep ``server`` (hosted by this process) for the wait at exit; the first time, wrap
+    sys.excepthook so that an exit on an uncaught exception can be told from a clean one."""
     if not _HOSTED:
         sys.excepthook = _flag_uncaught(sys.excepthook)
     _HOSTED.append(server)

@@ -2,7 +2,7 @@
 ``--device cuda:N``, Helios' tensor-core flash attention against PyTorch's on the same GPU.
 
     python bench/attention.py [--T 64 256 1024 2048] [--batch 1] [--heads 4] [--head-dim 64]
-                              [--rounds 5] [--no-causal] [--no-memory] [--device vulkan:N]
+                              [--rounds 5] [--no-causal] [--no-memory] [--device vulkan:N] [--dtype bf16|fp16]
                               [--sparse] [--density 0.1] [--block-size 64]
                               [--dilated] [--segments 512 1024 2048] [--dilations 1 2 4] [--smoke]
     python bench/attention.py --device cuda:0 [--dtype bf16|fp16] [--T 1024 2048 4096 8192 16384]
@@ -34,6 +34,15 @@ One JSON line per T: {"bench": "attention", "B", "H", "T", "D", "causal", "<impl
 "flash_fwd_speedup_vs_<other>", ...}; a speedup is the other side's time over flash's (> 1:
 flash is faster).  A path that cannot run the shape (the dense scores of 4 heads at T = 4096
 are 256 MiB, over lavapipe's 128 MiB binding range) gets "<impl>_failed" with the error.
+
+``--dtype bf16|fp16`` (not with --sparse / --dilated): Helios' q, k, v and upstream gradient in
+that dtype (the float32 values rounded), as a GPT's QKV projection gives them under autocast,
+and the dense path under that autocast, as the GPT trains it (the scores in 16 bits, the
+softmax in float32, its product with v rounding the probabilities as it loads them); flash
+attention takes the 16-bit operands as they are (on a GPU listing cooperative matrices, its
+``flash_coop`` kernel).  It says where flash is worth training with on a device
+(helios.nn.modules.FLASH_MIN_TRAIN_T, measured on lavapipe in float32).  The peer stays
+PyTorch on the CPU in float32; each line has "dtype".
 
 ``--smoke`` (CI's seconds-long run, tests/test_bench_smoke.py; the GPU path's is below): T = 64,
 B = 1, H = 2, D = 32, causal, one round of one call per block (no block sizing), the memory
@@ -120,20 +129,27 @@ def _inputs(B: int, H: int, T: int, D: int, seed: int = 0):
     return [rng.standard_normal((B, H, T, D)).astype(np.float32) for _ in range(4)]  # q, k, v, upstream grad
 
 
-def _helios_fns(arrays, causal: bool):
-    """(forward, forward + backward) callables of the flash and dense paths."""
+def _helios_fns(arrays, causal: bool, dtype: str | None = None):
+    """(forward, forward + backward) callables of the flash and dense paths; with ``dtype``
+    ("bf16" / "fp16") q, k, v and the upstream gradient in it, and the dense path under that
+    autocast, as a GPT trains (its softmax in float32, the product with v rounding it)."""
+    import contextlib
+
     import helios as hl
     import helios.functional as HF
     import helios.nn.functional as F
 
-    q, k, v, g = (hl.tensor(a, requires_grad=i < 3) for i, a in enumerate(arrays))
+    low = {"bf16": hl.bfloat16, "fp16": hl.float16}[dtype] if dtype else None
+    q, k, v, g = (hl.tensor(a).to(low).requires_grad_(i < 3) if low else hl.tensor(a, requires_grad=i < 3)
+                  for i, a in enumerate(arrays))
     scale = 1.0 / float(np.sqrt(q.shape[-1]))
 
     def flash():
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
     def dense():
-        return HF.matmul(HF.attention_softmax(HF.matmul(q, k.mT), scale, causal=causal), v)
+        with hl.autocast(low) if low else contextlib.nullcontext():
+            return HF.matmul(HF.attention_softmax(HF.matmul(q, k.mT), scale, causal=causal), v)
 
     def run(fn, backward: bool):
         return _timed_call(fn, backward, q, k, v, g)
@@ -167,13 +183,13 @@ def _time(fn, reps: int = 1) -> float:
     return (time.perf_counter() - t0) / reps
 
 
-def _child(impl: str, B: int, H: int, T: int, D: int, causal: bool) -> dict:
+def _child(impl: str, B: int, H: int, T: int, D: int, causal: bool, dtype: str | None = None) -> dict:
     """One forward + backward of a Helios path in this (fresh) process: the activation pool's
     peak above the inputs (the pool's peak only grows, hence a process per measurement)."""
     import helios as hl
     from helios.runtime import get_runtime
 
-    fns = _helios_fns(_inputs(B, H, T, D), causal)
+    fns = _helios_fns(_inputs(B, H, T, D), causal, dtype)
     hl.synchronize()
     pool = get_runtime().dev
     st = pool.pool_stats()["activations"]
@@ -228,9 +244,9 @@ def torch_peak_bytes(fn) -> int:
     return max(e["Total Allocated"] for e in events) - start
 
 
-def _peak_mib(impl: str, B: int, H: int, T: int, D: int, causal: bool) -> float | str:
+def _peak_mib(impl: str, B: int, H: int, T: int, D: int, causal: bool, dtype: str | None = None) -> float | str:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", impl, "--batch", str(B), "--heads", str(H),
-           "--head-dim", str(D), "--T", str(T)] + ([] if causal else ["--no-causal"])
+           "--head-dim", str(D), "--T", str(T)] + ([] if causal else ["--no-causal"]) + (["--dtype", dtype] if dtype else [])
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     if r.returncode != 0:
         return f"failed: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode}"
@@ -240,13 +256,14 @@ def _peak_mib(impl: str, B: int, H: int, T: int, D: int, causal: bool) -> float 
     return round(res["peak_bytes"] / 2**20, 2)
 
 
-def bench_T(B: int, H: int, T: int, D: int, causal: bool, rounds: int, memory: bool, smoke: bool = False) -> dict:
+def bench_T(B: int, H: int, T: int, D: int, causal: bool, rounds: int, memory: bool, smoke: bool = False,
+            dtype: str | None = None) -> dict:
     import torch
 
     from helios import HeliosError
 
     arrays = _inputs(B, H, T, D)
-    fns = _helios_fns(arrays, causal)
+    fns = _helios_fns(arrays, causal, dtype)
     fns["torch"] = _torch_fns(arrays, causal)
     reps, failed = {}, {}
     for impl in IMPLS:
@@ -262,7 +279,7 @@ def bench_T(B: int, H: int, T: int, D: int, causal: bool, rounds: int, memory: b
     for _ in range(rounds):
         for key, n in reps.items():
             times[key].append(_time(fns[key[0]][key[1]], n))
-    res = {"bench": "attention", "B": B, "H": H, "T": T, "D": D, "causal": causal}
+    res = {"bench": "attention", "dtype": dtype or "fp32", "B": B, "H": H, "T": T, "D": D, "causal": causal}
     for impl in IMPLS:
         if impl in failed:
             res[f"{impl}_failed"] = failed[impl]
@@ -276,7 +293,7 @@ def bench_T(B: int, H: int, T: int, D: int, causal: bool, rounds: int, memory: b
     if memory:
         for impl in ("flash", "dense"):
             if impl not in failed:
-                res[f"{impl}_peak_mib"] = _peak_mib(impl, B, H, T, D, causal)
+                res[f"{impl}_peak_mib"] = _peak_mib(impl, B, H, T, D, causal, dtype)
         res["torch_peak_mib"] = round(_torch_peak_bytes(B, H, T, D, causal) / 2**20, 2)
     res["torch_threads"] = torch.get_num_threads()
     res["loadavg_1m"] = round(os.getloadavg()[0], 2)  # other work on the host skews every side
@@ -612,7 +629,9 @@ def main(argv: list[str] | None = None) -> int:
                                              "cuda:N, the tensor-core flash kernels vs PyTorch's flash backend on the GPU")
     ap.add_argument("--device", default=None,
                     help="Helios device (default: HELIOS_DEVICE or the best one); cuda:N runs the GPU comparison")
-    ap.add_argument("--dtype", choices=("bf16", "fp16"), default=None, help="--device cuda:N: the operands' dtype (bf16)")
+    ap.add_argument("--dtype", choices=("bf16", "fp16"), default=None,
+                    help="--device cuda:N: the operands' dtype (bf16); other devices: q, k, v in it and the dense path "
+                         "under its autocast (default float32)")
     ap.add_argument("--T", type=int, nargs="+", default=None,
                     help="sequence lengths (default 64 256 1024 2048; cuda:N 1024 2048 4096 8192 16384)")
     ap.add_argument("--batch", type=int, default=None, help="default 1; cuda:N 16384 // T")
@@ -653,8 +672,10 @@ def main(argv: list[str] | None = None) -> int:
         args.head_dim = args.head_dim or [64, 128]
         args.rounds = args.rounds or 5
         return gpu_main(args)
-    if args.dtype or args.require_wgmma:
-        ap.error("--dtype and --require-wgmma go with --device cuda:N")
+    if args.require_wgmma:
+        ap.error("--require-wgmma goes with --device cuda:N")
+    if args.dtype and (args.sparse or args.dilated):
+        ap.error("--dtype times flash against dense attention; not with --sparse or --dilated")
     if args.smoke:
         args.T, args.batch, args.heads = args.T or [64], args.batch or 1, args.heads or 2
         args.head_dim, args.rounds = args.head_dim or [32], args.rounds or 1
@@ -664,7 +685,7 @@ def main(argv: list[str] | None = None) -> int:
     args.rounds = args.rounds or 5
     args.causal = True if args.causal is None else args.causal
     if args.child:
-        print(json.dumps(_child(args.child, args.batch, args.heads, args.T[0], args.head_dim[0], args.causal)))
+        print(json.dumps(_child(args.child, args.batch, args.heads, args.T[0], args.head_dim[0], args.causal, args.dtype)))
         return 0
     from helios.runtime import get_runtime, set_device
 
@@ -691,7 +712,8 @@ def main(argv: list[str] | None = None) -> int:
             flash._FA_GPU_WG = rows  # read at each dispatch
             for D in args.head_dim:
                 for T in args.T:
-                    res = bench_T(args.batch, args.heads, T, D, args.causal, args.rounds, args.memory, args.smoke)
+                    res = bench_T(args.batch, args.heads, T, D, args.causal, args.rounds, args.memory, args.smoke,
+                                  args.dtype)
                     print(json.dumps({**res, **common, "gpu_rows": rows}), flush=True)
     finally:
         flash._FA_GPU_WG = default_rows

@@ -23,7 +23,9 @@
 # nt tn, fp16 and bf16 where listed: coopmat, the shared-memory kernel and cuBLAS in the same
 # dtype; then its fp16 and bf16 attention at T 1024 and 4096, head dims 64 and 128: flash_coop,
 # the shared-memory flash kernel and PyTorch's CUDA SDPA; bench/autocast_step.py: helios-train
-# --dtype bf16 against fp32 at tiny, small and gpt2 -> coopmat_bench.log, coopmat.jsonl).
+# --dtype bf16 against fp32 at tiny, small and gpt2; last, bench/attention.py in bf16 at T 64 ...
+# 512: flash against the autocast dense path, for where training should switch to flash
+# (FLASH_MIN_TRAIN_T) -> coopmat_bench.log, coopmat.jsonl).
 #
 # It downloads nothing: the machine needs its driver, ptxas (the CUDA toolkit or the
 # nvidia-cuda-nvcc wheel), and a Python ($PYTHON, default python3) with numpy,
@@ -151,6 +153,8 @@ raise SystemExit(0 if shapes else 3)") || rc=$?
         --attn-T 1024 4096 --attn-head-dims 64 128 --rounds 3
     step autocast-bench "$out/coopmat_bench.log" timeout "$bench_timeout" "$py" -u "$repo/bench/autocast_step.py" \
         --device vulkan:0 --configs tiny small gpt2 --rounds 1 --steps 12
+    step flash-vs-dense-bench "$out/coopmat_bench.log" timeout "$bench_timeout" "$py" -u "$repo/bench/attention.py" \
+        --device vulkan:0 --dtype bf16 --T 64 128 256 512 --head-dim 32 64 --batch 16 --rounds 3 --no-memory
     grep '^{' "$out/coopmat_bench.log" >"$out/coopmat.jsonl" || true
     [ ${#failed[@]} -ne 0 ] && { echo "gpu_check: failed: ${failed[*]}" >&2; return 1; }
     echo "gpu_check: the cooperative-matrix op tests passed; bench lines in $out/coopmat.jsonl"

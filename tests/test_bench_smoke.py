@@ -217,6 +217,21 @@ def test_benchmark_smoke_mode_runs_both_sides(script, tmp_path):
     assert not os.listdir(tmp_path), f"bench/{script} --smoke left files in its working folder: {os.listdir(tmp_path)}"
 
 
+@pytest.mark.vulkan
+@pytest.mark.skipif(not HAVE_TORCH, reason="bench/attention.py's peer is PyTorch, which is not installed")
+def test_attention_times_16_bit_flash_against_the_autocast_dense_path(tmp_path):
+    """``attention.py --dtype bf16``: flash on bf16 operands against the dense path under bf16
+    autocast (the GPT's), both timed, each line saying its dtype."""
+    r = subprocess.run([sys.executable, os.path.join(BENCH, "attention.py"), "--smoke", "--no-memory", "--dtype", "bf16"],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (row,) = [x for x in map(json.loads, (x for x in r.stdout.splitlines() if x.startswith("{"))) if x.get("bench") == "attention"]
+    assert row["dtype"] == "bf16" and _has(row, "flash_fwd_bwd_ms", "dense_fwd_bwd_ms", "flash_speedup_vs_dense"), row
+    bad = subprocess.run([sys.executable, os.path.join(BENCH, "attention.py"), "--dtype", "bf16", "--sparse"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert bad.returncode == 2 and "--dtype times flash against dense attention" in bad.stderr.splitlines()[-1]
+
+
 def test_train_step_writes_every_profiled_dispatch(tmp_path, monkeypatch):
     """``train_step.py --dispatches PATH``: the profiled step's every dispatch, in order, one
     tab-separated line each with the op that recorded it, as many as the profile counted."""

@@ -213,18 +213,16 @@ class StoreServer:
         with self._count_lock:
             return self._proven
 
-    def wait_idle(self, timeout: float) -> int:
+    def wait_idle(self, timeout: float) -> None:
         """Wait until no proven connection is open, at most ``timeout`` seconds, saying on stderr
-        after a second that it waits; the connections still open then."""
-        deadline, told = time.monotonic() + timeout, False
-        start = time.monotonic()
-        while (n := self.connected()) and time.monotonic() < deadline:
+        after a second that it waits."""
+        start, told = time.monotonic(), False
+        while (n := self.connected()) and time.monotonic() - start < timeout:
             if not told and time.monotonic() - start > 1.0:
                 print(f"helios.comm: this process hosts the job's store; waiting up to {timeout:.0f} s for the {n} "
                       "rank(s) still connected to it to finish", file=sys.stderr, flush=True)
                 told = True
             time.sleep(0.05)
-        return self.connected()
 
     def close(self) -> None:
         """Stop accepting connections (the open ones are served until they close or the process exits)."""

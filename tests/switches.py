@@ -78,16 +78,25 @@ def coopmat_device(chosen):
     kernel makes there, is not a cooperative-matrix one."""
     import pytest
 
-    from helios._kernels import coopmat
-
     rt = get_runtime()
     with pytest.MonkeyPatch.context() as mp:
-        if not coopmat.shapes_of(getattr(rt, "info", None) or {}) and not emulate_coopmat(mp, rt):
-            pytest.skip(f"{rt.name} lists no cooperative matrices")
-        choice = chosen(rt)
-        if not choice.coopmat:
-            pytest.skip(f"{rt.name}: the cooperative-matrix kernel is not chosen: {choice.reason}")
+        _coopmat_on(mp, rt, chosen)
         yield rt
+
+
+def _coopmat_on(monkeypatch, rt, chosen) -> None:
+    """coopmat_device's switch, through ``monkeypatch``: a GPU that lists cooperative matrices as
+    it is, lavapipe through emulate_coopmat; skips where neither can, or where ``chosen(rt)`` (a
+    coopmat.Choice) is not a cooperative-matrix one."""
+    import pytest
+
+    from helios._kernels import coopmat
+
+    if not coopmat.shapes_of(getattr(rt, "info", None) or {}) and not emulate_coopmat(monkeypatch, rt):
+        pytest.skip(f"{rt.name} lists no cooperative matrices")
+    choice = chosen(rt)
+    if not choice.coopmat:
+        pytest.skip(f"{rt.name}: the cooperative-matrix kernel is not chosen: {choice.reason}")
 
 
 def use_matmul_kernel(which: str, monkeypatch, request, dtype: str) -> None:
@@ -102,10 +111,7 @@ def use_matmul_kernel(which: str, monkeypatch, request, dtype: str) -> None:
 
     rt = get_runtime()
     if which == "coop":
-        if not coopmat.shapes_of(getattr(rt, "info", None) or {}) and not emulate_coopmat(monkeypatch, rt):
-            pytest.skip(f"{rt.name} lists no cooperative matrices")
-        if not coopmat.choice_for(rt, dtype, 256, 256, 256).coopmat:
-            pytest.skip(f"{rt.name}: no cooperative-matrix kernel for {dtype}")
+        _coopmat_on(monkeypatch, rt, lambda r: coopmat.choice_for(r, dtype, 256, 256, 256))
     elif which == "gpu":
         monkeypatch.setattr(gemm, "_cpu_mm_kernel", lambda rt: False)
         was = coopmat.set_enabled(False)

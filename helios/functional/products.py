@@ -347,9 +347,7 @@ class _AutocastLinearResidual(Function):
     def forward(ctx, x, w, b, residual, low):
         x, w, b = _autocast_operands(ctx, low, x, w, b)
         ctx.save_for_backward(x, w)
-        out = K.empty(residual.shape, residual.dtype, residual._st.rt)
-        K.matmul_epilogue("linear+residual", x, F.transpose(w, 0, 1), b, residual, out=out, compute=low)
-        return out
+        return _product_plus_residual(x, w, b, residual, low)
 
     @staticmethod
     def backward(ctx, g):
@@ -373,10 +371,8 @@ class _AutocastMLPResidual(Function):
     def forward(ctx, x, w1, b1, w2, b2, residual, low):
         x, w1, b1, w2, b2 = _autocast_operands(ctx, low, x, w1, b1, w2, b2)
         h, u = K.matmul_epilogue("linear+gelu", x, F.transpose(w1, 0, 1), b1, None, compute=low)
-        out = K.empty(residual.shape, residual.dtype, residual._st.rt)
-        K.matmul_epilogue("linear+residual", h, F.transpose(w2, 0, 1), b2, residual, out=out, compute=low)
         ctx.save_for_backward(x, w1, u, h, w2)
-        return out
+        return _product_plus_residual(h, w2, b2, residual, low)
 
     @staticmethod
     def backward(ctx, g):
@@ -389,6 +385,14 @@ class _AutocastMLPResidual(Function):
             gu, _ = K.matmul_epilogue("matmul+gelu_tanh_bwd", gp, w2, None, u, compute=low)
             gx, gw1, gb1 = _autocast_linear_grads(ctx, gu, x, w1, low)
         return gx, gw1, gb1, gw2, gb2, (g if n[5] else None), None
+
+
+def _product_plus_residual(x: Tensor, w: Tensor, b: Tensor | None, residual: Tensor, low) -> Tensor:
+    """residual + linear(x, w, b) of an autocast projection: the product in ``low``, rounded and
+    added to the float32 ``residual`` in one linear+residual kernel, into a new float32 tensor."""
+    out = K.empty(residual.shape, residual.dtype, residual._st.rt)
+    K.matmul_epilogue("linear+residual", x, F.transpose(w, 0, 1), b, residual, out=out, compute=low)
+    return out
 
 
 def _autocast_operands(ctx, low, a: Tensor, b: Tensor, *rest: Tensor | None) -> tuple:

@@ -3,6 +3,7 @@ forward and the three gradients against PyTorch's scaled_dot_product_attention i
 the layouts it reads in place, its fallbacks to the dense path, and its memory."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -13,6 +14,9 @@ import torch
 import helios as hl
 import helios.nn.functional as F
 from helios import _kernels as K
+
+sys.path.insert(0, os.path.dirname(__file__))
+from switches import count_dispatches  # noqa: E402
 
 pytestmark = pytest.mark.vulkan
 
@@ -176,6 +180,42 @@ def test_flash_reads_fused_qkv_heads_in_place():
     to = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=True)
     to.backward(torch.tensor(g, dtype=torch.float64))
     _close([o.numpy(), hx.grad.numpy()], [to.detach().numpy(), tx.grad.numpy()], 1e-5, ("O", "dX"))
+
+
+def gpt_attention(x, H: int, g, dtype, through_copies: bool = False):
+    """The GPT's attention on a [B, T, 3C] projection ``x``: split_heads' views, causal flash,
+    the heads merged into [B, T, C] for the output projection, backward from ``g``.  ``(y, dX,
+    dispatches by name)``; ``through_copies``: with contiguous copies of q, k, v and O (the
+    layouts the kernels read and wrote before they took any), for the same bits."""
+    hx = hl.tensor(x, dtype=dtype, requires_grad=True)
+    B, T, C3 = x.shape
+    with count_dispatches() as names:
+        q, k, v = F.split_heads(hx, H)
+        if through_copies:
+            q, k, v = (t.contiguous() for t in (q, k, v))
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        assert any(n.name == "_FlashAttention" for n in _nodes(o))
+        y = (o.contiguous() if through_copies else o).transpose(1, 2).reshape(B, T, C3 // 3)
+        y.backward(hl.tensor(g, dtype=dtype))
+        hl.synchronize()
+    return y.float().numpy(), hx.grad.float().numpy(), names
+
+
+@pytest.mark.parametrize("kernel,dtype", [(None, "float32"), (None, "bfloat16"), ("gpu", "float32"), ("gpu", "float16")])
+def test_a_gpt_attention_makes_no_layout_copies(monkeypatch, kernel, dtype):
+    # O is stored token-major, so merging the heads is a view; backward reads O's gradient where
+    # the merge leaves it and writes dQ, dK, dV into the fused projection's gradient (split_heads'
+    # buffer): no copy kernel either way, and the bits of the contiguous layouts.
+    monkeypatch.setattr(K.flash, "_FA_KERNEL", kernel)
+    B, T, H, D = 2, 45, 2, 64
+    x = RNG.standard_normal((B, T, 3 * H * D)).astype(np.float32)
+    g = RNG.standard_normal((B, T, H * D)).astype(np.float32)
+    y, dx, names = gpt_attention(x, H, g, getattr(hl, dtype))
+    assert not any("copy" in n for n in names), names
+    y0, dx0, names0 = gpt_attention(x, H, g, getattr(hl, dtype), through_copies=True)
+    assert sum(n.startswith("copy") for n in names0.elements()) >= 5  # the test's copies do run there
+    np.testing.assert_array_equal(y, y0)
+    np.testing.assert_array_equal(dx, dx0)
 
 
 def test_flash_broadcast_and_leading_dims():

@@ -27,6 +27,7 @@ from helios.profile import profile
 
 sys.path.insert(0, os.path.dirname(__file__))
 from switches import coopmat_device  # noqa: E402
+from test_attention import gpt_attention  # noqa: E402
 
 R = np.random.default_rng(33)
 SHAPE = dict(m=16, n=16, k=16, a="f16", b="f16", c="f32", result="f32", scope="subgroup", saturating=False)
@@ -224,3 +225,19 @@ def test_sdpa_backward_runs_on_it(rt, dtype):
     want = _reference(q, k, v, g, 0.125, True)
     for name, a, b in zip(("O", "dQ", "dK", "dV"), (o, hq.grad, hk.grad, hv.grad), (want[0], *want[2:])):
         _close(a.numpy(), b, f"{name} {dtype}", dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_gpt_attention_makes_no_layout_copies(rt, dtype):
+    """test_attention's GPT attention on flash_coop: O stored token-major, dO read and dQ, dK, dV
+    written in the fused layouts, no copy kernel, the bits of the contiguous layouts."""
+    _has(rt, dtype)
+    B, T, H, D = 1, 40, 2, 64
+    x = _exact(R.standard_normal((B, T, 3 * H * D)), dtype)
+    g = _exact(R.standard_normal((B, T, H * D)), dtype)
+    y, dx, names = gpt_attention(x, H, g, getattr(hl, dtype))
+    assert {"flash_coop", "flash_coop_bwd_dq", "flash_coop_bwd_dkv"} <= set(names)
+    assert not any("copy" in n for n in names), names
+    y0, dx0, _ = gpt_attention(x, H, g, getattr(hl, dtype), through_copies=True)
+    np.testing.assert_array_equal(y, y0)
+    np.testing.assert_array_equal(dx, dx0)

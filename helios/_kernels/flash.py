@@ -18,7 +18,7 @@ import helios._kernels as kern  # the other kernel families (bound once the pack
 # -- flash attention -------------------------------------------------------------------------
 # flash_attn kernel (see kernels_spirv/glsl/flash_attn.comp).  Its passes (the MODE
 # specialization constant): forward, backward preprocess D = rowsum(dO * O), dQ, dK and dV.
-_P_FLASH = struct.Struct("<4If14I")
+_P_FLASH = struct.Struct("<4If25I")
 FLASH_HEAD_DIMS = (32, 64, 128)  # the variants compiled (flash_attn.variants)
 _FA_FWD, _FA_PRE, _FA_DQ, _FA_DKV = 0, 1, 2, 3
 _FA_SG_ROWS = 8   # rows a subgroup owns in the CPU kernel (NR in the GLSL)
@@ -129,12 +129,29 @@ def _run_engine(pass_: str, qkvg: tuple, stats: tuple, outs: tuple, scale: float
     return True
 
 
+def _fa_addressable(t: Tensor) -> bool:
+    """Whether the kernels can read or write [B, H, T, D] ``t`` where it is: unit stride along
+    the head dim, the other strides and the offset multiples of 4 (4-value loads and stores)."""
+    return t._strides[-1] == 1 and t._off % 4 == 0 and all(s % 4 == 0 for s in t._strides[:3])
+
+
 def _fa_operand(t: Tensor) -> Tensor:
-    """``t`` itself when the kernel can read it in place (unit stride along the head dim, the
-    other strides and the offset multiples of 4 for vector loads), else a contiguous copy."""
-    if t._strides[-1] == 1 and t._off % 4 == 0 and all(s % 4 == 0 for s in t._strides[:3]):
-        return t
-    return kern.copy(t)
+    """``t`` itself when the kernel can read it in place (see _fa_addressable), else a contiguous copy."""
+    return t if _fa_addressable(t) else kern.copy(t)
+
+
+def _rows_at(t: Tensor, off: int) -> tuple:
+    """(offset in its binding, strides of B, H and T) of a [B, H, T, D] tensor: how the kernels
+    address its rows."""
+    return (off, *t._strides[:3])
+
+
+_NO_ROWS = (0, 0, 0, 0)  # an operand a pass does not touch
+
+
+def _aligned8(at: tuple) -> bool:
+    """Whether every row of an operand addressed by ``at`` (see _rows_at) starts 8-aligned."""
+    return all(x % 8 == 0 for x in at)
 
 
 def flash_attn_pairs(Tq: int, Tk: int, causal: bool) -> int:
@@ -213,11 +230,9 @@ class _FlashLaunch:
         self.coop = choice if choice is not None and choice.coopmat else None
         strides = [s for t in (self.q, self.k, self.v) for s in t._strides[:3]]
         self.strides = strides
-        # 8-wide loads need every row start 8-aligned (see WIDE in the GLSL); the coopmat kernel
-        # decides per pass (dO's offset joins in the backward)
+        # 8-wide loads need every row start 8-aligned (see WIDE in the GLSL); the backward
+        # passes also read dO (dispatch decides per pass)
         self.aligned8 = all(x % 8 == 0 for x in strides + self.offs)
-        # (the CPU kernel reads fp32 two texels per 8 values either way: one pipeline, not two)
-        self.wide = int(self.cpu and self.aligned8 and q.dtype is not dt.float32)
         self.bm = block_mask
         if block_mask is not None:
             if (block_mask.Tq, block_mask.Tk, block_mask.causal) != (self.Tq, self.Tk, self.causal):
@@ -238,25 +253,30 @@ class _FlashLaunch:
         # 4 subgroups a workgroup, fewer when a head has fewer row blocks (short sequences)
         return max(1, min(4, -(-rows // _FA_SG_ROWS)))
 
-    def dispatch(self, mode: int, rows: int, bufs: dict, off_o: int, off_do: int, name: str, flops: int, nbytes: int,
-                 per_head: bool = True, dlse: bool = False) -> None:
-        """Record one pass over ``rows`` rows (per head, or in all with ``per_head=False``)."""
+    def dispatch(self, mode: int, rows: int, bufs: dict, name: str, flops: int, nbytes: int, per_head: bool = True,
+                 dlse: bool = False, o: tuple = _NO_ROWS, do: tuple = _NO_ROWS, grads: tuple = (0,) * 5) -> None:
+        """Record one pass over ``rows`` rows (per head, or in all with ``per_head=False``).  ``o``
+        and ``do``: how O and dO are addressed (_rows_at); ``grads``: the strides of B, H and T of
+        the pass's gradient outputs and their offsets (dQ | dK, dV)."""
         rt = self.rt
         BH = self.B * self.H
         kernel, variant, subgroup = "flash_attn", self.variant, 0
+        # 8-wide loads of Q, K, V (and of dO where the pass reads it)
+        wide = self.aligned8 and (mode == _FA_FWD or _aligned8(do))
         if self.cpu:
             wy = self._wy(rows) if per_head else 4
-            spec = (wy, mode, self.wide)
+            # (the CPU kernel reads fp32 two texels per 8 values either way: one pipeline, not two)
+            spec = (wy, mode, int(wide and self.q.dtype is not dt.float32))
             per_group = _FA_SG_ROWS * wy
         elif self.coop is not None and mode != _FA_PRE:
             plan = self.coop.plan(mode)
-            spec = plan.spec(self.aligned8 and (mode == _FA_FWD or off_do % 8 == 0))
+            spec = plan.spec(wide)
             per_group = plan.rows
             kernel, variant = coopmat.FLASH_KERNEL, f"{self.q.dtype.tag}_d{self.D}"
             subgroup = coopmat.required_subgroup(rt, plan.subgroup)
             name = kernel + name[len("flash_attn"):]  # flash_coop, flash_coop_bwd_dq, flash_coop_bwd_dkv
         else:  # WIDE: the preprocess pass's 16-byte loads, where O's and dO's rows start 8-aligned
-            spec = (_FA_GPU_WG, mode, int(mode == _FA_PRE and off_o % 8 == 0 and off_do % 8 == 0))
+            spec = (_FA_GPU_WG, mode, int(mode == _FA_PRE and _aligned8(o) and _aligned8(do)))
             per_group = _FA_GPU_WG
         groups = (1, -(-rows // per_group), BH) if per_head else groups_for(-(-rows // per_group))
         pid = rt.pipeline(kernel, variant, spec, subgroup)
@@ -267,49 +287,67 @@ class _FlashLaunch:
             flags |= self.bm.block_size << 8
         # unused bindings repeat Q (read-only, never touched by that pass)
         slots = [self.bq, self.bk, self.bv] + [bufs.get(i, self.bq) for i in range(3, 10)]
-        push = _P_FLASH.pack(rows if not per_head else self.Tq, self.Tk, self.H, flags, self.scale,
-                             *self.offs, off_o, off_do, *self.strides)
+        # the preprocess pass runs over all rows as one range: its Tk is the rows of a head
+        tq, tk = (self.Tq, self.Tk) if per_head else (rows, self.Tq)
+        push = _P_FLASH.pack(tq, tk, self.H, flags, self.scale, *self.offs, o[0], do[0], *self.strides,
+                             *o[1:], *do[1:], *grads)
         rt.dispatch(pid, slots, push, groups, name, flops, nbytes)
 
 
 def flash_attn_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, *,
-                   block_mask: FlashBlockMask | None = None):
+                   block_mask: FlashBlockMask | None = None, token_major: bool = False):
     """(O, L) of softmax(q k^T * scale) v for [B, H, T, D] operands (see flash_attn_supported):
-    O contiguous in q's dtype, L the float32 log-sum-exp of each query row's scaled scores.
+    O in q's dtype, L the float32 log-sum-exp of each query row's scaled scores.
     ``causal``: query i sees keys j <= i.  Nothing of size T x T is allocated.
     ``block_mask`` (a FlashBlockMask built for these Tq, Tk and ``causal``, shared by every
-    batch and head): only its blocks are computed, the others skipped whole."""
+    batch and head): only its blocks are computed, the others skipped whole.
+    O is contiguous, or with ``token_major`` the [B, H, Tq, D] view of a contiguous [B, Tq, H, D]
+    tensor, so that ``O.transpose(1, 2).reshape(B, Tq, H * D)`` (the heads as one projection
+    reads them) is a view, not a copy.  The device's own flash engine (cuda:N) returns it
+    contiguous either way."""
     took = _engine_fwd(q, k, v, scale, causal, block_mask)
     if took is not None:
         return took
     fl = _FlashLaunch(q, k, v, scale, causal, block_mask)
     rt, B, H, Tq, D = fl.rt, fl.B, fl.H, fl.Tq, fl.D
-    o = empty((B, H, Tq, D), q.dtype, rt)
+    if token_major:
+        o = empty((B, Tq, H, D), q.dtype, rt)
+        o = Tensor(o._st, (B, H, Tq, D), (Tq * H * D, D, H * D, 1), o._off, o.dtype)
+    else:
+        o = empty((B, H, Tq, D), q.dtype, rt)
     lse = empty((B, H, Tq), dt.float32, rt)
     pairs = B * H * fl.pairs()
     isz = q.dtype.itemsize
-    fl.dispatch(_FA_FWD, Tq, {3: bind(o, True)[0], 5: bind(lse, True)[0]}, 0, 0, "flash_attn",
-                4 * pairs * D, B * H * (2 * Tq + 2 * fl.key_rows()) * D * isz + lse.numel() * 4)
+    bo, oo = bind(o, True)
+    fl.dispatch(_FA_FWD, Tq, {3: bo, 5: bind(lse, True)[0]}, "flash_attn",
+                4 * pairs * D, B * H * (2 * Tq + 2 * fl.key_rows()) * D * isz + lse.numel() * 4, o=_rows_at(o, oo))
     return o, lse
 
 
 def flash_attn_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, g: Tensor, scale: float, causal: bool,
                    need_q: bool = True, need_kv: bool = True, *, block_mask: FlashBlockMask | None = None,
-                   dlse: Tensor | None = None):
+                   dlse: Tensor | None = None, dest: tuple | None = None):
     """(dQ, dK, dV) of flash attention given its forward's O and L and the upstream gradient
-    ``g`` (contiguous [B, H, Tq, D]); FlashAttention-2's backward: P is recomputed from the
+    ``g`` ([B, H, Tq, D], any strides: read in place where the kernels can address it);
+    FlashAttention-2's backward: P is recomputed from the
     saved L, dQ is one pass over key tiles and dK, dV one pass over query tiles, each output
     row written by one subgroup (no atomics, deterministic).  Passes not needed are skipped
     (their results are None).  ``block_mask``: the forward's.  ``dlse`` (float32 [B, H, Tq]):
     the gradient reaching L itself, for callers that use L (dL/ds_ij = P_ij adds dlse * P to
-    dS: the kernel's D = rowsum(dO * O) becomes D - dlse)."""
-    if not g.is_contiguous() or g._off % 4:
-        g = kern.copy(g)
+    dS: the kernel's D = rowsum(dO * O) becomes D - dlse).  ``dest``: (dQ, dK, dV) tensors to
+    write into, any of them None (a backward's ``ctx.grad_out``, e.g. the columns of a fused
+    QKV gradient); each the kernels can address (see _grad_dests) is written in place and
+    returned, the others are new contiguous tensors."""
     engine = _engine_takes(q, k, v)
+    if engine and (not g.is_contiguous() or g._off % 4):
+        g = kern.copy(g)  # the engine's operand rules are its own: it gets dO as it always has
+    elif not engine:
+        g = _fa_operand(g)
     # the preprocess pass reads only O and dO: with K/V heads shared (GQA) it is launched over q
     fl = _FlashLaunch(q, q, q, scale, causal) if engine else _FlashLaunch(q, k, v, scale, causal, block_mask)
     rt, B, H, Tq, Tk, D = fl.rt, fl.B, fl.H, fl.Tq, k.shape[2], fl.D
     (bo, oo), (bg, og) = bind(o), bind(g)
+    o_at, do_at = _rows_at(o, oo), _rows_at(g, og)
     bl = bind(lse)[0]
     isz = q.dtype.itemsize
     rows = B * H * Tq
@@ -325,8 +363,9 @@ def flash_attn_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, g: T
             dlse = kern.copy(dlse)
             bd, od = bind(dlse)
         pre[5] = bd
-    fl.dispatch(_FA_PRE, rows, pre, oo, og, "flash_attn_bwd_pre", 2 * rows * D + (rows if dlse is not None else 0),
-                2 * rows * D * isz + rows * (8 if dlse is not None else 4), per_head=False, dlse=dlse is not None)
+    fl.dispatch(_FA_PRE, rows, pre, "flash_attn_bwd_pre", 2 * rows * D + (rows if dlse is not None else 0),
+                2 * rows * D * isz + rows * (8 if dlse is not None else 4), per_head=False, dlse=dlse is not None,
+                o=o_at, do=do_at)
     if engine:
         took = _engine_bwd(q, k, v, g, lse, dsum, scale, causal, need_q, need_kv, block_mask)
         if took is not None:
@@ -335,16 +374,32 @@ def flash_attn_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, g: T
     pairs = B * H * fl.pairs()
     dq = dk = dv = None
     stats = {4: bg, 5: bl, 6: bind(dsum)[0]}
+    dq_to, dk_to, dv_to = _grad_dests(dest, q, k, v)
     if need_q:
-        dq = empty((B, H, Tq, D), q.dtype, rt)
-        fl.dispatch(_FA_DQ, Tq, {**stats, 7: bind(dq, True)[0]}, oo, og, "flash_attn_bwd_dq", 6 * pairs * D,
-                    B * H * (3 * Tq + 2 * fl.key_rows()) * D * isz)
+        dq = dq_to if dq_to is not None else empty((B, H, Tq, D), q.dtype, rt)
+        b, off = bind(dq, True)
+        fl.dispatch(_FA_DQ, Tq, {**stats, 7: b}, "flash_attn_bwd_dq", 6 * pairs * D,
+                    B * H * (3 * Tq + 2 * fl.key_rows()) * D * isz, o=o_at, do=do_at, grads=(*dq._strides[:3], off, 0))
     if need_kv:
-        dk = empty((B, H, Tk, D), q.dtype, rt)
-        dv = empty((B, H, Tk, D), q.dtype, rt)
-        fl.dispatch(_FA_DKV, Tk, {**stats, 8: bind(dk, True)[0], 9: bind(dv, True)[0]}, oo, og, "flash_attn_bwd_dkv",
-                    8 * pairs * D, B * H * (2 * Tq + 2 * Tk + 2 * fl.key_rows()) * D * isz)
+        dk, dv = (dk_to, dv_to) if dk_to is not None else (empty((B, H, Tk, D), q.dtype, rt) for _ in range(2))
+        (bk, ok), (bv, ov) = bind(dk, True), bind(dv, True)
+        fl.dispatch(_FA_DKV, Tk, {**stats, 8: bk, 9: bv}, "flash_attn_bwd_dkv",
+                    8 * pairs * D, B * H * (2 * Tq + 2 * Tk + 2 * fl.key_rows()) * D * isz, o=o_at, do=do_at,
+                    grads=(*dk._strides[:3], ok, ov))
     return dq, dk, dv
+
+
+def _grad_dests(dest: tuple | None, q: Tensor, k: Tensor, v: Tensor) -> tuple:
+    """(dQ, dK, dV) destinations of flash_attn_bwd's ``dest`` the kernels can write in place:
+    each of its operand's shape and dtype and addressable (_fa_addressable), dK and dV together
+    only (one pass writes both with one set of strides).  None where not."""
+    if dest is None:
+        return None, None, None
+    ok = [d if d is not None and d.shape == t.shape and d.dtype is t.dtype and d._st.rt is t._st.rt
+          and _fa_addressable(d) else None for d, t in zip(dest, (q, k, v))]
+    if ok[1] is None or ok[2] is None or ok[1]._strides != ok[2]._strides:
+        ok[1] = ok[2] = None
+    return tuple(ok)
 
 
 def _engine_bwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, lse: Tensor, dsum: Tensor, scale: float, causal: bool,

@@ -19,11 +19,14 @@ import helios.functional as F  # the other op families (bound once the package h
 class _FlashAttention(Function):
     """softmax(q k^T * scale) v on [B, H, T, D] operands by the flash kernel: O and the
     per-row log-sum-exp L are all the forward keeps (O(T) memory), the backward recomputes
-    the probabilities from them."""
+    the probabilities from them.  O is stored token-major (as PyTorch's flash kernels store
+    it), so merging the heads for the output projection is a view; the backward reads O's
+    gradient where it is and writes q's, k's and v's where the tape offers (split_heads'
+    fused QKV gradient): no layout copies either way."""
 
     @staticmethod
     def forward(ctx, q, k, v, scale, causal):
-        o, lse = K.flash_attn_fwd(q, k, v, scale, causal)
+        o, lse = K.flash_attn_fwd(q, k, v, scale, causal, token_major=True)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.scale, ctx.causal = scale, causal
         return o
@@ -32,7 +35,8 @@ class _FlashAttention(Function):
     def backward(ctx, g):
         q, k, v, o, lse = ctx.saved_tensors
         n = ctx.needs_input_grad
-        dq, dk, dv = K.flash_attn_bwd(q, k, v, o, lse, g, ctx.scale, ctx.causal, need_q=n[0], need_kv=n[1] or n[2])
+        dq, dk, dv = K.flash_attn_bwd(q, k, v, o, lse, g, ctx.scale, ctx.causal, need_q=n[0], need_kv=n[1] or n[2],
+                                      dest=tuple(ctx.grad_out(i) for i in range(3)))
         return dq, dk if n[1] else None, dv if n[2] else None, None, None
 
 

@@ -3,15 +3,20 @@
 // matrix anywhere.  Q [Tq, HD], K and V [Tk, HD] per (batch, head) pair z = b * H + h; each
 // operand is addressed as off + b * s_b + h * s_h + t * s_t + d (unit stride along the head
 // dim, any other strides: the heads of a fused QKV projection are read in place, and a
-// stride-0 dim reads one K/V for several query heads).  O, dO, dQ, dK, dV are contiguous
-// [BH, T, HD]; L (the log-sum-exp of each query row, natural log) and D (rowsum(dO * O))
-// are float32 [BH, Tq].  Arithmetic is fp32 whatever the storage type (TA).
+// stride-0 dim reads one K/V for several query heads).  O, dO and the gradients are addressed
+// so too, O and dO with strides of their own and dQ | dK, dV (the one or two outputs of a
+// backward pass) with one set shared by the pass's outputs: O stored token-major ([B, T, H,
+// HD]) is what a projection of the heads reads, and the gradients land in the fused QKV
+// gradient's columns, with no copies either way.  L (the log-sum-exp of each query row,
+// natural log) and D (rowsum(dO * O)) are contiguous float32 [BH, Tq].  Arithmetic is fp32
+// whatever the storage type (TA).
 //
 // MODE (a specialization constant) picks the pass:
 //   0  forward: O and L.  Key tiles stream past a tile of query rows; each row keeps a
 //      running max m and sum l of exp(s - m) (the online softmax) and rescales its
 //      accumulator when m grows, so the result equals softmax(S) V exactly in real numbers.
-//   1  backward preprocess: D = rowsum(dO * O), one row per invocation.
+//   1  backward preprocess: D = rowsum(dO * O), one row per invocation, over the BH * Tq
+//      rows as one flat range (this pass's Tq is their count, its Tk the rows of a head).
 //   2  backward dQ: a tile of query rows streams key tiles: P = exp(S - L) is recomputed
 //      from the saved L, dP = dO V^T, dS = P * (dP - D), dQ += dS K * scale.
 //   3  backward dK, dV: a tile of key rows streams query tiles: dV += P^T dO and
@@ -103,6 +108,10 @@ layout(push_constant) uniform P {
     uint sqb; uint sqh; uint sqt;
     uint skb; uint skh; uint skt;
     uint svb; uint svh; uint svt;
+    uint sob; uint soh; uint sot;     // O
+    uint sdb; uint sdh; uint sdt;     // dO
+    uint sgb; uint sgh; uint sgt;     // the pass's gradient outputs: dQ (pass 2) or dK and dV (pass 3)
+    uint off_g0; uint off_g1;         // dQ | dK, dV
 } p;
 
 // Operand ids of the load helpers (compile-time constants after inlining, so each call
@@ -141,16 +150,19 @@ float ld1(const int b, uint i) {
 }
 #endif
 
-// Element (z, t, 0) of Q, K or V; of the contiguous O and dO.
+// Element (z, t, 0) of Q, K, V, O, dO; of a gradient output at offset off.
 uint qrow(uint z, uint t) { uint b = z / p.H; return p.off_q + b * p.sqb + (z - b * p.H) * p.sqh + t * p.sqt; }
 uint krow(uint z, uint t) { uint b = z / p.H; return p.off_k + b * p.skb + (z - b * p.H) * p.skh + t * p.skt; }
 uint vrow(uint z, uint t) { uint b = z / p.H; return p.off_v + b * p.svb + (z - b * p.H) * p.svh + t * p.svt; }
-uint orow(uint z, uint t) { return p.off_o + (z * p.Tq + t) * uint(HD); }
-uint dorow(uint z, uint t) { return p.off_do + (z * p.Tq + t) * uint(HD); }
+uint orow(uint z, uint t) { uint b = z / p.H; return p.off_o + b * p.sob + (z - b * p.H) * p.soh + t * p.sot; }
+uint dorow(uint z, uint t) { uint b = z / p.H; return p.off_do + b * p.sdb + (z - b * p.H) * p.sdh + t * p.sdt; }
+uint grow(uint off, uint z, uint t) { uint b = z / p.H; return off + b * p.sgb + (z - b * p.H) * p.sgh + t * p.sgt; }
 
-// rowsum(dO * O) of flat row r (the backward's D), over the head dim in order, a value a load.
+// rowsum(dO * O) of flat row r (the backward's D: pass 1, whose Tk is the rows of a head), over
+// the head dim in order, a value a load.
 float row_dsum_scalar(uint r) {
-    uint io = orow(0u, r), id = dorow(0u, r);
+    uint z = r / p.Tk, t = r - z * p.Tk;
+    uint io = orow(z, t), id = dorow(z, t);
     float s = 0.0;
     for (uint d = 0u; d < uint(HD); ++d) s += ld1(BUF_DO, id + d) * ld1(BUF_O, io + d);
     return s;
@@ -314,9 +326,11 @@ void zero_tile(out float s[NR][TN]) {
         [[unroll]] for (int j = 0; j < TN; ++j) s[i][j] = 0.0;
 }
 
-// Row i of acc (this lane's DL columns, times f) to row `row` of a contiguous [.., HD] output.
-void store_row(int which, uint row, float acc[NR][DL], int i, float f) {
-    uint base = row * uint(HD) + gl_SubgroupInvocationID * uint(DL);
+// Row i of acc (this lane's DL columns, times f) to row t of head z of output `which` (0 O,
+// 1 dQ, 2 dK, 3 dV), whose rows start 4-aligned (checked by the launcher).
+void store_row(int which, uint z, uint t, float acc[NR][DL], int i, float f) {
+    uint row = which == 0 ? orow(z, t) : grow(which == 3 ? p.off_g1 : p.off_g0, z, t);
+    uint base = row + gl_SubgroupInvocationID * uint(DL);
     [[unroll]] for (int c4 = 0; c4 < DL / 4; ++c4) {
         vec4 x = vec4(acc[i][4 * c4], acc[i][4 * c4 + 1], acc[i][4 * c4 + 2], acc[i][4 * c4 + 3]) * f;
         uint e = (base >> 2) + uint(c4);
@@ -371,7 +385,7 @@ void forward_pass() {
         uint t = m0 + uint(i);
         if (t >= p.Tq) break;  // uniform: the whole subgroup stops
         float l = subgroupAdd(lrow[i]);
-        store_row(0, z * p.Tq + t, acc, i, 1.0 / l);
+        store_row(0, z, t, acc, i, 1.0 / l);
         if (lane == 0u) lse[z * p.Tq + t] = (mrow[i] + log2(l)) * LN2;
     }
 }
@@ -414,7 +428,7 @@ void dq_pass() {
     [[unroll]] for (int i = 0; i < NR; ++i) {
         uint t = m0 + uint(i);
         if (t >= p.Tq) break;
-        store_row(1, z * p.Tq + t, acc, i, p.scale);
+        store_row(1, z, t, acc, i, p.scale);
     }
 }
 
@@ -457,14 +471,14 @@ void dkv_pass() {
         uint lanes = min(uint(SG), (p.Tq - q0 + uint(TN) - 1u) / uint(TN));
         // causal: lanes whose queries all come before key n0 hold only zeros
         uint lfirst = causal_on() && q0 < n0 ? (n0 - q0) / uint(TN) : 0u;
-        accum(BUF_DO, dorow(z, 0u), uint(HD), q0, p.Tq, lfirst, lanes, st, gv);
+        accum(BUF_DO, dorow(z, 0u), p.sdt, q0, p.Tq, lfirst, lanes, st, gv);
         accum(BUF_Q, qrow(z, 0u), p.sqt, q0, p.Tq, lfirst, lanes, dpt, gk);
     }
     [[unroll]] for (int i = 0; i < NR; ++i) {
         uint t = n0 + uint(i);
         if (t >= p.Tk) break;
-        store_row(2, z * p.Tk + t, gk, i, p.scale);
-        store_row(3, z * p.Tk + t, gv, i, 1.0);
+        store_row(2, z, t, gk, i, p.scale);
+        store_row(3, z, t, gv, i, 1.0);
     }
 }
 
@@ -495,7 +509,8 @@ layout(std430, binding = 4) readonly buffer BDOW { uvec4 do_w[]; };
 // loads, which touch 32 rows' lines a warp instruction, to 2 x HD / 8 (16-bit) or 2 x HD / 4 (fp32).
 float row_dsum(uint r) {
     if (WIDE == 1) {
-        uint io = orow(0u, r), id = dorow(0u, r);
+        uint z = r / p.Tk, t = r - z * p.Tk;
+        uint io = orow(z, t), id = dorow(z, t);
         float s = 0.0;
 #if TA == T_F32
         for (uint d = 0u; d < uint(HD); d += 4u) {
@@ -580,7 +595,7 @@ void forward_pass() {
         }
     }
     if (r < p.Tq) {
-        uint ob = (z * p.Tq + r) * uint(HD);
+        uint ob = orow(z, r);
         for (int d = 0; d < HD; ++d) o[ob + uint(d)] = HL_STF(TA, acc[d] / l);
         lse[z * p.Tq + r] = (m + log2(l)) * LN2;
     }
@@ -612,7 +627,7 @@ void dq_pass() {
         }
     }
     if (r < p.Tq) {
-        uint ob = (z * p.Tq + r) * uint(HD);
+        uint ob = grow(p.off_g0, z, r);
         for (int d = 0; d < HD; ++d) dq[ob + uint(d)] = HL_STF(TA, acc[d] * p.scale);
     }
 }
@@ -643,10 +658,10 @@ void dkv_pass() {
         }
     }
     if (n < p.Tk) {
-        uint ob = (z * p.Tk + n) * uint(HD);
+        uint ok = grow(p.off_g0, z, n), ov = grow(p.off_g1, z, n);
         for (int d = 0; d < HD; ++d) {
-            dk[ob + uint(d)] = HL_STF(TA, gk[d] * p.scale);
-            dv[ob + uint(d)] = HL_STF(TA, gv[d]);
+            dk[ok + uint(d)] = HL_STF(TA, gk[d] * p.scale);
+            dv[ov + uint(d)] = HL_STF(TA, gv[d]);
         }
     }
 }

@@ -90,6 +90,10 @@ layout(push_constant) uniform P {
     uint sqb; uint sqh; uint sqt;
     uint skb; uint skh; uint skt;
     uint svb; uint svh; uint svt;
+    uint sob; uint soh; uint sot;     // O
+    uint sdb; uint sdh; uint sdt;     // dO
+    uint sgb; uint sgh; uint sgt;     // the pass's gradient outputs: dQ (pass 2) or dK and dV (pass 3)
+    uint off_g0; uint off_g1;         // dQ | dK, dV
 } p;
 
 layout(local_size_x_id = 0) in;
@@ -127,7 +131,9 @@ const int SH_PT = 2;
 uint qrow(uint z, uint t) { uint b = z / p.H; return p.off_q + b * p.sqb + (z - b * p.H) * p.sqh + t * p.sqt; }
 uint krow(uint z, uint t) { uint b = z / p.H; return p.off_k + b * p.skb + (z - b * p.H) * p.skh + t * p.skt; }
 uint vrow(uint z, uint t) { uint b = z / p.H; return p.off_v + b * p.svb + (z - b * p.H) * p.svh + t * p.svt; }
-uint dorow(uint z, uint t) { return p.off_do + (z * p.Tq + t) * uint(HD); }
+uint orow(uint z, uint t) { uint b = z / p.H; return p.off_o + b * p.sob + (z - b * p.H) * p.soh + t * p.sot; }
+uint dorow(uint z, uint t) { uint b = z / p.H; return p.off_do + b * p.sdb + (z - b * p.H) * p.sdh + t * p.sdt; }
+uint grow(uint off, uint z, uint t) { uint b = z / p.H; return off + b * p.sgb + (z - b * p.H) * p.sgh + t * p.sgt; }
 
 uint row_of(const int b, uint z, uint t) {
     if (b == BUF_Q) return qrow(z, t);
@@ -273,7 +279,7 @@ void store_rows(int which, uint a, uint z, uint row, uint T, float f, uint lsrc)
             uint x = gl_SubgroupInvocationID + e * SGE, r = x >> 4, t = row + r;
             if (t >= T) continue;
             float v = acc[a * HB + j][e] * f / (lsrc == ~0u ? 1.0 : Rw[lsrc + r]);
-            uint at = (z * T + t) * uint(HD) + j * 16u + (x & 15u);
+            uint at = (which == 0 ? orow(z, t) : grow(which == 3 ? p.off_g1 : p.off_g0, z, t)) + j * 16u + (x & 15u);
             if (which == 0) o[at] = f_out(v);
             else if (which == 1) dq[at] = f_out(v);
             else if (which == 2) dk[at] = f_out(v);

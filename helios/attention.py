@@ -164,11 +164,13 @@ def _host_bool(mask, name: str) -> np.ndarray:
 class FlashAttentionLSE(Function):
     """(O, L) of softmax(q k^T * scale) v on [B, H, T, D] operands by the flash kernel, L the
     float32 log-sum-exp of each query row; differentiable in q, k and v through both O and L
-    (K.flash_attn_bwd's ``dlse``).  ``block_mask``: a K.FlashBlockMask or None (dense)."""
+    (K.flash_attn_bwd's ``dlse``).  ``block_mask``: a K.FlashBlockMask or None (dense);
+    ``token_major``: O stored as [B, T, H, D] under its [B, H, T, D] view (K.flash_attn_fwd).
+    The backward writes q's, k's and v's gradients where the tape offers (split_heads' buffer)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale, causal, block_mask):
-        o, lse = K.flash_attn_fwd(q, k, v, scale, causal, block_mask=block_mask)
+    def forward(ctx, q, k, v, scale, causal, block_mask, token_major=False):
+        o, lse = K.flash_attn_fwd(q, k, v, scale, causal, block_mask=block_mask, token_major=token_major)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.scale, ctx.causal, ctx.block_mask = scale, causal, block_mask
         return o, lse
@@ -183,8 +185,8 @@ class FlashAttentionLSE(Function):
             glse = HF.to(glse, dtype=dt.float32)
         n = ctx.needs_input_grad
         dq, dk, dv = K.flash_attn_bwd(q, k, v, o, lse, go, ctx.scale, ctx.causal, need_q=n[0], need_kv=n[1] or n[2],
-                                      block_mask=ctx.block_mask, dlse=glse)
-        return dq, dk if n[1] else None, dv if n[2] else None, None, None, None
+                                      block_mask=ctx.block_mask, dlse=glse, dest=tuple(ctx.grad_out(i) for i in range(3)))
+        return dq, dk if n[1] else None, dv if n[2] else None, None, None, None, None
 
 
 def _check_qkv(q, k, v, op: str, same_t: bool) -> None:
@@ -228,7 +230,7 @@ def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, block_mask=None, pat
         m = _host_bool(block_mask, "block_sparse_attention")
     bm = K.FlashBlockMask(m, block_size, Tq, Tk, bool(is_causal), q.untyped_storage().rt)
     s = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
-    o, _ = FlashAttentionLSE.apply(q, k, v, s, bool(is_causal), bm)
+    o, _ = FlashAttentionLSE.apply(q, k, v, s, bool(is_causal), bm, True)  # heads merged for free (a view)
     return o
 
 

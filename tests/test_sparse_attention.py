@@ -3,6 +3,8 @@ gradients against dense attention in float64 (PyTorch) with the same element mas
 log c_qk bias, both kernels, causal and not, ragged T; the masks refused at build time."""
 
 import math
+import os
+import sys
 
 import numpy as np
 import pytest
@@ -16,6 +18,9 @@ from helios.profile import profile
 from helios.runtime import get_runtime
 
 pytestmark = pytest.mark.vulkan
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_attention import gpt_attention  # noqa: E402
 
 RNG = np.random.default_rng(4321)
 BP = F.BlockPattern
@@ -129,6 +134,23 @@ def test_all_ones_mask_equals_dense_flash(causal):
     # the same kernel over the same tiles: the same sums in the same order
     for a, b in zip(got, dense):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_block_sparse_gpt_attention_makes_no_layout_copies():
+    # As flash through scaled_dot_product_attention (test_attention): O token-major, the fused
+    # QKV's gradient written in place, the bits of the contiguous layouts.
+    B, T, H, D = 1, 130, 2, 32
+    x = RNG.standard_normal((B, T, 3 * H * D)).astype(np.float32)
+    g = RNG.standard_normal((B, T, H * D)).astype(np.float32)
+
+    def attend(q, k, v):
+        return F.block_sparse_attention(q, k, v, pattern=BP.local(64), is_causal=True)
+
+    y, dx, names = gpt_attention(x, H, g, hl.float32, attend=attend)
+    assert "flash_attn_bwd_dkv" in names and not any("copy" in n for n in names), names
+    y0, dx0, _ = gpt_attention(x, H, g, hl.float32, through_copies=True, attend=attend)
+    np.testing.assert_array_equal(y, y0)
+    np.testing.assert_array_equal(dx, dx0)
 
 
 def test_masks_refused_at_build_time():

@@ -55,6 +55,7 @@ MAX_VALUE_BYTES = 64 << 20
 LINGER_MAX_S = 60.0
 _CLIENTS: weakref.WeakSet = weakref.WeakSet()  # every TCPStore of this process (their connections close at exit)
 _HOSTED: list[StoreServer] = []  # the servers this process hosts, drained at its exit (_drain_at_exit)
+_hooked = False  # sys.excepthook wrapped (_host, once)
 _uncaught = False  # whether the process is exiting on an uncaught exception (_flag_uncaught)
 
 
@@ -224,6 +225,10 @@ class StoreServer:
                 told = True
             time.sleep(0.05)
 
+    def finished(self) -> bool:
+        """Whether it is closed and no proven connection is open: nothing left to wait for at exit."""
+        return self._closed and not self.connected()
+
     def close(self) -> None:
         """Stop accepting connections (the open ones are served until they close or the process exits)."""
         self._closed = True
@@ -385,10 +390,14 @@ class TCPStore:
 
 
 def _host(server: StoreServer) -> None:
-    """Keep ``server`` (hosted by this process) for the wait at exit; the first time, wrap
-    sys.excepthook so that an exit on an uncaught exception can be told from a clean one."""
-    if not _HOSTED:
+    """Keep ``server`` (hosted by this process) for the wait at exit, and let go of the finished
+    ones (a process that makes store after store keeps only those still in use); the first time,
+    wrap sys.excepthook so that an exit on an uncaught exception can be told from a clean one."""
+    global _hooked
+    if not _hooked:
         sys.excepthook = _flag_uncaught(sys.excepthook)
+        _hooked = True
+    _HOSTED[:] = [s for s in _HOSTED if not s.finished()]
     _HOSTED.append(server)
 
 

@@ -369,3 +369,23 @@ def test_a_failed_store_host_leaves_at_once(how):
     finally:
         client.close()
         host.kill()
+
+
+def test_a_process_keeps_only_the_stores_still_in_use():
+    # a closed store with no rank connected has nothing to wait for at exit: the next store this
+    # process hosts lets go of it; one a rank still uses is kept
+    from helios.comm import store as st
+
+    done = st.TCPStore("127.0.0.1", 0, 2, is_server=True, timeout=5, job_id="a")
+    done.close()
+    used = st.TCPStore("127.0.0.1", 0, 2, is_server=True, timeout=5, job_id="b")
+    client = st.TCPStore("127.0.0.1", used.port, 2, timeout=5, job_id="b")
+    client.set("k", b"v")  # proven and open
+    used.close()
+    fresh = st.TCPStore("127.0.0.1", 0, 2, is_server=True, timeout=5, job_id="c")
+    try:
+        assert done.server not in st._HOSTED
+        assert used.server in st._HOSTED and fresh.server in st._HOSTED
+    finally:
+        client.close()
+        fresh.close()

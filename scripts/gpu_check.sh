@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # Every GPU check of helios.cuda_ptx in one command, for a machine with an NVIDIA GPU:
 #
-#   ./scripts/gpu_check.sh [RESULTS_DIR] [all|tests|bench|device|attention|coopmat]   (defaults: ./gpu-results, all)
+#   ./scripts/gpu_check.sh [RESULTS_DIR] [all|tests|bench|device|attention|coopmat|coopmat-ops|coopmat-train]
+#   (defaults: ./gpu-results, all)
 #
 # "tests" runs steps 1-3, "bench" steps 2, 4 and 5 (the smoke run decides what is left
 # out of the benchmark), "device" step 6 alone, "attention" step 7 alone (under 8 minutes),
 # so the whole can be split over shorter sessions.  "coopmat" is the Vulkan part, on its own
 # (not in "all"): matmul on cooperative matrices (VK_KHR_cooperative_matrix) through the GPU's
-# Vulkan driver.  It runs with $PYTHON's helios where that has its Vulkan addon (built by
+# Vulkan driver; "coopmat-ops" is its first half (the facts, the op tests, the GEMM and attention
+# benchmarks), "coopmat-train" its second (the facts, then the training-step benchmarks), for
+# sessions whose calls are shorter than the whole (the second appends to the first's logs).  It runs with $PYTHON's helios where that has its Vulkan addon (built by
 # ./scripts/setup.sh --test), else with one it installs into a temporary folder with the addon
 # built there (a C++ compiler, pybind11 importable by $PYTHON, the Vulkan headers and loader;
 # VULKAN_SDK names an SDK's include/ and lib/, or the usr/ of Debian's libvulkan1 and
@@ -77,7 +80,7 @@ set -uo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 out=$(mkdir -p "${1:-$repo/gpu-results}" && cd "${1:-$repo/gpu-results}" && pwd)
 part=${2:-all}
-case $part in all|tests|bench|device|attention|coopmat) ;; *) echo "gpu_check: the second argument is one of all, tests, bench, device, attention, coopmat; not '$part'" >&2; exit 1 ;; esac
+case $part in all|tests|bench|device|attention|coopmat|coopmat-ops|coopmat-train) ;; *) echo "gpu_check: the second argument is one of all, tests, bench, device, attention, coopmat, coopmat-ops, coopmat-train; not '$part'" >&2; exit 1 ;; esac
 py=${PYTHON:-python3}
 bench_timeout=${HELIOS_GPU_BENCH_TIMEOUT:-240}
 attn_budget=${HELIOS_GPU_ATTN_BUDGET:-450}
@@ -124,11 +127,13 @@ coopmat_helios() {  # a helios with its Vulkan addon for the coopmat part: $py's
     cd "$lib" || return 1  # not the checkout: its root on sys.path would shadow the installed package
 }
 
-coopmat() {  # the "coopmat" part (see the top)
+coopmat() {  # the "coopmat" part, or one of its halves (see the top)
     local facts rc=0
     coopmat_helios || return 1
-    : >"$out/coopmat_tests.log"
-    : >"$out/coopmat_bench.log"
+    if [ "$part" != coopmat-train ]; then
+        : >"$out/coopmat_tests.log"
+        : >"$out/coopmat_bench.log"
+    fi
     facts=$("$py" -c "import json
 from helios._kernels import coopmat
 from helios.runtime import get_runtime
@@ -145,6 +150,14 @@ raise SystemExit(0 if shapes else 3)") || rc=$?
         [ "$rc" -ne 3 ] && echo "gpu_check: helios with its Vulkan addon does not run here (PYTHON=$py; see above)" >&2
         return 2
     fi
+    [ "$part" != coopmat-train ] && coopmat_ops
+    [ "$part" != coopmat-ops ] && coopmat_train
+    grep '^{' "$out/coopmat_bench.log" >"$out/coopmat.jsonl" || true
+    [ ${#failed[@]} -ne 0 ] && { echo "gpu_check: failed: ${failed[*]}" >&2; return 1; }
+    echo "gpu_check: the cooperative-matrix part ($part) passed; bench lines in $out/coopmat.jsonl"
+}
+
+coopmat_ops() {  # the first half of the coopmat part: op tests, then the GEMM and attention benchmarks
     step coopmat-tests "$out/coopmat_tests.log" "$py" -m pytest -q -p no:cacheprovider "$repo/tests/test_coopmat_gpu.py" \
         "$repo/tests/test_coopmat_select.py" "$repo/tests/test_coopmat_kernel.py" "$repo/tests/test_mixed_matmul.py" \
         "$repo/tests/test_flash_coop.py"
@@ -152,17 +165,17 @@ raise SystemExit(0 if shapes else 3)") || rc=$?
         --layouts nn nt tn --attn-T
     step flash-coop-bench "$out/coopmat_bench.log" timeout "$bench_timeout" "$py" -u "$repo/bench/vulkan_coopmat.py" --sizes \
         --attn-T 1024 4096 --attn-head-dims 64 128 --rounds 3
+}
+
+coopmat_train() {  # the second half: training steps, bf16 against fp32 and against PyTorch
     step autocast-bench "$out/coopmat_bench.log" timeout "$bench_timeout" "$py" -u "$repo/bench/autocast_step.py" \
         --device vulkan:0 --configs tiny small gpt2 --rounds 1 --steps 12
     step flash-vs-dense-bench "$out/coopmat_bench.log" timeout "$bench_timeout" "$py" -u "$repo/bench/attention.py" \
         --device vulkan:0 --dtype bf16 --T 64 128 256 512 --head-dim 32 64 --batch 16 --rounds 3 --no-memory
     step gpt2-vs-torch-bench "$out/coopmat_bench.log" timeout "$bench_timeout" "$py" -u "$repo/bench/train_step.py" \
         --device vulkan:0 --peer cuda --dtype bf16 --config gpt2 --steps 3 --warmup 1 --no-compile
-    grep '^{' "$out/coopmat_bench.log" >"$out/coopmat.jsonl" || true
-    [ ${#failed[@]} -ne 0 ] && { echo "gpu_check: failed: ${failed[*]}" >&2; return 1; }
-    echo "gpu_check: the cooperative-matrix op tests passed; bench lines in $out/coopmat.jsonl"
 }
-if [ "$part" = coopmat ]; then
+if [ "${part%%-*}" = coopmat ]; then
     coopmat
     exit $?
 fi

@@ -54,7 +54,8 @@ def test_gpu_check_script_installs_without_native_parts_and_runs_the_gate(tmp_pa
     assert "ptxas" in (out / "env.txt").read_text()
     bad = subprocess.run([os.path.join(ROOT, "scripts", "gpu_check.sh"), str(out), "everything"], capture_output=True,
                          text=True, env=env, timeout=60)
-    assert bad.returncode == 1 and "one of all, tests, bench, device, attention, coopmat; not 'everything'" in bad.stderr
+    parts = "all, tests, bench, device, attention, coopmat, coopmat-ops, coopmat-train"
+    assert bad.returncode == 1 and f"one of {parts}; not 'everything'" in bad.stderr
     # the benchmark half alone skips the gate, and stops at the missing driver
     bench_only = tmp_path / "bench-only"
     r = subprocess.run([os.path.join(ROOT, "scripts", "gpu_check.sh"), str(bench_only), "bench"], capture_output=True,

@@ -10,7 +10,8 @@
 # (not in "all"): matmul on cooperative matrices (VK_KHR_cooperative_matrix) through the GPU's
 # Vulkan driver; "coopmat-ops" is its first half (the facts, the op tests, the GEMM and attention
 # benchmarks), "coopmat-train" its second (the facts, then the training-step benchmarks), for
-# sessions whose calls are shorter than the whole (the second appends to the first's logs).  It runs with $PYTHON's helios where that has its Vulkan addon (built by
+# sessions whose calls are shorter than the whole (the second appends to the first's logs).
+# It runs with $PYTHON's helios where that has its Vulkan addon (built by
 # ./scripts/setup.sh --test), else with one it installs into a temporary folder with the addon
 # built there (a C++ compiler, pybind11 importable by $PYTHON, the Vulkan headers and loader;
 # VULKAN_SDK names an SDK's include/ and lib/, or the usr/ of Debian's libvulkan1 and
@@ -26,7 +27,7 @@
 # nt tn, fp16 and bf16 where listed: coopmat, the shared-memory kernel and cuBLAS in the same
 # dtype; then its fp16 and bf16 attention at T 1024 and 4096, head dims 64 and 128: flash_coop,
 # the shared-memory flash kernel and PyTorch's CUDA SDPA; bench/autocast_step.py: helios-train
-# --dtype bf16 against fp32 at tiny, small and gpt2; last, bench/attention.py in bf16 at T 64 ...
+# --dtype bf16 against fp32 at tiny, small and gpt2; bench/attention.py in bf16 at T 64 ...
 # 512: flash against the autocast dense path, for where training should switch to flash
 # (FLASH_MIN_TRAIN_T); last, bench/train_step.py's GPT-2 bf16 step on vulkan:0 against PyTorch
 # CUDA eager under autocast on the same GPU -> coopmat_bench.log, coopmat.jsonl).

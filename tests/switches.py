@@ -72,10 +72,8 @@ def emulate_coopmat(monkeypatch, rt) -> bool:
 
 @contextlib.contextmanager
 def coopmat_device(chosen):
-    """The current device with its cooperative-matrix kernels on, inside the block (a test module's
-    fixture): a GPU that lists shapes as it is, lavapipe through emulate_coopmat (undone on exit).
-    Skips where neither can, or where ``chosen(rt)``, the choice (a coopmat.Choice) the module's
-    kernel makes there, is not a cooperative-matrix one."""
+    """The current device with its cooperative-matrix kernels on inside the block (a test module's
+    fixture; _coopmat_on says how and when it skips), the emulation undone on exit."""
     import pytest
 
     rt = get_runtime()

@@ -429,8 +429,8 @@ def _grad_operand(g: Tensor, low) -> Tensor:
 
 
 def _autocast_linear_grads(ctx, g: Tensor, x: Tensor, w: Tensor, low, idx: tuple = (0, 1, 2)) -> tuple:
-    """(gx, gw, gb) of an autocast linear (inputs ``idx`` of ctx: x's, w's, b's; None for one
-    not wanted) for its output gradient g (``low``, or float32 where the products round it:
+    """(gx, gw, gb) of an autocast linear (inputs ``idx`` of ctx: x's, w's, b's; x's None where
+    its gradient is not wanted) for its output gradient g (``low``, or float32 where the products round it:
     _grad_operand): each gradient the product of g and the other operand rounded to ``low``,
     stored in its input's dtype (a float32 input gets the rounded gradient widened, as its cast's
     backward gives it), into the input's free gradient slot where it has one."""

@@ -80,6 +80,16 @@ operands between the parts); the LayerNorm and clip fusions run either way.
   way, and its backward rounds each gradient as it stores it, as the cast back does: the
   same bits without the two copies of the logits (helios.functional.nn_ops.cross_entropy,
   the mean over index targets without class weights).
+* ``layer_norm+cast`` / ``cast+layer_norm_bwd`` (and its ``+acc`` / ``+params`` forms): under
+  autocast LayerNorm is float32, and a GPT's LayerNorm output is read only by the next autocast
+  product, which rounds it to the autocast dtype as it loads it.  Where the caller says so
+  (helios.functional.layer_norm's ``feeds_products``: GPT's ln_1, ln_2 and ln_f before plain
+  Linear layers and the tied head), the LayerNorm kernel stores its float32 result rounded to
+  that dtype, what the product reads; the product saves that 16-bit tensor for backward and
+  writes the 16-bit input gradient, which LayerNorm's backward kernels read as the float32
+  values the cast's backward would widen it to (layernorm.comp's mixed variants, e.g.
+  ``f32_bf16``).  The same bits with half the bytes stored, kept and read, and on a matrix engine
+  that reads only the autocast dtype, no cast kernel before the product.
 * ``cast+softmax`` / ``softmax_bwd+cast``: likewise for attention's softmax under autocast
   (helios.functional.nn_ops.attention_softmax, the dense attention path): 16-bit scores are
   read as their float32 values and the float32 probabilities stored (what backward and the
@@ -132,7 +142,14 @@ PARTS = {
     "sum_squares": ("mul", "sum"),
     "sum_squares+clip_coef": ("mul", "sum", "sqrt", "add_s", "rdiv_s", "clamp"),
     "sum+clip_coef": ("sum", "sqrt", "add_s", "rdiv_s", "clamp"),
+    "layer_norm+cast": ("layer_norm", "cast"),
+    "rms_norm+cast": ("rms_norm", "cast"),
 }
+# A float32 LayerNorm's backward reading the 16-bit gradient of its "layer_norm+cast" output:
+# the cast's backward (a widening cast) first, then the kernels above.
+PARTS.update({"cast+" + name: ("cast",) + PARTS.get(name, (name,)) for name in (
+    "layer_norm_bwd", "layer_norm_bwd+acc", "layer_norm_bwd+params", "layer_norm_bwd+acc+params", "layer_norm_bwd_params",
+    "rms_norm_bwd", "rms_norm_bwd+acc", "rms_norm_bwd+params", "rms_norm_bwd+acc+params")})
 
 
 def enabled() -> bool:

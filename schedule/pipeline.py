@@ -78,6 +78,7 @@ from helios import functional as F
 from helios.autograd.tape import is_grad_enabled, no_grad
 from helios.creation import arange, tensor
 from helios.nn import GPT, Module
+from helios.nn.modules import norm_for_product
 from helios.schedule.grid import group_size
 from helios.schedule.moe import with_aux
 
@@ -161,11 +162,11 @@ def _logits(layers, x, tp_group):
     """The final LayerNorm of ``x`` [b, t, C] and the tied output layer: the logits (this rank's
     vocabulary slice of them under tensor parallelism; a sequence-parallel model's ``x`` is this
     rank's [b, t/tp, C] shard, gathered after the LayerNorm, so the logits cover all t)."""
-    x = layers.ln_f(x)
-    if tp_group is not None:
-        from helios.schedule.tensor_parallel import output_layer_input
+    if tp_group is None:  # the head's autocast product alone reads it, as in GPT.forward
+        return F.matmul(norm_for_product(layers.ln_f, x, None), layers.wte.weight.mT)
+    from helios.schedule.tensor_parallel import output_layer_input
 
-        x = output_layer_input(x, tp_group, getattr(layers, "sequence_parallel", False))
+    x = output_layer_input(layers.ln_f(x), tp_group, getattr(layers, "sequence_parallel", False))
     return F.matmul(x, layers.wte.weight.mT)
 
 

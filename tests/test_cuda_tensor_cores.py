@@ -14,6 +14,7 @@ import pytest
 
 import helios as hl
 from helios import _kernels as K
+from helios import functional as F
 from helios.cuda_ptx import driver
 from helios.runtime import close_device, get_runtime, set_device
 
@@ -296,3 +297,43 @@ def test_autocast_gradient_casts_ride_in_the_tensor_core_products(cuda, monkeypa
     # embedding's input and weight gradients.
     assert separate_casts - fused_casts == 6, (separate_casts, fused_casts)
     assert all(cuda)
+
+
+def _layer_norm_into_linear(feeds: bool, seed: int = 4):
+    """GPT's ln_1 -> c_attn under bf16 autocast from float32 leaves, forward and backward, the
+    LayerNorm told its output feeds the product (``feeds``) or not: every result's bits, and
+    the cast kernels run (copies between dtypes)."""
+    from helios._kernels import elementwise
+
+    rng = np.random.default_rng(seed)
+    shapes = {"x": (2, 8, 64), "lw": (64,), "lb": (64,), "w": (96, 64), "b": (96,)}
+    t = {k: hl.tensor(rng.standard_normal(s).astype(np.float32), requires_grad=True) for k, s in shapes.items()}
+    casts = []
+    real = elementwise.copy_into
+
+    def counted(dst, src):
+        casts.append(dst.dtype is not src.dtype)
+        return real(dst, src)
+
+    elementwise.copy_into = K.copy_into = counted
+    try:
+        with hl.autocast(hl.bfloat16):
+            h = F.layer_norm(t["x"], (64,), t["lw"], t["lb"], feeds_products=feeds)
+            y = F.linear(h, t["w"], t["b"])
+        y.backward(K.copy(hl.tensor(rng.standard_normal((2, 8, 96)).astype(np.float32)), hl.bfloat16))
+    finally:
+        elementwise.copy_into = K.copy_into = real
+    return [_exact(y)] + [t[k].grad.numpy() for k in shapes], h.dtype, sum(casts)
+
+
+def test_a_layer_norm_feeding_a_product_stores_bf16_for_the_tensor_cores(cuda):
+    # The tensor cores read memory as it is, so a float32 LayerNorm output was cast to bf16 by a
+    # kernel of its own before the product; stored in bf16 by the LayerNorm itself ("layer_norm+cast")
+    # it needs none, and backward the product writes the bf16 gradient the LayerNorm kernels read.
+    # The same bits either way; each run's three products on the tensor cores.
+    fused, h_dtype, fused_casts = _layer_norm_into_linear(True)
+    separate, h32_dtype, separate_casts = _layer_norm_into_linear(False)
+    for f, s in zip(fused, separate):
+        np.testing.assert_array_equal(f, s)
+    assert (h_dtype, h32_dtype) == (hl.bfloat16, hl.float32)
+    assert separate_casts - fused_casts == 1 and all(cuda) and len(cuda) == 6, (separate_casts, fused_casts, cuda)

@@ -7,7 +7,7 @@ import struct
 
 from helios import dtypes as dt
 from helios import fused_kernels
-from helios.errors import ShapeError
+from helios.errors import DTypeError, ShapeError
 from helios.tensor import Tensor
 from helios._kernels.core import bind, column_chunks, empty, groups_for, workgroup_for_run
 import helios._kernels as kern  # the other kernel families (bound once the package has loaded)
@@ -88,31 +88,52 @@ def _ln_spec(spec: tuple, rms: bool) -> tuple:
     return spec + (True, True, False)[len(spec) - 5:] + (True,)
 
 
-def _ln_name(name: str, rms: bool) -> str:
+def _ln_name(name: str, rms: bool, cast: bool = False) -> str:
     """A LayerNorm dispatch's name, or its RMSNorm twin's (``layer_norm_bwd+acc`` ->
-    ``rms_norm_bwd+acc``)."""
-    return name.replace("layer_norm", "rms_norm", 1) if rms else name
+    ``rms_norm_bwd+acc``); ``cast``: a backward's that reads a 16-bit gradient of a float32
+    LayerNorm (``cast+layer_norm_bwd+acc``, helios.fused_kernels)."""
+    name = name.replace("layer_norm", "rms_norm", 1) if rms else name
+    return "cast+" + name if cast else name
 
 
-def layer_norm_fwd(x: Tensor, w: Tensor | None, b: Tensor | None, eps: float, rms: bool = False):
+def _low_operand(fn: str, x: Tensor, t: dt.DType, what: str) -> bool:
+    """Whether LayerNorm's ``what`` of dtype ``t`` is a 16-bit one of a float32 ``x`` (the kernels'
+    mixed variants: layernorm.comp's TL), refusing any dtype but x's or those."""
+    if t is x.dtype:
+        return False
+    if x.dtype is dt.float32 and t in (dt.bfloat16, dt.float16):
+        return True
+    raise DTypeError(f"{fn}: {what} must be {x.dtype.name}"
+                     + (" or a 16-bit float" if x.dtype is dt.float32 else "") + f", got {t.name}")
+
+
+def layer_norm_fwd(x: Tensor, w: Tensor | None, b: Tensor | None, eps: float, rms: bool = False,
+                   out_dtype: dt.DType | None = None):
     """y, mean, rstd of LayerNorm over the last dim of contiguous ``x``; with ``rms`` RMSNorm's
-    (no mean subtracted: y = x * rstd * w (+ b), rstd = 1 / sqrt(mean(x^2) + eps), mean all 0)."""
+    (no mean subtracted: y = x * rstd * w (+ b), rstd = 1 / sqrt(mean(x^2) + eps), mean all 0).
+    ``out_dtype``: a float32 x's y stored rounded to bfloat16 or float16, computed in float32 as
+    ever (helios.fused_kernels "layer_norm+cast": what a cast kernel after it would store)."""
     rt = x._st.rt
     C = x.shape[-1]
     rows = x.numel() // C if C else 0
-    y = empty(x.shape, x.dtype, rt)
+    out_dtype = out_dtype or x.dtype
+    cast = _low_operand("layer_norm_fwd", x, out_dtype, "out_dtype")
+    y = empty(x.shape, out_dtype, rt)
     mean = empty((rows,), dt.float32, rt)
     rstd = empty((rows,), dt.float32, rt)
     if rows == 0:
         return y, mean, rstd
     wg, per_thread, groups = _row_plan(rt, rows, C, "layer_norm")
-    pid = rt.pipeline("layernorm", _row_variant(rt, x.dtype, per_thread), _ln_spec((0, w is not None, wg, b is not None, per_thread), rms))
+    spec = _ln_spec((0, w is not None, wg, b is not None, per_thread), rms)
+    pid = rt.pipeline("layernorm", _row_variant(rt, x.dtype, per_thread, out_dtype), spec)
     bx, ox = bind(x)
     bw, ow = bind(w) if w is not None else (bx, 0)
     bb, ob = bind(b) if b is not None else (bx, 0)
+    name = _ln_name("layer_norm", rms) + ("+cast" if cast else "")
     rt.dispatch(pid, [bx, bw, bb, bind(y, True)[0], bind(mean, True)[0], bind(rstd, True)[0], bx, bx, bx],
-                _P_LN.pack(C, rows, ox, 0, eps, ow, ob, 0, 0, 0, 0), groups, _ln_name("layer_norm", rms), 8 * x.numel(),
-                3 * x.numel() * x.dtype.itemsize)
+                _P_LN.pack(C, rows, ox, 0, eps, ow, ob, 0, 0, 0, 0), groups,
+                fused_kernels.dispatch_name(name, rt) if cast else name, 8 * x.numel(),
+                x.numel() * (2 * x.dtype.itemsize + out_dtype.itemsize))
     return y, mean, rstd
 
 
@@ -120,8 +141,11 @@ def layer_norm_bwd_input(x: Tensor, w: Tensor | None, g: Tensor, mean: Tensor, r
                          acc: Tensor | None = None, rms: bool = False) -> Tensor:
     """dL/dx of LayerNorm (contiguous x and g; ``rms``: of RMSNorm).  With ``acc`` (a contiguous
     tensor of x's shape and dtype: a pending gradient of x) the kernel returns dx + acc, the add
-    done in its store (helios.fused_kernels "layer_norm_bwd+acc"), bit for bit the separate add."""
+    done in its store (helios.fused_kernels "layer_norm_bwd+acc"), bit for bit the separate add.
+    g is x's dtype, or (a float32 x's) bfloat16 / float16: the gradient of a "layer_norm+cast"
+    output, read as the float32 values its cast's backward would store; dx is float32 either way."""
     _check_acc("layer_norm_bwd_input", x, acc)
+    cast = _low_operand("layer_norm_bwd_input", x, g.dtype, "the gradient")
     rt = x._st.rt
     C = x.shape[-1]
     dx = empty(x.shape, x.dtype, rt)
@@ -130,16 +154,16 @@ def layer_norm_bwd_input(x: Tensor, w: Tensor | None, g: Tensor, mean: Tensor, r
     rows = x.numel() // C
     wg, per_thread, groups = _row_plan(rt, rows, C, "layer_norm backward")
     spec = _ln_spec((1, w is not None, wg, acc is not None, per_thread), rms)
-    pid = rt.pipeline("layernorm", _row_variant(rt, x.dtype, per_thread), spec)
+    pid = rt.pipeline("layernorm", _row_variant(rt, x.dtype, per_thread, g.dtype), spec)
     bx, ox = bind(x)
     bg, og = bind(g)
     bw, ow = bind(w) if w is not None else (bx, 0)
     bp, op = bind(acc) if acc is not None else (bx, 0)  # binding 2 (the bias slot) holds acc
-    name = _ln_name("layer_norm_bwd", rms)
-    if acc is not None:
-        name = fused_kernels.dispatch_name(_ln_name("layer_norm_bwd+acc", rms), rt)
+    name = _ln_name("layer_norm_bwd+acc" if acc is not None else "layer_norm_bwd", rms, cast)
+    if acc is not None or cast:
+        name = fused_kernels.dispatch_name(name, rt)
     rt.dispatch(pid, [bx, bw, bp, bind(dx, True)[0], bind(mean)[0], bind(rstd)[0], bg, bx, bx],
-                _P_LN.pack(C, rows, ox, og, 0.0, ow, op, 0, 0, 0, 0), groups, name, *_bwd_input_cost(x, acc))
+                _P_LN.pack(C, rows, ox, og, 0.0, ow, op, 0, 0, 0, 0), groups, name, *_bwd_input_cost(x, g, acc))
     return dx
 
 
@@ -150,14 +174,14 @@ def _check_acc(fn: str, x: Tensor, acc: Tensor | None) -> None:
                          f"got {acc.dtype.name} {acc.shape} with strides {acc._strides}")
 
 
-def _bwd_input_cost(x: Tensor, acc: Tensor | None):
-    """(flops, bytes) of the input-gradient kernel, for the profiler."""
-    return 10 * x.numel(), (4 + (acc is not None)) * x.numel() * x.dtype.itemsize
+def _bwd_input_cost(x: Tensor, g: Tensor, acc: Tensor | None):
+    """(flops, bytes) of the input-gradient kernel, for the profiler (x and g read twice)."""
+    return 10 * x.numel(), x.numel() * ((3 + (acc is not None)) * x.dtype.itemsize + 2 * g.dtype.itemsize)
 
 
-def _bwd_params_cost(x: Tensor):
+def _bwd_params_cost(x: Tensor, g: Tensor):
     """(flops, bytes) of the parameter-gradient kernel, for the profiler."""
-    return 5 * x.numel(), 2 * x.numel() * x.dtype.itemsize
+    return 5 * x.numel(), x.numel() * (x.dtype.itemsize + g.dtype.itemsize)
 
 
 def _param_grads_out(x: Tensor, need_w: bool, need_b: bool, dw_out: Tensor | None, db_out: Tensor | None):
@@ -197,7 +221,8 @@ def layer_norm_bwd_params(x: Tensor, g: Tensor, mean: Tensor, rstd: Tensor, need
     ``dw_out`` / ``db_out`` (optional, contiguous [C] tensors of x's dtype) receive them
     instead of new memory when every needed one is given and they share a storage (one
     output binding: the slots of one flat gradient buffer); otherwise they are ignored and
-    the results come in new memory."""
+    the results come in new memory.  g: as :func:`layer_norm_bwd_input`'s."""
+    cast = _low_operand("layer_norm_bwd_params", x, g.dtype, "the gradient")
     rt = x._st.rt
     C = x.shape[-1]
     rows = x.numel() // C if C else 0
@@ -206,18 +231,19 @@ def layer_norm_bwd_params(x: Tensor, g: Tensor, mean: Tensor, rstd: Tensor, need
         return dw, db
     runs, per_run = column_chunks(rt, rows, C)
     part = empty((runs, 2, C), dt.float32, rt) if runs > 1 else None
-    variant = _row_variant(rt, x.dtype, True)
+    variant = _row_variant(rt, x.dtype, True, g.dtype)
     pid = rt.pipeline("layernorm", variant, (2, False, 64, False, False, need_w, need_b, part is not None))
+    name = _ln_name("layer_norm_bwd_params", False, cast)
     bx, ox = bind(x)
     bg, og = bind(g)
     ncol = (C + 63) // 64
     push = _P_LN.pack(C, rows, ox, og, 0.0, 0, 0, offs[0], offs[1], 0, per_run)
     rt.dispatch(pid, [bx, bx, bx, bo, bind(mean)[0], bind(rstd)[0], bg, bx, bind(part, True)[0] if part is not None else bx],
-                push, groups_for(runs * ncol), "layer_norm_bwd_params", *_bwd_params_cost(x))
+                push, groups_for(runs * ncol), fused_kernels.dispatch_name(name, rt) if cast else name, *_bwd_params_cost(x, g))
     if part is not None:  # each column's partials added in run order, stored as one pass stores
         pid = rt.pipeline("layernorm", variant, (4, False, 64, False, False, need_w, need_b))
         rt.dispatch(pid, [bx, bx, bx, bo, bx, bx, bx, bx, bind(part)[0]], push, groups_for(ncol),
-                    "layer_norm_bwd_params", 2 * runs * C, (2 * runs * 4 + 2 * x.dtype.itemsize) * C)
+                    "layer_norm_bwd_params", 2 * runs * C, (2 * runs * 4 + 2 * x.dtype.itemsize) * C)  # reads no g
     if direct is not None:
         direct.version += 1
     return dw, db
@@ -236,6 +262,7 @@ def layer_norm_bwd(x: Tensor, w: Tensor | None, g: Tensor, mean: Tensor, rstd: T
     others (spread among them) the columns, each with the code of its own kernel.  Otherwise,
     or with neither parameter gradient needed, the two kernels run as before."""
     _check_acc("layer_norm_bwd", x, acc)
+    cast = _low_operand("layer_norm_bwd", x, g.dtype, "the gradient")
     rt = x._st.rt
     C = x.shape[-1]
     rows = x.numel() // C if C else 0
@@ -250,14 +277,14 @@ def layer_norm_bwd(x: Tensor, w: Tensor | None, g: Tensor, mean: Tensor, rstd: T
     dx = empty(x.shape, x.dtype, rt)
     dw, db, bo, offs, direct = _param_grads_out(x, need_w, need_b, dw_out, db_out)
     row_wgs = (rows + 63) // 64
-    pid = rt.pipeline("layernorm", _row_variant(rt, x.dtype, True),
+    pid = rt.pipeline("layernorm", _row_variant(rt, x.dtype, True, g.dtype),
                       _ln_spec((3, w is not None, 64, acc is not None, True, need_w, need_b), rms))
     bx, ox = bind(x)
     bg, og = bind(g)
     bw, ow = bind(w) if w is not None else (bx, 0)
     bp, op = bind(acc) if acc is not None else (bx, 0)  # binding 2 (the bias slot) holds acc, as in MODE 1
-    name = fused_kernels.dispatch_name(_ln_name("layer_norm_bwd+acc+params" if acc is not None else "layer_norm_bwd+params", rms), rt)
-    (f1, n1), (f2, n2) = _bwd_input_cost(x, acc), _bwd_params_cost(x)
+    name = fused_kernels.dispatch_name(_ln_name("layer_norm_bwd+acc+params" if acc is not None else "layer_norm_bwd+params", rms, cast), rt)
+    (f1, n1), (f2, n2) = _bwd_input_cost(x, g, acc), _bwd_params_cost(x, g)
     rt.dispatch(pid, [bx, bw, bp, bind(dx, True)[0], bind(mean)[0], bind(rstd)[0], bg, bo, bx],
                 _P_LN.pack(C, rows, ox, og, 0.0, ow, op, offs[0], offs[1], row_wgs, 0),
                 groups_for(row_wgs + (C + 63) // 64), name, f1 + f2, n1 + n2)

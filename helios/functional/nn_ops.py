@@ -155,11 +155,13 @@ def attention_softmax(scores: Tensor, scale: float = 1.0, causal: bool = False) 
 
 class _LayerNorm(Function):
     """LayerNorm over the last dim of contiguous x; with ``rms`` RMSNorm (the same kernels
-    with the mean taken as 0: layernorm.comp's RMS)."""
+    with the mean taken as 0: layernorm.comp's RMS).  ``out_dtype``: a float32 x's result
+    stored rounded to that 16-bit dtype ("layer_norm+cast"); its gradient then comes in that
+    dtype, which the backward kernels read as it is."""
 
     @staticmethod
-    def forward(ctx, x, w, b, eps, rms=False):
-        y, mean_, rstd = K.layer_norm_fwd(x, w, b, eps, rms)
+    def forward(ctx, x, w, b, eps, rms=False, out_dtype=None):
+        y, mean_, rstd = K.layer_norm_fwd(x, w, b, eps, rms, out_dtype)
         ctx.save_for_backward(x, w, mean_, rstd)
         ctx.has_b = b is not None
         ctx.rms = rms
@@ -178,17 +180,26 @@ class _LayerNorm(Function):
             if fused_kernels.ENABLED and (need_w or need_b):  # both gradients in one dispatch where it can
                 dx, dw, db = K.layer_norm_bwd(x, w, g, mean_, rstd, need_w, need_b, acc,
                                               ctx.grad_out(1), ctx.grad_out(2), ctx.rms)
-                return dx, dw, db, None, None
+                return dx, dw, db, None, None, None
             dx = K.layer_norm_bwd_input(x, w, g, mean_, rstd, acc, ctx.rms)
         if need_w or need_b:  # into the parameters' free slots when both share one buffer
             dw, db = K.layer_norm_bwd_params(x, g, mean_, rstd, need_w, need_b, ctx.grad_out(1), ctx.grad_out(2))
-        return dx, dw, db, None, None
+        return dx, dw, db, None, None, None
 
 
-def layer_norm(x: Tensor, normalized_shape, weight: Tensor | None = None, bias: Tensor | None = None, eps: float = 1e-5) -> Tensor:
-    """LayerNorm over the last dim(s) ``normalized_shape``."""
+def layer_norm(x: Tensor, normalized_shape, weight: Tensor | None = None, bias: Tensor | None = None, eps: float = 1e-5,
+               *, feeds_products: bool = False) -> Tensor:
+    """LayerNorm over the last dim(s) ``normalized_shape`` (computed in float32 under autocast).
+
+    ``feeds_products``: the caller's promise that only autocast products (linear, matmul) read
+    the result, and nothing else, once: they round it to the autocast dtype as they load it.
+    Under autocast (fusion on) the result is then stored in that dtype, the values those
+    products read, in half the bytes, and its gradient comes back in it (helios.fused_kernels
+    "layer_norm+cast").  Without autocast it changes nothing."""
+    low = None
     if _amp.state.dtype is not None:  # autocast: in float32
         x, weight, bias = _amp.fp32(x, weight, bias)
+        low = _amp.active_dtype() if feeds_products and fused_kernels.ENABLED else None
     if isinstance(normalized_shape, int):
         normalized_shape = (normalized_shape,)
     normalized_shape = tuple(normalized_shape)
@@ -197,19 +208,20 @@ def layer_norm(x: Tensor, normalized_shape, weight: Tensor | None = None, bias: 
     for name, p in (("weight", weight), ("bias", bias)):
         if p is not None and p.shape != normalized_shape:
             raise ShapeError(f"layer_norm: {name} has shape {p.shape}, expected {normalized_shape}")
-    return _normalize_rows(x, normalized_shape, weight, bias, eps, False)
+    return _normalize_rows(x, normalized_shape, weight, bias, eps, False, low)
 
 
-def _normalize_rows(x: Tensor, ns: tuple, weight: Tensor | None, bias: Tensor | None, eps: float, rms: bool) -> Tensor:
+def _normalize_rows(x: Tensor, ns: tuple, weight: Tensor | None, bias: Tensor | None, eps: float, rms: bool,
+                    out_dtype=None) -> Tensor:
     """_LayerNorm (``rms``: RMSNorm) over x's last dims ``ns``, flattened into rows of their
-    product; weight and bias (None: none) of shape ``ns``."""
+    product; weight and bias (None: none) of shape ``ns``; ``out_dtype``: _LayerNorm's."""
     C = numel(ns)
 
     def flat(p):
         return F.reshape(F.contiguous(p), (C,)) if p is not None else None
 
     x2 = F.reshape(F.contiguous(x), x.shape[: x.ndim - len(ns)] + (C,))
-    return F.reshape(_LayerNorm.apply(x2, flat(weight), flat(bias), float(eps), rms), x.shape)
+    return F.reshape(_LayerNorm.apply(x2, flat(weight), flat(bias), float(eps), rms, out_dtype), x.shape)
 
 
 class _Embedding(Function):

@@ -20,7 +20,7 @@ import numpy as np
 import helios.functional as F
 from helios import dtypes as dt
 from helios.creation import tensor
-from helios.nn.modules import GELU, GPT, GPTConfig, LayerNorm, Linear, Module, ReLU, SiLU, position_ids
+from helios.nn.modules import GELU, GPT, GPTConfig, LayerNorm, Linear, Module, ReLU, SiLU, norm_for_product, position_ids
 from helios.tensor import Tensor
 
 from helios.models.generation import GenerationMixin, lm_loss
@@ -140,7 +140,7 @@ class GPT2LMHeadModel(Module, GenerationMixin):
         x = t.drop(t.wte(idx) + t.wpe(position_ids(T, w.untyped_storage().rt)))
         for block in t.h:
             x = block(x)
-        logits = F.matmul(t.ln_f(x), w.mT)
+        logits = F.matmul(norm_for_product(t.ln_f, x, None), w.mT)
         return logits, None if targets is None else lm_loss(logits, targets, w.device)
 
     def flops_per_token(self) -> int:
@@ -167,11 +167,11 @@ class GPT2LMHeadModel(Module, GenerationMixin):
         x = t.wte(idx) + t.wpe(pos)
         for i, block in enumerate(t.h):
             B, T, C = x.shape
-            q, k, v = F.split_heads(block.attn.c_attn(block.ln_1(x)), block.attn.n_head)
+            q, k, v = F.split_heads(block.attn.c_attn(norm_for_product(block.ln_1, x, block.attn.c_attn)), block.attn.n_head)
             y = F.reshape(F.transpose(kv.attend(i, q, k, v), 1, 2), (B, T, C))
             x = F.linear_residual(y, block.attn.c_proj.weight, block.attn.c_proj.bias, x)  # one kernel, as GPT's Block
-            x = block.mlp(block.ln_2(x), residual=x)
-        return F.matmul(t.ln_f(x[:, -1]), self.lm_head.weight.mT)
+            x = block.mlp(norm_for_product(block.ln_2, x, block.mlp.c_fc), residual=x)
+        return F.matmul(norm_for_product(t.ln_f, x[:, -1], None), self.lm_head.weight.mT)
 
     # -- Hugging Face folders --------------------------------------------------------------
     def hf_state_dict(self) -> dict:

@@ -373,8 +373,10 @@ class LayerNorm(Module):
         self.weight = _new_param(ones(*self.normalized_shape), device, dtype) if elementwise_affine else None
         self.bias = _new_param(zeros(*self.normalized_shape), device, dtype) if elementwise_affine and bias else None
 
-    def forward(self, x: Tensor) -> Tensor:
-        return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+    def forward(self, x: Tensor, *, feeds_products: bool = False) -> Tensor:
+        """LayerNorm of x; ``feeds_products``: F.layer_norm's (only autocast products read the
+        result: under autocast it is stored in their dtype)."""
+        return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps, feeds_products=feeds_products)
 
     def extra_repr(self) -> str:
         return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}, bias={self.bias is not None}"
@@ -813,6 +815,16 @@ def _identity(dropout) -> bool:
     return dropout is None or (type(dropout) is Dropout and (dropout.p == 0 or not dropout.training))
 
 
+def norm_for_product(norm, x: Tensor, product) -> Tensor:
+    """norm(x) where ``product`` alone reads the result: a plain LayerNorm before a plain Linear
+    (or ``product`` None: the caller's own autocast matmul, GPT's tied head) stores it in the
+    autocast dtype the product rounds it to (F.layer_norm's ``feeds_products``: the same values
+    for the product, half the bytes).  Any other pair runs norm(x)."""
+    if type(norm) is LayerNorm and "forward" not in vars(norm) and (product is None or _plain_linear(product)):
+        return norm(x, feeds_products=True)
+    return norm(x)
+
+
 def project_residual(proj, y: Tensor, residual: Tensor | None, dropout=None) -> Tensor:
     """dropout(proj(y)) (no ``dropout``: proj(y)), plus ``residual`` when given: one
     "linear+residual" kernel when the projection is a plain Linear and the dropout the identity
@@ -835,8 +847,9 @@ class Block(Module):
     def forward(self, x: Tensor) -> Tensor:
         if fused_kernels.ENABLED and type(self.attn) is CausalSelfAttention and type(self.mlp) is MLP:
             # the residual adds ride in the projections' matmuls (helios.fused_kernels)
-            x = self.attn(self.ln_1(x), residual=x)
-            return self.mlp(self.ln_2(x), residual=x)
+            # and each LayerNorm's output is stored as its product reads it (under autocast)
+            x = self.attn(norm_for_product(self.ln_1, x, self.attn.c_attn), residual=x)
+            return self.mlp(norm_for_product(self.ln_2, x, self.mlp.c_fc), residual=x)
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
 
@@ -869,7 +882,7 @@ class GPT(Module):
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.h:
             x = block(x)
-        x = self.ln_f(x)
+        x = norm_for_product(self.ln_f, x, None)
         logits = F.matmul(x, self.wte.weight.mT)  # tied output embedding
         loss = None
         if targets is not None:

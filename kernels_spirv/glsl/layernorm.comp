@@ -31,10 +31,19 @@
 //   (y = x * rstd * w, rstd = 1 / sqrt(mean(x^2) + eps); mean_ is stored as 0, so MODE 2's
 //   xhat = (x - mean) * rstd is RMSNorm's) and the backward drops the mean(gw) term:
 //   dx = rstd * (gw - xhat * mean(gw * xhat)).
+// TL (variants like f32_bf16: helios.fused_kernels "layer_norm+cast", "cast+layer_norm_bwd"): a
+//   16-bit type for a float32 LayerNorm whose result only autocast products read.  MODE 0 stores y
+//   rounded to TL (what the products' load, or a cast kernel, would round it to); the backward modes
+//   read a TL gradient g (those products' input gradient, which a cast's backward would widen
+//   exactly).  x, w, b, mean, rstd, dx and the parameter gradients stay float32, and the
+//   arithmetic is the float32 variant's, so the values are the same bit for bit.
 // gw is `precise`: fused into a later fma(g, w, -mean(gw)) its rounding error would survive
 // where gw - mean(gw) is exactly 0 (one column), which a GPU's true fma shows and lavapipe's
 // mul + add hides.
 #include "common.glsl"
+#ifndef TL
+#define TL TA
+#endif
 layout(local_size_x_id = 2) in;
 layout(constant_id = 0) const int MODE = 0;
 layout(constant_id = 1) const bool AFFINE = true;
@@ -55,22 +64,36 @@ layout(constant_id = 8) const bool RMS = false;
 layout(binding = 0) uniform samplerBuffer tx;
 layout(binding = 1) uniform samplerBuffer tw;
 layout(binding = 2) uniform samplerBuffer tb;
-layout(binding = 6) uniform samplerBuffer tg;
 #define LDX(i) texelFetch(tx, int((i) >> 2))[(i) & 3u]
 #define LDW(i) texelFetch(tw, int((i) >> 2))[(i) & 3u]
 #define LDB(i) texelFetch(tb, int((i) >> 2))[(i) & 3u]
+#if TL == TA
+layout(binding = 6) uniform samplerBuffer tg;
 #define LDG(i) texelFetch(tg, int((i) >> 2))[(i) & 3u]
+#define LDG4(t) texelFetch(tg, int(t))
+#endif
 #else
 layout(std430, binding = 0) readonly buffer BX { HL_ST(TA) x[]; };
-layout(std430, binding = 6) readonly buffer BG { HL_ST(TA) g[]; };
 layout(std430, binding = 1) readonly buffer BW { HL_ST(TA) w[]; };
 layout(std430, binding = 2) readonly buffer BB { HL_ST(TA) b[]; };
 #define LDX(i) HL_LDF(TA, x[i])
 #define LDW(i) HL_LDF(TA, w[i])
 #define LDB(i) HL_LDF(TA, b[i])
-#define LDG(i) HL_LDF(TA, g[i])
+#endif
+#if !defined(ROW_TEXEL) || TL != TA
+// g in its own type (a 16-bit g under texel views too: 4 elements a texel's worth of loads)
+layout(std430, binding = 6) readonly buffer BG { HL_ST(TL) g[]; };
+#define LDG(i) HL_LDF(TL, g[i])
+#define LDG4(t) vec4(LDG(4u * (t)), LDG(4u * (t) + 1u), LDG(4u * (t) + 2u), LDG(4u * (t) + 3u))
 #endif
 layout(std430, binding = 3) buffer BO { HL_ST(TA) o[]; };
+// MODE 0's y: in TL (the same binding as dx)
+#if TL == TA
+#define STY(i, v) o[i] = HL_STF(TA, v)
+#else
+layout(std430, binding = 3) writeonly buffer BOL { HL_ST(TL) ol[]; };
+#define STY(i, v) ol[i] = HL_STF(TL, v)
+#endif
 layout(std430, binding = 4) buffer BM { float mean_[]; };
 layout(std430, binding = 5) buffer BR { float rstd_[]; };
 layout(std430, binding = 7) writeonly buffer BD { HL_ST(TA) dp[]; };  // MODE 3: dw, db
@@ -98,6 +121,12 @@ float ln_round(float v) {
 
 #ifdef ROW_TEXEL
 layout(std430, binding = 3) buffer BO4 { vec4 o4[]; };
+// MODE 0's y as 4 elements of texel t
+#if TL == TA
+#define STY4(t, y) o4[t] = (y)
+#else
+#define STY4(t, y) { STY(4u * (t), (y).x); STY(4u * (t) + 1u, (y).y); STY(4u * (t) + 2u, (y).z); STY(4u * (t) + 3u, (y).w); }
+#endif
 // row_serial on whole texels: C and every offset a multiple of 4, so each texel fetch (and
 // each vec4 store) is 4 elements of the row; the elements are added in the same order and
 // each computed as in row_serial, so the results are the same bit for bit.
@@ -120,7 +149,7 @@ void row_serial4(uint row) {
             vec4 y = (texelFetch(tx, int(bx + k)) - mu) * rs;
             if (AFFINE) y *= texelFetch(tw, int(bw + k));
             if (HAS_BIAS) y += texelFetch(tb, int(bb + k));
-            o4[bo + k] = y;
+            STY4(bo + k, y);
         }
         mean_[row] = mu; rstd_[row] = rs;
     } else {
@@ -128,14 +157,14 @@ void row_serial4(uint row) {
         float mu = mean_[row], rs = rstd_[row];
         float s1 = 0.0, s2 = 0.0;
         for (uint k = 0u; k < C4; ++k) {
-            precise vec4 gw = texelFetch(tg, int(bg + k)) * (AFFINE ? texelFetch(tw, int(bw + k)) : vec4(1.0));
+            precise vec4 gw = LDG4(bg + k) * (AFFINE ? texelFetch(tw, int(bw + k)) : vec4(1.0));
             vec4 xh = (texelFetch(tx, int(bx + k)) - mu) * rs;
             s1 += gw.x; s2 += gw.x * xh.x; s1 += gw.y; s2 += gw.y * xh.y;
             s1 += gw.z; s2 += gw.z * xh.z; s1 += gw.w; s2 += gw.w * xh.w;
         }
         s1 = RMS ? 0.0 : s1 * invC; s2 *= invC;
         for (uint k = 0u; k < C4; ++k) {
-            precise vec4 gw = texelFetch(tg, int(bg + k)) * (AFFINE ? texelFetch(tw, int(bw + k)) : vec4(1.0));
+            precise vec4 gw = LDG4(bg + k) * (AFFINE ? texelFetch(tw, int(bw + k)) : vec4(1.0));
             vec4 xh = (texelFetch(tx, int(bx + k)) - mu) * rs;
             precise vec4 d = rs * (gw - s1 - xh * s2);
             if (HAS_BIAS) d = d + texelFetch(tb, int(bb + bo + k));  // + the pending gradient (fp32: no rounding)
@@ -166,7 +195,7 @@ void row_serial(uint row) {
             float y = (LDX(bx + k) - mu) * rs;
             if (AFFINE) y *= LDW(p.off_w + k);
             if (HAS_BIAS) y += LDB(p.off_b + k);
-            o[bo + k] = HL_STF(TA, y);
+            STY(bo + k, y);
         }
         mean_[row] = mu; rstd_[row] = rs;
     } else {
@@ -281,7 +310,7 @@ void main() {
             float y = (LDX(bx + k) - mu) * rs;
             if (AFFINE) y *= LDW(p.off_w + k);
             if (HAS_BIAS) y += LDB(p.off_b + k);
-            o[bo + k] = HL_STF(TA, y);
+            STY(bo + k, y);
         }
         if (tid == 0u) { mean_[row] = mu; rstd_[row] = rs; }
     } else {

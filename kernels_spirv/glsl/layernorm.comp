@@ -35,8 +35,9 @@
 //   16-bit type for a float32 LayerNorm whose result only autocast products read.  MODE 0 stores y
 //   rounded to TL (what the products' load, or a cast kernel, would round it to); the backward modes
 //   read a TL gradient g (those products' input gradient, which a cast's backward would widen
-//   exactly).  x, w, b, mean, rstd, dx and the parameter gradients stay float32, and the
-//   arithmetic is the float32 variant's, so the values are the same bit for bit.
+//   exactly; on CPU drivers through an rgba32ui view).  x, w, b, mean, rstd, dx and the
+//   parameter gradients stay float32, and the arithmetic is the float32 variant's, so the values
+//   are the same bit for bit.
 // gw is `precise`: fused into a later fma(g, w, -mean(gw)) its rounding error would survive
 // where gw - mean(gw) is exactly 0 (one column), which a GPU's true fma shows and lavapipe's
 // mul + add hides.
@@ -71,6 +72,15 @@ layout(binding = 2) uniform samplerBuffer tb;
 layout(binding = 6) uniform samplerBuffer tg;
 #define LDG(i) texelFetch(tg, int((i) >> 2))[(i) & 3u]
 #define LDG4(t) texelFetch(tg, int(t))
+#else
+// a 16-bit g through an rgba32ui view (8 values a texel, two a word): one gather for 8 lanes too
+layout(binding = 6) uniform usamplerBuffer tg;
+#define LDG(i) half_of_word(TL, texelFetch(tg, int((i) >> 3))[((i) >> 1) & 3u], (i) & 1u)
+vec4 LDG4(uint t) {  // elements 4t .. 4t + 3 of g: half of texel t / 2
+    uvec4 q = texelFetch(tg, int(t >> 1));
+    uvec2 w = (t & 1u) == 0u ? q.xy : q.zw;
+    return vec4(half_of_word(TL, w.x, 0u), half_of_word(TL, w.x, 1u), half_of_word(TL, w.y, 0u), half_of_word(TL, w.y, 1u));
+}
 #endif
 #else
 layout(std430, binding = 0) readonly buffer BX { HL_ST(TA) x[]; };
@@ -80,11 +90,9 @@ layout(std430, binding = 2) readonly buffer BB { HL_ST(TA) b[]; };
 #define LDW(i) HL_LDF(TA, w[i])
 #define LDB(i) HL_LDF(TA, b[i])
 #endif
-#if !defined(ROW_TEXEL) || TL != TA
-// g in its own type (a 16-bit g under texel views too: 4 elements a texel's worth of loads)
+#ifndef ROW_TEXEL
 layout(std430, binding = 6) readonly buffer BG { HL_ST(TL) g[]; };
 #define LDG(i) HL_LDF(TL, g[i])
-#define LDG4(t) vec4(LDG(4u * (t)), LDG(4u * (t) + 1u), LDG(4u * (t) + 2u), LDG(4u * (t) + 3u))
 #endif
 layout(std430, binding = 3) buffer BO { HL_ST(TA) o[]; };
 // MODE 0's y: in TL (the same binding as dx)

@@ -27,11 +27,13 @@ arithmetic in the same order, so its results are bit for bit those of the chain:
   offers it: ``Context.grad_pending``).
 * ``layer_norm_bwd+params`` / ``layer_norm_bwd+acc+params``: a LayerNorm backward that needs
   the input gradient (with or without the pending-gradient add above) and the weight and / or
-  bias gradients, as one dispatch where both kernels run an invocation a row / a column in
-  workgroups of 64 (CPU devices): some workgroups run the input-gradient kernel's rows, the
-  others (spread among them) the parameter-gradient kernel's columns, each with its own code
+  bias gradients, as one dispatch: some workgroups run the input-gradient kernel's rows (an
+  invocation a row on CPU devices, a workgroup a row on GPUs), the others the parameter-gradient
+  kernel's columns (spread among the rows' on CPU devices, first on GPUs), each with its own code
   (kernels_spirv/glsl/layernorm.comp, MODE 3).  The two parts read the same inputs and write
-  disjoint outputs, so nothing orders them.  ``rms_norm_bwd+acc``, ``rms_norm_bwd+params`` and
+  disjoint outputs, so nothing orders them.  Where a GPU sums long columns in runs, the runs'
+  partials are added by a second dispatch, as the separate kernel's are (two dispatches instead
+  of three).  ``rms_norm_bwd+acc``, ``rms_norm_bwd+params`` and
   ``rms_norm_bwd+acc+params`` are the same for ``F.rms_norm``'s kernel (layernorm.comp's RMS).
 * ``sum_squares`` and ``sum_squares+clip_coef`` / ``sum+clip_coef``
   (helios.optim.clip_grad_norm_): the sum of squares over a flat gradient buffer as one

@@ -14,6 +14,7 @@ import pytest
 import helios as hl
 import helios.functional as F
 from helios import _kernels as K
+from helios._kernels.core import column_chunks
 from helios import elementwise_jit, fused_kernels
 from helios.errors import ShapeError
 from helios.nn import GPT, GPTConfig, Parameter
@@ -187,28 +188,38 @@ def _residual_ln_run(enabled: bool, dtype: str, shape, pending: bool = True, bia
     return [y.float().numpy()] + [t.grad.float().numpy() for t in (x0, w, b, r) if t.grad is not None], names
 
 
-# (shape, a pending gradient to add?, a bias?): one invocation a row and a column (the input and
-# parameter gradients in one dispatch; several workgroups of each in the fourth), and a workgroup
-# a row (15 rows on a CPU device, or long rows: two dispatches)
+# (shape, a pending gradient to add?, a bias?): on a CPU device one invocation a row and a
+# column (several workgroups of each in the fourth and the last), and a workgroup a row (15 rows,
+# or long rows); on a GPU a workgroup a row, the last case's columns in 4 runs (partials, then
+# their sums: a second dispatch)
 LN_BWD_CASES = [((2, 8, 32), True, True), ((2, 8, 32), False, True), ((2, 8, 32), True, False),
-                ((70, 100), False, False), ((3, 5, 20), True, True), ((4, 600), True, True)]
+                ((70, 100), False, False), ((3, 5, 20), True, True), ((4, 600), True, True), ((300, 48), True, True)]
 
 
+@pytest.mark.parametrize("device", ["cpu", "discrete"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_layer_norm_backward_adds_the_pending_gradient_bit_for_bit(dtype):
+def test_layer_norm_backward_adds_the_pending_gradient_bit_for_bit(monkeypatch, dtype, device):
     if dtype not in _dtypes():
         pytest.skip("no 16-bit storage on this device")
+    rt = get_runtime()
+    if rt.info["type"] != "cpu" and device == "cpu":
+        pytest.skip("the CPU-driver row plans need a CPU device")
+    monkeypatch.setitem(rt.info, "type", device)  # the row plans and the column runs follow it
     for shape, pending, bias in LN_BWD_CASES:
         on, names_on = _residual_ln_run(True, dtype, shape, pending, bias)
         off, names_off = _residual_ln_run(False, dtype, shape, pending, bias)
         _assert_bits_equal(on, off)
         assert len(on) == 4 + bias
-        one = K._row_plan(get_runtime(), int(np.prod(shape[:-1])), shape[-1])[1]  # one dispatch for both?
-        fused_name = ("layer_norm_bwd+acc" if pending else "layer_norm_bwd") + ("+params" if one else "")
-        assert names_on[fused_name] == 1 and names_on["layer_norm_bwd_params"] == (0 if one else 1)
-        assert sum(n.startswith("layer_norm_bwd") for n in names_on.elements()) == (1 if one else 2)
-        assert names_off["layer_norm_bwd"] == 1 and names_off["layer_norm_bwd_params"] == 1
+        # the input and parameter gradients in one dispatch, and where the columns are summed in
+        # runs, the dispatch that adds the runs' partials
+        runs = column_chunks(rt, int(np.prod(shape[:-1])), shape[-1])[0]
+        fused_name = ("layer_norm_bwd+acc" if pending else "layer_norm_bwd") + "+params"
+        assert names_on[fused_name] == 1 and names_on["layer_norm_bwd_params"] == (runs > 1)
+        assert sum(n.startswith("layer_norm_bwd") for n in names_on.elements()) == 1 + (runs > 1)
+        assert names_off["layer_norm_bwd"] == 1 and names_off["layer_norm_bwd_params"] == 1 + (runs > 1)
         assert names_off["add"] - names_on["add"] == pending
+    if device == "discrete":
+        assert runs == 4
 
 
 def test_layer_norm_backward_in_one_dispatch_writes_the_parameter_slots():

@@ -59,10 +59,13 @@ def test_ptxas_accepts_every_variant_without_spills(kernel, tmp_path):
 @needs_ptxas
 def test_ptxas_accepts_the_column_runs(tmp_path):
     # the column reductions' runs (helios._kernels.core.column_chunks), which GPUs take: LayerNorm's
-    # partials (MODE 2 with PARTIALS) and their sum (MODE 4), reduce's second pass with arg indices
-    for v in ("f32", "bf16"):
+    # partials (MODE 2 with PARTIALS) and their sum (MODE 4), reduce's second pass with arg indices;
+    # the backward's input and parameter gradients in one dispatch, a workgroup a row (MODE 3), with
+    # a pending gradient and a 16-bit gradient read by a float32 LayerNorm (f32_bf16)
+    for v in ("f32", "bf16", "f32_bf16"):
         _assemble_without_spills("layernorm", v, (2, False, 64, False, False, True, True, True), tmp_path)
         _assemble_without_spills("layernorm", v, (4, False, 64, False, False, True, True), tmp_path)
+        _assemble_without_spills("layernorm", v, (3, True, 256, True, False, True, True, True), tmp_path)
     for v, op in (("f32", 3), ("i64", 4), ("f32", 0)):
         _assemble_without_spills("reduce", v, (op, 1, 256, op != 0), tmp_path)
 

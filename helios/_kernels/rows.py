@@ -240,13 +240,22 @@ def layer_norm_bwd_params(x: Tensor, g: Tensor, mean: Tensor, rstd: Tensor, need
     push = _P_LN.pack(C, rows, ox, og, 0.0, 0, 0, offs[0], offs[1], 0, per_run)
     rt.dispatch(pid, [bx, bx, bx, bo, bind(mean)[0], bind(rstd)[0], bg, bx, bind(part, True)[0] if part is not None else bx],
                 push, groups_for(runs * ncol), fused_kernels.dispatch_name(name, rt) if cast else name, *_bwd_params_cost(x, g))
-    if part is not None:  # each column's partials added in run order, stored as one pass stores
-        pid = rt.pipeline("layernorm", variant, (4, False, 64, False, False, need_w, need_b))
-        rt.dispatch(pid, [bx, bx, bx, bo, bx, bx, bx, bx, bind(part)[0]], push, groups_for(ncol),
-                    "layer_norm_bwd_params", 2 * runs * C, (2 * runs * 4 + 2 * x.dtype.itemsize) * C)  # reads no g
+    if part is not None:
+        _sum_partials(x, variant, need_w, need_b, bo, part, push)
     if direct is not None:
         direct.version += 1
     return dw, db
+
+
+def _sum_partials(x: Tensor, variant: str, need_w: bool, need_b: bool, bo, part: Tensor, push: bytes) -> None:
+    """The parameter gradients from their runs' partials ``part`` ([runs, 2, C]): each column's
+    added in run order and stored into binding ``bo`` at the offsets in ``push``, as one pass
+    stores them (layernorm.comp's MODE 4)."""
+    rt, C, runs = x._st.rt, x.shape[-1], part.shape[0]
+    bx = bind(x)[0]  # (the unused bindings)
+    pid = rt.pipeline("layernorm", variant, (4, False, 64, False, False, need_w, need_b))
+    rt.dispatch(pid, [bx, bx, bx, bo, bx, bx, bx, bx, bind(part)[0]], push, groups_for((C + 63) // 64),
+                "layer_norm_bwd_params", 2 * runs * C, (2 * runs * 4 + 2 * x.dtype.itemsize) * C)
 
 
 def layer_norm_bwd(x: Tensor, w: Tensor | None, g: Tensor, mean: Tensor, rstd: Tensor, need_w: bool, need_b: bool,
@@ -256,38 +265,47 @@ def layer_norm_bwd(x: Tensor, w: Tensor | None, g: Tensor, mean: Tensor, rstd: T
     mean RMSNorm's forward stores): :func:`layer_norm_bwd_input` (with ``acc``) and
     :func:`layer_norm_bwd_params` (with ``dw_out`` / ``db_out``), the same values bit for bit.
 
-    Where both kernels would run an invocation a row / a column in workgroups of 64 (CPU
-    devices; very many short rows elsewhere) they run as one dispatch (helios.fused_kernels
-    "layer_norm_bwd+params", "layer_norm_bwd+acc+params"): some workgroups do the rows, the
-    others (spread among them) the columns, each with the code of its own kernel.  Otherwise,
-    or with neither parameter gradient needed, the two kernels run as before."""
+    With a parameter gradient needed the two run as one dispatch (helios.fused_kernels
+    "layer_norm_bwd+params", "layer_norm_bwd+acc+params"): some workgroups do the rows (an
+    invocation a row on CPU devices and for very many short rows, else a workgroup a row), the
+    others the columns (spread among the rows' where each row is an invocation's, else first),
+    each with the code of its own kernel.  Where the columns are summed in runs (GPUs, long
+    columns: core.column_chunks) a second dispatch adds the runs' partials, as
+    :func:`layer_norm_bwd_params` does.  With an invocation a row, the columns take one run."""
     _check_acc("layer_norm_bwd", x, acc)
     cast = _low_operand("layer_norm_bwd", x, g.dtype, "the gradient")
     rt = x._st.rt
     C = x.shape[-1]
     rows = x.numel() // C if C else 0
     plan = _row_plan(rt, rows, C, "layer_norm backward") if rows and C else None
-    # One dispatch for both only where the columns take one pass (the fused kernel has no runs).
-    if plan is None or not (need_w or need_b) or plan[:2] != (64, True) or column_chunks(rt, rows, C)[0] > 1:
+    runs, per_run = column_chunks(rt, rows, C) if plan else (1, rows)
+    # (an invocation a row spreads the columns among the rows for one run only: layernorm.comp)
+    if plan is None or not (need_w or need_b) or (plan[1] and runs > 1):
         dx = layer_norm_bwd_input(x, w, g, mean, rstd, acc, rms)
         dw = db = None
         if need_w or need_b:
             dw, db = layer_norm_bwd_params(x, g, mean, rstd, need_w, need_b, dw_out, db_out)
         return dx, dw, db
+    wg, per_thread, _ = plan
     dx = empty(x.shape, x.dtype, rt)
     dw, db, bo, offs, direct = _param_grads_out(x, need_w, need_b, dw_out, db_out)
-    row_wgs = (rows + 63) // 64
-    pid = rt.pipeline("layernorm", _row_variant(rt, x.dtype, True, g.dtype),
-                      _ln_spec((3, w is not None, 64, acc is not None, True, need_w, need_b), rms))
+    part = empty((runs, 2, C), dt.float32, rt) if runs > 1 else None
+    row_wgs = (rows + wg - 1) // wg if per_thread else rows
+    variant = _row_variant(rt, x.dtype, per_thread, g.dtype)
+    pid = rt.pipeline("layernorm", variant,
+                      _ln_spec((3, w is not None, wg, acc is not None, per_thread, need_w, need_b, part is not None), rms))
     bx, ox = bind(x)
     bg, og = bind(g)
     bw, ow = bind(w) if w is not None else (bx, 0)
     bp, op = bind(acc) if acc is not None else (bx, 0)  # binding 2 (the bias slot) holds acc, as in MODE 1
     name = fused_kernels.dispatch_name(_ln_name("layer_norm_bwd+acc+params" if acc is not None else "layer_norm_bwd+params", rms, cast), rt)
     (f1, n1), (f2, n2) = _bwd_input_cost(x, g, acc), _bwd_params_cost(x, g)
-    rt.dispatch(pid, [bx, bw, bp, bind(dx, True)[0], bind(mean)[0], bind(rstd)[0], bg, bo, bx],
-                _P_LN.pack(C, rows, ox, og, 0.0, ow, op, offs[0], offs[1], row_wgs, 0),
-                groups_for(row_wgs + (C + 63) // 64), name, f1 + f2, n1 + n2)
+    push = _P_LN.pack(C, rows, ox, og, 0.0, ow, op, offs[0], offs[1], row_wgs, per_run)
+    rt.dispatch(pid, [bx, bw, bp, bind(dx, True)[0], bind(mean)[0], bind(rstd)[0], bg, bo,
+                      bind(part, True)[0] if part is not None else bx],
+                push, groups_for(row_wgs + runs * ((C + wg - 1) // wg)), name, f1 + f2, n1 + n2)
+    if part is not None:
+        _sum_partials(x, variant, need_w, need_b, bo, part, push)
     if direct is not None:
         direct.version += 1
     return dx, dw, db

@@ -16,17 +16,20 @@
 //   float partials part[q * 2C + c] (dw) and part[q * 2C + C + c] (db) to binding 8; MODE 4 then
 //   adds each column's partials in order and stores dw and db as MODE 2 does.  Without it
 //   p.chunk = rows: one run, the sums of one pass.
-// MODE 3 (helios.fusion "layer_norm_bwd+params"): MODE 1 and MODE 2 in one dispatch, only with
-//   ROW_PER_THREAD and WG 64 (MODE 2's size).  row_wgs workgroups run MODE 1's code, an
-//   invocation a row, writing dx to binding 3; the ceil(C / 64) others run MODE 2's, an
-//   invocation a column, writing dw / db to binding 7 (dx's binding cannot hold them: they may go
-//   into a gradient buffer).  Both parts only read x, g, mean, rstd (and w, the pending gradient)
-//   and write disjoint outputs, so the results are those of the two dispatches bit for bit.
-//   The column workgroups are spread evenly among the row workgroups, not put last: a column
-//   workgroup sums all the rows, several row workgroups' work, and llvmpipe hands each thread a
-//   contiguous run of workgroup ids, so the last thread would get them all.  A workgroup takes
-//   one side as a whole; llvmpipe still runs both sides with lanes masked, so all of each side's
-//   work is in its loops, which end at once with no lane active.
+// MODE 3 (helios.fusion "layer_norm_bwd+params"): MODE 1 and MODE 2 in one dispatch.  row_wgs
+//   workgroups run MODE 1's code (an invocation a row with ROW_PER_THREAD, else a workgroup a
+//   row), writing dx to binding 3; the runs * ceil(C / WG) others run MODE 2's, an invocation a
+//   column of a run, writing dw / db to binding 7 (dx's binding cannot hold them: they may go
+//   into a gradient buffer), or with PARTIALS their partials to binding 8 for MODE 4.  Both parts
+//   only read x, g, mean, rstd (and w, the pending gradient) and write disjoint outputs, and a
+//   column's sums run over the same rows in the same order whatever WG is, so the results are
+//   those of the two dispatches bit for bit.  With ROW_PER_THREAD (CPU devices) the column
+//   workgroups are spread evenly among the row workgroups, not put last: a column workgroup sums
+//   all the rows, several row workgroups' work, and llvmpipe hands each thread a contiguous run
+//   of workgroup ids, so the last thread would get them all.  A workgroup takes one side as a
+//   whole; llvmpipe still runs both sides with lanes masked, so all of each side's work is in its
+//   loops, which end at once with no lane active.  Otherwise (GPUs) the column workgroups, the
+//   longer ones, come first.
 // RMS (F.rms_norm, MODES 0, 1, 3): RMSNorm, LayerNorm without the mean: the forward takes mean = 0
 //   (y = x * rstd * w, rstd = 1 / sqrt(mean(x^2) + eps); mean_ is stored as 0, so MODE 2's
 //   xhat = (x - mean) * rstd is RMSNorm's) and the backward drops the mean(gw) term:
@@ -262,44 +265,8 @@ void sum_partials(uint c) {
     if (PARAM_B) store_param(p.off_db + c, sb);
 }
 
-void main() {
-    if (MODE == 2) {
-        uint wg = gl_WorkGroupID.y * gl_NumWorkGroups.x + gl_WorkGroupID.x;
-        uint ncol = (p.C + gl_WorkGroupSize.x - 1u) / gl_WorkGroupSize.x;
-        uint q = wg / ncol, c = (wg - q * ncol) * gl_WorkGroupSize.x + gl_LocalInvocationID.x;
-        uint r0 = q * p.chunk;
-        if (c < p.C && r0 < p.rows) column_grads(c, r0, min(r0 + p.chunk, p.rows), q);
-        return;
-    }
-    if (MODE == 4) {
-        uint c = flat_invocation();
-        if (c < p.C) sum_partials(c);
-        return;
-    }
-    if (MODE == 3) {
-        // the flat workgroup index, as flat_invocation forms it (helios._kernels.core.groups_for)
-        uint wg = gl_WorkGroupID.y * gl_NumWorkGroups.x + gl_WorkGroupID.x;
-        uint ncol = (p.C + gl_WorkGroupSize.x - 1u) / gl_WorkGroupSize.x, n = p.row_wgs + ncol;
-        if (wg >= n) return;  // the padding of a 2-D grid
-        // Workgroup wg is a column one where floor(wg * ncol / n) steps up at wg + 1; that floor
-        // counts the column workgroups below wg, so it numbers the columns' and the rows' in order.
-        // (wg * ncol stays below 2^32: ncol <= 64 for the rows of length <= 4096 this runs on.)
-        uint before = wg * ncol / n;
-        if ((wg + 1u) * ncol / n > before) {
-            uint c = before * gl_WorkGroupSize.x + gl_LocalInvocationID.x;
-            if (c < p.C) column_grads(c, 0u, p.rows, 0u);
-        } else {
-            uint r = (wg - before) * gl_WorkGroupSize.x + gl_LocalInvocationID.x;
-            if (r < p.rows) row_serial(r);
-        }
-        return;
-    }
-    if (ROW_PER_THREAD) {
-        uint r = flat_invocation();
-        if (r < p.rows) row_serial(r);
-        return;
-    }
-    uint row = gl_WorkGroupID.y * gl_NumWorkGroups.x + gl_WorkGroupID.x;
+// Row `row` by the whole workgroup (MODE 0, or the backward of MODE 1 and 3), summed through shared memory.
+void row_block(uint row) {
     if (row >= p.rows) return;
     uint tid = gl_LocalInvocationID.x;
     uint bx = p.off_x + row * p.C, bo = row * p.C;
@@ -340,4 +307,63 @@ void main() {
             o[bo + k] = HL_STF(TA, d);
         }
     }
+}
+
+// MODE 3: workgroup wg's side, rows (MODE 1's code) or a run of columns (MODE 2's).
+void rows_and_columns() {
+    // the flat workgroup index, as flat_invocation forms it (helios._kernels.core.groups_for)
+    uint wg = gl_WorkGroupID.y * gl_NumWorkGroups.x + gl_WorkGroupID.x;
+    uint blocks = (p.C + gl_WorkGroupSize.x - 1u) / gl_WorkGroupSize.x;
+    uint ncol = blocks * ((p.rows + p.chunk - 1u) / p.chunk), n = p.row_wgs + ncol;
+    if (wg >= n) return;  // the padding of a 2-D grid
+    bool column;
+    uint cw, rw;  // the workgroup's index among the column ones, or among the row ones
+    if (ROW_PER_THREAD) {
+        // Workgroup wg is a column one where floor(wg * ncol / n) steps up at wg + 1; that floor
+        // counts the column workgroups below wg, so it numbers the columns' and the rows' in order.
+        // (wg * ncol stays below 2^32: one run of ncol <= 64 for the rows of length <= 4096 this runs on.)
+        cw = wg * ncol / n;
+        column = (wg + 1u) * ncol / n > cw;
+        rw = wg - cw;
+    } else {
+        column = wg < ncol;
+        cw = wg;
+        rw = wg - ncol;
+    }
+    if (column) {
+        uint q = cw / blocks, c = (cw - q * blocks) * gl_WorkGroupSize.x + gl_LocalInvocationID.x;
+        uint r0 = q * p.chunk;
+        if (c < p.C && r0 < p.rows) column_grads(c, r0, min(r0 + p.chunk, p.rows), q);
+    } else if (ROW_PER_THREAD) {
+        uint r = rw * gl_WorkGroupSize.x + gl_LocalInvocationID.x;
+        if (r < p.rows) row_serial(r);
+    } else {
+        row_block(rw);
+    }
+}
+
+void main() {
+    if (MODE == 2) {
+        uint wg = gl_WorkGroupID.y * gl_NumWorkGroups.x + gl_WorkGroupID.x;
+        uint ncol = (p.C + gl_WorkGroupSize.x - 1u) / gl_WorkGroupSize.x;
+        uint q = wg / ncol, c = (wg - q * ncol) * gl_WorkGroupSize.x + gl_LocalInvocationID.x;
+        uint r0 = q * p.chunk;
+        if (c < p.C && r0 < p.rows) column_grads(c, r0, min(r0 + p.chunk, p.rows), q);
+        return;
+    }
+    if (MODE == 4) {
+        uint c = flat_invocation();
+        if (c < p.C) sum_partials(c);
+        return;
+    }
+    if (MODE == 3) {
+        rows_and_columns();
+        return;
+    }
+    if (ROW_PER_THREAD) {
+        uint r = flat_invocation();
+        if (r < p.rows) row_serial(r);
+        return;
+    }
+    row_block(gl_WorkGroupID.y * gl_NumWorkGroups.x + gl_WorkGroupID.x);
 }

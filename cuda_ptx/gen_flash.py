@@ -513,16 +513,27 @@ def _row_stat(f: _Flash, ptr: Reg, idx: Reg, inside: Reg, default: float, mult: 
     return v
 
 
-def _store_rows(f: _Flash, acc: list[Reg], rows: _Rows, out: Reg, bh: Reg, t_len: Reg,
-                mult: list[Reg | None]) -> None:
-    """Store a warpgroup's ``64 x D`` accumulator to row-major [B*H*T, D] at head ``bh``, pairs of
-    columns rounded to the dtype (each row's values times ``mult[row]`` first); rows >= T skipped."""
-    b, D = f.b, f.D
+def _store_rows(f: _Flash, acc: list[Reg], rows: _Rows, out: Reg, strides: tuple, batch: Reg, head: Reg,
+                t_len: Reg, mult: list[Reg | None]) -> None:
+    """Store a warpgroup's ``64 x D`` accumulator to the [B, heads, T, D] tensor at ``out`` whose
+    element strides of B, heads and T are the registers ``strides`` (D's is 1), at ``batch`` and
+    ``head``: pairs of columns rounded to the dtype (each row's values times ``mult[row]`` first),
+    rows >= T skipped.  (A contiguous tensor's strides are (heads T D, T D, D); token-major O and
+    the columns of a fused QKV gradient are others.)"""
+    b = f.b
+    sb, sh, st = strides
+    head0, term = b.reg("u64"), b.reg("u64")  # the thread's first element in the head, in 64 bits
+    b.emit("mul.wide.u32", head0, batch, sb)
+    b.emit("mul.wide.u32", term, head, sh)
+    b.emit("add.u64", head0, head0, term)
+    b.emit("mul.wide.u32", term, rows.col2q, 1)
+    b.emit("add.u64", head0, head0, term)
     for h in range(2):
         inside = b.setp("lt", "u32", rows.rows[h], t_len)
-        row = b.mad("u32", bh, t_len, rows.rows[h])
         base = b.reg("u64")
-        b.emit("mul.wide.u32", base, b.mad("u32", row, D, rows.col2q), 2)
+        b.emit("mul.wide.u32", base, rows.rows[h], st)
+        b.emit("add.u64", base, base, head0)
+        b.emit("shl.b64", base, base, 1)  # 2-byte elements
         b.emit("add.u64", base, base, out)
         idx = [i for i in range(len(acc)) if _row_of(i) == h]
         for j in range(0, len(idx), 2):
@@ -532,6 +543,11 @@ def _store_rows(f: _Flash, acc: list[Reg], rows: _Rows, out: Reg, bh: Reg, t_len
             pk = b.reg("b32")
             b.emit(f.pack_op, pk, hi, lo)
             b.emit("st.global.b32", f"[{base}+{_col_off(idx[j]) * 2}]", pk, pred=inside)
+
+
+def _out_strides(p: dict) -> tuple:
+    """The outputs' stride parameters (OUT_STRIDES) as registers."""
+    return p["out_sb"], p["out_sh"], p["out_st"]
 
 
 def _roles(f: _Flash, producer, consumer) -> None:
@@ -547,9 +563,12 @@ def _roles(f: _Flash, producer, consumer) -> None:
 
 # -- forward -----------------------------------------------------------------------------------
 
+# out_sb, out_sh, out_st: the element strides of B, heads and T of the outputs (O; dQ; dK and dV, which
+# share them), which may be any layout with D's stride 1 (token-major O, a fused QKV gradient's columns)
+OUT_STRIDES = [("out_sb", "u32"), ("out_sh", "u32"), ("out_st", "u32")]
 FWD_PARAMS = [("tmap_q", "tmap"), ("tmap_k", "tmap"), ("tmap_v", "tmap"), ("o", "u64"), ("lse", "u64"),
               ("Tq", "u32"), ("Tk", "u32"), ("H", "u32"), ("group", "u32"), ("scale_log2", "f32"),
-              ("causal", "u32"), ("mask", "u64"), ("mask_bs", "u32"), ("mask_nk", "u32")]
+              ("causal", "u32"), ("mask", "u64"), ("mask_bs", "u32"), ("mask_nk", "u32"), *OUT_STRIDES]
 
 
 def _query_block_setup(f: _Flash, p: dict):
@@ -646,7 +665,7 @@ def _forward_consumer(f: _Flash, p: dict, m0, head, batch, causal, n_kv, mask, l
         r = b.reg("f32")
         b.emit("rcp.rn.f32", r, l_run[h])
         inv.append(r)
-    _store_rows(f, o_acc, rows, p["o"], bh, p["Tq"], inv)
+    _store_rows(f, o_acc, rows, p["o"], _out_strides(p), batch, head, p["Tq"], inv)
     q0 = b.setp("eq", "u32", b.binop("and", "b32", rows.lane, 3), 0)
     for h in range(2):  # L = (m + log2 l) ln 2, by the quad's first lane
         lse = b.reg("f32")
@@ -701,7 +720,7 @@ def _online_softmax(f: _Flash, s: list[Reg], o: list[Reg], m_run: list[Reg], l_r
 BWD_PARAMS = [("tmap_q", "tmap"), ("tmap_k", "tmap"), ("tmap_v", "tmap"), ("tmap_do", "tmap"), ("lse", "u64"),
               ("delta", "u64"), ("out0", "u64"), ("out1", "u64"), ("Tq", "u32"), ("Tk", "u32"), ("H", "u32"),
               ("group", "u32"), ("scale_log2", "f32"), ("scale", "f32"), ("causal", "u32"), ("mask", "u64"),
-              ("mask_bs", "u32"), ("mask_nk", "u32")]
+              ("mask_bs", "u32"), ("mask_nk", "u32"), *OUT_STRIDES]
 
 
 def _prob_and_grad(f: _Flash, s: Reg, dp: Reg, neg_lse2: Reg, delta: Reg, scale_log2) -> None:
@@ -769,7 +788,7 @@ def _backward_dq(cfg: FlashConfig) -> Kernel:
                 b.emit("wgmma.wait_group.sync.aligned", 0)
 
         _consume(f, n_kv, body, live)
-        _store_rows(f, dq, rows, p["out0"], bh, p["Tq"], [p["scale"]] * 2)
+        _store_rows(f, dq, rows, p["out0"], _out_strides(p), batch, head, p["Tq"], [p["scale"]] * 2)
 
     _roles(f, lambda: _producer(f, stationary, n_kv, stream, live), consumer)
     return b.build()
@@ -857,9 +876,8 @@ def _backward_dkv(cfg: FlashConfig) -> Kernel:
                 b.emit("wgmma.wait_group.sync.aligned", 0)
 
         _consume(f, n_iter, body, live)
-        bh = b.mad("u32", batch, b.binop("div", "u32", p["H"], p["group"]), kv_head)
-        _store_rows(f, dk, rows, p["out0"], bh, p["Tk"], [p["scale"]] * 2)
-        _store_rows(f, dv, rows, p["out1"], bh, p["Tk"], [None, None])
+        _store_rows(f, dk, rows, p["out0"], _out_strides(p), batch, kv_head, p["Tk"], [p["scale"]] * 2)
+        _store_rows(f, dv, rows, p["out1"], _out_strides(p), batch, kv_head, p["Tk"], [None, None])
 
     _roles(f, lambda: _producer(f, stationary, n_iter, stream, live), consumer)
     return b.build()

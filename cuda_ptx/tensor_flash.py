@@ -78,6 +78,15 @@ def why_not(dtype: str, pb: Problem, operands: list[Operand]) -> str | None:
     return None
 
 
+def out_strides_why_not(out: Operand) -> str | None:
+    """Why the kernels cannot write an output at ``out`` (one phrase), or None if they can: they
+    store pairs of 2-byte values (4-byte words), so the base and the strides must be even, and
+    each stride must fit in 32 bits."""
+    if out.ptr % 4 or any(s % 2 or not 0 <= s < 1 << 32 for s in out.strides):
+        return f"base or strides not multiples of 4 bytes, or strides past 2^32 ({out.ptr:#x}, {out.strides})"
+    return None
+
+
 class TensorCoreFlash:
     """The three flash kernels (forward, dQ, dK/dV) on one driver context (see the module docstring)."""
 
@@ -123,25 +132,27 @@ class TensorCoreFlash:
         for launch in launches:
             self.ctx.launch_prepared(launch, "flash_wgmma")
 
-    def forward_launches(self, dtype: str, pb: Problem, q: Operand, k: Operand, v: Operand, o: int, lse: int,
+    def forward_launches(self, dtype: str, pb: Problem, q: Operand, k: Operand, v: Operand, o: Operand, lse: int,
                          scale: float, causal: bool, mask: tuple | None = None) -> list[tuple]:
-        """The prepared launch (one, in a list; :meth:`run` issues it) that writes O (contiguous
-        [B, H, Tq, D] at ``o``) and L (float32 [B, H, Tq] at ``lse``) of softmax(Q K^T * scale) V.
-        ``mask`` = (address, block size): an int32 [ceil(Tq / bs), ceil(Tk / bs)] block mask
-        (0 = skipped), bs a multiple of 64."""
+        """The prepared launch (one, in a list; :meth:`run` issues it) that writes O ([B, H, Tq, D]
+        at ``o``, any strides: see :func:`out_strides`) and L (float32 [B, H, Tq] at ``lse``) of
+        softmax(Q K^T * scale) V.  ``mask`` = (address, block size): an int32 [ceil(Tq / bs),
+        ceil(Tk / bs)] block mask (0 = skipped), bs a multiple of 64."""
         kern = self.kernel("fwd", dtype, pb.D, mask is not None)
         cfg = kern.cfg
         args = [self._map(dtype, q, pb.H, pb, pb.Tq, cfg.bm), self._map(dtype, k, pb.Hk, pb, pb.Tk, cfg.bn),
-                self._map(dtype, v, pb.Hk, pb, pb.Tk, cfg.bn), ("u64", o), ("u64", lse),
-                *self._dims(pb), ("f32", scale * gen_flash.LOG2E), ("u32", int(causal)), *self._mask(pb, mask)]
+                self._map(dtype, v, pb.Hk, pb, pb.Tk, cfg.bn), ("u64", o.ptr), ("u64", lse),
+                *self._dims(pb), ("f32", scale * gen_flash.LOG2E), ("u32", int(causal)), *self._mask(pb, mask),
+                *self._out_strides(o)]
         return [self._prepared(kern, (-(-pb.Tq // cfg.bm), pb.B * pb.H, 1), args)]
 
     def backward_launches(self, dtype: str, pb: Problem, q: Operand, k: Operand, v: Operand, do: Operand, lse: int,
-                          delta: int, dq: int | None, dk: int | None, dv: int | None, scale: float, causal: bool,
-                          mask: tuple | None = None) -> list[tuple]:
+                          delta: int, dq: Operand | None, dk: Operand | None, dv: Operand | None, scale: float,
+                          causal: bool, mask: tuple | None = None) -> list[tuple]:
         """The prepared launches (:meth:`run` issues them) that write dQ ([B, H, Tq, D] at ``dq``) and
-        dK, dV ([B, Hk, Tk, D]) given the forward's L and D = rowsum(dO * O) (float32 [B, H, Tq] at
-        ``lse`` and ``delta``); a pass whose outputs are None has no launch; ``mask``: the forward's."""
+        dK, dV ([B, Hk, Tk, D], with the same strides: one pass writes both) given the forward's L
+        and D = rowsum(dO * O) (float32 [B, H, Tq] at ``lse`` and ``delta``); outputs of any strides
+        (:func:`out_strides`); a pass whose outputs are None has no launch; ``mask``: the forward's."""
         tail = [*self._dims(pb), ("f32", scale * gen_flash.LOG2E), ("f32", scale), ("u32", int(causal)),
                 *self._mask(pb, mask)]
         sparse = mask is not None
@@ -151,18 +162,28 @@ class TensorCoreFlash:
             bm, bn = kern.cfg.bm, kern.cfg.bn
             args = [self._map(dtype, q, pb.H, pb, pb.Tq, bm), self._map(dtype, k, pb.Hk, pb, pb.Tk, bn),
                     self._map(dtype, v, pb.Hk, pb, pb.Tk, bn), self._map(dtype, do, pb.H, pb, pb.Tq, bm),
-                    ("u64", lse), ("u64", delta), ("u64", dq), ("u64", 0), *tail]
+                    ("u64", lse), ("u64", delta), ("u64", dq.ptr), ("u64", 0), *tail, *self._out_strides(dq)]
             launches.append(self._prepared(kern, (-(-pb.Tq // bm), pb.B * pb.H, 1), args))
         if dk is not None or dv is not None:
             if dk is None or dv is None:
                 raise ValueError("backward_launches: dk and dv are computed together; pass both addresses")
+            if dk.strides != dv.strides:
+                raise ValueError(f"backward_launches: dk and dv share one set of strides, got {dk.strides} and {dv.strides}")
             kern = self.kernel("dkv", dtype, pb.D, sparse)
             bm, bn = kern.cfg.bm, kern.cfg.bn
             args = [self._map(dtype, q, pb.H, pb, pb.Tq, bn), self._map(dtype, k, pb.Hk, pb, pb.Tk, bm),
                     self._map(dtype, v, pb.Hk, pb, pb.Tk, bm), self._map(dtype, do, pb.H, pb, pb.Tq, bn),
-                    ("u64", lse), ("u64", delta), ("u64", dk), ("u64", dv), *tail]
+                    ("u64", lse), ("u64", delta), ("u64", dk.ptr), ("u64", dv.ptr), *tail, *self._out_strides(dk)]
             launches.append(self._prepared(kern, (-(-pb.Tk // bm), pb.B * pb.Hk, 1), args))
         return launches
+
+    @staticmethod
+    def _out_strides(out: Operand) -> list:
+        """An output's stride parameters (gen_flash.OUT_STRIDES)."""
+        why = out_strides_why_not(out)
+        if why is not None:
+            raise ValueError(f"flash output: {why}")
+        return [("u32", s) for s in out.strides]
 
     @staticmethod
     def _mask(pb: Problem, mask: tuple | None) -> list:
@@ -249,8 +270,9 @@ def attention_numpy(ctx: Context, q, k, v, do=None, scale: float | None = None, 
     try:
         ops = [operand(x) for x in (q, k, v)]
         o, lse = upload(np.zeros(B * H * Tq * D, np.uint16)), upload(np.zeros(B * H * Tq, np.float32))
+        o_at = Operand(o, (H * Tq * D, Tq * D, D))
         mask = None if block_mask is None else (upload(np.asarray(block_mask, np.int32)), block_size)
-        engine.run(engine.forward_launches(dtype, pb, *ops, o, lse, scale, causal, mask))
+        engine.run(engine.forward_launches(dtype, pb, *ops, o_at, lse, scale, causal, mask))
         ctx.synchronize()
         out = {"o": fetch(o, (B, H, Tq, D), dtype), "lse": fetch(lse, (B, H, Tq), "f32")}
         if do is None:
@@ -258,7 +280,8 @@ def attention_numpy(ctx: Context, q, k, v, do=None, scale: float | None = None, 
         delta = np.float32((rounded(do, dtype) * out["o"]).sum(-1))
         dop = operand(do)
         grads = [upload(np.zeros(n * D, np.uint16)) for n in (B * H * Tq, B * Hk * Tk, B * Hk * Tk)]
-        engine.run(engine.backward_launches(dtype, pb, *ops, dop, lse, upload(delta), *grads, scale, causal, mask))
+        outs = [Operand(ptr, (heads * t * D, t * D, D)) for ptr, heads, t in zip(grads, (H, Hk, Hk), (Tq, Tk, Tk))]
+        engine.run(engine.backward_launches(dtype, pb, *ops, dop, lse, upload(delta), *outs, scale, causal, mask))
         ctx.synchronize()
         out["delta"] = delta.astype(np.float64)
         for name, ptr, shape in zip(("dq", "dk", "dv"), grads, ((B, H, Tq, D), (B, Hk, Tk, D), (B, Hk, Tk, D))):
@@ -305,5 +328,5 @@ def reference(q, k, v, do=None, scale: float | None = None, causal: bool = False
     return out
 
 
-__all__ = ["DTYPES", "Operand", "Problem", "TensorCoreFlash", "attention_numpy", "flops", "reference", "rounded",
-           "why_not"]
+__all__ = ["DTYPES", "Operand", "Problem", "TensorCoreFlash", "attention_numpy", "flops", "out_strides_why_not",
+           "reference", "rounded", "why_not"]

@@ -503,18 +503,39 @@ class CudaRuntime(Runtime):
             hm, om, bs, pairs = block_mask
             mask = (self._address(hm, om, 4 * -(-pb.Tq // bs) * -(-pb.Tk // bs), "flash"), bs)
         if pass_ == "fwd":
-            (ho, oo), (hl, ol) = outputs
-            o = self._address(ho, oo, rows_q * pb.D * isz, "flash")
+            o = self._flash_out(outputs[0], pb, pb.H, pb.Tq)
+            (hl, ol) = outputs[1]
             lse = self._address(hl, ol, rows_q * 4, "flash")
+            if o is None:
+                return None
             return (engine.forward_launches, (dtype, pb, *ops, o, lse, scale, causal, mask), "flash_wgmma_fwd",
                     tf.flops(pb, causal, pairs=pairs), (2 * rows_q + 2 * rows_k) * pb.D * isz)
         (hl, ol), (hd, od) = inputs[4], inputs[5]
         lse = self._address(hl, ol, rows_q * 4, "flash")
         delta = self._address(hd, od, rows_q * 4, "flash")
-        outs = [None if t is None else self._address(t[0], t[1], n * pb.D * isz, "flash")
-                for t, n in zip(outputs, (rows_q, rows_k, rows_k))]
+        outs = [None if t is None else self._flash_out(t, pb, heads, t_len)
+                for t, heads, t_len in zip(outputs, (pb.H, pb.Hk, pb.Hk), (pb.Tq, pb.Tk, pb.Tk))]
+        if any(o is None for o, t in zip(outs, outputs) if t is not None) or (
+                outs[1] is not None and outs[2] is not None and outs[1].strides != outs[2].strides):
+            _debug.log_choice(f"flash attention bwd: output strides {[o and o.strides for o in outs]} the kernels "
+                              "cannot write: runs the SIMT kernel (flash_attn)")
+            return None
         return (engine.backward_launches, (dtype, pb, *ops, lse, delta, *outs, scale, causal, mask), "flash_wgmma_bwd",
                 tf.flops(pb, causal, backward=True, pairs=pairs), (3 * rows_q + 4 * rows_k) * pb.D * isz)
+
+    def _flash_out(self, out: tuple, pb, heads: int, t_len: int):
+        """A flash output ``out`` = (handle, byte offset[, element strides of B, heads, T]: contiguous
+        without) as the engine's Operand, or None (logged) where the kernels cannot write it."""
+        from . import tensor_flash as tf
+
+        strides = tuple(out[2]) if len(out) > 2 else (heads * t_len * pb.D, t_len * pb.D, pb.D)
+        span = sum((n - 1) * s for n, s in zip((pb.B, heads, t_len), strides)) + pb.D  # elements it reaches
+        op = tf.Operand(self._address(out[0], out[1], span * 2, "flash"), strides)
+        why = tf.out_strides_why_not(op)
+        if why is not None:
+            _debug.log_choice(f"flash attention: an output's {why}: runs the SIMT kernel (flash_attn)")
+            return None
+        return op
 
     def flash(self, pass_: str, dtype: str, problem: tuple, inputs: tuple, outputs: tuple, scale: float,
               causal: bool, block_mask: tuple | None = None) -> bool:

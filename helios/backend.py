@@ -180,7 +180,9 @@ class Runtime(ABC):
         its generic kernel).  ``dtype``: the operands' Helios dtype name.  ``problem`` = (B, H, Hk, Tq, Tk, D): H query heads share Hk K/V
         heads (grouped-query attention when Hk < H).  Operands are (handle, byte offset,
         (stride B, stride H, stride T) in elements) of [B, heads, T, D] tensors with D's stride 1;
-        outputs (and L, D) are (handle, byte offset) of contiguous tensors.
+        the outputs O, dQ, dK, dV are (handle, byte offset[, (stride B, stride H, stride T)]) of such
+        tensors (contiguous where the strides are left out; dK's and dV's the same), and L, D
+        (handle, byte offset) of contiguous ones.
 
         ``pass_ = "fwd"``: inputs (q, k, v), outputs (O [B, H, Tq, D] in q's dtype, L float32
         [B, H, Tq], the log-sum-exp of each row's scaled scores).  ``pass_ = "bwd"``: inputs

@@ -270,3 +270,23 @@ def test_the_gpu_attention_benchmark_smoke_runs_on_the_emulator():
     line = json.loads([x for x in r.stdout.splitlines() if x.startswith("{")][-1])
     assert line["numerics_ok"] and line["tensor_cores"], line
     assert "flash_wgmma_fwd" in line["helios_kernels_fwd"] and "flash_wgmma_bwd" in line["helios_kernels_bwd"]
+
+
+@pytest.mark.vulkan
+def test_a_gpt_attention_on_cuda0_makes_no_layout_copies(cuda0):
+    """As tests/test_attention.py's on the Vulkan kernels, on the tensor cores: O stored token-major
+    (merging the heads is a view), O's gradient read where the merge leaves it, and dQ, dK, dV
+    written into split_heads' fused gradient, with the bits of the contiguous layouts."""
+    from test_attention import gpt_attention
+
+    rng = np.random.default_rng(7)
+    B, T, H, D = 2, 45, 2, 64
+    x = rng.standard_normal((B, T, 3 * H * D)).astype(np.float32)
+    g = rng.standard_normal((B, T, H * D)).astype(np.float32)
+    y, dx, names = gpt_attention(x, H, g, hl.bfloat16)
+    assert [p for p, ok in cuda0] == ["fwd", "bwd"] and all(ok for _, ok in cuda0), cuda0
+    assert not any("copy" in n for n in names), names
+    y0, dx0, names0 = gpt_attention(x, H, g, hl.bfloat16, through_copies=True)
+    assert sum(n.startswith("copy") for n in names0.elements()) >= 5  # the test's copies do run there
+    np.testing.assert_array_equal(y, y0)
+    np.testing.assert_array_equal(dx, dx0)

@@ -74,8 +74,20 @@ def _engine_operand(t: Tensor) -> tuple:
 
 
 def _engine_out(t: Tensor) -> tuple:
-    """(handle, byte offset) of a contiguous output."""
+    """(handle, byte offset) of a contiguous output (L, D, a block mask)."""
     return (t._st.handle, t._off * t.dtype.itemsize)
+
+
+def _engine_dest(t: Tensor) -> tuple:
+    """(handle, byte offset, element strides of B, H, T) of a [B, H, T, D] output (O, dQ, dK, dV)."""
+    return (t._st.handle, t._off * t.dtype.itemsize, tuple(t._strides[:3]))
+
+
+def _engine_reads(t: Tensor) -> bool:
+    """Whether the engine's tensor maps can read [B, H, T, D] ``t`` where it is: unit stride along
+    the head dim, the offset and the other strides multiples of 16 bytes."""
+    isz = t.dtype.itemsize
+    return t._strides[-1] == 1 and (t._off * isz) % 16 == 0 and all((s * isz) % 16 == 0 for s in t._strides[:3])
 
 
 def _engine_takes(q: Tensor, k: Tensor, v: Tensor) -> bool:
@@ -93,14 +105,14 @@ def _problem(q: Tensor, k: Tensor) -> tuple:
     return (B, H, k.shape[1], Tq, k.shape[2], D)
 
 
-def _engine_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, block_mask):
-    """(O, L) from the device's flash engine, or None where it declines (the caller runs flash_attn)."""
+def _engine_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, block_mask, token_major: bool):
+    """(O, L) from the device's flash engine, or None where it declines (the caller runs flash_attn);
+    O as flash_attn_fwd's ``token_major`` asks."""
     if not _engine_takes(q, k, v):
         return None
     rt = q._st.rt
-    B, H, Tq, D = q.shape
-    o = empty((B, H, Tq, D), q.dtype, rt)
-    lse = empty((B, H, Tq), dt.float32, rt)
+    o = _new_o(q, token_major)
+    lse = empty(q.shape[:3], dt.float32, rt)
     if _run_engine("fwd", (q, k, v), (), (o, lse), scale, causal, block_mask):
         return o, lse
     return None
@@ -115,8 +127,9 @@ def _run_engine(pass_: str, qkvg: tuple, stats: tuple, outs: tuple, scale: float
     contiguous copies: the SIMT kernel cannot share K/V heads."""
     q, k = qkvg[0], qkvg[1]
     rt = q._st.rt
+    outs = tuple(None if t is None else _engine_dest(t) if t.ndim == 4 else _engine_out(t) for t in outs)
     args = (pass_, q.dtype.name, _problem(q, k), tuple(_engine_operand(t) for t in qkvg) + tuple(_engine_out(t) for t in stats),
-            tuple(None if t is None else _engine_out(t) for t in outs), float(scale), bool(causal),
+            outs, float(scale), bool(causal),
             None if block_mask is None else (*_engine_out(block_mask.dev), block_mask.block_size, block_mask.pairs))
     if rt.flash(*args):
         return True
@@ -303,18 +316,13 @@ def flash_attn_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, 
     batch and head): only its blocks are computed, the others skipped whole.
     O is contiguous, or with ``token_major`` the [B, H, Tq, D] view of a contiguous [B, Tq, H, D]
     tensor, so that ``O.transpose(1, 2).reshape(B, Tq, H * D)`` (the heads as one projection
-    reads them) is a view, not a copy.  The device's own flash engine (cuda:N) returns it
-    contiguous either way."""
-    took = _engine_fwd(q, k, v, scale, causal, block_mask)
+    reads them) is a view, not a copy (on the device's own flash engine, cuda:N's, too)."""
+    took = _engine_fwd(q, k, v, scale, causal, block_mask, token_major)
     if took is not None:
         return took
     fl = _FlashLaunch(q, k, v, scale, causal, block_mask)
     rt, B, H, Tq, D = fl.rt, fl.B, fl.H, fl.Tq, fl.D
-    if token_major:
-        o = empty((B, Tq, H, D), q.dtype, rt)
-        o = Tensor(o._st, (B, H, Tq, D), (Tq * H * D, D, H * D, 1), o._off, o.dtype)
-    else:
-        o = empty((B, H, Tq, D), q.dtype, rt)
+    o = _new_o(q, token_major)
     lse = empty((B, H, Tq), dt.float32, rt)
     pairs = B * H * fl.pairs()
     isz = q.dtype.itemsize
@@ -322,6 +330,16 @@ def flash_attn_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, 
     fl.dispatch(_FA_FWD, Tq, {3: bo, 5: bind(lse, True)[0]}, "flash_attn",
                 4 * pairs * D, B * H * (2 * Tq + 2 * fl.key_rows()) * D * isz + lse.numel() * 4, o=_rows_at(o, oo))
     return o, lse
+
+
+def _new_o(q: Tensor, token_major: bool) -> Tensor:
+    """A new O for queries ``q`` ([B, H, Tq, D]): contiguous, or the [B, H, Tq, D] view of a
+    contiguous [B, Tq, H, D] tensor (``token_major``: see flash_attn_fwd)."""
+    B, H, Tq, D = q.shape
+    if not token_major:
+        return empty((B, H, Tq, D), q.dtype, q._st.rt)
+    o = empty((B, Tq, H, D), q.dtype, q._st.rt)
+    return Tensor(o._st, (B, H, Tq, D), (Tq * H * D, D, H * D, 1), o._off, o.dtype)
 
 
 def flash_attn_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, g: Tensor, scale: float, causal: bool,
@@ -339,8 +357,8 @@ def flash_attn_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, g: T
     QKV gradient); each the kernels can address (see _grad_dests) is written in place and
     returned, the others are new contiguous tensors."""
     engine = _engine_takes(q, k, v)
-    if engine and (not g.is_contiguous() or g._off % 4):
-        g = kern.copy(g)  # the engine's operand rules are its own: it gets dO as it always has
+    if engine and not _engine_reads(g):
+        g = kern.copy(g)  # the engine's operand rules are its own (its tensor maps')
     elif not engine:
         g = _fa_operand(g)
     # the preprocess pass reads only O and dO: with K/V heads shared (GQA) it is launched over q
@@ -367,7 +385,7 @@ def flash_attn_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, g: T
                 2 * rows * D * isz + rows * (8 if dlse is not None else 4), per_head=False, dlse=dlse is not None,
                 o=o_at, do=do_at)
     if engine:
-        took = _engine_bwd(q, k, v, g, lse, dsum, scale, causal, need_q, need_kv, block_mask)
+        took = _engine_bwd(q, k, v, g, lse, dsum, scale, causal, need_q, need_kv, block_mask, dest)
         if took is not None:
             return took
         fl = _FlashLaunch(q, k, v, scale, causal, block_mask)  # the SIMT passes read K and V
@@ -403,15 +421,17 @@ def _grad_dests(dest: tuple | None, q: Tensor, k: Tensor, v: Tensor) -> tuple:
 
 
 def _engine_bwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, lse: Tensor, dsum: Tensor, scale: float, causal: bool,
-                need_q: bool, need_kv: bool, block_mask: FlashBlockMask | None):
+                need_q: bool, need_kv: bool, block_mask: FlashBlockMask | None, dest: tuple | None):
     """(dQ, dK, dV) from the device's flash engine given L and D = rowsum(dO * O), or None where
-    it declines.  dK and dV have K's heads (a GQA group's gradients summed in the kernel)."""
+    it declines.  dK and dV have K's heads (a GQA group's gradients summed in the kernel).
+    ``dest``: flash_attn_bwd's (written in place where _grad_dests allows, as the SIMT kernels do)."""
     rt = q._st.rt
     if not lse.is_contiguous():
         lse = kern.copy(lse)
-    dq = empty(q.shape, q.dtype, rt) if need_q else None
-    dk = empty(k.shape, k.dtype, rt) if need_kv else None
-    dv = empty(v.shape, v.dtype, rt) if need_kv else None
+    dq_to, dk_to, dv_to = _grad_dests(dest, q, k, v)
+    dq = (dq_to if dq_to is not None else empty(q.shape, q.dtype, rt)) if need_q else None
+    dk = (dk_to if dk_to is not None else empty(k.shape, k.dtype, rt)) if need_kv else None
+    dv = (dv_to if dv_to is not None else empty(v.shape, v.dtype, rt)) if need_kv else None
     if _run_engine("bwd", (q, k, v, g), (lse, dsum), (dq, dk, dv), scale, causal, block_mask):
         return dq, dk, dv
     return None

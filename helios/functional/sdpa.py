@@ -22,8 +22,8 @@ class _FlashAttention(Function):
     the probabilities from them.  O is stored token-major (as PyTorch's flash kernels store
     it), so merging the heads for the output projection is a view; the backward reads O's
     gradient where it is and writes q's, k's and v's where the tape offers (split_heads'
-    fused QKV gradient): no layout copies either way (K.flash_attn_fwd / flash_attn_bwd; the
-    device's own flash engine, cuda:N's, keeps contiguous operands and outputs)."""
+    fused QKV gradient): no layout copies either way (K.flash_attn_fwd / flash_attn_bwd, on
+    the Vulkan kernels and on the device's own flash engine, cuda:N's, alike)."""
 
     @staticmethod
     def forward(ctx, q, k, v, scale, causal):

@@ -66,6 +66,11 @@ class GemmConfig:
     input dtype and stores it widened back to fp32: autocast's product in the 16-bit dtype with the
     cast of its result to float32 (a float32 parameter's or input's gradient) in the same kernel,
     bit for bit the two.
+    ``residual`` (with ``round_out``, unbatched) adds a float32 M x N matrix to each rounded result
+    before it is stored: a projection's product added to the float32 residual stream, the add in
+    the product's epilogue instead of a kernel of its own (the same float32 sum).  It takes four more
+    parameters: the matrix's address, row pitch (elements, even), rows and columns (the real M and
+    N: rows and columns past them add 0).
     ``batched`` = d > 0 (persistent wgmma with ``tma_store``, no clusters) computes a batch of
     products in one launch: ``d`` batch dimensions (1..3, TMA's rank limit of 5 less the two matrix
     dimensions), each operand's tensor maps ``2 + d``-dimensional with the batch indices as their
@@ -98,6 +103,7 @@ class GemmConfig:
     cluster: int = 1
     bias: bool = False
     round_out: bool = False
+    residual: bool = False
     batched: int = 0
 
     # -- derived --------------------------------------------------------------------
@@ -135,7 +141,8 @@ class GemmConfig:
             f"{f'_f{self.inflight}' if self.inflight else ''}{f'_g{self.group_m}' if self.group_m else ''}"
             f"{'_p' if self.persistent else ''}{'_ts' if self.tma_store else ''}"
             f"{f'_x{self.cluster}' if self.cluster > 1 else ''}{'_bias' if self.bias else ''}"
-            f"{'_r' if self.round_out else ''}{f'_B{self.batched}' if self.batched else ''}"
+            f"{'_r' if self.round_out else ''}{'_res' if self.residual else ''}"
+            f"{f'_B{self.batched}' if self.batched else ''}"
         )
 
     def flops(self, m: int, n: int, k: int) -> int:
@@ -201,6 +208,9 @@ class GemmConfig:
                                    and self.out_dtype == "f32"):
             raise ValueError("round_out (fp32 C rounded to the input dtype) is generated for 16-bit wgmma configs "
                              "with tma_store and out_dtype 'f32' only")
+        if self.residual and not (self.round_out and not self.batched):
+            raise ValueError("residual (a float32 matrix added to the rounded results) is generated for unbatched "
+                             "round_out configs only")
         if not 0 <= self.batched <= 3:
             raise ValueError(f"batched must be 0..3 batch dimensions (TMA maps have at most 5), got {self.batched}")
         if self.batched and not (self.kind == "wgmma" and self.persistent and self.tma_store and self.cluster == 1):

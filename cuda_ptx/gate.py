@@ -66,6 +66,9 @@ def gate_configs() -> dict[str, GemmConfig]:
     for suffix, in_dtype in (("_round", "bf16"), ("_round_fp16", "fp16")):
         out[VARIANT + suffix] = out[VARIANT].with_(name=VARIANT + suffix, in_dtype=in_dtype, out_dtype="f32",
                                                    round_out=True)
+    # a projection under autocast: bias, the rounded product widened, its float32 residual added
+    out[VARIANT + "_residual"] = out[VARIANT].with_(name=VARIANT + "_residual", in_dtype="bf16", out_dtype="f32",
+                                                    bias=True, round_out=True, residual=True)
     # batched products (bmm, per-head attention products): the batch walk and (2 + d)-D tensor maps
     for name, extra in (("_batched", {"batched": 1}), ("_batched2_nmajor", {"batched": 2, "b_major": "n"})):
         out[VARIANT + name] = out[VARIANT].with_(name=VARIANT + name, **extra)

@@ -219,6 +219,9 @@ class _WgmmaKernel:
         self.pc = b.param("c", "u64")
         self.pm, self.pn, self.pk = b.param("M", "u32"), b.param("N", "u32"), b.param("K", "u32")
         self.pbias = (b.param("bias", "u64"), b.param("bias_n", "u32")) if cfg.bias else None
+        # residual: a float32 matrix's address, row pitch, rows and columns
+        self.pres = ((b.param("res", "u64"), b.param("res_ld", "u32"), b.param("res_m", "u32"), b.param("res_n", "u32"))
+                     if cfg.residual else None)
         # batched: the batch extents (outermost first) and which batch dimensions A and B have
         self.pbatch = [b.param(f"batch{i}", "u32") for i in range(cfg.batched)]
         self.pbatch_mask = b.param("batch_mask", "u32") if cfg.batched else None
@@ -237,6 +240,8 @@ class _WgmmaKernel:
         # C's pointer stays a parameter either way (the runner passes the same list); TMA stores use tmap_c.
         self.c_g = None if cfg.tma_store else ops.ld_param_ptr(b, self.pc)
         self.bias = (ops.ld_param_ptr(b, self.pbias[0]), ops.ld_param(b, self.pbias[1], "u32")) if cfg.bias else None
+        self.res = ((ops.ld_param_ptr(b, self.pres[0]), *(ops.ld_param(b, q, "u32") for q in self.pres[1:]))
+                    if cfg.residual else None)
         self.n_r, k_r = ops.ld_param(b, self.pn, "u32"), ops.ld_param(b, self.pk, "u32")
         self.tmaps = []
         for p in self.tma_params:
@@ -411,7 +416,7 @@ class _WgmmaKernel:
                     release(None, prev)  # persistent is warp-specialised: release_ws needs no k-tile
             if cfg.tma_store:
                 _epilogue_tma(b, cfg, plan, self.tmaps[2], self.ring, self.cstage, m0, n0, cidx, wtid, acc, self.bias,
-                              batch)
+                              batch, self.res)
             else:
                 _epilogue(b, cfg, plan, self.c_g, self.n_r, m0, n0, cidx, wtid, acc)
 
@@ -606,7 +611,7 @@ def _batch_flags(b: Builder, pmask, dims: int) -> tuple[list, list]:
 
 
 def _epilogue_tma(b: Builder, cfg: GemmConfig, plan: WgmmaPlan, tmap_c, smem, cstage, m0, n0, cidx, wtid,
-                  acc, bias=None, batch=()) -> None:
+                  acc, bias=None, batch=(), residual=None) -> None:
     """Write a consumer's accumulators through shared memory and TMA bulk stores.
 
     ``batch``: a batched kernel's batch indices of this tile (outermost first), C's outer
@@ -615,6 +620,10 @@ def _epilogue_tma(b: Builder, cfg: GemmConfig, plan: WgmmaPlan, tmap_c, smem, cs
     ``bias`` (``cfg.bias``): (global address, length) of an N-vector of the input dtype; each
     thread loads the pair of it under its pair of columns (one 32-bit load, predicated off past
     the length) and adds it to both rows it holds before the conversion.
+
+    ``residual`` (``cfg.residual``): (global address, row pitch, rows, columns) of a float32 matrix;
+    each thread loads the pair under each of its pairs of columns (one 8-byte load, predicated off
+    past the rows and columns) and adds it to the rounded pair before the store.
 
     C goes out in boxes of 64 rows x 128 bytes (32 fp32 or 64 bf16 columns), through two
     staging buffers per consumer warpgroup used in turn.  For each box: thread 0 waits
@@ -644,11 +653,13 @@ def _epilogue_tma(b: Builder, cfg: GemmConfig, plan: WgmmaPlan, tmap_c, smem, cs
     chunk, t = b.reg("u32"), b.reg("u32")
     store = f"cp.async.bulk.tensor.{2 + len(batch)}d.global.shared::cta.bulk_group"
     outer = "".join(f", {r}" for r in reversed(batch))  # TMA coordinates are innermost first
+    col_q = b.binop("add", "u32", n0, L.QUAD2.emit(b, lane))  # this thread's first column of each 8
     if bias is not None:
         bias_g, bias_n = bias
-        col_q = b.binop("add", "u32", n0, L.QUAD2.emit(b, lane))  # this thread's first column of each 8
         bcol, word, blo, bhi = b.reg("u32"), b.reg("b32"), b.reg("f32"), b.reg("f32")
         inside = b.reg("pred")
+    if residual is not None:
+        row_t = b.mad("u32", warp, 16, g)  # the thread's row in a 64-row block (and row_t + 8)
     i = 0
     for mb in range(plan.mblocks):
         for box in range(cfg.bn // box_cols):
@@ -675,6 +686,10 @@ def _epilogue_tma(b: Builder, cfg: GemmConfig, plan: WgmmaPlan, tmap_c, smem, cs
                     if cfg.out_dtype == "f32":
                         if cfg.round_out:
                             lo, hi = _round_pair(b, cfg.in_dtype, lo, hi)
+                        if residual is not None:
+                            row = b.binop("add", "u32", row0, mb * 64 + half * 8)
+                            lo, hi = _add_residual_pair(b, residual, b.binop("add", "u32", row, row_t),
+                                                        b.binop("add", "u32", col_q, 8 * j), lo, hi)
                         b.emit("st.shared.v2.f32", dst, f"{{{lo}, {hi}}}")
                     else:
                         r = b.reg("b32")
@@ -688,6 +703,21 @@ def _epilogue_tma(b: Builder, cfg: GemmConfig, plan: WgmmaPlan, tmap_c, smem, cs
                 b.emit(store, f"[{tmap_c}, {{{col}, {row}{outer}}}]", f"[{buf}]")
                 b.emit("cp.async.bulk.commit_group")
             i += 1
+
+
+def _add_residual_pair(b: Builder, residual, row, col, lo, hi) -> tuple:
+    """``lo``, ``hi`` (C's columns ``col``, ``col + 1`` of ``row``) plus the float32 residual there (0
+    past its rows or columns; its columns are even, so a pair lies all inside or all past them):
+    new registers."""
+    res_g, res_ld, res_m, res_n = residual
+    inside = b.reg("pred")
+    b.emit("and.pred", inside, b.setp("lt", "u32", row, res_m), b.setp("lt", "u32", col, res_n))
+    at = b.reg("u64")
+    b.emit("mul.wide.u32", at, b.mad("u32", row, res_ld, col), 4)  # (row pitch x rows < 2^32: accepts)
+    b.emit("add.u64", at, at, res_g)
+    rlo, rhi = b.mov("f32", 0.0), b.mov("f32", 0.0)
+    b.emit("ld.global.v2.f32", f"{{{rlo}, {rhi}}}", f"[{at}]", pred=inside)
+    return b.binop("add", "f32", lo, rlo), b.binop("add", "f32", hi, rhi)
 
 
 def _round_pair(b: Builder, in_dtype: str, lo, hi) -> tuple:

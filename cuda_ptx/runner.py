@@ -91,13 +91,16 @@ class GemmLaunch:
         self.b_ptr = self.ctx.alloc(nb * self.kp * self.np_ * esz)
         self.c_ptr = self.ctx.alloc(nb * self.mp * self.np_ * osz)
         self.bias_ptr = self.ctx.alloc(self.np_ * esz) if cfg.bias else None
+        self.res_ptr = self.ctx.alloc(self.mp * self.np_ * 4) if cfg.residual else None
         self.args: list | None = None  # the kernel's arguments for upload()'s operands (Context.launch's form)
         self._launch: tuple | None = None  # the same, prepared once (Context.prepare_launch)
 
-    def upload(self, a: np.ndarray, b: np.ndarray, bias: np.ndarray | None = None) -> None:
-        """Encode, pad and copy A (M x K) and B (K x N, float) to the device, and for a ``bias``
-        config the N-vector ``bias`` (zeros when None).  A batched config takes leading batch
-        dims that broadcast to its ``batch`` (see the class docstring)."""
+    def upload(self, a: np.ndarray, b: np.ndarray, bias: np.ndarray | None = None,
+               residual: np.ndarray | None = None) -> None:
+        """Encode, pad and copy A (M x K) and B (K x N, float) to the device, for a ``bias``
+        config the N-vector ``bias`` and for a ``residual`` one the float32 M x N ``residual``
+        (zeros when None).  A batched config takes leading batch dims that broadcast to its
+        ``batch`` (see the class docstring)."""
         a, b = np.asarray(a), np.asarray(b)
         nd = self.cfg.batched
         a_batch, b_batch = self._operand_batch(a, "A"), self._operand_batch(b, "B")
@@ -119,6 +122,14 @@ class GemmLaunch:
             dims += [("u64", self.bias_ptr), ("u32", self.n)]
         elif bias is not None:
             raise ValueError(f"{self.cfg.name} adds no bias (its config has bias=False)")
+        if self.cfg.residual:  # stored with the padded row pitch; the kernel reads the real M x N of it
+            res = np.zeros((self.mp, self.np_), np.float32)
+            if residual is not None:
+                res[: self.m, : self.n] = np.asarray(residual, np.float32).reshape(self.m, self.n)
+            self.ctx.upload(self.res_ptr, res)
+            dims += [("u64", self.res_ptr), ("u32", self.np_), ("u32", self.m), ("u32", self.n)]
+        elif residual is not None:
+            raise ValueError(f"{self.cfg.name} adds no residual (its config has residual=False)")
         ptrs = {"a": self.a_ptr, "b": self.b_ptr, "c": self.c_ptr}
         boxes = operands.tma_boxes(self.cfg, self.padded)
         if nd:
@@ -178,7 +189,7 @@ class GemmLaunch:
 
     def close(self) -> None:
         """Free the device buffers."""
-        for p in (self.a_ptr, self.b_ptr, self.c_ptr, self.bias_ptr):
+        for p in (self.a_ptr, self.b_ptr, self.c_ptr, self.bias_ptr, self.res_ptr):
             if p is not None:
                 self.ctx.free(p)
 

@@ -66,7 +66,7 @@ class _Block:
     C's pointer, M, N, K, then a bias config's and a batched config's parameters.  ``params`` is
     the array of pointers to them that ``cuLaunchKernel`` takes."""
 
-    __slots__ = ("_owner", "maps_at", "c", "dims", "bias", "batch", "params", "last_maps")
+    __slots__ = ("_owner", "maps_at", "c", "dims", "bias", "res", "batch", "params", "last_maps")
 
     def __init__(self, cfg):
         self._owner, base = aligned_buffer(3 * 128, 128)
@@ -75,14 +75,17 @@ class _Block:
         self.dims = [ctypes.c_uint32(0) for _ in range(3)]
         # a bias config's two more parameters: the vector's address and its length
         self.bias = (ctypes.c_uint64(0), ctypes.c_uint32(0)) if cfg.bias else ()
+        # a residual config's four: the float32 matrix's address, row pitch, rows and columns
+        self.res = (ctypes.c_uint64(0), *(ctypes.c_uint32(0) for _ in range(3))) if cfg.residual else ()
         # a batched config's: the batch extents (outermost first), then batch_mask
         self.batch = tuple(ctypes.c_uint32(0) for _ in range(cfg.batched + 1)) if cfg.batched else ()
         slots = [*self.maps_at, ctypes.addressof(self.c),
-                 *(ctypes.addressof(d) for d in (*self.dims, *self.bias, *self.batch))]
+                 *(ctypes.addressof(d) for d in (*self.dims, *self.bias, *self.res, *self.batch))]
         self.params = (ctypes.c_void_p * len(slots))(*slots)
         self.last_maps: tuple = ()
 
-    def fill(self, maps: tuple, c: int, dims: tuple, bias: int | None, n: int, batch_words: tuple) -> None:
+    def fill(self, maps: tuple, c: int, dims: tuple, bias: int | None, n: int, batch_words: tuple,
+             res_words: tuple = ()) -> None:
         """Write one launch's parameters (a map is copied only where it is not the one already there)."""
         if maps != self.last_maps:
             for at, raw, old in zip(self.maps_at, maps, self.last_maps or (None,) * 3):
@@ -93,6 +96,8 @@ class _Block:
         self.dims[0].value, self.dims[1].value, self.dims[2].value = dims
         if self.bias:
             self.bias[0].value, self.bias[1].value = bias, n
+        for slot, word in zip(self.res, res_words):
+            slot.value = word
         for slot, word in zip(self.batch, batch_words):
             slot.value = word
 
@@ -148,14 +153,19 @@ class TensorCoreGemm:
 
     @staticmethod
     def accepts(in_dtype: str, out_dtype: str, a: tuple, b: tuple, c: tuple, m: int, n: int, k: int,
-                bias: int | None = None, batch: tuple = (), round_out: bool = False) -> bool:
+                bias: int | None = None, batch: tuple = (), round_out: bool = False, residual: tuple | None = None) -> bool:
         """Whether this product can run here: dtypes the kernel has (``round_out``: a float32 C),
         TMA's alignment rules (and a 4-byte aligned bias: its pairs are loaded as words), and
         extents the kernel's 32-bit parameters and TMA's signed coordinates hold (the tiles of
-        every product of a batch counted together)."""
+        every product of a batch counted together); a ``residual`` (address, row pitch) only with
+        ``round_out`` and one product, 8-byte aligned pairs (an even N and pitch), and its elements
+        indexed in 32 bits."""
         if in_dtype not in INPUTS or out_dtype not in OUTPUTS or min(m, n, k) < 1:
             return False
         if round_out and out_dtype != "float32":
+            return False
+        if residual is not None and (not round_out or _batch_dims(batch) or residual[0] % 8 or residual[1] % 2
+                                     or n % 2 or residual[1] < n or m * residual[1] >= 1 << 32):
             return False
         if bias is not None and (bias % 4 or n % 2):
             return False
@@ -176,14 +186,15 @@ class TensorCoreGemm:
         return max(m, n, k) < 1 << 30 and tiles < 1 << 31
 
     def kernel(self, in_dtype: str, out_dtype: str, a_major: str, b_major: str, bias: bool = False,
-               batched: int = 0, round_out: bool = False) -> _Kernel:
-        """The loaded kernel for these dtypes, operand layouts, bias, number of batch dimensions and
-        rounding of a float32 C to the input dtype (built and loaded on first use)."""
-        key = (in_dtype, out_dtype, a_major, b_major, bias, batched, round_out)
+               batched: int = 0, round_out: bool = False, residual: bool = False) -> _Kernel:
+        """The loaded kernel for these dtypes, operand layouts, bias, number of batch dimensions,
+        rounding of a float32 C to the input dtype and residual (built and loaded on first use)."""
+        key = (in_dtype, out_dtype, a_major, b_major, bias, batched, round_out, residual)
         kern = self._kernels.get(key)
         if kern is None:
             cfg = resolve(VARIANT).with_(in_dtype=INPUTS[in_dtype], out_dtype=OUTPUTS[out_dtype], a_major=a_major,
-                                         b_major=b_major, bias=bias, batched=batched, round_out=round_out)
+                                         b_major=b_major, bias=bias, batched=batched, round_out=round_out,
+                                         residual=residual)
             cfg.validate()
             built = build_kernel(cfg)
             fn = self.ctx.load_kernel(render(built), built.name, built.shared_bytes, cfg.target)
@@ -191,10 +202,11 @@ class TensorCoreGemm:
         return kern
 
     def _plan(self, in_dtype: str, out_dtype: str, a: tuple, a_major: str, b: tuple, b_major: str, c: tuple,
-              m: int, n: int, k: int, bias: int | None, batch: tuple, round_out: bool) -> tuple:
+              m: int, n: int, k: int, bias: int | None, batch: tuple, round_out: bool, residual: tuple | None) -> tuple:
         """(kernel, grid, the arguments of ``_Block.fill``) of one product."""
         batch = _batch_dims(batch)
-        kern = self.kernel(in_dtype, out_dtype, a_major, b_major, bias is not None, len(batch), round_out)
+        kern = self.kernel(in_dtype, out_dtype, a_major, b_major, bias is not None, len(batch), round_out,
+                           residual is not None)
         cfg = kern.cfg
         extents = tuple(d[0] for d in batch)
         shape = kern.grids.get((m, n, k, extents))
@@ -219,16 +231,19 @@ class TensorCoreGemm:
         else:
             maps = tuple(self._map(at[t.operand][0], t.dtype, t.rows, t.cols, t.box_rows, t.box_cols,
                                    at[t.operand][1]) for t in boxes)
-        return kern, grid, (maps, c[0], (p.m, p.n, p.k), bias, n, words)
+        res_words = () if residual is None else (*residual, m, n)  # address, pitch; the real rows and columns
+        return kern, grid, (maps, c[0], (p.m, p.n, p.k), bias, n, words, res_words)
 
     def run(self, in_dtype: str, out_dtype: str, a: tuple, a_major: str, b: tuple, b_major: str, c: tuple,
-            m: int, n: int, k: int, bias: int | None = None, batch: tuple = (), round_out: bool = False) -> None:
+            m: int, n: int, k: int, bias: int | None = None, batch: tuple = (), round_out: bool = False,
+            residual: tuple | None = None) -> None:
         """Launch C = A @ B (+ the N-vector of the input dtype at address ``bias``, added before C is
         rounded) asynchronously, on the default stream, for every product of ``batch`` (see the
         class docstring); ``round_out``: a float32 C gets each result rounded to the input dtype
-        (widened back: exact in float32).  The caller checked :meth:`accepts`."""
+        (widened back: exact in float32), and then ``residual`` = (address, row pitch) of a float32
+        M x N matrix added to it.  The caller checked :meth:`accepts`."""
         kern, (gx, gy), fill = self._plan(in_dtype, out_dtype, a, a_major, b, b_major, c, m, n, k, bias, batch,
-                                          round_out)
+                                          round_out, residual)
         fn, cu = kern.fn, self.ctx.cu
         with self._lock:
             kern.block.fill(*fill)
@@ -237,11 +252,12 @@ class TensorCoreGemm:
         check(f"cuLaunchKernel({fn.name})", res, cu=cu)
 
     def prepare(self, in_dtype: str, out_dtype: str, a: tuple, a_major: str, b: tuple, b_major: str, c: tuple,
-                m: int, n: int, k: int, bias: int | None = None, batch: tuple = (), round_out: bool = False) -> tuple:
+                m: int, n: int, k: int, bias: int | None = None, batch: tuple = (), round_out: bool = False,
+                residual: tuple | None = None) -> tuple:
         """:meth:`run`'s launch prepared once, in a parameter block of its own, to be issued any number of
         times (``Context.prepare_launch``'s form: a replayed step's products, or nodes of a CUDA graph)."""
         kern, (gx, gy), fill = self._plan(in_dtype, out_dtype, a, a_major, b, b_major, c, m, n, k, bias, batch,
-                                          round_out)
+                                          round_out, residual)
         block = _Block(kern.cfg)
         block.fill(*fill)
         fn = kern.fn

@@ -411,7 +411,7 @@ class CudaRuntime(Runtime):
         return in_dtype in INPUTS and bool(self._engine())
 
     def _gemm_plan(self, a: tuple, b: tuple, c: tuple, m: int, n: int, k: int, in_dtype: str, out_dtype: str,
-                   bias: tuple | None, batch: tuple, round_out: bool = False) -> tuple | None:
+                   bias: tuple | None, batch: tuple, round_out: bool = False, residual: tuple | None = None) -> tuple | None:
         """The tensor-core GEMM's arguments for one product (``TensorCoreGemm.run`` / ``prepare``), with
         the operands' addresses resolved; None where the engine does not take it."""
         if not self.has_gemm(in_dtype):
@@ -427,17 +427,21 @@ class CudaRuntime(Runtime):
         pb = self._address(hb, ob, ((brows - 1) * ldb + bcols + reach[1]) * isz, "gemm")
         pc = self._address(hc, oc, ((m - 1) * ldc + n + reach[2]) * osz, "gemm")
         pbias = None if bias is None else self._address(bias[0], bias[1], n * isz, "gemm")
+        pres = None
+        if residual is not None:  # (handle, byte offset, row pitch) of a float32 M x N matrix
+            pres = (self._address(residual[0], residual[1], ((m - 1) * residual[2] + n) * 4, "gemm"), residual[2])
         if not self._engine().accepts(in_dtype, out_dtype, (pa, lda), (pb, ldb), (pc, ldc), m, n, k, pbias, batch,
-                                      round_out):
+                                      round_out, pres):
             return None
-        return in_dtype, out_dtype, (pa, lda), a_major, (pb, ldb), major, (pc, ldc), m, n, k, pbias, batch, round_out
+        return (in_dtype, out_dtype, (pa, lda), a_major, (pb, ldb), major, (pc, ldc), m, n, k, pbias, batch, round_out,
+                pres)
 
     def gemm(self, a: tuple, b: tuple, c: tuple, m: int, n: int, k: int, in_dtype: str, out_dtype: str,
-             bias: tuple | None = None, batch: tuple = (), round_out: bool = False) -> bool:
+             bias: tuple | None = None, batch: tuple = (), round_out: bool = False, residual: tuple | None = None) -> bool:
         """C = A @ B on the tensor cores (``tensor_gemm``: the ladder's wgmma kernel) where this GPU and
         these operands allow it, every product of ``batch`` in one launch; False otherwise (see the
         contract's ``gemm``)."""
-        plan = self._gemm_plan(a, b, c, m, n, k, in_dtype, out_dtype, bias, batch, round_out)
+        plan = self._gemm_plan(a, b, c, m, n, k, in_dtype, out_dtype, bias, batch, round_out, residual)
         if plan is None:
             return False
         self._use()

@@ -150,7 +150,7 @@ class Runtime(ABC):
         return False
 
     def gemm(self, a: tuple, b: tuple, c: tuple, m: int, n: int, k: int, in_dtype: str, out_dtype: str,
-             bias: tuple | None = None, batch: tuple = (), round_out: bool = False) -> bool:
+             bias: tuple | None = None, batch: tuple = (), round_out: bool = False, residual: tuple | None = None) -> bool:
         """C = A @ B (+ bias) on the device's matrix engine, where it has one for this product; returns
         whether it recorded it (False: nothing was done, the caller runs its generic kernel).
 
@@ -164,8 +164,10 @@ class Runtime(ABC):
         the offsets above (0: that operand is broadcast along the dimension; C's is never 0);
         ``()``, the default, is one product.  ``in_dtype`` / ``out_dtype`` are Helios dtype names.
         ``round_out`` (a float32 ``out_dtype``): each result rounded to ``in_dtype`` and stored
-        widened, as the 16-bit product followed by a cast to float32 would give it.  None by
-        default."""
+        widened, as the 16-bit product followed by a cast to float32 would give it; ``residual`` (with
+        ``round_out``, one product) = (handle, byte offset, row pitch) of a float32 ``M x N`` matrix
+        added to each rounded result before it is stored (a projection and its float32 residual
+        add).  None by default."""
         return False
 
     def has_flash(self, dtype: str, head_dim: int) -> bool:

@@ -208,12 +208,13 @@ class Graph:
         self._touch((handle,))
         self.ops.append((_FILL, (handle, offset, nbytes, word)))
 
-    def _gemm(self, a, b, c, m, n, k, in_dtype, out_dtype, bias=None, batch=(), round_out=False):
-        took = self._real["gemm"](a, b, c, m, n, k, in_dtype, out_dtype, bias, batch, round_out)
+    def _gemm(self, a, b, c, m, n, k, in_dtype, out_dtype, bias=None, batch=(), round_out=False, residual=None):
+        took = self._real["gemm"](a, b, c, m, n, k, in_dtype, out_dtype, bias, batch, round_out, residual)
         if took:  # a product the matrix engine declined was not recorded: the caller's kernel is
-            self._touch((a[0], b[0], c[0]) + ((bias[0],) if bias is not None else ()))
+            self._touch((a[0], b[0], c[0]) + tuple(t[0] for t in (bias, residual) if t is not None))
             self.ops.append((_GEMM, (tuple(a), tuple(b), tuple(c), m, n, k, in_dtype, out_dtype,
-                                     None if bias is None else tuple(bias), tuple(tuple(d) for d in batch), round_out)))
+                                     None if bias is None else tuple(bias), tuple(tuple(d) for d in batch), round_out,
+                                     None if residual is None else tuple(residual))))
         return took
 
     def _flash(self, pass_, dtype, problem, inputs, outputs, scale, causal, block_mask=None):

@@ -24,7 +24,9 @@ def test_gate_covers_the_ladder_and_n_major_twins_of_16_bit_wgmma():
     twins = ("wgmma_tma", "wgmma_pipe", "wgmma_ws", "wgmma_persistent", "wgmma_cluster")
     assert list(G) == [*V, *(f"{n}_nmajor" for n in twins), "wgmma_persistent_amajor", "wgmma_persistent_amajor_nmajor",
                        "wgmma_persistent_bias", "wgmma_persistent_bias_fp16", "wgmma_persistent_round",
-                       "wgmma_persistent_round_fp16", "wgmma_persistent_batched", "wgmma_persistent_batched2_nmajor"]
+                       "wgmma_persistent_round_fp16", "wgmma_persistent_residual", "wgmma_persistent_batched",
+                       "wgmma_persistent_batched2_nmajor"]
+    assert G["wgmma_persistent_residual"].residual and G["wgmma_persistent_residual"].bias
     assert G["wgmma_persistent_round"].round_out and G["wgmma_persistent_round_fp16"].in_dtype == "fp16"
     assert G["wgmma_persistent_batched"].batched == 1 and G["wgmma_persistent_batched2_nmajor"].batched == 2
     assert G["wgmma_persistent_bias"].bias and G["wgmma_persistent_bias_fp16"].in_dtype == "fp16"

@@ -274,7 +274,7 @@ def test_a_captured_step_replays_its_tensor_core_products(cuda, monkeypatch):
         _close(y.numpy(), _exact(_t(a)) @ _exact(b))  # the replay ran the product again, on the new input
         _close(y3.numpy(), _exact(_t(a)) @ _exact(b3))
     assert cuda == [True, True]  # each taken by the tensor cores when captured
-    assert len(prepared) == 2 and prepared[1][-2], prepared  # prepared on the first replay only, the batch kept
+    assert len(prepared) == 2 and prepared[1][11], prepared  # prepared on the first replay only, the batch kept
     g.release()
 
 
@@ -337,3 +337,41 @@ def test_a_layer_norm_feeding_a_product_stores_bf16_for_the_tensor_cores(cuda):
         np.testing.assert_array_equal(f, s)
     assert (h_dtype, h32_dtype) == (hl.bfloat16, hl.float32)
     assert separate_casts - fused_casts == 1 and all(cuda) and len(cuda) == 6, (separate_casts, fused_casts, cuda)
+
+
+def _projection_with_residual(shape_x, n: int, seed: int = 8):
+    """residual + linear(x, w, b) under bf16 autocast from float32 leaves (a GPT projection and its
+    float32 residual stream), forward and backward: every result's bits and the dispatches."""
+    from switches import count_dispatches
+
+    rng = np.random.default_rng(seed)
+    k = shape_x[-1]
+    t = {name: hl.tensor(rng.standard_normal(s).astype(np.float32), requires_grad=True)
+         for name, s in (("x", shape_x), ("w", (n, k)), ("b", (n,)), ("r", shape_x[:-1] + (n,)))}
+    with count_dispatches() as names:
+        with hl.autocast(hl.bfloat16):
+            y = F.linear_residual(t["x"], t["w"], t["b"], t["r"])
+    y.backward(hl.tensor(rng.standard_normal(y.shape).astype(np.float32)))
+    return [y.numpy()] + [t[k].grad.numpy() for k in t], names
+
+
+@pytest.mark.parametrize("shape_x,n", [((2, 8, 32), 48), ((70, 64), 96)])
+def test_a_projection_adds_its_float32_residual_in_the_tensor_core_epilogue(cuda, monkeypatch, shape_x, n):
+    # round_out's rounded product plus the float32 residual in the wgmma kernel's epilogue (its
+    # residual config): no add kernel after it, and the bits of the add in place it replaces (the
+    # engine made to decline the residual: the product, then the add)
+    from helios.cuda_ptx.tensor_gemm import TensorCoreGemm
+
+    fused, names = _projection_with_residual(shape_x, n)
+    real = TensorCoreGemm.accepts
+
+    def no_residual(*args):  # accepts(..., round_out, residual): refuse any residual
+        return (len(args) < 12 or args[11] is None) and real(*args)
+
+    monkeypatch.setattr(TensorCoreGemm, "accepts", staticmethod(no_residual))
+    apart, names_apart = _projection_with_residual(shape_x, n)
+    for f, s in zip(fused, apart):
+        np.testing.assert_array_equal(f, s)
+    assert names["add"] == 0 and names_apart["add"] == 1, (names, names_apart)
+    # three products a run on the tensor cores; the second run's first try, with the residual, refused
+    assert cuda == [True] * 3 + [False] + [True] * 3, cuda

@@ -213,11 +213,13 @@ def matmul_bias_grad(a: Tensor, b: Tensor, out: Tensor, bsum: Tensor, compute: d
 
 
 def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None = None, _epi: tuple | None = None,
-           _bsum: Tensor | None = None, compute: dt.DType | None = None) -> Tensor:
+           _bsum: Tensor | None = None, compute: dt.DType | None = None, _residual: Tensor | None = None) -> Tensor:
     """Batched a @ b (+ ``bias`` over the last dim) with broadcast batch dims; both >= 2-D
     and of the same float dtype; ``bias`` 1-D of size N with unit stride, added in the
     kernel's epilogue.  (``_epi``: matmul_epilogue's fused epilogue; ``_bsum``:
-    matmul_bias_grad's column sums of b, checked there.)
+    matmul_bias_grad's column sums of b, checked there; ``_residual``: a float32 tensor of a
+    float32 ``out``'s shape added to the rounded product of a matrix engine's ``compute``
+    product, in its epilogue where it can: _mixed_apart's linear+residual.)
 
     ``compute`` (bfloat16 or float16; autocast's products): the product in that dtype where
     a, b, the bias, ``out`` and the epilogue's e may each be it or float32, bit for bit casts
@@ -272,10 +274,12 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None 
     Mc, nb, cbatch = plan
     if _epi is not None:
         _check_epi(_epi, out, batch + (M, N), ct or cld, a_dtype)
-    if _epi is None and _bsum is None and _engine_took(a, b, bias, out, widen, nb, Mc, N, K):
+    if _epi is None and _bsum is None and _engine_took(a, b, bias, out, widen, nb, Mc, N, K, _residual):
         return out
-    if widen:  # the engine declined it: the product, then its cast
+    if widen:  # the engine declined it: the product, then its cast (and the residual's add)
         kern.copy_into(out, matmul(a, b, bias))
+        if _residual is not None:
+            kern.binary_("add", out, _residual)
         return out
     if nb > 65535:
         raise ShapeError(f"matmul: {nb} batch matrices exceed the 65535 the kernel dispatches at once; reshape the batch")
@@ -366,16 +370,18 @@ def _batch_plan(a: Tensor, b: Tensor, batch: tuple, M: int, strided_out: bool, c
 
 
 def _engine_took(a: Tensor, b: Tensor, bias: Tensor | None, out: Tensor, widen: bool, nb: int, M: int, N: int,
-                 K: int) -> bool:
+                 K: int, residual: Tensor | None = None) -> bool:
     """Run the product on the device's matrix engine where it takes the dtype and the layout;
-    False, with nothing run, where it does not.  ``M`` is the batch-folded row count of one product."""
+    False, with nothing run, where it does not.  ``M`` is the batch-folded row count of one product.
+    ``residual``: matmul()'s ``_residual`` (added to ``out`` when True comes back)."""
     if a.dtype not in _ENGINE_DTYPES or not a._st.rt.has_gemm(a.dtype.name):
         return False
-    if nb == 1:  # one product (a Linear's batch folded into M above): the three matrices as 2-D views
+    if nb == 1:  # one product (a Linear's batch folded into M above): the matrices as 2-D views
         a2, b2, c2 = (Tensor(t._st, shape, t._strides[-2:], t._off, t.dtype)
                       for t, shape in ((a, (M, K)), (b, (K, N)), (out, (M, N))))
-        return _on_matrix_engine(a2, b2, bias, c2, widen)
-    return _on_matrix_engine(a, b, bias, out, widen)  # a batch of products: one launch for all
+        r2 = None if residual is None else Tensor(residual._st, (M, N), residual._strides[-2:], residual._off, residual.dtype)
+        return _on_matrix_engine(a2, b2, bias, c2, widen, r2)
+    return _on_matrix_engine(a, b, bias, out, widen, residual)  # a batch of products: one launch for all
 
 
 def _dispatch(a: Tensor, b: Tensor, bias: Tensor | None, out: Tensor, epi: tuple | None, bsum: Tensor | None,
@@ -552,7 +558,8 @@ def _matmul_with_casts(a: Tensor, b: Tensor, bias: Tensor | None, out: Tensor | 
     slots: each float32 operand cast to ``compute``, the product, then the result cast into a
     float32 ``out`` (linear+residual: the rounded product cast to float32 and added to e).  On a
     matrix engine the product itself stores the rounded result widened into ``out`` (matmul's
-    ``widen``), and linear+residual adds e to it in place."""
+    ``widen``), and linear+residual's e is added to it, in the engine's epilogue where it can
+    (_on_matrix_engine), else in place."""
     def low(t):
         return t if t is None or t.dtype is compute else kern.copy(t, compute)
 
@@ -566,9 +573,7 @@ def _matmul_with_casts(a: Tensor, b: Tensor, bias: Tensor | None, out: Tensor | 
     if a.shape[-1] and a._st.rt.has_gemm(compute.name) and (epi is None or (residual32 and out.is_contiguous())):
         # the matrix engine stores the rounded product widened into out (matmul's ``widen``); the
         # residual is then added in place (the same float32 sum as e + the widened product)
-        matmul(a, b, bias, out, compute=compute)
-        if residual32:
-            kern.binary_("add", out, e)
+        matmul(a, b, bias, out, compute=compute, _residual=e if residual32 else None)  # e added in place
         return out
     y = matmul(a, b, bias, None, None if residual32 else epi)
     if residual32:
@@ -584,7 +589,8 @@ _ENGINE_DTYPES = (dt.bfloat16, dt.float16)
 _OUT_F32 = (0, 0, 1, 0, 0)
 
 
-def _on_matrix_engine(a: Tensor, b: Tensor, bias: Tensor | None, out: Tensor, widen: bool = False) -> bool:
+def _on_matrix_engine(a: Tensor, b: Tensor, bias: Tensor | None, out: Tensor, widen: bool = False,
+                      residual: Tensor | None = None) -> bool:
     """out = a @ b (+ bias) on the device's matrix engine (``rt.gemm``), every product of the batch
     in one call: a [..., M, K] and b [..., K, N] of any strides, whose batch dims broadcast to
     those of out [*batch, M, N] (2-D for one product); False, with nothing recorded, where the
@@ -598,7 +604,11 @@ def _on_matrix_engine(a: Tensor, b: Tensor, bias: Tensor | None, out: Tensor, wi
     product is stored straight into ``out`` (or, without bias, into its transpose, as out^T =
     b^T a^T, for a transposed ``out``), the bias added in the kernel's epilogue before the one
     rounding; otherwise (float16, whose output the kernel does not write, or an ``out`` it
-    cannot write) C is a float32 buffer, bias included, and ``out`` gets it rounded once."""
+    cannot write) C is a float32 buffer, bias included, and ``out`` gets it rounded once.
+
+    ``residual`` (with ``widen``: a float32 tensor of out's shape, contiguous) is added to out:
+    in the kernel's epilogue, after the rounding, where C is out itself and one product (the
+    engine's ``residual``), else by an add in place after it (the same float32 sums)."""
     rt = a._st.rt
     batch, (M, N), K = out.shape[:-2], out.shape[-2:], a.shape[-1]
     isz = a.dtype.itemsize
@@ -628,12 +638,20 @@ def _on_matrix_engine(a: Tensor, b: Tensor, bias: Tensor | None, out: Tensor, wi
     shape, strides = collapse(batch, broadcast_strides(a.shape[:-2], a._strides[:-2], batch),
                               broadcast_strides(b.shape[:-2], b._strides[:-2], batch), target._strides[:-2])
     vec = None if bias is None else (bias._st.handle, bias._off * isz)
-    if not rt.gemm((a._st.handle, ra[0] * isz, ra[1], a_major), (b._st.handle, rb[0] * isz, rb[1], b_major),
-                   (target._st.handle, rc[0] * target.dtype.itemsize, rc[1]), M, N, K, a.dtype.name,
-                   target.dtype.name, vec, tuple(zip(shape, *strides)), widen):
+    res = None
+    if residual is not None and target is out and not swapped and len(shape) == 0 and residual.is_contiguous():
+        res = (residual._st.handle, residual._off * 4, residual._strides[-2] if M > 1 else N)
+    args = ((a._st.handle, ra[0] * isz, ra[1], a_major), (b._st.handle, rb[0] * isz, rb[1], b_major),
+            (target._st.handle, rc[0] * target.dtype.itemsize, rc[1]), M, N, K, a.dtype.name,
+            target.dtype.name, vec, tuple(zip(shape, *strides)), widen)
+    if res is not None and not rt.gemm(*args, res):
+        res = None  # the engine declined the residual's add: the product alone, then the add
+    if res is None and not rt.gemm(*args):
         return False
     if target is not out and not swapped:
         kern.copy_into(out, target)
+    if residual is not None and res is None:
+        kern.binary_("add", out, residual)
     return True
 
 

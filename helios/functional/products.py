@@ -339,7 +339,7 @@ class _AutocastLinearResidual(Function):
     """residual + linear(x, w, b) under autocast with a float32 residual: the product in ``low``
     rounded and added to the residual in float32 in its kernel's epilogue (linear+residual), the
     result float32, bit for bit the casts, the product, the promoting cast and the add.  (On a
-    matrix engine: the product rounded and widened into the result, then the add in place.)"""
+    matrix engine too: its product rounded, widened and added to the residual in its epilogue.)"""
 
     op_name = "linear+residual"
 

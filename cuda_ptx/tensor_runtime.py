@@ -519,10 +519,11 @@ class CudaRuntime(Runtime):
         delta = self._address(hd, od, rows_q * 4, "flash")
         outs = [None if t is None else self._flash_out(t, pb, heads, t_len)
                 for t, heads, t_len in zip(outputs, (pb.H, pb.Hk, pb.Hk), (pb.Tq, pb.Tk, pb.Tk))]
-        if any(o is None for o, t in zip(outs, outputs) if t is not None) or (
-                outs[1] is not None and outs[2] is not None and outs[1].strides != outs[2].strides):
-            _debug.log_choice(f"flash attention bwd: output strides {[o and o.strides for o in outs]} the kernels "
-                              "cannot write: runs the SIMT kernel (flash_attn)")
+        if any(o is None for o, t in zip(outs, outputs) if t is not None):
+            return None  # (_flash_out said why)
+        if outs[1] is not None and outs[2] is not None and outs[1].strides != outs[2].strides:
+            _debug.log_choice("flash attention bwd: dK and dV with different strides (one pass writes both): runs the "
+                              "SIMT kernel (flash_attn)")
             return None
         return (engine.backward_launches, (dtype, pb, *ops, lse, delta, *outs, scale, causal, mask), "flash_wgmma_bwd",
                 tf.flops(pb, causal, backward=True, pairs=pairs), (3 * rows_q + 4 * rows_k) * pb.D * isz)

@@ -571,9 +571,9 @@ def _matmul_with_casts(a: Tensor, b: Tensor, bias: Tensor | None, out: Tensor | 
     if out is None or out.dtype is compute:  # (a float32 e has a float32 out: _mixed_slots)
         return matmul(a, b, bias, out, epi)
     if a.shape[-1] and a._st.rt.has_gemm(compute.name) and (epi is None or (residual32 and out.is_contiguous())):
-        # the matrix engine stores the rounded product widened into out (matmul's ``widen``); the
-        # residual is then added in place (the same float32 sum as e + the widened product)
-        matmul(a, b, bias, out, compute=compute, _residual=e if residual32 else None)  # e added in place
+        # the matrix engine stores the rounded product widened into out (matmul's ``widen``) and
+        # adds the residual to it, in its epilogue where it can, else in place (the same float32 sum)
+        matmul(a, b, bias, out, compute=compute, _residual=e if residual32 else None)
         return out
     y = matmul(a, b, bias, None, None if residual32 else epi)
     if residual32:

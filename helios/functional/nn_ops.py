@@ -191,11 +191,12 @@ def layer_norm(x: Tensor, normalized_shape, weight: Tensor | None = None, bias: 
                *, feeds_products: bool = False) -> Tensor:
     """LayerNorm over the last dim(s) ``normalized_shape`` (computed in float32 under autocast).
 
-    ``feeds_products``: the caller's promise that only autocast products (linear, matmul) read
-    the result, and nothing else, once: they round it to the autocast dtype as they load it.
-    Under autocast (fusion on) the result is then stored in that dtype, the values those
-    products read, in half the bytes, and its gradient comes back in it (helios.fused_kernels
-    "layer_norm+cast").  Without autocast it changes nothing."""
+    ``feeds_products``: the caller's promise that one autocast product (a linear or a matmul)
+    reads the result and nothing else does: it rounds the result to the autocast dtype as it
+    loads it.  Under autocast (fusion on) the result is then stored in that dtype, the values the
+    product reads, in half the bytes, and its gradient comes back in it (helios.fused_kernels
+    "layer_norm+cast").  (One reader: two would add their 16-bit gradients in 16 bits.)  Without
+    autocast it changes nothing."""
     low = None
     if _amp.state.dtype is not None:  # autocast: in float32
         x, weight, bias = _amp.fp32(x, weight, bias)

@@ -331,8 +331,8 @@ def test_gpt_under_bf16_autocast_with_fusion_on_and_off_is_bit_identical():
     # LayerNorm outputs) as it loads them: c_fc with its GELU, the projections with their fp32
     # residual add, backward's two products per Linear too; so are the products of the fp32
     # softmax with v and of ln_f's output with the tied table (tests/test_mixed_matmul.py).
+    n_layer = 2
     if not get_runtime().has_gemm("bfloat16"):
-        n_layer = 2
         assert on[2]["cast+linear+gelu"] == n_layer and on[2]["cast+linear+residual"] == 2 * n_layer
         # c_attn forward, each Linear's two backward products, att @ v's three; the head's three;
         # on CPU devices each Linear's weight gradient also sums its bias gradient
@@ -356,6 +356,10 @@ def test_gpt_under_bf16_autocast_with_fusion_on_and_off_is_bit_identical():
         assert on[2]["cast+cross_entropy"] == on[2]["cross_entropy_bwd+cast"] == 1
         assert on[2]["cast+softmax"] == on[2]["softmax_bwd+cast"] == n_layer
         assert off[2]["sum"] - on[2]["sum"] == bias_grads + 2  # (+ the clip's two passes' sums)
+    # ln_1, ln_2 and ln_f store their outputs in bf16, what their products read (layer_norm+cast),
+    # and their backward kernels read the products' bf16 gradients (tests/test_layer_norm_cast.py)
+    assert on[2]["layer_norm+cast"] == 2 * n_layer + 1 and on[2]["layer_norm"] == 0
+    assert sum(v for n, v in on[2].items() if n.startswith("cast+layer_norm_bwd")) >= 2 * n_layer + 1
 
 
 def _clip_run(enabled: bool, arrays, dtype: str, max_norm: float, flat: bool):

@@ -545,7 +545,7 @@ def _store_rows(f: _Flash, acc: list[Reg], rows: _Rows, out: Reg, strides: tuple
             b.emit("st.global.b32", f"[{base}+{_col_off(idx[j]) * 2}]", pk, pred=inside)
 
 
-def _out_strides(p: dict) -> tuple:
+def _out_stride_regs(p: dict) -> tuple:
     """The outputs' stride parameters (OUT_STRIDES) as registers."""
     return p["out_sb"], p["out_sh"], p["out_st"]
 
@@ -665,7 +665,7 @@ def _forward_consumer(f: _Flash, p: dict, m0, head, batch, causal, n_kv, mask, l
         r = b.reg("f32")
         b.emit("rcp.rn.f32", r, l_run[h])
         inv.append(r)
-    _store_rows(f, o_acc, rows, p["o"], _out_strides(p), batch, head, p["Tq"], inv)
+    _store_rows(f, o_acc, rows, p["o"], _out_stride_regs(p), batch, head, p["Tq"], inv)
     q0 = b.setp("eq", "u32", b.binop("and", "b32", rows.lane, 3), 0)
     for h in range(2):  # L = (m + log2 l) ln 2, by the quad's first lane
         lse = b.reg("f32")
@@ -788,7 +788,7 @@ def _backward_dq(cfg: FlashConfig) -> Kernel:
                 b.emit("wgmma.wait_group.sync.aligned", 0)
 
         _consume(f, n_kv, body, live)
-        _store_rows(f, dq, rows, p["out0"], _out_strides(p), batch, head, p["Tq"], [p["scale"]] * 2)
+        _store_rows(f, dq, rows, p["out0"], _out_stride_regs(p), batch, head, p["Tq"], [p["scale"]] * 2)
 
     _roles(f, lambda: _producer(f, stationary, n_kv, stream, live), consumer)
     return b.build()
@@ -876,8 +876,8 @@ def _backward_dkv(cfg: FlashConfig) -> Kernel:
                 b.emit("wgmma.wait_group.sync.aligned", 0)
 
         _consume(f, n_iter, body, live)
-        _store_rows(f, dk, rows, p["out0"], _out_strides(p), batch, kv_head, p["Tk"], [p["scale"]] * 2)
-        _store_rows(f, dv, rows, p["out1"], _out_strides(p), batch, kv_head, p["Tk"], [None, None])
+        _store_rows(f, dk, rows, p["out0"], _out_stride_regs(p), batch, kv_head, p["Tk"], [p["scale"]] * 2)
+        _store_rows(f, dv, rows, p["out1"], _out_stride_regs(p), batch, kv_head, p["Tk"], [None, None])
 
     _roles(f, lambda: _producer(f, stationary, n_iter, stream, live), consumer)
     return b.build()

@@ -69,8 +69,8 @@ Elementwise chains are fused at run time as well, into kernels generated from th
   with the casts above: c_proj's input gradient rounded to the autocast dtype and multiplied
   by gelu_tanh'(u) in its epilogue, not stored apart and read again by gelu_tanh_bwd.  With
   the two above, a ``--dtype bf16`` GPT step runs as many dispatches as a float32 one (the tiny
-  config with helios-train's two parameter groups: 140 on the cooperative-matrix kernel; counted
-  on lavapipe's emulation).
+  config with helios-train's two parameter groups: 140 on the cooperative-matrix kernel, 131 since
+  LayerNorm's backward is one dispatch on GPU plans; counted on lavapipe's emulation).
 
 The other linear fusions run without autocast (under autocast the unfused ops convert their
 operands between the parts); the LayerNorm and clip fusions run either way.

@@ -128,13 +128,27 @@ def autocast_block(dtype, seed: int = 6) -> tuple[list, int]:
     import numpy as np
 
     import helios as hl
-    from helios import _kernels as K
-    from helios._kernels import elementwise
 
     rng = np.random.default_rng(seed)
     shapes = {"x": (2, 8, 32), "w1": (64, 32), "b1": (64,), "w2": (32, 64), "b2": (32,), "emb": (48, 32)}
     t = {k: hl.tensor(rng.standard_normal(s).astype(np.float32), requires_grad=True) for k, s in shapes.items()}
     gs = hl.tensor(rng.standard_normal((2, 8, 48)).astype(np.float32))
+    with counting_casts() as casts:
+        with hl.autocast(dtype):
+            h = hl.nn.functional.linear_gelu(t["x"], t["w1"], t["b1"])
+            y = hl.nn.functional.linear_residual(h, t["w2"], t["b2"], t["x"])
+            logits = y @ t["emb"].mT
+        (logits.float() * gs).sum().backward()
+    return [y.numpy(), logits.float().numpy()] + [t[k].grad.numpy() for k in shapes], sum(casts)
+
+
+@contextlib.contextmanager
+def counting_casts():
+    """The copies run inside the block, K.copy's and the callers' of K.copy_into: yields a list
+    that gets one bool a copy, True for a cast (a copy between dtypes)."""
+    from helios import _kernels as K
+    from helios._kernels import elementwise
+
     casts = []
     real = elementwise.copy_into
 
@@ -142,13 +156,8 @@ def autocast_block(dtype, seed: int = 6) -> tuple[list, int]:
         casts.append(dst.dtype is not src.dtype)
         return real(dst, src)
 
-    elementwise.copy_into = K.copy_into = counted  # K.copy's, and the callers' of K.copy_into
+    elementwise.copy_into = K.copy_into = counted
     try:
-        with hl.autocast(dtype):
-            h = hl.nn.functional.linear_gelu(t["x"], t["w1"], t["b1"])
-            y = hl.nn.functional.linear_residual(h, t["w2"], t["b2"], t["x"])
-            logits = y @ t["emb"].mT
-        (logits.float() * gs).sum().backward()
+        yield casts
     finally:
         elementwise.copy_into = K.copy_into = real
-    return [y.numpy(), logits.float().numpy()] + [t[k].grad.numpy() for k in shapes], sum(casts)

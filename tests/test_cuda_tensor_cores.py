@@ -303,26 +303,16 @@ def _layer_norm_into_linear(feeds: bool, seed: int = 4):
     """GPT's ln_1 -> c_attn under bf16 autocast from float32 leaves, forward and backward, the
     LayerNorm told its output feeds the product (``feeds``) or not: every result's bits, and
     the cast kernels run (copies between dtypes)."""
-    from helios._kernels import elementwise
+    from switches import counting_casts
 
     rng = np.random.default_rng(seed)
     shapes = {"x": (2, 8, 64), "lw": (64,), "lb": (64,), "w": (96, 64), "b": (96,)}
     t = {k: hl.tensor(rng.standard_normal(s).astype(np.float32), requires_grad=True) for k, s in shapes.items()}
-    casts = []
-    real = elementwise.copy_into
-
-    def counted(dst, src):
-        casts.append(dst.dtype is not src.dtype)
-        return real(dst, src)
-
-    elementwise.copy_into = K.copy_into = counted
-    try:
+    with counting_casts() as casts:
         with hl.autocast(hl.bfloat16):
             h = F.layer_norm(t["x"], (64,), t["lw"], t["lb"], feeds_products=feeds)
             y = F.linear(h, t["w"], t["b"])
         y.backward(K.copy(hl.tensor(rng.standard_normal((2, 8, 96)).astype(np.float32)), hl.bfloat16))
-    finally:
-        elementwise.copy_into = K.copy_into = real
     return [_exact(y)] + [t[k].grad.numpy() for k in shapes], h.dtype, sum(casts)
 
 

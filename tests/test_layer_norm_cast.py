@@ -15,17 +15,9 @@ from helios.errors import DTypeError
 from helios.nn import GPT, GPTConfig
 from helios.runtime import get_runtime
 from switches import count_dispatches, switched, use_matmul_kernel
+from test_mixed_matmul import _bits, _need_16bit
 
 LOWS = [dt.bfloat16, dt.float16]
-
-
-def _need_16bit():
-    if not get_runtime().features.get("storage16", False):
-        pytest.skip("no 16-bit storage on this device")
-
-
-def _bits(t) -> np.ndarray:
-    return np.ascontiguousarray(t.float().numpy()).view(np.uint32)
 
 
 # (rows, C, device type): on a CPU device an invocation a row, whole texels (C % 4 == 0) or

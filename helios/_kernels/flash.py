@@ -69,18 +69,14 @@ def flash_attn_supported(q: Tensor, k: Tensor, v: Tensor) -> bool:
 
 
 def _engine_operand(t: Tensor) -> tuple:
-    """(handle, byte offset, element strides of B, H, T) of a [B, H, T, D] operand (D's stride 1)."""
+    """(handle, byte offset, element strides of B, H, T) of a [B, H, T, D] operand or output (O, dQ,
+    dK, dV; D's stride 1)."""
     return (t._st.handle, t._off * t.dtype.itemsize, tuple(t._strides[:3]))
 
 
 def _engine_out(t: Tensor) -> tuple:
     """(handle, byte offset) of a contiguous output (L, D, a block mask)."""
     return (t._st.handle, t._off * t.dtype.itemsize)
-
-
-def _engine_dest(t: Tensor) -> tuple:
-    """(handle, byte offset, element strides of B, H, T) of a [B, H, T, D] output (O, dQ, dK, dV)."""
-    return (t._st.handle, t._off * t.dtype.itemsize, tuple(t._strides[:3]))
 
 
 def _engine_reads(t: Tensor) -> bool:
@@ -127,7 +123,7 @@ def _run_engine(pass_: str, qkvg: tuple, stats: tuple, outs: tuple, scale: float
     contiguous copies: the SIMT kernel cannot share K/V heads."""
     q, k = qkvg[0], qkvg[1]
     rt = q._st.rt
-    outs = tuple(None if t is None else _engine_dest(t) if t.ndim == 4 else _engine_out(t) for t in outs)
+    outs = tuple(None if t is None else _engine_operand(t) if t.ndim == 4 else _engine_out(t) for t in outs)
     args = (pass_, q.dtype.name, _problem(q, k), tuple(_engine_operand(t) for t in qkvg) + tuple(_engine_out(t) for t in stats),
             outs, float(scale), bool(causal),
             None if block_mask is None else (*_engine_out(block_mask.dev), block_mask.block_size, block_mask.pairs))

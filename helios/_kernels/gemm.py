@@ -640,7 +640,7 @@ def _on_matrix_engine(a: Tensor, b: Tensor, bias: Tensor | None, out: Tensor, wi
     vec = None if bias is None else (bias._st.handle, bias._off * isz)
     res = None
     if residual is not None and target is out and not swapped and len(shape) == 0 and residual.is_contiguous():
-        res = (residual._st.handle, residual._off * 4, residual._strides[-2] if M > 1 else N)
+        res = (residual._st.handle, residual._off * residual.dtype.itemsize, residual._strides[-2] if M > 1 else N)
     args = ((a._st.handle, ra[0] * isz, ra[1], a_major), (b._st.handle, rb[0] * isz, rb[1], b_major),
             (target._st.handle, rc[0] * target.dtype.itemsize, rc[1]), M, N, K, a.dtype.name,
             target.dtype.name, vec, tuple(zip(shape, *strides)), widen)

@@ -805,9 +805,14 @@ class MLP(Module):
         return project_residual(self.c_proj, h, residual, self.dropout)
 
 
+def _plain(m, cls) -> bool:
+    """Whether ``m`` is a ``cls`` as the class defines it (no subclass, no replaced forward)."""
+    return type(m) is cls and "forward" not in vars(m)
+
+
 def _plain_linear(m) -> bool:
     """Whether ``m`` is a Linear whose forward is F.linear (no subclass, no replaced forward)."""
-    return type(m) is Linear and "forward" not in vars(m)
+    return _plain(m, Linear)
 
 
 def _identity(dropout) -> bool:
@@ -820,7 +825,7 @@ def norm_for_product(norm, x: Tensor, product) -> Tensor:
     (or ``product`` None: the caller's own autocast matmul, GPT's tied head) stores it in the
     autocast dtype the product rounds it to (F.layer_norm's ``feeds_products``: the same values
     for the product, half the bytes).  Any other pair runs norm(x)."""
-    if type(norm) is LayerNorm and "forward" not in vars(norm) and (product is None or _plain_linear(product)):
+    if _plain(norm, LayerNorm) and (product is None or _plain_linear(product)):
         return norm(x, feeds_products=True)
     return norm(x)
 

@@ -41,6 +41,7 @@ _OTHERS = {169, 245, 4459, 4460}                   # OpSelect, OpPhi, coopmat mu
 ALLOWED = _MEMORY | _CONVERSIONS | _COMPOSITES | _FUNCTIONS | _OTHERS
 _TYPES_ON = {23, 24, 28, 29, 30, 32, 33, 4456}     # types built on others: vector .. function, coopmat
 OP_FUNCTION = 54
+OP_EXT_INST = 12  # operands: result type, result, set, instruction (a literal, not an id), ids
 
 
 class RetypeError(ValueError):
@@ -104,7 +105,8 @@ def _check_uses(words: tuple, scalar: int, types: set[int]) -> None:
                 values.add(ops[1])
             continue
         gives = len(ops) > 1 and ops[0] in types
-        if op not in ALLOWED and (gives or any(o in values for o in ops)):
+        takes = ops[4:] if op == OP_EXT_INST else ops  # an extended instruction's number may equal an id
+        if op not in ALLOWED and (gives or any(o in values for o in takes)):
             raise RetypeError(f"opcode {op} (word {at}) works on a 16-bit float: not allowed on bfloat16")
         if gives:
             values.add(ops[1])

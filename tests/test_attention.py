@@ -14,6 +14,7 @@ import torch
 import helios as hl
 import helios.nn.functional as F
 from helios import _kernels as K
+from helios.runtime import get_runtime
 
 sys.path.insert(0, os.path.dirname(__file__))
 from switches import count_dispatches  # noqa: E402
@@ -117,27 +118,61 @@ def test_flash_16bit_storage(monkeypatch, kernel, dtype, tol):
     _close(_helios(q, k, v, g, dtype=getattr(hl, dtype), is_causal=True), _ref(q, k, v, g, is_causal=True), tol)
 
 
+def flash_bwd_both_ways(q, k, v, g, dtype, scale, causal, block_mask=None, pad=4):
+    """The flash backward of numpy operands (exact in ``dtype``) twice: as training runs it, the
+    dQ pass computing D = rowsum(dO * O) itself, and with a gradient of L of zeros, which makes it
+    run the preprocess pass (D - 0 = D) first.  O is token-major (strided) and dO starts ``pad``
+    elements into its buffer.  ((dQ, dK, dV) as float64 arrays, dispatch names) of each."""
+    hq, hk, hv = (hl.tensor(x, dtype=dtype) for x in (q, k, v))
+    go = hl.tensor(np.concatenate([np.zeros(pad), g.ravel()]), dtype=dtype)[pad:].reshape(*g.shape)
+    o, lse = K.flash_attn_fwd(hq, hk, hv, scale, causal, block_mask=block_mask, token_major=True)
+    runs = []
+    for dlse in (None, hl.zeros(lse.shape)):
+        with count_dispatches() as names:
+            grads = K.flash_attn_bwd(hq, hk, hv, o, lse, go, scale, causal, block_mask=block_mask, dlse=dlse)
+            hl.synchronize()
+        runs.append(([t.float().numpy().astype(np.float64) for t in grads], set(names)))
+    return runs
+
+
+@pytest.mark.parametrize("kernel, dtype, causal, masked", [
+    ("cpu", "float32", True, False), ("cpu", "bfloat16", False, True),
+    ("gpu", "float32", False, True), ("gpu", "float16", True, False),
+])
+def test_flash_dq_pass_computes_d_as_the_preprocess_pass_does(monkeypatch, kernel, dtype, causal, masked):
+    # One dispatch fewer a backward, and the same bits: the dQ pass sums dO * O over the head dim
+    # in the preprocess pass's order.  150 query rows: the last row group is partial.
+    if kernel == "cpu" and not K.fa_subgroup_kernel_runs_on(get_runtime()):
+        pytest.skip("the subgroup kernel needs 8-lane subgroups")
+    monkeypatch.setattr(K.flash, "_FA_KERNEL", kernel)
+    tdt = getattr(torch, dtype)
+    q, k, v, g = (torch.tensor(x).to(tdt).float().numpy() for x in _operands(2, 2, 150, 32, kv_len=130))
+    bm = None
+    if masked:
+        allow = RNG.random((3, 3)) < 0.6
+        allow[:, 0] = True
+        bm = K.FlashBlockMask(allow, 64, 150, 130, causal)
+    (fused, fused_names), (pre, pre_names) = flash_bwd_both_ways(q, k, v, g, dtype, 0.2, causal, bm)
+    for a, b in zip(fused, pre):
+        np.testing.assert_array_equal(a, b)
+    assert "flash_attn_bwd_pre" in pre_names and "flash_attn_bwd_pre" not in fused_names
+    assert len(fused_names) == 2
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_flash_gpu_preprocess_wide_and_scalar_loads_agree(monkeypatch, dtype):
     # The GPU kernel's preprocess pass (D = rowsum(dO * O)) reads 16 bytes a load where O's and
     # dO's rows start 8-aligned, and one value a load otherwise, summing in the same order: a
     # gradient handed in 4 elements into its buffer takes the scalar loads and must give the same
     # bits, and both the reference's values.
+    # (The preprocess pass runs where the backward has a gradient of L; flash_bwd_both_ways' second run.)
     monkeypatch.setattr(K.flash, "_FA_KERNEL", "gpu")
-    hdt, tdt = getattr(hl, dtype), getattr(torch, dtype)
+    tdt = getattr(torch, dtype)
     q, k, v, g = (torch.tensor(x).to(tdt).double().numpy() for x in _operands(2, 2, 37, 64))
-    runs = []
-    for pad in (0, 4):
-        hq, hk, hv = (hl.tensor(x, dtype=hdt, requires_grad=True) for x in (q, k, v))
-        o = F.scaled_dot_product_attention(hq, hk, hv, is_causal=True)
-        flat = np.concatenate([np.zeros(pad), g.ravel()])
-        go = hl.tensor(flat, dtype=hdt)[pad:].reshape(*g.shape)
-        assert go._off == pad and go.is_contiguous()
-        o.backward(go)
-        runs.append([t.float().numpy().astype(np.float64) for t in (o, hq.grad, hk.grad, hv.grad)])
-    for a, b in zip(*runs):
+    wide, scalar = (flash_bwd_both_ways(q, k, v, g, dtype, 64 ** -0.5, True, pad=pad)[1][0] for pad in (0, 4))
+    for a, b in zip(wide, scalar):
         np.testing.assert_array_equal(a, b)
-    _close(runs[0], _ref(q, k, v, g, is_causal=True), 2e-5 if dtype == "float32" else 1.6e-2)
+    _close(wide, _ref(q, k, v, g, is_causal=True)[1:], 2e-5 if dtype == "float32" else 1.6e-2, names=("dQ", "dK", "dV"))
 
 
 @pytest.mark.parametrize("dtype,D,pad,tol", [("bfloat16", 32, 0, 1.6e-2), ("float16", 64, 4, 2e-3)])

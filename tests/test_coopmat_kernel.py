@@ -223,6 +223,29 @@ def test_retype_refuses_what_relies_on_fp16(tmp_path, body, why):
         retype.retype(_compiled(body, tmp_path))
 
 
+def _module(*instrs) -> bytes:
+    """A SPIR-V module of ``instrs``, each (opcode, operand words...), after a header (ids below 100)."""
+    words = [0x07230203, 0x00010600, 0, 100, 0]
+    for op, *ops in instrs:
+        words += [((len(ops) + 1) << 16) | op, *ops]
+    return struct.pack(f"<{len(words)}I", *words)
+
+
+@pytest.mark.parametrize("operand, refused", [(31, False), (29, True)])
+def test_retype_reads_an_extended_instruction_number_as_a_literal(operand, refused):
+    # GLSL.std.450's Exp2 is instruction 29; a module whose 16-bit zero has id 29 was refused
+    # though its exp2 took a float32 (flash_coop.comp's bf16 variants, once their ids moved).
+    # Ids: 1 the GLSL.std.450 set, 10 float32, 20 float16, 29 a 16-bit zero, 31 a float32 one.
+    retype = BUILD.bf16_retype()
+    code = _module((22, 10, 32), (22, 20, 16), (43, 20, 29, 0), (43, 10, 31, 0x3F800000),
+                   (54, 10, 40, 0, 41), (12, 10, 42, 1, 29, operand))
+    if refused:  # exp2 of the 16-bit value itself: arithmetic on bfloat16
+        with pytest.raises(retype.RetypeError, match="not allowed on bfloat16"):
+            retype._check_uses(retype.words_of(code), 20, {20})
+    else:
+        retype._check_uses(retype.words_of(code), 20, {20})
+
+
 def test_retype_refuses_a_module_without_a_16_bit_float(tmp_path):
     retype = BUILD.bf16_retype()
     with pytest.raises(retype.RetypeError, match="no 16-bit float"):

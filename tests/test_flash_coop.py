@@ -27,7 +27,7 @@ from helios.profile import profile
 
 sys.path.insert(0, os.path.dirname(__file__))
 from switches import coopmat_device  # noqa: E402
-from test_attention import gpt_attention  # noqa: E402
+from test_attention import flash_bwd_both_ways, gpt_attention  # noqa: E402
 
 R = np.random.default_rng(33)
 SHAPE = dict(m=16, n=16, k=16, a="f16", b="f16", c="f32", result="f32", scope="subgroup", saturating=False)
@@ -161,7 +161,7 @@ def test_passes_match_float64_attention(rt, dtype, D, causal, Tq, Tk):
     for name, a, b in zip(("O", "L", "dQ", "dK", "dV"), got, _reference(q, k, v, g, scale, causal)):
         _close(a, b, f"{name} {dtype} D={D} causal={causal} Tq={Tq} Tk={Tk}", dtype)
     names = {e.name for e in prof.collector.events if e.name.startswith("flash")}
-    assert names == {"flash_coop", "flash_attn_bwd_pre", "flash_coop_bwd_dq", "flash_coop_bwd_dkv"}
+    assert names == {"flash_coop", "flash_coop_bwd_dq", "flash_coop_bwd_dkv"}  # D computed in the dQ pass
 
 
 def test_reruns_are_bit_identical_and_close_to_the_shared_memory_kernel(rt):
@@ -178,9 +178,26 @@ def test_reruns_are_bit_identical_and_close_to_the_shared_memory_kernel(rt):
     finally:
         coopmat.set_enabled(was)
     assert {e.name for e in prof.collector.events if e.name.startswith("flash")} == {
-        "flash_attn", "flash_attn_bwd_pre", "flash_attn_bwd_dq", "flash_attn_bwd_dkv"}
+        "flash_attn", "flash_attn_bwd_dq", "flash_attn_bwd_dkv"}
     for a, b in zip(first, simt):
         _close(a, b.astype(np.float64), "coopmat vs shared-memory kernel")
+
+
+@pytest.mark.parametrize("dtype, causal, masked", [("float16", True, False), ("bfloat16", False, True)])
+def test_dq_pass_computes_d_as_the_preprocess_pass_does(rt, dtype, causal, masked):
+    # The dQ pass's own D = rowsum(dO * O) (no preprocess dispatch) gives the bits of the
+    # preprocess pass's (flash_attn.comp's, run here by a gradient of L of zeros); 90 query rows:
+    # the last subgroup's rows are partial.
+    _has(rt, dtype)
+    q, k, v, g = _operands(1, 2, 90, 70, 64, dtype)
+    bm = None
+    if masked:
+        bm = K.FlashBlockMask(np.array([[True, False], [True, True]]), 64, 90, 70, causal)
+    (fused, fused_names), (pre, pre_names) = flash_bwd_both_ways(q, k, v, g, dtype, 0.125, causal, bm)
+    for a, b in zip(fused, pre):
+        np.testing.assert_array_equal(a, b)
+    assert fused_names == {"flash_coop_bwd_dq", "flash_coop_bwd_dkv"}
+    assert pre_names == fused_names | {"flash_attn_bwd_pre"}
 
 
 @pytest.mark.parametrize("dtype, pad", [("float16", 0), ("float16", 4), ("bfloat16", 0), ("bfloat16", 4)])

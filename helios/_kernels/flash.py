@@ -263,10 +263,12 @@ class _FlashLaunch:
         return max(1, min(4, -(-rows // _FA_SG_ROWS)))
 
     def dispatch(self, mode: int, rows: int, bufs: dict, name: str, flops: int, nbytes: int, per_head: bool = True,
-                 dlse: bool = False, o: tuple = _NO_ROWS, do: tuple = _NO_ROWS, grads: tuple = (0,) * 5) -> None:
+                 dlse: bool = False, o: tuple = _NO_ROWS, do: tuple = _NO_ROWS, grads: tuple = (0,) * 5,
+                 d_here: bool = False) -> None:
         """Record one pass over ``rows`` rows (per head, or in all with ``per_head=False``).  ``o``
         and ``do``: how O and dO are addressed (_rows_at); ``grads``: the strides of B, H and T of
-        the pass's gradient outputs and their offsets (dQ | dK, dV)."""
+        the pass's gradient outputs and their offsets (dQ | dK, dV); ``d_here``: the dQ pass
+        computes D = rowsum(dO * O) and stores it (flags bit 2, see flash_attn.comp)."""
         rt = self.rt
         BH = self.B * self.H
         kernel, variant, subgroup = "flash_attn", self.variant, 0
@@ -289,7 +291,7 @@ class _FlashLaunch:
             per_group = _FA_GPU_WG
         groups = (1, -(-rows // per_group), BH) if per_head else groups_for(-(-rows // per_group))
         pid = rt.pipeline(kernel, variant, spec, subgroup)
-        flags = int(self.causal) | (2 if dlse else 0)
+        flags = int(self.causal) | (2 if dlse else 0) | (4 if d_here else 0)
         if self.bm is not None and mode != _FA_PRE:
             # the mask goes through a binding this pass leaves unused (see flash_attn.comp)
             bufs = {**bufs, {_FA_FWD: 6, _FA_DQ: 8, _FA_DKV: 7}[mode]: self.bmb}
@@ -366,20 +368,11 @@ def flash_attn_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, g: T
     isz = q.dtype.itemsize
     rows = B * H * Tq
     dsum = empty((B, H, Tq), dt.float32, rt)
-    pre = {3: bo, 4: bg, 6: bind(dsum, True)[0]}
-    if dlse is not None:
-        if dlse.shape != (B, H, Tq) or dlse.dtype is not dt.float32:
-            raise ShapeError(f"flash_attn_bwd: dlse must be float32 {(B, H, Tq)}, got {dlse.dtype.name} {dlse.shape}")
-        if not dlse.is_contiguous():
-            dlse = kern.copy(dlse)
-        bd, od = bind(dlse)
-        if od:  # the pass indexes dL from the start of its binding
-            dlse = kern.copy(dlse)
-            bd, od = bind(dlse)
-        pre[5] = bd
-    fl.dispatch(_FA_PRE, rows, pre, "flash_attn_bwd_pre", 2 * rows * D + (rows if dlse is not None else 0),
-                2 * rows * D * isz + rows * (8 if dlse is not None else 4), per_head=False, dlse=dlse is not None,
-                o=o_at, do=do_at)
+    # D = rowsum(dO * O): the SIMT dQ pass computes it as it goes where there is one and no dL
+    # to fold in (the preprocess pass's binding for dL is L's in the dQ pass), else a pass of its own
+    d_in_dq = need_q and dlse is None and not engine
+    if not d_in_dq:
+        _preprocess(fl, rows, o_at, do_at, {3: bo, 4: bg, 6: bind(dsum, True)[0]}, dlse)
     if engine:
         took = _engine_bwd(q, k, v, g, lse, dsum, scale, causal, need_q, need_kv, block_mask, dest)
         if took is not None:
@@ -392,8 +385,10 @@ def flash_attn_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, g: T
     if need_q:
         dq = dq_to if dq_to is not None else empty((B, H, Tq, D), q.dtype, rt)
         b, off = bind(dq, True)
-        fl.dispatch(_FA_DQ, Tq, {**stats, 7: b}, "flash_attn_bwd_dq", 6 * pairs * D,
-                    B * H * (3 * Tq + 2 * fl.key_rows()) * D * isz, o=o_at, do=do_at, grads=(*dq._strides[:3], off, 0))
+        d_work = (2 * rows * D, rows * (D * isz + 4)) if d_in_dq else (0, 0)  # O read, D stored
+        fl.dispatch(_FA_DQ, Tq, {**stats, 7: b, **({3: bo, 6: bind(dsum, True)[0]} if d_in_dq else {})},
+                    "flash_attn_bwd_dq", 6 * pairs * D + d_work[0], B * H * (3 * Tq + 2 * fl.key_rows()) * D * isz + d_work[1],
+                    o=o_at, do=do_at, grads=(*dq._strides[:3], off, 0), d_here=d_in_dq)
     if need_kv:
         dk, dv = (dk_to, dv_to) if dk_to is not None else (empty((B, H, Tk, D), q.dtype, rt) for _ in range(2))
         (bk, ok), (bv, ov) = bind(dk, True), bind(dv, True)
@@ -401,6 +396,26 @@ def flash_attn_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, g: T
                     8 * pairs * D, B * H * (2 * Tq + 2 * Tk + 2 * fl.key_rows()) * D * isz, o=o_at, do=do_at,
                     grads=(*dk._strides[:3], ok, ov))
     return dq, dk, dv
+
+
+def _preprocess(fl: _FlashLaunch, rows: int, o_at: tuple, do_at: tuple, bufs: dict, dlse: Tensor | None) -> None:
+    """The backward's preprocess pass: D = rowsum(dO * O) (minus ``dlse``, the gradient of L,
+    where given) of all ``rows`` query rows into binding 6 of ``bufs`` (which binds O at 3 and
+    dO at 4)."""
+    B, H, Tq, D, isz = fl.B, fl.H, fl.Tq, fl.D, fl.q.dtype.itemsize
+    if dlse is not None:
+        if dlse.shape != (B, H, Tq) or dlse.dtype is not dt.float32:
+            raise ShapeError(f"flash_attn_bwd: dlse must be float32 {(B, H, Tq)}, got {dlse.dtype.name} {dlse.shape}")
+        if not dlse.is_contiguous():
+            dlse = kern.copy(dlse)
+        bd, od = bind(dlse)
+        if od:  # the pass indexes dL from the start of its binding
+            dlse = kern.copy(dlse)
+            bd, od = bind(dlse)
+        bufs = {**bufs, 5: bd}
+    fl.dispatch(_FA_PRE, rows, bufs, "flash_attn_bwd_pre", 2 * rows * D + (rows if dlse is not None else 0),
+                2 * rows * D * isz + rows * (8 if dlse is not None else 4), per_head=False, dlse=dlse is not None,
+                o=o_at, do=do_at)
 
 
 def _grad_dests(dest: tuple | None, q: Tensor, k: Tensor, v: Tensor) -> tuple:

@@ -36,6 +36,10 @@
 // With flags bit 1, pass 1 computes D = rowsum(dO * O) - dL instead, dL (the gradient of
 // L, read through binding 5, unused by that pass) entering dS = P * (dP - D + dL): the
 // backward of callers that use L itself (dilated attention's softmax over patterns).
+// With flags bit 2, pass 2 computes D itself, each row's from the dO row it loads and O
+// (through binding 3, unused by that pass), in pass 1's order, and stores it for pass 3: one
+// dispatch fewer a backward (the host then runs no pass 1; a dL needs pass 1, whose binding 5
+// pass 2 uses for L).
 // Passes 2 and 3 each own their outputs (a query row's dQ, a key row's dK and dV), so the
 // backward needs no atomics and is deterministic.  With causal != 0 query i sees keys
 // j <= i (top-left aligned, PyTorch's is_causal; flags bit 0); tiles wholly above the diagonal are
@@ -158,19 +162,24 @@ uint orow(uint z, uint t) { uint b = z / p.H; return p.off_o + b * p.sob + (z - 
 uint dorow(uint z, uint t) { uint b = z / p.H; return p.off_do + b * p.sdb + (z - b * p.H) * p.sdh + t * p.sdt; }
 uint grow(uint off, uint z, uint t) { uint b = z / p.H; return off + b * p.sgb + (z - b * p.H) * p.sgh + t * p.sgt; }
 
-// rowsum(dO * O) of flat row r (the backward's D: pass 1, whose Tk is the rows of a head), over
-// the head dim in order, a value a load.
-float row_dsum_scalar(uint r) {
-    uint z = r / p.Tk, t = r - z * p.Tk;
+// rowsum(dO * O) of row t of head z (the backward's D), over the head dim in order, a value a load.
+float row_dsum_at(uint z, uint t) {
     uint io = orow(z, t), id = dorow(z, t);
     float s = 0.0;
     for (uint d = 0u; d < uint(HD); ++d) s += ld1(BUF_DO, id + d) * ld1(BUF_O, io + d);
     return s;
 }
 
+// The same of flat row r (pass 1, whose Tk is the rows of a head).
+float row_dsum_scalar(uint r) {
+    uint z = r / p.Tk;
+    return row_dsum_at(z, r - z * p.Tk);
+}
+
 layout(constant_id = 1) const int MODE = 0;  // the pass
 
 bool causal_on() { return (p.flags & 1u) != 0u; }
+bool d_here() { return (p.flags & 4u) != 0u; }  // pass 2 computes and stores D (see the top)
 
 // Whether the block holding query row qr and key row kr is computed (always, without a mask).
 bool blk_on(uint qr, uint kr) {
@@ -397,7 +406,13 @@ void dq_pass() {
     if (m0 >= p.Tq) return;
     uint mine = min(m0 + lane, p.Tq - 1u);
     uint xq = qrow(z, mine), xd = dorow(z, mine);
-    float my_l = lse[z * p.Tq + mine] * LOG2E, my_d = dsum[z * p.Tq + mine];
+    float my_l = lse[z * p.Tq + mine] * LOG2E, my_d;
+    if (d_here()) {
+        my_d = row_dsum_at(z, mine);
+        if (m0 + lane < p.Tq) dsum[z * p.Tq + mine] = my_d;
+    } else {
+        my_d = dsum[z * p.Tq + mine];
+    }
     float c = p.scale * LOG2E;
     float acc[NR][DL];
     zero_acc(acc);
@@ -613,7 +628,15 @@ void dq_pass() {
         gr[d] = ld1(BUF_DO, xd + uint(d));
         acc[d] = 0.0;
     }
-    float li = lse[z * p.Tq + rc] * LOG2E, di = dsum[z * p.Tq + rc];
+    float li = lse[z * p.Tq + rc] * LOG2E, di;
+    if (d_here()) {  // row_dsum_at's sum, from the dO row loaded above
+        uint io = orow(z, rc);
+        di = 0.0;
+        for (int d = 0; d < HD; ++d) di += gr[d] * ld1(BUF_O, io + uint(d));
+        if (r < p.Tq) dsum[z * p.Tq + r] = di;
+    } else {
+        di = dsum[z * p.Tq + rc];
+    }
     uint lim = causal_on() ? min(p.Tk, rc + 1u) : p.Tk;
     uint kend = causal_on() ? min(p.Tk, min(r0 + uint(WG), p.Tq)) : p.Tk;
     for (uint k0 = next_k(r0, 0u, kend); k0 < kend; k0 = next_k(r0, k0 + uint(BKT), kend)) {

@@ -4,8 +4,9 @@
 // below is the operands' type: fp16 or bf16).  It computes what flash_attn.comp's
 // passes 0, 2 and 3 compute (forward; backward dQ; backward dK and dV), with the same bindings,
 // push constants, block mask and causal rule, so the host swaps one kernel for the other pass by
-// pass; the backward's preprocess (D = rowsum(dO * O)) stays flash_attn.comp's pass 1.  See the
-// top of flash_attn.comp for the operands, the algorithm and the mask.
+// pass; the backward's D = rowsum(dO * O) is flash_attn.comp's pass 1 or, with flags bit 2, this
+// pass 2's own (each row's from O and dO in pass 1's order, stored for pass 3).  See the top of
+// flash_attn.comp for the operands, the algorithm and the mask.
 //
 // A workgroup owns WR = 16 * NSG rows of the pass's own operand (query rows in passes 0 and 2,
 // key rows in pass 3), 16 a subgroup: one cooperative-matrix height.  Those rows (Q; Q and dO;
@@ -76,6 +77,10 @@ layout(std430, binding = 4) readonly buffer BDO8 { uvec4 do8[]; };
 layout(std430, binding = 3) writeonly buffer BO { OUT_T o[]; };
 layout(std430, binding = 5) buffer BL { float lse[]; };
 layout(std430, binding = 6) readonly buffer BD { float dsum[]; };
+// pass 2 with D computed here (flags bit 2): O and dO a value a load, D stored
+layout(std430, binding = 3) readonly buffer BOR { OUT_T o_in[]; };
+layout(std430, binding = 4) readonly buffer BDOS { OUT_T do_in[]; };
+layout(std430, binding = 6) writeonly buffer BDW { float dsum_out[]; };
 layout(std430, binding = 7) writeonly buffer BDQ { OUT_T dq[]; };
 layout(std430, binding = 8) writeonly buffer BDK { OUT_T dk[]; };
 layout(std430, binding = 9) writeonly buffer BDV { OUT_T dv[]; };
@@ -84,7 +89,7 @@ layout(std430, binding = 6) readonly buffer BM6 { uint bm6[]; };
 layout(std430, binding = 7) readonly buffer BM7 { uint bm7[]; };
 layout(std430, binding = 8) readonly buffer BM8 { uint bm8[]; };
 layout(push_constant) uniform P {
-    uint Tq; uint Tk; uint H; uint flags;  // bit 0 causal, bits 8.. block size
+    uint Tq; uint Tk; uint H; uint flags;  // bit 0 causal, bit 2 D computed by pass 2, bits 8.. block size
     float scale;
     uint off_q; uint off_k; uint off_v; uint off_o; uint off_do;
     uint sqb; uint sqh; uint sqt;
@@ -143,6 +148,15 @@ uint row_of(const int b, uint z, uint t) {
 }
 
 bool causal_on() { return (p.flags & 1u) != 0u; }
+bool d_here() { return (p.flags & 4u) != 0u; }
+
+// rowsum(dO * O) of row t of head z, over the head dim in order (flash_attn.comp's row_dsum_at).
+float row_dsum_at(uint z, uint t) {
+    uint io = orow(z, t), id = dorow(z, t);
+    float s = 0.0;
+    for (uint d = 0u; d < uint(HD); ++d) s += out_f(do_in[id + d]) * out_f(o_in[io + d]);
+    return s;
+}
 
 // The block mask (flash_attn.comp's blk_on / next_k / next_q).
 bool blk_on(uint qr, uint kr) {
@@ -348,7 +362,9 @@ void dq_pass(uint z, uint r0, uint g) {
     for (uint r = lane; r < 16u; r += SGE) {
         uint t = min(R0 + r, p.Tq - 1u);
         Rw[rw + r] = lse[z * p.Tq + t] * LOG2E;
-        Rw[rw + 16u + r] = dsum[z * p.Tq + t];
+        float d = d_here() ? row_dsum_at(z, t) : dsum[z * p.Tq + t];
+        Rw[rw + 16u + r] = d;
+        if (d_here() && R0 + r < p.Tq) dsum_out[z * p.Tq + R0 + r] = d;
     }
     stage(BUF_Q, SH_FX, 0u, z, r0, WR, p.Tq);
     stage(BUF_DO, SH_FX, WR, z, r0, WR, p.Tq);

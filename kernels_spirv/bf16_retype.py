@@ -42,6 +42,10 @@ ALLOWED = _MEMORY | _CONVERSIONS | _COMPOSITES | _FUNCTIONS | _OTHERS
 _TYPES_ON = {23, 24, 28, 29, 30, 32, 33, 4456}     # types built on others: vector .. function, coopmat
 OP_FUNCTION = 54
 OP_EXT_INST = 12  # operands: result type, result, set, instruction (a literal, not an id), ids
+# Body instructions that take no value of a float type: their other operands are labels and
+# literals (a line, a merge's control, a branch's weights, a switch's cases), any of which may
+# equal a 16-bit value's id.  OpLine, OpLoopMerge, OpSelectionMerge, OpBranchConditional, OpSwitch.
+_NO_FLOAT_OPERANDS = {8, 246, 247, 250, 251}
 
 
 class RetypeError(ValueError):
@@ -105,7 +109,7 @@ def _check_uses(words: tuple, scalar: int, types: set[int]) -> None:
                 values.add(ops[1])
             continue
         gives = len(ops) > 1 and ops[0] in types
-        takes = ops[4:] if op == OP_EXT_INST else ops  # an extended instruction's number may equal an id
+        takes = () if op in _NO_FLOAT_OPERANDS else ops[4:] if op == OP_EXT_INST else ops
         if op not in ALLOWED and (gives or any(o in values for o in takes)):
             raise RetypeError(f"opcode {op} (word {at}) works on a 16-bit float: not allowed on bfloat16")
         if gives:

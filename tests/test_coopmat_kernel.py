@@ -232,13 +232,15 @@ def _module(*instrs) -> bytes:
 
 
 @pytest.mark.parametrize("operand, refused", [(31, False), (29, True)])
-def test_retype_reads_an_extended_instruction_number_as_a_literal(operand, refused):
+def test_retype_reads_literals_as_literals(operand, refused):
     # GLSL.std.450's Exp2 is instruction 29; a module whose 16-bit zero has id 29 was refused
-    # though its exp2 took a float32 (flash_coop.comp's bf16 variants, once their ids moved).
-    # Ids: 1 the GLSL.std.450 set, 10 float32, 20 float16, 29 a 16-bit zero, 31 a float32 one.
+    # though its exp2 took a float32 (flash_coop.comp's bf16 variants, once their ids moved).  So
+    # too a loop's control or a switch's case.  Ids: 1 the GLSL.std.450 set, 10 float32, 20
+    # float16, 29 a 16-bit zero, 31 a float32 one, 40.. the function's, 50.. labels.
     retype = BUILD.bf16_retype()
     code = _module((22, 10, 32), (22, 20, 16), (43, 20, 29, 0), (43, 10, 31, 0x3F800000),
-                   (54, 10, 40, 0, 41), (12, 10, 42, 1, 29, operand))
+                   (54, 10, 40, 0, 41), (246, 50, 51, 29), (251, 44, 52, 29, 53),
+                   (12, 10, 42, 1, 29, operand))
     if refused:  # exp2 of the 16-bit value itself: arithmetic on bfloat16
         with pytest.raises(retype.RetypeError, match="not allowed on bfloat16"):
             retype._check_uses(retype.words_of(code), 20, {20})

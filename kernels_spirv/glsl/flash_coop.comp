@@ -77,9 +77,8 @@ layout(std430, binding = 4) readonly buffer BDO8 { uvec4 do8[]; };
 layout(std430, binding = 3) writeonly buffer BO { OUT_T o[]; };
 layout(std430, binding = 5) buffer BL { float lse[]; };
 layout(std430, binding = 6) readonly buffer BD { float dsum[]; };
-// pass 2 with D computed here (flags bit 2): O and dO a value a load, D stored
+// pass 2 with D computed here (flags bit 2): O a value a load, D stored
 layout(std430, binding = 3) readonly buffer BOR { OUT_T o_in[]; };
-layout(std430, binding = 4) readonly buffer BDOS { OUT_T do_in[]; };
 layout(std430, binding = 6) writeonly buffer BDW { float dsum_out[]; };
 layout(std430, binding = 7) writeonly buffer BDQ { OUT_T dq[]; };
 layout(std430, binding = 8) writeonly buffer BDK { OUT_T dk[]; };
@@ -150,11 +149,11 @@ uint row_of(const int b, uint z, uint t) {
 bool causal_on() { return (p.flags & 1u) != 0u; }
 bool d_here() { return (p.flags & 4u) != 0u; }
 
-// rowsum(dO * O) of row t of head z, over the head dim in order (flash_attn.comp's row_dsum_at).
-float row_dsum_at(uint z, uint t) {
-    uint io = orow(z, t), id = dorow(z, t);
+// rowsum(dO * O) of a row whose dO is staged in Fx from `at` and whose O starts at element io,
+// over the head dim in order (flash_attn.comp's row_dsum_at: the same bits).
+float row_dsum_staged(uint at, uint io) {
     float s = 0.0;
-    for (uint d = 0u; d < uint(HD); ++d) s += out_f(do_in[id + d]) * out_f(o_in[io + d]);
+    for (uint d = 0u; d < uint(HD); ++d) s += elem_f(Fx[at + d]) * out_f(o_in[io + d]);
     return s;
 }
 
@@ -362,12 +361,18 @@ void dq_pass(uint z, uint r0, uint g) {
     for (uint r = lane; r < 16u; r += SGE) {
         uint t = min(R0 + r, p.Tq - 1u);
         Rw[rw + r] = lse[z * p.Tq + t] * LOG2E;
-        float d = d_here() ? row_dsum_at(z, t) : dsum[z * p.Tq + t];
-        Rw[rw + 16u + r] = d;
-        if (d_here() && R0 + r < p.Tq) dsum_out[z * p.Tq + R0 + r] = d;
+        if (!d_here()) Rw[rw + 16u + r] = dsum[z * p.Tq + t];
     }
     stage(BUF_Q, SH_FX, 0u, z, r0, WR, p.Tq);
     stage(BUF_DO, SH_FX, WR, z, r0, WR, p.Tq);
+    if (d_here()) {  // D of the subgroup's rows from their staged dO and O
+        barrier();
+        for (uint r = lane; r < 16u; r += SGE) {
+            float d = row_dsum_staged((WR + 16u * g + r) * XLD, orow(z, min(R0 + r, p.Tq - 1u)));
+            Rw[rw + 16u + r] = d;
+            if (R0 + r < p.Tq) dsum_out[z * p.Tq + R0 + r] = d;
+        }
+    }
     uint kend = causal_on() ? min(p.Tk, min(r0 + WR, p.Tq)) : p.Tk;
     uint mine = causal_on() ? min(p.Tk, R0 + 16u) : p.Tk;
     for (uint k0 = next_k(r0, 0u, kend); k0 < kend; k0 = next_k(r0, k0 + BT, kend)) {

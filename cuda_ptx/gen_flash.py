@@ -717,10 +717,15 @@ def _online_softmax(f: _Flash, s: list[Reg], o: list[Reg], m_run: list[Reg], l_r
 
 # -- backward ----------------------------------------------------------------------------------
 
+# d_here (dq only; 0 in dkv): the dq kernel computes D = rowsum(dO * O) itself from O and dO in global
+# memory (o_in, do_in: addresses; o_s*, do_s*: element strides of B, heads and T; rows 16-byte
+# aligned) and stores it at ``delta`` for the dkv kernel, instead of reading it there.
+D_PARAMS = [("d_here", "u32"), ("o_in", "u64"), ("do_in", "u64"), ("o_sb", "u32"), ("o_sh", "u32"), ("o_st", "u32"),
+            ("do_sb", "u32"), ("do_sh", "u32"), ("do_st", "u32")]
 BWD_PARAMS = [("tmap_q", "tmap"), ("tmap_k", "tmap"), ("tmap_v", "tmap"), ("tmap_do", "tmap"), ("lse", "u64"),
               ("delta", "u64"), ("out0", "u64"), ("out1", "u64"), ("Tq", "u32"), ("Tk", "u32"), ("H", "u32"),
               ("group", "u32"), ("scale_log2", "f32"), ("scale", "f32"), ("causal", "u32"), ("mask", "u64"),
-              ("mask_bs", "u32"), ("mask_nk", "u32"), *OUT_STRIDES]
+              ("mask_bs", "u32"), ("mask_nk", "u32"), *OUT_STRIDES, *D_PARAMS]
 
 
 def _prob_and_grad(f: _Flash, s: Reg, dp: Reg, neg_lse2: Reg, delta: Reg, scale_log2) -> None:
@@ -731,6 +736,74 @@ def _prob_and_grad(f: _Flash, s: Reg, dp: Reg, neg_lse2: Reg, delta: Reg, scale_
     b.emit("ex2.approx.ftz.f32", s, s)
     b.emit("sub.f32", dp, dp, delta)
     b.emit("mul.f32", dp, dp, s)
+
+
+def _row_addr(b: Builder, base: Reg, strides: tuple, batch: Reg, head: Reg, row: Reg) -> Reg:
+    """The byte address of element 0 of ``row`` of (``batch``, ``head``) of the 16-bit [B, heads, T, D]
+    tensor at ``base`` with element strides ``strides`` (registers), in 64 bits."""
+    a, term = b.reg("u64"), b.reg("u64")
+    for i, x in enumerate((batch, head, row)):
+        b.emit("mul.wide.u32", a if i == 0 else term, x, strides[i])
+        if i:
+            b.emit("add.u64", a, a, term)
+    b.emit("shl.b64", a, a, 1)
+    b.emit("add.u64", a, a, base)
+    return a
+
+
+def _halves(f: _Flash, word: Reg) -> tuple[Reg, Reg]:
+    """The two 16-bit values of ``word`` (low first) as f32 registers."""
+    b = f.b
+    lo, hi = b.reg("f32"), b.reg("f32")
+    if f.cfg.dtype == "bf16":  # a bf16 is the top half of its f32
+        b.emit("shl.b32", lo, word, 16)
+        b.emit("and.b32", hi, word, 0xFFFF0000)
+        return lo, hi
+    top = b.binop("shr", "b32", word, 16)
+    for half, dst in ((word, lo), (top, hi)):
+        h = b.reg("b16")
+        b.emit("cvt.u16.u32", h, half)  # the low 16 bits
+        b.emit("cvt.f32.f16", dst, h)
+    return lo, hi
+
+
+def _row_delta(f: _Flash, p: dict, rows: "_Rows", h: int, idx: Reg, inside: Reg, batch: Reg, head: Reg) -> Reg:
+    """D of the thread's query row ``rows.rows[h]`` (``idx``: its index in ``delta``): read from
+    ``delta``, or where ``d_here`` rowsum(dO * O) from O and dO in global memory, stored there.  The
+    4 lanes of a quad share the row: each sums 8-value runs q, q + 4, ... of the head dim (16 bytes
+    a load) and the quad adds the 4 sums."""
+    b = f.b
+    here = b.setp("ne", "u32", p["d_here"], 0)
+    read = b.reg("pred")
+    b.emit("and.pred", read, inside, b.setp("eq", "u32", p["d_here"], 0))
+    v = _row_stat(f, p["delta"], idx, read, 0.0)
+    with b.if_(here):
+        row = rows.rows[h]
+        quad = b.binop("and", "b32", rows.lane, 3)
+        at_o = _row_addr(b, p["o_in"], (p["o_sb"], p["o_sh"], p["o_st"]), batch, head, row)
+        at_do = _row_addr(b, p["do_in"], (p["do_sb"], p["do_sh"], p["do_st"]), batch, head, row)
+        first = b.reg("u64")
+        b.emit("mul.wide.u32", first, quad, 16)  # run q's byte offset
+        b.emit("add.u64", at_o, at_o, first)
+        b.emit("add.u64", at_do, at_do, first)
+        s = b.mov("f32", 0.0)
+        for run in range(f.D // 32):  # this lane's runs: q + 4 run
+            wo, wd = [b.mov("b32", 0) for _ in range(4)], [b.mov("b32", 0) for _ in range(4)]
+            for words, at in ((wo, at_o), (wd, at_do)):
+                b.emit("ld.global.v4.b32", "{" + ", ".join(str(w) for w in words) + "}", f"[{at}+{64 * run}]",
+                       pred=inside)
+            for x, y in zip(wd, wo):
+                for a, c in zip(_halves(f, x), _halves(f, y)):
+                    b.emit("fma.rn.f32", s, a, c, s)
+        _quad_reduce(b, s, "add")
+        b.emit("mov.f32", v, s)
+        store = b.reg("pred")
+        b.emit("and.pred", store, inside, b.setp("eq", "u32", quad, 0))
+        a = b.reg("u64")
+        b.emit("mul.wide.u32", a, idx, 4)
+        b.emit("add.u64", a, a, p["delta"])
+        b.emit("st.global.f32", f"[{a}]", v, pred=store)
+    return v
 
 
 def _backward_dq(cfg: FlashConfig) -> Kernel:
@@ -763,7 +836,7 @@ def _backward_dq(cfg: FlashConfig) -> Kernel:
             inside = b.setp("lt", "u32", rows.rows[h], p["Tq"])
             idx = b.mad("u32", bh, p["Tq"], rows.rows[h])
             lse2.append(_row_stat(f, p["lse"], idx, inside, 0.0, -LOG2E))
-            delta.append(_row_stat(f, p["delta"], idx, inside, 0.0))
+            delta.append(_row_delta(f, p, rows, h, idx, inside, batch, head))
         lims, lim_min = _key_limits(f, rows.rows, rows.first, p["Tk"], causal)
         dq = f.zeros(f.D // 2)
         s, dp = f.zeros(cfg.bn // 2), f.zeros(cfg.bn // 2)

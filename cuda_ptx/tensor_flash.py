@@ -87,6 +87,16 @@ def out_strides_why_not(out: Operand) -> str | None:
     return None
 
 
+def d_inputs_why_not(o: Operand, do: Operand) -> str | None:
+    """Why the dQ pass cannot compute D = rowsum(dO * O) from ``o`` and ``do`` (one phrase), or None if
+    it can: it reads their rows 16 bytes a load, so the bases and the strides must be multiples of 16
+    bytes (and fit in 32 bits)."""
+    for name, t in (("O", o), ("dO", do)):
+        if t.ptr % 16 or any((s * 2) % 16 or not 0 <= s < 1 << 32 for s in t.strides):
+            return f"{name}'s base or strides are not multiples of 16 bytes ({t.ptr:#x}, {t.strides})"
+    return None
+
+
 class TensorCoreFlash:
     """The three flash kernels (forward, dQ, dK/dV) on one driver context (see the module docstring)."""
 
@@ -148,21 +158,30 @@ class TensorCoreFlash:
 
     def backward_launches(self, dtype: str, pb: Problem, q: Operand, k: Operand, v: Operand, do: Operand, lse: int,
                           delta: int, dq: Operand | None, dk: Operand | None, dv: Operand | None, scale: float,
-                          causal: bool, mask: tuple | None = None) -> list[tuple]:
+                          causal: bool, mask: tuple | None = None, o: Operand | None = None) -> list[tuple]:
         """The prepared launches (:meth:`run` issues them) that write dQ ([B, H, Tq, D] at ``dq``) and
         dK, dV ([B, Hk, Tk, D], with the same strides: one pass writes both) given the forward's L
         and D = rowsum(dO * O) (float32 [B, H, Tq] at ``lse`` and ``delta``); outputs of any strides
-        (:func:`out_strides`); a pass whose outputs are None has no launch; ``mask``: the forward's."""
+        (:func:`out_strides`); a pass whose outputs are None has no launch; ``mask``: the forward's.
+        With the forward's ``o`` (rows 16-byte aligned: :func:`d_inputs_why_not`), the dQ pass computes
+        D itself and stores it at ``delta`` for the dK/dV pass (dQ must then be wanted)."""
         tail = [*self._dims(pb), ("f32", scale * gen_flash.LOG2E), ("f32", scale), ("u32", int(causal)),
                 *self._mask(pb, mask)]
         sparse = mask is not None
         launches = []
+        if o is not None:
+            why = "dQ is not wanted (the dQ pass computes D)" if dq is None else d_inputs_why_not(o, do)
+            if why is not None:
+                raise ValueError(f"backward_launches: o given, but {why}")
+        no_d = [("u32", 0), ("u64", 0), ("u64", 0)] + [("u32", 0)] * 6  # gen_flash.D_PARAMS: D is read
         if dq is not None:
             kern = self.kernel("dq", dtype, pb.D, sparse)
             bm, bn = kern.cfg.bm, kern.cfg.bn
+            d_args = no_d if o is None else [("u32", 1), ("u64", o.ptr), ("u64", do.ptr),
+                                             *(("u32", x) for x in (*o.strides, *do.strides))]
             args = [self._map(dtype, q, pb.H, pb, pb.Tq, bm), self._map(dtype, k, pb.Hk, pb, pb.Tk, bn),
                     self._map(dtype, v, pb.Hk, pb, pb.Tk, bn), self._map(dtype, do, pb.H, pb, pb.Tq, bm),
-                    ("u64", lse), ("u64", delta), ("u64", dq.ptr), ("u64", 0), *tail, *self._out_strides(dq)]
+                    ("u64", lse), ("u64", delta), ("u64", dq.ptr), ("u64", 0), *tail, *self._out_strides(dq), *d_args]
             launches.append(self._prepared(kern, (-(-pb.Tq // bm), pb.B * pb.H, 1), args))
         if dk is not None or dv is not None:
             if dk is None or dv is None:
@@ -173,7 +192,7 @@ class TensorCoreFlash:
             bm, bn = kern.cfg.bm, kern.cfg.bn
             args = [self._map(dtype, q, pb.H, pb, pb.Tq, bn), self._map(dtype, k, pb.Hk, pb, pb.Tk, bm),
                     self._map(dtype, v, pb.Hk, pb, pb.Tk, bm), self._map(dtype, do, pb.H, pb, pb.Tq, bn),
-                    ("u64", lse), ("u64", delta), ("u64", dk.ptr), ("u64", dv.ptr), *tail, *self._out_strides(dk)]
+                    ("u64", lse), ("u64", delta), ("u64", dk.ptr), ("u64", dv.ptr), *tail, *self._out_strides(dk), *no_d]
             launches.append(self._prepared(kern, (-(-pb.Tk // bm), pb.B * pb.Hk, 1), args))
         return launches
 
@@ -240,7 +259,7 @@ def attention_numpy(ctx: Context, q, k, v, do=None, scale: float | None = None, 
     """Run the kernels on numpy [B, H, T, D] arrays (k and v may have fewer heads): returns
     ``{"o", "lse"}`` and, with ``do`` (the upstream gradient), ``{"dq", "dk", "dv", "delta"}``,
     all float64; inputs are rounded to ``dtype`` first (see :func:`rounded`).  D = rowsum(dO * O)
-    is computed here from the kernel's O in float64, then rounded to float32 as the device keeps it.
+    is the dQ pass's, from the kernel's O.
     ``ctx`` may be a GPU's context or an emulated one (``emu_driver.emulated_context``).
     ``block_mask``: boolean [ceil(Tq / block_size), ceil(Tk / block_size)], the blocks computed."""
     import numpy as np
@@ -277,13 +296,13 @@ def attention_numpy(ctx: Context, q, k, v, do=None, scale: float | None = None, 
         out = {"o": fetch(o, (B, H, Tq, D), dtype), "lse": fetch(lse, (B, H, Tq), "f32")}
         if do is None:
             return out
-        delta = np.float32((rounded(do, dtype) * out["o"]).sum(-1))
         dop = operand(do)
         grads = [upload(np.zeros(n * D, np.uint16)) for n in (B * H * Tq, B * Hk * Tk, B * Hk * Tk)]
         outs = [Operand(ptr, (heads * t * D, t * D, D)) for ptr, heads, t in zip(grads, (H, Hk, Hk), (Tq, Tk, Tk))]
-        engine.run(engine.backward_launches(dtype, pb, *ops, dop, lse, upload(delta), *outs, scale, causal, mask))
+        delta = upload(np.full(B * H * Tq, np.nan, np.float32))  # the dQ pass writes it
+        engine.run(engine.backward_launches(dtype, pb, *ops, dop, lse, delta, *outs, scale, causal, mask, o=o_at))
         ctx.synchronize()
-        out["delta"] = delta.astype(np.float64)
+        out["delta"] = fetch(delta, (B, H, Tq), "f32")
         for name, ptr, shape in zip(("dq", "dk", "dv"), grads, ((B, H, Tq, D), (B, Hk, Tk, D), (B, Hk, Tk, D))):
             out[name] = fetch(ptr, shape, dtype)
         return out
@@ -328,5 +347,5 @@ def reference(q, k, v, do=None, scale: float | None = None, causal: bool = False
     return out
 
 
-__all__ = ["DTYPES", "Operand", "Problem", "TensorCoreFlash", "attention_numpy", "flops", "out_strides_why_not",
-           "reference", "rounded", "why_not"]
+__all__ = ["DTYPES", "Operand", "Problem", "TensorCoreFlash", "attention_numpy", "d_inputs_why_not", "flops",
+           "out_strides_why_not", "reference", "rounded", "why_not"]

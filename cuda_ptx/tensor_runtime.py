@@ -525,8 +525,20 @@ class CudaRuntime(Runtime):
             _debug.log_choice("flash attention bwd: dK and dV with different strides (one pass writes both): runs the "
                               "SIMT kernel (flash_attn)")
             return None
-        return (engine.backward_launches, (dtype, pb, *ops, lse, delta, *outs, scale, causal, mask), "flash_wgmma_bwd",
-                tf.flops(pb, causal, backward=True, pairs=pairs), (3 * rows_q + 4 * rows_k) * pb.D * isz)
+        o, d_bytes = None, 0
+        if len(inputs) > 6:  # O: the dQ pass computes D (the contract's flash)
+            if outs[0] is None:
+                raise ValueError("flash bwd: O is given for the dQ pass to compute D, but dQ is not wanted")
+            ho, oo, so = inputs[6]
+            span = sum((n - 1) * x for n, x in zip((pb.B, pb.H, pb.Tq), so)) + pb.D
+            o = tf.Operand(self._address(ho, oo, span * isz, "flash"), tuple(so))
+            why = tf.d_inputs_why_not(o, ops[3])
+            if why is not None:
+                _debug.log_choice(f"flash attention bwd: D from O and dO in the dQ pass: {why}: declined")
+                return None
+            d_bytes = rows_q * (2 * pb.D * isz + 4)
+        return (engine.backward_launches, (dtype, pb, *ops, lse, delta, *outs, scale, causal, mask, o), "flash_wgmma_bwd",
+                tf.flops(pb, causal, backward=True, pairs=pairs), (3 * rows_q + 4 * rows_k) * pb.D * isz + d_bytes)
 
     def _flash_out(self, out: tuple, pb, heads: int, t_len: int):
         """A flash output ``out`` = (handle, byte offset[, element strides of B, heads, T]: contiguous

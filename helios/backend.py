@@ -188,8 +188,10 @@ class Runtime(ABC):
 
         ``pass_ = "fwd"``: inputs (q, k, v), outputs (O [B, H, Tq, D] in q's dtype, L float32
         [B, H, Tq], the log-sum-exp of each row's scaled scores).  ``pass_ = "bwd"``: inputs
-        (q, k, v, dO, L, D = rowsum(dO * O)), outputs (dQ, dK, dV), dK and dV with K's heads; a
-        None output is not computed (dK and dV come together).  ``block_mask`` = (handle, byte offset,
+        (q, k, v, dO, L, D = rowsum(dO * O)[, O]), outputs (dQ, dK, dV), dK and dV with K's heads; a
+        None output is not computed (dK and dV come together).  With O (the forward's output, an
+        operand like q; dQ must be wanted) the backward computes D itself and writes it at D's
+        place, else it reads D there.  ``block_mask`` = (handle, byte offset,
         block size, pairs): an int32 [ceil(Tq / bs), ceil(Tk / bs)] mask of the block pairs computed
         (bs a multiple of 64), the others skipped whole; ``pairs``: the (query, key) pairs one head
         computes under it (the FLOPs the profiler counts).  Deterministic: the same inputs give the same

@@ -10,6 +10,7 @@ import pytest
 
 import helios as hl
 import helios.nn.functional as F
+from helios import _kernels as K
 from helios.cuda_ptx import driver, gate, gen_flash, toolchain
 from helios.cuda_ptx import tensor_flash as tf
 from helios.cuda_ptx.emu.driver import emulated_context
@@ -46,6 +47,9 @@ def _check(got, q, k, v, do, causal, dtype):
         err = np.abs(got[key] - want[key]).max()
         assert err <= rel * np.abs(want[key]).max(), (key, err, np.abs(want[key]).max())
     np.testing.assert_allclose(got["lse"], want["lse"], rtol=0, atol=1e-5)
+    # D = rowsum(dO * O), summed by the dQ pass from the kernel's O (float32 sums of 16-bit products)
+    d_want = (r[3] * got["o"]).sum(-1)
+    np.testing.assert_allclose(got["delta"], d_want, rtol=0, atol=1e-5 * max(1.0, np.abs(d_want).max()))
 
 
 # (B, H, Hk, Tq, Tk, D, causal, dtype): tails everywhere (no length is a block multiple), grouped-
@@ -95,7 +99,7 @@ def test_reruns_are_bit_identical_whatever_the_warp_order():
     schedule (another emulator seed) and TMA landing order give the same bits."""
     q, k, v, do = _inputs(1, 2, 1, 100, 100, 64, seed=3)
     runs = [tf.attention_numpy(emulated_context(sm_count=2, seed=s), q, k, v, do, causal=True) for s in (1, 2)]
-    for key in ("o", "lse", "dq", "dk", "dv"):
+    for key in ("o", "lse", "delta", "dq", "dk", "dv"):
         assert np.array_equal(runs[0][key], runs[1][key]), key
 
 
@@ -178,6 +182,32 @@ def test_sdpa_on_cuda0_runs_the_tensor_core_kernels(cuda0, gqa):
     for name, (a, b) in (("dq", (0, H)), ("dk", (H, H + Hk)), ("dv", (H + Hk, H + 2 * Hk))):
         got = g[:, :, a:b].transpose(0, 2, 1, 3)
         assert np.abs(got - want[name]).max() <= 1e-2 * np.abs(want[name]).max(), name
+
+
+@pytest.mark.vulkan
+def test_the_dq_pass_computes_d_unless_o_is_unaligned(cuda0):
+    """The tensor cores' dQ pass computes D = rowsum(dO * O) from O's and dO's rows (no preprocess
+    dispatch, O handed to the engine); an O whose rows are not 16-byte aligned has the SIMT preprocess
+    pass compute D instead.  Both give float64 attention's gradients."""
+    from switches import count_dispatches
+
+    B, H, T, D = 1, 2, 80, 64
+    rng = np.random.default_rng(11)
+    q, k, v, do = (tf.rounded(rng.standard_normal((B, H, T, D))) for _ in range(4))
+    hq, hk, hv, hdo = (hl.tensor(x.astype(np.float32)).to(hl.bfloat16) for x in (q, k, v, do))
+    o, lse = K.flash_attn_fwd(hq, hk, hv, D ** -0.5, True)
+    odd = hl.zeros((B * H * T * D + 4,), dtype=hl.bfloat16)[4:].reshape(B, H, T, D)  # rows 8 bytes off
+    K.copy_into(odd, o)
+    want = tf.reference(q, k, v, do, causal=True)
+    for o_in, pre in ((o, False), (odd, True)):
+        cuda0.clear()
+        with count_dispatches() as names:
+            grads = K.flash_attn_bwd(hq, hk, hv, o_in, lse, hdo, D ** -0.5, True)
+        assert cuda0 == [("bwd", True)], cuda0
+        assert ("flash_attn_bwd_pre" in names) == pre, names
+        for name, got in zip(("dq", "dk", "dv"), grads):
+            err = np.abs(got.float().numpy() - want[name]).max()
+            assert err <= 1e-2 * np.abs(want[name]).max(), (name, pre, err)
 
 
 @pytest.mark.vulkan
@@ -286,6 +316,7 @@ def test_a_gpt_attention_on_cuda0_makes_no_layout_copies(cuda0):
     y, dx, names = gpt_attention(x, H, g, hl.bfloat16)
     assert [p for p, ok in cuda0] == ["fwd", "bwd"] and all(ok for _, ok in cuda0), cuda0
     assert not any("copy" in n for n in names), names
+    assert "flash_attn_bwd_pre" not in names, names  # D comes from the tensor cores' dQ pass
     y0, dx0, names0 = gpt_attention(x, H, g, hl.bfloat16, through_copies=True)
     assert sum(n.startswith("copy") for n in names0.elements()) >= 5  # the test's copies do run there
     np.testing.assert_array_equal(y, y0)

@@ -115,16 +115,17 @@ def _engine_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, blo
 
 
 def _run_engine(pass_: str, qkvg: tuple, stats: tuple, outs: tuple, scale: float, causal: bool,
-                block_mask: FlashBlockMask | None) -> bool:
+                block_mask: FlashBlockMask | None, after: tuple = ()) -> bool:
     """Hand one pass to the runtime's flash engine: ``qkvg`` the [B, H, T, D] operands (q, k, v
-    and, backward, dO), ``stats`` contiguous L and D, ``outs`` the outputs (None: not wanted),
-    ``block_mask`` the blocks computed (None: all).
+    and, backward, dO), ``stats`` contiguous L and D, ``after`` [B, H, T, D] inputs after them (the
+    backward's O), ``outs`` the outputs (None: not wanted), ``block_mask`` the blocks computed (None: all).
     Where it declines grouped-query operands (bases or strides TMA cannot read), it runs on
     contiguous copies: the SIMT kernel cannot share K/V heads."""
     q, k = qkvg[0], qkvg[1]
     rt = q._st.rt
     outs = tuple(None if t is None else _engine_operand(t) if t.ndim == 4 else _engine_out(t) for t in outs)
-    args = (pass_, q.dtype.name, _problem(q, k), tuple(_engine_operand(t) for t in qkvg) + tuple(_engine_out(t) for t in stats),
+    args = (pass_, q.dtype.name, _problem(q, k),
+            tuple(_engine_operand(t) for t in qkvg) + tuple(_engine_out(t) for t in stats) + tuple(_engine_operand(t) for t in after),
             outs, float(scale), bool(causal),
             None if block_mask is None else (*_engine_out(block_mask.dev), block_mask.block_size, block_mask.pairs))
     if rt.flash(*args):
@@ -368,13 +369,15 @@ def flash_attn_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, g: T
     isz = q.dtype.itemsize
     rows = B * H * Tq
     dsum = empty((B, H, Tq), dt.float32, rt)
-    # D = rowsum(dO * O): the SIMT dQ pass computes it as it goes where there is one and no dL
-    # to fold in (the preprocess pass's binding for dL is L's in the dQ pass), else a pass of its own
-    d_in_dq = need_q and dlse is None and not engine
+    # D = rowsum(dO * O): the dQ pass computes it as it goes (the SIMT one, or the engine's, which
+    # reads O's rows as its tensor maps read dO's) where there is one and no dL to fold in (the
+    # preprocess pass's binding for dL is L's in the dQ pass), else a pass of its own
+    d_in_dq = need_q and dlse is None and (not engine or _engine_reads(o))
     if not d_in_dq:
         _preprocess(fl, rows, o_at, do_at, {3: bo, 4: bg, 6: bind(dsum, True)[0]}, dlse)
     if engine:
-        took = _engine_bwd(q, k, v, g, lse, dsum, scale, causal, need_q, need_kv, block_mask, dest)
+        took = _engine_bwd(q, k, v, g, lse, dsum, scale, causal, need_q, need_kv, block_mask, dest,
+                           o if d_in_dq else None)
         if took is not None:
             return took
         fl = _FlashLaunch(q, k, v, scale, causal, block_mask)  # the SIMT passes read K and V
@@ -432,9 +435,11 @@ def _grad_dests(dest: tuple | None, q: Tensor, k: Tensor, v: Tensor) -> tuple:
 
 
 def _engine_bwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, lse: Tensor, dsum: Tensor, scale: float, causal: bool,
-                need_q: bool, need_kv: bool, block_mask: FlashBlockMask | None, dest: tuple | None):
-    """(dQ, dK, dV) from the device's flash engine given L and D = rowsum(dO * O), or None where
-    it declines.  dK and dV have K's heads (a GQA group's gradients summed in the kernel).
+                need_q: bool, need_kv: bool, block_mask: FlashBlockMask | None, dest: tuple | None,
+                o: Tensor | None = None):
+    """(dQ, dK, dV) from the device's flash engine given L and D = rowsum(dO * O) in ``dsum``, or
+    None where it declines; given the forward's ``o`` instead, its dQ pass computes D into ``dsum``.
+    dK and dV have K's heads (a GQA group's gradients summed in the kernel).
     ``dest``: flash_attn_bwd's (written in place where _grad_dests allows, as the SIMT kernels do)."""
     rt = q._st.rt
     if not lse.is_contiguous():
@@ -443,6 +448,6 @@ def _engine_bwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, lse: Tensor, dsum: T
     dq = (dq_to if dq_to is not None else empty(q.shape, q.dtype, rt)) if need_q else None
     dk = (dk_to if dk_to is not None else empty(k.shape, k.dtype, rt)) if need_kv else None
     dv = (dv_to if dv_to is not None else empty(v.shape, v.dtype, rt)) if need_kv else None
-    if _run_engine("bwd", (q, k, v, g), (lse, dsum), (dq, dk, dv), scale, causal, block_mask):
+    if _run_engine("bwd", (q, k, v, g), (lse, dsum), (dq, dk, dv), scale, causal, block_mask, () if o is None else (o,)):
         return dq, dk, dv
     return None

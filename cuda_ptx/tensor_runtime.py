@@ -134,6 +134,12 @@ class _Program:
             vals[self.nbind:] = self.words.unpack_from(raw)
 
 
+def _reach(pb, heads: int, t_len: int, strides) -> int:
+    """The elements a [B, heads, T, D] flash operand of problem ``pb`` with element strides ``strides``
+    (of B, heads and T; D's is 1) reaches from its first."""
+    return sum((n - 1) * x for n, x in zip((pb.B, heads, t_len), strides)) + pb.D
+
+
 def _command_name(kind: int, args: tuple) -> str:
     """The kernel a recorded command launches, for errors: a dispatch's name, or the tensor-core kernel's."""
     if kind == DISPATCH:
@@ -495,8 +501,7 @@ class CudaRuntime(Runtime):
         ops = []
         for i, (h, off, strides) in enumerate(inputs[:n_ops]):
             heads, t_len = (pb.H, pb.Tq) if i in (0, 3) else (pb.Hk, pb.Tk)
-            span = sum((n - 1) * s for n, s in zip((pb.B, heads, t_len), strides)) + pb.D  # elements it reaches
-            ops.append(tf.Operand(self._address(h, off, span * isz, "flash"), tuple(strides)))
+            ops.append(tf.Operand(self._address(h, off, _reach(pb, heads, t_len, strides) * isz, "flash"), tuple(strides)))
         why = tf.why_not(dtype, pb, ops)
         if why is not None:
             _debug.log_choice(f"flash attention {pass_}: {why}: runs the SIMT kernel (flash_attn)")
@@ -530,8 +535,7 @@ class CudaRuntime(Runtime):
             if outs[0] is None:
                 raise ValueError("flash bwd: O is given for the dQ pass to compute D, but dQ is not wanted")
             ho, oo, so = inputs[6]
-            span = sum((n - 1) * x for n, x in zip((pb.B, pb.H, pb.Tq), so)) + pb.D
-            o = tf.Operand(self._address(ho, oo, span * isz, "flash"), tuple(so))
+            o = tf.Operand(self._address(ho, oo, _reach(pb, pb.H, pb.Tq, so) * isz, "flash"), tuple(so))
             why = tf.d_inputs_why_not(o, ops[3])
             if why is not None:
                 _debug.log_choice(f"flash attention bwd: D from O and dO in the dQ pass: {why}: declined")
@@ -546,8 +550,7 @@ class CudaRuntime(Runtime):
         from . import tensor_flash as tf
 
         strides = tuple(out[2]) if len(out) > 2 else (heads * t_len * pb.D, t_len * pb.D, pb.D)
-        span = sum((n - 1) * s for n, s in zip((pb.B, heads, t_len), strides)) + pb.D  # elements it reaches
-        op = tf.Operand(self._address(out[0], out[1], span * 2, "flash"), strides)
+        op = tf.Operand(self._address(out[0], out[1], _reach(pb, heads, t_len, strides) * 2, "flash"), strides)
         why = tf.out_strides_why_not(op)
         if why is not None:
             _debug.log_choice(f"flash attention: an output's {why}: runs the SIMT kernel (flash_attn)")

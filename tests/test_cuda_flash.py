@@ -116,6 +116,10 @@ def test_why_not_names_what_the_kernels_do_not_take():
     assert "head dim 96" in tf.why_not("bfloat16", tf.Problem(1, 1, 1, 64, 64, 96), [])
     assert "16 bytes" in tf.why_not("bfloat16", tf.Problem(1, 1, 1, 64, 64, 64), [tf.Operand(0x1000, (0, 0, 68))])
     assert tf.why_not("float32", tf.Problem(1, 1, 1, 64, 64, 64), []).startswith("dtype")
+    rows = tf.Operand(0x1000, (4096, 4096, 64))
+    assert tf.d_inputs_why_not(rows, rows) is None
+    assert tf.d_inputs_why_not(tf.Operand(0x1008, (4096, 4096, 64)), rows).startswith("O's base")
+    assert tf.d_inputs_why_not(rows, tf.Operand(0x1000, (4096, 4096, 68))).startswith("dO's base")
 
 
 @pytest.mark.gpu

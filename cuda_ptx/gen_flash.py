@@ -513,6 +513,19 @@ def _row_stat(f: _Flash, ptr: Reg, idx: Reg, inside: Reg, default: float, mult: 
     return v
 
 
+def _row_addr(b: Builder, base: Reg, strides: tuple, batch: Reg, head: Reg, row: Reg) -> Reg:
+    """The byte address of element 0 of ``row`` of (``batch``, ``head``) of the 16-bit [B, heads, T, D]
+    tensor at ``base`` with element strides ``strides`` (registers), in 64 bits."""
+    a, term = b.reg("u64"), b.reg("u64")
+    for i, x in enumerate((batch, head, row)):
+        b.emit("mul.wide.u32", a if i == 0 else term, x, strides[i])
+        if i:
+            b.emit("add.u64", a, a, term)
+    b.emit("shl.b64", a, a, 1)
+    b.emit("add.u64", a, a, base)
+    return a
+
+
 def _store_rows(f: _Flash, acc: list[Reg], rows: _Rows, out: Reg, strides: tuple, batch: Reg, head: Reg,
                 t_len: Reg, mult: list[Reg | None]) -> None:
     """Store a warpgroup's ``64 x D`` accumulator to the [B, heads, T, D] tensor at ``out`` whose
@@ -521,20 +534,12 @@ def _store_rows(f: _Flash, acc: list[Reg], rows: _Rows, out: Reg, strides: tuple
     rows >= T skipped.  (A contiguous tensor's strides are (heads T D, T D, D); token-major O and
     the columns of a fused QKV gradient are others.)"""
     b = f.b
-    sb, sh, st = strides
-    head0, term = b.reg("u64"), b.reg("u64")  # the thread's first element in the head, in 64 bits
-    b.emit("mul.wide.u32", head0, batch, sb)
-    b.emit("mul.wide.u32", term, head, sh)
-    b.emit("add.u64", head0, head0, term)
-    b.emit("mul.wide.u32", term, rows.col2q, 1)
-    b.emit("add.u64", head0, head0, term)
+    col = b.reg("u64")
+    b.emit("mul.wide.u32", col, rows.col2q, 2)  # the thread's first column, in bytes
     for h in range(2):
         inside = b.setp("lt", "u32", rows.rows[h], t_len)
-        base = b.reg("u64")
-        b.emit("mul.wide.u32", base, rows.rows[h], st)
-        b.emit("add.u64", base, base, head0)
-        b.emit("shl.b64", base, base, 1)  # 2-byte elements
-        b.emit("add.u64", base, base, out)
+        base = _row_addr(b, out, strides, batch, head, rows.rows[h])
+        b.emit("add.u64", base, base, col)
         idx = [i for i in range(len(acc)) if _row_of(i) == h]
         for j in range(0, len(idx), 2):
             lo, hi = acc[idx[j]], acc[idx[j + 1]]
@@ -736,19 +741,6 @@ def _prob_and_grad(f: _Flash, s: Reg, dp: Reg, neg_lse2: Reg, delta: Reg, scale_
     b.emit("ex2.approx.ftz.f32", s, s)
     b.emit("sub.f32", dp, dp, delta)
     b.emit("mul.f32", dp, dp, s)
-
-
-def _row_addr(b: Builder, base: Reg, strides: tuple, batch: Reg, head: Reg, row: Reg) -> Reg:
-    """The byte address of element 0 of ``row`` of (``batch``, ``head``) of the 16-bit [B, heads, T, D]
-    tensor at ``base`` with element strides ``strides`` (registers), in 64 bits."""
-    a, term = b.reg("u64"), b.reg("u64")
-    for i, x in enumerate((batch, head, row)):
-        b.emit("mul.wide.u32", a if i == 0 else term, x, strides[i])
-        if i:
-            b.emit("add.u64", a, a, term)
-    b.emit("shl.b64", a, a, 1)
-    b.emit("add.u64", a, a, base)
-    return a
 
 
 def _halves(f: _Flash, word: Reg) -> tuple[Reg, Reg]:

@@ -73,9 +73,16 @@ def why_not(dtype: str, pb: Problem, operands: list[Operand]) -> str | None:
     if min(pb.B, pb.H, pb.Tq, pb.Tk) < 1 or max(pb.Tq, pb.Tk) >= 1 << 31 or pb.B * pb.H > 65535:
         return f"extents B={pb.B} H={pb.H} Tq={pb.Tq} Tk={pb.Tk}"
     for op in operands:
-        if op.ptr % 16 or any((s * 2) % 16 or s < 0 for s in op.strides):
+        if not _rows_16_bytes(op):
             return f"an operand's base or strides are not multiples of 16 bytes ({op.ptr:#x}, {op.strides})"
     return None
+
+
+def _rows_16_bytes(op: Operand) -> bool:
+    """Whether every row of 16-bit [B, H, T, D] ``op`` starts 16-byte aligned (TMA's rule for an
+    operand, the dQ pass's 16-byte loads of O and dO): its base and strides multiples of 16 bytes,
+    the strides non-negative."""
+    return op.ptr % 16 == 0 and all((s * 2) % 16 == 0 and s >= 0 for s in op.strides)
 
 
 def out_strides_why_not(out: Operand) -> str | None:
@@ -92,7 +99,7 @@ def d_inputs_why_not(o: Operand, do: Operand) -> str | None:
     it can: it reads their rows 16 bytes a load, so the bases and the strides must be multiples of 16
     bytes (and fit in 32 bits)."""
     for name, t in (("O", o), ("dO", do)):
-        if t.ptr % 16 or any((s * 2) % 16 or not 0 <= s < 1 << 32 for s in t.strides):
+        if not _rows_16_bytes(t) or any(s >= 1 << 32 for s in t.strides):
             return f"{name}'s base or strides are not multiples of 16 bytes ({t.ptr:#x}, {t.strides})"
     return None
 

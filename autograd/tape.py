@@ -16,7 +16,9 @@ flat buffer (``_grad_slot``) and that has no gradient yet in this pass has a *fr
 Before a node's backward runs, ``ctx.grad_out(i)`` names input i's free slot (else None);
 a backward that writes input i's gradient there returns the slot itself, and
 ``_accumulate_leaf`` then records nothing (no copy into the slot).  Later contributions
-(a tied weight's second use) and gradients of another dtype take the copying path.  The
+(a tied weight's second use) and gradients of another dtype take the copying path, unless
+the later use's backward takes the slot through ``ctx.grad_pending(i)`` (below) and adds
+its gradient there itself (the embedding's, for GPT's tied table).  The
 same goes for a non-leaf input whose producer gathers its outputs' gradients in one
 buffer (a Function with ``grad_dest``: split_heads' q, k and v): the consumer writes the
 first gradient there, and the producer's backward finds it in place.
@@ -114,17 +116,22 @@ class Context:
         contiguous tensor of the input's shape and dtype), or None.  A backward that asks
         for it takes it over: it must return input i's gradient *plus* this tensor (added as
         the last step, e.g. in its kernel's store), which the tape then keeps as the input's
-        gradient instead of adding the two (see the module docstring)."""
+        gradient instead of adding the two (see the module docstring).  For a packed leaf
+        whose gradient is already in its slot (a tied table's), that is the slot: a backward
+        may add into it in place and return it."""
         src = getattr(self, "pending_src", None)
         if src is None:
             return None
-        pending, node = src
+        pending, node, incoming = src
         inputs = node.inputs
         t = inputs[i] if i < len(inputs) else None
-        producer = edge(t, node)[0] if t is not None else None
-        if producer is None or producer.n_out != 1 or sum(1 for u in inputs if u is t) > 1:
+        if t is None or sum(1 for u in inputs if u is t) > 1:
             return None
-        g = pending.get(id(producer))
+        producer = edge(t, node)[0]
+        if producer is None:
+            g = _slot_holding_grad(t, self.saved, incoming) if GRADS_IN_PLACE else None
+        else:
+            g = pending.get(id(producer)) if producer.n_out == 1 else None
         if g is None or g.shape != t.shape or g.dtype is not t.dtype or not g.is_contiguous():
             return None
         self.taken = getattr(self, "taken", frozenset()) | {i}
@@ -465,7 +472,7 @@ def _backward(root, grad, retain_graph: bool) -> None:
                 _store_retained(node, g)
             ctx = node.ctx
             ctx.dests = _grad_dests(node, g, pending, handed) if GRADS_IN_PLACE else None
-            ctx.pending_src, ctx.taken = (pending, node), frozenset()
+            ctx.pending_src, ctx.taken = (pending, node, g), frozenset()
             in_grads = _backward_profiled(node, g)
             taken = ctx.taken
             ctx.dests = ctx.pending_src = None
@@ -475,7 +482,9 @@ def _backward(root, grad, retain_graph: bool) -> None:
                 if inp is None:
                     continue
                 producer, index = (inp._node, inp._out_index) if inp._history is None else edge(inp, node)
-                if i in taken:  # the backward added the pending gradient (Context.grad_pending)
+                if i in taken and producer is None:  # it added the leaf's slot (Context.grad_pending)
+                    _keep_in_slot(inp, ig)
+                elif i in taken:  # the backward added the pending gradient (Context.grad_pending)
                     pending[id(producer)] = ig
                 elif ig is not None:
                     if ig.shape != inp.shape:
@@ -624,6 +633,28 @@ def set_grad_slot_writer(fn) -> None:
     """Register ``fn(slot, g, add)``, which writes (``add=False``) or adds (``add=True``) the
     gradient ``g`` into a parameter's packed gradient slot."""
     _slot_writer[0] = fn
+
+
+def _slot_holding_grad(t, saved, incoming):
+    """The packed slot of leaf ``t`` when ``t``'s gradient is already there (an earlier use's,
+    in this pass or accumulated from an earlier one), else None; nor where the slot's flat
+    buffer is what the backward reads (its saved tensors, the incoming gradient)."""
+    slot = getattr(t, "_grad_slot", None)
+    if slot is None or t.grad is None or not _is_slot(t.grad, slot):
+        return None
+    reads = (saved or ()) + (incoming if type(incoming) is tuple else (incoming,))
+    if any(r is not None and r._st is slot._st for r in reads):
+        return None
+    return slot
+
+
+def _keep_in_slot(t, g) -> None:
+    """Leaf ``t``'s whole gradient ``g`` (its slot's gradient added by the backward that took
+    it): in the slot, written there unless the backward added in place."""
+    slot = t._grad_slot
+    if not _is_slot(g, slot):
+        _slot_writer[0](slot, g if g.dtype is slot.dtype else g.to(slot.dtype), False)
+    t.grad = slot
 
 
 def _accumulate_leaf(t, g, given: set) -> None:

@@ -45,6 +45,10 @@ arithmetic in the same order, so its results are bit for bit those of the chain:
 * A packed parameter's later gradient contribution (the tied embedding table's second
   use) is added into its slot of the flat gradient buffer in place (autograd.tape), not
   added into a temporary that is then copied there.
+* ``embedding_bwd+acc``: where that later contribution is the embedding's own (GPT's tied
+  table: the LM head's product wrote the slot first), the embedding backward adds each row's
+  sum, rounded to the table's dtype, to what the slot holds in its store (the tape offers the
+  slot: ``Context.grad_pending``), so neither the [V, C] temporary nor the add over it is made.
 
 Elementwise chains are fused at run time as well, into kernels generated from the op table
 (``ew_fused``): their rules live in :mod:`helios.elementwise_jit`, under the same switch.
@@ -127,6 +131,7 @@ PARTS = {
     "matmul+gelu_tanh_bwd": ("matmul", "gelu_tanh_bwd"),
     "matmul+bias_grad": ("matmul", "sum"),
     "layer_norm_bwd+acc": ("layer_norm_bwd", "add"),
+    "embedding_bwd+acc": ("embedding_bwd", "add"),
     "layer_norm_bwd+params": ("layer_norm_bwd", "layer_norm_bwd_params"),
     "layer_norm_bwd+acc+params": ("layer_norm_bwd", "add", "layer_norm_bwd_params"),
     "rms_norm_bwd+acc": ("rms_norm_bwd", "add"),

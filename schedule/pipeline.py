@@ -163,11 +163,11 @@ def _logits(layers, x, tp_group):
     vocabulary slice of them under tensor parallelism; a sequence-parallel model's ``x`` is this
     rank's [b, t/tp, C] shard, gathered after the LayerNorm, so the logits cover all t)."""
     if tp_group is None:  # the head's autocast product alone reads it, as in GPT.forward
-        return F.matmul(norm_for_product(layers.ln_f, x, None), layers.wte.weight.mT)
+        return F.linear(norm_for_product(layers.ln_f, x, None), layers.wte.weight)
     from helios.schedule.tensor_parallel import output_layer_input
 
     x = output_layer_input(layers.ln_f(x), tp_group, getattr(layers, "sequence_parallel", False))
-    return F.matmul(x, layers.wte.weight.mT)
+    return F.linear(x, layers.wte.weight)
 
 
 def _stream_shape(b: int, t: int, n_embd: int, tp_group, sequence_parallel: bool) -> tuple[int, int, int]:

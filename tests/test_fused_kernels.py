@@ -15,8 +15,10 @@ import helios as hl
 import helios.functional as F
 from helios import _kernels as K
 from helios._kernels.core import column_chunks
+from helios import dtypes as dt
 from helios import elementwise_jit, fused_kernels
 from helios.errors import ShapeError
+from helios.functional import nn_ops
 from helios.nn import GPT, GPTConfig, Parameter
 from helios.optim import AdamW, clip_grad_norm_
 from helios.runtime import get_runtime
@@ -257,7 +259,8 @@ def test_layer_norm_backward_in_one_dispatch_writes_the_parameter_slots():
 
 
 def test_grad_pending_is_refused_where_it_cannot_be_taken():
-    # a LayerNorm whose input has no other use gets nothing to add; a leaf input neither
+    # a LayerNorm whose input has no other use gets nothing to add; a leaf input without a
+    # packed gradient slot neither
     with fused(True):
         x0 = hl.ones((2, 4)).requires_grad_()
         with count_dispatches() as names:
@@ -266,6 +269,86 @@ def test_grad_pending_is_refused_where_it_cannot_be_taken():
     assert names["layer_norm_bwd+acc"] == 0 and names["layer_norm_bwd"] == 2
     with pytest.raises(ShapeError, match="layer_norm_bwd_input: acc must be a contiguous float32 tensor"):
         K.layer_norm_bwd_input(hl.ones((2, 4)), None, hl.ones((2, 4)), hl.ones((2,)), hl.ones((2,)), hl.ones((4, 2)))
+
+
+@pytest.mark.parametrize("dtype", _dtypes())
+def test_embedding_backward_adds_into_the_gradient_it_is_given_bit_for_bit(dtype):
+    # rows used several times, once, and never (their sum is 0.0, added all the same)
+    rt, V, C = get_runtime(), 7, 70
+    rng = np.random.default_rng(0)
+    idx = np.array([[3, 0, 3, 5], [5, 3, 1, 0]])
+    order, rowptr = nn_ops._group_by_row(idx, V)
+    pos, rp = K.from_numpy(order, dt.int64, rt), K.from_numpy(rowptr, dt.int32, rt)
+    tdt = getattr(hl, dtype)
+    g = hl.tensor(rng.standard_normal((idx.size, C)).astype(np.float32)).to(tdt)
+    before = rng.standard_normal((V, C)).astype(np.float32)
+    before[2, :3] = [-0.0, 0.0, 1e30]
+    slot = hl.tensor(before).to(tdt)
+    want = (slot + K.embedding_bwd(g, pos, rp, V)).float().numpy()
+    with count_dispatches() as names:
+        got = K.embedding_bwd(g, pos, rp, V, out=slot, add=True)
+    assert got is slot and names["embedding_bwd+acc"] == 1 and sum(names.values()) == 1
+    _assert_bits_equal([slot.float().numpy()], [want])
+    with pytest.raises(ValueError, match="add=True needs the gradient to add to"):
+        K.embedding_bwd(g, pos, rp, V, add=True)
+
+
+@pytest.mark.parametrize("passes", [1, 2])
+def test_a_tied_table_gets_the_embedding_gradient_added_in_its_slot(passes):
+    # x = table[idx] -> LayerNorm -> x @ table^T: the head's backward writes the table's slot,
+    # the embedding's adds its gradient there (a second pass: both add to what the first left)
+    rng = np.random.default_rng(1)
+    V, C = 11, 8
+    start = rng.standard_normal((V, C)).astype(np.float32)
+    idx = rng.integers(0, V - 2, (3, 5))  # the last two rows get only the head's gradient
+    grads, counts = [], []
+    for enabled in (True, False):
+        table = Parameter(hl.tensor(start))
+        AdamW([table], lr=0.0)
+        with fused(enabled), count_dispatches() as names:
+            for _ in range(passes):
+                logits = F.linear(F.layer_norm(F.embedding(hl.tensor(idx), table), (C,)), table)
+                (logits * logits).sum().backward()
+        assert table.grad._st is table._grad_slot._st
+        grads.append(table.grad.numpy().copy())
+        counts.append(names)
+    _assert_bits_equal(grads[:1], grads[1:])
+    on, off = counts
+    assert on["embedding_bwd+acc"] == passes and off["embedding_bwd+acc"] == 0
+    assert off["add"] - on["add"] == passes
+    # and it is the gradient: float64 by hand
+    w, x = start.astype(np.float64), start.astype(np.float64)[idx]
+    mu, var = x.mean(-1, keepdims=True), x.var(-1, keepdims=True)
+    h = (x - mu) / np.sqrt(var + 1e-5)
+    dlogits = 2 * (h @ w.T)
+    dh = dlogits @ w
+    dx = (dh - dh.mean(-1, keepdims=True) - h * (dh * h).mean(-1, keepdims=True)) / np.sqrt(var + 1e-5)
+    want = np.einsum("btv,btc->vc", dlogits, h)
+    np.add.at(want, idx.reshape(-1), dx.reshape(-1, C))
+    np.testing.assert_allclose(grads[0], passes * want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_layer_norm_of_a_packed_leaf_adds_the_gradient_its_slot_holds():
+    # (p * 2).sum()'s gradient reaches p's slot first; LayerNorm's backward then takes the slot
+    # (Context.grad_pending) and adds it in its store, into new memory the tape copies to the slot
+    start = np.random.default_rng(2).standard_normal((6, 8)).astype(np.float32)
+    grads, counts = [], []
+    for enabled in (True, False):
+        p = Parameter(hl.tensor(start))
+        AdamW([p], lr=0.0)
+        with fused(enabled), count_dispatches() as names:
+            ((p * 2.0).sum() + (F.layer_norm(p, (8,)) ** 2).sum()).backward()
+        assert p.grad._st is p._grad_slot._st
+        grads.append(p.grad.numpy().copy())
+        counts.append(names)
+    _assert_bits_equal(grads[:1], grads[1:])
+    assert counts[0]["layer_norm_bwd+acc"] == 1 and counts[1]["layer_norm_bwd+acc"] == 0
+    x = start.astype(np.float64)
+    r = 1 / np.sqrt(x.var(-1, keepdims=True) + 1e-5)
+    y = (x - x.mean(-1, keepdims=True)) * r
+    dy = 2 * y
+    want = 2.0 + r * (dy - dy.mean(-1, keepdims=True) - y * (dy * y).mean(-1, keepdims=True))
+    np.testing.assert_allclose(grads[0], want, rtol=1e-4, atol=1e-5)
 
 
 def _gpt_run(enabled: bool, steps: int = 2, dtype=None, n_layer: int = 2):
@@ -303,7 +386,9 @@ def test_gpt_adamw_steps_with_fusion_on_and_off_are_bit_identical():
     one = K._row_plan(get_runtime(), 4 * 16, 32)[1]
     assert on[2]["layer_norm_bwd+acc+params" if one else "layer_norm_bwd+acc"] == 2 * n_layer
     assert on[2]["layer_norm_bwd_params"] == (0 if one else 2 * n_layer + 1)
-    assert off[2]["add"] - on[2]["add"] == 4 * n_layer
+    # (and the tied table's second gradient, the embedding's, added in its store: embedding_bwd+acc)
+    assert off[2]["add"] - on[2]["add"] == 4 * n_layer + 1
+    assert on[2]["embedding_bwd+acc"] == 1 and off[2]["embedding_bwd+acc"] == 0
     assert off[2]["gelu_tanh"] - on[2]["gelu_tanh"] == n_layer
     # the clip: no g * g temporary, and sqrt, add_s, rdiv_s, clamp in the reduction's last pass
     # (the flat buffer is long enough for two passes: squares into partials, then the chain)
@@ -317,7 +402,7 @@ def test_gpt_adamw_steps_with_fusion_on_and_off_are_bit_identical():
     # every Linear's bias gradient in its weight gradient's matmul (CPU devices)
     bias_grads = on[2]["matmul+bias_grad"]
     assert bias_grads in (0, 4 * n_layer) and off[2]["matmul+bias_grad"] == 0
-    assert sum(off[2].values()) - sum(on[2].values()) == 6 * n_layer + 5 + 1 + bias_grads + one * (2 * n_layer + 1)
+    assert sum(off[2].values()) - sum(on[2].values()) == 6 * n_layer + 5 + 2 + bias_grads + one * (2 * n_layer + 1)
 
 
 def test_gpt_under_bf16_autocast_with_fusion_on_and_off_is_bit_identical():

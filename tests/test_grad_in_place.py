@@ -73,9 +73,9 @@ def test_gpt_adamw_steps_are_bit_identical_and_the_leaf_copies_are_gone():
     _assert_bits_equal(on[2], off[2])  # the last step's gradients
     _assert_bits_equal(on[1], off[1])  # the parameters after 3 AdamW steps
     n_params, n_layer = on[4], 2
-    # Off: one copy per parameter plus the tied table's second contribution, and split_heads'
-    # three per layer. On: only the table's (the LM head wrote its slot; the embedding's
-    # gradient is added after); q, k and v's gradients are written into split_heads' buffer.
+    # Off: one copy per parameter, and split_heads' three per layer. On: none: the LM head
+    # writes the tied table's slot and the embedding's backward adds its gradient there
+    # (fused_kernels "embedding_bwd+acc"); q, k and v's gradients go into split_heads' buffer.
     assert off[3] - on[3] == n_params + 3 * n_layer
 
 

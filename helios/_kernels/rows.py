@@ -377,27 +377,32 @@ def embedding_fwd(w: Tensor, idx: Tensor) -> Tensor:
     return out
 
 
-def embedding_bwd(g: Tensor, pos: Tensor, rowptr: Tensor, V: int, out: Tensor | None = None) -> Tensor:
+def embedding_bwd(g: Tensor, pos: Tensor, rowptr: Tensor, V: int, out: Tensor | None = None, add: bool = False) -> Tensor:
     """dW[V, C] from the upstream g[rows, C] and the CSR grouping (pos int64, rowptr int32),
-    written into ``out`` (a contiguous [V, C] tensor of g's dtype) when given."""
+    written into ``out`` (a contiguous [V, C] tensor of g's dtype) when given; with ``add``,
+    added to what ``out`` holds, as the separate add would ("embedding_bwd+acc")."""
     rt = g._st.rt
     C = g.shape[-1]
+    if add and out is None:
+        raise ValueError("embedding_bwd: add=True needs the gradient to add to (out)")
     if out is None:
         out = empty((V, C), g.dtype, rt)
     elif out.shape != (V, C) or out.dtype is not g.dtype or not out.is_contiguous():
         raise ShapeError(f"embedding_bwd: out must be a contiguous {g.dtype.name} tensor of shape {(V, C)}, "
                          f"got {out.dtype.name} {out.shape}")
-    if out.numel() == 0:
+    if out.numel() == 0 or (add and g.numel() == 0):
         return out
     if g.numel() == 0:  # no position used the table: a zero gradient (nothing to bind)
         return kern.fill(out, 0)
-    pid = rt.pipeline("embedding", g.dtype.tag, (1,))
+    pid = rt.pipeline("embedding", g.dtype.tag, (2 if add else 1,))
     bg, og = bind(g)
     bo, oo = bind(out, True)
     gy = (V + 3) // 4
     gz = (gy + 65534) // 65535
     gy = min(gy, 65535)
+    name = fused_kernels.dispatch_name("embedding_bwd+acc", rt) if add else "embedding_bwd"
+    moved = 2 * g.numel() * g.dtype.itemsize + (2 * out.numel() * out.dtype.itemsize if add else 0)
     rt.dispatch(pid, [bg, bind(pos)[0], bind(rowptr)[0], bo], _P_EMB.pack(C, V, V, og, oo),
-                ((C + 63) // 64, gy, gz), "embedding_bwd", g.numel(), 2 * g.numel() * g.dtype.itemsize)
+                ((C + 63) // 64, gy, gz), name, g.numel() + (out.numel() if add else 0), moved)
     out._st.version += 1
     return out

@@ -229,7 +229,7 @@ class _Embedding(Function):
     @staticmethod
     def forward(ctx, idx, w):
         ctx.save_for_backward(idx)
-        ctx.V = w.shape[0]
+        ctx.V, ctx.dtype = w.shape[0], w.dtype
         return K.embedding_fwd(w, idx)
 
     @staticmethod
@@ -250,6 +250,12 @@ class _Embedding(Function):
         dest = ctx.grad_out(1)  # the table's free gradient slot, if any
         if dest is not None and (dest.dtype is not g2.dtype or dest.shape != (ctx.V, g2.shape[-1])):
             dest = None
+        if dest is None and fused_kernels.ENABLED and g2.dtype is ctx.dtype and hasattr(ctx, "grad_pending"):
+            # a tied table's slot that already holds the LM head's gradient: add into it
+            # (fused_kernels "embedding_bwd+acc")
+            acc = ctx.grad_pending(1)
+            if acc is not None:
+                return None, K.embedding_bwd(g2, pos, rp, ctx.V, out=acc, add=True)
         return None, K.embedding_bwd(g2, pos, rp, ctx.V, out=dest)
 
 

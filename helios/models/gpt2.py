@@ -140,7 +140,7 @@ class GPT2LMHeadModel(Module, GenerationMixin):
         x = t.drop(t.wte(idx) + t.wpe(position_ids(T, w.untyped_storage().rt)))
         for block in t.h:
             x = block(x)
-        logits = F.matmul(norm_for_product(t.ln_f, x, None), w.mT)
+        logits = F.linear(norm_for_product(t.ln_f, x, None), w)  # as helios.nn.GPT's head
         return logits, None if targets is None else lm_loss(logits, targets, w.device)
 
     def flops_per_token(self) -> int:
@@ -171,7 +171,7 @@ class GPT2LMHeadModel(Module, GenerationMixin):
             y = F.reshape(F.transpose(kv.attend(i, q, k, v), 1, 2), (B, T, C))
             x = F.linear_residual(y, block.attn.c_proj.weight, block.attn.c_proj.bias, x)  # one kernel, as GPT's Block
             x = block.mlp(norm_for_product(block.ln_2, x, block.mlp.c_fc), residual=x)
-        return F.matmul(norm_for_product(t.ln_f, x[:, -1], None), self.lm_head.weight.mT)
+        return F.linear(norm_for_product(t.ln_f, x[:, -1], None), self.lm_head.weight)
 
     # -- Hugging Face folders --------------------------------------------------------------
     def hf_state_dict(self) -> dict:

@@ -822,7 +822,7 @@ def _identity(dropout) -> bool:
 
 def norm_for_product(norm, x: Tensor, product) -> Tensor:
     """norm(x) where ``product`` alone reads the result: a plain LayerNorm before a plain Linear
-    (or ``product`` None: the caller's own autocast matmul, GPT's tied head) stores it in the
+    (or ``product`` None: the caller's own autocast product, GPT's tied head) stores it in the
     autocast dtype the product rounds it to (F.layer_norm's ``feeds_products``: the same values
     for the product, half the bytes).  Any other pair runs norm(x)."""
     if _plain(norm, LayerNorm) and (product is None or _plain_linear(product)):
@@ -888,7 +888,9 @@ class GPT(Module):
         for block in self.h:
             x = block(x)
         x = norm_for_product(self.ln_f, x, None)
-        logits = F.matmul(x, self.wte.weight.mT)  # tied output embedding
+        # the tied output embedding: x @ wte^T as a Linear's product, whose weight gradient goes
+        # straight into the table's gradient slot (the embedding's backward then adds its own)
+        logits = F.linear(x, self.wte.weight)
         loss = None
         if targets is not None:
             if not isinstance(targets, Tensor):

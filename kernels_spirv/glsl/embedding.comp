@@ -7,6 +7,9 @@
 //                  deterministic: no atomics, bit-identical between runs.
 //                  off_i (unused: pos is bound from its start) is where dW starts in
 //                  binding 3, so dW can be a slot of a larger gradient buffer.
+// MODE 2 backward adding: dW[v, c] += (MODE 1's sum, rounded to TA), the sum the separate add
+//                  of MODE 1's result to dW would store ("embedding_bwd+acc": a tied table's
+//                  gradient, already in its slot from the LM head, gets the table's own use).
 #define NEED_I64
 #include "common.glsl"
 layout(local_size_x = 64, local_size_y = 4) in;
@@ -15,7 +18,7 @@ layout(constant_id = 0) const int MODE = 0;
 layout(std430, binding = 0) readonly buffer BW { HL_ST(TA) w[]; };
 layout(std430, binding = 1) readonly buffer BI { int64_t idx[]; };
 layout(std430, binding = 2) readonly buffer BR { int rowptr[]; };
-layout(std430, binding = 3) writeonly buffer BO { HL_ST(TA) o[]; };
+layout(std430, binding = 3) buffer BO { HL_ST(TA) o[]; };
 layout(push_constant) uniform P { uint C; uint rows; uint V; uint off_w; uint off_i; } p;
 
 void main() {
@@ -29,6 +32,9 @@ void main() {
         float acc = 0.0;
         for (int j = rowptr[r]; j < rowptr[r + 1]; ++j)
             acc += HL_LDF(TA, w[p.off_w + uint(idx[j]) * p.C + c]);
-        o[p.off_i + r * p.C + c] = HL_STF(TA, acc);
+        uint at = p.off_i + r * p.C + c;
+        if (MODE == 2)  // rounded first, as the separate kernel stores it; addition commutes
+            acc = HL_LDF(TA, o[at]) + HL_LDF(TA, HL_STF(TA, acc));
+        o[at] = HL_STF(TA, acc);
     }
 }

@@ -678,5 +678,8 @@ def _accumulate_leaf(t, g, given: set) -> None:
         given.add(id(g._st))
         t.grad = g.detach()
     else:
+        # the old gradient's storage is no longer handed out (once freed, a new storage may
+        # get its id, which must not read as given)
+        given.discard(id(t.grad._st))
         t.grad = t.grad + g
         given.add(id(t.grad._st))

@@ -69,3 +69,19 @@ def test_grad_accumulates_and_retain_graph():
     np.testing.assert_allclose(w.grad.numpy(), [4.0, 8.0, 12.0])
     with pytest.raises(RuntimeError, match="second time"):
         loss.backward()
+
+
+def test_a_leaf_gradient_replaced_by_a_sum_is_no_longer_counted_as_handed_out():
+    # The tape clones a gradient whose storage another leaf already holds, so an in-place update
+    # of one .grad never changes another.  A leaf's second contribution replaces its .grad by a
+    # sum; the first storage, once freed, may lend its id to a new one, which must not read as
+    # held (a GPT's tied table, then the position table's gradient: a needless copy).
+    from helios.autograd import tape
+
+    given: set = set()
+    w = hl.tensor([1.0, 2.0], requires_grad=True)
+    tape._accumulate_leaf(w, hl.tensor([3.0, 4.0]), given)
+    first = w.grad.untyped_storage()
+    tape._accumulate_leaf(w, hl.tensor([5.0, 6.0]), given)
+    assert id(first) not in given and id(w.grad.untyped_storage()) in given
+    np.testing.assert_array_equal(w.grad.numpy(), [8.0, 10.0])

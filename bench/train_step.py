@@ -9,7 +9,7 @@ others replayed (``replay_*``, what helios-train does by default on one device).
 flush; not the wait for the loss), median over the timed steps.
 
     python bench/train_step.py [--config tiny] [--steps 5] [--device cuda:0 --peer cuda] [--dtype bf16]
-                               [--compile | --no-compile] [--smoke]
+                               [--vocab 256] [--compile | --no-compile] [--smoke]
 
 ``--smoke`` (CI's seconds-long run, tests/test_bench_smoke.py): the nano config, 2 timed steps
 after 1 warm-up, one round of each side instead of the best of two, no torch.compile peer
@@ -119,9 +119,13 @@ def _parse_args() -> tuple[argparse.ArgumentParser, argparse.Namespace]:
                     help="also profile one step and print its N kernels of the most device time (a second JSON line)")
     ap.add_argument("--dispatches", default=None, metavar="PATH",
                     help="also write the profiled step's every dispatch to PATH (tab-separated; implies --kernels 20)")
+    ap.add_argument("--vocab", type=int, default=256, metavar="V",
+                    help="the GPT's vocabulary (default 256, the byte tokenizer's; 50257: GPT-2's, a tied head of V x C)")
     ap.add_argument("--smoke", action="store_true",
                     help="CI's quick run: nano, 2 steps after 1 warm-up, one round, no torch.compile unless --compile")
     args = ap.parse_args()
+    if args.vocab < 2:
+        ap.error(f"--vocab {args.vocab}: a vocabulary has at least 2 tokens")
     args.config = args.config or ("nano" if args.smoke else "tiny")
     args.steps = args.steps if args.steps is not None else (2 if args.smoke else 5)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 2)
@@ -257,7 +261,7 @@ def _result_line(args, side: HeliosSide, best: dict, failed: dict, compile_s, pe
     tps = {k: tokens / v for k, v in best.items()}
     host_eager = statistics.median(host["eager"][args.warmup:])
     out = {
-        "bench": "train_step", "config": args.config, "dtype": args.dtype, "params": model.num_parameters(),
+        "bench": "train_step", "config": args.config, "vocab": args.vocab, "dtype": args.dtype, "params": model.num_parameters(),
         "tokens_per_step": tokens,
         "device": rt.name, "device_name": rt.info["name"], "helios_tok_s": round(tps["helios"], 1),
         "peer": f"torch_{args.peer}", "peer_attention": "sdpa" if args.peer == "cuda" else "explicit",
@@ -314,9 +318,10 @@ def main() -> None:
 
     c = CONFIGS[args.config]
     B, T = c["batch_size"], c["block_size"]
-    cfg = GPTConfig(vocab_size=256, block_size=T, n_layer=c["n_layer"], n_head=c["n_head"], n_embd=c["n_embd"])
+    V = args.vocab
+    cfg = GPTConfig(vocab_size=V, block_size=T, n_layer=c["n_layer"], n_head=c["n_head"], n_embd=c["n_embd"])
     rng = np.random.default_rng(0)
-    batches = [(rng.integers(0, 256, (B, T)), rng.integers(0, 256, (B, T))) for _ in range(args.steps + args.warmup)]
+    batches = [(rng.integers(0, V, (B, T)), rng.integers(0, V, (B, T))) for _ in range(args.steps + args.warmup)]
     tbatches = [(torch.tensor(x, device=args.peer), torch.tensor(y, device=args.peer)) for x, y in batches]
 
     side = HeliosSide(cfg, args.dtype)

@@ -142,6 +142,7 @@ def _check_train_step(lines):
     assert prof["bench"] == "train_step_kernels" and len(prof["kernels"]) == len(prof["ops"]) == 3, prof
     assert prof["dispatches"] >= sum(k["dispatches"] for k in prof["kernels"]) > 0, prof
     assert prof["kernels"][0]["ms"] >= prof["kernels"][-1]["ms"] > 0 and 0 < prof["kernels"][0]["share"] <= 1, prof
+    assert row["vocab"] == 256, row  # the byte tokenizer's, unless --vocab
 
 
 def _check_vulkan_coopmat(lines):
@@ -230,6 +231,12 @@ def test_attention_times_16_bit_flash_against_the_autocast_dense_path(tmp_path):
     bad = subprocess.run([sys.executable, os.path.join(BENCH, "attention.py"), "--dtype", "bf16", "--sparse"],
                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert bad.returncode == 2 and "--dtype times flash against dense attention" in bad.stderr.splitlines()[-1]
+
+
+def test_train_step_refuses_a_vocabulary_of_one_token(tmp_path):
+    bad = subprocess.run([sys.executable, os.path.join(BENCH, "train_step.py"), "--vocab", "1"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.splitlines()[-1].endswith("--vocab 1: a vocabulary has at least 2 tokens")
 
 
 def test_train_step_writes_every_profiled_dispatch(tmp_path, monkeypatch):

@@ -429,6 +429,26 @@ def backward(root, grad=None, retain_graph: bool = False) -> None:
         _state.in_backward, _state.callbacks, _state.progress = outer
 
 
+# backward()'s implicit gradient of a scalar root (1.0) per runtime and dtype, with the version
+# of its storage when it was filled: made once and again only after something wrote it, so a
+# training step's backward launches no kernel to seed itself.
+_seeds: dict = {}
+
+
+def _seed(root):
+    """1.0 in the shape, dtype and runtime of the one-element ``root``: the cached seed (a view
+    of it), filled again where anything has written it since."""
+    import helios.functional as F
+
+    st = root.untyped_storage()
+    key = (id(st.rt), root.dtype)
+    got = _seeds.get(key)
+    if got is None or got[0].untyped_storage().rt is not st.rt or got[0].untyped_storage().version != got[1]:
+        one = F.full_like(root, 1.0).reshape(())
+        got = _seeds[key] = (one, one.untyped_storage().version)
+    return got[0].reshape(root.shape)
+
+
 def _backward(root, grad, retain_graph: bool) -> None:
     from helios.tensor import Tensor
     import helios.functional as F
@@ -440,7 +460,7 @@ def _backward(root, grad, retain_graph: bool) -> None:
         if root.numel() != 1:
             raise RuntimeError(f"backward(): grad can be implicitly created only for scalar outputs, got shape {root.shape}; "
                                "pass a gradient tensor of the same shape")
-        grad = F.full_like(root, 1.0)
+        grad = _seed(root)
     elif not isinstance(grad, Tensor):
         raise TypeError("backward(): gradient must be a helios.Tensor")
     elif grad.shape != root.shape:

@@ -85,3 +85,33 @@ def test_a_leaf_gradient_replaced_by_a_sum_is_no_longer_counted_as_handed_out():
     tape._accumulate_leaf(w, hl.tensor([5.0, 6.0]), given)
     assert id(first) not in given and id(w.grad.untyped_storage()) in given
     np.testing.assert_array_equal(w.grad.numpy(), [8.0, 10.0])
+
+
+def test_the_implicit_seed_is_made_once_and_again_after_a_write():
+    # backward() of a scalar seeds itself with a cached 1.0 (no fill kernel a step), made again
+    # when anything wrote the cached value (here a backward that scales its incoming gradient)
+    import helios.functional as F
+    from helios.autograd import Function
+
+    seen = []
+
+    class Keep(Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 1.0
+
+        @staticmethod
+        def backward(ctx, g):
+            seen.append(g)
+            return g * 3.0
+
+    w = hl.tensor([1.0, 2.0], requires_grad=True)
+    for i in range(3):
+        Keep.apply(w.sum()).backward()
+        np.testing.assert_array_equal(w.grad.numpy(), [3.0, 3.0])
+        np.testing.assert_array_equal(seen[-1].numpy(), 1.0)
+        w.grad = None
+        if i == 0:
+            F.mul_(seen[-1], 5.0)  # in place, into the cached seed
+    first, refilled, cached = (g.untyped_storage() for g in seen)
+    assert refilled is not first and cached is refilled

@@ -18,6 +18,7 @@ import helios.autograd.tape as tape
 import helios.functional as F
 from helios import _kernels as K
 from helios import dtypes as dt
+from helios import elementwise_jit
 from helios.nn import GPT, GPTConfig, Parameter
 from helios.optim import AdamW, clip_grad_norm_
 from helios.runtime import get_runtime
@@ -305,7 +306,35 @@ def test_cross_entropy_backward_reads_the_mean_gradient_without_expanding_it(ign
     new, copies = grad()
     plain = K.cross_entropy_bwd
     # the copying path: the upstream gradient made contiguous first
-    monkeypatch.setattr(K, "cross_entropy_bwd", lambda x, t, lse, gl, cast=False: plain(x, t, lse, K.copy(gl), cast))
+    monkeypatch.setattr(K, "cross_entropy_bwd",
+                        lambda x, t, lse, gl, cast=False, scale=1.0: plain(x, t, lse, K.copy(gl), cast, scale))
     old, old_copies = grad()
     assert np.array_equal(new, old)
     assert copies == old_copies - 1
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cross_entropy_backward_scales_by_the_mean_in_its_kernel(dtype, monkeypatch):
+    # the mean's 1/n multiplies the upstream gradient in the backward kernel: the bits of the
+    # separate multiply (a mul_s dispatch) before it, one dispatch fewer
+    if dtype != "float32" and not get_runtime().features.get("storage16", False):
+        pytest.skip("no 16-bit storage on this device")
+    rng = np.random.default_rng(11)
+    xn = rng.standard_normal((13, 9)).astype(np.float32)
+    t = rng.integers(0, 9, 13)
+
+    def grad():
+        x = hl.tensor(xn).to(getattr(hl, dtype)).requires_grad_()
+        loss = F.cross_entropy(x, hl.tensor(t))
+        # elementwise chains one kernel an op (the run-time fusion could join the multiplies)
+        with switched(elementwise_jit, "ENABLED", False), count_dispatches() as names:
+            (loss * 0.7).backward()
+        return x.grad.float().numpy(), sum(names.values())
+
+    grad()  # backward's seed made (tests/test_autograd.py): both counts without it
+    new, n_new = grad()
+    plain = K.cross_entropy_bwd
+    monkeypatch.setattr(K, "cross_entropy_bwd",
+                        lambda x, t, lse, gl, cast=False, scale=1.0: plain(x, t, lse, gl * scale, cast))
+    old, n_old = grad()
+    assert np.array_equal(new, old) and n_new == n_old - 1

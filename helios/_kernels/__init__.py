@@ -34,7 +34,7 @@ from helios._kernels.gemm import (  # noqa: F401
     _check_mm_out, scalar_zero, casts_operands_first,
 )
 from helios._kernels.rows import (  # noqa: F401
-    _P_ROWS, _P_SOFTMAX, _P_LN, _P_EMB, _row_wg, _row_plan, softmax_rows, layer_norm_fwd, layer_norm_bwd_input,
+    _P_CE, _P_SOFTMAX, _P_LN, _P_EMB, _row_wg, _row_plan, softmax_rows, layer_norm_fwd, layer_norm_bwd_input,
     layer_norm_bwd_params, layer_norm_bwd, cross_entropy_fwd, cross_entropy_bwd, embedding_fwd, embedding_bwd,
 )
 from helios._kernels.creation import (  # noqa: F401

@@ -13,7 +13,7 @@ from helios._kernels.core import bind, column_chunks, empty, groups_for, workgro
 import helios._kernels as kern  # the other kernel families (bound once the package has loaded)
 
 
-_P_ROWS = struct.Struct("<4I")
+_P_CE = struct.Struct("<4If")  # cross_entropy.comp: V, rows, the offsets of x and t, the upstream gradient's scale
 _P_SOFTMAX = struct.Struct("<4IfI")
 # C, rows, off_x, off_g, eps, off_w, off_b, off_dw, off_db, row_wgs, chunk (layernorm.comp's push constants)
 _P_LN = struct.Struct("<4If6I")
@@ -327,17 +327,18 @@ def cross_entropy_fwd(x: Tensor, t: Tensor, cast: bool = False):
     pid = rt.pipeline("cross_entropy", x.dtype.tag, (0, wg, per_thread))
     bx, ox = bind(x)
     bt, ot = bind(t)
-    rt.dispatch(pid, [bx, bt, bind(lse, True)[0], bind(loss, True)[0], bx, bx], _P_ROWS.pack(V, N, ox, ot),
+    rt.dispatch(pid, [bx, bt, bind(lse, True)[0], bind(loss, True)[0], bx, bx], _P_CE.pack(V, N, ox, ot, 1.0),
                 groups, fused_kernels.dispatch_name("cast+cross_entropy", rt) if cast else "cross_entropy", 4 * x.numel(),
                 x.numel() * x.dtype.itemsize)
     return loss, lse
 
 
-def cross_entropy_bwd(x: Tensor, t: Tensor, lse: Tensor, gl: Tensor, cast: bool = False) -> Tensor:
+def cross_entropy_bwd(x: Tensor, t: Tensor, lse: Tensor, gl: Tensor, cast: bool = False, scale: float = 1.0) -> Tensor:
     """d loss / d logits given the per-row upstream gradient ``gl`` (float32 [N]: contiguous,
-    or one value expanded to N rows with stride 0, read once per row by the kernel), in x's
-    dtype: computed in float32 and rounded as it is stored.  ``cast``: named as the fused
-    "cross_entropy_bwd+cast" (the float32 gradient's cast back to 16-bit logits)."""
+    or one value expanded to N rows with stride 0, read once per row by the kernel) times
+    ``scale`` (rounded to float32, multiplied in float32: a mean's 1/n, as a separate multiply
+    of gl would), in x's dtype: computed in float32 and rounded as it is stored.  ``cast``:
+    named as the fused "cross_entropy_bwd+cast" (the float32 gradient's cast back to 16-bit logits)."""
     rt = x._st.rt
     N, V = x.shape
     dx = empty(x.shape, x.dtype, rt)
@@ -352,7 +353,7 @@ def cross_entropy_bwd(x: Tensor, t: Tensor, lse: Tensor, gl: Tensor, cast: bool 
     pid = rt.pipeline("cross_entropy", x.dtype.tag, (1, wg, per_thread) + ((True,) if one else ()))
     bx, ox = bind(x)
     bt, ot = bind(t)
-    rt.dispatch(pid, [bx, bt, bind(lse)[0], bind(lse)[0], bg, bind(dx, True)[0]], _P_ROWS.pack(V, N, ox, ot),
+    rt.dispatch(pid, [bx, bt, bind(lse)[0], bind(lse)[0], bg, bind(dx, True)[0]], _P_CE.pack(V, N, ox, ot, scale),
                 groups, fused_kernels.dispatch_name("cross_entropy_bwd+cast", rt) if cast else "cross_entropy_bwd", 4 * x.numel(),
                 2 * x.numel() * x.dtype.itemsize)
     return dx

@@ -342,9 +342,10 @@ class _CrossEntropy(Function):
     @staticmethod
     def backward(ctx, g):
         x, t, lse = ctx.saved_tensors
-        gl = F.expand(F.reshape(F.to(g, dt.float32) * (1.0 / builtins.max(ctx.n, 1)), (1,)), (x.shape[0],))
-        # the kernel reads the expanded value once per row
-        return K.cross_entropy_bwd(x, t, lse, gl, ctx.cast), None, None, None
+        gl = F.expand(F.reshape(F.to(g, dt.float32), (1,)), (x.shape[0],))
+        # the kernel reads the expanded value once per row and multiplies it by the mean's 1/n
+        # (no dispatch of its own for that one multiply)
+        return K.cross_entropy_bwd(x, t, lse, gl, ctx.cast, 1.0 / builtins.max(ctx.n, 1)), None, None, None
 
 
 def cross_entropy(logits: Tensor, targets, weight: Tensor | None = None, size_average=None, ignore_index: int = -100,

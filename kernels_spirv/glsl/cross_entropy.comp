@@ -3,8 +3,10 @@
 // MODE 0 forward:  loss[n] = logsumexp(x[n]) - x[n, t[n]]  (0 where t[n] < 0: ignored);
 //                  lse[n] saved for backward.
 // MODE 1 backward: dx[n, j] = (exp(x[n, j] - lse[n]) - [j == t[n]]) * gl[n]  (0 for ignored rows),
-//                  gl = upstream gradient of loss[n]; with GL_ONE every row reads gl[0] (a
-//                  mean's one upstream value, not expanded into N copies first).
+//                  gl = upstream gradient of loss[n] times the push constant ``scale``
+//                  (a mean's 1/n, rounded to float32: the product the separate multiply
+//                  stored); with GL_ONE every row reads gl[0] (a mean's one upstream value,
+//                  not expanded into N copies first).
 #define NEED_I64
 #include "common.glsl"
 layout(local_size_x_id = 1) in;
@@ -20,7 +22,7 @@ layout(std430, binding = 2) buffer BL { float lse[]; };
 layout(std430, binding = 3) writeonly buffer BO { float loss[]; };
 layout(std430, binding = 4) readonly buffer BG { float gl[]; };
 layout(std430, binding = 5) writeonly buffer BD { HL_ST(TA) dx[]; };
-layout(push_constant) uniform P { uint V; uint rows; uint off_x; uint off_t; } p;
+layout(push_constant) uniform P { uint V; uint rows; uint off_x; uint off_t; float scale; } p;
 
 #include "rowblock.glsl"
 
@@ -38,7 +40,7 @@ void row_serial(uint row) {
         loss[row] = valid ? l - HL_LDF(TA, x[bx + uint(tg)]) : 0.0;
     } else {
         float l = lse[row];
-        float gv = valid ? gl[GL_ONE ? 0u : row] : 0.0;
+        float gv = valid ? gl[GL_ONE ? 0u : row] * p.scale : 0.0;
         for (uint k = 0u; k < p.V; ++k) {
             float pr = exp(HL_LDF(TA, x[bx + k]) - l);
             float onehot = (valid && int64_t(k) == tg) ? 1.0 : 0.0;
@@ -74,7 +76,7 @@ void main() {
     } else {
         float l = lse[row];
         bool valid = tg >= 0 && tg < int64_t(p.V);
-        float gv = valid ? gl[GL_ONE ? 0u : row] : 0.0;
+        float gv = valid ? gl[GL_ONE ? 0u : row] * p.scale : 0.0;
         for (uint k = tid; k < p.V; k += uint(WG)) {
             float pr = exp(HL_LDF(TA, x[bx + k]) - l);
             float onehot = (valid && int64_t(k) == tg) ? 1.0 : 0.0;

@@ -49,6 +49,12 @@ arithmetic in the same order, so its results are bit for bit those of the chain:
   table: the LM head's product wrote the slot first), the embedding backward adds each row's
   sum, rounded to the table's dtype, to what the slot holds in its store (the tape offers the
   slot: ``Context.grad_pending``), so neither the [V, C] temporary nor the add over it is made.
+* ``embedding+add``: a GPT's token rows plus its position rows (``wte(idx) + wpe(pos)``,
+  helios.functional.embedding_add) as one gather of both tables, added as the add kernel adds.
+  Backward, the position table's gradient is one embedding backward over every batch's rows
+  (``sum+embedding_bwd``): each position's rows summed from 0.0 batch by batch, the order of the
+  batch sum's one column run that the separate ops run first (where a position repeats, or the
+  column sum would go in runs, the two separate kernels run instead).
 
 Elementwise chains are fused at run time as well, into kernels generated from the op table
 (``ew_fused``): their rules live in :mod:`helios.elementwise_jit`, under the same switch.
@@ -132,6 +138,8 @@ PARTS = {
     "matmul+bias_grad": ("matmul", "sum"),
     "layer_norm_bwd+acc": ("layer_norm_bwd", "add"),
     "embedding_bwd+acc": ("embedding_bwd", "add"),
+    "embedding+add": ("embedding", "embedding", "add"),
+    "sum+embedding_bwd": ("sum", "embedding_bwd"),
     "layer_norm_bwd+params": ("layer_norm_bwd", "layer_norm_bwd_params"),
     "layer_norm_bwd+acc+params": ("layer_norm_bwd", "add", "layer_norm_bwd_params"),
     "rms_norm_bwd+acc": ("rms_norm_bwd", "add"),

@@ -43,7 +43,7 @@ KERNELS: dict[str, KernelInfo] = {
         KernelInfo("softmax", 3, 24),
         KernelInfo("layernorm", 9, 44),
         KernelInfo("cross_entropy", 6, 20),
-        KernelInfo("embedding", 4, 20),
+        KernelInfo("embedding", 6, 36),
         KernelInfo("rng", 1, 36),
         KernelInfo("iota", 1, 32),
         KernelInfo("matmul", 4, 72),

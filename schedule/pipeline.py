@@ -78,7 +78,7 @@ from helios import functional as F
 from helios.autograd.tape import is_grad_enabled, no_grad
 from helios.creation import arange, tensor
 from helios.nn import GPT, Module
-from helios.nn.modules import norm_for_product
+from helios.nn.modules import embed_with_positions, norm_for_product
 from helios.schedule.grid import group_size
 from helios.schedule.moe import with_aux
 
@@ -153,7 +153,7 @@ def _embeddings(layers, idx):
 
         return embed_tokens(layers, idx, sequence_parallel=True)  # (no dropout under tensor parallelism)
     _, t = idx.shape
-    x = layers.wte(idx) + layers.wpe(arange(t, dtype=dt.int64))
+    x = embed_with_positions(layers.wte, layers.wpe, idx, arange(t, dtype=dt.int64))
     drop = getattr(layers, "drop", None)  # (none in a tensor-parallel model)
     return drop(x) if drop is not None else x
 

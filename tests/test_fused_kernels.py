@@ -328,6 +328,59 @@ def test_a_tied_table_gets_the_embedding_gradient_added_in_its_slot(passes):
     np.testing.assert_allclose(grads[0], passes * want, rtol=1e-4, atol=1e-4)
 
 
+def _embedding_add_run(enabled: bool, dtype: str, idx, pos, packed: bool):
+    """F.embedding_add over two fresh tables (AdamW-packed gradient slots or not): the output,
+    both tables' gradients (as float32) and the dispatches of forward and backward."""
+    rng = np.random.default_rng(3)
+    tables = [Parameter(hl.tensor(rng.standard_normal(shape).astype(np.float32)).to(getattr(hl, dtype)))
+              for shape in ((9, 12), (7, 12))]
+    if packed and dtype == "float32":  # (AdamW packs float32 parameters)
+        AdamW(tables, lr=0.0)
+    g = hl.tensor(rng.standard_normal(idx.shape + (12,)).astype(np.float32)).to(getattr(hl, dtype))
+    with fused(enabled), count_dispatches() as names:
+        out = F.embedding_add(hl.tensor(idx), tables[0], hl.tensor(pos), tables[1])
+        (out.float() * g.float()).sum().backward()
+    return [out.float().numpy()] + [t.grad.float().numpy() for t in tables], names
+
+
+@pytest.mark.parametrize("dtype", _dtypes())
+@pytest.mark.parametrize("pos, packed", [([0, 1, 2, 3, 4], True), ([6, 2, 0, 5, 1], False), ([3, 1, 3, 0, 1], True)])
+def test_embedding_add_equals_the_separate_ops_bit_for_bit(dtype, pos, packed):
+    # token rows used more than once; positions in order, shuffled, or repeated (then the
+    # position table's gradient is the batch sum and the embedding backward, as unfused)
+    idx, pos = np.array([[4, 0, 4, 8, 2], [1, 4, 4, 0, 7], [3, 3, 8, 5, 0]]), np.array(pos)
+    on, n_on = _embedding_add_run(True, dtype, idx, pos, packed)
+    off, n_off = _embedding_add_run(False, dtype, idx, pos, packed)
+    _assert_bits_equal(on, off)
+    assert n_on["embedding+add"] == 1 and n_on["embedding"] == n_on["add"] == 0 and n_off["embedding"] == 2
+    repeated = len(set(pos.tolist())) < len(pos)
+    assert n_on["sum+embedding_bwd"] == (0 if repeated else 1) and n_on["embedding_bwd"] == (2 if repeated else 1)
+    if dtype == "float32":  # and the values: the rows added, each row's gradient summed where it was used
+        rng = np.random.default_rng(3)
+        t0, t1, g = (rng.standard_normal(shape).astype(np.float32) for shape in ((9, 12), (7, 12), idx.shape + (12,)))
+        d0, d1 = np.zeros_like(t0, np.float64), np.zeros_like(t1, np.float64)
+        np.add.at(d0, idx.reshape(-1), g.reshape(-1, 12))
+        np.add.at(d1, np.tile(pos, len(idx)), g.reshape(-1, 12))
+        np.testing.assert_array_equal(on[0], t0[idx] + t1[pos])
+        np.testing.assert_allclose(on[1], d0, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(on[2], d1, rtol=1e-5, atol=1e-6)
+
+
+def test_embedding_add_takes_the_separate_ops_where_it_cannot_fuse_and_refuses_bad_indices():
+    rt = get_runtime()
+    rng = np.random.default_rng(4)
+    w, w2 = (hl.tensor(rng.standard_normal(shape).astype(np.float32)) for shape in ((9, 4), (7, 4)))
+    with fused(True), count_dispatches() as names:
+        one_row = F.embedding_add(hl.tensor([1, 2]), w, hl.tensor([0, 1]), w2)  # idx 1-D: no batch of rows
+    assert names["embedding"] == 2 and names["embedding+add"] == 0
+    np.testing.assert_array_equal(one_row.numpy(), w.numpy()[[1, 2]] + w2.numpy()[[0, 1]])
+    with fused(True), pytest.raises(IndexError, match="index 7 is out of range for a table of 7 rows"):
+        F.embedding_add(hl.tensor([[1, 2]]), w, hl.tensor([0, 7]), w2)
+    with pytest.raises(ShapeError, match="want one floating dtype"):
+        K.embedding_add_fwd(w, K.from_numpy(np.zeros((1, 2), np.int64), dt.int64, rt), w2.to(hl.bfloat16),
+                            K.from_numpy(np.zeros(2, np.int64), dt.int64, rt))
+
+
 def test_a_layer_norm_of_a_packed_leaf_adds_the_gradient_its_slot_holds():
     # (p * 2).sum()'s gradient reaches p's slot first; LayerNorm's backward then takes the slot
     # (Context.grad_pending) and adds it in its store, into new memory the tape copies to the slot
@@ -386,9 +439,13 @@ def test_gpt_adamw_steps_with_fusion_on_and_off_are_bit_identical():
     one = K._row_plan(get_runtime(), 4 * 16, 32)[1]
     assert on[2]["layer_norm_bwd+acc+params" if one else "layer_norm_bwd+acc"] == 2 * n_layer
     assert on[2]["layer_norm_bwd_params"] == (0 if one else 2 * n_layer + 1)
-    # (and the tied table's second gradient, the embedding's, added in its store: embedding_bwd+acc)
-    assert off[2]["add"] - on[2]["add"] == 4 * n_layer + 1
+    # (and the tied table's second gradient, the embedding's, added in its store: embedding_bwd+acc;
+    # the token and position rows added in their gather: embedding+add)
+    assert off[2]["add"] - on[2]["add"] == 4 * n_layer + 2
     assert on[2]["embedding_bwd+acc"] == 1 and off[2]["embedding_bwd+acc"] == 0
+    # one gather of both tables forward; backward the position table's batch sum in its embedding backward
+    assert on[2]["embedding+add"] == 1 and on[2]["embedding"] == 0 and off[2]["embedding"] == 2
+    assert on[2]["sum+embedding_bwd"] == 1 and on[2]["embedding_bwd"] == 0 and off[2]["embedding_bwd"] == 2
     assert off[2]["gelu_tanh"] - on[2]["gelu_tanh"] == n_layer
     # the clip: no g * g temporary, and sqrt, add_s, rdiv_s, clamp in the reduction's last pass
     # (the flat buffer is long enough for two passes: squares into partials, then the chain)
@@ -402,7 +459,7 @@ def test_gpt_adamw_steps_with_fusion_on_and_off_are_bit_identical():
     # every Linear's bias gradient in its weight gradient's matmul (CPU devices)
     bias_grads = on[2]["matmul+bias_grad"]
     assert bias_grads in (0, 4 * n_layer) and off[2]["matmul+bias_grad"] == 0
-    assert sum(off[2].values()) - sum(on[2].values()) == 6 * n_layer + 5 + 2 + bias_grads + one * (2 * n_layer + 1)
+    assert sum(off[2].values()) - sum(on[2].values()) == 6 * n_layer + 5 + 5 + bias_grads + one * (2 * n_layer + 1)
 
 
 def test_gpt_under_bf16_autocast_with_fusion_on_and_off_is_bit_identical():
@@ -440,7 +497,8 @@ def test_gpt_under_bf16_autocast_with_fusion_on_and_off_is_bit_identical():
         assert off[2]["copy"] - on[2]["copy"] == 20 * n_layer + 4 + 1 + 2 * bias_grads + 2 + 2 * n_layer + projections_g
         assert on[2]["cast+cross_entropy"] == on[2]["cross_entropy_bwd+cast"] == 1
         assert on[2]["cast+softmax"] == on[2]["softmax_bwd+cast"] == n_layer
-        assert off[2]["sum"] - on[2]["sum"] == bias_grads + 2  # (+ the clip's two passes' sums)
+        # (+ the clip's two passes' sums, and the position table's batch sum: sum+embedding_bwd)
+        assert off[2]["sum"] - on[2]["sum"] == bias_grads + 3
     # ln_1, ln_2 and ln_f store their outputs in bf16, what their products read (layer_norm+cast),
     # and their backward kernels read the products' bf16 gradients (tests/test_layer_norm_cast.py)
     assert on[2]["layer_norm+cast"] == 2 * n_layer + 1 and on[2]["layer_norm"] == 0

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from helios._kernels.core import (  # noqa: F401
     MAX_DIMS, WG, _PAD6, _ZERO14, empty, _check_dtype_supported, grid, groups_for, _WINDOW_ABOVE, _is_part, bind,
-    _tag, _pad, _elems_per_dispatch,
+    _tag, _pad, _elems_per_dispatch, column_chunks,
 )
 from helios._kernels.elementwise import (  # noqa: F401
     UNARY, BINARY, COMPARE, INT_UNARY, _P_UNARY, _P_BINARY, _P_WHERE, _P_COPY, unary, _unary_into, _too_wide,
@@ -35,7 +35,7 @@ from helios._kernels.gemm import (  # noqa: F401
 )
 from helios._kernels.rows import (  # noqa: F401
     _P_CE, _P_SOFTMAX, _P_LN, _P_EMB, _row_wg, _row_plan, softmax_rows, layer_norm_fwd, layer_norm_bwd_input,
-    layer_norm_bwd_params, layer_norm_bwd, cross_entropy_fwd, cross_entropy_bwd, embedding_fwd, embedding_bwd,
+    layer_norm_bwd_params, layer_norm_bwd, cross_entropy_fwd, cross_entropy_bwd, embedding_fwd, embedding_add_fwd, embedding_bwd,
 )
 from helios._kernels.creation import (  # noqa: F401
     _P_RNG, _P_IOTA, rng, arange,

@@ -17,7 +17,7 @@ _P_CE = struct.Struct("<4If")  # cross_entropy.comp: V, rows, the offsets of x a
 _P_SOFTMAX = struct.Struct("<4IfI")
 # C, rows, off_x, off_g, eps, off_w, off_b, off_dw, off_db, row_wgs, chunk (layernorm.comp's push constants)
 _P_LN = struct.Struct("<4If6I")
-_P_EMB = struct.Struct("<5I")
+_P_EMB = struct.Struct("<9I")  # embedding.comp: C, rows, V, off_w, off_i; MODE 3: T, V2, off_w2, off_p
 
 
 # -- row ops ---------------------------------------------------------------------------------
@@ -361,27 +361,51 @@ def cross_entropy_bwd(x: Tensor, t: Tensor, lse: Tensor, gl: Tensor, cast: bool 
 
 def embedding_fwd(w: Tensor, idx: Tensor) -> Tensor:
     """out[..., :] = w[idx[...], :] for contiguous w [V, C] and contiguous int64 idx."""
+    return _gather_rows(w, idx)
+
+
+def embedding_add_fwd(w: Tensor, idx: Tensor, w2: Tensor, pos: Tensor) -> Tensor:
+    """out[..., t, :] = w[idx[..., t], :] + w2[pos[t], :] ("embedding+add", the bits of the two
+    gathers and their add): contiguous floating-point w [V, C] and w2 [V2, C] of one dtype,
+    contiguous int64 idx [..., T] and pos [T]."""
+    if w2.dtype is not w.dtype or w.dtype.kind != "float" or w2.shape[1:] != w.shape[1:] or pos.shape != idx.shape[-1:]:
+        raise ShapeError(f"embedding_add_fwd: tables {w.dtype.name} {w.shape} and {w2.dtype.name} {w2.shape}, "
+                         f"indices {idx.shape} and positions {pos.shape}: want one floating dtype, one width, "
+                         "and a position for each index of a row")
+    return _gather_rows(w, idx, w2, pos)
+
+
+def _gather_rows(w: Tensor, idx: Tensor, w2: Tensor | None = None, pos: Tensor | None = None) -> Tensor:
+    """embedding.comp's gathers: MODE 0 (w's rows), or MODE 3 with w2's rows at ``pos`` added."""
     rt = w._st.rt
     V, C = w.shape
     rows = idx.numel()
     out = empty(idx.shape + (C,), w.dtype, rt)
     if out.numel() == 0:
         return out
-    pid = rt.pipeline("embedding", w.dtype.tag, (0,))
     bw, ow = bind(w)
     bi, oi = bind(idx)
+    buffers, extra, name = [bw, bi, bi, bind(out, True)[0], bw, bi], (0, 0, 0, 0), "embedding"
+    if w2 is not None:
+        bw2, ow2 = bind(w2)
+        bp, op = bind(pos)
+        buffers[4:], extra = [bw2, bp], (pos.numel(), w2.shape[0], ow2, op)
+        name = fused_kernels.dispatch_name("embedding+add", rt)
+    pid = rt.pipeline("embedding", w.dtype.tag, (0 if w2 is None else 3,))
     gy = (rows + 3) // 4
     gz = (gy + 65534) // 65535
     gy = min(gy, 65535)
-    rt.dispatch(pid, [bw, bi, bi, bind(out, True)[0]], _P_EMB.pack(C, rows, V, ow, oi), ((C + 63) // 64, gy, gz),
-                "embedding", 0, 2 * out.numel() * w.dtype.itemsize)
+    rt.dispatch(pid, buffers, _P_EMB.pack(C, rows, V, ow, oi, *extra), ((C + 63) // 64, gy, gz),
+                name, 0 if w2 is None else out.numel(), (2 if w2 is None else 3) * out.numel() * w.dtype.itemsize)
     return out
 
 
-def embedding_bwd(g: Tensor, pos: Tensor, rowptr: Tensor, V: int, out: Tensor | None = None, add: bool = False) -> Tensor:
+def embedding_bwd(g: Tensor, pos: Tensor, rowptr: Tensor, V: int, out: Tensor | None = None, add: bool = False,
+                  name: str | None = None) -> Tensor:
     """dW[V, C] from the upstream g[rows, C] and the CSR grouping (pos int64, rowptr int32),
     written into ``out`` (a contiguous [V, C] tensor of g's dtype) when given; with ``add``,
-    added to what ``out`` holds, as the separate add would ("embedding_bwd+acc")."""
+    added to what ``out`` holds, as the separate add would ("embedding_bwd+acc").  ``name``: the
+    fused kernel the dispatch is (helios.fused_kernels), e.g. "sum+embedding_bwd"."""
     rt = g._st.rt
     C = g.shape[-1]
     if add and out is None:
@@ -401,9 +425,9 @@ def embedding_bwd(g: Tensor, pos: Tensor, rowptr: Tensor, V: int, out: Tensor | 
     gy = (V + 3) // 4
     gz = (gy + 65534) // 65535
     gy = min(gy, 65535)
-    name = fused_kernels.dispatch_name("embedding_bwd+acc", rt) if add else "embedding_bwd"
+    name = fused_kernels.dispatch_name(name or "embedding_bwd+acc", rt) if add or name else "embedding_bwd"
     moved = 2 * g.numel() * g.dtype.itemsize + (2 * out.numel() * out.dtype.itemsize if add else 0)
-    rt.dispatch(pid, [bg, bind(pos)[0], bind(rowptr)[0], bo], _P_EMB.pack(C, V, V, og, oo),
+    rt.dispatch(pid, [bg, bind(pos)[0], bind(rowptr)[0], bo, bg, bind(pos)[0]], _P_EMB.pack(C, V, V, og, oo, 0, 0, 0, 0),
                 ((C + 63) // 64, gy, gz), name, g.numel() + (out.numel() if add else 0), moved)
     out._st.version += 1
     return out

@@ -235,28 +235,63 @@ class _Embedding(Function):
     @staticmethod
     def backward(ctx, g):
         (idx,) = ctx.saved_tensors
-        gr = graph.capturing()
-        if gr is not None and gr.made_inside(idx):
-            raise graph.GraphCaptureError("embedding backward inside hl.graph.capture: its indices are grouped on "
-                                          "the host, so they must come from outside the step (an input of "
-                                          "capture(inputs=...)), not be computed inside it")
-        order, rowptr = _group_by_row(_host_indices(idx), ctx.V)
-        rt = g._st.rt
-        pos = K.from_numpy(order, dt.int64, rt)
-        rp = K.from_numpy(rowptr, dt.int32, rt)
-        if gr is not None:  # a replay groups its own indices (the capture's inputs hold them by then)
-            graph.before_replay(lambda: _regroup(idx, ctx.V, pos, rp))
+        return None, _table_grad(ctx, 1, F._rows(F.contiguous(g)), idx, ctx.V, ctx.dtype)
+
+
+class _EmbeddingAdd(Function):
+    """w[idx] + w2[pos] with pos [T] the positions of idx's last dim, one kernel forward
+    (helios.fused_kernels "embedding+add").  Backward, each table's gradient in one kernel:
+    w2's sums over every row of every batch that took a position, where those are the bits of
+    the batch sum then the embedding backward that the separate ops run (each position taken
+    once, one run of the column sum), else those two."""
+
+    @staticmethod
+    def forward(ctx, idx, w, pos, w2):
+        ctx.save_for_backward(idx, pos)
+        ctx.V, ctx.V2, ctx.dtype = w.shape[0], w2.shape[0], w.dtype
+        return K.embedding_add_fwd(w, idx, w2, pos)
+
+    @staticmethod
+    def backward(ctx, g):
+        idx, pos = ctx.saved_tensors
         g2 = F._rows(F.contiguous(g))
-        dest = ctx.grad_out(1)  # the table's free gradient slot, if any
-        if dest is not None and (dest.dtype is not g2.dtype or dest.shape != (ctx.V, g2.shape[-1])):
-            dest = None
-        if dest is None and fused_kernels.ENABLED and g2.dtype is ctx.dtype and hasattr(ctx, "grad_pending"):
-            # a tied table's slot that already holds the LM head's gradient: add into it
-            # (fused_kernels "embedding_bwd+acc")
-            acc = ctx.grad_pending(1)
-            if acc is not None:
-                return None, K.embedding_bwd(g2, pos, rp, ctx.V, out=acc, add=True)
-        return None, K.embedding_bwd(g2, pos, rp, ctx.V, out=dest)
+        dw = _table_grad(ctx, 1, g2, idx, ctx.V, ctx.dtype) if ctx.needs_input_grad[1] else None
+        if not ctx.needs_input_grad[3]:
+            return None, dw, None, None
+        batches, T = idx.numel() // pos.numel(), pos.numel()
+        host = _host_indices(pos).reshape(-1)
+        if np.unique(host).size == T and K.column_chunks(g2._st.rt, batches, g2.numel() // batches)[0] == 1:
+            return None, dw, None, _table_grad(ctx, 3, g2, pos, ctx.V2, ctx.dtype, tile=batches, name="sum+embedding_bwd")
+        per_position = F.sum_to_shape(F.reshape(g2, (batches, T, g2.shape[-1])), (T, g2.shape[-1]))
+        return None, dw, None, _table_grad(ctx, 3, per_position, pos, ctx.V2, ctx.dtype)
+
+
+def _table_grad(ctx, i: int, g2: Tensor, idx: Tensor, V: int, dtype: dt.DType, tile: int = 1, name=None) -> Tensor:
+    """The gradient of an embedding table, input ``i`` of ``ctx``'s node ([V, C]), from the
+    gradient g2 [rows, C] of the rows it gave (row r took the table's row idx[r mod idx.numel()]:
+    ``tile`` copies of the indices): into the table's free slot, or added to the gradient its slot
+    already holds (a tied table's: "embedding_bwd+acc"), else into new memory."""
+    gr = graph.capturing()
+    if gr is not None and gr.made_inside(idx):
+        raise graph.GraphCaptureError("embedding backward inside hl.graph.capture: its indices are grouped on "
+                                      "the host, so they must come from outside the step (an input of "
+                                      "capture(inputs=...)), not be computed inside it")
+    order, rowptr = _group_by_row(np.tile(_host_indices(idx).reshape(-1), tile), V)
+    rt = g2._st.rt
+    pos = K.from_numpy(order, dt.int64, rt)
+    rp = K.from_numpy(rowptr, dt.int32, rt)
+    if gr is not None:  # a replay groups its own indices (the capture's inputs hold them by then)
+        graph.before_replay(lambda: _regroup(idx, V, pos, rp, tile))
+    dest = ctx.grad_out(i)  # the table's free gradient slot, if any
+    if dest is not None and (dest.dtype is not g2.dtype or dest.shape != (V, g2.shape[-1])):
+        dest = None
+    if dest is None and fused_kernels.ENABLED and g2.dtype is dtype and hasattr(ctx, "grad_pending"):
+        # a tied table's slot that already holds the LM head's gradient: add into it
+        # (fused_kernels "embedding_bwd+acc")
+        acc = ctx.grad_pending(i)
+        if acc is not None:
+            return K.embedding_bwd(g2, pos, rp, V, out=acc, add=True, name=name)
+    return K.embedding_bwd(g2, pos, rp, V, out=dest, name=name)
 
 
 def _group_by_row(host: np.ndarray, V: int) -> tuple:
@@ -268,9 +303,9 @@ def _group_by_row(host: np.ndarray, V: int) -> tuple:
     return order, rowptr
 
 
-def _regroup(idx: Tensor, V: int, pos: Tensor, rp: Tensor) -> None:
+def _regroup(idx: Tensor, V: int, pos: Tensor, rp: Tensor, tile: int = 1) -> None:
     """A graph replay's embedding backward: the new indices' grouping into the buffers it reads."""
-    order, rowptr = _group_by_row(_host_indices(idx), V)
+    order, rowptr = _group_by_row(np.tile(_host_indices(idx).reshape(-1), tile), V)
     graph.upload(pos, order)  # without waiting for the previous replay, which reads them
     graph.upload(rp, rowptr)
 
@@ -294,11 +329,35 @@ def embedding(idx: Tensor, weight: Tensor) -> Tensor:
     if idx.dtype is not dt.int64:
         idx = K.copy(idx, dt.int64)
     idx = F.contiguous(idx)
+    _check_rows(idx, weight.shape[0])
+    return _Embedding.apply(idx, F.contiguous(weight))
+
+
+def embedding_add(idx: Tensor, weight: Tensor, pos: Tensor, pos_weight: Tensor) -> Tensor:
+    """embedding(idx, weight) + embedding(pos, pos_weight): a GPT's token rows plus the rows of
+    their positions, ``pos`` [T] giving the position of each index of idx's last dim.  One kernel
+    each way where idx is [B, T] and the tables are contiguous floating-point ones of one dtype
+    (helios.fused_kernels "embedding+add", the bits of the separate ops); else the separate ops."""
+    if not isinstance(idx, Tensor):
+        idx = K.from_numpy(np.asarray(idx, np.int64), dt.int64, weight._st.rt)
+    fusible = (fused_kernels.ENABLED and isinstance(pos, Tensor) and idx.ndim == 2 and pos.shape == idx.shape[-1:]
+               and idx.numel() > 0 and weight.ndim == pos_weight.ndim == 2 and weight.shape[1] == pos_weight.shape[1]
+               and weight.dtype is pos_weight.dtype and weight.dtype.kind == "float"
+               and idx.dtype is pos.dtype is dt.int64)
+    if not fusible:
+        return embedding(idx, weight) + embedding(pos, pos_weight)
+    idx, pos = F.contiguous(idx), F.contiguous(pos)
+    for i, table in ((idx, weight), (pos, pos_weight)):
+        _check_rows(i, table.shape[0])
+    return _EmbeddingAdd.apply(idx, F.contiguous(weight), pos, F.contiguous(pos_weight))
+
+
+def _check_rows(idx: Tensor, V: int) -> None:
+    """An IndexError for an index outside a table of V rows, where the upload's host copy tells."""
     if idx._host is not None and idx._host[0] == idx._st.version and idx._host[1].size:
         lo, hi = int(idx._host[1].min()), int(idx._host[1].max())
-        if lo < 0 or hi >= weight.shape[0]:
-            raise IndexError(f"embedding: index {lo if lo < 0 else hi} is out of range for a table of {weight.shape[0]} rows")
-    return _Embedding.apply(idx, F.contiguous(weight))
+        if lo < 0 or hi >= V:
+            raise IndexError(f"embedding: index {lo if lo < 0 else hi} is out of range for a table of {V} rows")
 
 
 def _check_targets(host: np.ndarray, C: int, ignore_index: int) -> None:

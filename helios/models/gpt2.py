@@ -20,7 +20,8 @@ import numpy as np
 import helios.functional as F
 from helios import dtypes as dt
 from helios.creation import tensor
-from helios.nn.modules import GELU, GPT, GPTConfig, LayerNorm, Linear, Module, ReLU, SiLU, norm_for_product, position_ids
+from helios.nn.modules import (GELU, GPT, GPTConfig, LayerNorm, Linear, Module, ReLU, SiLU, embed_with_positions,
+                                norm_for_product, position_ids)
 from helios.tensor import Tensor
 
 from helios.models.generation import GenerationMixin, lm_loss
@@ -137,7 +138,7 @@ class GPT2LMHeadModel(Module, GenerationMixin):
             raise ValueError(f"sequence length {T} exceeds n_positions {self.config.n_positions}")
         # GPT's cached positions: a constant with its host copy (the embedding's backward groups
         # indices on the host), uploaded once, so a captured step uploads nothing
-        x = t.drop(t.wte(idx) + t.wpe(position_ids(T, w.untyped_storage().rt)))
+        x = t.drop(embed_with_positions(t.wte, t.wpe, idx, position_ids(T, w.untyped_storage().rt)))
         for block in t.h:
             x = block(x)
         logits = F.linear(norm_for_product(t.ln_f, x, None), w)  # as helios.nn.GPT's head
@@ -164,7 +165,7 @@ class GPT2LMHeadModel(Module, GenerationMixin):
 
     def _decode(self, idx: Tensor, pos: Tensor, kv) -> Tensor:
         t = self.transformer
-        x = t.wte(idx) + t.wpe(pos)
+        x = embed_with_positions(t.wte, t.wpe, idx, pos)
         for i, block in enumerate(t.h):
             B, T, C = x.shape
             q, k, v = F.split_heads(block.attn.c_attn(norm_for_product(block.ln_1, x, block.attn.c_attn)), block.attn.n_head)

@@ -830,6 +830,15 @@ def norm_for_product(norm, x: Tensor, product) -> Tensor:
     return norm(x)
 
 
+def embed_with_positions(wte, wpe, idx, pos: Tensor) -> Tensor:
+    """wte(idx) + wpe(pos) (``pos`` [T]: the positions of idx's last dim): one "embedding+add"
+    kernel each way where both are plain Embeddings (helios.functional.embedding_add, bit for bit
+    the separate ops), else the modules' forwards and the add.  GPT's input embedding."""
+    if _plain(wte, Embedding) and _plain(wpe, Embedding):
+        return F.embedding_add(idx, wte.weight, pos, wpe.weight)
+    return wte(idx) + wpe(pos)
+
+
 def project_residual(proj, y: Tensor, residual: Tensor | None, dropout=None) -> Tensor:
     """dropout(proj(y)) (no ``dropout``: proj(y)), plus ``residual`` when given: one
     "linear+residual" kernel when the projection is a plain Linear and the dropout the identity
@@ -884,7 +893,7 @@ class GPT(Module):
             raise ValueError(f"sequence length {T * (cp.world if cp else 1)} exceeds block_size {self.config.block_size}")
         rt = self.wte.weight.untyped_storage().rt
         pos = cp.positions(T, rt) if cp is not None else position_ids(T, rt)
-        x = self.drop(self.wte(idx) + self.wpe(pos))
+        x = self.drop(embed_with_positions(self.wte, self.wpe, idx, pos))
         for block in self.h:
             x = block(x)
         x = norm_for_product(self.ln_f, x, None)

@@ -76,9 +76,9 @@ from helios import dtypes as dt
 from helios import flat
 from helios import functional as F
 from helios.autograd.tape import is_grad_enabled, no_grad
-from helios.creation import arange, tensor
+from helios.creation import tensor
 from helios.nn import GPT, Module
-from helios.nn.modules import embed_with_positions, norm_for_product
+from helios.nn.modules import embed_with_positions, norm_for_product, position_ids
 from helios.schedule.grid import group_size
 from helios.schedule.moe import with_aux
 
@@ -153,7 +153,8 @@ def _embeddings(layers, idx):
 
         return embed_tokens(layers, idx, sequence_parallel=True)  # (no dropout under tensor parallelism)
     _, t = idx.shape
-    x = embed_with_positions(layers.wte, layers.wpe, idx, arange(t, dtype=dt.int64))
+    # the cached positions (with their host copy: the embedding's backward groups them there)
+    x = embed_with_positions(layers.wte, layers.wpe, idx, position_ids(t, layers.wte.weight.untyped_storage().rt))
     drop = getattr(layers, "drop", None)  # (none in a tensor-parallel model)
     return drop(x) if drop is not None else x
 

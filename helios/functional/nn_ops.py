@@ -336,8 +336,8 @@ def embedding(idx: Tensor, weight: Tensor) -> Tensor:
 def embedding_add(idx: Tensor, weight: Tensor, pos: Tensor, pos_weight: Tensor) -> Tensor:
     """embedding(idx, weight) + embedding(pos, pos_weight): a GPT's token rows plus the rows of
     their positions, ``pos`` [T] giving the position of each index of idx's last dim.  One kernel
-    each way where idx is [B, T] and the tables are contiguous floating-point ones of one dtype
-    (helios.fused_kernels "embedding+add", the bits of the separate ops); else the separate ops."""
+    each way where idx is [B, T] (int64) and the tables are floating-point ones of one dtype and
+    width (helios.fused_kernels "embedding+add", the bits of the separate ops); else the separate ops."""
     if not isinstance(idx, Tensor):
         idx = K.from_numpy(np.asarray(idx, np.int64), dt.int64, weight._st.rt)
     fusible = (fused_kernels.ENABLED and isinstance(pos, Tensor) and idx.ndim == 2 and pos.shape == idx.shape[-1:]

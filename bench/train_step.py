@@ -135,6 +135,19 @@ def _parse_args() -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     return ap, args
 
 
+def _check_fits(ap, args, B: int, T: int, c: dict, rt) -> None:
+    """A usage error where one step's largest activation (the logits, at a large --vocab) is more
+    than the device binds at once, as helios-train refuses it (helios.train_settings)."""
+    from helios.train_settings import largest_activation
+
+    need, what = largest_activation(B, T, c["n_head"], c["n_embd"], args.vocab)
+    if args.dtype == "bf16" and what.startswith("logits"):
+        need //= 2  # autocast's logits are bfloat16
+    if need > rt.max_range:
+        ap.error(f"--vocab {args.vocab}: the {args.config} config's {what} is {need:,} bytes in {args.dtype}, more than "
+                 f"{rt.name} binds at once ({rt.max_range:,} bytes); take a smaller --vocab or config")
+
+
 class HeliosSide:
     """The Helios model twice from one seed: ``eager`` runs every step through Python and
     autograd; ``replay`` captures its first step with ``hl.graph`` and replays the others (what
@@ -319,6 +332,7 @@ def main() -> None:
     c = CONFIGS[args.config]
     B, T = c["batch_size"], c["block_size"]
     V = args.vocab
+    _check_fits(ap, args, B, T, c, get_runtime())
     cfg = GPTConfig(vocab_size=V, block_size=T, n_layer=c["n_layer"], n_head=c["n_head"], n_embd=c["n_embd"])
     rng = np.random.default_rng(0)
     batches = [(rng.integers(0, V, (B, T)), rng.integers(0, V, (B, T))) for _ in range(args.steps + args.warmup)]

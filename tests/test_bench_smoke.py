@@ -233,10 +233,15 @@ def test_attention_times_16_bit_flash_against_the_autocast_dense_path(tmp_path):
     assert bad.returncode == 2 and "--dtype times flash against dense attention" in bad.stderr.splitlines()[-1]
 
 
-def test_train_step_refuses_a_vocabulary_of_one_token(tmp_path):
+def test_train_step_refuses_a_vocabulary_of_one_token_or_logits_too_large_to_bind(tmp_path):
     bad = subprocess.run([sys.executable, os.path.join(BENCH, "train_step.py"), "--vocab", "1"],
                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert bad.returncode == 2 and bad.stderr.splitlines()[-1].endswith("--vocab 1: a vocabulary has at least 2 tokens")
+    # nano's 8 x 32 rows of logits over 2**30 tokens: 8 GiB, more than any device binds at once
+    big = subprocess.run([sys.executable, os.path.join(BENCH, "train_step.py"), "--config", "nano", "--vocab", str(2**30)],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    last = big.stderr.splitlines()[-1]
+    assert big.returncode == 2 and "--vocab 1073741824: the nano config's logits" in last and "binds at once" in last, last
 
 
 def test_train_step_writes_every_profiled_dispatch(tmp_path, monkeypatch):

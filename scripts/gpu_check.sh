@@ -29,8 +29,9 @@
 # the shared-memory flash kernel and PyTorch's CUDA SDPA; bench/autocast_step.py: helios-train
 # --dtype bf16 against fp32 at tiny, small and gpt2; bench/attention.py in bf16 at T 64 ...
 # 512: flash against the autocast dense path, for where training should switch to flash
-# (FLASH_MIN_TRAIN_T); last, bench/train_step.py's GPT-2 bf16 step on vulkan:0 against PyTorch
-# CUDA eager under autocast on the same GPU -> coopmat_bench.log, coopmat.jsonl).
+# (FLASH_MIN_TRAIN_T); last, bench/train_step.py's GPT-2 124M bf16 step (GPT-2's 50,257-token
+# vocabulary, its tied head) on vulkan:0 against PyTorch CUDA eager under autocast on the same
+# GPU -> coopmat_bench.log, coopmat.jsonl).
 #
 # It downloads nothing: the machine needs its driver, ptxas (the CUDA toolkit or the
 # nvidia-cuda-nvcc wheel), and a Python ($PYTHON, default python3) with numpy,
@@ -174,7 +175,7 @@ coopmat_train() {  # the second half: training steps, bf16 against fp32 and agai
     step flash-vs-dense-bench "$out/coopmat_bench.log" timeout "$bench_timeout" "$py" -u "$repo/bench/attention.py" \
         --device vulkan:0 --dtype bf16 --T 64 128 256 512 --head-dim 32 64 --batch 16 --rounds 3 --no-memory
     step gpt2-vs-torch-bench "$out/coopmat_bench.log" timeout "$bench_timeout" "$py" -u "$repo/bench/train_step.py" \
-        --device vulkan:0 --peer cuda --dtype bf16 --config gpt2 --steps 3 --warmup 1 --no-compile
+        --device vulkan:0 --peer cuda --dtype bf16 --config gpt2 --vocab 50257 --steps 3 --warmup 1 --no-compile
 }
 if [ "${part%%-*}" = coopmat ]; then
     coopmat

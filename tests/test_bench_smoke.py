@@ -233,15 +233,31 @@ def test_attention_times_16_bit_flash_against_the_autocast_dense_path(tmp_path):
     assert bad.returncode == 2 and "--dtype times flash against dense attention" in bad.stderr.splitlines()[-1]
 
 
-def test_train_step_refuses_a_vocabulary_of_one_token_or_logits_too_large_to_bind(tmp_path):
-    bad = subprocess.run([sys.executable, os.path.join(BENCH, "train_step.py"), "--vocab", "1"],
-                         capture_output=True, text=True, cwd=tmp_path, timeout=120)
-    assert bad.returncode == 2 and bad.stderr.splitlines()[-1].endswith("--vocab 1: a vocabulary has at least 2 tokens")
+def _train_step_module(monkeypatch):
+    """bench/train_step.py as a module (in this process: no interpreter to start)."""
+    monkeypatch.syspath_prepend(BENCH)  # the script imports torch_twin from beside it
+    spec = importlib.util.spec_from_file_location("bench_train_step", os.path.join(BENCH, "train_step.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_train_step_refuses_a_vocabulary_of_one_token_or_logits_too_large_to_bind(monkeypatch, capsys):
+    from helios.runtime import get_runtime
+    from helios.train import CONFIGS
+
+    mod = _train_step_module(monkeypatch)
+    monkeypatch.setattr(sys, "argv", ["train_step.py", "--vocab", "1"])
+    with pytest.raises(SystemExit) as e:
+        mod._parse_args()
+    assert e.value.code == 2 and capsys.readouterr().err.splitlines()[-1].endswith("--vocab 1: a vocabulary has at least 2 tokens")
     # nano's 8 x 32 rows of logits over 2**30 tokens: 8 GiB, more than any device binds at once
-    big = subprocess.run([sys.executable, os.path.join(BENCH, "train_step.py"), "--config", "nano", "--vocab", str(2**30)],
-                         capture_output=True, text=True, cwd=tmp_path, timeout=300)
-    last = big.stderr.splitlines()[-1]
-    assert big.returncode == 2 and "--vocab 1073741824: the nano config's logits" in last and "binds at once" in last, last
+    monkeypatch.setattr(sys, "argv", ["train_step.py", "--config", "nano", "--vocab", str(2**30)])
+    ap, args = mod._parse_args()
+    with pytest.raises(SystemExit) as e:
+        mod._check_fits(ap, args, 8, 32, CONFIGS["nano"], get_runtime())
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert e.value.code == 2 and "--vocab 1073741824: the nano config's logits" in last and "binds at once" in last, last
 
 
 def test_train_step_writes_every_profiled_dispatch(tmp_path, monkeypatch):
@@ -251,10 +267,7 @@ def test_train_step_writes_every_profiled_dispatch(tmp_path, monkeypatch):
 
     import helios as hl
 
-    monkeypatch.syspath_prepend(BENCH)  # the script imports torch_twin from beside it
-    spec = importlib.util.spec_from_file_location("bench_train_step", os.path.join(BENCH, "train_step.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _train_step_module(monkeypatch)
     x = hl.tensor(np.arange(12, dtype=np.float32).reshape(3, 4))
     path = tmp_path / "dispatches.tsv"
     prof = mod.kernel_profile(lambda: ((x * 2.0).exp() + x).sum().item(), 3, "none", "fp32", "test", str(path))

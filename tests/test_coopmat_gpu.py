@@ -162,3 +162,36 @@ def test_the_shared_memory_kernel_agrees(rt, dtype):
     finally:
         coopmat.set_enabled(was)
     close(fast, plain, 200, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("la,lb", [("n", "n"), ("n", "t"), ("t", "n")])
+def test_padded_rows_with_ragged_dims_read_in_runs_and_equal_single_loads_bit_for_bit(rt, dtype, la, lb):
+    # Rows 8-aligned apart (a padded stride) with M, N and K not multiples of 8: runs of 8 a
+    # load, the run across each edge one element a load (GPT-2's 50,257-token head, padded).
+    # The staged tiles, so the products, are those of contiguous copies (rows 45 apart: one
+    # element a load everywhere).
+    has(rt, dtype)
+    M, N, Kd = 77, 91, 45
+
+    def padded(rows, cols, transposed):
+        wide = -(-(rows if transposed else cols) // 8) * 8  # rows padded to a multiple of 8
+        store = rn(cols, wide, dtype=dtype) if transposed else rn(rows, wide, dtype=dtype)
+        store[:, (rows if transposed else cols):] = np.nan  # read past an edge, a NaN would show
+        t = h16(store, dtype)[:, :rows].transpose(0, 1) if transposed else h16(store, dtype)[:, :cols]
+        return t, store[:, :rows].T if transposed else store[:, :cols]
+
+    (ha, na), (hb, nb) = padded(M, Kd, la == "t"), padded(Kd, N, lb == "t")
+    modes = coopmat.load_modes(M, N, Kd, (0, 0), ha._strides, hb._strides)
+    assert modes == ({"n": 1, "t": 2}[la], {"n": 2, "t": 1}[lb]), modes
+    assert coopmat.load_modes(M, N, Kd, (0, 0), (Kd, 1), (N, 1)) == (0, 0)  # the copies'
+    got = f32(ha @ hb)
+    want = f32(h16(np.ascontiguousarray(na), dtype) @ h16(np.ascontiguousarray(nb), dtype))
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    close(got, ref(na.astype(np.float32), nb.astype(np.float32)), Kd, dtype)
+    # a float32 A rounded as it is loaded (autocast's mixed storage), its edge run too
+    a32_store = R.standard_normal((M, 48)).astype(np.float32)
+    a32_store[:, Kd:] = np.nan
+    a32 = hl.tensor(a32_store)[:, :Kd]
+    mixed = f32(K.matmul(a32, hb, compute=hb.dtype))
+    assert np.array_equal(mixed.view(np.uint32), f32(K.copy(a32, hb.dtype) @ hb).view(np.uint32))

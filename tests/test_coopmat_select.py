@@ -105,9 +105,12 @@ def test_load_modes_follow_strides_and_alignment():
     assert coopmat.load_modes(64, 64, 64, (0, 0), (64, 1), (64, 1)) == (1, 2)
     assert coopmat.load_modes(64, 64, 64, (0, 0), (64, 1), (1, 64)) == (1, 1)
     assert coopmat.load_modes(64, 64, 64, (0, 0), (1, 64), (64, 1)) == (2, 2)
-    # a ragged K (not a multiple of 8) or an odd offset reads one element a load
+    # rows an odd number of elements apart (K = 63 contiguous) or an odd offset: one element a load
     assert coopmat.load_modes(64, 64, 63, (0, 0), (63, 1), (64, 1)) == (0, 2)
     assert coopmat.load_modes(64, 64, 64, (3, 0), (64, 1), (64, 1)) == (0, 2)
+    # a ragged K, M or N with aligned rows (a padded stride): runs, the edge one element a load
+    assert coopmat.load_modes(64, 64, 63, (0, 0), (64, 1), (64, 1)) == (1, 2)
+    assert coopmat.load_modes(61, 59, 64, (0, 0), (1, 64), (64, 1)) == (2, 2)
     assert coopmat.load_modes(64, 64, 64, (0, 0), (64, 1, 4100), (64, 1, 0)) == (0, 2)  # batch stride off the grid
 
 

@@ -121,16 +121,18 @@ class Choice:
 
 def load_modes(M: int, N: int, K: int, offsets: tuple, a_strides: tuple, b_strides: tuple) -> tuple:
     """(AMODE, BMODE) of matmul_coop: 1 reads A's rows (``sak`` 1) / B^T's rows (``sbk`` 1) along K, 2 reads
-    A^T's rows along M / B's rows along N, 8 halves a load; where the run's dim, the other stride,
-    the offset and the batch strides are all multiples of 8 (a run is then inside the matrix or
-    outside it whole, and 16-byte aligned); else 0, one element a load.  ``offsets`` = (A's, B's);
-    ``a_strides`` = (sam, sak, *batch strides), ``b_strides`` = (sbk, sbn, *batch strides)."""
+    A^T's rows along M / B's rows along N, 8 halves a load; where the other stride, the offset and
+    the batch strides are all multiples of 8 (every run then starts 16-byte aligned; the kernel
+    reads a run that crosses the edge of a dim one element a load); else 0, one element a load.
+    ``offsets`` = (A's, B's); ``a_strides`` = (sam, sak, *batch strides), ``b_strides`` = (sbk,
+    sbn, *batch strides).  (M, N and K no longer decide: a ragged K of 33 reads four runs of 8
+    and one element.)"""
     def by8(*xs):
         return all(x % 8 == 0 for x in xs)
 
     (oa, ob), (sam, sak, *ca), (sbk, sbn, *cb) = offsets, a_strides, b_strides
-    amode = 1 if sak == 1 and by8(sam, K, oa, *ca) else 2 if sam == 1 and by8(sak, M, oa, *ca) else 0
-    bmode = 1 if sbk == 1 and by8(sbn, K, ob, *cb) else 2 if sbn == 1 and by8(sbk, N, ob, *cb) else 0
+    amode = 1 if sak == 1 and by8(sam, oa, *ca) else 2 if sam == 1 and by8(sak, oa, *ca) else 0
+    bmode = 1 if sbk == 1 and by8(sbn, ob, *cb) else 2 if sbn == 1 and by8(sbk, ob, *cb) else 0
     return amode, bmode
 
 

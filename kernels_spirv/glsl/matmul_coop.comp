@@ -18,8 +18,9 @@
 //     row-major, B^T), 2 = along their M- / N-contiguous rows (A^T, B row-major), as 8 halves
 //     (16 bytes) a load, staged in that orientation and loaded into cooperative matrices as
 //     row- or column-major; 0 = any strides, one element a load.  The host asks for 1 / 2 only
-//     where the run's dim, the other stride and the offset are multiples of 8 (so a run of 8 is
-//     all inside the matrix or all outside);
+//     where the other stride and the offset are multiples of 8 (every run starts 16-byte
+//     aligned); a run that crosses the matrix's edge along its dim (K, M or N not a multiple of
+//     8: the tied head's vocabulary) is read one element a load up to the edge, zeros after;
 //   * edge tiles (ragged M, N, K) load zeros outside the matrix and store only inside it.
 // The product goes through a per-subgroup fp32 scratch tile in shared memory (a cooperative
 // matrix's element-to-lane mapping is the driver's), where each lane adds the bias, runs the
@@ -136,6 +137,31 @@ uvec4 pack8(vec4 x, vec4 y) {
                  pack2(to_elem(y.x), to_elem(y.y)), pack2(to_elem(y.z), to_elem(y.w)));
 }
 
+// A run of 8 of A / B from element g whose first n (1 .. 7) are inside the matrix, one element a
+// load (rounded to ELEM from float32 slots), zeros after them: the edge of a dim that is not a
+// multiple of 8.
+uvec4 a_edge(uint g, uint n) {
+    uint w[4];
+    [[unroll]] for (uint h = 0; h < 4; ++h) {
+        uint j = 2 * h;
+        ELEM lo = j < n ? (AF32 == 1 ? to_elem(af[g + j]) : a[g + j]) : ELEM_ZERO;
+        ELEM hi = j + 1 < n ? (AF32 == 1 ? to_elem(af[g + j + 1]) : a[g + j + 1]) : ELEM_ZERO;
+        w[h] = pack2(lo, hi);
+    }
+    return uvec4(w[0], w[1], w[2], w[3]);
+}
+
+uvec4 b_edge(uint g, uint n) {
+    uint w[4];
+    [[unroll]] for (uint h = 0; h < 4; ++h) {
+        uint j = 2 * h;
+        ELEM lo = j < n ? (BF32 == 1 ? to_elem(bf[g + j]) : b[g + j]) : ELEM_ZERO;
+        ELEM hi = j + 1 < n ? (BF32 == 1 ? to_elem(bf[g + j + 1]) : b[g + j + 1]) : ELEM_ZERO;
+        w[h] = pack2(lo, hi);
+    }
+    return uvec4(w[0], w[1], w[2], w[3]);
+}
+
 // Global -> registers: the K slice at k0 (zeros outside the matrix).
 void load_slice(uint k0) {
     if (AMODE == 0) {
@@ -151,7 +177,9 @@ void load_slice(uint k0) {
             uint id = tid + i * NT, r = id / runs, q = (id - r * runs) * 8;
             bool in_ = AMODE == 1 ? m0 + r < p.M && k0 + q < p.K : k0 + r < p.K && m0 + q < p.M;
             uint g = AMODE == 1 ? abase + (m0 + r) * p.sam + k0 + q : abase + (k0 + r) * p.sak + m0 + q;
-            ra8[i] = in_ ? (AF32 == 1 ? pack8(af4[g >> 2], af4[(g >> 2) + 1u]) : a8[g >> 3]) : uvec4(0u);
+            uint left = AMODE == 1 ? p.K - k0 - q : p.M - m0 - q;     // (when in_) the run's elements inside
+            ra8[i] = !in_ ? uvec4(0u) : left < 8u ? a_edge(g, left)
+                   : AF32 == 1 ? pack8(af4[g >> 2], af4[(g >> 2) + 1u]) : a8[g >> 3];
         }
     }
     if (BMODE == 0) {
@@ -167,7 +195,9 @@ void load_slice(uint k0) {
             uint id = tid + i * NT, r = id / runs, q = (id - r * runs) * 8;
             bool in_ = BMODE == 1 ? n0 + r < p.N && k0 + q < p.K : k0 + r < p.K && n0 + q < p.N;
             uint g = BMODE == 1 ? bbase + (n0 + r) * p.sbn + k0 + q : bbase + (k0 + r) * p.sbk + n0 + q;
-            rb8[i] = in_ ? (BF32 == 1 ? pack8(bf4[g >> 2], bf4[(g >> 2) + 1u]) : b8[g >> 3]) : uvec4(0u);
+            uint left = BMODE == 1 ? p.K - k0 - q : p.N - n0 - q;
+            rb8[i] = !in_ ? uvec4(0u) : left < 8u ? b_edge(g, left)
+                   : BF32 == 1 ? pack8(bf4[g >> 2], bf4[(g >> 2) + 1u]) : b8[g >> 3];
         }
     }
 }

@@ -42,7 +42,7 @@ KERNELS: dict[str, KernelInfo] = {
         KernelInfo("reduce", 4, 48),
         KernelInfo("softmax", 3, 24),
         KernelInfo("layernorm", 9, 44),
-        KernelInfo("cross_entropy", 6, 20),
+        KernelInfo("cross_entropy", 6, 24),
         KernelInfo("embedding", 6, 36),
         KernelInfo("rng", 1, 36),
         KernelInfo("iota", 1, 32),

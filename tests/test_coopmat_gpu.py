@@ -195,3 +195,39 @@ def test_padded_rows_with_ragged_dims_read_in_runs_and_equal_single_loads_bit_fo
     a32 = hl.tensor(a32_store)[:, :Kd]
     mixed = f32(K.matmul(a32, hb, compute=hb.dtype))
     assert np.array_equal(mixed.view(np.uint32), f32(K.copy(a32, hb.dtype) @ hb).view(np.uint32))
+
+
+def test_an_odd_vocabulary_head_reads_its_padded_logit_gradient_in_runs(rt, monkeypatch):
+    # GPT-2's 50,257 tokens in small: 61.  On a GPU the logits' gradient rows are 64 apart, so
+    # the head's two backward products read them in 16-byte runs, not one element at a time:
+    # the same gradients, bit for bit, no copy more.
+    from helios._kernels import rows
+    from helios.nn import GPT, GPTConfig
+    from switches import count_dispatches
+
+    has(rt, "bfloat16")
+    V = 61
+    idx, tgt = (hl.tensor(R.integers(0, V, (2, 32))) for _ in range(2))
+    modes = []
+    load_modes = coopmat.load_modes
+    monkeypatch.setattr(coopmat, "load_modes", lambda M, N, Kd, *a: modes.append((M, N, Kd, load_modes(M, N, Kd, *a))) or modes[-1][3])
+
+    def step():
+        model = GPT(GPTConfig(vocab_size=V, block_size=32, n_layer=1, n_head=2, n_embd=64), seed=0)
+        modes.clear()
+        with count_dispatches() as names:
+            with hl.autocast("bfloat16"):
+                _, loss = model(idx, tgt)
+            loss.backward()
+        head = [m for m in modes if V in m[:3]]
+        return [p.grad.float().numpy() for p in model.parameters()], names, head
+
+    grads, names, head = step()
+    assert rows.padded_row(rt, V) == 64
+    assert sorted(h[3] for h in head) == [(1, 1), (1, 2), (2, 2)], head  # forward, dX, dW: all in runs
+    monkeypatch.setattr(rows, "padded_row", lambda rt, V: V)  # rows 61 apart: one element a load
+    grads_plain, names_plain, head_plain = step()
+    assert sorted(h[3] for h in head_plain) == [(0, 2), (0, 2), (1, 1)], head_plain
+    for a, b in zip(grads, grads_plain):
+        assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
+    assert names == names_plain

@@ -338,3 +338,17 @@ def test_cross_entropy_backward_scales_by_the_mean_in_its_kernel(dtype, monkeypa
                         lambda x, t, lse, gl, cast=False, scale=1.0: plain(x, t, lse, gl * scale, cast))
     old, n_old = grad()
     assert np.array_equal(new, old) and n_new == n_old - 1
+
+
+def test_the_logit_gradient_rows_are_padded_on_gpus_only():
+    # (tests/test_coopmat_gpu.py: what the padding buys the LM head's products there)
+    from helios._kernels import rows
+
+    class Gpu:
+        info = {"type": "discrete"}
+
+    assert rows.padded_row(Gpu, 50257) == 50264 and rows.padded_row(Gpu, 64) == 64
+    rt = get_runtime()
+    x = hl.tensor(np.random.default_rng(12).standard_normal((5, 61)).astype(np.float32), requires_grad=True)
+    F.cross_entropy(x, hl.tensor(np.arange(5))).backward()
+    assert x.grad._strides == ((61, 1) if rt.info.get("type") == "cpu" else (64, 1))

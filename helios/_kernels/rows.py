@@ -13,7 +13,8 @@ from helios._kernels.core import bind, column_chunks, empty, groups_for, workgro
 import helios._kernels as kern  # the other kernel families (bound once the package has loaded)
 
 
-_P_CE = struct.Struct("<4If")  # cross_entropy.comp: V, rows, the offsets of x and t, the upstream gradient's scale
+# cross_entropy.comp: V, rows, the offsets of x and t, the upstream gradient's scale, dx's row stride
+_P_CE = struct.Struct("<4IfI")
 _P_SOFTMAX = struct.Struct("<4IfI")
 # C, rows, off_x, off_g, eps, off_w, off_b, off_dw, off_db, row_wgs, chunk (layernorm.comp's push constants)
 _P_LN = struct.Struct("<4If6I")
@@ -327,7 +328,7 @@ def cross_entropy_fwd(x: Tensor, t: Tensor, cast: bool = False):
     pid = rt.pipeline("cross_entropy", x.dtype.tag, (0, wg, per_thread))
     bx, ox = bind(x)
     bt, ot = bind(t)
-    rt.dispatch(pid, [bx, bt, bind(lse, True)[0], bind(loss, True)[0], bx, bx], _P_CE.pack(V, N, ox, ot, 1.0),
+    rt.dispatch(pid, [bx, bt, bind(lse, True)[0], bind(loss, True)[0], bx, bx], _P_CE.pack(V, N, ox, ot, 1.0, V),
                 groups, fused_kernels.dispatch_name("cast+cross_entropy", rt) if cast else "cross_entropy", 4 * x.numel(),
                 x.numel() * x.dtype.itemsize)
     return loss, lse
@@ -337,11 +338,15 @@ def cross_entropy_bwd(x: Tensor, t: Tensor, lse: Tensor, gl: Tensor, cast: bool 
     """d loss / d logits given the per-row upstream gradient ``gl`` (float32 [N]: contiguous,
     or one value expanded to N rows with stride 0, read once per row by the kernel) times
     ``scale`` (rounded to float32, multiplied in float32: a mean's 1/n, as a separate multiply
-    of gl would), in x's dtype: computed in float32 and rounded as it is stored.  ``cast``:
+    of gl would), in x's dtype: computed in float32 and rounded as it is stored, its rows
+    ``padded_row(rt, V)`` elements apart (a [N, V] view of them on GPUs).  ``cast``:
     named as the fused "cross_entropy_bwd+cast" (the float32 gradient's cast back to 16-bit logits)."""
     rt = x._st.rt
     N, V = x.shape
-    dx = empty(x.shape, x.dtype, rt)
+    ld = padded_row(rt, V)
+    dx = empty((N, ld), x.dtype, rt)
+    if ld != V:
+        dx = Tensor(dx._st, (N, V), (ld, 1), 0, x.dtype)
     if dx.numel() == 0:
         return dx
     one = N > 1 and gl._strides[0] == 0
@@ -353,10 +358,17 @@ def cross_entropy_bwd(x: Tensor, t: Tensor, lse: Tensor, gl: Tensor, cast: bool 
     pid = rt.pipeline("cross_entropy", x.dtype.tag, (1, wg, per_thread) + ((True,) if one else ()))
     bx, ox = bind(x)
     bt, ot = bind(t)
-    rt.dispatch(pid, [bx, bt, bind(lse)[0], bind(lse)[0], bg, bind(dx, True)[0]], _P_CE.pack(V, N, ox, ot, scale),
+    rt.dispatch(pid, [bx, bt, bind(lse)[0], bind(lse)[0], bg, bind(dx, True)[0]], _P_CE.pack(V, N, ox, ot, scale, ld),
                 groups, fused_kernels.dispatch_name("cross_entropy_bwd+cast", rt) if cast else "cross_entropy_bwd", 4 * x.numel(),
                 2 * x.numel() * x.dtype.itemsize)
     return dx
+
+
+def padded_row(rt, V: int) -> int:
+    """The row stride of the logits' gradient [N, V] on ``rt``: V, or on a GPU V rounded up to a
+    multiple of 8 (GPT-2's 50,257 -> 50,264), so that the LM head's backward products, which
+    read it, load its rows in 16-byte runs (coopmat.load_modes) instead of one element at a time."""
+    return V if V % 8 == 0 or rt.info.get("type") == "cpu" else -(-V // 8) * 8
 
 
 def embedding_fwd(w: Tensor, idx: Tensor) -> Tensor:

@@ -22,7 +22,9 @@ layout(std430, binding = 2) buffer BL { float lse[]; };
 layout(std430, binding = 3) writeonly buffer BO { float loss[]; };
 layout(std430, binding = 4) readonly buffer BG { float gl[]; };
 layout(std430, binding = 5) writeonly buffer BD { HL_ST(TA) dx[]; };
-layout(push_constant) uniform P { uint V; uint rows; uint off_x; uint off_t; float scale; } p;
+// ld: dx's row stride (V, or V padded to a multiple of 8 so that the products reading dx, the
+// LM head's backward, load its rows 16 bytes at a time)
+layout(push_constant) uniform P { uint V; uint rows; uint off_x; uint off_t; float scale; uint ld; } p;
 
 #include "rowblock.glsl"
 
@@ -44,7 +46,7 @@ void row_serial(uint row) {
         for (uint k = 0u; k < p.V; ++k) {
             float pr = exp(HL_LDF(TA, x[bx + k]) - l);
             float onehot = (valid && int64_t(k) == tg) ? 1.0 : 0.0;
-            dx[row * p.V + k] = HL_STF(TA, (pr - onehot) * gv);
+            dx[row * p.ld + k] = HL_STF(TA, (pr - onehot) * gv);
         }
     }
 }
@@ -80,7 +82,7 @@ void main() {
         for (uint k = tid; k < p.V; k += uint(WG)) {
             float pr = exp(HL_LDF(TA, x[bx + k]) - l);
             float onehot = (valid && int64_t(k) == tg) ? 1.0 : 0.0;
-            dx[row * p.V + k] = HL_STF(TA, (pr - onehot) * gv);
+            dx[row * p.ld + k] = HL_STF(TA, (pr - onehot) * gv);
         }
     }
 }

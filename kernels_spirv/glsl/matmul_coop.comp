@@ -139,27 +139,24 @@ uvec4 pack8(vec4 x, vec4 y) {
 
 // A run of 8 of A / B from element g whose first n (1 .. 7) are inside the matrix, one element a
 // load (rounded to ELEM from float32 slots), zeros after them: the edge of a dim that is not a
-// multiple of 8.
+// multiple of 8.  A loop, not unrolled: edge runs are few, and the emulation's pipelines build
+// faster without seven copies of the load.
 uvec4 a_edge(uint g, uint n) {
-    uint w[4];
-    [[unroll]] for (uint h = 0; h < 4; ++h) {
-        uint j = 2 * h;
-        ELEM lo = j < n ? (AF32 == 1 ? to_elem(af[g + j]) : a[g + j]) : ELEM_ZERO;
-        ELEM hi = j + 1 < n ? (AF32 == 1 ? to_elem(af[g + j + 1]) : a[g + j + 1]) : ELEM_ZERO;
-        w[h] = pack2(lo, hi);
+    uvec4 w = uvec4(0u);
+    [[dont_unroll]] for (uint j = 0; j < n; ++j) {
+        ELEM e = AF32 == 1 ? to_elem(af[g + j]) : a[g + j];
+        w[j >> 1] |= (j & 1u) == 0u ? pack2(e, ELEM_ZERO) : pack2(ELEM_ZERO, e);
     }
-    return uvec4(w[0], w[1], w[2], w[3]);
+    return w;
 }
 
 uvec4 b_edge(uint g, uint n) {
-    uint w[4];
-    [[unroll]] for (uint h = 0; h < 4; ++h) {
-        uint j = 2 * h;
-        ELEM lo = j < n ? (BF32 == 1 ? to_elem(bf[g + j]) : b[g + j]) : ELEM_ZERO;
-        ELEM hi = j + 1 < n ? (BF32 == 1 ? to_elem(bf[g + j + 1]) : b[g + j + 1]) : ELEM_ZERO;
-        w[h] = pack2(lo, hi);
+    uvec4 w = uvec4(0u);
+    [[dont_unroll]] for (uint j = 0; j < n; ++j) {
+        ELEM e = BF32 == 1 ? to_elem(bf[g + j]) : b[g + j];
+        w[j >> 1] |= (j & 1u) == 0u ? pack2(e, ELEM_ZERO) : pack2(ELEM_ZERO, e);
     }
-    return uvec4(w[0], w[1], w[2], w[3]);
+    return w;
 }
 
 // Global -> registers: the K slice at k0 (zeros outside the matrix).

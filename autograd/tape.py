@@ -605,9 +605,7 @@ def _grad_dests(node, g, pending: dict, handed: set):
                 continue
         if sum(1 for u in inputs if u is t) > 1:
             continue
-        st = d._st
-        reads = (node.ctx.saved or ()) + (g if type(g) is tuple else (g,))
-        if any(r is not None and r._st is st for r in reads):
+        if _backward_reads(d, node.ctx.saved, g):
             continue
         if dests is None:
             dests = [None] * len(inputs)
@@ -662,10 +660,14 @@ def _slot_holding_grad(t, saved, incoming):
     slot = getattr(t, "_grad_slot", None)
     if slot is None or t.grad is None or not _is_slot(t.grad, slot):
         return None
+    return None if _backward_reads(slot, saved, incoming) else slot
+
+
+def _backward_reads(dest, saved, incoming) -> bool:
+    """Whether a backward writing ``dest`` would write memory it reads: the storage of one of its
+    ``saved`` tensors or of the ``incoming`` gradient (a tensor or a tuple of them)."""
     reads = (saved or ()) + (incoming if type(incoming) is tuple else (incoming,))
-    if any(r is not None and r._st is slot._st for r in reads):
-        return None
-    return slot
+    return any(r is not None and r._st is dest._st for r in reads)
 
 
 def _keep_in_slot(t, g) -> None:

@@ -80,7 +80,9 @@ Elementwise chains are fused at run time as well, into kernels generated from th
   by gelu_tanh'(u) in its epilogue, not stored apart and read again by gelu_tanh_bwd.  With
   the two above, a ``--dtype bf16`` GPT step runs as many dispatches as a float32 one (the tiny
   config with helios-train's two parameter groups: 140 on the cooperative-matrix kernel, 131 since
-  LayerNorm's backward is one dispatch on GPU plans; counted on lavapipe's emulation).
+  LayerNorm's backward is one dispatch on GPU plans, 125 since ``embedding_bwd+acc``,
+  ``embedding+add``, the loss gradient's scale in its kernel and the cached backward seed;
+  counted on lavapipe's emulation).
 
 The other linear fusions run without autocast (under autocast the unfused ops convert their
 operands between the parts); the LayerNorm and clip fusions run either way.

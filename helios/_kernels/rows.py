@@ -9,7 +9,7 @@ from helios import dtypes as dt
 from helios import fused_kernels
 from helios.errors import DTypeError, ShapeError
 from helios.tensor import Tensor
-from helios._kernels.core import bind, column_chunks, empty, groups_for, workgroup_for_run
+from helios._kernels.core import bind, column_chunks, empty, groups_for, narrow_view, workgroup_for_run
 import helios._kernels as kern  # the other kernel families (bound once the package has loaded)
 
 
@@ -344,9 +344,7 @@ def cross_entropy_bwd(x: Tensor, t: Tensor, lse: Tensor, gl: Tensor, cast: bool 
     rt = x._st.rt
     N, V = x.shape
     ld = padded_row(rt, V)
-    dx = empty((N, ld), x.dtype, rt)
-    if ld != V:
-        dx = Tensor(dx._st, (N, V), (ld, 1), 0, x.dtype)
+    dx = narrow_view(empty((N, ld), x.dtype, rt), 1, 0, V)
     if dx.numel() == 0:
         return dx
     one = N > 1 and gl._strides[0] == 0
@@ -437,9 +435,10 @@ def embedding_bwd(g: Tensor, pos: Tensor, rowptr: Tensor, V: int, out: Tensor | 
     gy = (V + 3) // 4
     gz = (gy + 65534) // 65535
     gy = min(gy, 65535)
-    name = fused_kernels.dispatch_name(name or "embedding_bwd+acc", rt) if add or name else "embedding_bwd"
+    name = name or ("embedding_bwd+acc" if add else None)  # a fused kernel's (helios.fused_kernels)
     moved = 2 * g.numel() * g.dtype.itemsize + (2 * out.numel() * out.dtype.itemsize if add else 0)
     rt.dispatch(pid, [bg, bind(pos)[0], bind(rowptr)[0], bo, bg, bind(pos)[0]], _P_EMB.pack(C, V, V, og, oo, 0, 0, 0, 0),
-                ((C + 63) // 64, gy, gz), name, g.numel() + (out.numel() if add else 0), moved)
+                ((C + 63) // 64, gy, gz), fused_kernels.dispatch_name(name, rt) if name else "embedding_bwd",
+                g.numel() + (out.numel() if add else 0), moved)
     out._st.version += 1
     return out

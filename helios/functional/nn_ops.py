@@ -259,24 +259,27 @@ class _EmbeddingAdd(Function):
         if not ctx.needs_input_grad[3]:
             return None, dw, None, None
         batches, T = idx.numel() // pos.numel(), pos.numel()
-        host = _host_indices(pos).reshape(-1)
+        host = _host_indices(pos).reshape(-1)  # (read once: _table_grad groups these)
         if np.unique(host).size == T and K.column_chunks(g2._st.rt, batches, g2.numel() // batches)[0] == 1:
-            return None, dw, None, _table_grad(ctx, 3, g2, pos, ctx.V2, ctx.dtype, tile=batches, name="sum+embedding_bwd")
+            return None, dw, None, _table_grad(ctx, 3, g2, pos, ctx.V2, ctx.dtype, tile=batches, name="sum+embedding_bwd",
+                                               host=host)
         per_position = F.sum_to_shape(F.reshape(g2, (batches, T, g2.shape[-1])), (T, g2.shape[-1]))
-        return None, dw, None, _table_grad(ctx, 3, per_position, pos, ctx.V2, ctx.dtype)
+        return None, dw, None, _table_grad(ctx, 3, per_position, pos, ctx.V2, ctx.dtype, host=host)
 
 
-def _table_grad(ctx, i: int, g2: Tensor, idx: Tensor, V: int, dtype: dt.DType, tile: int = 1, name=None) -> Tensor:
+def _table_grad(ctx, i: int, g2: Tensor, idx: Tensor, V: int, dtype: dt.DType, tile: int = 1, name=None,
+                host: np.ndarray | None = None) -> Tensor:
     """The gradient of an embedding table, input ``i`` of ``ctx``'s node ([V, C]), from the
     gradient g2 [rows, C] of the rows it gave (row r took the table's row idx[r mod idx.numel()]:
-    ``tile`` copies of the indices): into the table's free slot, or added to the gradient its slot
-    already holds (a tied table's: "embedding_bwd+acc"), else into new memory."""
+    ``tile`` copies of the indices; ``host``: idx's values where the caller has read them): into
+    the table's free slot, or added to the gradient its slot already holds (a tied table's:
+    "embedding_bwd+acc"), else into new memory."""
     gr = graph.capturing()
     if gr is not None and gr.made_inside(idx):
         raise graph.GraphCaptureError("embedding backward inside hl.graph.capture: its indices are grouped on "
                                       "the host, so they must come from outside the step (an input of "
                                       "capture(inputs=...)), not be computed inside it")
-    order, rowptr = _group_by_row(np.tile(_host_indices(idx).reshape(-1), tile), V)
+    order, rowptr = _group_by_row(np.tile((_host_indices(idx) if host is None else host).reshape(-1), tile), V)
     rt = g2._st.rt
     pos = K.from_numpy(order, dt.int64, rt)
     rp = K.from_numpy(rowptr, dt.int32, rt)

@@ -109,6 +109,12 @@ operands between the parts); the LayerNorm and clip fusions run either way.
   read as their float32 values and the float32 probabilities stored (what backward and the
   product with V read), and backward stores the float32 gradient rounded to the scores' dtype,
   as the cast back does (softmax.comp's mixed variants, e.g. ``bf16_f32``).
+* ``rotary`` / ``rotary_bwd``: LLaMA's rotary position embedding, ``x * cos + roll(x, D/2) *
+  sin`` (helios.functional.rotary), where it was the roll's two copies, two products (each
+  after a cast where a 16-bit x meets float32 tables) and their sum; its backward, two products,
+  the casts back, the roll's copies and the sum of x's two gradients, likewise one kernel
+  (kernels_spirv/glsl/rotary.comp), which writes the gradient in x's layout (a transposed view
+  of the projection's output: no copy on the way back).
 
 Who fuses: the GPT modules (helios.nn.modules Block / MLP / CausalSelfAttention) call the
 fused functions of helios.functional where the pattern is present and the unfused parts
@@ -161,6 +167,8 @@ PARTS = {
     "sum+clip_coef": ("sum", "sqrt", "add_s", "rdiv_s", "clamp"),
     "layer_norm+cast": ("layer_norm", "cast"),
     "rms_norm+cast": ("rms_norm", "cast"),
+    "rotary": ("copy", "copy", "cast", "mul", "cast", "mul", "add"),
+    "rotary_bwd": ("mul", "mul", "cast", "cast", "copy", "copy", "add"),
 }
 # A float32 LayerNorm's backward reading the 16-bit gradient of its "layer_norm+cast" output:
 # the cast's backward (a widening cast) first, then the kernels above.

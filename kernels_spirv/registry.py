@@ -44,6 +44,7 @@ KERNELS: dict[str, KernelInfo] = {
         KernelInfo("layernorm", 9, 44),
         KernelInfo("cross_entropy", 6, 24),
         KernelInfo("embedding", 6, 36),
+        KernelInfo("rotary", 4, 68),  # RoPE forward and backward (helios.functional.rotary)
         KernelInfo("rng", 1, 36),
         KernelInfo("iota", 1, 32),
         KernelInfo("matmul", 4, 72),

@@ -8,7 +8,7 @@ One module per kernel family, each with the push-constant layouts it packs: ``co
 (allocation, grids, binding), ``elementwise`` (op codes from kernels_spirv/ew_ops.py, copies,
 fills), ``reductions``, ``gemm``, ``rows`` (softmax, LayerNorm, cross entropy, embedding),
 ``creation`` (random numbers, ranges), ``indexing`` (sort, scan, gather, scatter), ``flash``,
-``optim`` (the AdamW update).
+``optim`` (the AdamW update), ``rotary`` (RoPE).
 Every name is re-exported here; a family's tuning knobs are set on its module
 (``helios._kernels.gemm._MM_CPU_TILE``).
 """
@@ -43,6 +43,7 @@ from helios._kernels.creation import (  # noqa: F401
 from helios._kernels.indexing import (  # noqa: F401
     _P_SORT, _P_SCAN, _P_GATHER, _P_SCATTER, _SORT_BLOCK, sort_rows, _SCAN_OUT, scan, gather, scatter_rows,
 )
+from helios._kernels.rotary import rotary_supported, rotary_fwd, rotary_bwd  # noqa: F401
 from helios._kernels.optim import _P_ADAMW, adamw_constants, adamw_dispatch, adamw_push  # noqa: F401
 from helios._kernels.flash import (  # noqa: F401
     _P_FLASH, FLASH_HEAD_DIMS, _FA_FWD, _FA_PRE, _FA_DQ, _FA_DKV, _FA_SG_ROWS, _FA_GPU_WG, _FA_KERNEL, _FA_CPU_WY,

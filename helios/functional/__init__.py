@@ -46,7 +46,7 @@ from helios.functional.products import (  # noqa: F401
 from helios.functional.nn_ops import (  # noqa: F401
     _Softmax, _softmax_impl, softmax, log_softmax, _SplitHeads, split_heads, _AttentionSoftmax, attention_softmax,
     _LayerNorm, layer_norm, _Embedding, _group_by_row, _regroup, _host_indices, embedding, embedding_add, _check_targets,
-    _valid_targets, _same_targets, _CrossEntropy, cross_entropy, _Dropout, _mask_scale, dropout, _EPS, rms_norm,
+    _valid_targets, _same_targets, _CrossEntropy, cross_entropy, _Dropout, _mask_scale, dropout, _EPS, rms_norm, _Rotary, rotary,
     _reduce_loss, _loss_pair, mse_loss, l1_loss, nll_loss, one_hot, pad, _PadConstant, _pad_constant,
 )
 from helios.functional.inplace import (  # noqa: F401

@@ -1,5 +1,5 @@
 """Neural-network ops: softmax/log_softmax, the GPT's head split and attention softmax,
-layer_norm/rms_norm, embedding, cross_entropy and the other losses, dropout, one_hot, pad."""
+layer_norm/rms_norm, rotary embedding, embedding, cross_entropy and the other losses, dropout, one_hot, pad."""
 
 from __future__ import annotations
 
@@ -589,6 +589,34 @@ def rms_norm(x: Tensor, normalized_shape, weight: Tensor | None = None, eps: flo
     if weight is not None:
         y = y * F.to(weight, dt.float32)
     return F.to(y, x.dtype)
+
+
+class _Rotary(Function):
+    """RoPE in one kernel each way (helios.fused_kernels "rotary"); the tables are constants."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        ctx.x_layout = (x.dtype, x.stride())
+        return K.rotary_fwd(x, cos, sin)
+
+    @staticmethod
+    def backward(ctx, g):
+        cos, sin = ctx.saved_tensors
+        return K.rotary_bwd(g, cos, sin, *ctx.x_layout), None, None
+
+
+def rotary(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
+    """Rotary position embedding: ``x * cos + roll(x, D/2, -1) * sin_signed`` for x [..., T, D]
+    and tables [T, D] (``sin_signed``: sin with its first half negated, so the roll is
+    transformers' rotate_half).  The result has the promoted dtype of x and the tables.  A 4-D
+    x with constant tables takes one kernel each way (helios.fused_kernels "rotary", the same
+    bits); anything else, or fusion off, the separate ops."""
+    F._check_tensor(x, "rotary")
+    fused = fused_kernels.ENABLED and not (cos.requires_grad or sin_signed.requires_grad)
+    if fused and K.rotary_supported(x, cos, sin_signed):
+        return _Rotary.apply(x, cos, sin_signed)
+    return x * cos + F.roll(x, x.shape[-1] // 2, -1) * sin_signed
 
 
 def _reduce_loss(op: str, per: Tensor, reduction: str) -> Tensor:

@@ -168,8 +168,8 @@ def inv_frequencies(cfg: LlamaConfig) -> np.ndarray:
 
 def apply_rotary(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
     """x * cos + rotate_half(x) * sin for x [B, H, T, D] and rows [T, D]: rotate_half(x) * sin is
-    roll(x, D/2) * (-sin1, sin1) (the same products, the sign moved onto the table)."""
-    return x * cos + F.roll(x, x.shape[-1] // 2, -1) * sin_signed
+    roll(x, D/2) * (-sin1, sin1) (the same products, the sign moved onto the table: F.rotary)."""
+    return F.rotary(x, cos, sin_signed)
 
 
 def rotary_qkv(attn, x: Tensor, cos: Tensor, sin_signed: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -114,7 +114,10 @@ operands between the parts); the LayerNorm and clip fusions run either way.
   after a cast where a 16-bit x meets float32 tables) and their sum; its backward, two products,
   the casts back, the roll's copies and the sum of x's two gradients, likewise one kernel
   (kernels_spirv/glsl/rotary.comp), which writes the gradient in x's layout (a transposed view
-  of the projection's output: no copy on the way back).
+  of the projection's output: no copy on the way back).  ``rotary+cast`` / ``cast+rotary_bwd``:
+  under autocast, where only the attention's products read q and k (F.rotary's
+  ``feeds_products``), the float32 result of a 16-bit x stored in x's dtype, as the attention's
+  cast would store it, and its gradient read in that dtype.
 
 Who fuses: the GPT modules (helios.nn.modules Block / MLP / CausalSelfAttention) call the
 fused functions of helios.functional where the pattern is present and the unfused parts
@@ -169,6 +172,8 @@ PARTS = {
     "rms_norm+cast": ("rms_norm", "cast"),
     "rotary": ("copy", "copy", "cast", "mul", "cast", "mul", "add"),
     "rotary_bwd": ("mul", "mul", "cast", "cast", "copy", "copy", "add"),
+    "rotary+cast": ("copy", "copy", "cast", "mul", "cast", "mul", "add", "cast"),
+    "cast+rotary_bwd": ("cast", "mul", "mul", "cast", "cast", "copy", "copy", "add"),
 }
 # A float32 LayerNorm's backward reading the 16-bit gradient of its "layer_norm+cast" output:
 # the cast's backward (a widening cast) first, then the kernels above.

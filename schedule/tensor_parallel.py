@@ -578,7 +578,7 @@ class ParallelLlamaAttention(Module):
         from helios.models.generation import attention
         from helios.models.llama import merge_heads, rotary_qkv
 
-        q, k, v = rotary_qkv(self, x, cos, sin)
+        q, k, v = rotary_qkv(self, x, cos, sin, feeds_attention=True)
         return self.o_proj(merge_heads(attention(q, k, v, causal=True)))
 
 

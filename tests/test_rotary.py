@@ -73,6 +73,38 @@ def test_rotary_equals_the_separate_ops_bit_for_bit(x_dtype, t_dtype, D, monkeyp
     np.testing.assert_allclose(out.float().numpy(), ref, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("low", [dt.bfloat16, dt.float16], ids=["bf16", "fp16"])
+def test_rotary_feeding_autocast_products_stores_the_cast_result_bit_for_bit(low, monkeypatch):
+    # under autocast, q and k feed only the attention, whose cast rounds them to the autocast
+    # dtype: "rotary+cast" stores that rounding, and its backward reads the 16-bit gradient
+    _need_16bit()
+    B, T, H, D = 2, 6, 2, 8
+    base = hl.tensor(R.standard_normal((B, T, H, D)).astype(np.float32)).to(low).detach().requires_grad_(True)
+    cos, sin = _tables(T, D, dt.float32)
+    g = hl.tensor(R.standard_normal((B, H, T, D)).astype(np.float32)).to(low)
+    got = {}
+    for fused in (True, False):
+        monkeypatch.setattr(fused_kernels, "ENABLED", fused)
+        base.grad = None
+        with count_dispatches() as fwd:
+            with hl.autocast(low.name):
+                out = hl.functional.rotary(base.transpose(1, 2), cos, sin, feeds_products=True)
+            if not fused:
+                out = out.to(low)  # the attention's cast
+        with count_dispatches() as bwd:
+            out.backward(g)
+        got[fused] = (out, base.grad, dict(fwd), dict(bwd))
+    (out, dx, fwd, bwd), (want, want_dx, _, _) = got[True], got[False]
+    assert out.dtype is low and np.array_equal(_bits(out), _bits(want))
+    assert np.array_equal(_bits(dx), _bits(want_dx))
+    assert fwd == {"rotary+cast": 1} and bwd == {"cast+rotary_bwd": 1}, (fwd, bwd)
+    # without autocast, or without the promise, the result is the promoted float32 one
+    monkeypatch.setattr(fused_kernels, "ENABLED", True)
+    assert hl.functional.rotary(base.transpose(1, 2), cos, sin, feeds_products=True).dtype is dt.float32
+    with hl.autocast(low.name):
+        assert hl.functional.rotary(base.transpose(1, 2), cos, sin).dtype is dt.float32
+
+
 def test_rotary_falls_back_to_the_separate_ops_and_refuses_bad_gradients(monkeypatch):
     cos, sin = _tables(4, 8, dt.float32)
     x3 = hl.tensor(R.standard_normal((3, 4, 8)).astype(np.float32))  # 3-D: the separate ops
@@ -86,7 +118,7 @@ def test_rotary_falls_back_to_the_separate_ops_and_refuses_bad_gradients(monkeyp
     x4 = hl.tensor(R.standard_normal((1, 2, 4, 8)).astype(np.float32))
     hl.functional.rotary(x4, cos_p, sin).sum().backward()
     np.testing.assert_allclose(cos_p.grad.numpy(), x4.numpy().sum((0, 1)), rtol=1e-6)
-    with pytest.raises(ValueError, match="rotary_bwd: a float32 gradient for an output of float32 from a int64 input"):
+    with pytest.raises(ValueError, match="rotary_bwd: a float32 gradient for an output of float32 tables and a int64 input"):
         K.rotary_bwd(K.copy(x4), cos, sin, dt.int64, x4.stride())
 
 
@@ -120,11 +152,13 @@ def test_a_llama_step_rotates_q_and_k_in_one_kernel_each_way_with_the_same_bits(
     assert loss == loss0
     for u, v in zip(grads, grads0):
         assert np.array_equal(u, v)
-    assert names["rotary"] == names["rotary_bwd"] == 2 * 2  # q and k of 2 layers
-    assert names0["rotary"] == names0["rotary_bwd"] == 0
+    # q and k of 2 layers; under autocast stored in bf16, what the attention reads
+    fused = ("rotary+cast", "cast+rotary_bwd") if autocast else ("rotary", "rotary_bwd")
+    assert names[fused[0]] == names[fused[1]] == 2 * 2, names
+    assert not any("rotary" in n for n in names0)
     # each rotation was a roll's two copies, two products and a sum (and two casts under autocast),
     # its backward as many again; the gradient of q and k now reaches the projections uncopied
-    assert sum(names0.values()) - sum(names.values()) >= 4 * (8 if autocast else 6), (names0, names)
+    assert sum(names0.values()) - sum(names.values()) >= 4 * (12 if autocast else 6), (names0, names)
 
 
 @pytest.mark.vulkan

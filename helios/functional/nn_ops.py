@@ -592,30 +592,38 @@ def rms_norm(x: Tensor, normalized_shape, weight: Tensor | None = None, eps: flo
 
 
 class _Rotary(Function):
-    """RoPE in one kernel each way (helios.fused_kernels "rotary"); the tables are constants."""
+    """RoPE in one kernel each way (helios.fused_kernels "rotary"); the tables are constants.
+    ``out_dtype``: the result stored in that dtype ("rotary+cast")."""
 
     @staticmethod
-    def forward(ctx, x, cos, sin):
+    def forward(ctx, x, cos, sin, out_dtype=None):
         ctx.save_for_backward(cos, sin)
         ctx.x_layout = (x.dtype, x.stride())
-        return K.rotary_fwd(x, cos, sin)
+        return K.rotary_fwd(x, cos, sin, out_dtype)
 
     @staticmethod
     def backward(ctx, g):
         cos, sin = ctx.saved_tensors
-        return K.rotary_bwd(g, cos, sin, *ctx.x_layout), None, None
+        return K.rotary_bwd(g, cos, sin, *ctx.x_layout), None, None, None
 
 
-def rotary(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
+def rotary(x: Tensor, cos: Tensor, sin_signed: Tensor, *, feeds_products: bool = False) -> Tensor:
     """Rotary position embedding: ``x * cos + roll(x, D/2, -1) * sin_signed`` for x [..., T, D]
     and tables [T, D] (``sin_signed``: sin with its first half negated, so the roll is
     transformers' rotate_half).  The result has the promoted dtype of x and the tables.  A 4-D
     x with constant tables takes one kernel each way (helios.fused_kernels "rotary", the same
-    bits); anything else, or fusion off, the separate ops."""
+    bits); anything else, or fusion off, the separate ops.
+
+    ``feeds_products``: the caller's promise that only autocast products read the result (an
+    attention's q or k), which round it to the autocast dtype as they load it.  Under autocast
+    a result in float32 from x in that dtype is then stored in it ("rotary+cast", as
+    F.layer_norm's ``feeds_products``): the values the products read, in half the bytes."""
     F._check_tensor(x, "rotary")
     fused = fused_kernels.ENABLED and not (cos.requires_grad or sin_signed.requires_grad)
-    if fused and K.rotary_supported(x, cos, sin_signed):
-        return _Rotary.apply(x, cos, sin_signed)
+    low = _amp.active_dtype() if feeds_products and fused else None
+    out_dtype = low if low is x.dtype and cos.dtype is dt.float32 and sin_signed.dtype is dt.float32 else None
+    if fused and K.rotary_supported(x, cos, sin_signed, out_dtype):
+        return _Rotary.apply(x, cos, sin_signed, out_dtype)
     return x * cos + F.roll(x, x.shape[-1] // 2, -1) * sin_signed
 
 

@@ -166,22 +166,25 @@ def inv_frequencies(cfg: LlamaConfig) -> np.ndarray:
     return inv
 
 
-def apply_rotary(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
+def apply_rotary(x: Tensor, cos: Tensor, sin_signed: Tensor, feeds_attention: bool = False) -> Tensor:
     """x * cos + rotate_half(x) * sin for x [B, H, T, D] and rows [T, D]: rotate_half(x) * sin is
-    roll(x, D/2) * (-sin1, sin1) (the same products, the sign moved onto the table: F.rotary)."""
-    return F.rotary(x, cos, sin_signed)
+    roll(x, D/2) * (-sin1, sin1) (the same products, the sign moved onto the table: F.rotary).
+    ``feeds_attention``: only the attention's products read the result (F.rotary's
+    ``feeds_products``; not where a KV cache keeps k)."""
+    return F.rotary(x, cos, sin_signed, feeds_products=feeds_attention)
 
 
-def rotary_qkv(attn, x: Tensor, cos: Tensor, sin_signed: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def rotary_qkv(attn, x: Tensor, cos: Tensor, sin_signed: Tensor, feeds_attention: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """q [B, H, T, D], k and v [B, Hk, T, D] of x [B, T, C], q and k rotated: ``attn``'s
     ``q_proj``/``k_proj``/``v_proj`` cut into its ``n_head``/``n_kv_head`` heads of ``head_dim``
-    (a ``LlamaAttention``, or a tensor-parallel one over this rank's heads)."""
+    (a ``LlamaAttention``, or a tensor-parallel one over this rank's heads); ``feeds_attention``:
+    apply_rotary's."""
     B, T, _ = x.shape
     H, Hk, D = attn.n_head, attn.n_kv_head, attn.head_dim
     q = F.transpose(F.reshape(attn.q_proj(x), (B, T, H, D)), 1, 2)
     k = F.transpose(F.reshape(attn.k_proj(x), (B, T, Hk, D)), 1, 2)
     v = F.transpose(F.reshape(attn.v_proj(x), (B, T, Hk, D)), 1, 2)
-    return apply_rotary(q, cos, sin_signed), apply_rotary(k, cos, sin_signed), v
+    return apply_rotary(q, cos, sin_signed, feeds_attention), apply_rotary(k, cos, sin_signed, feeds_attention), v
 
 
 def merge_heads(y: Tensor) -> Tensor:
@@ -216,7 +219,7 @@ class LlamaAttention(Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv=None, layer: int = 0, residual: Tensor | None = None) -> Tensor:
         """o_proj of the attention over x's heads; with ``residual``, residual + that (the add
         in o_proj's matmul where it can be: helios.nn.modules.project_residual)."""
-        q, k, v = rotary_qkv(self, x, cos, sin)
+        q, k, v = rotary_qkv(self, x, cos, sin, feeds_attention=kv is None)
         y = kv.attend(layer, q, k, v) if kv is not None else attention(q, k, v, causal=True)
         return project_residual(self.o_proj, merge_heads(y), residual)
 

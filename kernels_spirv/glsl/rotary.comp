@@ -8,15 +8,21 @@
 // in the backward each term then rounded to x's dtype TX (the promotion's cast) and the sum in
 // TX, each product and sum `precise` (no contraction into an fma).  x, g and dx are any strided
 // views (strides in elements); the tables have unit column strides.
+// TG (default TO) is the output's and its gradient's storage: a 16-bit TG with float32 tables is
+// "rotary+cast", the float32 result stored rounded to TG as a cast after it stores it, and its
+// gradient read as the float32 values the cast's backward widens it to.
 #include "common.glsl"
 layout(local_size_x = 256) in;
 
+#ifndef TG
+#define TG TO
+#endif
 #ifdef ROPE_BWD
-#define TI TO
+#define TI TG
 #define TR TX
 #else
 #define TI TX
-#define TR TO
+#define TR TG
 #endif
 layout(std430, binding = 0) readonly buffer BI { HL_ST(TI) xi[]; };
 layout(std430, binding = 1) readonly buffer BC { HL_ST(TO) tc[]; };

@@ -118,6 +118,10 @@ def test_rotary_falls_back_to_the_separate_ops_and_refuses_bad_gradients(monkeyp
     x4 = hl.tensor(R.standard_normal((1, 2, 4, 8)).astype(np.float32))
     hl.functional.rotary(x4, cos_p, sin).sum().backward()
     np.testing.assert_allclose(cos_p.grad.numpy(), x4.numpy().sum((0, 1)), rtol=1e-6)
+    # tables on another device: the separate ops' one-line error, not the kernel reading them
+    cos_host = hl.tensor(cos.numpy(), device="cpu")
+    with pytest.raises(Exception, match=rf"different devices \({x4.device} and cpu\)"):
+        hl.functional.rotary(x4, cos_host, cos_host)
     with pytest.raises(ValueError, match="rotary_bwd: a float32 gradient for an output of float32 tables and a int64 input"):
         K.rotary_bwd(K.copy(x4), cos, sin, dt.int64, x4.stride())
 

@@ -29,7 +29,10 @@ _VARIANTS = {(F32, F32, F32): "f32", (F16, F16, F16): "f16", (BF16, BF16, BF16):
 
 def rotary_supported(x: Tensor, cos: Tensor, sin: Tensor, out_dtype: dt.DType | None = None) -> bool:
     """Whether rotary.comp takes x [B, H, T, D] with tables cos and sin [T, D] (unit column
-    strides, one row stride) and the output in ``out_dtype`` (None: the tables' dtype)."""
+    strides, one row stride), all on one device, and the output in ``out_dtype`` (None: the
+    tables' dtype)."""
+    if cos._st.rt is not x._st.rt or sin._st.rt is not x._st.rt:
+        return False
     if x.ndim != 4 or cos.shape != x.shape[2:] or sin.shape != cos.shape or sin.dtype is not cos.dtype:
         return False
     if (x.dtype, cos.dtype, out_dtype or cos.dtype) not in _VARIANTS or x.shape[-1] < 2:

@@ -23,7 +23,8 @@
 # then correctness against PyTorch (tests/test_coopmat_gpu.py, test_coopmat_select.py,
 # test_coopmat_kernel.py, test_mixed_matmul.py for autocast's casts in the shared-memory and
 # cooperative-matrix kernels, test_flash_coop.py for fp16 and bf16 flash attention on
-# cooperative matrices -> coopmat_tests.log), then speed (bench/vulkan_coopmat.py at 4096^3, nn
+# cooperative matrices, test_rotary.py for the rotary kernel's bits on a GPU's compiler ->
+# coopmat_tests.log), then speed (bench/vulkan_coopmat.py at 4096^3, nn
 # nt tn, fp16 and bf16 where listed: coopmat, the shared-memory kernel and cuBLAS in the same
 # dtype; then its fp16 and bf16 attention at T 1024 and 4096, head dims 64 and 128: flash_coop,
 # the shared-memory flash kernel and PyTorch's CUDA SDPA; bench/autocast_step.py: helios-train
@@ -162,7 +163,7 @@ raise SystemExit(0 if shapes else 3)") || rc=$?
 coopmat_ops() {  # the first half of the coopmat part: op tests, then the GEMM and attention benchmarks
     step coopmat-tests "$out/coopmat_tests.log" "$py" -m pytest -q -p no:cacheprovider "$repo/tests/test_coopmat_gpu.py" \
         "$repo/tests/test_coopmat_select.py" "$repo/tests/test_coopmat_kernel.py" "$repo/tests/test_mixed_matmul.py" \
-        "$repo/tests/test_flash_coop.py"
+        "$repo/tests/test_flash_coop.py" "$repo/tests/test_rotary.py"
     step coopmat-bench "$out/coopmat_bench.log" timeout "$bench_timeout" "$py" -u "$repo/bench/vulkan_coopmat.py" --sizes 4096 \
         --layouts nn nt tn --attn-T
     step flash-coop-bench "$out/coopmat_bench.log" timeout "$bench_timeout" "$py" -u "$repo/bench/vulkan_coopmat.py" --sizes \

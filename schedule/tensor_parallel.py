@@ -598,7 +598,7 @@ class ParallelSwiGLU(Module):
         self.down_proj = RowParallelLinear.from_linear(mlp.down_proj, group, mine)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(F.silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 def _copy_rms_norm(norm):

@@ -26,7 +26,7 @@ from helios.functional.elementwise import (  # noqa: F401
     _Sub, _Mul, _Div, _Pow, _Maximum, _Minimum, _UnaryScalar, _float_result, add, sub, rsub, mul, div, _div_rounded,
     _DivRounded, _host_has_zero, rdiv, pow, rpow, maximum, minimum, _ClampT, clamp, _Unary, _unary, UNARY_RULES,
     UNARY_FUNCTIONS, PUBLIC_UNARY, neg, relu, gelu, square, _compare, eq, ne, lt, le, gt, ge, _logical, logical_and,
-    logical_or, logical_xor, logical_not, _Where, where, masked_fill, silu, leaky_relu,
+    logical_or, logical_xor, logical_not, _Where, where, masked_fill, silu, _SiluMul, silu_mul, leaky_relu,
 )
 from helios.functional.reduce import (  # noqa: F401
     _keep, _Sum, _reduce_dims, sum, mean, _var_args, var, _StdSqrt, std, _MaxMin, _MaxMinAll, _maxmin, max, min,

@@ -235,7 +235,7 @@ class LlamaMLP(Module):
     def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
         """down_proj(silu(gate_proj(x)) * up_proj(x)); with ``residual``, residual + that (as
         LlamaAttention's)."""
-        return project_residual(self.down_proj, F.silu(self.gate_proj(x)) * self.up_proj(x), residual)
+        return project_residual(self.down_proj, F.silu_mul(self.gate_proj(x), self.up_proj(x)), residual)
 
 
 class LlamaDecoderLayer(Module):

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from helios import _kernels as K
 from helios import dtypes as dt
+from helios import fused_kernels
 from helios._shape import broadcast_shapes
 from helios.autograd.tape import NO_CONTEXT, Function
 from helios.errors import DTypeError, ShapeError
@@ -582,8 +583,6 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     contiguous float tensors of one shape and dtype, with fusion on, it keeps only gate and up
     for backward, not the two intermediates, and its backward is two fused elementwise kernels;
     anything else runs the separate ops."""
-    from helios import fused_kernels
-
     if (fused_kernels.ENABLED and isinstance(gate, Tensor) and isinstance(up, Tensor) and gate.shape == up.shape
             and gate.dtype is up.dtype and gate.dtype.kind == "float" and gate._st.rt is up._st.rt
             and gate.is_contiguous() and up.is_contiguous()):

@@ -137,7 +137,9 @@ def _parse_args() -> tuple[argparse.ArgumentParser, argparse.Namespace]:
 
 def _check_fits(ap, args, B: int, T: int, c: dict, rt) -> None:
     """A usage error where one step's largest activation (the logits, at a large --vocab) is more
-    than the device binds at once, as helios-train refuses it (helios.train_settings)."""
+    than the device binds at once: helios.train_settings.largest_activation's sizes, as helios-train
+    checks them, except that bf16 logits count their 2 bytes an element (helios-train counts 4 in
+    every dtype, so it refuses some bf16 runs this benchmark takes)."""
     from helios.train_settings import largest_activation
 
     need, what = largest_activation(B, T, c["n_head"], c["n_embd"], args.vocab)

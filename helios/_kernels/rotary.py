@@ -58,7 +58,7 @@ def _launch(src: Tensor, cos: Tensor, sin: Tensor, out: Tensor, variant: str, na
     n = out.numel()
     if n == 0:
         return out
-    B, H, T, D = src.shape
+    _, H, T, D = src.shape
     (bi, oi), (bc, oc), (bs, os_), (bo, oo) = bind(src), bind(cos), bind(sin), bind(out, True)
     rt = src._st.rt
     push = _P_ROTARY.pack(n, D, H, T, oi, *src._strides, oc, os_, cos._strides[0], oo, *out._strides)

@@ -55,8 +55,8 @@ KERNELS: dict[str, KernelInfo] = {
         KernelInfo("scan", 2, 16),
         KernelInfo("gather", 3, 96),
         KernelInfo("scatter", 4, 28),
-        KernelInfo("flash_attn", 10, 120),
-        KernelInfo("flash_coop", 10, 120),  # cooperative matrices (GPUs listing them): flash_attn's bindings and words
+        KernelInfo("flash_attn", 10, 124),
+        KernelInfo("flash_coop", 10, 124),  # cooperative matrices (GPUs listing them): flash_attn's bindings and words
     )
 }
 

@@ -268,21 +268,60 @@ def test_flash_broadcast_and_leading_dims():
         _close(_helios(q, k, v, g), _ref(q, k, v, g), 1e-5)
 
 
-def test_flash_gqa_and_partial_gradients():
-    # enable_gqa repeats the K/V heads before the kernel; only q needs a gradient in the
-    # second call, so the dK/dV pass is skipped and k, v get none.
+# (H, Hk, T, D, causal).  On lavapipe the shared-memory kernel (a GPU's) is right only while one
+# invocation's loops stay under the CPU driver's 65,535 iterations (see _fa_cpu_loops): its
+# dK / dV pass streams every query tile of the G heads, so G x T stays small at head dim 128.
+GQA_CASES = [(4, 2, 40, 64, True), (6, 2, 70, 32, False), (8, 2, 19, 128, True), (4, 1, 33, 32, True)]
+
+
+@pytest.mark.parametrize("kernel", [None, "gpu"], ids=["default", "shared-memory"])
+@pytest.mark.parametrize("H, Hk, T, D, causal", GQA_CASES)
+def test_flash_gqa_reads_the_shared_heads_in_place(monkeypatch, kernel, H, Hk, T, D, causal):
+    """enable_gqa: query head h reads K/V head h // (H / Hk) where it lies, and the dK / dV pass sums
+    each group's gradients in the kernel: PyTorch's values, three dispatches and no copy or
+    reduction, and O and dQ the bits of K and V repeated by hand (the same arithmetic a query head)."""
+    monkeypatch.setattr(K.flash, "_FA_KERNEL", kernel)
+    q, _, _, g = _operands(2, H, T, D)
+    k, v = (RNG.standard_normal((2, Hk, T, D)).astype(np.float32) for _ in range(2))
+    hq, hk, hv = (hl.tensor(x, requires_grad=True) for x in (q, k, v))
+    hg = hl.tensor(g)
+    with count_dispatches() as names:
+        o = F.scaled_dot_product_attention(hq, hk, hv, is_causal=causal, enable_gqa=True)
+        o.backward(hg)
+    assert dict(names) == {"flash_attn": 1, "flash_attn_bwd_dq": 1, "flash_attn_bwd_dkv": 1}, names
+    got = [t.numpy().astype(np.float64) for t in (o, hq.grad, hk.grad, hv.grad)]
+    _close(got, _ref(q, k, v, g, is_causal=causal, enable_gqa=True), 1e-5)
+    G = H // Hk
+    rep = _helios(q, np.repeat(k, G, 1), np.repeat(v, G, 1), g, is_causal=causal)
+    np.testing.assert_array_equal(got[0], rep[0])
+    np.testing.assert_array_equal(got[1], rep[1])
+    for a, b in zip(got[2:], rep[2:]):  # the group's sums: one rounding each, in another order
+        _close([a], [b.reshape(2, Hk, G, T, D).sum(2)], 1e-6, ("dK or dV",))
+
+
+def test_flash_gqa_partial_gradients():
+    # only q needs a gradient: the dK/dV pass is skipped and k, v get none
     q, _, _, g = _operands(1, 4, 40, 64)
     k, v = (RNG.standard_normal((1, 2, 40, 64)).astype(np.float32) for _ in range(2))
-    tq, tk, tv = (torch.tensor(x, dtype=torch.float64, requires_grad=True) for x in (q, k, v))
-    to = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=True, enable_gqa=True)
-    to.backward(torch.tensor(g, dtype=torch.float64))
-    got = _helios(q, k, v, g, is_causal=True, enable_gqa=True)
-    _close(got, [to.detach().numpy(), tq.grad.numpy(), tk.grad.numpy(), tv.grad.numpy()], 1e-5)
     hq = hl.tensor(q, requires_grad=True)
-    hk, hv = hl.tensor(q), hl.tensor(q)
-    F.scaled_dot_product_attention(hq, hk, hv).backward(hl.tensor(g))
-    assert hk.grad is None and hv.grad is None
-    _close([hq.grad.numpy()], [_ref(q, q, q, g)[1]], 1e-5, ("dQ",))
+    with count_dispatches() as names:
+        F.scaled_dot_product_attention(hq, hl.tensor(k), hl.tensor(v), enable_gqa=True).backward(hl.tensor(g))
+    assert "flash_attn_bwd_dkv" not in names and names["flash_attn_bwd_dq"] == 1, names
+    _close([hq.grad.numpy()], [_ref(q, k, v, g, enable_gqa=True)[1]], 1e-5, ("dQ",))
+
+
+def test_flash_cpu_kernel_refuses_what_the_cpu_driver_would_cut_short():
+    # lavapipe ends an invocation's loops after 65,535 iterations without an error (measured: a
+    # dK / dV pass over 8 x 12,000 query rows at head dim 128 came out wrong); such a pass is refused
+    if not K.flash._fa_cpu(get_runtime()):
+        pytest.skip("the subgroup kernel does not run on this device")
+    rng = np.random.default_rng(0)
+    q, g = (hl.tensor(rng.standard_normal((1, 8, 12000, 128)).astype(np.float32)) for _ in range(2))
+    k, v = (hl.tensor(rng.standard_normal((1, 1, 8, 128)).astype(np.float32)) for _ in range(2))
+    o, lse = K.flash_attn_fwd(q, k, v, 0.1, False)  # 8 keys: the forward and dQ passes are short
+    with pytest.raises(RuntimeError, match="12000 query rows x 8 query heads a K/V head .* 65,535"):
+        K.flash_attn_bwd(q, k, v, o, lse, g, 0.1, False)
+    assert K.flash._fa_cpu_loops(K.flash._FA_DKV, 128, 1, 12000, 8) < K.flash._FA_CPU_LOOP_CAP  # one head: runs
 
 
 def test_flash_backward_is_deterministic():

@@ -227,6 +227,25 @@ def test_block_mask_skips_blocks(rt):
         _close(a, b, f"{name} block mask")
 
 
+@pytest.mark.parametrize("dtype, causal", [("float16", True), ("bfloat16", False)])
+def test_grouped_query_heads_are_read_in_place(rt, dtype, causal):
+    """K/V heads shared by 3 query heads each (grouped-query attention): every pass reads them in
+    place and the dK / dV pass sums a group's gradients (3 x 40 query rows: G x T stays within the
+    emulated loops' reach, see the top)."""
+    _has(rt, dtype)
+    q, g = (_exact(R.standard_normal((2, 6, 40, 64)), dtype) for _ in range(2))
+    k, v = (_exact(R.standard_normal((2, 2, 45, 64)), dtype) for _ in range(2))
+    with profile() as prof:
+        got = _run(*(_h(x, dtype) for x in (q, k, v, g)), 0.125, causal)
+        hl.synchronize()
+    want = list(_reference(q, np.repeat(k, 3, 1), np.repeat(v, 3, 1), g, 0.125, causal))
+    want[3:] = [w.reshape(2, 2, 3, 45, 64).sum(2) for w in want[3:]]
+    for name, a, b in zip(("O", "L", "dQ", "dK", "dV"), got, want):
+        _close(a, b, f"{name} {dtype} causal={causal}", dtype)
+    assert {e.name for e in prof.collector.events if e.name.startswith("flash")} == {
+        "flash_coop", "flash_coop_bwd_dq", "flash_coop_bwd_dkv"}
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_sdpa_backward_runs_on_it(rt, dtype):
     """scaled_dot_product_attention of 16-bit tensors with autograd: forward and backward through

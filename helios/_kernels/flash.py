@@ -18,7 +18,7 @@ import helios._kernels as kern  # the other kernel families (bound once the pack
 # -- flash attention -------------------------------------------------------------------------
 # flash_attn kernel (see kernels_spirv/glsl/flash_attn.comp).  Its passes (the MODE
 # specialization constant): forward, backward preprocess D = rowsum(dO * O), dQ, dK and dV.
-_P_FLASH = struct.Struct("<4If25I")
+_P_FLASH = struct.Struct("<4If26I")
 FLASH_HEAD_DIMS = (32, 64, 128)  # the variants compiled (flash_attn.variants)
 _FA_FWD, _FA_PRE, _FA_DQ, _FA_DKV = 0, 1, 2, 3
 _FA_SG_ROWS = 8   # rows a subgroup owns in the CPU kernel (NR in the GLSL)
@@ -28,6 +28,26 @@ _FA_GPU_WG = 64   # rows a workgroup owns in the GPU kernel
 # kernel on lavapipe this way).
 _FA_KERNEL: str | None = None
 _FA_CPU_WY: int | None = None  # subgroups per workgroup of the CPU kernel; None = automatic
+# lavapipe (llvmpipe) stops all the loops of an invocation once they have run 65,535 iterations
+# together, with no error: a pass's sums then silently stop short.  _fa_cpu_loops bounds an
+# invocation's count; passes that could come near the cap are refused.
+_FA_CPU_LOOP_CAP = 60_000
+
+
+def _fa_cpu_loops(mode: int, D: int, G: int, Tq: int, Tk: int) -> int:
+    """An upper bound on the loop iterations one invocation of the subgroup kernel's pass ``mode``
+    runs (tiles of 64 streamed rows; per tile the head-dim loops of its products, the lanes' loop
+    of its sums and a margin).  Measured on lavapipe at head dim 128: the dK / dV pass right at
+    72,000 query rows and wrong from 78,000 (54 to 58 iterations a tile, where this bound counts
+    64), the dQ pass right at 90,000 keys and wrong from 120,000, the forward right at 140,000; at
+    head dim 32 the dK / dV pass right at 130,000."""
+    if mode == _FA_DKV:  # every query tile of the G query heads that share a K/V head
+        return G * -(-Tq // 64) * (D // 4 + 32)
+    if mode == _FA_DQ:   # two products a key tile, and D's sum over the head dim
+        return -(-Tk // 64) * (D // 4 + 32) + D
+    if mode == _FA_FWD:
+        return -(-Tk // 64) * (D // 8 + 32)
+    return D
 
 
 def fa_subgroup_kernel_runs_on(rt) -> bool:
@@ -50,17 +70,16 @@ def _fa_cpu(rt) -> bool:
 
 def flash_attn_supported(q: Tensor, k: Tensor, v: Tensor) -> bool:
     """Whether the flash kernels take these [B, H, T, D] operands: one float dtype, a compiled
-    head dim shared by q, k and v, the same B and H, non-empty, and B * H within one dispatch.
-    k and v may have fewer heads than q (grouped-query attention, each shared by H / Hk query
-    heads) where the device's tensor-core flash kernels run them (they read the shared head in
-    place; the SIMT kernel needs as many heads as q)."""
+    head dim shared by q, k and v, the same B, non-empty, and B * H within one dispatch.  k and v
+    may have fewer heads Hk than q where Hk divides H (grouped-query attention: query head h
+    reads K/V head h // (H / Hk), in place, and the backward sums each group's dK, dV in the
+    kernel)."""
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4 or q._st.rt.is_host:
         return False
     B, H, Tq, D = q.shape
     Hk = k.shape[1]
-    heads_ok = Hk == H or (0 < Hk and H % Hk == 0 and _engine_takes(q, k, v))
     return (q.dtype is k.dtype is v.dtype and q.dtype.kind == "float" and D in FLASH_HEAD_DIMS
-            and k.shape[0] == v.shape[0] == B and v.shape[1] == Hk and heads_ok
+            and k.shape[0] == v.shape[0] == B and v.shape[1] == Hk and 0 < Hk and H % Hk == 0
             and k.shape[3] == v.shape[3] == D and k.shape[2] == v.shape[2]
             and Tq > 0 and k.shape[2] > 0 and 0 < B * H <= 65535)
 
@@ -120,7 +139,7 @@ def _run_engine(pass_: str, qkvg: tuple, stats: tuple, outs: tuple, scale: float
     and, backward, dO), ``stats`` contiguous L and D, ``after`` [B, H, T, D] inputs after them (the
     backward's O), ``outs`` the outputs (None: not wanted), ``block_mask`` the blocks computed (None: all).
     Where it declines grouped-query operands (bases or strides TMA cannot read), it runs on
-    contiguous copies: the SIMT kernel cannot share K/V heads."""
+    contiguous copies: tensor cores with copies beat the SIMT kernel reading them in place."""
     q, k = qkvg[0], qkvg[1]
     rt = q._st.rt
     outs = tuple(None if t is None else _engine_operand(t) if t.ndim == 4 else _engine_out(t) for t in outs)
@@ -135,7 +154,7 @@ def _run_engine(pass_: str, qkvg: tuple, stats: tuple, outs: tuple, scale: float
     copies = tuple(kern.copy(t) for t in qkvg)
     if not rt.flash(*args[:3], tuple(_engine_operand(t) for t in copies) + args[3][len(qkvg):], *args[4:]):
         raise RuntimeError(f"flash attention: the tensor-core kernel declined grouped-query operands {args[2]} "
-                           "even as contiguous copies, and the SIMT kernel needs as many K/V heads as query heads")
+                           "even as contiguous copies")
     return True
 
 
@@ -229,7 +248,7 @@ class _FlashLaunch:
         self.rt = rt = q._st.rt
         self.q, self.k, self.v = _fa_operand(q), _fa_operand(k), _fa_operand(v)
         self.B, self.H, self.Tq, self.D = q.shape
-        self.Tk = k.shape[2]
+        self.Tk, self.Hk = k.shape[2], k.shape[1]  # Hk divides H (flash_attn_supported)
         self.scale, self.causal = float(scale), bool(causal)
         (self.bq, oq), (self.bk, ok), (self.bv, ov) = bind(self.q), bind(self.k), bind(self.v)
         self.offs = [oq, ok, ov]
@@ -271,11 +290,18 @@ class _FlashLaunch:
         the pass's gradient outputs and their offsets (dQ | dK, dV); ``d_here``: the dQ pass
         computes D = rowsum(dO * O) and stores it (flags bit 2, see flash_attn.comp)."""
         rt = self.rt
-        BH = self.B * self.H
+        BH = self.B * (self.Hk if mode == _FA_DKV else self.H)  # the dK / dV pass: a workgroup column a K/V head
         kernel, variant, subgroup = "flash_attn", self.variant, 0
         # 8-wide loads of Q, K, V (and of dO where the pass reads it)
         wide = self.aligned8 and (mode == _FA_FWD or _aligned8(do))
         if self.cpu:
+            G = self.H // self.Hk
+            loops = _fa_cpu_loops(mode, self.D, G, self.Tq, self.Tk)
+            if loops > _FA_CPU_LOOP_CAP:
+                what = f"{self.Tq} query rows x {G} query heads a K/V head" if mode == _FA_DKV else f"{self.Tk} keys"
+                raise RuntimeError(f"flash attention: {what} (head dim {self.D}) need about {loops:,} loop iterations "
+                                   "in one invocation of the CPU kernel, which the CPU driver stops at 65,535 without an "
+                                   "error; use shorter sequences")
             wy = self._wy(rows) if per_head else 4
             # (the CPU kernel reads fp32 two texels per 8 values either way: one pipeline, not two)
             spec = (wy, mode, int(wide and self.q.dtype is not dt.float32))
@@ -302,7 +328,7 @@ class _FlashLaunch:
         # the preprocess pass runs over all rows as one range: its Tk is the rows of a head
         tq, tk = (self.Tq, self.Tk) if per_head else (rows, self.Tq)
         push = _P_FLASH.pack(tq, tk, self.H, flags, self.scale, *self.offs, o[0], do[0], *self.strides,
-                             *o[1:], *do[1:], *grads)
+                             *o[1:], *do[1:], *grads, self.H // self.Hk)
         rt.dispatch(pid, slots, push, groups, name, flops, nbytes)
 
 
@@ -360,7 +386,8 @@ def flash_attn_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, g: T
         g = kern.copy(g)  # the engine's operand rules are its own (its tensor maps')
     elif not engine:
         g = _fa_operand(g)
-    # the preprocess pass reads only O and dO: with K/V heads shared (GQA) it is launched over q
+    # the preprocess pass reads only O and dO: on the engine's path it is launched over q alone
+    # (no kernel-layout copies of K and V it does not read)
     fl = _FlashLaunch(q, q, q, scale, causal) if engine else _FlashLaunch(q, k, v, scale, causal, block_mask)
     rt, B, H, Tq, Tk, D = fl.rt, fl.B, fl.H, fl.Tq, k.shape[2], fl.D
     (bo, oo), (bg, og) = bind(o), bind(g)
@@ -393,10 +420,11 @@ def flash_attn_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, g: T
                     "flash_attn_bwd_dq", 6 * pairs * D + d_work[0], B * H * (3 * Tq + 2 * fl.key_rows()) * D * isz + d_work[1],
                     o=o_at, do=do_at, grads=(*dq._strides[:3], off, 0), d_here=d_in_dq)
     if need_kv:
-        dk, dv = (dk_to, dv_to) if dk_to is not None else (empty((B, H, Tk, D), q.dtype, rt) for _ in range(2))
+        dk, dv = (dk_to, dv_to) if dk_to is not None else (empty(k.shape, q.dtype, rt) for _ in range(2))
         (bk, ok), (bv, ov) = bind(dk, True), bind(dv, True)
+        # Q and dO read per query head; K and V read, dK and dV written per K/V head
         fl.dispatch(_FA_DKV, Tk, {**stats, 8: bk, 9: bv}, "flash_attn_bwd_dkv",
-                    8 * pairs * D, B * H * (2 * Tq + 2 * Tk + 2 * fl.key_rows()) * D * isz, o=o_at, do=do_at,
+                    8 * pairs * D, B * (2 * H * Tq + fl.Hk * (2 * Tk + 2 * fl.key_rows())) * D * isz, o=o_at, do=do_at,
                     grads=(*dk._strides[:3], ok, ov))
     return dq, dk, dv
 

@@ -1,6 +1,7 @@
 #version 450
 // Flash attention (FlashAttention-2's algorithm): softmax(Q K^T * scale) V without a T x T
-// matrix anywhere.  Q [Tq, HD], K and V [Tk, HD] per (batch, head) pair z = b * H + h; each
+// matrix anywhere.  Q [Tq, HD], K and V [Tk, HD] per (batch, head) pair z = b * H + h, K and V
+// those of K/V head h / G (G = 1 but for grouped-query attention: see qrow); each
 // operand is addressed as off + b * s_b + h * s_h + t * s_t + d (unit stride along the head
 // dim, any other strides: the heads of a fused QKV projection are read in place, and a
 // stride-0 dim reads one K/V for several query heads).  O, dO and the gradients are addressed
@@ -20,7 +21,9 @@
 //   2  backward dQ: a tile of query rows streams key tiles: P = exp(S - L) is recomputed
 //      from the saved L, dP = dO V^T, dS = P * (dP - D), dQ += dS K * scale.
 //   3  backward dK, dV: a tile of key rows streams query tiles: dV += P^T dO and
-//      dK += dS^T Q * scale.
+//      dK += dS^T Q * scale.  With grouped-query attention (G query heads a K/V head) it
+//      streams the query tiles of the group's heads one head after another, so a K/V head's
+//      gradients are summed in the kernel, in a fixed order (no repeated K, V or reduction).
 // Block sparsity: with a block size bs (flags >> 8, 0 = dense) a uint mask over
 // (query block, key block) pairs, row-major [ceil(Tq / bs), ceil(Tk / bs)], nonzero =
 // computed.  Passes 0 and 2 skip key tiles of masked blocks, pass 3 skips query tiles of
@@ -116,6 +119,7 @@ layout(push_constant) uniform P {
     uint sdb; uint sdh; uint sdt;     // dO
     uint sgb; uint sgh; uint sgt;     // the pass's gradient outputs: dQ (pass 2) or dK and dV (pass 3)
     uint off_g0; uint off_g1;         // dQ | dK, dV
+    uint G;                           // query heads per K/V head (grouped-query attention; 1: as many)
 } p;
 
 // Operand ids of the load helpers (compile-time constants after inlining, so each call
@@ -154,13 +158,24 @@ float ld1(const int b, uint i) {
 }
 #endif
 
-// Element (z, t, 0) of Q, K, V, O, dO; of a gradient output at offset off.
+layout(constant_id = 1) const int MODE = 0;  // the pass
+
+// Element (z, t, 0) of Q, K, V, O, dO; of a gradient output at offset off.  z = b * H + h names a
+// query head; K and V (and pass 3's outputs, dK and dV) have H / G heads, query head h reading
+// K/V head h / G (grouped-query attention: transformers' repeat_kv pairing).
 uint qrow(uint z, uint t) { uint b = z / p.H; return p.off_q + b * p.sqb + (z - b * p.H) * p.sqh + t * p.sqt; }
-uint krow(uint z, uint t) { uint b = z / p.H; return p.off_k + b * p.skb + (z - b * p.H) * p.skh + t * p.skt; }
-uint vrow(uint z, uint t) { uint b = z / p.H; return p.off_v + b * p.svb + (z - b * p.H) * p.svh + t * p.svt; }
+uint krow(uint z, uint t) { uint b = z / p.H; return p.off_k + b * p.skb + (z - b * p.H) / p.G * p.skh + t * p.skt; }
+uint vrow(uint z, uint t) { uint b = z / p.H; return p.off_v + b * p.svb + (z - b * p.H) / p.G * p.svh + t * p.svt; }
 uint orow(uint z, uint t) { uint b = z / p.H; return p.off_o + b * p.sob + (z - b * p.H) * p.soh + t * p.sot; }
 uint dorow(uint z, uint t) { uint b = z / p.H; return p.off_do + b * p.sdb + (z - b * p.H) * p.sdh + t * p.sdt; }
-uint grow(uint off, uint z, uint t) { uint b = z / p.H; return off + b * p.sgb + (z - b * p.H) * p.sgh + t * p.sgt; }
+uint grow(uint off, uint z, uint t) {
+    uint b = z / p.H, h = z - b * p.H;
+    return off + b * p.sgb + (MODE == 3 ? h / p.G : h) * p.sgh + t * p.sgt;
+}
+
+// The first query head (its z) of the group sharing K/V head zk = b * (H / G) + j: pass 3 runs
+// one workgroup column per K/V head and sums the group's G query heads into its dK, dV.
+uint group_z(uint zk) { uint hk = p.H / p.G, b = zk / hk; return b * p.H + (zk - b * hk) * p.G; }
 
 // rowsum(dO * O) of row t of head z (the backward's D), over the head dim in order, a value a load.
 float row_dsum_at(uint z, uint t) {
@@ -175,8 +190,6 @@ float row_dsum_scalar(uint r) {
     uint z = r / p.Tk;
     return row_dsum_at(z, r - z * p.Tk);
 }
-
-layout(constant_id = 1) const int MODE = 0;  // the pass
 
 bool causal_on() { return (p.flags & 1u) != 0u; }
 bool d_here() { return (p.flags & 4u) != 0u; }  // pass 2 computes and stores D (see the top)
@@ -449,17 +462,18 @@ void dq_pass() {
 
 void dkv_pass() {
     const uint lane = gl_SubgroupInvocationID;
-    uint z = gl_WorkGroupID.z;
+    uint z0 = group_z(gl_WorkGroupID.z);
     uint n0 = (gl_WorkGroupID.y * uint(WY) + gl_LocalInvocationID.y) * uint(NR);
     if (n0 >= p.Tk) return;
     uint mine = min(n0 + lane, p.Tk - 1u);
-    uint xk = krow(z, mine), xv = vrow(z, mine);
+    uint xk = krow(z0, mine), xv = vrow(z0, mine);
     float c = p.scale * LOG2E;
     float gk[NR][DL], gv[NR][DL];
     zero_acc(gk);
     zero_acc(gv);
     // causal: queries before key n0 see none of this subgroup's keys
     uint qstart = causal_on() ? (n0 / uint(TC)) * uint(TC) : 0u;
+    for (uint z = z0; z < z0 + p.G; ++z)  // the query heads sharing these keys, in order
     for (uint q0 = next_q(n0, qstart, p.Tq); q0 < p.Tq; q0 = next_q(n0, q0 + uint(TC), p.Tq)) {
         uint yq[TN], yd[TN];
         float lq[TN], dq_[TN];
@@ -492,8 +506,8 @@ void dkv_pass() {
     [[unroll]] for (int i = 0; i < NR; ++i) {
         uint t = n0 + uint(i);
         if (t >= p.Tk) break;
-        store_row(2, z, t, gk, i, p.scale);
-        store_row(3, z, t, gv, i, 1.0);
+        store_row(2, z0, t, gk, i, p.scale);
+        store_row(3, z0, t, gv, i, 1.0);
     }
 }
 
@@ -656,12 +670,12 @@ void dq_pass() {
 }
 
 void dkv_pass() {
-    uint z = gl_WorkGroupID.z;
+    uint z0 = group_z(gl_WorkGroupID.z);
     uint n0 = gl_WorkGroupID.y * uint(WG);
     uint n = n0 + gl_LocalInvocationID.x, nc = min(n, p.Tk - 1u);
     float c = p.scale * LOG2E;
     float kr[HD], vr[HD], gk[HD], gv[HD];
-    uint xk = krow(z, nc), xv = vrow(z, nc);
+    uint xk = krow(z0, nc), xv = vrow(z0, nc);
     for (int d = 0; d < HD; ++d) {
         kr[d] = ld1(BUF_K, xk + uint(d)) * c;
         vr[d] = ld1(BUF_V, xv + uint(d));
@@ -669,6 +683,7 @@ void dkv_pass() {
         gv[d] = 0.0;
     }
     uint qstart = causal_on() ? (n0 / uint(BKT)) * uint(BKT) : 0u;
+    for (uint z = z0; z < z0 + p.G; ++z)  // the query heads sharing these keys, in order
     for (uint q0 = next_q(n0, qstart, p.Tq); q0 < p.Tq; q0 = next_q(n0, q0 + uint(BKT), p.Tq)) {
         load_tiles(BUF_Q, BUF_DO, z, q0, p.Tq, true);
         for (int j = 0; j < BKT; ++j) {
@@ -681,7 +696,7 @@ void dkv_pass() {
         }
     }
     if (n < p.Tk) {
-        uint ok = grow(p.off_g0, z, n), ov = grow(p.off_g1, z, n);
+        uint ok = grow(p.off_g0, z0, n), ov = grow(p.off_g1, z0, n);
         for (int d = 0; d < HD; ++d) {
             dk[ok + uint(d)] = HL_STF(TA, gk[d] * p.scale);
             dv[ov + uint(d)] = HL_STF(TA, gv[d]);

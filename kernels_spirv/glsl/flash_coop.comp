@@ -20,7 +20,8 @@
 //            scaled by row (their element-to-lane mapping is the driver's), so O lives in lanes
 //            and each step's P V goes through the scratch tile.
 //   pass 2:  S = Q K^T, dP = dO V^T  ->  dS = P * (dP - D), 16-bit;  dQ += dS K.
-//   pass 3:  S^T = K Q^T, dP^T = V dO^T  ->  P^T, dS^T, 16-bit;  dV += P^T dO, dK += dS^T Q.
+//   pass 3:  S^T = K Q^T, dP^T = V dO^T  ->  P^T, dS^T, 16-bit;  dV += P^T dO, dK += dS^T Q,
+//            over the query tiles of each of the G query heads sharing the K/V head in turn.
 // The sums dQ, dK, dV are kept in lanes like O: each row of an output belongs to one subgroup
 // and every sum runs in a fixed order, so the backward needs no atomics and reruns are
 // bit-identical.  Lane l of a subgroup of SGE lanes holds elements l, l + SGE, ... of each
@@ -98,6 +99,7 @@ layout(push_constant) uniform P {
     uint sdb; uint sdh; uint sdt;     // dO
     uint sgb; uint sgh; uint sgt;     // the pass's gradient outputs: dQ (pass 2) or dK and dV (pass 3)
     uint off_g0; uint off_g1;         // dQ | dK, dV
+    uint G;                           // query heads per K/V head (grouped-query attention; 1: as many)
 } p;
 
 layout(local_size_x_id = 0) in;
@@ -132,12 +134,18 @@ const int SH_FX = 0;
 const int SH_ST = 1;
 const int SH_PT = 2;
 
+// Rows of the operands by query head z = b * H + h, K/V head h / G (flash_attn.comp's qrow ..
+// group_z: pass 3's outputs have K's heads, and its workgroup column is a K/V head).
 uint qrow(uint z, uint t) { uint b = z / p.H; return p.off_q + b * p.sqb + (z - b * p.H) * p.sqh + t * p.sqt; }
-uint krow(uint z, uint t) { uint b = z / p.H; return p.off_k + b * p.skb + (z - b * p.H) * p.skh + t * p.skt; }
-uint vrow(uint z, uint t) { uint b = z / p.H; return p.off_v + b * p.svb + (z - b * p.H) * p.svh + t * p.svt; }
+uint krow(uint z, uint t) { uint b = z / p.H; return p.off_k + b * p.skb + (z - b * p.H) / p.G * p.skh + t * p.skt; }
+uint vrow(uint z, uint t) { uint b = z / p.H; return p.off_v + b * p.svb + (z - b * p.H) / p.G * p.svh + t * p.svt; }
 uint orow(uint z, uint t) { uint b = z / p.H; return p.off_o + b * p.sob + (z - b * p.H) * p.soh + t * p.sot; }
 uint dorow(uint z, uint t) { uint b = z / p.H; return p.off_do + b * p.sdb + (z - b * p.H) * p.sdh + t * p.sdt; }
-uint grow(uint off, uint z, uint t) { uint b = z / p.H; return off + b * p.sgb + (z - b * p.H) * p.sgh + t * p.sgt; }
+uint grow(uint off, uint z, uint t) {
+    uint b = z / p.H, h = z - b * p.H;
+    return off + b * p.sgb + (MODE == 3 ? h / p.G : h) * p.sgh + t * p.sgt;
+}
+uint group_z(uint zk) { uint hk = p.H / p.G, b = zk / hk; return b * p.H + (zk - b * hk) * p.G; }
 
 uint row_of(const int b, uint z, uint t) {
     if (b == BUF_Q) return qrow(z, t);
@@ -401,15 +409,16 @@ void dq_pass(uint z, uint r0, uint g) {
     if (R0 < p.Tq) store_rows(1, 0u, z, R0, p.Tq, p.scale, ~0u);
 }
 
-void dkv_pass(uint z, uint n0, uint g) {
+void dkv_pass(uint z0, uint n0, uint g) {
     const uint lane = gl_SubgroupInvocationID, N0 = n0 + 16u * g;
     const uint sc = g * 2u * 16u * BT, pt = g * 2u * 16u * PLD;
     float c = p.scale * LOG2E;
     zero_acc();  // result 0 dK, 1 dV
-    stage(BUF_K, SH_FX, 0u, z, n0, WR, p.Tk);
-    stage(BUF_V, SH_FX, WR, z, n0, WR, p.Tk);
+    stage(BUF_K, SH_FX, 0u, z0, n0, WR, p.Tk);
+    stage(BUF_V, SH_FX, WR, z0, n0, WR, p.Tk);
     // causal: queries before key n0 see none of this workgroup's keys
     uint qstart = causal_on() ? (n0 / BT) * BT : 0u;
+    for (uint z = z0; z < z0 + p.G; ++z)  // the query heads sharing these keys, in order
     for (uint q0 = next_q(n0, qstart, p.Tq); q0 < p.Tq; q0 = next_q(n0, q0 + BT, p.Tq)) {
         barrier();
         stage(BUF_Q, SH_ST, 0u, z, q0, BT, p.Tq);
@@ -443,13 +452,13 @@ void dkv_pass(uint z, uint n0, uint g) {
         }
     }
     if (N0 >= p.Tk) return;
-    store_rows(2, 0u, z, N0, p.Tk, p.scale, ~0u);
-    store_rows(3, 1u, z, N0, p.Tk, 1.0, ~0u);
+    store_rows(2, 0u, z0, N0, p.Tk, p.scale, ~0u);
+    store_rows(3, 1u, z0, N0, p.Tk, 1.0, ~0u);
 }
 
 void main() {
     uint z = gl_WorkGroupID.z, r0 = gl_WorkGroupID.y * WR, g = gl_SubgroupID;
     if (MODE == 0) forward_pass(z, r0, g);
     else if (MODE == 2) dq_pass(z, r0, g);
-    else dkv_pass(z, r0, g);
+    else dkv_pass(group_z(z), r0, g);
 }

@@ -421,3 +421,24 @@ def test_llama_residual_adds_ride_in_the_output_projections():
         separate = step()
     assert fused[2]["linear+residual"] == 2 * cfg.num_hidden_layers and separate[2]["linear+residual"] == 0
     assert fused[0] == separate[0] and fused[1] == separate[1]
+
+
+def test_llama_grouped_query_attention_costs_no_dispatch_more_than_one_kv_head_each():
+    """Head dim 32 (the flash kernels): a LLaMA whose two query heads share one K/V head dispatches
+    exactly what one with a K/V head each does (the kernels read the shared head in place and sum
+    its gradients themselves: no repeated K and V, no reductions), and neither copies v's gradient
+    to reach v_proj (the flash backward writes it in v's layout)."""
+    ids = _ids(T=20, seed=7)
+
+    def dispatches(kv_heads):
+        cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=kv_heads)
+        model = LlamaForCausalLM(cfg, seed=4)
+        with count_dispatches() as names:
+            _, loss = model(ids[:, :-1], ids[:, 1:])
+            loss.backward()
+        return dict(names)
+
+    gqa, mha = dispatches(1), dispatches(2)
+    assert gqa == mha
+    assert gqa["flash_attn_bwd_dkv"] == 2 and "copy" not in gqa, gqa

@@ -25,6 +25,22 @@ def empty(shape: tuple, dtype: dt.DType, rt=None, pool: str = "activations") -> 
     return Tensor(Storage(rt, n * dtype.itemsize, pool), tuple(shape), contiguous_strides(shape), 0, dtype)
 
 
+def empty_in_layout(shape: tuple, strides: tuple, dtype: dt.DType, rt=None) -> Tensor:
+    """A new tensor of ``shape`` in ``dtype`` with ``strides`` where they lay its elements out
+    densely in some order of the dims (a transposed view's: a gradient made so reaches the
+    view's base without a copy), else a contiguous one."""
+    order = sorted(range(len(shape)), key=lambda d: -strides[d])
+    dense = contiguous_strides(tuple(shape[d] for d in order))
+    if any(shape[d] > 1 and strides[d] != s for d, s in zip(order, dense)):
+        return empty(shape, dtype, rt)
+    rt = rt or get_runtime()
+    _check_dtype_supported(rt, dtype)
+    laid = [0] * len(shape)
+    for d, s in zip(order, dense):
+        laid[d] = s
+    return Tensor(Storage(rt, max(numel(shape), 1) * dtype.itemsize, "activations"), tuple(shape), tuple(laid), 0, dtype)
+
+
 def narrow_view(t: Tensor, dim: int, start: int, length: int) -> Tensor:
     """A raw (untracked) view of ``length`` indices of ``t`` from ``start`` along ``dim``: the same
     storage and strides, no copy (for launchers that cut an operand into parts)."""

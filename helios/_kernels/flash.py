@@ -11,7 +11,7 @@ from helios.errors import ShapeError
 from helios.runtime import get_runtime
 from helios.tensor import Tensor
 from helios._kernels import coopmat
-from helios._kernels.core import bind, empty, groups_for
+from helios._kernels.core import bind, empty, empty_in_layout, groups_for
 import helios._kernels as kern  # the other kernel families (bound once the package has loaded)
 
 
@@ -409,18 +409,15 @@ def flash_attn_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, g: T
             return took
         fl = _FlashLaunch(q, k, v, scale, causal, block_mask)  # the SIMT passes read K and V
     pairs = B * H * fl.pairs()
-    dq = dk = dv = None
     stats = {4: bg, 5: bl, 6: bind(dsum)[0]}
-    dq_to, dk_to, dv_to = _grad_dests(dest, q, k, v)
+    dq, dk, dv = _grads_to(dest, q, k, v, need_q, need_kv)
     if need_q:
-        dq = dq_to if dq_to is not None else empty((B, H, Tq, D), q.dtype, rt)
         b, off = bind(dq, True)
         d_work = (2 * rows * D, rows * (D * isz + 4)) if d_in_dq else (0, 0)  # O read, D stored
         fl.dispatch(_FA_DQ, Tq, {**stats, 7: b, **({3: bo, 6: bind(dsum, True)[0]} if d_in_dq else {})},
                     "flash_attn_bwd_dq", 6 * pairs * D + d_work[0], B * H * (3 * Tq + 2 * fl.key_rows()) * D * isz + d_work[1],
                     o=o_at, do=do_at, grads=(*dq._strides[:3], off, 0), d_here=d_in_dq)
     if need_kv:
-        dk, dv = (dk_to, dv_to) if dk_to is not None else (empty(k.shape, q.dtype, rt) for _ in range(2))
         (bk, ok), (bv, ov) = bind(dk, True), bind(dv, True)
         # Q and dO read per query head; K and V read, dK and dV written per K/V head
         fl.dispatch(_FA_DKV, Tk, {**stats, 8: bk, 9: bv}, "flash_attn_bwd_dkv",
@@ -462,6 +459,24 @@ def _grad_dests(dest: tuple | None, q: Tensor, k: Tensor, v: Tensor) -> tuple:
     return tuple(ok)
 
 
+def _grads_to(dest: tuple | None, q: Tensor, k: Tensor, v: Tensor, need_q: bool, need_kv: bool) -> tuple:
+    """The (dQ, dK, dV) flash_attn_bwd writes (None where not needed): ``dest``'s where _grad_dests
+    allows, else new tensors laid out as q is, and dK and dV both as v is (one pass writes them
+    with one set of strides), where those layouts are dense.  v is typically a transposed view of
+    its projection's output, whose gradient then needs no copy to reach it."""
+    def laid_as(t: Tensor, strides: tuple) -> Tensor:
+        new = empty_in_layout(t.shape, strides, t.dtype, t._st.rt)
+        return new if _fa_addressable(new) else empty(t.shape, t.dtype, t._st.rt)
+
+    dq_to, dk_to, dv_to = _grad_dests(dest, q, k, v)
+    if need_q and dq_to is None:
+        dq_to = laid_as(q, q._strides)
+    if need_kv and dk_to is None:
+        dv_to = laid_as(v, v._strides)
+        dk_to = laid_as(k, dv_to._strides)
+    return (dq_to if need_q else None), (dk_to if need_kv else None), (dv_to if need_kv else None)
+
+
 def _engine_bwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, lse: Tensor, dsum: Tensor, scale: float, causal: bool,
                 need_q: bool, need_kv: bool, block_mask: FlashBlockMask | None, dest: tuple | None,
                 o: Tensor | None = None):
@@ -469,13 +484,9 @@ def _engine_bwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, lse: Tensor, dsum: T
     None where it declines; given the forward's ``o`` instead, its dQ pass computes D into ``dsum``.
     dK and dV have K's heads (a GQA group's gradients summed in the kernel).
     ``dest``: flash_attn_bwd's (written in place where _grad_dests allows, as the SIMT kernels do)."""
-    rt = q._st.rt
     if not lse.is_contiguous():
         lse = kern.copy(lse)
-    dq_to, dk_to, dv_to = _grad_dests(dest, q, k, v)
-    dq = (dq_to if dq_to is not None else empty(q.shape, q.dtype, rt)) if need_q else None
-    dk = (dk_to if dk_to is not None else empty(k.shape, k.dtype, rt)) if need_kv else None
-    dv = (dv_to if dv_to is not None else empty(v.shape, v.dtype, rt)) if need_kv else None
+    dq, dk, dv = _grads_to(dest, q, k, v, need_q, need_kv)
     if _run_engine("bwd", (q, k, v, g), (lse, dsum), (dq, dk, dv), scale, causal, block_mask, () if o is None else (o,)):
         return dq, dk, dv
     return None

@@ -14,9 +14,8 @@ import struct
 
 from helios import dtypes as dt
 from helios import fused_kernels
-from helios._kernels.core import bind, empty, grid
-from helios._shape import contiguous_strides, numel
-from helios.tensor import Storage, Tensor
+from helios._kernels.core import bind, empty, empty_in_layout, grid
+from helios.tensor import Tensor
 
 _P_ROTARY = struct.Struct("<17I")
 F32, F16, BF16 = dt.float32, dt.float16, dt.bfloat16
@@ -38,20 +37,6 @@ def rotary_supported(x: Tensor, cos: Tensor, sin: Tensor, out_dtype: dt.DType | 
     if (x.dtype, cos.dtype, out_dtype or cos.dtype) not in _VARIANTS or x.shape[-1] < 2:
         return False
     return cos._strides[1] == 1 and sin._strides[1] == 1 and cos._strides[0] == sin._strides[0]
-
-
-def _dense_in_layout(shape: tuple, strides: tuple, dtype: dt.DType, rt) -> Tensor:
-    """A new tensor of ``shape`` in ``dtype`` with ``strides`` where they lay its elements out
-    densely in some order of the dims (a transposed view's: its gradient then reaches the view's
-    base without a copy), else a contiguous one."""
-    order = sorted(range(len(shape)), key=lambda d: -strides[d])
-    dense = contiguous_strides(tuple(shape[d] for d in order))
-    if any(shape[d] > 1 and strides[d] != s for d, s in zip(order, dense)):
-        return empty(shape, dtype, rt)
-    laid = [0] * len(shape)
-    for d, s in zip(order, dense):
-        laid[d] = s
-    return Tensor(Storage(rt, max(numel(shape), 1) * dtype.itemsize, "activations"), tuple(shape), tuple(laid), 0, dtype)
 
 
 def _launch(src: Tensor, cos: Tensor, sin: Tensor, out: Tensor, variant: str, name: str) -> Tensor:
@@ -85,6 +70,6 @@ def rotary_bwd(g: Tensor, cos: Tensor, sin: Tensor, x_dtype: dt.DType, x_strides
     if key not in _VARIANTS:
         raise ValueError(f"rotary_bwd: a {g.dtype.name} gradient for an output of {cos.dtype.name} tables "
                          f"and a {x_dtype.name} input")
-    out = _dense_in_layout(g.shape, x_strides, x_dtype, g._st.rt)
+    out = empty_in_layout(g.shape, x_strides, x_dtype, g._st.rt)
     cast = g.dtype is not cos.dtype
     return _launch(g, cos, sin, out, _VARIANTS[key] + "_bwd", "cast+rotary_bwd" if cast else "rotary_bwd")

@@ -1,7 +1,7 @@
 """Flash attention against Helios' dense attention and PyTorch CPU, in the same run; on
 ``--device cuda:N``, Helios' tensor-core flash attention against PyTorch's on the same GPU.
 
-    python bench/attention.py [--T 64 256 1024 2048] [--batch 1] [--heads 4] [--head-dim 64]
+    python bench/attention.py [--T 64 256 1024 2048] [--batch 1] [--heads 4] [--kv-heads 4] [--head-dim 64]
                               [--rounds 5] [--no-causal] [--no-memory] [--device vulkan:N] [--dtype bf16|fp16]
                               [--sparse] [--density 0.1] [--block-size 64]
                               [--dilated] [--segments 512 1024 2048] [--dilations 1 2 4] [--smoke]
@@ -29,7 +29,7 @@ Helios' activation pool (``peak_in_use_bytes``; a fresh process per path and T, 
 pool's peak only grows) and PyTorch's CPU allocator (the running total of its allocation
 events recorded by ``torch.profiler`` with ``profile_memory=True``).
 
-One JSON line per T: {"bench": "attention", "B", "H", "T", "D", "causal", "<impl>_fwd_ms",
+One JSON line per T: {"bench": "attention", "B", "H", "Hk", "T", "D", "causal", "<impl>_fwd_ms",
 "<impl>_fwd_bwd_ms", "<impl>_peak_mib", "flash_speedup_vs_<other>" (forward + backward),
 "flash_fwd_speedup_vs_<other>", ...}; a speedup is the other side's time over flash's (> 1:
 flash is faster).  A path that cannot run the shape (the dense scores of 4 heads at T = 4096
@@ -43,6 +43,10 @@ attention takes the 16-bit operands as they are (on a GPU listing cooperative ma
 ``flash_coop`` kernel).  It says where flash is worth training with on a device
 (helios.nn.modules.FLASH_MIN_TRAIN_T, measured on lavapipe in float32).  The peer stays
 PyTorch on the CPU in float32; each line has "dtype".
+
+``--kv-heads Hk`` (a divisor of --heads): k and v with Hk heads, each shared by a group of query
+heads (grouped-query attention, a LLaMA's): flash and PyTorch take them as they are
+(``enable_gqa=True``), the dense path repeats them to --heads first.
 
 ``--smoke`` (CI's seconds-long run, tests/test_bench_smoke.py; the GPU path's is below): T = 64,
 B = 1, H = 2, D = 32, causal, one round of one call per block (no block sizing), the memory
@@ -124,15 +128,19 @@ import numpy as np
 IMPLS = ("flash", "dense", "torch")
 
 
-def _inputs(B: int, H: int, T: int, D: int, seed: int = 0):
+def _inputs(B: int, H: int, T: int, D: int, seed: int = 0, Hk: int | None = None):
+    """q, k, v, upstream gradient; k and v with ``Hk`` heads (grouped-query attention), else H."""
     rng = np.random.default_rng(seed)
-    return [rng.standard_normal((B, H, T, D)).astype(np.float32) for _ in range(4)]  # q, k, v, upstream grad
+    heads = (H, Hk or H, Hk or H, H)
+    return [rng.standard_normal((B, h, T, D)).astype(np.float32) for h in heads]
 
 
 def _helios_fns(arrays, causal: bool, dtype: str | None = None):
     """(forward, forward + backward) callables of the flash and dense paths; with ``dtype``
     ("bf16" / "fp16") q, k, v and the upstream gradient in it, and the dense path under that
-    autocast, as a GPT trains (its softmax in float32, the product with v rounding it)."""
+    autocast, as a GPT trains (its softmax in float32, the product with v rounding it).  With
+    fewer K/V heads than query heads, flash takes them as they are (``enable_gqa``) and the
+    dense path repeats them first (a LLaMA's dense attention)."""
     import contextlib
 
     import helios as hl
@@ -143,13 +151,15 @@ def _helios_fns(arrays, causal: bool, dtype: str | None = None):
     q, k, v, g = (hl.tensor(a).to(low).requires_grad_(i < 3) if low else hl.tensor(a, requires_grad=i < 3)
                   for i, a in enumerate(arrays))
     scale = 1.0 / float(np.sqrt(q.shape[-1]))
+    group = q.shape[1] // k.shape[1]
 
     def flash():
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=group > 1)
 
     def dense():
+        kk, vv = (HF.repeat_interleave(t, group, dim=1) for t in (k, v)) if group > 1 else (k, v)
         with hl.autocast(low) if low else contextlib.nullcontext():
-            return HF.matmul(HF.attention_softmax(HF.matmul(q, k.mT), scale, causal=causal), v)
+            return HF.matmul(HF.attention_softmax(HF.matmul(q, kk.mT), scale, causal=causal), vv)
 
     def run(fn, backward: bool):
         return _timed_call(fn, backward, q, k, v, g)
@@ -162,13 +172,14 @@ def _torch_fns(arrays, causal: bool):
 
     q, k, v = (torch.tensor(a, requires_grad=True) for a in arrays[:3])
     g = torch.tensor(arrays[3])
+    gqa = k.shape[1] != q.shape[1]
 
     def fwd():
         with torch.no_grad():
-            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
 
     def fwd_bwd():
-        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
         o.backward(g)
         q.grad = k.grad = v.grad = None
 
@@ -183,13 +194,13 @@ def _time(fn, reps: int = 1) -> float:
     return (time.perf_counter() - t0) / reps
 
 
-def _child(impl: str, B: int, H: int, T: int, D: int, causal: bool, dtype: str | None = None) -> dict:
+def _child(impl: str, B: int, H: int, T: int, D: int, causal: bool, dtype: str | None = None, Hk: int | None = None) -> dict:
     """One forward + backward of a Helios path in this (fresh) process: the activation pool's
     peak above the inputs (the pool's peak only grows, hence a process per measurement)."""
     import helios as hl
     from helios.runtime import get_runtime
 
-    fns = _helios_fns(_inputs(B, H, T, D), causal, dtype)
+    fns = _helios_fns(_inputs(B, H, T, D, Hk=Hk), causal, dtype)
     hl.synchronize()
     pool = get_runtime().dev
     st = pool.pool_stats()["activations"]
@@ -216,9 +227,9 @@ def _timed_call(fn, backward: bool, q, k, v, g):
     return go if backward else hl.no_grad()(go)
 
 
-def _torch_peak_bytes(B: int, H: int, T: int, D: int, causal: bool) -> int:
+def _torch_peak_bytes(B: int, H: int, T: int, D: int, causal: bool, Hk: int | None = None) -> int:
     """Peak bytes PyTorch's CPU allocator held during one forward + backward (see torch_peak_bytes)."""
-    _, fwd_bwd = _torch_fns(_inputs(B, H, T, D), causal)
+    _, fwd_bwd = _torch_fns(_inputs(B, H, T, D, Hk=Hk), causal)
     fwd_bwd()  # warm-up outside the profile
     return torch_peak_bytes(fwd_bwd)
 
@@ -244,9 +255,11 @@ def torch_peak_bytes(fn) -> int:
     return max(e["Total Allocated"] for e in events) - start
 
 
-def _peak_mib(impl: str, B: int, H: int, T: int, D: int, causal: bool, dtype: str | None = None) -> float | str:
+def _peak_mib(impl: str, B: int, H: int, T: int, D: int, causal: bool, dtype: str | None = None,
+              Hk: int | None = None) -> float | str:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", impl, "--batch", str(B), "--heads", str(H),
            "--head-dim", str(D), "--T", str(T)] + ([] if causal else ["--no-causal"]) + (["--dtype", dtype] if dtype else [])
+    cmd += ["--kv-heads", str(Hk)] if Hk else []
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     if r.returncode != 0:
         return f"failed: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode}"
@@ -257,12 +270,12 @@ def _peak_mib(impl: str, B: int, H: int, T: int, D: int, causal: bool, dtype: st
 
 
 def bench_T(B: int, H: int, T: int, D: int, causal: bool, rounds: int, memory: bool, smoke: bool = False,
-            dtype: str | None = None) -> dict:
+            dtype: str | None = None, Hk: int | None = None) -> dict:
     import torch
 
     from helios import HeliosError
 
-    arrays = _inputs(B, H, T, D)
+    arrays = _inputs(B, H, T, D, Hk=Hk)
     fns = _helios_fns(arrays, causal, dtype)
     fns["torch"] = _torch_fns(arrays, causal)
     reps, failed = {}, {}
@@ -279,7 +292,7 @@ def bench_T(B: int, H: int, T: int, D: int, causal: bool, rounds: int, memory: b
     for _ in range(rounds):
         for key, n in reps.items():
             times[key].append(_time(fns[key[0]][key[1]], n))
-    res = {"bench": "attention", "dtype": dtype or "fp32", "B": B, "H": H, "T": T, "D": D, "causal": causal}
+    res = {"bench": "attention", "dtype": dtype or "fp32", "B": B, "H": H, "Hk": Hk or H, "T": T, "D": D, "causal": causal}
     for impl in IMPLS:
         if impl in failed:
             res[f"{impl}_failed"] = failed[impl]
@@ -293,8 +306,8 @@ def bench_T(B: int, H: int, T: int, D: int, causal: bool, rounds: int, memory: b
     if memory:
         for impl in ("flash", "dense"):
             if impl not in failed:
-                res[f"{impl}_peak_mib"] = _peak_mib(impl, B, H, T, D, causal, dtype)
-        res["torch_peak_mib"] = round(_torch_peak_bytes(B, H, T, D, causal) / 2**20, 2)
+                res[f"{impl}_peak_mib"] = _peak_mib(impl, B, H, T, D, causal, dtype, Hk)
+        res["torch_peak_mib"] = round(_torch_peak_bytes(B, H, T, D, causal, Hk) / 2**20, 2)
     res["torch_threads"] = torch.get_num_threads()
     res["loadavg_1m"] = round(os.getloadavg()[0], 2)  # other work on the host skews every side
     return res
@@ -636,6 +649,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="sequence lengths (default 64 256 1024 2048; cuda:N 1024 2048 4096 8192 16384)")
     ap.add_argument("--batch", type=int, default=None, help="default 1; cuda:N 16384 // T")
     ap.add_argument("--heads", type=int, default=None, help="default 4; cuda:N 2048 // head dim")
+    ap.add_argument("--kv-heads", type=int, default=None,
+                    help="key/value heads, dividing --heads (grouped-query attention; default as many as --heads)")
     ap.add_argument("--head-dim", type=int, nargs="+", default=None, help="one run each (default 64; cuda:N 64 128)")
     ap.add_argument("--rounds", type=int, default=None, help="timed rounds, the median kept (default 5; --smoke 1)")
     ap.add_argument("--causal", dest="causal", action="store_const", const=True, default=None,
@@ -661,6 +676,9 @@ def main(argv: list[str] | None = None) -> int:
                          "kernel's own choice)")
     ap.add_argument("--child", choices=("flash", "dense"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.kv_heads is not None and (args.sparse or args.dilated or (args.device or "").startswith("cuda")):
+        ap.error("--kv-heads times flash against dense attention on Vulkan devices; not with --sparse, --dilated "
+                 "or --device cuda:N")
     if args.device and args.device.startswith("cuda"):
         if args.sparse or args.dilated or args.gpu_rows or args.child:
             ap.error("--sparse, --dilated and --gpu-rows time the Vulkan kernels; not with --device cuda:N")
@@ -684,8 +702,11 @@ def main(argv: list[str] | None = None) -> int:
     args.head_dim = args.head_dim or [64]
     args.rounds = args.rounds or 5
     args.causal = True if args.causal is None else args.causal
+    if args.kv_heads is not None and (args.kv_heads < 1 or args.heads % args.kv_heads):
+        ap.error(f"--kv-heads {args.kv_heads} must divide --heads {args.heads}")
     if args.child:
-        print(json.dumps(_child(args.child, args.batch, args.heads, args.T[0], args.head_dim[0], args.causal, args.dtype)))
+        print(json.dumps(_child(args.child, args.batch, args.heads, args.T[0], args.head_dim[0], args.causal, args.dtype,
+                                args.kv_heads)))
         return 0
     from helios.runtime import get_runtime, set_device
 
@@ -713,7 +734,7 @@ def main(argv: list[str] | None = None) -> int:
             for D in args.head_dim:
                 for T in args.T:
                     res = bench_T(args.batch, args.heads, T, D, args.causal, args.rounds, args.memory, args.smoke,
-                                  args.dtype)
+                                  args.dtype, args.kv_heads)
                     print(json.dumps({**res, **common, "gpu_rows": rows}), flush=True)
     finally:
         flash._FA_GPU_WG = default_rows

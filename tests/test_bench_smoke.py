@@ -220,17 +220,21 @@ def test_benchmark_smoke_mode_runs_both_sides(script, tmp_path):
 
 @pytest.mark.vulkan
 @pytest.mark.skipif(not HAVE_TORCH, reason="bench/attention.py's peer is PyTorch, which is not installed")
-def test_attention_times_16_bit_flash_against_the_autocast_dense_path(tmp_path):
-    """``attention.py --dtype bf16``: flash on bf16 operands against the dense path under bf16
-    autocast (the GPT's), both timed, each line saying its dtype."""
-    r = subprocess.run([sys.executable, os.path.join(BENCH, "attention.py"), "--smoke", "--no-memory", "--dtype", "bf16"],
-                       capture_output=True, text=True, cwd=tmp_path, timeout=600)
+def test_attention_times_16_bit_grouped_query_flash_against_the_autocast_dense_path(tmp_path):
+    """``attention.py --dtype bf16 --kv-heads 1``: flash on bf16 operands, the two query heads sharing
+    one K/V head, against the dense path under bf16 autocast, both timed, each line saying its
+    dtype and K/V heads; flags that do not go together are one line."""
+    r = subprocess.run([sys.executable, os.path.join(BENCH, "attention.py"), "--smoke", "--no-memory", "--dtype", "bf16",
+                        "--kv-heads", "1"], capture_output=True, text=True, cwd=tmp_path, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     (row,) = [x for x in map(json.loads, (x for x in r.stdout.splitlines() if x.startswith("{"))) if x.get("bench") == "attention"]
-    assert row["dtype"] == "bf16" and _has(row, "flash_fwd_bwd_ms", "dense_fwd_bwd_ms", "flash_speedup_vs_dense"), row
-    bad = subprocess.run([sys.executable, os.path.join(BENCH, "attention.py"), "--dtype", "bf16", "--sparse"],
-                         capture_output=True, text=True, cwd=tmp_path, timeout=120)
-    assert bad.returncode == 2 and "--dtype times flash against dense attention" in bad.stderr.splitlines()[-1]
+    assert row["dtype"] == "bf16" and (row["H"], row["Hk"]) == (2, 1), row
+    assert _has(row, "flash_fwd_bwd_ms", "dense_fwd_bwd_ms", "torch_fwd_bwd_ms", "flash_speedup_vs_dense"), row
+    for argv, why in ((["--dtype", "bf16", "--sparse"], "--dtype times flash against dense attention"),
+                      (["--kv-heads", "3"], "--kv-heads 3 must divide --heads 4")):
+        bad = subprocess.run([sys.executable, os.path.join(BENCH, "attention.py"), *argv],
+                             capture_output=True, text=True, cwd=tmp_path, timeout=120)
+        assert bad.returncode == 2 and why in bad.stderr.splitlines()[-1], bad.stderr
 
 
 def _train_step_module(monkeypatch):

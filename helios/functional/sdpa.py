@@ -60,7 +60,8 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
 
     Without a mask and dropout, with q, k and v of one float dtype and a head dim E = Ev of
     32, 64 or 128, this runs the flash-attention kernel (kernels_spirv/glsl/flash_attn.comp):
-    no L x S matrix exists in the forward or the backward, memory grows with L + S.  Anything
+    no L x S matrix exists in the forward or the backward, memory grows with L + S, and with
+    ``enable_gqa`` the shared K/V heads are read in place (4-D operands).  Anything
     else (``attn_mask``, ``dropout_p`` > 0, other head dims, mixed dtypes) takes the dense
     path: scores, softmax and weights materialised as [..., L, S] tensors."""
     for t_ in (query, key, value):
@@ -81,7 +82,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
         if hq % hk:
             raise ShapeError(f"scaled_dot_product_attention: {hq} query heads are not a multiple of {hk} key/value heads")
         if attn_mask is None and dropout_p == 0.0 and query.ndim == 4 and key.ndim == value.ndim == 4 \
-                and K.flash_attn_supported(query, key, value):  # kernels that share K/V heads: no copies
+                and K.flash_attn_supported(query, key, value):  # the kernels share K/V heads: no copies
             return _FlashAttention.apply(query, key, value, s, bool(is_causal))
         key = F.repeat_interleave(key, hq // hk, dim=-3)
         value = F.repeat_interleave(value, hq // hk, dim=-3)

@@ -198,16 +198,17 @@ def _check_qkv(q, k, v, op: str, same_t: bool) -> None:
     if same_t and k.shape[2] != q.shape[2]:
         raise ShapeError(f"{op}: q and k must have the same T, got {q.shape[2]} and {k.shape[2]}")
     if not K.flash_attn_supported(q, k, v):
-        raise ShapeError(f"{op}: the flash kernel takes q, k, v of one float dtype on a Vulkan device, the same batch "
-                         f"and heads, head_dim in {K.FLASH_HEAD_DIMS}; got {q.dtype.name}/{k.dtype.name}/{v.dtype.name} "
-                         f"{q.shape}, {k.shape}, {v.shape}")
+        raise ShapeError(f"{op}: the flash kernel takes q, k, v of one float dtype on a Vulkan device, the same batch, "
+                         f"K/V heads dividing q's, head_dim in {K.FLASH_HEAD_DIMS}; got {q.dtype.name}/{k.dtype.name}/"
+                         f"{v.dtype.name} {q.shape}, {k.shape}, {v.shape}")
 
 
 # -- block-sparse attention --------------------------------------------------------------------
 def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, block_mask=None, pattern: BlockPattern | None = None,
                            block_size: int = 64, is_causal: bool = False, scale: float | None = None) -> Tensor:
     """softmax(q k^T * scale) v over the (query block, key block) pairs a block mask allows,
-    q [B, H, Tq, D], k and v [B, H, Tk, D] (D 32, 64 or 128).  Give ``block_mask``, a boolean
+    q [B, H, Tq, D], k and v [B, Hk, Tk, D] (D 32, 64 or 128; Hk dividing H: grouped-query
+    attention, query head h reading K/V head h // (H / Hk) in place).  Give ``block_mask``, a boolean
     [ceil(Tq / block_size), ceil(Tk / block_size)] array or tensor (True = computed, the last
     block row and column may be ragged), or ``pattern``, a :class:`BlockPattern`.  The mask
     is shared by every batch and head; ``is_causal`` adds key j <= query i inside the allowed
@@ -271,6 +272,9 @@ def dilated_attention(q: Tensor, k: Tensor, v: Tensor, segments, dilations, is_c
     of patterns keeping q and k in one segment (no attention where 0).  Every token must be
     kept by some pattern for every head (refused otherwise).  Differentiable in q, k, v."""
     _check_qkv(q, k, v, "dilated_attention", same_t=True)
+    if k.shape[1] != q.shape[1]:  # its head groups cut q, k and v alike
+        raise ShapeError(f"dilated_attention: k and v must have q's {q.shape[1]} heads, got {k.shape[1]} (grouped-query "
+                         "heads are not supported here: repeat them first)")
     segs, dils = [int(x) for x in segments], [int(x) for x in dilations]
     if not segs or len(segs) != len(dils):
         raise ValueError(f"dilated_attention: segments and dilations must be non-empty and of one length, "

@@ -92,7 +92,9 @@ def test_block_sparse_pattern_matches_masked_dense(name, causal):
 # The shared-memory kernel at head dim 128 is left out: on lavapipe it gives wrong dense
 # results from Tk = 248 on (tiles of 16 keys), with or without a mask, while on an NVIDIA
 # H200 the same SPIR-V matches an fp64 reference to 3e-6 at every tested shape (up to
-# Tk = 4096, workgroups of 32, 64 and 128 rows): lavapipe's miscompile, not the kernel's race.
+# Tk = 4096, workgroups of 32, 64 and 128 rows).  It is lavapipe's loop cap: an invocation's
+# loops stop after 65,535 iterations in all, and a 16-key tile costs this kernel about 4,100
+# at head dim 128 (K.flash._fa_cpu_loops, which guards the subgroup kernel lavapipe runs).
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("kernel,D,bs", [("cpu", 32, 64), ("gpu", 32, 64), ("cpu", 64, 128), ("gpu", 64, 128),
                                          ("cpu", 128, 64)])
@@ -107,6 +109,20 @@ def test_random_block_mask_both_kernels(monkeypatch, kernel, causal, D, bs):
     q, k, v, g = _operands(2, 2, T, D)
     got = _run(F.block_sparse_attention, q, k, v, g, block_mask=m, block_size=bs, is_causal=causal)
     _close(got, _ref(q, k, v, g, mask=_elements(m, bs, T, T), causal=causal), 1e-5)
+
+
+@pytest.mark.parametrize("kernel", [None, "gpu"], ids=["default", "shared-memory"])
+def test_block_sparse_grouped_query_heads(monkeypatch, kernel):
+    # 4 query heads on 2 K/V heads, read in place; dK and dV summed over each group in the kernel
+    monkeypatch.setattr(K.flash, "_FA_KERNEL", kernel)
+    T, bs = 200, 64
+    m = np.array([[1, 0, 0, 0], [1, 1, 0, 0], [0, 1, 1, 0], [1, 0, 1, 1]], dtype=bool)
+    q, _, _, g = _operands(1, 4, T, 32)
+    k, v = (RNG.standard_normal((1, 2, T, 32)).astype(np.float32) for _ in range(2))
+    got = _run(F.block_sparse_attention, q, k, v, g, block_mask=m, block_size=bs, is_causal=True)
+    want = _ref(q, np.repeat(k, 2, 1), np.repeat(v, 2, 1), g, mask=_elements(m, bs, T, T), causal=True)
+    want[2:] = [w.reshape(1, 2, 2, T, 32).sum(2) for w in want[2:]]
+    _close(got, want, 1e-5)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -288,6 +304,9 @@ def test_dilated_refusals():
         F.dilated_attention(q, k, v, segments=[64], dilations=[2])
     with pytest.raises(ValueError, match="of one length"):
         F.dilated_attention(q, k, v, segments=[64, 32], dilations=[1])
+    k2, v2 = (hl.tensor(RNG.standard_normal((1, 1, 64, 32)).astype(np.float32)) for _ in range(2))
+    with pytest.raises(hl.ShapeError, match="must have q's 2 heads, got 1"):
+        F.dilated_attention(q, k2, v2, segments=[64], dilations=[1])
     with pytest.raises(hl.ShapeError, match="head_dim in"):
         F.dilated_attention(*(hl.tensor(RNG.standard_normal((1, 2, 64, 48)).astype(np.float32)) for _ in range(3)),
                             segments=[64], dilations=[1])

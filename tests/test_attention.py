@@ -268,6 +268,17 @@ def test_flash_broadcast_and_leading_dims():
         _close(_helios(q, k, v, g), _ref(q, k, v, g), 1e-5)
 
 
+def gqa_attention(q, k, v, g, causal: bool):
+    """scaled_dot_product_attention with ``enable_gqa`` on float32 arrays, forward and backward
+    (upstream gradient ``g``): ([O, dQ, dK, dV] as float64 arrays, the kernels dispatched by name)."""
+    hq, hk, hv = (hl.tensor(x, requires_grad=True) for x in (q, k, v))
+    hg = hl.tensor(g)
+    with count_dispatches() as names:
+        o = F.scaled_dot_product_attention(hq, hk, hv, is_causal=causal, enable_gqa=True)
+        o.backward(hg)
+    return [t.numpy().astype(np.float64) for t in (o, hq.grad, hk.grad, hv.grad)], dict(names)
+
+
 # (H, Hk, T, D, causal).  On lavapipe the shared-memory kernel (a GPU's) is right only while one
 # invocation's loops stay under the CPU driver's 65,535 iterations (see _fa_cpu_loops): its
 # dK / dV pass streams every query tile of the G heads, so G x T stays small at head dim 128.
@@ -283,13 +294,8 @@ def test_flash_gqa_reads_the_shared_heads_in_place(monkeypatch, kernel, H, Hk, T
     monkeypatch.setattr(K.flash, "_FA_KERNEL", kernel)
     q, _, _, g = _operands(2, H, T, D)
     k, v = (RNG.standard_normal((2, Hk, T, D)).astype(np.float32) for _ in range(2))
-    hq, hk, hv = (hl.tensor(x, requires_grad=True) for x in (q, k, v))
-    hg = hl.tensor(g)
-    with count_dispatches() as names:
-        o = F.scaled_dot_product_attention(hq, hk, hv, is_causal=causal, enable_gqa=True)
-        o.backward(hg)
-    assert dict(names) == {"flash_attn": 1, "flash_attn_bwd_dq": 1, "flash_attn_bwd_dkv": 1}, names
-    got = [t.numpy().astype(np.float64) for t in (o, hq.grad, hk.grad, hv.grad)]
+    got, names = gqa_attention(q, k, v, g, causal)
+    assert names == {"flash_attn": 1, "flash_attn_bwd_dq": 1, "flash_attn_bwd_dkv": 1}, names
     _close(got, _ref(q, k, v, g, is_causal=causal, enable_gqa=True), 1e-5)
     G = H // Hk
     rep = _helios(q, np.repeat(k, G, 1), np.repeat(v, G, 1), g, is_causal=causal)

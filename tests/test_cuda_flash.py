@@ -193,22 +193,18 @@ def test_float32_gqa_on_cuda0_runs_the_simt_kernel_on_the_shared_heads(cuda0):
     """float32 attention on cuda:0 has no tensor-core kernel: the SIMT flash kernel (its SPIR-V
     translated to PTX) reads each group's K/V head in place and sums the group's dK, dV itself, as
     on Vulkan: no copy or reduction, values and gradients as float64 attention's."""
-    from switches import count_dispatches
+    from test_attention import gqa_attention
 
     B, H, Hk, T, D = 1, 4, 2, 20, 32
     rng = np.random.default_rng(3)
     q, do = (rng.standard_normal((B, H, T, D)).astype(np.float32) for _ in range(2))
     k, v = (rng.standard_normal((B, Hk, T, D)).astype(np.float32) for _ in range(2))
-    hq, hk, hv = (hl.tensor(x, requires_grad=True) for x in (q, k, v))
-    hdo = hl.tensor(do)
-    with count_dispatches() as names:
-        out = F.scaled_dot_product_attention(hq, hk, hv, is_causal=True, enable_gqa=True)
-        out.backward(hdo)
-    assert dict(names) == {"flash_attn": 1, "flash_attn_bwd_dq": 1, "flash_attn_bwd_dkv": 1}, names
+    got, names = gqa_attention(q, k, v, do, True)
+    assert names == {"flash_attn": 1, "flash_attn_bwd_dq": 1, "flash_attn_bwd_dkv": 1}, names
     assert not any(ok for _, ok in cuda0), cuda0  # the engine declined float32
     want = tf.reference(q, k, v, do, causal=True)
-    for name, got in (("o", out), ("dq", hq.grad), ("dk", hk.grad), ("dv", hv.grad)):
-        assert np.abs(got.numpy() - want[name]).max() <= 2e-6 * np.abs(want[name]).max(), name
+    for name, a in zip(("o", "dq", "dk", "dv"), got):
+        assert np.abs(a - want[name]).max() <= 2e-6 * np.abs(want[name]).max(), name
 
 
 @pytest.mark.vulkan

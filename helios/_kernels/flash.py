@@ -139,7 +139,8 @@ def _run_engine(pass_: str, qkvg: tuple, stats: tuple, outs: tuple, scale: float
     and, backward, dO), ``stats`` contiguous L and D, ``after`` [B, H, T, D] inputs after them (the
     backward's O), ``outs`` the outputs (None: not wanted), ``block_mask`` the blocks computed (None: all).
     Where it declines grouped-query operands (bases or strides TMA cannot read), it runs on
-    contiguous copies: tensor cores with copies beat the SIMT kernel reading them in place."""
+    contiguous copies, keeping them on tensor cores (the SIMT kernel could read them in place;
+    which is faster for such operands is not measured)."""
     q, k = qkvg[0], qkvg[1]
     rt = q._st.rt
     outs = tuple(None if t is None else _engine_operand(t) if t.ndim == 4 else _engine_out(t) for t in outs)
